@@ -1,0 +1,62 @@
+# Target helpers. One directory is one library target `kvpool_<name>` with the alias
+# `kvpool::<name>`; link only through the aliases.
+#
+#   kvpool_cc_library(NAME core SRCS ... HDRS ... DEPS ...)
+#   kvpool_cc_binary(NAME kvpool-replay SRCS ... DEPS ...)
+#   kvpool_cc_test(NAME block_pool_test SRCS ... DEPS ... LABELS unit [TIMEOUT s])
+#   kvpool_cc_bench(NAME core_bench SRCS ... DEPS ... [SMOKE_ARGS ...])
+
+function(kvpool_target_defaults target)
+  target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:${KVPOOL_CXX_WARNINGS}>)
+endfunction()
+
+function(kvpool_cc_library)
+  cmake_parse_arguments(A "" "NAME" "SRCS;HDRS;DEPS;PRIVATE_DEPS" ${ARGN})
+  set(target kvpool_${A_NAME})
+  if(A_SRCS)
+    add_library(${target} STATIC ${A_SRCS} ${A_HDRS})
+    target_include_directories(${target} PUBLIC ${PROJECT_SOURCE_DIR} ${PROJECT_BINARY_DIR})
+    target_link_libraries(${target} PUBLIC ${A_DEPS} PRIVATE ${A_PRIVATE_DEPS})
+    set_target_properties(${target} PROPERTIES POSITION_INDEPENDENT_CODE ON)
+    kvpool_target_defaults(${target})
+  else()
+    add_library(${target} INTERFACE ${A_HDRS})
+    target_include_directories(${target} INTERFACE ${PROJECT_SOURCE_DIR} ${PROJECT_BINARY_DIR})
+    target_link_libraries(${target} INTERFACE ${A_DEPS})
+  endif()
+  add_library(kvpool::${A_NAME} ALIAS ${target})
+endfunction()
+
+function(kvpool_cc_binary)
+  cmake_parse_arguments(A "" "NAME" "SRCS;DEPS" ${ARGN})
+  add_executable(${A_NAME} ${A_SRCS})
+  target_link_libraries(${A_NAME} PRIVATE ${A_DEPS})
+  kvpool_target_defaults(${A_NAME})
+endfunction()
+
+function(kvpool_cc_test)
+  cmake_parse_arguments(A "" "NAME;TIMEOUT" "SRCS;DEPS;LABELS;ARGS" ${ARGN})
+  add_executable(${A_NAME} ${A_SRCS})
+  target_link_libraries(${A_NAME} PRIVATE ${A_DEPS} GTest::gmock GTest::gtest_main)
+  kvpool_target_defaults(${A_NAME})
+  add_test(NAME ${A_NAME} COMMAND ${A_NAME} ${A_ARGS} WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+  if(NOT A_LABELS)
+    set(A_LABELS unit)
+  endif()
+  if(NOT A_TIMEOUT)
+    set(A_TIMEOUT 300)
+  endif()
+  set_tests_properties(${A_NAME} PROPERTIES LABELS "${A_LABELS}" TIMEOUT ${A_TIMEOUT})
+endfunction()
+
+# Benchmarks are not tests; each gets a ctest entry labelled `bench` that runs it in smoke mode
+# (tiny minimum time) so CI proves it still runs without spending minutes on it.
+function(kvpool_cc_bench)
+  cmake_parse_arguments(A "" "NAME" "SRCS;DEPS;SMOKE_ARGS" ${ARGN})
+  add_executable(${A_NAME} ${A_SRCS})
+  target_link_libraries(${A_NAME} PRIVATE ${A_DEPS} kvpool::bench_util)
+  kvpool_target_defaults(${A_NAME})
+  add_test(NAME ${A_NAME}_smoke COMMAND ${A_NAME} --benchmark_min_time=0.001 ${A_SMOKE_ARGS}
+           WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+  set_tests_properties(${A_NAME}_smoke PROPERTIES LABELS bench TIMEOUT 300)
+endfunction()

@@ -1,0 +1,25 @@
+# Compiler-wide settings: ccache, warnings, sanitizers.
+
+find_program(KVPOOL_CCACHE ccache)
+if(KVPOOL_CCACHE)
+  set(CMAKE_C_COMPILER_LAUNCHER "${KVPOOL_CCACHE}")
+  set(CMAKE_CXX_COMPILER_LAUNCHER "${KVPOOL_CCACHE}")
+  set(CMAKE_CUDA_COMPILER_LAUNCHER "${KVPOOL_CCACHE}")
+endif()
+
+# Warnings apply to our own targets only (kvpool_cc_* helpers), never to third-party code.
+# Designated initializers that leave defaulted fields out are idiomatic here.
+set(KVPOOL_CXX_WARNINGS -Wall -Wextra -Wno-unused-parameter -Wno-missing-field-initializers)
+if(KVPOOL_WERROR)
+  list(APPEND KVPOOL_CXX_WARNINGS -Werror)
+endif()
+
+if(KVPOOL_SANITIZER STREQUAL "asan")
+  add_compile_options(-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all)
+  add_link_options(-fsanitize=address,undefined)
+elseif(KVPOOL_SANITIZER STREQUAL "tsan")
+  add_compile_options(-fsanitize=thread -fno-omit-frame-pointer)
+  add_link_options(-fsanitize=thread)
+elseif(NOT KVPOOL_SANITIZER STREQUAL "")
+  message(FATAL_ERROR "KVPOOL_SANITIZER must be '', asan or tsan (got '${KVPOOL_SANITIZER}')")
+endif()
