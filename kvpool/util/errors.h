@@ -1,0 +1,35 @@
+#pragma once
+
+// Structured errors shared by every module. RESOURCE_EXHAUSTED always says which resource ran out
+// and the shortfall in blocks, both in the message and as a payload a caller can read back (the
+// daemon forwards it to clients).
+
+#include <cstdint>
+#include <optional>
+#include <string_view>
+
+#include "absl/status/status.h"
+#include "absl/strings/cord.h"
+
+namespace kvpool {
+
+enum class Resource : uint8_t {
+  kPoolBlocks,      // free blocks in the pool (after reclaiming and evicting what can be)
+  kNamespaceQuota,  // the namespace's block quota
+  kSessionQuota,    // the session's block quota
+  kTableBound,      // max_blocks_per_seq
+};
+
+std::string_view ResourceName(Resource resource);
+
+// RESOURCE_EXHAUSTED: "<what>: <resource> short by <shortfall> block(s)", with the payload set.
+absl::Status ResourceExhausted(Resource resource, int64_t shortfall_blocks, std::string_view what);
+
+struct Shortfall {
+  Resource resource;
+  int64_t blocks;
+};
+// The shortfall carried by a status made by ResourceExhausted(); nullopt for any other status.
+std::optional<Shortfall> GetShortfall(const absl::Status& status);
+
+}  // namespace kvpool

@@ -1,0 +1,110 @@
+#include <string>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kvpool/util/check.h"
+#include "kvpool/util/clock.h"
+#include "kvpool/util/errors.h"
+#include "kvpool/util/logging.h"
+#include "kvpool/util/status_macros.h"
+#include "kvpool/util/strong_id.h"
+
+namespace kvpool {
+namespace {
+
+absl::StatusOr<int> Half(int x) {
+  if (x % 2 != 0) return absl::InvalidArgumentError("odd");
+  return x / 2;
+}
+
+absl::StatusOr<int> Quarter(int x) {
+  KVPOOL_ASSIGN_OR_RETURN(int half, Half(x));
+  KVPOOL_ASSIGN_OR_RETURN(int quarter, Half(half));
+  return quarter;
+}
+
+absl::Status CheckEven(int x, int* calls) {
+  ++*calls;
+  KVPOOL_RETURN_IF_ERROR(Half(x).status());
+  return absl::OkStatus();
+}
+
+TEST(StatusMacrosTest, AssignOrReturnPropagatesTheFirstError) {
+  EXPECT_EQ(*Quarter(8), 2);
+  EXPECT_EQ(Quarter(6).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Quarter(3).status().message(), "odd");
+}
+
+TEST(StatusMacrosTest, ReturnIfErrorEvaluatesOnce) {
+  int calls = 0;
+  EXPECT_TRUE(CheckEven(4, &calls).ok());
+  EXPECT_EQ(CheckEven(5, &calls).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(calls, 2);
+}
+
+TEST(StrongIdTest, ComparesHashesAndPrints) {
+  const BlockId a(3), b(4);
+  EXPECT_LT(a, b);
+  EXPECT_NE(a, b);
+  EXPECT_EQ(a, BlockId(3));
+  absl::flat_hash_set<BlockId> set = {a, b, BlockId(3)};
+  EXPECT_EQ(set.size(), 2u);
+  std::ostringstream os;
+  os << SequenceId(42);
+  EXPECT_EQ(os.str(), "42");
+  static_assert(!std::is_convertible_v<int32_t, BlockId>, "ids must not convert implicitly");
+  static_assert(!std::is_convertible_v<BlockId, SequenceId>);
+}
+
+TEST(ErrorsTest, ShortfallRoundTrips) {
+  const absl::Status status = ResourceExhausted(Resource::kNamespaceQuota, 7, "grow");
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(status.message()), testing::HasSubstr("namespace quota short by 7"));
+  const std::optional<Shortfall> shortfall = GetShortfall(status);
+  ASSERT_TRUE(shortfall.has_value());
+  EXPECT_EQ(shortfall->resource, Resource::kNamespaceQuota);
+  EXPECT_EQ(shortfall->blocks, 7);
+  EXPECT_FALSE(GetShortfall(absl::ResourceExhaustedError("plain")).has_value());
+  EXPECT_FALSE(GetShortfall(absl::OkStatus()).has_value());
+}
+
+TEST(ClockTest, ManualClockMovesOnlyWhenTold) {
+  ManualClock clock(100);
+  EXPECT_EQ(clock.NowNanos(), 100);
+  clock.Advance(5);
+  EXPECT_EQ(clock.NowNanos(), 105);
+  clock.Set(7);
+  EXPECT_EQ(clock.NowNanos(), 7);
+}
+
+TEST(ClockTest, RealClockIsMonotonic) {
+  const int64_t a = Clock::Real()->NowNanos();
+  const int64_t b = Clock::Real()->NowNanos();
+  EXPECT_LE(a, b);
+}
+
+TEST(LoggingTest, NamedLoggersAndLevels) {
+  spdlog::logger& core = Logger("core");
+  EXPECT_EQ(core.name(), "kvpool.core");
+  EXPECT_EQ(&core, &Logger("core"));
+  ASSERT_TRUE(SetLogLevel("debug").ok());
+  EXPECT_EQ(core.level(), spdlog::level::debug);
+  EXPECT_EQ(Logger("later").level(), spdlog::level::debug);
+  EXPECT_EQ(SetLogLevel("loud").code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(core.level(), spdlog::level::debug);
+  ASSERT_TRUE(SetLogLevel("off").ok());
+  EXPECT_EQ(core.level(), spdlog::level::off);
+  ASSERT_TRUE(SetLogLevel("info").ok());
+}
+
+TEST(CheckDeathTest, FailedCheckAbortsWithTheCondition) {
+  const int x = 1;
+  EXPECT_DEATH(KVPOOL_CHECK_MSG(x == 2, "x was wrong"), "KVPOOL_CHECK failed: x == 2: x was wrong");
+  EXPECT_DEATH(KVPOOL_CHECK_OK(absl::InternalError("boom")), "boom");
+}
+
+}  // namespace
+}  // namespace kvpool
