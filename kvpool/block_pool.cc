@@ -1,0 +1,380 @@
+#include "kvpool/block_pool.h"
+
+#include <algorithm>
+#include <limits>
+
+#include "fmt/format.h"
+#include "kvpool/util/errors.h"
+#include "kvpool/util/logging.h"
+
+namespace kvpool {
+namespace {
+
+constexpr uint32_t kMaxRefs = std::numeric_limits<uint32_t>::max() - 1;
+constexpr size_t kMaxNamespaces = std::numeric_limits<uint16_t>::max();
+
+absl::Status NoSuchBlock(BlockId block, int32_t num_blocks) {
+  return absl::NotFoundError(
+      fmt::format("block {} does not exist (pool has {})", block.value(), num_blocks));
+}
+
+}  // namespace
+
+std::string_view BlockStateName(BlockState state) {
+  switch (state) {
+    case BlockState::kFree:
+      return "FREE";
+    case BlockState::kActive:
+      return "ACTIVE";
+    case BlockState::kCached:
+      return "CACHED";
+    case BlockState::kRetiring:
+      return "RETIRING";
+  }
+  return "?";
+}
+
+absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::Create(const BlockPoolOptions& options) {
+  if (options.num_blocks <= 0) {
+    return absl::InvalidArgumentError(
+        fmt::format("num_blocks must be > 0 (got {})", options.num_blocks));
+  }
+  if (!BlockTrace::IsValidDepth(options.trace_depth)) {
+    return absl::InvalidArgumentError(
+        fmt::format("trace_depth must be 0 or a power of two (got {})", options.trace_depth));
+  }
+  return std::unique_ptr<BlockPool>(new BlockPool(options));
+}
+
+BlockPool::BlockPool(const BlockPoolOptions& options)
+    : num_blocks_(options.num_blocks),
+      fences_(options.fences),
+      state_(num_blocks_, BlockState::kFree),
+      refs_(num_blocks_, 0),
+      generation_(num_blocks_, 0),
+      owner_(num_blocks_, 0),
+      last_use_(num_blocks_, 0),
+      cache_held_(num_blocks_, 0),
+      in_flight_(num_blocks_, 0),
+      pending_(static_cast<size_t>(num_blocks_) * kMaxTimelines, 0),
+      namespaces_{kNoNamespace},
+      active_by_ns_{0},
+      trace_(num_blocks_, options.trace_depth) {
+  free_list_.reserve(num_blocks_);
+  // Highest id at the bottom so that a fresh pool hands out 0, 1, 2, ...
+  for (int32_t b = num_blocks_ - 1; b >= 0; --b) free_list_.push_back(BlockId(b));
+}
+
+absl::StatusOr<NamespaceSlot> BlockPool::RegisterNamespace(NamespaceId ns) {
+  if (ns == kNoNamespace) return absl::InvalidArgumentError("namespace 0 is reserved");
+  if (auto it = slots_.find(ns); it != slots_.end()) return NamespaceSlot(it->second);
+  if (namespaces_.size() >= kMaxNamespaces) {
+    return absl::ResourceExhaustedError(
+        fmt::format("too many namespaces ({} registered)", kMaxNamespaces - 1));
+  }
+  const auto slot = static_cast<uint16_t>(namespaces_.size());
+  slots_.emplace(ns, slot);
+  namespaces_.push_back(ns);
+  active_by_ns_.push_back(0);
+  return NamespaceSlot(slot);
+}
+
+std::optional<NamespaceSlot> BlockPool::FindNamespace(NamespaceId ns) const {
+  if (auto it = slots_.find(ns); it != slots_.end()) return NamespaceSlot(it->second);
+  return std::nullopt;
+}
+
+int32_t BlockPool::namespaces_left() const {
+  return static_cast<int32_t>(kMaxNamespaces - namespaces_.size());
+}
+
+absl::Status BlockPool::AllocateError(int32_t n, NamespaceSlot slot) const {
+  if (n < 0) return absl::InvalidArgumentError(fmt::format("cannot allocate {} blocks", n));
+  if (slot.value() == 0 || slot.value() >= namespaces_.size()) {
+    return absl::InvalidArgumentError(fmt::format("unknown namespace slot {}", slot.value()));
+  }
+  return ResourceExhausted(Resource::kPoolBlocks, n - num_free(), "allocate");
+}
+
+absl::Status BlockPool::Retain(BlockId block, const TraceContext& ctx, std::source_location site) {
+  if (!Contains(block)) return NoSuchBlock(block, num_blocks_);
+  const size_t i = Index(block);
+  const BlockState state = state_[i];
+  if (state != BlockState::kActive && state != BlockState::kCached) {
+    return absl::FailedPreconditionError(
+        fmt::format("retain of block {} in state {}", block.value(), BlockStateName(state)));
+  }
+  if (refs_[i] >= kMaxRefs) {
+    return absl::FailedPreconditionError(
+        fmt::format("reference count of block {} would saturate", block.value()));
+  }
+  if (state == BlockState::kCached) {
+    state_[i] = BlockState::kActive;
+    --num_cached_;
+    ++active_by_ns_[owner_[i]];
+  }
+  ++refs_[i];
+  trace_.Record(block, BlockOp::kRetain, refs_[i], generation_[i], ctx, site);
+  return absl::OkStatus();
+}
+
+absl::Status BlockPool::ReleaseSlow(BlockId block, const TraceContext& ctx,
+                                    const std::source_location& site) {
+  if (!Contains(block)) return NoSuchBlock(block, num_blocks_);
+  const size_t i = Index(block);
+  if (state_[i] != BlockState::kActive) {
+    return ReportOverRelease(block, ctx, site,
+                             state_[i] == BlockState::kCached
+                                 ? "only the prefix cache's reference is left"
+                                 : "the block has no reference");
+  }
+  // A shared block lost one holder; with only the cache's reference left it becomes CACHED.
+  const uint32_t refs = --refs_[i];
+  last_use_[i] = ctx.time_ns;
+  if (refs == 1 && cache_held_[i]) {
+    state_[i] = BlockState::kCached;
+    ++num_cached_;
+    --active_by_ns_[owner_[i]];
+  }
+  trace_.Record(block, BlockOp::kRelease, refs, generation_[i], ctx, site);
+  return absl::OkStatus();
+}
+
+absl::Status BlockPool::AddCacheRef(BlockId block, const TraceContext& ctx,
+                                    std::source_location site) {
+  if (!Contains(block)) return NoSuchBlock(block, num_blocks_);
+  const size_t i = Index(block);
+  if (state_[i] != BlockState::kActive || cache_held_[i]) {
+    return absl::FailedPreconditionError(
+        fmt::format("cache reference on block {} in state {}{}", block.value(),
+                    BlockStateName(state_[i]), cache_held_[i] ? " (already cache-held)" : ""));
+  }
+  if (refs_[i] >= kMaxRefs) {
+    return absl::FailedPreconditionError(
+        fmt::format("reference count of block {} would saturate", block.value()));
+  }
+  cache_held_[i] = 1;
+  ++refs_[i];
+  trace_.Record(block, BlockOp::kCacheRef, refs_[i], generation_[i], ctx, site);
+  return absl::OkStatus();
+}
+
+absl::Status BlockPool::DropCacheRef(BlockId block, const TraceContext& ctx,
+                                     std::source_location site) {
+  if (!Contains(block)) return NoSuchBlock(block, num_blocks_);
+  const size_t i = Index(block);
+  if (!cache_held_[i]) {
+    return absl::FailedPreconditionError(
+        fmt::format("the prefix cache holds no reference on block {}", block.value()));
+  }
+  cache_held_[i] = 0;
+  const uint32_t refs = --refs_[i];
+  if (refs == 0) {
+    --num_cached_;
+    FreeOrRetire(block, ctx, site);
+  } else {
+    trace_.Record(block, BlockOp::kCacheDrop, refs, generation_[i], ctx, site);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status BlockPool::MarkInFlight(BlockId block, Fence fence, const TraceContext& ctx,
+                                     std::source_location site) {
+  if (!Contains(block)) return NoSuchBlock(block, num_blocks_);
+  if (fence.timeline >= kMaxTimelines) {
+    return absl::InvalidArgumentError(
+        fmt::format("fence timeline {} >= {}", fence.timeline, kMaxTimelines));
+  }
+  if (fences_ == nullptr) {
+    return absl::FailedPreconditionError("the pool has no FenceObserver to track device work");
+  }
+  const size_t i = Index(block);
+  if (state_[i] != BlockState::kActive && state_[i] != BlockState::kCached) {
+    return absl::FailedPreconditionError(fmt::format("device work on block {} in state {}",
+                                                     block.value(), BlockStateName(state_[i])));
+  }
+  if (fence.value == 0) return absl::OkStatus();
+  uint64_t& pending = pending_[i * kMaxTimelines + fence.timeline];
+  pending = std::max(pending, fence.value);
+  in_flight_[i] |= static_cast<uint8_t>(1u << fence.timeline);
+  trace_.Record(block, BlockOp::kInFlight, refs_[i], generation_[i], ctx, site);
+  return absl::OkStatus();
+}
+
+int32_t BlockPool::ReclaimRetired(const TraceContext& ctx, std::source_location site) {
+  int32_t reclaimed = 0;
+  size_t kept = 0;
+  for (size_t k = 0; k < retiring_.size(); ++k) {
+    const BlockId block = retiring_[k];
+    if (!FencesPassed(Index(block))) {
+      retiring_[kept++] = block;
+      continue;
+    }
+    PushFree(block);
+    trace_.Record(block, BlockOp::kReclaim, 0, generation_[Index(block)], ctx, site);
+    ++reclaimed;
+  }
+  retiring_.resize(kept);
+  return reclaimed;
+}
+
+bool BlockPool::FencesPassed(size_t i) const {
+  const uint8_t mask = in_flight_[i];
+  if (mask == 0) return true;
+  for (uint32_t t = 0; t < kMaxTimelines; ++t) {
+    if ((mask >> t & 1u) && !fences_->HasPassed(Fence{t, pending_[i * kMaxTimelines + t]})) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void BlockPool::FreeOrRetire(BlockId block, const TraceContext& ctx,
+                             const std::source_location& site) {
+  const size_t i = Index(block);
+  last_use_[i] = ctx.time_ns;
+  if (in_flight_[i] != 0 && !FencesPassed(i)) {
+    Retire(block, ctx, site);
+    return;
+  }
+  PushFree(block);
+  trace_.Record(block, BlockOp::kFree, 0, generation_[i], ctx, site);
+}
+
+void BlockPool::Retire(BlockId block, const TraceContext& ctx, const std::source_location& site) {
+  const size_t i = Index(block);
+  state_[i] = BlockState::kRetiring;
+  retiring_.push_back(block);
+  ++retired_;
+  trace_.Record(block, BlockOp::kRetire, 0, generation_[i], ctx, site);
+}
+
+void BlockPool::ClearFences(size_t i) {
+  in_flight_[i] = 0;
+  std::fill_n(pending_.begin() + static_cast<ptrdiff_t>(i * kMaxTimelines), kMaxTimelines, 0);
+}
+
+absl::Status BlockPool::ReportOverRelease(BlockId block, const TraceContext& ctx,
+                                          const std::source_location& site, std::string_view why) {
+  const size_t i = Index(block);
+  ++over_releases_;
+  trace_.Record(block, BlockOp::kOverRelease, refs_[i], generation_[i], ctx, site);
+  Logger("core").error("over-release of block {} (state {}, refs {}): {}; its history:\n{}",
+                       block.value(), BlockStateName(state_[i]), refs_[i], why,
+                       trace_.Format(block));
+  return absl::FailedPreconditionError(fmt::format("release of block {} in state {}: {}",
+                                                   block.value(), BlockStateName(state_[i]), why));
+}
+
+BlockPoolStats BlockPool::stats() const {
+  BlockPoolStats s;
+  s.num_blocks = num_blocks_;
+  s.free = num_free();
+  s.active = num_active();
+  s.cached = num_cached_;
+  s.retiring = num_retiring();
+  s.allocated = allocated_;
+  s.freed = freed_;
+  s.retired = retired_;
+  s.scrubs = scrubs_;
+  s.over_releases = over_releases_;
+  return s;
+}
+
+absl::Status BlockPool::CheckInvariants() const {
+  auto fail = [](auto&&... parts) { return absl::InternalError(fmt::format("{}", parts...)); };
+  int32_t count[4] = {0, 0, 0, 0};
+  std::vector<int32_t> active_by_ns(active_by_ns_.size(), 0);
+  for (int32_t b = 0; b < num_blocks_; ++b) {
+    const size_t i = static_cast<size_t>(b);
+    const BlockState state = state_[i];
+    ++count[static_cast<int>(state)];
+    if (owner_[i] >= namespaces_.size()) return fail("block ", b, " has unknown owner slot");
+    switch (state) {
+      case BlockState::kFree:
+      case BlockState::kRetiring:
+        if (refs_[i] != 0 || cache_held_[i]) {
+          return fail("block ", b, " is ", BlockStateName(state), " with refs ", refs_[i],
+                      cache_held_[i] ? " and a cache reference" : "");
+        }
+        if (state == BlockState::kFree && in_flight_[i] != 0) {
+          return fail("FREE block ", b, " still has fences pending");
+        }
+        break;
+      case BlockState::kActive:
+        if (refs_[i] == 0 || (refs_[i] == 1 && cache_held_[i])) {
+          return fail("ACTIVE block ", b, " has refs ", refs_[i],
+                      cache_held_[i] ? " (all of them the cache's)" : "");
+        }
+        ++active_by_ns[owner_[i]];
+        break;
+      case BlockState::kCached:
+        if (refs_[i] != 1 || !cache_held_[i]) {
+          return fail("CACHED block ", b, " has refs ", refs_[i],
+                      cache_held_[i] ? "" : " and no cache reference");
+        }
+        break;
+    }
+  }
+  if (count[0] + count[1] + count[2] + count[3] != num_blocks_) return fail("states do not sum");
+  if (count[static_cast<int>(BlockState::kCached)] != num_cached_) {
+    return fail("cached count ", num_cached_, " but ", count[static_cast<int>(BlockState::kCached)],
+                " blocks are CACHED");
+  }
+  if (active_by_ns != active_by_ns_) return fail("per-namespace active counts are stale");
+
+  // Each FREE block is on the free list exactly once and nothing else is; same for RETIRING.
+  std::vector<uint8_t> seen(num_blocks_, 0);
+  auto check_list = [&](const std::vector<BlockId>& list, BlockState want,
+                        std::string_view name) -> absl::Status {
+    if (static_cast<int32_t>(list.size()) != count[static_cast<int>(want)]) {
+      return fail(name, " has ", list.size(), " entries but ", count[static_cast<int>(want)],
+                  " blocks are ", BlockStateName(want));
+    }
+    for (BlockId block : list) {
+      if (!Contains(block)) return fail(name, " holds invalid block ", block.value());
+      if (seen[Index(block)]++) return fail("block ", block.value(), " listed twice");
+      if (state_[Index(block)] != want) {
+        return fail(name, " holds block ", block.value(), " in state ",
+                    BlockStateName(state_[Index(block)]));
+      }
+    }
+    return absl::OkStatus();
+  };
+  if (absl::Status s = check_list(free_list_, BlockState::kFree, "free list"); !s.ok()) return s;
+  if (absl::Status s = check_list(retiring_, BlockState::kRetiring, "retiring list"); !s.ok()) {
+    return s;
+  }
+  return absl::OkStatus();
+}
+
+std::string BlockPool::DebugString() const {
+  std::string out;
+  auto it = std::back_inserter(out);
+  fmt::format_to(it, "blocks={} cached={} allocated={} freed={} retired={} scrubs={} over={}\n",
+                 num_blocks_, num_cached_, allocated_, freed_, retired_, scrubs_, over_releases_);
+  for (int32_t b = 0; b < num_blocks_; ++b) {
+    const size_t i = static_cast<size_t>(b);
+    fmt::format_to(
+        it, "{}:{} refs={} gen={} owner={} cache={} inflight={} pending={}\n", b,
+        BlockStateName(state_[i]), refs_[i], generation_[i], owner_[i], cache_held_[i],
+        in_flight_[i],
+        fmt::join(pending_.begin() + static_cast<ptrdiff_t>(i * kMaxTimelines),
+                  pending_.begin() + static_cast<ptrdiff_t>((i + 1) * kMaxTimelines), ","));
+  }
+  auto ids = [](const std::vector<BlockId>& list) {
+    std::vector<int32_t> raw;
+    for (BlockId b : list) raw.push_back(b.value());
+    return raw;
+  };
+  fmt::format_to(it, "free: {}\nretiring: {}\nnamespaces:", fmt::join(ids(free_list_), " "),
+                 fmt::join(ids(retiring_), " "));
+  for (size_t s = 0; s < namespaces_.size(); ++s) {
+    fmt::format_to(it, " {}={}", namespaces_[s].value(), active_by_ns_[s]);
+  }
+  out += "\ntrace:\n";
+  for (const BlockTraceEntry& e : trace_.All()) fmt::format_to(it, "{}\n", FormatTraceEntry(e));
+  return out;
+}
+
+}  // namespace kvpool

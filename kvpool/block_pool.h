@@ -1,0 +1,289 @@
+#pragma once
+
+// BlockPool: the blocks of one KV pool as dense ids over struct-of-arrays metadata (DESIGN.md §4).
+//
+// Every block is in exactly one state:
+//   FREE      refs == 0, on the free list (exactly once)
+//   ACTIVE    refs  > 0, held by at least one sequence
+//   CACHED    refs == 1 and that one reference is the prefix cache's (evictable)
+//   RETIRING  refs == 0, released while device work touching it was in flight; it returns to the
+//             free list only once that work's fences have passed, and is never handed out before
+//
+// The free list is LIFO (a just-freed block is warm in caches). Every hand-out bumps the block's
+// generation so holders of (id, generation) can detect reuse. A release of a block with no
+// reference is refused, reported (log + trace entry) and changes nothing: counts never wrap and a
+// block never appears twice on the free list.
+//
+// The pool decides; it never touches KV memory. Hand-outs that cross namespaces are returned as
+// fills with `scrub` set, for the caller to zero before the new owner can read them.
+//
+// Thread-compatible: the owner serializes calls (the daemon holds one coarse lock).
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <source_location>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/base/optimization.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kvpool/block_trace.h"
+#include "kvpool/fence.h"
+#include "kvpool/util/strong_id.h"
+
+namespace kvpool {
+
+enum class BlockState : uint8_t { kFree, kActive, kCached, kRetiring };
+
+std::string_view BlockStateName(BlockState state);
+
+// A namespace registered with the pool, as a small dense index (0 = no namespace).
+using NamespaceSlot = StrongId<struct NamespaceSlotTag, uint16_t>;
+
+// A freshly handed-out block, to be filled by the caller before the new owner reads it.
+struct BlockFill {
+  BlockId block;
+  // The previous owner was another namespace: the block must be zeroed whatever the fill policy
+  // (DESIGN.md §4.6). Otherwise filling is optional (the policy decides).
+  bool scrub = false;
+
+  friend bool operator==(const BlockFill&, const BlockFill&) = default;
+};
+
+struct BlockPoolOptions {
+  int32_t num_blocks = 0;   // blocks in the pool; > 0
+  int32_t trace_depth = 8;  // operations remembered per block: 0 (off) or a power of 2
+  // Answers whether device work has completed. Needed only by MarkInFlight(); not owned, must
+  // outlive the pool.
+  const FenceObserver* fences = nullptr;
+};
+
+struct BlockPoolStats {
+  // Gauges, in blocks. free + active + cached + retiring == num_blocks.
+  int32_t num_blocks = 0;
+  int32_t free = 0;
+  int32_t active = 0;
+  int32_t cached = 0;
+  int32_t retiring = 0;
+  // Counters since creation.
+  uint64_t allocated = 0;      // hand-outs from the free list
+  uint64_t freed = 0;          // returns to the free list, directly or after retiring
+  uint64_t retired = 0;        // last releases that had to wait for a fence
+  uint64_t scrubs = 0;         // hand-outs that crossed namespaces (must be zeroed)
+  uint64_t over_releases = 0;  // refused releases of unreferenced blocks (caller bugs)
+};
+
+class BlockPool final {
+ public:
+  // Errors: INVALID_ARGUMENT for num_blocks <= 0 or a trace_depth that is not 0 or a power of 2.
+  static absl::StatusOr<std::unique_ptr<BlockPool>> Create(const BlockPoolOptions& options);
+
+  // Returns the slot of `ns`, registering it on first use. Idempotent.
+  // REQUIRES: ns != kNoNamespace.
+  // Errors: RESOURCE_EXHAUSTED once 65535 namespaces exist (nothing registered).
+  absl::StatusOr<NamespaceSlot> RegisterNamespace(NamespaceId ns);
+  // The slot of an already registered namespace; nullopt if it has none yet.
+  std::optional<NamespaceSlot> FindNamespace(NamespaceId ns) const;
+  // How many more namespaces can be registered.
+  int32_t namespaces_left() const;
+
+  // Hands out `n` blocks to namespace `slot`: ACTIVE, refs 1, generation bumped. Appends their
+  // ids to `out` and, when `fills` is not null, one BlockFill each (pass null when the caller will
+  // overwrite the whole block, e.g. a copy-on-write target).
+  // Errors: INVALID_ARGUMENT (n < 0, unknown slot), RESOURCE_EXHAUSTED with the shortfall when
+  // fewer than n blocks are free. On error nothing has changed.
+  // Inline: this and Release() are the pool's hot path.
+  absl::Status Allocate(int32_t n, NamespaceSlot slot, const TraceContext& ctx,
+                        std::vector<BlockId>* out, std::vector<BlockFill>* fills,
+                        std::source_location site = std::source_location::current());
+
+  // Takes one more reference. CACHED becomes ACTIVE.
+  // Errors: NOT_FOUND (no such block), FAILED_PRECONDITION (FREE or RETIRING block, or the count
+  // would saturate). On error nothing has changed.
+  absl::Status Retain(BlockId block, const TraceContext& ctx,
+                      std::source_location site = std::source_location::current());
+
+  // Drops one (non-cache) reference. At zero the block is FREE, or RETIRING while in flight; a
+  // block left with only the cache's reference becomes CACHED.
+  // Errors: NOT_FOUND; FAILED_PRECONDITION when the caller holds no reference (FREE, RETIRING,
+  // or only the cache's reference left): logged with the block's trace, recorded as
+  // OVER_RELEASE, nothing else changed.
+  absl::Status Release(BlockId block, const TraceContext& ctx,
+                       std::source_location site = std::source_location::current());
+
+  // The prefix cache takes its single reference on an ACTIVE block.
+  // Errors: NOT_FOUND; FAILED_PRECONDITION if the block is not ACTIVE or already cache-held.
+  absl::Status AddCacheRef(BlockId block, const TraceContext& ctx,
+                           std::source_location site = std::source_location::current());
+
+  // The prefix cache returns its reference (eviction). A block nobody else holds is freed (or
+  // retires).
+  // Errors: NOT_FOUND; FAILED_PRECONDITION if the cache holds no reference on it.
+  absl::Status DropCacheRef(BlockId block, const TraceContext& ctx,
+                            std::source_location site = std::source_location::current());
+
+  // Records that device work touching `block` was queued up to `fence`. The block cannot become
+  // FREE until that fence has passed.
+  // Errors: NOT_FOUND; INVALID_ARGUMENT (timeline >= kMaxTimelines); FAILED_PRECONDITION (no
+  // FenceObserver configured, or the block is FREE or RETIRING: no work may touch those).
+  absl::Status MarkInFlight(BlockId block, Fence fence, const TraceContext& ctx,
+                            std::source_location site = std::source_location::current());
+
+  // Moves every RETIRING block whose fences have passed to the free list. Returns how many.
+  int32_t ReclaimRetired(const TraceContext& ctx,
+                         std::source_location site = std::source_location::current());
+
+  // Accessors. REQUIRES: Contains(block) for the per-block ones.
+  bool Contains(BlockId block) const { return block.value() >= 0 && block.value() < num_blocks_; }
+  BlockState state(BlockId block) const { return state_[Index(block)]; }
+  uint32_t refs(BlockId block) const { return refs_[Index(block)]; }
+  uint32_t generation(BlockId block) const { return generation_[Index(block)]; }
+  bool cache_held(BlockId block) const { return cache_held_[Index(block)] != 0; }
+  int64_t last_use(BlockId block) const { return last_use_[Index(block)]; }
+  NamespaceId owner(BlockId block) const { return namespaces_[owner_[Index(block)]]; }
+  int32_t num_blocks() const { return num_blocks_; }
+  int32_t num_free() const { return static_cast<int32_t>(free_list_.size()); }
+  int32_t num_retiring() const { return static_cast<int32_t>(retiring_.size()); }
+  int32_t num_cached() const { return num_cached_; }
+  int32_t num_active() const { return num_blocks_ - num_free() - num_retiring() - num_cached_; }
+  // ACTIVE blocks whose owner is `slot` (what namespace quotas count).
+  int32_t active_blocks(NamespaceSlot slot) const { return active_by_ns_[slot.value()]; }
+  BlockPoolStats stats() const;
+  const BlockTrace& trace() const { return trace_; }
+
+  // Checks every invariant of the class comment plus the bookkeeping that backs the accessors.
+  // Returns INTERNAL naming the first violation. O(num_blocks).
+  absl::Status CheckInvariants() const;
+
+  // Every piece of state, in a canonical text form (tests compare it to prove a failed call
+  // changed nothing; operators can dump it).
+  std::string DebugString() const;
+
+ private:
+  BlockPool(const BlockPoolOptions& options);
+
+  static size_t Index(BlockId block) { return static_cast<size_t>(block.value()); }
+  bool FencesPassed(size_t i) const;
+  // The error Allocate() returns when its fast-path check fails.
+  absl::Status AllocateError(int32_t n, NamespaceSlot slot) const;
+  // Release() of anything but the last reference of an ACTIVE block.
+  absl::Status ReleaseSlow(BlockId block, const TraceContext& ctx,
+                           const std::source_location& site);
+  // Last reference gone: FREE, or RETIRING while in flight.
+  void FreeOrRetire(BlockId block, const TraceContext& ctx, const std::source_location& site);
+  void Retire(BlockId block, const TraceContext& ctx, const std::source_location& site);
+  void PushFree(BlockId block) {
+    const size_t i = Index(block);
+    if (in_flight_[i] != 0) ClearFences(i);
+    state_[i] = BlockState::kFree;
+    free_list_.push_back(block);
+    ++freed_;
+  }
+  void ClearFences(size_t i);
+  absl::Status ReportOverRelease(BlockId block, const TraceContext& ctx,
+                                 const std::source_location& site, std::string_view why);
+
+  const int32_t num_blocks_;
+  const FenceObserver* const fences_;
+
+  // Struct-of-arrays metadata, indexed by block id.
+  std::vector<BlockState> state_;
+  std::vector<uint32_t> refs_;        // includes the cache's reference
+  std::vector<uint32_t> generation_;  // bumped on every hand-out
+  std::vector<uint16_t> owner_;       // namespace slot of the last owner (0: never handed out)
+  std::vector<int64_t> last_use_;     // time of the last hand-out or release (ns, pool clock)
+  std::vector<uint8_t> cache_held_;   // 1 when one of refs_ is the prefix cache's
+  std::vector<uint8_t> in_flight_;    // bit t: pending_[.][t] holds an unfinished fence
+  std::vector<uint64_t> pending_;     // [num_blocks][kMaxTimelines] latest fence value per timeline
+
+  std::vector<BlockId> free_list_;  // LIFO
+  std::vector<BlockId> retiring_;
+  int32_t num_cached_ = 0;
+
+  absl::flat_hash_map<NamespaceId, uint16_t> slots_;
+  std::vector<NamespaceId> namespaces_;  // slot -> namespace; [0] = kNoNamespace
+  std::vector<int32_t> active_by_ns_;    // slot -> ACTIVE blocks owned
+
+  uint64_t allocated_ = 0;
+  uint64_t freed_ = 0;
+  uint64_t retired_ = 0;
+  uint64_t scrubs_ = 0;
+  uint64_t over_releases_ = 0;
+
+  BlockTrace trace_;
+};
+
+inline absl::Status BlockPool::Allocate(int32_t n, NamespaceSlot slot, const TraceContext& ctx,
+                                        std::vector<BlockId>* out, std::vector<BlockFill>* fills,
+                                        std::source_location site) {
+  const uint16_t owner = slot.value();
+  if (ABSL_PREDICT_FALSE(n < 0 || n > num_free() || owner == 0 || owner >= namespaces_.size())) {
+    return AllocateError(n, slot);
+  }
+  // Array pointers in locals: stores through the uint8_t arrays would otherwise force the
+  // compiler to reload every member after each one.
+  BlockState* const state = state_.data();
+  uint32_t* const refs = refs_.data();
+  uint32_t* const generations = generation_.data();
+  uint16_t* const owners = owner_.data();
+  int64_t* const last_use = last_use_.data();
+  const size_t top = free_list_.size();
+  const BlockId* const free_top = free_list_.data() + top;
+  uint64_t scrubs = 0;
+  for (int32_t k = 0; k < n; ++k) {
+    const BlockId block = free_top[-1 - k];
+    const size_t i = Index(block);
+    state[i] = BlockState::kActive;
+    refs[i] = 1;
+    last_use[i] = ctx.time_ns;
+    const uint32_t generation = ++generations[i];
+    const uint16_t last_owner = owners[i];
+    owners[i] = owner;
+    if (fills != nullptr) {
+      const bool scrub = last_owner != 0 && last_owner != owner;
+      scrubs += scrub;
+      fills->push_back(BlockFill{block, scrub});
+    }
+    out->push_back(block);
+    trace_.Record(block, BlockOp::kAllocate, 1, generation, ctx, site);
+  }
+  free_list_.resize(top - static_cast<size_t>(n));
+  scrubs_ += scrubs;
+  active_by_ns_[owner] += n;
+  allocated_ += static_cast<uint64_t>(n);
+  return absl::OkStatus();
+}
+
+inline absl::Status BlockPool::Release(BlockId block, const TraceContext& ctx,
+                                       std::source_location site) {
+  // Fast path: the last reference of an ACTIVE block with no device work in flight.
+  if (ABSL_PREDICT_TRUE(Contains(block))) {
+    const size_t i = Index(block);
+    if (ABSL_PREDICT_TRUE(state_[i] == BlockState::kActive && refs_[i] == 1 &&
+                          in_flight_[i] == 0)) {
+      const uint16_t owner = owner_[i];
+      const uint32_t generation = generation_[i];
+      refs_[i] = 0;
+      state_[i] = BlockState::kFree;
+      last_use_[i] = ctx.time_ns;
+      --active_by_ns_[owner];
+      free_list_.push_back(block);
+      ++freed_;
+      trace_.Record(block, BlockOp::kFree, 0, generation, ctx, site);
+      return absl::OkStatus();
+    }
+    if (state_[i] == BlockState::kActive && refs_[i] == 1) {
+      refs_[i] = 0;
+      --active_by_ns_[owner_[i]];
+      FreeOrRetire(block, ctx, site);
+      return absl::OkStatus();
+    }
+  }
+  return ReleaseSlow(block, ctx, site);
+}
+
+}  // namespace kvpool

@@ -1,0 +1,274 @@
+#include "kvpool/block_pool.h"
+
+#include <algorithm>
+#include <array>
+#include <vector>
+
+#include "absl/container/flat_hash_set.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kvpool/util/errors.h"
+
+namespace kvpool {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+// Timelines whose completed values the test moves by hand.
+class ManualFences final : public FenceObserver {
+ public:
+  bool HasPassed(Fence fence) const override { return completed_[fence.timeline] >= fence.value; }
+  void Complete(uint32_t timeline, uint64_t value) { completed_[timeline] = value; }
+
+ private:
+  std::array<uint64_t, kMaxTimelines> completed_{};
+};
+
+class BlockPoolTest : public ::testing::Test {
+ protected:
+  void Make(int32_t num_blocks, int32_t trace_depth = 8) {
+    auto pool = BlockPool::Create(
+        {.num_blocks = num_blocks, .trace_depth = trace_depth, .fences = &fences_});
+    ASSERT_TRUE(pool.ok()) << pool.status();
+    pool_ = std::move(*pool);
+    ns_a_ = *pool_->RegisterNamespace(NamespaceId(100));
+    ns_b_ = *pool_->RegisterNamespace(NamespaceId(200));
+  }
+
+  std::vector<BlockId> Alloc(int32_t n, NamespaceSlot slot,
+                             std::vector<BlockFill>* fills = nullptr) {
+    std::vector<BlockId> out;
+    std::vector<BlockFill> ignored;
+    EXPECT_TRUE(pool_->Allocate(n, slot, ctx_, &out, fills ? fills : &ignored).ok());
+    return out;
+  }
+
+  void ExpectInvariants() {
+    EXPECT_TRUE(pool_->CheckInvariants().ok()) << pool_->CheckInvariants();
+  }
+
+  ManualFences fences_;
+  std::unique_ptr<BlockPool> pool_;
+  NamespaceSlot ns_a_, ns_b_;
+  TraceContext ctx_{.session = SessionId(1), .sequence = SequenceId(9), .time_ns = 1000};
+};
+
+TEST_F(BlockPoolTest, CreateRejectsBadOptions) {
+  EXPECT_EQ(BlockPool::Create({.num_blocks = 0}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(BlockPool::Create({.num_blocks = 4, .trace_depth = -1}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(BlockPoolTest, AllocateHandsOutActiveBlocksWithFreshGenerations) {
+  Make(4);
+  const std::vector<BlockId> blocks = Alloc(3, ns_a_);
+  EXPECT_THAT(blocks, ElementsAre(BlockId(0), BlockId(1), BlockId(2)));
+  for (BlockId b : blocks) {
+    EXPECT_EQ(pool_->state(b), BlockState::kActive);
+    EXPECT_EQ(pool_->refs(b), 1u);
+    EXPECT_EQ(pool_->generation(b), 1u);
+    EXPECT_EQ(pool_->owner(b), NamespaceId(100));
+  }
+  EXPECT_EQ(pool_->num_free(), 1);
+  EXPECT_EQ(pool_->num_active(), 3);
+  EXPECT_EQ(pool_->active_blocks(ns_a_), 3);
+  ExpectInvariants();
+}
+
+TEST_F(BlockPoolTest, FreeListIsLifoAndGenerationBumpsOnEveryHandOut) {
+  Make(4);
+  const BlockId b = Alloc(1, ns_a_)[0];
+  ASSERT_TRUE(pool_->Release(b, ctx_).ok());
+  EXPECT_EQ(Alloc(1, ns_a_)[0], b);  // the warmest block comes back first
+  EXPECT_EQ(pool_->generation(b), 2u);
+  ExpectInvariants();
+}
+
+TEST_F(BlockPoolTest, ExhaustionReportsShortfallAndChangesNothing) {
+  Make(4);
+  Alloc(1, ns_a_);
+  const std::string before = pool_->DebugString();
+  std::vector<BlockId> out;
+  std::vector<BlockFill> fills;
+  const absl::Status status = pool_->Allocate(5, ns_a_, ctx_, &out, &fills);
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE(GetShortfall(status).has_value());
+  EXPECT_EQ(GetShortfall(status)->blocks, 2);
+  EXPECT_TRUE(out.empty());
+  EXPECT_TRUE(fills.empty());
+  EXPECT_EQ(pool_->DebugString(), before);
+}
+
+TEST_F(BlockPoolTest, OverReleaseIsReportedAndLeavesOneFreeListEntry) {
+  Make(4);
+  const BlockId b = Alloc(1, ns_a_)[0];
+  ASSERT_TRUE(pool_->Release(b, ctx_).ok());
+  const absl::Status status = pool_->Release(b, ctx_);
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("no reference"));
+  EXPECT_EQ(pool_->refs(b), 0u);  // not UINT32_MAX
+  EXPECT_EQ(pool_->state(b), BlockState::kFree);
+  EXPECT_EQ(pool_->stats().over_releases, 1u);
+  // The free list holds four distinct blocks: handing them all out never repeats one.
+  const std::vector<BlockId> all = Alloc(4, ns_a_);
+  EXPECT_EQ(absl::flat_hash_set<BlockId>(all.begin(), all.end()).size(), 4u);
+  EXPECT_EQ(pool_->num_free(), 0);
+  ExpectInvariants();
+  // The trace recorded the bad release, with this file as the site.
+  const std::vector<BlockTraceEntry> history = pool_->trace().History(b);
+  const auto bad = std::find_if(history.begin(), history.end(), [](const BlockTraceEntry& e) {
+    return e.op == BlockOp::kOverRelease;
+  });
+  ASSERT_NE(bad, history.end());
+  EXPECT_THAT(bad->site.file_name(), HasSubstr("block_pool_test.cc"));
+}
+
+TEST_F(BlockPoolTest, ReleaseCannotTakeTheCachesReference) {
+  Make(2);
+  const BlockId b = Alloc(1, ns_a_)[0];
+  ASSERT_TRUE(pool_->AddCacheRef(b, ctx_).ok());
+  ASSERT_TRUE(pool_->Release(b, ctx_).ok());
+  EXPECT_EQ(pool_->state(b), BlockState::kCached);
+  EXPECT_EQ(pool_->Release(b, ctx_).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(pool_->state(b), BlockState::kCached);
+  EXPECT_EQ(pool_->refs(b), 1u);
+  ExpectInvariants();
+}
+
+TEST_F(BlockPoolTest, CacheReferenceMovesBlocksBetweenActiveAndCached) {
+  Make(2);
+  const BlockId b = Alloc(1, ns_a_)[0];
+  ASSERT_TRUE(pool_->AddCacheRef(b, ctx_).ok());
+  EXPECT_EQ(pool_->AddCacheRef(b, ctx_).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(pool_->state(b), BlockState::kActive);
+  EXPECT_EQ(pool_->refs(b), 2u);
+  ASSERT_TRUE(pool_->Release(b, ctx_).ok());
+  EXPECT_EQ(pool_->state(b), BlockState::kCached);
+  EXPECT_EQ(pool_->active_blocks(ns_a_), 0);
+  ASSERT_TRUE(pool_->Retain(b, ctx_).ok());  // a prefix hit
+  EXPECT_EQ(pool_->state(b), BlockState::kActive);
+  EXPECT_EQ(pool_->active_blocks(ns_a_), 1);
+  ASSERT_TRUE(pool_->Release(b, ctx_).ok());
+  ASSERT_TRUE(pool_->DropCacheRef(b, ctx_).ok());  // eviction
+  EXPECT_EQ(pool_->state(b), BlockState::kFree);
+  EXPECT_EQ(pool_->DropCacheRef(b, ctx_).code(), absl::StatusCode::kFailedPrecondition);
+  ExpectInvariants();
+}
+
+TEST_F(BlockPoolTest, RetainOfFreeBlockFails) {
+  Make(2);
+  EXPECT_EQ(pool_->Retain(BlockId(0), ctx_).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(pool_->Retain(BlockId(7), ctx_).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(pool_->Release(BlockId(-1), ctx_).code(), absl::StatusCode::kNotFound);
+  ExpectInvariants();
+}
+
+TEST_F(BlockPoolTest, HandOutAcrossNamespacesMustBeScrubbed) {
+  Make(1);
+  std::vector<BlockFill> fills;
+  BlockId b = Alloc(1, ns_a_, &fills)[0];
+  EXPECT_THAT(fills, ElementsAre(BlockFill{b, false}));  // never owned: pristine
+  ASSERT_TRUE(pool_->Release(b, ctx_).ok());
+  fills.clear();
+  Alloc(1, ns_a_, &fills);
+  EXPECT_THAT(fills, ElementsAre(BlockFill{b, false}));  // same tenant
+  ASSERT_TRUE(pool_->Release(b, ctx_).ok());
+  fills.clear();
+  Alloc(1, ns_b_, &fills);
+  EXPECT_THAT(fills, ElementsAre(BlockFill{b, true}));  // another tenant's stale KV
+  EXPECT_EQ(pool_->stats().scrubs, 1u);
+}
+
+TEST_F(BlockPoolTest, ReleaseWhileInFlightRetiresUntilTheFencePasses) {
+  Make(2);
+  const BlockId b = Alloc(1, ns_a_)[0];
+  ASSERT_TRUE(pool_->MarkInFlight(b, Fence{1, 5}, ctx_).ok());
+  ASSERT_TRUE(pool_->MarkInFlight(b, Fence{2, 3}, ctx_).ok());
+  ASSERT_TRUE(pool_->Release(b, ctx_).ok());
+  EXPECT_EQ(pool_->state(b), BlockState::kRetiring);
+  EXPECT_EQ(pool_->num_retiring(), 1);
+  ExpectInvariants();
+
+  // The retiring block is never handed out.
+  std::vector<BlockId> out;
+  std::vector<BlockFill> fills;
+  EXPECT_EQ(pool_->Allocate(2, ns_a_, ctx_, &out, &fills).code(),
+            absl::StatusCode::kResourceExhausted);
+  fences_.Complete(1, 5);
+  EXPECT_EQ(pool_->ReclaimRetired(ctx_), 0);  // timeline 2 still owes work
+  fences_.Complete(2, 3);
+  EXPECT_EQ(pool_->ReclaimRetired(ctx_), 1);
+  EXPECT_EQ(pool_->state(b), BlockState::kFree);
+  EXPECT_EQ(pool_->stats().retired, 1u);
+  ExpectInvariants();
+
+  // Fences are forgotten once free: the next owner's release does not wait on them.
+  const BlockId again = Alloc(1, ns_a_)[0];
+  ASSERT_EQ(again, b);
+  ASSERT_TRUE(pool_->Release(again, ctx_).ok());
+  EXPECT_EQ(pool_->state(b), BlockState::kFree);
+}
+
+TEST_F(BlockPoolTest, ReleaseAfterTheFencePassedFreesAtOnce) {
+  Make(1);
+  const BlockId b = Alloc(1, ns_a_)[0];
+  ASSERT_TRUE(pool_->MarkInFlight(b, Fence{0, 1}, ctx_).ok());
+  fences_.Complete(0, 1);
+  ASSERT_TRUE(pool_->Release(b, ctx_).ok());
+  EXPECT_EQ(pool_->state(b), BlockState::kFree);
+}
+
+TEST_F(BlockPoolTest, MarkInFlightRejectsBadUse) {
+  Make(2);
+  const BlockId b = Alloc(1, ns_a_)[0];
+  EXPECT_EQ(pool_->MarkInFlight(b, Fence{kMaxTimelines, 1}, ctx_).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(pool_->MarkInFlight(BlockId(1), Fence{0, 1}, ctx_).code(),
+            absl::StatusCode::kFailedPrecondition);  // FREE: no work may touch it
+  auto no_fences = BlockPool::Create({.num_blocks = 1});
+  ASSERT_TRUE(no_fences.ok());
+  EXPECT_EQ((*no_fences)->MarkInFlight(BlockId(0), Fence{0, 1}, ctx_).code(),
+            absl::StatusCode::kFailedPrecondition);
+  ExpectInvariants();
+}
+
+TEST_F(BlockPoolTest, TraceKeepsTheLastOperationsOfEachBlock) {
+  Make(1, /*trace_depth=*/4);
+  for (int i = 0; i < 5; ++i) {
+    const BlockId b = Alloc(1, ns_a_)[0];
+    ASSERT_TRUE(pool_->Release(b, ctx_).ok());
+  }
+  const std::vector<BlockTraceEntry> history = pool_->trace().History(BlockId(0));
+  ASSERT_EQ(history.size(), 4u);
+  EXPECT_EQ(history[0].op, BlockOp::kAllocate);
+  EXPECT_EQ(history[1].op, BlockOp::kFree);
+  EXPECT_EQ(history[3].op, BlockOp::kFree);
+  EXPECT_EQ(history[3].op_seq, 10u);
+  EXPECT_EQ(history[2].generation, 5u);
+  EXPECT_EQ(history[2].session, SessionId(1));
+  EXPECT_EQ(history[2].sequence, SequenceId(9));
+  EXPECT_EQ(history[2].time_ns, 1000);
+  for (size_t i = 1; i < history.size(); ++i) EXPECT_LT(history[i - 1].op_seq, history[i].op_seq);
+  EXPECT_THAT(pool_->trace().Format(BlockId(0)), HasSubstr("block_pool_test.cc"));
+}
+
+TEST_F(BlockPoolTest, TraceDepthZeroRecordsNothing) {
+  Make(1, /*trace_depth=*/0);
+  Alloc(1, ns_a_);
+  EXPECT_TRUE(pool_->trace().History(BlockId(0)).empty());
+  EXPECT_TRUE(pool_->trace().All().empty());
+}
+
+TEST_F(BlockPoolTest, NamespacesRegisterOnce) {
+  Make(1);
+  EXPECT_EQ(*pool_->RegisterNamespace(NamespaceId(100)), ns_a_);
+  EXPECT_EQ(pool_->FindNamespace(NamespaceId(200)), ns_b_);
+  EXPECT_FALSE(pool_->FindNamespace(NamespaceId(300)).has_value());
+  EXPECT_EQ(pool_->RegisterNamespace(kNoNamespace).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace kvpool
