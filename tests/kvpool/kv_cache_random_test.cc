@@ -1,0 +1,430 @@
+// Seeded randomized test: at least 1,000,000 operations (allocate, grow, batched grow, truncate,
+// fork, free, session teardown, quota pressure, bad input) against a simple reference model.
+// After every step: CheckInvariants(), the outcome code the model predicts, table contents
+// mapped one-to-one onto the model's blocks, and the KV a simulated arena holds for every
+// sequence (so a write into a shared block, a missed copy or a missed scrub shows up as data).
+
+#include <cstdlib>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "kvpool/kv_cache_manager.h"
+
+namespace kvpool {
+namespace {
+
+constexpr int32_t kBlockSize = 4;
+constexpr int32_t kNumBlocks = 48;
+constexpr int32_t kMaxBlocksPerSeq = 10;
+constexpr SessionId kSessions[] = {SessionId(1), SessionId(2)};
+constexpr NamespaceId kNamespaces[] = {NamespaceId(11), NamespaceId(22)};
+constexpr int64_t kQuotaNs22 = 20;      // physical blocks
+constexpr int64_t kQuotaSession2 = 30;  // block references
+
+int64_t BlocksFor(int64_t tokens) { return tokens / kBlockSize + (tokens % kBlockSize ? 1 : 0); }
+
+// The reference model: sequences as lists of abstract block handles with reference counts.
+struct Model {
+  struct Seq {
+    SessionId session;
+    NamespaceId ns;
+    int64_t tokens = 0;
+    std::vector<int> handles;
+    std::vector<uint32_t> content;  // the value written at each token position
+  };
+  struct Handle {
+    int refs = 0;
+    NamespaceId ns;
+  };
+  std::map<SequenceId, Seq> seqs;
+  std::map<int, Handle> handles;
+  int next_handle = 1;
+
+  int64_t Used() const { return static_cast<int64_t>(handles.size()); }
+  int64_t ActiveIn(NamespaceId ns) const {
+    int64_t n = 0;
+    for (const auto& [h, handle] : handles) n += handle.ns == ns;
+    return n;
+  }
+  int64_t RefsOf(SessionId session) const {
+    int64_t n = 0;
+    for (const auto& [id, s] : seqs) {
+      if (s.session == session) n += static_cast<int64_t>(s.handles.size());
+    }
+    return n;
+  }
+  // The code a call needing `blocks` new blocks in `ns` and `refs` new references must get.
+  absl::StatusCode Capacity(NamespaceId ns, int64_t blocks, SessionId session, int64_t refs) const {
+    if (blocks > 0 && ns == kNamespaces[1] && ActiveIn(ns) + blocks > kQuotaNs22) {
+      return absl::StatusCode::kResourceExhausted;
+    }
+    if (refs > 0 && session == kSessions[1] && RefsOf(session) + refs > kQuotaSession2) {
+      return absl::StatusCode::kResourceExhausted;
+    }
+    if (Used() + blocks > kNumBlocks) return absl::StatusCode::kResourceExhausted;
+    return absl::StatusCode::kOk;
+  }
+  int NewHandle(NamespaceId ns) {
+    handles[next_handle] = Handle{1, ns};
+    return next_handle++;
+  }
+  void Drop(int h) {
+    if (--handles[h].refs == 0) handles.erase(h);
+  }
+};
+
+class KvCacheRandomTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto cache = KvCacheManager::Create({.block_size = kBlockSize,
+                                         .num_blocks = kNumBlocks,
+                                         .max_blocks_per_seq = kMaxBlocksPerSeq,
+                                         .trace_depth = 4,
+                                         .clock = &clock_});
+    ASSERT_TRUE(cache.ok());
+    cache_ = std::move(*cache);
+    ASSERT_TRUE(cache_->SetNamespaceQuota(kNamespaces[1], kQuotaNs22).ok());
+    ASSERT_TRUE(cache_->SetSessionQuota(kSessions[1], kQuotaSession2).ok());
+    arena_.assign(kNumBlocks * kBlockSize, 0);
+    last_owner_.assign(kNumBlocks, kNoNamespace);
+  }
+
+  uint32_t& Slot(BlockId block, int64_t token) {
+    return arena_[static_cast<size_t>(block.value()) * kBlockSize + token % kBlockSize];
+  }
+
+  // Carries out a plan the way the daemon would, checking each scrub decision against the
+  // owners this test has seen (Verify checks the pool's owners against the model's).
+  void Execute(const DevicePlan& plan) {
+    for (const BlockFill& fill : plan.fills) {
+      const NamespaceId ns = cache_->pool().owner(fill.block);
+      const NamespaceId last = last_owner_[fill.block.value()];
+      ASSERT_EQ(fill.scrub, last != kNoNamespace && last != ns) << "block " << fill.block;
+      if (fill.scrub) {
+        for (int t = 0; t < kBlockSize; ++t) Slot(fill.block, t) = 0;
+      }
+      last_owner_[fill.block.value()] = ns;
+    }
+    for (const BlockCopy& copy : plan.copies) {
+      ASSERT_EQ(cache_->pool().owner(copy.src), cache_->pool().owner(copy.dst));
+      for (int t = 0; t < kBlockSize; ++t) Slot(copy.dst, t) = Slot(copy.src, t);
+      last_owner_[copy.dst.value()] = cache_->pool().owner(copy.dst);
+    }
+  }
+
+  // Writes the model's values for tokens [from, to) of `id` through its real table.
+  void Write(SequenceId id, int64_t from) {
+    const Model::Seq& m = model_.seqs.at(id);
+    const Sequence* s = cache_->Find(id);
+    for (int64_t t = from; t < m.tokens; ++t) {
+      Slot(s->table[static_cast<size_t>(t / kBlockSize)], t) = m.content[static_cast<size_t>(t)];
+    }
+  }
+
+  // Every sequence: same length and table shape, handles map one-to-one onto blocks, and the
+  // arena holds exactly what each sequence wrote.
+  void Verify() {
+    ASSERT_EQ(cache_->stats().sequences, static_cast<int64_t>(model_.seqs.size()));
+    ASSERT_EQ(cache_->pool().num_free(), kNumBlocks - model_.Used());
+    absl::flat_hash_map<int, BlockId> block_of;
+    absl::flat_hash_map<BlockId, int> handle_of;
+    for (const auto& [id, m] : model_.seqs) {
+      const Sequence* s = cache_->Find(id);
+      ASSERT_NE(s, nullptr) << id;
+      ASSERT_EQ(s->num_tokens, m.tokens);
+      ASSERT_EQ(s->session, m.session);
+      ASSERT_EQ(s->table.size(), m.handles.size());
+      for (size_t i = 0; i < m.handles.size(); ++i) {
+        ASSERT_EQ(cache_->pool().owner(s->table[i]), m.ns);
+        auto [it, inserted] = block_of.emplace(m.handles[i], s->table[i]);
+        ASSERT_EQ(it->second, s->table[i]) << "handle " << m.handles[i] << " split across blocks";
+        auto [jt, fresh] = handle_of.emplace(s->table[i], m.handles[i]);
+        ASSERT_EQ(jt->second, m.handles[i]) << "block " << s->table[i] << " shared wrongly";
+      }
+      for (int64_t t = 0; t < m.tokens; ++t) {
+        ASSERT_EQ(Slot(s->table[static_cast<size_t>(t / kBlockSize)], t),
+                  m.content[static_cast<size_t>(t)])
+            << "sequence " << id << " token " << t << " was overwritten";
+      }
+    }
+  }
+
+  SequenceId PickSequence() {
+    if (model_.seqs.empty() || rng_() % 50 == 0) return SequenceId(1'000'000 + rng_() % 10);
+    auto it = model_.seqs.begin();
+    std::advance(it, rng_() % model_.seqs.size());
+    return it->first;
+  }
+  SessionId PickCaller(SequenceId id) {
+    auto it = model_.seqs.find(id);
+    if (it == model_.seqs.end() || rng_() % 40 == 0) return kSessions[rng_() % 2];
+    return it->second.session;
+  }
+  int64_t PickLength(int64_t current) {
+    switch (rng_() % 20) {
+      case 0:
+        return -1 - static_cast<int64_t>(rng_() % 3);
+      case 1:
+        return kMaxBlocksPerSeq * kBlockSize + 1 + static_cast<int64_t>(rng_() % 8);
+      default:
+        return current + static_cast<int64_t>(rng_() % (3 * kBlockSize)) - kBlockSize / 2;
+    }
+  }
+  // The code Owned() gives, or kOk.
+  absl::StatusCode Ownership(SessionId caller, SequenceId id) const {
+    auto it = model_.seqs.find(id);
+    if (it == model_.seqs.end()) return absl::StatusCode::kNotFound;
+    if (it->second.session != caller) return absl::StatusCode::kPermissionDenied;
+    return absl::StatusCode::kOk;
+  }
+
+  void StepAllocate() {
+    const SessionId caller = kSessions[rng_() % 2];
+    const NamespaceId ns = kNamespaces[rng_() % 2];
+    const int64_t tokens = PickLength(static_cast<int64_t>(rng_() % 12));
+    absl::StatusCode want = absl::StatusCode::kOk;
+    if (tokens < 0) {
+      want = absl::StatusCode::kInvalidArgument;
+    } else if (BlocksFor(tokens) > kMaxBlocksPerSeq) {
+      want = absl::StatusCode::kResourceExhausted;
+    } else {
+      want = model_.Capacity(ns, BlocksFor(tokens), caller, BlocksFor(tokens));
+    }
+    DevicePlan plan;
+    const absl::StatusOr<SequenceId> id = cache_->Allocate(caller, {ns, tokens}, &plan);
+    ASSERT_EQ(id.status().code(), want) << id.status();
+    if (!id.ok()) return;
+    Model::Seq& m = model_.seqs[*id];
+    m.session = caller;
+    m.ns = ns;
+    m.tokens = tokens;
+    for (int64_t b = 0; b < BlocksFor(tokens); ++b) m.handles.push_back(model_.NewHandle(ns));
+    for (int64_t t = 0; t < tokens; ++t) m.content.push_back(static_cast<uint32_t>(rng_()));
+    Execute(plan);
+    Write(*id, 0);
+  }
+
+  // Grows one or several sequences of one caller in one batch.
+  void StepGrow(int batch) {
+    std::vector<GrowRequest> requests;
+    SessionId caller = kSessions[0];
+    for (int k = 0; k < batch; ++k) {
+      const SequenceId id = PickSequence();
+      if (k == 0) caller = PickCaller(id);
+      auto it = model_.seqs.find(id);
+      requests.push_back({id, PickLength(it == model_.seqs.end() ? 0 : it->second.tokens)});
+    }
+    // Predict, walking the batch in order as the cache does.
+    absl::StatusCode want = absl::StatusCode::kOk;
+    std::map<int, int> taken;  // references copy-on-writes earlier in the batch give up
+    std::map<NamespaceId, int64_t> blocks_by_ns;
+    int64_t refs = 0;
+    std::map<SequenceId, bool> seen;
+    for (const GrowRequest& r : requests) {
+      if ((want = Ownership(caller, r.sequence)) != absl::StatusCode::kOk) break;
+      if (requests.size() > 1 && seen[r.sequence]) {
+        want = absl::StatusCode::kInvalidArgument;
+        break;
+      }
+      seen[r.sequence] = true;
+      const Model::Seq& m = model_.seqs.at(r.sequence);
+      if (r.num_tokens < 0) {
+        want = absl::StatusCode::kInvalidArgument;
+        break;
+      }
+      if (r.num_tokens <= m.tokens) continue;
+      if (BlocksFor(r.num_tokens) > kMaxBlocksPerSeq) {
+        want = absl::StatusCode::kResourceExhausted;
+        break;
+      }
+      const int64_t fresh = BlocksFor(r.num_tokens) - static_cast<int64_t>(m.handles.size());
+      int64_t cow = 0;
+      if (m.tokens % kBlockSize != 0) {
+        const int h = m.handles[static_cast<size_t>(m.tokens / kBlockSize)];
+        if (model_.handles.at(h).refs - taken[h] > 1) {
+          cow = 1;
+          ++taken[h];
+        }
+      }
+      blocks_by_ns[m.ns] += fresh + cow;
+      refs += fresh;
+    }
+    if (want == absl::StatusCode::kOk) {
+      int64_t total = 0;
+      for (const auto& [ns, n] : blocks_by_ns) {
+        if (n > 0 && ns == kNamespaces[1] && model_.ActiveIn(ns) + n > kQuotaNs22) {
+          want = absl::StatusCode::kResourceExhausted;
+        }
+        total += n;
+      }
+      if (want == absl::StatusCode::kOk) {
+        want = model_.Capacity(kNamespaces[0], total, caller, refs);
+      }
+    }
+
+    DevicePlan plan;
+    const absl::Status status = cache_->GrowBatch(caller, requests, &plan);
+    ASSERT_EQ(status.code(), want) << status;
+    if (!status.ok()) {
+      ASSERT_TRUE(plan.empty());
+      return;
+    }
+    // Apply to the model in order; then execute the plan and write the new tokens.
+    std::vector<std::pair<SequenceId, int64_t>> written;
+    for (const GrowRequest& r : requests) {
+      Model::Seq& m = model_.seqs.at(r.sequence);
+      if (r.num_tokens <= m.tokens) continue;
+      if (m.tokens % kBlockSize != 0) {
+        int& h = m.handles[static_cast<size_t>(m.tokens / kBlockSize)];
+        if (model_.handles.at(h).refs > 1) {
+          model_.Drop(h);
+          h = model_.NewHandle(m.ns);
+        }
+      }
+      while (static_cast<int64_t>(m.handles.size()) < BlocksFor(r.num_tokens)) {
+        m.handles.push_back(model_.NewHandle(m.ns));
+      }
+      written.emplace_back(r.sequence, m.tokens);
+      while (m.tokens < r.num_tokens) {
+        m.content.push_back(static_cast<uint32_t>(rng_()));
+        ++m.tokens;
+      }
+    }
+    Execute(plan);
+    for (const auto& [id, from] : written) Write(id, from);
+  }
+
+  void StepTruncate() {
+    const SequenceId id = PickSequence();
+    const SessionId caller = PickCaller(id);
+    auto it = model_.seqs.find(id);
+    const int64_t current = it == model_.seqs.end() ? 0 : it->second.tokens;
+    const int64_t tokens =
+        rng_() % 10 == 0 ? current + 1 : current - static_cast<int64_t>(rng_() % (current + 1));
+    absl::StatusCode want = Ownership(caller, id);
+    if (want == absl::StatusCode::kOk && (tokens < 0 || tokens > current)) {
+      want = absl::StatusCode::kInvalidArgument;
+    }
+    const absl::Status status = cache_->Truncate(caller, id, tokens);
+    ASSERT_EQ(status.code(), want) << status;
+    if (!status.ok()) return;
+    Model::Seq& m = it->second;
+    while (static_cast<int64_t>(m.handles.size()) > BlocksFor(tokens)) {
+      model_.Drop(m.handles.back());
+      m.handles.pop_back();
+    }
+    m.tokens = tokens;
+    m.content.resize(static_cast<size_t>(tokens));
+  }
+
+  void StepFork() {
+    const SequenceId id = PickSequence();
+    const SessionId caller = PickCaller(id);
+    absl::StatusCode want = Ownership(caller, id);
+    if (want == absl::StatusCode::kOk) {
+      const Model::Seq& m = model_.seqs.at(id);
+      const int64_t partial = m.tokens % kBlockSize != 0 ? 1 : 0;
+      want = model_.Capacity(m.ns, partial, caller, static_cast<int64_t>(m.handles.size()));
+    }
+    DevicePlan plan;
+    const absl::StatusOr<SequenceId> child = cache_->Fork(caller, id, &plan);
+    ASSERT_EQ(child.status().code(), want) << child.status();
+    if (!child.ok()) return;
+    Model::Seq copy = model_.seqs.at(id);
+    for (size_t i = 0; i < copy.handles.size(); ++i) {
+      if (i + 1 == copy.handles.size() && copy.tokens % kBlockSize != 0) {
+        copy.handles[i] = model_.NewHandle(copy.ns);
+      } else {
+        ++model_.handles.at(copy.handles[i]).refs;
+      }
+    }
+    model_.seqs[*child] = std::move(copy);
+    Execute(plan);
+  }
+
+  void StepFree() {
+    const SequenceId id = PickSequence();
+    const SessionId caller = PickCaller(id);
+    const absl::StatusCode want = Ownership(caller, id);
+    ASSERT_EQ(cache_->Free(caller, id).code(), want);
+    if (want != absl::StatusCode::kOk) return;
+    for (int h : model_.seqs.at(id).handles) model_.Drop(h);
+    model_.seqs.erase(id);
+  }
+
+  void StepFreeSession() {
+    const SessionId session = kSessions[rng_() % 2];
+    int64_t expected = 0;
+    for (auto it = model_.seqs.begin(); it != model_.seqs.end();) {
+      if (it->second.session != session) {
+        ++it;
+        continue;
+      }
+      for (int h : it->second.handles) model_.Drop(h);
+      it = model_.seqs.erase(it);
+      ++expected;
+    }
+    ASSERT_EQ(cache_->FreeSession(session), expected);
+    // FreeSession forgets the session's quota; the model assumes it stays.
+    ASSERT_TRUE(cache_->SetSessionQuota(kSessions[1], kQuotaSession2).ok());
+  }
+
+  ManualClock clock_;
+  std::unique_ptr<KvCacheManager> cache_;
+  Model model_;
+  std::vector<uint32_t> arena_;
+  std::vector<NamespaceId> last_owner_;
+  std::mt19937_64 rng_{20261129};
+};
+
+TEST_F(KvCacheRandomTest, MillionOperationsAgreeWithTheModel) {
+  int64_t ops = 1'000'000;
+  if (const char* env = std::getenv("KVPOOL_RANDOM_OPS")) ops = std::atoll(env);
+  std::map<std::string, int64_t> outcomes;
+  for (int64_t step = 0; step < ops; ++step) {
+    clock_.Advance(1);
+    const uint64_t dice = rng_() % 1000;
+    // Keep the population near the pool's size so exhaustion and quotas come up often.
+    const bool crowded = model_.seqs.size() > 14;
+    if (dice < (crowded ? 60 : 170)) {
+      StepAllocate();
+    } else if (dice < 520) {
+      StepGrow(1);
+    } else if (dice < 620) {
+      StepGrow(2 + static_cast<int>(rng_() % 3));
+    } else if (dice < 760) {
+      StepTruncate();
+    } else if (dice < 860) {
+      StepFork();
+    } else if (dice < 998) {
+      StepFree();
+    } else {
+      StepFreeSession();
+    }
+    if (HasFatalFailure()) FAIL() << "at step " << step;
+    const absl::Status invariants = cache_->CheckInvariants();
+    ASSERT_TRUE(invariants.ok()) << "at step " << step << ": " << invariants;
+    Verify();
+    if (HasFatalFailure()) FAIL() << "at step " << step;
+  }
+  const KvCacheStats s = cache_->stats();
+  // The run must have exercised what it claims to (a tenth of these at 1M operations).
+  const uint64_t n = static_cast<uint64_t>(ops);
+  EXPECT_GT(s.exhausted, n / 1000);
+  EXPECT_GT(s.cow_copies, n / 1000);
+  EXPECT_GT(s.pool.scrubs, n / 1000);
+  EXPECT_GT(s.fork_calls, n / 20);
+  std::printf("ops=%lld allocated=%llu exhausted=%llu cow=%llu scrubs=%llu\n",
+              static_cast<long long>(ops), static_cast<unsigned long long>(s.pool.allocated),
+              static_cast<unsigned long long>(s.exhausted),
+              static_cast<unsigned long long>(s.cow_copies),
+              static_cast<unsigned long long>(s.pool.scrubs));
+}
+
+}  // namespace
+}  // namespace kvpool
