@@ -1,0 +1,236 @@
+// Core bookkeeping costs beside bare std::vector<int32_t> work measured in the same run.
+//
+//   build/release/bench/core_bench --benchmark_repetitions=5
+//
+// Each kvpool benchmark has a baseline doing the same job with no bookkeeping: a free list as a
+// bare vector stack, tables as bare vectors. The block trace stays on (depth 8), as in production.
+
+#include <vector>
+
+#include "bench/ratio_reporter.h"
+#include "benchmark/benchmark.h"
+#include "kvpool/block_pool.h"
+#include "kvpool/kv_cache_manager.h"
+#include "kvpool/util/check.h"
+
+namespace kvpool {
+namespace {
+
+constexpr int32_t kBlockSize = 16;
+constexpr int32_t kNumBlocks = 1 << 16;
+constexpr int kSequences = 256;
+constexpr int64_t kMaxTokens = 1024;  // sequences grow to this, then rewind to 0
+
+std::unique_ptr<KvCacheManager> MakeCache() {
+  auto cache = KvCacheManager::Create({.block_size = kBlockSize,
+                                       .num_blocks = kNumBlocks,
+                                       .max_blocks_per_seq = kMaxTokens / kBlockSize});
+  KVPOOL_CHECK_OK(cache.status());
+  return std::move(*cache);
+}
+
+// --- allocate + free of one block -------------------------------------------------------------
+
+void BM_PoolAllocateFree(benchmark::State& state) {
+  auto pool = BlockPool::Create({.num_blocks = 1024});
+  KVPOOL_CHECK_OK(pool.status());
+  const NamespaceSlot ns = *(*pool)->RegisterNamespace(NamespaceId(1));
+  // One clock reading per API call is the manager's job; the pool records what it is given.
+  const TraceContext ctx{.session = SessionId(1), .sequence = SequenceId(1), .time_ns = 42};
+  std::vector<BlockId> out;
+  std::vector<BlockFill> fills;
+  out.reserve(1);
+  fills.reserve(1);
+  for (auto _ : state) {
+    out.clear();
+    fills.clear();
+    (void)(*pool)->Allocate(1, ns, ctx, &out, &fills);
+    benchmark::DoNotOptimize(out.data());
+    (void)(*pool)->Release(out[0], ctx);
+  }
+  KVPOOL_CHECK_OK((*pool)->CheckInvariants());
+}
+BENCHMARK(BM_PoolAllocateFree);
+
+// The same job with nothing but two vectors: pop an id off a free stack onto a table, then back.
+void BM_VectorPushPop(benchmark::State& state) {
+  std::vector<int32_t> free_list;
+  for (int32_t b = 1023; b >= 0; --b) free_list.push_back(b);
+  std::vector<int32_t> table;
+  table.reserve(1);
+  for (auto _ : state) {
+    table.push_back(free_list.back());
+    free_list.pop_back();
+    benchmark::DoNotOptimize(table.data());
+    free_list.push_back(table.back());
+    table.pop_back();
+    benchmark::ClobberMemory();
+  }
+}
+BENCHMARK(BM_VectorPushPop);
+
+// Steady state: 512 blocks held in FIFO order, each iteration allocates one and frees the oldest,
+// so consecutive operations touch different blocks (as a busy pool does) instead of re-handing
+// the same one.
+constexpr int kHeld = 512;
+
+void BM_PoolAllocateFreeSteady(benchmark::State& state) {
+  auto pool = BlockPool::Create({.num_blocks = 1024});
+  KVPOOL_CHECK_OK(pool.status());
+  const NamespaceSlot ns = *(*pool)->RegisterNamespace(NamespaceId(1));
+  const TraceContext ctx{.session = SessionId(1), .sequence = SequenceId(1), .time_ns = 42};
+  std::vector<BlockId> ring;
+  std::vector<BlockFill> fills;
+  KVPOOL_CHECK_OK((*pool)->Allocate(kHeld, ns, ctx, &ring, &fills));
+  std::vector<BlockId> out;
+  out.reserve(1);
+  size_t head = 0;
+  for (auto _ : state) {
+    out.clear();
+    fills.clear();
+    (void)(*pool)->Allocate(1, ns, ctx, &out, &fills);
+    (void)(*pool)->Release(ring[head], ctx);
+    ring[head] = out[0];
+    head = (head + 1) % kHeld;
+  }
+  KVPOOL_CHECK_OK((*pool)->CheckInvariants());
+}
+BENCHMARK(BM_PoolAllocateFreeSteady);
+
+void BM_VectorPushPopSteady(benchmark::State& state) {
+  std::vector<int32_t> free_list;
+  for (int32_t b = 1023; b >= 0; --b) free_list.push_back(b);
+  std::vector<int32_t> ring;
+  for (int k = 0; k < kHeld; ++k) {
+    ring.push_back(free_list.back());
+    free_list.pop_back();
+  }
+  size_t head = 0;
+  for (auto _ : state) {
+    const int32_t b = free_list.back();
+    free_list.pop_back();
+    free_list.push_back(ring[head]);
+    ring[head] = b;
+    head = (head + 1) % kHeld;
+    benchmark::ClobberMemory();
+  }
+}
+BENCHMARK(BM_VectorPushPopSteady);
+
+// --- one sequence: allocate (one block) + free through the manager -----------------------------
+
+void BM_SequenceAllocateFree(benchmark::State& state) {
+  auto cache = MakeCache();
+  DevicePlan plan;
+  for (auto _ : state) {
+    plan.fills.clear();
+    const absl::StatusOr<SequenceId> id =
+        cache->Allocate(SessionId(1), {NamespaceId(1), kBlockSize}, &plan);
+    (void)cache->Free(SessionId(1), *id);
+  }
+}
+BENCHMARK(BM_SequenceAllocateFree);
+
+// --- grow by one token across 256 sequences, one batch ----------------------------------------
+
+void BM_GrowBatch256(benchmark::State& state) {
+  auto cache = MakeCache();
+  std::vector<GrowRequest> step;
+  DevicePlan plan;
+  for (int s = 0; s < kSequences; ++s) {
+    step.push_back({*cache->Allocate(SessionId(1), {NamespaceId(1), 0}, &plan), 0});
+  }
+  int64_t tokens = 0;
+  for (auto _ : state) {
+    if (tokens == kMaxTokens) {
+      for (const GrowRequest& r : step) (void)cache->Truncate(SessionId(1), r.sequence, 0);
+      tokens = 0;
+    }
+    ++tokens;
+    for (GrowRequest& r : step) r.num_tokens = tokens;
+    plan.fills.clear();
+    KVPOOL_CHECK_OK(cache->GrowBatch(SessionId(1), step, &plan));
+  }
+  state.SetItemsProcessed(state.iterations() * kSequences);
+}
+BENCHMARK(BM_GrowBatch256);
+
+void BM_GrowBatch256_Vectors(benchmark::State& state) {
+  std::vector<int32_t> free_list;
+  for (int32_t b = kNumBlocks - 1; b >= 0; --b) free_list.push_back(b);
+  std::vector<std::vector<int32_t>> tables(kSequences);
+  std::vector<int64_t> lengths(kSequences, 0);
+  int64_t tokens = 0;
+  for (auto _ : state) {
+    if (tokens == kMaxTokens) {
+      for (auto& table : tables) {
+        while (!table.empty()) {
+          free_list.push_back(table.back());
+          table.pop_back();
+        }
+      }
+      std::fill(lengths.begin(), lengths.end(), 0);
+      tokens = 0;
+    }
+    ++tokens;
+    for (int s = 0; s < kSequences; ++s) {
+      if (lengths[s]++ % kBlockSize == 0) {
+        tables[s].push_back(free_list.back());
+        free_list.pop_back();
+      }
+    }
+    benchmark::ClobberMemory();
+  }
+  state.SetItemsProcessed(state.iterations() * kSequences);
+}
+BENCHMARK(BM_GrowBatch256_Vectors);
+
+// --- fork + free of a 1000-token sequence (62 shared blocks + a copied partial one) -------------
+
+void BM_ForkFree(benchmark::State& state) {
+  auto cache = MakeCache();
+  DevicePlan plan;
+  const SequenceId parent = *cache->Allocate(SessionId(1), {NamespaceId(1), 1000}, &plan);
+  for (auto _ : state) {
+    plan.copies.clear();
+    const absl::StatusOr<SequenceId> child = cache->Fork(SessionId(1), parent, &plan);
+    (void)cache->Free(SessionId(1), *child);
+  }
+}
+BENCHMARK(BM_ForkFree);
+
+void BM_ForkFree_Vectors(benchmark::State& state) {
+  std::vector<int32_t> free_list;
+  for (int32_t b = 1023; b >= 0; --b) free_list.push_back(b);
+  std::vector<int32_t> parent;
+  for (int i = 0; i < 63; ++i) {
+    parent.push_back(free_list.back());
+    free_list.pop_back();
+  }
+  std::vector<int32_t> child;
+  for (auto _ : state) {
+    for (int i = 0; i < 62; ++i) child.push_back(parent[i]);
+    child.push_back(free_list.back());  // the copied partial block
+    free_list.pop_back();
+    free_list.push_back(child.back());
+    while (!child.empty()) child.pop_back();
+    benchmark::ClobberMemory();
+  }
+}
+BENCHMARK(BM_ForkFree_Vectors);
+
+}  // namespace
+}  // namespace kvpool
+
+int main(int argc, char** argv) {
+  return kvpool::bench::RunWithRatios(
+      argc, argv,
+      {
+          {"allocate+free one block (BlockPool)", "BM_PoolAllocateFree", "BM_VectorPushPop", 0.3},
+          {"allocate+free, 512 held, FIFO (BlockPool)", "BM_PoolAllocateFreeSteady",
+           "BM_VectorPushPopSteady", 0.3},
+          {"allocate+free one sequence (manager)", "BM_SequenceAllocateFree", "BM_VectorPushPop"},
+          {"grow 1 token x 256 sequences, one batch", "BM_GrowBatch256", "BM_GrowBatch256_Vectors"},
+          {"fork+free, 1000 tokens", "BM_ForkFree", "BM_ForkFree_Vectors"},
+      });
+}

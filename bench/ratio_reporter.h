@@ -1,0 +1,25 @@
+#pragma once
+
+// Runs the registered Google Benchmarks and then prints, for each declared pair, our time beside
+// a baseline measured in the same run and the throughput ratio (baseline time / our time). With
+// --benchmark_repetitions=N the best repetition of each counts (the least disturbed on a shared
+// machine).
+
+#include <string>
+#include <vector>
+
+namespace kvpool::bench {
+
+struct RatioPair {
+  std::string label;     // what is compared, e.g. "allocate+free one block"
+  std::string ours;      // benchmark name, e.g. "BM_PoolAllocateFree"
+  std::string baseline;  // benchmark name of the baseline
+  double target = 0;     // minimum acceptable ratio; 0 when the issue sets none
+};
+
+// Call from main() instead of BENCHMARK_MAIN(). Returns the process exit code: non-zero when
+// flags are bad or a pair's benchmark did not run (a ratio below its target is reported, not
+// failed: the machine is shared and timings are not tests).
+int RunWithRatios(int argc, char** argv, const std::vector<RatioPair>& pairs);
+
+}  // namespace kvpool::bench
