@@ -124,9 +124,9 @@ void BM_SequenceAllocateFree(benchmark::State& state) {
   DevicePlan plan;
   for (auto _ : state) {
     plan.fills.clear();
-    const absl::StatusOr<SequenceId> id =
+    const absl::StatusOr<AllocateResult> r =
         cache->Allocate(SessionId(1), {NamespaceId(1), kBlockSize}, &plan);
-    (void)cache->Free(SessionId(1), *id);
+    (void)cache->Free(SessionId(1), r->sequence);
   }
 }
 BENCHMARK(BM_SequenceAllocateFree);
@@ -138,7 +138,7 @@ void BM_GrowBatch256(benchmark::State& state) {
   std::vector<GrowRequest> step;
   DevicePlan plan;
   for (int s = 0; s < kSequences; ++s) {
-    step.push_back({*cache->Allocate(SessionId(1), {NamespaceId(1), 0}, &plan), 0});
+    step.push_back({cache->Allocate(SessionId(1), {NamespaceId(1), 0}, &plan)->sequence, 0});
   }
   int64_t tokens = 0;
   for (auto _ : state) {
@@ -190,7 +190,7 @@ BENCHMARK(BM_GrowBatch256_Vectors);
 void BM_ForkFree(benchmark::State& state) {
   auto cache = MakeCache();
   DevicePlan plan;
-  const SequenceId parent = *cache->Allocate(SessionId(1), {NamespaceId(1), 1000}, &plan);
+  const SequenceId parent = cache->Allocate(SessionId(1), {NamespaceId(1), 1000}, &plan)->sequence;
   for (auto _ : state) {
     plan.copies.clear();
     const absl::StatusOr<SequenceId> child = cache->Fork(SessionId(1), parent, &plan);

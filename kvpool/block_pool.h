@@ -137,6 +137,10 @@ class BlockPool final {
   int32_t ReclaimRetired(const TraceContext& ctx,
                          std::source_location site = std::source_location::current());
 
+  // True when no device work recorded on `block` is still pending (it could be freed now).
+  // REQUIRES: Contains(block).
+  bool FencesPassed(BlockId block) const { return FencesPassed(Index(block)); }
+
   // Accessors. REQUIRES: Contains(block) for the per-block ones.
   bool Contains(BlockId block) const { return block.value() >= 0 && block.value() < num_blocks_; }
   BlockState state(BlockId block) const { return state_[Index(block)]; }

@@ -43,14 +43,25 @@ absl::StatusOr<std::unique_ptr<KvCacheManager>> KvCacheManager::Create(
                           BlockPool::Create(BlockPoolOptions{.num_blocks = options.num_blocks,
                                                              .trace_depth = options.trace_depth,
                                                              .fences = options.fences}));
-  return std::unique_ptr<KvCacheManager>(new KvCacheManager(options, std::move(pool)));
+  std::unique_ptr<PrefixCache> cache;
+  if (options.prefix_cache) {
+    KVPOOL_ASSIGN_OR_RETURN(cache, PrefixCache::Create({.block_size = options.block_size,
+                                                        .epoch = options.epoch,
+                                                        .event_capacity = options.event_capacity,
+                                                        .policy = options.eviction_policy},
+                                                       pool.get()));
+  }
+  return std::unique_ptr<KvCacheManager>(
+      new KvCacheManager(options, std::move(pool), std::move(cache)));
 }
 
-KvCacheManager::KvCacheManager(const KvCacheOptions& options, std::unique_ptr<BlockPool> pool)
+KvCacheManager::KvCacheManager(const KvCacheOptions& options, std::unique_ptr<BlockPool> pool,
+                               std::unique_ptr<PrefixCache> cache)
     : block_size_(options.block_size),
       max_blocks_per_seq_(options.max_blocks_per_seq),
       clock_(options.clock),
       pool_(std::move(pool)),
+      cache_(std::move(cache)),
       ns_quota_{kUnlimited} {}
 
 absl::Status KvCacheManager::SetNamespaceQuota(NamespaceId ns, int64_t max_blocks) {
@@ -88,8 +99,30 @@ absl::Status KvCacheManager::CountExhausted(absl::Status status) {
   return status;
 }
 
-absl::Status KvCacheManager::PlanGrow(Sequence* sequence, int64_t num_tokens,
-                                      std::vector<std::pair<BlockId, uint32_t>>* cow_taken,
+void KvCacheManager::RetainBlock(BlockId block, const TraceContext& ctx) {
+  KVPOOL_CHECK_OK(pool_->Retain(block, ctx));
+  if (cache_) cache_->OnBlockRefsChanged(block);
+}
+
+void KvCacheManager::ReleaseBlock(BlockId block, const TraceContext& ctx) {
+  KVPOOL_CHECK_OK(pool_->Release(block, ctx));
+  if (cache_) cache_->OnBlockRefsChanged(block);
+}
+
+bool KvCacheManager::MustCopy(BlockId block, int32_t slot, uint32_t other_holders) const {
+  if (other_holders > 0) return true;
+  return cache_ && pool_->cache_held(block) && slot < cache_->CoverageOf(block);
+}
+
+uint32_t KvCacheManager::Claim(WriteClaims* claims, BlockId block) {
+  for (auto& [b, n] : *claims) {
+    if (b == block) return n++;
+  }
+  claims->emplace_back(block, 1);
+  return 0;
+}
+
+absl::Status KvCacheManager::PlanGrow(Sequence* sequence, int64_t num_tokens, WriteClaims* claims,
                                       GrowPlan* plan) const {
   if (num_tokens < 0) {
     return absl::InvalidArgumentError(fmt::format("negative token count {}", num_tokens));
@@ -104,16 +137,17 @@ absl::Status KvCacheManager::PlanGrow(Sequence* sequence, int64_t num_tokens,
   }
   plan->new_blocks = static_cast<int32_t>(need - static_cast<int64_t>(sequence->table.size()));
   // The first token written lands in the existing last block when the sequence ends inside it.
-  if (sequence->num_tokens % block_size_ != 0) {
+  const int32_t slot = static_cast<int32_t>(sequence->num_tokens % block_size_);
+  if (slot != 0) {
     const BlockId target = sequence->table[static_cast<size_t>(sequence->num_tokens / block_size_)];
-    if (pool_->refs(target) > 1) {  // shared: rare, so a short list is enough
-      auto it = std::find_if(cow_taken->begin(), cow_taken->end(),
-                             [&](const auto& entry) { return entry.first == target; });
-      if (it == cow_taken->end()) it = cow_taken->insert(it, {target, 0});
-      const uint32_t holders = pool_->refs(target) - it->second;
-      if (holders > 1 || pool_->cache_held(target)) {
+    const uint32_t refs = pool_->refs(target) - (pool_->cache_held(target) ? 1 : 0);
+    if (refs > 1 || pool_->cache_held(target)) {  // shared or published: rare, so checked here
+      // Copies planned earlier in this batch take their holders off the block.
+      uint32_t moved = 0;
+      for (const auto& [b, n] : *claims) moved += b == target ? n : 0;
+      if (MustCopy(target, slot, refs - 1 - moved)) {
         plan->cow = true;
-        ++it->second;
+        Claim(claims, target);
       }
     }
   }
@@ -122,10 +156,8 @@ absl::Status KvCacheManager::PlanGrow(Sequence* sequence, int64_t num_tokens,
 
 absl::Status KvCacheManager::CheckCapacity(std::span<const std::pair<NamespaceId, int64_t>> by_ns,
                                            SessionId session, int64_t refs, std::string_view what) {
-  int64_t blocks = 0;
   int64_t new_namespaces = 0;
   for (const auto& [ns, n] : by_ns) {
-    blocks += n;
     const std::optional<NamespaceSlot> slot = pool_->FindNamespace(ns);
     if (!slot) {
       ++new_namespaces;
@@ -152,13 +184,27 @@ absl::Status KvCacheManager::CheckCapacity(std::span<const std::pair<NamespaceId
                                            what, session.value(), usage.block_refs, usage.quota));
     }
   }
+  return absl::OkStatus();
+}
+
+absl::Status KvCacheManager::CheckRoom(int64_t blocks, std::span<const NodeIndex> keep,
+                                       std::vector<NodeIndex>* victims, std::string_view what) {
   if (blocks > pool_->num_free()) ReclaimRetired();
-  if (blocks > pool_->num_free()) {
-    return ResourceExhausted(
-        Resource::kPoolBlocks, blocks - pool_->num_free(),
-        fmt::format("{} needs {} blocks, {} free", what, blocks, pool_->num_free()));
+  int64_t short_by = blocks - pool_->num_free();
+  if (short_by > 0 && cache_) short_by -= cache_->PlanEviction(short_by, keep, victims);
+  if (short_by > 0) {
+    victims->clear();
+    return ResourceExhausted(Resource::kPoolBlocks, short_by,
+                             fmt::format("{} needs {} blocks, {} free, {} cached", what, blocks,
+                                         pool_->num_free(), pool_->num_cached()));
   }
   return absl::OkStatus();
+}
+
+void KvCacheManager::EvictPlanned(std::span<const NodeIndex> victims, const TraceContext& ctx) {
+  if (victims.empty()) return;
+  cache_->Evict(victims, ctx);
+  counters_.evictions += victims.size();
 }
 
 void KvCacheManager::ApplyGrow(const GrowPlan& plan, const TraceContext& ctx,
@@ -170,7 +216,7 @@ void KvCacheManager::ApplyGrow(const GrowPlan& plan, const TraceContext& ctx,
     const BlockId src = seq.table[index];
     std::vector<BlockId> dst;
     KVPOOL_CHECK_OK(pool_->Allocate(1, seq.slot, ctx, &dst, /*fills=*/nullptr));
-    KVPOOL_CHECK_OK(pool_->Release(src, ctx));
+    ReleaseBlock(src, ctx);
     seq.table[index] = dst[0];
     device_plan->copies.push_back(BlockCopy{src, dst[0]});
     ++counters_.cow_copies;
@@ -182,26 +228,38 @@ void KvCacheManager::ApplyGrow(const GrowPlan& plan, const TraceContext& ctx,
   seq.num_tokens = plan.num_tokens;
 }
 
-absl::StatusOr<SequenceId> KvCacheManager::Allocate(SessionId caller,
-                                                    const AllocateRequest& request,
-                                                    DevicePlan* plan) {
-  std::vector<SequenceId> ids;
-  KVPOOL_RETURN_IF_ERROR(AllocateBatch(caller, std::span(&request, 1), &ids, plan));
-  return ids[0];
+absl::StatusOr<AllocateResult> KvCacheManager::Allocate(SessionId caller,
+                                                        const AllocateRequest& request,
+                                                        DevicePlan* plan) {
+  std::vector<AllocateResult> results;
+  KVPOOL_RETURN_IF_ERROR(AllocateBatch(caller, std::span(&request, 1), &results, plan));
+  return results[0];
 }
 
 absl::Status KvCacheManager::AllocateBatch(SessionId caller,
                                            std::span<const AllocateRequest> requests,
-                                           std::vector<SequenceId>* ids, DevicePlan* plan) {
+                                           std::vector<AllocateResult>* results, DevicePlan* plan) {
   ++counters_.allocate_calls;
   if (requests.empty()) return EmptyBatch("allocate");
   if (caller == kNoSession) return absl::InvalidArgumentError("session 0 is reserved");
+  std::vector<AllocatePlan> plans(requests.size());
   std::vector<std::pair<NamespaceId, int64_t>> by_ns;
+  std::vector<NodeIndex> keep;   // matched nodes: never evicted to make room for this call
+  std::vector<BlockId> adopted;  // cached blocks this call turns ACTIVE (count once each)
+  WriteClaims joined;            // partially matched blocks shared by writers of this batch
   int64_t refs = 0;
-  for (const AllocateRequest& r : requests) {
+  int64_t blocks = 0;
+  for (size_t k = 0; k < requests.size(); ++k) {
+    const AllocateRequest& r = requests[k];
     if (r.ns == kNoNamespace) return absl::InvalidArgumentError("namespace 0 is reserved");
-    if (r.num_tokens < 0) {
-      return absl::InvalidArgumentError(fmt::format("negative token count {}", r.num_tokens));
+    if (r.num_tokens < 0 || static_cast<int64_t>(r.prompt.size()) > r.num_tokens) {
+      return absl::InvalidArgumentError(
+          fmt::format("token count {} is negative or shorter than the prompt ({} tokens)",
+                      r.num_tokens, r.prompt.size()));
+    }
+    if (r.priority < 0 || r.priority >= kNumPriorities) {
+      return absl::InvalidArgumentError(
+          fmt::format("priority {} outside [0, {})", r.priority, kNumPriorities));
     }
     const int64_t need = BlocksFor(r.num_tokens);
     if (need > max_blocks_per_seq_) {
@@ -209,25 +267,86 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
           Resource::kTableBound, need - max_blocks_per_seq_,
           fmt::format("a sequence of {} tokens needs {} blocks", r.num_tokens, need)));
     }
-    AddTo(&by_ns, r.ns, need);
+    AllocatePlan& p = plans[k];
+    if (cache_ && !r.prompt.empty()) p.match = cache_->Match(r.ns, r.prompt);
+    // Table slots the match fills: every fully matched block, and the partially matched one
+    // (shared, or copied when the sequence will write into it).
+    const int64_t from_match =
+        static_cast<int64_t>(p.match.full.size()) + (p.match.partial != kNoNode ? 1 : 0);
+    std::vector<BlockId> matched;  // blocks the sequence will hold by reference
+    for (NodeIndex node : p.match.full) matched.push_back(cache_->block_of(node));
+    if (p.match.partial != kNoNode) {
+      const BlockId block = cache_->block_of(p.match.partial);
+      // Sharing it is enough unless the sequence will write into it: then it must write alone
+      // and above the published tokens, or it gets a copy.
+      if (r.num_tokens > p.match.matched_tokens) {
+        uint32_t earlier = 0;  // holders this batch already added
+        for (const auto& [b, n] : joined) earlier += b == block ? n : 0;
+        p.copy_partial = MustCopy(block, p.match.partial_tokens, pool_->refs(block) - 1 + earlier);
+      }
+      if (!p.copy_partial) {
+        Claim(&joined, block);
+        matched.push_back(block);
+      }
+      keep.push_back(p.match.partial);
+    }
+    keep.insert(keep.end(), p.match.full.begin(), p.match.full.end());
+    int64_t charged = 0;  // physical blocks this request adds to the namespace's ACTIVE ones
+    for (BlockId block : matched) {
+      if (pool_->state(block) == BlockState::kCached &&
+          std::find(adopted.begin(), adopted.end(), block) == adopted.end()) {
+        adopted.push_back(block);
+        ++charged;
+      }
+    }
+    p.new_blocks = static_cast<int32_t>(need - from_match);
+    const int64_t fresh = p.new_blocks + (p.copy_partial ? 1 : 0);
+    blocks += fresh;
+    AddTo(&by_ns, r.ns, charged + fresh);
     refs += need;
   }
+  std::vector<NodeIndex> victims;
   KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckCapacity(by_ns, caller, refs, "allocate")));
+  KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckRoom(blocks, keep, &victims, "allocate")));
 
   // Everything checked: from here on nothing can fail.
   TraceContext ctx = Context(caller, SequenceId(0));
-  for (const AllocateRequest& r : requests) {
+  EvictPlanned(victims, ctx);
+  for (size_t k = 0; k < requests.size(); ++k) {
+    const AllocateRequest& r = requests[k];
+    AllocatePlan& p = plans[k];
     const SequenceId id(next_sequence_id_++);
+    ctx.sequence = id;
     const absl::StatusOr<NamespaceSlot> slot = pool_->RegisterNamespace(r.ns);
     KVPOOL_CHECK_OK(slot.status());
     Sequence& seq = sequences_[id];
-    seq = Sequence{.id = id, .session = caller, .ns = r.ns, .slot = *slot};
-    ctx.sequence = id;
-    ApplyGrow(GrowPlan{.sequence = &seq,
-                       .num_tokens = r.num_tokens,
-                       .new_blocks = static_cast<int32_t>(BlocksFor(r.num_tokens))},
-              ctx, plan);
-    ids->push_back(id);
+    seq = Sequence{.id = id,
+                   .session = caller,
+                   .ns = r.ns,
+                   .slot = *slot,
+                   .tokens = std::vector<int32_t>(r.prompt.begin(), r.prompt.end()),
+                   .priority = r.priority};
+    if (cache_) seq.path = cache_->Adopt(p.match);
+    for (NodeIndex node : p.match.full) {
+      seq.table.push_back(cache_->block_of(node));
+      RetainBlock(seq.table.back(), ctx);
+    }
+    if (p.match.partial != kNoNode) {
+      const BlockId src = cache_->block_of(p.match.partial);
+      if (p.copy_partial) {
+        KVPOOL_CHECK_OK(pool_->Allocate(1, seq.slot, ctx, &seq.table, /*fills=*/nullptr));
+        plan->copies.push_back(BlockCopy{src, seq.table.back()});
+        ++counters_.cow_copies;
+      } else {
+        seq.table.push_back(src);
+        RetainBlock(src, ctx);
+      }
+    }
+    KVPOOL_CHECK_OK(pool_->Allocate(p.new_blocks, seq.slot, ctx, &seq.table, &plan->fills));
+    seq.num_tokens = r.num_tokens;
+    counters_.prompt_tokens += r.prompt.size();
+    counters_.hit_tokens += static_cast<uint64_t>(p.match.matched_tokens);
+    results->push_back(AllocateResult{id, p.match.matched_tokens});
   }
   SessionUsage& usage = sessions_[caller];
   usage.sequences += static_cast<int64_t>(requests.size());
@@ -246,9 +365,10 @@ absl::Status KvCacheManager::GrowBatch(SessionId caller, std::span<const GrowReq
   ++counters_.grow_calls;
   if (requests.empty()) return EmptyBatch("grow");
   std::vector<GrowPlan> plans(requests.size());
-  std::vector<std::pair<BlockId, uint32_t>> cow_taken;
+  WriteClaims claims;
   std::vector<std::pair<NamespaceId, int64_t>> by_ns;
   int64_t refs = 0;
+  int64_t blocks = 0;
   const uint64_t mark = ++batch_serial_;
   for (size_t k = 0; k < requests.size(); ++k) {
     const GrowRequest& r = requests[k];
@@ -258,14 +378,18 @@ absl::Status KvCacheManager::GrowBatch(SessionId caller, std::span<const GrowReq
           fmt::format("sequence {} appears twice in one grow batch", r.sequence.value()));
     }
     seq->batch_mark = mark;
-    KVPOOL_RETURN_IF_ERROR(CountExhausted(PlanGrow(seq, r.num_tokens, &cow_taken, &plans[k])));
-    const int64_t blocks = plans[k].new_blocks + (plans[k].cow ? 1 : 0);
-    if (blocks > 0) AddTo(&by_ns, seq->ns, blocks);
+    KVPOOL_RETURN_IF_ERROR(CountExhausted(PlanGrow(seq, r.num_tokens, &claims, &plans[k])));
+    const int64_t n = plans[k].new_blocks + (plans[k].cow ? 1 : 0);
+    if (n > 0) AddTo(&by_ns, seq->ns, n);
+    blocks += n;
     refs += plans[k].new_blocks;
   }
+  std::vector<NodeIndex> victims;
   KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckCapacity(by_ns, caller, refs, "grow")));
+  KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckRoom(blocks, {}, &victims, "grow")));
 
   TraceContext ctx = Context(caller, SequenceId(0));  // one clock reading per call
+  EvictPlanned(victims, ctx);
   for (const GrowPlan& p : plans) {
     ctx.sequence = p.sequence->id;
     ApplyGrow(p, ctx, plan);
@@ -274,10 +398,40 @@ absl::Status KvCacheManager::GrowBatch(SessionId caller, std::span<const GrowReq
   return absl::OkStatus();
 }
 
+absl::Status KvCacheManager::Commit(SessionId caller, SequenceId sequence, int64_t num_tokens,
+                                    std::span<const int32_t> new_tokens) {
+  ++counters_.commit_calls;
+  KVPOOL_ASSIGN_OR_RETURN(Sequence * seq, Owned(caller, sequence));
+  const int64_t known = static_cast<int64_t>(seq->tokens.size() + new_tokens.size());
+  if (num_tokens < 0 || num_tokens > seq->num_tokens || known < num_tokens ||
+      known > seq->num_tokens) {
+    return absl::InvalidArgumentError(
+        fmt::format("cannot commit {} tokens of sequence {}: it has {} tokens, {} of them known",
+                    num_tokens, sequence.value(), seq->num_tokens, known));
+  }
+  seq->tokens.insert(seq->tokens.end(), new_tokens.begin(), new_tokens.end());
+  if (cache_) {
+    cache_->Commit(seq->ns, std::span(seq->tokens).first(static_cast<size_t>(num_tokens)),
+                   seq->table, seq->priority, &seq->path, Context(caller, sequence));
+  }
+  return absl::OkStatus();
+}
+
 void KvCacheManager::ReleaseTail(Sequence* sequence, size_t keep, const TraceContext& ctx) {
-  // Last block first, so the LIFO free list hands the sequence's first block out next.
+  // Deepest first: a tree node becomes evictable only after its descendants (the eviction
+  // policy's leaf-first promise), and the LIFO free list hands the first block out next.
+  CachePath& path = sequence->path;
   for (size_t i = sequence->table.size(); i > keep; --i) {
-    KVPOOL_CHECK_OK(pool_->Release(sequence->table[i - 1], ctx));
+    const size_t k = i - 1;
+    if (path.partial != kNoNode && k == path.full.size()) {
+      cache_->Unlock(path.partial);
+      path.partial = kNoNode;
+    }
+    ReleaseBlock(sequence->table[k], ctx);
+    if (k < path.full.size()) {
+      cache_->Unlock(path.full[k]);
+      path.full.pop_back();
+    }
   }
   sessions_[sequence->session].block_refs -= static_cast<int64_t>(sequence->table.size() - keep);
   sequence->table.resize(keep);
@@ -290,7 +444,14 @@ absl::Status KvCacheManager::Truncate(SessionId caller, SequenceId sequence, int
     return absl::InvalidArgumentError(fmt::format("cannot truncate sequence {} of {} tokens to {}",
                                                   sequence.value(), seq->num_tokens, num_tokens));
   }
-  ReleaseTail(seq, static_cast<size_t>(BlocksFor(num_tokens)), Context(caller, sequence));
+  const TraceContext ctx = Context(caller, sequence);
+  ReleaseTail(seq, static_cast<size_t>(BlocksFor(num_tokens)), ctx);
+  // The tree path keeps only the full blocks the sequence still has whole; the block it now
+  // ends inside is still held (so never evicted) and is protected by its coverage.
+  if (cache_) cache_->Truncate(&seq->path, static_cast<size_t>(num_tokens / block_size_));
+  if (static_cast<int64_t>(seq->tokens.size()) > num_tokens) {
+    seq->tokens.resize(static_cast<size_t>(num_tokens));
+  }
   seq->num_tokens = num_tokens;
   return absl::OkStatus();
 }
@@ -301,20 +462,26 @@ absl::StatusOr<SequenceId> KvCacheManager::Fork(SessionId caller, SequenceId seq
   KVPOOL_ASSIGN_OR_RETURN(Sequence * parent, Owned(caller, sequence));
   const bool partial = parent->num_tokens % block_size_ != 0;
   const std::pair<NamespaceId, int64_t> by_ns[] = {{parent->ns, partial ? 1 : 0}};
+  std::vector<NodeIndex> victims;
   KVPOOL_RETURN_IF_ERROR(CountExhausted(
       CheckCapacity(by_ns, caller, static_cast<int64_t>(parent->table.size()), "fork")));
+  KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckRoom(partial ? 1 : 0, {}, &victims, "fork")));
 
   const SequenceId id(next_sequence_id_++);
+  const TraceContext ctx = Context(caller, id);
+  EvictPlanned(victims, ctx);
   // Copy what the child needs before inserting: the insert may move `parent`.
   Sequence child{.id = id,
                  .session = caller,
                  .ns = parent->ns,
                  .slot = parent->slot,
                  .num_tokens = parent->num_tokens,
-                 .table = parent->table};
-  const TraceContext ctx = Context(caller, id);
+                 .table = parent->table,
+                 .tokens = parent->tokens,
+                 .priority = parent->priority};
+  if (cache_) child.path = cache_->Clone(parent->path);
   const size_t shared = child.table.size() - (partial ? 1 : 0);
-  for (size_t i = 0; i < shared; ++i) KVPOOL_CHECK_OK(pool_->Retain(child.table[i], ctx));
+  for (size_t i = 0; i < shared; ++i) RetainBlock(child.table[i], ctx);
   if (partial) {
     std::vector<BlockId> dst;
     KVPOOL_CHECK_OK(pool_->Allocate(1, child.slot, ctx, &dst, /*fills=*/nullptr));
@@ -329,10 +496,15 @@ absl::StatusOr<SequenceId> KvCacheManager::Fork(SessionId caller, SequenceId seq
   return id;
 }
 
-absl::Status KvCacheManager::Free(SessionId caller, SequenceId sequence) {
+absl::Status KvCacheManager::Free(SessionId caller, SequenceId sequence, OnFree on_free) {
   ++counters_.free_calls;
   KVPOOL_ASSIGN_OR_RETURN(Sequence * seq, Owned(caller, sequence));
-  ReleaseTail(seq, 0, Context(caller, sequence));
+  const TraceContext ctx = Context(caller, sequence);
+  if (on_free == OnFree::kCommit && cache_) {
+    cache_->Commit(seq->ns, seq->tokens, seq->table, seq->priority, &seq->path, ctx);
+  }
+  ReleaseTail(seq, 0, ctx);
+  if (cache_) cache_->Truncate(&seq->path, 0);
   auto it = sessions_.find(caller);
   if (--it->second.sequences == 0 && it->second.quota == kUnlimited) sessions_.erase(it);
   sequences_.erase(sequence);
@@ -348,118 +520,6 @@ int64_t KvCacheManager::FreeSession(SessionId session) {
   for (SequenceId id : owned) KVPOOL_CHECK_OK(Free(session, id));
   sessions_.erase(session);
   return static_cast<int64_t>(owned.size());
-}
-
-absl::Status KvCacheManager::MarkInFlight(std::span<const BlockId> blocks, Fence fence) {
-  for (BlockId block : blocks) {
-    if (!pool_->Contains(block)) {
-      return absl::NotFoundError(fmt::format("block {} does not exist", block.value()));
-    }
-    const BlockState state = pool_->state(block);
-    if (state != BlockState::kActive && state != BlockState::kCached) {
-      return absl::FailedPreconditionError(
-          fmt::format("device work on block {} in state {}", block.value(), BlockStateName(state)));
-    }
-  }
-  const TraceContext ctx = Context(kNoSession, SequenceId(0));
-  for (BlockId block : blocks) KVPOOL_RETURN_IF_ERROR(pool_->MarkInFlight(block, fence, ctx));
-  return absl::OkStatus();
-}
-
-int32_t KvCacheManager::ReclaimRetired() {
-  return pool_->ReclaimRetired(Context(kNoSession, SequenceId(0)));
-}
-
-const Sequence* KvCacheManager::Find(SequenceId sequence) const {
-  auto it = sequences_.find(sequence);
-  return it == sequences_.end() ? nullptr : &it->second;
-}
-
-void KvCacheManager::ForEachSequence(absl::FunctionRef<void(const Sequence&)> fn) const {
-  for (const auto& [id, seq] : sequences_) fn(seq);
-}
-
-KvCacheStats KvCacheManager::stats() const {
-  KvCacheStats s = counters_;
-  s.pool = pool_->stats();
-  s.sequences = static_cast<int64_t>(sequences_.size());
-  s.sessions = 0;
-  for (const auto& [id, usage] : sessions_) s.sessions += usage.sequences > 0 ? 1 : 0;
-  return s;
-}
-
-absl::Status KvCacheManager::CheckInvariants() const {
-  KVPOOL_RETURN_IF_ERROR(pool_->CheckInvariants());
-  auto fail = [](auto&&... parts) { return absl::InternalError(fmt::format("{}", parts...)); };
-  std::vector<uint32_t> refs(static_cast<size_t>(pool_->num_blocks()), 0);
-  absl::flat_hash_map<SessionId, SessionUsage> usage;
-  for (const auto& [id, seq] : sequences_) {
-    if (seq.id != id) return fail("sequence ", id.value(), " is filed under another id");
-    if (static_cast<int64_t>(seq.table.size()) != BlocksFor(seq.num_tokens)) {
-      return fail("sequence ", id.value(), " of ", seq.num_tokens, " tokens has ", seq.table.size(),
-                  " blocks");
-    }
-    if (static_cast<int64_t>(seq.table.size()) > max_blocks_per_seq_) {
-      return fail("sequence ", id.value(), " exceeds max_blocks_per_seq");
-    }
-    if (pool_->FindNamespace(seq.ns) != seq.slot) {
-      return fail("sequence ", id.value(), " has a stale namespace slot");
-    }
-    for (BlockId block : seq.table) {
-      if (!pool_->Contains(block) || pool_->state(block) != BlockState::kActive) {
-        return fail("sequence ", id.value(), " references block ", block.value(), " in state ",
-                    pool_->Contains(block) ? BlockStateName(pool_->state(block)) : "invalid");
-      }
-      ++refs[static_cast<size_t>(block.value())];
-    }
-    usage[seq.session].block_refs += static_cast<int64_t>(seq.table.size());
-    ++usage[seq.session].sequences;
-  }
-  for (int32_t b = 0; b < pool_->num_blocks(); ++b) {
-    const BlockId block(b);
-    const uint32_t expected = refs[static_cast<size_t>(b)] + (pool_->cache_held(block) ? 1 : 0);
-    if (pool_->refs(block) != expected) {
-      return fail("block ", b, " has refs ", pool_->refs(block), " but ", expected,
-                  " references exist");
-    }
-  }
-  for (const auto& [session, u] : sessions_) {
-    auto it = usage.find(session);
-    const SessionUsage want = it == usage.end() ? SessionUsage{} : it->second;
-    if (u.block_refs != want.block_refs || u.sequences != want.sequences) {
-      return fail("session ", session.value(), " usage is ", u.block_refs, " refs / ", u.sequences,
-                  " sequences but ", want.block_refs, " / ", want.sequences, " exist");
-    }
-  }
-  for (const auto& [session, u] : usage) {
-    if (!sessions_.contains(session)) return fail("session ", session.value(), " is untracked");
-  }
-  return absl::OkStatus();
-}
-
-std::string KvCacheManager::DebugString() const {
-  std::string out = pool_->DebugString();
-  auto it = std::back_inserter(out);
-  std::vector<SequenceId> ids;
-  for (const auto& [id, seq] : sequences_) ids.push_back(id);
-  std::sort(ids.begin(), ids.end());
-  fmt::format_to(it, "next_sequence={}\nsequences:\n", next_sequence_id_);
-  for (SequenceId id : ids) {
-    const Sequence& seq = sequences_.at(id);
-    std::vector<int32_t> table;
-    for (BlockId b : seq.table) table.push_back(b.value());
-    fmt::format_to(it, "{} session={} ns={} tokens={} table={}\n", id.value(), seq.session.value(),
-                   seq.ns.value(), seq.num_tokens, fmt::join(table, ","));
-  }
-  std::vector<std::pair<SessionId, SessionUsage>> sessions(sessions_.begin(), sessions_.end());
-  std::sort(sessions.begin(), sessions.end(),
-            [](const auto& a, const auto& b) { return a.first < b.first; });
-  out += "sessions:";
-  for (const auto& [id, u] : sessions) {
-    fmt::format_to(it, " {}={}/{}/{}", id.value(), u.block_refs, u.sequences, u.quota);
-  }
-  fmt::format_to(it, "\nns_quota: {}\n", fmt::join(ns_quota_, " "));
-  return out;
 }
 
 }  // namespace kvpool

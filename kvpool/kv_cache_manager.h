@@ -11,10 +11,15 @@
 //    may do). RESOURCE_EXHAUSTED carries the shortfall (kvpool/util/errors.h).
 //  - Grow by delta: a sequence of n tokens owns exactly ceil(n / block_size) blocks, never more
 //    than max_blocks_per_seq; growing to a size it already has is a no-op.
-//  - Copy-on-write: a sequence only writes into a block it holds alone. Growing into a shared
-//    block (after Truncate into a block a fork shares, say) first moves the sequence onto a
-//    private copy, returned as a BlockCopy. Fork copies the parent's partial last block the same
-//    way at once, since both will write to it.
+//  - Copy-on-write: a sequence only writes into a block no other sequence holds, and never below
+//    the tokens the prefix cache has published from it. Growing into such a block (after a
+//    Truncate into a block a fork shares, or after adopting a partially matched cached block)
+//    first moves the sequence onto a private copy, returned as a BlockCopy. Fork copies the
+//    parent's partial last block the same way at once, since both will write to it.
+//  - Prefix cache (DESIGN.md §5): Allocate with a prompt adopts the longest cached prefix in its
+//    namespace; Commit publishes a sequence's blocks; cached blocks nobody holds are evicted,
+//    least recently released leaf first, when a call needs their space. Evictions a call needs
+//    are planned during its checks and only carried out once it cannot fail.
 //
 // Quotas: a namespace quota bounds the ACTIVE blocks the namespace owns (physical blocks; shared
 // ones count once); a session quota bounds the block references its sequences hold (table
@@ -28,6 +33,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -35,6 +41,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kvpool/block_pool.h"
+#include "kvpool/prefix_cache.h"
 #include "kvpool/util/clock.h"
 #include "kvpool/util/strong_id.h"
 
@@ -67,6 +74,10 @@ struct KvCacheOptions {
   int32_t trace_depth = 8;             // operations remembered per block: 0 (off) or a power of 2
   const Clock* clock = Clock::Real();  // not owned; outlives the manager
   const FenceObserver* fences = nullptr;  // not owned; see BlockPoolOptions
+  bool prefix_cache = true;               // share prefixes; off: Commit only records tokens
+  std::string eviction_policy = "lru";    // MakeEvictionPolicy name
+  uint64_t epoch = 0;                     // stamped on every cache event (daemon start)
+  size_t event_capacity = 65536;          // cache events kept for replay
 };
 
 struct Sequence {
@@ -75,13 +86,31 @@ struct Sequence {
   NamespaceId ns;
   NamespaceSlot slot;
   int64_t num_tokens = 0;
-  std::vector<BlockId> table;  // token t lives in table[t / block_size], slot t % block_size
-  uint64_t batch_mark = 0;     // KvCacheManager's scratch: finds a sequence listed twice
+  std::vector<BlockId> table;   // token t lives in table[t / block_size], slot t % block_size
+  std::vector<int32_t> tokens;  // the token ids known so far (<= num_tokens of them)
+  int priority = 0;             // prefix-cache priority class of what it publishes
+  CachePath path;               // its place in the prefix tree (locked nodes)
+  uint64_t batch_mark = 0;      // KvCacheManager's scratch: finds a sequence listed twice
 };
 
 struct AllocateRequest {
-  NamespaceId ns;          // != kNoNamespace
-  int64_t num_tokens = 0;  // >= 0
+  NamespaceId ns;                   // != kNoNamespace
+  int64_t num_tokens = 0;           // >= prompt.size(): room for the prompt and what follows
+  std::span<const int32_t> prompt;  // matched against the prefix cache; may be empty
+  int priority = 0;                 // in [0, kNumPriorities): cache class of its blocks
+};
+
+struct AllocateResult {
+  SequenceId sequence;
+  // Leading prompt tokens whose KV is already in the sequence's blocks (a prefix hit). The
+  // caller computes tokens [matched_tokens, prompt.size()).
+  int64_t matched_tokens = 0;
+};
+
+// What Free does with the sequence's tokens first.
+enum class OnFree : uint8_t {
+  kDiscard,  // release only
+  kCommit,   // publish every known token into the prefix cache, then release
 };
 
 struct GrowRequest {
@@ -99,8 +128,13 @@ struct KvCacheStats {
   uint64_t truncate_calls = 0;
   uint64_t fork_calls = 0;
   uint64_t free_calls = 0;
-  uint64_t cow_copies = 0;  // copy-on-write block copies planned
-  uint64_t exhausted = 0;   // calls refused with RESOURCE_EXHAUSTED
+  uint64_t commit_calls = 0;
+  uint64_t cow_copies = 0;     // copy-on-write block copies planned
+  uint64_t exhausted = 0;      // calls refused with RESOURCE_EXHAUSTED
+  uint64_t prompt_tokens = 0;  // prompt tokens looked up by Allocate
+  uint64_t hit_tokens = 0;     // of which found in the prefix cache
+  uint64_t evictions = 0;      // cached blocks evicted to make room (or on request)
+  PrefixCacheStats cache;
 };
 
 class KvCacheManager final {
@@ -120,12 +154,14 @@ class KvCacheManager final {
   // Creates a sequence of `num_tokens` tokens owned by `caller` in the request's namespace.
   // Errors: INVALID_ARGUMENT (session 0, namespace 0, negative count), RESOURCE_EXHAUSTED
   // (table bound, quota, pool or namespace table, with the shortfall in blocks).
-  absl::StatusOr<SequenceId> Allocate(SessionId caller, const AllocateRequest& request,
-                                      DevicePlan* plan);
-  // All-or-nothing: creates every sequence or none. Appends ids to `ids` in request order.
+  // With a prompt, the longest cached prefix of it is adopted (blocks shared by reference; a
+  // partially matched block is copied first when the sequence will write into it).
+  absl::StatusOr<AllocateResult> Allocate(SessionId caller, const AllocateRequest& request,
+                                          DevicePlan* plan);
+  // All-or-nothing: creates every sequence or none. Appends to `results` in request order.
   // Errors: as Allocate, plus INVALID_ARGUMENT for an empty batch.
   absl::Status AllocateBatch(SessionId caller, std::span<const AllocateRequest> requests,
-                             std::vector<SequenceId>* ids, DevicePlan* plan);
+                             std::vector<AllocateResult>* results, DevicePlan* plan);
 
   // Grows `sequence` to `num_tokens` tokens, appending only the missing blocks.
   // Errors: NOT_FOUND (no such sequence), PERMISSION_DENIED (another session's),
@@ -145,9 +181,20 @@ class KvCacheManager final {
   // Errors: NOT_FOUND, PERMISSION_DENIED, RESOURCE_EXHAUSTED (quota or pool).
   absl::StatusOr<SequenceId> Fork(SessionId caller, SequenceId sequence, DevicePlan* plan);
 
-  // Releases every block of `sequence` and forgets it.
+  // Publishes the first `num_tokens` tokens of `sequence` into the prefix cache: full blocks,
+  // and a trailing partial block with its coverage (a rewind endpoint). `new_tokens` extends the
+  // tokens the cache knows for the sequence (the prompt given at Allocate, plus earlier
+  // commits); together they must cover `num_tokens`. The caller asserts that the KV of those
+  // tokens is in the sequence's blocks.
+  // Errors: NOT_FOUND, PERMISSION_DENIED, INVALID_ARGUMENT (num_tokens negative or past the
+  // sequence's length, too few tokens known, or known tokens beyond its length).
+  absl::Status Commit(SessionId caller, SequenceId sequence, int64_t num_tokens,
+                      std::span<const int32_t> new_tokens = {});
+
+  // Releases every block of `sequence` and forgets it; with OnFree::kCommit, publishes its
+  // known tokens first.
   // Errors: NOT_FOUND, PERMISSION_DENIED.
-  absl::Status Free(SessionId caller, SequenceId sequence);
+  absl::Status Free(SessionId caller, SequenceId sequence, OnFree on_free = OnFree::kDiscard);
 
   // Frees every sequence of `session` (its client went away). Returns how many. The session's
   // quota setting is forgotten too.
@@ -162,17 +209,30 @@ class KvCacheManager final {
   // Moves RETIRING blocks whose fences have passed to the free list. Returns how many.
   int32_t ReclaimRetired();
 
+  // Prefix cache, for routers and operators. Both change nothing.
+  int64_t MatchPrefix(NamespaceId ns, std::span<const int32_t> tokens) const;
+  MatchExplanation ExplainMatch(NamespaceId ns, std::span<const int32_t> tokens) const;
+  // Evicts up to `blocks` cached blocks nobody holds. Returns how many.
+  int64_t EvictCached(int64_t blocks);
+  // Empties the prefix cache. Errors: FAILED_PRECONDITION while sequences hold cached blocks.
+  absl::Status ClearCache();
+  // The cache's event log (null with the prefix cache off) and a snapshot for late consumers.
+  const EventLog* events() const { return cache_ ? &cache_->events() : nullptr; }
+  std::vector<KvEvent> SnapshotEvents(uint64_t* resume_seq) const;
+
   // Accessors.
   const Sequence* Find(SequenceId sequence) const;
   void ForEachSequence(absl::FunctionRef<void(const Sequence&)> fn) const;
   const BlockPool& pool() const { return *pool_; }
+  const PrefixCache* cache() const { return cache_.get(); }
   int32_t block_size() const { return block_size_; }
   int32_t max_blocks_per_seq() const { return max_blocks_per_seq_; }
   KvCacheStats stats() const;
 
-  // The pool's invariants, plus: every block's reference count equals the table entries that
-  // name it plus the cache's reference; tables hold only ACTIVE blocks and exactly
-  // ceil(num_tokens / block_size) of them, within max_blocks_per_seq; per-session usage matches.
+  // The pool's and the prefix cache's invariants, plus: every block's reference count equals the
+  // table entries that name it plus the cache's reference; tables hold only ACTIVE blocks and
+  // exactly ceil(num_tokens / block_size) of them, within max_blocks_per_seq; every tree node is
+  // locked once per sequence whose path holds it; per-session usage matches.
   // Returns INTERNAL naming the first violation.
   absl::Status CheckInvariants() const;
 
@@ -193,8 +253,17 @@ class KvCacheManager final {
     int32_t new_blocks = 0;  // appended to the table
     bool cow = false;        // the block being written is shared: move onto a private copy
   };
+  // What one Allocate request needs (see AllocateBatch).
+  struct AllocatePlan {
+    PrefixMatch match;
+    bool copy_partial = false;  // the partially matched block is copied, not shared
+    int32_t new_blocks = 0;
+  };
+  // Blocks a batch has already claimed to write into, and by how many holders.
+  using WriteClaims = std::vector<std::pair<BlockId, uint32_t>>;
 
-  KvCacheManager(const KvCacheOptions& options, std::unique_ptr<BlockPool> pool);
+  KvCacheManager(const KvCacheOptions& options, std::unique_ptr<BlockPool> pool,
+                 std::unique_ptr<PrefixCache> cache);
 
   int64_t BlocksFor(int64_t num_tokens) const {
     return num_tokens / block_size_ + (num_tokens % block_size_ != 0 ? 1 : 0);
@@ -204,15 +273,31 @@ class KvCacheManager final {
   }
   // The sequence, if `caller` owns it. Errors: NOT_FOUND, PERMISSION_DENIED.
   absl::StatusOr<Sequence*> Owned(SessionId caller, SequenceId sequence);
-  // Checks the table bound and works out the blocks a growth needs. `cow_taken` counts the
-  // references that copy-on-writes planned earlier in the same batch will drop.
-  absl::Status PlanGrow(Sequence* sequence, int64_t num_tokens,
-                        std::vector<std::pair<BlockId, uint32_t>>* cow_taken, GrowPlan* plan) const;
-  // Checks quotas and free blocks for new blocks charged to namespaces (`by_ns`, each listed
-  // once) and `refs` more references held by `session`. Reclaims retired blocks if short.
+  // Whether writing token slot `slot` of `block` must first move the writer onto a copy:
+  // another sequence holds it (`other_holders` counts them, writes already claimed in this
+  // batch included), or the prefix cache published that slot.
+  bool MustCopy(BlockId block, int32_t slot, uint32_t other_holders) const;
+  // Records one more claim on `block` in this batch; returns how many came before.
+  static uint32_t Claim(WriteClaims* claims, BlockId block);
+  // Checks the table bound and works out the blocks a growth needs. `claims` records the
+  // copy-on-writes planned earlier in the batch (each takes a holder off its block).
+  absl::Status PlanGrow(Sequence* sequence, int64_t num_tokens, WriteClaims* claims,
+                        GrowPlan* plan) const;
+  // Checks namespace quotas for the ACTIVE blocks a call adds (`by_ns`, each namespace once)
+  // and the session quota for `refs` more references held by `session`.
   absl::Status CheckCapacity(std::span<const std::pair<NamespaceId, int64_t>> by_ns,
                              SessionId session, int64_t refs, std::string_view what);
+  // Checks there is room for `blocks` new blocks: free ones, retired ones that can be reclaimed
+  // (reclaimed now: housekeeping), then cached ones to evict (never the nodes in `keep`). The
+  // evictions are planned into `victims`, for the caller to carry out once nothing can fail.
+  absl::Status CheckRoom(int64_t blocks, std::span<const NodeIndex> keep,
+                         std::vector<NodeIndex>* victims, std::string_view what);
+  void EvictPlanned(std::span<const NodeIndex> victims, const TraceContext& ctx);
   void ApplyGrow(const GrowPlan& plan, const TraceContext& ctx, DevicePlan* device_plan);
+  // Retain/Release through the pool, keeping the prefix cache's view of evictability current.
+  void RetainBlock(BlockId block, const TraceContext& ctx);
+  void ReleaseBlock(BlockId block, const TraceContext& ctx);
+  // Releases table entries past `keep`, deepest first, unlocking tree nodes on the way.
   void ReleaseTail(Sequence* sequence, size_t keep, const TraceContext& ctx);
   absl::Status CountExhausted(absl::Status status);
 
@@ -220,6 +305,7 @@ class KvCacheManager final {
   const int32_t max_blocks_per_seq_;
   const Clock* const clock_;
   std::unique_ptr<BlockPool> pool_;
+  std::unique_ptr<PrefixCache> cache_;  // null with the prefix cache off
 
   absl::flat_hash_map<SequenceId, Sequence> sequences_;
   absl::flat_hash_map<SessionId, SessionUsage> sessions_;

@@ -42,9 +42,9 @@ class KvCacheManagerTest : public ::testing::Test {
 
   SequenceId Alloc(SessionId session, int64_t tokens, NamespaceId ns = kTenantA) {
     DevicePlan plan;
-    absl::StatusOr<SequenceId> id = cache_->Allocate(session, {ns, tokens}, &plan);
-    EXPECT_TRUE(id.ok()) << id.status();
-    return id.ok() ? *id : SequenceId(0);
+    absl::StatusOr<AllocateResult> result = cache_->Allocate(session, {ns, tokens}, &plan);
+    EXPECT_TRUE(result.ok()) << result.status();
+    return result.ok() ? result->sequence : SequenceId(0);
   }
 
   const std::vector<BlockId>& Table(SequenceId id) { return cache_->Find(id)->table; }
@@ -127,7 +127,7 @@ TEST_F(KvCacheManagerTest, RepeatedGrowthNeverPassesTheTableBound) {
 TEST_F(KvCacheManagerTest, AllocateBeyondTheTableBoundFails) {
   Make(64, 4);
   DevicePlan plan;
-  const absl::StatusOr<SequenceId> id = cache_->Allocate(kAlice, {kTenantA, 65}, &plan);
+  const absl::StatusOr<AllocateResult> id = cache_->Allocate(kAlice, {kTenantA, 65}, &plan);
   EXPECT_EQ(id.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(GetShortfall(id.status())->resource, Resource::kTableBound);
   EXPECT_EQ(GetShortfall(id.status())->blocks, 1);
@@ -166,7 +166,7 @@ TEST_F(KvCacheManagerTest, AllocateBatchIsAllOrNothing) {
   Make(8, 8);
   const std::string before = cache_->DebugString();
   const std::vector<AllocateRequest> batch = {{kTenantA, 64}, {kTenantB, 64}, {kTenantA, 16}};
-  std::vector<SequenceId> ids;
+  std::vector<AllocateResult> ids;
   DevicePlan plan;
   EXPECT_EQ(cache_->AllocateBatch(kAlice, batch, &ids, &plan).code(),
             absl::StatusCode::kResourceExhausted);
@@ -175,7 +175,7 @@ TEST_F(KvCacheManagerTest, AllocateBatchIsAllOrNothing) {
   ASSERT_TRUE(cache_->AllocateBatch(kAlice, std::span(batch).first(2), &ids, &plan).ok());
   EXPECT_EQ(ids.size(), 2u);
   EXPECT_EQ(plan.fills.size(), 8u);
-  EXPECT_EQ(cache_->Find(ids[1])->ns, kTenantB);
+  EXPECT_EQ(cache_->Find(ids[1].sequence)->ns, kTenantB);
   ExpectInvariants();
 }
 
@@ -195,7 +195,7 @@ TEST_F(KvCacheManagerTest, BadRequestsGetTheirCodesAndChangeNothing) {
   EXPECT_EQ(cache_->GrowBatch(kAlice, {}, &plan).code(), absl::StatusCode::kInvalidArgument);
   const std::vector<GrowRequest> twice = {{seq, 40}, {seq, 50}};
   EXPECT_EQ(cache_->GrowBatch(kAlice, twice, &plan).code(), absl::StatusCode::kInvalidArgument);
-  std::vector<SequenceId> ids;
+  std::vector<AllocateResult> ids;
   EXPECT_EQ(cache_->AllocateBatch(kAlice, {}, &ids, &plan).code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(cache_->Allocate(kAlice, {kTenantA, -5}, &plan).status().code(),
@@ -371,15 +371,15 @@ TEST_F(KvCacheManagerTest, BlocksInFlightAreReusedOnlyAfterTheirFence) {
   EXPECT_EQ(cache_->pool().num_retiring(), 4);
   ExpectInvariants();
   DevicePlan plan;
-  const absl::StatusOr<SequenceId> early = cache_->Allocate(kAlice, {kTenantA, 1}, &plan);
+  const absl::StatusOr<AllocateResult> early = cache_->Allocate(kAlice, {kTenantA, 1}, &plan);
   EXPECT_EQ(early.status().code(), absl::StatusCode::kResourceExhausted);
   fences_.Complete(0, 7);
-  const absl::StatusOr<SequenceId> later = cache_->Allocate(kAlice, {kTenantA, 64}, &plan);
+  const absl::StatusOr<AllocateResult> later = cache_->Allocate(kAlice, {kTenantA, 64}, &plan);
   ASSERT_TRUE(later.ok()) << later.status();  // the allocation reclaimed them
   EXPECT_EQ(cache_->pool().num_retiring(), 0);
   ExpectInvariants();
   // Marking is all-or-nothing: a free block in the list fails the whole call.
-  const std::vector<BlockId> mixed = {Table(*later)[0], BlockId(99)};
+  const std::vector<BlockId> mixed = {Table(later->sequence)[0], BlockId(99)};
   EXPECT_EQ(cache_->MarkInFlight(mixed, Fence{0, 9}).code(), absl::StatusCode::kNotFound);
 }
 

@@ -196,9 +196,10 @@ class KvCacheRandomTest : public ::testing::Test {
       want = model_.Capacity(ns, BlocksFor(tokens), caller, BlocksFor(tokens));
     }
     DevicePlan plan;
-    const absl::StatusOr<SequenceId> id = cache_->Allocate(caller, {ns, tokens}, &plan);
-    ASSERT_EQ(id.status().code(), want) << id.status();
-    if (!id.ok()) return;
+    const absl::StatusOr<AllocateResult> result = cache_->Allocate(caller, {ns, tokens}, &plan);
+    ASSERT_EQ(result.status().code(), want) << result.status();
+    if (!result.ok()) return;
+    const SequenceId* id = &result->sequence;
     Model::Seq& m = model_.seqs[*id];
     m.session = caller;
     m.ns = ns;

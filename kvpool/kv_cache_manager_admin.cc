@@ -1,0 +1,177 @@
+// KvCacheManager: device fences, inspection, prefix-cache administration and invariants (the
+// sequence operations live in kv_cache_manager.cc).
+
+#include <algorithm>
+#include <utility>
+
+#include "fmt/format.h"
+#include "kvpool/kv_cache_manager.h"
+#include "kvpool/util/check.h"
+#include "kvpool/util/status_macros.h"
+
+namespace kvpool {
+
+absl::Status KvCacheManager::MarkInFlight(std::span<const BlockId> blocks, Fence fence) {
+  for (BlockId block : blocks) {
+    if (!pool_->Contains(block)) {
+      return absl::NotFoundError(fmt::format("block {} does not exist", block.value()));
+    }
+    const BlockState state = pool_->state(block);
+    if (state != BlockState::kActive && state != BlockState::kCached) {
+      return absl::FailedPreconditionError(
+          fmt::format("device work on block {} in state {}", block.value(), BlockStateName(state)));
+    }
+  }
+  const TraceContext ctx = Context(kNoSession, SequenceId(0));
+  for (BlockId block : blocks) KVPOOL_RETURN_IF_ERROR(pool_->MarkInFlight(block, fence, ctx));
+  return absl::OkStatus();
+}
+
+int32_t KvCacheManager::ReclaimRetired() {
+  return pool_->ReclaimRetired(Context(kNoSession, SequenceId(0)));
+}
+
+const Sequence* KvCacheManager::Find(SequenceId sequence) const {
+  auto it = sequences_.find(sequence);
+  return it == sequences_.end() ? nullptr : &it->second;
+}
+
+void KvCacheManager::ForEachSequence(absl::FunctionRef<void(const Sequence&)> fn) const {
+  for (const auto& [id, seq] : sequences_) fn(seq);
+}
+
+int64_t KvCacheManager::MatchPrefix(NamespaceId ns, std::span<const int32_t> tokens) const {
+  return cache_ ? cache_->Match(ns, tokens).matched_tokens : 0;
+}
+
+MatchExplanation KvCacheManager::ExplainMatch(NamespaceId ns,
+                                              std::span<const int32_t> tokens) const {
+  if (cache_) return cache_->Explain(ns, tokens);
+  return MatchExplanation{.stop = MatchStop::kUnknownNamespace};
+}
+
+int64_t KvCacheManager::EvictCached(int64_t blocks) {
+  if (!cache_ || blocks <= 0) return 0;
+  const int64_t evicted = cache_->EvictUpTo(blocks, Context(kNoSession, SequenceId(0)));
+  counters_.evictions += static_cast<uint64_t>(evicted);
+  return evicted;
+}
+
+absl::Status KvCacheManager::ClearCache() {
+  if (!cache_) return absl::OkStatus();
+  const int64_t before = cache_->stats().nodes;
+  KVPOOL_RETURN_IF_ERROR(cache_->Clear(Context(kNoSession, SequenceId(0))));
+  counters_.evictions += static_cast<uint64_t>(before);
+  return absl::OkStatus();
+}
+
+std::vector<KvEvent> KvCacheManager::SnapshotEvents(uint64_t* resume_seq) const {
+  if (!cache_) {
+    *resume_seq = 1;
+    return {};
+  }
+  return cache_->SnapshotEvents(resume_seq);
+}
+
+KvCacheStats KvCacheManager::stats() const {
+  KvCacheStats s = counters_;
+  s.pool = pool_->stats();
+  s.sequences = static_cast<int64_t>(sequences_.size());
+  s.sessions = 0;
+  for (const auto& [id, usage] : sessions_) s.sessions += usage.sequences > 0 ? 1 : 0;
+  if (cache_) s.cache = cache_->stats();
+  return s;
+}
+
+absl::Status KvCacheManager::CheckInvariants() const {
+  KVPOOL_RETURN_IF_ERROR(pool_->CheckInvariants());
+  auto fail = [](std::string_view format, auto&&... args) {
+    return absl::InternalError(fmt::format(fmt::runtime(format), args...));
+  };
+  std::vector<uint32_t> refs(static_cast<size_t>(pool_->num_blocks()), 0);
+  absl::flat_hash_map<SessionId, SessionUsage> usage;
+  absl::flat_hash_map<NodeIndex, uint32_t> locks;
+  for (const auto& [id, seq] : sequences_) {
+    if (seq.id != id) return fail("sequence {} is filed under another id", id.value());
+    if (static_cast<int64_t>(seq.table.size()) != BlocksFor(seq.num_tokens)) {
+      return fail("sequence {} of {} tokens has {} blocks", id.value(), seq.num_tokens,
+                  seq.table.size());
+    }
+    if (static_cast<int64_t>(seq.table.size()) > max_blocks_per_seq_) {
+      return fail("sequence {} exceeds max_blocks_per_seq", id.value());
+    }
+    if (static_cast<int64_t>(seq.tokens.size()) > seq.num_tokens) {
+      return fail("sequence {} knows more tokens than it holds", id.value());
+    }
+    if (pool_->FindNamespace(seq.ns) != seq.slot) {
+      return fail("sequence {} has a stale namespace slot", id.value());
+    }
+    if (seq.path.full.size() > seq.table.size()) {
+      return fail("sequence {} follows more tree nodes than it has blocks", id.value());
+    }
+    for (NodeIndex node : seq.path.full) ++locks[node];
+    if (seq.path.partial != kNoNode) ++locks[seq.path.partial];
+    for (BlockId block : seq.table) {
+      if (!pool_->Contains(block) || pool_->state(block) != BlockState::kActive) {
+        return fail("sequence {} references block {} in state {}", id.value(), block.value(),
+                    pool_->Contains(block) ? BlockStateName(pool_->state(block)) : "invalid");
+      }
+      ++refs[static_cast<size_t>(block.value())];
+    }
+    usage[seq.session].block_refs += static_cast<int64_t>(seq.table.size());
+    ++usage[seq.session].sequences;
+  }
+  for (int32_t b = 0; b < pool_->num_blocks(); ++b) {
+    const BlockId block(b);
+    const uint32_t expected = refs[static_cast<size_t>(b)] + (pool_->cache_held(block) ? 1 : 0);
+    if (pool_->refs(block) != expected) {
+      return fail("block {} has refs {} but {} references exist", b, pool_->refs(block), expected);
+    }
+  }
+  for (const auto& [session, u] : sessions_) {
+    auto it = usage.find(session);
+    const SessionUsage want = it == usage.end() ? SessionUsage{} : it->second;
+    if (u.block_refs != want.block_refs || u.sequences != want.sequences) {
+      return fail("session {} usage is {} refs / {} sequences but {} / {} exist", session.value(),
+                  u.block_refs, u.sequences, want.block_refs, want.sequences);
+    }
+  }
+  for (const auto& [session, u] : usage) {
+    if (!sessions_.contains(session)) return fail("session {} is untracked", session.value());
+  }
+  if (cache_) {
+    KVPOOL_RETURN_IF_ERROR(cache_->CheckInvariants(&locks));
+  } else if (pool_->num_cached() != 0) {
+    return fail("cached blocks without a prefix cache");
+  }
+  return absl::OkStatus();
+}
+
+std::string KvCacheManager::DebugString() const {
+  std::string out = pool_->DebugString();
+  if (cache_) out += cache_->DebugString();
+  auto it = std::back_inserter(out);
+  std::vector<SequenceId> ids;
+  for (const auto& [id, seq] : sequences_) ids.push_back(id);
+  std::sort(ids.begin(), ids.end());
+  fmt::format_to(it, "next_sequence={}\nsequences:\n", next_sequence_id_);
+  for (SequenceId id : ids) {
+    const Sequence& seq = sequences_.at(id);
+    std::vector<int32_t> table;
+    for (BlockId b : seq.table) table.push_back(b.value());
+    fmt::format_to(it, "{} session={} ns={} tokens={} known={} table={} path={}+{}\n", id.value(),
+                   seq.session.value(), seq.ns.value(), seq.num_tokens, seq.tokens.size(),
+                   fmt::join(table, ","), fmt::join(seq.path.full, ","), seq.path.partial);
+  }
+  std::vector<std::pair<SessionId, SessionUsage>> sessions(sessions_.begin(), sessions_.end());
+  std::sort(sessions.begin(), sessions.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  out += "sessions:";
+  for (const auto& [id, u] : sessions) {
+    fmt::format_to(it, " {}={}/{}/{}", id.value(), u.block_refs, u.sequences, u.quota);
+  }
+  fmt::format_to(it, "\nns_quota: {}\n", fmt::join(ns_quota_, " "));
+  return out;
+}
+
+}  // namespace kvpool

@@ -1,0 +1,281 @@
+#include "kvpool/prefix_cache.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include "fmt/format.h"
+#include "kvpool/internal/tokens.h"
+#include "kvpool/util/check.h"
+#include "xxhash.h"
+
+namespace kvpool {
+using internal::CommonPrefix;
+using internal::HashTokens;
+using internal::StartsWith;
+
+BlockHash PrefixChainHash(const BlockHash& parent, NamespaceId ns,
+                          std::span<const int32_t> tokens) {
+  // (parent hash, namespace, tokens) in one buffer: the one-shot hash beats streaming.
+  std::string buffer(sizeof(BlockHash) + sizeof(uint64_t) + tokens.size_bytes(), '\0');
+  const uint64_t ns_value = ns.value();
+  std::memcpy(buffer.data(), &parent, sizeof(BlockHash));
+  std::memcpy(buffer.data() + sizeof(BlockHash), &ns_value, sizeof(ns_value));
+  std::memcpy(buffer.data() + sizeof(BlockHash) + sizeof(ns_value), tokens.data(),
+              tokens.size_bytes());
+  const XXH128_hash_t h = XXH3_128bits(buffer.data(), buffer.size());
+  return BlockHash{h.low64, h.high64};
+}
+
+std::string MatchExplanation::ToString() const {
+  std::string out = fmt::format("matched {} tokens; ", matched_tokens);
+  switch (stop) {
+    case MatchStop::kPromptEnd:
+      out += "the whole prompt is cached";
+      break;
+    case MatchStop::kUnknownNamespace:
+      out += "nothing was ever cached in this namespace";
+      break;
+    case MatchStop::kNoChild:
+      out += fmt::format("block {}: nothing cached after the matched prefix", block_index);
+      break;
+    case MatchStop::kDiverged:
+      out += fmt::format(
+          "block {}: the closest cached block shares {} of the {} tokens needed (first "
+          "difference at token {} of the block)",
+          block_index, best_common, tokens_needed, best_common);
+      break;
+    case MatchStop::kInsufficientCoverage:
+      out += fmt::format(
+          "block {}: a cached block agrees but covers only {} of the {} tokens needed (a rewind "
+          "endpoint); its {} tokens were reused",
+          block_index, best_coverage, tokens_needed, best_common);
+      break;
+    case MatchStop::kEvicted:
+      out += fmt::format("block {}: it was cached and has been evicted", block_index);
+      break;
+  }
+  for (const auto& [ns, tokens] : other_namespaces) {
+    out += fmt::format(
+        "; namespace {} would match {} tokens (prefixes are never shared across "
+        "namespaces)",
+        ns.value(), tokens);
+  }
+  return out;
+}
+
+absl::StatusOr<std::unique_ptr<PrefixCache>> PrefixCache::Create(const PrefixCacheOptions& options,
+                                                                 BlockPool* pool) {
+  if (options.block_size <= 0) {
+    return absl::InvalidArgumentError(
+        fmt::format("block_size must be > 0 (got {})", options.block_size));
+  }
+  if (options.event_capacity == 0) {
+    return absl::InvalidArgumentError("event_capacity must be > 0");
+  }
+  absl::StatusOr<std::unique_ptr<EvictionPolicy>> policy = MakeEvictionPolicy(options.policy);
+  if (!policy.ok()) return policy.status();
+  return std::unique_ptr<PrefixCache>(new PrefixCache(options, pool, std::move(*policy)));
+}
+
+PrefixCache::PrefixCache(const PrefixCacheOptions& options, BlockPool* pool,
+                         std::unique_ptr<EvictionPolicy> policy)
+    : block_size_(options.block_size),
+      evicted_memory_(options.evicted_memory),
+      pool_(pool),
+      policy_(std::move(policy)),
+      events_(options.epoch, options.event_capacity),
+      node_of_block_(static_cast<size_t>(pool->num_blocks()), kNoNode),
+      evicted_ring_(options.evicted_memory) {}
+
+NodeIndex PrefixCache::NewNode() {
+  if (!free_nodes_.empty()) {
+    const NodeIndex node = free_nodes_.back();
+    free_nodes_.pop_back();
+    return node;
+  }
+  const auto node = static_cast<NodeIndex>(parent_.size());
+  parent_.push_back(kNoNode);
+  first_child_.push_back(kNoNode);
+  next_sibling_.push_back(kNoNode);
+  prev_sibling_.push_back(kNoNode);
+  num_children_.push_back(0);
+  block_.push_back(kInvalidBlock);
+  coverage_.push_back(0);
+  lock_.push_back(0);
+  priority_.push_back(0);
+  ns_.push_back(kNoNamespace);
+  hash_.push_back(BlockHash{});
+  token_hash_.push_back(0);
+  tokens_.resize(tokens_.size() + static_cast<size_t>(block_size_));
+  if (static_cast<size_t>(node) % 1024 == 0) policy_->Reserve(node + 1024);
+  return node;
+}
+
+NodeIndex PrefixCache::Root(NamespaceId ns) const {
+  auto it = roots_.find(ns);
+  return it == roots_.end() ? kNoNode : it->second;
+}
+
+NodeIndex PrefixCache::RootOrCreate(NamespaceId ns) {
+  if (NodeIndex root = Root(ns); root != kNoNode) return root;
+  const NodeIndex root = NewNode();
+  ns_[root] = ns;
+  roots_.emplace(ns, root);
+  return root;
+}
+
+NodeIndex PrefixCache::FindFull(NodeIndex parent, std::span<const int32_t> tokens) const {
+  auto it = children_.find(ChildKey{parent, HashTokens(tokens)});
+  if (it == children_.end()) return kNoNode;
+  return std::ranges::equal(Tokens(it->second), tokens) ? it->second : kNoNode;
+}
+
+NodeIndex PrefixCache::BestChild(NodeIndex parent, std::span<const int32_t> tokens,
+                                 int32_t* common) const {
+  NodeIndex best = kNoNode;
+  *common = 0;
+  for (NodeIndex c = first_child_[parent]; c != kNoNode; c = next_sibling_[c]) {
+    const int32_t shared = CommonPrefix(Tokens(c), tokens);
+    if (shared > *common || (shared == *common && shared > 0 && coverage_[c] > coverage_[best])) {
+      best = c;
+      *common = shared;
+    }
+  }
+  return best;
+}
+
+NodeIndex PrefixCache::Covering(NodeIndex parent, std::span<const int32_t> tokens,
+                                NodeIndex except) const {
+  if (tokens.size() == static_cast<size_t>(block_size_)) return FindFull(parent, tokens);
+  for (NodeIndex c = first_child_[parent]; c != kNoNode; c = next_sibling_[c]) {
+    if (c != except && StartsWith(Tokens(c), tokens)) return c;
+  }
+  return kNoNode;
+}
+
+PrefixMatch PrefixCache::Match(NamespaceId ns, std::span<const int32_t> tokens) const {
+  PrefixMatch m;
+  NodeIndex node = Root(ns);
+  if (node == kNoNode) return m;
+  const size_t bs = static_cast<size_t>(block_size_);
+  for (size_t pos = 0; pos < tokens.size();) {
+    const std::span<const int32_t> block = tokens.subspan(pos, std::min(bs, tokens.size() - pos));
+    if (block.size() == bs) {
+      if (NodeIndex child = FindFull(node, block); child != kNoNode) {
+        m.full.push_back(child);
+        node = child;
+        pos += bs;
+        continue;
+      }
+    }
+    int32_t common = 0;
+    const NodeIndex best = BestChild(node, block, &common);
+    if (best == kNoNode) break;
+    if (common == block_size_) {  // a full block the index missed (hash collision)
+      m.full.push_back(best);
+      node = best;
+      pos += bs;
+      continue;
+    }
+    m.partial = best;
+    m.partial_tokens = common;
+    break;
+  }
+  m.matched_tokens = static_cast<int64_t>(m.full.size()) * block_size_ + m.partial_tokens;
+  return m;
+}
+
+MatchExplanation PrefixCache::Explain(NamespaceId ns, std::span<const int32_t> tokens) const {
+  MatchExplanation e;
+  const PrefixMatch m = Match(ns, tokens);
+  e.matched_tokens = m.matched_tokens;
+  e.block_index = static_cast<int64_t>(m.full.size());
+  const size_t pos = m.full.size() * static_cast<size_t>(block_size_);
+  const NodeIndex root = Root(ns);
+  if (root == kNoNode) {
+    e.stop = MatchStop::kUnknownNamespace;
+  } else if (pos >= tokens.size() || m.matched_tokens == static_cast<int64_t>(tokens.size())) {
+    e.stop = MatchStop::kPromptEnd;
+  } else {
+    const NodeIndex parent = m.full.empty() ? root : m.full.back();
+    const std::span<const int32_t> block =
+        tokens.subspan(pos, std::min(static_cast<size_t>(block_size_), tokens.size() - pos));
+    e.tokens_needed = static_cast<int32_t>(block.size());
+    const NodeIndex best = BestChild(parent, block, &e.best_common);
+    if (best != kNoNode) e.best_coverage = coverage_[best];
+    const bool was_evicted = block.size() == static_cast<size_t>(block_size_) &&
+                             evicted_set_.contains(PrefixChainHash(hash_[parent], ns, block));
+    if (was_evicted) {
+      e.stop = MatchStop::kEvicted;
+    } else if (best == kNoNode && num_children_[parent] == 0) {
+      e.stop = MatchStop::kNoChild;
+    } else if (best != kNoNode && e.best_common == e.best_coverage &&
+               e.best_coverage < e.tokens_needed) {
+      e.stop = MatchStop::kInsufficientCoverage;
+    } else {
+      e.stop = MatchStop::kDiverged;
+    }
+  }
+  for (const auto& [other, other_root] : roots_) {
+    if (other == ns) continue;
+    const int64_t matched = Match(other, tokens).matched_tokens;
+    if (matched > e.matched_tokens) e.other_namespaces.emplace_back(other, matched);
+  }
+  std::sort(e.other_namespaces.begin(), e.other_namespaces.end());
+  return e;
+}
+
+void PrefixCache::Lock(NodeIndex node) {
+  if (lock_[node]++ == 0) UpdateEvictable(node);
+}
+
+void PrefixCache::Unlock(NodeIndex node) {
+  KVPOOL_CHECK_MSG(lock_[node] > 0, "unlock of an unlocked prefix-cache node");
+  if (--lock_[node] == 0) UpdateEvictable(node);
+}
+
+CachePath PrefixCache::Adopt(const PrefixMatch& match) {
+  CachePath path{.full = match.full, .partial = match.partial};
+  for (NodeIndex node : path.full) Lock(node);
+  if (path.partial != kNoNode) Lock(path.partial);
+  return path;
+}
+
+CachePath PrefixCache::Clone(const CachePath& path) {
+  return Adopt(PrefixMatch{.full = path.full, .partial = path.partial});
+}
+
+void PrefixCache::Truncate(CachePath* path, size_t keep_full) {
+  if (path->partial != kNoNode) {
+    Unlock(path->partial);
+    path->partial = kNoNode;
+  }
+  while (path->full.size() > keep_full) {
+    Unlock(path->full.back());
+    path->full.pop_back();
+  }
+}
+
+bool PrefixCache::ShouldBeEvictable(NodeIndex node) const {
+  const BlockId block = block_[node];
+  return block != kInvalidBlock && lock_[node] == 0 && pool_->state(block) == BlockState::kCached;
+}
+
+void PrefixCache::UpdateEvictable(NodeIndex node) {
+  const bool want = ShouldBeEvictable(node);
+  if (want == policy_->Contains(node)) return;
+  if (want) {
+    policy_->Add(node, priority_[node]);
+  } else {
+    policy_->Remove(node);
+  }
+}
+
+void PrefixCache::OnBlockRefsChanged(BlockId block) {
+  const NodeIndex node = node_of_block_[static_cast<size_t>(block.value())];
+  if (node != kNoNode) UpdateEvictable(node);
+}
+
+}  // namespace kvpool

@@ -1,0 +1,253 @@
+#pragma once
+
+// PrefixCache: the radix tree of token blocks that lets sequences of one namespace share KV
+// (DESIGN.md §5). One node per cached block; a node's edge is the block's tokens, compared
+// exactly. A full node (coverage == block_size) may have children and is named by a chained
+// xxh3-128 hash; a partial node (coverage < block_size, a rewind endpoint) is always a leaf.
+//
+// Coverage rules (the partial-block bugs real engines shipped):
+//  - a block is reused only up to its coverage: a match never claims more tokens of a block
+//    than the node covers;
+//  - per position the widest block wins: a partial block that an existing sibling already covers
+//    is not inserted, and a new wider block removes the (unused) narrower siblings it covers, so
+//    a rewind endpoint stays reusable whichever of the two was created first;
+//  - events announce full blocks only.
+//
+// Eviction: a node is evictable when it holds a block, no sequence locks it and no sequence
+// holds its block (the block is CACHED). The EvictionPolicy orders evictable nodes; because
+// sequences lock whole paths and release them deepest-first, a node always becomes evictable
+// after its descendants, so the policy's first candidate is a leaf and one eviction is O(1)
+// whatever the tree's size. The tree owns exactly one pool reference per cached block and an
+// eviction returns exactly that one.
+//
+// Thread-compatible; owned by the KvCacheManager, which serializes calls. The cache calls into
+// the BlockPool (AddCacheRef/DropCacheRef) and must be told, through OnBlockRefsChanged(), when
+// a sequence retains or releases a block.
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kvpool/block_pool.h"
+#include "kvpool/eviction_policy.h"
+#include "kvpool/kv_events.h"
+
+namespace kvpool {
+
+// A sequence's place in the tree: the nodes it follows, each locked once on its behalf.
+struct CachePath {
+  std::vector<NodeIndex> full;  // nodes for the sequence's full blocks 0, 1, ... (a chain)
+  NodeIndex partial = kNoNode;  // node for the next block, when only part of it is shared
+};
+
+struct PrefixMatch {
+  int64_t matched_tokens = 0;
+  std::vector<NodeIndex> full;  // fully matched blocks, root first
+  NodeIndex partial = kNoNode;  // the block matched for part of its tokens, if any
+  int32_t partial_tokens = 0;   // how many (<= that node's coverage)
+};
+
+// Why a prompt matched no further (for operators: `kvpoolctl explain`).
+enum class MatchStop : uint8_t {
+  kPromptEnd,             // the whole prompt matched
+  kUnknownNamespace,      // nothing was ever cached in this namespace
+  kNoChild,               // nothing cached after the matched prefix
+  kDiverged,              // cached blocks follow, but their tokens differ from the prompt's
+  kInsufficientCoverage,  // a cached block agrees as far as it goes but covers too few tokens
+  kEvicted,               // the next full block was cached and has been evicted
+};
+
+struct MatchExplanation {
+  int64_t matched_tokens = 0;
+  MatchStop stop = MatchStop::kPromptEnd;
+  int64_t block_index = 0;    // first block not fully matched
+  int32_t tokens_needed = 0;  // prompt tokens in that block
+  int32_t best_coverage = 0;  // coverage of the closest cached block there
+  int32_t best_common = 0;    // tokens it shares with the prompt
+  // Other namespaces whose trees would match more of this prompt (prefixes are never shared
+  // across namespaces), with how many tokens.
+  std::vector<std::pair<NamespaceId, int64_t>> other_namespaces;
+
+  std::string ToString() const;
+};
+
+// The chained name of a full block: xxh3-128 over (parent's hash, namespace, tokens). The root's
+// "hash" is zero. Used in events and by remote tiers; matching never relies on it.
+BlockHash PrefixChainHash(const BlockHash& parent, NamespaceId ns, std::span<const int32_t> tokens);
+
+struct PrefixCacheOptions {
+  int32_t block_size = 16;        // tokens per block; > 0
+  uint64_t epoch = 0;             // stamped on every event
+  size_t event_capacity = 65536;  // events kept for replay; > 0
+  size_t evicted_memory = 65536;  // recently evicted block hashes remembered for Explain()
+  std::string policy = "lru";     // eviction policy name (MakeEvictionPolicy)
+};
+
+struct PrefixCacheStats {
+  int64_t nodes = 0;       // cached blocks (full + partial)
+  int64_t full_nodes = 0;  // of which full
+  int64_t evictable = 0;   // nodes that could be evicted now
+  int64_t namespaces = 0;  // namespaces with a tree
+  uint64_t inserted = 0;   // nodes created
+  uint64_t widened = 0;    // partial nodes widened in place as their sequence published more
+  uint64_t evicted = 0;    // nodes evicted (including dominated partial nodes)
+  uint64_t dominated = 0;  // partial nodes removed because a wider sibling covers them
+};
+
+class PrefixCache final {
+ public:
+  // Errors: INVALID_ARGUMENT (block_size <= 0, event_capacity 0, unknown policy).
+  static absl::StatusOr<std::unique_ptr<PrefixCache>> Create(const PrefixCacheOptions& options,
+                                                             BlockPool* pool);
+
+  // The longest cached prefix of `tokens` in `ns`. Changes nothing.
+  PrefixMatch Match(NamespaceId ns, std::span<const int32_t> tokens) const;
+  MatchExplanation Explain(NamespaceId ns, std::span<const int32_t> tokens) const;
+
+  // Locks the nodes of `match` for a new sequence. Block references are the caller's business.
+  CachePath Adopt(const PrefixMatch& match);
+  // Locks `path`'s nodes once more (a forked sequence follows its parent's path).
+  CachePath Clone(const CachePath& path);
+  void Lock(NodeIndex node);
+  void Unlock(NodeIndex node);
+
+  // Publishes the blocks of a sequence in `ns` whose tokens are `tokens` and whose block table
+  // is `table` (covering them), extending `path`: full blocks become (or follow) full nodes, a
+  // trailing partial block becomes (or widens, or follows) a partial node. The tree takes one
+  // pool reference per block it adopts. `priority` in [0, kNumPriorities).
+  void Commit(NamespaceId ns, std::span<const int32_t> tokens, std::span<const BlockId> table,
+              int priority, CachePath* path, const TraceContext& ctx);
+
+  // Unlocks the nodes of `path` past its first `keep_full` full blocks, deepest first, and its
+  // partial node.
+  void Truncate(CachePath* path, size_t keep_full);
+
+  // A sequence retained or released `block`: re-evaluates whether its node is evictable.
+  void OnBlockRefsChanged(BlockId block);
+
+  // Works out, without changing anything, which nodes to evict (in order) to free `blocks`
+  // blocks now, never touching a node listed in `keep`. Appends them to `victims` and returns
+  // how many blocks they free (fewer than asked when the cache cannot free more).
+  int64_t PlanEviction(int64_t blocks, std::span<const NodeIndex> keep,
+                       std::vector<NodeIndex>* victims) const;
+  // Evicts the planned nodes, in order.
+  void Evict(std::span<const NodeIndex> victims, const TraceContext& ctx);
+  // Evicts up to `blocks` evictable nodes (an operator's request). Returns how many.
+  int64_t EvictUpTo(int64_t blocks, const TraceContext& ctx);
+  // Drops every node. Errors: FAILED_PRECONDITION while any node is locked or in use (nothing
+  // evicted).
+  absl::Status Clear(const TraceContext& ctx);
+
+  // How many leading tokens of `block` the tree has published (0 when it holds no node for it).
+  // Those tokens are immutable: a write below it must go to a copy.
+  int32_t CoverageOf(BlockId block) const {
+    const NodeIndex node = node_of_block_[static_cast<size_t>(block.value())];
+    return node == kNoNode ? 0 : coverage_[node];
+  }
+  int32_t block_size() const { return block_size_; }
+  BlockId block_of(NodeIndex node) const { return block_[node]; }
+  int32_t coverage(NodeIndex node) const { return coverage_[node]; }
+  uint32_t locks(NodeIndex node) const { return lock_[node]; }
+
+  const EventLog& events() const { return events_; }
+  // BlockStored events (seq 0) describing every full node now cached, parents first; a consumer
+  // that applies them after clearing its view, then reads from `*resume_seq`, misses nothing.
+  std::vector<KvEvent> SnapshotEvents(uint64_t* resume_seq) const;
+
+  PrefixCacheStats stats() const;
+  // Tree shape, hash chains, coverage, the child index, one cache reference per node, and that
+  // the policy holds exactly the evictable nodes. `expected_locks` (node -> locks), when given,
+  // must equal every node's lock count. Returns INTERNAL naming the first violation.
+  absl::Status CheckInvariants(
+      const absl::flat_hash_map<NodeIndex, uint32_t>* expected_locks = nullptr) const;
+  // Every node and the event position in canonical text form (fail-clean tests compare it).
+  std::string DebugString() const;
+
+ private:
+  struct ChildKey {
+    NodeIndex parent;
+    uint64_t token_hash;
+    friend bool operator==(const ChildKey&, const ChildKey&) = default;
+    template <typename H>
+    friend H AbslHashValue(H h, const ChildKey& k) {
+      return H::combine(std::move(h), k.parent, k.token_hash);
+    }
+  };
+
+  PrefixCache(const PrefixCacheOptions& options, BlockPool* pool,
+              std::unique_ptr<EvictionPolicy> policy);
+
+  std::span<const int32_t> Tokens(NodeIndex node) const {
+    return {tokens_.data() + static_cast<size_t>(node) * block_size_,
+            static_cast<size_t>(coverage_[node])};
+  }
+  NodeIndex Root(NamespaceId ns) const;
+  NodeIndex RootOrCreate(NamespaceId ns);
+  NodeIndex NewNode();
+  // The full child of `parent` holding exactly `tokens` (a whole block), or kNoNode.
+  NodeIndex FindFull(NodeIndex parent, std::span<const int32_t> tokens) const;
+  // The child of `parent` sharing the most leading tokens with `tokens` (capped at its
+  // coverage); ties go to the wider node. Returns kNoNode when none shares any.
+  NodeIndex BestChild(NodeIndex parent, std::span<const int32_t> tokens, int32_t* common) const;
+  // A child of `parent` other than `except` that covers all of `tokens`, or kNoNode.
+  NodeIndex Covering(NodeIndex parent, std::span<const int32_t> tokens, NodeIndex except) const;
+  NodeIndex Insert(NodeIndex parent, std::span<const int32_t> tokens, BlockId block, int priority,
+                   const TraceContext& ctx);
+  // Extends `node` (holding the sequence's own block) to `tokens`; a node reaching a full block
+  // joins the child index and is announced.
+  void Widen(NodeIndex node, std::span<const int32_t> tokens);
+  void MakeFull(NodeIndex node);
+  // Removes unused partial siblings of `node` that it covers.
+  void RemoveDominated(NodeIndex node, const TraceContext& ctx);
+  void RemoveNode(NodeIndex node, const TraceContext& ctx);
+  void UpdateEvictable(NodeIndex node);
+  bool ShouldBeEvictable(NodeIndex node) const;
+  void Announce(NodeIndex first, NodeIndex last);  // BlockStored for the chain first..last
+  void FlushRemoved();
+
+  const int32_t block_size_;
+  const size_t evicted_memory_;
+  BlockPool* const pool_;
+  std::unique_ptr<EvictionPolicy> policy_;
+  EventLog events_;
+
+  // Node metadata, struct-of-arrays by NodeIndex.
+  std::vector<NodeIndex> parent_;
+  std::vector<NodeIndex> first_child_;
+  std::vector<NodeIndex> next_sibling_;
+  std::vector<NodeIndex> prev_sibling_;
+  std::vector<int32_t> num_children_;
+  std::vector<BlockId> block_;     // kInvalidBlock for roots and free slots
+  std::vector<int32_t> coverage_;  // tokens of the block published (0 for roots)
+  std::vector<uint32_t> lock_;
+  std::vector<int8_t> priority_;
+  std::vector<NamespaceId> ns_;
+  std::vector<BlockHash> hash_;       // full nodes (and roots: zero)
+  std::vector<uint64_t> token_hash_;  // full nodes: key in children_
+  std::vector<int32_t> tokens_;       // [node][block_size]
+  std::vector<NodeIndex> free_nodes_;
+  std::vector<NodeIndex> node_of_block_;  // by BlockId
+
+  absl::flat_hash_map<NamespaceId, NodeIndex> roots_;
+  absl::flat_hash_map<ChildKey, NodeIndex> children_;  // full children only
+
+  // Recently evicted full blocks, for Explain().
+  std::vector<BlockHash> evicted_ring_;
+  size_t evicted_next_ = 0;
+  absl::flat_hash_set<BlockHash> evicted_set_;
+
+  std::vector<BlockHash> pending_removed_;  // batched into one BlockRemoved per call
+  NamespaceId pending_removed_ns_;
+
+  int64_t num_nodes_ = 0;
+  int64_t num_full_ = 0;
+  PrefixCacheStats counters_;
+};
+
+}  // namespace kvpool
