@@ -1,0 +1,158 @@
+// Prefix cache costs.
+//
+//   build/release/bench/prefix_bench --benchmark_repetitions=3
+//
+// 1. Match throughput (matched tokens/s) on prompts from the Mooncake conversation trace (or a
+//    generated workload when ../shared is absent), beside vLLM's method measured in the same run:
+//    a hash map from chained xxh3-128 block hashes to blocks, probed block by block.
+// 2. Cost of one eviction with 1k, 100k and 1M cached blocks: it must not grow with the tree.
+
+#include <cstdio>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "bench/ratio_reporter.h"
+#include "benchmark/benchmark.h"
+#include "kvpool/kv_cache_manager.h"
+#include "kvpool/util/check.h"
+#include "kvpool/workload/mooncake_trace.h"
+
+namespace kvpool {
+namespace {
+
+constexpr int32_t kBs = 16;
+constexpr NamespaceId kNs(1);
+constexpr SessionId kSession(1);
+
+// Prompts to cache and match: the first requests of the conversation trace when it is there.
+const std::vector<std::vector<int32_t>>& Prompts() {
+  static const std::vector<std::vector<int32_t>> prompts = [] {
+    std::vector<std::vector<int32_t>> out;
+    const char* path = "../shared/traces/mooncake/conversation_trace.jsonl";
+    if (std::filesystem::exists(path)) {
+      absl::StatusOr<std::vector<workload::TraceRequest>> trace = workload::ReadMooncakeTrace(path);
+      KVPOOL_CHECK_OK(trace.status());
+      for (size_t i = 0; i < 300 && i < trace->size(); ++i) {
+        out.push_back(workload::ExpandTokens((*trace)[i]));
+      }
+      std::fprintf(stderr, "prefix_bench: %zu prompts from %s\n", out.size(), path);
+    } else {
+      std::mt19937 rng(7);
+      std::vector<int32_t> system(2048);
+      for (int32_t& t : system) t = static_cast<int32_t>(rng() % 32000);
+      for (int i = 0; i < 300; ++i) {
+        std::vector<int32_t> p(system.begin(), system.begin() + 512 * (1 + i % 4));
+        for (int j = 0; j < 4000; ++j) p.push_back(static_cast<int32_t>(rng() % 32000));
+        out.push_back(std::move(p));
+      }
+      std::fprintf(stderr, "prefix_bench: 300 generated prompts (no ../shared)\n");
+    }
+    return out;
+  }();
+  return prompts;
+}
+
+int64_t TotalTokens() {
+  int64_t n = 0;
+  for (const auto& p : Prompts()) n += static_cast<int64_t>(p.size());
+  return n;
+}
+
+std::unique_ptr<KvCacheManager> MakeCache(int64_t num_blocks, int32_t max_blocks_per_seq) {
+  auto cache = KvCacheManager::Create({.block_size = kBs,
+                                       .num_blocks = static_cast<int32_t>(num_blocks),
+                                       .max_blocks_per_seq = max_blocks_per_seq,
+                                       .trace_depth = 0});
+  KVPOOL_CHECK_OK(cache.status());
+  return std::move(*cache);
+}
+
+void Serve(KvCacheManager* cache, const std::vector<int32_t>& prompt) {
+  DevicePlan plan;
+  const absl::StatusOr<AllocateResult> r = cache->Allocate(
+      kSession, {.ns = kNs, .num_tokens = static_cast<int64_t>(prompt.size()), .prompt = prompt},
+      &plan);
+  KVPOOL_CHECK_OK(r.status());
+  KVPOOL_CHECK_OK(cache->Free(kSession, r->sequence, OnFree::kCommit));
+}
+
+void BM_PrefixMatch(benchmark::State& state) {
+  const auto& prompts = Prompts();
+  auto cache = MakeCache(TotalTokens() / kBs + 1024, 1 << 16);
+  for (const auto& p : prompts) Serve(cache.get(), p);
+  int64_t matched = 0;
+  for (auto _ : state) {
+    for (const auto& p : prompts) matched += cache->MatchPrefix(kNs, p);
+  }
+  state.SetItemsProcessed(matched);
+  state.counters["matched_tokens_per_s"] =
+      benchmark::Counter(static_cast<double>(matched), benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_PrefixMatch);
+
+// vLLM's prefix lookup: every full block named by a chained hash, one hash-map probe per block.
+void BM_PrefixMatch_HashMap(benchmark::State& state) {
+  const auto& prompts = Prompts();
+  absl::flat_hash_map<BlockHash, int32_t> blocks;
+  for (const auto& p : prompts) {
+    BlockHash h{};
+    for (size_t b = 0; (b + 1) * kBs <= p.size(); ++b) {
+      h = PrefixChainHash(h, kNs, std::span(p).subspan(b * kBs, kBs));
+      blocks.try_emplace(h, static_cast<int32_t>(blocks.size()));
+    }
+  }
+  int64_t matched = 0;
+  for (auto _ : state) {
+    for (const auto& p : prompts) {
+      BlockHash h{};
+      size_t b = 0;
+      for (; (b + 1) * kBs <= p.size(); ++b) {
+        h = PrefixChainHash(h, kNs, std::span(p).subspan(b * kBs, kBs));
+        if (!blocks.contains(h)) break;
+      }
+      matched += static_cast<int64_t>(b) * kBs;
+    }
+  }
+  state.SetItemsProcessed(matched);
+  state.counters["matched_tokens_per_s"] =
+      benchmark::Counter(static_cast<double>(matched), benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_PrefixMatch_HashMap);
+
+// One eviction with `state.range(0)` cached blocks (plus the ones the run evicts).
+void BM_Evict(benchmark::State& state) {
+  const int64_t cached = state.range(0);
+  const int64_t evictions = state.max_iterations;
+  constexpr int32_t kChain = 64;  // blocks per cached sequence
+  const int64_t total = cached + evictions;
+  auto cache = MakeCache(total + kChain, kChain);
+  std::mt19937 rng(11);
+  std::vector<int32_t> prompt(kChain * kBs);
+  for (int64_t built = 0; built < total; built += kChain) {
+    for (int32_t& t : prompt) t = static_cast<int32_t>(rng());
+    const int64_t n = std::min<int64_t>(kChain, total - built) * kBs;
+    Serve(cache.get(), std::vector<int32_t>(prompt.begin(), prompt.begin() + n));
+  }
+  for (auto _ : state) benchmark::DoNotOptimize(cache->EvictCached(1));
+  state.counters["cached_blocks"] = static_cast<double>(cache->pool().num_cached());
+}
+BENCHMARK(BM_Evict)->Arg(1'000)->Arg(100'000)->Arg(1'000'000)->Iterations(20'000);
+
+}  // namespace
+}  // namespace kvpool
+
+int main(int argc, char** argv) {
+  return kvpool::bench::RunWithRatios(
+      argc, argv,
+      {
+          {"prefix match vs chained-xxh3 hash map (tokens/s)", "BM_PrefixMatch",
+           "BM_PrefixMatch_HashMap"},
+          {"eviction: 1k-block tree time / 1M-block tree time", "BM_Evict/1000000/iterations:20000",
+           "BM_Evict/1000/iterations:20000", 0.5},
+          {"eviction: 1k-block tree time / 100k-block tree time",
+           "BM_Evict/100000/iterations:20000", "BM_Evict/1000/iterations:20000", 0.5},
+      });
+}
