@@ -1,0 +1,289 @@
+#include "kernels/cpu_device.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+
+#include "fmt/format.h"
+#include "kernels/cpu_kernels.h"
+#include "kernels/validate.h"
+
+namespace kvpool::kernels {
+namespace {
+
+absl::Status Errno(std::string_view what) {
+  const int err = errno;
+  const std::string message = fmt::format("{}: {}", what, std::strerror(err));
+  return err == ENOMEM ? absl::ResourceExhaustedError(message) : absl::InternalError(message);
+}
+
+// The pool arena: a memfd mapped shared. Sealed against shrinking so a client's mapping can
+// never be cut under it.
+class MemfdArena final : public Arena {
+ public:
+  static absl::StatusOr<std::unique_ptr<Arena>> Create(int64_t bytes) {
+    if (bytes <= 0) return absl::InvalidArgumentError("arena size must be > 0");
+    const int fd = memfd_create("kvpool-arena", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0) return Errno("memfd_create");
+    if (ftruncate(fd, bytes) != 0) {
+      const absl::Status s = Errno("ftruncate(arena)");
+      close(fd);
+      return s;
+    }
+    if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+      const absl::Status s = Errno("seal arena");
+      close(fd);
+      return s;
+    }
+    void* base =
+        mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (base == MAP_FAILED) {
+      const absl::Status s = Errno("mmap(arena)");
+      close(fd);
+      return s;
+    }
+    return std::unique_ptr<Arena>(new MemfdArena(fd, base, bytes));
+  }
+
+  ~MemfdArena() override {
+    munmap(base_, static_cast<size_t>(bytes_));
+    close(fd_);
+  }
+
+  void* base() const override { return base_; }
+  int64_t bytes() const override { return bytes_; }
+  absl::StatusOr<ArenaExport> Export() const override {
+    const int fd = fcntl(fd_, F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) return Errno("dup(arena)");
+    return ArenaExport{
+        .kind = ArenaExport::Kind::kMemfd, .fd = fd, .bytes = bytes_, .mapped_bytes = bytes_};
+  }
+
+ private:
+  MemfdArena(int fd, void* base, int64_t bytes) : fd_(fd), base_(base), bytes_(bytes) {}
+
+  const int fd_;
+  void* const base_;
+  const int64_t bytes_;
+};
+
+class HostBuffer final : public DeviceBuffer {
+ public:
+  explicit HostBuffer(int64_t bytes)
+      : data_(std::aligned_alloc(64, static_cast<size_t>((bytes + 63) / 64 * 64))), bytes_(bytes) {}
+  ~HostBuffer() override { std::free(data_); }
+  void* data() const override { return data_; }
+  int64_t bytes() const override { return bytes_; }
+
+ private:
+  void* const data_;
+  const int64_t bytes_;
+};
+
+}  // namespace
+
+CpuDevice::Stream::Stream(CpuDevice* device, uint32_t timeline)
+    : device_(device), timeline_(timeline), worker_([this] { Loop(); }) {}
+
+CpuDevice::Stream::~Stream() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  worker_.join();
+}
+
+Fence CpuDevice::Stream::Enqueue(std::function<absl::Status()> run) {
+  absl::MutexLock lock(&mu_);
+  const uint64_t value = ++submitted_;
+  queue_.push_back(Task{value, std::move(run)});
+  return Fence{timeline_, value};
+}
+
+uint64_t CpuDevice::Stream::submitted() const {
+  absl::MutexLock lock(&mu_);
+  return submitted_;
+}
+
+void CpuDevice::Stream::Loop() {
+  for (;;) {
+    Task task;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(
+          +[](Stream* s)
+               ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu_) { return s->stop_ || !s->queue_.empty(); },
+          this));
+      if (queue_.empty()) return;  // stopping, and drained
+      task = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    absl::Status status = task.run();
+    if (!status.ok()) device_->RecordError(std::move(status));
+    absl::MutexLock lock(&mu_);  // waiters Await under mu_
+    completed_.store(task.value, std::memory_order_release);
+  }
+}
+
+void CpuDevice::Stream::WaitFor(uint64_t value) {
+  std::pair<const Stream*, uint64_t> target(this, value);
+  absl::MutexLock lock(&mu_);
+  mu_.Await(absl::Condition(
+      +[](std::pair<const Stream*, uint64_t>* t) { return t->first->completed() >= t->second; },
+      &target));
+}
+
+CpuDevice::CpuDevice(int threads) : threads_(threads) {
+  for (uint32_t s = 0; s < kNumStreams; ++s) streams_[s] = std::make_unique<Stream>(this, s);
+}
+
+CpuDevice::~CpuDevice() {
+  for (auto& stream : streams_) stream.reset();  // each drains its queue before stopping
+}
+
+std::string CpuDevice::name() const {
+  return fmt::format("cpu ({} threads, {})", threads_.threads(),
+                     cpu::UsingAvx2() ? "avx2+fma+f16c" : "portable");
+}
+
+absl::StatusOr<std::unique_ptr<Arena>> CpuDevice::CreateArena(int64_t bytes) {
+  return MemfdArena::Create(bytes);
+}
+
+absl::StatusOr<std::unique_ptr<DeviceBuffer>> CpuDevice::AllocateBuffer(int64_t bytes) {
+  if (bytes <= 0) return absl::InvalidArgumentError("buffer size must be > 0");
+  auto buffer = std::make_unique<HostBuffer>(bytes);
+  if (buffer->data() == nullptr) {
+    return absl::ResourceExhaustedError(fmt::format("cannot allocate {} bytes", bytes));
+  }
+  return buffer;
+}
+
+absl::StatusOr<CpuDevice::Stream*> CpuDevice::GetStream(StreamId stream) {
+  const auto s = static_cast<uint32_t>(stream);
+  if (s >= kNumStreams) return absl::InvalidArgumentError(fmt::format("no stream {}", s));
+  return streams_[s].get();
+}
+
+void CpuDevice::RecordError(absl::Status status) {
+  absl::MutexLock lock(&error_mu_);
+  if (first_error_.ok()) first_error_ = std::move(status);
+}
+
+absl::StatusOr<Fence> CpuDevice::CopyToDevice(StreamId stream, void* dst, const void* src,
+                                              int64_t bytes) {
+  if (bytes < 0 || (bytes > 0 && (dst == nullptr || src == nullptr))) {
+    return absl::InvalidArgumentError("copy: bad pointers or size");
+  }
+  absl::StatusOr<Stream*> s = GetStream(stream);
+  if (!s.ok()) return s.status();
+  return (*s)->Enqueue([=] {
+    std::memcpy(dst, src, static_cast<size_t>(bytes));
+    return absl::OkStatus();
+  });
+}
+
+absl::StatusOr<Fence> CpuDevice::CopyToHost(StreamId stream, void* dst, const void* src,
+                                            int64_t bytes) {
+  return CopyToDevice(stream, dst, src, bytes);  // one address space
+}
+
+absl::StatusOr<Fence> CpuDevice::CopyBlocks(StreamId stream, const KvPoolView& pool,
+                                            const CopyBlocksArgs& args) {
+  if (absl::Status v = ValidateCopyBlocks(pool, args); !v.ok()) return v;
+  absl::StatusOr<Stream*> s = GetStream(stream);
+  if (!s.ok()) return s.status();
+  return (*s)->Enqueue([=] { return cpu::CopyBlocks(pool, args); });
+}
+
+absl::StatusOr<Fence> CpuDevice::FillBlocks(StreamId stream, const KvPoolView& pool,
+                                            const FillBlocksArgs& args) {
+  if (absl::Status v = ValidateFillBlocks(pool, args); !v.ok()) return v;
+  absl::StatusOr<Stream*> s = GetStream(stream);
+  if (!s.ok()) return s.status();
+  return (*s)->Enqueue([=] { return cpu::FillBlocks(pool, args); });
+}
+
+absl::StatusOr<Fence> CpuDevice::WriteKv(StreamId stream, const KvPoolView& pool,
+                                         const WriteKvArgs& args) {
+  if (absl::Status v = ValidateWriteKv(pool, args); !v.ok()) return v;
+  absl::StatusOr<Stream*> s = GetStream(stream);
+  if (!s.ok()) return s.status();
+  return (*s)->Enqueue([=] { return cpu::WriteKv(pool, args); });
+}
+
+absl::StatusOr<Fence> CpuDevice::PagedAttentionDecode(StreamId stream, const KvPoolView& pool,
+                                                      const DecodeArgs& args) {
+  if (absl::Status v = ValidateDecode(pool, args); !v.ok()) return v;
+  absl::StatusOr<Stream*> s = GetStream(stream);
+  if (!s.ok()) return s.status();
+  // Only the compute stream may use the thread pool (one ParallelFor at a time).
+  ThreadPool* threads = stream == StreamId::kCompute ? &threads_ : nullptr;
+  return (*s)->Enqueue([=] { return cpu::PagedAttentionDecode(pool, args, threads); });
+}
+
+absl::StatusOr<Fence> CpuDevice::EnqueueHostTask(StreamId stream, std::function<void()> task) {
+  if (!task) return absl::InvalidArgumentError("empty host task");
+  absl::StatusOr<Stream*> s = GetStream(stream);
+  if (!s.ok()) return s.status();
+  return (*s)->Enqueue([task = std::move(task)] {
+    task();
+    return absl::OkStatus();
+  });
+}
+
+absl::Status CpuDevice::StreamWait(StreamId waiter, Fence fence) {
+  absl::StatusOr<Stream*> s = GetStream(waiter);
+  if (!s.ok()) return s.status();
+  if (fence.timeline >= kNumStreams) {
+    return absl::InvalidArgumentError(fmt::format("no stream {}", fence.timeline));
+  }
+  if (fence.value == 0 || fence.timeline == static_cast<uint32_t>(waiter)) {
+    return absl::OkStatus();  // nothing to wait for, or already ordered
+  }
+  Stream* other = streams_[fence.timeline].get();
+  (*s)->Enqueue([other, value = fence.value] {
+    other->WaitFor(value);
+    return absl::OkStatus();
+  });
+  return absl::OkStatus();
+}
+
+absl::Status CpuDevice::Synchronize(Fence fence) {
+  if (fence.timeline >= kNumStreams) {
+    return absl::InvalidArgumentError(fmt::format("no stream {}", fence.timeline));
+  }
+  Stream* stream = streams_[fence.timeline].get();
+  if (fence.value > stream->submitted()) {
+    return absl::InvalidArgumentError(
+        fmt::format("fence {} on stream {} was never issued", fence.value, fence.timeline));
+  }
+  stream->WaitFor(fence.value);
+  return status();
+}
+
+absl::Status CpuDevice::SynchronizeAll() {
+  for (uint32_t s = 0; s < kNumStreams; ++s) streams_[s]->WaitFor(streams_[s]->submitted());
+  return status();
+}
+
+absl::Status CpuDevice::status() const {
+  absl::MutexLock lock(&error_mu_);
+  return first_error_;
+}
+
+Fence CpuDevice::LastFence(StreamId stream) const {
+  const auto s = static_cast<uint32_t>(stream);
+  return s < kNumStreams ? Fence{s, streams_[s]->submitted()} : Fence{};
+}
+
+bool CpuDevice::HasPassed(Fence fence) const {
+  return fence.value == 0 ||
+         (fence.timeline < kNumStreams && streams_[fence.timeline]->completed() >= fence.value);
+}
+
+}  // namespace kvpool::kernels

@@ -1,0 +1,97 @@
+#pragma once
+
+// CpuDevice: the device layer on the host, always built and the default without a GPU.
+//
+// The arena is a memfd, sealed against shrinking and mapped shared, so a client process maps the
+// very same pages (ArenaExport::Kind::kMemfd). Each stream is a worker thread draining an ordered
+// queue; its completion counter is the fence timeline, so stream ordering, StreamWait and fenced
+// release behave (and are tested) as they do on a GPU. Kernels on the compute stream spread over
+// a ThreadPool.
+//
+// Thread-safe.
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "kernels/device.h"
+#include "kernels/thread_pool.h"
+
+namespace kvpool::kernels {
+
+class CpuDevice final : public Device {
+ public:
+  // `threads`: kernel threads (0 = hardware concurrency).
+  explicit CpuDevice(int threads);
+  ~CpuDevice() override;  // drains every stream
+
+  std::string name() const override;
+  bool host_visible() const override { return true; }
+  absl::StatusOr<std::unique_ptr<Arena>> CreateArena(int64_t bytes) override;
+  absl::StatusOr<std::unique_ptr<DeviceBuffer>> AllocateBuffer(int64_t bytes) override;
+  absl::StatusOr<Fence> CopyToDevice(StreamId stream, void* dst, const void* src,
+                                     int64_t bytes) override;
+  absl::StatusOr<Fence> CopyToHost(StreamId stream, void* dst, const void* src,
+                                   int64_t bytes) override;
+  absl::StatusOr<Fence> CopyBlocks(StreamId stream, const KvPoolView& pool,
+                                   const CopyBlocksArgs& args) override;
+  absl::StatusOr<Fence> FillBlocks(StreamId stream, const KvPoolView& pool,
+                                   const FillBlocksArgs& args) override;
+  absl::StatusOr<Fence> WriteKv(StreamId stream, const KvPoolView& pool,
+                                const WriteKvArgs& args) override;
+  absl::StatusOr<Fence> PagedAttentionDecode(StreamId stream, const KvPoolView& pool,
+                                             const DecodeArgs& args) override;
+  absl::StatusOr<Fence> EnqueueHostTask(StreamId stream, std::function<void()> task) override;
+  int64_t DecodeWorkspaceBytes(const PoolLayout& layout, int32_t num_seqs, int32_t num_q_heads,
+                               int32_t max_seq_len) const override {
+    return 0;
+  }
+  absl::Status StreamWait(StreamId waiter, Fence fence) override;
+  absl::Status Synchronize(Fence fence) override;
+  absl::Status SynchronizeAll() override;
+  absl::Status status() const override;
+  Fence LastFence(StreamId stream) const override;
+  bool HasPassed(Fence fence) const override;
+
+ private:
+  struct Task {
+    uint64_t value;
+    std::function<absl::Status()> run;
+  };
+  class Stream {
+   public:
+    Stream(CpuDevice* device, uint32_t timeline);
+    ~Stream();
+    Fence Enqueue(std::function<absl::Status()> run);
+    void WaitFor(uint64_t value);
+    uint64_t completed() const { return completed_.load(std::memory_order_acquire); }
+    uint64_t submitted() const;
+
+   private:
+    void Loop();
+
+    CpuDevice* const device_;
+    const uint32_t timeline_;
+    mutable absl::Mutex mu_;
+    std::deque<Task> queue_ ABSL_GUARDED_BY(mu_);
+    uint64_t submitted_ ABSL_GUARDED_BY(mu_) = 0;
+    bool stop_ ABSL_GUARDED_BY(mu_) = false;
+    std::atomic<uint64_t> completed_{0};
+    std::thread worker_;
+  };
+
+  absl::StatusOr<Stream*> GetStream(StreamId stream);
+  void RecordError(absl::Status status);
+
+  ThreadPool threads_;  // used from the compute stream's worker only
+  mutable absl::Mutex error_mu_;
+  absl::Status first_error_ ABSL_GUARDED_BY(error_mu_);
+  std::unique_ptr<Stream> streams_[kNumStreams];
+};
+
+}  // namespace kvpool::kernels

@@ -1,0 +1,48 @@
+#pragma once
+
+// The CPU implementations of the KV kernels. They are the product on the CPU backend: vectorized
+// with AVX2/FMA/F16C when the processor has them (checked at run time; the default build does not
+// assume them) and spread over a ThreadPool across sequences and KV heads. Every CUDA kernel is
+// tested against its counterpart here.
+
+#include "absl/status/status.h"
+#include "kernels/kernel_args.h"
+#include "kernels/pool_layout.h"
+#include "kernels/thread_pool.h"
+
+namespace kvpool::kernels::cpu {
+
+// All take host pointers. `threads` may be null (run on the caller). Errors: INVALID_ARGUMENT
+// for bad arguments, including out-of-range block ids or slots (nothing is written then).
+absl::Status WriteKv(const KvPoolView& pool, const WriteKvArgs& args);
+absl::Status CopyBlocks(const KvPoolView& pool, const CopyBlocksArgs& args);
+absl::Status FillBlocks(const KvPoolView& pool, const FillBlocksArgs& args);
+absl::Status PagedAttentionDecode(const KvPoolView& pool, const DecodeArgs& args,
+                                  ThreadPool* threads);
+
+// Decode against contiguous K/V: sequence i's keys are k[i] = [seq_lens[i]][num_kv_heads][head_dim]
+// (values likewise). The same vectorized code as the paged kernel, so paged/dense measures the
+// cost of paging alone.
+struct DenseDecodeArgs {
+  int32_t num_seqs = 0;
+  int32_t num_q_heads = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  DType dtype = DType::kBF16;
+  float scale = 0;
+  const float* q = nullptr;           // [num_seqs][num_q_heads][head_dim]
+  float* out = nullptr;               // [num_seqs][num_q_heads][head_dim]
+  const void* const* k = nullptr;     // [num_seqs] pointers
+  const void* const* v = nullptr;     // [num_seqs] pointers
+  const int32_t* seq_lens = nullptr;  // [num_seqs]
+};
+absl::Status DenseAttentionDecode(const DenseDecodeArgs& args, ThreadPool* threads);
+
+// The textbook algorithm in double precision, one head at a time: the reference the tests hold
+// both fast kernels (and the CUDA one) to.
+void ReferenceAttentionDecode(const DenseDecodeArgs& args);
+
+// True when the vectorized AVX2/FMA/F16C path is in use on this processor.
+bool UsingAvx2();
+
+}  // namespace kvpool::kernels::cpu

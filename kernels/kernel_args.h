@@ -1,0 +1,50 @@
+#pragma once
+
+// Arguments of the KV kernels: plain structs of device pointers and sizes (FlashInfer style), the
+// same for the CPU and CUDA implementations. Kernels never allocate; callers pass workspace. Raw
+// int32 block ids appear here only, at the kernel boundary.
+
+#include <cstdint>
+
+namespace kvpool::kernels {
+
+// Scatter new tokens' K and V into their blocks.
+struct WriteKvArgs {
+  int32_t layer = 0;
+  int32_t num_tokens = 0;
+  const void* k = nullptr;         // [num_tokens][num_kv_heads][head_dim], the pool's dtype
+  const void* v = nullptr;         // same
+  const int64_t* slots = nullptr;  // [num_tokens]: block * block_size + offset; < 0: padding
+};
+
+// One query token per sequence against its paged K/V (grouped-query attention).
+struct DecodeArgs {
+  int32_t layer = 0;
+  int32_t num_seqs = 0;
+  int32_t num_q_heads = 0;                // a multiple of the pool's num_kv_heads
+  float scale = 0;                        // softmax scale, usually 1/sqrt(head_dim)
+  const float* q = nullptr;               // [num_seqs][num_q_heads][head_dim]
+  float* out = nullptr;                   // [num_seqs][num_q_heads][head_dim]
+  const int32_t* block_tables = nullptr;  // [num_seqs][table_stride]
+  int32_t table_stride = 0;               // >= blocks of the longest sequence
+  const int32_t* seq_lens = nullptr;      // [num_seqs]; each in [1, table_stride * block_size]
+  int32_t max_seq_len = 0;                // >= every seq_lens[i] (sizes split-K work)
+  void* workspace = nullptr;              // DecodeWorkspaceBytes() bytes (may be 0)
+  int64_t workspace_bytes = 0;
+};
+
+// Copy whole blocks (copy-on-write, tier moves).
+struct CopyBlocksArgs {
+  int32_t num_pairs = 0;
+  const int32_t* pairs = nullptr;  // [num_pairs][2]: (src, dst)
+};
+
+enum class FillPattern : uint8_t { kZero, kPoison };
+
+struct FillBlocksArgs {
+  int32_t num_blocks = 0;
+  const int32_t* blocks = nullptr;  // [num_blocks]
+  FillPattern pattern = FillPattern::kZero;
+};
+
+}  // namespace kvpool::kernels

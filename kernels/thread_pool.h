@@ -1,0 +1,46 @@
+#pragma once
+
+// A fixed set of worker threads for data-parallel kernel loops. ParallelFor splits [0, n) into
+// chunks taken dynamically; the calling thread works too and returns when every chunk is done.
+// Thread-safe; one ParallelFor at a time per pool (callers serialize, as a stream does).
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+
+namespace kvpool::kernels {
+
+class ThreadPool final {
+ public:
+  // `threads` counts the caller: 1 runs everything on the caller. 0 = hardware concurrency.
+  explicit ThreadPool(int threads);
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  int threads() const { return static_cast<int>(workers_.size()) + 1; }
+
+  // Calls fn(begin, end) over disjoint ranges covering [0, n), `grain` items at a time.
+  void ParallelFor(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
+
+ private:
+  void WorkerLoop();
+  void RunChunks();
+
+  absl::Mutex mu_;
+  std::vector<std::thread> workers_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;  // bumps per ParallelFor
+  int busy_ ABSL_GUARDED_BY(mu_) = 0;             // workers inside the current job
+  // The current job (read by workers after they see a new generation).
+  const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
+  int64_t n_ = 0;
+  int64_t grain_ = 1;
+  std::atomic<int64_t> next_{0};
+};
+
+}  // namespace kvpool::kernels

@@ -1,0 +1,80 @@
+#include "kernels/validate.h"
+
+#include "fmt/format.h"
+
+namespace kvpool::kernels {
+namespace {
+
+absl::Status Bad(std::string_view kernel, std::string_view why) {
+  return absl::InvalidArgumentError(fmt::format("{}: {}", kernel, why));
+}
+
+absl::Status CheckPool(std::string_view kernel, const KvPoolView& pool) {
+  if (pool.base == nullptr && pool.layout.num_blocks > 0) return Bad(kernel, "null pool base");
+  if (absl::Status s = ValidateLayout(pool.layout); !s.ok()) return s;
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateWriteKv(const KvPoolView& pool, const WriteKvArgs& a) {
+  if (absl::Status s = CheckPool("WriteKv", pool); !s.ok()) return s;
+  if (a.layer < 0 || a.layer >= pool.layout.num_layers) {
+    return Bad("WriteKv", fmt::format("layer {} outside [0, {})", a.layer, pool.layout.num_layers));
+  }
+  if (a.num_tokens < 0) return Bad("WriteKv", "negative token count");
+  if (a.num_tokens > 0 && (a.k == nullptr || a.v == nullptr || a.slots == nullptr)) {
+    return Bad("WriteKv", "null k, v or slots");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateDecode(const KvPoolView& pool, const DecodeArgs& a) {
+  if (absl::Status s = CheckPool("PagedAttentionDecode", pool); !s.ok()) return s;
+  const PoolLayout& l = pool.layout;
+  if (a.layer < 0 || a.layer >= l.num_layers) {
+    return Bad("PagedAttentionDecode",
+               fmt::format("layer {} outside [0, {})", a.layer, l.num_layers));
+  }
+  if (a.num_seqs < 0) return Bad("PagedAttentionDecode", "negative sequence count");
+  if (a.num_q_heads <= 0 || a.num_q_heads % l.num_kv_heads != 0) {
+    return Bad("PagedAttentionDecode",
+               fmt::format("{} query heads is not a multiple of {} KV heads", a.num_q_heads,
+                           l.num_kv_heads));
+  }
+  if (a.num_seqs > 0 &&
+      (a.q == nullptr || a.out == nullptr || a.block_tables == nullptr || a.seq_lens == nullptr)) {
+    return Bad("PagedAttentionDecode", "null q, out, block_tables or seq_lens");
+  }
+  if (a.num_seqs > 0 && a.table_stride <= 0) {
+    return Bad("PagedAttentionDecode", "table_stride must be > 0");
+  }
+  if (a.num_seqs > 0 &&
+      (a.max_seq_len <= 0 || a.max_seq_len > static_cast<int64_t>(a.table_stride) * l.block_size)) {
+    return Bad("PagedAttentionDecode",
+               fmt::format("max_seq_len {} outside [1, table_stride * block_size = {}]",
+                           a.max_seq_len, static_cast<int64_t>(a.table_stride) * l.block_size));
+  }
+  if (a.workspace_bytes < 0 || (a.workspace_bytes > 0 && a.workspace == nullptr)) {
+    return Bad("PagedAttentionDecode", "bad workspace");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateCopyBlocks(const KvPoolView& pool, const CopyBlocksArgs& a) {
+  if (absl::Status s = CheckPool("CopyBlocks", pool); !s.ok()) return s;
+  if (a.num_pairs < 0 || (a.num_pairs > 0 && a.pairs == nullptr)) {
+    return Bad("CopyBlocks", "bad pair list");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateFillBlocks(const KvPoolView& pool, const FillBlocksArgs& a) {
+  if (absl::Status s = CheckPool("FillBlocks", pool); !s.ok()) return s;
+  if (a.num_blocks < 0 || (a.num_blocks > 0 && a.blocks == nullptr)) {
+    return Bad("FillBlocks", "bad block list");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvpool::kernels

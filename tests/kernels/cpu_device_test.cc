@@ -1,0 +1,146 @@
+#include "kernels/cpu_device.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cmath>
+#include <vector>
+
+#include "absl/synchronization/notification.h"
+#include "gtest/gtest.h"
+#include "kernels/backend.h"
+#include "kernels/plan_executor.h"
+
+namespace kvpool::kernels {
+namespace {
+
+TEST(CpuDeviceTest, ArenaIsASealedSharedMemfd) {
+  CpuDevice device(1);
+  absl::StatusOr<std::unique_ptr<Arena>> arena = device.CreateArena(1 << 20);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  static_cast<char*>((*arena)->base())[100] = 42;
+  absl::StatusOr<ArenaExport> exported = (*arena)->Export();
+  ASSERT_TRUE(exported.ok());
+  EXPECT_EQ(exported->kind, ArenaExport::Kind::kMemfd);
+  EXPECT_EQ(exported->bytes, 1 << 20);
+  // What another process does with the descriptor: map it and see the same bytes.
+  char* view = static_cast<char*>(
+      mmap(nullptr, 1 << 20, PROT_READ | PROT_WRITE, MAP_SHARED, exported->fd, 0));
+  ASSERT_NE(view, MAP_FAILED);
+  EXPECT_EQ(view[100], 42);
+  view[200] = 7;
+  EXPECT_EQ(static_cast<char*>((*arena)->base())[200], 7);
+  EXPECT_NE(ftruncate(exported->fd, 4096), 0);  // sealed: cannot shrink under a mapping
+  munmap(view, 1 << 20);
+  close(exported->fd);
+  EXPECT_EQ(device.CreateArena(0).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(CpuDeviceTest, StreamsRunInOrderAndFencesCountUp) {
+  CpuDevice device(1);
+  std::vector<int> order;
+  Fence last;
+  for (int i = 0; i < 100; ++i) {
+    absl::StatusOr<Fence> f =
+        device.EnqueueHostTask(StreamId::kTransfer, [&order, i] { order.push_back(i); });
+    ASSERT_TRUE(f.ok());
+    EXPECT_EQ(f->timeline, 1u);
+    EXPECT_EQ(f->value, static_cast<uint64_t>(i + 1));
+    last = *f;
+  }
+  ASSERT_TRUE(device.Synchronize(last).ok());
+  EXPECT_TRUE(device.HasPassed(last));
+  std::vector<int> expected(100);
+  std::iota(expected.begin(), expected.end(), 0);
+  EXPECT_EQ(order, expected);
+  EXPECT_EQ(device.LastFence(StreamId::kTransfer).value, 100u);
+  EXPECT_TRUE(device.HasPassed(Fence{0, 0}));
+  EXPECT_EQ(device.Synchronize(Fence{1, 500}).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(CpuDeviceTest, StreamWaitOrdersOneStreamAfterAnother) {
+  CpuDevice device(1);
+  absl::Notification gate;
+  std::atomic<int> step{0};
+  const Fence compute = *device.EnqueueHostTask(StreamId::kCompute, [&] {
+    gate.WaitForNotification();
+    step.store(1);
+  });
+  ASSERT_TRUE(device.StreamWait(StreamId::kTransfer, compute).ok());
+  int seen = -1;
+  const Fence transfer = *device.EnqueueHostTask(StreamId::kTransfer, [&] { seen = step.load(); });
+  EXPECT_FALSE(device.HasPassed(transfer));  // held behind the compute stream
+  gate.Notify();
+  ASSERT_TRUE(device.Synchronize(transfer).ok());
+  EXPECT_EQ(seen, 1);
+  EXPECT_TRUE(device.HasPassed(compute));
+}
+
+TEST(CpuDeviceTest, BadArgumentsEnqueueNothingAndKernelErrorsAreReported) {
+  CpuDevice device(1);
+  const PoolLayout layout{.block_size = 4,
+                          .num_layers = 1,
+                          .num_kv_heads = 1,
+                          .head_dim = 8,
+                          .dtype = DType::kF32,
+                          .num_blocks = 4};
+  std::unique_ptr<Arena> arena = *device.CreateArena(layout.arena_bytes());
+  const KvPoolView pool{arena->base(), layout};
+  const Fence before = device.LastFence(StreamId::kTransfer);
+  EXPECT_EQ(device.FillBlocks(StreamId::kTransfer, pool, {.num_blocks = 1}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(device.LastFence(StreamId::kTransfer).value, before.value);
+  // An out-of-range block is only found when the kernel runs: reported, not fatal.
+  const std::vector<int32_t> blocks = {9};
+  const Fence f =
+      *device.FillBlocks(StreamId::kTransfer, pool, {.num_blocks = 1, .blocks = blocks.data()});
+  EXPECT_EQ(device.Synchronize(f).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_FALSE(device.status().ok());
+}
+
+TEST(CpuDeviceTest, PlanExecutorScrubsFillsAndCopies) {
+  CpuDevice device(1);
+  const PoolLayout layout{.block_size = 4,
+                          .num_layers = 1,
+                          .num_kv_heads = 1,
+                          .head_dim = 8,
+                          .dtype = DType::kBF16,
+                          .num_blocks = 6};
+  std::unique_ptr<Arena> arena = *device.CreateArena(layout.arena_bytes());
+  char* base = static_cast<char*>(arena->base());
+  for (int64_t i = 0; i < layout.arena_bytes(); ++i) base[i] = static_cast<char>(1 + i % 100);
+  const KvPoolView pool{base, layout};
+  PlanExecutor executor(&device, StreamId::kTransfer, pool, FillPolicy::kPoison);
+  DevicePlan plan;
+  plan.fills = {{BlockId(1), /*scrub=*/true}, {BlockId(2), /*scrub=*/false}};
+  plan.copies = {{BlockId(3), BlockId(4)}};
+  const absl::StatusOr<Fence> fence = executor.Execute(plan);
+  ASSERT_TRUE(fence.ok()) << fence.status();
+  ASSERT_TRUE(device.Synchronize(*fence).ok());
+  const int64_t bytes = layout.block_bytes();
+  for (int64_t i = 0; i < bytes; ++i) ASSERT_EQ(pool.k(1, 0)[i], 0);  // another tenant's: zeroed
+  uint16_t h;
+  std::memcpy(&h, pool.k(2, 0), 2);
+  EXPECT_TRUE(std::isnan(BF16ToFloat(h)));  // policy fill
+  EXPECT_EQ(std::memcmp(pool.k(3, 0), pool.k(4, 0), static_cast<size_t>(bytes)), 0);
+  EXPECT_EQ(PlanExecutor::TouchedBlocks(plan).size(), 4u);
+  EXPECT_EQ(executor.Execute(DevicePlan{})->value, 0u);
+}
+
+TEST(BackendTest, CpuAlwaysWorksAndCudaSaysWhyNot) {
+  absl::StatusOr<std::unique_ptr<Device>> cpu = CreateDevice({.kind = BackendKind::kCpu});
+  ASSERT_TRUE(cpu.ok());
+  EXPECT_TRUE((*cpu)->host_visible());
+  absl::StatusOr<std::unique_ptr<Device>> any = CreateDevice({.kind = BackendKind::kAuto});
+  ASSERT_TRUE(any.ok());
+  absl::StatusOr<std::unique_ptr<Device>> cuda = CreateDevice({.kind = BackendKind::kCuda});
+  if (!cuda.ok()) {  // no GPU here: the reason is spelled out
+    EXPECT_EQ(cuda.status().code(), absl::StatusCode::kUnavailable);
+    EXPECT_FALSE(DescribeCudaBackend().empty());
+  }
+  EXPECT_FALSE(ParseBackend("tpu").ok());
+}
+
+}  // namespace
+}  // namespace kvpool::kernels
