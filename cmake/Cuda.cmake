@@ -26,6 +26,12 @@ if(KVPOOL_HAVE_CUDA)
     set(CMAKE_CUDA_ARCHITECTURES 80-real 89-real 90)
   endif()
   enable_language(CUDA)
+  # CMake 3.25 knows nvcc's dialect flags only up to C++17; nvcc 12+ takes -std=c++20, which the
+  # shared headers need (defaulted comparisons).
+  if(NOT CMAKE_CUDA20_STANDARD_COMPILE_OPTION)
+    set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION "-std=c++20")
+    set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION "-std=c++20")
+  endif()
   set(CMAKE_CUDA_STANDARD 20)
   set(CMAKE_CUDA_STANDARD_REQUIRED ON)
   message(STATUS "kvpool: CUDA backend ON (${CMAKE_CUDA_COMPILER}, ${CMAKE_CUDA_COMPILER_VERSION})")

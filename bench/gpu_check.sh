@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The CUDA backend on a machine with a GPU, from a fresh build: the parity test, then the decode
+# bandwidth benchmark. Everything finishes within 8 minutes (each step has its own timeout, cut
+# to what is left of the budget).
+#
+#   bench/gpu_check.sh            # from anywhere; builds in <repo>/build/gpu
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+readonly BUDGET_S=480
+readonly BUILD_DIR=build/gpu
+readonly START_S=${SECONDS}
+
+# Seconds left of the budget, at most $1; fails (ending the script) when under 10 s are left.
+left() {
+  local remaining=$((BUDGET_S - (SECONDS - START_S)))
+  if ((remaining < 10)); then
+    echo "gpu_check: out of time" >&2
+    return 1
+  fi
+  echo $((remaining < $1 ? remaining : $1))
+}
+
+step() { echo; echo "=== $* ($((SECONDS - START_S)) s)"; }
+
+step "devices"
+nvidia-smi -L
+
+step "configure ${BUILD_DIR}"
+rm -rf "${BUILD_DIR}"
+t=$(left 120)
+timeout "${t}" cmake -S . -B "${BUILD_DIR}" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DKVPOOL_ENABLE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90
+
+step "build cuda_parity_test cuda_decode_bench"
+t=$(left 300)
+timeout "${t}" cmake --build "${BUILD_DIR}" --target cuda_parity_test cuda_decode_bench \
+  -j "$(nproc)"
+
+step "cuda_parity_test"
+t=$(left 150)
+timeout "${t}" "${BUILD_DIR}/tests/kernels/cuda/cuda_parity_test"
+
+step "cuda_decode_bench"
+t=$(left 120)
+timeout "${t}" "${BUILD_DIR}/bench/cuda/cuda_decode_bench"
+
+step "done"

@@ -1,0 +1,593 @@
+// The CUDA backend against the CPU reference: paged decode for block sizes 1, 16 and 64, every
+// dtype, ragged lengths and several query/KV head groupings; WriteKv, CopyBlocks and FillBlocks
+// byte-exact; fences, StreamWait and host tasks across the two streams.
+//
+// The backend is loaded the way production loads it (dlopen of libkvpool_cuda.so, then the two C
+// entry points); every test skips when the library or a device is missing.
+
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "fmt/format.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu_kernels.h"
+#include "kernels/device.h"
+#include "kvpool/util/status_macros.h"
+
+#ifndef KVPOOL_CUDA_BACKEND_PATH
+#error "KVPOOL_CUDA_BACKEND_PATH must name libkvpool_cuda.so"
+#endif
+
+namespace kvpool::kernels {
+namespace {
+
+#define ASSERT_OK_AND_MOVE(lhs, expr)                        \
+  auto KVPOOL_STATUS_CONCAT_(result_, __LINE__) = (expr);    \
+  ASSERT_TRUE(KVPOOL_STATUS_CONCAT_(result_, __LINE__).ok()) \
+      << KVPOOL_STATUS_CONCAT_(result_, __LINE__).status();  \
+  lhs = std::move(KVPOOL_STATUS_CONCAT_(result_, __LINE__)).value()
+
+// The backend for the whole test program. The library is never unloaded (the device's code lives
+// in it); the device is destroyed in TearDown, before the CUDA runtime's exit handlers run.
+class CudaBackend : public ::testing::Environment {
+ public:
+  void SetUp() override {
+    void* handle = dlopen(KVPOOL_CUDA_BACKEND_PATH, RTLD_NOW | RTLD_LOCAL);
+    if (handle == nullptr) {
+      why_ = fmt::format("cannot load the CUDA backend: {}", dlerror());
+      return;
+    }
+    auto count = reinterpret_cast<int (*)()>(dlsym(handle, "kvpool_backend_device_count"));
+    auto create = reinterpret_cast<Device* (*)(int, char*, size_t)>(
+        dlsym(handle, "kvpool_backend_create_device"));
+    if (count == nullptr || create == nullptr) {
+      why_ = "libkvpool_cuda.so lacks the backend entry points";
+      return;
+    }
+    if (count() <= 0) {
+      why_ = "no CUDA device (no driver or no GPU): the GPU parity tests need one";
+      return;
+    }
+    char error[512] = {0};
+    device_.reset(create(0, error, sizeof(error)));
+    if (device_ == nullptr) why_ = fmt::format("CUDA device 0 did not start: {}", error);
+  }
+  void TearDown() override { device_.reset(); }
+
+  static Device* device() { return device_.get(); }
+  static const std::string& why() { return why_; }
+
+ private:
+  static inline std::unique_ptr<Device> device_;
+  static inline std::string why_;
+};
+
+::testing::Environment* const kBackend = ::testing::AddGlobalTestEnvironment(new CudaBackend);
+
+// Device memory holding a copy of `count` values at `data` (uploaded and synchronized).
+template <typename T>
+absl::StatusOr<std::unique_ptr<DeviceBuffer>> Upload(Device& device, const T* data, size_t count) {
+  const int64_t bytes = static_cast<int64_t>(count * sizeof(T));
+  KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<DeviceBuffer> buffer,
+                          device.AllocateBuffer(std::max<int64_t>(bytes, 16)));
+  KVPOOL_ASSIGN_OR_RETURN(Fence fence,
+                          device.CopyToDevice(StreamId::kTransfer, buffer->data(), data, bytes));
+  KVPOOL_RETURN_IF_ERROR(device.Synchronize(fence));
+  return buffer;
+}
+
+template <typename T>
+absl::StatusOr<std::unique_ptr<DeviceBuffer>> Upload(Device& device, const std::vector<T>& v) {
+  return Upload(device, v.data(), v.size());
+}
+
+template <typename T>
+absl::StatusOr<std::vector<T>> Download(Device& device, const void* src, size_t count) {
+  std::vector<T> out(count);
+  KVPOOL_ASSIGN_OR_RETURN(
+      Fence fence, device.CopyToHost(StreamId::kCompute, out.data(), src, count * sizeof(T)));
+  KVPOOL_RETURN_IF_ERROR(device.Synchronize(fence));
+  return out;
+}
+
+// Random values stored in `dtype`, as raw bytes.
+std::vector<char> RandomValues(int64_t count, DType dtype, std::mt19937* rng) {
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<char> out(static_cast<size_t>(count * DTypeSize(dtype)));
+  for (int64_t i = 0; i < count; ++i) {
+    const float f = dist(*rng);
+    switch (dtype) {
+      case DType::kF32:
+        std::memcpy(out.data() + i * 4, &f, 4);
+        break;
+      case DType::kF16: {
+        const uint16_t h = FloatToF16(f);
+        std::memcpy(out.data() + i * 2, &h, 2);
+        break;
+      }
+      case DType::kBF16: {
+        const uint16_t h = FloatToBF16(f);
+        std::memcpy(out.data() + i * 2, &h, 2);
+        break;
+      }
+    }
+  }
+  return out;
+}
+
+// max |a - b| / max |b|, and whether any value is NaN.
+double NormalizedError(const std::vector<float>& a, const std::vector<float>& b, bool* nan) {
+  double diff = 0, scale = 0;
+  *nan = false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::isnan(a[i]) || std::isnan(b[i])) *nan = true;
+    diff = std::max(diff, std::abs(static_cast<double>(a[i]) - b[i]));
+    scale = std::max(scale, std::abs(static_cast<double>(b[i])));
+  }
+  return diff / std::max(scale, 1e-30);
+}
+
+bool IsNaN(const char* element, DType dtype) {
+  switch (dtype) {
+    case DType::kF32: {
+      float f;
+      std::memcpy(&f, element, 4);
+      return std::isnan(f);
+    }
+    case DType::kF16: {
+      uint16_t h;
+      std::memcpy(&h, element, 2);
+      return std::isnan(F16ToFloat(h));
+    }
+    case DType::kBF16: {
+      uint16_t h;
+      std::memcpy(&h, element, 2);
+      return std::isnan(BF16ToFloat(h));
+    }
+  }
+  return false;
+}
+
+std::vector<int32_t> Iota(int32_t n) {
+  std::vector<int32_t> out(static_cast<size_t>(n));
+  std::iota(out.begin(), out.end(), 0);
+  return out;
+}
+
+class CudaParityTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (CudaBackend::device() == nullptr) GTEST_SKIP() << CudaBackend::why();
+  }
+  Device& device() { return *CudaBackend::device(); }
+};
+
+struct Case {
+  int32_t block_size;
+  DType dtype;
+  int32_t q_heads;
+  int32_t kv_heads;
+  int32_t head_dim;
+};
+
+// Runs CUDA WriteKv + PagedAttentionDecode over `lens` and holds the result to the CPU reference.
+// `max_seq_len` may exceed the longest sequence (its extra splits must be ignored).
+void CheckDecode(Device& device, const Case& c, const std::vector<int32_t>& lens,
+                 int32_t max_seq_len) {
+  std::mt19937 rng(1234);
+  const auto num_seqs = static_cast<int32_t>(lens.size());
+  const int32_t layer = 1;
+  PoolLayout layout{.block_size = c.block_size,
+                    .num_layers = 2,
+                    .num_kv_heads = c.kv_heads,
+                    .head_dim = c.head_dim,
+                    .dtype = c.dtype};
+  const int32_t stride = (max_seq_len + c.block_size - 1) / c.block_size;
+  int32_t total_blocks = 0;
+  for (int32_t len : lens) total_blocks += (len + c.block_size - 1) / c.block_size;
+  layout.num_blocks = total_blocks + 3;
+  ASSERT_OK_AND_MOVE(std::unique_ptr<Arena> arena, device.CreateArena(layout.arena_bytes()));
+  const KvPoolView pool{arena->base(), layout};
+
+  // Poison every block first: a slot the kernel must not read would turn its output NaN.
+  std::vector<int32_t> ids = Iota(layout.num_blocks);
+  ASSERT_OK_AND_MOVE(auto all_ids, Upload(device, ids));
+  ASSERT_TRUE(device
+                  .FillBlocks(StreamId::kTransfer, pool,
+                              {.num_blocks = layout.num_blocks,
+                               .blocks = static_cast<const int32_t*>(all_ids->data()),
+                               .pattern = FillPattern::kPoison})
+                  .ok());
+
+  // Scatter every sequence's K/V through WriteKv into a shuffled set of blocks.
+  std::shuffle(ids.begin(), ids.end(), rng);
+  std::vector<int32_t> tables(static_cast<size_t>(num_seqs) * stride, -1);
+  std::vector<std::vector<char>> dense_k, dense_v;
+  std::vector<std::unique_ptr<DeviceBuffer>> keep;
+  const int64_t row_values = static_cast<int64_t>(c.kv_heads) * c.head_dim;
+  size_t next = 0;
+  for (int32_t s = 0; s < num_seqs; ++s) {
+    const int32_t len = lens[s];
+    dense_k.push_back(RandomValues(len * row_values, c.dtype, &rng));
+    dense_v.push_back(RandomValues(len * row_values, c.dtype, &rng));
+    std::vector<int64_t> slots;
+    for (int32_t t = 0; t < len; ++t) {
+      if (t % c.block_size == 0) tables[s * stride + t / c.block_size] = ids[next++];
+      slots.push_back(static_cast<int64_t>(tables[s * stride + t / c.block_size]) * c.block_size +
+                      t % c.block_size);
+    }
+    ASSERT_OK_AND_MOVE(auto k, Upload(device, dense_k.back()));
+    ASSERT_OK_AND_MOVE(auto v, Upload(device, dense_v.back()));
+    ASSERT_OK_AND_MOVE(auto slot_buffer, Upload(device, slots));
+    ASSERT_TRUE(device
+                    .WriteKv(StreamId::kTransfer, pool,
+                             {.layer = layer,
+                              .num_tokens = len,
+                              .k = k->data(),
+                              .v = v->data(),
+                              .slots = static_cast<const int64_t*>(slot_buffer->data())})
+                    .ok());
+    keep.push_back(std::move(k));
+    keep.push_back(std::move(v));
+    keep.push_back(std::move(slot_buffer));
+  }
+  // Decode runs on the compute stream, after the writes on the transfer stream.
+  ASSERT_TRUE(device.StreamWait(StreamId::kCompute, device.LastFence(StreamId::kTransfer)).ok());
+
+  std::vector<float> q(static_cast<size_t>(num_seqs) * c.q_heads * c.head_dim);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  for (float& x : q) x = dist(rng);
+  ASSERT_OK_AND_MOVE(auto q_buffer, Upload(device, q));
+  ASSERT_OK_AND_MOVE(auto table_buffer, Upload(device, tables));
+  ASSERT_OK_AND_MOVE(auto len_buffer, Upload(device, lens));
+  ASSERT_OK_AND_MOVE(auto out_buffer,
+                     device.AllocateBuffer(static_cast<int64_t>(q.size() * sizeof(float))));
+  const int64_t workspace_bytes =
+      device.DecodeWorkspaceBytes(layout, num_seqs, c.q_heads, max_seq_len);
+  std::unique_ptr<DeviceBuffer> workspace;
+  if (workspace_bytes > 0) {
+    ASSERT_OK_AND_MOVE(workspace, device.AllocateBuffer(workspace_bytes));
+  }
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  absl::StatusOr<Fence> decoded = device.PagedAttentionDecode(
+      StreamId::kCompute, pool,
+      {.layer = layer,
+       .num_seqs = num_seqs,
+       .num_q_heads = c.q_heads,
+       .scale = scale,
+       .q = static_cast<const float*>(q_buffer->data()),
+       .out = static_cast<float*>(out_buffer->data()),
+       .block_tables = static_cast<const int32_t*>(table_buffer->data()),
+       .table_stride = stride,
+       .seq_lens = static_cast<const int32_t*>(len_buffer->data()),
+       .max_seq_len = max_seq_len,
+       .workspace = workspace ? workspace->data() : nullptr,
+       .workspace_bytes = workspace_bytes});
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  ASSERT_OK_AND_MOVE(std::vector<float> got, Download<float>(device, out_buffer->data(), q.size()));
+  ASSERT_TRUE(device.status().ok()) << device.status();
+
+  std::vector<const void*> k, v;
+  for (int32_t s = 0; s < num_seqs; ++s) {
+    k.push_back(dense_k[s].data());
+    v.push_back(dense_v[s].data());
+  }
+  std::vector<float> want(q.size(), -1);
+  cpu::ReferenceAttentionDecode({.num_seqs = num_seqs,
+                                 .num_q_heads = c.q_heads,
+                                 .num_kv_heads = c.kv_heads,
+                                 .head_dim = c.head_dim,
+                                 .dtype = c.dtype,
+                                 .scale = scale,
+                                 .q = q.data(),
+                                 .out = want.data(),
+                                 .k = k.data(),
+                                 .v = v.data(),
+                                 .seq_lens = lens.data()});
+  bool nan = false;
+  const double error = NormalizedError(got, want, &nan);
+  EXPECT_FALSE(nan);
+  EXPECT_LT(error, c.dtype == DType::kF32 ? 1e-4 : 2e-2);
+}
+
+std::string Name(const ::testing::TestParamInfo<Case>& info) {
+  const Case& c = info.param;
+  return fmt::format("bs{}_{}_q{}kv{}_d{}", c.block_size, DTypeName(c.dtype), c.q_heads, c.kv_heads,
+                     c.head_dim);
+}
+
+class CudaDecodeTest : public CudaParityTest, public ::testing::WithParamInterface<Case> {};
+
+TEST_P(CudaDecodeTest, MatchesTheCpuReference) {
+  // Ragged: partial blocks, exact multiples of the partition sizes and one past them.
+  const std::vector<int32_t> lens = {1, 17, 64, 65, 200, 513, 1000, 2049};
+  CheckDecode(device(), GetParam(), lens, 2049 + 100);
+}
+
+TEST_P(CudaDecodeTest, SingleSplitMatchesTheCpuReference) {
+  // max_seq_len within one partition: the kernel writes `out` without the combine pass.
+  CheckDecode(device(), GetParam(), {1, 5, 33, 64}, 64);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, CudaDecodeTest,
+    ::testing::Values(Case{1, DType::kF32, 32, 8, 128}, Case{1, DType::kF16, 32, 8, 128},
+                      Case{1, DType::kBF16, 32, 8, 128}, Case{16, DType::kF32, 32, 8, 128},
+                      Case{16, DType::kF16, 32, 8, 128}, Case{16, DType::kBF16, 32, 8, 128},
+                      Case{64, DType::kF32, 32, 8, 128}, Case{64, DType::kF16, 32, 8, 128},
+                      Case{64, DType::kBF16, 32, 8, 128}, Case{16, DType::kBF16, 32, 8, 64},
+                      Case{16, DType::kF16, 24, 8, 128},  // group of 3
+                      Case{16, DType::kBF16, 12, 1, 64},  // group of 12
+                      Case{16, DType::kF32, 8, 8, 256},   // no grouping
+                      Case{64, DType::kF16, 4, 2, 72}),   // odd head_dim
+    Name);
+
+// A small pool whose every byte the tests predict on the host.
+class CudaBlockOpsTest : public CudaParityTest {
+ protected:
+  static constexpr PoolLayout kLayout{.block_size = 4,
+                                      .num_layers = 2,
+                                      .num_kv_heads = 2,
+                                      .head_dim = 8,
+                                      .dtype = DType::kBF16,
+                                      .num_blocks = 6};
+
+  // Sets every byte of the arena (`bytes` is its size).
+  void Reset(const std::vector<char>& bytes) {
+    auto fence = device().CopyToDevice(StreamId::kTransfer, arena_->base(), bytes.data(),
+                                       static_cast<int64_t>(bytes.size()));
+    ASSERT_TRUE(fence.ok() && device().Synchronize(*fence).ok());
+  }
+  std::vector<char> Read() {
+    auto bytes = Download<char>(device(), arena_->base(), static_cast<size_t>(arena_->bytes()));
+    EXPECT_TRUE(bytes.ok()) << bytes.status();
+    return bytes.ok() ? *bytes : std::vector<char>();
+  }
+  void SetUp() override {
+    CudaParityTest::SetUp();
+    if (IsSkipped()) return;
+    // Room for the f32 variant of the layout (twice the bf16 size).
+    ASSERT_OK_AND_MOVE(arena_, device().CreateArena(2 * kLayout.arena_bytes()));
+    pool_ = {arena_->base(), kLayout};
+  }
+
+  std::unique_ptr<Arena> arena_;
+  KvPoolView pool_;
+};
+
+TEST_F(CudaBlockOpsTest, WriteKvScattersRowsAndSkipsPadding) {
+  std::vector<char> expected(static_cast<size_t>(arena_->bytes()), 1);
+  Reset(expected);
+  const int64_t row = kLayout.row_bytes();
+  std::mt19937 rng(7);
+  std::vector<char> k = RandomValues(3 * row / 2, DType::kBF16, &rng);
+  std::vector<char> v = RandomValues(3 * row / 2, DType::kBF16, &rng);
+  // block 1 offset 1, padding, block 5 offset 3, and block 6: past the pool (skipped on CUDA).
+  const std::vector<int64_t> slots = {5, -1, 23, 24};
+  k.resize(static_cast<size_t>(4 * row), 3);
+  v.resize(static_cast<size_t>(4 * row), 4);
+  ASSERT_OK_AND_MOVE(auto k_buffer, Upload(device(), k));
+  ASSERT_OK_AND_MOVE(auto v_buffer, Upload(device(), v));
+  ASSERT_OK_AND_MOVE(auto slot_buffer, Upload(device(), slots));
+  auto fence = device().WriteKv(StreamId::kCompute, pool_,
+                                {.layer = 1,
+                                 .num_tokens = 4,
+                                 .k = k_buffer->data(),
+                                 .v = v_buffer->data(),
+                                 .slots = static_cast<const int64_t*>(slot_buffer->data())});
+  ASSERT_TRUE(fence.ok()) << fence.status();
+  const KvPoolView host{expected.data(), kLayout};
+  std::memcpy(host.k(1, 1) + 1 * row, k.data(), static_cast<size_t>(row));
+  std::memcpy(host.v(1, 1) + 1 * row, v.data(), static_cast<size_t>(row));
+  std::memcpy(host.k(5, 1) + 3 * row, k.data() + 2 * row, static_cast<size_t>(row));
+  std::memcpy(host.v(5, 1) + 3 * row, v.data() + 2 * row, static_cast<size_t>(row));
+  EXPECT_EQ(Read(), expected);
+}
+
+TEST_F(CudaBlockOpsTest, CopyBlocksIsByteExact) {
+  std::vector<char> expected(static_cast<size_t>(arena_->bytes()));
+  std::mt19937 rng(11);
+  for (char& b : expected) b = static_cast<char>(rng());
+  Reset(expected);
+  // (2 -> 4), (0 -> 5), and a pair naming block 9, which the kernel skips.
+  const std::vector<int32_t> pairs = {2, 4, 0, 5, 9, 1};
+  ASSERT_OK_AND_MOVE(auto pair_buffer, Upload(device(), pairs));
+  ASSERT_TRUE(
+      device()
+          .CopyBlocks(StreamId::kTransfer, pool_,
+                      {.num_pairs = 3, .pairs = static_cast<const int32_t*>(pair_buffer->data())})
+          .ok());
+  const int64_t bytes = kLayout.block_bytes();
+  std::memcpy(expected.data() + 4 * bytes, expected.data() + 2 * bytes, static_cast<size_t>(bytes));
+  std::memcpy(expected.data() + 5 * bytes, expected.data() + 0 * bytes, static_cast<size_t>(bytes));
+  EXPECT_EQ(Read(), expected);
+}
+
+TEST_F(CudaBlockOpsTest, FillBlocksZeroesOrPoisonsWholeBlocksOfEveryDType) {
+  for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    PoolLayout layout = kLayout;
+    layout.dtype = dtype;
+    const int64_t bytes = layout.block_bytes();
+    const KvPoolView pool{arena_->base(), layout};  // f32 blocks use more of the arena
+    std::vector<char> expected(static_cast<size_t>(arena_->bytes()), 5);
+    Reset(expected);
+    const std::vector<int32_t> blocks = {1, 3};
+    ASSERT_OK_AND_MOVE(auto block_buffer, Upload(device(), blocks));
+    const auto* ids = static_cast<const int32_t*>(block_buffer->data());
+    ASSERT_TRUE(device()
+                    .FillBlocks(StreamId::kTransfer, pool,
+                                {.num_blocks = 1, .blocks = ids, .pattern = FillPattern::kZero})
+                    .ok());
+    ASSERT_TRUE(
+        device()
+            .FillBlocks(StreamId::kTransfer, pool,
+                        {.num_blocks = 1, .blocks = ids + 1, .pattern = FillPattern::kPoison})
+            .ok());
+    const std::vector<char> got = Read();
+    ASSERT_EQ(got.size(), expected.size());
+    std::memset(expected.data() + 1 * bytes, 0, static_cast<size_t>(bytes));
+    const int32_t size = DTypeSize(dtype);
+    const uint32_t pattern = dtype == DType::kF32   ? kPoisonF32
+                             : dtype == DType::kF16 ? kPoisonF16
+                                                    : kPoisonBF16;
+    for (int64_t i = 0; i < bytes / size; ++i) {
+      std::memcpy(expected.data() + 3 * bytes + i * size, &pattern, static_cast<size_t>(size));
+      ASSERT_TRUE(IsNaN(got.data() + 3 * bytes + i * size, dtype)) << "element " << i;
+    }
+    EXPECT_EQ(got, expected);
+  }
+}
+
+class CudaFenceTest : public CudaParityTest {};
+
+TEST_F(CudaFenceTest, ValuesCountPerStreamAndPassAfterSynchronize) {
+  Device& d = device();
+  const Fence start_c = d.LastFence(StreamId::kCompute);
+  const Fence start_t = d.LastFence(StreamId::kTransfer);
+  EXPECT_TRUE(d.HasPassed(Fence{0, 0}));
+  EXPECT_FALSE(d.HasPassed(Fence{start_c.timeline, start_c.value + 1}));
+  std::vector<char> host(1 << 20, 1);
+  ASSERT_OK_AND_MOVE(auto buffer, d.AllocateBuffer(1 << 20));
+  ASSERT_OK_AND_MOVE(Fence a,
+                     d.CopyToDevice(StreamId::kCompute, buffer->data(), host.data(), 1 << 20));
+  ASSERT_OK_AND_MOVE(Fence b, d.EnqueueHostTask(StreamId::kCompute, [] {}));
+  ASSERT_OK_AND_MOVE(Fence t, d.EnqueueHostTask(StreamId::kTransfer, [] {}));
+  EXPECT_EQ(a.timeline, 0u);
+  EXPECT_EQ(a.value, start_c.value + 1);
+  EXPECT_EQ(b.value, start_c.value + 2);
+  EXPECT_EQ(t.timeline, 1u);
+  EXPECT_EQ(t.value, start_t.value + 1);
+  EXPECT_EQ(d.LastFence(StreamId::kCompute).value, b.value);
+  ASSERT_TRUE(d.Synchronize(b).ok());
+  EXPECT_TRUE(d.HasPassed(a));
+  EXPECT_TRUE(d.HasPassed(b));
+  ASSERT_TRUE(d.SynchronizeAll().ok());
+  EXPECT_TRUE(d.HasPassed(t));
+  EXPECT_EQ(d.Synchronize(Fence{0, b.value + 5}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(d.Synchronize(Fence{7, 1}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_FALSE(d.HasPassed(Fence{7, 1}));
+}
+
+TEST_F(CudaFenceTest, StreamWaitOrdersComputeAfterTransfer) {
+  Device& d = device();
+  // A large fill keeps the transfer stream busy long after the compute stream's copy would
+  // have run without the wait.
+  const PoolLayout layout{.block_size = 64,
+                          .num_layers = 32,
+                          .num_kv_heads = 8,
+                          .head_dim = 128,
+                          .dtype = DType::kBF16,
+                          .num_blocks = 128};  // 4 MiB blocks, 512 MiB
+  ASSERT_OK_AND_MOVE(auto arena, d.CreateArena(layout.arena_bytes()));
+  const KvPoolView pool{arena->base(), layout};
+  ASSERT_OK_AND_MOVE(auto ids, Upload(d, Iota(layout.num_blocks)));
+  const auto* blocks = static_cast<const int32_t*>(ids->data());
+  ASSERT_TRUE(
+      d.FillBlocks(StreamId::kTransfer, pool, {.num_blocks = layout.num_blocks, .blocks = blocks})
+          .ok());
+  ASSERT_TRUE(d.SynchronizeAll().ok());
+
+  for (int round = 0; round < 3; ++round) {
+    const FillPattern pattern = round % 2 == 0 ? FillPattern::kPoison : FillPattern::kZero;
+    ASSERT_OK_AND_MOVE(
+        Fence filled,
+        d.FillBlocks(StreamId::kTransfer, pool,
+                     {.num_blocks = layout.num_blocks, .blocks = blocks, .pattern = pattern}));
+    ASSERT_TRUE(d.StreamWait(StreamId::kCompute, filled).ok());
+    std::vector<uint16_t> tail(256);
+    const char* last =
+        pool.v(layout.num_blocks - 1, layout.num_layers - 1) + layout.chunk_bytes() - 512;
+    ASSERT_OK_AND_MOVE(Fence copied, d.CopyToHost(StreamId::kCompute, tail.data(), last, 512));
+    ASSERT_TRUE(d.Synchronize(copied).ok());
+    EXPECT_TRUE(d.HasPassed(filled));  // ordered before `copied`, on the other stream
+    for (uint16_t h : tail) {
+      ASSERT_EQ(h, pattern == FillPattern::kPoison ? kPoisonBF16 : 0) << "round " << round;
+    }
+  }
+}
+
+TEST_F(CudaFenceTest, HostTasksRunInStreamOrderAndMayNotCallCuda) {
+  Device& d = device();
+  std::mutex mu;
+  std::vector<int> order;
+  bool earlier_passed = false;
+  absl::Status sync_inside, enqueue_inside;
+  const uint64_t first = d.LastFence(StreamId::kCompute).value + 1;
+  ASSERT_TRUE(d.EnqueueHostTask(StreamId::kCompute, [&] {
+                 std::lock_guard<std::mutex> lock(mu);
+                 order.push_back(1);
+               }).ok());
+  ASSERT_OK_AND_MOVE(Fence second, d.EnqueueHostTask(StreamId::kCompute, [&] {
+    std::lock_guard<std::mutex> lock(mu);
+    order.push_back(2);
+    earlier_passed = d.HasPassed(Fence{0, first});
+    sync_inside = d.Synchronize(Fence{0, first + 1});  // its own fence: would deadlock
+    enqueue_inside = d.EnqueueHostTask(StreamId::kTransfer, [] {}).status();
+  }));
+  ASSERT_TRUE(d.Synchronize(second).ok());
+  std::lock_guard<std::mutex> lock(mu);
+  EXPECT_EQ(order, (std::vector<int>{1, 2}));
+  EXPECT_TRUE(earlier_passed);
+  EXPECT_EQ(sync_inside.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(enqueue_inside.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(d.status().ok());
+}
+
+TEST_F(CudaFenceTest, BadArgumentsEnqueueNothing) {
+  Device& d = device();
+  const PoolLayout layout{.block_size = 16, .num_kv_heads = 8, .head_dim = 128, .num_blocks = 4};
+  ASSERT_OK_AND_MOVE(auto arena, d.CreateArena(layout.arena_bytes()));
+  const KvPoolView pool{arena->base(), layout};
+  const Fence before = d.LastFence(StreamId::kCompute);
+  EXPECT_EQ(d.WriteKv(StreamId::kCompute, pool, {.layer = 1}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  ASSERT_OK_AND_MOVE(auto scratch, d.AllocateBuffer(4096));
+  const auto* ints = static_cast<const int32_t*>(scratch->data());
+  auto* floats = static_cast<float*>(scratch->data());
+  // 2048 tokens span several partitions on any device: split-K needs workspace; none is given.
+  ASSERT_GT(d.DecodeWorkspaceBytes(layout, 8, 32, 2048), 0);
+  EXPECT_EQ(d.PagedAttentionDecode(StreamId::kCompute, pool,
+                                   {.num_seqs = 8,
+                                    .num_q_heads = 32,
+                                    .scale = 1,
+                                    .q = floats,
+                                    .out = floats,
+                                    .block_tables = ints,
+                                    .table_stride = 128,
+                                    .seq_lens = ints,
+                                    .max_seq_len = 2048})
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(d.LastFence(StreamId::kCompute).value, before.value);
+}
+
+TEST_F(CudaFenceTest, ArenaExportsAMappableHandle) {
+  ASSERT_OK_AND_MOVE(auto arena, device().CreateArena(3 << 20));
+  ASSERT_OK_AND_MOVE(ArenaExport exported, arena->Export());
+  EXPECT_EQ(exported.bytes, 3 << 20);
+  EXPECT_GE(exported.mapped_bytes, exported.bytes);
+  EXPECT_EQ(exported.device_ordinal, 0);
+  if (exported.kind == ArenaExport::Kind::kCudaVmm) {
+    ASSERT_GE(exported.fd, 0);
+    EXPECT_NE(fcntl(exported.fd, F_GETFD), -1);
+    close(exported.fd);
+  } else {
+    EXPECT_EQ(exported.kind, ArenaExport::Kind::kCudaIpc);
+    EXPECT_EQ(exported.ipc_handle.size(), 64u);  // sizeof(cudaIpcMemHandle_t)
+  }
+}
+
+}  // namespace
+}  // namespace kvpool::kernels
