@@ -19,13 +19,19 @@ class RecordingReporter final : public benchmark::ConsoleReporter {
           run.GetAdjustedRealTime() / benchmark::GetTimeUnitMultiplier(run.time_unit) * 1e9;
       auto [it, inserted] = best_ns_.emplace(run.benchmark_name(), ns);
       if (!inserted) it->second = std::min(it->second, ns);
+      if (auto bps = run.counters.find("bytes_per_second"); bps != run.counters.end()) {
+        auto [jt, fresh] = best_bps_.emplace(run.benchmark_name(), bps->second.value);
+        if (!fresh) jt->second = std::max(jt->second, static_cast<double>(bps->second.value));
+      }
     }
   }
 
   const std::map<std::string, double>& best_ns() const { return best_ns_; }
+  const std::map<std::string, double>& best_bps() const { return best_bps_; }
 
  private:
   std::map<std::string, double> best_ns_;
+  std::map<std::string, double> best_bps_;  // bytes per second, when the benchmark sets it
 };
 
 }  // namespace
@@ -53,7 +59,17 @@ int RunWithRatios(int argc, char** argv, const std::vector<RatioPair>& pairs) {
       missing = true;
       continue;
     }
-    const double ratio = base->second / ours->second;
+    double ratio = base->second / ours->second;
+    if (pair.compare == RatioPair::Compare::kBandwidth) {
+      auto ours_bps = reporter.best_bps().find(pair.ours);
+      auto base_bps = reporter.best_bps().find(pair.baseline);
+      if (ours_bps == reporter.best_bps().end() || base_bps == reporter.best_bps().end()) {
+        std::printf("%-44s %12s %12s %10s\n", pair.label.c_str(), "-", "-", "no bytes/s");
+        missing = true;
+        continue;
+      }
+      ratio = ours_bps->second / base_bps->second;
+    }
     char target[32] = "-";
     if (pair.target > 0) {
       std::snprintf(target, sizeof(target), ">=%.2f%s", pair.target,

@@ -5,16 +5,22 @@
 // --benchmark_repetitions=N the best repetition of each counts (the least disturbed on a shared
 // machine).
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
 namespace kvpool::bench {
 
 struct RatioPair {
+  enum class Compare : uint8_t {
+    kTime,       // baseline time per iteration / ours (same work on both sides)
+    kBandwidth,  // ours bytes/s / baseline bytes/s (both set SetBytesProcessed)
+  };
   std::string label;     // what is compared, e.g. "allocate+free one block"
   std::string ours;      // benchmark name, e.g. "BM_PoolAllocateFree"
   std::string baseline;  // benchmark name of the baseline
   double target = 0;     // minimum acceptable ratio; 0 when the issue sets none
+  Compare compare = Compare::kTime;
 };
 
 // Call from main() instead of BENCHMARK_MAIN(). Returns the process exit code: non-zero when

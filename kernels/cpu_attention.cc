@@ -184,27 +184,37 @@ KVPOOL_AVX2 inline __m256 Exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
 }
 
+// Lane j of the result is the sum of v[j]'s lanes (eight horizontal sums in seven shuffles).
+KVPOOL_AVX2 inline __m256 Reduce8(const __m256 v[8]) {
+  const __m256 s01 = _mm256_hadd_ps(v[0], v[1]);
+  const __m256 s23 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 s45 = _mm256_hadd_ps(v[4], v[5]);
+  const __m256 s67 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23);  // per 128-bit lane: v0 v1 v2 v3 partials
+  const __m256 s4567 = _mm256_hadd_ps(s45, s67);
+  const __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20);
+  const __m256 hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
+  return _mm256_add_ps(lo, hi);
+}
+
 // Scores of kHeads query heads (rows of q, `dim` apart) against two tokens' head slices at once:
 // eight independent FMA chains hide the FMA latency that one chain per head would expose.
+// out[j] is head j's score for k0, out[4 + j] for k1.
 template <DType kType, int kHeads>
-KVPOOL_AVX2 inline void Scores2(const float* q, int dim, const char* k0, const char* k1,
-                                float* out0, float* out1) {
+KVPOOL_AVX2 inline __m256 Scores2(const float* q, int dim, const char* k0, const char* k1) {
   constexpr int64_t kSize = DTypeSize(kType);
-  __m256 a[kHeads], b[kHeads];
-  for (int j = 0; j < kHeads; ++j) a[j] = b[j] = _mm256_setzero_ps();
+  __m256 acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
   for (int d = 0; d < dim; d += 8) {
     const __m256 x0 = Load8<kType>(k0 + d * kSize);
     const __m256 x1 = Load8<kType>(k1 + d * kSize);
     for (int j = 0; j < kHeads; ++j) {
       const __m256 qv = _mm256_loadu_ps(q + j * dim + d);
-      a[j] = _mm256_fmadd_ps(qv, x0, a[j]);
-      b[j] = _mm256_fmadd_ps(qv, x1, b[j]);
+      acc[j] = _mm256_fmadd_ps(qv, x0, acc[j]);
+      acc[4 + j] = _mm256_fmadd_ps(qv, x1, acc[4 + j]);
     }
   }
-  for (int j = 0; j < kHeads; ++j) {
-    out0[j] = HorizontalSum(a[j]);
-    out1[j] = HorizontalSum(b[j]);
-  }
+  return Reduce8(acc);
 }
 
 // acc[j][0..width) += sum_i p[j][i] * v_i[0..width) for kHeads heads, width 16 or 8 (two or one
@@ -234,40 +244,19 @@ KVPOOL_AVX2 inline void AccumulateValues(const float* p, int n, const char* cons
   }
 }
 
-// The next chunk's row pointers, to prefetch slice by slice.
-struct Prefetch {
-  const char* const* k;
-  const char* const* v;
-  int n;
-  KVPOOL_AVX2 void Rows(int first, int last, int64_t offset, int64_t bytes) const {
-    for (int i = first; i < last && i < n; ++i) {
-      for (int64_t b = 0; b < bytes; b += 64) {
-        _mm_prefetch(k[i] + offset + b, _MM_HINT_T1);
-        _mm_prefetch(v[i] + offset + b, _MM_HINT_T1);
-      }
-    }
-  }
-};
-
 // One group of up to four query heads sharing a KV head: scores for a chunk, then (after the
 // softmax) values.
 template <DType kType, int kHeads>
 struct HeadGroup {
-  // `next` (may be null) lists the next chunk's rows: their slices at `offset` are prefetched
-  // here, so the whole next chunk arrives while this one computes.
-  KVPOOL_AVX2 static void Scores(const float* q, int dim, int n, const char* const* kp,
-                                 int64_t offset, float scale, float* s, const Prefetch* next) {
-    constexpr int64_t kSize = DTypeSize(kType);
-    float out0[kHeads], out1[kHeads];
-    for (int i = 0; i < n; i += 2) {
-      if (next != nullptr) next->Rows(i, i + 2, offset, dim * kSize);
-      const char* k0 = kp[i] + offset;
-      const char* k1 = i + 1 < n ? kp[i + 1] + offset : k0;
-      Scores2<kType, kHeads>(q, dim, k0, k1, out0, out1);
-      for (int j = 0; j < kHeads; ++j) {
-        s[j * kChunk + i] = out0[j] * scale;
-        if (i + 1 < n) s[j * kChunk + i + 1] = out1[j] * scale;
-      }
+  // Scores of tokens i and i+1 (k0, k1: their head slices; k1 == k0 for a lone last token).
+  KVPOOL_AVX2 static void ScoresPair(const float* q, int dim, const char* k0, const char* k1,
+                                     float scale, float* s, int i, bool pair) {
+    alignas(32) float out[8];
+    _mm256_store_ps(out,
+                    _mm256_mul_ps(Scores2<kType, kHeads>(q, dim, k0, k1), _mm256_set1_ps(scale)));
+    for (int j = 0; j < kHeads; ++j) {
+      s[j * kChunk + i] = out[j];
+      if (pair) s[j * kChunk + i + 1] = out[4 + j];
     }
   }
   KVPOOL_AVX2 static void Values(const float* s, int dim, int n, const char* const* vp,
@@ -281,22 +270,11 @@ struct HeadGroup {
   }
 };
 
-template <DType kType, typename Fn>
-KVPOOL_AVX2 inline void WithGroup(int heads, const Fn& fn) {
-  switch (heads) {
-    case 1:
-      return fn(HeadGroup<kType, 1>{});
-    case 2:
-      return fn(HeadGroup<kType, 2>{});
-    case 3:
-      return fn(HeadGroup<kType, 3>{});
-    default:
-      return fn(HeadGroup<kType, 4>{});
-  }
-}
-
-template <DType kType, typename Rows>
+// kHeads query heads are processed together (group % kHeads == 0), fixed at compile time so the
+// whole loop nest inlines (a lambda inside would not inherit this function's target).
+template <DType kType, int kHeads, typename Rows>
 KVPOOL_AVX2 void AttendAvx2(const Shape& shape, const Task& task, const Rows& rows) {
+  using Group = HeadGroup<kType, kHeads>;
   constexpr int64_t kSize = DTypeSize(kType);
   const int dim = shape.dim;
   const int group = shape.group;
@@ -310,27 +288,30 @@ KVPOOL_AVX2 void AttendAvx2(const Shape& shape, const Task& task, const Rows& ro
   const char* next_vp[kChunk];
   int n_next = static_cast<int>(std::min<int64_t>(kChunk, task.end - task.begin));
   rows.Get(task.begin, n_next, next_kp, next_vp);
-  for (int i = 0; i < n_next; ++i) {  // the first chunk: nothing to overlap it with
-    for (int64_t b = 0; b < row_bytes; b += 64) {
-      _mm_prefetch(next_kp[i] + b, _MM_HINT_T0);
-      _mm_prefetch(next_vp[i] + b, _MM_HINT_T1);
-    }
-  }
   for (int64_t t0 = task.begin; t0 < task.end; t0 += kChunk) {
     const int n = n_next;
     std::copy(next_kp, next_kp + n, kp);
     std::copy(next_vp, next_vp + n, vp);
     n_next = static_cast<int>(std::clamp<int64_t>(task.end - t0 - kChunk, 0, kChunk));
     if (n_next > 0) rows.Get(t0 + kChunk, n_next, next_kp, next_vp);
-    const Prefetch next{next_kp, next_vp, n_next};
-    // Scores, head slice by head slice; each slice serves its query-head group.
-    for (int h = 0; h < shape.kv_heads; ++h) {
-      for (int g0 = 0; g0 < group; g0 += 4) {
-        const int q0 = h * group + g0;
-        WithGroup<kType>(std::min(4, group - g0), [&](auto g) {
-          g.Scores(task.q + q0 * dim, dim, n, kp, h * head_bytes, task.scale, &s[q0][0],
-                   g0 == 0 && n_next > 0 ? &next : nullptr);
-        });
+    // Scores, token by token: each K row is read whole and in order (the hardware prefetcher
+    // follows that; it does not follow one head's slices, a row apart), while this chunk's V
+    // rows and the next chunk's K rows are fetched for the passes that need them next.
+    for (int i = 0; i < n; i += 2) {
+      const bool pair = i + 1 < n;
+      for (int r = i; r < i + (pair ? 2 : 1); ++r) {
+        for (int64_t b = 0; b < row_bytes; b += 64) {
+          _mm_prefetch(vp[r] + b, _MM_HINT_T1);
+          if (r < n_next) _mm_prefetch(next_kp[r] + b, _MM_HINT_T1);
+        }
+      }
+      for (int h = 0; h < shape.kv_heads; ++h) {
+        const char* k0 = kp[i] + h * head_bytes;
+        const char* k1 = pair ? kp[i + 1] + h * head_bytes : k0;
+        for (int g0 = 0; g0 < group; g0 += kHeads) {
+          const int q0 = h * group + g0;
+          Group::ScoresPair(task.q + q0 * dim, dim, k0, k1, task.scale, &s[q0][0], i, pair);
+        }
       }
     }
     // Online softmax: rescale what was accumulated by exp(old max - new max).
@@ -360,14 +341,20 @@ KVPOOL_AVX2 void AttendAvx2(const Shape& shape, const Task& task, const Rows& ro
     }
     // Values: the chunk's V rows (in L2 by now) streamed once per head group.
     for (int h = 0; h < shape.kv_heads; ++h) {
-      for (int g0 = 0; g0 < group; g0 += 4) {
+      for (int g0 = 0; g0 < group; g0 += kHeads) {
         const int q0 = h * group + g0;
-        WithGroup<kType>(std::min(4, group - g0), [&](auto g) {
-          g.Values(&s[q0][0], dim, n, vp, h * head_bytes, task.acc + q0 * dim);
-        });
+        Group::Values(&s[q0][0], dim, n, vp, h * head_bytes, task.acc + q0 * dim);
       }
     }
   }
+}
+
+// The widest head-group width (4, 2 or 1) that divides the group.
+template <DType kType, typename Rows>
+void AttendAvx2Grouped(const Shape& shape, const Task& task, const Rows& rows) {
+  if (shape.group % 4 == 0) return AttendAvx2<kType, 4>(shape, task, rows);
+  if (shape.group % 2 == 0) return AttendAvx2<kType, 2>(shape, task, rows);
+  return AttendAvx2<kType, 1>(shape, task, rows);
 }
 
 bool DetectAvx2() {
@@ -386,11 +373,11 @@ void Attend(const Shape& shape, const Task& task, const Rows& rows, DType dtype)
   }
   switch (dtype) {
     case DType::kF32:
-      return AttendAvx2<DType::kF32>(shape, task, rows);
+      return AttendAvx2Grouped<DType::kF32>(shape, task, rows);
     case DType::kF16:
-      return AttendAvx2<DType::kF16>(shape, task, rows);
+      return AttendAvx2Grouped<DType::kF16>(shape, task, rows);
     case DType::kBF16:
-      return AttendAvx2<DType::kBF16>(shape, task, rows);
+      return AttendAvx2Grouped<DType::kBF16>(shape, task, rows);
   }
 }
 

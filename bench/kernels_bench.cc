@@ -1,0 +1,207 @@
+// CPU decode attention against the machine's memory bandwidth.
+//
+//   build/release/bench/kernels_bench --benchmark_repetitions=3
+//
+// Llama-3-8B-like head shape (32 query heads, 8 KV heads, head_dim 128, bf16 KV), one layer,
+// a batch of 2 sequences, contexts 512 ... 16k:
+//   - paged (block size 16, blocks shuffled across the pool) beside dense (contiguous) K/V: the
+//     cost of paging;
+//   - KV bytes read per second beside a STREAM-like read of this machine in the same run (both
+//     on all cores): how close decode gets to the memory's limit.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "bench/ratio_reporter.h"
+#include "benchmark/benchmark.h"
+#include "fmt/format.h"
+#include "kernels/cpu_kernels.h"
+#include "kvpool/util/check.h"
+
+namespace kvpool::kernels {
+namespace {
+
+constexpr int32_t kQHeads = 32;
+constexpr int32_t kKvHeads = 8;
+constexpr int32_t kDim = 128;
+constexpr int32_t kBlock = 16;
+constexpr int32_t kBatch = 2;
+constexpr DType kType = DType::kBF16;
+
+ThreadPool& Threads() {
+  static ThreadPool pool(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  return pool;
+}
+
+void FillRandom(char* p, int64_t bytes, uint32_t seed) {
+  // bf16 values in [-1, 1): random mantissa under a fixed exponent.
+  uint32_t x = seed * 2654435761u + 1;
+  for (int64_t i = 0; i + 1 < bytes; i += 2) {
+    x ^= x << 13, x ^= x >> 17, x ^= x << 5;
+    const uint16_t h = static_cast<uint16_t>(0x3F00u | (x & 0x7Fu) | ((x >> 8) & 0x8000u));
+    std::memcpy(p + i, &h, 2);
+  }
+}
+
+// One context length's data: a paged pool and the same K/V contiguous.
+struct Workload {
+  explicit Workload(int32_t context) {
+    const int32_t blocks_per_seq = (context + kBlock - 1) / kBlock;
+    layout = PoolLayout{.block_size = kBlock,
+                        .num_layers = 1,
+                        .num_kv_heads = kKvHeads,
+                        .head_dim = kDim,
+                        .dtype = kType,
+                        .num_blocks = kBatch * blocks_per_seq};
+    arena.reset(
+        static_cast<char*>(std::aligned_alloc(64, static_cast<size_t>(layout.arena_bytes()))));
+    FillRandom(arena.get(), layout.arena_bytes(), 1);
+    std::vector<int32_t> ids(static_cast<size_t>(layout.num_blocks));
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin(), ids.end(), std::mt19937(5));
+    tables = ids;  // [kBatch][blocks_per_seq]
+    stride = blocks_per_seq;
+    lens.assign(kBatch, context);
+    const int64_t row = layout.row_bytes();
+    for (int s = 0; s < kBatch; ++s) {
+      dense_k.emplace_back(static_cast<size_t>(context * row));
+      dense_v.emplace_back(static_cast<size_t>(context * row));
+      FillRandom(dense_k.back().data(), context * row, 2 + s);
+      FillRandom(dense_v.back().data(), context * row, 9 + s);
+    }
+    q.assign(static_cast<size_t>(kBatch * kQHeads * kDim), 0.01f);
+    out.assign(q.size(), 0);
+    kv_bytes = 2 * static_cast<int64_t>(kBatch) * context * row;
+  }
+
+  PoolLayout layout;
+  std::unique_ptr<char, decltype(&std::free)> arena{nullptr, &std::free};
+  std::vector<int32_t> tables;
+  int32_t stride = 0;
+  std::vector<int32_t> lens;
+  std::vector<std::vector<char>> dense_k, dense_v;
+  std::vector<float> q, out;
+  int64_t kv_bytes = 0;
+};
+
+Workload& GetWorkload(int32_t context) {
+  static std::map<int32_t, std::unique_ptr<Workload>> cache;
+  auto& w = cache[context];
+  if (!w) w = std::make_unique<Workload>(context);
+  return *w;
+}
+
+void BM_PagedDecode(benchmark::State& state) {
+  Workload& w = GetWorkload(static_cast<int32_t>(state.range(0)));
+  const KvPoolView pool{w.arena.get(), w.layout};
+  const DecodeArgs args{.layer = 0,
+                        .num_seqs = kBatch,
+                        .num_q_heads = kQHeads,
+                        .scale = 0.088f,
+                        .q = w.q.data(),
+                        .out = w.out.data(),
+                        .block_tables = w.tables.data(),
+                        .table_stride = w.stride,
+                        .seq_lens = w.lens.data(),
+                        .max_seq_len = w.lens[0]};
+  for (auto _ : state) KVPOOL_CHECK_OK(cpu::PagedAttentionDecode(pool, args, &Threads()));
+  state.SetBytesProcessed(state.iterations() * w.kv_bytes);
+}
+
+void BM_DenseDecode(benchmark::State& state) {
+  Workload& w = GetWorkload(static_cast<int32_t>(state.range(0)));
+  std::vector<const void*> k, v;
+  for (int s = 0; s < kBatch; ++s) {
+    k.push_back(w.dense_k[s].data());
+    v.push_back(w.dense_v[s].data());
+  }
+  const cpu::DenseDecodeArgs args{.num_seqs = kBatch,
+                                  .num_q_heads = kQHeads,
+                                  .num_kv_heads = kKvHeads,
+                                  .head_dim = kDim,
+                                  .dtype = kType,
+                                  .scale = 0.088f,
+                                  .q = w.q.data(),
+                                  .out = w.out.data(),
+                                  .k = k.data(),
+                                  .v = v.data(),
+                                  .seq_lens = w.lens.data()};
+  for (auto _ : state) KVPOOL_CHECK_OK(cpu::DenseAttentionDecode(args, &Threads()));
+  state.SetBytesProcessed(state.iterations() * w.kv_bytes);
+}
+
+#define KVPOOL_CONTEXTS ->Arg(512)->Arg(1024)->Arg(2048)->Arg(4096)->Arg(8192)->Arg(16384)
+BENCHMARK(BM_PagedDecode) KVPOOL_CONTEXTS->UseRealTime();
+BENCHMARK(BM_DenseDecode) KVPOOL_CONTEXTS->UseRealTime();
+
+// STREAM-like read: sum a buffer far larger than the caches, on every core.
+__attribute__((target("avx2"))) float SumAvx2(const float* p, int64_t n) {
+  __m256 a = _mm256_setzero_ps(), b = a, c = a, d = a;
+  for (int64_t i = 0; i + 32 <= n; i += 32) {
+    a = _mm256_add_ps(a, _mm256_load_ps(p + i));
+    b = _mm256_add_ps(b, _mm256_load_ps(p + i + 8));
+    c = _mm256_add_ps(c, _mm256_load_ps(p + i + 16));
+    d = _mm256_add_ps(d, _mm256_load_ps(p + i + 24));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_add_ps(_mm256_add_ps(a, b), _mm256_add_ps(c, d)));
+  return std::accumulate(lanes, lanes + 8, 0.0f);
+}
+
+float SumPortable(const float* p, int64_t n) {
+  float s[8] = {0};
+  for (int64_t i = 0; i + 8 <= n; i += 8) {
+    for (int j = 0; j < 8; ++j) s[j] += p[i + j];
+  }
+  return std::accumulate(s, s + 8, 0.0f);
+}
+
+void BM_StreamRead(benchmark::State& state) {
+  constexpr int64_t kBytes = 512ll << 20;
+  static float* data = [] {
+    auto* p = static_cast<float*>(std::aligned_alloc(64, kBytes));
+    std::fill(p, p + kBytes / 4, 1.0f);
+    return p;
+  }();
+  const bool avx2 = cpu::UsingAvx2();
+  const int64_t n = kBytes / 4;
+  std::vector<float> partial(static_cast<size_t>(Threads().threads()));
+  for (auto _ : state) {
+    std::atomic<int> slot{0};
+    Threads().ParallelFor(n, n / Threads().threads(), [&](int64_t b, int64_t e) {
+      const float s = avx2 ? SumAvx2(data + b, e - b) : SumPortable(data + b, e - b);
+      partial[static_cast<size_t>(slot.fetch_add(1)) % partial.size()] = s;
+    });
+    benchmark::DoNotOptimize(partial.data());
+  }
+  state.SetBytesProcessed(state.iterations() * kBytes);
+}
+BENCHMARK(BM_StreamRead)->UseRealTime();
+
+}  // namespace
+}  // namespace kvpool::kernels
+
+int main(int argc, char** argv) {
+  using kvpool::bench::RatioPair;
+  std::vector<RatioPair> pairs;
+  for (int ctx : {512, 1024, 2048, 4096, 8192, 16384}) {
+    pairs.push_back({fmt::format("paged/dense decode throughput, ctx {}", ctx),
+                     fmt::format("BM_PagedDecode/{}/real_time", ctx),
+                     fmt::format("BM_DenseDecode/{}/real_time", ctx), 0.9});
+  }
+  for (int ctx : {512, 1024, 2048, 4096, 8192, 16384}) {
+    pairs.push_back({fmt::format("paged KV bytes/s / STREAM read, ctx {}", ctx),
+                     fmt::format("BM_PagedDecode/{}/real_time", ctx), "BM_StreamRead/real_time",
+                     ctx >= 4096 ? 0.6 : 0, RatioPair::Compare::kBandwidth});
+  }
+  return kvpool::bench::RunWithRatios(argc, argv, pairs);
+}
