@@ -55,7 +55,7 @@ absl::StatusOr<Fence> PlanExecutor::Execute(const DevicePlan& plan) {
     pairs_.push_back(c.src.value());
     pairs_.push_back(c.dst.value());
   }
-  Fence fence = device_->LastFence(stream_);
+  Fence fence;  // value 0 unless something was enqueued
   if (!zero_.empty()) {
     KVPOOL_RETURN_IF_ERROR(Stage(zero_, &zero_dev_));
     KVPOOL_ASSIGN_OR_RETURN(

@@ -1,0 +1,159 @@
+#include "daemon/config.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <sstream>
+
+#include "fmt/format.h"
+#include "google/protobuf/io/tokenizer.h"
+#include "google/protobuf/text_format.h"
+#include "kernels/backend.h"
+#include "kernels/dtype.h"
+#include "kernels/plan_executor.h"
+#include "kernels/pool_layout.h"
+#include "kvpool/eviction_policy.h"
+#include "kvpool/v1/wire.h"
+
+namespace kvpool::daemon {
+namespace {
+
+constexpr int64_t kDefaultPoolBytes = 256ll << 20;
+
+// Collects protobuf's parse errors as "file:line:col: message" lines.
+class ErrorLines final : public google::protobuf::io::ErrorCollector {
+ public:
+  explicit ErrorLines(std::string file) : file_(std::move(file)) {}
+  void AddError(int line, int column, const std::string& message) override {
+    lines_.push_back(fmt::format("{}:{}:{}: {}", file_, line + 1, column + 1, message));
+  }
+  void AddWarning(int line, int column, const std::string& message) override {
+    AddError(line, column, message);
+  }
+  const std::vector<std::string>& lines() const { return lines_; }
+
+ private:
+  std::string file_;
+  std::vector<std::string> lines_;
+};
+
+std::string Join(const std::vector<std::string>& lines) {
+  std::string out;
+  for (const std::string& l : lines) out += (out.empty() ? "" : "\n") + l;
+  return out;
+}
+
+}  // namespace
+
+v1::DaemonConfig DefaultConfig() {
+  v1::DaemonConfig config;
+  ApplyDefaults(&config);
+  return config;
+}
+
+void ApplyDefaults(v1::DaemonConfig* c) {
+  if (c->runtime_dir().empty()) c->set_runtime_dir(wire::DefaultRuntimeDir());
+  if (c->backend().empty()) c->set_backend("cpu");
+  if (c->pool_bytes() == 0) c->set_pool_bytes(kDefaultPoolBytes);
+  v1::PoolShape* s = c->mutable_shape();
+  if (s->block_size() == 0) s->set_block_size(16);
+  if (s->num_layers() == 0) s->set_num_layers(4);
+  if (s->num_kv_heads() == 0) s->set_num_kv_heads(4);
+  if (s->head_dim() == 0) s->set_head_dim(64);
+  if (s->dtype().empty()) s->set_dtype("bf16");
+  if (c->max_blocks_per_seq() == 0) c->set_max_blocks_per_seq(4096);
+  if (c->fill_policy().empty()) c->set_fill_policy("none");
+  if (c->trace_depth() == 0) c->set_trace_depth(8);
+  if (c->eviction_policy().empty()) c->set_eviction_policy("lru");
+  if (c->event_capacity() == 0) c->set_event_capacity(65536);
+  if (c->allowed_uids().empty() && c->allowed_gids().empty()) c->add_allowed_uids(getuid());
+  if (c->admin_uids().empty()) c->add_admin_uids(getuid());
+  if (c->log_level().empty()) c->set_log_level("info");
+  if (c->drain_timeout_ms() == 0) c->set_drain_timeout_ms(5000);
+  if (c->socket_mode() == 0) c->set_socket_mode(0660);
+}
+
+std::vector<std::string> ValidateConfig(const v1::DaemonConfig& c) {
+  std::vector<std::string> errors;
+  auto bad = [&](std::string_view field, std::string why) {
+    errors.push_back(fmt::format("{}: {}", field, why));
+  };
+  if (!c.runtime_dir().empty() && c.runtime_dir()[0] != '/') {
+    bad("runtime_dir", fmt::format("must be an absolute path (got '{}')", c.runtime_dir()));
+  }
+  if (!kernels::ParseBackend(c.backend()).ok()) {
+    bad("backend", fmt::format("'{}' is not auto, cpu or cuda", c.backend()));
+  }
+  if (c.device_ordinal() < 0) bad("device_ordinal", "must be >= 0");
+  if (c.cpu_threads() < 0) bad("cpu_threads", "must be >= 0 (0: all cores)");
+  absl::StatusOr<kernels::DType> dtype = kernels::ParseDType(c.shape().dtype());
+  if (!dtype.ok())
+    bad("shape.dtype", fmt::format("'{}' is not f32, f16 or bf16", c.shape().dtype()));
+  const kernels::PoolLayout shape{.block_size = c.shape().block_size(),
+                                  .num_layers = c.shape().num_layers(),
+                                  .num_kv_heads = c.shape().num_kv_heads(),
+                                  .head_dim = c.shape().head_dim(),
+                                  .dtype = dtype.ok() ? *dtype : kernels::DType::kBF16};
+  const absl::Status shape_ok = kernels::ValidateLayout(shape);
+  if (!shape_ok.ok()) bad("shape", std::string(shape_ok.message()));
+  if (c.pool_bytes() <= 0) {
+    bad("pool_bytes", fmt::format("must be > 0 (got {})", c.pool_bytes()));
+  } else if (shape_ok.ok() && dtype.ok()) {
+    if (absl::StatusOr<kernels::PoolLayout> sized = kernels::LayoutForBudget(shape, c.pool_bytes());
+        !sized.ok()) {
+      bad("pool_bytes", std::string(sized.status().message()));
+    }
+  }
+  if (c.max_blocks_per_seq() <= 0) bad("max_blocks_per_seq", "must be > 0");
+  if (!kernels::ParseFillPolicy(c.fill_policy()).ok()) {
+    bad("fill_policy", fmt::format("'{}' is not none, zero or poison", c.fill_policy()));
+  }
+  if (c.trace_depth() < 0 || (c.trace_depth() & (c.trace_depth() - 1)) != 0) {
+    bad("trace_depth", fmt::format("must be 0 or a power of 2 (got {})", c.trace_depth()));
+  }
+  if (!MakeEvictionPolicy(c.eviction_policy()).ok()) {
+    bad("eviction_policy", fmt::format("unknown policy '{}' (lru)", c.eviction_policy()));
+  }
+  if (c.event_capacity() <= 0) bad("event_capacity", "must be > 0");
+  if (c.session_quota_blocks() < 0) bad("session_quota_blocks", "must be >= 0 (0: unlimited)");
+  for (const auto& [tenant, quota] : c.tenant_quota_blocks()) {
+    if (quota < 0) bad(fmt::format("tenant_quota_blocks[{}]", tenant), "must be >= 0");
+  }
+  static const char* kLevels[] = {"trace", "debug", "info", "warn", "error", "critical", "off"};
+  if (std::find(std::begin(kLevels), std::end(kLevels), c.log_level()) == std::end(kLevels)) {
+    bad("log_level",
+        fmt::format("'{}' is not one of trace, debug, info, warn, error, critical, off",
+                    c.log_level()));
+  }
+  if (c.drain_timeout_ms() < 0) bad("drain_timeout_ms", "must be >= 0");
+  if (c.socket_mode() > 0777)
+    bad("socket_mode", fmt::format("{:o} is not a permission mode", c.socket_mode()));
+  if (c.watchdog_ms() < 0) bad("watchdog_ms", "must be >= 0");
+  return errors;
+}
+
+absl::StatusOr<v1::DaemonConfig> LoadConfig(const std::string& path) {
+  v1::DaemonConfig config;
+  if (!path.empty()) {
+    std::ifstream in(path);
+    if (!in) return absl::NotFoundError(fmt::format("cannot read config {}", path));
+    std::stringstream text;
+    text << in.rdbuf();
+    google::protobuf::TextFormat::Parser parser;
+    ErrorLines errors(path);
+    parser.RecordErrorsTo(&errors);
+    if (!parser.ParseFromString(text.str(), &config)) {
+      return absl::InvalidArgumentError(Join(errors.lines()));
+    }
+  }
+  ApplyDefaults(&config);
+  std::vector<std::string> problems = ValidateConfig(config);
+  if (!problems.empty()) {
+    for (std::string& p : problems) p = (path.empty() ? "config" : path) + ": " + p;
+    return absl::InvalidArgumentError(Join(problems));
+  }
+  return config;
+}
+
+}  // namespace kvpool::daemon

@@ -1,0 +1,25 @@
+// kvpoold: the KV-cache pool daemon. Parses its four flags and runs (daemon/daemon.h).
+
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "daemon/daemon.h"
+
+ABSL_FLAG(std::string, config, "",
+          "textproto config (proto/kvpool/v1/config.proto); none: defaults");
+ABSL_FLAG(std::string, listen, "", "runtime directory for the sockets (overrides the config)");
+ABSL_FLAG(std::string, backend, "", "auto, cpu or cuda (overrides the config)");
+ABSL_FLAG(std::string, log_level, "", "trace, debug, info, warn, error, critical, off");
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "kvpoold: shares one accelerator's paged KV-cache pool with the serving processes of this "
+      "host.");
+  absl::ParseCommandLine(argc, argv);
+  return kvpool::daemon::Run({.config_path = absl::GetFlag(FLAGS_config),
+                              .listen = absl::GetFlag(FLAGS_listen),
+                              .backend = absl::GetFlag(FLAGS_backend),
+                              .log_level = absl::GetFlag(FLAGS_log_level)});
+}

@@ -1,0 +1,123 @@
+#pragma once
+
+// DaemonPool: the daemon's one pool: the device arena, the KvCacheManager over it, the executor
+// of its DevicePlans and the shared block-generation table, behind one coarse lock.
+//
+// Every control call runs in three steps: under the lock, ask the manager, enqueue the plan it
+// returns (a queue push or an asynchronous launch, never a wait), mark the plan's blocks in flight
+// with its fence and publish the generations of blocks handed out; then, outside the lock, wait
+// for that fence, so when the call returns the client may write its blocks at once. Nothing is
+// held across a wait or any RPC I/O.
+//
+// Thread-safe.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "daemon/sessions.h"
+#include "kernels/device.h"
+#include "kernels/plan_executor.h"
+#include "kvpool/kv_cache_manager.h"
+#include "kvpool/v1/attach.pb.h"
+#include "kvpool/v1/config.pb.h"
+#include "kvpool/v1/kvpool.pb.h"
+
+namespace kvpool::daemon {
+
+// What the attach handshake sends besides the response: descriptors the caller must close after
+// sending.
+struct AttachGrant {
+  v1::AttachResponse response;
+  std::vector<int> fds;  // in response.fds order
+};
+
+class DaemonPool final {
+ public:
+  // `device` is not owned and must outlive the pool. Errors: INVALID_ARGUMENT (bad config),
+  // RESOURCE_EXHAUSTED / INTERNAL (the device cannot provide the arena).
+  static absl::StatusOr<std::unique_ptr<DaemonPool>> Create(const v1::DaemonConfig& config,
+                                                            kernels::Device* device,
+                                                            uint64_t epoch);
+  ~DaemonPool();
+
+  // The namespace of a tenant and model on this pool's layout.
+  NamespaceId NamespaceOf(const std::string& tenant, const std::string& model) const;
+
+  // Sets the new session's quotas and fills in everything the client needs to map the pool.
+  // Errors: INTERNAL when the arena cannot be exported.
+  absl::StatusOr<AttachGrant> Attach(const Session& session);
+  // The session's client went away: release everything it held (fenced). Returns how many
+  // sequences it had.
+  int64_t ReleaseSession(SessionId session);
+
+  // Control calls. Errors as in kvpool.proto; a failed call changes nothing.
+  absl::Status Allocate(const Session& s, const v1::AllocateRequest& request,
+                        v1::AllocateResponse* response);
+  absl::Status Grow(const Session& s, const v1::GrowRequest& request, v1::GrowResponse* response);
+  absl::Status Truncate(const Session& s, const v1::TruncateRequest& request);
+  absl::Status Fork(const Session& s, const v1::ForkRequest& request, v1::ForkResponse* response);
+  absl::Status Commit(const Session& s, const v1::CommitRequest& request);
+  absl::Status Free(const Session& s, const v1::FreeRequest& request);
+  int64_t MatchPrefix(const Session& s, const v1::MatchPrefixRequest& request) const;
+
+  // Admin.
+  void Stats(v1::GetStatsResponse* response) const;
+  void ListSequences(uint64_t session_id, v1::ListSequencesResponse* response) const;
+  absl::Status DumpBlockTrace(const v1::DumpBlockTraceRequest& request,
+                              v1::DumpBlockTraceResponse* response) const;
+  void Explain(NamespaceId ns, const v1::ExplainMatchRequest& request,
+               v1::ExplainMatchResponse* response) const;
+  absl::StatusOr<int64_t> Evict(const v1::EvictRequest& request);
+  absl::Status CheckInvariants() const;
+  // Refuse new sequences from now on; returns how many are still live.
+  int64_t Drain();
+  bool draining() const;
+  // Sequences and block references `session` holds now.
+  std::pair<int64_t, int64_t> Usage(SessionId session) const;
+
+  // Cache events from `from` (see EventLog::ReadFrom): false when they were dropped and the
+  // consumer needs SnapshotEvents() first.
+  bool ReadEvents(uint64_t from, size_t max, std::vector<v1::KvEvent>* out) const;
+  std::vector<v1::KvEvent> SnapshotEvents(uint64_t* resume_seq) const;
+  uint64_t next_event_seq() const;
+
+  const kernels::PoolLayout& layout() const { return layout_; }
+  uint64_t epoch() const { return epoch_; }
+
+ private:
+  DaemonPool(const v1::DaemonConfig& config, kernels::Device* device, uint64_t epoch,
+             kernels::PoolLayout layout, std::unique_ptr<kernels::Arena> arena,
+             std::unique_ptr<KvCacheManager> cache, int generation_fd, uint32_t* generations);
+
+  // Enqueues `plan`, marks its blocks in flight and publishes generations of the blocks it hands
+  // out. Returns the fence to wait for outside the lock (value 0: nothing to wait for).
+  absl::StatusOr<Fence> Carry(const DevicePlan& plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status Wait(Fence fence);
+  void Describe(const Sequence& seq, int32_t table_offset, v1::SequenceInfo* info) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const v1::DaemonConfig config_;
+  kernels::Device* const device_;
+  const uint64_t epoch_;
+  const kernels::PoolLayout layout_;
+  const absl::Time started_;
+  std::unique_ptr<kernels::Arena> arena_;
+
+  mutable absl::Mutex mu_;
+  std::unique_ptr<KvCacheManager> cache_ ABSL_GUARDED_BY(mu_);
+  kernels::PlanExecutor executor_ ABSL_GUARDED_BY(mu_);
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t sessions_reclaimed_ ABSL_GUARDED_BY(mu_) = 0;
+
+  // Shared with clients (read-only for them): the generation of every block.
+  const int generation_fd_;
+  uint32_t* const generations_;
+};
+
+}  // namespace kvpool::daemon

@@ -1,0 +1,89 @@
+#pragma once
+
+// KvPoolService: the gRPC face of the daemon (proto/kvpool/v1/kvpool.proto), on the callback
+// API. Each unary call authenticates its session from the "kvpool-session-token" metadata, checks
+// the admin role where needed, runs on DaemonPool and maps the result with ToGrpcStatus(). Calls
+// are short (in-memory bookkeeping plus, at most, a wait for a small device plan), so they run
+// inline on gRPC's callback threads. WatchEvents streams cache events; followers are woken by
+// NotifyEvents() after every call that can produce events.
+//
+// Thread-safe.
+
+#include <memory>
+#include <string>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "daemon/pool.h"
+#include "daemon/sessions.h"
+#include "grpcpp/grpcpp.h"
+#include "kvpool/v1/kvpool.grpc.pb.h"
+
+namespace kvpool::daemon {
+
+// The one mapping from absl::Status to grpc::Status (STYLE.md): same code and message; a
+// RESOURCE_EXHAUSTED that carries a shortfall also sets the trailing metadata
+// "kvpool-shortfall" = "<resource>:<blocks>" when `context` is given.
+grpc::Status ToGrpcStatus(const absl::Status& status, grpc::ServerContextBase* context = nullptr);
+
+class EventWriter;
+
+class KvPoolService final : public v1::KvPool::CallbackService {
+ public:
+  // Neither is owned; both outlive the service.
+  KvPoolService(DaemonPool* pool, SessionRegistry* sessions);
+  ~KvPoolService() override;
+
+  using Context = grpc::CallbackServerContext;
+  using Unary = grpc::ServerUnaryReactor;
+
+  Unary* Allocate(Context* c, const v1::AllocateRequest* q, v1::AllocateResponse* r) override;
+  Unary* Grow(Context* c, const v1::GrowRequest* q, v1::GrowResponse* r) override;
+  Unary* Truncate(Context* c, const v1::TruncateRequest* q, v1::TruncateResponse* r) override;
+  Unary* Fork(Context* c, const v1::ForkRequest* q, v1::ForkResponse* r) override;
+  Unary* Commit(Context* c, const v1::CommitRequest* q, v1::CommitResponse* r) override;
+  Unary* Free(Context* c, const v1::FreeRequest* q, v1::FreeResponse* r) override;
+  Unary* MatchPrefix(Context* c, const v1::MatchPrefixRequest* q,
+                     v1::MatchPrefixResponse* r) override;
+  Unary* Ping(Context* c, const v1::PingRequest* q, v1::PingResponse* r) override;
+  Unary* GetStats(Context* c, const v1::GetStatsRequest* q, v1::GetStatsResponse* r) override;
+  Unary* ListSessions(Context* c, const v1::ListSessionsRequest* q,
+                      v1::ListSessionsResponse* r) override;
+  Unary* ListSequences(Context* c, const v1::ListSequencesRequest* q,
+                       v1::ListSequencesResponse* r) override;
+  Unary* DumpBlockTrace(Context* c, const v1::DumpBlockTraceRequest* q,
+                        v1::DumpBlockTraceResponse* r) override;
+  grpc::ServerWriteReactor<v1::WatchEventsResponse>* WatchEvents(
+      Context* c, const v1::WatchEventsRequest* q) override;
+  Unary* ExplainMatch(Context* c, const v1::ExplainMatchRequest* q,
+                      v1::ExplainMatchResponse* r) override;
+  Unary* Evict(Context* c, const v1::EvictRequest* q, v1::EvictResponse* r) override;
+  Unary* CheckInvariants(Context* c, const v1::CheckInvariantsRequest* q,
+                         v1::CheckInvariantsResponse* r) override;
+  Unary* SetLogLevel(Context* c, const v1::SetLogLevelRequest* q,
+                     v1::SetLogLevelResponse* r) override;
+  Unary* Drain(Context* c, const v1::DrainRequest* q, v1::DrainResponse* r) override;
+
+  // Wakes every following WatchEvents stream to send what is new.
+  void NotifyEvents();
+  // Ends every WatchEvents stream (UNAVAILABLE), so the server can shut down.
+  void EndStreams();
+
+ private:
+  friend class EventWriter;
+
+  template <typename Fn>
+  Unary* Run(Context* context, bool admin, Fn&& fn);
+  std::shared_ptr<const Session> Authenticate(Context* context, grpc::Status* error) const;
+  void Register(EventWriter* writer);
+  void Unregister(EventWriter* writer);
+
+  DaemonPool* const pool_;
+  SessionRegistry* const sessions_;
+  absl::Mutex writers_mu_;
+  absl::flat_hash_set<EventWriter*> writers_ ABSL_GUARDED_BY(writers_mu_);
+  bool ended_ ABSL_GUARDED_BY(writers_mu_) = false;
+};
+
+}  // namespace kvpool::daemon
