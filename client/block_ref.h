@@ -1,0 +1,41 @@
+#pragma once
+
+// BlockRef: one entry of a sequence's block table as a client holds it, and helpers that turn the
+// daemon's SequenceInfo messages into tables of them.
+//
+// A block id alone is not enough to address KV safely: the daemon hands a block out again after
+// it is freed, bumping its generation. A client keeps (id, generation) pairs and PoolMapping
+// refuses to address a block whose generation has moved on.
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "kvpool/v1/kvpool.pb.h"
+
+namespace kvpool::client {
+
+struct BlockRef {
+  int32_t id = -1;          // dense block index in the pool, [0, layout.num_blocks)
+  uint32_t generation = 0;  // the block's generation when the daemon handed it to this sequence
+
+  friend bool operator==(const BlockRef&, const BlockRef&) = default;
+};
+
+// OK when `info`'s parallel arrays (block_ids, generations) have equal length, table_offset >= 0
+// and every block id >= 0. Errors: INVALID_ARGUMENT naming what is wrong.
+absl::Status ValidateSequenceInfo(const v1::SequenceInfo& info);
+
+// The blocks listed in `info`, in order (for a full table: the whole table; for a Grow tail: the
+// entries from table_offset on).
+// REQUIRES: ValidateSequenceInfo(info).ok() (Client validates every response it returns).
+std::vector<BlockRef> ToBlockRefs(const v1::SequenceInfo& info);
+
+// Applies a Grow response entry to the table the caller holds: entry table_offset + i becomes
+// tail.blocks[i]; entries before table_offset are unchanged, and the table grows to hold the tail
+// (Grow never shrinks a table, so entries past the tail are kept).
+// Errors: INVALID_ARGUMENT when `tail` is malformed or table_offset > table->size() (the held
+// table is not the one the daemon extended); `*table` is unchanged after an error.
+absl::Status ApplyGrow(const v1::SequenceInfo& tail, std::vector<BlockRef>* table);
+
+}  // namespace kvpool::client

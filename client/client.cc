@@ -1,0 +1,333 @@
+#include "client/client.h"
+
+#include <cerrno>  // program_invocation_short_name
+#include <utility>
+
+#include "client/internal/attach.h"
+#include "client/internal/status_macros.h"
+#include "fmt/format.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "grpcpp/support/channel_arguments.h"
+#include "kvpool/v1/wire.h"
+
+namespace kvpool::client {
+namespace {
+
+absl::Status Malformed(std::string_view rpc, std::string_view what) {
+  return absl::InternalError(fmt::format("malformed {} response from kvpoold: {}", rpc, what));
+}
+
+// Checks that a response lists `want` sequences, each well-formed.
+absl::Status CheckSequences(std::string_view rpc,
+                            const google::protobuf::RepeatedPtrField<v1::SequenceInfo>& sequences,
+                            size_t want) {
+  if (static_cast<size_t>(sequences.size()) != want) {
+    return Malformed(rpc, fmt::format("{} sequences for {} items", sequences.size(), want));
+  }
+  for (const v1::SequenceInfo& info : sequences) {
+    if (absl::Status s = ValidateSequenceInfo(info); !s.ok()) {
+      return Malformed(rpc, std::string(s.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+Client::Client(std::string runtime_dir, absl::Duration timeout, UniqueFd attach_socket,
+               v1::AttachResponse attach, std::unique_ptr<PoolMapping> mapping,
+               std::unique_ptr<v1::KvPool::StubInterface> stub)
+    : runtime_dir_(std::move(runtime_dir)),
+      timeout_(timeout),
+      attach_socket_(std::move(attach_socket)),
+      attach_(std::move(attach)),
+      mapping_(std::move(mapping)),
+      stub_(std::move(stub)) {}
+
+Client::~Client() = default;
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ConnectOptions& options) {
+  if (options.timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("ConnectOptions::timeout must be positive");
+  }
+  std::string dir = options.runtime_dir.empty() ? wire::DefaultRuntimeDir() : options.runtime_dir;
+  v1::AttachRequest request;
+  request.set_protocol_version(wire::kProtocolVersion);
+  request.set_client_name(options.client_name.empty() ? program_invocation_short_name
+                                                      : options.client_name);
+  request.set_tenant(options.tenant);
+  request.set_model(options.model);
+  KVPOOL_CLIENT_ASSIGN_OR_RETURN(internal::Attachment attachment,
+                                 internal::Attach(dir, request, options.timeout));
+  KVPOOL_CLIENT_ASSIGN_OR_RETURN(
+      std::unique_ptr<PoolMapping> mapping,
+      PoolMapping::Create(attachment.response, std::move(attachment.fds)));
+
+  grpc::ChannelArguments args;
+  // Whole-pool traces and sequence listings outgrow gRPC's 4 MiB default.
+  args.SetMaxReceiveMessageSize(-1);
+  // Channels connect lazily: a daemon that is attached-to but not yet serving gRPC is fine here.
+  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(
+      fmt::format("unix:{}/{}", dir, wire::kGrpcSocket), grpc::InsecureChannelCredentials(), args);
+  std::unique_ptr<v1::KvPool::StubInterface> stub = v1::KvPool::NewStub(channel);
+
+  v1::AttachResponse attach = std::move(attachment.response);
+  attach.clear_fds();
+  return std::unique_ptr<Client>(new Client(std::move(dir), options.timeout,
+                                            std::move(attachment.socket), std::move(attach),
+                                            std::move(mapping), std::move(stub)));
+}
+
+void Client::PrepareContext(grpc::ClientContext* context, bool deadline) const {
+  context->AddMetadata(wire::kSessionTokenKey, attach_.session_token());
+  if (deadline) context->set_deadline(absl::ToChronoTime(absl::Now() + timeout_));
+}
+
+template <typename Request, typename Response>
+absl::Status Client::Unary(grpc::Status (v1::KvPool::StubInterface::*method)(grpc::ClientContext*,
+                                                                             const Request&,
+                                                                             Response*),
+                           const Request& request, Response* response) const {
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  const grpc::Status status = (stub_.get()->*method)(&context, request, response);
+  return FromGrpcStatus(status, context.GetServerTrailingMetadata());
+}
+
+absl::StatusOr<std::vector<v1::SequenceInfo>> Client::Allocate(
+    const std::vector<AllocateItem>& items) const {
+  v1::AllocateRequest request;
+  for (const AllocateItem& item : items) {
+    v1::AllocateItem* out = request.add_items();
+    out->mutable_prompt()->Add(item.prompt.begin(), item.prompt.end());
+    out->set_num_tokens(item.num_tokens != 0 ? item.num_tokens
+                                             : static_cast<int64_t>(item.prompt.size()));
+    out->set_priority(item.priority);
+  }
+  v1::AllocateResponse response;
+  KVPOOL_CLIENT_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::Allocate, request, &response));
+  KVPOOL_CLIENT_RETURN_IF_ERROR(CheckSequences("Allocate", response.sequences(), items.size()));
+  return std::vector<v1::SequenceInfo>(
+      std::make_move_iterator(response.mutable_sequences()->begin()),
+      std::make_move_iterator(response.mutable_sequences()->end()));
+}
+
+absl::StatusOr<v1::SequenceInfo> Client::Allocate(std::span<const int32_t> prompt,
+                                                  int64_t num_tokens, int32_t priority) const {
+  KVPOOL_CLIENT_ASSIGN_OR_RETURN(std::vector<v1::SequenceInfo> sequences,
+                                 Allocate({AllocateItem{prompt, num_tokens, priority}}));
+  return std::move(sequences.front());
+}
+
+absl::StatusOr<std::vector<v1::SequenceInfo>> Client::Grow(
+    const std::vector<GrowItem>& items) const {
+  v1::GrowRequest request;
+  for (const GrowItem& item : items) {
+    v1::GrowItem* out = request.add_items();
+    out->set_sequence_id(item.sequence_id);
+    out->set_num_tokens(item.num_tokens);
+  }
+  v1::GrowResponse response;
+  KVPOOL_CLIENT_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::Grow, request, &response));
+  KVPOOL_CLIENT_RETURN_IF_ERROR(CheckSequences("Grow", response.sequences(), items.size()));
+  return std::vector<v1::SequenceInfo>(
+      std::make_move_iterator(response.mutable_sequences()->begin()),
+      std::make_move_iterator(response.mutable_sequences()->end()));
+}
+
+absl::StatusOr<v1::SequenceInfo> Client::Grow(uint64_t sequence_id, int64_t num_tokens) const {
+  KVPOOL_CLIENT_ASSIGN_OR_RETURN(std::vector<v1::SequenceInfo> sequences,
+                                 Grow({GrowItem{sequence_id, num_tokens}}));
+  return std::move(sequences.front());
+}
+
+absl::Status Client::Truncate(uint64_t sequence_id, int64_t num_tokens) const {
+  v1::TruncateRequest request;
+  request.set_sequence_id(sequence_id);
+  request.set_num_tokens(num_tokens);
+  v1::TruncateResponse response;
+  return Unary(&v1::KvPool::StubInterface::Truncate, request, &response);
+}
+
+absl::StatusOr<v1::SequenceInfo> Client::Fork(uint64_t sequence_id) const {
+  v1::ForkRequest request;
+  request.set_sequence_id(sequence_id);
+  v1::ForkResponse response;
+  KVPOOL_CLIENT_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::Fork, request, &response));
+  if (absl::Status s = ValidateSequenceInfo(response.sequence()); !s.ok()) {
+    return Malformed("Fork", std::string(s.message()));
+  }
+  return std::move(*response.mutable_sequence());
+}
+
+absl::Status Client::Commit(uint64_t sequence_id, int64_t num_tokens,
+                            std::span<const int32_t> new_tokens) const {
+  v1::CommitRequest request;
+  request.set_sequence_id(sequence_id);
+  request.set_num_tokens(num_tokens);
+  request.mutable_new_tokens()->Add(new_tokens.begin(), new_tokens.end());
+  v1::CommitResponse response;
+  return Unary(&v1::KvPool::StubInterface::Commit, request, &response);
+}
+
+absl::Status Client::Free(const std::vector<uint64_t>& sequence_ids, bool commit) const {
+  v1::FreeRequest request;
+  request.mutable_sequence_ids()->Add(sequence_ids.begin(), sequence_ids.end());
+  request.set_commit(commit);
+  v1::FreeResponse response;
+  return Unary(&v1::KvPool::StubInterface::Free, request, &response);
+}
+
+absl::StatusOr<int64_t> Client::MatchPrefix(std::span<const int32_t> tokens) const {
+  v1::MatchPrefixRequest request;
+  request.mutable_tokens()->Add(tokens.begin(), tokens.end());
+  v1::MatchPrefixResponse response;
+  KVPOOL_CLIENT_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::MatchPrefix, request, &response));
+  return response.matched_tokens();
+}
+
+absl::Status Client::Ping() const {
+  v1::PingResponse response;
+  return Unary(&v1::KvPool::StubInterface::Ping, v1::PingRequest(), &response);
+}
+
+absl::StatusOr<v1::GetStatsResponse> Client::GetStats() const {
+  v1::GetStatsResponse response;
+  KVPOOL_CLIENT_RETURN_IF_ERROR(
+      Unary(&v1::KvPool::StubInterface::GetStats, v1::GetStatsRequest(), &response));
+  return response;
+}
+
+absl::StatusOr<v1::ListSessionsResponse> Client::ListSessions() const {
+  v1::ListSessionsResponse response;
+  KVPOOL_CLIENT_RETURN_IF_ERROR(
+      Unary(&v1::KvPool::StubInterface::ListSessions, v1::ListSessionsRequest(), &response));
+  return response;
+}
+
+absl::StatusOr<v1::ListSequencesResponse> Client::ListSequences(uint64_t session_id) const {
+  v1::ListSequencesRequest request;
+  request.set_session_id(session_id);
+  v1::ListSequencesResponse response;
+  KVPOOL_CLIENT_RETURN_IF_ERROR(
+      Unary(&v1::KvPool::StubInterface::ListSequences, request, &response));
+  if (response.session_ids_size() != response.sequences_size()) {
+    return Malformed("ListSequences",
+                     fmt::format("{} sequences but {} owners", response.sequences_size(),
+                                 response.session_ids_size()));
+  }
+  for (const v1::SequenceInfo& info : response.sequences()) {
+    if (absl::Status s = ValidateSequenceInfo(info); !s.ok()) {
+      return Malformed("ListSequences", std::string(s.message()));
+    }
+  }
+  return response;
+}
+
+absl::StatusOr<v1::DumpBlockTraceResponse> Client::DumpBlockTrace(int32_t block_id) const {
+  v1::DumpBlockTraceRequest request;
+  request.set_block_id(block_id);
+  v1::DumpBlockTraceResponse response;
+  KVPOOL_CLIENT_RETURN_IF_ERROR(
+      Unary(&v1::KvPool::StubInterface::DumpBlockTrace, request, &response));
+  return response;
+}
+
+absl::StatusOr<v1::DumpBlockTraceResponse> Client::DumpAllBlockTraces() const {
+  v1::DumpBlockTraceRequest request;
+  request.set_all(true);
+  v1::DumpBlockTraceResponse response;
+  KVPOOL_CLIENT_RETURN_IF_ERROR(
+      Unary(&v1::KvPool::StubInterface::DumpBlockTrace, request, &response));
+  return response;
+}
+
+absl::Status Client::WatchEvents(
+    const v1::WatchEventsRequest& request,
+    absl::FunctionRef<bool(const v1::WatchEventsResponse&)> on_response) const {
+  grpc::ClientContext context;
+  // A followed stream is open-ended; only a one-shot replay gets the usual deadline.
+  PrepareContext(&context, /*deadline=*/!request.follow());
+  {
+    absl::MutexLock lock(&watch_mu_);
+    watches_.insert(&context);
+  }
+  std::unique_ptr<grpc::ClientReaderInterface<v1::WatchEventsResponse>> reader =
+      stub_->WatchEvents(&context, request);
+  v1::WatchEventsResponse response;
+  bool stopped = false;
+  while (reader->Read(&response)) {
+    if (!on_response(response)) {
+      stopped = true;
+      context.TryCancel();
+      break;
+    }
+  }
+  const grpc::Status status = reader->Finish();
+  bool cancelled;
+  {
+    absl::MutexLock lock(&watch_mu_);
+    cancelled = watches_.erase(&context) == 0;  // CancelWatches() took it out
+  }
+  if ((stopped || cancelled) && status.error_code() == grpc::StatusCode::CANCELLED) {
+    return absl::OkStatus();
+  }
+  return FromGrpcStatus(status, context.GetServerTrailingMetadata());
+}
+
+void Client::CancelWatches() const {
+  absl::MutexLock lock(&watch_mu_);
+  for (grpc::ClientContext* context : watches_) context->TryCancel();
+  watches_.clear();
+}
+
+absl::StatusOr<v1::ExplainMatchResponse> Client::ExplainMatch(std::span<const int32_t> tokens,
+                                                              uint64_t namespace_id) const {
+  v1::ExplainMatchRequest request;
+  request.mutable_tokens()->Add(tokens.begin(), tokens.end());
+  request.set_namespace_id(namespace_id);
+  v1::ExplainMatchResponse response;
+  KVPOOL_CLIENT_RETURN_IF_ERROR(
+      Unary(&v1::KvPool::StubInterface::ExplainMatch, request, &response));
+  return response;
+}
+
+absl::StatusOr<int64_t> Client::Evict(int64_t blocks) const {
+  v1::EvictRequest request;
+  request.set_blocks(blocks);
+  v1::EvictResponse response;
+  KVPOOL_CLIENT_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::Evict, request, &response));
+  return response.evicted();
+}
+
+absl::StatusOr<int64_t> Client::EvictAll() const {
+  v1::EvictRequest request;
+  request.set_all(true);
+  v1::EvictResponse response;
+  KVPOOL_CLIENT_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::Evict, request, &response));
+  return response.evicted();
+}
+
+absl::StatusOr<v1::CheckInvariantsResponse> Client::CheckInvariants() const {
+  v1::CheckInvariantsResponse response;
+  KVPOOL_CLIENT_RETURN_IF_ERROR(
+      Unary(&v1::KvPool::StubInterface::CheckInvariants, v1::CheckInvariantsRequest(), &response));
+  return response;
+}
+
+absl::Status Client::SetLogLevel(std::string_view level) const {
+  v1::SetLogLevelRequest request;
+  request.set_level(std::string(level));
+  v1::SetLogLevelResponse response;
+  return Unary(&v1::KvPool::StubInterface::SetLogLevel, request, &response);
+}
+
+absl::StatusOr<int64_t> Client::Drain() const {
+  v1::DrainResponse response;
+  KVPOOL_CLIENT_RETURN_IF_ERROR(
+      Unary(&v1::KvPool::StubInterface::Drain, v1::DrainRequest(), &response));
+  return response.sequences();
+}
+
+}  // namespace kvpool::client

@@ -1,0 +1,168 @@
+#pragma once
+
+// Client: one session with kvpoold (DESIGN.md §7, §8), the C++ client library's entry point.
+//
+// Connect() attaches over <runtime_dir>/attach.sock, maps the pool (PoolMapping) and opens the
+// gRPC channel to <runtime_dir>/kvpoold.sock. Every call below carries the session token and a
+// deadline of ConnectOptions::timeout, and returns the daemon's status with its code and message
+// unchanged (see client/status.h; RESOURCE_EXHAUSTED carries the shortfall, read it with
+// GetShortfall()). A failed call changes nothing in the daemon; batched calls are all-or-nothing.
+// Error codes of the calls: those of kvpool.proto (RESOURCE_EXHAUSTED, NOT_FOUND,
+// PERMISSION_DENIED, INVALID_ARGUMENT, UNAUTHENTICATED, UNAVAILABLE, FAILED_PRECONDITION,
+// INTERNAL), plus DEADLINE_EXCEEDED when the daemon does not answer in time, UNAVAILABLE when the
+// gRPC socket cannot be reached, and INTERNAL when a response is malformed.
+//
+// The session lives as long as the Client: destroying it closes the attach connection, and the
+// daemon then releases every sequence and reference the session holds.
+//
+// Thread-safety: every method may be called concurrently from any number of threads (the channel
+// and stub are thread-safe, the rest is immutable after Connect()).
+// Ownership: Connect() returns the sole owner. mapping() and layout() stay valid for the Client's
+// life; the caller must not destroy the Client while calls are in flight on other threads.
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "client/block_ref.h"
+#include "client/pool_mapping.h"
+#include "client/status.h"
+#include "client/unique_fd.h"
+#include "kvpool/v1/kvpool.grpc.pb.h"
+
+namespace kvpool::client {
+
+struct ConnectOptions {
+  std::string runtime_dir;  // where kvpoold's sockets are; empty: wire::DefaultRuntimeDir()
+  std::string client_name;  // shown to operators (kvpoolctl sessions); empty: the program's name
+  std::string tenant = "default";  // with `model` and the layout: the prefix-sharing namespace
+  std::string model = "default";
+  absl::Duration timeout = absl::Seconds(10);  // the attach's and every call's deadline
+};
+
+// One sequence to allocate.
+struct AllocateItem {
+  std::span<const int32_t> prompt;  // matched against the prefix cache; must outlive the call
+  int64_t num_tokens = 0;           // tokens to make room for; 0: prompt.size()
+  int32_t priority = 0;             // prefix-cache class [0, 4) of the sequence's blocks
+};
+
+// One sequence to grow.
+struct GrowItem {
+  uint64_t sequence_id = 0;
+  int64_t num_tokens = 0;  // the new length; <= the current length is a no-op
+};
+
+class Client final {
+ public:
+  // Attaches to kvpoold and maps its pool.
+  // Errors: UNAVAILABLE (no daemon listens in the runtime directory; the message names the
+  // socket it tried), PERMISSION_DENIED (socket not accessible, or the daemon refused this peer),
+  // DEADLINE_EXCEEDED (no answer within options.timeout), INVALID_ARGUMENT (timeout <= 0,
+  // malformed answer or pool description), another code when the daemon refuses with it, and
+  // PoolMapping::Create's errors. Nothing is held after an error.
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const ConnectOptions& options);
+
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+  ~Client();  // closes the attach socket: the session ends
+
+  uint64_t session_id() const { return attach_.session_id(); }
+  uint64_t namespace_id() const { return attach_.namespace_id(); }
+  uint64_t epoch() const { return attach_.epoch(); }  // the daemon's start (changes on restart)
+  bool admin() const { return attach_.admin(); }      // may call the admin RPCs
+  const std::string& daemon_version() const { return attach_.daemon_version(); }
+  const std::string& runtime_dir() const { return runtime_dir_; }
+  absl::Duration timeout() const { return timeout_; }
+  const v1::PoolLayout& layout() const { return mapping_->layout(); }
+  const PoolMapping& mapping() const { return *mapping_; }
+
+  // --- Control ---
+  // One sequence per item, all or none; full block tables in item order.
+  absl::StatusOr<std::vector<v1::SequenceInfo>> Allocate(
+      const std::vector<AllocateItem>& items) const;
+  absl::StatusOr<v1::SequenceInfo> Allocate(std::span<const int32_t> prompt, int64_t num_tokens = 0,
+                                            int32_t priority = 0) const;
+  // The changed tail of each table, in item order (apply with ApplyGrow()).
+  absl::StatusOr<std::vector<v1::SequenceInfo>> Grow(const std::vector<GrowItem>& items) const;
+  absl::StatusOr<v1::SequenceInfo> Grow(uint64_t sequence_id, int64_t num_tokens) const;
+  absl::Status Truncate(uint64_t sequence_id, int64_t num_tokens) const;
+  // The child sequence, full table (sharing the parent's blocks copy-on-write).
+  absl::StatusOr<v1::SequenceInfo> Fork(uint64_t sequence_id) const;
+  // Publishes tokens [0, num_tokens) of the sequence into the prefix cache; `new_tokens` are the
+  // tokens past the prompt that the daemon has not seen yet.
+  absl::Status Commit(uint64_t sequence_id, int64_t num_tokens,
+                      std::span<const int32_t> new_tokens = {}) const;
+  // `commit`: publish each sequence's known tokens first.
+  absl::Status Free(const std::vector<uint64_t>& sequence_ids, bool commit = false) const;
+  // Leading tokens of `tokens` cached in this session's namespace (lookup only).
+  absl::StatusOr<int64_t> MatchPrefix(std::span<const int32_t> tokens) const;
+  absl::Status Ping() const;
+
+  // --- Admin (PERMISSION_DENIED unless admin()) ---
+  absl::StatusOr<v1::GetStatsResponse> GetStats() const;
+  absl::StatusOr<v1::ListSessionsResponse> ListSessions() const;
+  // session_id 0: every session's sequences.
+  absl::StatusOr<v1::ListSequencesResponse> ListSequences(uint64_t session_id = 0) const;
+  absl::StatusOr<v1::DumpBlockTraceResponse> DumpBlockTrace(int32_t block_id) const;
+  absl::StatusOr<v1::DumpBlockTraceResponse> DumpAllBlockTraces() const;
+  // Streams cache events, calling `on_response` for each message until the stream ends, the
+  // callback returns false, or CancelWatches() runs; each of those returns OK. Without
+  // request.follow() the call has the usual deadline; with it, none. Errors: the stream's status.
+  absl::Status WatchEvents(
+      const v1::WatchEventsRequest& request,
+      absl::FunctionRef<bool(const v1::WatchEventsResponse&)> on_response) const;
+  // Ends every WatchEvents call in flight (from any thread).
+  void CancelWatches() const;
+  // namespace_id 0: this session's namespace.
+  absl::StatusOr<v1::ExplainMatchResponse> ExplainMatch(std::span<const int32_t> tokens,
+                                                        uint64_t namespace_id = 0) const;
+  // Evicts up to `blocks` unused cached blocks; returns how many were evicted.
+  absl::StatusOr<int64_t> Evict(int64_t blocks) const;
+  // Empties the prefix cache. FAILED_PRECONDITION while cached blocks are in use.
+  absl::StatusOr<int64_t> EvictAll() const;
+  absl::StatusOr<v1::CheckInvariantsResponse> CheckInvariants() const;
+  absl::Status SetLogLevel(std::string_view level) const;
+  // Stops the daemon taking new sequences; returns how many are still live.
+  absl::StatusOr<int64_t> Drain() const;
+
+  // For callers that drive the stub themselves (async calls, benchmarks): the stub, and a
+  // context set up as every call above sets it up (session token; deadline when `deadline`).
+  v1::KvPool::StubInterface& stub() const { return *stub_; }
+  void PrepareContext(grpc::ClientContext* context, bool deadline = true) const;
+
+ private:
+  Client(std::string runtime_dir, absl::Duration timeout, UniqueFd attach_socket,
+         v1::AttachResponse attach, std::unique_ptr<PoolMapping> mapping,
+         std::unique_ptr<v1::KvPool::StubInterface> stub);
+
+  template <typename Request, typename Response>
+  absl::Status Unary(grpc::Status (v1::KvPool::StubInterface::*method)(grpc::ClientContext*,
+                                                                       const Request&, Response*),
+                     const Request& request, Response* response) const;
+
+  const std::string runtime_dir_;
+  const absl::Duration timeout_;
+  // Declared before mapping_, so destroyed after it: the session ends only once this process can
+  // no longer touch the pool.
+  UniqueFd attach_socket_;
+  const v1::AttachResponse attach_;  // layout, token, ids; no descriptors
+  const std::unique_ptr<PoolMapping> mapping_;
+  const std::unique_ptr<v1::KvPool::StubInterface> stub_;
+
+  mutable absl::Mutex watch_mu_;
+  // WatchEvents calls in flight; CancelWatches() cancels and removes them.
+  mutable absl::flat_hash_set<grpc::ClientContext*> watches_ ABSL_GUARDED_BY(watch_mu_);
+};
+
+}  // namespace kvpool::client

@@ -1,0 +1,99 @@
+#include "client/internal/attach.h"
+
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <sys/un.h>
+
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include "fmt/format.h"
+#include "kvpool/v1/wire.h"
+
+namespace kvpool::client::internal {
+namespace {
+
+absl::StatusOr<UniqueFd> ConnectSocket(const std::string& path, absl::Duration timeout) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.size() >= sizeof(addr.sun_path)) {
+    return absl::InvalidArgumentError(fmt::format("attach socket path {} is longer than {} bytes",
+                                                  path, sizeof(addr.sun_path) - 1));
+  }
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+
+  UniqueFd fd(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) {
+    return absl::InternalError(fmt::format("socket(AF_UNIX): {}", std::strerror(errno)));
+  }
+  // On Unix sockets the send timeout also bounds a connect() that waits on a full backlog.
+  const timeval tv = absl::ToTimeval(timeout);
+  setsockopt(fd.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+
+  int rc;
+  do {
+    rc = connect(fd.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof(addr));
+  } while (rc != 0 && errno == EINTR);
+  if (rc == 0) return fd;
+  const int err = errno;
+  const std::string why = fmt::format("connect {}: {}", path, std::strerror(err));
+  switch (err) {
+    case ENOENT:
+    case ECONNREFUSED:
+    case ENOTDIR:
+      return absl::UnavailableError(
+          fmt::format("no kvpoold listening at {} ({})", path, std::strerror(err)));
+    case EACCES:
+    case EPERM:
+      return absl::PermissionDeniedError(why);
+    case EAGAIN:
+    case ETIMEDOUT:
+      return absl::DeadlineExceededError(why);
+    default:
+      return absl::UnavailableError(why);
+  }
+}
+
+absl::StatusCode RefusalCode(int32_t code) {
+  if (code <= 0 || code > static_cast<int32_t>(absl::StatusCode::kUnauthenticated)) {
+    return absl::StatusCode::kUnknown;
+  }
+  return static_cast<absl::StatusCode>(code);
+}
+
+}  // namespace
+
+absl::StatusOr<Attachment> Attach(const std::string& runtime_dir, const v1::AttachRequest& request,
+                                  absl::Duration timeout) {
+  const std::string path = runtime_dir + "/" + wire::kAttachSocket;
+  absl::StatusOr<UniqueFd> socket = ConnectSocket(path, timeout);
+  if (!socket.ok()) return socket.status();
+
+  Attachment out;
+  out.socket = std::move(*socket);
+  if (absl::Status s = wire::SendFrame(out.socket.get(), request); !s.ok()) {
+    return absl::Status(s.code(), fmt::format("sending the attach request to {}: {}", path,
+                                              std::string(s.message())));
+  }
+  std::vector<int> raw_fds;
+  const absl::Status received =
+      wire::ReceiveFrame(out.socket.get(), &out.response, &raw_fds, timeout);
+  for (int fd : raw_fds) out.fds.emplace_back(fd);  // owned (and closed) whatever happens next
+  if (!received.ok()) {
+    if (received.code() == absl::StatusCode::kUnavailable) {
+      return absl::UnavailableError(
+          fmt::format("kvpoold at {} closed the connection without answering the attach", path));
+    }
+    return absl::Status(received.code(),
+                        fmt::format("attaching to {}: {}", path, std::string(received.message())));
+  }
+  if (!out.response.error().empty()) {
+    return absl::Status(
+        RefusalCode(out.response.error_code()),
+        fmt::format("kvpoold at {} refused the attach: {}", path, out.response.error()));
+  }
+  return out;
+}
+
+}  // namespace kvpool::client::internal

@@ -1,0 +1,33 @@
+#pragma once
+
+// The client half of the attach protocol (attach.proto): connect to <runtime_dir>/attach.sock,
+// send the AttachRequest, receive the AttachResponse and its descriptors.
+//
+// Free function; thread-safe.
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "client/unique_fd.h"
+#include "kvpool/v1/attach.pb.h"
+
+namespace kvpool::client::internal {
+
+struct Attachment {
+  UniqueFd socket;  // kept open for the session's life: its close ends the session
+  v1::AttachResponse response;
+  std::vector<UniqueFd> fds;  // in the order of response.fds()
+};
+
+// Attaches to the daemon in `runtime_dir`, waiting at most `timeout` for it to answer.
+// Errors: UNAVAILABLE (nothing listens there, or the daemon hung up without answering; the
+// message names the socket path), PERMISSION_DENIED (the socket is not accessible, or the daemon
+// refused the peer), DEADLINE_EXCEEDED (no answer in time), INVALID_ARGUMENT (path too long,
+// malformed answer), any other code the daemon refused with (AttachResponse.error_code),
+// INTERNAL (I/O). Nothing stays open after an error.
+absl::StatusOr<Attachment> Attach(const std::string& runtime_dir, const v1::AttachRequest& request,
+                                  absl::Duration timeout);
+
+}  // namespace kvpool::client::internal

@@ -1,0 +1,361 @@
+#include "client/kvpoolctl_format.h"
+
+#include <algorithm>
+#include <map>
+#include <utility>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "client/internal/table.h"
+#include "fmt/format.h"
+#include "google/protobuf/descriptor.h"
+#include "nlohmann/json.hpp"
+
+namespace kvpool::client::ctl {
+namespace {
+
+using google::protobuf::FieldDescriptor;
+using google::protobuf::Message;
+using google::protobuf::Reflection;
+using nlohmann::json;
+
+std::string Hex(const std::string& bytes) {
+  std::string out;
+  out.reserve(bytes.size() * 2);
+  for (unsigned char c : bytes) out += fmt::format("{:02x}", c);
+  return out;
+}
+
+std::string HashText(const v1::BlockHash& hash) {
+  return fmt::format("{:016x}{:016x}", hash.hi(), hash.lo());
+}
+
+json MessageJson(const Message& message);
+
+json FieldJson(const Message& m, const Reflection& r, const FieldDescriptor* f, int i) {
+  const bool rep = f->is_repeated();
+  switch (f->cpp_type()) {
+    case FieldDescriptor::CPPTYPE_INT32:
+      return rep ? r.GetRepeatedInt32(m, f, i) : r.GetInt32(m, f);
+    case FieldDescriptor::CPPTYPE_INT64:
+      return rep ? r.GetRepeatedInt64(m, f, i) : r.GetInt64(m, f);
+    case FieldDescriptor::CPPTYPE_UINT32:
+      return rep ? r.GetRepeatedUInt32(m, f, i) : r.GetUInt32(m, f);
+    case FieldDescriptor::CPPTYPE_UINT64:
+      return rep ? r.GetRepeatedUInt64(m, f, i) : r.GetUInt64(m, f);
+    case FieldDescriptor::CPPTYPE_DOUBLE:
+      return rep ? r.GetRepeatedDouble(m, f, i) : r.GetDouble(m, f);
+    case FieldDescriptor::CPPTYPE_FLOAT:
+      return rep ? r.GetRepeatedFloat(m, f, i) : r.GetFloat(m, f);
+    case FieldDescriptor::CPPTYPE_BOOL:
+      return rep ? r.GetRepeatedBool(m, f, i) : r.GetBool(m, f);
+    case FieldDescriptor::CPPTYPE_ENUM:
+      return (rep ? r.GetRepeatedEnum(m, f, i) : r.GetEnum(m, f))->name();
+    case FieldDescriptor::CPPTYPE_STRING: {
+      const std::string value = rep ? r.GetRepeatedString(m, f, i) : r.GetString(m, f);
+      return f->type() == FieldDescriptor::TYPE_BYTES ? json(Hex(value)) : json(value);
+    }
+    case FieldDescriptor::CPPTYPE_MESSAGE:
+      if (!rep && !r.HasField(m, f)) return nullptr;
+      return MessageJson(rep ? r.GetRepeatedMessage(m, f, i) : r.GetMessage(m, f));
+  }
+  return nullptr;
+}
+
+json MessageJson(const Message& message) {
+  if (message.GetDescriptor() == v1::BlockHash::descriptor()) {
+    v1::BlockHash hash;
+    hash.CopyFrom(message);
+    return HashText(hash);
+  }
+  json out = json::object();
+  const Reflection& r = *message.GetReflection();
+  const google::protobuf::Descriptor& d = *message.GetDescriptor();
+  for (int k = 0; k < d.field_count(); ++k) {
+    const FieldDescriptor* f = d.field(k);
+    if (f->is_repeated()) {
+      json items = json::array();
+      for (int i = 0; i < r.FieldSize(message, f); ++i)
+        items.push_back(FieldJson(message, r, f, i));
+      out[f->name()] = std::move(items);
+    } else {
+      out[f->name()] = FieldJson(message, r, f, -1);
+    }
+  }
+  return out;
+}
+
+std::string Pretty(const Message& message) { return MessageJson(message).dump(2) + "\n"; }
+
+std::string Bytes(int64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double value = static_cast<double>(bytes);
+  int unit = 0;
+  while (value >= 1024 && unit < 4) {
+    value /= 1024;
+    ++unit;
+  }
+  return unit == 0 ? fmt::format("{} B", bytes) : fmt::format("{:.1f} {}", value, units[unit]);
+}
+
+std::string Percent(int64_t part, int64_t whole) {
+  return whole <= 0 ? "-" : fmt::format("{:.1f}", 100.0 * static_cast<double>(part) / whole);
+}
+
+std::string Seconds(double seconds) {
+  return absl::FormatDuration(absl::Trunc(absl::Seconds(seconds), absl::Seconds(1)));
+}
+
+std::string LayoutLine(const v1::PoolLayout& l) {
+  return fmt::format("{} tokens/block, {} layers, {} kv heads x {}, {}; {}/block, {} blocks ({})",
+                     l.block_size(), l.num_layers(), l.num_kv_heads(), l.head_dim(),
+                     v1::DType_Name(l.dtype()), Bytes(l.block_bytes()), l.num_blocks(),
+                     Bytes(int64_t{l.num_blocks()} * l.block_bytes()));
+}
+
+std::string TableText(const v1::SequenceInfo& info, size_t max_entries) {
+  std::string out;
+  const size_t n = static_cast<size_t>(std::min(info.block_ids_size(), info.generations_size()));
+  for (size_t i = 0; i < n && i < max_entries; ++i) {
+    if (i > 0) out += ' ';
+    out += fmt::format("{}@{}", info.block_ids(static_cast<int>(i)),
+                       info.generations(static_cast<int>(i)));
+  }
+  if (n > max_entries) out += fmt::format(" ... (+{})", n - max_entries);
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<TraceFormat> ParseTraceFormat(std::string_view name) {
+  if (name == "text") return TraceFormat::kText;
+  if (name == "json") return TraceFormat::kJson;
+  if (name == "chrome") return TraceFormat::kChrome;
+  return absl::InvalidArgumentError(
+      fmt::format("unknown trace format '{}' (want text, json or chrome)", name));
+}
+
+std::string ToJson(const google::protobuf::Message& message) { return MessageJson(message).dump(); }
+
+std::string FormatStats(const v1::GetStatsResponse& s, bool json) {
+  if (json) return Pretty(s);
+  std::string out = fmt::format("kvpoold  device {}  epoch {}  up {}{}\n", s.device(), s.epoch(),
+                                Seconds(s.uptime_seconds()), s.draining() ? "  DRAINING" : "");
+  out += fmt::format("layout   {}\n\n", LayoutLine(s.layout()));
+
+  internal::Table blocks({"BLOCKS", "COUNT", "%"});
+  const auto add = [&](const char* name, int64_t count) {
+    blocks.AddRow({name, std::to_string(count), Percent(count, s.num_blocks())});
+  };
+  add("free", s.free_blocks());
+  add("active", s.active_blocks());
+  add("cached", s.cached_blocks());
+  add("retiring", s.retiring_blocks());
+  add("total", s.num_blocks());
+  out += blocks.Render() + "\n";
+
+  internal::Table counters({"COUNTER", "VALUE"});
+  const std::pair<const char*, std::string> rows[] = {
+      {"sessions", std::to_string(s.sessions())},
+      {"sequences", std::to_string(s.sequences())},
+      {"cache_nodes", std::to_string(s.cache_nodes())},
+      {"allocate_calls", std::to_string(s.allocate_calls())},
+      {"grow_calls", std::to_string(s.grow_calls())},
+      {"truncate_calls", std::to_string(s.truncate_calls())},
+      {"fork_calls", std::to_string(s.fork_calls())},
+      {"commit_calls", std::to_string(s.commit_calls())},
+      {"free_calls", std::to_string(s.free_calls())},
+      {"blocks_allocated", std::to_string(s.blocks_allocated())},
+      {"blocks_freed", std::to_string(s.blocks_freed())},
+      {"cow_copies", std::to_string(s.cow_copies())},
+      {"scrubs", std::to_string(s.scrubs())},
+      {"evictions", std::to_string(s.evictions())},
+      {"exhausted", std::to_string(s.exhausted())},
+      {"over_releases", std::to_string(s.over_releases())},
+      {"sessions_reclaimed", std::to_string(s.sessions_reclaimed())},
+      {"prompt_tokens", std::to_string(s.prompt_tokens())},
+      {"hit_tokens", std::to_string(s.hit_tokens())},
+      {"hit_rate_%",
+       Percent(static_cast<int64_t>(s.hit_tokens()), static_cast<int64_t>(s.prompt_tokens()))},
+      {"events_next_seq", std::to_string(s.events_next_seq())},
+  };
+  for (const auto& [name, value] : rows) counters.AddRow({name, value});
+  return out + counters.Render();
+}
+
+std::string FormatSessions(const v1::ListSessionsResponse& sessions, bool json) {
+  if (json) return Pretty(sessions);
+  internal::Table table({"SESSION", "CLIENT", "PID", "UID", "TENANT", "MODEL", "NAMESPACE", "ADMIN",
+                         "SEQS", "REFS", "ATTACHED"});
+  for (const v1::SessionInfo& s : sessions.sessions()) {
+    table.AddRow({std::to_string(s.session_id()), s.client_name(), std::to_string(s.pid()),
+                  std::to_string(s.uid()), s.tenant(), s.model(),
+                  fmt::format("{:#018x}", s.namespace_id()), s.admin() ? "yes" : "no",
+                  std::to_string(s.sequences()), std::to_string(s.block_refs()),
+                  Seconds(s.attached_seconds())});
+  }
+  return table.Render() + fmt::format("{} session(s)\n", table.num_rows());
+}
+
+std::string FormatSequences(const v1::ListSequencesResponse& sequences, bool json) {
+  if (json) return Pretty(sequences);
+  internal::Table table({"SESSION", "SEQUENCE", "TOKENS", "BLOCKS", "TABLE (id@generation)"});
+  for (int i = 0; i < sequences.sequences_size(); ++i) {
+    const v1::SequenceInfo& info = sequences.sequences(i);
+    const uint64_t owner = i < sequences.session_ids_size() ? sequences.session_ids(i) : 0;
+    table.AddRow({std::to_string(owner), std::to_string(info.sequence_id()),
+                  std::to_string(info.num_tokens()), std::to_string(info.block_ids_size()),
+                  TableText(info, 8)});
+  }
+  return table.Render() + fmt::format("{} sequence(s)\n", table.num_rows());
+}
+
+std::string FormatTrace(const v1::DumpBlockTraceResponse& trace, TraceFormat format) {
+  switch (format) {
+    case TraceFormat::kJson:
+      return Pretty(trace);
+    case TraceFormat::kChrome:
+      return ChromeTrace(trace) + "\n";
+    case TraceFormat::kText:
+      break;
+  }
+  internal::Table table(
+      {"OP_SEQ", "T+US", "BLOCK", "OP", "REFS", "GEN", "SESSION", "SEQUENCE", "SITE"});
+  const int64_t t0 = trace.entries().empty() ? 0 : trace.entries(0).time_ns();
+  for (const v1::TraceEntry& e : trace.entries()) {
+    table.AddRow({std::to_string(e.op_seq()),
+                  fmt::format("{:.3f}", static_cast<double>(e.time_ns() - t0) / 1000.0),
+                  std::to_string(e.block_id()), e.op(), std::to_string(e.refs_after()),
+                  std::to_string(e.generation()), std::to_string(e.session_id()),
+                  std::to_string(e.sequence_id()), e.site()});
+  }
+  return table.Render() + fmt::format("{} operation(s)\n", table.num_rows());
+}
+
+std::string FormatExplain(const v1::ExplainMatchResponse& explain, bool json) {
+  if (json) return Pretty(explain);
+  std::string out =
+      fmt::format("matched {} token(s); stopped: {}\n", explain.matched_tokens(), explain.stop());
+  if (!explain.explanation().empty()) {
+    out += explain.explanation();
+    if (out.back() != '\n') out += '\n';
+  }
+  return out;
+}
+
+std::string FormatCheck(const v1::CheckInvariantsResponse& check, bool json) {
+  if (json) return Pretty(check);
+  if (check.ok()) return "invariants hold\n";
+  return fmt::format("INVARIANT VIOLATED: {}\n", check.violation());
+}
+
+std::string FormatEvents(const v1::WatchEventsResponse& events, bool json) {
+  if (json) return ToJson(events) + "\n";
+  std::string out;
+  if (events.snapshot()) {
+    out += fmt::format("snapshot: {} cached run(s); resume at seq {}\n", events.events_size(),
+                       events.resume_seq());
+  }
+  for (const v1::KvEvent& e : events.events()) {
+    const char* type = "unknown";
+    switch (e.type()) {
+      case v1::KvEvent::TYPE_BLOCK_STORED:
+        type = "stored";
+        break;
+      case v1::KvEvent::TYPE_BLOCK_REMOVED:
+        type = "removed";
+        break;
+      case v1::KvEvent::TYPE_ALL_BLOCKS_CLEARED:
+        type = "cleared";
+        break;
+      case v1::KvEvent::TYPE_UNSPECIFIED:
+      case v1::KvEvent_Type_KvEvent_Type_INT_MIN_SENTINEL_DO_NOT_USE_:
+      case v1::KvEvent_Type_KvEvent_Type_INT_MAX_SENTINEL_DO_NOT_USE_:
+        break;
+    }
+    std::string line =
+        fmt::format("{:>8} {:<7} epoch {} ns {:#018x}", e.seq(), type, e.epoch(), e.namespace_id());
+    if (e.block_hashes_size() > 0) {
+      line += fmt::format(" blocks {} [{}", e.block_hashes_size(), HashText(e.block_hashes(0)));
+      if (e.block_hashes_size() > 1) line += " ...";
+      line += "]";
+    }
+    if (e.type() == v1::KvEvent::TYPE_BLOCK_STORED) {
+      line += e.has_parent_hash() ? fmt::format(" parent {}", HashText(e.parent_hash()))
+                                  : std::string(" parent root");
+      line += fmt::format(" tokens {} (block_size {})", e.token_ids_size(), e.block_size());
+    }
+    out += line + "\n";
+  }
+  return out;
+}
+
+std::string ChromeTrace(const v1::DumpBlockTraceResponse& trace) {
+  std::vector<const v1::TraceEntry*> entries;
+  entries.reserve(static_cast<size_t>(trace.entries_size()));
+  for (const v1::TraceEntry& e : trace.entries()) entries.push_back(&e);
+  std::stable_sort(
+      entries.begin(), entries.end(),
+      [](const v1::TraceEntry* a, const v1::TraceEntry* b) { return a->op_seq() < b->op_seq(); });
+  const auto micros = [](int64_t ns) { return static_cast<double>(ns) / 1000.0; };
+
+  json events = json::array();
+  events.push_back({{"name", "process_name"},
+                    {"ph", "M"},
+                    {"pid", 1},
+                    {"args", {{"name", "kvpoold block pool"}}}});
+  // Per (block, generation): the first and last time seen, for the complete events.
+  std::map<std::pair<int32_t, uint32_t>, std::pair<int64_t, int64_t>> spans;
+  std::map<int32_t, bool> blocks;
+  for (const v1::TraceEntry* e : entries) {
+    blocks[e->block_id()] = true;
+    auto [it, inserted] =
+        spans.try_emplace({e->block_id(), e->generation()}, e->time_ns(), e->time_ns());
+    if (!inserted) {
+      it->second.first = std::min(it->second.first, e->time_ns());
+      it->second.second = std::max(it->second.second, e->time_ns());
+    }
+  }
+  for (const auto& [block, unused] : blocks) {
+    events.push_back({{"name", "thread_name"},
+                      {"ph", "M"},
+                      {"pid", 1},
+                      {"tid", block},
+                      {"args", {{"name", fmt::format("block {}", block)}}}});
+    events.push_back({{"name", "thread_sort_index"},
+                      {"ph", "M"},
+                      {"pid", 1},
+                      {"tid", block},
+                      {"args", {{"sort_index", block}}}});
+  }
+  for (const auto& [key, range] : spans) {
+    events.push_back({{"name", fmt::format("generation {}", key.second)},
+                      {"cat", "generation"},
+                      {"ph", "X"},
+                      {"pid", 1},
+                      {"tid", key.first},
+                      {"ts", micros(range.first)},
+                      {"dur", micros(range.second - range.first)},
+                      {"args", {{"generation", key.second}}}});
+  }
+  for (const v1::TraceEntry* e : entries) {
+    events.push_back({{"name", e->op()},
+                      {"cat", "block"},
+                      {"ph", "i"},
+                      {"s", "t"},
+                      {"pid", 1},
+                      {"tid", e->block_id()},
+                      {"ts", micros(e->time_ns())},
+                      {"args",
+                       {{"op_seq", e->op_seq()},
+                        {"refs", e->refs_after()},
+                        {"generation", e->generation()},
+                        {"session", e->session_id()},
+                        {"sequence", e->sequence_id()},
+                        {"site", e->site()}}}});
+  }
+  json doc = {{"displayTimeUnit", "ns"}, {"traceEvents", std::move(events)}};
+  return doc.dump();
+}
+
+}  // namespace kvpool::client::ctl

@@ -1,0 +1,381 @@
+#include "client/loadgen/loadgen.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <type_traits>
+#include <vector>
+
+#include "client/client.h"
+#include "fmt/format.h"
+#include "kvpool/v1/wire.h"
+#include "workload/generated.h"
+
+namespace kvpool::loadgen {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+enum class Op : uint8_t { kAllocate, kGrow, kCommit, kFree, kCount };
+constexpr const char* kOpNames[] = {"allocate", "grow", "commit", "free"};
+
+// What a worker tells the parent, one fixed-size record at a time (pipe writes of this size are
+// atomic).
+struct Record {
+  enum class Kind : uint8_t { kRequest, kLatency, kError } kind;
+  Op op = Op::kAllocate;
+  bool rejected = false;
+  int64_t a = 0;  // request: prompt tokens; latency: nanoseconds
+  int64_t b = 0;  // request: hit tokens
+  int64_t c = 0;  // request: decoded tokens
+  int64_t d = 0;  // request: KV mismatches
+};
+
+// The KV a token would have: a function of the namespace and every token up to it (causal
+// attention), spread over the row so a misplaced or stale row shows up.
+uint64_t Mix(uint64_t h, uint64_t v) {
+  h ^= v + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+  return h * 0xff51afd7ed558ccdULL;
+}
+
+// One worker process: a frontend serving its share of the requests.
+class Worker {
+ public:
+  Worker(const Options& options, int fd) : options_(options), fd_(fd) {}
+
+  void Serve(const workload::Request& request) {
+    absl::StatusOr<client::Client*> c = ClientFor(request.tenant);
+    if (!c.ok()) return Error(fmt::format("connect: {}", c.status().ToString()));
+    client::Client& client = **c;
+    const v1::PoolLayout& l = client.layout();
+    row_bytes_ = static_cast<int64_t>(l.num_kv_heads()) * l.head_dim() *
+                 (l.dtype() == v1::DTYPE_F32 ? 4 : 2);
+    // Trace prompts are cut to what the pool can hold for every worker at once (every worker
+    // derives the same cut from the same layout, so prefixes still line up).
+    workload::Request r = request;
+    const int64_t cut = options_.max_prompt_tokens > 0
+                            ? options_.max_prompt_tokens
+                            : static_cast<int64_t>(l.num_blocks()) * l.block_size() / 4 /
+                                  std::max(1, options_.workers);
+    if (!options_.trace.empty() && static_cast<int64_t>(r.prompt.size()) > cut) {
+      r.prompt.resize(static_cast<size_t>(cut));
+    }
+
+    // Allocate the prompt with prefix match.
+    absl::StatusOr<v1::SequenceInfo> info = Timed(Op::kAllocate, [&] {
+      return client.Allocate(r.prompt, static_cast<int64_t>(r.prompt.size()));
+    });
+    if (!info.ok()) {
+      if (absl::IsResourceExhausted(info.status()))
+        return Send({Record::Kind::kRequest, Op::kAllocate, true});
+      return Error(fmt::format("allocate: {}", info.status().ToString()));
+    }
+    const uint64_t seq = info->sequence_id();
+    std::vector<client::BlockRef> table = client::ToBlockRefs(*info);
+    const int64_t matched = info->matched_tokens();
+    std::vector<int32_t> tokens(r.prompt);
+    std::vector<uint64_t> kv(tokens.size());
+    uint64_t h = Mix(0, static_cast<uint64_t>(r.tenant));
+    for (size_t p = 0; p < tokens.size(); ++p) kv[p] = h = Mix(h, static_cast<uint64_t>(tokens[p]));
+
+    // Reused KV must be byte-identical to what computing it would give; compute the rest.
+    int64_t mismatches = 0;
+    for (int64_t p = 0; p < static_cast<int64_t>(tokens.size()); ++p) {
+      if (p < matched) {
+        mismatches += !Check(client, table, p, kv[p]);
+      } else if (!Write(client, table, p, kv[p])) {
+        return Abandon(client, seq, "write through the mapping failed");
+      }
+    }
+    absl::Status s = Timed(Op::kCommit, [&] { return client.Commit(seq, tokens.size()); });
+    if (!s.ok()) return Abandon(client, seq, fmt::format("commit: {}", s.ToString()));
+
+    // Decode the reply: grow by one token, write its KV.
+    int64_t decoded = 0;
+    for (int32_t t : r.reply) {
+      absl::StatusOr<v1::SequenceInfo> tail = Timed(
+          Op::kGrow, [&] { return client.Grow(seq, static_cast<int64_t>(tokens.size()) + 1); });
+      if (!tail.ok()) {
+        if (absl::IsResourceExhausted(tail.status())) break;  // the pool is full: stop here
+        return Abandon(client, seq, fmt::format("grow: {}", tail.status().ToString()));
+      }
+      if (absl::Status a = client::ApplyGrow(*tail, &table); !a.ok()) {
+        return Abandon(client, seq, a.ToString());
+      }
+      tokens.push_back(t);
+      kv.push_back(h = Mix(h, static_cast<uint64_t>(t)));
+      if (!Write(client, table, static_cast<int64_t>(tokens.size()) - 1, kv.back())) {
+        return Abandon(client, seq, "write through the mapping failed");
+      }
+      ++decoded;
+    }
+    // Publish the reply too (the next turn's prompt starts with it), then free.
+    const std::span<const int32_t> reply(tokens.data() + r.prompt.size(),
+                                         static_cast<size_t>(decoded));
+    s = Timed(Op::kCommit, [&] { return client.Commit(seq, tokens.size(), reply); });
+    if (!s.ok()) return Abandon(client, seq, fmt::format("commit: {}", s.ToString()));
+    s = Timed(Op::kFree, [&] { return client.Free({seq}); });
+    if (!s.ok()) return Error(fmt::format("free: {}", s.ToString()));
+    Send({.kind = Record::Kind::kRequest,
+          .a = static_cast<int64_t>(r.prompt.size()),
+          .b = matched,
+          .c = decoded,
+          .d = mismatches});
+  }
+
+ private:
+  absl::StatusOr<client::Client*> ClientFor(int32_t tenant) {
+    std::unique_ptr<client::Client>& c = clients_[tenant];
+    if (c == nullptr) {
+      absl::StatusOr<std::unique_ptr<client::Client>> made =
+          client::Client::Connect({.runtime_dir = options_.runtime_dir,
+                                   .client_name = fmt::format("loadgen-{}", getpid()),
+                                   .tenant = fmt::format("tenant-{}", tenant),
+                                   .model = "loadgen"});
+      if (!made.ok()) return made.status();
+      c = *std::move(made);
+    }
+    return c.get();
+  }
+
+  template <typename Fn>
+  std::invoke_result_t<Fn> Timed(Op op, Fn&& fn) {
+    const auto start = Clock::now();
+    auto result = fn();
+    Send({.kind = Record::Kind::kLatency,
+          .op = op,
+          .a = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count()});
+    return result;
+  }
+
+  // The row of token p, layer l, K (kv 0) or V (kv 1).
+  char* Row(const client::Client& c, const std::vector<client::BlockRef>& table, int64_t p,
+            int32_t layer, int kv) {
+    const int32_t bs = c.layout().block_size();
+    const client::BlockRef block = table[static_cast<size_t>(p / bs)];
+    absl::StatusOr<char*> chunk =
+        kv == 0 ? c.mapping().K(layer, block) : c.mapping().V(layer, block);
+    return chunk.ok() ? *chunk + (p % bs) * row_bytes_ : nullptr;
+  }
+
+  bool Write(const client::Client& c, const std::vector<client::BlockRef>& table, int64_t p,
+             uint64_t value) {
+    for (int32_t layer = 0; layer < c.layout().num_layers(); ++layer) {
+      for (int kv = 0; kv < 2; ++kv) {
+        char* row = Row(c, table, p, layer, kv);
+        if (row == nullptr) return false;
+        const uint64_t word = value ^ (static_cast<uint64_t>(layer) << 1 | kv);
+        for (int64_t b = 0; b + 8 <= row_bytes_; b += 8) std::memcpy(row + b, &word, 8);
+      }
+    }
+    return true;
+  }
+
+  bool Check(const client::Client& c, const std::vector<client::BlockRef>& table, int64_t p,
+             uint64_t value) {
+    for (int32_t layer = 0; layer < c.layout().num_layers(); ++layer) {
+      for (int kv = 0; kv < 2; ++kv) {
+        const char* row = Row(c, table, p, layer, kv);
+        if (row == nullptr) return false;
+        const uint64_t word = value ^ (static_cast<uint64_t>(layer) << 1 | kv);
+        for (int64_t b = 0; b + 8 <= row_bytes_; b += 8) {
+          if (std::memcmp(row + b, &word, 8) != 0) return false;
+        }
+      }
+    }
+    return true;
+  }
+
+  void Abandon(client::Client& c, uint64_t seq, const std::string& why) {
+    (void)c.Free({seq});
+    Error(why);
+  }
+  void Error(const std::string& why) {
+    std::fprintf(stderr, "\n[loadgen worker %d] %s\n", getpid(), why.c_str());
+    Send({.kind = Record::Kind::kError});
+  }
+  void Send(const Record& r) { (void)write(fd_, &r, sizeof(r)); }
+
+  const Options& options_;
+  const int fd_;
+  int64_t row_bytes_ = 0;
+  std::map<int32_t, std::unique_ptr<client::Client>> clients_;
+};
+
+double Percentile(std::vector<int64_t>* v, double q) {
+  if (v->empty()) return 0;
+  const size_t k = std::min(v->size() - 1, static_cast<size_t>(q * static_cast<double>(v->size())));
+  std::nth_element(v->begin(), v->begin() + static_cast<ptrdiff_t>(k), v->end());
+  return static_cast<double>((*v)[k]) / 1e3;  // microseconds
+}
+
+}  // namespace
+
+absl::StatusOr<Summary> Run(const Options& options) {
+  if (options.workers <= 0) return absl::InvalidArgumentError("--workers must be > 0");
+  // The parent must not touch gRPC before forking (its threads do not survive fork()): the
+  // workers learn about the pool themselves.
+  const std::string runtime_dir =
+      options.runtime_dir.empty() ? wire::DefaultRuntimeDir() : options.runtime_dir;
+  if (access((runtime_dir + "/" + wire::kAttachSocket).c_str(), F_OK) != 0) {
+    return absl::UnavailableError(fmt::format("no kvpoold in {} (start it first)", runtime_dir));
+  }
+  std::vector<workload::Request> requests;
+  if (options.trace.empty()) {
+    requests = workload::GenerateConversations({.seed = options.seed,
+                                                .tenants = options.tenants,
+                                                .conversations = options.conversations,
+                                                .turns = options.turns});
+  } else {
+    absl::StatusOr<std::vector<workload::TraceRequest>> trace =
+        workload::ReadMooncakeTrace(options.trace);
+    if (!trace.ok()) return trace.status();
+    requests = workload::FromTrace(*trace, /*max_prompt_tokens=*/0, options.max_reply_tokens);
+  }
+  if (options.max_requests > 0 && static_cast<int64_t>(requests.size()) > options.max_requests) {
+    requests.resize(static_cast<size_t>(options.max_requests));
+  }
+
+  // Fork the workers: conversation c is served by worker c % workers, so a conversation's turns
+  // stay in order.
+  const auto start = Clock::now();
+  std::vector<pid_t> pids;
+  std::vector<int> pipes;
+  for (int32_t w = 0; w < options.workers; ++w) {
+    int fds[2];
+    if (pipe2(fds, O_CLOEXEC) != 0) return absl::InternalError("pipe failed");
+    const pid_t pid = fork();
+    if (pid < 0) return absl::InternalError("fork failed");
+    if (pid == 0) {
+      close(fds[0]);
+      Options mine = options;
+      mine.runtime_dir = runtime_dir;
+      {
+        Worker worker(mine, fds[1]);
+        for (const workload::Request& r : requests) {
+          if (r.conversation % options.workers == w) worker.Serve(r);
+        }
+      }  // detach every session before exiting
+      _exit(0);
+    }
+    close(fds[1]);
+    pids.push_back(pid);
+    pipes.push_back(fds[0]);
+  }
+
+  // Aggregate what the workers report.
+  Summary summary;
+  summary.requests = static_cast<int64_t>(requests.size());
+  std::vector<int64_t> latencies[static_cast<int>(Op::kCount)];
+  const bool tty = options.progress && isatty(STDERR_FILENO);
+  auto last_print = Clock::now();
+  std::vector<pollfd> open;
+  for (int fd : pipes) open.push_back({fd, POLLIN, 0});
+  while (!open.empty()) {
+    if (poll(open.data(), open.size(), 200) < 0 && errno != EINTR) break;
+    for (size_t i = 0; i < open.size();) {
+      Record r;
+      if (open[i].revents == 0) {
+        ++i;
+        continue;
+      }
+      const ssize_t n = read(open[i].fd, &r, sizeof(r));
+      if (n != static_cast<ssize_t>(sizeof(r))) {  // the worker is done
+        close(open[i].fd);
+        open.erase(open.begin() + static_cast<ptrdiff_t>(i));
+        continue;
+      }
+      switch (r.kind) {
+        case Record::Kind::kRequest:
+          if (r.rejected) {
+            ++summary.rejected;
+            break;
+          }
+          ++summary.completed;
+          summary.prompt_tokens += r.a;
+          summary.hit_tokens += r.b;
+          summary.decoded_tokens += r.c;
+          summary.kv_mismatches += r.d;
+          break;
+        case Record::Kind::kLatency:
+          latencies[static_cast<int>(r.op)].push_back(r.a);
+          break;
+        case Record::Kind::kError:
+          ++summary.errors;
+          break;
+      }
+    }
+    if (tty && Clock::now() - last_print > std::chrono::milliseconds(200)) {
+      last_print = Clock::now();
+      std::fprintf(stderr, "\r[kvpool-loadgen] %lld/%lld requests  prefix hit %.1f%%  errors %lld ",
+                   static_cast<long long>(summary.completed + summary.rejected),
+                   static_cast<long long>(summary.requests),
+                   summary.prompt_tokens ? 100.0 * summary.hit_tokens / summary.prompt_tokens : 0.0,
+                   static_cast<long long>(summary.errors));
+    }
+  }
+  bool crashed = false;
+  for (pid_t pid : pids) {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    crashed |= !WIFEXITED(status) || WEXITSTATUS(status) != 0;
+  }
+  if (tty) std::fprintf(stderr, "\n");
+  summary.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+
+  // The daemon's view at the end: every worker has detached, so nothing should be active.
+  std::string pool_line = "pool: (stats unavailable)";
+  std::string check_line = "invariants: (not checked)";
+  absl::StatusOr<std::unique_ptr<client::Client>> admin =
+      client::Client::Connect({.runtime_dir = runtime_dir, .client_name = "loadgen"});
+  if (admin.ok()) {
+    if (absl::StatusOr<v1::GetStatsResponse> s = (*admin)->GetStats(); s.ok()) {
+      pool_line = fmt::format(
+          "blocks in use: {} active, {} cached, {} free, {} retiring of {} ({} cow copies, {} "
+          "evictions)",
+          s->active_blocks(), s->cached_blocks(), s->free_blocks(), s->retiring_blocks(),
+          s->num_blocks(), s->cow_copies(), s->evictions());
+    }
+    if (absl::StatusOr<v1::CheckInvariantsResponse> c = (*admin)->CheckInvariants(); c.ok()) {
+      check_line = c->ok() ? "invariants: ok" : "invariants: VIOLATED: " + c->violation();
+      if (!c->ok()) ++summary.errors;
+    }
+  }
+
+  std::string& out = summary.report;
+  out += fmt::format("kvpool-loadgen: {} workers, {} requests ({})\n", options.workers,
+                     summary.requests,
+                     options.trace.empty() ? "generated conversations" : options.trace);
+  out += fmt::format(
+      "requests: {} completed, {} rejected (pool full), {} errors in {:.2f} s ({:.1f}/s)\n",
+      summary.completed, summary.rejected, summary.errors, summary.seconds,
+      summary.completed / std::max(summary.seconds, 1e-9));
+  out += fmt::format(
+      "prefix hit rate: {:.4f} ({} of {} prompt tokens reused)\n",
+      summary.prompt_tokens ? static_cast<double>(summary.hit_tokens) / summary.prompt_tokens : 0.0,
+      summary.hit_tokens, summary.prompt_tokens);
+  out += fmt::format("decoded tokens: {}\n", summary.decoded_tokens);
+  out += fmt::format("kv mismatches: {}\n", summary.kv_mismatches);
+  for (int op = 0; op < static_cast<int>(Op::kCount); ++op) {
+    std::vector<int64_t>& v = latencies[op];
+    const size_t calls = v.size();
+    const double p50 = Percentile(&v, 0.50);
+    const double p99 = Percentile(&v, 0.99);
+    out += fmt::format("rpc {:<8} {:>7} calls  p50 {:8.1f} us  p99 {:8.1f} us\n", kOpNames[op],
+                       calls, p50, p99);
+  }
+  out += pool_line + "\n" + check_line + "\n";
+  std::fputs(out.c_str(), stdout);
+  if (crashed) return absl::InternalError("a worker process crashed");
+  return summary;
+}
+
+}  // namespace kvpool::loadgen

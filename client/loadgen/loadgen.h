@@ -1,0 +1,55 @@
+#pragma once
+
+// kvpool-loadgen: several client processes, each a serving frontend, driving kvpoold with a real
+// workload and checking what they read back.
+//
+// The parent forks `workers` processes (before it touches gRPC). Each attaches (one session per
+// tenant it serves) and, for every request it owns, does what an engine's KV manager does:
+// allocate the prompt with prefix match; check that every reused token's KV, read through its own
+// mapping of the pool, is exactly what computing those tokens would have written (KV is simulated
+// as a function of the token prefix, as causal attention makes it); write the rest; commit the
+// prompt; decode the reply one token at a time (Grow by one, write its KV); commit the reply and
+// free. The parent aggregates progress from pipes and prints a summary.
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace kvpool::loadgen {
+
+struct Options {
+  std::string runtime_dir;  // empty: the default runtime directory
+  int32_t workers = 4;
+  // Generated workload (the default).
+  uint64_t seed = 1;
+  int32_t tenants = 3;
+  int32_t conversations = 24;
+  int32_t turns = 4;
+  // Or a Mooncake trace: prompts and replies cut to fit the pool.
+  std::string trace;
+  int64_t max_requests = 0;       // 0: all
+  int64_t max_prompt_tokens = 0;  // 0: a quarter of the pool over the workers
+  int64_t max_reply_tokens = 256;
+  bool progress = true;  // a live line on stderr when it is a terminal
+};
+
+struct Summary {
+  int64_t requests = 0;
+  int64_t completed = 0;
+  int64_t rejected = 0;  // RESOURCE_EXHAUSTED (the pool or a quota was full)
+  int64_t errors = 0;    // any other failure
+  int64_t prompt_tokens = 0;
+  int64_t hit_tokens = 0;
+  int64_t decoded_tokens = 0;
+  int64_t kv_mismatches = 0;  // reused KV that was not what it should be (must be 0)
+  double seconds = 0;
+  std::string report;  // the printed summary
+};
+
+// Runs the workload against a live kvpoold and returns the summary (also printed on stdout).
+// Errors: UNAVAILABLE (no daemon), INVALID_ARGUMENT (bad options or trace), INTERNAL (a worker
+// crashed).
+absl::StatusOr<Summary> Run(const Options& options);
+
+}  // namespace kvpool::loadgen

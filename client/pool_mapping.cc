@@ -1,0 +1,239 @@
+#include "client/pool_mapping.h"
+
+#include <sys/mman.h>
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <utility>
+
+#include "client/internal/cuda_mapping.h"
+#include "client/internal/status_macros.h"
+#include "fmt/format.h"
+
+namespace kvpool::client {
+namespace {
+
+absl::Status MmapError(const char* what, int64_t bytes) {
+  const int err = errno;
+  std::string message =
+      fmt::format("mmap of the {} ({} bytes): {}", what, bytes, std::strerror(err));
+  if (err == ENOMEM) return absl::ResourceExhaustedError(std::move(message));
+  return absl::InternalError(std::move(message));
+}
+
+int64_t DTypeBytes(v1::DType dtype) {
+  switch (dtype) {
+    case v1::DTYPE_F32:
+      return 4;
+    case v1::DTYPE_F16:
+    case v1::DTYPE_BF16:
+      return 2;
+    case v1::DTYPE_UNSPECIFIED:
+    case v1::DType_INT_MIN_SENTINEL_DO_NOT_USE_:
+    case v1::DType_INT_MAX_SENTINEL_DO_NOT_USE_:
+      break;
+  }
+  return 0;
+}
+
+absl::Status ValidateLayout(const v1::PoolLayout& l) {
+  if (l.block_size() <= 0 || l.num_layers() <= 0 || l.num_kv_heads() <= 0 || l.head_dim() <= 0 ||
+      l.num_blocks() <= 0 || l.chunk_bytes() <= 0) {
+    return absl::InvalidArgumentError(fmt::format("invalid pool layout: {}", l.ShortDebugString()));
+  }
+  const int64_t dtype_bytes = DTypeBytes(l.dtype());
+  if (dtype_bytes == 0) {
+    return absl::InvalidArgumentError(
+        fmt::format("pool layout has unknown dtype {}", static_cast<int>(l.dtype())));
+  }
+  const int64_t elements = int64_t{l.block_size()} * l.num_kv_heads() * l.head_dim();
+  if (l.chunk_bytes() < elements * dtype_bytes) {
+    return absl::InvalidArgumentError(
+        fmt::format("pool layout chunk_bytes {} < block_size * num_kv_heads * head_dim * {} = {}",
+                    l.chunk_bytes(), dtype_bytes, elements * dtype_bytes));
+  }
+  if (l.chunk_bytes() > std::numeric_limits<int64_t>::max() / (2 * l.num_layers()) ||
+      l.block_bytes() != 2 * l.num_layers() * l.chunk_bytes()) {
+    return absl::InvalidArgumentError(
+        fmt::format("pool layout block_bytes {} != 2 * num_layers {} * chunk_bytes {}",
+                    l.block_bytes(), l.num_layers(), l.chunk_bytes()));
+  }
+  if (l.block_bytes() > std::numeric_limits<int64_t>::max() / l.num_blocks()) {
+    return absl::InvalidArgumentError("pool layout overflows 64-bit byte offsets");
+  }
+  return absl::OkStatus();
+}
+
+// Fails unless `fd` is at least `bytes` long, so that touching the mapping cannot SIGBUS.
+absl::Status CheckFdSize(const UniqueFd& fd, int64_t bytes, const char* what) {
+  struct stat st {};
+  if (fstat(fd.get(), &st) != 0) {
+    return absl::InternalError(fmt::format("fstat of the {}: {}", what, std::strerror(errno)));
+  }
+  if (st.st_size < bytes) {
+    return absl::InvalidArgumentError(
+        fmt::format("the {} descriptor holds {} bytes but the layout needs {}", what,
+                    static_cast<int64_t>(st.st_size), bytes));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+PoolMapping::PoolMapping(v1::PoolLayout layout, v1::ArenaKind kind, int64_t arena_bytes,
+                         int64_t mapped_bytes)
+    : layout_(std::move(layout)),
+      kind_(kind),
+      arena_bytes_(arena_bytes),
+      mapped_bytes_(mapped_bytes) {}
+
+PoolMapping::~PoolMapping() {
+  cuda_.reset();
+  if (kind_ == v1::ARENA_KIND_MEMFD && base_ != nullptr) {
+    munmap(base_, static_cast<size_t>(mapped_bytes_));
+  }
+  if (generations_ != nullptr) {
+    munmap(const_cast<uint32_t*>(generations_), static_cast<size_t>(generation_map_bytes_));
+  }
+}
+
+absl::StatusOr<std::unique_ptr<PoolMapping>> PoolMapping::Create(const v1::AttachResponse& attach,
+                                                                 std::vector<UniqueFd> fds) {
+  const v1::PoolLayout& layout = attach.layout();
+  KVPOOL_CLIENT_RETURN_IF_ERROR(ValidateLayout(layout));
+  const int64_t needed = int64_t{layout.num_blocks()} * layout.block_bytes();
+  const int64_t arena_bytes = attach.arena_bytes() == 0 ? needed : attach.arena_bytes();
+  if (arena_bytes < needed) {
+    return absl::InvalidArgumentError(fmt::format("arena_bytes {} < num_blocks * block_bytes = {}",
+                                                  attach.arena_bytes(), needed));
+  }
+  const int64_t mapped_bytes = attach.mapped_bytes() == 0 ? arena_bytes : attach.mapped_bytes();
+  if (mapped_bytes < arena_bytes) {
+    return absl::InvalidArgumentError(
+        fmt::format("mapped_bytes {} < arena_bytes {}", mapped_bytes, arena_bytes));
+  }
+
+  if (fds.size() != static_cast<size_t>(attach.fds_size())) {
+    return absl::InvalidArgumentError(fmt::format(
+        "the attach response lists {} descriptors but {} arrived", attach.fds_size(), fds.size()));
+  }
+  UniqueFd arena_fd;
+  UniqueFd generation_fd;
+  for (int i = 0; i < attach.fds_size(); ++i) {
+    UniqueFd* slot = nullptr;
+    if (attach.fds(i) == v1::FD_ROLE_ARENA) slot = &arena_fd;
+    if (attach.fds(i) == v1::FD_ROLE_GENERATION_TABLE) slot = &generation_fd;
+    if (slot == nullptr) {
+      return absl::InvalidArgumentError(
+          fmt::format("descriptor {} has unknown role {}", i, static_cast<int>(attach.fds(i))));
+    }
+    if (slot->valid()) {
+      return absl::InvalidArgumentError(
+          fmt::format("descriptor role {} sent twice", v1::FdRole_Name(attach.fds(i))));
+    }
+    *slot = std::move(fds[static_cast<size_t>(i)]);
+  }
+  if (!generation_fd.valid()) {
+    return absl::InvalidArgumentError("no generation table descriptor in the attach response");
+  }
+  const bool wants_arena_fd =
+      attach.arena_kind() == v1::ARENA_KIND_MEMFD || attach.arena_kind() == v1::ARENA_KIND_CUDA_VMM;
+  if (wants_arena_fd && !arena_fd.valid()) {
+    return absl::InvalidArgumentError("no arena descriptor in the attach response");
+  }
+
+  std::unique_ptr<PoolMapping> mapping(
+      new PoolMapping(layout, attach.arena_kind(), arena_bytes, mapped_bytes));
+  mapping->arena_fd_ = std::move(arena_fd);
+  mapping->generation_fd_ = std::move(generation_fd);
+
+  const int64_t table_bytes = int64_t{layout.num_blocks()} * static_cast<int64_t>(sizeof(uint32_t));
+  KVPOOL_CLIENT_RETURN_IF_ERROR(
+      CheckFdSize(mapping->generation_fd_, table_bytes, "generation table"));
+  void* table = mmap(nullptr, static_cast<size_t>(table_bytes), PROT_READ, MAP_SHARED,
+                     mapping->generation_fd_.get(), 0);
+  if (table == MAP_FAILED) return MmapError("generation table", table_bytes);
+  mapping->generations_ = static_cast<const uint32_t*>(table);
+  mapping->generation_map_bytes_ = table_bytes;
+
+  switch (attach.arena_kind()) {
+    case v1::ARENA_KIND_MEMFD: {
+      KVPOOL_CLIENT_RETURN_IF_ERROR(CheckFdSize(mapping->arena_fd_, mapped_bytes, "arena"));
+      void* base = mmap(nullptr, static_cast<size_t>(mapped_bytes), PROT_READ | PROT_WRITE,
+                        MAP_SHARED, mapping->arena_fd_.get(), 0);
+      if (base == MAP_FAILED) return MmapError("arena", mapped_bytes);
+      mapping->base_ = static_cast<char*>(base);
+      return mapping;
+    }
+    case v1::ARENA_KIND_CUDA_VMM: {
+      KVPOOL_CLIENT_ASSIGN_OR_RETURN(
+          mapping->cuda_, internal::CudaMapping::ImportVmm(mapping->arena_fd_.get(), mapped_bytes,
+                                                           attach.device_ordinal()));
+      mapping->base_ = mapping->cuda_->base();
+      return mapping;
+    }
+    case v1::ARENA_KIND_CUDA_IPC: {
+      KVPOOL_CLIENT_ASSIGN_OR_RETURN(
+          mapping->cuda_,
+          internal::CudaMapping::OpenIpc(attach.cuda_ipc_handle(), attach.device_ordinal()));
+      mapping->base_ = mapping->cuda_->base();
+      return mapping;
+    }
+    case v1::ARENA_KIND_UNSPECIFIED:
+    case v1::ArenaKind_INT_MIN_SENTINEL_DO_NOT_USE_:
+    case v1::ArenaKind_INT_MAX_SENTINEL_DO_NOT_USE_:
+      break;
+  }
+  return absl::InvalidArgumentError(
+      fmt::format("unknown arena kind {}", static_cast<int>(attach.arena_kind())));
+}
+
+uint32_t PoolMapping::generation(int32_t block) const {
+  if (block < 0 || block >= layout_.num_blocks()) return 0;
+  // The daemon stores concurrently from another process; pair its release store.
+  return __atomic_load_n(&generations_[block], __ATOMIC_ACQUIRE);
+}
+
+absl::Status PoolMapping::CheckCurrent(BlockRef block) const {
+  if (block.id < 0) {
+    return absl::InvalidArgumentError(fmt::format("negative block id {}", block.id));
+  }
+  if (block.id >= layout_.num_blocks()) {
+    return absl::OutOfRangeError(
+        fmt::format("block {} is past the pool's {} blocks", block.id, layout_.num_blocks()));
+  }
+  const uint32_t current = generation(block.id);
+  if (current != block.generation) {
+    return absl::FailedPreconditionError(fmt::format(
+        "block {} was reused (generation {}, you hold {})", block.id, current, block.generation));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<char*> PoolMapping::Block(BlockRef block) const {
+  KVPOOL_CLIENT_RETURN_IF_ERROR(CheckCurrent(block));
+  return base_ + int64_t{block.id} * layout_.block_bytes();
+}
+
+absl::StatusOr<char*> PoolMapping::Chunk(int32_t layer, int32_t kv, BlockRef block) const {
+  if (layer < 0) return absl::InvalidArgumentError(fmt::format("negative layer {}", layer));
+  if (layer >= layout_.num_layers()) {
+    return absl::OutOfRangeError(
+        fmt::format("layer {} is past the pool's {} layers", layer, layout_.num_layers()));
+  }
+  KVPOOL_CLIENT_ASSIGN_OR_RETURN(char* start, Block(block));
+  return start + (2 * int64_t{layer} + kv) * layout_.chunk_bytes();
+}
+
+absl::StatusOr<char*> PoolMapping::K(int32_t layer, BlockRef block) const {
+  return Chunk(layer, 0, block);
+}
+
+absl::StatusOr<char*> PoolMapping::V(int32_t layer, BlockRef block) const {
+  return Chunk(layer, 1, block);
+}
+
+}  // namespace kvpool::client

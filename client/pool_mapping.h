@@ -1,0 +1,102 @@
+#pragma once
+
+// PoolMapping: this process's view of kvpoold's pool arena and of its block generation table,
+// built from the descriptors received at attach (attach.proto).
+//
+// For ARENA_KIND_MEMFD (the CPU backend) the arena is mapped MAP_SHARED read-write into this
+// process: K() and V() return host pointers to the very pages the daemon and every other client
+// see. For ARENA_KIND_CUDA_VMM / ARENA_KIND_CUDA_IPC the arena is imported through the CUDA driver
+// (loaded at run time; nothing links libcuda) and K() / V() return DEVICE pointers, valid in
+// kernels and cuMemcpy* on the daemon's device only, never dereferenced on the host
+// (host_accessible() is false). The generation table is always a host mapping, read-only.
+//
+// Generations: the daemon bumps a block's entry in the generation table every time it hands the
+// block out again. K()/V()/Block() compare the caller's BlockRef against the current entry, so a
+// client that kept a block past its free (or lost it to its session being reclaimed) gets
+// FAILED_PRECONDITION instead of another sequence's KV. The check is a snapshot: it cannot stop a
+// reuse that happens after it returns; a sequence the caller still holds is never reused.
+//
+// Thread-safety: immutable after Create(); every method is thread-safe. The KV bytes themselves
+// are shared with other processes; ordering writes against the daemon is the caller's business
+// (the RPC protocol: write only blocks of sequences you hold).
+// Ownership: owns the mappings and the descriptors (released by the destructor). Pointers it
+// returns stay valid until the PoolMapping is destroyed.
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "client/block_ref.h"
+#include "client/unique_fd.h"
+#include "kvpool/v1/attach.pb.h"
+#include "kvpool/v1/layout.pb.h"
+
+namespace kvpool::client {
+
+namespace internal {
+class CudaMapping;
+}  // namespace internal
+
+class PoolMapping final {
+ public:
+  // Maps the pool described by the accepted `attach` response; `fds` are the descriptors that
+  // came with it, in the order of attach.fds(). Takes ownership of `fds` whether or not it
+  // succeeds.
+  // Errors: INVALID_ARGUMENT (inconsistent layout or sizes, descriptors missing, duplicated or
+  // smaller than the layout needs, unknown arena kind); UNAVAILABLE (CUDA arena but no CUDA
+  // driver can be loaded); UNIMPLEMENTED (CUDA arena and this library was built without
+  // <cuda.h>); RESOURCE_EXHAUSTED (no address space); INTERNAL (mmap or driver failure).
+  static absl::StatusOr<std::unique_ptr<PoolMapping>> Create(const v1::AttachResponse& attach,
+                                                             std::vector<UniqueFd> fds);
+
+  PoolMapping(const PoolMapping&) = delete;
+  PoolMapping& operator=(const PoolMapping&) = delete;
+  ~PoolMapping();
+
+  const v1::PoolLayout& layout() const { return layout_; }
+  v1::ArenaKind kind() const { return kind_; }
+  // True when base() and the pointers below may be dereferenced on the host (memfd arena).
+  bool host_accessible() const { return kind_ == v1::ARENA_KIND_MEMFD; }
+  // First byte of block 0 (a device pointer unless host_accessible()).
+  char* base() const { return base_; }
+  int64_t arena_bytes() const { return arena_bytes_; }    // num_blocks * block_bytes
+  int64_t mapped_bytes() const { return mapped_bytes_; }  // >= arena_bytes
+  int32_t num_blocks() const { return layout_.num_blocks(); }
+
+  // The block's first byte: [2 * num_layers][block_size][num_kv_heads][head_dim] of dtype.
+  // Errors: INVALID_ARGUMENT (negative id), OUT_OF_RANGE (id >= num_blocks),
+  // FAILED_PRECONDITION "block N was reused (generation X, you hold Y)".
+  absl::StatusOr<char*> Block(BlockRef block) const;
+  // Layer `layer`'s K (or V) chunk of the block: [block_size][num_kv_heads][head_dim] of dtype,
+  // layout().chunk_bytes() bytes. Errors: as Block(), plus INVALID_ARGUMENT (negative layer) and
+  // OUT_OF_RANGE (layer >= num_layers).
+  absl::StatusOr<char*> K(int32_t layer, BlockRef block) const;
+  absl::StatusOr<char*> V(int32_t layer, BlockRef block) const;
+
+  // OK when `block` is in range and still has the generation the caller holds; errors as Block().
+  absl::Status CheckCurrent(BlockRef block) const;
+
+  // The block's current generation in the shared table (an acquire load).
+  // REQUIRES: 0 <= block < num_blocks() (returns 0 otherwise).
+  uint32_t generation(int32_t block) const;
+
+ private:
+  PoolMapping(v1::PoolLayout layout, v1::ArenaKind kind, int64_t arena_bytes, int64_t mapped_bytes);
+
+  absl::StatusOr<char*> Chunk(int32_t layer, int32_t kv, BlockRef block) const;
+
+  const v1::PoolLayout layout_;
+  const v1::ArenaKind kind_;
+  const int64_t arena_bytes_;
+  const int64_t mapped_bytes_;
+  UniqueFd arena_fd_;
+  UniqueFd generation_fd_;
+  char* base_ = nullptr;                   // host mmap or device address
+  const uint32_t* generations_ = nullptr;  // [num_blocks], PROT_READ host mapping
+  int64_t generation_map_bytes_ = 0;
+  std::unique_ptr<internal::CudaMapping> cuda_;  // CUDA arenas only
+};
+
+}  // namespace kvpool::client

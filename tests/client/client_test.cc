@@ -1,0 +1,260 @@
+#include "client/client.h"
+
+#include <cstring>
+#include <thread>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/client/fake_daemon.h"
+
+namespace kvpool::client {
+namespace {
+
+using ::testing::ElementsAre;
+using testing::FakeAttachServer;
+using testing::FakeGrpcServer;
+using testing::FakePool;
+using ::testing::HasSubstr;
+using testing::SmallLayout;
+using testing::TempDir;
+
+class ClientTest : public ::testing::Test {
+ protected:
+  ConnectOptions Options(absl::Duration timeout = absl::Seconds(10)) const {
+    ConnectOptions options;
+    options.runtime_dir = dir_.path();
+    options.client_name = "client-test";
+    options.tenant = "acme";
+    options.model = "llama";
+    options.timeout = timeout;
+    return options;
+  }
+  // Attaches through an accepting fake attach server (and no gRPC server unless started).
+  std::unique_ptr<Client> ConnectOrDie() {
+    auto client = Client::Connect(Options());
+    EXPECT_TRUE(client.ok()) << client.status();
+    return client.ok() ? std::move(*client) : nullptr;
+  }
+
+  TempDir dir_;
+  FakePool pool_{SmallLayout()};
+};
+
+TEST_F(ClientTest, WithoutADaemonConnectIsUnavailableAndSaysWhere) {
+  auto client = Client::Connect(Options());
+  EXPECT_EQ(client.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(client.status().message()), HasSubstr(dir_.path() + "/attach.sock"));
+}
+
+TEST_F(ClientTest, RefusalIsPermissionDenied) {
+  FakeAttachServer server(dir_.path(), &pool_, {.mode = FakeAttachServer::Mode::kRefuse});
+  auto client = Client::Connect(Options());
+  EXPECT_EQ(client.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(std::string(client.status().message()),
+              HasSubstr("uid 1000 is not in the allow-list"));
+}
+
+TEST_F(ClientTest, RefusalKeepsTheDaemonsCode) {
+  FakeAttachServer server(
+      dir_.path(), &pool_,
+      {.mode = FakeAttachServer::Mode::kRefuse, .refuse_code = 14, .refuse_reason = "draining"});
+  EXPECT_EQ(Client::Connect(Options()).status().code(), absl::StatusCode::kUnavailable);
+}
+
+TEST_F(ClientTest, HangUpWithoutAnswerIsUnavailable) {
+  FakeAttachServer server(dir_.path(), &pool_, {.mode = FakeAttachServer::Mode::kHangUp});
+  auto client = Client::Connect(Options());
+  EXPECT_EQ(client.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(client.status().message()), HasSubstr("without answering"));
+}
+
+TEST_F(ClientTest, SilentDaemonTimesOut) {
+  FakeAttachServer server(dir_.path(), &pool_, {.mode = FakeAttachServer::Mode::kSilent});
+  EXPECT_EQ(Client::Connect(Options(absl::Milliseconds(100))).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
+}
+
+TEST_F(ClientTest, ConnectSendsTheRequestAndMapsThePool) {
+  FakeAttachServer server(dir_.path(), &pool_, {});
+  std::unique_ptr<Client> client = ConnectOrDie();
+  ASSERT_NE(client, nullptr);
+
+  const v1::AttachRequest request = server.request();
+  EXPECT_EQ(request.protocol_version(), 1u);
+  EXPECT_EQ(request.client_name(), "client-test");
+  EXPECT_EQ(request.tenant(), "acme");
+  EXPECT_EQ(request.model(), "llama");
+
+  EXPECT_EQ(client->session_id(), 42u);
+  EXPECT_EQ(client->namespace_id(), 7u);
+  EXPECT_EQ(client->epoch(), 3u);
+  EXPECT_TRUE(client->admin());
+  EXPECT_EQ(client->daemon_version(), "fake-1");
+  EXPECT_EQ(client->runtime_dir(), dir_.path());
+  EXPECT_EQ(client->layout().block_bytes(), SmallLayout().block_bytes());
+
+  auto k = client->mapping().K(1, BlockRef{2, 1});
+  ASSERT_TRUE(k.ok()) << k.status();
+  std::memcpy(*k, "kv!", 4);
+  const int64_t offset = 2 * SmallLayout().block_bytes() + 2 * SmallLayout().chunk_bytes();
+  EXPECT_STREQ(pool_.arena() + offset, "kv!");
+
+  pool_.generations()[2] = 2;
+  EXPECT_EQ(client->mapping().K(1, BlockRef{2, 1}).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(ClientTest, DescriptorsMayArriveInAnyOrder) {
+  FakeAttachServer server(dir_.path(), &pool_, {.swap_fd_order = true});
+  std::unique_ptr<Client> client = ConnectOrDie();
+  ASSERT_NE(client, nullptr);
+  pool_.generations()[9] = 4;
+  EXPECT_EQ(client->mapping().generation(9), 4u);
+  EXPECT_TRUE(client->mapping().V(0, BlockRef{9, 4}).ok());
+}
+
+TEST_F(ClientTest, DestroyingTheClientClosesTheAttachSocket) {
+  FakeAttachServer server(dir_.path(), &pool_, {});
+  std::unique_ptr<Client> client = ConnectOrDie();
+  ASSERT_NE(client, nullptr);
+  client.reset();
+  EXPECT_TRUE(server.WaitForClientClose(absl::Seconds(10)));
+}
+
+TEST_F(ClientTest, CallsWithoutAGrpcServerAreUnavailable) {
+  FakeAttachServer server(dir_.path(), &pool_, {});
+  std::unique_ptr<Client> client = ConnectOrDie();
+  ASSERT_NE(client, nullptr);
+  EXPECT_EQ(client->Ping().code(), absl::StatusCode::kUnavailable);
+}
+
+class ClientRpcTest : public ClientTest {
+ protected:
+  void SetUp() override {
+    client_ = ConnectOrDie();
+    ASSERT_NE(client_, nullptr);
+  }
+  FakeAttachServer attach_{dir_.path(), &pool_, {}};
+  FakeGrpcServer grpc_{dir_.path()};
+  std::unique_ptr<Client> client_;
+};
+
+TEST_F(ClientRpcTest, EveryCallCarriesTheSessionToken) {
+  ASSERT_TRUE(client_->Ping().ok());
+  ASSERT_TRUE(client_->GetStats().ok());
+  EXPECT_THAT(grpc_.service().tokens(), ElementsAre("token-42", "token-42"));
+}
+
+TEST_F(ClientRpcTest, AllocateReturnsFullTables) {
+  const std::vector<int32_t> prompt = {1, 2, 3, 4, 5, 6};
+  auto batch = client_->Allocate({AllocateItem{prompt, 8, 0}, AllocateItem{prompt}});
+  ASSERT_TRUE(batch.ok()) << batch.status();
+  ASSERT_EQ(batch->size(), 2u);
+  EXPECT_EQ((*batch)[0].sequence_id(), 100u);
+  EXPECT_EQ((*batch)[0].matched_tokens(), 3);
+  EXPECT_EQ(ToBlockRefs((*batch)[0]), (std::vector<BlockRef>{{0, 1}, {1, 1}}));
+  EXPECT_EQ((*batch)[1].num_tokens(), 6);  // 0 tokens asked: the prompt's size
+
+  auto one = client_->Allocate(prompt, 12);
+  ASSERT_TRUE(one.ok()) << one.status();
+  EXPECT_EQ(one->block_ids_size(), 3);
+}
+
+TEST_F(ClientRpcTest, MalformedResponsesAreInternal) {
+  grpc_.service().set_malformed(true);
+  const std::vector<int32_t> prompt = {1, 2};
+  EXPECT_EQ(client_->Allocate(prompt).status().code(), absl::StatusCode::kInternal);
+}
+
+TEST_F(ClientRpcTest, ResourceExhaustedCarriesTheShortfall) {
+  auto grown = client_->Grow(100, 64);
+  EXPECT_EQ(grown.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(grown.status().message(), "Grow: pool short by 3 blocks");
+  const std::optional<Shortfall> shortfall = GetShortfall(grown.status());
+  ASSERT_TRUE(shortfall.has_value());
+  EXPECT_EQ(shortfall->resource, "pool");
+  EXPECT_EQ(shortfall->blocks, 3);
+}
+
+TEST_F(ClientRpcTest, ForkAndFreePassTheirArguments) {
+  auto child = client_->Fork(100);
+  ASSERT_TRUE(child.ok()) << child.status();
+  EXPECT_EQ(child->sequence_id(), 101u);
+  EXPECT_EQ(client_->Fork(5).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(client_->Free({100, 101}, /*commit=*/true).ok());
+}
+
+TEST_F(ClientRpcTest, AdminCallsReturnTheDaemonsAnswers) {
+  auto stats = client_->GetStats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->free_blocks(), 10);
+  auto sequences = client_->ListSequences(43);
+  ASSERT_TRUE(sequences.ok());
+  EXPECT_THAT(sequences->session_ids(), ElementsAre(43u));
+  auto trace = client_->DumpBlockTrace(5);
+  ASSERT_TRUE(trace.ok());
+  EXPECT_EQ(trace->entries_size(), 1);
+  auto all = client_->DumpAllBlockTraces();
+  ASSERT_TRUE(all.ok());
+  EXPECT_EQ(all->entries_size(), 5);
+  auto evicted = client_->Evict(4);
+  ASSERT_TRUE(evicted.ok());
+  EXPECT_EQ(*evicted, 4);
+  EXPECT_EQ(*client_->EvictAll(), 9);
+  ASSERT_TRUE(client_->SetLogLevel("debug").ok());
+  EXPECT_EQ(grpc_.service().log_level(), "debug");
+  EXPECT_EQ(*client_->Drain(), 2);
+  const std::vector<int32_t> tokens = {1, 2, 3, 4};
+  EXPECT_EQ(client_->ExplainMatch(tokens)->matched_tokens(), 2);
+
+  grpc_.service().set_deny_admin(true);
+  EXPECT_EQ(client_->GetStats().status().code(), absl::StatusCode::kPermissionDenied);
+}
+
+TEST_F(ClientRpcTest, WatchEventsDeliversEachMessageUntilTheStreamEnds) {
+  std::vector<v1::WatchEventsResponse> got;
+  v1::WatchEventsRequest request;
+  request.set_from_seq(20);
+  ASSERT_TRUE(client_
+                  ->WatchEvents(request,
+                                [&](const v1::WatchEventsResponse& r) {
+                                  got.push_back(r);
+                                  return true;
+                                })
+                  .ok());
+  ASSERT_EQ(got.size(), 3u);
+  EXPECT_TRUE(got[0].snapshot());
+  EXPECT_EQ(got[1].events(0).seq(), 20u);
+  EXPECT_EQ(got[2].events(0).seq(), 21u);
+}
+
+TEST_F(ClientRpcTest, WatchEventsStopsWhenTheCallbackSaysSo) {
+  int calls = 0;
+  const absl::Status status = client_->WatchEvents(
+      v1::WatchEventsRequest(), [&](const v1::WatchEventsResponse&) { return ++calls < 2; });
+  EXPECT_TRUE(status.ok()) << status;
+  EXPECT_EQ(calls, 2);
+}
+
+TEST_F(ClientRpcTest, CancelWatchesEndsAFollowedStream) {
+  v1::WatchEventsRequest request;
+  request.set_follow(true);
+  int calls = 0;
+  absl::Status status = absl::UnknownError("not run");
+  std::thread watcher([&] {
+    status = client_->WatchEvents(request, [&](const v1::WatchEventsResponse&) {
+      ++calls;
+      return true;
+    });
+  });
+  // The call registers its context before it reaches the server, so once the server streams,
+  // one cancel is enough.
+  grpc_.service().WaitForFollower();
+  client_->CancelWatches();
+  watcher.join();
+  EXPECT_TRUE(status.ok()) << status;
+  EXPECT_LE(calls, 1);
+}
+
+}  // namespace
+}  // namespace kvpool::client

@@ -1,0 +1,290 @@
+#include "client/kvpoolctl.h"
+
+#include <fstream>
+#include <sstream>
+
+#include "client/kvpoolctl_format.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/client/fake_daemon.h"
+
+namespace kvpool::client::ctl {
+namespace {
+
+using nlohmann::json;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+std::vector<std::string> Lines(const std::string& text) {
+  std::vector<std::string> lines;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+TEST(ParseTokensTest, AcceptsWhitespaceAndCommas) {
+  auto tokens = ParseTokens(" 1 2,3,\n4\t5,,6\r\n");
+  ASSERT_TRUE(tokens.ok()) << tokens.status();
+  EXPECT_THAT(*tokens, ElementsAre(1, 2, 3, 4, 5, 6));
+  EXPECT_TRUE(ParseTokens("").value().empty());
+  EXPECT_THAT(ParseTokens("2147483647").value(), ElementsAre(2147483647));
+}
+
+TEST(ParseTokensTest, RejectsWhatIsNotATokenId) {
+  auto bad = ParseTokens("1 x 3");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("token 2 ('x')"));
+  EXPECT_FALSE(ParseTokens("-1").ok());
+  EXPECT_FALSE(ParseTokens("2147483648").ok());
+  EXPECT_FALSE(ParseTokens("1.5").ok());
+  EXPECT_FALSE(ParseTokens("[1,2]").ok());
+}
+
+TEST(ParseTokensTest, ReadsAFile) {
+  testing::TempDir dir;
+  const std::string path = dir.path() + "/prompt.txt";
+  std::ofstream(path) << "10, 20, 30\n40\n";
+  EXPECT_THAT(ReadTokensFile(path).value(), ElementsAre(10, 20, 30, 40));
+  EXPECT_EQ(ReadTokensFile(dir.path() + "/missing").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(ValidateInvocationTest, KnowsEachCommandsArguments) {
+  const auto valid = [](Invocation inv) { return ValidateInvocation(inv).ok(); };
+  EXPECT_TRUE(valid({.command = "stats"}));
+  EXPECT_FALSE(valid({.command = "stats", .args = {"x"}}));
+  EXPECT_FALSE(valid({.command = "nope"}));
+  EXPECT_FALSE(valid({}));
+  EXPECT_TRUE(valid({.command = "trace", .args = {"7"}}));
+  EXPECT_TRUE(valid({.command = "trace", .all = true, .format = "chrome"}));
+  EXPECT_FALSE(valid({.command = "trace"}));
+  EXPECT_FALSE(valid({.command = "trace", .args = {"7"}, .all = true}));
+  EXPECT_FALSE(valid({.command = "trace", .args = {"-3"}}));
+  EXPECT_FALSE(valid({.command = "trace", .args = {"7"}, .format = "xml"}));
+  EXPECT_TRUE(valid({.command = "explain", .args = {"prompt.txt"}}));
+  EXPECT_FALSE(valid({.command = "explain"}));
+  EXPECT_TRUE(valid({.command = "evict", .blocks = 4}));
+  EXPECT_TRUE(valid({.command = "evict", .all = true}));
+  EXPECT_FALSE(valid({.command = "evict"}));
+  EXPECT_FALSE(valid({.command = "evict", .all = true, .blocks = 4}));
+  EXPECT_FALSE(valid({.command = "evict", .blocks = -4}));
+  EXPECT_TRUE(valid({.command = "log-level", .args = {"debug"}}));
+  EXPECT_FALSE(valid({.command = "log-level"}));
+}
+
+TEST(FormatTest, SessionsAreAnAlignedTable) {
+  v1::ListSessionsResponse sessions;
+  v1::SessionInfo* a = sessions.add_sessions();
+  a->set_session_id(7);
+  a->set_client_name("kvpoolctl");
+  a->set_pid(12);
+  v1::SessionInfo* b = sessions.add_sessions();
+  b->set_session_id(12345);
+  b->set_client_name("w");
+  b->set_pid(999999);
+  b->set_tenant("acme");
+  const std::vector<std::string> lines = Lines(FormatSessions(sessions, false));
+  ASSERT_EQ(lines.size(), 4u);
+  EXPECT_THAT(lines[0], HasSubstr("SESSION  CLIENT"));
+  // Numbers are right-aligned: the ids end in the same column, names start in the same column.
+  EXPECT_EQ(lines[0].find("CLIENT"), lines[1].find("kvpoolctl"));
+  EXPECT_EQ(lines[1].find("kvpoolctl"), lines[2].find("w "));
+  EXPECT_EQ(lines[1].find("7 ") + 1, lines[2].find("12345 ") + 5);
+  EXPECT_EQ(lines[3], "2 session(s)");
+}
+
+TEST(FormatTest, StatsShowBlockShares) {
+  v1::GetStatsResponse stats;
+  stats.set_num_blocks(16);
+  stats.set_free_blocks(4);
+  stats.set_prompt_tokens(200);
+  stats.set_hit_tokens(50);
+  stats.set_device("cpu");
+  const std::string text = FormatStats(stats, false);
+  EXPECT_THAT(text, HasSubstr("device cpu"));
+  EXPECT_THAT(text, ::testing::ContainsRegex("free +4 +25.0"));
+  EXPECT_THAT(text, ::testing::ContainsRegex("hit_rate_% +25.0"));
+  const json parsed = json::parse(FormatStats(stats, true));
+  EXPECT_EQ(parsed["free_blocks"], 4);
+  EXPECT_EQ(parsed["device"], "cpu");
+  EXPECT_TRUE(parsed.contains("evictions"));  // defaults are printed too
+}
+
+TEST(FormatTest, SequencesAbbreviateLongTables) {
+  v1::ListSequencesResponse sequences;
+  v1::SequenceInfo* info = sequences.add_sequences();
+  info->set_sequence_id(5);
+  for (int b = 0; b < 10; ++b) {
+    info->add_block_ids(b);
+    info->add_generations(2);
+  }
+  sequences.add_session_ids(42);
+  const std::string text = FormatSequences(sequences, false);
+  EXPECT_THAT(text, HasSubstr("0@2 1@2"));
+  EXPECT_THAT(text, HasSubstr("7@2 ... (+2)"));
+  EXPECT_THAT(text, Not(HasSubstr("8@2")));
+}
+
+TEST(FormatTest, JsonKeepsUint64sEnumsAndHashes) {
+  v1::WatchEventsResponse events;
+  v1::KvEvent* e = events.add_events();
+  e->set_seq(18446744073709551615ull);
+  e->set_type(v1::KvEvent::TYPE_BLOCK_REMOVED);
+  e->add_block_hashes()->set_lo(0xff);
+  const json parsed = json::parse(ToJson(events));
+  EXPECT_EQ(parsed["events"][0]["seq"].get<uint64_t>(), 18446744073709551615ull);
+  EXPECT_EQ(parsed["events"][0]["type"], "TYPE_BLOCK_REMOVED");
+  EXPECT_EQ(parsed["events"][0]["block_hashes"][0], "000000000000000000000000000000ff");
+  EXPECT_TRUE(parsed["events"][0]["parent_hash"].is_null());
+  EXPECT_EQ(Lines(FormatEvents(events, true)).size(), 1u);
+}
+
+TEST(FormatTest, EventsTextHasALinePerEvent) {
+  v1::WatchEventsResponse events;
+  events.set_snapshot(true);
+  events.set_resume_seq(9);
+  v1::KvEvent* e = events.add_events();
+  e->set_type(v1::KvEvent::TYPE_BLOCK_STORED);
+  e->add_block_hashes()->set_lo(1);
+  e->add_token_ids(5);
+  e->set_block_size(4);
+  const std::vector<std::string> lines = Lines(FormatEvents(events, false));
+  ASSERT_EQ(lines.size(), 2u);
+  EXPECT_THAT(lines[0], HasSubstr("resume at seq 9"));
+  EXPECT_THAT(lines[1], HasSubstr("stored"));
+  EXPECT_THAT(lines[1], HasSubstr("parent root"));
+}
+
+TEST(FormatTest, ChromeTraceHasATrackPerBlockAndAnEventPerOperation) {
+  const v1::DumpBlockTraceResponse trace = testing::SampleTrace();
+  const json doc = json::parse(ChromeTrace(trace));
+  ASSERT_TRUE(doc["traceEvents"].is_array());
+  std::map<std::string, std::vector<json>> by_phase;
+  for (const json& e : doc["traceEvents"]) by_phase[e["ph"].get<std::string>()].push_back(e);
+
+  std::vector<int> named_tracks;
+  for (const json& m : by_phase["M"]) {
+    if (m["name"] == "thread_name") named_tracks.push_back(m["tid"].get<int>());
+  }
+  EXPECT_THAT(named_tracks, ElementsAre(3, 5));
+
+  const std::vector<json>& instants = by_phase["i"];
+  ASSERT_EQ(instants.size(), 5u);
+  EXPECT_EQ(instants[0]["name"], "alloc");
+  EXPECT_EQ(instants[0]["tid"], 3);
+  EXPECT_DOUBLE_EQ(instants[0]["ts"].get<double>(), 1000.0);  // 1'000'000 ns
+  EXPECT_EQ(instants[4]["name"], "retain");
+  EXPECT_EQ(instants[4]["args"]["refs"], 2);
+  EXPECT_EQ(instants[4]["args"]["generation"], 2);
+  EXPECT_EQ(instants[4]["args"]["session"], 43);
+  EXPECT_EQ(instants[4]["args"]["sequence"], 102);
+  EXPECT_EQ(instants[4]["args"]["site"], "block_pool.cc:120 (Allocate)");
+
+  // One complete event per (block, generation): block 3 gen 1 and 2, block 5 gen 1.
+  const std::vector<json>& spans = by_phase["X"];
+  ASSERT_EQ(spans.size(), 3u);
+  EXPECT_EQ(spans[0]["tid"], 3);
+  EXPECT_DOUBLE_EQ(spans[0]["ts"].get<double>(), 1000.0);
+  EXPECT_DOUBLE_EQ(spans[0]["dur"].get<double>(), 1000.0);
+  EXPECT_EQ(spans[1]["args"]["generation"], 2);
+  EXPECT_DOUBLE_EQ(spans[1]["dur"].get<double>(), 1000.0);
+}
+
+TEST(FormatTest, TraceTextIsATable) {
+  const std::string text = FormatTrace(testing::SampleTrace(), TraceFormat::kText);
+  const std::vector<std::string> lines = Lines(text);
+  ASSERT_EQ(lines.size(), 7u);
+  EXPECT_THAT(lines[0], ::testing::StartsWith("OP_SEQ"));
+  EXPECT_THAT(lines[3], HasSubstr("free"));
+  EXPECT_EQ(lines[6], "5 operation(s)");
+}
+
+// kvpoolctl's commands end to end against the fake daemon.
+class KvpoolctlRunTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ConnectOptions options;
+    options.runtime_dir = dir_.path();
+    options.client_name = "kvpoolctl";
+    auto client = Client::Connect(options);
+    ASSERT_TRUE(client.ok()) << client.status();
+    client_ = std::move(*client);
+  }
+  int Run(const Invocation& inv) {
+    out_.str("");
+    err_.str("");
+    return ctl::Run(*client_, inv, out_, err_);
+  }
+
+  testing::TempDir dir_;
+  testing::FakePool pool_{testing::SmallLayout()};
+  testing::FakeAttachServer attach_{dir_.path(), &pool_, {}};
+  testing::FakeGrpcServer grpc_{dir_.path()};
+  std::unique_ptr<Client> client_;
+  std::ostringstream out_;
+  std::ostringstream err_;
+};
+
+TEST_F(KvpoolctlRunTest, StatsAndSessionsPrint) {
+  EXPECT_EQ(Run({.command = "stats"}), kExitOk);
+  EXPECT_THAT(out_.str(), HasSubstr("up 1h2m3s"));
+  EXPECT_EQ(Run({.command = "sessions"}), kExitOk);
+  EXPECT_THAT(out_.str(), HasSubstr("vllm-worker-0"));
+  EXPECT_THAT(out_.str(), HasSubstr("0x0000000000abcdef"));
+  EXPECT_EQ(Run({.command = "sequences", .json = true, .session = 43}), kExitOk);
+  EXPECT_EQ(json::parse(out_.str())["session_ids"], json::array({43}));
+}
+
+TEST_F(KvpoolctlRunTest, CheckFailsOnAViolation) {
+  EXPECT_EQ(Run({.command = "check"}), kExitFailure);
+  EXPECT_THAT(out_.str(), HasSubstr("INVARIANT VIOLATED: free + active"));
+}
+
+TEST_F(KvpoolctlRunTest, TraceExportsChromeJson) {
+  EXPECT_EQ(Run({.command = "trace", .all = true, .format = "chrome"}), kExitOk);
+  const json doc = json::parse(out_.str());
+  EXPECT_GT(doc["traceEvents"].size(), 5u);
+  EXPECT_EQ(Run({.command = "trace", .args = {"5"}, .json = true}), kExitOk);
+  EXPECT_EQ(json::parse(out_.str())["entries"].size(), 1u);
+}
+
+TEST_F(KvpoolctlRunTest, EventsPrintEveryMessage) {
+  EXPECT_EQ(Run({.command = "events", .from = 4}), kExitOk);
+  const std::vector<std::string> lines = Lines(out_.str());
+  ASSERT_EQ(lines.size(), 4u);  // snapshot header + its event, then two events
+  EXPECT_THAT(lines[2], ::testing::StartsWith("       4 stored"));
+  EXPECT_THAT(lines[3], HasSubstr("removed"));
+}
+
+TEST_F(KvpoolctlRunTest, ExplainReadsTheTokensFile) {
+  const std::string path = dir_.path() + "/tokens";
+  std::ofstream(path) << "1,2,3,4,5,6";
+  EXPECT_EQ(Run({.command = "explain", .args = {path}, .namespace_id = 9}), kExitOk);
+  EXPECT_THAT(out_.str(), HasSubstr("matched 3 token(s); stopped: diverged"));
+  EXPECT_THAT(out_.str(), HasSubstr("namespace 9: 6 tokens"));
+  EXPECT_EQ(Run({.command = "explain", .args = {dir_.path() + "/none"}}), kExitFailure);
+  EXPECT_THAT(err_.str(), HasSubstr("kvpoolctl: explain: NOT_FOUND"));
+}
+
+TEST_F(KvpoolctlRunTest, OperatorCommands) {
+  EXPECT_EQ(Run({.command = "evict", .blocks = 3}), kExitOk);
+  EXPECT_EQ(out_.str(), "evicted 3 block(s)\n");
+  EXPECT_EQ(Run({.command = "evict", .json = true, .all = true}), kExitOk);
+  EXPECT_EQ(json::parse(out_.str())["evicted"], 9);
+  EXPECT_EQ(Run({.command = "log-level", .args = {"debug"}}), kExitOk);
+  EXPECT_EQ(grpc_.service().log_level(), "debug");
+  EXPECT_EQ(Run({.command = "drain"}), kExitOk);
+  EXPECT_THAT(out_.str(), HasSubstr("2 sequence(s) still live"));
+}
+
+TEST_F(KvpoolctlRunTest, UsageErrorsAndRefusalsHaveTheirExitCodes) {
+  EXPECT_EQ(Run({.command = "evict"}), kExitUsage);
+  EXPECT_EQ(Lines(err_.str()).size(), 1u);
+  grpc_.service().set_deny_admin(true);
+  EXPECT_EQ(Run({.command = "stats"}), kExitFailure);
+  EXPECT_EQ(err_.str(), "kvpoolctl: stats: PERMISSION_DENIED: session 42 is not an admin\n");
+}
+
+}  // namespace
+}  // namespace kvpool::client::ctl

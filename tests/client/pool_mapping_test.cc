@@ -1,0 +1,227 @@
+#include "client/pool_mapping.h"
+
+#include <fcntl.h>
+
+#include <cstring>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/client/fake_daemon.h"
+
+namespace kvpool::client {
+namespace {
+
+using testing::FakePool;
+using ::testing::HasSubstr;
+using testing::SmallLayout;
+
+class PoolMappingTest : public ::testing::Test {
+ protected:
+  absl::StatusOr<std::unique_ptr<PoolMapping>> Map() {
+    return PoolMapping::Create(pool_.Response(), pool_.DupFds());
+  }
+  FakePool pool_{SmallLayout()};
+};
+
+TEST_F(PoolMappingTest, WritesThroughKAndVLandInTheBlockMajorLayout) {
+  auto mapping = Map();
+  ASSERT_TRUE(mapping.ok()) << mapping.status();
+  const PoolMapping& m = **mapping;
+  EXPECT_TRUE(m.host_accessible());
+  EXPECT_EQ(m.num_blocks(), 16);
+  EXPECT_EQ(m.arena_bytes(), pool_.arena_bytes());
+  EXPECT_EQ(m.generation(5), 1u);
+
+  const BlockRef block{5, 1};
+  auto k = m.K(1, block);
+  auto v = m.V(1, block);
+  ASSERT_TRUE(k.ok()) << k.status();
+  ASSERT_TRUE(v.ok()) << v.status();
+  const int64_t chunk = pool_.layout().chunk_bytes();
+  std::memset(*k, 0xAB, static_cast<size_t>(chunk));
+  std::memset(*v, 0xCD, static_cast<size_t>(chunk));
+
+  // The daemon's own mapping sees the bytes at block*block_bytes + (2*layer + kv)*chunk_bytes.
+  const char* block_start = pool_.arena() + 5 * pool_.layout().block_bytes();
+  EXPECT_EQ(static_cast<unsigned char>(block_start[2 * chunk]), 0xAB);
+  EXPECT_EQ(static_cast<unsigned char>(block_start[3 * chunk - 1]), 0xAB);
+  EXPECT_EQ(static_cast<unsigned char>(block_start[3 * chunk]), 0xCD);
+  EXPECT_EQ(static_cast<unsigned char>(block_start[4 * chunk - 1]), 0xCD);
+  EXPECT_EQ(block_start[2 * chunk - 1], 0);  // layer 0's V untouched
+  auto whole = m.Block(block);
+  ASSERT_TRUE(whole.ok());
+  EXPECT_EQ(*whole, *k - 2 * chunk);
+}
+
+TEST_F(PoolMappingTest, DetectsReuseAfterTheGenerationMoves) {
+  auto mapping = Map();
+  ASSERT_TRUE(mapping.ok()) << mapping.status();
+  const BlockRef held{3, 1};
+  ASSERT_TRUE((*mapping)->K(0, held).ok());
+
+  pool_.generations()[3] = 8;  // the daemon handed block 3 out again
+  EXPECT_EQ((*mapping)->generation(3), 8u);
+  auto k = (*mapping)->K(0, held);
+  EXPECT_EQ(k.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(k.status().message()),
+              HasSubstr("block 3 was reused (generation 8, you hold 1)"));
+  EXPECT_EQ((*mapping)->V(0, held).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*mapping)->CheckCurrent(held).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE((*mapping)->K(0, BlockRef{3, 8}).ok());
+  EXPECT_TRUE((*mapping)->K(0, BlockRef{4, 1}).ok());  // other blocks unaffected
+}
+
+TEST_F(PoolMappingTest, RejectsLayersAndBlocksOutOfRange) {
+  auto mapping = Map();
+  ASSERT_TRUE(mapping.ok()) << mapping.status();
+  const PoolMapping& m = **mapping;
+  EXPECT_EQ(m.K(-1, BlockRef{0, 1}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(m.K(2, BlockRef{0, 1}).status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(m.V(2, BlockRef{0, 1}).status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(m.K(0, BlockRef{-1, 1}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(m.K(0, BlockRef{16, 1}).status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(m.Block(BlockRef{16, 1}).status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(m.generation(16), 0u);
+  EXPECT_EQ(m.generation(-1), 0u);
+  EXPECT_TRUE(m.K(1, BlockRef{15, 1}).ok());
+}
+
+TEST_F(PoolMappingTest, AcceptsDescriptorsInAnyListedOrder) {
+  v1::AttachResponse response = pool_.Response();
+  response.clear_fds();
+  response.add_fds(v1::FD_ROLE_GENERATION_TABLE);
+  response.add_fds(v1::FD_ROLE_ARENA);
+  std::vector<UniqueFd> fds = pool_.DupFds();
+  std::swap(fds[0], fds[1]);
+  auto mapping = PoolMapping::Create(response, std::move(fds));
+  ASSERT_TRUE(mapping.ok()) << mapping.status();
+  pool_.generations()[2] = 5;
+  EXPECT_EQ((*mapping)->generation(2), 5u);
+}
+
+TEST_F(PoolMappingTest, RejectsAnArenaSmallerThanTheLayout) {
+  v1::AttachResponse response = pool_.Response();
+  response.mutable_layout()->set_num_blocks(32);  // the memfd holds only 16 blocks
+  response.set_arena_bytes(32 * response.layout().block_bytes());
+  response.set_mapped_bytes(response.arena_bytes());
+  auto mapping = PoolMapping::Create(response, pool_.DupFds());
+  EXPECT_EQ(mapping.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(PoolMappingTest, RejectsAnInconsistentLayout) {
+  v1::AttachResponse response = pool_.Response();
+  response.mutable_layout()->set_block_bytes(response.layout().block_bytes() + 1);
+  EXPECT_EQ(PoolMapping::Create(response, pool_.DupFds()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+
+  response = pool_.Response();
+  response.mutable_layout()->set_chunk_bytes(8);
+  response.mutable_layout()->set_block_bytes(2 * 2 * 8);
+  EXPECT_EQ(PoolMapping::Create(response, pool_.DupFds()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+
+  response = pool_.Response();
+  response.set_arena_kind(v1::ARENA_KIND_UNSPECIFIED);
+  EXPECT_EQ(PoolMapping::Create(response, pool_.DupFds()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(PoolMappingTest, RejectsMissingOrDuplicatedDescriptors) {
+  v1::AttachResponse response = pool_.Response();
+  std::vector<UniqueFd> fds = pool_.DupFds();
+  fds.pop_back();
+  EXPECT_EQ(PoolMapping::Create(response, std::move(fds)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+
+  response.set_fds(1, v1::FD_ROLE_ARENA);
+  EXPECT_EQ(PoolMapping::Create(response, pool_.DupFds()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(PoolMappingTest, ClosesItsDescriptorsWhenDestroyed) {
+  std::vector<UniqueFd> fds = pool_.DupFds();
+  const int arena = fds[0].get();
+  const int generations = fds[1].get();
+  auto mapping = PoolMapping::Create(pool_.Response(), std::move(fds));
+  ASSERT_TRUE(mapping.ok()) << mapping.status();
+  EXPECT_NE(fcntl(arena, F_GETFD), -1);
+  mapping->reset();
+  EXPECT_EQ(fcntl(arena, F_GETFD), -1);
+  EXPECT_EQ(fcntl(generations, F_GETFD), -1);
+}
+
+TEST_F(PoolMappingTest, ClosesItsDescriptorsWhenCreationFails) {
+  std::vector<UniqueFd> fds = pool_.DupFds();
+  const int arena = fds[0].get();
+  v1::AttachResponse response = pool_.Response();
+  response.mutable_layout()->set_num_blocks(0);
+  EXPECT_FALSE(PoolMapping::Create(response, std::move(fds)).ok());
+  EXPECT_EQ(fcntl(arena, F_GETFD), -1);
+}
+
+// No GPU or driver here: a CUDA arena must fail cleanly, never crash. With a driver present the
+// import of a memfd fails inside the driver instead (INTERNAL).
+TEST_F(PoolMappingTest, CudaArenaWithoutADriverFailsCleanly) {
+  v1::AttachResponse response = pool_.Response();
+  response.set_arena_kind(v1::ARENA_KIND_CUDA_VMM);
+  auto vmm = PoolMapping::Create(response, pool_.DupFds());
+  ASSERT_FALSE(vmm.ok());
+  EXPECT_THAT(vmm.status().code(),
+              ::testing::AnyOf(absl::StatusCode::kUnavailable, absl::StatusCode::kUnimplemented,
+                               absl::StatusCode::kInternal));
+
+  response.set_arena_kind(v1::ARENA_KIND_CUDA_IPC);
+  response.clear_fds();
+  response.add_fds(v1::FD_ROLE_GENERATION_TABLE);
+  response.set_cuda_ipc_handle("short");
+  std::vector<UniqueFd> fds = pool_.DupFds();
+  fds.erase(fds.begin());
+  auto ipc = PoolMapping::Create(response, std::move(fds));
+  ASSERT_FALSE(ipc.ok());
+  EXPECT_THAT(ipc.status().code(), ::testing::AnyOf(absl::StatusCode::kInvalidArgument,
+                                                    absl::StatusCode::kUnimplemented));
+}
+
+TEST(BlockRefTest, ToBlockRefsPairsIdsWithGenerations) {
+  v1::SequenceInfo info;
+  info.add_block_ids(4);
+  info.add_generations(2);
+  info.add_block_ids(9);
+  info.add_generations(7);
+  EXPECT_EQ(ToBlockRefs(info), (std::vector<BlockRef>{{4, 2}, {9, 7}}));
+  EXPECT_TRUE(ValidateSequenceInfo(info).ok());
+  info.add_block_ids(1);
+  EXPECT_EQ(ValidateSequenceInfo(info).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(BlockRefTest, ApplyGrowAppendsAndReplacesTheTail) {
+  std::vector<BlockRef> table = {{4, 2}, {9, 7}};
+  v1::SequenceInfo tail;
+  tail.set_table_offset(1);  // copy-on-write replaced entry 1, then one more block
+  tail.add_block_ids(11);
+  tail.add_generations(3);
+  tail.add_block_ids(12);
+  tail.add_generations(1);
+  ASSERT_TRUE(ApplyGrow(tail, &table).ok());
+  EXPECT_EQ(table, (std::vector<BlockRef>{{4, 2}, {11, 3}, {12, 1}}));
+}
+
+TEST(BlockRefTest, ApplyGrowOfAnEmptyTailKeepsTheTable) {
+  std::vector<BlockRef> table = {{4, 2}, {9, 7}};
+  v1::SequenceInfo none;  // a no-op grow: table_offset 0, nothing changed
+  ASSERT_TRUE(ApplyGrow(none, &table).ok());
+  EXPECT_EQ(table.size(), 2u);
+}
+
+TEST(BlockRefTest, ApplyGrowRejectsATailPastTheHeldTable) {
+  std::vector<BlockRef> table = {{4, 2}};
+  v1::SequenceInfo tail;
+  tail.set_table_offset(3);
+  tail.add_block_ids(1);
+  tail.add_generations(1);
+  EXPECT_EQ(ApplyGrow(tail, &table).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(table, (std::vector<BlockRef>{{4, 2}}));
+}
+
+}  // namespace
+}  // namespace kvpool::client
