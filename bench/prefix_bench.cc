@@ -18,7 +18,7 @@
 #include "benchmark/benchmark.h"
 #include "kvpool/kv_cache_manager.h"
 #include "kvpool/util/check.h"
-#include "kvpool/workload/mooncake_trace.h"
+#include "workload/mooncake_trace.h"
 
 namespace kvpool {
 namespace {

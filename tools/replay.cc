@@ -1,4 +1,4 @@
-#include "kvpool/workload/replay.h"
+#include "tools/replay.h"
 
 #include <algorithm>
 #include <chrono>
@@ -8,7 +8,10 @@
 #include "kvpool/util/check.h"
 #include "kvpool/util/status_macros.h"
 
-namespace kvpool::workload {
+namespace kvpool::tools {
+
+using workload::ExpandTokens;
+using workload::kTraceBlockTokens;
 
 absl::StatusOr<ReplayResult> Replay(const std::vector<TraceRequest>& trace,
                                     const ReplayOptions& options, const ReplayProgress& progress) {
@@ -76,4 +79,4 @@ absl::StatusOr<ReplayResult> Replay(const std::vector<TraceRequest>& trace,
   return result;
 }
 
-}  // namespace kvpool::workload
+}  // namespace kvpool::tools

@@ -11,9 +11,11 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "kvpool/workload/mooncake_trace.h"
+#include "workload/mooncake_trace.h"
 
-namespace kvpool::workload {
+namespace kvpool::tools {
+
+using workload::TraceRequest;
 
 struct ReplayOptions {
   int32_t block_size = 512;     // pool block size in tokens; divides 512
@@ -46,4 +48,4 @@ absl::StatusOr<ReplayResult> Replay(const std::vector<TraceRequest>& trace,
                                     const ReplayOptions& options,
                                     const ReplayProgress& progress = nullptr);
 
-}  // namespace kvpool::workload
+}  // namespace kvpool::tools

@@ -13,7 +13,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
-#include "kvpool/workload/replay.h"
+#include "tools/replay.h"
 
 ABSL_FLAG(std::string, trace, "", "Mooncake-format JSONL trace to replay (required)");
 ABSL_FLAG(int32_t, block_size, 512, "pool block size in tokens (must divide 512)");
@@ -35,26 +35,25 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kvpool-replay: %s\n", std::string(trace.status().message()).c_str());
     return 1;
   }
-  const kvpool::workload::ReplayOptions options{
+  const kvpool::tools::ReplayOptions options{
       .block_size = absl::GetFlag(FLAGS_block_size),
       .capacity_blocks = absl::GetFlag(FLAGS_capacity_blocks),
       .policy = absl::GetFlag(FLAGS_policy),
       .trace_depth = absl::GetFlag(FLAGS_trace_depth)};
   const bool tty = isatty(STDERR_FILENO) != 0;
-  kvpool::workload::ReplayProgress progress = [](const kvpool::workload::ReplayResult& r,
-                                                 int64_t total) {
+  kvpool::tools::ReplayProgress progress = [](const kvpool::tools::ReplayResult& r, int64_t total) {
     std::fprintf(stderr, "\r[kvpool-replay] %lld/%lld requests  hit_rate %.4f  evictions %llu",
                  static_cast<long long>(r.requests), static_cast<long long>(total), r.hit_rate(),
                  static_cast<unsigned long long>(r.evictions));
   };
-  const absl::StatusOr<kvpool::workload::ReplayResult> result = kvpool::workload::Replay(
-      *trace, options, tty ? progress : kvpool::workload::ReplayProgress());
+  const absl::StatusOr<kvpool::tools::ReplayResult> result =
+      kvpool::tools::Replay(*trace, options, tty ? progress : kvpool::tools::ReplayProgress());
   if (tty) std::fprintf(stderr, "\n");
   if (!result.ok()) {
     std::fprintf(stderr, "kvpool-replay: %s\n", result.status().ToString().c_str());
     return 1;
   }
-  const kvpool::workload::ReplayResult& r = *result;
+  const kvpool::tools::ReplayResult& r = *result;
   std::printf("trace %s\n", path.c_str());
   std::printf("block_size %d capacity_blocks %lld policy %s\n", options.block_size,
               static_cast<long long>(options.capacity_blocks), options.policy.c_str());

@@ -1,4 +1,4 @@
-#include "kvpool/workload/mooncake_trace.h"
+#include "workload/mooncake_trace.h"
 
 #include <fstream>
 
