@@ -48,6 +48,12 @@ Client::Client(std::string runtime_dir, absl::Duration timeout, UniqueFd attach_
 Client::~Client() = default;
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ConnectOptions& options) {
+  // Debian's Abseil checks every mutex for deadlock cycles; the client's only locks are leaves.
+  static const bool quiet = [] {
+    absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+    return true;
+  }();
+  (void)quiet;
   if (options.timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("ConnectOptions::timeout must be positive");
   }
@@ -123,17 +129,40 @@ absl::StatusOr<v1::SequenceInfo> Client::Allocate(std::span<const int32_t> promp
 absl::StatusOr<std::vector<v1::SequenceInfo>> Client::Grow(
     const std::vector<GrowItem>& items) const {
   v1::GrowRequest request;
+  request.mutable_sequence_ids()->Reserve(static_cast<int>(items.size()));
+  request.mutable_num_tokens()->Reserve(static_cast<int>(items.size()));
   for (const GrowItem& item : items) {
-    v1::GrowItem* out = request.add_items();
-    out->set_sequence_id(item.sequence_id);
-    out->set_num_tokens(item.num_tokens);
+    request.add_sequence_ids(item.sequence_id);
+    request.add_num_tokens(item.num_tokens);
   }
   v1::GrowResponse response;
   KVPOOL_CLIENT_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::Grow, request, &response));
-  KVPOOL_CLIENT_RETURN_IF_ERROR(CheckSequences("Grow", response.sequences(), items.size()));
-  return std::vector<v1::SequenceInfo>(
-      std::make_move_iterator(response.mutable_sequences()->begin()),
-      std::make_move_iterator(response.mutable_sequences()->end()));
+  // The response is parallel arrays plus the concatenated tails: check the shape, then split.
+  const int n = static_cast<int>(items.size());
+  if (response.num_tokens_size() != n || response.table_offsets_size() != n ||
+      response.tail_lengths_size() != n ||
+      response.block_ids_size() != response.generations_size()) {
+    return Malformed("Grow", "arrays of the wrong length");
+  }
+  std::vector<v1::SequenceInfo> out(items.size());
+  int next = 0;
+  for (int i = 0; i < n; ++i) {
+    const int tail = response.tail_lengths(i);
+    if (tail < 0 || response.table_offsets(i) < 0 || next + tail > response.block_ids_size()) {
+      return Malformed("Grow", "a tail outside the response");
+    }
+    v1::SequenceInfo& info = out[static_cast<size_t>(i)];
+    info.set_sequence_id(items[static_cast<size_t>(i)].sequence_id);
+    info.set_num_tokens(response.num_tokens(i));
+    info.set_table_offset(response.table_offsets(i));
+    info.mutable_block_ids()->Add(response.block_ids().begin() + next,
+                                  response.block_ids().begin() + next + tail);
+    info.mutable_generations()->Add(response.generations().begin() + next,
+                                    response.generations().begin() + next + tail);
+    next += tail;
+  }
+  if (next != response.block_ids_size()) return Malformed("Grow", "blocks left over");
+  return out;
 }
 
 absl::StatusOr<v1::SequenceInfo> Client::Grow(uint64_t sequence_id, int64_t num_tokens) const {

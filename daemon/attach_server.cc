@@ -184,7 +184,13 @@ void AttachServer::Handshake(int connection) {
   v1::AttachRequest request;
   if (absl::Status s = wire::ReceiveFrame(connection, &request, nullptr, absl::Seconds(1));
       !s.ok()) {
-    Logger("daemon").warn("attach from pid {} uid {}: {}", peer.pid, peer.uid, s.ToString());
+    // A peer that connects and closes at once is a readiness probe; anything else is worth a
+    // warning.
+    if (absl::IsUnavailable(s)) {
+      Logger("daemon").debug("attach socket probed by pid {}", peer.pid);
+    } else {
+      Logger("daemon").warn("attach from pid {} uid {}: {}", peer.pid, peer.uid, s.ToString());
+    }
     close(connection);
     return;
   }

@@ -16,6 +16,7 @@
 #include <filesystem>
 #include <thread>
 
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "daemon/attach_server.h"
 #include "daemon/config.h"
@@ -63,6 +64,9 @@ uint64_t NewEpoch() {
 }  // namespace
 
 int Run(const RunOptions& options) {
+  // Debian's Abseil is built with mutex deadlock detection on, which costs on every lock; the
+  // daemon's lock order is fixed (pool, then writers) and checked by its tests.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   // Signals go to the sigwait thread only: block them before any thread starts.
   sigset_t signals;
   sigemptyset(&signals);
@@ -223,8 +227,12 @@ int Run(const RunOptions& options) {
   server->GetHealthCheckService()->SetServingStatus(false);
   (*attach_server)->StopAccepting();
   p->Drain();
+  service.Stop();
   service.EndStreams();
-  server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Milliseconds(config.drain_timeout_ms())));
+  if (!service.WaitIdle(absl::Now() + absl::Milliseconds(config.drain_timeout_ms()))) {
+    Log().warn("calls still running after {} ms: cancelling them", config.drain_timeout_ms());
+  }
+  server->Shutdown(absl::ToChronoTime(absl::Now()));
   server->Wait();
   (*attach_server)->CloseAll();  // releases every remaining session
   attach_server->reset();

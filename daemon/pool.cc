@@ -287,15 +287,22 @@ absl::Status DaemonPool::Allocate(const Session& s, const v1::AllocateRequest& r
 
 absl::Status DaemonPool::Grow(const Session& s, const v1::GrowRequest& request,
                               v1::GrowResponse* response) {
+  if (request.sequence_ids_size() != request.num_tokens_size()) {
+    return absl::InvalidArgumentError(fmt::format("grow: {} sequence ids but {} token counts",
+                                                  request.sequence_ids_size(),
+                                                  request.num_tokens_size()));
+  }
   std::vector<GrowRequest> items;
-  for (const v1::GrowItem& item : request.items()) {
-    items.push_back({SequenceId(item.sequence_id()), item.num_tokens()});
+  items.reserve(static_cast<size_t>(request.sequence_ids_size()));
+  for (int i = 0; i < request.sequence_ids_size(); ++i) {
+    items.push_back({SequenceId(request.sequence_ids(i)), request.num_tokens(i)});
   }
   Fence fence;
   {
     absl::MutexLock lock(&mu_);
     // What the tables looked like: a grow appends, and may replace the (partial) last block.
     std::vector<std::pair<size_t, BlockId>> before;
+    before.reserve(items.size());
     for (const GrowRequest& g : items) {
       const Sequence* seq = cache_->Find(g.sequence);
       before.emplace_back(seq ? seq->table.size() : 0,
@@ -307,8 +314,14 @@ absl::Status DaemonPool::Grow(const Session& s, const v1::GrowRequest& request,
     for (size_t k = 0; k < items.size(); ++k) {
       const Sequence& seq = *cache_->Find(items[k].sequence);
       const auto [size, last] = before[k];
-      const bool replaced = size > 0 && seq.table[size - 1] != last;
-      Describe(seq, static_cast<int32_t>(replaced ? size - 1 : size), response->add_sequences());
+      const size_t offset = size > 0 && seq.table[size - 1] != last ? size - 1 : size;
+      response->add_num_tokens(seq.num_tokens);
+      response->add_table_offsets(static_cast<int32_t>(offset));
+      response->add_tail_lengths(static_cast<int32_t>(seq.table.size() - offset));
+      for (size_t i = offset; i < seq.table.size(); ++i) {
+        response->add_block_ids(seq.table[i].value());
+        response->add_generations(cache_->pool().generation(seq.table[i]));
+      }
     }
   }
   return Wait(fence);

@@ -141,6 +141,14 @@ std::shared_ptr<const Session> KvPoolService::Authenticate(Context* context,
 template <typename Fn>
 KvPoolService::Unary* KvPoolService::Run(Context* context, bool admin, Fn&& fn) {
   Unary* reactor = context->DefaultReactor();
+  {
+    absl::MutexLock lock(&calls_mu_);
+    if (stopping_) {
+      reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "kvpoold is shutting down"));
+      return reactor;
+    }
+    ++calls_;
+  }
   grpc::Status error;
   std::shared_ptr<const Session> session = Authenticate(context, &error);
   if (session == nullptr) {
@@ -151,7 +159,21 @@ KvPoolService::Unary* KvPoolService::Run(Context* context, bool admin, Fn&& fn) 
   } else {
     reactor->Finish(ToGrpcStatus(fn(*session), context));
   }
+  absl::MutexLock lock(&calls_mu_);
+  --calls_;
   return reactor;
+}
+
+void KvPoolService::Stop() {
+  absl::MutexLock lock(&calls_mu_);
+  stopping_ = true;
+}
+
+bool KvPoolService::WaitIdle(absl::Time deadline) {
+  absl::MutexLock lock(&calls_mu_);
+  return calls_mu_.AwaitWithDeadline(absl::Condition(
+                                         +[](int64_t* calls) { return *calls == 0; }, &calls_),
+                                     deadline);
 }
 
 KvPoolService::Unary* KvPoolService::Allocate(Context* c, const v1::AllocateRequest* q,

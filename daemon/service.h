@@ -69,6 +69,13 @@ class KvPoolService final : public v1::KvPool::CallbackService {
   void NotifyEvents();
   // Ends every WatchEvents stream (UNAVAILABLE), so the server can shut down.
   void EndStreams();
+  // From now on every call fails with UNAVAILABLE ("shutting down").
+  void Stop();
+  // Waits until no unary call is running, at most until `deadline`. Returns whether it got there.
+  // (gRPC's own graceful shutdown waits for every idle client to answer a PING, which a client
+  // with no call in flight may take its 5 s backup-poll period to do: the daemon drains its calls
+  // itself and then shuts the server down at once.)
+  bool WaitIdle(absl::Time deadline);
 
  private:
   friend class EventWriter;
@@ -81,6 +88,9 @@ class KvPoolService final : public v1::KvPool::CallbackService {
 
   DaemonPool* const pool_;
   SessionRegistry* const sessions_;
+  absl::Mutex calls_mu_;
+  int64_t calls_ ABSL_GUARDED_BY(calls_mu_) = 0;  // unary calls running
+  bool stopping_ ABSL_GUARDED_BY(calls_mu_) = false;
   absl::Mutex writers_mu_;
   absl::flat_hash_set<EventWriter*> writers_ ABSL_GUARDED_BY(writers_mu_);
   bool ended_ ABSL_GUARDED_BY(writers_mu_) = false;

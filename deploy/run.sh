@@ -1,17 +1,43 @@
 #!/usr/bin/env bash
-# Installs what is missing, builds the release preset and runs the main job: a Mooncake trace
-# replayed through the prefix cache (when ../shared is beside the checkout), then the core
-# bookkeeping benchmark, each figure beside a bare-vector baseline from the same run.
+# The README's main job: install what is missing, build (release preset), start kvpoold with its
+# embedded default (CPU backend, 256 MiB pool, the standard runtime directory), drive it with
+# kvpool-loadgen (several frontend processes: allocate with prefix match, write KV through the
+# mapping, commit, decode, free), show the daemon's stats, and stop it cleanly.
+#
+#   deploy/run.sh                     # the generated multi-tenant conversation workload
+#   deploy/run.sh --trace=../shared/traces/mooncake/conversation_trace.jsonl --max_requests=500
+#
+# Arguments are passed to kvpool-loadgen (see its --help).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 deploy/install-deps.sh
 cmake --preset release
 cmake --build --preset release
-trace=../shared/traces/mooncake/conversation_trace.jsonl
-if [[ -f "$trace" ]]; then
-  build/release/tools/kvpool-replay --trace="$trace" --block_size=512 --capacity_blocks=1000
-else
-  echo "run.sh: $trace is absent; skipping the trace replay"
-fi
-build/release/bench/core_bench --benchmark_repetitions=3 --benchmark_min_time=0.2 "$@"
+
+bin=build/release
+dir="${XDG_RUNTIME_DIR:+$XDG_RUNTIME_DIR/kvpool}"
+dir="${dir:-/tmp/kvpool-$(id -u)}"
+
+"$bin/daemon/kvpoold" &
+daemon=$!
+stop() {
+  if kill -0 "$daemon" 2>/dev/null; then
+    kill -TERM "$daemon"
+    wait "$daemon" || true
+  fi
+}
+trap stop EXIT
+for _ in $(seq 100); do  # up to 10 s for the sockets
+  [[ -S "$dir/attach.sock" ]] && break
+  kill -0 "$daemon" 2>/dev/null || { echo "run.sh: kvpoold failed to start" >&2; exit 1; }
+  sleep 0.1
+done
+
+status=0
+"$bin/client/loadgen/kvpool-loadgen" "$@" || status=$?
+echo
+"$bin/client/kvpoolctl" stats || true
+trap - EXIT
+stop
+exit "$status"

@@ -96,14 +96,17 @@ TEST_F(DaemonPoolTest, GrowReturnsOnlyTheChangedTail) {
   ASSERT_TRUE(pool_->Allocate(alice_, a, &allocated).ok());
   const uint64_t id = allocated.sequences(0).sequence_id();
   v1::GrowRequest g;
-  v1::GrowItem* item = g.add_items();
-  item->set_sequence_id(id);
-  item->set_num_tokens(70);
+  g.add_sequence_ids(id);
+  g.add_num_tokens(70);
   v1::GrowResponse grown;
   ASSERT_TRUE(pool_->Grow(alice_, g, &grown).ok());
-  EXPECT_EQ(grown.sequences(0).table_offset(), 2);
-  EXPECT_EQ(grown.sequences(0).block_ids_size(), 3);  // blocks 2, 3, 4
-  EXPECT_EQ(grown.sequences(0).num_tokens(), 70);
+  EXPECT_EQ(grown.table_offsets(0), 2);
+  EXPECT_EQ(grown.tail_lengths(0), 3);  // blocks 2, 3, 4
+  EXPECT_EQ(grown.block_ids_size(), 3);
+  EXPECT_EQ(grown.num_tokens(0), 70);
+  g.add_num_tokens(1);  // parallel arrays of different lengths
+  EXPECT_EQ(pool_->Grow(alice_, g, &grown).code(), absl::StatusCode::kInvalidArgument);
+  g.mutable_num_tokens()->RemoveLast();
   // Another session may not grow it, and nothing changes.
   v1::GrowResponse denied;
   EXPECT_EQ(pool_->Grow(bob_, g, &denied).code(), absl::StatusCode::kPermissionDenied);

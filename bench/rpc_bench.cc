@@ -1,0 +1,192 @@
+// kvpoold over its Unix socket, against a real daemon process started for the run.
+//
+//   build/release/bench/rpc_bench --benchmark_repetitions=3
+//
+// - Allocate, Free (one sequence) and Grow (1 token x 256 sequences, one batch) beside an empty
+//   call (Ping) on the same socket in the same run: what the pool adds to a gRPC round trip.
+// - A block read through the client's mapping of the pool beside a local memcpy of the same size.
+// - Reclaim: from kill -9 of a client holding sequences until the daemon reports its blocks
+//   back (the daemon learns of the death from the attach socket closing).
+
+#include <signal.h>
+#include <sys/mman.h>
+
+#include <cstring>
+#include <vector>
+
+#include "bench/ratio_reporter.h"
+#include "benchmark/benchmark.h"
+#include "client/client.h"
+#include "kvpool/util/check.h"
+#include "tests/integration/harness.h"
+
+namespace kvpool {
+namespace {
+
+struct Fixture {
+  Fixture() {
+    absl::StatusOr<std::unique_ptr<testing::DaemonProcess>> d =
+        testing::DaemonProcess::Start("pool_bytes: 268435456\nmax_blocks_per_seq: 4096\n");
+    KVPOOL_CHECK_OK(d.status());
+    daemon = *std::move(d);
+    absl::StatusOr<std::unique_ptr<client::Client>> c =
+        client::Client::Connect({.runtime_dir = daemon->dir(), .client_name = "rpc_bench"});
+    KVPOOL_CHECK_OK(c.status());
+    client = *std::move(c);
+  }
+  std::unique_ptr<testing::DaemonProcess> daemon;
+  std::unique_ptr<client::Client> client;
+};
+
+std::unique_ptr<Fixture>& Instance() {
+  static std::unique_ptr<Fixture> fixture;
+  return fixture;
+}
+
+Fixture& Get() {
+  if (Instance() == nullptr) Instance() = std::make_unique<Fixture>();
+  return *Instance();
+}
+
+void BM_Ping(benchmark::State& state) {
+  const client::Client& c = *Get().client;
+  for (auto _ : state) KVPOOL_CHECK_OK(c.Ping());
+}
+BENCHMARK(BM_Ping)->UseRealTime();
+
+void BM_Allocate(benchmark::State& state) {
+  const client::Client& c = *Get().client;
+  std::vector<uint64_t> made;
+  for (auto _ : state) {
+    absl::StatusOr<v1::SequenceInfo> s = c.Allocate({}, 16);
+    KVPOOL_CHECK_OK(s.status());
+    made.push_back(s->sequence_id());
+    if (made.size() == 256) {
+      state.PauseTiming();
+      KVPOOL_CHECK_OK(c.Free(made));
+      made.clear();
+      state.ResumeTiming();
+    }
+  }
+  if (!made.empty()) KVPOOL_CHECK_OK(c.Free(made));
+}
+BENCHMARK(BM_Allocate)->UseRealTime();
+
+void BM_Free(benchmark::State& state) {
+  const client::Client& c = *Get().client;
+  std::vector<uint64_t> ready;
+  for (auto _ : state) {
+    if (ready.empty()) {
+      state.PauseTiming();
+      std::vector<client::AllocateItem> items(256, client::AllocateItem{.num_tokens = 16});
+      absl::StatusOr<std::vector<v1::SequenceInfo>> made = c.Allocate(items);
+      KVPOOL_CHECK_OK(made.status());
+      for (const v1::SequenceInfo& s : *made) ready.push_back(s.sequence_id());
+      state.ResumeTiming();
+    }
+    KVPOOL_CHECK_OK(c.Free({ready.back()}));
+    ready.pop_back();
+  }
+  if (!ready.empty()) KVPOOL_CHECK_OK(c.Free(ready));
+}
+BENCHMARK(BM_Free)->UseRealTime();
+
+void BM_Grow256(benchmark::State& state) {
+  const client::Client& c = *Get().client;
+  std::vector<client::AllocateItem> items(256, client::AllocateItem{.num_tokens = 1});
+  absl::StatusOr<std::vector<v1::SequenceInfo>> made = c.Allocate(items);
+  KVPOOL_CHECK_OK(made.status());
+  std::vector<client::GrowItem> step;
+  for (const v1::SequenceInfo& s : *made) step.push_back({s.sequence_id(), 1});
+  int64_t length = 1;
+  for (auto _ : state) {
+    if (length == 256) {  // stay within the pool: rewind every 256 steps
+      state.PauseTiming();
+      for (const client::GrowItem& g : step) KVPOOL_CHECK_OK(c.Truncate(g.sequence_id, 1));
+      length = 1;
+      state.ResumeTiming();
+    }
+    ++length;
+    for (client::GrowItem& g : step) g.num_tokens = length;
+    KVPOOL_CHECK_OK(c.Grow(step).status());
+  }
+  std::vector<uint64_t> ids;
+  for (const client::GrowItem& g : step) ids.push_back(g.sequence_id);
+  KVPOOL_CHECK_OK(c.Free(ids));
+}
+BENCHMARK(BM_Grow256)->UseRealTime();
+
+// One whole block (every layer's K and V) through the mapping, beside a local copy of as much.
+void BM_MappingRead(benchmark::State& state) {
+  const client::Client& c = *Get().client;
+  absl::StatusOr<v1::SequenceInfo> s = c.Allocate({}, c.layout().block_size());
+  KVPOOL_CHECK_OK(s.status());
+  const client::BlockRef block = client::ToBlockRefs(*s)[0];
+  std::vector<char> out(static_cast<size_t>(c.layout().block_bytes()));
+  for (auto _ : state) {
+    absl::StatusOr<char*> src = c.mapping().Block(block);
+    std::memcpy(out.data(), *src, out.size());
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.SetBytesProcessed(state.iterations() * static_cast<int64_t>(out.size()));
+  KVPOOL_CHECK_OK(c.Free({s->sequence_id()}));
+}
+BENCHMARK(BM_MappingRead);
+
+// The same copy from this process's own memory: a private, page-aligned mapping like the pool's
+// (two malloc'ed buffers would sit a multiple of 4 KiB apart and hit 4K aliasing, which says
+// nothing about the pool).
+void BM_LocalMemcpy(benchmark::State& state) {
+  const size_t bytes = static_cast<size_t>(Get().client->layout().block_bytes());
+  char* in = static_cast<char*>(
+      mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+  KVPOOL_CHECK(in != MAP_FAILED);
+  std::memset(in, 1, bytes);
+  std::vector<char> out(bytes);
+  for (auto _ : state) {
+    std::memcpy(out.data(), in, bytes);
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.SetBytesProcessed(state.iterations() * static_cast<int64_t>(bytes));
+  munmap(in, bytes);
+}
+BENCHMARK(BM_LocalMemcpy);
+
+// Time from kill -9 of a client holding 8 sequences until every block is reported back.
+void BM_ReclaimAfterKill(benchmark::State& state) {
+  const client::Client& c = *Get().client;
+  const std::string dir = Get().daemon->dir();
+  for (auto _ : state) {
+    const int32_t baseline = c.GetStats()->active_blocks();
+    absl::StatusOr<testing::Child> holder =
+        testing::Spawn({testing::IntegrationClientBinary(), "hold", dir, "8", "200"});
+    KVPOOL_CHECK_OK(holder.status());
+    KVPOOL_CHECK(testing::ReadLine(*holder, absl::Seconds(10)).value_or("") == "holding");
+    KVPOOL_CHECK(c.GetStats()->active_blocks() > baseline);
+    const absl::Time start = absl::Now();
+    kill(holder->pid, SIGKILL);
+    while (c.GetStats()->active_blocks() != baseline) {
+    }
+    state.SetIterationTime(absl::ToDoubleSeconds(absl::Now() - start));
+    testing::Wait(&*holder);
+  }
+}
+BENCHMARK(BM_ReclaimAfterKill)->UseManualTime()->Iterations(10)->Unit(benchmark::kMillisecond);
+
+}  // namespace
+}  // namespace kvpool
+
+int main(int argc, char** argv) {
+  const int rc = kvpool::bench::RunWithRatios(
+      argc, argv,
+      {
+          {"Ping / Allocate (1 sequence)", "BM_Allocate/real_time", "BM_Ping/real_time", 1 / 1.2},
+          {"Ping / Free (1 sequence)", "BM_Free/real_time", "BM_Ping/real_time", 1 / 1.2},
+          {"Ping / Grow (1 token x 256 sequences)", "BM_Grow256/real_time", "BM_Ping/real_time",
+           1 / 1.5},
+          {"mapping read / local memcpy (one block)", "BM_MappingRead", "BM_LocalMemcpy", 0.9},
+      });
+  std::printf("(reclaim after kill -9: see BM_ReclaimAfterKill; target < 100 ms)\n");
+  kvpool::Instance().reset();  // the client detaches, then the daemon stops
+  return rc;
+}
