@@ -7,7 +7,7 @@ packages=(
   # toolchain
   g++ cmake ninja-build ccache pkg-config git
   # libraries (DESIGN.md "Stack")
-  libabsl-dev libspdlog-dev libxxhash-dev nlohmann-json3-dev libsystemd-dev
+  libabsl-dev libspdlog-dev libxxhash-dev nlohmann-json3-dev libsystemd-dev libopenblas-dev
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   # tests and benchmarks
   libgtest-dev libgmock-dev libbenchmark-dev

@@ -1,0 +1,93 @@
+#include "model/local_engine.h"
+
+#include "kvpool/util/status_macros.h"
+
+namespace kvpool::model {
+
+absl::StatusOr<std::unique_ptr<LocalEngine>> LocalEngine::Create(ModelWeights weights,
+                                                                 const Options& options) {
+  const ModelConfig config = weights.config;
+  KVPOOL_ASSIGN_OR_RETURN(kernels::PoolLayout layout,
+                          kernels::LayoutForBudget({.block_size = options.block_size,
+                                                    .num_layers = config.num_layers,
+                                                    .num_kv_heads = config.num_kv_heads,
+                                                    .head_dim = config.head_dim,
+                                                    .dtype = options.dtype},
+                                                   options.pool_bytes));
+  std::unique_ptr<LocalEngine> e(new LocalEngine());
+  e->device_ = std::make_unique<kernels::CpuDevice>(options.threads);
+  KVPOOL_ASSIGN_OR_RETURN(e->arena_, e->device_->CreateArena(layout.arena_bytes()));
+  e->view_ = {e->arena_->base(), layout};
+  KVPOOL_ASSIGN_OR_RETURN(e->cache_, KvCacheManager::Create({.block_size = layout.block_size,
+                                                             .num_blocks = layout.num_blocks,
+                                                             .max_blocks_per_seq =
+                                                                 options.max_blocks_per_seq,
+                                                             .fences = e->device_.get(),
+                                                             .prefix_cache = options.prefix_cache}));
+  e->executor_ = std::make_unique<kernels::PlanExecutor>(
+      e->device_.get(), kernels::StreamId::kTransfer, e->view_, kernels::FillPolicy::kNone);
+  KVPOOL_ASSIGN_OR_RETURN(e->model_,
+                          Model::Create(std::move(weights), layout, {.threads = options.threads}));
+  return e;
+}
+
+LocalEngine::~LocalEngine() {
+  if (device_) (void)device_->SynchronizeAll();
+}
+
+absl::StatusOr<std::vector<ItemResult>> LocalEngine::Run(const DevicePlan& plan,
+                                                         std::vector<PlannedItem>& items,
+                                                         const StepOptions& options) {
+  absl::Status status = absl::OkStatus();
+  if (!plan.empty()) {
+    absl::StatusOr<Fence> fence = executor_->Execute(plan);
+    status = fence.ok() ? device_->Synchronize(*fence) : fence.status();
+  }
+  std::vector<StepItem> step;
+  for (const PlannedItem& item : items) step.push_back(item.AsStepItem());
+  std::vector<ItemResult> results;
+  if (status.ok()) status = model_->Step(view_, step, options, &results);
+  if (!status.ok()) {
+    for (const PlannedItem& item : items) UndoItem(*cache_, kSession, item);
+    return status;
+  }
+  for (const PlannedItem& item : items) KVPOOL_RETURN_IF_ERROR(FinishItem(*cache_, kSession, item));
+  return results;
+}
+
+absl::StatusOr<LocalEngine::PrefillResult> LocalEngine::Prefill(SequenceId sequence,
+                                                                std::span<const int32_t> tokens,
+                                                                const StepOptions& options) {
+  std::vector<PlannedItem> items(1);
+  DevicePlan plan;
+  KVPOOL_RETURN_IF_ERROR(PlanPrefill(*cache_, kSession, kNamespace, sequence, tokens,
+                                     /*priority=*/0, model_->config().vocab_size, &items[0],
+                                     &plan));
+  KVPOOL_ASSIGN_OR_RETURN(std::vector<ItemResult> results, Run(plan, items, options));
+  return PrefillResult{items[0].sequence, items[0].reused, std::move(results[0])};
+}
+
+absl::StatusOr<std::vector<ItemResult>> LocalEngine::Decode(std::span<const DecodeInput> inputs,
+                                                            const StepOptions& options) {
+  std::vector<PlannedItem> items;
+  DevicePlan plan;
+  KVPOOL_RETURN_IF_ERROR(
+      PlanDecode(*cache_, kSession, inputs, model_->config().vocab_size, &items, &plan));
+  return Run(plan, items, options);
+}
+
+absl::StatusOr<SequenceId> LocalEngine::Fork(SequenceId sequence) {
+  DevicePlan plan;
+  KVPOOL_ASSIGN_OR_RETURN(SequenceId child, cache_->Fork(kSession, sequence, &plan));
+  if (!plan.empty()) {
+    KVPOOL_ASSIGN_OR_RETURN(Fence fence, executor_->Execute(plan));
+    KVPOOL_RETURN_IF_ERROR(device_->Synchronize(fence));
+  }
+  return child;
+}
+
+absl::Status LocalEngine::Free(SequenceId sequence, bool commit) {
+  return cache_->Free(kSession, sequence, commit ? OnFree::kCommit : OnFree::kDiscard);
+}
+
+}  // namespace kvpool::model

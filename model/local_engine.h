@@ -1,0 +1,78 @@
+#pragma once
+
+// LocalEngine: one process's pool and model, without the daemon: a CPU device and arena, a
+// KvCacheManager over it, the plan executor, and the Model, driven through the step planner
+// exactly as kvpoold drives them (minus RPC, sessions and cross-client batching). Tests hold
+// the daemon's results to it; benchmarks measure the daemon against it.
+//
+// All sequences belong to one session in one namespace. Thread-compatible.
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/cpu_device.h"
+#include "kernels/plan_executor.h"
+#include "kvpool/kv_cache_manager.h"
+#include "model/model.h"
+#include "model/step_planner.h"
+
+namespace kvpool::model {
+
+class LocalEngine final {
+ public:
+  struct Options {
+    int32_t block_size = 16;
+    kernels::DType dtype = kernels::DType::kBF16;
+    int64_t pool_bytes = int64_t{64} << 20;
+    int32_t max_blocks_per_seq = 4096;
+    bool prefix_cache = true;
+    int threads = 0;  // kernel threads (0: hardware concurrency)
+  };
+
+  // Errors: INVALID_ARGUMENT (a model the options' layout cannot hold), RESOURCE_EXHAUSTED.
+  static absl::StatusOr<std::unique_ptr<LocalEngine>> Create(ModelWeights weights,
+                                                             const Options& options);
+  ~LocalEngine();
+
+  struct PrefillResult {
+    SequenceId sequence;
+    int64_t reused = 0;  // prompt tokens served by the prefix cache
+    ItemResult result;   // the first generated token
+  };
+  // See PlanPrefill: SequenceId(0) starts a new sequence. Errors as PlanPrefill and Model::Step;
+  // nothing changes on error.
+  absl::StatusOr<PrefillResult> Prefill(SequenceId sequence, std::span<const int32_t> tokens,
+                                        const StepOptions& options = {});
+  // One step for every input (one batched model step). Errors as PlanDecode and Model::Step.
+  absl::StatusOr<std::vector<ItemResult>> Decode(std::span<const DecodeInput> inputs,
+                                                 const StepOptions& options = {});
+  // Errors as KvCacheManager::Fork / Free.
+  absl::StatusOr<SequenceId> Fork(SequenceId sequence);
+  absl::Status Free(SequenceId sequence, bool commit);
+
+  KvCacheManager& cache() { return *cache_; }
+  Model& model() { return *model_; }
+  const kernels::KvPoolView& pool() const { return view_; }
+
+ private:
+  LocalEngine() = default;
+  // Carries out `plan`, runs the step, then finishes (or undoes) every item.
+  absl::StatusOr<std::vector<ItemResult>> Run(const DevicePlan& plan,
+                                              std::vector<PlannedItem>& items,
+                                              const StepOptions& options);
+
+  static constexpr SessionId kSession{1};
+  static constexpr NamespaceId kNamespace{1};
+
+  std::unique_ptr<kernels::CpuDevice> device_;
+  std::unique_ptr<kernels::Arena> arena_;
+  kernels::KvPoolView view_;
+  std::unique_ptr<KvCacheManager> cache_;
+  std::unique_ptr<kernels::PlanExecutor> executor_;
+  std::unique_ptr<Model> model_;
+};
+
+}  // namespace kvpool::model

@@ -1,0 +1,394 @@
+#include "model/model.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+
+#include "fmt/format.h"
+#include "kvpool/util/fmt.h"
+#include "kernels/cpu_kernels.h"
+#include "kernels/dtype.h"
+#include "kvpool/util/check.h"
+#include "kvpool/util/status_macros.h"
+
+namespace kvpool::model {
+
+// Buffers reused from step to step (they only grow).
+struct Model::Scratch {
+  std::vector<float> x;        // [tokens][hidden] the residual stream
+  std::vector<float> xn;       // [tokens][hidden] normalized
+  std::vector<float> qkv;      // [tokens][q + 2 kv]
+  std::vector<float> q;        // [tokens][heads][head_dim] rotated queries
+  std::vector<float> attn;     // [tokens][heads][head_dim] attention output
+  std::vector<char> k;         // [tokens][kv_heads][head_dim] in the pool's dtype
+  std::vector<char> v;         // same
+  std::vector<float> gate_up;  // [tokens][2 * intermediate]
+  std::vector<float> act;      // [tokens][intermediate]
+  std::vector<float> cos;      // [tokens][head_dim / 2]
+  std::vector<float> sin;      // same
+  std::vector<int64_t> slots;  // [tokens]
+  std::vector<int32_t> tables; // [tokens][stride]
+  std::vector<int32_t> lens;   // [tokens]
+  std::vector<float> last;     // [items][hidden]
+  std::vector<float> logits;   // [items][vocab]
+  int32_t stride = 0;
+  int32_t max_len = 0;
+};
+
+namespace {
+
+template <typename T>
+void Reserve(std::vector<T>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+}
+
+// y[rows][out] = x[rows][in] · W[out][in]ᵀ (+ y when accumulate).
+void Linear(const float* x, int64_t rows, const std::vector<float>& w, int32_t out, int32_t in,
+            float* y, bool accumulate = false) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(rows), out, in, 1.0f,
+              x, in, w.data(), in, accumulate ? 1.0f : 0.0f, y, out);
+}
+
+void RmsNorm(const float* x, int64_t rows, int32_t dim, const std::vector<float>& weight,
+             float eps, float* y) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * dim;
+    float* yr = y + r * dim;
+    float ss = 0;
+    for (int32_t i = 0; i < dim; ++i) ss += xr[i] * xr[i];
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
+    for (int32_t i = 0; i < dim; ++i) yr[i] = xr[i] * inv * weight[static_cast<size_t>(i)];
+  }
+}
+
+// Rotates one head in place (the Hugging Face "rotate_half" convention: element i pairs with
+// element i + head_dim / 2).
+void Rope(float* head, int32_t head_dim, const float* cos, const float* sin) {
+  const int32_t half = head_dim / 2;
+  for (int32_t i = 0; i < half; ++i) {
+    const float a = head[i];
+    const float b = head[i + half];
+    head[i] = a * cos[i] - b * sin[i];
+    head[i + half] = b * cos[i] + a * sin[i];
+  }
+}
+
+void Store(const float* src, int64_t n, kernels::DType dtype, char* dst) {
+  switch (dtype) {
+    case kernels::DType::kF32:
+      std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
+      return;
+    case kernels::DType::kF16: {
+      auto* out = reinterpret_cast<uint16_t*>(dst);
+      for (int64_t i = 0; i < n; ++i) out[i] = kernels::FloatToF16(src[i]);
+      return;
+    }
+    case kernels::DType::kBF16: {
+      auto* out = reinterpret_cast<uint16_t*>(dst);
+      for (int64_t i = 0; i < n; ++i) out[i] = kernels::FloatToBF16(src[i]);
+      return;
+    }
+  }
+}
+
+absl::Status CheckSize(const std::vector<float>& v, int64_t want, std::string_view name) {
+  if (static_cast<int64_t>(v.size()) != want) {
+    return absl::InvalidArgumentError(
+        fmt::format("weights: {} has {} values, the config needs {}", name, v.size(), want));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckWeights(const ModelWeights& w) {
+  const ModelConfig& c = w.config;
+  const int64_t h = c.hidden_size, q = int64_t{c.num_heads} * c.head_dim,
+                kv = int64_t{c.num_kv_heads} * c.head_dim, im = c.intermediate_size;
+  KVPOOL_RETURN_IF_ERROR(CheckSize(w.embed, int64_t{c.vocab_size} * h, "embed"));
+  KVPOOL_RETURN_IF_ERROR(CheckSize(w.final_norm, h, "final_norm"));
+  KVPOOL_RETURN_IF_ERROR(
+      CheckSize(w.lm_head, c.tie_word_embeddings ? 0 : int64_t{c.vocab_size} * h, "lm_head"));
+  if (static_cast<int32_t>(w.layers.size()) != c.num_layers) {
+    return absl::InvalidArgumentError(fmt::format("weights: {} layers, the config says {}",
+                                                  w.layers.size(), c.num_layers));
+  }
+  for (size_t l = 0; l < w.layers.size(); ++l) {
+    const LayerWeights& L = w.layers[l];
+    const std::string p = fmt::format("layers.{}.", l);
+    KVPOOL_RETURN_IF_ERROR(CheckSize(L.attn_norm, h, p + "attn_norm"));
+    KVPOOL_RETURN_IF_ERROR(CheckSize(L.mlp_norm, h, p + "mlp_norm"));
+    KVPOOL_RETURN_IF_ERROR(CheckSize(L.wq, q * h, p + "wq"));
+    KVPOOL_RETURN_IF_ERROR(CheckSize(L.wk, kv * h, p + "wk"));
+    KVPOOL_RETURN_IF_ERROR(CheckSize(L.wv, kv * h, p + "wv"));
+    KVPOOL_RETURN_IF_ERROR(CheckSize(L.wo, h * q, p + "wo"));
+    KVPOOL_RETURN_IF_ERROR(CheckSize(L.w_gate, im * h, p + "w_gate"));
+    KVPOOL_RETURN_IF_ERROR(CheckSize(L.w_up, im * h, p + "w_up"));
+    KVPOOL_RETURN_IF_ERROR(CheckSize(L.w_down, h * im, p + "w_down"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Model>> Model::Create(ModelWeights weights,
+                                                     const kernels::PoolLayout& layout,
+                                                     const Options& options) {
+  const ModelConfig& c = weights.config;
+  KVPOOL_RETURN_IF_ERROR(ValidateConfig(c));
+  KVPOOL_RETURN_IF_ERROR(CheckWeights(weights));
+  auto mismatch = [&](std::string_view field, int64_t pool, int64_t model) {
+    return absl::InvalidArgumentError(fmt::format(
+        "the pool's {} is {} but the model needs {}", field, pool, model));
+  };
+  if (layout.num_layers != c.num_layers) return mismatch("num_layers", layout.num_layers, c.num_layers);
+  if (layout.num_kv_heads != c.num_kv_heads) {
+    return mismatch("num_kv_heads", layout.num_kv_heads, c.num_kv_heads);
+  }
+  if (layout.head_dim != c.head_dim) return mismatch("head_dim", layout.head_dim, c.head_dim);
+  return std::unique_ptr<Model>(new Model(std::move(weights), layout, options));
+}
+
+Model::Model(ModelWeights weights, const kernels::PoolLayout& layout, const Options& options)
+    : config_(weights.config),
+      layout_(layout),
+      weights_(std::move(weights)),
+      threads_(options.threads),
+      scratch_(std::make_unique<Scratch>()) {
+  for (LayerWeights& L : weights_.layers) {
+    std::vector<float> qkv;
+    qkv.reserve(L.wq.size() + L.wk.size() + L.wv.size());
+    qkv.insert(qkv.end(), L.wq.begin(), L.wq.end());
+    qkv.insert(qkv.end(), L.wk.begin(), L.wk.end());
+    qkv.insert(qkv.end(), L.wv.begin(), L.wv.end());
+    wqkv_.push_back(std::move(qkv));
+    std::vector<float> gate_up;
+    gate_up.reserve(L.w_gate.size() + L.w_up.size());
+    gate_up.insert(gate_up.end(), L.w_gate.begin(), L.w_gate.end());
+    gate_up.insert(gate_up.end(), L.w_up.begin(), L.w_up.end());
+    w_gate_up_.push_back(std::move(gate_up));
+    // The stacked copies are what the step reads; drop the originals.
+    std::vector<float>().swap(L.wq);
+    std::vector<float>().swap(L.wk);
+    std::vector<float>().swap(L.wv);
+    std::vector<float>().swap(L.w_gate);
+    std::vector<float>().swap(L.w_up);
+  }
+  const int32_t half = config_.head_dim / 2;
+  for (int32_t i = 0; i < half; ++i) {
+    inv_freq_.push_back(static_cast<float>(
+        1.0 / std::pow(static_cast<double>(config_.rope_theta), 2.0 * i / config_.head_dim)));
+  }
+}
+
+Model::~Model() = default;
+
+int64_t Model::weight_bytes() const {
+  int64_t n = static_cast<int64_t>(weights_.final_norm.size() +
+                                   (config_.tie_word_embeddings ? weights_.embed.size()
+                                                                : weights_.lm_head.size()));
+  for (size_t l = 0; l < weights_.layers.size(); ++l) {
+    const LayerWeights& L = weights_.layers[l];
+    n += static_cast<int64_t>(wqkv_[l].size() + w_gate_up_[l].size() + L.wo.size() +
+                              L.w_down.size() + L.attn_norm.size() + L.mlp_norm.size());
+  }
+  return n * static_cast<int64_t>(sizeof(float));
+}
+
+absl::Status Model::Validate(const kernels::KvPoolView& pool,
+                             std::span<const StepItem> items) const {
+  const kernels::PoolLayout& l = pool.layout;
+  if (l.block_size != layout_.block_size || l.num_layers != layout_.num_layers ||
+      l.num_kv_heads != layout_.num_kv_heads || l.head_dim != layout_.head_dim ||
+      l.dtype != layout_.dtype) {
+    return absl::InvalidArgumentError(
+        fmt::format("step: pool {} is not the model's {}", l.ToString(), layout_.ToString()));
+  }
+  if (items.empty()) return absl::InvalidArgumentError("step: no items");
+  for (size_t i = 0; i < items.size(); ++i) {
+    const StepItem& it = items[i];
+    if (it.tokens.empty()) return absl::InvalidArgumentError(fmt::format("step: item {} has no tokens", i));
+    if (it.start < 0) return absl::InvalidArgumentError(fmt::format("step: item {} starts at {}", i, it.start));
+    for (int32_t t : it.tokens) {
+      if (t < 0 || t >= config_.vocab_size) {
+        return absl::InvalidArgumentError(fmt::format(
+            "step: item {} has token {} outside the vocabulary [0, {})", i, t, config_.vocab_size));
+      }
+    }
+    const int64_t end = it.start + static_cast<int64_t>(it.tokens.size());
+    const int64_t blocks = (end + l.block_size - 1) / l.block_size;
+    if (static_cast<int64_t>(it.block_table.size()) < blocks) {
+      return absl::InvalidArgumentError(fmt::format(
+          "step: item {} needs {} blocks for {} tokens but its table has {}", i, blocks, end,
+          it.block_table.size()));
+    }
+    if (end > INT32_MAX) return absl::InvalidArgumentError(fmt::format("step: item {} too long", i));
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int32_t id = it.block_table[static_cast<size_t>(b)];
+      if (id < 0 || id >= l.num_blocks) {
+        return absl::InvalidArgumentError(fmt::format(
+            "step: item {} table entry {} is block {} (pool has {})", i, b, id, l.num_blocks));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Model::Step(const kernels::KvPoolView& pool, std::span<const StepItem> items,
+                         const StepOptions& options, std::vector<ItemResult>* results) {
+  KVPOOL_RETURN_IF_ERROR(Validate(pool, items));
+  if (options.top_k < 0 || options.top_k > config_.vocab_size) {
+    return absl::InvalidArgumentError(
+        fmt::format("step: top_k {} outside [0, {}]", options.top_k, config_.vocab_size));
+  }
+  const ModelConfig& c = config_;
+  const int32_t h = c.hidden_size, half = c.head_dim / 2, bs = layout_.block_size;
+  Scratch& s = *scratch_;
+
+  // Lay the step's tokens out in item order and find each token's slot, table and length.
+  int64_t n = 0;
+  s.stride = 0;
+  s.max_len = 0;
+  for (const StepItem& it : items) {
+    n += static_cast<int64_t>(it.tokens.size());
+    const int64_t end = it.start + static_cast<int64_t>(it.tokens.size());
+    s.stride = std::max(s.stride, static_cast<int32_t>((end + bs - 1) / bs));
+    s.max_len = std::max(s.max_len, static_cast<int32_t>(end));
+  }
+  const size_t nt = static_cast<size_t>(n);
+  Reserve(s.x, nt * static_cast<size_t>(h));
+  Reserve(s.xn, nt * static_cast<size_t>(h));
+  Reserve(s.cos, nt * static_cast<size_t>(half));
+  Reserve(s.sin, nt * static_cast<size_t>(half));
+  Reserve(s.slots, nt);
+  Reserve(s.lens, nt);
+  Reserve(s.tables, nt * static_cast<size_t>(s.stride));
+  int64_t t = 0;
+  for (const StepItem& it : items) {
+    for (size_t j = 0; j < it.tokens.size(); ++j, ++t) {
+      const int64_t pos = it.start + static_cast<int64_t>(j);
+      std::memcpy(&s.x[static_cast<size_t>(t * h)],
+                  &weights_.embed[static_cast<size_t>(it.tokens[j]) * static_cast<size_t>(h)],
+                  static_cast<size_t>(h) * sizeof(float));
+      for (int32_t i = 0; i < half; ++i) {
+        // Angles in double: positions reach the tens of thousands.
+        const double angle = static_cast<double>(pos) * inv_freq_[static_cast<size_t>(i)];
+        s.cos[static_cast<size_t>(t * half + i)] = static_cast<float>(std::cos(angle));
+        s.sin[static_cast<size_t>(t * half + i)] = static_cast<float>(std::sin(angle));
+      }
+      s.slots[static_cast<size_t>(t)] =
+          static_cast<int64_t>(it.block_table[static_cast<size_t>(pos / bs)]) * bs + pos % bs;
+      s.lens[static_cast<size_t>(t)] = static_cast<int32_t>(pos + 1);
+      int32_t* table = &s.tables[static_cast<size_t>(t * s.stride)];
+      const size_t blocks = static_cast<size_t>((pos + 1 + bs - 1) / bs);
+      std::copy_n(it.block_table.begin(), blocks, table);
+      std::fill(table + blocks, table + s.stride, 0);
+    }
+  }
+
+  for (int32_t layer = 0; layer < c.num_layers; ++layer) Layer(layer, pool, n);
+
+  // The prediction after each item's last token.
+  const size_t ni = items.size();
+  Reserve(s.last, ni * static_cast<size_t>(h));
+  Reserve(s.logits, ni * static_cast<size_t>(c.vocab_size));
+  t = 0;
+  for (size_t i = 0; i < ni; ++i) {
+    t += static_cast<int64_t>(items[i].tokens.size());
+    RmsNorm(&s.x[static_cast<size_t>((t - 1) * h)], 1, h, weights_.final_norm, c.rms_norm_eps,
+            &s.last[i * static_cast<size_t>(h)]);
+  }
+  const std::vector<float>& head = c.tie_word_embeddings ? weights_.embed : weights_.lm_head;
+  Linear(s.last.data(), static_cast<int64_t>(ni), head, c.vocab_size, h, s.logits.data());
+
+  results->clear();
+  results->resize(ni);
+  for (size_t i = 0; i < ni; ++i) {
+    const float* lg = &s.logits[i * static_cast<size_t>(c.vocab_size)];
+    ItemResult& r = (*results)[i];
+    r.next_token = static_cast<int32_t>(std::max_element(lg, lg + c.vocab_size) - lg);
+    if (options.keep_logits) r.logits.assign(lg, lg + c.vocab_size);
+    if (options.top_k > 0) {
+      double sum = 0;
+      const float top = lg[r.next_token];
+      for (int32_t v = 0; v < c.vocab_size; ++v) sum += std::exp(static_cast<double>(lg[v] - top));
+      const float lse = top + static_cast<float>(std::log(sum));
+      std::vector<int32_t> ids(static_cast<size_t>(c.vocab_size));
+      std::iota(ids.begin(), ids.end(), 0);
+      std::partial_sort(ids.begin(), ids.begin() + options.top_k, ids.end(),
+                        [&](int32_t a, int32_t b) { return lg[a] > lg[b] || (lg[a] == lg[b] && a < b); });
+      for (int32_t k = 0; k < options.top_k; ++k) {
+        r.top.push_back({ids[static_cast<size_t>(k)], lg[ids[static_cast<size_t>(k)]] - lse});
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+void Model::Layer(int32_t layer, const kernels::KvPoolView& pool, int64_t n) {
+  const ModelConfig& c = config_;
+  const LayerWeights& L = weights_.layers[static_cast<size_t>(layer)];
+  Scratch& s = *scratch_;
+  const int32_t h = c.hidden_size, hd = c.head_dim, half = hd / 2;
+  const int32_t qd = c.num_heads * hd, kvd = c.num_kv_heads * hd, qkvd = qd + 2 * kvd;
+  const int32_t im = c.intermediate_size;
+  const size_t nt = static_cast<size_t>(n);
+  const int64_t row = layout_.row_bytes();
+
+  // Attention.
+  RmsNorm(s.x.data(), n, h, L.attn_norm, c.rms_norm_eps, s.xn.data());
+  Reserve(s.qkv, nt * static_cast<size_t>(qkvd));
+  Linear(s.xn.data(), n, wqkv_[static_cast<size_t>(layer)], qkvd, h, s.qkv.data());
+  Reserve(s.q, nt * static_cast<size_t>(qd));
+  Reserve(s.attn, nt * static_cast<size_t>(qd));
+  Reserve(s.k, nt * static_cast<size_t>(row));
+  Reserve(s.v, nt * static_cast<size_t>(row));
+  for (size_t t = 0; t < nt; ++t) {
+    float* qkv = &s.qkv[t * static_cast<size_t>(qkvd)];
+    const float* cs = &s.cos[t * static_cast<size_t>(half)];
+    const float* sn = &s.sin[t * static_cast<size_t>(half)];
+    for (int32_t head = 0; head < c.num_heads + c.num_kv_heads; ++head) {
+      Rope(qkv + head * hd, hd, cs, sn);  // queries, then keys
+    }
+    std::memcpy(&s.q[t * static_cast<size_t>(qd)], qkv, static_cast<size_t>(qd) * sizeof(float));
+    Store(qkv + qd, kvd, layout_.dtype, &s.k[t * static_cast<size_t>(row)]);
+    Store(qkv + qd + kvd, kvd, layout_.dtype, &s.v[t * static_cast<size_t>(row)]);
+  }
+  // Every new token's K/V goes in before any query reads: a prefill token attends to the
+  // tokens before it in the same step.
+  KVPOOL_CHECK_OK(kernels::cpu::WriteKv(pool, {.layer = layer,
+                                               .num_tokens = static_cast<int32_t>(n),
+                                               .k = s.k.data(),
+                                               .v = s.v.data(),
+                                               .slots = s.slots.data()}));
+  KVPOOL_CHECK_OK(kernels::cpu::PagedAttentionDecode(
+      pool,
+      {.layer = layer,
+       .num_seqs = static_cast<int32_t>(n),
+       .num_q_heads = c.num_heads,
+       .scale = 1.0f / std::sqrt(static_cast<float>(hd)),
+       .q = s.q.data(),
+       .out = s.attn.data(),
+       .block_tables = s.tables.data(),
+       .table_stride = s.stride,
+       .seq_lens = s.lens.data(),
+       .max_seq_len = s.max_len},
+      &threads_));
+  Linear(s.attn.data(), n, L.wo, h, qd, s.x.data(), /*accumulate=*/true);
+
+  // MLP.
+  RmsNorm(s.x.data(), n, h, L.mlp_norm, c.rms_norm_eps, s.xn.data());
+  Reserve(s.gate_up, nt * 2 * static_cast<size_t>(im));
+  Reserve(s.act, nt * static_cast<size_t>(im));
+  Linear(s.xn.data(), n, w_gate_up_[static_cast<size_t>(layer)], 2 * im, h, s.gate_up.data());
+  for (size_t t = 0; t < nt; ++t) {
+    const float* g = &s.gate_up[t * 2 * static_cast<size_t>(im)];
+    const float* u = g + im;
+    float* a = &s.act[t * static_cast<size_t>(im)];
+    for (int32_t i = 0; i < im; ++i) a[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+  }
+  Linear(s.act.data(), n, L.w_down, h, im, s.x.data(), /*accumulate=*/true);
+}
+
+}  // namespace kvpool::model

@@ -1,0 +1,102 @@
+#pragma once
+
+// Model: a Llama-architecture decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU MLP) whose
+// attention runs through the paged pool: new tokens' K/V go into their blocks with WriteKv, and
+// every query token attends with PagedAttentionDecode over its sequence's block table.
+//
+// One Step carries any mix of sequences and token counts: a decode item has one new token, a
+// prefill item the tokens the prefix cache did not match. The tokens of all items go through the
+// dense layers together ([tokens][hidden] · Wᵀ, one cblas_sgemm per projection), so a step of
+// eight sequences reads each weight once, not eight times. A prefill's token at position p
+// attends to positions [0, p] of its own table: the step runs it as a pseudo-sequence of length
+// p + 1 over the same table, after every new token's K/V has been written.
+//
+// Runs on the host (the CPU backend): matrix products through OpenBLAS, the KV kernels are
+// kernels::cpu. The pool memory must be host-visible.
+//
+// Thread-compatible: one Step at a time (the daemon runs steps in order on its compute stream).
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/pool_layout.h"
+#include "kernels/thread_pool.h"
+#include "model/weights.h"
+
+namespace kvpool::model {
+
+// One sequence's part of a step.
+struct StepItem {
+  std::span<const int32_t> tokens;        // the new tokens (at least one)
+  int64_t start = 0;                      // position of tokens[0]: tokens already in the pool
+  std::span<const int32_t> block_table;   // covers start + tokens.size() tokens
+};
+
+struct StepOptions {
+  int32_t top_k = 0;         // also return the k most likely next tokens with log-probs
+  bool keep_logits = false;  // also return the full logits of each item's last token
+};
+
+struct TokenLogProb {
+  int32_t token = 0;
+  float logprob = 0;
+};
+
+// What a step produces for one item: the prediction after its last token.
+struct ItemResult {
+  int32_t next_token = 0;            // greedy (argmax; the lowest id on a tie)
+  std::vector<TokenLogProb> top;     // top_k entries, most likely first
+  std::vector<float> logits;         // [vocab] when keep_logits
+};
+
+class Model final {
+ public:
+  struct Options {
+    int threads = 0;  // attention worker threads (0: hardware concurrency)
+  };
+
+  // The model runs over pools laid out as `layout` (num_layers, num_kv_heads and head_dim must
+  // be the model's; any KV dtype). Errors: INVALID_ARGUMENT (bad config, weights of the wrong
+  // size, or a layout that does not fit the model, naming the field).
+  static absl::StatusOr<std::unique_ptr<Model>> Create(ModelWeights weights,
+                                                       const kernels::PoolLayout& layout,
+                                                       const Options& options);
+  ~Model();
+
+  const ModelConfig& config() const { return config_; }
+  const kernels::PoolLayout& layout() const { return layout_; }
+
+  // Runs one step: writes the K/V of every new token into `pool` and returns one result per
+  // item, in order. Items must name disjoint blocks for their new tokens (two sequences never
+  // write the same slot). Errors: INVALID_ARGUMENT (empty step or item, a token outside the
+  // vocabulary, a table too short, a block outside the pool, a layout other than the model's),
+  // checked before anything is written; nothing in the pool changes then.
+  absl::Status Step(const kernels::KvPoolView& pool, std::span<const StepItem> items,
+                    const StepOptions& options, std::vector<ItemResult>* results);
+
+  // Weight bytes one step reads (f32): the figure decode bandwidth is measured against.
+  int64_t weight_bytes() const;
+
+ private:
+  struct Scratch;
+  Model(ModelWeights weights, const kernels::PoolLayout& layout, const Options& options);
+
+  absl::Status Validate(const kernels::KvPoolView& pool, std::span<const StepItem> items) const;
+  void Layer(int32_t layer, const kernels::KvPoolView& pool, int64_t num_tokens);
+
+  const ModelConfig config_;
+  const kernels::PoolLayout layout_;
+  ModelWeights weights_;
+  // Per layer: q, k and v projections stacked ([q + 2 kv][hidden]), and gate over up
+  // ([2 * intermediate][hidden]), so each is one matrix product.
+  std::vector<std::vector<float>> wqkv_;
+  std::vector<std::vector<float>> w_gate_up_;
+  std::vector<float> inv_freq_;  // [head_dim / 2] RoPE frequencies
+  kernels::ThreadPool threads_;
+  std::unique_ptr<Scratch> scratch_;
+};
+
+}  // namespace kvpool::model

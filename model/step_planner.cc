@@ -1,0 +1,124 @@
+#include "model/step_planner.h"
+
+#include <algorithm>
+
+#include "absl/container/flat_hash_set.h"
+#include "fmt/format.h"
+#include "kvpool/util/status_macros.h"
+
+namespace kvpool::model {
+namespace {
+
+absl::Status CheckTokens(std::span<const int32_t> tokens, int32_t vocab_size) {
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (tokens[i] < 0 || tokens[i] >= vocab_size) {
+      return absl::InvalidArgumentError(fmt::format(
+          "token {} at index {} is outside the vocabulary [0, {})", tokens[i], i, vocab_size));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void FillTable(const Sequence& seq, PlannedItem* item) {
+  item->table.clear();
+  item->table.reserve(seq.table.size());
+  for (BlockId b : seq.table) item->table.push_back(b.value());
+}
+
+}  // namespace
+
+absl::Status PlanPrefill(KvCacheManager& cache, SessionId caller, NamespaceId ns,
+                         SequenceId sequence, std::span<const int32_t> tokens, int priority,
+                         int32_t vocab_size, PlannedItem* item, DevicePlan* plan) {
+  if (tokens.empty()) return absl::InvalidArgumentError("prefill: no tokens");
+  KVPOOL_RETURN_IF_ERROR(CheckTokens(tokens, vocab_size));
+  const int64_t len = static_cast<int64_t>(tokens.size());
+  *item = PlannedItem{};
+  if (sequence == SequenceId(0)) {
+    // Match all but the last prompt token: its logits give the first generated token, so it is
+    // computed even when the whole prompt is cached (and then written into a private block).
+    const AllocateRequest request{.ns = ns,
+                                  .num_tokens = len,
+                                  .prompt = tokens.first(static_cast<size_t>(len - 1)),
+                                  .priority = priority};
+    std::vector<AllocateResult> results;
+    KVPOOL_RETURN_IF_ERROR(cache.AllocateBatch(caller, std::span(&request, 1), &results, plan));
+    item->sequence = results[0].sequence;
+    item->created = true;
+    item->start = results[0].matched_tokens;
+    item->reused = results[0].matched_tokens;
+    item->tokens.assign(tokens.begin() + item->start, tokens.end());
+  } else {
+    const Sequence* seq = cache.Find(sequence);
+    const GrowRequest grow{sequence, (seq ? seq->num_tokens : 0) + len};
+    KVPOOL_RETURN_IF_ERROR(cache.GrowBatch(caller, std::span(&grow, 1), plan));
+    item->sequence = sequence;
+    item->start = grow.num_tokens - len;
+    item->tokens.assign(tokens.begin(), tokens.end());
+  }
+  FillTable(*cache.Find(item->sequence), item);
+  return absl::OkStatus();
+}
+
+absl::Status PlanDecode(KvCacheManager& cache, SessionId caller,
+                        std::span<const DecodeInput> inputs, int32_t vocab_size,
+                        std::vector<PlannedItem>* items, DevicePlan* plan) {
+  if (inputs.empty()) return absl::InvalidArgumentError("decode: empty batch");
+  std::vector<GrowRequest> grows;
+  grows.reserve(inputs.size());
+  for (const DecodeInput& in : inputs) {
+    KVPOOL_RETURN_IF_ERROR(CheckTokens(std::span(&in.token, 1), vocab_size));
+    const Sequence* seq = cache.Find(in.sequence);
+    grows.push_back({in.sequence, (seq ? seq->num_tokens : 0) + 1});
+  }
+  // GrowBatch checks ownership, duplicates and room, all before changing anything.
+  KVPOOL_RETURN_IF_ERROR(cache.GrowBatch(caller, grows, plan));
+  items->clear();
+  items->reserve(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    PlannedItem& item = items->emplace_back();
+    item.sequence = inputs[i].sequence;
+    item.start = grows[i].num_tokens - 1;
+    item.tokens = {inputs[i].token};
+    FillTable(*cache.Find(item.sequence), &item);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status FinishItem(KvCacheManager& cache, SessionId caller, const PlannedItem& item) {
+  const Sequence* seq = cache.Find(item.sequence);
+  if (seq == nullptr || seq->session != caller) {
+    return absl::NotFoundError(
+        fmt::format("sequence {} was freed during its step", item.sequence.value()));
+  }
+  const int64_t end = item.start + static_cast<int64_t>(item.tokens.size());
+  const int64_t known = static_cast<int64_t>(seq->tokens.size());
+  // Tokens before `start` the cache does not know (a client wrote their K/V itself), or a
+  // sequence rewound during the step: nothing can be published.
+  if (known < item.start || known > end || seq->num_tokens < end) return absl::OkStatus();
+  const std::span<const int32_t> fresh =
+      std::span(item.tokens).subspan(static_cast<size_t>(known - item.start));
+  const int64_t block_size = cache.block_size();
+  return cache.Commit(caller, item.sequence, end / block_size * block_size, fresh);
+}
+
+void UndoItem(KvCacheManager& cache, SessionId caller, const PlannedItem& item) {
+  if (cache.Find(item.sequence) == nullptr) return;
+  if (item.created) {
+    (void)cache.Free(caller, item.sequence);
+  } else {
+    (void)cache.Truncate(caller, item.sequence, item.start);
+  }
+}
+
+std::vector<BlockId> BlocksOf(std::span<const PlannedItem> items) {
+  std::vector<BlockId> blocks;
+  for (const PlannedItem& item : items) {
+    for (int32_t b : item.table) blocks.push_back(BlockId(b));
+  }
+  std::sort(blocks.begin(), blocks.end());
+  blocks.erase(std::unique(blocks.begin(), blocks.end()), blocks.end());
+  return blocks;
+}
+
+}  // namespace kvpool::model

@@ -1,0 +1,74 @@
+#pragma once
+
+// Turning Prefill and Decode requests into model steps against a KvCacheManager, and publishing
+// what a step computed. The same three calls serve kvpoold (under its pool lock, with the step
+// itself on the compute stream) and in-process users (tests, benchmarks):
+//
+//   PlanPrefill / PlanDecode   reserve the blocks (prefix match, grow by delta) -> PlannedItem
+//   Model::Step                computes the items' tokens and writes their K/V
+//   FinishItem                 records the tokens and commits the full blocks to the prefix cache
+//   (UndoItem                  the step failed: give back what the plan took)
+//
+// A sequence's tokens split into those whose K/V is in the pool (`num_tokens`) and a pending one
+// the caller holds: Prefill returns the first generated token without writing its K/V; the next
+// Decode(seq, token) writes it and returns the one after.
+//
+// Not thread-safe: the caller serializes calls on one manager (the daemon's pool lock).
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "kvpool/kv_cache_manager.h"
+#include "model/model.h"
+
+namespace kvpool::model {
+
+// One sequence's share of a step.
+struct PlannedItem {
+  SequenceId sequence;
+  bool created = false;         // the plan made the sequence (a prefill of a new one)
+  int64_t start = 0;            // tokens with K/V in the pool before the step
+  int64_t reused = 0;           // prompt tokens the prefix cache supplied (new sequences)
+  std::vector<int32_t> tokens;  // the tokens the step computes, from position `start`
+  std::vector<int32_t> table;   // the sequence's block ids, covering start + tokens.size()
+
+  StepItem AsStepItem() const { return {tokens, start, table}; }
+};
+
+// A prefill of `tokens`. With `sequence` == SequenceId(0), a new sequence in `ns`: the prompt is
+// matched against the prefix cache and only the unmatched tail is computed (at least the last
+// token, whose logits give the first generated token). With an existing sequence, `tokens` are
+// appended after its current tokens (the next turn of a conversation).
+// Errors: INVALID_ARGUMENT (no tokens, a token outside [0, vocab_size)), and those of
+// KvCacheManager::AllocateBatch / GrowBatch (NOT_FOUND, PERMISSION_DENIED, RESOURCE_EXHAUSTED).
+// Nothing changes on error. `plan` receives the device work to carry out before the step.
+absl::Status PlanPrefill(KvCacheManager& cache, SessionId caller, NamespaceId ns,
+                         SequenceId sequence, std::span<const int32_t> tokens, int priority,
+                         int32_t vocab_size, PlannedItem* item, DevicePlan* plan);
+
+struct DecodeInput {
+  SequenceId sequence;
+  int32_t token = 0;  // the pending token: its K/V is written at position num_tokens
+};
+
+// One decode step for each input: grows each sequence by one token (all or none).
+// Errors: INVALID_ARGUMENT (empty batch, a sequence listed twice, a token outside the
+// vocabulary), and those of KvCacheManager::GrowBatch. Nothing changes on error.
+absl::Status PlanDecode(KvCacheManager& cache, SessionId caller,
+                        std::span<const DecodeInput> inputs, int32_t vocab_size,
+                        std::vector<PlannedItem>* items, DevicePlan* plan);
+
+// The step computed `item`: records its tokens as known and commits the sequence's full blocks
+// to the prefix cache (a sequence whose earlier tokens are unknown, because its client wrote
+// K/V itself, is left unpublished). Errors: NOT_FOUND when the sequence was freed meanwhile.
+absl::Status FinishItem(KvCacheManager& cache, SessionId caller, const PlannedItem& item);
+
+// The step failed: frees a sequence the plan created, or rewinds one it grew to `start`.
+void UndoItem(KvCacheManager& cache, SessionId caller, const PlannedItem& item);
+
+// Every block the step reads or writes (for KvCacheManager::MarkInFlight).
+std::vector<BlockId> BlocksOf(std::span<const PlannedItem> items);
+
+}  // namespace kvpool::model

@@ -1,0 +1,452 @@
+#include "model/weights.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <filesystem>
+#include <limits>
+#include <map>
+#include <system_error>
+#include <type_traits>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "kvpool/util/check.h"
+#include "kvpool/util/status_macros.h"
+#include "model/internal/safetensors.h"
+#include "nlohmann/json.hpp"
+
+namespace kvpool::model {
+namespace {
+
+using nlohmann::json;
+
+// Every tensor of a checkpoint with its transformers name and [out][in] shape, bound to the
+// vector that holds it. `Weights` is ModelWeights (loading) or const ModelWeights (saving);
+// weights.layers must already hold config.num_layers entries.
+template <typename Weights>
+auto TensorSlots(Weights& weights) {
+  using Vector =
+      std::conditional_t<std::is_const_v<Weights>, const std::vector<float>, std::vector<float>>;
+  struct Slot {
+    std::string name;
+    std::vector<int64_t> shape;
+    Vector* data;
+  };
+  const ModelConfig& c = weights.config;
+  const int64_t hidden = c.hidden_size;
+  const int64_t q_width = int64_t{c.num_heads} * c.head_dim;
+  const int64_t kv_width = int64_t{c.num_kv_heads} * c.head_dim;
+  const int64_t inter = c.intermediate_size;
+  std::vector<Slot> slots;
+  slots.push_back({"model.embed_tokens.weight", {c.vocab_size, hidden}, &weights.embed});
+  for (size_t i = 0; i < weights.layers.size(); ++i) {
+    auto& layer = weights.layers[i];
+    const std::string p = absl::StrCat("model.layers.", i, ".");
+    slots.push_back({p + "input_layernorm.weight", {hidden}, &layer.attn_norm});
+    slots.push_back({p + "self_attn.q_proj.weight", {q_width, hidden}, &layer.wq});
+    slots.push_back({p + "self_attn.k_proj.weight", {kv_width, hidden}, &layer.wk});
+    slots.push_back({p + "self_attn.v_proj.weight", {kv_width, hidden}, &layer.wv});
+    slots.push_back({p + "self_attn.o_proj.weight", {hidden, q_width}, &layer.wo});
+    slots.push_back({p + "post_attention_layernorm.weight", {hidden}, &layer.mlp_norm});
+    slots.push_back({p + "mlp.gate_proj.weight", {inter, hidden}, &layer.w_gate});
+    slots.push_back({p + "mlp.up_proj.weight", {inter, hidden}, &layer.w_up});
+    slots.push_back({p + "mlp.down_proj.weight", {hidden, inter}, &layer.w_down});
+  }
+  slots.push_back({"model.norm.weight", {hidden}, &weights.final_norm});
+  if (!c.tie_word_embeddings) {
+    slots.push_back({"lm_head.weight", {c.vocab_size, hidden}, &weights.lm_head});
+  }
+  return slots;
+}
+
+int64_t NumElements(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+std::string ShapeText(const std::vector<int64_t>& shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+// ---- Synthetic weights ----------------------------------------------------------------------
+
+// splitmix64's output function: a bijection on 64 bits with good avalanche. Used in counter mode
+// (value i of a stream is Mix64(key + i * golden)), so the result depends on nothing but integer
+// arithmetic: identical on every machine and compiler.
+constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
+uint64_t Mix64(uint64_t z) {
+  z += kGolden;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// Fills `n` approximately normal(0, stddev) values. Each is the centred sum of four 16-bit
+// uniforms (Irwin-Hall), exact in integers; the one float multiply that scales it is correctly
+// rounded everywhere, unlike std::normal_distribution or libm-dependent transforms.
+std::vector<float> NormalLike(uint64_t seed, uint64_t stream, double stddev, int64_t n) {
+  // Variance of one uniform on {0..65535} is (65536^2 - 1) / 12; four of them sum to 4x that.
+  const double sum_stddev = std::sqrt((65536.0 * 65536.0 - 1.0) / 3.0);
+  const auto scale = static_cast<float>(stddev / sum_stddev);
+  const uint64_t key = Mix64(Mix64(seed) ^ (stream * 0xD1B54A32D192ED03ull));
+  std::vector<float> out(static_cast<size_t>(n));
+  for (size_t i = 0; i < out.size(); ++i) {
+    const uint64_t r = Mix64(key + i * kGolden);
+    const auto sum = static_cast<int32_t>((r & 0xFFFF) + ((r >> 16) & 0xFFFF) +
+                                          ((r >> 32) & 0xFFFF) + (r >> 48));
+    out[i] = static_cast<float>(sum - 131070) * scale;  // 131070 = 4 * 65535 / 2
+  }
+  return out;
+}
+
+// ---- config.json ----------------------------------------------------------------------------
+
+// Reads config[key] as an int32 into *out. Absent or null keeps *out, unless `required`.
+absl::Status GetInt(const json& config, const std::string& path, const char* key, bool required,
+                    int32_t* out) {
+  if (!config.contains(key) || config[key].is_null()) {
+    if (!required) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(path, ": missing ", key));
+  }
+  const json& value = config[key];
+  int64_t v = 0;
+  if (value.is_number_unsigned()) {
+    v = static_cast<int64_t>(std::min<uint64_t>(value.get<uint64_t>(), uint64_t{1} << 62));
+  } else if (value.is_number_integer()) {
+    v = value.get<int64_t>();
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", key, " is not an integer"));
+  }
+  if (v < INT32_MIN || v > INT32_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", key, " = ", v, " is out of range"));
+  }
+  *out = static_cast<int32_t>(v);
+  return absl::OkStatus();
+}
+
+absl::Status GetFloat(const json& config, const std::string& path, const char* key, float* out) {
+  if (!config.contains(key) || config[key].is_null()) return absl::OkStatus();
+  if (!config[key].is_number()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", key, " is not a number"));
+  }
+  const double value = config[key].get<double>();
+  // Narrowing a double past the float range is undefined behaviour, not inf.
+  if (!(std::abs(value) <= std::numeric_limits<float>::max())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": ", key, " = ", value, " is out of range"));
+  }
+  *out = static_cast<float>(value);
+  return absl::OkStatus();
+}
+
+absl::Status GetBool(const json& config, const std::string& path, const char* key, bool* out) {
+  if (!config.contains(key) || config[key].is_null()) return absl::OkStatus();
+  if (!config[key].is_boolean()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", key, " is not a boolean"));
+  }
+  *out = config[key].get<bool>();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ModelConfig> ParseConfig(const std::string& text, const std::string& path) {
+  const json config = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (config.is_discarded() || !config.is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": not a well-formed JSON object"));
+  }
+  // Defaults are LlamaConfig's, except max_position_embeddings (ours: kvpoold's tiny model).
+  ModelConfig c{.rms_norm_eps = 1e-6f, .rope_theta = 10000.0f, .max_position = 4096};
+  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "vocab_size", true, &c.vocab_size));
+  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "hidden_size", true, &c.hidden_size));
+  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "intermediate_size", true, &c.intermediate_size));
+  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "num_hidden_layers", true, &c.num_layers));
+  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "num_attention_heads", true, &c.num_heads));
+  c.num_kv_heads = c.num_heads;
+  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "num_key_value_heads", false, &c.num_kv_heads));
+  if (c.num_heads > 0) c.head_dim = c.hidden_size / c.num_heads;
+  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "head_dim", false, &c.head_dim));
+  KVPOOL_RETURN_IF_ERROR(GetFloat(config, path, "rms_norm_eps", &c.rms_norm_eps));
+  KVPOOL_RETURN_IF_ERROR(GetFloat(config, path, "rope_theta", &c.rope_theta));
+  KVPOOL_RETURN_IF_ERROR(GetBool(config, path, "tie_word_embeddings", &c.tie_word_embeddings));
+  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "max_position_embeddings", false, &c.max_position));
+
+  // Variants this model does not implement would load and then compute something else; refuse.
+  if (config.contains("hidden_act") && config["hidden_act"] != "silu") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, ": hidden_act ", config["hidden_act"].dump(), " unsupported (silu only)"));
+  }
+  for (const char* key : {"attention_bias", "mlp_bias"}) {
+    if (config.contains(key) && config[key] != false && !config[key].is_null()) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": ", key, " unsupported"));
+    }
+  }
+  if (config.contains("rope_scaling") && !config["rope_scaling"].is_null()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": rope_scaling unsupported"));
+  }
+  if (absl::Status status = ValidateConfig(c); !status.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", status.message()));
+  }
+  return c;
+}
+
+// The decimal a person would write for `value` (1e-05, not 9.99999974737875e-06), as a double
+// that still reads back as exactly `value` once narrowed to float.
+double ShortestDecimal(float value) {
+  char buffer[64];
+  const auto printed = std::to_chars(buffer, buffer + sizeof(buffer), value);
+  double parsed = 0.0;
+  std::from_chars(buffer, printed.ptr, parsed);
+  return parsed;
+}
+
+std::string ConfigJson(const ModelConfig& c, std::string_view torch_dtype) {
+  const json config = {
+      {"architectures", {"LlamaForCausalLM"}},
+      {"model_type", "llama"},
+      {"torch_dtype", std::string(torch_dtype)},
+      {"hidden_act", "silu"},
+      {"vocab_size", c.vocab_size},
+      {"hidden_size", c.hidden_size},
+      {"intermediate_size", c.intermediate_size},
+      {"num_hidden_layers", c.num_layers},
+      {"num_attention_heads", c.num_heads},
+      {"num_key_value_heads", c.num_kv_heads},
+      {"head_dim", c.head_dim},
+      {"rms_norm_eps", ShortestDecimal(c.rms_norm_eps)},
+      {"rope_theta", ShortestDecimal(c.rope_theta)},
+      {"tie_word_embeddings", c.tie_word_embeddings},
+      {"max_position_embeddings", c.max_position},
+  };
+  return config.dump(2) + "\n";
+}
+
+absl::Status PositiveField(std::string_view field, int32_t value) {
+  if (value > 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("ModelConfig.", std::string(field), " must be positive (got ", value, ")"));
+}
+
+absl::Status PositiveFiniteField(std::string_view field, float value) {
+  if (value > 0.0f && std::isfinite(value)) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("ModelConfig.", std::string(field),
+                                                 " must be positive and finite (got ", value, ")"));
+}
+
+}  // namespace
+
+absl::Status ValidateConfig(const ModelConfig& c) {
+  KVPOOL_RETURN_IF_ERROR(PositiveField("vocab_size", c.vocab_size));
+  KVPOOL_RETURN_IF_ERROR(PositiveField("hidden_size", c.hidden_size));
+  KVPOOL_RETURN_IF_ERROR(PositiveField("intermediate_size", c.intermediate_size));
+  KVPOOL_RETURN_IF_ERROR(PositiveField("num_layers", c.num_layers));
+  KVPOOL_RETURN_IF_ERROR(PositiveField("num_heads", c.num_heads));
+  KVPOOL_RETURN_IF_ERROR(PositiveField("num_kv_heads", c.num_kv_heads));
+  KVPOOL_RETURN_IF_ERROR(PositiveField("head_dim", c.head_dim));
+  KVPOOL_RETURN_IF_ERROR(PositiveField("max_position", c.max_position));
+  if (c.num_heads % c.num_kv_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("ModelConfig.num_kv_heads (", c.num_kv_heads,
+                                                   ") must divide num_heads (", c.num_heads, ")"));
+  }
+  // RoPE rotates pairs of dimensions; kernels vectorize head_dim in groups of 8.
+  if (c.head_dim % 8 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ModelConfig.head_dim must be a multiple of 8 (got ", c.head_dim, ")"));
+  }
+  KVPOOL_RETURN_IF_ERROR(PositiveFiniteField("rms_norm_eps", c.rms_norm_eps));
+  KVPOOL_RETURN_IF_ERROR(PositiveFiniteField("rope_theta", c.rope_theta));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ModelConfig> NamedConfig(std::string_view name) {
+  if (name == "tiny") {
+    return ModelConfig{.vocab_size = 8192,
+                       .hidden_size = 512,
+                       .intermediate_size = 1408,
+                       .num_layers = 4,
+                       .num_heads = 8,
+                       .num_kv_heads = 4,
+                       .head_dim = 64,
+                       .rms_norm_eps = 1e-5f,
+                       .rope_theta = 10000.0f,
+                       .tie_word_embeddings = true,
+                       .max_position = 4096};
+  }
+  if (name == "small") {
+    return ModelConfig{.vocab_size = 32000,
+                       .hidden_size = 1024,
+                       .intermediate_size = 2816,
+                       .num_layers = 8,
+                       .num_heads = 16,
+                       .num_kv_heads = 4,
+                       .head_dim = 64,
+                       .rms_norm_eps = 1e-5f,
+                       .rope_theta = 10000.0f,
+                       .tie_word_embeddings = false,
+                       .max_position = 8192};
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown model size '", std::string(name), "'; known sizes: tiny, small"));
+}
+
+ModelWeights SyntheticWeights(const ModelConfig& config, uint64_t seed) {
+  KVPOOL_CHECK_OK(ValidateConfig(config));
+  // Scales keep a forward pass well conditioned at any depth and greedy decoding varied:
+  // - every linear map has std 1/sqrt(in_features), so it maps the unit-RMS output of RMSNorm to
+  //   O(1) values;
+  // - the residual branches (o_proj, down_proj) are further scaled by 1/sqrt(layers), so the
+  //   residual stream stays O(1) (about 0.9 RMS) however deep the model;
+  // - q_proj is 3x larger, giving attention logits of std ~3. With std-1 logits attention is
+  //   nearly uniform, every position sees the same context average, and greedy decoding of the
+  //   tied "tiny" model settles into one repeated token within a few steps; at 3 it stays varied
+  //   (over 100 distinct tokens in 116 greedy steps of a plain forward pass, "tiny", seeds 1-3);
+  // - embedding and LM head rows have std 1/sqrt(hidden), so logits have std ~1. Embeddings of
+  //   std 1 would make a tied LM head score the current token far above the rest: greedy would
+  //   echo its input.
+  ModelWeights w;
+  w.config = config;
+  const int64_t hidden = config.hidden_size;
+  const int64_t q_width = int64_t{config.num_heads} * config.head_dim;
+  const int64_t kv_width = int64_t{config.num_kv_heads} * config.head_dim;
+  const int64_t inter = config.intermediate_size;
+  const int64_t vocab = config.vocab_size;
+  const double residual_scale = 1.0 / std::sqrt(static_cast<double>(config.num_layers));
+  constexpr double kQueryScale = 3.0;
+  const auto in_scale = [](int64_t in) { return 1.0 / std::sqrt(static_cast<double>(in)); };
+
+  // Stream ids fix which values each tensor gets, independent of generation order.
+  w.embed = NormalLike(seed, 1, in_scale(hidden), vocab * hidden);
+  if (!config.tie_word_embeddings) {
+    w.lm_head = NormalLike(seed, 2, in_scale(hidden), vocab * hidden);
+  }
+  w.final_norm.assign(static_cast<size_t>(hidden), 1.0f);
+  w.layers.resize(static_cast<size_t>(config.num_layers));
+  for (size_t i = 0; i < w.layers.size(); ++i) {
+    LayerWeights& layer = w.layers[i];
+    const uint64_t base = 16 + 16 * i;
+    layer.attn_norm.assign(static_cast<size_t>(hidden), 1.0f);
+    layer.mlp_norm.assign(static_cast<size_t>(hidden), 1.0f);
+    layer.wq = NormalLike(seed, base + 0, in_scale(hidden) * kQueryScale, q_width * hidden);
+    layer.wk = NormalLike(seed, base + 1, in_scale(hidden), kv_width * hidden);
+    layer.wv = NormalLike(seed, base + 2, in_scale(hidden), kv_width * hidden);
+    layer.wo = NormalLike(seed, base + 3, in_scale(q_width) * residual_scale, hidden * q_width);
+    layer.w_gate = NormalLike(seed, base + 4, in_scale(hidden), inter * hidden);
+    layer.w_up = NormalLike(seed, base + 5, in_scale(hidden), inter * hidden);
+    layer.w_down = NormalLike(seed, base + 6, in_scale(inter) * residual_scale, hidden * inter);
+  }
+  return w;
+}
+
+absl::StatusOr<ModelConfig> ReadCheckpointConfig(const std::string& dir) {
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec)) {
+    return absl::NotFoundError(absl::StrCat("checkpoint directory ", dir, " does not exist"));
+  }
+  const std::string path = (std::filesystem::path(dir) / "config.json").string();
+  KVPOOL_ASSIGN_OR_RETURN(const std::string text, internal::ReadWholeFile(path));
+  return ParseConfig(text, path);
+}
+
+absl::StatusOr<ModelWeights> LoadCheckpoint(const std::string& dir) {
+  namespace fs = std::filesystem;
+  KVPOOL_ASSIGN_OR_RETURN(const ModelConfig config, ReadCheckpointConfig(dir));
+
+  std::error_code ec;
+  std::vector<std::string> paths;
+  fs::directory_iterator it(dir, ec);
+  for (; !ec && it != fs::directory_iterator(); it.increment(ec)) {
+    const fs::path& path = it->path();
+    std::error_code entry_ec;  // a dangling link or a vanished file is skipped, not fatal
+    if (path.extension() == ".safetensors" && it->is_regular_file(entry_ec)) {
+      paths.push_back(path.string());
+    }
+  }
+  if (ec) {
+    return absl::InternalError(absl::StrCat("cannot list ", dir, ": ", ec.message()));
+  }
+  if (paths.empty()) {
+    return absl::NotFoundError(absl::StrCat("checkpoint directory ", dir, " has no *.safetensors"));
+  }
+  std::sort(paths.begin(), paths.end());
+
+  // Index every tensor of every file; a name in two files is ambiguous, so it is an error.
+  std::vector<std::unique_ptr<internal::SafetensorsFile>> files;
+  std::map<std::string, std::pair<const internal::SafetensorsFile*, const internal::TensorEntry*>>
+      index;
+  for (const std::string& path : paths) {
+    KVPOOL_ASSIGN_OR_RETURN(files.emplace_back(), internal::SafetensorsFile::Open(path));
+    const internal::SafetensorsFile* file = files.back().get();
+    for (const auto& [name, entry] : file->tensors()) {
+      const auto [at, inserted] = index.try_emplace(name, file, &entry);
+      if (!inserted) {
+        return absl::InvalidArgumentError(absl::StrCat("tensor ", name, " appears in both ",
+                                                       at->second.first->path(), " and ", path));
+      }
+    }
+  }
+
+  ModelWeights weights;
+  weights.config = config;
+  weights.layers.resize(static_cast<size_t>(config.num_layers));
+  for (const auto& slot : TensorSlots(weights)) {
+    const auto found = index.find(slot.name);
+    if (found == index.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(dir, ": tensor ", slot.name, " is in no *.safetensors file"));
+    }
+    const auto& [file, entry] = found->second;
+    if (entry->shape != slot.shape) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(file->path(), ": tensor ", slot.name, " has shape ", ShapeText(entry->shape),
+                       "; config.json implies ", ShapeText(slot.shape)));
+    }
+    KVPOOL_RETURN_IF_ERROR(file->ReadAsF32(slot.name, *entry, slot.data));
+  }
+  return weights;
+}
+
+absl::Status SaveCheckpoint(const ModelWeights& weights, const std::string& dir,
+                            std::string_view dtype) {
+  namespace fs = std::filesystem;
+  struct DtypeNames {
+    std::string_view flag, safetensors, torch;
+  };
+  static constexpr DtypeNames kDtypes[] = {
+      {"f32", "F32", "float32"}, {"f16", "F16", "float16"}, {"bf16", "BF16", "bfloat16"}};
+  const auto names = std::find_if(std::begin(kDtypes), std::end(kDtypes),
+                                  [&](const DtypeNames& d) { return d.flag == dtype; });
+  if (names == std::end(kDtypes)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("checkpoint dtype '", std::string(dtype), "' is not f32, f16 or bf16"));
+  }
+
+  // A mis-sized vector would write a file whose header lies about its data.
+  KVPOOL_RETURN_IF_ERROR(ValidateConfig(weights.config));
+  if (weights.layers.size() != static_cast<size_t>(weights.config.num_layers)) {
+    return absl::InvalidArgumentError(absl::StrCat("weights have ", weights.layers.size(),
+                                                   " layers; config says ",
+                                                   weights.config.num_layers));
+  }
+  std::vector<internal::TensorToWrite> tensors;
+  for (const auto& slot : TensorSlots(weights)) {
+    if (static_cast<int64_t>(slot.data->size()) != NumElements(slot.shape)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor ", slot.name, " holds ", slot.data->size(), " values; shape ",
+                       ShapeText(slot.shape), " needs ", NumElements(slot.shape)));
+    }
+    tensors.push_back({slot.name, slot.shape, slot.data->data()});
+  }
+
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) {
+    return absl::InternalError(absl::StrCat("cannot create directory ", dir, ": ", ec.message()));
+  }
+  KVPOOL_RETURN_IF_ERROR(internal::WriteWholeFile((fs::path(dir) / "config.json").string(),
+                                                  ConfigJson(weights.config, names->torch)));
+  return internal::WriteSafetensors((fs::path(dir) / "model.safetensors").string(), tensors,
+                                    names->safetensors, {{"format", "pt"}});
+}
+
+}  // namespace kvpool::model

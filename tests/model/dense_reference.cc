@@ -1,0 +1,127 @@
+#include "tests/model/dense_reference.h"
+
+#include <cmath>
+
+namespace kvpool::model {
+namespace {
+
+// y[out] = W[out][in] · x[in], in double.
+std::vector<double> MatVec(const std::vector<float>& w, const std::vector<double>& x,
+                           int64_t out) {
+  const int64_t in = static_cast<int64_t>(x.size());
+  std::vector<double> y(static_cast<size_t>(out));
+  for (int64_t o = 0; o < out; ++o) {
+    double acc = 0;
+    for (int64_t i = 0; i < in; ++i) acc += double{w[static_cast<size_t>(o * in + i)]} * x[static_cast<size_t>(i)];
+    y[static_cast<size_t>(o)] = acc;
+  }
+  return y;
+}
+
+std::vector<double> Norm(const std::vector<double>& x, const std::vector<float>& weight, double eps) {
+  double ss = 0;
+  for (double v : x) ss += v * v;
+  const double inv = 1.0 / std::sqrt(ss / static_cast<double>(x.size()) + eps);
+  std::vector<double> y(x.size());
+  for (size_t i = 0; i < x.size(); ++i) y[i] = x[i] * inv * weight[i];
+  return y;
+}
+
+void Rotate(double* head, int32_t dim, int64_t pos, double theta) {
+  for (int32_t i = 0; i < dim / 2; ++i) {
+    const double angle = static_cast<double>(pos) * std::pow(theta, -2.0 * i / dim);
+    const double a = head[i], b = head[i + dim / 2];
+    head[i] = a * std::cos(angle) - b * std::sin(angle);
+    head[i + dim / 2] = b * std::cos(angle) + a * std::sin(angle);
+  }
+}
+
+float RoundTo(double v, kernels::DType dtype) {
+  const float f = static_cast<float>(v);
+  switch (dtype) {
+    case kernels::DType::kF32:
+      return f;
+    case kernels::DType::kF16:
+      return kernels::F16ToFloat(kernels::FloatToF16(f));
+    case kernels::DType::kBF16:
+      return kernels::BF16ToFloat(kernels::FloatToBF16(f));
+  }
+  return f;
+}
+
+}  // namespace
+
+DenseReference::DenseReference(const ModelWeights& weights, kernels::DType kv_dtype)
+    : w_(&weights), dtype_(kv_dtype), k_(weights.layers.size()), v_(weights.layers.size()) {}
+
+std::vector<float> DenseReference::Extend(std::span<const int32_t> tokens) {
+  std::vector<float> logits;
+  for (int32_t t : tokens) logits = Forward(t);
+  return logits;
+}
+
+std::vector<float> DenseReference::Forward(int32_t token) {
+  const ModelConfig& c = w_->config;
+  const int64_t h = c.hidden_size, hd = c.head_dim, nh = c.num_heads, nkv = c.num_kv_heads;
+  const int64_t pos = length_++;
+  std::vector<double> x(static_cast<size_t>(h));
+  for (int64_t i = 0; i < h; ++i) x[static_cast<size_t>(i)] = w_->embed[static_cast<size_t>(token * h + i)];
+  for (size_t l = 0; l < w_->layers.size(); ++l) {
+    const LayerWeights& L = w_->layers[l];
+    const std::vector<double> xn = Norm(x, L.attn_norm, c.rms_norm_eps);
+    std::vector<double> q = MatVec(L.wq, xn, nh * hd);
+    std::vector<double> k = MatVec(L.wk, xn, nkv * hd);
+    const std::vector<double> v = MatVec(L.wv, xn, nkv * hd);
+    for (int64_t head = 0; head < nh; ++head) Rotate(&q[static_cast<size_t>(head * hd)], c.head_dim, pos, c.rope_theta);
+    for (int64_t head = 0; head < nkv; ++head) Rotate(&k[static_cast<size_t>(head * hd)], c.head_dim, pos, c.rope_theta);
+    for (double e : k) k_[l].push_back(RoundTo(e, dtype_));
+    for (double e : v) v_[l].push_back(RoundTo(e, dtype_));
+    std::vector<double> attn(static_cast<size_t>(nh * hd), 0.0);
+    const int64_t group = nh / nkv;
+    for (int64_t head = 0; head < nh; ++head) {
+      const int64_t kvh = head / group;
+      std::vector<double> scores(static_cast<size_t>(pos + 1));
+      double top = -INFINITY;
+      for (int64_t p = 0; p <= pos; ++p) {
+        double dot = 0;
+        for (int64_t d = 0; d < hd; ++d) {
+          dot += q[static_cast<size_t>(head * hd + d)] *
+                 k_[l][static_cast<size_t>((p * nkv + kvh) * hd + d)];
+        }
+        scores[static_cast<size_t>(p)] = dot / std::sqrt(static_cast<double>(hd));
+        top = std::max(top, scores[static_cast<size_t>(p)]);
+      }
+      double sum = 0;
+      for (double& s : scores) sum += (s = std::exp(s - top));
+      for (int64_t p = 0; p <= pos; ++p) {
+        for (int64_t d = 0; d < hd; ++d) {
+          attn[static_cast<size_t>(head * hd + d)] +=
+              scores[static_cast<size_t>(p)] / sum * v_[l][static_cast<size_t>((p * nkv + kvh) * hd + d)];
+        }
+      }
+    }
+    const std::vector<double> o = MatVec(L.wo, attn, h);
+    for (int64_t i = 0; i < h; ++i) x[static_cast<size_t>(i)] += o[static_cast<size_t>(i)];
+    const std::vector<double> xm = Norm(x, L.mlp_norm, c.rms_norm_eps);
+    const std::vector<double> gate = MatVec(L.w_gate, xm, c.intermediate_size);
+    const std::vector<double> up = MatVec(L.w_up, xm, c.intermediate_size);
+    std::vector<double> act(gate.size());
+    for (size_t i = 0; i < act.size(); ++i) act[i] = gate[i] / (1.0 + std::exp(-gate[i])) * up[i];
+    const std::vector<double> down = MatVec(L.w_down, act, h);
+    for (int64_t i = 0; i < h; ++i) x[static_cast<size_t>(i)] += down[static_cast<size_t>(i)];
+  }
+  const std::vector<double> xf = Norm(x, w_->final_norm, c.rms_norm_eps);
+  const std::vector<double> logits =
+      MatVec(c.tie_word_embeddings ? w_->embed : w_->lm_head, xf, c.vocab_size);
+  return std::vector<float>(logits.begin(), logits.end());
+}
+
+int32_t Argmax(std::span<const float> logits) {
+  int32_t best = 0;
+  for (size_t i = 1; i < logits.size(); ++i) {
+    if (logits[i] > logits[static_cast<size_t>(best)]) best = static_cast<int32_t>(i);
+  }
+  return best;
+}
+
+}  // namespace kvpool::model

@@ -1,0 +1,41 @@
+#pragma once
+
+// DenseReference: the same Llama model written the plain way, as the oracle the paged model is
+// held to. One sequence, its K and V in contiguous arrays, every product a textbook loop in
+// double precision, attention by the book (max, exp, sum) over all earlier positions. Nothing
+// is shared with model.cc but the weights. K and V are rounded through the pool's dtype when
+// stored, as the pool stores them, so the only differences left are float vs double arithmetic.
+//
+// Copyable (a copy is a fork of the sequence).
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "kernels/dtype.h"
+#include "model/weights.h"
+
+namespace kvpool::model {
+
+class DenseReference {
+ public:
+  // `weights` must outlive the reference.
+  DenseReference(const ModelWeights& weights, kernels::DType kv_dtype);
+
+  // Appends `tokens` (computing each in turn) and returns the logits after the last one.
+  std::vector<float> Extend(std::span<const int32_t> tokens);
+  int64_t size() const { return length_; }
+
+ private:
+  std::vector<float> Forward(int32_t token);
+
+  const ModelWeights* w_;
+  kernels::DType dtype_;
+  int64_t length_ = 0;
+  std::vector<std::vector<float>> k_;  // [layer][position][kv_heads][head_dim]
+  std::vector<std::vector<float>> v_;  // same
+};
+
+int32_t Argmax(std::span<const float> logits);
+
+}  // namespace kvpool::model

@@ -1,0 +1,354 @@
+// The paged model against the dense reference, and the prefix cache's reuse against recomputing.
+
+#include "model/model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "model/local_engine.h"
+#include "model/step_planner.h"
+#include "tests/model/dense_reference.h"
+
+namespace kvpool::model {
+namespace {
+
+using ::testing::HasSubstr;
+
+ModelConfig TestConfig() {
+  return {.vocab_size = 256,
+          .hidden_size = 128,
+          .intermediate_size = 256,
+          .num_layers = 2,
+          .num_heads = 4,
+          .num_kv_heads = 2,
+          .head_dim = 32,
+          .tie_word_embeddings = false};
+}
+
+std::vector<int32_t> RandomTokens(size_t n, int32_t vocab, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> out(n);
+  for (int32_t& t : out) t = static_cast<int32_t>(rng() % static_cast<uint32_t>(vocab));
+  return out;
+}
+
+// Largest difference relative to the reference's scale (at least 1).
+double RelError(std::span<const float> got, std::span<const float> want) {
+  EXPECT_EQ(got.size(), want.size());
+  double err = 0, scale = 1;
+  for (size_t i = 0; i < std::min(got.size(), want.size()); ++i) {
+    if (std::isnan(got[i])) return INFINITY;
+    err = std::max(err, std::abs(double{got[i]} - want[i]));
+    scale = std::max(scale, std::abs(double{want[i]}));
+  }
+  return err / scale;
+}
+
+// f32 K/V leaves only float-vs-double arithmetic; bf16 K/V also leaves rounding of values the
+// two sides computed slightly differently before rounding.
+double Tolerance(kernels::DType dtype) { return dtype == kernels::DType::kF32 ? 2e-4 : 2e-2; }
+
+const StepOptions kLogits{.keep_logits = true};
+
+std::unique_ptr<LocalEngine> MakeEngine(const ModelWeights& w, int32_t block_size,
+                                        kernels::DType dtype, bool prefix_cache) {
+  auto engine = LocalEngine::Create(w, {.block_size = block_size,
+                                        .dtype = dtype,
+                                        .pool_bytes = int64_t{16} << 20,
+                                        .prefix_cache = prefix_cache,
+                                        .threads = 2});
+  EXPECT_TRUE(engine.ok()) << engine.status();
+  return std::move(engine).value();
+}
+
+class PagedVsDenseTest
+    : public ::testing::TestWithParam<std::tuple<int32_t, kernels::DType>> {};
+
+TEST_P(PagedVsDenseTest, PrefillAndDecodeMatchReference) {
+  const auto [block_size, dtype] = GetParam();
+  const ModelWeights w = SyntheticWeights(TestConfig(), 7);
+  auto engine = MakeEngine(w, block_size, dtype, /*prefix_cache=*/true);
+  DenseReference ref(w, dtype);
+
+  const std::vector<int32_t> prompt = RandomTokens(37, 256, 1);
+  auto first = engine->Prefill(SequenceId(0), prompt, kLogits);
+  ASSERT_TRUE(first.ok()) << first.status();
+  std::vector<float> want = ref.Extend(prompt);
+  EXPECT_LE(RelError(first->result.logits, want), Tolerance(dtype));
+  int32_t token = Argmax(want);
+  if (dtype == kernels::DType::kF32) {
+    EXPECT_EQ(first->result.next_token, token);
+  }
+
+  for (int step = 0; step < 12; ++step) {
+    const DecodeInput in{first->sequence, token};
+    auto out = engine->Decode(std::span(&in, 1), kLogits);
+    ASSERT_TRUE(out.ok()) << out.status();
+    want = ref.Extend(std::span(&token, 1));
+    EXPECT_LE(RelError((*out)[0].logits, want), Tolerance(dtype)) << "step " << step;
+    token = Argmax(want);
+    if (dtype == kernels::DType::kF32) {
+      EXPECT_EQ((*out)[0].next_token, token) << "step " << step;
+    }
+  }
+  EXPECT_EQ(engine->cache().Find(first->sequence)->num_tokens, 37 + 12);
+  EXPECT_TRUE(engine->cache().CheckInvariants().ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(BlockSizes, PagedVsDenseTest,
+                         ::testing::Combine(::testing::Values(1, 16, 64),
+                                            ::testing::Values(kernels::DType::kF32,
+                                                              kernels::DType::kBF16)));
+
+TEST(ModelTest, BatchedDecodeMatchesEachSequenceAlone) {
+  const ModelWeights w = SyntheticWeights(TestConfig(), 11);
+  auto engine = MakeEngine(w, 16, kernels::DType::kF32, true);
+  std::vector<DenseReference> refs;
+  std::vector<DecodeInput> inputs;
+  for (size_t len : {5u, 20u, 33u}) {
+    const std::vector<int32_t> prompt = RandomTokens(len, 256, static_cast<uint32_t>(len));
+    auto r = engine->Prefill(SequenceId(0), prompt);
+    ASSERT_TRUE(r.ok()) << r.status();
+    refs.emplace_back(w, kernels::DType::kF32);
+    inputs.push_back({r->sequence, Argmax(refs.back().Extend(prompt))});
+  }
+  for (int step = 0; step < 8; ++step) {
+    auto out = engine->Decode(inputs, kLogits);
+    ASSERT_TRUE(out.ok()) << out.status();
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const std::vector<float> want = refs[i].Extend(std::span(&inputs[i].token, 1));
+      EXPECT_LE(RelError((*out)[i].logits, want), 2e-4) << "seq " << i << " step " << step;
+      inputs[i].token = Argmax(want);
+      EXPECT_EQ((*out)[i].next_token, inputs[i].token);
+    }
+  }
+}
+
+TEST(ModelTest, OneStepMixesPrefillAndDecode) {
+  const ModelWeights w = SyntheticWeights(TestConfig(), 13);
+  auto engine = MakeEngine(w, 16, kernels::DType::kF32, true);
+  const std::vector<int32_t> a = RandomTokens(21, 256, 1), b = RandomTokens(30, 256, 2);
+  auto first = engine->Prefill(SequenceId(0), a);
+  ASSERT_TRUE(first.ok());
+  DenseReference ref_a(w, kernels::DType::kF32), ref_b(w, kernels::DType::kF32);
+  const int32_t next_a = Argmax(ref_a.Extend(a));
+
+  // Plan a decode of `a` and a prefill of `b` and run them as one step.
+  std::vector<PlannedItem> items(1);
+  DevicePlan plan;
+  ASSERT_TRUE(PlanPrefill(engine->cache(), SessionId(1), NamespaceId(1), SequenceId(0), b, 0, 256,
+                          &items[0], &plan)
+                  .ok());
+  std::vector<PlannedItem> decode;
+  const DecodeInput in{first->sequence, next_a};
+  ASSERT_TRUE(PlanDecode(engine->cache(), SessionId(1), std::span(&in, 1), 256, &decode, &plan).ok());
+  items.push_back(decode[0]);
+  ASSERT_TRUE(plan.copies.empty());
+  std::vector<StepItem> step = {items[0].AsStepItem(), items[1].AsStepItem()};
+  std::vector<ItemResult> results;
+  ASSERT_TRUE(engine->model().Step(engine->pool(), step, kLogits, &results).ok());
+  EXPECT_LE(RelError(results[0].logits, ref_b.Extend(b)), 2e-4);
+  EXPECT_LE(RelError(results[1].logits, ref_a.Extend(std::span(&next_a, 1))), 2e-4);
+}
+
+TEST(ModelTest, TinyConfigMatchesReference) {
+  auto config = NamedConfig("tiny");
+  ASSERT_TRUE(config.ok());
+  const ModelWeights w = SyntheticWeights(*config, 1);
+  auto engine = MakeEngine(w, 16, kernels::DType::kBF16, true);
+  DenseReference ref(w, kernels::DType::kBF16);
+  const std::vector<int32_t> prompt = RandomTokens(24, config->vocab_size, 3);
+  auto first = engine->Prefill(SequenceId(0), prompt, kLogits);
+  ASSERT_TRUE(first.ok()) << first.status();
+  std::vector<float> want = ref.Extend(prompt);
+  EXPECT_LE(RelError(first->result.logits, want), 2e-2);
+  int32_t token = Argmax(want);
+  for (int step = 0; step < 3; ++step) {
+    const DecodeInput in{first->sequence, token};
+    auto out = engine->Decode(std::span(&in, 1), kLogits);
+    ASSERT_TRUE(out.ok());
+    want = ref.Extend(std::span(&token, 1));
+    EXPECT_LE(RelError((*out)[0].logits, want), 2e-2);
+    token = Argmax(want);
+  }
+}
+
+// Runs the same two-turn conversation on an engine and returns every step's logits.
+struct Conversation {
+  std::vector<std::vector<float>> logits;
+  std::vector<int32_t> tokens;
+  int64_t reused_second_turn = 0;
+};
+
+Conversation Converse(LocalEngine& engine, const std::vector<int32_t>& prompt,
+                      const std::vector<int32_t>& follow_up) {
+  Conversation c;
+  auto record = [&](const ItemResult& r) {
+    c.logits.push_back(r.logits);
+    c.tokens.push_back(r.next_token);
+  };
+  auto turn = [&](const std::vector<int32_t>& tokens, int decodes) -> SequenceId {
+    auto first = engine.Prefill(SequenceId(0), tokens, kLogits);
+    EXPECT_TRUE(first.ok()) << first.status();
+    c.reused_second_turn = first->reused;
+    record(first->result);
+    for (int i = 0; i < decodes; ++i) {
+      const DecodeInput in{first->sequence, c.tokens.back()};
+      auto out = engine.Decode(std::span(&in, 1), kLogits);
+      EXPECT_TRUE(out.ok()) << out.status();
+      record((*out)[0]);
+    }
+    return first->sequence;
+  };
+  // Turn one: 50 prompt tokens and 10 decodes put 60 tokens in the pool; freeing with commit
+  // publishes them, the last 12 as a partial block (a rewind endpoint at block size 16).
+  const SequenceId first = turn(prompt, 10);
+  std::vector<int32_t> history = prompt;
+  history.insert(history.end(), c.tokens.begin(), c.tokens.end() - 1);
+  EXPECT_TRUE(engine.Free(first, /*commit=*/true).ok());
+  // Turn two: the history, then new tokens.
+  history.insert(history.end(), follow_up.begin(), follow_up.end());
+  turn(history, 5);
+  return c;
+}
+
+TEST(ModelTest, PrefixCacheOnAndOffGiveTheSameTokens) {
+  const ModelWeights w = SyntheticWeights(TestConfig(), 17);
+  const std::vector<int32_t> prompt = RandomTokens(50, 256, 5), follow_up = RandomTokens(7, 256, 6);
+  for (kernels::DType dtype : {kernels::DType::kF32, kernels::DType::kBF16}) {
+    auto on = MakeEngine(w, 16, dtype, /*prefix_cache=*/true);
+    auto off = MakeEngine(w, 16, dtype, /*prefix_cache=*/false);
+    const Conversation a = Converse(*on, prompt, follow_up);
+    const Conversation b = Converse(*off, prompt, follow_up);
+    // The second turn reused every token of the first, including the partial block.
+    EXPECT_EQ(a.reused_second_turn, 60);
+    EXPECT_EQ(b.reused_second_turn, 0);
+    EXPECT_EQ(a.tokens, b.tokens);
+    ASSERT_EQ(a.logits.size(), b.logits.size());
+    // Reused K/V is what recomputing writes, up to the order of float sums (a prefill of 7
+    // tokens and one of 67 group the products differently).
+    for (size_t i = 0; i < a.logits.size(); ++i) {
+      EXPECT_LE(RelError(a.logits[i], b.logits[i]), Tolerance(dtype)) << "step " << i;
+    }
+    // The partial block (12 of 16 tokens) was adopted: the new sequence writes above its
+    // published tokens.
+    EXPECT_EQ(on->cache().stats().hit_tokens, 60u);
+    EXPECT_TRUE(on->cache().CheckInvariants().ok());
+  }
+}
+
+TEST(ModelTest, RepeatedPromptRecomputesOnlyItsLastToken) {
+  const ModelWeights w = SyntheticWeights(TestConfig(), 41);
+  auto engine = MakeEngine(w, 16, kernels::DType::kF32, true);
+  const std::vector<int32_t> prompt = RandomTokens(48, 256, 12);  // three full blocks
+  auto first = engine->Prefill(SequenceId(0), prompt, kLogits);
+  ASSERT_TRUE(first.ok());
+  // Prefill committed all three blocks. The second prompt shares the first two and matches 15
+  // tokens of the third, which the first sequence still holds: the last token is written into
+  // a copy of it.
+  auto second = engine->Prefill(SequenceId(0), prompt, kLogits);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(second->reused, 47);
+  EXPECT_EQ(engine->cache().stats().cow_copies, 1u);
+  EXPECT_EQ(second->result.next_token, first->result.next_token);
+  EXPECT_LE(RelError(second->result.logits, first->result.logits), 2e-4);
+  ASSERT_TRUE(engine->Free(first->sequence, /*commit=*/true).ok());
+  ASSERT_TRUE(engine->Free(second->sequence, /*commit=*/true).ok());
+  // Now all 48 are published: everything but the last token is reused.
+  auto third = engine->Prefill(SequenceId(0), prompt, kLogits);
+  ASSERT_TRUE(third.ok()) << third.status();
+  EXPECT_EQ(third->reused, 47);
+  EXPECT_EQ(third->result.next_token, first->result.next_token);
+  EXPECT_LE(RelError(third->result.logits, first->result.logits), 2e-4);
+  EXPECT_TRUE(engine->cache().CheckInvariants().ok());
+}
+
+TEST(ModelTest, ForkedSequencesDecodeIndependently) {
+  const ModelWeights w = SyntheticWeights(TestConfig(), 19);
+  for (bool prefix_cache : {true, false}) {
+    auto engine = MakeEngine(w, 16, kernels::DType::kF32, prefix_cache);
+    const std::vector<int32_t> prompt = RandomTokens(37, 256, 8);  // ends inside a block
+    auto parent = engine->Prefill(SequenceId(0), prompt);
+    ASSERT_TRUE(parent.ok());
+    auto child = engine->Fork(parent->sequence);
+    ASSERT_TRUE(child.ok()) << child.status();
+    DenseReference ref_parent(w, kernels::DType::kF32);
+    ref_parent.Extend(prompt);
+    DenseReference ref_child = ref_parent;
+    // The branches take different tokens into the shared partial block's copy.
+    std::vector<DecodeInput> inputs = {{parent->sequence, 3}, {*child, 200}};
+    for (int step = 0; step < 6; ++step) {
+      auto out = engine->Decode(inputs, kLogits);
+      ASSERT_TRUE(out.ok()) << out.status();
+      const std::vector<float> wp = ref_parent.Extend(std::span(&inputs[0].token, 1));
+      const std::vector<float> wc = ref_child.Extend(std::span(&inputs[1].token, 1));
+      EXPECT_LE(RelError((*out)[0].logits, wp), 2e-4) << "step " << step;
+      EXPECT_LE(RelError((*out)[1].logits, wc), 2e-4) << "step " << step;
+      inputs[0].token = Argmax(wp);
+      inputs[1].token = (Argmax(wc) + 1) % 256;  // keep the branches apart
+    }
+    EXPECT_TRUE(engine->cache().CheckInvariants().ok());
+  }
+}
+
+TEST(ModelTest, BadTokenChangesNothing) {
+  const ModelWeights w = SyntheticWeights(TestConfig(), 23);
+  auto engine = MakeEngine(w, 16, kernels::DType::kBF16, true);
+  const std::vector<int32_t> prompt = RandomTokens(20, 256, 9);
+  auto first = engine->Prefill(SequenceId(0), prompt);
+  ASSERT_TRUE(first.ok());
+  const auto before = engine->cache().stats();
+  const std::vector<int32_t> bad = {1, 2, 256};
+  auto r = engine->Prefill(SequenceId(0), bad);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("vocabulary"));
+  const std::vector<DecodeInput> inputs = {{first->sequence, 5}, {first->sequence, -1}};
+  EXPECT_EQ(engine->Decode(inputs).status().code(), absl::StatusCode::kInvalidArgument);
+  const std::vector<DecodeInput> twice = {{first->sequence, 5}, {first->sequence, 6}};
+  EXPECT_EQ(engine->Decode(twice).status().code(), absl::StatusCode::kInvalidArgument);
+  const DecodeInput missing{SequenceId(999), 5};
+  EXPECT_EQ(engine->Decode(std::span(&missing, 1)).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(engine->cache().stats().pool.free, before.pool.free);
+  EXPECT_EQ(engine->cache().Find(first->sequence)->num_tokens, 20);
+  EXPECT_EQ(engine->Prefill(SequenceId(0), {}).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(ModelTest, StepRejectsShortTableBeforeWriting) {
+  const ModelWeights w = SyntheticWeights(TestConfig(), 29);
+  auto engine = MakeEngine(w, 16, kernels::DType::kF32, true);
+  const std::vector<int32_t> tokens = RandomTokens(20, 256, 10);
+  const std::vector<int32_t> table = {0};  // 20 tokens need two blocks
+  const StepItem item{tokens, 0, table};
+  std::vector<ItemResult> results;
+  const absl::Status s = engine->model().Step(engine->pool(), std::span(&item, 1), {}, &results);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("needs 2 blocks"));
+}
+
+TEST(ModelTest, CreateRejectsPoolOfAnotherShape) {
+  const ModelWeights w = SyntheticWeights(TestConfig(), 31);
+  kernels::PoolLayout layout{.block_size = 16, .num_layers = 2, .num_kv_heads = 4, .head_dim = 32};
+  auto m = Model::Create(w, layout, {});
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(m.status().message()), HasSubstr("num_kv_heads"));
+}
+
+TEST(ModelTest, TopKLogProbsAreSortedAndNormalized) {
+  const ModelWeights w = SyntheticWeights(TestConfig(), 37);
+  auto engine = MakeEngine(w, 16, kernels::DType::kF32, true);
+  auto r = engine->Prefill(SequenceId(0), RandomTokens(12, 256, 11),
+                           {.top_k = 5, .keep_logits = true});
+  ASSERT_TRUE(r.ok());
+  ASSERT_EQ(r->result.top.size(), 5u);
+  EXPECT_EQ(r->result.top[0].token, r->result.next_token);
+  double total = 0;
+  for (float l : r->result.logits) total += std::exp(double{l} - r->result.logits[static_cast<size_t>(r->result.next_token)]);
+  EXPECT_NEAR(r->result.top[0].logprob, -std::log(total), 1e-4);
+  for (size_t i = 1; i < 5; ++i) EXPECT_GE(r->result.top[i - 1].logprob, r->result.top[i].logprob);
+}
+
+}  // namespace
+}  // namespace kvpool::model
