@@ -221,6 +221,57 @@ absl::Status Client::Ping() const {
   return Unary(&v1::KvPool::StubInterface::Ping, v1::PingRequest(), &response);
 }
 
+absl::StatusOr<v1::PrefillResponse> Client::Prefill(uint64_t sequence_id,
+                                                    std::span<const int32_t> tokens,
+                                                    int32_t top_k, int32_t priority) const {
+  v1::PrefillRequest request;
+  request.set_sequence_id(sequence_id);
+  request.mutable_tokens()->Add(tokens.begin(), tokens.end());
+  request.set_top_k(top_k);
+  request.set_priority(priority);
+  v1::PrefillResponse response;
+  KVPOOL_CLIENT_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::Prefill, request, &response));
+  return response;
+}
+
+absl::StatusOr<v1::DecodeResponse> Client::Decode(std::span<const DecodeItem> items,
+                                                  int32_t top_k) const {
+  v1::DecodeRequest request;
+  for (const DecodeItem& item : items) {
+    request.add_sequence_ids(item.sequence_id);
+    request.add_tokens(item.token);
+  }
+  request.set_top_k(top_k);
+  v1::DecodeResponse response;
+  KVPOOL_CLIENT_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::Decode, request, &response));
+  if (response.next_tokens_size() != static_cast<int>(items.size())) {
+    return absl::InternalError(fmt::format("Decode: {} tokens back for {} sequences",
+                                           response.next_tokens_size(), items.size()));
+  }
+  return response;
+}
+
+absl::Status Client::Generate(
+    const v1::GenerateRequest& request,
+    absl::FunctionRef<bool(const v1::GenerateResponse&)> on_token) const {
+  grpc::ClientContext context;
+  PrepareContext(&context, /*deadline=*/false);
+  std::unique_ptr<grpc::ClientReaderInterface<v1::GenerateResponse>> reader =
+      stub_->Generate(&context, request);
+  v1::GenerateResponse response;
+  bool stopped = false;
+  while (reader->Read(&response)) {
+    if (!on_token(response)) {
+      stopped = true;
+      context.TryCancel();
+      break;
+    }
+  }
+  const grpc::Status status = reader->Finish();
+  if (stopped && status.error_code() == grpc::StatusCode::CANCELLED) return absl::OkStatus();
+  return FromGrpcStatus(status, context.GetServerTrailingMetadata());
+}
+
 absl::StatusOr<v1::GetStatsResponse> Client::GetStats() const {
   v1::GetStatsResponse response;
   KVPOOL_CLIENT_RETURN_IF_ERROR(

@@ -63,6 +63,12 @@ struct GrowItem {
   int64_t num_tokens = 0;  // the new length; <= the current length is a no-op
 };
 
+// One sequence's decode step.
+struct DecodeItem {
+  uint64_t sequence_id = 0;
+  int32_t token = 0;  // its pending token (the one the previous Prefill or Decode returned)
+};
+
 class Client final {
  public:
   // Attaches to kvpoold and maps its pool.
@@ -82,6 +88,10 @@ class Client final {
   uint64_t epoch() const { return attach_.epoch(); }  // the daemon's start (changes on restart)
   bool admin() const { return attach_.admin(); }      // may call the admin RPCs
   const std::string& daemon_version() const { return attach_.daemon_version(); }
+  // The daemon's model: empty name when it runs none (the compute calls then fail).
+  const std::string& model_name() const { return attach_.model_name(); }
+  int32_t model_vocab_size() const { return attach_.model_vocab_size(); }
+  int32_t model_max_position() const { return attach_.model_max_position(); }
   const std::string& runtime_dir() const { return runtime_dir_; }
   absl::Duration timeout() const { return timeout_; }
   const v1::PoolLayout& layout() const { return mapping_->layout(); }
@@ -108,6 +118,19 @@ class Client final {
   // Leading tokens of `tokens` cached in this session's namespace (lookup only).
   absl::StatusOr<int64_t> MatchPrefix(std::span<const int32_t> tokens) const;
   absl::Status Ping() const;
+
+  // --- Compute: the daemon's model (FAILED_PRECONDITION when it runs none) ---
+  // sequence_id 0: a new sequence, its prompt matched against the prefix cache; otherwise
+  // `tokens` extend that sequence.
+  absl::StatusOr<v1::PrefillResponse> Prefill(uint64_t sequence_id, std::span<const int32_t> tokens,
+                                              int32_t top_k = 0, int32_t priority = 0) const;
+  // One step for every item (all or none).
+  absl::StatusOr<v1::DecodeResponse> Decode(std::span<const DecodeItem> items,
+                                            int32_t top_k = 0) const;
+  // Streams generated tokens to `on_token` until the daemon ends the stream (OK) or the callback
+  // returns false (the call is cancelled; OK). No deadline. Errors: the stream's status.
+  absl::Status Generate(const v1::GenerateRequest& request,
+                        absl::FunctionRef<bool(const v1::GenerateResponse&)> on_token) const;
 
   // --- Admin (PERMISSION_DENIED unless admin()) ---
   absl::StatusOr<v1::GetStatsResponse> GetStats() const;

@@ -15,6 +15,7 @@
 #include "kernels/pool_layout.h"
 #include "kvpool/eviction_policy.h"
 #include "kvpool/v1/wire.h"
+#include "model/weights.h"
 
 namespace kvpool::daemon {
 namespace {
@@ -56,11 +57,26 @@ void ApplyDefaults(v1::DaemonConfig* c) {
   if (c->runtime_dir().empty()) c->set_runtime_dir(wire::DefaultRuntimeDir());
   if (c->backend().empty()) c->set_backend("cpu");
   if (c->pool_bytes() == 0) c->set_pool_bytes(kDefaultPoolBytes);
+  v1::ModelSpec* m = c->mutable_model();
+  if (m->name().empty() && m->checkpoint().empty()) m->set_name(c->backend() == "cuda" ? "none" : "tiny");
+  if (m->seed() == 0) m->set_seed(1);
+  if (m->gather_window_us() == 0) m->set_gather_window_us(2000);
+  if (m->max_step_tokens() == 0) m->set_max_step_tokens(2048);
+  if (m->threads() == 0) m->set_threads(c->cpu_threads());
+  // The pool's shape follows the model's KV geometry unless set (the tiny model's without one).
+  absl::StatusOr<model::ModelConfig> geometry = model::NamedConfig("tiny");
+  if (!m->checkpoint().empty()) {
+    geometry = model::ReadCheckpointConfig(m->checkpoint());  // errors are reported at load
+  } else if (absl::StatusOr<model::ModelConfig> named = model::NamedConfig(m->name()); named.ok()) {
+    geometry = named;
+  }
   v1::PoolShape* s = c->mutable_shape();
   if (s->block_size() == 0) s->set_block_size(16);
-  if (s->num_layers() == 0) s->set_num_layers(4);
-  if (s->num_kv_heads() == 0) s->set_num_kv_heads(4);
-  if (s->head_dim() == 0) s->set_head_dim(64);
+  if (geometry.ok()) {
+    if (s->num_layers() == 0) s->set_num_layers(geometry->num_layers);
+    if (s->num_kv_heads() == 0) s->set_num_kv_heads(geometry->num_kv_heads);
+    if (s->head_dim() == 0) s->set_head_dim(geometry->head_dim);
+  }
   if (s->dtype().empty()) s->set_dtype("bf16");
   if (c->max_blocks_per_seq() == 0) c->set_max_blocks_per_seq(4096);
   if (c->fill_policy().empty()) c->set_fill_policy("none");
@@ -130,6 +146,26 @@ std::vector<std::string> ValidateConfig(const v1::DaemonConfig& c) {
   if (c.socket_mode() > 0777)
     bad("socket_mode", fmt::format("{:o} is not a permission mode", c.socket_mode()));
   if (c.watchdog_ms() < 0) bad("watchdog_ms", "must be >= 0");
+  const v1::ModelSpec& m = c.model();
+  if (m.checkpoint().empty() && m.name() != "none") {
+    if (absl::StatusOr<model::ModelConfig> named = model::NamedConfig(m.name()); !named.ok()) {
+      bad("model.name", fmt::format("'{}' is not tiny, small or none", m.name()));
+    } else if (named->num_layers != c.shape().num_layers() ||
+               named->num_kv_heads != c.shape().num_kv_heads() ||
+               named->head_dim != c.shape().head_dim()) {
+      bad("shape", fmt::format("model {} needs num_layers {}, num_kv_heads {}, head_dim {}",
+                               m.name(), named->num_layers, named->num_kv_heads,
+                               named->head_dim));
+    }
+  }
+  if (!m.checkpoint().empty() && m.checkpoint()[0] != '/') {
+    bad("model.checkpoint", fmt::format("must be an absolute path (got '{}')", m.checkpoint()));
+  }
+  if (m.gather_window_us() < 0 || m.gather_window_us() > 1000000) {
+    bad("model.gather_window_us", "must be in [0, 1000000]");
+  }
+  if (m.max_step_tokens() < 1) bad("model.max_step_tokens", "must be >= 1");
+  if (m.threads() < 0) bad("model.threads", "must be >= 0 (0: all cores)");
   return errors;
 }
 

@@ -23,6 +23,7 @@
 #include "daemon/pool.h"
 #include "daemon/service.h"
 #include "daemon/sessions.h"
+#include "daemon/step_runner.h"
 #include "fmt/format.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
@@ -31,6 +32,8 @@
 #include "kvpool/util/fmt.h"
 #include "kvpool/util/logging.h"
 #include "kvpool/v1/wire.h"
+#include "model/model.h"
+#include "model/weights.h"
 
 namespace kvpool::daemon {
 namespace {
@@ -59,6 +62,47 @@ bool Allowed(const v1::DaemonConfig& config, const PeerCredentials& peer) {
 uint64_t NewEpoch() {
   const std::string token = NewToken();  // 128 random bits
   return std::stoull(token.substr(0, 16), nullptr, 16) | 1;
+}
+
+// Loads the configured model and starts its step runner; leaves both null for "none", or on a
+// device whose memory the host cannot read (the model runs on the CPU backend only).
+absl::Status StartModel(const v1::DaemonConfig& config, kernels::Device* device, DaemonPool* pool,
+                        std::unique_ptr<model::Model>* model,
+                        std::unique_ptr<StepRunner>* runner) {
+  const v1::ModelSpec& spec = config.model();
+  if (spec.checkpoint().empty() && spec.name() == "none") return absl::OkStatus();
+  const std::string name = spec.checkpoint().empty() ? spec.name() : spec.checkpoint();
+  if (!device->host_visible()) {
+    Log().warn("model {}: runs on the CPU backend only; Prefill/Decode/Generate are off on {}",
+               name, device->name());
+    return absl::OkStatus();
+  }
+  const absl::Time start = absl::Now();
+  absl::StatusOr<model::ModelWeights> weights;
+  if (spec.checkpoint().empty()) {
+    absl::StatusOr<model::ModelConfig> named = model::NamedConfig(spec.name());
+    if (!named.ok()) return named.status();
+    weights = model::SyntheticWeights(*named, spec.seed());
+  } else {
+    weights = model::LoadCheckpoint(spec.checkpoint());
+  }
+  if (!weights.ok()) return weights.status();
+  const model::ModelConfig mc = weights->config;
+  absl::StatusOr<std::unique_ptr<model::Model>> created =
+      model::Model::Create(std::move(*weights), pool->layout(), {.threads = spec.threads()});
+  if (!created.ok()) return created.status();
+  *model = std::move(*created);
+  *runner = std::make_unique<StepRunner>(
+      pool, model->get(),
+      StepRunner::Options{.gather_window = absl::Microseconds(spec.gather_window_us()),
+                          .batching = !spec.disable_batching(),
+                          .max_step_tokens = spec.max_step_tokens()});
+  pool->set_model(name, mc.vocab_size, mc.max_position);
+  Log().info("model {}: {} layers, hidden {}, vocab {}, {:.1f} MiB of weights, loaded in {}", name,
+             mc.num_layers, mc.hidden_size, mc.vocab_size,
+             static_cast<double>((*model)->weight_bytes()) / (1 << 20),
+             absl::FormatDuration(absl::Now() - start));
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -127,8 +171,15 @@ int Run(const RunOptions& options) {
   }
   Log().info("pool: {} on {}", (*pool)->layout().ToString(), (*device)->name());
 
+  std::unique_ptr<model::Model> model;
+  std::unique_ptr<StepRunner> runner;
+  if (absl::Status s = StartModel(config, device->get(), pool->get(), &model, &runner); !s.ok()) {
+    Log().critical("model: {}", s.message());
+    return 1;
+  }
+
   SessionRegistry sessions;
-  KvPoolService service(pool->get(), &sessions);
+  KvPoolService service(pool->get(), &sessions, runner.get());
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -232,6 +283,7 @@ int Run(const RunOptions& options) {
   if (!service.WaitIdle(absl::Now() + absl::Milliseconds(config.drain_timeout_ms()))) {
     Log().warn("calls still running after {} ms: cancelling them", config.drain_timeout_ms());
   }
+  if (runner) runner->Stop();  // fails what is still queued; the step in progress finishes
   server->Shutdown(absl::ToChronoTime(absl::Now()));
   server->Wait();
   (*attach_server)->CloseAll();  // releases every remaining session

@@ -171,8 +171,13 @@ NamespaceId DaemonPool::NamespaceOf(const std::string& tenant, const std::string
 }
 
 absl::StatusOr<AttachGrant> DaemonPool::Attach(const Session& s) {
+  struct {
+    std::string name;
+    int32_t vocab_size, max_position;
+  } grant_model;
   {
     absl::MutexLock lock(&mu_);
+    grant_model = {model_.name, model_.vocab_size, model_.max_position};
     if (config_.session_quota_blocks() > 0) {
       KVPOOL_RETURN_IF_ERROR(cache_->SetSessionQuota(s.id, config_.session_quota_blocks()));
     }
@@ -190,6 +195,9 @@ absl::StatusOr<AttachGrant> DaemonPool::Attach(const Session& s) {
   r.set_namespace_id(s.ns.value());
   r.set_epoch(epoch_);
   r.set_daemon_version("kvpoold 0.1.0");
+  r.set_model_name(grant_model.name);
+  r.set_model_vocab_size(grant_model.vocab_size);
+  r.set_model_max_position(grant_model.max_position);
   v1::PoolLayout* l = r.mutable_layout();
   l->set_block_size(layout_.block_size);
   l->set_num_layers(layout_.num_layers);
@@ -412,6 +420,14 @@ void DaemonPool::Stats(v1::GetStatsResponse* r) const {
   r->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - started_));
   r->set_draining(draining_);
   r->set_sessions_reclaimed(sessions_reclaimed_);
+  r->set_model(model_.name);
+  r->set_model_steps(model_.steps);
+  r->set_model_step_sequences(model_.step_sequences);
+  r->set_prefill_calls(model_.prefill_calls);
+  r->set_prefill_tokens_computed(model_.prefill_computed);
+  r->set_prefill_tokens_reused(model_.prefill_reused);
+  r->set_decode_tokens(model_.decode_tokens);
+  r->set_model_busy_us(static_cast<uint64_t>(absl::ToInt64Microseconds(model_.busy)));
   v1::PoolLayout* l = r->mutable_layout();
   l->set_block_size(layout_.block_size);
   l->set_num_layers(layout_.num_layers);

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -20,6 +21,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "daemon/compute_call.h"
 #include "daemon/sessions.h"
 #include "kernels/device.h"
 #include "kernels/plan_executor.h"
@@ -65,6 +67,16 @@ class DaemonPool final {
   absl::Status Commit(const Session& s, const v1::CommitRequest& request);
   absl::Status Free(const Session& s, const v1::FreeRequest& request);
   int64_t MatchPrefix(const Session& s, const v1::MatchPrefixRequest& request) const;
+
+  // Runs one model step over `calls`: under the lock, plans each call (a call whose plan fails
+  // gets that error and stays out of the step, changing nothing), carries out the plans' device
+  // work, enqueues the step on the compute stream after it and marks every block the step
+  // touches in flight with the step's fence; outside the lock, waits for the step; then, under
+  // the lock again, publishes what it computed (or, when it failed, undoes the plans). Sets
+  // each call's status and results; does not call `done`.
+  void RunStep(model::Model* model, std::span<ComputeCall* const> calls);
+  // The model the daemon runs: reported by Stats() and told to every session at attach.
+  void set_model(std::string name, int32_t vocab_size, int32_t max_position);
 
   // Admin.
   void Stats(v1::GetStatsResponse* response) const;
@@ -114,6 +126,19 @@ class DaemonPool final {
   kernels::PlanExecutor executor_ ABSL_GUARDED_BY(mu_);
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t sessions_reclaimed_ ABSL_GUARDED_BY(mu_) = 0;
+  struct ModelCounters {
+    std::string name;
+    int32_t vocab_size = 0;
+    int32_t max_position = 0;
+    uint64_t steps = 0;
+    uint64_t step_sequences = 0;
+    uint64_t prefill_calls = 0;
+    uint64_t prefill_computed = 0;
+    uint64_t prefill_reused = 0;
+    uint64_t decode_tokens = 0;
+    absl::Duration busy;
+  };
+  ModelCounters model_ ABSL_GUARDED_BY(mu_);
 
   // Shared with clients (read-only for them): the generation of every block.
   const int generation_fd_;

@@ -115,8 +115,8 @@ class EventWriter final : public grpc::ServerWriteReactor<v1::WatchEventsRespons
   v1::WatchEventsResponse response_ ABSL_GUARDED_BY(mu_);
 };
 
-KvPoolService::KvPoolService(DaemonPool* pool, SessionRegistry* sessions)
-    : pool_(pool), sessions_(sessions) {}
+KvPoolService::KvPoolService(DaemonPool* pool, SessionRegistry* sessions, StepRunner* runner)
+    : pool_(pool), sessions_(sessions), runner_(runner) {}
 
 KvPoolService::~KvPoolService() = default;
 
@@ -162,6 +162,23 @@ KvPoolService::Unary* KvPoolService::Run(Context* context, bool admin, Fn&& fn) 
   absl::MutexLock lock(&calls_mu_);
   --calls_;
   return reactor;
+}
+
+bool KvPoolService::BeginCall() {
+  absl::MutexLock lock(&calls_mu_);
+  if (stopping_) return false;
+  ++calls_;
+  return true;
+}
+
+void KvPoolService::EndCall() {
+  absl::MutexLock lock(&calls_mu_);
+  --calls_;
+}
+
+bool KvPoolService::Stopping() {
+  absl::MutexLock lock(&calls_mu_);
+  return stopping_;
 }
 
 void KvPoolService::Stop() {

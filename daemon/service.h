@@ -9,6 +9,7 @@
 //
 // Thread-safe.
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -17,6 +18,7 @@
 #include "absl/synchronization/mutex.h"
 #include "daemon/pool.h"
 #include "daemon/sessions.h"
+#include "daemon/step_runner.h"
 #include "grpcpp/grpcpp.h"
 #include "kvpool/v1/kvpool.grpc.pb.h"
 
@@ -31,8 +33,9 @@ class EventWriter;
 
 class KvPoolService final : public v1::KvPool::CallbackService {
  public:
-  // Neither is owned; both outlive the service.
-  KvPoolService(DaemonPool* pool, SessionRegistry* sessions);
+  // None is owned; all outlive the service. `runner` is null when the daemon runs no model (the
+  // compute RPCs then fail with FAILED_PRECONDITION).
+  KvPoolService(DaemonPool* pool, SessionRegistry* sessions, StepRunner* runner = nullptr);
   ~KvPoolService() override;
 
   using Context = grpc::CallbackServerContext;
@@ -47,6 +50,11 @@ class KvPoolService final : public v1::KvPool::CallbackService {
   Unary* MatchPrefix(Context* c, const v1::MatchPrefixRequest* q,
                      v1::MatchPrefixResponse* r) override;
   Unary* Ping(Context* c, const v1::PingRequest* q, v1::PingResponse* r) override;
+  // Compute calls (service_compute.cc): they complete when their model step has run.
+  Unary* Prefill(Context* c, const v1::PrefillRequest* q, v1::PrefillResponse* r) override;
+  Unary* Decode(Context* c, const v1::DecodeRequest* q, v1::DecodeResponse* r) override;
+  grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(Context* c,
+                                                           const v1::GenerateRequest* q) override;
   Unary* GetStats(Context* c, const v1::GetStatsRequest* q, v1::GetStatsResponse* r) override;
   Unary* ListSessions(Context* c, const v1::ListSessionsRequest* q,
                       v1::ListSessionsResponse* r) override;
@@ -79,15 +87,25 @@ class KvPoolService final : public v1::KvPool::CallbackService {
 
  private:
   friend class EventWriter;
+  friend class GenerateWriter;
 
   template <typename Fn>
   Unary* Run(Context* context, bool admin, Fn&& fn);
   std::shared_ptr<const Session> Authenticate(Context* context, grpc::Status* error) const;
+  // Starts a compute call: checks the service is up, the session and the model, then submits
+  // `call`; `finish` fills the response from the outcome before the reactor finishes.
+  Unary* Compute(Context* context, std::unique_ptr<ComputeCall> call,
+                 std::function<void(ComputeCall&)> finish);
+  // Counts a call that completes asynchronously; false when the service is stopping.
+  bool BeginCall();
+  void EndCall();
+  bool Stopping();
   void Register(EventWriter* writer);
   void Unregister(EventWriter* writer);
 
   DaemonPool* const pool_;
   SessionRegistry* const sessions_;
+  StepRunner* const runner_;
   absl::Mutex calls_mu_;
   int64_t calls_ ABSL_GUARDED_BY(calls_mu_) = 0;  // unary calls running
   bool stopping_ ABSL_GUARDED_BY(calls_mu_) = false;

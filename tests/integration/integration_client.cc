@@ -9,6 +9,9 @@
 //   integration_client hold <runtime_dir> <sequences> <tokens>
 //       allocate <sequences> sequences of <tokens> tokens, print "holding", then wait forever
 //       (the test kills it).
+//   integration_client decode <runtime_dir> <tokens> <seed>
+//       prefill a prompt of <tokens> tokens (in the model's vocabulary) through the daemon's
+//       model, then decode one token at a time forever, printing "decoding" after the first (the test kills it).
 //
 // KV of token p is a function of the prompt up to p, so a prefix hit must read back exactly what
 // the writer wrote.
@@ -86,6 +89,23 @@ int main(int argc, char** argv) {
     std::printf("holding\n");
     std::fflush(stdout);
     for (;;) pause();
+  }
+
+  if (mode == "decode") {
+    std::vector<int32_t> prompt = Prompt(a, static_cast<uint64_t>(b));
+    for (int32_t& t : prompt) t %= 4096;  // inside any model's vocabulary here
+    absl::StatusOr<kvpool::v1::PrefillResponse> first = c.Prefill(0, prompt);
+    if (!first.ok()) return Fail(first.status().ToString());
+    kvpool::client::DecodeItem item{first->sequence_id(), first->next_token()};
+    for (int64_t step = 0;; ++step) {
+      absl::StatusOr<kvpool::v1::DecodeResponse> next = c.Decode(std::span(&item, 1));
+      if (!next.ok()) return Fail(next.status().ToString());
+      item.token = next->next_tokens(0);
+      if (step == 0) {
+        std::printf("decoding\n");
+        std::fflush(stdout);
+      }
+    }
   }
 
   const std::vector<int32_t> prompt = Prompt(a, static_cast<uint64_t>(b));

@@ -1,0 +1,71 @@
+#pragma once
+
+// StepRunner: the daemon's model loop. Prefill and Decode calls queue here; one thread forms
+// model steps from them and runs each through DaemonPool::RunStep, then hands every call back
+// through its `done`.
+//
+// Gathering: when the sessions whose Decode calls shared the previous step are still decoding,
+// the next step waits (at most `gather_window` after its first call arrived) until each of them
+// has a call queued, so N frontends decoding one sequence each share one step and one read of
+// the weights instead of taking turns. A session that stops decoding costs one window, once.
+// With batching off, every call is a step of its own (the comparison point).
+//
+// Thread-safe.
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <thread>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "daemon/compute_call.h"
+#include "daemon/pool.h"
+#include "model/model.h"
+
+namespace kvpool::daemon {
+
+class StepRunner final {
+ public:
+  struct Options {
+    absl::Duration gather_window = absl::Milliseconds(2);
+    bool batching = true;
+    int64_t max_step_tokens = 2048;  // a step takes calls up to this many tokens (at least one)
+  };
+
+  // Neither is owned; both outlive the runner. Starts the loop thread.
+  StepRunner(DaemonPool* pool, model::Model* model, const Options& options);
+  ~StepRunner();  // Stop()
+
+  const model::Model& model() const { return *model_; }
+
+  // Queues `call`. After Stop(), completes it at once with UNAVAILABLE.
+  void Submit(std::unique_ptr<ComputeCall> call);
+
+  // Completes queued calls with UNAVAILABLE, lets the step in progress finish and joins the
+  // loop. Idempotent.
+  void Stop();
+
+ private:
+  void Loop();
+  // True when every session expected to join the next step has a call queued.
+  bool Gathered() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Moves the next step's calls out of the queue.
+  std::vector<std::unique_ptr<ComputeCall>> TakeStep() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  DaemonPool* const pool_;
+  model::Model* const model_;
+  const Options options_;
+
+  mutable absl::Mutex mu_;
+  std::deque<std::unique_ptr<ComputeCall>> queue_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<SessionId, int> queued_ ABSL_GUARDED_BY(mu_);  // calls per session
+  // Sessions whose Decode calls were in the previous step: the ones the next step waits for.
+  absl::flat_hash_set<SessionId> expected_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
+}  // namespace kvpool::daemon

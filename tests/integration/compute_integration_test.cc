@@ -1,0 +1,276 @@
+// The daemon's model over real sockets: Prefill, Decode and Generate from real sessions, checked
+// against the same model run in this process (label `integration`).
+
+#include <signal.h>
+
+#include <atomic>
+#include <random>
+#include <thread>
+
+#include "client/client.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "model/local_engine.h"
+#include "tests/integration/harness.h"
+
+namespace kvpool::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+// The embedded default model (tiny, seed 1) over a 32 MiB pool.
+constexpr char kConfig[] = R"pb(
+  pool_bytes: 33554432 max_blocks_per_seq: 256
+)pb";
+
+std::vector<int32_t> Prompt(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> out(n);
+  for (int32_t& t : out) t = static_cast<int32_t>(rng() % 8192);
+  return out;
+}
+
+std::unique_ptr<client::Client> Connect(const std::string& dir, const std::string& name) {
+  absl::StatusOr<std::unique_ptr<client::Client>> c =
+      client::Client::Connect({.runtime_dir = dir, .client_name = name});
+  EXPECT_TRUE(c.ok()) << c.status();
+  return c.ok() ? *std::move(c) : nullptr;
+}
+
+// Prefill `prompt` and decode until `n` tokens were generated, through the daemon.
+struct Generated {
+  std::vector<int32_t> tokens;
+  uint64_t sequence = 0;
+  int64_t reused = 0;
+  int32_t max_step_sequences = 0;
+};
+Generated Converse(const client::Client& c, const std::vector<int32_t>& prompt, int n) {
+  Generated g;
+  absl::StatusOr<v1::PrefillResponse> first = c.Prefill(0, prompt);
+  EXPECT_TRUE(first.ok()) << first.status();
+  if (!first.ok()) return g;
+  g.sequence = first->sequence_id();
+  g.reused = first->reused_tokens();
+  g.tokens.push_back(first->next_token());
+  while (static_cast<int>(g.tokens.size()) < n) {
+    const client::DecodeItem item{g.sequence, g.tokens.back()};
+    absl::StatusOr<v1::DecodeResponse> next = c.Decode(std::span(&item, 1));
+    EXPECT_TRUE(next.ok()) << next.status();
+    if (!next.ok()) break;
+    g.tokens.push_back(next->next_tokens(0));
+    g.max_step_sequences = std::max(g.max_step_sequences, next->step_sequences());
+  }
+  return g;
+}
+
+// The same, in this process.
+std::vector<int32_t> RunLocally(const std::vector<int32_t>& prompt, int n) {
+  auto config = model::NamedConfig("tiny");
+  auto engine = model::LocalEngine::Create(model::SyntheticWeights(*config, 1),
+                                           {.block_size = 16, .pool_bytes = 8 << 20});
+  EXPECT_TRUE(engine.ok()) << engine.status();
+  std::vector<int32_t> out;
+  auto first = (*engine)->Prefill(SequenceId(0), prompt);
+  EXPECT_TRUE(first.ok()) << first.status();
+  out.push_back(first->result.next_token);
+  while (static_cast<int>(out.size()) < n) {
+    const model::DecodeInput in{first->sequence, out.back()};
+    auto next = (*engine)->Decode(std::span(&in, 1));
+    EXPECT_TRUE(next.ok()) << next.status();
+    out.push_back((*next)[0].next_token);
+  }
+  return out;
+}
+
+class ComputeIntegrationTest : public ::testing::Test {
+ protected:
+  void StartDaemon(const std::string& config = kConfig) {
+    absl::StatusOr<std::unique_ptr<DaemonProcess>> d = DaemonProcess::Start(config);
+    ASSERT_TRUE(d.ok()) << d.status();
+    daemon_ = *std::move(d);
+  }
+  v1::GetStatsResponse Stats(const client::Client& c) {
+    absl::StatusOr<v1::GetStatsResponse> s = c.GetStats();
+    EXPECT_TRUE(s.ok()) << s.status();
+    return s.ok() ? *s : v1::GetStatsResponse{};
+  }
+  std::unique_ptr<DaemonProcess> daemon_;
+};
+
+TEST_F(ComputeIntegrationTest, DaemonGeneratesWhatTheModelGeneratesInProcess) {
+  StartDaemon();
+  auto c = Connect(daemon_->dir(), "one");
+  const std::vector<int32_t> prompt = Prompt(40, 1);
+  const Generated g = Converse(*c, prompt, 8);
+  EXPECT_EQ(g.reused, 0);
+  EXPECT_EQ(g.tokens, RunLocally(prompt, 8));
+  const v1::GetStatsResponse s = Stats(*c);
+  EXPECT_EQ(s.model(), "tiny");
+  EXPECT_EQ(s.prefill_calls(), 1u);
+  EXPECT_EQ(s.prefill_tokens_computed(), 40u);
+  EXPECT_EQ(s.decode_tokens(), 7u);
+}
+
+TEST_F(ComputeIntegrationTest, ConcurrentClientsGetTheTokensEachGetsAlone) {
+  StartDaemon();
+  constexpr int kClients = 4;
+  std::vector<std::unique_ptr<client::Client>> clients;
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<Generated> alone;
+  for (int i = 0; i < kClients; ++i) {
+    clients.push_back(Connect(daemon_->dir(), "client-" + std::to_string(i)));
+    prompts.push_back(Prompt(20 + 7 * static_cast<size_t>(i), 100 + static_cast<uint32_t>(i)));
+    alone.push_back(Converse(*clients.back(), prompts.back(), 12));
+    ASSERT_TRUE(clients.back()->Free({alone.back().sequence}).ok());
+  }
+  std::vector<Generated> together(kClients);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kClients; ++i) {
+    threads.emplace_back([&, i] { together[static_cast<size_t>(i)] = Converse(*clients[static_cast<size_t>(i)], prompts[static_cast<size_t>(i)], 12); });
+  }
+  for (std::thread& t : threads) t.join();
+  int32_t widest = 0;
+  for (int i = 0; i < kClients; ++i) {
+    EXPECT_EQ(together[static_cast<size_t>(i)].tokens, alone[static_cast<size_t>(i)].tokens) << "client " << i;
+    widest = std::max(widest, together[static_cast<size_t>(i)].max_step_sequences);
+  }
+  // The clients' decodes were gathered into shared steps.
+  EXPECT_GT(widest, 1);
+  auto admin = Connect(daemon_->dir(), "admin");
+  EXPECT_TRUE(admin->CheckInvariants()->ok());
+}
+
+TEST_F(ComputeIntegrationTest, PrefillReusesAnotherSessionsConversation) {
+  StartDaemon();
+  const std::vector<int32_t> prompt = Prompt(45, 7);
+  std::vector<int32_t> generated;
+  {
+    auto a = Connect(daemon_->dir(), "first");
+    v1::GenerateRequest request;
+    request.mutable_prompt()->Add(prompt.begin(), prompt.end());
+    request.set_max_tokens(6);
+    request.set_free_when_done(true);  // publishes the 45 + 5 tokens whose K/V it wrote
+    ASSERT_TRUE(a->Generate(request, [&](const v1::GenerateResponse& r) {
+                   generated.push_back(r.token());
+                   return true;
+                 }).ok());
+    ASSERT_EQ(generated.size(), 6u);
+  }
+  // Another session continues the conversation: everything the first wrote is reused,
+  // including the partial block it ended in (50 = 3 * 16 + 2).
+  auto b = Connect(daemon_->dir(), "second");
+  std::vector<int32_t> history = prompt;
+  history.insert(history.end(), generated.begin(), generated.end() - 1);
+  const std::vector<int32_t> follow_up = Prompt(9, 8);
+  history.insert(history.end(), follow_up.begin(), follow_up.end());
+  const Generated g = Converse(*b, history, 4);
+  EXPECT_EQ(g.reused, 50);
+  EXPECT_EQ(g.tokens, RunLocally(history, 4));
+}
+
+TEST_F(ComputeIntegrationTest, GenerateStreamsWhatPrefillAndDecodeReturn) {
+  StartDaemon();
+  auto c = Connect(daemon_->dir(), "gen");
+  const std::vector<int32_t> prompt = Prompt(30, 3);
+  const Generated g = Converse(*c, prompt, 6);
+  v1::GenerateRequest request;
+  request.mutable_prompt()->Add(prompt.begin(), prompt.end());
+  request.set_max_tokens(6);
+  std::vector<int32_t> streamed;
+  std::vector<int32_t> indexes;
+  ASSERT_TRUE(c->Generate(request, [&](const v1::GenerateResponse& r) {
+                 streamed.push_back(r.token());
+                 indexes.push_back(r.index());
+                 return true;
+               }).ok());
+  EXPECT_EQ(streamed, g.tokens);
+  EXPECT_EQ(indexes, (std::vector<int32_t>{0, 1, 2, 3, 4, 5}));
+  // A stop token ends the stream right after it.
+  request.add_stop_tokens(g.tokens[2]);
+  streamed.clear();
+  ASSERT_TRUE(c->Generate(request, [&](const v1::GenerateResponse& r) {
+                 streamed.push_back(r.token());
+                 return true;
+               }).ok());
+  EXPECT_EQ(streamed, std::vector<int32_t>(g.tokens.begin(), g.tokens.begin() + 3));
+  // Without free_when_done the sequences stay with the session: the two streams' and Run's.
+  EXPECT_EQ(Stats(*c).sequences(), 3);
+}
+
+TEST_F(ComputeIntegrationTest, BadComputeInputGetsItsCodeAndChangesNothing) {
+  StartDaemon();
+  auto c = Connect(daemon_->dir(), "bad");
+  auto other = Connect(daemon_->dir(), "other");
+  const Generated g = Converse(*c, Prompt(20, 5), 2);
+  const v1::GetStatsResponse before = Stats(*c);
+  auto code = [](const absl::Status& s) { return s.code(); };
+  const std::vector<int32_t> outside = {1, 2, 8192};
+  EXPECT_EQ(code(c->Prefill(0, outside).status()), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(code(c->Prefill(0, {}).status()), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(code(c->Prefill(0, Prompt(5, 1), /*top_k=*/65).status()),
+            absl::StatusCode::kInvalidArgument);
+  const client::DecodeItem mine{g.sequence, 1};
+  EXPECT_EQ(code(other->Decode(std::span(&mine, 1)).status()), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(code(other->Prefill(g.sequence, Prompt(3, 1)).status()),
+            absl::StatusCode::kPermissionDenied);
+  const client::DecodeItem missing{987654, 1};
+  EXPECT_EQ(code(c->Decode(std::span(&missing, 1)).status()), absl::StatusCode::kNotFound);
+  const std::vector<client::DecodeItem> twice = {mine, mine};
+  EXPECT_EQ(code(c->Decode(twice).status()), absl::StatusCode::kInvalidArgument);
+  const std::vector<client::DecodeItem> half_bad = {mine, {987654, 1}};
+  EXPECT_EQ(code(c->Decode(half_bad).status()), absl::StatusCode::kNotFound);
+  v1::GenerateRequest zero;
+  zero.add_prompt(1);
+  const absl::Status gen = c->Generate(zero, [](const v1::GenerateResponse&) { return true; });
+  EXPECT_EQ(gen.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(gen.message()), HasSubstr("max_tokens"));
+
+  const v1::GetStatsResponse after = Stats(*c);
+  EXPECT_EQ(after.free_blocks(), before.free_blocks());
+  EXPECT_EQ(after.sequences(), before.sequences());
+  EXPECT_EQ(after.decode_tokens(), before.decode_tokens());
+  // The sequence the failed calls named is untouched and still decodes where it was.
+  const client::DecodeItem next{g.sequence, g.tokens.back()};
+  absl::StatusOr<v1::DecodeResponse> r = c->Decode(std::span(&next, 1));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->num_tokens(0), 22);
+}
+
+TEST_F(ComputeIntegrationTest, DaemonWithoutModelRefusesComputeCalls) {
+  StartDaemon(R"pb(pool_bytes: 16777216 model { name: "none" })pb");
+  auto c = Connect(daemon_->dir(), "nomodel");
+  const absl::Status s = c->Prefill(0, Prompt(4, 1)).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("no model"));
+  // Control calls still work.
+  EXPECT_TRUE(c->Allocate(Prompt(4, 1)).ok());
+}
+
+TEST_F(ComputeIntegrationTest, ClientKilledWhileDecodingLeavesNothingBehind) {
+  StartDaemon();
+  auto admin = Connect(daemon_->dir(), "admin");
+  absl::StatusOr<Child> child =
+      Spawn({IntegrationClientBinary(), "decode", daemon_->dir(), "30", "9"});
+  ASSERT_TRUE(child.ok());
+  absl::StatusOr<std::string> line = ReadLine(*child, absl::Seconds(30));
+  ASSERT_TRUE(line.ok()) << line.status();
+  ASSERT_EQ(*line, "decoding");
+  kill(child->pid, SIGKILL);
+  Wait(&*child);
+  // The daemon notices the closed attach socket and releases the sequence, fenced behind any
+  // step still using its blocks.
+  v1::GetStatsResponse s;
+  for (int i = 0; i < 200; ++i) {
+    s = Stats(*admin);
+    if (s.sequences() == 0 && s.active_blocks() == 0 && s.retiring_blocks() == 0) break;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(s.sequences(), 0);
+  EXPECT_GT(s.decode_tokens(), 0u);
+  EXPECT_EQ(s.active_blocks(), 0);
+  EXPECT_EQ(s.retiring_blocks(), 0);
+  EXPECT_TRUE(admin->CheckInvariants()->ok());
+}
+
+}  // namespace
+}  // namespace kvpool::testing
