@@ -147,7 +147,7 @@ std::vector<std::string> ValidateConfig(const v1::DaemonConfig& c) {
     bad("socket_mode", fmt::format("{:o} is not a permission mode", c.socket_mode()));
   if (c.watchdog_ms() < 0) bad("watchdog_ms", "must be >= 0");
   const v1::ModelSpec& m = c.model();
-  if (m.checkpoint().empty() && m.name() != "none") {
+  if (m.checkpoint().empty() && m.name() != "none" && shape_ok.ok()) {
     if (absl::StatusOr<model::ModelConfig> named = model::NamedConfig(m.name()); !named.ok()) {
       bad("model.name", fmt::format("'{}' is not tiny, small or none", m.name()));
     } else if (named->num_layers != c.shape().num_layers() ||

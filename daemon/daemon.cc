@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <systemd/sd-daemon.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -105,18 +106,55 @@ absl::Status StartModel(const v1::DaemonConfig& config, kernels::Device* device,
   return absl::OkStatus();
 }
 
+// The sigwait thread's id, for ForwardSignal.
+std::atomic<pid_t> g_signal_thread{0};
+
+// Runs on a thread that does not block SIGTERM/SIGINT (a library's): hands the signal to the
+// sigwait thread, which blocks it, so it waits there for sigwait. tgkill is a plain system call
+// (async-signal-safe).
+extern "C" void ForwardSignal(int sig) {
+  const pid_t tid = g_signal_thread.load();
+  if (tid != 0) syscall(SYS_tgkill, getpid(), tid, sig);
+}
+
 }  // namespace
 
 int Run(const RunOptions& options) {
   // Debian's Abseil is built with mutex deadlock detection on, which costs on every lock; the
   // daemon's lock order is fixed (pool, then writers) and checked by its tests.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
-  // Signals go to the sigwait thread only: block them before any thread starts.
+  // Signals go to the sigwait thread only: block them before any thread of ours starts. Threads
+  // libraries started before main() (OpenBLAS starts its pool in a constructor) do not block
+  // them, so a handler forwards what lands there to the sigwait thread.
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  absl::Notification shutdown;
+  std::atomic<int> received{0};
+  absl::Notification listening;
+  std::thread signal_thread([&] {
+    g_signal_thread.store(static_cast<pid_t>(syscall(SYS_gettid)));
+    listening.Notify();
+    for (;;) {
+      int sig = 0;
+      if (sigwait(&signals, &sig) != 0) continue;
+      if (received.fetch_add(1) == 0) {
+        Log().info("signal {}: shutting down (send it again to force)", sig);
+        shutdown.Notify();
+      } else {
+        std::fprintf(stderr, "kvpoold: second signal: exiting now\n");
+        _exit(1);
+      }
+    }
+  });
+  signal_thread.detach();  // lives until the process exits (it may force that exit)
+  listening.WaitForNotification();
+  struct sigaction forward = {};
+  forward.sa_handler = ForwardSignal;
+  sigaction(SIGTERM, &forward, nullptr);
+  sigaction(SIGINT, &forward, nullptr);
 
   absl::StatusOr<v1::DaemonConfig> loaded = LoadConfig(options.config_path);
   if (!loaded.ok()) {
@@ -239,24 +277,6 @@ int Run(const RunOptions& options) {
     Log().critical("attach socket: {}", attach_server.status().ToString());
     return 1;
   }
-
-  // Shutdown requests come from signals.
-  absl::Notification shutdown;
-  std::atomic<int> received{0};
-  std::thread signal_thread([&] {
-    for (;;) {
-      int sig = 0;
-      if (sigwait(&signals, &sig) != 0) continue;
-      if (received.fetch_add(1) == 0) {
-        Log().info("signal {}: shutting down (send it again to force)", sig);
-        shutdown.Notify();
-      } else {
-        std::fprintf(stderr, "kvpoold: second signal: exiting now\n");
-        _exit(1);
-      }
-    }
-  });
-  signal_thread.detach();  // lives until the process exits (it may force that exit)
 
   server->GetHealthCheckService()->SetServingStatus(true);
   sd_notifyf(0, "READY=1\nSTATUS=serving %d blocks on %s\nMAINPID=%d", (*pool)->layout().num_blocks,
