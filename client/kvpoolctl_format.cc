@@ -180,7 +180,24 @@ std::string FormatStats(const v1::GetStatsResponse& s, bool json) {
       {"events_next_seq", std::to_string(s.events_next_seq())},
   };
   for (const auto& [name, value] : rows) counters.AddRow({name, value});
-  return out + counters.Render();
+  out += counters.Render();
+  if (s.model().empty()) return out + "model: none\n";
+  internal::Table model({"MODEL", "VALUE"});
+  const std::pair<const char*, std::string> model_rows[] = {
+      {"model", s.model()},
+      {"steps", std::to_string(s.model_steps())},
+      {"sequences_per_step",
+       fmt::format("{:.2f}", s.model_steps() ? static_cast<double>(s.model_step_sequences()) /
+                                                   static_cast<double>(s.model_steps())
+                                             : 0.0)},
+      {"busy_s", fmt::format("{:.1f}", static_cast<double>(s.model_busy_us()) / 1e6)},
+      {"prefill_calls", std::to_string(s.prefill_calls())},
+      {"prefill_tokens_computed", std::to_string(s.prefill_tokens_computed())},
+      {"prefill_tokens_reused", std::to_string(s.prefill_tokens_reused())},
+      {"decode_tokens", std::to_string(s.decode_tokens())},
+  };
+  for (const auto& [name, value] : model_rows) model.AddRow({name, value});
+  return out + "\n" + model.Render();
 }
 
 std::string FormatSessions(const v1::ListSessionsResponse& sessions, bool json) {

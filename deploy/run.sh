@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The README's main job: install what is missing, build (release preset), start kvpoold with its
-# embedded default (CPU backend, 256 MiB pool, the standard runtime directory), drive it with
-# kvpool-loadgen (several frontend processes: allocate with prefix match, write KV through the
-# mapping, commit, decode, free), show the daemon's stats, and stop it cleanly.
+# embedded default (CPU backend, 256 MiB pool, the synthetic "tiny" model, the standard runtime
+# directory), drive it with kvpool-loadgen (several frontend processes that run no model: each
+# conversation turn is a Prefill that reuses the previous turns through the prefix cache, then
+# one Decode per reply token, gathered across the frontends into shared model steps), show the
+# daemon's stats, and stop it cleanly.
 #
 #   deploy/run.sh                     # the generated multi-tenant conversation workload
-#   deploy/run.sh --trace=../shared/traces/mooncake/conversation_trace.jsonl --max_requests=500
+#   deploy/run.sh --trace=../shared/traces/mooncake/conversation_trace.jsonl --max_requests=200
+#   deploy/run.sh --mode=kv           # frontends write KV themselves; reused KV is verified
 #
 # Arguments are passed to kvpool-loadgen (see its --help).
 set -euo pipefail

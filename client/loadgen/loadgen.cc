@@ -15,6 +15,8 @@
 #include <vector>
 
 #include "client/client.h"
+#include "client/loadgen/internal/model_worker.h"
+#include "client/loadgen/internal/record.h"
 #include "fmt/format.h"
 #include "kvpool/v1/wire.h"
 #include "workload/generated.h"
@@ -24,20 +26,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-enum class Op : uint8_t { kAllocate, kGrow, kCommit, kFree, kCount };
-constexpr const char* kOpNames[] = {"allocate", "grow", "commit", "free"};
-
-// What a worker tells the parent, one fixed-size record at a time (pipe writes of this size are
-// atomic).
-struct Record {
-  enum class Kind : uint8_t { kRequest, kLatency, kError } kind;
-  Op op = Op::kAllocate;
-  bool rejected = false;
-  int64_t a = 0;  // request: prompt tokens; latency: nanoseconds
-  int64_t b = 0;  // request: hit tokens
-  int64_t c = 0;  // request: decoded tokens
-  int64_t d = 0;  // request: KV mismatches
-};
+using internal::kOpNames;
+using internal::Op;
+using internal::Record;
 
 // The KV a token would have: a function of the namespace and every token up to it (causal
 // attention), spread over the row so a misplaced or stale row shows up.
@@ -258,7 +249,12 @@ absl::StatusOr<Summary> Run(const Options& options) {
       close(fds[0]);
       Options mine = options;
       mine.runtime_dir = runtime_dir;
-      {
+      if (options.mode == Mode::kModel) {
+        internal::ModelWorker worker(mine, fds[1]);
+        for (const workload::Request& r : requests) {
+          if (r.conversation % options.workers == w) worker.Serve(r);
+        }
+      } else {
         Worker worker(mine, fds[1]);
         for (const workload::Request& r : requests) {
           if (r.conversation % options.workers == w) worker.Serve(r);
@@ -315,9 +311,15 @@ absl::StatusOr<Summary> Run(const Options& options) {
     }
     if (tty && Clock::now() - last_print > std::chrono::milliseconds(200)) {
       last_print = Clock::now();
-      std::fprintf(stderr, "\r[kvpool-loadgen] %lld/%lld requests  prefix hit %.1f%%  errors %lld ",
+      const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+      std::fprintf(stderr,
+                   "\r[kvpool-loadgen] %lld/%lld requests  %.0f tokens/s  prefix hit %.1f%%  "
+                   "errors %lld ",
                    static_cast<long long>(summary.completed + summary.rejected),
                    static_cast<long long>(summary.requests),
+                   static_cast<double>(latencies[static_cast<int>(Op::kDecode)].size() +
+                                       latencies[static_cast<int>(Op::kPrefill)].size()) /
+                       std::max(elapsed, 1e-9),
                    summary.prompt_tokens ? 100.0 * summary.hit_tokens / summary.prompt_tokens : 0.0,
                    static_cast<long long>(summary.errors));
     }
@@ -334,6 +336,7 @@ absl::StatusOr<Summary> Run(const Options& options) {
   // The daemon's view at the end: every worker has detached, so nothing should be active.
   std::string pool_line = "pool: (stats unavailable)";
   std::string check_line = "invariants: (not checked)";
+  std::string model_line;
   absl::StatusOr<std::unique_ptr<client::Client>> admin =
       client::Client::Connect({.runtime_dir = runtime_dir, .client_name = "loadgen"});
   if (admin.ok()) {
@@ -343,6 +346,13 @@ absl::StatusOr<Summary> Run(const Options& options) {
           "evictions)",
           s->active_blocks(), s->cached_blocks(), s->free_blocks(), s->retiring_blocks(),
           s->num_blocks(), s->cow_copies(), s->evictions());
+      if (options.mode == Mode::kModel && s->model_steps() > 0) {
+        model_line = fmt::format(
+            "daemon model {}: {} steps, {:.2f} sequences per step, busy {:.1f} s",
+            s->model(), s->model_steps(),
+            static_cast<double>(s->model_step_sequences()) / s->model_steps(),
+            s->model_busy_us() / 1e6);
+      }
     }
     if (absl::StatusOr<v1::CheckInvariantsResponse> c = (*admin)->CheckInvariants(); c.ok()) {
       check_line = c->ok() ? "invariants: ok" : "invariants: VIOLATED: " + c->violation();
@@ -351,9 +361,11 @@ absl::StatusOr<Summary> Run(const Options& options) {
   }
 
   std::string& out = summary.report;
-  out += fmt::format("kvpool-loadgen: {} workers, {} requests ({})\n", options.workers,
+  out += fmt::format("kvpool-loadgen: {} workers, {} requests ({}), {}\n", options.workers,
                      summary.requests,
-                     options.trace.empty() ? "generated conversations" : options.trace);
+                     options.trace.empty() ? "generated conversations" : options.trace,
+                     options.mode == Mode::kModel ? "tokens from the daemon's model"
+                                                  : "KV written by the clients");
   out += fmt::format(
       "requests: {} completed, {} rejected (pool full), {} errors in {:.2f} s ({:.1f}/s)\n",
       summary.completed, summary.rejected, summary.errors, summary.seconds,
@@ -362,16 +374,34 @@ absl::StatusOr<Summary> Run(const Options& options) {
       "prefix hit rate: {:.4f} ({} of {} prompt tokens reused)\n",
       summary.prompt_tokens ? static_cast<double>(summary.hit_tokens) / summary.prompt_tokens : 0.0,
       summary.hit_tokens, summary.prompt_tokens);
-  out += fmt::format("decoded tokens: {}\n", summary.decoded_tokens);
-  out += fmt::format("kv mismatches: {}\n", summary.kv_mismatches);
+  if (options.mode == Mode::kModel) {
+    std::vector<int64_t>& ttft = latencies[static_cast<int>(Op::kPrefill)];
+    std::vector<int64_t>& itl = latencies[static_cast<int>(Op::kDecode)];
+    summary.tokens_per_second = summary.decoded_tokens / std::max(summary.seconds, 1e-9);
+    summary.ttft_p50_ms = Percentile(&ttft, 0.50) / 1e3;
+    summary.ttft_p99_ms = Percentile(&ttft, 0.99) / 1e3;
+    summary.itl_p50_ms = Percentile(&itl, 0.50) / 1e3;
+    summary.itl_p99_ms = Percentile(&itl, 0.99) / 1e3;
+    out += fmt::format("generated tokens: {} ({:.1f} tokens/s over all workers)\n",
+                       summary.decoded_tokens, summary.tokens_per_second);
+    out += fmt::format("time to first token: p50 {:.1f} ms  p99 {:.1f} ms ({} prefills)\n",
+                       summary.ttft_p50_ms, summary.ttft_p99_ms, ttft.size());
+    out += fmt::format("inter-token latency: p50 {:.1f} ms  p99 {:.1f} ms ({} decodes)\n",
+                       summary.itl_p50_ms, summary.itl_p99_ms, itl.size());
+  } else {
+    out += fmt::format("decoded tokens: {}\n", summary.decoded_tokens);
+    out += fmt::format("kv mismatches: {}\n", summary.kv_mismatches);
+  }
   for (int op = 0; op < static_cast<int>(Op::kCount); ++op) {
     std::vector<int64_t>& v = latencies[op];
+    if (v.empty()) continue;
     const size_t calls = v.size();
     const double p50 = Percentile(&v, 0.50);
     const double p99 = Percentile(&v, 0.99);
     out += fmt::format("rpc {:<8} {:>7} calls  p50 {:8.1f} us  p99 {:8.1f} us\n", kOpNames[op],
                        calls, p50, p99);
   }
+  if (!model_line.empty()) out += model_line + "\n";
   out += pool_line + "\n" + check_line + "\n";
   std::fputs(out.c_str(), stdout);
   if (crashed) return absl::InternalError("a worker process crashed");

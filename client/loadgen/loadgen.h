@@ -1,10 +1,17 @@
 #pragma once
 
 // kvpool-loadgen: several client processes, each a serving frontend, driving kvpoold with a real
-// workload and checking what they read back.
+// workload.
 //
 // The parent forks `workers` processes (before it touches gRPC). Each attaches (one session per
-// tenant it serves) and, for every request it owns, does what an engine's KV manager does:
+// tenant it serves) and serves the requests it owns in one of two modes:
+//
+// Model (the default): the frontend runs no model; the daemon's does. Prefill the prompt (the
+// conversation so far, as the model generated it, plus a new user message), Decode the reply one
+// token at a time, free with commit so the next turn reuses it. Reports tokens/s, time to first
+// token and inter-token latency.
+//
+// KV: the frontend is an engine that computes KV itself and uses the daemon as its KV manager:
 // allocate the prompt with prefix match; check that every reused token's KV, read through its own
 // mapping of the pool, is exactly what computing those tokens would have written (KV is simulated
 // as a function of the token prefix, as causal attention makes it); write the rest; commit the
@@ -18,8 +25,11 @@
 
 namespace kvpool::loadgen {
 
+enum class Mode : uint8_t { kModel, kKv };
+
 struct Options {
   std::string runtime_dir;  // empty: the default runtime directory
+  Mode mode = Mode::kModel;
   int32_t workers = 4;
   // Generated workload (the default).
   uint64_t seed = 1;
@@ -29,7 +39,8 @@ struct Options {
   // Or a Mooncake trace: prompts and replies cut to fit the pool.
   std::string trace;
   int64_t max_requests = 0;       // 0: all
-  int64_t max_prompt_tokens = 0;  // 0: a quarter of the pool over the workers
+  // Prompts are cut to this (0: to the model's context and a share of the pool per worker).
+  int64_t max_prompt_tokens = 0;
   int64_t max_reply_tokens = 256;
   bool progress = true;  // a live line on stderr when it is a terminal
 };
@@ -42,7 +53,11 @@ struct Summary {
   int64_t prompt_tokens = 0;
   int64_t hit_tokens = 0;
   int64_t decoded_tokens = 0;
-  int64_t kv_mismatches = 0;  // reused KV that was not what it should be (must be 0)
+  int64_t kv_mismatches = 0;  // KV mode: reused KV that was not what it should be (must be 0)
+  // Model mode.
+  double tokens_per_second = 0;  // generated tokens over the run's wall time
+  double ttft_p50_ms = 0, ttft_p99_ms = 0;  // Prefill latency
+  double itl_p50_ms = 0, itl_p99_ms = 0;    // Decode latency
   double seconds = 0;
   std::string report;  // the printed summary
 };

@@ -9,6 +9,9 @@
 #include "absl/flags/usage.h"
 #include "client/loadgen/loadgen.h"
 
+ABSL_FLAG(std::string, mode, "model",
+          "model: tokens from the daemon's model (Prefill/Decode); kv: the clients write KV "
+          "themselves and verify what they reuse");
 ABSL_FLAG(std::string, socket_dir, "", "kvpoold's runtime directory (default: the standard one)");
 ABSL_FLAG(int32_t, workers, 4, "frontend processes");
 ABSL_FLAG(uint64_t, seed, 1, "generated workload: seed");
@@ -17,14 +20,21 @@ ABSL_FLAG(int32_t, conversations, 24, "generated workload: conversations");
 ABSL_FLAG(int32_t, turns, 4, "generated workload: turns per conversation");
 ABSL_FLAG(std::string, trace, "", "replay a Mooncake-format trace instead of generating");
 ABSL_FLAG(int64_t, max_requests, 0, "stop after this many requests (0: all)");
-ABSL_FLAG(int64_t, max_prompt_tokens, 0, "cut trace prompts to this (0: fit the pool)");
+ABSL_FLAG(int64_t, max_prompt_tokens, 0,
+          "cut prompts to this (0: fit the model's context and the pool)");
 ABSL_FLAG(int64_t, max_reply_tokens, 256, "cut replies to this many tokens");
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("Drives kvpoold with several client processes.");
   absl::ParseCommandLine(argc, argv);
+  const std::string mode = absl::GetFlag(FLAGS_mode);
+  if (mode != "model" && mode != "kv") {
+    std::fprintf(stderr, "kvpool-loadgen: --mode must be model or kv (got '%s')\n", mode.c_str());
+    return 2;
+  }
   const absl::StatusOr<kvpool::loadgen::Summary> summary = kvpool::loadgen::Run({
       .runtime_dir = absl::GetFlag(FLAGS_socket_dir),
+      .mode = mode == "model" ? kvpool::loadgen::Mode::kModel : kvpool::loadgen::Mode::kKv,
       .workers = absl::GetFlag(FLAGS_workers),
       .seed = absl::GetFlag(FLAGS_seed),
       .tenants = absl::GetFlag(FLAGS_tenants),
