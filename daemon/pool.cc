@@ -110,13 +110,14 @@ absl::StatusOr<std::unique_ptr<DaemonPool>> DaemonPool::Create(const v1::DaemonC
                                                    config.pool_bytes()));
   KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Arena> arena,
                           device->CreateArena(layout.arena_bytes()));
+  auto steps = std::make_unique<StepTimeline>(device);
   KVPOOL_ASSIGN_OR_RETURN(
       std::unique_ptr<KvCacheManager> cache,
       KvCacheManager::Create({.block_size = layout.block_size,
                               .num_blocks = layout.num_blocks,
                               .max_blocks_per_seq = config.max_blocks_per_seq(),
                               .trace_depth = config.trace_depth(),
-                              .fences = device,
+                              .fences = steps.get(),
                               .prefix_cache = !config.disable_prefix_cache(),
                               .eviction_policy = config.eviction_policy(),
                               .epoch = epoch,
@@ -138,20 +139,21 @@ absl::StatusOr<std::unique_ptr<DaemonPool>> DaemonPool::Create(const v1::DaemonC
     return absl::InternalError(fmt::format("mmap(generation table): {}", std::strerror(err)));
   }
   return std::unique_ptr<DaemonPool>(new DaemonPool(config, device, epoch, layout, std::move(arena),
-                                                    std::move(cache), fd,
+                                                    std::move(steps), std::move(cache), fd,
                                                     static_cast<uint32_t*>(table)));
 }
 
 DaemonPool::DaemonPool(const v1::DaemonConfig& config, kernels::Device* device, uint64_t epoch,
                        kernels::PoolLayout layout, std::unique_ptr<kernels::Arena> arena,
-                       std::unique_ptr<KvCacheManager> cache, int generation_fd,
-                       uint32_t* generations)
+                       std::unique_ptr<StepTimeline> steps, std::unique_ptr<KvCacheManager> cache,
+                       int generation_fd, uint32_t* generations)
     : config_(config),
       device_(device),
       epoch_(epoch),
       layout_(layout),
       started_(absl::Now()),
       arena_(std::move(arena)),
+      steps_(std::move(steps)),
       cache_(std::move(cache)),
       executor_(device, kernels::StreamId::kTransfer, kernels::KvPoolView{arena_->base(), layout},
                 *kernels::ParseFillPolicy(config.fill_policy())),

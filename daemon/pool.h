@@ -23,6 +23,7 @@
 #include "absl/time/time.h"
 #include "daemon/compute_call.h"
 #include "daemon/sessions.h"
+#include "daemon/step_timeline.h"
 #include "kernels/device.h"
 #include "kernels/plan_executor.h"
 #include "kvpool/kv_cache_manager.h"
@@ -68,12 +69,14 @@ class DaemonPool final {
   absl::Status Free(const Session& s, const v1::FreeRequest& request);
   int64_t MatchPrefix(const Session& s, const v1::MatchPrefixRequest& request) const;
 
-  // Runs one model step over `calls`: under the lock, plans each call (a call whose plan fails
-  // gets that error and stays out of the step, changing nothing), carries out the plans' device
-  // work, enqueues the step on the compute stream after it and marks every block the step
-  // touches in flight with the step's fence; outside the lock, waits for the step; then, under
-  // the lock again, publishes what it computed (or, when it failed, undoes the plans). Sets
-  // each call's status and results; does not call `done`.
+  // Runs one model step over `calls` on the calling thread: under the lock, plans each call (a
+  // call whose plan fails gets that error and stays out of the step, changing nothing), carries
+  // out the plans' device work and marks every block the step touches in flight with the step's
+  // fence (a StepTimeline fence); outside the lock, waits for that device work and runs the
+  // step; then, under the lock again, publishes what it computed (or, when it failed, undoes the
+  // plans). Sets each call's status and results; does not call `done`.
+  // REQUIRES: the device is host-visible (the model runs on the CPU backend); one caller at a
+  // time (the StepRunner).
   void RunStep(model::Model* model, std::span<ComputeCall* const> calls);
   // The model the daemon runs: reported by Stats() and told to every session at attach.
   void set_model(std::string name, int32_t vocab_size, int32_t max_position);
@@ -105,7 +108,8 @@ class DaemonPool final {
  private:
   DaemonPool(const v1::DaemonConfig& config, kernels::Device* device, uint64_t epoch,
              kernels::PoolLayout layout, std::unique_ptr<kernels::Arena> arena,
-             std::unique_ptr<KvCacheManager> cache, int generation_fd, uint32_t* generations);
+             std::unique_ptr<StepTimeline> steps, std::unique_ptr<KvCacheManager> cache,
+             int generation_fd, uint32_t* generations);
 
   // Enqueues `plan`, marks its blocks in flight and publishes generations of the blocks it hands
   // out. Returns the fence to wait for outside the lock (value 0: nothing to wait for).
@@ -120,6 +124,7 @@ class DaemonPool final {
   const kernels::PoolLayout layout_;
   const absl::Time started_;
   std::unique_ptr<kernels::Arena> arena_;
+  const std::unique_ptr<StepTimeline> steps_;  // the cache's FenceObserver
 
   mutable absl::Mutex mu_;
   std::unique_ptr<KvCacheManager> cache_ ABSL_GUARDED_BY(mu_);

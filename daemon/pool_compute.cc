@@ -39,8 +39,9 @@ void DaemonPool::RunStep(model::Model* model, std::span<ComputeCall* const> call
   std::vector<model::StepItem> step;
   std::vector<model::ItemResult> results;
   absl::Status step_status;
-  absl::Duration busy;
-  Fence fence;
+  int32_t top_k = 0;
+  Fence prepared;  // the plan's device work
+  Fence fence;     // the step's
   auto undo = [&](const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     for (ComputeCall* call : live) {
       for (const model::PlannedItem& item : call->items) {
@@ -88,39 +89,32 @@ void DaemonPool::RunStep(model::Model* model, std::span<ComputeCall* const> call
     }
     if (live.empty()) return;
 
-    // Copies and fills run on the transfer stream; the step waits for them on the compute one.
-    absl::StatusOr<Fence> prepared = Carry(plan);
-    absl::Status ordered = prepared.ok() && prepared->value != 0
-                               ? device_->StreamWait(kernels::StreamId::kCompute, *prepared)
-                               : prepared.status();
-    if (!ordered.ok()) {
-      undo(absl::InternalError(fmt::format("device: {}", ordered.message())));
+    // Copies and fills run on the transfer stream; the step waits for them below.
+    absl::StatusOr<Fence> carried = Carry(plan);
+    if (!carried.ok()) {
+      undo(absl::InternalError(fmt::format("device: {}", carried.status().message())));
       return;
     }
-    int32_t top_k = 0;
+    prepared = *carried;
     std::vector<model::PlannedItem> all;
     for (ComputeCall* call : live) {
       top_k = std::max(top_k, call->top_k);
       for (const model::PlannedItem& item : call->items) step.push_back(item.AsStepItem());
       all.insert(all.end(), call->items.begin(), call->items.end());
     }
-    absl::StatusOr<Fence> enqueued = device_->EnqueueHostTask(
-        kernels::StreamId::kCompute, [&, top_k] {
-          const absl::Time start = absl::Now();
-          step_status = model->Step(view, step, {.top_k = top_k}, &results);
-          busy = absl::Now() - start;
-        });
-    if (!enqueued.ok()) {
-      undo(absl::InternalError(fmt::format("device: {}", enqueued.status().message())));
-      return;
-    }
-    fence = *enqueued;
     // Every block the step reads or writes stays out of the free list until it has run, even if
     // its sequence is freed (or its client dies) meanwhile.
+    fence = steps_->Issue();
     KVPOOL_CHECK_OK(cache_->MarkInFlight(model::BlocksOf(all), fence));
   }
 
-  const absl::Status waited = device_->Synchronize(fence);
+  // The step itself, outside the lock: control calls go on meanwhile.
+  absl::Status waited = prepared.value != 0 ? device_->Synchronize(prepared) : absl::OkStatus();
+  const absl::Time start = absl::Now();
+  if (waited.ok()) step_status = model->Step(view, step, {.top_k = top_k}, &results);
+  const absl::Duration busy = absl::Now() - start;
+  steps_->Complete(fence);
+
   absl::MutexLock lock(&mu_);
   // Blocks released while the step ran (a client died, a sequence was freed) can go now.
   cache_->ReclaimRetired();

@@ -1,5 +1,6 @@
 #include "daemon/step_runner.h"
 
+#include <algorithm>
 #include <utility>
 
 namespace kvpool::daemon {
@@ -74,7 +75,10 @@ void StepRunner::Loop() {
           this));
       if (stop_) return;
       if (options_.batching && options_.gather_window > absl::ZeroDuration()) {
-        const absl::Time deadline = queue_.front()->queued + options_.gather_window;
+        // The window opens when the call arrived or the runner came free, whichever is later:
+        // calls that queued during a long step would otherwise find it closed already.
+        const absl::Time deadline =
+            std::max(queue_.front()->queued, last_step_end_) + options_.gather_window;
         mu_.AwaitWithDeadline(
             absl::Condition(
                 +[](StepRunner* r) ABSL_NO_THREAD_SAFETY_ANALYSIS {
@@ -85,14 +89,18 @@ void StepRunner::Loop() {
         if (stop_) return;
       }
       step = TakeStep();
+      // Everyone in this step is expected in the next one: a decoding session decodes again,
+      // a session that prefilled starts decoding.
       expected_.clear();
-      for (const auto& call : step) {
-        if (!call->prefill) expected_.insert(call->session->id);
-      }
+      for (const auto& call : step) expected_.insert(call->session->id);
     }
     std::vector<ComputeCall*> calls;
     for (const auto& call : step) calls.push_back(call.get());
     pool_->RunStep(model_, calls);
+    {
+      absl::MutexLock lock(&mu_);
+      last_step_end_ = absl::Now();
+    }
     for (const auto& call : step) call->done(*call);
   }
 }

@@ -4,10 +4,10 @@
 // model steps from them and runs each through DaemonPool::RunStep, then hands every call back
 // through its `done`.
 //
-// Gathering: when the sessions whose Decode calls shared the previous step are still decoding,
-// the next step waits (at most `gather_window` after its first call arrived) until each of them
-// has a call queued, so N frontends decoding one sequence each share one step and one read of
-// the weights instead of taking turns. A session that stops decoding costs one window, once.
+// Gathering: the next step waits until every session that was in the previous step has a call
+// queued again, at most `gather_window` after its first call arrived or the previous step ended
+// (whichever is later), so N frontends decoding one sequence each share one step and one read
+// of the weights instead of taking turns. A session that stops decoding costs one window, once.
 // With batching off, every call is a step of its own (the comparison point).
 //
 // Thread-safe.
@@ -62,8 +62,9 @@ class StepRunner final {
   mutable absl::Mutex mu_;
   std::deque<std::unique_ptr<ComputeCall>> queue_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<SessionId, int> queued_ ABSL_GUARDED_BY(mu_);  // calls per session
-  // Sessions whose Decode calls were in the previous step: the ones the next step waits for.
+  // Sessions in the previous step: the ones the next step waits for.
   absl::flat_hash_set<SessionId> expected_ ABSL_GUARDED_BY(mu_);
+  absl::Time last_step_end_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };

@@ -13,6 +13,7 @@
 #include "kernels/dtype.h"
 #include "kvpool/util/check.h"
 #include "kvpool/util/status_macros.h"
+#include "model/internal/skinny_matmul.h"
 
 namespace kvpool::model {
 
@@ -45,9 +46,15 @@ void Reserve(std::vector<T>& v, size_t n) {
   if (v.size() < n) v.resize(n);
 }
 
-// y[rows][out] = x[rows][in] · W[out][in]ᵀ (+ y when accumulate).
+// y[rows][out] = x[rows][in] · W[out][in]ᵀ (+ y when accumulate): decode-sized products read
+// each weight once (internal/skinny_matmul.h), larger ones go to OpenBLAS.
 void Linear(const float* x, int64_t rows, const std::vector<float>& w, int32_t out, int32_t in,
-            float* y, bool accumulate = false) {
+            float* y, kernels::ThreadPool* threads, bool accumulate = false) {
+  if (rows <= internal::kMaxSkinnyRows) {
+    internal::SkinnyMatMul(x, static_cast<int32_t>(rows), w.data(), out, in, y, accumulate,
+                           threads);
+    return;
+  }
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(rows), out, in, 1.0f,
               x, in, w.data(), in, accumulate ? 1.0f : 0.0f, y, out);
 }
@@ -300,7 +307,7 @@ absl::Status Model::Step(const kernels::KvPoolView& pool, std::span<const StepIt
             &s.last[i * static_cast<size_t>(h)]);
   }
   const std::vector<float>& head = c.tie_word_embeddings ? weights_.embed : weights_.lm_head;
-  Linear(s.last.data(), static_cast<int64_t>(ni), head, c.vocab_size, h, s.logits.data());
+  Linear(s.last.data(), static_cast<int64_t>(ni), head, c.vocab_size, h, s.logits.data(), &threads_);
 
   results->clear();
   results->resize(ni);
@@ -339,7 +346,7 @@ void Model::Layer(int32_t layer, const kernels::KvPoolView& pool, int64_t n) {
   // Attention.
   RmsNorm(s.x.data(), n, h, L.attn_norm, c.rms_norm_eps, s.xn.data());
   Reserve(s.qkv, nt * static_cast<size_t>(qkvd));
-  Linear(s.xn.data(), n, wqkv_[static_cast<size_t>(layer)], qkvd, h, s.qkv.data());
+  Linear(s.xn.data(), n, wqkv_[static_cast<size_t>(layer)], qkvd, h, s.qkv.data(), &threads_);
   Reserve(s.q, nt * static_cast<size_t>(qd));
   Reserve(s.attn, nt * static_cast<size_t>(qd));
   Reserve(s.k, nt * static_cast<size_t>(row));
@@ -375,20 +382,21 @@ void Model::Layer(int32_t layer, const kernels::KvPoolView& pool, int64_t n) {
        .seq_lens = s.lens.data(),
        .max_seq_len = s.max_len},
       &threads_));
-  Linear(s.attn.data(), n, L.wo, h, qd, s.x.data(), /*accumulate=*/true);
+  Linear(s.attn.data(), n, L.wo, h, qd, s.x.data(), &threads_, /*accumulate=*/true);
 
   // MLP.
   RmsNorm(s.x.data(), n, h, L.mlp_norm, c.rms_norm_eps, s.xn.data());
   Reserve(s.gate_up, nt * 2 * static_cast<size_t>(im));
   Reserve(s.act, nt * static_cast<size_t>(im));
-  Linear(s.xn.data(), n, w_gate_up_[static_cast<size_t>(layer)], 2 * im, h, s.gate_up.data());
+  Linear(s.xn.data(), n, w_gate_up_[static_cast<size_t>(layer)], 2 * im, h, s.gate_up.data(),
+         &threads_);
   for (size_t t = 0; t < nt; ++t) {
     const float* g = &s.gate_up[t * 2 * static_cast<size_t>(im)];
     const float* u = g + im;
     float* a = &s.act[t * static_cast<size_t>(im)];
     for (int32_t i = 0; i < im; ++i) a[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
   }
-  Linear(s.act.data(), n, L.w_down, h, im, s.x.data(), /*accumulate=*/true);
+  Linear(s.act.data(), n, L.w_down, h, im, s.x.data(), &threads_, /*accumulate=*/true);
 }
 
 }  // namespace kvpool::model

@@ -1,0 +1,401 @@
+// Decode through kvpoold beside the same model decoding in this process, in the same run, against
+// real daemon processes started for the run.
+//
+//   build/release/bench/model_bench --benchmark_repetitions=3
+//
+// On a shared machine, add --benchmark_enable_random_interleaving=true (and more repetitions) so
+// both sides of a ratio see the same background load; the best repetition of each counts.
+//
+// - BM_InProcessDecode / BM_DaemonDecode at batch 1 and 8: one decode step of every sequence of
+//   the batch per iteration (in-process: LocalEngine::Decode; daemon: one Decode RPC from one
+//   session). Both run the daemon's default model (tiny, seed 1, blocks of 16, bf16 KV) over
+//   equal pools, on the same prompts and the same schedule of context lengths: 64-token prompts,
+//   and every sequence starts over (outside the timing) once it holds kRestartAt tokens.
+//   Before the daemon is timed, its greedy tokens for one prompt must equal this process's.
+//   Counters: tokens/s; context (mean tokens per sequence); model_ms (the daemon's own time in
+//   Model::Step per step, from GetStats: the rest of the daemon's time is the round trip).
+// - BM_DaemonEightClients{Gathered,Separate}: eight sessions (one thread and one Client each)
+//   decoding one sequence each; an iteration is one Decode per thread, and the time per
+//   iteration is per token over all eight. Gathered runs with the default gather window (one
+//   model step serves all eight), Separate with `disable_batching` (a step per call): their
+//   ratio is what cross-client batching gains. step_seqs: mean sequences per model step.
+
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "bench/ratio_reporter.h"
+#include "benchmark/benchmark.h"
+#include "client/client.h"
+#include "model/local_engine.h"
+#include "model/weights.h"
+#include "tests/integration/harness.h"
+
+namespace kvpool {
+namespace {
+
+constexpr int64_t kPoolBytes = int64_t{64} << 20;  // each side's KV pool
+constexpr size_t kPromptTokens = 64;
+constexpr int64_t kRestartAt = 512;  // tokens in a sequence when the batch starts over
+constexpr int kCheckTokens = 16;     // greedy tokens compared between daemon and this process
+constexpr int kClients = 8;
+
+// Prompt `i` of the run: the same tokens on both sides.
+std::vector<int32_t> Prompt(int i) {
+  std::mt19937 rng(static_cast<uint32_t>(i) + 1);
+  std::vector<int32_t> out(kPromptTokens);
+  for (int32_t& t : out) t = static_cast<int32_t>(rng() % 8192);  // the tiny model's vocabulary
+  return out;
+}
+
+enum class Gathering { kOn, kOff };
+
+// What the run shares: the in-process engine and one daemon per gathering mode, each made on
+// first use and dropped by Reset() at the end of main(). Thread-safe.
+class Shared final {
+ public:
+  static Shared& Get() {
+    static Shared* shared = new Shared();
+    return *shared;
+  }
+
+  // The daemon's default model over a pool of the same size as the daemons'.
+  // Errors: LocalEngine::Create's.
+  absl::StatusOr<model::LocalEngine*> Engine() {
+    absl::MutexLock lock(&mu_);
+    if (engine_ == nullptr) {
+      const model::LocalEngine::Options options{
+          .block_size = 16, .dtype = kernels::DType::kBF16, .pool_bytes = kPoolBytes, .threads = 0};
+      absl::StatusOr<std::unique_ptr<model::LocalEngine>> e = model::LocalEngine::Create(
+          model::SyntheticWeights(*model::NamedConfig("tiny"), 1), options);
+      if (!e.ok()) return e.status();
+      engine_ = *std::move(e);
+    }
+    return engine_.get();
+  }
+
+  // Errors: DaemonProcess::Start's.
+  absl::StatusOr<const testing::DaemonProcess*> Daemon(Gathering g) {
+    absl::MutexLock lock(&mu_);
+    std::unique_ptr<testing::DaemonProcess>& d = g == Gathering::kOn ? gathered_ : separate_;
+    if (d == nullptr) {
+      const std::string model = g == Gathering::kOn ? "model { gather_window_us: 2000 }"
+                                                    : "model { disable_batching: true }";
+      absl::StatusOr<std::unique_ptr<testing::DaemonProcess>> started =
+          testing::DaemonProcess::Start(absl::StrCat("pool_bytes: ", kPoolBytes, "\n", model));
+      if (!started.ok()) return started.status();
+      d = *std::move(started);
+    }
+    return d.get();
+  }
+
+  // Whether the gathering daemon's tokens were already checked against the engine's.
+  bool checked() {
+    absl::MutexLock lock(&mu_);
+    return checked_;
+  }
+  void set_checked() {
+    absl::MutexLock lock(&mu_);
+    checked_ = true;
+  }
+
+  // Stops the daemons (clients must be gone) and drops the engine.
+  void Reset() {
+    absl::MutexLock lock(&mu_);
+    gathered_.reset();
+    separate_.reset();
+    engine_.reset();
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::unique_ptr<model::LocalEngine> engine_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<testing::DaemonProcess> gathered_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<testing::DaemonProcess> separate_ ABSL_GUARDED_BY(mu_);
+  bool checked_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+absl::StatusOr<std::unique_ptr<client::Client>> Connect(Gathering g) {
+  absl::StatusOr<const testing::DaemonProcess*> d = Shared::Get().Daemon(g);
+  if (!d.ok()) return d.status();
+  return client::Client::Connect({.runtime_dir = (*d)->dir(), .client_name = "model_bench"});
+}
+
+// Sequences decoding in lockstep in this process: each step feeds every sequence the token the
+// previous step produced for it.
+class InProcessBatch final {
+ public:
+  explicit InProcessBatch(model::LocalEngine* engine) : engine_(engine) {}
+
+  // Prefills prompts [first, first + n) as new sequences.
+  absl::Status Start(int first, int n) {
+    for (int i = first; i < first + n; ++i) {
+      const std::vector<int32_t> prompt = Prompt(i);
+      absl::StatusOr<model::LocalEngine::PrefillResult> r = engine_->Prefill(SequenceId(0), prompt);
+      if (!r.ok()) return r.status();
+      inputs_.push_back({r->sequence, r->result.next_token});
+    }
+    length_ = static_cast<int64_t>(kPromptTokens);
+    return absl::OkStatus();
+  }
+
+  absl::Status Step() {
+    absl::StatusOr<std::vector<model::ItemResult>> r = engine_->Decode(inputs_);
+    if (!r.ok()) return r.status();
+    for (size_t i = 0; i < inputs_.size(); ++i) inputs_[i].token = (*r)[i].next_token;
+    ++length_;
+    return absl::OkStatus();
+  }
+
+  absl::Status Free() {
+    absl::Status status;
+    for (const model::DecodeInput& in : inputs_) status.Update(engine_->Free(in.sequence, false));
+    inputs_.clear();
+    return status;
+  }
+
+  int64_t length() const { return length_; }  // tokens with K/V in the pool, per sequence
+  int32_t token(size_t i) const { return inputs_[i].token; }  // sequence i's pending token
+
+ private:
+  model::LocalEngine* const engine_;
+  std::vector<model::DecodeInput> inputs_;
+  int64_t length_ = 0;
+};
+
+// The daemon's own time in model steps over a batch's decode steps (its GetStats, read outside
+// the timing): what the round trip adds is the rest. Only meaningful while one session decodes.
+struct ModelTally {
+  int64_t busy_us = 0;
+  int64_t steps = 0;
+};
+
+// The same through kvpoold: one Decode call per step for the whole batch.
+class DaemonBatch final {
+ public:
+  // `tally` (optional, not owned) collects the daemon's model time between Start and Free.
+  explicit DaemonBatch(const client::Client* client, ModelTally* tally = nullptr)
+      : client_(client), tally_(tally) {}
+
+  absl::Status Start(int first, int n) {
+    for (int i = first; i < first + n; ++i) {
+      const std::vector<int32_t> prompt = Prompt(i);
+      absl::StatusOr<v1::PrefillResponse> r = client_->Prefill(0, prompt);
+      if (!r.ok()) return r.status();
+      items_.push_back({r->sequence_id(), r->next_token()});
+    }
+    length_ = static_cast<int64_t>(kPromptTokens);
+    return Read(&started_);
+  }
+
+  absl::Status Step() {
+    absl::StatusOr<v1::DecodeResponse> r = client_->Decode(items_);
+    if (!r.ok()) return r.status();
+    if (r->next_tokens_size() != static_cast<int>(items_.size())) {
+      return absl::InternalError("decode: one next token per item expected");
+    }
+    for (size_t i = 0; i < items_.size(); ++i) {
+      items_[i].token = r->next_tokens(static_cast<int>(i));
+    }
+    step_sequences_ += r->step_sequences();
+    ++length_;
+    return absl::OkStatus();
+  }
+
+  absl::Status Free() {
+    if (items_.empty()) return absl::OkStatus();
+    ModelTally now;
+    absl::Status status = Read(&now);
+    if (status.ok() && tally_ != nullptr) {
+      tally_->busy_us += now.busy_us - started_.busy_us;
+      tally_->steps += now.steps - started_.steps;
+    }
+    std::vector<uint64_t> ids;
+    for (const client::DecodeItem& item : items_) ids.push_back(item.sequence_id);
+    items_.clear();
+    status.Update(client_->Free(ids));
+    return status;
+  }
+
+  int64_t length() const { return length_; }
+  int32_t token(size_t i) const { return items_[i].token; }
+  // Sum over Step() calls of the sequences in the model step that served each.
+  int64_t step_sequences() const { return step_sequences_; }
+
+ private:
+  // The daemon's totals so far (nothing without a tally).
+  absl::Status Read(ModelTally* out) const {
+    if (tally_ == nullptr) return absl::OkStatus();
+    absl::StatusOr<v1::GetStatsResponse> stats = client_->GetStats();
+    if (!stats.ok()) return stats.status();
+    out->busy_us = static_cast<int64_t>(stats->model_busy_us());
+    out->steps = static_cast<int64_t>(stats->model_steps());
+    return absl::OkStatus();
+  }
+
+  const client::Client* const client_;
+  ModelTally* const tally_;
+  std::vector<client::DecodeItem> items_;
+  int64_t length_ = 0;
+  int64_t step_sequences_ = 0;
+  ModelTally started_;  // the daemon's totals after Start
+};
+
+// Greedy decoding of prompt 0 through the daemon must give this process's tokens exactly (same
+// weights, same kernels, same thread count). Errors: INTERNAL naming the first difference, or a
+// failed call's.
+absl::Status CheckAgainstInProcess(const client::Client& client) {
+  absl::StatusOr<model::LocalEngine*> engine = Shared::Get().Engine();
+  if (!engine.ok()) return engine.status();
+  InProcessBatch local(*engine);
+  DaemonBatch remote(&client);
+  absl::Status status = local.Start(0, 1);
+  if (status.ok()) status = remote.Start(0, 1);
+  for (int i = 0; status.ok() && i < kCheckTokens; ++i) {
+    if (local.token(0) != remote.token(0)) {
+      status = absl::InternalError(absl::StrCat("daemon token ", i, " is ", remote.token(0),
+                                                ", in-process ", local.token(0)));
+      break;
+    }
+    status = local.Step();
+    if (status.ok()) status = remote.Step();
+  }
+  status.Update(local.Free());
+  status.Update(remote.Free());
+  return status;
+}
+
+// Decodes prompts [first, first + n) in lockstep, one step per iteration. Sequences start over
+// outside the timing once they hold kRestartAt tokens, so every run sees the same context lengths.
+template <typename Batch>
+void DecodeLoop(benchmark::State& state, Batch& batch, int first, int n) {
+  absl::Status status = batch.Start(first, n);
+  if (!status.ok()) state.SkipWithError(status.ToString().c_str());
+  int64_t context = 0;
+  for (auto _ : state) {
+    if (batch.length() >= kRestartAt) {
+      state.PauseTiming();
+      status = batch.Free();
+      if (status.ok()) status = batch.Start(first, n);
+      state.ResumeTiming();
+    }
+    if (status.ok()) {
+      context += batch.length();
+      status = batch.Step();
+    }
+    if (!status.ok()) {
+      state.SkipWithError(status.ToString().c_str());
+      break;
+    }
+  }
+  if (absl::Status freed = batch.Free(); !freed.ok() && status.ok()) {
+    state.SkipWithError(freed.ToString().c_str());
+  }
+  state.counters["tokens/s"] =
+      benchmark::Counter(static_cast<double>(state.iterations() * n), benchmark::Counter::kIsRate);
+  // Mean tokens in each sequence's context, to compare runs by.
+  state.counters["context"] =
+      benchmark::Counter(static_cast<double>(context), benchmark::Counter::kAvgIterations);
+}
+
+void BM_InProcessDecode(benchmark::State& state) {
+  absl::StatusOr<model::LocalEngine*> engine = Shared::Get().Engine();
+  if (!engine.ok()) {
+    state.SkipWithError(engine.status().ToString().c_str());
+    return;
+  }
+  InProcessBatch batch(*engine);
+  DecodeLoop(state, batch, 0, static_cast<int>(state.range(0)));
+}
+BENCHMARK(BM_InProcessDecode)
+    ->ArgName("batch")
+    ->Arg(1)
+    ->Arg(8)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+
+void BM_DaemonDecode(benchmark::State& state) {
+  absl::StatusOr<std::unique_ptr<client::Client>> c = Connect(Gathering::kOn);
+  if (!c.ok()) {
+    state.SkipWithError(c.status().ToString().c_str());
+    return;
+  }
+  if (!Shared::Get().checked()) {
+    if (absl::Status s = CheckAgainstInProcess(**c); !s.ok()) {
+      state.SkipWithError(absl::StrCat("daemon differs from in-process: ", s.ToString()).c_str());
+      return;
+    }
+    Shared::Get().set_checked();
+  }
+  ModelTally tally;
+  DaemonBatch batch(c->get(), &tally);
+  DecodeLoop(state, batch, 0, static_cast<int>(state.range(0)));
+  // The daemon's model time per step, beside the round trip the benchmark times.
+  if (tally.steps > 0) {
+    state.counters["model_ms"] = static_cast<double>(tally.busy_us) / 1e3 / tally.steps;
+  }
+}
+BENCHMARK(BM_DaemonDecode)
+    ->ArgName("batch")
+    ->Arg(1)
+    ->Arg(8)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+
+// One of kClients threads, each its own session decoding prompt thread_index(). Every thread
+// goes through the loop (zero iterations after an error) so the start barrier is kept.
+void EightClients(benchmark::State& state, Gathering g) {
+  absl::StatusOr<std::unique_ptr<client::Client>> c = Connect(g);
+  if (!c.ok()) {
+    state.SkipWithError(c.status().ToString().c_str());
+    for (auto _ : state) {
+    }
+    return;
+  }
+  DaemonBatch batch(c->get());
+  DecodeLoop(state, batch, state.thread_index(), 1);
+  // Mean sequences per model step as the calls saw it: kClients when gathering works, 1 without.
+  state.counters["step_seqs"] = benchmark::Counter(static_cast<double>(batch.step_sequences()),
+                                                   benchmark::Counter::kAvgIterations);
+}
+
+void BM_DaemonEightClientsGathered(benchmark::State& state) { EightClients(state, Gathering::kOn); }
+BENCHMARK(BM_DaemonEightClientsGathered)
+    ->Threads(kClients)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+
+void BM_DaemonEightClientsSeparate(benchmark::State& state) {
+  EightClients(state, Gathering::kOff);
+}
+BENCHMARK(BM_DaemonEightClientsSeparate)
+    ->Threads(kClients)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+
+}  // namespace
+}  // namespace kvpool
+
+int main(int argc, char** argv) {
+  const int rc = kvpool::bench::RunWithRatios(
+      argc, argv,
+      {
+          {"decode batch 1: daemon vs in-process", "BM_DaemonDecode/batch:1/real_time",
+           "BM_InProcessDecode/batch:1/real_time", 0.9},
+          {"decode batch 8: daemon vs in-process", "BM_DaemonDecode/batch:8/real_time",
+           "BM_InProcessDecode/batch:8/real_time", 0.9},
+          // Both report time per token over all eight clients.
+          {"gathering gain (8 clients x batch 1)",
+           "BM_DaemonEightClientsGathered/real_time/threads:8",
+           "BM_DaemonEightClientsSeparate/real_time/threads:8", 0},
+      });
+  kvpool::Shared::Get().Reset();
+  return rc;
+}
