@@ -62,8 +62,13 @@ void DaemonPool::RunStep(model::Model* model, std::span<ComputeCall* const> call
         call->status = absl::UnavailableError("kvpoold is draining: no new sequences");
         continue;
       }
+      // (Only the session's own sequences: another's gets PERMISSION_DENIED from the plan.)
       if (auto clash = std::find_if(names.begin(), names.end(),
-                                    [&](SequenceId id) { return in_step.contains(id); });
+                                    [&](SequenceId id) {
+                                      const Sequence* seq = cache_->Find(id);
+                                      return in_step.contains(id) && seq != nullptr &&
+                                             seq->session == call->session->id;
+                                    });
           clash != names.end()) {
         call->status = absl::FailedPreconditionError(
             fmt::format("sequence {} is already in a model step", clash->value()));

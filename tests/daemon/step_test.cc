@@ -1,0 +1,178 @@
+// DaemonPool::RunStep and StepTimeline: model steps over the daemon's pool.
+
+#include <random>
+
+#include "daemon/config.h"
+#include "daemon/pool.h"
+#include "daemon/step_timeline.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu_device.h"
+#include "model/local_engine.h"
+
+namespace kvpool::daemon {
+namespace {
+
+std::vector<int32_t> Prompt(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> out(n);
+  for (int32_t& t : out) t = static_cast<int32_t>(rng() % 8192);
+  return out;
+}
+
+class RunStepTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    v1::DaemonConfig config = DefaultConfig();
+    config.set_pool_bytes(int64_t{64} << 16);  // 64 blocks of 64 KiB
+    pool_ = std::move(*DaemonPool::Create(config, &device_, 7));
+    model_ = std::move(*model::Model::Create(model::SyntheticWeights(*model::NamedConfig("tiny"), 1),
+                                             pool_->layout(), {.threads = 1}));
+    alice_ = MakeSession(1);
+    bob_ = MakeSession(2);
+  }
+
+  std::shared_ptr<const Session> MakeSession(uint64_t id) {
+    auto s = std::make_shared<Session>(Session{.id = SessionId(id), .tenant = "t", .model = "m"});
+    s->ns = pool_->NamespaceOf("t", "m");
+    return s;
+  }
+  static ComputeCall Prefill(std::shared_ptr<const Session> s, std::vector<int32_t> tokens,
+                             SequenceId seq = SequenceId(0)) {
+    ComputeCall c;
+    c.session = std::move(s);
+    c.prefill = true;
+    c.sequence = seq;
+    c.tokens = std::move(tokens);
+    return c;
+  }
+  static ComputeCall Decode(std::shared_ptr<const Session> s, SequenceId seq, int32_t token) {
+    ComputeCall c;
+    c.session = std::move(s);
+    c.decode = {{seq, token}};
+    return c;
+  }
+  void Run(std::vector<ComputeCall*> calls) { pool_->RunStep(model_.get(), calls); }
+  v1::GetStatsResponse Stats() {
+    v1::GetStatsResponse s;
+    pool_->Stats(&s);
+    return s;
+  }
+
+  kernels::CpuDevice device_{1};
+  std::unique_ptr<DaemonPool> pool_;
+  std::unique_ptr<model::Model> model_;
+  std::shared_ptr<const Session> alice_, bob_;
+};
+
+TEST_F(RunStepTest, OneStepServesSeveralSessionsAsEachAlone) {
+  const std::vector<int32_t> a = Prompt(20, 1), b = Prompt(30, 2);
+  ComputeCall pa = Prefill(alice_, a), pb = Prefill(bob_, b);
+  Run({&pa, &pb});
+  ASSERT_TRUE(pa.status.ok()) << pa.status;
+  ASSERT_TRUE(pb.status.ok()) << pb.status;
+  EXPECT_EQ(pa.step_sequences, 2);
+  ComputeCall da = Decode(alice_, pa.items[0].sequence, pa.results[0].next_token);
+  ComputeCall db = Decode(bob_, pb.items[0].sequence, pb.results[0].next_token);
+  Run({&da, &db});
+  ASSERT_TRUE(da.status.ok()) << da.status;
+  ASSERT_TRUE(db.status.ok()) << db.status;
+  EXPECT_EQ(da.lengths, std::vector<int64_t>{21});
+  EXPECT_EQ(db.lengths, std::vector<int64_t>{31});
+
+  // The same model alone, in process.
+  auto engine = *model::LocalEngine::Create(model::SyntheticWeights(*model::NamedConfig("tiny"), 1),
+                                            {.pool_bytes = int64_t{4} << 20, .threads = 1});
+  for (const auto& [prompt, first, second] :
+       {std::tuple{a, pa.results[0].next_token, da.results[0].next_token},
+        std::tuple{b, pb.results[0].next_token, db.results[0].next_token}}) {
+    auto p = engine->Prefill(SequenceId(0), prompt);
+    ASSERT_TRUE(p.ok());
+    EXPECT_EQ(p->result.next_token, first);
+    const model::DecodeInput in{p->sequence, first};
+    EXPECT_EQ((*engine->Decode(std::span(&in, 1)))[0].next_token, second);
+  }
+  const v1::GetStatsResponse s = Stats();
+  EXPECT_EQ(s.model_steps(), 2u);
+  EXPECT_EQ(s.model_step_sequences(), 4u);
+  EXPECT_EQ(s.prefill_tokens_computed(), 50u);
+  EXPECT_EQ(s.decode_tokens(), 2u);
+  EXPECT_TRUE(pool_->CheckInvariants().ok());
+}
+
+TEST_F(RunStepTest, ABadCallFailsAloneAndChangesNothing) {
+  ComputeCall p = Prefill(alice_, Prompt(10, 3));
+  Run({&p});
+  ASSERT_TRUE(p.status.ok());
+  const SequenceId seq = p.items[0].sequence;
+  const v1::GetStatsResponse before = Stats();
+  ComputeCall good = Decode(alice_, seq, p.results[0].next_token);
+  ComputeCall foreign = Decode(bob_, seq, 1);                  // alice's sequence
+  ComputeCall outside = Prefill(bob_, {1, 2, 9000});           // not in the vocabulary
+  ComputeCall too_long = Prefill(bob_, Prompt(64 * 16 + 1, 4));  // more than the pool
+  Run({&good, &foreign, &outside, &too_long});
+  EXPECT_TRUE(good.status.ok()) << good.status;
+  EXPECT_EQ(good.step_sequences, 1);
+  EXPECT_EQ(foreign.status.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(outside.status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(too_long.status.code(), absl::StatusCode::kResourceExhausted);
+  const v1::GetStatsResponse after = Stats();
+  EXPECT_EQ(after.sequences(), before.sequences());
+  EXPECT_EQ(after.free_blocks(), before.free_blocks());  // 11 tokens still fit one block
+  EXPECT_TRUE(pool_->CheckInvariants().ok());
+}
+
+TEST_F(RunStepTest, ASequenceIsInOneStepOnlyOnce) {
+  ComputeCall p = Prefill(alice_, Prompt(10, 5));
+  Run({&p});
+  const SequenceId seq = p.items[0].sequence;
+  ComputeCall first = Decode(alice_, seq, 1), second = Decode(alice_, seq, 2);
+  Run({&first, &second});
+  EXPECT_TRUE(first.status.ok());
+  EXPECT_EQ(second.status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(first.lengths, std::vector<int64_t>{11});
+}
+
+TEST_F(RunStepTest, DrainingRefusesNewSequencesButFinishesOldOnes) {
+  ComputeCall p = Prefill(alice_, Prompt(10, 6));
+  Run({&p});
+  pool_->Drain();
+  ComputeCall fresh = Prefill(bob_, Prompt(5, 7));
+  ComputeCall more = Decode(alice_, p.items[0].sequence, p.results[0].next_token);
+  ComputeCall extend = Prefill(alice_, Prompt(3, 8), p.items[0].sequence);
+  Run({&fresh, &more});
+  EXPECT_EQ(fresh.status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(more.status.ok()) << more.status;
+  more.decode.clear();
+  Run({&extend});
+  EXPECT_TRUE(extend.status.ok()) << extend.status;  // a next turn of a live sequence
+}
+
+// A fake device timeline: fences up to `passed` have passed.
+class FakeDevice final : public FenceObserver {
+ public:
+  bool HasPassed(Fence f) const override { return f.value <= passed; }
+  uint64_t passed = 0;
+};
+
+TEST(StepTimelineTest, StepFencesPassWhenTheStepCompletesOthersAskTheDevice) {
+  FakeDevice device;
+  StepTimeline steps(&device);
+  const Fence a = steps.Issue(), b = steps.Issue();
+  EXPECT_EQ(a.timeline, StepTimeline::kTimeline);
+  EXPECT_EQ(b.value, a.value + 1);
+  EXPECT_FALSE(steps.HasPassed(a));
+  steps.Complete(a);
+  EXPECT_TRUE(steps.HasPassed(a));
+  EXPECT_FALSE(steps.HasPassed(b));
+  steps.Complete(b);
+  EXPECT_TRUE(steps.HasPassed(b));
+  EXPECT_TRUE(steps.HasPassed(Fence{StepTimeline::kTimeline, 0}));
+  EXPECT_FALSE(steps.HasPassed(Fence{0, 3}));
+  device.passed = 3;
+  EXPECT_TRUE(steps.HasPassed(Fence{0, 3}));
+  EXPECT_TRUE(steps.HasPassed(Fence{1, 2}));
+}
+
+}  // namespace
+}  // namespace kvpool::daemon
