@@ -2,8 +2,10 @@
 // against the same model run in this process (label `integration`).
 
 #include <signal.h>
+#include <stdlib.h>
 
 #include <atomic>
+#include <filesystem>
 #include <random>
 #include <thread>
 
@@ -244,6 +246,47 @@ TEST_F(ComputeIntegrationTest, DaemonWithoutModelRefusesComputeCalls) {
   EXPECT_THAT(std::string(s.message()), HasSubstr("no model"));
   // Control calls still work.
   EXPECT_TRUE(c->Allocate(Prompt(4, 1)).ok());
+}
+
+TEST_F(ComputeIntegrationTest, DaemonServesAHuggingFaceCheckpoint) {
+  // A small untied checkpoint in bf16, written the way transformers writes one.
+  const model::ModelConfig config{.vocab_size = 512,
+                                  .hidden_size = 128,
+                                  .intermediate_size = 256,
+                                  .num_layers = 2,
+                                  .num_heads = 4,
+                                  .num_kv_heads = 2,
+                                  .head_dim = 32,
+                                  .tie_word_embeddings = false};
+  char tmpl[] = "/tmp/kvpool-checkpoint-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  ASSERT_TRUE(model::SaveCheckpoint(model::SyntheticWeights(config, 3), dir, "bf16").ok());
+  // The pool's shape follows the checkpoint: no shape in the config.
+  StartDaemon("pool_bytes: 16777216 model { checkpoint: \"" + dir + "\" }");
+  auto c = Connect(daemon_->dir(), "hf");
+  EXPECT_EQ(c->model_name(), dir);
+  EXPECT_EQ(c->model_vocab_size(), 512);
+  EXPECT_EQ(c->layout().num_layers(), 2);
+  EXPECT_EQ(c->layout().num_kv_heads(), 2);
+  EXPECT_EQ(c->layout().head_dim(), 32);
+  std::vector<int32_t> prompt = Prompt(25, 4);
+  for (int32_t& t : prompt) t %= 512;
+  const Generated g = Converse(*c, prompt, 6);
+
+  absl::StatusOr<model::ModelWeights> loaded = model::LoadCheckpoint(dir);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  auto engine = model::LocalEngine::Create(*std::move(loaded), {.pool_bytes = 4 << 20});
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  auto first = (*engine)->Prefill(SequenceId(0), prompt);
+  ASSERT_TRUE(first.ok());
+  std::vector<int32_t> local = {first->result.next_token};
+  while (local.size() < 6) {
+    const model::DecodeInput in{first->sequence, local.back()};
+    local.push_back((*(*engine)->Decode(std::span(&in, 1)))[0].next_token);
+  }
+  EXPECT_EQ(g.tokens, local);
+  std::filesystem::remove_all(dir);
 }
 
 TEST_F(ComputeIntegrationTest, ClientKilledWhileDecodingLeavesNothingBehind) {

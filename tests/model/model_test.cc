@@ -294,6 +294,30 @@ TEST(ModelTest, ForkedSequencesDecodeIndependently) {
   }
 }
 
+TEST(ModelTest, LoadedCheckpointRunsLikeTheWeightsItWasSavedFrom) {
+  const ModelWeights w = SyntheticWeights(TestConfig(), 43);
+  const std::string dir = ::testing::TempDir() + "/model_test_checkpoint";
+  const std::vector<int32_t> prompt = RandomTokens(30, 256, 13);
+  auto run = [&](const ModelWeights& weights) {
+    auto engine = MakeEngine(weights, 16, kernels::DType::kF32, true);
+    auto first = engine->Prefill(SequenceId(0), prompt, kLogits);
+    EXPECT_TRUE(first.ok()) << first.status();
+    return first->result;
+  };
+  const ItemResult original = run(w);
+  // f32 round-trips exactly: the very same logits.
+  ASSERT_TRUE(SaveCheckpoint(w, dir + "-f32", "f32").ok());
+  absl::StatusOr<ModelWeights> f32 = LoadCheckpoint(dir + "-f32");
+  ASSERT_TRUE(f32.ok()) << f32.status();
+  EXPECT_EQ(run(*f32).logits, original.logits);
+  // bf16 weights are a slightly different model: it matches the reference of what was loaded.
+  ASSERT_TRUE(SaveCheckpoint(w, dir + "-bf16", "bf16").ok());
+  absl::StatusOr<ModelWeights> bf16 = LoadCheckpoint(dir + "-bf16");
+  ASSERT_TRUE(bf16.ok()) << bf16.status();
+  DenseReference ref(*bf16, kernels::DType::kF32);
+  EXPECT_LE(RelError(run(*bf16).logits, ref.Extend(prompt)), 2e-4);
+}
+
 TEST(ModelTest, BadTokenChangesNothing) {
   const ModelWeights w = SyntheticWeights(TestConfig(), 23);
   auto engine = MakeEngine(w, 16, kernels::DType::kBF16, true);
