@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <numeric>
 
 #include "fmt/format.h"
@@ -48,7 +49,7 @@ void Reserve(std::vector<T>& v, size_t n) {
 
 // y[rows][out] = x[rows][in] · W[out][in]ᵀ (+ y when accumulate): decode-sized products read
 // each weight once (internal/skinny_matmul.h), larger ones go to OpenBLAS.
-void Linear(const float* x, int64_t rows, const std::vector<float>& w, int32_t out, int32_t in,
+void Linear(const float* x, int64_t rows, const internal::HugeVector& w, int32_t out, int32_t in,
             float* y, kernels::ThreadPool* threads, bool accumulate = false) {
   if (rows <= internal::kMaxSkinnyRows) {
     internal::SkinnyMatMul(x, static_cast<int32_t>(rows), w.data(), out, in, y, accumulate,
@@ -163,25 +164,24 @@ Model::Model(ModelWeights weights, const kernels::PoolLayout& layout, const Opti
       weights_(std::move(weights)),
       threads_(options.threads),
       scratch_(std::make_unique<Scratch>()) {
+  const auto stack = [](std::initializer_list<std::vector<float>*> parts) {
+    size_t n = 0;
+    for (const std::vector<float>* p : parts) n += p->size();
+    internal::HugeVector out;
+    out.reserve(n);
+    for (std::vector<float>* p : parts) {
+      out.insert(out.end(), p->begin(), p->end());
+      std::vector<float>().swap(*p);  // the copy is what the step reads
+    }
+    return out;
+  };
   for (LayerWeights& L : weights_.layers) {
-    std::vector<float> qkv;
-    qkv.reserve(L.wq.size() + L.wk.size() + L.wv.size());
-    qkv.insert(qkv.end(), L.wq.begin(), L.wq.end());
-    qkv.insert(qkv.end(), L.wk.begin(), L.wk.end());
-    qkv.insert(qkv.end(), L.wv.begin(), L.wv.end());
-    wqkv_.push_back(std::move(qkv));
-    std::vector<float> gate_up;
-    gate_up.reserve(L.w_gate.size() + L.w_up.size());
-    gate_up.insert(gate_up.end(), L.w_gate.begin(), L.w_gate.end());
-    gate_up.insert(gate_up.end(), L.w_up.begin(), L.w_up.end());
-    w_gate_up_.push_back(std::move(gate_up));
-    // The stacked copies are what the step reads; drop the originals.
-    std::vector<float>().swap(L.wq);
-    std::vector<float>().swap(L.wk);
-    std::vector<float>().swap(L.wv);
-    std::vector<float>().swap(L.w_gate);
-    std::vector<float>().swap(L.w_up);
+    wqkv_.push_back(stack({&L.wq, &L.wk, &L.wv}));
+    w_gate_up_.push_back(stack({&L.w_gate, &L.w_up}));
+    wo_.push_back(stack({&L.wo}));
+    w_down_.push_back(stack({&L.w_down}));
   }
+  head_ = stack({config_.tie_word_embeddings ? &weights_.embed : &weights_.lm_head});
   const int32_t half = config_.head_dim / 2;
   for (int32_t i = 0; i < half; ++i) {
     inv_freq_.push_back(static_cast<float>(
@@ -192,13 +192,11 @@ Model::Model(ModelWeights weights, const kernels::PoolLayout& layout, const Opti
 Model::~Model() = default;
 
 int64_t Model::weight_bytes() const {
-  int64_t n = static_cast<int64_t>(weights_.final_norm.size() +
-                                   (config_.tie_word_embeddings ? weights_.embed.size()
-                                                                : weights_.lm_head.size()));
+  int64_t n = static_cast<int64_t>(weights_.final_norm.size() + head_.size());
   for (size_t l = 0; l < weights_.layers.size(); ++l) {
     const LayerWeights& L = weights_.layers[l];
-    n += static_cast<int64_t>(wqkv_[l].size() + w_gate_up_[l].size() + L.wo.size() +
-                              L.w_down.size() + L.attn_norm.size() + L.mlp_norm.size());
+    n += static_cast<int64_t>(wqkv_[l].size() + w_gate_up_[l].size() + wo_[l].size() +
+                              w_down_[l].size() + L.attn_norm.size() + L.mlp_norm.size());
   }
   return n * static_cast<int64_t>(sizeof(float));
 }
@@ -271,12 +269,13 @@ absl::Status Model::Step(const kernels::KvPoolView& pool, std::span<const StepIt
   Reserve(s.slots, nt);
   Reserve(s.lens, nt);
   Reserve(s.tables, nt * static_cast<size_t>(s.stride));
+  const float* embed = config_.tie_word_embeddings ? head_.data() : weights_.embed.data();
   int64_t t = 0;
   for (const StepItem& it : items) {
     for (size_t j = 0; j < it.tokens.size(); ++j, ++t) {
       const int64_t pos = it.start + static_cast<int64_t>(j);
       std::memcpy(&s.x[static_cast<size_t>(t * h)],
-                  &weights_.embed[static_cast<size_t>(it.tokens[j]) * static_cast<size_t>(h)],
+                  &embed[static_cast<size_t>(it.tokens[j]) * static_cast<size_t>(h)],
                   static_cast<size_t>(h) * sizeof(float));
       for (int32_t i = 0; i < half; ++i) {
         // Angles in double: positions reach the tens of thousands.
@@ -306,8 +305,8 @@ absl::Status Model::Step(const kernels::KvPoolView& pool, std::span<const StepIt
     RmsNorm(&s.x[static_cast<size_t>((t - 1) * h)], 1, h, weights_.final_norm, c.rms_norm_eps,
             &s.last[i * static_cast<size_t>(h)]);
   }
-  const std::vector<float>& head = c.tie_word_embeddings ? weights_.embed : weights_.lm_head;
-  Linear(s.last.data(), static_cast<int64_t>(ni), head, c.vocab_size, h, s.logits.data(), &threads_);
+  Linear(s.last.data(), static_cast<int64_t>(ni), head_, c.vocab_size, h, s.logits.data(),
+         &threads_);
 
   results->clear();
   results->resize(ni);
@@ -382,7 +381,8 @@ void Model::Layer(int32_t layer, const kernels::KvPoolView& pool, int64_t n) {
        .seq_lens = s.lens.data(),
        .max_seq_len = s.max_len},
       &threads_));
-  Linear(s.attn.data(), n, L.wo, h, qd, s.x.data(), &threads_, /*accumulate=*/true);
+  Linear(s.attn.data(), n, wo_[static_cast<size_t>(layer)], h, qd, s.x.data(), &threads_,
+         /*accumulate=*/true);
 
   // MLP.
   RmsNorm(s.x.data(), n, h, L.mlp_norm, c.rms_norm_eps, s.xn.data());
@@ -396,7 +396,8 @@ void Model::Layer(int32_t layer, const kernels::KvPoolView& pool, int64_t n) {
     float* a = &s.act[t * static_cast<size_t>(im)];
     for (int32_t i = 0; i < im; ++i) a[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
   }
-  Linear(s.act.data(), n, L.w_down, h, im, s.x.data(), &threads_, /*accumulate=*/true);
+  Linear(s.act.data(), n, w_down_[static_cast<size_t>(layer)], h, im, s.x.data(), &threads_,
+         /*accumulate=*/true);
 }
 
 }  // namespace kvpool::model

@@ -24,6 +24,7 @@
 #include "absl/status/statusor.h"
 #include "kernels/pool_layout.h"
 #include "kernels/thread_pool.h"
+#include "model/internal/huge_pages.h"
 #include "model/weights.h"
 
 namespace kvpool::model {
@@ -90,10 +91,16 @@ class Model final {
   const ModelConfig config_;
   const kernels::PoolLayout layout_;
   ModelWeights weights_;
-  // Per layer: q, k and v projections stacked ([q + 2 kv][hidden]), and gate over up
-  // ([2 * intermediate][hidden]), so each is one matrix product.
-  std::vector<std::vector<float>> wqkv_;
-  std::vector<std::vector<float>> w_gate_up_;
+  // The matrices a step streams, on huge pages (internal/huge_pages.h); the originals in
+  // weights_ are dropped. Per layer: q, k and v projections stacked ([q + 2 kv][hidden]) and gate
+  // over up ([2 * intermediate][hidden]), so each is one matrix product; wo and w_down.
+  std::vector<internal::HugeVector> wqkv_;
+  std::vector<internal::HugeVector> w_gate_up_;
+  std::vector<internal::HugeVector> wo_;
+  std::vector<internal::HugeVector> w_down_;
+  // The output head ([vocab][hidden]): lm_head, or embed when tied (token embeddings are then
+  // read from here too).
+  internal::HugeVector head_;
   std::vector<float> inv_freq_;  // [head_dim / 2] RoPE frequencies
   kernels::ThreadPool threads_;
   std::unique_ptr<Scratch> scratch_;
