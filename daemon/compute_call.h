@@ -12,7 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "daemon/sessions.h"
-#include "model/model.h"
+#include "model/step_model.h"
 #include "model/step_planner.h"
 
 namespace kvpool::daemon {

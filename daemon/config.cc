@@ -58,7 +58,7 @@ void ApplyDefaults(v1::DaemonConfig* c) {
   if (c->backend().empty()) c->set_backend("cpu");
   if (c->pool_bytes() == 0) c->set_pool_bytes(kDefaultPoolBytes);
   v1::ModelSpec* m = c->mutable_model();
-  if (m->name().empty() && m->checkpoint().empty()) m->set_name(c->backend() == "cuda" ? "none" : "tiny");
+  if (m->name().empty() && m->checkpoint().empty()) m->set_name("tiny");
   if (m->seed() == 0) m->set_seed(1);
   if (m->gather_window_us() == 0) m->set_gather_window_us(2000);
   if (m->max_step_tokens() == 0) m->set_max_step_tokens(2048);

@@ -33,7 +33,7 @@
 #include "kvpool/util/fmt.h"
 #include "kvpool/util/logging.h"
 #include "kvpool/v1/wire.h"
-#include "model/model.h"
+#include "model/step_model.h"
 #include "model/weights.h"
 
 namespace kvpool::daemon {
@@ -65,19 +65,15 @@ uint64_t NewEpoch() {
   return std::stoull(token.substr(0, 16), nullptr, 16) | 1;
 }
 
-// Loads the configured model and starts its step runner; leaves both null for "none", or on a
-// device whose memory the host cannot read (the model runs on the CPU backend only).
+// Loads the configured model onto the pool's device and starts its step runner; leaves both null
+// for "none", or when the device's backend cannot run a model (UNAVAILABLE: a GPU host without
+// cuBLAS), which is logged: the pool still serves everything but the compute RPCs.
 absl::Status StartModel(const v1::DaemonConfig& config, kernels::Device* device, DaemonPool* pool,
-                        std::unique_ptr<model::Model>* model,
+                        std::unique_ptr<model::StepModel>* model,
                         std::unique_ptr<StepRunner>* runner) {
   const v1::ModelSpec& spec = config.model();
   if (spec.checkpoint().empty() && spec.name() == "none") return absl::OkStatus();
   const std::string name = spec.checkpoint().empty() ? spec.name() : spec.checkpoint();
-  if (!device->host_visible()) {
-    Log().warn("model {}: runs on the CPU backend only; Prefill/Decode/Generate are off on {}",
-               name, device->name());
-    return absl::OkStatus();
-  }
   const absl::Time start = absl::Now();
   absl::StatusOr<model::ModelWeights> weights;
   if (spec.checkpoint().empty()) {
@@ -89,8 +85,13 @@ absl::Status StartModel(const v1::DaemonConfig& config, kernels::Device* device,
   }
   if (!weights.ok()) return weights.status();
   const model::ModelConfig mc = weights->config;
-  absl::StatusOr<std::unique_ptr<model::Model>> created =
-      model::Model::Create(std::move(*weights), pool->layout(), {.threads = spec.threads()});
+  absl::StatusOr<std::unique_ptr<model::StepModel>> created =
+      model::CreateStepModel(std::move(*weights), pool->layout(), device, spec.threads());
+  if (created.status().code() == absl::StatusCode::kUnavailable) {
+    Log().error("model {}: {}; Prefill/Decode/Generate are off", name,
+                created.status().message());
+    return absl::OkStatus();
+  }
   if (!created.ok()) return created.status();
   *model = std::move(*created);
   *runner = std::make_unique<StepRunner>(
@@ -99,8 +100,8 @@ absl::Status StartModel(const v1::DaemonConfig& config, kernels::Device* device,
                           .batching = !spec.disable_batching(),
                           .max_step_tokens = spec.max_step_tokens()});
   pool->set_model(name, mc.vocab_size, mc.max_position);
-  Log().info("model {}: {} layers, hidden {}, vocab {}, {:.1f} MiB of weights, loaded in {}", name,
-             mc.num_layers, mc.hidden_size, mc.vocab_size,
+  Log().info("model {} on {}: {} layers, hidden {}, vocab {}, {:.1f} MiB of weights, loaded in {}",
+             name, (*model)->where(), mc.num_layers, mc.hidden_size, mc.vocab_size,
              static_cast<double>((*model)->weight_bytes()) / (1 << 20),
              absl::FormatDuration(absl::Now() - start));
   return absl::OkStatus();
@@ -209,7 +210,7 @@ int Run(const RunOptions& options) {
   }
   Log().info("pool: {} on {}", (*pool)->layout().ToString(), (*device)->name());
 
-  std::unique_ptr<model::Model> model;
+  std::unique_ptr<model::StepModel> model;
   std::unique_ptr<StepRunner> runner;
   if (absl::Status s = StartModel(config, device->get(), pool->get(), &model, &runner); !s.ok()) {
     Log().critical("model: {}", s.message());

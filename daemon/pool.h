@@ -74,10 +74,11 @@ class DaemonPool final {
   // out the plans' device work and marks every block the step touches in flight with the step's
   // fence (a StepTimeline fence); outside the lock, waits for that device work and runs the
   // step; then, under the lock again, publishes what it computed (or, when it failed, undoes the
-  // plans). Sets each call's status and results; does not call `done`.
-  // REQUIRES: the device is host-visible (the model runs on the CPU backend); one caller at a
-  // time (the StepRunner).
-  void RunStep(model::Model* model, std::span<ComputeCall* const> calls);
+  // plans). Sets each call's status and results; does not call `done`. The step is synchronous
+  // on every backend (a device model waits for its own stream before it returns), so the step
+  // fence passes only once the device is done with the step's blocks.
+  // REQUIRES: one caller at a time (the StepRunner).
+  void RunStep(model::StepModel* model, std::span<ComputeCall* const> calls);
   // The model the daemon runs: reported by Stats() and told to every session at attach.
   void set_model(std::string name, int32_t vocab_size, int32_t max_position);
 

@@ -32,7 +32,7 @@ void DaemonPool::set_model(std::string name, int32_t vocab_size, int32_t max_pos
   model_.max_position = max_position;
 }
 
-void DaemonPool::RunStep(model::Model* model, std::span<ComputeCall* const> calls) {
+void DaemonPool::RunStep(model::StepModel* model, std::span<ComputeCall* const> calls) {
   const int32_t vocab = model->config().vocab_size;
   const kernels::KvPoolView view{arena_->base(), layout_};
   std::vector<ComputeCall*> live;  // the calls in the step

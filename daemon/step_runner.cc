@@ -5,7 +5,7 @@
 
 namespace kvpool::daemon {
 
-StepRunner::StepRunner(DaemonPool* pool, model::Model* model, const Options& options)
+StepRunner::StepRunner(DaemonPool* pool, model::StepModel* model, const Options& options)
     : pool_(pool), model_(model), options_(options), thread_([this] { Loop(); }) {}
 
 StepRunner::~StepRunner() { Stop(); }

@@ -23,7 +23,7 @@
 #include "absl/time/time.h"
 #include "daemon/compute_call.h"
 #include "daemon/pool.h"
-#include "model/model.h"
+#include "model/step_model.h"
 
 namespace kvpool::daemon {
 
@@ -36,10 +36,10 @@ class StepRunner final {
   };
 
   // Neither is owned; both outlive the runner. Starts the loop thread.
-  StepRunner(DaemonPool* pool, model::Model* model, const Options& options);
+  StepRunner(DaemonPool* pool, model::StepModel* model, const Options& options);
   ~StepRunner();  // Stop()
 
-  const model::Model& model() const { return *model_; }
+  const model::StepModel& model() const { return *model_; }
 
   // Queues `call`. After Stop(), completes it at once with UNAVAILABLE.
   void Submit(std::unique_ptr<ComputeCall> call);
@@ -56,7 +56,7 @@ class StepRunner final {
   std::vector<std::unique_ptr<ComputeCall>> TakeStep() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   DaemonPool* const pool_;
-  model::Model* const model_;
+  model::StepModel* const model_;
   const Options options_;
 
   mutable absl::Mutex mu_;

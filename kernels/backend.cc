@@ -129,4 +129,9 @@ std::string DescribeCudaBackend() {
   return fmt::format("CUDA backend {} ({} device(s))", b.path, b.device_count());
 }
 
+void* CudaBackendSymbol(const char* name) {
+  const CudaBackend& b = LoadCuda();
+  return b.handle == nullptr ? nullptr : dlsym(b.handle, name);
+}
+
 }  // namespace kvpool::kernels

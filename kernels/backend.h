@@ -41,4 +41,8 @@ absl::StatusOr<std::unique_ptr<Device>> CreateDevice(const BackendOptions& optio
 // Where CreateDevice looked for the CUDA backend and what happened (for logs and --help).
 std::string DescribeCudaBackend();
 
+// Another entry point of the CUDA backend (the model's: model/step_model.cc), or null when the
+// backend did not load or lacks it. Loads the backend if no one has yet.
+void* CudaBackendSymbol(const char* name);
+
 }  // namespace kvpool::kernels

@@ -1,9 +1,10 @@
 #pragma once
 
-// LocalEngine: one process's pool and model, without the daemon: a CPU device and arena, a
-// KvCacheManager over it, the plan executor, and the Model, driven through the step planner
-// exactly as kvpoold drives them (minus RPC, sessions and cross-client batching). Tests hold
-// the daemon's results to it; benchmarks measure the daemon against it.
+// LocalEngine: one process's pool and model, without the daemon: a device (the CPU's by default,
+// or the CUDA backend's) and its arena, a KvCacheManager over it, the plan executor, and the
+// step model for that device (CreateStepModel), driven through the step planner exactly as
+// kvpoold drives them (minus RPC, sessions and cross-client batching). Tests hold the daemon's
+// results, and the GPU's, to it; benchmarks measure the daemon against it.
 //
 // All sequences belong to one session in one namespace. Thread-compatible.
 
@@ -13,10 +14,11 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "kernels/cpu_device.h"
+#include "kernels/backend.h"
+#include "kernels/device.h"
 #include "kernels/plan_executor.h"
 #include "kvpool/kv_cache_manager.h"
-#include "model/model.h"
+#include "model/step_model.h"
 #include "model/step_planner.h"
 
 namespace kvpool::model {
@@ -30,9 +32,12 @@ class LocalEngine final {
     int32_t max_blocks_per_seq = 4096;
     bool prefix_cache = true;
     int threads = 0;  // kernel threads (0: hardware concurrency)
+    kernels::BackendKind backend = kernels::BackendKind::kCpu;
+    int device_ordinal = 0;
   };
 
-  // Errors: INVALID_ARGUMENT (a model the options' layout cannot hold), RESOURCE_EXHAUSTED.
+  // Errors: INVALID_ARGUMENT (a model the options' layout cannot hold), RESOURCE_EXHAUSTED;
+  // CreateDevice's and CreateStepModel's (UNAVAILABLE for CUDA without a GPU).
   static absl::StatusOr<std::unique_ptr<LocalEngine>> Create(ModelWeights weights,
                                                              const Options& options);
   ~LocalEngine();
@@ -54,7 +59,8 @@ class LocalEngine final {
   absl::Status Free(SequenceId sequence, bool commit);
 
   KvCacheManager& cache() { return *cache_; }
-  Model& model() { return *model_; }
+  StepModel& model() { return *model_; }
+  kernels::Device& device() { return *device_; }
   const kernels::KvPoolView& pool() const { return view_; }
 
  private:
@@ -67,12 +73,12 @@ class LocalEngine final {
   static constexpr SessionId kSession{1};
   static constexpr NamespaceId kNamespace{1};
 
-  std::unique_ptr<kernels::CpuDevice> device_;
+  std::unique_ptr<kernels::Device> device_;
   std::unique_ptr<kernels::Arena> arena_;
   kernels::KvPoolView view_;
   std::unique_ptr<KvCacheManager> cache_;
   std::unique_ptr<kernels::PlanExecutor> executor_;
-  std::unique_ptr<Model> model_;
+  std::unique_ptr<StepModel> model_;
 };
 
 }  // namespace kvpool::model

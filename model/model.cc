@@ -14,6 +14,7 @@
 #include "kernels/dtype.h"
 #include "kvpool/util/check.h"
 #include "kvpool/util/status_macros.h"
+#include "model/internal/logits.h"
 #include "model/internal/skinny_matmul.h"
 
 namespace kvpool::model {
@@ -102,59 +103,12 @@ void Store(const float* src, int64_t n, kernels::DType dtype, char* dst) {
   }
 }
 
-absl::Status CheckSize(const std::vector<float>& v, int64_t want, std::string_view name) {
-  if (static_cast<int64_t>(v.size()) != want) {
-    return absl::InvalidArgumentError(
-        fmt::format("weights: {} has {} values, the config needs {}", name, v.size(), want));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CheckWeights(const ModelWeights& w) {
-  const ModelConfig& c = w.config;
-  const int64_t h = c.hidden_size, q = int64_t{c.num_heads} * c.head_dim,
-                kv = int64_t{c.num_kv_heads} * c.head_dim, im = c.intermediate_size;
-  KVPOOL_RETURN_IF_ERROR(CheckSize(w.embed, int64_t{c.vocab_size} * h, "embed"));
-  KVPOOL_RETURN_IF_ERROR(CheckSize(w.final_norm, h, "final_norm"));
-  KVPOOL_RETURN_IF_ERROR(
-      CheckSize(w.lm_head, c.tie_word_embeddings ? 0 : int64_t{c.vocab_size} * h, "lm_head"));
-  if (static_cast<int32_t>(w.layers.size()) != c.num_layers) {
-    return absl::InvalidArgumentError(fmt::format("weights: {} layers, the config says {}",
-                                                  w.layers.size(), c.num_layers));
-  }
-  for (size_t l = 0; l < w.layers.size(); ++l) {
-    const LayerWeights& L = w.layers[l];
-    const std::string p = fmt::format("layers.{}.", l);
-    KVPOOL_RETURN_IF_ERROR(CheckSize(L.attn_norm, h, p + "attn_norm"));
-    KVPOOL_RETURN_IF_ERROR(CheckSize(L.mlp_norm, h, p + "mlp_norm"));
-    KVPOOL_RETURN_IF_ERROR(CheckSize(L.wq, q * h, p + "wq"));
-    KVPOOL_RETURN_IF_ERROR(CheckSize(L.wk, kv * h, p + "wk"));
-    KVPOOL_RETURN_IF_ERROR(CheckSize(L.wv, kv * h, p + "wv"));
-    KVPOOL_RETURN_IF_ERROR(CheckSize(L.wo, h * q, p + "wo"));
-    KVPOOL_RETURN_IF_ERROR(CheckSize(L.w_gate, im * h, p + "w_gate"));
-    KVPOOL_RETURN_IF_ERROR(CheckSize(L.w_up, im * h, p + "w_up"));
-    KVPOOL_RETURN_IF_ERROR(CheckSize(L.w_down, h * im, p + "w_down"));
-  }
-  return absl::OkStatus();
-}
-
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Model>> Model::Create(ModelWeights weights,
                                                      const kernels::PoolLayout& layout,
                                                      const Options& options) {
-  const ModelConfig& c = weights.config;
-  KVPOOL_RETURN_IF_ERROR(ValidateConfig(c));
-  KVPOOL_RETURN_IF_ERROR(CheckWeights(weights));
-  auto mismatch = [&](std::string_view field, int64_t pool, int64_t model) {
-    return absl::InvalidArgumentError(fmt::format(
-        "the pool's {} is {} but the model needs {}", field, pool, model));
-  };
-  if (layout.num_layers != c.num_layers) return mismatch("num_layers", layout.num_layers, c.num_layers);
-  if (layout.num_kv_heads != c.num_kv_heads) {
-    return mismatch("num_kv_heads", layout.num_kv_heads, c.num_kv_heads);
-  }
-  if (layout.head_dim != c.head_dim) return mismatch("head_dim", layout.head_dim, c.head_dim);
+  KVPOOL_RETURN_IF_ERROR(CheckModel(weights, layout));
   return std::unique_ptr<Model>(new Model(std::move(weights), layout, options));
 }
 
@@ -201,52 +155,8 @@ int64_t Model::weight_bytes() const {
   return n * static_cast<int64_t>(sizeof(float));
 }
 
-absl::Status Model::Validate(const kernels::KvPoolView& pool,
-                             std::span<const StepItem> items) const {
-  const kernels::PoolLayout& l = pool.layout;
-  if (l.block_size != layout_.block_size || l.num_layers != layout_.num_layers ||
-      l.num_kv_heads != layout_.num_kv_heads || l.head_dim != layout_.head_dim ||
-      l.dtype != layout_.dtype) {
-    return absl::InvalidArgumentError(
-        fmt::format("step: pool {} is not the model's {}", l.ToString(), layout_.ToString()));
-  }
-  if (items.empty()) return absl::InvalidArgumentError("step: no items");
-  for (size_t i = 0; i < items.size(); ++i) {
-    const StepItem& it = items[i];
-    if (it.tokens.empty()) return absl::InvalidArgumentError(fmt::format("step: item {} has no tokens", i));
-    if (it.start < 0) return absl::InvalidArgumentError(fmt::format("step: item {} starts at {}", i, it.start));
-    for (int32_t t : it.tokens) {
-      if (t < 0 || t >= config_.vocab_size) {
-        return absl::InvalidArgumentError(fmt::format(
-            "step: item {} has token {} outside the vocabulary [0, {})", i, t, config_.vocab_size));
-      }
-    }
-    const int64_t end = it.start + static_cast<int64_t>(it.tokens.size());
-    const int64_t blocks = (end + l.block_size - 1) / l.block_size;
-    if (static_cast<int64_t>(it.block_table.size()) < blocks) {
-      return absl::InvalidArgumentError(fmt::format(
-          "step: item {} needs {} blocks for {} tokens but its table has {}", i, blocks, end,
-          it.block_table.size()));
-    }
-    if (end > INT32_MAX) return absl::InvalidArgumentError(fmt::format("step: item {} too long", i));
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int32_t id = it.block_table[static_cast<size_t>(b)];
-      if (id < 0 || id >= l.num_blocks) {
-        return absl::InvalidArgumentError(fmt::format(
-            "step: item {} table entry {} is block {} (pool has {})", i, b, id, l.num_blocks));
-      }
-    }
-  }
-  return absl::OkStatus();
-}
-
-absl::Status Model::Step(const kernels::KvPoolView& pool, std::span<const StepItem> items,
-                         const StepOptions& options, std::vector<ItemResult>* results) {
-  KVPOOL_RETURN_IF_ERROR(Validate(pool, items));
-  if (options.top_k < 0 || options.top_k > config_.vocab_size) {
-    return absl::InvalidArgumentError(
-        fmt::format("step: top_k {} outside [0, {}]", options.top_k, config_.vocab_size));
-  }
+absl::Status Model::RunStep(const kernels::KvPoolView& pool, std::span<const StepItem> items,
+                            const StepOptions& options, std::vector<ItemResult>* results) {
   const ModelConfig& c = config_;
   const int32_t h = c.hidden_size, half = c.head_dim / 2, bs = layout_.block_size;
   Scratch& s = *scratch_;
@@ -311,23 +221,8 @@ absl::Status Model::Step(const kernels::KvPoolView& pool, std::span<const StepIt
   results->clear();
   results->resize(ni);
   for (size_t i = 0; i < ni; ++i) {
-    const float* lg = &s.logits[i * static_cast<size_t>(c.vocab_size)];
-    ItemResult& r = (*results)[i];
-    r.next_token = static_cast<int32_t>(std::max_element(lg, lg + c.vocab_size) - lg);
-    if (options.keep_logits) r.logits.assign(lg, lg + c.vocab_size);
-    if (options.top_k > 0) {
-      double sum = 0;
-      const float top = lg[r.next_token];
-      for (int32_t v = 0; v < c.vocab_size; ++v) sum += std::exp(static_cast<double>(lg[v] - top));
-      const float lse = top + static_cast<float>(std::log(sum));
-      std::vector<int32_t> ids(static_cast<size_t>(c.vocab_size));
-      std::iota(ids.begin(), ids.end(), 0);
-      std::partial_sort(ids.begin(), ids.begin() + options.top_k, ids.end(),
-                        [&](int32_t a, int32_t b) { return lg[a] > lg[b] || (lg[a] == lg[b] && a < b); });
-      for (int32_t k = 0; k < options.top_k; ++k) {
-        r.top.push_back({ids[static_cast<size_t>(k)], lg[ids[static_cast<size_t>(k)]] - lse});
-      }
-    }
+    internal::FillResult(&s.logits[i * static_cast<size_t>(c.vocab_size)], c.vocab_size, options,
+                         &(*results)[i]);
   }
   return absl::OkStatus();
 }

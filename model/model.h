@@ -14,46 +14,24 @@
 // Runs on the host (the CPU backend): matrix products through OpenBLAS, the KV kernels are
 // kernels::cpu. The pool memory must be host-visible.
 //
-// Thread-compatible: one Step at a time (the daemon runs steps in order on its compute stream).
+// Thread-compatible: one Step at a time (the daemon runs steps in order on its runner thread).
 
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "kernels/pool_layout.h"
 #include "kernels/thread_pool.h"
 #include "model/internal/huge_pages.h"
+#include "model/step_model.h"
 #include "model/weights.h"
 
 namespace kvpool::model {
 
-// One sequence's part of a step.
-struct StepItem {
-  std::span<const int32_t> tokens;        // the new tokens (at least one)
-  int64_t start = 0;                      // position of tokens[0]: tokens already in the pool
-  std::span<const int32_t> block_table;   // covers start + tokens.size() tokens
-};
-
-struct StepOptions {
-  int32_t top_k = 0;         // also return the k most likely next tokens with log-probs
-  bool keep_logits = false;  // also return the full logits of each item's last token
-};
-
-struct TokenLogProb {
-  int32_t token = 0;
-  float logprob = 0;
-};
-
-// What a step produces for one item: the prediction after its last token.
-struct ItemResult {
-  int32_t next_token = 0;            // greedy (argmax; the lowest id on a tie)
-  std::vector<TokenLogProb> top;     // top_k entries, most likely first
-  std::vector<float> logits;         // [vocab] when keep_logits
-};
-
-class Model final {
+class Model final : public StepModel {
  public:
   struct Options {
     int threads = 0;  // attention worker threads (0: hardware concurrency)
@@ -67,25 +45,17 @@ class Model final {
                                                        const Options& options);
   ~Model();
 
-  const ModelConfig& config() const { return config_; }
-  const kernels::PoolLayout& layout() const { return layout_; }
-
-  // Runs one step: writes the K/V of every new token into `pool` and returns one result per
-  // item, in order. Items must name disjoint blocks for their new tokens (two sequences never
-  // write the same slot). Errors: INVALID_ARGUMENT (empty step or item, a token outside the
-  // vocabulary, a table too short, a block outside the pool, a layout other than the model's),
-  // checked before anything is written; nothing in the pool changes then.
-  absl::Status Step(const kernels::KvPoolView& pool, std::span<const StepItem> items,
-                    const StepOptions& options, std::vector<ItemResult>* results);
-
-  // Weight bytes one step reads (f32): the figure decode bandwidth is measured against.
-  int64_t weight_bytes() const;
+  const ModelConfig& config() const override { return config_; }
+  const kernels::PoolLayout& layout() const override { return layout_; }
+  std::string where() const override { return "cpu"; }
+  int64_t weight_bytes() const override;
 
  private:
   struct Scratch;
   Model(ModelWeights weights, const kernels::PoolLayout& layout, const Options& options);
 
-  absl::Status Validate(const kernels::KvPoolView& pool, std::span<const StepItem> items) const;
+  absl::Status RunStep(const kernels::KvPoolView& pool, std::span<const StepItem> items,
+                       const StepOptions& options, std::vector<ItemResult>* results) override;
   void Layer(int32_t layer, const kernels::KvPoolView& pool, int64_t num_tokens);
 
   const ModelConfig config_;

@@ -21,7 +21,7 @@
 
 #include "absl/status/status.h"
 #include "kvpool/kv_cache_manager.h"
-#include "model/model.h"
+#include "model/step_model.h"
 
 namespace kvpool::model {
 

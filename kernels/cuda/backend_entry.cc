@@ -1,6 +1,6 @@
-// The two C symbols that make libkvpool_cuda.so a kvpool backend (kernels/backend.h). They are
-// the library's only exported symbols (exports.map); everything else, the static CUDA runtime
-// included, stays inside it.
+// The two C symbols that make libkvpool_cuda.so a kvpool backend (kernels/backend.h). With the
+// model's (model/cuda/model_entry.cc) they are the library's only exported symbols (exports.map);
+// everything else, the static CUDA runtime included, stays inside it.
 
 #include <cuda_runtime_api.h>
 

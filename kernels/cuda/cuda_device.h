@@ -48,6 +48,8 @@ class CudaDevice final : public Device {
   ~CudaDevice() override;  // waits for both streams, then destroys events and streams
 
   std::string name() const override { return name_; }
+  int ordinal() const { return ordinal_; }
+  int num_sms() const { return num_sms_; }
   bool host_visible() const override { return false; }
   absl::StatusOr<std::unique_ptr<Arena>> CreateArena(int64_t bytes) override;
   absl::StatusOr<std::unique_ptr<DeviceBuffer>> AllocateBuffer(int64_t bytes) override;

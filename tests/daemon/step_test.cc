@@ -9,6 +9,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu_device.h"
 #include "model/local_engine.h"
+#include "model/model.h"
 
 namespace kvpool::daemon {
 namespace {

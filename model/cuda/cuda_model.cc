@@ -1,0 +1,328 @@
+#include "model/cuda/cuda_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <utility>
+
+#include "fmt/format.h"
+#include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/cuda_memory.h"
+#include "kernels/cuda/cuda_status.h"
+#include "kvpool/util/status_macros.h"
+#include "model/cuda/model_kernels.h"
+#include "model/internal/logits.h"
+
+namespace kvpool::model::cuda {
+namespace {
+
+using kernels::cuda::CudaStatus;
+
+template <typename T>
+T* At(const std::unique_ptr<kernels::DeviceBuffer>& buffer, int64_t offset = 0) {
+  return reinterpret_cast<T*>(static_cast<char*>(buffer->data()) + offset);
+}
+
+int64_t Align(int64_t bytes) { return (bytes + 255) / 256 * 256; }
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(ModelWeights weights,
+                                                             const kernels::PoolLayout& layout,
+                                                             int ordinal, int num_sms,
+                                                             std::string device_name) {
+  if (layout.head_dim > kernels::cuda::kMaxDecodeHeadDim) {
+    return absl::InvalidArgumentError(fmt::format("head_dim {} > {} (the CUDA decode kernel's)",
+                                                  layout.head_dim,
+                                                  kernels::cuda::kMaxDecodeHeadDim));
+  }
+  KVPOOL_ASSIGN_OR_RETURN(const CublasApi* cublas, LoadCublas());
+  KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(ordinal), "cudaSetDevice"));
+  const ModelConfig& c = weights.config;
+  std::unique_ptr<CudaModel> m(
+      new CudaModel(c, layout, ordinal, num_sms, std::move(device_name), cublas));
+  KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&m->stream_, cudaStreamNonBlocking),
+                                    "cudaStreamCreateWithFlags"));
+  KVPOOL_RETURN_IF_ERROR(CublasStatus(*cublas, cublas->create(&m->handle_), "cublasCreate"));
+  KVPOOL_RETURN_IF_ERROR(
+      CublasStatus(*cublas, cublas->set_stream(m->handle_, m->stream_), "cublasSetStream"));
+
+  // Stacked as on the host (model.cc): q, k, v as one matrix, gate over up as another.
+  auto stacked = [](std::initializer_list<std::vector<float>*> parts) {
+    std::vector<float> out;
+    for (std::vector<float>* p : parts) {
+      out.insert(out.end(), p->begin(), p->end());
+      std::vector<float>().swap(*p);
+    }
+    return out;
+  };
+  for (LayerWeights& L : weights.layers) {
+    Layer layer;
+    KVPOOL_ASSIGN_OR_RETURN(layer.attn_norm, m->Upload(L.attn_norm));
+    KVPOOL_ASSIGN_OR_RETURN(layer.mlp_norm, m->Upload(L.mlp_norm));
+    KVPOOL_ASSIGN_OR_RETURN(layer.wqkv, m->Upload(stacked({&L.wq, &L.wk, &L.wv})));
+    KVPOOL_ASSIGN_OR_RETURN(layer.wo, m->Upload(L.wo));
+    KVPOOL_ASSIGN_OR_RETURN(layer.w_gate_up, m->Upload(stacked({&L.w_gate, &L.w_up})));
+    KVPOOL_ASSIGN_OR_RETURN(layer.w_down, m->Upload(L.w_down));
+    std::vector<float>().swap(L.wo);
+    std::vector<float>().swap(L.w_down);
+    m->layers_.push_back(std::move(layer));
+  }
+  KVPOOL_ASSIGN_OR_RETURN(m->head_,
+                          m->Upload(c.tie_word_embeddings ? weights.embed : weights.lm_head));
+  if (!c.tie_word_embeddings) {
+    KVPOOL_ASSIGN_OR_RETURN(m->embed_, m->Upload(weights.embed));
+  }
+  KVPOOL_ASSIGN_OR_RETURN(m->final_norm_, m->Upload(weights.final_norm));
+  std::vector<float> inv_freq;
+  for (int32_t i = 0; i < c.head_dim / 2; ++i) {
+    inv_freq.push_back(static_cast<float>(
+        1.0 / std::pow(static_cast<double>(c.rope_theta), 2.0 * i / c.head_dim)));
+  }
+  KVPOOL_ASSIGN_OR_RETURN(m->inv_freq_, m->Upload(inv_freq));
+  // What a step streams: every matrix once (the host model's figure, for comparison).
+  const int64_t h = c.hidden_size, q = int64_t{c.num_heads} * c.head_dim,
+                kv = int64_t{c.num_kv_heads} * c.head_dim, im = c.intermediate_size;
+  m->weight_bytes_ = static_cast<int64_t>(sizeof(float)) *
+                     (c.num_layers * (2 * h + (q + 2 * kv) * h + h * q + 3 * im * h) +
+                      int64_t{c.vocab_size} * h + h);
+  return m;
+}
+
+CudaModel::CudaModel(const ModelConfig& config, const kernels::PoolLayout& layout, int ordinal,
+                     int num_sms, std::string where, const CublasApi* cublas)
+    : config_(config),
+      layout_(layout),
+      ordinal_(ordinal),
+      num_sms_(num_sms),
+      where_(std::move(where)),
+      cublas_(cublas) {}
+
+CudaModel::~CudaModel() {
+  cudaSetDevice(ordinal_);
+  if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+  if (handle_ != nullptr) cublas_->destroy(handle_);
+  if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  for (Pinned* p : {&staged_, &logits_host_}) {
+    if (p->data != nullptr) cudaFreeHost(p->data);
+  }
+  // Buffers free themselves (cudaFree waits for the device).
+}
+
+absl::StatusOr<CudaModel::Buffer> CudaModel::Upload(const std::vector<float>& values) {
+  const int64_t bytes = static_cast<int64_t>(values.size() * sizeof(float));
+  KVPOOL_ASSIGN_OR_RETURN(Buffer buffer,
+                          kernels::cuda::AllocateCudaBuffer(ordinal_, std::max<int64_t>(bytes, 4)));
+  KVPOOL_RETURN_IF_ERROR(CudaStatus(
+      cudaMemcpy(buffer->data(), values.data(), static_cast<size_t>(bytes), cudaMemcpyHostToDevice),
+      "cudaMemcpy (weights)"));
+  return buffer;
+}
+
+absl::Status CudaModel::Reserve(Buffer& buffer, int64_t bytes) {
+  if (buffer != nullptr && buffer->bytes() >= bytes) return absl::OkStatus();
+  // Grow geometrically; the old buffer goes first (its cudaFree waits for the device).
+  const int64_t want = std::max<int64_t>({bytes, buffer ? 2 * buffer->bytes() : 0, 4096});
+  buffer.reset();
+  KVPOOL_ASSIGN_OR_RETURN(buffer, kernels::cuda::AllocateCudaBuffer(ordinal_, want));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::Reserve(Pinned& pinned, int64_t bytes) {
+  if (pinned.bytes >= bytes) return absl::OkStatus();
+  const int64_t want = std::max<int64_t>({bytes, 2 * pinned.bytes, 4096});
+  if (pinned.data != nullptr) cudaFreeHost(pinned.data);
+  pinned = {};
+  KVPOOL_RETURN_IF_ERROR(
+      CudaStatus(cudaMallocHost(&pinned.data, static_cast<size_t>(want)), "cudaMallocHost"));
+  pinned.bytes = want;
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::Gemm(const float* x, int32_t rows, const Buffer& w, int32_t out,
+                             int32_t in, float* y, bool accumulate) {
+  // Row-major y[rows][out] is column-major yᵀ (out x rows) = W · xᵀ, and row-major W[out][in]
+  // is column-major Wᵀ (in x out): so yᵀ = op(Wᵀ)ᵀ · xᵀ with A transposed and B as is.
+  const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+  return CublasStatus(*cublas_,
+                      cublas_->sgemm(handle_, CUBLAS_OP_T, CUBLAS_OP_N, out, rows, in, &alpha,
+                                     At<float>(w), in, x, in, &beta, y, out),
+                      "cublasSgemm");
+}
+
+absl::Status CudaModel::RunStep(const kernels::KvPoolView& pool, std::span<const StepItem> items,
+                                const StepOptions& options, std::vector<ItemResult>* results) {
+  const ModelConfig& c = config_;
+  const int32_t bs = layout_.block_size;
+  KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(ordinal_), "cudaSetDevice"));
+
+  // The step's tokens in item order, each a pseudo-sequence over its item's table (as on the
+  // host: a prefill token at position p attends to [0, p]).
+  int64_t n = 0;
+  stride_ = 0;
+  max_len_ = 0;
+  for (const StepItem& it : items) {
+    n += static_cast<int64_t>(it.tokens.size());
+    const int64_t end = it.start + static_cast<int64_t>(it.tokens.size());
+    stride_ = std::max(stride_, static_cast<int32_t>((end + bs - 1) / bs));
+    max_len_ = std::max(max_len_, static_cast<int32_t>(end));
+  }
+  const int64_t ni = static_cast<int64_t>(items.size());
+  if (n > INT32_MAX / std::max(stride_, 1)) {
+    return absl::InvalidArgumentError(fmt::format("step: {} tokens is too many", n));
+  }
+  offsets_.tokens = 0;
+  offsets_.positions = Align(offsets_.tokens + 4 * n);
+  offsets_.slots = Align(offsets_.positions + 4 * n);
+  offsets_.lens = Align(offsets_.slots + 8 * n);
+  offsets_.tables = Align(offsets_.lens + 4 * n);
+  offsets_.last_rows = Align(offsets_.tables + 4 * n * stride_);
+  offsets_.end = Align(offsets_.last_rows + 4 * ni);
+  KVPOOL_RETURN_IF_ERROR(Reserve(staged_, offsets_.end));
+  char* host = static_cast<char*>(staged_.data);
+  auto* tokens = reinterpret_cast<int32_t*>(host + offsets_.tokens);
+  auto* positions = reinterpret_cast<int32_t*>(host + offsets_.positions);
+  auto* slots = reinterpret_cast<int64_t*>(host + offsets_.slots);
+  auto* lens = reinterpret_cast<int32_t*>(host + offsets_.lens);
+  auto* tables = reinterpret_cast<int32_t*>(host + offsets_.tables);
+  auto* last_rows = reinterpret_cast<int32_t*>(host + offsets_.last_rows);
+  int64_t t = 0;
+  for (int64_t i = 0; i < ni; ++i) {
+    const StepItem& it = items[static_cast<size_t>(i)];
+    for (size_t j = 0; j < it.tokens.size(); ++j, ++t) {
+      const int64_t pos = it.start + static_cast<int64_t>(j);
+      tokens[t] = it.tokens[j];
+      positions[t] = static_cast<int32_t>(pos);
+      slots[t] = static_cast<int64_t>(it.block_table[static_cast<size_t>(pos / bs)]) * bs + pos % bs;
+      lens[t] = static_cast<int32_t>(pos + 1);
+      int32_t* table = tables + t * stride_;
+      const size_t blocks = static_cast<size_t>((pos + 1 + bs - 1) / bs);
+      std::copy_n(it.block_table.begin(), blocks, table);
+      std::fill(table + blocks, table + stride_, 0);
+    }
+    last_rows[i] = static_cast<int32_t>(t - 1);
+  }
+
+  // Scratch for the widest step so far.
+  const int64_t h = c.hidden_size, qd = int64_t{c.num_heads} * c.head_dim,
+                kvd = int64_t{c.num_kv_heads} * c.head_dim, im = c.intermediate_size;
+  const kernels::cuda::DecodePlan plan = kernels::cuda::PlanDecode(
+      layout_, static_cast<int32_t>(n), c.num_heads, max_len_, num_sms_);
+  if (plan.num_splits > kernels::cuda::kMaxGridYZ) {
+    return absl::InvalidArgumentError(
+        fmt::format("step: sequences of {} tokens are beyond the decode kernel's grid", max_len_));
+  }
+  KVPOOL_RETURN_IF_ERROR(Reserve(inputs_, offsets_.end));
+  KVPOOL_RETURN_IF_ERROR(Reserve(x_, 4 * n * h));
+  KVPOOL_RETURN_IF_ERROR(Reserve(xn_, 4 * n * h));
+  KVPOOL_RETURN_IF_ERROR(Reserve(qkv_, 4 * n * (qd + 2 * kvd)));
+  KVPOOL_RETURN_IF_ERROR(Reserve(q_, 4 * n * qd));
+  KVPOOL_RETURN_IF_ERROR(Reserve(attn_, 4 * n * qd));
+  KVPOOL_RETURN_IF_ERROR(Reserve(k_, n * layout_.row_bytes()));
+  KVPOOL_RETURN_IF_ERROR(Reserve(v_, n * layout_.row_bytes()));
+  KVPOOL_RETURN_IF_ERROR(Reserve(gate_up_, 4 * n * 2 * im));
+  KVPOOL_RETURN_IF_ERROR(Reserve(act_, 4 * n * im));
+  KVPOOL_RETURN_IF_ERROR(Reserve(last_, 4 * ni * h));
+  KVPOOL_RETURN_IF_ERROR(Reserve(logits_, 4 * ni * c.vocab_size));
+  KVPOOL_RETURN_IF_ERROR(Reserve(workspace_, plan.workspace_bytes));
+  KVPOOL_RETURN_IF_ERROR(Reserve(logits_host_, 4 * ni * c.vocab_size));
+
+  // Everything from here is on the stream; wait for it whatever happens, so no kernel of this
+  // step still runs when the caller releases its blocks.
+  absl::Status launched = Launch(pool, static_cast<int32_t>(n), static_cast<int32_t>(ni));
+  const absl::Status synced =
+      CudaStatus(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (model step)");
+  KVPOOL_RETURN_IF_ERROR(launched);
+  KVPOOL_RETURN_IF_ERROR(synced);
+
+  results->clear();
+  results->resize(static_cast<size_t>(ni));
+  const auto* logits = static_cast<const float*>(logits_host_.data);
+  for (int64_t i = 0; i < ni; ++i) {
+    internal::FillResult(logits + i * c.vocab_size, c.vocab_size, options,
+                         &(*results)[static_cast<size_t>(i)]);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::Launch(const kernels::KvPoolView& pool, int32_t n, int32_t ni) {
+  const ModelConfig& c = config_;
+  const int32_t h = c.hidden_size, hd = c.head_dim, im = c.intermediate_size;
+  const int32_t qd = c.num_heads * hd, kvd = c.num_kv_heads * hd;
+  KVPOOL_RETURN_IF_ERROR(CudaStatus(
+      cudaMemcpyAsync(inputs_->data(), staged_.data, static_cast<size_t>(offsets_.end),
+                      cudaMemcpyHostToDevice, stream_),
+      "cudaMemcpyAsync (step inputs)"));
+  const auto* tokens = At<int32_t>(inputs_, offsets_.tokens);
+  const auto* positions = At<int32_t>(inputs_, offsets_.positions);
+  const auto* slots = At<int64_t>(inputs_, offsets_.slots);
+  const auto* lens = At<int32_t>(inputs_, offsets_.lens);
+  const auto* tables = At<int32_t>(inputs_, offsets_.tables);
+  const auto* last_rows = At<int32_t>(inputs_, offsets_.last_rows);
+  float* x = At<float>(x_);
+  float* xn = At<float>(xn_);
+
+  KVPOOL_RETURN_IF_ERROR(CudaStatus(
+      LaunchEmbed(At<float>(c.tie_word_embeddings ? head_ : embed_), tokens, n, h, x, stream_),
+      "embedding kernel"));
+  const kernels::cuda::DecodePlan plan =
+      kernels::cuda::PlanDecode(layout_, n, c.num_heads, max_len_, num_sms_);
+  for (int32_t l = 0; l < c.num_layers; ++l) {
+    const Layer& L = layers_[static_cast<size_t>(l)];
+    // Attention.
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(
+        LaunchRmsNorm(x, nullptr, n, h, At<float>(L.attn_norm), c.rms_norm_eps, xn, stream_),
+        "RMSNorm kernel"));
+    KVPOOL_RETURN_IF_ERROR(Gemm(xn, n, L.wqkv, qd + 2 * kvd, h, At<float>(qkv_), false));
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(
+        LaunchRopeSplit(At<float>(qkv_), positions, At<float>(inv_freq_), n, c.num_heads,
+                        c.num_kv_heads, hd, layout_.dtype, At<float>(q_), k_->data(), v_->data(),
+                        stream_),
+        "RoPE kernel"));
+    // Every new token's K/V goes in before any query reads (stream order).
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(
+        kernels::cuda::LaunchWriteKv(
+            pool, {.layer = l, .num_tokens = n, .k = k_->data(), .v = v_->data(), .slots = slots},
+            stream_),
+        "WriteKv kernel"));
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(
+        kernels::cuda::LaunchPagedAttentionDecode(
+            pool,
+            {.layer = l,
+             .num_seqs = n,
+             .num_q_heads = c.num_heads,
+             .scale = 1.0f / std::sqrt(static_cast<float>(hd)),
+             .q = At<float>(q_),
+             .out = At<float>(attn_),
+             .block_tables = tables,
+             .table_stride = stride_,
+             .seq_lens = lens,
+             .max_seq_len = max_len_,
+             .workspace = workspace_->data(),
+             .workspace_bytes = workspace_->bytes()},
+            plan, stream_),
+        "paged attention kernel"));
+    KVPOOL_RETURN_IF_ERROR(Gemm(At<float>(attn_), n, L.wo, h, qd, x, true));
+    // MLP.
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(
+        LaunchRmsNorm(x, nullptr, n, h, At<float>(L.mlp_norm), c.rms_norm_eps, xn, stream_),
+        "RMSNorm kernel"));
+    KVPOOL_RETURN_IF_ERROR(Gemm(xn, n, L.w_gate_up, 2 * im, h, At<float>(gate_up_), false));
+    KVPOOL_RETURN_IF_ERROR(
+        CudaStatus(LaunchSiluMul(At<float>(gate_up_), n, im, At<float>(act_), stream_),
+                   "SwiGLU kernel"));
+    KVPOOL_RETURN_IF_ERROR(Gemm(At<float>(act_), n, L.w_down, h, im, x, true));
+  }
+  // The prediction after each item's last token.
+  KVPOOL_RETURN_IF_ERROR(CudaStatus(LaunchRmsNorm(x, last_rows, ni, h, At<float>(final_norm_),
+                                                  c.rms_norm_eps, At<float>(last_), stream_),
+                                    "RMSNorm kernel"));
+  KVPOOL_RETURN_IF_ERROR(Gemm(At<float>(last_), ni, head_, c.vocab_size, h, At<float>(logits_),
+                              false));
+  return CudaStatus(cudaMemcpyAsync(logits_host_.data, logits_->data(),
+                                    static_cast<size_t>(ni) * c.vocab_size * sizeof(float),
+                                    cudaMemcpyDeviceToHost, stream_),
+                    "cudaMemcpyAsync (logits)");
+}
+
+}  // namespace kvpool::model::cuda

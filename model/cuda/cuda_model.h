@@ -1,0 +1,111 @@
+#pragma once
+
+// CudaModel: the model step on a GPU, for pools whose arena is device memory (the CUDA backend).
+// Same decoder and the same step as model::Model (model/model.h), operation for operation: the
+// dense layers are cuBLAS SGEMMs over f32 weights uploaded to the device, the K/V write and the
+// paged attention are the backend's own kernels (kernels/cuda), and RMSNorm, RoPE and SwiGLU are
+// small kernels of ours (model_kernels.h). Only the logits come back to the host, where the
+// greedy token and top-k log-probs are taken exactly as Model takes them (internal/logits.h).
+//
+// Streams: the model has its own non-blocking stream. Step uploads its block tables, slots and
+// lengths on that stream ahead of the kernels that read them, and returns only once the stream
+// is idle (also on error), so when Step returns the device no longer touches the step's blocks:
+// the daemon's step fence is correct as it is on the host.
+//
+// Lives in the CUDA backend library (libkvpool_cuda.so); the daemon reaches it through
+// model::CreateStepModel. Thread-compatible: one Step at a time.
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/device.h"
+#include "model/cuda/cublas_api.h"
+#include "model/step_model.h"
+
+namespace kvpool::model::cuda {
+
+class CudaModel final : public StepModel {
+ public:
+  // Uploads `weights` to device `ordinal` (num_sms: its multiprocessors, for the decode plan).
+  // REQUIRES: CheckModel(weights, layout).ok(). Errors: UNAVAILABLE without cuBLAS;
+  // INVALID_ARGUMENT for a head_dim beyond the CUDA decode kernel's; RESOURCE_EXHAUSTED when the
+  // weights do not fit; INTERNAL for other CUDA failures (nothing is left allocated).
+  static absl::StatusOr<std::unique_ptr<CudaModel>> Create(ModelWeights weights,
+                                                           const kernels::PoolLayout& layout,
+                                                           int ordinal, int num_sms,
+                                                           std::string device_name);
+  ~CudaModel() override;
+
+  const ModelConfig& config() const override { return config_; }
+  const kernels::PoolLayout& layout() const override { return layout_; }
+  std::string where() const override { return where_; }
+  int64_t weight_bytes() const override { return weight_bytes_; }
+
+ protected:
+  absl::Status RunStep(const kernels::KvPoolView& pool, std::span<const StepItem> items,
+                       const StepOptions& options, std::vector<ItemResult>* results) override;
+
+ private:
+  using Buffer = std::unique_ptr<kernels::DeviceBuffer>;
+  struct Layer {
+    Buffer attn_norm, mlp_norm;  // [hidden]
+    Buffer wqkv;                 // [q + 2 kv][hidden]
+    Buffer wo;                   // [hidden][q]
+    Buffer w_gate_up;            // [2 * intermediate][hidden]
+    Buffer w_down;               // [hidden][intermediate]
+  };
+  // Host memory the device copies to or from asynchronously (cudaMallocHost).
+  struct Pinned {
+    void* data = nullptr;
+    int64_t bytes = 0;
+  };
+
+  CudaModel(const ModelConfig& config, const kernels::PoolLayout& layout, int ordinal,
+            int num_sms, std::string where, const CublasApi* cublas);
+
+  // Uploads `values` (synchronously) into a new buffer.
+  absl::StatusOr<Buffer> Upload(const std::vector<float>& values);
+  // Grows `buffer` to at least `bytes` (its contents are lost).
+  absl::Status Reserve(Buffer& buffer, int64_t bytes);
+  absl::Status Reserve(Pinned& pinned, int64_t bytes);
+  // y[rows][out] = x[rows][in] · W[out][in]ᵀ (+ y when accumulate).
+  absl::Status Gemm(const float* x, int32_t rows, const Buffer& w, int32_t out, int32_t in,
+                    float* y, bool accumulate);
+  // The step's launches, after its inputs were staged; RunStep synchronizes after them.
+  absl::Status Launch(const kernels::KvPoolView& pool, int32_t num_tokens, int32_t num_items);
+
+  const ModelConfig config_;
+  const kernels::PoolLayout layout_;
+  const int ordinal_;
+  const int num_sms_;
+  const std::string where_;
+  const CublasApi* const cublas_;
+  cudaStream_t stream_ = nullptr;
+  cublasHandle_t handle_ = nullptr;
+  int64_t weight_bytes_ = 0;
+
+  std::vector<Layer> layers_;
+  Buffer embed_;  // [vocab][hidden] when untied; tied models read head_
+  Buffer head_;   // [vocab][hidden]
+  Buffer final_norm_;
+  Buffer inv_freq_;  // [head_dim / 2]
+
+  // Per step. Inputs, staged in pinned memory and copied in one piece: tokens, positions, slots,
+  // lengths, block tables and the row of each item's last token (offsets below).
+  Pinned staged_;
+  Pinned logits_host_;
+  Buffer inputs_;
+  struct {
+    int64_t tokens = 0, positions = 0, slots = 0, lens = 0, tables = 0, last_rows = 0, end = 0;
+  } offsets_;
+  int32_t stride_ = 0;   // table_stride of the step
+  int32_t max_len_ = 0;  // longest pseudo-sequence of the step
+  Buffer x_, xn_, qkv_, q_, attn_, k_, v_, gate_up_, act_, last_, logits_, workspace_;
+};
+
+}  // namespace kvpool::model::cuda

@@ -1,0 +1,155 @@
+#include "model/step_model.h"
+
+#include <string>
+#include <string_view>
+
+#include "fmt/format.h"
+#include "kernels/backend.h"
+#include "kvpool/util/fmt.h"
+#include "kvpool/util/status_macros.h"
+#include "model/model.h"
+
+namespace kvpool::model {
+namespace {
+
+absl::Status CheckSize(const std::vector<float>& v, int64_t want, std::string_view name) {
+  if (static_cast<int64_t>(v.size()) != want) {
+    return absl::InvalidArgumentError(
+        fmt::format("weights: {} has {} values, the config needs {}", name, v.size(), want));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckWeights(const ModelWeights& w) {
+  const ModelConfig& c = w.config;
+  const int64_t h = c.hidden_size, q = int64_t{c.num_heads} * c.head_dim,
+                kv = int64_t{c.num_kv_heads} * c.head_dim, im = c.intermediate_size;
+  KVPOOL_RETURN_IF_ERROR(CheckSize(w.embed, int64_t{c.vocab_size} * h, "embed"));
+  KVPOOL_RETURN_IF_ERROR(CheckSize(w.final_norm, h, "final_norm"));
+  KVPOOL_RETURN_IF_ERROR(
+      CheckSize(w.lm_head, c.tie_word_embeddings ? 0 : int64_t{c.vocab_size} * h, "lm_head"));
+  if (static_cast<int32_t>(w.layers.size()) != c.num_layers) {
+    return absl::InvalidArgumentError(fmt::format("weights: {} layers, the config says {}",
+                                                  w.layers.size(), c.num_layers));
+  }
+  for (size_t l = 0; l < w.layers.size(); ++l) {
+    const LayerWeights& L = w.layers[l];
+    const std::string p = fmt::format("layers.{}.", l);
+    KVPOOL_RETURN_IF_ERROR(CheckSize(L.attn_norm, h, p + "attn_norm"));
+    KVPOOL_RETURN_IF_ERROR(CheckSize(L.mlp_norm, h, p + "mlp_norm"));
+    KVPOOL_RETURN_IF_ERROR(CheckSize(L.wq, q * h, p + "wq"));
+    KVPOOL_RETURN_IF_ERROR(CheckSize(L.wk, kv * h, p + "wk"));
+    KVPOOL_RETURN_IF_ERROR(CheckSize(L.wv, kv * h, p + "wv"));
+    KVPOOL_RETURN_IF_ERROR(CheckSize(L.wo, h * q, p + "wo"));
+    KVPOOL_RETURN_IF_ERROR(CheckSize(L.w_gate, im * h, p + "w_gate"));
+    KVPOOL_RETURN_IF_ERROR(CheckSize(L.w_up, im * h, p + "w_up"));
+    KVPOOL_RETURN_IF_ERROR(CheckSize(L.w_down, h * im, p + "w_down"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckStep(const ModelConfig& config, const kernels::PoolLayout& layout,
+                       const kernels::KvPoolView& pool, std::span<const StepItem> items,
+                       const StepOptions& options) {
+  const kernels::PoolLayout& l = pool.layout;
+  if (l.block_size != layout.block_size || l.num_layers != layout.num_layers ||
+      l.num_kv_heads != layout.num_kv_heads || l.head_dim != layout.head_dim ||
+      l.dtype != layout.dtype) {
+    return absl::InvalidArgumentError(
+        fmt::format("step: pool {} is not the model's {}", l.ToString(), layout.ToString()));
+  }
+  if (items.empty()) return absl::InvalidArgumentError("step: no items");
+  if (options.top_k < 0 || options.top_k > config.vocab_size) {
+    return absl::InvalidArgumentError(
+        fmt::format("step: top_k {} outside [0, {}]", options.top_k, config.vocab_size));
+  }
+  for (size_t i = 0; i < items.size(); ++i) {
+    const StepItem& it = items[i];
+    if (it.tokens.empty()) {
+      return absl::InvalidArgumentError(fmt::format("step: item {} has no tokens", i));
+    }
+    if (it.start < 0) {
+      return absl::InvalidArgumentError(fmt::format("step: item {} starts at {}", i, it.start));
+    }
+    for (int32_t t : it.tokens) {
+      if (t < 0 || t >= config.vocab_size) {
+        return absl::InvalidArgumentError(fmt::format(
+            "step: item {} has token {} outside the vocabulary [0, {})", i, t, config.vocab_size));
+      }
+    }
+    const int64_t end = it.start + static_cast<int64_t>(it.tokens.size());
+    if (end > INT32_MAX) return absl::InvalidArgumentError(fmt::format("step: item {} too long", i));
+    const int64_t blocks = (end + l.block_size - 1) / l.block_size;
+    if (static_cast<int64_t>(it.block_table.size()) < blocks) {
+      return absl::InvalidArgumentError(fmt::format(
+          "step: item {} needs {} blocks for {} tokens but its table has {}", i, blocks, end,
+          it.block_table.size()));
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int32_t id = it.block_table[static_cast<size_t>(b)];
+      if (id < 0 || id >= l.num_blocks) {
+        return absl::InvalidArgumentError(fmt::format(
+            "step: item {} table entry {} is block {} (pool has {})", i, b, id, l.num_blocks));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The CUDA backend's model entry point (model/cuda/model_entry.cc).
+using CreateModelFn = StepModel* (*)(kernels::Device* device, ModelWeights* weights,
+                                     const kernels::PoolLayout* layout, int* code, char* error,
+                                     size_t error_bytes);
+
+}  // namespace
+
+absl::Status StepModel::Step(const kernels::KvPoolView& pool, std::span<const StepItem> items,
+                             const StepOptions& options, std::vector<ItemResult>* results) {
+  KVPOOL_RETURN_IF_ERROR(CheckStep(config(), layout(), pool, items, options));
+  return RunStep(pool, items, options, results);
+}
+
+absl::Status CheckModel(const ModelWeights& weights, const kernels::PoolLayout& layout) {
+  const ModelConfig& c = weights.config;
+  KVPOOL_RETURN_IF_ERROR(ValidateConfig(c));
+  KVPOOL_RETURN_IF_ERROR(CheckWeights(weights));
+  auto mismatch = [&](std::string_view field, int64_t pool, int64_t model) {
+    return absl::InvalidArgumentError(
+        fmt::format("the pool's {} is {} but the model needs {}", field, pool, model));
+  };
+  if (layout.num_layers != c.num_layers) {
+    return mismatch("num_layers", layout.num_layers, c.num_layers);
+  }
+  if (layout.num_kv_heads != c.num_kv_heads) {
+    return mismatch("num_kv_heads", layout.num_kv_heads, c.num_kv_heads);
+  }
+  if (layout.head_dim != c.head_dim) return mismatch("head_dim", layout.head_dim, c.head_dim);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<StepModel>> CreateStepModel(ModelWeights weights,
+                                                           const kernels::PoolLayout& layout,
+                                                           kernels::Device* device, int threads) {
+  if (device->host_visible()) {
+    KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<Model> model,
+                            Model::Create(std::move(weights), layout, {.threads = threads}));
+    return std::unique_ptr<StepModel>(std::move(model));
+  }
+  KVPOOL_RETURN_IF_ERROR(CheckModel(weights, layout));
+  auto create = reinterpret_cast<CreateModelFn>(
+      kernels::CudaBackendSymbol("kvpool_backend_create_model"));
+  if (create == nullptr) {
+    return absl::UnavailableError(
+        fmt::format("{} has no model: {}", device->name(), kernels::DescribeCudaBackend()));
+  }
+  int code = 0;
+  char error[512] = {0};
+  StepModel* model = create(device, &weights, &layout, &code, error, sizeof(error));
+  if (model == nullptr) {
+    return absl::Status(static_cast<absl::StatusCode>(code),
+                        fmt::format("model on {}: {}", device->name(), error));
+  }
+  return std::unique_ptr<StepModel>(model);
+}
+
+}  // namespace kvpool::model
