@@ -194,6 +194,7 @@ std::string FormatStats(const v1::GetStatsResponse& s, bool json) {
       {"prefill_calls", std::to_string(s.prefill_calls())},
       {"prefill_tokens_computed", std::to_string(s.prefill_tokens_computed())},
       {"prefill_tokens_reused", std::to_string(s.prefill_tokens_reused())},
+      {"prefill_chunks", std::to_string(s.prefill_chunks())},
       {"decode_tokens", std::to_string(s.decode_tokens())},
   };
   for (const auto& [name, value] : model_rows) model.AddRow({name, value});

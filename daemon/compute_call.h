@@ -29,6 +29,14 @@ struct ComputeCall {
   int32_t top_k = 0;
   absl::Time queued;
 
+  // Chunked prefill. `chunk` (set by the StepRunner) caps the prompt tokens one step computes
+  // for this call; a longer prefill stays planned across steps (its sequence and blocks held,
+  // nothing published) while decodes of other sessions run between its chunks.
+  int64_t chunk = INT64_MAX;
+  bool planned = false;   // `items` were planned by an earlier step
+  int64_t computed = 0;   // tokens of items[0] computed by earlier steps
+  bool finished = true;   // false after a step that left prompt tokens to compute
+
   // The outcome, set by DaemonPool::RunStep.
   absl::Status status;
   std::vector<model::PlannedItem> items;    // one per prefill / decoded sequence
@@ -39,9 +47,11 @@ struct ComputeCall {
   // Called exactly once with the outcome (on the runner's thread).
   std::function<void(ComputeCall&)> done;
 
-  // Tokens the call adds to a step (an upper bound for a prefill, before prefix matching).
+  // Tokens the call has left to compute (an upper bound for a prefill before prefix matching).
   int64_t step_tokens() const {
-    return prefill ? static_cast<int64_t>(tokens.size()) : static_cast<int64_t>(decode.size());
+    if (!prefill) return static_cast<int64_t>(decode.size());
+    if (planned) return static_cast<int64_t>(items[0].tokens.size()) - computed;
+    return static_cast<int64_t>(tokens.size());
   }
 };
 

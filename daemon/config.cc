@@ -61,7 +61,7 @@ void ApplyDefaults(v1::DaemonConfig* c) {
   if (m->name().empty() && m->checkpoint().empty()) m->set_name("tiny");
   if (m->seed() == 0) m->set_seed(1);
   if (m->gather_window_us() == 0) m->set_gather_window_us(2000);
-  if (m->max_step_tokens() == 0) m->set_max_step_tokens(2048);
+  if (m->max_step_tokens() == 0) m->set_max_step_tokens(512);
   if (m->threads() == 0) m->set_threads(c->cpu_threads());
   // The pool's shape follows the model's KV geometry unless set (the tiny model's without one).
   absl::StatusOr<model::ModelConfig> geometry = model::NamedConfig("tiny");

@@ -430,6 +430,7 @@ void DaemonPool::Stats(v1::GetStatsResponse* r) const {
   r->set_prefill_tokens_reused(model_.prefill_reused);
   r->set_decode_tokens(model_.decode_tokens);
   r->set_model_busy_us(static_cast<uint64_t>(absl::ToInt64Microseconds(model_.busy)));
+  r->set_prefill_chunks(model_.prefill_chunks);
   v1::PoolLayout* l = r->mutable_layout();
   l->set_block_size(layout_.block_size);
   l->set_num_layers(layout_.num_layers);

@@ -78,7 +78,14 @@ class DaemonPool final {
   // on every backend (a device model waits for its own stream before it returns), so the step
   // fence passes only once the device is done with the step's blocks.
   // REQUIRES: one caller at a time (the StepRunner).
+  //
+  // Prefill in chunks: a prefill call computes at most `call->chunk` prompt tokens per step.
+  // When tokens are left, the call stays planned (`planned`, `computed`; `finished` false):
+  // the caller runs it in a later step again, where its plan is checked still to hold
+  // (ABORTED when its sequence was freed or changed meanwhile) before the next chunk.
   void RunStep(model::StepModel* model, std::span<ComputeCall* const> calls);
+  // Gives back what a planned call still holds (a prefill left unfinished at shutdown).
+  void Abandon(ComputeCall* call);
   // The model the daemon runs: reported by Stats() and told to every session at attach.
   void set_model(std::string name, int32_t vocab_size, int32_t max_position);
 
@@ -142,8 +149,11 @@ class DaemonPool final {
     uint64_t prefill_computed = 0;
     uint64_t prefill_reused = 0;
     uint64_t decode_tokens = 0;
+    uint64_t prefill_chunks = 0;  // chunks that left prompt tokens for a later step
     absl::Duration busy;
   };
+  // OK when a planned prefill's sequence is still as its plan left it. Else ABORTED.
+  absl::Status CheckPlanned(const ComputeCall& call) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   ModelCounters model_ ABSL_GUARDED_BY(mu_);
 
   // Shared with clients (read-only for them): the generation of every block.

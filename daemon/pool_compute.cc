@@ -32,6 +32,33 @@ void DaemonPool::set_model(std::string name, int32_t vocab_size, int32_t max_pos
   model_.max_position = max_position;
 }
 
+absl::Status DaemonPool::CheckPlanned(const ComputeCall& call) const {
+  const model::PlannedItem& item = call.items[0];
+  const Sequence* seq = cache_->Find(item.sequence);
+  const int64_t end = item.start + static_cast<int64_t>(item.tokens.size());
+  const bool same = seq != nullptr && seq->session == call.session->id && seq->num_tokens == end &&
+                    seq->table.size() >= item.table.size() &&
+                    std::equal(item.table.begin(), item.table.end(), seq->table.begin(),
+                               [](int32_t a, BlockId b) { return a == b.value(); });
+  if (same) return absl::OkStatus();
+  return absl::AbortedError(fmt::format(
+      "sequence {} was freed or changed while its prefill was in progress ({} of {} prompt "
+      "tokens computed)",
+      item.sequence.value(), call.computed, item.tokens.size()));
+}
+
+void DaemonPool::Abandon(ComputeCall* call) {
+  absl::MutexLock lock(&mu_);
+  if (!call->planned) return;
+  if (CheckPlanned(*call).ok()) {
+    for (const model::PlannedItem& item : call->items) {
+      model::UndoItem(*cache_, call->session->id, item);
+    }
+  }
+  call->items.clear();
+  call->planned = false;
+}
+
 void DaemonPool::RunStep(model::StepModel* model, std::span<ComputeCall* const> calls) {
   const int32_t vocab = model->config().vocab_size;
   const kernels::KvPoolView view{arena_->base(), layout_};
@@ -48,6 +75,7 @@ void DaemonPool::RunStep(model::StepModel* model, std::span<ComputeCall* const> 
         model::UndoItem(*cache_, call->session->id, item);
       }
       call->items.clear();
+      call->planned = false;
       call->status = why;
     }
   };
@@ -56,6 +84,21 @@ void DaemonPool::RunStep(model::StepModel* model, std::span<ComputeCall* const> 
     DevicePlan plan;
     absl::flat_hash_set<SequenceId> in_step;
     for (ComputeCall* call : calls) {
+      call->finished = true;
+      if (call->planned) {
+        // A prefill's next chunk: its plan stands if its sequence is still as planned (a Free,
+        // Truncate or Grow in between, or the session's end, changed it: its blocks may be
+        // someone else's by now, so nothing more is written).
+        if (absl::Status s = CheckPlanned(*call); !s.ok()) {
+          call->items.clear();
+          call->planned = false;
+          call->status = s;
+          continue;
+        }
+        in_step.insert(call->items[0].sequence);
+        live.push_back(call);
+        continue;
+      }
       call->items.clear();
       const std::vector<SequenceId> names = Names(*call);
       if (draining_ && call->prefill && call->sequence == SequenceId(0)) {
@@ -90,6 +133,10 @@ void DaemonPool::RunStep(model::StepModel* model, std::span<ComputeCall* const> 
       plan.copies.insert(plan.copies.end(), own.copies.begin(), own.copies.end());
       plan.fills.insert(plan.fills.end(), own.fills.begin(), own.fills.end());
       for (const model::PlannedItem& item : call->items) in_step.insert(item.sequence);
+      if (call->prefill) {
+        call->planned = true;
+        call->computed = 0;
+      }
       live.push_back(call);
     }
     if (live.empty()) return;
@@ -104,7 +151,17 @@ void DaemonPool::RunStep(model::StepModel* model, std::span<ComputeCall* const> 
     std::vector<model::PlannedItem> all;
     for (ComputeCall* call : live) {
       top_k = std::max(top_k, call->top_k);
-      for (const model::PlannedItem& item : call->items) step.push_back(item.AsStepItem());
+      if (call->prefill) {
+        // This step's chunk of the prompt: at least one token, at most `chunk`.
+        const model::PlannedItem& item = call->items[0];
+        const int64_t left = static_cast<int64_t>(item.tokens.size()) - call->computed;
+        const int64_t n = std::clamp<int64_t>(call->chunk, 1, left);
+        step.push_back({std::span(item.tokens).subspan(static_cast<size_t>(call->computed),
+                                                       static_cast<size_t>(n)),
+                        item.start + call->computed, item.table});
+      } else {
+        for (const model::PlannedItem& item : call->items) step.push_back(item.AsStepItem());
+      }
       all.insert(all.end(), call->items.begin(), call->items.end());
     }
     // Every block the step reads or writes stays out of the free list until it has run, even if
@@ -134,6 +191,17 @@ void DaemonPool::RunStep(model::StepModel* model, std::span<ComputeCall* const> 
   model_.busy += busy;
   size_t next = 0;
   for (ComputeCall* call : live) {
+    if (call->prefill) {
+      call->computed += static_cast<int64_t>(step[next].tokens.size());
+      if (call->computed < static_cast<int64_t>(call->items[0].tokens.size())) {
+        // More chunks to go: the result of this one is a mid-prompt prediction, not an answer.
+        call->finished = false;
+        ++model_.prefill_chunks;
+        ++next;
+        continue;
+      }
+      call->planned = false;
+    }
     call->results.assign(std::make_move_iterator(results.begin() + static_cast<ptrdiff_t>(next)),
                          std::make_move_iterator(results.begin() +
                                                  static_cast<ptrdiff_t>(next + call->items.size())));

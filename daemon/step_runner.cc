@@ -34,6 +34,7 @@ void StepRunner::Stop() {
     queued_.clear();
   }
   for (std::unique_ptr<ComputeCall>& call : dropped) {
+    pool_->Abandon(call.get());  // a prefill between chunks gives its sequence back
     call->status = absl::UnavailableError("kvpoold is shutting down");
     call->done(*call);
   }
@@ -51,17 +52,55 @@ bool StepRunner::Gathered() const {
 }
 
 std::vector<std::unique_ptr<ComputeCall>> StepRunner::TakeStep() {
-  std::vector<std::unique_ptr<ComputeCall>> step;
+  // Which queued calls join, by position: prefills already under way (always: they hold their
+  // sequences until done), then decodes in arrival order while they fit, then new prefills while
+  // tokens are left. Prefill chunks get what the decodes leave of max_step_tokens (at least one
+  // token each), so a long prompt never holds decoding sessions up for more than a step.
+  std::vector<bool> take(queue_.size(), false);
   int64_t tokens = 0;
-  while (!queue_.empty()) {
-    const int64_t more = queue_.front()->step_tokens();
-    if (!step.empty() && (!options_.batching || tokens + more > options_.max_step_tokens)) break;
-    tokens += more;
-    SessionId s = queue_.front()->session->id;
-    if (--queued_[s] == 0) queued_.erase(s);
-    step.push_back(std::move(queue_.front()));
-    queue_.pop_front();
+  bool any = false;
+  for (size_t i = 0; i < queue_.size(); ++i) {
+    if (queue_[i]->planned) take[i] = any = true;
   }
+  for (size_t i = 0; i < queue_.size(); ++i) {
+    const ComputeCall& call = *queue_[i];
+    if (call.prefill) continue;
+    if (any && (!options_.batching || tokens + call.step_tokens() > options_.max_step_tokens)) {
+      break;
+    }
+    take[i] = any = true;
+    tokens += call.step_tokens();
+  }
+  for (size_t i = 0; i < queue_.size(); ++i) {
+    const ComputeCall& call = *queue_[i];
+    if (!call.prefill || call.planned) continue;
+    if (any && (!options_.batching || tokens >= options_.max_step_tokens)) break;
+    take[i] = any = true;
+    tokens += call.step_tokens();  // an upper bound: its chunk may be smaller
+  }
+  int64_t left = options_.max_step_tokens;
+  for (size_t i = 0; i < queue_.size(); ++i) {
+    if (take[i] && !queue_[i]->prefill) left -= queue_[i]->step_tokens();
+  }
+  std::vector<std::unique_ptr<ComputeCall>> step;
+  std::deque<std::unique_ptr<ComputeCall>> rest;
+  for (size_t i = 0; i < queue_.size(); ++i) {
+    std::unique_ptr<ComputeCall>& call = queue_[i];
+    if (!take[i]) {
+      rest.push_back(std::move(call));
+      continue;
+    }
+    if (call->prefill) {
+      call->chunk = std::max<int64_t>(1, left);
+      left -= std::min(call->chunk, call->step_tokens());
+    }
+    SessionId s = call->session->id;
+    if (--queued_[s] == 0) queued_.erase(s);
+    step.push_back(std::move(call));
+  }
+  queue_.swap(rest);
+  // Prefills under way first: RunStep then sees their sequences before any other call's.
+  std::stable_partition(step.begin(), step.end(), [](const auto& c) { return c->planned; });
   return step;
 }
 
@@ -101,7 +140,34 @@ void StepRunner::Loop() {
       absl::MutexLock lock(&mu_);
       last_step_end_ = absl::Now();
     }
-    for (const auto& call : step) call->done(*call);
+    std::vector<std::unique_ptr<ComputeCall>> unfinished;
+    for (auto& call : step) {
+      if (call->finished) {
+        call->done(*call);
+      } else {
+        unfinished.push_back(std::move(call));
+      }
+    }
+    if (unfinished.empty()) continue;
+    // The next chunk goes in the next step, ahead of everything queued meanwhile.
+    bool stopping;
+    {
+      absl::MutexLock lock(&mu_);
+      stopping = stop_;
+      if (!stopping) {
+        for (auto it = unfinished.rbegin(); it != unfinished.rend(); ++it) {
+          ++queued_[(*it)->session->id];
+          queue_.push_front(std::move(*it));
+        }
+      }
+    }
+    if (stopping) {
+      for (auto& call : unfinished) {
+        pool_->Abandon(call.get());
+        call->status = absl::UnavailableError("kvpoold is shutting down");
+        call->done(*call);
+      }
+    }
   }
 }
 

@@ -10,6 +10,11 @@
 // of the weights instead of taking turns. A session that stops decoding costs one window, once.
 // With batching off, every call is a step of its own (the comparison point).
 //
+// Chunked prefill: a step computes at most max_step_tokens tokens. Decodes are served first;
+// prefills get what is left (at least one token each), and a prompt longer than that is computed
+// over several steps, going back to the front of the queue between them, so decoding sessions
+// wait at most one bounded step behind a long prompt instead of behind all of it.
+//
 // Thread-safe.
 
 #include <cstdint>
@@ -32,7 +37,8 @@ class StepRunner final {
   struct Options {
     absl::Duration gather_window = absl::Milliseconds(2);
     bool batching = true;
-    int64_t max_step_tokens = 2048;  // a step takes calls up to this many tokens (at least one)
+    // Tokens a step computes at most (beyond that only when one decode call alone is larger).
+    int64_t max_step_tokens = 512;
   };
 
   // Neither is owned; both outlive the runner. Starts the loop thread.

@@ -1,9 +1,13 @@
-// DaemonPool::RunStep and StepTimeline: model steps over the daemon's pool.
+// DaemonPool::RunStep, StepRunner and StepTimeline: model steps over the daemon's pool,
+// chunked prefill included.
 
 #include <random>
+#include <string>
 
+#include "absl/synchronization/notification.h"
 #include "daemon/config.h"
 #include "daemon/pool.h"
+#include "daemon/step_runner.h"
 #include "daemon/step_timeline.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -147,6 +151,145 @@ TEST_F(RunStepTest, DrainingRefusesNewSequencesButFinishesOldOnes) {
   more.decode.clear();
   Run({&extend});
   EXPECT_TRUE(extend.status.ok()) << extend.status;  // a next turn of a live sequence
+}
+
+// The first token the in-process engine predicts after `prompt`.
+int32_t AloneFirstToken(const std::vector<int32_t>& prompt) {
+  auto engine = *model::LocalEngine::Create(model::SyntheticWeights(*model::NamedConfig("tiny"), 1),
+                                            {.pool_bytes = int64_t{4} << 20, .threads = 1});
+  return engine->Prefill(SequenceId(0), prompt)->result.next_token;
+}
+
+TEST_F(RunStepTest, ChunkedPrefillGivesTheWholePrefillsToken) {
+  const std::vector<int32_t> prompt = Prompt(100, 9);
+  ComputeCall p = Prefill(alice_, prompt);
+  p.chunk = 30;
+  int steps = 0;
+  do {
+    Run({&p});
+    ++steps;
+    ASSERT_TRUE(p.status.ok()) << p.status;
+    if (!p.finished) {
+      // Between chunks: the sequence holds every prompt block, nothing is published or answered.
+      EXPECT_TRUE(p.planned);
+      EXPECT_TRUE(p.results.empty());
+      EXPECT_EQ(Stats().prefill_tokens_computed(), 0u);
+    }
+  } while (!p.finished && steps < 10);
+  EXPECT_EQ(steps, 4);  // 30 + 30 + 30 + 10
+  EXPECT_FALSE(p.planned);
+  ASSERT_EQ(p.results.size(), 1u);
+  EXPECT_EQ(p.results[0].next_token, AloneFirstToken(prompt));
+  EXPECT_EQ(p.lengths, std::vector<int64_t>{100});
+  const v1::GetStatsResponse s = Stats();
+  EXPECT_EQ(s.prefill_chunks(), 3u);
+  EXPECT_EQ(s.prefill_calls(), 1u);
+  EXPECT_EQ(s.prefill_tokens_computed(), 100u);
+  EXPECT_TRUE(pool_->CheckInvariants().ok());
+}
+
+TEST_F(RunStepTest, DecodesShareStepsWithAChunkedPrefill) {
+  ComputeCall pb = Prefill(bob_, Prompt(20, 10));
+  Run({&pb});
+  ASSERT_TRUE(pb.status.ok());
+  ComputeCall pa = Prefill(alice_, Prompt(70, 11));
+  pa.chunk = 32;
+  int32_t token = pb.results[0].next_token;
+  int decodes = 0;
+  do {
+    ComputeCall db = Decode(bob_, pb.items[0].sequence, token);
+    Run({&pa, &db});
+    ASSERT_TRUE(db.status.ok()) << db.status;
+    EXPECT_EQ(db.step_sequences, 2);
+    token = db.results[0].next_token;
+    ++decodes;
+  } while (!pa.finished && decodes < 10);
+  ASSERT_TRUE(pa.status.ok()) << pa.status;
+  EXPECT_EQ(decodes, 3);  // 32 + 32 + 6
+  EXPECT_EQ(pa.results[0].next_token, AloneFirstToken(Prompt(70, 11)));
+  // alice cannot decode her sequence while its prefill is under way (it is in every step).
+  ComputeCall pc = Prefill(alice_, Prompt(40, 12));
+  pc.chunk = 16;
+  Run({&pc});
+  ASSERT_FALSE(pc.finished);
+  ComputeCall early = Decode(alice_, pc.items[0].sequence, 1);
+  Run({&pc, &early});
+  EXPECT_EQ(early.status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(pc.status.ok());
+  EXPECT_TRUE(pool_->CheckInvariants().ok());
+}
+
+TEST_F(RunStepTest, ChunkedPrefillOfAFreedSequenceStopsAndLeaksNothing) {
+  const int64_t free_before = Stats().free_blocks();
+  ComputeCall p = Prefill(alice_, Prompt(200, 13));
+  p.chunk = 64;
+  Run({&p});
+  ASSERT_FALSE(p.finished);
+  // The client frees the sequence between chunks: its blocks must not be written again.
+  v1::FreeRequest free;
+  free.add_sequence_ids(p.items[0].sequence.value());
+  ASSERT_TRUE(pool_->Free(*alice_, free).ok());
+  Run({&p});
+  EXPECT_TRUE(p.finished);
+  EXPECT_EQ(p.status.code(), absl::StatusCode::kAborted);
+  EXPECT_FALSE(p.planned);
+  EXPECT_EQ(Stats().free_blocks(), free_before);
+  EXPECT_TRUE(pool_->CheckInvariants().ok());
+
+  // Abandoned at shutdown between chunks: the sequence goes back too.
+  ComputeCall q = Prefill(bob_, Prompt(200, 14));
+  q.chunk = 64;
+  Run({&q});
+  ASSERT_FALSE(q.finished);
+  EXPECT_EQ(Stats().sequences(), 1u);
+  pool_->Abandon(&q);
+  EXPECT_EQ(Stats().sequences(), 0u);
+  EXPECT_EQ(Stats().free_blocks(), free_before);
+  EXPECT_TRUE(pool_->CheckInvariants().ok());
+}
+
+TEST_F(RunStepTest, RunnerServesDecodesBetweenTheChunksOfALongPrompt) {
+  ComputeCall pb = Prefill(bob_, Prompt(20, 15));
+  Run({&pb});
+  ASSERT_TRUE(pb.status.ok());
+  StepRunner runner(pool_.get(), model_.get(),
+                    {.gather_window = absl::Milliseconds(1), .max_step_tokens = 48});
+  absl::Mutex mu;
+  std::vector<std::string> order;  // which call finished when
+  absl::Notification prefilled;
+  int32_t first = -1;
+  auto prefill = std::make_unique<ComputeCall>(Prefill(alice_, Prompt(600, 16)));
+  prefill->done = [&](ComputeCall& c) {
+    EXPECT_TRUE(c.status.ok()) << c.status;
+    first = c.results.empty() ? -1 : c.results[0].next_token;
+    absl::MutexLock lock(&mu);
+    order.push_back("prefill");
+    prefilled.Notify();
+  };
+  runner.Submit(std::move(prefill));
+  // bob decodes meanwhile, one call after another.
+  int32_t token = pb.results[0].next_token;
+  for (int i = 0; i < 3; ++i) {
+    absl::Notification decoded;
+    auto d = std::make_unique<ComputeCall>(Decode(bob_, pb.items[0].sequence, token));
+    d->done = [&](ComputeCall& c) {
+      EXPECT_TRUE(c.status.ok()) << c.status;
+      token = c.results[0].next_token;
+      absl::MutexLock lock(&mu);
+      order.push_back("decode");
+      decoded.Notify();
+    };
+    runner.Submit(std::move(d));
+    decoded.WaitForNotification();
+  }
+  prefilled.WaitForNotification();
+  runner.Stop();
+  // 600 prompt tokens at most 48 a step (47 when bob's decode is in it) take 13 steps or more;
+  // bob's three decodes, each taking one step or two, finished inside them, not after.
+  EXPECT_EQ(order.back(), "prefill");
+  EXPECT_EQ(first, AloneFirstToken(Prompt(600, 16)));
+  EXPECT_GE(Stats().prefill_chunks(), 12u);
+  EXPECT_TRUE(pool_->CheckInvariants().ok());
 }
 
 // A fake device timeline: fences up to `passed` have passed.
