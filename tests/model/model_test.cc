@@ -136,22 +136,30 @@ TEST(ModelTest, OneStepMixesPrefillAndDecode) {
   DenseReference ref_a(w, kernels::DType::kF32), ref_b(w, kernels::DType::kF32);
   const int32_t next_a = Argmax(ref_a.Extend(a));
 
-  // Plan a decode of `a` and a prefill of `b` and run them as one step.
-  std::vector<PlannedItem> items(1);
+  // Plan a short prefill of `c` (the decode kernel's), a prefill of `b` (the dense prefill
+  // path's) and a decode of `a`, and run them as one step.
+  const std::vector<int32_t> c = RandomTokens(5, 256, 3);
+  DenseReference ref_c(w, kernels::DType::kF32);
+  std::vector<PlannedItem> items(2);
   DevicePlan plan;
-  ASSERT_TRUE(PlanPrefill(engine->cache(), SessionId(1), NamespaceId(1), SequenceId(0), b, 0, 256,
+  ASSERT_TRUE(PlanPrefill(engine->cache(), SessionId(1), NamespaceId(1), SequenceId(0), c, 0, 256,
                           &items[0], &plan)
+                  .ok());
+  ASSERT_TRUE(PlanPrefill(engine->cache(), SessionId(1), NamespaceId(1), SequenceId(0), b, 0, 256,
+                          &items[1], &plan)
                   .ok());
   std::vector<PlannedItem> decode;
   const DecodeInput in{first->sequence, next_a};
   ASSERT_TRUE(PlanDecode(engine->cache(), SessionId(1), std::span(&in, 1), 256, &decode, &plan).ok());
   items.push_back(decode[0]);
   ASSERT_TRUE(plan.copies.empty());
-  std::vector<StepItem> step = {items[0].AsStepItem(), items[1].AsStepItem()};
+  std::vector<StepItem> step = {items[0].AsStepItem(), items[1].AsStepItem(),
+                                items[2].AsStepItem()};
   std::vector<ItemResult> results;
   ASSERT_TRUE(engine->model().Step(engine->pool(), step, kLogits, &results).ok());
-  EXPECT_LE(RelError(results[0].logits, ref_b.Extend(b)), 2e-4);
-  EXPECT_LE(RelError(results[1].logits, ref_a.Extend(std::span(&next_a, 1))), 2e-4);
+  EXPECT_LE(RelError(results[0].logits, ref_c.Extend(c)), 2e-4);
+  EXPECT_LE(RelError(results[1].logits, ref_b.Extend(b)), 2e-4);
+  EXPECT_LE(RelError(results[2].logits, ref_a.Extend(std::span(&next_a, 1))), 2e-4);
 }
 
 TEST(ModelTest, TinyConfigMatchesReference) {
