@@ -5,6 +5,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "daemon/daemon.h"
 
 ABSL_FLAG(std::string, config, "",
@@ -14,8 +16,12 @@ ABSL_FLAG(std::string, backend, "", "auto, cpu or cuda (overrides the config)");
 ABSL_FLAG(std::string, log_level, "", "trace, debug, info, warn, error, critical, off");
 
 int main(int argc, char** argv) {
+  // --help lists this file's flags (absl's default looks for a file named after the binary).
+  absl::SetFlagsUsageConfig({.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "daemon/main.cc");
+  }});
   absl::SetProgramUsageMessage(
-      "kvpoold: shares one accelerator's paged KV-cache pool with the serving processes of this "
+      "shares one accelerator's paged KV-cache pool with the serving processes of this "
       "host.");
   absl::ParseCommandLine(argc, argv);
   return kvpool::daemon::Run({.config_path = absl::GetFlag(FLAGS_config),

@@ -13,6 +13,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "tools/replay.h"
 
 ABSL_FLAG(std::string, trace, "", "Mooncake-format JSONL trace to replay (required)");
@@ -22,6 +24,10 @@ ABSL_FLAG(std::string, policy, "lru", "eviction policy (lru)");
 ABSL_FLAG(int32_t, trace_depth, 0, "per-block operation trace depth (0 or a power of 2)");
 
 int main(int argc, char** argv) {
+  // --help lists this file's flags (absl's default looks for a file named after the binary).
+  absl::SetFlagsUsageConfig({.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "tools/replay_main.cc");
+  }});
   absl::SetProgramUsageMessage("Replays a Mooncake trace through kvpool's prefix cache.");
   absl::ParseCommandLine(argc, argv);
   const std::string path = absl::GetFlag(FLAGS_trace);

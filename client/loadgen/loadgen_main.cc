@@ -7,6 +7,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "client/loadgen/loadgen.h"
 
 ABSL_FLAG(std::string, mode, "model",
@@ -25,6 +27,10 @@ ABSL_FLAG(int64_t, max_prompt_tokens, 0,
 ABSL_FLAG(int64_t, max_reply_tokens, 256, "cut replies to this many tokens");
 
 int main(int argc, char** argv) {
+  // --help lists this file's flags (absl's default looks for a file named after the binary).
+  absl::SetFlagsUsageConfig({.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "loadgen/loadgen_main.cc");
+  }});
   absl::SetProgramUsageMessage("Drives kvpoold with several client processes.");
   absl::ParseCommandLine(argc, argv);
   const std::string mode = absl::GetFlag(FLAGS_mode);
