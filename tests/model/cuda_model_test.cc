@@ -16,35 +16,6 @@ namespace {
 
 using ::testing::HasSubstr;
 
-ModelConfig TestConfig() {
-  return {.vocab_size = 256,
-          .hidden_size = 128,
-          .intermediate_size = 256,
-          .num_layers = 2,
-          .num_heads = 4,
-          .num_kv_heads = 2,
-          .head_dim = 32,
-          .tie_word_embeddings = false};
-}
-
-std::vector<int32_t> RandomTokens(size_t n, int32_t vocab, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<int32_t> out(n);
-  for (int32_t& t : out) t = static_cast<int32_t>(rng() % static_cast<uint32_t>(vocab));
-  return out;
-}
-
-double RelError(std::span<const float> got, std::span<const float> want) {
-  EXPECT_EQ(got.size(), want.size());
-  double err = 0, scale = 1;
-  for (size_t i = 0; i < std::min(got.size(), want.size()); ++i) {
-    if (std::isnan(got[i])) return INFINITY;
-    err = std::max(err, std::abs(double{got[i]} - want[i]));
-    scale = std::max(scale, std::abs(double{want[i]}));
-  }
-  return err / scale;
-}
-
 // cuBLAS sums in another order than the host; f32 stays within float rounding of the reference.
 double Tolerance(kernels::DType dtype) { return dtype == kernels::DType::kF32 ? 5e-4 : 2e-2; }
 
@@ -73,7 +44,7 @@ class CudaModelTest : public ::testing::TestWithParam<std::tuple<int32_t, kernel
 
 TEST_P(CudaModelTest, PrefillAndDecodeMatchReference) {
   const auto [block_size, dtype] = GetParam();
-  const ModelWeights w = SyntheticWeights(TestConfig(), 7);
+  const ModelWeights w = SyntheticWeights(SmallTestConfig(), 7);
   GPU_ENGINE_OR_SKIP(engine, w, block_size, dtype);
   EXPECT_THAT(engine->model().where(), HasSubstr("cuda"));
   DenseReference ref(w, dtype);
@@ -103,7 +74,7 @@ INSTANTIATE_TEST_SUITE_P(BlockSizes, CudaModelTest,
                                                               kernels::DType::kBF16)));
 
 TEST(CudaModelTest, BatchedDecodeMatchesTheHostModel) {
-  const ModelWeights w = SyntheticWeights(TestConfig(), 11);
+  const ModelWeights w = SyntheticWeights(SmallTestConfig(), 11);
   GPU_ENGINE_OR_SKIP(gpu, w, 16, kernels::DType::kF32);
   auto host = LocalEngine::Create(w, {.block_size = 16,
                                       .dtype = kernels::DType::kF32,
@@ -137,7 +108,7 @@ TEST(CudaModelTest, BatchedDecodeMatchesTheHostModel) {
 }
 
 TEST(CudaModelTest, ReusedPartialBlockAndForkMatchReference) {
-  const ModelWeights w = SyntheticWeights(TestConfig(), 17);
+  const ModelWeights w = SyntheticWeights(SmallTestConfig(), 17);
   GPU_ENGINE_OR_SKIP(engine, w, 16, kernels::DType::kF32);
   // 44 tokens committed: two full blocks and a partial one of 12 (a rewind endpoint).
   const std::vector<int32_t> prompt = RandomTokens(44, 256, 5);
@@ -170,7 +141,7 @@ TEST(CudaModelTest, ReusedPartialBlockAndForkMatchReference) {
 }
 
 TEST(CudaModelTest, BadInputIsRefusedBeforeTheDevice) {
-  const ModelWeights w = SyntheticWeights(TestConfig(), 23);
+  const ModelWeights w = SyntheticWeights(SmallTestConfig(), 23);
   GPU_ENGINE_OR_SKIP(engine, w, 16, kernels::DType::kBF16);
   const std::vector<int32_t> prompt = RandomTokens(20, 256, 9);
   auto first = engine->Prefill(SequenceId(0), prompt);

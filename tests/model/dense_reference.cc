@@ -1,6 +1,8 @@
 #include "tests/model/dense_reference.h"
 
+#include <algorithm>
 #include <cmath>
+#include <random>
 
 namespace kvpool::model {
 namespace {
@@ -122,6 +124,35 @@ int32_t Argmax(std::span<const float> logits) {
     if (logits[i] > logits[static_cast<size_t>(best)]) best = static_cast<int32_t>(i);
   }
   return best;
+}
+
+ModelConfig SmallTestConfig() {
+  return {.vocab_size = 256,
+          .hidden_size = 128,
+          .intermediate_size = 256,
+          .num_layers = 2,
+          .num_heads = 4,
+          .num_kv_heads = 2,
+          .head_dim = 32,
+          .tie_word_embeddings = false};
+}
+
+std::vector<int32_t> RandomTokens(size_t n, int32_t vocab, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> out(n);
+  for (int32_t& t : out) t = static_cast<int32_t>(rng() % static_cast<uint32_t>(vocab));
+  return out;
+}
+
+double RelError(std::span<const float> got, std::span<const float> want) {
+  if (got.size() != want.size()) return INFINITY;
+  double err = 0, scale = 1;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (std::isnan(got[i])) return INFINITY;
+    err = std::max(err, std::abs(double{got[i]} - want[i]));
+    scale = std::max(scale, std::abs(double{want[i]}));
+  }
+  return err / scale;
 }
 
 }  // namespace kvpool::model

@@ -38,4 +38,12 @@ class DenseReference {
 
 int32_t Argmax(std::span<const float> logits);
 
+// What the paged-vs-reference tests share.
+// A small untied model: 2 layers, hidden 128, 4 query / 2 KV heads of 32, vocabulary 256.
+ModelConfig SmallTestConfig();
+std::vector<int32_t> RandomTokens(size_t n, int32_t vocab, uint32_t seed);
+// The largest difference relative to the reference's scale (at least 1); infinite on a NaN or
+// a size mismatch.
+double RelError(std::span<const float> got, std::span<const float> want);
+
 }  // namespace kvpool::model

@@ -17,36 +17,6 @@ namespace {
 
 using ::testing::HasSubstr;
 
-ModelConfig TestConfig() {
-  return {.vocab_size = 256,
-          .hidden_size = 128,
-          .intermediate_size = 256,
-          .num_layers = 2,
-          .num_heads = 4,
-          .num_kv_heads = 2,
-          .head_dim = 32,
-          .tie_word_embeddings = false};
-}
-
-std::vector<int32_t> RandomTokens(size_t n, int32_t vocab, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<int32_t> out(n);
-  for (int32_t& t : out) t = static_cast<int32_t>(rng() % static_cast<uint32_t>(vocab));
-  return out;
-}
-
-// Largest difference relative to the reference's scale (at least 1).
-double RelError(std::span<const float> got, std::span<const float> want) {
-  EXPECT_EQ(got.size(), want.size());
-  double err = 0, scale = 1;
-  for (size_t i = 0; i < std::min(got.size(), want.size()); ++i) {
-    if (std::isnan(got[i])) return INFINITY;
-    err = std::max(err, std::abs(double{got[i]} - want[i]));
-    scale = std::max(scale, std::abs(double{want[i]}));
-  }
-  return err / scale;
-}
-
 // f32 K/V leaves only float-vs-double arithmetic; bf16 K/V also leaves rounding of values the
 // two sides computed slightly differently before rounding.
 double Tolerance(kernels::DType dtype) { return dtype == kernels::DType::kF32 ? 2e-4 : 2e-2; }
@@ -69,7 +39,7 @@ class PagedVsDenseTest
 
 TEST_P(PagedVsDenseTest, PrefillAndDecodeMatchReference) {
   const auto [block_size, dtype] = GetParam();
-  const ModelWeights w = SyntheticWeights(TestConfig(), 7);
+  const ModelWeights w = SyntheticWeights(SmallTestConfig(), 7);
   auto engine = MakeEngine(w, block_size, dtype, /*prefix_cache=*/true);
   DenseReference ref(w, dtype);
 
@@ -104,7 +74,7 @@ INSTANTIATE_TEST_SUITE_P(BlockSizes, PagedVsDenseTest,
                                                               kernels::DType::kBF16)));
 
 TEST(ModelTest, BatchedDecodeMatchesEachSequenceAlone) {
-  const ModelWeights w = SyntheticWeights(TestConfig(), 11);
+  const ModelWeights w = SyntheticWeights(SmallTestConfig(), 11);
   auto engine = MakeEngine(w, 16, kernels::DType::kF32, true);
   std::vector<DenseReference> refs;
   std::vector<DecodeInput> inputs;
@@ -128,7 +98,7 @@ TEST(ModelTest, BatchedDecodeMatchesEachSequenceAlone) {
 }
 
 TEST(ModelTest, OneStepMixesPrefillAndDecode) {
-  const ModelWeights w = SyntheticWeights(TestConfig(), 13);
+  const ModelWeights w = SyntheticWeights(SmallTestConfig(), 13);
   auto engine = MakeEngine(w, 16, kernels::DType::kF32, true);
   const std::vector<int32_t> a = RandomTokens(21, 256, 1), b = RandomTokens(30, 256, 2);
   auto first = engine->Prefill(SequenceId(0), a);
@@ -224,7 +194,7 @@ Conversation Converse(LocalEngine& engine, const std::vector<int32_t>& prompt,
 }
 
 TEST(ModelTest, PrefixCacheOnAndOffGiveTheSameTokens) {
-  const ModelWeights w = SyntheticWeights(TestConfig(), 17);
+  const ModelWeights w = SyntheticWeights(SmallTestConfig(), 17);
   const std::vector<int32_t> prompt = RandomTokens(50, 256, 5), follow_up = RandomTokens(7, 256, 6);
   for (kernels::DType dtype : {kernels::DType::kF32, kernels::DType::kBF16}) {
     auto on = MakeEngine(w, 16, dtype, /*prefix_cache=*/true);
@@ -249,7 +219,7 @@ TEST(ModelTest, PrefixCacheOnAndOffGiveTheSameTokens) {
 }
 
 TEST(ModelTest, RepeatedPromptRecomputesOnlyItsLastToken) {
-  const ModelWeights w = SyntheticWeights(TestConfig(), 41);
+  const ModelWeights w = SyntheticWeights(SmallTestConfig(), 41);
   auto engine = MakeEngine(w, 16, kernels::DType::kF32, true);
   const std::vector<int32_t> prompt = RandomTokens(48, 256, 12);  // three full blocks
   auto first = engine->Prefill(SequenceId(0), prompt, kLogits);
@@ -275,7 +245,7 @@ TEST(ModelTest, RepeatedPromptRecomputesOnlyItsLastToken) {
 }
 
 TEST(ModelTest, ForkedSequencesDecodeIndependently) {
-  const ModelWeights w = SyntheticWeights(TestConfig(), 19);
+  const ModelWeights w = SyntheticWeights(SmallTestConfig(), 19);
   for (bool prefix_cache : {true, false}) {
     auto engine = MakeEngine(w, 16, kernels::DType::kF32, prefix_cache);
     const std::vector<int32_t> prompt = RandomTokens(37, 256, 8);  // ends inside a block
@@ -303,7 +273,7 @@ TEST(ModelTest, ForkedSequencesDecodeIndependently) {
 }
 
 TEST(ModelTest, LoadedCheckpointRunsLikeTheWeightsItWasSavedFrom) {
-  const ModelWeights w = SyntheticWeights(TestConfig(), 43);
+  const ModelWeights w = SyntheticWeights(SmallTestConfig(), 43);
   const std::string dir = ::testing::TempDir() + "/model_test_checkpoint";
   const std::vector<int32_t> prompt = RandomTokens(30, 256, 13);
   auto run = [&](const ModelWeights& weights) {
@@ -327,7 +297,7 @@ TEST(ModelTest, LoadedCheckpointRunsLikeTheWeightsItWasSavedFrom) {
 }
 
 TEST(ModelTest, BadTokenChangesNothing) {
-  const ModelWeights w = SyntheticWeights(TestConfig(), 23);
+  const ModelWeights w = SyntheticWeights(SmallTestConfig(), 23);
   auto engine = MakeEngine(w, 16, kernels::DType::kBF16, true);
   const std::vector<int32_t> prompt = RandomTokens(20, 256, 9);
   auto first = engine->Prefill(SequenceId(0), prompt);
@@ -349,7 +319,7 @@ TEST(ModelTest, BadTokenChangesNothing) {
 }
 
 TEST(ModelTest, StepRejectsShortTableBeforeWriting) {
-  const ModelWeights w = SyntheticWeights(TestConfig(), 29);
+  const ModelWeights w = SyntheticWeights(SmallTestConfig(), 29);
   auto engine = MakeEngine(w, 16, kernels::DType::kF32, true);
   const std::vector<int32_t> tokens = RandomTokens(20, 256, 10);
   const std::vector<int32_t> table = {0};  // 20 tokens need two blocks
@@ -361,7 +331,7 @@ TEST(ModelTest, StepRejectsShortTableBeforeWriting) {
 }
 
 TEST(ModelTest, CreateRejectsPoolOfAnotherShape) {
-  const ModelWeights w = SyntheticWeights(TestConfig(), 31);
+  const ModelWeights w = SyntheticWeights(SmallTestConfig(), 31);
   kernels::PoolLayout layout{.block_size = 16, .num_layers = 2, .num_kv_heads = 4, .head_dim = 32};
   auto m = Model::Create(w, layout, {});
   EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
@@ -369,7 +339,7 @@ TEST(ModelTest, CreateRejectsPoolOfAnotherShape) {
 }
 
 TEST(ModelTest, TopKLogProbsAreSortedAndNormalized) {
-  const ModelWeights w = SyntheticWeights(TestConfig(), 37);
+  const ModelWeights w = SyntheticWeights(SmallTestConfig(), 37);
   auto engine = MakeEngine(w, 16, kernels::DType::kF32, true);
   auto r = engine->Prefill(SequenceId(0), RandomTokens(12, 256, 11),
                            {.top_k = 5, .keep_logits = true});
