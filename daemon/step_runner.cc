@@ -65,9 +65,10 @@ std::vector<std::unique_ptr<ComputeCall>> StepRunner::TakeStep() {
   for (size_t i = 0; i < queue_.size(); ++i) {
     const ComputeCall& call = *queue_[i];
     if (call.prefill) continue;
-    if (any && (!options_.batching || tokens + call.step_tokens() > options_.max_step_tokens)) {
-      break;
-    }
+    if (!options_.batching && any) break;
+    // The first decode call always goes, even one wider than a step: it cannot be split, and
+    // chunks under way must not keep it out for ever.
+    if (tokens > 0 && tokens + call.step_tokens() > options_.max_step_tokens) break;
     take[i] = any = true;
     tokens += call.step_tokens();
   }

@@ -1,6 +1,7 @@
 // DaemonPool::RunStep, StepRunner and StepTimeline: model steps over the daemon's pool,
 // chunked prefill included.
 
+#include <atomic>
 #include <random>
 #include <string>
 
@@ -289,6 +290,44 @@ TEST_F(RunStepTest, RunnerServesDecodesBetweenTheChunksOfALongPrompt) {
   EXPECT_EQ(order.back(), "prefill");
   EXPECT_EQ(first, AloneFirstToken(Prompt(600, 16)));
   EXPECT_GE(Stats().prefill_chunks(), 12u);
+  EXPECT_TRUE(pool_->CheckInvariants().ok());
+}
+
+TEST_F(RunStepTest, ADecodeWiderThanAStepIsNotKeptOutByChunks) {
+  // Five sequences of bob's, decoded in one call: wider than a step of four tokens.
+  std::vector<model::DecodeInput> inputs;
+  for (uint32_t i = 0; i < 5; ++i) {
+    ComputeCall p = Prefill(bob_, Prompt(8, 20 + i));
+    Run({&p});
+    ASSERT_TRUE(p.status.ok()) << p.status;
+    inputs.push_back({p.items[0].sequence, p.results[0].next_token});
+  }
+  StepRunner runner(pool_.get(), model_.get(),
+                    {.gather_window = absl::Milliseconds(1), .max_step_tokens = 4});
+  absl::Notification prefilled, decoded;
+  std::atomic<bool> decoded_first{false};
+  auto prefill = std::make_unique<ComputeCall>(Prefill(alice_, Prompt(256, 30)));
+  prefill->done = [&](ComputeCall& c) {
+    EXPECT_TRUE(c.status.ok()) << c.status;
+    prefilled.Notify();
+  };
+  runner.Submit(std::move(prefill));
+  // The decode arrives while the prompt is under way (its later chunks are always in a step).
+  while (Stats().prefill_chunks() == 0) absl::SleepFor(absl::Milliseconds(1));
+  auto decode = std::make_unique<ComputeCall>();
+  decode->session = bob_;
+  decode->decode = inputs;
+  decode->done = [&](ComputeCall& c) {
+    EXPECT_TRUE(c.status.ok()) << c.status;
+    decoded_first = !prefilled.HasBeenNotified();
+    decoded.Notify();
+  };
+  runner.Submit(std::move(decode));
+  decoded.WaitForNotification();
+  prefilled.WaitForNotification();
+  runner.Stop();
+  // 256 prompt tokens take 64 steps of four: the decode went in one of them.
+  EXPECT_TRUE(decoded_first);
   EXPECT_TRUE(pool_->CheckInvariants().ok());
 }
 
