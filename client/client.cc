@@ -222,8 +222,8 @@ absl::Status Client::Ping() const {
 }
 
 absl::StatusOr<v1::PrefillResponse> Client::Prefill(uint64_t sequence_id,
-                                                    std::span<const int32_t> tokens,
-                                                    int32_t top_k, int32_t priority) const {
+                                                    std::span<const int32_t> tokens, int32_t top_k,
+                                                    int32_t priority) const {
   v1::PrefillRequest request;
   request.set_sequence_id(sequence_id);
   request.mutable_tokens()->Add(tokens.begin(), tokens.end());
@@ -251,9 +251,8 @@ absl::StatusOr<v1::DecodeResponse> Client::Decode(std::span<const DecodeItem> it
   return response;
 }
 
-absl::Status Client::Generate(
-    const v1::GenerateRequest& request,
-    absl::FunctionRef<bool(const v1::GenerateResponse&)> on_token) const {
+absl::Status Client::Generate(const v1::GenerateRequest& request,
+                              absl::FunctionRef<bool(const v1::GenerateResponse&)> on_token) const {
   grpc::ClientContext context;
   PrepareContext(&context, /*deadline=*/false);
   std::unique_ptr<grpc::ClientReaderInterface<v1::GenerateResponse>> reader =

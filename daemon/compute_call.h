@@ -33,16 +33,16 @@ struct ComputeCall {
   // for this call; a longer prefill stays planned across steps (its sequence and blocks held,
   // nothing published) while decodes of other sessions run between its chunks.
   int64_t chunk = INT64_MAX;
-  bool planned = false;   // `items` were planned by an earlier step
-  int64_t computed = 0;   // tokens of items[0] computed by earlier steps
-  bool finished = true;   // false after a step that left prompt tokens to compute
+  bool planned = false;  // `items` were planned by an earlier step
+  int64_t computed = 0;  // tokens of items[0] computed by earlier steps
+  bool finished = true;  // false after a step that left prompt tokens to compute
 
   // The outcome, set by DaemonPool::RunStep.
   absl::Status status;
-  std::vector<model::PlannedItem> items;    // one per prefill / decoded sequence
-  std::vector<model::ItemResult> results;   // parallel to items
-  std::vector<int64_t> lengths;             // each sequence's length after the step
-  int32_t step_sequences = 0;               // sequences in the step that served it
+  std::vector<model::PlannedItem> items;   // one per prefill / decoded sequence
+  std::vector<model::ItemResult> results;  // parallel to items
+  std::vector<int64_t> lengths;            // each sequence's length after the step
+  int32_t step_sequences = 0;              // sequences in the step that served it
 
   // Called exactly once with the outcome (on the runner's thread).
   std::function<void(ComputeCall&)> done;

@@ -154,8 +154,7 @@ std::vector<std::string> ValidateConfig(const v1::DaemonConfig& c) {
                named->num_kv_heads != c.shape().num_kv_heads() ||
                named->head_dim != c.shape().head_dim()) {
       bad("shape", fmt::format("model {} needs num_layers {}, num_kv_heads {}, head_dim {}",
-                               m.name(), named->num_layers, named->num_kv_heads,
-                               named->head_dim));
+                               m.name(), named->num_layers, named->num_kv_heads, named->head_dim));
     }
   }
   if (!m.checkpoint().empty() && m.checkpoint()[0] != '/') {

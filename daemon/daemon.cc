@@ -4,9 +4,9 @@
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/un.h>
 #include <systemd/sd-daemon.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -88,8 +88,7 @@ absl::Status StartModel(const v1::DaemonConfig& config, kernels::Device* device,
   absl::StatusOr<std::unique_ptr<model::StepModel>> created =
       model::CreateStepModel(std::move(*weights), pool->layout(), device, spec.threads());
   if (created.status().code() == absl::StatusCode::kUnavailable) {
-    Log().error("model {}: {}; Prefill/Decode/Generate are off", name,
-                created.status().message());
+    Log().error("model {}: {}; Prefill/Decode/Generate are off", name, created.status().message());
     return absl::OkStatus();
   }
   if (!created.ok()) return created.status();

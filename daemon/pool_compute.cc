@@ -156,8 +156,8 @@ void DaemonPool::RunStep(model::StepModel* model, std::span<ComputeCall* const> 
         const model::PlannedItem& item = call->items[0];
         const int64_t left = static_cast<int64_t>(item.tokens.size()) - call->computed;
         const int64_t n = std::clamp<int64_t>(call->chunk, 1, left);
-        step.push_back({std::span(item.tokens).subspan(static_cast<size_t>(call->computed),
-                                                       static_cast<size_t>(n)),
+        step.push_back({std::span(item.tokens)
+                            .subspan(static_cast<size_t>(call->computed), static_cast<size_t>(n)),
                         item.start + call->computed, item.table});
       } else {
         for (const model::PlannedItem& item : call->items) step.push_back(item.AsStepItem());
@@ -203,13 +203,14 @@ void DaemonPool::RunStep(model::StepModel* model, std::span<ComputeCall* const> 
       call->planned = false;
     }
     call->results.assign(std::make_move_iterator(results.begin() + static_cast<ptrdiff_t>(next)),
-                         std::make_move_iterator(results.begin() +
-                                                 static_cast<ptrdiff_t>(next + call->items.size())));
+                         std::make_move_iterator(
+                             results.begin() + static_cast<ptrdiff_t>(next + call->items.size())));
     next += call->items.size();
     call->step_sequences = static_cast<int32_t>(step.size());
     call->lengths.clear();
     for (model::ItemResult& r : call->results) {
-      if (static_cast<int32_t>(r.top.size()) > call->top_k) r.top.resize(static_cast<size_t>(call->top_k));
+      if (static_cast<int32_t>(r.top.size()) > call->top_k)
+        r.top.resize(static_cast<size_t>(call->top_k));
     }
     for (const model::PlannedItem& item : call->items) {
       absl::Status s = model::FinishItem(*cache_, call->session->id, item);

@@ -111,7 +111,8 @@ void StepRunner::Loop() {
     {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
-          +[](StepRunner* r) ABSL_NO_THREAD_SAFETY_ANALYSIS { return r->stop_ || !r->queue_.empty(); },
+          +[](StepRunner* r)
+               ABSL_NO_THREAD_SAFETY_ANALYSIS { return r->stop_ || !r->queue_.empty(); },
           this));
       if (stop_) return;
       if (options_.batching && options_.gather_window > absl::ZeroDuration()) {
@@ -119,13 +120,12 @@ void StepRunner::Loop() {
         // calls that queued during a long step would otherwise find it closed already.
         const absl::Time deadline =
             std::max(queue_.front()->queued, last_step_end_) + options_.gather_window;
-        mu_.AwaitWithDeadline(
-            absl::Condition(
-                +[](StepRunner* r) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-                  return r->stop_ || r->Gathered();
-                },
-                this),
-            deadline);
+        mu_.AwaitWithDeadline(absl::Condition(
+                                  +[](StepRunner* r) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                                    return r->stop_ || r->Gathered();
+                                  },
+                                  this),
+                              deadline);
         if (stop_) return;
       }
       step = TakeStep();

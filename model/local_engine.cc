@@ -15,21 +15,22 @@ absl::StatusOr<std::unique_ptr<LocalEngine>> LocalEngine::Create(ModelWeights we
                                                     .dtype = options.dtype},
                                                    options.pool_bytes));
   std::unique_ptr<LocalEngine> e(new LocalEngine());
-  KVPOOL_ASSIGN_OR_RETURN(e->device_, kernels::CreateDevice({.kind = options.backend,
-                                                             .device_ordinal = options.device_ordinal,
-                                                             .cpu_threads = options.threads}));
+  KVPOOL_ASSIGN_OR_RETURN(e->device_,
+                          kernels::CreateDevice({.kind = options.backend,
+                                                 .device_ordinal = options.device_ordinal,
+                                                 .cpu_threads = options.threads}));
   KVPOOL_ASSIGN_OR_RETURN(e->arena_, e->device_->CreateArena(layout.arena_bytes()));
   e->view_ = {e->arena_->base(), layout};
-  KVPOOL_ASSIGN_OR_RETURN(e->cache_, KvCacheManager::Create({.block_size = layout.block_size,
-                                                             .num_blocks = layout.num_blocks,
-                                                             .max_blocks_per_seq =
-                                                                 options.max_blocks_per_seq,
-                                                             .fences = e->device_.get(),
-                                                             .prefix_cache = options.prefix_cache}));
+  KVPOOL_ASSIGN_OR_RETURN(e->cache_,
+                          KvCacheManager::Create({.block_size = layout.block_size,
+                                                  .num_blocks = layout.num_blocks,
+                                                  .max_blocks_per_seq = options.max_blocks_per_seq,
+                                                  .fences = e->device_.get(),
+                                                  .prefix_cache = options.prefix_cache}));
   e->executor_ = std::make_unique<kernels::PlanExecutor>(
       e->device_.get(), kernels::StreamId::kTransfer, e->view_, kernels::FillPolicy::kNone);
-  KVPOOL_ASSIGN_OR_RETURN(e->model_, CreateStepModel(std::move(weights), layout, e->device_.get(),
-                                                     options.threads));
+  KVPOOL_ASSIGN_OR_RETURN(
+      e->model_, CreateStepModel(std::move(weights), layout, e->device_.get(), options.threads));
   return e;
 }
 

@@ -9,10 +9,10 @@
 #include <numeric>
 
 #include "fmt/format.h"
-#include "kvpool/util/fmt.h"
 #include "kernels/cpu_kernels.h"
 #include "kernels/dtype.h"
 #include "kvpool/util/check.h"
+#include "kvpool/util/fmt.h"
 #include "kvpool/util/status_macros.h"
 #include "model/internal/logits.h"
 #include "model/internal/skinny_matmul.h"
@@ -21,22 +21,22 @@ namespace kvpool::model {
 
 // Buffers reused from step to step (they only grow).
 struct Model::Scratch {
-  std::vector<float> x;        // [tokens][hidden] the residual stream
-  std::vector<float> xn;       // [tokens][hidden] normalized
-  std::vector<float> qkv;      // [tokens][q + 2 kv]
-  std::vector<float> q;        // [tokens][heads][head_dim] rotated queries
-  std::vector<float> attn;     // [tokens][heads][head_dim] attention output
-  std::vector<char> k;         // [tokens][kv_heads][head_dim] in the pool's dtype
-  std::vector<char> v;         // same
-  std::vector<float> gate_up;  // [tokens][2 * intermediate]
-  std::vector<float> act;      // [tokens][intermediate]
-  std::vector<float> cos;      // [tokens][head_dim / 2]
-  std::vector<float> sin;      // same
-  std::vector<int64_t> slots;  // [tokens]
-  std::vector<int32_t> tables; // [tokens][stride]
-  std::vector<int32_t> lens;   // [tokens]
-  std::vector<float> last;     // [items][hidden]
-  std::vector<float> logits;   // [items][vocab]
+  std::vector<float> x;         // [tokens][hidden] the residual stream
+  std::vector<float> xn;        // [tokens][hidden] normalized
+  std::vector<float> qkv;       // [tokens][q + 2 kv]
+  std::vector<float> q;         // [tokens][heads][head_dim] rotated queries
+  std::vector<float> attn;      // [tokens][heads][head_dim] attention output
+  std::vector<char> k;          // [tokens][kv_heads][head_dim] in the pool's dtype
+  std::vector<char> v;          // same
+  std::vector<float> gate_up;   // [tokens][2 * intermediate]
+  std::vector<float> act;       // [tokens][intermediate]
+  std::vector<float> cos;       // [tokens][head_dim / 2]
+  std::vector<float> sin;       // same
+  std::vector<int64_t> slots;   // [tokens]
+  std::vector<int32_t> tables;  // [tokens][stride]
+  std::vector<int32_t> lens;    // [tokens]
+  std::vector<float> last;      // [items][hidden]
+  std::vector<float> logits;    // [items][vocab]
   int32_t stride = 0;
   int32_t max_len = 0;
 };
@@ -57,12 +57,12 @@ void Linear(const float* x, int64_t rows, const internal::HugeVector& w, int32_t
                            threads);
     return;
   }
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(rows), out, in, 1.0f,
-              x, in, w.data(), in, accumulate ? 1.0f : 0.0f, y, out);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(rows), out, in, 1.0f, x,
+              in, w.data(), in, accumulate ? 1.0f : 0.0f, y, out);
 }
 
-void RmsNorm(const float* x, int64_t rows, int32_t dim, const std::vector<float>& weight,
-             float eps, float* y) {
+void RmsNorm(const float* x, int64_t rows, int32_t dim, const std::vector<float>& weight, float eps,
+             float* y) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * dim;
     float* yr = y + r * dim;
@@ -263,19 +263,19 @@ void Model::Layer(int32_t layer, const kernels::KvPoolView& pool, int64_t n) {
                                                .k = s.k.data(),
                                                .v = s.v.data(),
                                                .slots = s.slots.data()}));
-  KVPOOL_CHECK_OK(kernels::cpu::PagedAttentionDecode(
-      pool,
-      {.layer = layer,
-       .num_seqs = static_cast<int32_t>(n),
-       .num_q_heads = c.num_heads,
-       .scale = 1.0f / std::sqrt(static_cast<float>(hd)),
-       .q = s.q.data(),
-       .out = s.attn.data(),
-       .block_tables = s.tables.data(),
-       .table_stride = s.stride,
-       .seq_lens = s.lens.data(),
-       .max_seq_len = s.max_len},
-      &threads_));
+  KVPOOL_CHECK_OK(
+      kernels::cpu::PagedAttentionDecode(pool,
+                                         {.layer = layer,
+                                          .num_seqs = static_cast<int32_t>(n),
+                                          .num_q_heads = c.num_heads,
+                                          .scale = 1.0f / std::sqrt(static_cast<float>(hd)),
+                                          .q = s.q.data(),
+                                          .out = s.attn.data(),
+                                          .block_tables = s.tables.data(),
+                                          .table_stride = s.stride,
+                                          .seq_lens = s.lens.data(),
+                                          .max_seq_len = s.max_len},
+                                         &threads_));
   Linear(s.attn.data(), n, wo_[static_cast<size_t>(layer)], h, qd, s.x.data(), &threads_,
          /*accumulate=*/true);
 

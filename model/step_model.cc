@@ -29,8 +29,8 @@ absl::Status CheckWeights(const ModelWeights& w) {
   KVPOOL_RETURN_IF_ERROR(
       CheckSize(w.lm_head, c.tie_word_embeddings ? 0 : int64_t{c.vocab_size} * h, "lm_head"));
   if (static_cast<int32_t>(w.layers.size()) != c.num_layers) {
-    return absl::InvalidArgumentError(fmt::format("weights: {} layers, the config says {}",
-                                                  w.layers.size(), c.num_layers));
+    return absl::InvalidArgumentError(
+        fmt::format("weights: {} layers, the config says {}", w.layers.size(), c.num_layers));
   }
   for (size_t l = 0; l < w.layers.size(); ++l) {
     const LayerWeights& L = w.layers[l];
@@ -78,12 +78,13 @@ absl::Status CheckStep(const ModelConfig& config, const kernels::PoolLayout& lay
       }
     }
     const int64_t end = it.start + static_cast<int64_t>(it.tokens.size());
-    if (end > INT32_MAX) return absl::InvalidArgumentError(fmt::format("step: item {} too long", i));
+    if (end > INT32_MAX)
+      return absl::InvalidArgumentError(fmt::format("step: item {} too long", i));
     const int64_t blocks = (end + l.block_size - 1) / l.block_size;
     if (static_cast<int64_t>(it.block_table.size()) < blocks) {
-      return absl::InvalidArgumentError(fmt::format(
-          "step: item {} needs {} blocks for {} tokens but its table has {}", i, blocks, end,
-          it.block_table.size()));
+      return absl::InvalidArgumentError(
+          fmt::format("step: item {} needs {} blocks for {} tokens but its table has {}", i, blocks,
+                      end, it.block_table.size()));
     }
     for (int64_t b = 0; b < blocks; ++b) {
       const int32_t id = it.block_table[static_cast<size_t>(b)];
@@ -136,8 +137,8 @@ absl::StatusOr<std::unique_ptr<StepModel>> CreateStepModel(ModelWeights weights,
     return std::unique_ptr<StepModel>(std::move(model));
   }
   KVPOOL_RETURN_IF_ERROR(CheckModel(weights, layout));
-  auto create = reinterpret_cast<CreateModelFn>(
-      kernels::CudaBackendSymbol("kvpool_backend_create_model"));
+  auto create =
+      reinterpret_cast<CreateModelFn>(kernels::CudaBackendSymbol("kvpool_backend_create_model"));
   if (create == nullptr) {
     return absl::UnavailableError(
         fmt::format("{} has no model: {}", device->name(), kernels::DescribeCudaBackend()));

@@ -25,9 +25,9 @@ namespace kvpool::model {
 
 // One sequence's part of a step.
 struct StepItem {
-  std::span<const int32_t> tokens;        // the new tokens (at least one)
-  int64_t start = 0;                      // position of tokens[0]: tokens already in the pool
-  std::span<const int32_t> block_table;   // covers start + tokens.size() tokens
+  std::span<const int32_t> tokens;       // the new tokens (at least one)
+  int64_t start = 0;                     // position of tokens[0]: tokens already in the pool
+  std::span<const int32_t> block_table;  // covers start + tokens.size() tokens
 };
 
 struct StepOptions {
@@ -42,9 +42,9 @@ struct TokenLogProb {
 
 // What a step produces for one item: the prediction after its last token.
 struct ItemResult {
-  int32_t next_token = 0;            // greedy (argmax; the lowest id on a tie)
-  std::vector<TokenLogProb> top;     // top_k entries, most likely first
-  std::vector<float> logits;         // [vocab] when keep_logits
+  int32_t next_token = 0;         // greedy (argmax; the lowest id on a tie)
+  std::vector<TokenLogProb> top;  // top_k entries, most likely first
+  std::vector<float> logits;      // [vocab] when keep_logits
 };
 
 class StepModel {

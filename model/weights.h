@@ -4,8 +4,8 @@
 //
 // Weights come from a Hugging Face checkpoint directory (config.json + *.safetensors in f32, f16
 // or bf16) or are generated deterministically from a seed and a named size ("tiny" is kvpoold's
-// embedded default). Matrices keep the Hugging Face layout of nn.Linear: [out_features][in_features],
-// row-major, so y = x · Wᵀ.
+// embedded default). Matrices keep the Hugging Face layout of nn.Linear:
+// [out_features][in_features], row-major, so y = x · Wᵀ.
 
 #include <cstdint>
 #include <string>
@@ -21,8 +21,8 @@ struct ModelConfig {
   int32_t hidden_size = 0;        // the residual width (usually num_heads * head_dim)
   int32_t intermediate_size = 0;  // SwiGLU width
   int32_t num_layers = 0;
-  int32_t num_heads = 0;          // query heads
-  int32_t num_kv_heads = 0;       // key/value heads (grouped-query attention); divides num_heads
+  int32_t num_heads = 0;     // query heads
+  int32_t num_kv_heads = 0;  // key/value heads (grouped-query attention); divides num_heads
   int32_t head_dim = 0;
   float rms_norm_eps = 1e-5f;
   float rope_theta = 10000.0f;
@@ -54,7 +54,7 @@ struct LayerWeights {
 
 struct ModelWeights {
   ModelConfig config;
-  std::vector<float> embed;       // [vocab][hidden]
+  std::vector<float> embed;  // [vocab][hidden]
   std::vector<LayerWeights> layers;
   std::vector<float> final_norm;  // [hidden]
   std::vector<float> lm_head;     // [vocab][hidden]; empty when tie_word_embeddings

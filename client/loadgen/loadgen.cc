@@ -348,9 +348,8 @@ absl::StatusOr<Summary> Run(const Options& options) {
           s->num_blocks(), s->cow_copies(), s->evictions());
       if (options.mode == Mode::kModel && s->model_steps() > 0) {
         model_line = fmt::format(
-            "daemon model {}: {} steps, {:.2f} sequences per step, busy {:.1f} s",
-            s->model(), s->model_steps(),
-            static_cast<double>(s->model_step_sequences()) / s->model_steps(),
+            "daemon model {}: {} steps, {:.2f} sequences per step, busy {:.1f} s", s->model(),
+            s->model_steps(), static_cast<double>(s->model_step_sequences()) / s->model_steps(),
             s->model_busy_us() / 1e6);
       }
     }

@@ -38,7 +38,7 @@ struct Options {
   int32_t turns = 4;
   // Or a Mooncake trace: prompts and replies cut to fit the pool.
   std::string trace;
-  int64_t max_requests = 0;       // 0: all
+  int64_t max_requests = 0;  // 0: all
   // Prompts are cut to this (0: to the model's context and a share of the pool per worker).
   int64_t max_prompt_tokens = 0;
   int64_t max_reply_tokens = 256;
@@ -55,7 +55,7 @@ struct Summary {
   int64_t decoded_tokens = 0;
   int64_t kv_mismatches = 0;  // KV mode: reused KV that was not what it should be (must be 0)
   // Model mode.
-  double tokens_per_second = 0;  // generated tokens over the run's wall time
+  double tokens_per_second = 0;             // generated tokens over the run's wall time
   double ttft_p50_ms = 0, ttft_p99_ms = 0;  // Prefill latency
   double itl_p50_ms = 0, itl_p99_ms = 0;    // Decode latency
   double seconds = 0;

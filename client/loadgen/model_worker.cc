@@ -61,7 +61,8 @@ void ModelWorker::Serve(const workload::Request& request) {
   int64_t room = static_cast<int64_t>(c->model_max_position()) - reply;
   if (options_.max_prompt_tokens > 0) room = std::min(room, options_.max_prompt_tokens);
   room = std::min(room, static_cast<int64_t>(l.num_blocks()) * l.block_size() / 2 /
-                            std::max(1, options_.workers) - reply);
+                                std::max(1, options_.workers) -
+                            reply);
   if (room < 1) return Error("the pool is too small for one request per worker");
   if (static_cast<int64_t>(prompt.size()) > room) prompt.resize(static_cast<size_t>(room));
 

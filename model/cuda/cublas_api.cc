@@ -47,9 +47,8 @@ absl::StatusOr<const CublasApi*> LoadCublas() {
 
 absl::Status CublasStatus(const CublasApi& api, cublasStatus_t status, const char* what) {
   if (status == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
-  const std::string message =
-      fmt::format("{}: cuBLAS error {} ({})", what, static_cast<int>(status),
-                  api.status_string(status));
+  const std::string message = fmt::format("{}: cuBLAS error {} ({})", what,
+                                          static_cast<int>(status), api.status_string(status));
   if (status == CUBLAS_STATUS_ALLOC_FAILED) return absl::ResourceExhaustedError(message);
   return absl::InternalError(message);
 }

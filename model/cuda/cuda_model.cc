@@ -139,8 +139,8 @@ absl::Status CudaModel::Reserve(Pinned& pinned, int64_t bytes) {
   return absl::OkStatus();
 }
 
-absl::Status CudaModel::Gemm(const float* x, int32_t rows, const Buffer& w, int32_t out,
-                             int32_t in, float* y, bool accumulate) {
+absl::Status CudaModel::Gemm(const float* x, int32_t rows, const Buffer& w, int32_t out, int32_t in,
+                             float* y, bool accumulate) {
   // Row-major y[rows][out] is column-major yᵀ (out x rows) = W · xᵀ, and row-major W[out][in]
   // is column-major Wᵀ (in x out): so yᵀ = op(Wᵀ)ᵀ · xᵀ with A transposed and B as is.
   const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
@@ -193,7 +193,8 @@ absl::Status CudaModel::RunStep(const kernels::KvPoolView& pool, std::span<const
       const int64_t pos = it.start + static_cast<int64_t>(j);
       tokens[t] = it.tokens[j];
       positions[t] = static_cast<int32_t>(pos);
-      slots[t] = static_cast<int64_t>(it.block_table[static_cast<size_t>(pos / bs)]) * bs + pos % bs;
+      slots[t] =
+          static_cast<int64_t>(it.block_table[static_cast<size_t>(pos / bs)]) * bs + pos % bs;
       lens[t] = static_cast<int32_t>(pos + 1);
       int32_t* table = tables + t * stride_;
       const size_t blocks = static_cast<size_t>((pos + 1 + bs - 1) / bs);
@@ -206,8 +207,8 @@ absl::Status CudaModel::RunStep(const kernels::KvPoolView& pool, std::span<const
   // Scratch for the widest step so far.
   const int64_t h = c.hidden_size, qd = int64_t{c.num_heads} * c.head_dim,
                 kvd = int64_t{c.num_kv_heads} * c.head_dim, im = c.intermediate_size;
-  const kernels::cuda::DecodePlan plan = kernels::cuda::PlanDecode(
-      layout_, static_cast<int32_t>(n), c.num_heads, max_len_, num_sms_);
+  const kernels::cuda::DecodePlan plan =
+      kernels::cuda::PlanDecode(layout_, static_cast<int32_t>(n), c.num_heads, max_len_, num_sms_);
   if (plan.num_splits > kernels::cuda::kMaxGridYZ) {
     return absl::InvalidArgumentError(
         fmt::format("step: sequences of {} tokens are beyond the decode kernel's grid", max_len_));
@@ -249,10 +250,10 @@ absl::Status CudaModel::Launch(const kernels::KvPoolView& pool, int32_t n, int32
   const ModelConfig& c = config_;
   const int32_t h = c.hidden_size, hd = c.head_dim, im = c.intermediate_size;
   const int32_t qd = c.num_heads * hd, kvd = c.num_kv_heads * hd;
-  KVPOOL_RETURN_IF_ERROR(CudaStatus(
-      cudaMemcpyAsync(inputs_->data(), staged_.data, static_cast<size_t>(offsets_.end),
-                      cudaMemcpyHostToDevice, stream_),
-      "cudaMemcpyAsync (step inputs)"));
+  KVPOOL_RETURN_IF_ERROR(
+      CudaStatus(cudaMemcpyAsync(inputs_->data(), staged_.data, static_cast<size_t>(offsets_.end),
+                                 cudaMemcpyHostToDevice, stream_),
+                 "cudaMemcpyAsync (step inputs)"));
   const auto* tokens = At<int32_t>(inputs_, offsets_.tokens);
   const auto* positions = At<int32_t>(inputs_, offsets_.positions);
   const auto* slots = At<int64_t>(inputs_, offsets_.slots);
@@ -274,51 +275,49 @@ absl::Status CudaModel::Launch(const kernels::KvPoolView& pool, int32_t n, int32
         LaunchRmsNorm(x, nullptr, n, h, At<float>(L.attn_norm), c.rms_norm_eps, xn, stream_),
         "RMSNorm kernel"));
     KVPOOL_RETURN_IF_ERROR(Gemm(xn, n, L.wqkv, qd + 2 * kvd, h, At<float>(qkv_), false));
-    KVPOOL_RETURN_IF_ERROR(CudaStatus(
-        LaunchRopeSplit(At<float>(qkv_), positions, At<float>(inv_freq_), n, c.num_heads,
-                        c.num_kv_heads, hd, layout_.dtype, At<float>(q_), k_->data(), v_->data(),
-                        stream_),
-        "RoPE kernel"));
+    KVPOOL_RETURN_IF_ERROR(
+        CudaStatus(LaunchRopeSplit(At<float>(qkv_), positions, At<float>(inv_freq_), n, c.num_heads,
+                                   c.num_kv_heads, hd, layout_.dtype, At<float>(q_), k_->data(),
+                                   v_->data(), stream_),
+                   "RoPE kernel"));
     // Every new token's K/V goes in before any query reads (stream order).
     KVPOOL_RETURN_IF_ERROR(CudaStatus(
         kernels::cuda::LaunchWriteKv(
             pool, {.layer = l, .num_tokens = n, .k = k_->data(), .v = v_->data(), .slots = slots},
             stream_),
         "WriteKv kernel"));
-    KVPOOL_RETURN_IF_ERROR(CudaStatus(
-        kernels::cuda::LaunchPagedAttentionDecode(
-            pool,
-            {.layer = l,
-             .num_seqs = n,
-             .num_q_heads = c.num_heads,
-             .scale = 1.0f / std::sqrt(static_cast<float>(hd)),
-             .q = At<float>(q_),
-             .out = At<float>(attn_),
-             .block_tables = tables,
-             .table_stride = stride_,
-             .seq_lens = lens,
-             .max_seq_len = max_len_,
-             .workspace = workspace_->data(),
-             .workspace_bytes = workspace_->bytes()},
-            plan, stream_),
-        "paged attention kernel"));
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(kernels::cuda::LaunchPagedAttentionDecode(
+                                          pool,
+                                          {.layer = l,
+                                           .num_seqs = n,
+                                           .num_q_heads = c.num_heads,
+                                           .scale = 1.0f / std::sqrt(static_cast<float>(hd)),
+                                           .q = At<float>(q_),
+                                           .out = At<float>(attn_),
+                                           .block_tables = tables,
+                                           .table_stride = stride_,
+                                           .seq_lens = lens,
+                                           .max_seq_len = max_len_,
+                                           .workspace = workspace_->data(),
+                                           .workspace_bytes = workspace_->bytes()},
+                                          plan, stream_),
+                                      "paged attention kernel"));
     KVPOOL_RETURN_IF_ERROR(Gemm(At<float>(attn_), n, L.wo, h, qd, x, true));
     // MLP.
     KVPOOL_RETURN_IF_ERROR(CudaStatus(
         LaunchRmsNorm(x, nullptr, n, h, At<float>(L.mlp_norm), c.rms_norm_eps, xn, stream_),
         "RMSNorm kernel"));
     KVPOOL_RETURN_IF_ERROR(Gemm(xn, n, L.w_gate_up, 2 * im, h, At<float>(gate_up_), false));
-    KVPOOL_RETURN_IF_ERROR(
-        CudaStatus(LaunchSiluMul(At<float>(gate_up_), n, im, At<float>(act_), stream_),
-                   "SwiGLU kernel"));
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(
+        LaunchSiluMul(At<float>(gate_up_), n, im, At<float>(act_), stream_), "SwiGLU kernel"));
     KVPOOL_RETURN_IF_ERROR(Gemm(At<float>(act_), n, L.w_down, h, im, x, true));
   }
   // The prediction after each item's last token.
   KVPOOL_RETURN_IF_ERROR(CudaStatus(LaunchRmsNorm(x, last_rows, ni, h, At<float>(final_norm_),
                                                   c.rms_norm_eps, At<float>(last_), stream_),
                                     "RMSNorm kernel"));
-  KVPOOL_RETURN_IF_ERROR(Gemm(At<float>(last_), ni, head_, c.vocab_size, h, At<float>(logits_),
-                              false));
+  KVPOOL_RETURN_IF_ERROR(
+      Gemm(At<float>(last_), ni, head_, c.vocab_size, h, At<float>(logits_), false));
   return CudaStatus(cudaMemcpyAsync(logits_host_.data, logits_->data(),
                                     static_cast<size_t>(ni) * c.vocab_size * sizeof(float),
                                     cudaMemcpyDeviceToHost, stream_),

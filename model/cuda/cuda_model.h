@@ -65,8 +65,8 @@ class CudaModel final : public StepModel {
     int64_t bytes = 0;
   };
 
-  CudaModel(const ModelConfig& config, const kernels::PoolLayout& layout, int ordinal,
-            int num_sms, std::string where, const CublasApi* cublas);
+  CudaModel(const ModelConfig& config, const kernels::PoolLayout& layout, int ordinal, int num_sms,
+            std::string where, const CublasApi* cublas);
 
   // Uploads `values` (synchronously) into a new buffer.
   absl::StatusOr<Buffer> Upload(const std::vector<float>& values);

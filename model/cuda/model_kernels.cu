@@ -32,8 +32,8 @@ __global__ void EmbedKernel(const float* embed, const int32_t* tokens, int32_t h
   for (int32_t i = threadIdx.x; i < hidden; i += blockDim.x) dst[i] = src[i];
 }
 
-__global__ void RmsNormKernel(const float* x, const int32_t* rows, int32_t dim,
-                              const float* weight, float eps, float* y) {
+__global__ void RmsNormKernel(const float* x, const int32_t* rows, int32_t dim, const float* weight,
+                              float eps, float* y) {
   const int64_t r = blockIdx.x;
   const float* xr = x + static_cast<int64_t>(rows != nullptr ? rows[r] : r) * dim;
   float ss = 0;
@@ -57,8 +57,8 @@ __device__ __forceinline__ void StoreKv(float f, void* base, int64_t i) {
 
 template <kernels::DType kDType>
 __global__ void RopeSplitKernel(const float* qkv, const int32_t* positions, const float* inv_freq,
-                                int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,
-                                float* q, void* k, void* v) {
+                                int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, float* q,
+                                void* k, void* v) {
   const int64_t t = blockIdx.x;
   const int32_t half = head_dim / 2;
   const int32_t qd = num_heads * head_dim, kvd = num_kv_heads * head_dim;

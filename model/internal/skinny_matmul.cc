@@ -89,9 +89,8 @@ void SkinnyMatMul(const float* x, int32_t m, const float* w, int32_t out, int32_
   // Chunks of 64 weight rows (a multiple of the 4-row tile): enough to balance, few enough to
   // keep the dispatch cost small.
   const int64_t chunks = (out + 63) / 64;
-  threads->ParallelFor(chunks, 1, [&](int64_t c0, int64_t c1) {
-    rows(c0 * 64, std::min<int64_t>(c1 * 64, out));
-  });
+  threads->ParallelFor(
+      chunks, 1, [&](int64_t c0, int64_t c1) { rows(c0 * 64, std::min<int64_t>(c1 * 64, out)); });
 }
 
 }  // namespace kvpool::model::internal

@@ -32,8 +32,8 @@ class RunStepTest : public ::testing::Test {
     v1::DaemonConfig config = DefaultConfig();
     config.set_pool_bytes(int64_t{64} << 16);  // 64 blocks of 64 KiB
     pool_ = std::move(*DaemonPool::Create(config, &device_, 7));
-    model_ = std::move(*model::Model::Create(model::SyntheticWeights(*model::NamedConfig("tiny"), 1),
-                                             pool_->layout(), {.threads = 1}));
+    model_ = std::move(*model::Model::Create(
+        model::SyntheticWeights(*model::NamedConfig("tiny"), 1), pool_->layout(), {.threads = 1}));
     alice_ = MakeSession(1);
     bob_ = MakeSession(2);
   }
@@ -113,8 +113,8 @@ TEST_F(RunStepTest, ABadCallFailsAloneAndChangesNothing) {
   const SequenceId seq = p.items[0].sequence;
   const v1::GetStatsResponse before = Stats();
   ComputeCall good = Decode(alice_, seq, p.results[0].next_token);
-  ComputeCall foreign = Decode(bob_, seq, 1);                  // alice's sequence
-  ComputeCall outside = Prefill(bob_, {1, 2, 9000});           // not in the vocabulary
+  ComputeCall foreign = Decode(bob_, seq, 1);                    // alice's sequence
+  ComputeCall outside = Prefill(bob_, {1, 2, 9000});             // not in the vocabulary
   ComputeCall too_long = Prefill(bob_, Prompt(64 * 16 + 1, 4));  // more than the pool
   Run({&good, &foreign, &outside, &too_long});
   EXPECT_TRUE(good.status.ok()) << good.status;

@@ -69,8 +69,9 @@ Generated Converse(const client::Client& c, const std::vector<int32_t>& prompt, 
 std::vector<int32_t> RunLocally(const std::vector<int32_t>& prompt, int n,
                                 kernels::DType dtype = kernels::DType::kBF16) {
   auto config = model::NamedConfig("tiny");
-  auto engine = model::LocalEngine::Create(model::SyntheticWeights(*config, 1),
-                                           {.block_size = 16, .dtype = dtype, .pool_bytes = 8 << 20});
+  auto engine =
+      model::LocalEngine::Create(model::SyntheticWeights(*config, 1),
+                                 {.block_size = 16, .dtype = dtype, .pool_bytes = 8 << 20});
   EXPECT_TRUE(engine.ok()) << engine.status();
   std::vector<int32_t> out;
   auto first = (*engine)->Prefill(SequenceId(0), prompt);
@@ -129,12 +130,16 @@ TEST_F(ComputeIntegrationTest, ConcurrentClientsGetTheTokensEachGetsAlone) {
   std::vector<Generated> together(kClients);
   std::vector<std::thread> threads;
   for (int i = 0; i < kClients; ++i) {
-    threads.emplace_back([&, i] { together[static_cast<size_t>(i)] = Converse(*clients[static_cast<size_t>(i)], prompts[static_cast<size_t>(i)], 12); });
+    threads.emplace_back([&, i] {
+      together[static_cast<size_t>(i)] =
+          Converse(*clients[static_cast<size_t>(i)], prompts[static_cast<size_t>(i)], 12);
+    });
   }
   for (std::thread& t : threads) t.join();
   int32_t widest = 0;
   for (int i = 0; i < kClients; ++i) {
-    EXPECT_EQ(together[static_cast<size_t>(i)].tokens, alone[static_cast<size_t>(i)].tokens) << "client " << i;
+    EXPECT_EQ(together[static_cast<size_t>(i)].tokens, alone[static_cast<size_t>(i)].tokens)
+        << "client " << i;
     widest = std::max(widest, together[static_cast<size_t>(i)].max_step_sequences);
   }
   // The clients' decodes were gathered into shared steps.
@@ -267,7 +272,8 @@ TEST_F(ComputeIntegrationTest, BadComputeInputGetsItsCodeAndChangesNothing) {
 }
 
 TEST_F(ComputeIntegrationTest, DaemonWithoutModelRefusesComputeCalls) {
-  StartDaemon(R"pb(pool_bytes: 16777216 model { name: "none" })pb");
+  StartDaemon(R"pb(pool_bytes: 16777216
+                   model { name: "none" })pb");
   auto c = Connect(daemon_->dir(), "nomodel");
   const absl::Status s = c->Prefill(0, Prompt(4, 1)).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);

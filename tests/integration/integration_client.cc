@@ -11,7 +11,8 @@
 //       (the test kills it).
 //   integration_client decode <runtime_dir> <tokens> <seed>
 //       prefill a prompt of <tokens> tokens (in the model's vocabulary) through the daemon's
-//       model, then decode one token at a time forever, printing "decoding" after the first (the test kills it).
+//       model, then decode one token at a time forever, printing "decoding" after the first (the
+//       test kills it).
 //
 // KV of token p is a function of the prompt up to p, so a prefix hit must read back exactly what
 // the writer wrote.

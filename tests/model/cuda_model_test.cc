@@ -34,10 +34,10 @@ std::unique_ptr<LocalEngine> GpuEngine(const ModelWeights& w, int32_t block_size
   return engine.ok() ? std::move(engine).value() : nullptr;
 }
 
-#define GPU_ENGINE_OR_SKIP(var, ...)                                                \
-  auto var = GpuEngine(__VA_ARGS__);                                                \
-  if (var == nullptr) {                                                             \
-    GTEST_SKIP() << "no CUDA device: " << kernels::DescribeCudaBackend();           \
+#define GPU_ENGINE_OR_SKIP(var, ...)                                      \
+  auto var = GpuEngine(__VA_ARGS__);                                      \
+  if (var == nullptr) {                                                   \
+    GTEST_SKIP() << "no CUDA device: " << kernels::DescribeCudaBackend(); \
   }
 
 class CudaModelTest : public ::testing::TestWithParam<std::tuple<int32_t, kernels::DType>> {};

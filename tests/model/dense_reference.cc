@@ -8,19 +8,20 @@ namespace kvpool::model {
 namespace {
 
 // y[out] = W[out][in] · x[in], in double.
-std::vector<double> MatVec(const std::vector<float>& w, const std::vector<double>& x,
-                           int64_t out) {
+std::vector<double> MatVec(const std::vector<float>& w, const std::vector<double>& x, int64_t out) {
   const int64_t in = static_cast<int64_t>(x.size());
   std::vector<double> y(static_cast<size_t>(out));
   for (int64_t o = 0; o < out; ++o) {
     double acc = 0;
-    for (int64_t i = 0; i < in; ++i) acc += double{w[static_cast<size_t>(o * in + i)]} * x[static_cast<size_t>(i)];
+    for (int64_t i = 0; i < in; ++i)
+      acc += double{w[static_cast<size_t>(o * in + i)]} * x[static_cast<size_t>(i)];
     y[static_cast<size_t>(o)] = acc;
   }
   return y;
 }
 
-std::vector<double> Norm(const std::vector<double>& x, const std::vector<float>& weight, double eps) {
+std::vector<double> Norm(const std::vector<double>& x, const std::vector<float>& weight,
+                         double eps) {
   double ss = 0;
   for (double v : x) ss += v * v;
   const double inv = 1.0 / std::sqrt(ss / static_cast<double>(x.size()) + eps);
@@ -67,15 +68,18 @@ std::vector<float> DenseReference::Forward(int32_t token) {
   const int64_t h = c.hidden_size, hd = c.head_dim, nh = c.num_heads, nkv = c.num_kv_heads;
   const int64_t pos = length_++;
   std::vector<double> x(static_cast<size_t>(h));
-  for (int64_t i = 0; i < h; ++i) x[static_cast<size_t>(i)] = w_->embed[static_cast<size_t>(token * h + i)];
+  for (int64_t i = 0; i < h; ++i)
+    x[static_cast<size_t>(i)] = w_->embed[static_cast<size_t>(token * h + i)];
   for (size_t l = 0; l < w_->layers.size(); ++l) {
     const LayerWeights& L = w_->layers[l];
     const std::vector<double> xn = Norm(x, L.attn_norm, c.rms_norm_eps);
     std::vector<double> q = MatVec(L.wq, xn, nh * hd);
     std::vector<double> k = MatVec(L.wk, xn, nkv * hd);
     const std::vector<double> v = MatVec(L.wv, xn, nkv * hd);
-    for (int64_t head = 0; head < nh; ++head) Rotate(&q[static_cast<size_t>(head * hd)], c.head_dim, pos, c.rope_theta);
-    for (int64_t head = 0; head < nkv; ++head) Rotate(&k[static_cast<size_t>(head * hd)], c.head_dim, pos, c.rope_theta);
+    for (int64_t head = 0; head < nh; ++head)
+      Rotate(&q[static_cast<size_t>(head * hd)], c.head_dim, pos, c.rope_theta);
+    for (int64_t head = 0; head < nkv; ++head)
+      Rotate(&k[static_cast<size_t>(head * hd)], c.head_dim, pos, c.rope_theta);
     for (double e : k) k_[l].push_back(RoundTo(e, dtype_));
     for (double e : v) v_[l].push_back(RoundTo(e, dtype_));
     std::vector<double> attn(static_cast<size_t>(nh * hd), 0.0);
@@ -98,7 +102,8 @@ std::vector<float> DenseReference::Forward(int32_t token) {
       for (int64_t p = 0; p <= pos; ++p) {
         for (int64_t d = 0; d < hd; ++d) {
           attn[static_cast<size_t>(head * hd + d)] +=
-              scores[static_cast<size_t>(p)] / sum * v_[l][static_cast<size_t>((p * nkv + kvh) * hd + d)];
+              scores[static_cast<size_t>(p)] / sum *
+              v_[l][static_cast<size_t>((p * nkv + kvh) * hd + d)];
         }
       }
     }

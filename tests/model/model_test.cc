@@ -34,8 +34,7 @@ std::unique_ptr<LocalEngine> MakeEngine(const ModelWeights& w, int32_t block_siz
   return std::move(engine).value();
 }
 
-class PagedVsDenseTest
-    : public ::testing::TestWithParam<std::tuple<int32_t, kernels::DType>> {};
+class PagedVsDenseTest : public ::testing::TestWithParam<std::tuple<int32_t, kernels::DType>> {};
 
 TEST_P(PagedVsDenseTest, PrefillAndDecodeMatchReference) {
   const auto [block_size, dtype] = GetParam();
@@ -120,7 +119,8 @@ TEST(ModelTest, OneStepMixesPrefillAndDecode) {
                   .ok());
   std::vector<PlannedItem> decode;
   const DecodeInput in{first->sequence, next_a};
-  ASSERT_TRUE(PlanDecode(engine->cache(), SessionId(1), std::span(&in, 1), 256, &decode, &plan).ok());
+  ASSERT_TRUE(
+      PlanDecode(engine->cache(), SessionId(1), std::span(&in, 1), 256, &decode, &plan).ok());
   items.push_back(decode[0]);
   ASSERT_TRUE(plan.copies.empty());
   std::vector<StepItem> step = {items[0].AsStepItem(), items[1].AsStepItem(),
@@ -341,13 +341,14 @@ TEST(ModelTest, CreateRejectsPoolOfAnotherShape) {
 TEST(ModelTest, TopKLogProbsAreSortedAndNormalized) {
   const ModelWeights w = SyntheticWeights(SmallTestConfig(), 37);
   auto engine = MakeEngine(w, 16, kernels::DType::kF32, true);
-  auto r = engine->Prefill(SequenceId(0), RandomTokens(12, 256, 11),
-                           {.top_k = 5, .keep_logits = true});
+  auto r =
+      engine->Prefill(SequenceId(0), RandomTokens(12, 256, 11), {.top_k = 5, .keep_logits = true});
   ASSERT_TRUE(r.ok());
   ASSERT_EQ(r->result.top.size(), 5u);
   EXPECT_EQ(r->result.top[0].token, r->result.next_token);
   double total = 0;
-  for (float l : r->result.logits) total += std::exp(double{l} - r->result.logits[static_cast<size_t>(r->result.next_token)]);
+  for (float l : r->result.logits)
+    total += std::exp(double{l} - r->result.logits[static_cast<size_t>(r->result.next_token)]);
   EXPECT_NEAR(r->result.top[0].logprob, -std::log(total), 1e-4);
   for (size_t i = 1; i < 5; ++i) EXPECT_GE(r->result.top[i - 1].logprob, r->result.top[i].logprob);
 }
