@@ -42,8 +42,12 @@ void StepRunner::Stop() {
 }
 
 bool StepRunner::Gathered() const {
+  // Decodes alone can fill a step; prompt tokens cannot, since a prefill is chunked to whatever
+  // the decodes leave: a long prompt in the queue is no reason to start without the decoders.
   int64_t tokens = 0;
-  for (const auto& call : queue_) tokens += call->step_tokens();
+  for (const auto& call : queue_) {
+    if (!call->prefill) tokens += call->step_tokens();
+  }
   if (tokens >= options_.max_step_tokens) return true;
   for (SessionId s : expected_) {
     if (!queued_.contains(s)) return false;

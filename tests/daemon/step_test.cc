@@ -331,6 +331,44 @@ TEST_F(RunStepTest, ADecodeWiderThanAStepIsNotKeptOutByChunks) {
   EXPECT_TRUE(pool_->CheckInvariants().ok());
 }
 
+TEST_F(RunStepTest, ALongPromptDoesNotStartStepsWithoutTheDecodersThatAreDue) {
+  ComputeCall pb = Prefill(bob_, Prompt(10, 40));
+  Run({&pb});
+  ASSERT_TRUE(pb.status.ok());
+  StepRunner runner(pool_.get(), model_.get(),
+                    {.gather_window = absl::Milliseconds(500), .max_step_tokens = 16});
+  absl::Notification prefilled;
+  auto prefill = std::make_unique<ComputeCall>(Prefill(alice_, Prompt(600, 41)));
+  prefill->done = [&](ComputeCall& c) {
+    EXPECT_TRUE(c.status.ok()) << c.status;
+    prefilled.Notify();
+  };
+  runner.Submit(std::move(prefill));
+  int32_t token = pb.results[0].next_token;
+  for (int i = 0; i < 3; ++i) {
+    // bob thinks for a while between decodes; the prompt's chunks wait for him (he was in the
+    // last step), so his decode runs in the very next step: one step from submit to answer.
+    absl::SleepFor(absl::Milliseconds(50));
+    const uint64_t before = Stats().model_steps();
+    absl::Notification decoded;
+    auto d = std::make_unique<ComputeCall>(Decode(bob_, pb.items[0].sequence, token));
+    d->done = [&](ComputeCall& c) {
+      EXPECT_TRUE(c.status.ok()) << c.status;
+      EXPECT_EQ(c.step_sequences, 2);
+      token = c.results[0].next_token;
+      decoded.Notify();
+    };
+    runner.Submit(std::move(d));
+    decoded.WaitForNotification();
+    if (i > 0) {  // the first time, bob was not in the step before
+      EXPECT_EQ(Stats().model_steps() - before, 1u) << "decode " << i;
+    }
+  }
+  prefilled.WaitForNotification();
+  runner.Stop();
+  EXPECT_TRUE(pool_->CheckInvariants().ok());
+}
+
 // A fake device timeline: fences up to `passed` have passed.
 class FakeDevice final : public FenceObserver {
  public:
