@@ -92,27 +92,6 @@ struct DenseRows {
 
 // ---- Portable path -------------------------------------------------------------------------
 
-float LoadFloat(const char* p, DType dtype) {
-  switch (dtype) {
-    case DType::kF32: {
-      float f;
-      std::memcpy(&f, p, sizeof(f));
-      return f;
-    }
-    case DType::kF16: {
-      uint16_t h;
-      std::memcpy(&h, p, sizeof(h));
-      return F16ToFloat(h);
-    }
-    case DType::kBF16: {
-      uint16_t h;
-      std::memcpy(&h, p, sizeof(h));
-      return BF16ToFloat(h);
-    }
-  }
-  return 0;
-}
-
 template <typename Rows>
 void AttendPortable(const Shape& shape, const Task& task, const Rows& rows, DType dtype) {
   const int dim = shape.dim;
@@ -130,7 +109,7 @@ void AttendPortable(const Shape& shape, const Task& task, const Rows& rows, DTyp
       float chunk_max = task.m[h];
       for (int i = 0; i < n; ++i) {
         float dot = 0;
-        for (int d = 0; d < dim; ++d) dot += q[d] * LoadFloat(kp[i] + head + d * dsize, dtype);
+        for (int d = 0; d < dim; ++d) dot += q[d] * LoadAsFloat(kp[i] + head + d * dsize, dtype);
         s[i] = dot * task.scale;
         chunk_max = std::max(chunk_max, s[i]);
       }
@@ -142,7 +121,7 @@ void AttendPortable(const Shape& shape, const Task& task, const Rows& rows, DTyp
       float* a = task.acc + h * dim;
       for (int d = 0; d < dim; ++d) a[d] *= alpha;
       for (int i = 0; i < n; ++i) {
-        for (int d = 0; d < dim; ++d) a[d] += s[i] * LoadFloat(vp[i] + head + d * dsize, dtype);
+        for (int d = 0; d < dim; ++d) a[d] += s[i] * LoadAsFloat(vp[i] + head + d * dsize, dtype);
       }
     }
   }

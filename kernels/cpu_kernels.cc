@@ -19,27 +19,6 @@ absl::Status BlockOutOfRange(std::string_view kernel, int64_t block, int32_t num
       fmt::format("{}: block {} outside [0, {})", kernel, block, num_blocks));
 }
 
-float LoadAsFloat(const char* p, DType dtype) {
-  switch (dtype) {
-    case DType::kF32: {
-      float f;
-      std::memcpy(&f, p, sizeof(f));
-      return f;
-    }
-    case DType::kF16: {
-      uint16_t h;
-      std::memcpy(&h, p, sizeof(h));
-      return F16ToFloat(h);
-    }
-    case DType::kBF16: {
-      uint16_t h;
-      std::memcpy(&h, p, sizeof(h));
-      return BF16ToFloat(h);
-    }
-  }
-  return 0;
-}
-
 }  // namespace
 
 absl::Status WriteKv(const KvPoolView& pool, const WriteKvArgs& a) {

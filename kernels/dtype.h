@@ -51,4 +51,26 @@ KVPOOL_HOST_DEVICE inline uint16_t FloatToBF16(float f) {
 float F16ToFloat(uint16_t h);
 uint16_t FloatToF16(float f);
 
+// One stored value at `p` (any alignment) widened to f32. Host only: the portable kernels'.
+inline float LoadAsFloat(const char* p, DType dtype) {
+  switch (dtype) {
+    case DType::kF32: {
+      float f;
+      std::memcpy(&f, p, sizeof(f));
+      return f;
+    }
+    case DType::kF16: {
+      uint16_t h;
+      std::memcpy(&h, p, sizeof(h));
+      return F16ToFloat(h);
+    }
+    case DType::kBF16: {
+      uint16_t h;
+      std::memcpy(&h, p, sizeof(h));
+      return BF16ToFloat(h);
+    }
+  }
+  return 0;
+}
+
 }  // namespace kvpool::kernels
