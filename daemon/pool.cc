@@ -41,6 +41,18 @@ v1::ArenaKind ToProto(kernels::ArenaExport::Kind k) {
   return v1::ARENA_KIND_UNSPECIFIED;
 }
 
+void ToProto(const kernels::PoolLayout& layout, v1::PoolLayout* out) {
+  out->set_block_size(layout.block_size);
+  out->set_num_layers(layout.num_layers);
+  out->set_num_kv_heads(layout.num_kv_heads);
+  out->set_head_dim(layout.head_dim);
+  out->set_dtype(ToProto(layout.dtype));
+  out->set_num_blocks(layout.num_blocks);
+  out->set_chunk_bytes(layout.chunk_bytes());
+  out->set_block_bytes(layout.block_bytes());
+  out->set_layout_hash(layout.Hash());
+}
+
 void ToProto(const BlockHash& h, v1::BlockHash* out) {
   out->set_lo(h.lo);
   out->set_hi(h.hi);
@@ -200,16 +212,7 @@ absl::StatusOr<AttachGrant> DaemonPool::Attach(const Session& s) {
   r.set_model_name(grant_model.name);
   r.set_model_vocab_size(grant_model.vocab_size);
   r.set_model_max_position(grant_model.max_position);
-  v1::PoolLayout* l = r.mutable_layout();
-  l->set_block_size(layout_.block_size);
-  l->set_num_layers(layout_.num_layers);
-  l->set_num_kv_heads(layout_.num_kv_heads);
-  l->set_head_dim(layout_.head_dim);
-  l->set_dtype(ToProto(layout_.dtype));
-  l->set_num_blocks(layout_.num_blocks);
-  l->set_chunk_bytes(layout_.chunk_bytes());
-  l->set_block_bytes(layout_.block_bytes());
-  l->set_layout_hash(layout_.Hash());
+  ToProto(layout_, r.mutable_layout());
   r.set_arena_kind(ToProto(exported.kind));
   r.set_arena_bytes(layout_.arena_bytes());
   r.set_mapped_bytes(exported.mapped_bytes);
@@ -431,16 +434,7 @@ void DaemonPool::Stats(v1::GetStatsResponse* r) const {
   r->set_decode_tokens(model_.decode_tokens);
   r->set_model_busy_us(static_cast<uint64_t>(absl::ToInt64Microseconds(model_.busy)));
   r->set_prefill_chunks(model_.prefill_chunks);
-  v1::PoolLayout* l = r->mutable_layout();
-  l->set_block_size(layout_.block_size);
-  l->set_num_layers(layout_.num_layers);
-  l->set_num_kv_heads(layout_.num_kv_heads);
-  l->set_head_dim(layout_.head_dim);
-  l->set_dtype(ToProto(layout_.dtype));
-  l->set_num_blocks(layout_.num_blocks);
-  l->set_chunk_bytes(layout_.chunk_bytes());
-  l->set_block_bytes(layout_.block_bytes());
-  l->set_layout_hash(layout_.Hash());
+  ToProto(layout_, r->mutable_layout());
 }
 
 void DaemonPool::ListSequences(uint64_t session_id, v1::ListSequencesResponse* response) const {
