@@ -23,6 +23,7 @@
 #include "kernels/cpu_kernels.h"
 #include "kernels/device.h"
 #include "kvpool/util/status_macros.h"
+#include "tests/kernels/kernel_test_util.h"
 
 #ifndef KVPOOL_CUDA_BACKEND_PATH
 #error "KVPOOL_CUDA_BACKEND_PATH must name libkvpool_cuda.so"
@@ -100,42 +101,8 @@ absl::StatusOr<std::vector<T>> Download(Device& device, const void* src, size_t 
   return out;
 }
 
-// Random values stored in `dtype`, as raw bytes.
-std::vector<char> RandomValues(int64_t count, DType dtype, std::mt19937* rng) {
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  std::vector<char> out(static_cast<size_t>(count * DTypeSize(dtype)));
-  for (int64_t i = 0; i < count; ++i) {
-    const float f = dist(*rng);
-    switch (dtype) {
-      case DType::kF32:
-        std::memcpy(out.data() + i * 4, &f, 4);
-        break;
-      case DType::kF16: {
-        const uint16_t h = FloatToF16(f);
-        std::memcpy(out.data() + i * 2, &h, 2);
-        break;
-      }
-      case DType::kBF16: {
-        const uint16_t h = FloatToBF16(f);
-        std::memcpy(out.data() + i * 2, &h, 2);
-        break;
-      }
-    }
-  }
-  return out;
-}
-
-// max |a - b| / max |b|, and whether any value is NaN.
-double NormalizedError(const std::vector<float>& a, const std::vector<float>& b, bool* nan) {
-  double diff = 0, scale = 0;
-  *nan = false;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (std::isnan(a[i]) || std::isnan(b[i])) *nan = true;
-    diff = std::max(diff, std::abs(static_cast<double>(a[i]) - b[i]));
-    scale = std::max(scale, std::abs(static_cast<double>(b[i])));
-  }
-  return diff / std::max(scale, 1e-30);
-}
+using test_util::NormalizedError;
+using test_util::RandomValues;
 
 bool IsNaN(const char* element, DType dtype) {
   switch (dtype) {
