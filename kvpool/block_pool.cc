@@ -282,61 +282,64 @@ BlockPoolStats BlockPool::stats() const {
 }
 
 absl::Status BlockPool::CheckInvariants() const {
-  auto fail = [](auto&&... parts) { return absl::InternalError(fmt::format("{}", parts...)); };
   int32_t count[4] = {0, 0, 0, 0};
   std::vector<int32_t> active_by_ns(active_by_ns_.size(), 0);
   for (int32_t b = 0; b < num_blocks_; ++b) {
     const size_t i = static_cast<size_t>(b);
     const BlockState state = state_[i];
     ++count[static_cast<int>(state)];
-    if (owner_[i] >= namespaces_.size()) return fail("block ", b, " has unknown owner slot");
+    if (owner_[i] >= namespaces_.size())
+      return InvariantViolation("block {} has unknown owner slot", b);
     switch (state) {
       case BlockState::kFree:
       case BlockState::kRetiring:
         if (refs_[i] != 0 || cache_held_[i]) {
-          return fail("block ", b, " is ", BlockStateName(state), " with refs ", refs_[i],
-                      cache_held_[i] ? " and a cache reference" : "");
+          return InvariantViolation("block {} is {} with refs {}{}", b, BlockStateName(state),
+                                    refs_[i], cache_held_[i] ? " and a cache reference" : "");
         }
         if (state == BlockState::kFree && in_flight_[i] != 0) {
-          return fail("FREE block ", b, " still has fences pending");
+          return InvariantViolation("FREE block {} still has fences pending", b);
         }
         break;
       case BlockState::kActive:
         if (refs_[i] == 0 || (refs_[i] == 1 && cache_held_[i])) {
-          return fail("ACTIVE block ", b, " has refs ", refs_[i],
-                      cache_held_[i] ? " (all of them the cache's)" : "");
+          return InvariantViolation("ACTIVE block {} has refs {}{}", b, refs_[i],
+                                    cache_held_[i] ? " (all of them the cache's)" : "");
         }
         ++active_by_ns[owner_[i]];
         break;
       case BlockState::kCached:
         if (refs_[i] != 1 || !cache_held_[i]) {
-          return fail("CACHED block ", b, " has refs ", refs_[i],
-                      cache_held_[i] ? "" : " and no cache reference");
+          return InvariantViolation("CACHED block {} has refs {}{}", b, refs_[i],
+                                    cache_held_[i] ? "" : " and no cache reference");
         }
         break;
     }
   }
-  if (count[0] + count[1] + count[2] + count[3] != num_blocks_) return fail("states do not sum");
+  if (count[0] + count[1] + count[2] + count[3] != num_blocks_)
+    return InvariantViolation("states do not sum");
   if (count[static_cast<int>(BlockState::kCached)] != num_cached_) {
-    return fail("cached count ", num_cached_, " but ", count[static_cast<int>(BlockState::kCached)],
-                " blocks are CACHED");
+    return InvariantViolation("cached count {} but {} blocks are CACHED", num_cached_,
+                              count[static_cast<int>(BlockState::kCached)]);
   }
-  if (active_by_ns != active_by_ns_) return fail("per-namespace active counts are stale");
+  if (active_by_ns != active_by_ns_)
+    return InvariantViolation("per-namespace active counts are stale");
 
   // Each FREE block is on the free list exactly once and nothing else is; same for RETIRING.
   std::vector<uint8_t> seen(num_blocks_, 0);
   auto check_list = [&](const std::vector<BlockId>& list, BlockState want,
                         std::string_view name) -> absl::Status {
     if (static_cast<int32_t>(list.size()) != count[static_cast<int>(want)]) {
-      return fail(name, " has ", list.size(), " entries but ", count[static_cast<int>(want)],
-                  " blocks are ", BlockStateName(want));
+      return InvariantViolation("{} has {} entries but {} blocks are {}", name, list.size(),
+                                count[static_cast<int>(want)], BlockStateName(want));
     }
     for (BlockId block : list) {
-      if (!Contains(block)) return fail(name, " holds invalid block ", block.value());
-      if (seen[Index(block)]++) return fail("block ", block.value(), " listed twice");
+      if (!Contains(block))
+        return InvariantViolation("{} holds invalid block {}", name, block.value());
+      if (seen[Index(block)]++) return InvariantViolation("block {} listed twice", block.value());
       if (state_[Index(block)] != want) {
-        return fail(name, " holds block ", block.value(), " in state ",
-                    BlockStateName(state_[Index(block)]));
+        return InvariantViolation("{} holds block {} in state {}", name, block.value(),
+                                  BlockStateName(state_[Index(block)]));
       }
     }
     return absl::OkStatus();

@@ -168,6 +168,8 @@ class BlockPool final {
   std::string DebugString() const;
 
  private:
+  friend class BlockPoolTestPeer;  // tests corrupt a pool on purpose to check CheckInvariants()
+
   BlockPool(const BlockPoolOptions& options);
 
   static size_t Index(BlockId block) { return static_cast<size_t>(block.value()); }

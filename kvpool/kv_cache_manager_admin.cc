@@ -7,6 +7,7 @@
 #include "fmt/format.h"
 #include "kvpool/kv_cache_manager.h"
 #include "kvpool/util/check.h"
+#include "kvpool/util/errors.h"
 #include "kvpool/util/status_macros.h"
 
 namespace kvpool {
@@ -85,36 +86,36 @@ KvCacheStats KvCacheManager::stats() const {
 
 absl::Status KvCacheManager::CheckInvariants() const {
   KVPOOL_RETURN_IF_ERROR(pool_->CheckInvariants());
-  auto fail = [](std::string_view format, auto&&... args) {
-    return absl::InternalError(fmt::format(fmt::runtime(format), args...));
-  };
   std::vector<uint32_t> refs(static_cast<size_t>(pool_->num_blocks()), 0);
   absl::flat_hash_map<SessionId, SessionUsage> usage;
   absl::flat_hash_map<NodeIndex, uint32_t> locks;
   for (const auto& [id, seq] : sequences_) {
-    if (seq.id != id) return fail("sequence {} is filed under another id", id.value());
+    if (seq.id != id)
+      return InvariantViolation("sequence {} is filed under another id", id.value());
     if (static_cast<int64_t>(seq.table.size()) != BlocksFor(seq.num_tokens)) {
-      return fail("sequence {} of {} tokens has {} blocks", id.value(), seq.num_tokens,
-                  seq.table.size());
+      return InvariantViolation("sequence {} of {} tokens has {} blocks", id.value(),
+                                seq.num_tokens, seq.table.size());
     }
     if (static_cast<int64_t>(seq.table.size()) > max_blocks_per_seq_) {
-      return fail("sequence {} exceeds max_blocks_per_seq", id.value());
+      return InvariantViolation("sequence {} exceeds max_blocks_per_seq", id.value());
     }
     if (static_cast<int64_t>(seq.tokens.size()) > seq.num_tokens) {
-      return fail("sequence {} knows more tokens than it holds", id.value());
+      return InvariantViolation("sequence {} knows more tokens than it holds", id.value());
     }
     if (pool_->FindNamespace(seq.ns) != seq.slot) {
-      return fail("sequence {} has a stale namespace slot", id.value());
+      return InvariantViolation("sequence {} has a stale namespace slot", id.value());
     }
     if (seq.path.full.size() > seq.table.size()) {
-      return fail("sequence {} follows more tree nodes than it has blocks", id.value());
+      return InvariantViolation("sequence {} follows more tree nodes than it has blocks",
+                                id.value());
     }
     for (NodeIndex node : seq.path.full) ++locks[node];
     if (seq.path.partial != kNoNode) ++locks[seq.path.partial];
     for (BlockId block : seq.table) {
       if (!pool_->Contains(block) || pool_->state(block) != BlockState::kActive) {
-        return fail("sequence {} references block {} in state {}", id.value(), block.value(),
-                    pool_->Contains(block) ? BlockStateName(pool_->state(block)) : "invalid");
+        return InvariantViolation(
+            "sequence {} references block {} in state {}", id.value(), block.value(),
+            pool_->Contains(block) ? BlockStateName(pool_->state(block)) : "invalid");
       }
       ++refs[static_cast<size_t>(block.value())];
     }
@@ -125,24 +126,27 @@ absl::Status KvCacheManager::CheckInvariants() const {
     const BlockId block(b);
     const uint32_t expected = refs[static_cast<size_t>(b)] + (pool_->cache_held(block) ? 1 : 0);
     if (pool_->refs(block) != expected) {
-      return fail("block {} has refs {} but {} references exist", b, pool_->refs(block), expected);
+      return InvariantViolation("block {} has refs {} but {} references exist", b,
+                                pool_->refs(block), expected);
     }
   }
   for (const auto& [session, u] : sessions_) {
     auto it = usage.find(session);
     const SessionUsage want = it == usage.end() ? SessionUsage{} : it->second;
     if (u.block_refs != want.block_refs || u.sequences != want.sequences) {
-      return fail("session {} usage is {} refs / {} sequences but {} / {} exist", session.value(),
-                  u.block_refs, u.sequences, want.block_refs, want.sequences);
+      return InvariantViolation("session {} usage is {} refs / {} sequences but {} / {} exist",
+                                session.value(), u.block_refs, u.sequences, want.block_refs,
+                                want.sequences);
     }
   }
   for (const auto& [session, u] : usage) {
-    if (!sessions_.contains(session)) return fail("session {} is untracked", session.value());
+    if (!sessions_.contains(session))
+      return InvariantViolation("session {} is untracked", session.value());
   }
   if (cache_) {
     KVPOOL_RETURN_IF_ERROR(cache_->CheckInvariants(&locks));
   } else if (pool_->num_cached() != 0) {
-    return fail("cached blocks without a prefix cache");
+    return InvariantViolation("cached blocks without a prefix cache");
   }
   return absl::OkStatus();
 }

@@ -10,6 +10,7 @@
 #include "kvpool/internal/tokens.h"
 #include "kvpool/prefix_cache.h"
 #include "kvpool/util/check.h"
+#include "kvpool/util/errors.h"
 
 namespace kvpool {
 using internal::HashTokens;
@@ -323,9 +324,6 @@ PrefixCacheStats PrefixCache::stats() const {
 
 absl::Status PrefixCache::CheckInvariants(
     const absl::flat_hash_map<NodeIndex, uint32_t>* expected_locks) const {
-  auto fail = [](std::string_view format, auto&&... args) {
-    return absl::InternalError(fmt::format(fmt::runtime(format), args...));
-  };
   int64_t nodes = 0, full = 0, evictable = 0;
   for (NodeIndex node = 0; node < static_cast<NodeIndex>(parent_.size()); ++node) {
     const bool root = block_[node] == kInvalidBlock && parent_[node] == kNoNode &&
@@ -333,59 +331,64 @@ absl::Status PrefixCache::CheckInvariants(
     if (block_[node] == kInvalidBlock && !root) continue;  // free slot
     int32_t children = 0;
     for (NodeIndex c = first_child_[node]; c != kNoNode; c = next_sibling_[c]) {
-      if (parent_[c] != node) return fail("node {} lists child {} of another parent", node, c);
+      if (parent_[c] != node)
+        return InvariantViolation("node {} lists child {} of another parent", node, c);
       ++children;
     }
-    if (children != num_children_[node]) return fail("node {} child count is stale", node);
+    if (children != num_children_[node])
+      return InvariantViolation("node {} child count is stale", node);
     if (expected_locks != nullptr) {
       auto it = expected_locks->find(node);
       const uint32_t want = it == expected_locks->end() ? 0 : it->second;
       if (lock_[node] != want)
-        return fail("node {} has {} locks, {} expected", node, lock_[node], want);
+        return InvariantViolation("node {} has {} locks, {} expected", node, lock_[node], want);
     }
     if (root) continue;
     ++nodes;
     const NodeIndex parent = parent_[node];
     const BlockId block = block_[node];
     if (parent == kNoNode || (block_[parent] == kInvalidBlock && Root(ns_[node]) != parent)) {
-      return fail("node {} has no live parent", node);
+      return InvariantViolation("node {} has no live parent", node);
     }
     if (block_[parent] != kInvalidBlock && coverage_[parent] != block_size_) {
-      return fail("node {} hangs under partial node {}", node, parent);
+      return InvariantViolation("node {} hangs under partial node {}", node, parent);
     }
     if (coverage_[node] <= 0 || coverage_[node] > block_size_) {
-      return fail("node {} has coverage {}", node, coverage_[node]);
+      return InvariantViolation("node {} has coverage {}", node, coverage_[node]);
     }
     if (node_of_block_[static_cast<size_t>(block.value())] != node || !pool_->cache_held(block)) {
-      return fail("node {} and block {} do not point at each other", node, block.value());
+      return InvariantViolation("node {} and block {} do not point at each other", node,
+                                block.value());
     }
-    if (ns_[node] != ns_[parent]) return fail("node {} left its namespace", node);
+    if (ns_[node] != ns_[parent]) return InvariantViolation("node {} left its namespace", node);
     if (block_[parent] != kInvalidBlock && priority_[node] > priority_[parent]) {
-      return fail("node {} outranks its parent", node);
+      return InvariantViolation("node {} outranks its parent", node);
     }
     if (coverage_[node] == block_size_) {
       ++full;
       if (hash_[node] != PrefixChainHash(hash_[parent], ns_[node], Tokens(node))) {
-        return fail("node {} has a broken hash chain", node);
+        return InvariantViolation("node {} has a broken hash chain", node);
       }
-      if (FindFull(parent, Tokens(node)) == kNoNode) return fail("node {} is not indexed", node);
+      if (FindFull(parent, Tokens(node)) == kNoNode)
+        return InvariantViolation("node {} is not indexed", node);
     }
     const bool should = ShouldBeEvictable(node);
     if (should != policy_->Contains(node)) {
-      return fail("node {} is {}evictable but the policy {} it", node, should ? "" : "not ",
-                  should ? "lacks" : "holds");
+      return InvariantViolation("node {} is {}evictable but the policy {} it", node,
+                                should ? "" : "not ", should ? "lacks" : "holds");
     }
     evictable += should;
   }
   for (size_t b = 0; b < node_of_block_.size(); ++b) {
     if (pool_->cache_held(BlockId(static_cast<int32_t>(b))) != (node_of_block_[b] != kNoNode)) {
-      return fail("block {} cache reference does not match the tree", b);
+      return InvariantViolation("block {} cache reference does not match the tree", b);
     }
   }
-  if (nodes != num_nodes_ || full != num_full_) return fail("node counts are stale");
+  if (nodes != num_nodes_ || full != num_full_) return InvariantViolation("node counts are stale");
   if (evictable != policy_->size())
-    return fail("policy holds {} nodes, {} evictable", policy_->size(), evictable);
-  if (static_cast<int64_t>(children_.size()) > full) return fail("child index has stale keys");
+    return InvariantViolation("policy holds {} nodes, {} evictable", policy_->size(), evictable);
+  if (static_cast<int64_t>(children_.size()) > full)
+    return InvariantViolation("child index has stale keys");
   return absl::OkStatus();
 }
 

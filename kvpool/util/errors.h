@@ -7,9 +7,11 @@
 #include <cstdint>
 #include <optional>
 #include <string_view>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/cord.h"
+#include "fmt/format.h"
 
 namespace kvpool {
 
@@ -31,5 +33,13 @@ struct Shortfall {
 };
 // The shortfall carried by a status made by ResourceExhausted(); nullopt for any other status.
 std::optional<Shortfall> GetShortfall(const absl::Status& status);
+
+// INTERNAL naming a broken invariant, for CheckInvariants(). `format` has one placeholder per
+// argument, checked at compile time (a lambda forwarding parts to fmt::format("{}", parts...)
+// kept only the first part).
+template <typename... Args>
+absl::Status InvariantViolation(fmt::format_string<Args...> format, Args&&... args) {
+  return absl::InternalError(fmt::format(format, std::forward<Args>(args)...));
+}
 
 }  // namespace kvpool

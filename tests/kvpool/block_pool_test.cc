@@ -10,6 +10,16 @@
 #include "kvpool/util/errors.h"
 
 namespace kvpool {
+
+// Reaches into a pool to break it on purpose: CheckInvariants() must name the violation.
+class BlockPoolTestPeer {
+ public:
+  static void SetRefs(BlockPool& pool, BlockId block, uint32_t refs) {
+    pool.refs_[static_cast<size_t>(block.value())] = refs;
+  }
+  static void ListTwice(BlockPool& pool, BlockId block) { pool.free_list_.push_back(block); }
+};
+
 namespace {
 
 using ::testing::ElementsAre;
@@ -268,6 +278,16 @@ TEST_F(BlockPoolTest, NamespacesRegisterOnce) {
   EXPECT_FALSE(pool_->FindNamespace(NamespaceId(300)).has_value());
   EXPECT_EQ(pool_->RegisterNamespace(kNoNamespace).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(BlockPoolTest, CheckInvariantsNamesTheWholeViolation) {
+  Make(4);
+  BlockPoolTestPeer::SetRefs(*pool_, BlockId(2), 3);
+  EXPECT_EQ(pool_->CheckInvariants().message(), "block 2 is FREE with refs 3");
+  BlockPoolTestPeer::SetRefs(*pool_, BlockId(2), 0);
+  ASSERT_TRUE(pool_->CheckInvariants().ok());
+  BlockPoolTestPeer::ListTwice(*pool_, BlockId(1));
+  EXPECT_EQ(pool_->CheckInvariants().message(), "free list has 5 entries but 4 blocks are FREE");
 }
 
 }  // namespace
