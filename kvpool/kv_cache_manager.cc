@@ -207,10 +207,13 @@ void KvCacheManager::EvictPlanned(std::span<const NodeIndex> victims, const Trac
   counters_.evictions += victims.size();
 }
 
-void KvCacheManager::ApplyGrow(const GrowPlan& plan, const TraceContext& ctx,
-                               DevicePlan* device_plan) {
+TableChange KvCacheManager::ApplyGrow(const GrowPlan& plan, const TraceContext& ctx,
+                                      DevicePlan* device_plan) {
   Sequence& seq = *plan.sequence;
-  if (plan.num_tokens <= seq.num_tokens) return;
+  TableChange change{.sequence = seq.id,
+                     .old_num_tokens = seq.num_tokens,
+                     .first_changed = static_cast<int32_t>(seq.table.size())};
+  if (plan.num_tokens <= seq.num_tokens) return change;
   if (plan.cow) {
     const size_t index = static_cast<size_t>(seq.num_tokens / block_size_);
     const BlockId src = seq.table[index];
@@ -220,12 +223,33 @@ void KvCacheManager::ApplyGrow(const GrowPlan& plan, const TraceContext& ctx,
     seq.table[index] = dst[0];
     device_plan->copies.push_back(BlockCopy{src, dst[0]});
     ++counters_.cow_copies;
+    change.first_changed = static_cast<int32_t>(index);
+    change.replaced = src;
   }
   if (plan.new_blocks > 0) {
     KVPOOL_CHECK_OK(
         pool_->Allocate(plan.new_blocks, seq.slot, ctx, &seq.table, &device_plan->fills));
   }
   seq.num_tokens = plan.num_tokens;
+  return change;
+}
+
+void KvCacheManager::RevertGrow(SessionId caller, std::span<const TableChange> changes) {
+  const TraceContext ctx = Context(caller, SequenceId(0));
+  for (auto it = changes.rbegin(); it != changes.rend(); ++it) {
+    Sequence& seq = sequences_.at(it->sequence);
+    KVPOOL_CHECK(seq.session == caller);
+    const bool cow = it->replaced != kInvalidBlock;
+    ReleaseTail(&seq, static_cast<size_t>(it->first_changed) + (cow ? 1 : 0), ctx);
+    if (cow) {
+      // The source is still held (by another sequence or the cache): that is why it was copied.
+      const size_t index = static_cast<size_t>(it->first_changed);
+      RetainBlock(it->replaced, ctx);
+      ReleaseBlock(seq.table[index], ctx);
+      seq.table[index] = it->replaced;
+    }
+    seq.num_tokens = it->old_num_tokens;
+  }
 }
 
 absl::StatusOr<AllocateResult> KvCacheManager::Allocate(SessionId caller,
@@ -361,7 +385,7 @@ absl::Status KvCacheManager::Grow(SessionId caller, SequenceId sequence, int64_t
 }
 
 absl::Status KvCacheManager::GrowBatch(SessionId caller, std::span<const GrowRequest> requests,
-                                       DevicePlan* plan) {
+                                       DevicePlan* plan, std::vector<TableChange>* changes) {
   ++counters_.grow_calls;
   if (requests.empty()) return EmptyBatch("grow");
   std::vector<GrowPlan> plans(requests.size());
@@ -392,7 +416,8 @@ absl::Status KvCacheManager::GrowBatch(SessionId caller, std::span<const GrowReq
   EvictPlanned(victims, ctx);
   for (const GrowPlan& p : plans) {
     ctx.sequence = p.sequence->id;
-    ApplyGrow(p, ctx, plan);
+    const TableChange change = ApplyGrow(p, ctx, plan);
+    if (changes != nullptr) changes->push_back(change);
   }
   if (refs > 0) sessions_[caller].block_refs += refs;
   return absl::OkStatus();
@@ -409,6 +434,7 @@ absl::Status KvCacheManager::Commit(SessionId caller, SequenceId sequence, int64
         fmt::format("cannot commit {} tokens of sequence {}: it has {} tokens, {} of them known",
                     num_tokens, sequence.value(), seq->num_tokens, known));
   }
+  KVPOOL_RETURN_IF_ERROR(CheckPublish(*seq, new_tokens, num_tokens, /*claims=*/nullptr));
   seq->tokens.insert(seq->tokens.end(), new_tokens.begin(), new_tokens.end());
   if (cache_) {
     cache_->Commit(seq->ns, std::span(seq->tokens).first(static_cast<size_t>(num_tokens)),
@@ -497,9 +523,40 @@ absl::StatusOr<SequenceId> KvCacheManager::Fork(SessionId caller, SequenceId seq
 }
 
 absl::Status KvCacheManager::Free(SessionId caller, SequenceId sequence, OnFree on_free) {
+  return FreeBatch(caller, std::span(&sequence, 1), on_free);
+}
+
+absl::Status KvCacheManager::FreeBatch(SessionId caller, std::span<const SequenceId> sequences,
+                                       OnFree on_free) {
   ++counters_.free_calls;
-  KVPOOL_ASSIGN_OR_RETURN(Sequence * seq, Owned(caller, sequence));
-  const TraceContext ctx = Context(caller, sequence);
+  if (sequences.empty()) return EmptyBatch("free");
+  std::vector<Sequence*> seqs;
+  seqs.reserve(sequences.size());
+  PublishClaims claims;
+  const bool commit = on_free == OnFree::kCommit && cache_ != nullptr;
+  const uint64_t mark = ++batch_serial_;
+  for (SequenceId id : sequences) {
+    KVPOOL_ASSIGN_OR_RETURN(Sequence * seq, Owned(caller, id));
+    if (seq->batch_mark == mark) {
+      return absl::InvalidArgumentError(
+          fmt::format("sequence {} appears twice in one free batch", id.value()));
+    }
+    seq->batch_mark = mark;
+    if (commit) {
+      KVPOOL_RETURN_IF_ERROR(CheckPublish(*seq, {}, static_cast<int64_t>(seq->tokens.size()),
+                                          sequences.size() > 1 ? &claims : nullptr));
+    }
+    seqs.push_back(seq);
+  }
+  // Everything checked: from here on nothing can fail.
+  for (Sequence* seq : seqs) FreeChecked(seq, on_free);
+  return absl::OkStatus();
+}
+
+void KvCacheManager::FreeChecked(Sequence* seq, OnFree on_free) {
+  const SequenceId id = seq->id;
+  const SessionId caller = seq->session;
+  const TraceContext ctx = Context(caller, id);
   if (on_free == OnFree::kCommit && cache_) {
     cache_->Commit(seq->ns, seq->tokens, seq->table, seq->priority, &seq->path, ctx);
   }
@@ -507,7 +564,39 @@ absl::Status KvCacheManager::Free(SessionId caller, SequenceId sequence, OnFree 
   if (cache_) cache_->Truncate(&seq->path, 0);
   auto it = sessions_.find(caller);
   if (--it->second.sequences == 0 && it->second.quota == kUnlimited) sessions_.erase(it);
-  sequences_.erase(sequence);
+  sequences_.erase(id);
+}
+
+absl::Status KvCacheManager::CheckPublish(const Sequence& seq, std::span<const int32_t> extra,
+                                          int64_t num_tokens, PublishClaims* claims) const {
+  if (!cache_) return absl::OkStatus();
+  const size_t bs = static_cast<size_t>(block_size_);
+  const std::span<const int32_t> known(seq.tokens);
+  const size_t end = static_cast<size_t>(num_tokens);
+  std::vector<int32_t> tokens;  // one block's, from the known tokens and `extra`
+  for (size_t k = seq.path.full.size(); k * bs < end; ++k) {
+    tokens.clear();
+    for (size_t t = k * bs; t < std::min(end, (k + 1) * bs); ++t) {
+      tokens.push_back(t < known.size() ? known[t] : extra[t - known.size()]);
+    }
+    const BlockId block = seq.table[k];
+    bool agrees = cache_->Agrees(block, tokens);
+    if (agrees && claims != nullptr) {
+      auto [it, fresh] = claims->try_emplace(block, tokens);
+      const std::vector<int32_t>& other = it->second;
+      agrees =
+          fresh || std::equal(other.begin(), other.begin() + std::min(other.size(), tokens.size()),
+                              tokens.begin());
+      if (tokens.size() > other.size()) it->second = tokens;
+    }
+    if (!agrees) {
+      return absl::FailedPreconditionError(fmt::format(
+          "sequence {} says block {} (table entry {}) holds other tokens than were published for "
+          "it: another sequence shares the block and wrote it first (write only past a Grow, "
+          "which copies a shared block)",
+          seq.id.value(), block.value(), k));
+    }
+  }
   return absl::OkStatus();
 }
 

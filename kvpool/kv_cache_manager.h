@@ -118,6 +118,18 @@ struct GrowRequest {
   int64_t num_tokens = 0;  // the new length; <= the current length is a no-op
 };
 
+// What a Grow did to one sequence's table (GrowBatch reports one per request, in order): which
+// entries a client must re-read, and enough to revert the grow (RevertGrow).
+struct TableChange {
+  SequenceId sequence;
+  int64_t old_num_tokens = 0;
+  // Entries before this one are as they were; from it on the table is new: appended blocks and,
+  // after a copy-on-write, the private copy now at `first_changed`. The table's size when the
+  // grow changed nothing.
+  int32_t first_changed = 0;
+  BlockId replaced = kInvalidBlock;  // copy-on-write: the block entry `first_changed` held before
+};
+
 struct KvCacheStats {
   BlockPoolStats pool;
   int64_t sequences = 0;  // live sequences
@@ -167,9 +179,17 @@ class KvCacheManager final {
   // Errors: NOT_FOUND (no such sequence), PERMISSION_DENIED (another session's),
   // INVALID_ARGUMENT (negative count), RESOURCE_EXHAUSTED (table bound, quota or pool).
   absl::Status Grow(SessionId caller, SequenceId sequence, int64_t num_tokens, DevicePlan* plan);
-  // One scheduler step: grows every listed sequence or none.
+  // One scheduler step: grows every listed sequence or none. When `changes` is given, appends one
+  // TableChange per request, in order.
   // Errors: as Grow, plus INVALID_ARGUMENT for an empty batch or a sequence listed twice.
-  absl::Status GrowBatch(SessionId caller, std::span<const GrowRequest> requests, DevicePlan* plan);
+  absl::Status GrowBatch(SessionId caller, std::span<const GrowRequest> requests, DevicePlan* plan,
+                         std::vector<TableChange>* changes = nullptr);
+  // Undoes a GrowBatch whose device work could not be carried out (a copy-on-write target that was
+  // never written must not stand in for its source): every sequence goes back to its old length
+  // and table, the blocks the grow took go back to the pool.
+  // REQUIRES: `changes` are what GrowBatch reported for `caller`, and nothing has changed those
+  // sequences or the replaced blocks since (the caller reverts at once, under the same lock).
+  void RevertGrow(SessionId caller, std::span<const TableChange> changes);
 
   // Rewinds `sequence` to `num_tokens` tokens, releasing the blocks past the new end.
   // Errors: NOT_FOUND, PERMISSION_DENIED, INVALID_ARGUMENT (negative, or longer than the
@@ -187,14 +207,23 @@ class KvCacheManager final {
   // commits); together they must cover `num_tokens`. The caller asserts that the KV of those
   // tokens is in the sequence's blocks.
   // Errors: NOT_FOUND, PERMISSION_DENIED, INVALID_ARGUMENT (num_tokens negative or past the
-  // sequence's length, too few tokens known, or known tokens beyond its length).
+  // sequence's length, too few tokens known, or known tokens beyond its length),
+  // FAILED_PRECONDITION (the tokens contradict what the cache published for one of the
+  // sequence's blocks: a client wrote into a block another sequence shares, e.g. two forks of a
+  // block-aligned sequence that both wrote past the fork point).
   absl::Status Commit(SessionId caller, SequenceId sequence, int64_t num_tokens,
                       std::span<const int32_t> new_tokens = {});
 
   // Releases every block of `sequence` and forgets it; with OnFree::kCommit, publishes its
   // known tokens first.
-  // Errors: NOT_FOUND, PERMISSION_DENIED.
+  // Errors: NOT_FOUND, PERMISSION_DENIED, FAILED_PRECONDITION (kCommit: as Commit).
   absl::Status Free(SessionId caller, SequenceId sequence, OnFree on_free = OnFree::kDiscard);
+  // Frees every listed sequence, in order, or none.
+  // Errors: as Free, plus INVALID_ARGUMENT for an empty batch or a sequence listed twice, and
+  // FAILED_PRECONDITION (kCommit) when two listed sequences claim different tokens for a block
+  // they share.
+  absl::Status FreeBatch(SessionId caller, std::span<const SequenceId> sequences,
+                         OnFree on_free = OnFree::kDiscard);
 
   // Frees every sequence of `session` (its client went away). Returns how many. The session's
   // quota setting is forgotten too.
@@ -293,13 +322,22 @@ class KvCacheManager final {
   absl::Status CheckRoom(int64_t blocks, std::span<const NodeIndex> keep,
                          std::vector<NodeIndex>* victims, std::string_view what);
   void EvictPlanned(std::span<const NodeIndex> victims, const TraceContext& ctx);
-  void ApplyGrow(const GrowPlan& plan, const TraceContext& ctx, DevicePlan* device_plan);
+  TableChange ApplyGrow(const GrowPlan& plan, const TraceContext& ctx, DevicePlan* device_plan);
   // Retain/Release through the pool, keeping the prefix cache's view of evictability current.
   void RetainBlock(BlockId block, const TraceContext& ctx);
   void ReleaseBlock(BlockId block, const TraceContext& ctx);
   // Releases table entries past `keep`, deepest first, unlocking tree nodes on the way.
   void ReleaseTail(Sequence* sequence, size_t keep, const TraceContext& ctx);
   absl::Status CountExhausted(absl::Status status);
+  // Tokens each block of a batch is said to hold, by the sequences publishing it.
+  using PublishClaims = absl::flat_hash_map<BlockId, std::vector<int32_t>>;
+  // FAILED_PRECONDITION when publishing the first `num_tokens` of `seq`'s tokens (its known ones
+  // followed by `extra`) would contradict the prefix cache (PrefixCache::Agrees) or, with
+  // `claims`, another sequence of the same batch. Records this sequence's claims.
+  absl::Status CheckPublish(const Sequence& seq, std::span<const int32_t> extra, int64_t num_tokens,
+                            PublishClaims* claims) const;
+  // Free() after its checks: publishes (kCommit), releases and forgets the sequence.
+  void FreeChecked(Sequence* seq, OnFree on_free);
 
   const int32_t block_size_;
   const int32_t max_blocks_per_seq_;

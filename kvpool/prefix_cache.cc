@@ -126,6 +126,13 @@ NodeIndex PrefixCache::RootOrCreate(NamespaceId ns) {
   return root;
 }
 
+bool PrefixCache::Agrees(BlockId block, std::span<const int32_t> tokens) const {
+  const NodeIndex node = node_of_block_[static_cast<size_t>(block.value())];
+  if (node == kNoNode) return true;
+  const std::span<const int32_t> published = Tokens(node);
+  return StartsWith(tokens, published) || StartsWith(published, tokens);
+}
+
 NodeIndex PrefixCache::FindFull(NodeIndex parent, std::span<const int32_t> tokens) const {
   auto it = children_.find(ChildKey{parent, HashTokens(tokens)});
   if (it == children_.end()) return kNoNode;

@@ -121,6 +121,7 @@ class PrefixCache final {
   // is `table` (covering them), extending `path`: full blocks become (or follow) full nodes, a
   // trailing partial block becomes (or widens, or follows) a partial node. The tree takes one
   // pool reference per block it adopts. `priority` in [0, kNumPriorities).
+  // REQUIRES: Agrees() for every block of `table` past `path->full` with its tokens.
   void Commit(NamespaceId ns, std::span<const int32_t> tokens, std::span<const BlockId> table,
               int priority, CachePath* path, const TraceContext& ctx);
 
@@ -150,6 +151,11 @@ class PrefixCache final {
     const NodeIndex node = node_of_block_[static_cast<size_t>(block.value())];
     return node == kNoNode ? 0 : coverage_[node];
   }
+  // Whether `tokens`, the tokens a sequence says `block` holds from its first slot on, agree with
+  // what the tree published for it (one is a prefix of the other). A block holds one set of
+  // bytes: a publisher that disagrees wrote into a block another sequence shares without the
+  // copy-on-write of a Grow, and Commit() must not be called for it (it would corrupt the tree).
+  bool Agrees(BlockId block, std::span<const int32_t> tokens) const;
   int32_t block_size() const { return block_size_; }
   BlockId block_of(NodeIndex node) const { return block_[node]; }
   int32_t coverage(NodeIndex node) const { return coverage_[node]; }

@@ -400,5 +400,92 @@ TEST_F(KvCacheManagerTest, StatsCountCallsAndGauges) {
   EXPECT_EQ(s.pool.freed, 2u);
 }
 
+// Two forks share every block of a block-aligned sequence; their clients then write different
+// tokens into the shared block. The block holds one of them: publishing the other must be refused
+// and leave the tree as it was (it used to corrupt the tree for good).
+TEST_F(KvCacheManagerTest, APublishThatContradictsTheBlocksPublishedTokensIsRefused) {
+  Make(64, 64);
+  std::vector<int32_t> prompt(20);
+  for (int32_t i = 0; i < 20; ++i) prompt[static_cast<size_t>(i)] = 1000 + i;
+  DevicePlan plan;
+  const absl::StatusOr<AllocateResult> s1 =
+      cache_->Allocate(kAlice, {.ns = kTenantA, .num_tokens = 48, .prompt = prompt}, &plan);
+  ASSERT_TRUE(s1.ok()) << s1.status();
+  const absl::StatusOr<SequenceId> s2 = cache_->Fork(kAlice, s1->sequence, &plan);
+  ASSERT_TRUE(s2.ok()) << s2.status();
+  const std::vector<int32_t> x(28, 7), y(20, 9);
+  ASSERT_TRUE(cache_->Commit(kAlice, *s2, 17, x).ok());
+  ASSERT_TRUE(cache_->Commit(kAlice, s1->sequence, 40, y).ok());
+  ExpectInvariants();
+  const std::string before = cache_->DebugString();
+  const absl::Status refused = cache_->Free(kAlice, *s2, OnFree::kCommit);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_TRUE(cache_->DebugString() == before) << "the refused free changed the pool";
+  ExpectInvariants();
+  // A commit that contradicts the published tokens is refused the same way.
+  EXPECT_EQ(cache_->Commit(kAlice, *s2, 48).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(cache_->DebugString() == before) << "the refused commit changed the pool";
+  ASSERT_TRUE(cache_->Free(kAlice, *s2).ok());
+  ASSERT_TRUE(cache_->Free(kAlice, s1->sequence, OnFree::kCommit).ok());
+  ExpectInvariants();
+  cache_->EvictCached(64);
+  ExpectInvariants();
+  EXPECT_EQ(cache_->stats().pool.free, 64);
+}
+
+TEST_F(KvCacheManagerTest, FreeBatchIsAllOrNothing) {
+  Make(8, 8);
+  const SequenceId a = Alloc(kAlice, 20), b = Alloc(kAlice, 20), c = Alloc(kBob, 5);
+  const std::vector<SequenceId> missing = {a, SequenceId(999)}, twice = {a, b, a}, foreign = {b, c},
+                                both = {a, b};
+  EXPECT_EQ(cache_->FreeBatch(kAlice, missing).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(cache_->FreeBatch(kAlice, twice).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache_->FreeBatch(kAlice, foreign).code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(cache_->FreeBatch(kAlice, {}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache_->stats().sequences, 3);
+  ASSERT_TRUE(cache_->FreeBatch(kAlice, both).ok());
+  EXPECT_EQ(cache_->stats().sequences, 1);
+  ExpectInvariants();
+}
+
+TEST_F(KvCacheManagerTest, GrowReportsWhatChangedAndRevertUndoesIt) {
+  Make(16, 16);
+  std::vector<int32_t> prompt(20);
+  for (int32_t i = 0; i < 20; ++i) prompt[static_cast<size_t>(i)] = i;
+  DevicePlan plan;
+  const SequenceId seq =
+      cache_->Allocate(kAlice, {.ns = kTenantA, .num_tokens = 20, .prompt = prompt}, &plan)
+          ->sequence;
+  const SequenceId other = Alloc(kAlice, 16);
+  ASSERT_TRUE(cache_->Commit(kAlice, seq, 20).ok());  // block 1 is published up to token 20
+  ASSERT_TRUE(cache_->Truncate(kAlice, seq, 18).ok());
+  const std::vector<BlockId> table = Table(seq);
+  const KvCacheStats before = cache_->stats();
+  // Token 18 lands below block 1's published coverage: copy-on-write, plus one new block.
+  const std::vector<GrowRequest> grows = {{seq, 40}, {other, 16}};
+  std::vector<TableChange> changes;
+  plan = {};
+  ASSERT_TRUE(cache_->GrowBatch(kAlice, grows, &plan, &changes).ok());
+  ASSERT_EQ(changes.size(), 2u);
+  EXPECT_EQ(changes[0].sequence, seq);
+  EXPECT_EQ(changes[0].old_num_tokens, 18);
+  EXPECT_EQ(changes[0].first_changed, 1);
+  EXPECT_EQ(changes[0].replaced, table[1]);
+  EXPECT_EQ(changes[1].first_changed, 1);  // a no-op: nothing changed
+  EXPECT_EQ(changes[1].replaced, kInvalidBlock);
+  ASSERT_EQ(plan.copies.size(), 1u);
+  EXPECT_EQ(plan.copies[0].src, table[1]);
+  EXPECT_EQ(Table(seq).size(), 3u);
+  EXPECT_NE(Table(seq)[1], table[1]);
+  cache_->RevertGrow(kAlice, changes);
+  EXPECT_EQ(Table(seq), table);
+  EXPECT_EQ(cache_->Find(seq)->num_tokens, 18);
+  const KvCacheStats after = cache_->stats();
+  EXPECT_EQ(after.pool.free, before.pool.free);
+  EXPECT_EQ(after.pool.active, before.pool.active);
+  EXPECT_EQ(after.pool.cached, before.pool.cached);
+  ExpectInvariants();
+}
+
 }  // namespace
 }  // namespace kvpool
