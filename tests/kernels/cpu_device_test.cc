@@ -128,6 +128,61 @@ TEST(CpuDeviceTest, PlanExecutorScrubsFillsAndCopies) {
   EXPECT_EQ(executor.Execute(DevicePlan{})->value, 0u);
 }
 
+TEST(CpuDeviceTest, PlanExecutorRefusesOverlappingFillsAndCopies) {
+  CpuDevice device(1);
+  const PoolLayout layout{.block_size = 4,
+                          .num_layers = 1,
+                          .num_kv_heads = 1,
+                          .head_dim = 8,
+                          .dtype = DType::kBF16,
+                          .num_blocks = 6};
+  std::unique_ptr<Arena> arena = *device.CreateArena(layout.arena_bytes());
+  PlanExecutor executor(&device, StreamId::kTransfer, KvPoolView{arena->base(), layout},
+                        FillPolicy::kZero);
+  const DevicePlan overlapping[] = {
+      {.copies = {{BlockId(1), BlockId(2)}}, .fills = {{BlockId(1), false}}},  // source filled
+      {.copies = {{BlockId(3), BlockId(4)}}, .fills = {{BlockId(4), false}}},  // target filled
+      {.copies = {{BlockId(3), BlockId(4)}, {BlockId(5), BlockId(4)}}},        // target twice
+      {.fills = {{BlockId(1), true}, {BlockId(1), false}}},                    // filled twice
+      {.copies = {{BlockId(3), BlockId(4)}, {BlockId(4), BlockId(5)}}},        // a target read
+  };
+  for (const DevicePlan& plan : overlapping) {
+    EXPECT_EQ(executor.Execute(plan).status().code(), absl::StatusCode::kInvalidArgument);
+  }
+  EXPECT_EQ(executor.pending().value, 0u);  // nothing was enqueued
+  // One source copied twice is fine (two forks of one shared block).
+  const DevicePlan shared{.copies = {{BlockId(3), BlockId(4)}, {BlockId(3), BlockId(5)}}};
+  const absl::StatusOr<Fence> fence = executor.Execute(shared);
+  ASSERT_TRUE(fence.ok()) << fence.status();
+  EXPECT_TRUE(device.Synchronize(*fence).ok());
+}
+
+TEST(CpuDeviceTest, PlanExecutorNeverWaitsForEarlierPlans) {
+  CpuDevice device(1);
+  const PoolLayout layout{.block_size = 4,
+                          .num_layers = 1,
+                          .num_kv_heads = 1,
+                          .head_dim = 8,
+                          .dtype = DType::kBF16,
+                          .num_blocks = 8};
+  std::unique_ptr<Arena> arena = *device.CreateArena(layout.arena_bytes());
+  PlanExecutor executor(&device, StreamId::kTransfer, KvPoolView{arena->base(), layout},
+                        FillPolicy::kZero);
+  // The transfer stream is held up; plans queue behind it, each with its own staging.
+  absl::Notification release;
+  ASSERT_TRUE(
+      device.EnqueueHostTask(StreamId::kTransfer, [&] { release.WaitForNotification(); }).ok());
+  std::vector<Fence> fences;
+  for (int32_t b = 0; b < 4; ++b) {
+    const absl::StatusOr<Fence> fence = executor.Execute({.fills = {{BlockId(b), false}}});
+    ASSERT_TRUE(fence.ok()) << fence.status();
+    EXPECT_FALSE(device.HasPassed(*fence));
+    fences.push_back(*fence);
+  }
+  release.Notify();
+  for (const Fence& f : fences) EXPECT_TRUE(device.Synchronize(f).ok());
+}
+
 TEST(BackendTest, CpuAlwaysWorksAndCudaSaysWhyNot) {
   absl::StatusOr<std::unique_ptr<Device>> cpu = CreateDevice({.kind = BackendKind::kCpu});
   ASSERT_TRUE(cpu.ok());
