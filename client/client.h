@@ -37,7 +37,7 @@
 #include "client/block_ref.h"
 #include "client/pool_mapping.h"
 #include "client/status.h"
-#include "client/unique_fd.h"
+#include "kvpool/util/unique_fd.h"
 #include "kvpool/v1/kvpool.grpc.pb.h"
 
 namespace kvpool::client {

@@ -29,7 +29,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "client/block_ref.h"
-#include "client/unique_fd.h"
+#include "kvpool/util/unique_fd.h"
 #include "kvpool/v1/attach.pb.h"
 #include "kvpool/v1/layout.pb.h"
 

@@ -10,7 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "client/unique_fd.h"
+#include "kvpool/util/unique_fd.h"
 #include "kvpool/v1/attach.pb.h"
 
 namespace kvpool::client::internal {

@@ -2,6 +2,8 @@
 
 #include <chrono>
 
+#include "absl/time/time.h"
+
 namespace kvpool {
 namespace {
 
@@ -12,6 +14,14 @@ class SteadyClock final : public Clock {
                std::chrono::steady_clock::now().time_since_epoch())
         .count();
   }
+
+  bool AwaitUntil(absl::Mutex& mu, const absl::Condition& condition,
+                  int64_t deadline_nanos) const override {
+    // absl waits against its own clock: hand it the time left on ours.
+    const int64_t left = deadline_nanos - NowNanos();
+    if (left <= 0) return condition.Eval();
+    return mu.AwaitWithTimeout(condition, absl::Nanoseconds(left));
+  }
 };
 
 }  // namespace
@@ -19,6 +29,15 @@ class SteadyClock final : public Clock {
 const Clock* Clock::Real() {
   static const SteadyClock clock;
   return &clock;
+}
+
+bool ManualClock::AwaitUntil(absl::Mutex& mu, const absl::Condition& condition,
+                             int64_t deadline_nanos) const {
+  for (;;) {
+    if (condition.Eval()) return true;
+    if (NowNanos() >= deadline_nanos) return false;
+    mu.AwaitWithTimeout(condition, absl::Milliseconds(1));
+  }
 }
 
 }  // namespace kvpool

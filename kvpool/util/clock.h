@@ -1,9 +1,12 @@
 #pragma once
 
-// Time source, injectable for tests. Thread-safe.
+// Time source, injectable for tests: everything that reads the time or waits for it takes a
+// Clock. Thread-safe.
 
 #include <atomic>
 #include <cstdint>
+
+#include "absl/synchronization/mutex.h"
 
 namespace kvpool {
 
@@ -13,18 +16,31 @@ class Clock {
   // Monotonic time in nanoseconds since an arbitrary origin.
   virtual int64_t NowNanos() const = 0;
 
+  // Waits until `condition` holds or this clock reads `deadline_nanos` or later, releasing `mu`
+  // while it waits (as absl::Mutex::AwaitWithDeadline). Returns whether `condition` holds.
+  // REQUIRES: `mu` is held; `condition` reads only state guarded by `mu`.
+  virtual bool AwaitUntil(absl::Mutex& mu, const absl::Condition& condition,
+                          int64_t deadline_nanos) const = 0;
+
   // The process-wide steady clock. Never null; lives forever.
   static const Clock* Real();
 };
 
-// A clock that moves only when told to. For deterministic tests.
+// A clock that moves only when told to. For deterministic tests: a waiter whose deadline lies
+// ahead waits (however long that takes in real time) until its condition holds or the test
+// advances the clock past the deadline.
 class ManualClock final : public Clock {
  public:
   explicit ManualClock(int64_t start_nanos = 0) : now_(start_nanos) {}
 
-  int64_t NowNanos() const override { return now_.load(std::memory_order_relaxed); }
-  void Advance(int64_t nanos) { now_.fetch_add(nanos, std::memory_order_relaxed); }
-  void Set(int64_t nanos) { now_.store(nanos, std::memory_order_relaxed); }
+  int64_t NowNanos() const override { return now_.load(std::memory_order_acquire); }
+  void Advance(int64_t nanos) { now_.fetch_add(nanos, std::memory_order_acq_rel); }
+  void Set(int64_t nanos) { now_.store(nanos, std::memory_order_release); }
+
+  // Re-reads the manual time every millisecond of real time while it waits: the time only
+  // changes by Advance()/Set(), which cannot wake a waiter blocked on someone else's mutex.
+  bool AwaitUntil(absl::Mutex& mu, const absl::Condition& condition,
+                  int64_t deadline_nanos) const override;
 
  private:
   std::atomic<int64_t> now_;

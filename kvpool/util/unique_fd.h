@@ -8,7 +8,7 @@
 
 #include <utility>
 
-namespace kvpool::client {
+namespace kvpool {
 
 class UniqueFd final {
  public:
@@ -40,4 +40,4 @@ class UniqueFd final {
   int fd_ = -1;
 };
 
-}  // namespace kvpool::client
+}  // namespace kvpool

@@ -1,4 +1,9 @@
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <string>
+#include <thread>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
@@ -11,6 +16,7 @@
 #include "kvpool/util/logging.h"
 #include "kvpool/util/status_macros.h"
 #include "kvpool/util/strong_id.h"
+#include "kvpool/util/unique_fd.h"
 
 namespace kvpool {
 namespace {
@@ -78,6 +84,45 @@ TEST(ClockTest, ManualClockMovesOnlyWhenTold) {
   EXPECT_EQ(clock.NowNanos(), 105);
   clock.Set(7);
   EXPECT_EQ(clock.NowNanos(), 7);
+}
+
+TEST(ClockTest, ManualClockWaitEndsWhenTheConditionHoldsOrTheClockPassesTheDeadline) {
+  ManualClock clock(100);
+  absl::Mutex mu;
+  bool ready = false;
+  std::atomic<int> result{-1};
+  auto wait = [&] {
+    absl::MutexLock lock(&mu);
+    result = clock.AwaitUntil(mu, absl::Condition(&ready), 1000) ? 1 : 0;
+  };
+  std::thread timeout(wait);
+  clock.Set(1000);  // the deadline, however much real time it took
+  timeout.join();
+  EXPECT_EQ(result, 0);
+  clock.Set(0);
+  std::thread condition(wait);
+  {
+    absl::MutexLock lock(&mu);
+    ready = true;
+  }
+  condition.join();
+  EXPECT_EQ(result, 1);
+  absl::MutexLock lock(&mu);
+  const bool never = false;
+  EXPECT_FALSE(Clock::Real()->AwaitUntil(mu, absl::Condition(&never), 0));  // deadline passed
+}
+
+TEST(UniqueFdTest, ClosesWhatItOwns) {
+  int fds[2];
+  ASSERT_EQ(pipe(fds), 0);
+  {
+    UniqueFd read_end(fds[0]);
+    UniqueFd moved = std::move(read_end);
+    EXPECT_FALSE(read_end.valid());
+    EXPECT_EQ(moved.get(), fds[0]);
+  }
+  EXPECT_EQ(fcntl(fds[0], F_GETFD), -1);  // closed once, by the owner it was moved to
+  EXPECT_EQ(close(fds[1]), 0);
 }
 
 TEST(ClockTest, RealClockIsMonotonic) {
