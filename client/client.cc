@@ -45,7 +45,13 @@ Client::Client(std::string runtime_dir, absl::Duration timeout, UniqueFd attach_
       mapping_(std::move(mapping)),
       stub_(std::move(stub)) {}
 
-Client::~Client() = default;
+Client::~Client() {
+  // Best effort: when the goodbye cannot be sent (the daemon is gone), the close that follows
+  // ends the session all the same; it is then counted as reclaimed rather than detached.
+  if (attach_socket_.valid()) {
+    wire::SendFrame(attach_socket_.get(), v1::Detach()).IgnoreError();
+  }
+}
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ConnectOptions& options) {
   // Debian's Abseil checks every mutex for deadlock cycles; the client's only locks are leaves.

@@ -81,7 +81,9 @@ class Client final {
 
   Client(const Client&) = delete;
   Client& operator=(const Client&) = delete;
-  ~Client();  // closes the attach socket: the session ends
+  // Says goodbye (a Detach frame) and closes the attach socket: the session ends, counted as
+  // ended normally. A process that dies without it is reclaimed all the same.
+  ~Client();
 
   uint64_t session_id() const { return attach_.session_id(); }
   uint64_t namespace_id() const { return attach_.namespace_id(); }

@@ -141,6 +141,7 @@ std::string FormatStats(const v1::GetStatsResponse& s, bool json) {
   if (json) return Pretty(s);
   std::string out = fmt::format("kvpoold  device {}  epoch {}  up {}{}\n", s.device(), s.epoch(),
                                 Seconds(s.uptime_seconds()), s.draining() ? "  DRAINING" : "");
+  if (!s.failure().empty()) out += fmt::format("NOT SERVING: {}\n", s.failure());
   out += fmt::format("layout   {}\n\n", LayoutLine(s.layout()));
 
   internal::Table blocks({"BLOCKS", "COUNT", "%"});
@@ -156,7 +157,8 @@ std::string FormatStats(const v1::GetStatsResponse& s, bool json) {
 
   internal::Table counters({"COUNTER", "VALUE"});
   const std::pair<const char*, std::string> rows[] = {
-      {"sessions", std::to_string(s.sessions())},
+      {"sessions_attached", std::to_string(s.attached_sessions())},
+      {"sessions_holding_sequences", std::to_string(s.sessions())},
       {"sequences", std::to_string(s.sequences())},
       {"cache_nodes", std::to_string(s.cache_nodes())},
       {"allocate_calls", std::to_string(s.allocate_calls())},
@@ -172,7 +174,14 @@ std::string FormatStats(const v1::GetStatsResponse& s, bool json) {
       {"evictions", std::to_string(s.evictions())},
       {"exhausted", std::to_string(s.exhausted())},
       {"over_releases", std::to_string(s.over_releases())},
+      {"sessions_opened", std::to_string(s.sessions_opened())},
+      {"sessions_detached", std::to_string(s.sessions_detached())},
       {"sessions_reclaimed", std::to_string(s.sessions_reclaimed())},
+      {"sequences_released_on_end", std::to_string(s.sequences_released_on_end())},
+      {"calls_given_up", std::to_string(s.calls_given_up())},
+      {"sequences_released_on_give_up", std::to_string(s.sequences_released_on_give_up())},
+      {"calls_of_ended_sessions", std::to_string(s.calls_of_ended_sessions())},
+      {"device_failures", std::to_string(s.device_failures())},
       {"prompt_tokens", std::to_string(s.prompt_tokens())},
       {"hit_tokens", std::to_string(s.hit_tokens())},
       {"hit_rate_%",

@@ -1,25 +1,78 @@
 #pragma once
 
-// kvpoold's main loop. main.cc parses the four flags and calls Run(); everything else is here.
+// Daemon: kvpoold's life cycle, as a server object (Envoy's shape). Create() builds the device,
+// the model and the engine from a validated config; Start() binds kvpoold.sock and attach.sock in
+// the runtime directory and serves; Wait() returns once a shutdown was requested, pinging the
+// systemd watchdog meanwhile and turning health NOT_SERVING if the engine stops serving;
+// Shutdown() stops in order: health NOT_SERVING, stop accepting attaches, refuse new sequences,
+// let running calls finish (drain_timeout_ms), fail what is still queued, release every session,
+// release the pool.
+//
+// Health (grpc.health.v1) answers for "" and for "kvpool.v1.KvPool".
+//
+// Thread-safe: RequestShutdown() may be called from any thread (the signal watcher's); the rest
+// from the thread that owns the daemon.
 
+#include <memory>
 #include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/notification.h"
+#include "daemon/edge/attach_policy.h"
+#include "daemon/engine/engine.h"
+#include "kernels/device.h"
+#include "kvpool/v1/config.pb.h"
+#include "model/step_model.h"
+
+namespace grpc {
+class Server;
+}
 
 namespace kvpool::daemon {
 
-// What the command line may override (STYLE.md: flags only for these).
-struct RunOptions {
-  std::string config_path;  // textproto; empty: the embedded defaults
-  std::string listen;       // runtime directory override (sockets go there)
-  std::string backend;      // "auto", "cpu", "cuda"; empty: the config's
-  std::string log_level;    // empty: the config's
-};
+class AttachServer;
+class KvPoolService;
 
-// Runs the daemon until SIGTERM or SIGINT, then shuts down in order: health NOT_SERVING, stop
-// accepting, drain in-flight RPCs, release every session, release the pool. A second signal
-// forces an immediate exit. Returns the process exit code: 0 after a clean shutdown, 2 for an
-// invalid configuration (each problem printed on its own line), 1 for any other start failure.
-// REQUIRES: called from the main thread before any other thread exists (it blocks the signals it
-// waits for).
-int Run(const RunOptions& options);
+class Daemon final {
+ public:
+  // The gRPC service name health answers for, beside "".
+  static constexpr char kServiceName[] = "kvpool.v1.KvPool";
+
+  // `config` must have passed ValidateConfig. Errors: those of the device, the model and the
+  // engine (the caller logs them and exits 1).
+  static absl::StatusOr<std::unique_ptr<Daemon>> Create(const v1::DaemonConfig& config);
+  ~Daemon();  // Shutdown()
+
+  // Errors: FAILED_PRECONDITION (another kvpoold serves this runtime directory), INTERNAL
+  // (directory, sockets).
+  absl::Status Start();
+  void RequestShutdown() { shutdown_.Notify(); }
+  void Wait();
+  // Idempotent.
+  void Shutdown();
+
+  Engine& engine() { return *engine_; }
+  const std::string& runtime_dir() const { return config_.runtime_dir(); }
+
+ private:
+  Daemon(v1::DaemonConfig config, std::unique_ptr<kernels::Device> device,
+         std::unique_ptr<model::StepModel> model, std::unique_ptr<Engine> engine);
+
+  absl::Status StartGrpc();
+  absl::Status StartAttach();
+  void SetServing(bool serving);
+
+  const v1::DaemonConfig config_;
+  const AttachPolicy policy_;
+  std::unique_ptr<kernels::Device> device_;
+  std::unique_ptr<model::StepModel> model_;
+  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<KvPoolService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<AttachServer> attach_;
+  absl::Notification shutdown_;
+  bool started_ = false;
+  bool stopped_ = false;
+};
 
 }  // namespace kvpool::daemon

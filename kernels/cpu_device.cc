@@ -62,8 +62,10 @@ class MemfdArena final : public Arena {
   absl::StatusOr<ArenaExport> Export() const override {
     const int fd = fcntl(fd_, F_DUPFD_CLOEXEC, 0);
     if (fd < 0) return Errno("dup(arena)");
-    return ArenaExport{
-        .kind = ArenaExport::Kind::kMemfd, .fd = fd, .bytes = bytes_, .mapped_bytes = bytes_};
+    return ArenaExport{.kind = ArenaExport::Kind::kMemfd,
+                       .fd = UniqueFd(fd),
+                       .bytes = bytes_,
+                       .mapped_bytes = bytes_};
   }
 
  private:

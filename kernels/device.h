@@ -24,6 +24,7 @@
 #include "kernels/kernel_args.h"
 #include "kernels/pool_layout.h"
 #include "kvpool/fence.h"
+#include "kvpool/util/unique_fd.h"
 
 namespace kvpool::kernels {
 
@@ -42,7 +43,7 @@ struct ArenaExport {
     kCudaIpc,  // CUDA (no VMM): handle bytes for cudaIpcOpenMemHandle
   };
   Kind kind = Kind::kMemfd;
-  int fd = -1;               // kMemfd / kCudaVmm: a new descriptor the caller owns and must close
+  UniqueFd fd;               // kMemfd / kCudaVmm: a new descriptor, the caller's
   std::string ipc_handle;    // kCudaIpc: the raw cudaIpcMemHandle_t
   int64_t bytes = 0;         // the arena's size
   int64_t mapped_bytes = 0;  // the size to map (a multiple of the VMM granularity)

@@ -4,6 +4,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "fmt/format.h"
+#include "kvpool/util/check.h"
 #include "kvpool/util/status_macros.h"
 
 namespace kvpool::model {
@@ -29,7 +30,8 @@ void FillTable(const Sequence& seq, PlannedItem* item) {
 
 absl::Status PlanPrefill(KvCacheManager& cache, SessionId caller, NamespaceId ns,
                          SequenceId sequence, std::span<const int32_t> tokens, int priority,
-                         int32_t vocab_size, PlannedItem* item, DevicePlan* plan) {
+                         int32_t vocab_size, PlannedItem* item, DevicePlan* plan,
+                         std::vector<TableChange>* changes) {
   if (tokens.empty()) return absl::InvalidArgumentError("prefill: no tokens");
   KVPOOL_RETURN_IF_ERROR(CheckTokens(tokens, vocab_size));
   const int64_t len = static_cast<int64_t>(tokens.size());
@@ -51,7 +53,7 @@ absl::Status PlanPrefill(KvCacheManager& cache, SessionId caller, NamespaceId ns
   } else {
     const Sequence* seq = cache.Find(sequence);
     const GrowRequest grow{sequence, (seq ? seq->num_tokens : 0) + len};
-    KVPOOL_RETURN_IF_ERROR(cache.GrowBatch(caller, std::span(&grow, 1), plan));
+    KVPOOL_RETURN_IF_ERROR(cache.GrowBatch(caller, std::span(&grow, 1), plan, changes));
     item->sequence = sequence;
     item->start = grow.num_tokens - len;
     item->tokens.assign(tokens.begin(), tokens.end());
@@ -62,7 +64,8 @@ absl::Status PlanPrefill(KvCacheManager& cache, SessionId caller, NamespaceId ns
 
 absl::Status PlanDecode(KvCacheManager& cache, SessionId caller,
                         std::span<const DecodeInput> inputs, int32_t vocab_size,
-                        std::vector<PlannedItem>* items, DevicePlan* plan) {
+                        std::vector<PlannedItem>* items, DevicePlan* plan,
+                        std::vector<TableChange>* changes) {
   if (inputs.empty()) return absl::InvalidArgumentError("decode: empty batch");
   std::vector<GrowRequest> grows;
   grows.reserve(inputs.size());
@@ -72,7 +75,7 @@ absl::Status PlanDecode(KvCacheManager& cache, SessionId caller,
     grows.push_back({in.sequence, (seq ? seq->num_tokens : 0) + 1});
   }
   // GrowBatch checks ownership, duplicates and room, all before changing anything.
-  KVPOOL_RETURN_IF_ERROR(cache.GrowBatch(caller, grows, plan));
+  KVPOOL_RETURN_IF_ERROR(cache.GrowBatch(caller, grows, plan, changes));
   items->clear();
   items->reserve(inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) {
@@ -103,11 +106,14 @@ absl::Status FinishItem(KvCacheManager& cache, SessionId caller, const PlannedIt
 }
 
 void UndoItem(KvCacheManager& cache, SessionId caller, const PlannedItem& item) {
-  if (cache.Find(item.sequence) == nullptr) return;
+  const Sequence* seq = cache.Find(item.sequence);
+  if (seq == nullptr || seq->session != caller) return;  // freed meanwhile: nothing to give back
+  // Neither call can fail on an existing sequence of the caller's (a shorter length is never
+  // refused).
   if (item.created) {
-    (void)cache.Free(caller, item.sequence);
-  } else {
-    (void)cache.Truncate(caller, item.sequence, item.start);
+    KVPOOL_CHECK_OK(cache.Free(caller, item.sequence));
+  } else if (seq->num_tokens > item.start) {
+    KVPOOL_CHECK_OK(cache.Truncate(caller, item.sequence, item.start));
   }
 }
 

@@ -43,10 +43,12 @@ struct PlannedItem {
 // appended after its current tokens (the next turn of a conversation).
 // Errors: INVALID_ARGUMENT (no tokens, a token outside [0, vocab_size)), and those of
 // KvCacheManager::AllocateBatch / GrowBatch (NOT_FOUND, PERMISSION_DENIED, RESOURCE_EXHAUSTED).
-// Nothing changes on error. `plan` receives the device work to carry out before the step.
+// Nothing changes on error. `plan` receives the device work to carry out before the step;
+// `changes`, when given, what growing an existing sequence changed (for RevertGrow).
 absl::Status PlanPrefill(KvCacheManager& cache, SessionId caller, NamespaceId ns,
                          SequenceId sequence, std::span<const int32_t> tokens, int priority,
-                         int32_t vocab_size, PlannedItem* item, DevicePlan* plan);
+                         int32_t vocab_size, PlannedItem* item, DevicePlan* plan,
+                         std::vector<TableChange>* changes = nullptr);
 
 struct DecodeInput {
   SequenceId sequence;
@@ -55,17 +57,20 @@ struct DecodeInput {
 
 // One decode step for each input: grows each sequence by one token (all or none).
 // Errors: INVALID_ARGUMENT (empty batch, a sequence listed twice, a token outside the
-// vocabulary), and those of KvCacheManager::GrowBatch. Nothing changes on error.
+// vocabulary), and those of KvCacheManager::GrowBatch. Nothing changes on error. `changes`, when
+// given, receives what the growth changed (for RevertGrow).
 absl::Status PlanDecode(KvCacheManager& cache, SessionId caller,
                         std::span<const DecodeInput> inputs, int32_t vocab_size,
-                        std::vector<PlannedItem>* items, DevicePlan* plan);
+                        std::vector<PlannedItem>* items, DevicePlan* plan,
+                        std::vector<TableChange>* changes = nullptr);
 
 // The step computed `item`: records its tokens as known and commits the sequence's full blocks
 // to the prefix cache (a sequence whose earlier tokens are unknown, because its client wrote
 // K/V itself, is left unpublished). Errors: NOT_FOUND when the sequence was freed meanwhile.
 absl::Status FinishItem(KvCacheManager& cache, SessionId caller, const PlannedItem& item);
 
-// The step failed: frees a sequence the plan created, or rewinds one it grew to `start`.
+// The step failed: frees a sequence the plan created, or rewinds one it grew to `start`. A
+// sequence its client freed or rewound meanwhile is left as it is.
 void UndoItem(KvCacheManager& cache, SessionId caller, const PlannedItem& item);
 
 // Every block the step reads or writes (for KvCacheManager::MarkInFlight).

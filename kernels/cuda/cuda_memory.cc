@@ -45,7 +45,7 @@ class VmmArena final : public Arena {
                      "cuMemExportToShareableHandle"));
     ArenaExport out;
     out.kind = ArenaExport::Kind::kCudaVmm;
-    out.fd = fd;
+    out.fd = UniqueFd(fd);
     out.bytes = bytes_;
     out.mapped_bytes = mapped_bytes_;
     out.device_ordinal = ordinal_;

@@ -1,150 +1,141 @@
-// The daemon's pieces that need no sockets: configuration, and DaemonPool on a real CPU device.
+// Daemon: the life cycle in process (sockets in a private directory, the client library in this
+// process): health for both service names, operators attaching while it drains, ordered
+// shutdown.
 
-#include <sys/mman.h>
+#include "daemon/daemon.h"
+
 #include <unistd.h>
 
-#include <fstream>
+#include <filesystem>
 
-#include "daemon/config.h"
-#include "daemon/pool.h"
+#include "absl/synchronization/notification.h"
+#include "client/client.h"
+#include "daemon/edge/config.h"
 #include "gmock/gmock.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "kernels/cpu_device.h"
+#include "kvpool/v1/wire.h"
 
 namespace kvpool::daemon {
 namespace {
 
-using ::testing::HasSubstr;
-
-TEST(ConfigTest, EmbeddedDefaultsNeedNoFile) {
-  const absl::StatusOr<v1::DaemonConfig> c = LoadConfig("");
-  ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_EQ(c->backend(), "cpu");
-  EXPECT_EQ(c->pool_bytes(), 256ll << 20);
-  EXPECT_EQ(c->shape().dtype(), "bf16");
-  EXPECT_THAT(c->allowed_uids(), ::testing::ElementsAre(getuid()));
-  EXPECT_FALSE(c->runtime_dir().empty());
-  EXPECT_EQ(c->socket_mode(), 0660u);
+// grpc.health.v1.Health/Check for `service`, spoken by hand (Debian ships no generated stubs for
+// the health protocol): the request is field 1 (string), the reply field 1 (enum). Returns the
+// serving status (1 SERVING, 2 NOT_SERVING) or the call's error.
+absl::StatusOr<int> HealthCheck(const std::string& dir, const std::string& service) {
+  auto channel = grpc::CreateChannel("unix:" + dir + "/" + wire::kGrpcSocket,
+                                     grpc::InsecureChannelCredentials());
+  grpc::GenericStub stub(channel);
+  std::string bytes = {0x0a, static_cast<char>(service.size())};
+  bytes += service;
+  grpc::Slice slice(bytes);
+  grpc::ByteBuffer request(&slice, 1), response;
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  absl::Notification done;
+  grpc::Status status;
+  stub.UnaryCall(&context, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
+                 [&](grpc::Status s) {
+                   status = std::move(s);
+                   done.Notify();
+                 });
+  done.WaitForNotification();
+  if (!status.ok()) {
+    return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+  }
+  std::vector<grpc::Slice> slices;
+  if (!response.Dump(&slices).ok()) return absl::InternalError("unreadable health reply");
+  std::string reply;
+  for (const grpc::Slice& s : slices)
+    reply.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  if (reply.empty()) return 0;  // UNKNOWN (the default value is not sent)
+  if (reply.size() != 2 || reply[0] != 0x08) return absl::InternalError("unexpected health reply");
+  return static_cast<int>(reply[1]);
 }
 
-TEST(ConfigTest, EveryProblemIsOneLineNamingTheField) {
-  const std::string path = ::testing::TempDir() + "/bad.textproto";
-  std::ofstream(path)
-      << "pool_bytes: -1\nbackend: \"tpu\"\ntrace_depth: 3\nshape { head_dim: 12 }\n";
-  const absl::StatusOr<v1::DaemonConfig> c = LoadConfig(path);
-  ASSERT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
-  const std::string message(c.status().message());
-  EXPECT_EQ(std::count(message.begin(), message.end(), '\n'), 3);  // four lines
-  EXPECT_THAT(message, HasSubstr("backend: 'tpu'"));
-  EXPECT_THAT(message, HasSubstr("pool_bytes: must be > 0"));
-  EXPECT_THAT(message, HasSubstr("trace_depth"));
-  EXPECT_THAT(message, HasSubstr("head_dim must be a multiple of 8"));
-  std::ofstream(path) << "pool_bytes: 12 12\n";
-  EXPECT_THAT(std::string(LoadConfig(path).status().message()), HasSubstr("bad.textproto:1:"));
-  EXPECT_EQ(LoadConfig("/nonexistent.textproto").status().code(), absl::StatusCode::kNotFound);
-}
-
-class DaemonPoolTest : public ::testing::Test {
+class DaemonTest : public ::testing::Test {
  protected:
-  void SetUp() override {
+  void Start(const std::vector<uint32_t>& admin_uids) {
+    dir_ = ::testing::TempDir() + "/kvpoold-" + std::to_string(getpid()) + "-" +
+           ::testing::UnitTest::GetInstance()->current_test_info()->name();
     v1::DaemonConfig config = DefaultConfig();
-    config.set_pool_bytes(64ll * config.shape().block_size() * 4 * 64 * 2 * 2 * 4);  // 64 blocks
-    pool_ = std::move(*DaemonPool::Create(config, &device_, 7));
-    alice_ = MakeSession(1, "tenant-a");
-    bob_ = MakeSession(2, "tenant-a");
+    config.set_runtime_dir(dir_);
+    config.set_pool_bytes(int64_t{64} << 16);
+    config.mutable_admin_uids()->Clear();
+    for (uint32_t uid : admin_uids) config.add_admin_uids(uid);
+    daemon_ = std::move(*Daemon::Create(config));
+    ASSERT_TRUE(daemon_->Start().ok());
+  }
+  void TearDown() override {
+    if (daemon_) daemon_->Shutdown();
+    std::filesystem::remove_all(dir_);
+  }
+  absl::StatusOr<std::unique_ptr<client::Client>> Connect() {
+    return client::Client::Connect({.runtime_dir = dir_, .client_name = "daemon_test"});
   }
 
-  Session MakeSession(uint64_t id, const std::string& tenant) {
-    Session s{.id = SessionId(id), .tenant = tenant, .model = "m"};
-    s.ns = pool_->NamespaceOf(tenant, "m");
-    return s;
-  }
-
-  kernels::CpuDevice device_{1};
-  std::unique_ptr<DaemonPool> pool_;
-  Session alice_, bob_;
+  std::string dir_;
+  std::unique_ptr<Daemon> daemon_;
 };
 
-TEST_F(DaemonPoolTest, AttachSharesTheArenaAndAGenerationTable) {
-  absl::StatusOr<AttachGrant> grant = pool_->Attach(alice_);
-  ASSERT_TRUE(grant.ok()) << grant.status();
-  EXPECT_EQ(grant->response.layout().num_blocks(), 64);
-  ASSERT_EQ(grant->fds.size(), 2u);
-  EXPECT_EQ(grant->response.fds(0), v1::FD_ROLE_ARENA);
-  EXPECT_EQ(grant->response.fds(1), v1::FD_ROLE_GENERATION_TABLE);
-  const auto* generations = static_cast<const uint32_t*>(
-      mmap(nullptr, 64 * sizeof(uint32_t), PROT_READ, MAP_SHARED, grant->fds[1], 0));
-  ASSERT_NE(generations, MAP_FAILED);
-  v1::AllocateRequest request;
-  request.add_items()->set_num_tokens(40);
-  v1::AllocateResponse response;
-  ASSERT_TRUE(pool_->Allocate(alice_, request, &response).ok());
-  const v1::SequenceInfo& seq = response.sequences(0);
-  ASSERT_EQ(seq.block_ids_size(), 3);
-  for (int i = 0; i < 3; ++i) {  // what the client sees equals what the daemon handed out
-    EXPECT_EQ(generations[seq.block_ids(i)], seq.generations(i));
-    EXPECT_EQ(seq.generations(i), 1u);
+// Issue 10: probes that named the service got NOT_FOUND.
+TEST_F(DaemonTest, HealthAnswersForTheServiceNameAndForTheServer) {
+  Start({getuid()});
+  EXPECT_EQ(HealthCheck(dir_, "").value_or(-1), 1);
+  EXPECT_EQ(HealthCheck(dir_, Daemon::kServiceName).value_or(-1), 1);
+  EXPECT_EQ(HealthCheck(dir_, "no.such.Service").status().code(), absl::StatusCode::kNotFound);
+}
+
+// Issue 10: after `kvpoolctl drain` every kvpoolctl command failed to attach.
+TEST_F(DaemonTest, OperatorsAttachWhileTheDaemonDrainsOthersDoNot) {
+  Start({getuid()});
+  {
+    absl::StatusOr<std::unique_ptr<client::Client>> op = Connect();
+    ASSERT_TRUE(op.ok()) << op.status();
+    ASSERT_TRUE((*op)->Drain().ok());
   }
-  for (int fd : grant->fds) close(fd);
-  EXPECT_TRUE(pool_->CheckInvariants().ok());
+  absl::StatusOr<std::unique_ptr<client::Client>> later = Connect();
+  ASSERT_TRUE(later.ok()) << later.status();  // an admin: it watches the drain
+  absl::StatusOr<v1::GetStatsResponse> stats = (*later)->GetStats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_TRUE(stats->draining());
+  EXPECT_EQ((*later)->Allocate(std::vector<int32_t>(10, 1)).status().code(),
+            absl::StatusCode::kUnavailable);  // but it cannot start work
 }
 
-TEST_F(DaemonPoolTest, GrowReturnsOnlyTheChangedTail) {
-  v1::AllocateRequest a;
-  a.add_items()->set_num_tokens(20);
-  v1::AllocateResponse allocated;
-  ASSERT_TRUE(pool_->Allocate(alice_, a, &allocated).ok());
-  const uint64_t id = allocated.sequences(0).sequence_id();
-  v1::GrowRequest g;
-  g.add_sequence_ids(id);
-  g.add_num_tokens(70);
-  v1::GrowResponse grown;
-  ASSERT_TRUE(pool_->Grow(alice_, g, &grown).ok());
-  EXPECT_EQ(grown.table_offsets(0), 2);
-  EXPECT_EQ(grown.tail_lengths(0), 3);  // blocks 2, 3, 4
-  EXPECT_EQ(grown.block_ids_size(), 3);
-  EXPECT_EQ(grown.num_tokens(0), 70);
-  g.add_num_tokens(1);  // parallel arrays of different lengths
-  EXPECT_EQ(pool_->Grow(alice_, g, &grown).code(), absl::StatusCode::kInvalidArgument);
-  g.mutable_num_tokens()->RemoveLast();
-  // Another session may not grow it, and nothing changes.
-  v1::GrowResponse denied;
-  EXPECT_EQ(pool_->Grow(bob_, g, &denied).code(), absl::StatusCode::kPermissionDenied);
-  EXPECT_TRUE(pool_->CheckInvariants().ok());
+TEST_F(DaemonTest, ANonAdminCannotAttachWhileTheDaemonDrains) {
+  Start({/*admins: nobody here*/ getuid() + 1});
+  daemon_->engine().Drain();
+  EXPECT_EQ(Connect().status().code(), absl::StatusCode::kUnavailable);
 }
 
-TEST_F(DaemonPoolTest, FreeIsAllOrNothingAndSessionReleaseTakesEverything) {
-  v1::AllocateRequest a;
-  a.add_items()->set_num_tokens(16);
-  a.add_items()->set_num_tokens(16);
-  v1::AllocateResponse r;
-  ASSERT_TRUE(pool_->Allocate(alice_, a, &r).ok());
-  v1::FreeRequest f;
-  f.add_sequence_ids(r.sequences(0).sequence_id());
-  f.add_sequence_ids(12345);
-  EXPECT_EQ(pool_->Free(alice_, f).code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(pool_->Usage(alice_.id).first, 2);  // neither was freed
-  EXPECT_EQ(pool_->ReleaseSession(alice_.id), 2);
-  v1::GetStatsResponse stats;
-  pool_->Stats(&stats);
-  EXPECT_EQ(stats.free_blocks() + stats.cached_blocks(), stats.num_blocks());
-  EXPECT_EQ(stats.sessions_reclaimed(), 1u);
-  EXPECT_TRUE(pool_->CheckInvariants().ok());
+TEST_F(DaemonTest, ClientsThatSayGoodbyeAreCountedApartFromReclaimedOnes) {
+  Start({getuid()});
+  { ASSERT_TRUE(Connect().ok()); }  // detaches in its destructor
+  absl::StatusOr<std::unique_ptr<client::Client>> op = Connect();
+  ASSERT_TRUE(op.ok());
+  // The goodbye travels on the attach socket; the stats follow once the daemon has read it.
+  absl::StatusOr<v1::GetStatsResponse> stats = (*op)->GetStats();
+  for (int i = 0; i < 1000 && stats.ok() && stats->sessions_detached() == 0; ++i) {
+    absl::SleepFor(absl::Milliseconds(2));
+    stats = (*op)->GetStats();
+  }
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->sessions_detached(), 1u);
+  EXPECT_EQ(stats->sessions_reclaimed(), 0u);
+  EXPECT_EQ(stats->attached_sessions(), 1);
 }
 
-TEST_F(DaemonPoolTest, DrainRefusesNewSequences) {
-  EXPECT_EQ(pool_->Drain(), 0);
-  v1::AllocateRequest a;
-  a.add_items()->set_num_tokens(1);
-  v1::AllocateResponse r;
-  EXPECT_EQ(pool_->Allocate(alice_, a, &r).code(), absl::StatusCode::kUnavailable);
-}
-
-TEST_F(DaemonPoolTest, NamespacesSeparateTenantsModelsAndLayouts) {
-  EXPECT_EQ(pool_->NamespaceOf("a", "m"), pool_->NamespaceOf("a", "m"));
-  EXPECT_NE(pool_->NamespaceOf("a", "m"), pool_->NamespaceOf("b", "m"));
-  EXPECT_NE(pool_->NamespaceOf("a", "m"), pool_->NamespaceOf("a", "n"));
-  EXPECT_NE(pool_->NamespaceOf("ab", "c"), pool_->NamespaceOf("a", "bc"));
+TEST_F(DaemonTest, ShutdownTurnsHealthDownAndEndsEverySession) {
+  Start({getuid()});
+  absl::StatusOr<std::unique_ptr<client::Client>> c = Connect();
+  ASSERT_TRUE(c.ok());
+  ASSERT_TRUE((*c)->Allocate(std::vector<int32_t>(20, 3)).ok());
+  daemon_->Shutdown();
+  EXPECT_FALSE(std::filesystem::exists(dir_ + "/" + wire::kAttachSocket));
+  EXPECT_FALSE(std::filesystem::exists(dir_ + "/" + wire::kGrpcSocket));
+  EXPECT_EQ((*c)->Ping().code(), absl::StatusCode::kUnavailable);
 }
 
 }  // namespace

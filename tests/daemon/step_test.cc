@@ -1,158 +1,111 @@
-// DaemonPool::RunStep, StepRunner and StepTimeline: model steps over the daemon's pool,
-// chunked prefill included.
+// Model steps through the Engine (Engine::RunStep, the runner's hook, driven directly here):
+// planning, chunked prefill, and the bugs a step used to have with sessions, cancellation,
+// eviction and failed device work.
 
-#include <atomic>
-#include <random>
-#include <string>
+#include <sys/mman.h>
 
-#include "absl/synchronization/notification.h"
-#include "daemon/config.h"
-#include "daemon/pool.h"
-#include "daemon/step_runner.h"
-#include "daemon/step_timeline.h"
+#include <cstring>
+
+#include "daemon/engine/engine.h"
+#include "daemon/engine/step_timeline.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "kernels/cpu_device.h"
 #include "model/local_engine.h"
-#include "model/model.h"
+#include "tests/daemon/engine_test_util.h"
 
 namespace kvpool::daemon {
 namespace {
 
-std::vector<int32_t> Prompt(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<int32_t> out(n);
-  for (int32_t& t : out) t = static_cast<int32_t>(rng() % 8192);
-  return out;
-}
+using testing::FailingDevice;
+using testing::Prompt;
+using testing::SmallPool;
+using testing::Spec;
 
-class RunStepTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    v1::DaemonConfig config = DefaultConfig();
-    config.set_pool_bytes(int64_t{64} << 16);  // 64 blocks of 64 KiB
-    pool_ = std::move(*DaemonPool::Create(config, &device_, 7));
-    model_ = std::move(*model::Model::Create(
-        model::SyntheticWeights(*model::NamedConfig("tiny"), 1), pool_->layout(), {.threads = 1}));
-    alice_ = MakeSession(1);
-    bob_ = MakeSession(2);
+// OK until the step has planned the call (its first check), then CANCELLED.
+class GivesUpDuringTheStep final : public CallContext {
+ public:
+  absl::Status Check() const override {
+    return checks_++ == 0 ? absl::OkStatus() : absl::CancelledError("gave up");
   }
 
-  std::shared_ptr<const Session> MakeSession(uint64_t id) {
-    auto s = std::make_shared<Session>(Session{.id = SessionId(id), .tenant = "t", .model = "m"});
-    s->ns = pool_->NamespaceOf("t", "m");
-    return s;
-  }
-  static ComputeCall Prefill(std::shared_ptr<const Session> s, std::vector<int32_t> tokens,
-                             SequenceId seq = SequenceId(0)) {
-    ComputeCall c;
-    c.session = std::move(s);
-    c.prefill = true;
-    c.sequence = seq;
-    c.tokens = std::move(tokens);
-    return c;
-  }
-  static ComputeCall Decode(std::shared_ptr<const Session> s, SequenceId seq, int32_t token) {
-    ComputeCall c;
-    c.session = std::move(s);
-    c.decode = {{seq, token}};
-    return c;
-  }
-  void Run(std::vector<ComputeCall*> calls) { pool_->RunStep(model_.get(), calls); }
-  v1::GetStatsResponse Stats() {
-    v1::GetStatsResponse s;
-    pool_->Stats(&s);
-    return s;
-  }
-
-  kernels::CpuDevice device_{1};
-  std::unique_ptr<DaemonPool> pool_;
-  std::unique_ptr<model::Model> model_;
-  std::shared_ptr<const Session> alice_, bob_;
+ private:
+  mutable std::atomic<int> checks_{0};
 };
 
-TEST_F(RunStepTest, OneStepServesSeveralSessionsAsEachAlone) {
-  const std::vector<int32_t> a = Prompt(20, 1), b = Prompt(30, 2);
-  ComputeCall pa = Prefill(alice_, a), pb = Prefill(bob_, b);
-  Run({&pa, &pb});
-  ASSERT_TRUE(pa.status.ok()) << pa.status;
-  ASSERT_TRUE(pb.status.ok()) << pb.status;
-  EXPECT_EQ(pa.step_sequences, 2);
-  ComputeCall da = Decode(alice_, pa.items[0].sequence, pa.results[0].next_token);
-  ComputeCall db = Decode(bob_, pb.items[0].sequence, pb.results[0].next_token);
-  Run({&da, &db});
-  ASSERT_TRUE(da.status.ok()) << da.status;
-  ASSERT_TRUE(db.status.ok()) << db.status;
-  EXPECT_EQ(da.lengths, std::vector<int64_t>{21});
-  EXPECT_EQ(db.lengths, std::vector<int64_t>{31});
+// The tiny model, with a hook that runs inside each step, while the engine's lock is free.
+class HookModel final : public model::StepModel {
+ public:
+  explicit HookModel(std::unique_ptr<model::Model> inner) : inner_(std::move(inner)) {}
+  const model::ModelConfig& config() const override { return inner_->config(); }
+  const kernels::PoolLayout& layout() const override { return inner_->layout(); }
+  std::string where() const override { return inner_->where(); }
+  int64_t weight_bytes() const override { return inner_->weight_bytes(); }
+  std::function<void()> during_step;
 
-  // The same model alone, in process.
-  auto engine = *model::LocalEngine::Create(model::SyntheticWeights(*model::NamedConfig("tiny"), 1),
-                                            {.pool_bytes = int64_t{4} << 20, .threads = 1});
-  for (const auto& [prompt, first, second] :
-       {std::tuple{a, pa.results[0].next_token, da.results[0].next_token},
-        std::tuple{b, pb.results[0].next_token, db.results[0].next_token}}) {
-    auto p = engine->Prefill(SequenceId(0), prompt);
-    ASSERT_TRUE(p.ok());
-    EXPECT_EQ(p->result.next_token, first);
-    const model::DecodeInput in{p->sequence, first};
-    EXPECT_EQ((*engine->Decode(std::span(&in, 1)))[0].next_token, second);
+ protected:
+  absl::Status RunStep(const kernels::KvPoolView& pool, std::span<const model::StepItem> items,
+                       const model::StepOptions& options,
+                       std::vector<model::ItemResult>* results) override {
+    if (during_step) during_step();
+    return inner_->Step(pool, items, options, results);
   }
-  const v1::GetStatsResponse s = Stats();
-  EXPECT_EQ(s.model_steps(), 2u);
-  EXPECT_EQ(s.model_step_sequences(), 4u);
-  EXPECT_EQ(s.prefill_tokens_computed(), 50u);
-  EXPECT_EQ(s.decode_tokens(), 2u);
-  EXPECT_TRUE(pool_->CheckInvariants().ok());
-}
 
-TEST_F(RunStepTest, ABadCallFailsAloneAndChangesNothing) {
-  ComputeCall p = Prefill(alice_, Prompt(10, 3));
-  Run({&p});
-  ASSERT_TRUE(p.status.ok());
-  const SequenceId seq = p.items[0].sequence;
-  const v1::GetStatsResponse before = Stats();
-  ComputeCall good = Decode(alice_, seq, p.results[0].next_token);
-  ComputeCall foreign = Decode(bob_, seq, 1);                    // alice's sequence
-  ComputeCall outside = Prefill(bob_, {1, 2, 9000});             // not in the vocabulary
-  ComputeCall too_long = Prefill(bob_, Prompt(64 * 16 + 1, 4));  // more than the pool
-  Run({&good, &foreign, &outside, &too_long});
-  EXPECT_TRUE(good.status.ok()) << good.status;
-  EXPECT_EQ(good.step_sequences, 1);
-  EXPECT_EQ(foreign.status.code(), absl::StatusCode::kPermissionDenied);
-  EXPECT_EQ(outside.status.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(too_long.status.code(), absl::StatusCode::kResourceExhausted);
-  const v1::GetStatsResponse after = Stats();
-  EXPECT_EQ(after.sequences(), before.sequences());
-  EXPECT_EQ(after.free_blocks(), before.free_blocks());  // 11 tokens still fit one block
-  EXPECT_TRUE(pool_->CheckInvariants().ok());
-}
+ private:
+  std::unique_ptr<model::Model> inner_;
+};
 
-TEST_F(RunStepTest, ASequenceIsInOneStepOnlyOnce) {
-  ComputeCall p = Prefill(alice_, Prompt(10, 5));
-  Run({&p});
-  const SequenceId seq = p.items[0].sequence;
-  ComputeCall first = Decode(alice_, seq, 1), second = Decode(alice_, seq, 2);
-  Run({&first, &second});
-  EXPECT_TRUE(first.status.ok());
-  EXPECT_EQ(second.status.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(first.lengths, std::vector<int64_t>{11});
-}
+class StepTest : public ::testing::Test {
+ protected:
+  void SetUp() override { Make(64); }
+  void Make(int32_t num_blocks, kernels::FillPolicy fill = kernels::FillPolicy::kNone) {
+    engine_.reset();
+    EngineOptions options = SmallPool(num_blocks);
+    options.fill_policy = fill;
+    model_ = std::make_unique<HookModel>(testing::TinyModel(options.layout));
+    engine_ = std::move(*Engine::Create(options, &device_, model_.get()));
+    alice_ = *engine_->OpenSession(Spec("t", "alice"));
+    bob_ = *engine_->OpenSession(Spec("t", "bob"));
+    other_ = *engine_->OpenSession(Spec("other-tenant", "carol"));
+  }
 
-TEST_F(RunStepTest, DrainingRefusesNewSequencesButFinishesOldOnes) {
-  ComputeCall p = Prefill(alice_, Prompt(10, 6));
-  Run({&p});
-  pool_->Drain();
-  ComputeCall fresh = Prefill(bob_, Prompt(5, 7));
-  ComputeCall more = Decode(alice_, p.items[0].sequence, p.results[0].next_token);
-  ComputeCall extend = Prefill(alice_, Prompt(3, 8), p.items[0].sequence);
-  Run({&fresh, &more});
-  EXPECT_EQ(fresh.status.code(), absl::StatusCode::kUnavailable);
-  EXPECT_TRUE(more.status.ok()) << more.status;
-  more.decode.clear();
-  Run({&extend});
-  EXPECT_TRUE(extend.status.ok()) << extend.status;  // a next turn of a live sequence
-}
+  static std::unique_ptr<ComputeCall> Prefill(std::shared_ptr<const Session> s,
+                                              std::vector<int32_t> tokens,
+                                              SequenceId seq = SequenceId(0),
+                                              std::shared_ptr<const CallContext> context = {}) {
+    return std::make_unique<ComputeCall>(
+        std::move(s),
+        ComputeRequest{
+            .kind = ComputeRequest::Kind::kPrefill, .sequence = seq, .tokens = std::move(tokens)},
+        std::move(context), [](ComputeCall&) {});
+  }
+  static std::unique_ptr<ComputeCall> Decode(std::shared_ptr<const Session> s, SequenceId seq,
+                                             int32_t token) {
+    return std::make_unique<ComputeCall>(
+        std::move(s),
+        ComputeRequest{.kind = ComputeRequest::Kind::kDecode, .decode = {{seq, token}}}, nullptr,
+        [](ComputeCall&) {});
+  }
+  void Run(std::vector<ComputeCall*> calls) { engine_->RunStep(calls); }
+  // Runs a prefill's steps to the end, `chunk` tokens at a time.
+  int RunToEnd(ComputeCall& call, int64_t chunk = INT64_MAX) {
+    int steps = 0;
+    do {
+      call.chunk = chunk;
+      Run({&call});
+      ++steps;
+    } while (call.unfinished() && steps < 100);
+    return steps;
+  }
+  void ExpectInvariants() {
+    const absl::Status s = engine_->CheckInvariants();
+    EXPECT_TRUE(s.ok()) << s;
+  }
+
+  FailingDevice device_;
+  std::unique_ptr<HookModel> model_;
+  std::unique_ptr<Engine> engine_;
+  std::shared_ptr<const Session> alice_, bob_, other_;
+};
 
 // The first token the in-process engine predicts after `prompt`.
 int32_t AloneFirstToken(const std::vector<int32_t>& prompt) {
@@ -161,212 +114,288 @@ int32_t AloneFirstToken(const std::vector<int32_t>& prompt) {
   return engine->Prefill(SequenceId(0), prompt)->result.next_token;
 }
 
-TEST_F(RunStepTest, ChunkedPrefillGivesTheWholePrefillsToken) {
+TEST_F(StepTest, OneStepServesSeveralSessionsAsEachAlone) {
+  const std::vector<int32_t> a = Prompt(20, 1), b = Prompt(30, 2);
+  auto pa = Prefill(alice_, a), pb = Prefill(bob_, b);
+  Run({pa.get(), pb.get()});
+  ASSERT_TRUE(pa->result().status.ok()) << pa->result().status;
+  ASSERT_TRUE(pb->result().status.ok()) << pb->result().status;
+  EXPECT_EQ(pa->result().step_sequences, 2);
+  auto da = Decode(alice_, pa->result().sequences[0], pa->result().results[0].next_token);
+  auto db = Decode(bob_, pb->result().sequences[0], pb->result().results[0].next_token);
+  Run({da.get(), db.get()});
+  ASSERT_TRUE(da->result().status.ok()) << da->result().status;
+  EXPECT_EQ(da->result().lengths, std::vector<int64_t>{21});
+  EXPECT_EQ(db->result().lengths, std::vector<int64_t>{31});
+
+  auto local = *model::LocalEngine::Create(model::SyntheticWeights(*model::NamedConfig("tiny"), 1),
+                                           {.pool_bytes = int64_t{4} << 20, .threads = 1});
+  for (const auto& [prompt, first, second] :
+       {std::tuple{a, pa->result().results[0].next_token, da->result().results[0].next_token},
+        std::tuple{b, pb->result().results[0].next_token, db->result().results[0].next_token}}) {
+    auto p = local->Prefill(SequenceId(0), prompt);
+    ASSERT_TRUE(p.ok());
+    EXPECT_EQ(p->result.next_token, first);
+    const model::DecodeInput in{p->sequence, first};
+    EXPECT_EQ((*local->Decode(std::span(&in, 1)))[0].next_token, second);
+  }
+  const EngineStats s = engine_->Stats();
+  EXPECT_EQ(s.model.steps, 2u);
+  EXPECT_EQ(s.model.step_sequences, 4u);
+  EXPECT_EQ(s.model.prefill_computed, 50u);
+  EXPECT_EQ(s.model.decode_tokens, 2u);
+  ExpectInvariants();
+}
+
+TEST_F(StepTest, ABadCallFailsAloneAndChangesNothing) {
+  auto p = Prefill(alice_, Prompt(10, 3));
+  Run({p.get()});
+  ASSERT_TRUE(p->result().status.ok());
+  const SequenceId seq = p->result().sequences[0];
+  const EngineStats before = engine_->Stats();
+  auto good = Decode(alice_, seq, p->result().results[0].next_token);
+  auto foreign = Decode(bob_, seq, 1);                    // alice's sequence
+  auto outside = Prefill(bob_, {1, 2, 9000});             // not in the vocabulary
+  auto too_long = Prefill(bob_, Prompt(64 * 16 + 1, 4));  // more than the pool
+  Run({good.get(), foreign.get(), outside.get(), too_long.get()});
+  EXPECT_TRUE(good->result().status.ok()) << good->result().status;
+  EXPECT_EQ(good->result().step_sequences, 1);
+  EXPECT_EQ(foreign->result().status.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(outside->result().status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(too_long->result().status.code(), absl::StatusCode::kResourceExhausted);
+  const EngineStats after = engine_->Stats();
+  EXPECT_EQ(after.cache.sequences, before.cache.sequences);
+  EXPECT_EQ(after.cache.pool.free, before.cache.pool.free);  // 11 tokens still fit one block
+  ExpectInvariants();
+}
+
+TEST_F(StepTest, ASequenceIsInOneStepOnlyOnce) {
+  auto p = Prefill(alice_, Prompt(10, 5));
+  Run({p.get()});
+  const SequenceId seq = p->result().sequences[0];
+  auto first = Decode(alice_, seq, 1), second = Decode(alice_, seq, 2);
+  Run({first.get(), second.get()});
+  EXPECT_TRUE(first->result().status.ok());
+  EXPECT_EQ(second->result().status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(first->result().lengths, std::vector<int64_t>{11});
+}
+
+TEST_F(StepTest, DrainingRefusesNewSequencesButFinishesOldOnes) {
+  auto p = Prefill(alice_, Prompt(10, 6));
+  Run({p.get()});
+  engine_->Drain();
+  auto fresh = Prefill(bob_, Prompt(5, 7));
+  auto more = Decode(alice_, p->result().sequences[0], p->result().results[0].next_token);
+  Run({fresh.get(), more.get()});
+  EXPECT_EQ(fresh->result().status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(more->result().status.ok()) << more->result().status;
+  auto extend = Prefill(alice_, Prompt(3, 8), p->result().sequences[0]);
+  Run({extend.get()});
+  EXPECT_TRUE(extend->result().status.ok()) << extend->result().status;  // a next turn
+}
+
+// Issue 10: a call that waited in the queue while its session ended used to be carried out
+// anyway, leaving a sequence nobody could free.
+TEST_F(StepTest, APrefillOfAnEndedSessionIsRefusedAndLeavesNothing) {
+  engine_->EndSession(alice_->id, SessionEnd::kConnectionLost);
+  auto p = Prefill(alice_, Prompt(20, 1));
+  Run({p.get()});
+  EXPECT_EQ(p->result().status.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(engine_->Stats().cache.sequences, 0);
+  ExpectInvariants();
+}
+
+// Issue 10: a prefill whose caller gave up while its step ran created a sequence the caller never
+// learned of.
+TEST_F(StepTest, APrefillWhoseCallerGaveUpDuringItsStepLeavesNothing) {
+  auto p = Prefill(alice_, Prompt(40, 2), SequenceId(0), std::make_shared<GivesUpDuringTheStep>());
+  Run({p.get()});
+  EXPECT_EQ(p->result().status.code(), absl::StatusCode::kCancelled);
+  const EngineStats s = engine_->Stats();
+  EXPECT_EQ(s.cache.sequences, 0);
+  EXPECT_EQ(s.calls.released_on_give_up, 1u);
+  EXPECT_EQ(s.cache.pool.active, 0);  // nothing is held, nothing was published
+  ExpectInvariants();
+}
+
+// Issue 10: a rewind's copy-on-write and a later call's eviction in the same step. A prefills two
+// committed blocks, every other block is taken, A rewinds into its second block; then one step
+// decodes A (copying that block, which goes back to the cache) and prefills another tenant's
+// prompt (which needs a block: it used to evict A's copy source, get it back from the LIFO free
+// list and zero it before the copy ran).
+TEST_F(StepTest, ARewindCopyIsNotClobberedByAnEvictionInTheSameStep) {
+  const kernels::PoolLayout layout = engine_->layout();
+  absl::StatusOr<PoolGrant> grant = engine_->Grant(alice_);
+  ASSERT_TRUE(grant.ok());
+  auto* arena = static_cast<uint8_t*>(
+      mmap(nullptr, layout.arena_bytes(), PROT_READ, MAP_SHARED, grant->arena.fd.get(), 0));
+  ASSERT_NE(arena, MAP_FAILED);
+  auto p = Prefill(alice_, Prompt(32, 2));
+  Run({p.get()});
+  ASSERT_TRUE(p->result().status.ok()) << p->result().status;
+  const SequenceId a = p->result().sequences[0];
+  const auto old_block = [&] {
+    std::vector<SessionId> owners;
+    return engine_->ListSequences(alice_->id, &owners).blocks[1].value();
+  }();
+  const int64_t bytes = layout.block_bytes();
+  const std::vector<uint8_t> original(arena + old_block * bytes, arena + (old_block + 1) * bytes);
+  const AllocateRequest hog{.num_tokens = (engine_->Stats().cache.pool.free - 1) * 16};
+  ASSERT_TRUE(engine_->Allocate(*bob_, std::span(&hog, 1), CallContext::Uncancellable()).ok());
+  ASSERT_TRUE(engine_->Truncate(*alice_, a, 20, CallContext::Uncancellable()).ok());
+
+  auto decode = Decode(alice_, a, p->result().results[0].next_token);
+  auto other = Prefill(other_, Prompt(10, 3));
+  Run({decode.get(), other.get()});
+  ASSERT_TRUE(decode->result().status.ok()) << decode->result().status;
+  std::vector<SessionId> owners;
+  const int32_t copy = engine_->ListSequences(alice_->id, &owners).blocks[1].value();
+  ASSERT_NE(copy, old_block);
+  // Tokens 16..19 of the copy are the original's in every layer's K and V.
+  const int64_t chunk = layout.chunk_bytes(), row = chunk / layout.block_size;
+  for (int l = 0; l < 2 * layout.num_layers; ++l) {
+    EXPECT_EQ(0, std::memcmp(arena + copy * bytes + l * chunk, original.data() + l * chunk,
+                             static_cast<size_t>(4 * row)))
+        << "chunk " << l;
+  }
+  munmap(arena, static_cast<size_t>(layout.arena_bytes()));
+  ExpectInvariants();
+}
+
+// The client frees a sequence while its decode step runs (outside the engine's lock): the blocks
+// the step reads and writes retire, and go back to the free list only once the step is done.
+TEST_F(StepTest, BlocksOfAStepStayOutOfTheFreeListWhenTheirSequenceIsFreedMidStep) {
+  auto p = Prefill(alice_, Prompt(40, 3));
+  Run({p.get()});
+  ASSERT_TRUE(p->result().status.ok());
+  const SequenceId id = p->result().sequences[0];
+  const int32_t free_before = engine_->Stats().cache.pool.free;
+  int32_t retiring_during = -1, free_during = -1;
+  model_->during_step = [&] {
+    ASSERT_TRUE(
+        engine_->Free(*alice_, std::span(&id, 1), OnFree::kDiscard, CallContext::Uncancellable())
+            .ok());
+    const EngineStats s = engine_->Stats();
+    retiring_during = s.cache.pool.retiring;
+    free_during = s.cache.pool.free;
+  };
+  auto d = Decode(alice_, id, p->result().results[0].next_token);
+  Run({d.get()});
+  model_->during_step = nullptr;
+  EXPECT_EQ(d->result().status.code(), absl::StatusCode::kNotFound);  // freed under it
+  // 41 tokens in three blocks: the two full ones are cached (published by the prefill), the
+  // third retires: none of them can be handed out again while the step runs.
+  EXPECT_EQ(retiring_during, 1);
+  EXPECT_EQ(free_during, free_before);
+  EXPECT_EQ(engine_->Stats().cache.pool.retiring, 0);  // the step is done: reclaimed
+  ExpectInvariants();
+}
+
+// Issue 10: a step whose device work could not be queued kept the bookkeeping.
+TEST_F(StepTest, AFailedEnqueueInAStepIsUndone) {
+  Make(64, kernels::FillPolicy::kZero);
+  auto p = Prefill(alice_, Prompt(20, 4));
+  Run({p.get()});
+  ASSERT_TRUE(p->result().status.ok());
+  const EngineStats before = engine_->Stats();
+  device_.fail = true;
+  auto fresh = Prefill(bob_, Prompt(30, 5));
+  auto next = Prefill(alice_, Prompt(40, 6), p->result().sequences[0]);  // grows 2 blocks
+  Run({fresh.get(), next.get()});
+  EXPECT_EQ(fresh->result().status.code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(next->result().status.code(), absl::StatusCode::kInternal);
+  const EngineStats after = engine_->Stats();
+  EXPECT_EQ(after.cache.sequences, before.cache.sequences);
+  EXPECT_EQ(after.cache.pool.free + after.cache.pool.retiring, before.cache.pool.free);
+  EXPECT_EQ(after.cache.pool.active, before.cache.pool.active);
+  EXPECT_EQ(after.calls.device_failures, 2u);
+  ExpectInvariants();
+}
+
+TEST_F(StepTest, ChunkedPrefillGivesTheWholePrefillsToken) {
   const std::vector<int32_t> prompt = Prompt(100, 9);
-  ComputeCall p = Prefill(alice_, prompt);
-  p.chunk = 30;
+  auto p = Prefill(alice_, prompt);
   int steps = 0;
   do {
-    Run({&p});
+    p->chunk = 30;
+    Run({p.get()});
     ++steps;
-    ASSERT_TRUE(p.status.ok()) << p.status;
-    if (!p.finished) {
-      // Between chunks: the sequence holds every prompt block, nothing is published or answered.
-      EXPECT_TRUE(p.planned);
-      EXPECT_TRUE(p.results.empty());
-      EXPECT_EQ(Stats().prefill_tokens_computed(), 0u);
+    ASSERT_TRUE(p->result().status.ok()) << p->result().status;
+    if (p->unfinished()) {
+      // Between chunks: the sequence holds its blocks, nothing is published or answered.
+      EXPECT_TRUE(p->result().results.empty());
+      EXPECT_EQ(engine_->Stats().model.prefill_computed, 0u);
     }
-  } while (!p.finished && steps < 10);
+  } while (p->unfinished() && steps < 10);
   EXPECT_EQ(steps, 4);  // 30 + 30 + 30 + 10
-  EXPECT_FALSE(p.planned);
-  ASSERT_EQ(p.results.size(), 1u);
-  EXPECT_EQ(p.results[0].next_token, AloneFirstToken(prompt));
-  EXPECT_EQ(p.lengths, std::vector<int64_t>{100});
-  const v1::GetStatsResponse s = Stats();
-  EXPECT_EQ(s.prefill_chunks(), 3u);
-  EXPECT_EQ(s.prefill_calls(), 1u);
-  EXPECT_EQ(s.prefill_tokens_computed(), 100u);
-  EXPECT_TRUE(pool_->CheckInvariants().ok());
+  ASSERT_EQ(p->result().results.size(), 1u);
+  EXPECT_EQ(p->result().results[0].next_token, AloneFirstToken(prompt));
+  EXPECT_EQ(p->result().lengths, std::vector<int64_t>{100});
+  const EngineStats s = engine_->Stats();
+  EXPECT_EQ(s.model.prefill_chunks, 3u);
+  EXPECT_EQ(s.model.prefill_calls, 1u);
+  EXPECT_EQ(s.model.prefill_computed, 100u);
+  ExpectInvariants();
 }
 
-TEST_F(RunStepTest, DecodesShareStepsWithAChunkedPrefill) {
-  ComputeCall pb = Prefill(bob_, Prompt(20, 10));
-  Run({&pb});
-  ASSERT_TRUE(pb.status.ok());
-  ComputeCall pa = Prefill(alice_, Prompt(70, 11));
-  pa.chunk = 32;
-  int32_t token = pb.results[0].next_token;
+TEST_F(StepTest, DecodesShareStepsWithAChunkedPrefill) {
+  auto pb = Prefill(bob_, Prompt(20, 10));
+  Run({pb.get()});
+  ASSERT_TRUE(pb->result().status.ok());
+  auto pa = Prefill(alice_, Prompt(70, 11));
+  int32_t token = pb->result().results[0].next_token;
   int decodes = 0;
   do {
-    ComputeCall db = Decode(bob_, pb.items[0].sequence, token);
-    Run({&pa, &db});
-    ASSERT_TRUE(db.status.ok()) << db.status;
-    EXPECT_EQ(db.step_sequences, 2);
-    token = db.results[0].next_token;
+    pa->chunk = 32;
+    auto db = Decode(bob_, pb->result().sequences[0], token);
+    Run({pa.get(), db.get()});
+    ASSERT_TRUE(db->result().status.ok()) << db->result().status;
+    EXPECT_EQ(db->result().step_sequences, 2);
+    token = db->result().results[0].next_token;
     ++decodes;
-  } while (!pa.finished && decodes < 10);
-  ASSERT_TRUE(pa.status.ok()) << pa.status;
+  } while (pa->unfinished() && decodes < 10);
+  ASSERT_TRUE(pa->result().status.ok()) << pa->result().status;
   EXPECT_EQ(decodes, 3);  // 32 + 32 + 6
-  EXPECT_EQ(pa.results[0].next_token, AloneFirstToken(Prompt(70, 11)));
+  EXPECT_EQ(pa->result().results[0].next_token, AloneFirstToken(Prompt(70, 11)));
   // alice cannot decode her sequence while its prefill is under way (it is in every step).
-  ComputeCall pc = Prefill(alice_, Prompt(40, 12));
-  pc.chunk = 16;
-  Run({&pc});
-  ASSERT_FALSE(pc.finished);
-  ComputeCall early = Decode(alice_, pc.items[0].sequence, 1);
-  Run({&pc, &early});
-  EXPECT_EQ(early.status.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_TRUE(pc.status.ok());
-  EXPECT_TRUE(pool_->CheckInvariants().ok());
+  auto pc = Prefill(alice_, Prompt(40, 12));
+  pc->chunk = 16;
+  Run({pc.get()});
+  ASSERT_TRUE(pc->unfinished());
+  auto early = Decode(alice_, pc->progress()->item().sequence, 1);
+  Run({pc.get(), early.get()});
+  EXPECT_EQ(early->result().status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(pc->result().status.ok());
+  ExpectInvariants();
 }
 
-TEST_F(RunStepTest, ChunkedPrefillOfAFreedSequenceStopsAndLeaksNothing) {
-  const int64_t free_before = Stats().free_blocks();
-  ComputeCall p = Prefill(alice_, Prompt(200, 13));
-  p.chunk = 64;
-  Run({&p});
-  ASSERT_FALSE(p.finished);
+TEST_F(StepTest, AChunkedPrefillWhoseSequenceWasFreedStopsAndLeaksNothing) {
+  const int64_t free_before = engine_->Stats().cache.pool.free;
+  auto p = Prefill(alice_, Prompt(200, 13));
+  p->chunk = 64;
+  Run({p.get()});
+  ASSERT_TRUE(p->unfinished());
   // The client frees the sequence between chunks: its blocks must not be written again.
-  v1::FreeRequest free;
-  free.add_sequence_ids(p.items[0].sequence.value());
-  ASSERT_TRUE(pool_->Free(*alice_, free).ok());
-  Run({&p});
-  EXPECT_TRUE(p.finished);
-  EXPECT_EQ(p.status.code(), absl::StatusCode::kAborted);
-  EXPECT_FALSE(p.planned);
-  EXPECT_EQ(Stats().free_blocks(), free_before);
-  EXPECT_TRUE(pool_->CheckInvariants().ok());
+  const SequenceId id = p->progress()->item().sequence;
+  ASSERT_TRUE(
+      engine_->Free(*alice_, std::span(&id, 1), OnFree::kDiscard, CallContext::Uncancellable())
+          .ok());
+  Run({p.get()});
+  EXPECT_FALSE(p->unfinished());
+  EXPECT_EQ(p->result().status.code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(engine_->Stats().cache.pool.free, free_before);
+  ExpectInvariants();
 
-  // Abandoned at shutdown between chunks: the sequence goes back too.
-  ComputeCall q = Prefill(bob_, Prompt(200, 14));
-  q.chunk = 64;
-  Run({&q});
-  ASSERT_FALSE(q.finished);
-  EXPECT_EQ(Stats().sequences(), 1u);
-  pool_->Abandon(&q);
-  EXPECT_EQ(Stats().sequences(), 0u);
-  EXPECT_EQ(Stats().free_blocks(), free_before);
-  EXPECT_TRUE(pool_->CheckInvariants().ok());
-}
-
-TEST_F(RunStepTest, RunnerServesDecodesBetweenTheChunksOfALongPrompt) {
-  ComputeCall pb = Prefill(bob_, Prompt(20, 15));
-  Run({&pb});
-  ASSERT_TRUE(pb.status.ok());
-  StepRunner runner(pool_.get(), model_.get(),
-                    {.gather_window = absl::Milliseconds(1), .max_step_tokens = 48});
-  absl::Mutex mu;
-  std::vector<std::string> order;  // which call finished when
-  absl::Notification prefilled;
-  int32_t first = -1;
-  auto prefill = std::make_unique<ComputeCall>(Prefill(alice_, Prompt(600, 16)));
-  prefill->done = [&](ComputeCall& c) {
-    EXPECT_TRUE(c.status.ok()) << c.status;
-    first = c.results.empty() ? -1 : c.results[0].next_token;
-    absl::MutexLock lock(&mu);
-    order.push_back("prefill");
-    prefilled.Notify();
-  };
-  runner.Submit(std::move(prefill));
-  // bob decodes meanwhile, one call after another.
-  int32_t token = pb.results[0].next_token;
-  for (int i = 0; i < 3; ++i) {
-    absl::Notification decoded;
-    auto d = std::make_unique<ComputeCall>(Decode(bob_, pb.items[0].sequence, token));
-    d->done = [&](ComputeCall& c) {
-      EXPECT_TRUE(c.status.ok()) << c.status;
-      token = c.results[0].next_token;
-      absl::MutexLock lock(&mu);
-      order.push_back("decode");
-      decoded.Notify();
-    };
-    runner.Submit(std::move(d));
-    decoded.WaitForNotification();
-  }
-  prefilled.WaitForNotification();
-  runner.Stop();
-  // 600 prompt tokens at most 48 a step (47 when bob's decode is in it) take 13 steps or more;
-  // bob's three decodes, each taking one step or two, finished inside them, not after.
-  EXPECT_EQ(order.back(), "prefill");
-  EXPECT_EQ(first, AloneFirstToken(Prompt(600, 16)));
-  EXPECT_GE(Stats().prefill_chunks(), 12u);
-  EXPECT_TRUE(pool_->CheckInvariants().ok());
-}
-
-TEST_F(RunStepTest, ADecodeWiderThanAStepIsNotKeptOutByChunks) {
-  // Five sequences of bob's, decoded in one call: wider than a step of four tokens.
-  std::vector<model::DecodeInput> inputs;
-  for (uint32_t i = 0; i < 5; ++i) {
-    ComputeCall p = Prefill(bob_, Prompt(8, 20 + i));
-    Run({&p});
-    ASSERT_TRUE(p.status.ok()) << p.status;
-    inputs.push_back({p.items[0].sequence, p.results[0].next_token});
-  }
-  StepRunner runner(pool_.get(), model_.get(),
-                    {.gather_window = absl::Milliseconds(1), .max_step_tokens = 4});
-  absl::Notification prefilled, decoded;
-  std::atomic<bool> decoded_first{false};
-  auto prefill = std::make_unique<ComputeCall>(Prefill(alice_, Prompt(256, 30)));
-  prefill->done = [&](ComputeCall& c) {
-    EXPECT_TRUE(c.status.ok()) << c.status;
-    prefilled.Notify();
-  };
-  runner.Submit(std::move(prefill));
-  // The decode arrives while the prompt is under way (its later chunks are always in a step).
-  while (Stats().prefill_chunks() == 0) absl::SleepFor(absl::Milliseconds(1));
-  auto decode = std::make_unique<ComputeCall>();
-  decode->session = bob_;
-  decode->decode = inputs;
-  decode->done = [&](ComputeCall& c) {
-    EXPECT_TRUE(c.status.ok()) << c.status;
-    decoded_first = !prefilled.HasBeenNotified();
-    decoded.Notify();
-  };
-  runner.Submit(std::move(decode));
-  decoded.WaitForNotification();
-  prefilled.WaitForNotification();
-  runner.Stop();
-  // 256 prompt tokens take 64 steps of four: the decode went in one of them.
-  EXPECT_TRUE(decoded_first);
-  EXPECT_TRUE(pool_->CheckInvariants().ok());
-}
-
-TEST_F(RunStepTest, ALongPromptDoesNotStartStepsWithoutTheDecodersThatAreDue) {
-  ComputeCall pb = Prefill(bob_, Prompt(10, 40));
-  Run({&pb});
-  ASSERT_TRUE(pb.status.ok());
-  StepRunner runner(pool_.get(), model_.get(),
-                    {.gather_window = absl::Milliseconds(500), .max_step_tokens = 16});
-  absl::Notification prefilled;
-  auto prefill = std::make_unique<ComputeCall>(Prefill(alice_, Prompt(600, 41)));
-  prefill->done = [&](ComputeCall& c) {
-    EXPECT_TRUE(c.status.ok()) << c.status;
-    prefilled.Notify();
-  };
-  runner.Submit(std::move(prefill));
-  int32_t token = pb.results[0].next_token;
-  for (int i = 0; i < 3; ++i) {
-    // bob thinks for a while between decodes; the prompt's chunks wait for him (he was in the
-    // last step), so his decode runs in the very next step: one step from submit to answer.
-    absl::SleepFor(absl::Milliseconds(50));
-    const uint64_t before = Stats().model_steps();
-    absl::Notification decoded;
-    auto d = std::make_unique<ComputeCall>(Decode(bob_, pb.items[0].sequence, token));
-    d->done = [&](ComputeCall& c) {
-      EXPECT_TRUE(c.status.ok()) << c.status;
-      EXPECT_EQ(c.step_sequences, 2);
-      token = c.results[0].next_token;
-      decoded.Notify();
-    };
-    runner.Submit(std::move(d));
-    decoded.WaitForNotification();
-    if (i > 0) {  // the first time, bob was not in the step before
-      EXPECT_EQ(Stats().model_steps() - before, 1u) << "decode " << i;
-    }
-  }
-  prefilled.WaitForNotification();
-  runner.Stop();
-  EXPECT_TRUE(pool_->CheckInvariants().ok());
+  // Abandoned between chunks (shutdown, cancellation): the sequence goes back too.
+  auto q = Prefill(bob_, Prompt(200, 14));
+  q->chunk = 64;
+  Run({q.get()});
+  ASSERT_TRUE(q->unfinished());
+  EXPECT_EQ(engine_->Stats().cache.sequences, 1);
+  engine_->Abandon(*q);
+  EXPECT_EQ(engine_->Stats().cache.sequences, 0);
+  EXPECT_EQ(engine_->Stats().cache.pool.free, free_before);
+  ExpectInvariants();
 }
 
 // A fake device timeline: fences up to `passed` have passed.

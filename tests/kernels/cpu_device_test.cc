@@ -26,14 +26,13 @@ TEST(CpuDeviceTest, ArenaIsASealedSharedMemfd) {
   EXPECT_EQ(exported->bytes, 1 << 20);
   // What another process does with the descriptor: map it and see the same bytes.
   char* view = static_cast<char*>(
-      mmap(nullptr, 1 << 20, PROT_READ | PROT_WRITE, MAP_SHARED, exported->fd, 0));
+      mmap(nullptr, 1 << 20, PROT_READ | PROT_WRITE, MAP_SHARED, exported->fd.get(), 0));
   ASSERT_NE(view, MAP_FAILED);
   EXPECT_EQ(view[100], 42);
   view[200] = 7;
   EXPECT_EQ(static_cast<char*>((*arena)->base())[200], 7);
-  EXPECT_NE(ftruncate(exported->fd, 4096), 0);  // sealed: cannot shrink under a mapping
+  EXPECT_NE(ftruncate(exported->fd.get(), 4096), 0);  // sealed: cannot shrink under a mapping
   munmap(view, 1 << 20);
-  close(exported->fd);
   EXPECT_EQ(device.CreateArena(0).status().code(), absl::StatusCode::kInvalidArgument);
 }
 

@@ -547,9 +547,8 @@ TEST_F(CudaFenceTest, ArenaExportsAMappableHandle) {
   EXPECT_GE(exported.mapped_bytes, exported.bytes);
   EXPECT_EQ(exported.device_ordinal, 0);
   if (exported.kind == ArenaExport::Kind::kCudaVmm) {
-    ASSERT_GE(exported.fd, 0);
-    EXPECT_NE(fcntl(exported.fd, F_GETFD), -1);
-    close(exported.fd);
+    ASSERT_TRUE(exported.fd.valid());
+    EXPECT_NE(fcntl(exported.fd.get(), F_GETFD), -1);
   } else {
     EXPECT_EQ(exported.kind, ArenaExport::Kind::kCudaIpc);
     EXPECT_EQ(exported.ipc_handle.size(), 64u);  // sizeof(cudaIpcMemHandle_t)

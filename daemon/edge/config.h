@@ -1,12 +1,14 @@
 #pragma once
 
 // kvpoold's configuration: proto/kvpool/v1/config.proto read from a textproto file, with the
-// embedded defaults filled in and every field validated at start.
+// embedded defaults filled in and every field validated at start, and the engine's options made
+// from it.
 
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "daemon/engine/engine_options.h"
 #include "kvpool/v1/config.pb.h"
 
 namespace kvpool::daemon {
@@ -25,5 +27,9 @@ void ApplyDefaults(v1::DaemonConfig* config);
 
 // One line per problem; empty when the config is usable.
 std::vector<std::string> ValidateConfig(const v1::DaemonConfig& config);
+
+// The engine's options for a config ValidateConfig() accepted; `epoch` names this start of the
+// daemon. Errors: INVALID_ARGUMENT for a config that does not validate.
+absl::StatusOr<EngineOptions> MakeEngineOptions(const v1::DaemonConfig& config, uint64_t epoch);
 
 }  // namespace kvpool::daemon

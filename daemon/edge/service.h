@@ -1,42 +1,40 @@
 #pragma once
 
-// KvPoolService: the gRPC face of the daemon (proto/kvpool/v1/kvpool.proto), on the callback
-// API. Each unary call authenticates its session from the "kvpool-session-token" metadata, checks
-// the admin role where needed, runs on DaemonPool and maps the result with ToGrpcStatus(). Calls
-// are short (in-memory bookkeeping plus, at most, a wait for a small device plan), so they run
-// inline on gRPC's callback threads. WatchEvents streams cache events; followers are woken by
-// NotifyEvents() after every call that can produce events.
+// KvPoolService: the gRPC face of the daemon (proto/kvpool/v1/kvpool.proto), on the callback API.
+// It authenticates each call's session from the "kvpool-session-token" metadata, checks the admin
+// role where needed, translates the request into the engine's core types, calls the Engine and
+// translates the answer back (convert.h). It decides nothing itself.
+//
+// Control calls are short (bookkeeping plus, at most, a wait for a small device plan) and run
+// inline on gRPC's callback threads. Compute calls complete when their model step has run.
+// WatchEvents streams cache events; followers are woken by NotifyEvents() after every call that
+// can produce events.
+//
+// Lock order: writers_mu_ -> EventWriter::mu_ -> the engine's lock.
 //
 // Thread-safe.
 
-#include <functional>
 #include <memory>
 #include <string>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
-#include "daemon/pool.h"
-#include "daemon/sessions.h"
-#include "daemon/step_runner.h"
+#include "daemon/edge/convert.h"
+#include "daemon/engine/engine.h"
 #include "grpcpp/grpcpp.h"
 #include "kvpool/v1/kvpool.grpc.pb.h"
 
 namespace kvpool::daemon {
 
-// The one mapping from absl::Status to grpc::Status (STYLE.md): same code and message; a
-// RESOURCE_EXHAUSTED that carries a shortfall also sets the trailing metadata
-// "kvpool-shortfall" = "<resource>:<blocks>" when `context` is given.
-grpc::Status ToGrpcStatus(const absl::Status& status, grpc::ServerContextBase* context = nullptr);
-
 class EventWriter;
+class GenerateWriter;
 
 class KvPoolService final : public v1::KvPool::CallbackService {
  public:
-  // None is owned; all outlive the service. `runner` is null when the daemon runs no model (the
-  // compute RPCs then fail with FAILED_PRECONDITION).
-  KvPoolService(DaemonPool* pool, SessionRegistry* sessions, StepRunner* runner = nullptr);
-  ~KvPoolService() override;
+  // Neither is owned; both outlive the service.
+  KvPoolService(Engine* engine, const Clock* clock) : engine_(engine), clock_(clock) {}
+  ~KvPoolService() override = default;
 
   using Context = grpc::CallbackServerContext;
   using Unary = grpc::ServerUnaryReactor;
@@ -55,6 +53,7 @@ class KvPoolService final : public v1::KvPool::CallbackService {
   Unary* Decode(Context* c, const v1::DecodeRequest* q, v1::DecodeResponse* r) override;
   grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(Context* c,
                                                            const v1::GenerateRequest* q) override;
+  // Admin calls (service_admin.cc): sessions with the admin role only.
   Unary* GetStats(Context* c, const v1::GetStatsRequest* q, v1::GetStatsResponse* r) override;
   Unary* ListSessions(Context* c, const v1::ListSessionsRequest* q,
                       v1::ListSessionsResponse* r) override;
@@ -79,7 +78,7 @@ class KvPoolService final : public v1::KvPool::CallbackService {
   void EndStreams();
   // From now on every call fails with UNAVAILABLE ("shutting down").
   void Stop();
-  // Waits until no unary call is running, at most until `deadline`. Returns whether it got there.
+  // Waits until no call is running, at most until `deadline`. Returns whether it got there.
   // (gRPC's own graceful shutdown waits for every idle client to answer a PING, which a client
   // with no call in flight may take its 5 s backup-poll period to do: the daemon drains its calls
   // itself and then shuts the server down at once.)
@@ -89,13 +88,18 @@ class KvPoolService final : public v1::KvPool::CallbackService {
   friend class EventWriter;
   friend class GenerateWriter;
 
+  // Authenticates (and, with `admin`, authorizes) the call, runs `fn(session)` and finishes the
+  // call with its status.
   template <typename Fn>
   Unary* Run(Context* context, bool admin, Fn&& fn);
-  std::shared_ptr<const Session> Authenticate(Context* context, grpc::Status* error) const;
-  // Starts a compute call: checks the service is up, the session and the model, then submits
-  // `call`; `finish` fills the response from the outcome before the reactor finishes.
-  Unary* Compute(Context* context, std::unique_ptr<ComputeCall> call,
-                 std::function<void(ComputeCall&)> finish);
+  // The session the call's token names. Errors: UNAUTHENTICATED (no or unknown token),
+  // PERMISSION_DENIED (`admin` and the session lacks the role).
+  absl::StatusOr<std::shared_ptr<const Session>> Authenticate(const Context* context,
+                                                              bool admin) const;
+  // Starts a compute call: authenticates, checks `malformed`, then submits; `finish` fills the
+  // response from the outcome before the reactor finishes.
+  Unary* Compute(Context* context, ComputeRequest request, absl::Status malformed,
+                 std::function<void(const ComputeResult&)> finish);
   // Counts a call that completes asynchronously; false when the service is stopping.
   bool BeginCall();
   void EndCall();
@@ -103,15 +107,27 @@ class KvPoolService final : public v1::KvPool::CallbackService {
   void Register(EventWriter* writer);
   void Unregister(EventWriter* writer);
 
-  DaemonPool* const pool_;
-  SessionRegistry* const sessions_;
-  StepRunner* const runner_;
+  Engine* const engine_;
+  const Clock* const clock_;
   absl::Mutex calls_mu_;
-  int64_t calls_ ABSL_GUARDED_BY(calls_mu_) = 0;  // unary calls running
+  int64_t calls_ ABSL_GUARDED_BY(calls_mu_) = 0;  // calls running
   bool stopping_ ABSL_GUARDED_BY(calls_mu_) = false;
   absl::Mutex writers_mu_;
   absl::flat_hash_set<EventWriter*> writers_ ABSL_GUARDED_BY(writers_mu_);
   bool ended_ ABSL_GUARDED_BY(writers_mu_) = false;
 };
+
+template <typename Fn>
+KvPoolService::Unary* KvPoolService::Run(Context* context, bool admin, Fn&& fn) {
+  Unary* reactor = context->DefaultReactor();
+  if (!BeginCall()) {
+    reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "kvpoold is shutting down"));
+    return reactor;
+  }
+  absl::StatusOr<std::shared_ptr<const Session>> session = Authenticate(context, admin);
+  reactor->Finish(ToGrpcStatus(session.ok() ? fn(**session) : session.status(), context));
+  EndCall();
+  return reactor;
+}
 
 }  // namespace kvpool::daemon

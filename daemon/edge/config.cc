@@ -1,9 +1,10 @@
-#include "daemon/config.h"
+#include "daemon/edge/config.h"
 
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <fstream>
+#include <functional>
 #include <sstream>
 
 #include "fmt/format.h"
@@ -14,6 +15,7 @@
 #include "kernels/plan_executor.h"
 #include "kernels/pool_layout.h"
 #include "kvpool/eviction_policy.h"
+#include "kvpool/util/status_macros.h"
 #include "kvpool/v1/wire.h"
 #include "model/weights.h"
 
@@ -63,6 +65,7 @@ void ApplyDefaults(v1::DaemonConfig* c) {
   if (m->gather_window_us() == 0) m->set_gather_window_us(2000);
   if (m->max_step_tokens() == 0) m->set_max_step_tokens(512);
   if (m->threads() == 0) m->set_threads(c->cpu_threads());
+  if (m->prefill_max_wait_steps() == 0) m->set_prefill_max_wait_steps(4);
   // The pool's shape follows the model's KV geometry unless set (the tiny model's without one).
   absl::StatusOr<model::ModelConfig> geometry = model::NamedConfig("tiny");
   if (!m->checkpoint().empty()) {
@@ -89,6 +92,39 @@ void ApplyDefaults(v1::DaemonConfig* c) {
   if (c->drain_timeout_ms() == 0) c->set_drain_timeout_ms(5000);
   if (c->socket_mode() == 0) c->set_socket_mode(0660);
 }
+
+namespace {
+
+// The model section: its name or checkpoint, and the step settings.
+void ValidateModel(const v1::DaemonConfig& c, bool shape_ok,
+                   const std::function<void(std::string_view, std::string)>& bad) {
+  const v1::ModelSpec& m = c.model();
+  if (m.checkpoint().empty() && m.name() != "none" && shape_ok) {
+    if (absl::StatusOr<model::ModelConfig> named = model::NamedConfig(m.name()); !named.ok()) {
+      bad("model.name", fmt::format("'{}' is not tiny, small or none", m.name()));
+    } else if (named->num_layers != c.shape().num_layers() ||
+               named->num_kv_heads != c.shape().num_kv_heads() ||
+               named->head_dim != c.shape().head_dim()) {
+      bad("shape", fmt::format("model {} needs num_layers {}, num_kv_heads {}, head_dim {}",
+                               m.name(), named->num_layers, named->num_kv_heads, named->head_dim));
+    }
+  }
+  if (!m.checkpoint().empty() && m.checkpoint()[0] != '/') {
+    bad("model.checkpoint", fmt::format("must be an absolute path (got '{}')", m.checkpoint()));
+  }
+  if (m.gather_window_us() < 0 || m.gather_window_us() > 1000000) {
+    bad("model.gather_window_us", "must be in [0, 1000000]");
+  }
+  if (m.max_step_tokens() < 1) bad("model.max_step_tokens", "must be >= 1");
+  if (m.threads() < 0) bad("model.threads", "must be >= 0 (0: all cores)");
+  if (m.prefill_max_wait_steps() < 1) bad("model.prefill_max_wait_steps", "must be >= 1");
+  if (m.prefill_share_tokens() < 0 || m.prefill_share_tokens() > m.max_step_tokens()) {
+    bad("model.prefill_share_tokens",
+        fmt::format("must be in [0, max_step_tokens] (got {})", m.prefill_share_tokens()));
+  }
+}
+
+}  // namespace
 
 std::vector<std::string> ValidateConfig(const v1::DaemonConfig& c) {
   std::vector<std::string> errors;
@@ -146,25 +182,7 @@ std::vector<std::string> ValidateConfig(const v1::DaemonConfig& c) {
   if (c.socket_mode() > 0777)
     bad("socket_mode", fmt::format("{:o} is not a permission mode", c.socket_mode()));
   if (c.watchdog_ms() < 0) bad("watchdog_ms", "must be >= 0");
-  const v1::ModelSpec& m = c.model();
-  if (m.checkpoint().empty() && m.name() != "none" && shape_ok.ok()) {
-    if (absl::StatusOr<model::ModelConfig> named = model::NamedConfig(m.name()); !named.ok()) {
-      bad("model.name", fmt::format("'{}' is not tiny, small or none", m.name()));
-    } else if (named->num_layers != c.shape().num_layers() ||
-               named->num_kv_heads != c.shape().num_kv_heads() ||
-               named->head_dim != c.shape().head_dim()) {
-      bad("shape", fmt::format("model {} needs num_layers {}, num_kv_heads {}, head_dim {}",
-                               m.name(), named->num_layers, named->num_kv_heads, named->head_dim));
-    }
-  }
-  if (!m.checkpoint().empty() && m.checkpoint()[0] != '/') {
-    bad("model.checkpoint", fmt::format("must be an absolute path (got '{}')", m.checkpoint()));
-  }
-  if (m.gather_window_us() < 0 || m.gather_window_us() > 1000000) {
-    bad("model.gather_window_us", "must be in [0, 1000000]");
-  }
-  if (m.max_step_tokens() < 1) bad("model.max_step_tokens", "must be >= 1");
-  if (m.threads() < 0) bad("model.threads", "must be >= 0 (0: all cores)");
+  ValidateModel(c, shape_ok.ok(), bad);
   return errors;
 }
 
@@ -189,6 +207,36 @@ absl::StatusOr<v1::DaemonConfig> LoadConfig(const std::string& path) {
     return absl::InvalidArgumentError(Join(problems));
   }
   return config;
+}
+
+absl::StatusOr<EngineOptions> MakeEngineOptions(const v1::DaemonConfig& c, uint64_t epoch) {
+  if (std::vector<std::string> problems = ValidateConfig(c); !problems.empty()) {
+    return absl::InvalidArgumentError(Join(problems));
+  }
+  const kernels::PoolLayout shape{.block_size = c.shape().block_size(),
+                                  .num_layers = c.shape().num_layers(),
+                                  .num_kv_heads = c.shape().num_kv_heads(),
+                                  .head_dim = c.shape().head_dim(),
+                                  .dtype = *kernels::ParseDType(c.shape().dtype())};
+  EngineOptions o;
+  KVPOOL_ASSIGN_OR_RETURN(o.layout, kernels::LayoutForBudget(shape, c.pool_bytes()));
+  o.max_blocks_per_seq = c.max_blocks_per_seq();
+  o.trace_depth = c.trace_depth();
+  o.prefix_cache = !c.disable_prefix_cache();
+  o.eviction_policy = c.eviction_policy();
+  o.event_capacity = static_cast<size_t>(c.event_capacity());
+  o.fill_policy = *kernels::ParseFillPolicy(c.fill_policy());
+  o.session_quota_blocks = c.session_quota_blocks();
+  for (const auto& [tenant, quota] : c.tenant_quota_blocks()) o.tenant_quota_blocks[tenant] = quota;
+  o.epoch = epoch;
+  const v1::ModelSpec& m = c.model();
+  o.model_name = m.checkpoint().empty() ? m.name() : m.checkpoint();
+  o.gather_window_ns = int64_t{m.gather_window_us()} * 1000;
+  o.scheduler = {.batching = !m.disable_batching(),
+                 .max_step_tokens = m.max_step_tokens(),
+                 .prefill_max_wait_steps = m.prefill_max_wait_steps(),
+                 .prefill_share = m.prefill_share_tokens()};
+  return o;
 }
 
 }  // namespace kvpool::daemon

@@ -1,0 +1,69 @@
+#include "daemon/edge/attach_policy.h"
+
+#include <algorithm>
+
+#include "fmt/format.h"
+
+namespace kvpool::daemon {
+namespace {
+
+template <typename T>
+bool Contains(const std::vector<T>& list, T value) {
+  return std::find(list.begin(), list.end(), value) != list.end();
+}
+
+absl::Status CheckName(std::string_view field, const std::string& value) {
+  if (value.size() > AttachPolicy::kMaxNameBytes) {
+    return absl::InvalidArgumentError(fmt::format("attach: {} is {} bytes long (at most {})", field,
+                                                  value.size(), AttachPolicy::kMaxNameBytes));
+  }
+  for (unsigned char c : value) {
+    if (c < 0x20 || c > 0x7e) {
+      return absl::InvalidArgumentError(
+          fmt::format("attach: {} holds a byte 0x{:02x} that is not printable ASCII", field, c));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+bool AttachPolicy::allowed(const PeerCredentials& peer) const {
+  return Contains(options_.allowed_uids, peer.uid) || Contains(options_.allowed_gids, peer.gid);
+}
+
+bool AttachPolicy::admin(const PeerCredentials& peer) const {
+  return Contains(options_.admin_uids, peer.uid);
+}
+
+absl::StatusOr<SessionSpec> AttachPolicy::Decide(const PeerCredentials& peer,
+                                                 const AttachClaims& claims, bool draining) const {
+  if (!allowed(peer)) {
+    return absl::PermissionDeniedError(
+        fmt::format("uid {} gid {} may not attach to this kvpoold", peer.uid, peer.gid));
+  }
+  if (claims.protocol_version != options_.protocol_version) {
+    return absl::InvalidArgumentError(fmt::format("protocol version {} (this daemon speaks {})",
+                                                  claims.protocol_version,
+                                                  options_.protocol_version));
+  }
+  for (const auto& [field, value] :
+       {std::pair<std::string_view, const std::string&>{"client_name", claims.client_name},
+        {"tenant", claims.tenant},
+        {"model", claims.model}}) {
+    if (absl::Status s = CheckName(field, value); !s.ok()) return s;
+  }
+  const bool is_admin = admin(peer);
+  if (draining && !is_admin) {
+    return absl::UnavailableError("kvpoold is draining: only admin sessions may attach");
+  }
+  return SessionSpec{.client_name = claims.client_name,
+                     .pid = peer.pid,
+                     .uid = peer.uid,
+                     .gid = peer.gid,
+                     .tenant = claims.tenant.empty() ? "default" : claims.tenant,
+                     .model = claims.model.empty() ? "default" : claims.model,
+                     .admin = is_admin};
+}
+
+}  // namespace kvpool::daemon

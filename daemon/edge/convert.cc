@@ -1,0 +1,291 @@
+#include "daemon/edge/convert.h"
+
+#include "fmt/format.h"
+#include "kvpool/util/errors.h"
+#include "kvpool/util/fmt.h"
+#include "kvpool/v1/wire.h"
+
+namespace kvpool::daemon {
+namespace {
+
+v1::DType ToProto(kernels::DType d) {
+  switch (d) {
+    case kernels::DType::kF32:
+      return v1::DTYPE_F32;
+    case kernels::DType::kF16:
+      return v1::DTYPE_F16;
+    case kernels::DType::kBF16:
+      return v1::DTYPE_BF16;
+  }
+  return v1::DTYPE_UNSPECIFIED;
+}
+
+v1::ArenaKind ToProto(kernels::ArenaExport::Kind k) {
+  switch (k) {
+    case kernels::ArenaExport::Kind::kMemfd:
+      return v1::ARENA_KIND_MEMFD;
+    case kernels::ArenaExport::Kind::kCudaVmm:
+      return v1::ARENA_KIND_CUDA_VMM;
+    case kernels::ArenaExport::Kind::kCudaIpc:
+      return v1::ARENA_KIND_CUDA_IPC;
+  }
+  return v1::ARENA_KIND_UNSPECIFIED;
+}
+
+void ToProto(const BlockHash& h, v1::BlockHash* out) {
+  out->set_lo(h.lo);
+  out->set_hi(h.hi);
+}
+
+}  // namespace
+
+grpc::Status ToGrpcStatus(const absl::Status& status, grpc::ServerContextBase* context) {
+  if (status.ok()) return grpc::Status::OK;
+  if (context != nullptr) {
+    if (std::optional<Shortfall> shortfall = GetShortfall(status)) {
+      context->AddTrailingMetadata(
+          wire::kShortfallKey,
+          fmt::format("{}:{}", ResourceName(shortfall->resource), shortfall->blocks));
+    }
+  }
+  // absl and gRPC share the canonical code numbering.
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+}
+
+void ToProto(const kernels::PoolLayout& layout, v1::PoolLayout* out) {
+  out->set_block_size(layout.block_size);
+  out->set_num_layers(layout.num_layers);
+  out->set_num_kv_heads(layout.num_kv_heads);
+  out->set_head_dim(layout.head_dim);
+  out->set_dtype(ToProto(layout.dtype));
+  out->set_num_blocks(layout.num_blocks);
+  out->set_chunk_bytes(layout.chunk_bytes());
+  out->set_block_bytes(layout.block_bytes());
+  out->set_layout_hash(layout.Hash());
+}
+
+v1::KvEvent ToProto(const KvEvent& e) {
+  v1::KvEvent out;
+  out.set_seq(e.seq);
+  out.set_epoch(e.epoch);
+  switch (e.type) {
+    case KvEventType::kBlockStored:
+      out.set_type(v1::KvEvent::TYPE_BLOCK_STORED);
+      break;
+    case KvEventType::kBlockRemoved:
+      out.set_type(v1::KvEvent::TYPE_BLOCK_REMOVED);
+      break;
+    case KvEventType::kAllBlocksCleared:
+      out.set_type(v1::KvEvent::TYPE_ALL_BLOCKS_CLEARED);
+      break;
+  }
+  out.set_namespace_id(e.ns.value());
+  for (const BlockHash& h : e.block_hashes) ToProto(h, out.add_block_hashes());
+  if (e.parent_hash) ToProto(*e.parent_hash, out.mutable_parent_hash());
+  out.mutable_token_ids()->Add(e.token_ids.begin(), e.token_ids.end());
+  out.set_block_size(e.block_size);
+  return out;
+}
+
+void ToProto(const BlockTraceEntry& e, v1::TraceEntry* t) {
+  t->set_op_seq(e.op_seq);
+  t->set_time_ns(e.time_ns);
+  t->set_block_id(e.block.value());
+  t->set_op(std::string(BlockOpName(e.op)));
+  t->set_refs_after(e.refs_after);
+  t->set_generation(e.generation);
+  t->set_session_id(e.session.value());
+  t->set_sequence_id(e.sequence.value());
+  std::string_view file = e.site.file_name();
+  if (size_t slash = file.rfind('/'); slash != std::string_view::npos)
+    file.remove_prefix(slash + 1);
+  t->set_site(fmt::format("{}:{} ({})", file, e.site.line(), e.site.function_name()));
+}
+
+void ToProto(const EngineStats& st, v1::GetStatsResponse* r) {
+  const KvCacheStats& s = st.cache;
+  r->set_num_blocks(s.pool.num_blocks);
+  r->set_free_blocks(s.pool.free);
+  r->set_active_blocks(s.pool.active);
+  r->set_cached_blocks(s.pool.cached);
+  r->set_retiring_blocks(s.pool.retiring);
+  r->set_sequences(s.sequences);
+  r->set_sessions(s.sessions);
+  r->set_allocate_calls(s.allocate_calls);
+  r->set_grow_calls(s.grow_calls);
+  r->set_truncate_calls(s.truncate_calls);
+  r->set_fork_calls(s.fork_calls);
+  r->set_commit_calls(s.commit_calls);
+  r->set_free_calls(s.free_calls);
+  r->set_blocks_allocated(s.pool.allocated);
+  r->set_blocks_freed(s.pool.freed);
+  r->set_cow_copies(s.cow_copies);
+  r->set_scrubs(s.pool.scrubs);
+  r->set_exhausted(s.exhausted);
+  r->set_over_releases(s.pool.over_releases);
+  r->set_prompt_tokens(s.prompt_tokens);
+  r->set_hit_tokens(s.hit_tokens);
+  r->set_evictions(s.evictions);
+  r->set_cache_nodes(s.cache.nodes);
+  r->set_events_next_seq(st.events_next_seq);
+  r->set_epoch(st.epoch);
+  r->set_device(st.device);
+  ToProto(st.layout, r->mutable_layout());
+  r->set_uptime_seconds(st.uptime_seconds);
+  r->set_draining(st.draining);
+  r->set_sessions_reclaimed(st.sessions.lost);
+  r->set_model(st.model_info.name);
+  r->set_model_steps(st.model.steps);
+  r->set_model_step_sequences(st.model.step_sequences);
+  r->set_prefill_calls(st.model.prefill_calls);
+  r->set_prefill_tokens_computed(st.model.prefill_computed);
+  r->set_prefill_tokens_reused(st.model.prefill_reused);
+  r->set_decode_tokens(st.model.decode_tokens);
+  r->set_model_busy_us(static_cast<uint64_t>(st.model.busy_ns / 1000));
+  r->set_prefill_chunks(st.model.prefill_chunks);
+  r->set_attached_sessions(st.attached_sessions);
+  r->set_sessions_opened(st.sessions.opened);
+  r->set_sessions_detached(st.sessions.detached);
+  r->set_sessions_shut_down(st.sessions.shut_down);
+  r->set_sequences_released_on_end(st.sessions.sequences_released);
+  r->set_calls_given_up(st.calls.gave_up);
+  r->set_sequences_released_on_give_up(st.calls.released_on_give_up);
+  r->set_calls_of_ended_sessions(st.calls.session_ended);
+  r->set_device_failures(st.calls.device_failures);
+  if (!st.health.ok()) r->set_failure(st.health.ToString());
+}
+
+void ToProto(const SessionListing& l, int64_t now_ns, v1::SessionInfo* info) {
+  const Session& s = *l.session;
+  info->set_session_id(s.id.value());
+  info->set_client_name(s.spec.client_name);
+  info->set_pid(static_cast<uint32_t>(s.spec.pid));
+  info->set_uid(s.spec.uid);
+  info->set_gid(s.spec.gid);
+  info->set_tenant(s.spec.tenant);
+  info->set_model(s.spec.model);
+  info->set_namespace_id(s.ns.value());
+  info->set_admin(s.spec.admin);
+  info->set_sequences(l.sequences);
+  info->set_block_refs(l.block_refs);
+  info->set_attached_seconds(static_cast<double>(now_ns - s.opened_ns) * 1e-9);
+}
+
+void ToProto(const PoolGrant& g, v1::AttachResponse* r) {
+  const Session& s = *g.session;
+  r->set_session_id(s.id.value());
+  r->set_session_token(s.token);
+  r->set_admin(s.spec.admin);
+  r->set_namespace_id(s.ns.value());
+  r->set_epoch(g.epoch);
+  r->set_daemon_version(g.daemon_version);
+  r->set_model_name(g.model.name);
+  r->set_model_vocab_size(g.model.vocab_size);
+  r->set_model_max_position(g.model.max_position);
+  ToProto(g.layout, r->mutable_layout());
+  r->set_arena_kind(ToProto(g.arena.kind));
+  r->set_arena_bytes(g.layout.arena_bytes());
+  r->set_mapped_bytes(g.arena.mapped_bytes);
+  r->set_device_ordinal(g.arena.device_ordinal);
+  r->set_cuda_ipc_handle(g.arena.ipc_handle);
+  if (g.arena.fd.valid()) r->add_fds(v1::FD_ROLE_ARENA);
+  r->add_fds(v1::FD_ROLE_GENERATION_TABLE);
+}
+
+std::string_view StopName(MatchStop stop) {
+  switch (stop) {
+    case MatchStop::kPromptEnd:
+      return "prompt_end";
+    case MatchStop::kUnknownNamespace:
+      return "unknown_namespace";
+    case MatchStop::kNoChild:
+      return "no_child";
+    case MatchStop::kDiverged:
+      return "diverged";
+    case MatchStop::kInsufficientCoverage:
+      return "insufficient_coverage";
+    case MatchStop::kEvicted:
+      return "evicted";
+  }
+  return "?";
+}
+
+void ToProto(const Tables& tables, size_t slice, size_t first_block, v1::SequenceInfo* info) {
+  const TableSlice& s = tables.slices[slice];
+  info->set_sequence_id(s.sequence.value());
+  info->set_num_tokens(s.num_tokens);
+  info->set_matched_tokens(s.matched_tokens);
+  info->set_table_offset(s.table_offset);
+  auto* ids = info->mutable_block_ids();
+  auto* gens = info->mutable_generations();
+  ids->Reserve(s.length);
+  gens->Reserve(s.length);
+  for (size_t i = first_block; i < first_block + static_cast<size_t>(s.length); ++i) {
+    ids->AddAlreadyReserved(tables.blocks[i].value());
+    gens->AddAlreadyReserved(tables.generations[i]);
+  }
+}
+
+void ToProto(const Tables& tables, google::protobuf::RepeatedPtrField<v1::SequenceInfo>* out) {
+  size_t first = 0;
+  for (size_t i = 0; i < tables.slices.size(); ++i) {
+    ToProto(tables, i, first, out->Add());
+    first += static_cast<size_t>(tables.slices[i].length);
+  }
+}
+
+void ToProto(const Tables& tables, v1::GrowResponse* r) {
+  const int n = static_cast<int>(tables.slices.size());
+  r->mutable_num_tokens()->Reserve(n);
+  r->mutable_table_offsets()->Reserve(n);
+  r->mutable_tail_lengths()->Reserve(n);
+  for (const TableSlice& s : tables.slices) {
+    r->mutable_num_tokens()->AddAlreadyReserved(s.num_tokens);
+    r->mutable_table_offsets()->AddAlreadyReserved(s.table_offset);
+    r->mutable_tail_lengths()->AddAlreadyReserved(s.length);
+  }
+  r->mutable_block_ids()->Reserve(static_cast<int>(tables.blocks.size()));
+  for (BlockId b : tables.blocks) r->mutable_block_ids()->AddAlreadyReserved(b.value());
+  r->mutable_generations()->Add(tables.generations.begin(), tables.generations.end());
+}
+
+std::vector<AllocateRequest> FromProto(const v1::AllocateRequest& request) {
+  std::vector<AllocateRequest> items;
+  items.reserve(static_cast<size_t>(request.items_size()));
+  for (const v1::AllocateItem& item : request.items()) {
+    items.push_back({.num_tokens = item.num_tokens(),
+                     .prompt = Tokens(item.prompt()),
+                     .priority = item.priority()});
+  }
+  return items;
+}
+
+absl::StatusOr<std::vector<GrowRequest>> FromProto(const v1::GrowRequest& request) {
+  if (request.sequence_ids_size() != request.num_tokens_size()) {
+    return absl::InvalidArgumentError(fmt::format("grow: {} sequence ids but {} token counts",
+                                                  request.sequence_ids_size(),
+                                                  request.num_tokens_size()));
+  }
+  std::vector<GrowRequest> items;
+  items.reserve(static_cast<size_t>(request.sequence_ids_size()));
+  for (int i = 0; i < request.sequence_ids_size(); ++i) {
+    items.push_back({SequenceId(request.sequence_ids(i)), request.num_tokens(i)});
+  }
+  return items;
+}
+
+absl::StatusOr<std::vector<model::DecodeInput>> FromProto(const v1::DecodeRequest& request) {
+  if (request.sequence_ids_size() != request.tokens_size()) {
+    return absl::InvalidArgumentError(fmt::format("decode: {} sequence ids but {} tokens",
+                                                  request.sequence_ids_size(),
+                                                  request.tokens_size()));
+  }
+  std::vector<model::DecodeInput> inputs;
+  inputs.reserve(static_cast<size_t>(request.sequence_ids_size()));
+  for (int i = 0; i < request.sequence_ids_size(); ++i) {
+    inputs.push_back({SequenceId(request.sequence_ids(i)), request.tokens(i)});
+  }
+  return inputs;
+}
+
+}  // namespace kvpool::daemon

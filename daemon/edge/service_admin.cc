@@ -1,0 +1,231 @@
+// KvPoolService's admin calls, and the WatchEvents stream (service.h).
+
+#include <optional>
+
+#include "daemon/edge/service.h"
+#include "kvpool/util/logging.h"
+
+namespace kvpool::daemon {
+
+// A WatchEvents stream: first a snapshot when asked for one (or when the events wanted were
+// already dropped from the replay ring), then events in order; with `follow`, it waits for more.
+// Deletes itself when gRPC is done with it.
+class EventWriter final : public grpc::ServerWriteReactor<v1::WatchEventsResponse> {
+ public:
+  EventWriter(KvPoolService* service, const v1::WatchEventsRequest& request)
+      : service_(service), engine_(service->engine_), follow_(request.follow()) {
+    next_ = request.from_seq() == 0 ? engine_->next_event_seq() : request.from_seq();
+    std::vector<KvEvent> probe;
+    if (request.snapshot() || !engine_->ReadEvents(next_, 0, &probe)) SendSnapshot();
+    service->Register(this);
+    Pump();
+  }
+
+  // Sends what is new, unless a write is in flight (OnWriteDone pumps again).
+  void Pump() {
+    absl::MutexLock lock(&mu_);
+    if (writing_ || done_) return;
+    std::vector<KvEvent> events;
+    if (!engine_->ReadEvents(next_, 256, &events)) {
+      SendSnapshotLocked();  // fell behind the ring while following
+      return;
+    }
+    if (events.empty()) {
+      if (!follow_) Close(grpc::Status::OK);
+      return;
+    }
+    response_.Clear();
+    next_ = events.back().seq + 1;
+    for (const KvEvent& e : events) *response_.add_events() = ToProto(e);
+    writing_ = true;
+    StartWrite(&response_);
+  }
+
+  void End(const grpc::Status& status) {
+    absl::MutexLock lock(&mu_);
+    if (!writing_) {
+      Close(status);
+    } else {
+      end_status_ = status;  // after the write in flight
+    }
+  }
+
+  void OnWriteDone(bool ok) override {
+    {
+      absl::MutexLock lock(&mu_);
+      writing_ = false;
+      if (!ok) return Close(grpc::Status(grpc::StatusCode::CANCELLED, "write failed"));
+      if (end_status_) return Close(*end_status_);
+    }
+    Pump();
+  }
+
+  void OnDone() override {
+    service_->Unregister(this);
+    service_->EndCall();
+    delete this;
+  }
+
+ private:
+  void SendSnapshot() {
+    absl::MutexLock lock(&mu_);
+    SendSnapshotLocked();
+  }
+  void SendSnapshotLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    uint64_t resume = 0;
+    response_.Clear();
+    response_.set_snapshot(true);
+    for (const KvEvent& e : engine_->SnapshotEvents(&resume)) *response_.add_events() = ToProto(e);
+    response_.set_resume_seq(resume);
+    next_ = resume;
+    writing_ = true;
+    StartWrite(&response_);
+  }
+  void Close(const grpc::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (done_) return;
+    done_ = true;
+    Finish(status);
+  }
+
+  KvPoolService* const service_;
+  Engine* const engine_;
+  const bool follow_;
+  absl::Mutex mu_;
+  uint64_t next_ ABSL_GUARDED_BY(mu_) = 1;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
+  std::optional<grpc::Status> end_status_ ABSL_GUARDED_BY(mu_);
+  v1::WatchEventsResponse response_ ABSL_GUARDED_BY(mu_);
+};
+
+grpc::ServerWriteReactor<v1::WatchEventsResponse>* KvPoolService::WatchEvents(
+    Context* c, const v1::WatchEventsRequest* q) {
+  // A reactor that only reports the error.
+  class Refusal final : public grpc::ServerWriteReactor<v1::WatchEventsResponse> {
+   public:
+    explicit Refusal(const grpc::Status& s) { Finish(s); }
+    void OnDone() override { delete this; }
+  };
+  if (!BeginCall()) {
+    return new Refusal(grpc::Status(grpc::StatusCode::UNAVAILABLE, "kvpoold is shutting down"));
+  }
+  if (absl::StatusOr<std::shared_ptr<const Session>> s = Authenticate(c, true); !s.ok()) {
+    EndCall();
+    return new Refusal(ToGrpcStatus(s.status()));
+  }
+  return new EventWriter(this, *q);
+}
+
+void KvPoolService::Register(EventWriter* writer) {
+  absl::MutexLock lock(&writers_mu_);
+  writers_.insert(writer);
+  if (ended_) writer->End(grpc::Status(grpc::StatusCode::UNAVAILABLE, "kvpoold is shutting down"));
+}
+
+void KvPoolService::Unregister(EventWriter* writer) {
+  absl::MutexLock lock(&writers_mu_);
+  writers_.erase(writer);
+}
+
+void KvPoolService::NotifyEvents() {
+  absl::MutexLock lock(&writers_mu_);
+  for (EventWriter* writer : writers_) writer->Pump();
+}
+
+void KvPoolService::EndStreams() {
+  absl::MutexLock lock(&writers_mu_);
+  ended_ = true;
+  for (EventWriter* writer : writers_) {
+    writer->End(grpc::Status(grpc::StatusCode::UNAVAILABLE, "kvpoold is shutting down"));
+  }
+}
+
+KvPoolService::Unary* KvPoolService::GetStats(Context* c, const v1::GetStatsRequest*,
+                                              v1::GetStatsResponse* r) {
+  return Run(c, true, [&](const Session&) {
+    ToProto(engine_->Stats(), r);
+    return absl::OkStatus();
+  });
+}
+
+KvPoolService::Unary* KvPoolService::ListSessions(Context* c, const v1::ListSessionsRequest*,
+                                                  v1::ListSessionsResponse* r) {
+  return Run(c, true, [&](const Session&) {
+    const int64_t now = clock_->NowNanos();
+    for (const SessionListing& l : engine_->ListSessions()) ToProto(l, now, r->add_sessions());
+    return absl::OkStatus();
+  });
+}
+
+KvPoolService::Unary* KvPoolService::ListSequences(Context* c, const v1::ListSequencesRequest* q,
+                                                   v1::ListSequencesResponse* r) {
+  return Run(c, true, [&](const Session&) {
+    std::vector<SessionId> owners;
+    const Tables tables = engine_->ListSequences(SessionId(q->session_id()), &owners);
+    ToProto(tables, r->mutable_sequences());
+    for (SessionId owner : owners) r->add_session_ids(owner.value());
+    return absl::OkStatus();
+  });
+}
+
+KvPoolService::Unary* KvPoolService::DumpBlockTrace(Context* c, const v1::DumpBlockTraceRequest* q,
+                                                    v1::DumpBlockTraceResponse* r) {
+  return Run(c, true, [&](const Session&) -> absl::Status {
+    const std::optional<BlockId> block =
+        q->all() ? std::nullopt : std::optional<BlockId>(BlockId(q->block_id()));
+    absl::StatusOr<std::vector<BlockTraceEntry>> entries = engine_->BlockTrace(block);
+    if (!entries.ok()) return entries.status();
+    for (const BlockTraceEntry& e : *entries) ToProto(e, r->add_entries());
+    return absl::OkStatus();
+  });
+}
+
+KvPoolService::Unary* KvPoolService::ExplainMatch(Context* c, const v1::ExplainMatchRequest* q,
+                                                  v1::ExplainMatchResponse* r) {
+  return Run(c, true, [&](const Session& s) {
+    const NamespaceId ns = q->namespace_id() != 0 ? NamespaceId(q->namespace_id()) : s.ns;
+    const MatchExplanation e = engine_->Explain(ns, Tokens(q->tokens()));
+    r->set_matched_tokens(e.matched_tokens);
+    r->set_stop(std::string(StopName(e.stop)));
+    r->set_explanation(e.ToString());
+    return absl::OkStatus();
+  });
+}
+
+KvPoolService::Unary* KvPoolService::Evict(Context* c, const v1::EvictRequest* q,
+                                           v1::EvictResponse* r) {
+  Unary* reactor = Run(c, true, [&](const Session&) -> absl::Status {
+    absl::StatusOr<int64_t> evicted = engine_->Evict(q->blocks(), q->all());
+    if (!evicted.ok()) return evicted.status();
+    r->set_evicted(*evicted);
+    return absl::OkStatus();
+  });
+  NotifyEvents();
+  return reactor;
+}
+
+KvPoolService::Unary* KvPoolService::CheckInvariants(Context* c, const v1::CheckInvariantsRequest*,
+                                                     v1::CheckInvariantsResponse* r) {
+  return Run(c, true, [&](const Session&) {
+    const absl::Status status = engine_->CheckInvariants();
+    r->set_ok(status.ok());
+    if (!status.ok()) r->set_violation(std::string(status.message()));
+    return absl::OkStatus();
+  });
+}
+
+KvPoolService::Unary* KvPoolService::SetLogLevel(Context* c, const v1::SetLogLevelRequest* q,
+                                                 v1::SetLogLevelResponse*) {
+  return Run(c, true, [&](const Session&) { return kvpool::SetLogLevel(q->level()); });
+}
+
+KvPoolService::Unary* KvPoolService::Drain(Context* c, const v1::DrainRequest*,
+                                           v1::DrainResponse* r) {
+  return Run(c, true, [&](const Session&) {
+    r->set_sequences(engine_->Drain());
+    Logger("daemon").info("draining: {} sequences still live", r->sequences());
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace kvpool::daemon

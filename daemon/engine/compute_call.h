@@ -1,0 +1,102 @@
+#pragma once
+
+// ComputeCall: one Prefill or Decode on its way through the engine's model steps. Each part has
+// one writer:
+//   request   what the session asked for; immutable
+//   result    the outcome; written by the step that completes the call (Step)
+//   progress  a prefill under way between chunks (PrefillProgress); owned here, advanced by Step
+//   queue     the scheduler's bookkeeping (arrival, steps passed over, this step's chunk)
+// The StepRunner owns the call while it is queued or in a step and hands it to `done` exactly once.
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "daemon/engine/call_context.h"
+#include "daemon/engine/prefill_progress.h"
+#include "daemon/engine/session.h"
+#include "model/step_model.h"
+#include "model/step_planner.h"
+
+namespace kvpool::daemon {
+
+struct ComputeRequest {
+  enum class Kind : uint8_t { kPrefill, kDecode };
+  Kind kind = Kind::kDecode;
+  // Prefill: SequenceId(0) for a new sequence (prefix-matched), else the one to extend.
+  SequenceId sequence;
+  std::vector<int32_t> tokens;             // prefill: the prompt (or the next turn)
+  int priority = 0;                        // prefill of a new sequence: prefix-cache class
+  std::vector<model::DecodeInput> decode;  // decode: one input per sequence, all or none
+  int32_t top_k = 0;  // also return the top_k next tokens (the step runs the widest of its calls)
+
+  bool prefill() const { return kind == Kind::kPrefill; }
+  bool creates() const { return prefill() && sequence == SequenceId(0); }
+};
+
+struct ComputeResult {
+  absl::Status status;
+  // One per sequence (a prefill has one), in request order.
+  std::vector<SequenceId> sequences;
+  std::vector<model::ItemResult> results;
+  std::vector<int64_t> lengths;  // each sequence's tokens with K/V in the pool after the call
+  int64_t reused = 0;            // prefill: prompt tokens the prefix cache supplied
+  int64_t computed = 0;          // prefill: tokens the model computed
+  int32_t step_sequences = 0;    // sequences in the step that completed the call
+};
+
+class ComputeCall final {
+ public:
+  using Done = std::function<void(ComputeCall&)>;
+
+  // `context` says whether the caller still waits (CallContext::Uncancellable() when null).
+  ComputeCall(std::shared_ptr<const Session> session, ComputeRequest request,
+              std::shared_ptr<const CallContext> context, Done done)
+      : session_(std::move(session)),
+        request_(std::move(request)),
+        context_(std::move(context)),
+        done_(std::move(done)) {}
+
+  const Session& session() const { return *session_; }
+  const std::shared_ptr<const Session>& shared_session() const { return session_; }
+  const ComputeRequest& request() const { return request_; }
+  const CallContext& context() const { return context_ ? *context_ : CallContext::Uncancellable(); }
+  ComputeResult& result() { return result_; }
+  const ComputeResult& result() const { return result_; }
+
+  // A prefill planned by an earlier step and not finished: its sequence and blocks are held.
+  PrefillProgress* progress() { return progress_ ? &*progress_ : nullptr; }
+  const PrefillProgress* progress() const { return progress_ ? &*progress_ : nullptr; }
+  void StartProgress(model::PlannedItem item) { progress_.emplace(std::move(item)); }
+  void EndProgress() { progress_.reset(); }
+  // The call needs another step (a prefill with prompt tokens left).
+  bool unfinished() const { return progress_ && !progress_->done() && result_.status.ok(); }
+
+  // Tokens the call computes in its next step at most (a prefill before prefix matching: all).
+  int64_t step_tokens() const {
+    if (!request_.prefill()) return static_cast<int64_t>(request_.decode.size());
+    if (progress_) return progress_->left();
+    return static_cast<int64_t>(request_.tokens.size());
+  }
+
+  // Scheduler bookkeeping (StepScheduler).
+  int64_t arrived_ns = 0;     // engine clock, when submitted
+  int32_t passed_over = 0;    // steps formed while a new prefill waited outside them
+  int64_t chunk = INT64_MAX;  // prompt tokens this step may compute for a prefill
+
+  // Hands the call to its owner's callback. Called once.
+  void Complete() { done_(*this); }
+
+ private:
+  const std::shared_ptr<const Session> session_;
+  const ComputeRequest request_;
+  const std::shared_ptr<const CallContext> context_;
+  const Done done_;
+  ComputeResult result_;
+  std::optional<PrefillProgress> progress_;
+};
+
+}  // namespace kvpool::daemon

@@ -1,0 +1,205 @@
+#pragma once
+
+// Engine: the daemon's pool, its sessions and its model steps, behind one coarse lock, in core
+// types only (DESIGN.md §2: protobuf stops at the gRPC service and the attach server). The edges
+// authenticate and translate; the engine decides.
+//
+// Sessions bound everything (DESIGN.md §4.7). The engine keeps the set of live sessions under its
+// lock: a call of a session that has ended is refused (NOT_FOUND) before it changes anything, and
+// a call that created something after its caller gave up (CallContext) releases it before it
+// returns. Ending a session releases every sequence it holds (fenced) and every queued call of
+// it.
+//
+// Control calls run in three steps: under the lock, ask the KvCacheManager, enqueue the device
+// plan it returns (a queue push, never a wait) and mark the plan's blocks in flight; then, outside
+// the lock, wait for that work, so when the call returns the client may write its blocks at once;
+// a plan that could not be enqueued is undone at once (RevertGrow, Free), leaving the pool as it
+// was (cached blocks evicted to make room stay evicted). Compute calls queue for the StepRunner,
+// whose steps the engine plans and finishes under the lock and runs outside it (step.h).
+//
+// Lock order: KvPoolService's writer locks -> Engine::mu_ -> the device's stream locks. The
+// StepRunner's lock is never held while the engine's is taken, nor the other way round; done
+// callbacks run with no lock held.
+//
+// Thread-safe.
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "daemon/engine/call_context.h"
+#include "daemon/engine/compute_call.h"
+#include "daemon/engine/engine_options.h"
+#include "daemon/engine/engine_state.h"
+#include "daemon/engine/session.h"
+#include "kernels/device.h"
+#include "kvpool/block_trace.h"
+#include "kvpool/kv_cache_manager.h"
+#include "model/step_model.h"
+
+namespace kvpool::daemon {
+
+class StepRunner;
+
+// The model behind Prefill/Decode/Generate (empty name: none).
+struct ModelInfo {
+  std::string name;
+  int32_t vocab_size = 0;
+  int32_t max_position = 0;
+};
+
+// What an attached client needs to map the pool. Owns its descriptors.
+struct PoolGrant {
+  std::shared_ptr<const Session> session;
+  uint64_t epoch = 0;
+  std::string daemon_version;
+  kernels::PoolLayout layout;
+  kernels::ArenaExport arena;
+  UniqueFd generation_table;  // map read-only
+  ModelInfo model;
+};
+
+struct EngineStats {
+  KvCacheStats cache;
+  int64_t attached_sessions = 0;  // sessions attached now (holding sequences or not)
+  SessionCounters sessions;
+  CallCounters calls;
+  ModelCounters model;
+  ModelInfo model_info;
+  uint64_t events_next_seq = 0;
+  uint64_t epoch = 0;
+  std::string device;
+  kernels::PoolLayout layout;
+  double uptime_seconds = 0;
+  bool draining = false;
+  absl::Status health;
+};
+
+struct SessionListing {
+  std::shared_ptr<const Session> session;
+  int64_t sequences = 0;
+  int64_t block_refs = 0;
+};
+
+class Engine final {
+ public:
+  // `device` must outlive the engine. `model` (not owned, may be null: no compute calls) runs the
+  // steps; the engine starts a StepRunner for it. Errors: those of EngineState::Create.
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(const EngineOptions& options,
+                                                        kernels::Device* device,
+                                                        model::StepModel* model);
+  ~Engine();  // StopCompute(), then releases the pool
+
+  // --- Sessions ---
+  // Opens a session for an accepted attach. Errors: RESOURCE_EXHAUSTED (the tenant's quota needs
+  // a namespace slot and none is left).
+  absl::StatusOr<std::shared_ptr<const Session>> OpenSession(SessionSpec spec);
+  // The live session holding `token`; null when none (unknown, or the session ended).
+  std::shared_ptr<const Session> Authenticate(std::string_view token) const;
+  // Ends a session: its further calls are refused, its queued calls complete with NOT_FOUND, and
+  // everything it holds is released (fenced). Returns how many sequences it held; 0 when it had
+  // ended already.
+  int64_t EndSession(SessionId id, SessionEnd how);
+  // What a client of `session` needs to map the pool. Errors: INTERNAL (export failed).
+  absl::StatusOr<PoolGrant> Grant(std::shared_ptr<const Session> session) const;
+  std::vector<SessionListing> ListSessions() const;
+
+  // --- Control calls (session calls; errors as in kvpool.proto; a failed call changes nothing).
+  // Every call: NOT_FOUND once the session has ended, CANCELLED / DEADLINE_EXCEEDED when the caller
+  // gave up before the call changed anything, UNAVAILABLE after a device failure stopped the
+  // engine. Allocate and Fork also UNAVAILABLE while draining. When the caller gives up while
+  // Allocate, Fork or Grow waits for its device work, what the call made is taken back (new
+  // sequences freed, grown ones rewound) and the call fails with the caller's status; Truncate,
+  // Commit and Free, which create nothing, stand. ---
+
+  // New sequences in the session's namespace (`requests[i].ns` is ignored). Full tables.
+  absl::StatusOr<Tables> Allocate(const Session& s, std::span<const AllocateRequest> requests,
+                                  const CallContext& context);
+  // The changed tail of each table, in request order.
+  absl::StatusOr<Tables> Grow(const Session& s, std::span<const GrowRequest> requests,
+                              const CallContext& context);
+  absl::Status Truncate(const Session& s, SequenceId sequence, int64_t num_tokens,
+                        const CallContext& context);
+  // The child's full table.
+  absl::StatusOr<Tables> Fork(const Session& s, SequenceId sequence, const CallContext& context);
+  absl::Status Commit(const Session& s, SequenceId sequence, int64_t num_tokens,
+                      std::span<const int32_t> new_tokens, const CallContext& context);
+  absl::Status Free(const Session& s, std::span<const SequenceId> sequences, OnFree on_free,
+                    const CallContext& context);
+  absl::StatusOr<int64_t> MatchPrefix(const Session& s, std::span<const int32_t> tokens) const;
+
+  // --- Compute calls ---
+  bool has_model() const { return runner_ != nullptr; }
+  ModelInfo model_info() const { return model_info_; }
+  // Queues a Prefill or Decode; `call->Complete()` runs exactly once with its outcome (at once,
+  // with FAILED_PRECONDITION, when the engine runs no model; UNAVAILABLE after StopCompute()).
+  void Submit(std::unique_ptr<ComputeCall> call);
+  // Completes every queued call with UNAVAILABLE and lets the step in progress finish.
+  // Idempotent.
+  void StopCompute();
+
+  // --- Admin ---
+  EngineStats Stats() const;
+  // Full tables of every sequence (of `session` only, unless 0), by id, with their owners.
+  Tables ListSequences(SessionId session, std::vector<SessionId>* owners) const;
+  // A block's remembered operations, or every block's (nullopt). Errors: INVALID_ARGUMENT (no
+  // such block).
+  absl::StatusOr<std::vector<BlockTraceEntry>> BlockTrace(std::optional<BlockId> block) const;
+  MatchExplanation Explain(NamespaceId ns, std::span<const int32_t> tokens) const;
+  // Evicts up to `blocks` unused cached blocks, or, with `all`, empties the prefix cache.
+  // Errors: INVALID_ARGUMENT (negative count), FAILED_PRECONDITION (all, while blocks are used).
+  absl::StatusOr<int64_t> Evict(int64_t blocks, bool all);
+  // The pool's invariants, and that clients see every block's current generation.
+  absl::Status CheckInvariants() const;
+  // Refuses new sequences from now on; returns how many are still live.
+  int64_t Drain();
+  bool draining() const;
+  // OK while serving; the device failure that stopped the engine otherwise.
+  absl::Status health() const;
+
+  // Cache events from `from` (EventLog::ReadFrom): false when some were dropped and the consumer
+  // needs SnapshotEvents() first.
+  bool ReadEvents(uint64_t from, size_t max, std::vector<KvEvent>* out) const;
+  std::vector<KvEvent> SnapshotEvents(uint64_t* resume_seq) const;
+  uint64_t next_event_seq() const;
+
+  const kernels::PoolLayout& layout() const { return layout_; }
+  uint64_t epoch() const { return epoch_; }
+
+  // The StepRunner's hooks: one step over `calls` (plan, launch, finish), and giving back what a
+  // queued prefill between chunks holds.
+  void RunStep(std::span<ComputeCall* const> calls);
+  void Abandon(ComputeCall& call);
+
+ private:
+  Engine(std::unique_ptr<EngineState> state, model::StepModel* model, ModelInfo model_info);
+
+  // Under the lock, before a call changes anything: the engine serves, the session is live and,
+  // for a call that creates sequences, the engine is not draining.
+  absl::Status Admit(const Session& s, bool creates) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // After a call's device work was queued, outside the lock: waits for it; then releases the
+  // sequences the call created when the wait failed or the caller gave up meanwhile.
+  absl::Status Complete(const Session& s, Fence fence, std::span<const SequenceId> created,
+                        const CallContext& context);
+  void Release(const Session& s, std::span<const SequenceId> created);
+
+  const kernels::PoolLayout layout_;
+  const uint64_t epoch_;
+  const Clock* const clock_;
+  kernels::Device* const device_;
+  model::StepModel* const model_;
+  const ModelInfo model_info_;
+  const int64_t started_ns_;
+
+  mutable absl::Mutex mu_;
+  const std::unique_ptr<EngineState> state_ ABSL_PT_GUARDED_BY(mu_);
+  std::unique_ptr<StepRunner> runner_;  // set once in Create; null without a model
+};
+
+}  // namespace kvpool::daemon

@@ -1,0 +1,51 @@
+#pragma once
+
+// Sessions (DESIGN.md §7): one per attached client process. The attach edge decides who a peer
+// is and what it may claim (SessionSpec); the engine opens the session, names it with an id and a
+// token, and ends it when its attach connection closes. A session's life bounds everything it
+// does: once it has ended, its calls are refused and whatever it held is released (§4.7).
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "kvpool/util/strong_id.h"
+
+namespace kvpool::daemon {
+
+// Who attached and what they claimed, as the attach policy accepted it.
+struct SessionSpec {
+  std::string client_name;  // for operators (kvpoolctl sessions)
+  pid_t pid = 0;            // the peer's credentials (SO_PEERCRED)
+  uid_t uid = 0;
+  gid_t gid = 0;
+  std::string tenant;  // non-empty
+  std::string model;   // non-empty
+  bool admin = false;  // may call admin RPCs
+};
+
+// An open session. Immutable, shared with the calls that authenticated as it; the engine still
+// refuses those calls once the session has ended.
+struct Session {
+  SessionId id;
+  std::string token;  // 128 random bits as hex: authenticates the session's gRPC calls
+  SessionSpec spec;
+  NamespaceId ns;         // the prefix-sharing domain: tenant + model + pool layout
+  int64_t opened_ns = 0;  // the engine clock's reading at attach
+};
+
+// How a session ended.
+enum class SessionEnd : uint8_t {
+  kDetached,        // the client said goodbye (attach.proto Detach) before closing
+  kConnectionLost,  // the connection closed without a goodbye: the process died or was killed
+  kShutdown,        // the daemon shut down
+};
+
+std::string_view SessionEndName(SessionEnd how);
+
+// 128 random bits (getrandom(2)) as 32 hex digits.
+std::string NewToken();
+
+}  // namespace kvpool::daemon

@@ -1,0 +1,259 @@
+#include "daemon/engine/step.h"
+
+#include <algorithm>
+
+#include "fmt/format.h"
+#include "kvpool/util/check.h"
+#include "kvpool/util/fmt.h"
+#include "kvpool/util/logging.h"
+#include "kvpool/util/status_macros.h"
+
+namespace kvpool::daemon {
+namespace {
+
+// The sequences a call names; SequenceId(0) (a new sequence) names none.
+std::vector<SequenceId> Names(const ComputeRequest& r) {
+  std::vector<SequenceId> out;
+  if (r.prefill()) {
+    if (r.sequence != SequenceId(0)) out.push_back(r.sequence);
+  } else {
+    for (const model::DecodeInput& in : r.decode) out.push_back(in.sequence);
+  }
+  return out;
+}
+
+void KeepTopK(int32_t top_k, model::ItemResult* result) {
+  if (static_cast<int32_t>(result->top.size()) > top_k) {
+    result->top.resize(static_cast<size_t>(top_k));
+  }
+}
+
+}  // namespace
+
+void Step::Plan(EngineState& state) {
+  fence_ = state.steps().Issue();
+  view_ = state.view();
+  device_ = &state.device();
+  for (ComputeCall* call : calls_) {
+    if (absl::Status s = PlanCall(state, *call); !s.ok()) call->result().status = s;
+  }
+}
+
+absl::Status Step::Admit(EngineState& state, const ComputeCall& call) const {
+  if (!state.health.ok()) {
+    return absl::UnavailableError(
+        fmt::format("kvpoold stopped serving: {}", state.health.message()));
+  }
+  if (absl::Status s = state.CheckLive(call.session().id); !s.ok()) {
+    ++state.call_counters.session_ended;
+    return s;
+  }
+  if (absl::Status s = call.context().Check(); !s.ok()) {
+    ++state.call_counters.gave_up;
+    return s;
+  }
+  if (state.draining && call.request().creates() && call.progress() == nullptr) {
+    return absl::UnavailableError("kvpoold is draining: no new sequences");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Step::PlanCall(EngineState& state, ComputeCall& call) {
+  call.result() = ComputeResult{};
+  if (absl::Status s = Admit(state, call); !s.ok()) {
+    Abandon(state, call);  // a prefill between chunks gives its sequence back
+    return s;
+  }
+  Entry entry{.call = &call};
+  if (PrefillProgress* p = call.progress()) {
+    // The next chunk of a prefill under way: its plan must still hold (a Free, Truncate or Grow in
+    // between, or the session's end, changed it: its blocks may be someone else's by now).
+    if (absl::Status s = p->StillHolds(state.cache(), call.session().id); !s.ok()) {
+      call.EndProgress();
+      return s;
+    }
+  } else {
+    KVPOOL_RETURN_IF_ERROR(PlanNew(state, call, &entry));
+  }
+  const std::span<const model::PlannedItem> items =
+      call.progress() ? std::span(&call.progress()->item(), 1) : std::span(entry.decode);
+  // Every block the step reads or writes stays out of the free list until the step has run, even
+  // if its sequence is freed (or its client dies) meanwhile, and even if a later call of this
+  // step evicts it.
+  KVPOOL_CHECK_OK(state.cache().MarkInFlight(model::BlocksOf(items), fence_));
+  for (const model::PlannedItem& item : items) in_step_.insert(item.sequence);
+  entries_.push_back(std::move(entry));
+  return absl::OkStatus();
+}
+
+absl::Status Step::PlanNew(EngineState& state, ComputeCall& call, Entry* entry) {
+  const ComputeRequest& r = call.request();
+  const Session& s = call.session();
+  for (SequenceId id : Names(r)) {
+    const Sequence* seq = state.cache().Find(id);
+    // (Only the session's own sequences: another's gets PERMISSION_DENIED from the plan.)
+    if (in_step_.contains(id) && seq != nullptr && seq->session == s.id) {
+      return absl::FailedPreconditionError(
+          fmt::format("sequence {} is already in a model step", id.value()));
+    }
+  }
+  DevicePlan plan;
+  std::vector<TableChange> changes;
+  model::PlannedItem item;
+  if (r.prefill()) {
+    KVPOOL_RETURN_IF_ERROR(model::PlanPrefill(state.cache(), s.id, s.ns, r.sequence, r.tokens,
+                                              r.priority, vocab_size_, &item, &plan, &changes));
+  } else {
+    KVPOOL_RETURN_IF_ERROR(model::PlanDecode(state.cache(), s.id, r.decode, vocab_size_,
+                                             &entry->decode, &plan, &changes));
+  }
+  const absl::StatusOr<Fence> carried = state.Carry(plan);
+  if (!carried.ok()) {
+    // The device work was not queued: undo the plan at once, while nothing else has changed.
+    if (item.created) {
+      KVPOOL_CHECK_OK(state.cache().Free(s.id, item.sequence));
+    } else {
+      state.cache().RevertGrow(s.id, changes);
+    }
+    entry->decode.clear();
+    ++state.call_counters.device_failures;
+    return absl::InternalError(fmt::format("device: {}", carried.status().message()));
+  }
+  if (carried->value != 0) prepared_ = *carried;  // one stream, in order: the last covers all
+  if (r.prefill()) call.StartProgress(std::move(item));
+  return absl::OkStatus();
+}
+
+absl::Status Step::Launch(model::StepModel& model, const Clock& clock) {
+  if (entries_.empty()) return absl::OkStatus();
+  items_.clear();
+  int32_t top_k = 0;
+  for (Entry& e : entries_) {
+    e.first = items_.size();
+    if (const PrefillProgress* p = e.call->progress()) {
+      items_.push_back(p->NextChunk(e.call->chunk));
+    } else {
+      for (const model::PlannedItem& item : e.decode) items_.push_back(item.AsStepItem());
+    }
+    e.count = items_.size() - e.first;
+    top_k = std::max(top_k, e.call->request().top_k);
+  }
+  if (prepared_.value != 0) {
+    if (absl::Status s = device_->Synchronize(prepared_); !s.ok()) {
+      return absl::InternalError(fmt::format("device: {}", s.message()));
+    }
+  }
+  const int64_t start = clock.NowNanos();
+  const absl::Status stepped = model.Step(view_, items_, {.top_k = top_k}, &results_);
+  busy_ns_ = clock.NowNanos() - start;
+  return stepped;
+}
+
+void Step::Finish(EngineState& state, const absl::Status& launched) {
+  state.steps().Complete(fence_);
+  state.cache().ReclaimRetired();  // blocks released while the step ran can go now
+  if (entries_.empty()) return;
+  if (!launched.ok()) {
+    Logger("daemon").error("model step failed: {}", launched.ToString());
+    if (absl::Status device = state.device().status(); !device.ok() && state.health.ok()) {
+      state.health = device;  // sticky: the arena's contents are undefined from here on
+      Logger("daemon").critical("device failed, kvpoold stops serving: {}", device.ToString());
+    }
+    Undo(state, absl::InternalError(fmt::format("model step failed: {}", launched.message())));
+    return;
+  }
+  ModelCounters& m = state.model_counters;
+  ++m.steps;
+  m.step_sequences += items_.size();
+  m.busy_ns += busy_ns_;
+  for (Entry& e : entries_) FinishEntry(state, e);
+}
+
+void Step::FinishEntry(EngineState& state, Entry& e) {
+  ComputeCall& call = *e.call;
+  if (PrefillProgress* p = call.progress()) {
+    p->Advance(static_cast<int64_t>(items_[e.first].tokens.size()));
+    if (!p->done()) {
+      // More chunks to go: this one's prediction is mid-prompt, not an answer.
+      ++state.model_counters.prefill_chunks;
+      return;
+    }
+  }
+  if (absl::Status gave_up = call.context().Check(); !gave_up.ok()) {
+    GiveBack(state, e, gave_up);
+    return;
+  }
+  ComputeResult& r = call.result();
+  r.step_sequences = static_cast<int32_t>(items_.size());
+  const std::span<const model::PlannedItem> items =
+      call.progress() ? std::span(&call.progress()->item(), 1) : std::span(e.decode);
+  for (size_t i = 0; i < items.size(); ++i) {
+    const model::PlannedItem& item = items[i];
+    if (absl::Status s = model::FinishItem(state.cache(), call.session().id, item);
+        absl::IsFailedPrecondition(s)) {
+      // The tokens are computed and the call answered; only publishing them was refused: the
+      // client committed other tokens for a block this sequence shares (a KV client's error).
+      // The sequence stays unpublished from there on.
+      Logger("daemon").warn("sequence {}: computed tokens not published: {}", item.sequence.value(),
+                            s.message());
+    } else if (!s.ok() && r.status.ok()) {
+      r.status = s;  // NOT_FOUND: the client freed the sequence while the step ran
+    }
+    model::ItemResult result = std::move(results_[e.first + i]);
+    KeepTopK(call.request().top_k, &result);
+    r.results.push_back(std::move(result));
+    r.sequences.push_back(item.sequence);
+    const Sequence* seq = state.cache().Find(item.sequence);
+    r.lengths.push_back(seq ? seq->num_tokens : 0);
+  }
+  ModelCounters& m = state.model_counters;
+  if (call.progress() != nullptr) {
+    const model::PlannedItem& item = call.progress()->item();
+    r.reused = item.reused;
+    r.computed = static_cast<int64_t>(item.tokens.size());
+    ++m.prefill_calls;
+    m.prefill_reused += static_cast<uint64_t>(item.reused);
+    m.prefill_computed += item.tokens.size();
+    call.EndProgress();
+  } else {
+    m.decode_tokens += e.decode.size();
+  }
+}
+
+void Step::GiveBack(EngineState& state, Entry& e, const absl::Status& gave_up) {
+  ComputeCall& call = *e.call;
+  ++state.call_counters.gave_up;
+  if (call.request().creates() && call.progress() != nullptr &&
+      call.progress()->StillHolds(state.cache(), call.session().id).ok()) {
+    ++state.call_counters.released_on_give_up;
+  }
+  // The caller will never see the answer: what the call made (a new sequence, or the tokens it
+  // added) must not outlive it.
+  Abandon(state, call);
+  for (const model::PlannedItem& item : e.decode) {
+    model::UndoItem(state.cache(), call.session().id, item);
+  }
+  call.result().status = gave_up;
+}
+
+void Step::Undo(EngineState& state, const absl::Status& why) {
+  for (Entry& e : entries_) {
+    ComputeCall& call = *e.call;
+    Abandon(state, call);
+    for (const model::PlannedItem& item : e.decode) {
+      model::UndoItem(state.cache(), call.session().id, item);
+    }
+    call.result().status = why;
+  }
+}
+
+void Step::Abandon(EngineState& state, ComputeCall& call) {
+  const PrefillProgress* p = call.progress();
+  if (p == nullptr) return;
+  if (p->StillHolds(state.cache(), call.session().id).ok()) {
+    model::UndoItem(state.cache(), call.session().id, p->item());
+  }
+  call.EndProgress();
+}
+
+}  // namespace kvpool::daemon

@@ -1,0 +1,90 @@
+#pragma once
+
+// Step: one model step over the pool, as a small state machine the engine drives:
+//
+//   Plan     (engine lock held)  each call in turn: admitted (session live, caller still waiting,
+//                                not draining for a new sequence), planned against the pool, its
+//                                device work enqueued and every block it touches marked in flight
+//                                before the next call is planned, so a later call of the same step
+//                                can never evict and reuse a block an earlier one still copies
+//                                from or computes with. A call that fails here gets its error and
+//                                changes nothing (a failed enqueue is undone at once).
+//   Launch   (no lock)           waits for the planned device work, then runs the model; control
+//                                calls go on meanwhile.
+//   Finish   (engine lock held)  publishes what the step computed and fills in the results, or,
+//                                when the launch failed, gives back what the plans took. A call
+//                                whose caller gave up meanwhile gets its error and leaves nothing
+//                                behind: its new sequence is released, the tokens it added to
+//                                an existing one are taken back.
+//
+// A prefill computes at most its chunk per step (ComputeCall::chunk); one with tokens left stays
+// planned (PrefillProgress) for the runner to queue again.
+//
+// Thread-compatible: one runner thread drives a step from start to end.
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
+#include "daemon/engine/compute_call.h"
+#include "daemon/engine/engine_state.h"
+#include "model/step_model.h"
+
+namespace kvpool::daemon {
+
+class Step final {
+ public:
+  // `calls` as the scheduler took them (prefills under way first); not owned, outlive the step.
+  Step(std::span<ComputeCall* const> calls, int32_t vocab_size)
+      : calls_(calls.begin(), calls.end()), vocab_size_(vocab_size) {}
+
+  // REQUIRES: the engine lock.
+  void Plan(EngineState& state);
+  // No call made it past planning: nothing to launch (Finish still completes the step fence).
+  bool empty() const { return entries_.empty(); }
+
+  // REQUIRES: the engine lock is NOT held; Plan() ran.
+  absl::Status Launch(model::StepModel& model, const Clock& clock);
+
+  // REQUIRES: the engine lock; `launched` is what Launch() returned (OK for an empty step).
+  void Finish(EngineState& state, const absl::Status& launched);
+
+  // Gives back what a planned prefill between chunks holds (shutdown, cancellation, session
+  // end) and drops its progress. REQUIRES: the engine lock.
+  static void Abandon(EngineState& state, ComputeCall& call);
+
+ private:
+  // A call that made it past planning, and where its items sit in the model step.
+  struct Entry {
+    ComputeCall* call;
+    std::vector<model::PlannedItem> decode;  // decode: its planned items
+    size_t first = 0;                        // its first item in items_ / results_
+    size_t count = 0;
+  };
+
+  // Plans one call; an error leaves it out of the step with nothing changed.
+  absl::Status PlanCall(EngineState& state, ComputeCall& call);
+  absl::Status Admit(EngineState& state, const ComputeCall& call) const;
+  absl::Status PlanNew(EngineState& state, ComputeCall& call, Entry* entry);
+  void FinishEntry(EngineState& state, Entry& entry);
+  // The caller gave up while its step ran: undo what the call did (its new sequence, the tokens
+  // it added) and fail it with `gave_up`.
+  void GiveBack(EngineState& state, Entry& entry, const absl::Status& gave_up);
+  void Undo(EngineState& state, const absl::Status& why);
+
+  const std::vector<ComputeCall*> calls_;
+  const int32_t vocab_size_;
+  std::vector<Entry> entries_;
+  absl::flat_hash_set<SequenceId> in_step_;
+  Fence fence_;     // the step's own (StepTimeline): every block it reads or writes
+  Fence prepared_;  // the planned device work (transfer stream)
+  kernels::KvPoolView view_;
+  kernels::Device* device_ = nullptr;
+  std::vector<model::StepItem> items_;
+  std::vector<model::ItemResult> results_;
+  int64_t busy_ns_ = 0;
+};
+
+}  // namespace kvpool::daemon

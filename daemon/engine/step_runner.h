@@ -1,0 +1,76 @@
+#pragma once
+
+// StepRunner: the engine's model loop. Prefill and Decode calls queue here; one thread forms
+// steps from them (StepScheduler) and runs each through Engine::RunStep, then hands every call
+// back through ComputeCall::Complete(), or queues a prefill with tokens left for its next chunk.
+//
+// Waiting, all of it on the injected Clock:
+//  - gathering: a step waits until every session of the previous step has queued again, at most
+//    `gather_window_ns` after its first call arrived or the previous step ended (whichever is
+//    later), so N frontends decoding one sequence each share one step and one read of the weights
+//    instead of taking turns;
+//  - the queue: before each step, calls whose caller gave up (CallContext) leave the queue with
+//    that error, and a prefill between chunks gives back what it holds; the same happens to the
+//    calls of a session that ended (SessionEnded) and to everything at Stop().
+//
+// Thread-safe. Its lock is never held while it calls into the engine or completes a call.
+
+#include <cstdint>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "daemon/engine/compute_call.h"
+#include "daemon/engine/step_scheduler.h"
+#include "kvpool/util/clock.h"
+
+namespace kvpool::daemon {
+
+class Engine;
+
+class StepRunner final {
+ public:
+  // Neither is owned; both outlive the runner. Starts the loop thread.
+  StepRunner(Engine* engine, const Clock* clock, int64_t gather_window_ns,
+             const SchedulerOptions& options);
+  ~StepRunner();  // Stop()
+
+  // Queues `call`. After Stop(), completes it at once with UNAVAILABLE.
+  void Submit(std::unique_ptr<ComputeCall> call);
+  // Completes the queued calls of `session` with NOT_FOUND (the session ended).
+  void SessionEnded(SessionId session);
+  // Completes queued calls with UNAVAILABLE, lets the step in progress finish and joins the
+  // loop. Idempotent.
+  void Stop();
+
+  // Steps run so far (tests wait on it).
+  uint64_t steps() const;
+
+ private:
+  void Loop();
+  // Waits for calls and the gather window; moves out the next step's calls and the calls whose
+  // callers gave up. False when stopping.
+  bool NextStep(std::vector<std::unique_ptr<ComputeCall>>* step,
+                std::vector<std::unique_ptr<ComputeCall>>* dropped);
+  // Completes `calls` with `status` (their own CallContext status when `status` is OK), giving
+  // back what prefills between chunks hold.
+  void Drop(std::vector<std::unique_ptr<ComputeCall>> calls, const absl::Status& status);
+  // After a step: completes finished calls, queues the next chunk of the others.
+  void AfterStep(std::vector<std::unique_ptr<ComputeCall>> step);
+
+  Engine* const engine_;
+  const Clock* const clock_;
+  const int64_t gather_window_ns_;
+  const bool batching_;
+
+  mutable absl::Mutex mu_;
+  StepScheduler scheduler_ ABSL_GUARDED_BY(mu_);
+  int64_t last_step_end_ns_ ABSL_GUARDED_BY(mu_) = INT64_MIN;
+  uint64_t steps_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
+}  // namespace kvpool::daemon

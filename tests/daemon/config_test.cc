@@ -1,0 +1,76 @@
+// kvpoold's configuration: defaults, validation, and the engine options made from it.
+
+#include "daemon/edge/config.h"
+
+#include <unistd.h>
+
+#include <fstream>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace kvpool::daemon {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST(ConfigTest, EmbeddedDefaultsNeedNoFile) {
+  const absl::StatusOr<v1::DaemonConfig> c = LoadConfig("");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->backend(), "cpu");
+  EXPECT_EQ(c->pool_bytes(), 256ll << 20);
+  EXPECT_EQ(c->shape().dtype(), "bf16");
+  EXPECT_THAT(c->allowed_uids(), ::testing::ElementsAre(getuid()));
+  EXPECT_FALSE(c->runtime_dir().empty());
+  EXPECT_EQ(c->socket_mode(), 0660u);
+  EXPECT_EQ(c->model().prefill_max_wait_steps(), 4);
+}
+
+TEST(ConfigTest, EveryProblemIsOneLineNamingTheField) {
+  const std::string path = ::testing::TempDir() + "/bad.textproto";
+  std::ofstream(path)
+      << "pool_bytes: -1\nbackend: \"tpu\"\ntrace_depth: 3\nshape { head_dim: 12 }\n"
+         "model { prefill_share_tokens: 100000 }\n";
+  const absl::StatusOr<v1::DaemonConfig> c = LoadConfig(path);
+  ASSERT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  const std::string message(c.status().message());
+  EXPECT_EQ(std::count(message.begin(), message.end(), '\n'), 4);  // five lines
+  EXPECT_THAT(message, HasSubstr("backend: 'tpu'"));
+  EXPECT_THAT(message, HasSubstr("pool_bytes: must be > 0"));
+  EXPECT_THAT(message, HasSubstr("trace_depth"));
+  EXPECT_THAT(message, HasSubstr("head_dim must be a multiple of 8"));
+  EXPECT_THAT(message, HasSubstr("model.prefill_share_tokens"));
+  std::ofstream(path) << "pool_bytes: 12 12\n";
+  EXPECT_THAT(std::string(LoadConfig(path).status().message()), HasSubstr("bad.textproto:1:"));
+  EXPECT_EQ(LoadConfig("/nonexistent.textproto").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(ConfigTest, EngineOptionsFollowTheConfig) {
+  v1::DaemonConfig c = DefaultConfig();
+  c.set_pool_bytes(int64_t{64} << 16);
+  c.set_fill_policy("zero");
+  c.set_session_quota_blocks(7);
+  (*c.mutable_tenant_quota_blocks())["a"] = 9;
+  c.mutable_model()->set_gather_window_us(300);
+  c.mutable_model()->set_max_step_tokens(64);
+  c.mutable_model()->set_prefill_max_wait_steps(2);
+  c.mutable_model()->set_prefill_share_tokens(8);
+  absl::StatusOr<EngineOptions> o = MakeEngineOptions(c, 42);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->layout.num_blocks, 64);
+  EXPECT_EQ(o->layout.block_bytes(), 64 << 10);
+  EXPECT_EQ(o->fill_policy, kernels::FillPolicy::kZero);
+  EXPECT_EQ(o->session_quota_blocks, 7);
+  EXPECT_EQ(o->tenant_quota_blocks.at("a"), 9);
+  EXPECT_EQ(o->epoch, 42u);
+  EXPECT_EQ(o->gather_window_ns, 300'000);
+  EXPECT_EQ(o->scheduler.max_step_tokens, 64);
+  EXPECT_EQ(o->scheduler.prefill_max_wait_steps, 2);
+  EXPECT_EQ(o->scheduler.prefill_share, 8);
+  EXPECT_EQ(o->model_name, "tiny");
+  c.set_pool_bytes(-1);
+  EXPECT_EQ(MakeEngineOptions(c, 42).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace kvpool::daemon

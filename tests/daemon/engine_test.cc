@@ -1,0 +1,270 @@
+// Engine: sessions and control calls, without processes or sockets.
+
+#include "daemon/engine/engine.h"
+
+#include <sys/mman.h>
+
+#include "daemon/engine/call_context.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/daemon/engine_test_util.h"
+
+namespace kvpool::daemon {
+namespace {
+
+using testing::FailingDevice;
+using testing::Prompt;
+using testing::SmallPool;
+using testing::Spec;
+
+// OK for its first `ok_checks` checks, then CANCELLED: a caller who gives up while the call runs.
+class GivesUpAfter final : public CallContext {
+ public:
+  explicit GivesUpAfter(int ok_checks) : left_(ok_checks) {}
+  absl::Status Check() const override {
+    if (left_-- > 0) return absl::OkStatus();
+    return absl::CancelledError("gave up");
+  }
+
+ private:
+  mutable std::atomic<int> left_;
+};
+
+class EngineTest : public ::testing::Test {
+ protected:
+  void Make(int32_t num_blocks, kernels::FillPolicy fill = kernels::FillPolicy::kNone) {
+    EngineOptions options = SmallPool(num_blocks);
+    options.fill_policy = fill;
+    engine_ = std::move(*Engine::Create(options, &device_, /*model=*/nullptr));
+    alice_ = *engine_->OpenSession(Spec("tenant-a", "alice"));
+    bob_ = *engine_->OpenSession(Spec("tenant-a", "bob"));
+  }
+
+  SequenceId Allocate(const Session& s, int64_t tokens, std::span<const int32_t> prompt = {}) {
+    const AllocateRequest request{.num_tokens = tokens, .prompt = prompt};
+    absl::StatusOr<Tables> t =
+        engine_->Allocate(s, std::span(&request, 1), CallContext::Uncancellable());
+    EXPECT_TRUE(t.ok()) << t.status();
+    return t.ok() ? t->slices[0].sequence : SequenceId(0);
+  }
+  std::vector<BlockId> Table(SequenceId id) {
+    std::vector<SessionId> owners;
+    const Tables all = engine_->ListSequences(kNoSession, &owners);
+    size_t first = 0;
+    for (const TableSlice& s : all.slices) {
+      if (s.sequence == id) {
+        return {all.blocks.begin() + static_cast<ptrdiff_t>(first),
+                all.blocks.begin() + static_cast<ptrdiff_t>(first + s.length)};
+      }
+      first += static_cast<size_t>(s.length);
+    }
+    return {};
+  }
+  void ExpectInvariants() {
+    const absl::Status s = engine_->CheckInvariants();
+    EXPECT_TRUE(s.ok()) << s;
+  }
+
+  FailingDevice device_;
+  std::unique_ptr<Engine> engine_;
+  std::shared_ptr<const Session> alice_, bob_;
+};
+
+TEST_F(EngineTest, GrantSharesTheArenaAndAGenerationTable) {
+  Make(64);
+  absl::StatusOr<PoolGrant> grant = engine_->Grant(alice_);
+  ASSERT_TRUE(grant.ok()) << grant.status();
+  EXPECT_EQ(grant->layout.num_blocks, 64);
+  ASSERT_TRUE(grant->arena.fd.valid());
+  ASSERT_TRUE(grant->generation_table.valid());
+  const auto* generations = static_cast<const uint32_t*>(mmap(
+      nullptr, 64 * sizeof(uint32_t), PROT_READ, MAP_SHARED, grant->generation_table.get(), 0));
+  ASSERT_NE(generations, MAP_FAILED);
+  const AllocateRequest request{.num_tokens = 40};
+  absl::StatusOr<Tables> t =
+      engine_->Allocate(*alice_, std::span(&request, 1), CallContext::Uncancellable());
+  ASSERT_TRUE(t.ok()) << t.status();
+  ASSERT_EQ(t->blocks.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {  // what the client sees equals what the daemon handed out
+    EXPECT_EQ(generations[t->blocks[i].value()], t->generations[i]);
+    EXPECT_EQ(t->generations[i], 1u);
+  }
+  munmap(const_cast<uint32_t*>(generations), 64 * sizeof(uint32_t));
+  ExpectInvariants();
+}
+
+TEST_F(EngineTest, GrowReturnsOnlyTheChangedTail) {
+  Make(64);
+  const SequenceId id = Allocate(*alice_, 20);
+  const GrowRequest grow{id, 70};
+  absl::StatusOr<Tables> grown =
+      engine_->Grow(*alice_, std::span(&grow, 1), CallContext::Uncancellable());
+  ASSERT_TRUE(grown.ok()) << grown.status();
+  ASSERT_EQ(grown->slices.size(), 1u);
+  EXPECT_EQ(grown->slices[0].table_offset, 2);
+  EXPECT_EQ(grown->slices[0].length, 3);  // blocks 2, 3, 4
+  EXPECT_EQ(grown->blocks.size(), 3u);
+  EXPECT_EQ(grown->slices[0].num_tokens, 70);
+  // Another session may not grow it, and nothing changes.
+  EXPECT_EQ(engine_->Grow(*bob_, std::span(&grow, 1), CallContext::Uncancellable()).status().code(),
+            absl::StatusCode::kPermissionDenied);
+  ExpectInvariants();
+}
+
+TEST_F(EngineTest, FreeIsAllOrNothingAndEndingASessionReleasesEverything) {
+  Make(64);
+  const SequenceId a = Allocate(*alice_, 16), b = Allocate(*alice_, 16);
+  const std::vector<SequenceId> batch = {a, SequenceId(12345)};
+  EXPECT_EQ(engine_->Free(*alice_, batch, OnFree::kDiscard, CallContext::Uncancellable()).code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(engine_->Stats().cache.sequences, 2);  // neither was freed
+  EXPECT_EQ(engine_->EndSession(alice_->id, SessionEnd::kConnectionLost), 2);
+  EXPECT_EQ(engine_->EndSession(alice_->id, SessionEnd::kConnectionLost), 0);  // once
+  EXPECT_EQ(engine_->EndSession(bob_->id, SessionEnd::kDetached), 0);
+  const EngineStats s = engine_->Stats();
+  EXPECT_EQ(s.cache.pool.free + s.cache.pool.cached, s.cache.pool.num_blocks);
+  EXPECT_EQ(s.sessions.lost, 1u);
+  EXPECT_EQ(s.sessions.detached, 1u);
+  EXPECT_EQ(s.sessions.sequences_released, 2u);
+  EXPECT_EQ(s.attached_sessions, 0);
+  (void)b;
+  ExpectInvariants();
+}
+
+TEST_F(EngineTest, StatsTellAttachedSessionsFromSessionsHoldingSequences) {
+  Make(64);
+  Allocate(*alice_, 16);
+  const EngineStats s = engine_->Stats();
+  EXPECT_EQ(s.attached_sessions, 2);  // alice and bob
+  EXPECT_EQ(s.cache.sessions, 1);     // only alice holds a sequence
+  EXPECT_EQ(s.sessions.opened, 2u);
+}
+
+TEST_F(EngineTest, ACallOfAnEndedSessionIsRefusedAndChangesNothing) {
+  Make(64);
+  const std::string token = alice_->token;
+  EXPECT_EQ(engine_->Authenticate(token), alice_);
+  engine_->EndSession(alice_->id, SessionEnd::kConnectionLost);
+  EXPECT_EQ(engine_->Authenticate(token), nullptr);
+  // A call that authenticated before the session ended still holds the Session.
+  const AllocateRequest request{.num_tokens = 40};
+  EXPECT_EQ(engine_->Allocate(*alice_, std::span(&request, 1), CallContext::Uncancellable())
+                .status()
+                .code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(engine_->Stats().cache.sequences, 0);
+  EXPECT_EQ(engine_->Stats().calls.session_ended, 1u);
+  EXPECT_EQ(engine_->Grant(alice_).status().code(), absl::StatusCode::kNotFound);
+  ExpectInvariants();
+}
+
+TEST_F(EngineTest, ACallerWhoGaveUpLeavesNoSequenceBehind) {
+  Make(64);
+  const AllocateRequest request{.num_tokens = 40};
+  // Gave up before the call: nothing is done.
+  ManualCallContext cancelled;
+  cancelled.Cancel();
+  EXPECT_EQ(engine_->Allocate(*alice_, std::span(&request, 1), cancelled).status().code(),
+            absl::StatusCode::kCancelled);
+  // Gave up while the call ran (after its first check): the sequence it made is released.
+  EXPECT_EQ(engine_->Allocate(*alice_, std::span(&request, 1), GivesUpAfter(1)).status().code(),
+            absl::StatusCode::kCancelled);
+  const SequenceId parent = Allocate(*alice_, 20);
+  EXPECT_EQ(engine_->Fork(*alice_, parent, GivesUpAfter(1)).status().code(),
+            absl::StatusCode::kCancelled);
+  const EngineStats s = engine_->Stats();
+  EXPECT_EQ(s.cache.sequences, 1);  // the parent only
+  EXPECT_EQ(s.calls.released_on_give_up, 2u);
+  EXPECT_EQ(s.cache.pool.active, 2);
+  ExpectInvariants();
+}
+
+TEST_F(EngineTest, AFailedEnqueueIsUndoneAndThePoolIsAsBefore) {
+  Make(64, kernels::FillPolicy::kZero);  // every fresh block is filled: device work
+  const SequenceId kept = Allocate(*alice_, 20);
+  // A copy-on-write grow: block 1 is published up to token 20, the grow writes token 18.
+  ASSERT_TRUE(engine_->Commit(*alice_, kept, 20, Prompt(20, 1), CallContext::Uncancellable()).ok());
+  ASSERT_TRUE(engine_->Truncate(*alice_, kept, 18, CallContext::Uncancellable()).ok());
+  const std::vector<BlockId> table = Table(kept);
+  const EngineStats before = engine_->Stats();
+
+  device_.fail = true;
+  const AllocateRequest request{.num_tokens = 40};
+  EXPECT_EQ(engine_->Allocate(*alice_, std::span(&request, 1), CallContext::Uncancellable())
+                .status()
+                .code(),
+            absl::StatusCode::kInternal);
+  const GrowRequest grow{kept, 40};
+  EXPECT_EQ(
+      engine_->Grow(*alice_, std::span(&grow, 1), CallContext::Uncancellable()).status().code(),
+      absl::StatusCode::kInternal);
+  EXPECT_EQ(engine_->Fork(*alice_, kept, CallContext::Uncancellable()).status().code(),
+            absl::StatusCode::kInternal);  // its partial last block is copied
+
+  const EngineStats after = engine_->Stats();
+  EXPECT_EQ(after.cache.sequences, before.cache.sequences);
+  // (Blocks under the staging copy queued before each failure retire until it has run.)
+  EXPECT_EQ(after.cache.pool.free + after.cache.pool.retiring, before.cache.pool.free);
+  EXPECT_EQ(after.cache.pool.active, before.cache.pool.active);
+  EXPECT_EQ(after.cache.pool.cached, before.cache.pool.cached);
+  EXPECT_EQ(Table(kept), table);  // the copy's source is back, not the never-written copy
+  EXPECT_EQ(after.calls.device_failures, 3u);
+  ExpectInvariants();
+  device_.fail = false;
+  EXPECT_TRUE(
+      engine_->Grow(*alice_, std::span(&grow, 1), CallContext::Uncancellable()).status().ok());
+  ExpectInvariants();
+}
+
+TEST_F(EngineTest, DrainRefusesNewSequencesButNotTheirUse) {
+  Make(64);
+  const SequenceId id = Allocate(*alice_, 10);
+  EXPECT_EQ(engine_->Drain(), 1);
+  EXPECT_TRUE(engine_->draining());
+  const AllocateRequest request{.num_tokens = 1};
+  EXPECT_EQ(engine_->Allocate(*alice_, std::span(&request, 1), CallContext::Uncancellable())
+                .status()
+                .code(),
+            absl::StatusCode::kUnavailable);
+  EXPECT_EQ(engine_->Fork(*alice_, id, CallContext::Uncancellable()).status().code(),
+            absl::StatusCode::kUnavailable);
+  const GrowRequest grow{id, 30};
+  EXPECT_TRUE(engine_->Grow(*alice_, std::span(&grow, 1), CallContext::Uncancellable()).ok());
+  EXPECT_TRUE(
+      engine_->Free(*alice_, std::span(&id, 1), OnFree::kCommit, CallContext::Uncancellable())
+          .ok());
+}
+
+TEST_F(EngineTest, NamespacesSeparateTenantsModelsAndNeverCollide) {
+  Make(64);
+  auto ns = [&](std::string tenant, std::string model) {
+    SessionSpec spec = Spec(std::move(tenant));
+    spec.model = std::move(model);
+    return (*engine_->OpenSession(spec))->ns;
+  };
+  EXPECT_EQ(ns("a", "m"), ns("a", "m"));
+  EXPECT_NE(ns("a", "m"), ns("b", "m"));
+  EXPECT_NE(ns("a", "m"), ns("a", "n"));
+  EXPECT_NE(ns("ab", "c"), ns("a", "bc"));
+  EXPECT_NE(ns("a:1", "b"), ns("a", "1:b"));
+  EXPECT_NE(ns("a\x1f"
+               "b",
+               "c"),
+            ns("a",
+               "b\x1f"
+               "c"));
+}
+
+TEST_F(EngineTest, TenantQuotaIsSetWhenItsSessionOpens) {
+  EngineOptions options = SmallPool(64);
+  options.tenant_quota_blocks["tight"] = 2;
+  engine_ = std::move(*Engine::Create(options, &device_, nullptr));
+  std::shared_ptr<const Session> s = *engine_->OpenSession(Spec("tight"));
+  const AllocateRequest request{.num_tokens = 48};
+  const absl::Status refused =
+      engine_->Allocate(*s, std::span(&request, 1), CallContext::Uncancellable()).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+}
+
+}  // namespace
+}  // namespace kvpool::daemon

@@ -1,0 +1,108 @@
+#pragma once
+
+// Shared by the engine's tests: a device whose enqueues can be made to fail, the engine options
+// of a small pool of the tiny model's shape, and prompts.
+
+#include <atomic>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "daemon/engine/engine.h"
+#include "kernels/cpu_device.h"
+#include "model/model.h"
+#include "model/weights.h"
+
+namespace kvpool::daemon::testing {
+
+// A CpuDevice whose FillBlocks / CopyBlocks fail (enqueue nothing) while `fail` is set.
+class FailingDevice final : public kernels::Device {
+ public:
+  std::atomic<bool> fail{false};
+
+  std::string name() const override { return "failing-cpu"; }
+  bool host_visible() const override { return true; }
+  absl::StatusOr<std::unique_ptr<kernels::Arena>> CreateArena(int64_t bytes) override {
+    return cpu_.CreateArena(bytes);
+  }
+  absl::StatusOr<std::unique_ptr<kernels::DeviceBuffer>> AllocateBuffer(int64_t bytes) override {
+    return cpu_.AllocateBuffer(bytes);
+  }
+  absl::StatusOr<Fence> CopyToDevice(kernels::StreamId s, void* dst, const void* src,
+                                     int64_t bytes) override {
+    return cpu_.CopyToDevice(s, dst, src, bytes);
+  }
+  absl::StatusOr<Fence> CopyToHost(kernels::StreamId s, void* dst, const void* src,
+                                   int64_t bytes) override {
+    return cpu_.CopyToHost(s, dst, src, bytes);
+  }
+  absl::StatusOr<Fence> CopyBlocks(kernels::StreamId s, const kernels::KvPoolView& pool,
+                                   const kernels::CopyBlocksArgs& args) override {
+    if (fail) return absl::InternalError("injected: copy not queued");
+    return cpu_.CopyBlocks(s, pool, args);
+  }
+  absl::StatusOr<Fence> FillBlocks(kernels::StreamId s, const kernels::KvPoolView& pool,
+                                   const kernels::FillBlocksArgs& args) override {
+    if (fail) return absl::InternalError("injected: fill not queued");
+    return cpu_.FillBlocks(s, pool, args);
+  }
+  absl::StatusOr<Fence> WriteKv(kernels::StreamId s, const kernels::KvPoolView& pool,
+                                const kernels::WriteKvArgs& args) override {
+    return cpu_.WriteKv(s, pool, args);
+  }
+  absl::StatusOr<Fence> PagedAttentionDecode(kernels::StreamId s, const kernels::KvPoolView& pool,
+                                             const kernels::DecodeArgs& args) override {
+    return cpu_.PagedAttentionDecode(s, pool, args);
+  }
+  absl::StatusOr<Fence> EnqueueHostTask(kernels::StreamId s, std::function<void()> task) override {
+    return cpu_.EnqueueHostTask(s, std::move(task));
+  }
+  int64_t DecodeWorkspaceBytes(const kernels::PoolLayout& layout, int32_t num_seqs,
+                               int32_t num_q_heads, int32_t max_seq_len) const override {
+    return cpu_.DecodeWorkspaceBytes(layout, num_seqs, num_q_heads, max_seq_len);
+  }
+  absl::Status StreamWait(kernels::StreamId waiter, Fence fence) override {
+    return cpu_.StreamWait(waiter, fence);
+  }
+  absl::Status Synchronize(Fence fence) override { return cpu_.Synchronize(fence); }
+  absl::Status SynchronizeAll() override { return cpu_.SynchronizeAll(); }
+  absl::Status status() const override { return cpu_.status(); }
+  Fence LastFence(kernels::StreamId s) const override { return cpu_.LastFence(s); }
+  bool HasPassed(Fence fence) const override { return cpu_.HasPassed(fence); }
+
+ private:
+  kernels::CpuDevice cpu_{1};
+};
+
+// The tiny model's KV shape: 16-token blocks of 64 KiB.
+inline EngineOptions SmallPool(int32_t num_blocks, const Clock* clock = Clock::Real()) {
+  EngineOptions o;
+  o.layout = {.block_size = 16,
+              .num_layers = 4,
+              .num_kv_heads = 4,
+              .head_dim = 64,
+              .dtype = kernels::DType::kBF16,
+              .num_blocks = num_blocks};
+  o.clock = clock;
+  o.model_name = "tiny";
+  o.gather_window_ns = 0;
+  return o;
+}
+
+inline std::unique_ptr<model::Model> TinyModel(const kernels::PoolLayout& layout) {
+  return std::move(*model::Model::Create(model::SyntheticWeights(*model::NamedConfig("tiny"), 1),
+                                         layout, {.threads = 1}));
+}
+
+inline std::vector<int32_t> Prompt(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> out(n);
+  for (int32_t& t : out) t = static_cast<int32_t>(rng() % 8192);
+  return out;
+}
+
+inline SessionSpec Spec(std::string tenant, std::string name = "test") {
+  return {.client_name = std::move(name), .tenant = std::move(tenant), .model = "m"};
+}
+
+}  // namespace kvpool::daemon::testing

@@ -1,0 +1,167 @@
+// KvPoolService: the gRPC edge over an in-process channel (no sockets, no processes):
+// authentication, the admin role, the status mapping (with the shortfall trailer) and the
+// translation of requests and replies.
+
+#include "daemon/edge/service.h"
+
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "kvpool/v1/wire.h"
+#include "tests/daemon/engine_test_util.h"
+
+namespace kvpool::daemon {
+namespace {
+
+using testing::SmallPool;
+using testing::Spec;
+
+TEST(ToGrpcStatusTest, KeepsCodeAndMessage) {
+  const grpc::Status s = ToGrpcStatus(absl::NotFoundError("no sequence 7"));
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(s.error_message(), "no sequence 7");
+  EXPECT_TRUE(ToGrpcStatus(absl::OkStatus()).ok());
+  EXPECT_EQ(ToGrpcStatus(absl::DeadlineExceededError("late")).error_code(),
+            grpc::StatusCode::DEADLINE_EXCEEDED);
+}
+
+class ServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    engine_ = std::move(*Engine::Create(SmallPool(32), &device_, /*model=*/nullptr));
+    service_ = std::make_unique<KvPoolService>(engine_.get(), Clock::Real());
+    grpc::ServerBuilder builder;
+    builder.RegisterService(service_.get());
+    server_ = builder.BuildAndStart();
+    stub_ = v1::KvPool::NewStub(server_->InProcessChannel(grpc::ChannelArguments()));
+    SessionSpec admin = Spec("t", "admin");
+    admin.admin = true;
+    admin_ = *engine_->OpenSession(admin);
+    user_ = *engine_->OpenSession(Spec("t", "user"));
+  }
+  void TearDown() override {
+    server_->Shutdown();
+    server_->Wait();
+  }
+
+  // A context carrying `session`'s token (none when null).
+  static std::unique_ptr<grpc::ClientContext> As(const std::shared_ptr<const Session>& session) {
+    auto c = std::make_unique<grpc::ClientContext>();
+    if (session) c->AddMetadata(wire::kSessionTokenKey, session->token);
+    return c;
+  }
+
+  kernels::CpuDevice device_{1};
+  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<KvPoolService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<v1::KvPool::Stub> stub_;
+  std::shared_ptr<const Session> admin_, user_;
+};
+
+TEST_F(ServiceTest, CallsWithoutAValidTokenAreUnauthenticated) {
+  v1::PingResponse r;
+  EXPECT_EQ(stub_->Ping(As(nullptr).get(), {}, &r).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  auto forged = std::make_unique<grpc::ClientContext>();
+  forged->AddMetadata(wire::kSessionTokenKey, "0123456789abcdef0123456789abcdef");
+  EXPECT_EQ(stub_->Ping(forged.get(), {}, &r).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_TRUE(stub_->Ping(As(user_).get(), {}, &r).ok());
+  // A session that ended: its token is no longer good.
+  engine_->EndSession(user_->id, SessionEnd::kDetached);
+  EXPECT_EQ(stub_->Ping(As(user_).get(), {}, &r).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+}
+
+TEST_F(ServiceTest, AdminCallsNeedTheAdminRole) {
+  v1::GetStatsResponse stats;
+  EXPECT_EQ(stub_->GetStats(As(user_).get(), {}, &stats).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  ASSERT_TRUE(stub_->GetStats(As(admin_).get(), {}, &stats).ok());
+  EXPECT_EQ(stats.num_blocks(), 32);
+  EXPECT_EQ(stats.attached_sessions(), 2);
+  v1::DrainResponse drained;
+  EXPECT_EQ(stub_->Drain(As(user_).get(), {}, &drained).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_FALSE(engine_->draining());
+  // A stream too.
+  auto context = As(user_);
+  std::unique_ptr<grpc::ClientReader<v1::WatchEventsResponse>> events =
+      stub_->WatchEvents(context.get(), {});
+  v1::WatchEventsResponse event;
+  while (events->Read(&event)) {
+  }
+  EXPECT_EQ(events->Finish().error_code(), grpc::StatusCode::PERMISSION_DENIED);
+}
+
+TEST_F(ServiceTest, ErrorsKeepTheirCodeAndShortfallsTravelAsATrailer) {
+  v1::AllocateRequest too_big;
+  too_big.add_items()->set_num_tokens(33 * 16);  // one block more than the pool
+  v1::AllocateResponse allocated;
+  auto context = As(user_);
+  const grpc::Status s = stub_->Allocate(context.get(), too_big, &allocated);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  const auto& trailers = context->GetServerTrailingMetadata();
+  auto it = trailers.find(wire::kShortfallKey);
+  ASSERT_NE(it, trailers.end());
+  EXPECT_EQ(std::string(it->second.data(), it->second.size()), "pool:1");
+
+  v1::GrowRequest ragged;  // parallel arrays of different lengths
+  ragged.add_sequence_ids(1);
+  v1::GrowResponse grown;
+  EXPECT_EQ(stub_->Grow(As(user_).get(), ragged, &grown).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  v1::TruncateRequest missing;
+  missing.set_sequence_id(424242);
+  v1::TruncateResponse truncated;
+  EXPECT_EQ(stub_->Truncate(As(user_).get(), missing, &truncated).error_code(),
+            grpc::StatusCode::NOT_FOUND);
+  v1::PrefillRequest prefill;
+  prefill.add_tokens(1);
+  v1::PrefillResponse prefilled;
+  EXPECT_EQ(stub_->Prefill(As(user_).get(), prefill, &prefilled).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);  // this engine runs no model
+  EXPECT_TRUE(engine_->CheckInvariants().ok());
+  EXPECT_EQ(engine_->Stats().cache.sequences, 0);
+}
+
+TEST_F(ServiceTest, RepliesCarryTheTablesAndOnlyTheChangedTails) {
+  v1::AllocateRequest request;
+  request.add_items()->set_num_tokens(20);
+  request.add_items()->set_num_tokens(40);
+  v1::AllocateResponse allocated;
+  ASSERT_TRUE(stub_->Allocate(As(user_).get(), request, &allocated).ok());
+  ASSERT_EQ(allocated.sequences_size(), 2);
+  EXPECT_EQ(allocated.sequences(0).block_ids_size(), 2);
+  EXPECT_EQ(allocated.sequences(1).block_ids_size(), 3);
+  EXPECT_EQ(allocated.sequences(1).generations_size(), 3);
+  v1::GrowRequest grow;
+  grow.add_sequence_ids(allocated.sequences(0).sequence_id());
+  grow.add_num_tokens(50);  // 2 -> 4 blocks
+  grow.add_sequence_ids(allocated.sequences(1).sequence_id());
+  grow.add_num_tokens(10);  // a no-op
+  v1::GrowResponse grown;
+  ASSERT_TRUE(stub_->Grow(As(user_).get(), grow, &grown).ok());
+  EXPECT_THAT(grown.num_tokens(), ::testing::ElementsAre(50, 40));
+  EXPECT_THAT(grown.table_offsets(), ::testing::ElementsAre(2, 3));
+  EXPECT_THAT(grown.tail_lengths(), ::testing::ElementsAre(2, 0));
+  EXPECT_EQ(grown.block_ids_size(), 2);
+  // Another session's sequence.
+  v1::FreeRequest theirs;
+  theirs.add_sequence_ids(allocated.sequences(0).sequence_id());
+  v1::FreeResponse freed;
+  EXPECT_EQ(stub_->Free(As(admin_).get(), theirs, &freed).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  v1::ListSequencesResponse listed;
+  ASSERT_TRUE(stub_->ListSequences(As(admin_).get(), {}, &listed).ok());
+  EXPECT_EQ(listed.sequences_size(), 2);
+  EXPECT_THAT(listed.session_ids(), ::testing::Each(user_->id.value()));
+}
+
+TEST_F(ServiceTest, AStoppedServiceRefusesEveryCall) {
+  service_->Stop();
+  v1::PingResponse r;
+  EXPECT_EQ(stub_->Ping(As(user_).get(), {}, &r).error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_TRUE(service_->WaitIdle(absl::Now() + absl::Seconds(5)));
+}
+
+}  // namespace
+}  // namespace kvpool::daemon
