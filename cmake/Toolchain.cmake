@@ -13,6 +13,15 @@ set(KVPOOL_CXX_WARNINGS -Wall -Wextra -Wno-unused-parameter -Wno-missing-field-i
 if(KVPOOL_WERROR)
   list(APPEND KVPOOL_CXX_WARNINGS -Werror)
 endif()
+# clang's static lock checking: every ABSL_GUARDED_BY / ABSL_EXCLUSIVE_LOCKS_REQUIRED is checked
+# at compile time (the clang-tsa preset, run by .ci/run).
+option(KVPOOL_THREAD_SAFETY "Check lock annotations with clang's -Wthread-safety" OFF)
+if(KVPOOL_THREAD_SAFETY)
+  if(NOT CMAKE_CXX_COMPILER_ID MATCHES "Clang")
+    message(FATAL_ERROR "KVPOOL_THREAD_SAFETY needs clang (got ${CMAKE_CXX_COMPILER_ID})")
+  endif()
+  list(APPEND KVPOOL_CXX_WARNINGS -Wthread-safety)
+endif()
 
 if(KVPOOL_SANITIZER STREQUAL "asan")
   add_compile_options(-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all)

@@ -4,8 +4,9 @@
 set -euo pipefail
 
 packages=(
-  # toolchain
-  g++ cmake ninja-build ccache pkg-config git
+  # toolchain (clang-16 checks the lock annotations: the clang-tsa preset; clang 14 cannot
+  # compile std::source_location against libstdc++ 12)
+  g++ cmake ninja-build ccache pkg-config git clang-16
   # libraries (DESIGN.md "Stack")
   libabsl-dev libspdlog-dev libxxhash-dev nlohmann-json3-dev libsystemd-dev libopenblas-dev
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler

@@ -11,6 +11,7 @@
 // The vectorized path (AVX2 + FMA + F16C) is compiled with a function-level target attribute and
 // chosen at run time, so the default build runs on any x86-64.
 
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -342,8 +343,10 @@ void AttendAvx2Grouped(const Shape& shape, const Task& task, const Rows& rows) {
 
 bool DetectAvx2() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
+  // F16C from CPUID leaf 1 (ECX bit 29): clang's __builtin_cpu_supports does not know "f16c".
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C) != 0;
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
 }
 
 std::atomic<bool> force_portable{false};
