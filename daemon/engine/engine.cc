@@ -293,9 +293,16 @@ void Engine::RunStep(std::span<ComputeCall* const> calls) {
   step.Finish(*state_, launched);
 }
 
-void Engine::Abandon(ComputeCall& call) {
+void Engine::Abandon(ComputeCall& call, const absl::Status& why) {
   absl::MutexLock lock(&mu_);
+  const bool created = call.request().creates() && call.progress() != nullptr &&
+                       call.progress()->StillHolds(state_->cache(), call.session().id).ok();
   Step::Abandon(*state_, call);
+  call.result().status = why;
+  if (absl::IsCancelled(why) || absl::IsDeadlineExceeded(why)) {
+    ++state_->call_counters.gave_up;
+    if (created) ++state_->call_counters.released_on_give_up;
+  }
 }
 
 }  // namespace kvpool::daemon

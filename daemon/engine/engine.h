@@ -172,10 +172,11 @@ class Engine final {
   const kernels::PoolLayout& layout() const { return layout_; }
   uint64_t epoch() const { return epoch_; }
 
-  // The StepRunner's hooks: one step over `calls` (plan, launch, finish), and giving back what a
-  // queued prefill between chunks holds.
+  // The StepRunner's hooks: one step over `calls` (plan, launch, finish); and a queued call that
+  // will not run (its caller gave up, its session ended, shutdown): a prefill between chunks
+  // gives back what it holds, and the call's status becomes `why`.
   void RunStep(std::span<ComputeCall* const> calls);
-  void Abandon(ComputeCall& call);
+  void Abandon(ComputeCall& call, const absl::Status& why);
 
  private:
   Engine(std::unique_ptr<EngineState> state, model::StepModel* model, ModelInfo model_info);

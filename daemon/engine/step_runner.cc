@@ -63,8 +63,8 @@ uint64_t StepRunner::steps() const {
 
 void StepRunner::Drop(std::vector<std::unique_ptr<ComputeCall>> calls, const absl::Status& status) {
   for (std::unique_ptr<ComputeCall>& call : calls) {
-    engine_->Abandon(*call);  // a prefill between chunks gives its sequence back
-    call->result().status = status.ok() ? call->context().Check() : status;
+    // A prefill between chunks gives its sequence back.
+    engine_->Abandon(*call, status.ok() ? call->context().Check() : status);
     call->Complete();
   }
 }

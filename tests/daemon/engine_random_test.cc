@@ -302,7 +302,7 @@ class EngineRandomTest : public ::testing::Test {
     // Now and then a prefill between chunks is abandoned (shutdown, the runner's cancellation).
     if (!pending_.empty() && Chance(10)) {
       const bool holds = Holds(pending_.back());
-      engine_->Abandon(*pending_.back().call);
+      engine_->Abandon(*pending_.back().call, absl::CancelledError("abandoned"));
       Resolve(pending_.back(), holds);
       pending_.pop_back();
     }
@@ -361,7 +361,7 @@ TEST_F(EngineRandomTest, SessionsCallsStepsCancellationsAndEndsNeverLeakOrCorrup
     ExpectModel(op);
     if (HasFatalFailure()) return;
   }
-  for (Pending& p : pending_) engine_->Abandon(*p.call);
+  for (Pending& p : pending_) engine_->Abandon(*p.call, absl::UnavailableError("the end"));
   pending_.clear();
   while (!live_.empty()) EndSession();
   ExpectModel(kOperations);

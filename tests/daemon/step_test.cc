@@ -392,7 +392,7 @@ TEST_F(StepTest, AChunkedPrefillWhoseSequenceWasFreedStopsAndLeaksNothing) {
   Run({q.get()});
   ASSERT_TRUE(q->unfinished());
   EXPECT_EQ(engine_->Stats().cache.sequences, 1);
-  engine_->Abandon(*q);
+  engine_->Abandon(*q, absl::UnavailableError("shutting down"));
   EXPECT_EQ(engine_->Stats().cache.sequences, 0);
   EXPECT_EQ(engine_->Stats().cache.pool.free, free_before);
   ExpectInvariants();

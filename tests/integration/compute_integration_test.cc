@@ -175,6 +175,38 @@ TEST_F(ComputeIntegrationTest, LongPromptIsPrefilledInChunksBesideAnotherClients
   EXPECT_TRUE(a->CheckInvariants()->ok());
 }
 
+// Issue 10: a Prefill whose client gave up (its deadline passed while it waited behind a long
+// prompt) still created a sequence the client never learned of.
+TEST_F(ComputeIntegrationTest, APrefillWhoseDeadlinePassesInTheQueueLeavesNothing) {
+  StartDaemon(R"pb(
+    pool_bytes: 33554432
+    max_blocks_per_seq: 256
+    model { max_step_tokens: 32 }
+  )pb");
+  auto a = Connect(daemon_->dir(), "long-prompt");
+  auto b = Connect(daemon_->dir(), "impatient");
+  Generated long_one;
+  std::thread prefiller([&] { long_one = Converse(*a, Prompt(1500, 9), 1); });
+  // Wait until the long prompt is under way (its chunks hold the steps).
+  for (int i = 0; i < 2000 && Stats(*a).prefill_chunks() == 0; ++i) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  grpc::ClientContext context;
+  b->PrepareContext(&context, /*deadline=*/false);
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(20));
+  v1::PrefillRequest request;
+  for (int32_t t : Prompt(40, 10)) request.add_tokens(t);
+  v1::PrefillResponse response;
+  EXPECT_EQ(b->stub().Prefill(&context, request, &response).error_code(),
+            grpc::StatusCode::DEADLINE_EXCEEDED);
+  prefiller.join();
+  ASSERT_EQ(long_one.tokens.size(), 1u);
+  const v1::GetStatsResponse s = Stats(*a);
+  EXPECT_EQ(s.sequences(), 1u);  // the long prompt's; none for the caller who gave up
+  EXPECT_GE(s.calls_given_up(), 1u);
+  EXPECT_TRUE(a->CheckInvariants()->ok());
+}
+
 TEST_F(ComputeIntegrationTest, PrefillReusesAnotherSessionsConversation) {
   StartDaemon();
   const std::vector<int32_t> prompt = Prompt(45, 7);

@@ -212,6 +212,19 @@ TEST_F(DaemonIntegrationTest, NonAdminSessionsCannotCallAdminRpcs) {
   EXPECT_TRUE(c->Ping().ok());
 }
 
+// Issue 10: after `kvpoolctl drain`, every kvpoolctl command failed to attach.
+TEST_F(DaemonIntegrationTest, OperatorsWatchADrainWithKvpoolctl) {
+  StartDaemon();
+  const std::string dir = "--socket_dir=" + daemon_->dir();
+  const auto [drain_rc, drained] = RunToEnd({KvpoolctlBinary(), dir, "drain"});
+  ASSERT_EQ(drain_rc, 0) << drained;
+  const auto [stats_rc, stats] = RunToEnd({KvpoolctlBinary(), dir, "stats"});
+  EXPECT_EQ(stats_rc, 0) << stats;
+  EXPECT_THAT(stats, HasSubstr("DRAINING"));
+  const auto [check_rc, checked] = RunToEnd({KvpoolctlBinary(), dir, "check"});
+  EXPECT_EQ(check_rc, 0) << checked;
+}
+
 TEST_F(DaemonIntegrationTest, RestartIsSeenAsUnavailableThenANewEpoch) {
   StartDaemon();
   const std::string dir = daemon_->dir();
