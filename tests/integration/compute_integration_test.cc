@@ -176,24 +176,26 @@ TEST_F(ComputeIntegrationTest, LongPromptIsPrefilledInChunksBesideAnotherClients
 }
 
 // Issue 10: a Prefill whose client gave up (its deadline passed while it waited behind a long
-// prompt) still created a sequence the client never learned of.
+// prompt) still created a sequence the client never learned of, once its turn came.
 TEST_F(ComputeIntegrationTest, APrefillWhoseDeadlinePassesInTheQueueLeavesNothing) {
+  // The long prompt holds 38 steps of 16 tokens, and the waiting prompt is never let in
+  // beside it (prefill_max_wait_steps): it waits there for longer than its deadline.
   StartDaemon(R"pb(
     pool_bytes: 33554432
     max_blocks_per_seq: 256
-    model { max_step_tokens: 32 }
+    model { max_step_tokens: 16 prefill_max_wait_steps: 1000 }
   )pb");
   auto a = Connect(daemon_->dir(), "long-prompt");
   auto b = Connect(daemon_->dir(), "impatient");
   Generated long_one;
-  std::thread prefiller([&] { long_one = Converse(*a, Prompt(1500, 9), 1); });
+  std::thread prefiller([&] { long_one = Converse(*a, Prompt(600, 9), 1); });
   // Wait until the long prompt is under way (its chunks hold the steps).
   for (int i = 0; i < 2000 && Stats(*a).prefill_chunks() == 0; ++i) {
     absl::SleepFor(absl::Milliseconds(1));
   }
   grpc::ClientContext context;
   b->PrepareContext(&context, /*deadline=*/false);
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(20));
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(50));
   v1::PrefillRequest request;
   for (int32_t t : Prompt(40, 10)) request.add_tokens(t);
   v1::PrefillResponse response;
