@@ -30,6 +30,14 @@ namespace kvpool::daemon {
 class EventWriter;
 class GenerateWriter;
 
+// A streaming call refused before it started: it only reports `status`. Deletes itself.
+template <typename Response>
+class Refusal final : public grpc::ServerWriteReactor<Response> {
+ public:
+  explicit Refusal(const grpc::Status& status) { this->Finish(status); }
+  void OnDone() override { delete this; }
+};
+
 class KvPoolService final : public v1::KvPool::CallbackService {
  public:
   // Neither is owned; both outlive the service.

@@ -100,18 +100,13 @@ class EventWriter final : public grpc::ServerWriteReactor<v1::WatchEventsRespons
 
 grpc::ServerWriteReactor<v1::WatchEventsResponse>* KvPoolService::WatchEvents(
     Context* c, const v1::WatchEventsRequest* q) {
-  // A reactor that only reports the error.
-  class Refusal final : public grpc::ServerWriteReactor<v1::WatchEventsResponse> {
-   public:
-    explicit Refusal(const grpc::Status& s) { Finish(s); }
-    void OnDone() override { delete this; }
-  };
   if (!BeginCall()) {
-    return new Refusal(grpc::Status(grpc::StatusCode::UNAVAILABLE, "kvpoold is shutting down"));
+    return new Refusal<v1::WatchEventsResponse>(
+        grpc::Status(grpc::StatusCode::UNAVAILABLE, "kvpoold is shutting down"));
   }
   if (absl::StatusOr<std::shared_ptr<const Session>> s = Authenticate(c, true); !s.ok()) {
     EndCall();
-    return new Refusal(ToGrpcStatus(s.status()));
+    return new Refusal<v1::WatchEventsResponse>(ToGrpcStatus(s.status()));
   }
   return new EventWriter(this, *q);
 }

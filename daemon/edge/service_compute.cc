@@ -218,13 +218,9 @@ class GenerateWriter final : public grpc::ServerWriteReactor<v1::GenerateRespons
 
 grpc::ServerWriteReactor<v1::GenerateResponse>* KvPoolService::Generate(
     Context* c, const v1::GenerateRequest* q) {
-  class Refusal final : public grpc::ServerWriteReactor<v1::GenerateResponse> {
-   public:
-    explicit Refusal(const grpc::Status& s) { Finish(s); }
-    void OnDone() override { delete this; }
-  };
   if (!BeginCall()) {
-    return new Refusal(grpc::Status(grpc::StatusCode::UNAVAILABLE, "kvpoold is shutting down"));
+    return new Refusal<v1::GenerateResponse>(
+        grpc::Status(grpc::StatusCode::UNAVAILABLE, "kvpoold is shutting down"));
   }
   absl::StatusOr<std::shared_ptr<const Session>> session = Authenticate(c, false);
   absl::Status error = session.status();
@@ -237,7 +233,7 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* KvPoolService::Generate(
   }
   if (!error.ok()) {
     EndCall();
-    return new Refusal(ToGrpcStatus(error));
+    return new Refusal<v1::GenerateResponse>(ToGrpcStatus(error));
   }
   auto* writer = new GenerateWriter(this, c, *std::move(session), *q);
   writer->Start();

@@ -17,8 +17,8 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
-#include "kvpool/util/unique_fd.h"
 #include "grpcpp/server.h"
+#include "kvpool/util/unique_fd.h"
 #include "kvpool/v1/attach.pb.h"
 #include "kvpool/v1/kvpool.grpc.pb.h"
 

@@ -21,6 +21,8 @@
 namespace kvpool::daemon {
 namespace {
 
+using testing::GivesUpAfter;
+
 constexpr int kOperations = 100'000;
 constexpr int32_t kVocab = 61;
 
@@ -36,18 +38,6 @@ std::unique_ptr<model::Model> MicroModel(const kernels::PoolLayout& layout) {
   return std::move(
       *model::Model::Create(model::SyntheticWeights(config, 3), layout, {.threads = 1}));
 }
-
-// OK for its first `ok_checks` checks, then CANCELLED.
-class GivesUpAfter final : public CallContext {
- public:
-  explicit GivesUpAfter(int ok_checks) : left_(ok_checks) {}
-  absl::Status Check() const override {
-    return left_-- > 0 ? absl::OkStatus() : absl::CancelledError("gave up");
-  }
-
- private:
-  mutable std::atomic<int> left_;
-};
 
 class EngineRandomTest : public ::testing::Test {
  protected:

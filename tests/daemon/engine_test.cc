@@ -13,22 +13,10 @@ namespace kvpool::daemon {
 namespace {
 
 using testing::FailingDevice;
+using testing::GivesUpAfter;
 using testing::Prompt;
 using testing::SmallPool;
 using testing::Spec;
-
-// OK for its first `ok_checks` checks, then CANCELLED: a caller who gives up while the call runs.
-class GivesUpAfter final : public CallContext {
- public:
-  explicit GivesUpAfter(int ok_checks) : left_(ok_checks) {}
-  absl::Status Check() const override {
-    if (left_-- > 0) return absl::OkStatus();
-    return absl::CancelledError("gave up");
-  }
-
- private:
-  mutable std::atomic<int> left_;
-};
 
 class EngineTest : public ::testing::Test {
  protected:

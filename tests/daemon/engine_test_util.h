@@ -101,6 +101,19 @@ inline std::vector<int32_t> Prompt(size_t n, uint32_t seed) {
   return out;
 }
 
+// OK for its first `ok_checks` checks, then CANCELLED: a caller who gives up while its call runs
+// (the engine checks once before a call changes anything, again before it answers).
+class GivesUpAfter final : public CallContext {
+ public:
+  explicit GivesUpAfter(int ok_checks) : left_(ok_checks) {}
+  absl::Status Check() const override {
+    return left_-- > 0 ? absl::OkStatus() : absl::CancelledError("gave up");
+  }
+
+ private:
+  mutable std::atomic<int> left_;
+};
+
 inline SessionSpec Spec(std::string tenant, std::string name = "test") {
   return {.client_name = std::move(name), .tenant = std::move(tenant), .model = "m"};
 }

@@ -21,17 +21,6 @@ using testing::Prompt;
 using testing::SmallPool;
 using testing::Spec;
 
-// OK until the step has planned the call (its first check), then CANCELLED.
-class GivesUpDuringTheStep final : public CallContext {
- public:
-  absl::Status Check() const override {
-    return checks_++ == 0 ? absl::OkStatus() : absl::CancelledError("gave up");
-  }
-
- private:
-  mutable std::atomic<int> checks_{0};
-};
-
 // The tiny model, with a hook that runs inside each step, while the engine's lock is free.
 class HookModel final : public model::StepModel {
  public:
@@ -86,16 +75,6 @@ class StepTest : public ::testing::Test {
         [](ComputeCall&) {});
   }
   void Run(std::vector<ComputeCall*> calls) { engine_->RunStep(calls); }
-  // Runs a prefill's steps to the end, `chunk` tokens at a time.
-  int RunToEnd(ComputeCall& call, int64_t chunk = INT64_MAX) {
-    int steps = 0;
-    do {
-      call.chunk = chunk;
-      Run({&call});
-      ++steps;
-    } while (call.unfinished() && steps < 100);
-    return steps;
-  }
   void ExpectInvariants() {
     const absl::Status s = engine_->CheckInvariants();
     EXPECT_TRUE(s.ok()) << s;
@@ -208,7 +187,8 @@ TEST_F(StepTest, APrefillOfAnEndedSessionIsRefusedAndLeavesNothing) {
 // Issue 10: a prefill whose caller gave up while its step ran created a sequence the caller never
 // learned of.
 TEST_F(StepTest, APrefillWhoseCallerGaveUpDuringItsStepLeavesNothing) {
-  auto p = Prefill(alice_, Prompt(40, 2), SequenceId(0), std::make_shared<GivesUpDuringTheStep>());
+  auto p =
+      Prefill(alice_, Prompt(40, 2), SequenceId(0), std::make_shared<testing::GivesUpAfter>(1));
   Run({p.get()});
   EXPECT_EQ(p->result().status.code(), absl::StatusCode::kCancelled);
   const EngineStats s = engine_->Stats();

@@ -127,17 +127,27 @@ TEST(CpuDeviceTest, PlanExecutorScrubsFillsAndCopies) {
   EXPECT_EQ(executor.Execute(DevicePlan{})->value, 0u);
 }
 
+// A small pool and a PlanExecutor on its transfer stream.
+struct ExecutorFixture {
+  explicit ExecutorFixture(int32_t num_blocks)
+      : layout{.block_size = 4,
+               .num_layers = 1,
+               .num_kv_heads = 1,
+               .head_dim = 8,
+               .dtype = DType::kBF16,
+               .num_blocks = num_blocks},
+        arena(*device.CreateArena(layout.arena_bytes())),
+        executor(&device, StreamId::kTransfer, KvPoolView{arena->base(), layout},
+                 FillPolicy::kZero) {}
+  CpuDevice device{1};
+  PoolLayout layout;
+  std::unique_ptr<Arena> arena;
+  PlanExecutor executor;
+};
+
 TEST(CpuDeviceTest, PlanExecutorRefusesOverlappingFillsAndCopies) {
-  CpuDevice device(1);
-  const PoolLayout layout{.block_size = 4,
-                          .num_layers = 1,
-                          .num_kv_heads = 1,
-                          .head_dim = 8,
-                          .dtype = DType::kBF16,
-                          .num_blocks = 6};
-  std::unique_ptr<Arena> arena = *device.CreateArena(layout.arena_bytes());
-  PlanExecutor executor(&device, StreamId::kTransfer, KvPoolView{arena->base(), layout},
-                        FillPolicy::kZero);
+  ExecutorFixture f(6);
+  PlanExecutor& executor = f.executor;
   const DevicePlan overlapping[] = {
       {.copies = {{BlockId(1), BlockId(2)}}, .fills = {{BlockId(1), false}}},  // source filled
       {.copies = {{BlockId(3), BlockId(4)}}, .fills = {{BlockId(4), false}}},  // target filled
@@ -153,20 +163,13 @@ TEST(CpuDeviceTest, PlanExecutorRefusesOverlappingFillsAndCopies) {
   const DevicePlan shared{.copies = {{BlockId(3), BlockId(4)}, {BlockId(3), BlockId(5)}}};
   const absl::StatusOr<Fence> fence = executor.Execute(shared);
   ASSERT_TRUE(fence.ok()) << fence.status();
-  EXPECT_TRUE(device.Synchronize(*fence).ok());
+  EXPECT_TRUE(f.device.Synchronize(*fence).ok());
 }
 
 TEST(CpuDeviceTest, PlanExecutorNeverWaitsForEarlierPlans) {
-  CpuDevice device(1);
-  const PoolLayout layout{.block_size = 4,
-                          .num_layers = 1,
-                          .num_kv_heads = 1,
-                          .head_dim = 8,
-                          .dtype = DType::kBF16,
-                          .num_blocks = 8};
-  std::unique_ptr<Arena> arena = *device.CreateArena(layout.arena_bytes());
-  PlanExecutor executor(&device, StreamId::kTransfer, KvPoolView{arena->base(), layout},
-                        FillPolicy::kZero);
+  ExecutorFixture f(8);
+  CpuDevice& device = f.device;
+  PlanExecutor& executor = f.executor;
   // The transfer stream is held up; plans queue behind it, each with its own staging.
   absl::Notification release;
   ASSERT_TRUE(
