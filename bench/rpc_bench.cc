@@ -29,8 +29,8 @@ struct Fixture {
         testing::DaemonProcess::Start("pool_bytes: 268435456\nmax_blocks_per_seq: 4096\n");
     KVPOOL_CHECK_OK(d.status());
     daemon = *std::move(d);
-    absl::StatusOr<std::unique_ptr<client::Client>> c =
-        client::Client::Connect({.runtime_dir = daemon->dir(), .client_name = "rpc_bench"});
+    absl::StatusOr<std::unique_ptr<client::Client>> c = client::Client::Connect(
+        {.runtime_dir = daemon->dir(), .client_name = "rpc_bench", .kv_access = true});
     KVPOOL_CHECK_OK(c.status());
     client = *std::move(c);
   }
@@ -124,7 +124,7 @@ void BM_MappingRead(benchmark::State& state) {
   const client::BlockRef block = client::ToBlockRefs(*s)[0];
   std::vector<char> out(static_cast<size_t>(c.layout().block_bytes()));
   for (auto _ : state) {
-    absl::StatusOr<char*> src = c.mapping().Block(block);
+    absl::StatusOr<char*> src = c.mapping()->Block(block);
     std::memcpy(out.data(), *src, out.size());
     benchmark::DoNotOptimize(out.data());
   }

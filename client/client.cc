@@ -70,11 +70,17 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ConnectOptions& op
                                                       : options.client_name);
   request.set_tenant(options.tenant);
   request.set_model(options.model);
+  request.set_kv_access(options.kv_access);
   KVPOOL_CLIENT_ASSIGN_OR_RETURN(internal::Attachment attachment,
                                  internal::Attach(dir, request, options.timeout));
-  KVPOOL_CLIENT_ASSIGN_OR_RETURN(
-      std::unique_ptr<PoolMapping> mapping,
-      PoolMapping::Create(attachment.response, std::move(attachment.fds)));
+  std::unique_ptr<PoolMapping> mapping;
+  if (attachment.response.kv_access()) {
+    KVPOOL_CLIENT_ASSIGN_OR_RETURN(
+        mapping, PoolMapping::Create(attachment.response, std::move(attachment.fds)));
+  } else if (!attachment.fds.empty()) {
+    return absl::InvalidArgumentError(
+        "kvpoold sent descriptors to a session it says is compute-only");
+  }
 
   grpc::ChannelArguments args;
   // Whole-pool traces and sequence listings outgrow gRPC's 4 MiB default.

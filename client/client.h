@@ -48,6 +48,10 @@ struct ConnectOptions {
   std::string tenant = "default";  // with `model` and the layout: the prefix-sharing namespace
   std::string model = "default";
   absl::Duration timeout = absl::Seconds(10);  // the attach's and every call's deadline
+  // Ask for KV access: the pool mapped read-write (mapping()), and Allocate / Grow / Commit.
+  // Refused at attach (PERMISSION_DENIED) unless the tenant grants it. Without it the session is
+  // compute-only: it uses the daemon's model and receives no descriptor (docs/trust-model.md).
+  bool kv_access = false;
 };
 
 // One sequence to allocate.
@@ -96,8 +100,11 @@ class Client final {
   int32_t model_max_position() const { return attach_.model_max_position(); }
   const std::string& runtime_dir() const { return runtime_dir_; }
   absl::Duration timeout() const { return timeout_; }
-  const v1::PoolLayout& layout() const { return mapping_->layout(); }
-  const PoolMapping& mapping() const { return *mapping_; }
+  const v1::PoolLayout& layout() const { return attach_.layout(); }
+  const std::string& pool() const { return attach_.pool(); }
+  bool kv_access() const { return mapping_ != nullptr; }
+  // The pool's mapping; null for a compute-only session.
+  const PoolMapping* mapping() const { return mapping_.get(); }
 
   // --- Control ---
   // One sequence per item, all or none; full block tables in item order.

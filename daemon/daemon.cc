@@ -45,10 +45,16 @@ uint64_t NewEpoch() {
 }
 
 AttachPolicy::Options PolicyOptions(const v1::DaemonConfig& c) {
-  return {.allowed_uids = {c.allowed_uids().begin(), c.allowed_uids().end()},
-          .allowed_gids = {c.allowed_gids().begin(), c.allowed_gids().end()},
-          .admin_uids = {c.admin_uids().begin(), c.admin_uids().end()},
-          .protocol_version = wire::kProtocolVersion};
+  AttachPolicy::Options o{.allowed_uids = {c.allowed_uids().begin(), c.allowed_uids().end()},
+                          .allowed_gids = {c.allowed_gids().begin(), c.allowed_gids().end()},
+                          .admin_uids = {c.admin_uids().begin(), c.admin_uids().end()},
+                          .protocol_version = wire::kProtocolVersion};
+  for (const v1::TenantSpec& t : c.tenants()) {
+    o.tenants[t.name()] = {.uids = {t.uids().begin(), t.uids().end()},
+                           .gids = {t.gids().begin(), t.gids().end()},
+                           .kv_access = t.kv_access()};
+  }
+  return o;
 }
 
 // The configured model on `device` for `layout`; null for "none", or when the device's backend
@@ -97,7 +103,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const v1::DaemonConfig& c
                         fmt::format("device: {}", device.status().message()));
   }
   absl::StatusOr<std::unique_ptr<model::StepModel>> model =
-      LoadModel(config.model(), options.layout, device->get());
+      LoadModel(config.model(), options.pools[0].layout, device->get());
   if (!model.ok()) {
     return absl::Status(model.status().code(), fmt::format("model: {}", model.status().message()));
   }
@@ -106,7 +112,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const v1::DaemonConfig& c
   if (!engine.ok()) {
     return absl::Status(engine.status().code(), fmt::format("pool: {}", engine.status().message()));
   }
-  Log().info("pool: {} on {}", options.layout.ToString(), (*device)->name());
+  for (const PoolOptions& pool : options.pools) {
+    Log().info("pool {}: {} on {}", pool.name, pool.layout.ToString(), (*device)->name());
+  }
   return std::unique_ptr<Daemon>(
       new Daemon(config, *std::move(device), *std::move(model), *std::move(engine)));
 }
@@ -168,15 +176,21 @@ absl::Status Daemon::StartAttach() {
                        {.protocol_version = request.protocol_version(),
                         .client_name = request.client_name(),
                         .tenant = request.tenant(),
-                        .model = request.model()},
+                        .model = request.model(),
+                        .kv_access = request.kv_access()},
                        engine_->draining());
     if (!spec.ok()) {
       Log().warn("attach refused: pid {} uid {} gid {}: {}", peer.pid, peer.uid, peer.gid,
                  spec.status().message());
       return spec.status();
     }
-    KVPOOL_ASSIGN_OR_RETURN(std::shared_ptr<const Session> session,
-                            engine_->OpenSession(*std::move(spec)));
+    absl::StatusOr<std::shared_ptr<const Session>> opened = engine_->OpenSession(*spec);
+    if (!opened.ok()) {
+      Log().warn("attach refused: pid {} uid {} gid {}, tenant {}: {}", peer.pid, peer.uid,
+                 peer.gid, spec->tenant, opened.status().message());
+      return opened.status();
+    }
+    const std::shared_ptr<const Session> session = *std::move(opened);
     absl::StatusOr<PoolGrant> grant = engine_->Grant(session);
     if (!grant.ok()) {
       engine_->EndSession(session->id, SessionEnd::kConnectionLost);
@@ -184,10 +198,12 @@ absl::Status Daemon::StartAttach() {
     }
     AttachReply reply{.session = session->id};
     ToProto(*grant, &reply.response);
-    if (grant->arena.fd.valid()) reply.fds.push_back(std::move(grant->arena.fd));
-    reply.fds.push_back(std::move(grant->generation_table));
-    Log().info("session {} attached: {} (pid {}, tenant {}, model {}{})", session->id.value(),
-               session->spec.client_name, peer.pid, session->spec.tenant, session->spec.model,
+    if (grant->arena && grant->arena->fd.valid()) reply.fds.push_back(std::move(grant->arena->fd));
+    if (grant->generation_table.valid()) reply.fds.push_back(std::move(grant->generation_table));
+    Log().info("session {} attached: {} (pid {}, uid {}, tenant {}, model {}, pool {}, {}{})",
+               session->id.value(), session->spec.client_name, peer.pid, peer.uid,
+               session->spec.tenant, session->spec.model, grant->pool,
+               session->spec.kv_access ? "KV access" : "compute-only",
                session->spec.admin ? ", admin" : "");
     return reply;
   };

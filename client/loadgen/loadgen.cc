@@ -130,7 +130,8 @@ class Worker {
           client::Client::Connect({.runtime_dir = options_.runtime_dir,
                                    .client_name = fmt::format("loadgen-{}", getpid()),
                                    .tenant = fmt::format("tenant-{}", tenant),
-                                   .model = "loadgen"});
+                                   .model = "loadgen",
+                                   .kv_access = true});  // KV mode writes through the mapping
       if (!made.ok()) return made.status();
       c = *std::move(made);
     }
@@ -153,7 +154,7 @@ class Worker {
     const int32_t bs = c.layout().block_size();
     const client::BlockRef block = table[static_cast<size_t>(p / bs)];
     absl::StatusOr<char*> chunk =
-        kv == 0 ? c.mapping().K(layer, block) : c.mapping().V(layer, block);
+        kv == 0 ? c.mapping()->K(layer, block) : c.mapping()->V(layer, block);
     return chunk.ok() ? *chunk + (p % bs) * row_bytes_ : nullptr;
   }
 

@@ -53,6 +53,8 @@ absl::StatusOr<SessionSpec> AttachPolicy::Decide(const PeerCredentials& peer,
         {"model", claims.model}}) {
     if (absl::Status s = CheckName(field, value); !s.ok()) return s;
   }
+  const std::string tenant = claims.tenant.empty() ? "default" : claims.tenant;
+  if (absl::Status s = CheckTenant(peer, tenant, claims.kv_access); !s.ok()) return s;
   const bool is_admin = admin(peer);
   if (draining && !is_admin) {
     return absl::UnavailableError("kvpoold is draining: only admin sessions may attach");
@@ -61,9 +63,29 @@ absl::StatusOr<SessionSpec> AttachPolicy::Decide(const PeerCredentials& peer,
                      .pid = peer.pid,
                      .uid = peer.uid,
                      .gid = peer.gid,
-                     .tenant = claims.tenant.empty() ? "default" : claims.tenant,
+                     .tenant = tenant,
                      .model = claims.model.empty() ? "default" : claims.model,
-                     .admin = is_admin};
+                     .admin = is_admin,
+                     .kv_access = claims.kv_access};
+}
+
+absl::Status AttachPolicy::CheckTenant(const PeerCredentials& peer, const std::string& tenant,
+                                       bool kv_access) const {
+  if (options_.tenants.empty()) return absl::OkStatus();  // the zero-configuration default
+  auto it = options_.tenants.find(tenant);
+  if (it == options_.tenants.end()) {
+    return absl::PermissionDeniedError(fmt::format("no tenant '{}' on this kvpoold", tenant));
+  }
+  const TenantGrant& grant = it->second;
+  if (!Contains(grant.uids, peer.uid) && !Contains(grant.gids, peer.gid)) {
+    return absl::PermissionDeniedError(
+        fmt::format("uid {} gid {} may not claim tenant '{}'", peer.uid, peer.gid, tenant));
+  }
+  if (kv_access && !grant.kv_access) {
+    return absl::PermissionDeniedError(
+        fmt::format("tenant '{}' is compute-only: KV access is not granted", tenant));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace kvpool::daemon

@@ -7,6 +7,7 @@
 #include <functional>
 #include <sstream>
 
+#include "absl/container/flat_hash_set.h"
 #include "fmt/format.h"
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
@@ -124,6 +125,56 @@ void ValidateModel(const v1::DaemonConfig& c, bool shape_ok,
   }
 }
 
+// A name sessions or operators give: printable and short (AttachPolicy's rules).
+bool PrintableName(const std::string& name) {
+  return !name.empty() && name.size() <= 128 &&
+         std::all_of(name.begin(), name.end(),
+                     [](unsigned char ch) { return ch >= 0x20 && ch < 0x7f; });
+}
+
+// The pools and the tenants (docs/trust-model.md).
+void ValidatePoolsAndTenants(const v1::DaemonConfig& c, const kernels::PoolLayout* shape,
+                             const std::function<void(std::string_view, std::string)>& bad) {
+  absl::flat_hash_set<std::string> pools, tenants;
+  if (c.pools().empty()) pools.insert("default");  // of pool_bytes
+  for (int i = 0; i < c.pools_size(); ++i) {
+    const v1::PoolSpec& p = c.pools(i);
+    const std::string field = fmt::format("pools[{}]", i);
+    if (!PrintableName(p.name())) bad(field + ".name", "must be printable, 1 to 128 bytes");
+    if (!pools.insert(p.name()).second) bad(field + ".name", fmt::format("'{}' twice", p.name()));
+    if (p.pool_bytes() <= 0) {
+      bad(field + ".pool_bytes", fmt::format("must be > 0 (got {})", p.pool_bytes()));
+    } else if (shape != nullptr) {
+      if (absl::StatusOr<kernels::PoolLayout> sized =
+              kernels::LayoutForBudget(*shape, p.pool_bytes());
+          !sized.ok()) {
+        bad(field + ".pool_bytes", std::string(sized.status().message()));
+      }
+    }
+  }
+  for (int i = 0; i < c.tenants_size(); ++i) {
+    const v1::TenantSpec& t = c.tenants(i);
+    const std::string field = fmt::format("tenants[{}]", i);
+    if (!PrintableName(t.name())) bad(field + ".name", "must be printable, 1 to 128 bytes");
+    if (!tenants.insert(t.name()).second) bad(field + ".name", fmt::format("'{}' twice", t.name()));
+    if (t.uids().empty() && t.gids().empty())
+      bad(field, "grants no uid or gid: nobody can claim it");
+    if (t.quota_blocks() < 0) bad(field + ".quota_blocks", "must be >= 0 (0: unlimited)");
+    if (t.has_max_priority() && (t.max_priority() < 0 || t.max_priority() >= kNumPriorities)) {
+      bad(field + ".max_priority", fmt::format("must be in [0, {}]", kNumPriorities - 1));
+    }
+    if (t.max_sessions() < 0) bad(field + ".max_sessions", "must be >= 0 (0: unlimited)");
+    if (!t.pool().empty() && !pools.contains(t.pool())) {
+      bad(field + ".pool", fmt::format("no pool '{}'", t.pool()));
+    }
+  }
+  if (!c.tenants().empty() && !c.tenant_quota_blocks().empty()) {
+    bad("tenant_quota_blocks",
+        "is for the zero-configuration mode: with tenants, use their "
+        "quota_blocks");
+  }
+}
+
 }  // namespace
 
 std::vector<std::string> ValidateConfig(const v1::DaemonConfig& c) {
@@ -157,6 +208,7 @@ std::vector<std::string> ValidateConfig(const v1::DaemonConfig& c) {
       bad("pool_bytes", std::string(sized.status().message()));
     }
   }
+  ValidatePoolsAndTenants(c, shape_ok.ok() && dtype.ok() ? &shape : nullptr, bad);
   if (c.max_blocks_per_seq() <= 0) bad("max_blocks_per_seq", "must be > 0");
   if (!kernels::ParseFillPolicy(c.fill_policy()).ok()) {
     bad("fill_policy", fmt::format("'{}' is not none, zero or poison", c.fill_policy()));
@@ -219,7 +271,26 @@ absl::StatusOr<EngineOptions> MakeEngineOptions(const v1::DaemonConfig& c, uint6
                                   .head_dim = c.shape().head_dim(),
                                   .dtype = *kernels::ParseDType(c.shape().dtype())};
   EngineOptions o;
-  KVPOOL_ASSIGN_OR_RETURN(o.layout, kernels::LayoutForBudget(shape, c.pool_bytes()));
+  for (const v1::PoolSpec& p : c.pools()) {
+    KVPOOL_ASSIGN_OR_RETURN(kernels::PoolLayout layout,
+                            kernels::LayoutForBudget(shape, p.pool_bytes()));
+    o.pools.push_back({.name = p.name(), .layout = layout});
+  }
+  if (o.pools.empty()) {
+    KVPOOL_ASSIGN_OR_RETURN(kernels::PoolLayout layout,
+                            kernels::LayoutForBudget(shape, c.pool_bytes()));
+    o.pools.push_back({.name = "default", .layout = layout});
+  }
+  for (const v1::TenantSpec& t : c.tenants()) {
+    int32_t pool = 0;
+    while (!t.pool().empty() && o.pools[static_cast<size_t>(pool)].name != t.pool()) ++pool;
+    o.tenants[t.name()] = {
+        .kv_access = t.kv_access(),
+        .quota_blocks = t.quota_blocks(),
+        .max_priority = t.has_max_priority() ? t.max_priority() : kNumPriorities - 1,
+        .max_sessions = t.max_sessions(),
+        .pool = pool};
+  }
   o.max_blocks_per_seq = c.max_blocks_per_seq();
   o.trace_depth = c.trace_depth();
   o.prefix_cache = !c.disable_prefix_cache();
@@ -227,7 +298,7 @@ absl::StatusOr<EngineOptions> MakeEngineOptions(const v1::DaemonConfig& c, uint6
   o.event_capacity = static_cast<size_t>(c.event_capacity());
   o.fill_policy = *kernels::ParseFillPolicy(c.fill_policy());
   o.session_quota_blocks = c.session_quota_blocks();
-  for (const auto& [tenant, quota] : c.tenant_quota_blocks()) o.tenant_quota_blocks[tenant] = quota;
+  for (const auto& [tenant, quota] : c.tenant_quota_blocks()) o.open_quota_blocks[tenant] = quota;
   o.epoch = epoch;
   const v1::ModelSpec& m = c.model();
   o.model_name = m.checkpoint().empty() ? m.name() : m.checkpoint();

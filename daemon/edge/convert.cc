@@ -153,6 +153,10 @@ void ToProto(const EngineStats& st, v1::GetStatsResponse* r) {
   r->set_calls_of_ended_sessions(st.calls.session_ended);
   r->set_device_failures(st.calls.device_failures);
   if (!st.health.ok()) r->set_failure(st.health.ToString());
+  r->set_pool(st.pool);
+  for (const std::string& p : st.pools) r->add_pools(p);
+  r->set_sessions_refused(st.sessions.refused);
+  r->set_calls_not_permitted(st.calls.not_permitted);
 }
 
 void ToProto(const SessionListing& l, int64_t now_ns, v1::SessionInfo* info) {
@@ -169,6 +173,7 @@ void ToProto(const SessionListing& l, int64_t now_ns, v1::SessionInfo* info) {
   info->set_sequences(l.sequences);
   info->set_block_refs(l.block_refs);
   info->set_attached_seconds(static_cast<double>(now_ns - s.opened_ns) * 1e-9);
+  info->set_kv_access(s.spec.kv_access);
 }
 
 void ToProto(const PoolGrant& g, v1::AttachResponse* r) {
@@ -183,13 +188,16 @@ void ToProto(const PoolGrant& g, v1::AttachResponse* r) {
   r->set_model_vocab_size(g.model.vocab_size);
   r->set_model_max_position(g.model.max_position);
   ToProto(g.layout, r->mutable_layout());
-  r->set_arena_kind(ToProto(g.arena.kind));
+  r->set_pool(g.pool);
+  r->set_kv_access(g.arena.has_value());
+  if (!g.arena) return;  // compute-only: nothing to map
+  r->set_arena_kind(ToProto(g.arena->kind));
   r->set_arena_bytes(g.layout.arena_bytes());
-  r->set_mapped_bytes(g.arena.mapped_bytes);
-  r->set_device_ordinal(g.arena.device_ordinal);
-  r->set_cuda_ipc_handle(g.arena.ipc_handle);
-  if (g.arena.fd.valid()) r->add_fds(v1::FD_ROLE_ARENA);
-  r->add_fds(v1::FD_ROLE_GENERATION_TABLE);
+  r->set_mapped_bytes(g.arena->mapped_bytes);
+  r->set_device_ordinal(g.arena->device_ordinal);
+  r->set_cuda_ipc_handle(g.arena->ipc_handle);
+  if (g.arena->fd.valid()) r->add_fds(v1::FD_ROLE_ARENA);
+  if (g.generation_table.valid()) r->add_fds(v1::FD_ROLE_GENERATION_TABLE);
 }
 
 std::string_view StopName(MatchStop stop) {

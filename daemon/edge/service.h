@@ -108,6 +108,8 @@ class KvPoolService final : public v1::KvPool::CallbackService {
   // response from the outcome before the reactor finishes.
   Unary* Compute(Context* context, ComputeRequest request, absl::Status malformed,
                  std::function<void(const ComputeResult&)> finish);
+  // The pool an admin call names (empty: the caller's). Errors: NOT_FOUND.
+  absl::StatusOr<int32_t> PoolOf(const Session& s, const std::string& name) const;
   // Counts a call that completes asynchronously; false when the service is stopping.
   bool BeginCall();
   void EndCall();

@@ -4,6 +4,7 @@
 
 #include "daemon/edge/service.h"
 #include "kvpool/util/logging.h"
+#include "kvpool/util/status_macros.h"
 
 namespace kvpool::daemon {
 
@@ -12,11 +13,11 @@ namespace kvpool::daemon {
 // Deletes itself when gRPC is done with it.
 class EventWriter final : public grpc::ServerWriteReactor<v1::WatchEventsResponse> {
  public:
-  EventWriter(KvPoolService* service, const v1::WatchEventsRequest& request)
-      : service_(service), engine_(service->engine_), follow_(request.follow()) {
-    next_ = request.from_seq() == 0 ? engine_->next_event_seq() : request.from_seq();
+  EventWriter(KvPoolService* service, int32_t pool, const v1::WatchEventsRequest& request)
+      : service_(service), engine_(service->engine_), pool_(pool), follow_(request.follow()) {
+    next_ = request.from_seq() == 0 ? engine_->next_event_seq(pool_) : request.from_seq();
     std::vector<KvEvent> probe;
-    if (request.snapshot() || !engine_->ReadEvents(next_, 0, &probe)) SendSnapshot();
+    if (request.snapshot() || !engine_->ReadEvents(pool_, next_, 0, &probe)) SendSnapshot();
     service->Register(this);
     Pump();
   }
@@ -26,7 +27,7 @@ class EventWriter final : public grpc::ServerWriteReactor<v1::WatchEventsRespons
     absl::MutexLock lock(&mu_);
     if (writing_ || done_) return;
     std::vector<KvEvent> events;
-    if (!engine_->ReadEvents(next_, 256, &events)) {
+    if (!engine_->ReadEvents(pool_, next_, 256, &events)) {
       SendSnapshotLocked();  // fell behind the ring while following
       return;
     }
@@ -75,7 +76,9 @@ class EventWriter final : public grpc::ServerWriteReactor<v1::WatchEventsRespons
     uint64_t resume = 0;
     response_.Clear();
     response_.set_snapshot(true);
-    for (const KvEvent& e : engine_->SnapshotEvents(&resume)) *response_.add_events() = ToProto(e);
+    for (const KvEvent& e : engine_->SnapshotEvents(pool_, &resume)) {
+      *response_.add_events() = ToProto(e);
+    }
     response_.set_resume_seq(resume);
     next_ = resume;
     writing_ = true;
@@ -89,6 +92,7 @@ class EventWriter final : public grpc::ServerWriteReactor<v1::WatchEventsRespons
 
   KvPoolService* const service_;
   Engine* const engine_;
+  const int32_t pool_;
   const bool follow_;
   absl::Mutex mu_;
   uint64_t next_ ABSL_GUARDED_BY(mu_) = 1;
@@ -104,11 +108,13 @@ grpc::ServerWriteReactor<v1::WatchEventsResponse>* KvPoolService::WatchEvents(
     return new Refusal<v1::WatchEventsResponse>(
         grpc::Status(grpc::StatusCode::UNAVAILABLE, "kvpoold is shutting down"));
   }
-  if (absl::StatusOr<std::shared_ptr<const Session>> s = Authenticate(c, true); !s.ok()) {
+  absl::StatusOr<std::shared_ptr<const Session>> s = Authenticate(c, true);
+  absl::StatusOr<int32_t> pool = s.ok() ? PoolOf(**s, q->pool()) : s.status();
+  if (!pool.ok()) {
     EndCall();
-    return new Refusal<v1::WatchEventsResponse>(ToGrpcStatus(s.status()));
+    return new Refusal<v1::WatchEventsResponse>(ToGrpcStatus(pool.status()));
   }
-  return new EventWriter(this, *q);
+  return new EventWriter(this, *pool, *q);
 }
 
 void KvPoolService::Register(EventWriter* writer) {
@@ -135,10 +141,15 @@ void KvPoolService::EndStreams() {
   }
 }
 
-KvPoolService::Unary* KvPoolService::GetStats(Context* c, const v1::GetStatsRequest*,
+absl::StatusOr<int32_t> KvPoolService::PoolOf(const Session& s, const std::string& name) const {
+  return name.empty() ? s.pool : engine_->FindPool(name);
+}
+
+KvPoolService::Unary* KvPoolService::GetStats(Context* c, const v1::GetStatsRequest* q,
                                               v1::GetStatsResponse* r) {
-  return Run(c, true, [&](const Session&) {
-    ToProto(engine_->Stats(), r);
+  return Run(c, true, [&](const Session& s) -> absl::Status {
+    KVPOOL_ASSIGN_OR_RETURN(const int32_t pool, PoolOf(s, q->pool()));
+    ToProto(engine_->Stats(pool), r);
     return absl::OkStatus();
   });
 }
@@ -147,28 +158,39 @@ KvPoolService::Unary* KvPoolService::ListSessions(Context* c, const v1::ListSess
                                                   v1::ListSessionsResponse* r) {
   return Run(c, true, [&](const Session&) {
     const int64_t now = clock_->NowNanos();
-    for (const SessionListing& l : engine_->ListSessions()) ToProto(l, now, r->add_sessions());
+    for (const SessionListing& l : engine_->ListSessions()) {
+      v1::SessionInfo* info = r->add_sessions();
+      ToProto(l, now, info);
+      info->set_pool(engine_->pool_name(l.session->pool));
+    }
     return absl::OkStatus();
   });
 }
 
 KvPoolService::Unary* KvPoolService::ListSequences(Context* c, const v1::ListSequencesRequest* q,
                                                    v1::ListSequencesResponse* r) {
-  return Run(c, true, [&](const Session&) {
+  return Run(c, true, [&](const Session&) -> absl::Status {
+    std::optional<int32_t> pool;
+    if (!q->pool().empty()) {
+      KVPOOL_ASSIGN_OR_RETURN(pool, engine_->FindPool(q->pool()));
+    }
     std::vector<SessionId> owners;
-    const Tables tables = engine_->ListSequences(SessionId(q->session_id()), &owners);
+    std::vector<int32_t> pools;
+    const Tables tables = engine_->ListSequences(pool, SessionId(q->session_id()), &owners, &pools);
     ToProto(tables, r->mutable_sequences());
     for (SessionId owner : owners) r->add_session_ids(owner.value());
+    for (int32_t p : pools) r->add_pools(engine_->pool_name(p));
     return absl::OkStatus();
   });
 }
 
 KvPoolService::Unary* KvPoolService::DumpBlockTrace(Context* c, const v1::DumpBlockTraceRequest* q,
                                                     v1::DumpBlockTraceResponse* r) {
-  return Run(c, true, [&](const Session&) -> absl::Status {
+  return Run(c, true, [&](const Session& s) -> absl::Status {
+    KVPOOL_ASSIGN_OR_RETURN(const int32_t pool, PoolOf(s, q->pool()));
     const std::optional<BlockId> block =
         q->all() ? std::nullopt : std::optional<BlockId>(BlockId(q->block_id()));
-    absl::StatusOr<std::vector<BlockTraceEntry>> entries = engine_->BlockTrace(block);
+    absl::StatusOr<std::vector<BlockTraceEntry>> entries = engine_->BlockTrace(pool, block);
     if (!entries.ok()) return entries.status();
     for (const BlockTraceEntry& e : *entries) ToProto(e, r->add_entries());
     return absl::OkStatus();
@@ -177,9 +199,10 @@ KvPoolService::Unary* KvPoolService::DumpBlockTrace(Context* c, const v1::DumpBl
 
 KvPoolService::Unary* KvPoolService::ExplainMatch(Context* c, const v1::ExplainMatchRequest* q,
                                                   v1::ExplainMatchResponse* r) {
-  return Run(c, true, [&](const Session& s) {
+  return Run(c, true, [&](const Session& s) -> absl::Status {
+    KVPOOL_ASSIGN_OR_RETURN(const int32_t pool, PoolOf(s, q->pool()));
     const NamespaceId ns = q->namespace_id() != 0 ? NamespaceId(q->namespace_id()) : s.ns;
-    const MatchExplanation e = engine_->Explain(ns, Tokens(q->tokens()));
+    const MatchExplanation e = engine_->Explain(pool, ns, Tokens(q->tokens()));
     r->set_matched_tokens(e.matched_tokens);
     r->set_stop(std::string(StopName(e.stop)));
     r->set_explanation(e.ToString());
@@ -189,8 +212,9 @@ KvPoolService::Unary* KvPoolService::ExplainMatch(Context* c, const v1::ExplainM
 
 KvPoolService::Unary* KvPoolService::Evict(Context* c, const v1::EvictRequest* q,
                                            v1::EvictResponse* r) {
-  Unary* reactor = Run(c, true, [&](const Session&) -> absl::Status {
-    absl::StatusOr<int64_t> evicted = engine_->Evict(q->blocks(), q->all());
+  Unary* reactor = Run(c, true, [&](const Session& s) -> absl::Status {
+    KVPOOL_ASSIGN_OR_RETURN(const int32_t pool, PoolOf(s, q->pool()));
+    absl::StatusOr<int64_t> evicted = engine_->Evict(pool, q->blocks(), q->all());
     if (!evicted.ok()) return evicted.status();
     r->set_evicted(*evicted);
     return absl::OkStatus();

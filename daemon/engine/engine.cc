@@ -33,17 +33,27 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   }
   auto engine = std::unique_ptr<Engine>(new Engine(std::move(state), model, std::move(info)));
   if (model != nullptr) {
-    engine->runner_ = std::make_unique<StepRunner>(engine.get(), options.clock,
-                                                   options.gather_window_ns, options.scheduler);
+    engine->runner_ =
+        std::make_unique<StepRunner>(engine.get(), static_cast<int32_t>(options.pools.size()),
+                                     options.clock, options.gather_window_ns, options.scheduler);
   }
   return engine;
 }
 
 Engine::Engine(std::unique_ptr<EngineState> state, model::StepModel* model, ModelInfo model_info)
-    : layout_(state->layout()),
+    : layouts_([&] {
+        std::vector<kernels::PoolLayout> layouts;
+        for (int32_t i = 0; i < state->num_pools(); ++i) layouts.push_back(state->pool(i).layout());
+        return layouts;
+      }()),
+      pool_names_([&] {
+        std::vector<std::string> names;
+        for (int32_t i = 0; i < state->num_pools(); ++i) names.push_back(state->pool(i).name());
+        return names;
+      }()),
       epoch_(state->options().epoch),
       clock_(state->options().clock),
-      device_(&state->device()),
+      device_(&state->pool(0).device()),
       model_(model),
       model_info_(std::move(model_info)),
       started_ns_(state->now()),
@@ -53,11 +63,6 @@ Engine::~Engine() { StopCompute(); }
 
 absl::StatusOr<std::shared_ptr<const Session>> Engine::OpenSession(SessionSpec spec) {
   absl::MutexLock lock(&mu_);
-  const auto& quotas = state_->options().tenant_quota_blocks;
-  if (auto it = quotas.find(spec.tenant); it != quotas.end()) {
-    KVPOOL_RETURN_IF_ERROR(state_->cache().SetNamespaceQuota(
-        state_->NamespaceOf(spec.tenant, spec.model), it->second));
-  }
   return state_->Open(std::move(spec));
 }
 
@@ -81,18 +86,22 @@ absl::StatusOr<PoolGrant> Engine::Grant(std::shared_ptr<const Session> session) 
   {
     absl::ReaderMutexLock lock(&mu_);
     KVPOOL_RETURN_IF_ERROR(state_->CheckLive(session->id));
-    KVPOOL_ASSIGN_OR_RETURN(grant.arena, state_->arena().Export());
-    KVPOOL_ASSIGN_OR_RETURN(grant.generation_table, state_->generations().Export());
+    const PoolState& pool = state_->pool(session->pool);
+    if (session->spec.kv_access) {
+      KVPOOL_ASSIGN_OR_RETURN(grant.arena, pool.arena().Export());
+      KVPOOL_ASSIGN_OR_RETURN(grant.generation_table, pool.generations().Export());
+    }
     grant.daemon_version = state_->options().daemon_version;
+    grant.pool = pool.name();
   }
+  grant.layout = layout(session->pool);
   grant.session = std::move(session);
   grant.epoch = epoch_;
-  grant.layout = layout_;
   grant.model = model_info_;
   return grant;
 }
 
-absl::Status Engine::Admit(const Session& s, bool creates) const {
+absl::Status Engine::Admit(const Session& s, Needs needs) const {
   if (!state_->health.ok()) {
     return absl::UnavailableError(
         fmt::format("kvpoold stopped serving: {}", state_->health.message()));
@@ -101,7 +110,13 @@ absl::Status Engine::Admit(const Session& s, bool creates) const {
     ++state_->call_counters.session_ended;
     return live;
   }
-  if (creates && state_->draining) {
+  if (needs.kv_access && !s.spec.kv_access) {
+    ++state_->call_counters.not_permitted;
+    return absl::PermissionDeniedError(
+        "a compute-only session may not hold blocks to write or publish KV it wrote (attach "
+        "with KV access, if its tenant grants it)");
+  }
+  if (needs.creates && state_->draining) {
     return absl::UnavailableError("kvpoold is draining: no new sequences");
   }
   return absl::OkStatus();
@@ -133,10 +148,11 @@ absl::Status Engine::Complete(const Session& s, Fence fence, std::span<const Seq
 
 void Engine::Release(const Session& s, std::span<const SequenceId> created) {
   absl::MutexLock lock(&mu_);
+  KvCacheManager& cache = state_->pool_of(s).cache();
   for (SequenceId id : created) {
     // Gone already when the session ended meanwhile (its end released everything).
-    const Sequence* seq = state_->cache().Find(id);
-    if (seq != nullptr && seq->session == s.id) KVPOOL_CHECK_OK(state_->cache().Free(s.id, id));
+    const Sequence* seq = cache.Find(id);
+    if (seq != nullptr && seq->session == s.id) KVPOOL_CHECK_OK(cache.Free(s.id, id));
   }
 }
 
@@ -144,26 +160,33 @@ absl::StatusOr<Tables> Engine::Allocate(const Session& s, std::span<const Alloca
                                         const CallContext& context) {
   KVPOOL_RETURN_IF_ERROR(context.Check());
   std::vector<AllocateRequest> items(requests.begin(), requests.end());
-  for (AllocateRequest& item : items) item.ns = s.ns;
+  for (AllocateRequest& item : items) {
+    item.ns = s.ns;
+    if (item.priority > s.max_priority) {
+      return absl::PermissionDeniedError(fmt::format("priority {} is above tenant {}'s ceiling {}",
+                                                     item.priority, s.spec.tenant, s.max_priority));
+    }
+  }
   Tables out;
   std::vector<SequenceId> created;
   Fence fence;
   {
     absl::MutexLock lock(&mu_);
-    KVPOOL_RETURN_IF_ERROR(Admit(s, /*creates=*/true));
+    KVPOOL_RETURN_IF_ERROR(Admit(s, {.creates = true, .kv_access = true}));
+    PoolState& pool = state_->pool_of(s);
     std::vector<AllocateResult> results;
     DevicePlan plan;
-    KVPOOL_RETURN_IF_ERROR(state_->cache().AllocateBatch(s.id, items, &results, &plan));
+    KVPOOL_RETURN_IF_ERROR(pool.cache().AllocateBatch(s.id, items, &results, &plan));
     for (const AllocateResult& r : results) created.push_back(r.sequence);
-    const absl::StatusOr<Fence> carried = state_->Carry(plan);
+    const absl::StatusOr<Fence> carried = pool.Carry(plan);
     if (!carried.ok()) {
-      KVPOOL_CHECK_OK(state_->cache().FreeBatch(s.id, created));
+      KVPOOL_CHECK_OK(pool.cache().FreeBatch(s.id, created));
       ++state_->call_counters.device_failures;
       return DeviceError(carried.status());
     }
     fence = *carried;
     for (const AllocateResult& r : results) {
-      state_->AppendTable(*state_->cache().Find(r.sequence), 0, r.matched_tokens, &out);
+      pool.AppendTable(*pool.cache().Find(r.sequence), 0, r.matched_tokens, &out);
     }
   }
   KVPOOL_RETURN_IF_ERROR(Complete(s, fence, created, context));
@@ -178,19 +201,20 @@ absl::StatusOr<Tables> Engine::Grow(const Session& s, std::span<const GrowReques
   Fence fence;
   {
     absl::MutexLock lock(&mu_);
-    KVPOOL_RETURN_IF_ERROR(Admit(s, /*creates=*/false));
+    KVPOOL_RETURN_IF_ERROR(Admit(s, {.kv_access = true}));
+    PoolState& pool = state_->pool_of(s);
     DevicePlan plan;
     std::vector<TableChange> changes;
-    KVPOOL_RETURN_IF_ERROR(state_->cache().GrowBatch(s.id, requests, &plan, &changes));
-    const absl::StatusOr<Fence> carried = state_->Carry(plan);
+    KVPOOL_RETURN_IF_ERROR(pool.cache().GrowBatch(s.id, requests, &plan, &changes));
+    const absl::StatusOr<Fence> carried = pool.Carry(plan);
     if (!carried.ok()) {
-      state_->cache().RevertGrow(s.id, changes);
+      pool.cache().RevertGrow(s.id, changes);
       ++state_->call_counters.device_failures;
       return DeviceError(carried.status());
     }
     fence = *carried;
     for (const TableChange& c : changes) {
-      state_->AppendTable(*state_->cache().Find(c.sequence), c.first_changed, 0, &out);
+      pool.AppendTable(*pool.cache().Find(c.sequence), c.first_changed, 0, &out);
       old_lengths.push_back(c.old_num_tokens);
     }
   }
@@ -199,11 +223,12 @@ absl::StatusOr<Tables> Engine::Grow(const Session& s, std::span<const GrowReques
     // The caller never learns of the new blocks: take the growth back (a copy-on-write copy, which
     // has run, stays in the table: it holds the same tokens as the block it replaced).
     absl::MutexLock lock(&mu_);
+    KvCacheManager& cache = state_->pool_of(s).cache();
     for (size_t i = 0; i < out.slices.size(); ++i) {
-      const Sequence* seq = state_->cache().Find(out.slices[i].sequence);
+      const Sequence* seq = cache.Find(out.slices[i].sequence);
       if (seq != nullptr && seq->session == s.id && seq->num_tokens == out.slices[i].num_tokens &&
           old_lengths[i] < seq->num_tokens) {
-        KVPOOL_CHECK_OK(state_->cache().Truncate(s.id, seq->id, old_lengths[i]));
+        KVPOOL_CHECK_OK(cache.Truncate(s.id, seq->id, old_lengths[i]));
       }
     }
     ++state_->call_counters.gave_up;
@@ -216,8 +241,8 @@ absl::Status Engine::Truncate(const Session& s, SequenceId sequence, int64_t num
                               const CallContext& context) {
   KVPOOL_RETURN_IF_ERROR(context.Check());
   absl::MutexLock lock(&mu_);
-  KVPOOL_RETURN_IF_ERROR(Admit(s, /*creates=*/false));
-  return state_->cache().Truncate(s.id, sequence, num_tokens);
+  KVPOOL_RETURN_IF_ERROR(Admit(s, {}));
+  return state_->pool_of(s).cache().Truncate(s.id, sequence, num_tokens);
 }
 
 absl::StatusOr<Tables> Engine::Fork(const Session& s, SequenceId sequence,
@@ -228,17 +253,18 @@ absl::StatusOr<Tables> Engine::Fork(const Session& s, SequenceId sequence,
   Fence fence;
   {
     absl::MutexLock lock(&mu_);
-    KVPOOL_RETURN_IF_ERROR(Admit(s, /*creates=*/true));
+    KVPOOL_RETURN_IF_ERROR(Admit(s, {.creates = true}));
+    PoolState& pool = state_->pool_of(s);
     DevicePlan plan;
-    KVPOOL_ASSIGN_OR_RETURN(child, state_->cache().Fork(s.id, sequence, &plan));
-    const absl::StatusOr<Fence> carried = state_->Carry(plan);
+    KVPOOL_ASSIGN_OR_RETURN(child, pool.cache().Fork(s.id, sequence, &plan));
+    const absl::StatusOr<Fence> carried = pool.Carry(plan);
     if (!carried.ok()) {
-      KVPOOL_CHECK_OK(state_->cache().Free(s.id, child));
+      KVPOOL_CHECK_OK(pool.cache().Free(s.id, child));
       ++state_->call_counters.device_failures;
       return DeviceError(carried.status());
     }
     fence = *carried;
-    state_->AppendTable(*state_->cache().Find(child), 0, 0, &out);
+    pool.AppendTable(*pool.cache().Find(child), 0, 0, &out);
   }
   KVPOOL_RETURN_IF_ERROR(Complete(s, fence, std::span(&child, 1), context));
   return out;
@@ -248,23 +274,23 @@ absl::Status Engine::Commit(const Session& s, SequenceId sequence, int64_t num_t
                             std::span<const int32_t> new_tokens, const CallContext& context) {
   KVPOOL_RETURN_IF_ERROR(context.Check());
   absl::MutexLock lock(&mu_);
-  KVPOOL_RETURN_IF_ERROR(Admit(s, /*creates=*/false));
-  return state_->cache().Commit(s.id, sequence, num_tokens, new_tokens);
+  KVPOOL_RETURN_IF_ERROR(Admit(s, {.kv_access = true}));
+  return state_->pool_of(s).cache().Commit(s.id, sequence, num_tokens, new_tokens);
 }
 
 absl::Status Engine::Free(const Session& s, std::span<const SequenceId> sequences, OnFree on_free,
                           const CallContext& context) {
   KVPOOL_RETURN_IF_ERROR(context.Check());
   absl::MutexLock lock(&mu_);
-  KVPOOL_RETURN_IF_ERROR(Admit(s, /*creates=*/false));
-  return state_->cache().FreeBatch(s.id, sequences, on_free);
+  KVPOOL_RETURN_IF_ERROR(Admit(s, {}));
+  return state_->pool_of(s).cache().FreeBatch(s.id, sequences, on_free);
 }
 
 absl::StatusOr<int64_t> Engine::MatchPrefix(const Session& s,
                                             std::span<const int32_t> tokens) const {
   absl::MutexLock lock(&mu_);
-  KVPOOL_RETURN_IF_ERROR(Admit(s, /*creates=*/false));
-  return state_->cache().MatchPrefix(s.ns, tokens);
+  KVPOOL_RETURN_IF_ERROR(Admit(s, {}));
+  return state_->pool_of(s).cache().MatchPrefix(s.ns, tokens);
 }
 
 void Engine::Submit(std::unique_ptr<ComputeCall> call) {
@@ -281,8 +307,8 @@ void Engine::StopCompute() {
   if (runner_) runner_->Stop();
 }
 
-void Engine::RunStep(std::span<ComputeCall* const> calls) {
-  Step step(calls, model_->config().vocab_size);
+void Engine::RunStep(int32_t pool, std::span<ComputeCall* const> calls) {
+  Step step(pool, calls, model_->config().vocab_size);
   {
     absl::MutexLock lock(&mu_);
     step.Plan(*state_);
@@ -295,8 +321,9 @@ void Engine::RunStep(std::span<ComputeCall* const> calls) {
 
 void Engine::Abandon(ComputeCall& call, const absl::Status& why) {
   absl::MutexLock lock(&mu_);
-  const bool created = call.request().creates() && call.progress() != nullptr &&
-                       call.progress()->StillHolds(state_->cache(), call.session().id).ok();
+  const bool created =
+      call.request().creates() && call.progress() != nullptr &&
+      call.progress()->StillHolds(state_->pool_of(call.session()).cache(), call.session().id).ok();
   Step::Abandon(*state_, call);
   call.result().status = why;
   if (absl::IsCancelled(why) || absl::IsDeadlineExceeded(why)) {

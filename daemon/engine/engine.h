@@ -54,18 +54,22 @@ struct ModelInfo {
   int32_t max_position = 0;
 };
 
-// What an attached client needs to map the pool. Owns its descriptors.
+// What an attached client receives. Owns its descriptors, which only a KV-access session gets.
 struct PoolGrant {
   std::shared_ptr<const Session> session;
   uint64_t epoch = 0;
   std::string daemon_version;
+  std::string pool;  // its pool's name
   kernels::PoolLayout layout;
-  kernels::ArenaExport arena;
-  UniqueFd generation_table;  // map read-only
+  std::optional<kernels::ArenaExport> arena;  // KV access only
+  UniqueFd generation_table;                  // KV access only; it cannot be mapped writable
   ModelInfo model;
 };
 
+// One pool's figures, and the engine's.
 struct EngineStats {
+  std::string pool;
+  std::vector<std::string> pools;  // every pool's name
   KvCacheStats cache;
   int64_t attached_sessions = 0;  // sessions attached now (holding sequences or not)
   SessionCounters sessions;
@@ -113,10 +117,12 @@ class Engine final {
   // --- Control calls (session calls; errors as in kvpool.proto; a failed call changes nothing).
   // Every call: NOT_FOUND once the session has ended, CANCELLED / DEADLINE_EXCEEDED when the caller
   // gave up before the call changed anything, UNAVAILABLE after a device failure stopped the
-  // engine. Allocate and Fork also UNAVAILABLE while draining. When the caller gives up while
-  // Allocate, Fork or Grow waits for its device work, what the call made is taken back (new
-  // sequences freed, grown ones rewound) and the call fails with the caller's status; Truncate,
-  // Commit and Free, which create nothing, stand. ---
+  // engine. Allocate and Fork also UNAVAILABLE while draining. Allocate, Grow and Commit
+  // PERMISSION_DENIED for a compute-only session (they hand out blocks to write, or publish what
+  // a client wrote); Allocate also for a priority above the tenant's ceiling. When the caller gives
+  // up while Allocate, Fork or Grow waits for its device work, what the call made is taken back
+  // (new sequences freed, grown ones rewound) and the call fails with the caller's status;
+  // Truncate, Commit and Free, which create nothing, stand. ---
 
   // New sequences in the session's namespace (`requests[i].ns` is ignored). Full tables.
   absl::StatusOr<Tables> Allocate(const Session& s, std::span<const AllocateRequest> requests,
@@ -144,53 +150,71 @@ class Engine final {
   // Idempotent.
   void StopCompute();
 
-  // --- Admin ---
-  EngineStats Stats() const;
-  // Full tables of every sequence (of `session` only, unless 0), by id, with their owners.
-  Tables ListSequences(SessionId session, std::vector<SessionId>* owners) const;
+  // --- Admin --- (pools by index: FindPool)
+  int32_t num_pools() const { return static_cast<int32_t>(layouts_.size()); }
+  // Errors: NOT_FOUND.
+  absl::StatusOr<int32_t> FindPool(std::string_view name) const;
+  const kernels::PoolLayout& layout(int32_t pool = 0) const {
+    return layouts_[static_cast<size_t>(pool)];
+  }
+  const std::string& pool_name(int32_t pool) const {
+    return pool_names_[static_cast<size_t>(pool)];
+  }
+  uint64_t epoch() const { return epoch_; }
+
+  EngineStats Stats(int32_t pool = 0) const;
+  // Full tables of every sequence (of `session` only, unless 0) in `pool` (every pool: nullopt),
+  // by id, with their owners and pools.
+  Tables ListSequences(std::optional<int32_t> pool, SessionId session,
+                       std::vector<SessionId>* owners, std::vector<int32_t>* pools) const;
   // A block's remembered operations, or every block's (nullopt). Errors: INVALID_ARGUMENT (no
   // such block).
-  absl::StatusOr<std::vector<BlockTraceEntry>> BlockTrace(std::optional<BlockId> block) const;
-  MatchExplanation Explain(NamespaceId ns, std::span<const int32_t> tokens) const;
+  absl::StatusOr<std::vector<BlockTraceEntry>> BlockTrace(int32_t pool,
+                                                          std::optional<BlockId> block) const;
+  MatchExplanation Explain(int32_t pool, NamespaceId ns, std::span<const int32_t> tokens) const;
   // Evicts up to `blocks` unused cached blocks, or, with `all`, empties the prefix cache.
   // Errors: INVALID_ARGUMENT (negative count), FAILED_PRECONDITION (all, while blocks are used).
-  absl::StatusOr<int64_t> Evict(int64_t blocks, bool all);
-  // The pool's invariants, and that clients see every block's current generation.
+  absl::StatusOr<int64_t> Evict(int32_t pool, int64_t blocks, bool all);
+  // Every pool's invariants, and that clients see every block's current generation.
   absl::Status CheckInvariants() const;
-  // Refuses new sequences from now on; returns how many are still live.
+  // Refuses new sequences from now on; returns how many are still live (every pool).
   int64_t Drain();
   bool draining() const;
   // OK while serving; the device failure that stopped the engine otherwise.
   absl::Status health() const;
 
-  // Cache events from `from` (EventLog::ReadFrom): false when some were dropped and the consumer
-  // needs SnapshotEvents() first.
-  bool ReadEvents(uint64_t from, size_t max, std::vector<KvEvent>* out) const;
-  std::vector<KvEvent> SnapshotEvents(uint64_t* resume_seq) const;
-  uint64_t next_event_seq() const;
+  // A pool's cache events from `from` (EventLog::ReadFrom): false when some were dropped and the
+  // consumer needs SnapshotEvents() first.
+  bool ReadEvents(int32_t pool, uint64_t from, size_t max, std::vector<KvEvent>* out) const;
+  std::vector<KvEvent> SnapshotEvents(int32_t pool, uint64_t* resume_seq) const;
+  uint64_t next_event_seq(int32_t pool) const;
 
-  const kernels::PoolLayout& layout() const { return layout_; }
-  uint64_t epoch() const { return epoch_; }
-
-  // The StepRunner's hooks: one step over `calls` (plan, launch, finish); and a queued call that
-  // will not run (its caller gave up, its session ended, shutdown): a prefill between chunks
-  // gives back what it holds, and the call's status becomes `why`.
-  void RunStep(std::span<ComputeCall* const> calls);
+  // The StepRunner's hooks: one step over `calls`, all of sessions of `pool` (plan, launch,
+  // finish); and a queued call that will not run (its caller gave up, its session ended,
+  // shutdown): a prefill between chunks gives back what it holds, and the call's status becomes
+  // `why`.
+  void RunStep(int32_t pool, std::span<ComputeCall* const> calls);
   void Abandon(ComputeCall& call, const absl::Status& why);
 
  private:
   Engine(std::unique_ptr<EngineState> state, model::StepModel* model, ModelInfo model_info);
 
-  // Under the lock, before a call changes anything: the engine serves, the session is live and,
-  // for a call that creates sequences, the engine is not draining.
-  absl::Status Admit(const Session& s, bool creates) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What a control call needs of its session beyond being live.
+  struct Needs {
+    bool creates = false;    // makes sequences: not while draining
+    bool kv_access = false;  // hands out blocks to write, or publishes what a client wrote
+  };
+  // Under the lock, before a call changes anything: the engine serves, the session is live, and
+  // it may do what the call `needs`.
+  absl::Status Admit(const Session& s, Needs needs) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // After a call's device work was queued, outside the lock: waits for it; then releases the
   // sequences the call created when the wait failed or the caller gave up meanwhile.
   absl::Status Complete(const Session& s, Fence fence, std::span<const SequenceId> created,
                         const CallContext& context);
   void Release(const Session& s, std::span<const SequenceId> created);
 
-  const kernels::PoolLayout layout_;
+  const std::vector<kernels::PoolLayout> layouts_;  // by pool
+  const std::vector<std::string> pool_names_;
   const uint64_t epoch_;
   const Clock* const clock_;
   kernels::Device* const device_;

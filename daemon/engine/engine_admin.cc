@@ -4,24 +4,33 @@
 
 #include "daemon/engine/engine.h"
 #include "fmt/format.h"
-#include "kvpool/util/fmt.h"
 #include "kvpool/util/status_macros.h"
 
 namespace kvpool::daemon {
 
-EngineStats Engine::Stats() const {
+absl::StatusOr<int32_t> Engine::FindPool(std::string_view name) const {
+  absl::ReaderMutexLock lock(&mu_);
+  return state_->FindPool(name);
+}
+
+EngineStats Engine::Stats(int32_t pool_index) const {
   EngineStats s;
   absl::ReaderMutexLock lock(&mu_);
-  s.cache = state_->cache().stats();
-  s.attached_sessions = static_cast<int64_t>(state_->sessions().size());
+  const PoolState& pool = state_->pool(pool_index);
+  s.pool = pool.name();
+  for (int32_t i = 0; i < state_->num_pools(); ++i) s.pools.push_back(state_->pool(i).name());
+  s.cache = pool.cache().stats();
+  for (const auto& [id, session] : state_->sessions()) {
+    s.attached_sessions += session->pool == pool_index ? 1 : 0;
+  }
   s.sessions = state_->session_counters;
   s.calls = state_->call_counters;
-  s.model = state_->model_counters;
+  s.model = pool.model_counters;
   s.model_info = model_info_;
-  s.events_next_seq = state_->cache().events() ? state_->cache().events()->next_seq() : 0;
+  s.events_next_seq = pool.cache().events() ? pool.cache().events()->next_seq() : 0;
   s.epoch = epoch_;
   s.device = device_->name();
-  s.layout = layout_;
+  s.layout = pool.layout();
   s.uptime_seconds = static_cast<double>(state_->now() - started_ns_) * 1e-9;
   s.draining = state_->draining;
   s.health = state_->health;
@@ -34,36 +43,44 @@ std::vector<SessionListing> Engine::ListSessions() const {
   for (const auto& [id, session] : state_->sessions()) out.push_back({.session = session});
   std::sort(out.begin(), out.end(),
             [](const auto& a, const auto& b) { return a.session->id < b.session->id; });
-  state_->cache().ForEachSequence([&](const Sequence& seq) {
-    auto it =
-        std::lower_bound(out.begin(), out.end(), seq.session,
-                         [](const SessionListing& l, SessionId id) { return l.session->id < id; });
-    if (it == out.end() || it->session->id != seq.session) return;
-    ++it->sequences;
-    it->block_refs += static_cast<int64_t>(seq.table.size());
-  });
+  for (int32_t p = 0; p < state_->num_pools(); ++p) {
+    state_->pool(p).cache().ForEachSequence([&](const Sequence& seq) {
+      auto it = std::lower_bound(
+          out.begin(), out.end(), seq.session,
+          [](const SessionListing& l, SessionId id) { return l.session->id < id; });
+      if (it == out.end() || it->session->id != seq.session) return;
+      ++it->sequences;
+      it->block_refs += static_cast<int64_t>(seq.table.size());
+    });
+  }
   return out;
 }
 
-Tables Engine::ListSequences(SessionId session, std::vector<SessionId>* owners) const {
+Tables Engine::ListSequences(std::optional<int32_t> pool, SessionId session,
+                             std::vector<SessionId>* owners, std::vector<int32_t>* pools) const {
   absl::ReaderMutexLock lock(&mu_);
-  std::vector<const Sequence*> seqs;
-  state_->cache().ForEachSequence([&](const Sequence& seq) {
-    if (session == kNoSession || seq.session == session) seqs.push_back(&seq);
-  });
-  std::sort(seqs.begin(), seqs.end(), [](const auto* a, const auto* b) { return a->id < b->id; });
   Tables out;
-  for (const Sequence* seq : seqs) {
-    state_->AppendTable(*seq, 0, 0, &out);
-    owners->push_back(seq->session);
+  for (int32_t p = 0; p < state_->num_pools(); ++p) {
+    if (pool && *pool != p) continue;
+    const PoolState& state = state_->pool(p);
+    std::vector<const Sequence*> seqs;
+    state.cache().ForEachSequence([&](const Sequence& seq) {
+      if (session == kNoSession || seq.session == session) seqs.push_back(&seq);
+    });
+    std::sort(seqs.begin(), seqs.end(), [](const auto* a, const auto* b) { return a->id < b->id; });
+    for (const Sequence* seq : seqs) {
+      state.AppendTable(*seq, 0, 0, &out);
+      owners->push_back(seq->session);
+      pools->push_back(p);
+    }
   }
   return out;
 }
 
 absl::StatusOr<std::vector<BlockTraceEntry>> Engine::BlockTrace(
-    std::optional<BlockId> block) const {
+    int32_t pool_index, std::optional<BlockId> block) const {
   absl::ReaderMutexLock lock(&mu_);
-  const BlockPool& pool = state_->cache().pool();
+  const BlockPool& pool = state_->pool(pool_index).cache().pool();
   if (!block) return pool.trace().All();
   if (!pool.Contains(*block)) {
     return absl::InvalidArgumentError(
@@ -72,32 +89,28 @@ absl::StatusOr<std::vector<BlockTraceEntry>> Engine::BlockTrace(
   return pool.trace().History(*block);
 }
 
-MatchExplanation Engine::Explain(NamespaceId ns, std::span<const int32_t> tokens) const {
+MatchExplanation Engine::Explain(int32_t pool, NamespaceId ns,
+                                 std::span<const int32_t> tokens) const {
   absl::ReaderMutexLock lock(&mu_);
-  return state_->cache().ExplainMatch(ns, tokens);
+  return state_->pool(pool).cache().ExplainMatch(ns, tokens);
 }
 
-absl::StatusOr<int64_t> Engine::Evict(int64_t blocks, bool all) {
+absl::StatusOr<int64_t> Engine::Evict(int32_t pool, int64_t blocks, bool all) {
   absl::MutexLock lock(&mu_);
+  KvCacheManager& cache = state_->pool(pool).cache();
   if (all) {
-    const int64_t before = state_->cache().stats().cache.nodes;
-    KVPOOL_RETURN_IF_ERROR(state_->cache().ClearCache());
+    const int64_t before = cache.stats().cache.nodes;
+    KVPOOL_RETURN_IF_ERROR(cache.ClearCache());
     return before;
   }
   if (blocks < 0) return absl::InvalidArgumentError("evict: negative block count");
-  return state_->cache().EvictCached(blocks);
+  return cache.EvictCached(blocks);
 }
 
 absl::Status Engine::CheckInvariants() const {
   absl::ReaderMutexLock lock(&mu_);
-  KVPOOL_RETURN_IF_ERROR(state_->cache().CheckInvariants());
-  const BlockPool& pool = state_->cache().pool();
-  for (int32_t b = 0; b < layout_.num_blocks; ++b) {
-    const uint32_t shared = state_->generations().Get(BlockId(b));
-    if (shared != pool.generation(BlockId(b))) {
-      return absl::InternalError(fmt::format("block {} has generation {} but clients see {}", b,
-                                             pool.generation(BlockId(b)), shared));
-    }
+  for (int32_t p = 0; p < state_->num_pools(); ++p) {
+    KVPOOL_RETURN_IF_ERROR(state_->pool(p).CheckInvariants());
   }
   return absl::OkStatus();
 }
@@ -105,7 +118,11 @@ absl::Status Engine::CheckInvariants() const {
 int64_t Engine::Drain() {
   absl::MutexLock lock(&mu_);
   state_->draining = true;
-  return state_->cache().stats().sequences;
+  int64_t live = 0;
+  for (int32_t p = 0; p < state_->num_pools(); ++p) {
+    live += state_->pool(p).cache().stats().sequences;
+  }
+  return live;
 }
 
 bool Engine::draining() const {
@@ -118,20 +135,20 @@ absl::Status Engine::health() const {
   return state_->health;
 }
 
-bool Engine::ReadEvents(uint64_t from, size_t max, std::vector<KvEvent>* out) const {
+bool Engine::ReadEvents(int32_t pool, uint64_t from, size_t max, std::vector<KvEvent>* out) const {
   absl::ReaderMutexLock lock(&mu_);
-  const EventLog* log = state_->cache().events();
+  const EventLog* log = state_->pool(pool).cache().events();
   return log == nullptr || log->ReadFrom(from, max, out);
 }
 
-std::vector<KvEvent> Engine::SnapshotEvents(uint64_t* resume_seq) const {
+std::vector<KvEvent> Engine::SnapshotEvents(int32_t pool, uint64_t* resume_seq) const {
   absl::ReaderMutexLock lock(&mu_);
-  return state_->cache().SnapshotEvents(resume_seq);
+  return state_->pool(pool).cache().SnapshotEvents(resume_seq);
 }
 
-uint64_t Engine::next_event_seq() const {
+uint64_t Engine::next_event_seq(int32_t pool) const {
   absl::ReaderMutexLock lock(&mu_);
-  const EventLog* log = state_->cache().events();
+  const EventLog* log = state_->pool(pool).cache().events();
   return log ? log->next_seq() : 1;
 }
 

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "daemon/engine/step_scheduler.h"
@@ -13,17 +14,35 @@
 
 namespace kvpool::daemon {
 
+// One pool: its own arena, block pool and prefix tree (docs/trust-model.md).
+struct PoolOptions {
+  std::string name = "default";
+  kernels::PoolLayout layout;  // num_blocks set (LayoutForBudget)
+};
+
+// What a tenant may do and hold (docs/trust-model.md). Who may claim it is the attach policy's.
+struct TenantLimits {
+  bool kv_access = true;     // its sessions may ask for KV access
+  int64_t quota_blocks = 0;  // ACTIVE blocks over all its namespaces; 0: unlimited
+  int32_t max_priority = 3;  // highest prefix-cache priority class, [0, kNumPriorities)
+  int32_t max_sessions = 0;  // attached at once; 0: unlimited
+  int32_t pool = 0;          // index into EngineOptions::pools
+};
+
 struct EngineOptions {
-  kernels::PoolLayout layout;         // num_blocks set (LayoutForBudget)
+  std::vector<PoolOptions> pools;     // at least one
   int32_t max_blocks_per_seq = 4096;  // bound on every block table
   int32_t trace_depth = 8;            // per-block trace entries: 0 or a power of 2
   bool prefix_cache = true;
   std::string eviction_policy = "lru";
-  size_t event_capacity = 65536;  // cache events kept for replay
+  size_t event_capacity = 65536;  // cache events kept for replay, per pool
   kernels::FillPolicy fill_policy = kernels::FillPolicy::kNone;
   int64_t session_quota_blocks = 0;  // block references a session may hold; 0: unlimited
-  // ACTIVE blocks a tenant's namespace may own, by tenant; absent: unlimited.
-  absl::flat_hash_map<std::string, int64_t> tenant_quota_blocks;
+  // The configured tenants. Empty: any tenant name may be claimed, with `open_tenant`'s limits
+  // and, when `open_quota_blocks` names it, that quota.
+  absl::flat_hash_map<std::string, TenantLimits> tenants;
+  TenantLimits open_tenant;
+  absl::flat_hash_map<std::string, int64_t> open_quota_blocks;
   uint64_t epoch = 1;  // this start of the daemon (stamped on events, told at attach)
   std::string daemon_version = "kvpoold 0.1.0";
   const Clock* clock = Clock::Real();  // not owned; outlives the engine

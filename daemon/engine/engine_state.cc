@@ -2,8 +2,6 @@
 
 #include "fmt/format.h"
 #include "kvpool/util/check.h"
-#include "kvpool/util/fmt.h"
-#include "kvpool/util/logging.h"
 #include "kvpool/util/status_macros.h"
 #include "xxhash.h"
 
@@ -11,104 +9,87 @@ namespace kvpool::daemon {
 
 absl::StatusOr<std::unique_ptr<EngineState>> EngineState::Create(const EngineOptions& options,
                                                                  kernels::Device* device) {
-  KVPOOL_RETURN_IF_ERROR(kernels::ValidateLayout(options.layout));
-  if (options.layout.num_blocks <= 0) {
-    return absl::InvalidArgumentError("the engine's layout has no blocks");
+  if (options.pools.empty()) return absl::InvalidArgumentError("the engine needs a pool");
+  std::vector<std::unique_ptr<PoolState>> pools;
+  for (const PoolOptions& pool : options.pools) {
+    KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<PoolState> state,
+                            PoolState::Create(pool, options, device));
+    pools.push_back(std::move(state));
   }
-  KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Arena> arena,
-                          device->CreateArena(options.layout.arena_bytes()));
-  auto steps = std::make_unique<StepTimeline>(device);
-  KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<KvCacheManager> cache,
-                          KvCacheManager::Create({.block_size = options.layout.block_size,
-                                                  .num_blocks = options.layout.num_blocks,
-                                                  .max_blocks_per_seq = options.max_blocks_per_seq,
-                                                  .trace_depth = options.trace_depth,
-                                                  .clock = options.clock,
-                                                  .fences = steps.get(),
-                                                  .prefix_cache = options.prefix_cache,
-                                                  .eviction_policy = options.eviction_policy,
-                                                  .epoch = options.epoch,
-                                                  .event_capacity = options.event_capacity}));
-  KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<GenerationTable> generations,
-                          GenerationTable::Create(options.layout.num_blocks));
-  return std::unique_ptr<EngineState>(new EngineState(options, device, std::move(arena),
-                                                      std::move(steps), std::move(cache),
-                                                      std::move(generations)));
+  for (const auto& [name, limits] : options.tenants) {
+    if (limits.pool < 0 || limits.pool >= static_cast<int32_t>(pools.size())) {
+      return absl::InvalidArgumentError(fmt::format("tenant {}: no pool {}", name, limits.pool));
+    }
+  }
+  return std::unique_ptr<EngineState>(new EngineState(options, std::move(pools)));
 }
 
-EngineState::EngineState(const EngineOptions& options, kernels::Device* device,
-                         std::unique_ptr<kernels::Arena> arena, std::unique_ptr<StepTimeline> steps,
-                         std::unique_ptr<KvCacheManager> cache,
-                         std::unique_ptr<GenerationTable> generations)
-    : options_(options),
-      device_(device),
-      arena_(std::move(arena)),
-      steps_(std::move(steps)),
-      cache_(std::move(cache)),
-      generations_(std::move(generations)),
-      executor_(device, kernels::StreamId::kTransfer, kernels::KvPoolView{arena_->base(), layout()},
-                options.fill_policy) {}
-
-EngineState::~EngineState() {
-  if (absl::Status s = device_->SynchronizeAll(); !s.ok()) {
-    Logger("daemon").error("device at pool release: {}", s.ToString());
+absl::StatusOr<int32_t> EngineState::FindPool(std::string_view name) const {
+  for (int32_t i = 0; i < num_pools(); ++i) {
+    if (pool(i).name() == name) return i;
   }
+  return absl::NotFoundError(fmt::format("no pool '{}'", name));
 }
 
-absl::StatusOr<Fence> EngineState::Carry(const DevicePlan& plan) {
-  if (plan.empty()) return Fence{};
-  // Blocks handed out (fresh ones and copy targets) have new generations: publish them (clients
-  // learn of the blocks only from the reply, after the work below has run; a plan that fails is
-  // undone, and its blocks keep the generation they were handed out with).
-  for (const BlockFill& f : plan.fills) {
-    generations_->Publish(f.block, cache_->pool().generation(f.block));
-  }
-  for (const BlockCopy& c : plan.copies) {
-    generations_->Publish(c.dst, cache_->pool().generation(c.dst));
-  }
-  const absl::StatusOr<Fence> fence = executor_.Execute(plan);
-  // Blocks under work that was queued (all of it, or what got queued before a failure) stay out
-  // of the free list until it has run.
-  const Fence queued = fence.ok() ? *fence : executor_.pending();
-  if (queued.value != 0) {
-    KVPOOL_CHECK_OK(cache_->MarkInFlight(kernels::PlanExecutor::TouchedBlocks(plan), queued));
-  }
-  return fence;
-}
-
-void EngineState::AppendTable(const Sequence& seq, int32_t offset, int64_t matched_tokens,
-                              Tables* out) const {
-  const int32_t size = static_cast<int32_t>(seq.table.size());
-  out->slices.push_back({.sequence = seq.id,
-                         .num_tokens = seq.num_tokens,
-                         .matched_tokens = matched_tokens,
-                         .table_offset = offset,
-                         .length = size - offset});
-  for (int32_t i = offset; i < size; ++i) {
-    const BlockId b = seq.table[static_cast<size_t>(i)];
-    out->blocks.push_back(b);
-    out->generations.push_back(cache_->pool().generation(b));
-  }
-}
-
-NamespaceId EngineState::NamespaceOf(std::string_view tenant, std::string_view model) const {
-  // Length-prefixed parts: no choice of tenant and model strings makes two keys collide.
+NamespaceId EngineState::NamespaceOf(const PoolState& pool, std::string_view tenant,
+                                     std::string_view model) const {
+  // Length-prefixed parts: no choice of tenant and model strings makes two keys collide. The
+  // layout's hash keeps pools of other shapes apart (their blocks are not interchangeable).
   const std::string key = fmt::format("{}:{}{}:{}{:016x}", tenant.size(), tenant, model.size(),
-                                      model, options_.layout.Hash());
+                                      model, pool.layout().Hash());
   const uint64_t h = XXH3_64bits(key.data(), key.size());
   return NamespaceId(h == 0 ? 1 : h);
 }
 
-std::shared_ptr<const Session> EngineState::Open(SessionSpec spec) {
+absl::StatusOr<TenantLimits> EngineState::LimitsOf(const std::string& tenant) const {
+  if (options_.tenants.empty()) {
+    TenantLimits limits = options_.open_tenant;
+    if (auto it = options_.open_quota_blocks.find(tenant); it != options_.open_quota_blocks.end()) {
+      limits.quota_blocks = it->second;
+    }
+    return limits;
+  }
+  auto it = options_.tenants.find(tenant);
+  if (it == options_.tenants.end()) {
+    return absl::PermissionDeniedError(fmt::format("no tenant '{}'", tenant));
+  }
+  return it->second;
+}
+
+absl::StatusOr<std::shared_ptr<const Session>> EngineState::Open(SessionSpec spec) {
+  absl::StatusOr<TenantLimits> limits = LimitsOf(spec.tenant);
+  if (limits.ok() && spec.kv_access && !limits->kv_access) {
+    limits = absl::PermissionDeniedError(
+        fmt::format("tenant {} is compute-only: no KV access", spec.tenant));
+  }
+  if (limits.ok() && limits->max_sessions > 0 &&
+      sessions_of_tenant_[spec.tenant] >= limits->max_sessions) {
+    limits = absl::ResourceExhaustedError(fmt::format(
+        "tenant {} has its {} sessions attached already", spec.tenant, limits->max_sessions));
+  }
+  PoolState* pool = limits.ok() ? &this->pool(limits->pool) : nullptr;
+  const NamespaceId ns = pool ? NamespaceOf(*pool, spec.tenant, spec.model) : NamespaceId(0);
+  if (limits.ok() && limits->quota_blocks > 0) {
+    if (absl::Status s = pool->cache().SetNamespaceQuota(ns, limits->quota_blocks); !s.ok()) {
+      limits = s;
+    }
+  }
+  if (!limits.ok()) {
+    ++session_counters.refused;
+    return limits.status();
+  }
   auto session = std::make_shared<Session>();
   session->id = SessionId(next_session_++);
   session->token = NewToken();
-  session->ns = NamespaceOf(spec.tenant, spec.model);
+  session->ns = ns;
   session->opened_ns = now();
+  session->pool = limits->pool;
+  session->max_priority = limits->max_priority;
   session->spec = std::move(spec);
   if (options_.session_quota_blocks > 0) {
-    KVPOOL_CHECK_OK(cache_->SetSessionQuota(session->id, options_.session_quota_blocks));
+    KVPOOL_CHECK_OK(pool->cache().SetSessionQuota(session->id, options_.session_quota_blocks));
   }
+  ++sessions_of_tenant_[session->spec.tenant];
   live_.emplace(session->id, session);
   by_token_.emplace(session->token, session->id);
   ++session_counters.opened;
@@ -128,9 +109,13 @@ std::shared_ptr<const Session> EngineState::FindByToken(std::string_view token) 
 int64_t EngineState::End(SessionId id, SessionEnd how) {
   auto it = live_.find(id);
   if (it == live_.end()) return 0;
-  by_token_.erase(it->second->token);
+  const std::shared_ptr<const Session> session = it->second;
+  by_token_.erase(session->token);
   live_.erase(it);
-  const int64_t released = cache_->FreeSession(id);
+  if (--sessions_of_tenant_[session->spec.tenant] == 0) {
+    sessions_of_tenant_.erase(session->spec.tenant);
+  }
+  const int64_t released = pool_of(*session).cache().FreeSession(id);
   session_counters.sequences_released += static_cast<uint64_t>(released);
   switch (how) {
     case SessionEnd::kDetached:

@@ -25,11 +25,16 @@ absl::StatusOr<std::unique_ptr<GenerationTable>> GenerationTable::Create(int32_t
   UniqueFd fd(memfd_create("kvpool-generations", MFD_CLOEXEC | MFD_ALLOW_SEALING));
   if (!fd.valid()) return Errno("memfd_create");
   if (ftruncate(fd.get(), static_cast<off_t>(bytes)) != 0) return Errno("ftruncate");
-  if (fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
-    return Errno("seal");
-  }
   void* table = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
   if (table == MAP_FAILED) return Errno("mmap");
+  // From here on nobody (a client holding the descriptor included) can map it writable or write
+  // it; the daemon's own mapping, made before, stays writable.
+  if (fcntl(fd.get(), F_ADD_SEALS,
+            F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL) != 0) {
+    const absl::Status s = Errno("seal");
+    munmap(table, bytes);
+    return s;
+  }
   return std::unique_ptr<GenerationTable>(
       new GenerationTable(std::move(fd), static_cast<uint32_t*>(table), num_blocks));
 }

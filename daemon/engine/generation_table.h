@@ -2,7 +2,8 @@
 
 // GenerationTable: the generation of every block of the pool (DESIGN.md §1: a client detects
 // that a block was freed and handed out again by its (id, generation)), in a sealed memfd the
-// daemon maps read-write and hands clients to map read-only. Entries are written with release
+// daemon maps read-write and hands clients to map read-only (sealed F_SEAL_FUTURE_WRITE once the
+// daemon has mapped it: a client cannot map it writable). Entries are written with release
 // stores and read with acquire loads, so a client that sees a generation also sees the block
 // table that named it.
 //

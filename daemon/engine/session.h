@@ -24,6 +24,9 @@ struct SessionSpec {
   std::string tenant;  // non-empty
   std::string model;   // non-empty
   bool admin = false;  // may call admin RPCs
+  // KV access: the pool's arena and the RPCs that hand out blocks to write (Allocate, Grow,
+  // Commit). Without it the session is compute-only (docs/trust-model.md).
+  bool kv_access = false;
 };
 
 // An open session. Immutable, shared with the calls that authenticated as it; the engine still
@@ -32,8 +35,10 @@ struct Session {
   SessionId id;
   std::string token;  // 128 random bits as hex: authenticates the session's gRPC calls
   SessionSpec spec;
-  NamespaceId ns;         // the prefix-sharing domain: tenant + model + pool layout
-  int64_t opened_ns = 0;  // the engine clock's reading at attach
+  NamespaceId ns;            // the prefix-sharing domain: tenant + model + pool layout
+  int64_t opened_ns = 0;     // the engine clock's reading at attach
+  int32_t pool = 0;          // the pool its sequences live in (EngineOptions::pools)
+  int32_t max_priority = 0;  // the highest prefix-cache priority its tenant allows
 };
 
 // How a session ended.

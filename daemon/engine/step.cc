@@ -31,9 +31,10 @@ void KeepTopK(int32_t top_k, model::ItemResult* result) {
 }  // namespace
 
 void Step::Plan(EngineState& state) {
-  fence_ = state.steps().Issue();
-  view_ = state.view();
-  device_ = &state.device();
+  PoolState& pool = state.pool(pool_);
+  fence_ = pool.steps().Issue();
+  view_ = pool.view();
+  device_ = &pool.device();
   for (ComputeCall* call : calls_) {
     if (absl::Status s = PlanCall(state, *call); !s.ok()) call->result().status = s;
   }
@@ -55,10 +56,17 @@ absl::Status Step::Admit(EngineState& state, const ComputeCall& call) const {
   if (state.draining && call.request().creates() && call.progress() == nullptr) {
     return absl::UnavailableError("kvpoold is draining: no new sequences");
   }
+  if (call.request().priority > call.session().max_priority) {
+    ++state.call_counters.not_permitted;
+    return absl::PermissionDeniedError(
+        fmt::format("priority {} is above tenant {}'s ceiling {}", call.request().priority,
+                    call.session().spec.tenant, call.session().max_priority));
+  }
   return absl::OkStatus();
 }
 
 absl::Status Step::PlanCall(EngineState& state, ComputeCall& call) {
+  PoolState& pool = state.pool(pool_);
   call.result() = ComputeResult{};
   if (absl::Status s = Admit(state, call); !s.ok()) {
     Abandon(state, call);  // a prefill between chunks gives its sequence back
@@ -68,7 +76,7 @@ absl::Status Step::PlanCall(EngineState& state, ComputeCall& call) {
   if (PrefillProgress* p = call.progress()) {
     // The next chunk of a prefill under way: its plan must still hold (a Free, Truncate or Grow in
     // between, or the session's end, changed it: its blocks may be someone else's by now).
-    if (absl::Status s = p->StillHolds(state.cache(), call.session().id); !s.ok()) {
+    if (absl::Status s = p->StillHolds(pool.cache(), call.session().id); !s.ok()) {
       call.EndProgress();
       return s;
     }
@@ -80,17 +88,18 @@ absl::Status Step::PlanCall(EngineState& state, ComputeCall& call) {
   // Every block the step reads or writes stays out of the free list until the step has run, even
   // if its sequence is freed (or its client dies) meanwhile, and even if a later call of this
   // step evicts it.
-  KVPOOL_CHECK_OK(state.cache().MarkInFlight(model::BlocksOf(items), fence_));
+  KVPOOL_CHECK_OK(pool.cache().MarkInFlight(model::BlocksOf(items), fence_));
   for (const model::PlannedItem& item : items) in_step_.insert(item.sequence);
   entries_.push_back(std::move(entry));
   return absl::OkStatus();
 }
 
 absl::Status Step::PlanNew(EngineState& state, ComputeCall& call, Entry* entry) {
+  PoolState& pool = state.pool(pool_);
   const ComputeRequest& r = call.request();
   const Session& s = call.session();
   for (SequenceId id : Names(r)) {
-    const Sequence* seq = state.cache().Find(id);
+    const Sequence* seq = pool.cache().Find(id);
     // (Only the session's own sequences: another's gets PERMISSION_DENIED from the plan.)
     if (in_step_.contains(id) && seq != nullptr && seq->session == s.id) {
       return absl::FailedPreconditionError(
@@ -101,19 +110,19 @@ absl::Status Step::PlanNew(EngineState& state, ComputeCall& call, Entry* entry) 
   std::vector<TableChange> changes;
   model::PlannedItem item;
   if (r.prefill()) {
-    KVPOOL_RETURN_IF_ERROR(model::PlanPrefill(state.cache(), s.id, s.ns, r.sequence, r.tokens,
+    KVPOOL_RETURN_IF_ERROR(model::PlanPrefill(pool.cache(), s.id, s.ns, r.sequence, r.tokens,
                                               r.priority, vocab_size_, &item, &plan, &changes));
   } else {
-    KVPOOL_RETURN_IF_ERROR(model::PlanDecode(state.cache(), s.id, r.decode, vocab_size_,
+    KVPOOL_RETURN_IF_ERROR(model::PlanDecode(pool.cache(), s.id, r.decode, vocab_size_,
                                              &entry->decode, &plan, &changes));
   }
-  const absl::StatusOr<Fence> carried = state.Carry(plan);
+  const absl::StatusOr<Fence> carried = pool.Carry(plan);
   if (!carried.ok()) {
     // The device work was not queued: undo the plan at once, while nothing else has changed.
     if (item.created) {
-      KVPOOL_CHECK_OK(state.cache().Free(s.id, item.sequence));
+      KVPOOL_CHECK_OK(pool.cache().Free(s.id, item.sequence));
     } else {
-      state.cache().RevertGrow(s.id, changes);
+      pool.cache().RevertGrow(s.id, changes);
     }
     entry->decode.clear();
     ++state.call_counters.device_failures;
@@ -150,19 +159,20 @@ absl::Status Step::Launch(model::StepModel& model, const Clock& clock) {
 }
 
 void Step::Finish(EngineState& state, const absl::Status& launched) {
-  state.steps().Complete(fence_);
-  state.cache().ReclaimRetired();  // blocks released while the step ran can go now
+  PoolState& pool = state.pool(pool_);
+  pool.steps().Complete(fence_);
+  pool.cache().ReclaimRetired();  // blocks released while the step ran can go now
   if (entries_.empty()) return;
   if (!launched.ok()) {
     Logger("daemon").error("model step failed: {}", launched.ToString());
-    if (absl::Status device = state.device().status(); !device.ok() && state.health.ok()) {
+    if (absl::Status device = pool.device().status(); !device.ok() && state.health.ok()) {
       state.health = device;  // sticky: the arena's contents are undefined from here on
       Logger("daemon").critical("device failed, kvpoold stops serving: {}", device.ToString());
     }
     Undo(state, absl::InternalError(fmt::format("model step failed: {}", launched.message())));
     return;
   }
-  ModelCounters& m = state.model_counters;
+  ModelCounters& m = pool.model_counters;
   ++m.steps;
   m.step_sequences += items_.size();
   m.busy_ns += busy_ns_;
@@ -170,12 +180,13 @@ void Step::Finish(EngineState& state, const absl::Status& launched) {
 }
 
 void Step::FinishEntry(EngineState& state, Entry& e) {
+  PoolState& pool = state.pool(pool_);
   ComputeCall& call = *e.call;
   if (PrefillProgress* p = call.progress()) {
     p->Advance(static_cast<int64_t>(items_[e.first].tokens.size()));
     if (!p->done()) {
       // More chunks to go: this one's prediction is mid-prompt, not an answer.
-      ++state.model_counters.prefill_chunks;
+      ++pool.model_counters.prefill_chunks;
       return;
     }
   }
@@ -189,7 +200,7 @@ void Step::FinishEntry(EngineState& state, Entry& e) {
       call.progress() ? std::span(&call.progress()->item(), 1) : std::span(e.decode);
   for (size_t i = 0; i < items.size(); ++i) {
     const model::PlannedItem& item = items[i];
-    if (absl::Status s = model::FinishItem(state.cache(), call.session().id, item);
+    if (absl::Status s = model::FinishItem(pool.cache(), call.session().id, item);
         absl::IsFailedPrecondition(s)) {
       // The tokens are computed and the call answered; only publishing them was refused: the
       // client committed other tokens for a block this sequence shares (a KV client's error).
@@ -203,10 +214,10 @@ void Step::FinishEntry(EngineState& state, Entry& e) {
     KeepTopK(call.request().top_k, &result);
     r.results.push_back(std::move(result));
     r.sequences.push_back(item.sequence);
-    const Sequence* seq = state.cache().Find(item.sequence);
+    const Sequence* seq = pool.cache().Find(item.sequence);
     r.lengths.push_back(seq ? seq->num_tokens : 0);
   }
-  ModelCounters& m = state.model_counters;
+  ModelCounters& m = pool.model_counters;
   if (call.progress() != nullptr) {
     const model::PlannedItem& item = call.progress()->item();
     r.reused = item.reused;
@@ -221,37 +232,40 @@ void Step::FinishEntry(EngineState& state, Entry& e) {
 }
 
 void Step::GiveBack(EngineState& state, Entry& e, const absl::Status& gave_up) {
+  PoolState& pool = state.pool(pool_);
   ComputeCall& call = *e.call;
   ++state.call_counters.gave_up;
   if (call.request().creates() && call.progress() != nullptr &&
-      call.progress()->StillHolds(state.cache(), call.session().id).ok()) {
+      call.progress()->StillHolds(pool.cache(), call.session().id).ok()) {
     ++state.call_counters.released_on_give_up;
   }
   // The caller will never see the answer: what the call made (a new sequence, or the tokens it
   // added) must not outlive it.
   Abandon(state, call);
   for (const model::PlannedItem& item : e.decode) {
-    model::UndoItem(state.cache(), call.session().id, item);
+    model::UndoItem(pool.cache(), call.session().id, item);
   }
   call.result().status = gave_up;
 }
 
 void Step::Undo(EngineState& state, const absl::Status& why) {
+  PoolState& pool = state.pool(pool_);
   for (Entry& e : entries_) {
     ComputeCall& call = *e.call;
     Abandon(state, call);
     for (const model::PlannedItem& item : e.decode) {
-      model::UndoItem(state.cache(), call.session().id, item);
+      model::UndoItem(pool.cache(), call.session().id, item);
     }
     call.result().status = why;
   }
 }
 
 void Step::Abandon(EngineState& state, ComputeCall& call) {
+  PoolState& pool = state.pool_of(call.session());
   const PrefillProgress* p = call.progress();
   if (p == nullptr) return;
-  if (p->StillHolds(state.cache(), call.session().id).ok()) {
-    model::UndoItem(state.cache(), call.session().id, p->item());
+  if (p->StillHolds(pool.cache(), call.session().id).ok()) {
+    model::UndoItem(pool.cache(), call.session().id, p->item());
   }
   call.EndProgress();
 }

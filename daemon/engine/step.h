@@ -30,15 +30,17 @@
 #include "absl/status/status.h"
 #include "daemon/engine/compute_call.h"
 #include "daemon/engine/engine_state.h"
+#include "daemon/engine/pool_state.h"
 #include "model/step_model.h"
 
 namespace kvpool::daemon {
 
 class Step final {
  public:
-  // `calls` as the scheduler took them (prefills under way first); not owned, outlive the step.
-  Step(std::span<ComputeCall* const> calls, int32_t vocab_size)
-      : calls_(calls.begin(), calls.end()), vocab_size_(vocab_size) {}
+  // `calls` as the scheduler took them (prefills under way first), all of sessions of pool
+  // `pool`; not owned, they outlive the step.
+  Step(int32_t pool, std::span<ComputeCall* const> calls, int32_t vocab_size)
+      : pool_(pool), calls_(calls.begin(), calls.end()), vocab_size_(vocab_size) {}
 
   // REQUIRES: the engine lock.
   void Plan(EngineState& state);
@@ -74,6 +76,7 @@ class Step final {
   void GiveBack(EngineState& state, Entry& entry, const absl::Status& gave_up);
   void Undo(EngineState& state, const absl::Status& why);
 
+  const int32_t pool_;
   const std::vector<ComputeCall*> calls_;
   const int32_t vocab_size_;
   std::vector<Entry> entries_;

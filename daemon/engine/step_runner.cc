@@ -9,14 +9,16 @@
 
 namespace kvpool::daemon {
 
-StepRunner::StepRunner(Engine* engine, const Clock* clock, int64_t gather_window_ns,
-                       const SchedulerOptions& options)
+StepRunner::StepRunner(Engine* engine, int32_t num_pools, const Clock* clock,
+                       int64_t gather_window_ns, const SchedulerOptions& options)
     : engine_(engine),
       clock_(clock),
       gather_window_ns_(gather_window_ns),
-      batching_(options.batching),
-      scheduler_(options),
-      thread_([this] { Loop(); }) {}
+      batching_(options.batching) {
+  absl::MutexLock lock(&mu_);
+  for (int32_t p = 0; p < num_pools; ++p) schedulers_.emplace_back(options);
+  thread_ = std::thread([this] { Loop(); });
+}
 
 StepRunner::~StepRunner() { Stop(); }
 
@@ -25,7 +27,7 @@ void StepRunner::Submit(std::unique_ptr<ComputeCall> call) {
   {
     absl::MutexLock lock(&mu_);
     if (!stop_) {
-      scheduler_.Push(std::move(call));
+      schedulers_[static_cast<size_t>(call->session().pool)].Push(std::move(call));
       return;
     }
   }
@@ -37,8 +39,7 @@ void StepRunner::SessionEnded(SessionId session) {
   std::vector<std::unique_ptr<ComputeCall>> dropped;
   {
     absl::MutexLock lock(&mu_);
-    dropped = scheduler_.RemoveIf(
-        [session](const ComputeCall& call) { return call.session().id == session; });
+    dropped = RemoveIf([session](const ComputeCall& call) { return call.session().id == session; });
   }
   Drop(std::move(dropped),
        absl::NotFoundError(fmt::format("session {} has ended", session.value())));
@@ -50,7 +51,7 @@ void StepRunner::Stop() {
     absl::MutexLock lock(&mu_);
     if (stop_) return;
     stop_ = true;
-    dropped = scheduler_.RemoveIf([](const ComputeCall&) { return true; });
+    dropped = RemoveIf([](const ComputeCall&) { return true; });
   }
   Drop(std::move(dropped), absl::UnavailableError("kvpoold is shutting down"));
   if (thread_.joinable()) thread_.join();
@@ -69,50 +70,76 @@ void StepRunner::Drop(std::vector<std::unique_ptr<ComputeCall>> calls, const abs
   }
 }
 
-bool StepRunner::NextStep(std::vector<std::unique_ptr<ComputeCall>>* step,
+std::vector<std::unique_ptr<ComputeCall>> StepRunner::RemoveIf(
+    absl::FunctionRef<bool(const ComputeCall&)> drop) {
+  std::vector<std::unique_ptr<ComputeCall>> out;
+  for (StepScheduler& scheduler : schedulers_) {
+    for (std::unique_ptr<ComputeCall>& call : scheduler.RemoveIf(drop)) {
+      out.push_back(std::move(call));
+    }
+  }
+  return out;
+}
+
+int32_t StepRunner::NextPool() const {
+  const int32_t n = static_cast<int32_t>(schedulers_.size());
+  for (int32_t k = 1; k <= n; ++k) {
+    const int32_t p = (last_pool_ + k) % n;
+    if (!schedulers_[static_cast<size_t>(p)].empty()) return p;
+  }
+  return -1;
+}
+
+bool StepRunner::NextStep(int32_t* pool, std::vector<std::unique_ptr<ComputeCall>>* step,
                           std::vector<std::unique_ptr<ComputeCall>>* dropped) {
   absl::MutexLock lock(&mu_);
   mu_.Await(absl::Condition(
-      +[](StepRunner* r)
-           ABSL_NO_THREAD_SAFETY_ANALYSIS { return r->stop_ || !r->scheduler_.empty(); },
+      +[](StepRunner* r) ABSL_NO_THREAD_SAFETY_ANALYSIS { return r->stop_ || r->NextPool() >= 0; },
       this));
   if (stop_) return false;
+  *pool = NextPool();
+  StepScheduler& scheduler = schedulers_[static_cast<size_t>(*pool)];
   if (batching_ && gather_window_ns_ > 0) {
     // The window opens when the call arrived or the runner came free, whichever is later: calls
     // that queued during a long step would otherwise find it closed already.
     const int64_t deadline =
-        std::max(scheduler_.oldest_arrival(), last_step_end_ns_) + gather_window_ns_;
+        std::max(scheduler.oldest_arrival(), last_step_end_ns_) + gather_window_ns_;
+    struct Waiting {
+      StepRunner* runner;
+      const StepScheduler* scheduler;
+    } waiting{this, &scheduler};
     clock_->AwaitUntil(mu_,
                        absl::Condition(
-                           +[](StepRunner* r) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-                             return r->stop_ || r->scheduler_.Gathered();
+                           +[](Waiting* w) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                             return w->runner->stop_ || w->scheduler->Gathered();
                            },
-                           this),
+                           &waiting),
                        deadline);
     if (stop_) return false;
   }
   // Callers that gave up while queued leave before anything is planned for them.
-  *dropped =
-      scheduler_.RemoveIf([](const ComputeCall& call) { return !call.context().Check().ok(); });
-  *step = scheduler_.TakeStep();
+  *dropped = RemoveIf([](const ComputeCall& call) { return !call.context().Check().ok(); });
+  *step = scheduler.TakeStep();
+  last_pool_ = *pool;
   return true;
 }
 
 void StepRunner::Loop() {
   for (;;) {
+    int32_t pool = 0;
     std::vector<std::unique_ptr<ComputeCall>> step, dropped;
-    if (!NextStep(&step, &dropped)) return;
+    if (!NextStep(&pool, &step, &dropped)) return;
     Drop(std::move(dropped), absl::OkStatus());
     if (step.empty()) continue;
     std::vector<ComputeCall*> calls;
     calls.reserve(step.size());
     for (const auto& call : step) calls.push_back(call.get());
-    engine_->RunStep(calls);
-    AfterStep(std::move(step));
+    engine_->RunStep(pool, calls);
+    AfterStep(pool, std::move(step));
   }
 }
 
-void StepRunner::AfterStep(std::vector<std::unique_ptr<ComputeCall>> step) {
+void StepRunner::AfterStep(int32_t pool, std::vector<std::unique_ptr<ComputeCall>> step) {
   std::vector<std::unique_ptr<ComputeCall>> finished, stopped;
   {
     absl::MutexLock lock(&mu_);
@@ -125,7 +152,7 @@ void StepRunner::AfterStep(std::vector<std::unique_ptr<ComputeCall>> step) {
       } else if (stop_) {
         stopped.push_back(std::move(*it));
       } else {
-        scheduler_.PushFront(std::move(*it));
+        schedulers_[static_cast<size_t>(pool)].PushFront(std::move(*it));
       }
     }
   }

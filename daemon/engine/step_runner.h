@@ -1,8 +1,10 @@
 #pragma once
 
-// StepRunner: the engine's model loop. Prefill and Decode calls queue here; one thread forms
-// steps from them (StepScheduler) and runs each through Engine::RunStep, then hands every call
-// back through ComputeCall::Complete(), or queues a prefill with tokens left for its next chunk.
+// StepRunner: the engine's model loop. Prefill and Decode calls queue here, by pool; one thread
+// forms steps from them (a StepScheduler per pool: a step's block ids index one pool's arena)
+// taking the pools with queued calls in turn, runs each step through Engine::RunStep, then hands
+// every call back through ComputeCall::Complete(), or queues a prefill with tokens left for its
+// next chunk.
 //
 // Waiting, all of it on the injected Clock:
 //  - gathering: a step waits until every session of the previous step has queued again, at most
@@ -16,6 +18,7 @@
 // Thread-safe. Its lock is never held while it calls into the engine or completes a call.
 
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -33,7 +36,7 @@ class Engine;
 class StepRunner final {
  public:
   // Neither is owned; both outlive the runner. Starts the loop thread.
-  StepRunner(Engine* engine, const Clock* clock, int64_t gather_window_ns,
+  StepRunner(Engine* engine, int32_t num_pools, const Clock* clock, int64_t gather_window_ns,
              const SchedulerOptions& options);
   ~StepRunner();  // Stop()
 
@@ -52,13 +55,18 @@ class StepRunner final {
   void Loop();
   // Waits for calls and the gather window; moves out the next step's calls and the calls whose
   // callers gave up. False when stopping.
-  bool NextStep(std::vector<std::unique_ptr<ComputeCall>>* step,
+  bool NextStep(int32_t* pool, std::vector<std::unique_ptr<ComputeCall>>* step,
                 std::vector<std::unique_ptr<ComputeCall>>* dropped);
+  // The next pool with queued calls after the last one served; -1 when none has any.
+  int32_t NextPool() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Moves out every queued call of every pool `drop` selects.
+  std::vector<std::unique_ptr<ComputeCall>> RemoveIf(
+      absl::FunctionRef<bool(const ComputeCall&)> drop) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Completes `calls` with `status` (their own CallContext status when `status` is OK), giving
   // back what prefills between chunks hold.
   void Drop(std::vector<std::unique_ptr<ComputeCall>> calls, const absl::Status& status);
   // After a step: completes finished calls, queues the next chunk of the others.
-  void AfterStep(std::vector<std::unique_ptr<ComputeCall>> step);
+  void AfterStep(int32_t pool, std::vector<std::unique_ptr<ComputeCall>> step);
 
   Engine* const engine_;
   const Clock* const clock_;
@@ -66,7 +74,8 @@ class StepRunner final {
   const bool batching_;
 
   mutable absl::Mutex mu_;
-  StepScheduler scheduler_ ABSL_GUARDED_BY(mu_);
+  std::deque<StepScheduler> schedulers_ ABSL_GUARDED_BY(mu_);  // by pool (never moved)
+  int32_t last_pool_ ABSL_GUARDED_BY(mu_) = -1;
   int64_t last_step_end_ns_ ABSL_GUARDED_BY(mu_) = INT64_MIN;
   uint64_t steps_ ABSL_GUARDED_BY(mu_) = 0;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;

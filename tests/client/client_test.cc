@@ -27,6 +27,7 @@ class ClientTest : public ::testing::Test {
     options.tenant = "acme";
     options.model = "llama";
     options.timeout = timeout;
+    options.kv_access = true;
     return options;
   }
   // Attaches through an accepting fake attach server (and no gRPC server unless started).
@@ -74,6 +75,18 @@ TEST_F(ClientTest, SilentDaemonTimesOut) {
             absl::StatusCode::kDeadlineExceeded);
 }
 
+TEST_F(ClientTest, AComputeOnlySessionAsksForNoDescriptorAndMapsNothing) {
+  FakeAttachServer server(dir_.path(), &pool_, {});
+  ConnectOptions options = Options();
+  options.kv_access = false;
+  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  EXPECT_FALSE(server.request().kv_access());
+  EXPECT_FALSE((*client)->kv_access());
+  EXPECT_EQ((*client)->mapping(), nullptr);
+  EXPECT_EQ((*client)->layout().block_bytes(), SmallLayout().block_bytes());  // still told
+}
+
 TEST_F(ClientTest, ConnectSendsTheRequestAndMapsThePool) {
   FakeAttachServer server(dir_.path(), &pool_, {});
   std::unique_ptr<Client> client = ConnectOrDie();
@@ -84,6 +97,7 @@ TEST_F(ClientTest, ConnectSendsTheRequestAndMapsThePool) {
   EXPECT_EQ(request.client_name(), "client-test");
   EXPECT_EQ(request.tenant(), "acme");
   EXPECT_EQ(request.model(), "llama");
+  EXPECT_TRUE(request.kv_access());
 
   EXPECT_EQ(client->session_id(), 42u);
   EXPECT_EQ(client->namespace_id(), 7u);
@@ -93,14 +107,14 @@ TEST_F(ClientTest, ConnectSendsTheRequestAndMapsThePool) {
   EXPECT_EQ(client->runtime_dir(), dir_.path());
   EXPECT_EQ(client->layout().block_bytes(), SmallLayout().block_bytes());
 
-  auto k = client->mapping().K(1, BlockRef{2, 1});
+  auto k = client->mapping()->K(1, BlockRef{2, 1});
   ASSERT_TRUE(k.ok()) << k.status();
   std::memcpy(*k, "kv!", 4);
   const int64_t offset = 2 * SmallLayout().block_bytes() + 2 * SmallLayout().chunk_bytes();
   EXPECT_STREQ(pool_.arena() + offset, "kv!");
 
   pool_.generations()[2] = 2;
-  EXPECT_EQ(client->mapping().K(1, BlockRef{2, 1}).status().code(),
+  EXPECT_EQ(client->mapping()->K(1, BlockRef{2, 1}).status().code(),
             absl::StatusCode::kFailedPrecondition);
 }
 
@@ -109,8 +123,8 @@ TEST_F(ClientTest, DescriptorsMayArriveInAnyOrder) {
   std::unique_ptr<Client> client = ConnectOrDie();
   ASSERT_NE(client, nullptr);
   pool_.generations()[9] = 4;
-  EXPECT_EQ(client->mapping().generation(9), 4u);
-  EXPECT_TRUE(client->mapping().V(0, BlockRef{9, 4}).ok());
+  EXPECT_EQ(client->mapping()->generation(9), 4u);
+  EXPECT_TRUE(client->mapping()->V(0, BlockRef{9, 4}).ok());
 }
 
 TEST_F(ClientTest, DestroyingTheClientClosesTheAttachSocket) {

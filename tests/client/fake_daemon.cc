@@ -163,6 +163,11 @@ void FakeAttachServer::Serve() {
     case Mode::kAccept: {
       v1::AttachResponse response = pool_->Response();
       std::vector<int> send = {pool_->arena_fd(), pool_->generation_fd()};
+      if (!request.kv_access()) {  // compute-only: no descriptor
+        response.clear_fds();
+        send.clear();
+      }
+      response.set_kv_access(request.kv_access());
       if (options_.swap_fd_order) {
         response.clear_fds();
         response.add_fds(v1::FD_ROLE_GENERATION_TABLE);

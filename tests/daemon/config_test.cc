@@ -57,11 +57,14 @@ TEST(ConfigTest, EngineOptionsFollowTheConfig) {
   c.mutable_model()->set_prefill_share_tokens(8);
   absl::StatusOr<EngineOptions> o = MakeEngineOptions(c, 42);
   ASSERT_TRUE(o.ok()) << o.status();
-  EXPECT_EQ(o->layout.num_blocks, 64);
-  EXPECT_EQ(o->layout.block_bytes(), 64 << 10);
+  ASSERT_EQ(o->pools.size(), 1u);
+  EXPECT_EQ(o->pools[0].name, "default");
+  EXPECT_EQ(o->pools[0].layout.num_blocks, 64);
+  EXPECT_EQ(o->pools[0].layout.block_bytes(), 64 << 10);
   EXPECT_EQ(o->fill_policy, kernels::FillPolicy::kZero);
   EXPECT_EQ(o->session_quota_blocks, 7);
-  EXPECT_EQ(o->tenant_quota_blocks.at("a"), 9);
+  EXPECT_EQ(o->open_quota_blocks.at("a"), 9);
+  EXPECT_TRUE(o->tenants.empty());
   EXPECT_EQ(o->epoch, 42u);
   EXPECT_EQ(o->gather_window_ns, 300'000);
   EXPECT_EQ(o->scheduler.max_step_tokens, 64);

@@ -72,7 +72,8 @@ class DaemonTest : public ::testing::Test {
     std::filesystem::remove_all(dir_);
   }
   absl::StatusOr<std::unique_ptr<client::Client>> Connect() {
-    return client::Client::Connect({.runtime_dir = dir_, .client_name = "daemon_test"});
+    return client::Client::Connect(
+        {.runtime_dir = dir_, .client_name = "daemon_test", .kv_access = true});
   }
 
   std::string dir_;

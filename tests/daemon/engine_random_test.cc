@@ -48,15 +48,15 @@ class EngineRandomTest : public ::testing::Test {
 
   void SetUp() override {
     EngineOptions options = testing::SmallPool(0);
-    options.layout = {.block_size = 4,
-                      .num_layers = 1,
-                      .num_kv_heads = 1,
-                      .head_dim = 16,
-                      .dtype = kernels::DType::kF32,
-                      .num_blocks = 64};
+    options.pools[0].layout = {.block_size = 4,
+                               .num_layers = 1,
+                               .num_kv_heads = 1,
+                               .head_dim = 16,
+                               .dtype = kernels::DType::kF32,
+                               .num_blocks = 64};
     options.max_blocks_per_seq = 24;
     options.session_quota_blocks = 40;
-    model_ = MicroModel(options.layout);
+    model_ = MicroModel(options.pools[0].layout);
     engine_ = std::move(*Engine::Create(options, &device_, model_.get()));
   }
 
@@ -209,7 +209,8 @@ class EngineRandomTest : public ::testing::Test {
   // PrefillProgress::StillHolds asks, read from outside through the engine's listing).
   bool Holds(const Pending& p) {
     std::vector<SessionId> owners;
-    const Tables t = engine_->ListSequences(p.call->session().id, &owners);
+    std::vector<int32_t> pools;
+    const Tables t = engine_->ListSequences(std::nullopt, p.call->session().id, &owners, &pools);
     const model::PlannedItem& item = p.call->progress()->item();
     size_t first = 0;
     for (const TableSlice& slice : t.slices) {
@@ -253,7 +254,7 @@ class EngineRandomTest : public ::testing::Test {
       raw.push_back(fresh.back().get());
     }
     for (ComputeCall* c : raw) c->chunk = 1 + Rand(16);
-    engine_->RunStep(raw);
+    engine_->RunStep(/*pool=*/0, raw);
     for (ComputeCall* c : raw) {
       const ComputeRequest& r = c->request();
       std::string line = absl::StrCat(
@@ -303,7 +304,8 @@ class EngineRandomTest : public ::testing::Test {
     const absl::Status inv = engine_->CheckInvariants();
     ASSERT_TRUE(inv.ok()) << "op " << op << ": " << inv;
     std::vector<SessionId> owners;
-    const Tables t = engine_->ListSequences(kNoSession, &owners);
+    std::vector<int32_t> pools;
+    const Tables t = engine_->ListSequences(std::nullopt, kNoSession, &owners, &pools);
     std::map<SequenceId, Seq> seen;
     for (size_t i = 0; i < t.slices.size(); ++i) {
       seen[t.slices[i].sequence] = {owners[i], t.slices[i].num_tokens};

@@ -37,7 +37,8 @@ class EngineTest : public ::testing::Test {
   }
   std::vector<BlockId> Table(SequenceId id) {
     std::vector<SessionId> owners;
-    const Tables all = engine_->ListSequences(kNoSession, &owners);
+    std::vector<int32_t> pools;
+    const Tables all = engine_->ListSequences(std::nullopt, kNoSession, &owners, &pools);
     size_t first = 0;
     for (const TableSlice& s : all.slices) {
       if (s.sequence == id) {
@@ -63,7 +64,7 @@ TEST_F(EngineTest, GrantSharesTheArenaAndAGenerationTable) {
   absl::StatusOr<PoolGrant> grant = engine_->Grant(alice_);
   ASSERT_TRUE(grant.ok()) << grant.status();
   EXPECT_EQ(grant->layout.num_blocks, 64);
-  ASSERT_TRUE(grant->arena.fd.valid());
+  ASSERT_TRUE(grant->arena->fd.valid());
   ASSERT_TRUE(grant->generation_table.valid());
   const auto* generations = static_cast<const uint32_t*>(mmap(
       nullptr, 64 * sizeof(uint32_t), PROT_READ, MAP_SHARED, grant->generation_table.get(), 0));
@@ -245,7 +246,7 @@ TEST_F(EngineTest, NamespacesSeparateTenantsModelsAndNeverCollide) {
 
 TEST_F(EngineTest, TenantQuotaIsSetWhenItsSessionOpens) {
   EngineOptions options = SmallPool(64);
-  options.tenant_quota_blocks["tight"] = 2;
+  options.open_quota_blocks["tight"] = 2;
   engine_ = std::move(*Engine::Create(options, &device_, nullptr));
   std::shared_ptr<const Session> s = *engine_->OpenSession(Spec("tight"));
   const AllocateRequest request{.num_tokens = 48};

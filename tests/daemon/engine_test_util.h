@@ -77,12 +77,13 @@ class FailingDevice final : public kernels::Device {
 // The tiny model's KV shape: 16-token blocks of 64 KiB.
 inline EngineOptions SmallPool(int32_t num_blocks, const Clock* clock = Clock::Real()) {
   EngineOptions o;
-  o.layout = {.block_size = 16,
-              .num_layers = 4,
-              .num_kv_heads = 4,
-              .head_dim = 64,
-              .dtype = kernels::DType::kBF16,
-              .num_blocks = num_blocks};
+  o.pools = {{.name = "default",
+              .layout = {.block_size = 16,
+                         .num_layers = 4,
+                         .num_kv_heads = 4,
+                         .head_dim = 64,
+                         .dtype = kernels::DType::kBF16,
+                         .num_blocks = num_blocks}}};
   o.clock = clock;
   o.model_name = "tiny";
   o.gather_window_ns = 0;
@@ -114,8 +115,10 @@ class GivesUpAfter final : public CallContext {
   mutable std::atomic<int> left_;
 };
 
+// A session of `tenant` with KV access (as the zero-configuration default grants it).
 inline SessionSpec Spec(std::string tenant, std::string name = "test") {
-  return {.client_name = std::move(name), .tenant = std::move(tenant), .model = "m"};
+  return {
+      .client_name = std::move(name), .tenant = std::move(tenant), .model = "m", .kv_access = true};
 }
 
 }  // namespace kvpool::daemon::testing

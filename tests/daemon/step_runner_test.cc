@@ -27,7 +27,7 @@ class StepRunnerTest : public ::testing::Test {
     EngineOptions options = SmallPool(256, &clock_);
     options.gather_window_ns = gather_window_ns;
     options.scheduler.max_step_tokens = max_step_tokens;
-    model_ = testing::TinyModel(options.layout);
+    model_ = testing::TinyModel(options.pools[0].layout);
     engine_ = std::move(*Engine::Create(options, &device_, model_.get()));
     alice_ = *engine_->OpenSession(Spec("t", "alice"));
     bob_ = *engine_->OpenSession(Spec("t", "bob"));

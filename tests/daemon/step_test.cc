@@ -50,7 +50,7 @@ class StepTest : public ::testing::Test {
     engine_.reset();
     EngineOptions options = SmallPool(num_blocks);
     options.fill_policy = fill;
-    model_ = std::make_unique<HookModel>(testing::TinyModel(options.layout));
+    model_ = std::make_unique<HookModel>(testing::TinyModel(options.pools[0].layout));
     engine_ = std::move(*Engine::Create(options, &device_, model_.get()));
     alice_ = *engine_->OpenSession(Spec("t", "alice"));
     bob_ = *engine_->OpenSession(Spec("t", "bob"));
@@ -74,7 +74,7 @@ class StepTest : public ::testing::Test {
         ComputeRequest{.kind = ComputeRequest::Kind::kDecode, .decode = {{seq, token}}}, nullptr,
         [](ComputeCall&) {});
   }
-  void Run(std::vector<ComputeCall*> calls) { engine_->RunStep(calls); }
+  void Run(std::vector<ComputeCall*> calls) { engine_->RunStep(/*pool=*/0, calls); }
   void ExpectInvariants() {
     const absl::Status s = engine_->CheckInvariants();
     EXPECT_TRUE(s.ok()) << s;
@@ -208,7 +208,7 @@ TEST_F(StepTest, ARewindCopyIsNotClobberedByAnEvictionInTheSameStep) {
   absl::StatusOr<PoolGrant> grant = engine_->Grant(alice_);
   ASSERT_TRUE(grant.ok());
   auto* arena = static_cast<uint8_t*>(
-      mmap(nullptr, layout.arena_bytes(), PROT_READ, MAP_SHARED, grant->arena.fd.get(), 0));
+      mmap(nullptr, layout.arena_bytes(), PROT_READ, MAP_SHARED, grant->arena->fd.get(), 0));
   ASSERT_NE(arena, MAP_FAILED);
   auto p = Prefill(alice_, Prompt(32, 2));
   Run({p.get()});
@@ -216,7 +216,8 @@ TEST_F(StepTest, ARewindCopyIsNotClobberedByAnEvictionInTheSameStep) {
   const SequenceId a = p->result().sequences[0];
   const auto old_block = [&] {
     std::vector<SessionId> owners;
-    return engine_->ListSequences(alice_->id, &owners).blocks[1].value();
+    std::vector<int32_t> pools;
+    return engine_->ListSequences(std::nullopt, alice_->id, &owners, &pools).blocks[1].value();
   }();
   const int64_t bytes = layout.block_bytes();
   const std::vector<uint8_t> original(arena + old_block * bytes, arena + (old_block + 1) * bytes);
@@ -229,7 +230,9 @@ TEST_F(StepTest, ARewindCopyIsNotClobberedByAnEvictionInTheSameStep) {
   Run({decode.get(), other.get()});
   ASSERT_TRUE(decode->result().status.ok()) << decode->result().status;
   std::vector<SessionId> owners;
-  const int32_t copy = engine_->ListSequences(alice_->id, &owners).blocks[1].value();
+  std::vector<int32_t> pools;
+  const int32_t copy =
+      engine_->ListSequences(std::nullopt, alice_->id, &owners, &pools).blocks[1].value();
   ASSERT_NE(copy, old_block);
   // Tokens 16..19 of the copy are the original's in every layer's K and V.
   const int64_t chunk = layout.chunk_bytes(), row = chunk / layout.block_size;

@@ -312,8 +312,13 @@ TEST_F(ComputeIntegrationTest, DaemonWithoutModelRefusesComputeCalls) {
   const absl::Status s = c->Prefill(0, Prompt(4, 1)).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(s.message()), HasSubstr("no model"));
-  // Control calls still work.
-  EXPECT_TRUE(c->Allocate(Prompt(4, 1)).ok());
+  // Control calls still work, for a session with KV access: the compute-only one may not take
+  // blocks to write.
+  EXPECT_EQ(c->Allocate(Prompt(4, 1)).status().code(), absl::StatusCode::kPermissionDenied);
+  absl::StatusOr<std::unique_ptr<client::Client>> kv = client::Client::Connect(
+      {.runtime_dir = daemon_->dir(), .client_name = "nomodel-kv", .kv_access = true});
+  ASSERT_TRUE(kv.ok()) << kv.status();
+  EXPECT_TRUE((*kv)->Allocate(Prompt(4, 1)).ok());
 }
 
 TEST_F(ComputeIntegrationTest, DaemonServesAHuggingFaceCheckpoint) {

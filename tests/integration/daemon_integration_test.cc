@@ -29,8 +29,8 @@ constexpr char kConfig[] = R"pb(
 
 std::unique_ptr<client::Client> Connect(const std::string& dir, const std::string& name = "test",
                                         const std::string& tenant = "default") {
-  absl::StatusOr<std::unique_ptr<client::Client>> c =
-      client::Client::Connect({.runtime_dir = dir, .client_name = name, .tenant = tenant});
+  absl::StatusOr<std::unique_ptr<client::Client>> c = client::Client::Connect(
+      {.runtime_dir = dir, .client_name = name, .tenant = tenant, .kv_access = true});
   EXPECT_TRUE(c.ok()) << c.status();
   return c.ok() ? *std::move(c) : nullptr;
 }

@@ -58,7 +58,7 @@ bool ForEachRow(const Client& c, const std::vector<BlockRef>& table, int64_t tok
     for (int32_t layer = 0; layer < l.num_layers(); ++layer) {
       for (int kind = 0; kind < 2; ++kind) {
         absl::StatusOr<char*> chunk =
-            kind == 0 ? c.mapping().K(layer, block) : c.mapping().V(layer, block);
+            kind == 0 ? c.mapping()->K(layer, block) : c.mapping()->V(layer, block);
         if (!chunk.ok()) return false;
         fn(*chunk + (p % l.block_size()) * row, row, p, layer, kind);
       }
@@ -75,8 +75,8 @@ int main(int argc, char** argv) {
   const std::string dir = argv[2];
   const int64_t a = std::atoll(argv[3]);
   const int64_t b = std::atoll(argv[4]);
-  absl::StatusOr<std::unique_ptr<Client>> client =
-      Client::Connect({.runtime_dir = dir, .client_name = "integration-" + mode});
+  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(
+      {.runtime_dir = dir, .client_name = "integration-" + mode, .kv_access = true});
   if (!client.ok()) return Fail(client.status().ToString());
   const Client& c = **client;
 

@@ -1,0 +1,110 @@
+#include "daemon/engine/pool_state.h"
+
+#include "fmt/format.h"
+#include "kvpool/util/check.h"
+#include "kvpool/util/fmt.h"
+#include "kvpool/util/logging.h"
+#include "kvpool/util/status_macros.h"
+
+namespace kvpool::daemon {
+
+absl::StatusOr<std::unique_ptr<PoolState>> PoolState::Create(const PoolOptions& pool,
+                                                             const EngineOptions& options,
+                                                             kernels::Device* device) {
+  const kernels::PoolLayout& layout = pool.layout;
+  KVPOOL_RETURN_IF_ERROR(kernels::ValidateLayout(layout));
+  if (layout.num_blocks <= 0) {
+    return absl::InvalidArgumentError(fmt::format("pool {} has no blocks", pool.name));
+  }
+  KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Arena> arena,
+                          device->CreateArena(layout.arena_bytes()));
+  auto steps = std::make_unique<StepTimeline>(device);
+  KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<KvCacheManager> cache,
+                          KvCacheManager::Create({.block_size = layout.block_size,
+                                                  .num_blocks = layout.num_blocks,
+                                                  .max_blocks_per_seq = options.max_blocks_per_seq,
+                                                  .trace_depth = options.trace_depth,
+                                                  .clock = options.clock,
+                                                  .fences = steps.get(),
+                                                  .prefix_cache = options.prefix_cache,
+                                                  .eviction_policy = options.eviction_policy,
+                                                  .epoch = options.epoch,
+                                                  .event_capacity = options.event_capacity}));
+  KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<GenerationTable> generations,
+                          GenerationTable::Create(layout.num_blocks));
+  return std::unique_ptr<PoolState>(new PoolState(pool.name, layout, options.fill_policy, device,
+                                                  std::move(arena), std::move(steps),
+                                                  std::move(cache), std::move(generations)));
+}
+
+PoolState::PoolState(std::string name, const kernels::PoolLayout& layout, kernels::FillPolicy fill,
+                     kernels::Device* device, std::unique_ptr<kernels::Arena> arena,
+                     std::unique_ptr<StepTimeline> steps, std::unique_ptr<KvCacheManager> cache,
+                     std::unique_ptr<GenerationTable> generations)
+    : name_(std::move(name)),
+      layout_(layout),
+      device_(device),
+      arena_(std::move(arena)),
+      steps_(std::move(steps)),
+      cache_(std::move(cache)),
+      generations_(std::move(generations)),
+      executor_(device, kernels::StreamId::kTransfer, kernels::KvPoolView{arena_->base(), layout_},
+                fill) {}
+
+PoolState::~PoolState() {
+  if (absl::Status s = device_->SynchronizeAll(); !s.ok()) {
+    Logger("daemon").error("device at pool {}'s release: {}", name_, s.ToString());
+  }
+}
+
+absl::StatusOr<Fence> PoolState::Carry(const DevicePlan& plan) {
+  if (plan.empty()) return Fence{};
+  // Blocks handed out (fresh ones and copy targets) have new generations: publish them (clients
+  // learn of the blocks only from the reply, after the work below has run; a plan that fails is
+  // undone, and its blocks keep the generation they were handed out with).
+  for (const BlockFill& f : plan.fills) {
+    generations_->Publish(f.block, cache_->pool().generation(f.block));
+  }
+  for (const BlockCopy& c : plan.copies) {
+    generations_->Publish(c.dst, cache_->pool().generation(c.dst));
+  }
+  const absl::StatusOr<Fence> fence = executor_.Execute(plan);
+  // Blocks under work that was queued (all of it, or what got queued before a failure) stay out
+  // of the free list until it has run.
+  const Fence queued = fence.ok() ? *fence : executor_.pending();
+  if (queued.value != 0) {
+    KVPOOL_CHECK_OK(cache_->MarkInFlight(kernels::PlanExecutor::TouchedBlocks(plan), queued));
+  }
+  return fence;
+}
+
+void PoolState::AppendTable(const Sequence& seq, int32_t offset, int64_t matched_tokens,
+                            Tables* out) const {
+  const int32_t size = static_cast<int32_t>(seq.table.size());
+  out->slices.push_back({.sequence = seq.id,
+                         .num_tokens = seq.num_tokens,
+                         .matched_tokens = matched_tokens,
+                         .table_offset = offset,
+                         .length = size - offset});
+  for (int32_t i = offset; i < size; ++i) {
+    const BlockId b = seq.table[static_cast<size_t>(i)];
+    out->blocks.push_back(b);
+    out->generations.push_back(cache_->pool().generation(b));
+  }
+}
+
+absl::Status PoolState::CheckInvariants() const {
+  KVPOOL_RETURN_IF_ERROR(cache_->CheckInvariants());
+  const BlockPool& pool = cache_->pool();
+  for (int32_t b = 0; b < layout_.num_blocks; ++b) {
+    const uint32_t shared = generations_->Get(BlockId(b));
+    if (shared != pool.generation(BlockId(b))) {
+      return absl::InternalError(
+          fmt::format("pool {}: block {} has generation {} but clients see {}", name_, b,
+                      pool.generation(BlockId(b)), shared));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvpool::daemon

@@ -1,0 +1,99 @@
+#pragma once
+
+// PoolState: one pool of the engine (docs/trust-model.md): its arena, the KvCacheManager over
+// it, the executor of its DevicePlans, the generation table its KV clients map, its step fences
+// and the counters of the model steps it served. Thread-compatible: every method REQUIRES the
+// Engine's lock; nothing here waits for the device or for I/O.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "daemon/engine/engine_options.h"
+#include "daemon/engine/generation_table.h"
+#include "daemon/engine/step_timeline.h"
+#include "kernels/device.h"
+#include "kernels/plan_executor.h"
+#include "kvpool/kv_cache_manager.h"
+
+namespace kvpool::daemon {
+
+// Block tables of several sequences, or the parts of them a call changed, flat as the wire
+// carries them: slice i is blocks[first, first + length) of `blocks` / `generations`, where
+// first is the sum of the earlier slices' lengths.
+struct TableSlice {
+  SequenceId sequence;
+  int64_t num_tokens = 0;
+  int64_t matched_tokens = 0;  // Allocate: leading prompt tokens found in the prefix cache
+  int32_t table_offset = 0;    // table entries before it are unchanged (0: the whole table)
+  int32_t length = 0;
+};
+struct Tables {
+  std::vector<TableSlice> slices;
+  std::vector<BlockId> blocks;
+  std::vector<uint32_t> generations;  // parallel to blocks
+};
+
+struct ModelCounters {
+  uint64_t steps = 0;
+  uint64_t step_sequences = 0;  // sequences summed over steps
+  uint64_t prefill_calls = 0;
+  uint64_t prefill_computed = 0;
+  uint64_t prefill_reused = 0;
+  uint64_t decode_tokens = 0;
+  uint64_t prefill_chunks = 0;  // chunks that left prompt tokens for a later step
+  int64_t busy_ns = 0;          // time in model steps
+};
+
+class PoolState final {
+ public:
+  // Errors: INVALID_ARGUMENT (options), RESOURCE_EXHAUSTED / INTERNAL (arena, generation table).
+  static absl::StatusOr<std::unique_ptr<PoolState>> Create(const PoolOptions& pool,
+                                                           const EngineOptions& options,
+                                                           kernels::Device* device);
+  ~PoolState();  // waits for the device: nothing may touch the arena when it goes
+
+  const std::string& name() const { return name_; }
+  kernels::Device& device() const { return *device_; }
+  KvCacheManager& cache() { return *cache_; }
+  const KvCacheManager& cache() const { return *cache_; }
+  const kernels::PoolLayout& layout() const { return layout_; }
+  kernels::KvPoolView view() const { return {arena_->base(), layout_}; }
+  const kernels::Arena& arena() const { return *arena_; }
+  const GenerationTable& generations() const { return *generations_; }
+  StepTimeline& steps() { return *steps_; }
+
+  // Enqueues `plan`'s device work, marks the blocks it touches in flight with that work's fence
+  // and publishes the generations of the blocks it hands out. Returns the fence to wait for
+  // outside the lock (value 0: nothing to wait for). Errors: the executor's; then what was
+  // enqueued before the failure is marked in flight, and the caller undoes the call that made
+  // the plan (RevertGrow, Free) at once.
+  absl::StatusOr<Fence> Carry(const DevicePlan& plan);
+
+  // Appends `seq`'s table from entry `offset` on to `out`.
+  void AppendTable(const Sequence& seq, int32_t offset, int64_t matched_tokens, Tables* out) const;
+
+  // The pool's invariants, and that clients see every block's current generation.
+  absl::Status CheckInvariants() const;
+
+  ModelCounters model_counters;
+
+ private:
+  PoolState(std::string name, const kernels::PoolLayout& layout, kernels::FillPolicy fill,
+            kernels::Device* device, std::unique_ptr<kernels::Arena> arena,
+            std::unique_ptr<StepTimeline> steps, std::unique_ptr<KvCacheManager> cache,
+            std::unique_ptr<GenerationTable> generations);
+
+  const std::string name_;
+  const kernels::PoolLayout layout_;
+  kernels::Device* const device_;
+  const std::unique_ptr<kernels::Arena> arena_;
+  const std::unique_ptr<StepTimeline> steps_;  // the cache's FenceObserver
+  const std::unique_ptr<KvCacheManager> cache_;
+  const std::unique_ptr<GenerationTable> generations_;
+  kernels::PlanExecutor executor_;
+};
+
+}  // namespace kvpool::daemon
