@@ -35,8 +35,7 @@ namespace {
 // row) that is 384 KiB and overflowed this machine's 512 KiB L2 (V loads then missed); at 16 it
 // is 96 KiB, and decode at 4k-16k contexts is ~20% faster (kernels_bench). 8 is slower again.
 constexpr int kChunk = 16;
-constexpr int kMaxQHeads = 128;  // query heads per sequence
-constexpr int kMaxHeadDim = 512;
+constexpr int kMaxQHeads = 128;     // query heads per sequence
 constexpr int64_t kMinSplit = 256;  // tokens per task at least (splitting has a merge cost)
 
 // The shape every task shares.
@@ -340,20 +339,9 @@ void AttendAvx2Grouped(const Shape& shape, const Task& task, const Rows& rows) {
   return AttendAvx2<kType, 1>(shape, task, rows);
 }
 
-bool DetectAvx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
-}
-
-std::atomic<bool> force_portable{false};
-
 template <typename Rows>
 void Attend(const Shape& shape, const Task& task, const Rows& rows, DType dtype) {
-  static const bool avx2 = DetectAvx2();
-  if (!avx2 || force_portable.load(std::memory_order_relaxed)) {
-    return AttendPortable(shape, task, rows, dtype);
-  }
+  if (internal::KernelIsa() < internal::Isa::kAvx2) return AttendPortable(shape, task, rows, dtype);
   switch (dtype) {
     case DType::kF32:
       return AttendAvx2Grouped<DType::kF32>(shape, task, rows);
@@ -365,10 +353,10 @@ void Attend(const Shape& shape, const Task& task, const Rows& rows, DType dtype)
 }
 
 absl::Status CheckShape(int32_t num_q_heads, int32_t head_dim) {
-  if (num_q_heads > kMaxQHeads || head_dim > kMaxHeadDim) {
+  if (num_q_heads > kMaxQHeads || head_dim > kMaxAttentionHeadDim) {
     return absl::InvalidArgumentError(
         fmt::format("decode supports up to {} query heads and head_dim {} (got {} and {})",
-                    kMaxQHeads, kMaxHeadDim, num_q_heads, head_dim));
+                    kMaxQHeads, kMaxAttentionHeadDim, num_q_heads, head_dim));
   }
   return absl::OkStatus();
 }
@@ -450,14 +438,7 @@ void RunDecode(const Shape& shape, int32_t num_seqs, const int32_t* lens, const 
 
 }  // namespace
 
-void internal::ForcePortableKernelsForTesting(bool portable) {
-  force_portable.store(portable, std::memory_order_relaxed);
-}
-
-bool UsingAvx2() {
-  static const bool avx2 = DetectAvx2();
-  return avx2;
-}
+bool UsingAvx2() { return internal::KernelIsa() >= internal::Isa::kAvx2; }
 
 absl::Status PagedAttentionDecode(const KvPoolView& pool, const DecodeArgs& a,
                                   ThreadPool* threads) {

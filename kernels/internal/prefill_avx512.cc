@@ -1,0 +1,84 @@
+// The prefill task (prefill_tile.inc) with AVX-512 (F, BW, VL, DQ): 16 floats a vector, 8 query
+// rows per register tile (16 accumulators of 32 registers). K/V are widened 8 at a time with the
+// 256-bit helpers (head_dim is a multiple of 8, not of 16).
+
+// GCC 12's AVX-512 intrinsics start from _mm512_undefined_*() and warn about it where they are
+// inlined (GCC bug 105593, fixed in 13): silence those two warnings for the intrinsic headers.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "kernels/internal/prefill_tile.h"
+
+namespace kvpool::kernels::cpu::internal {
+namespace {
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+
+#include "kernels/internal/prefill_avx_common.inc"
+
+struct Ops {
+  using V = __m512;
+  static constexpr int kW = 16;
+  static constexpr int kRows = 8;
+
+  static V Zero() { return _mm512_setzero_ps(); }
+  static V Set1(float x) { return _mm512_set1_ps(x); }
+  static V Load(const float* p) { return _mm512_loadu_ps(p); }
+  static void Store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V Add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V Sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V Mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V Max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V Fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static float ReduceMax(V v) { return _mm512_reduce_max_ps(v); }
+  static float ReduceSum(V v) { return _mm512_reduce_add_ps(v); }
+
+  // exp(x), Cephes polynomial (relative error ~1e-7 on [-87, 88]); 0 below, NaN stays NaN.
+  static V Exp(V x) {
+    const V lo = _mm512_set1_ps(-87.3f);
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ);     // x >= lo, or NaN
+    V y = _mm512_min_ps(_mm512_set1_ps(88.3f), _mm512_max_ps(lo, x));  // NaN passes through
+    const V fx = _mm512_roundscale_ps(
+        _mm512_fmadd_ps(y, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    y = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), y);
+    y = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), y);
+    V p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(y, y), _mm512_add_ps(y, _mm512_set1_ps(1.0f)));
+    const __m512i pow2 =
+        _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(pow2));
+  }
+
+  template <DType kType>
+  static void Widen8(const char* p, float* dst) {
+    Widen8Avx<kType>(p, dst);
+  }
+  static void Transpose8x8(const float* src, int64_t src_stride, float* dst, int64_t dst_stride) {
+    Transpose8x8Avx(src, src_stride, dst, dst_stride);
+  }
+};
+
+#include "kernels/internal/prefill_tile.inc"
+
+#pragma GCC pop_options
+
+}  // namespace
+
+PrefillTaskFn PrefillTaskAvx512(DType dtype) { return TaskFor(dtype); }
+
+}  // namespace kvpool::kernels::cpu::internal
