@@ -22,7 +22,7 @@
 
 #include "fmt/format.h"
 #include "kernels/cpu_kernels.h"
-#include "kernels/internal/cpu_dispatch.h"
+#include "kernels/cpu_isa.h"
 #include "kernels/validate.h"
 
 #define KVPOOL_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -341,7 +341,7 @@ void AttendAvx2Grouped(const Shape& shape, const Task& task, const Rows& rows) {
 
 template <typename Rows>
 void Attend(const Shape& shape, const Task& task, const Rows& rows, DType dtype) {
-  if (internal::KernelIsa() < internal::Isa::kAvx2) return AttendPortable(shape, task, rows, dtype);
+  if (KernelIsa() < Isa::kAvx2) return AttendPortable(shape, task, rows, dtype);
   switch (dtype) {
     case DType::kF32:
       return AttendAvx2Grouped<DType::kF32>(shape, task, rows);
@@ -438,7 +438,7 @@ void RunDecode(const Shape& shape, int32_t num_seqs, const int32_t* lens, const 
 
 }  // namespace
 
-bool UsingAvx2() { return internal::KernelIsa() >= internal::Isa::kAvx2; }
+bool UsingAvx2() { return KernelIsa() >= Isa::kAvx2; }
 
 absl::Status PagedAttentionDecode(const KvPoolView& pool, const DecodeArgs& a,
                                   ThreadPool* threads) {

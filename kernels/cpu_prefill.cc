@@ -10,7 +10,7 @@
 
 #include "fmt/format.h"
 #include "kernels/cpu_kernels.h"
-#include "kernels/internal/cpu_dispatch.h"
+#include "kernels/cpu_isa.h"
 #include "kernels/internal/prefill_tile.h"
 #include "kernels/validate.h"
 
@@ -26,12 +26,12 @@ int64_t WorkerBytes(int32_t head_dim) {
 }
 
 internal::PrefillTaskFn TaskFn(DType dtype) {
-  switch (internal::KernelIsa()) {
-    case internal::Isa::kAvx512:
+  switch (KernelIsa()) {
+    case Isa::kAvx512:
       return internal::PrefillTaskAvx512(dtype);
-    case internal::Isa::kAvx2:
+    case Isa::kAvx2:
       return internal::PrefillTaskAvx2(dtype);
-    case internal::Isa::kPortable:
+    case Isa::kPortable:
       return internal::PrefillTaskPortable(dtype);
   }
   return nullptr;

@@ -1,7 +1,5 @@
 #include "model/model.h"
 
-#include <cblas.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -14,6 +12,7 @@
 #include "kvpool/util/check.h"
 #include "kvpool/util/fmt.h"
 #include "kvpool/util/status_macros.h"
+#include "model/internal/gemm.h"
 #include "model/internal/logits.h"
 #include "model/internal/skinny_matmul.h"
 #include "model/internal/step_layout.h"
@@ -37,6 +36,7 @@ struct Model::Scratch {
   std::vector<float> logits;            // [items][vocab]
   internal::StepLayout step;            // rows, tables and lengths of the step (decode items first)
   std::vector<char> prefill_workspace;  // kernels::cpu::PrefillWorkspaceBytes
+  std::vector<float> gemm;              // internal::GemmScratchFloats
 };
 
 namespace {
@@ -44,19 +44,6 @@ namespace {
 template <typename T>
 void Reserve(std::vector<T>& v, size_t n) {
   if (v.size() < n) v.resize(n);
-}
-
-// y[rows][out] = x[rows][in] · W[out][in]ᵀ (+ y when accumulate): decode-sized products read
-// each weight once (internal/skinny_matmul.h), larger ones go to OpenBLAS.
-void Linear(const float* x, int64_t rows, const internal::HugeVector& w, int32_t out, int32_t in,
-            float* y, kernels::ThreadPool* threads, bool accumulate = false) {
-  if (rows <= internal::kMaxSkinnyRows) {
-    internal::SkinnyMatMul(x, static_cast<int32_t>(rows), w.data(), out, in, y, accumulate,
-                           threads);
-    return;
-  }
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(rows), out, in, 1.0f, x,
-              in, w.data(), in, accumulate ? 1.0f : 0.0f, y, out);
 }
 
 void RmsNorm(const float* x, int64_t rows, int32_t dim, const std::vector<float>& weight, float eps,
@@ -102,6 +89,22 @@ void Store(const float* src, int64_t n, kernels::DType dtype, char* dst) {
 }
 
 }  // namespace
+
+// Decode-sized products read each weight once (internal/skinny_matmul.h), larger ones go through
+// internal/gemm.h.
+void Model::Linear(const float* x, int64_t rows, const internal::HugeVector& w, int32_t out,
+                   int32_t in, float* y, bool accumulate) {
+  if (rows <= internal::kMaxSkinnyRows) {
+    internal::SkinnyMatMul(x, static_cast<int32_t>(rows), w.data(), out, in, y, accumulate,
+                           &threads_);
+    return;
+  }
+  std::vector<float>& scratch = scratch_->gemm;
+  Reserve(scratch,
+          static_cast<size_t>(internal::GemmScratchFloats(static_cast<int32_t>(rows), in)));
+  internal::Gemm(x, static_cast<int32_t>(rows), w.data(), out, in, y, accumulate, scratch.data(),
+                 &threads_);
+}
 
 absl::StatusOr<std::unique_ptr<Model>> Model::Create(ModelWeights weights,
                                                      const kernels::PoolLayout& layout,
@@ -195,8 +198,7 @@ absl::Status Model::RunStep(const kernels::KvPoolView& pool, std::span<const Ste
     RmsNorm(&s.x[static_cast<size_t>(s.step.last_rows[i]) * static_cast<size_t>(h)], 1, h,
             weights_.final_norm, c.rms_norm_eps, &s.last[i * static_cast<size_t>(h)]);
   }
-  Linear(s.last.data(), static_cast<int64_t>(ni), head_, c.vocab_size, h, s.logits.data(),
-         &threads_);
+  Linear(s.last.data(), static_cast<int64_t>(ni), head_, c.vocab_size, h, s.logits.data());
 
   results->clear();
   results->resize(ni);
@@ -263,7 +265,7 @@ void Model::Layer(int32_t layer, const kernels::KvPoolView& pool, int64_t n) {
   // Attention.
   RmsNorm(s.x.data(), n, h, L.attn_norm, c.rms_norm_eps, s.xn.data());
   Reserve(s.qkv, nt * static_cast<size_t>(qkvd));
-  Linear(s.xn.data(), n, wqkv_[static_cast<size_t>(layer)], qkvd, h, s.qkv.data(), &threads_);
+  Linear(s.xn.data(), n, wqkv_[static_cast<size_t>(layer)], qkvd, h, s.qkv.data());
   Reserve(s.q, nt * static_cast<size_t>(qd));
   Reserve(s.attn, nt * static_cast<size_t>(qd));
   Reserve(s.k, nt * static_cast<size_t>(row));
@@ -287,22 +289,21 @@ void Model::Layer(int32_t layer, const kernels::KvPoolView& pool, int64_t n) {
                                                .v = s.v.data(),
                                                .slots = s.step.slots.data()}));
   Attention(layer, pool);
-  Linear(s.attn.data(), n, wo_[static_cast<size_t>(layer)], h, qd, s.x.data(), &threads_,
+  Linear(s.attn.data(), n, wo_[static_cast<size_t>(layer)], h, qd, s.x.data(),
          /*accumulate=*/true);
 
   // MLP.
   RmsNorm(s.x.data(), n, h, L.mlp_norm, c.rms_norm_eps, s.xn.data());
   Reserve(s.gate_up, nt * 2 * static_cast<size_t>(im));
   Reserve(s.act, nt * static_cast<size_t>(im));
-  Linear(s.xn.data(), n, w_gate_up_[static_cast<size_t>(layer)], 2 * im, h, s.gate_up.data(),
-         &threads_);
+  Linear(s.xn.data(), n, w_gate_up_[static_cast<size_t>(layer)], 2 * im, h, s.gate_up.data());
   for (size_t t = 0; t < nt; ++t) {
     const float* g = &s.gate_up[t * 2 * static_cast<size_t>(im)];
     const float* u = g + im;
     float* a = &s.act[t * static_cast<size_t>(im)];
     for (int32_t i = 0; i < im; ++i) a[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
   }
-  Linear(s.act.data(), n, w_down_[static_cast<size_t>(layer)], h, im, s.x.data(), &threads_,
+  Linear(s.act.data(), n, w_down_[static_cast<size_t>(layer)], h, im, s.x.data(),
          /*accumulate=*/true);
 }
 

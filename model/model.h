@@ -12,7 +12,8 @@
 // PagedAttentionPrefill (a token at position p attends to positions [0, p] of its own table;
 // tiles of tokens read each K/V chunk once). internal/step_layout.h orders the rows for that.
 //
-// Runs on the host (the CPU backend): matrix products through OpenBLAS, the KV kernels are
+// Runs on the host (the CPU backend): matrix products through internal/skinny_matmul.h (decode
+// steps) and internal/gemm.h (larger ones; OpenBLAS without AVX2), the KV kernels are
 // kernels::cpu. The pool memory must be host-visible.
 //
 // Thread-compatible: one Step at a time (the daemon runs steps in order on its runner thread).
@@ -57,6 +58,9 @@ class Model final : public StepModel {
 
   absl::Status RunStep(const kernels::KvPoolView& pool, std::span<const StepItem> items,
                        const StepOptions& options, std::vector<ItemResult>* results) override;
+  // y[rows][out] = x[rows][in] · W[out][in]ᵀ (+ y when accumulate).
+  void Linear(const float* x, int64_t rows, const internal::HugeVector& w, int32_t out, int32_t in,
+              float* y, bool accumulate = false);
   void Layer(int32_t layer, const kernels::KvPoolView& pool, int64_t num_tokens);
   void Attention(int32_t layer, const kernels::KvPoolView& pool);
 

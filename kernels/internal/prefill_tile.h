@@ -23,7 +23,7 @@
 #include <cstdint>
 
 #include "kernels/dtype.h"
-#include "kernels/internal/cpu_dispatch.h"
+#include "kernels/cpu_isa.h"
 #include "kernels/pool_layout.h"
 
 namespace kvpool::kernels::cpu::internal {

@@ -10,7 +10,7 @@
 #include "fmt/format.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu_kernels.h"
-#include "kernels/internal/cpu_dispatch.h"
+#include "kernels/cpu_isa.h"
 #include "tests/kernels/kernel_test_util.h"
 
 namespace kvpool::kernels::cpu {
@@ -36,12 +36,12 @@ std::string Name(const ::testing::TestParamInfo<Case>& info) {
 
 class PagedDecodeTest : public ::testing::TestWithParam<Case> {
  protected:
-  void TearDown() override { internal::ForcePortableKernelsForTesting(false); }
+  void TearDown() override { ForcePortableKernelsForTesting(false); }
 };
 
 TEST_P(PagedDecodeTest, MatchesTheDenseReference) {
   const Case& c = GetParam();
-  internal::ForcePortableKernelsForTesting(c.portable);
+  ForcePortableKernelsForTesting(c.portable);
   std::mt19937 rng(1234);
   const std::vector<int32_t> lens = {1, 17, 64, 65, 200, 513};  // ragged
   const int32_t num_seqs = static_cast<int32_t>(lens.size());

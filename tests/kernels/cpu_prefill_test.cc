@@ -12,13 +12,13 @@
 #include "fmt/format.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu_kernels.h"
-#include "kernels/internal/cpu_dispatch.h"
+#include "kernels/cpu_isa.h"
 #include "tests/kernels/kernel_test_util.h"
 
 namespace kvpool::kernels::cpu {
 namespace {
 
-using internal::Isa;
+using cpu::Isa;
 using test_util::NormalizedError;
 using test_util::PrefillProblem;
 
@@ -33,7 +33,7 @@ struct Case {
 
 std::string Name(const ::testing::TestParamInfo<Case>& info) {
   const Case& c = info.param;
-  std::string isa(internal::IsaName(c.isa));
+  std::string isa(IsaName(c.isa));
   isa.erase(std::remove_if(isa.begin(), isa.end(), [](char ch) { return !std::isalnum(ch); }),
             isa.end());
   return fmt::format("bs{}_{}_q{}kv{}_d{}_{}", c.block_size, DTypeName(c.dtype), c.q_heads,
@@ -43,12 +43,12 @@ std::string Name(const ::testing::TestParamInfo<Case>& info) {
 class PrefillTest : public ::testing::TestWithParam<Case> {
  protected:
   void SetUp() override {
-    if (GetParam().isa > internal::DetectedIsa()) {
-      GTEST_SKIP() << "this processor lacks " << internal::IsaName(GetParam().isa);
+    if (GetParam().isa > DetectedIsa()) {
+      GTEST_SKIP() << "this processor lacks " << IsaName(GetParam().isa);
     }
-    internal::LimitKernelIsaForTesting(GetParam().isa);
+    LimitKernelIsaForTesting(GetParam().isa);
   }
-  void TearDown() override { internal::LimitKernelIsaForTesting(Isa::kAvx512); }
+  void TearDown() override { LimitKernelIsaForTesting(Isa::kAvx512); }
 };
 
 // (reused tokens, new tokens) per sequence: a prompt with nothing reused, chunks past a reused

@@ -1,9 +1,9 @@
-#include "kernels/internal/cpu_dispatch.h"
+#include "kernels/cpu_isa.h"
 
 #include <algorithm>
 #include <atomic>
 
-namespace kvpool::kernels::cpu::internal {
+namespace kvpool::kernels::cpu {
 namespace {
 
 Isa Detect() {
@@ -50,4 +50,4 @@ void ForcePortableKernelsForTesting(bool portable) {
   LimitKernelIsaForTesting(portable ? Isa::kPortable : Isa::kAvx512);
 }
 
-}  // namespace kvpool::kernels::cpu::internal
+}  // namespace kvpool::kernels::cpu
