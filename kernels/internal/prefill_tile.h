@@ -22,8 +22,8 @@
 
 #include <cstdint>
 
-#include "kernels/dtype.h"
 #include "kernels/cpu_isa.h"
+#include "kernels/dtype.h"
 #include "kernels/pool_layout.h"
 
 namespace kvpool::kernels::cpu::internal {

@@ -1,11 +1,14 @@
-// The prefill task (prefill_tile.inc) in portable C++: a "vector" is 8 floats in an array (the
-// compiler vectorizes what the baseline instruction set allows), 4 query rows per tile.
+// The CPU attention tiles (prefill_tile.inc, decode_tile.inc) in portable C++: a "vector" is 8
+// floats in an array (the compiler vectorizes what the baseline instruction set allows), 4 query
+// rows per prefill tile.
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
+#include "kernels/internal/decode_tile.h"
 #include "kernels/internal/prefill_tile.h"
 
 namespace kvpool::kernels::cpu::internal {
@@ -59,10 +62,18 @@ struct Ops {
     return Map([&](int i) { return std::exp(v.x[i]); });
   }
 
+  static void Sum8(const V* acc, float scale, float* out) {
+    for (int j = 0; j < 8; ++j) out[j] = ReduceSum(acc[j]) * scale;
+  }
+  template <DType kType>
+  static V LoadKv(const char* p) {
+    return Map([p](int i) { return LoadAsFloat(p + i * DTypeSize(kType), kType); });
+  }
   template <DType kType>
   static void Widen8(const char* p, float* dst) {
     for (int i = 0; i < 8; ++i) dst[i] = LoadAsFloat(p + i * DTypeSize(kType), kType);
   }
+  static void PrefetchL2(const char* p) { __builtin_prefetch(p, 0, 2); }
   static void Transpose8x8(const float* src, int64_t src_stride, float* dst, int64_t dst_stride) {
     for (int i = 0; i < 8; ++i) {
       for (int j = 0; j < 8; ++j) dst[j * dst_stride + i] = src[i * src_stride + j];
@@ -70,10 +81,12 @@ struct Ops {
   }
 };
 
+#include "kernels/internal/decode_tile.inc"
 #include "kernels/internal/prefill_tile.inc"
 
 }  // namespace
 
 PrefillTaskFn PrefillTaskPortable(DType dtype) { return TaskFor(dtype); }
+DecodeFns DecodePortable() { return DecodeTaskFns(); }
 
 }  // namespace kvpool::kernels::cpu::internal

@@ -1,6 +1,7 @@
-// The prefill task (prefill_tile.inc) with AVX-512 (F, BW, VL, DQ): 16 floats a vector, 8 query
-// rows per register tile (16 accumulators of 32 registers). K/V are widened 8 at a time with the
-// 256-bit helpers (head_dim is a multiple of 8, not of 16).
+// The CPU attention tiles (prefill_tile.inc, decode_tile.inc) with AVX-512 (F, BW, VL, DQ): 16
+// floats a vector; prefill register tiles of 8 query rows (16 accumulators of 32 registers).
+// Prefill widens K/V 8 at a time with the 256-bit helpers (head_dim is a multiple of 8, not of
+// 16); decode loads 16 at a time and runs only where head_dim is a multiple of 16.
 
 // GCC 12's AVX-512 intrinsics start from _mm512_undefined_*() and warn about it where they are
 // inlined (GCC bug 105593, fixed in 13): silence those two warnings for the intrinsic headers.
@@ -14,7 +15,9 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
+#include "kernels/internal/decode_tile.h"
 #include "kernels/internal/prefill_tile.h"
 
 namespace kvpool::kernels::cpu::internal {
@@ -23,7 +26,7 @@ namespace {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
 
-#include "kernels/internal/prefill_avx_common.inc"
+#include "kernels/internal/avx_common.inc"
 
 struct Ops {
   using V = __m512;
@@ -41,6 +44,13 @@ struct Ops {
   static V Fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static float ReduceMax(V v) { return _mm512_reduce_max_ps(v); }
   static float ReduceSum(V v) { return _mm512_reduce_add_ps(v); }
+  static void Sum8(const V* acc, float scale, float* out) {
+    __m256 halves[8];  // each vector folded to 8 lanes, then eight horizontal sums at once
+    for (int j = 0; j < 8; ++j) {
+      halves[j] = _mm256_add_ps(_mm512_castps512_ps256(acc[j]), _mm512_extractf32x8_ps(acc[j], 1));
+    }
+    _mm256_storeu_ps(out, _mm256_mul_ps(Reduce8Avx(halves), _mm256_set1_ps(scale)));
+  }
 
   // exp(x), Cephes polynomial (relative error ~1e-7 on [-87, 88]); 0 below, NaN stays NaN.
   static V Exp(V x) {
@@ -64,15 +74,30 @@ struct Ops {
     return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(pow2));
   }
 
+  // 16 stored values (any alignment) widened to 16 floats.
+  template <DType kType>
+  static V LoadKv(const char* p) {
+    if constexpr (kType == DType::kF32) {
+      return _mm512_loadu_ps(reinterpret_cast<const float*>(p));
+    } else if constexpr (kType == DType::kF16) {
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    } else {
+      const __m512i wide =
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+      return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+    }
+  }
   template <DType kType>
   static void Widen8(const char* p, float* dst) {
-    Widen8Avx<kType>(p, dst);
+    _mm256_storeu_ps(dst, Load8Avx<kType>(p));
   }
   static void Transpose8x8(const float* src, int64_t src_stride, float* dst, int64_t dst_stride) {
     Transpose8x8Avx(src, src_stride, dst, dst_stride);
   }
+  static void PrefetchL2(const char* p) { _mm_prefetch(p, _MM_HINT_T1); }
 };
 
+#include "kernels/internal/decode_tile.inc"
 #include "kernels/internal/prefill_tile.inc"
 
 #pragma GCC pop_options
@@ -80,5 +105,6 @@ struct Ops {
 }  // namespace
 
 PrefillTaskFn PrefillTaskAvx512(DType dtype) { return TaskFor(dtype); }
+DecodeFns DecodeAvx512() { return DecodeTaskFns(); }
 
 }  // namespace kvpool::kernels::cpu::internal

@@ -1,5 +1,5 @@
-// The prefill task (prefill_tile.inc) with AVX2 + FMA + F16C: 8 floats a vector, 4 query rows per
-// register tile (8 accumulators of 16 registers).
+// The CPU attention tiles (prefill_tile.inc, decode_tile.inc) with AVX2 + FMA + F16C: 8 floats a
+// vector; prefill register tiles of 4 query rows (8 accumulators of 16 registers).
 
 #include <immintrin.h>
 
@@ -7,7 +7,9 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
+#include "kernels/internal/decode_tile.h"
 #include "kernels/internal/prefill_tile.h"
 
 namespace kvpool::kernels::cpu::internal {
@@ -16,7 +18,7 @@ namespace {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
-#include "kernels/internal/prefill_avx_common.inc"
+#include "kernels/internal/avx_common.inc"
 
 struct Ops {
   using V = __m256;
@@ -43,6 +45,9 @@ struct Ops {
     x = _mm_add_ps(x, _mm_movehl_ps(x, x));
     return _mm_cvtss_f32(_mm_add_ss(x, _mm_shuffle_ps(x, x, 1)));
   }
+  static void Sum8(const V* acc, float scale, float* out) {
+    _mm256_storeu_ps(out, _mm256_mul_ps(Reduce8Avx(acc), _mm256_set1_ps(scale)));
+  }
 
   // exp(x), Cephes polynomial (relative error ~1e-7 on [-87, 88]); 0 below, NaN stays NaN.
   static V Exp(V x) {
@@ -66,14 +71,20 @@ struct Ops {
   }
 
   template <DType kType>
+  static V LoadKv(const char* p) {
+    return Load8Avx<kType>(p);
+  }
+  template <DType kType>
   static void Widen8(const char* p, float* dst) {
-    Widen8Avx<kType>(p, dst);
+    _mm256_storeu_ps(dst, Load8Avx<kType>(p));
   }
   static void Transpose8x8(const float* src, int64_t src_stride, float* dst, int64_t dst_stride) {
     Transpose8x8Avx(src, src_stride, dst, dst_stride);
   }
+  static void PrefetchL2(const char* p) { _mm_prefetch(p, _MM_HINT_T1); }
 };
 
+#include "kernels/internal/decode_tile.inc"
 #include "kernels/internal/prefill_tile.inc"
 
 #pragma GCC pop_options
@@ -81,5 +92,6 @@ struct Ops {
 }  // namespace
 
 PrefillTaskFn PrefillTaskAvx2(DType dtype) { return TaskFor(dtype); }
+DecodeFns DecodeAvx2() { return DecodeTaskFns(); }
 
 }  // namespace kvpool::kernels::cpu::internal
