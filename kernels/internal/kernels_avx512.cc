@@ -88,11 +88,13 @@ struct Ops {
     }
   }
   template <DType kType>
-  static void Widen8(const char* p, float* dst) {
-    _mm256_storeu_ps(dst, Load8Avx<kType>(p));
+  static void WidenRow(const char* src, int n, float* dst) {
+    WidenRowAvx<kType>(src, n, dst);
   }
-  static void Transpose8x8(const float* src, int64_t src_stride, float* dst, int64_t dst_stride) {
-    Transpose8x8Avx(src, src_stride, dst, dst_stride);
+  template <DType kType>
+  static void WidenTranspose8x8(const char* const* rows, int64_t offset, float* dst,
+                                int64_t dst_stride) {
+    WidenTranspose8x8Avx<kType>(rows, offset, dst, dst_stride);
   }
   static void PrefetchL2(const char* p) { _mm_prefetch(p, _MM_HINT_T1); }
 };

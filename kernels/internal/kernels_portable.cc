@@ -70,15 +70,19 @@ struct Ops {
     return Map([p](int i) { return LoadAsFloat(p + i * DTypeSize(kType), kType); });
   }
   template <DType kType>
-  static void Widen8(const char* p, float* dst) {
-    for (int i = 0; i < 8; ++i) dst[i] = LoadAsFloat(p + i * DTypeSize(kType), kType);
+  static void WidenRow(const char* src, int n, float* dst) {
+    for (int i = 0; i < n; ++i) dst[i] = LoadAsFloat(src + i * DTypeSize(kType), kType);
   }
-  static void PrefetchL2(const char* p) { __builtin_prefetch(p, 0, 2); }
-  static void Transpose8x8(const float* src, int64_t src_stride, float* dst, int64_t dst_stride) {
+  template <DType kType>
+  static void WidenTranspose8x8(const char* const* rows, int64_t offset, float* dst,
+                                int64_t dst_stride) {
     for (int i = 0; i < 8; ++i) {
-      for (int j = 0; j < 8; ++j) dst[j * dst_stride + i] = src[i * src_stride + j];
+      for (int j = 0; j < 8; ++j) {
+        dst[j * dst_stride + i] = LoadAsFloat(rows[i] + offset + j * DTypeSize(kType), kType);
+      }
     }
   }
+  static void PrefetchL2(const char* p) { __builtin_prefetch(p, 0, 2); }
 };
 
 #include "kernels/internal/decode_tile.inc"

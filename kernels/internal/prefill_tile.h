@@ -17,8 +17,9 @@
 // the rows: the keys a row block sees end at its last row's limit.
 //
 // One implementation (prefill_tile.inc), instantiated per instruction set and KV dtype:
-// prefill_portable.cc, prefill_avx2.cc and prefill_avx512.cc. A new KV format (8-bit, say) is a
-// Widen8 in each set's Ops: the gather is the only place that reads the pool.
+// kernels_portable.cc, kernels_avx2.cc and kernels_avx512.cc. A new KV format (8-bit, say) is a
+// pair of loads in each set's Ops (WidenRow, WidenTranspose8x8; decode's LoadKv): the gather is
+// the only place that reads the pool.
 
 #include <cstdint>
 
@@ -35,10 +36,10 @@ inline constexpr int kPrefillRowPad = 8;  // a task's rows are padded to a multi
 // head_dim as the tile stores it: zero padded to a multiple of 32 (two AVX-512 vectors).
 constexpr int32_t PrefillPaddedDim(int32_t head_dim) { return (head_dim + 31) / 32 * 32; }
 
-// f32 scratch of one task: Q and O [rows][dp], K and V [keys][dp], Kᵀ [dp][keys], S [rows][keys].
+// f32 scratch of one task: Q and O [rows][dp], Kᵀ [dp][keys], V [keys][dp], S [rows][keys].
 constexpr int64_t PrefillScratchFloats(int32_t head_dim) {
   const int64_t dp = PrefillPaddedDim(head_dim);
-  return 2 * kPrefillRows * dp + 3 * kPrefillKeys * dp + int64_t{kPrefillRows} * kPrefillKeys;
+  return 2 * kPrefillRows * dp + 2 * kPrefillKeys * dp + int64_t{kPrefillRows} * kPrefillKeys;
 }
 
 struct PrefillTask {
