@@ -369,9 +369,12 @@ void BM_InProcessPrefill(benchmark::State& state) {
   }
   const auto reused = static_cast<size_t>(state.range(0));
   const auto fresh = static_cast<size_t>(state.range(1));
+  // The prefix is the same in every run (and repetition); new tokens never repeat across them.
+  static uint32_t runs = 0;
   std::mt19937 rng(static_cast<uint32_t>(reused * 7919 + fresh));
   std::vector<int32_t> prompt(reused + fresh);
   for (int32_t& t : prompt) t = static_cast<int32_t>(rng() % 8192);
+  rng.seed(static_cast<uint32_t>(reused * 7919 + fresh) + 104729 * ++runs);
   absl::Status status;
   if (reused > 0) {  // publish the prefix
     auto first = (*engine)->Prefill(SequenceId(0), std::span(prompt).first(reused));
