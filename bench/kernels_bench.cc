@@ -296,7 +296,7 @@ int main(int argc, char** argv) {
   for (int ctx : {512, 1024, 2048, 4096, 8192, 16384}) {
     pairs.push_back({fmt::format("paged/dense decode throughput, ctx {}", ctx),
                      fmt::format("BM_PagedDecode/{}/real_time", ctx),
-                     fmt::format("BM_DenseDecode/{}/real_time", ctx), 0.9});
+                     fmt::format("BM_DenseDecode/{}/real_time", ctx), 0.95});
   }
   for (int ctx : {512, 1024, 2048, 4096, 8192, 16384}) {
     pairs.push_back({fmt::format("paged KV bytes/s / STREAM read, ctx {}", ctx),
