@@ -1,13 +1,20 @@
-// CPU decode attention against the machine's memory bandwidth.
+// CPU attention kernels: decode against the machine's memory bandwidth, prefill against the
+// decode kernel run the way the model ran prefills before the tiled kernel.
 //
-//   build/release/bench/kernels_bench --benchmark_repetitions=3
+//   build/release/bench/kernels_bench --benchmark_repetitions=5
+//   (add --benchmark_enable_random_interleaving=true on a shared machine)
 //
-// Llama-3-8B-like head shape (32 query heads, 8 KV heads, head_dim 128, bf16 KV), one layer,
-// a batch of 2 sequences, contexts 512 ... 16k:
+// Decode: Llama-3-8B-like head shape (32 query heads, 8 KV heads, head_dim 128, bf16 KV), one
+// layer, a batch of 2 sequences, contexts 512 ... 16k:
 //   - paged (block size 16, blocks shuffled across the pool) beside dense (contiguous) K/V: the
 //     cost of paging;
 //   - KV bytes read per second beside a STREAM-like read of this machine in the same run (both
 //     on all cores): how close decode gets to the memory's limit.
+// Prefill: 200 new tokens over 1,400 reused (one sequence, block size 16, bf16 KV), Llama-3-8B
+// heads (/0) and kvpoold's tiny model's (/1: 8 query heads, 4 KV heads, head_dim 64):
+//   - BM_PrefillTiled: PagedAttentionPrefill;
+//   - BM_PrefillAsDecode: PagedAttentionDecode with one pseudo-sequence per new token (length
+//     position + 1, the sequence's table), what the model did before.
 
 #include <immintrin.h>
 
@@ -139,6 +146,99 @@ void BM_DenseDecode(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * w.kv_bytes);
 }
 
+// One sequence of kReused + kFresh tokens in shuffled blocks, and the queries of its last kFresh.
+struct PrefillWorkload {
+  static constexpr int32_t kReused = 1400;
+  static constexpr int32_t kFresh = 200;
+
+  explicit PrefillWorkload(int shape) {
+    const bool tiny = shape == 1;
+    q_heads = tiny ? 8 : kQHeads;
+    const int32_t len = kReused + kFresh;
+    layout = PoolLayout{.block_size = kBlock,
+                        .num_layers = 1,
+                        .num_kv_heads = tiny ? 4 : kKvHeads,
+                        .head_dim = tiny ? 64 : kDim,
+                        .dtype = kType,
+                        .num_blocks = (len + kBlock - 1) / kBlock};
+    arena.reset(
+        static_cast<char*>(std::aligned_alloc(64, static_cast<size_t>(layout.arena_bytes()))));
+    FillRandom(arena.get(), layout.arena_bytes(), 3);
+    table.resize(static_cast<size_t>(layout.num_blocks));
+    std::iota(table.begin(), table.end(), 0);
+    std::shuffle(table.begin(), table.end(), std::mt19937(7));
+    q.assign(static_cast<size_t>(kFresh) * q_heads * layout.head_dim, 0.01f);
+    out.assign(q.size(), 0);
+    for (int32_t i = 0; i < kFresh; ++i) {
+      pseudo_lens.push_back(kReused + i + 1);
+      pseudo_tables.insert(pseudo_tables.end(), table.begin(), table.end());
+    }
+    workspace.resize(static_cast<size_t>(cpu::PrefillWorkspaceBytes(layout, Threads().threads())));
+  }
+
+  PoolLayout layout;
+  int32_t q_heads = 0;
+  std::unique_ptr<char, decltype(&std::free)> arena{nullptr, &std::free};
+  std::vector<int32_t> table;
+  std::vector<float> q, out;
+  std::vector<int32_t> pseudo_lens, pseudo_tables;  // [kFresh], [kFresh][blocks]
+  std::vector<char> workspace;
+};
+
+PrefillWorkload& GetPrefillWorkload(int shape) {
+  static std::map<int, std::unique_ptr<PrefillWorkload>> cache;
+  auto& w = cache[shape];
+  if (!w) w = std::make_unique<PrefillWorkload>(shape);
+  return *w;
+}
+
+void BM_PrefillTiled(benchmark::State& state) {
+  PrefillWorkload& w = GetPrefillWorkload(static_cast<int>(state.range(0)));
+  const KvPoolView pool{w.arena.get(), w.layout};
+  const int32_t len = PrefillWorkload::kReused + PrefillWorkload::kFresh;
+  const int32_t q_starts[2] = {0, PrefillWorkload::kFresh};
+  const PrefillArgs args{.layer = 0,
+                         .num_seqs = 1,
+                         .num_q_heads = w.q_heads,
+                         .scale = 0.125f,
+                         .q = w.q.data(),
+                         .out = w.out.data(),
+                         .q_starts = q_starts,
+                         .block_tables = w.table.data(),
+                         .table_stride = w.layout.num_blocks,
+                         .seq_lens = &len,
+                         .max_seq_len = len,
+                         .max_q_len = PrefillWorkload::kFresh,
+                         .workspace = w.workspace.data(),
+                         .workspace_bytes = static_cast<int64_t>(w.workspace.size())};
+  for (auto _ : state) KVPOOL_CHECK_OK(cpu::PagedAttentionPrefill(pool, args, &Threads()));
+  state.counters["tokens/s"] =
+      benchmark::Counter(static_cast<double>(state.iterations() * PrefillWorkload::kFresh),
+                         benchmark::Counter::kIsRate);
+}
+
+void BM_PrefillAsDecode(benchmark::State& state) {
+  PrefillWorkload& w = GetPrefillWorkload(static_cast<int>(state.range(0)));
+  const KvPoolView pool{w.arena.get(), w.layout};
+  const DecodeArgs args{.layer = 0,
+                        .num_seqs = PrefillWorkload::kFresh,
+                        .num_q_heads = w.q_heads,
+                        .scale = 0.125f,
+                        .q = w.q.data(),
+                        .out = w.out.data(),
+                        .block_tables = w.pseudo_tables.data(),
+                        .table_stride = w.layout.num_blocks,
+                        .seq_lens = w.pseudo_lens.data(),
+                        .max_seq_len = PrefillWorkload::kReused + PrefillWorkload::kFresh};
+  for (auto _ : state) KVPOOL_CHECK_OK(cpu::PagedAttentionDecode(pool, args, &Threads()));
+  state.counters["tokens/s"] =
+      benchmark::Counter(static_cast<double>(state.iterations() * PrefillWorkload::kFresh),
+                         benchmark::Counter::kIsRate);
+}
+
+BENCHMARK(BM_PrefillTiled)->Arg(0)->Arg(1)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_PrefillAsDecode)->Arg(0)->Arg(1)->UseRealTime()->Unit(benchmark::kMillisecond);
+
 #define KVPOOL_CONTEXTS ->Arg(512)->Arg(1024)->Arg(2048)->Arg(4096)->Arg(8192)->Arg(16384)
 BENCHMARK(BM_PagedDecode) KVPOOL_CONTEXTS->UseRealTime();
 BENCHMARK(BM_DenseDecode) KVPOOL_CONTEXTS->UseRealTime();
@@ -196,12 +296,18 @@ int main(int argc, char** argv) {
   for (int ctx : {512, 1024, 2048, 4096, 8192, 16384}) {
     pairs.push_back({fmt::format("paged/dense decode throughput, ctx {}", ctx),
                      fmt::format("BM_PagedDecode/{}/real_time", ctx),
-                     fmt::format("BM_DenseDecode/{}/real_time", ctx), 0.9});
+                     fmt::format("BM_DenseDecode/{}/real_time", ctx), 0.95});
   }
   for (int ctx : {512, 1024, 2048, 4096, 8192, 16384}) {
     pairs.push_back({fmt::format("paged KV bytes/s / STREAM read, ctx {}", ctx),
                      fmt::format("BM_PagedDecode/{}/real_time", ctx), "BM_StreamRead/real_time",
                      ctx >= 4096 ? 0.6 : 0, RatioPair::Compare::kBandwidth});
+  }
+  for (int shape : {0, 1}) {
+    pairs.push_back({fmt::format("prefill 200 over 1400: tiled/as-decode, {}",
+                                 shape == 0 ? "llama3-8b heads" : "tiny heads"),
+                     fmt::format("BM_PrefillTiled/{}/real_time", shape),
+                     fmt::format("BM_PrefillAsDecode/{}/real_time", shape), 2.0});
   }
   return kvpool::bench::RunWithRatios(argc, argv, pairs);
 }

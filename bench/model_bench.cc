@@ -14,6 +14,15 @@
 //   Before the daemon is timed, its greedy tokens for one prompt must equal this process's.
 //   Counters: tokens/s; context (mean tokens per sequence); model_ms (the daemon's own time in
 //   Model::Step per step, from GetStats: the rest of the daemon's time is the round trip).
+// - BM_InProcessPrefill/reused/new: one prefill step of `new` prompt tokens after `reused` ones
+//   the prefix cache holds (published once, outside the timing), through LocalEngine::Prefill;
+//   each iteration's new tokens are drawn afresh (a prefill publishes its blocks), and its
+//   sequence is freed outside the timing. tokens/s counts the new tokens. 200 over 1400 is a
+//   typical later turn of the main job's conversations.
+// - BM_HostGemm/impl/m: the host model's prefill-sized product, y[m][2816] = x[m][512] · Wᵀ (the
+//   tiny model's gate/up projection), impl 0 through internal/gemm.h on this processor's vector
+//   code, impl 1 through OpenBLAS's cblas_sgemm (what Gemm falls back to without AVX2, and what
+//   the model used before). Counter: GFLOP/s.
 // - BM_DaemonEightClients{Gathered,Separate}: eight sessions (one thread and one Client each)
 //   decoding one sequence each; an iteration is one Decode per thread, and the time per
 //   iteration is per token over all eight. Gathered runs with the default gather window (one
@@ -34,6 +43,9 @@
 #include "bench/ratio_reporter.h"
 #include "benchmark/benchmark.h"
 #include "client/client.h"
+#include "kernels/cpu_isa.h"
+#include "kernels/thread_pool.h"
+#include "model/internal/gemm.h"
 #include "model/local_engine.h"
 #include "model/weights.h"
 #include "tests/integration/harness.h"
@@ -349,6 +361,89 @@ BENCHMARK(BM_DaemonDecode)
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 
+void BM_InProcessPrefill(benchmark::State& state) {
+  absl::StatusOr<model::LocalEngine*> engine = Shared::Get().Engine();
+  if (!engine.ok()) {
+    state.SkipWithError(engine.status().ToString().c_str());
+    return;
+  }
+  const auto reused = static_cast<size_t>(state.range(0));
+  const auto fresh = static_cast<size_t>(state.range(1));
+  // The prefix is the same in every run (and repetition); new tokens never repeat across them.
+  static uint32_t runs = 0;
+  std::mt19937 rng(static_cast<uint32_t>(reused * 7919 + fresh));
+  std::vector<int32_t> prompt(reused + fresh);
+  for (int32_t& t : prompt) t = static_cast<int32_t>(rng() % 8192);
+  rng.seed(static_cast<uint32_t>(reused * 7919 + fresh) + 104729 * ++runs);
+  absl::Status status;
+  if (reused > 0) {  // publish the prefix
+    auto first = (*engine)->Prefill(SequenceId(0), std::span(prompt).first(reused));
+    status = first.ok() ? (*engine)->Free(first->sequence, /*commit=*/true) : first.status();
+  }
+  int64_t got_reused = 0;
+  for (auto _ : state) {
+    if (!status.ok()) break;
+    state.PauseTiming();
+    for (size_t i = reused; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(rng() % 8192);
+    state.ResumeTiming();
+    absl::StatusOr<model::LocalEngine::PrefillResult> r = (*engine)->Prefill(SequenceId(0), prompt);
+    if (!r.ok()) {
+      status = r.status();
+      break;
+    }
+    got_reused = r->reused;
+    state.PauseTiming();
+    status = (*engine)->Free(r->sequence, /*commit=*/false);
+    state.ResumeTiming();
+  }
+  if (!status.ok()) {
+    state.SkipWithError(status.ToString().c_str());
+    return;
+  }
+  if (got_reused != static_cast<int64_t>(reused)) {
+    state.SkipWithError(absl::StrCat("reused ", got_reused, " tokens, not ", reused).c_str());
+    return;
+  }
+  state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(state.iterations() * fresh),
+                                                  benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_InProcessPrefill)
+    ->ArgNames({"reused", "new"})
+    ->Args({1400, 200})
+    ->Args({1000, 500})
+    ->Args({0, 500})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+
+void BM_HostGemm(benchmark::State& state) {
+  constexpr int32_t kOut = 2816, kIn = 512;
+  const bool openblas = state.range(0) == 1;
+  const auto m = static_cast<int32_t>(state.range(1));
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> u(-1, 1);
+  std::vector<float> x(static_cast<size_t>(m) * kIn), w(static_cast<size_t>(kOut) * kIn);
+  for (float& v : x) v = u(rng);
+  for (float& v : w) v = u(rng);
+  std::vector<float> y(static_cast<size_t>(m) * kOut);
+  std::vector<float> scratch(static_cast<size_t>(model::internal::GemmScratchFloats(m, kIn)));
+  static kernels::ThreadPool threads(0);
+  kernels::cpu::LimitKernelIsaForTesting(openblas ? kernels::cpu::Isa::kPortable
+                                                  : kernels::cpu::Isa::kAvx512);
+  for (auto _ : state) {
+    model::internal::Gemm(x.data(), m, w.data(), kOut, kIn, y.data(), false, scratch.data(),
+                          &threads);
+  }
+  kernels::cpu::LimitKernelIsaForTesting(kernels::cpu::Isa::kAvx512);
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(2.0 * m * kOut * kIn * static_cast<double>(state.iterations()) / 1e9,
+                         benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_HostGemm)
+    ->ArgNames({"openblas", "m"})
+    ->ArgsProduct({{0, 1}, {64, 200, 500}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+
 // One of kClients threads, each its own session decoding prompt thread_index(). Every thread
 // goes through the loop (zero iterations after an error) so the start barrier is kept.
 void EightClients(benchmark::State& state, Gathering g) {
@@ -391,6 +486,8 @@ int main(int argc, char** argv) {
            "BM_InProcessDecode/batch:1/real_time", 0.9},
           {"decode batch 8: daemon vs in-process", "BM_DaemonDecode/batch:8/real_time",
            "BM_InProcessDecode/batch:8/real_time", 0.9},
+          {"host gemm m=200: ours vs OpenBLAS", "BM_HostGemm/openblas:0/m:200/real_time",
+           "BM_HostGemm/openblas:1/m:200/real_time", 0},
           // Both report time per token over all eight clients.
           {"gathering gain (8 clients x batch 1)",
            "BM_DaemonEightClientsGathered/real_time/threads:8",

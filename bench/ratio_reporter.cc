@@ -3,11 +3,18 @@
 #include <algorithm>
 #include <cstdio>
 #include <map>
+#include <vector>
 
 #include "benchmark/benchmark.h"
 
 namespace kvpool::bench {
 namespace {
+
+// One repetition of one benchmark.
+struct Rep {
+  double ns = 0;                // real time per iteration
+  double bytes_per_second = 0;  // 0 unless the benchmark sets it
+};
 
 class RecordingReporter final : public benchmark::ConsoleReporter {
  public:
@@ -15,24 +22,37 @@ class RecordingReporter final : public benchmark::ConsoleReporter {
     ConsoleReporter::ReportRuns(runs);
     for (const Run& run : runs) {
       if (run.run_type != Run::RT_Iteration || run.error_occurred) continue;
-      const double ns =
-          run.GetAdjustedRealTime() / benchmark::GetTimeUnitMultiplier(run.time_unit) * 1e9;
-      auto [it, inserted] = best_ns_.emplace(run.benchmark_name(), ns);
-      if (!inserted) it->second = std::min(it->second, ns);
+      Rep rep;
+      rep.ns = run.GetAdjustedRealTime() / benchmark::GetTimeUnitMultiplier(run.time_unit) * 1e9;
       if (auto bps = run.counters.find("bytes_per_second"); bps != run.counters.end()) {
-        auto [jt, fresh] = best_bps_.emplace(run.benchmark_name(), bps->second.value);
-        if (!fresh) jt->second = std::max(jt->second, static_cast<double>(bps->second.value));
+        rep.bytes_per_second = bps->second.value;
       }
+      reps_[run.benchmark_name()][std::max<int64_t>(run.repetition_index, 0)] = rep;
     }
   }
 
-  const std::map<std::string, double>& best_ns() const { return best_ns_; }
-  const std::map<std::string, double>& best_bps() const { return best_bps_; }
+  // Per benchmark, its repetitions by index.
+  const std::map<std::string, std::map<int64_t, Rep>>& reps() const { return reps_; }
 
  private:
-  std::map<std::string, double> best_ns_;
-  std::map<std::string, double> best_bps_;  // bytes per second, when the benchmark sets it
+  std::map<std::string, std::map<int64_t, Rep>> reps_;
 };
+
+// The throughput ratio of `ours` to `base` (higher is better for ours).
+double Ratio(const Rep& ours, const Rep& base, RatioPair::Compare compare) {
+  return compare == RatioPair::Compare::kBandwidth ? ours.bytes_per_second / base.bytes_per_second
+                                                   : base.ns / ours.ns;
+}
+
+// The best repetition: least time (most bytes/s for bandwidth pairs).
+Rep Best(const std::map<int64_t, Rep>& reps) {
+  Rep best = reps.begin()->second;
+  for (const auto& [index, rep] : reps) {
+    best.ns = std::min(best.ns, rep.ns);
+    best.bytes_per_second = std::max(best.bytes_per_second, rep.bytes_per_second);
+  }
+  return best;
+}
 
 }  // namespace
 
@@ -46,37 +66,46 @@ int RunWithRatios(int argc, char** argv, const std::vector<RatioPair>& pairs) {
   benchmark::RunSpecifiedBenchmarks(&reporter);
   benchmark::Shutdown();
 
-  const auto& best = reporter.best_ns();
+  const auto& reps = reporter.reps();
   bool missing = false;
-  std::printf("\n%-44s %12s %12s %10s %8s\n", "ratio (same run)", "ours ns/op", "base ns/op",
-              "base/ours", "target");
+  std::printf("\n%-44s %12s %12s %10s %20s %8s\n", "ratio (same run)", "ours ns/op", "base ns/op",
+              "base/ours", "per rep min/med/max", "target");
   for (const RatioPair& pair : pairs) {
-    auto ours = best.find(pair.ours);
-    auto base = best.find(pair.baseline);
-    if (ours == best.end() || base == best.end()) {
+    auto ours = reps.find(pair.ours);
+    auto base = reps.find(pair.baseline);
+    if (ours == reps.end() || base == reps.end()) {
       // Filtered out with --benchmark_filter: say so rather than invent a number.
       std::printf("%-44s %12s %12s %10s\n", pair.label.c_str(), "-", "-", "not run");
       missing = true;
       continue;
     }
-    double ratio = base->second / ours->second;
-    if (pair.compare == RatioPair::Compare::kBandwidth) {
-      auto ours_bps = reporter.best_bps().find(pair.ours);
-      auto base_bps = reporter.best_bps().find(pair.baseline);
-      if (ours_bps == reporter.best_bps().end() || base_bps == reporter.best_bps().end()) {
-        std::printf("%-44s %12s %12s %10s\n", pair.label.c_str(), "-", "-", "no bytes/s");
-        missing = true;
-        continue;
-      }
-      ratio = ours_bps->second / base_bps->second;
+    const Rep best_ours = Best(ours->second), best_base = Best(base->second);
+    if (pair.compare == RatioPair::Compare::kBandwidth &&
+        (best_ours.bytes_per_second <= 0 || best_base.bytes_per_second <= 0)) {
+      std::printf("%-44s %12s %12s %10s\n", pair.label.c_str(), "-", "-", "no bytes/s");
+      missing = true;
+      continue;
+    }
+    const double ratio = Ratio(best_ours, best_base, pair.compare);
+    // Repetition i of ours against repetition i of the baseline.
+    std::vector<double> per_rep;
+    for (const auto& [index, rep] : ours->second) {
+      auto other = base->second.find(index);
+      if (other != base->second.end()) per_rep.push_back(Ratio(rep, other->second, pair.compare));
+    }
+    std::sort(per_rep.begin(), per_rep.end());
+    char spread[48] = "-";
+    if (per_rep.size() > 1) {
+      std::snprintf(spread, sizeof(spread), "%.3f/%.3f/%.3f", per_rep.front(),
+                    per_rep[per_rep.size() / 2], per_rep.back());
     }
     char target[32] = "-";
     if (pair.target > 0) {
       std::snprintf(target, sizeof(target), ">=%.2f%s", pair.target,
                     ratio >= pair.target ? "" : " MISS");
     }
-    std::printf("%-44s %12.2f %12.2f %10.3f %8s\n", pair.label.c_str(), ours->second, base->second,
-                ratio, target);
+    std::printf("%-44s %12.2f %12.2f %10.3f %20s %8s\n", pair.label.c_str(), best_ours.ns,
+                best_base.ns, ratio, spread, target);
   }
   return missing && !filtered ? 1 : 0;
 }

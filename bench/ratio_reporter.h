@@ -3,7 +3,9 @@
 // Runs the registered Google Benchmarks and then prints, for each declared pair, our time beside
 // a baseline measured in the same run and the throughput ratio (baseline time / our time). With
 // --benchmark_repetitions=N the best repetition of each counts (the least disturbed on a shared
-// machine).
+// machine), and the spread of the ratio is printed beside it: min / median / max over the
+// repetitions, each repetition of ours paired with the same repetition of the baseline (with
+// --benchmark_enable_random_interleaving=true the two ran in the same round, close in time).
 
 #include <cstdint>
 #include <string>

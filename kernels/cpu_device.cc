@@ -231,6 +231,21 @@ absl::StatusOr<Fence> CpuDevice::PagedAttentionDecode(StreamId stream, const KvP
   return (*s)->Enqueue([=] { return cpu::PagedAttentionDecode(pool, args, threads); });
 }
 
+absl::StatusOr<Fence> CpuDevice::PagedAttentionPrefill(StreamId stream, const KvPoolView& pool,
+                                                       const PrefillArgs& args) {
+  if (absl::Status v = ValidatePrefill(pool, args, PrefillWorkspaceBytes(pool.layout)); !v.ok()) {
+    return v;
+  }
+  absl::StatusOr<Stream*> s = GetStream(stream);
+  if (!s.ok()) return s.status();
+  ThreadPool* threads = stream == StreamId::kCompute ? &threads_ : nullptr;
+  return (*s)->Enqueue([=] { return cpu::PagedAttentionPrefill(pool, args, threads); });
+}
+
+int64_t CpuDevice::PrefillWorkspaceBytes(const PoolLayout& layout) const {
+  return cpu::PrefillWorkspaceBytes(layout, threads_.threads());
+}
+
 absl::StatusOr<Fence> CpuDevice::EnqueueHostTask(StreamId stream, std::function<void()> task) {
   if (!task) return absl::InvalidArgumentError("empty host task");
   absl::StatusOr<Stream*> s = GetStream(stream);

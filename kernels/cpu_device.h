@@ -46,11 +46,15 @@ class CpuDevice final : public Device {
                                 const WriteKvArgs& args) override;
   absl::StatusOr<Fence> PagedAttentionDecode(StreamId stream, const KvPoolView& pool,
                                              const DecodeArgs& args) override;
+  absl::StatusOr<Fence> PagedAttentionPrefill(StreamId stream, const KvPoolView& pool,
+                                              const PrefillArgs& args) override;
   absl::StatusOr<Fence> EnqueueHostTask(StreamId stream, std::function<void()> task) override;
   int64_t DecodeWorkspaceBytes(const PoolLayout& layout, int32_t num_seqs, int32_t num_q_heads,
                                int32_t max_seq_len) const override {
     return 0;
   }
+  // A slice per kernel thread (cpu::PrefillWorkspaceBytes).
+  int64_t PrefillWorkspaceBytes(const PoolLayout& layout) const override;
   absl::Status StreamWait(StreamId waiter, Fence fence) override;
   absl::Status Synchronize(Fence fence) override;
   absl::Status SynchronizeAll() override;

@@ -12,6 +12,9 @@
 
 namespace kvpool::kernels::cpu {
 
+// The attention kernels' largest head_dim.
+inline constexpr int32_t kMaxAttentionHeadDim = 512;
+
 // All take host pointers. `threads` may be null (run on the caller). Errors: INVALID_ARGUMENT
 // for bad arguments, including out-of-range block ids or slots (nothing is written then).
 absl::Status WriteKv(const KvPoolView& pool, const WriteKvArgs& args);
@@ -19,6 +22,16 @@ absl::Status CopyBlocks(const KvPoolView& pool, const CopyBlocksArgs& args);
 absl::Status FillBlocks(const KvPoolView& pool, const FillBlocksArgs& args);
 absl::Status PagedAttentionDecode(const KvPoolView& pool, const DecodeArgs& args,
                                   ThreadPool* threads);
+
+// Prefill attention (kernel_args.h: PrefillArgs) in tiles of query tokens against chunks of
+// paged K/V with an online softmax (cpu_prefill.cc). Results equal PagedAttentionDecode's with
+// one pseudo-sequence per query, within float rounding. args.workspace must hold
+// PrefillWorkspaceBytes(pool.layout, threads ? threads->threads() : 1) bytes (any alignment): a
+// slice per worker. Errors: INVALID_ARGUMENT as above, also for a small workspace or a head_dim
+// above kMaxAttentionHeadDim (nothing is written then).
+absl::Status PagedAttentionPrefill(const KvPoolView& pool, const PrefillArgs& args,
+                                   ThreadPool* threads);
+int64_t PrefillWorkspaceBytes(const PoolLayout& layout, int threads);
 
 // Decode against contiguous K/V: sequence i's keys are k[i] = [seq_lens[i]][num_kv_heads][head_dim]
 // (values likewise). The same vectorized code as the paged kernel, so paged/dense measures the

@@ -95,6 +95,9 @@ class Device : public FenceObserver {
                                         const WriteKvArgs& args) = 0;
   virtual absl::StatusOr<Fence> PagedAttentionDecode(StreamId stream, const KvPoolView& pool,
                                                      const DecodeArgs& args) = 0;
+  // Several new tokens per sequence, causal (kernel_args.h: PrefillArgs).
+  virtual absl::StatusOr<Fence> PagedAttentionPrefill(StreamId stream, const KvPoolView& pool,
+                                                      const PrefillArgs& args) = 0;
   // Runs `task` on the host once everything before it on `stream` is done (a completion
   // callback; on the CPU device, arbitrary host work in stream order).
   virtual absl::StatusOr<Fence> EnqueueHostTask(StreamId stream, std::function<void()> task) = 0;
@@ -102,6 +105,8 @@ class Device : public FenceObserver {
   // Workspace PagedAttentionDecode needs for this shape.
   virtual int64_t DecodeWorkspaceBytes(const PoolLayout& layout, int32_t num_seqs,
                                        int32_t num_q_heads, int32_t max_seq_len) const = 0;
+  // Workspace PagedAttentionPrefill needs over pools of this layout (any stream, any shape).
+  virtual int64_t PrefillWorkspaceBytes(const PoolLayout& layout) const = 0;
 
   // Later work on `waiter` starts only after `fence` has passed.
   virtual absl::Status StreamWait(StreamId waiter, Fence fence) = 0;

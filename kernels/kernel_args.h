@@ -33,6 +33,29 @@ struct DecodeArgs {
   int64_t workspace_bytes = 0;
 };
 
+// Several new query tokens per sequence (a prefill chunk) against the sequence's paged K/V,
+// causal: sequence s has q_len(s) = q_starts[s + 1] - q_starts[s] new tokens, the last q_len(s)
+// of its seq_lens[s] tokens (their K/V already written), and its query i, at position
+// seq_lens[s] - q_len(s) + i, attends to positions [0, seq_lens[s] - q_len(s) + i]. The result
+// equals PagedAttentionDecode with one pseudo-sequence of that length per query; the K/V of the
+// pool are read once per query tile instead of once per query.
+struct PrefillArgs {
+  int32_t layer = 0;
+  int32_t num_seqs = 0;
+  int32_t num_q_heads = 0;                // a multiple of the pool's num_kv_heads
+  float scale = 0;                        // softmax scale, usually 1/sqrt(head_dim)
+  const float* q = nullptr;               // [q_starts[num_seqs]][num_q_heads][head_dim]
+  float* out = nullptr;                   // [q_starts[num_seqs]][num_q_heads][head_dim]
+  const int32_t* q_starts = nullptr;      // [num_seqs + 1]: sequence s's rows of q and out
+  const int32_t* block_tables = nullptr;  // [num_seqs][table_stride]
+  int32_t table_stride = 0;               // >= blocks of the longest sequence
+  const int32_t* seq_lens = nullptr;      // [num_seqs]; q_len(s) <= seq_lens[s] <= max_seq_len
+  int32_t max_seq_len = 0;                // >= every seq_lens[i]
+  int32_t max_q_len = 0;                  // >= every q_len(s) (sizes the CUDA grid)
+  void* workspace = nullptr;              // PrefillWorkspaceBytes() bytes (may be 0)
+  int64_t workspace_bytes = 0;
+};
+
 // Copy whole blocks (copy-on-write, tier moves).
 struct CopyBlocksArgs {
   int32_t num_pairs = 0;

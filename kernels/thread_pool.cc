@@ -16,7 +16,7 @@ struct WaitForJob {
 
 ThreadPool::ThreadPool(int threads) {
   if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+  for (int i = 1; i < threads; ++i) workers_.emplace_back([this, i] { WorkerLoop(i); });
 }
 
 ThreadPool::~ThreadPool() {
@@ -27,15 +27,15 @@ ThreadPool::~ThreadPool() {
   for (std::thread& t : workers_) t.join();
 }
 
-void ThreadPool::RunChunks() {
+void ThreadPool::RunChunks(int worker) {
   for (;;) {
     const int64_t begin = next_.fetch_add(grain_, std::memory_order_relaxed);
     if (begin >= n_) return;
-    (*fn_)(begin, std::min(n_, begin + grain_));
+    (*fn_)(worker, begin, std::min(n_, begin + grain_));
   }
 }
 
-void ThreadPool::WorkerLoop() {
+void ThreadPool::WorkerLoop(int worker) {
   WaitForJob wait{&stop_, &generation_, 0};
   for (;;) {
     {
@@ -45,7 +45,7 @@ void ThreadPool::WorkerLoop() {
       wait.seen = generation_;
       ++busy_;  // the job's parameters cannot change while busy_ > 0
     }
-    RunChunks();
+    RunChunks(worker);
     absl::MutexLock lock(&mu_);
     --busy_;
   }
@@ -53,10 +53,14 @@ void ThreadPool::WorkerLoop() {
 
 void ThreadPool::ParallelFor(int64_t n, int64_t grain,
                              const std::function<void(int64_t, int64_t)>& fn) {
+  ParallelForWorker(n, grain, [&fn](int, int64_t begin, int64_t end) { fn(begin, end); });
+}
+
+void ThreadPool::ParallelForWorker(int64_t n, int64_t grain, const WorkerFn& fn) {
   if (n <= 0) return;
   grain = std::max<int64_t>(1, grain);
   if (workers_.empty() || n <= grain) {
-    fn(0, n);
+    fn(0, 0, n);
     return;
   }
   {
@@ -70,7 +74,7 @@ void ThreadPool::ParallelFor(int64_t n, int64_t grain,
     next_.store(0, std::memory_order_relaxed);
     ++generation_;
   }
-  RunChunks();
+  RunChunks(0);
   // Every chunk has been taken; wait for the workers still running one.
   absl::MutexLock lock(&mu_);
   mu_.Await(absl::Condition(

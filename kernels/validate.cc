@@ -61,6 +61,44 @@ absl::Status ValidateDecode(const KvPoolView& pool, const DecodeArgs& a) {
   return absl::OkStatus();
 }
 
+absl::Status ValidatePrefill(const KvPoolView& pool, const PrefillArgs& a,
+                             int64_t workspace_needed) {
+  constexpr std::string_view kName = "PagedAttentionPrefill";
+  if (absl::Status s = CheckPool(kName, pool); !s.ok()) return s;
+  const PoolLayout& l = pool.layout;
+  if (a.layer < 0 || a.layer >= l.num_layers) {
+    return Bad(kName, fmt::format("layer {} outside [0, {})", a.layer, l.num_layers));
+  }
+  if (a.num_seqs < 0) return Bad(kName, "negative sequence count");
+  if (a.num_q_heads <= 0 || a.num_q_heads % l.num_kv_heads != 0) {
+    return Bad(kName, fmt::format("{} query heads is not a multiple of {} KV heads", a.num_q_heads,
+                                  l.num_kv_heads));
+  }
+  if (a.num_seqs == 0) return absl::OkStatus();
+  if (a.q == nullptr || a.out == nullptr || a.q_starts == nullptr || a.block_tables == nullptr ||
+      a.seq_lens == nullptr) {
+    return Bad(kName, "null q, out, q_starts, block_tables or seq_lens");
+  }
+  if (a.table_stride <= 0) return Bad(kName, "table_stride must be > 0");
+  if (a.max_seq_len <= 0 || a.max_seq_len > static_cast<int64_t>(a.table_stride) * l.block_size) {
+    return Bad(kName,
+               fmt::format("max_seq_len {} outside [1, table_stride * block_size = {}]",
+                           a.max_seq_len, static_cast<int64_t>(a.table_stride) * l.block_size));
+  }
+  if (a.max_q_len <= 0 || a.max_q_len > a.max_seq_len) {
+    return Bad(kName, fmt::format("max_q_len {} outside [1, max_seq_len = {}]", a.max_q_len,
+                                  a.max_seq_len));
+  }
+  if (a.workspace_bytes < 0 || (a.workspace_bytes > 0 && a.workspace == nullptr)) {
+    return Bad(kName, "bad workspace");
+  }
+  if (a.workspace_bytes < workspace_needed) {
+    return Bad(kName, fmt::format("workspace of {} bytes, {} needed (PrefillWorkspaceBytes)",
+                                  a.workspace_bytes, workspace_needed));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateCopyBlocks(const KvPoolView& pool, const CopyBlocksArgs& a) {
   if (absl::Status s = CheckPool("CopyBlocks", pool); !s.ok()) return s;
   if (a.num_pairs < 0 || (a.num_pairs > 0 && a.pairs == nullptr)) {

@@ -12,6 +12,9 @@ namespace kvpool::kernels {
 
 absl::Status ValidateWriteKv(const KvPoolView& pool, const WriteKvArgs& args);
 absl::Status ValidateDecode(const KvPoolView& pool, const DecodeArgs& args);
+// Also checks the workspace against `workspace_needed` (the backend's PrefillWorkspaceBytes).
+absl::Status ValidatePrefill(const KvPoolView& pool, const PrefillArgs& args,
+                             int64_t workspace_needed);
 absl::Status ValidateCopyBlocks(const KvPoolView& pool, const CopyBlocksArgs& args);
 absl::Status ValidateFillBlocks(const KvPoolView& pool, const FillBlocksArgs& args);
 

@@ -1,7 +1,5 @@
 #include "model/model.h"
 
-#include <cblas.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -14,31 +12,31 @@
 #include "kvpool/util/check.h"
 #include "kvpool/util/fmt.h"
 #include "kvpool/util/status_macros.h"
+#include "model/internal/gemm.h"
 #include "model/internal/logits.h"
 #include "model/internal/skinny_matmul.h"
+#include "model/internal/step_layout.h"
 
 namespace kvpool::model {
 
 // Buffers reused from step to step (they only grow).
 struct Model::Scratch {
-  std::vector<float> x;         // [tokens][hidden] the residual stream
-  std::vector<float> xn;        // [tokens][hidden] normalized
-  std::vector<float> qkv;       // [tokens][q + 2 kv]
-  std::vector<float> q;         // [tokens][heads][head_dim] rotated queries
-  std::vector<float> attn;      // [tokens][heads][head_dim] attention output
-  std::vector<char> k;          // [tokens][kv_heads][head_dim] in the pool's dtype
-  std::vector<char> v;          // same
-  std::vector<float> gate_up;   // [tokens][2 * intermediate]
-  std::vector<float> act;       // [tokens][intermediate]
-  std::vector<float> cos;       // [tokens][head_dim / 2]
-  std::vector<float> sin;       // same
-  std::vector<int64_t> slots;   // [tokens]
-  std::vector<int32_t> tables;  // [tokens][stride]
-  std::vector<int32_t> lens;    // [tokens]
-  std::vector<float> last;      // [items][hidden]
-  std::vector<float> logits;    // [items][vocab]
-  int32_t stride = 0;
-  int32_t max_len = 0;
+  std::vector<float> x;                 // [tokens][hidden] the residual stream
+  std::vector<float> xn;                // [tokens][hidden] normalized
+  std::vector<float> qkv;               // [tokens][q + 2 kv]
+  std::vector<float> q;                 // [tokens][heads][head_dim] rotated queries
+  std::vector<float> attn;              // [tokens][heads][head_dim] attention output
+  std::vector<char> k;                  // [tokens][kv_heads][head_dim] in the pool's dtype
+  std::vector<char> v;                  // same
+  std::vector<float> gate_up;           // [tokens][2 * intermediate]
+  std::vector<float> act;               // [tokens][intermediate]
+  std::vector<float> cos;               // [tokens][head_dim / 2]
+  std::vector<float> sin;               // same
+  std::vector<float> last;              // [items][hidden]
+  std::vector<float> logits;            // [items][vocab]
+  internal::StepLayout step;            // rows, tables and lengths of the step (decode items first)
+  std::vector<char> prefill_workspace;  // kernels::cpu::PrefillWorkspaceBytes
+  std::vector<float> gemm;              // internal::GemmScratchFloats
 };
 
 namespace {
@@ -46,19 +44,6 @@ namespace {
 template <typename T>
 void Reserve(std::vector<T>& v, size_t n) {
   if (v.size() < n) v.resize(n);
-}
-
-// y[rows][out] = x[rows][in] · W[out][in]ᵀ (+ y when accumulate): decode-sized products read
-// each weight once (internal/skinny_matmul.h), larger ones go to OpenBLAS.
-void Linear(const float* x, int64_t rows, const internal::HugeVector& w, int32_t out, int32_t in,
-            float* y, kernels::ThreadPool* threads, bool accumulate = false) {
-  if (rows <= internal::kMaxSkinnyRows) {
-    internal::SkinnyMatMul(x, static_cast<int32_t>(rows), w.data(), out, in, y, accumulate,
-                           threads);
-    return;
-  }
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(rows), out, in, 1.0f, x,
-              in, w.data(), in, accumulate ? 1.0f : 0.0f, y, out);
 }
 
 void RmsNorm(const float* x, int64_t rows, int32_t dim, const std::vector<float>& weight, float eps,
@@ -105,6 +90,22 @@ void Store(const float* src, int64_t n, kernels::DType dtype, char* dst) {
 
 }  // namespace
 
+// Decode-sized products read each weight once (internal/skinny_matmul.h), larger ones go through
+// internal/gemm.h.
+void Model::Linear(const float* x, int64_t rows, const internal::HugeVector& w, int32_t out,
+                   int32_t in, float* y, bool accumulate) {
+  if (rows <= internal::kMaxSkinnyRows) {
+    internal::SkinnyMatMul(x, static_cast<int32_t>(rows), w.data(), out, in, y, accumulate,
+                           &threads_);
+    return;
+  }
+  std::vector<float>& scratch = scratch_->gemm;
+  Reserve(scratch,
+          static_cast<size_t>(internal::GemmScratchFloats(static_cast<int32_t>(rows), in)));
+  internal::Gemm(x, static_cast<int32_t>(rows), w.data(), out, in, y, accumulate, scratch.data(),
+                 &threads_);
+}
+
 absl::StatusOr<std::unique_ptr<Model>> Model::Create(ModelWeights weights,
                                                      const kernels::PoolLayout& layout,
                                                      const Options& options) {
@@ -136,6 +137,8 @@ Model::Model(ModelWeights weights, const kernels::PoolLayout& layout, const Opti
     w_down_.push_back(stack({&L.w_down}));
   }
   head_ = stack({config_.tie_word_embeddings ? &weights_.embed : &weights_.lm_head});
+  scratch_->prefill_workspace.resize(
+      static_cast<size_t>(kernels::cpu::PrefillWorkspaceBytes(layout_, threads_.threads())));
   const int32_t half = config_.head_dim / 2;
   for (int32_t i = 0; i < half; ++i) {
     inv_freq_.push_back(static_cast<float>(
@@ -158,48 +161,30 @@ int64_t Model::weight_bytes() const {
 absl::Status Model::RunStep(const kernels::KvPoolView& pool, std::span<const StepItem> items,
                             const StepOptions& options, std::vector<ItemResult>* results) {
   const ModelConfig& c = config_;
-  const int32_t h = c.hidden_size, half = c.head_dim / 2, bs = layout_.block_size;
+  const int32_t h = c.hidden_size, half = c.head_dim / 2;
   Scratch& s = *scratch_;
 
-  // Lay the step's tokens out in item order and find each token's slot, table and length.
-  int64_t n = 0;
-  s.stride = 0;
-  s.max_len = 0;
-  for (const StepItem& it : items) {
-    n += static_cast<int64_t>(it.tokens.size());
-    const int64_t end = it.start + static_cast<int64_t>(it.tokens.size());
-    s.stride = std::max(s.stride, static_cast<int32_t>((end + bs - 1) / bs));
-    s.max_len = std::max(s.max_len, static_cast<int32_t>(end));
-  }
+  // Lay the step's tokens out (decode items first) with their embeddings and RoPE angles.
+  internal::PlanStepLayout(items, layout_.block_size, &s.step);
+  const int64_t n = s.step.num_tokens;
   const size_t nt = static_cast<size_t>(n);
   Reserve(s.x, nt * static_cast<size_t>(h));
   Reserve(s.xn, nt * static_cast<size_t>(h));
   Reserve(s.cos, nt * static_cast<size_t>(half));
   Reserve(s.sin, nt * static_cast<size_t>(half));
-  Reserve(s.slots, nt);
-  Reserve(s.lens, nt);
-  Reserve(s.tables, nt * static_cast<size_t>(s.stride));
   const float* embed = config_.tie_word_embeddings ? head_.data() : weights_.embed.data();
-  int64_t t = 0;
-  for (const StepItem& it : items) {
-    for (size_t j = 0; j < it.tokens.size(); ++j, ++t) {
-      const int64_t pos = it.start + static_cast<int64_t>(j);
-      std::memcpy(&s.x[static_cast<size_t>(t * h)],
-                  &embed[static_cast<size_t>(it.tokens[j]) * static_cast<size_t>(h)],
-                  static_cast<size_t>(h) * sizeof(float));
-      for (int32_t i = 0; i < half; ++i) {
-        // Angles in double: positions reach the tens of thousands.
-        const double angle = static_cast<double>(pos) * inv_freq_[static_cast<size_t>(i)];
-        s.cos[static_cast<size_t>(t * half + i)] = static_cast<float>(std::cos(angle));
-        s.sin[static_cast<size_t>(t * half + i)] = static_cast<float>(std::sin(angle));
-      }
-      s.slots[static_cast<size_t>(t)] =
-          static_cast<int64_t>(it.block_table[static_cast<size_t>(pos / bs)]) * bs + pos % bs;
-      s.lens[static_cast<size_t>(t)] = static_cast<int32_t>(pos + 1);
-      int32_t* table = &s.tables[static_cast<size_t>(t * s.stride)];
-      const size_t blocks = static_cast<size_t>((pos + 1 + bs - 1) / bs);
-      std::copy_n(it.block_table.begin(), blocks, table);
-      std::fill(table + blocks, table + s.stride, 0);
+  for (size_t t = 0; t < nt; ++t) {
+    std::memcpy(&s.x[t * static_cast<size_t>(h)],
+                &embed[static_cast<size_t>(s.step.tokens[t]) * static_cast<size_t>(h)],
+                static_cast<size_t>(h) * sizeof(float));
+    for (int32_t i = 0; i < half; ++i) {
+      // Angles in double: positions reach the tens of thousands.
+      const double angle =
+          static_cast<double>(s.step.positions[t]) * inv_freq_[static_cast<size_t>(i)];
+      s.cos[t * static_cast<size_t>(half) + static_cast<size_t>(i)] =
+          static_cast<float>(std::cos(angle));
+      s.sin[t * static_cast<size_t>(half) + static_cast<size_t>(i)] =
+          static_cast<float>(std::sin(angle));
     }
   }
 
@@ -209,14 +194,11 @@ absl::Status Model::RunStep(const kernels::KvPoolView& pool, std::span<const Ste
   const size_t ni = items.size();
   Reserve(s.last, ni * static_cast<size_t>(h));
   Reserve(s.logits, ni * static_cast<size_t>(c.vocab_size));
-  t = 0;
   for (size_t i = 0; i < ni; ++i) {
-    t += static_cast<int64_t>(items[i].tokens.size());
-    RmsNorm(&s.x[static_cast<size_t>((t - 1) * h)], 1, h, weights_.final_norm, c.rms_norm_eps,
-            &s.last[i * static_cast<size_t>(h)]);
+    RmsNorm(&s.x[static_cast<size_t>(s.step.last_rows[i]) * static_cast<size_t>(h)], 1, h,
+            weights_.final_norm, c.rms_norm_eps, &s.last[i * static_cast<size_t>(h)]);
   }
-  Linear(s.last.data(), static_cast<int64_t>(ni), head_, c.vocab_size, h, s.logits.data(),
-         &threads_);
+  Linear(s.last.data(), static_cast<int64_t>(ni), head_, c.vocab_size, h, s.logits.data());
 
   results->clear();
   results->resize(ni);
@@ -225,6 +207,49 @@ absl::Status Model::RunStep(const kernels::KvPoolView& pool, std::span<const Ste
                          &(*results)[i]);
   }
   return absl::OkStatus();
+}
+
+// Decode items through the decode kernel, prefill items through the tiled prefill kernel.
+void Model::Attention(int32_t layer, const kernels::KvPoolView& pool) {
+  const ModelConfig& c = config_;
+  Scratch& s = *scratch_;
+  const internal::StepLayout& L = s.step;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  const int64_t qd = int64_t{c.num_heads} * c.head_dim;
+  if (L.num_decode > 0) {
+    KVPOOL_CHECK_OK(kernels::cpu::PagedAttentionDecode(pool,
+                                                       {.layer = layer,
+                                                        .num_seqs = L.num_decode,
+                                                        .num_q_heads = c.num_heads,
+                                                        .scale = scale,
+                                                        .q = s.q.data(),
+                                                        .out = s.attn.data(),
+                                                        .block_tables = L.tables.data(),
+                                                        .table_stride = L.stride,
+                                                        .seq_lens = L.lens.data(),
+                                                        .max_seq_len = L.max_len},
+                                                       &threads_));
+  }
+  if (L.num_prefill > 0) {
+    const int64_t first = static_cast<int64_t>(L.num_decode);
+    KVPOOL_CHECK_OK(kernels::cpu::PagedAttentionPrefill(
+        pool,
+        {.layer = layer,
+         .num_seqs = L.num_prefill,
+         .num_q_heads = c.num_heads,
+         .scale = scale,
+         .q = s.q.data() + first * qd,
+         .out = s.attn.data() + first * qd,
+         .q_starts = L.q_starts.data(),
+         .block_tables = L.tables.data() + first * L.stride,
+         .table_stride = L.stride,
+         .seq_lens = L.lens.data() + first,
+         .max_seq_len = L.max_len,
+         .max_q_len = L.max_q_len,
+         .workspace = s.prefill_workspace.data(),
+         .workspace_bytes = static_cast<int64_t>(s.prefill_workspace.size())},
+        &threads_));
+  }
 }
 
 void Model::Layer(int32_t layer, const kernels::KvPoolView& pool, int64_t n) {
@@ -240,7 +265,7 @@ void Model::Layer(int32_t layer, const kernels::KvPoolView& pool, int64_t n) {
   // Attention.
   RmsNorm(s.x.data(), n, h, L.attn_norm, c.rms_norm_eps, s.xn.data());
   Reserve(s.qkv, nt * static_cast<size_t>(qkvd));
-  Linear(s.xn.data(), n, wqkv_[static_cast<size_t>(layer)], qkvd, h, s.qkv.data(), &threads_);
+  Linear(s.xn.data(), n, wqkv_[static_cast<size_t>(layer)], qkvd, h, s.qkv.data());
   Reserve(s.q, nt * static_cast<size_t>(qd));
   Reserve(s.attn, nt * static_cast<size_t>(qd));
   Reserve(s.k, nt * static_cast<size_t>(row));
@@ -262,36 +287,23 @@ void Model::Layer(int32_t layer, const kernels::KvPoolView& pool, int64_t n) {
                                                .num_tokens = static_cast<int32_t>(n),
                                                .k = s.k.data(),
                                                .v = s.v.data(),
-                                               .slots = s.slots.data()}));
-  KVPOOL_CHECK_OK(
-      kernels::cpu::PagedAttentionDecode(pool,
-                                         {.layer = layer,
-                                          .num_seqs = static_cast<int32_t>(n),
-                                          .num_q_heads = c.num_heads,
-                                          .scale = 1.0f / std::sqrt(static_cast<float>(hd)),
-                                          .q = s.q.data(),
-                                          .out = s.attn.data(),
-                                          .block_tables = s.tables.data(),
-                                          .table_stride = s.stride,
-                                          .seq_lens = s.lens.data(),
-                                          .max_seq_len = s.max_len},
-                                         &threads_));
-  Linear(s.attn.data(), n, wo_[static_cast<size_t>(layer)], h, qd, s.x.data(), &threads_,
+                                               .slots = s.step.slots.data()}));
+  Attention(layer, pool);
+  Linear(s.attn.data(), n, wo_[static_cast<size_t>(layer)], h, qd, s.x.data(),
          /*accumulate=*/true);
 
   // MLP.
   RmsNorm(s.x.data(), n, h, L.mlp_norm, c.rms_norm_eps, s.xn.data());
   Reserve(s.gate_up, nt * 2 * static_cast<size_t>(im));
   Reserve(s.act, nt * static_cast<size_t>(im));
-  Linear(s.xn.data(), n, w_gate_up_[static_cast<size_t>(layer)], 2 * im, h, s.gate_up.data(),
-         &threads_);
+  Linear(s.xn.data(), n, w_gate_up_[static_cast<size_t>(layer)], 2 * im, h, s.gate_up.data());
   for (size_t t = 0; t < nt; ++t) {
     const float* g = &s.gate_up[t * 2 * static_cast<size_t>(im)];
     const float* u = g + im;
     float* a = &s.act[t * static_cast<size_t>(im)];
     for (int32_t i = 0; i < im; ++i) a[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
   }
-  Linear(s.act.data(), n, w_down_[static_cast<size_t>(layer)], h, im, s.x.data(), &threads_,
+  Linear(s.act.data(), n, w_down_[static_cast<size_t>(layer)], h, im, s.x.data(),
          /*accumulate=*/true);
 }
 

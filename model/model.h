@@ -1,17 +1,19 @@
 #pragma once
 
 // Model: a Llama-architecture decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU MLP) whose
-// attention runs through the paged pool: new tokens' K/V go into their blocks with WriteKv, and
-// every query token attends with PagedAttentionDecode over its sequence's block table.
+// attention runs through the paged pool: new tokens' K/V go into their blocks with WriteKv, then
+// the queries attend over their sequences' block tables.
 //
 // One Step carries any mix of sequences and token counts: a decode item has one new token, a
 // prefill item the tokens the prefix cache did not match. The tokens of all items go through the
 // dense layers together ([tokens][hidden] · Wᵀ, one cblas_sgemm per projection), so a step of
-// eight sequences reads each weight once, not eight times. A prefill's token at position p
-// attends to positions [0, p] of its own table: the step runs it as a pseudo-sequence of length
-// p + 1 over the same table, after every new token's K/V has been written.
+// eight sequences reads each weight once, not eight times. Attention runs after every new
+// token's K/V has been written: decode items through PagedAttentionDecode, prefill items through
+// PagedAttentionPrefill (a token at position p attends to positions [0, p] of its own table;
+// tiles of tokens read each K/V chunk once). internal/step_layout.h orders the rows for that.
 //
-// Runs on the host (the CPU backend): matrix products through OpenBLAS, the KV kernels are
+// Runs on the host (the CPU backend): matrix products through internal/skinny_matmul.h (decode
+// steps) and internal/gemm.h (larger ones; OpenBLAS without AVX2), the KV kernels are
 // kernels::cpu. The pool memory must be host-visible.
 //
 // Thread-compatible: one Step at a time (the daemon runs steps in order on its runner thread).
@@ -56,7 +58,11 @@ class Model final : public StepModel {
 
   absl::Status RunStep(const kernels::KvPoolView& pool, std::span<const StepItem> items,
                        const StepOptions& options, std::vector<ItemResult>* results) override;
+  // y[rows][out] = x[rows][in] · W[out][in]ᵀ (+ y when accumulate).
+  void Linear(const float* x, int64_t rows, const internal::HugeVector& w, int32_t out, int32_t in,
+              float* y, bool accumulate = false);
   void Layer(int32_t layer, const kernels::KvPoolView& pool, int64_t num_tokens);
+  void Attention(int32_t layer, const kernels::KvPoolView& pool);
 
   const ModelConfig config_;
   const kernels::PoolLayout layout_;

@@ -260,6 +260,34 @@ absl::StatusOr<Fence> CudaDevice::PagedAttentionDecode(StreamId stream, const Kv
   });
 }
 
+absl::StatusOr<Fence> CudaDevice::PagedAttentionPrefill(StreamId stream, const KvPoolView& pool,
+                                                        const PrefillArgs& args) {
+  KVPOOL_RETURN_IF_ERROR(ValidatePrefill(pool, args, 0));
+  const PoolLayout& layout = pool.layout;
+  auto bad = [](const std::string& why) {
+    return absl::InvalidArgumentError("PagedAttentionPrefill: " + why);
+  };
+  if (layout.head_dim > kMaxDecodeHeadDim) {
+    return bad(
+        fmt::format("head_dim {} > {} (CUDA kernel limit)", layout.head_dim, kMaxDecodeHeadDim));
+  }
+  if (reinterpret_cast<uintptr_t>(pool.base) % 16 != 0) {
+    return bad("pool base is not 16-byte aligned");
+  }
+  PrefillPlan plan;
+  if (args.num_seqs > 0) {
+    plan = PlanPrefill(layout, args.num_q_heads, args.max_q_len);
+    if (args.num_seqs > kMaxGridYZ ||
+        static_cast<int64_t>(layout.num_kv_heads) * plan.slices > kMaxGridYZ) {
+      return bad(fmt::format("{} sequences, {} query heads: beyond the grid limits", args.num_seqs,
+                             args.num_q_heads));
+    }
+  }
+  return Enqueue(stream, "PagedAttentionPrefill launch", [&](cudaStream_t h, uint64_t) {
+    return LaunchPagedAttentionPrefill(pool, args, plan, h);
+  });
+}
+
 absl::StatusOr<Fence> CudaDevice::EnqueueHostTask(StreamId stream, std::function<void()> task) {
   if (!task) return absl::InvalidArgumentError("empty host task");
   return Enqueue(stream, "cudaLaunchHostFunc", [&](cudaStream_t h, uint64_t value) {

@@ -70,11 +70,17 @@ class CudaDevice final : public Device {
   // aligned, a workspace smaller than DecodeWorkspaceBytes(), or a shape beyond the grid limits.
   absl::StatusOr<Fence> PagedAttentionDecode(StreamId stream, const KvPoolView& pool,
                                              const DecodeArgs& args) override;
+  // As decode: INVALID_ARGUMENT (nothing enqueued) for a head_dim above kMaxDecodeHeadDim, an
+  // unaligned pool base, or more sequences or KV-head slices than the grid holds.
+  absl::StatusOr<Fence> PagedAttentionPrefill(StreamId stream, const KvPoolView& pool,
+                                              const PrefillArgs& args) override;
   // `task` must not call CUDA (it runs in a CUDA host function); see the class comment.
   absl::StatusOr<Fence> EnqueueHostTask(StreamId stream, std::function<void()> task) override;
   // f32 partial results of the split-K decode (0 when one split suffices or the shape is bad).
   int64_t DecodeWorkspaceBytes(const PoolLayout& layout, int32_t num_seqs, int32_t num_q_heads,
                                int32_t max_seq_len) const override;
+  // The prefill kernel needs none.
+  int64_t PrefillWorkspaceBytes(const PoolLayout& layout) const override { return 0; }
   absl::Status StreamWait(StreamId waiter, Fence fence) override;
   absl::Status Synchronize(Fence fence) override;
   absl::Status SynchronizeAll() override;

@@ -10,7 +10,10 @@
 //   - CopyBlocks / FillBlocks skip a pair or block with an id outside [0, num_blocks);
 //   - PagedAttentionDecode writes NaN for every head of a sequence whose length is outside
 //     [1, min(max_seq_len, table_stride * block_size)] or whose table names a block outside
-//     [0, num_blocks), so the failure is visible instead of a read outside the arena.
+//     [0, num_blocks), so the failure is visible instead of a read outside the arena;
+//   - PagedAttentionPrefill likewise writes NaN for the query rows of a sequence whose length is
+//     outside [max(q_len, 1), min(max_seq_len, table_stride * block_size)], whose q_len exceeds
+//     max_q_len, or whose table names a block outside the pool (a negative q_len: nothing).
 // REQUIRES (all): pool.layout valid (ValidateLayout). The byte movers use 16-byte accesses when
 // every pointer allows and byte accesses otherwise; decode requires a 16-byte aligned pool.base.
 
@@ -45,6 +48,21 @@ struct DecodePlan {
 DecodePlan PlanDecode(const PoolLayout& layout, int32_t num_seqs, int32_t num_q_heads,
                       int32_t max_seq_len, int32_t num_sms);
 
+// How PagedAttentionPrefill divides the work: each CTA takes kPrefillCtaRows query rows, `tokens`
+// consecutive query tokens times `heads` query heads of one KV head, against chunks of
+// kPrefillCtaKeys keys. No workspace.
+inline constexpr int32_t kPrefillCtaRows = 32;
+inline constexpr int32_t kPrefillCtaKeys = 32;
+struct PrefillPlan {
+  int32_t heads = 0;   // query heads per CTA: min(group, kPrefillCtaRows)
+  int32_t slices = 0;  // CTAs per KV head and tile: ceil(group / heads)
+  int32_t tokens = 0;  // query tokens per CTA: kPrefillCtaRows / heads
+  int32_t tiles = 0;   // ceil(max_q_len / tokens): gridDim.x
+};
+
+// REQUIRES: valid layout, num_q_heads a positive multiple of num_kv_heads, max_q_len >= 0.
+PrefillPlan PlanPrefill(const PoolLayout& layout, int32_t num_q_heads, int32_t max_q_len);
+
 // One CTA per token; vectorized copies of its K and V rows.
 cudaError_t LaunchWriteKv(const KvPoolView& pool, const WriteKvArgs& args, cudaStream_t stream);
 
@@ -60,5 +78,12 @@ cudaError_t LaunchFillBlocks(const KvPoolView& pool, const FillBlocksArgs& args,
 // args.workspace_bytes >= plan.workspace_bytes with a 4-byte aligned workspace.
 cudaError_t LaunchPagedAttentionDecode(const KvPoolView& pool, const DecodeArgs& args,
                                        const DecodePlan& plan, cudaStream_t stream);
+
+// REQUIRES: plan == PlanPrefill(pool.layout, args.num_q_heads, args.max_q_len), head_dim <=
+// kMaxDecodeHeadDim, num_seqs and num_kv_heads * plan.slices <= kMaxGridYZ, a 16-byte aligned
+// pool.base. Sets the kernel's shared-memory limit when a head_dim above 128 needs more than
+// 48 KiB.
+cudaError_t LaunchPagedAttentionPrefill(const KvPoolView& pool, const PrefillArgs& args,
+                                        const PrefillPlan& plan, cudaStream_t stream);
 
 }  // namespace kvpool::kernels::cuda

@@ -12,6 +12,7 @@
 #include "kvpool/util/status_macros.h"
 #include "model/cuda/model_kernels.h"
 #include "model/internal/logits.h"
+#include "model/internal/step_layout.h"
 
 namespace kvpool::model::cuda {
 namespace {
@@ -156,62 +157,48 @@ absl::Status CudaModel::RunStep(const kernels::KvPoolView& pool, std::span<const
   const int32_t bs = layout_.block_size;
   KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(ordinal_), "cudaSetDevice"));
 
-  // The step's tokens in item order, each a pseudo-sequence over its item's table (as on the
-  // host: a prefill token at position p attends to [0, p]).
-  int64_t n = 0;
-  stride_ = 0;
-  max_len_ = 0;
-  for (const StepItem& it : items) {
-    n += static_cast<int64_t>(it.tokens.size());
-    const int64_t end = it.start + static_cast<int64_t>(it.tokens.size());
-    stride_ = std::max(stride_, static_cast<int32_t>((end + bs - 1) / bs));
-    max_len_ = std::max(max_len_, static_cast<int32_t>(end));
-  }
+  // The step's rows as on the host (internal/step_layout.h): decode items first, each a
+  // sequence of the decode kernel; then prefill items, sequences of the prefill kernel.
+  internal::PlanStepLayout(items, bs, &step_);
+  const internal::StepLayout& L = step_;
+  const int64_t n = L.num_tokens;
   const int64_t ni = static_cast<int64_t>(items.size());
-  if (n > INT32_MAX / std::max(stride_, 1)) {
+  const int64_t seqs = int64_t{L.num_decode} + L.num_prefill;
+  if (seqs * std::max(L.stride, 1) > INT32_MAX) {
     return absl::InvalidArgumentError(fmt::format("step: {} tokens is too many", n));
   }
   offsets_.tokens = 0;
   offsets_.positions = Align(offsets_.tokens + 4 * n);
   offsets_.slots = Align(offsets_.positions + 4 * n);
   offsets_.lens = Align(offsets_.slots + 8 * n);
-  offsets_.tables = Align(offsets_.lens + 4 * n);
-  offsets_.last_rows = Align(offsets_.tables + 4 * n * stride_);
+  offsets_.tables = Align(offsets_.lens + 4 * seqs);
+  offsets_.q_starts = Align(offsets_.tables + 4 * seqs * L.stride);
+  offsets_.last_rows = Align(offsets_.q_starts + 4 * (int64_t{L.num_prefill} + 1));
   offsets_.end = Align(offsets_.last_rows + 4 * ni);
   KVPOOL_RETURN_IF_ERROR(Reserve(staged_, offsets_.end));
   char* host = static_cast<char*>(staged_.data);
-  auto* tokens = reinterpret_cast<int32_t*>(host + offsets_.tokens);
-  auto* positions = reinterpret_cast<int32_t*>(host + offsets_.positions);
-  auto* slots = reinterpret_cast<int64_t*>(host + offsets_.slots);
-  auto* lens = reinterpret_cast<int32_t*>(host + offsets_.lens);
-  auto* tables = reinterpret_cast<int32_t*>(host + offsets_.tables);
-  auto* last_rows = reinterpret_cast<int32_t*>(host + offsets_.last_rows);
-  int64_t t = 0;
-  for (int64_t i = 0; i < ni; ++i) {
-    const StepItem& it = items[static_cast<size_t>(i)];
-    for (size_t j = 0; j < it.tokens.size(); ++j, ++t) {
-      const int64_t pos = it.start + static_cast<int64_t>(j);
-      tokens[t] = it.tokens[j];
-      positions[t] = static_cast<int32_t>(pos);
-      slots[t] =
-          static_cast<int64_t>(it.block_table[static_cast<size_t>(pos / bs)]) * bs + pos % bs;
-      lens[t] = static_cast<int32_t>(pos + 1);
-      int32_t* table = tables + t * stride_;
-      const size_t blocks = static_cast<size_t>((pos + 1 + bs - 1) / bs);
-      std::copy_n(it.block_table.begin(), blocks, table);
-      std::fill(table + blocks, table + stride_, 0);
-    }
-    last_rows[i] = static_cast<int32_t>(t - 1);
-  }
+  auto stage = [host](int64_t offset, const auto& values) {
+    std::memcpy(host + offset, values.data(), values.size() * sizeof(values[0]));
+  };
+  stage(offsets_.tokens, L.tokens);
+  stage(offsets_.positions, L.positions);
+  stage(offsets_.slots, L.slots);
+  stage(offsets_.lens, L.lens);
+  stage(offsets_.tables, L.tables);
+  stage(offsets_.q_starts, L.q_starts);
+  stage(offsets_.last_rows, L.last_rows);
 
   // Scratch for the widest step so far.
   const int64_t h = c.hidden_size, qd = int64_t{c.num_heads} * c.head_dim,
                 kvd = int64_t{c.num_kv_heads} * c.head_dim, im = c.intermediate_size;
   const kernels::cuda::DecodePlan plan =
-      kernels::cuda::PlanDecode(layout_, static_cast<int32_t>(n), c.num_heads, max_len_, num_sms_);
-  if (plan.num_splits > kernels::cuda::kMaxGridYZ) {
-    return absl::InvalidArgumentError(
-        fmt::format("step: sequences of {} tokens are beyond the decode kernel's grid", max_len_));
+      L.num_decode > 0
+          ? kernels::cuda::PlanDecode(layout_, L.num_decode, c.num_heads, L.max_len, num_sms_)
+          : kernels::cuda::DecodePlan{};
+  if (plan.num_splits > kernels::cuda::kMaxGridYZ || L.num_prefill > kernels::cuda::kMaxGridYZ) {
+    return absl::InvalidArgumentError(fmt::format(
+        "step: {} prefills, sequences of {} tokens: beyond the attention kernels' grids",
+        L.num_prefill, L.max_len));
   }
   KVPOOL_RETURN_IF_ERROR(Reserve(inputs_, offsets_.end));
   KVPOOL_RETURN_IF_ERROR(Reserve(x_, 4 * n * h));
@@ -246,6 +233,58 @@ absl::Status CudaModel::RunStep(const kernels::KvPoolView& pool, std::span<const
   return absl::OkStatus();
 }
 
+// Decode items through the decode kernel, prefill items through the tiled prefill kernel (rows
+// as internal/step_layout.h lays them out), on the model's stream.
+absl::Status CudaModel::Attention(const kernels::KvPoolView& pool, int32_t layer) {
+  const internal::StepLayout& L = step_;
+  const ModelConfig& c = config_;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  const int64_t qd = int64_t{c.num_heads} * c.head_dim;
+  const auto* lens = At<int32_t>(inputs_, offsets_.lens);
+  const auto* tables = At<int32_t>(inputs_, offsets_.tables);
+  if (L.num_decode > 0) {
+    const kernels::cuda::DecodePlan plan =
+        kernels::cuda::PlanDecode(layout_, L.num_decode, c.num_heads, L.max_len, num_sms_);
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(
+        kernels::cuda::LaunchPagedAttentionDecode(pool,
+                                                  {.layer = layer,
+                                                   .num_seqs = L.num_decode,
+                                                   .num_q_heads = c.num_heads,
+                                                   .scale = scale,
+                                                   .q = At<float>(q_),
+                                                   .out = At<float>(attn_),
+                                                   .block_tables = tables,
+                                                   .table_stride = L.stride,
+                                                   .seq_lens = lens,
+                                                   .max_seq_len = L.max_len,
+                                                   .workspace = workspace_->data(),
+                                                   .workspace_bytes = workspace_->bytes()},
+                                                  plan, stream_),
+        "paged decode attention kernel"));
+  }
+  if (L.num_prefill > 0) {
+    const int64_t first = L.num_decode;
+    KVPOOL_RETURN_IF_ERROR(
+        CudaStatus(kernels::cuda::LaunchPagedAttentionPrefill(
+                       pool,
+                       {.layer = layer,
+                        .num_seqs = L.num_prefill,
+                        .num_q_heads = c.num_heads,
+                        .scale = scale,
+                        .q = At<float>(q_) + first * qd,
+                        .out = At<float>(attn_) + first * qd,
+                        .q_starts = At<int32_t>(inputs_, offsets_.q_starts),
+                        .block_tables = tables + first * L.stride,
+                        .table_stride = L.stride,
+                        .seq_lens = lens + first,
+                        .max_seq_len = L.max_len,
+                        .max_q_len = L.max_q_len},
+                       kernels::cuda::PlanPrefill(layout_, c.num_heads, L.max_q_len), stream_),
+                   "paged prefill attention kernel"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CudaModel::Launch(const kernels::KvPoolView& pool, int32_t n, int32_t ni) {
   const ModelConfig& c = config_;
   const int32_t h = c.hidden_size, hd = c.head_dim, im = c.intermediate_size;
@@ -257,8 +296,6 @@ absl::Status CudaModel::Launch(const kernels::KvPoolView& pool, int32_t n, int32
   const auto* tokens = At<int32_t>(inputs_, offsets_.tokens);
   const auto* positions = At<int32_t>(inputs_, offsets_.positions);
   const auto* slots = At<int64_t>(inputs_, offsets_.slots);
-  const auto* lens = At<int32_t>(inputs_, offsets_.lens);
-  const auto* tables = At<int32_t>(inputs_, offsets_.tables);
   const auto* last_rows = At<int32_t>(inputs_, offsets_.last_rows);
   float* x = At<float>(x_);
   float* xn = At<float>(xn_);
@@ -266,8 +303,6 @@ absl::Status CudaModel::Launch(const kernels::KvPoolView& pool, int32_t n, int32
   KVPOOL_RETURN_IF_ERROR(CudaStatus(
       LaunchEmbed(At<float>(c.tie_word_embeddings ? head_ : embed_), tokens, n, h, x, stream_),
       "embedding kernel"));
-  const kernels::cuda::DecodePlan plan =
-      kernels::cuda::PlanDecode(layout_, n, c.num_heads, max_len_, num_sms_);
   for (int32_t l = 0; l < c.num_layers; ++l) {
     const Layer& L = layers_[static_cast<size_t>(l)];
     // Attention.
@@ -286,22 +321,7 @@ absl::Status CudaModel::Launch(const kernels::KvPoolView& pool, int32_t n, int32
             pool, {.layer = l, .num_tokens = n, .k = k_->data(), .v = v_->data(), .slots = slots},
             stream_),
         "WriteKv kernel"));
-    KVPOOL_RETURN_IF_ERROR(CudaStatus(kernels::cuda::LaunchPagedAttentionDecode(
-                                          pool,
-                                          {.layer = l,
-                                           .num_seqs = n,
-                                           .num_q_heads = c.num_heads,
-                                           .scale = 1.0f / std::sqrt(static_cast<float>(hd)),
-                                           .q = At<float>(q_),
-                                           .out = At<float>(attn_),
-                                           .block_tables = tables,
-                                           .table_stride = stride_,
-                                           .seq_lens = lens,
-                                           .max_seq_len = max_len_,
-                                           .workspace = workspace_->data(),
-                                           .workspace_bytes = workspace_->bytes()},
-                                          plan, stream_),
-                                      "paged attention kernel"));
+    KVPOOL_RETURN_IF_ERROR(Attention(pool, l));
     KVPOOL_RETURN_IF_ERROR(Gemm(At<float>(attn_), n, L.wo, h, qd, x, true));
     // MLP.
     KVPOOL_RETURN_IF_ERROR(CudaStatus(

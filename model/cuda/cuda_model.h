@@ -25,6 +25,7 @@
 #include "absl/status/statusor.h"
 #include "kernels/device.h"
 #include "model/cuda/cublas_api.h"
+#include "model/internal/step_layout.h"
 #include "model/step_model.h"
 
 namespace kvpool::model::cuda {
@@ -78,6 +79,8 @@ class CudaModel final : public StepModel {
                     float* y, bool accumulate);
   // The step's launches, after its inputs were staged; RunStep synchronizes after them.
   absl::Status Launch(const kernels::KvPoolView& pool, int32_t num_tokens, int32_t num_items);
+  // One layer's attention, after its K/V were written.
+  absl::Status Attention(const kernels::KvPoolView& pool, int32_t layer);
 
   const ModelConfig config_;
   const kernels::PoolLayout layout_;
@@ -95,16 +98,17 @@ class CudaModel final : public StepModel {
   Buffer final_norm_;
   Buffer inv_freq_;  // [head_dim / 2]
 
-  // Per step. Inputs, staged in pinned memory and copied in one piece: tokens, positions, slots,
-  // lengths, block tables and the row of each item's last token (offsets below).
+  // Per step. The rows (decode items first) and the kernels' sequences, and the inputs staged
+  // in pinned memory and copied in one piece: tokens, positions, slots, lengths, block tables,
+  // prefill q_starts and the row of each item's last token (offsets below).
+  internal::StepLayout step_;
   Pinned staged_;
   Pinned logits_host_;
   Buffer inputs_;
   struct {
-    int64_t tokens = 0, positions = 0, slots = 0, lens = 0, tables = 0, last_rows = 0, end = 0;
+    int64_t tokens = 0, positions = 0, slots = 0, lens = 0, tables = 0, q_starts = 0, last_rows = 0,
+            end = 0;
   } offsets_;
-  int32_t stride_ = 0;   // table_stride of the step
-  int32_t max_len_ = 0;  // longest pseudo-sequence of the step
   Buffer x_, xn_, qkv_, q_, attn_, k_, v_, gate_up_, act_, last_, logits_, workspace_;
 };
 

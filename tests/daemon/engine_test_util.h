@@ -54,6 +54,13 @@ class FailingDevice final : public kernels::Device {
                                              const kernels::DecodeArgs& args) override {
     return cpu_.PagedAttentionDecode(s, pool, args);
   }
+  absl::StatusOr<Fence> PagedAttentionPrefill(kernels::StreamId s, const kernels::KvPoolView& pool,
+                                              const kernels::PrefillArgs& args) override {
+    return cpu_.PagedAttentionPrefill(s, pool, args);
+  }
+  int64_t PrefillWorkspaceBytes(const kernels::PoolLayout& layout) const override {
+    return cpu_.PrefillWorkspaceBytes(layout);
+  }
   absl::StatusOr<Fence> EnqueueHostTask(kernels::StreamId s, std::function<void()> task) override {
     return cpu_.EnqueueHostTask(s, std::move(task));
   }

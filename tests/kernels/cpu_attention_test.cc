@@ -1,6 +1,7 @@
 // The CPU KV kernels: paged decode against the double-precision reference for block sizes 1, 16
-// and 64, every dtype, ragged lengths and several query/KV head groupings, on both the AVX2 and
-// the portable path; the dense kernel likewise; WriteKv, CopyBlocks and FillBlocks byte-exact.
+// and 64, every dtype, ragged lengths and several query/KV head groupings, on every instruction
+// set this processor has (AVX-512, AVX2, portable); the dense kernel likewise; WriteKv,
+// CopyBlocks and FillBlocks byte-exact.
 
 #include <cmath>
 #include <numeric>
@@ -9,14 +10,15 @@
 
 #include "fmt/format.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu_isa.h"
 #include "kernels/cpu_kernels.h"
-#include "kernels/internal/cpu_dispatch.h"
 #include "tests/kernels/kernel_test_util.h"
 
 namespace kvpool::kernels::cpu {
 namespace {
 
 using test_util::NormalizedError;
+using Isa = cpu::Isa;
 using test_util::RandomValues;
 
 struct Case {
@@ -25,23 +27,29 @@ struct Case {
   int32_t q_heads;
   int32_t kv_heads;
   int32_t head_dim;
-  bool portable;
+  Isa isa;
 };
 
 std::string Name(const ::testing::TestParamInfo<Case>& info) {
   const Case& c = info.param;
-  return fmt::format("bs{}_{}_q{}kv{}_d{}{}", c.block_size, DTypeName(c.dtype), c.q_heads,
-                     c.kv_heads, c.head_dim, c.portable ? "_portable" : "");
+  std::string isa(IsaName(c.isa));
+  return fmt::format("bs{}_{}_q{}kv{}_d{}_{}", c.block_size, DTypeName(c.dtype), c.q_heads,
+                     c.kv_heads, c.head_dim, isa.substr(0, isa.find('+')));
 }
 
 class PagedDecodeTest : public ::testing::TestWithParam<Case> {
  protected:
-  void TearDown() override { internal::ForcePortableKernelsForTesting(false); }
+  void SetUp() override {
+    if (GetParam().isa > DetectedIsa()) {
+      GTEST_SKIP() << "this processor lacks " << IsaName(GetParam().isa);
+    }
+    LimitKernelIsaForTesting(GetParam().isa);
+  }
+  void TearDown() override { LimitKernelIsaForTesting(Isa::kAvx512); }
 };
 
 TEST_P(PagedDecodeTest, MatchesTheDenseReference) {
   const Case& c = GetParam();
-  internal::ForcePortableKernelsForTesting(c.portable);
   std::mt19937 rng(1234);
   const std::vector<int32_t> lens = {1, 17, 64, 65, 200, 513};  // ragged
   const int32_t num_seqs = static_cast<int32_t>(lens.size());
@@ -140,17 +148,27 @@ TEST_P(PagedDecodeTest, MatchesTheDenseReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, PagedDecodeTest,
-                         ::testing::Values(Case{1, DType::kBF16, 8, 2, 64, false},
-                                           Case{16, DType::kBF16, 8, 2, 64, false},
-                                           Case{64, DType::kBF16, 8, 2, 64, false},
-                                           Case{16, DType::kF16, 8, 2, 64, false},
-                                           Case{16, DType::kF32, 8, 2, 64, false},
-                                           Case{16, DType::kBF16, 6, 1, 128, false},
-                                           Case{16, DType::kBF16, 3, 3, 32, false},
-                                           Case{64, DType::kF16, 12, 2, 128, false},
-                                           Case{1, DType::kBF16, 8, 2, 64, true},
-                                           Case{16, DType::kF16, 6, 1, 128, true},
-                                           Case{64, DType::kF32, 8, 2, 64, true}),
+                         ::testing::Values(Case{1, DType::kBF16, 8, 2, 64, Isa::kAvx512},
+                                           Case{16, DType::kBF16, 8, 2, 64, Isa::kAvx512},
+                                           Case{64, DType::kBF16, 8, 2, 64, Isa::kAvx512},
+                                           Case{16, DType::kF16, 8, 2, 64, Isa::kAvx512},
+                                           Case{16, DType::kF32, 8, 2, 64, Isa::kAvx512},
+                                           Case{16, DType::kBF16, 6, 1, 128, Isa::kAvx512},
+                                           Case{16, DType::kBF16, 3, 3, 32, Isa::kAvx512},
+                                           Case{64, DType::kF16, 12, 2, 128, Isa::kAvx512},
+                                           Case{16, DType::kBF16, 4, 2, 72, Isa::kAvx512},
+                                           Case{1, DType::kBF16, 8, 2, 64, Isa::kAvx2},
+                                           Case{16, DType::kBF16, 8, 2, 64, Isa::kAvx2},
+                                           Case{64, DType::kBF16, 8, 2, 64, Isa::kAvx2},
+                                           Case{16, DType::kF16, 8, 2, 64, Isa::kAvx2},
+                                           Case{16, DType::kF32, 8, 2, 64, Isa::kAvx2},
+                                           Case{16, DType::kBF16, 6, 1, 128, Isa::kAvx2},
+                                           Case{16, DType::kBF16, 3, 3, 32, Isa::kAvx2},
+                                           Case{64, DType::kF16, 12, 2, 128, Isa::kAvx2},
+                                           Case{16, DType::kBF16, 4, 2, 72, Isa::kAvx2},
+                                           Case{1, DType::kBF16, 8, 2, 64, Isa::kPortable},
+                                           Case{16, DType::kF16, 6, 1, 128, Isa::kPortable},
+                                           Case{64, DType::kF32, 8, 2, 64, Isa::kPortable}),
                          Name);
 
 class KernelsTest : public ::testing::Test {

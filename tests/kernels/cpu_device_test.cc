@@ -10,7 +10,9 @@
 #include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
+#include "kernels/cpu_kernels.h"
 #include "kernels/plan_executor.h"
+#include "tests/kernels/kernel_test_util.h"
 
 namespace kvpool::kernels {
 namespace {
@@ -183,6 +185,31 @@ TEST(CpuDeviceTest, PlanExecutorNeverWaitsForEarlierPlans) {
   }
   release.Notify();
   for (const Fence& f : fences) EXPECT_TRUE(device.Synchronize(f).ok());
+}
+
+TEST(CpuDeviceTest, PrefillRunsOnTheComputeStreamWithItsWorkspace) {
+  CpuDevice device(2);
+  test_util::PrefillProblem p(
+      {.block_size = 16, .num_layers = 1, .num_kv_heads = 2, .head_dim = 32}, 4, {{30, 20}, {0, 9}},
+      /*seed=*/8);
+  // A slice per kernel thread: what the kernel itself asks of a 2-thread pool.
+  ASSERT_EQ(device.PrefillWorkspaceBytes(p.layout), cpu::PrefillWorkspaceBytes(p.layout, 2));
+  std::vector<char> workspace(static_cast<size_t>(device.PrefillWorkspaceBytes(p.layout)));
+  std::vector<float> out(p.q.size(), -1);
+  PrefillArgs args = p.Args(out.data());
+  args.workspace = workspace.data();
+  args.workspace_bytes = static_cast<int64_t>(workspace.size()) - 1;
+  const Fence before = device.LastFence(StreamId::kCompute);
+  EXPECT_EQ(device.PagedAttentionPrefill(StreamId::kCompute, p.pool(), args).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(device.LastFence(StreamId::kCompute).value, before.value);
+  args.workspace_bytes += 1;
+  absl::StatusOr<Fence> done = device.PagedAttentionPrefill(StreamId::kCompute, p.pool(), args);
+  ASSERT_TRUE(done.ok()) << done.status();
+  ASSERT_TRUE(device.Synchronize(*done).ok());
+  bool nan = false;
+  EXPECT_LT(test_util::NormalizedError(out, p.Reference(), &nan), 2e-5);
+  EXPECT_FALSE(nan);
 }
 
 TEST(BackendTest, CpuAlwaysWorksAndCudaSaysWhyNot) {

@@ -105,8 +105,9 @@ TEST(ModelTest, OneStepMixesPrefillAndDecode) {
   DenseReference ref_a(w, kernels::DType::kF32), ref_b(w, kernels::DType::kF32);
   const int32_t next_a = Argmax(ref_a.Extend(a));
 
-  // Plan a short prefill of `c` (the decode kernel's), a prefill of `b` (the dense prefill
-  // path's) and a decode of `a`, and run them as one step.
+  // Plan a short prefill of `c`, a longer one of `b` and a decode of `a`, and run them as one
+  // step: the decode kernel serves `a` (its row goes first), the prefill kernel `c` and `b`;
+  // results come back in item order.
   const std::vector<int32_t> c = RandomTokens(5, 256, 3);
   DenseReference ref_c(w, kernels::DType::kF32);
   std::vector<PlannedItem> items(2);

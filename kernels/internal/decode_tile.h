@@ -1,0 +1,104 @@
+#pragma once
+
+// The inner part of the CPU decode kernel (cpu_attention.cc): one task, a range of one
+// sequence's tokens against all its query heads (one query token), walked in chunks of
+// kDecodeChunk whole K/V rows ([num_kv_heads][head_dim], contiguous in both the paged and the
+// dense layout) in order, which the hardware prefetcher and the TLB follow; each K/V element is
+// read once for all the query heads of its group. Per chunk: scores (two tokens x up to four
+// heads of a group at a time: eight independent FMA chains), an online softmax with a vector exp,
+// then the values. While a chunk's K is scored, its V rows and the next chunk's K rows are
+// prefetched into L2. The task leaves a partial softmax state (max, sum, weighted values) that
+// the caller merges across the tasks of a sequence.
+//
+// One implementation (decode_tile.inc), compiled per instruction set beside the prefill tile
+// (kernels_{portable,avx2,avx512}.cc) against the same Ops; the KV dtype and the head-group
+// width are template parameters down to the loads.
+
+#include <cstdint>
+
+#include "kernels/dtype.h"
+#include "kernels/pool_layout.h"
+
+namespace kvpool::kernels::cpu::internal {
+
+// Rows per online-softmax step. While a chunk's K is scored, its V and the next chunk's K are
+// prefetched into L2: three chunks in flight, 192 KiB at a Llama-3-8B-like layer (2 KiB rows).
+// 64-row chunks (384 KiB) overflowed the 512 KiB L2 of the machine this was first tuned on; with
+// 2 MiB of L2 (and the prefetches spread over the scores) 32 beats 16.
+inline constexpr int kDecodeChunk = 32;
+inline constexpr int kMaxDecodeQHeads = 128;  // query heads per sequence
+
+// The shape every task shares.
+struct DecodeShape {
+  int kv_heads;
+  int group;  // query heads per KV head
+  int dim;
+  int q_heads() const { return kv_heads * group; }
+};
+
+// One (sequence, token range) task and where its partial state goes.
+struct DecodeTask {
+  const float* q;  // [q_heads][dim]
+  float scale;
+  int64_t begin, end;
+  float* m;    // [q_heads] running max (-inf before the first chunk)
+  float* l;    // [q_heads] running sum of exp (0 before)
+  float* acc;  // [q_heads][dim] running weighted values, not yet divided by l (0 before)
+};
+
+// Row pointers of a paged sequence: token t lives in block table[t / block_size].
+struct PagedRows {
+  const KvPoolView* pool;
+  const int32_t* table;
+  int32_t layer;
+
+  // One division per call, not two per row (a chunk's rows walk the blocks in order).
+  void Get(int64_t t0, int n, const char** k, const char** v) const {
+    const int32_t bs = pool->layout.block_size;
+    const int64_t row = pool->layout.row_bytes();
+    int64_t index = t0 / bs;
+    int32_t slot = static_cast<int32_t>(t0 - index * bs);
+    const char* kb = pool->k(table[index], layer);
+    const char* vb = pool->v(table[index], layer);
+    for (int i = 0; i < n; ++i) {
+      if (slot == bs) {
+        slot = 0;
+        ++index;
+        kb = pool->k(table[index], layer);
+        vb = pool->v(table[index], layer);
+      }
+      k[i] = kb + slot * row;
+      v[i] = vb + slot * row;
+      ++slot;
+    }
+  }
+};
+
+// Row pointers of a contiguous sequence.
+struct DenseRows {
+  const char* k;
+  const char* v;
+  int64_t row;
+
+  void Get(int64_t t0, int n, const char** kp, const char** vp) const {
+    for (int i = 0; i < n; ++i) {
+      kp[i] = k + (t0 + i) * row;
+      vp[i] = v + (t0 + i) * row;
+    }
+  }
+};
+
+// One instruction set's decode task for each row source.
+struct DecodeFns {
+  void (*paged)(const DecodeShape& shape, const DecodeTask& task, const PagedRows& rows,
+                DType dtype);
+  void (*dense)(const DecodeShape& shape, const DecodeTask& task, const DenseRows& rows,
+                DType dtype);
+};
+
+// REQUIRES: the processor supports the set; AVX-512: head_dim a multiple of 16.
+DecodeFns DecodePortable();
+DecodeFns DecodeAvx2();
+DecodeFns DecodeAvx512();
+
+}  // namespace kvpool::kernels::cpu::internal

@@ -1,0 +1,68 @@
+#pragma once
+
+// The inner part of the CPU prefill kernel (cpu_prefill.cc): one task, a tile of query tokens of
+// one sequence times the query heads of one KV head, against that sequence's paged K/V in chunks
+// of kPrefillKeys keys, FlashAttention-style:
+//
+//   for each chunk of keys [c0, c0 + kPrefillKeys) up to the tile's last position:
+//     gather the chunk's K and V rows (this KV head) from their blocks, widened to f32, K
+//     transposed to [dim][keys];
+//     S = Q · Kᵀ                      register-tiled: kRows query rows x two vectors of keys;
+//     causal mask (only in chunks that reach past a row's position), online softmax with a
+//     vectorized exp: m' = max(m, max S), P = exp(S - m'), l = l·e^(m - m') + ΣP;
+//     O = O·e^(m - m') + P · V        register-tiled: kRows rows x two vectors of head_dim;
+//   out = O / l.
+//
+// The rows of a tile are (token, head) pairs, token-major, so positions never decrease along
+// the rows: the keys a row block sees end at its last row's limit.
+//
+// One implementation (prefill_tile.inc), instantiated per instruction set and KV dtype:
+// kernels_portable.cc, kernels_avx2.cc and kernels_avx512.cc. A new KV format (8-bit, say) is a
+// pair of loads in each set's Ops (WidenRow, WidenTranspose8x8; decode's LoadKv): the gather is
+// the only place that reads the pool.
+
+#include <cstdint>
+
+#include "kernels/cpu_isa.h"
+#include "kernels/dtype.h"
+#include "kernels/pool_layout.h"
+
+namespace kvpool::kernels::cpu::internal {
+
+inline constexpr int kPrefillKeys = 64;   // keys per chunk
+inline constexpr int kPrefillRows = 64;   // query rows (tokens x heads) per task, at most
+inline constexpr int kPrefillRowPad = 8;  // a task's rows are padded to a multiple of this
+
+// head_dim as the tile stores it: zero padded to a multiple of 32 (two AVX-512 vectors).
+constexpr int32_t PrefillPaddedDim(int32_t head_dim) { return (head_dim + 31) / 32 * 32; }
+
+// f32 scratch of one task: Q and O [rows][dp], Kᵀ [dp][keys], V [keys][dp], S [rows][keys].
+constexpr int64_t PrefillScratchFloats(int32_t head_dim) {
+  const int64_t dp = PrefillPaddedDim(head_dim);
+  return 2 * kPrefillRows * dp + 2 * kPrefillKeys * dp + int64_t{kPrefillRows} * kPrefillKeys;
+}
+
+struct PrefillTask {
+  const KvPoolView* pool;
+  const int32_t* table;  // the sequence's block table
+  int32_t layer;
+  int32_t kv_head;
+  int32_t heads;      // query heads in the task (of the KV head's group)
+  int32_t tokens;     // query tokens; tokens * heads <= kPrefillRows
+  int64_t first_pos;  // position of the first query token
+  const float* q;     // the first token's first head; a token's heads are head_dim apart
+  float* out;         // same layout as q
+  int64_t q_stride;   // floats from one token's row to the next
+  float scale;
+  float* scratch;  // PrefillScratchFloats(head_dim) floats, 64-byte aligned
+};
+
+using PrefillTaskFn = void (*)(const PrefillTask& task);
+
+// The task function of each instruction set for `dtype`. REQUIRES: the processor supports the
+// set (KernelIsa()).
+PrefillTaskFn PrefillTaskPortable(DType dtype);
+PrefillTaskFn PrefillTaskAvx2(DType dtype);
+PrefillTaskFn PrefillTaskAvx512(DType dtype);
+
+}  // namespace kvpool::kernels::cpu::internal

@@ -1,0 +1,41 @@
+// Gemm's register tile (gemm_tile.inc) with AVX-512: 8 W rows x 32 x rows (16 accumulators).
+
+// GCC 12's AVX-512 intrinsics start from _mm512_undefined_*() and warn about it where they are
+// inlined (GCC bug 105593, fixed in 13): silence those two warnings for the intrinsic headers.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+
+#include <algorithm>
+#include <cstdint>
+
+#include "model/internal/gemm.h"
+
+namespace kvpool::model::internal {
+namespace {
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")
+
+struct Ops {
+  using V = __m512;
+  static constexpr int kW = 16;
+  static constexpr int kRows = 8;
+  static V Zero() { return _mm512_setzero_ps(); }
+  static V Set1(float x) { return _mm512_set1_ps(x); }
+  static V Load(const float* p) { return _mm512_loadu_ps(p); }
+  static void Store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V Fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+};
+
+#include "model/internal/gemm_tile.inc"
+
+#pragma GCC pop_options
+
+}  // namespace
+
+GemmKernel GemmKernelAvx512() { return {&RunTile, Ops::kRows}; }
+
+}  // namespace kvpool::model::internal
