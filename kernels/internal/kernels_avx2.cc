@@ -15,8 +15,13 @@
 namespace kvpool::kernels::cpu::internal {
 namespace {
 
+// GCC's target pragma, or clang's equivalent (it ignores GCC's).
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
+#endif
 
 #include "kernels/internal/avx_common.inc"
 
@@ -89,7 +94,11 @@ struct Ops {
 #include "kernels/internal/decode_tile.inc"
 #include "kernels/internal/prefill_tile.inc"
 
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 
 }  // namespace
 

@@ -7,7 +7,9 @@
 // inlined (GCC bug 105593, fixed in 13): silence those two warnings for the intrinsic headers.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
+#if !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
 #pragma GCC diagnostic pop
 
@@ -23,8 +25,15 @@
 namespace kvpool::kernels::cpu::internal {
 namespace {
 
+// GCC's target pragma, or clang's equivalent (it ignores GCC's).
+#if defined(__clang__)
+#pragma clang attribute push(                                                    \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))), \
+    apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+#endif
 
 #include "kernels/internal/avx_common.inc"
 
@@ -102,7 +111,11 @@ struct Ops {
 #include "kernels/internal/decode_tile.inc"
 #include "kernels/internal/prefill_tile.inc"
 
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 
 }  // namespace
 

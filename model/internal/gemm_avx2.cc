@@ -10,8 +10,13 @@
 namespace kvpool::model::internal {
 namespace {
 
+// GCC's target pragma, or clang's equivalent (it ignores GCC's).
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
+#endif
 
 struct Ops {
   using V = __m256;
@@ -26,7 +31,11 @@ struct Ops {
 
 #include "model/internal/gemm_tile.inc"
 
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 
 }  // namespace
 
