@@ -283,10 +283,11 @@ absl::Status Client::Generate(const v1::GenerateRequest& request,
   return FromGrpcStatus(status, context.GetServerTrailingMetadata());
 }
 
-absl::StatusOr<v1::GetStatsResponse> Client::GetStats() const {
+absl::StatusOr<v1::GetStatsResponse> Client::GetStats(std::string_view pool) const {
+  v1::GetStatsRequest request;
+  request.set_pool(std::string(pool));
   v1::GetStatsResponse response;
-  KVPOOL_CLIENT_RETURN_IF_ERROR(
-      Unary(&v1::KvPool::StubInterface::GetStats, v1::GetStatsRequest(), &response));
+  KVPOOL_CLIENT_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::GetStats, request, &response));
   return response;
 }
 
@@ -297,9 +298,11 @@ absl::StatusOr<v1::ListSessionsResponse> Client::ListSessions() const {
   return response;
 }
 
-absl::StatusOr<v1::ListSequencesResponse> Client::ListSequences(uint64_t session_id) const {
+absl::StatusOr<v1::ListSequencesResponse> Client::ListSequences(uint64_t session_id,
+                                                                std::string_view pool) const {
   v1::ListSequencesRequest request;
   request.set_session_id(session_id);
+  request.set_pool(std::string(pool));
   v1::ListSequencesResponse response;
   KVPOOL_CLIENT_RETURN_IF_ERROR(
       Unary(&v1::KvPool::StubInterface::ListSequences, request, &response));
@@ -316,18 +319,21 @@ absl::StatusOr<v1::ListSequencesResponse> Client::ListSequences(uint64_t session
   return response;
 }
 
-absl::StatusOr<v1::DumpBlockTraceResponse> Client::DumpBlockTrace(int32_t block_id) const {
+absl::StatusOr<v1::DumpBlockTraceResponse> Client::DumpBlockTrace(int32_t block_id,
+                                                                  std::string_view pool) const {
   v1::DumpBlockTraceRequest request;
   request.set_block_id(block_id);
+  request.set_pool(std::string(pool));
   v1::DumpBlockTraceResponse response;
   KVPOOL_CLIENT_RETURN_IF_ERROR(
       Unary(&v1::KvPool::StubInterface::DumpBlockTrace, request, &response));
   return response;
 }
 
-absl::StatusOr<v1::DumpBlockTraceResponse> Client::DumpAllBlockTraces() const {
+absl::StatusOr<v1::DumpBlockTraceResponse> Client::DumpAllBlockTraces(std::string_view pool) const {
   v1::DumpBlockTraceRequest request;
   request.set_all(true);
+  request.set_pool(std::string(pool));
   v1::DumpBlockTraceResponse response;
   KVPOOL_CLIENT_RETURN_IF_ERROR(
       Unary(&v1::KvPool::StubInterface::DumpBlockTrace, request, &response));
@@ -374,27 +380,31 @@ void Client::CancelWatches() const {
 }
 
 absl::StatusOr<v1::ExplainMatchResponse> Client::ExplainMatch(std::span<const int32_t> tokens,
-                                                              uint64_t namespace_id) const {
+                                                              uint64_t namespace_id,
+                                                              std::string_view pool) const {
   v1::ExplainMatchRequest request;
   request.mutable_tokens()->Add(tokens.begin(), tokens.end());
   request.set_namespace_id(namespace_id);
+  request.set_pool(std::string(pool));
   v1::ExplainMatchResponse response;
   KVPOOL_CLIENT_RETURN_IF_ERROR(
       Unary(&v1::KvPool::StubInterface::ExplainMatch, request, &response));
   return response;
 }
 
-absl::StatusOr<int64_t> Client::Evict(int64_t blocks) const {
+absl::StatusOr<int64_t> Client::Evict(int64_t blocks, std::string_view pool) const {
   v1::EvictRequest request;
   request.set_blocks(blocks);
+  request.set_pool(std::string(pool));
   v1::EvictResponse response;
   KVPOOL_CLIENT_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::Evict, request, &response));
   return response.evicted();
 }
 
-absl::StatusOr<int64_t> Client::EvictAll() const {
+absl::StatusOr<int64_t> Client::EvictAll(std::string_view pool) const {
   v1::EvictRequest request;
   request.set_all(true);
+  request.set_pool(std::string(pool));
   v1::EvictResponse response;
   KVPOOL_CLIENT_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::Evict, request, &response));
   return response.evicted();

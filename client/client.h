@@ -142,12 +142,16 @@ class Client final {
                         absl::FunctionRef<bool(const v1::GenerateResponse&)> on_token) const;
 
   // --- Admin (PERMISSION_DENIED unless admin()) ---
-  absl::StatusOr<v1::GetStatsResponse> GetStats() const;
+  // `pool`: the pool asked about (empty: this session's; every pool for ListSequences).
+  // NOT_FOUND for an unknown pool.
+  absl::StatusOr<v1::GetStatsResponse> GetStats(std::string_view pool = {}) const;
   absl::StatusOr<v1::ListSessionsResponse> ListSessions() const;
   // session_id 0: every session's sequences.
-  absl::StatusOr<v1::ListSequencesResponse> ListSequences(uint64_t session_id = 0) const;
-  absl::StatusOr<v1::DumpBlockTraceResponse> DumpBlockTrace(int32_t block_id) const;
-  absl::StatusOr<v1::DumpBlockTraceResponse> DumpAllBlockTraces() const;
+  absl::StatusOr<v1::ListSequencesResponse> ListSequences(uint64_t session_id = 0,
+                                                          std::string_view pool = {}) const;
+  absl::StatusOr<v1::DumpBlockTraceResponse> DumpBlockTrace(int32_t block_id,
+                                                            std::string_view pool = {}) const;
+  absl::StatusOr<v1::DumpBlockTraceResponse> DumpAllBlockTraces(std::string_view pool = {}) const;
   // Streams cache events, calling `on_response` for each message until the stream ends, the
   // callback returns false, or CancelWatches() runs; each of those returns OK. Without
   // request.follow() the call has the usual deadline; with it, none. Errors: the stream's status.
@@ -158,11 +162,12 @@ class Client final {
   void CancelWatches() const;
   // namespace_id 0: this session's namespace.
   absl::StatusOr<v1::ExplainMatchResponse> ExplainMatch(std::span<const int32_t> tokens,
-                                                        uint64_t namespace_id = 0) const;
+                                                        uint64_t namespace_id = 0,
+                                                        std::string_view pool = {}) const;
   // Evicts up to `blocks` unused cached blocks; returns how many were evicted.
-  absl::StatusOr<int64_t> Evict(int64_t blocks) const;
+  absl::StatusOr<int64_t> Evict(int64_t blocks, std::string_view pool = {}) const;
   // Empties the prefix cache. FAILED_PRECONDITION while cached blocks are in use.
-  absl::StatusOr<int64_t> EvictAll() const;
+  absl::StatusOr<int64_t> EvictAll(std::string_view pool = {}) const;
   absl::StatusOr<v1::CheckInvariantsResponse> CheckInvariants() const;
   absl::Status SetLogLevel(std::string_view level) const;
   // Stops the daemon taking new sequences; returns how many are still live.

@@ -44,8 +44,8 @@ std::string StatusLine(const absl::Status& status) {
 }  // namespace
 
 std::string Usage() {
-  return "usage: kvpoolctl [--socket_dir=DIR] [--json] [--timeout=10s] COMMAND ...\n"
-         "  stats                                  pool gauges and counters\n"
+  return "usage: kvpoolctl [--socket_dir=DIR] [--json] [--timeout=10s] [--pool=NAME] COMMAND ...\n"
+         "  stats                                  pool gauges and counters (every pool)\n"
          "  sessions                               attached client sessions\n"
          "  sequences [--session=N]                live sequences and their block tables\n"
          "  trace (BLOCK | --all) [--format=text|json|chrome]\n"
@@ -161,22 +161,33 @@ int Run(const Client& client, const Invocation& inv, std::ostream& out, std::ost
   const std::string& command = inv.command;
 
   if (command == "stats") {
-    absl::StatusOr<v1::GetStatsResponse> stats = client.GetStats();
+    // One pool (--pool), or each of them in turn.
+    absl::StatusOr<v1::GetStatsResponse> stats = client.GetStats(inv.pool);
     if (!stats.ok()) return fail(stats.status());
     out << FormatStats(*stats, inv.json);
+    if (inv.pool.empty()) {
+      for (const std::string& pool : stats->pools()) {
+        if (pool == stats->pool()) continue;
+        absl::StatusOr<v1::GetStatsResponse> other = client.GetStats(pool);
+        if (!other.ok()) return fail(other.status());
+        out << (inv.json ? "" : "\n") << FormatStats(*other, inv.json);
+      }
+    }
   } else if (command == "sessions") {
     absl::StatusOr<v1::ListSessionsResponse> sessions = client.ListSessions();
     if (!sessions.ok()) return fail(sessions.status());
     out << FormatSessions(*sessions, inv.json);
   } else if (command == "sequences") {
-    absl::StatusOr<v1::ListSequencesResponse> sequences = client.ListSequences(inv.session);
+    absl::StatusOr<v1::ListSequencesResponse> sequences =
+        client.ListSequences(inv.session, inv.pool);
     if (!sequences.ok()) return fail(sequences.status());
     out << FormatSequences(*sequences, inv.json);
   } else if (command == "trace") {
     TraceFormat format = *ParseTraceFormat(inv.format);  // validated above
     if (inv.json && format == TraceFormat::kText) format = TraceFormat::kJson;
     absl::StatusOr<v1::DumpBlockTraceResponse> trace =
-        inv.all ? client.DumpAllBlockTraces() : client.DumpBlockTrace(*ParseBlockId(inv.args[0]));
+        inv.all ? client.DumpAllBlockTraces(inv.pool)
+                : client.DumpBlockTrace(*ParseBlockId(inv.args[0]), inv.pool);
     if (!trace.ok()) return fail(trace.status());
     out << FormatTrace(*trace, format);
   } else if (command == "events") {
@@ -184,6 +195,7 @@ int Run(const Client& client, const Invocation& inv, std::ostream& out, std::ost
     request.set_from_seq(inv.from);
     request.set_follow(inv.follow);
     request.set_snapshot(inv.snapshot);
+    request.set_pool(inv.pool);
     const absl::Status status =
         client.WatchEvents(request, [&](const v1::WatchEventsResponse& response) {
           out << FormatEvents(response, inv.json);
@@ -195,11 +207,12 @@ int Run(const Client& client, const Invocation& inv, std::ostream& out, std::ost
     absl::StatusOr<std::vector<int32_t>> tokens = ReadTokensFile(inv.args[0]);
     if (!tokens.ok()) return fail(tokens.status());
     absl::StatusOr<v1::ExplainMatchResponse> explain =
-        client.ExplainMatch(*tokens, inv.namespace_id);
+        client.ExplainMatch(*tokens, inv.namespace_id, inv.pool);
     if (!explain.ok()) return fail(explain.status());
     out << FormatExplain(*explain, inv.json);
   } else if (command == "evict") {
-    absl::StatusOr<int64_t> evicted = inv.all ? client.EvictAll() : client.Evict(inv.blocks);
+    absl::StatusOr<int64_t> evicted =
+        inv.all ? client.EvictAll(inv.pool) : client.Evict(inv.blocks, inv.pool);
     if (!evicted.ok()) return fail(evicted.status());
     v1::EvictResponse response;
     response.set_evicted(*evicted);

@@ -3,7 +3,7 @@
 // kvpoolctl's command logic, apart from flag parsing (kvpoolctl_main.cc) so tests can drive it:
 // which subcommands exist, what they need, how they call the daemon and what they print.
 //
-//   kvpoolctl [--socket_dir=DIR] [--json] [--timeout=10s] COMMAND ...
+//   kvpoolctl [--socket_dir=DIR] [--json] [--timeout=10s] [--pool=NAME] [--tenant=T] COMMAND ...
 //     stats | sessions | sequences [--session=N] | trace (BLOCK | --all)
 //     [--format=text|json|chrome] events [--follow] [--from=N] [--snapshot] | explain TOKENS_FILE
 //     [--namespace=N] evict (--blocks=N | --all) | check | log-level LEVEL | drain
@@ -39,6 +39,9 @@ struct Invocation {
   bool snapshot = false;          // events --snapshot
   int64_t blocks = 0;             // evict --blocks (0: not given)
   uint64_t namespace_id = 0;      // explain --namespace (0: kvpoolctl's own)
+  // --pool: the pool of stats, trace, events, explain, evict (empty: the session's; stats then
+  // shows every pool) and sequences (empty: every pool).
+  std::string pool;
 };
 
 // The usage text, one command per line.

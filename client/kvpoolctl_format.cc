@@ -141,6 +141,7 @@ std::string FormatStats(const v1::GetStatsResponse& s, bool json) {
   if (json) return Pretty(s);
   std::string out = fmt::format("kvpoold  device {}  epoch {}  up {}{}\n", s.device(), s.epoch(),
                                 Seconds(s.uptime_seconds()), s.draining() ? "  DRAINING" : "");
+  if (!s.pool().empty()) out += fmt::format("pool     {}\n", s.pool());
   if (!s.failure().empty()) out += fmt::format("NOT SERVING: {}\n", s.failure());
   out += fmt::format("layout   {}\n\n", LayoutLine(s.layout()));
 
@@ -212,11 +213,12 @@ std::string FormatStats(const v1::GetStatsResponse& s, bool json) {
 
 std::string FormatSessions(const v1::ListSessionsResponse& sessions, bool json) {
   if (json) return Pretty(sessions);
-  internal::Table table({"SESSION", "CLIENT", "PID", "UID", "TENANT", "MODEL", "NAMESPACE", "ADMIN",
-                         "SEQS", "REFS", "ATTACHED"});
+  internal::Table table({"SESSION", "CLIENT", "PID", "UID", "TENANT", "MODEL", "POOL", "ACCESS",
+                         "NAMESPACE", "ADMIN", "SEQS", "REFS", "ATTACHED"});
   for (const v1::SessionInfo& s : sessions.sessions()) {
     table.AddRow({std::to_string(s.session_id()), s.client_name(), std::to_string(s.pid()),
-                  std::to_string(s.uid()), s.tenant(), s.model(),
+                  std::to_string(s.uid()), s.tenant().empty() ? "-" : s.tenant(), s.model(),
+                  s.pool(), s.kv_access() ? "kv" : "compute",
                   fmt::format("{:#018x}", s.namespace_id()), s.admin() ? "yes" : "no",
                   std::to_string(s.sequences()), std::to_string(s.block_refs()),
                   Seconds(s.attached_seconds())});
@@ -226,11 +228,13 @@ std::string FormatSessions(const v1::ListSessionsResponse& sessions, bool json) 
 
 std::string FormatSequences(const v1::ListSequencesResponse& sequences, bool json) {
   if (json) return Pretty(sequences);
-  internal::Table table({"SESSION", "SEQUENCE", "TOKENS", "BLOCKS", "TABLE (id@generation)"});
+  internal::Table table(
+      {"POOL", "SESSION", "SEQUENCE", "TOKENS", "BLOCKS", "TABLE (id@generation)"});
   for (int i = 0; i < sequences.sequences_size(); ++i) {
     const v1::SequenceInfo& info = sequences.sequences(i);
     const uint64_t owner = i < sequences.session_ids_size() ? sequences.session_ids(i) : 0;
-    table.AddRow({std::to_string(owner), std::to_string(info.sequence_id()),
+    const std::string pool = i < sequences.pools_size() ? sequences.pools(i) : "";
+    table.AddRow({pool, std::to_string(owner), std::to_string(info.sequence_id()),
                   std::to_string(info.num_tokens()), std::to_string(info.block_ids_size()),
                   TableText(info, 8)});
   }

@@ -29,6 +29,11 @@ ABSL_FLAG(uint64_t, from, 0, "events: first sequence number wanted (0: only new 
 ABSL_FLAG(bool, snapshot, false, "events: start with a snapshot of the cached blocks");
 ABSL_FLAG(int64_t, blocks, 0, "evict: how many unused cached blocks");
 ABSL_FLAG(uint64_t, namespace, 0, "explain: the namespace id to explain in (0: kvpoolctl's own)");
+ABSL_FLAG(std::string, pool, "",
+          "the pool to show or act on (stats without it: every pool; sequences: every pool)");
+ABSL_FLAG(std::string, tenant, "",
+          "the tenant to attach as (none: an admin-only session where tenants are configured)");
+ABSL_FLAG(std::string, model, "default", "the model name to attach with (explain's namespace)");
 
 namespace {
 
@@ -104,6 +109,7 @@ int main(int argc, char** argv) {
   inv.snapshot = absl::GetFlag(FLAGS_snapshot);
   inv.blocks = absl::GetFlag(FLAGS_blocks);
   inv.namespace_id = absl::GetFlag(FLAGS_namespace);
+  inv.pool = absl::GetFlag(FLAGS_pool);
   if (absl::Status s = ctl::ValidateInvocation(inv); !s.ok()) {
     return UsageError(std::string(s.message()));
   }
@@ -113,6 +119,9 @@ int main(int argc, char** argv) {
   kvpool::client::ConnectOptions options;
   options.runtime_dir = absl::GetFlag(FLAGS_socket_dir);
   options.client_name = "kvpoolctl";
+  // No tenant: with tenants configured, an admin-only session; without, the "default" tenant.
+  options.tenant = absl::GetFlag(FLAGS_tenant);
+  options.model = absl::GetFlag(FLAGS_model);
   options.timeout = timeout;
   absl::StatusOr<std::unique_ptr<kvpool::client::Client>> client =
       kvpool::client::Client::Connect(options);

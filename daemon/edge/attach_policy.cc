@@ -53,9 +53,15 @@ absl::StatusOr<SessionSpec> AttachPolicy::Decide(const PeerCredentials& peer,
         {"model", claims.model}}) {
     if (absl::Status s = CheckName(field, value); !s.ok()) return s;
   }
-  const std::string tenant = claims.tenant.empty() ? "default" : claims.tenant;
-  if (absl::Status s = CheckTenant(peer, tenant, claims.kv_access); !s.ok()) return s;
   const bool is_admin = admin(peer);
+  // With tenants configured, an admin that claims none gets an admin-only session (kvpoolctl).
+  const bool admin_only = claims.tenant.empty() && is_admin && !options_.tenants.empty();
+  const std::string tenant = admin_only ? "" : claims.tenant.empty() ? "default" : claims.tenant;
+  if (!admin_only) {
+    if (absl::Status s = CheckTenant(peer, tenant, claims.kv_access); !s.ok()) return s;
+  } else if (claims.kv_access) {
+    return absl::PermissionDeniedError("an admin session without a tenant has no KV access");
+  }
   if (draining && !is_admin) {
     return absl::UnavailableError("kvpoold is draining: only admin sessions may attach");
   }

@@ -14,7 +14,8 @@
 //     zero-configuration default) any tenant name may be claimed, with KV access;
 //  5. while the daemon drains, only admin peers attach (operators keep kvpoolctl to watch the
 //     drain; their sessions cannot create sequences), else UNAVAILABLE.
-// An empty tenant or model means "default".
+// An empty tenant or model means "default", except that with tenants configured an admin peer
+// claiming no tenant gets an admin-only session (tenant ""): admin RPCs and Ping only.
 //
 // Thread-safe (immutable).
 

@@ -110,6 +110,10 @@ absl::Status Engine::Admit(const Session& s, Needs needs) const {
     ++state_->call_counters.session_ended;
     return live;
   }
+  if (s.spec.tenant.empty()) {
+    ++state_->call_counters.not_permitted;
+    return absl::PermissionDeniedError("an admin session without a tenant holds no sequences");
+  }
   if (needs.kv_access && !s.spec.kv_access) {
     ++state_->call_counters.not_permitted;
     return absl::PermissionDeniedError(

@@ -42,6 +42,9 @@ NamespaceId EngineState::NamespaceOf(const PoolState& pool, std::string_view ten
 }
 
 absl::StatusOr<TenantLimits> EngineState::LimitsOf(const std::string& tenant) const {
+  if (tenant.empty()) {  // an admin-only session: it holds nothing
+    return TenantLimits{.kv_access = false, .max_priority = 0};
+  }
   if (options_.tenants.empty()) {
     TenantLimits limits = options_.open_tenant;
     if (auto it = options_.open_quota_blocks.find(tenant); it != options_.open_quota_blocks.end()) {

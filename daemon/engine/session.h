@@ -21,7 +21,7 @@ struct SessionSpec {
   pid_t pid = 0;            // the peer's credentials (SO_PEERCRED)
   uid_t uid = 0;
   gid_t gid = 0;
-  std::string tenant;  // non-empty
+  std::string tenant;  // empty: an admin-only session (admin RPCs and Ping only)
   std::string model;   // non-empty
   bool admin = false;  // may call admin RPCs
   // KV access: the pool's arena and the RPCs that hand out blocks to write (Allocate, Grow,

@@ -53,6 +53,10 @@ absl::Status Step::Admit(EngineState& state, const ComputeCall& call) const {
     ++state.call_counters.gave_up;
     return s;
   }
+  if (call.session().spec.tenant.empty()) {
+    ++state.call_counters.not_permitted;
+    return absl::PermissionDeniedError("an admin session without a tenant holds no sequences");
+  }
   if (state.draining && call.request().creates() && call.progress() == nullptr) {
     return absl::UnavailableError("kvpoold is draining: no new sequences");
   }

@@ -37,6 +37,7 @@ int ExitCode(int status) { return WIFEXITED(status) ? WEXITSTATUS(status) : -WTE
 std::string DaemonBinary() { return KVPOOL_DAEMON_BINARY; }
 std::string IntegrationClientBinary() { return KVPOOL_INTEGRATION_CLIENT_BINARY; }
 std::string KvpoolctlBinary() { return KVPOOL_KVPOOLCTL_BINARY; }
+std::string TrustClientBinary() { return KVPOOL_TRUST_CLIENT_BINARY; }
 
 absl::StatusOr<Child> Spawn(const std::vector<std::string>& argv) {
   int fds[2];

@@ -19,6 +19,7 @@ namespace kvpool::testing {
 std::string DaemonBinary();
 std::string IntegrationClientBinary();
 std::string KvpoolctlBinary();
+std::string TrustClientBinary();
 
 class DaemonProcess final {
  public:
