@@ -71,8 +71,9 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ConnectOptions& op
   request.set_tenant(options.tenant);
   request.set_model(options.model);
   request.set_kv_access(options.kv_access);
-  KVPOOL_CLIENT_ASSIGN_OR_RETURN(internal::Attachment attachment,
-                                 internal::Attach(dir, request, options.timeout));
+  KVPOOL_CLIENT_ASSIGN_OR_RETURN(
+      internal::Attachment attachment,
+      internal::Attach(dir, request, options.timeout, options.trusted_daemon_uids));
   std::unique_ptr<PoolMapping> mapping;
   if (attachment.response.kv_access()) {
     KVPOOL_CLIENT_ASSIGN_OR_RETURN(

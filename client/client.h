@@ -52,6 +52,10 @@ struct ConnectOptions {
   // Refused at attach (PERMISSION_DENIED) unless the tenant grants it. Without it the session is
   // compute-only: it uses the daemon's model and receives no descriptor (docs/trust-model.md).
   bool kv_access = false;
+  // Uids the daemon may run as, beyond root, this process's own, and the owner of a runtime
+  // directory that only root could have placed (systemd's /run/kvpool). The directory and the
+  // attach socket's peer (SO_PEERCRED) are checked before anything is sent (docs/trust-model.md).
+  std::vector<uid_t> trusted_daemon_uids;
 };
 
 // One sequence to allocate.

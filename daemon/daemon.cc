@@ -7,7 +7,6 @@
 #include <unistd.h>
 
 #include <cstring>
-#include <filesystem>
 
 #include "daemon/edge/attach_server.h"
 #include "daemon/edge/config.h"
@@ -21,6 +20,7 @@
 #include "kvpool/util/fmt.h"
 #include "kvpool/util/logging.h"
 #include "kvpool/util/status_macros.h"
+#include "kvpool/v1/runtime_dir.h"
 #include "kvpool/v1/wire.h"
 #include "model/weights.h"
 
@@ -131,12 +131,7 @@ Daemon::~Daemon() { Shutdown(); }
 
 absl::Status Daemon::Start() {
   const std::string& dir = config_.runtime_dir();
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec) {
-    return absl::InternalError(
-        fmt::format("cannot create runtime directory {}: {}", dir, ec.message()));
-  }
+  KVPOOL_RETURN_IF_ERROR(wire::PrepareRuntimeDir(dir, config_.runtime_dir_mode()));
   if (SomeoneListens(dir + "/" + wire::kAttachSocket)) {
     return absl::FailedPreconditionError(
         fmt::format("another kvpoold is already running in {}", dir));
@@ -160,11 +155,12 @@ absl::Status Daemon::StartGrpc() {
   grpc::ServerBuilder builder;
   builder.AddListeningPort("unix:" + path, grpc::InsecureServerCredentials());
   builder.RegisterService(service_.get());
-  server_ = builder.BuildAndStart();
-  if (server_ == nullptr) return absl::InternalError(fmt::format("cannot serve gRPC on {}", path));
-  if (chmod(path.c_str(), config_.socket_mode()) != 0) {
-    return absl::InternalError(fmt::format("chmod {}: {}", path, std::strerror(errno)));
+  {
+    // gRPC binds the socket inside BuildAndStart; no other thread creates files meanwhile.
+    wire::ScopedUmask umask(config_.socket_mode());
+    server_ = builder.BuildAndStart();
   }
+  if (server_ == nullptr) return absl::InternalError(fmt::format("cannot serve gRPC on {}", path));
   return absl::OkStatus();
 }
 
@@ -213,9 +209,15 @@ absl::Status Daemon::StartAttach() {
     Log().info("session {} ended ({}); released {} sequence(s)", id.value(), SessionEndName(how),
                released);
   };
-  KVPOOL_ASSIGN_OR_RETURN(attach_,
-                          AttachServer::Start(config_.runtime_dir() + "/" + wire::kAttachSocket,
-                                              config_.socket_mode(), attach, closed));
+  // At accept, from the peer's credentials alone: anyone else is refused before a byte is read.
+  auto admit = [this](const PeerCredentials& peer) { return policy_.Admit(peer); };
+  const v1::Limits& l = config_.limits();
+  const AttachLimits limits{.handshake_timeout = absl::Milliseconds(l.attach_timeout_ms()),
+                            .max_pending = l.attach_pending(),
+                            .max_pending_per_uid = l.attach_pending_per_uid()};
+  KVPOOL_ASSIGN_OR_RETURN(
+      attach_, AttachServer::Start(config_.runtime_dir() + "/" + wire::kAttachSocket,
+                                   config_.socket_mode(), limits, admit, attach, closed));
   return absl::OkStatus();
 }
 

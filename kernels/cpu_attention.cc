@@ -55,12 +55,7 @@ void Attend(const DecodeShape& shape, const DecodeTask& task, const DenseRows& r
 }
 
 absl::Status CheckShape(int32_t num_q_heads, int32_t head_dim) {
-  if (num_q_heads > kMaxDecodeQHeads || head_dim > kMaxAttentionHeadDim) {
-    return absl::InvalidArgumentError(
-        fmt::format("decode supports up to {} query heads and head_dim {} (got {} and {})",
-                    kMaxDecodeQHeads, kMaxAttentionHeadDim, num_q_heads, head_dim));
-  }
-  return absl::OkStatus();
+  return CheckAttentionShape(num_q_heads, head_dim);
 }
 
 // Splits every sequence into token ranges, runs them over the pool, and merges each sequence's
@@ -140,6 +135,16 @@ void RunDecode(const DecodeShape& shape, int32_t num_seqs, const int32_t* lens, 
 }
 
 }  // namespace
+
+absl::Status CheckAttentionShape(int32_t num_q_heads, int32_t head_dim) {
+  if (num_q_heads > kMaxDecodeQHeads || head_dim > kMaxAttentionHeadDim) {
+    return absl::InvalidArgumentError(
+        fmt::format("the CPU attention kernels serve up to {} query heads and head_dim {} (got {} "
+                    "and {})",
+                    kMaxDecodeQHeads, kMaxAttentionHeadDim, num_q_heads, head_dim));
+  }
+  return absl::OkStatus();
+}
 
 bool UsingAvx2() { return KernelIsa() >= Isa::kAvx2; }
 

@@ -15,6 +15,10 @@ namespace kvpool::kernels::cpu {
 // The attention kernels' largest head_dim.
 inline constexpr int32_t kMaxAttentionHeadDim = 512;
 
+// Whether the attention kernels serve a model of `num_q_heads` query heads of `head_dim`: a
+// model beyond them is refused when it loads, not at its first step. Errors: INVALID_ARGUMENT.
+absl::Status CheckAttentionShape(int32_t num_q_heads, int32_t head_dim);
+
 // All take host pointers. `threads` may be null (run on the caller). Errors: INVALID_ARGUMENT
 // for bad arguments, including out-of-range block ids or slots (nothing is written then).
 absl::Status WriteKv(const KvPoolView& pool, const WriteKvArgs& args);

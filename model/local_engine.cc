@@ -64,8 +64,7 @@ absl::StatusOr<LocalEngine::PrefillResult> LocalEngine::Prefill(SequenceId seque
   std::vector<PlannedItem> items(1);
   DevicePlan plan;
   KVPOOL_RETURN_IF_ERROR(PlanPrefill(*cache_, kSession, kNamespace, sequence, tokens,
-                                     /*priority=*/0, model_->config().vocab_size, &items[0],
-                                     &plan));
+                                     /*priority=*/0, Limits(), &items[0], &plan));
   KVPOOL_ASSIGN_OR_RETURN(std::vector<ItemResult> results, Run(plan, items, options));
   return PrefillResult{items[0].sequence, items[0].reused, std::move(results[0])};
 }
@@ -74,8 +73,7 @@ absl::StatusOr<std::vector<ItemResult>> LocalEngine::Decode(std::span<const Deco
                                                             const StepOptions& options) {
   std::vector<PlannedItem> items;
   DevicePlan plan;
-  KVPOOL_RETURN_IF_ERROR(
-      PlanDecode(*cache_, kSession, inputs, model_->config().vocab_size, &items, &plan));
+  KVPOOL_RETURN_IF_ERROR(PlanDecode(*cache_, kSession, inputs, Limits(), &items, &plan));
   return Run(plan, items, options);
 }
 

@@ -65,6 +65,9 @@ class LocalEngine final {
 
  private:
   LocalEngine() = default;
+  TokenLimits Limits() const {
+    return {model_->config().vocab_size, model_->config().max_position};
+  }
   // Carries out `plan`, runs the step, then finishes (or undoes) every item.
   absl::StatusOr<std::vector<ItemResult>> Run(const DevicePlan& plan,
                                               std::vector<PlannedItem>& items,

@@ -19,7 +19,8 @@
 
 namespace kvpool::model {
 
-// Buffers reused from step to step (they only grow).
+// Buffers reused from step to step. They grow to the largest step's size and are given back
+// (Trim) once steps have stayed small for a while: one oversized step does not pin its memory.
 struct Model::Scratch {
   std::vector<float> x;                 // [tokens][hidden] the residual stream
   std::vector<float> xn;                // [tokens][hidden] normalized
@@ -37,6 +38,38 @@ struct Model::Scratch {
   internal::StepLayout step;            // rows, tables and lengths of the step (decode items first)
   std::vector<char> prefill_workspace;  // kernels::cpu::PrefillWorkspaceBytes
   std::vector<float> gemm;              // internal::GemmScratchFloats
+
+  // Steps in a row that needed under a quarter of the tokens (or items) the buffers hold.
+  static constexpr int kTrimAfterSmallSteps = 8;
+  int64_t peak_tokens = 0;
+  int64_t peak_items = 0;
+  int small_steps = 0;
+
+  int64_t Bytes() const {
+    auto bytes = [](const auto& v) { return static_cast<int64_t>(v.capacity() * sizeof(v[0])); };
+    return bytes(x) + bytes(xn) + bytes(qkv) + bytes(q) + bytes(attn) + bytes(k) + bytes(v) +
+           bytes(gate_up) + bytes(act) + bytes(cos) + bytes(sin) + bytes(last) + bytes(logits) +
+           bytes(gemm);
+  }
+
+  // After a step of `tokens` tokens and `items` items.
+  void Trim(int64_t tokens, int64_t items) {
+    peak_tokens = std::max(peak_tokens, tokens);
+    peak_items = std::max(peak_items, items);
+    const bool small = tokens * 4 < peak_tokens || items * 4 < peak_items;
+    small_steps = small ? small_steps + 1 : 0;
+    if (small_steps < kTrimAfterSmallSteps) return;
+    // The next step allocates what it needs (once).
+    for (std::vector<float>* f :
+         {&x, &xn, &qkv, &q, &attn, &gate_up, &act, &cos, &sin, &last, &logits, &gemm}) {
+      std::vector<float>().swap(*f);
+    }
+    std::vector<char>().swap(k);
+    std::vector<char>().swap(v);
+    peak_tokens = tokens;
+    peak_items = items;
+    small_steps = 0;
+  }
 };
 
 namespace {
@@ -110,6 +143,9 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Create(ModelWeights weights,
                                                      const kernels::PoolLayout& layout,
                                                      const Options& options) {
   KVPOOL_RETURN_IF_ERROR(CheckModel(weights, layout));
+  // A model the kernels cannot run is refused here, not at its first step.
+  KVPOOL_RETURN_IF_ERROR(
+      kernels::cpu::CheckAttentionShape(weights.config.num_heads, weights.config.head_dim));
   return std::unique_ptr<Model>(new Model(std::move(weights), layout, options));
 }
 
@@ -206,8 +242,11 @@ absl::Status Model::RunStep(const kernels::KvPoolView& pool, std::span<const Ste
     internal::FillResult(&s.logits[i * static_cast<size_t>(c.vocab_size)], c.vocab_size, options,
                          &(*results)[i]);
   }
+  s.Trim(n, static_cast<int64_t>(ni));
   return absl::OkStatus();
 }
+
+int64_t Model::scratch_bytes() const { return scratch_->Bytes(); }
 
 // Decode items through the decode kernel, prefill items through the tiled prefill kernel.
 void Model::Attention(int32_t layer, const kernels::KvPoolView& pool) {

@@ -41,7 +41,8 @@ class Model final : public StepModel {
 
   // The model runs over pools laid out as `layout` (num_layers, num_kv_heads and head_dim must
   // be the model's; any KV dtype). Errors: INVALID_ARGUMENT (bad config, weights of the wrong
-  // size, or a layout that does not fit the model, naming the field).
+  // size, a layout that does not fit the model, naming the field, or more query heads or a
+  // wider head than the CPU attention kernels serve).
   static absl::StatusOr<std::unique_ptr<Model>> Create(ModelWeights weights,
                                                        const kernels::PoolLayout& layout,
                                                        const Options& options);
@@ -51,6 +52,8 @@ class Model final : public StepModel {
   const kernels::PoolLayout& layout() const override { return layout_; }
   std::string where() const override { return "cpu"; }
   int64_t weight_bytes() const override;
+  // What the step buffers hold now (they shrink back some steps after an oversized step).
+  int64_t scratch_bytes() const;
 
  private:
   struct Scratch;

@@ -20,6 +20,16 @@ absl::Status CheckTokens(std::span<const int32_t> tokens, int32_t vocab_size) {
   return absl::OkStatus();
 }
 
+absl::Status CheckLength(SequenceId sequence, int64_t length, const TokenLimits& limits) {
+  if (length > limits.max_position) {
+    return absl::OutOfRangeError(fmt::format(
+        "sequence {} would be {} tokens long: the model's context is {} positions",
+        sequence == SequenceId(0) ? std::string("(new)") : std::to_string(sequence.value()), length,
+        limits.max_position));
+  }
+  return absl::OkStatus();
+}
+
 void FillTable(const Sequence& seq, PlannedItem* item) {
   item->table.clear();
   item->table.reserve(seq.table.size());
@@ -30,11 +40,17 @@ void FillTable(const Sequence& seq, PlannedItem* item) {
 
 absl::Status PlanPrefill(KvCacheManager& cache, SessionId caller, NamespaceId ns,
                          SequenceId sequence, std::span<const int32_t> tokens, int priority,
-                         int32_t vocab_size, PlannedItem* item, DevicePlan* plan,
+                         const TokenLimits& limits, PlannedItem* item, DevicePlan* plan,
                          std::vector<TableChange>* changes) {
   if (tokens.empty()) return absl::InvalidArgumentError("prefill: no tokens");
-  KVPOOL_RETURN_IF_ERROR(CheckTokens(tokens, vocab_size));
+  KVPOOL_RETURN_IF_ERROR(CheckTokens(tokens, limits.vocab_size));
   const int64_t len = static_cast<int64_t>(tokens.size());
+  const Sequence* existing = sequence == SequenceId(0) ? nullptr : cache.Find(sequence);
+  // (An unknown or foreign sequence: GrowBatch says so, and nothing about its length.)
+  if (sequence == SequenceId(0) || (existing != nullptr && existing->session == caller)) {
+    KVPOOL_RETURN_IF_ERROR(
+        CheckLength(sequence, (existing ? existing->num_tokens : 0) + len, limits));
+  }
   *item = PlannedItem{};
   if (sequence == SequenceId(0)) {
     // Match all but the last prompt token: its logits give the first generated token, so it is
@@ -51,8 +67,7 @@ absl::Status PlanPrefill(KvCacheManager& cache, SessionId caller, NamespaceId ns
     item->reused = results[0].matched_tokens;
     item->tokens.assign(tokens.begin() + item->start, tokens.end());
   } else {
-    const Sequence* seq = cache.Find(sequence);
-    const GrowRequest grow{sequence, (seq ? seq->num_tokens : 0) + len};
+    const GrowRequest grow{sequence, (existing ? existing->num_tokens : 0) + len};
     KVPOOL_RETURN_IF_ERROR(cache.GrowBatch(caller, std::span(&grow, 1), plan, changes));
     item->sequence = sequence;
     item->start = grow.num_tokens - len;
@@ -63,15 +78,19 @@ absl::Status PlanPrefill(KvCacheManager& cache, SessionId caller, NamespaceId ns
 }
 
 absl::Status PlanDecode(KvCacheManager& cache, SessionId caller,
-                        std::span<const DecodeInput> inputs, int32_t vocab_size,
+                        std::span<const DecodeInput> inputs, const TokenLimits& limits,
                         std::vector<PlannedItem>* items, DevicePlan* plan,
                         std::vector<TableChange>* changes) {
   if (inputs.empty()) return absl::InvalidArgumentError("decode: empty batch");
   std::vector<GrowRequest> grows;
   grows.reserve(inputs.size());
   for (const DecodeInput& in : inputs) {
-    KVPOOL_RETURN_IF_ERROR(CheckTokens(std::span(&in.token, 1), vocab_size));
+    KVPOOL_RETURN_IF_ERROR(CheckTokens(std::span(&in.token, 1), limits.vocab_size));
     const Sequence* seq = cache.Find(in.sequence);
+    // (An unknown or foreign sequence: GrowBatch says so.)
+    if (seq != nullptr && seq->session == caller) {
+      KVPOOL_RETURN_IF_ERROR(CheckLength(in.sequence, seq->num_tokens + 1, limits));
+    }
     grows.push_back({in.sequence, (seq ? seq->num_tokens : 0) + 1});
   }
   // GrowBatch checks ownership, duplicates and room, all before changing anything.

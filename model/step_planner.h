@@ -37,17 +37,25 @@ struct PlannedItem {
   StepItem AsStepItem() const { return {tokens, start, table}; }
 };
 
+// What the model accepts: token ids in [0, vocab_size), and sequences of at most max_position
+// tokens (the positions RoPE was trained for; ModelConfig::max_position).
+struct TokenLimits {
+  int32_t vocab_size = 0;
+  int64_t max_position = 0;
+};
+
 // A prefill of `tokens`. With `sequence` == SequenceId(0), a new sequence in `ns`: the prompt is
 // matched against the prefix cache and only the unmatched tail is computed (at least the last
 // token, whose logits give the first generated token). With an existing sequence, `tokens` are
 // appended after its current tokens (the next turn of a conversation).
-// Errors: INVALID_ARGUMENT (no tokens, a token outside [0, vocab_size)), and those of
-// KvCacheManager::AllocateBatch / GrowBatch (NOT_FOUND, PERMISSION_DENIED, RESOURCE_EXHAUSTED).
-// Nothing changes on error. `plan` receives the device work to carry out before the step;
-// `changes`, when given, what growing an existing sequence changed (for RevertGrow).
+// Errors: INVALID_ARGUMENT (no tokens, a token outside [0, vocab_size)), OUT_OF_RANGE (the
+// sequence would outgrow max_position), and those of KvCacheManager::AllocateBatch / GrowBatch
+// (NOT_FOUND, PERMISSION_DENIED, RESOURCE_EXHAUSTED). Nothing changes on error. `plan` receives the
+// device work to carry out before the step; `changes`, when given, what growing an existing
+// sequence changed (for RevertGrow).
 absl::Status PlanPrefill(KvCacheManager& cache, SessionId caller, NamespaceId ns,
                          SequenceId sequence, std::span<const int32_t> tokens, int priority,
-                         int32_t vocab_size, PlannedItem* item, DevicePlan* plan,
+                         const TokenLimits& limits, PlannedItem* item, DevicePlan* plan,
                          std::vector<TableChange>* changes = nullptr);
 
 struct DecodeInput {
@@ -57,10 +65,11 @@ struct DecodeInput {
 
 // One decode step for each input: grows each sequence by one token (all or none).
 // Errors: INVALID_ARGUMENT (empty batch, a sequence listed twice, a token outside the
-// vocabulary), and those of KvCacheManager::GrowBatch. Nothing changes on error. `changes`, when
-// given, receives what the growth changed (for RevertGrow).
+// vocabulary), OUT_OF_RANGE (a sequence already max_position tokens long), and those of
+// KvCacheManager::GrowBatch. Nothing changes on error. `changes`, when given, receives what the
+// growth changed (for RevertGrow).
 absl::Status PlanDecode(KvCacheManager& cache, SessionId caller,
-                        std::span<const DecodeInput> inputs, int32_t vocab_size,
+                        std::span<const DecodeInput> inputs, const TokenLimits& limits,
                         std::vector<PlannedItem>* items, DevicePlan* plan,
                         std::vector<TableChange>* changes = nullptr);
 

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "fmt/format.h"
+#include "kvpool/v1/runtime_dir.h"
 #include "kvpool/v1/wire.h"
 
 namespace kvpool::client::internal {
@@ -65,10 +66,24 @@ absl::StatusCode RefusalCode(int32_t code) {
 }  // namespace
 
 absl::StatusOr<Attachment> Attach(const std::string& runtime_dir, const v1::AttachRequest& request,
-                                  absl::Duration timeout) {
+                                  absl::Duration timeout, std::span<const uid_t> trusted) {
   const std::string path = runtime_dir + "/" + wire::kAttachSocket;
+  absl::StatusOr<uid_t> daemon_uid = wire::TrustedDaemonUid(runtime_dir, trusted);
+  if (!daemon_uid.ok()) return daemon_uid.status();
   absl::StatusOr<UniqueFd> socket = ConnectSocket(path, timeout);
   if (!socket.ok()) return socket.status();
+  // Who listens: SO_PEERCRED reports the credentials the listener had when it called listen().
+  ucred cred{};
+  socklen_t len = sizeof(cred);
+  if (getsockopt(socket->get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+    return absl::InternalError(fmt::format("SO_PEERCRED on {}: {}", path, std::strerror(errno)));
+  }
+  if (cred.uid != *daemon_uid && cred.uid != 0) {
+    return absl::PermissionDeniedError(
+        fmt::format("the listener at {} runs as uid {} (pid {}), not as the runtime directory's "
+                    "owner {}: not sending it anything",
+                    path, cred.uid, cred.pid, *daemon_uid));
+  }
 
   Attachment out;
   out.socket = std::move(*socket);

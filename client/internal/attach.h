@@ -5,6 +5,9 @@
 //
 // Free function; thread-safe.
 
+#include <sys/types.h>
+
+#include <span>
 #include <string>
 #include <vector>
 
@@ -21,13 +24,15 @@ struct Attachment {
   std::vector<UniqueFd> fds;  // in the order of response.fds()
 };
 
-// Attaches to the daemon in `runtime_dir`, waiting at most `timeout` for it to answer.
+// Attaches to the daemon in `runtime_dir`, waiting at most `timeout` for it to answer. Before
+// sending anything it checks that the directory is one to trust and that the socket's peer runs
+// as the directory's owner (TrustedDaemonUid; `trusted`: uids trusted beyond root and our own).
 // Errors: UNAVAILABLE (nothing listens there, or the daemon hung up without answering; the
-// message names the socket path), PERMISSION_DENIED (the socket is not accessible, or the daemon
-// refused the peer), DEADLINE_EXCEEDED (no answer in time), INVALID_ARGUMENT (path too long,
-// malformed answer), any other code the daemon refused with (AttachResponse.error_code),
-// INTERNAL (I/O). Nothing stays open after an error.
+// message names the socket path), PERMISSION_DENIED (a directory not to trust, a listener of
+// another uid, the socket is not accessible, or the daemon refused the peer), DEADLINE_EXCEEDED (no
+// answer in time), INVALID_ARGUMENT (path too long, malformed answer), any other code the daemon
+// refused with (AttachResponse.error_code), INTERNAL (I/O). Nothing stays open after an error.
 absl::StatusOr<Attachment> Attach(const std::string& runtime_dir, const v1::AttachRequest& request,
-                                  absl::Duration timeout);
+                                  absl::Duration timeout, std::span<const uid_t> trusted = {});
 
 }  // namespace kvpool::client::internal

@@ -36,12 +36,15 @@ bool AttachPolicy::admin(const PeerCredentials& peer) const {
   return Contains(options_.admin_uids, peer.uid);
 }
 
+absl::Status AttachPolicy::Admit(const PeerCredentials& peer) const {
+  if (allowed(peer)) return absl::OkStatus();
+  return absl::PermissionDeniedError(
+      fmt::format("uid {} gid {} may not attach to this kvpoold", peer.uid, peer.gid));
+}
+
 absl::StatusOr<SessionSpec> AttachPolicy::Decide(const PeerCredentials& peer,
                                                  const AttachClaims& claims, bool draining) const {
-  if (!allowed(peer)) {
-    return absl::PermissionDeniedError(
-        fmt::format("uid {} gid {} may not attach to this kvpoold", peer.uid, peer.gid));
-  }
+  if (absl::Status admitted = Admit(peer); !admitted.ok()) return admitted;
   if (claims.protocol_version != options_.protocol_version) {
     return absl::InvalidArgumentError(fmt::format("protocol version {} (this daemon speaks {})",
                                                   claims.protocol_version,

@@ -71,6 +71,9 @@ class AttachPolicy final {
   absl::StatusOr<SessionSpec> Decide(const PeerCredentials& peer, const AttachClaims& claims,
                                      bool draining) const;
 
+  // Step 1 alone, from the credentials: the attach server asks it at accept, before it reads a
+  // byte. Errors: PERMISSION_DENIED.
+  absl::Status Admit(const PeerCredentials& peer) const;
   bool allowed(const PeerCredentials& peer) const;
   bool admin(const PeerCredentials& peer) const;
 

@@ -1,22 +1,26 @@
 #include "daemon/edge/attach_server.h"
 
-#include <poll.h>
+#include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
 #include "fmt/format.h"
 #include "kvpool/util/fmt.h"
 #include "kvpool/util/logging.h"
-#include "kvpool/v1/wire.h"
+#include "kvpool/v1/runtime_dir.h"
 
 namespace kvpool::daemon {
 namespace {
+
+constexpr uint64_t kListenerKey = 0;
+constexpr uint64_t kWakeKey = 1;
 
 absl::Status Errno(std::string_view what) {
   return absl::InternalError(fmt::format("{}: {}", what, std::strerror(errno)));
@@ -24,10 +28,31 @@ absl::Status Errno(std::string_view what) {
 
 spdlog::logger& Log() { return Logger("daemon"); }
 
+bool EpollAdd(int epoll, int fd, uint32_t events, uint64_t key) {
+  epoll_event e{};
+  e.events = events;
+  e.data.u64 = key;
+  return epoll_ctl(epoll, EPOLL_CTL_ADD, fd, &e) == 0;
+}
+
 }  // namespace
 
+struct AttachServer::Connection {
+  uint64_t id = 0;
+  UniqueFd socket;
+  PeerCredentials peer;
+  bool handshaking = true;
+  absl::Time deadline;  // of the handshake
+  wire::FrameReader request;
+  SessionId session;  // once accepted
+
+  explicit Connection(uint32_t max_request_bytes) : request(max_request_bytes) {}
+};
+
 absl::StatusOr<std::unique_ptr<AttachServer>> AttachServer::Start(const std::string& path,
-                                                                  uint32_t mode, AttachFn attach,
+                                                                  uint32_t mode,
+                                                                  AttachLimits limits,
+                                                                  AdmitFn admit, AttachFn attach,
                                                                   ClosedFn closed) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
@@ -38,39 +63,67 @@ absl::StatusOr<std::unique_ptr<AttachServer>> AttachServer::Start(const std::str
   UniqueFd listener(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   if (!listener.valid()) return Errno("socket(attach)");
   unlink(path.c_str());  // a stale socket of a daemon that died (the caller checked none is live)
-  if (bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      chmod(path.c_str(), mode) != 0 || listen(listener.get(), 64) != 0) {
-    return Errno(fmt::format("bind/listen {}", path));
+  {
+    wire::ScopedUmask umask(mode);
+    if (bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+      return Errno(fmt::format("bind {}", path));
+    }
   }
+  // A deep backlog: a reconnect storm queues in the kernel instead of blocking connect().
+  if (listen(listener.get(), SOMAXCONN) != 0) return Errno(fmt::format("listen {}", path));
+  UniqueFd epoll(epoll_create1(EPOLL_CLOEXEC));
+  if (!epoll.valid()) return Errno("epoll_create1");
   UniqueFd wake(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!wake.valid()) return Errno("eventfd");
-  return std::unique_ptr<AttachServer>(new AttachServer(path, std::move(listener), std::move(wake),
-                                                        std::move(attach), std::move(closed)));
+  if (!EpollAdd(epoll.get(), wake.get(), EPOLLIN, kWakeKey)) return Errno("epoll_ctl(wake)");
+  return std::unique_ptr<AttachServer>(
+      new AttachServer(path, limits, std::move(listener), std::move(epoll), std::move(wake),
+                       std::move(admit), std::move(attach), std::move(closed)));
 }
 
-AttachServer::AttachServer(std::string path, UniqueFd listener, UniqueFd wake, AttachFn attach,
-                           ClosedFn closed)
+AttachServer::AttachServer(std::string path, AttachLimits limits, UniqueFd listener, UniqueFd epoll,
+                           UniqueFd wake, AdmitFn admit, AttachFn attach, ClosedFn closed)
     : path_(std::move(path)),
-      wake_(std::move(wake)),
+      limits_(limits),
+      admit_(std::move(admit)),
       attach_(std::move(attach)),
       closed_(std::move(closed)),
+      epoll_(std::move(epoll)),
+      wake_(std::move(wake)),
       listener_(std::move(listener)) {
+  next_id_ = kWakeKey + 1;
   thread_ = std::thread([this] { Loop(); });
 }
 
 AttachServer::~AttachServer() {
-  {
-    absl::MutexLock lock(&mu_);
-    stop_ = true;
-  }
-  Wake();
+  Post(Command::kExit);
   thread_.join();
-  absl::MutexLock lock(&mu_);
+  // The loop is gone: what it owned is closed here, on the destroying thread.
   connections_.clear();
   if (listener_.valid()) {
     listener_.reset();
     unlink(path_.c_str());
   }
+}
+
+void AttachServer::StopAccepting() { Post(Command::kStopAccepting); }
+
+void AttachServer::CloseAll() { Post(Command::kCloseAll); }
+
+AttachCounters AttachServer::counters() const {
+  absl::MutexLock lock(&mu_);
+  return counters_;
+}
+
+void AttachServer::Post(Command command) {
+  absl::Notification done;
+  {
+    absl::MutexLock lock(&mu_);
+    if (exited_) return;
+    commands_.push_back({command, &done});
+  }
+  Wake();
+  done.WaitForNotification();
 }
 
 void AttachServer::Wake() {
@@ -79,139 +132,353 @@ void AttachServer::Wake() {
   [[maybe_unused]] const ssize_t n = write(wake_.get(), &one, sizeof(one));
 }
 
-void AttachServer::StopAccepting() {
-  absl::MutexLock lock(&mu_);
-  if (!listener_.valid()) return;
-  listener_.reset();
-  unlink(path_.c_str());
-  Wake();
-}
-
-void AttachServer::CloseAll() {
-  absl::flat_hash_map<int, Connection> closing;
+bool AttachServer::RunCommands() {
+  uint64_t drained;
+  [[maybe_unused]] const ssize_t n = read(wake_.get(), &drained, sizeof(drained));
+  std::vector<Posted> commands;
   {
     absl::MutexLock lock(&mu_);
-    closing.swap(connections_);
+    commands.swap(commands_);
   }
-  Wake();
-  for (auto& [fd, connection] : closing) {
-    connection.socket.reset();
-    closed_(connection.session, SessionEnd::kShutdown);
+  bool keep_going = true;
+  for (const Posted& posted : commands) {
+    switch (posted.command) {
+      case Command::kStopAccepting:
+        CloseListener();
+        while (!handshakes_.empty()) {
+          Drop(handshakes_.front());
+          handshakes_.pop_front();
+        }
+        break;
+      case Command::kCloseAll: {
+        std::vector<SessionId> closing;
+        for (auto it = connections_.begin(); it != connections_.end();) {
+          auto next = std::next(it);
+          if (!it->second->handshaking) {
+            closing.push_back(it->second->session);
+            Drop(it->first);
+          }
+          it = next;
+        }
+        for (SessionId session : closing) closed_(session, SessionEnd::kShutdown);
+        break;
+      }
+      case Command::kExit:
+        keep_going = false;
+        break;
+    }
   }
+  if (!keep_going) {
+    absl::MutexLock lock(&mu_);
+    exited_ = true;
+    // Anyone who posted after the exit command returns without waiting.
+    for (const Posted& late : commands_) late.done->Notify();
+    commands_.clear();
+  }
+  for (const Posted& posted : commands) posted.done->Notify();
+  return keep_going;
 }
 
-size_t AttachServer::sessions() const {
-  absl::MutexLock lock(&mu_);
-  return connections_.size();
+void AttachServer::CloseListener() {
+  if (!listener_.valid()) return;
+  listener_.reset();  // closing removes it from the epoll set
+  listener_in_epoll_ = false;
+  unlink(path_.c_str());
+}
+
+int AttachServer::PollTimeoutMs(absl::Time now) const {
+  absl::Time next = absl::InfiniteFuture();
+  for (uint64_t id : handshakes_) {
+    auto it = connections_.find(id);
+    if (it != connections_.end() && it->second->handshaking) {
+      next = it->second->deadline;  // the oldest live handshake expires first
+      break;
+    }
+  }
+  if (listener_.valid() && !listener_in_epoll_) next = std::min(next, listener_paused_until_);
+  if (next == absl::InfiniteFuture()) return -1;
+  return static_cast<int>(std::max<int64_t>(0, absl::ToInt64Milliseconds(next - now) + 1));
 }
 
 void AttachServer::Loop() {
+  std::vector<epoll_event> events(64);
   for (;;) {
-    std::vector<pollfd> fds;
-    int listener;
-    {
-      absl::MutexLock lock(&mu_);
-      if (stop_) return;
-      listener = listener_.get();
-      fds.push_back({wake_.get(), POLLIN, 0});
-      if (listener >= 0) fds.push_back({listener, POLLIN, 0});
-      for (const auto& [fd, connection] : connections_) fds.push_back({fd, POLLIN | POLLRDHUP, 0});
+    absl::Time now = absl::Now();
+    if (listener_.valid() && !listener_in_epoll_ && now >= listener_paused_until_) {
+      listener_in_epoll_ = EpollAdd(epoll_.get(), listener_.get(), EPOLLIN, kListenerKey);
     }
-    if (poll(fds.data(), fds.size(), -1) < 0) {
+    const int n = epoll_wait(epoll_.get(), events.data(), static_cast<int>(events.size()),
+                             PollTimeoutMs(now));
+    if (n < 0) {
       if (errno == EINTR) continue;
-      Log().error("attach poll: {}", std::strerror(errno));
-      return;
+      Log().critical("attach loop: epoll_wait: {}", std::strerror(errno));
+      std::abort();  // a broken loop would leak every session: better restart (systemd)
     }
-    for (const pollfd& p : fds) {
-      if (p.revents == 0) continue;
-      if (p.fd == wake_.get()) {
-        uint64_t drained;
-        [[maybe_unused]] const ssize_t n = read(wake_.get(), &drained, sizeof(drained));
-      } else if (p.fd == listener) {
+    bool exit = false;
+    for (int i = 0; i < n; ++i) {
+      const uint64_t key = events[i].data.u64;
+      if (key == kWakeKey) {
+        exit = !RunCommands();
+        if (exit) break;
+      } else if (key == kListenerKey) {
         Accept();
-      } else {
-        Watch(p.fd);
-      }
+      } else if (auto it = connections_.find(key); it != connections_.end()) {
+        Connection& c = *it->second;
+        if (c.handshaking) {
+          ReadHandshake(c);
+        } else {
+          WatchSession(c);
+        }
+      }  // else: dropped earlier in this batch
     }
+    if (exit) return;
+    ExpireHandshakes(absl::Now());
   }
-}
-
-void AttachServer::Watch(int fd) {
-  SessionId session;
-  SessionEnd how = SessionEnd::kConnectionLost;
-  UniqueFd closing;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = connections_.find(fd);
-    if (it == connections_.end()) return;  // CloseAll took it
-    // Clients send nothing after the handshake but, optionally, a Detach frame right before they
-    // close: an empty message, so a frame of length 0.
-    char bytes[16];
-    const ssize_t n = recv(fd, bytes, sizeof(bytes), MSG_DONTWAIT);
-    if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
-    if (n == 4 && std::memcmp(bytes, "\0\0\0\0", 4) == 0) how = SessionEnd::kDetached;
-    session = it->second.session;
-    closing = std::move(it->second.socket);
-    connections_.erase(it);
-  }
-  closing.reset();
-  closed_(session, how);
 }
 
 void AttachServer::Accept() {
-  for (;;) {
-    int listener;
-    {
-      absl::MutexLock lock(&mu_);
-      listener = listener_.get();
+  while (listener_.valid()) {
+    UniqueFd socket(accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+    if (socket.valid()) {
+      Admit(std::move(socket));
+      continue;
     }
-    if (listener < 0) return;
-    UniqueFd connection(accept4(listener, nullptr, nullptr, SOCK_CLOEXEC));
-    if (!connection.valid()) return;  // EAGAIN: drained
-    Handshake(std::move(connection));
+    if (errno == EINTR || errno == ECONNABORTED) continue;
+    if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+      // The connection stays in the backlog while the listener stays readable: waiting on it
+      // now would spin. Leave it alone for a while; sessions closing meanwhile free descriptors.
+      epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, listener_.get(), nullptr);
+      listener_in_epoll_ = false;
+      listener_paused_until_ = absl::Now() + limits_.accept_backoff;
+      int64_t backoffs;
+      {
+        absl::MutexLock lock(&mu_);
+        backoffs = ++counters_.accept_backoffs;
+      }
+      if ((backoffs & (backoffs - 1)) == 0) {  // the 1st, 2nd, 4th, 8th ... time
+        Log().error("attach: accept: {}; pausing accepts for {} (happened {} time(s))",
+                    std::strerror(errno), absl::FormatDuration(limits_.accept_backoff), backoffs);
+      }
+    } else if (errno != EAGAIN) {
+      Log().warn("attach: accept: {}", std::strerror(errno));
+    }
+    return;
   }
 }
 
-void AttachServer::Handshake(UniqueFd connection) {
+void AttachServer::Admit(UniqueFd socket) {
   ucred cred{};
   socklen_t len = sizeof(cred);
-  if (getsockopt(connection.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) return;
-  const PeerCredentials peer{cred.pid, cred.uid, cred.gid};
-  v1::AttachRequest request;
-  if (absl::Status s = wire::ReceiveFrame(connection.get(), &request, nullptr, absl::Seconds(1));
-      !s.ok()) {
-    // A peer that connects and closes at once is a readiness probe; anything else is worth a
-    // warning.
-    if (absl::IsUnavailable(s)) {
-      Log().debug("attach socket probed by pid {}", peer.pid);
+  if (getsockopt(socket.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) return;
+  auto c = std::make_unique<Connection>(limits_.max_request_bytes);
+  c->id = next_id_++;
+  c->socket = std::move(socket);
+  c->peer = {cred.pid, cred.uid, cred.gid};
+  if (absl::Status admitted = admit_(c->peer); !admitted.ok()) {
+    {
+      absl::MutexLock lock(&mu_);
+      ++counters_.refused_at_accept;
+    }
+    Log().warn("attach refused at accept: pid {} uid {} gid {}: {}", c->peer.pid, c->peer.uid,
+               c->peer.gid, admitted.message());
+    Refuse(*c, admitted);
+    return;
+  }
+  MakeRoomFor(c->peer.uid);
+  if (!EpollAdd(epoll_.get(), c->socket.get(), EPOLLIN | EPOLLRDHUP, c->id)) {
+    Log().warn("attach: epoll_ctl: {}", std::strerror(errno));
+    return;
+  }
+  c->deadline = absl::Now() + limits_.handshake_timeout;
+  ++pending_by_uid_[c->peer.uid];
+  pending_.fetch_add(1, std::memory_order_relaxed);
+  handshakes_.push_back(c->id);
+  Connection& added = *connections_.emplace(c->id, std::move(c)).first->second;
+  // Clients send their request right after connecting: it is often here already.
+  ReadHandshake(added);
+}
+
+void AttachServer::MakeRoomFor(uid_t uid) {
+  const auto mine = pending_by_uid_.find(uid);
+  const bool uid_full =
+      mine != pending_by_uid_.end() && mine->second >= limits_.max_pending_per_uid;
+  const bool all_full =
+      pending_.load(std::memory_order_relaxed) >= static_cast<size_t>(limits_.max_pending);
+  if (!uid_full && !all_full) return;
+  // The oldest handshake of this uid when it is over its own cap, else the oldest of all.
+  for (auto it = handshakes_.begin(); it != handshakes_.end(); ++it) {
+    auto c = connections_.find(*it);
+    if (c == connections_.end() || !c->second->handshaking) continue;
+    if (uid_full && c->second->peer.uid != uid) continue;
+    {
+      absl::MutexLock lock(&mu_);
+      ++counters_.displaced;
+    }
+    Log().debug("attach: handshake of pid {} displaced by a newer one", c->second->peer.pid);
+    Refuse(*c->second, absl::ResourceExhaustedError(fmt::format(
+                           "too many attach handshakes in progress (at most {} per uid, {} in "
+                           "all); this one was the oldest",
+                           limits_.max_pending_per_uid, limits_.max_pending)));
+    Drop(*it);
+    handshakes_.erase(it);
+    return;
+  }
+}
+
+void AttachServer::ReadHandshake(Connection& c) {
+  while (!c.request.complete()) {
+    char chunk[4096];
+    iovec iov{chunk, std::min(sizeof(chunk), c.request.wanted())};
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * wire::kMaxFds)] = {};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof(control);
+    const ssize_t n = recvmsg(c.socket.get(), &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;  // more later
+    bool carried_fds = false;
+    for (cmsghdr* m = CMSG_FIRSTHDR(&msg); m != nullptr; m = CMSG_NXTHDR(&msg, m)) {
+      if (m->cmsg_level != SOL_SOCKET || m->cmsg_type != SCM_RIGHTS) continue;
+      const size_t count = (m->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+      const int* fds = reinterpret_cast<const int*>(CMSG_DATA(m));
+      for (size_t i = 0; i < count; ++i) close(fds[i]);
+      carried_fds = true;
+    }
+    absl::Status bad;
+    if (n <= 0) {
+      // A peer that connects and closes at once is a readiness probe.
+      if (c.request.size() == 0 && n == 0) {
+        Log().debug("attach socket probed by pid {}", c.peer.pid);
+      } else {
+        Log().warn("attach from pid {} uid {}: {}", c.peer.pid, c.peer.uid,
+                   n == 0 ? "closed mid-request" : std::strerror(errno));
+      }
+      Drop(c.id);
+      return;
+    }
+    if (carried_fds) {
+      bad = absl::InvalidArgumentError("an attach request carries no descriptors");
+    } else if ((msg.msg_flags & MSG_CTRUNC) != 0) {
+      bad = absl::InvalidArgumentError("an attach request carries no control data");
     } else {
-      Log().warn("attach from pid {} uid {}: {}", peer.pid, peer.uid, s.ToString());
+      bad = c.request.Append({chunk, static_cast<size_t>(n)});
     }
+    if (!bad.ok()) {
+      {
+        absl::MutexLock lock(&mu_);
+        ++counters_.malformed;
+      }
+      Log().warn("attach from pid {} uid {}: {}", c.peer.pid, c.peer.uid, bad.message());
+      Refuse(c, bad);
+      Drop(c.id);
+      return;
+    }
+  }
+  FinishHandshake(c);
+}
+
+void AttachServer::FinishHandshake(Connection& c) {
+  EndPending(c);
+  v1::AttachRequest request;
+  if (absl::Status parsed = c.request.Parse(&request); !parsed.ok()) {
+    {
+      absl::MutexLock lock(&mu_);
+      ++counters_.malformed;
+    }
+    Log().warn("attach from pid {} uid {}: {}", c.peer.pid, c.peer.uid, parsed.message());
+    Refuse(c, parsed);
+    Drop(c.id);
     return;
   }
-  absl::StatusOr<AttachReply> reply = attach_(peer, request);
+  c.request = wire::FrameReader(0);  // frees the request's bytes
+  absl::StatusOr<AttachReply> reply = attach_(c.peer, request);
   if (!reply.ok()) {
-    v1::AttachResponse refusal;
-    refusal.set_error(std::string(reply.status().message()));
-    refusal.set_error_code(static_cast<int32_t>(reply.status().code()));
-    if (absl::Status s = wire::SendFrame(connection.get(), refusal); !s.ok()) {
-      Log().debug("attach refusal to pid {}: {}", peer.pid, s.ToString());
-    }
+    Refuse(c, reply.status());
+    Drop(c.id);
     return;
   }
+  c.session = reply->session;
+  sessions_.fetch_add(1, std::memory_order_relaxed);
   std::vector<int> fds;
   for (const UniqueFd& fd : reply->fds) fds.push_back(fd.get());
-  const absl::Status sent = wire::SendFrame(connection.get(), reply->response, fds);
+  // The reply is a few hundred bytes on a fresh connection: it fits the socket buffer, so the
+  // non-blocking send completes or fails, never waits.
+  const absl::Status sent = wire::SendFrame(c.socket.get(), reply->response, fds);
   reply->fds.clear();  // the client has its own copies now
   if (!sent.ok()) {
-    Log().warn("attach reply to pid {}: {}", peer.pid, sent.ToString());
-    connection.reset();
-    closed_(reply->session, SessionEnd::kConnectionLost);
-    return;
+    Log().warn("attach reply to pid {}: {}", c.peer.pid, sent.ToString());
+    const SessionId session = c.session;
+    Drop(c.id);
+    closed_(session, SessionEnd::kConnectionLost);
   }
-  absl::MutexLock lock(&mu_);
-  const int fd = connection.get();
-  connections_.emplace(fd, Connection{std::move(connection), reply->session});
+}
+
+void AttachServer::Refuse(Connection& c, const absl::Status& why) {
+  v1::AttachResponse refusal;
+  refusal.set_error(std::string(why.message()));
+  refusal.set_error_code(static_cast<int32_t>(why.code()));
+  // Best effort and non-blocking: a peer that does not read its refusal just loses it.
+  if (absl::Status s = wire::SendFrame(c.socket.get(), refusal); !s.ok()) {
+    Log().debug("attach refusal to pid {}: {}", c.peer.pid, s.ToString());
+  }
+}
+
+void AttachServer::WatchSession(Connection& c) {
+  // Clients send nothing after the handshake but, optionally, a Detach frame right before they
+  // close: an empty message, so a frame of length 0.
+  char bytes[16];
+  const ssize_t n = recv(c.socket.get(), bytes, sizeof(bytes), MSG_DONTWAIT);
+  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
+  const SessionEnd how = n == 4 && std::memcmp(bytes, "\0\0\0\0", 4) == 0
+                             ? SessionEnd::kDetached
+                             : SessionEnd::kConnectionLost;
+  const SessionId session = c.session;
+  Drop(c.id);
+  closed_(session, how);
+}
+
+void AttachServer::ExpireHandshakes(absl::Time now) {
+  while (!handshakes_.empty()) {
+    auto it = connections_.find(handshakes_.front());
+    if (it == connections_.end() || !it->second->handshaking) {
+      handshakes_.pop_front();  // finished or dropped
+      continue;
+    }
+    Connection& c = *it->second;
+    if (c.deadline > now) return;  // the rest are younger
+    {
+      absl::MutexLock lock(&mu_);
+      ++counters_.timed_out;
+    }
+    Log().warn("attach from pid {} uid {}: no complete request within {}", c.peer.pid, c.peer.uid,
+               absl::FormatDuration(limits_.handshake_timeout));
+    Refuse(c, absl::DeadlineExceededError(
+                  fmt::format("no complete attach request within {}",
+                              absl::FormatDuration(limits_.handshake_timeout))));
+    Drop(c.id);
+    handshakes_.pop_front();
+  }
+}
+
+void AttachServer::EndPending(Connection& c) {
+  auto it = pending_by_uid_.find(c.peer.uid);
+  if (--it->second == 0) pending_by_uid_.erase(it);
+  pending_.fetch_sub(1, std::memory_order_relaxed);
+  c.handshaking = false;  // its id in handshakes_ is now stale
+}
+
+void AttachServer::Drop(uint64_t id) {
+  auto it = connections_.find(id);
+  if (it == connections_.end()) return;
+  Connection& c = *it->second;
+  if (c.handshaking) {
+    EndPending(c);
+  } else if (c.session != kNoSession) {
+    sessions_.fetch_sub(1, std::memory_order_relaxed);
+  }
+  connections_.erase(it);  // closing the socket removes it from the epoll set
 }
 
 }  // namespace kvpool::daemon

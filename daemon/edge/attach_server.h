@@ -1,17 +1,35 @@
 #pragma once
 
 // AttachServer: the session socket (DESIGN.md §7). Accepts connections on attach.sock, reads the
-// AttachRequest, learns the peer's pid/uid/gid from SO_PEERCRED, and asks its owner whether to
-// accept; an accepted client gets the AttachResponse with the pool's descriptors as SCM_RIGHTS, a
-// refused one only the error. It then watches every accepted connection: when one closes, the
-// owner is told how: after the client's Detach frame (ended normally), or without it (the client
-// exited, crashed or was killed: connection lost).
+// AttachRequest, and asks its owner whether to accept; an accepted client gets the
+// AttachResponse with the pool's descriptors as SCM_RIGHTS, a refused one only the error. It then
+// watches every accepted connection: when one closes, the owner is told how: after the client's
+// Detach frame (ended normally), or without it (the client exited, crashed or was killed:
+// connection lost).
 //
-// One thread polls everything. A handshake must arrive within a second of connecting.
-// Thread-safe. A session's descriptor is closed only after it left the watch list, under the
-// lock the watch loop reads it with, so the loop never reads a descriptor that was closed (and
-// perhaps reused) meanwhile.
+// Nothing a peer does can hold it up (issue 12). One thread runs an epoll loop over the listener,
+// the handshakes in progress and the session connections, and never blocks on any of them:
+//  - the peer's credentials (SO_PEERCRED) are checked at accept, before a byte is read; a peer
+//    that may not attach is refused at once;
+//  - a handshake is a state (bytes read so far), advanced as bytes arrive; it must complete
+//    within `handshake_timeout`;
+//  - at most `max_pending` handshakes are in progress, `max_pending_per_uid` per uid: a new
+//    connection beyond either displaces the oldest one of the same uid (else the oldest
+//    overall), so a peer holding silent connections cannot keep a well-behaved one out;
+//  - when accept fails for want of descriptors (EMFILE, ENFILE) the listener is left alone for
+//    `accept_backoff` instead of spinning on it;
+//  - session connections are in the same loop, so a client killed mid-handshake-storm is noticed
+//    at once.
+// Everything the loop owns is touched only by the loop thread: StopAccepting() and CloseAll()
+// hand their work to it and wait, so no descriptor is ever closed under a reader.
+//
+// Thread-safe.
 
+#include <sys/types.h>
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
@@ -21,10 +39,13 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 #include "daemon/edge/attach_policy.h"
 #include "daemon/engine/session.h"
 #include "kvpool/util/unique_fd.h"
 #include "kvpool/v1/attach.pb.h"
+#include "kvpool/v1/wire.h"
 
 namespace kvpool::daemon {
 
@@ -35,50 +56,106 @@ struct AttachReply {
   std::vector<UniqueFd> fds;
 };
 
+struct AttachLimits {
+  absl::Duration handshake_timeout = absl::Milliseconds(500);
+  int max_pending = 64;                                     // handshakes in progress
+  int max_pending_per_uid = 8;                              // of them, per peer uid
+  absl::Duration accept_backoff = absl::Milliseconds(100);  // after EMFILE/ENFILE
+  uint32_t max_request_bytes = 64 << 10;                    // one AttachRequest frame
+};
+
+// What the loop has turned away, for stats.
+struct AttachCounters {
+  int64_t refused_at_accept = 0;  // peers not allowed to attach, refused before reading
+  int64_t displaced = 0;          // handshakes closed for a newer one over a pending cap
+  int64_t timed_out = 0;          // handshakes not complete within handshake_timeout
+  int64_t malformed = 0;          // oversized, unparsable or fd-carrying requests
+  int64_t accept_backoffs = 0;    // times accept ran out of descriptors
+};
+
 class AttachServer final {
  public:
+  // Whether a peer may attach at all, from its credentials alone: OK or the refusal.
+  using AdmitFn = std::function<absl::Status(const PeerCredentials&)>;
   // Decides a handshake: the reply of an accepted one, or the refusal.
   using AttachFn =
       std::function<absl::StatusOr<AttachReply>(const PeerCredentials&, const v1::AttachRequest&)>;
   // An accepted session's connection closed (`how`: kDetached or kConnectionLost; kShutdown from
-  // CloseAll()).
+  // CloseAll()). Called on the loop thread.
   using ClosedFn = std::function<void(SessionId, SessionEnd how)>;
 
-  // Binds `path` (mode `mode`) and starts the thread. Errors: INVALID_ARGUMENT (path too long),
-  // INTERNAL for socket errors.
+  // Binds `path` (permission bits `mode`, set through the umask at bind: no chmod by path) and
+  // starts the loop. Errors: INVALID_ARGUMENT (path too long), INTERNAL for socket errors.
   static absl::StatusOr<std::unique_ptr<AttachServer>> Start(const std::string& path, uint32_t mode,
+                                                             AttachLimits limits, AdmitFn admit,
                                                              AttachFn attach, ClosedFn closed);
-  ~AttachServer();  // stops the thread and closes everything (without calling ClosedFn)
+  ~AttachServer();  // stops the loop and closes everything (without calling ClosedFn)
 
-  // Stops accepting (the socket file is removed); live sessions are kept.
+  // Stops accepting (the socket file is removed) and drops the handshakes in progress; live
+  // sessions are kept. Returns once done.
   void StopAccepting();
-  // Closes every session connection, calling ClosedFn(kShutdown) for each.
+  // Closes every session connection, calling ClosedFn(kShutdown) for each. Returns once done.
   void CloseAll();
-  size_t sessions() const;
+  size_t sessions() const { return sessions_.load(std::memory_order_relaxed); }
+  size_t pending() const { return pending_.load(std::memory_order_relaxed); }
+  AttachCounters counters() const;
 
  private:
-  AttachServer(std::string path, UniqueFd listener, UniqueFd wake, AttachFn attach,
-               ClosedFn closed);
+  struct Connection;
+  enum class Command : uint8_t { kStopAccepting, kCloseAll, kExit };
+
+  AttachServer(std::string path, AttachLimits limits, UniqueFd listener, UniqueFd epoll,
+               UniqueFd wake, AdmitFn admit, AttachFn attach, ClosedFn closed);
+
+  // The loop thread's work.
   void Loop();
+  bool RunCommands();  // false: exit
   void Accept();
-  void Handshake(UniqueFd connection);
-  // The session connection `fd` is readable: a Detach, or a close. Ends the session when so.
-  void Watch(int fd);
+  void Admit(UniqueFd socket);
+  void ReadHandshake(Connection& c);
+  void FinishHandshake(Connection& c);
+  void Refuse(Connection& c, const absl::Status& why);
+  void WatchSession(Connection& c);
+  void ExpireHandshakes(absl::Time now);
+  void MakeRoomFor(uid_t uid);
+  void EndPending(Connection& c);  // the handshake is over, one way or another
+  void Drop(uint64_t id);          // closes a connection, whatever its state, without callbacks
+  void CloseListener();
+  int PollTimeoutMs(absl::Time now) const;
+
+  // Any thread.
+  void Post(Command command);
   void Wake();
 
   const std::string path_;
-  const UniqueFd wake_;  // eventfd: tells the loop to re-read its state
+  const AttachLimits limits_;
+  const AdmitFn admit_;
   const AttachFn attach_;
   const ClosedFn closed_;
+  const UniqueFd epoll_;
+  const UniqueFd wake_;  // eventfd: commands are waiting
+
+  // Loop thread only.
+  UniqueFd listener_;
+  absl::Time listener_paused_until_ = absl::InfinitePast();
+  bool listener_in_epoll_ = false;
+  uint64_t next_id_ = 1;  // 0 is the listener's epoll key; 1 the wake eventfd's
+  absl::flat_hash_map<uint64_t, std::unique_ptr<Connection>> connections_;
+  std::deque<uint64_t> handshakes_;  // pending, oldest first (stale ids are skipped)
+  absl::flat_hash_map<uid_t, int> pending_by_uid_;
+
+  std::atomic<size_t> sessions_{0};
+  std::atomic<size_t> pending_{0};
 
   mutable absl::Mutex mu_;
-  UniqueFd listener_ ABSL_GUARDED_BY(mu_);
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  struct Connection {
-    UniqueFd socket;
-    SessionId session;
+  struct Posted {
+    Command command;
+    absl::Notification* done;
   };
-  absl::flat_hash_map<int, Connection> connections_ ABSL_GUARDED_BY(mu_);  // by descriptor
+  std::vector<Posted> commands_ ABSL_GUARDED_BY(mu_);
+  AttachCounters counters_ ABSL_GUARDED_BY(mu_);
+  bool exited_ ABSL_GUARDED_BY(mu_) = false;
+
   std::thread thread_;
 };
 

@@ -92,6 +92,15 @@ void ApplyDefaults(v1::DaemonConfig* c) {
   if (c->log_level().empty()) c->set_log_level("info");
   if (c->drain_timeout_ms() == 0) c->set_drain_timeout_ms(5000);
   if (c->socket_mode() == 0) c->set_socket_mode(0660);
+  if (c->runtime_dir_mode() == 0) c->set_runtime_dir_mode(0700);
+  v1::Limits* l = c->mutable_limits();
+  if (l->sessions_per_uid() == 0) l->set_sessions_per_uid(64);
+  if (l->sequences_per_session() == 0) l->set_sequences_per_session(65536);
+  if (l->batch_items() == 0) l->set_batch_items(4096);
+  if (l->queued_calls_per_session() == 0) l->set_queued_calls_per_session(64);
+  if (l->attach_pending() == 0) l->set_attach_pending(64);
+  if (l->attach_pending_per_uid() == 0) l->set_attach_pending_per_uid(8);
+  if (l->attach_timeout_ms() == 0) l->set_attach_timeout_ms(500);
 }
 
 namespace {
@@ -122,6 +131,32 @@ void ValidateModel(const v1::DaemonConfig& c, bool shape_ok,
   if (m.prefill_share_tokens() < 0 || m.prefill_share_tokens() > m.max_step_tokens()) {
     bad("model.prefill_share_tokens",
         fmt::format("must be in [0, max_step_tokens] (got {})", m.prefill_share_tokens()));
+  }
+}
+
+// Every limit is positive; the decode width fits one step.
+void ValidateLimits(const v1::DaemonConfig& c,
+                    const std::function<void(std::string_view, std::string)>& bad) {
+  const v1::Limits& l = c.limits();
+  const std::pair<const char*, int64_t> positive[] = {
+      {"limits.sessions_per_uid", l.sessions_per_uid()},
+      {"limits.sequences_per_session", l.sequences_per_session()},
+      {"limits.batch_items", l.batch_items()},
+      {"limits.queued_calls_per_session", l.queued_calls_per_session()},
+      {"limits.attach_pending", l.attach_pending()},
+      {"limits.attach_pending_per_uid", l.attach_pending_per_uid()},
+      {"limits.attach_timeout_ms", l.attach_timeout_ms()},
+  };
+  for (const auto& [field, value] : positive) {
+    if (value <= 0) bad(field, fmt::format("must be > 0 (got {})", value));
+  }
+  if (l.decode_width() < 0 || l.decode_width() > c.model().max_step_tokens()) {
+    bad("limits.decode_width",
+        fmt::format("must be in [0, model.max_step_tokens] ({}; 0: that), got {}",
+                    c.model().max_step_tokens(), l.decode_width()));
+  }
+  if (l.attach_pending_per_uid() > l.attach_pending()) {
+    bad("limits.attach_pending_per_uid", "must be at most limits.attach_pending");
   }
 }
 
@@ -234,7 +269,14 @@ std::vector<std::string> ValidateConfig(const v1::DaemonConfig& c) {
   if (c.socket_mode() > 0777)
     bad("socket_mode", fmt::format("{:o} is not a permission mode", c.socket_mode()));
   if (c.watchdog_ms() < 0) bad("watchdog_ms", "must be >= 0");
+  if (c.runtime_dir_mode() > 0777 || (c.runtime_dir_mode() & 0700) != 0700 ||
+      (c.runtime_dir_mode() & 0022) != 0) {
+    bad("runtime_dir_mode",
+        fmt::format("{:o} must give the owner rwx and no one else write permission",
+                    c.runtime_dir_mode()));
+  }
   ValidateModel(c, shape_ok.ok(), bad);
+  ValidateLimits(c, bad);
   return errors;
 }
 
@@ -298,6 +340,12 @@ absl::StatusOr<EngineOptions> MakeEngineOptions(const v1::DaemonConfig& c, uint6
   o.event_capacity = static_cast<size_t>(c.event_capacity());
   o.fill_policy = *kernels::ParseFillPolicy(c.fill_policy());
   o.session_quota_blocks = c.session_quota_blocks();
+  o.limits = {.sessions_per_uid = c.limits().sessions_per_uid(),
+              .sequences_per_session = c.limits().sequences_per_session(),
+              .batch_items = c.limits().batch_items(),
+              .queued_calls_per_session = c.limits().queued_calls_per_session(),
+              .decode_width = c.limits().decode_width() > 0 ? c.limits().decode_width()
+                                                            : c.model().max_step_tokens()};
   for (const auto& [tenant, quota] : c.tenant_quota_blocks()) o.open_quota_blocks[tenant] = quota;
   o.epoch = epoch;
   const v1::ModelSpec& m = c.model();

@@ -58,7 +58,12 @@ class ComputeCall final {
       : session_(std::move(session)),
         request_(std::move(request)),
         context_(std::move(context)),
-        done_(std::move(done)) {}
+        done_(std::move(done)) {
+    session_->compute_calls.fetch_add(1, std::memory_order_relaxed);
+  }
+  ~ComputeCall() { session_->compute_calls.fetch_sub(1, std::memory_order_relaxed); }
+  ComputeCall(const ComputeCall&) = delete;
+  ComputeCall& operator=(const ComputeCall&) = delete;
 
   const Session& session() const { return *session_; }
   const std::shared_ptr<const Session>& shared_session() const { return session_; }

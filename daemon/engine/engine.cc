@@ -57,6 +57,7 @@ Engine::Engine(std::unique_ptr<EngineState> state, model::StepModel* model, Mode
       model_(model),
       model_info_(std::move(model_info)),
       started_ns_(state->now()),
+      limits_(state->options().limits),
       state_(std::move(state)) {}
 
 Engine::~Engine() { StopCompute(); }
@@ -123,6 +124,12 @@ absl::Status Engine::Admit(const Session& s, Needs needs) const {
   if (needs.creates && state_->draining) {
     return absl::UnavailableError("kvpoold is draining: no new sequences");
   }
+  if (needs.items > static_cast<size_t>(state_->options().limits.batch_items)) {
+    ++state_->call_counters.over_limit;
+    return absl::ResourceExhaustedError(
+        fmt::format("{} items in one call: at most {} (limits.batch_items)", needs.items,
+                    state_->options().limits.batch_items));
+  }
   return absl::OkStatus();
 }
 
@@ -176,7 +183,8 @@ absl::StatusOr<Tables> Engine::Allocate(const Session& s, std::span<const Alloca
   Fence fence;
   {
     absl::MutexLock lock(&mu_);
-    KVPOOL_RETURN_IF_ERROR(Admit(s, {.creates = true, .kv_access = true}));
+    KVPOOL_RETURN_IF_ERROR(
+        Admit(s, {.creates = true, .kv_access = true, .items = requests.size()}));
     PoolState& pool = state_->pool_of(s);
     std::vector<AllocateResult> results;
     DevicePlan plan;
@@ -205,7 +213,7 @@ absl::StatusOr<Tables> Engine::Grow(const Session& s, std::span<const GrowReques
   Fence fence;
   {
     absl::MutexLock lock(&mu_);
-    KVPOOL_RETURN_IF_ERROR(Admit(s, {.kv_access = true}));
+    KVPOOL_RETURN_IF_ERROR(Admit(s, {.kv_access = true, .items = requests.size()}));
     PoolState& pool = state_->pool_of(s);
     DevicePlan plan;
     std::vector<TableChange> changes;
@@ -286,7 +294,7 @@ absl::Status Engine::Free(const Session& s, std::span<const SequenceId> sequence
                           const CallContext& context) {
   KVPOOL_RETURN_IF_ERROR(context.Check());
   absl::MutexLock lock(&mu_);
-  KVPOOL_RETURN_IF_ERROR(Admit(s, {}));
+  KVPOOL_RETURN_IF_ERROR(Admit(s, {.items = sequences.size()}));
   return state_->pool_of(s).cache().FreeBatch(s.id, sequences, on_free);
 }
 
@@ -304,7 +312,44 @@ void Engine::Submit(std::unique_ptr<ComputeCall> call) {
     call->Complete();
     return;
   }
+  if (absl::Status refused = CheckCompute(*call); !refused.ok()) {
+    call->result().status = std::move(refused);
+    call->Complete();
+    return;
+  }
   runner_->Submit(std::move(call));
+}
+
+absl::Status Engine::CheckCompute(const ComputeCall& call) {
+  const ComputeRequest& r = call.request();
+  const ClientLimits& limits = limits_;
+  // Per call: a top_k no step can serve fails this call alone, not the step it would join.
+  if (r.top_k < 0 || r.top_k > model_info_.vocab_size) {
+    return absl::InvalidArgumentError(
+        fmt::format("top_k {} outside [0, {}] (the vocabulary)", r.top_k, model_info_.vocab_size));
+  }
+  if (r.prefill() && static_cast<int64_t>(r.tokens.size()) > model_info_.max_position) {
+    return absl::OutOfRangeError(
+        fmt::format("a prompt of {} tokens: the model's context is {} positions", r.tokens.size(),
+                    model_info_.max_position));
+  }
+  absl::Status over;
+  if (!r.prefill() && r.decode.size() > static_cast<size_t>(limits.decode_width)) {
+    over = absl::ResourceExhaustedError(
+        fmt::format("a decode of {} sequences: at most {} (limits.decode_width)", r.decode.size(),
+                    limits.decode_width));
+  } else if (call.session().compute_calls.load(std::memory_order_relaxed) >
+             limits.queued_calls_per_session) {
+    over = absl::ResourceExhaustedError(
+        fmt::format("session {} has {} compute calls queued or running already "
+                    "(limits.queued_calls_per_session)",
+                    call.session().id.value(), limits.queued_calls_per_session));
+  }
+  if (!over.ok()) {
+    absl::MutexLock lock(&mu_);
+    ++state_->call_counters.over_limit;
+  }
+  return over;
 }
 
 void Engine::StopCompute() {
@@ -312,7 +357,7 @@ void Engine::StopCompute() {
 }
 
 void Engine::RunStep(int32_t pool, std::span<ComputeCall* const> calls) {
-  Step step(pool, calls, model_->config().vocab_size);
+  Step step(pool, calls, {model_info_.vocab_size, model_info_.max_position});
   {
     absl::MutexLock lock(&mu_);
     step.Plan(*state_);

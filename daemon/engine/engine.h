@@ -203,6 +203,7 @@ class Engine final {
   struct Needs {
     bool creates = false;    // makes sequences: not while draining
     bool kv_access = false;  // hands out blocks to write, or publishes what a client wrote
+    size_t items = 0;        // a batch of this many (ClientLimits::batch_items)
   };
   // Under the lock, before a call changes anything: the engine serves, the session is live, and
   // it may do what the call `needs`.
@@ -212,6 +213,10 @@ class Engine final {
   absl::Status Complete(const Session& s, Fence fence, std::span<const SequenceId> created,
                         const CallContext& context);
   void Release(const Session& s, std::span<const SequenceId> created);
+  // What a compute call may ask, checked before it queues: top_k, the prompt against the
+  // context, the decode width, and the session's queued calls. Errors: INVALID_ARGUMENT,
+  // OUT_OF_RANGE, RESOURCE_EXHAUSTED.
+  absl::Status CheckCompute(const ComputeCall& call);
 
   const std::vector<kernels::PoolLayout> layouts_;  // by pool
   const std::vector<std::string> pool_names_;
@@ -221,6 +226,7 @@ class Engine final {
   model::StepModel* const model_;
   const ModelInfo model_info_;
   const int64_t started_ns_;
+  const ClientLimits limits_;
 
   mutable absl::Mutex mu_;
   const std::unique_ptr<EngineState> state_ ABSL_PT_GUARDED_BY(mu_);

@@ -29,6 +29,16 @@ struct TenantLimits {
   int32_t pool = 0;          // index into EngineOptions::pools
 };
 
+// What any one client may make the engine hold or wait on (config.proto Limits). Over a limit, a
+// call fails with RESOURCE_EXHAUSTED and changes nothing.
+struct ClientLimits {
+  int32_t sessions_per_uid = 64;          // attached at once, per peer uid
+  int32_t sequences_per_session = 65536;  // live, zero-token ones included
+  int32_t batch_items = 4096;             // items of one Allocate, Grow or Free
+  int32_t queued_calls_per_session = 64;  // Prefill/Decode calls queued or in a step
+  int32_t decode_width = 512;             // sequences of one Decode
+};
+
 struct EngineOptions {
   std::vector<PoolOptions> pools;     // at least one
   int32_t max_blocks_per_seq = 4096;  // bound on every block table
@@ -43,6 +53,7 @@ struct EngineOptions {
   absl::flat_hash_map<std::string, TenantLimits> tenants;
   TenantLimits open_tenant;
   absl::flat_hash_map<std::string, int64_t> open_quota_blocks;
+  ClientLimits limits;
   uint64_t epoch = 1;  // this start of the daemon (stamped on events, told at attach)
   std::string daemon_version = "kvpoold 0.1.0";
   const Clock* clock = Clock::Real();  // not owned; outlives the engine

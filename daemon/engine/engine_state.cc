@@ -59,6 +59,17 @@ absl::StatusOr<TenantLimits> EngineState::LimitsOf(const std::string& tenant) co
   return it->second;
 }
 
+namespace {
+
+// Counting without inserting: a refused attach must leave no entry behind.
+template <typename Map, typename Key>
+int32_t CountOf(const Map& map, const Key& key) {
+  auto it = map.find(key);
+  return it == map.end() ? 0 : it->second;
+}
+
+}  // namespace
+
 absl::StatusOr<std::shared_ptr<const Session>> EngineState::Open(SessionSpec spec) {
   absl::StatusOr<TenantLimits> limits = LimitsOf(spec.tenant);
   if (limits.ok() && spec.kv_access && !limits->kv_access) {
@@ -66,9 +77,14 @@ absl::StatusOr<std::shared_ptr<const Session>> EngineState::Open(SessionSpec spe
         fmt::format("tenant {} is compute-only: no KV access", spec.tenant));
   }
   if (limits.ok() && limits->max_sessions > 0 &&
-      sessions_of_tenant_[spec.tenant] >= limits->max_sessions) {
+      CountOf(sessions_of_tenant_, spec.tenant) >= limits->max_sessions) {
     limits = absl::ResourceExhaustedError(fmt::format(
         "tenant {} has its {} sessions attached already", spec.tenant, limits->max_sessions));
+  }
+  if (limits.ok() && CountOf(sessions_of_uid_, spec.uid) >= options_.limits.sessions_per_uid) {
+    limits = absl::ResourceExhaustedError(
+        fmt::format("uid {} has its {} sessions attached already (limits.sessions_per_uid)",
+                    spec.uid, options_.limits.sessions_per_uid));
   }
   PoolState* pool = limits.ok() ? &this->pool(limits->pool) : nullptr;
   const NamespaceId ns = pool ? NamespaceOf(*pool, spec.tenant, spec.model) : NamespaceId(0);
@@ -93,6 +109,7 @@ absl::StatusOr<std::shared_ptr<const Session>> EngineState::Open(SessionSpec spe
     KVPOOL_CHECK_OK(pool->cache().SetSessionQuota(session->id, options_.session_quota_blocks));
   }
   ++sessions_of_tenant_[session->spec.tenant];
+  ++sessions_of_uid_[session->spec.uid];
   live_.emplace(session->id, session);
   by_token_.emplace(session->token, session->id);
   ++session_counters.opened;
@@ -118,6 +135,7 @@ int64_t EngineState::End(SessionId id, SessionEnd how) {
   if (--sessions_of_tenant_[session->spec.tenant] == 0) {
     sessions_of_tenant_.erase(session->spec.tenant);
   }
+  if (--sessions_of_uid_[session->spec.uid] == 0) sessions_of_uid_.erase(session->spec.uid);
   const int64_t released = pool_of(*session).cache().FreeSession(id);
   session_counters.sequences_released += static_cast<uint64_t>(released);
   switch (how) {

@@ -34,6 +34,7 @@ struct CallCounters {
   uint64_t session_ended = 0;        // calls refused because their session had ended
   uint64_t device_failures = 0;      // calls whose device work could not be queued (undone)
   uint64_t not_permitted = 0;        // calls beyond the session's grant (KV access, priority)
+  uint64_t over_limit = 0;           // calls beyond a ClientLimits bound
 };
 
 class EngineState final {
@@ -56,7 +57,8 @@ class EngineState final {
                           std::string_view model) const;
   // Opens a session the attach policy accepted, within its tenant's limits. Errors:
   // PERMISSION_DENIED (an unknown tenant, or KV access the tenant does not grant),
-  // RESOURCE_EXHAUSTED (the tenant's session limit, or no namespace slot for its quota).
+  // RESOURCE_EXHAUSTED (the tenant's session limit, the uid's (ClientLimits), or no namespace
+  // slot for its quota).
   absl::StatusOr<std::shared_ptr<const Session>> Open(SessionSpec spec);
   // NOT_FOUND when `id` is not a live session (it ended, or never was).
   absl::Status CheckLive(SessionId id) const;
@@ -86,6 +88,7 @@ class EngineState final {
   absl::flat_hash_map<SessionId, std::shared_ptr<const Session>> live_;
   absl::flat_hash_map<std::string, SessionId> by_token_;
   absl::flat_hash_map<std::string, int32_t> sessions_of_tenant_;
+  absl::flat_hash_map<uid_t, int32_t> sessions_of_uid_;
 };
 
 }  // namespace kvpool::daemon

@@ -7,6 +7,7 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -29,8 +30,8 @@ struct SessionSpec {
   bool kv_access = false;
 };
 
-// An open session. Immutable, shared with the calls that authenticated as it; the engine still
-// refuses those calls once the session has ended.
+// An open session. Immutable but for its count of compute calls, shared with the calls that
+// authenticated as it; the engine still refuses those calls once the session has ended.
 struct Session {
   SessionId id;
   std::string token;  // 128 random bits as hex: authenticates the session's gRPC calls
@@ -39,6 +40,8 @@ struct Session {
   int64_t opened_ns = 0;     // the engine clock's reading at attach
   int32_t pool = 0;          // the pool its sequences live in (EngineOptions::pools)
   int32_t max_priority = 0;  // the highest prefix-cache priority its tenant allows
+  // Its ComputeCalls alive (queued, in a step, or completing): ClientLimits bounds them.
+  mutable std::atomic<int32_t> compute_calls{0};
 };
 
 // How a session ended.

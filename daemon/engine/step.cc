@@ -60,6 +60,11 @@ absl::Status Step::Admit(EngineState& state, const ComputeCall& call) const {
   if (state.draining && call.request().creates() && call.progress() == nullptr) {
     return absl::UnavailableError("kvpoold is draining: no new sequences");
   }
+  if (call.request().top_k < 0 || call.request().top_k > limits_.vocab_size) {
+    // This call's alone: the step runs the widest top_k of the calls it admitted.
+    return absl::InvalidArgumentError(fmt::format("top_k {} outside [0, {}] (the vocabulary)",
+                                                  call.request().top_k, limits_.vocab_size));
+  }
   if (call.request().priority > call.session().max_priority) {
     ++state.call_counters.not_permitted;
     return absl::PermissionDeniedError(
@@ -115,10 +120,10 @@ absl::Status Step::PlanNew(EngineState& state, ComputeCall& call, Entry* entry) 
   model::PlannedItem item;
   if (r.prefill()) {
     KVPOOL_RETURN_IF_ERROR(model::PlanPrefill(pool.cache(), s.id, s.ns, r.sequence, r.tokens,
-                                              r.priority, vocab_size_, &item, &plan, &changes));
+                                              r.priority, limits_, &item, &plan, &changes));
   } else {
-    KVPOOL_RETURN_IF_ERROR(model::PlanDecode(pool.cache(), s.id, r.decode, vocab_size_,
-                                             &entry->decode, &plan, &changes));
+    KVPOOL_RETURN_IF_ERROR(
+        model::PlanDecode(pool.cache(), s.id, r.decode, limits_, &entry->decode, &plan, &changes));
   }
   const absl::StatusOr<Fence> carried = pool.Carry(plan);
   if (!carried.ok()) {

@@ -39,8 +39,8 @@ class Step final {
  public:
   // `calls` as the scheduler took them (prefills under way first), all of sessions of pool
   // `pool`; not owned, they outlive the step.
-  Step(int32_t pool, std::span<ComputeCall* const> calls, int32_t vocab_size)
-      : pool_(pool), calls_(calls.begin(), calls.end()), vocab_size_(vocab_size) {}
+  Step(int32_t pool, std::span<ComputeCall* const> calls, const model::TokenLimits& limits)
+      : pool_(pool), calls_(calls.begin(), calls.end()), limits_(limits) {}
 
   // REQUIRES: the engine lock.
   void Plan(EngineState& state);
@@ -78,7 +78,7 @@ class Step final {
 
   const int32_t pool_;
   const std::vector<ComputeCall*> calls_;
-  const int32_t vocab_size_;
+  const model::TokenLimits limits_;
   std::vector<Entry> entries_;
   absl::flat_hash_set<SequenceId> in_step_;
   Fence fence_;     // the step's own (StepTimeline): every block it reads or writes

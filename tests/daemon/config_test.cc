@@ -71,6 +71,13 @@ TEST(ConfigTest, EngineOptionsFollowTheConfig) {
   EXPECT_EQ(o->scheduler.prefill_max_wait_steps, 2);
   EXPECT_EQ(o->scheduler.prefill_share, 8);
   EXPECT_EQ(o->model_name, "tiny");
+  EXPECT_EQ(o->limits.decode_width, 64);  // follows max_step_tokens unless set
+  EXPECT_EQ(o->limits.sessions_per_uid, 64);
+  EXPECT_EQ(o->limits.batch_items, 4096);
+  c.mutable_limits()->set_decode_width(65);
+  EXPECT_THAT(std::string(MakeEngineOptions(c, 42).status().message()),
+              HasSubstr("limits.decode_width"));
+  c.mutable_limits()->set_decode_width(0);
   c.set_pool_bytes(-1);
   EXPECT_EQ(MakeEngineOptions(c, 42).status().code(), absl::StatusCode::kInvalidArgument);
 }

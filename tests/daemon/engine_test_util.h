@@ -4,6 +4,7 @@
 // of a small pool of the tiny model's shape, and prompts.
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <random>
 #include <vector>
@@ -79,6 +80,29 @@ class FailingDevice final : public kernels::Device {
 
  private:
   kernels::CpuDevice cpu_{1};
+};
+
+// A model (the tiny one, say) with a hook that runs inside each step, while the engine's lock is
+// free.
+class HookModel final : public model::StepModel {
+ public:
+  explicit HookModel(std::unique_ptr<model::Model> inner) : inner_(std::move(inner)) {}
+  const model::ModelConfig& config() const override { return inner_->config(); }
+  const kernels::PoolLayout& layout() const override { return inner_->layout(); }
+  std::string where() const override { return inner_->where(); }
+  int64_t weight_bytes() const override { return inner_->weight_bytes(); }
+  std::function<void()> during_step;
+
+ protected:
+  absl::Status RunStep(const kernels::KvPoolView& pool, std::span<const model::StepItem> items,
+                       const model::StepOptions& options,
+                       std::vector<model::ItemResult>* results) override {
+    if (during_step) during_step();
+    return inner_->Step(pool, items, options, results);
+  }
+
+ private:
+  std::unique_ptr<model::Model> inner_;
 };
 
 // The tiny model's KV shape: 16-token blocks of 64 KiB.

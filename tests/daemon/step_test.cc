@@ -17,31 +17,10 @@ namespace kvpool::daemon {
 namespace {
 
 using testing::FailingDevice;
+using testing::HookModel;
 using testing::Prompt;
 using testing::SmallPool;
 using testing::Spec;
-
-// The tiny model, with a hook that runs inside each step, while the engine's lock is free.
-class HookModel final : public model::StepModel {
- public:
-  explicit HookModel(std::unique_ptr<model::Model> inner) : inner_(std::move(inner)) {}
-  const model::ModelConfig& config() const override { return inner_->config(); }
-  const kernels::PoolLayout& layout() const override { return inner_->layout(); }
-  std::string where() const override { return inner_->where(); }
-  int64_t weight_bytes() const override { return inner_->weight_bytes(); }
-  std::function<void()> during_step;
-
- protected:
-  absl::Status RunStep(const kernels::KvPoolView& pool, std::span<const model::StepItem> items,
-                       const model::StepOptions& options,
-                       std::vector<model::ItemResult>* results) override {
-    if (during_step) during_step();
-    return inner_->Step(pool, items, options, results);
-  }
-
- private:
-  std::unique_ptr<model::Model> inner_;
-};
 
 class StepTest : public ::testing::Test {
  protected:
@@ -91,6 +70,30 @@ int32_t AloneFirstToken(const std::vector<int32_t>& prompt) {
   auto engine = *model::LocalEngine::Create(model::SyntheticWeights(*model::NamedConfig("tiny"), 1),
                                             {.pool_bytes = int64_t{4} << 20, .threads = 1});
   return engine->Prefill(SequenceId(0), prompt)->result.next_token;
+}
+
+// Each call gets its own top_k, and one no step can serve fails that call alone: before, the
+// step ran the widest top_k of its calls and a bad one failed them all (issue 12).
+TEST_F(StepTest, EachCallHasItsOwnTopK) {
+  const int32_t vocab = engine_->model_info().vocab_size;
+  auto call = [](std::shared_ptr<const Session> s, std::vector<int32_t> prompt, int32_t top_k) {
+    return std::make_unique<ComputeCall>(
+        std::move(s),
+        ComputeRequest{
+            .kind = ComputeRequest::Kind::kPrefill, .tokens = std::move(prompt), .top_k = top_k},
+        nullptr, [](ComputeCall&) {});
+  };
+  auto bad = call(alice_, Prompt(10, 1), vocab + 1);
+  auto three = call(bob_, Prompt(12, 2), 3);
+  auto none = call(other_, Prompt(14, 3), 0);
+  Run({bad.get(), three.get(), none.get()});
+  EXPECT_EQ(bad->result().status.code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(three->result().status.ok()) << three->result().status;
+  ASSERT_TRUE(none->result().status.ok()) << none->result().status;
+  EXPECT_EQ(three->result().results[0].top.size(), 3u);
+  EXPECT_TRUE(none->result().results[0].top.empty());
+  EXPECT_EQ(three->result().step_sequences, 2);
+  ExpectInvariants();
 }
 
 TEST_F(StepTest, OneStepServesSeveralSessionsAsEachAlone) {

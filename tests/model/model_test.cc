@@ -112,16 +112,17 @@ TEST(ModelTest, OneStepMixesPrefillAndDecode) {
   DenseReference ref_c(w, kernels::DType::kF32);
   std::vector<PlannedItem> items(2);
   DevicePlan plan;
-  ASSERT_TRUE(PlanPrefill(engine->cache(), SessionId(1), NamespaceId(1), SequenceId(0), c, 0, 256,
-                          &items[0], &plan)
+  ASSERT_TRUE(PlanPrefill(engine->cache(), SessionId(1), NamespaceId(1), SequenceId(0), c, 0,
+                          {256, 4096}, &items[0], &plan)
                   .ok());
-  ASSERT_TRUE(PlanPrefill(engine->cache(), SessionId(1), NamespaceId(1), SequenceId(0), b, 0, 256,
-                          &items[1], &plan)
+  ASSERT_TRUE(PlanPrefill(engine->cache(), SessionId(1), NamespaceId(1), SequenceId(0), b, 0,
+                          {256, 4096}, &items[1], &plan)
                   .ok());
   std::vector<PlannedItem> decode;
   const DecodeInput in{first->sequence, next_a};
   ASSERT_TRUE(
-      PlanDecode(engine->cache(), SessionId(1), std::span(&in, 1), 256, &decode, &plan).ok());
+      PlanDecode(engine->cache(), SessionId(1), std::span(&in, 1), {256, 4096}, &decode, &plan)
+          .ok());
   items.push_back(decode[0]);
   ASSERT_TRUE(plan.copies.empty());
   std::vector<StepItem> step = {items[0].AsStepItem(), items[1].AsStepItem(),
@@ -337,6 +338,67 @@ TEST(ModelTest, CreateRejectsPoolOfAnotherShape) {
   auto m = Model::Create(w, layout, {});
   EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(m.status().message()), HasSubstr("num_kv_heads"));
+}
+
+// A checkpoint the CPU kernels cannot run is refused when it loads; before, it loaded and then
+// aborted the daemon at its first step (issue 12).
+TEST(ModelTest, CreateRejectsAModelBeyondTheKernels) {
+  ModelConfig c = SmallTestConfig();
+  c.num_layers = 1;
+  c.num_heads = 256;  // query heads per sequence: the decode kernel serves 128
+  c.num_kv_heads = 2;
+  c.head_dim = 8;
+  c.hidden_size = 256;
+  const ModelWeights w = SyntheticWeights(c, 41);
+  const kernels::PoolLayout layout{
+      .block_size = 16, .num_layers = 1, .num_kv_heads = 2, .head_dim = 8, .num_blocks = 4};
+  auto m = Model::Create(w, layout, {});
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(m.status().message()), HasSubstr("query heads"));
+}
+
+// A sequence never outgrows the model's positions: the prompt, the next turn and every decode
+// are checked, and a refused call changes nothing (issue 12).
+TEST(ModelTest, SequencesStayWithinTheContext) {
+  ModelConfig c = SmallTestConfig();
+  c.max_position = 40;
+  const ModelWeights w = SyntheticWeights(c, 43);
+  auto engine = MakeEngine(w, 16, kernels::DType::kBF16, true);
+  const auto free_before = engine->cache().stats().pool.free;
+  EXPECT_EQ(engine->Prefill(SequenceId(0), RandomTokens(41, 256, 1)).status().code(),
+            absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(engine->cache().stats().pool.free, free_before);
+  auto first = engine->Prefill(SequenceId(0), RandomTokens(30, 256, 2));
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(engine->Prefill(first->sequence, RandomTokens(11, 256, 3)).status().code(),
+            absl::StatusCode::kOutOfRange);
+  ASSERT_TRUE(engine->Prefill(first->sequence, RandomTokens(9, 256, 4)).ok());  // 39 tokens
+  const DecodeInput in{first->sequence, 5};
+  ASSERT_TRUE(engine->Decode(std::span(&in, 1)).ok());  // 40: the last position
+  const absl::Status past = engine->Decode(std::span(&in, 1)).status();
+  EXPECT_EQ(past.code(), absl::StatusCode::kOutOfRange);
+  EXPECT_THAT(std::string(past.message()), HasSubstr("context is 40 positions"));
+  EXPECT_EQ(engine->cache().Find(first->sequence)->num_tokens, 40);
+  EXPECT_TRUE(engine->cache().CheckInvariants().ok());
+}
+
+// One oversized step does not pin its scratch memory: it is given back once steps are small
+// again (issue 12).
+TEST(ModelTest, ScratchShrinksBackAfterAnOversizedStep) {
+  const ModelWeights w = SyntheticWeights(SmallTestConfig(), 47);
+  auto engine = MakeEngine(w, 16, kernels::DType::kBF16, true);
+  auto* model = dynamic_cast<Model*>(&engine->model());
+  ASSERT_NE(model, nullptr);
+  auto first = engine->Prefill(SequenceId(0), RandomTokens(1000, 256, 5));
+  ASSERT_TRUE(first.ok()) << first.status();
+  const int64_t big = model->scratch_bytes();
+  DecodeInput in{first->sequence, first->result.next_token};
+  for (int i = 0; i < 8; ++i) {
+    auto out = engine->Decode(std::span(&in, 1));
+    ASSERT_TRUE(out.ok()) << out.status();
+    in.token = (*out)[0].next_token;
+  }
+  EXPECT_LT(model->scratch_bytes() * 20, big) << "still holding " << model->scratch_bytes();
 }
 
 TEST(ModelTest, TopKLogProbsAreSortedAndNormalized) {

@@ -8,6 +8,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "absl/strings/str_cat.h"
+
 namespace kvpool::wire {
 namespace {
 
@@ -90,16 +92,44 @@ absl::Status SendFrame(int socket, const google::protobuf::MessageLite& message,
   return absl::OkStatus();
 }
 
+absl::Status FrameReader::Append(std::string_view bytes) {
+  if (failed_ || bytes.size() > wanted()) {
+    failed_ = true;
+    return absl::InvalidArgumentError("attach frame longer than it announced");
+  }
+  buffer_.append(bytes);
+  if (!have_length_ && buffer_.size() == 4) {
+    uint32_t length = 0;
+    for (int i = 0; i < 4; ++i) {
+      length |= static_cast<uint32_t>(static_cast<uint8_t>(buffer_[i])) << (8 * i);
+    }
+    if (length > max_bytes_) {
+      failed_ = true;
+      return absl::InvalidArgumentError(
+          absl::StrCat("attach frame of ", length, " bytes (at most ", max_bytes_, ")"));
+    }
+    want_ = 4 + length;
+    have_length_ = true;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status FrameReader::Parse(google::protobuf::MessageLite* message) const {
+  if (!complete()) return absl::FailedPreconditionError("attach frame incomplete");
+  if (!message->ParseFromArray(buffer_.data() + 4, static_cast<int>(buffer_.size() - 4))) {
+    return absl::InvalidArgumentError("unparsable attach frame");
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ReceiveFrame(int socket, google::protobuf::MessageLite* message, std::vector<int>* fds,
                           absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
-  std::string buffer;
-  size_t want = 4;
-  bool have_length = false;
-  while (buffer.size() < want) {
+  FrameReader reader;
+  while (!reader.complete()) {
     if (absl::Status s = WaitReadable(socket, deadline); !s.ok()) return s;
     char chunk[4096];
-    iovec iov{chunk, std::min(sizeof(chunk), want - buffer.size())};
+    iovec iov{chunk, std::min(sizeof(chunk), reader.wanted())};
     alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFds)] = {};
     msghdr msg{};
     msg.msg_iov = &iov;
@@ -113,20 +143,9 @@ absl::Status ReceiveFrame(int socket, google::protobuf::MessageLite* message, st
     }
     CollectFds(&msg, fds);
     if (n == 0) return absl::UnavailableError("the peer closed the attach socket");
-    buffer.append(chunk, static_cast<size_t>(n));
-    if (!have_length && buffer.size() >= 4) {
-      uint32_t length = 0;
-      for (int i = 0; i < 4; ++i)
-        length |= static_cast<uint32_t>(static_cast<uint8_t>(buffer[i])) << (8 * i);
-      if (length > kMaxFrameBytes) return absl::InvalidArgumentError("oversized attach frame");
-      want = 4 + length;
-      have_length = true;
-    }
+    if (absl::Status s = reader.Append({chunk, static_cast<size_t>(n)}); !s.ok()) return s;
   }
-  if (!message->ParseFromArray(buffer.data() + 4, static_cast<int>(buffer.size() - 4))) {
-    return absl::InvalidArgumentError("unparsable attach frame");
-  }
-  return absl::OkStatus();
+  return reader.Parse(message);
 }
 
 }  // namespace kvpool::wire

@@ -31,6 +31,31 @@ std::string DefaultRuntimeDir();
 absl::Status SendFrame(int socket, const google::protobuf::MessageLite& message,
                        const std::vector<int>& fds = {});
 
+// Assembles one frame from bytes as they arrive, for readers that do not block. Reading at most
+// wanted() bytes at a time consumes nothing past the frame.
+class FrameReader {
+ public:
+  explicit FrameReader(uint32_t max_bytes = kMaxFrameBytes) : max_bytes_(max_bytes) {}
+
+  // Appends up to wanted() bytes. Errors: INVALID_ARGUMENT (more bytes than wanted(), or a
+  // frame announcing more than max_bytes), after which the reader stays failed.
+  absl::Status Append(std::string_view bytes);
+  // Bytes still missing; 0 once the frame is complete.
+  size_t wanted() const { return want_ - buffer_.size(); }
+  bool complete() const { return have_length_ && buffer_.size() == want_; }
+  size_t size() const { return buffer_.size(); }
+  // Parses the complete frame. Errors: FAILED_PRECONDITION (incomplete), INVALID_ARGUMENT
+  // (unparsable).
+  absl::Status Parse(google::protobuf::MessageLite* message) const;
+
+ private:
+  uint32_t max_bytes_;
+  std::string buffer_;
+  size_t want_ = 4;
+  bool have_length_ = false;
+  bool failed_ = false;
+};
+
 // Reads one frame into `message`, collecting any descriptors sent with it into `fds` (the caller
 // owns and must close them). Waits at most `timeout`. Errors: DEADLINE_EXCEEDED, UNAVAILABLE
 // (the peer closed), INVALID_ARGUMENT (oversized or unparsable frame), INTERNAL (I/O).

@@ -1,0 +1,326 @@
+// AttachServer: nothing a peer does holds up the loop (issue 12). Silent connections, a storm of
+// them, a peer that may not attach, malformed requests and descriptor exhaustion, each beside a
+// well-behaved client that must still attach at once; and sessions that end, are reported once,
+// and are closed by the loop alone.
+
+#include "daemon/edge/attach_server.h"
+
+#include <poll.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <filesystem>
+#include <thread>
+
+#include "absl/synchronization/mutex.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kvpool/v1/wire.h"
+
+namespace kvpool::daemon {
+namespace {
+
+using ::testing::HasSubstr;
+
+UniqueFd Connect(const std::string& path) {
+  UniqueFd fd(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  EXPECT_EQ(connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0)
+      << std::strerror(errno);
+  return fd;
+}
+
+// What the server sent on `fd` (a refusal or a reply), within `timeout`.
+absl::StatusOr<v1::AttachResponse> Read(int fd, absl::Duration timeout = absl::Seconds(5)) {
+  v1::AttachResponse response;
+  std::vector<int> fds;
+  absl::Status s = wire::ReceiveFrame(fd, &response, &fds, timeout);
+  for (int f : fds) close(f);
+  if (!s.ok()) return s;
+  return response;
+}
+
+v1::AttachRequest Request(const std::string& name = "test") {
+  v1::AttachRequest r;
+  r.set_protocol_version(wire::kProtocolVersion);
+  r.set_client_name(name);
+  return r;
+}
+
+class AttachServerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = ::testing::TempDir() + "/attach-" + std::to_string(getpid()) + "-" +
+           ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    std::filesystem::create_directories(dir_);
+    path_ = dir_ + "/attach.sock";
+  }
+  void TearDown() override {
+    server_.reset();
+    std::filesystem::remove_all(dir_);
+  }
+
+  void Start(AttachLimits limits = {}) {
+    auto admit = [this](const PeerCredentials& peer) -> absl::Status {
+      if (refuse_all_) return absl::PermissionDeniedError("not you");
+      return absl::OkStatus();
+    };
+    auto attach = [this](const PeerCredentials& peer,
+                         const v1::AttachRequest& request) -> absl::StatusOr<AttachReply> {
+      absl::MutexLock lock(&mu_);
+      ++attaches_;
+      if (request.client_name() == "refuse") return absl::PermissionDeniedError("refused");
+      AttachReply reply{.session = SessionId(next_++)};
+      reply.response.set_session_id(reply.session.value());
+      return reply;
+    };
+    auto closed = [this](SessionId id, SessionEnd how) {
+      absl::MutexLock lock(&mu_);
+      ended_.emplace_back(id, how);
+    };
+    absl::StatusOr<std::unique_ptr<AttachServer>> s =
+        AttachServer::Start(path_, 0600, limits, admit, attach, closed);
+    ASSERT_TRUE(s.ok()) << s.status();
+    server_ = *std::move(s);
+  }
+
+  // Attaches as a well-behaved client does; returns the connection and the session id.
+  std::pair<UniqueFd, uint64_t> Attach(const std::string& name = "test") {
+    UniqueFd fd = Connect(path_);
+    EXPECT_TRUE(wire::SendFrame(fd.get(), Request(name)).ok());
+    absl::StatusOr<v1::AttachResponse> r = Read(fd.get());
+    EXPECT_TRUE(r.ok()) << r.status();
+    return {std::move(fd), r.ok() ? r->session_id() : 0};
+  }
+
+  std::vector<std::pair<SessionId, SessionEnd>> Ended() {
+    absl::MutexLock lock(&mu_);
+    return ended_;
+  }
+  // Waits until `n` sessions ended; false after `timeout`.
+  bool AwaitEnded(size_t n, absl::Duration timeout) {
+    absl::MutexLock lock(&mu_);
+    auto enough = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return ended_.size() >= n; };
+    return mu_.AwaitWithTimeout(absl::Condition(&enough), timeout);
+  }
+
+  std::string dir_, path_;
+  std::unique_ptr<AttachServer> server_;
+  std::atomic<bool> refuse_all_{false};
+  absl::Mutex mu_;
+  uint64_t next_ ABSL_GUARDED_BY(mu_) = 1;
+  int attaches_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<std::pair<SessionId, SessionEnd>> ended_ ABSL_GUARDED_BY(mu_);
+};
+
+TEST_F(AttachServerTest, SessionsEndByDetachOrByLoss) {
+  Start();
+  auto [a, id_a] = Attach();
+  auto [b, id_b] = Attach();
+  ASSERT_NE(id_a, 0u);
+  EXPECT_EQ(server_->sessions(), 2u);
+  const char detach[4] = {0, 0, 0, 0};
+  ASSERT_EQ(send(a.get(), detach, 4, MSG_NOSIGNAL), 4);
+  a.reset();
+  b.reset();
+  ASSERT_TRUE(AwaitEnded(2, absl::Seconds(5)));
+  auto ended = Ended();
+  std::sort(ended.begin(), ended.end());
+  EXPECT_EQ(ended[0], std::make_pair(SessionId(id_a), SessionEnd::kDetached));
+  EXPECT_EQ(ended[1], std::make_pair(SessionId(id_b), SessionEnd::kConnectionLost));
+  EXPECT_EQ(server_->sessions(), 0u);
+}
+
+// The issue's first hole: 64 silent connections stalled every attach for a minute, and a killed
+// client kept its blocks until the loop reached its socket.
+TEST_F(AttachServerTest, SilentConnectionsHoldUpNoOne) {
+  Start();
+  auto [victim, victim_id] = Attach("victim");
+  std::vector<UniqueFd> silent;
+  for (int i = 0; i < 200; ++i) silent.push_back(Connect(path_));
+  const absl::Time start = absl::Now();
+  auto [good, good_id] = Attach("good");
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_NE(good_id, 0u);
+  EXPECT_LT(took, absl::Milliseconds(100));
+  // A session whose process dies meanwhile is reclaimed at once.
+  const absl::Time killed = absl::Now();
+  victim.reset();
+  ASSERT_TRUE(AwaitEnded(1, absl::Seconds(5)));
+  EXPECT_LT(absl::Now() - killed, absl::Milliseconds(100));
+  EXPECT_EQ(Ended()[0].first, SessionId(victim_id));
+  EXPECT_LE(server_->pending(), 8u);  // the per-uid cap held the rest off
+  EXPECT_GE(server_->counters().displaced, 190);
+}
+
+TEST_F(AttachServerTest, ANewConnectionDisplacesTheOldestOverTheCap) {
+  Start({.max_pending = 64, .max_pending_per_uid = 3});
+  std::vector<UniqueFd> silent;
+  for (int i = 0; i < 4; ++i) silent.push_back(Connect(path_));
+  // The first one was told why, and closed.
+  absl::StatusOr<v1::AttachResponse> first = Read(silent[0].get());
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->error_code(), static_cast<int>(absl::StatusCode::kResourceExhausted));
+  EXPECT_THAT(first->error(), HasSubstr("at most 3 per uid"));
+  // The others still wait for their request, and get through once they send it.
+  ASSERT_TRUE(wire::SendFrame(silent[3].get(), Request()).ok());
+  absl::StatusOr<v1::AttachResponse> last = Read(silent[3].get());
+  ASSERT_TRUE(last.ok());
+  EXPECT_TRUE(last->error().empty()) << last->error();
+  EXPECT_EQ(server_->counters().displaced, 1);
+}
+
+TEST_F(AttachServerTest, AHandshakeMustCompleteInTime) {
+  Start({.handshake_timeout = absl::Milliseconds(50)});
+  UniqueFd slow = Connect(path_);
+  ASSERT_EQ(send(slow.get(), "\x05\x00", 2, MSG_NOSIGNAL), 2);  // half a length, then nothing
+  absl::StatusOr<v1::AttachResponse> r = Read(slow.get());
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->error_code(), static_cast<int>(absl::StatusCode::kDeadlineExceeded));
+  char byte;
+  EXPECT_EQ(recv(slow.get(), &byte, 1, 0), 0);  // closed
+  EXPECT_EQ(server_->counters().timed_out, 1);
+  EXPECT_EQ(server_->pending(), 0u);
+}
+
+TEST_F(AttachServerTest, APeerThatMayNotAttachIsRefusedBeforeItSpeaks) {
+  refuse_all_ = true;
+  Start();
+  UniqueFd fd = Connect(path_);
+  absl::StatusOr<v1::AttachResponse> r = Read(fd.get());  // sent nothing
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->error_code(), static_cast<int>(absl::StatusCode::kPermissionDenied));
+  EXPECT_EQ(server_->counters().refused_at_accept, 1);
+  absl::MutexLock lock(&mu_);
+  EXPECT_EQ(attaches_, 0);
+}
+
+TEST_F(AttachServerTest, MalformedRequestsAreRefused) {
+  Start({.max_request_bytes = 1024});
+  {
+    UniqueFd fd = Connect(path_);
+    const char huge[4] = {0, 0, 1, 0};  // 64 KiB announced
+    ASSERT_EQ(send(fd.get(), huge, 4, MSG_NOSIGNAL), 4);
+    absl::StatusOr<v1::AttachResponse> r = Read(fd.get());
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->error_code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  }
+  {
+    UniqueFd fd = Connect(path_);
+    const char junk[7] = {3, 0, 0, 0, '\xff', '\xff', '\xff'};
+    ASSERT_EQ(send(fd.get(), junk, 7, MSG_NOSIGNAL), 7);
+    absl::StatusOr<v1::AttachResponse> r = Read(fd.get());
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->error_code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  }
+  {
+    // Descriptors sent to the daemon are closed, and the request refused.
+    UniqueFd fd = Connect(path_);
+    int pipe_fds[2];
+    ASSERT_EQ(pipe(pipe_fds), 0);
+    ASSERT_TRUE(wire::SendFrame(fd.get(), Request(), {pipe_fds[0]}).ok());
+    close(pipe_fds[0]);
+    absl::StatusOr<v1::AttachResponse> r = Read(fd.get());
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->error_code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+    // The daemon kept no copy of the read end: the write end has no reader left.
+    pollfd p{pipe_fds[1], 0, 0};
+    EXPECT_EQ(poll(&p, 1, 1000), 1);
+    EXPECT_NE(p.revents & POLLERR, 0);
+    close(pipe_fds[1]);
+  }
+  EXPECT_EQ(server_->counters().malformed, 3);
+  auto [good, id] = Attach();
+  EXPECT_NE(id, 0u);
+}
+
+TEST_F(AttachServerTest, ARefusedAttachTellsWhy) {
+  Start();
+  UniqueFd fd = Connect(path_);
+  ASSERT_TRUE(wire::SendFrame(fd.get(), Request("refuse")).ok());
+  absl::StatusOr<v1::AttachResponse> r = Read(fd.get());
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->error_code(), static_cast<int>(absl::StatusCode::kPermissionDenied));
+  EXPECT_EQ(server_->sessions(), 0u);
+}
+
+TEST_F(AttachServerTest, CloseAllEndsEverySessionOnce) {
+  Start();
+  std::vector<UniqueFd> clients;
+  for (int i = 0; i < 5; ++i) clients.push_back(Attach().first);
+  UniqueFd pending = Connect(path_);
+  server_->CloseAll();
+  auto ended = Ended();  // CloseAll returns after the callbacks ran
+  ASSERT_EQ(ended.size(), 5u);
+  for (const auto& [id, how] : ended) EXPECT_EQ(how, SessionEnd::kShutdown);
+  for (const UniqueFd& c : clients) {
+    char byte;
+    EXPECT_EQ(recv(c.get(), &byte, 1, 0), 0);  // the daemon closed it
+  }
+  clients.clear();
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_EQ(Ended().size(), 5u);  // nothing reported twice
+  EXPECT_EQ(server_->sessions(), 0u);
+}
+
+TEST_F(AttachServerTest, StopAcceptingKeepsSessions) {
+  Start();
+  auto [live, id] = Attach();
+  UniqueFd pending = Connect(path_);
+  server_->StopAccepting();
+  EXPECT_FALSE(std::filesystem::exists(path_));
+  char byte;
+  EXPECT_EQ(recv(pending.get(), &byte, 1, 0), 0);  // a handshake in progress is dropped
+  EXPECT_EQ(server_->sessions(), 1u);
+  live.reset();
+  ASSERT_TRUE(AwaitEnded(1, absl::Seconds(5)));
+  EXPECT_EQ(Ended()[0].second, SessionEnd::kConnectionLost);
+}
+
+// Out of descriptors, accept fails while the listener stays readable: the loop backs off instead
+// of spinning, and takes the waiting connections once descriptors are free again.
+TEST_F(AttachServerTest, OutOfDescriptorsBacksOffInsteadOfSpinning) {
+  Start({.accept_backoff = absl::Milliseconds(20)});
+  std::vector<UniqueFd> clients;
+  for (int i = 0; i < 6; ++i) clients.emplace_back(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  rlimit saved{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+  UniqueFd probe(dup(0));
+  rlimit low = saved;
+  low.rlim_cur = static_cast<rlim_t>(probe.get()) + 1;  // no descriptor above this one
+  probe.reset();                                        // one left, then none
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path_.c_str(), sizeof(addr.sun_path) - 1);
+  for (UniqueFd& c : clients) {
+    ASSERT_EQ(connect(c.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  }
+  rusage before{}, after{};
+  getrusage(RUSAGE_SELF, &before);
+  absl::SleepFor(absl::Milliseconds(300));
+  getrusage(RUSAGE_SELF, &after);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+  const double cpu_s = (after.ru_utime.tv_sec - before.ru_utime.tv_sec) +
+                       (after.ru_stime.tv_sec - before.ru_stime.tv_sec) +
+                       (after.ru_utime.tv_usec - before.ru_utime.tv_usec) * 1e-6 +
+                       (after.ru_stime.tv_usec - before.ru_stime.tv_usec) * 1e-6;
+  EXPECT_LT(cpu_s, 0.1) << "the loop spun on the readable listener";
+  EXPECT_GE(server_->counters().accept_backoffs, 1);
+  // Descriptors again: every waiting client gets through.
+  for (UniqueFd& c : clients) {
+    ASSERT_TRUE(wire::SendFrame(c.get(), Request()).ok());
+    absl::StatusOr<v1::AttachResponse> r = Read(c.get());
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_TRUE(r->error().empty()) << r->error();
+  }
+  EXPECT_EQ(server_->sessions(), clients.size());
+}
+
+}  // namespace
+}  // namespace kvpool::daemon

@@ -1,0 +1,158 @@
+// ClientLimits: everything one client can make the engine hold or wait on is bounded, and a call
+// over a bound fails with RESOURCE_EXHAUSTED (or OUT_OF_RANGE / INVALID_ARGUMENT for what no
+// step can serve), changes nothing, and is counted (issue 12).
+
+#include "absl/synchronization/notification.h"
+#include "daemon/engine/engine.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/daemon/engine_test_util.h"
+
+namespace kvpool::daemon {
+namespace {
+
+using testing::FailingDevice;
+using ::testing::HasSubstr;
+using testing::HookModel;
+using testing::Prompt;
+using testing::SmallPool;
+using testing::Spec;
+
+class LimitsTest : public ::testing::Test {
+ protected:
+  void Make(ClientLimits limits) {
+    EngineOptions options = SmallPool(64);
+    options.limits = limits;
+    model_ = std::make_unique<HookModel>(testing::TinyModel(options.pools[0].layout));
+    engine_ = std::move(*Engine::Create(options, &device_, model_.get()));
+    alice_ = *engine_->OpenSession(Spec("t", "alice"));
+  }
+
+  // Submits and returns the call's status once it completes.
+  absl::Status Run(std::shared_ptr<const Session> s, ComputeRequest request) {
+    absl::Notification done;
+    absl::Status status;
+    engine_->Submit(std::make_unique<ComputeCall>(std::move(s), std::move(request), nullptr,
+                                                  [&](ComputeCall& c) {
+                                                    status = c.result().status;
+                                                    done.Notify();
+                                                  }));
+    done.WaitForNotification();
+    return status;
+  }
+  uint64_t OverLimit() const { return engine_->Stats().calls.over_limit; }
+  void ExpectInvariants() {
+    const absl::Status s = engine_->CheckInvariants();
+    EXPECT_TRUE(s.ok()) << s;
+  }
+
+  FailingDevice device_;
+  std::unique_ptr<HookModel> model_;
+  std::unique_ptr<Engine> engine_;
+  std::shared_ptr<const Session> alice_;
+};
+
+TEST_F(LimitsTest, SessionsPerUid) {
+  Make({.sessions_per_uid = 2});  // alice (uid 0) holds one already
+  SessionSpec mine = Spec("t", "second");
+  ASSERT_TRUE(engine_->OpenSession(mine).ok());
+  absl::StatusOr<std::shared_ptr<const Session>> third = engine_->OpenSession(mine);
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(third.status().message()), HasSubstr("limits.sessions_per_uid"));
+  SessionSpec other = Spec("t", "other uid");
+  other.uid = 1000;
+  EXPECT_TRUE(engine_->OpenSession(other).ok());
+  engine_->EndSession(alice_->id, SessionEnd::kDetached);
+  EXPECT_TRUE(engine_->OpenSession(mine).ok());  // a slot again
+}
+
+TEST_F(LimitsTest, BatchItems) {
+  Make({.batch_items = 3});
+  std::vector<AllocateRequest> four(4, AllocateRequest{.num_tokens = 16});
+  const auto before = engine_->Stats().cache.pool.free;
+  EXPECT_EQ(engine_->Allocate(*alice_, four, CallContext::Uncancellable()).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(engine_->Stats().cache.pool.free, before);
+  absl::StatusOr<Tables> three =
+      engine_->Allocate(*alice_, std::span(four).first(3), CallContext::Uncancellable());
+  ASSERT_TRUE(three.ok()) << three.status();
+  std::vector<GrowRequest> grows;
+  std::vector<SequenceId> ids;
+  for (const TableSlice& s : three->slices) {
+    grows.push_back({s.sequence, 40});
+    ids.push_back(s.sequence);
+  }
+  grows.push_back(grows[0]);
+  ids.push_back(ids[0]);
+  EXPECT_EQ(engine_->Grow(*alice_, grows, CallContext::Uncancellable()).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(engine_->Free(*alice_, ids, OnFree::kDiscard, CallContext::Uncancellable()).code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(OverLimit(), 3u);
+  EXPECT_EQ(engine_->Stats().cache.sequences, 3);
+  ExpectInvariants();
+}
+
+TEST_F(LimitsTest, DecodeWidth) {
+  Make({.decode_width = 2});
+  ComputeRequest wide{.kind = ComputeRequest::Kind::kDecode,
+                      .decode = {{SequenceId(1), 1}, {SequenceId(2), 1}, {SequenceId(3), 1}}};
+  const absl::Status s = Run(alice_, wide);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("limits.decode_width"));
+  EXPECT_EQ(OverLimit(), 1u);
+}
+
+TEST_F(LimitsTest, QueuedCallsPerSession) {
+  Make({.queued_calls_per_session = 3});
+  // The first call's step blocks until released: the others wait behind it.
+  absl::Notification in_step, release;
+  model_->during_step = [&] {
+    if (!in_step.HasBeenNotified()) in_step.Notify();
+    release.WaitForNotification();
+  };
+  std::atomic<int> finished{0};
+  auto submit = [&](std::shared_ptr<const Session> s) {
+    engine_->Submit(std::make_unique<ComputeCall>(
+        std::move(s),
+        ComputeRequest{.kind = ComputeRequest::Kind::kPrefill, .tokens = Prompt(8, 1)}, nullptr,
+        [&](ComputeCall&) { finished.fetch_add(1); }));
+  };
+  submit(alice_);
+  in_step.WaitForNotification();
+  submit(alice_);
+  submit(alice_);
+  // A fourth while three are alive: refused at once, with nothing queued.
+  const absl::Status fourth =
+      Run(alice_, {.kind = ComputeRequest::Kind::kPrefill, .tokens = Prompt(8, 2)});
+  EXPECT_EQ(fourth.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(fourth.message()), HasSubstr("limits.queued_calls_per_session"));
+  // Another session's calls are its own.
+  std::shared_ptr<const Session> bob = *engine_->OpenSession(Spec("t", "bob"));
+  submit(bob);
+  release.Notify();
+  while (finished.load() < 4) absl::SleepFor(absl::Milliseconds(1));
+  EXPECT_EQ(alice_->compute_calls.load(), 0);
+  EXPECT_TRUE(Run(alice_, {.kind = ComputeRequest::Kind::kPrefill, .tokens = Prompt(8, 3)}).ok());
+  EXPECT_EQ(OverLimit(), 1u);
+  ExpectInvariants();
+}
+
+TEST_F(LimitsTest, WhatNoStepCanServeIsRefusedBeforeItQueues) {
+  Make({});
+  const int32_t vocab = engine_->model_info().vocab_size;
+  EXPECT_EQ(
+      Run(alice_,
+          {.kind = ComputeRequest::Kind::kPrefill, .tokens = Prompt(8, 1), .top_k = vocab + 1})
+          .code(),
+      absl::StatusCode::kInvalidArgument);
+  const absl::Status long_prompt = Run(
+      alice_, {.kind = ComputeRequest::Kind::kPrefill,
+               .tokens = Prompt(static_cast<size_t>(engine_->model_info().max_position) + 4, 2)});
+  EXPECT_EQ(long_prompt.code(), absl::StatusCode::kOutOfRange);
+  EXPECT_THAT(std::string(long_prompt.message()), HasSubstr("context"));
+  EXPECT_EQ(engine_->Stats().cache.sequences, 0);
+}
+
+}  // namespace
+}  // namespace kvpool::daemon
