@@ -149,7 +149,7 @@ absl::Status Daemon::Start() {
 absl::Status Daemon::StartGrpc() {
   const std::string path = config_.runtime_dir() + "/" + wire::kGrpcSocket;
   unlink(path.c_str());  // stale, from a daemon that died
-  service_ = std::make_unique<KvPoolService>(engine_.get(), Clock::Real());
+  service_ = std::make_unique<KvPoolService>(engine_.get(), Clock::Real(), &attach_counters_);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -216,8 +216,9 @@ absl::Status Daemon::StartAttach() {
                             .max_pending = l.attach_pending(),
                             .max_pending_per_uid = l.attach_pending_per_uid()};
   KVPOOL_ASSIGN_OR_RETURN(
-      attach_, AttachServer::Start(config_.runtime_dir() + "/" + wire::kAttachSocket,
-                                   config_.socket_mode(), limits, admit, attach, closed));
+      attach_,
+      AttachServer::Start(config_.runtime_dir() + "/" + wire::kAttachSocket, config_.socket_mode(),
+                          limits, admit, attach, closed, &attach_counters_));
   return absl::OkStatus();
 }
 

@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/notification.h"
 #include "daemon/edge/attach_policy.h"
+#include "daemon/edge/attach_server.h"
 #include "daemon/engine/engine.h"
 #include "kernels/device.h"
 #include "kvpool/v1/config.pb.h"
@@ -30,7 +31,6 @@ class Server;
 
 namespace kvpool::daemon {
 
-class AttachServer;
 class KvPoolService;
 
 class Daemon final {
@@ -67,6 +67,7 @@ class Daemon final {
   std::unique_ptr<kernels::Device> device_;
   std::unique_ptr<model::StepModel> model_;
   std::unique_ptr<Engine> engine_;
+  AttachCounters attach_counters_;  // outlives attach_ and service_
   std::unique_ptr<KvPoolService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<AttachServer> attach_;

@@ -49,11 +49,9 @@ struct AttachServer::Connection {
   explicit Connection(uint32_t max_request_bytes) : request(max_request_bytes) {}
 };
 
-absl::StatusOr<std::unique_ptr<AttachServer>> AttachServer::Start(const std::string& path,
-                                                                  uint32_t mode,
-                                                                  AttachLimits limits,
-                                                                  AdmitFn admit, AttachFn attach,
-                                                                  ClosedFn closed) {
+absl::StatusOr<std::unique_ptr<AttachServer>> AttachServer::Start(
+    const std::string& path, uint32_t mode, AttachLimits limits, AdmitFn admit, AttachFn attach,
+    ClosedFn closed, AttachCounters* counters) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.size() >= sizeof(addr.sun_path)) {
@@ -78,16 +76,18 @@ absl::StatusOr<std::unique_ptr<AttachServer>> AttachServer::Start(const std::str
   if (!EpollAdd(epoll.get(), wake.get(), EPOLLIN, kWakeKey)) return Errno("epoll_ctl(wake)");
   return std::unique_ptr<AttachServer>(
       new AttachServer(path, limits, std::move(listener), std::move(epoll), std::move(wake),
-                       std::move(admit), std::move(attach), std::move(closed)));
+                       std::move(admit), std::move(attach), std::move(closed), counters));
 }
 
 AttachServer::AttachServer(std::string path, AttachLimits limits, UniqueFd listener, UniqueFd epoll,
-                           UniqueFd wake, AdmitFn admit, AttachFn attach, ClosedFn closed)
+                           UniqueFd wake, AdmitFn admit, AttachFn attach, ClosedFn closed,
+                           AttachCounters* counters)
     : path_(std::move(path)),
       limits_(limits),
       admit_(std::move(admit)),
       attach_(std::move(attach)),
       closed_(std::move(closed)),
+      counters_(counters),
       epoll_(std::move(epoll)),
       wake_(std::move(wake)),
       listener_(std::move(listener)) {
@@ -109,11 +109,6 @@ AttachServer::~AttachServer() {
 void AttachServer::StopAccepting() { Post(Command::kStopAccepting); }
 
 void AttachServer::CloseAll() { Post(Command::kCloseAll); }
-
-AttachCounters AttachServer::counters() const {
-  absl::MutexLock lock(&mu_);
-  return counters_;
-}
 
 void AttachServer::Post(Command command) {
   absl::Notification done;
@@ -250,11 +245,8 @@ void AttachServer::Accept() {
       epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, listener_.get(), nullptr);
       listener_in_epoll_ = false;
       listener_paused_until_ = absl::Now() + limits_.accept_backoff;
-      int64_t backoffs;
-      {
-        absl::MutexLock lock(&mu_);
-        backoffs = ++counters_.accept_backoffs;
-      }
+      const uint64_t backoffs =
+          counters_->accept_backoffs.fetch_add(1, std::memory_order_relaxed) + 1;
       if ((backoffs & (backoffs - 1)) == 0) {  // the 1st, 2nd, 4th, 8th ... time
         Log().error("attach: accept: {}; pausing accepts for {} (happened {} time(s))",
                     std::strerror(errno), absl::FormatDuration(limits_.accept_backoff), backoffs);
@@ -275,10 +267,7 @@ void AttachServer::Admit(UniqueFd socket) {
   c->socket = std::move(socket);
   c->peer = {cred.pid, cred.uid, cred.gid};
   if (absl::Status admitted = admit_(c->peer); !admitted.ok()) {
-    {
-      absl::MutexLock lock(&mu_);
-      ++counters_.refused_at_accept;
-    }
+    counters_->refused_at_accept.fetch_add(1, std::memory_order_relaxed);
     Log().warn("attach refused at accept: pid {} uid {} gid {}: {}", c->peer.pid, c->peer.uid,
                c->peer.gid, admitted.message());
     Refuse(*c, admitted);
@@ -310,10 +299,7 @@ void AttachServer::MakeRoomFor(uid_t uid) {
     auto c = connections_.find(*it);
     if (c == connections_.end() || !c->second->handshaking) continue;
     if (uid_full && c->second->peer.uid != uid) continue;
-    {
-      absl::MutexLock lock(&mu_);
-      ++counters_.displaced;
-    }
+    counters_->displaced.fetch_add(1, std::memory_order_relaxed);
     Log().debug("attach: handshake of pid {} displaced by a newer one", c->second->peer.pid);
     Refuse(*c->second, absl::ResourceExhaustedError(fmt::format(
                            "too many attach handshakes in progress (at most {} per uid, {} in "
@@ -366,10 +352,7 @@ void AttachServer::ReadHandshake(Connection& c) {
       bad = c.request.Append({chunk, static_cast<size_t>(n)});
     }
     if (!bad.ok()) {
-      {
-        absl::MutexLock lock(&mu_);
-        ++counters_.malformed;
-      }
+      counters_->malformed.fetch_add(1, std::memory_order_relaxed);
       Log().warn("attach from pid {} uid {}: {}", c.peer.pid, c.peer.uid, bad.message());
       Refuse(c, bad);
       Drop(c.id);
@@ -383,10 +366,7 @@ void AttachServer::FinishHandshake(Connection& c) {
   EndPending(c);
   v1::AttachRequest request;
   if (absl::Status parsed = c.request.Parse(&request); !parsed.ok()) {
-    {
-      absl::MutexLock lock(&mu_);
-      ++counters_.malformed;
-    }
+    counters_->malformed.fetch_add(1, std::memory_order_relaxed);
     Log().warn("attach from pid {} uid {}: {}", c.peer.pid, c.peer.uid, parsed.message());
     Refuse(c, parsed);
     Drop(c.id);
@@ -448,10 +428,7 @@ void AttachServer::ExpireHandshakes(absl::Time now) {
     }
     Connection& c = *it->second;
     if (c.deadline > now) return;  // the rest are younger
-    {
-      absl::MutexLock lock(&mu_);
-      ++counters_.timed_out;
-    }
+    counters_->timed_out.fetch_add(1, std::memory_order_relaxed);
     Log().warn("attach from pid {} uid {}: no complete request within {}", c.peer.pid, c.peer.uid,
                absl::FormatDuration(limits_.handshake_timeout));
     Refuse(c, absl::DeadlineExceededError(

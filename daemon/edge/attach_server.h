@@ -64,13 +64,13 @@ struct AttachLimits {
   uint32_t max_request_bytes = 64 << 10;                    // one AttachRequest frame
 };
 
-// What the loop has turned away, for stats.
+// What the loop has turned away, for stats (written by the loop, read by anyone).
 struct AttachCounters {
-  int64_t refused_at_accept = 0;  // peers not allowed to attach, refused before reading
-  int64_t displaced = 0;          // handshakes closed for a newer one over a pending cap
-  int64_t timed_out = 0;          // handshakes not complete within handshake_timeout
-  int64_t malformed = 0;          // oversized, unparsable or fd-carrying requests
-  int64_t accept_backoffs = 0;    // times accept ran out of descriptors
+  std::atomic<uint64_t> refused_at_accept{0};  // peers not allowed to attach, refused unread
+  std::atomic<uint64_t> displaced{0};          // handshakes closed for a newer one over a cap
+  std::atomic<uint64_t> timed_out{0};          // handshakes not complete in handshake_timeout
+  std::atomic<uint64_t> malformed{0};          // oversized, unparsable or fd-carrying requests
+  std::atomic<uint64_t> accept_backoffs{0};    // times accept ran out of descriptors
 };
 
 class AttachServer final {
@@ -86,9 +86,11 @@ class AttachServer final {
 
   // Binds `path` (permission bits `mode`, set through the umask at bind: no chmod by path) and
   // starts the loop. Errors: INVALID_ARGUMENT (path too long), INTERNAL for socket errors.
+  // `counters` (not owned) outlives the server.
   static absl::StatusOr<std::unique_ptr<AttachServer>> Start(const std::string& path, uint32_t mode,
                                                              AttachLimits limits, AdmitFn admit,
-                                                             AttachFn attach, ClosedFn closed);
+                                                             AttachFn attach, ClosedFn closed,
+                                                             AttachCounters* counters);
   ~AttachServer();  // stops the loop and closes everything (without calling ClosedFn)
 
   // Stops accepting (the socket file is removed) and drops the handshakes in progress; live
@@ -98,14 +100,14 @@ class AttachServer final {
   void CloseAll();
   size_t sessions() const { return sessions_.load(std::memory_order_relaxed); }
   size_t pending() const { return pending_.load(std::memory_order_relaxed); }
-  AttachCounters counters() const;
 
  private:
   struct Connection;
   enum class Command : uint8_t { kStopAccepting, kCloseAll, kExit };
 
   AttachServer(std::string path, AttachLimits limits, UniqueFd listener, UniqueFd epoll,
-               UniqueFd wake, AdmitFn admit, AttachFn attach, ClosedFn closed);
+               UniqueFd wake, AdmitFn admit, AttachFn attach, ClosedFn closed,
+               AttachCounters* counters);
 
   // The loop thread's work.
   void Loop();
@@ -132,6 +134,7 @@ class AttachServer final {
   const AdmitFn admit_;
   const AttachFn attach_;
   const ClosedFn closed_;
+  AttachCounters* const counters_;
   const UniqueFd epoll_;
   const UniqueFd wake_;  // eventfd: commands are waiting
 
@@ -153,7 +156,6 @@ class AttachServer final {
     absl::Notification* done;
   };
   std::vector<Posted> commands_ ABSL_GUARDED_BY(mu_);
-  AttachCounters counters_ ABSL_GUARDED_BY(mu_);
   bool exited_ ABSL_GUARDED_BY(mu_) = false;
 
   std::thread thread_;

@@ -102,6 +102,14 @@ void ToProto(const BlockTraceEntry& e, v1::TraceEntry* t) {
   t->set_site(fmt::format("{}:{} ({})", file, e.site.line(), e.site.function_name()));
 }
 
+void ToProto(const AttachCounters& a, v1::GetStatsResponse* r) {
+  r->set_attach_refused_at_accept(a.refused_at_accept.load(std::memory_order_relaxed));
+  r->set_attach_displaced(a.displaced.load(std::memory_order_relaxed));
+  r->set_attach_timed_out(a.timed_out.load(std::memory_order_relaxed));
+  r->set_attach_malformed(a.malformed.load(std::memory_order_relaxed));
+  r->set_attach_accept_backoffs(a.accept_backoffs.load(std::memory_order_relaxed));
+}
+
 void ToProto(const EngineStats& st, v1::GetStatsResponse* r) {
   const KvCacheStats& s = st.cache;
   r->set_num_blocks(s.pool.num_blocks);
@@ -157,6 +165,7 @@ void ToProto(const EngineStats& st, v1::GetStatsResponse* r) {
   for (const std::string& p : st.pools) r->add_pools(p);
   r->set_sessions_refused(st.sessions.refused);
   r->set_calls_not_permitted(st.calls.not_permitted);
+  r->set_calls_over_limit(st.calls.over_limit);
 }
 
 void ToProto(const SessionListing& l, int64_t now_ns, v1::SessionInfo* info) {

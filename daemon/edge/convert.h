@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "daemon/edge/attach_server.h"
 #include "daemon/engine/engine.h"
 #include "grpcpp/grpcpp.h"
 #include "kvpool/v1/attach.pb.h"
@@ -28,6 +29,7 @@ void ToProto(const kernels::PoolLayout& layout, v1::PoolLayout* out);
 v1::KvEvent ToProto(const KvEvent& event);
 void ToProto(const BlockTraceEntry& entry, v1::TraceEntry* out);
 void ToProto(const EngineStats& stats, v1::GetStatsResponse* out);
+void ToProto(const AttachCounters& attach, v1::GetStatsResponse* out);
 // `pool`: the session's pool's name.
 void ToProto(const SessionListing& listing, int64_t now_ns, v1::SessionInfo* out);
 // What an accepted attach sends back (the descriptors go beside it, in `fds` order).

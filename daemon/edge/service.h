@@ -20,6 +20,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "daemon/edge/attach_server.h"
 #include "daemon/edge/convert.h"
 #include "daemon/engine/engine.h"
 #include "grpcpp/grpcpp.h"
@@ -41,7 +42,9 @@ class Refusal final : public grpc::ServerWriteReactor<Response> {
 class KvPoolService final : public v1::KvPool::CallbackService {
  public:
   // Neither is owned; both outlive the service.
-  KvPoolService(Engine* engine, const Clock* clock) : engine_(engine), clock_(clock) {}
+  // `attach` (not owned; may be null) holds the attach socket's counters for GetStats.
+  KvPoolService(Engine* engine, const Clock* clock, const AttachCounters* attach = nullptr)
+      : engine_(engine), clock_(clock), attach_(attach) {}
   ~KvPoolService() override = default;
 
   using Context = grpc::CallbackServerContext;
@@ -119,6 +122,7 @@ class KvPoolService final : public v1::KvPool::CallbackService {
 
   Engine* const engine_;
   const Clock* const clock_;
+  const AttachCounters* const attach_;
   absl::Mutex calls_mu_;
   int64_t calls_ ABSL_GUARDED_BY(calls_mu_) = 0;  // calls running
   bool stopping_ ABSL_GUARDED_BY(calls_mu_) = false;

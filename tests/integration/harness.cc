@@ -34,7 +34,13 @@ int ExitCode(int status) { return WIFEXITED(status) ? WEXITSTATUS(status) : -WTE
 
 }  // namespace
 
-std::string DaemonBinary() { return KVPOOL_DAEMON_BINARY; }
+std::string DaemonBinary() {
+  // Another build's kvpoold (an older main, say: does a test fail there?).
+  if (const char* other = std::getenv("KVPOOL_TEST_DAEMON"); other != nullptr && other[0] != 0) {
+    return other;
+  }
+  return KVPOOL_DAEMON_BINARY;
+}
 std::string IntegrationClientBinary() { return KVPOOL_INTEGRATION_CLIENT_BINARY; }
 std::string KvpoolctlBinary() { return KVPOOL_KVPOOLCTL_BINARY; }
 std::string TrustClientBinary() { return KVPOOL_TRUST_CLIENT_BINARY; }

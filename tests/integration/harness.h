@@ -15,7 +15,7 @@
 
 namespace kvpool::testing {
 
-// Paths of the built programs (set by CMake).
+// Paths of the built programs (set by CMake; $KVPOOL_TEST_DAEMON replaces kvpoold's).
 std::string DaemonBinary();
 std::string IntegrationClientBinary();
 std::string KvpoolctlBinary();

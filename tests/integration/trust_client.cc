@@ -14,9 +14,15 @@
 //       (compute-only) prints "matched <n>": how much of the planted prompt is cached for it.
 //   trust_client hold <dir> <tenant> 0
 //       (compute-only) attaches, prints "holding" and waits to be killed.
+//   trust_client listen <dir> - <uid>
+//       (as root) binds <dir>/attach.sock, becomes <uid>, listens as an impostor daemon, prints
+//       "listening", then "received <bytes>": what the first client sent within a second.
 
+#include <poll.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -114,6 +120,37 @@ int Scan(const Client& c, uint64_t seed) {
   return 0;
 }
 
+// An impostor: the socket is bound (in a directory the client trusts) by root, which then
+// becomes another uid before listen(): SO_PEERCRED reports the listener's credentials at listen().
+int Listen(const std::string& dir, uid_t uid) {
+  const std::string path = dir + "/" + kvpool::wire::kAttachSocket;
+  kvpool::UniqueFd fd(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  unlink(path.c_str());
+  if (bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      chmod(path.c_str(), 0666) != 0 || setresgid(uid, uid, uid) != 0 ||
+      setresuid(uid, uid, uid) != 0 || listen(fd.get(), 4) != 0) {
+    std::perror("listen");
+    return 1;
+  }
+  std::printf("listening\n");
+  std::fflush(stdout);
+  kvpool::UniqueFd client(accept(fd.get(), nullptr, nullptr));
+  size_t received = 0;
+  char buffer[256];
+  for (;;) {
+    pollfd p{client.get(), POLLIN, 0};
+    if (poll(&p, 1, 1000) <= 0) break;
+    const ssize_t n = recv(client.get(), buffer, sizeof(buffer), 0);
+    if (n <= 0) break;
+    received += static_cast<size_t>(n);
+  }
+  std::printf("received %zu\n", received);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -125,6 +162,7 @@ int main(int argc, char** argv) {
   const uint64_t a = std::strtoull(argv[4], nullptr, 10);
   const int64_t b = argc > 5 ? std::atoll(argv[5]) : 0;
   if (mode == "attach") return Attach(dir, tenant, a != 0);
+  if (mode == "listen") return Listen(dir, static_cast<uid_t>(a));
   absl::StatusOr<std::unique_ptr<Client>> c =
       Connect(dir, tenant, mode == "plant" || mode == "scan");
   if (!c.ok()) return Fail(c.status());
