@@ -45,11 +45,13 @@ absl::StatusOr<std::unique_ptr<KvCacheManager>> KvCacheManager::Create(
                                                              .fences = options.fences}));
   std::unique_ptr<PrefixCache> cache;
   if (options.prefix_cache) {
-    KVPOOL_ASSIGN_OR_RETURN(cache, PrefixCache::Create({.block_size = options.block_size,
-                                                        .epoch = options.epoch,
-                                                        .event_capacity = options.event_capacity,
-                                                        .policy = options.eviction_policy},
-                                                       pool.get()));
+    KVPOOL_ASSIGN_OR_RETURN(cache,
+                            PrefixCache::Create({.block_size = options.block_size,
+                                                 .epoch = options.epoch,
+                                                 .event_capacity = options.event_capacity,
+                                                 .policy = options.eviction_policy,
+                                                 .policy_factory = options.eviction_policy_factory},
+                                                pool.get()));
   }
   return std::unique_ptr<KvCacheManager>(
       new KvCacheManager(options, std::move(pool), std::move(cache)));
@@ -63,6 +65,12 @@ KvCacheManager::KvCacheManager(const KvCacheOptions& options, std::unique_ptr<Bl
       pool_(std::move(pool)),
       cache_(std::move(cache)),
       ns_quota_{kUnlimited} {}
+
+TraceContext KvCacheManager::BeginCall(SessionId session, SequenceId sequence) {
+  const TraceContext ctx = Context(session, sequence);
+  if (cache_) cache_->SetTime(ctx.time_ns);
+  return ctx;
+}
 
 absl::Status KvCacheManager::SetNamespaceQuota(NamespaceId ns, int64_t max_blocks) {
   if (max_blocks < 0) {
@@ -236,6 +244,7 @@ TableChange KvCacheManager::ApplyGrow(const GrowPlan& plan, const TraceContext& 
 
 void KvCacheManager::RevertGrow(SessionId caller, std::span<const TableChange> changes) {
   const TraceContext ctx = Context(caller, SequenceId(0));
+  if (cache_) cache_->SetTime(ctx.time_ns);
   for (auto it = changes.rbegin(); it != changes.rend(); ++it) {
     Sequence& seq = sequences_.at(it->sequence);
     KVPOOL_CHECK(seq.session == caller);
@@ -264,6 +273,7 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
                                            std::span<const AllocateRequest> requests,
                                            std::vector<AllocateResult>* results, DevicePlan* plan) {
   ++counters_.allocate_calls;
+  TraceContext ctx = BeginCall(caller, SequenceId(0));
   if (requests.empty()) return EmptyBatch("allocate");
   if (caller == kNoSession) return absl::InvalidArgumentError("session 0 is reserved");
   std::vector<AllocatePlan> plans(requests.size());
@@ -334,7 +344,6 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
   KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckRoom(blocks, keep, &victims, "allocate")));
 
   // Everything checked: from here on nothing can fail.
-  TraceContext ctx = Context(caller, SequenceId(0));
   EvictPlanned(victims, ctx);
   for (size_t k = 0; k < requests.size(); ++k) {
     const AllocateRequest& r = requests[k];
@@ -349,7 +358,8 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
                    .ns = r.ns,
                    .slot = *slot,
                    .tokens = std::vector<int32_t>(r.prompt.begin(), r.prompt.end()),
-                   .priority = r.priority};
+                   .priority = r.priority,
+                   .retain_tail = r.retain_tail};
     if (cache_) seq.path = cache_->Adopt(p.match);
     for (NodeIndex node : p.match.full) {
       seq.table.push_back(cache_->block_of(node));
@@ -387,6 +397,7 @@ absl::Status KvCacheManager::Grow(SessionId caller, SequenceId sequence, int64_t
 absl::Status KvCacheManager::GrowBatch(SessionId caller, std::span<const GrowRequest> requests,
                                        DevicePlan* plan, std::vector<TableChange>* changes) {
   ++counters_.grow_calls;
+  TraceContext ctx = BeginCall(caller, SequenceId(0));  // one clock reading per call
   if (requests.empty()) return EmptyBatch("grow");
   std::vector<GrowPlan> plans(requests.size());
   WriteClaims claims;
@@ -412,7 +423,6 @@ absl::Status KvCacheManager::GrowBatch(SessionId caller, std::span<const GrowReq
   KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckCapacity(by_ns, caller, refs, "grow")));
   KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckRoom(blocks, {}, &victims, "grow")));
 
-  TraceContext ctx = Context(caller, SequenceId(0));  // one clock reading per call
   EvictPlanned(victims, ctx);
   for (const GrowPlan& p : plans) {
     ctx.sequence = p.sequence->id;
@@ -426,6 +436,7 @@ absl::Status KvCacheManager::GrowBatch(SessionId caller, std::span<const GrowReq
 absl::Status KvCacheManager::Commit(SessionId caller, SequenceId sequence, int64_t num_tokens,
                                     std::span<const int32_t> new_tokens) {
   ++counters_.commit_calls;
+  const TraceContext ctx = BeginCall(caller, sequence);
   KVPOOL_ASSIGN_OR_RETURN(Sequence * seq, Owned(caller, sequence));
   const int64_t known = static_cast<int64_t>(seq->tokens.size() + new_tokens.size());
   if (num_tokens < 0 || num_tokens > seq->num_tokens || known < num_tokens ||
@@ -438,7 +449,7 @@ absl::Status KvCacheManager::Commit(SessionId caller, SequenceId sequence, int64
   seq->tokens.insert(seq->tokens.end(), new_tokens.begin(), new_tokens.end());
   if (cache_) {
     cache_->Commit(seq->ns, std::span(seq->tokens).first(static_cast<size_t>(num_tokens)),
-                   seq->table, seq->priority, &seq->path, Context(caller, sequence));
+                   seq->table, seq->priority, seq->retain_tail, &seq->path, ctx);
   }
   return absl::OkStatus();
 }
@@ -465,12 +476,12 @@ void KvCacheManager::ReleaseTail(Sequence* sequence, size_t keep, const TraceCon
 
 absl::Status KvCacheManager::Truncate(SessionId caller, SequenceId sequence, int64_t num_tokens) {
   ++counters_.truncate_calls;
+  const TraceContext ctx = BeginCall(caller, sequence);
   KVPOOL_ASSIGN_OR_RETURN(Sequence * seq, Owned(caller, sequence));
   if (num_tokens < 0 || num_tokens > seq->num_tokens) {
     return absl::InvalidArgumentError(fmt::format("cannot truncate sequence {} of {} tokens to {}",
                                                   sequence.value(), seq->num_tokens, num_tokens));
   }
-  const TraceContext ctx = Context(caller, sequence);
   ReleaseTail(seq, static_cast<size_t>(BlocksFor(num_tokens)), ctx);
   // The tree path keeps only the full blocks the sequence still has whole; the block it now
   // ends inside is still held (so never evicted) and is protected by its coverage.
@@ -485,6 +496,7 @@ absl::Status KvCacheManager::Truncate(SessionId caller, SequenceId sequence, int
 absl::StatusOr<SequenceId> KvCacheManager::Fork(SessionId caller, SequenceId sequence,
                                                 DevicePlan* plan) {
   ++counters_.fork_calls;
+  TraceContext ctx = BeginCall(caller, sequence);
   KVPOOL_ASSIGN_OR_RETURN(Sequence * parent, Owned(caller, sequence));
   const bool partial = parent->num_tokens % block_size_ != 0;
   const std::pair<NamespaceId, int64_t> by_ns[] = {{parent->ns, partial ? 1 : 0}};
@@ -494,7 +506,7 @@ absl::StatusOr<SequenceId> KvCacheManager::Fork(SessionId caller, SequenceId seq
   KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckRoom(partial ? 1 : 0, {}, &victims, "fork")));
 
   const SequenceId id(next_sequence_id_++);
-  const TraceContext ctx = Context(caller, id);
+  ctx.sequence = id;
   EvictPlanned(victims, ctx);
   // Copy what the child needs before inserting: the insert may move `parent`.
   Sequence child{.id = id,
@@ -504,7 +516,8 @@ absl::StatusOr<SequenceId> KvCacheManager::Fork(SessionId caller, SequenceId seq
                  .num_tokens = parent->num_tokens,
                  .table = parent->table,
                  .tokens = parent->tokens,
-                 .priority = parent->priority};
+                 .priority = parent->priority,
+                 .retain_tail = parent->retain_tail};
   if (cache_) child.path = cache_->Clone(parent->path);
   const size_t shared = child.table.size() - (partial ? 1 : 0);
   for (size_t i = 0; i < shared; ++i) RetainBlock(child.table[i], ctx);
@@ -529,6 +542,7 @@ absl::Status KvCacheManager::Free(SessionId caller, SequenceId sequence, OnFree 
 absl::Status KvCacheManager::FreeBatch(SessionId caller, std::span<const SequenceId> sequences,
                                        OnFree on_free) {
   ++counters_.free_calls;
+  BeginCall(caller, SequenceId(0));
   if (sequences.empty()) return EmptyBatch("free");
   std::vector<Sequence*> seqs;
   seqs.reserve(sequences.size());
@@ -558,7 +572,8 @@ void KvCacheManager::FreeChecked(Sequence* seq, OnFree on_free) {
   const SessionId caller = seq->session;
   const TraceContext ctx = Context(caller, id);
   if (on_free == OnFree::kCommit && cache_) {
-    cache_->Commit(seq->ns, seq->tokens, seq->table, seq->priority, &seq->path, ctx);
+    cache_->Commit(seq->ns, seq->tokens, seq->table, seq->priority, seq->retain_tail, &seq->path,
+                   ctx);
   }
   ReleaseTail(seq, 0, ctx);
   if (cache_) cache_->Truncate(&seq->path, 0);
@@ -601,6 +616,7 @@ absl::Status KvCacheManager::CheckPublish(const Sequence& seq, std::span<const i
 }
 
 int64_t KvCacheManager::FreeSession(SessionId session) {
+  BeginCall(session, SequenceId(0));
   std::vector<SequenceId> owned;
   for (const auto& [id, seq] : sequences_) {
     if (seq.session == session) owned.push_back(id);

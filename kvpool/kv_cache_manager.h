@@ -18,8 +18,9 @@
 //    parent's partial last block the same way at once, since both will write to it.
 //  - Prefix cache (DESIGN.md §5): Allocate with a prompt adopts the longest cached prefix in its
 //    namespace; Commit publishes a sequence's blocks; cached blocks nobody holds are evicted,
-//    least recently released leaf first, when a call needs their space. Evictions a call needs
-//    are planned during its checks and only carried out once it cannot fail.
+//    leaves only, in the order the eviction policy gives (KvCacheOptions::eviction_policy,
+//    docs/eviction.md), when a call needs their space. Evictions a call needs are planned during
+//    its checks and only carried out once it cannot fail.
 //
 // Quotas: a namespace quota bounds the ACTIVE blocks the namespace owns (physical blocks; shared
 // ones count once); a session quota bounds the block references its sequences hold (table
@@ -29,6 +30,7 @@
 // valid until the next mutating call.
 
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <span>
@@ -75,9 +77,12 @@ struct KvCacheOptions {
   const Clock* clock = Clock::Real();  // not owned; outlives the manager
   const FenceObserver* fences = nullptr;  // not owned; see BlockPoolOptions
   bool prefix_cache = true;               // share prefixes; off: Commit only records tokens
-  std::string eviction_policy = "lru";    // MakeEvictionPolicy name
-  uint64_t epoch = 0;                     // stamped on every cache event (daemon start)
-  size_t event_capacity = 65536;          // cache events kept for replay
+  // Eviction spec (ParseEvictionSpec): "lru", "+notail", "default".
+  std::string eviction_policy = std::string(kDefaultEvictionSpec);
+  // When set, makes the eviction ordering policy instead of the spec (tests inject theirs).
+  std::function<std::unique_ptr<EvictionPolicy>()> eviction_policy_factory;
+  uint64_t epoch = 0;             // stamped on every cache event (daemon start)
+  size_t event_capacity = 65536;  // cache events kept for replay
 };
 
 struct Sequence {
@@ -89,6 +94,7 @@ struct Sequence {
   std::vector<BlockId> table;   // token t lives in table[t / block_size], slot t % block_size
   std::vector<int32_t> tokens;  // the token ids known so far (<= num_tokens of them)
   int priority = 0;             // prefix-cache priority class of what it publishes
+  bool retain_tail = false;     // keep its partial tail in the cache after it ends
   CachePath path;               // its place in the prefix tree (locked nodes)
   uint64_t batch_mark = 0;      // KvCacheManager's scratch: finds a sequence listed twice
 };
@@ -98,6 +104,9 @@ struct AllocateRequest {
   int64_t num_tokens = 0;           // >= prompt.size(): room for the prompt and what follows
   std::span<const int32_t> prompt;  // matched against the prefix cache; may be empty
   int priority = 0;                 // in [0, kNumPriorities): cache class of its blocks
+  // Keep the partial last block it publishes once it ends, even under a "+notail" policy (a
+  // rewind endpoint the client will come back to).
+  bool retain_tail = false;
 };
 
 struct AllocateResult {
@@ -300,6 +309,8 @@ class KvCacheManager final {
   TraceContext Context(SessionId session, SequenceId sequence) const {
     return TraceContext{session, sequence, clock_->NowNanos()};
   }
+  // What every mutating call does first: one clock reading, given to the prefix cache.
+  TraceContext BeginCall(SessionId session, SequenceId sequence);
   // The sequence, if `caller` owns it. Errors: NOT_FOUND, PERMISSION_DENIED.
   absl::StatusOr<Sequence*> Owned(SessionId caller, SequenceId sequence);
   // Whether writing token slot `slot` of `block` must first move the writer onto a copy:

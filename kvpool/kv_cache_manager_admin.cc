@@ -53,7 +53,7 @@ MatchExplanation KvCacheManager::ExplainMatch(NamespaceId ns,
 
 int64_t KvCacheManager::EvictCached(int64_t blocks) {
   if (!cache_ || blocks <= 0) return 0;
-  const int64_t evicted = cache_->EvictUpTo(blocks, Context(kNoSession, SequenceId(0)));
+  const int64_t evicted = cache_->EvictUpTo(blocks, BeginCall(kNoSession, SequenceId(0)));
   counters_.evictions += static_cast<uint64_t>(evicted);
   return evicted;
 }
@@ -61,7 +61,7 @@ int64_t KvCacheManager::EvictCached(int64_t blocks) {
 absl::Status KvCacheManager::ClearCache() {
   if (!cache_) return absl::OkStatus();
   const int64_t before = cache_->stats().nodes;
-  KVPOOL_RETURN_IF_ERROR(cache_->Clear(Context(kNoSession, SequenceId(0))));
+  KVPOOL_RETURN_IF_ERROR(cache_->Clear(BeginCall(kNoSession, SequenceId(0))));
   counters_.evictions += static_cast<uint64_t>(before);
   return absl::OkStatus();
 }

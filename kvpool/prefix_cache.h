@@ -13,18 +13,23 @@
 //    a rewind endpoint stays reusable whichever of the two was created first;
 //  - events announce full blocks only.
 //
-// Eviction: a node is evictable when it holds a block, no sequence locks it and no sequence
-// holds its block (the block is CACHED). The EvictionPolicy orders evictable nodes; because
-// sequences lock whole paths and release them deepest-first, a node always becomes evictable
-// after its descendants, so the policy's first candidate is a leaf and one eviction is O(1)
-// whatever the tree's size. The tree owns exactly one pool reference per cached block and an
-// eviction returns exactly that one.
+// Eviction (docs/eviction.md): a node is evictable when it holds a block, no sequence
+// locks it and no sequence holds its block (the block is CACHED). Only evictable leaves are
+// candidates: the cache keeps the EvictionPolicy's candidate set equal to them, so whatever order
+// a policy chooses, a node with cached descendants is never a victim. Partial tails of finished
+// requests that nobody asked to retain (PrefixCacheOptions::policy "+notail", no
+// Commit(retain_tail)) go to a first-out list of their own instead of the policy. A plan takes
+// that list, then the policy's candidates in rank order, merging in the parents its earlier
+// victims turn into leaves. Each planned eviction costs O(log n) in the candidates, whatever the
+// tree's size. The tree owns exactly one pool reference per cached block and an eviction
+// returns exactly that one.
 //
 // Thread-compatible; owned by the KvCacheManager, which serializes calls. The cache calls into
 // the BlockPool (AddCacheRef/DropCacheRef) and must be told, through OnBlockRefsChanged(), when
 // a sequence retains or releases a block.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -86,31 +91,44 @@ struct PrefixCacheOptions {
   uint64_t epoch = 0;             // stamped on every event
   size_t event_capacity = 65536;  // events kept for replay; > 0
   size_t evicted_memory = 65536;  // recently evicted block hashes remembered for Explain()
-  std::string policy = "lru";     // eviction policy name (MakeEvictionPolicy)
+  // Eviction spec (ParseEvictionSpec): the ordering policy and whether partial tails are kept.
+  std::string policy = std::string(kDefaultEvictionSpec);
+  // When set, makes the ordering policy instead of the spec (tests inject theirs); the spec
+  // still decides partial-tail retention.
+  std::function<std::unique_ptr<EvictionPolicy>()> policy_factory;
 };
 
 struct PrefixCacheStats {
-  int64_t nodes = 0;       // cached blocks (full + partial)
-  int64_t full_nodes = 0;  // of which full
-  int64_t evictable = 0;   // nodes that could be evicted now
-  int64_t namespaces = 0;  // namespaces with a tree
-  uint64_t inserted = 0;   // nodes created
-  uint64_t widened = 0;    // partial nodes widened in place as their sequence published more
-  uint64_t evicted = 0;    // nodes evicted (including dominated partial nodes)
-  uint64_t dominated = 0;  // partial nodes removed because a wider sibling covers them
+  int64_t nodes = 0;           // cached blocks (full + partial)
+  int64_t full_nodes = 0;      // of which full
+  int64_t evictable = 0;       // nodes that could be evicted now (leaves or not)
+  int64_t candidates = 0;      // of which leaves (the policy's candidates plus first-out tails)
+  int64_t namespaces = 0;      // namespaces with a tree
+  uint64_t inserted = 0;       // nodes created
+  uint64_t widened = 0;        // partial nodes widened in place as their sequence published more
+  uint64_t evicted = 0;        // nodes evicted (including dominated partial nodes)
+  uint64_t dominated = 0;      // partial nodes removed because a wider sibling covers them
+  uint64_t hits = 0;           // nodes adopted by new sequences (or followed by committing ones)
+  uint64_t tails_evicted = 0;  // unretained partial tails evicted first
 };
 
 class PrefixCache final {
  public:
-  // Errors: INVALID_ARGUMENT (block_size <= 0, event_capacity 0, unknown policy).
+  // Errors: INVALID_ARGUMENT (block_size <= 0, event_capacity 0, bad policy spec or sizes, a
+  // policy_factory that returns null).
   static absl::StatusOr<std::unique_ptr<PrefixCache>> Create(const PrefixCacheOptions& options,
                                                              BlockPool* pool);
+
+  // The time (ns, from the owner's injected Clock) stamped on what follows and shown to the
+  // policy, until the next call. The manager sets it once per call.
+  void SetTime(int64_t now_ns) { now_ns_ = now_ns; }
 
   // The longest cached prefix of `tokens` in `ns`. Changes nothing.
   PrefixMatch Match(NamespaceId ns, std::span<const int32_t> tokens) const;
   MatchExplanation Explain(NamespaceId ns, std::span<const int32_t> tokens) const;
 
-  // Locks the nodes of `match` for a new sequence. Block references are the caller's business.
+  // Locks the nodes of `match` for a new sequence and tells the policy they were hit. Block
+  // references are the caller's business.
   CachePath Adopt(const PrefixMatch& match);
   // Locks `path`'s nodes once more (a forked sequence follows its parent's path).
   CachePath Clone(const CachePath& path);
@@ -120,10 +138,12 @@ class PrefixCache final {
   // Publishes the blocks of a sequence in `ns` whose tokens are `tokens` and whose block table
   // is `table` (covering them), extending `path`: full blocks become (or follow) full nodes, a
   // trailing partial block becomes (or widens, or follows) a partial node. The tree takes one
-  // pool reference per block it adopts. `priority` in [0, kNumPriorities).
+  // pool reference per block it adopts. `priority` in [0, kNumPriorities). `retain_tail`: the
+  // trailing partial node the path ends on is kept like any other leaf once released, even when
+  // the spec says "+notail".
   // REQUIRES: Agrees() for every block of `table` past `path->full` with its tokens.
   void Commit(NamespaceId ns, std::span<const int32_t> tokens, std::span<const BlockId> table,
-              int priority, CachePath* path, const TraceContext& ctx);
+              int priority, bool retain_tail, CachePath* path, const TraceContext& ctx);
 
   // Unlocks the nodes of `path` past its first `keep_full` full blocks, deepest first, and its
   // partial node.
@@ -160,6 +180,9 @@ class PrefixCache final {
   BlockId block_of(NodeIndex node) const { return block_[node]; }
   int32_t coverage(NodeIndex node) const { return coverage_[node]; }
   uint32_t locks(NodeIndex node) const { return lock_[node]; }
+  int priority(NodeIndex node) const { return priority_[node]; }
+  NamespaceId ns_of(NodeIndex node) const { return ns_[node]; }
+  const EvictionPolicy& policy() const { return *policy_; }
 
   const EventLog& events() const { return events_; }
   // BlockStored events (seq 0) describing every full node now cached, parents first; a consumer
@@ -167,9 +190,10 @@ class PrefixCache final {
   std::vector<KvEvent> SnapshotEvents(uint64_t* resume_seq) const;
 
   PrefixCacheStats stats() const;
-  // Tree shape, hash chains, coverage, the child index, one cache reference per node, and that
-  // the policy holds exactly the evictable nodes. `expected_locks` (node -> locks), when given,
-  // must equal every node's lock count. Returns INTERNAL naming the first violation.
+  // Tree shape, hash chains, coverage, the child index, one cache reference per node, that the
+  // policy (plus the first-out tails) holds exactly the evictable leaves and that its own books
+  // balance. `expected_locks` (node -> locks), when given, must equal every node's lock count.
+  // Returns INTERNAL naming the first violation.
   absl::Status CheckInvariants(
       const absl::flat_hash_map<NodeIndex, uint32_t>* expected_locks = nullptr) const;
   // Every node and the event position in canonical text form (fail-clean tests compare it).
@@ -187,7 +211,7 @@ class PrefixCache final {
   };
 
   PrefixCache(const PrefixCacheOptions& options, BlockPool* pool,
-              std::unique_ptr<EvictionPolicy> policy);
+              std::unique_ptr<EvictionPolicy> policy, bool retain_partial_tails);
 
   std::span<const int32_t> Tokens(NodeIndex node) const {
     return {tokens_.data() + static_cast<size_t>(node) * block_size_,
@@ -203,6 +227,9 @@ class PrefixCache final {
   NodeIndex BestChild(NodeIndex parent, std::span<const int32_t> tokens, int32_t* common) const;
   // A child of `parent` other than `except` that covers all of `tokens`, or kNoNode.
   NodeIndex Covering(NodeIndex parent, std::span<const int32_t> tokens, NodeIndex except) const;
+  // Commit() without the retention mark.
+  void CommitBlocks(NamespaceId ns, std::span<const int32_t> tokens, std::span<const BlockId> table,
+                    int priority, CachePath* path, const TraceContext& ctx);
   NodeIndex Insert(NodeIndex parent, std::span<const int32_t> tokens, BlockId block, int priority,
                    const TraceContext& ctx);
   // Extends `node` (holding the sequence's own block) to `tokens`; a node reaching a full block
@@ -212,16 +239,39 @@ class PrefixCache final {
   // Removes unused partial siblings of `node` that it covers.
   void RemoveDominated(NodeIndex node, const TraceContext& ctx);
   void RemoveNode(NodeIndex node, const TraceContext& ctx);
+  // Lock() for a node a sequence reuses: also counts the hit and tells the policy.
+  void LockHit(NodeIndex node);
+  // Re-evaluates a node after its locks or its block's references changed.
   void UpdateEvictable(NodeIndex node);
   bool ShouldBeEvictable(NodeIndex node) const;
+  // Puts `node` into, or takes it out of, the candidates (policy or first-out tails) as it is
+  // or is not an evictable leaf.
+  void UpdateCandidate(NodeIndex node);
+  bool IsFirstOutTail(NodeIndex node) const {
+    return coverage_[node] < block_size_ && !retain_partial_tails_ && retain_[node] == 0;
+  }
+  void TailPush(NodeIndex node);
+  void TailRemove(NodeIndex node);
+  NodeFacts Facts(NodeIndex node) const {
+    return NodeFacts{.hash = hash_[node],
+                     .depth = depth_[node],
+                     .hits = hits_[node],
+                     .priority = priority_[node],
+                     .released_ns = released_ns_[node],
+                     .release_seq = release_seq_[node]};
+  }
+  absl::Status CheckNode(NodeIndex node) const;
   void Announce(NodeIndex first, NodeIndex last);  // BlockStored for the chain first..last
   void FlushRemoved();
 
   const int32_t block_size_;
   const size_t evicted_memory_;
+  const bool retain_partial_tails_;
   BlockPool* const pool_;
   std::unique_ptr<EvictionPolicy> policy_;
   EventLog events_;
+  int64_t now_ns_ = 0;
+  uint64_t release_counter_ = 0;
 
   // Node metadata, struct-of-arrays by NodeIndex.
   std::vector<NodeIndex> parent_;
@@ -231,8 +281,17 @@ class PrefixCache final {
   std::vector<int32_t> num_children_;
   std::vector<BlockId> block_;     // kInvalidBlock for roots and free slots
   std::vector<int32_t> coverage_;  // tokens of the block published (0 for roots)
-  std::vector<uint32_t> lock_;
+  std::vector<uint32_t> lock_;     // sequences following the node
   std::vector<int8_t> priority_;
+  std::vector<int32_t> depth_;         // blocks from the root (roots: 0)
+  std::vector<uint32_t> hits_;         // adoptions since insert
+  std::vector<int64_t> released_ns_;   // when it last became evictable
+  std::vector<uint64_t> release_seq_;  // release_counter_ at that moment
+  std::vector<uint8_t> evictable_;     // ShouldBeEvictable() as last evaluated
+  std::vector<uint8_t> retain_;        // a partial node someone asked to retain
+  std::vector<NodeIndex> tail_prev_;   // first-out tails: a FIFO threaded through the nodes
+  std::vector<NodeIndex> tail_next_;
+  std::vector<uint8_t> in_tails_;
   std::vector<NamespaceId> ns_;
   std::vector<BlockHash> hash_;       // full nodes (and roots: zero)
   std::vector<uint64_t> token_hash_;  // full nodes: key in children_
@@ -251,8 +310,13 @@ class PrefixCache final {
   std::vector<BlockHash> pending_removed_;  // batched into one BlockRemoved per call
   NamespaceId pending_removed_ns_;
 
+  NodeIndex tails_head_ = kNoNode;
+  NodeIndex tails_tail_ = kNoNode;
+  int64_t num_tails_ = 0;
+
   int64_t num_nodes_ = 0;
   int64_t num_full_ = 0;
+  int64_t num_evictable_ = 0;
   PrefixCacheStats counters_;
 };
 

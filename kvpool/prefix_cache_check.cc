@@ -1,0 +1,141 @@
+// PrefixCache: stats, invariants and the canonical dump.
+
+#include <algorithm>
+#include <string>
+
+#include "fmt/format.h"
+#include "kvpool/prefix_cache.h"
+#include "kvpool/util/errors.h"
+
+namespace kvpool {
+
+PrefixCacheStats PrefixCache::stats() const {
+  PrefixCacheStats s = counters_;
+  s.nodes = num_nodes_;
+  s.full_nodes = num_full_;
+  s.evictable = num_evictable_;
+  s.candidates = policy_->size() + num_tails_;
+  s.namespaces = static_cast<int64_t>(roots_.size());
+  return s;
+}
+
+// One cached (non-root) node: shape, coverage, hash chain and candidacy.
+absl::Status PrefixCache::CheckNode(NodeIndex node) const {
+  const NodeIndex parent = parent_[node];
+  const BlockId block = block_[node];
+  if (parent == kNoNode || (block_[parent] == kInvalidBlock && Root(ns_[node]) != parent)) {
+    return InvariantViolation("node {} has no live parent", node);
+  }
+  if (block_[parent] != kInvalidBlock && coverage_[parent] != block_size_) {
+    return InvariantViolation("node {} hangs under partial node {}", node, parent);
+  }
+  if (coverage_[node] <= 0 || coverage_[node] > block_size_) {
+    return InvariantViolation("node {} has coverage {}", node, coverage_[node]);
+  }
+  if (node_of_block_[static_cast<size_t>(block.value())] != node || !pool_->cache_held(block)) {
+    return InvariantViolation("node {} and block {} do not point at each other", node,
+                              block.value());
+  }
+  if (ns_[node] != ns_[parent]) return InvariantViolation("node {} left its namespace", node);
+  if (block_[parent] != kInvalidBlock && priority_[node] > priority_[parent]) {
+    return InvariantViolation("node {} outranks its parent", node);
+  }
+  if (depth_[node] != depth_[parent] + 1)
+    return InvariantViolation("node {} has a stale depth", node);
+  if (coverage_[node] == block_size_) {
+    if (hash_[node] != PrefixChainHash(hash_[parent], ns_[node], Tokens(node))) {
+      return InvariantViolation("node {} has a broken hash chain", node);
+    }
+    if (FindFull(parent, Tokens(node)) == kNoNode)
+      return InvariantViolation("node {} is not indexed", node);
+  }
+  const bool evictable = ShouldBeEvictable(node);
+  if (evictable != (evictable_[node] != 0))
+    return InvariantViolation("node {} evictability is stale", node);
+  const bool candidate = evictable && num_children_[node] == 0;
+  const bool tail = in_tails_[node] != 0;
+  if (tail && policy_->Contains(node))
+    return InvariantViolation("node {} is a tail and in the policy", node);
+  if (candidate != (tail || policy_->Contains(node))) {
+    return InvariantViolation("node {} is {}an evictable leaf but {} a candidate", node,
+                              candidate ? "" : "not ", candidate ? "not" : "is");
+  }
+  if (candidate && tail != IsFirstOutTail(node)) {
+    return InvariantViolation("node {} is in the wrong candidate list", node);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PrefixCache::CheckInvariants(
+    const absl::flat_hash_map<NodeIndex, uint32_t>* expected_locks) const {
+  int64_t nodes = 0, full = 0, evictable = 0;
+  for (NodeIndex node = 0; node < static_cast<NodeIndex>(parent_.size()); ++node) {
+    const bool root = block_[node] == kInvalidBlock && parent_[node] == kNoNode &&
+                      Root(ns_[node]) == node && ns_[node] != kNoNamespace;
+    if (block_[node] == kInvalidBlock && !root) {  // free slot
+      if (in_tails_[node] != 0 || policy_->Contains(node)) {
+        return InvariantViolation("free node slot {} is still a candidate", node);
+      }
+      continue;
+    }
+    int32_t children = 0;
+    for (NodeIndex c = first_child_[node]; c != kNoNode; c = next_sibling_[c]) {
+      if (parent_[c] != node)
+        return InvariantViolation("node {} lists child {} of another parent", node, c);
+      ++children;
+    }
+    if (children != num_children_[node])
+      return InvariantViolation("node {} child count is stale", node);
+    if (expected_locks != nullptr) {
+      auto it = expected_locks->find(node);
+      const uint32_t want = it == expected_locks->end() ? 0 : it->second;
+      if (lock_[node] != want)
+        return InvariantViolation("node {} has {} locks, {} expected", node, lock_[node], want);
+    }
+    if (root) continue;
+    ++nodes;
+    full += coverage_[node] == block_size_ ? 1 : 0;
+    evictable += ShouldBeEvictable(node) ? 1 : 0;
+    if (absl::Status s = CheckNode(node); !s.ok()) return s;
+  }
+  for (size_t b = 0; b < node_of_block_.size(); ++b) {
+    if (pool_->cache_held(BlockId(static_cast<int32_t>(b))) != (node_of_block_[b] != kNoNode)) {
+      return InvariantViolation("block {} cache reference does not match the tree", b);
+    }
+  }
+  if (nodes != num_nodes_ || full != num_full_) return InvariantViolation("node counts are stale");
+  if (evictable != num_evictable_) {
+    return InvariantViolation("{} nodes evictable, {} counted", evictable, num_evictable_);
+  }
+  int64_t tails = 0;
+  for (NodeIndex n = tails_head_; n != kNoNode; n = tail_next_[n]) {
+    if (in_tails_[n] == 0 || ++tails > num_tails_)
+      return InvariantViolation("the first-out tail list is broken");
+  }
+  if (tails != num_tails_)
+    return InvariantViolation("{} first-out tails listed, {} counted", tails, num_tails_);
+  if (static_cast<int64_t>(children_.size()) > full)
+    return InvariantViolation("child index has stale keys");
+  return policy_->CheckInvariants();
+}
+
+std::string PrefixCache::DebugString() const {
+  std::string out =
+      fmt::format("cache nodes={} full={} evictable={} candidates={} next_event={}\n", num_nodes_,
+                  num_full_, num_evictable_, policy_->size() + num_tails_, events_.next_seq());
+  auto it = std::back_inserter(out);
+  for (NodeIndex node = 0; node < static_cast<NodeIndex>(parent_.size()); ++node) {
+    if (block_[node] == kInvalidBlock) continue;
+    fmt::format_to(it,
+                   "n{} parent={} block={} cov={} lock={} prio={} hits={} candidate={} tokens={}\n",
+                   node, parent_[node], block_[node].value(), coverage_[node], lock_[node],
+                   priority_[node], hits_[node],
+                   in_tails_[node] != 0      ? "tail"
+                   : policy_->Contains(node) ? "policy"
+                                             : "no",
+                   fmt::join(Tokens(node), ","));
+  }
+  return out;
+}
+
+}  // namespace kvpool
