@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "fmt/format.h"
+#include "kvpool/admission_filter.h"
 #include "kvpool/lru_eviction_policy.h"
 
 namespace kvpool {
@@ -25,11 +26,14 @@ absl::StatusOr<EvictionOptions> ParseEvictionSpec(std::string_view spec) {
         fmt::format("unknown eviction policy '{}' in '{}' (known: lru, default)", parts[0], spec));
   }
   for (size_t i = 1; i < parts.size(); ++i) {
-    if (parts[i] == "notail" && options.retain_partial_tails) {
+    if (parts[i] == "admit" && !options.admission) {
+      options.admission = true;
+    } else if (parts[i] == "notail" && options.retain_partial_tails) {
       options.retain_partial_tails = false;
     } else {
-      return absl::InvalidArgumentError(fmt::format(
-          "unknown or repeated eviction modifier '{}' in '{}' (known: +notail)", parts[i], spec));
+      return absl::InvalidArgumentError(
+          fmt::format("unknown or repeated eviction modifier '{}' in '{}' (known: +admit, +notail)",
+                      parts[i], spec));
     }
   }
   return options;
@@ -42,6 +46,7 @@ std::string EvictionSpecName(const EvictionOptions& options) {
       name = "lru";
       break;
   }
+  if (options.admission) name += "+admit";
   if (!options.retain_partial_tails) name += "+notail";
   return name;
 }
@@ -51,12 +56,18 @@ absl::StatusOr<std::unique_ptr<EvictionPolicy>> MakeEvictionPolicy(const Evictio
   if (num_blocks <= 0) {
     return absl::InvalidArgumentError(fmt::format("num_blocks must be > 0 (got {})", num_blocks));
   }
+  if (options.history_blocks < 0) {
+    return absl::InvalidArgumentError(
+        fmt::format("history_blocks must be >= 0 (got {})", options.history_blocks));
+  }
+  const int64_t history = options.history_blocks > 0 ? options.history_blocks : 4 * num_blocks;
   std::unique_ptr<EvictionPolicy> policy;
   switch (options.kind) {
     case EvictionPolicyKind::kLru:
       policy = std::make_unique<LruEvictionPolicy>();
       break;
   }
+  if (options.admission) policy = std::make_unique<AdmissionFilter>(std::move(policy), history);
   return policy;
 }
 

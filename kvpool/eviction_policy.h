@@ -55,7 +55,7 @@ struct NodeFacts {
 // Eviction order: lower is evicted first; compared field by field.
 struct EvictionRank {
   int priority = 0;    // NodeFacts::priority
-  double score = 0;    // the policy's value of keeping the node (>= 0)
+  double score = 0;    // the policy's value of keeping the node (>= -1; -1: admission reject)
   uint64_t order = 0;  // NodeFacts::release_seq: older first among equals
 
   friend auto operator<=>(const EvictionRank&, const EvictionRank&) = default;
@@ -101,18 +101,22 @@ enum class EvictionPolicyKind : uint8_t {
   kLru,  // least recently released leaf first (LruEvictionPolicy)
 };
 
-// A policy choice as the cache applies it. Spelled as a spec string (ParseEvictionSpec): "lru",
-// then optionally "+notail" (do not retain partial tails); "default" is kDefaultEvictionSpec.
+// A policy choice as the cache applies it. Spelled as a spec string (ParseEvictionSpec):
+// "lru", then any of "+admit" (admission filter) and "+notail" (do not retain
+// partial tails); "default" is the measured default (kDefaultEvictionSpec).
 struct EvictionOptions {
   EvictionPolicyKind kind = EvictionPolicyKind::kLru;
+  bool admission = false;            // AdmissionFilter in front of the policy
   bool retain_partial_tails = true;  // keep partial tails of finished requests like other leaves
+  // Block hashes the admission filter remembers, in blocks of the pool; 0: 4 per pool block.
+  int64_t history_blocks = 0;
 };
 
-// The default: LRU, partial tails of finished requests not retained (almost none is ever
-// reused on the Mooncake traces).
-inline constexpr std::string_view kDefaultEvictionSpec = "lru+notail";
+// The default chosen from the Mooncake replays (docs/eviction.md): LRU behind the admission
+// filter, partial tails not retained.
+inline constexpr std::string_view kDefaultEvictionSpec = "lru+admit+notail";
 
-// Parses a spec ("lru", "lru+notail", "default"). Errors: INVALID_ARGUMENT naming the
+// Parses a spec ("lru", "lru+admit", "default", ...). Errors: INVALID_ARGUMENT naming the
 // unknown part.
 absl::StatusOr<EvictionOptions> ParseEvictionSpec(std::string_view spec);
 // The canonical spec of `options` (ParseEvictionSpec(EvictionSpecName(o)) gives o back, sizes
@@ -120,7 +124,7 @@ absl::StatusOr<EvictionOptions> ParseEvictionSpec(std::string_view spec);
 std::string EvictionSpecName(const EvictionOptions& options);
 
 // Makes the policy `options` describe for a pool of `num_blocks` blocks.
-// Errors: INVALID_ARGUMENT for num_blocks <= 0.
+// Errors: INVALID_ARGUMENT for num_blocks <= 0 or a negative history size.
 absl::StatusOr<std::unique_ptr<EvictionPolicy>> MakeEvictionPolicy(const EvictionOptions& options,
                                                                    int64_t num_blocks);
 // Checks a spec and makes its policy for a small pool (config validation).

@@ -50,6 +50,7 @@ absl::StatusOr<std::unique_ptr<KvCacheManager>> KvCacheManager::Create(
                                                  .epoch = options.epoch,
                                                  .event_capacity = options.event_capacity,
                                                  .policy = options.eviction_policy,
+                                                 .history_blocks = options.eviction_history_blocks,
                                                  .policy_factory = options.eviction_policy_factory},
                                                 pool.get()));
   }

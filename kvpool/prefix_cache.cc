@@ -76,6 +76,7 @@ absl::StatusOr<std::unique_ptr<PrefixCache>> PrefixCache::Create(const PrefixCac
   }
   absl::StatusOr<EvictionOptions> spec = ParseEvictionSpec(options.policy);
   if (!spec.ok()) return spec.status();
+  spec->history_blocks = options.history_blocks;
   std::unique_ptr<EvictionPolicy> policy;
   if (options.policy_factory) {
     policy = options.policy_factory();

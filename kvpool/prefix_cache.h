@@ -93,6 +93,7 @@ struct PrefixCacheOptions {
   size_t evicted_memory = 65536;  // recently evicted block hashes remembered for Explain()
   // Eviction spec (ParseEvictionSpec): the ordering policy and whether partial tails are kept.
   std::string policy = std::string(kDefaultEvictionSpec);
+  int64_t history_blocks = 0;  // EvictionOptions::history_blocks (0: 4 per pool block)
   // When set, makes the ordering policy instead of the spec (tests inject theirs); the spec
   // still decides partial-tail retention.
   std::function<std::unique_ptr<EvictionPolicy>()> policy_factory;
