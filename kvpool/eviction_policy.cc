@@ -6,6 +6,7 @@
 #include "fmt/format.h"
 #include "kvpool/admission_filter.h"
 #include "kvpool/lru_eviction_policy.h"
+#include "kvpool/reuse_eviction_policy.h"
 
 namespace kvpool {
 
@@ -21,9 +22,11 @@ absl::StatusOr<EvictionOptions> ParseEvictionSpec(std::string_view spec) {
   EvictionOptions options;
   if (parts[0] == "lru") {
     options.kind = EvictionPolicyKind::kLru;
+  } else if (parts[0] == "reuse") {
+    options.kind = EvictionPolicyKind::kReuse;
   } else {
-    return absl::InvalidArgumentError(
-        fmt::format("unknown eviction policy '{}' in '{}' (known: lru, default)", parts[0], spec));
+    return absl::InvalidArgumentError(fmt::format(
+        "unknown eviction policy '{}' in '{}' (known: lru, reuse, default)", parts[0], spec));
   }
   for (size_t i = 1; i < parts.size(); ++i) {
     if (parts[i] == "admit" && !options.admission) {
@@ -45,6 +48,9 @@ std::string EvictionSpecName(const EvictionOptions& options) {
     case EvictionPolicyKind::kLru:
       name = "lru";
       break;
+    case EvictionPolicyKind::kReuse:
+      name = "reuse";
+      break;
   }
   if (options.admission) name += "+admit";
   if (!options.retain_partial_tails) name += "+notail";
@@ -60,11 +66,18 @@ absl::StatusOr<std::unique_ptr<EvictionPolicy>> MakeEvictionPolicy(const Evictio
     return absl::InvalidArgumentError(
         fmt::format("history_blocks must be >= 0 (got {})", options.history_blocks));
   }
+  if (options.reuse_horizon_ns <= 0) {
+    return absl::InvalidArgumentError(
+        fmt::format("reuse_horizon_ns must be > 0 (got {})", options.reuse_horizon_ns));
+  }
   const int64_t history = options.history_blocks > 0 ? options.history_blocks : 4 * num_blocks;
   std::unique_ptr<EvictionPolicy> policy;
   switch (options.kind) {
     case EvictionPolicyKind::kLru:
       policy = std::make_unique<LruEvictionPolicy>();
+      break;
+    case EvictionPolicyKind::kReuse:
+      policy = std::make_unique<ReuseEvictionPolicy>(options.reuse_horizon_ns, history);
       break;
   }
   if (options.admission) policy = std::make_unique<AdmissionFilter>(std::move(policy), history);

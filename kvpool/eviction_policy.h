@@ -98,25 +98,29 @@ class EvictionPolicy {
 
 // The ordering policies.
 enum class EvictionPolicyKind : uint8_t {
-  kLru,  // least recently released leaf first (LruEvictionPolicy)
+  kLru,    // least recently released leaf first (LruEvictionPolicy)
+  kReuse,  // lowest learned reuse probability first (ReuseEvictionPolicy)
 };
 
 // A policy choice as the cache applies it. Spelled as a spec string (ParseEvictionSpec):
-// "lru", then any of "+admit" (admission filter) and "+notail" (do not retain
+// "lru" or "reuse", then any of "+admit" (admission filter) and "+notail" (do not retain
 // partial tails); "default" is the measured default (kDefaultEvictionSpec).
 struct EvictionOptions {
   EvictionPolicyKind kind = EvictionPolicyKind::kLru;
   bool admission = false;            // AdmissionFilter in front of the policy
   bool retain_partial_tails = true;  // keep partial tails of finished requests like other leaves
-  // Block hashes the admission filter remembers, in blocks of the pool; 0: 4 per pool block.
+  // Block hashes remembered by the admission filter and the reuse model's history, in blocks of
+  // the pool; 0: 4 per pool block.
   int64_t history_blocks = 0;
+  // The reuse model's horizon: it estimates P(reused within this long | age, reuse count); ns.
+  int64_t reuse_horizon_ns = 120'000'000'000;
 };
 
 // The default chosen from the Mooncake replays (docs/eviction.md): LRU behind the admission
 // filter, partial tails not retained.
 inline constexpr std::string_view kDefaultEvictionSpec = "lru+admit+notail";
 
-// Parses a spec ("lru", "lru+admit", "default", ...). Errors: INVALID_ARGUMENT naming the
+// Parses a spec ("lru", "reuse+admit", "default", ...). Errors: INVALID_ARGUMENT naming the
 // unknown part.
 absl::StatusOr<EvictionOptions> ParseEvictionSpec(std::string_view spec);
 // The canonical spec of `options` (ParseEvictionSpec(EvictionSpecName(o)) gives o back, sizes
@@ -124,7 +128,7 @@ absl::StatusOr<EvictionOptions> ParseEvictionSpec(std::string_view spec);
 std::string EvictionSpecName(const EvictionOptions& options);
 
 // Makes the policy `options` describe for a pool of `num_blocks` blocks.
-// Errors: INVALID_ARGUMENT for num_blocks <= 0 or a negative history size.
+// Errors: INVALID_ARGUMENT for num_blocks <= 0, a negative history size or a horizon <= 0.
 absl::StatusOr<std::unique_ptr<EvictionPolicy>> MakeEvictionPolicy(const EvictionOptions& options,
                                                                    int64_t num_blocks);
 // Checks a spec and makes its policy for a small pool (config validation).

@@ -77,7 +77,7 @@ struct KvCacheOptions {
   const Clock* clock = Clock::Real();  // not owned; outlives the manager
   const FenceObserver* fences = nullptr;  // not owned; see BlockPoolOptions
   bool prefix_cache = true;               // share prefixes; off: Commit only records tokens
-  // Eviction spec (ParseEvictionSpec): "lru", "+admit", "+notail", "default".
+  // Eviction spec (ParseEvictionSpec): "lru", "reuse", "+admit", "+notail", "default".
   std::string eviction_policy = std::string(kDefaultEvictionSpec);
   int64_t eviction_history_blocks = 0;  // hashes the policies remember; 0: 4 per pool block
   // When set, makes the eviction ordering policy instead of the spec (tests inject theirs).
