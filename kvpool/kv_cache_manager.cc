@@ -39,6 +39,12 @@ absl::StatusOr<std::unique_ptr<KvCacheManager>> KvCacheManager::Create(
         fmt::format("max_blocks_per_seq must be > 0 (got {})", options.max_blocks_per_seq));
   }
   if (options.clock == nullptr) return absl::InvalidArgumentError("clock must not be null");
+  if (options.max_pins < 0 || options.max_pin_ttl_ns <= 0 || options.max_pinned_blocks < 0) {
+    return absl::InvalidArgumentError(
+        fmt::format("pin limits must be max_pins >= 0, max_pin_ttl_ns > 0, max_pinned_blocks >= "
+                    "0 (got {}, {}, {})",
+                    options.max_pins, options.max_pin_ttl_ns, options.max_pinned_blocks));
+  }
   KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<BlockPool> pool,
                           BlockPool::Create(BlockPoolOptions{.num_blocks = options.num_blocks,
                                                              .trace_depth = options.trace_depth,
@@ -65,11 +71,16 @@ KvCacheManager::KvCacheManager(const KvCacheOptions& options, std::unique_ptr<Bl
       clock_(options.clock),
       pool_(std::move(pool)),
       cache_(std::move(cache)),
-      ns_quota_{kUnlimited} {}
+      ns_quota_{kUnlimited},
+      max_pins_(options.max_pins),
+      max_pin_ttl_ns_(options.max_pin_ttl_ns),
+      max_pinned_blocks_(options.max_pinned_blocks > 0 ? options.max_pinned_blocks
+                                                       : options.num_blocks / 2) {}
 
 TraceContext KvCacheManager::BeginCall(SessionId session, SequenceId sequence) {
   const TraceContext ctx = Context(session, sequence);
   if (cache_) cache_->SetTime(ctx.time_ns);
+  if (!pins_.empty()) ExpirePinsAt(ctx.time_ns);
   return ctx;
 }
 
@@ -173,7 +184,8 @@ absl::Status KvCacheManager::CheckCapacity(std::span<const std::pair<NamespaceId
       continue;
     }
     const int64_t quota = slot->value() < ns_quota_.size() ? ns_quota_[slot->value()] : kUnlimited;
-    const int64_t used = pool_->active_blocks(*slot);
+    // Blocks only pins hold count too (a pin's blocks cannot be evicted to make room).
+    const int64_t used = pool_->active_blocks(*slot) + (cache_ ? cache_->pin_held(ns) : 0);
     if (n > 0 && quota != kUnlimited && used + n > quota) {
       return ResourceExhausted(Resource::kNamespaceQuota, used + n - quota,
                                fmt::format("{} in namespace {} ({} of {} blocks in use)", what,
@@ -245,7 +257,7 @@ TableChange KvCacheManager::ApplyGrow(const GrowPlan& plan, const TraceContext& 
 
 void KvCacheManager::RevertGrow(SessionId caller, std::span<const TableChange> changes) {
   const TraceContext ctx = Context(caller, SequenceId(0));
-  if (cache_) cache_->SetTime(ctx.time_ns);
+  if (cache_) cache_->SetTime(ctx.time_ns);  // no pin expiry: the grow's state must stay as it was
   for (auto it = changes.rbegin(); it != changes.rend(); ++it) {
     Sequence& seq = sequences_.at(it->sequence);
     KVPOOL_CHECK(seq.session == caller);
@@ -328,7 +340,8 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
     keep.insert(keep.end(), p.match.full.begin(), p.match.full.end());
     int64_t charged = 0;  // physical blocks this request adds to the namespace's ACTIVE ones
     for (BlockId block : matched) {
-      if (pool_->state(block) == BlockState::kCached &&
+      // A CACHED block becomes ACTIVE: charged, unless a pin held (and charged) it already.
+      if (pool_->state(block) == BlockState::kCached && !cache_->pin_held(block) &&
           std::find(adopted.begin(), adopted.end(), block) == adopted.end()) {
         adopted.push_back(block);
         ++charged;
@@ -624,6 +637,12 @@ int64_t KvCacheManager::FreeSession(SessionId session) {
   }
   std::sort(owned.begin(), owned.end());  // deterministic release order
   for (SequenceId id : owned) KVPOOL_CHECK_OK(Free(session, id));
+  std::vector<PinId> pins;
+  for (const auto& [id, pin] : pins_) {
+    if (pin.info.session == session) pins.push_back(id);
+  }
+  std::sort(pins.begin(), pins.end());
+  for (PinId id : pins) ReleasePin(id);
   sessions_.erase(session);
   return static_cast<int64_t>(owned.size());
 }

@@ -117,6 +117,7 @@ NodeIndex PrefixCache::NewNode() {
   block_.push_back(kInvalidBlock);
   coverage_.push_back(0);
   lock_.push_back(0);
+  pins_.push_back(0);
   priority_.push_back(0);
   depth_.push_back(0);
   hits_.push_back(0);
@@ -124,6 +125,7 @@ NodeIndex PrefixCache::NewNode() {
   release_seq_.push_back(0);
   evictable_.push_back(0);
   retain_.push_back(0);
+  pin_charged_.push_back(0);
   tail_prev_.push_back(kNoNode);
   tail_next_.push_back(kNoNode);
   in_tails_.push_back(0);
@@ -312,6 +314,7 @@ void PrefixCache::UpdateEvictable(NodeIndex node) {
     }
     UpdateCandidate(node);
   }
+  UpdatePinCharge(node);
 }
 
 void PrefixCache::OnBlockRefsChanged(BlockId block) {

@@ -13,7 +13,7 @@
 //    a rewind endpoint stays reusable whichever of the two was created first;
 //  - events announce full blocks only.
 //
-// Eviction (docs/eviction.md): a node is evictable when it holds a block, no sequence
+// Eviction (docs/eviction.md): a node is evictable when it holds a block, no sequence or pin
 // locks it and no sequence holds its block (the block is CACHED). Only evictable leaves are
 // candidates: the cache keeps the EvictionPolicy's candidate set equal to them, so whatever order
 // a policy chooses, a node with cached descendants is never a victim. Partial tails of finished
@@ -23,6 +23,10 @@
 // victims turn into leaves. Each planned eviction costs O(log n) in the candidates, whatever the
 // tree's size. The tree owns exactly one pool reference per cached block and an eviction
 // returns exactly that one.
+//
+// Pins (KvCacheManager::PinPrefix): a pinned node is locked, so it is never evicted; while its
+// block is CACHED it counts as pin-held for its namespace's quota. Pin() raises the pinned
+// nodes' priority class for good.
 //
 // Thread-compatible; owned by the KvCacheManager, which serializes calls. The cache calls into
 // the BlockPool (AddCacheRef/DropCacheRef) and must be told, through OnBlockRefsChanged(), when
@@ -104,6 +108,7 @@ struct PrefixCacheStats {
   int64_t full_nodes = 0;      // of which full
   int64_t evictable = 0;       // nodes that could be evicted now (leaves or not)
   int64_t candidates = 0;      // of which leaves (the policy's candidates plus first-out tails)
+  int64_t pinned = 0;          // nodes held by at least one pin
   int64_t namespaces = 0;      // namespaces with a tree
   uint64_t inserted = 0;       // nodes created
   uint64_t widened = 0;        // partial nodes widened in place as their sequence published more
@@ -162,9 +167,29 @@ class PrefixCache final {
   void Evict(std::span<const NodeIndex> victims, const TraceContext& ctx);
   // Evicts up to `blocks` evictable nodes (an operator's request). Returns how many.
   int64_t EvictUpTo(int64_t blocks, const TraceContext& ctx);
-  // Drops every node. Errors: FAILED_PRECONDITION while any node is locked or in use (nothing
-  // evicted).
+  // Drops every node. Errors: FAILED_PRECONDITION while any node is locked (by a sequence or a
+  // pin) or in use (nothing evicted).
   absl::Status Clear(const TraceContext& ctx);
+
+  // Pins `nodes` (locks each once more) and raises their class to at least `priority`.
+  // REQUIRES: nodes hold blocks and form a path from a root (parents first), each listed once;
+  // 0 <= priority < kNumPriorities.
+  void Pin(std::span<const NodeIndex> nodes, int priority);
+  // Undoes one Pin() of `nodes`. REQUIRES: each is pinned.
+  void Unpin(std::span<const NodeIndex> nodes);
+  // Of `nodes` (distinct), how many a new pin would add to their namespace's pin-held blocks
+  // (CACHED, not pinned yet), and how many are not pinned yet.
+  int64_t PinCharge(std::span<const NodeIndex> nodes) const;
+  int64_t NewlyPinned(std::span<const NodeIndex> nodes) const;
+  // Blocks of `ns` that only pins hold (CACHED and pinned): they count against its quota.
+  int64_t pin_held(NamespaceId ns) const;
+  // Whether `block` is one of those.
+  bool pin_held(BlockId block) const {
+    const NodeIndex node = node_of_block_[static_cast<size_t>(block.value())];
+    return node != kNoNode && pin_charged_[node] != 0;
+  }
+  int64_t pinned_nodes() const { return pinned_nodes_; }
+  uint32_t pins(NodeIndex node) const { return pins_[node]; }
 
   // How many leading tokens of `block` the tree has published (0 when it holds no node for it).
   // Those tokens are immutable: a write below it must go to a copy.
@@ -193,10 +218,12 @@ class PrefixCache final {
   PrefixCacheStats stats() const;
   // Tree shape, hash chains, coverage, the child index, one cache reference per node, that the
   // policy (plus the first-out tails) holds exactly the evictable leaves and that its own books
-  // balance. `expected_locks` (node -> locks), when given, must equal every node's lock count.
-  // Returns INTERNAL naming the first violation.
+  // balance, and the pin counts behind pin_held(). `expected_locks` and `expected_pins`
+  // (node -> count), when given, must equal every node's lock and pin counts. Returns INTERNAL
+  // naming the first violation.
   absl::Status CheckInvariants(
-      const absl::flat_hash_map<NodeIndex, uint32_t>* expected_locks = nullptr) const;
+      const absl::flat_hash_map<NodeIndex, uint32_t>* expected_locks = nullptr,
+      const absl::flat_hash_map<NodeIndex, uint32_t>* expected_pins = nullptr) const;
   // Every node and the event position in canonical text form (fail-clean tests compare it).
   std::string DebugString() const;
 
@@ -253,6 +280,7 @@ class PrefixCache final {
   }
   void TailPush(NodeIndex node);
   void TailRemove(NodeIndex node);
+  void UpdatePinCharge(NodeIndex node);
   NodeFacts Facts(NodeIndex node) const {
     return NodeFacts{.hash = hash_[node],
                      .depth = depth_[node],
@@ -261,7 +289,8 @@ class PrefixCache final {
                      .released_ns = released_ns_[node],
                      .release_seq = release_seq_[node]};
   }
-  absl::Status CheckNode(NodeIndex node) const;
+  absl::Status CheckNode(NodeIndex node, const absl::flat_hash_map<NodeIndex, uint32_t>* pins,
+                         absl::flat_hash_map<NamespaceId, int64_t>* pin_held) const;
   void Announce(NodeIndex first, NodeIndex last);  // BlockStored for the chain first..last
   void FlushRemoved();
 
@@ -282,7 +311,8 @@ class PrefixCache final {
   std::vector<int32_t> num_children_;
   std::vector<BlockId> block_;     // kInvalidBlock for roots and free slots
   std::vector<int32_t> coverage_;  // tokens of the block published (0 for roots)
-  std::vector<uint32_t> lock_;     // sequences following the node
+  std::vector<uint32_t> lock_;     // sequences and pins following the node
+  std::vector<uint32_t> pins_;     // of which pins
   std::vector<int8_t> priority_;
   std::vector<int32_t> depth_;         // blocks from the root (roots: 0)
   std::vector<uint32_t> hits_;         // adoptions since insert
@@ -290,6 +320,7 @@ class PrefixCache final {
   std::vector<uint64_t> release_seq_;  // release_counter_ at that moment
   std::vector<uint8_t> evictable_;     // ShouldBeEvictable() as last evaluated
   std::vector<uint8_t> retain_;        // a partial node someone asked to retain
+  std::vector<uint8_t> pin_charged_;   // counted in pin_held_
   std::vector<NodeIndex> tail_prev_;   // first-out tails: a FIFO threaded through the nodes
   std::vector<NodeIndex> tail_next_;
   std::vector<uint8_t> in_tails_;
@@ -314,10 +345,12 @@ class PrefixCache final {
   NodeIndex tails_head_ = kNoNode;
   NodeIndex tails_tail_ = kNoNode;
   int64_t num_tails_ = 0;
+  absl::flat_hash_map<NamespaceId, int64_t> pin_held_;  // CACHED pinned blocks by namespace
 
   int64_t num_nodes_ = 0;
   int64_t num_full_ = 0;
   int64_t num_evictable_ = 0;
+  int64_t pinned_nodes_ = 0;
   PrefixCacheStats counters_;
 };
 

@@ -15,12 +15,15 @@ PrefixCacheStats PrefixCache::stats() const {
   s.full_nodes = num_full_;
   s.evictable = num_evictable_;
   s.candidates = policy_->size() + num_tails_;
+  s.pinned = pinned_nodes_;
   s.namespaces = static_cast<int64_t>(roots_.size());
   return s;
 }
 
-// One cached (non-root) node: shape, coverage, hash chain and candidacy.
-absl::Status PrefixCache::CheckNode(NodeIndex node) const {
+// One cached (non-root) node: shape, coverage, hash chain, candidacy and pins.
+absl::Status PrefixCache::CheckNode(NodeIndex node,
+                                    const absl::flat_hash_map<NodeIndex, uint32_t>* pins,
+                                    absl::flat_hash_map<NamespaceId, int64_t>* pin_held) const {
   const NodeIndex parent = parent_[node];
   const BlockId block = block_[node];
   if (parent == kNoNode || (block_[parent] == kInvalidBlock && Root(ns_[node]) != parent)) {
@@ -63,18 +66,32 @@ absl::Status PrefixCache::CheckNode(NodeIndex node) const {
   if (candidate && tail != IsFirstOutTail(node)) {
     return InvariantViolation("node {} is in the wrong candidate list", node);
   }
+  if (pins != nullptr) {
+    auto it = pins->find(node);
+    const uint32_t want = it == pins->end() ? 0 : it->second;
+    if (pins_[node] != want)
+      return InvariantViolation("node {} has {} pins, {} expected", node, pins_[node], want);
+  }
+  if (pins_[node] > lock_[node])
+    return InvariantViolation("node {} has more pins than locks", node);
+  const bool charged = pins_[node] > 0 && pool_->state(block) == BlockState::kCached;
+  if (charged != (pin_charged_[node] != 0))
+    return InvariantViolation("node {} pin charge is stale", node);
+  if (charged) ++(*pin_held)[ns_[node]];
   return absl::OkStatus();
 }
 
 absl::Status PrefixCache::CheckInvariants(
-    const absl::flat_hash_map<NodeIndex, uint32_t>* expected_locks) const {
-  int64_t nodes = 0, full = 0, evictable = 0;
+    const absl::flat_hash_map<NodeIndex, uint32_t>* expected_locks,
+    const absl::flat_hash_map<NodeIndex, uint32_t>* expected_pins) const {
+  int64_t nodes = 0, full = 0, evictable = 0, pinned = 0;
+  absl::flat_hash_map<NamespaceId, int64_t> pin_held;
   for (NodeIndex node = 0; node < static_cast<NodeIndex>(parent_.size()); ++node) {
     const bool root = block_[node] == kInvalidBlock && parent_[node] == kNoNode &&
                       Root(ns_[node]) == node && ns_[node] != kNoNamespace;
     if (block_[node] == kInvalidBlock && !root) {  // free slot
-      if (in_tails_[node] != 0 || policy_->Contains(node)) {
-        return InvariantViolation("free node slot {} is still a candidate", node);
+      if (in_tails_[node] != 0 || policy_->Contains(node) || pins_[node] != 0) {
+        return InvariantViolation("free node slot {} is still a candidate or pinned", node);
       }
       continue;
     }
@@ -96,7 +113,8 @@ absl::Status PrefixCache::CheckInvariants(
     ++nodes;
     full += coverage_[node] == block_size_ ? 1 : 0;
     evictable += ShouldBeEvictable(node) ? 1 : 0;
-    if (absl::Status s = CheckNode(node); !s.ok()) return s;
+    pinned += pins_[node] > 0 ? 1 : 0;
+    if (absl::Status s = CheckNode(node, expected_pins, &pin_held); !s.ok()) return s;
   }
   for (size_t b = 0; b < node_of_block_.size(); ++b) {
     if (pool_->cache_held(BlockId(static_cast<int32_t>(b))) != (node_of_block_[b] != kNoNode)) {
@@ -107,6 +125,9 @@ absl::Status PrefixCache::CheckInvariants(
   if (evictable != num_evictable_) {
     return InvariantViolation("{} nodes evictable, {} counted", evictable, num_evictable_);
   }
+  if (pinned != pinned_nodes_)
+    return InvariantViolation("{} nodes pinned, {} counted", pinned, pinned_nodes_);
+  if (pin_held != pin_held_) return InvariantViolation("pin-held blocks per namespace are stale");
   int64_t tails = 0;
   for (NodeIndex n = tails_head_; n != kNoNode; n = tail_next_[n]) {
     if (in_tails_[n] == 0 || ++tails > num_tails_)
@@ -120,16 +141,17 @@ absl::Status PrefixCache::CheckInvariants(
 }
 
 std::string PrefixCache::DebugString() const {
-  std::string out =
-      fmt::format("cache nodes={} full={} evictable={} candidates={} next_event={}\n", num_nodes_,
-                  num_full_, num_evictable_, policy_->size() + num_tails_, events_.next_seq());
+  std::string out = fmt::format(
+      "cache nodes={} full={} evictable={} candidates={} pinned={} next_event={}\n", num_nodes_,
+      num_full_, num_evictable_, policy_->size() + num_tails_, pinned_nodes_, events_.next_seq());
   auto it = std::back_inserter(out);
   for (NodeIndex node = 0; node < static_cast<NodeIndex>(parent_.size()); ++node) {
     if (block_[node] == kInvalidBlock) continue;
     fmt::format_to(it,
-                   "n{} parent={} block={} cov={} lock={} prio={} hits={} candidate={} tokens={}\n",
+                   "n{} parent={} block={} cov={} lock={} pins={} prio={} hits={} candidate={} "
+                   "tokens={}\n",
                    node, parent_[node], block_[node].value(), coverage_[node], lock_[node],
-                   priority_[node], hits_[node],
+                   pins_[node], priority_[node], hits_[node],
                    in_tails_[node] != 0      ? "tail"
                    : policy_->Contains(node) ? "policy"
                                              : "no",

@@ -1,4 +1,4 @@
-// PrefixCache: eviction candidates, eviction plans, node removal (lookup and locking
+// PrefixCache: eviction candidates, eviction plans, node removal and pins (lookup and locking
 // live in prefix_cache.cc, publishing in prefix_cache_update.cc).
 
 #include <algorithm>
@@ -179,8 +179,9 @@ int64_t PrefixCache::EvictUpTo(int64_t blocks, const TraceContext& ctx) {
 
 absl::Status PrefixCache::Clear(const TraceContext& ctx) {
   if (num_evictable_ != num_nodes_) {
-    return absl::FailedPreconditionError(fmt::format(
-        "{} of {} cached blocks are in use by sequences", num_nodes_ - num_evictable_, num_nodes_));
+    return absl::FailedPreconditionError(
+        fmt::format("{} of {} cached blocks are in use by sequences or pins",
+                    num_nodes_ - num_evictable_, num_nodes_));
   }
   // Every node is evictable, so one plan takes them all, leaves before their parents.
   while (num_nodes_ > 0) {
@@ -192,6 +193,57 @@ absl::Status PrefixCache::Clear(const TraceContext& ctx) {
   pending_removed_.clear();  // announced as one AllBlocksCleared instead
   events_.Append(KvEvent{.type = KvEventType::kAllBlocksCleared, .block_size = block_size_});
   return absl::OkStatus();
+}
+
+void PrefixCache::UpdatePinCharge(NodeIndex node) {
+  const bool want = pins_[node] > 0 && block_[node] != kInvalidBlock &&
+                    pool_->state(block_[node]) == BlockState::kCached;
+  if (want == (pin_charged_[node] != 0)) return;
+  pin_charged_[node] = want ? 1 : 0;
+  auto it = pin_held_.try_emplace(ns_[node], 0).first;
+  it->second += want ? 1 : -1;
+  if (it->second == 0) pin_held_.erase(it);
+}
+
+void PrefixCache::Pin(std::span<const NodeIndex> nodes, int priority) {
+  KVPOOL_CHECK(priority >= 0 && priority < kNumPriorities);
+  for (NodeIndex node : nodes) {
+    KVPOOL_CHECK(block_[node] != kInvalidBlock);
+    Lock(node);  // first: a locked node is no candidate, so its class may change
+    if (pins_[node]++ == 0) ++pinned_nodes_;
+    priority_[node] = static_cast<int8_t>(std::max<int>(priority_[node], priority));
+    UpdatePinCharge(node);
+  }
+}
+
+void PrefixCache::Unpin(std::span<const NodeIndex> nodes) {
+  // Deepest first, as sequences release: a node is released after its descendants.
+  for (auto it = nodes.rbegin(); it != nodes.rend(); ++it) {
+    const NodeIndex node = *it;
+    KVPOOL_CHECK_MSG(pins_[node] > 0, "unpin of a prefix-cache node that is not pinned");
+    if (--pins_[node] == 0) --pinned_nodes_;
+    UpdatePinCharge(node);
+    Unlock(node);
+  }
+}
+
+int64_t PrefixCache::PinCharge(std::span<const NodeIndex> nodes) const {
+  int64_t n = 0;
+  for (NodeIndex node : nodes) {
+    n += pins_[node] == 0 && pool_->state(block_[node]) == BlockState::kCached ? 1 : 0;
+  }
+  return n;
+}
+
+int64_t PrefixCache::NewlyPinned(std::span<const NodeIndex> nodes) const {
+  int64_t n = 0;
+  for (NodeIndex node : nodes) n += pins_[node] == 0 ? 1 : 0;
+  return n;
+}
+
+int64_t PrefixCache::pin_held(NamespaceId ns) const {
+  auto it = pin_held_.find(ns);
+  return it == pin_held_.end() ? 0 : it->second;
 }
 
 }  // namespace kvpool
