@@ -56,7 +56,8 @@ class ReuseModel final {
   void RecordReuse(int cls, int64_t gap_ns, int64_t now_ns);
   // A block of class `cls` was watched for `age_ns` without being used again, then forgotten.
   void RecordCensored(int cls, int64_t age_ns, int64_t now_ns);
-  // P(used again within the horizon | class, age), non-increasing in age. O(1).
+  // P(used again within the horizon | class, age), non-increasing in age, as of the last rebuild
+  // (every kRebuildEvents recorded events). O(1).
   double Estimate(int cls, int64_t age_ns) const { return table_[cls][BucketOf(age_ns)]; }
 
   uint64_t reuses() const { return reuses_; }
@@ -102,6 +103,7 @@ class ReuseEvictionPolicy final : public EvictionPolicy {
   std::string DebugString() const override;
 
   const ReuseModel& model() const { return model_; }
+  ReuseModel* mutable_model() { return &model_; }  // tests teach it directly
   // How often the content of `node` was used before its latest use (its class's count).
   uint32_t reuse_count(NodeIndex node) const { return count_[static_cast<size_t>(node)]; }
 
