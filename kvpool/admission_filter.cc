@@ -1,5 +1,6 @@
 #include "kvpool/admission_filter.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "fmt/format.h"
@@ -65,6 +66,7 @@ void AdmissionFilter::Add(NodeIndex node, const NodeFacts& facts) {
   const uint64_t key = (static_cast<uint64_t>(facts.priority) << kOrderBits) | facts.release_seq;
   probation_key_[node] = key;
   probation_.emplace(key, node);
+  added_below_ = std::max(added_below_, node + 1);
 }
 
 void AdmissionFilter::Remove(NodeIndex node) {
@@ -111,7 +113,7 @@ void AdmissionFilter::Visit(int64_t now_ns,
 
 absl::Status AdmissionFilter::CheckInvariants() const {
   size_t held = 0;
-  for (NodeIndex node = 0; node < static_cast<NodeIndex>(probation_key_.size()); ++node) {
+  for (NodeIndex node = 0; node < added_below_; ++node) {  // every node ever added
     if (probation_key_[node] == kAbsent) continue;
     ++held;
     if (admitted_[node] != 0 || inner_->Contains(node)) {

@@ -76,6 +76,7 @@ class AdmissionFilter final : public EvictionPolicy {
   absl::btree_set<std::pair<uint64_t, NodeIndex>> probation_;  // (priority, release order)
   uint64_t admitted_inserts_ = 0;  // inserts whose hash the ghost set held
   uint64_t probation_inserts_ = 0;
+  NodeIndex added_below_ = 0;  // 1 + the highest node ever added (bounds CheckInvariants)
 };
 
 }  // namespace kvpool

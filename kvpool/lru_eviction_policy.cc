@@ -1,5 +1,7 @@
 #include "kvpool/lru_eviction_policy.h"
 
+#include <algorithm>
+
 #include "fmt/format.h"
 #include "kvpool/util/check.h"
 #include "kvpool/util/errors.h"
@@ -17,6 +19,7 @@ void LruEvictionPolicy::Add(NodeIndex node, const NodeFacts& facts) {
   const uint64_t key = Key(facts.priority, facts.release_seq);
   key_[node] = key;
   order_.emplace(key, node);
+  added_below_ = std::max(added_below_, node + 1);
 }
 
 void LruEvictionPolicy::Remove(NodeIndex node) {
@@ -41,7 +44,7 @@ void LruEvictionPolicy::Visit(int64_t,
 
 absl::Status LruEvictionPolicy::CheckInvariants() const {
   size_t held = 0;
-  for (NodeIndex node = 0; node < static_cast<NodeIndex>(key_.size()); ++node) {
+  for (NodeIndex node = 0; node < added_below_; ++node) {  // every node ever added
     if (key_[node] == kAbsent) continue;
     ++held;
     if (!order_.contains({key_[node], node})) {

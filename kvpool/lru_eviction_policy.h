@@ -48,6 +48,7 @@ class LruEvictionPolicy final : public EvictionPolicy {
 
   absl::btree_set<std::pair<uint64_t, NodeIndex>> order_;
   std::vector<uint64_t> key_;  // by node: its key in order_, kAbsent when not a candidate
+  NodeIndex added_below_ = 0;  // 1 + the highest node ever added (bounds CheckInvariants)
 };
 
 }  // namespace kvpool

@@ -171,6 +171,7 @@ void ReuseEvictionPolicy::Add(NodeIndex node, const NodeFacts& facts) {
   order_[node] = facts.release_seq;
   set_of_[node] = static_cast<int8_t>(set);
   sets_[set].emplace(facts.release_seq, node);
+  added_below_ = std::max(added_below_, node + 1);
   ++size_;
 }
 
@@ -219,7 +220,7 @@ void ReuseEvictionPolicy::Visit(
 
 absl::Status ReuseEvictionPolicy::CheckInvariants() const {
   int64_t held = 0;
-  for (NodeIndex node = 0; node < static_cast<NodeIndex>(set_of_.size()); ++node) {
+  for (NodeIndex node = 0; node < added_below_; ++node) {  // every node ever added
     if (set_of_[node] < 0) continue;
     ++held;
     if (!sets_[set_of_[node]].contains({order_[node], node})) {

@@ -127,6 +127,7 @@ class ReuseEvictionPolicy final : public EvictionPolicy {
   std::vector<uint64_t> order_;          // by node: its key in its set
   std::vector<int8_t> set_of_;           // by node: which set holds it, -1: none
   int64_t size_ = 0;
+  NodeIndex added_below_ = 0;  // 1 + the highest node ever added (bounds CheckInvariants)
 };
 
 }  // namespace kvpool
