@@ -1,9 +1,11 @@
 #include "tools/replay.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <limits>
 #include <memory>
+#include <thread>
 
 #include "fmt/format.h"
 #include "kvpool/kv_cache_manager.h"
@@ -101,10 +103,16 @@ absl::StatusOr<std::vector<ReplayResult>> ReplayAll(const std::vector<TraceReque
     KVPOOL_ASSIGN_OR_RETURN(Run run, MakeRun(options, all_blocks, longest, &clock));
     runs.push_back(std::move(run));
   }
+  uint64_t served = 0;
   for (const TraceRequest& request : trace) {
     clock.Set(request.timestamp_ms * 1'000'000);  // trace time; never ahead of the request
     const std::vector<int32_t> tokens = ExpandTokens(request);
-    for (Run& run : runs) KVPOOL_RETURN_IF_ERROR(Serve(request, tokens, &run));
+    // Rotate which configuration goes first (right after the expansion, with the tokens hot in
+    // cache), so that requests/s compares policies, not positions.
+    const size_t first = static_cast<size_t>(runs.empty() ? 0 : served++ % runs.size());
+    for (size_t k = 0; k < runs.size(); ++k) {
+      KVPOOL_RETURN_IF_ERROR(Serve(request, tokens, &runs[(first + k) % runs.size()]));
+    }
     if (progress && !runs.empty() && runs[0].result.requests % 500 == 0) {
       progress(runs[0].result, static_cast<int64_t>(trace.size()));
     }
@@ -129,23 +137,39 @@ absl::StatusOr<ReplayResult> Replay(const std::vector<TraceRequest>& trace,
 absl::StatusOr<std::vector<SweepRow>> Sweep(const std::vector<TraceRequest>& trace,
                                             std::string_view name,
                                             std::span<const int64_t> capacities,
-                                            std::span<const std::string_view> policies) {
-  std::vector<SweepRow> rows;
+                                            std::span<const std::string_view> policies,
+                                            int threads) {
+  // One pass per capacity; passes share nothing but the (read-only) trace.
+  std::vector<std::vector<ReplayOptions>> passes;
   for (int64_t capacity : capacities) {
-    std::vector<ReplayOptions> configs;
+    std::vector<ReplayOptions>& configs = passes.emplace_back();
     configs.push_back({.capacity_blocks = capacity, .policy = "lru"});
     for (std::string_view policy : policies) {
       if (policy != "lru") {
         configs.push_back({.capacity_blocks = capacity, .policy = std::string(policy)});
       }
     }
-    KVPOOL_ASSIGN_OR_RETURN(std::vector<ReplayResult> results, ReplayAll(trace, configs));
-    const double lru = results[0].hit_rate();
-    for (size_t i = 0; i < configs.size(); ++i) {
+  }
+  std::vector<absl::StatusOr<std::vector<ReplayResult>>> results(passes.size());
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i = next++; i < passes.size(); i = next++) results[i] = ReplayAll(trace, passes[i]);
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads && static_cast<size_t>(t) < passes.size(); ++t) {
+    pool.emplace_back(work);
+  }
+  work();
+  for (std::thread& t : pool) t.join();
+  std::vector<SweepRow> rows;
+  for (size_t i = 0; i < passes.size(); ++i) {
+    if (!results[i].ok()) return results[i].status();
+    const double lru = (*results[i])[0].hit_rate();
+    for (size_t k = 0; k < passes[i].size(); ++k) {
       rows.push_back(SweepRow{.trace = std::string(name),
-                              .capacity_blocks = capacity,
-                              .policy = configs[i].policy,
-                              .result = std::move(results[i]),
+                              .capacity_blocks = passes[i][k].capacity_blocks,
+                              .policy = passes[i][k].policy,
+                              .result = std::move((*results[i])[k]),
                               .lru_hit_rate = lru});
     }
   }

@@ -81,11 +81,13 @@ struct SweepRow {
 };
 
 // Runs the sweep over `trace` (named `name`) at `capacities` for `policies`, one ReplayAll pass
-// per capacity (bounding memory to one capacity's caches). "lru" is always run for the ratio.
+// per capacity (bounding memory to one capacity's caches), up to `threads` passes at a time.
+// "lru" is always run for the ratio. Rows by capacity, then policy ("lru" first).
 // Errors: as ReplayAll.
 absl::StatusOr<std::vector<SweepRow>> Sweep(const std::vector<TraceRequest>& trace,
                                             std::string_view name,
                                             std::span<const int64_t> capacities,
-                                            std::span<const std::string_view> policies);
+                                            std::span<const std::string_view> policies,
+                                            int threads = 1);
 
 }  // namespace kvpool::tools

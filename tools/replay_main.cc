@@ -30,6 +30,7 @@ ABSL_FLAG(bool, sweep, false,
           "replay both traces of --traces_dir at 1k/2k/5k/10k blocks with every policy and "
           "print the table");
 ABSL_FLAG(std::string, traces_dir, "../shared/traces/mooncake", "where --sweep finds the traces");
+ABSL_FLAG(int32_t, threads, 1, "--sweep: replay this many capacities at a time");
 
 namespace {
 
