@@ -117,18 +117,10 @@ NodeIndex PrefixCache::NewNode() {
   block_.push_back(kInvalidBlock);
   coverage_.push_back(0);
   lock_.push_back(0);
-  pins_.push_back(0);
   priority_.push_back(0);
-  depth_.push_back(0);
-  hits_.push_back(0);
-  released_ns_.push_back(0);
-  release_seq_.push_back(0);
-  evictable_.push_back(0);
-  retain_.push_back(0);
-  pin_charged_.push_back(0);
   tail_prev_.push_back(kNoNode);
   tail_next_.push_back(kNoNode);
-  in_tails_.push_back(0);
+  state_.emplace_back();
   ns_.push_back(kNoNamespace);
   hash_.push_back(BlockHash{});
   token_hash_.push_back(0);
@@ -264,7 +256,7 @@ void PrefixCache::Lock(NodeIndex node) {
 
 void PrefixCache::LockHit(NodeIndex node) {
   Lock(node);  // first: the policy hears of hits on nodes that are not candidates
-  ++hits_[node];
+  ++state_[node].hits;
   ++counters_.hits;
   policy_->OnHit(node, Facts(node), now_ns_);
 }
@@ -305,12 +297,12 @@ bool PrefixCache::ShouldBeEvictable(NodeIndex node) const {
 
 void PrefixCache::UpdateEvictable(NodeIndex node) {
   const bool want = ShouldBeEvictable(node);
-  if (want != (evictable_[node] != 0)) {
-    evictable_[node] = want ? 1 : 0;
+  if (want != (state_[node].evictable != 0)) {
+    state_[node].evictable = want ? 1 : 0;
     num_evictable_ += want ? 1 : -1;
     if (want) {  // released: the moment LRU and the reuse model age it from
-      released_ns_[node] = now_ns_;
-      release_seq_[node] = ++release_counter_;
+      state_[node].released_ns = now_ns_;
+      state_[node].release_seq = ++release_counter_;
     }
     UpdateCandidate(node);
   }

@@ -43,7 +43,7 @@ absl::Status PrefixCache::CheckNode(NodeIndex node,
   if (block_[parent] != kInvalidBlock && priority_[node] > priority_[parent]) {
     return InvariantViolation("node {} outranks its parent", node);
   }
-  if (depth_[node] != depth_[parent] + 1)
+  if (state_[node].depth != state_[parent].depth + 1)
     return InvariantViolation("node {} has a stale depth", node);
   if (coverage_[node] == block_size_) {
     if (hash_[node] != PrefixChainHash(hash_[parent], ns_[node], Tokens(node))) {
@@ -53,10 +53,10 @@ absl::Status PrefixCache::CheckNode(NodeIndex node,
       return InvariantViolation("node {} is not indexed", node);
   }
   const bool evictable = ShouldBeEvictable(node);
-  if (evictable != (evictable_[node] != 0))
+  if (evictable != (state_[node].evictable != 0))
     return InvariantViolation("node {} evictability is stale", node);
   const bool candidate = evictable && num_children_[node] == 0;
-  const bool tail = in_tails_[node] != 0;
+  const bool tail = state_[node].in_tails != 0;
   if (tail && policy_->Contains(node))
     return InvariantViolation("node {} is a tail and in the policy", node);
   if (candidate != (tail || policy_->Contains(node))) {
@@ -69,13 +69,13 @@ absl::Status PrefixCache::CheckNode(NodeIndex node,
   if (pins != nullptr) {
     auto it = pins->find(node);
     const uint32_t want = it == pins->end() ? 0 : it->second;
-    if (pins_[node] != want)
-      return InvariantViolation("node {} has {} pins, {} expected", node, pins_[node], want);
+    if (state_[node].pins != want)
+      return InvariantViolation("node {} has {} pins, {} expected", node, state_[node].pins, want);
   }
-  if (pins_[node] > lock_[node])
+  if (state_[node].pins > lock_[node])
     return InvariantViolation("node {} has more pins than locks", node);
-  const bool charged = pins_[node] > 0 && pool_->state(block) == BlockState::kCached;
-  if (charged != (pin_charged_[node] != 0))
+  const bool charged = state_[node].pins > 0 && pool_->state(block) == BlockState::kCached;
+  if (charged != (state_[node].pin_charged != 0))
     return InvariantViolation("node {} pin charge is stale", node);
   if (charged) ++(*pin_held)[ns_[node]];
   return absl::OkStatus();
@@ -90,7 +90,7 @@ absl::Status PrefixCache::CheckInvariants(
     const bool root = block_[node] == kInvalidBlock && parent_[node] == kNoNode &&
                       Root(ns_[node]) == node && ns_[node] != kNoNamespace;
     if (block_[node] == kInvalidBlock && !root) {  // free slot
-      if (in_tails_[node] != 0 || policy_->Contains(node) || pins_[node] != 0) {
+      if (state_[node].in_tails != 0 || policy_->Contains(node) || state_[node].pins != 0) {
         return InvariantViolation("free node slot {} is still a candidate or pinned", node);
       }
       continue;
@@ -113,7 +113,7 @@ absl::Status PrefixCache::CheckInvariants(
     ++nodes;
     full += coverage_[node] == block_size_ ? 1 : 0;
     evictable += ShouldBeEvictable(node) ? 1 : 0;
-    pinned += pins_[node] > 0 ? 1 : 0;
+    pinned += state_[node].pins > 0 ? 1 : 0;
     if (absl::Status s = CheckNode(node, expected_pins, &pin_held); !s.ok()) return s;
   }
   for (size_t b = 0; b < node_of_block_.size(); ++b) {
@@ -130,7 +130,7 @@ absl::Status PrefixCache::CheckInvariants(
   if (pin_held != pin_held_) return InvariantViolation("pin-held blocks per namespace are stale");
   int64_t tails = 0;
   for (NodeIndex n = tails_head_; n != kNoNode; n = tail_next_[n]) {
-    if (in_tails_[n] == 0 || ++tails > num_tails_)
+    if (state_[n].in_tails == 0 || ++tails > num_tails_)
       return InvariantViolation("the first-out tail list is broken");
   }
   if (tails != num_tails_)
@@ -151,10 +151,10 @@ std::string PrefixCache::DebugString() const {
                    "n{} parent={} block={} cov={} lock={} pins={} prio={} hits={} candidate={} "
                    "tokens={}\n",
                    node, parent_[node], block_[node].value(), coverage_[node], lock_[node],
-                   pins_[node], priority_[node], hits_[node],
-                   in_tails_[node] != 0      ? "tail"
-                   : policy_->Contains(node) ? "policy"
-                                             : "no",
+                   state_[node].pins, priority_[node], state_[node].hits,
+                   state_[node].in_tails != 0 ? "tail"
+                   : policy_->Contains(node)  ? "policy"
+                                              : "no",
                    fmt::join(Tokens(node), ","));
   }
   return out;

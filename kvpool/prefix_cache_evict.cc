@@ -14,8 +14,8 @@ namespace kvpool {
 
 void PrefixCache::UpdateCandidate(NodeIndex node) {
   if (block_[node] == kInvalidBlock) return;  // a root
-  const bool want = evictable_[node] != 0 && num_children_[node] == 0;
-  const bool tail = in_tails_[node] != 0;
+  const bool want = state_[node].evictable != 0 && num_children_[node] == 0;
+  const bool tail = state_[node].in_tails != 0;
   if (want == (tail || policy_->Contains(node))) return;
   if (!want) {
     if (tail) {
@@ -31,7 +31,7 @@ void PrefixCache::UpdateCandidate(NodeIndex node) {
 }
 
 void PrefixCache::TailPush(NodeIndex node) {
-  in_tails_[node] = 1;
+  state_[node].in_tails = 1;
   tail_prev_[node] = tails_tail_;
   tail_next_[node] = kNoNode;
   if (tails_tail_ != kNoNode) {
@@ -57,20 +57,20 @@ void PrefixCache::TailRemove(NodeIndex node) {
     tails_tail_ = prev;
   }
   tail_prev_[node] = tail_next_[node] = kNoNode;
-  in_tails_[node] = 0;
+  state_[node].in_tails = 0;
   --num_tails_;
 }
 
 void PrefixCache::RemoveNode(NodeIndex node, const TraceContext& ctx) {
   KVPOOL_CHECK_MSG(num_children_[node] == 0 && lock_[node] == 0,
                    "evicting a prefix-cache node that is not an unlocked leaf");
-  if (in_tails_[node] != 0) {
+  if (state_[node].in_tails != 0) {
     TailRemove(node);
   } else if (policy_->Contains(node)) {
     policy_->Remove(node);
   }
-  if (evictable_[node] != 0) {
-    evictable_[node] = 0;
+  if (state_[node].evictable != 0) {
+    state_[node].evictable = 0;
     --num_evictable_;
   }
   policy_->OnErase(node, Facts(node), now_ns_);
@@ -105,9 +105,9 @@ void PrefixCache::RemoveNode(NodeIndex node, const TraceContext& ctx) {
   block_[node] = kInvalidBlock;
   coverage_[node] = 0;
   priority_[node] = 0;
-  depth_[node] = 0;
-  hits_[node] = 0;
-  retain_[node] = 0;
+  state_[node].depth = 0;
+  state_[node].hits = 0;
+  state_[node].retain = 0;
   hash_[node] = BlockHash{};
   free_nodes_.push_back(node);
   --num_nodes_;
@@ -122,9 +122,13 @@ int64_t PrefixCache::PlanEviction(int64_t blocks, std::span<const NodeIndex> kee
                                   std::vector<NodeIndex>* victims) const {
   if (blocks <= 0) return 0;
   const absl::flat_hash_set<NodeIndex> kept(keep.begin(), keep.end());
-  absl::flat_hash_map<NodeIndex, int32_t> gone_children;  // children planned away
-  using Ranked = std::pair<EvictionRank, NodeIndex>;
-  std::priority_queue<Ranked, std::vector<Ranked>, std::greater<>> freed_parents;
+  // Scratch kept between calls (no allocation per eviction): children planned away, and the
+  // parents that became leaves, as a min-heap by rank.
+  absl::flat_hash_map<NodeIndex, int32_t>& gone_children = plan_gone_;
+  std::vector<std::pair<EvictionRank, NodeIndex>>& freed_parents = plan_parents_;
+  gone_children.clear();
+  freed_parents.clear();
+  constexpr auto kLater = std::greater<>();
   int64_t freed = 0;
   auto take = [&](NodeIndex node) {
     victims->push_back(node);
@@ -132,38 +136,39 @@ int64_t PrefixCache::PlanEviction(int64_t blocks, std::span<const NodeIndex> kee
     if (pool_->FencesPassed(block_[node])) ++freed;
     const NodeIndex parent = parent_[node];
     if (block_[parent] == kInvalidBlock) return;  // a root
-    if (++gone_children[parent] == num_children_[parent] && evictable_[parent] != 0 &&
+    if (++gone_children[parent] == num_children_[parent] && state_[parent].evictable != 0 &&
         !kept.contains(parent)) {
-      freed_parents.emplace(policy_->Rank(parent, Facts(parent), now_ns_), parent);
+      freed_parents.emplace_back(policy_->Rank(parent, Facts(parent), now_ns_), parent);
+      std::push_heap(freed_parents.begin(), freed_parents.end(), kLater);
     }
+  };
+  auto take_parent = [&] {
+    std::pop_heap(freed_parents.begin(), freed_parents.end(), kLater);
+    const NodeIndex parent = freed_parents.back().second;
+    freed_parents.pop_back();
+    take(parent);
   };
   for (NodeIndex node = tails_head_; node != kNoNode && freed < blocks; node = tail_next_[node]) {
     if (!kept.contains(node)) take(node);
   }
   if (freed < blocks) {
     policy_->Visit(now_ns_, [&](NodeIndex node, const EvictionRank& rank) {
-      while (freed < blocks && !freed_parents.empty() && freed_parents.top().first < rank) {
-        const NodeIndex parent = freed_parents.top().second;
-        freed_parents.pop();
-        take(parent);
+      while (freed < blocks && !freed_parents.empty() && freed_parents.front().first < rank) {
+        take_parent();
       }
       if (freed >= blocks) return false;
       if (!kept.contains(node)) take(node);
       return freed < blocks;
     });
   }
-  while (freed < blocks && !freed_parents.empty()) {
-    const NodeIndex parent = freed_parents.top().second;
-    freed_parents.pop();
-    take(parent);
-  }
+  while (freed < blocks && !freed_parents.empty()) take_parent();
   return freed;
 }
 
 void PrefixCache::Evict(std::span<const NodeIndex> victims, const TraceContext& ctx) {
   for (NodeIndex node : victims) {
     KVPOOL_CHECK(ShouldBeEvictable(node));
-    if (in_tails_[node] != 0) ++counters_.tails_evicted;
+    if (state_[node].in_tails != 0) ++counters_.tails_evicted;
     RemoveNode(node, ctx);
   }
   FlushRemoved();
@@ -196,10 +201,10 @@ absl::Status PrefixCache::Clear(const TraceContext& ctx) {
 }
 
 void PrefixCache::UpdatePinCharge(NodeIndex node) {
-  const bool want = pins_[node] > 0 && block_[node] != kInvalidBlock &&
+  const bool want = state_[node].pins > 0 && block_[node] != kInvalidBlock &&
                     pool_->state(block_[node]) == BlockState::kCached;
-  if (want == (pin_charged_[node] != 0)) return;
-  pin_charged_[node] = want ? 1 : 0;
+  if (want == (state_[node].pin_charged != 0)) return;
+  state_[node].pin_charged = want ? 1 : 0;
   auto it = pin_held_.try_emplace(ns_[node], 0).first;
   it->second += want ? 1 : -1;
   if (it->second == 0) pin_held_.erase(it);
@@ -210,7 +215,7 @@ void PrefixCache::Pin(std::span<const NodeIndex> nodes, int priority) {
   for (NodeIndex node : nodes) {
     KVPOOL_CHECK(block_[node] != kInvalidBlock);
     Lock(node);  // first: a locked node is no candidate, so its class may change
-    if (pins_[node]++ == 0) ++pinned_nodes_;
+    if (state_[node].pins++ == 0) ++pinned_nodes_;
     priority_[node] = static_cast<int8_t>(std::max<int>(priority_[node], priority));
     UpdatePinCharge(node);
   }
@@ -220,8 +225,8 @@ void PrefixCache::Unpin(std::span<const NodeIndex> nodes) {
   // Deepest first, as sequences release: a node is released after its descendants.
   for (auto it = nodes.rbegin(); it != nodes.rend(); ++it) {
     const NodeIndex node = *it;
-    KVPOOL_CHECK_MSG(pins_[node] > 0, "unpin of a prefix-cache node that is not pinned");
-    if (--pins_[node] == 0) --pinned_nodes_;
+    KVPOOL_CHECK_MSG(state_[node].pins > 0, "unpin of a prefix-cache node that is not pinned");
+    if (--state_[node].pins == 0) --pinned_nodes_;
     UpdatePinCharge(node);
     Unlock(node);
   }
@@ -230,14 +235,14 @@ void PrefixCache::Unpin(std::span<const NodeIndex> nodes) {
 int64_t PrefixCache::PinCharge(std::span<const NodeIndex> nodes) const {
   int64_t n = 0;
   for (NodeIndex node : nodes) {
-    n += pins_[node] == 0 && pool_->state(block_[node]) == BlockState::kCached ? 1 : 0;
+    n += state_[node].pins == 0 && pool_->state(block_[node]) == BlockState::kCached ? 1 : 0;
   }
   return n;
 }
 
 int64_t PrefixCache::NewlyPinned(std::span<const NodeIndex> nodes) const {
   int64_t n = 0;
-  for (NodeIndex node : nodes) n += pins_[node] == 0 ? 1 : 0;
+  for (NodeIndex node : nodes) n += state_[node].pins == 0 ? 1 : 0;
   return n;
 }
 

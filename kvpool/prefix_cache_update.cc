@@ -29,7 +29,7 @@ NodeIndex PrefixCache::Insert(NodeIndex parent, std::span<const int32_t> tokens,
   coverage_[node] = static_cast<int32_t>(tokens.size());
   lock_[node] = 1;  // the committing sequence follows it
   priority_[node] = static_cast<int8_t>(priority);
-  depth_[node] = depth_[parent] + 1;
+  state_[node].depth = state_[parent].depth + 1;
   ns_[node] = ns_[parent];
   std::copy(tokens.begin(), tokens.end(),
             tokens_.begin() + static_cast<ptrdiff_t>(node) * block_size_);
@@ -75,7 +75,7 @@ void PrefixCache::Commit(NamespaceId ns, std::span<const int32_t> tokens,
                          std::span<const BlockId> table, int priority, bool retain_tail,
                          CachePath* path, const TraceContext& ctx) {
   CommitBlocks(ns, tokens, table, priority, path, ctx);
-  if (retain_tail && path->partial != kNoNode) retain_[path->partial] = 1;
+  if (retain_tail && path->partial != kNoNode) state_[path->partial].retain = 1;
 }
 
 void PrefixCache::CommitBlocks(NamespaceId ns, std::span<const int32_t> tokens,
