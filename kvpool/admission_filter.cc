@@ -24,7 +24,7 @@ void AdmissionFilter::Reserve(NodeIndex capacity) {
   const size_t n = static_cast<size_t>(capacity);
   if (admitted_.size() >= n) return;
   admitted_.resize(n, 0);
-  probation_key_.resize(n, kAbsent);
+  on_probation_.resize(n, 0);
 }
 
 bool AdmissionFilter::Access(uint64_t fingerprint) {
@@ -36,7 +36,7 @@ bool AdmissionFilter::Access(uint64_t fingerprint) {
 
 void AdmissionFilter::OnInsert(NodeIndex node, const NodeFacts& facts, int64_t now_ns) {
   // A partial node that became full keeps an earlier admission (it was hit).
-  const bool seen = Access(BlockFingerprint(facts.hash));
+  const bool seen = Access(facts.fingerprint);
   if (seen) {
     admitted_[node] = 1;
     ++admitted_inserts_;
@@ -47,7 +47,7 @@ void AdmissionFilter::OnInsert(NodeIndex node, const NodeFacts& facts, int64_t n
 }
 
 void AdmissionFilter::OnHit(NodeIndex node, const NodeFacts& facts, int64_t now_ns) {
-  Access(BlockFingerprint(facts.hash));
+  Access(facts.fingerprint);
   admitted_[node] = 1;
   inner_->OnHit(node, facts, now_ns);
 }
@@ -64,23 +64,24 @@ void AdmissionFilter::Add(NodeIndex node, const NodeFacts& facts) {
     return;
   }
   const uint64_t key = (static_cast<uint64_t>(facts.priority) << kOrderBits) | facts.release_seq;
-  probation_key_[node] = key;
+  on_probation_[node] = 1;
   probation_.emplace(key, node);
   added_below_ = std::max(added_below_, node + 1);
 }
 
-void AdmissionFilter::Remove(NodeIndex node) {
-  if (probation_key_[node] == kAbsent) {
-    inner_->Remove(node);
+void AdmissionFilter::Remove(NodeIndex node, const NodeFacts& facts) {
+  if (on_probation_[node] == 0) {
+    inner_->Remove(node, facts);
     return;
   }
-  probation_.erase({probation_key_[node], node});
-  probation_key_[node] = kAbsent;
+  probation_.erase(
+      {(static_cast<uint64_t>(facts.priority) << kOrderBits) | facts.release_seq, node});
+  on_probation_[node] = 0;
 }
 
 bool AdmissionFilter::Contains(NodeIndex node) const {
-  if (node < 0 || static_cast<size_t>(node) >= probation_key_.size()) return false;
-  return probation_key_[node] != kAbsent || inner_->Contains(node);
+  if (node < 0 || static_cast<size_t>(node) >= on_probation_.size()) return false;
+  return on_probation_[node] != 0 || inner_->Contains(node);
 }
 
 EvictionRank AdmissionFilter::Rank(NodeIndex node, const NodeFacts& facts, int64_t now_ns) const {
@@ -112,20 +113,16 @@ void AdmissionFilter::Visit(int64_t now_ns,
 }
 
 absl::Status AdmissionFilter::CheckInvariants() const {
-  size_t held = 0;
-  for (NodeIndex node = 0; node < added_below_; ++node) {  // every node ever added
-    if (probation_key_[node] == kAbsent) continue;
-    ++held;
-    if (admitted_[node] != 0 || inner_->Contains(node)) {
+  size_t flagged = 0;
+  for (NodeIndex node = 0; node < added_below_; ++node) flagged += on_probation_[node];
+  if (flagged != probation_.size()) {
+    return InvariantViolation("admission: {} nodes flagged, {} on probation", flagged,
+                              probation_.size());
+  }
+  for (const auto& [key, node] : probation_) {
+    if (on_probation_[node] == 0 || admitted_[node] != 0 || inner_->Contains(node)) {
       return InvariantViolation("admission: node {} is on probation and admitted", node);
     }
-    if (!probation_.contains({probation_key_[node], node})) {
-      return InvariantViolation("admission: node {} lost its order", node);
-    }
-  }
-  if (held != probation_.size()) {
-    return InvariantViolation("admission: {} nodes keyed, {} on probation", held,
-                              probation_.size());
   }
   if (seen_.size() > seen_.capacity()) {
     return InvariantViolation("admission: the ghost set outgrew its capacity");

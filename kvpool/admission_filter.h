@@ -32,13 +32,6 @@
 
 namespace kvpool {
 
-// A 64-bit name for a full block's chained hash; 0 for a partial node's (zero) hash.
-inline uint64_t BlockFingerprint(const BlockHash& hash) {
-  if (hash == BlockHash{}) return 0;
-  const uint64_t f = hash.lo ^ (hash.hi * 0x9e3779b97f4a7c15ULL);
-  return f == 0 ? 1 : f;
-}
-
 class AdmissionFilter final : public EvictionPolicy {
  public:
   // REQUIRES: inner != nullptr, history_blocks > 0.
@@ -49,7 +42,7 @@ class AdmissionFilter final : public EvictionPolicy {
   void OnHit(NodeIndex node, const NodeFacts& facts, int64_t now_ns) override;
   void OnErase(NodeIndex node, const NodeFacts& facts, int64_t now_ns) override;
   void Add(NodeIndex node, const NodeFacts& facts) override;
-  void Remove(NodeIndex node) override;
+  void Remove(NodeIndex node, const NodeFacts& facts) override;
   bool Contains(NodeIndex node) const override;
   int64_t size() const override { return static_cast<int64_t>(probation_.size()) + inner_->size(); }
   EvictionRank Rank(NodeIndex node, const NodeFacts& facts, int64_t now_ns) const override;
@@ -64,15 +57,14 @@ class AdmissionFilter final : public EvictionPolicy {
 
  private:
   static constexpr int kOrderBits = 58;
-  static constexpr uint64_t kAbsent = ~uint64_t{0};
 
   // Records an access to the block named `fingerprint`; returns whether it was seen before.
   bool Access(uint64_t fingerprint);
 
   std::unique_ptr<EvictionPolicy> inner_;
-  internal::FifoHistory<uint8_t> seen_;  // value unused: the ghost set
-  std::vector<uint8_t> admitted_;        // by node
-  std::vector<uint64_t> probation_key_;  // by node: key in probation_, kAbsent when not there
+  internal::FifoHistory<uint8_t> seen_;                        // value unused: the ghost set
+  std::vector<uint8_t> admitted_;                              // by node
+  std::vector<uint8_t> on_probation_;                          // by node: a candidate in probation_
   absl::btree_set<std::pair<uint64_t, NodeIndex>> probation_;  // (priority, release order)
   uint64_t admitted_inserts_ = 0;  // inserts whose hash the ghost set held
   uint64_t probation_inserts_ = 0;

@@ -42,9 +42,16 @@ inline constexpr NodeIndex kNoNode = -1;
 // Priority classes: lower is evicted first. A node's class is at least each descendant's.
 inline constexpr int kNumPriorities = 4;
 
+// A 64-bit name for a full block's chained hash (never 0); 0 for a partial node's zero hash.
+inline uint64_t BlockFingerprint(const BlockHash& hash) {
+  if (hash == BlockHash{}) return 0;
+  const uint64_t f = hash.lo ^ (hash.hi * 0x9e3779b97f4a7c15ULL);
+  return f == 0 ? 1 : f;
+}
+
 // What the cache knows about a node; passed with every call that concerns it.
 struct NodeFacts {
-  BlockHash hash;            // chained hash of a full node; zero for a partial node
+  uint64_t fingerprint = 0;  // BlockFingerprint of a full node's chained hash; 0 when partial
   int32_t depth = 0;         // blocks from the root: 1 for a prompt's first block
   uint32_t hits = 0;         // times a new sequence adopted the node since it was inserted
   int priority = 0;          // class in [0, kNumPriorities)
@@ -78,8 +85,9 @@ class EvictionPolicy {
 
   // `node` became a candidate. REQUIRES: not a candidate already.
   virtual void Add(NodeIndex node, const NodeFacts& facts) = 0;
-  // `node` stopped being a candidate. REQUIRES: Contains(node).
-  virtual void Remove(NodeIndex node) = 0;
+  // `node` stopped being a candidate. REQUIRES: Contains(node); `facts` as given to Add (a
+  // candidate's class and release order do not change).
+  virtual void Remove(NodeIndex node, const NodeFacts& facts) = 0;
   virtual bool Contains(NodeIndex node) const = 0;
   virtual int64_t size() const = 0;
 

@@ -57,6 +57,9 @@ absl::Status PrefixCache::CheckNode(NodeIndex node,
     return InvariantViolation("node {} evictability is stale", node);
   const bool candidate = evictable && num_children_[node] == 0;
   const bool tail = state_[node].in_tails != 0;
+  if ((state_[node].in_policy != 0) != policy_->Contains(node)) {
+    return InvariantViolation("node {} disagrees with the policy on holding it", node);
+  }
   if (tail && policy_->Contains(node))
     return InvariantViolation("node {} is a tail and in the policy", node);
   if (candidate != (tail || policy_->Contains(node))) {

@@ -15,18 +15,21 @@ namespace kvpool {
 void PrefixCache::UpdateCandidate(NodeIndex node) {
   if (block_[node] == kInvalidBlock) return;  // a root
   const bool want = state_[node].evictable != 0 && num_children_[node] == 0;
-  const bool tail = state_[node].in_tails != 0;
-  if (want == (tail || policy_->Contains(node))) return;
+  NodeState& state = state_[node];
+  const bool tail = state.in_tails != 0;
+  if (want == (tail || state.in_policy != 0)) return;
   if (!want) {
     if (tail) {
       TailRemove(node);
     } else {
-      policy_->Remove(node);
+      policy_->Remove(node, Facts(node));
+      state.in_policy = 0;
     }
   } else if (IsFirstOutTail(node)) {
     TailPush(node);
   } else {
     policy_->Add(node, Facts(node));
+    state.in_policy = 1;
   }
 }
 
@@ -66,8 +69,9 @@ void PrefixCache::RemoveNode(NodeIndex node, const TraceContext& ctx) {
                    "evicting a prefix-cache node that is not an unlocked leaf");
   if (state_[node].in_tails != 0) {
     TailRemove(node);
-  } else if (policy_->Contains(node)) {
-    policy_->Remove(node);
+  } else if (state_[node].in_policy != 0) {
+    policy_->Remove(node, Facts(node));
+    state_[node].in_policy = 0;
   }
   if (state_[node].evictable != 0) {
     state_[node].evictable = 0;
@@ -106,6 +110,7 @@ void PrefixCache::RemoveNode(NodeIndex node, const TraceContext& ctx) {
   coverage_[node] = 0;
   priority_[node] = 0;
   state_[node].depth = 0;
+  state_[node].fingerprint = 0;
   state_[node].hits = 0;
   state_[node].retain = 0;
   hash_[node] = BlockHash{};

@@ -53,6 +53,7 @@ void PrefixCache::MakeFull(NodeIndex node) {
   const NodeIndex parent = parent_[node];
   token_hash_[node] = HashTokens(Tokens(node));
   hash_[node] = PrefixChainHash(hash_[parent], ns_[node], Tokens(node));
+  state_[node].fingerprint = BlockFingerprint(hash_[node]);
   // A 64-bit collision with a different block leaves this one out of the index; lookups still
   // find it by scanning the children.
   children_.try_emplace(ChildKey{parent, token_hash_[node]}, node);

@@ -4,7 +4,6 @@
 #include <cmath>
 
 #include "fmt/format.h"
-#include "kvpool/admission_filter.h"
 #include "kvpool/util/check.h"
 #include "kvpool/util/errors.h"
 
@@ -123,7 +122,6 @@ void ReuseEvictionPolicy::Reserve(NodeIndex capacity) {
   if (set_of_.size() >= n) return;
   count_.resize(n, 0);
   last_ns_.resize(n, 0);
-  order_.resize(n, 0);
   set_of_.resize(n, -1);
 }
 
@@ -131,7 +129,7 @@ void ReuseEvictionPolicy::OnInsert(NodeIndex node, const NodeFacts& facts, int64
   // A node that became full keeps the count it gathered while partial (an erased node's is 0);
   // a block evicted before continues its history.
   uint32_t count = count_[node];
-  if (const uint64_t fp = BlockFingerprint(facts.hash); fp != 0) {
+  if (const uint64_t fp = facts.fingerprint; fp != 0) {
     if (const Past* past = history_.Find(fp)) {
       model_.RecordReuse(ReuseModel::ClassOf(past->count), now_ns - past->last_ns, now_ns);
       count = std::max(count, past->count + 1);
@@ -151,7 +149,7 @@ void ReuseEvictionPolicy::OnHit(NodeIndex node, const NodeFacts&, int64_t now_ns
 void ReuseEvictionPolicy::OnErase(NodeIndex node, const NodeFacts& facts, int64_t now_ns) {
   KVPOOL_DCHECK(!Contains(node));
   const int cls = ReuseModel::ClassOf(count_[node]);
-  if (const uint64_t fp = BlockFingerprint(facts.hash); fp != 0) {
+  if (const uint64_t fp = facts.fingerprint; fp != 0) {
     const auto forgotten = history_.Put(fp, Past{last_ns_[node], count_[node]});
     if (forgotten) {
       model_.RecordCensored(ReuseModel::ClassOf(forgotten->second.count),
@@ -168,16 +166,15 @@ void ReuseEvictionPolicy::Add(NodeIndex node, const NodeFacts& facts) {
   KVPOOL_DCHECK(!Contains(node) && facts.priority >= 0 && facts.priority < kNumPriorities);
   last_ns_[node] = std::max(last_ns_[node], facts.released_ns);
   const int set = facts.priority * ReuseModel::kNumClasses + ReuseModel::ClassOf(count_[node]);
-  order_[node] = facts.release_seq;
   set_of_[node] = static_cast<int8_t>(set);
   sets_[set].emplace(facts.release_seq, node);
   added_below_ = std::max(added_below_, node + 1);
   ++size_;
 }
 
-void ReuseEvictionPolicy::Remove(NodeIndex node) {
+void ReuseEvictionPolicy::Remove(NodeIndex node, const NodeFacts& facts) {
   KVPOOL_DCHECK(Contains(node));
-  sets_[set_of_[node]].erase({order_[node], node});
+  sets_[set_of_[node]].erase({facts.release_seq, node});
   set_of_[node] = -1;
   --size_;
 }
@@ -219,21 +216,20 @@ void ReuseEvictionPolicy::Visit(
 }
 
 absl::Status ReuseEvictionPolicy::CheckInvariants() const {
-  int64_t held = 0;
-  for (NodeIndex node = 0; node < added_below_; ++node) {  // every node ever added
-    if (set_of_[node] < 0) continue;
-    ++held;
-    if (!sets_[set_of_[node]].contains({order_[node], node})) {
-      return InvariantViolation("reuse: node {} lost its order", node);
-    }
-    if (set_of_[node] % ReuseModel::kNumClasses != ReuseModel::ClassOf(count_[node])) {
-      return InvariantViolation("reuse: node {} is filed under another class", node);
+  int64_t filed = 0;
+  for (NodeIndex node = 0; node < added_below_; ++node) filed += set_of_[node] >= 0 ? 1 : 0;
+  int64_t in_sets = 0;
+  for (int set = 0; set < kNumSets; ++set) {
+    for (const auto& [order, node] : sets_[set]) {
+      ++in_sets;
+      if (set_of_[node] != set) return InvariantViolation("reuse: node {} is in set {}", node, set);
+      if (set % ReuseModel::kNumClasses != ReuseModel::ClassOf(count_[node])) {
+        return InvariantViolation("reuse: node {} is filed under another class", node);
+      }
     }
   }
-  size_t in_sets = 0;
-  for (const Set& set : sets_) in_sets += set.size();
-  if (held != size_ || in_sets != static_cast<size_t>(size_)) {
-    return InvariantViolation("reuse: {} nodes filed, {} in sets, size {}", held, in_sets, size_);
+  if (filed != size_ || in_sets != size_) {
+    return InvariantViolation("reuse: {} nodes filed, {} in sets, size {}", filed, in_sets, size_);
   }
   return absl::OkStatus();
 }

@@ -91,7 +91,7 @@ class ReuseEvictionPolicy final : public EvictionPolicy {
   void OnHit(NodeIndex node, const NodeFacts& facts, int64_t now_ns) override;
   void OnErase(NodeIndex node, const NodeFacts& facts, int64_t now_ns) override;
   void Add(NodeIndex node, const NodeFacts& facts) override;
-  void Remove(NodeIndex node) override;
+  void Remove(NodeIndex node, const NodeFacts& facts) override;
   bool Contains(NodeIndex node) const override {
     return node >= 0 && static_cast<size_t>(node) < set_of_.size() && set_of_[node] >= 0;
   }
@@ -124,7 +124,6 @@ class ReuseEvictionPolicy final : public EvictionPolicy {
   std::array<Set, kNumSets> sets_;       // candidates by (priority, class)
   std::vector<uint32_t> count_;          // by node: earlier uses of its content
   std::vector<int64_t> last_ns_;         // by node: its last use or release
-  std::vector<uint64_t> order_;          // by node: its key in its set
   std::vector<int8_t> set_of_;           // by node: which set holds it, -1: none
   int64_t size_ = 0;
   NodeIndex added_below_ = 0;  // 1 + the highest node ever added (bounds CheckInvariants)

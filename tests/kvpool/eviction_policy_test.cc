@@ -28,7 +28,7 @@ constexpr int64_t kSecond = 1'000'000'000;
 BlockHash Hash(uint64_t n) { return BlockHash{n, n * 7 + 1}; }
 
 NodeFacts Facts(uint64_t hash, int priority, uint64_t seq, int64_t released_ns = 0) {
-  return NodeFacts{.hash = hash == 0 ? BlockHash{} : Hash(hash),
+  return NodeFacts{.fingerprint = hash == 0 ? 0 : BlockFingerprint(Hash(hash)),
                    .depth = 1,
                    .priority = priority,
                    .released_ns = released_ns,
@@ -125,7 +125,7 @@ TEST(LruEvictionPolicyTest, OrdersByClassThenRelease) {
   lru.Add(2, Facts(3, 0, 3));
   lru.Add(3, Facts(4, 2, 2));
   EXPECT_THAT(Order(lru), ElementsAre(2, 1, 0, 3));
-  lru.Remove(2);
+  lru.Remove(2, Facts(3, 0, 3));
   EXPECT_THAT(Order(lru), ElementsAre(1, 0, 3));
   EXPECT_EQ(lru.size(), 3);
   EXPECT_FALSE(lru.Contains(2));
@@ -213,6 +213,7 @@ TEST_P(PolicyRandomTest, VisitYieldsExactlyTheCandidatesInRankOrder) {
   // Reference: every live node's facts; which ones are candidates.
   std::map<NodeIndex, NodeFacts> live;
   std::map<NodeIndex, bool> candidate;
+  std::map<NodeIndex, bool> touched;  // used since its last release
   int64_t now = 0;
   uint64_t seq = 0;
   int64_t visited_total = 0;
@@ -225,21 +226,30 @@ TEST_P(PolicyRandomTest, VisitYieldsExactlyTheCandidatesInRankOrder) {
     if (!alive) {  // insert: a small set of hashes so that content comes back
       live[node] = Facts(rng() % 4 == 0 ? 0 : 1 + rng() % 40, static_cast<int>(rng() % 2), 0);
       candidate[node] = false;
+      touched[node] = true;
       policy.OnInsert(node, live[node], now);
     } else if (!held && dice < 50) {  // released: a candidate (the cache stamps the facts)
       live[node].released_ns = now;
       live[node].release_seq = ++seq;
       policy.Add(node, live[node]);
       candidate[node] = true;
+      touched[node] = false;
+    } else if (!held && dice < 60 && live[node].release_seq != 0 && !touched[node]) {
+      // A leaf again with its old release (a parent whose last child was evicted): it may
+      // belong anywhere in the order, not just at the back. (Only if nothing used it since:
+      // a use locks a node, and its next release stamps it anew.)
+      policy.Add(node, live[node]);
+      candidate[node] = true;
     } else if (!held && dice < 75) {
       ++live[node].hits;
       policy.OnHit(node, live[node], now);
+      touched[node] = true;
     } else if (!held) {
       policy.OnErase(node, live[node], now);
       live.erase(node);
       candidate.erase(node);
     } else {  // locked again
-      policy.Remove(node);
+      policy.Remove(node, live[node]);
       candidate[node] = false;
     }
     ASSERT_TRUE(policy.CheckInvariants().ok())

@@ -32,18 +32,16 @@ class NewestFirstPolicy final : public EvictionPolicy {
   void OnHit(NodeIndex, const NodeFacts&, int64_t) override {}
   void OnErase(NodeIndex, const NodeFacts&, int64_t) override {}
   void Add(NodeIndex node, const NodeFacts& facts) override {
-    NodeFacts reversed = facts;
-    reversed.release_seq = (uint64_t{1} << 40) - facts.release_seq;
-    lru_.Add(node, reversed);
+    lru_.Add(node, Reversed(facts));
     offered_->push_back(node);
   }
-  void Remove(NodeIndex node) override { lru_.Remove(node); }
+  void Remove(NodeIndex node, const NodeFacts& facts) override {
+    lru_.Remove(node, Reversed(facts));
+  }
   bool Contains(NodeIndex node) const override { return lru_.Contains(node); }
   int64_t size() const override { return lru_.size(); }
   EvictionRank Rank(NodeIndex node, const NodeFacts& facts, int64_t now_ns) const override {
-    NodeFacts reversed = facts;
-    reversed.release_seq = (uint64_t{1} << 40) - facts.release_seq;
-    return lru_.Rank(node, reversed, now_ns);
+    return lru_.Rank(node, Reversed(facts), now_ns);
   }
   void Visit(int64_t now_ns,
              absl::FunctionRef<bool(NodeIndex, const EvictionRank&)> visit) const override {
@@ -53,6 +51,11 @@ class NewestFirstPolicy final : public EvictionPolicy {
   std::string DebugString() const override { return "newest-first"; }
 
  private:
+  static NodeFacts Reversed(NodeFacts facts) {
+    facts.release_seq = (uint64_t{1} << 40) - facts.release_seq;
+    return facts;
+  }
+
   LruEvictionPolicy lru_;
   std::vector<NodeIndex>* offered_;
 };

@@ -17,7 +17,7 @@ constexpr int64_t kSecond = 1'000'000'000;
 constexpr int64_t kHorizon = 120 * kSecond;
 
 NodeFacts Facts(uint64_t hash, uint64_t seq, int64_t released_ns) {
-  return NodeFacts{.hash = BlockHash{hash, hash + 1},
+  return NodeFacts{.fingerprint = BlockFingerprint(BlockHash{hash, hash + 1}),
                    .depth = 1,
                    .released_ns = released_ns,
                    .release_seq = seq};
