@@ -1,11 +1,14 @@
-// Prefix cache costs.
+// Prefix cache costs, per eviction policy beside LRU in the same run.
 //
 //   build/release/bench/prefix_bench --benchmark_repetitions=3
 //
 // 1. Match throughput (matched tokens/s) on prompts from the Mooncake conversation trace (or a
 //    generated workload when ../shared is absent), beside vLLM's method measured in the same run:
 //    a hash map from chained xxh3-128 block hashes to blocks, probed block by block.
-// 2. Cost of one eviction with 1k, 100k and 1M cached blocks: it must not grow with the tree.
+// 2. Per policy: a fully cached prompt adopted and released (the hit path: matching, the policy's
+//    OnHit and Add), a new 64-block prompt published and released (the insert path: OnInsert,
+//    Add), and one eviction with 1k, 100k and 1M cached blocks, which must not grow with the
+//    tree (the 1M/1k ratio is checked against 2x for every policy).
 
 #include <cstdio>
 #include <filesystem>
@@ -61,11 +64,13 @@ int64_t TotalTokens() {
   return n;
 }
 
-std::unique_ptr<KvCacheManager> MakeCache(int64_t num_blocks, int32_t max_blocks_per_seq) {
+std::unique_ptr<KvCacheManager> MakeCache(int64_t num_blocks, int32_t max_blocks_per_seq,
+                                          const char* policy = "lru") {
   auto cache = KvCacheManager::Create({.block_size = kBs,
                                        .num_blocks = static_cast<int32_t>(num_blocks),
                                        .max_blocks_per_seq = max_blocks_per_seq,
-                                       .trace_depth = 0});
+                                       .trace_depth = 0,
+                                       .eviction_policy = policy});
   KVPOOL_CHECK_OK(cache.status());
   return std::move(*cache);
 }
@@ -122,13 +127,48 @@ void BM_PrefixMatch_HashMap(benchmark::State& state) {
 }
 BENCHMARK(BM_PrefixMatch_HashMap);
 
+// The hit path: every trace prompt, fully cached, adopted by a new sequence and released.
+void BM_MatchAdopt(benchmark::State& state, const char* policy) {
+  const auto& prompts = Prompts();
+  auto cache = MakeCache(TotalTokens() / kBs + 1024, 1 << 16, policy);
+  for (const auto& p : prompts) Serve(cache.get(), p);
+  int64_t matched = 0;
+  DevicePlan plan;
+  for (auto _ : state) {
+    for (const auto& p : prompts) {
+      const absl::StatusOr<AllocateResult> r = cache->Allocate(
+          kSession, {.ns = kNs, .num_tokens = static_cast<int64_t>(p.size()), .prompt = p}, &plan);
+      KVPOOL_CHECK_OK(r.status());
+      matched += r->matched_tokens;
+      KVPOOL_CHECK_OK(cache->Free(kSession, r->sequence));
+    }
+  }
+  state.SetItemsProcessed(matched);
+}
+
+// The insert path: a new 64-block prompt per iteration, published and released (no eviction).
+void BM_Insert(benchmark::State& state, const char* policy) {
+  constexpr int32_t kChain = 64;
+  const int64_t iterations = state.max_iterations;
+  auto cache = MakeCache(iterations * kChain + kChain, kChain, policy);
+  std::mt19937 rng(5);
+  std::vector<int32_t> prompt(kChain * kBs);
+  for (auto _ : state) {
+    state.PauseTiming();
+    for (int32_t& t : prompt) t = static_cast<int32_t>(rng());
+    state.ResumeTiming();
+    Serve(cache.get(), prompt);
+  }
+  state.SetItemsProcessed(state.iterations() * kChain);
+}
+
 // One eviction with `state.range(0)` cached blocks (plus the ones the run evicts).
-void BM_Evict(benchmark::State& state) {
+void BM_Evict(benchmark::State& state, const char* policy) {
   const int64_t cached = state.range(0);
   const int64_t evictions = state.max_iterations;
   constexpr int32_t kChain = 64;  // blocks per cached sequence
   const int64_t total = cached + evictions;
-  auto cache = MakeCache(total + kChain, kChain);
+  auto cache = MakeCache(total + kChain, kChain, policy);
   std::mt19937 rng(11);
   std::vector<int32_t> prompt(kChain * kBs);
   for (int64_t built = 0; built < total; built += kChain) {
@@ -139,20 +179,45 @@ void BM_Evict(benchmark::State& state) {
   for (auto _ : state) benchmark::DoNotOptimize(cache->EvictCached(1));
   state.counters["cached_blocks"] = static_cast<double>(cache->pool().num_cached());
 }
-BENCHMARK(BM_Evict)->Arg(1'000)->Arg(100'000)->Arg(1'000'000)->Iterations(20'000);
+
+// The policies compared, by benchmark-name suffix and spec.
+#define KVPOOL_POLICY_BENCHMARKS(suffix, spec)                   \
+  BENCHMARK_CAPTURE(BM_MatchAdopt, suffix, spec);                \
+  BENCHMARK_CAPTURE(BM_Insert, suffix, spec)->Iterations(2'000); \
+  BENCHMARK_CAPTURE(BM_Evict, suffix, spec)                      \
+      ->Arg(1'000)                                               \
+      ->Arg(100'000)                                             \
+      ->Arg(1'000'000)                                           \
+      ->Iterations(20'000)
+
+KVPOOL_POLICY_BENCHMARKS(lru, "lru");
+KVPOOL_POLICY_BENCHMARKS(default, "lru+admit+notail");
+KVPOOL_POLICY_BENCHMARKS(reuse, "reuse");
+KVPOOL_POLICY_BENCHMARKS(reuse_admit, "reuse+admit");
 
 }  // namespace
 }  // namespace kvpool
 
 int main(int argc, char** argv) {
-  return kvpool::bench::RunWithRatios(
-      argc, argv,
-      {
-          {"prefix match vs chained-xxh3 hash map (tokens/s)", "BM_PrefixMatch",
-           "BM_PrefixMatch_HashMap"},
-          {"eviction: 1k-block tree time / 1M-block tree time", "BM_Evict/1000000/iterations:20000",
-           "BM_Evict/1000/iterations:20000", 0.5},
-          {"eviction: 1k-block tree time / 100k-block tree time",
-           "BM_Evict/100000/iterations:20000", "BM_Evict/1000/iterations:20000", 0.5},
-      });
+  using kvpool::bench::RatioPair;
+  std::vector<RatioPair> pairs = {
+      {"prefix match vs chained-xxh3 hash map (tokens/s)", "BM_PrefixMatch",
+       "BM_PrefixMatch_HashMap"},
+  };
+  for (const char* policy : {"lru", "default", "reuse", "reuse_admit"}) {
+    const std::string p = policy;
+    if (p != "lru") {
+      pairs.push_back({p + " hit path vs lru", "BM_MatchAdopt/" + p, "BM_MatchAdopt/lru"});
+      pairs.push_back({p + " insert vs lru", "BM_Insert/" + p + "/iterations:2000",
+                       "BM_Insert/lru/iterations:2000"});
+      pairs.push_back({p + " evict@1M vs lru", "BM_Evict/" + p + "/1000000/iterations:20000",
+                       "BM_Evict/lru/1000000/iterations:20000"});
+    }
+    pairs.push_back({p + " evict: 1k time / 1M time", "BM_Evict/" + p + "/1000000/iterations:20000",
+                     "BM_Evict/" + p + "/1000/iterations:20000", 0.5});
+    pairs.push_back({p + " evict: 1k time / 100k time",
+                     "BM_Evict/" + p + "/100000/iterations:20000",
+                     "BM_Evict/" + p + "/1000/iterations:20000", 0.5});
+  }
+  return kvpool::bench::RunWithRatios(argc, argv, pairs);
 }

@@ -1,72 +1,93 @@
 #include "kvpool/eviction_policy.h"
 
 #include <string>
+#include <vector>
 
 #include "fmt/format.h"
-#include "kvpool/util/check.h"
+#include "kvpool/admission_filter.h"
+#include "kvpool/lru_eviction_policy.h"
+#include "kvpool/reuse_eviction_policy.h"
 
 namespace kvpool {
 
-void LruEvictionPolicy::Reserve(NodeIndex capacity) {
-  const size_t n = static_cast<size_t>(capacity);
-  if (class_of_.size() >= n) return;
-  prev_.resize(n, kNoNode);
-  next_.resize(n, kNoNode);
-  class_of_.resize(n, -1);
-}
-
-void LruEvictionPolicy::Add(NodeIndex node, int priority) {
-  KVPOOL_DCHECK(!Contains(node) && priority >= 0 && priority < kNumPriorities);
-  List& list = lists_[priority];
-  class_of_[node] = static_cast<int8_t>(priority);
-  prev_[node] = list.tail;
-  next_[node] = kNoNode;
-  if (list.tail != kNoNode) {
-    next_[list.tail] = node;
+absl::StatusOr<EvictionOptions> ParseEvictionSpec(std::string_view spec) {
+  if (spec == "default") return ParseEvictionSpec(kDefaultEvictionSpec);
+  std::vector<std::string_view> parts;
+  for (size_t start = 0;;) {
+    const size_t plus = spec.find('+', start);
+    parts.push_back(spec.substr(start, plus == std::string_view::npos ? plus : plus - start));
+    if (plus == std::string_view::npos) break;
+    start = plus + 1;
+  }
+  EvictionOptions options;
+  if (parts[0] == "lru") {
+    options.kind = EvictionPolicyKind::kLru;
+  } else if (parts[0] == "reuse") {
+    options.kind = EvictionPolicyKind::kReuse;
   } else {
-    list.head = node;
+    return absl::InvalidArgumentError(fmt::format(
+        "unknown eviction policy '{}' in '{}' (known: lru, reuse, default)", parts[0], spec));
   }
-  list.tail = node;
-  ++size_;
+  for (size_t i = 1; i < parts.size(); ++i) {
+    if (parts[i] == "admit" && !options.admission) {
+      options.admission = true;
+    } else if (parts[i] == "notail" && options.retain_partial_tails) {
+      options.retain_partial_tails = false;
+    } else {
+      return absl::InvalidArgumentError(
+          fmt::format("unknown or repeated eviction modifier '{}' in '{}' (known: +admit, +notail)",
+                      parts[i], spec));
+    }
+  }
+  return options;
 }
 
-void LruEvictionPolicy::Remove(NodeIndex node) {
-  KVPOOL_DCHECK(Contains(node));
-  List& list = lists_[class_of_[node]];
-  const NodeIndex prev = prev_[node];
-  const NodeIndex next = next_[node];
-  if (prev != kNoNode) {
-    next_[prev] = next;
-  } else {
-    list.head = next;
+std::string EvictionSpecName(const EvictionOptions& options) {
+  std::string name;
+  switch (options.kind) {
+    case EvictionPolicyKind::kLru:
+      name = "lru";
+      break;
+    case EvictionPolicyKind::kReuse:
+      name = "reuse";
+      break;
   }
-  if (next != kNoNode) {
-    prev_[next] = prev;
-  } else {
-    list.tail = prev;
-  }
-  class_of_[node] = -1;
-  --size_;
+  if (options.admission) name += "+admit";
+  if (!options.retain_partial_tails) name += "+notail";
+  return name;
 }
 
-NodeIndex LruEvictionPolicy::Victim() const {
-  for (const List& list : lists_) {
-    if (list.head != kNoNode) return list.head;
+absl::StatusOr<std::unique_ptr<EvictionPolicy>> MakeEvictionPolicy(const EvictionOptions& options,
+                                                                   int64_t num_blocks) {
+  if (num_blocks <= 0) {
+    return absl::InvalidArgumentError(fmt::format("num_blocks must be > 0 (got {})", num_blocks));
   }
-  return kNoNode;
+  if (options.history_blocks < 0) {
+    return absl::InvalidArgumentError(
+        fmt::format("history_blocks must be >= 0 (got {})", options.history_blocks));
+  }
+  if (options.reuse_horizon_ns <= 0) {
+    return absl::InvalidArgumentError(
+        fmt::format("reuse_horizon_ns must be > 0 (got {})", options.reuse_horizon_ns));
+  }
+  const int64_t history = options.history_blocks > 0 ? options.history_blocks : 4 * num_blocks;
+  std::unique_ptr<EvictionPolicy> policy;
+  switch (options.kind) {
+    case EvictionPolicyKind::kLru:
+      policy = std::make_unique<LruEvictionPolicy>();
+      break;
+    case EvictionPolicyKind::kReuse:
+      policy = std::make_unique<ReuseEvictionPolicy>(options.reuse_horizon_ns, history);
+      break;
+  }
+  if (options.admission) policy = std::make_unique<AdmissionFilter>(std::move(policy), history);
+  return policy;
 }
 
-NodeIndex LruEvictionPolicy::After(NodeIndex node) const {
-  if (next_[node] != kNoNode) return next_[node];
-  for (int c = class_of_[node] + 1; c < kNumPriorities; ++c) {
-    if (lists_[c].head != kNoNode) return lists_[c].head;
-  }
-  return kNoNode;
-}
-
-absl::StatusOr<std::unique_ptr<EvictionPolicy>> MakeEvictionPolicy(std::string_view name) {
-  if (name == "lru") return std::make_unique<LruEvictionPolicy>();
-  return absl::InvalidArgumentError(fmt::format("unknown eviction policy '{}' (known: lru)", name));
+absl::StatusOr<std::unique_ptr<EvictionPolicy>> MakeEvictionPolicy(std::string_view spec) {
+  absl::StatusOr<EvictionOptions> options = ParseEvictionSpec(spec);
+  if (!options.ok()) return options.status();
+  return MakeEvictionPolicy(*options, /*num_blocks=*/1);
 }
 
 }  // namespace kvpool

@@ -1,20 +1,38 @@
 #pragma once
 
-// EvictionPolicy: orders the prefix cache's evictable nodes (unpinned, holding a block).
+// EvictionPolicy: orders the prefix cache's eviction candidates (docs/eviction.md).
 //
-// The cache keeps one ordering promise that makes leaf-first eviction O(1): a node enters the
-// evictable set only after every descendant that will ever be evictable before it (paths are
-// unpinned leaf-to-root, and whoever pins a node pins its ancestors too). A policy that picks
-// the earliest-entered node of the lowest priority class therefore always picks a leaf.
+// The cache, not the policy, keeps the structural rules:
+//  - Leaf only. A candidate is an evictable node (it holds a block, no sequence or pin locks it,
+//    no sequence holds its block) with no cached child. The cache adds a node when it becomes
+//    one and removes it when it stops being one, so a policy can order its candidates however it
+//    likes and still never name a node with cached descendants. When planning several
+//    evictions the cache itself adds the parents that the earlier victims turn into leaves,
+//    ranked by Rank().
+//  - Unretained partial tails of finished requests are evicted before any candidate the policy
+//    holds (the cache keeps them in its own list; the policy never sees them as candidates).
+//
+// The policy hears every access: inserts, hits (a new sequence adopted the node), erasures, and
+// the clock (`now_ns` from the cache's injected Clock; never the wall clock). It ranks candidates
+// by EvictionRank: priority class first (a client's choice), then a policy score, then release
+// order. A node's class is never below a descendant's (the cache raises ancestors).
+//
+// Cost contract, n = candidates held: Add/Remove O(log n); OnInsert/OnHit/OnErase O(1)
+// amortized; Rank O(1); Visit O(log n + k) for k visited plus a per-policy constant per visited
+// node (a few dozen comparisons at most). No operation scans the candidates.
 //
 // Thread-compatible; owned by the PrefixCache.
 
+#include <compare>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <string_view>
-#include <vector>
 
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kvpool/kv_events.h"
 
 namespace kvpool {
 
@@ -24,53 +42,105 @@ inline constexpr NodeIndex kNoNode = -1;
 // Priority classes: lower is evicted first. A node's class is at least each descendant's.
 inline constexpr int kNumPriorities = 4;
 
+// A 64-bit name for a full block's chained hash (never 0); 0 for a partial node's zero hash.
+inline uint64_t BlockFingerprint(const BlockHash& hash) {
+  if (hash == BlockHash{}) return 0;
+  const uint64_t f = hash.lo ^ (hash.hi * 0x9e3779b97f4a7c15ULL);
+  return f == 0 ? 1 : f;
+}
+
+// What the cache knows about a node; passed with every call that concerns it.
+struct NodeFacts {
+  uint64_t fingerprint = 0;  // BlockFingerprint of a full node's chained hash; 0 when partial
+  int32_t depth = 0;         // blocks from the root: 1 for a prompt's first block
+  uint32_t hits = 0;         // times a new sequence adopted the node since it was inserted
+  int priority = 0;          // class in [0, kNumPriorities)
+  int64_t released_ns = 0;   // when it last became evictable (its last user let go); ns
+  uint64_t release_seq = 0;  // cache-wide counter stamped at that moment (orders equal times)
+};
+
+// Eviction order: lower is evicted first; compared field by field.
+struct EvictionRank {
+  int priority = 0;    // NodeFacts::priority
+  double score = 0;    // the policy's value of keeping the node (>= -1; -1: admission reject)
+  uint64_t order = 0;  // NodeFacts::release_seq: older first among equals
+
+  friend auto operator<=>(const EvictionRank&, const EvictionRank&) = default;
+};
+
 class EvictionPolicy {
  public:
   virtual ~EvictionPolicy() = default;
 
   // Node indices are dense in [0, capacity); called before nodes beyond it are used.
   virtual void Reserve(NodeIndex capacity) = 0;
-  // `node` became evictable. REQUIRES: not already evictable; 0 <= priority < kNumPriorities.
-  virtual void Add(NodeIndex node, int priority) = 0;
-  // `node` stopped being evictable (pinned again, or evicted). REQUIRES: evictable.
-  virtual void Remove(NodeIndex node) = 0;
-  // The next node to evict, or kNoNode when nothing is evictable. Must have no evictable
-  // descendant. Does not remove it.
-  virtual NodeIndex Victim() const = 0;
-  // The node that would be evicted after `node` (in the order Victim() starts), or kNoNode.
-  // REQUIRES: Contains(node).
-  virtual NodeIndex After(NodeIndex node) const = 0;
-  virtual int64_t size() const = 0;
+
+  // Access events. The node is locked (never a candidate) when these are called.
+  // A node was created, or a partial node became full (its hash is now known).
+  virtual void OnInsert(NodeIndex node, const NodeFacts& facts, int64_t now_ns) = 0;
+  // A new sequence adopted (or a committing sequence followed) the cached node.
+  virtual void OnHit(NodeIndex node, const NodeFacts& facts, int64_t now_ns) = 0;
+  // The node left the tree (evicted, dominated or cleared). It is not a candidate.
+  virtual void OnErase(NodeIndex node, const NodeFacts& facts, int64_t now_ns) = 0;
+
+  // `node` became a candidate. REQUIRES: not a candidate already.
+  virtual void Add(NodeIndex node, const NodeFacts& facts) = 0;
+  // `node` stopped being a candidate. REQUIRES: Contains(node); `facts` as given to Add (a
+  // candidate's class and release order do not change).
+  virtual void Remove(NodeIndex node, const NodeFacts& facts) = 0;
   virtual bool Contains(NodeIndex node) const = 0;
+  virtual int64_t size() const = 0;
+
+  // Where `node` (any evictable node, candidate or not) ranks at `now_ns`.
+  virtual EvictionRank Rank(NodeIndex node, const NodeFacts& facts, int64_t now_ns) const = 0;
+  // Calls `visit` for the candidates in ascending Rank at `now_ns` until it returns false.
+  // Changes nothing; `visit` must not call into the policy.
+  virtual void Visit(int64_t now_ns,
+                     absl::FunctionRef<bool(NodeIndex, const EvictionRank&)> visit) const = 0;
+
+  // The policy's own bookkeeping (sizes agree, sets ordered). INTERNAL naming the violation.
+  virtual absl::Status CheckInvariants() const = 0;
+  // One line for operators: the policy and its state (e.g. learned estimates).
+  virtual std::string DebugString() const = 0;
 };
 
-// Least recently released first, lowest priority class first. Intrusive doubly-linked lists:
-// every operation is O(1) whatever the number of nodes.
-class LruEvictionPolicy final : public EvictionPolicy {
- public:
-  void Reserve(NodeIndex capacity) override;
-  void Add(NodeIndex node, int priority) override;
-  void Remove(NodeIndex node) override;
-  NodeIndex Victim() const override;
-  NodeIndex After(NodeIndex node) const override;
-  int64_t size() const override { return size_; }
-  bool Contains(NodeIndex node) const override {
-    return node >= 0 && static_cast<size_t>(node) < class_of_.size() && class_of_[node] >= 0;
-  }
-
- private:
-  struct List {
-    NodeIndex head = kNoNode;
-    NodeIndex tail = kNoNode;
-  };
-  List lists_[kNumPriorities];
-  std::vector<NodeIndex> prev_;
-  std::vector<NodeIndex> next_;
-  std::vector<int8_t> class_of_;  // -1: not evictable
-  int64_t size_ = 0;
+// The ordering policies.
+enum class EvictionPolicyKind : uint8_t {
+  kLru,    // least recently released leaf first (LruEvictionPolicy)
+  kReuse,  // lowest learned reuse probability first (ReuseEvictionPolicy)
 };
 
-// Makes a policy by name ("lru"). Errors: INVALID_ARGUMENT for an unknown name.
-absl::StatusOr<std::unique_ptr<EvictionPolicy>> MakeEvictionPolicy(std::string_view name);
+// A policy choice as the cache applies it. Spelled as a spec string (ParseEvictionSpec):
+// "lru" or "reuse", then any of "+admit" (admission filter) and "+notail" (do not retain
+// partial tails); "default" is the measured default (kDefaultEvictionSpec).
+struct EvictionOptions {
+  EvictionPolicyKind kind = EvictionPolicyKind::kLru;
+  bool admission = false;            // AdmissionFilter in front of the policy
+  bool retain_partial_tails = true;  // keep partial tails of finished requests like other leaves
+  // Block hashes remembered by the admission filter and the reuse model's history, in blocks of
+  // the pool; 0: 4 per pool block.
+  int64_t history_blocks = 0;
+  // The reuse model's horizon: it estimates P(reused within this long | age, reuse count); ns.
+  int64_t reuse_horizon_ns = 120'000'000'000;
+};
+
+// The default chosen from the Mooncake replays (docs/eviction.md): LRU behind the admission
+// filter, partial tails not retained.
+inline constexpr std::string_view kDefaultEvictionSpec = "lru+admit+notail";
+
+// Parses a spec ("lru", "reuse+admit", "default", ...). Errors: INVALID_ARGUMENT naming the
+// unknown part.
+absl::StatusOr<EvictionOptions> ParseEvictionSpec(std::string_view spec);
+// The canonical spec of `options` (ParseEvictionSpec(EvictionSpecName(o)) gives o back, sizes
+// aside).
+std::string EvictionSpecName(const EvictionOptions& options);
+
+// Makes the policy `options` describe for a pool of `num_blocks` blocks.
+// Errors: INVALID_ARGUMENT for num_blocks <= 0, a negative history size or a horizon <= 0.
+absl::StatusOr<std::unique_ptr<EvictionPolicy>> MakeEvictionPolicy(const EvictionOptions& options,
+                                                                   int64_t num_blocks);
+// Checks a spec and makes its policy for a small pool (config validation).
+// Errors: INVALID_ARGUMENT (ParseEvictionSpec).
+absl::StatusOr<std::unique_ptr<EvictionPolicy>> MakeEvictionPolicy(std::string_view spec);
 
 }  // namespace kvpool

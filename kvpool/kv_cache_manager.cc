@@ -39,17 +39,26 @@ absl::StatusOr<std::unique_ptr<KvCacheManager>> KvCacheManager::Create(
         fmt::format("max_blocks_per_seq must be > 0 (got {})", options.max_blocks_per_seq));
   }
   if (options.clock == nullptr) return absl::InvalidArgumentError("clock must not be null");
+  if (options.max_pins < 0 || options.max_pin_ttl_ns <= 0 || options.max_pinned_blocks < 0) {
+    return absl::InvalidArgumentError(
+        fmt::format("pin limits must be max_pins >= 0, max_pin_ttl_ns > 0, max_pinned_blocks >= "
+                    "0 (got {}, {}, {})",
+                    options.max_pins, options.max_pin_ttl_ns, options.max_pinned_blocks));
+  }
   KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<BlockPool> pool,
                           BlockPool::Create(BlockPoolOptions{.num_blocks = options.num_blocks,
                                                              .trace_depth = options.trace_depth,
                                                              .fences = options.fences}));
   std::unique_ptr<PrefixCache> cache;
   if (options.prefix_cache) {
-    KVPOOL_ASSIGN_OR_RETURN(cache, PrefixCache::Create({.block_size = options.block_size,
-                                                        .epoch = options.epoch,
-                                                        .event_capacity = options.event_capacity,
-                                                        .policy = options.eviction_policy},
-                                                       pool.get()));
+    KVPOOL_ASSIGN_OR_RETURN(cache,
+                            PrefixCache::Create({.block_size = options.block_size,
+                                                 .epoch = options.epoch,
+                                                 .event_capacity = options.event_capacity,
+                                                 .policy = options.eviction_policy,
+                                                 .history_blocks = options.eviction_history_blocks,
+                                                 .policy_factory = options.eviction_policy_factory},
+                                                pool.get()));
   }
   return std::unique_ptr<KvCacheManager>(
       new KvCacheManager(options, std::move(pool), std::move(cache)));
@@ -62,7 +71,18 @@ KvCacheManager::KvCacheManager(const KvCacheOptions& options, std::unique_ptr<Bl
       clock_(options.clock),
       pool_(std::move(pool)),
       cache_(std::move(cache)),
-      ns_quota_{kUnlimited} {}
+      ns_quota_{kUnlimited},
+      max_pins_(options.max_pins),
+      max_pin_ttl_ns_(options.max_pin_ttl_ns),
+      max_pinned_blocks_(options.max_pinned_blocks > 0 ? options.max_pinned_blocks
+                                                       : options.num_blocks / 2) {}
+
+TraceContext KvCacheManager::BeginCall(SessionId session, SequenceId sequence) {
+  const TraceContext ctx = Context(session, sequence);
+  if (cache_) cache_->SetTime(ctx.time_ns);
+  if (!pins_.empty()) ExpirePinsAt(ctx.time_ns);
+  return ctx;
+}
 
 absl::Status KvCacheManager::SetNamespaceQuota(NamespaceId ns, int64_t max_blocks) {
   if (max_blocks < 0) {
@@ -164,7 +184,8 @@ absl::Status KvCacheManager::CheckCapacity(std::span<const std::pair<NamespaceId
       continue;
     }
     const int64_t quota = slot->value() < ns_quota_.size() ? ns_quota_[slot->value()] : kUnlimited;
-    const int64_t used = pool_->active_blocks(*slot);
+    // Blocks only pins hold count too (a pin's blocks cannot be evicted to make room).
+    const int64_t used = pool_->active_blocks(*slot) + (cache_ ? cache_->pin_held(ns) : 0);
     if (n > 0 && quota != kUnlimited && used + n > quota) {
       return ResourceExhausted(Resource::kNamespaceQuota, used + n - quota,
                                fmt::format("{} in namespace {} ({} of {} blocks in use)", what,
@@ -236,6 +257,7 @@ TableChange KvCacheManager::ApplyGrow(const GrowPlan& plan, const TraceContext& 
 
 void KvCacheManager::RevertGrow(SessionId caller, std::span<const TableChange> changes) {
   const TraceContext ctx = Context(caller, SequenceId(0));
+  if (cache_) cache_->SetTime(ctx.time_ns);  // no pin expiry: the grow's state must stay as it was
   for (auto it = changes.rbegin(); it != changes.rend(); ++it) {
     Sequence& seq = sequences_.at(it->sequence);
     KVPOOL_CHECK(seq.session == caller);
@@ -264,6 +286,7 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
                                            std::span<const AllocateRequest> requests,
                                            std::vector<AllocateResult>* results, DevicePlan* plan) {
   ++counters_.allocate_calls;
+  TraceContext ctx = BeginCall(caller, SequenceId(0));
   if (requests.empty()) return EmptyBatch("allocate");
   if (caller == kNoSession) return absl::InvalidArgumentError("session 0 is reserved");
   std::vector<AllocatePlan> plans(requests.size());
@@ -317,7 +340,8 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
     keep.insert(keep.end(), p.match.full.begin(), p.match.full.end());
     int64_t charged = 0;  // physical blocks this request adds to the namespace's ACTIVE ones
     for (BlockId block : matched) {
-      if (pool_->state(block) == BlockState::kCached &&
+      // A CACHED block becomes ACTIVE: charged, unless a pin held (and charged) it already.
+      if (pool_->state(block) == BlockState::kCached && !cache_->pin_held(block) &&
           std::find(adopted.begin(), adopted.end(), block) == adopted.end()) {
         adopted.push_back(block);
         ++charged;
@@ -334,7 +358,6 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
   KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckRoom(blocks, keep, &victims, "allocate")));
 
   // Everything checked: from here on nothing can fail.
-  TraceContext ctx = Context(caller, SequenceId(0));
   EvictPlanned(victims, ctx);
   for (size_t k = 0; k < requests.size(); ++k) {
     const AllocateRequest& r = requests[k];
@@ -349,7 +372,8 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
                    .ns = r.ns,
                    .slot = *slot,
                    .tokens = std::vector<int32_t>(r.prompt.begin(), r.prompt.end()),
-                   .priority = r.priority};
+                   .priority = r.priority,
+                   .retain_tail = r.retain_tail};
     if (cache_) seq.path = cache_->Adopt(p.match);
     for (NodeIndex node : p.match.full) {
       seq.table.push_back(cache_->block_of(node));
@@ -387,6 +411,7 @@ absl::Status KvCacheManager::Grow(SessionId caller, SequenceId sequence, int64_t
 absl::Status KvCacheManager::GrowBatch(SessionId caller, std::span<const GrowRequest> requests,
                                        DevicePlan* plan, std::vector<TableChange>* changes) {
   ++counters_.grow_calls;
+  TraceContext ctx = BeginCall(caller, SequenceId(0));  // one clock reading per call
   if (requests.empty()) return EmptyBatch("grow");
   std::vector<GrowPlan> plans(requests.size());
   WriteClaims claims;
@@ -412,7 +437,6 @@ absl::Status KvCacheManager::GrowBatch(SessionId caller, std::span<const GrowReq
   KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckCapacity(by_ns, caller, refs, "grow")));
   KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckRoom(blocks, {}, &victims, "grow")));
 
-  TraceContext ctx = Context(caller, SequenceId(0));  // one clock reading per call
   EvictPlanned(victims, ctx);
   for (const GrowPlan& p : plans) {
     ctx.sequence = p.sequence->id;
@@ -426,6 +450,7 @@ absl::Status KvCacheManager::GrowBatch(SessionId caller, std::span<const GrowReq
 absl::Status KvCacheManager::Commit(SessionId caller, SequenceId sequence, int64_t num_tokens,
                                     std::span<const int32_t> new_tokens) {
   ++counters_.commit_calls;
+  const TraceContext ctx = BeginCall(caller, sequence);
   KVPOOL_ASSIGN_OR_RETURN(Sequence * seq, Owned(caller, sequence));
   const int64_t known = static_cast<int64_t>(seq->tokens.size() + new_tokens.size());
   if (num_tokens < 0 || num_tokens > seq->num_tokens || known < num_tokens ||
@@ -438,7 +463,7 @@ absl::Status KvCacheManager::Commit(SessionId caller, SequenceId sequence, int64
   seq->tokens.insert(seq->tokens.end(), new_tokens.begin(), new_tokens.end());
   if (cache_) {
     cache_->Commit(seq->ns, std::span(seq->tokens).first(static_cast<size_t>(num_tokens)),
-                   seq->table, seq->priority, &seq->path, Context(caller, sequence));
+                   seq->table, seq->priority, seq->retain_tail, &seq->path, ctx);
   }
   return absl::OkStatus();
 }
@@ -465,12 +490,12 @@ void KvCacheManager::ReleaseTail(Sequence* sequence, size_t keep, const TraceCon
 
 absl::Status KvCacheManager::Truncate(SessionId caller, SequenceId sequence, int64_t num_tokens) {
   ++counters_.truncate_calls;
+  const TraceContext ctx = BeginCall(caller, sequence);
   KVPOOL_ASSIGN_OR_RETURN(Sequence * seq, Owned(caller, sequence));
   if (num_tokens < 0 || num_tokens > seq->num_tokens) {
     return absl::InvalidArgumentError(fmt::format("cannot truncate sequence {} of {} tokens to {}",
                                                   sequence.value(), seq->num_tokens, num_tokens));
   }
-  const TraceContext ctx = Context(caller, sequence);
   ReleaseTail(seq, static_cast<size_t>(BlocksFor(num_tokens)), ctx);
   // The tree path keeps only the full blocks the sequence still has whole; the block it now
   // ends inside is still held (so never evicted) and is protected by its coverage.
@@ -485,6 +510,7 @@ absl::Status KvCacheManager::Truncate(SessionId caller, SequenceId sequence, int
 absl::StatusOr<SequenceId> KvCacheManager::Fork(SessionId caller, SequenceId sequence,
                                                 DevicePlan* plan) {
   ++counters_.fork_calls;
+  TraceContext ctx = BeginCall(caller, sequence);
   KVPOOL_ASSIGN_OR_RETURN(Sequence * parent, Owned(caller, sequence));
   const bool partial = parent->num_tokens % block_size_ != 0;
   const std::pair<NamespaceId, int64_t> by_ns[] = {{parent->ns, partial ? 1 : 0}};
@@ -494,7 +520,7 @@ absl::StatusOr<SequenceId> KvCacheManager::Fork(SessionId caller, SequenceId seq
   KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckRoom(partial ? 1 : 0, {}, &victims, "fork")));
 
   const SequenceId id(next_sequence_id_++);
-  const TraceContext ctx = Context(caller, id);
+  ctx.sequence = id;
   EvictPlanned(victims, ctx);
   // Copy what the child needs before inserting: the insert may move `parent`.
   Sequence child{.id = id,
@@ -504,7 +530,8 @@ absl::StatusOr<SequenceId> KvCacheManager::Fork(SessionId caller, SequenceId seq
                  .num_tokens = parent->num_tokens,
                  .table = parent->table,
                  .tokens = parent->tokens,
-                 .priority = parent->priority};
+                 .priority = parent->priority,
+                 .retain_tail = parent->retain_tail};
   if (cache_) child.path = cache_->Clone(parent->path);
   const size_t shared = child.table.size() - (partial ? 1 : 0);
   for (size_t i = 0; i < shared; ++i) RetainBlock(child.table[i], ctx);
@@ -529,6 +556,7 @@ absl::Status KvCacheManager::Free(SessionId caller, SequenceId sequence, OnFree 
 absl::Status KvCacheManager::FreeBatch(SessionId caller, std::span<const SequenceId> sequences,
                                        OnFree on_free) {
   ++counters_.free_calls;
+  BeginCall(caller, SequenceId(0));
   if (sequences.empty()) return EmptyBatch("free");
   std::vector<Sequence*> seqs;
   seqs.reserve(sequences.size());
@@ -558,7 +586,8 @@ void KvCacheManager::FreeChecked(Sequence* seq, OnFree on_free) {
   const SessionId caller = seq->session;
   const TraceContext ctx = Context(caller, id);
   if (on_free == OnFree::kCommit && cache_) {
-    cache_->Commit(seq->ns, seq->tokens, seq->table, seq->priority, &seq->path, ctx);
+    cache_->Commit(seq->ns, seq->tokens, seq->table, seq->priority, seq->retain_tail, &seq->path,
+                   ctx);
   }
   ReleaseTail(seq, 0, ctx);
   if (cache_) cache_->Truncate(&seq->path, 0);
@@ -601,12 +630,19 @@ absl::Status KvCacheManager::CheckPublish(const Sequence& seq, std::span<const i
 }
 
 int64_t KvCacheManager::FreeSession(SessionId session) {
+  BeginCall(session, SequenceId(0));
   std::vector<SequenceId> owned;
   for (const auto& [id, seq] : sequences_) {
     if (seq.session == session) owned.push_back(id);
   }
   std::sort(owned.begin(), owned.end());  // deterministic release order
   for (SequenceId id : owned) KVPOOL_CHECK_OK(Free(session, id));
+  std::vector<PinId> pins;
+  for (const auto& [id, pin] : pins_) {
+    if (pin.info.session == session) pins.push_back(id);
+  }
+  std::sort(pins.begin(), pins.end());
+  for (PinId id : pins) ReleasePin(id);
   sessions_.erase(session);
   return static_cast<int64_t>(owned.size());
 }

@@ -7,8 +7,9 @@
 // Contracts every mutating call keeps (DESIGN.md §4):
 //  - Fail clean: every precondition (arguments, existence, ownership, table bound, quotas, free
 //    blocks) is checked before anything changes. On error the state is exactly as before, except
-//    that RETIRING blocks whose fences have passed may have been reclaimed (housekeeping any call
-//    may do). RESOURCE_EXHAUSTED carries the shortfall (kvpool/util/errors.h).
+//    for housekeeping any call may do first: RETIRING blocks whose fences have passed may have
+//    been reclaimed, and pins whose time is up released (ExpirePins). RESOURCE_EXHAUSTED carries
+//    the shortfall (kvpool/util/errors.h).
 //  - Grow by delta: a sequence of n tokens owns exactly ceil(n / block_size) blocks, never more
 //    than max_blocks_per_seq; growing to a size it already has is a no-op.
 //  - Copy-on-write: a sequence only writes into a block no other sequence holds, and never below
@@ -18,17 +19,24 @@
 //    parent's partial last block the same way at once, since both will write to it.
 //  - Prefix cache (DESIGN.md §5): Allocate with a prompt adopts the longest cached prefix in its
 //    namespace; Commit publishes a sequence's blocks; cached blocks nobody holds are evicted,
-//    least recently released leaf first, when a call needs their space. Evictions a call needs
-//    are planned during its checks and only carried out once it cannot fail.
+//    leaves only, in the order the eviction policy gives (KvCacheOptions::eviction_policy,
+//    docs/eviction.md), when a call needs their space. Evictions a call needs are planned during
+//    its checks and only carried out once it cannot fail.
+//  - Pins (retention hints): a session may pin a cached prefix, or what one of its sequences
+//    published, for a bounded time and with a priority class. A pinned block is never evicted
+//    while the pin lasts; pins expire on their own by the injected Clock (checked at the start of
+//    every mutating call, or by ExpirePins()), end with Unpin or when their session is freed, and
+//    are listed by ListPins. A pin that cannot be honoured is refused whole.
 //
-// Quotas: a namespace quota bounds the ACTIVE blocks the namespace owns (physical blocks; shared
-// ones count once); a session quota bounds the block references its sequences hold (table
-// entries; a block two of its sequences share counts twice).
+// Quotas: a namespace quota bounds the ACTIVE blocks the namespace owns plus the CACHED blocks
+// only its pins hold (physical blocks; shared ones count once); a session quota bounds the block
+// references its sequences hold (table entries; a block two of its sequences share counts twice).
 //
 // Thread-compatible: the owner serializes calls. Pointers and spans returned by accessors are
 // valid until the next mutating call.
 
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <span>
@@ -36,6 +44,7 @@
 #include <string_view>
 #include <vector>
 
+#include "absl/container/btree_set.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
@@ -48,6 +57,9 @@
 namespace kvpool {
 
 inline constexpr int64_t kUnlimited = std::numeric_limits<int64_t>::max();
+
+// A retention pin (KvCacheManager::PinPrefix). Assigned by the manager, never reused.
+using PinId = StrongId<struct PinIdTag, uint64_t>;
 
 // Copy every byte of block `src` into block `dst` (copy-on-write, tier moves).
 struct BlockCopy {
@@ -75,9 +87,18 @@ struct KvCacheOptions {
   const Clock* clock = Clock::Real();  // not owned; outlives the manager
   const FenceObserver* fences = nullptr;  // not owned; see BlockPoolOptions
   bool prefix_cache = true;               // share prefixes; off: Commit only records tokens
-  std::string eviction_policy = "lru";    // MakeEvictionPolicy name
-  uint64_t epoch = 0;                     // stamped on every cache event (daemon start)
-  size_t event_capacity = 65536;          // cache events kept for replay
+  // Eviction spec (ParseEvictionSpec): "lru", "reuse", "+admit", "+notail", "default".
+  std::string eviction_policy = std::string(kDefaultEvictionSpec);
+  int64_t eviction_history_blocks = 0;  // hashes the policies remember; 0: 4 per pool block
+  // When set, makes the eviction ordering policy instead of the spec (tests inject theirs).
+  std::function<std::unique_ptr<EvictionPolicy>()> eviction_policy_factory;
+  uint64_t epoch = 0;             // stamped on every cache event (daemon start)
+  size_t event_capacity = 65536;  // cache events kept for replay
+  // Pins: at most this many at once (all sessions); each for at most max_pin_ttl_ns; at most
+  // max_pinned_blocks distinct blocks pinned at once (0: half the pool).
+  int32_t max_pins = 4096;
+  int64_t max_pin_ttl_ns = 3'600'000'000'000;  // one hour
+  int64_t max_pinned_blocks = 0;
 };
 
 struct Sequence {
@@ -89,6 +110,7 @@ struct Sequence {
   std::vector<BlockId> table;   // token t lives in table[t / block_size], slot t % block_size
   std::vector<int32_t> tokens;  // the token ids known so far (<= num_tokens of them)
   int priority = 0;             // prefix-cache priority class of what it publishes
+  bool retain_tail = false;     // keep its partial tail in the cache after it ends
   CachePath path;               // its place in the prefix tree (locked nodes)
   uint64_t batch_mark = 0;      // KvCacheManager's scratch: finds a sequence listed twice
 };
@@ -98,6 +120,9 @@ struct AllocateRequest {
   int64_t num_tokens = 0;           // >= prompt.size(): room for the prompt and what follows
   std::span<const int32_t> prompt;  // matched against the prefix cache; may be empty
   int priority = 0;                 // in [0, kNumPriorities): cache class of its blocks
+  // Keep the partial last block it publishes once it ends, even under a "+notail" policy (a
+  // rewind endpoint the client will come back to).
+  bool retain_tail = false;
 };
 
 struct AllocateResult {
@@ -130,6 +155,21 @@ struct TableChange {
   BlockId replaced = kInvalidBlock;  // copy-on-write: the block entry `first_changed` held before
 };
 
+// A pin as ListPins reports it.
+struct PinInfo {
+  PinId id;
+  SessionId session;  // the owner
+  NamespaceId ns;
+  SequenceId sequence{0};  // the sequence whose published blocks it pins; 0 for a prefix pin
+  int priority = 0;        // class the pinned blocks were raised to
+  int64_t tokens = 0;      // tokens pinned (the prefix length)
+  int64_t blocks = 0;      // tree nodes (pool blocks) it holds
+  int64_t created_ns = 0;  // Clock reading when made (or last renewed)
+  int64_t expires_ns = 0;  // Clock reading at which it ends by itself
+
+  friend bool operator==(const PinInfo&, const PinInfo&) = default;
+};
+
 struct KvCacheStats {
   BlockPoolStats pool;
   int64_t sequences = 0;  // live sequences
@@ -146,6 +186,10 @@ struct KvCacheStats {
   uint64_t prompt_tokens = 0;  // prompt tokens looked up by Allocate
   uint64_t hit_tokens = 0;     // of which found in the prefix cache
   uint64_t evictions = 0;      // cached blocks evicted to make room (or on request)
+  int64_t pins = 0;            // live pins
+  int64_t pinned_blocks = 0;   // distinct blocks they hold
+  uint64_t pins_made = 0;      // successful PinPrefix/PinSequence calls
+  uint64_t pins_expired = 0;   // pins that ran out of time
   PrefixCacheStats cache;
 };
 
@@ -225,8 +269,8 @@ class KvCacheManager final {
   absl::Status FreeBatch(SessionId caller, std::span<const SequenceId> sequences,
                          OnFree on_free = OnFree::kDiscard);
 
-  // Frees every sequence of `session` (its client went away). Returns how many. The session's
-  // quota setting is forgotten too.
+  // Frees every sequence of `session` (its client went away) and ends its pins. Returns how many
+  // sequences. The session's quota setting is forgotten too.
   int64_t FreeSession(SessionId session);
 
   // Records that device work queued up to `fence` touches `blocks` (the caller has just enqueued
@@ -237,6 +281,38 @@ class KvCacheManager final {
 
   // Moves RETIRING blocks whose fences have passed to the free list. Returns how many.
   int32_t ReclaimRetired();
+
+  // Pins (retention hints; kv_cache_manager_pins.cc). A pin locks tree nodes: while it lasts its
+  // blocks are never evicted, and those only it holds (CACHED) count against the namespace's
+  // quota. It raises their priority class to at least `priority` for good (the order among
+  // evictable blocks once it ends). It ends at `ttl_ns` after it was made (by the Clock), by
+  // Unpin, or when its session is freed.
+  //
+  // Pins the cached prefix `tokens` of `ns` (e.g. a system prompt), all of it.
+  // Errors: INVALID_ARGUMENT (session 0, namespace 0, no tokens, ttl_ns <= 0 or above
+  // max_pin_ttl_ns, priority outside [0, kNumPriorities)); FAILED_PRECONDITION (prefix cache
+  // off); NOT_FOUND (not all of `tokens` is cached: the message says how much is);
+  // RESOURCE_EXHAUSTED (max_pins reached; namespace quota or max_pinned_blocks, with the
+  // shortfall). On error nothing has changed.
+  absl::StatusOr<PinId> PinPrefix(SessionId caller, NamespaceId ns, std::span<const int32_t> tokens,
+                                  int64_t ttl_ns, int priority);
+  // Pins what `sequence` has published so far (its path in the tree), so that it outlives the
+  // sequence (e.g. an agent waiting for a tool call frees its sequence and comes back).
+  // Errors: as PinPrefix, plus NOT_FOUND / PERMISSION_DENIED for the sequence and
+  // FAILED_PRECONDITION when it has published nothing.
+  absl::StatusOr<PinId> PinSequence(SessionId caller, SequenceId sequence, int64_t ttl_ns,
+                                    int priority);
+  // Restarts the pin's time: it now ends `ttl_ns` from now.
+  // Errors: NOT_FOUND (no such pin, or it has ended), PERMISSION_DENIED (another session's),
+  // INVALID_ARGUMENT (ttl_ns as above).
+  absl::Status RenewPin(SessionId caller, PinId pin, int64_t ttl_ns);
+  // Ends the pin now. Errors: NOT_FOUND, PERMISSION_DENIED.
+  absl::Status Unpin(SessionId caller, PinId pin);
+  // Live pins (of `session`, or of all sessions for kNoSession), by id. Pins whose time is up
+  // but which no call has expired yet are left out.
+  std::vector<PinInfo> ListPins(SessionId session = kNoSession) const;
+  // Ends every pin whose time is up (at the Clock's reading). Returns how many.
+  int64_t ExpirePins();
 
   // Prefix cache, for routers and operators. Both change nothing.
   int64_t MatchPrefix(NamespaceId ns, std::span<const int32_t> tokens) const;
@@ -261,11 +337,12 @@ class KvCacheManager final {
   // The pool's and the prefix cache's invariants, plus: every block's reference count equals the
   // table entries that name it plus the cache's reference; tables hold only ACTIVE blocks and
   // exactly ceil(num_tokens / block_size) of them, within max_blocks_per_seq; every tree node is
-  // locked once per sequence whose path holds it; per-session usage matches.
+  // locked once per sequence whose path holds it and once per pin; pins are within their limits
+  // and each has its deadline queued; per-session usage matches.
   // Returns INTERNAL naming the first violation.
   absl::Status CheckInvariants() const;
 
-  // All state in canonical text form (pool, sequences by id, sessions, quotas).
+  // All state in canonical text form (pool, sequences by id, sessions, quotas, pins).
   std::string DebugString() const;
 
  private:
@@ -273,6 +350,11 @@ class KvCacheManager final {
     int64_t block_refs = 0;
     int64_t sequences = 0;
     int64_t quota = kUnlimited;
+  };
+
+  struct Pin {
+    PinInfo info;
+    std::vector<NodeIndex> nodes;  // root first, each pinned once
   };
 
   // What one sequence's growth needs, worked out before anything changes.
@@ -300,6 +382,20 @@ class KvCacheManager final {
   TraceContext Context(SessionId session, SequenceId sequence) const {
     return TraceContext{session, sequence, clock_->NowNanos()};
   }
+  // What every mutating call does first: one clock reading, given to the prefix cache, and the
+  // pins whose time is up expired (housekeeping).
+  TraceContext BeginCall(SessionId session, SequenceId sequence);
+  // Expires pins whose deadline is <= now_ns.
+  int64_t ExpirePinsAt(int64_t now_ns);
+  // Checks and makes a pin over `nodes` (a root-first path) for `tokens` tokens.
+  absl::StatusOr<PinId> MakePin(SessionId caller, NamespaceId ns, SequenceId sequence,
+                                std::vector<NodeIndex> nodes, int64_t tokens, int64_t ttl_ns,
+                                int priority, int64_t now_ns);
+  absl::Status CheckTtl(int64_t ttl_ns) const;
+  absl::StatusOr<Pin*> OwnedPin(SessionId caller, PinId pin);
+  void ReleasePin(PinId pin);
+  absl::Status CheckPins(absl::flat_hash_map<NodeIndex, uint32_t>* locks,
+                         absl::flat_hash_map<NodeIndex, uint32_t>* pins) const;
   // The sequence, if `caller` owns it. Errors: NOT_FOUND, PERMISSION_DENIED.
   absl::StatusOr<Sequence*> Owned(SessionId caller, SequenceId sequence);
   // Whether writing token slot `slot` of `block` must first move the writer onto a copy:
@@ -348,6 +444,12 @@ class KvCacheManager final {
   absl::flat_hash_map<SequenceId, Sequence> sequences_;
   absl::flat_hash_map<SessionId, SessionUsage> sessions_;
   std::vector<int64_t> ns_quota_;  // by namespace slot
+  const int32_t max_pins_;
+  const int64_t max_pin_ttl_ns_;
+  const int64_t max_pinned_blocks_;
+  absl::flat_hash_map<PinId, Pin> pins_;
+  absl::btree_set<std::pair<int64_t, PinId>> deadlines_;  // (expires_ns, pin) of every pin
+  uint64_t next_pin_id_ = 1;
   uint64_t next_sequence_id_ = 1;
   uint64_t batch_serial_ = 0;  // stamps Sequence::batch_mark
 

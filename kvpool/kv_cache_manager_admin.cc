@@ -53,7 +53,7 @@ MatchExplanation KvCacheManager::ExplainMatch(NamespaceId ns,
 
 int64_t KvCacheManager::EvictCached(int64_t blocks) {
   if (!cache_ || blocks <= 0) return 0;
-  const int64_t evicted = cache_->EvictUpTo(blocks, Context(kNoSession, SequenceId(0)));
+  const int64_t evicted = cache_->EvictUpTo(blocks, BeginCall(kNoSession, SequenceId(0)));
   counters_.evictions += static_cast<uint64_t>(evicted);
   return evicted;
 }
@@ -61,7 +61,7 @@ int64_t KvCacheManager::EvictCached(int64_t blocks) {
 absl::Status KvCacheManager::ClearCache() {
   if (!cache_) return absl::OkStatus();
   const int64_t before = cache_->stats().nodes;
-  KVPOOL_RETURN_IF_ERROR(cache_->Clear(Context(kNoSession, SequenceId(0))));
+  KVPOOL_RETURN_IF_ERROR(cache_->Clear(BeginCall(kNoSession, SequenceId(0))));
   counters_.evictions += static_cast<uint64_t>(before);
   return absl::OkStatus();
 }
@@ -81,6 +81,8 @@ KvCacheStats KvCacheManager::stats() const {
   s.sessions = 0;
   for (const auto& [id, usage] : sessions_) s.sessions += usage.sequences > 0 ? 1 : 0;
   if (cache_) s.cache = cache_->stats();
+  s.pins = static_cast<int64_t>(pins_.size());
+  s.pinned_blocks = cache_ ? cache_->pinned_nodes() : 0;
   return s;
 }
 
@@ -144,9 +146,11 @@ absl::Status KvCacheManager::CheckInvariants() const {
       return InvariantViolation("session {} is untracked", session.value());
   }
   if (cache_) {
-    KVPOOL_RETURN_IF_ERROR(cache_->CheckInvariants(&locks));
-  } else if (pool_->num_cached() != 0) {
-    return InvariantViolation("cached blocks without a prefix cache");
+    absl::flat_hash_map<NodeIndex, uint32_t> pinned;
+    KVPOOL_RETURN_IF_ERROR(CheckPins(&locks, &pinned));
+    KVPOOL_RETURN_IF_ERROR(cache_->CheckInvariants(&locks, &pinned));
+  } else if (pool_->num_cached() != 0 || !pins_.empty()) {
+    return InvariantViolation("cached blocks or pins without a prefix cache");
   }
   return absl::OkStatus();
 }
@@ -174,7 +178,17 @@ std::string KvCacheManager::DebugString() const {
   for (const auto& [id, u] : sessions) {
     fmt::format_to(it, " {}={}/{}/{}", id.value(), u.block_refs, u.sequences, u.quota);
   }
-  fmt::format_to(it, "\nns_quota: {}\n", fmt::join(ns_quota_, " "));
+  fmt::format_to(it, "\nns_quota: {}\npins:", fmt::join(ns_quota_, " "));
+  std::vector<PinId> pins;
+  for (const auto& [id, pin] : pins_) pins.push_back(id);
+  std::sort(pins.begin(), pins.end());
+  for (PinId id : pins) {
+    const Pin& p = pins_.at(id);
+    fmt::format_to(it, " {}:session={},ns={},seq={},prio={},tokens={},expires={},nodes={}",
+                   id.value(), p.info.session.value(), p.info.ns.value(), p.info.sequence.value(),
+                   p.info.priority, p.info.tokens, p.info.expires_ns, fmt::join(p.nodes, "/"));
+  }
+  out += "\n";
   return out;
 }
 

@@ -74,15 +74,28 @@ absl::StatusOr<std::unique_ptr<PrefixCache>> PrefixCache::Create(const PrefixCac
   if (options.event_capacity == 0) {
     return absl::InvalidArgumentError("event_capacity must be > 0");
   }
-  absl::StatusOr<std::unique_ptr<EvictionPolicy>> policy = MakeEvictionPolicy(options.policy);
-  if (!policy.ok()) return policy.status();
-  return std::unique_ptr<PrefixCache>(new PrefixCache(options, pool, std::move(*policy)));
+  absl::StatusOr<EvictionOptions> spec = ParseEvictionSpec(options.policy);
+  if (!spec.ok()) return spec.status();
+  spec->history_blocks = options.history_blocks;
+  std::unique_ptr<EvictionPolicy> policy;
+  if (options.policy_factory) {
+    policy = options.policy_factory();
+    if (policy == nullptr) return absl::InvalidArgumentError("policy_factory returned null");
+  } else {
+    absl::StatusOr<std::unique_ptr<EvictionPolicy>> made =
+        MakeEvictionPolicy(*spec, pool->num_blocks());
+    if (!made.ok()) return made.status();
+    policy = std::move(*made);
+  }
+  return std::unique_ptr<PrefixCache>(
+      new PrefixCache(options, pool, std::move(policy), spec->retain_partial_tails));
 }
 
 PrefixCache::PrefixCache(const PrefixCacheOptions& options, BlockPool* pool,
-                         std::unique_ptr<EvictionPolicy> policy)
+                         std::unique_ptr<EvictionPolicy> policy, bool retain_partial_tails)
     : block_size_(options.block_size),
       evicted_memory_(options.evicted_memory),
+      retain_partial_tails_(retain_partial_tails),
       pool_(pool),
       policy_(std::move(policy)),
       events_(options.epoch, options.event_capacity),
@@ -105,6 +118,9 @@ NodeIndex PrefixCache::NewNode() {
   coverage_.push_back(0);
   lock_.push_back(0);
   priority_.push_back(0);
+  tail_prev_.push_back(kNoNode);
+  tail_next_.push_back(kNoNode);
+  state_.emplace_back();
   ns_.push_back(kNoNamespace);
   hash_.push_back(BlockHash{});
   token_hash_.push_back(0);
@@ -238,6 +254,13 @@ void PrefixCache::Lock(NodeIndex node) {
   if (lock_[node]++ == 0) UpdateEvictable(node);
 }
 
+void PrefixCache::LockHit(NodeIndex node) {
+  Lock(node);  // first: the policy hears of hits on nodes that are not candidates
+  ++state_[node].hits;
+  ++counters_.hits;
+  policy_->OnHit(node, Facts(node), now_ns_);
+}
+
 void PrefixCache::Unlock(NodeIndex node) {
   KVPOOL_CHECK_MSG(lock_[node] > 0, "unlock of an unlocked prefix-cache node");
   if (--lock_[node] == 0) UpdateEvictable(node);
@@ -245,13 +268,15 @@ void PrefixCache::Unlock(NodeIndex node) {
 
 CachePath PrefixCache::Adopt(const PrefixMatch& match) {
   CachePath path{.full = match.full, .partial = match.partial};
-  for (NodeIndex node : path.full) Lock(node);
-  if (path.partial != kNoNode) Lock(path.partial);
+  for (NodeIndex node : path.full) LockHit(node);
+  if (path.partial != kNoNode) LockHit(path.partial);
   return path;
 }
 
 CachePath PrefixCache::Clone(const CachePath& path) {
-  return Adopt(PrefixMatch{.full = path.full, .partial = path.partial});
+  for (NodeIndex node : path.full) Lock(node);
+  if (path.partial != kNoNode) Lock(path.partial);
+  return path;
 }
 
 void PrefixCache::Truncate(CachePath* path, size_t keep_full) {
@@ -272,12 +297,16 @@ bool PrefixCache::ShouldBeEvictable(NodeIndex node) const {
 
 void PrefixCache::UpdateEvictable(NodeIndex node) {
   const bool want = ShouldBeEvictable(node);
-  if (want == policy_->Contains(node)) return;
-  if (want) {
-    policy_->Add(node, priority_[node]);
-  } else {
-    policy_->Remove(node);
+  if (want != (state_[node].evictable != 0)) {
+    state_[node].evictable = want ? 1 : 0;
+    num_evictable_ += want ? 1 : -1;
+    if (want) {  // released: the moment LRU and the reuse model age it from
+      state_[node].released_ns = now_ns_;
+      state_[node].release_seq = ++release_counter_;
+    }
+    UpdateCandidate(node);
   }
+  UpdatePinCharge(node);
 }
 
 void PrefixCache::OnBlockRefsChanged(BlockId block) {

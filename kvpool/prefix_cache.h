@@ -13,18 +13,27 @@
 //    a rewind endpoint stays reusable whichever of the two was created first;
 //  - events announce full blocks only.
 //
-// Eviction: a node is evictable when it holds a block, no sequence locks it and no sequence
-// holds its block (the block is CACHED). The EvictionPolicy orders evictable nodes; because
-// sequences lock whole paths and release them deepest-first, a node always becomes evictable
-// after its descendants, so the policy's first candidate is a leaf and one eviction is O(1)
-// whatever the tree's size. The tree owns exactly one pool reference per cached block and an
-// eviction returns exactly that one.
+// Eviction (docs/eviction.md): a node is evictable when it holds a block, no sequence or pin
+// locks it and no sequence holds its block (the block is CACHED). Only evictable leaves are
+// candidates: the cache keeps the EvictionPolicy's candidate set equal to them, so whatever order
+// a policy chooses, a node with cached descendants is never a victim. Partial tails of finished
+// requests that nobody asked to retain (PrefixCacheOptions::policy "+notail", no
+// Commit(retain_tail)) go to a first-out list of their own instead of the policy. A plan takes
+// that list, then the policy's candidates in rank order, merging in the parents its earlier
+// victims turn into leaves. Each planned eviction costs O(log n) in the candidates, whatever the
+// tree's size. The tree owns exactly one pool reference per cached block and an eviction
+// returns exactly that one.
+//
+// Pins (KvCacheManager::PinPrefix): a pinned node is locked, so it is never evicted; while its
+// block is CACHED it counts as pin-held for its namespace's quota. Pin() raises the pinned
+// nodes' priority class for good.
 //
 // Thread-compatible; owned by the KvCacheManager, which serializes calls. The cache calls into
 // the BlockPool (AddCacheRef/DropCacheRef) and must be told, through OnBlockRefsChanged(), when
 // a sequence retains or releases a block.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -86,31 +95,46 @@ struct PrefixCacheOptions {
   uint64_t epoch = 0;             // stamped on every event
   size_t event_capacity = 65536;  // events kept for replay; > 0
   size_t evicted_memory = 65536;  // recently evicted block hashes remembered for Explain()
-  std::string policy = "lru";     // eviction policy name (MakeEvictionPolicy)
+  // Eviction spec (ParseEvictionSpec): the ordering policy and whether partial tails are kept.
+  std::string policy = std::string(kDefaultEvictionSpec);
+  int64_t history_blocks = 0;  // EvictionOptions::history_blocks (0: 4 per pool block)
+  // When set, makes the ordering policy instead of the spec (tests inject theirs); the spec
+  // still decides partial-tail retention.
+  std::function<std::unique_ptr<EvictionPolicy>()> policy_factory;
 };
 
 struct PrefixCacheStats {
-  int64_t nodes = 0;       // cached blocks (full + partial)
-  int64_t full_nodes = 0;  // of which full
-  int64_t evictable = 0;   // nodes that could be evicted now
-  int64_t namespaces = 0;  // namespaces with a tree
-  uint64_t inserted = 0;   // nodes created
-  uint64_t widened = 0;    // partial nodes widened in place as their sequence published more
-  uint64_t evicted = 0;    // nodes evicted (including dominated partial nodes)
-  uint64_t dominated = 0;  // partial nodes removed because a wider sibling covers them
+  int64_t nodes = 0;           // cached blocks (full + partial)
+  int64_t full_nodes = 0;      // of which full
+  int64_t evictable = 0;       // nodes that could be evicted now (leaves or not)
+  int64_t candidates = 0;      // of which leaves (the policy's candidates plus first-out tails)
+  int64_t pinned = 0;          // nodes held by at least one pin
+  int64_t namespaces = 0;      // namespaces with a tree
+  uint64_t inserted = 0;       // nodes created
+  uint64_t widened = 0;        // partial nodes widened in place as their sequence published more
+  uint64_t evicted = 0;        // nodes evicted (including dominated partial nodes)
+  uint64_t dominated = 0;      // partial nodes removed because a wider sibling covers them
+  uint64_t hits = 0;           // nodes adopted by new sequences (or followed by committing ones)
+  uint64_t tails_evicted = 0;  // unretained partial tails evicted first
 };
 
 class PrefixCache final {
  public:
-  // Errors: INVALID_ARGUMENT (block_size <= 0, event_capacity 0, unknown policy).
+  // Errors: INVALID_ARGUMENT (block_size <= 0, event_capacity 0, bad policy spec or sizes, a
+  // policy_factory that returns null).
   static absl::StatusOr<std::unique_ptr<PrefixCache>> Create(const PrefixCacheOptions& options,
                                                              BlockPool* pool);
+
+  // The time (ns, from the owner's injected Clock) stamped on what follows and shown to the
+  // policy, until the next call. The manager sets it once per call.
+  void SetTime(int64_t now_ns) { now_ns_ = now_ns; }
 
   // The longest cached prefix of `tokens` in `ns`. Changes nothing.
   PrefixMatch Match(NamespaceId ns, std::span<const int32_t> tokens) const;
   MatchExplanation Explain(NamespaceId ns, std::span<const int32_t> tokens) const;
 
-  // Locks the nodes of `match` for a new sequence. Block references are the caller's business.
+  // Locks the nodes of `match` for a new sequence and tells the policy they were hit. Block
+  // references are the caller's business.
   CachePath Adopt(const PrefixMatch& match);
   // Locks `path`'s nodes once more (a forked sequence follows its parent's path).
   CachePath Clone(const CachePath& path);
@@ -120,10 +144,12 @@ class PrefixCache final {
   // Publishes the blocks of a sequence in `ns` whose tokens are `tokens` and whose block table
   // is `table` (covering them), extending `path`: full blocks become (or follow) full nodes, a
   // trailing partial block becomes (or widens, or follows) a partial node. The tree takes one
-  // pool reference per block it adopts. `priority` in [0, kNumPriorities).
+  // pool reference per block it adopts. `priority` in [0, kNumPriorities). `retain_tail`: the
+  // trailing partial node the path ends on is kept like any other leaf once released, even when
+  // the spec says "+notail".
   // REQUIRES: Agrees() for every block of `table` past `path->full` with its tokens.
   void Commit(NamespaceId ns, std::span<const int32_t> tokens, std::span<const BlockId> table,
-              int priority, CachePath* path, const TraceContext& ctx);
+              int priority, bool retain_tail, CachePath* path, const TraceContext& ctx);
 
   // Unlocks the nodes of `path` past its first `keep_full` full blocks, deepest first, and its
   // partial node.
@@ -141,9 +167,29 @@ class PrefixCache final {
   void Evict(std::span<const NodeIndex> victims, const TraceContext& ctx);
   // Evicts up to `blocks` evictable nodes (an operator's request). Returns how many.
   int64_t EvictUpTo(int64_t blocks, const TraceContext& ctx);
-  // Drops every node. Errors: FAILED_PRECONDITION while any node is locked or in use (nothing
-  // evicted).
+  // Drops every node. Errors: FAILED_PRECONDITION while any node is locked (by a sequence or a
+  // pin) or in use (nothing evicted).
   absl::Status Clear(const TraceContext& ctx);
+
+  // Pins `nodes` (locks each once more) and raises their class to at least `priority`.
+  // REQUIRES: nodes hold blocks and form a path from a root (parents first), each listed once;
+  // 0 <= priority < kNumPriorities.
+  void Pin(std::span<const NodeIndex> nodes, int priority);
+  // Undoes one Pin() of `nodes`. REQUIRES: each is pinned.
+  void Unpin(std::span<const NodeIndex> nodes);
+  // Of `nodes` (distinct), how many a new pin would add to their namespace's pin-held blocks
+  // (CACHED, not pinned yet), and how many are not pinned yet.
+  int64_t PinCharge(std::span<const NodeIndex> nodes) const;
+  int64_t NewlyPinned(std::span<const NodeIndex> nodes) const;
+  // Blocks of `ns` that only pins hold (CACHED and pinned): they count against its quota.
+  int64_t pin_held(NamespaceId ns) const;
+  // Whether `block` is one of those.
+  bool pin_held(BlockId block) const {
+    const NodeIndex node = node_of_block_[static_cast<size_t>(block.value())];
+    return node != kNoNode && state_[node].pin_charged != 0;
+  }
+  int64_t pinned_nodes() const { return pinned_nodes_; }
+  uint32_t pins(NodeIndex node) const { return state_[node].pins; }
 
   // How many leading tokens of `block` the tree has published (0 when it holds no node for it).
   // Those tokens are immutable: a write below it must go to a copy.
@@ -160,6 +206,9 @@ class PrefixCache final {
   BlockId block_of(NodeIndex node) const { return block_[node]; }
   int32_t coverage(NodeIndex node) const { return coverage_[node]; }
   uint32_t locks(NodeIndex node) const { return lock_[node]; }
+  int priority(NodeIndex node) const { return priority_[node]; }
+  NamespaceId ns_of(NodeIndex node) const { return ns_[node]; }
+  const EvictionPolicy& policy() const { return *policy_; }
 
   const EventLog& events() const { return events_; }
   // BlockStored events (seq 0) describing every full node now cached, parents first; a consumer
@@ -167,11 +216,14 @@ class PrefixCache final {
   std::vector<KvEvent> SnapshotEvents(uint64_t* resume_seq) const;
 
   PrefixCacheStats stats() const;
-  // Tree shape, hash chains, coverage, the child index, one cache reference per node, and that
-  // the policy holds exactly the evictable nodes. `expected_locks` (node -> locks), when given,
-  // must equal every node's lock count. Returns INTERNAL naming the first violation.
+  // Tree shape, hash chains, coverage, the child index, one cache reference per node, that the
+  // policy (plus the first-out tails) holds exactly the evictable leaves and that its own books
+  // balance, and the pin counts behind pin_held(). `expected_locks` and `expected_pins`
+  // (node -> count), when given, must equal every node's lock and pin counts. Returns INTERNAL
+  // naming the first violation.
   absl::Status CheckInvariants(
-      const absl::flat_hash_map<NodeIndex, uint32_t>* expected_locks = nullptr) const;
+      const absl::flat_hash_map<NodeIndex, uint32_t>* expected_locks = nullptr,
+      const absl::flat_hash_map<NodeIndex, uint32_t>* expected_pins = nullptr) const;
   // Every node and the event position in canonical text form (fail-clean tests compare it).
   std::string DebugString() const;
 
@@ -186,8 +238,24 @@ class PrefixCache final {
     }
   };
 
+  // What eviction reads and writes of a node, packed so that evicting a node and re-ranking its
+  // parent touch one cache line each, not one per field (a miss each at 1M nodes). 40 bytes.
+  struct NodeState {
+    int64_t released_ns = 0;   // when it last became evictable
+    uint64_t release_seq = 0;  // release_counter_ at that moment
+    uint64_t fingerprint = 0;  // BlockFingerprint(hash_) of a full node, 0 when partial
+    uint32_t hits = 0;         // adoptions since insert
+    int32_t depth = 0;         // blocks from the root (roots: 0)
+    uint32_t pins = 0;         // pins among its locks
+    uint8_t evictable = 0;     // ShouldBeEvictable() as last evaluated
+    uint8_t retain = 0;        // a partial node someone asked to retain
+    uint8_t pin_charged = 0;   // counted in pin_held_
+    uint8_t in_tails = 0;      // a candidate on the first-out tail list
+    uint8_t in_policy = 0;     // a candidate the policy holds
+  };
+
   PrefixCache(const PrefixCacheOptions& options, BlockPool* pool,
-              std::unique_ptr<EvictionPolicy> policy);
+              std::unique_ptr<EvictionPolicy> policy, bool retain_partial_tails);
 
   std::span<const int32_t> Tokens(NodeIndex node) const {
     return {tokens_.data() + static_cast<size_t>(node) * block_size_,
@@ -203,6 +271,9 @@ class PrefixCache final {
   NodeIndex BestChild(NodeIndex parent, std::span<const int32_t> tokens, int32_t* common) const;
   // A child of `parent` other than `except` that covers all of `tokens`, or kNoNode.
   NodeIndex Covering(NodeIndex parent, std::span<const int32_t> tokens, NodeIndex except) const;
+  // Commit() without the retention mark.
+  void CommitBlocks(NamespaceId ns, std::span<const int32_t> tokens, std::span<const BlockId> table,
+                    int priority, CachePath* path, const TraceContext& ctx);
   NodeIndex Insert(NodeIndex parent, std::span<const int32_t> tokens, BlockId block, int priority,
                    const TraceContext& ctx);
   // Extends `node` (holding the sequence's own block) to `tokens`; a node reaching a full block
@@ -212,16 +283,41 @@ class PrefixCache final {
   // Removes unused partial siblings of `node` that it covers.
   void RemoveDominated(NodeIndex node, const TraceContext& ctx);
   void RemoveNode(NodeIndex node, const TraceContext& ctx);
+  // Lock() for a node a sequence reuses: also counts the hit and tells the policy.
+  void LockHit(NodeIndex node);
+  // Re-evaluates a node after its locks or its block's references changed.
   void UpdateEvictable(NodeIndex node);
   bool ShouldBeEvictable(NodeIndex node) const;
+  // Puts `node` into, or takes it out of, the candidates (policy or first-out tails) as it is
+  // or is not an evictable leaf.
+  void UpdateCandidate(NodeIndex node);
+  bool IsFirstOutTail(NodeIndex node) const {
+    return coverage_[node] < block_size_ && !retain_partial_tails_ && state_[node].retain == 0;
+  }
+  void TailPush(NodeIndex node);
+  void TailRemove(NodeIndex node);
+  void UpdatePinCharge(NodeIndex node);
+  NodeFacts Facts(NodeIndex node) const {
+    return NodeFacts{.fingerprint = state_[node].fingerprint,
+                     .depth = state_[node].depth,
+                     .hits = state_[node].hits,
+                     .priority = priority_[node],
+                     .released_ns = state_[node].released_ns,
+                     .release_seq = state_[node].release_seq};
+  }
+  absl::Status CheckNode(NodeIndex node, const absl::flat_hash_map<NodeIndex, uint32_t>* pins,
+                         absl::flat_hash_map<NamespaceId, int64_t>* pin_held) const;
   void Announce(NodeIndex first, NodeIndex last);  // BlockStored for the chain first..last
   void FlushRemoved();
 
   const int32_t block_size_;
   const size_t evicted_memory_;
+  const bool retain_partial_tails_;
   BlockPool* const pool_;
   std::unique_ptr<EvictionPolicy> policy_;
   EventLog events_;
+  int64_t now_ns_ = 0;
+  uint64_t release_counter_ = 0;
 
   // Node metadata, struct-of-arrays by NodeIndex.
   std::vector<NodeIndex> parent_;
@@ -231,8 +327,11 @@ class PrefixCache final {
   std::vector<int32_t> num_children_;
   std::vector<BlockId> block_;     // kInvalidBlock for roots and free slots
   std::vector<int32_t> coverage_;  // tokens of the block published (0 for roots)
-  std::vector<uint32_t> lock_;
+  std::vector<uint32_t> lock_;     // sequences and pins following the node
   std::vector<int8_t> priority_;
+  std::vector<NodeIndex> tail_prev_;  // first-out tails: a FIFO threaded through the nodes
+  std::vector<NodeIndex> tail_next_;
+  std::vector<NodeState> state_;  // eviction bookkeeping, one cache line per two nodes
   std::vector<NamespaceId> ns_;
   std::vector<BlockHash> hash_;       // full nodes (and roots: zero)
   std::vector<uint64_t> token_hash_;  // full nodes: key in children_
@@ -251,8 +350,19 @@ class PrefixCache final {
   std::vector<BlockHash> pending_removed_;  // batched into one BlockRemoved per call
   NamespaceId pending_removed_ns_;
 
+  // PlanEviction's scratch, kept to avoid allocating on every eviction.
+  mutable absl::flat_hash_map<NodeIndex, int32_t> plan_gone_;
+  mutable std::vector<std::pair<EvictionRank, NodeIndex>> plan_parents_;
+
+  NodeIndex tails_head_ = kNoNode;
+  NodeIndex tails_tail_ = kNoNode;
+  int64_t num_tails_ = 0;
+  absl::flat_hash_map<NamespaceId, int64_t> pin_held_;  // CACHED pinned blocks by namespace
+
   int64_t num_nodes_ = 0;
   int64_t num_full_ = 0;
+  int64_t num_evictable_ = 0;
+  int64_t pinned_nodes_ = 0;
   PrefixCacheStats counters_;
 };
 

@@ -1,20 +1,32 @@
 #include "tools/replay.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <limits>
+#include <memory>
+#include <thread>
 
 #include "fmt/format.h"
 #include "kvpool/kv_cache_manager.h"
 #include "kvpool/util/check.h"
+#include "kvpool/util/clock.h"
 #include "kvpool/util/status_macros.h"
 
 namespace kvpool::tools {
+namespace {
 
 using workload::ExpandTokens;
 using workload::kTraceBlockTokens;
 
-absl::StatusOr<ReplayResult> Replay(const std::vector<TraceRequest>& trace,
-                                    const ReplayOptions& options, const ReplayProgress& progress) {
+// One configuration's manager and tallies.
+struct Run {
+  std::unique_ptr<KvCacheManager> cache;
+  ReplayResult result;
+};
+
+absl::StatusOr<Run> MakeRun(const ReplayOptions& options, int64_t all_blocks, int64_t longest,
+                            const Clock* clock) {
   if (options.block_size <= 0 || kTraceBlockTokens % options.block_size != 0) {
     return absl::InvalidArgumentError(
         fmt::format("block_size {} does not divide {}", options.block_size, kTraceBlockTokens));
@@ -23,60 +35,145 @@ absl::StatusOr<ReplayResult> Replay(const std::vector<TraceRequest>& trace,
     return absl::InvalidArgumentError("capacity_blocks must be >= 0 (0: unlimited)");
   }
   const int64_t per_trace_block = kTraceBlockTokens / options.block_size;
-  int64_t longest = 0;
-  int64_t all_blocks = 0;
-  for (const TraceRequest& r : trace) {
-    longest = std::max(longest, r.input_length);
-    all_blocks += static_cast<int64_t>(r.hash_ids.size());
-  }
   // Unlimited: room for every block of every prompt, so nothing is ever evicted.
   const int64_t capacity = options.capacity_blocks > 0 ? options.capacity_blocks : all_blocks;
   const int64_t num_blocks = std::max<int64_t>(1, capacity * per_trace_block);
   if (num_blocks > std::numeric_limits<int32_t>::max()) {
     return absl::InvalidArgumentError("capacity too large for one pool");
   }
-  KVPOOL_ASSIGN_OR_RETURN(
-      std::unique_ptr<KvCacheManager> cache,
+  Run run;
+  absl::StatusOr<std::unique_ptr<KvCacheManager>> cache =
       KvCacheManager::Create({.block_size = options.block_size,
                               .num_blocks = static_cast<int32_t>(num_blocks),
                               .max_blocks_per_seq = static_cast<int32_t>(std::max<int64_t>(
                                   1, (longest + options.block_size - 1) / options.block_size)),
                               .trace_depth = options.trace_depth,
-                              .eviction_policy = options.policy}));
+                              .clock = clock,
+                              .eviction_policy = options.policy});
+  if (!cache.ok()) {
+    return absl::InvalidArgumentError(
+        fmt::format("policy '{}': {}", options.policy, std::string(cache.status().message())));
+  }
+  run.cache = std::move(*cache);
+  return run;
+}
 
-  const SessionId session(1);
-  const NamespaceId ns(1);
-  ReplayResult result;
+// Serves one request (its tokens already expanded) to one configuration.
+absl::Status Serve(const TraceRequest& request, const std::vector<int32_t>& tokens, Run* run) {
+  constexpr SessionId kSession(1);
+  constexpr NamespaceId kNs(1);
+  ReplayResult& result = run->result;
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  ++result.requests;
+  result.prompt_tokens += n;
+  result.prompt_blocks += static_cast<int64_t>(request.hash_ids.size());
   const auto start = std::chrono::steady_clock::now();
   DevicePlan plan;
-  for (const TraceRequest& request : trace) {
-    const std::vector<int32_t> tokens = ExpandTokens(request);
-    const int64_t n = static_cast<int64_t>(tokens.size());
-    ++result.requests;
-    result.prompt_tokens += n;
-    result.prompt_blocks += static_cast<int64_t>(request.hash_ids.size());
-    plan.copies.clear();
-    plan.fills.clear();
-    const absl::StatusOr<AllocateResult> r =
-        cache->Allocate(session, {.ns = ns, .num_tokens = n, .prompt = tokens}, &plan);
-    if (!r.ok()) {
-      if (!absl::IsResourceExhausted(r.status())) return r.status();
-      ++result.skipped;  // larger than the whole pool
-      continue;
-    }
-    result.hit_tokens += r->matched_tokens;
-    // A trace block counts as a hit when every token of it matched.
-    for (int64_t b = 0; b < static_cast<int64_t>(request.hash_ids.size()); ++b) {
-      if (r->matched_tokens >= std::min(n, (b + 1) * kTraceBlockTokens)) ++result.hit_blocks;
-    }
-    KVPOOL_CHECK_OK(cache->Free(session, r->sequence, OnFree::kCommit));
-    if (progress && result.requests % 500 == 0)
-      progress(result, static_cast<int64_t>(trace.size()));
+  const absl::StatusOr<AllocateResult> r =
+      run->cache->Allocate(kSession, {.ns = kNs, .num_tokens = n, .prompt = tokens}, &plan);
+  if (r.ok()) KVPOOL_CHECK_OK(run->cache->Free(kSession, r->sequence, OnFree::kCommit));
+  result.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (!r.ok()) {
+    if (!absl::IsResourceExhausted(r.status())) return r.status();
+    ++result.skipped;  // larger than the whole pool
+    return absl::OkStatus();
   }
-  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  result.evictions = cache->stats().evictions;
-  KVPOOL_RETURN_IF_ERROR(cache->CheckInvariants());
-  return result;
+  result.hit_tokens += r->matched_tokens;
+  // A trace block counts as a hit when every token of it matched.
+  for (int64_t b = 0; b < static_cast<int64_t>(request.hash_ids.size()); ++b) {
+    if (r->matched_tokens >= std::min(n, (b + 1) * kTraceBlockTokens)) ++result.hit_blocks;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<ReplayResult>> ReplayAll(const std::vector<TraceRequest>& trace,
+                                                    std::span<const ReplayOptions> configs,
+                                                    const ReplayProgress& progress) {
+  int64_t longest = 0;
+  int64_t all_blocks = 0;
+  for (const TraceRequest& r : trace) {
+    longest = std::max(longest, r.input_length);
+    all_blocks += static_cast<int64_t>(r.hash_ids.size());
+  }
+  ManualClock clock;
+  std::vector<Run> runs;
+  for (const ReplayOptions& options : configs) {
+    KVPOOL_ASSIGN_OR_RETURN(Run run, MakeRun(options, all_blocks, longest, &clock));
+    runs.push_back(std::move(run));
+  }
+  uint64_t served = 0;
+  for (const TraceRequest& request : trace) {
+    clock.Set(request.timestamp_ms * 1'000'000);  // trace time; never ahead of the request
+    const std::vector<int32_t> tokens = ExpandTokens(request);
+    // Rotate which configuration goes first (right after the expansion, with the tokens hot in
+    // cache), so that requests/s compares policies, not positions.
+    const size_t first = static_cast<size_t>(runs.empty() ? 0 : served++ % runs.size());
+    for (size_t k = 0; k < runs.size(); ++k) {
+      KVPOOL_RETURN_IF_ERROR(Serve(request, tokens, &runs[(first + k) % runs.size()]));
+    }
+    if (progress && !runs.empty() && runs[0].result.requests % 500 == 0) {
+      progress(runs[0].result, static_cast<int64_t>(trace.size()));
+    }
+  }
+  std::vector<ReplayResult> results;
+  for (Run& run : runs) {
+    KVPOOL_RETURN_IF_ERROR(run.cache->CheckInvariants());
+    run.result.evictions = run.cache->stats().evictions;
+    run.result.policy_state = run.cache->cache()->policy().DebugString();
+    results.push_back(std::move(run.result));
+  }
+  return results;
+}
+
+absl::StatusOr<ReplayResult> Replay(const std::vector<TraceRequest>& trace,
+                                    const ReplayOptions& options, const ReplayProgress& progress) {
+  KVPOOL_ASSIGN_OR_RETURN(std::vector<ReplayResult> results,
+                          ReplayAll(trace, std::span(&options, 1), progress));
+  return std::move(results[0]);
+}
+
+absl::StatusOr<std::vector<SweepRow>> Sweep(const std::vector<TraceRequest>& trace,
+                                            std::string_view name,
+                                            std::span<const int64_t> capacities,
+                                            std::span<const std::string_view> policies,
+                                            int threads) {
+  // One pass per capacity; passes share nothing but the (read-only) trace.
+  std::vector<std::vector<ReplayOptions>> passes;
+  for (int64_t capacity : capacities) {
+    std::vector<ReplayOptions>& configs = passes.emplace_back();
+    configs.push_back({.capacity_blocks = capacity, .policy = "lru"});
+    for (std::string_view policy : policies) {
+      if (policy != "lru") {
+        configs.push_back({.capacity_blocks = capacity, .policy = std::string(policy)});
+      }
+    }
+  }
+  std::vector<absl::StatusOr<std::vector<ReplayResult>>> results(passes.size());
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i = next++; i < passes.size(); i = next++) results[i] = ReplayAll(trace, passes[i]);
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads && static_cast<size_t>(t) < passes.size(); ++t) {
+    pool.emplace_back(work);
+  }
+  work();
+  for (std::thread& t : pool) t.join();
+  std::vector<SweepRow> rows;
+  for (size_t i = 0; i < passes.size(); ++i) {
+    if (!results[i].ok()) return results[i].status();
+    const double lru = (*results[i])[0].hit_rate();
+    for (size_t k = 0; k < passes[i].size(); ++k) {
+      rows.push_back(SweepRow{.trace = std::string(name),
+                              .capacity_blocks = passes[i][k].capacity_blocks,
+                              .policy = passes[i][k].policy,
+                              .result = std::move((*results[i])[k]),
+                              .lru_hit_rate = lru});
+    }
+  }
+  return rows;
 }
 
 }  // namespace kvpool::tools

@@ -3,11 +3,16 @@
 // Replays a request trace through the core library (KvCacheManager with its prefix cache), as a
 // serving engine would use it: allocate each prompt with prefix match, commit it, free it. Reports
 // the prefix hit rate in the trace's own 512-token blocks, so it compares directly with the
-// reference rates in ../shared/traces/README.md.
+// reference rates in ../shared/traces/README.md. The managers' Clock is a ManualClock driven by
+// the trace's timestamps, so time-aware eviction policies see the trace's time (never the future:
+// each request is served before the clock moves on).
 
+#include <array>
 #include <cstdint>
 #include <functional>
+#include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -20,7 +25,7 @@ using workload::TraceRequest;
 struct ReplayOptions {
   int32_t block_size = 512;     // pool block size in tokens; divides 512
   int64_t capacity_blocks = 0;  // cache capacity in 512-token blocks; 0 = unlimited
-  std::string policy = "lru";   // eviction policy
+  std::string policy = "lru";   // eviction spec (kvpool::ParseEvictionSpec)
   int32_t trace_depth = 0;      // per-block trace ring depth (0: off, for speed)
 };
 
@@ -32,20 +37,57 @@ struct ReplayResult {
   int64_t prompt_tokens = 0;
   int64_t hit_tokens = 0;
   uint64_t evictions = 0;  // pool blocks evicted
-  double seconds = 0;      // wall time of the replay loop (token expansion included)
+  // Seconds spent in this configuration's allocate + commit + free calls (token expansion,
+  // shared by every configuration of a run, excluded).
+  double seconds = 0;
+  std::string policy_state;  // the eviction policy's DebugString() at the end
 
   double hit_rate() const {
     return prompt_blocks == 0 ? 0 : static_cast<double>(hit_blocks) / prompt_blocks;
   }
+  double requests_per_second() const { return seconds > 0 ? requests / seconds : 0; }
 };
 
-// Called every so often with the progress so far.
+// Called every so often with the progress of the first configuration.
 using ReplayProgress = std::function<void(const ReplayResult& so_far, int64_t total)>;
 
-// Errors: INVALID_ARGUMENT for a block size that does not divide 512, a negative capacity or an
-// unknown policy.
+// Replays `trace` once for every configuration, all in one pass (each request's tokens are
+// expanded once and served to every configuration in turn). Results in configuration order.
+// Errors: INVALID_ARGUMENT for a block size that does not divide 512, a negative capacity or a
+// bad policy spec (naming the configuration).
+absl::StatusOr<std::vector<ReplayResult>> ReplayAll(const std::vector<TraceRequest>& trace,
+                                                    std::span<const ReplayOptions> configs,
+                                                    const ReplayProgress& progress = nullptr);
+
+// One configuration. Errors: as ReplayAll.
 absl::StatusOr<ReplayResult> Replay(const std::vector<TraceRequest>& trace,
                                     const ReplayOptions& options,
                                     const ReplayProgress& progress = nullptr);
+
+// The sweep (kvpool-replay --sweep, replay_test): every policy at every capacity, per trace.
+inline constexpr std::array<std::string_view, 2> kSweepTraces = {"conversation_trace.jsonl",
+                                                                 "synthetic_trace.jsonl"};
+inline constexpr std::array<int64_t, 4> kSweepCapacities = {1000, 2000, 5000, 10000};
+inline constexpr std::array<std::string_view, 8> kSweepPolicies = {
+    "lru",   "lru+notail",   "lru+admit",   "lru+admit+notail",
+    "reuse", "reuse+notail", "reuse+admit", "reuse+admit+notail"};
+
+struct SweepRow {
+  std::string trace;  // file name
+  int64_t capacity_blocks = 0;
+  std::string policy;
+  ReplayResult result;
+  double lru_hit_rate = 0;  // plain "lru" at the same capacity, same run
+};
+
+// Runs the sweep over `trace` (named `name`) at `capacities` for `policies`, one ReplayAll pass
+// per capacity (bounding memory to one capacity's caches), up to `threads` passes at a time.
+// "lru" is always run for the ratio. Rows by capacity, then policy ("lru" first).
+// Errors: as ReplayAll.
+absl::StatusOr<std::vector<SweepRow>> Sweep(const std::vector<TraceRequest>& trace,
+                                            std::string_view name,
+                                            std::span<const int64_t> capacities,
+                                            std::span<const std::string_view> policies,
+                                            int threads = 1);
 
 }  // namespace kvpool::tools

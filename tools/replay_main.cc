@@ -1,14 +1,16 @@
 // kvpool-replay: replays a Mooncake-format request trace through kvpool's prefix cache and
 // reports the prefix hit rate in the trace's 512-token blocks (comparable with the reference
-// rates in ../shared/traces/README.md).
+// rates in ../shared/traces/README.md), beside plain LRU's measured in the same run.
 //
 //   kvpool-replay --trace=../shared/traces/mooncake/conversation_trace.jsonl
-//                 --block_size=512 --capacity_blocks=1000 --policy=lru
+//                 --capacity_blocks=1000 --policy=reuse+admit
+//   kvpool-replay --sweep   # both traces x 1k/2k/5k/10k blocks x every policy
 
 #include <unistd.h>
 
 #include <cstdio>
 #include <string>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -17,11 +19,89 @@
 #include "absl/strings/match.h"
 #include "tools/replay.h"
 
-ABSL_FLAG(std::string, trace, "", "Mooncake-format JSONL trace to replay (required)");
+ABSL_FLAG(std::string, trace, "",
+          "Mooncake-format JSONL trace to replay (required unless --sweep)");
 ABSL_FLAG(int32_t, block_size, 512, "pool block size in tokens (must divide 512)");
 ABSL_FLAG(int64_t, capacity_blocks, 0, "cache capacity in 512-token blocks; 0 = unlimited");
-ABSL_FLAG(std::string, policy, "lru", "eviction policy (lru)");
+ABSL_FLAG(std::string, policy, "default",
+          "eviction spec: lru | reuse, then +admit and/or +notail; default = lru+admit+notail");
 ABSL_FLAG(int32_t, trace_depth, 0, "per-block operation trace depth (0 or a power of 2)");
+ABSL_FLAG(bool, sweep, false,
+          "replay both traces of --traces_dir at 1k/2k/5k/10k blocks with every policy and "
+          "print the table");
+ABSL_FLAG(std::string, traces_dir, "../shared/traces/mooncake", "where --sweep finds the traces");
+ABSL_FLAG(int32_t, threads, 1, "--sweep: replay this many capacities at a time");
+
+namespace {
+
+namespace tools = kvpool::tools;
+
+int Fail(const std::string& message) {
+  std::fprintf(stderr, "kvpool-replay: %s\n", message.c_str());
+  return 1;
+}
+
+int RunSweep() {
+  std::printf("%-26s %8s %-20s %9s %8s %10s %11s\n", "trace", "blocks", "policy", "hit_rate",
+              "vs_lru", "req_per_s", "evictions");
+  for (std::string_view name : tools::kSweepTraces) {
+    const std::string path = absl::GetFlag(FLAGS_traces_dir) + "/" + std::string(name);
+    const auto trace = kvpool::workload::ReadMooncakeTrace(path);
+    if (!trace.ok()) return Fail(std::string(trace.status().message()));
+    const auto rows = tools::Sweep(*trace, name, tools::kSweepCapacities, tools::kSweepPolicies);
+    if (!rows.ok()) return Fail(rows.status().ToString());
+    for (const tools::SweepRow& row : *rows) {
+      std::printf(
+          "%-26s %8lld %-20s %9.4f %7.2fx %10.0f %11llu\n", row.trace.c_str(),
+          static_cast<long long>(row.capacity_blocks), row.policy.c_str(), row.result.hit_rate(),
+          row.lru_hit_rate > 0 ? row.result.hit_rate() / row.lru_hit_rate : 0.0,
+          row.result.requests_per_second(), static_cast<unsigned long long>(row.result.evictions));
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}
+
+int RunOne(const std::string& path) {
+  const auto trace = kvpool::workload::ReadMooncakeTrace(path);
+  if (!trace.ok()) return Fail(std::string(trace.status().message()));
+  std::vector<tools::ReplayOptions> configs = {
+      {.block_size = absl::GetFlag(FLAGS_block_size),
+       .capacity_blocks = absl::GetFlag(FLAGS_capacity_blocks),
+       .policy = absl::GetFlag(FLAGS_policy),
+       .trace_depth = absl::GetFlag(FLAGS_trace_depth)}};
+  configs.push_back(configs[0]);  // plain LRU beside it, same run
+  configs[1].policy = "lru";
+  const bool tty = isatty(STDERR_FILENO) != 0;
+  tools::ReplayProgress progress = [](const tools::ReplayResult& r, int64_t total) {
+    std::fprintf(stderr, "\r[kvpool-replay] %lld/%lld requests  hit_rate %.4f",
+                 static_cast<long long>(r.requests), static_cast<long long>(total), r.hit_rate());
+  };
+  const auto results = tools::ReplayAll(*trace, configs, tty ? progress : tools::ReplayProgress());
+  if (tty) std::fprintf(stderr, "\n");
+  if (!results.ok()) return Fail(results.status().ToString());
+  const tools::ReplayResult& r = (*results)[0];
+  const tools::ReplayResult& lru = (*results)[1];
+  std::printf("trace %s\n", path.c_str());
+  std::printf("block_size %d capacity_blocks %lld policy %s\n", configs[0].block_size,
+              static_cast<long long>(configs[0].capacity_blocks), configs[0].policy.c_str());
+  std::printf("requests %lld (skipped %lld)\n", static_cast<long long>(r.requests),
+              static_cast<long long>(r.skipped));
+  std::printf("prompt_blocks %lld hit_blocks %lld\n", static_cast<long long>(r.prompt_blocks),
+              static_cast<long long>(r.hit_blocks));
+  std::printf("token_hit_rate %.4f\n",
+              r.prompt_tokens == 0 ? 0.0 : static_cast<double>(r.hit_tokens) / r.prompt_tokens);
+  std::printf("evictions %llu\n", static_cast<unsigned long long>(r.evictions));
+  std::printf("policy_state %s\n", r.policy_state.c_str());
+  std::printf("requests_per_s %.0f (allocate+commit+free; lru %.0f)\n", r.requests_per_second(),
+              lru.requests_per_second());
+  std::printf("lru_hit_rate %.4f\n", lru.hit_rate());
+  std::printf("ratio_to_lru %.3f\n", lru.hit_rate() > 0 ? r.hit_rate() / lru.hit_rate() : 0.0);
+  std::printf("hit_rate %.4f\n", r.hit_rate());
+  return 0;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   // --help lists this file's flags (absl's default looks for a file named after the binary).
@@ -30,48 +110,11 @@ int main(int argc, char** argv) {
   }});
   absl::SetProgramUsageMessage("Replays a Mooncake trace through kvpool's prefix cache.");
   absl::ParseCommandLine(argc, argv);
+  if (absl::GetFlag(FLAGS_sweep)) return RunSweep();
   const std::string path = absl::GetFlag(FLAGS_trace);
   if (path.empty()) {
-    std::fprintf(stderr, "kvpool-replay: --trace is required (see --help)\n");
+    std::fprintf(stderr, "kvpool-replay: --trace (or --sweep) is required (see --help)\n");
     return 2;
   }
-  const absl::StatusOr<std::vector<kvpool::workload::TraceRequest>> trace =
-      kvpool::workload::ReadMooncakeTrace(path);
-  if (!trace.ok()) {
-    std::fprintf(stderr, "kvpool-replay: %s\n", std::string(trace.status().message()).c_str());
-    return 1;
-  }
-  const kvpool::tools::ReplayOptions options{
-      .block_size = absl::GetFlag(FLAGS_block_size),
-      .capacity_blocks = absl::GetFlag(FLAGS_capacity_blocks),
-      .policy = absl::GetFlag(FLAGS_policy),
-      .trace_depth = absl::GetFlag(FLAGS_trace_depth)};
-  const bool tty = isatty(STDERR_FILENO) != 0;
-  kvpool::tools::ReplayProgress progress = [](const kvpool::tools::ReplayResult& r, int64_t total) {
-    std::fprintf(stderr, "\r[kvpool-replay] %lld/%lld requests  hit_rate %.4f  evictions %llu",
-                 static_cast<long long>(r.requests), static_cast<long long>(total), r.hit_rate(),
-                 static_cast<unsigned long long>(r.evictions));
-  };
-  const absl::StatusOr<kvpool::tools::ReplayResult> result =
-      kvpool::tools::Replay(*trace, options, tty ? progress : kvpool::tools::ReplayProgress());
-  if (tty) std::fprintf(stderr, "\n");
-  if (!result.ok()) {
-    std::fprintf(stderr, "kvpool-replay: %s\n", result.status().ToString().c_str());
-    return 1;
-  }
-  const kvpool::tools::ReplayResult& r = *result;
-  std::printf("trace %s\n", path.c_str());
-  std::printf("block_size %d capacity_blocks %lld policy %s\n", options.block_size,
-              static_cast<long long>(options.capacity_blocks), options.policy.c_str());
-  std::printf("requests %lld (skipped %lld)\n", static_cast<long long>(r.requests),
-              static_cast<long long>(r.skipped));
-  std::printf("prompt_blocks %lld hit_blocks %lld\n", static_cast<long long>(r.prompt_blocks),
-              static_cast<long long>(r.hit_blocks));
-  std::printf("token_hit_rate %.4f\n",
-              r.prompt_tokens == 0 ? 0.0 : static_cast<double>(r.hit_tokens) / r.prompt_tokens);
-  std::printf("evictions %llu\n", static_cast<unsigned long long>(r.evictions));
-  std::printf("ops_per_s %.0f (allocate+commit+free per second)\n",
-              r.seconds > 0 ? r.requests / r.seconds : 0.0);
-  std::printf("hit_rate %.4f\n", r.hit_rate());
-  return 0;
+  return RunOne(path);
 }

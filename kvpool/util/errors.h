@@ -20,6 +20,7 @@ enum class Resource : uint8_t {
   kNamespaceQuota,  // the namespace's block quota
   kSessionQuota,    // the session's block quota
   kTableBound,      // max_blocks_per_seq
+  kPinnedBlocks,    // blocks pins may hold at once (KvCacheOptions::max_pinned_blocks)
 };
 
 std::string_view ResourceName(Resource resource);

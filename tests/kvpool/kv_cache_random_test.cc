@@ -1,7 +1,8 @@
 // Seeded randomized test: at least 1,000,000 operations (allocate, grow, batched grow, truncate,
-// fork, free, session teardown, quota pressure, bad input) against a simple reference model.
-// After every step: CheckInvariants(), the outcome code the model predicts, table contents
-// mapped one-to-one onto the model's blocks, and the KV a simulated arena holds for every
+// fork, free, session teardown, commit, pins that expire by the clock, quota pressure, bad input)
+// against a simple reference model (kv_cache_model.h). After every step: CheckInvariants(), the
+// outcome code the model predicts, table contents mapped one-to-one onto the model's blocks, the
+// pins the manager lists and the blocks they keep, and the KV a simulated arena holds for every
 // sequence (so a write into a shared block, a missed copy or a missed scrub shows up as data).
 
 #include <cstdlib>
@@ -14,69 +15,12 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kvpool/kv_cache_manager.h"
+#include "tests/kvpool/kv_cache_model.h"
 
 namespace kvpool {
 namespace {
 
-constexpr int32_t kBlockSize = 4;
-constexpr int32_t kNumBlocks = 48;
-constexpr int32_t kMaxBlocksPerSeq = 10;
-constexpr SessionId kSessions[] = {SessionId(1), SessionId(2)};
-constexpr NamespaceId kNamespaces[] = {NamespaceId(11), NamespaceId(22)};
-constexpr int64_t kQuotaNs22 = 20;      // physical blocks
-constexpr int64_t kQuotaSession2 = 30;  // block references
-
-int64_t BlocksFor(int64_t tokens) { return tokens / kBlockSize + (tokens % kBlockSize ? 1 : 0); }
-
-// The reference model: sequences as lists of abstract block handles with reference counts.
-struct Model {
-  struct Seq {
-    SessionId session;
-    NamespaceId ns;
-    int64_t tokens = 0;
-    std::vector<int> handles;
-    std::vector<uint32_t> content;  // the value written at each token position
-  };
-  struct Handle {
-    int refs = 0;
-    NamespaceId ns;
-  };
-  std::map<SequenceId, Seq> seqs;
-  std::map<int, Handle> handles;
-  int next_handle = 1;
-
-  int64_t Used() const { return static_cast<int64_t>(handles.size()); }
-  int64_t ActiveIn(NamespaceId ns) const {
-    int64_t n = 0;
-    for (const auto& [h, handle] : handles) n += handle.ns == ns;
-    return n;
-  }
-  int64_t RefsOf(SessionId session) const {
-    int64_t n = 0;
-    for (const auto& [id, s] : seqs) {
-      if (s.session == session) n += static_cast<int64_t>(s.handles.size());
-    }
-    return n;
-  }
-  // The code a call needing `blocks` new blocks in `ns` and `refs` new references must get.
-  absl::StatusCode Capacity(NamespaceId ns, int64_t blocks, SessionId session, int64_t refs) const {
-    if (blocks > 0 && ns == kNamespaces[1] && ActiveIn(ns) + blocks > kQuotaNs22) {
-      return absl::StatusCode::kResourceExhausted;
-    }
-    if (refs > 0 && session == kSessions[1] && RefsOf(session) + refs > kQuotaSession2) {
-      return absl::StatusCode::kResourceExhausted;
-    }
-    if (Used() + blocks > kNumBlocks) return absl::StatusCode::kResourceExhausted;
-    return absl::StatusCode::kOk;
-  }
-  int NewHandle(NamespaceId ns) {
-    handles[next_handle] = Handle{1, ns};
-    return next_handle++;
-  }
-  void Drop(int h) {
-    if (--handles[h].refs == 0) handles.erase(h);
-  }
-};
+using namespace testing_model;  // NOLINT: the model's constants and types
 
 class KvCacheRandomTest : public ::testing::Test {
  protected:
@@ -85,7 +29,10 @@ class KvCacheRandomTest : public ::testing::Test {
                                          .num_blocks = kNumBlocks,
                                          .max_blocks_per_seq = kMaxBlocksPerSeq,
                                          .trace_depth = 4,
-                                         .clock = &clock_});
+                                         .clock = &clock_,
+                                         .max_pins = kMaxPins,
+                                         .max_pin_ttl_ns = kMaxPinTtl,
+                                         .max_pinned_blocks = kMaxPinnedBlocks});
     ASSERT_TRUE(cache.ok());
     cache_ = std::move(*cache);
     ASSERT_TRUE(cache_->SetNamespaceQuota(kNamespaces[1], kQuotaNs22).ok());
@@ -130,9 +77,12 @@ class KvCacheRandomTest : public ::testing::Test {
   // arena holds exactly what each sequence wrote.
   void Verify() {
     ASSERT_EQ(cache_->stats().sequences, static_cast<int64_t>(model_.seqs.size()));
-    ASSERT_EQ(cache_->pool().num_free(), kNumBlocks - model_.Used());
+    // Blocks the model forgot are free, or cached and evictable (a pin-held one is neither).
+    ASSERT_EQ(cache_->pool().num_free() + cache_->stats().cache.evictable,
+              kNumBlocks - model_.Used());
     absl::flat_hash_map<int, BlockId> block_of;
     absl::flat_hash_map<BlockId, int> handle_of;
+    VerifyPins(&block_of, &handle_of);
     for (const auto& [id, m] : model_.seqs) {
       const Sequence* s = cache_->Find(id);
       ASSERT_NE(s, nullptr) << id;
@@ -152,6 +102,36 @@ class KvCacheRandomTest : public ::testing::Test {
             << "sequence " << id << " token " << t << " was overwritten";
       }
     }
+  }
+
+  // The manager lists exactly the model's pins, and every block a pin keeps is still cached.
+  void VerifyPins(absl::flat_hash_map<int, BlockId>* block_of,
+                  absl::flat_hash_map<BlockId, int>* handle_of) {
+    const std::vector<PinInfo> listed = cache_->ListPins();
+    ASSERT_EQ(listed.size(), model_.pins.size());
+    size_t k = 0;
+    for (const auto& [id, pin] : model_.pins) {
+      const PinInfo& info = listed[k++];
+      ASSERT_EQ(info.id, id);
+      ASSERT_EQ(info.session, pin.session);
+      ASSERT_EQ(info.blocks, static_cast<int64_t>(pin.handles.size()));
+      ASSERT_EQ(info.expires_ns, pin.expires);
+      for (size_t i = 0; i < pin.handles.size(); ++i) {
+        const BlockId block = pin.blocks[i];
+        ASSERT_TRUE(cache_->pool().cache_held(block)) << "pinned block " << block << " evicted";
+        block_of->emplace(pin.handles[i], block);
+        handle_of->emplace(block, pin.handles[i]);
+      }
+    }
+    ASSERT_EQ(cache_->stats().pinned_blocks, model_.PinnedHandles());
+  }
+
+  static std::vector<int32_t> TokensOf(const Model::Seq& m, int64_t from, int64_t to) {
+    std::vector<int32_t> t;
+    for (int64_t i = from; i < to; ++i) {
+      t.push_back(static_cast<int32_t>(m.content[static_cast<size_t>(i)] & 0x7fffffff));
+    }
+    return t;
   }
 
   SequenceId PickSequence() {
@@ -175,14 +155,6 @@ class KvCacheRandomTest : public ::testing::Test {
         return current + static_cast<int64_t>(rng_() % (3 * kBlockSize)) - kBlockSize / 2;
     }
   }
-  // The code Owned() gives, or kOk.
-  absl::StatusCode Ownership(SessionId caller, SequenceId id) const {
-    auto it = model_.seqs.find(id);
-    if (it == model_.seqs.end()) return absl::StatusCode::kNotFound;
-    if (it->second.session != caller) return absl::StatusCode::kPermissionDenied;
-    return absl::StatusCode::kOk;
-  }
-
   void StepAllocate() {
     const SessionId caller = kSessions[rng_() % 2];
     const NamespaceId ns = kNamespaces[rng_() % 2];
@@ -227,7 +199,7 @@ class KvCacheRandomTest : public ::testing::Test {
     int64_t refs = 0;
     std::map<SequenceId, bool> seen;
     for (const GrowRequest& r : requests) {
-      if ((want = Ownership(caller, r.sequence)) != absl::StatusCode::kOk) break;
+      if ((want = model_.Ownership(caller, r.sequence)) != absl::StatusCode::kOk) break;
       if (requests.size() > 1 && seen[r.sequence]) {
         want = absl::StatusCode::kInvalidArgument;
         break;
@@ -247,7 +219,7 @@ class KvCacheRandomTest : public ::testing::Test {
       int64_t cow = 0;
       if (m.tokens % kBlockSize != 0) {
         const int h = m.handles[static_cast<size_t>(m.tokens / kBlockSize)];
-        if (model_.handles.at(h).refs - taken[h] > 1) {
+        if (model_.MustCopy(h, taken[h])) {
           cow = 1;
           ++taken[h];
         }
@@ -282,7 +254,7 @@ class KvCacheRandomTest : public ::testing::Test {
       if (r.num_tokens <= m.tokens) continue;
       if (m.tokens % kBlockSize != 0) {
         int& h = m.handles[static_cast<size_t>(m.tokens / kBlockSize)];
-        if (model_.handles.at(h).refs > 1) {
+        if (model_.MustCopy(h, 0)) {
           model_.Drop(h);
           h = model_.NewHandle(m.ns);
         }
@@ -307,7 +279,7 @@ class KvCacheRandomTest : public ::testing::Test {
     const int64_t current = it == model_.seqs.end() ? 0 : it->second.tokens;
     const int64_t tokens =
         rng_() % 10 == 0 ? current + 1 : current - static_cast<int64_t>(rng_() % (current + 1));
-    absl::StatusCode want = Ownership(caller, id);
+    absl::StatusCode want = model_.Ownership(caller, id);
     if (want == absl::StatusCode::kOk && (tokens < 0 || tokens > current)) {
       want = absl::StatusCode::kInvalidArgument;
     }
@@ -321,12 +293,14 @@ class KvCacheRandomTest : public ::testing::Test {
     }
     m.tokens = tokens;
     m.content.resize(static_cast<size_t>(tokens));
+    m.known = std::min(m.known, tokens);
+    m.published_full = std::min(m.published_full, tokens / kBlockSize);
   }
 
   void StepFork() {
     const SequenceId id = PickSequence();
     const SessionId caller = PickCaller(id);
-    absl::StatusCode want = Ownership(caller, id);
+    absl::StatusCode want = model_.Ownership(caller, id);
     if (want == absl::StatusCode::kOk) {
       const Model::Seq& m = model_.seqs.at(id);
       const int64_t partial = m.tokens % kBlockSize != 0 ? 1 : 0;
@@ -351,7 +325,7 @@ class KvCacheRandomTest : public ::testing::Test {
   void StepFree() {
     const SequenceId id = PickSequence();
     const SessionId caller = PickCaller(id);
-    const absl::StatusCode want = Ownership(caller, id);
+    const absl::StatusCode want = model_.Ownership(caller, id);
     ASSERT_EQ(cache_->Free(caller, id).code(), want);
     if (want != absl::StatusCode::kOk) return;
     for (int h : model_.seqs.at(id).handles) model_.Drop(h);
@@ -370,9 +344,91 @@ class KvCacheRandomTest : public ::testing::Test {
       it = model_.seqs.erase(it);
       ++expected;
     }
+    for (auto it = model_.pins.begin(); it != model_.pins.end();) {
+      const PinId pin = it->first;
+      ++it;
+      if (model_.pins.at(pin).session == session) model_.ReleasePin(pin);
+    }
     ASSERT_EQ(cache_->FreeSession(session), expected);
     // FreeSession forgets the session's quota; the model assumes it stays.
     ASSERT_TRUE(cache_->SetSessionQuota(kSessions[1], kQuotaSession2).ok());
+  }
+
+  // Publishes the sequence's whole blocks (a partial one would make its tree path depend on its
+  // siblings', which the model does not follow).
+  void StepCommit() {
+    const SequenceId id = PickSequence();
+    const SessionId caller = PickCaller(id);
+    const absl::StatusCode want = model_.Ownership(caller, id);
+    int64_t upto = 0;
+    std::vector<int32_t> fresh;
+    if (want == absl::StatusCode::kOk) {
+      const Model::Seq& m = model_.seqs.at(id);
+      upto = m.tokens / kBlockSize * kBlockSize;
+      fresh = TokensOf(m, m.known, m.tokens);
+    }
+    const absl::Status status = cache_->Commit(caller, id, upto, fresh);
+    ASSERT_EQ(status.code(), want) << status;
+    if (!status.ok()) return;
+    Model::Seq& m = model_.seqs.at(id);
+    m.known = m.tokens;
+    m.published_full = upto / kBlockSize;
+    for (int64_t b = 0; b < m.published_full; ++b) {
+      model_.handles.at(m.handles[static_cast<size_t>(b)]).published = true;
+    }
+  }
+
+  void StepPin() {
+    const SequenceId id = PickSequence();
+    const SessionId caller = PickCaller(id);
+    int64_t ttl = 1 + static_cast<int64_t>(rng_() % 3000);
+    if (rng_() % 30 == 0) ttl = rng_() % 2 == 0 ? 0 : kMaxPinTtl + 1;
+    const int priority = rng_() % 40 == 0 ? kNumPriorities : static_cast<int>(rng_() % 2);
+    std::vector<int> handles;
+    const absl::StatusCode want = model_.PinOutcome(caller, id, ttl, priority, &handles);
+    cache_->ExpirePins();  // nothing due (the model expired it): the snapshot stays exact
+    const std::string before = want == absl::StatusCode::kOk ? "" : cache_->DebugString();
+    const absl::StatusOr<PinId> pin = cache_->PinSequence(caller, id, ttl, priority);
+    ASSERT_EQ(pin.status().code(), want) << pin.status();
+    if (!pin.ok()) {
+      ASSERT_EQ(cache_->DebugString(), before) << "a refused pin changed state";
+      return;
+    }
+    Model::Pin& p = model_.pins[*pin];
+    p.session = caller;
+    p.handles = handles;
+    p.expires = clock_.NowNanos() + ttl;
+    const Sequence* seq = cache_->Find(id);
+    for (size_t i = 0; i < handles.size(); ++i) {
+      p.blocks.push_back(seq->table[i]);
+      ++model_.handles.at(handles[i]).refs;
+    }
+  }
+
+  void StepUnpinOrRenew() {
+    PinId id(1'000'000 + rng_() % 10);
+    SessionId caller = kSessions[rng_() % 2];
+    if (!model_.pins.empty() && rng_() % 10 != 0) {
+      auto it = model_.pins.begin();
+      std::advance(it, rng_() % model_.pins.size());
+      id = it->first;
+      if (rng_() % 20 != 0) caller = it->second.session;
+    }
+    auto it = model_.pins.find(id);
+    absl::StatusCode want = absl::StatusCode::kOk;
+    if (it == model_.pins.end()) {
+      want = absl::StatusCode::kNotFound;
+    } else if (it->second.session != caller) {
+      want = absl::StatusCode::kPermissionDenied;
+    }
+    if (rng_() % 3 == 0) {
+      const int64_t ttl = 1 + static_cast<int64_t>(rng_() % 3000);
+      ASSERT_EQ(cache_->RenewPin(caller, id, ttl).code(), want);
+      if (want == absl::StatusCode::kOk) it->second.expires = clock_.NowNanos() + ttl;
+    } else {
+      ASSERT_EQ(cache_->Unpin(caller, id).code(), want);
+      if (want == absl::StatusCode::kOk) model_.ReleasePin(id);
+    }
   }
 
   ManualClock clock_;
@@ -388,20 +444,28 @@ TEST_F(KvCacheRandomTest, MillionOperationsAgreeWithTheModel) {
   if (const char* env = std::getenv("KVPOOL_RANDOM_OPS")) ops = std::atoll(env);
   std::map<std::string, int64_t> outcomes;
   for (int64_t step = 0; step < ops; ++step) {
-    clock_.Advance(1);
+    clock_.Advance(rng_() % 500 == 0 ? 2000 : 1);
+    model_.ExpirePins(clock_.NowNanos());  // what the next call does first
+    if (rng_() % 2 == 0) cache_->ExpirePins();
     const uint64_t dice = rng_() % 1000;
     // Keep the population near the pool's size so exhaustion and quotas come up often.
     const bool crowded = model_.seqs.size() > 14;
     if (dice < (crowded ? 60 : 170)) {
       StepAllocate();
-    } else if (dice < 520) {
+    } else if (dice < 480) {
       StepGrow(1);
-    } else if (dice < 620) {
+    } else if (dice < 570) {
       StepGrow(2 + static_cast<int>(rng_() % 3));
-    } else if (dice < 760) {
+    } else if (dice < 690) {
       StepTruncate();
-    } else if (dice < 860) {
+    } else if (dice < 780) {
       StepFork();
+    } else if (dice < 850) {
+      StepCommit();
+    } else if (dice < 890) {
+      StepPin();
+    } else if (dice < 910) {
+      StepUnpinOrRenew();
     } else if (dice < 998) {
       StepFree();
     } else {
@@ -420,11 +484,17 @@ TEST_F(KvCacheRandomTest, MillionOperationsAgreeWithTheModel) {
   EXPECT_GT(s.cow_copies, n / 1000);
   EXPECT_GT(s.pool.scrubs, n / 1000);
   EXPECT_GT(s.fork_calls, n / 20);
-  std::printf("ops=%lld allocated=%llu exhausted=%llu cow=%llu scrubs=%llu\n",
-              static_cast<long long>(ops), static_cast<unsigned long long>(s.pool.allocated),
-              static_cast<unsigned long long>(s.exhausted),
-              static_cast<unsigned long long>(s.cow_copies),
-              static_cast<unsigned long long>(s.pool.scrubs));
+  EXPECT_GT(s.pins_made, n / 200);
+  EXPECT_GT(s.pins_expired, n / 2000);
+  EXPECT_GT(s.evictions, n / 1000);  // published blocks made room for new ones
+  std::printf(
+      "ops=%lld allocated=%llu exhausted=%llu cow=%llu scrubs=%llu evictions=%llu "
+      "pins=%llu expired=%llu\n",
+      static_cast<long long>(ops), static_cast<unsigned long long>(s.pool.allocated),
+      static_cast<unsigned long long>(s.exhausted), static_cast<unsigned long long>(s.cow_copies),
+      static_cast<unsigned long long>(s.pool.scrubs), static_cast<unsigned long long>(s.evictions),
+      static_cast<unsigned long long>(s.pins_made),
+      static_cast<unsigned long long>(s.pins_expired));
 }
 
 }  // namespace

@@ -8,7 +8,9 @@
 // its block table, and every hit is checked the same way, so a wrong match, a block adopted past
 // its coverage, a missed copy-on-write or a write into published tokens shows up as data. The
 // invariants of the pool, the tree and the manager are checked after every step; a refused call
-// must leave the state unchanged.
+// must leave the state unchanged. Pins come and go (by prefix and by sequence, expiring by the
+// clock): the manager must list exactly the model's, and a pinned prefix must stay wholly cached
+// until its pin ends. Runs once per eviction policy.
 
 #include <cstdlib>
 #include <map>
@@ -18,6 +20,7 @@
 
 #include "gtest/gtest.h"
 #include "kvpool/kv_cache_manager.h"
+#include "kvpool/util/errors.h"
 
 namespace kvpool {
 namespace {
@@ -27,6 +30,7 @@ constexpr int32_t kNumBlocks = 40;
 constexpr int32_t kMaxBlocksPerSeq = 12;
 constexpr SessionId kSessions[] = {SessionId(1), SessionId(2)};
 constexpr NamespaceId kNamespaces[] = {NamespaceId(11), NamespaceId(22)};
+constexpr int32_t kMaxPins = 4;
 
 uint64_t Mix(uint64_t h, uint64_t v) {
   h ^= v + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
@@ -40,7 +44,15 @@ struct Live {
   size_t known = 0;             // how many of them the manager knows
 };
 
-class PrefixCacheRandomTest : public ::testing::Test {
+// A pin as the model knows it: the tokens it keeps cached, in which namespace, until when.
+struct ModelPin {
+  SessionId session;
+  NamespaceId ns;
+  std::vector<int32_t> tokens;
+  int64_t expires = 0;
+};
+
+class PrefixCacheRandomTest : public ::testing::TestWithParam<const char*> {
  protected:
   void SetUp() override {
     auto cache = KvCacheManager::Create({.block_size = kBs,
@@ -48,7 +60,11 @@ class PrefixCacheRandomTest : public ::testing::Test {
                                          .max_blocks_per_seq = kMaxBlocksPerSeq,
                                          .trace_depth = 4,
                                          .clock = &clock_,
-                                         .event_capacity = 64});
+                                         .eviction_policy = GetParam(),
+                                         .event_capacity = 64,
+                                         .max_pins = kMaxPins,
+                                         .max_pin_ttl_ns = 400,
+                                         .max_pinned_blocks = kNumBlocks});
     ASSERT_TRUE(cache.ok());
     cache_ = std::move(*cache);
     arena_.assign(kNumBlocks * kBs, 0);
@@ -124,6 +140,7 @@ class PrefixCacheRandomTest : public ::testing::Test {
     const NamespaceId ns = kNamespaces[rng_() % 2];
     const std::vector<int32_t> prompt = Prompt();
     const int64_t room = static_cast<int64_t>(prompt.size() + rng_() % 6);
+    cache_->ExpirePins();  // housekeeping now, so that a refusal must change nothing at all
     const std::string before = cache_->DebugString();
     DevicePlan plan;
     const absl::StatusOr<AllocateResult> r = cache_->Allocate(
@@ -216,8 +233,94 @@ class PrefixCacheRandomTest : public ::testing::Test {
     live_.erase(id);
   }
 
+  // Pins a prompt's prefix, or what a live sequence published.
+  void StepPin() {
+    const SessionId session = kSessions[rng_() % 2];
+    const int64_t ttl = 1 + static_cast<int64_t>(rng_() % 300);
+    const int priority = static_cast<int>(rng_() % 2);
+    ModelPin pin{.session = session, .expires = clock_.NowNanos() + ttl};
+    absl::StatusOr<PinId> id;
+    cache_->ExpirePins();
+    const std::string before = cache_->DebugString();
+    if (live_.empty() || rng_() % 2 == 0) {
+      pin.ns = kNamespaces[rng_() % 2];
+      pin.tokens = Prompt();
+      const bool cached = !pin.tokens.empty() && cache_->MatchPrefix(pin.ns, pin.tokens) ==
+                                                     static_cast<int64_t>(pin.tokens.size());
+      id = cache_->PinPrefix(session, pin.ns, pin.tokens, ttl, priority);
+      if (pin.tokens.empty()) {
+        ASSERT_EQ(id.status().code(), absl::StatusCode::kInvalidArgument);
+      } else if (!cached) {
+        ASSERT_EQ(id.status().code(), absl::StatusCode::kNotFound) << id.status();
+      }
+    } else {
+      const SequenceId seq = Pick();
+      const Live& s = live_.at(seq);
+      const Sequence* real = cache_->Find(seq);
+      const bool published = !real->path.full.empty() || real->path.partial != kNoNode;
+      id = cache_->PinSequence(s.session, seq, ttl, priority);
+      pin.session = s.session;
+      pin.ns = s.ns;
+      if (!published) {
+        ASSERT_EQ(id.status().code(), absl::StatusCode::kFailedPrecondition) << id.status();
+      } else if (id.ok()) {
+        // The tokens it keeps for sure: its full blocks (the partial one may be a wider
+        // sibling's, whose tokens the test does not know).
+        const int64_t n = std::min<int64_t>(static_cast<int64_t>(real->path.full.size()) * kBs,
+                                            static_cast<int64_t>(s.known));
+        pin.tokens.assign(s.tokens.begin(), s.tokens.begin() + n);
+      }
+    }
+    if (id.ok()) {
+      ASSERT_LT(pins_.size(), static_cast<size_t>(kMaxPins));
+      pins_[*id] = std::move(pin);
+      return;
+    }
+    if (id.status().code() == absl::StatusCode::kResourceExhausted) {
+      ASSERT_EQ(pins_.size(), static_cast<size_t>(kMaxPins)) << id.status();
+    }
+    ASSERT_EQ(cache_->DebugString(), before) << "a refused pin changed state";
+    ++refused_;
+  }
+
+  void StepUnpin() {
+    if (pins_.empty()) return;
+    auto it = pins_.begin();
+    std::advance(it, rng_() % pins_.size());
+    const bool owner = rng_() % 8 != 0;
+    const SessionId caller =
+        owner ? it->second.session
+              : (it->second.session == kSessions[0] ? kSessions[1] : kSessions[0]);
+    const absl::Status status = cache_->Unpin(caller, it->first);
+    ASSERT_EQ(status.code(), owner ? absl::StatusCode::kOk : absl::StatusCode::kPermissionDenied);
+    if (owner) pins_.erase(it);
+  }
+
+  // What the manager does first in every call: pins whose time is up end.
+  void ExpireModelPins() {
+    for (auto it = pins_.begin(); it != pins_.end();) {
+      it = it->second.expires <= clock_.NowNanos() ? pins_.erase(it) : std::next(it);
+    }
+  }
+
+  // The manager lists exactly the live pins, and each keeps its prefix wholly cached.
+  void VerifyPins() {
+    ExpireModelPins();
+    const std::vector<PinInfo> listed = cache_->ListPins();
+    ASSERT_EQ(listed.size(), pins_.size());
+    size_t k = 0;
+    for (const auto& [id, pin] : pins_) {
+      ASSERT_EQ(listed[k].id, id);
+      ASSERT_EQ(listed[k].session, pin.session);
+      ASSERT_EQ(listed[k++].expires_ns, pin.expires);
+      ASSERT_EQ(cache_->MatchPrefix(pin.ns, pin.tokens), static_cast<int64_t>(pin.tokens.size()))
+          << "pin " << id << " lost part of its prefix";
+    }
+  }
+
   ManualClock clock_;
   std::unique_ptr<KvCacheManager> cache_;
+  std::map<PinId, ModelPin> pins_;
   std::vector<uint64_t> arena_;
   std::map<SequenceId, Live> live_;
   std::mt19937_64 rng_{1129};
@@ -225,15 +328,17 @@ class PrefixCacheRandomTest : public ::testing::Test {
   int64_t refused_ = 0;
 };
 
-TEST_F(PrefixCacheRandomTest, TreeAndPoolAgreeWithComputedKv) {
-  int64_t ops = 100'000;
+TEST_P(PrefixCacheRandomTest, TreeAndPoolAgreeWithComputedKv) {
+  // The default policy gets the full run; the others a shorter one each.
+  int64_t ops = std::string(GetParam()) == kDefaultEvictionSpec ? 100'000 : 40'000;
   if (const char* env = std::getenv("KVPOOL_RANDOM_OPS")) ops = std::atoll(env) / 5;
   for (int64_t step = 0; step < ops; ++step) {
     clock_.Advance(1);
+    ExpireModelPins();
     const uint64_t dice = rng_() % 100;
-    if (live_.empty() || dice < 25) {
+    if (live_.empty() || dice < 24) {
       StepAllocate();
-    } else if (dice < 50) {
+    } else if (dice < 48) {
       StepDecode();
     } else if (dice < 62) {
       StepCommit();
@@ -241,8 +346,12 @@ TEST_F(PrefixCacheRandomTest, TreeAndPoolAgreeWithComputedKv) {
       StepTruncate();
     } else if (dice < 76) {
       StepFork();
-    } else if (dice < 98) {
+    } else if (dice < 94) {
       StepFree();
+    } else if (dice < 96) {
+      StepPin();
+    } else if (dice < 97) {
+      StepUnpin();
     } else if (dice < 99) {
       cache_->EvictCached(1 + static_cast<int64_t>(rng_() % 4));
     } else {
@@ -253,6 +362,7 @@ TEST_F(PrefixCacheRandomTest, TreeAndPoolAgreeWithComputedKv) {
     const absl::Status invariants = cache_->CheckInvariants();
     ASSERT_TRUE(invariants.ok()) << "at step " << step << ": " << invariants;
     VerifyAll();
+    VerifyPins();
     if (HasFatalFailure()) FAIL() << "at step " << step;
   }
   const KvCacheStats s = cache_->stats();
@@ -269,7 +379,12 @@ TEST_F(PrefixCacheRandomTest, TreeAndPoolAgreeWithComputedKv) {
   EXPECT_GT(s.evictions, static_cast<uint64_t>(ops / 100));
   EXPECT_GT(s.cache.widened, static_cast<uint64_t>(ops / 1000));
   EXPECT_GT(s.cache.dominated, 0u);
+  EXPECT_GT(s.pins_made, static_cast<uint64_t>(ops / 200));
+  EXPECT_GT(s.pins_expired, static_cast<uint64_t>(ops / 2000));
 }
+
+INSTANTIATE_TEST_SUITE_P(Policies, PrefixCacheRandomTest,
+                         ::testing::Values(kDefaultEvictionSpec.data(), "lru", "reuse+admit"));
 
 }  // namespace
 }  // namespace kvpool

@@ -1,0 +1,166 @@
+// PrefixCache: stats, invariants and the canonical dump.
+
+#include <algorithm>
+#include <string>
+
+#include "fmt/format.h"
+#include "kvpool/prefix_cache.h"
+#include "kvpool/util/errors.h"
+
+namespace kvpool {
+
+PrefixCacheStats PrefixCache::stats() const {
+  PrefixCacheStats s = counters_;
+  s.nodes = num_nodes_;
+  s.full_nodes = num_full_;
+  s.evictable = num_evictable_;
+  s.candidates = policy_->size() + num_tails_;
+  s.pinned = pinned_nodes_;
+  s.namespaces = static_cast<int64_t>(roots_.size());
+  return s;
+}
+
+// One cached (non-root) node: shape, coverage, hash chain, candidacy and pins.
+absl::Status PrefixCache::CheckNode(NodeIndex node,
+                                    const absl::flat_hash_map<NodeIndex, uint32_t>* pins,
+                                    absl::flat_hash_map<NamespaceId, int64_t>* pin_held) const {
+  const NodeIndex parent = parent_[node];
+  const BlockId block = block_[node];
+  if (parent == kNoNode || (block_[parent] == kInvalidBlock && Root(ns_[node]) != parent)) {
+    return InvariantViolation("node {} has no live parent", node);
+  }
+  if (block_[parent] != kInvalidBlock && coverage_[parent] != block_size_) {
+    return InvariantViolation("node {} hangs under partial node {}", node, parent);
+  }
+  if (coverage_[node] <= 0 || coverage_[node] > block_size_) {
+    return InvariantViolation("node {} has coverage {}", node, coverage_[node]);
+  }
+  if (node_of_block_[static_cast<size_t>(block.value())] != node || !pool_->cache_held(block)) {
+    return InvariantViolation("node {} and block {} do not point at each other", node,
+                              block.value());
+  }
+  if (ns_[node] != ns_[parent]) return InvariantViolation("node {} left its namespace", node);
+  if (block_[parent] != kInvalidBlock && priority_[node] > priority_[parent]) {
+    return InvariantViolation("node {} outranks its parent", node);
+  }
+  if (state_[node].depth != state_[parent].depth + 1)
+    return InvariantViolation("node {} has a stale depth", node);
+  if (coverage_[node] == block_size_) {
+    if (hash_[node] != PrefixChainHash(hash_[parent], ns_[node], Tokens(node))) {
+      return InvariantViolation("node {} has a broken hash chain", node);
+    }
+    if (FindFull(parent, Tokens(node)) == kNoNode)
+      return InvariantViolation("node {} is not indexed", node);
+  }
+  const bool evictable = ShouldBeEvictable(node);
+  if (evictable != (state_[node].evictable != 0))
+    return InvariantViolation("node {} evictability is stale", node);
+  const bool candidate = evictable && num_children_[node] == 0;
+  const bool tail = state_[node].in_tails != 0;
+  if ((state_[node].in_policy != 0) != policy_->Contains(node)) {
+    return InvariantViolation("node {} disagrees with the policy on holding it", node);
+  }
+  if (tail && policy_->Contains(node))
+    return InvariantViolation("node {} is a tail and in the policy", node);
+  if (candidate != (tail || policy_->Contains(node))) {
+    return InvariantViolation("node {} is {}an evictable leaf but {} a candidate", node,
+                              candidate ? "" : "not ", candidate ? "not" : "is");
+  }
+  if (candidate && tail != IsFirstOutTail(node)) {
+    return InvariantViolation("node {} is in the wrong candidate list", node);
+  }
+  if (pins != nullptr) {
+    auto it = pins->find(node);
+    const uint32_t want = it == pins->end() ? 0 : it->second;
+    if (state_[node].pins != want)
+      return InvariantViolation("node {} has {} pins, {} expected", node, state_[node].pins, want);
+  }
+  if (state_[node].pins > lock_[node])
+    return InvariantViolation("node {} has more pins than locks", node);
+  const bool charged = state_[node].pins > 0 && pool_->state(block) == BlockState::kCached;
+  if (charged != (state_[node].pin_charged != 0))
+    return InvariantViolation("node {} pin charge is stale", node);
+  if (charged) ++(*pin_held)[ns_[node]];
+  return absl::OkStatus();
+}
+
+absl::Status PrefixCache::CheckInvariants(
+    const absl::flat_hash_map<NodeIndex, uint32_t>* expected_locks,
+    const absl::flat_hash_map<NodeIndex, uint32_t>* expected_pins) const {
+  int64_t nodes = 0, full = 0, evictable = 0, pinned = 0;
+  absl::flat_hash_map<NamespaceId, int64_t> pin_held;
+  for (NodeIndex node = 0; node < static_cast<NodeIndex>(parent_.size()); ++node) {
+    const bool root = block_[node] == kInvalidBlock && parent_[node] == kNoNode &&
+                      Root(ns_[node]) == node && ns_[node] != kNoNamespace;
+    if (block_[node] == kInvalidBlock && !root) {  // free slot
+      if (state_[node].in_tails != 0 || policy_->Contains(node) || state_[node].pins != 0) {
+        return InvariantViolation("free node slot {} is still a candidate or pinned", node);
+      }
+      continue;
+    }
+    int32_t children = 0;
+    for (NodeIndex c = first_child_[node]; c != kNoNode; c = next_sibling_[c]) {
+      if (parent_[c] != node)
+        return InvariantViolation("node {} lists child {} of another parent", node, c);
+      ++children;
+    }
+    if (children != num_children_[node])
+      return InvariantViolation("node {} child count is stale", node);
+    if (expected_locks != nullptr) {
+      auto it = expected_locks->find(node);
+      const uint32_t want = it == expected_locks->end() ? 0 : it->second;
+      if (lock_[node] != want)
+        return InvariantViolation("node {} has {} locks, {} expected", node, lock_[node], want);
+    }
+    if (root) continue;
+    ++nodes;
+    full += coverage_[node] == block_size_ ? 1 : 0;
+    evictable += ShouldBeEvictable(node) ? 1 : 0;
+    pinned += state_[node].pins > 0 ? 1 : 0;
+    if (absl::Status s = CheckNode(node, expected_pins, &pin_held); !s.ok()) return s;
+  }
+  for (size_t b = 0; b < node_of_block_.size(); ++b) {
+    if (pool_->cache_held(BlockId(static_cast<int32_t>(b))) != (node_of_block_[b] != kNoNode)) {
+      return InvariantViolation("block {} cache reference does not match the tree", b);
+    }
+  }
+  if (nodes != num_nodes_ || full != num_full_) return InvariantViolation("node counts are stale");
+  if (evictable != num_evictable_) {
+    return InvariantViolation("{} nodes evictable, {} counted", evictable, num_evictable_);
+  }
+  if (pinned != pinned_nodes_)
+    return InvariantViolation("{} nodes pinned, {} counted", pinned, pinned_nodes_);
+  if (pin_held != pin_held_) return InvariantViolation("pin-held blocks per namespace are stale");
+  int64_t tails = 0;
+  for (NodeIndex n = tails_head_; n != kNoNode; n = tail_next_[n]) {
+    if (state_[n].in_tails == 0 || ++tails > num_tails_)
+      return InvariantViolation("the first-out tail list is broken");
+  }
+  if (tails != num_tails_)
+    return InvariantViolation("{} first-out tails listed, {} counted", tails, num_tails_);
+  if (static_cast<int64_t>(children_.size()) > full)
+    return InvariantViolation("child index has stale keys");
+  return policy_->CheckInvariants();
+}
+
+std::string PrefixCache::DebugString() const {
+  std::string out = fmt::format(
+      "cache nodes={} full={} evictable={} candidates={} pinned={} next_event={}\n", num_nodes_,
+      num_full_, num_evictable_, policy_->size() + num_tails_, pinned_nodes_, events_.next_seq());
+  auto it = std::back_inserter(out);
+  for (NodeIndex node = 0; node < static_cast<NodeIndex>(parent_.size()); ++node) {
+    if (block_[node] == kInvalidBlock) continue;
+    fmt::format_to(it,
+                   "n{} parent={} block={} cov={} lock={} pins={} prio={} hits={} candidate={} "
+                   "tokens={}\n",
+                   node, parent_[node], block_[node].value(), coverage_[node], lock_[node],
+                   state_[node].pins, priority_[node], state_[node].hits,
+                   state_[node].in_tails != 0 ? "tail"
+                   : policy_->Contains(node)  ? "policy"
+                                              : "no",
+                   fmt::join(Tokens(node), ","));
+  }
+  return out;
+}
+
+}  // namespace kvpool

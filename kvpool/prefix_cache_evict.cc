@@ -1,0 +1,259 @@
+// PrefixCache: eviction candidates, eviction plans, node removal and pins (lookup and locking
+// live in prefix_cache.cc, publishing in prefix_cache_update.cc).
+
+#include <algorithm>
+#include <queue>
+#include <utility>
+#include <vector>
+
+#include "fmt/format.h"
+#include "kvpool/prefix_cache.h"
+#include "kvpool/util/check.h"
+
+namespace kvpool {
+
+void PrefixCache::UpdateCandidate(NodeIndex node) {
+  if (block_[node] == kInvalidBlock) return;  // a root
+  const bool want = state_[node].evictable != 0 && num_children_[node] == 0;
+  NodeState& state = state_[node];
+  const bool tail = state.in_tails != 0;
+  if (want == (tail || state.in_policy != 0)) return;
+  if (!want) {
+    if (tail) {
+      TailRemove(node);
+    } else {
+      policy_->Remove(node, Facts(node));
+      state.in_policy = 0;
+    }
+  } else if (IsFirstOutTail(node)) {
+    TailPush(node);
+  } else {
+    policy_->Add(node, Facts(node));
+    state.in_policy = 1;
+  }
+}
+
+void PrefixCache::TailPush(NodeIndex node) {
+  state_[node].in_tails = 1;
+  tail_prev_[node] = tails_tail_;
+  tail_next_[node] = kNoNode;
+  if (tails_tail_ != kNoNode) {
+    tail_next_[tails_tail_] = node;
+  } else {
+    tails_head_ = node;
+  }
+  tails_tail_ = node;
+  ++num_tails_;
+}
+
+void PrefixCache::TailRemove(NodeIndex node) {
+  const NodeIndex prev = tail_prev_[node];
+  const NodeIndex next = tail_next_[node];
+  if (prev != kNoNode) {
+    tail_next_[prev] = next;
+  } else {
+    tails_head_ = next;
+  }
+  if (next != kNoNode) {
+    tail_prev_[next] = prev;
+  } else {
+    tails_tail_ = prev;
+  }
+  tail_prev_[node] = tail_next_[node] = kNoNode;
+  state_[node].in_tails = 0;
+  --num_tails_;
+}
+
+void PrefixCache::RemoveNode(NodeIndex node, const TraceContext& ctx) {
+  KVPOOL_CHECK_MSG(num_children_[node] == 0 && lock_[node] == 0,
+                   "evicting a prefix-cache node that is not an unlocked leaf");
+  if (state_[node].in_tails != 0) {
+    TailRemove(node);
+  } else if (state_[node].in_policy != 0) {
+    policy_->Remove(node, Facts(node));
+    state_[node].in_policy = 0;
+  }
+  if (state_[node].evictable != 0) {
+    state_[node].evictable = 0;
+    --num_evictable_;
+  }
+  policy_->OnErase(node, Facts(node), now_ns_);
+  const NodeIndex parent = parent_[node];
+  if (prev_sibling_[node] != kNoNode) {
+    next_sibling_[prev_sibling_[node]] = next_sibling_[node];
+  } else {
+    first_child_[parent] = next_sibling_[node];
+  }
+  if (next_sibling_[node] != kNoNode) prev_sibling_[next_sibling_[node]] = prev_sibling_[node];
+  --num_children_[parent];
+  if (coverage_[node] == block_size_) {
+    auto it = children_.find(ChildKey{parent, token_hash_[node]});
+    if (it != children_.end() && it->second == node) children_.erase(it);
+    if (pending_removed_ns_ != ns_[node]) FlushRemoved();
+    pending_removed_ns_ = ns_[node];
+    pending_removed_.push_back(hash_[node]);
+    if (evicted_memory_ > 0) {
+      BlockHash& slot = evicted_ring_[evicted_next_];
+      if (slot != BlockHash{}) evicted_set_.erase(slot);
+      slot = hash_[node];
+      evicted_set_.insert(slot);
+      evicted_next_ = (evicted_next_ + 1) % evicted_memory_;
+    }
+    --num_full_;
+  }
+  const BlockId block = block_[node];
+  node_of_block_[static_cast<size_t>(block.value())] = kNoNode;
+  KVPOOL_CHECK_OK(pool_->DropCacheRef(block, ctx));
+  parent_[node] = kNoNode;
+  next_sibling_[node] = prev_sibling_[node] = kNoNode;
+  block_[node] = kInvalidBlock;
+  coverage_[node] = 0;
+  priority_[node] = 0;
+  state_[node].depth = 0;
+  state_[node].fingerprint = 0;
+  state_[node].hits = 0;
+  state_[node].retain = 0;
+  hash_[node] = BlockHash{};
+  free_nodes_.push_back(node);
+  --num_nodes_;
+  ++counters_.evicted;
+  UpdateCandidate(parent);  // may have become a leaf
+}
+
+// The plan walks the first-out tails, then the policy's candidates in rank order. A victim may
+// turn its parent into a leaf; such parents wait in a heap by rank and are taken as soon as they
+// rank below the policy's next candidate. O((k + m) log(k + n)) for k victims and m skipped.
+int64_t PrefixCache::PlanEviction(int64_t blocks, std::span<const NodeIndex> keep,
+                                  std::vector<NodeIndex>* victims) const {
+  if (blocks <= 0) return 0;
+  const absl::flat_hash_set<NodeIndex> kept(keep.begin(), keep.end());
+  // Scratch kept between calls (no allocation per eviction): children planned away, and the
+  // parents that became leaves, as a min-heap by rank.
+  absl::flat_hash_map<NodeIndex, int32_t>& gone_children = plan_gone_;
+  std::vector<std::pair<EvictionRank, NodeIndex>>& freed_parents = plan_parents_;
+  gone_children.clear();
+  freed_parents.clear();
+  constexpr auto kLater = std::greater<>();
+  int64_t freed = 0;
+  auto take = [&](NodeIndex node) {
+    victims->push_back(node);
+    // A block still read by queued device work retires instead of freeing.
+    if (pool_->FencesPassed(block_[node])) ++freed;
+    const NodeIndex parent = parent_[node];
+    if (block_[parent] == kInvalidBlock) return;  // a root
+    if (++gone_children[parent] == num_children_[parent] && state_[parent].evictable != 0 &&
+        !kept.contains(parent)) {
+      freed_parents.emplace_back(policy_->Rank(parent, Facts(parent), now_ns_), parent);
+      std::push_heap(freed_parents.begin(), freed_parents.end(), kLater);
+    }
+  };
+  auto take_parent = [&] {
+    std::pop_heap(freed_parents.begin(), freed_parents.end(), kLater);
+    const NodeIndex parent = freed_parents.back().second;
+    freed_parents.pop_back();
+    take(parent);
+  };
+  for (NodeIndex node = tails_head_; node != kNoNode && freed < blocks; node = tail_next_[node]) {
+    if (!kept.contains(node)) take(node);
+  }
+  if (freed < blocks) {
+    policy_->Visit(now_ns_, [&](NodeIndex node, const EvictionRank& rank) {
+      while (freed < blocks && !freed_parents.empty() && freed_parents.front().first < rank) {
+        take_parent();
+      }
+      if (freed >= blocks) return false;
+      if (!kept.contains(node)) take(node);
+      return freed < blocks;
+    });
+  }
+  while (freed < blocks && !freed_parents.empty()) take_parent();
+  return freed;
+}
+
+void PrefixCache::Evict(std::span<const NodeIndex> victims, const TraceContext& ctx) {
+  for (NodeIndex node : victims) {
+    KVPOOL_CHECK(ShouldBeEvictable(node));
+    if (state_[node].in_tails != 0) ++counters_.tails_evicted;
+    RemoveNode(node, ctx);
+  }
+  FlushRemoved();
+}
+
+int64_t PrefixCache::EvictUpTo(int64_t blocks, const TraceContext& ctx) {
+  std::vector<NodeIndex> victims;
+  PlanEviction(blocks, {}, &victims);
+  if (static_cast<int64_t>(victims.size()) > blocks) victims.resize(static_cast<size_t>(blocks));
+  Evict(victims, ctx);
+  return static_cast<int64_t>(victims.size());
+}
+
+absl::Status PrefixCache::Clear(const TraceContext& ctx) {
+  if (num_evictable_ != num_nodes_) {
+    return absl::FailedPreconditionError(
+        fmt::format("{} of {} cached blocks are in use by sequences or pins",
+                    num_nodes_ - num_evictable_, num_nodes_));
+  }
+  // Every node is evictable, so one plan takes them all, leaves before their parents.
+  while (num_nodes_ > 0) {
+    std::vector<NodeIndex> victims;
+    PlanEviction(num_nodes_ + 1, {}, &victims);
+    KVPOOL_CHECK(!victims.empty());
+    for (NodeIndex node : victims) RemoveNode(node, ctx);
+  }
+  pending_removed_.clear();  // announced as one AllBlocksCleared instead
+  events_.Append(KvEvent{.type = KvEventType::kAllBlocksCleared, .block_size = block_size_});
+  return absl::OkStatus();
+}
+
+void PrefixCache::UpdatePinCharge(NodeIndex node) {
+  const bool want = state_[node].pins > 0 && block_[node] != kInvalidBlock &&
+                    pool_->state(block_[node]) == BlockState::kCached;
+  if (want == (state_[node].pin_charged != 0)) return;
+  state_[node].pin_charged = want ? 1 : 0;
+  auto it = pin_held_.try_emplace(ns_[node], 0).first;
+  it->second += want ? 1 : -1;
+  if (it->second == 0) pin_held_.erase(it);
+}
+
+void PrefixCache::Pin(std::span<const NodeIndex> nodes, int priority) {
+  KVPOOL_CHECK(priority >= 0 && priority < kNumPriorities);
+  for (NodeIndex node : nodes) {
+    KVPOOL_CHECK(block_[node] != kInvalidBlock);
+    Lock(node);  // first: a locked node is no candidate, so its class may change
+    if (state_[node].pins++ == 0) ++pinned_nodes_;
+    priority_[node] = static_cast<int8_t>(std::max<int>(priority_[node], priority));
+    UpdatePinCharge(node);
+  }
+}
+
+void PrefixCache::Unpin(std::span<const NodeIndex> nodes) {
+  // Deepest first, as sequences release: a node is released after its descendants.
+  for (auto it = nodes.rbegin(); it != nodes.rend(); ++it) {
+    const NodeIndex node = *it;
+    KVPOOL_CHECK_MSG(state_[node].pins > 0, "unpin of a prefix-cache node that is not pinned");
+    if (--state_[node].pins == 0) --pinned_nodes_;
+    UpdatePinCharge(node);
+    Unlock(node);
+  }
+}
+
+int64_t PrefixCache::PinCharge(std::span<const NodeIndex> nodes) const {
+  int64_t n = 0;
+  for (NodeIndex node : nodes) {
+    n += state_[node].pins == 0 && pool_->state(block_[node]) == BlockState::kCached ? 1 : 0;
+  }
+  return n;
+}
+
+int64_t PrefixCache::NewlyPinned(std::span<const NodeIndex> nodes) const {
+  int64_t n = 0;
+  for (NodeIndex node : nodes) n += state_[node].pins == 0 ? 1 : 0;
+  return n;
+}
+
+int64_t PrefixCache::pin_held(NamespaceId ns) const {
+  auto it = pin_held_.find(ns);
+  return it == pin_held_.end() ? 0 : it->second;
+}
+
+}  // namespace kvpool

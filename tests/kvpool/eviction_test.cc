@@ -1,0 +1,220 @@
+// Eviction through the KvCacheManager: the leaf-only rule whatever order a policy asks for,
+// first-out partial tails, the admission filter and policy injection.
+
+#include <numeric>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kvpool/kv_cache_manager.h"
+#include "kvpool/lru_eviction_policy.h"
+
+namespace kvpool {
+namespace {
+
+constexpr SessionId kAlice(1);
+constexpr NamespaceId kNs(100);
+constexpr int32_t kBs = 16;
+
+std::vector<int32_t> Tokens(int32_t start, int32_t n) {
+  std::vector<int32_t> t(static_cast<size_t>(n));
+  std::iota(t.begin(), t.end(), start);
+  return t;
+}
+
+// The worst order a policy could ask for: most recently released first, which puts every
+// parent (released just after its children) ahead of them. Records what it was offered.
+class NewestFirstPolicy final : public EvictionPolicy {
+ public:
+  explicit NewestFirstPolicy(std::vector<NodeIndex>* offered) : offered_(offered) {}
+  void Reserve(NodeIndex capacity) override { lru_.Reserve(capacity); }
+  void OnInsert(NodeIndex, const NodeFacts&, int64_t) override {}
+  void OnHit(NodeIndex, const NodeFacts&, int64_t) override {}
+  void OnErase(NodeIndex, const NodeFacts&, int64_t) override {}
+  void Add(NodeIndex node, const NodeFacts& facts) override {
+    lru_.Add(node, Reversed(facts));
+    offered_->push_back(node);
+  }
+  void Remove(NodeIndex node, const NodeFacts& facts) override {
+    lru_.Remove(node, Reversed(facts));
+  }
+  bool Contains(NodeIndex node) const override { return lru_.Contains(node); }
+  int64_t size() const override { return lru_.size(); }
+  EvictionRank Rank(NodeIndex node, const NodeFacts& facts, int64_t now_ns) const override {
+    return lru_.Rank(node, Reversed(facts), now_ns);
+  }
+  void Visit(int64_t now_ns,
+             absl::FunctionRef<bool(NodeIndex, const EvictionRank&)> visit) const override {
+    lru_.Visit(now_ns, visit);
+  }
+  absl::Status CheckInvariants() const override { return lru_.CheckInvariants(); }
+  std::string DebugString() const override { return "newest-first"; }
+
+ private:
+  static NodeFacts Reversed(NodeFacts facts) {
+    facts.release_seq = (uint64_t{1} << 40) - facts.release_seq;
+    return facts;
+  }
+
+  LruEvictionPolicy lru_;
+  std::vector<NodeIndex>* offered_;
+};
+
+class EvictionTest : public ::testing::Test {
+ protected:
+  void Make(int32_t num_blocks, std::string spec,
+            std::function<std::unique_ptr<EvictionPolicy>()> factory = nullptr) {
+    auto cache = KvCacheManager::Create({.block_size = kBs,
+                                         .num_blocks = num_blocks,
+                                         .max_blocks_per_seq = 64,
+                                         .clock = &clock_,
+                                         .eviction_policy = std::move(spec),
+                                         .eviction_policy_factory = std::move(factory)});
+    ASSERT_TRUE(cache.ok()) << cache.status();
+    cache_ = std::move(*cache);
+  }
+
+  SequenceId Alloc(const std::vector<int32_t>& prompt, bool retain_tail = false) {
+    DevicePlan plan;
+    const absl::StatusOr<AllocateResult> r =
+        cache_->Allocate(kAlice,
+                         {.ns = kNs,
+                          .num_tokens = static_cast<int64_t>(prompt.size()),
+                          .prompt = prompt,
+                          .retain_tail = retain_tail},
+                         &plan);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? r->sequence : SequenceId(0);
+  }
+
+  void Serve(const std::vector<int32_t>& prompt, bool retain_tail = false) {
+    clock_.Advance(1'000'000);
+    const SequenceId id = Alloc(prompt, retain_tail);
+    ASSERT_TRUE(cache_->Free(kAlice, id, OnFree::kCommit).ok());
+    ExpectInvariants();
+  }
+
+  int64_t Cached(const std::vector<int32_t>& prompt) const {
+    return cache_->MatchPrefix(kNs, prompt);
+  }
+
+  void ExpectInvariants() {
+    const absl::Status status = cache_->CheckInvariants();
+    ASSERT_TRUE(status.ok()) << status;
+  }
+
+  ManualClock clock_;
+  std::unique_ptr<KvCacheManager> cache_;
+};
+
+TEST_F(EvictionTest, AParentFirstPolicyStillLosesLeavesFirst) {
+  std::vector<NodeIndex> offered;
+  Make(7, "lru", [&] { return std::make_unique<NewestFirstPolicy>(&offered); });
+  Serve(Tokens(0, 4 * kBs));      // chain a0..a3
+  Serve(Tokens(500, 3 * kBs));    // chain b0..b2, released last: its root ranks first
+  EXPECT_EQ(offered.size(), 2u);  // only the two leaves were ever candidates
+  // One block needed: the policy's favourite is b's newest leaf... which is b2 (b0 and b1 are
+  // not leaves).
+  SequenceId one = Alloc(Tokens(9000, kBs));
+  EXPECT_EQ(Cached(Tokens(500, 3 * kBs)), 2 * kBs);
+  EXPECT_EQ(Cached(Tokens(0, 4 * kBs)), 4 * kBs);
+  ExpectInvariants();
+  // Four more: b1 and b0 (each a leaf once its child is planned) rank ahead of a3, then a3.
+  SequenceId four = Alloc(Tokens(7000, 4 * kBs));
+  EXPECT_EQ(Cached(Tokens(500, 3 * kBs)), 0);
+  EXPECT_EQ(Cached(Tokens(0, 4 * kBs)), 2 * kBs);
+  ExpectInvariants();
+  (void)one;
+  (void)four;
+}
+
+TEST_F(EvictionTest, UnretainedPartialTailsGoFirst) {
+  Make(5, "lru+notail");
+  Serve(Tokens(0, 2 * kBs));        // full blocks only, released first
+  Serve(Tokens(100, 2 * kBs + 5));  // two full blocks and a 5-token tail, released last
+  EXPECT_EQ(Cached(Tokens(100, 2 * kBs + 5)), 2 * kBs + 5);
+  Alloc(Tokens(9000, kBs));  // one block: the younger tail, not the older full leaf
+  EXPECT_EQ(Cached(Tokens(100, 2 * kBs + 5)), 2 * kBs);
+  EXPECT_EQ(Cached(Tokens(0, 2 * kBs)), 2 * kBs);
+  EXPECT_EQ(cache_->stats().cache.tails_evicted, 1u);
+  ExpectInvariants();
+}
+
+TEST_F(EvictionTest, ARequestCanAskToRetainItsTail) {
+  Make(5, "lru+notail");
+  Serve(Tokens(0, 2 * kBs));
+  Serve(Tokens(100, 2 * kBs + 5), /*retain_tail=*/true);
+  Alloc(Tokens(9000, kBs));  // plain LRU order now: the older full leaf goes
+  EXPECT_EQ(Cached(Tokens(100, 2 * kBs + 5)), 2 * kBs + 5);
+  EXPECT_EQ(Cached(Tokens(0, 2 * kBs)), kBs);
+  EXPECT_EQ(cache_->stats().cache.tails_evicted, 0u);
+}
+
+TEST_F(EvictionTest, PlainLruKeepsTailsInReleaseOrder) {
+  Make(5, "lru");
+  Serve(Tokens(0, 2 * kBs));
+  Serve(Tokens(100, 2 * kBs + 5));
+  Alloc(Tokens(9000, kBs));
+  EXPECT_EQ(Cached(Tokens(100, 2 * kBs + 5)), 2 * kBs + 5);
+  EXPECT_EQ(Cached(Tokens(0, 2 * kBs)), kBs);
+}
+
+TEST_F(EvictionTest, AdmissionEvictsContentSeenOnceBeforeContentSeenAgain) {
+  Make(6, "lru+admit");
+  Serve(Tokens(0, 2 * kBs));    // seen once: probation
+  Serve(Tokens(100, 2 * kBs));  // served twice: the second time hits, so admitted
+  Serve(Tokens(100, 2 * kBs));
+  Serve(Tokens(200, 2 * kBs));  // seen once, and the youngest
+  Alloc(Tokens(9000, 4 * kBs));
+  EXPECT_EQ(Cached(Tokens(100, 2 * kBs)), 2 * kBs);  // the oldest, but admitted
+  EXPECT_EQ(Cached(Tokens(0, 2 * kBs)), 0);
+  EXPECT_EQ(Cached(Tokens(200, 2 * kBs)), 0);
+  ExpectInvariants();
+}
+
+TEST_F(EvictionTest, ContentComingBackAfterEvictionIsAdmitted) {
+  Make(4, "lru+admit");
+  Serve(Tokens(0, 2 * kBs));
+  Alloc(Tokens(9000, 4 * kBs));  // evicts it
+  EXPECT_EQ(Cached(Tokens(0, 2 * kBs)), 0);
+  ASSERT_TRUE(cache_->FreeSession(kAlice) == 1);
+  Serve(Tokens(0, 2 * kBs));  // back: the ghost set remembers it
+  Serve(Tokens(300, 2 * kBs));
+  Alloc(Tokens(600, 2 * kBs));  // two blocks: the unseen chain, though younger
+  EXPECT_EQ(Cached(Tokens(0, 2 * kBs)), 2 * kBs);
+  EXPECT_EQ(Cached(Tokens(300, 2 * kBs)), 0);
+}
+
+TEST_F(EvictionTest, EveryPolicyKeepsTheBooksUnderChurn) {
+  for (const char* spec : {"lru", "lru+admit+notail", "reuse", "reuse+admit+notail"}) {
+    SCOPED_TRACE(spec);
+    Make(24, spec);
+    for (int i = 0; i < 300; ++i) {
+      // One hot opening comes back every fourth request; the others churn the cache.
+      const int32_t topic = i % 4 == 0 ? 0 : 1 + (i * 7) % 11;
+      Serve(Tokens(topic * 1000, kBs * (1 + i % 4) + i % 3));
+      if (HasFatalFailure()) return;
+    }
+    EXPECT_GT(cache_->stats().evictions, 100u);
+    EXPECT_GT(cache_->stats().hit_tokens, 0u);
+  }
+}
+
+TEST_F(EvictionTest, BadPoliciesAreRefusedAtCreation) {
+  EXPECT_EQ(
+      KvCacheManager::Create(
+          {.block_size = kBs, .num_blocks = 8, .max_blocks_per_seq = 8, .eviction_policy = "lfu"})
+          .status()
+          .code(),
+      absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(KvCacheManager::Create({.block_size = kBs,
+                                    .num_blocks = 8,
+                                    .max_blocks_per_seq = 8,
+                                    .eviction_policy_factory = [] { return nullptr; }})
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace kvpool
