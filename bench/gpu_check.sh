@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The CUDA backend on a machine with a GPU, from a fresh build: the kernel parity tests (decode
-# and block ops, then prefill), the model on the GPU against the dense reference and the host
-# model, then the decode bandwidth benchmark. Everything finishes within 8 minutes (each step has
+# and block ops, then prefill; every KV dtype, fp8 e4m3 and int8 included, asymmetric K/V pairs,
+# and the CUDA WriteKv's quantized blocks byte-compared with the CPU's), the model on the GPU
+# against the dense reference and the host model (8-bit and mixed layouts too), then the decode
+# bandwidth benchmark. Everything finishes within 8 minutes (each step has
 # its own timeout, cut to what is left of the budget).
 #
 #   bench/gpu_check.sh            # from anywhere; builds in <repo>/build/gpu
