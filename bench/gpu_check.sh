@@ -35,14 +35,19 @@ t=$(left 120)
 timeout "${t}" cmake -S . -B "${BUILD_DIR}" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DKVPOOL_ENABLE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90
 
-step "build cuda_parity_test cuda_prefill_parity_test cuda_model_test cuda_decode_bench"
+step "build cuda_parity_test cuda_decode_parity_test cuda_prefill_parity_test cuda_model_test" \
+  "cuda_decode_bench"
 t=$(left 300)
-timeout "${t}" cmake --build "${BUILD_DIR}" --target cuda_parity_test cuda_prefill_parity_test \
-  cuda_model_test cuda_decode_bench -j "$(nproc)"
+timeout "${t}" cmake --build "${BUILD_DIR}" --target cuda_parity_test cuda_decode_parity_test \
+  cuda_prefill_parity_test cuda_model_test cuda_decode_bench -j "$(nproc)"
 
 step "cuda_parity_test"
-t=$(left 150)
+t=$(left 60)
 timeout "${t}" "${BUILD_DIR}/tests/kernels/cuda/cuda_parity_test"
+
+step "cuda_decode_parity_test"
+t=$(left 120)
+timeout "${t}" "${BUILD_DIR}/tests/kernels/cuda/cuda_decode_parity_test"
 
 step "cuda_prefill_parity_test"
 t=$(left 120)
