@@ -187,7 +187,8 @@ absl::Status Run(Device& device, const Options& options) {
     // About half a second of work per context (bounded both ways).
     const int iters = options.smoke ? 5 : std::clamp(static_cast<int>(0.5 / per_call), 50, 5000);
     KVPOOL_ASSIGN_OR_RETURN(const double seconds, time(iters));
-    const double kv_bytes = 2.0 * batch * context * layout.row_bytes();  // K and V
+    const double kv_bytes = static_cast<double>(batch) * context *
+                            (layout.row_bytes(0, KvSide::kK) + layout.row_bytes(0, KvSide::kV));
     const double bytes_per_second = kv_bytes * iters / seconds;
     fmt::print("{:>8} {:>8} {:>12.2f} {:>12.1f} {:>10.1f} {:>10}\n", context, iters,
                seconds / iters * 1e6, kv_bytes / 1048576.0, bytes_per_second / 1e9,

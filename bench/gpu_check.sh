@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The CUDA backend on a machine with a GPU, from a fresh build: the kernel parity tests (decode
-# and block ops, then prefill), the model on the GPU against the dense reference and the host
-# model, then the decode bandwidth benchmark. Everything finishes within 8 minutes (each step has
+# and block ops, then prefill; every KV dtype, fp8 e4m3 and int8 included, asymmetric K/V pairs,
+# and the CUDA WriteKv's quantized blocks byte-compared with the CPU's), the model on the GPU
+# against the dense reference and the host model (8-bit and mixed layouts too), then the decode
+# bandwidth benchmark. Everything finishes within 8 minutes (each step has
 # its own timeout, cut to what is left of the budget).
 #
 #   bench/gpu_check.sh            # from anywhere; builds in <repo>/build/gpu
@@ -33,14 +35,19 @@ t=$(left 120)
 timeout "${t}" cmake -S . -B "${BUILD_DIR}" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DKVPOOL_ENABLE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90
 
-step "build cuda_parity_test cuda_prefill_parity_test cuda_model_test cuda_decode_bench"
+step "build cuda_parity_test cuda_decode_parity_test cuda_prefill_parity_test cuda_model_test" \
+  "cuda_decode_bench"
 t=$(left 300)
-timeout "${t}" cmake --build "${BUILD_DIR}" --target cuda_parity_test cuda_prefill_parity_test \
-  cuda_model_test cuda_decode_bench -j "$(nproc)"
+timeout "${t}" cmake --build "${BUILD_DIR}" --target cuda_parity_test cuda_decode_parity_test \
+  cuda_prefill_parity_test cuda_model_test cuda_decode_bench -j "$(nproc)"
 
 step "cuda_parity_test"
-t=$(left 150)
+t=$(left 60)
 timeout "${t}" "${BUILD_DIR}/tests/kernels/cuda/cuda_parity_test"
+
+step "cuda_decode_parity_test"
+t=$(left 120)
+timeout "${t}" "${BUILD_DIR}/tests/kernels/cuda/cuda_decode_parity_test"
 
 step "cuda_prefill_parity_test"
 t=$(left 120)

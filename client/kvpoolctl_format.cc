@@ -106,11 +106,56 @@ std::string Seconds(double seconds) {
   return absl::FormatDuration(absl::Trunc(absl::Seconds(seconds), absl::Seconds(1)));
 }
 
+std::string DTypeText(v1::DType d) {
+  switch (d) {
+    case v1::DTYPE_F32:
+      return "f32";
+    case v1::DTYPE_F16:
+      return "f16";
+    case v1::DTYPE_BF16:
+      return "bf16";
+    case v1::DTYPE_FP8_E4M3:
+      return "fp8";
+    case v1::DTYPE_INT8:
+      return "int8";
+    case v1::DTYPE_UNSPECIFIED:
+    case v1::DType_INT_MIN_SENTINEL_DO_NOT_USE_:
+    case v1::DType_INT_MAX_SENTINEL_DO_NOT_USE_:
+      break;
+  }
+  return v1::DType_Name(d);
+}
+
 std::string LayoutLine(const v1::PoolLayout& l) {
   return fmt::format("{} tokens/block, {} layers, {} kv heads x {}, {}; {}/block, {} blocks ({})",
                      l.block_size(), l.num_layers(), l.num_kv_heads(), l.head_dim(),
-                     v1::DType_Name(l.dtype()), Bytes(l.block_bytes()), l.num_blocks(),
+                     l.chunk_bytes() > 0 ? DTypeText(l.dtype()) : "mixed dtypes",
+                     Bytes(l.block_bytes()), l.num_blocks(),
                      Bytes(int64_t{l.num_blocks()} * l.block_bytes()));
+}
+
+// Bytes a token takes in each layer (K and V, the 8-bit scales shared out over the block's
+// tokens), consecutive layers of equal dtypes on one row, then the whole model's.
+std::string LayerBytesTable(const v1::PoolLayout& l) {
+  internal::Table table({"LAYERS", "K", "V", "BYTES/TOKEN/LAYER"});
+  double total = 0;
+  for (int begin = 0; begin < l.layers_size();) {
+    const v1::LayerLayout& first = l.layers(begin);
+    int end = begin + 1;
+    while (end < l.layers_size() && l.layers(end).k_dtype() == first.k_dtype() &&
+           l.layers(end).v_dtype() == first.v_dtype() &&
+           l.layers(end).bytes_per_token() == first.bytes_per_token()) {
+      ++end;
+    }
+    table.AddRow({end - begin == 1 ? std::to_string(begin) : fmt::format("{}-{}", begin, end - 1),
+                  DTypeText(first.k_dtype()), DTypeText(first.v_dtype()),
+                  fmt::format("{:.1f}", first.bytes_per_token())});
+    total += first.bytes_per_token() * (end - begin);
+    begin = end;
+  }
+  if (table.num_rows() == 0) return "";
+  table.AddRow({"all", "", "", fmt::format("{:.1f}", total)});
+  return table.Render() + "\n";
 }
 
 std::string TableText(const v1::SequenceInfo& info, size_t max_entries) {
@@ -144,6 +189,7 @@ std::string FormatStats(const v1::GetStatsResponse& s, bool json) {
   if (!s.pool().empty()) out += fmt::format("pool     {}\n", s.pool());
   if (!s.failure().empty()) out += fmt::format("NOT SERVING: {}\n", s.failure());
   out += fmt::format("layout   {}\n\n", LayoutLine(s.layout()));
+  out += LayerBytesTable(s.layout());
 
   internal::Table blocks({"BLOCKS", "COUNT", "%"});
   const auto add = [&](const char* name, int64_t count) {

@@ -31,6 +31,9 @@ int64_t DTypeBytes(v1::DType dtype) {
     case v1::DTYPE_F16:
     case v1::DTYPE_BF16:
       return 2;
+    case v1::DTYPE_FP8_E4M3:
+    case v1::DTYPE_INT8:
+      return 1;
     case v1::DTYPE_UNSPECIFIED:
     case v1::DType_INT_MIN_SENTINEL_DO_NOT_USE_:
     case v1::DType_INT_MAX_SENTINEL_DO_NOT_USE_:
@@ -39,29 +42,81 @@ int64_t DTypeBytes(v1::DType dtype) {
   return 0;
 }
 
-absl::Status ValidateLayout(const v1::PoolLayout& l) {
-  if (l.block_size() <= 0 || l.num_layers() <= 0 || l.num_kv_heads() <= 0 || l.head_dim() <= 0 ||
-      l.num_blocks() <= 0 || l.chunk_bytes() <= 0) {
-    return absl::InvalidArgumentError(fmt::format("invalid pool layout: {}", l.ShortDebugString()));
+bool HasScales(v1::DType dtype) { return dtype == v1::DTYPE_FP8_E4M3 || dtype == v1::DTYPE_INT8; }
+
+// Bytes of a chunk of `dtype` (layout.proto): values or codes, then for the 8-bit types the
+// [num_kv_heads] f32 scales and padding to a multiple of 16.
+int64_t ChunkBytes(const v1::PoolLayout& l, v1::DType dtype) {
+  const int64_t data =
+      int64_t{l.block_size()} * l.num_kv_heads() * l.head_dim() * DTypeBytes(dtype);
+  if (!HasScales(dtype)) return data;
+  return (data + 4 * int64_t{l.num_kv_heads()} + 15) / 16 * 16;
+}
+
+// The per-layer table (layout.proto: layers): every chunk where its predecessors end, each as
+// large as its dtype needs, the block their sum. Layouts from daemons without it get one
+// computed from the uniform chunk_bytes.
+absl::Status CheckLayers(v1::PoolLayout* l) {
+  if (l->layers_size() == 0) {
+    if (l->chunk_bytes() <= 0) return absl::InvalidArgumentError("pool layout has no chunk sizes");
+    for (int32_t i = 0; i < l->num_layers(); ++i) {
+      v1::LayerLayout* layer = l->add_layers();
+      layer->set_k_dtype(l->dtype());
+      layer->set_v_dtype(l->dtype());
+      layer->set_k_offset(2 * i * l->chunk_bytes());
+      layer->set_v_offset((2 * i + 1) * l->chunk_bytes());
+      layer->set_k_chunk_bytes(l->chunk_bytes());
+      layer->set_v_chunk_bytes(l->chunk_bytes());
+    }
   }
-  const int64_t dtype_bytes = DTypeBytes(l.dtype());
-  if (dtype_bytes == 0) {
+  if (l->layers_size() != l->num_layers()) {
+    return absl::InvalidArgumentError(fmt::format("pool layout describes {} of its {} layers",
+                                                  l->layers_size(), l->num_layers()));
+  }
+  int64_t offset = 0;
+  for (int i = 0; i < l->layers_size(); ++i) {
+    const v1::LayerLayout& layer = l->layers(i);
+    const int64_t k = ChunkBytes(*l, layer.k_dtype()), v = ChunkBytes(*l, layer.v_dtype());
+    const int64_t values = int64_t{l->block_size()} * l->num_kv_heads() * l->head_dim();
+    if (DTypeBytes(layer.k_dtype()) == 0 || DTypeBytes(layer.v_dtype()) == 0) {
+      return absl::InvalidArgumentError(
+          fmt::format("pool layout layer {} has an unknown dtype", i));
+    }
+    if (layer.k_offset() != offset || layer.k_chunk_bytes() < k ||
+        layer.v_offset() != offset + layer.k_chunk_bytes() || layer.v_chunk_bytes() < v ||
+        (HasScales(layer.k_dtype()) &&
+         layer.k_scales_offset() != offset + values * DTypeBytes(layer.k_dtype())) ||
+        (HasScales(layer.v_dtype()) &&
+         layer.v_scales_offset() != layer.v_offset() + values * DTypeBytes(layer.v_dtype()))) {
+      return absl::InvalidArgumentError(
+          fmt::format("pool layout layer {} is inconsistent: {}", i, layer.ShortDebugString()));
+    }
+    offset += layer.k_chunk_bytes() + layer.v_chunk_bytes();
+  }
+  if (l->block_bytes() != offset) {
+    return absl::InvalidArgumentError(fmt::format(
+        "pool layout block_bytes {} != the sum of its chunks {}", l->block_bytes(), offset));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateLayout(v1::PoolLayout* l) {
+  if (l->block_size() <= 0 || l->num_layers() <= 0 || l->num_kv_heads() <= 0 ||
+      l->head_dim() <= 0 || l->num_blocks() <= 0 || l->chunk_bytes() < 0 ||
+      l->num_layers() > (1 << 16) || l->head_dim() > (1 << 20) || l->num_kv_heads() > (1 << 16) ||
+      l->block_size() > (1 << 20)) {
     return absl::InvalidArgumentError(
-        fmt::format("pool layout has unknown dtype {}", static_cast<int>(l.dtype())));
+        fmt::format("invalid pool layout: {}", l->ShortDebugString()));
   }
-  const int64_t elements = int64_t{l.block_size()} * l.num_kv_heads() * l.head_dim();
-  if (l.chunk_bytes() < elements * dtype_bytes) {
+  if (l->layers_size() == 0 && DTypeBytes(l->dtype()) == 0) {
     return absl::InvalidArgumentError(
-        fmt::format("pool layout chunk_bytes {} < block_size * num_kv_heads * head_dim * {} = {}",
-                    l.chunk_bytes(), dtype_bytes, elements * dtype_bytes));
+        fmt::format("pool layout has unknown dtype {}", static_cast<int>(l->dtype())));
   }
-  if (l.chunk_bytes() > std::numeric_limits<int64_t>::max() / (2 * l.num_layers()) ||
-      l.block_bytes() != 2 * l.num_layers() * l.chunk_bytes()) {
-    return absl::InvalidArgumentError(
-        fmt::format("pool layout block_bytes {} != 2 * num_layers {} * chunk_bytes {}",
-                    l.block_bytes(), l.num_layers(), l.chunk_bytes()));
+  if (l->chunk_bytes() > std::numeric_limits<int64_t>::max() / (2 * l->num_layers())) {
+    return absl::InvalidArgumentError("pool layout overflows 64-bit byte offsets");
   }
-  if (l.block_bytes() > std::numeric_limits<int64_t>::max() / l.num_blocks()) {
+  KVPOOL_CLIENT_RETURN_IF_ERROR(CheckLayers(l));
+  if (l->block_bytes() > std::numeric_limits<int64_t>::max() / l->num_blocks()) {
     return absl::InvalidArgumentError("pool layout overflows 64-bit byte offsets");
   }
   return absl::OkStatus();
@@ -102,8 +157,8 @@ PoolMapping::~PoolMapping() {
 
 absl::StatusOr<std::unique_ptr<PoolMapping>> PoolMapping::Create(const v1::AttachResponse& attach,
                                                                  std::vector<UniqueFd> fds) {
-  const v1::PoolLayout& layout = attach.layout();
-  KVPOOL_CLIENT_RETURN_IF_ERROR(ValidateLayout(layout));
+  v1::PoolLayout layout = attach.layout();
+  KVPOOL_CLIENT_RETURN_IF_ERROR(ValidateLayout(&layout));
   const int64_t needed = int64_t{layout.num_blocks()} * layout.block_bytes();
   const int64_t arena_bytes = attach.arena_bytes() == 0 ? needed : attach.arena_bytes();
   if (arena_bytes < needed) {
@@ -225,7 +280,38 @@ absl::StatusOr<char*> PoolMapping::Chunk(int32_t layer, int32_t kv, BlockRef blo
         fmt::format("layer {} is past the pool's {} layers", layer, layout_.num_layers()));
   }
   KVPOOL_CLIENT_ASSIGN_OR_RETURN(char* start, Block(block));
-  return start + (2 * int64_t{layer} + kv) * layout_.chunk_bytes();
+  const v1::LayerLayout& l = layout_.layers(layer);
+  return start + (kv == 0 ? l.k_offset() : l.v_offset());
+}
+
+absl::StatusOr<float*> PoolMapping::Scales(int32_t layer, int32_t kv, BlockRef block) const {
+  KVPOOL_CLIENT_ASSIGN_OR_RETURN(char* chunk, Chunk(layer, kv, block));
+  const v1::LayerLayout& l = layout_.layers(layer);
+  const v1::DType d = kv == 0 ? l.k_dtype() : l.v_dtype();
+  if (!HasScales(d)) {
+    return absl::FailedPreconditionError(fmt::format("layer {} {} is {}: it has no scales", layer,
+                                                     kv == 0 ? "K" : "V", v1::DType_Name(d)));
+  }
+  const int64_t offset =
+      kv == 0 ? l.k_scales_offset() - l.k_offset() : l.v_scales_offset() - l.v_offset();
+  return reinterpret_cast<float*>(chunk + offset);
+}
+
+absl::StatusOr<float*> PoolMapping::KScales(int32_t layer, BlockRef block) const {
+  return Scales(layer, 0, block);
+}
+
+absl::StatusOr<float*> PoolMapping::VScales(int32_t layer, BlockRef block) const {
+  return Scales(layer, 1, block);
+}
+
+v1::DType PoolMapping::dtype(int32_t layer, int32_t kv) const {
+  if (layer < 0 || layer >= layout_.layers_size()) return v1::DTYPE_UNSPECIFIED;
+  return kv == 0 ? layout_.layers(layer).k_dtype() : layout_.layers(layer).v_dtype();
+}
+
+int64_t PoolMapping::row_bytes(int32_t layer, int32_t kv) const {
+  return int64_t{layout_.num_kv_heads()} * layout_.head_dim() * DTypeBytes(dtype(layer, kv));
 }
 
 absl::StatusOr<char*> PoolMapping::K(int32_t layer, BlockRef block) const {

@@ -55,6 +55,8 @@ class PoolMapping final {
   PoolMapping& operator=(const PoolMapping&) = delete;
   ~PoolMapping();
 
+  // The daemon's layout; `layers` is always filled in (computed for daemons that send only the
+  // uniform chunk_bytes).
   const v1::PoolLayout& layout() const { return layout_; }
   v1::ArenaKind kind() const { return kind_; }
   // True when base() and the pointers below may be dereferenced on the host (memfd arena).
@@ -65,15 +67,27 @@ class PoolMapping final {
   int64_t mapped_bytes() const { return mapped_bytes_; }  // >= arena_bytes
   int32_t num_blocks() const { return layout_.num_blocks(); }
 
-  // The block's first byte: [2 * num_layers][block_size][num_kv_heads][head_dim] of dtype.
+  // The block's first byte: every layer's K then V chunk, each in its own dtype (layout.proto).
   // Errors: INVALID_ARGUMENT (negative id), OUT_OF_RANGE (id >= num_blocks),
   // FAILED_PRECONDITION "block N was reused (generation X, you hold Y)".
   absl::StatusOr<char*> Block(BlockRef block) const;
-  // Layer `layer`'s K (or V) chunk of the block: [block_size][num_kv_heads][head_dim] of dtype,
-  // layout().chunk_bytes() bytes. Errors: as Block(), plus INVALID_ARGUMENT (negative layer) and
-  // OUT_OF_RANGE (layer >= num_layers).
+  // Layer `layer`'s K (or V) chunk of the block: [block_size][num_kv_heads][head_dim] values of
+  // dtype(layer, 0) (or 1); row_bytes() a token. Errors: as Block(), plus INVALID_ARGUMENT
+  // (negative layer) and OUT_OF_RANGE (layer >= num_layers).
   absl::StatusOr<char*> K(int32_t layer, BlockRef block) const;
   absl::StatusOr<char*> V(int32_t layer, BlockRef block) const;
+  // The block's [num_kv_heads] f32 scales of an 8-bit K (or V): head h's value is code * scale.
+  // A writer keeps them as kvpoold's WriteKv does (kernels/cpu_kernels.h): a block restarted at
+  // slot 0 takes its rows' absmax / 448 (fp8) or / 127 (int8); later rows that need a larger
+  // scale re-encode the earlier ones. Errors: as K(), plus FAILED_PRECONDITION when that side is
+  // not an 8-bit dtype.
+  absl::StatusOr<float*> KScales(int32_t layer, BlockRef block) const;
+  absl::StatusOr<float*> VScales(int32_t layer, BlockRef block) const;
+
+  // Layer `layer`'s K (kv 0) or V (kv 1) dtype; DTYPE_UNSPECIFIED for a layer out of range.
+  v1::DType dtype(int32_t layer, int32_t kv) const;
+  // Bytes of one token's K (kv 0) or V (kv 1) row of a layer: [num_kv_heads][head_dim].
+  int64_t row_bytes(int32_t layer, int32_t kv) const;
 
   // OK when `block` is in range and still has the generation the caller holds; errors as Block().
   absl::Status CheckCurrent(BlockRef block) const;
@@ -86,6 +100,7 @@ class PoolMapping final {
   PoolMapping(v1::PoolLayout layout, v1::ArenaKind kind, int64_t arena_bytes, int64_t mapped_bytes);
 
   absl::StatusOr<char*> Chunk(int32_t layer, int32_t kv, BlockRef block) const;
+  absl::StatusOr<float*> Scales(int32_t layer, int32_t kv, BlockRef block) const;
 
   const v1::PoolLayout layout_;
   const v1::ArenaKind kind_;

@@ -46,12 +46,19 @@ internal::DecodeFns DecodeFnsFor(int dim) {
   return internal::DecodePortable();
 }
 
-void Attend(const DecodeShape& shape, const DecodeTask& task, const PagedRows& rows, DType dtype) {
-  DecodeFnsFor(shape.dim).paged(shape, task, rows, dtype);
+// K and V dtypes of a decode.
+struct KvDTypes {
+  DType k, v;
+};
+
+void Attend(const DecodeShape& shape, const DecodeTask& task, const PagedRows& rows,
+            KvDTypes dtypes) {
+  DecodeFnsFor(shape.dim).paged(shape, task, rows, dtypes.k, dtypes.v);
 }
 
-void Attend(const DecodeShape& shape, const DecodeTask& task, const DenseRows& rows, DType dtype) {
-  DecodeFnsFor(shape.dim).dense(shape, task, rows, dtype);
+void Attend(const DecodeShape& shape, const DecodeTask& task, const DenseRows& rows,
+            KvDTypes dtypes) {
+  DecodeFnsFor(shape.dim).dense(shape, task, rows, dtypes.k, dtypes.v);
 }
 
 absl::Status CheckShape(int32_t num_q_heads, int32_t head_dim) {
@@ -62,7 +69,8 @@ absl::Status CheckShape(int32_t num_q_heads, int32_t head_dim) {
 // partial states into `out`. `rows_of(s)` gives sequence s's row source.
 template <typename RowsOf>
 void RunDecode(const DecodeShape& shape, int32_t num_seqs, const int32_t* lens, const float* q,
-               float* out, float scale, ThreadPool* threads, const RowsOf& rows_of, DType dtype) {
+               float* out, float scale, ThreadPool* threads, const RowsOf& rows_of,
+               KvDTypes dtypes) {
   const int q_heads = shape.q_heads();
   const int dim = shape.dim;
   // Enough ranges to keep every thread busy twice over, none shorter than kMinSplit tokens.
@@ -103,7 +111,7 @@ void RunDecode(const DecodeShape& shape, int32_t num_seqs, const int32_t* lens, 
                             m,
                             l,
                             l + q_heads};
-      Attend(shape, task, rows_of(range.seq), dtype);
+      Attend(shape, task, rows_of(range.seq), dtypes);
     }
   };
   if (threads == nullptr) {
@@ -170,12 +178,12 @@ absl::Status PagedAttentionDecode(const KvPoolView& pool, const DecodeArgs& a,
     }
   }
   const DecodeShape shape{l.num_kv_heads, a.num_q_heads / l.num_kv_heads, l.head_dim};
-  RunDecode(
-      shape, a.num_seqs, a.seq_lens, a.q, a.out, a.scale, threads,
-      [&](int32_t s) {
-        return PagedRows{&pool, a.block_tables + static_cast<int64_t>(s) * a.table_stride, a.layer};
-      },
-      l.dtype);
+  const KvLayerView view = pool.Layer(a.layer);
+  RunDecode(shape, a.num_seqs, a.seq_lens, a.q, a.out, a.scale, threads,
+            [&](int32_t s) {
+              return PagedRows{&view, a.block_tables + static_cast<int64_t>(s) * a.table_stride};
+            },
+            {view.l.k_dtype, view.l.v_dtype});
   return absl::OkStatus();
 }
 
@@ -185,6 +193,10 @@ absl::Status DenseAttentionDecode(const DenseDecodeArgs& a, ThreadPool* threads)
     return absl::InvalidArgumentError("DenseAttentionDecode: bad head shape");
   }
   if (absl::Status s = CheckShape(a.num_q_heads, a.head_dim); !s.ok()) return s;
+  if (DTypeHasScales(a.dtype)) {
+    return absl::InvalidArgumentError(fmt::format(
+        "DenseAttentionDecode: {} needs the scales of a paged block", DTypeName(a.dtype)));
+  }
   for (int32_t s = 0; s < a.num_seqs; ++s) {
     if (a.seq_lens[s] < 1)
       return absl::InvalidArgumentError("DenseAttentionDecode: empty sequence");
@@ -196,7 +208,7 @@ absl::Status DenseAttentionDecode(const DenseDecodeArgs& a, ThreadPool* threads)
       [&](int32_t s) {
         return DenseRows{static_cast<const char*>(a.k[s]), static_cast<const char*>(a.v[s]), row};
       },
-      a.dtype);
+      {a.dtype, a.dtype});
   return absl::OkStatus();
 }
 

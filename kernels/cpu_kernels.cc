@@ -1,5 +1,5 @@
-// CPU kernels other than decode attention (cpu_attention.cc): KV scatter, block copy and fill,
-// and the double-precision reference attention.
+// CPU kernels other than attention (cpu_attention.cc, cpu_prefill.cc) and the KV write
+// (cpu_write_kv.cc): block copy and fill, and the double-precision reference attention.
 
 #include "kernels/cpu_kernels.h"
 
@@ -19,29 +19,37 @@ absl::Status BlockOutOfRange(std::string_view kernel, int64_t block, int32_t num
       fmt::format("{}: block {} outside [0, {})", kernel, block, num_blocks));
 }
 
-}  // namespace
-
-absl::Status WriteKv(const KvPoolView& pool, const WriteKvArgs& a) {
-  if (absl::Status s = ValidateWriteKv(pool, a); !s.ok()) return s;
-  const PoolLayout& l = pool.layout;
-  const int64_t capacity = static_cast<int64_t>(l.num_blocks) * l.block_size;
-  for (int32_t i = 0; i < a.num_tokens; ++i) {  // check every slot before writing any
-    if (a.slots[i] >= capacity)
-      return BlockOutOfRange("WriteKv", a.slots[i] / l.block_size, l.num_blocks);
+// Every chunk of the block at `block` set to its dtype's poison pattern (dtype.h), scales NaN.
+void PoisonBlock(const PoolLayout& layout, char* block) {
+  int64_t offset = 0;
+  for (int32_t l = 0; l < layout.num_layers; ++l) {
+    for (KvSide side : {KvSide::kK, KvSide::kV}) {
+      const DType dtype = layout.kv_dtype(l, side);
+      const int64_t chunk = layout.chunk_bytes(l, side);
+      const int64_t data = layout.block_size * layout.row_bytes(l, side);
+      char* p = block + offset;
+      switch (dtype) {
+        case DType::kF32:
+          for (int64_t b = 0; b < data; b += 4) std::memcpy(p + b, &kPoisonF32, 4);
+          break;
+        case DType::kF16:
+          for (int64_t b = 0; b < data; b += 2) std::memcpy(p + b, &kPoisonF16, 2);
+          break;
+        case DType::kBF16:
+          for (int64_t b = 0; b < data; b += 2) std::memcpy(p + b, &kPoisonBF16, 2);
+          break;
+        case DType::kFp8E4M3:
+        case DType::kInt8:
+          std::memset(p, kPoison8, static_cast<size_t>(data));
+          for (int64_t b = data; b + 4 <= chunk; b += 4) std::memcpy(p + b, &kPoisonF32, 4);
+          break;
+      }
+      offset += chunk;
+    }
   }
-  const int64_t row = l.row_bytes();
-  const char* k = static_cast<const char*>(a.k);
-  const char* v = static_cast<const char*>(a.v);
-  for (int32_t i = 0; i < a.num_tokens; ++i) {
-    const int64_t slot = a.slots[i];
-    if (slot < 0) continue;  // padding
-    const int32_t block = static_cast<int32_t>(slot / l.block_size);
-    const int64_t offset = (slot % l.block_size) * row;
-    std::memcpy(pool.k(block, a.layer) + offset, k + i * row, static_cast<size_t>(row));
-    std::memcpy(pool.v(block, a.layer) + offset, v + i * row, static_cast<size_t>(row));
-  }
-  return absl::OkStatus();
 }
+
+}  // namespace
 
 absl::Status CopyBlocks(const KvPoolView& pool, const CopyBlocksArgs& a) {
   if (absl::Status s = ValidateCopyBlocks(pool, a); !s.ok()) return s;
@@ -65,28 +73,12 @@ absl::Status FillBlocks(const KvPoolView& pool, const FillBlocksArgs& a) {
     if (a.blocks[i] < 0 || a.blocks[i] >= n) return BlockOutOfRange("FillBlocks", a.blocks[i], n);
   }
   const int64_t bytes = pool.layout.block_bytes();
-  // The poison pattern of the dtype, repeated over a 4-byte word.
-  uint32_t word = 0;
-  if (a.pattern == FillPattern::kPoison) {
-    switch (pool.layout.dtype) {
-      case DType::kF32:
-        word = kPoisonF32;
-        break;
-      case DType::kF16:
-        word = static_cast<uint32_t>(kPoisonF16) * 0x10001u;
-        break;
-      case DType::kBF16:
-        word = static_cast<uint32_t>(kPoisonBF16) * 0x10001u;
-        break;
-    }
-  }
   for (int32_t i = 0; i < a.num_blocks; ++i) {
-    char* base = pool.k(a.blocks[i], 0);
-    if (word == 0) {
-      std::memset(base, 0, static_cast<size_t>(bytes));
+    char* block = pool.k(a.blocks[i], 0);
+    if (a.pattern == FillPattern::kZero) {
+      std::memset(block, 0, static_cast<size_t>(bytes));
     } else {
-      uint32_t* words = reinterpret_cast<uint32_t*>(base);
-      std::fill(words, words + bytes / 4, word);
+      PoisonBlock(pool.layout, block);
     }
   }
   return absl::OkStatus();

@@ -21,6 +21,19 @@ absl::Status CheckAttentionShape(int32_t num_q_heads, int32_t head_dim);
 
 // All take host pointers. `threads` may be null (run on the caller). Errors: INVALID_ARGUMENT
 // for bad arguments, including out-of-range block ids or slots (nothing is written then).
+//
+// WriteKv converts each f32 row to its layer's K and V dtype. An 8-bit side (fp8 e4m3, int8)
+// keeps one f32 scale per (block, KV head) in the block (pool_layout.h); the tokens of a call
+// that fall in one block, consecutive in the call (a run), are written together:
+//   - a run that writes slot 0 starts the block afresh: each head's scale becomes ScaleFor(the
+//     run's absmax) (dtype.h), and slots the run does not write are undefined afterwards (the
+//     block's earlier contents belonged to a previous owner);
+//   - any other run keeps the block's other slots: a head's scale becomes max(old, the run's
+//     need), and when it grows the head's codes in every slot are re-encoded under it, so every
+//     earlier value keeps its meaning within one rounding of the new scale;
+//   - a NaN or infinite value makes its head's scale NaN (the head reads as NaN) until a run
+//     starts the block afresh; so does a poisoned block's NaN scale (FillBlocks).
+// Runs of one block that are not consecutive in the call are correct too, only more rounding.
 absl::Status WriteKv(const KvPoolView& pool, const WriteKvArgs& args);
 absl::Status CopyBlocks(const KvPoolView& pool, const CopyBlocksArgs& args);
 absl::Status FillBlocks(const KvPoolView& pool, const FillBlocksArgs& args);
@@ -39,7 +52,7 @@ int64_t PrefillWorkspaceBytes(const PoolLayout& layout, int threads);
 
 // Decode against contiguous K/V: sequence i's keys are k[i] = [seq_lens[i]][num_kv_heads][head_dim]
 // (values likewise). The same vectorized code as the paged kernel, so paged/dense measures the
-// cost of paging alone.
+// cost of paging alone. f32, f16 and bf16 only (the 8-bit formats need a paged block's scales).
 struct DenseDecodeArgs {
   int32_t num_seqs = 0;
   int32_t num_q_heads = 0;
@@ -56,7 +69,7 @@ struct DenseDecodeArgs {
 absl::Status DenseAttentionDecode(const DenseDecodeArgs& args, ThreadPool* threads);
 
 // The textbook algorithm in double precision, one head at a time: the reference the tests hold
-// both fast kernels (and the CUDA one) to.
+// both fast kernels (and the CUDA one) to. REQUIRES: a 16- or 32-bit dtype.
 void ReferenceAttentionDecode(const DenseDecodeArgs& args);
 
 // True when the vectorized AVX2/FMA/F16C path is in use on this processor.

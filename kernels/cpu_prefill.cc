@@ -9,8 +9,8 @@
 #include <cstdint>
 
 #include "fmt/format.h"
-#include "kernels/cpu_kernels.h"
 #include "kernels/cpu_isa.h"
+#include "kernels/cpu_kernels.h"
 #include "kernels/internal/prefill_tile.h"
 #include "kernels/validate.h"
 
@@ -25,14 +25,14 @@ int64_t WorkerBytes(int32_t head_dim) {
   return (internal::PrefillScratchFloats(head_dim) * 4 + kAlign - 1) / kAlign * kAlign;
 }
 
-internal::PrefillTaskFn TaskFn(DType dtype) {
+internal::PrefillTaskFn TaskFn(DType k_dtype, DType v_dtype) {
   switch (KernelIsa()) {
     case Isa::kAvx512:
-      return internal::PrefillTaskAvx512(dtype);
+      return internal::PrefillTaskAvx512(k_dtype, v_dtype);
     case Isa::kAvx2:
-      return internal::PrefillTaskAvx2(dtype);
+      return internal::PrefillTaskAvx2(k_dtype, v_dtype);
     case Isa::kPortable:
-      return internal::PrefillTaskPortable(dtype);
+      return internal::PrefillTaskPortable(k_dtype, v_dtype);
   }
   return nullptr;
 }
@@ -113,7 +113,8 @@ absl::Status PagedAttentionPrefill(const KvPoolView& pool, const PrefillArgs& a,
   const int32_t group = a.num_q_heads / l.num_kv_heads;
   const Grid grid = MakeGrid(group, a.max_q_len);
   const int64_t q_stride = static_cast<int64_t>(a.num_q_heads) * l.head_dim;
-  const internal::PrefillTaskFn run = TaskFn(l.dtype);
+  const KvLayerView view = pool.Layer(a.layer);
+  const internal::PrefillTaskFn run = TaskFn(view.l.k_dtype, view.l.v_dtype);
   auto* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(a.workspace) + kAlign - 1) /
                                        kAlign * kAlign);
   const int64_t per_tile = static_cast<int64_t>(a.num_seqs) * l.num_kv_heads * grid.slices;
@@ -133,9 +134,8 @@ absl::Status PagedAttentionPrefill(const KvPoolView& pool, const PrefillArgs& a,
       const int32_t head0 = kv_head * group + slice * grid.heads;
       const int64_t row = static_cast<int64_t>(a.q_starts[s]) + first;
       const int64_t offset = row * q_stride + static_cast<int64_t>(head0) * l.head_dim;
-      run({.pool = &pool,
+      run({.view = &view,
            .table = a.block_tables + static_cast<int64_t>(s) * a.table_stride,
-           .layer = a.layer,
            .kv_head = kv_head,
            .heads = std::min(grid.heads, (kv_head + 1) * group - head0),
            .tokens = std::min(grid.tokens, q_len - first),

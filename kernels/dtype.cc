@@ -14,6 +14,10 @@ std::string_view DTypeName(DType dtype) {
       return "f16";
     case DType::kBF16:
       return "bf16";
+    case DType::kFp8E4M3:
+      return "fp8";
+    case DType::kInt8:
+      return "int8";
   }
   return "?";
 }
@@ -22,7 +26,10 @@ absl::StatusOr<DType> ParseDType(std::string_view name) {
   if (name == "f32") return DType::kF32;
   if (name == "f16") return DType::kF16;
   if (name == "bf16") return DType::kBF16;
-  return absl::InvalidArgumentError(fmt::format("unknown dtype '{}' (f32, f16, bf16)", name));
+  if (name == "fp8" || name == "fp8_e4m3") return DType::kFp8E4M3;
+  if (name == "int8") return DType::kInt8;
+  return absl::InvalidArgumentError(
+      fmt::format("unknown dtype '{}' (f32, f16, bf16, fp8, int8)", name));
 }
 
 // IEEE half conversions in software (the vectorized kernels use F16C instead).

@@ -8,12 +8,13 @@
 
 namespace kvpool::kernels {
 
-// Scatter new tokens' K and V into their blocks.
+// Scatter new tokens' K and V into their blocks, converted to the layer's K and V dtypes (round
+// to nearest even; an 8-bit side is quantized against its block's per-head scales, see WriteKv).
 struct WriteKvArgs {
   int32_t layer = 0;
   int32_t num_tokens = 0;
-  const void* k = nullptr;         // [num_tokens][num_kv_heads][head_dim], the pool's dtype
-  const void* v = nullptr;         // same
+  const float* k = nullptr;        // [num_tokens][num_kv_heads][head_dim], f32
+  const float* v = nullptr;        // same
   const int64_t* slots = nullptr;  // [num_tokens]: block * block_size + offset; < 0: padding
 };
 

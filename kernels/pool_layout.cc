@@ -1,23 +1,104 @@
 #include "kernels/pool_layout.h"
 
+#include <cstring>
 #include <limits>
+#include <vector>
 
 #include "fmt/format.h"
 #include "xxhash.h"
 
 namespace kvpool::kernels {
 
+bool PoolLayout::uniform() const {
+  for (int32_t l = 0; l < num_layers && l < kMaxLayers; ++l) {
+    if (k_dtype(l) != k_dtype(0) || v_dtype(l) != k_dtype(0)) return false;
+  }
+  return true;
+}
+
+int64_t PoolLayout::block_bytes() const {
+  int64_t bytes = 0;
+  for (int32_t l = 0; l < num_layers && l < kMaxLayers; ++l) {
+    bytes += chunk_bytes(l, KvSide::kK) + chunk_bytes(l, KvSide::kV);
+  }
+  return bytes;
+}
+
+LayerLayout PoolLayout::Layer(int32_t layer) const {
+  LayerLayout out;
+  out.block_size = block_size;
+  out.num_kv_heads = num_kv_heads;
+  out.head_dim = head_dim;
+  out.num_blocks = num_blocks;
+  out.block_bytes = block_bytes();
+  out.k_dtype = k_dtype(layer);
+  out.v_dtype = v_dtype(layer);
+  for (int32_t l = 0; l < layer; ++l) {
+    out.k_offset += chunk_bytes(l, KvSide::kK) + chunk_bytes(l, KvSide::kV);
+  }
+  out.v_offset = out.k_offset + chunk_bytes(layer, KvSide::kK);
+  out.k_row_bytes = row_bytes(layer, KvSide::kK);
+  out.v_row_bytes = row_bytes(layer, KvSide::kV);
+  out.k_scales_offset = out.k_offset + block_size * out.k_row_bytes;
+  out.v_scales_offset = out.v_offset + block_size * out.v_row_bytes;
+  return out;
+}
+
+int64_t PoolLayout::k_offset(int32_t block, int32_t layer) const {
+  const LayerLayout l = Layer(layer);
+  return static_cast<int64_t>(block) * l.block_bytes + l.k_offset;
+}
+
+int64_t PoolLayout::v_offset(int32_t block, int32_t layer) const {
+  const LayerLayout l = Layer(layer);
+  return static_cast<int64_t>(block) * l.block_bytes + l.v_offset;
+}
+
 uint64_t PoolLayout::Hash() const {
   const int64_t fields[] = {block_size, num_layers, num_kv_heads, head_dim,
-                            static_cast<int64_t>(dtype)};
-  return XXH3_64bits(fields, sizeof(fields));
+                            static_cast<int64_t>(uniform() ? k_dtype(0) : dtype)};
+  if (uniform()) return XXH3_64bits(fields, sizeof(fields));
+  // Mixed precision: the shape, then every layer's (K, V) dtypes.
+  std::vector<uint8_t> bytes(sizeof(fields));
+  std::memcpy(bytes.data(), fields, sizeof(fields));
+  for (int32_t l = 0; l < num_layers; ++l) {
+    bytes.push_back(static_cast<uint8_t>(k_dtype(l)));
+    bytes.push_back(static_cast<uint8_t>(v_dtype(l)));
+  }
+  return XXH3_64bits(bytes.data(), bytes.size());
+}
+
+std::string PoolLayout::DTypesString() const {
+  std::string out;
+  int32_t first = 0;
+  for (int32_t l = 1; l <= num_layers; ++l) {
+    if (l < num_layers && k_dtype(l) == k_dtype(first) && v_dtype(l) == v_dtype(first)) continue;
+    if (!out.empty()) out += ' ';
+    out += first == l - 1 ? fmt::format("{}", first) : fmt::format("{}-{}", first, l - 1);
+    out += fmt::format(":{}/{}", DTypeName(k_dtype(first)), DTypeName(v_dtype(first)));
+    first = l;
+  }
+  return out;
 }
 
 std::string PoolLayout::ToString() const {
+  const std::string dtypes =
+      uniform() ? std::string(DTypeName(k_dtype(0))) : fmt::format("[k/v {}]", DTypesString());
   return fmt::format(
       "block_size={} layers={} kv_heads={} head_dim={} dtype={} blocks={} ({} KiB/block)",
-      block_size, num_layers, num_kv_heads, head_dim, DTypeName(dtype), num_blocks,
-      block_bytes() / 1024);
+      block_size, num_layers, num_kv_heads, head_dim, dtypes, num_blocks, block_bytes() / 1024);
+}
+
+bool operator==(const PoolLayout& a, const PoolLayout& b) {
+  if (a.block_size != b.block_size || a.num_layers != b.num_layers ||
+      a.num_kv_heads != b.num_kv_heads || a.head_dim != b.head_dim ||
+      a.num_blocks != b.num_blocks) {
+    return false;
+  }
+  for (int32_t l = 0; l < a.num_layers && l < kMaxLayers; ++l) {
+    if (a.k_dtype(l) != b.k_dtype(l) || a.v_dtype(l) != b.v_dtype(l)) return false;
+  }
+  return true;
 }
 
 absl::Status ValidateLayout(const PoolLayout& l) {
@@ -34,6 +115,25 @@ absl::Status ValidateLayout(const PoolLayout& l) {
   if (l.head_dim % 8 != 0) {
     return absl::InvalidArgumentError(
         fmt::format("layout head_dim must be a multiple of 8 (got {})", l.head_dim));
+  }
+  if (l.num_layers > kMaxLayers) {
+    return absl::InvalidArgumentError(fmt::format(
+        "layout num_layers {} is above the {} a layout describes", l.num_layers, kMaxLayers));
+  }
+  if (static_cast<int>(l.dtype) >= kNumDTypes) {
+    return absl::InvalidArgumentError(
+        fmt::format("layout dtype {} is not a dtype", static_cast<int>(l.dtype)));
+  }
+  for (int side = 0; side < 2; ++side) {
+    for (int32_t layer = 0; layer < kMaxLayers; ++layer) {
+      const uint8_t o = l.overrides[static_cast<size_t>(side)][static_cast<size_t>(layer)];
+      if (o == 0) continue;
+      if (layer >= l.num_layers || o > kNumDTypes) {
+        return absl::InvalidArgumentError(fmt::format(
+            "layout override of layer {} {} ({}) is not a dtype of one of its {} layers", layer,
+            side == 0 ? "K" : "V", o, l.num_layers));
+      }
+    }
   }
   if (l.num_blocks < 0) return absl::InvalidArgumentError("layout num_blocks must be >= 0");
   return absl::OkStatus();

@@ -3,13 +3,26 @@
 // PoolLayout: the block-major memory layout of one KV pool (DESIGN.md §3), and KvPoolView, the
 // plain (pointer, layout) pair every kernel takes.
 //
-//   block b             at base + b * block_bytes
-//     layer l, K chunk  at + (2 * l + 0) * chunk_bytes   // [block_size][num_kv_heads][head_dim]
-//     layer l, V chunk  at + (2 * l + 1) * chunk_bytes
+// Every layer has its own K dtype and V dtype (`dtype` unless overridden per layer and side), and
+// every chunk is as large as its own dtype needs: a block is exactly the sum of its chunks.
 //
-// A block is contiguous, so offload, checksums, zero-fill, per-block IPC and copy-on-write are one
-// contiguous copy each.
+//   block b             at base + b * block_bytes
+//     layer 0, K chunk  at + 0
+//     layer 0, V chunk  at + chunk_bytes(0, K)
+//     layer 1, K chunk  at + chunk_bytes(0, K) + chunk_bytes(0, V)
+//     ...               (K then V, layer after layer)
+//
+//   a chunk of f32 / f16 / bf16:  [block_size][num_kv_heads][head_dim] values
+//   a chunk of fp8 e4m3 / int8:   [block_size][num_kv_heads][head_dim] codes (1 byte each),
+//                                 then [num_kv_heads] f32 scales (head h's value = code * scale),
+//                                 then zero padding up to a multiple of 16 bytes
+//
+// Every chunk size is a multiple of 16 bytes (head_dim is a multiple of 8), so every chunk
+// starts 16-byte aligned in a 16-byte aligned arena. A block, scales included, is contiguous and
+// self-contained: offload, checksums, zero-fill, per-block IPC, copy-on-write and remote tiers
+// stay one contiguous copy each.
 
+#include <array>
 #include <cstdint>
 #include <string>
 
@@ -18,44 +31,112 @@
 
 namespace kvpool::kernels {
 
+// The most layers a layout describes (per-layer dtypes are a fixed array).
+inline constexpr int32_t kMaxLayers = 256;
+
+enum class KvSide : uint8_t { kK = 0, kV = 1 };
+
+// Bytes of one chunk: `rows` token rows of `row_values` values each, in `dtype` (scales and
+// padding included for the 8-bit formats).
+KVPOOL_HOST_DEVICE constexpr int64_t ChunkBytes(DType dtype, int64_t rows, int64_t heads,
+                                                int64_t head_dim) {
+  const int64_t data = rows * heads * head_dim * DTypeSize(dtype);
+  if (!DTypeHasScales(dtype)) return data;
+  return (data + 4 * heads + 15) / 16 * 16;
+}
+
+// One layer's part of every block: what a kernel working on that layer needs, computed once per
+// call by PoolLayout::Layer (the layer's offsets depend on every layer before it).
+struct LayerLayout {
+  int32_t block_size = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  int32_t num_blocks = 0;
+  int64_t block_bytes = 0;
+  DType k_dtype = DType::kBF16;
+  DType v_dtype = DType::kBF16;
+  int64_t k_offset = 0;     // the K chunk, from the block's start
+  int64_t v_offset = 0;     // the V chunk, from the block's start
+  int64_t k_row_bytes = 0;  // one token's K: [num_kv_heads][head_dim]
+  int64_t v_row_bytes = 0;
+  // The scales ([num_kv_heads] f32) of an 8-bit side, from the block's start (after the
+  // side's codes); meaningless for the other dtypes.
+  int64_t k_scales_offset = 0;
+  int64_t v_scales_offset = 0;
+};
+
+// One layer's K and V dtypes (overrides of PoolLayout::dtype, for building layouts).
+struct LayerDTypes {
+  int32_t layer = 0;
+  DType k = DType::kBF16;
+  DType v = DType::kBF16;
+};
+
 struct PoolLayout {
   int32_t block_size = 16;  // tokens per block
   int32_t num_layers = 1;
   int32_t num_kv_heads = 1;
   int32_t head_dim = 128;
-  DType dtype = DType::kBF16;
+  DType dtype = DType::kBF16;  // K and V of every layer and side without an override
   int32_t num_blocks = 0;
+  // Per-layer precision: overrides[side][layer] is 0 (the layer's side is `dtype`) or 1 + the
+  // DType it is stored in instead. Entries past num_layers stay 0 (ValidateLayout).
+  std::array<std::array<uint8_t, kMaxLayers>, 2> overrides{};
 
-  // Bytes of one layer's K (or V) for one block: [block_size][num_kv_heads][head_dim].
-  KVPOOL_HOST_DEVICE constexpr int64_t chunk_bytes() const {
-    return static_cast<int64_t>(block_size) * num_kv_heads * head_dim * DTypeSize(dtype);
+  // The dtype of layer `layer`'s K or V. REQUIRES: 0 <= layer < kMaxLayers.
+  DType kv_dtype(int32_t layer, KvSide side) const {
+    const uint8_t o = overrides[static_cast<int>(side)][static_cast<size_t>(layer)];
+    return o == 0 ? dtype : static_cast<DType>(o - 1);
   }
-  KVPOOL_HOST_DEVICE constexpr int64_t block_bytes() const {
-    return 2 * num_layers * chunk_bytes();
+  DType k_dtype(int32_t layer) const { return kv_dtype(layer, KvSide::kK); }
+  DType v_dtype(int32_t layer) const { return kv_dtype(layer, KvSide::kV); }
+  // Stores layer `layer`'s K or V in `d`. REQUIRES: 0 <= layer < kMaxLayers.
+  void SetKvDType(int32_t layer, KvSide side, DType d) {
+    overrides[static_cast<int>(side)][static_cast<size_t>(layer)] = static_cast<uint8_t>(d) + 1;
   }
-  KVPOOL_HOST_DEVICE constexpr int64_t arena_bytes() const {
-    return static_cast<int64_t>(num_blocks) * block_bytes();
-  }
-  // Bytes of one token's K (or V) row for one layer: [num_kv_heads][head_dim].
-  KVPOOL_HOST_DEVICE constexpr int64_t row_bytes() const {
-    return static_cast<int64_t>(num_kv_heads) * head_dim * DTypeSize(dtype);
-  }
-  KVPOOL_HOST_DEVICE constexpr int64_t k_offset(int32_t block, int32_t layer) const {
-    return static_cast<int64_t>(block) * block_bytes() + (2 * layer) * chunk_bytes();
-  }
-  KVPOOL_HOST_DEVICE constexpr int64_t v_offset(int32_t block, int32_t layer) const {
-    return k_offset(block, layer) + chunk_bytes();
-  }
+  // True when every layer's K and V have one dtype (k_dtype(0)).
+  bool uniform() const;
 
-  // A stable 64-bit digest of every field but num_blocks: two pools whose blocks are
-  // interchangeable have the same hash (it is mixed into every prefix-cache namespace).
+  // Bytes of one token's K (or V) row of a layer: [num_kv_heads][head_dim].
+  int64_t row_bytes(int32_t layer, KvSide side) const {
+    return static_cast<int64_t>(num_kv_heads) * head_dim * DTypeSize(kv_dtype(layer, side));
+  }
+  // Bytes of a layer's K (or V) chunk of one block, scales and padding included.
+  int64_t chunk_bytes(int32_t layer, KvSide side) const {
+    return ChunkBytes(kv_dtype(layer, side), block_size, num_kv_heads, head_dim);
+  }
+  // The chunk size of a uniform layout (every chunk's). REQUIRES: uniform().
+  int64_t chunk_bytes() const { return chunk_bytes(0, KvSide::kK); }
+  // The sum of every layer's K and V chunk.
+  int64_t block_bytes() const;
+  int64_t arena_bytes() const { return static_cast<int64_t>(num_blocks) * block_bytes(); }
+  // Bytes a token takes in layer `layer` (K and V, scales and padding shared out):
+  // (chunk_bytes(K) + chunk_bytes(V)) / block_size.
+  double bytes_per_token(int32_t layer) const {
+    return static_cast<double>(chunk_bytes(layer, KvSide::kK) + chunk_bytes(layer, KvSide::kV)) /
+           block_size;
+  }
+  // Where layer `layer`'s chunks are. REQUIRES: 0 <= layer < num_layers.
+  LayerLayout Layer(int32_t layer) const;
+  int64_t k_offset(int32_t block, int32_t layer) const;
+  int64_t v_offset(int32_t block, int32_t layer) const;
+
+  // A stable 64-bit digest of every field but num_blocks, per-layer dtypes included: two pools
+  // whose blocks are interchangeable have the same hash (it is mixed into every prefix-cache
+  // namespace), whether their dtypes are spelled as `dtype` or as overrides. A uniform layout
+  // hashes as it did before per-layer dtypes existed.
   uint64_t Hash() const;
   std::string ToString() const;
+  // The dtypes of every layer as runs, e.g. "0-1:bf16/bf16 2-29:fp8/int8 30-31:bf16/bf16".
+  std::string DTypesString() const;
 
-  friend bool operator==(const PoolLayout&, const PoolLayout&) = default;
+  // Equal shapes, equal num_blocks and equal dtypes for every layer (however they are spelled:
+  // an override equal to `dtype` is no override).
+  friend bool operator==(const PoolLayout& a, const PoolLayout& b);
 };
 
-// Checks the shape (positive sizes, head_dim a multiple of 8 for vector loads, num_blocks >= 0).
+// Checks the shape (positive sizes, head_dim a multiple of 8 for vector loads, num_layers at
+// most kMaxLayers, valid dtypes and no override past num_layers, num_blocks >= 0).
 // Errors: INVALID_ARGUMENT naming the field.
 absl::Status ValidateLayout(const PoolLayout& layout);
 
@@ -63,15 +144,36 @@ absl::Status ValidateLayout(const PoolLayout& layout);
 // Errors: INVALID_ARGUMENT (bad shape, or a budget below one block or above INT32_MAX blocks).
 absl::StatusOr<PoolLayout> LayoutForBudget(PoolLayout shape, int64_t capacity_bytes);
 
+// One layer of the arena, for a kernel: the chunks and scales of a block by id.
+struct KvLayerView {
+  char* base = nullptr;
+  LayerLayout l;
+
+  KVPOOL_HOST_DEVICE char* k(int64_t block) const {
+    return base + block * l.block_bytes + l.k_offset;
+  }
+  KVPOOL_HOST_DEVICE char* v(int64_t block) const {
+    return base + block * l.block_bytes + l.v_offset;
+  }
+  KVPOOL_HOST_DEVICE float* k_scales(int64_t block) const {
+    return reinterpret_cast<float*>(base + block * l.block_bytes + l.k_scales_offset);
+  }
+  KVPOOL_HOST_DEVICE float* v_scales(int64_t block) const {
+    return reinterpret_cast<float*>(base + block * l.block_bytes + l.v_scales_offset);
+  }
+};
+
 // What kernels see: where the arena is (a device address) and how it is laid out.
 struct KvPoolView {
   void* base = nullptr;
   PoolLayout layout;
 
-  KVPOOL_HOST_DEVICE char* k(int32_t block, int32_t layer) const {
+  // REQUIRES: 0 <= layer < layout.num_layers.
+  KvLayerView Layer(int32_t layer) const { return {static_cast<char*>(base), layout.Layer(layer)}; }
+  char* k(int32_t block, int32_t layer) const {
     return static_cast<char*>(base) + layout.k_offset(block, layer);
   }
-  KVPOOL_HOST_DEVICE char* v(int32_t block, int32_t layer) const {
+  char* v(int32_t block, int32_t layer) const {
     return static_cast<char*>(base) + layout.v_offset(block, layer);
   }
 };

@@ -1,5 +1,6 @@
 #include "model/local_engine.h"
 
+#include "fmt/format.h"
 #include "kvpool/util/status_macros.h"
 
 namespace kvpool::model {
@@ -7,13 +8,21 @@ namespace kvpool::model {
 absl::StatusOr<std::unique_ptr<LocalEngine>> LocalEngine::Create(ModelWeights weights,
                                                                  const Options& options) {
   const ModelConfig config = weights.config;
+  kernels::PoolLayout shape{.block_size = options.block_size,
+                            .num_layers = config.num_layers,
+                            .num_kv_heads = config.num_kv_heads,
+                            .head_dim = config.head_dim,
+                            .dtype = options.dtype};
+  for (const kernels::LayerDTypes& d : options.layer_dtypes) {
+    if (d.layer < 0 || d.layer >= config.num_layers) {
+      return absl::InvalidArgumentError(
+          fmt::format("layer_dtypes: layer {} outside [0, {})", d.layer, config.num_layers));
+    }
+    shape.SetKvDType(d.layer, kernels::KvSide::kK, d.k);
+    shape.SetKvDType(d.layer, kernels::KvSide::kV, d.v);
+  }
   KVPOOL_ASSIGN_OR_RETURN(kernels::PoolLayout layout,
-                          kernels::LayoutForBudget({.block_size = options.block_size,
-                                                    .num_layers = config.num_layers,
-                                                    .num_kv_heads = config.num_kv_heads,
-                                                    .head_dim = config.head_dim,
-                                                    .dtype = options.dtype},
-                                                   options.pool_bytes));
+                          kernels::LayoutForBudget(shape, options.pool_bytes));
   std::unique_ptr<LocalEngine> e(new LocalEngine());
   KVPOOL_ASSIGN_OR_RETURN(e->device_,
                           kernels::CreateDevice({.kind = options.backend,

@@ -27,7 +27,8 @@ class LocalEngine final {
  public:
   struct Options {
     int32_t block_size = 16;
-    kernels::DType dtype = kernels::DType::kBF16;
+    kernels::DType dtype = kernels::DType::kBF16;    // K and V of every layer not listed below
+    std::vector<kernels::LayerDTypes> layer_dtypes;  // per-layer K and V dtypes
     int64_t pool_bytes = int64_t{64} << 20;
     int32_t max_blocks_per_seq = 4096;
     bool prefix_cache = true;

@@ -27,8 +27,8 @@ struct Model::Scratch {
   std::vector<float> qkv;               // [tokens][q + 2 kv]
   std::vector<float> q;                 // [tokens][heads][head_dim] rotated queries
   std::vector<float> attn;              // [tokens][heads][head_dim] attention output
-  std::vector<char> k;                  // [tokens][kv_heads][head_dim] in the pool's dtype
-  std::vector<char> v;                  // same
+  std::vector<float> k;                 // [tokens][kv_heads][head_dim], what WriteKv stores
+  std::vector<float> v;                 // same
   std::vector<float> gate_up;           // [tokens][2 * intermediate]
   std::vector<float> act;               // [tokens][intermediate]
   std::vector<float> cos;               // [tokens][head_dim / 2]
@@ -100,24 +100,6 @@ void Rope(float* head, int32_t head_dim, const float* cos, const float* sin) {
     const float b = head[i + half];
     head[i] = a * cos[i] - b * sin[i];
     head[i + half] = b * cos[i] + a * sin[i];
-  }
-}
-
-void Store(const float* src, int64_t n, kernels::DType dtype, char* dst) {
-  switch (dtype) {
-    case kernels::DType::kF32:
-      std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
-      return;
-    case kernels::DType::kF16: {
-      auto* out = reinterpret_cast<uint16_t*>(dst);
-      for (int64_t i = 0; i < n; ++i) out[i] = kernels::FloatToF16(src[i]);
-      return;
-    }
-    case kernels::DType::kBF16: {
-      auto* out = reinterpret_cast<uint16_t*>(dst);
-      for (int64_t i = 0; i < n; ++i) out[i] = kernels::FloatToBF16(src[i]);
-      return;
-    }
   }
 }
 
@@ -299,7 +281,7 @@ void Model::Layer(int32_t layer, const kernels::KvPoolView& pool, int64_t n) {
   const int32_t qd = c.num_heads * hd, kvd = c.num_kv_heads * hd, qkvd = qd + 2 * kvd;
   const int32_t im = c.intermediate_size;
   const size_t nt = static_cast<size_t>(n);
-  const int64_t row = layout_.row_bytes();
+  const size_t kv_row = static_cast<size_t>(kvd);
 
   // Attention.
   RmsNorm(s.x.data(), n, h, L.attn_norm, c.rms_norm_eps, s.xn.data());
@@ -307,8 +289,8 @@ void Model::Layer(int32_t layer, const kernels::KvPoolView& pool, int64_t n) {
   Linear(s.xn.data(), n, wqkv_[static_cast<size_t>(layer)], qkvd, h, s.qkv.data());
   Reserve(s.q, nt * static_cast<size_t>(qd));
   Reserve(s.attn, nt * static_cast<size_t>(qd));
-  Reserve(s.k, nt * static_cast<size_t>(row));
-  Reserve(s.v, nt * static_cast<size_t>(row));
+  Reserve(s.k, nt * kv_row);
+  Reserve(s.v, nt * kv_row);
   for (size_t t = 0; t < nt; ++t) {
     float* qkv = &s.qkv[t * static_cast<size_t>(qkvd)];
     const float* cs = &s.cos[t * static_cast<size_t>(half)];
@@ -317,11 +299,11 @@ void Model::Layer(int32_t layer, const kernels::KvPoolView& pool, int64_t n) {
       Rope(qkv + head * hd, hd, cs, sn);  // queries, then keys
     }
     std::memcpy(&s.q[t * static_cast<size_t>(qd)], qkv, static_cast<size_t>(qd) * sizeof(float));
-    Store(qkv + qd, kvd, layout_.dtype, &s.k[t * static_cast<size_t>(row)]);
-    Store(qkv + qd + kvd, kvd, layout_.dtype, &s.v[t * static_cast<size_t>(row)]);
+    std::memcpy(&s.k[t * kv_row], qkv + qd, kv_row * sizeof(float));
+    std::memcpy(&s.v[t * kv_row], qkv + qd + kvd, kv_row * sizeof(float));
   }
-  // Every new token's K/V goes in before any query reads: a prefill token attends to the
-  // tokens before it in the same step.
+  // Every new token's K/V goes in (converted to the layer's dtypes, quantized for 8-bit ones)
+  // before any query reads: a prefill token attends to the tokens before it in the same step.
   KVPOOL_CHECK_OK(kernels::cpu::WriteKv(pool, {.layer = layer,
                                                .num_tokens = static_cast<int32_t>(n),
                                                .k = s.k.data(),

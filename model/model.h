@@ -40,9 +40,9 @@ class Model final : public StepModel {
   };
 
   // The model runs over pools laid out as `layout` (num_layers, num_kv_heads and head_dim must
-  // be the model's; any KV dtype). Errors: INVALID_ARGUMENT (bad config, weights of the wrong
-  // size, a layout that does not fit the model, naming the field, or more query heads or a
-  // wider head than the CPU attention kernels serve).
+  // be the model's; any KV dtypes, per layer and for K and V apart). Errors: INVALID_ARGUMENT (bad
+  // config, weights of the wrong size, a layout that does not fit the model, naming the field,
+  // or more query heads or a wider head than the CPU attention kernels serve).
   static absl::StatusOr<std::unique_ptr<Model>> Create(ModelWeights weights,
                                                        const kernels::PoolLayout& layout,
                                                        const Options& options);

@@ -52,9 +52,9 @@ absl::Status CheckStep(const ModelConfig& config, const kernels::PoolLayout& lay
                        const kernels::KvPoolView& pool, std::span<const StepItem> items,
                        const StepOptions& options) {
   const kernels::PoolLayout& l = pool.layout;
-  if (l.block_size != layout.block_size || l.num_layers != layout.num_layers ||
-      l.num_kv_heads != layout.num_kv_heads || l.head_dim != layout.head_dim ||
-      l.dtype != layout.dtype) {
+  kernels::PoolLayout sized = layout;
+  sized.num_blocks = l.num_blocks;
+  if (!(l == sized)) {
     return absl::InvalidArgumentError(
         fmt::format("step: pool {} is not the model's {}", l.ToString(), layout.ToString()));
   }

@@ -74,7 +74,7 @@ class StepModel {
 };
 
 // What every implementation checks at creation: a sane config, weights of the config's sizes,
-// and a pool layout whose num_layers, num_kv_heads and head_dim are the model's (any KV dtype).
+// and a pool layout whose num_layers, num_kv_heads and head_dim are the model's (any KV dtypes).
 // Errors: INVALID_ARGUMENT naming the field or tensor.
 absl::Status CheckModel(const ModelWeights& weights, const kernels::PoolLayout& layout);
 

@@ -5,6 +5,7 @@
 
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <sstream>
 
 #include "absl/container/flat_hash_set.h"
@@ -160,6 +161,71 @@ void ValidateLimits(const v1::DaemonConfig& c,
   }
 }
 
+// The pool shape as a layout (num_blocks 0): geometry, `dtype`, then k_dtype / v_dtype, then each
+// `layers` entry in order (config.proto: PoolShape). Reports each dtype problem through `bad`
+// and clears *dtypes_ok; geometry is ValidateLayout's to check.
+kernels::PoolLayout ShapeLayout(const v1::PoolShape& s,
+                                const std::function<void(std::string_view, std::string)>& bad,
+                                bool* dtypes_ok) {
+  kernels::PoolLayout layout{.block_size = s.block_size(),
+                             .num_layers = s.num_layers(),
+                             .num_kv_heads = s.num_kv_heads(),
+                             .head_dim = s.head_dim()};
+  // Parses `name` (empty: not set) into *out, or reports it under `field`.
+  auto parse = [&](const std::string& field, const std::string& name,
+                   std::optional<kernels::DType>* out) {
+    if (name.empty()) return;
+    absl::StatusOr<kernels::DType> d = kernels::ParseDType(name);
+    if (d.ok()) {
+      *out = *d;
+    } else {
+      bad(field, std::string(d.status().message()));
+      *dtypes_ok = false;
+    }
+  };
+  std::optional<kernels::DType> dtype, k, v;
+  parse("shape.dtype", s.dtype(), &dtype);
+  parse("shape.k_dtype", s.k_dtype(), &k);
+  parse("shape.v_dtype", s.v_dtype(), &v);
+  layout.dtype = dtype.value_or(kernels::DType::kBF16);
+  const bool layers_ok = layout.num_layers > 0 && layout.num_layers <= kernels::kMaxLayers;
+  for (int32_t l = 0; layers_ok && l < layout.num_layers; ++l) {
+    if (k) layout.SetKvDType(l, kernels::KvSide::kK, *k);
+    if (v) layout.SetKvDType(l, kernels::KvSide::kV, *v);
+  }
+  for (int i = 0; i < s.layers_size(); ++i) {
+    const v1::PoolShape::LayerDTypes& e = s.layers(i);
+    const std::string field = fmt::format("shape.layers[{}]", i);
+    std::optional<kernels::DType> both, ek, ev;
+    parse(field + ".dtype", e.dtype(), &both);
+    parse(field + ".k_dtype", e.k_dtype(), &ek);
+    parse(field + ".v_dtype", e.v_dtype(), &ev);
+    if (e.dtype().empty() && e.k_dtype().empty() && e.v_dtype().empty()) {
+      bad(field, "sets no dtype (dtype, k_dtype or v_dtype)");
+      *dtypes_ok = false;
+    }
+    if (e.index().empty()) {
+      bad(field, "names no layer (index)");
+      *dtypes_ok = false;
+    }
+    for (int j = 0; j < e.index_size() && layers_ok; ++j) {
+      const int32_t n = layout.num_layers, index = e.index(j);
+      if (index < -n || index >= n) {
+        bad(fmt::format("{}.index[{}]", field, j),
+            fmt::format("layer {} outside [-{}, {})", index, n, n));
+        *dtypes_ok = false;
+        continue;
+      }
+      const int32_t l = index < 0 ? n + index : index;
+      if (ek) layout.SetKvDType(l, kernels::KvSide::kK, *ek);
+      if (ev) layout.SetKvDType(l, kernels::KvSide::kV, *ev);
+      if (both && !ek) layout.SetKvDType(l, kernels::KvSide::kK, *both);
+      if (both && !ev) layout.SetKvDType(l, kernels::KvSide::kV, *both);
+    }
+  }
+  return layout;
+}
+
 // A name sessions or operators give: printable and short (AttachPolicy's rules).
 bool PrintableName(const std::string& name) {
   return !name.empty() && name.size() <= 128 &&
@@ -225,25 +291,19 @@ std::vector<std::string> ValidateConfig(const v1::DaemonConfig& c) {
   }
   if (c.device_ordinal() < 0) bad("device_ordinal", "must be >= 0");
   if (c.cpu_threads() < 0) bad("cpu_threads", "must be >= 0 (0: all cores)");
-  absl::StatusOr<kernels::DType> dtype = kernels::ParseDType(c.shape().dtype());
-  if (!dtype.ok())
-    bad("shape.dtype", fmt::format("'{}' is not f32, f16 or bf16", c.shape().dtype()));
-  const kernels::PoolLayout shape{.block_size = c.shape().block_size(),
-                                  .num_layers = c.shape().num_layers(),
-                                  .num_kv_heads = c.shape().num_kv_heads(),
-                                  .head_dim = c.shape().head_dim(),
-                                  .dtype = dtype.ok() ? *dtype : kernels::DType::kBF16};
+  bool dtypes_ok = true;
+  const kernels::PoolLayout shape = ShapeLayout(c.shape(), bad, &dtypes_ok);
   const absl::Status shape_ok = kernels::ValidateLayout(shape);
   if (!shape_ok.ok()) bad("shape", std::string(shape_ok.message()));
   if (c.pool_bytes() <= 0) {
     bad("pool_bytes", fmt::format("must be > 0 (got {})", c.pool_bytes()));
-  } else if (shape_ok.ok() && dtype.ok()) {
+  } else if (shape_ok.ok() && dtypes_ok) {
     if (absl::StatusOr<kernels::PoolLayout> sized = kernels::LayoutForBudget(shape, c.pool_bytes());
         !sized.ok()) {
       bad("pool_bytes", std::string(sized.status().message()));
     }
   }
-  ValidatePoolsAndTenants(c, shape_ok.ok() && dtype.ok() ? &shape : nullptr, bad);
+  ValidatePoolsAndTenants(c, shape_ok.ok() && dtypes_ok ? &shape : nullptr, bad);
   if (c.max_blocks_per_seq() <= 0) bad("max_blocks_per_seq", "must be > 0");
   if (!kernels::ParseFillPolicy(c.fill_policy()).ok()) {
     bad("fill_policy", fmt::format("'{}' is not none, zero or poison", c.fill_policy()));
@@ -307,11 +367,9 @@ absl::StatusOr<EngineOptions> MakeEngineOptions(const v1::DaemonConfig& c, uint6
   if (std::vector<std::string> problems = ValidateConfig(c); !problems.empty()) {
     return absl::InvalidArgumentError(Join(problems));
   }
-  const kernels::PoolLayout shape{.block_size = c.shape().block_size(),
-                                  .num_layers = c.shape().num_layers(),
-                                  .num_kv_heads = c.shape().num_kv_heads(),
-                                  .head_dim = c.shape().head_dim(),
-                                  .dtype = *kernels::ParseDType(c.shape().dtype())};
+  bool dtypes_ok = true;  // ValidateConfig passed: no problem to report
+  const kernels::PoolLayout shape = ShapeLayout(
+      c.shape(), [](std::string_view, std::string) {}, &dtypes_ok);
   EngineOptions o;
   for (const v1::PoolSpec& p : c.pools()) {
     KVPOOL_ASSIGN_OR_RETURN(kernels::PoolLayout layout,

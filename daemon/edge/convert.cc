@@ -16,6 +16,10 @@ v1::DType ToProto(kernels::DType d) {
       return v1::DTYPE_F16;
     case kernels::DType::kBF16:
       return v1::DTYPE_BF16;
+    case kernels::DType::kFp8E4M3:
+      return v1::DTYPE_FP8_E4M3;
+    case kernels::DType::kInt8:
+      return v1::DTYPE_INT8;
   }
   return v1::DTYPE_UNSPECIFIED;
 }
@@ -57,11 +61,25 @@ void ToProto(const kernels::PoolLayout& layout, v1::PoolLayout* out) {
   out->set_num_layers(layout.num_layers);
   out->set_num_kv_heads(layout.num_kv_heads);
   out->set_head_dim(layout.head_dim);
-  out->set_dtype(ToProto(layout.dtype));
+  out->set_dtype(ToProto(layout.uniform() ? layout.k_dtype(0) : layout.dtype));
   out->set_num_blocks(layout.num_blocks);
-  out->set_chunk_bytes(layout.chunk_bytes());
+  out->set_chunk_bytes(layout.uniform() ? layout.chunk_bytes() : 0);
   out->set_block_bytes(layout.block_bytes());
   out->set_layout_hash(layout.Hash());
+  out->clear_layers();
+  for (int32_t l = 0; l < layout.num_layers; ++l) {
+    const kernels::LayerLayout g = layout.Layer(l);
+    v1::LayerLayout* p = out->add_layers();
+    p->set_k_dtype(ToProto(g.k_dtype));
+    p->set_v_dtype(ToProto(g.v_dtype));
+    p->set_k_offset(g.k_offset);
+    p->set_v_offset(g.v_offset);
+    p->set_k_chunk_bytes(layout.chunk_bytes(l, kernels::KvSide::kK));
+    p->set_v_chunk_bytes(layout.chunk_bytes(l, kernels::KvSide::kV));
+    if (kernels::DTypeHasScales(g.k_dtype)) p->set_k_scales_offset(g.k_scales_offset);
+    if (kernels::DTypeHasScales(g.v_dtype)) p->set_v_scales_offset(g.v_scales_offset);
+    p->set_bytes_per_token(layout.bytes_per_token(l));
+  }
 }
 
 v1::KvEvent ToProto(const KvEvent& e) {

@@ -58,6 +58,48 @@ __device__ __forceinline__ void Load8(const __nv_bfloat16* p, float (&x)[8]) {
   }
 }
 
+// 8 consecutive elements of a K/V row stored as `dtype`, widened to f32; 8-bit codes unscaled
+// (fp8 e4m3 through f16, its value / 256: dtype.h's WidenedUnit). `dtype` is uniform across the
+// grid, so the switch is a uniform branch: one kernel serves every K and V dtype pair instead of
+// a template instance per pair. REQUIRES: `p` aligned to 8 elements (16-byte aligned chunks,
+// head_dim a multiple of 8).
+__device__ __forceinline__ void LoadKv8(const char* p, DType dtype, float (&x)[8]) {
+  switch (dtype) {
+    case DType::kF32:
+      Load8(reinterpret_cast<const float*>(p), x);
+      return;
+    case DType::kF16:
+      Load8(reinterpret_cast<const __half*>(p), x);
+      return;
+    case DType::kBF16:
+      Load8(reinterpret_cast<const __nv_bfloat16*>(p), x);
+      return;
+    case DType::kInt8: {
+      const uint2 raw = __ldg(reinterpret_cast<const uint2*>(p));
+      const auto* b = reinterpret_cast<const int8_t*>(&raw);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) x[j] = static_cast<float>(b[j]);
+      return;
+    }
+    case DType::kFp8E4M3: {
+      const uint2 raw = __ldg(reinterpret_cast<const uint2*>(p));
+      const auto* b = reinterpret_cast<const int8_t*>(&raw);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const auto bits = static_cast<unsigned short>((static_cast<int>(b[j]) << 7) & 0xBF80);
+        x[j] = __half2float(__ushort_as_half(bits));
+      }
+      return;
+    }
+  }
+}
+
+// The factor an 8-bit side's codes are multiplied by (its block's head scale, times
+// WidenedUnit); 1 for the other dtypes.
+__device__ __forceinline__ float KvScale(const float* scales, int head, DType dtype) {
+  return DTypeHasScales(dtype) ? scales[head] * WidenedUnit(dtype) : 1.0f;
+}
+
 __device__ __forceinline__ float WarpMax(float v) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) {

@@ -15,7 +15,9 @@
 //     outside [max(q_len, 1), min(max_seq_len, table_stride * block_size)], whose q_len exceeds
 //     max_q_len, or whose table names a block outside the pool (a negative q_len: nothing).
 // REQUIRES (all): pool.layout valid (ValidateLayout). The byte movers use 16-byte accesses when
-// every pointer allows and byte accesses otherwise; decode requires a 16-byte aligned pool.base.
+// every pointer allows and byte accesses otherwise; decode and prefill require a 16-byte aligned
+// pool.base. Attention reads every K/V dtype pair (the dtype is a uniform branch in the loads);
+// an 8-bit side's block scales multiply scores (K) and probabilities (V).
 
 #include <cuda_runtime_api.h>
 
@@ -63,7 +65,12 @@ struct PrefillPlan {
 // REQUIRES: valid layout, num_q_heads a positive multiple of num_kv_heads, max_q_len >= 0.
 PrefillPlan PlanPrefill(const PoolLayout& layout, int32_t num_q_heads, int32_t max_q_len);
 
-// One CTA per token; vectorized copies of its K and V rows.
+// Converts f32 rows to the layer's K and V dtypes, quantizing 8-bit sides against their block
+// scales by the rules of cpu::WriteKv (cpu_kernels.h). One CTA per token; the first token of
+// each run of tokens in one block writes the run (a warp per 8-bit head).
+// REQUIRES (8-bit sides): the tokens a call writes into one block are consecutive in the call
+// (padding aside), as every step's are: two runs of one block would race on its scales. The
+// CPU kernel has no such requirement.
 cudaError_t LaunchWriteKv(const KvPoolView& pool, const WriteKvArgs& args, cudaStream_t stream);
 
 // REQUIRES: no pair's dst is another pair's src (pairs run concurrently).

@@ -24,8 +24,7 @@ constexpr int32_t kMaxHeadsPerCta = 8;
 constexpr int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 struct DecodeParams {
-  KvPoolView pool;
-  int32_t layer;
+  KvLayerView view;  // the layer's chunks and dtypes
   int32_t num_q_heads;
   int32_t group;  // query heads per KV head
   float scale;
@@ -46,14 +45,13 @@ struct DecodeParams {
 
 __device__ __forceinline__ bool BadLength(int32_t seq_len, const DecodeParams& p) {
   return seq_len < 1 || seq_len > p.max_seq_len ||
-         static_cast<int64_t>(seq_len) >
-             static_cast<int64_t>(p.table_stride) * p.pool.layout.block_size;
+         static_cast<int64_t>(seq_len) > static_cast<int64_t>(p.table_stride) * p.view.l.block_size;
 }
 
 // A partition that read a block id outside the pool: its heads come out NaN (directly, or through
 // a NaN sum that the combine pass propagates).
 __device__ void PoisonPartition(const DecodeParams& p, int64_t q_row, int heads, int split) {
-  const int head_dim = p.pool.layout.head_dim;
+  const int head_dim = p.view.l.head_dim;
   for (int i = threadIdx.x; i < heads * head_dim; i += blockDim.x) {
     if (p.num_splits == 1) {
       p.out[q_row * head_dim + i] = NAN;
@@ -69,15 +67,17 @@ __device__ void PoisonPartition(const DecodeParams& p, int64_t q_row, int heads,
 }
 
 // Grid: (sequence, KV head * head_chunks, split). Dynamic shared memory:
-// q [kHeads][head_dim], acc [kHeads][head_dim], scores [kHeads][partition], all f32.
-template <typename T, int kHeads>
+// q [kHeads][head_dim], acc [kHeads][head_dim], scores [kHeads][partition], all f32. K and V
+// are read in their own dtypes (LoadKv8); an 8-bit side's block scale multiplies the token's
+// score (K) or probability (V).
+template <int kHeads>
 __global__ void __launch_bounds__(kDecodeThreads) DecodePartitionKernel(DecodeParams p) {
   extern __shared__ float smem[];
   __shared__ float max_s[kHeads];
   __shared__ float sum_s[kHeads];
   __shared__ int bad_block_s;
 
-  const PoolLayout& layout = p.pool.layout;
+  const LayerLayout& layout = p.view.l;
   const int head_dim = layout.head_dim;
   const int block_size = layout.block_size;
   const int seq = blockIdx.x;
@@ -121,8 +121,11 @@ __global__ void __launch_bounds__(kDecodeThreads) DecodePartitionKernel(DecodePa
   const int token_groups = kDecodeWarps * tokens_per_warp;
   const bool has_slice = slice * 8 < head_dim;
   const int32_t* table = p.block_tables + static_cast<int64_t>(seq) * p.table_stride;
-  const int64_t row_elems = static_cast<int64_t>(layout.num_kv_heads) * head_dim;
-  const int64_t head_offset = static_cast<int64_t>(kv_head) * head_dim + slice * 8;
+  // Byte offsets of this lane's slice within a K and a V row.
+  const int64_t k_slice =
+      (static_cast<int64_t>(kv_head) * head_dim + slice * 8) * DTypeSize(layout.k_dtype);
+  const int64_t v_slice =
+      (static_cast<int64_t>(kv_head) * head_dim + slice * 8) * DTypeSize(layout.v_dtype);
 
   float q_r[kHeads][8];
 #pragma unroll
@@ -136,6 +139,7 @@ __global__ void __launch_bounds__(kDecodeThreads) DecodePartitionKernel(DecodePa
     const int i = base + token_group;
     float dot[kHeads] = {};
     bool valid = i < n;
+    float k_scale = 1.f;
     if (valid) {
       const int t = start + i;
       const int32_t block = table[t / block_size];
@@ -143,10 +147,10 @@ __global__ void __launch_bounds__(kDecodeThreads) DecodePartitionKernel(DecodePa
         bad_block_s = 1;
         valid = false;
       } else if (has_slice) {
-        const T* k = reinterpret_cast<const T*>(p.pool.k(block, p.layer)) +
-                     (t % block_size) * row_elems + head_offset;
+        k_scale = KvScale(p.view.k_scales(block), kv_head, layout.k_dtype);
         float kf[8];
-        Load8(k, kf);
+        LoadKv8(p.view.k(block) + (t % block_size) * layout.k_row_bytes + k_slice, layout.k_dtype,
+                kf);
 #pragma unroll
         for (int h = 0; h < kHeads; ++h) {
 #pragma unroll
@@ -161,7 +165,7 @@ __global__ void __launch_bounds__(kDecodeThreads) DecodePartitionKernel(DecodePa
     if (valid && slice == 0) {
 #pragma unroll
       for (int h = 0; h < kHeads; ++h) {
-        if (h < heads) score_s[h * p.partition + i] = dot[h] * p.scale;
+        if (h < heads) score_s[h * p.partition + i] = dot[h] * (p.scale * k_scale);
       }
     }
   }
@@ -197,13 +201,13 @@ __global__ void __launch_bounds__(kDecodeThreads) DecodePartitionKernel(DecodePa
     const int i = base + token_group;
     if (i >= n || !has_slice) continue;
     const int t = start + i;
-    const T* v = reinterpret_cast<const T*>(p.pool.v(table[t / block_size], p.layer)) +
-                 (t % block_size) * row_elems + head_offset;
+    const int32_t block = table[t / block_size];
+    const float v_scale = KvScale(p.view.v_scales(block), kv_head, layout.v_dtype);
     float vf[8];
-    Load8(v, vf);
+    LoadKv8(p.view.v(block) + (t % block_size) * layout.v_row_bytes + v_slice, layout.v_dtype, vf);
 #pragma unroll
     for (int h = 0; h < kHeads; ++h) {
-      const float w = h < heads ? score_s[h * p.partition + i] : 0.f;
+      const float w = h < heads ? score_s[h * p.partition + i] * v_scale : 0.f;
 #pragma unroll
       for (int j = 0; j < 8; ++j) acc[h][j] = fmaf(w, vf[j], acc[h][j]);
     }
@@ -250,7 +254,7 @@ __global__ void __launch_bounds__(kDecodeThreads) DecodePartitionKernel(DecodePa
 // Grid: (sequence, query head). out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s over the
 // splits that hold tokens of the sequence.
 __global__ void __launch_bounds__(kCombineThreads) DecodeCombineKernel(DecodeParams p) {
-  const int head_dim = p.pool.layout.head_dim;
+  const int head_dim = p.view.l.head_dim;
   const int64_t q_row = static_cast<int64_t>(blockIdx.x) * p.num_q_heads + blockIdx.y;
   float* out = p.out + q_row * head_dim;
   const int32_t seq_len = p.seq_lens[blockIdx.x];
@@ -275,32 +279,16 @@ __global__ void __launch_bounds__(kCombineThreads) DecodeCombineKernel(DecodePar
   }
 }
 
-template <typename T, int kHeads>
+template <int kHeads>
 cudaError_t Launch(const DecodeParams& p, int32_t num_seqs, cudaStream_t stream) {
-  const PoolLayout& layout = p.pool.layout;
+  const LayerLayout& layout = p.view.l;
   const dim3 grid(num_seqs, layout.num_kv_heads * p.head_chunks, p.num_splits);
   const size_t smem = sizeof(float) * (2 * kHeads * layout.head_dim + kHeads * p.partition);
-  DecodePartitionKernel<T, kHeads><<<grid, kDecodeThreads, smem, stream>>>(p);
+  DecodePartitionKernel<kHeads><<<grid, kDecodeThreads, smem, stream>>>(p);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   if (p.num_splits == 1) return cudaSuccess;
   DecodeCombineKernel<<<dim3(num_seqs, p.num_q_heads), kCombineThreads, 0, stream>>>(p);
   return cudaGetLastError();
-}
-
-template <DType kDType>
-cudaError_t LaunchForType(const DecodeParams& p, int32_t num_seqs, int32_t heads_per_cta,
-                          cudaStream_t stream) {
-  using T = typename KvType<kDType>::type;
-  switch (heads_per_cta) {
-    case 1:
-      return Launch<T, 1>(p, num_seqs, stream);
-    case 2:
-      return Launch<T, 2>(p, num_seqs, stream);
-    case 4:
-      return Launch<T, 4>(p, num_seqs, stream);
-    default:
-      return Launch<T, kMaxHeadsPerCta>(p, num_seqs, stream);
-  }
 }
 
 }  // namespace
@@ -334,8 +322,7 @@ cudaError_t LaunchPagedAttentionDecode(const KvPoolView& pool, const DecodeArgs&
                                        const DecodePlan& plan, cudaStream_t stream) {
   if (args.num_seqs == 0) return cudaSuccess;
   DecodeParams p{};
-  p.pool = pool;
-  p.layer = args.layer;
+  p.view = pool.Layer(args.layer);
   p.num_q_heads = args.num_q_heads;
   p.group = args.num_q_heads / pool.layout.num_kv_heads;
   p.scale = args.scale;
@@ -356,15 +343,16 @@ cudaError_t LaunchPagedAttentionDecode(const KvPoolView& pool, const DecodeArgs&
     p.ws_max = p.ws_acc + rows * pool.layout.head_dim;
     p.ws_sum = p.ws_max + rows;
   }
-  switch (pool.layout.dtype) {
-    case DType::kF32:
-      return LaunchForType<DType::kF32>(p, args.num_seqs, plan.heads_per_cta, stream);
-    case DType::kF16:
-      return LaunchForType<DType::kF16>(p, args.num_seqs, plan.heads_per_cta, stream);
-    case DType::kBF16:
-      return LaunchForType<DType::kBF16>(p, args.num_seqs, plan.heads_per_cta, stream);
+  switch (plan.heads_per_cta) {
+    case 1:
+      return Launch<1>(p, args.num_seqs, stream);
+    case 2:
+      return Launch<2>(p, args.num_seqs, stream);
+    case 4:
+      return Launch<4>(p, args.num_seqs, stream);
+    default:
+      return Launch<kMaxHeadsPerCta>(p, args.num_seqs, stream);
   }
-  return cudaErrorInvalidValue;
 }
 
 }  // namespace kvpool::kernels::cuda

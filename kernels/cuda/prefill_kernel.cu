@@ -26,8 +26,7 @@ constexpr int kLanesPerRow = kThreads / kRows;
 static_assert(kLanesPerRow == 4, "the shuffles below combine four lanes per row");
 
 struct PrefillParams {
-  KvPoolView pool;
-  int32_t layer;
+  KvLayerView view;  // the layer's chunks and dtypes
   int32_t num_q_heads;
   int32_t group;  // query heads per KV head
   float scale;
@@ -45,7 +44,7 @@ struct PrefillParams {
 // Writes NaN to every output element of the CTA's rows.
 __device__ void PoisonRows(const PrefillParams& p, int64_t first_row, int head0, int heads,
                            int tokens) {
-  const int dim = p.pool.layout.head_dim;
+  const int dim = p.view.l.head_dim;
   for (int i = threadIdx.x; i < tokens * heads * dim; i += blockDim.x) {
     const int r = i / dim;
     const int64_t row = first_row + r / heads;
@@ -65,12 +64,13 @@ __device__ __forceinline__ float RowSum(float v) {
 
 // Grid: (tile, sequence, KV head * head slices). Dynamic shared memory: q [kRows][dim + 1],
 // k and v [kKeys][dim + 1], p [kRows][kKeys + 1], all f32 (rows padded against bank conflicts).
-// kSlots: output elements per thread, >= ceil(head_dim / 4).
-template <typename T, int kSlots>
+// kSlots: output elements per thread, >= ceil(head_dim / 4). K and V are gathered in their own
+// dtypes (LoadKv8), an 8-bit side times its block's head scale.
+template <int kSlots>
 __global__ void __launch_bounds__(kThreads) PrefillKernel(PrefillParams p) {
   extern __shared__ float smem[];
   __shared__ int bad_block_s;
-  const PoolLayout& layout = p.pool.layout;
+  const LayerLayout& layout = p.view.l;
   const int dim = layout.head_dim;
   const int ld = dim + 1;
   float* q_s = smem;
@@ -111,7 +111,6 @@ __global__ void __launch_bounds__(kThreads) PrefillKernel(PrefillParams p) {
   const int sub = threadIdx.x % kLanesPerRow;
   const int64_t pos = first_pos + min(r / heads, tokens - 1);  // padding rows: the last token's
   const int32_t* table = p.block_tables + static_cast<int64_t>(seq) * p.table_stride;
-  const int64_t row_elems = static_cast<int64_t>(layout.num_kv_heads) * dim;
   const int slices = dim / 8;
   float m = -INFINITY, l = 0.f;
   float acc[kSlots];
@@ -129,14 +128,19 @@ __global__ void __launch_bounds__(kThreads) PrefillKernel(PrefillParams p) {
         bad_block_s = 1;
         continue;
       }
-      const int64_t offset = (t % layout.block_size) * row_elems + kv_head * dim + d;
+      const int64_t slot = t % layout.block_size;
+      const int64_t element = static_cast<int64_t>(kv_head) * dim + d;
       float x[8];
-      Load8(reinterpret_cast<const T*>(p.pool.k(block, p.layer)) + offset, x);
+      LoadKv8(p.view.k(block) + slot * layout.k_row_bytes + element * DTypeSize(layout.k_dtype),
+              layout.k_dtype, x);
+      const float ks = KvScale(p.view.k_scales(block), kv_head, layout.k_dtype);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) k_s[c * ld + d + j] = x[j];
-      Load8(reinterpret_cast<const T*>(p.pool.v(block, p.layer)) + offset, x);
+      for (int j = 0; j < 8; ++j) k_s[c * ld + d + j] = x[j] * ks;
+      LoadKv8(p.view.v(block) + slot * layout.v_row_bytes + element * DTypeSize(layout.v_dtype),
+              layout.v_dtype, x);
+      const float vs = KvScale(p.view.v_scales(block), kv_head, layout.v_dtype);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) v_s[c * ld + d + j] = x[j];
+      for (int j = 0; j < 8; ++j) v_s[c * ld + d + j] = x[j] * vs;
     }
     __syncthreads();
     if (bad_block_s) {
@@ -192,12 +196,12 @@ __global__ void __launch_bounds__(kThreads) PrefillKernel(PrefillParams p) {
   }
 }
 
-template <typename T, int kSlots>
+template <int kSlots>
 cudaError_t Launch(const PrefillParams& p, int32_t num_seqs, cudaStream_t stream) {
-  const PoolLayout& layout = p.pool.layout;
+  const LayerLayout& layout = p.view.l;
   const int ld = layout.head_dim + 1;
   const size_t smem = sizeof(float) * ((kRows + 2 * kKeys) * ld + kRows * (kKeys + 1));
-  auto* kernel = &PrefillKernel<T, kSlots>;
+  auto* kernel = &PrefillKernel<kSlots>;
   if (smem > 48 * 1024) {
     if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                static_cast<int>(smem));
@@ -208,15 +212,6 @@ cudaError_t Launch(const PrefillParams& p, int32_t num_seqs, cudaStream_t stream
   const dim3 grid(p.plan.tiles, num_seqs, layout.num_kv_heads * p.plan.slices);
   kernel<<<grid, kThreads, smem, stream>>>(p);
   return cudaGetLastError();
-}
-
-template <DType kDType>
-cudaError_t LaunchForType(const PrefillParams& p, int32_t num_seqs, cudaStream_t stream) {
-  using T = typename KvType<kDType>::type;
-  const int dim = p.pool.layout.head_dim;
-  if (dim <= 64) return Launch<T, 16>(p, num_seqs, stream);
-  if (dim <= 128) return Launch<T, 32>(p, num_seqs, stream);
-  return Launch<T, kMaxDecodeHeadDim / kLanesPerRow>(p, num_seqs, stream);
 }
 
 }  // namespace
@@ -235,8 +230,7 @@ cudaError_t LaunchPagedAttentionPrefill(const KvPoolView& pool, const PrefillArg
                                         const PrefillPlan& plan, cudaStream_t stream) {
   if (args.num_seqs == 0 || plan.tiles == 0) return cudaSuccess;
   PrefillParams p{};
-  p.pool = pool;
-  p.layer = args.layer;
+  p.view = pool.Layer(args.layer);
   p.num_q_heads = args.num_q_heads;
   p.group = args.num_q_heads / pool.layout.num_kv_heads;
   p.scale = args.scale;
@@ -249,15 +243,10 @@ cudaError_t LaunchPagedAttentionPrefill(const KvPoolView& pool, const PrefillArg
   p.max_seq_len = args.max_seq_len;
   p.max_q_len = args.max_q_len;
   p.plan = plan;
-  switch (pool.layout.dtype) {
-    case DType::kF32:
-      return LaunchForType<DType::kF32>(p, args.num_seqs, stream);
-    case DType::kF16:
-      return LaunchForType<DType::kF16>(p, args.num_seqs, stream);
-    case DType::kBF16:
-      return LaunchForType<DType::kBF16>(p, args.num_seqs, stream);
-  }
-  return cudaErrorInvalidValue;
+  const int dim = pool.layout.head_dim;
+  if (dim <= 64) return Launch<16>(p, args.num_seqs, stream);
+  if (dim <= 128) return Launch<32>(p, args.num_seqs, stream);
+  return Launch<kMaxDecodeHeadDim / kLanesPerRow>(p, args.num_seqs, stream);
 }
 
 }  // namespace kvpool::kernels::cuda

@@ -11,8 +11,11 @@
 // the caller merges across the tasks of a sequence.
 //
 // One implementation (decode_tile.inc), compiled per instruction set beside the prefill tile
-// (kernels_{portable,avx2,avx512}.cc) against the same Ops; the KV dtype and the head-group
-// width are template parameters down to the loads.
+// (kernels_{portable,avx2,avx512}.cc) against the same Ops. A chunk's scores are one function
+// templated on the K dtype and the head-group width, its values one templated on the V dtype,
+// so any K dtype pairs with any V dtype. An 8-bit side's codes are widened unscaled; the scale of
+// a token's block and head multiplies its score (K) or its probability (V), once per token and
+// head instead of once per value.
 
 #include <cstdint>
 
@@ -46,54 +49,56 @@ struct DecodeTask {
   float* acc;  // [q_heads][dim] running weighted values, not yet divided by l (0 before)
 };
 
-// Row pointers of a paged sequence: token t lives in block table[t / block_size].
+// Row pointers of a paged sequence: token t lives in block table[t / block_size]. Also each
+// row's block scales ([num_kv_heads] f32 after the codes of an 8-bit side; not read otherwise).
 struct PagedRows {
-  const KvPoolView* pool;
+  const KvLayerView* view;
   const int32_t* table;
-  int32_t layer;
 
   // One division per call, not two per row (a chunk's rows walk the blocks in order).
-  void Get(int64_t t0, int n, const char** k, const char** v) const {
-    const int32_t bs = pool->layout.block_size;
-    const int64_t row = pool->layout.row_bytes();
+  void Get(int64_t t0, int n, const char** k, const char** v, const float** ks,
+           const float** vs) const {
+    const LayerLayout& l = view->l;
+    const int32_t bs = l.block_size;
     int64_t index = t0 / bs;
     int32_t slot = static_cast<int32_t>(t0 - index * bs);
-    const char* kb = pool->k(table[index], layer);
-    const char* vb = pool->v(table[index], layer);
-    for (int i = 0; i < n; ++i) {
+    for (int i = 0; i < n; ++i, ++slot) {
       if (slot == bs) {
         slot = 0;
         ++index;
-        kb = pool->k(table[index], layer);
-        vb = pool->v(table[index], layer);
       }
-      k[i] = kb + slot * row;
-      v[i] = vb + slot * row;
-      ++slot;
+      const int32_t block = table[index];
+      k[i] = view->k(block) + slot * l.k_row_bytes;
+      v[i] = view->v(block) + slot * l.v_row_bytes;
+      ks[i] = view->k_scales(block);
+      vs[i] = view->v_scales(block);
     }
   }
 };
 
-// Row pointers of a contiguous sequence.
+// Row pointers of a contiguous sequence (16- and 32-bit dtypes: no scales).
 struct DenseRows {
   const char* k;
   const char* v;
   int64_t row;
 
-  void Get(int64_t t0, int n, const char** kp, const char** vp) const {
+  void Get(int64_t t0, int n, const char** kp, const char** vp, const float** ks,
+           const float** vs) const {
     for (int i = 0; i < n; ++i) {
       kp[i] = k + (t0 + i) * row;
       vp[i] = v + (t0 + i) * row;
+      ks[i] = vs[i] = nullptr;
     }
   }
 };
 
-// One instruction set's decode task for each row source.
+// One instruction set's decode task for each row source, K stored as `k_dtype` and V as
+// `v_dtype`.
 struct DecodeFns {
   void (*paged)(const DecodeShape& shape, const DecodeTask& task, const PagedRows& rows,
-                DType dtype);
+                DType k_dtype, DType v_dtype);
   void (*dense)(const DecodeShape& shape, const DecodeTask& task, const DenseRows& rows,
-                DType dtype);
+                DType k_dtype, DType v_dtype);
 };
 
 // REQUIRES: the processor supports the set; AVX-512: head_dim a multiple of 16.

@@ -9,6 +9,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "kernels/internal/convert_rows.h"
 #include "kernels/internal/decode_tile.h"
 #include "kernels/internal/prefill_tile.h"
 
@@ -94,6 +95,33 @@ struct Ops {
 #include "kernels/internal/decode_tile.inc"
 #include "kernels/internal/prefill_tile.inc"
 
+template <DType kType>
+void NarrowRow(const float* src, int n, float mul, char* dst) {
+  const __m256 m = _mm256_set1_ps(mul);
+  for (int i = 0; i < n; i += 8) {
+    Store8Avx<kType>(_mm256_mul_ps(_mm256_loadu_ps(src + i), m), dst + i * DTypeSize(kType));
+  }
+}
+
+template <DType kType>
+void RescaleRow(char* row, int n, float ratio) {
+  const __m256 m = _mm256_set1_ps(ratio * WidenedUnit(kType));
+  for (int i = 0; i < n; i += 8)
+    Store8Avx<kType>(_mm256_mul_ps(Load8Avx<kType>(row + i), m), row + i);
+}
+
+float AbsMax(const float* src, int n) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 max = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+  for (int i = 0; i < n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(src + i);
+    max = _mm256_max_ps(max, _mm256_and_ps(x, magnitude));
+    bad = _mm256_add_ps(bad, _mm256_mul_ps(x, _mm256_setzero_ps()));  // NaN for NaN or inf
+  }
+  if (Ops::ReduceSum(bad) != 0.0f) return std::numeric_limits<float>::quiet_NaN();
+  return Ops::ReduceMax(max);
+}
+
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
@@ -102,7 +130,14 @@ struct Ops {
 
 }  // namespace
 
-PrefillTaskFn PrefillTaskAvx2(DType dtype) { return TaskFor(dtype); }
+PrefillTaskFn PrefillTaskAvx2(DType k_dtype, DType v_dtype) { return TaskFor(k_dtype, v_dtype); }
 DecodeFns DecodeAvx2() { return DecodeTaskFns(); }
+ConvertFns ConvertAvx2() {
+  return {.narrow = {&NarrowRow<DType::kF32>, &NarrowRow<DType::kF16>, &NarrowRow<DType::kBF16>,
+                     &NarrowRow<DType::kFp8E4M3>, &NarrowRow<DType::kInt8>},
+          .rescale = {nullptr, nullptr, nullptr, &RescaleRow<DType::kFp8E4M3>,
+                      &RescaleRow<DType::kInt8>},
+          .absmax = &AbsMax};
+}
 
 }  // namespace kvpool::kernels::cpu::internal

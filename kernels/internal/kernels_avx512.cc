@@ -83,17 +83,25 @@ struct Ops {
     return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(pow2));
   }
 
-  // 16 stored values (any alignment) widened to 16 floats.
+  // 16 stored values (any alignment) widened to 16 floats; 8-bit codes unscaled (fp8 / 256).
   template <DType kType>
   static V LoadKv(const char* p) {
     if constexpr (kType == DType::kF32) {
       return _mm512_loadu_ps(reinterpret_cast<const float*>(p));
     } else if constexpr (kType == DType::kF16) {
       return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    } else {
+    } else if constexpr (kType == DType::kBF16) {
       const __m512i wide =
           _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
       return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+    } else if constexpr (kType == DType::kInt8) {
+      return _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    } else {  // fp8 e4m3, through f16 (dtype.h: WidenedUnit)
+      const __m256i wide =
+          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      return _mm512_cvtph_ps(
+          _mm256_and_si256(_mm256_slli_epi16(wide, 7), _mm256_set1_epi16(-16512)));  // 0xBF80
     }
   }
   template <DType kType>
@@ -119,7 +127,7 @@ struct Ops {
 
 }  // namespace
 
-PrefillTaskFn PrefillTaskAvx512(DType dtype) { return TaskFor(dtype); }
+PrefillTaskFn PrefillTaskAvx512(DType k_dtype, DType v_dtype) { return TaskFor(k_dtype, v_dtype); }
 DecodeFns DecodeAvx512() { return DecodeTaskFns(); }
 
 }  // namespace kvpool::kernels::cpu::internal

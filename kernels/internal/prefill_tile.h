@@ -16,10 +16,11 @@
 // The rows of a tile are (token, head) pairs, token-major, so positions never decrease along
 // the rows: the keys a row block sees end at its last row's limit.
 //
-// One implementation (prefill_tile.inc), instantiated per instruction set and KV dtype:
-// kernels_portable.cc, kernels_avx2.cc and kernels_avx512.cc. A new KV format (8-bit, say) is a
-// pair of loads in each set's Ops (WidenRow, WidenTranspose8x8; decode's LoadKv): the gather is
-// the only place that reads the pool.
+// One implementation (prefill_tile.inc), instantiated per instruction set and K and V dtype:
+// kernels_portable.cc, kernels_avx2.cc and kernels_avx512.cc. The gather is the only place that
+// reads the pool: it widens the chunk's K and V (each side in its own dtype, each set's Ops
+// WidenRow and WidenTranspose8x8) and multiplies an 8-bit side by its blocks' scales, so the
+// tile's arithmetic is f32 whatever the pool holds.
 
 #include <cstdint>
 
@@ -43,9 +44,8 @@ constexpr int64_t PrefillScratchFloats(int32_t head_dim) {
 }
 
 struct PrefillTask {
-  const KvPoolView* pool;
-  const int32_t* table;  // the sequence's block table
-  int32_t layer;
+  const KvLayerView* view;  // the layer's chunks
+  const int32_t* table;     // the sequence's block table
   int32_t kv_head;
   int32_t heads;      // query heads in the task (of the KV head's group)
   int32_t tokens;     // query tokens; tokens * heads <= kPrefillRows
@@ -59,10 +59,10 @@ struct PrefillTask {
 
 using PrefillTaskFn = void (*)(const PrefillTask& task);
 
-// The task function of each instruction set for `dtype`. REQUIRES: the processor supports the
-// set (KernelIsa()).
-PrefillTaskFn PrefillTaskPortable(DType dtype);
-PrefillTaskFn PrefillTaskAvx2(DType dtype);
-PrefillTaskFn PrefillTaskAvx512(DType dtype);
+// The task function of each instruction set for K stored as `k_dtype` and V as `v_dtype`.
+// REQUIRES: the processor supports the set (KernelIsa()).
+PrefillTaskFn PrefillTaskPortable(DType k_dtype, DType v_dtype);
+PrefillTaskFn PrefillTaskAvx2(DType k_dtype, DType v_dtype);
+PrefillTaskFn PrefillTaskAvx512(DType k_dtype, DType v_dtype);
 
 }  // namespace kvpool::kernels::cpu::internal

@@ -206,8 +206,8 @@ absl::Status CudaModel::RunStep(const kernels::KvPoolView& pool, std::span<const
   KVPOOL_RETURN_IF_ERROR(Reserve(qkv_, 4 * n * (qd + 2 * kvd)));
   KVPOOL_RETURN_IF_ERROR(Reserve(q_, 4 * n * qd));
   KVPOOL_RETURN_IF_ERROR(Reserve(attn_, 4 * n * qd));
-  KVPOOL_RETURN_IF_ERROR(Reserve(k_, n * layout_.row_bytes()));
-  KVPOOL_RETURN_IF_ERROR(Reserve(v_, n * layout_.row_bytes()));
+  KVPOOL_RETURN_IF_ERROR(Reserve(k_, 4 * n * kvd));
+  KVPOOL_RETURN_IF_ERROR(Reserve(v_, 4 * n * kvd));
   KVPOOL_RETURN_IF_ERROR(Reserve(gate_up_, 4 * n * 2 * im));
   KVPOOL_RETURN_IF_ERROR(Reserve(act_, 4 * n * im));
   KVPOOL_RETURN_IF_ERROR(Reserve(last_, 4 * ni * h));
@@ -310,15 +310,15 @@ absl::Status CudaModel::Launch(const kernels::KvPoolView& pool, int32_t n, int32
         LaunchRmsNorm(x, nullptr, n, h, At<float>(L.attn_norm), c.rms_norm_eps, xn, stream_),
         "RMSNorm kernel"));
     KVPOOL_RETURN_IF_ERROR(Gemm(xn, n, L.wqkv, qd + 2 * kvd, h, At<float>(qkv_), false));
-    KVPOOL_RETURN_IF_ERROR(
-        CudaStatus(LaunchRopeSplit(At<float>(qkv_), positions, At<float>(inv_freq_), n, c.num_heads,
-                                   c.num_kv_heads, hd, layout_.dtype, At<float>(q_), k_->data(),
-                                   v_->data(), stream_),
-                   "RoPE kernel"));
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(
+        LaunchRopeSplit(At<float>(qkv_), positions, At<float>(inv_freq_), n, c.num_heads,
+                        c.num_kv_heads, hd, At<float>(q_), At<float>(k_), At<float>(v_), stream_),
+        "RoPE kernel"));
     // Every new token's K/V goes in before any query reads (stream order).
     KVPOOL_RETURN_IF_ERROR(CudaStatus(
         kernels::cuda::LaunchWriteKv(
-            pool, {.layer = l, .num_tokens = n, .k = k_->data(), .v = v_->data(), .slots = slots},
+            pool,
+            {.layer = l, .num_tokens = n, .k = At<float>(k_), .v = At<float>(v_), .slots = slots},
             stream_),
         "WriteKv kernel"));
     KVPOOL_RETURN_IF_ERROR(Attention(pool, l));

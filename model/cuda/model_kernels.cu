@@ -44,21 +44,9 @@ __global__ void RmsNormKernel(const float* x, const int32_t* rows, int32_t dim, 
   for (int32_t i = threadIdx.x; i < dim; i += blockDim.x) yr[i] = xr[i] * inv * weight[i];
 }
 
-template <kernels::DType kDType>
-__device__ __forceinline__ void StoreKv(float f, void* base, int64_t i) {
-  if constexpr (kDType == kernels::DType::kF32) {
-    static_cast<float*>(base)[i] = f;
-  } else if constexpr (kDType == kernels::DType::kF16) {
-    static_cast<__half*>(base)[i] = __float2half_rn(f);
-  } else {
-    static_cast<uint16_t*>(base)[i] = kernels::FloatToBF16(f);
-  }
-}
-
-template <kernels::DType kDType>
 __global__ void RopeSplitKernel(const float* qkv, const int32_t* positions, const float* inv_freq,
                                 int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, float* q,
-                                void* k, void* v) {
+                                float* k, float* v) {
   const int64_t t = blockIdx.x;
   const int32_t half = head_dim / 2;
   const int32_t qd = num_heads * head_dim, kvd = num_kv_heads * head_dim;
@@ -77,12 +65,12 @@ __global__ void RopeSplitKernel(const float* qkv, const int32_t* positions, cons
       q[t * qd + head * head_dim + i + half] = rb;
     } else {
       const int64_t at = t * kvd + static_cast<int64_t>(head - num_heads) * head_dim + i;
-      StoreKv<kDType>(ra, k, at);
-      StoreKv<kDType>(rb, k, at + half);
+      k[at] = ra;
+      k[at + half] = rb;
     }
   }
   for (int32_t i = threadIdx.x; i < kvd; i += blockDim.x) {
-    StoreKv<kDType>(row[qd + kvd + i], v, t * kvd + i);
+    v[t * kvd + i] = row[qd + kvd + i];
   }
 }
 
@@ -115,23 +103,10 @@ cudaError_t LaunchRmsNorm(const float* x, const int32_t* rows, int32_t num_rows,
 
 cudaError_t LaunchRopeSplit(const float* qkv, const int32_t* positions, const float* inv_freq,
                             int32_t num_tokens, int32_t num_heads, int32_t num_kv_heads,
-                            int32_t head_dim, kernels::DType dtype, float* q, void* k, void* v,
-                            cudaStream_t stream) {
+                            int32_t head_dim, float* q, float* k, float* v, cudaStream_t stream) {
   if (num_tokens <= 0) return cudaSuccess;
-  switch (dtype) {
-    case kernels::DType::kF32:
-      RopeSplitKernel<kernels::DType::kF32><<<num_tokens, kThreads / 2, 0, stream>>>(
-          qkv, positions, inv_freq, num_heads, num_kv_heads, head_dim, q, k, v);
-      break;
-    case kernels::DType::kF16:
-      RopeSplitKernel<kernels::DType::kF16><<<num_tokens, kThreads / 2, 0, stream>>>(
-          qkv, positions, inv_freq, num_heads, num_kv_heads, head_dim, q, k, v);
-      break;
-    case kernels::DType::kBF16:
-      RopeSplitKernel<kernels::DType::kBF16><<<num_tokens, kThreads / 2, 0, stream>>>(
-          qkv, positions, inv_freq, num_heads, num_kv_heads, head_dim, q, k, v);
-      break;
-  }
+  RopeSplitKernel<<<num_tokens, kThreads / 2, 0, stream>>>(qkv, positions, inv_freq, num_heads,
+                                                           num_kv_heads, head_dim, q, k, v);
   return cudaGetLastError();
 }
 

@@ -10,8 +10,6 @@
 
 #include <cstdint>
 
-#include "kernels/dtype.h"
-
 namespace kvpool::model::cuda {
 
 // x[t][:] = embed[tokens[t]][:] for t in [0, num_tokens).
@@ -24,12 +22,11 @@ cudaError_t LaunchRmsNorm(const float* x, const int32_t* rows, int32_t num_rows,
 
 // From the fused projection qkv[t] = [q heads | k heads | v heads] (f32): rotates queries and
 // keys by their token's position (rotate_half RoPE, angles in double as on the host), writes
-// the queries to q [t][num_heads][head_dim] (f32) and the keys and values to k, v
-// [t][num_kv_heads][head_dim] in `dtype` (round to nearest even), ready for WriteKv.
+// the queries to q [t][num_heads][head_dim] and the keys and values to k, v
+// [t][num_kv_heads][head_dim], all f32 (WriteKv converts them to the pool's dtypes).
 cudaError_t LaunchRopeSplit(const float* qkv, const int32_t* positions, const float* inv_freq,
                             int32_t num_tokens, int32_t num_heads, int32_t num_kv_heads,
-                            int32_t head_dim, kernels::DType dtype, float* q, void* k, void* v,
-                            cudaStream_t stream);
+                            int32_t head_dim, float* q, float* k, float* v, cudaStream_t stream);
 
 // act[t][i] = silu(gate_up[t][i]) * gate_up[t][intermediate + i].
 cudaError_t LaunchSiluMul(const float* gate_up, int32_t num_tokens, int32_t intermediate,

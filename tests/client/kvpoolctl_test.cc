@@ -111,6 +111,29 @@ TEST(FormatTest, StatsShowBlockShares) {
   EXPECT_TRUE(parsed.contains("evictions"));  // defaults are printed too
 }
 
+TEST(FormatTest, StatsShowBytesPerTokenOfEachLayer) {
+  v1::GetStatsResponse stats;
+  v1::PoolLayout* l = stats.mutable_layout();
+  l->set_block_size(16);
+  l->set_num_layers(4);
+  const std::pair<v1::DType, double> layers[] = {{v1::DTYPE_BF16, 1024},
+                                                 {v1::DTYPE_FP8_E4M3, 513},
+                                                 {v1::DTYPE_FP8_E4M3, 513},
+                                                 {v1::DTYPE_BF16, 1024}};
+  for (const auto& [dtype, bytes] : layers) {
+    v1::LayerLayout* layer = l->add_layers();
+    layer->set_k_dtype(dtype);
+    layer->set_v_dtype(dtype == v1::DTYPE_BF16 ? v1::DTYPE_BF16 : v1::DTYPE_INT8);
+    layer->set_bytes_per_token(bytes);
+  }
+  const std::string text = FormatStats(stats, false);
+  EXPECT_THAT(text, HasSubstr("mixed dtypes"));
+  EXPECT_THAT(text, ::testing::ContainsRegex("\n0 +bf16 +bf16 +1024.0\n"));
+  EXPECT_THAT(text, ::testing::ContainsRegex("\n1-2 +fp8 +int8 +513.0\n"));
+  EXPECT_THAT(text, ::testing::ContainsRegex("\n3 +bf16 +bf16 +1024.0\n"));
+  EXPECT_THAT(text, ::testing::ContainsRegex("\nall +3074.0\n"));
+}
+
 TEST(FormatTest, SequencesAbbreviateLongTables) {
   v1::ListSequencesResponse sequences;
   v1::SequenceInfo* info = sequences.add_sequences();

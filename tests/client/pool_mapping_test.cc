@@ -182,6 +182,96 @@ TEST_F(PoolMappingTest, CudaArenaWithoutADriverFailsCleanly) {
                                                     absl::StatusCode::kUnimplemented));
 }
 
+// Layer 0: K fp8, V bf16; layer 1: K f32, V int8 (block_size 4, 2 KV heads of 8). By the
+// arithmetic layout.proto documents: an 8-bit chunk is 4 * 2 * 8 codes + 2 f32 scales = 72
+// bytes, padded to 80; bf16 128, f32 256. The same layout is checked against the daemon's
+// PoolLayout in tests/kernels/pool_layout_test.cc.
+v1::PoolLayout MixedLayout() {
+  v1::PoolLayout l = SmallLayout();
+  l.set_chunk_bytes(0);
+  l.set_block_bytes(80 + 128 + 256 + 80);
+  auto add = [&](v1::DType k, v1::DType v, int64_t k_offset, int64_t k_bytes, int64_t v_bytes) {
+    v1::LayerLayout* layer = l.add_layers();
+    layer->set_k_dtype(k);
+    layer->set_v_dtype(v);
+    layer->set_k_offset(k_offset);
+    layer->set_v_offset(k_offset + k_bytes);
+    layer->set_k_chunk_bytes(k_bytes);
+    layer->set_v_chunk_bytes(v_bytes);
+    if (k == v1::DTYPE_FP8_E4M3) layer->set_k_scales_offset(k_offset + 64);
+    if (v == v1::DTYPE_INT8) layer->set_v_scales_offset(k_offset + k_bytes + 64);
+    layer->set_bytes_per_token(static_cast<double>(k_bytes + v_bytes) / 4);
+  };
+  add(v1::DTYPE_FP8_E4M3, v1::DTYPE_BF16, 0, 80, 128);
+  add(v1::DTYPE_F32, v1::DTYPE_INT8, 208, 256, 80);
+  return l;
+}
+
+TEST(PoolMappingMixedTest, AccessorsFollowEachLayersDTypes) {
+  FakePool pool(MixedLayout());
+  auto mapping = PoolMapping::Create(pool.Response(), pool.DupFds());
+  ASSERT_TRUE(mapping.ok()) << mapping.status();
+  const PoolMapping& m = **mapping;
+  const BlockRef block{3, 1};
+  // Offsets from the start of this process's mapping.
+  auto at = [&](absl::StatusOr<char*> p) { return p.ok() ? *p - m.base() : int64_t{-1}; };
+  auto scales_at = [&](absl::StatusOr<float*> p) {
+    return p.ok() ? reinterpret_cast<char*>(*p) - m.base() : int64_t{-1};
+  };
+  const int64_t start = 3 * 544;
+  EXPECT_EQ(at(m.K(0, block)), start);
+  EXPECT_EQ(at(m.V(0, block)), start + 80);
+  EXPECT_EQ(at(m.K(1, block)), start + 208);
+  EXPECT_EQ(at(m.V(1, block)), start + 464);
+  EXPECT_EQ(scales_at(m.KScales(0, block)), start + 64);
+  EXPECT_EQ(scales_at(m.VScales(1, block)), start + 528);
+  EXPECT_EQ(m.KScales(1, block).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(m.VScales(0, block).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(m.VScales(2, block).status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(m.dtype(0, 0), v1::DTYPE_FP8_E4M3);
+  EXPECT_EQ(m.dtype(1, 1), v1::DTYPE_INT8);
+  EXPECT_EQ(m.dtype(2, 0), v1::DTYPE_UNSPECIFIED);
+  EXPECT_EQ(m.row_bytes(0, 0), 16);
+  EXPECT_EQ(m.row_bytes(0, 1), 32);
+  EXPECT_EQ(m.row_bytes(1, 0), 64);
+  // The last layer's V (scales included) ends where the next block starts.
+  EXPECT_EQ(at(m.V(1, block)) + 80, at(m.K(0, BlockRef{4, 1})));
+  // A scale written through the mapping is where the daemon's mapping has it.
+  **m.VScales(1, block) = 0.5f;
+  float seen;
+  std::memcpy(&seen, pool.arena() + start + 528, 4);
+  EXPECT_EQ(seen, 0.5f);
+}
+
+TEST(PoolMappingMixedTest, RejectsLayersThatDisagreeWithTheirDTypes) {
+  FakePool pool(MixedLayout());
+  auto expect_rejected = [&](const v1::PoolLayout& layout) {
+    v1::AttachResponse response = pool.Response();
+    *response.mutable_layout() = layout;
+    auto mapping = PoolMapping::Create(response, pool.DupFds());
+    EXPECT_EQ(mapping.status().code(), absl::StatusCode::kInvalidArgument) << mapping.status();
+  };
+  v1::PoolLayout bad = MixedLayout();
+  bad.mutable_layers(1)->set_k_offset(200);  // not where layer 0 ends
+  expect_rejected(bad);
+  bad = MixedLayout();
+  bad.mutable_layers(0)->set_k_chunk_bytes(64);  // no room for the scales
+  bad.mutable_layers(0)->set_v_offset(64);
+  expect_rejected(bad);
+  bad = MixedLayout();
+  bad.mutable_layers(0)->set_k_scales_offset(0);  // scales over the codes
+  expect_rejected(bad);
+  bad = MixedLayout();
+  bad.set_block_bytes(2 * 2 * 256);  // a maximum times the layer count, not the chunks' sum
+  expect_rejected(bad);
+  bad = MixedLayout();
+  bad.mutable_layers()->RemoveLast();
+  expect_rejected(bad);
+  bad = MixedLayout();
+  bad.mutable_layers(1)->set_v_dtype(v1::DTYPE_UNSPECIFIED);
+  expect_rejected(bad);
+}
+
 TEST(BlockRefTest, ToBlockRefsPairsIdsWithGenerations) {
   v1::SequenceInfo info;
   info.add_block_ids(4);

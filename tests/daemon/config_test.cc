@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <fstream>
 
 #include "gmock/gmock.h"
@@ -80,6 +81,51 @@ TEST(ConfigTest, EngineOptionsFollowTheConfig) {
   c.mutable_limits()->set_decode_width(0);
   c.set_pool_bytes(-1);
   EXPECT_EQ(MakeEngineOptions(c, 42).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// PoolShape's dtypes (config.proto): default, K / V, then per-layer entries, last match wins.
+TEST(ConfigTest, ShapeDTypesPerLayerAndSide) {
+  v1::DaemonConfig c = DefaultConfig();
+  v1::PoolShape* s = c.mutable_shape();
+  s->set_dtype("fp8");
+  s->set_v_dtype("int8");
+  v1::PoolShape::LayerDTypes* edges = s->add_layers();
+  edges->add_index(0);
+  edges->add_index(-1);
+  edges->set_dtype("bf16");
+  v1::PoolShape::LayerDTypes* k_only = s->add_layers();
+  k_only->add_index(-1);
+  k_only->set_k_dtype("f16");
+  absl::StatusOr<EngineOptions> o = MakeEngineOptions(c, 1);
+  ASSERT_TRUE(o.ok()) << o.status();
+  const kernels::PoolLayout& l = o->pools[0].layout;
+  ASSERT_EQ(l.num_layers, 4);  // the tiny model's
+  EXPECT_EQ(l.k_dtype(0), kernels::DType::kBF16);
+  EXPECT_EQ(l.v_dtype(0), kernels::DType::kBF16);
+  EXPECT_EQ(l.k_dtype(1), kernels::DType::kFp8E4M3);
+  EXPECT_EQ(l.v_dtype(2), kernels::DType::kInt8);
+  EXPECT_EQ(l.k_dtype(3), kernels::DType::kF16);
+  EXPECT_EQ(l.v_dtype(3), kernels::DType::kBF16);
+  // The pool is sized by the blocks these chunks make, not by the widest dtype.
+  EXPECT_EQ(l.num_blocks, (int64_t{256} << 20) / l.block_bytes());
+  EXPECT_LT(l.block_bytes(), 8 * l.chunk_bytes(0, kernels::KvSide::kK));
+}
+
+TEST(ConfigTest, ShapeDTypeProblemsAreOneLineEach) {
+  const std::string path = ::testing::TempDir() + "/bad_dtypes.textproto";
+  std::ofstream(path) << "shape {\n  k_dtype: \"fp4\"\n"
+                         "  layers { index: [0, 4] dtype: \"bf16\" }\n"
+                         "  layers { index: [1] }\n"
+                         "  layers { dtype: \"int8\" v_dtype: \"int4\" }\n}\n";
+  const absl::StatusOr<v1::DaemonConfig> c = LoadConfig(path);
+  ASSERT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  const std::string message(c.status().message());
+  EXPECT_EQ(std::count(message.begin(), message.end(), '\n'), 4) << message;  // five lines
+  EXPECT_THAT(message, HasSubstr("shape.k_dtype: unknown dtype 'fp4'"));
+  EXPECT_THAT(message, HasSubstr("shape.layers[0].index[1]: layer 4 outside [-4, 4)"));
+  EXPECT_THAT(message, HasSubstr("shape.layers[1]: sets no dtype"));
+  EXPECT_THAT(message, HasSubstr("shape.layers[2]: names no layer"));
+  EXPECT_THAT(message, HasSubstr("shape.layers[2].v_dtype: unknown dtype 'int4'"));
 }
 
 }  // namespace

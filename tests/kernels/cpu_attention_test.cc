@@ -89,10 +89,13 @@ TEST_P(PagedDecodeTest, MatchesTheDenseReference) {
       slots.push_back(static_cast<int64_t>(tables[s * stride + t / c.block_size]) * c.block_size +
                       t % c.block_size);
     }
+    // The values are representable in the dtype: WriteKv stores exactly dense_k and dense_v.
+    const std::vector<float> k = test_util::Widen(dense_k.back(), c.dtype);
+    const std::vector<float> v = test_util::Widen(dense_v.back(), c.dtype);
     ASSERT_TRUE(WriteKv(pool, {.layer = layer,
                                .num_tokens = len,
-                               .k = dense_k.back().data(),
-                               .v = dense_v.back().data(),
+                               .k = k.data(),
+                               .v = v.data(),
                                .slots = slots.data()})
                     .ok());
   }
@@ -185,16 +188,18 @@ class KernelsTest : public ::testing::Test {
 };
 
 TEST_F(KernelsTest, WriteKvSkipsPaddingAndRejectsOutOfRangeSlots) {
-  const int64_t row = layout_.row_bytes();
-  std::vector<char> k(static_cast<size_t>(3 * row), 7), v(static_cast<size_t>(3 * row), 9);
+  const int64_t row = layout_.row_bytes(1, KvSide::kK);
+  const int64_t values = row / 2;
+  // 1.0 and 2.0 in bf16 are 0x3F80 and 0x4000: their high bytes 0x3F and 0x40.
+  std::vector<float> k(static_cast<size_t>(3 * values), 1.0f), v(k.size(), 2.0f);
   const std::vector<int64_t> slots = {5, -1, 23};  // block 1 offset 1, padding, block 5 offset 3
   ASSERT_TRUE(
       WriteKv(pool_,
               {.layer = 1, .num_tokens = 3, .k = k.data(), .v = v.data(), .slots = slots.data()})
           .ok());
-  EXPECT_EQ(pool_.k(1, 1)[row], 7);
-  EXPECT_EQ(pool_.v(1, 1)[row], 9);
-  EXPECT_EQ(pool_.k(5, 1)[3 * row], 7);
+  EXPECT_EQ(pool_.k(1, 1)[row + 1], 0x3F);
+  EXPECT_EQ(pool_.v(1, 1)[row + 1], 0x40);
+  EXPECT_EQ(pool_.k(5, 1)[3 * row + 1], 0x3F);
   EXPECT_EQ(pool_.k(1, 0)[row], 1);  // other layer untouched
   const std::vector<char> before = arena_;
   const std::vector<int64_t> bad = {0, 24};  // 24 = block 6: past the pool
@@ -242,7 +247,9 @@ TEST(DTypeTest, ConversionsRoundTripAndPoisonIsNaN) {
   std::memcpy(&f, &kPoisonF32, 4);
   EXPECT_TRUE(std::isnan(f));
   EXPECT_EQ(*ParseDType("bf16"), DType::kBF16);
-  EXPECT_FALSE(ParseDType("fp8").ok());
+  EXPECT_EQ(*ParseDType("fp8"), DType::kFp8E4M3);
+  EXPECT_EQ(*ParseDType("int8"), DType::kInt8);
+  EXPECT_FALSE(ParseDType("fp4").ok());
 }
 
 TEST(PoolLayoutTest, BlockMajorOffsetsAndBudget) {

@@ -1,6 +1,6 @@
-// The CUDA backend against the CPU reference: paged decode for block sizes 1, 16 and 64, every
-// dtype, ragged lengths and several query/KV head groupings; WriteKv, CopyBlocks and FillBlocks
-// byte-exact; fences, StreamWait and host tasks across the two streams.
+// The CUDA backend against the CPU: WriteKv, CopyBlocks and FillBlocks byte-exact (the poison of
+// every dtype as the CPU's); fences, StreamWait and host tasks across the two streams. Decode
+// parity is cuda_decode_parity_test.cc.
 //
 // The backend is loaded the way production loads it (dlopen of libkvpool_cuda.so, then the two C
 // entry points); every test skips when the library or a device is missing.
@@ -53,6 +53,9 @@ bool IsNaN(const char* element, DType dtype) {
       std::memcpy(&h, element, 2);
       return std::isnan(BF16ToFloat(h));
     }
+    case DType::kFp8E4M3:
+    case DType::kInt8:
+      return static_cast<uint8_t>(*element) == kPoison8;
   }
   return false;
 }
@@ -70,166 +73,6 @@ class CudaParityTest : public ::testing::Test {
   }
   Device& device() { return *CudaBackend::device(); }
 };
-
-struct Case {
-  int32_t block_size;
-  DType dtype;
-  int32_t q_heads;
-  int32_t kv_heads;
-  int32_t head_dim;
-};
-
-// Runs CUDA WriteKv + PagedAttentionDecode over `lens` and holds the result to the CPU reference.
-// `max_seq_len` may exceed the longest sequence (its extra splits must be ignored).
-void CheckDecode(Device& device, const Case& c, const std::vector<int32_t>& lens,
-                 int32_t max_seq_len) {
-  std::mt19937 rng(1234);
-  const auto num_seqs = static_cast<int32_t>(lens.size());
-  const int32_t layer = 1;
-  PoolLayout layout{.block_size = c.block_size,
-                    .num_layers = 2,
-                    .num_kv_heads = c.kv_heads,
-                    .head_dim = c.head_dim,
-                    .dtype = c.dtype};
-  const int32_t stride = (max_seq_len + c.block_size - 1) / c.block_size;
-  int32_t total_blocks = 0;
-  for (int32_t len : lens) total_blocks += (len + c.block_size - 1) / c.block_size;
-  layout.num_blocks = total_blocks + 3;
-  ASSERT_OK_AND_MOVE(std::unique_ptr<Arena> arena, device.CreateArena(layout.arena_bytes()));
-  const KvPoolView pool{arena->base(), layout};
-
-  // Poison every block first: a slot the kernel must not read would turn its output NaN.
-  std::vector<int32_t> ids = Iota(layout.num_blocks);
-  ASSERT_OK_AND_MOVE(auto all_ids, Upload(device, ids));
-  ASSERT_TRUE(device
-                  .FillBlocks(StreamId::kTransfer, pool,
-                              {.num_blocks = layout.num_blocks,
-                               .blocks = static_cast<const int32_t*>(all_ids->data()),
-                               .pattern = FillPattern::kPoison})
-                  .ok());
-
-  // Scatter every sequence's K/V through WriteKv into a shuffled set of blocks.
-  std::shuffle(ids.begin(), ids.end(), rng);
-  std::vector<int32_t> tables(static_cast<size_t>(num_seqs) * stride, -1);
-  std::vector<std::vector<char>> dense_k, dense_v;
-  std::vector<std::unique_ptr<DeviceBuffer>> keep;
-  const int64_t row_values = static_cast<int64_t>(c.kv_heads) * c.head_dim;
-  size_t next = 0;
-  for (int32_t s = 0; s < num_seqs; ++s) {
-    const int32_t len = lens[s];
-    dense_k.push_back(RandomValues(len * row_values, c.dtype, &rng));
-    dense_v.push_back(RandomValues(len * row_values, c.dtype, &rng));
-    std::vector<int64_t> slots;
-    for (int32_t t = 0; t < len; ++t) {
-      if (t % c.block_size == 0) tables[s * stride + t / c.block_size] = ids[next++];
-      slots.push_back(static_cast<int64_t>(tables[s * stride + t / c.block_size]) * c.block_size +
-                      t % c.block_size);
-    }
-    ASSERT_OK_AND_MOVE(auto k, Upload(device, dense_k.back()));
-    ASSERT_OK_AND_MOVE(auto v, Upload(device, dense_v.back()));
-    ASSERT_OK_AND_MOVE(auto slot_buffer, Upload(device, slots));
-    ASSERT_TRUE(device
-                    .WriteKv(StreamId::kTransfer, pool,
-                             {.layer = layer,
-                              .num_tokens = len,
-                              .k = k->data(),
-                              .v = v->data(),
-                              .slots = static_cast<const int64_t*>(slot_buffer->data())})
-                    .ok());
-    keep.push_back(std::move(k));
-    keep.push_back(std::move(v));
-    keep.push_back(std::move(slot_buffer));
-  }
-  // Decode runs on the compute stream, after the writes on the transfer stream.
-  ASSERT_TRUE(device.StreamWait(StreamId::kCompute, device.LastFence(StreamId::kTransfer)).ok());
-
-  std::vector<float> q(static_cast<size_t>(num_seqs) * c.q_heads * c.head_dim);
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  for (float& x : q) x = dist(rng);
-  ASSERT_OK_AND_MOVE(auto q_buffer, Upload(device, q));
-  ASSERT_OK_AND_MOVE(auto table_buffer, Upload(device, tables));
-  ASSERT_OK_AND_MOVE(auto len_buffer, Upload(device, lens));
-  ASSERT_OK_AND_MOVE(auto out_buffer,
-                     device.AllocateBuffer(static_cast<int64_t>(q.size() * sizeof(float))));
-  const int64_t workspace_bytes =
-      device.DecodeWorkspaceBytes(layout, num_seqs, c.q_heads, max_seq_len);
-  std::unique_ptr<DeviceBuffer> workspace;
-  if (workspace_bytes > 0) {
-    ASSERT_OK_AND_MOVE(workspace, device.AllocateBuffer(workspace_bytes));
-  }
-  const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
-  absl::StatusOr<Fence> decoded = device.PagedAttentionDecode(
-      StreamId::kCompute, pool,
-      {.layer = layer,
-       .num_seqs = num_seqs,
-       .num_q_heads = c.q_heads,
-       .scale = scale,
-       .q = static_cast<const float*>(q_buffer->data()),
-       .out = static_cast<float*>(out_buffer->data()),
-       .block_tables = static_cast<const int32_t*>(table_buffer->data()),
-       .table_stride = stride,
-       .seq_lens = static_cast<const int32_t*>(len_buffer->data()),
-       .max_seq_len = max_seq_len,
-       .workspace = workspace ? workspace->data() : nullptr,
-       .workspace_bytes = workspace_bytes});
-  ASSERT_TRUE(decoded.ok()) << decoded.status();
-  ASSERT_OK_AND_MOVE(std::vector<float> got, Download<float>(device, out_buffer->data(), q.size()));
-  ASSERT_TRUE(device.status().ok()) << device.status();
-
-  std::vector<const void*> k, v;
-  for (int32_t s = 0; s < num_seqs; ++s) {
-    k.push_back(dense_k[s].data());
-    v.push_back(dense_v[s].data());
-  }
-  std::vector<float> want(q.size(), -1);
-  cpu::ReferenceAttentionDecode({.num_seqs = num_seqs,
-                                 .num_q_heads = c.q_heads,
-                                 .num_kv_heads = c.kv_heads,
-                                 .head_dim = c.head_dim,
-                                 .dtype = c.dtype,
-                                 .scale = scale,
-                                 .q = q.data(),
-                                 .out = want.data(),
-                                 .k = k.data(),
-                                 .v = v.data(),
-                                 .seq_lens = lens.data()});
-  bool nan = false;
-  const double error = NormalizedError(got, want, &nan);
-  EXPECT_FALSE(nan);
-  EXPECT_LT(error, c.dtype == DType::kF32 ? 1e-4 : 2e-2);
-}
-
-std::string Name(const ::testing::TestParamInfo<Case>& info) {
-  const Case& c = info.param;
-  return fmt::format("bs{}_{}_q{}kv{}_d{}", c.block_size, DTypeName(c.dtype), c.q_heads, c.kv_heads,
-                     c.head_dim);
-}
-
-class CudaDecodeTest : public CudaParityTest, public ::testing::WithParamInterface<Case> {};
-
-TEST_P(CudaDecodeTest, MatchesTheCpuReference) {
-  // Ragged: partial blocks, exact multiples of the partition sizes and one past them.
-  const std::vector<int32_t> lens = {1, 17, 64, 65, 200, 513, 1000, 2049};
-  CheckDecode(device(), GetParam(), lens, 2049 + 100);
-}
-
-TEST_P(CudaDecodeTest, SingleSplitMatchesTheCpuReference) {
-  // max_seq_len within one partition: the kernel writes `out` without the combine pass.
-  CheckDecode(device(), GetParam(), {1, 5, 33, 64}, 64);
-}
-
-INSTANTIATE_TEST_SUITE_P(
-    Shapes, CudaDecodeTest,
-    ::testing::Values(Case{1, DType::kF32, 32, 8, 128}, Case{1, DType::kF16, 32, 8, 128},
-                      Case{1, DType::kBF16, 32, 8, 128}, Case{16, DType::kF32, 32, 8, 128},
-                      Case{16, DType::kF16, 32, 8, 128}, Case{16, DType::kBF16, 32, 8, 128},
-                      Case{64, DType::kF32, 32, 8, 128}, Case{64, DType::kF16, 32, 8, 128},
-                      Case{64, DType::kBF16, 32, 8, 128}, Case{16, DType::kBF16, 32, 8, 64},
-                      Case{16, DType::kF16, 24, 8, 128},  // group of 3
-                      Case{16, DType::kBF16, 12, 1, 64},  // group of 12
-                      Case{16, DType::kF32, 8, 8, 256},   // no grouping
-                      Case{64, DType::kF16, 4, 2, 72}),   // odd head_dim
-    Name);
 
 // A small pool whose every byte the tests predict on the host.
 class CudaBlockOpsTest : public CudaParityTest {
@@ -267,29 +110,39 @@ class CudaBlockOpsTest : public CudaParityTest {
 TEST_F(CudaBlockOpsTest, WriteKvScattersRowsAndSkipsPadding) {
   std::vector<char> expected(static_cast<size_t>(arena_->bytes()), 1);
   Reset(expected);
-  const int64_t row = kLayout.row_bytes();
+  const int64_t values = kLayout.num_kv_heads * kLayout.head_dim;
+  const int64_t row = values * 2;
   std::mt19937 rng(7);
-  std::vector<char> k = RandomValues(3 * row / 2, DType::kBF16, &rng);
-  std::vector<char> v = RandomValues(3 * row / 2, DType::kBF16, &rng);
+  // bf16-representable values, so the rows stored are exactly these.
+  std::vector<float> k =
+      test_util::Widen(RandomValues(3 * values, DType::kBF16, &rng), DType::kBF16);
+  std::vector<float> v =
+      test_util::Widen(RandomValues(3 * values, DType::kBF16, &rng), DType::kBF16);
   // block 1 offset 1, padding, block 5 offset 3, and block 6: past the pool (skipped on CUDA).
   const std::vector<int64_t> slots = {5, -1, 23, 24};
-  k.resize(static_cast<size_t>(4 * row), 3);
-  v.resize(static_cast<size_t>(4 * row), 4);
+  k.resize(static_cast<size_t>(4 * values), 3.0f);
+  v.resize(static_cast<size_t>(4 * values), 4.0f);
   ASSERT_OK_AND_MOVE(auto k_buffer, Upload(device(), k));
   ASSERT_OK_AND_MOVE(auto v_buffer, Upload(device(), v));
   ASSERT_OK_AND_MOVE(auto slot_buffer, Upload(device(), slots));
   auto fence = device().WriteKv(StreamId::kCompute, pool_,
                                 {.layer = 1,
                                  .num_tokens = 4,
-                                 .k = k_buffer->data(),
-                                 .v = v_buffer->data(),
+                                 .k = static_cast<const float*>(k_buffer->data()),
+                                 .v = static_cast<const float*>(v_buffer->data()),
                                  .slots = static_cast<const int64_t*>(slot_buffer->data())});
   ASSERT_TRUE(fence.ok()) << fence.status();
   const KvPoolView host{expected.data(), kLayout};
-  std::memcpy(host.k(1, 1) + 1 * row, k.data(), static_cast<size_t>(row));
-  std::memcpy(host.v(1, 1) + 1 * row, v.data(), static_cast<size_t>(row));
-  std::memcpy(host.k(5, 1) + 3 * row, k.data() + 2 * row, static_cast<size_t>(row));
-  std::memcpy(host.v(5, 1) + 3 * row, v.data() + 2 * row, static_cast<size_t>(row));
+  auto store = [&](char* dst, const float* src) {
+    for (int64_t i = 0; i < values; ++i) {
+      const uint16_t h = FloatToBF16(src[i]);
+      std::memcpy(dst + 2 * i, &h, 2);
+    }
+  };
+  store(host.k(1, 1) + 1 * row, k.data());
+  store(host.v(1, 1) + 1 * row, v.data());
+  store(host.k(5, 1) + 3 * row, k.data() + 2 * values);
+  store(host.v(5, 1) + 3 * row, v.data() + 2 * values);
   EXPECT_EQ(Read(), expected);
 }
 
@@ -313,7 +166,7 @@ TEST_F(CudaBlockOpsTest, CopyBlocksIsByteExact) {
 }
 
 TEST_F(CudaBlockOpsTest, FillBlocksZeroesOrPoisonsWholeBlocksOfEveryDType) {
-  for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
+  for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16, DType::kFp8E4M3, DType::kInt8}) {
     SCOPED_TRACE(DTypeName(dtype));
     PoolLayout layout = kLayout;
     layout.dtype = dtype;
@@ -336,12 +189,15 @@ TEST_F(CudaBlockOpsTest, FillBlocksZeroesOrPoisonsWholeBlocksOfEveryDType) {
     const std::vector<char> got = Read();
     ASSERT_EQ(got.size(), expected.size());
     std::memset(expected.data() + 1 * bytes, 0, static_cast<size_t>(bytes));
+    // The CPU's poison of the same block is the expected bytes; every value reads NaN.
+    const int32_t poisoned[] = {3};
+    const KvPoolView host{expected.data(), layout};
+    ASSERT_TRUE(cpu::FillBlocks(
+                    host, {.num_blocks = 1, .blocks = poisoned, .pattern = FillPattern::kPoison})
+                    .ok());
     const int32_t size = DTypeSize(dtype);
-    const uint32_t pattern = dtype == DType::kF32   ? kPoisonF32
-                             : dtype == DType::kF16 ? kPoisonF16
-                                                    : kPoisonBF16;
-    for (int64_t i = 0; i < bytes / size; ++i) {
-      std::memcpy(expected.data() + 3 * bytes + i * size, &pattern, static_cast<size_t>(size));
+    const int64_t data = layout.block_size * layout.row_bytes(0, KvSide::kK);
+    for (int64_t i = 0; i < data / size; ++i) {
       ASSERT_TRUE(IsNaN(got.data() + 3 * bytes + i * size, dtype)) << "element " << i;
     }
     EXPECT_EQ(got, expected);
@@ -405,8 +261,8 @@ TEST_F(CudaFenceTest, StreamWaitOrdersComputeAfterTransfer) {
                      {.num_blocks = layout.num_blocks, .blocks = blocks, .pattern = pattern}));
     ASSERT_TRUE(d.StreamWait(StreamId::kCompute, filled).ok());
     std::vector<uint16_t> tail(256);
-    const char* last =
-        pool.v(layout.num_blocks - 1, layout.num_layers - 1) + layout.chunk_bytes() - 512;
+    const char* last = pool.v(layout.num_blocks - 1, layout.num_layers - 1) +
+                       layout.chunk_bytes(layout.num_layers - 1, KvSide::kV) - 512;
     ASSERT_OK_AND_MOVE(Fence copied, d.CopyToHost(StreamId::kCompute, tail.data(), last, 512));
     ASSERT_TRUE(d.Synchronize(copied).ok());
     EXPECT_TRUE(d.HasPassed(filled));  // ordered before `copied`, on the other stream

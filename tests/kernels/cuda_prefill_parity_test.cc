@@ -128,6 +128,8 @@ TEST_P(CudaPrefillTest, MatchesTheReferenceAndTheCpuKernel) {
   ASSERT_TRUE(cpu::PagedAttentionPrefill(p.pool(), args, nullptr).ok());
   EXPECT_LT(NormalizedError(got, cpu, &nan), 1e-4);
   EXPECT_FALSE(nan);
+  EXPECT_LT(NormalizedError(got, p.ReferenceToOriginal(), &nan),
+            std::max(test_util::FormatTolerance(c.dtype), 1e-4));
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -140,7 +142,11 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{16, DType::kBF16, 12, 1, 64},  // group of 12
                       Case{16, DType::kBF16, 80, 1, 32},  // group of 80 > a CTA's rows
                       Case{16, DType::kF32, 8, 8, 256},   // no grouping, largest head_dim
-                      Case{64, DType::kF16, 4, 2, 72}),   // odd head_dim
+                      Case{64, DType::kF16, 4, 2, 72},    // odd head_dim
+                      // 8-bit KV (written by the CPU's WriteKv, read by the CUDA kernel).
+                      Case{1, DType::kFp8E4M3, 32, 8, 128}, Case{16, DType::kFp8E4M3, 32, 8, 128},
+                      Case{64, DType::kFp8E4M3, 32, 8, 128}, Case{1, DType::kInt8, 32, 8, 128},
+                      Case{16, DType::kInt8, 32, 8, 128}, Case{64, DType::kInt8, 4, 2, 72}),
     Name);
 
 class CudaPrefillEdgeTest : public CudaPrefillTest {};

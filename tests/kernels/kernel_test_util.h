@@ -1,7 +1,8 @@
 #pragma once
 
 // What the CPU kernel tests and the CUDA parity tests share: random K/V in any dtype, the
-// normalized error they hold kernels to, and a paged prefill problem with its reference.
+// normalized error they hold kernels to (and each KV format to), reading back what a paged pool
+// holds, and a paged prefill problem with its references.
 
 #include <algorithm>
 #include <cmath>
@@ -16,10 +17,11 @@
 #include "kernels/dtype.h"
 #include "kernels/kernel_args.h"
 #include "kernels/pool_layout.h"
+#include "kvpool/util/check.h"
 
 namespace kvpool::kernels::test_util {
 
-// `count` standard-normal values stored in `dtype`, as raw bytes.
+// `count` standard-normal values stored in `dtype` (16- or 32-bit), as raw bytes.
 inline std::vector<char> RandomValues(int64_t count, DType dtype, std::mt19937* rng) {
   std::normal_distribution<float> dist(0.0f, 1.0f);
   std::vector<char> out(static_cast<size_t>(count * DTypeSize(dtype)));
@@ -39,9 +41,78 @@ inline std::vector<char> RandomValues(int64_t count, DType dtype, std::mt19937* 
         std::memcpy(out.data() + i * 2, &h, 2);
         break;
       }
+      case DType::kFp8E4M3:
+      case DType::kInt8:
+        out[static_cast<size_t>(i)] = 0;  // scaled formats have no unscaled values
+        break;
     }
   }
   return out;
+}
+
+// `count` standard-normal f32 values.
+inline std::vector<float> RandomFloats(int64_t count, std::mt19937* rng) {
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> out(static_cast<size_t>(count));
+  for (float& x : out) x = dist(*rng);
+  return out;
+}
+
+// Raw values of a 16- or 32-bit dtype widened to f32.
+inline std::vector<float> Widen(const std::vector<char>& bytes, DType dtype) {
+  std::vector<float> out(bytes.size() / static_cast<size_t>(DTypeSize(dtype)));
+  for (size_t i = 0; i < out.size(); ++i) {
+    out[i] = LoadAsFloat(bytes.data() + i * static_cast<size_t>(DTypeSize(dtype)), dtype);
+  }
+  return out;
+}
+
+// What the pool holds of tokens [0, len) of a sequence's `layer` K (or V), read back through
+// the documented block layout (pool_layout.h) and dequantized: [len][num_kv_heads][head_dim].
+inline std::vector<float> StoredRows(const KvPoolView& pool, const int32_t* table, int32_t layer,
+                                     KvSide side, int32_t len) {
+  const PoolLayout& l = pool.layout;
+  const DType dtype = l.kv_dtype(layer, side);
+  const int64_t size = DTypeSize(dtype);
+  const int64_t row = l.row_bytes(layer, side);
+  std::vector<float> out;
+  for (int32_t t = 0; t < len; ++t) {
+    const int32_t block = table[t / l.block_size];
+    const char* chunk = side == KvSide::kK ? pool.k(block, layer) : pool.v(block, layer);
+    const char* scales = chunk + l.block_size * row;  // after the codes (8-bit only)
+    for (int32_t h = 0; h < l.num_kv_heads; ++h) {
+      float scale = 1.0f;
+      if (DTypeHasScales(dtype)) std::memcpy(&scale, scales + 4 * h, 4);
+      for (int32_t d = 0; d < l.head_dim; ++d) {
+        const char* p = chunk + (t % l.block_size) * row + (h * l.head_dim + d) * size;
+        out.push_back(LoadAsFloat(p, dtype) * scale);
+      }
+    }
+  }
+  return out;
+}
+
+// The normalized error each KV dtype is held to against attention over the f32 values it was
+// written from (standard-normal K/V, head_dim 64 and 128, contexts up to 513): the format's
+// rounding of K and V carried through the softmax. bf16 keeps 8 significant bits, f16 11, fp8
+// e4m3 4 (a value's relative error up to 1/16), int8 a step of absmax/127 per block and head.
+// The worst errors measured over tests/kernels/kv_dtype_test.cc's cases (decode and prefill,
+// every block size and instruction set) were f16 3.7e-4, bf16 3.0e-3, fp8 4.5e-2, int8 9.8e-3;
+// the bounds are about twice those.
+inline double FormatTolerance(DType dtype) {
+  switch (dtype) {
+    case DType::kF32:
+      return 2e-5;
+    case DType::kF16:
+      return 1e-3;
+    case DType::kBF16:
+      return 6e-3;
+    case DType::kFp8E4M3:
+      return 8e-2;
+    case DType::kInt8:
+      return 2e-2;
+  }
+  return 0;
 }
 
 // max |a - b| / max |b|, and whether any value is NaN.
@@ -57,8 +128,8 @@ inline double NormalizedError(const std::vector<float>& a, const std::vector<flo
 }
 
 // A prefill over a paged pool in host memory: sequence s holds shapes[s].first reused tokens and
-// shapes[s].second new ones (all written, in shuffled blocks of layer num_layers - 1; every other
-// byte of the arena is NaN), and the new tokens' queries.
+// shapes[s].second new ones (all written through WriteKv from f32 values, in shuffled blocks of
+// layer num_layers - 1; every other chunk of the arena is poisoned), and the new tokens' queries.
 struct PrefillProblem {
   PrefillProblem(PoolLayout shape, int32_t q_heads,
                  const std::vector<std::pair<int32_t, int32_t>>& shapes, uint32_t seed)
@@ -77,32 +148,33 @@ struct PrefillProblem {
     }
     layout.num_blocks += 3;
     arena.assign(static_cast<size_t>(layout.arena_bytes()), 0);
-    for (size_t i = 0; i + 4 <= arena.size(); i += 4) std::memcpy(&arena[i], &kPoisonF32, 4);
-    if (layout.dtype != DType::kF32) {
-      const uint16_t poison = layout.dtype == DType::kF16 ? kPoisonF16 : kPoisonBF16;
-      for (size_t i = 0; i + 2 <= arena.size(); i += 2) std::memcpy(&arena[i], &poison, 2);
-    }
     std::vector<int32_t> ids(static_cast<size_t>(layout.num_blocks));
     std::iota(ids.begin(), ids.end(), 0);
+    KVPOOL_CHECK_OK(cpu::FillBlocks(
+        pool(),
+        {.num_blocks = layout.num_blocks, .blocks = ids.data(), .pattern = FillPattern::kPoison}));
     std::shuffle(ids.begin(), ids.end(), rng);
     tables.assign(static_cast<size_t>(num_seqs) * stride, 0);
-    const int64_t row = layout.row_bytes();
     const int64_t row_values = static_cast<int64_t>(layout.num_kv_heads) * layout.head_dim;
     const int32_t layer = layout.num_layers - 1;
     size_t next = 0;
     for (int32_t s = 0; s < num_seqs; ++s) {
       const int32_t len = seq_lens[static_cast<size_t>(s)];
-      dense_k.push_back(RandomValues(len * row_values, layout.dtype, &rng));
-      dense_v.push_back(RandomValues(len * row_values, layout.dtype, &rng));
+      original_k.push_back(RandomFloats(len * row_values, &rng));
+      original_v.push_back(RandomFloats(len * row_values, &rng));
       int32_t* table = &tables[static_cast<size_t>(s) * stride];
+      std::vector<int64_t> slots;
       for (int32_t t = 0; t < len; ++t) {
         if (t % bs == 0) table[t / bs] = ids[next++];
-        const int64_t offset = (t % bs) * row;
-        std::memcpy(pool().k(table[t / bs], layer) + offset, dense_k.back().data() + t * row,
-                    static_cast<size_t>(row));
-        std::memcpy(pool().v(table[t / bs], layer) + offset, dense_v.back().data() + t * row,
-                    static_cast<size_t>(row));
+        slots.push_back(int64_t{table[t / bs]} * bs + t % bs);
       }
+      KVPOOL_CHECK_OK(cpu::WriteKv(pool(), {.layer = layer,
+                                            .num_tokens = len,
+                                            .k = original_k.back().data(),
+                                            .v = original_v.back().data(),
+                                            .slots = slots.data()}));
+      dense_k.push_back(StoredRows(pool(), table, layer, KvSide::kK, len));
+      dense_v.push_back(StoredRows(pool(), table, layer, KvSide::kV, len));
     }
     q.resize(static_cast<size_t>(q_starts.back()) * num_q_heads * layout.head_dim);
     std::normal_distribution<float> dist(0.0f, 1.0f);
@@ -128,16 +200,21 @@ struct PrefillProblem {
             .max_q_len = max_q_len};
   }
 
-  // The double-precision reference: query i of sequence s as a sequence of its own over the
-  // first seq_lens[s] - q_len(s) + i + 1 tokens of s's contiguous K/V.
-  std::vector<float> Reference() const {
+  // The double-precision reference over what the pool holds: query i of sequence s as a
+  // sequence of its own over the first seq_lens[s] - q_len(s) + i + 1 tokens of s.
+  std::vector<float> Reference() const { return ReferenceOver(dense_k, dense_v); }
+  // The same over the f32 values the pool was written from (the format's own error included).
+  std::vector<float> ReferenceToOriginal() const { return ReferenceOver(original_k, original_v); }
+
+  std::vector<float> ReferenceOver(const std::vector<std::vector<float>>& keys,
+                                   const std::vector<std::vector<float>>& values) const {
     std::vector<const void*> k, v;
     std::vector<int32_t> lens;
     for (size_t s = 0; s < seq_lens.size(); ++s) {
       const int32_t q_len = q_starts[s + 1] - q_starts[s];
       for (int32_t i = 0; i < q_len; ++i) {
-        k.push_back(dense_k[s].data());
-        v.push_back(dense_v[s].data());
+        k.push_back(keys[s].data());
+        v.push_back(values[s].data());
         lens.push_back(seq_lens[s] - q_len + i + 1);
       }
     }
@@ -146,7 +223,7 @@ struct PrefillProblem {
                                    .num_q_heads = num_q_heads,
                                    .num_kv_heads = layout.num_kv_heads,
                                    .head_dim = layout.head_dim,
-                                   .dtype = layout.dtype,
+                                   .dtype = DType::kF32,
                                    .scale = scale(),
                                    .q = q.data(),
                                    .out = out.data(),
@@ -163,8 +240,9 @@ struct PrefillProblem {
   int32_t stride = 0;
   std::vector<int32_t> q_starts, seq_lens;
   int32_t max_q_len = 0, max_seq_len = 0;
-  std::vector<std::vector<char>> dense_k, dense_v;  // per sequence [len][kv_heads][head_dim]
-  std::vector<float> q;                             // [total queries][num_q_heads][head_dim]
+  // Per sequence [len][kv_heads][head_dim]: what WriteKv was given, and what the pool holds.
+  std::vector<std::vector<float>> original_k, original_v, dense_k, dense_v;
+  std::vector<float> q;  // [total queries][num_q_heads][head_dim]
 };
 
 }  // namespace kvpool::kernels::test_util

@@ -5,6 +5,7 @@
 // double precision, attention by the book (max, exp, sum) over all earlier positions. Nothing
 // is shared with model.cc but the weights. K and V are rounded through the pool's dtype when
 // stored, as the pool stores them, so the only differences left are float vs double arithmetic.
+// (8-bit dtypes are kept unrounded: their per-block scales are the pool's business.)
 //
 // Copyable (a copy is a fork of the sequence).
 

@@ -1,0 +1,184 @@
+// PoolLayout with per-layer, per-side dtypes: chunk sizes and offsets by the arithmetic
+// pool_layout.h documents, the fingerprint, validation, FillBlocks per chunk, and the capacity
+// of the daemon's default 256 MiB pool in each precision.
+
+#include "kernels/pool_layout.h"
+
+#include <cmath>
+#include <cstring>
+#include <iostream>
+#include <vector>
+
+#include "fmt/format.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu_kernels.h"
+
+namespace kvpool::kernels {
+namespace {
+
+// Layer 0: K fp8, V bf16; layer 1: K f32, V int8; block_size 4, 2 KV heads of 8. The client's
+// tests/client/pool_mapping_test.cc holds its mapping to the same numbers.
+PoolLayout Mixed() {
+  PoolLayout l{.block_size = 4,
+               .num_layers = 2,
+               .num_kv_heads = 2,
+               .head_dim = 8,
+               .dtype = DType::kF32,
+               .num_blocks = 16};
+  l.SetKvDType(0, KvSide::kK, DType::kFp8E4M3);
+  l.SetKvDType(0, KvSide::kV, DType::kBF16);
+  l.SetKvDType(1, KvSide::kV, DType::kInt8);
+  return l;
+}
+
+TEST(PoolLayoutTest, EachChunkHasItsOwnDTypesSize) {
+  const PoolLayout l = Mixed();
+  // 8-bit: 4 * 2 * 8 codes + 2 f32 scales = 72, padded to 80. bf16: 128. f32: 256.
+  EXPECT_EQ(l.chunk_bytes(0, KvSide::kK), 80);
+  EXPECT_EQ(l.chunk_bytes(0, KvSide::kV), 128);
+  EXPECT_EQ(l.chunk_bytes(1, KvSide::kK), 256);
+  EXPECT_EQ(l.chunk_bytes(1, KvSide::kV), 80);
+  EXPECT_EQ(l.block_bytes(), 80 + 128 + 256 + 80);  // the sum, not 2 * 2 * 256
+  EXPECT_FALSE(l.uniform());
+  const LayerLayout l0 = l.Layer(0), l1 = l.Layer(1);
+  EXPECT_EQ(l0.k_offset, 0);
+  EXPECT_EQ(l0.v_offset, 80);
+  EXPECT_EQ(l0.k_scales_offset, 64);
+  EXPECT_EQ(l1.k_offset, 208);
+  EXPECT_EQ(l1.v_offset, 464);
+  EXPECT_EQ(l1.v_scales_offset, 528);
+  EXPECT_EQ(l1.k_row_bytes, 64);
+  EXPECT_EQ(l1.v_row_bytes, 16);
+  EXPECT_EQ(l.k_offset(3, 1), 3 * 544 + 208);
+  EXPECT_EQ(l.v_offset(3, 0), 3 * 544 + 80);
+  EXPECT_DOUBLE_EQ(l.bytes_per_token(0), (80.0 + 128.0) / 4);
+  EXPECT_EQ(l.DTypesString(), "0:fp8/bf16 1:f32/int8");
+  for (int32_t layer = 0; layer < 2; ++layer) {
+    for (KvSide side : {KvSide::kK, KvSide::kV}) {
+      EXPECT_EQ(l.chunk_bytes(layer, side) % 16, 0);  // every chunk starts 16-byte aligned
+    }
+  }
+}
+
+TEST(PoolLayoutTest, FingerprintCoversEveryLayersDTypes) {
+  const PoolLayout base{.block_size = 16, .num_layers = 4, .num_kv_heads = 4, .head_dim = 64};
+  PoolLayout v_int8 = base;
+  v_int8.SetKvDType(3, KvSide::kV, DType::kInt8);
+  PoolLayout k_int8 = base;
+  k_int8.SetKvDType(3, KvSide::kK, DType::kInt8);
+  EXPECT_NE(base.Hash(), v_int8.Hash());
+  EXPECT_NE(v_int8.Hash(), k_int8.Hash());  // K and V apart
+  EXPECT_FALSE(base == v_int8);
+  // Spelling does not matter: every layer overridden to fp8 is the fp8 layout.
+  PoolLayout fp8 = base;
+  fp8.dtype = DType::kFp8E4M3;
+  PoolLayout spelled = base;
+  for (int32_t l = 0; l < 4; ++l) {
+    spelled.SetKvDType(l, KvSide::kK, DType::kFp8E4M3);
+    spelled.SetKvDType(l, KvSide::kV, DType::kFp8E4M3);
+  }
+  EXPECT_EQ(fp8.Hash(), spelled.Hash());
+  EXPECT_TRUE(fp8 == spelled);
+  EXPECT_TRUE(spelled.uniform());
+  EXPECT_NE(fp8.Hash(), base.Hash());
+  PoolLayout same = base;
+  same.SetKvDType(2, KvSide::kK, DType::kBF16);  // an override equal to the default
+  EXPECT_EQ(same.Hash(), base.Hash());
+}
+
+TEST(PoolLayoutTest, ValidationNamesTheProblem) {
+  PoolLayout l{.block_size = 16, .num_layers = 4, .num_kv_heads = 4, .head_dim = 64};
+  EXPECT_TRUE(ValidateLayout(l).ok());
+  PoolLayout past = l;
+  past.SetKvDType(4, KvSide::kV, DType::kInt8);  // layer 4 of 4
+  EXPECT_EQ(ValidateLayout(past).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(ValidateLayout(past).message().find("layer 4"), std::string_view::npos);
+  PoolLayout many = l;
+  many.num_layers = kMaxLayers + 1;
+  EXPECT_EQ(ValidateLayout(many).code(), absl::StatusCode::kInvalidArgument);
+  PoolLayout code = l;
+  code.overrides[0][1] = kNumDTypes + 1;
+  EXPECT_EQ(ValidateLayout(code).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(PoolLayoutTest, PoisonMakesEveryChunkReadAsNaN) {
+  const PoolLayout l = Mixed();
+  std::vector<char> arena(static_cast<size_t>(l.arena_bytes()), 0);
+  const KvPoolView pool{arena.data(), l};
+  const int32_t blocks[] = {2};
+  ASSERT_TRUE(
+      cpu::FillBlocks(pool, {.num_blocks = 1, .blocks = blocks, .pattern = FillPattern::kPoison})
+          .ok());
+  for (int32_t layer = 0; layer < 2; ++layer) {
+    for (KvSide side : {KvSide::kK, KvSide::kV}) {
+      const DType d = l.kv_dtype(layer, side);
+      const char* chunk = side == KvSide::kK ? pool.k(2, layer) : pool.v(2, layer);
+      const int64_t data = l.block_size * l.row_bytes(layer, side);
+      for (int64_t i = 0; i < data; i += DTypeSize(d)) {
+        float scale = 1.0f;
+        if (DTypeHasScales(d)) std::memcpy(&scale, chunk + data + 4 * (i / 8 % 2), 4);
+        ASSERT_TRUE(std::isnan(LoadAsFloat(chunk + i, d) * scale)) << layer << " " << i;
+      }
+    }
+  }
+  EXPECT_EQ(arena[static_cast<size_t>(l.block_bytes()) - 1], 0);  // block 1 untouched
+  EXPECT_EQ(arena[static_cast<size_t>(3 * l.block_bytes())], 0);  // block 3 untouched
+}
+
+// The daemon's default pool: 256 MiB of the tiny model's KV (config.proto: 4 layers, 4 KV heads
+// of 64, 16 tokens a block). Blocks per layout, from the documented chunk arithmetic written out
+// here independently of PoolLayout's.
+TEST(PoolLayoutTest, CapacityOfTheDefaultBudgetPerPrecision) {
+  constexpr int64_t kBudget = int64_t{256} << 20;
+  constexpr int64_t kValues = 16 * 4 * 64;  // per chunk
+  const int64_t bf16 = 2 * kValues, f32 = 4 * kValues;
+  const int64_t scaled = (kValues + 4 * 4 + 15) / 16 * 16;  // 8-bit codes + 4 scales, padded
+  struct Row {
+    const char* name;
+    PoolLayout layout;
+    int64_t block_bytes;
+  };
+  const PoolLayout base{.block_size = 16, .num_layers = 4, .num_kv_heads = 4, .head_dim = 64};
+  auto with = [&](DType d) {
+    PoolLayout l = base;
+    l.dtype = d;
+    return l;
+  };
+  PoolLayout asym = base;                    // K bf16 / V int8
+  PoolLayout mixed = with(DType::kFp8E4M3);  // fp8, first and last layer bf16
+  for (int32_t l = 0; l < 4; ++l) asym.SetKvDType(l, KvSide::kV, DType::kInt8);
+  for (int32_t l : {0, 3}) {
+    mixed.SetKvDType(l, KvSide::kK, DType::kBF16);
+    mixed.SetKvDType(l, KvSide::kV, DType::kBF16);
+  }
+  const std::vector<Row> rows = {
+      {"f32", with(DType::kF32), 8 * f32},
+      {"bf16", with(DType::kBF16), 8 * bf16},
+      {"f16", with(DType::kF16), 8 * bf16},
+      {"fp8", with(DType::kFp8E4M3), 8 * scaled},
+      {"int8", with(DType::kInt8), 8 * scaled},
+      {"K bf16 / V int8", asym, 4 * (bf16 + scaled)},
+      {"fp8, layers 0 and 3 bf16", mixed, 4 * bf16 + 4 * scaled},
+  };
+  const int64_t bf16_blocks = kBudget / (8 * bf16);
+  for (const Row& r : rows) {
+    const absl::StatusOr<PoolLayout> sized = LayoutForBudget(r.layout, kBudget);
+    ASSERT_TRUE(sized.ok()) << sized.status();
+    EXPECT_EQ(sized->block_bytes(), r.block_bytes) << r.name;
+    EXPECT_EQ(sized->num_blocks, kBudget / r.block_bytes) << r.name;
+    std::cout << fmt::format("{:<26} {:>6} bytes/block {:>6} blocks  {:.3f}x bf16\n", r.name,
+                             sized->block_bytes(), sized->num_blocks,
+                             static_cast<double>(sized->num_blocks) / bf16_blocks);
+  }
+  const auto ratio = [&](size_t i) {
+    return static_cast<double>(kBudget / rows[i].block_bytes) / bf16_blocks;
+  };
+  EXPECT_GT(ratio(3), 1.98);  // fp8: 2x less the scales (16 bytes a 4 KiB chunk)
+  EXPECT_LE(ratio(3), 2.0);
+  EXPECT_EQ(ratio(3), ratio(4));
+  EXPECT_GT(ratio(5), 1.32);  // K bf16 / V int8: 4/3 less the scales
+  EXPECT_LE(ratio(5), 4.0 / 3);
+}
+
+}  // namespace
+}  // namespace kvpool::kernels
