@@ -273,15 +273,18 @@ class Client(_Session):
     # --- Compute (FAILED_PRECONDITION when the daemon runs no model) ---
 
     def prefill(self, tokens: Seq[int], sequence_id: int = 0, top_k: int = 0,
-                priority: int = 0) -> "kvpool_pb2.PrefillResponse":
+                priority: int = 0, timeout: Optional[float] = None) -> "kvpool_pb2.PrefillResponse":
         """sequence_id 0: a new sequence whose prompt is matched against the prefix cache;
-        otherwise `tokens` extend that sequence. Returns the first generated token (pending)."""
-        return self._call("Prefill", _calls.prefill_request(tokens, sequence_id, top_k, priority))
+        otherwise `tokens` extend that sequence. Returns the first generated token (pending).
+        `timeout`: this call's deadline in seconds (default: the client's)."""
+        return self._call("Prefill", _calls.prefill_request(tokens, sequence_id, top_k, priority),
+                          timeout)
 
-    def decode(self, items: Iterable[Tuple[int, int]], top_k: int = 0) -> "kvpool_pb2.DecodeResponse":
+    def decode(self, items: Iterable[Tuple[int, int]], top_k: int = 0,
+               timeout: Optional[float] = None) -> "kvpool_pb2.DecodeResponse":
         """One step for every (sequence_id, pending token), all or none."""
         request = _calls.decode_request(items, top_k)
-        return _calls.decode_result(request, self._call("Decode", request))
+        return _calls.decode_result(request, self._call("Decode", request, timeout))
 
     def generate(self, prompt: Seq[int], max_tokens: int, *, sequence_id: int = 0,
                  stop_tokens: Seq[int] = (), priority: int = 0,
