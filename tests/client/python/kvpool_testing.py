@@ -127,3 +127,70 @@ def read_line(process: subprocess.Popen, timeout: float = 30) -> str:
 def python_child(script: str, *args: str) -> List[str]:
     """argv running tests/client/python/<script> with this interpreter."""
     return [sys.executable, os.path.join(HERE, script), *map(str, args)]
+
+
+class Frontend:
+    """A kvpool-frontend process (python3 -m kvpool_frontend) on a free port of 127.0.0.1,
+    attached to `daemon_dir`. Stopped (SIGTERM: it drains) by stop() or a `with` block."""
+
+    def __init__(self, daemon_dir: str, *args: str):
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "kvpool_frontend", f"--socket_dir={daemon_dir}", "--port=0",
+             *args], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        line = read_line(self.process, 30)
+        if not line.startswith("kvpool-frontend: serving "):
+            self.process.kill()
+            raise RuntimeError(f"kvpool-frontend did not start: {line!r}")
+        self.url = line.split(" at ")[1].split(" ")[0]
+        self.port = int(self.url.rsplit(":", 1)[1])
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        rc = self.process.wait(timeout=60)
+        self.process.stdout.close()
+        return rc
+
+    def __enter__(self) -> "Frontend":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def http(url: str, body=None, raw: Optional[bytes] = None, method: Optional[str] = None,
+         timeout: float = 60):
+    """(status, headers, parsed JSON body) of one request; `body` is sent as JSON."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    request = urllib.request.Request(url, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, dict(response.headers), json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read())
+
+
+def stream(url: str, body, timeout: float = 60):
+    """The server-sent events of one streaming request: (status, [event JSON or "[DONE]"])."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            events = []
+            for line in response:
+                line = line.decode().strip()
+                if line.startswith("data: "):
+                    payload = line[len("data: "):]
+                    events.append(payload if payload == "[DONE]" else json.loads(payload))
+            return response.status, events
+    except urllib.error.HTTPError as e:
+        return e.code, [json.loads(e.read())]
