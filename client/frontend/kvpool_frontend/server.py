@@ -226,15 +226,27 @@ class Frontend:
         params = (protocol.parse_chat if chat else protocol.parse_completion)(
             body, self.served_model)
         prompt = self._prompt(params)
-        client = await self._usable_client()
-        gen = Generation(client, prompt, params.max_tokens, params.stop, params.top_k,
-                         self.tokenizer.eos_id, self.tokenizer.decode, self._track_free)
         transport = request.transport
-        gen.abandoned = lambda: transport is None or transport.is_closing()
+
+        def generation(client) -> Generation:
+            gen = Generation(client, prompt, params.max_tokens, params.stop, params.top_k,
+                             self.tokenizer.eos_id, self.tokenizer.decode, self._track_free)
+            gen.abandoned = lambda: transport is None or transport.is_closing()
+            return gen
+
+        gen = generation(await self._usable_client())
         self.in_flight += 1
         self._idle.clear()
         try:
-            await gen.start()
+            try:
+                await gen.start()
+            except KvPoolError as e:
+                # The session is gone (the daemon restarted): attach anew and try once more.
+                if e.code not in (StatusCode.UNAUTHENTICATED, StatusCode.UNAVAILABLE):
+                    raise
+                self._stale = True
+                gen = generation(await self._usable_client())
+                await gen.start()
             if params.stream:
                 return await self._stream(request, gen, params)
             return await self._whole(gen, params)

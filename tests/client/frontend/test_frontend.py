@@ -4,16 +4,16 @@ and clients that disconnect mid-stream."""
 
 import json
 import os
+import shutil
 import signal
 import socket
-import time
+import sys
+import tempfile
 import unittest
 
 import kvpool
-from kvpool_testing import Daemon, Frontend, http, python_child, read_line, run, stream, wait_until
-
-import sys
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kvpool_testing import (Daemon, Frontend, http, run, stream, train_sentencepiece, wait_until,
+                            write_checkpoint)
 
 CONFIG = ("pool_bytes: 33554432 max_blocks_per_seq: 256\n"
           'tenant_quota_blocks { key: "tight" value: 8 }\n')
@@ -263,6 +263,58 @@ class DrainTest(unittest.TestCase):
             frontend.process.wait()
             frontend.process.stdout.close()
             self.assertTrue(wait_until(lambda: admin.get_stats().sessions_reclaimed == 1))
+
+
+    def test_a_restarted_daemon_is_attached_to_again(self):
+        directory = tempfile.mkdtemp(prefix="kvpool-pytest-")
+        self.addCleanup(shutil.rmtree, directory, True)
+        daemon = Daemon(CONFIG, directory)
+        with Frontend(directory) as frontend:
+            request = {"model": "tiny", "prompt": "again", "max_tokens": 2}
+            self.assertEqual(http(frontend.url + "/v1/completions", request)[0], 200)
+            daemon.close()
+            status, _, err = http(frontend.url + "/v1/completions", request)
+            self.assertEqual(status, 503, err)
+            self.assertEqual(http(frontend.url + "/health")[0], 503)
+            daemon = Daemon(CONFIG, directory)  # a new daemon, a new epoch: the old token is void
+            status, _, out = http(frontend.url + "/v1/completions", request)
+            self.assertEqual(status, 200, out)
+            self.assertEqual(http(frontend.url + "/health")[0], 200)
+        daemon.close()
+
+
+class CheckpointFrontendTest(unittest.TestCase):
+    """A Hugging Face checkpoint with its SentencePiece tokenizer: the frontend finds the
+    tokenizer beside the daemon's checkpoint and renders chats with the llama-2 template."""
+
+    def test_sentencepiece_checkpoint_end_to_end(self):
+        import sentencepiece
+
+        directory = tempfile.mkdtemp(prefix="kvpool-checkpoint-")
+        self.addCleanup(shutil.rmtree, directory, True)
+        sp = sentencepiece.SentencePieceProcessor(model_file=train_sentencepiece(directory, 400))
+        write_checkpoint(directory, vocab_size=512)
+        with Daemon(f'pool_bytes: 16777216 model {{ checkpoint: "{directory}" }}') as daemon, \
+                Frontend(daemon.dir) as frontend:
+            name = os.path.basename(directory)
+            self.assertEqual(http(frontend.url + "/v1/models")[2]["data"][0]["id"], name)
+            prompt = "the pool keeps every block"
+            status, _, out = http(frontend.url + "/v1/completions",
+                                  {"model": name, "prompt": prompt, "max_tokens": 6})
+            self.assertEqual(status, 200, out)
+            self.assertEqual(out["usage"]["prompt_tokens"], 1 + len(sp.encode(prompt)))
+            self.assertIn(out["usage"]["completion_tokens"], range(1, 7))
+            _, events = stream(frontend.url + "/v1/completions",
+                               {"model": name, "prompt": prompt, "max_tokens": 6, "stream": True})
+            self.assertEqual("".join(e["choices"][0]["text"] for e in events[:-1]),
+                             out["choices"][0]["text"])
+            messages = [{"role": "system", "content": "brief"},
+                        {"role": "user", "content": "a frontend streams tokens"}]
+            status, _, chat = http(frontend.url + "/v1/chat/completions",
+                                   {"model": name, "messages": messages, "max_tokens": 4})
+            self.assertEqual(status, 200, chat)
+            rendered = "[INST] <<SYS>>\nbrief\n<</SYS>>\n\na frontend streams tokens [/INST]"
+            self.assertEqual(chat["usage"]["prompt_tokens"], 1 + len(sp.encode(rendered)))
 
 
 if __name__ == "__main__":

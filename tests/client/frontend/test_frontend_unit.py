@@ -1,8 +1,8 @@
 """kvpool-frontend's pieces alone: the byte and SentencePiece tokenizers and streaming
 detokenization, the chat templates, the OpenAI request mapping, and stop strings."""
 
-import io
 import os
+import shutil
 import tempfile
 import unittest
 
@@ -10,6 +10,7 @@ from kvpool_frontend import chat, protocol, tokenizer
 from kvpool_frontend.generation import StopMatcher
 from kvpool_frontend.protocol import ApiError
 from kvpool_frontend.tokenizer import ByteTokenizer, Detokenizer, TokenizerError
+from kvpool_testing import train_sentencepiece
 
 
 def stream_text(tok, prompt, generated):
@@ -54,17 +55,12 @@ class ByteTokenizerTest(unittest.TestCase):
 class SentencePieceTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        import sentencepiece
-
         cls.dir = tempfile.mkdtemp(prefix="kvpool-sp-")
-        text = ["the pool keeps every block of every sequence", "a frontend streams tokens",
-                "kvpool shares prefixes between processes", "naïve café ünïcode text"] * 50
-        model = io.BytesIO()
-        sentencepiece.SentencePieceTrainer.train(
-            sentence_iterator=iter(text), model_writer=model, vocab_size=400, model_type="bpe",
-            byte_fallback=True, character_coverage=1.0, bos_id=1, eos_id=2, unk_id=0, pad_id=-1, minloglevel=2)
-        with open(os.path.join(cls.dir, "tokenizer.model"), "wb") as f:
-            f.write(model.getvalue())
+        train_sentencepiece(cls.dir)
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.dir, ignore_errors=True)
 
     def test_loads_from_a_checkpoint_directory_and_round_trips(self):
         tok = tokenizer.load("auto", self.dir, 512)  # the daemon's model is the checkpoint dir

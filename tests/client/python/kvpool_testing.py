@@ -194,3 +194,67 @@ def stream(url: str, body, timeout: float = 60):
             return response.status, events
     except urllib.error.HTTPError as e:
         return e.code, [json.loads(e.read())]
+
+
+def train_sentencepiece(directory: str, vocab_size: int = 400) -> str:
+    """Trains a small SentencePiece BPE model (byte fallback, BOS 1, EOS 2) into
+    <directory>/tokenizer.model, as a Llama checkpoint ships one; returns its path."""
+    import io
+
+    import sentencepiece
+
+    text = ["the pool keeps every block of every sequence", "a frontend streams tokens",
+            "kvpool shares prefixes between processes", "naive cafe unicode text"] * 50
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(text), model_writer=model, vocab_size=vocab_size,
+        model_type="bpe", byte_fallback=True, character_coverage=1.0, bos_id=1, eos_id=2,
+        unk_id=0, pad_id=-1, minloglevel=2)
+    path = os.path.join(directory, "tokenizer.model")
+    with open(path, "wb") as f:
+        f.write(model.getvalue())
+    return path
+
+
+def write_checkpoint(directory: str, vocab_size: int, seed: int = 3) -> None:
+    """A small Llama checkpoint in f32 as transformers writes one: config.json and
+    model.safetensors (tied embeddings), random weights."""
+    import json
+
+    import numpy as np
+
+    hidden, inter, layers, heads, kv_heads, head_dim = 64, 128, 2, 4, 2, 16
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+              "vocab_size": vocab_size, "hidden_size": hidden, "intermediate_size": inter,
+              "num_hidden_layers": layers, "num_attention_heads": heads,
+              "num_key_value_heads": kv_heads, "head_dim": head_dim, "rms_norm_eps": 1e-5,
+              "rope_theta": 10000.0, "tie_word_embeddings": True,
+              "max_position_embeddings": 1024, "torch_dtype": "float32"}
+    rng = np.random.default_rng(seed)
+    tensors = {"model.embed_tokens.weight": (vocab_size, hidden), "model.norm.weight": (hidden,)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors.update({
+            p + "input_layernorm.weight": (hidden,),
+            p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+            p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
+            p + "post_attention_layernorm.weight": (hidden,),
+            p + "mlp.gate_proj.weight": (inter, hidden),
+            p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter)})
+    header, blobs, offset = {"__metadata__": {"format": "pt"}}, [], 0
+    for name, shape in tensors.items():
+        values = (np.ones(shape) if len(shape) == 1
+                  else rng.normal(0, 1 / np.sqrt(shape[-1]), shape)).astype("<f4")
+        blobs.append(values.tobytes())
+        header[name] = {"dtype": "F32", "shape": list(shape),
+                        "data_offsets": [offset, offset + len(blobs[-1])]}
+        offset += len(blobs[-1])
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(os.path.join(directory, "model.safetensors"), "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw + b"".join(blobs))
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f)
