@@ -171,6 +171,12 @@ class ClientTest(unittest.TestCase):
         self.assertEqual(events[0].type, kvpool_pb2.KvEvent.TYPE_BLOCK_STORED)
         self.assertEqual(events[0].seq, 1)
         self.assertEqual(events[0].epoch, c.epoch)
+        # A followed stream starts with the snapshot asked for, stays open, and ends when closed.
+        follow = c.watch_events(snapshot=True, follow=True)
+        first = next(follow)
+        self.assertTrue(first.snapshot)
+        self.assertEqual(sum(len(e.block_hashes) for e in first.events), 2)  # the cached blocks
+        follow.close()
         explained = c.explain_match(tokens(32, 9))
         self.assertEqual(explained.matched_tokens, 32)
         self.assertTrue(c.check_invariants().ok)
