@@ -87,12 +87,14 @@ def allocate_request(items: Iterable[Union[AllocateItem, Seq[int]]]) -> kvpool_p
     request = kvpool_pb2.AllocateRequest()
     with building("Allocate"):
         for item in items:
-            if not isinstance(item, AllocateItem):
-                item = AllocateItem(prompt=item)
             out = request.items.add()
-            out.prompt.extend(item.prompt)
-            out.num_tokens = item.num_tokens or len(item.prompt)
-            out.priority = item.priority
+            if isinstance(item, AllocateItem):
+                out.prompt.extend(item.prompt)
+                out.num_tokens = item.num_tokens or len(item.prompt)
+                out.priority = item.priority
+            else:  # a bare prompt
+                out.prompt.extend(item)
+                out.num_tokens = len(out.prompt)
     return request
 
 

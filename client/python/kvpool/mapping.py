@@ -25,11 +25,10 @@ until it is released (Python cannot revoke a buffer), so drop views before closi
 
 from __future__ import annotations
 
-import dataclasses
 import mmap
 import os
 import struct
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 import grpc
 
@@ -43,10 +42,9 @@ except ImportError:  # numpy is optional
     _np = None
 
 
-@dataclasses.dataclass(frozen=True)
-class BlockRef:
+class BlockRef(NamedTuple):
     """One entry of a sequence's block table: the block's id and the generation it had when the
-    daemon handed it to the sequence."""
+    daemon handed it to the sequence. (A NamedTuple: tables of them are built per call.)"""
 
     id: int
     generation: int
