@@ -34,7 +34,7 @@ import kvpool.aio
 from kvpool import KvPoolError, StatusCode
 
 from kvpool_frontend import chat, protocol
-from kvpool_frontend.generation import ClientGone, Generation, Step
+from kvpool_frontend.generation import ClientGone, DecodeBatcher, Generation, Step
 from kvpool_frontend.protocol import ApiError, Params
 from kvpool_frontend.tokenizer import TokenizerError
 
@@ -82,6 +82,7 @@ class Frontend:
         self._idle = asyncio.Event()
         self._idle.set()
         self._frees: set = set()
+        self.batcher = DecodeBatcher()
         self._connect_args = connect_args
         self._stale = False
         self._reconnect_lock = asyncio.Lock()
@@ -176,7 +177,9 @@ class Frontend:
             self._note(e)
             return web.json_response({"status": "unavailable", "error": str(e)}, status=503)
         return web.json_response({"status": "ok", "model": self.served_model,
-                                  "session": client.session_id, "in_flight": self.in_flight})
+                                  "session": client.session_id, "in_flight": self.in_flight,
+                                  "decode_calls": self.batcher.calls,
+                                  "decode_sequences": self.batcher.sequences})
 
     # --- Completions ---
 
@@ -229,8 +232,9 @@ class Frontend:
         transport = request.transport
 
         def generation(client) -> Generation:
-            gen = Generation(client, prompt, params.max_tokens, params.stop, params.top_k,
-                             self.tokenizer.eos_id, self.tokenizer.decode, self._track_free)
+            gen = Generation(client, self.batcher, prompt, params.max_tokens, params.stop,
+                             params.top_k, self.tokenizer.eos_id, self.tokenizer.decode,
+                             self._track_free)
             gen.abandoned = lambda: transport is None or transport.is_closing()
             return gen
 

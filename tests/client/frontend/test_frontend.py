@@ -206,6 +206,23 @@ class FrontendTest(unittest.TestCase):
             self.assertEqual(status, 200)
         self.assertTrue(self.admin.check_invariants().ok)
 
+    def test_concurrent_streams_of_one_frontend_decode_together(self):
+        import concurrent.futures
+
+        prompts = [f"Stream number {i} of four, decoding side by side." for i in range(4)]
+        alone = [self.complete(self.b, prompt=p, max_tokens=40)[2]["choices"][0]["text"]
+                 for p in prompts]
+        before = http(self.a.url + "/health")[2]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            together = list(pool.map(
+                lambda p: self.complete(self.a, prompt=p, max_tokens=40)[2], prompts))
+        self.assertEqual([t["choices"][0]["text"] for t in together], alone)
+        after = http(self.a.url + "/health")[2]
+        calls = after["decode_calls"] - before["decode_calls"]
+        sequences = after["decode_sequences"] - before["decode_sequences"]
+        self.assertEqual(sequences, 4 * 39)  # the first token of each comes from its Prefill
+        self.assertLess(calls, sequences)  # streams shared Decode calls
+
     def test_http_loadgen_reports_latencies_and_cached_tokens(self):
         rc, out = run([sys.executable, "-m", "kvpool_frontend.loadgen", "--url", self.a.url,
                        "--url", self.b.url, "--concurrency", "2", "--requests", "6",

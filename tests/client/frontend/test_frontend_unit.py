@@ -1,13 +1,16 @@
 """kvpool-frontend's pieces alone: the byte and SentencePiece tokenizers and streaming
 detokenization, the chat templates, the OpenAI request mapping, and stop strings."""
 
+import asyncio
 import os
 import shutil
 import tempfile
 import unittest
 
+import kvpool
+
 from kvpool_frontend import chat, protocol, tokenizer
-from kvpool_frontend.generation import StopMatcher
+from kvpool_frontend.generation import DecodeBatcher, StopMatcher
 from kvpool_frontend.protocol import ApiError
 from kvpool_frontend.tokenizer import ByteTokenizer, Detokenizer, TokenizerError
 from kvpool_testing import train_sentencepiece
@@ -171,6 +174,59 @@ class StopMatcherTest(unittest.TestCase):
         self.assertEqual(m.flush(), "EN")
         self.assertEqual(StopMatcher([]).feed("anything"), ("anything", False))
         self.assertEqual(StopMatcher(["bc", "abcd"]).feed("xabcd"), ("x", True))  # the first one
+
+
+class FakeDecoder:
+    """A client whose Decode returns token + 1 per sequence; it fails any batch that holds
+    sequence `bad` (all or none, as the daemon), and records the batches it was sent."""
+
+    def __init__(self, bad=None):
+        self.bad = bad
+        self.batches = []
+
+    async def decode(self, items, top_k=0):
+        from kvpool._proto import kvpool_pb2
+
+        items = list(items)
+        self.batches.append([s for s, _ in items])
+        await asyncio.sleep(0.01)
+        if any(s == self.bad for s, _ in items):
+            raise kvpool.KvPoolError(kvpool.StatusCode.RESOURCE_EXHAUSTED, "pool is full")
+        return kvpool_pb2.DecodeResponse(next_tokens=[t + 1 for _, t in items])
+
+
+class DecodeBatcherTest(unittest.TestCase):
+    def test_streams_waiting_together_share_one_call(self):
+        async def scenario():
+            client, batcher = FakeDecoder(), DecodeBatcher()
+
+            async def stream(seq, steps):
+                token = seq * 100
+                for _ in range(steps):
+                    token, _ = await batcher.submit(client, seq, token, 0)
+                return token
+
+            results = await asyncio.gather(stream(1, 5), stream(2, 5), stream(3, 3))
+            self.assertEqual(results, [105, 205, 303])
+            self.assertEqual(client.batches, [[1, 2, 3]] * 3 + [[1, 2]] * 2)
+            self.assertEqual((batcher.calls, batcher.sequences), (5, 13))
+            await batcher.idle(1)  # nothing in flight: returns at once
+
+        asyncio.run(scenario())
+
+    def test_a_failing_batch_fails_only_the_sequence_that_fails(self):
+        async def scenario():
+            client, batcher = FakeDecoder(bad=2), DecodeBatcher()
+            futures = [batcher.submit(client, s, 10 * s, 0) for s in (1, 2, 3)]
+            results = await asyncio.gather(*futures, return_exceptions=True)
+            self.assertEqual(results[0], (11, ()))
+            self.assertIsInstance(results[1], kvpool.KvPoolError)
+            self.assertEqual(results[1].code, kvpool.StatusCode.RESOURCE_EXHAUSTED)
+            self.assertEqual(results[2], (31, ()))
+            self.assertEqual(client.batches[0], [1, 2, 3])
+            self.assertEqual(sorted(client.batches[1:]), [[1], [2], [3]])
+
+        asyncio.run(scenario())
 
 
 if __name__ == "__main__":
