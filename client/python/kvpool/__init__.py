@@ -28,10 +28,11 @@ from kvpool.errors import KvPoolError, Shortfall, StatusCode  # noqa: E402
 from kvpool.layout import DType, Layout  # noqa: E402
 from kvpool.mapping import BlockRef, PoolMapping  # noqa: E402
 from kvpool.attach import default_runtime_dir  # noqa: E402
-from kvpool.client import Client, Sequence, apply_grow  # noqa: E402
+from kvpool.client import AllocateItem, Client, Sequence, apply_grow  # noqa: E402
 from kvpool.engine import EngineHelper, EngineSequence  # noqa: E402
 
 __all__ = [
+    "AllocateItem",
     "BlockRef",
     "Client",
     "DType",

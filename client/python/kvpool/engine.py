@@ -72,9 +72,13 @@ class EngineSequence:
 
 
 class EngineHelper:
-    """See the module docstring. REQUIRES: a Client connected with kv_access=True."""
+    """See the module docstring. REQUIRES: a blocking kvpool.Client connected with
+    kv_access=True (FAILED_PRECONDITION otherwise)."""
 
     def __init__(self, client: Client):
+        if not isinstance(client, Client):
+            raise KvPoolError(grpc.StatusCode.FAILED_PRECONDITION,
+                              "EngineHelper drives a blocking kvpool.Client")
         if not client.kv_access:
             raise KvPoolError(
                 grpc.StatusCode.FAILED_PRECONDITION,
