@@ -2,9 +2,9 @@
 # The OpenAI-compatible frontend demo: install what is missing, build (release preset), start
 # kvpoold with its embedded default (the synthetic "tiny" model, the standard runtime directory)
 # and two kvpool-frontend processes on 127.0.0.1:8000 and :8001 (KVPOOL_FRONTEND_PORTS="A B" to
-# change), show them with curl (models, health, a completion through one frontend, the same
-# prompt streamed as a chat through the other, which reuses the first one's prefix from the
-# daemon's cache), drive both with kvpool-http-loadgen (time to first token, inter-token latency
+# change), show them with curl (models, health, one completion through each frontend: the second
+# finds the prompt in the daemon's prefix cache (usage.prompt_tokens_details.cached_tokens), a
+# streamed chat, a refused sampling parameter), drive both with kvpool-http-loadgen (time to first token, inter-token latency
 # and cached prompt tokens from the HTTP side), print `kvpoolctl stats`, and stop everything
 # cleanly (the frontends drain on SIGTERM).
 #
@@ -61,8 +61,10 @@ show() { echo; echo "\$ $*"; "$@"; echo; }
 prompt="You are a helpful assistant. Answer in one short sentence. What does a KV cache hold?"
 show curl -s "${urls[0]}/v1/models"
 show curl -s "${urls[1]}/health"
-show curl -s "${urls[0]}/v1/completions" -H 'Content-Type: application/json' \
-  -d "{\"model\": \"tiny\", \"prompt\": \"$prompt\", \"max_tokens\": 8}"
+for url in "${urls[@]}"; do  # the second frontend finds the prompt in the daemon's cache
+  show curl -s "$url/v1/completions" -H 'Content-Type: application/json' \
+    -d "{\"model\": \"tiny\", \"prompt\": \"$prompt\", \"max_tokens\": 8}"
+done
 show curl -sN "${urls[1]}/v1/chat/completions" -H 'Content-Type: application/json' \
   -d "{\"model\": \"tiny\", \"messages\": [{\"role\": \"user\", \"content\": \"$prompt\"}], \"max_tokens\": 4, \"stream\": true, \"stream_options\": {\"include_usage\": true}}"
 show curl -s "${urls[1]}/v1/completions" -H 'Content-Type: application/json' \
