@@ -15,7 +15,7 @@ import asyncio
 import dataclasses
 from typing import AsyncIterator, Callable, List, Optional, Tuple
 
-from kvpool import KvPoolError
+from kvpool import KvPoolError, StatusCode
 
 from kvpool_frontend.tokenizer import Detokenizer
 
@@ -224,7 +224,9 @@ class Generation:
         try:
             await self._client.free([sequence_id], commit=True)
         except KvPoolError as e:
-            if e.code.name != "NOT_FOUND":  # the session ended: the daemon freed it already
+            # NOT_FOUND, UNAUTHENTICATED: the session ended (the daemon restarted, or this
+            # frontend re-attached) and the daemon released the sequence with it.
+            if e.code not in (StatusCode.NOT_FOUND, StatusCode.UNAUTHENTICATED):
                 raise
 
 
