@@ -3,8 +3,8 @@
 # and block ops, then prefill; every KV dtype, fp8 e4m3 and int8 included, asymmetric K/V pairs,
 # and the CUDA WriteKv's quantized blocks byte-compared with the CPU's), the model on the GPU
 # against the dense reference and the host model (8-bit and mixed layouts too), then the decode
-# bandwidth benchmark. Everything finishes within 8 minutes (each step has
-# its own timeout, cut to what is left of the budget).
+# bandwidth benchmark, then the Python client's CUDA mapping. Everything finishes within 8
+# minutes (each step has its own timeout, cut to what is left of the budget).
 #
 #   bench/gpu_check.sh            # from anywhere; builds in <repo>/build/gpu
 set -euo pipefail
@@ -60,5 +60,21 @@ timeout "${t}" "${BUILD_DIR}/tests/model/cuda/cuda_model_test"
 step "cuda_decode_bench"
 t=$(left 120)
 timeout "${t}" "${BUILD_DIR}/bench/cuda/cuda_decode_bench"
+
+# The Python client's CUDA mapping (kvpool.cuda, the driver API by ctypes): two Python processes
+# share KV through a kvpoold pool on the GPU. Needs the Debian Python packages of
+# deploy/install-deps.sh; without them the step says so and the check goes on.
+step "python CUDA mapping (tests/client/python/test_cuda_mapping.py)"
+if /usr/bin/python3 -c "import grpc, google.protobuf, aiohttp, numpy, sentencepiece" 2>/dev/null; then
+  t=$(left 150)
+  timeout "${t}" cmake --build "${BUILD_DIR}" --target kvpoold kvpool_python -j "$(nproc)"
+  t=$(left 60)
+  (cd tests/client/python &&
+    KVPOOLD="../../../${BUILD_DIR}/daemon/kvpoold" KVPOOL_REQUIRE_GPU=1 PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONPATH="../../../client/python:../../../${BUILD_DIR}/python:." \
+    timeout "${t}" /usr/bin/python3 -m unittest -v test_cuda_mapping)
+else
+  echo "gpu_check: skipped: /usr/bin/python3 lacks the client's packages (deploy/install-deps.sh)"
+fi
 
 step "done"

@@ -60,3 +60,26 @@ function(kvpool_cc_bench)
            WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
   set_tests_properties(${A_NAME}_smoke PROPERTIES LABELS bench TIMEOUT 300)
 endfunction()
+
+# Python tests (unittest, Debian's /usr/bin/python3): one ctest entry per test file, run with the
+# Python packages of the source tree and the stubs the build generated on PYTHONPATH
+# (client/python/CMakeLists.txt), and the built programs the tests start in the environment.
+#
+#   kvpool_py_test(NAME python_client_test FILE test_client.py LABELS integration [TIMEOUT s])
+function(kvpool_py_test)
+  cmake_parse_arguments(A "" "NAME;FILE;TIMEOUT" "LABELS" ${ARGN})
+  if(NOT KVPOOL_HAVE_PYTHON)  # client/python/CMakeLists.txt says why
+    return()
+  endif()
+  if(NOT A_LABELS)
+    set(A_LABELS unit)
+  endif()
+  if(NOT A_TIMEOUT)
+    set(A_TIMEOUT 300)
+  endif()
+  add_test(NAME ${A_NAME}
+           COMMAND ${KVPOOL_PYTHON} -m unittest -v ${CMAKE_CURRENT_SOURCE_DIR}/${A_FILE}
+           WORKING_DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR})
+  set_tests_properties(${A_NAME} PROPERTIES LABELS "${A_LABELS}" TIMEOUT ${A_TIMEOUT}
+    ENVIRONMENT "PYTHONPATH=${KVPOOL_PYTHON_PATH}:${PROJECT_SOURCE_DIR}/tests/client/python;PYTHONDONTWRITEBYTECODE=1;KVPOOLD=$<TARGET_FILE:kvpoold>;KVPOOLCTL=$<TARGET_FILE:kvpoolctl>;KVPOOL_INTEGRATION_CLIENT=$<TARGET_FILE:integration_client>;KVPOOL_LOADGEN=$<TARGET_FILE:kvpool-loadgen>")
+endfunction()

@@ -12,6 +12,11 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   # tests and benchmarks
   libgtest-dev libgmock-dev libbenchmark-dev
+  # the Python client (client/python: stubs from protoc + grpc_python_plugin above), the
+  # OpenAI-compatible frontend (client/frontend), their tests and benchmarks; Debian's python3
+  # (/usr/bin/python3), not whatever python3 comes first on PATH
+  python3 python3-grpcio python3-protobuf python3-aiohttp python3-numpy python3-sentencepiece
+  curl
 )
 
 missing=()

@@ -1,0 +1,4 @@
+"""kvpool-frontend: an OpenAI-compatible HTTP server over kvpoold's model (server.py), with its
+tokenizers (tokenizer.py), chat templates (chat.py), request mapping (protocol.py), and an HTTP
+load generator (loadgen.py). Run it with `python3 -m kvpool_frontend` or the launcher the build
+writes (<build>/client/frontend/kvpool-frontend)."""

@@ -1,0 +1,238 @@
+"""One completion over the daemon's model: Prefill the prompt, then one Decode step per token
+(gathered with the frontend's other streams by DecodeBatcher), until
+max_tokens, the tokenizer's EOS or a stop string; then Free the sequence, publishing the prompt
+and what was generated into the prefix cache (so the next turn of the conversation, through any
+frontend of the same tenant and model, reuses it).
+
+The sequence is freed however the generation ends: finished, failed, or abandoned because the
+HTTP client went away (the handler is cancelled, or the transport closes). The Free runs in a
+task of its own that a cancellation of the handler does not stop; Frontend.close() waits for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import AsyncIterator, Callable, List, Optional, Tuple
+
+from kvpool import KvPoolError, StatusCode
+
+from kvpool_frontend.tokenizer import Detokenizer
+
+
+class ClientGone(Exception):
+    """The HTTP client closed its connection: stop generating."""
+
+
+@dataclasses.dataclass
+class Step:
+    """One generated token, as the HTTP side shows it."""
+
+    token: int
+    text: str                            # the text it adds (may be "": held back, or EOS)
+    logprob: Optional[float] = None      # when logprobs were asked for
+    top: List[Tuple[int, float]] = dataclasses.field(default_factory=list)
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text, holding back a tail that may be the start of one."""
+
+    def __init__(self, stops: List[str]):
+        self._stops = stops
+        self._held = ""
+
+    def feed(self, text: str) -> Tuple[str, bool]:
+        """(text safe to emit, whether a stop string ended the output)."""
+        buffer = self._held + text
+        hits = [i for i in (buffer.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            self._held = ""
+            return buffer[: min(hits)], True
+        keep = 0
+        for s in self._stops:
+            for n in range(min(len(s) - 1, len(buffer)), keep, -1):
+                if buffer.endswith(s[:n]):
+                    keep = n
+                    break
+        self._held = buffer[len(buffer) - keep:]
+        return buffer[: len(buffer) - keep], False
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+
+class DecodeBatcher:
+    """One Decode call at a time per session, carrying every stream that waits for a token.
+
+    The daemon gathers calls of different sessions into one model step, waiting for each session
+    of the previous step to call again; the several streams of one frontend are one session, so
+    they must reach it as one call, or they would take turns in steps of their own. A stream
+    submits its pending token and gets a future; while a call is in flight submissions queue, and
+    when it returns they all go out in the next call (streams woken by one call's results queue
+    before it is sent). A failed batch is retried one sequence at a time (the daemon's batches are
+    all or nothing, so nothing happened), so only the sequences that fail get the error.
+    Not thread-safe: one event loop.
+    """
+
+    def __init__(self):
+        self._pending = {}   # (client, top_k) -> [(sequence_id, token, future)]
+        self._busy = set()   # (client, top_k) with a call in flight
+        self._active = {}    # sequence id -> event set once its submitted step has ended
+        self.calls = 0       # Decode calls sent
+        self.sequences = 0   # sequences carried by them
+
+    def submit(self, client, sequence_id: int, token: int, top_k: int) -> asyncio.Future:
+        """The future of (next token, top tokens) of one sequence's decode step."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        key = (client, top_k)
+        self._pending.setdefault(key, []).append((sequence_id, token, future))
+        self._active[sequence_id] = asyncio.Event()
+        if key not in self._busy:
+            self._busy.add(key)
+            loop.call_soon(self._send, key)
+        return future
+
+    def _send(self, key) -> None:
+        batch = self._pending.pop(key, [])
+        if not batch:
+            self._busy.discard(key)
+            return
+        asyncio.ensure_future(self._run(key, batch))
+
+    async def _run(self, key, batch) -> None:
+        client, top_k = key
+        try:
+            await self._decode(client, top_k, batch)
+        finally:
+            # Streams woken by the results queue before this runs: they go out together.
+            asyncio.get_running_loop().call_soon(self._send, key)
+
+    async def _decode(self, client, top_k, batch) -> None:
+        self.calls += 1
+        self.sequences += len(batch)
+        try:
+            response = await client.decode([(s, t) for s, t, _ in batch], top_k=top_k)
+        except KvPoolError as e:
+            if len(batch) == 1:
+                self._settle(batch[0], error=e)
+                return
+            await asyncio.gather(*[self._decode(client, top_k, [item]) for item in batch])
+            return
+        except BaseException as e:  # cancelled: nobody gets a token
+            for item in batch:
+                self._settle(item, error=e if isinstance(e, Exception) else asyncio.CancelledError())
+            raise
+        for i, item in enumerate(batch):
+            top = response.top[i].tokens if top_k else ()
+            self._settle(item, result=(response.next_tokens[i], top))
+
+    def _settle(self, item, result=None, error=None) -> None:
+        sequence_id, _, future = item
+        event = self._active.pop(sequence_id, None)
+        if event is not None:
+            event.set()
+        if future.done():  # its stream gave up waiting (cancelled)
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    async def idle(self, sequence_id: int) -> None:
+        """Returns once no step of the sequence is queued or in flight here."""
+        event = self._active.get(sequence_id)
+        if event is not None:
+            await event.wait()
+
+
+class Generation:
+    """See the module docstring. Not thread-safe: one per request, on the event loop."""
+
+    def __init__(self, client, batcher: DecodeBatcher, prompt: List[int], max_tokens: int,
+                 stops: List[str], top_k: int, eos_id: Optional[int],
+                 decode_text: Callable[[List[int]], str], on_free: Callable[[asyncio.Task], None]):
+        self._client = client
+        self._batcher = batcher
+        self.prompt = prompt
+        self.max_tokens = max_tokens
+        self._top_k = top_k
+        self._eos = eos_id
+        self._detok = Detokenizer(decode_text, prompt)
+        self._stop = StopMatcher(stops)
+        self._on_free = on_free
+        self.sequence_id = 0
+        self.cached_tokens = 0
+        self.completion_tokens = 0
+        self.finish_reason: Optional[str] = None
+        self._first = None
+        self._decoding: Optional[asyncio.Future] = None  # the next token's Decode, in flight
+        self.abandoned: Callable[[], bool] = lambda: False
+
+    async def start(self) -> None:
+        """Prefills the prompt. Raises KvPoolError (nothing is held then)."""
+        self._first = await self._client.prefill(self.prompt, top_k=self._top_k)
+        self.sequence_id = self._first.sequence_id
+        self.cached_tokens = self._first.reused_tokens
+
+    async def steps(self) -> AsyncIterator[Step]:
+        """One Step per generated token; finish_reason is set when it ends. Raises KvPoolError
+        when a Decode fails, ClientGone when abandoned() says the HTTP client went away."""
+        token, top = self._first.next_token, self._first.top.tokens
+        while True:
+            self.completion_tokens += 1
+            step = Step(token, "", *_logprobs(token, top, self._top_k))
+            if token == self._eos:
+                step.text = self._stop.flush()
+                self.finish_reason = "stop"
+                yield step
+                return
+            text, stopped = self._stop.feed(self._detok.add(token))
+            if stopped:
+                step.text, self.finish_reason = text, "stop"
+                yield step
+                return
+            if self.completion_tokens >= self.max_tokens:
+                tail, stopped = self._stop.feed(self._detok.flush())
+                step.text = text + tail + ("" if stopped else self._stop.flush())
+                self.finish_reason = "stop" if stopped else "length"
+                yield step
+                return
+            step.text = text
+            if self.abandoned():
+                raise ClientGone()
+            # The next Decode goes out before this token is written to the client, so the HTTP
+            # side of a token overlaps the model step of the next.
+            self._decoding = self._batcher.submit(self._client, self.sequence_id, token,
+                                                  self._top_k)
+            yield step
+            token, top = await self._decoding
+            self._decoding = None
+
+    def close(self) -> None:
+        """Frees the sequence in a task of its own (publishing what was computed), once a
+        Decode step of it still queued or in flight has ended."""
+        if not self.sequence_id:
+            return
+        sequence_id, self.sequence_id = self.sequence_id, 0
+        self._decoding = None
+        self._on_free(asyncio.ensure_future(self._free(sequence_id)))
+
+    async def _free(self, sequence_id: int) -> None:
+        await self._batcher.idle(sequence_id)
+        try:
+            await self._client.free([sequence_id], commit=True)
+        except KvPoolError as e:
+            # NOT_FOUND, UNAUTHENTICATED: the session ended (the daemon restarted, or this
+            # frontend re-attached) and the daemon released the sequence with it.
+            if e.code not in (StatusCode.NOT_FOUND, StatusCode.UNAUTHENTICATED):
+                raise
+
+
+def _logprobs(token: int, top, top_k: int):
+    if not top_k:
+        return None, []
+    pairs = [(t.token, t.logprob) for t in top]
+    chosen = next((lp for t, lp in pairs if t == token), pairs[0][1] if pairs else None)
+    return chosen, pairs

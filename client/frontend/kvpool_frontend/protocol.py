@@ -1,0 +1,207 @@
+"""The OpenAI request fields kvpool-frontend takes, what it maps them to, and what it refuses.
+
+The daemon decodes greedily and can return the top-k log-probabilities of each step (k <= 64).
+So, for /v1/completions and /v1/chat/completions:
+
+  mapped    model (must be the served name), prompt (a string or one list of token ids) /
+            messages, max_tokens (max_completion_tokens for chat), stop (a string or up to 4),
+            stream, stream_options.include_usage, logprobs (completions: 0..20 top tokens; chat:
+            true, with top_logprobs 0..20) -> the daemon's top_k, user and seed (accepted;
+            greedy decoding is deterministic anyway)
+  accepted  only at the value greedy decoding already has: temperature 0 (or absent), top_p 1,
+            top_k 1 or -1 (vLLM's extension), n 1, best_of 1, presence_penalty and
+            frequency_penalty 0, logit_bias empty, echo false, suffix absent, ignore_eos false
+  refused   any other value of those, and any field not listed here: 400 with the field named
+
+max_tokens defaults to 16 for completions (OpenAI's default) and to the rest of the context for
+chat. prompt + max_tokens must fit the model's context (model_max_position).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional, Union
+
+MAX_LOGPROBS = 20
+MAX_STOP = 4
+
+_COMMON = {"model", "max_tokens", "stop", "stream", "stream_options", "user", "seed",
+           "temperature", "top_p", "top_k", "n", "presence_penalty", "frequency_penalty",
+           "logit_bias", "ignore_eos"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "suffix", "best_of"}
+CHAT_FIELDS = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+
+
+class ApiError(Exception):
+    """An OpenAI-style error: HTTP status, type, message, the offending parameter, a code."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None, headers=None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad(message: str, param: Optional[str] = None, code: Optional[str] = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+@dataclasses.dataclass
+class Params:
+    """A validated request."""
+
+    chat: bool
+    prompt: Union[str, List[int], None] = None  # completions
+    messages: Optional[list] = None             # chat
+    max_tokens: Optional[int] = None            # None: the rest of the context (chat)
+    stop: List[str] = dataclasses.field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: Optional[int] = None              # top tokens per step; None: no logprobs
+
+    @property
+    def top_k(self) -> int:
+        """What the daemon is asked for: at least the chosen token's log-probability."""
+        return 0 if self.logprobs is None else max(1, self.logprobs)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _only(body: dict, name: str, allowed, what: str) -> None:
+    if name in body and body[name] is not None and body[name] not in allowed:
+        raise bad(f"{name}={body[name]!r} is not supported: {what}", name, "unsupported_parameter")
+
+
+def _greedy_only(body: dict) -> None:
+    greedy = "this server decodes greedily"
+    t = body.get("temperature")
+    if t is not None and (not _is_number(t) or t != 0):
+        raise bad(f"temperature={t!r} is not supported: {greedy} (use 0 or leave it out)",
+                  "temperature", "unsupported_parameter")
+    p = body.get("top_p")
+    if p is not None and (not _is_number(p) or p != 1):
+        raise bad(f"top_p={p!r} is not supported: {greedy} (use 1 or leave it out)", "top_p",
+                  "unsupported_parameter")
+    _only(body, "top_k", (1, -1), f"{greedy} (top_k 1 or -1)")
+    _only(body, "n", (1,), "one choice per request")
+    _only(body, "best_of", (1,), "one choice per request")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = body.get(name)
+        if v is not None and (not _is_number(v) or v != 0):
+            raise bad(f"{name}={v!r} is not supported: {greedy} without penalties", name,
+                      "unsupported_parameter")
+    if body.get("logit_bias"):
+        raise bad("logit_bias is not supported", "logit_bias", "unsupported_parameter")
+    _only(body, "echo", (False,), "the prompt is not echoed")
+    _only(body, "ignore_eos", (False,), "generation ends at the model's end-of-sequence token")
+    if body.get("suffix") is not None:
+        raise bad("suffix is not supported", "suffix", "unsupported_parameter")
+
+
+def _stop(value) -> List[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if (not isinstance(value, list) or len(value) > MAX_STOP
+            or not all(isinstance(s, str) and s for s in value)):
+        raise bad(f"stop must be a non-empty string or a list of at most {MAX_STOP} of them",
+                  "stop")
+    return list(value)
+
+
+def _positive_int(body: dict, name: str) -> Optional[int]:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not _is_int(v) or v < 1:
+        raise bad(f"{name} must be an integer >= 1, not {v!r}", name)
+    return v
+
+
+def _common(body, served_model: str, allowed) -> Params:
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise bad(f"unsupported field {unknown[0]!r}", unknown[0], "unsupported_parameter")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("model is required", "model")
+    if model != served_model:
+        raise ApiError(404, f"the model {model!r} does not exist (this server has "
+                            f"{served_model!r})", param="model", code="model_not_found")
+    _greedy_only(body)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad("stream must be a boolean", "stream")
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise bad("stream_options is only allowed with stream: true", "stream_options")
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise bad("stream_options supports only include_usage", "stream_options")
+        include_usage = bool(options.get("include_usage", False))
+    return Params(chat=False, stop=_stop(body.get("stop")), stream=stream,
+                  include_usage=include_usage)
+
+
+def parse_completion(body, served_model: str) -> Params:
+    p = _common(body, served_model, COMPLETION_FIELDS)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad("prompt must not be empty", "prompt")
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        pass
+    elif isinstance(prompt, list) and prompt:
+        raise bad("prompt: batches of several prompts are not supported; send one string or "
+                  "one list of token ids per request", "prompt")
+    else:
+        raise bad("prompt must be a non-empty string or list of token ids", "prompt")
+    p.prompt = prompt
+    p.max_tokens = _positive_int(body, "max_tokens") or 16
+    logprobs = body.get("logprobs")
+    if logprobs is not None:
+        if not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS:
+            raise bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}]", "logprobs")
+        p.logprobs = logprobs
+    return p
+
+
+def parse_chat(body, served_model: str) -> Params:
+    p = _common(body, served_model, CHAT_FIELDS)
+    p.chat = True
+    p.messages = body.get("messages")
+    if not isinstance(p.messages, list) or not p.messages:
+        raise bad("messages must be a non-empty list", "messages")
+    p.max_tokens = _positive_int(body, "max_completion_tokens") or _positive_int(body, "max_tokens")
+    logprobs = body.get("logprobs")
+    top = body.get("top_logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise bad("logprobs must be a boolean", "logprobs")
+    if top is not None:
+        if not logprobs:
+            raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+        if not _is_int(top) or not 0 <= top <= MAX_LOGPROBS:
+            raise bad(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}]", "top_logprobs")
+    if logprobs:
+        p.logprobs = top or 0
+    return p

@@ -1,0 +1,221 @@
+"""Request builders and response checks shared by the blocking and the asyncio clients: each RPC
+is built and its response validated in one place, so Client and AsyncClient differ only in how
+they wait."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Iterable, List, Sequence as Seq, Tuple, Union
+
+import grpc
+
+from kvpool._proto import kvpool_pb2
+from kvpool.errors import KvPoolError, internal, invalid_argument
+from kvpool.mapping import BlockRef
+
+
+@dataclasses.dataclass
+class Sequence:
+    """A sequence's block table as the daemon returned it (SequenceInfo): for Allocate and Fork the
+    full table; for Grow the changed tail, blocks[i] being table entry table_offset + i."""
+
+    id: int
+    num_tokens: int
+    matched_tokens: int = 0  # Allocate only: prompt tokens already cached (a prefix hit)
+    table_offset: int = 0
+    blocks: List[BlockRef] = dataclasses.field(default_factory=list)
+
+    @property
+    def block_ids(self) -> List[int]:
+        return [b.id for b in self.blocks]
+
+
+@dataclasses.dataclass
+class AllocateItem:
+    """One sequence to allocate: `prompt` is matched against the prefix cache; `num_tokens` is the
+    room to make (0: the prompt's length); `priority` the prefix-cache class [0, 4)."""
+
+    prompt: Seq[int]
+    num_tokens: int = 0
+    priority: int = 0
+
+
+def apply_grow(tail: Sequence, table: List[BlockRef]) -> None:
+    """Applies a Grow tail to the table the caller holds: entry table_offset + i becomes
+    tail.blocks[i]; earlier entries are unchanged. Raises INVALID_ARGUMENT (and leaves `table`
+    unchanged) when table_offset > len(table): the held table is not the one the daemon grew."""
+    if tail.table_offset < 0 or tail.table_offset > len(table):
+        raise invalid_argument(
+            f"grow tail starts at entry {tail.table_offset} of a {len(table)}-entry table"
+        )
+    # Replaces the entries the tail covers and appends those past the table's end.
+    table[tail.table_offset : tail.table_offset + len(tail.blocks)] = tail.blocks
+
+
+@contextlib.contextmanager
+def building(what: str):
+    """Turns protobuf's complaints about argument types and ranges into INVALID_ARGUMENT."""
+    try:
+        yield
+    except KvPoolError:
+        raise
+    except (TypeError, ValueError, OverflowError) as e:
+        raise invalid_argument(f"{what}: {e}") from None
+
+
+def to_sequence(rpc: str, info) -> Sequence:
+    if len(info.block_ids) != len(info.generations):
+        raise internal(
+            f"malformed {rpc} response from kvpoold: {len(info.block_ids)} block ids but "
+            f"{len(info.generations)} generations"
+        )
+    if info.table_offset < 0 or any(b < 0 for b in info.block_ids):
+        raise internal(f"malformed {rpc} response from kvpoold: negative offset or block id")
+    return Sequence(
+        id=info.sequence_id,
+        num_tokens=info.num_tokens,
+        matched_tokens=info.matched_tokens,
+        table_offset=info.table_offset,
+        blocks=[BlockRef(b, g) for b, g in zip(info.block_ids, info.generations)],
+    )
+
+
+# --- Control ---
+
+def allocate_request(items: Iterable[Union[AllocateItem, Seq[int]]]) -> kvpool_pb2.AllocateRequest:
+    request = kvpool_pb2.AllocateRequest()
+    with building("Allocate"):
+        for item in items:
+            out = request.items.add()
+            if isinstance(item, AllocateItem):
+                out.prompt.extend(item.prompt)
+                out.num_tokens = item.num_tokens or len(item.prompt)
+                out.priority = item.priority
+            else:  # a bare prompt
+                out.prompt.extend(item)
+                out.num_tokens = len(out.prompt)
+    return request
+
+
+def allocate_result(response, want: int) -> List[Sequence]:
+    if len(response.sequences) != want:
+        raise internal(f"malformed Allocate response: {len(response.sequences)} sequences for {want} items")
+    return [to_sequence("Allocate", s) for s in response.sequences]
+
+
+def grow_request(items: Iterable[Tuple[int, int]]) -> kvpool_pb2.GrowRequest:
+    request = kvpool_pb2.GrowRequest()
+    with building("Grow"):
+        for sequence_id, num_tokens in items:
+            request.sequence_ids.append(sequence_id)
+            request.num_tokens.append(num_tokens)
+    return request
+
+
+def grow_result(request, response) -> List[Sequence]:
+    n = len(request.sequence_ids)
+    if (len(response.num_tokens) != n or len(response.table_offsets) != n
+            or len(response.tail_lengths) != n
+            or len(response.block_ids) != len(response.generations)):
+        raise internal("malformed Grow response from kvpoold: arrays of the wrong length")
+    out, start = [], 0
+    for i in range(n):
+        tail = response.tail_lengths[i]
+        if tail < 0 or response.table_offsets[i] < 0 or start + tail > len(response.block_ids):
+            raise internal("malformed Grow response from kvpoold: a tail outside the response")
+        blocks = [BlockRef(b, g) for b, g in zip(response.block_ids[start : start + tail],
+                                                  response.generations[start : start + tail])]
+        out.append(Sequence(id=request.sequence_ids[i], num_tokens=response.num_tokens[i],
+                            table_offset=response.table_offsets[i], blocks=blocks))
+        start += tail
+    if start != len(response.block_ids):
+        raise internal("malformed Grow response from kvpoold: blocks left over")
+    return out
+
+
+def truncate_request(sequence_id: int, num_tokens: int):
+    with building("Truncate"):
+        return kvpool_pb2.TruncateRequest(sequence_id=sequence_id, num_tokens=num_tokens)
+
+
+def fork_request(sequence_id: int):
+    with building("Fork"):
+        return kvpool_pb2.ForkRequest(sequence_id=sequence_id)
+
+
+def commit_request(sequence_id: int, num_tokens: int, new_tokens: Seq[int] = ()):
+    with building("Commit"):
+        return kvpool_pb2.CommitRequest(
+            sequence_id=sequence_id, num_tokens=num_tokens, new_tokens=list(new_tokens)
+        )
+
+
+def free_request(sequence_ids: Iterable[int], commit: bool):
+    with building("Free"):
+        return kvpool_pb2.FreeRequest(sequence_ids=list(sequence_ids), commit=bool(commit))
+
+
+def match_prefix_request(tokens: Seq[int]):
+    with building("MatchPrefix"):
+        return kvpool_pb2.MatchPrefixRequest(tokens=list(tokens))
+
+
+# --- Compute ---
+
+def prefill_request(tokens: Seq[int], sequence_id: int, top_k: int, priority: int):
+    with building("Prefill"):
+        return kvpool_pb2.PrefillRequest(
+            sequence_id=sequence_id, tokens=list(tokens), top_k=top_k, priority=priority
+        )
+
+
+def decode_request(items: Iterable[Tuple[int, int]], top_k: int):
+    request = kvpool_pb2.DecodeRequest()
+    with building("Decode"):
+        for sequence_id, token in items:
+            request.sequence_ids.append(sequence_id)
+            request.tokens.append(token)
+        request.top_k = top_k
+    return request
+
+
+def decode_result(request, response):
+    if len(response.next_tokens) != len(request.sequence_ids):
+        raise internal(
+            f"Decode: {len(response.next_tokens)} tokens back for {len(request.sequence_ids)} sequences"
+        )
+    return response
+
+
+def generate_request(prompt: Seq[int], max_tokens: int, sequence_id: int,
+                     stop_tokens: Seq[int], priority: int, free_when_done: bool):
+    with building("Generate"):
+        return kvpool_pb2.GenerateRequest(
+            sequence_id=sequence_id, prompt=list(prompt), max_tokens=max_tokens,
+            stop_tokens=list(stop_tokens), priority=priority, free_when_done=free_when_done,
+        )
+
+
+# --- Admin ---
+
+def list_sequences_result(response):
+    if len(response.session_ids) != len(response.sequences):
+        raise internal(
+            f"malformed ListSequences response: {len(response.sequences)} sequences but "
+            f"{len(response.session_ids)} owners"
+        )
+    for info in response.sequences:
+        to_sequence("ListSequences", info)
+    return response
+
+
+def watch_request(from_seq: int, snapshot: bool, follow: bool, pool: str):
+    with building("WatchEvents"):
+        return kvpool_pb2.WatchEventsRequest(
+            from_seq=from_seq, snapshot=snapshot, follow=follow, pool=pool
+        )
+
+
+def rpc_error(error: grpc.RpcError) -> KvPoolError:
+    return KvPoolError.from_rpc_error(error)

@@ -1,0 +1,365 @@
+"""Client: one session with kvpoold, blocking (the asyncio twin is kvpool.aio.AsyncClient).
+
+connect() attaches over <runtime_dir>/attach.sock (kvpool.attach), maps the pool when the session
+has KV access (kvpool.mapping) and opens the gRPC channel to <runtime_dir>/kvpoold.sock. Every
+call carries the session token ("kvpool-session-token") and a deadline (`timeout` seconds), and
+raises KvPoolError with the daemon's canonical code and message (RESOURCE_EXHAUSTED with its
+shortfall). A failed call changes nothing in the daemon; batched calls are all-or-nothing. Codes:
+those of kvpool.proto, plus DEADLINE_EXCEEDED when the daemon does not answer in time,
+UNAVAILABLE when the gRPC socket cannot be reached, INVALID_ARGUMENT for arguments that do not
+fit the request (wrong types, out of range), INTERNAL for a malformed response.
+
+The session lives until close() (or the end of a `with` block): it sends the Detach frame, drops
+the mapping and closes the attach socket; the daemon then releases everything the session holds.
+A process that dies without closing is reclaimed all the same.
+
+Thread-safety: every call may run concurrently from any number of threads (gRPC channels and
+stubs are thread-safe; the rest is immutable after connect()). close() must not race calls.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Iterable, Iterator, List, Optional, Sequence as Seq, Tuple, Union
+
+import grpc
+
+from kvpool import _calls
+from kvpool._calls import AllocateItem, Sequence, apply_grow  # noqa: F401 (re-exported)
+from kvpool._proto import attach_pb2, kvpool_pb2, kvpool_pb2_grpc
+from kvpool.attach import (
+    GRPC_SOCKET,
+    PROTOCOL_VERSION,
+    SESSION_TOKEN_KEY,
+    attach,
+    default_runtime_dir,
+    detach,
+    send_detach,
+)
+from kvpool.errors import KvPoolError, invalid_argument
+from kvpool.layout import Layout
+from kvpool.mapping import PoolMapping
+
+# Whole-pool traces and sequence listings outgrow gRPC's 4 MiB default.
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1)]
+
+
+class _Session:
+    """What attach established: shared by Client and AsyncClient."""
+
+    def _init_session(self, runtime_dir: str, timeout: float, attachment, mapping):
+        r = attachment.response
+        self._runtime_dir = runtime_dir
+        self._timeout = timeout
+        self._socket = attachment.socket
+        self._attach = r
+        self._layout = Layout(r.layout)
+        self._mapping = mapping
+        self._metadata = ((SESSION_TOKEN_KEY, r.session_token),)
+
+    @staticmethod
+    def _attach_blocking(socket_dir, tenant, model, kv_access, client_name, timeout):
+        """Attach + mapping, as both clients do it. Returns (runtime_dir, attachment, mapping)."""
+        if not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise invalid_argument(f"timeout must be a positive number of seconds, not {timeout!r}")
+        runtime_dir = socket_dir or default_runtime_dir()
+        with _calls.building("AttachRequest"):
+            request = attach_pb2.AttachRequest(
+                protocol_version=PROTOCOL_VERSION,
+                client_name=client_name or os.path.basename(sys.argv[0] or "python"),
+                tenant=tenant,
+                model=model,
+                kv_access=bool(kv_access),
+            )
+        attachment = attach(runtime_dir, request, timeout)
+        try:
+            mapping = None
+            if attachment.response.kv_access:
+                fds, attachment.fds = attachment.fds, []
+                mapping = PoolMapping.create(attachment.response, fds)
+            elif attachment.fds:
+                raise invalid_argument("kvpoold sent descriptors to a session it says is compute-only")
+            Layout(attachment.response.layout)  # validates it for compute-only sessions too
+        except BaseException:
+            attachment.close_fds()
+            detach(attachment.socket)
+            raise
+        return runtime_dir, attachment, mapping
+
+    def _end_session(self) -> None:
+        sock, self._socket = self._socket, None
+        if sock is None:
+            return
+        # The goodbye first, then the mapping, then the close: the session ends only once this
+        # process can no longer touch the pool (as the C++ client's destructor orders it).
+        send_detach(sock)
+        if self._mapping is not None:
+            self._mapping.close()
+        sock.close()
+
+    # --- Session facts ---
+    @property
+    def session_id(self) -> int:
+        return self._attach.session_id
+
+    @property
+    def session_token(self) -> str:
+        return self._attach.session_token
+
+    @property
+    def namespace_id(self) -> int:
+        return self._attach.namespace_id
+
+    @property
+    def epoch(self) -> int:
+        """The daemon's start (changes on restart)."""
+        return self._attach.epoch
+
+    @property
+    def admin(self) -> bool:
+        return self._attach.admin
+
+    @property
+    def daemon_version(self) -> str:
+        return self._attach.daemon_version
+
+    @property
+    def model_name(self) -> str:
+        """The daemon's model ("" when it runs none: compute calls then fail)."""
+        return self._attach.model_name
+
+    @property
+    def model_vocab_size(self) -> int:
+        return self._attach.model_vocab_size
+
+    @property
+    def model_max_position(self) -> int:
+        return self._attach.model_max_position
+
+    @property
+    def runtime_dir(self) -> str:
+        return self._runtime_dir
+
+    @property
+    def timeout(self) -> float:
+        return self._timeout
+
+    @property
+    def layout(self) -> Layout:
+        return self._layout
+
+    @property
+    def pool(self) -> str:
+        return self._attach.pool
+
+    @property
+    def kv_access(self) -> bool:
+        return self._mapping is not None
+
+    @property
+    def mapping(self) -> Optional[PoolMapping]:
+        """The pool's mapping; None for a compute-only session."""
+        return self._mapping
+
+    @property
+    def closed(self) -> bool:
+        return self._socket is None
+
+    @property
+    def metadata(self):
+        """The metadata every session call carries (for callers driving the stub themselves)."""
+        return self._metadata
+
+    def _check_open(self) -> None:
+        if self._socket is None:
+            raise KvPoolError(grpc.StatusCode.FAILED_PRECONDITION, "the kvpool client is closed")
+
+
+class Client(_Session):
+    """A blocking session with kvpoold. See the module docstring."""
+
+    def __init__(self, *_args, **_kwargs):
+        raise TypeError("use kvpool.Client.connect()")
+
+    @classmethod
+    def connect(cls, socket_dir: Optional[str] = None, *, tenant: str = "default",
+                model: str = "default", kv_access: bool = False,
+                client_name: Optional[str] = None, timeout: float = 10.0) -> "Client":
+        """Attaches to kvpoold in `socket_dir` (default: $XDG_RUNTIME_DIR/kvpool, else
+        /tmp/kvpool-$UID) and maps its pool when `kv_access`. `tenant` and `model` (with the
+        layout) name the prefix-sharing namespace. `timeout` bounds the attach and every call.
+        Raises KvPoolError: UNAVAILABLE (no daemon there), PERMISSION_DENIED (not allowed, or KV
+        access not granted), DEADLINE_EXCEEDED, INVALID_ARGUMENT, or the daemon's refusal code;
+        nothing is held after an error."""
+        runtime_dir, attachment, mapping = cls._attach_blocking(
+            socket_dir, tenant, model, kv_access, client_name, timeout)
+        self = object.__new__(cls)
+        self._init_session(runtime_dir, timeout, attachment, mapping)
+        self._channel = grpc.insecure_channel(
+            f"unix:{os.path.join(runtime_dir, GRPC_SOCKET)}", options=CHANNEL_OPTIONS)
+        self.stub = kvpool_pb2_grpc.KvPoolStub(self._channel)
+        return self
+
+    def close(self) -> None:
+        """Ends the session (Detach, unmap, close). Idempotent."""
+        if self._socket is None:
+            return
+        self._channel.close()
+        self._end_session()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        if getattr(self, "_socket", None) is not None:
+            self.close()
+
+    def _call(self, method: str, request, timeout: Optional[float] = None):
+        self._check_open()
+        try:
+            return getattr(self.stub, method)(
+                request, timeout=self._timeout if timeout is None else timeout,
+                metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise _calls.rpc_error(e) from None
+
+    # --- Control ---
+
+    def allocate(self, items: Iterable[Union[AllocateItem, Seq[int]]]) -> List[Sequence]:
+        """One sequence per item (an AllocateItem, or a bare prompt), all or none; full tables in
+        item order, each with the prompt tokens already cached (matched_tokens)."""
+        items = list(items)
+        return _calls.allocate_result(self._call("Allocate", _calls.allocate_request(items)), len(items))
+
+    def allocate_one(self, prompt: Seq[int], num_tokens: int = 0, priority: int = 0) -> Sequence:
+        return self.allocate([AllocateItem(prompt, num_tokens, priority)])[0]
+
+    def grow(self, items: Iterable[Tuple[int, int]]) -> List[Sequence]:
+        """(sequence_id, new length) per item, all or none; the changed tail of each table, in
+        item order (apply with apply_grow). A length <= the current one is a no-op."""
+        request = _calls.grow_request(items)
+        return _calls.grow_result(request, self._call("Grow", request))
+
+    def grow_one(self, sequence_id: int, num_tokens: int) -> Sequence:
+        return self.grow([(sequence_id, num_tokens)])[0]
+
+    def truncate(self, sequence_id: int, num_tokens: int) -> None:
+        self._call("Truncate", _calls.truncate_request(sequence_id, num_tokens))
+
+    def fork(self, sequence_id: int) -> Sequence:
+        """The child sequence, full table (sharing the parent's blocks copy-on-write)."""
+        return _calls.to_sequence("Fork", self._call("Fork", _calls.fork_request(sequence_id)).sequence)
+
+    def commit(self, sequence_id: int, num_tokens: int, new_tokens: Seq[int] = ()) -> None:
+        """Publishes tokens [0, num_tokens) into the prefix cache; `new_tokens` are the tokens past
+        the prompt the daemon has not seen yet."""
+        self._call("Commit", _calls.commit_request(sequence_id, num_tokens, new_tokens))
+
+    def free(self, sequence_ids: Iterable[int], commit: bool = False) -> None:
+        """Frees the sequences (all or none); `commit` publishes their known tokens first."""
+        self._call("Free", _calls.free_request(sequence_ids, commit))
+
+    def match_prefix(self, tokens: Seq[int]) -> int:
+        """Leading tokens of `tokens` cached in this session's namespace (lookup only)."""
+        return self._call("MatchPrefix", _calls.match_prefix_request(tokens)).matched_tokens
+
+    def ping(self) -> None:
+        self._call("Ping", kvpool_pb2.PingRequest())
+
+    # --- Compute (FAILED_PRECONDITION when the daemon runs no model) ---
+
+    def prefill(self, tokens: Seq[int], sequence_id: int = 0, top_k: int = 0,
+                priority: int = 0, timeout: Optional[float] = None) -> "kvpool_pb2.PrefillResponse":
+        """sequence_id 0: a new sequence whose prompt is matched against the prefix cache;
+        otherwise `tokens` extend that sequence. Returns the first generated token (pending).
+        `timeout`: this call's deadline in seconds (default: the client's)."""
+        return self._call("Prefill", _calls.prefill_request(tokens, sequence_id, top_k, priority),
+                          timeout)
+
+    def decode(self, items: Iterable[Tuple[int, int]], top_k: int = 0,
+               timeout: Optional[float] = None) -> "kvpool_pb2.DecodeResponse":
+        """One step for every (sequence_id, pending token), all or none."""
+        request = _calls.decode_request(items, top_k)
+        return _calls.decode_result(request, self._call("Decode", request, timeout))
+
+    def generate(self, prompt: Seq[int], max_tokens: int, *, sequence_id: int = 0,
+                 stop_tokens: Seq[int] = (), priority: int = 0,
+                 free_when_done: bool = False) -> Iterator["kvpool_pb2.GenerateResponse"]:
+        """Streams generated tokens (no deadline). Closing the iterator early cancels the call."""
+        self._check_open()
+        request = _calls.generate_request(prompt, max_tokens, sequence_id, stop_tokens, priority,
+                                          free_when_done)
+        return _stream(self.stub.Generate(request, metadata=self._metadata))
+
+    # --- Admin (PERMISSION_DENIED unless admin) ---
+
+    def get_stats(self, pool: str = "") -> "kvpool_pb2.GetStatsResponse":
+        return self._call("GetStats", kvpool_pb2.GetStatsRequest(pool=pool))
+
+    def list_sessions(self) -> "kvpool_pb2.ListSessionsResponse":
+        return self._call("ListSessions", kvpool_pb2.ListSessionsRequest())
+
+    def list_sequences(self, session_id: int = 0, pool: str = "") -> "kvpool_pb2.ListSequencesResponse":
+        with _calls.building("ListSequences"):
+            request = kvpool_pb2.ListSequencesRequest(session_id=session_id, pool=pool)
+        return _calls.list_sequences_result(self._call("ListSequences", request))
+
+    def dump_block_trace(self, block_id: int, pool: str = "") -> "kvpool_pb2.DumpBlockTraceResponse":
+        with _calls.building("DumpBlockTrace"):
+            request = kvpool_pb2.DumpBlockTraceRequest(block_id=block_id, pool=pool)
+        return self._call("DumpBlockTrace", request)
+
+    def dump_all_block_traces(self, pool: str = "") -> "kvpool_pb2.DumpBlockTraceResponse":
+        return self._call("DumpBlockTrace", kvpool_pb2.DumpBlockTraceRequest(all=True, pool=pool))
+
+    def watch_events(self, from_seq: int = 0, *, snapshot: bool = False, follow: bool = False,
+                     pool: str = "") -> Iterator["kvpool_pb2.WatchEventsResponse"]:
+        """Cache events; with `follow` the stream stays open (no deadline) until the iterator is
+        closed, otherwise it ends after the replay (usual deadline)."""
+        self._check_open()
+        request = _calls.watch_request(from_seq, snapshot, follow, pool)
+        return _stream(self.stub.WatchEvents(request, metadata=self._metadata,
+                                             timeout=None if follow else self._timeout))
+
+    def explain_match(self, tokens: Seq[int], namespace_id: int = 0,
+                      pool: str = "") -> "kvpool_pb2.ExplainMatchResponse":
+        with _calls.building("ExplainMatch"):
+            request = kvpool_pb2.ExplainMatchRequest(tokens=list(tokens), namespace_id=namespace_id,
+                                                     pool=pool)
+        return self._call("ExplainMatch", request)
+
+    def evict(self, blocks: int, pool: str = "") -> int:
+        """Evicts up to `blocks` unused cached blocks; returns how many were evicted."""
+        with _calls.building("Evict"):
+            request = kvpool_pb2.EvictRequest(blocks=blocks, pool=pool)
+        return self._call("Evict", request).evicted
+
+    def evict_all(self, pool: str = "") -> int:
+        """Empties the prefix cache (FAILED_PRECONDITION while cached blocks are in use)."""
+        return self._call("Evict", kvpool_pb2.EvictRequest(all=True, pool=pool)).evicted
+
+    def check_invariants(self) -> "kvpool_pb2.CheckInvariantsResponse":
+        return self._call("CheckInvariants", kvpool_pb2.CheckInvariantsRequest())
+
+    def set_log_level(self, level: str) -> None:
+        with _calls.building("SetLogLevel"):
+            request = kvpool_pb2.SetLogLevelRequest(level=level)
+        self._call("SetLogLevel", request)
+
+    def drain(self) -> int:
+        """Stops the daemon taking new sequences; returns how many are still live."""
+        return self._call("Drain", kvpool_pb2.DrainRequest()).sequences
+
+
+def _stream(call) -> Iterator:
+    """A server stream's messages; KvPoolError on failure; closing the iterator cancels it."""
+    try:
+        yield from call
+    except grpc.RpcError as e:
+        raise _calls.rpc_error(e) from None
+    finally:
+        call.cancel()
