@@ -61,11 +61,9 @@ struct Model::Scratch {
     if (small_steps < kTrimAfterSmallSteps) return;
     // The next step allocates what it needs (once).
     for (std::vector<float>* f :
-         {&x, &xn, &qkv, &q, &attn, &gate_up, &act, &cos, &sin, &last, &logits, &gemm}) {
+         {&x, &xn, &qkv, &q, &attn, &k, &v, &gate_up, &act, &cos, &sin, &last, &logits, &gemm}) {
       std::vector<float>().swap(*f);
     }
-    std::vector<char>().swap(k);
-    std::vector<char>().swap(v);
     peak_tokens = tokens;
     peak_items = items;
     small_steps = 0;
