@@ -4,14 +4,15 @@
 set -euo pipefail
 
 packages=(
-  # toolchain (clang-16 checks the lock annotations: the clang-tsa preset; clang 14 cannot
-  # compile std::source_location against libstdc++ 12)
-  g++ cmake ninja-build ccache pkg-config git clang-16
+  # toolchain (clang-16 builds .ci/run's second tree, the ci-clang preset: lock annotations,
+  # ASan + UBSan, libFuzzer, whose runtimes are in libclang-rt-16-dev; clang 14 cannot compile
+  # std::source_location against libstdc++ 12)
+  g++ cmake ninja-build ccache pkg-config git clang-16 libclang-rt-16-dev
   # libraries (DESIGN.md "Stack")
   libabsl-dev libspdlog-dev libxxhash-dev nlohmann-json3-dev libsystemd-dev libopenblas-dev
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  # tests and benchmarks
-  libgtest-dev libgmock-dev libbenchmark-dev
+  # tests and benchmarks (systemd: systemd-analyze and systemd-sysusers check deploy/)
+  libgtest-dev libgmock-dev libbenchmark-dev systemd
   # the Python client (client/python: stubs from protoc + grpc_python_plugin above), the
   # OpenAI-compatible frontend (client/frontend), their tests and benchmarks; Debian's python3
   # (/usr/bin/python3), not whatever python3 comes first on PATH

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The README's main job: install what is missing, build (release preset), start kvpoold with its
-# embedded default (CPU backend, 256 MiB pool, the synthetic "tiny" model, the standard runtime
-# directory), drive it with kvpool-loadgen (several frontend processes that run no model: each
-# conversation turn is a Prefill that reuses the previous turns through the prefix cache, then
-# one Decode per reply token, gathered across the frontends into shared model steps), show the
-# daemon's stats, and stop it cleanly.
+# The README's main job: install what is missing, build (release preset, -Werror: the tree
+# deploy/test.sh then tests), start kvpoold with its embedded default (CPU backend, 256 MiB pool,
+# the synthetic "tiny" model, the standard runtime directory), drive it with kvpool-loadgen
+# (several frontend processes that run no model: each conversation turn is a Prefill that reuses
+# the previous turns through the prefix cache, then one Decode per reply token, gathered across
+# the frontends into shared model steps), show the daemon's stats, and stop it cleanly.
 #
 #   deploy/run.sh                     # the generated multi-tenant conversation workload
 #   deploy/run.sh --trace=../shared/traces/mooncake/conversation_trace.jsonl --max_requests=200

@@ -24,7 +24,8 @@ using nlohmann::json;
 
 // Every tensor of a checkpoint with its transformers name and [out][in] shape, bound to the
 // vector that holds it. `Weights` is ModelWeights (loading) or const ModelWeights (saving);
-// weights.layers must already hold config.num_layers entries.
+// weights.layers must already hold config.num_layers entries. Each layer has kTensorsPerLayer.
+constexpr int64_t kTensorsPerLayer = 9;
 template <typename Weights>
 auto TensorSlots(Weights& weights) {
   using Vector =
@@ -386,6 +387,13 @@ absl::StatusOr<ModelWeights> LoadCheckpoint(const std::string& dir) {
     }
   }
 
+  // The weights and their slots are sized by config.json: a layer count the files cannot hold
+  // (num_hidden_layers 2000000000 would ask for hundreds of GB) is refused before that.
+  if (int64_t{config.num_layers} * kTensorsPerLayer > static_cast<int64_t>(index.size())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        dir, ": config.json says ", config.num_layers, " layers of ", kTensorsPerLayer,
+        " tensors each, but the *.safetensors files hold only ", index.size(), " tensors"));
+  }
   ModelWeights weights;
   weights.config = config;
   weights.layers.resize(static_cast<size_t>(config.num_layers));

@@ -32,9 +32,10 @@ std::vector<int32_t> Prompt(size_t n, uint32_t seed) {
   return out;
 }
 
-std::unique_ptr<client::Client> Connect(const std::string& dir, const std::string& name) {
+std::unique_ptr<client::Client> Connect(const std::string& dir, const std::string& name,
+                                        absl::Duration timeout = absl::Seconds(10)) {
   absl::StatusOr<std::unique_ptr<client::Client>> c =
-      client::Client::Connect({.runtime_dir = dir, .client_name = name});
+      client::Client::Connect({.runtime_dir = dir, .client_name = name, .timeout = timeout});
   EXPECT_TRUE(c.ok()) << c.status();
   return c.ok() ? *std::move(c) : nullptr;
 }
@@ -185,7 +186,9 @@ TEST_F(ComputeIntegrationTest, APrefillWhoseDeadlinePassesInTheQueueLeavesNothin
     max_blocks_per_seq: 256
     model { max_step_tokens: 16 prefill_max_wait_steps: 1000 }
   )pb");
-  auto a = Connect(daemon_->dir(), "long-prompt");
+  // The long prompt's own calls must not give up: 38 steps take seconds under ASan on a busy
+  // machine, past the default 10 s deadline.
+  auto a = Connect(daemon_->dir(), "long-prompt", absl::Minutes(5));
   auto b = Connect(daemon_->dir(), "impatient");
   Generated long_one;
   std::thread prefiller([&] { long_one = Converse(*a, Prompt(600, 9), 1); });

@@ -239,6 +239,15 @@ TEST_F(CheckpointTest, RejectsMissingTensor) {
   ExpectInvalid({missing});
 }
 
+// Found by safetensors_fuzzer: the weights were sized by num_hidden_layers before any tensor was
+// looked up, so a config.json claiming 2e9 layers made the loader allocate ~400 GB and abort.
+TEST_F(CheckpointTest, RejectsMoreLayersThanTheFilesHoldBeforeAllocating) {
+  ModelConfig huge = TestConfig();
+  huge.num_layers = 2'000'000'000;
+  WriteCheckpoint(huge, RawTensorsOf(SyntheticWeights(TestConfig(), 1)));
+  ExpectInvalid({"config.json", "2000000000 layers", "tensors"});
+}
+
 TEST_F(CheckpointTest, RejectsUntiedCheckpointWithoutLmHead) {
   WriteCheckpoint(TestConfig(false), RawTensorsOf(SyntheticWeights(TestConfig(true), 1)));
   ExpectInvalid({"lm_head.weight"});
