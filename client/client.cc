@@ -229,6 +229,52 @@ absl::StatusOr<int64_t> Client::MatchPrefix(std::span<const int32_t> tokens) con
   return response.matched_tokens();
 }
 
+absl::StatusOr<v1::PinInfo> Client::PinPrefix(std::span<const int32_t> tokens, absl::Duration ttl,
+                                              int32_t priority) const {
+  v1::PinRequest request;
+  request.mutable_tokens()->Add(tokens.begin(), tokens.end());
+  request.set_ttl_ms(absl::ToInt64Milliseconds(ttl));
+  request.set_priority(priority);
+  v1::PinResponse response;
+  KVPOOL_CLIENT_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::Pin, request, &response));
+  return response.pin();
+}
+
+absl::StatusOr<v1::PinInfo> Client::PinSequence(uint64_t sequence_id, absl::Duration ttl,
+                                                int32_t priority) const {
+  v1::PinRequest request;
+  request.set_sequence_id(sequence_id);
+  request.set_ttl_ms(absl::ToInt64Milliseconds(ttl));
+  request.set_priority(priority);
+  v1::PinResponse response;
+  KVPOOL_CLIENT_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::Pin, request, &response));
+  return response.pin();
+}
+
+absl::StatusOr<v1::PinInfo> Client::RenewPin(uint64_t pin_id, absl::Duration ttl) const {
+  v1::RenewPinRequest request;
+  request.set_pin_id(pin_id);
+  request.set_ttl_ms(absl::ToInt64Milliseconds(ttl));
+  v1::RenewPinResponse response;
+  KVPOOL_CLIENT_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::RenewPin, request, &response));
+  return response.pin();
+}
+
+absl::Status Client::Unpin(uint64_t pin_id) const {
+  v1::UnpinRequest request;
+  request.set_pin_id(pin_id);
+  v1::UnpinResponse response;
+  return Unary(&v1::KvPool::StubInterface::Unpin, request, &response);
+}
+
+absl::StatusOr<std::vector<v1::PinInfo>> Client::ListPins(bool all_sessions) const {
+  v1::ListPinsRequest request;
+  request.set_all_sessions(all_sessions);
+  v1::ListPinsResponse response;
+  KVPOOL_CLIENT_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::ListPins, request, &response));
+  return std::vector<v1::PinInfo>(response.pins().begin(), response.pins().end());
+}
+
 absl::Status Client::Ping() const {
   v1::PingResponse response;
   return Unary(&v1::KvPool::StubInterface::Ping, v1::PingRequest(), &response);

@@ -130,6 +130,18 @@ class Client final {
   absl::Status Free(const std::vector<uint64_t>& sequence_ids, bool commit = false) const;
   // Leading tokens of `tokens` cached in this session's namespace (lookup only).
   absl::StatusOr<int64_t> MatchPrefix(std::span<const int32_t> tokens) const;
+  // Retention pins (kvpool.proto PinRequest): keep the cached prefix `tokens` of this session's
+  // namespace, or what `sequence_id` has published, from eviction for `ttl`, at `priority` (at
+  // most the tenant's ceiling). The pin ends by itself, with Unpin, or when the session ends.
+  absl::StatusOr<v1::PinInfo> PinPrefix(std::span<const int32_t> tokens, absl::Duration ttl,
+                                        int32_t priority = 0) const;
+  absl::StatusOr<v1::PinInfo> PinSequence(uint64_t sequence_id, absl::Duration ttl,
+                                          int32_t priority = 0) const;
+  // The pin now ends `ttl` from now.
+  absl::StatusOr<v1::PinInfo> RenewPin(uint64_t pin_id, absl::Duration ttl) const;
+  absl::Status Unpin(uint64_t pin_id) const;
+  // This session's pins; with `all_sessions`, everyone's (admin sessions only).
+  absl::StatusOr<std::vector<v1::PinInfo>> ListPins(bool all_sessions = false) const;
   absl::Status Ping() const;
 
   // --- Compute: the daemon's model (FAILED_PRECONDITION when it runs none) ---

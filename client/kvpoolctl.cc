@@ -22,9 +22,9 @@ struct CommandSpec {
 };
 
 constexpr CommandSpec kCommands[] = {
-    {"stats", 0, 0},     {"sessions", 0, 0}, {"sequences", 0, 0}, {"trace", 0, 1},
-    {"events", 0, 0},    {"explain", 1, 1},  {"evict", 0, 0},     {"check", 0, 0},
-    {"log-level", 1, 1}, {"drain", 0, 0},
+    {"stats", 0, 0}, {"sessions", 0, 0},  {"sequences", 0, 0}, {"pins", 0, 0},
+    {"trace", 0, 1}, {"events", 0, 0},    {"explain", 1, 1},   {"evict", 0, 0},
+    {"check", 0, 0}, {"log-level", 1, 1}, {"drain", 0, 0},
 };
 
 absl::StatusOr<int32_t> ParseBlockId(const std::string& text) {
@@ -48,6 +48,7 @@ std::string Usage() {
          "  stats                                  pool gauges and counters (every pool)\n"
          "  sessions                               attached client sessions\n"
          "  sequences [--session=N]                live sequences and their block tables\n"
+         "  pins                                   retention pins of every session\n"
          "  trace (BLOCK | --all) [--format=text|json|chrome]\n"
          "                                         per-block operation history\n"
          "  events [--follow] [--from=N] [--snapshot]\n"
@@ -182,6 +183,12 @@ int Run(const Client& client, const Invocation& inv, std::ostream& out, std::ost
         client.ListSequences(inv.session, inv.pool);
     if (!sequences.ok()) return fail(sequences.status());
     out << FormatSequences(*sequences, inv.json);
+  } else if (command == "pins") {
+    absl::StatusOr<std::vector<v1::PinInfo>> pins = client.ListPins(/*all_sessions=*/true);
+    if (!pins.ok()) return fail(pins.status());
+    v1::ListPinsResponse response;
+    for (v1::PinInfo& pin : *pins) *response.add_pins() = std::move(pin);
+    out << FormatPins(response, inv.json);
   } else if (command == "trace") {
     TraceFormat format = *ParseTraceFormat(inv.format);  // validated above
     if (inv.json && format == TraceFormat::kText) format = TraceFormat::kJson;

@@ -219,6 +219,10 @@ std::string FormatStats(const v1::GetStatsResponse& s, bool json) {
       {"cow_copies", std::to_string(s.cow_copies())},
       {"scrubs", std::to_string(s.scrubs())},
       {"evictions", std::to_string(s.evictions())},
+      {"pins", std::to_string(s.pins())},
+      {"pinned_blocks", std::to_string(s.pinned_blocks())},
+      {"pins_made", std::to_string(s.pins_made())},
+      {"pins_expired", std::to_string(s.pins_expired())},
       {"exhausted", std::to_string(s.exhausted())},
       {"over_releases", std::to_string(s.over_releases())},
       {"sessions_opened", std::to_string(s.sessions_opened())},
@@ -278,6 +282,20 @@ std::string FormatSessions(const v1::ListSessionsResponse& sessions, bool json) 
                   Seconds(s.attached_seconds())});
   }
   return table.Render() + fmt::format("{} session(s)\n", table.num_rows());
+}
+
+std::string FormatPins(const v1::ListPinsResponse& pins, bool json) {
+  if (json) return Pretty(pins);
+  internal::Table table(
+      {"POOL", "PIN", "SESSION", "SEQUENCE", "PRIORITY", "TOKENS", "BLOCKS", "EXPIRES_IN"});
+  for (const v1::PinInfo& p : pins.pins()) {
+    table.AddRow({p.pool(), std::to_string(p.pin_id()), std::to_string(p.session_id()),
+                  p.sequence_id() == 0 ? "-" : std::to_string(p.sequence_id()),
+                  std::to_string(p.priority()), std::to_string(p.tokens()),
+                  std::to_string(p.blocks()),
+                  Seconds(static_cast<double>(p.expires_in_ms()) / 1e3)});
+  }
+  return table.Render() + fmt::format("{} pin(s)\n", table.num_rows());
 }
 
 std::string FormatSequences(const v1::ListSequencesResponse& sequences, bool json) {

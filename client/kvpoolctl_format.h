@@ -33,6 +33,7 @@ std::string ToJson(const google::protobuf::Message& message);
 // for the one-shot commands).
 std::string FormatStats(const v1::GetStatsResponse& stats, bool json);
 std::string FormatSessions(const v1::ListSessionsResponse& sessions, bool json);
+std::string FormatPins(const v1::ListPinsResponse& pins, bool json);
 std::string FormatSequences(const v1::ListSequencesResponse& sequences, bool json);
 std::string FormatTrace(const v1::DumpBlockTraceResponse& trace, TraceFormat format);
 std::string FormatExplain(const v1::ExplainMatchResponse& explain, bool json);

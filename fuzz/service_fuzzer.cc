@@ -119,6 +119,8 @@ class World final {
     const daemon::EngineStats stats = engine_->Stats();
     Require(stats.cache.sequences == 0, "sequences left after every session ended");
     Require(stats.cache.pool.active == 0, "ACTIVE blocks left after every session ended");
+    Require(stats.cache.pins == 0 && stats.cache.pinned_blocks == 0,
+            "pins left after every session ended");
     Require(stats.cache.pool.free + stats.cache.pool.cached + stats.cache.pool.retiring ==
                 stats.cache.pool.num_blocks,
             "blocks unaccounted for");
@@ -133,6 +135,10 @@ class World final {
                                       &World::Commit,
                                       &World::Free,
                                       &World::MatchPrefix,
+                                      &World::Pin,
+                                      &World::RenewPin,
+                                      &World::Unpin,
+                                      &World::ListPins,
                                       &World::Prefill,
                                       &World::Decode,
                                       &World::Generate,
@@ -264,6 +270,47 @@ class World final {
     v1::MatchPrefixResponse r;
     stub_->MatchPrefix(Context().get(), q, &r);
   }
+  // A pin some call returned, or now and then any number.
+  uint64_t PinOf() {
+    if (pins_.empty() || in_.ConsumeIntegralInRange(0, 9) == 0) {
+      return in_.ConsumeIntegralInRange<uint64_t>(0, 16);
+    }
+    return pins_[in_.ConsumeIntegralInRange<size_t>(0, pins_.size() - 1)];
+  }
+  int64_t TtlMs() {
+    return in_.ConsumeIntegralInRange(0, 7) == 0 ? in_.ConsumeIntegral<int64_t>()
+                                                 : in_.ConsumeIntegralInRange<int64_t>(0, 50);
+  }
+  void Pin() {
+    v1::PinRequest q;
+    if (in_.ConsumeBool()) q.set_sequence_id(Sequence());
+    if (in_.ConsumeBool()) Tokens(q.mutable_tokens(), 40);
+    q.set_ttl_ms(TtlMs());
+    q.set_priority(in_.ConsumeIntegralInRange(-1, 4));
+    v1::PinResponse r;
+    if (stub_->Pin(Context().get(), q, &r).ok() && pins_.size() < 256) {
+      pins_.push_back(r.pin().pin_id());
+    }
+  }
+  void RenewPin() {
+    v1::RenewPinRequest q;
+    q.set_pin_id(PinOf());
+    q.set_ttl_ms(TtlMs());
+    v1::RenewPinResponse r;
+    stub_->RenewPin(Context().get(), q, &r);
+  }
+  void Unpin() {
+    v1::UnpinRequest q;
+    q.set_pin_id(PinOf());
+    v1::UnpinResponse r;
+    stub_->Unpin(Context().get(), q, &r);
+  }
+  void ListPins() {
+    v1::ListPinsRequest q;
+    q.set_all_sessions(in_.ConsumeBool());
+    v1::ListPinsResponse r;
+    stub_->ListPins(Context().get(), q, &r);
+  }
   void Prefill() {
     v1::PrefillRequest q;
     q.set_sequence_id(in_.ConsumeBool() ? 0 : Sequence());
@@ -391,6 +438,7 @@ class World final {
   std::shared_ptr<const Session> sessions_[kCallers - 1];
   std::vector<std::shared_ptr<const Session>> ended_;
   std::vector<uint64_t> ids_;
+  std::vector<uint64_t> pins_;
 };
 
 }  // namespace

@@ -86,7 +86,7 @@ void ApplyDefaults(v1::DaemonConfig* c) {
   if (c->max_blocks_per_seq() == 0) c->set_max_blocks_per_seq(4096);
   if (c->fill_policy().empty()) c->set_fill_policy("none");
   if (c->trace_depth() == 0) c->set_trace_depth(8);
-  if (c->eviction_policy().empty()) c->set_eviction_policy("lru");
+  if (c->eviction_policy().empty()) c->set_eviction_policy("default");
   if (c->event_capacity() == 0) c->set_event_capacity(65536);
   if (c->allowed_uids().empty() && c->allowed_gids().empty()) c->add_allowed_uids(getuid());
   if (c->admin_uids().empty()) c->add_admin_uids(getuid());
@@ -311,8 +311,10 @@ std::vector<std::string> ValidateConfig(const v1::DaemonConfig& c) {
   if (c.trace_depth() < 0 || (c.trace_depth() & (c.trace_depth() - 1)) != 0) {
     bad("trace_depth", fmt::format("must be 0 or a power of 2 (got {})", c.trace_depth()));
   }
-  if (!MakeEvictionPolicy(c.eviction_policy()).ok()) {
-    bad("eviction_policy", fmt::format("unknown policy '{}' (lru)", c.eviction_policy()));
+  if (absl::StatusOr<EvictionOptions> spec = ParseEvictionSpec(c.eviction_policy()); !spec.ok()) {
+    bad("eviction_policy",
+        fmt::format("{} (a policy, lru or reuse, then any of +admit and +notail; or default, {})",
+                    std::string(spec.status().message()), kDefaultEvictionSpec));
   }
   if (c.event_capacity() <= 0) bad("event_capacity", "must be > 0");
   if (c.session_quota_blocks() < 0) bad("session_quota_blocks", "must be >= 0 (0: unlimited)");

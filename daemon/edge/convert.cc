@@ -153,6 +153,10 @@ void ToProto(const EngineStats& st, v1::GetStatsResponse* r) {
   r->set_hit_tokens(s.hit_tokens);
   r->set_evictions(s.evictions);
   r->set_cache_nodes(s.cache.nodes);
+  r->set_pins(s.pins);
+  r->set_pinned_blocks(s.pinned_blocks);
+  r->set_pins_made(s.pins_made);
+  r->set_pins_expired(s.pins_expired);
   r->set_events_next_seq(st.events_next_seq);
   r->set_epoch(st.epoch);
   r->set_device(st.device);

@@ -3,6 +3,8 @@
 
 #include "daemon/edge/service.h"
 
+#include <algorithm>
+#include <limits>
 #include <utility>
 
 #include "daemon/edge/grpc_call_context.h"
@@ -134,6 +136,76 @@ KvPoolService::Unary* KvPoolService::MatchPrefix(Context* c, const v1::MatchPref
     absl::StatusOr<int64_t> matched = engine_->MatchPrefix(s, Tokens(q->tokens()));
     if (!matched.ok()) return matched.status();
     r->set_matched_tokens(*matched);
+    return absl::OkStatus();
+  });
+}
+
+namespace {
+
+// ttl_ms as nanoseconds; past int64 it saturates, which the manager refuses as too long.
+int64_t TtlNanos(int64_t ttl_ms) {
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max() / 1'000'000;
+  if (ttl_ms > kMax) return std::numeric_limits<int64_t>::max();
+  if (ttl_ms < -kMax) return std::numeric_limits<int64_t>::min();
+  return ttl_ms * 1'000'000;
+}
+
+// A pin as the protocol shows it, at clock reading `now`.
+void PinToProto(const PinInfo& pin, const std::string& pool, int64_t now, v1::PinInfo* out) {
+  out->set_pin_id(pin.id.value());
+  out->set_session_id(pin.session.value());
+  out->set_sequence_id(pin.sequence.value());
+  out->set_priority(pin.priority);
+  out->set_tokens(pin.tokens);
+  out->set_blocks(pin.blocks);
+  out->set_expires_in_ms(std::max<int64_t>(0, pin.expires_ns - now) / 1'000'000);
+  out->set_pool(pool);
+}
+
+}  // namespace
+
+KvPoolService::Unary* KvPoolService::Pin(Context* c, const v1::PinRequest* q, v1::PinResponse* r) {
+  return Run(c, false, [&](const Session& s) -> absl::Status {
+    const bool by_sequence = q->sequence_id() != 0;
+    if (by_sequence == !q->tokens().empty()) {
+      return absl::InvalidArgumentError(
+          "a pin names exactly one of tokens (a cached prefix) and sequence_id");
+    }
+    absl::StatusOr<PinInfo> pin =
+        by_sequence
+            ? engine_->PinSequence(s, SequenceId(q->sequence_id()), TtlNanos(q->ttl_ms()),
+                                   q->priority())
+            : engine_->PinPrefix(s, Tokens(q->tokens()), TtlNanos(q->ttl_ms()), q->priority());
+    if (!pin.ok()) return pin.status();
+    PinToProto(*pin, engine_->pool_name(s.pool), clock_->NowNanos(), r->mutable_pin());
+    return absl::OkStatus();
+  });
+}
+
+KvPoolService::Unary* KvPoolService::RenewPin(Context* c, const v1::RenewPinRequest* q,
+                                              v1::RenewPinResponse* r) {
+  return Run(c, false, [&](const Session& s) -> absl::Status {
+    absl::StatusOr<PinInfo> pin = engine_->RenewPin(s, PinId(q->pin_id()), TtlNanos(q->ttl_ms()));
+    if (!pin.ok()) return pin.status();
+    PinToProto(*pin, engine_->pool_name(s.pool), clock_->NowNanos(), r->mutable_pin());
+    return absl::OkStatus();
+  });
+}
+
+KvPoolService::Unary* KvPoolService::Unpin(Context* c, const v1::UnpinRequest* q,
+                                           v1::UnpinResponse*) {
+  return Run(c, false, [&](const Session& s) { return engine_->Unpin(s, PinId(q->pin_id())); });
+}
+
+KvPoolService::Unary* KvPoolService::ListPins(Context* c, const v1::ListPinsRequest* q,
+                                              v1::ListPinsResponse* r) {
+  return Run(c, false, [&](const Session& s) -> absl::Status {
+    if (q->all_sessions() && !s.spec.admin) {
+      return absl::PermissionDeniedError("every session's pins: admin sessions only");
+    }
+    for (const Engine::PinListing& l : engine_->ListPins(q->all_sessions() ? kNoSession : s.id)) {
+      PinToProto(l.info, engine_->pool_name(l.pool), clock_->NowNanos(), r->add_pins());
+    }
     return absl::OkStatus();
   });
 }

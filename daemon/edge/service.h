@@ -58,6 +58,10 @@ class KvPoolService final : public v1::KvPool::CallbackService {
   Unary* Free(Context* c, const v1::FreeRequest* q, v1::FreeResponse* r) override;
   Unary* MatchPrefix(Context* c, const v1::MatchPrefixRequest* q,
                      v1::MatchPrefixResponse* r) override;
+  Unary* Pin(Context* c, const v1::PinRequest* q, v1::PinResponse* r) override;
+  Unary* RenewPin(Context* c, const v1::RenewPinRequest* q, v1::RenewPinResponse* r) override;
+  Unary* Unpin(Context* c, const v1::UnpinRequest* q, v1::UnpinResponse* r) override;
+  Unary* ListPins(Context* c, const v1::ListPinsRequest* q, v1::ListPinsResponse* r) override;
   Unary* Ping(Context* c, const v1::PingRequest* q, v1::PingResponse* r) override;
   // Compute calls (service_compute.cc): they complete when their model step has run.
   Unary* Prefill(Context* c, const v1::PrefillRequest* q, v1::PrefillResponse* r) override;

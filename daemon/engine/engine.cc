@@ -305,6 +305,72 @@ absl::StatusOr<int64_t> Engine::MatchPrefix(const Session& s,
   return state_->pool_of(s).cache().MatchPrefix(s.ns, tokens);
 }
 
+namespace {
+
+// The live pin `id` of `session` in `cache`; INTERNAL if the manager just made it and lost it.
+absl::StatusOr<PinInfo> FindPin(const KvCacheManager& cache, SessionId session, PinId id) {
+  for (const PinInfo& pin : cache.ListPins(session)) {
+    if (pin.id == id) return pin;
+  }
+  return absl::InternalError(fmt::format("pin {} vanished", id.value()));
+}
+
+}  // namespace
+
+absl::Status Engine::CheckPinPriority(const Session& s, int priority) const {
+  if (priority > s.max_priority) {
+    ++state_->call_counters.not_permitted;
+    return absl::PermissionDeniedError(fmt::format("priority {} is above tenant {}'s ceiling {}",
+                                                   priority, s.spec.tenant, s.max_priority));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PinInfo> Engine::PinPrefix(const Session& s, std::span<const int32_t> tokens,
+                                          int64_t ttl_ns, int priority) {
+  absl::MutexLock lock(&mu_);
+  KVPOOL_RETURN_IF_ERROR(Admit(s, {}));
+  KVPOOL_RETURN_IF_ERROR(CheckPinPriority(s, priority));
+  KvCacheManager& cache = state_->pool_of(s).cache();
+  KVPOOL_ASSIGN_OR_RETURN(const PinId id, cache.PinPrefix(s.id, s.ns, tokens, ttl_ns, priority));
+  return FindPin(cache, s.id, id);
+}
+
+absl::StatusOr<PinInfo> Engine::PinSequence(const Session& s, SequenceId sequence, int64_t ttl_ns,
+                                            int priority) {
+  absl::MutexLock lock(&mu_);
+  KVPOOL_RETURN_IF_ERROR(Admit(s, {}));
+  KVPOOL_RETURN_IF_ERROR(CheckPinPriority(s, priority));
+  KvCacheManager& cache = state_->pool_of(s).cache();
+  KVPOOL_ASSIGN_OR_RETURN(const PinId id, cache.PinSequence(s.id, sequence, ttl_ns, priority));
+  return FindPin(cache, s.id, id);
+}
+
+absl::StatusOr<PinInfo> Engine::RenewPin(const Session& s, PinId pin, int64_t ttl_ns) {
+  absl::MutexLock lock(&mu_);
+  KVPOOL_RETURN_IF_ERROR(Admit(s, {}));
+  KvCacheManager& cache = state_->pool_of(s).cache();
+  KVPOOL_RETURN_IF_ERROR(cache.RenewPin(s.id, pin, ttl_ns));
+  return FindPin(cache, s.id, pin);
+}
+
+absl::Status Engine::Unpin(const Session& s, PinId pin) {
+  absl::MutexLock lock(&mu_);
+  KVPOOL_RETURN_IF_ERROR(Admit(s, {}));
+  return state_->pool_of(s).cache().Unpin(s.id, pin);
+}
+
+std::vector<Engine::PinListing> Engine::ListPins(SessionId session) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<PinListing> out;
+  for (int32_t p = 0; p < state_->num_pools(); ++p) {
+    for (PinInfo& pin : state_->pool(p).cache().ListPins(session)) {
+      out.push_back({.info = std::move(pin), .pool = p});
+    }
+  }
+  return out;
+}
+
 void Engine::Submit(std::unique_ptr<ComputeCall> call) {
   if (runner_ == nullptr) {
     call->result().status =

@@ -140,6 +140,24 @@ class Engine final {
                     const CallContext& context);
   absl::StatusOr<int64_t> MatchPrefix(const Session& s, std::span<const int32_t> tokens) const;
 
+  // --- Retention pins (kvpool.proto PinRequest; KvCacheManager::PinPrefix for the rules). Pins
+  // live in the session's pool, in its namespace, and end with the session. A compute-only
+  // session may pin (a pin hands out nothing to write); a priority above the tenant's ceiling is
+  // PERMISSION_DENIED. Errors otherwise as the manager's, plus those of every session call. ---
+  absl::StatusOr<PinInfo> PinPrefix(const Session& s, std::span<const int32_t> tokens,
+                                    int64_t ttl_ns, int priority);
+  absl::StatusOr<PinInfo> PinSequence(const Session& s, SequenceId sequence, int64_t ttl_ns,
+                                      int priority);
+  // The pin as renewed.
+  absl::StatusOr<PinInfo> RenewPin(const Session& s, PinId pin, int64_t ttl_ns);
+  absl::Status Unpin(const Session& s, PinId pin);
+  struct PinListing {
+    PinInfo info;
+    int32_t pool = 0;
+  };
+  // The live pins of `session` (kNoSession: every session's), by pool, then id.
+  std::vector<PinListing> ListPins(SessionId session) const;
+
   // --- Compute calls ---
   bool has_model() const { return runner_ != nullptr; }
   ModelInfo model_info() const { return model_info_; }
@@ -208,6 +226,9 @@ class Engine final {
   // Under the lock, before a call changes anything: the engine serves, the session is live, and
   // it may do what the call `needs`.
   absl::Status Admit(const Session& s, Needs needs) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // PERMISSION_DENIED (counted) for a pin priority above the session's ceiling.
+  absl::Status CheckPinPriority(const Session& s, int priority) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // After a call's device work was queued, outside the lock: waits for it; then releases the
   // sequences the call created when the wait failed or the caller gave up meanwhile.
   absl::Status Complete(const Session& s, Fence fence, std::span<const SequenceId> created,

@@ -10,6 +10,7 @@
 #include "daemon/engine/step_scheduler.h"
 #include "kernels/plan_executor.h"
 #include "kernels/pool_layout.h"
+#include "kvpool/eviction_policy.h"
 #include "kvpool/util/clock.h"
 
 namespace kvpool::daemon {
@@ -44,7 +45,7 @@ struct EngineOptions {
   int32_t max_blocks_per_seq = 4096;  // bound on every block table
   int32_t trace_depth = 8;            // per-block trace entries: 0 or a power of 2
   bool prefix_cache = true;
-  std::string eviction_policy = "lru";
+  std::string eviction_policy = std::string(kDefaultEvictionSpec);  // ParseEvictionSpec
   size_t event_capacity = 65536;  // cache events kept for replay, per pool
   kernels::FillPolicy fill_policy = kernels::FillPolicy::kNone;
   int64_t session_quota_blocks = 0;  // block references a session may hold; 0: unlimited

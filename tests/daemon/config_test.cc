@@ -25,6 +25,18 @@ TEST(ConfigTest, EmbeddedDefaultsNeedNoFile) {
   EXPECT_FALSE(c->runtime_dir().empty());
   EXPECT_EQ(c->socket_mode(), 0660u);
   EXPECT_EQ(c->model().prefill_max_wait_steps(), 4);
+  EXPECT_EQ(c->eviction_policy(), "default");  // the measured default (docs/eviction.md)
+}
+
+TEST(ConfigTest, EvictionPolicySpecsAreCheckedWhole) {
+  const std::string path = ::testing::TempDir() + "/eviction.textproto";
+  std::ofstream(path) << "eviction_policy: \"reuse+admit\"\n";
+  ASSERT_TRUE(LoadConfig(path).ok());
+  std::ofstream(path) << "eviction_policy: \"lru+bogus\"\n";
+  const absl::Status bad = LoadConfig(path).status();
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.message()), HasSubstr("eviction_policy: "));
+  EXPECT_THAT(std::string(bad.message()), HasSubstr("'bogus'"));
 }
 
 TEST(ConfigTest, EveryProblemIsOneLineNamingTheField) {

@@ -255,5 +255,93 @@ TEST_F(EngineTest, TenantQuotaIsSetWhenItsSessionOpens) {
   EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
 }
 
+TEST_F(EngineTest, APinKeepsAPrefixOutOfEvictionUntilItEnds) {
+  ManualClock clock(1'000'000'000);
+  EngineOptions options = SmallPool(8, &clock);
+  options.open_tenant.max_priority = 1;
+  engine_ = std::move(*Engine::Create(options, &device_, nullptr));
+  alice_ = *engine_->OpenSession(Spec("a", "alice"));
+  bob_ = *engine_->OpenSession(Spec("a", "bob"));
+  // Alice publishes a 32-token system prompt (two blocks) and goes: it is cached, evictable.
+  const std::vector<int32_t> system = Prompt(32, 7);
+  SequenceId id = Allocate(*alice_, 32, system);
+  ASSERT_TRUE(
+      engine_->Free(*alice_, std::span(&id, 1), OnFree::kCommit, CallContext::Uncancellable())
+          .ok());
+  constexpr int64_t kSecond = 1'000'000'000;
+
+  // A priority above the tenant's ceiling is refused, and so is a prefix not all cached.
+  EXPECT_EQ(engine_->PinPrefix(*bob_, system, 10 * kSecond, 2).status().code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(engine_->PinPrefix(*bob_, Prompt(48, 7), 10 * kSecond, 0).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(engine_->PinPrefix(*bob_, system, 0, 0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(engine_->ListPins(kNoSession).empty());
+
+  absl::StatusOr<PinInfo> pin = engine_->PinPrefix(*bob_, system, 10 * kSecond, 1);
+  ASSERT_TRUE(pin.ok()) << pin.status();
+  EXPECT_EQ(pin->session, bob_->id);
+  EXPECT_EQ(pin->blocks, 2);
+  EXPECT_EQ(pin->tokens, 32);
+  EXPECT_EQ(pin->priority, 1);
+  EXPECT_EQ(pin->expires_ns, clock.NowNanos() + 10 * kSecond);
+  EXPECT_EQ(engine_->Stats().cache.pins, 1);
+  EXPECT_EQ(engine_->Stats().cache.pinned_blocks, 2);
+
+  // Eviction cannot take it: the other six blocks are all a new sequence can get.
+  EXPECT_EQ(*engine_->Evict(0, 8, false), 0);
+  const AllocateRequest seven{.num_tokens = 7 * 16};
+  EXPECT_EQ(engine_->Allocate(*alice_, std::span(&seven, 1), CallContext::Uncancellable())
+                .status()
+                .code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(*engine_->MatchPrefix(*alice_, system), 32);
+  ExpectInvariants();
+
+  // Only its owner renews or ends it.
+  EXPECT_EQ(engine_->Unpin(*alice_, pin->id).code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(engine_->RenewPin(*alice_, pin->id, kSecond).status().code(),
+            absl::StatusCode::kPermissionDenied);
+  clock.Advance(9 * kSecond);
+  absl::StatusOr<PinInfo> renewed = engine_->RenewPin(*bob_, pin->id, 5 * kSecond);
+  ASSERT_TRUE(renewed.ok()) << renewed.status();
+  EXPECT_EQ(renewed->expires_ns, clock.NowNanos() + 5 * kSecond);
+  ASSERT_EQ(engine_->ListPins(bob_->id).size(), 1u);
+  EXPECT_TRUE(engine_->ListPins(alice_->id).empty());
+
+  // Its time runs out: the next call finds the blocks evictable again.
+  clock.Advance(6 * kSecond);
+  EXPECT_TRUE(engine_->ListPins(kNoSession).empty());
+  EXPECT_TRUE(engine_->Allocate(*alice_, std::span(&seven, 1), CallContext::Uncancellable()).ok());
+  EXPECT_EQ(engine_->Stats().cache.pins, 0);
+  EXPECT_EQ(engine_->Stats().cache.pins_expired, 1u);
+  EXPECT_EQ(engine_->Unpin(*bob_, pin->id).code(), absl::StatusCode::kNotFound);
+  ExpectInvariants();
+}
+
+TEST_F(EngineTest, ASequencePinOutlivesTheSequenceButNotItsSession) {
+  Make(16);
+  const std::vector<int32_t> context = Prompt(40, 3);
+  SequenceId id = Allocate(*bob_, 40, context);
+  ASSERT_TRUE(engine_->Commit(*bob_, id, 40, {}, CallContext::Uncancellable()).ok());
+  EXPECT_EQ(engine_->PinSequence(*alice_, id, 1'000'000'000, 0).status().code(),
+            absl::StatusCode::kPermissionDenied);  // not hers
+  absl::StatusOr<PinInfo> pin = engine_->PinSequence(*bob_, id, 60'000'000'000, 0);
+  ASSERT_TRUE(pin.ok()) << pin.status();
+  EXPECT_EQ(pin->sequence, id);
+  EXPECT_EQ(pin->blocks, 3);  // two full blocks and the published partial tail
+  ASSERT_TRUE(
+      engine_->Free(*bob_, std::span(&id, 1), OnFree::kDiscard, CallContext::Uncancellable()).ok());
+  EXPECT_EQ(*engine_->Evict(0, 16, false), 0);  // the pin holds all three
+  EXPECT_EQ(*engine_->MatchPrefix(*alice_, context), 40);
+  // The session ends: so do its pins.
+  engine_->EndSession(bob_->id, SessionEnd::kConnectionLost);
+  EXPECT_TRUE(engine_->ListPins(kNoSession).empty());
+  EXPECT_EQ(engine_->Stats().cache.pinned_blocks, 0);
+  EXPECT_EQ(*engine_->Evict(0, 16, false), 3);
+  ExpectInvariants();
+}
+
 }  // namespace
 }  // namespace kvpool::daemon

@@ -4,6 +4,8 @@
 
 #include "daemon/edge/service.h"
 
+#include <limits>
+
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -154,6 +156,77 @@ TEST_F(ServiceTest, RepliesCarryTheTablesAndOnlyTheChangedTails) {
   ASSERT_TRUE(stub_->ListSequences(As(admin_).get(), {}, &listed).ok());
   EXPECT_EQ(listed.sequences_size(), 2);
   EXPECT_THAT(listed.session_ids(), ::testing::Each(user_->id.value()));
+}
+
+TEST_F(ServiceTest, PinsAreMadeListedAndEndedThroughTheProtocol) {
+  v1::AllocateRequest allocate;
+  v1::AllocateItem* item = allocate.add_items();
+  item->set_num_tokens(32);
+  for (int32_t t = 0; t < 32; ++t) item->add_prompt(t);
+  v1::AllocateResponse allocated;
+  ASSERT_TRUE(stub_->Allocate(As(user_).get(), allocate, &allocated).ok());
+  v1::CommitRequest commit;
+  commit.set_sequence_id(allocated.sequences(0).sequence_id());
+  commit.set_num_tokens(32);
+  v1::CommitResponse committed;
+  ASSERT_TRUE(stub_->Commit(As(user_).get(), commit, &committed).ok());
+
+  v1::PinRequest both;  // a prefix and a sequence at once
+  both.add_tokens(0);
+  both.set_sequence_id(allocated.sequences(0).sequence_id());
+  both.set_ttl_ms(1000);
+  v1::PinResponse pinned;
+  EXPECT_EQ(stub_->Pin(As(user_).get(), both, &pinned).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  v1::PinRequest forever;  // a ttl past int64 nanoseconds
+  for (int32_t t = 0; t < 32; ++t) forever.add_tokens(t);
+  forever.set_ttl_ms(std::numeric_limits<int64_t>::max());
+  EXPECT_EQ(stub_->Pin(As(user_).get(), forever, &pinned).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  v1::PinRequest prefix = forever;
+  prefix.set_ttl_ms(60'000);
+  prefix.set_priority(1);
+  ASSERT_TRUE(stub_->Pin(As(user_).get(), prefix, &pinned).ok());
+  EXPECT_EQ(pinned.pin().tokens(), 32);
+  EXPECT_EQ(pinned.pin().blocks(), 2);
+  EXPECT_EQ(pinned.pin().session_id(), user_->id.value());
+  EXPECT_EQ(pinned.pin().pool(), "default");
+  EXPECT_GT(pinned.pin().expires_in_ms(), 59'000);
+  EXPECT_LE(pinned.pin().expires_in_ms(), 60'000);
+
+  // Everyone's pins: admin sessions only.
+  v1::ListPinsRequest all;
+  all.set_all_sessions(true);
+  v1::ListPinsResponse listed;
+  EXPECT_EQ(stub_->ListPins(As(user_).get(), all, &listed).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  ASSERT_TRUE(stub_->ListPins(As(admin_).get(), all, &listed).ok());
+  ASSERT_EQ(listed.pins_size(), 1);
+  EXPECT_EQ(listed.pins(0).pin_id(), pinned.pin().pin_id());
+  listed.Clear();
+  ASSERT_TRUE(stub_->ListPins(As(admin_).get(), {}, &listed).ok());
+  EXPECT_EQ(listed.pins_size(), 0);  // the admin's own
+  v1::GetStatsResponse stats;
+  ASSERT_TRUE(stub_->GetStats(As(admin_).get(), {}, &stats).ok());
+  EXPECT_EQ(stats.pins(), 1);
+  EXPECT_EQ(stats.pinned_blocks(), 2);
+  EXPECT_EQ(stats.pins_made(), 1u);
+
+  v1::UnpinRequest unpin;
+  unpin.set_pin_id(pinned.pin().pin_id());
+  v1::UnpinResponse unpinned;
+  EXPECT_EQ(stub_->Unpin(As(admin_).get(), unpin, &unpinned).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);  // not the admin's pin
+  EXPECT_TRUE(stub_->Unpin(As(user_).get(), unpin, &unpinned).ok());
+  EXPECT_EQ(stub_->Unpin(As(user_).get(), unpin, &unpinned).error_code(),
+            grpc::StatusCode::NOT_FOUND);
+  v1::RenewPinRequest renew;
+  renew.set_pin_id(pinned.pin().pin_id());
+  renew.set_ttl_ms(1000);
+  v1::RenewPinResponse renewed;
+  EXPECT_EQ(stub_->RenewPin(As(user_).get(), renew, &renewed).error_code(),
+            grpc::StatusCode::NOT_FOUND);
+  EXPECT_TRUE(engine_->CheckInvariants().ok());
 }
 
 TEST_F(ServiceTest, AStoppedServiceRefusesEveryCall) {

@@ -161,6 +161,18 @@ def match_prefix_request(tokens: Seq[int]):
         return kvpool_pb2.MatchPrefixRequest(tokens=list(tokens))
 
 
+def pin_request(tokens: Seq[int] = (), sequence_id: int = 0, ttl_s: float = 0.0,
+                priority: int = 0):
+    with building("Pin"):
+        return kvpool_pb2.PinRequest(tokens=list(tokens), sequence_id=sequence_id,
+                                     ttl_ms=int(ttl_s * 1000), priority=priority)
+
+
+def renew_pin_request(pin_id: int, ttl_s: float):
+    with building("RenewPin"):
+        return kvpool_pb2.RenewPinRequest(pin_id=pin_id, ttl_ms=int(ttl_s * 1000))
+
+
 # --- Compute ---
 
 def prefill_request(tokens: Seq[int], sequence_id: int, top_k: int, priority: int):

@@ -98,6 +98,24 @@ class AsyncClient(_Session):
     async def match_prefix(self, tokens: Seq[int]) -> int:
         return (await self._call("MatchPrefix", _calls.match_prefix_request(tokens))).matched_tokens
 
+    async def pin_prefix(self, tokens: Seq[int], ttl_s: float, priority: int = 0):
+        return (await self._call("Pin", _calls.pin_request(tokens=tokens, ttl_s=ttl_s,
+                                                           priority=priority))).pin
+
+    async def pin_sequence(self, sequence_id: int, ttl_s: float, priority: int = 0):
+        return (await self._call("Pin", _calls.pin_request(sequence_id=sequence_id, ttl_s=ttl_s,
+                                                           priority=priority))).pin
+
+    async def renew_pin(self, pin_id: int, ttl_s: float):
+        return (await self._call("RenewPin", _calls.renew_pin_request(pin_id, ttl_s))).pin
+
+    async def unpin(self, pin_id: int) -> None:
+        await self._call("Unpin", kvpool_pb2.UnpinRequest(pin_id=pin_id))
+
+    async def list_pins(self, all_sessions: bool = False):
+        return list((await self._call(
+            "ListPins", kvpool_pb2.ListPinsRequest(all_sessions=all_sessions))).pins)
+
     async def ping(self) -> None:
         await self._call("Ping", kvpool_pb2.PingRequest())
 

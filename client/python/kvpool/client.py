@@ -267,6 +267,32 @@ class Client(_Session):
         """Leading tokens of `tokens` cached in this session's namespace (lookup only)."""
         return self._call("MatchPrefix", _calls.match_prefix_request(tokens)).matched_tokens
 
+    # Retention pins (kvpool.proto PinRequest): keep a cached prefix of this session's namespace,
+    # or what one of its sequences published, out of eviction for `ttl_s` seconds, at a priority
+    # up to the tenant's ceiling. A pin ends by itself, with unpin(), or with the session.
+
+    def pin_prefix(self, tokens: Seq[int], ttl_s: float, priority: int = 0):
+        """Pins the wholly cached prefix `tokens`; returns the PinInfo."""
+        return self._call("Pin", _calls.pin_request(tokens=tokens, ttl_s=ttl_s,
+                                                    priority=priority)).pin
+
+    def pin_sequence(self, sequence_id: int, ttl_s: float, priority: int = 0):
+        """Pins what `sequence_id` has published so far; returns the PinInfo."""
+        return self._call("Pin", _calls.pin_request(sequence_id=sequence_id, ttl_s=ttl_s,
+                                                    priority=priority)).pin
+
+    def renew_pin(self, pin_id: int, ttl_s: float):
+        """The pin now ends `ttl_s` seconds from now; returns the PinInfo."""
+        return self._call("RenewPin", _calls.renew_pin_request(pin_id, ttl_s)).pin
+
+    def unpin(self, pin_id: int) -> None:
+        self._call("Unpin", kvpool_pb2.UnpinRequest(pin_id=pin_id))
+
+    def list_pins(self, all_sessions: bool = False):
+        """This session's pins; with `all_sessions`, everyone's (admin sessions only)."""
+        return list(self._call("ListPins",
+                               kvpool_pb2.ListPinsRequest(all_sessions=all_sessions)).pins)
+
     def ping(self) -> None:
         self._call("Ping", kvpool_pb2.PingRequest())
 
