@@ -4,11 +4,14 @@
 //
 // - Allocate, Free (one sequence) and Grow (1 token x 256 sequences, one batch) beside an empty
 //   call (Ping) on the same socket in the same run: what the pool adds to a gRPC round trip.
+// - Ping beside the same empty call answered by a minimal synchronous gRPC server
+//   (bare_grpc_server, a process of its own, a Unix socket too): what kvpoold adds to gRPC.
 // - A block read through the client's mapping of the pool beside a local memcpy of the same size.
 // - Reclaim: from kill -9 of a client holding sequences until the daemon reports its blocks
 //   back (the daemon learns of the death from the attach socket closing).
 
 #include <signal.h>
+#include <stdlib.h>
 #include <sys/mman.h>
 
 #include <cstring>
@@ -17,7 +20,9 @@
 #include "bench/ratio_reporter.h"
 #include "benchmark/benchmark.h"
 #include "client/client.h"
+#include "grpcpp/grpcpp.h"
 #include "kvpool/util/check.h"
+#include "kvpool/v1/kvpool.grpc.pb.h"
 #include "tests/integration/harness.h"
 
 namespace kvpool {
@@ -53,6 +58,52 @@ void BM_Ping(benchmark::State& state) {
   for (auto _ : state) KVPOOL_CHECK_OK(c.Ping());
 }
 BENCHMARK(BM_Ping)->UseRealTime();
+
+// The floor: a bare synchronous gRPC server, called the way the client calls kvpoold (a fresh
+// context with a deadline per call, one channel over a Unix socket).
+struct BareServer {
+  BareServer() {
+    char dir[] = "/tmp/kvpool-bare-XXXXXX";
+    KVPOOL_CHECK(mkdtemp(dir) != nullptr);
+    path = std::string(dir) + "/grpc.sock";
+    absl::StatusOr<testing::Child> c = testing::Spawn({KVPOOL_BARE_GRPC_SERVER_BINARY, path});
+    KVPOOL_CHECK_OK(c.status());
+    child = *c;
+    KVPOOL_CHECK(testing::ReadLine(child, absl::Seconds(10)).value_or("") == "ready");
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(-1);  // as the client's channel
+    stub = v1::KvPool::NewStub(
+        grpc::CreateCustomChannel("unix:" + path, grpc::InsecureChannelCredentials(), args));
+  }
+  ~BareServer() {
+    stub.reset();
+    kill(child.pid, SIGTERM);
+    testing::Wait(&child);
+    unlink(path.c_str());
+    rmdir(path.substr(0, path.rfind('/')).c_str());
+  }
+  std::string path;
+  testing::Child child;
+  std::unique_ptr<v1::KvPool::Stub> stub;
+};
+
+std::unique_ptr<BareServer>& Bare() {
+  static std::unique_ptr<BareServer> bare;
+  return bare;
+}
+
+void BM_BareGrpcPing(benchmark::State& state) {
+  if (Bare() == nullptr) Bare() = std::make_unique<BareServer>();
+  v1::KvPool::Stub& stub = *Bare()->stub;
+  const v1::PingRequest request;
+  v1::PingResponse response;
+  for (auto _ : state) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    KVPOOL_CHECK(stub.Ping(&context, request, &response).ok());
+  }
+}
+BENCHMARK(BM_BareGrpcPing)->UseRealTime();
 
 void BM_Allocate(benchmark::State& state) {
   const client::Client& c = *Get().client;
@@ -180,6 +231,8 @@ int main(int argc, char** argv) {
   const int rc = kvpool::bench::RunWithRatios(
       argc, argv,
       {
+          {"bare gRPC Ping / kvpoold Ping", "BM_Ping/real_time", "BM_BareGrpcPing/real_time",
+           1 / 1.2},
           {"Ping / Allocate (1 sequence)", "BM_Allocate/real_time", "BM_Ping/real_time", 1 / 1.2},
           {"Ping / Free (1 sequence)", "BM_Free/real_time", "BM_Ping/real_time", 1 / 1.2},
           {"Ping / Grow (1 token x 256 sequences)", "BM_Grow256/real_time", "BM_Ping/real_time",
@@ -188,5 +241,6 @@ int main(int argc, char** argv) {
       });
   std::printf("(reclaim after kill -9: see BM_ReclaimAfterKill; target < 100 ms)\n");
   kvpool::Instance().reset();  // the client detaches, then the daemon stops
+  kvpool::Bare().reset();
   return rc;
 }
