@@ -125,6 +125,15 @@ absl::StatusOr<bool> VmmSupported(const DriverApi& api, CUdevice device) {
   return vmm != 0 && posix_fd != 0;
 }
 
+// Zeroes a new arena before anyone can map it. Device memory comes back from the driver with
+// whatever its last user left (another process's KV, another tenant's), and the block pool does
+// not scrub a block's first hand-out (it had no owner), so the arena must start as zeros, as a
+// CPU arena (a fresh memfd) does. Synchronous: creation is rare and nothing may race it.
+absl::Status ZeroArena(void* base, size_t bytes) {
+  KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaMemset(base, 0, bytes), "cudaMemset(arena, 0)"));
+  return CudaStatus(cudaDeviceSynchronize(), "cudaDeviceSynchronize (zeroing the arena)");
+}
+
 // Null with OK status when the driver refuses the allocation as unsupported (the caller falls
 // back to cudaMalloc).
 absl::StatusOr<std::unique_ptr<Arena>> CreateVmmArena(const DriverApi& api, int ordinal,
@@ -173,8 +182,9 @@ absl::StatusOr<std::unique_ptr<Arena>> CreateVmmArena(const DriverApi& api, int 
     api.cuMemRelease(handle);
     return s;
   }
-  return std::unique_ptr<Arena>(
-      std::make_unique<VmmArena>(&api, ordinal, handle, base, bytes, mapped));
+  auto arena = std::make_unique<VmmArena>(&api, ordinal, handle, base, bytes, mapped);
+  KVPOOL_RETURN_IF_ERROR(ZeroArena(reinterpret_cast<void*>(base), size));
+  return std::unique_ptr<Arena>(std::move(arena));
 }
 
 }  // namespace
@@ -194,7 +204,9 @@ absl::StatusOr<std::unique_ptr<Arena>> CreateCudaArena(int ordinal, int64_t byte
   KVPOOL_RETURN_IF_ERROR(
       CudaStatus(cudaMalloc(&base, static_cast<size_t>(bytes)),
                  fmt::format("cudaMalloc({} bytes on device {})", bytes, ordinal)));
-  return std::unique_ptr<Arena>(std::make_unique<IpcArena>(ordinal, base, bytes));
+  auto arena = std::make_unique<IpcArena>(ordinal, base, bytes);
+  KVPOOL_RETURN_IF_ERROR(ZeroArena(base, static_cast<size_t>(bytes)));
+  return std::unique_ptr<Arena>(std::move(arena));
 }
 
 absl::StatusOr<std::unique_ptr<DeviceBuffer>> AllocateCudaBuffer(int ordinal, int64_t bytes) {

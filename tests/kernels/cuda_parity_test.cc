@@ -8,6 +8,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -341,6 +342,23 @@ TEST_F(CudaFenceTest, ArenaExportsAMappableHandle) {
     EXPECT_EQ(exported.kind, ArenaExport::Kind::kCudaIpc);
     EXPECT_EQ(exported.ipc_handle.size(), 64u);  // sizeof(cudaIpcMemHandle_t)
   }
+}
+
+// A fresh arena reads as zeros, even where the driver hands back a freed arena's memory: the
+// pool never scrubs a block's first hand-out (its last owner is "nobody"), so stale bytes of an
+// earlier arena (another tenant's, another process's) must not survive into a new one.
+TEST_F(CudaFenceTest, ANewArenaIsZeroedWhateverItsMemoryHeldBefore) {
+  constexpr int64_t kBytes = 8 << 20;
+  for (int round = 0; round < 2; ++round) {
+    ASSERT_OK_AND_MOVE(auto arena, device().CreateArena(kBytes));
+    ASSERT_OK_AND_MOVE(std::vector<char> bytes,
+                       Download<char>(device(), arena->base(), static_cast<size_t>(kBytes)));
+    const auto nonzero = std::count_if(bytes.begin(), bytes.end(), [](char c) { return c != 0; });
+    EXPECT_EQ(nonzero, 0) << "round " << round;
+    const std::vector<char> garbage(static_cast<size_t>(kBytes), static_cast<char>(0xab));
+    auto fence = device().CopyToDevice(StreamId::kTransfer, arena->base(), garbage.data(), kBytes);
+    ASSERT_TRUE(fence.ok() && device().Synchronize(*fence).ok());
+  }  // the second round's arena is likely the first one's memory again
 }
 
 }  // namespace
