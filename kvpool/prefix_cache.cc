@@ -1,6 +1,7 @@
 #include "kvpool/prefix_cache.h"
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -17,8 +18,18 @@ using internal::StartsWith;
 
 BlockHash PrefixChainHash(const BlockHash& parent, NamespaceId ns,
                           std::span<const int32_t> tokens) {
-  // (parent hash, namespace, tokens) in one buffer: the one-shot hash beats streaming.
-  std::string buffer(sizeof(BlockHash) + sizeof(uint64_t) + tokens.size_bytes(), '\0');
+  // (parent hash, namespace, tokens) in one buffer: the one-shot hash beats streaming. Blocks up
+  // to 1,024 tokens use the stack (no allocation per stored block).
+  constexpr size_t kHeader = sizeof(BlockHash) + sizeof(uint64_t);
+  constexpr size_t kInline = kHeader + 1024 * sizeof(int32_t);
+  std::array<char, kInline> stack;
+  std::string heap;
+  const size_t size = kHeader + tokens.size_bytes();
+  std::span<char> buffer(stack.data(), size);
+  if (size > kInline) {
+    heap.resize(size);
+    buffer = std::span<char>(heap.data(), size);
+  }
   const uint64_t ns_value = ns.value();
   std::memcpy(buffer.data(), &parent, sizeof(BlockHash));
   std::memcpy(buffer.data() + sizeof(BlockHash), &ns_value, sizeof(ns_value));
@@ -96,6 +107,7 @@ PrefixCache::PrefixCache(const PrefixCacheOptions& options, BlockPool* pool,
     : block_size_(options.block_size),
       evicted_memory_(options.evicted_memory),
       retain_partial_tails_(retain_partial_tails),
+      events_on_(options.events),
       pool_(pool),
       policy_(std::move(policy)),
       events_(options.epoch, options.event_capacity),
@@ -150,7 +162,12 @@ bool PrefixCache::Agrees(BlockId block, std::span<const int32_t> tokens) const {
 }
 
 NodeIndex PrefixCache::FindFull(NodeIndex parent, std::span<const int32_t> tokens) const {
-  auto it = children_.find(ChildKey{parent, HashTokens(tokens)});
+  return FindFull(parent, tokens, HashTokens(tokens));
+}
+
+NodeIndex PrefixCache::FindFull(NodeIndex parent, std::span<const int32_t> tokens,
+                                uint64_t token_hash) const {
+  auto it = children_.find(ChildKey{parent, token_hash});
   if (it == children_.end()) return kNoNode;
   return std::ranges::equal(Tokens(it->second), tokens) ? it->second : kNoNode;
 }

@@ -95,6 +95,9 @@ struct PrefixCacheOptions {
   uint64_t epoch = 0;             // stamped on every event
   size_t event_capacity = 65536;  // events kept for replay; > 0
   size_t evicted_memory = 65536;  // recently evicted block hashes remembered for Explain()
+  // Record KV events. Off (a replay or bench with no event consumer) the log stays empty and
+  // stored blocks cost no token copies.
+  bool events = true;
   // Eviction spec (ParseEvictionSpec): the ordering policy and whether partial tails are kept.
   std::string policy = std::string(kDefaultEvictionSpec);
   int64_t history_blocks = 0;  // EvictionOptions::history_blocks (0: 4 per pool block)
@@ -266,6 +269,8 @@ class PrefixCache final {
   NodeIndex NewNode();
   // The full child of `parent` holding exactly `tokens` (a whole block), or kNoNode.
   NodeIndex FindFull(NodeIndex parent, std::span<const int32_t> tokens) const;
+  // The same, given HashTokens(tokens).
+  NodeIndex FindFull(NodeIndex parent, std::span<const int32_t> tokens, uint64_t token_hash) const;
   // The child of `parent` sharing the most leading tokens with `tokens` (capped at its
   // coverage); ties go to the wider node. Returns kNoNode when none shares any.
   NodeIndex BestChild(NodeIndex parent, std::span<const int32_t> tokens, int32_t* common) const;
@@ -274,12 +279,13 @@ class PrefixCache final {
   // Commit() without the retention mark.
   void CommitBlocks(NamespaceId ns, std::span<const int32_t> tokens, std::span<const BlockId> table,
                     int priority, CachePath* path, const TraceContext& ctx);
-  NodeIndex Insert(NodeIndex parent, std::span<const int32_t> tokens, BlockId block, int priority,
-                   const TraceContext& ctx);
+  // `token_hash`: HashTokens(tokens) when they are a whole block (unused otherwise).
+  NodeIndex Insert(NodeIndex parent, std::span<const int32_t> tokens, uint64_t token_hash,
+                   BlockId block, int priority, const TraceContext& ctx);
   // Extends `node` (holding the sequence's own block) to `tokens`; a node reaching a full block
   // joins the child index and is announced.
   void Widen(NodeIndex node, std::span<const int32_t> tokens);
-  void MakeFull(NodeIndex node);
+  void MakeFull(NodeIndex node, uint64_t token_hash);
   // Removes unused partial siblings of `node` that it covers.
   void RemoveDominated(NodeIndex node, const TraceContext& ctx);
   void RemoveNode(NodeIndex node, const TraceContext& ctx);
@@ -313,6 +319,7 @@ class PrefixCache final {
   const int32_t block_size_;
   const size_t evicted_memory_;
   const bool retain_partial_tails_;
+  const bool events_on_;
   BlockPool* const pool_;
   std::unique_ptr<EvictionPolicy> policy_;
   EventLog events_;
@@ -350,8 +357,12 @@ class PrefixCache final {
   std::vector<BlockHash> pending_removed_;  // batched into one BlockRemoved per call
   NamespaceId pending_removed_ns_;
 
-  // PlanEviction's scratch, kept to avoid allocating on every eviction.
-  mutable absl::flat_hash_map<NodeIndex, int32_t> plan_gone_;
+  // PlanEviction's scratch, kept to avoid allocating or hashing on every eviction: by node, the
+  // children planned away and whether it is kept (all zero between calls), and the nodes whose
+  // entries to reset.
+  mutable std::vector<int32_t> plan_gone_;
+  mutable std::vector<uint8_t> plan_kept_;
+  mutable std::vector<NodeIndex> plan_touched_;
   mutable std::vector<std::pair<EvictionRank, NodeIndex>> plan_parents_;
 
   NodeIndex tails_head_ = kNoNode;
