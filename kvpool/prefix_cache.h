@@ -119,6 +119,9 @@ struct PrefixCacheStats {
   uint64_t dominated = 0;      // partial nodes removed because a wider sibling covers them
   uint64_t hits = 0;           // nodes adopted by new sequences (or followed by committing ones)
   uint64_t tails_evicted = 0;  // unretained partial tails evicted first
+  // Children compared by partial-block lookups (BestChild, Covering, RemoveDominated): at most
+  // those sharing the block's first token per lookup once a node has many children.
+  uint64_t child_scans = 0;
 };
 
 class PrefixCache final {
@@ -276,6 +279,32 @@ class PrefixCache final {
   NodeIndex BestChild(NodeIndex parent, std::span<const int32_t> tokens, int32_t* common) const;
   // A child of `parent` other than `except` that covers all of `tokens`, or kNoNode.
   NodeIndex Covering(NodeIndex parent, std::span<const int32_t> tokens, NodeIndex except) const;
+  // Children: a sibling list per parent. A parent with more than kWideFanout children also
+  // chains them by first token, so the partial-block scans (BestChild, Covering,
+  // RemoveDominated) compare only the children that share the block's first token, whatever the
+  // fan-out (a root with thousands of children stays cheap). It stays wide until it has none.
+  static constexpr int32_t kWideFanout = 8;
+  struct FirstTokenKey {
+    NodeIndex parent;
+    int32_t token;
+    friend bool operator==(const FirstTokenKey&, const FirstTokenKey&) = default;
+    template <typename H>
+    friend H AbslHashValue(H h, const FirstTokenKey& k) {
+      return H::combine(std::move(h), k.parent, k.token);
+    }
+  };
+  // REQUIRES: `node`'s parent, tokens and coverage are set.
+  void LinkChild(NodeIndex parent, NodeIndex node);
+  void UnlinkChild(NodeIndex node);
+  void ChainPush(NodeIndex node);
+  void ChainRemove(NodeIndex node);
+  // The children of `parent` a block starting with `token` may share tokens with: the first, and
+  // the one after `child`. Every child sharing the token is among them.
+  NodeIndex FirstCandidate(NodeIndex parent, int32_t token) const;
+  NodeIndex NextCandidate(NodeIndex child) const {
+    return wide_[parent_[child]] != 0 ? chain_next_[child] : next_sibling_[child];
+  }
+  absl::Status CheckChains() const;
   // Commit() without the retention mark.
   void CommitBlocks(NamespaceId ns, std::span<const int32_t> tokens, std::span<const BlockId> table,
                     int priority, CachePath* path, const TraceContext& ctx);
@@ -332,6 +361,9 @@ class PrefixCache final {
   std::vector<NodeIndex> next_sibling_;
   std::vector<NodeIndex> prev_sibling_;
   std::vector<int32_t> num_children_;
+  std::vector<uint8_t> wide_;          // children chained by first token (> kWideFanout once)
+  std::vector<NodeIndex> chain_prev_;  // children of a wide parent: the first-token chain
+  std::vector<NodeIndex> chain_next_;
   std::vector<BlockId> block_;     // kInvalidBlock for roots and free slots
   std::vector<int32_t> coverage_;  // tokens of the block published (0 for roots)
   std::vector<uint32_t> lock_;     // sequences and pins following the node
@@ -347,7 +379,9 @@ class PrefixCache final {
   std::vector<NodeIndex> node_of_block_;  // by BlockId
 
   absl::flat_hash_map<NamespaceId, NodeIndex> roots_;
-  absl::flat_hash_map<ChildKey, NodeIndex> children_;  // full children only
+  absl::flat_hash_map<ChildKey, NodeIndex> children_;     // full children only
+  absl::flat_hash_map<FirstTokenKey, NodeIndex> chains_;  // wide parents' chain heads
+  mutable uint64_t child_scans_ = 0;
 
   // Recently evicted full blocks, for Explain().
   std::vector<BlockHash> evicted_ring_;

@@ -79,13 +79,7 @@ void PrefixCache::RemoveNode(NodeIndex node, const TraceContext& ctx) {
   }
   policy_->OnErase(node, Facts(node), now_ns_);
   const NodeIndex parent = parent_[node];
-  if (prev_sibling_[node] != kNoNode) {
-    next_sibling_[prev_sibling_[node]] = next_sibling_[node];
-  } else {
-    first_child_[parent] = next_sibling_[node];
-  }
-  if (next_sibling_[node] != kNoNode) prev_sibling_[next_sibling_[node]] = prev_sibling_[node];
-  --num_children_[parent];
+  UnlinkChild(node);
   if (coverage_[node] == block_size_) {
     auto it = children_.find(ChildKey{parent, token_hash_[node]});
     if (it != children_.end() && it->second == node) children_.erase(it);
@@ -107,7 +101,6 @@ void PrefixCache::RemoveNode(NodeIndex node, const TraceContext& ctx) {
   node_of_block_[static_cast<size_t>(block.value())] = kNoNode;
   KVPOOL_CHECK_OK(pool_->DropCacheRef(block, ctx));
   parent_[node] = kNoNode;
-  next_sibling_[node] = prev_sibling_[node] = kNoNode;
   block_[node] = kInvalidBlock;
   coverage_[node] = 0;
   priority_[node] = 0;

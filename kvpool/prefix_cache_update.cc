@@ -21,11 +21,6 @@ NodeIndex PrefixCache::Insert(NodeIndex parent, std::span<const int32_t> tokens,
                               const TraceContext& ctx) {
   const NodeIndex node = NewNode();
   parent_[node] = parent;
-  prev_sibling_[node] = kNoNode;
-  next_sibling_[node] = first_child_[parent];
-  if (first_child_[parent] != kNoNode) prev_sibling_[first_child_[parent]] = node;
-  first_child_[parent] = node;
-  ++num_children_[parent];
   block_[node] = block;
   coverage_[node] = static_cast<int32_t>(tokens.size());
   lock_[node] = 1;  // the committing sequence follows it
@@ -34,6 +29,7 @@ NodeIndex PrefixCache::Insert(NodeIndex parent, std::span<const int32_t> tokens,
   ns_[node] = ns_[parent];
   std::copy(tokens.begin(), tokens.end(),
             tokens_.begin() + static_cast<ptrdiff_t>(node) * block_size_);
+  LinkChild(parent, node);
   // A node's class is at least its descendants' (the policy's leaf-first promise). The
   // ancestors are locked by the committing sequence, so none is in the policy's lists now.
   for (NodeIndex a = parent; a != kNoNode && block_[a] != kInvalidBlock && priority_[a] < priority;
@@ -174,8 +170,10 @@ void PrefixCache::CommitBlocks(NamespaceId ns, std::span<const int32_t> tokens,
 
 void PrefixCache::RemoveDominated(NodeIndex node, const TraceContext& ctx) {
   const std::span<const int32_t> mine = Tokens(node);
-  for (NodeIndex s = first_child_[parent_[node]]; s != kNoNode;) {
-    const NodeIndex next = next_sibling_[s];
+  // A dominated sibling is a prefix of `mine`, so it shares its first token.
+  for (NodeIndex s = FirstCandidate(parent_[node], mine[0]); s != kNoNode;) {
+    ++child_scans_;
+    const NodeIndex next = NextCandidate(s);
     if (s != node && coverage_[s] < block_size_ && StartsWith(mine, Tokens(s)) &&
         ShouldBeEvictable(s)) {
       RemoveNode(s, ctx);
