@@ -34,6 +34,7 @@ ABSL_FLAG(bool, sweep, false,
           "print the table");
 ABSL_FLAG(std::string, traces_dir, "../shared/traces/mooncake", "where --sweep finds the traces");
 ABSL_FLAG(int32_t, threads, 1, "--sweep: replay this many capacities at a time");
+ABSL_FLAG(int64_t, max_requests, 0, "replay only the trace's first N requests (0: all)");
 
 namespace {
 
@@ -66,8 +67,12 @@ int RunSweep() {
 }
 
 int RunOne(const std::string& path) {
-  const auto trace = kvpool::workload::ReadMooncakeTrace(path);
+  auto trace = kvpool::workload::ReadMooncakeTrace(path);
   if (!trace.ok()) return Fail(std::string(trace.status().message()));
+  const int64_t max_requests = absl::GetFlag(FLAGS_max_requests);
+  if (max_requests > 0 && static_cast<int64_t>(trace->size()) > max_requests) {
+    trace->resize(static_cast<size_t>(max_requests));
+  }
   std::vector<tools::ReplayOptions> configs = {
       {.block_size = absl::GetFlag(FLAGS_block_size),
        .capacity_blocks = absl::GetFlag(FLAGS_capacity_blocks),
