@@ -55,6 +55,8 @@ absl::StatusOr<std::unique_ptr<KvCacheManager>> KvCacheManager::Create(
                             PrefixCache::Create({.block_size = options.block_size,
                                                  .epoch = options.epoch,
                                                  .event_capacity = options.event_capacity,
+                                                 .evicted_memory = options.evicted_memory,
+                                                 .events = options.cache_events,
                                                  .policy = options.eviction_policy,
                                                  .history_blocks = options.eviction_history_blocks,
                                                  .policy_factory = options.eviction_policy_factory},

@@ -94,6 +94,8 @@ struct KvCacheOptions {
   std::function<std::unique_ptr<EvictionPolicy>()> eviction_policy_factory;
   uint64_t epoch = 0;             // stamped on every cache event (daemon start)
   size_t event_capacity = 65536;  // cache events kept for replay
+  bool cache_events = true;       // record cache events at all (PrefixCacheOptions::events)
+  size_t evicted_memory = 65536;  // evicted block hashes kept for ExplainMatch (0: none)
   // Pins: at most this many at once (all sessions); each for at most max_pin_ttl_ns; at most
   // max_pinned_blocks distinct blocks pinned at once (0: half the pool).
   int32_t max_pins = 4096;

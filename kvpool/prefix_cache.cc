@@ -1,6 +1,7 @@
 #include "kvpool/prefix_cache.h"
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -17,8 +18,18 @@ using internal::StartsWith;
 
 BlockHash PrefixChainHash(const BlockHash& parent, NamespaceId ns,
                           std::span<const int32_t> tokens) {
-  // (parent hash, namespace, tokens) in one buffer: the one-shot hash beats streaming.
-  std::string buffer(sizeof(BlockHash) + sizeof(uint64_t) + tokens.size_bytes(), '\0');
+  // (parent hash, namespace, tokens) in one buffer: the one-shot hash beats streaming. Blocks up
+  // to 1,024 tokens use the stack (no allocation per stored block).
+  constexpr size_t kHeader = sizeof(BlockHash) + sizeof(uint64_t);
+  constexpr size_t kInline = kHeader + 1024 * sizeof(int32_t);
+  std::array<char, kInline> stack;
+  std::string heap;
+  const size_t size = kHeader + tokens.size_bytes();
+  std::span<char> buffer(stack.data(), size);
+  if (size > kInline) {
+    heap.resize(size);
+    buffer = std::span<char>(heap.data(), size);
+  }
   const uint64_t ns_value = ns.value();
   std::memcpy(buffer.data(), &parent, sizeof(BlockHash));
   std::memcpy(buffer.data() + sizeof(BlockHash), &ns_value, sizeof(ns_value));
@@ -96,6 +107,7 @@ PrefixCache::PrefixCache(const PrefixCacheOptions& options, BlockPool* pool,
     : block_size_(options.block_size),
       evicted_memory_(options.evicted_memory),
       retain_partial_tails_(retain_partial_tails),
+      events_on_(options.events),
       pool_(pool),
       policy_(std::move(policy)),
       events_(options.epoch, options.event_capacity),
@@ -114,6 +126,9 @@ NodeIndex PrefixCache::NewNode() {
   next_sibling_.push_back(kNoNode);
   prev_sibling_.push_back(kNoNode);
   num_children_.push_back(0);
+  wide_.push_back(0);
+  chain_prev_.push_back(kNoNode);
+  chain_next_.push_back(kNoNode);
   block_.push_back(kInvalidBlock);
   coverage_.push_back(0);
   lock_.push_back(0);
@@ -150,7 +165,12 @@ bool PrefixCache::Agrees(BlockId block, std::span<const int32_t> tokens) const {
 }
 
 NodeIndex PrefixCache::FindFull(NodeIndex parent, std::span<const int32_t> tokens) const {
-  auto it = children_.find(ChildKey{parent, HashTokens(tokens)});
+  return FindFull(parent, tokens, HashTokens(tokens));
+}
+
+NodeIndex PrefixCache::FindFull(NodeIndex parent, std::span<const int32_t> tokens,
+                                uint64_t token_hash) const {
+  auto it = children_.find(ChildKey{parent, token_hash});
   if (it == children_.end()) return kNoNode;
   return std::ranges::equal(Tokens(it->second), tokens) ? it->second : kNoNode;
 }
@@ -159,7 +179,9 @@ NodeIndex PrefixCache::BestChild(NodeIndex parent, std::span<const int32_t> toke
                                  int32_t* common) const {
   NodeIndex best = kNoNode;
   *common = 0;
-  for (NodeIndex c = first_child_[parent]; c != kNoNode; c = next_sibling_[c]) {
+  if (tokens.empty()) return best;
+  for (NodeIndex c = FirstCandidate(parent, tokens[0]); c != kNoNode; c = NextCandidate(c)) {
+    ++child_scans_;
     const int32_t shared = CommonPrefix(Tokens(c), tokens);
     if (shared > *common || (shared == *common && shared > 0 && coverage_[c] > coverage_[best])) {
       best = c;
@@ -172,10 +194,88 @@ NodeIndex PrefixCache::BestChild(NodeIndex parent, std::span<const int32_t> toke
 NodeIndex PrefixCache::Covering(NodeIndex parent, std::span<const int32_t> tokens,
                                 NodeIndex except) const {
   if (tokens.size() == static_cast<size_t>(block_size_)) return FindFull(parent, tokens);
-  for (NodeIndex c = first_child_[parent]; c != kNoNode; c = next_sibling_[c]) {
+  if (tokens.empty()) {
+    for (NodeIndex c = first_child_[parent]; c != kNoNode; c = next_sibling_[c]) {
+      if (c != except) return c;
+    }
+    return kNoNode;
+  }
+  for (NodeIndex c = FirstCandidate(parent, tokens[0]); c != kNoNode; c = NextCandidate(c)) {
+    ++child_scans_;
     if (c != except && StartsWith(Tokens(c), tokens)) return c;
   }
   return kNoNode;
+}
+
+void PrefixCache::LinkChild(NodeIndex parent, NodeIndex node) {
+  prev_sibling_[node] = kNoNode;
+  next_sibling_[node] = first_child_[parent];
+  if (first_child_[parent] != kNoNode) prev_sibling_[first_child_[parent]] = node;
+  first_child_[parent] = node;
+  ++num_children_[parent];
+  if (wide_[parent] != 0) {
+    ChainPush(node);
+    return;
+  }
+  if (num_children_[parent] <= kWideFanout) return;
+  // Becomes wide: chain the children oldest first, so each chain lists them newest first, in
+  // sibling-list order (the scans pick the same child either way).
+  wide_[parent] = 1;
+  std::vector<NodeIndex> children;
+  for (NodeIndex c = first_child_[parent]; c != kNoNode; c = next_sibling_[c])
+    children.push_back(c);
+  for (auto it = children.rbegin(); it != children.rend(); ++it) ChainPush(*it);
+}
+
+void PrefixCache::UnlinkChild(NodeIndex node) {
+  const NodeIndex parent = parent_[node];
+  if (prev_sibling_[node] != kNoNode) {
+    next_sibling_[prev_sibling_[node]] = next_sibling_[node];
+  } else {
+    first_child_[parent] = next_sibling_[node];
+  }
+  if (next_sibling_[node] != kNoNode) prev_sibling_[next_sibling_[node]] = prev_sibling_[node];
+  next_sibling_[node] = prev_sibling_[node] = kNoNode;
+  --num_children_[parent];
+  if (wide_[parent] != 0) {
+    ChainRemove(node);
+    if (num_children_[parent] == 0) wide_[parent] = 0;
+  }
+}
+
+void PrefixCache::ChainPush(NodeIndex node) {
+  const FirstTokenKey key{parent_[node], Tokens(node)[0]};
+  auto [it, inserted] = chains_.try_emplace(key, node);
+  chain_prev_[node] = kNoNode;
+  chain_next_[node] = inserted ? kNoNode : it->second;
+  if (!inserted) {
+    chain_prev_[it->second] = node;
+    it->second = node;
+  }
+}
+
+void PrefixCache::ChainRemove(NodeIndex node) {
+  const NodeIndex prev = chain_prev_[node];
+  const NodeIndex next = chain_next_[node];
+  if (prev != kNoNode) {
+    chain_next_[prev] = next;
+  } else {
+    auto it = chains_.find(FirstTokenKey{parent_[node], Tokens(node)[0]});
+    KVPOOL_CHECK(it != chains_.end() && it->second == node);
+    if (next == kNoNode) {
+      chains_.erase(it);
+    } else {
+      it->second = next;
+    }
+  }
+  if (next != kNoNode) chain_prev_[next] = prev;
+  chain_prev_[node] = chain_next_[node] = kNoNode;
+}
+
+NodeIndex PrefixCache::FirstCandidate(NodeIndex parent, int32_t token) const {
+  if (wide_[parent] == 0) return first_child_[parent];
+  auto it = chains_.find(FirstTokenKey{parent, token});
+  return it == chains_.end() ? kNoNode : it->second;
 }
 
 PrefixMatch PrefixCache::Match(NamespaceId ns, std::span<const int32_t> tokens) const {

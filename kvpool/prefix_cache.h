@@ -95,6 +95,9 @@ struct PrefixCacheOptions {
   uint64_t epoch = 0;             // stamped on every event
   size_t event_capacity = 65536;  // events kept for replay; > 0
   size_t evicted_memory = 65536;  // recently evicted block hashes remembered for Explain()
+  // Record KV events. Off (a replay or bench with no event consumer) the log stays empty and
+  // stored blocks cost no token copies.
+  bool events = true;
   // Eviction spec (ParseEvictionSpec): the ordering policy and whether partial tails are kept.
   std::string policy = std::string(kDefaultEvictionSpec);
   int64_t history_blocks = 0;  // EvictionOptions::history_blocks (0: 4 per pool block)
@@ -116,6 +119,9 @@ struct PrefixCacheStats {
   uint64_t dominated = 0;      // partial nodes removed because a wider sibling covers them
   uint64_t hits = 0;           // nodes adopted by new sequences (or followed by committing ones)
   uint64_t tails_evicted = 0;  // unretained partial tails evicted first
+  // Children compared by partial-block lookups (BestChild, Covering, RemoveDominated): at most
+  // those sharing the block's first token per lookup once a node has many children.
+  uint64_t child_scans = 0;
 };
 
 class PrefixCache final {
@@ -266,20 +272,49 @@ class PrefixCache final {
   NodeIndex NewNode();
   // The full child of `parent` holding exactly `tokens` (a whole block), or kNoNode.
   NodeIndex FindFull(NodeIndex parent, std::span<const int32_t> tokens) const;
+  // The same, given HashTokens(tokens).
+  NodeIndex FindFull(NodeIndex parent, std::span<const int32_t> tokens, uint64_t token_hash) const;
   // The child of `parent` sharing the most leading tokens with `tokens` (capped at its
   // coverage); ties go to the wider node. Returns kNoNode when none shares any.
   NodeIndex BestChild(NodeIndex parent, std::span<const int32_t> tokens, int32_t* common) const;
   // A child of `parent` other than `except` that covers all of `tokens`, or kNoNode.
   NodeIndex Covering(NodeIndex parent, std::span<const int32_t> tokens, NodeIndex except) const;
+  // Children: a sibling list per parent. A parent with more than kWideFanout children also
+  // chains them by first token, so the partial-block scans (BestChild, Covering,
+  // RemoveDominated) compare only the children that share the block's first token, whatever the
+  // fan-out (a root with thousands of children stays cheap). It stays wide until it has none.
+  static constexpr int32_t kWideFanout = 8;
+  struct FirstTokenKey {
+    NodeIndex parent;
+    int32_t token;
+    friend bool operator==(const FirstTokenKey&, const FirstTokenKey&) = default;
+    template <typename H>
+    friend H AbslHashValue(H h, const FirstTokenKey& k) {
+      return H::combine(std::move(h), k.parent, k.token);
+    }
+  };
+  // REQUIRES: `node`'s parent, tokens and coverage are set.
+  void LinkChild(NodeIndex parent, NodeIndex node);
+  void UnlinkChild(NodeIndex node);
+  void ChainPush(NodeIndex node);
+  void ChainRemove(NodeIndex node);
+  // The children of `parent` a block starting with `token` may share tokens with: the first, and
+  // the one after `child`. Every child sharing the token is among them.
+  NodeIndex FirstCandidate(NodeIndex parent, int32_t token) const;
+  NodeIndex NextCandidate(NodeIndex child) const {
+    return wide_[parent_[child]] != 0 ? chain_next_[child] : next_sibling_[child];
+  }
+  absl::Status CheckChains() const;
   // Commit() without the retention mark.
   void CommitBlocks(NamespaceId ns, std::span<const int32_t> tokens, std::span<const BlockId> table,
                     int priority, CachePath* path, const TraceContext& ctx);
-  NodeIndex Insert(NodeIndex parent, std::span<const int32_t> tokens, BlockId block, int priority,
-                   const TraceContext& ctx);
+  // `token_hash`: HashTokens(tokens) when they are a whole block (unused otherwise).
+  NodeIndex Insert(NodeIndex parent, std::span<const int32_t> tokens, uint64_t token_hash,
+                   BlockId block, int priority, const TraceContext& ctx);
   // Extends `node` (holding the sequence's own block) to `tokens`; a node reaching a full block
   // joins the child index and is announced.
   void Widen(NodeIndex node, std::span<const int32_t> tokens);
-  void MakeFull(NodeIndex node);
+  void MakeFull(NodeIndex node, uint64_t token_hash);
   // Removes unused partial siblings of `node` that it covers.
   void RemoveDominated(NodeIndex node, const TraceContext& ctx);
   void RemoveNode(NodeIndex node, const TraceContext& ctx);
@@ -313,6 +348,7 @@ class PrefixCache final {
   const int32_t block_size_;
   const size_t evicted_memory_;
   const bool retain_partial_tails_;
+  const bool events_on_;
   BlockPool* const pool_;
   std::unique_ptr<EvictionPolicy> policy_;
   EventLog events_;
@@ -325,6 +361,9 @@ class PrefixCache final {
   std::vector<NodeIndex> next_sibling_;
   std::vector<NodeIndex> prev_sibling_;
   std::vector<int32_t> num_children_;
+  std::vector<uint8_t> wide_;          // children chained by first token (> kWideFanout once)
+  std::vector<NodeIndex> chain_prev_;  // children of a wide parent: the first-token chain
+  std::vector<NodeIndex> chain_next_;
   std::vector<BlockId> block_;     // kInvalidBlock for roots and free slots
   std::vector<int32_t> coverage_;  // tokens of the block published (0 for roots)
   std::vector<uint32_t> lock_;     // sequences and pins following the node
@@ -340,7 +379,9 @@ class PrefixCache final {
   std::vector<NodeIndex> node_of_block_;  // by BlockId
 
   absl::flat_hash_map<NamespaceId, NodeIndex> roots_;
-  absl::flat_hash_map<ChildKey, NodeIndex> children_;  // full children only
+  absl::flat_hash_map<ChildKey, NodeIndex> children_;     // full children only
+  absl::flat_hash_map<FirstTokenKey, NodeIndex> chains_;  // wide parents' chain heads
+  mutable uint64_t child_scans_ = 0;
 
   // Recently evicted full blocks, for Explain().
   std::vector<BlockHash> evicted_ring_;
@@ -350,8 +391,12 @@ class PrefixCache final {
   std::vector<BlockHash> pending_removed_;  // batched into one BlockRemoved per call
   NamespaceId pending_removed_ns_;
 
-  // PlanEviction's scratch, kept to avoid allocating on every eviction.
-  mutable absl::flat_hash_map<NodeIndex, int32_t> plan_gone_;
+  // PlanEviction's scratch, kept to avoid allocating or hashing on every eviction: by node, the
+  // children planned away and whether it is kept (all zero between calls), and the nodes whose
+  // entries to reset.
+  mutable std::vector<int32_t> plan_gone_;
+  mutable std::vector<uint8_t> plan_kept_;
+  mutable std::vector<NodeIndex> plan_touched_;
   mutable std::vector<std::pair<EvictionRank, NodeIndex>> plan_parents_;
 
   NodeIndex tails_head_ = kNoNode;

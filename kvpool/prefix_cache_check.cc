@@ -11,6 +11,7 @@ namespace kvpool {
 
 PrefixCacheStats PrefixCache::stats() const {
   PrefixCacheStats s = counters_;
+  s.child_scans = child_scans_;
   s.nodes = num_nodes_;
   s.full_nodes = num_full_;
   s.evictable = num_evictable_;
@@ -140,7 +141,36 @@ absl::Status PrefixCache::CheckInvariants(
     return InvariantViolation("{} first-out tails listed, {} counted", tails, num_tails_);
   if (static_cast<int64_t>(children_.size()) > full)
     return InvariantViolation("child index has stale keys");
+  if (absl::Status s = CheckChains(); !s.ok()) return s;
   return policy_->CheckInvariants();
+}
+
+// The first-token chains hold exactly the children of wide parents, each under its own key.
+absl::Status PrefixCache::CheckChains() const {
+  int64_t expected = 0;
+  for (NodeIndex node = 0; node < static_cast<NodeIndex>(parent_.size()); ++node) {
+    if (wide_[node] != 0) {
+      if (num_children_[node] == 0) return InvariantViolation("n{} is wide with no child", node);
+      expected += num_children_[node];
+    } else if (num_children_[node] > kWideFanout) {
+      return InvariantViolation("n{} has {} children but is not wide", node, num_children_[node]);
+    }
+  }
+  int64_t chained = 0;
+  for (const auto& [key, head] : chains_) {
+    NodeIndex prev = kNoNode;
+    for (NodeIndex n = head; n != kNoNode; prev = n, n = chain_next_[n]) {
+      if (parent_[n] != key.parent || wide_[key.parent] == 0 || coverage_[n] == 0 ||
+          Tokens(n)[0] != key.token || chain_prev_[n] != prev || ++chained > expected) {
+        return InvariantViolation("first-token chain of n{} token {} is broken at n{}", key.parent,
+                                  key.token, n);
+      }
+    }
+  }
+  if (chained != expected) {
+    return InvariantViolation("{} children of wide nodes chained, {} expected", chained, expected);
+  }
+  return absl::OkStatus();
 }
 
 std::string PrefixCache::DebugString() const {

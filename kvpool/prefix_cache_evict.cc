@@ -79,19 +79,15 @@ void PrefixCache::RemoveNode(NodeIndex node, const TraceContext& ctx) {
   }
   policy_->OnErase(node, Facts(node), now_ns_);
   const NodeIndex parent = parent_[node];
-  if (prev_sibling_[node] != kNoNode) {
-    next_sibling_[prev_sibling_[node]] = next_sibling_[node];
-  } else {
-    first_child_[parent] = next_sibling_[node];
-  }
-  if (next_sibling_[node] != kNoNode) prev_sibling_[next_sibling_[node]] = prev_sibling_[node];
-  --num_children_[parent];
+  UnlinkChild(node);
   if (coverage_[node] == block_size_) {
     auto it = children_.find(ChildKey{parent, token_hash_[node]});
     if (it != children_.end() && it->second == node) children_.erase(it);
-    if (pending_removed_ns_ != ns_[node]) FlushRemoved();
-    pending_removed_ns_ = ns_[node];
-    pending_removed_.push_back(hash_[node]);
+    if (events_on_) {
+      if (pending_removed_ns_ != ns_[node]) FlushRemoved();
+      pending_removed_ns_ = ns_[node];
+      pending_removed_.push_back(hash_[node]);
+    }
     if (evicted_memory_ > 0) {
       BlockHash& slot = evicted_ring_[evicted_next_];
       if (slot != BlockHash{}) evicted_set_.erase(slot);
@@ -105,7 +101,6 @@ void PrefixCache::RemoveNode(NodeIndex node, const TraceContext& ctx) {
   node_of_block_[static_cast<size_t>(block.value())] = kNoNode;
   KVPOOL_CHECK_OK(pool_->DropCacheRef(block, ctx));
   parent_[node] = kNoNode;
-  next_sibling_[node] = prev_sibling_[node] = kNoNode;
   block_[node] = kInvalidBlock;
   coverage_[node] = 0;
   priority_[node] = 0;
@@ -126,13 +121,18 @@ void PrefixCache::RemoveNode(NodeIndex node, const TraceContext& ctx) {
 int64_t PrefixCache::PlanEviction(int64_t blocks, std::span<const NodeIndex> keep,
                                   std::vector<NodeIndex>* victims) const {
   if (blocks <= 0) return 0;
-  const absl::flat_hash_set<NodeIndex> kept(keep.begin(), keep.end());
-  // Scratch kept between calls (no allocation per eviction): children planned away, and the
-  // parents that became leaves, as a min-heap by rank.
-  absl::flat_hash_map<NodeIndex, int32_t>& gone_children = plan_gone_;
+  // Scratch kept between calls (no allocation per eviction): by node, children planned away and
+  // whether it is kept; and the parents that became leaves, as a min-heap by rank.
+  if (plan_gone_.size() < parent_.size()) {
+    plan_gone_.resize(parent_.size(), 0);
+    plan_kept_.resize(parent_.size(), 0);
+  }
+  std::vector<int32_t>& gone_children = plan_gone_;
+  std::vector<uint8_t>& kept = plan_kept_;
   std::vector<std::pair<EvictionRank, NodeIndex>>& freed_parents = plan_parents_;
-  gone_children.clear();
   freed_parents.clear();
+  plan_touched_.clear();
+  for (NodeIndex node : keep) kept[node] = 1;
   constexpr auto kLater = std::greater<>();
   int64_t freed = 0;
   auto take = [&](NodeIndex node) {
@@ -141,8 +141,9 @@ int64_t PrefixCache::PlanEviction(int64_t blocks, std::span<const NodeIndex> kee
     if (pool_->FencesPassed(block_[node])) ++freed;
     const NodeIndex parent = parent_[node];
     if (block_[parent] == kInvalidBlock) return;  // a root
-    if (++gone_children[parent] == num_children_[parent] && state_[parent].evictable != 0 &&
-        !kept.contains(parent)) {
+    if (gone_children[parent]++ == 0) plan_touched_.push_back(parent);
+    if (gone_children[parent] == num_children_[parent] && state_[parent].evictable != 0 &&
+        kept[parent] == 0) {
       freed_parents.emplace_back(policy_->Rank(parent, Facts(parent), now_ns_), parent);
       std::push_heap(freed_parents.begin(), freed_parents.end(), kLater);
     }
@@ -154,7 +155,7 @@ int64_t PrefixCache::PlanEviction(int64_t blocks, std::span<const NodeIndex> kee
     take(parent);
   };
   for (NodeIndex node = tails_head_; node != kNoNode && freed < blocks; node = tail_next_[node]) {
-    if (!kept.contains(node)) take(node);
+    if (kept[node] == 0) take(node);
   }
   if (freed < blocks) {
     policy_->Visit(now_ns_, [&](NodeIndex node, const EvictionRank& rank) {
@@ -162,11 +163,13 @@ int64_t PrefixCache::PlanEviction(int64_t blocks, std::span<const NodeIndex> kee
         take_parent();
       }
       if (freed >= blocks) return false;
-      if (!kept.contains(node)) take(node);
+      if (kept[node] == 0) take(node);
       return freed < blocks;
     });
   }
   while (freed < blocks && !freed_parents.empty()) take_parent();
+  for (NodeIndex node : keep) kept[node] = 0;
+  for (NodeIndex node : plan_touched_) gone_children[node] = 0;
   return freed;
 }
 
@@ -201,7 +204,9 @@ absl::Status PrefixCache::Clear(const TraceContext& ctx) {
     for (NodeIndex node : victims) RemoveNode(node, ctx);
   }
   pending_removed_.clear();  // announced as one AllBlocksCleared instead
-  events_.Append(KvEvent{.type = KvEventType::kAllBlocksCleared, .block_size = block_size_});
+  if (events_on_) {
+    events_.Append(KvEvent{.type = KvEventType::kAllBlocksCleared, .block_size = block_size_});
+  }
   return absl::OkStatus();
 }
 

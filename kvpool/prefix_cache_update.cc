@@ -16,15 +16,11 @@ namespace kvpool {
 using internal::HashTokens;
 using internal::StartsWith;
 
-NodeIndex PrefixCache::Insert(NodeIndex parent, std::span<const int32_t> tokens, BlockId block,
-                              int priority, const TraceContext& ctx) {
+NodeIndex PrefixCache::Insert(NodeIndex parent, std::span<const int32_t> tokens,
+                              uint64_t token_hash, BlockId block, int priority,
+                              const TraceContext& ctx) {
   const NodeIndex node = NewNode();
   parent_[node] = parent;
-  prev_sibling_[node] = kNoNode;
-  next_sibling_[node] = first_child_[parent];
-  if (first_child_[parent] != kNoNode) prev_sibling_[first_child_[parent]] = node;
-  first_child_[parent] = node;
-  ++num_children_[parent];
   block_[node] = block;
   coverage_[node] = static_cast<int32_t>(tokens.size());
   lock_[node] = 1;  // the committing sequence follows it
@@ -33,6 +29,7 @@ NodeIndex PrefixCache::Insert(NodeIndex parent, std::span<const int32_t> tokens,
   ns_[node] = ns_[parent];
   std::copy(tokens.begin(), tokens.end(),
             tokens_.begin() + static_cast<ptrdiff_t>(node) * block_size_);
+  LinkChild(parent, node);
   // A node's class is at least its descendants' (the policy's leaf-first promise). The
   // ancestors are locked by the committing sequence, so none is in the policy's lists now.
   for (NodeIndex a = parent; a != kNoNode && block_[a] != kInvalidBlock && priority_[a] < priority;
@@ -43,15 +40,16 @@ NodeIndex PrefixCache::Insert(NodeIndex parent, std::span<const int32_t> tokens,
   KVPOOL_CHECK_OK(pool_->AddCacheRef(block, ctx));
   ++num_nodes_;
   ++counters_.inserted;
-  if (coverage_[node] == block_size_) MakeFull(node);
+  if (coverage_[node] == block_size_) MakeFull(node, token_hash);
   UpdateCandidate(parent);  // no longer a leaf
   policy_->OnInsert(node, Facts(node), now_ns_);
   return node;
 }
 
-void PrefixCache::MakeFull(NodeIndex node) {
+void PrefixCache::MakeFull(NodeIndex node, uint64_t token_hash) {
+  KVPOOL_DCHECK(token_hash == HashTokens(Tokens(node)));
   const NodeIndex parent = parent_[node];
-  token_hash_[node] = HashTokens(Tokens(node));
+  token_hash_[node] = token_hash;
   hash_[node] = PrefixChainHash(hash_[parent], ns_[node], Tokens(node));
   state_[node].fingerprint = BlockFingerprint(hash_[node]);
   // A 64-bit collision with a different block leaves this one out of the index; lookups still
@@ -67,7 +65,7 @@ void PrefixCache::Widen(NodeIndex node, std::span<const int32_t> tokens) {
   coverage_[node] = static_cast<int32_t>(tokens.size());
   ++counters_.widened;
   if (coverage_[node] == block_size_) {
-    MakeFull(node);
+    MakeFull(node, HashTokens(tokens));
     policy_->OnInsert(node, Facts(node), now_ns_);  // its hash is known now
   }
 }
@@ -92,7 +90,8 @@ void PrefixCache::CommitBlocks(NamespaceId ns, std::span<const int32_t> tokens,
 
   for (size_t k = path->full.size(); (k + 1) * bs <= tokens.size(); ++k) {
     const std::span<const int32_t> block = tokens.subspan(k * bs, bs);
-    NodeIndex child = FindFull(parent, block);
+    const uint64_t block_hash = HashTokens(block);
+    NodeIndex child = FindFull(parent, block, block_hash);
     bool fresh = false;
     if (path->partial != kNoNode) {
       // The partial node sat at this position: it is either the sequence's own block, now
@@ -110,7 +109,7 @@ void PrefixCache::CommitBlocks(NamespaceId ns, std::span<const int32_t> tokens,
     if (child == kNoNode) {
       const NodeIndex owner = node_of_block_[static_cast<size_t>(table[k].value())];
       if (owner == kNoNode) {
-        child = Insert(parent, block, table[k], priority, ctx);
+        child = Insert(parent, block, block_hash, table[k], priority, ctx);
         fresh = true;
       } else if (parent_[owner] == parent && coverage_[owner] < block_size_ &&
                  StartsWith(block, Tokens(owner))) {
@@ -163,7 +162,7 @@ void PrefixCache::CommitBlocks(NamespaceId ns, std::span<const int32_t> tokens,
     }
     return;
   }
-  const NodeIndex node = Insert(parent, block, mine, priority, ctx);
+  const NodeIndex node = Insert(parent, block, 0, mine, priority, ctx);
   if (cur != kNoNode) Unlock(cur);
   path->partial = node;
   RemoveDominated(node, ctx);
@@ -171,8 +170,10 @@ void PrefixCache::CommitBlocks(NamespaceId ns, std::span<const int32_t> tokens,
 
 void PrefixCache::RemoveDominated(NodeIndex node, const TraceContext& ctx) {
   const std::span<const int32_t> mine = Tokens(node);
-  for (NodeIndex s = first_child_[parent_[node]]; s != kNoNode;) {
-    const NodeIndex next = next_sibling_[s];
+  // A dominated sibling is a prefix of `mine`, so it shares its first token.
+  for (NodeIndex s = FirstCandidate(parent_[node], mine[0]); s != kNoNode;) {
+    ++child_scans_;
+    const NodeIndex next = NextCandidate(s);
     if (s != node && coverage_[s] < block_size_ && StartsWith(mine, Tokens(s)) &&
         ShouldBeEvictable(s)) {
       RemoveNode(s, ctx);
@@ -184,6 +185,7 @@ void PrefixCache::RemoveDominated(NodeIndex node, const TraceContext& ctx) {
 }
 
 void PrefixCache::Announce(NodeIndex first, NodeIndex last) {
+  if (!events_on_) return;
   KvEvent e{.type = KvEventType::kBlockStored, .ns = ns_[first], .block_size = block_size_};
   std::vector<NodeIndex> chain;
   for (NodeIndex n = last;; n = parent_[n]) {

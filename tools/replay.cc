@@ -49,7 +49,9 @@ absl::StatusOr<Run> MakeRun(const ReplayOptions& options, int64_t all_blocks, in
                                   1, (longest + options.block_size - 1) / options.block_size)),
                               .trace_depth = options.trace_depth,
                               .clock = clock,
-                              .eviction_policy = options.policy});
+                              .eviction_policy = options.policy,
+                              .cache_events = options.cache_events,
+                              .evicted_memory = options.cache_events ? size_t{65536} : 0});
   if (!cache.ok()) {
     return absl::InvalidArgumentError(
         fmt::format("policy '{}': {}", options.policy, std::string(cache.status().message())));

@@ -27,6 +27,10 @@ struct ReplayOptions {
   int64_t capacity_blocks = 0;  // cache capacity in 512-token blocks; 0 = unlimited
   std::string policy = "lru";   // eviction spec (kvpool::ParseEvictionSpec)
   int32_t trace_depth = 0;      // per-block trace ring depth (0: off, for speed)
+  // Record KV events and the evicted-hash memory behind ExplainMatch, as the daemon does. Off by
+  // default: a replay has no event consumer, and the event ring (65,536 events, each with its
+  // blocks' tokens) would hold the whole trace's tokens, not the cache's.
+  bool cache_events = false;
 };
 
 struct ReplayResult {

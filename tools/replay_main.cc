@@ -26,11 +26,15 @@ ABSL_FLAG(int64_t, capacity_blocks, 0, "cache capacity in 512-token blocks; 0 = 
 ABSL_FLAG(std::string, policy, "default",
           "eviction spec: lru | reuse, then +admit and/or +notail; default = lru+admit+notail");
 ABSL_FLAG(int32_t, trace_depth, 0, "per-block operation trace depth (0 or a power of 2)");
+ABSL_FLAG(bool, cache_events, false,
+          "record KV events and evicted hashes as the daemon does (costs time, and memory up to "
+          "the event ring's size)");
 ABSL_FLAG(bool, sweep, false,
           "replay both traces of --traces_dir at 1k/2k/5k/10k blocks with every policy and "
           "print the table");
 ABSL_FLAG(std::string, traces_dir, "../shared/traces/mooncake", "where --sweep finds the traces");
 ABSL_FLAG(int32_t, threads, 1, "--sweep: replay this many capacities at a time");
+ABSL_FLAG(int64_t, max_requests, 0, "replay only the trace's first N requests (0: all)");
 
 namespace {
 
@@ -63,15 +67,23 @@ int RunSweep() {
 }
 
 int RunOne(const std::string& path) {
-  const auto trace = kvpool::workload::ReadMooncakeTrace(path);
+  auto trace = kvpool::workload::ReadMooncakeTrace(path);
   if (!trace.ok()) return Fail(std::string(trace.status().message()));
+  const int64_t max_requests = absl::GetFlag(FLAGS_max_requests);
+  if (max_requests > 0 && static_cast<int64_t>(trace->size()) > max_requests) {
+    trace->resize(static_cast<size_t>(max_requests));
+  }
   std::vector<tools::ReplayOptions> configs = {
       {.block_size = absl::GetFlag(FLAGS_block_size),
        .capacity_blocks = absl::GetFlag(FLAGS_capacity_blocks),
        .policy = absl::GetFlag(FLAGS_policy),
-       .trace_depth = absl::GetFlag(FLAGS_trace_depth)}};
-  configs.push_back(configs[0]);  // plain LRU beside it, same run
-  configs[1].policy = "lru";
+       .trace_depth = absl::GetFlag(FLAGS_trace_depth),
+       .cache_events = absl::GetFlag(FLAGS_cache_events)}};
+  // Plain LRU beside it, same run (unless it is plain LRU: then it is its own baseline).
+  if (configs[0].policy != "lru") {
+    configs.push_back(configs[0]);
+    configs[1].policy = "lru";
+  }
   const bool tty = isatty(STDERR_FILENO) != 0;
   tools::ReplayProgress progress = [](const tools::ReplayResult& r, int64_t total) {
     std::fprintf(stderr, "\r[kvpool-replay] %lld/%lld requests  hit_rate %.4f",
@@ -81,7 +93,7 @@ int RunOne(const std::string& path) {
   if (tty) std::fprintf(stderr, "\n");
   if (!results.ok()) return Fail(results.status().ToString());
   const tools::ReplayResult& r = (*results)[0];
-  const tools::ReplayResult& lru = (*results)[1];
+  const tools::ReplayResult& lru = results->back();
   std::printf("trace %s\n", path.c_str());
   std::printf("block_size %d capacity_blocks %lld policy %s\n", configs[0].block_size,
               static_cast<long long>(configs[0].capacity_blocks), configs[0].policy.c_str());

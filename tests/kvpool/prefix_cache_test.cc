@@ -369,6 +369,48 @@ TEST_F(PrefixCacheTest, ForkedSequencesFollowTheirParentsPath) {
   ExpectInvariants();
 }
 
+// Issue 12: a node with thousands of children (a root under many distinct prompts) must not make
+// partial-block lookups, commits or removals scan them all. Only the children sharing the
+// block's first token are compared.
+TEST_F(PrefixCacheTest, ThousandsOfChildrenKeepLookupsAndRemovalsShort) {
+  constexpr int32_t kChildren = 3000;
+  Make(2 * kChildren + 64);
+  auto prompt = [](int32_t i) { return Tokens(1'000'000 + i * 100, kBs + 5); };
+  for (int32_t i = 0; i < kChildren; ++i) {
+    const AllocateResult r = Alloc(prompt(i));
+    ASSERT_TRUE(cache_->Free(kAlice, r.sequence, OnFree::kCommit).ok());
+  }
+  // Siblings sharing a first token, differing after it.
+  for (int32_t i = 0; i < 20; ++i) {
+    const AllocateResult r = Alloc(Concat({7}, Tokens(5'000'000 + i * 100, kBs)));
+    ASSERT_TRUE(cache_->Free(kAlice, r.sequence, OnFree::kCommit).ok());
+  }
+  ExpectInvariants();
+  const uint64_t before = cache_->cache()->stats().child_scans;
+
+  // Exact and partial lookups among 3,020 children of the root.
+  const AllocateResult exact = Alloc(prompt(1234));
+  EXPECT_EQ(exact.matched_tokens, kBs + 5);
+  const AllocateResult diverged =
+      Alloc(Concat(Tokens(1'000'000 + 2345 * 100, 10), Tokens(-99, 30)));
+  EXPECT_EQ(diverged.matched_tokens, 10);
+  const AllocateResult shared = Alloc(Concat({7}, Concat(Tokens(5'000'000 + 13 * 100, 4), {-5})));
+  EXPECT_EQ(shared.matched_tokens, 5);
+  // Commit a diverging sibling (and its dominated-sibling check) under the wide root.
+  ASSERT_TRUE(cache_->Free(kAlice, diverged.sequence, OnFree::kCommit).ok());
+  ASSERT_TRUE(cache_->Free(kAlice, shared.sequence, OnFree::kCommit).ok());
+  const uint64_t scans = cache_->cache()->stats().child_scans - before;
+  // The 21 children starting with token 7 are compared, a few times over; the other 3,000 never.
+  EXPECT_LE(scans, 100u) << "partial lookups scanned the root's children";
+  ExpectInvariants();
+
+  // Removal: evicting every child leaves the root's index empty and consistent.
+  ASSERT_TRUE(cache_->Free(kAlice, exact.sequence, OnFree::kDiscard).ok());
+  EXPECT_GT(cache_->EvictCached(1'000'000), 2 * kChildren);
+  ExpectInvariants();
+  EXPECT_EQ(cache_->cache()->stats().nodes, 0);
+}
+
 TEST_F(PrefixCacheTest, CommitRejectsBadInputAndChangesNothing) {
   Make(8);
   const AllocateResult r = Alloc(Tokens(0, 40), /*extra=*/10);

@@ -57,6 +57,31 @@ TEST(ReplayTest, OnePassServesEachConfigurationAsIfAlone) {
   }
 }
 
+// Recording events (and the evicted-hash memory) changes nothing the replay measures: with them
+// off, as kvpool-replay runs by default to keep its memory bounded by the cache, the hit rates
+// and evictions are those of a replay with them on, at both block sizes.
+TEST(ReplayTest, EventsOffGivesTheSameHitsAsEventsOn) {
+  std::vector<TraceRequest> trace;
+  for (int64_t i = 0; i < 300; ++i) {
+    trace.push_back({.timestamp_ms = i * 250,
+                     .input_length = 512 * (1 + i % 4) + i % 7,
+                     .hash_ids = {0, 10 + i % 5, 100 + i % 13, 200 + i}});
+    trace.back().hash_ids.resize(static_cast<size_t>((trace.back().input_length + 511) / 512));
+  }
+  for (int32_t block_size : {16, 512}) {
+    const std::vector<ReplayOptions> configs = {
+        {.block_size = block_size, .capacity_blocks = 10, .policy = "lru", .cache_events = true},
+        {.block_size = block_size, .capacity_blocks = 10, .policy = "lru"}};
+    const absl::StatusOr<std::vector<ReplayResult>> r = ReplayAll(trace, configs);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ((*r)[0].hit_blocks, (*r)[1].hit_blocks) << block_size;
+    EXPECT_EQ((*r)[0].hit_tokens, (*r)[1].hit_tokens) << block_size;
+    EXPECT_EQ((*r)[0].evictions, (*r)[1].evictions) << block_size;
+    EXPECT_GT((*r)[1].hit_blocks, 0);
+    EXPECT_GT((*r)[1].evictions, 0u);
+  }
+}
+
 // The whole table, both traces x 1k/2k/5k/10k blocks x the policies below, as `kvpool-replay
 // --sweep` prints it: plain LRU must land within 0.001 of the leaf-LRU reference of
 // ../shared/traces/README.md; every other cell must not move (a change in policy results shows
