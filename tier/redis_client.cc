@@ -16,9 +16,29 @@ class StandaloneClient final : public RedisClient {
  public:
   explicit StandaloneClient(const RedisTierOptions& options) : options_(options) {}
 
+  // A connection kept from an earlier call may have died since (a restarted server); a failure
+  // before its first reply is retried once on a fresh connection. GET and SET NX are
+  // idempotent, so a command the dead connection did deliver is harmless to send again.
   std::vector<absl::StatusOr<RedisReply>> Execute(std::span<const RedisCommand> commands) override {
+    const bool reused = connection_ != nullptr && !connection_->broken();
+    size_t answered = 0;
+    std::vector<absl::StatusOr<RedisReply>> results = Attempt(commands, &answered);
+    if (reused && answered == 0 && !commands.empty() && !results[0].ok() &&
+        absl::IsUnavailable(results[0].status())) {
+      results = Attempt(commands, &answered);
+    }
+    return results;
+  }
+
+  RedisClientStats stats() const override { return stats_; }
+
+ private:
+  // One pipelined round trip; `answered` counts the replies read before any I/O error.
+  std::vector<absl::StatusOr<RedisReply>> Attempt(std::span<const RedisCommand> commands,
+                                                  size_t* answered) {
     std::vector<absl::StatusOr<RedisReply>> results;
     results.reserve(commands.size());
+    *answered = 0;
     absl::Status status = Connect();
     if (status.ok()) {
       for (const RedisCommand& command : commands) connection_->Append(command);
@@ -26,16 +46,14 @@ class StandaloneClient final : public RedisClient {
       ++stats_.round_trips;
     }
     for (size_t i = 0; i < commands.size(); ++i) {
-      if (!status.ok()) {
-        results.push_back(status);
-        continue;
-      }
-      absl::StatusOr<RedisReply> reply = connection_->Read();
+      absl::StatusOr<RedisReply> reply =
+          status.ok() ? connection_->Read() : absl::StatusOr<RedisReply>(status);
       if (!reply.ok()) {
         status = reply.status();
         results.push_back(status);
         continue;
       }
+      ++*answered;
       absl::Status reply_status = internal::ReplyStatus(**reply);
       if (reply_status.ok()) {
         results.push_back(std::move(reply));
@@ -50,9 +68,6 @@ class StandaloneClient final : public RedisClient {
     return results;
   }
 
-  RedisClientStats stats() const override { return stats_; }
-
- private:
   absl::Status Connect() {
     if (connection_ != nullptr && !connection_->broken()) return absl::OkStatus();
     connection_.reset();

@@ -49,6 +49,7 @@ RedisConnection* ClusterClient::Connect(int node) {
   }
   ++stats_.connects;
   n.connection = std::move(*connection);
+  n.connected_in_call = call_;
   return n.connection.get();
 }
 
@@ -142,16 +143,23 @@ void ClusterClient::ReadNode(std::span<const RedisCommand> commands,
                              std::vector<absl::StatusOr<RedisReply>>* results,
                              std::vector<Pending>* next) {
   RedisConnection* connection = nodes_[node].connection.get();
+  const bool reused = Reused(node);
   absl::Status io_error;
+  size_t answered = 0;
   for (const Pending& p : sent) {
     if (io_error.ok() && p.asking) io_error = connection->Read().status();  // ASKING's +OK
     absl::StatusOr<RedisReply> reply =
         io_error.ok() ? connection->Read() : absl::StatusOr<RedisReply>(io_error);
     if (!reply.ok()) {
       io_error = reply.status();
-      (*results)[p.index] = io_error;
+      if (reused && answered == 0) {
+        next->push_back(p);  // a stale connection: send again on a fresh one
+      } else {
+        (*results)[p.index] = io_error;
+      }
       continue;
     }
+    ++answered;
     if ((*reply)->type == REDIS_REPLY_ERROR && HandleRedirect(**reply, p, next)) continue;
     absl::Status status = ReplyStatus(**reply);
     (*results)[p.index] = status.ok() ? std::move(reply) : absl::StatusOr<RedisReply>(status);
@@ -179,6 +187,7 @@ void ClusterClient::RunRound(std::span<const RedisCommand> commands,
   for (size_t node = 0; node < by_node.size(); ++node) {
     if (by_node[node].empty()) continue;
     RedisConnection* connection = Connect(static_cast<int>(node));
+    const bool reused = connection != nullptr && Reused(static_cast<int>(node));
     absl::Status status = absl::UnavailableError(
         absl::StrCat("redis ", nodes_[node].host, ":", nodes_[node].port, ": cannot connect"));
     if (connection != nullptr) {
@@ -194,7 +203,13 @@ void ClusterClient::RunRound(std::span<const RedisCommand> commands,
       }
     }
     if (!status.ok()) {
-      for (const Pending& p : by_node[node]) (*results)[p.index] = status;
+      for (const Pending& p : by_node[node]) {
+        if (reused) {
+          next->push_back(p);  // a stale connection: send again on a fresh one
+        } else {
+          (*results)[p.index] = status;
+        }
+      }
       continue;
     }
     ++stats_.round_trips;
@@ -205,6 +220,7 @@ void ClusterClient::RunRound(std::span<const RedisCommand> commands,
 
 std::vector<absl::StatusOr<RedisReply>> ClusterClient::Execute(
     std::span<const RedisCommand> commands) {
+  ++call_;
   if (map_stale_) RefreshSlotMap();
   std::vector<absl::StatusOr<RedisReply>> results(commands.size());
   std::vector<Pending> pending;

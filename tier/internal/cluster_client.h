@@ -32,6 +32,7 @@ class ClusterClient final : public RedisClient {
     std::string host;
     int port = 0;
     std::unique_ptr<RedisConnection> connection;  // null until used or after an I/O error
+    uint64_t connected_in_call = 0;               // the Execute call that made `connection`
   };
   // A command still to be answered, where it goes next and whether it must be preceded by
   // ASKING.
@@ -52,12 +53,18 @@ class ClusterClient final : public RedisClient {
                 std::vector<absl::StatusOr<RedisReply>>* results, std::vector<Pending>* next);
   void ReadNode(std::span<const RedisCommand> commands, const std::vector<Pending>& sent, int node,
                 std::vector<absl::StatusOr<RedisReply>>* results, std::vector<Pending>* next);
+  // Whether `node`'s connection predates this call (and so may have died unseen: a failure
+  // before its first reply is retried once on a fresh connection; GET and SET NX are
+  // idempotent).
+  bool Reused(int node) const { return nodes_[node].connected_in_call < call_; }
   bool HandleRedirect(const redisReply& reply, const Pending& p, std::vector<Pending>* next);
 
   const RedisTierOptions options_;
   std::vector<Node> nodes_;                          // seeds first; only grows
   std::array<int16_t, kNumClusterSlots> slot_node_;  // node index per slot; -1 unknown
   bool map_stale_ = true;
+  uint64_t call_ = 0;  // Execute calls so far
+
   RedisClientStats stats_;
 };
 
