@@ -2,6 +2,7 @@
 
 #include <hiredis/hiredis.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -150,51 +151,65 @@ absl::StatusOr<LookupResult> RedisBlockStore::Lookup(const BlockSpace& space,
   }
   absl::StatusOr<PooledClient> reader = AcquireReader();
   if (!reader.ok()) return reader.status();  // options were validated: cannot happen
-  std::vector<absl::StatusOr<RedisReply>> replies = reader->client->Execute(commands);
+  // Each reply is checked, copied and freed as it arrives, so a lookup never holds more than
+  // one value beyond what hiredis buffers.
+  std::vector<bool> verified(hashes.size(), false);
+  std::vector<uint32_t> coverage(hashes.size(), 0);
+  size_t first_miss = hashes.size();  // lowest index known not to be a hit
+  absl::Status failure;               // the first failed command's status
+  reader->client->Stream(commands, [&](size_t i, absl::StatusOr<RedisReply> reply) {
+    if (!reply.ok()) {
+      if (failure.ok() || (absl::IsUnavailable(reply.status()) && !absl::IsUnavailable(failure))) {
+        failure = reply.status();
+      }
+      first_miss = std::min(first_miss, i);
+      return;
+    }
+    if (i > first_miss) return;  // past a gap: never part of the prefix
+    const BlockHash& expected_parent = i == 0 ? parent : hashes[i - 1];
+    if (VerifyAndCopy(space, hashes[i], expected_parent, **reply, out[i], &coverage[i])) {
+      verified[i] = true;
+    } else {
+      first_miss = std::min(first_miss, i);
+    }
+  });
   ReleaseReader(std::move(*reader));
-  ReportOutcome(TransportStatus(replies));
-  const int64_t hits = CopyHits(space, parent, hashes, out, replies, &result);
-  counters_.hits += hits;
-  counters_.misses += hashes.size() - hits;
+  ReportOutcome(absl::IsUnavailable(failure) ? failure : absl::OkStatus());
+  if (!failure.ok()) {
+    ++counters_.lookup_errors;
+    Log().debug("redis tier: lookup: {}", failure.message());
+  }
+  while (result.hits < static_cast<int64_t>(hashes.size()) && verified[result.hits]) {
+    result.coverage.push_back(coverage[result.hits]);
+    counters_.bytes_read += out[result.hits].size();
+    ++result.hits;
+  }
+  counters_.hits += result.hits;
+  counters_.misses += hashes.size() - result.hits;
   return result;
 }
 
-int64_t RedisBlockStore::CopyHits(const BlockSpace& space, const BlockHash& parent,
-                                  std::span<const BlockHash> hashes,
-                                  std::span<const std::span<std::byte>> out,
-                                  std::vector<absl::StatusOr<RedisReply>>& replies,
-                                  LookupResult* result) {
-  bool counted_error = false;
-  for (size_t i = 0; i < hashes.size(); ++i) {
-    if (!replies[i].ok()) {
-      if (!counted_error) ++counters_.lookup_errors;
-      counted_error = true;
-      Log().debug("redis tier: lookup: {}", replies[i].status().message());
-      break;
-    }
-    const redisReply& reply = **replies[i];
-    if (reply.type != REDIS_REPLY_STRING) break;  // nil: not stored, or evicted
-    const BlockExpectation expect{.layout_fingerprint = space.layout_fingerprint,
-                                  .hash = hashes[i],
-                                  .parent = i == 0 ? &parent : &hashes[i - 1],
-                                  .payload_bytes = static_cast<int64_t>(out[i].size())};
-    BlockHeader header;
-    std::span<const std::byte> payload;
-    const BlockCheck check =
-        CheckBlockValue(std::string_view(reply.str, reply.len), expect, &header, &payload);
-    if (check != BlockCheck::kOk) {
-      ++counters_.corrupt;
-      Log().warn("redis tier: refused {}: {} ({} value bytes)",
-                 BlockKey(space, hashes[i], options_.key_slotting), BlockCheckName(check),
-                 reply.len);
-      break;
-    }
-    std::memcpy(out[i].data(), payload.data(), payload.size());
-    result->coverage.push_back(header.coverage);
-    counters_.bytes_read += payload.size();
-    ++result->hits;
+bool RedisBlockStore::VerifyAndCopy(const BlockSpace& space, const BlockHash& hash,
+                                    const BlockHash& parent, const redisReply& reply,
+                                    std::span<std::byte> out, uint32_t* coverage) {
+  if (reply.type != REDIS_REPLY_STRING) return false;  // nil: never stored, or evicted
+  const BlockExpectation expect{.layout_fingerprint = space.layout_fingerprint,
+                                .hash = hash,
+                                .parent = &parent,
+                                .payload_bytes = static_cast<int64_t>(out.size())};
+  BlockHeader header;
+  std::span<const std::byte> payload;
+  const BlockCheck check =
+      CheckBlockValue(std::string_view(reply.str, reply.len), expect, &header, &payload);
+  if (check != BlockCheck::kOk) {
+    ++counters_.corrupt;
+    Log().warn("redis tier: refused {}: {} ({} value bytes)",
+               BlockKey(space, hash, options_.key_slotting), BlockCheckName(check), reply.len);
+    return false;
   }
-  return result->hits;
+  std::memcpy(out.data(), payload.data(), payload.size());
+  *coverage = header.coverage;
+  return true;
 }
 
 // --- writes -----------------------------------------------------------------------------------

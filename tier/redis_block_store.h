@@ -49,6 +49,8 @@
 #include "tier/redis_client.h"
 #include "tier/redis_tier_options.h"
 
+struct redisReply;
+
 namespace kvpool::tier {
 
 struct RedisTierStats {
@@ -110,7 +112,9 @@ class RedisBlockStore final {
   // Looks up `hashes` (a chain: hashes[i] is the parent of hashes[i + 1], and `parent` the
   // parent of hashes[0], zero at the root) in one pipelined round trip (one per node for a
   // cluster) and copies the longest run of leading verified blocks into `out`, block i into
-  // out[i]. Every payload must be exactly out[i].size() bytes. out[hits..] are left untouched.
+  // out[i]. Every payload must be exactly out[i].size() bytes. Beyond the prefix, out[i] is
+  // either untouched or holds block i's verified bytes (a cluster's nodes answer out of order);
+  // never anything that failed a check.
   // Redis being down, slow, evicting or corrupt is never an error: those blocks are misses.
   // Errors: INVALID_ARGUMENT when out.size() != hashes.size() (nothing looked up).
   absl::StatusOr<LookupResult> Lookup(const BlockSpace& space, const BlockHash& parent,
@@ -146,9 +150,10 @@ class RedisBlockStore final {
   void AddClientStats(PooledClient* pooled);
   // Feeds one round trip's outcome to the breaker, logging transitions.
   void ReportOutcome(const absl::Status& transport);
-  int64_t CopyHits(const BlockSpace& space, const BlockHash& parent,
-                   std::span<const BlockHash> hashes, std::span<const std::span<std::byte>> out,
-                   std::vector<absl::StatusOr<RedisReply>>& replies, LookupResult* result);
+  // Checks one GET reply for block `hash` and copies its payload into `out` when it passes;
+  // counts and logs a refusal. Returns whether it passed.
+  bool VerifyAndCopy(const BlockSpace& space, const BlockHash& hash, const BlockHash& parent,
+                     const redisReply& reply, std::span<std::byte> out, uint32_t* coverage);
 
   void WriterLoop();
   void WriteBatch(std::vector<WriteItem>& batch);

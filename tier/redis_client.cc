@@ -16,29 +16,19 @@ class StandaloneClient final : public RedisClient {
  public:
   explicit StandaloneClient(const RedisTierOptions& options) : options_(options) {}
 
-  // A connection kept from an earlier call may have died since (a restarted server); a failure
-  // before its first reply is retried once on a fresh connection. GET and SET NX are
-  // idempotent, so a command the dead connection did deliver is harmless to send again.
-  std::vector<absl::StatusOr<RedisReply>> Execute(std::span<const RedisCommand> commands) override {
+  void Stream(std::span<const RedisCommand> commands, ReplyCallback on_reply) override {
     const bool reused = connection_ != nullptr && !connection_->broken();
-    size_t answered = 0;
-    std::vector<absl::StatusOr<RedisReply>> results = Attempt(commands, &answered);
-    if (reused && answered == 0 && !commands.empty() && !results[0].ok() &&
-        absl::IsUnavailable(results[0].status())) {
-      results = Attempt(commands, &answered);
+    if (!Attempt(commands, on_reply, /*may_retry=*/reused)) {
+      Attempt(commands, on_reply, /*may_retry=*/false);
     }
-    return results;
   }
 
   RedisClientStats stats() const override { return stats_; }
 
  private:
-  // One pipelined round trip; `answered` counts the replies read before any I/O error.
-  std::vector<absl::StatusOr<RedisReply>> Attempt(std::span<const RedisCommand> commands,
-                                                  size_t* answered) {
-    std::vector<absl::StatusOr<RedisReply>> results;
-    results.reserve(commands.size());
-    *answered = 0;
+  // One pipelined round trip. Returns false, having delivered nothing, when it failed before
+  // the first reply and `may_retry`; otherwise delivers every result and returns true.
+  bool Attempt(std::span<const RedisCommand> commands, ReplyCallback on_reply, bool may_retry) {
     absl::Status status = Connect();
     if (status.ok()) {
       for (const RedisCommand& command : commands) connection_->Append(command);
@@ -50,22 +40,22 @@ class StandaloneClient final : public RedisClient {
           status.ok() ? connection_->Read() : absl::StatusOr<RedisReply>(status);
       if (!reply.ok()) {
         status = reply.status();
-        results.push_back(status);
+        if (i == 0 && may_retry) {
+          ++stats_.io_errors;
+          connection_.reset();
+          return false;
+        }
+        on_reply(i, status);
         continue;
       }
-      ++*answered;
       absl::Status reply_status = internal::ReplyStatus(**reply);
-      if (reply_status.ok()) {
-        results.push_back(std::move(reply));
-      } else {
-        results.push_back(reply_status);
-      }
+      on_reply(i, reply_status.ok() ? std::move(reply) : absl::StatusOr<RedisReply>(reply_status));
     }
     if (!status.ok() && connection_ != nullptr) {
       ++stats_.io_errors;
       connection_.reset();
     }
-    return results;
+    return true;
   }
 
   absl::Status Connect() {
@@ -92,6 +82,15 @@ class StandaloneClient final : public RedisClient {
 };
 
 }  // namespace
+
+std::vector<absl::StatusOr<RedisReply>> RedisClient::Execute(
+    std::span<const RedisCommand> commands) {
+  std::vector<absl::StatusOr<RedisReply>> results(commands.size());
+  Stream(commands, [&results](size_t index, absl::StatusOr<RedisReply> reply) {
+    results[index] = std::move(reply);
+  });
+  return results;
+}
 
 absl::Status ParseHostPort(std::string_view address, std::string* host, int* port) {
   const size_t colon = address.rfind(':');

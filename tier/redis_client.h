@@ -20,6 +20,7 @@
 #include <string_view>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "tier/redis_tier_options.h"
@@ -55,14 +56,23 @@ class RedisClient {
  public:
   virtual ~RedisClient() = default;
 
-  // Sends every command, pipelined, and returns one result per command, in order. A standalone
+  // Receives each command's result once, as soon as it is known (a cluster's nodes answer in
+  // any order, so indices can arrive out of order). The reply is the callback's to keep or drop;
+  // dropping it at once keeps a large pipeline from holding every value in memory together.
+  using ReplyCallback = absl::FunctionRef<void(size_t index, absl::StatusOr<RedisReply> reply)>;
+
+  // Sends every command, pipelined, and hands `on_reply` one result per command. A standalone
   // client makes one round trip; a cluster client one per node the commands' slots live on, all
   // flushed before any is read, plus one per redirect hop (at most max_redirects).
   // Per-command errors: UNAVAILABLE (cannot connect, connection lost or timed out, CLUSTERDOWN /
   // TRYAGAIN / LOADING, too many redirects); INTERNAL (any other Redis error reply, with its
-  // text). After an I/O error the connection is dropped and remade on the next call.
-  virtual std::vector<absl::StatusOr<RedisReply>> Execute(
-      std::span<const RedisCommand> commands) = 0;
+  // text). After an I/O error the connection is dropped and remade on the next call; a
+  // connection kept from an earlier call that fails before its first reply (the server
+  // restarted) is retried once on a fresh one, so commands must be idempotent (GET, SET NX).
+  virtual void Stream(std::span<const RedisCommand> commands, ReplyCallback on_reply) = 0;
+
+  // Stream, with the results collected in command order.
+  std::vector<absl::StatusOr<RedisReply>> Execute(std::span<const RedisCommand> commands);
 
   virtual RedisClientStats stats() const = 0;
 };

@@ -139,8 +139,7 @@ bool ClusterClient::HandleRedirect(const redisReply& reply, const Pending& p,
 }
 
 void ClusterClient::ReadNode(std::span<const RedisCommand> commands,
-                             const std::vector<Pending>& sent, int node,
-                             std::vector<absl::StatusOr<RedisReply>>* results,
+                             const std::vector<Pending>& sent, int node, ReplyCallback on_reply,
                              std::vector<Pending>* next) {
   RedisConnection* connection = nodes_[node].connection.get();
   const bool reused = Reused(node);
@@ -155,14 +154,14 @@ void ClusterClient::ReadNode(std::span<const RedisCommand> commands,
       if (reused && answered == 0) {
         next->push_back(p);  // a stale connection: send again on a fresh one
       } else {
-        (*results)[p.index] = io_error;
+        on_reply(p.index, io_error);
       }
       continue;
     }
     ++answered;
     if ((*reply)->type == REDIS_REPLY_ERROR && HandleRedirect(**reply, p, next)) continue;
     absl::Status status = ReplyStatus(**reply);
-    (*results)[p.index] = status.ok() ? std::move(reply) : absl::StatusOr<RedisReply>(status);
+    on_reply(p.index, status.ok() ? std::move(reply) : absl::StatusOr<RedisReply>(status));
   }
   if (!io_error.ok()) {
     ++stats_.io_errors;
@@ -172,13 +171,12 @@ void ClusterClient::ReadNode(std::span<const RedisCommand> commands,
 }
 
 void ClusterClient::RunRound(std::span<const RedisCommand> commands,
-                             const std::vector<Pending>& pending,
-                             std::vector<absl::StatusOr<RedisReply>>* results,
+                             const std::vector<Pending>& pending, ReplyCallback on_reply,
                              std::vector<Pending>* next) {
   std::vector<std::vector<Pending>> by_node(nodes_.size());
   for (const Pending& p : pending) {
     if (p.node < 0) {
-      (*results)[p.index] = absl::UnavailableError("redis cluster: no node known");
+      on_reply(p.index, absl::UnavailableError("redis cluster: no node known"));
     } else {
       by_node[p.node].push_back(p);
     }
@@ -207,7 +205,7 @@ void ClusterClient::RunRound(std::span<const RedisCommand> commands,
         if (reused) {
           next->push_back(p);  // a stale connection: send again on a fresh one
         } else {
-          (*results)[p.index] = status;
+          on_reply(p.index, status);
         }
       }
       continue;
@@ -215,14 +213,12 @@ void ClusterClient::RunRound(std::span<const RedisCommand> commands,
     ++stats_.round_trips;
     flushed.push_back(static_cast<int>(node));
   }
-  for (int node : flushed) ReadNode(commands, by_node[node], node, results, next);
+  for (int node : flushed) ReadNode(commands, by_node[node], node, on_reply, next);
 }
 
-std::vector<absl::StatusOr<RedisReply>> ClusterClient::Execute(
-    std::span<const RedisCommand> commands) {
+void ClusterClient::Stream(std::span<const RedisCommand> commands, ReplyCallback on_reply) {
   ++call_;
   if (map_stale_) RefreshSlotMap();
-  std::vector<absl::StatusOr<RedisReply>> results(commands.size());
   std::vector<Pending> pending;
   pending.reserve(commands.size());
   for (size_t i = 0; i < commands.size(); ++i) {
@@ -231,14 +227,14 @@ std::vector<absl::StatusOr<RedisReply>> ClusterClient::Execute(
   std::vector<Pending> next;
   for (int hop = 0; !pending.empty() && hop <= options_.max_redirects; ++hop) {
     next.clear();
-    RunRound(commands, pending, &results, &next);
+    RunRound(commands, pending, on_reply, &next);
     pending.swap(next);
   }
   for (const Pending& p : pending) {
-    results[p.index] = absl::UnavailableError(absl::StrCat(
-        "redis cluster: more than ", options_.max_redirects, " redirects for one command"));
+    on_reply(p.index, absl::UnavailableError(absl::StrCat("redis cluster: more than ",
+                                                          options_.max_redirects,
+                                                          " redirects for one command")));
   }
-  return results;
 }
 
 }  // namespace kvpool::tier::internal

@@ -24,7 +24,7 @@ class ClusterClient final : public RedisClient {
   // REQUIRES: every seed parses with ParseHostPort (CreateRedisClient checked).
   explicit ClusterClient(const RedisTierOptions& options);
 
-  std::vector<absl::StatusOr<RedisReply>> Execute(std::span<const RedisCommand> commands) override;
+  void Stream(std::span<const RedisCommand> commands, ReplyCallback on_reply) override;
   RedisClientStats stats() const override { return stats_; }
 
  private:
@@ -32,7 +32,7 @@ class ClusterClient final : public RedisClient {
     std::string host;
     int port = 0;
     std::unique_ptr<RedisConnection> connection;  // null until used or after an I/O error
-    uint64_t connected_in_call = 0;               // the Execute call that made `connection`
+    uint64_t connected_in_call = 0;               // the Stream call that made `connection`
   };
   // A command still to be answered, where it goes next and whether it must be preceded by
   // ASKING.
@@ -48,11 +48,11 @@ class ClusterClient final : public RedisClient {
   bool AdoptSlotMap(const redisReply& slots, const std::string& asked_host);
   int RouteOf(const RedisCommand& command);  // node index; -1 when no node is known
   // One redirect round: sends `pending` grouped per node, reads every reply; answers
-  // `results` or appends to `next` what was redirected.
+  // `on_reply` or appends to `next` what was redirected.
   void RunRound(std::span<const RedisCommand> commands, const std::vector<Pending>& pending,
-                std::vector<absl::StatusOr<RedisReply>>* results, std::vector<Pending>* next);
+                ReplyCallback on_reply, std::vector<Pending>* next);
   void ReadNode(std::span<const RedisCommand> commands, const std::vector<Pending>& sent, int node,
-                std::vector<absl::StatusOr<RedisReply>>* results, std::vector<Pending>* next);
+                ReplyCallback on_reply, std::vector<Pending>* next);
   // Whether `node`'s connection predates this call (and so may have died unseen: a failure
   // before its first reply is retried once on a fresh connection; GET and SET NX are
   // idempotent).
@@ -63,7 +63,7 @@ class ClusterClient final : public RedisClient {
   std::vector<Node> nodes_;                          // seeds first; only grows
   std::array<int16_t, kNumClusterSlots> slot_node_;  // node index per slot; -1 unknown
   bool map_stale_ = true;
-  uint64_t call_ = 0;  // Execute calls so far
+  uint64_t call_ = 0;  // Stream calls so far
 
   RedisClientStats stats_;
 };
