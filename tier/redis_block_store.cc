@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "kvpool/util/check.h"
 #include "kvpool/util/fmt.h"
 #include "kvpool/util/logging.h"
 
@@ -78,7 +79,7 @@ RedisBlockStore::~RedisBlockStore() {
 
 // --- reads ------------------------------------------------------------------------------------
 
-absl::StatusOr<RedisBlockStore::PooledClient> RedisBlockStore::AcquireReader() {
+RedisBlockStore::PooledClient RedisBlockStore::AcquireReader() {
   {
     absl::MutexLock lock(&readers_mu_);
     if (!idle_readers_.empty()) {
@@ -88,7 +89,8 @@ absl::StatusOr<RedisBlockStore::PooledClient> RedisBlockStore::AcquireReader() {
     }
   }
   absl::StatusOr<std::unique_ptr<RedisClient>> client = CreateRedisClient(options_);
-  if (!client.ok()) return client.status();
+  // Create() built the writer's client from the same options, so this cannot fail.
+  KVPOOL_CHECK_OK(client.status());
   return PooledClient{.client = std::move(*client)};
 }
 
@@ -125,16 +127,10 @@ void RedisBlockStore::ReportOutcome(const absl::Status& transport) {
   }
 }
 
-absl::StatusOr<LookupResult> RedisBlockStore::Lookup(const BlockSpace& space,
-                                                     const BlockHash& parent,
-                                                     std::span<const BlockHash> hashes,
-                                                     std::span<const std::span<std::byte>> out) {
-  if (out.size() != hashes.size()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("redis tier: ", hashes.size(), " hashes but ", out.size(), " output buffers"));
-  }
+LookupResult RedisBlockStore::LookupChecked(const BlockSpace& space, const BlockHash& parent,
+                                            std::span<const BlockHash> hashes,
+                                            std::span<const std::span<std::byte>> out) {
   LookupResult result;
-  if (hashes.empty()) return result;
   ++counters_.lookups;
   if (!breaker_.Allow()) {
     ++counters_.rejected_lookups;
@@ -149,15 +145,14 @@ absl::StatusOr<LookupResult> RedisBlockStore::Lookup(const BlockSpace& space,
     keys.push_back(BlockKey(space, hash, options_.key_slotting));
     commands.push_back(RedisCommand{.args = {"GET", keys.back()}});
   }
-  absl::StatusOr<PooledClient> reader = AcquireReader();
-  if (!reader.ok()) return reader.status();  // options were validated: cannot happen
+  PooledClient reader = AcquireReader();
   // Each reply is checked, copied and freed as it arrives, so a lookup never holds more than
   // one value beyond what hiredis buffers.
   std::vector<bool> verified(hashes.size(), false);
   std::vector<uint32_t> coverage(hashes.size(), 0);
   size_t first_miss = hashes.size();  // lowest index known not to be a hit
   absl::Status failure;               // the first failed command's status
-  reader->client->Stream(commands, [&](size_t i, absl::StatusOr<RedisReply> reply) {
+  reader.client->Stream(commands, [&](size_t i, absl::StatusOr<RedisReply> reply) {
     if (!reply.ok()) {
       if (failure.ok() || (absl::IsUnavailable(reply.status()) && !absl::IsUnavailable(failure))) {
         failure = reply.status();
@@ -173,7 +168,7 @@ absl::StatusOr<LookupResult> RedisBlockStore::Lookup(const BlockSpace& space,
       first_miss = std::min(first_miss, i);
     }
   });
-  ReleaseReader(std::move(*reader));
+  ReleaseReader(std::move(reader));
   ReportOutcome(absl::IsUnavailable(failure) ? failure : absl::OkStatus());
   if (!failure.ok()) {
     ++counters_.lookup_errors;
@@ -338,8 +333,8 @@ absl::Status RedisBlockStore::Flush(absl::Duration timeout) {
                                                   " queued blocks not written within the timeout"));
 }
 
-RedisTierStats RedisBlockStore::stats() const {
-  RedisTierStats s;
+RemoteTierStats RedisBlockStore::stats() const {
+  RemoteTierStats s;
   s.breaker = breaker_.state();
   s.breaker_opens = breaker_.opens();
   const Counters& c = counters_;
@@ -358,17 +353,21 @@ RedisTierStats RedisBlockStore::stats() const {
   s.dropped_shutdown = c.dropped_shutdown;
   s.bytes_read = c.bytes_read;
   s.bytes_written = c.bytes_written;
-  s.client = {.round_trips = c.round_trips,
-              .connects = c.connects,
-              .connect_failures = c.connect_failures,
-              .io_errors = c.io_errors,
-              .moved_redirects = c.moved_redirects,
-              .ask_redirects = c.ask_redirects,
-              .slot_map_refreshes = c.slot_map_refreshes};
   absl::MutexLock lock(&queue_mu_);
   s.queued_blocks = static_cast<int64_t>(queue_.size());
   s.queued_bytes = queued_bytes_;
   return s;
+}
+
+RedisClientStats RedisBlockStore::client_stats() const {
+  const Counters& c = counters_;
+  return {.round_trips = c.round_trips,
+          .connects = c.connects,
+          .connect_failures = c.connect_failures,
+          .io_errors = c.io_errors,
+          .moved_redirects = c.moved_redirects,
+          .ask_redirects = c.ask_redirects,
+          .slot_map_refreshes = c.slot_map_refreshes};
 }
 
 absl::Status RedisBlockStore::CheckInvariants() const {

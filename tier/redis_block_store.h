@@ -1,8 +1,9 @@
 #pragma once
 
 // RedisBlockStore: the Redis tier (L3, DESIGN.md §9), a content-addressed block store shared by
-// every daemon that points at the same Redis (standalone or Cluster). Self-contained: the daemon
-// wires it in by building one store from its config (Create), calling Put() for each committed
+// every daemon that points at the same Redis (standalone or Cluster); the RemoteTier
+// (remote_tier.h) the daemon holds. Self-contained: the daemon wires it in by building one store
+// from its config (Create, when RedisTierOptions::enabled), calling Put() for each committed
 // full block it wants kept below (write-behind, never blocks), Lookup() after a local prefix miss
 // (one pipelined round trip; fills caller buffers with the longest run of verified blocks), and
 // exporting stats(). Keys and values: block_codec.h.
@@ -48,49 +49,13 @@
 #include "tier/circuit_breaker.h"
 #include "tier/redis_client.h"
 #include "tier/redis_tier_options.h"
+#include "tier/remote_tier.h"
 
 struct redisReply;
 
 namespace kvpool::tier {
 
-struct RedisTierStats {
-  BreakerState breaker = BreakerState::kClosed;  // breaker state now
-  uint64_t breaker_opens = 0;                    // times the breaker opened
-  uint64_t lookups = 0;                          // Lookup calls with at least one hash
-  uint64_t rejected_lookups = 0;      // of those, answered "all miss" at once: breaker open
-  uint64_t lookup_errors = 0;         // Lookup round trips with a failed command (I/O, Redis)
-  uint64_t hits = 0;                  // blocks returned by Lookup
-  uint64_t misses = 0;                // blocks asked for and not returned, for any reason
-  uint64_t corrupt = 0;               // values refused by CheckBlockValue (counted in misses)
-  uint64_t puts = 0;                  // Put calls
-  uint64_t written = 0;               // blocks stored by SET NX
-  uint64_t already_present = 0;       // SET NX found the key: stored before, by us or a peer
-  uint64_t dropped_queue_full = 0;    // Puts refused: queue at write_queue_blocks / _bytes
-  uint64_t dropped_breaker_open = 0;  // Puts refused or queued writes discarded: breaker open
-  uint64_t dropped_write_errors = 0;  // queued writes lost to a failed round trip / error reply
-  uint64_t dropped_shutdown = 0;      // queued writes discarded when the store was destroyed
-  uint64_t bytes_read = 0;            // payload bytes copied out by Lookup
-  uint64_t bytes_written = 0;         // value bytes (header + payload) stored by SET NX
-  int64_t queued_blocks = 0;          // blocks in the write queue now
-  int64_t queued_bytes = 0;           // value bytes in the write queue now
-  RedisClientStats client;            // summed over every connection the store has used
-};
-
-// One block to store: its chained hash, its parent's (zero for a chain's first block), how many
-// tokens it covers and its bytes (copied by Put; the caller may reuse them on return).
-struct BlockToStore {
-  BlockHash hash;
-  BlockHash parent;
-  uint32_t coverage = 0;
-  std::span<const std::byte> bytes;
-};
-
-struct LookupResult {
-  int64_t hits = 0;                // leading blocks found whole; out[0, hits) hold them
-  std::vector<uint32_t> coverage;  // [hits] tokens each found block covers
-};
-
-class RedisBlockStore final {
+class RedisBlockStore final : public RemoteTier {
  public:
   // Validates `options` and starts the writer thread; connects on first use.
   // Errors: INVALID_ARGUMENT naming the bad field (options.enabled false included: a disabled
@@ -104,32 +69,28 @@ class RedisBlockStore final {
   RedisBlockStore(const RedisBlockStore&) = delete;
   RedisBlockStore& operator=(const RedisBlockStore&) = delete;
 
-  // Queues a copy of `block` for write-behind under `space` and returns at once. Returns whether
-  // it was queued; false when it was dropped (queue full, breaker open) and counted. A queued
-  // block can still be lost (Redis error, breaker opening, shutdown): stats say how many were.
-  bool Put(const BlockSpace& space, const BlockToStore& block);
-
-  // Looks up `hashes` (a chain: hashes[i] is the parent of hashes[i + 1], and `parent` the
-  // parent of hashes[0], zero at the root) in one pipelined round trip (one per node for a
-  // cluster) and copies the longest run of leading verified blocks into `out`, block i into
-  // out[i]. Every payload must be exactly out[i].size() bytes. Beyond the prefix, out[i] is
-  // either untouched or holds block i's verified bytes (a cluster's nodes answer out of order);
-  // never anything that failed a check.
-  // Redis being down, slow, evicting or corrupt is never an error: those blocks are misses.
-  // Errors: INVALID_ARGUMENT when out.size() != hashes.size() (nothing looked up).
-  absl::StatusOr<LookupResult> Lookup(const BlockSpace& space, const BlockHash& parent,
-                                      std::span<const BlockHash> hashes,
-                                      std::span<const std::span<std::byte>> out);
+  // RemoteTier (remote_tier.h has the contract). Put copies the block into the queue, or drops
+  // it at once when the queue is full or the breaker is open.
+  bool Put(const BlockSpace& space, const BlockToStore& block) override;
 
   // Waits until every block queued before this call was written or dropped. Errors:
   // DEADLINE_EXCEEDED after `timeout` on the store's clock (the queue keeps draining).
-  absl::Status Flush(absl::Duration timeout);
-
-  RedisTierStats stats() const;
+  // Flush waits on the store's clock.
+  absl::Status Flush(absl::Duration timeout) override;
+  RemoteTierStats stats() const override;
+  // Summed over every connection the store has used (round trips, reconnects, redirects).
+  RedisClientStats client_stats() const;
 
   // Queue accounting (count and bytes match the queue, nothing completed that was not queued)
   // and the breaker's invariants.
   absl::Status CheckInvariants() const;
+
+ protected:
+  // One pipelined GET per block (per node for a cluster), each reply checked, copied and freed
+  // as it arrives.
+  LookupResult LookupChecked(const BlockSpace& space, const BlockHash& parent,
+                             std::span<const BlockHash> hashes,
+                             std::span<const std::span<std::byte>> out) override;
 
  private:
   struct WriteItem {
@@ -145,7 +106,7 @@ class RedisBlockStore final {
   RedisBlockStore(const RedisTierOptions& options, const Clock* clock,
                   std::unique_ptr<RedisClient> writer);
 
-  absl::StatusOr<PooledClient> AcquireReader();
+  PooledClient AcquireReader();
   void ReleaseReader(PooledClient reader);
   void AddClientStats(PooledClient* pooled);
   // Feeds one round trip's outcome to the breaker, logging transitions.

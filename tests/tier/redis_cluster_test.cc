@@ -173,13 +173,13 @@ TEST_F(RedisClusterTest, SlotMigrationFollowsAskThenMoved) {
   // Half moved: the first 8 answer ASK, the rest are still served by the source.
   EXPECT_EQ(LookupAll(*b, chain, &out), 16);
   EXPECT_EQ(out.storage, chain.blocks);
-  EXPECT_GE(b->stats().client.ask_redirects, 8u);
+  EXPECT_GE(b->client_stats().ask_redirects, 8u);
   // Written while migrating: absent on the source, so they land on the target through ASK.
   const TestChain during = MakeChain(space, 8, kBlockBytes, 32);
   ASSERT_EQ(during.Put(*a), 8);
   ASSERT_TRUE(a->Flush(absl::Seconds(30)).ok());
   EXPECT_EQ(a->stats().written, 24u);
-  EXPECT_GE(a->stats().client.ask_redirects, 8u);
+  EXPECT_GE(a->client_stats().ask_redirects, 8u);
   LookupBuffers out_during(8, kBlockBytes);
   EXPECT_EQ(LookupAll(*b, during, &out_during), 8);
   EXPECT_EQ(out_during.storage, during.blocks);
@@ -196,19 +196,19 @@ TEST_F(RedisClusterTest, SlotMigrationFollowsAskThenMoved) {
   for (int n : {to, from, 3 - to - from}) {
     ASSERT_TRUE(cluster_.nodes[n]->Command({"CLUSTER", "SETSLOT", slot_arg, "NODE", to_id}).ok());
   }
-  const uint64_t moved_before = b->stats().client.moved_redirects;
+  const uint64_t moved_before = b->client_stats().moved_redirects;
   EXPECT_EQ(LookupAll(*b, chain, &out), 16);
   EXPECT_EQ(out.storage, chain.blocks);
-  EXPECT_GT(b->stats().client.moved_redirects, moved_before);
+  EXPECT_GT(b->client_stats().moved_redirects, moved_before);
   // The map was refreshed: the next lookup goes straight to the new owner.
-  const RedisTierStats before = b->stats();
+  const RedisClientStats before = b->client_stats();
   EXPECT_EQ(LookupAll(*b, during, &out_during), 8);
   EXPECT_EQ(out_during.storage, during.blocks);
-  const RedisTierStats after = b->stats();
-  EXPECT_EQ(after.client.moved_redirects, before.client.moved_redirects);
-  EXPECT_EQ(after.client.ask_redirects, before.client.ask_redirects);
+  const RedisClientStats after = b->client_stats();
+  EXPECT_EQ(after.moved_redirects, before.moved_redirects);
+  EXPECT_EQ(after.ask_redirects, before.ask_redirects);
   EXPECT_EQ(OwnerOf(slot), to);
-  EXPECT_EQ(after.corrupt, 0u);
+  EXPECT_EQ(b->stats().corrupt, 0u);
 }
 
 // `redis-cli --cluster reshard` moves 2000 slots between nodes while a second thread keeps
@@ -258,16 +258,17 @@ TEST_F(RedisClusterTest, ReshardUnderConcurrentLookupsKeepsEveryReadCorrect) {
   EXPECT_EQ(LookupAll(*b, chain, &out), 64);
   EXPECT_EQ(out.storage, chain.blocks);
   ASSERT_TRUE(a->Flush(absl::Seconds(30)).ok());
-  const RedisTierStats writes = a->stats();
+  const RemoteTierStats writes = a->stats();
   EXPECT_EQ(writes.dropped_write_errors, 0u);
   EXPECT_EQ(writes.dropped_queue_full, 0u);
   const auto put = static_cast<int64_t>(writes.written) - 64;  // blocks of `during` stored
   auto result = b->Lookup(space, BlockHash{}, during.hashes, out.spans);
   ASSERT_TRUE(result.ok());
   EXPECT_EQ(result->hits, put);
-  const RedisTierStats reads = b->stats();
+  const RemoteTierStats reads = b->stats();
   EXPECT_EQ(reads.corrupt, 0u);
-  EXPECT_GT(reads.client.moved_redirects + reads.client.ask_redirects, 0u);
+  const RedisClientStats redirects = b->client_stats();
+  EXPECT_GT(redirects.moved_redirects + redirects.ask_redirects, 0u);
 }
 
 }  // namespace

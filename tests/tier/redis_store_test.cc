@@ -75,7 +75,7 @@ TEST_F(RedisStoreTest, RoundTripIsByteIdentical) {
   // Written once: the second put of the same content finds it there.
   ASSERT_EQ(chain.Put(*store), 8);
   ASSERT_TRUE(store->Flush(absl::Seconds(30)).ok());
-  const RedisTierStats stats = store->stats();
+  const RemoteTierStats stats = store->stats();
   EXPECT_EQ(stats.written, 8u);
   EXPECT_EQ(stats.already_present, 8u);
   EXPECT_EQ(stats.hits, 8u);
@@ -117,6 +117,10 @@ TEST_F(RedisStoreTest, LookupRejectsMismatchedBuffers) {
   LookupBuffers out(1, kBlockBytes);
   EXPECT_EQ(store->Lookup(kSpace, BlockHash{}, chain.hashes, out.spans).status().code(),
             absl::StatusCode::kInvalidArgument);
+  std::vector<std::span<std::byte>> empty = {out.spans[0], std::span<std::byte>()};
+  EXPECT_EQ(store->Lookup(kSpace, BlockHash{}, chain.hashes, empty).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(store->stats().lookups, 0u);  // nothing looked up, nothing counted
 }
 
 TEST_F(RedisStoreTest, TwoStoresSharingOneServerSeeEachOthersBlocks) {
@@ -235,7 +239,7 @@ TEST_F(RedisStoreTest, KilledServerOpensTheBreakerAndRestartClosesIt) {
     EXPECT_LT(Timed([&] { hits = LookupAll(*store, chain, &out, kSpace); }), bound) << i;
     EXPECT_EQ(hits, 0) << i;
   }
-  RedisTierStats stats = store->stats();
+  RemoteTierStats stats = store->stats();
   EXPECT_EQ(stats.breaker, BreakerState::kOpen);
   EXPECT_EQ(stats.breaker_opens, 1u);
   EXPECT_EQ(stats.rejected_lookups, 3u);
@@ -299,7 +303,7 @@ TEST_F(RedisStoreTest, FullWriteQueueDropsAndCountsWithoutBlocking) {
   EXPECT_LT(slowest, absl::Milliseconds(100));
   // At most the queue's 4 plus the one batch the writer holds were taken.
   EXPECT_LE(queued, 5);
-  RedisTierStats stats = store->stats();
+  RemoteTierStats stats = store->stats();
   EXPECT_EQ(stats.dropped_queue_full, static_cast<uint64_t>(20 - queued));
   EXPECT_LE(stats.queued_blocks, 4);
   server_->Resume();
