@@ -26,7 +26,13 @@
 // Thread-safe: any number of threads may call Put / Lookup / Flush / stats at once. Lookups run
 // in parallel on a pool of connections (one per concurrent caller, kept for reuse); no lock is
 // held across Redis I/O. The store owns its thread and connections; results are copied into
-// memory the caller owns.
+// memory the caller owns. Like every RedisClient it sets SIGPIPE to SIG_IGN if still SIG_DFL.
+//
+// Wiring (for the daemon): BlockSpace{namespace id, kernels::PoolLayout::Hash()}; the chained
+// hashes are PrefixCache's (PrefixChainHash); out buffers are fresh blocks of the host tier or
+// the device pool, handed to a sequence only after Lookup returned (and, on a device, after the
+// copy's fence). Health stays SERVING whatever the breaker says; export stats() and
+// client_stats() with the other counters.
 
 #include <atomic>
 #include <cstddef>
@@ -75,7 +81,6 @@ class RedisBlockStore final : public RemoteTier {
 
   // Waits until every block queued before this call was written or dropped. Errors:
   // DEADLINE_EXCEEDED after `timeout` on the store's clock (the queue keeps draining).
-  // Flush waits on the store's clock.
   absl::Status Flush(absl::Duration timeout) override;
   RemoteTierStats stats() const override;
   // Summed over every connection the store has used (round trips, reconnects, redirects).

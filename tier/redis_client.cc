@@ -67,9 +67,11 @@ class StandaloneClient final : public RedisClient {
                   options_.host, options_.port, options_.connect_timeout, options_.command_timeout)
             : internal::RedisConnection::ConnectUnix(options_.unix_socket, options_.connect_timeout,
                                                      options_.command_timeout);
-    if (!connection.ok()) {
+    absl::Status status = connection.status();
+    if (status.ok()) status = internal::Authenticate(**connection, options_);
+    if (!status.ok()) {
       ++stats_.connect_failures;
-      return connection.status();
+      return status;
     }
     ++stats_.connects;
     connection_ = std::move(*connection);

@@ -33,6 +33,11 @@ struct RedisTierOptions {
   int port = 6379;                         // TCP port of `host`
   std::vector<std::string> cluster_seeds;  // "host:port" of any Redis Cluster nodes
 
+  // Credentials sent with AUTH on every new connection; empty password: no AUTH. An empty
+  // username is the legacy single-password form (requirepass); otherwise an ACL user.
+  std::string username;
+  std::string password;
+
   KeySlotting key_slotting = KeySlotting::kNamespace;  // cluster only; see KeySlotting
 
   absl::Duration connect_timeout = absl::Milliseconds(200);  // one connect attempt

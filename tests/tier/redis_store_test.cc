@@ -211,6 +211,42 @@ TEST_F(RedisStoreTest, ValueWithAnotherLayoutFingerprintIsAMiss) {
   EXPECT_EQ(LookupAll(*store, chain, &out, kSpace), 1);  // the original still reads
 }
 
+TEST_F(RedisStoreTest, PasswordIsSentAndAWrongOneOpensTheBreaker) {
+  ASSERT_TRUE(server_->Command({"CONFIG", "SET", "requirepass", "s3cret"}).ok());
+  RedisTierOptions options = server_->TierOptions();
+  options.password = "s3cret";
+  auto store = NewStore(options);
+  const TestChain chain = MakeChain(kSpace, 2, kBlockBytes, 13);
+  ASSERT_EQ(chain.Put(*store), 2);
+  ASSERT_TRUE(store->Flush(absl::Seconds(30)).ok());
+  LookupBuffers out(2, kBlockBytes);
+  EXPECT_EQ(LookupAll(*store, chain, &out, kSpace), 2);
+  EXPECT_EQ(out.storage, chain.blocks);
+
+  options.password = "wrong";
+  options.breaker_failure_threshold = 2;
+  auto refused = NewStore(options);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(LookupAll(*refused, chain, &out, kSpace), 0);
+  const RemoteTierStats stats = refused->stats();
+  EXPECT_EQ(stats.breaker, BreakerState::kOpen);
+  EXPECT_EQ(stats.lookup_errors, 2u);
+  EXPECT_EQ(stats.rejected_lookups, 1u);
+  EXPECT_EQ(refused->client_stats().connect_failures, 2u);
+}
+
+TEST_F(RedisStoreTest, TtlIsSetWhenConfigured) {
+  RedisTierOptions options = server_->TierOptions();
+  options.ttl_seconds = 600;
+  auto store = NewStore(options);
+  const TestChain chain = MakeChain(kSpace, 1, kBlockBytes, 12);
+  ASSERT_EQ(chain.Put(*store), 1);
+  ASSERT_TRUE(store->Flush(absl::Seconds(30)).ok());
+  auto ttl = server_->Command({"TTL", KeyOf(chain, 0)});
+  ASSERT_TRUE(ttl.ok()) << ttl.status();
+  EXPECT_GT((*ttl)->integer, 500);
+  EXPECT_LE((*ttl)->integer, 600);
+}
+
 // Wall time of `f()`, for the "never blocks beyond the timeout" checks.
 template <typename F>
 absl::Duration Timed(F&& f) {

@@ -42,9 +42,12 @@ RedisConnection* ClusterClient::Connect(int node) {
   n.connection.reset();
   absl::StatusOr<std::unique_ptr<RedisConnection>> connection = RedisConnection::ConnectTcp(
       n.host, n.port, options_.connect_timeout, options_.command_timeout);
-  if (!connection.ok()) {
+  absl::Status status = connection.status();
+  if (status.ok()) status = Authenticate(**connection, options_);
+  if (!status.ok()) {
     ++stats_.connect_failures;
     map_stale_ = true;  // a node that went away may have handed its slots over
+    Logger("tier").debug("redis cluster: {}", status.message());
     return nullptr;
   }
   ++stats_.connects;

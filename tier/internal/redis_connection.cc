@@ -95,6 +95,17 @@ absl::StatusOr<RedisReply> RedisConnection::Call(const RedisCommand& command) {
   return reply;
 }
 
+absl::Status Authenticate(RedisConnection& connection, const RedisTierOptions& options) {
+  if (options.password.empty()) return absl::OkStatus();
+  RedisCommand auth{.args = {"AUTH"}, .key_index = -1};
+  if (!options.username.empty()) auth.args.push_back(options.username);
+  auth.args.push_back(options.password);
+  absl::StatusOr<RedisReply> reply = connection.Call(auth);
+  if (reply.ok()) return absl::OkStatus();
+  return absl::UnavailableError(
+      absl::StrCat("redis ", connection.address(), ": AUTH failed: ", reply.status().message()));
+}
+
 absl::Status ReplyStatus(const redisReply& reply) {
   if (reply.type != REDIS_REPLY_ERROR) return absl::OkStatus();
   const std::string_view text(reply.str, reply.len);

@@ -54,6 +54,10 @@ class RedisConnection final {
   std::string address_;  // "host:port" or the socket path, for messages
 };
 
+// Sends AUTH when `options` carry a password. Errors: UNAVAILABLE when the server refuses it
+// (the connection is then unusable for the tier, as if it could not be reached).
+absl::Status Authenticate(RedisConnection& connection, const RedisTierOptions& options);
+
 // OK for a non-error reply; UNAVAILABLE for CLUSTERDOWN / TRYAGAIN / LOADING / MASTERDOWN;
 // INTERNAL with the text for any other error reply.
 absl::Status ReplyStatus(const redisReply& reply);
