@@ -7,6 +7,7 @@
 #include <hiredis/hiredis.h>
 
 #include <atomic>
+#include <chrono>
 #include <random>
 #include <thread>
 
@@ -269,6 +270,51 @@ TEST_F(RedisClusterTest, ReshardUnderConcurrentLookupsKeepsEveryReadCorrect) {
   EXPECT_EQ(reads.corrupt, 0u);
   const RedisClientStats redirects = b->client_stats();
   EXPECT_GT(redirects.moved_redirects + redirects.ask_redirects, 0u);
+}
+
+// The node holding the namespace's slot is killed: lookups miss within the timeouts and the
+// breaker opens; the node restarts with its nodes.conf (same id and slots, data gone): after the
+// backoff the probe closes the breaker and new writes are read back.
+TEST_F(RedisClusterTest, KilledNodeOpensTheBreakerAndItsRestartClosesIt) {
+  ManualClock clock;
+  RedisTierOptions options;
+  options.enabled = true;
+  options.cluster_seeds = cluster_.Seeds();
+  options.connect_timeout = absl::Milliseconds(300);
+  options.command_timeout = absl::Milliseconds(300);
+  options.breaker_failure_threshold = 2;
+  auto created = RedisBlockStore::Create(options, &clock);
+  ASSERT_TRUE(created.ok()) << created.status();
+  RedisBlockStore& store = **created;
+  const BlockSpace space{.ns = NamespaceId(11), .layout_fingerprint = 9};
+  const TestChain chain = MakeChain(space, 8, kBlockBytes, 51);
+  ASSERT_EQ(chain.Put(store), 8);
+  ASSERT_TRUE(store.Flush(absl::Seconds(30)).ok());
+  LookupBuffers out(8, kBlockBytes);
+  ASSERT_EQ(LookupAll(store, chain, &out), 8);
+
+  const int owner = OwnerOf(KeySlot(BlockKey(space, chain.hashes[0], KeySlotting::kNamespace)));
+  ASSERT_GE(owner, 0);
+  cluster_.nodes[owner]->Kill();
+  for (int i = 0; i < 4; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    EXPECT_EQ(LookupAll(store, chain, &out), 0) << i;
+    // One round trip to the dead node plus a slot map refresh over the live ones, each bounded.
+    EXPECT_LT(absl::FromChrono(std::chrono::steady_clock::now() - start), absl::Seconds(3)) << i;
+  }
+  EXPECT_EQ(store.stats().breaker, BreakerState::kOpen);
+  EXPECT_EQ(store.stats().rejected_lookups, 2u);
+  EXPECT_FALSE(chain.Put(store) > 0);
+
+  ASSERT_TRUE(cluster_.nodes[owner]->Restart().ok());
+  ASSERT_TRUE(testing::WaitClusterOk(cluster_).ok());
+  clock.Advance(absl::ToInt64Nanoseconds(options.breaker_backoff));
+  EXPECT_EQ(LookupAll(store, chain, &out), 0);  // the probe: answered (empty), breaker closes
+  EXPECT_EQ(store.stats().breaker, BreakerState::kClosed);
+  ASSERT_EQ(chain.Put(store), 8);
+  ASSERT_TRUE(store.Flush(absl::Seconds(30)).ok());
+  EXPECT_EQ(LookupAll(store, chain, &out), 8);
+  EXPECT_EQ(out.storage, chain.blocks);
 }
 
 }  // namespace
