@@ -11,6 +11,10 @@ packages=(
   # libraries (DESIGN.md "Stack")
   libabsl-dev libspdlog-dev libxxhash-dev nlohmann-json3-dev libsystemd-dev libopenblas-dev
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  # the Redis tier (tier/): hiredis to talk to Redis; redis-server and redis-tools (redis-cli)
+  # only for its tests and benchmark, which start private servers themselves (the service the
+  # package enables is not used: `systemctl disable --now redis-server` if it is unwanted)
+  libhiredis-dev redis-server redis-tools
   # tests and benchmarks (systemd: systemd-analyze and systemd-sysusers check deploy/)
   libgtest-dev libgmock-dev libbenchmark-dev systemd
   # the Python client (client/python: stubs from protoc + grpc_python_plugin above), the

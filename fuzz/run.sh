@@ -26,7 +26,7 @@ done
 seconds="$1"
 shift
 targets=("$@")
-[[ ${#targets[@]} -gt 0 ]] || targets=(attach_fuzzer config_fuzzer safetensors_fuzzer service_fuzzer)
+[[ ${#targets[@]} -gt 0 ]] || targets=(attach_fuzzer block_codec_fuzzer config_fuzzer safetensors_fuzzer service_fuzzer)
 
 failed=()
 for t in "${targets[@]}"; do

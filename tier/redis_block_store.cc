@@ -1,0 +1,392 @@
+#include "tier/redis_block_store.h"
+
+#include <hiredis/hiredis.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "kvpool/util/check.h"
+#include "kvpool/util/fmt.h"
+#include "kvpool/util/logging.h"
+
+namespace kvpool::tier {
+namespace {
+
+spdlog::logger& Log() { return Logger("tier"); }
+
+absl::Status ValidateOptions(const RedisTierOptions& o) {
+  if (!o.enabled) return absl::InvalidArgumentError("redis tier: enabled is false");
+  if (o.connect_timeout <= absl::ZeroDuration() || o.command_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        "redis tier: connect_timeout and command_timeout must be > 0");
+  }
+  if (o.max_redirects < 1) return absl::InvalidArgumentError("redis tier: max_redirects < 1");
+  if (o.write_queue_blocks < 1 || o.write_queue_bytes < 1 || o.write_batch_blocks < 1) {
+    return absl::InvalidArgumentError(
+        "redis tier: write_queue_blocks, write_queue_bytes and write_batch_blocks must be >= 1");
+  }
+  if (o.ttl_seconds < 0) return absl::InvalidArgumentError("redis tier: ttl_seconds < 0");
+  if (o.breaker_failure_threshold < 1) {
+    return absl::InvalidArgumentError("redis tier: breaker_failure_threshold < 1");
+  }
+  if (o.breaker_backoff <= absl::ZeroDuration() || o.breaker_max_backoff < o.breaker_backoff) {
+    return absl::InvalidArgumentError(
+        "redis tier: need 0 < breaker_backoff <= breaker_max_backoff");
+  }
+  return absl::OkStatus();
+}
+
+// The first transport failure among `replies` (OK when every command reached Redis and got an
+// answer; an error reply is Redis working, not a reason to open the breaker).
+absl::Status TransportStatus(const std::vector<absl::StatusOr<RedisReply>>& replies) {
+  for (const auto& reply : replies) {
+    if (!reply.ok() && absl::IsUnavailable(reply.status())) return reply.status();
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<RedisBlockStore>> RedisBlockStore::Create(
+    const RedisTierOptions& options, const Clock* clock) {
+  absl::Status status = ValidateOptions(options);
+  if (!status.ok()) return status;
+  absl::StatusOr<std::unique_ptr<RedisClient>> writer = CreateRedisClient(options);
+  if (!writer.ok()) return writer.status();
+  return absl::WrapUnique(new RedisBlockStore(options, clock, std::move(*writer)));
+}
+
+RedisBlockStore::RedisBlockStore(const RedisTierOptions& options, const Clock* clock,
+                                 std::unique_ptr<RedisClient> writer)
+    : options_(options),
+      clock_(clock),
+      breaker_({.failure_threshold = options.breaker_failure_threshold,
+                .backoff = options.breaker_backoff,
+                .max_backoff = options.breaker_max_backoff},
+               clock),
+      writer_{.client = std::move(writer)} {
+  writer_thread_ = std::thread([this] { WriterLoop(); });
+}
+
+RedisBlockStore::~RedisBlockStore() {
+  {
+    absl::MutexLock lock(&queue_mu_);
+    stopping_ = true;
+  }
+  writer_thread_.join();
+}
+
+// --- reads ------------------------------------------------------------------------------------
+
+RedisBlockStore::PooledClient RedisBlockStore::AcquireReader() {
+  {
+    absl::MutexLock lock(&readers_mu_);
+    if (!idle_readers_.empty()) {
+      PooledClient reader = std::move(idle_readers_.back());
+      idle_readers_.pop_back();
+      return reader;
+    }
+  }
+  absl::StatusOr<std::unique_ptr<RedisClient>> client = CreateRedisClient(options_);
+  // Create() built the writer's client from the same options, so this cannot fail.
+  KVPOOL_CHECK_OK(client.status());
+  return PooledClient{.client = std::move(*client)};
+}
+
+void RedisBlockStore::ReleaseReader(PooledClient reader) {
+  AddClientStats(&reader);
+  absl::MutexLock lock(&readers_mu_);
+  idle_readers_.push_back(std::move(reader));
+}
+
+void RedisBlockStore::AddClientStats(PooledClient* pooled) {
+  const RedisClientStats now = pooled->client->stats();
+  RedisClientStats& was = pooled->reported;
+  counters_.round_trips += now.round_trips - was.round_trips;
+  counters_.connects += now.connects - was.connects;
+  counters_.connect_failures += now.connect_failures - was.connect_failures;
+  counters_.io_errors += now.io_errors - was.io_errors;
+  counters_.moved_redirects += now.moved_redirects - was.moved_redirects;
+  counters_.ask_redirects += now.ask_redirects - was.ask_redirects;
+  counters_.slot_map_refreshes += now.slot_map_refreshes - was.slot_map_refreshes;
+  was = now;
+}
+
+void RedisBlockStore::ReportOutcome(const absl::Status& transport) {
+  if (transport.ok()) {
+    const BreakerState before = breaker_.state();
+    breaker_.OnSuccess();
+    if (before != BreakerState::kClosed) Log().info("redis tier: breaker closed, Redis is back");
+    return;
+  }
+  const uint64_t opens = breaker_.opens();
+  breaker_.OnFailure();
+  if (breaker_.opens() != opens) {
+    Log().warn("redis tier: breaker open (lookups miss, writes drop): {}", transport.message());
+  }
+}
+
+LookupResult RedisBlockStore::LookupChecked(const BlockSpace& space, const BlockHash& parent,
+                                            std::span<const BlockHash> hashes,
+                                            std::span<const std::span<std::byte>> out) {
+  LookupResult result;
+  ++counters_.lookups;
+  if (!breaker_.Allow()) {
+    ++counters_.rejected_lookups;
+    counters_.misses += hashes.size();
+    return result;
+  }
+  std::vector<std::string> keys;
+  std::vector<RedisCommand> commands;
+  keys.reserve(hashes.size());
+  commands.reserve(hashes.size());
+  for (const BlockHash& hash : hashes) {
+    keys.push_back(BlockKey(space, hash, options_.key_slotting));
+    commands.push_back(RedisCommand{.args = {"GET", keys.back()}});
+  }
+  PooledClient reader = AcquireReader();
+  // Each reply is checked, copied and freed as it arrives, so a lookup never holds more than
+  // one value beyond what hiredis buffers.
+  std::vector<bool> verified(hashes.size(), false);
+  std::vector<uint32_t> coverage(hashes.size(), 0);
+  size_t first_miss = hashes.size();  // lowest index known not to be a hit
+  absl::Status failure;               // the first failed command's status
+  reader.client->Stream(commands, [&](size_t i, absl::StatusOr<RedisReply> reply) {
+    if (!reply.ok()) {
+      if (failure.ok() || (absl::IsUnavailable(reply.status()) && !absl::IsUnavailable(failure))) {
+        failure = reply.status();
+      }
+      first_miss = std::min(first_miss, i);
+      return;
+    }
+    if (i > first_miss) return;  // past a gap: never part of the prefix
+    const BlockHash& expected_parent = i == 0 ? parent : hashes[i - 1];
+    if (VerifyAndCopy(space, hashes[i], expected_parent, **reply, out[i], &coverage[i])) {
+      verified[i] = true;
+    } else {
+      first_miss = std::min(first_miss, i);
+    }
+  });
+  ReleaseReader(std::move(reader));
+  ReportOutcome(absl::IsUnavailable(failure) ? failure : absl::OkStatus());
+  if (!failure.ok()) {
+    ++counters_.lookup_errors;
+    Log().debug("redis tier: lookup: {}", failure.message());
+  }
+  while (result.hits < static_cast<int64_t>(hashes.size()) && verified[result.hits]) {
+    result.coverage.push_back(coverage[result.hits]);
+    counters_.bytes_read += out[result.hits].size();
+    ++result.hits;
+  }
+  counters_.hits += result.hits;
+  counters_.misses += hashes.size() - result.hits;
+  return result;
+}
+
+bool RedisBlockStore::VerifyAndCopy(const BlockSpace& space, const BlockHash& hash,
+                                    const BlockHash& parent, const redisReply& reply,
+                                    std::span<std::byte> out, uint32_t* coverage) {
+  if (reply.type != REDIS_REPLY_STRING) return false;  // nil: never stored, or evicted
+  const BlockExpectation expect{.layout_fingerprint = space.layout_fingerprint,
+                                .hash = hash,
+                                .parent = &parent,
+                                .payload_bytes = static_cast<int64_t>(out.size())};
+  BlockHeader header;
+  std::span<const std::byte> payload;
+  const BlockCheck check =
+      CheckBlockValue(std::string_view(reply.str, reply.len), expect, &header, &payload);
+  if (check != BlockCheck::kOk) {
+    ++counters_.corrupt;
+    Log().warn("redis tier: refused {}: {} ({} value bytes)",
+               BlockKey(space, hash, options_.key_slotting), BlockCheckName(check), reply.len);
+    return false;
+  }
+  std::memcpy(out.data(), payload.data(), payload.size());
+  *coverage = header.coverage;
+  return true;
+}
+
+// --- writes -----------------------------------------------------------------------------------
+
+bool RedisBlockStore::Put(const BlockSpace& space, const BlockToStore& block) {
+  ++counters_.puts;
+  if (breaker_.state() == BreakerState::kOpen) {
+    ++counters_.dropped_breaker_open;
+    return false;
+  }
+  const int64_t value_bytes = kBlockHeaderBytes + static_cast<int64_t>(block.bytes.size());
+  auto full = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(queue_mu_) {
+    return static_cast<int64_t>(queue_.size()) >= options_.write_queue_blocks ||
+           queued_bytes_ + value_bytes > options_.write_queue_bytes;
+  };
+  {
+    // Checked before the copy too, so a full queue costs no copy of the block.
+    absl::MutexLock lock(&queue_mu_);
+    if (full()) {
+      ++counters_.dropped_queue_full;
+      return false;
+    }
+  }
+  WriteItem item{.key = BlockKey(space, block.hash, options_.key_slotting)};
+  item.value.reserve(static_cast<size_t>(value_bytes));
+  EncodeBlockValue({.layout_fingerprint = space.layout_fingerprint,
+                    .hash = block.hash,
+                    .parent = block.parent,
+                    .coverage = block.coverage},
+                   block.bytes, &item.value);
+  absl::MutexLock lock(&queue_mu_);
+  if (full() || stopping_) {
+    ++(stopping_ ? counters_.dropped_shutdown : counters_.dropped_queue_full);
+    return false;
+  }
+  queued_bytes_ += value_bytes;
+  ++enqueued_;
+  queue_.push_back(std::move(item));
+  return true;
+}
+
+void RedisBlockStore::WriterLoop() {
+  std::vector<WriteItem> batch;
+  for (;;) {
+    batch.clear();
+    {
+      absl::MutexLock lock(&queue_mu_);
+      queue_mu_.Await(absl::Condition(
+          +[](RedisBlockStore* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->queue_mu_) {
+            return s->stopping_ || !s->queue_.empty();
+          },
+          this));
+      if (stopping_) {
+        counters_.dropped_shutdown += queue_.size();
+        completed_ += static_cast<int64_t>(queue_.size());
+        queue_.clear();
+        queued_bytes_ = 0;
+        return;
+      }
+      while (!queue_.empty() && static_cast<int>(batch.size()) < options_.write_batch_blocks) {
+        batch.push_back(std::move(queue_.front()));
+        queue_.pop_front();
+      }
+    }
+    WriteBatch(batch);
+    CompleteBatch(batch);
+  }
+}
+
+void RedisBlockStore::WriteBatch(std::vector<WriteItem>& batch) {
+  if (!breaker_.Allow()) {
+    counters_.dropped_breaker_open += batch.size();
+    return;
+  }
+  const std::string ttl = absl::StrCat(options_.ttl_seconds);
+  std::vector<RedisCommand> commands;
+  commands.reserve(batch.size());
+  for (const WriteItem& item : batch) {
+    RedisCommand command{.args = {"SET", item.key, item.value, "NX"}};
+    if (options_.ttl_seconds > 0) {
+      command.args.push_back("EX");
+      command.args.push_back(ttl);
+    }
+    commands.push_back(std::move(command));
+  }
+  std::vector<absl::StatusOr<RedisReply>> replies = writer_.client->Execute(commands);
+  AddClientStats(&writer_);
+  ReportOutcome(TransportStatus(replies));
+  for (size_t i = 0; i < batch.size(); ++i) {
+    if (!replies[i].ok()) {
+      ++counters_.dropped_write_errors;
+      Log().debug("redis tier: write: {}", replies[i].status().message());
+    } else if ((*replies[i])->type == REDIS_REPLY_NIL) {
+      ++counters_.already_present;
+    } else {
+      ++counters_.written;
+      counters_.bytes_written += batch[i].value.size();
+    }
+  }
+}
+
+void RedisBlockStore::CompleteBatch(const std::vector<WriteItem>& batch) {
+  int64_t bytes = 0;
+  for (const WriteItem& item : batch) bytes += static_cast<int64_t>(item.value.size());
+  absl::MutexLock lock(&queue_mu_);
+  queued_bytes_ -= bytes;
+  completed_ += static_cast<int64_t>(batch.size());
+}
+
+absl::Status RedisBlockStore::Flush(absl::Duration timeout) {
+  const int64_t deadline = clock_->NowNanos() + absl::ToInt64Nanoseconds(timeout);
+  absl::MutexLock lock(&queue_mu_);
+  const int64_t target = enqueued_;
+  struct Arg {
+    RedisBlockStore* store;
+    int64_t target;
+  } arg{this, target};
+  const bool done = clock_->AwaitUntil(
+      queue_mu_,
+      absl::Condition(
+          +[](Arg* a) ABSL_NO_THREAD_SAFETY_ANALYSIS { return a->store->completed_ >= a->target; },
+          &arg),
+      deadline);
+  if (done) return absl::OkStatus();
+  return absl::DeadlineExceededError(absl::StrCat("redis tier: ", target - completed_,
+                                                  " queued blocks not written within the timeout"));
+}
+
+RemoteTierStats RedisBlockStore::stats() const {
+  RemoteTierStats s;
+  s.breaker = breaker_.state();
+  s.breaker_opens = breaker_.opens();
+  const Counters& c = counters_;
+  s.lookups = c.lookups;
+  s.rejected_lookups = c.rejected_lookups;
+  s.lookup_errors = c.lookup_errors;
+  s.hits = c.hits;
+  s.misses = c.misses;
+  s.corrupt = c.corrupt;
+  s.puts = c.puts;
+  s.written = c.written;
+  s.already_present = c.already_present;
+  s.dropped_queue_full = c.dropped_queue_full;
+  s.dropped_breaker_open = c.dropped_breaker_open;
+  s.dropped_write_errors = c.dropped_write_errors;
+  s.dropped_shutdown = c.dropped_shutdown;
+  s.bytes_read = c.bytes_read;
+  s.bytes_written = c.bytes_written;
+  absl::MutexLock lock(&queue_mu_);
+  s.queued_blocks = static_cast<int64_t>(queue_.size());
+  s.queued_bytes = queued_bytes_;
+  return s;
+}
+
+RedisClientStats RedisBlockStore::client_stats() const {
+  const Counters& c = counters_;
+  return {.round_trips = c.round_trips,
+          .connects = c.connects,
+          .connect_failures = c.connect_failures,
+          .io_errors = c.io_errors,
+          .moved_redirects = c.moved_redirects,
+          .ask_redirects = c.ask_redirects,
+          .slot_map_refreshes = c.slot_map_refreshes};
+}
+
+absl::Status RedisBlockStore::CheckInvariants() const {
+  {
+    absl::MutexLock lock(&queue_mu_);
+    int64_t bytes_in_queue = 0;
+    for (const WriteItem& item : queue_) bytes_in_queue += static_cast<int64_t>(item.value.size());
+    // queued_bytes_ also counts the batch the writer holds, so it can exceed the queue's bytes.
+    if (queued_bytes_ < bytes_in_queue || queued_bytes_ < 0) {
+      return absl::InternalError("redis tier: queued bytes below the bytes in the queue");
+    }
+    if (completed_ > enqueued_ || enqueued_ - completed_ < static_cast<int64_t>(queue_.size())) {
+      return absl::InternalError("redis tier: completed/enqueued counts out of step");
+    }
+    if (static_cast<int64_t>(queue_.size()) > options_.write_queue_blocks) {
+      return absl::InternalError("redis tier: queue longer than write_queue_blocks");
+    }
+  }
+  return breaker_.CheckInvariants();
+}
+
+}  // namespace kvpool::tier

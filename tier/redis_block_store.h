@@ -1,0 +1,156 @@
+#pragma once
+
+// RedisBlockStore: the Redis tier (L3, DESIGN.md §9), a content-addressed block store shared by
+// every daemon that points at the same Redis (standalone or Cluster); the RemoteTier
+// (remote_tier.h) the daemon holds. Self-contained: the daemon wires it in by building one store
+// from its config (Create, when RedisTierOptions::enabled), calling Put() for each committed
+// full block it wants kept below (write-behind, never blocks), Lookup() after a local prefix miss
+// (one pipelined round trip; fills caller buffers with the longest run of verified blocks), and
+// exporting stats(). Keys and values: block_codec.h.
+//
+//   auto store = RedisBlockStore::Create(options);            // connects lazily
+//   store->Put(space, {.hash = h, .parent = p, .coverage = 16, .bytes = block});
+//   auto found = store->Lookup(space, parent_of_first, hashes, buffers);  // found->hits blocks
+//
+// Guarantees:
+// - Never a wrong byte: a value is returned only after its magic, version, layout fingerprint,
+//   block and parent hash, length and xxh3-64 checksum all match; anything else is a miss,
+//   counted in `corrupt` and logged (warn). Redis may evict any key at any time (maxmemory +
+//   an LRU policy are its business); a missing key is an ordinary miss.
+// - Never blocks a caller on a slow or absent Redis for more than one connect_timeout +
+//   command_timeout (per round trip; a cluster redirect adds one): consecutive failures open a
+//   circuit breaker, after which Lookup misses and Put drops at once until a probe succeeds.
+// - Put never blocks: it copies the block into a bounded queue (blocks and bytes) drained by one
+//   background thread with pipelined `SET key value NX [EX ttl]`; a full queue drops and counts.
+//
+// Thread-safe: any number of threads may call Put / Lookup / Flush / stats at once. Lookups run
+// in parallel on a pool of connections (one per concurrent caller, kept for reuse); no lock is
+// held across Redis I/O. The store owns its thread and connections; results are copied into
+// memory the caller owns. Like every RedisClient it sets SIGPIPE to SIG_IGN if still SIG_DFL.
+//
+// Wiring (for the daemon): BlockSpace{namespace id, kernels::PoolLayout::Hash()}; the chained
+// hashes are PrefixCache's (PrefixChainHash); out buffers are fresh blocks of the host tier or
+// the device pool, handed to a sequence only after Lookup returned (and, on a device, after the
+// copy's fence). Health stays SERVING whatever the breaker says; export stats() and
+// client_stats() with the other counters.
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "kvpool/kv_events.h"
+#include "kvpool/util/clock.h"
+#include "tier/block_codec.h"
+#include "tier/circuit_breaker.h"
+#include "tier/redis_client.h"
+#include "tier/redis_tier_options.h"
+#include "tier/remote_tier.h"
+
+struct redisReply;
+
+namespace kvpool::tier {
+
+class RedisBlockStore final : public RemoteTier {
+ public:
+  // Validates `options` and starts the writer thread; connects on first use.
+  // Errors: INVALID_ARGUMENT naming the bad field (options.enabled false included: a disabled
+  // tier has no store). REQUIRES: `clock` outlives the store (it times the breaker and Flush).
+  static absl::StatusOr<std::unique_ptr<RedisBlockStore>> Create(
+      const RedisTierOptions& options, const Clock* clock = Clock::Real());
+
+  // Stops the writer: the round trip in flight completes (bounded by the timeouts), whatever is
+  // still queued is dropped and counted in dropped_shutdown.
+  ~RedisBlockStore();
+  RedisBlockStore(const RedisBlockStore&) = delete;
+  RedisBlockStore& operator=(const RedisBlockStore&) = delete;
+
+  // RemoteTier (remote_tier.h has the contract). Put copies the block into the queue, or drops
+  // it at once when the queue is full or the breaker is open.
+  bool Put(const BlockSpace& space, const BlockToStore& block) override;
+
+  // Waits until every block queued before this call was written or dropped. Errors:
+  // DEADLINE_EXCEEDED after `timeout` on the store's clock (the queue keeps draining).
+  absl::Status Flush(absl::Duration timeout) override;
+  RemoteTierStats stats() const override;
+  // Summed over every connection the store has used (round trips, reconnects, redirects).
+  RedisClientStats client_stats() const;
+
+  // Queue accounting (count and bytes match the queue, nothing completed that was not queued)
+  // and the breaker's invariants.
+  absl::Status CheckInvariants() const;
+
+ protected:
+  // One pipelined GET per block (per node for a cluster), each reply checked, copied and freed
+  // as it arrives.
+  LookupResult LookupChecked(const BlockSpace& space, const BlockHash& parent,
+                             std::span<const BlockHash> hashes,
+                             std::span<const std::span<std::byte>> out) override;
+
+ private:
+  struct WriteItem {
+    std::string key;
+    std::string value;  // header + payload
+  };
+  // A client with the client stats already added to the store's totals.
+  struct PooledClient {
+    std::unique_ptr<RedisClient> client;
+    RedisClientStats reported;
+  };
+
+  RedisBlockStore(const RedisTierOptions& options, const Clock* clock,
+                  std::unique_ptr<RedisClient> writer);
+
+  PooledClient AcquireReader();
+  void ReleaseReader(PooledClient reader);
+  void AddClientStats(PooledClient* pooled);
+  // Feeds one round trip's outcome to the breaker, logging transitions.
+  void ReportOutcome(const absl::Status& transport);
+  // Checks one GET reply for block `hash` and copies its payload into `out` when it passes;
+  // counts and logs a refusal. Returns whether it passed.
+  bool VerifyAndCopy(const BlockSpace& space, const BlockHash& hash, const BlockHash& parent,
+                     const redisReply& reply, std::span<std::byte> out, uint32_t* coverage);
+
+  void WriterLoop();
+  void WriteBatch(std::vector<WriteItem>& batch);
+  void CompleteBatch(const std::vector<WriteItem>& batch);
+
+  const RedisTierOptions options_;
+  const Clock* const clock_;
+  CircuitBreaker breaker_;
+
+  mutable absl::Mutex readers_mu_;
+  std::vector<PooledClient> idle_readers_ ABSL_GUARDED_BY(readers_mu_);
+
+  mutable absl::Mutex queue_mu_;
+  std::deque<WriteItem> queue_ ABSL_GUARDED_BY(queue_mu_);
+  int64_t queued_bytes_ ABSL_GUARDED_BY(queue_mu_) = 0;
+  int64_t enqueued_ ABSL_GUARDED_BY(queue_mu_) = 0;   // blocks ever queued
+  int64_t completed_ ABSL_GUARDED_BY(queue_mu_) = 0;  // of those, written or dropped
+  bool stopping_ ABSL_GUARDED_BY(queue_mu_) = false;
+
+  PooledClient writer_;  // used by the writer thread only
+  std::thread writer_thread_;
+
+  struct Counters {
+    std::atomic<uint64_t> lookups{0}, rejected_lookups{0}, lookup_errors{0}, hits{0}, misses{0},
+        corrupt{0}, puts{0}, written{0}, already_present{0}, dropped_queue_full{0},
+        dropped_breaker_open{0}, dropped_write_errors{0}, dropped_shutdown{0}, bytes_read{0},
+        bytes_written{0};
+    std::atomic<uint64_t> round_trips{0}, connects{0}, connect_failures{0}, io_errors{0},
+        moved_redirects{0}, ask_redirects{0}, slot_map_refreshes{0};
+  };
+  Counters counters_;
+};
+
+}  // namespace kvpool::tier

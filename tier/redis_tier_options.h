@@ -1,0 +1,65 @@
+#pragma once
+
+// Configuration of the Redis tier (L3, DESIGN.md §9): where Redis is, how long to wait for it,
+// how much to queue for it and when to stop trying. A plain struct: the daemon fills it from its
+// config file; RedisBlockStore::Create validates it (INVALID_ARGUMENT names the field).
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/time/time.h"
+
+namespace kvpool::tier {
+
+// Where the hash tag of a block key goes, i.e. which blocks share a Redis Cluster slot.
+// Irrelevant for a standalone server.
+enum class KeySlotting : uint8_t {
+  // `kvp1:{<namespace>}:<layout>:<hash>`: every block of a namespace lives in one slot, so a
+  // Lookup is one pipeline to one node, but a namespace (one model) cannot use more than one
+  // node's memory or bandwidth. The key format the issue and DESIGN.md §9 name.
+  kNamespace,
+  // `kvp1:<namespace>:<layout>:{<hash>}`: blocks spread over every node; a Lookup sends one
+  // pipeline per node, all in flight together.
+  kBlock,
+};
+
+struct RedisTierOptions {
+  bool enabled = false;  // the tier is off by default; the daemon builds no store when false
+
+  // Exactly one of these three names the server(s).
+  std::string unix_socket;                 // path of a standalone server's Unix socket
+  std::string host;                        // standalone server over TCP (with `port`)
+  int port = 6379;                         // TCP port of `host`
+  std::vector<std::string> cluster_seeds;  // "host:port" of any Redis Cluster nodes
+
+  // Credentials sent with AUTH on every new connection; empty password: no AUTH. An empty
+  // username is the legacy single-password form (requirepass); otherwise an ACL user.
+  std::string username;
+  std::string password;
+
+  KeySlotting key_slotting = KeySlotting::kNamespace;  // cluster only; see KeySlotting
+
+  absl::Duration connect_timeout = absl::Milliseconds(200);  // one connect attempt
+  // The longest one socket read or write may wait without progress. A Lookup does one round
+  // trip (one per node, cluster redirects excepted), so a dead or hung server costs a caller at
+  // most connect_timeout + command_timeout before the breaker opens and later calls cost nothing.
+  absl::Duration command_timeout = absl::Milliseconds(500);
+  int max_redirects = 5;  // MOVED / ASK hops followed per command before it fails
+
+  int64_t write_queue_blocks = 1024;             // blocks queued for write-behind at most
+  int64_t write_queue_bytes = int64_t{1} << 30;  // value bytes queued at most
+  int write_batch_blocks = 64;                   // blocks per pipelined SET NX round trip
+  // Seconds a stored block lives in Redis; 0: no TTL (Redis's maxmemory policy evicts).
+  int64_t ttl_seconds = 0;
+
+  // Breaker: this many consecutive failed round trips (I/O error, timeout, unreachable) open it;
+  // while open, Lookups miss and Puts drop at once. After `breaker_backoff` one call is let
+  // through as a probe: success closes the breaker, failure reopens it with the backoff doubled,
+  // up to `breaker_max_backoff`.
+  int breaker_failure_threshold = 3;
+  absl::Duration breaker_backoff = absl::Seconds(1);
+  absl::Duration breaker_max_backoff = absl::Seconds(30);
+};
+
+}  // namespace kvpool::tier
