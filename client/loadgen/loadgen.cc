@@ -47,8 +47,6 @@ class Worker {
     if (!c.ok()) return Error(fmt::format("connect: {}", c.status().ToString()));
     client::Client& client = **c;
     const v1::PoolLayout& l = client.layout();
-    row_bytes_ = static_cast<int64_t>(l.num_kv_heads()) * l.head_dim() *
-                 (l.dtype() == v1::DTYPE_F32 ? 4 : 2);
     // Trace prompts are cut to what the pool can hold for every worker at once (every worker
     // derives the same cut from the same layout, so prefixes still line up).
     workload::Request r = request;
@@ -155,7 +153,7 @@ class Worker {
     const client::BlockRef block = table[static_cast<size_t>(p / bs)];
     absl::StatusOr<char*> chunk =
         kv == 0 ? c.mapping()->K(layer, block) : c.mapping()->V(layer, block);
-    return chunk.ok() ? *chunk + (p % bs) * row_bytes_ : nullptr;
+    return chunk.ok() ? *chunk + (p % bs) * c.mapping()->row_bytes(layer, kv) : nullptr;
   }
 
   bool Write(const client::Client& c, const std::vector<client::BlockRef>& table, int64_t p,
@@ -165,7 +163,8 @@ class Worker {
         char* row = Row(c, table, p, layer, kv);
         if (row == nullptr) return false;
         const uint64_t word = value ^ (static_cast<uint64_t>(layer) << 1 | kv);
-        for (int64_t b = 0; b + 8 <= row_bytes_; b += 8) std::memcpy(row + b, &word, 8);
+        const int64_t bytes = c.mapping()->row_bytes(layer, kv);  // per layer and side (dtypes)
+        for (int64_t b = 0; b + 8 <= bytes; b += 8) std::memcpy(row + b, &word, 8);
       }
     }
     return true;
@@ -178,7 +177,8 @@ class Worker {
         const char* row = Row(c, table, p, layer, kv);
         if (row == nullptr) return false;
         const uint64_t word = value ^ (static_cast<uint64_t>(layer) << 1 | kv);
-        for (int64_t b = 0; b + 8 <= row_bytes_; b += 8) {
+        const int64_t bytes = c.mapping()->row_bytes(layer, kv);
+        for (int64_t b = 0; b + 8 <= bytes; b += 8) {
           if (std::memcmp(row + b, &word, 8) != 0) return false;
         }
       }
@@ -198,7 +198,6 @@ class Worker {
 
   const Options& options_;
   const int fd_;
-  int64_t row_bytes_ = 0;
   std::map<int32_t, std::unique_ptr<client::Client>> clients_;
 };
 

@@ -70,6 +70,24 @@ TEST_F(DaemonIntegrationTest, SecondProcessReadsTheFirstOnesKvByteForByte) {
   EXPECT_THAT(other, StartsWith("matched 0 "));
 }
 
+// On an 8-bit pool a row is a byte per value: a client that wrote two bytes per value would spill
+// into the block after its own (another sequence's) and read the spill back as its own. Here
+// the second writer's sequence follows the first's in the pool, and the first still reads back
+// exactly what it wrote.
+TEST_F(DaemonIntegrationTest, EightBitRowsStayInsideTheirOwnBlocks) {
+  StartDaemon(R"pb(pool_bytes: 16777216
+                   max_blocks_per_seq: 64
+                   shape { dtype: "int8" })pb");
+  const auto [write_rc, written] = RunToEnd(Client("write", 100, 42));
+  ASSERT_EQ(write_rc, 0) << written;
+  const std::string checksum = written.substr(8, written.size() - 9);
+  const auto [other_rc, other] = RunToEnd(Client("write", 100, 43));
+  ASSERT_EQ(other_rc, 0) << other;
+  const auto [read_rc, read] = RunToEnd(Client("read", 100, 42));
+  ASSERT_EQ(read_rc, 0) << read;
+  EXPECT_EQ(read, "matched 100 checksum " + checksum + "\n");
+}
+
 TEST_F(DaemonIntegrationTest, KilledClientGivesEverythingBackAndOthersKeepTheirs) {
   StartDaemon();
   std::unique_ptr<client::Client> admin = Connect(daemon_->dir(), "admin");

@@ -51,12 +51,12 @@ int Fail(const std::string& what) {
 template <typename Fn>
 bool ForEachRow(const Client& c, const std::vector<BlockRef>& table, int64_t tokens, Fn&& fn) {
   const auto& l = c.layout();
-  const int64_t row = static_cast<int64_t>(l.num_kv_heads()) * l.head_dim() *
-                      (l.dtype() == kvpool::v1::DTYPE_F32 ? 4 : 2);
   for (int64_t p = 0; p < tokens; ++p) {
     const BlockRef block = table[static_cast<size_t>(p / l.block_size())];
     for (int32_t layer = 0; layer < l.num_layers(); ++layer) {
       for (int kind = 0; kind < 2; ++kind) {
+        // Each layer and side in its own dtype (layout.proto): 8-bit rows are a byte per value.
+        const int64_t row = c.mapping()->row_bytes(layer, kind);
         absl::StatusOr<char*> chunk =
             kind == 0 ? c.mapping()->K(layer, block) : c.mapping()->V(layer, block);
         if (!chunk.ok()) return false;
