@@ -23,8 +23,10 @@ struct PoolOptions {
 
 // What a tenant may do and hold (docs/trust-model.md). Who may claim it is the attach policy's.
 struct TenantLimits {
-  bool kv_access = true;     // its sessions may ask for KV access
-  int64_t quota_blocks = 0;  // ACTIVE blocks over all its namespaces; 0: unlimited
+  bool kv_access = true;  // its sessions may ask for KV access
+  // Blocks (ACTIVE, plus CACHED ones only its pins hold) summed over all its namespaces, i.e.
+  // every model name its sessions claim; 0: unlimited.
+  int64_t quota_blocks = 0;
   int32_t max_priority = 3;  // highest prefix-cache priority class, [0, kNumPriorities)
   int32_t max_sessions = 0;  // attached at once; 0: unlimited
   int32_t pool = 0;          // index into EngineOptions::pools
