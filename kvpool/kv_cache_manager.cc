@@ -44,6 +44,9 @@ absl::StatusOr<std::unique_ptr<KvCacheManager>> KvCacheManager::Create(
         fmt::format("max_sequences_per_session must be >= 0 (0: unlimited; got {})",
                     options.max_sequences_per_session));
   }
+  if (options.event_capacity_bytes == 0) {
+    return absl::InvalidArgumentError("event_capacity_bytes must be > 0");
+  }
   if (options.max_pins < 0 || options.max_pin_ttl_ns <= 0 || options.max_pinned_blocks < 0) {
     return absl::InvalidArgumentError(
         fmt::format("pin limits must be max_pins >= 0, max_pin_ttl_ns > 0, max_pinned_blocks >= "
@@ -66,6 +69,9 @@ absl::StatusOr<std::unique_ptr<KvCacheManager>> KvCacheManager::Create(
                                                  .history_blocks = options.eviction_history_blocks,
                                                  .policy_factory = options.eviction_policy_factory},
                                                 pool.get()));
+    // PrefixCacheOptions has no byte budget yet (prefix_cache.h is being reworked elsewhere): the
+    // cache's owner sets it on the log, which is not const, before any event exists.
+    const_cast<EventLog&>(cache->events()).set_max_bytes(options.event_capacity_bytes);
   }
   return std::unique_ptr<KvCacheManager>(
       new KvCacheManager(options, std::move(pool), std::move(cache)));

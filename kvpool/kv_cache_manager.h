@@ -101,7 +101,10 @@ struct KvCacheOptions {
   // When set, makes the eviction ordering policy instead of the spec (tests inject theirs).
   std::function<std::unique_ptr<EvictionPolicy>()> eviction_policy_factory;
   uint64_t epoch = 0;             // stamped on every cache event (daemon start)
-  size_t event_capacity = 65536;  // cache events kept for replay
+  size_t event_capacity = 65536;  // cache events kept for replay; > 0
+  // Bytes those events may take (each event's struct plus its hash and token vectors); the
+  // oldest are dropped past it, as past event_capacity. > 0.
+  size_t event_capacity_bytes = kDefaultEventLogBytes;
   // Live sequences one session may hold, zero-token ones included; 0: unlimited.
   int64_t max_sequences_per_session = 0;
   // Namespaces registered at once, in [1, kMaxNamespaceSlots] (BlockPoolOptions); idle ones are
@@ -208,8 +211,8 @@ struct KvCacheStats {
 
 class KvCacheManager final {
  public:
-  // Errors: INVALID_ARGUMENT for a non-positive block_size, num_blocks or max_blocks_per_seq,
-  // a trace_depth that is not 0 or a power of 2, a negative
+  // Errors: INVALID_ARGUMENT for a non-positive block_size, num_blocks, max_blocks_per_seq or
+  // event_capacity_bytes, a trace_depth that is not 0 or a power of 2, a negative
   // max_sequences_per_session, max_namespaces out of range, or a null clock.
   static absl::StatusOr<std::unique_ptr<KvCacheManager>> Create(const KvCacheOptions& options);
 

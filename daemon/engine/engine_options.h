@@ -11,6 +11,7 @@
 #include "kernels/plan_executor.h"
 #include "kernels/pool_layout.h"
 #include "kvpool/eviction_policy.h"
+#include "kvpool/kv_events.h"
 #include "kvpool/util/clock.h"
 
 namespace kvpool::daemon {
@@ -48,7 +49,8 @@ struct EngineOptions {
   int32_t trace_depth = 8;            // per-block trace entries: 0 or a power of 2
   bool prefix_cache = true;
   std::string eviction_policy = std::string(kDefaultEvictionSpec);  // ParseEvictionSpec
-  size_t event_capacity = 65536;  // cache events kept for replay, per pool
+  size_t event_capacity = 65536;                        // cache events kept for replay, per pool
+  size_t event_capacity_bytes = kDefaultEventLogBytes;  // bytes those events may take, per pool
   kernels::FillPolicy fill_policy = kernels::FillPolicy::kNone;
   int64_t session_quota_blocks = 0;  // block references a session may hold; 0: unlimited
   // The configured tenants. Empty: any tenant name may be claimed, with `open_tenant`'s limits

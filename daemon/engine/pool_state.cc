@@ -31,6 +31,7 @@ absl::StatusOr<std::unique_ptr<PoolState>> PoolState::Create(const PoolOptions& 
                               .eviction_policy = options.eviction_policy,
                               .epoch = options.epoch,
                               .event_capacity = options.event_capacity,
+                              .event_capacity_bytes = options.event_capacity_bytes,
                               .max_sequences_per_session = options.limits.sequences_per_session}));
   KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<GenerationTable> generations,
                           GenerationTable::Create(layout.num_blocks));

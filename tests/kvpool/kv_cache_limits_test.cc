@@ -1,6 +1,6 @@
 // KvCacheManager's bounds on what one client can make it hold (issue 12): sequences per session
 // (zero-token ones included), quotas summed over a group of namespaces, namespace slots recycled
-// when idle (and the blocks of a recycled slot scrubbed).
+// when idle (and the blocks of a recycled slot scrubbed), cache events bounded in bytes.
 
 #include <vector>
 
@@ -54,7 +54,8 @@ class KvCacheLimitsTest : public ::testing::Test {
 
 TEST_F(KvCacheLimitsTest, CreateRejectsBadLimits) {
   for (KvCacheOptions bad :
-       {KvCacheOptions{.max_sequences_per_session = -1}, KvCacheOptions{.max_namespaces = 0}}) {
+       {KvCacheOptions{.max_sequences_per_session = -1}, KvCacheOptions{.event_capacity_bytes = 0},
+        KvCacheOptions{.max_namespaces = 0}}) {
     bad.num_blocks = 4;
     bad.max_blocks_per_seq = 4;
     EXPECT_EQ(KvCacheManager::Create(bad).status().code(), absl::StatusCode::kInvalidArgument);
@@ -208,6 +209,27 @@ TEST_F(KvCacheLimitsTest, AQuotaOutlivesItsNamespaceSlot) {
   ASSERT_TRUE(cache_->Free(kBob, *Alloc(kBob, kB, 16)).ok());  // A's slot recycled
   ASSERT_TRUE(Alloc(kAlice, kA, 16).ok());                     // and B's in turn
   EXPECT_EQ(Alloc(kAlice, kA, 16).status().code(), absl::StatusCode::kResourceExhausted);
+  ExpectInvariants();
+}
+
+TEST_F(KvCacheLimitsTest, TheEventByteBudgetReachesTheLog) {
+  Make({.event_capacity_bytes = 4096});
+  ASSERT_NE(cache_->events(), nullptr);
+  EXPECT_EQ(cache_->events()->max_bytes(), 4096u);
+  std::vector<int32_t> prompt(16 * 16);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(i);
+  for (int round = 0; round < 8; ++round) {
+    prompt[0] = round;  // a new chain each time
+    DevicePlan plan;
+    const absl::StatusOr<AllocateResult> a =
+        cache_->Allocate(kAlice, {.ns = kA, .num_tokens = 256, .prompt = prompt}, &plan);
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE(cache_->Free(kAlice, a->sequence, OnFree::kCommit).ok());
+    EXPECT_LE(cache_->events()->bytes(), 4096u);
+  }
+  EXPECT_GT(cache_->events()->dropped(), 0u);
+  std::vector<KvEvent> out;
+  EXPECT_FALSE(cache_->events()->ReadFrom(1, 100, &out));
   ExpectInvariants();
 }
 
