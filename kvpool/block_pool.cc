@@ -4,14 +4,15 @@
 #include <limits>
 
 #include "fmt/format.h"
+#include "kvpool/util/check.h"
 #include "kvpool/util/errors.h"
 #include "kvpool/util/logging.h"
+#include "kvpool/util/status_macros.h"
 
 namespace kvpool {
 namespace {
 
 constexpr uint32_t kMaxRefs = std::numeric_limits<uint32_t>::max() - 1;
-constexpr size_t kMaxNamespaces = std::numeric_limits<uint16_t>::max();
 
 absl::Status NoSuchBlock(BlockId block, int32_t num_blocks) {
   return absl::NotFoundError(
@@ -43,6 +44,10 @@ absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::Create(const BlockPoolOpti
     return absl::InvalidArgumentError(
         fmt::format("trace_depth must be 0 or a power of two (got {})", options.trace_depth));
   }
+  if (options.max_namespaces < 1 || options.max_namespaces > kMaxNamespaceSlots) {
+    return absl::InvalidArgumentError(fmt::format("max_namespaces must be in [1, {}] (got {})",
+                                                  kMaxNamespaceSlots, options.max_namespaces));
+  }
   return std::unique_ptr<BlockPool>(new BlockPool(options));
 }
 
@@ -57,6 +62,7 @@ BlockPool::BlockPool(const BlockPoolOptions& options)
       cache_held_(num_blocks_, 0),
       in_flight_(num_blocks_, 0),
       pending_(static_cast<size_t>(num_blocks_) * kMaxTimelines, 0),
+      max_namespaces_(options.max_namespaces),
       namespaces_{kNoNamespace},
       active_by_ns_{0},
       trace_(num_blocks_, options.trace_depth) {
@@ -68,14 +74,21 @@ BlockPool::BlockPool(const BlockPoolOptions& options)
 absl::StatusOr<NamespaceSlot> BlockPool::RegisterNamespace(NamespaceId ns) {
   if (ns == kNoNamespace) return absl::InvalidArgumentError("namespace 0 is reserved");
   if (auto it = slots_.find(ns); it != slots_.end()) return NamespaceSlot(it->second);
-  if (namespaces_.size() >= kMaxNamespaces) {
+  if (namespaces_left() <= 0) {
     return absl::ResourceExhaustedError(
-        fmt::format("too many namespaces ({} registered)", kMaxNamespaces - 1));
+        fmt::format("too many namespaces ({} registered)", slots_.size()));
   }
-  const auto slot = static_cast<uint16_t>(namespaces_.size());
+  uint16_t slot;
+  if (!free_slots_.empty()) {
+    slot = free_slots_.back();
+    free_slots_.pop_back();
+    namespaces_[slot] = ns;
+  } else {
+    slot = static_cast<uint16_t>(namespaces_.size());
+    namespaces_.push_back(ns);
+    active_by_ns_.push_back(0);
+  }
   slots_.emplace(ns, slot);
-  namespaces_.push_back(ns);
-  active_by_ns_.push_back(0);
   return NamespaceSlot(slot);
 }
 
@@ -85,7 +98,45 @@ std::optional<NamespaceSlot> BlockPool::FindNamespace(NamespaceId ns) const {
 }
 
 int32_t BlockPool::namespaces_left() const {
-  return static_cast<int32_t>(kMaxNamespaces - namespaces_.size());
+  return max_namespaces_ - static_cast<int32_t>(slots_.size());
+}
+
+std::vector<NamespaceSlot> BlockPool::IdleNamespaces(std::span<const uint8_t> held) const {
+  std::vector<uint8_t> busy(namespaces_.size(), 0);
+  for (size_t i = 0; i < static_cast<size_t>(num_blocks_); ++i) {
+    if (state_[i] != BlockState::kFree) busy[owner_[i]] = 1;
+  }
+  std::vector<NamespaceSlot> idle;
+  for (size_t slot = 1; slot < namespaces_.size(); ++slot) {
+    const bool is_held = slot < held.size() && held[slot] != 0;
+    if (namespaces_[slot] != kNoNamespace && !busy[slot] && !is_held) {
+      idle.push_back(NamespaceSlot(static_cast<uint16_t>(slot)));
+    }
+  }
+  return idle;
+}
+
+void BlockPool::RecycleNamespaces(std::span<const NamespaceSlot> slots) {
+  if (slots.empty()) return;
+  std::vector<uint8_t> recycled(namespaces_.size(), 0);
+  for (NamespaceSlot slot : slots) {
+    const uint16_t s = slot.value();
+    KVPOOL_CHECK(s != 0 && s < namespaces_.size() && namespaces_[s] != kNoNamespace &&
+                 active_by_ns_[s] == 0);
+    recycled[s] = 1;
+    slots_.erase(namespaces_[s]);
+    namespaces_[s] = kNoNamespace;
+  }
+  for (size_t i = 0; i < static_cast<size_t>(num_blocks_); ++i) {
+    const uint16_t owner = owner_[i];
+    if (owner >= recycled.size() || !recycled[owner]) continue;
+    KVPOOL_CHECK(state_[i] == BlockState::kFree);
+    owner_[i] = kScrubOwner;
+  }
+  for (NamespaceSlot slot : slots) free_slots_.push_back(slot.value());
+  // Descending: RegisterNamespace pops the lowest free slot first.
+  std::sort(free_slots_.begin(), free_slots_.end(), std::greater<>());
+  namespaces_recycled_ += slots.size();
 }
 
 absl::Status BlockPool::AllocateError(int32_t n, NamespaceSlot slot) const {
@@ -278,6 +329,8 @@ BlockPoolStats BlockPool::stats() const {
   s.retired = retired_;
   s.scrubs = scrubs_;
   s.over_releases = over_releases_;
+  s.namespaces = static_cast<int32_t>(slots_.size());
+  s.namespaces_recycled = namespaces_recycled_;
   return s;
 }
 
@@ -288,8 +341,16 @@ absl::Status BlockPool::CheckInvariants() const {
     const size_t i = static_cast<size_t>(b);
     const BlockState state = state_[i];
     ++count[static_cast<int>(state)];
-    if (owner_[i] >= namespaces_.size())
-      return InvariantViolation("block {} has unknown owner slot", b);
+    // A FREE block may remember no owner (0), a registered one, or kScrubOwner; any other block
+    // belongs to a registered namespace.
+    const uint16_t owner = owner_[i];
+    const bool registered =
+        owner != 0 && owner < namespaces_.size() && namespaces_[owner] != kNoNamespace;
+    if (state == BlockState::kFree ? !(registered || owner == 0 || owner == kScrubOwner)
+                                   : !registered) {
+      return InvariantViolation("{} block {} has owner slot {}, not a registered namespace's",
+                                BlockStateName(state), b, owner);
+    }
     switch (state) {
       case BlockState::kFree:
       case BlockState::kRetiring:
@@ -324,6 +385,7 @@ absl::Status BlockPool::CheckInvariants() const {
   }
   if (active_by_ns != active_by_ns_)
     return InvariantViolation("per-namespace active counts are stale");
+  KVPOOL_RETURN_IF_ERROR(CheckNamespaces());
 
   // Each FREE block is on the free list exactly once and nothing else is; same for RETIRING.
   std::vector<uint8_t> seen(num_blocks_, 0);
@@ -347,6 +409,37 @@ absl::Status BlockPool::CheckInvariants() const {
   if (absl::Status s = check_list(free_list_, BlockState::kFree, "free list"); !s.ok()) return s;
   if (absl::Status s = check_list(retiring_, BlockState::kRetiring, "retiring list"); !s.ok()) {
     return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status BlockPool::CheckNamespaces() const {
+  if (namespaces_.empty() || namespaces_[0] != kNoNamespace ||
+      active_by_ns_.size() != namespaces_.size()) {
+    return InvariantViolation("the namespace table has lost its slot 0 or its counts");
+  }
+  if (static_cast<int32_t>(slots_.size()) > max_namespaces_) {
+    return InvariantViolation("{} namespaces registered, at most {}", slots_.size(),
+                              max_namespaces_);
+  }
+  for (const auto& [ns, slot] : slots_) {
+    if (ns == kNoNamespace || slot == 0 || slot >= namespaces_.size() || namespaces_[slot] != ns) {
+      return InvariantViolation("namespace {} maps to slot {}, which is not its", ns.value(), slot);
+    }
+  }
+  std::vector<uint8_t> free(namespaces_.size(), 0);
+  for (uint16_t slot : free_slots_) {
+    if (slot == 0 || slot >= namespaces_.size() || namespaces_[slot] != kNoNamespace ||
+        free[slot]++) {
+      return InvariantViolation("free namespace slot {} is in use or listed twice", slot);
+    }
+    if (active_by_ns_[slot] != 0) {
+      return InvariantViolation("free namespace slot {} owns ACTIVE blocks", slot);
+    }
+  }
+  if (slots_.size() + free_slots_.size() + 1 != namespaces_.size()) {
+    return InvariantViolation("{} namespace slots but {} registered and {} free",
+                              namespaces_.size() - 1, slots_.size(), free_slots_.size());
   }
   return absl::OkStatus();
 }
@@ -375,6 +468,8 @@ std::string BlockPool::DebugString() const {
   for (size_t s = 0; s < namespaces_.size(); ++s) {
     fmt::format_to(it, " {}={}", namespaces_[s].value(), active_by_ns_[s]);
   }
+  fmt::format_to(it, "\nfree slots: {} recycled={}", fmt::join(free_slots_, " "),
+                 namespaces_recycled_);
   out += "\ntrace:\n";
   for (const BlockTraceEntry& e : trace_.All()) fmt::format_to(it, "{}\n", FormatTraceEntry(e));
   return out;

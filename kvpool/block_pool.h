@@ -17,12 +17,20 @@
 // The pool decides; it never touches KV memory. Hand-outs that cross namespaces are returned as
 // fills with `scrub` set, for the caller to zero before the new owner can read them.
 //
+// Namespaces are registered into a small table of slots (at most max_namespaces at once). A slot
+// is idle when no ACTIVE, CACHED or RETIRING block is owned by it and the caller's records name
+// it nowhere (e.g. a sequence that holds no block); the caller recycles idle slots when the table
+// is full (IdleNamespaces, RecycleNamespaces). A FREE block remembers the slot of its last owner;
+// when that slot is recycled the block is re-tagged kScrubOwner, so whichever namespace gets the
+// slot next, handing the block out scrubs it.
+//
 // Thread-compatible: the owner serializes calls (the daemon holds one coarse lock).
 
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <source_location>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -44,6 +52,10 @@ std::string_view BlockStateName(BlockState state);
 // A namespace registered with the pool, as a small dense index (0 = no namespace).
 using NamespaceSlot = StrongId<struct NamespaceSlotTag, uint16_t>;
 
+// The most namespaces a pool can register at once: slots 1..65534 (0 means none; 65535 is
+// kScrubOwner).
+inline constexpr int32_t kMaxNamespaceSlots = 65534;
+
 // A freshly handed-out block, to be filled by the caller before the new owner reads it.
 struct BlockFill {
   BlockId block;
@@ -57,6 +69,9 @@ struct BlockFill {
 struct BlockPoolOptions {
   int32_t num_blocks = 0;   // blocks in the pool; > 0
   int32_t trace_depth = 8;  // operations remembered per block: 0 (off) or a power of 2
+  // Namespaces registered at once (idle ones included until recycled); in
+  // [1, kMaxNamespaceSlots]. Smaller only in tests.
+  int32_t max_namespaces = kMaxNamespaceSlots;
   // Answers whether device work has completed. Needed only by MarkInFlight(); not owned, must
   // outlive the pool.
   const FenceObserver* fences = nullptr;
@@ -75,21 +90,38 @@ struct BlockPoolStats {
   uint64_t retired = 0;        // last releases that had to wait for a fence
   uint64_t scrubs = 0;         // hand-outs that crossed namespaces (must be zeroed)
   uint64_t over_releases = 0;  // refused releases of unreferenced blocks (caller bugs)
+  // Namespaces: registered now (gauge); slots recycled since creation (counter).
+  int32_t namespaces = 0;
+  uint64_t namespaces_recycled = 0;
 };
 
 class BlockPool final {
  public:
-  // Errors: INVALID_ARGUMENT for num_blocks <= 0 or a trace_depth that is not 0 or a power of 2.
+  // Errors: INVALID_ARGUMENT for num_blocks <= 0, a trace_depth that is not 0 or a power of 2, or
+  // max_namespaces outside [1, kMaxNamespaceSlots].
   static absl::StatusOr<std::unique_ptr<BlockPool>> Create(const BlockPoolOptions& options);
 
-  // Returns the slot of `ns`, registering it on first use. Idempotent.
-  // REQUIRES: ns != kNoNamespace.
-  // Errors: RESOURCE_EXHAUSTED once 65535 namespaces exist (nothing registered).
+  // Returns the slot of `ns`, registering it on first use (in a recycled slot when there is one).
+  // Idempotent.
+  // Errors: INVALID_ARGUMENT (ns is kNoNamespace); RESOURCE_EXHAUSTED while max_namespaces are
+  // registered (recycle idle ones first). On error nothing has changed.
   absl::StatusOr<NamespaceSlot> RegisterNamespace(NamespaceId ns);
-  // The slot of an already registered namespace; nullopt if it has none yet.
+  // The slot of a registered namespace; nullopt if it has none (never had, or it was recycled).
   std::optional<NamespaceSlot> FindNamespace(NamespaceId ns) const;
-  // How many more namespaces can be registered.
+  // How many more namespaces can be registered without recycling any.
   int32_t namespaces_left() const;
+  // One past the highest slot ever handed out (the size of a per-slot array).
+  int32_t namespace_slots() const { return static_cast<int32_t>(namespaces_.size()); }
+
+  // The registered slots that are idle: no ACTIVE, CACHED or RETIRING block is owned by them
+  // and `held` (indexed by slot; shorter is fine) does not mark them: the caller marks every slot
+  // its own records still name. Ascending. Changes nothing. O(num_blocks + namespace_slots()).
+  std::vector<NamespaceSlot> IdleNamespaces(std::span<const uint8_t> held) const;
+  // Unregisters the namespaces of `slots` and makes the slots reusable. FREE blocks whose last
+  // owner was one of them are re-tagged kScrubOwner: the next hand-out of each is scrubbed,
+  // whichever namespace gets the slot (DESIGN.md §4.6). O(num_blocks).
+  // REQUIRES: every slot is in IdleNamespaces() (for what the caller holds), listed once.
+  void RecycleNamespaces(std::span<const NamespaceSlot> slots);
 
   // Hands out `n` blocks to namespace `slot`: ACTIVE, refs 1, generation bumped. Appends their
   // ids to `out` and, when `fills` is not null, one BlockFill each (pass null when the caller will
@@ -148,7 +180,12 @@ class BlockPool final {
   uint32_t generation(BlockId block) const { return generation_[Index(block)]; }
   bool cache_held(BlockId block) const { return cache_held_[Index(block)] != 0; }
   int64_t last_use(BlockId block) const { return last_use_[Index(block)]; }
-  NamespaceId owner(BlockId block) const { return namespaces_[owner_[Index(block)]]; }
+  // The namespace the block was last handed to; kNoNamespace if never, or if that namespace's
+  // slot has since been recycled.
+  NamespaceId owner(BlockId block) const {
+    const uint16_t slot = owner_[Index(block)];
+    return slot < namespaces_.size() ? namespaces_[slot] : kNoNamespace;
+  }
   int32_t num_blocks() const { return num_blocks_; }
   int32_t num_free() const { return static_cast<int32_t>(free_list_.size()); }
   int32_t num_retiring() const { return static_cast<int32_t>(retiring_.size()); }
@@ -170,7 +207,13 @@ class BlockPool final {
  private:
   friend class BlockPoolTestPeer;  // tests corrupt a pool on purpose to check CheckInvariants()
 
+  // The owner tag of a FREE block whose last owner's slot was recycled: never a registered slot,
+  // so handing the block out always scrubs it. Not 0: that means "never handed out" (still zero).
+  static constexpr uint16_t kScrubOwner = 0xFFFF;
+
   BlockPool(const BlockPoolOptions& options);
+
+  absl::Status CheckNamespaces() const;
 
   static size_t Index(BlockId block) { return static_cast<size_t>(block.value()); }
   bool FencesPassed(size_t i) const;
@@ -200,7 +243,7 @@ class BlockPool final {
   std::vector<BlockState> state_;
   std::vector<uint32_t> refs_;        // includes the cache's reference
   std::vector<uint32_t> generation_;  // bumped on every hand-out
-  std::vector<uint16_t> owner_;       // namespace slot of the last owner (0: never handed out)
+  std::vector<uint16_t> owner_;       // last owner's slot (0: never handed out; or kScrubOwner)
   std::vector<int64_t> last_use_;     // time of the last hand-out or release (ns, pool clock)
   std::vector<uint8_t> cache_held_;   // 1 when one of refs_ is the prefix cache's
   std::vector<uint8_t> in_flight_;    // bit t: pending_[.][t] holds an unfinished fence
@@ -210,9 +253,12 @@ class BlockPool final {
   std::vector<BlockId> retiring_;
   int32_t num_cached_ = 0;
 
+  const int32_t max_namespaces_;
   absl::flat_hash_map<NamespaceId, uint16_t> slots_;
-  std::vector<NamespaceId> namespaces_;  // slot -> namespace; [0] = kNoNamespace
+  std::vector<NamespaceId> namespaces_;  // slot -> namespace; kNoNamespace: [0] and free slots
   std::vector<int32_t> active_by_ns_;    // slot -> ACTIVE blocks owned
+  std::vector<uint16_t> free_slots_;     // recycled slots, descending (lowest reused first)
+  uint64_t namespaces_recycled_ = 0;
 
   uint64_t allocated_ = 0;
   uint64_t freed_ = 0;
@@ -227,7 +273,8 @@ inline absl::Status BlockPool::Allocate(int32_t n, NamespaceSlot slot, const Tra
                                         std::vector<BlockId>* out, std::vector<BlockFill>* fills,
                                         std::source_location site) {
   const uint16_t owner = slot.value();
-  if (ABSL_PREDICT_FALSE(n < 0 || n > num_free() || owner == 0 || owner >= namespaces_.size())) {
+  if (ABSL_PREDICT_FALSE(n < 0 || n > num_free() || owner == 0 || owner >= namespaces_.size() ||
+                         namespaces_[owner] == kNoNamespace)) {
     return AllocateError(n, slot);
   }
   // Array pointers in locals: stores through the uint8_t arrays would otherwise force the

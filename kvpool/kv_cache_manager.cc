@@ -39,22 +39,34 @@ absl::StatusOr<std::unique_ptr<KvCacheManager>> KvCacheManager::Create(
         fmt::format("max_blocks_per_seq must be > 0 (got {})", options.max_blocks_per_seq));
   }
   if (options.clock == nullptr) return absl::InvalidArgumentError("clock must not be null");
+  if (options.max_sequences_per_session < 0) {
+    return absl::InvalidArgumentError(
+        fmt::format("max_sequences_per_session must be >= 0 (0: unlimited; got {})",
+                    options.max_sequences_per_session));
+  }
+  if (options.event_capacity_bytes == 0) {
+    return absl::InvalidArgumentError("event_capacity_bytes must be > 0");
+  }
   if (options.max_pins < 0 || options.max_pin_ttl_ns <= 0 || options.max_pinned_blocks < 0) {
     return absl::InvalidArgumentError(
         fmt::format("pin limits must be max_pins >= 0, max_pin_ttl_ns > 0, max_pinned_blocks >= "
                     "0 (got {}, {}, {})",
                     options.max_pins, options.max_pin_ttl_ns, options.max_pinned_blocks));
   }
-  KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<BlockPool> pool,
-                          BlockPool::Create(BlockPoolOptions{.num_blocks = options.num_blocks,
-                                                             .trace_depth = options.trace_depth,
-                                                             .fences = options.fences}));
+  KVPOOL_ASSIGN_OR_RETURN(
+      std::unique_ptr<BlockPool> pool,
+      BlockPool::Create(BlockPoolOptions{.num_blocks = options.num_blocks,
+                                         .trace_depth = options.trace_depth,
+                                         .max_namespaces = options.max_namespaces,
+                                         .fences = options.fences}));
   std::unique_ptr<PrefixCache> cache;
   if (options.prefix_cache) {
     KVPOOL_ASSIGN_OR_RETURN(cache,
                             PrefixCache::Create({.block_size = options.block_size,
                                                  .epoch = options.epoch,
                                                  .event_capacity = options.event_capacity,
+                                                 .event_capacity_bytes =
+                                                     options.event_capacity_bytes,
                                                  .evicted_memory = options.evicted_memory,
                                                  .events = options.cache_events,
                                                  .policy = options.eviction_policy,
@@ -73,7 +85,7 @@ KvCacheManager::KvCacheManager(const KvCacheOptions& options, std::unique_ptr<Bl
       clock_(options.clock),
       pool_(std::move(pool)),
       cache_(std::move(cache)),
-      ns_quota_{kUnlimited},
+      max_sequences_per_session_(options.max_sequences_per_session),
       max_pins_(options.max_pins),
       max_pin_ttl_ns_(options.max_pin_ttl_ns),
       max_pinned_blocks_(options.max_pinned_blocks > 0 ? options.max_pinned_blocks
@@ -86,14 +98,41 @@ TraceContext KvCacheManager::BeginCall(SessionId session, SequenceId sequence) {
   return ctx;
 }
 
-absl::Status KvCacheManager::SetNamespaceQuota(NamespaceId ns, int64_t max_blocks) {
+absl::Status KvCacheManager::SetNamespaceQuota(NamespaceId ns, int64_t max_blocks, uint64_t group) {
   if (max_blocks < 0) {
     return absl::InvalidArgumentError(fmt::format("negative namespace quota {}", max_blocks));
   }
-  KVPOOL_ASSIGN_OR_RETURN(NamespaceSlot slot, pool_->RegisterNamespace(ns));
-  if (ns_quota_.size() <= slot.value()) ns_quota_.resize(slot.value() + 1, kUnlimited);
-  ns_quota_[slot.value()] = max_blocks;
+  if (ns == kNoNamespace) return absl::InvalidArgumentError("namespace 0 is reserved");
+  LeaveQuota(ns);
+  if (max_blocks == kUnlimited) return absl::OkStatus();
+  const QuotaKey key = group != 0 ? QuotaKey{group, true} : QuotaKey{ns.value(), false};
+  Quota& quota = quotas_[key];
+  quota.max_blocks = max_blocks;
+  quota.members.push_back(ns);
+  quota_of_.emplace(ns, key);
   return absl::OkStatus();
+}
+
+void KvCacheManager::LeaveQuota(NamespaceId ns) {
+  auto it = quota_of_.find(ns);
+  if (it == quota_of_.end()) return;
+  auto quota = quotas_.find(it->second);
+  std::vector<NamespaceId>& members = quota->second.members;
+  members.erase(std::find(members.begin(), members.end(), ns));
+  if (members.empty()) quotas_.erase(quota);
+  quota_of_.erase(it);
+}
+
+int64_t KvCacheManager::QuotaUsage(const Quota& quota) const {
+  int64_t used = 0;
+  for (NamespaceId ns : quota.members) {
+    if (const std::optional<NamespaceSlot> slot = pool_->FindNamespace(ns)) {
+      used += pool_->active_blocks(*slot);
+    }
+    // Blocks only pins hold count too (a pin's blocks cannot be evicted to make room).
+    if (cache_) used += cache_->pin_held(ns);
+  }
+  return used;
 }
 
 absl::Status KvCacheManager::SetSessionQuota(SessionId session, int64_t max_block_refs) {
@@ -176,27 +215,74 @@ absl::Status KvCacheManager::PlanGrow(Sequence* sequence, int64_t num_tokens, Wr
   return absl::OkStatus();
 }
 
+absl::Status KvCacheManager::CheckQuotas(std::span<const std::pair<NamespaceId, int64_t>> by_ns,
+                                         std::string_view what) const {
+  std::vector<std::pair<QuotaKey, int64_t>> adds;  // by quota: a batch touches few
+  for (const auto& [ns, n] : by_ns) {
+    auto it = quota_of_.find(ns);
+    if (n <= 0 || it == quota_of_.end()) continue;
+    auto add = std::find_if(adds.begin(), adds.end(),
+                            [&](const auto& entry) { return entry.first == it->second; });
+    if (add == adds.end()) {
+      adds.emplace_back(it->second, n);
+    } else {
+      add->second += n;
+    }
+  }
+  for (const auto& [key, n] : adds) {
+    const Quota& quota = quotas_.at(key);
+    const int64_t used = QuotaUsage(quota);
+    if (used + n <= quota.max_blocks) continue;
+    const std::string where =
+        key.group
+            ? fmt::format("quota group {:#x} ({} of {} blocks in use over {} namespaces)", key.id,
+                          used, quota.max_blocks, quota.members.size())
+            : fmt::format("namespace {} ({} of {} blocks in use)", key.id, used, quota.max_blocks);
+    return ResourceExhausted(Resource::kNamespaceQuota, used + n - quota.max_blocks,
+                             fmt::format("{} in {}", what, where));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status KvCacheManager::CheckSequences(SessionId session, int64_t more,
+                                            std::string_view what) const {
+  if (max_sequences_per_session_ == 0) return absl::OkStatus();
+  auto it = sessions_.find(session);
+  const int64_t held = it == sessions_.end() ? 0 : it->second.sequences;
+  if (held + more <= max_sequences_per_session_) return absl::OkStatus();
+  return absl::ResourceExhaustedError(
+      fmt::format("{} of {} more: session {} holds {} sequences: at most {} "
+                  "(max_sequences_per_session)",
+                  what, more, session.value(), held, max_sequences_per_session_));
+}
+
+absl::Status KvCacheManager::PlanNamespaces(std::span<const std::pair<NamespaceId, int64_t>> by_ns,
+                                            std::vector<NamespaceSlot>* recycle,
+                                            std::string_view what) const {
+  int64_t new_namespaces = 0;
+  for (const auto& [ns, n] : by_ns) new_namespaces += pool_->FindNamespace(ns) ? 0 : 1;
+  if (new_namespaces <= pool_->namespaces_left()) return absl::OkStatus();
+  // The table is full: one sweep finds every idle slot (O(blocks + sequences)), so the next
+  // sweeps are as rare as the table is large.
+  std::vector<uint8_t> held(static_cast<size_t>(pool_->namespace_slots()), 0);
+  for (const auto& [id, seq] : sequences_) held[seq.slot.value()] = 1;
+  for (const auto& [ns, n] : by_ns) {
+    if (const std::optional<NamespaceSlot> slot = pool_->FindNamespace(ns)) held[slot->value()] = 1;
+  }
+  *recycle = pool_->IdleNamespaces(held);
+  if (new_namespaces > pool_->namespaces_left() + static_cast<int64_t>(recycle->size())) {
+    recycle->clear();
+    return absl::ResourceExhaustedError(fmt::format(
+        "{}: the namespace table is full ({} namespaces hold blocks or sequences, {} new ones "
+        "asked)",
+        what, pool_->stats().namespaces, new_namespaces));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status KvCacheManager::CheckCapacity(std::span<const std::pair<NamespaceId, int64_t>> by_ns,
                                            SessionId session, int64_t refs, std::string_view what) {
-  int64_t new_namespaces = 0;
-  for (const auto& [ns, n] : by_ns) {
-    const std::optional<NamespaceSlot> slot = pool_->FindNamespace(ns);
-    if (!slot) {
-      ++new_namespaces;
-      continue;
-    }
-    const int64_t quota = slot->value() < ns_quota_.size() ? ns_quota_[slot->value()] : kUnlimited;
-    // Blocks only pins hold count too (a pin's blocks cannot be evicted to make room).
-    const int64_t used = pool_->active_blocks(*slot) + (cache_ ? cache_->pin_held(ns) : 0);
-    if (n > 0 && quota != kUnlimited && used + n > quota) {
-      return ResourceExhausted(Resource::kNamespaceQuota, used + n - quota,
-                               fmt::format("{} in namespace {} ({} of {} blocks in use)", what,
-                                           ns.value(), used, quota));
-    }
-  }
-  if (new_namespaces > pool_->namespaces_left()) {
-    return absl::ResourceExhaustedError(fmt::format("{}: the namespace table is full", what));
-  }
+  if (!quotas_.empty()) KVPOOL_RETURN_IF_ERROR(CheckQuotas(by_ns, what));
   if (refs > 0) {
     auto it = sessions_.find(session);
     if (it != sessions_.end() && it->second.quota != kUnlimited &&
@@ -356,10 +442,15 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
     refs += need;
   }
   std::vector<NodeIndex> victims;
+  std::vector<NamespaceSlot> recycle;
+  KVPOOL_RETURN_IF_ERROR(
+      CountExhausted(CheckSequences(caller, static_cast<int64_t>(requests.size()), "allocate")));
   KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckCapacity(by_ns, caller, refs, "allocate")));
+  KVPOOL_RETURN_IF_ERROR(CountExhausted(PlanNamespaces(by_ns, &recycle, "allocate")));
   KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckRoom(blocks, keep, &victims, "allocate")));
 
   // Everything checked: from here on nothing can fail.
+  pool_->RecycleNamespaces(recycle);
   EvictPlanned(victims, ctx);
   for (size_t k = 0; k < requests.size(); ++k) {
     const AllocateRequest& r = requests[k];
@@ -514,6 +605,7 @@ absl::StatusOr<SequenceId> KvCacheManager::Fork(SessionId caller, SequenceId seq
   ++counters_.fork_calls;
   TraceContext ctx = BeginCall(caller, sequence);
   KVPOOL_ASSIGN_OR_RETURN(Sequence * parent, Owned(caller, sequence));
+  KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckSequences(caller, 1, "fork")));
   const bool partial = parent->num_tokens % block_size_ != 0;
   const std::pair<NamespaceId, int64_t> by_ns[] = {{parent->ns, partial ? 1 : 0}};
   std::vector<NodeIndex> victims;

@@ -29,8 +29,16 @@
 //    are listed by ListPins. A pin that cannot be honoured is refused whole.
 //
 // Quotas: a namespace quota bounds the ACTIVE blocks the namespace owns plus the CACHED blocks
-// only its pins hold (physical blocks; shared ones count once); a session quota bounds the block
-// references its sequences hold (table entries; a block two of its sequences share counts twice).
+// only its pins hold (physical blocks; shared ones count once). Namespaces may share one quota
+// (a quota group, e.g. every model of one tenant): then the bound is on their sum. A session
+// quota bounds the block references its sequences hold (table entries; a block two of its
+// sequences share counts twice). Sequences per session are bounded too, zero-token ones included
+// (they cost no block, so no quota would stop them).
+//
+// Namespace slots (BlockPool): when the pool's table is full, an Allocate that needs a new
+// namespace first recycles every idle one (no block owned, no live sequence in it), once it is
+// sure the call succeeds. Quotas are kept by namespace id, so a recycled namespace keeps its
+// quota when it comes back.
 //
 // Thread-compatible: the owner serializes calls. Pointers and spans returned by accessors are
 // valid until the next mutating call.
@@ -93,9 +101,17 @@ struct KvCacheOptions {
   // When set, makes the eviction ordering policy instead of the spec (tests inject theirs).
   std::function<std::unique_ptr<EvictionPolicy>()> eviction_policy_factory;
   uint64_t epoch = 0;             // stamped on every cache event (daemon start)
-  size_t event_capacity = 65536;  // cache events kept for replay
+  size_t event_capacity = 65536;  // cache events kept for replay; > 0
   bool cache_events = true;       // record cache events at all (PrefixCacheOptions::events)
   size_t evicted_memory = 65536;  // evicted block hashes kept for ExplainMatch (0: none)
+  // Bytes those events may take (each event's struct plus its hash and token vectors); the
+  // oldest are dropped past it, as past event_capacity. > 0.
+  size_t event_capacity_bytes = kDefaultEventLogBytes;
+  // Live sequences one session may hold, zero-token ones included; 0: unlimited.
+  int64_t max_sequences_per_session = 0;
+  // Namespaces registered at once, in [1, kMaxNamespaceSlots] (BlockPoolOptions); idle ones are
+  // recycled when the table is full. Smaller only in tests.
+  int32_t max_namespaces = kMaxNamespaceSlots;
   // Pins: at most this many at once (all sessions); each for at most max_pin_ttl_ns; at most
   // max_pinned_blocks distinct blocks pinned at once (0: half the pool).
   int32_t max_pins = 4096;
@@ -197,21 +213,27 @@ struct KvCacheStats {
 
 class KvCacheManager final {
  public:
-  // Errors: INVALID_ARGUMENT for a non-positive block_size, num_blocks or max_blocks_per_seq, a
-  // trace_depth that is not 0 or a power of 2, or a null clock.
+  // Errors: INVALID_ARGUMENT for a non-positive block_size, num_blocks, max_blocks_per_seq or
+  // event_capacity_bytes, a trace_depth that is not 0 or a power of 2, a negative
+  // max_sequences_per_session, max_namespaces out of range, or a null clock.
   static absl::StatusOr<std::unique_ptr<KvCacheManager>> Create(const KvCacheOptions& options);
 
-  // Bounds the ACTIVE blocks namespace `ns` may own (kUnlimited to lift it). A quota below the
-  // current use refuses further growth; it takes nothing away.
-  // Errors: INVALID_ARGUMENT (negative quota, ns 0), RESOURCE_EXHAUSTED (namespace table full).
-  absl::Status SetNamespaceQuota(NamespaceId ns, int64_t max_blocks);
+  // Bounds the blocks namespace `ns` may hold (ACTIVE plus pin-held CACHED, see Quotas above).
+  // With `group` 0 the bound is the namespace's own. Otherwise `ns` joins quota group `group`
+  // (leaving any quota it had) and the bound is on the sum over the group's namespaces: it
+  // becomes the group's bound for all of them (the last one set wins). kUnlimited lifts `ns`'s
+  // quota: it leaves its group, whose other namespaces keep theirs. A quota below the current
+  // use refuses further growth; it takes nothing away. Nothing is registered in the pool.
+  // Errors: INVALID_ARGUMENT (negative quota, ns 0); nothing has changed.
+  absl::Status SetNamespaceQuota(NamespaceId ns, int64_t max_blocks, uint64_t group = 0);
   // Bounds the block references session `session`'s sequences may hold (kUnlimited to lift it).
   // Errors: INVALID_ARGUMENT (negative quota).
   absl::Status SetSessionQuota(SessionId session, int64_t max_block_refs);
 
   // Creates a sequence of `num_tokens` tokens owned by `caller` in the request's namespace.
   // Errors: INVALID_ARGUMENT (session 0, namespace 0, negative count), RESOURCE_EXHAUSTED
-  // (table bound, quota, pool or namespace table, with the shortfall in blocks).
+  // (table bound, quota or pool, with the shortfall in blocks; max_sequences_per_session; the
+  // namespace table, full even after recycling the idle namespaces).
   // With a prompt, the longest cached prefix of it is adopted (blocks shared by reference; a
   // partially matched block is copied first when the sequence will write into it).
   absl::StatusOr<AllocateResult> Allocate(SessionId caller, const AllocateRequest& request,
@@ -244,7 +266,8 @@ class KvCacheManager final {
 
   // A new sequence of the same session and namespace sharing every full block of `sequence` by
   // reference; a partial last block is copied (the BlockCopy is in `plan`).
-  // Errors: NOT_FOUND, PERMISSION_DENIED, RESOURCE_EXHAUSTED (quota or pool).
+  // Errors: NOT_FOUND, PERMISSION_DENIED, RESOURCE_EXHAUSTED (quota, pool or
+  // max_sequences_per_session).
   absl::StatusOr<SequenceId> Fork(SessionId caller, SequenceId sequence, DevicePlan* plan);
 
   // Publishes the first `num_tokens` tokens of `sequence` into the prefix cache: full blocks,
@@ -334,13 +357,17 @@ class KvCacheManager final {
   const PrefixCache* cache() const { return cache_.get(); }
   int32_t block_size() const { return block_size_; }
   int32_t max_blocks_per_seq() const { return max_blocks_per_seq_; }
+  // Live sequences of `session` (0 for an unknown one).
+  int64_t session_sequences(SessionId session) const;
   KvCacheStats stats() const;
 
   // The pool's and the prefix cache's invariants, plus: every block's reference count equals the
   // table entries that name it plus the cache's reference; tables hold only ACTIVE blocks and
   // exactly ceil(num_tokens / block_size) of them, within max_blocks_per_seq; every tree node is
   // locked once per sequence whose path holds it and once per pin; pins are within their limits
-  // and each has its deadline queued; per-session usage matches.
+  // and each has its deadline queued; per-session usage matches and is within
+  // max_sequences_per_session; every sequence's namespace is registered at its slot; the quota
+  // groups and their members agree.
   // Returns INTERNAL naming the first violation.
   absl::Status CheckInvariants() const;
 
@@ -357,6 +384,23 @@ class KvCacheManager final {
   struct Pin {
     PinInfo info;
     std::vector<NodeIndex> nodes;  // root first, each pinned once
+  };
+
+  // Whose quota a namespace counts against: a group's (SetNamespaceQuota's `group`) or its own
+  // (`group` false, `id` the namespace).
+  struct QuotaKey {
+    uint64_t id = 0;
+    bool group = false;
+
+    friend bool operator==(const QuotaKey&, const QuotaKey&) = default;
+    template <typename H>
+    friend H AbslHashValue(H h, const QuotaKey& k) {
+      return H::combine(std::move(h), k.id, k.group);
+    }
+  };
+  struct Quota {
+    int64_t max_blocks = kUnlimited;
+    std::vector<NamespaceId> members;  // at least one, each once
   };
 
   // What one sequence's growth needs, worked out before anything changes.
@@ -410,10 +454,26 @@ class KvCacheManager final {
   // copy-on-writes planned earlier in the batch (each takes a holder off its block).
   absl::Status PlanGrow(Sequence* sequence, int64_t num_tokens, WriteClaims* claims,
                         GrowPlan* plan) const;
-  // Checks namespace quotas for the ACTIVE blocks a call adds (`by_ns`, each namespace once)
-  // and the session quota for `refs` more references held by `session`.
+  // Checks namespace quotas for the ACTIVE blocks a call adds (`by_ns`, each namespace once;
+  // namespaces of one quota group are summed) and the session quota for `refs` more references
+  // held by `session`.
   absl::Status CheckCapacity(std::span<const std::pair<NamespaceId, int64_t>> by_ns,
                              SessionId session, int64_t refs, std::string_view what);
+  absl::Status CheckQuotas(std::span<const std::pair<NamespaceId, int64_t>> by_ns,
+                           std::string_view what) const;
+  // Blocks a quota's namespaces hold: ACTIVE ones plus those only pins hold.
+  int64_t QuotaUsage(const Quota& quota) const;
+  // `ns` leaves the quota it counts against, if any (an emptied quota is dropped).
+  void LeaveQuota(NamespaceId ns);
+  absl::Status CheckQuotaBooks() const;
+  // RESOURCE_EXHAUSTED when `session` would hold more than max_sequences_per_session with
+  // `more` new ones.
+  absl::Status CheckSequences(SessionId session, int64_t more, std::string_view what) const;
+  // Checks that the namespaces of `by_ns` fit the pool's table. When the table is too full, finds
+  // the idle namespaces (no block owned, no live sequence, not in `by_ns`) to recycle into
+  // `recycle`, for the caller to hand to BlockPool::RecycleNamespaces once nothing can fail.
+  absl::Status PlanNamespaces(std::span<const std::pair<NamespaceId, int64_t>> by_ns,
+                              std::vector<NamespaceSlot>* recycle, std::string_view what) const;
   // Checks there is room for `blocks` new blocks: free ones, retired ones that can be reclaimed
   // (reclaimed now: housekeeping), then cached ones to evict (never the nodes in `keep`). The
   // evictions are planned into `victims`, for the caller to carry out once nothing can fail.
@@ -445,7 +505,9 @@ class KvCacheManager final {
 
   absl::flat_hash_map<SequenceId, Sequence> sequences_;
   absl::flat_hash_map<SessionId, SessionUsage> sessions_;
-  std::vector<int64_t> ns_quota_;  // by namespace slot
+  const int64_t max_sequences_per_session_;              // 0: unlimited
+  absl::flat_hash_map<NamespaceId, QuotaKey> quota_of_;  // namespaces that have a quota
+  absl::flat_hash_map<QuotaKey, Quota> quotas_;
   const int32_t max_pins_;
   const int64_t max_pin_ttl_ns_;
   const int64_t max_pinned_blocks_;

@@ -37,6 +37,11 @@ const Sequence* KvCacheManager::Find(SequenceId sequence) const {
   return it == sequences_.end() ? nullptr : &it->second;
 }
 
+int64_t KvCacheManager::session_sequences(SessionId session) const {
+  auto it = sessions_.find(session);
+  return it == sessions_.end() ? 0 : it->second.sequences;
+}
+
 void KvCacheManager::ForEachSequence(absl::FunctionRef<void(const Sequence&)> fn) const {
   for (const auto& [id, seq] : sequences_) fn(seq);
 }
@@ -144,13 +149,41 @@ absl::Status KvCacheManager::CheckInvariants() const {
   for (const auto& [session, u] : usage) {
     if (!sessions_.contains(session))
       return InvariantViolation("session {} is untracked", session.value());
+    if (max_sequences_per_session_ > 0 && u.sequences > max_sequences_per_session_) {
+      return InvariantViolation("session {} holds {} sequences, more than {}", session.value(),
+                                u.sequences, max_sequences_per_session_);
+    }
   }
+  KVPOOL_RETURN_IF_ERROR(CheckQuotaBooks());
   if (cache_) {
     absl::flat_hash_map<NodeIndex, uint32_t> pinned;
     KVPOOL_RETURN_IF_ERROR(CheckPins(&locks, &pinned));
     KVPOOL_RETURN_IF_ERROR(cache_->CheckInvariants(&locks, &pinned));
   } else if (pool_->num_cached() != 0 || !pins_.empty()) {
     return InvariantViolation("cached blocks or pins without a prefix cache");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status KvCacheManager::CheckQuotaBooks() const {
+  size_t members = 0;
+  for (const auto& [key, quota] : quotas_) {
+    if (quota.members.empty() || quota.max_blocks < 0 || quota.max_blocks == kUnlimited) {
+      return InvariantViolation("quota {:#x} has {} members and bound {}", key.id,
+                                quota.members.size(), quota.max_blocks);
+    }
+    for (NamespaceId ns : quota.members) {
+      auto it = quota_of_.find(ns);
+      if (it == quota_of_.end() || !(it->second == key) || (!key.group && key.id != ns.value())) {
+        return InvariantViolation("namespace {} is listed in quota {:#x} but counts elsewhere",
+                                  ns.value(), key.id);
+      }
+    }
+    members += quota.members.size();
+  }
+  if (members != quota_of_.size()) {
+    return InvariantViolation("{} namespaces have a quota but quotas list {}", quota_of_.size(),
+                              members);
   }
   return absl::OkStatus();
 }
@@ -178,7 +211,22 @@ std::string KvCacheManager::DebugString() const {
   for (const auto& [id, u] : sessions) {
     fmt::format_to(it, " {}={}/{}/{}", id.value(), u.block_refs, u.sequences, u.quota);
   }
-  fmt::format_to(it, "\nns_quota: {}\npins:", fmt::join(ns_quota_, " "));
+  std::vector<std::pair<QuotaKey, std::vector<uint64_t>>> quotas;
+  for (const auto& [key, quota] : quotas_) {
+    std::vector<uint64_t> members;
+    for (NamespaceId ns : quota.members) members.push_back(ns.value());
+    std::sort(members.begin(), members.end());
+    quotas.emplace_back(key, std::move(members));
+  }
+  std::sort(quotas.begin(), quotas.end(), [](const auto& a, const auto& b) {
+    return std::pair(a.first.group, a.first.id) < std::pair(b.first.group, b.first.id);
+  });
+  out += "\nquotas:";
+  for (const auto& [key, members] : quotas) {
+    fmt::format_to(it, " {}{}={}[{}]", key.group ? "group" : "ns", key.id,
+                   quotas_.at(key).max_blocks, fmt::join(members, ","));
+  }
+  out += "\npins:";
   std::vector<PinId> pins;
   for (const auto& [id, pin] : pins_) pins.push_back(id);
   std::sort(pins.begin(), pins.end());

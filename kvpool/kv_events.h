@@ -3,11 +3,14 @@
 // KV cache events for routers and remote tiers (vLLM's KV-event vocabulary): BlockStored,
 // BlockRemoved, AllBlocksCleared. Every event carries a gap-free sequence number (from 1) and
 // the daemon's epoch, so a consumer can tell a missed event from a restart. The log keeps a
-// bounded replay ring; a consumer that fell behind it must take a snapshot first
-// (PrefixCache::SnapshotEvents) and resume from the snapshot's sequence number.
+// bounded replay ring, bounded both in events and in bytes (one event can carry a whole chain's
+// hashes and tokens); the oldest events are dropped past either bound. A consumer that fell
+// behind the ring must take a snapshot first (PrefixCache::SnapshotEvents) and resume from the
+// snapshot's sequence number.
 //
 // Thread-compatible.
 
+#include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <optional>
@@ -30,6 +33,9 @@ struct BlockHash {
   }
 };
 
+// EventLog's default byte budget: 64 MiB.
+inline constexpr size_t kDefaultEventLogBytes = size_t{64} << 20;
+
 enum class KvEventType : uint8_t { kBlockStored, kBlockRemoved, kAllBlocksCleared };
 
 struct KvEvent {
@@ -45,13 +51,21 @@ struct KvEvent {
   int32_t block_size = 0;
 };
 
+// The memory one event takes in the ring, in bytes: the struct and its vectors' buffers.
+size_t EventBytes(const KvEvent& event);
+
 class EventLog final {
  public:
-  // REQUIRES: capacity > 0.
-  EventLog(uint64_t epoch, size_t capacity);
+  // Keeps at most `capacity` events taking at most `max_bytes` bytes (EventBytes).
+  // REQUIRES: capacity > 0, max_bytes > 0.
+  EventLog(uint64_t epoch, size_t capacity, size_t max_bytes = kDefaultEventLogBytes);
 
-  // Assigns the next sequence number and the epoch, and keeps the event in the ring.
+  // Assigns the next sequence number and the epoch, and keeps the event in the ring, dropping the
+  // oldest events past either bound (this one too, when it alone is over the byte budget: readers
+  // are told of the drop as of any other).
   void Append(KvEvent event);
+  // Changes the byte budget, dropping the oldest events past it now. REQUIRES: max_bytes > 0.
+  void set_max_bytes(size_t max_bytes);
 
   // Appends to `out` the events with seq >= `from`, at most `max`. Returns false, appending
   // nothing, when `from` is older than the oldest event kept: events were dropped and the
@@ -62,11 +76,20 @@ class EventLog final {
   // The sequence number the next event will get (one past the newest).
   uint64_t next_seq() const { return next_seq_; }
   uint64_t oldest_seq() const { return ring_.empty() ? next_seq_ : ring_.front().seq; }
+  size_t size() const { return ring_.size(); }  // events kept
+  size_t bytes() const { return bytes_; }       // their EventBytes, <= max_bytes()
+  size_t max_bytes() const { return max_bytes_; }
+  uint64_t dropped() const { return dropped_; }  // events dropped since creation, either bound
 
  private:
+  void DropPastBounds();
+
   const uint64_t epoch_;
   const size_t capacity_;
+  size_t max_bytes_;
   uint64_t next_seq_ = 1;
+  size_t bytes_ = 0;
+  uint64_t dropped_ = 0;
   std::deque<KvEvent> ring_;
 };
 

@@ -82,8 +82,8 @@ absl::StatusOr<std::unique_ptr<PrefixCache>> PrefixCache::Create(const PrefixCac
     return absl::InvalidArgumentError(
         fmt::format("block_size must be > 0 (got {})", options.block_size));
   }
-  if (options.event_capacity == 0) {
-    return absl::InvalidArgumentError("event_capacity must be > 0");
+  if (options.event_capacity == 0 || options.event_capacity_bytes == 0) {
+    return absl::InvalidArgumentError("event_capacity and event_capacity_bytes must be > 0");
   }
   absl::StatusOr<EvictionOptions> spec = ParseEvictionSpec(options.policy);
   if (!spec.ok()) return spec.status();
@@ -110,7 +110,7 @@ PrefixCache::PrefixCache(const PrefixCacheOptions& options, BlockPool* pool,
       events_on_(options.events),
       pool_(pool),
       policy_(std::move(policy)),
-      events_(options.epoch, options.event_capacity),
+      events_(options.epoch, options.event_capacity, options.event_capacity_bytes),
       node_of_block_(static_cast<size_t>(pool->num_blocks()), kNoNode),
       evicted_ring_(options.evicted_memory) {}
 

@@ -88,6 +88,7 @@ void ApplyDefaults(v1::DaemonConfig* c) {
   if (c->trace_depth() == 0) c->set_trace_depth(8);
   if (c->eviction_policy().empty()) c->set_eviction_policy("default");
   if (c->event_capacity() == 0) c->set_event_capacity(65536);
+  if (c->event_capacity_bytes() == 0) c->set_event_capacity_bytes(int64_t{64} << 20);
   if (c->allowed_uids().empty() && c->allowed_gids().empty()) c->add_allowed_uids(getuid());
   if (c->admin_uids().empty()) c->add_admin_uids(getuid());
   if (c->log_level().empty()) c->set_log_level("info");
@@ -317,6 +318,9 @@ std::vector<std::string> ValidateConfig(const v1::DaemonConfig& c) {
                     std::string(spec.status().message()), kDefaultEvictionSpec));
   }
   if (c.event_capacity() <= 0) bad("event_capacity", "must be > 0");
+  if (c.event_capacity_bytes() <= 0) {
+    bad("event_capacity_bytes", fmt::format("must be > 0 (got {})", c.event_capacity_bytes()));
+  }
   if (c.session_quota_blocks() < 0) bad("session_quota_blocks", "must be >= 0 (0: unlimited)");
   for (const auto& [tenant, quota] : c.tenant_quota_blocks()) {
     if (quota < 0) bad(fmt::format("tenant_quota_blocks[{}]", tenant), "must be >= 0");
@@ -398,6 +402,7 @@ absl::StatusOr<EngineOptions> MakeEngineOptions(const v1::DaemonConfig& c, uint6
   o.prefix_cache = !c.disable_prefix_cache();
   o.eviction_policy = c.eviction_policy();
   o.event_capacity = static_cast<size_t>(c.event_capacity());
+  o.event_capacity_bytes = static_cast<size_t>(c.event_capacity_bytes());
   o.fill_policy = *kernels::ParseFillPolicy(c.fill_policy());
   o.session_quota_blocks = c.session_quota_blocks();
   o.limits = {.sessions_per_uid = c.limits().sessions_per_uid(),

@@ -130,6 +130,15 @@ absl::Status Engine::Admit(const Session& s, Needs needs) const {
         fmt::format("{} items in one call: at most {} (limits.batch_items)", needs.items,
                     state_->options().limits.batch_items));
   }
+  // The pool's manager enforces this bound too; checked here first so that it is counted.
+  const int64_t held = state_->pool(s.pool).cache().session_sequences(s.id);
+  const int32_t max_sequences = state_->options().limits.sequences_per_session;
+  if (needs.sequences > 0 && held + static_cast<int64_t>(needs.sequences) > max_sequences) {
+    ++state_->call_counters.over_limit;
+    return absl::ResourceExhaustedError(
+        fmt::format("session {} holds {} sequences: at most {} (limits.sequences_per_session)",
+                    s.id.value(), held, max_sequences));
+  }
   return absl::OkStatus();
 }
 
@@ -183,8 +192,10 @@ absl::StatusOr<Tables> Engine::Allocate(const Session& s, std::span<const Alloca
   Fence fence;
   {
     absl::MutexLock lock(&mu_);
-    KVPOOL_RETURN_IF_ERROR(
-        Admit(s, {.creates = true, .kv_access = true, .items = requests.size()}));
+    KVPOOL_RETURN_IF_ERROR(Admit(s, {.creates = true,
+                                     .kv_access = true,
+                                     .items = requests.size(),
+                                     .sequences = requests.size()}));
     PoolState& pool = state_->pool_of(s);
     std::vector<AllocateResult> results;
     DevicePlan plan;
@@ -265,7 +276,7 @@ absl::StatusOr<Tables> Engine::Fork(const Session& s, SequenceId sequence,
   Fence fence;
   {
     absl::MutexLock lock(&mu_);
-    KVPOOL_RETURN_IF_ERROR(Admit(s, {.creates = true}));
+    KVPOOL_RETURN_IF_ERROR(Admit(s, {.creates = true, .sequences = 1}));
     PoolState& pool = state_->pool_of(s);
     DevicePlan plan;
     KVPOOL_ASSIGN_OR_RETURN(child, pool.cache().Fork(s.id, sequence, &plan));

@@ -222,6 +222,7 @@ class Engine final {
     bool creates = false;    // makes sequences: not while draining
     bool kv_access = false;  // hands out blocks to write, or publishes what a client wrote
     size_t items = 0;        // a batch of this many (ClientLimits::batch_items)
+    size_t sequences = 0;    // makes this many sequences (ClientLimits::sequences_per_session)
   };
   // Under the lock, before a call changes anything: the engine serves, the session is live, and
   // it may do what the call `needs`.

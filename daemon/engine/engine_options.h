@@ -11,6 +11,7 @@
 #include "kernels/plan_executor.h"
 #include "kernels/pool_layout.h"
 #include "kvpool/eviction_policy.h"
+#include "kvpool/kv_events.h"
 #include "kvpool/util/clock.h"
 
 namespace kvpool::daemon {
@@ -23,8 +24,10 @@ struct PoolOptions {
 
 // What a tenant may do and hold (docs/trust-model.md). Who may claim it is the attach policy's.
 struct TenantLimits {
-  bool kv_access = true;     // its sessions may ask for KV access
-  int64_t quota_blocks = 0;  // ACTIVE blocks over all its namespaces; 0: unlimited
+  bool kv_access = true;  // its sessions may ask for KV access
+  // Blocks (ACTIVE, plus CACHED ones only its pins hold) summed over all its namespaces, i.e.
+  // every model name its sessions claim; 0: unlimited.
+  int64_t quota_blocks = 0;
   int32_t max_priority = 3;  // highest prefix-cache priority class, [0, kNumPriorities)
   int32_t max_sessions = 0;  // attached at once; 0: unlimited
   int32_t pool = 0;          // index into EngineOptions::pools
@@ -46,7 +49,8 @@ struct EngineOptions {
   int32_t trace_depth = 8;            // per-block trace entries: 0 or a power of 2
   bool prefix_cache = true;
   std::string eviction_policy = std::string(kDefaultEvictionSpec);  // ParseEvictionSpec
-  size_t event_capacity = 65536;  // cache events kept for replay, per pool
+  size_t event_capacity = 65536;                        // cache events kept for replay, per pool
+  size_t event_capacity_bytes = kDefaultEventLogBytes;  // bytes those events may take, per pool
   kernels::FillPolicy fill_policy = kernels::FillPolicy::kNone;
   int64_t session_quota_blocks = 0;  // block references a session may hold; 0: unlimited
   // The configured tenants. Empty: any tenant name may be claimed, with `open_tenant`'s limits

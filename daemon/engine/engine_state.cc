@@ -61,6 +61,13 @@ absl::StatusOr<TenantLimits> EngineState::LimitsOf(const std::string& tenant) co
 
 namespace {
 
+// The quota group of every namespace of `tenant` (KvCacheManager::SetNamespaceQuota): never 0.
+uint64_t QuotaGroupOf(std::string_view tenant) {
+  const std::string key = fmt::format("quota:{}", tenant);
+  const uint64_t h = XXH3_64bits(key.data(), key.size());
+  return h == 0 ? 1 : h;
+}
+
 // Counting without inserting: a refused attach must leave no entry behind.
 template <typename Map, typename Key>
 int32_t CountOf(const Map& map, const Key& key) {
@@ -89,7 +96,9 @@ absl::StatusOr<std::shared_ptr<const Session>> EngineState::Open(SessionSpec spe
   PoolState* pool = limits.ok() ? &this->pool(limits->pool) : nullptr;
   const NamespaceId ns = pool ? NamespaceOf(*pool, spec.tenant, spec.model) : NamespaceId(0);
   if (limits.ok() && limits->quota_blocks > 0) {
-    if (absl::Status s = pool->cache().SetNamespaceQuota(ns, limits->quota_blocks); !s.ok()) {
+    if (absl::Status s =
+            pool->cache().SetNamespaceQuota(ns, limits->quota_blocks, QuotaGroupOf(spec.tenant));
+        !s.ok()) {
       limits = s;
     }
   }
@@ -110,6 +119,7 @@ absl::StatusOr<std::shared_ptr<const Session>> EngineState::Open(SessionSpec spe
   }
   ++sessions_of_tenant_[session->spec.tenant];
   ++sessions_of_uid_[session->spec.uid];
+  ++sessions_of_ns_[{session->pool, ns}];
   live_.emplace(session->id, session);
   by_token_.emplace(session->token, session->id);
   ++session_counters.opened;
@@ -136,7 +146,13 @@ int64_t EngineState::End(SessionId id, SessionEnd how) {
     sessions_of_tenant_.erase(session->spec.tenant);
   }
   if (--sessions_of_uid_[session->spec.uid] == 0) sessions_of_uid_.erase(session->spec.uid);
-  const int64_t released = pool_of(*session).cache().FreeSession(id);
+  KvCacheManager& cache = pool_of(*session).cache();
+  const int64_t released = cache.FreeSession(id);
+  const std::pair<int32_t, NamespaceId> ns{session->pool, session->ns};
+  if (--sessions_of_ns_[ns] == 0) {
+    sessions_of_ns_.erase(ns);
+    KVPOOL_CHECK_OK(cache.SetNamespaceQuota(session->ns, kUnlimited));  // no longer in its group
+  }
   session_counters.sequences_released += static_cast<uint64_t>(released);
   switch (how) {
     case SessionEnd::kDetached:

@@ -55,16 +55,19 @@ class EngineState final {
   // Sessions.
   NamespaceId NamespaceOf(const PoolState& pool, std::string_view tenant,
                           std::string_view model) const;
-  // Opens a session the attach policy accepted, within its tenant's limits. Errors:
-  // PERMISSION_DENIED (an unknown tenant, or KV access the tenant does not grant),
-  // RESOURCE_EXHAUSTED (the tenant's session limit, the uid's (ClientLimits), or no namespace
-  // slot for its quota).
+  // Opens a session the attach policy accepted, within its tenant's limits. A tenant with a quota
+  // has it set on the session's namespace, in the tenant's quota group: the quota bounds the sum
+  // over every namespace (model) of the tenant. Errors: PERMISSION_DENIED (an unknown tenant, or
+  // KV access the tenant does not grant), RESOURCE_EXHAUSTED (the tenant's session limit, the
+  // uid's (ClientLimits)).
   absl::StatusOr<std::shared_ptr<const Session>> Open(SessionSpec spec);
   // NOT_FOUND when `id` is not a live session (it ended, or never was).
   absl::Status CheckLive(SessionId id) const;
   std::shared_ptr<const Session> FindByToken(std::string_view token) const;
-  // Forgets the session and releases everything it holds. Returns how many sequences; 0 (and
-  // nothing counted) when it had ended already.
+  // Forgets the session and releases everything it holds; the last session of a namespace takes
+  // the namespace out of its tenant's quota group (it holds nothing any more), so that namespaces
+  // of models no one uses do not pile up. Returns how many sequences; 0 (and nothing counted)
+  // when it had ended already.
   int64_t End(SessionId id, SessionEnd how);
   const absl::flat_hash_map<SessionId, std::shared_ptr<const Session>>& sessions() const {
     return live_;
@@ -89,6 +92,8 @@ class EngineState final {
   absl::flat_hash_map<std::string, SessionId> by_token_;
   absl::flat_hash_map<std::string, int32_t> sessions_of_tenant_;
   absl::flat_hash_map<uid_t, int32_t> sessions_of_uid_;
+  // Live sessions by (pool, namespace).
+  absl::flat_hash_map<std::pair<int32_t, NamespaceId>, int32_t> sessions_of_ns_;
 };
 
 }  // namespace kvpool::daemon

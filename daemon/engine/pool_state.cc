@@ -19,17 +19,20 @@ absl::StatusOr<std::unique_ptr<PoolState>> PoolState::Create(const PoolOptions& 
   KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Arena> arena,
                           device->CreateArena(layout.arena_bytes()));
   auto steps = std::make_unique<StepTimeline>(device);
-  KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<KvCacheManager> cache,
-                          KvCacheManager::Create({.block_size = layout.block_size,
-                                                  .num_blocks = layout.num_blocks,
-                                                  .max_blocks_per_seq = options.max_blocks_per_seq,
-                                                  .trace_depth = options.trace_depth,
-                                                  .clock = options.clock,
-                                                  .fences = steps.get(),
-                                                  .prefix_cache = options.prefix_cache,
-                                                  .eviction_policy = options.eviction_policy,
-                                                  .epoch = options.epoch,
-                                                  .event_capacity = options.event_capacity}));
+  KVPOOL_ASSIGN_OR_RETURN(
+      std::unique_ptr<KvCacheManager> cache,
+      KvCacheManager::Create({.block_size = layout.block_size,
+                              .num_blocks = layout.num_blocks,
+                              .max_blocks_per_seq = options.max_blocks_per_seq,
+                              .trace_depth = options.trace_depth,
+                              .clock = options.clock,
+                              .fences = steps.get(),
+                              .prefix_cache = options.prefix_cache,
+                              .eviction_policy = options.eviction_policy,
+                              .epoch = options.epoch,
+                              .event_capacity = options.event_capacity,
+                              .event_capacity_bytes = options.event_capacity_bytes,
+                              .max_sequences_per_session = options.limits.sequences_per_session}));
   KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<GenerationTable> generations,
                           GenerationTable::Create(layout.num_blocks));
   return std::unique_ptr<PoolState>(new PoolState(pool.name, layout, options.fill_policy, device,

@@ -26,6 +26,22 @@ TEST(ConfigTest, EmbeddedDefaultsNeedNoFile) {
   EXPECT_EQ(c->socket_mode(), 0660u);
   EXPECT_EQ(c->model().prefill_max_wait_steps(), 4);
   EXPECT_EQ(c->eviction_policy(), "default");  // the measured default (docs/eviction.md)
+  EXPECT_EQ(c->event_capacity_bytes(), int64_t{64} << 20);
+  EXPECT_EQ(c->limits().sequences_per_session(), 65536);
+}
+
+TEST(ConfigTest, EventCapacityBytesIsPositive) {
+  const std::string path = ::testing::TempDir() + "/event_bytes.textproto";
+  std::ofstream(path) << "event_capacity_bytes: -5\n";
+  const absl::Status bad = LoadConfig(path).status();
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.message()), HasSubstr("event_capacity_bytes: must be > 0"));
+  std::ofstream(path) << "event_capacity_bytes: 1048576\n";
+  const absl::StatusOr<v1::DaemonConfig> c = LoadConfig(path);
+  ASSERT_TRUE(c.ok()) << c.status();
+  const absl::StatusOr<EngineOptions> o = MakeEngineOptions(*c, 1);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->event_capacity_bytes, size_t{1} << 20);
 }
 
 TEST(ConfigTest, EvictionPolicySpecsAreCheckedWhole) {
@@ -87,6 +103,8 @@ TEST(ConfigTest, EngineOptionsFollowTheConfig) {
   EXPECT_EQ(o->limits.decode_width, 64);  // follows max_step_tokens unless set
   EXPECT_EQ(o->limits.sessions_per_uid, 64);
   EXPECT_EQ(o->limits.batch_items, 4096);
+  EXPECT_EQ(o->limits.sequences_per_session, 65536);
+  EXPECT_EQ(o->event_capacity_bytes, size_t{64} << 20);
   c.mutable_limits()->set_decode_width(65);
   EXPECT_THAT(std::string(MakeEngineOptions(c, 42).status().message()),
               HasSubstr("limits.decode_width"));

@@ -255,6 +255,34 @@ TEST_F(EngineTest, TenantQuotaIsSetWhenItsSessionOpens) {
   EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
 }
 
+// A new model string is a new namespace, not a fresh quota: the tenant's quota bounds the sum.
+TEST_F(EngineTest, TenantQuotaIsSummedOverItsModels) {
+  EngineOptions options = SmallPool(64);
+  options.open_quota_blocks["tight"] = 4;
+  engine_ = std::move(*Engine::Create(options, &device_, nullptr));
+  SessionSpec first = Spec("tight");
+  first.model = "m1";
+  SessionSpec second = Spec("tight");
+  second.model = "m2";
+  std::shared_ptr<const Session> s1 = *engine_->OpenSession(first);
+  std::shared_ptr<const Session> s2 = *engine_->OpenSession(second);
+  ASSERT_NE(s1->ns, s2->ns);
+  const AllocateRequest three{.num_tokens = 48};
+  ASSERT_TRUE(engine_->Allocate(*s1, std::span(&three, 1), CallContext::Uncancellable()).ok());
+  const absl::Status refused =
+      engine_->Allocate(*s2, std::span(&three, 1), CallContext::Uncancellable()).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  const AllocateRequest one{.num_tokens = 16};
+  EXPECT_TRUE(engine_->Allocate(*s2, std::span(&one, 1), CallContext::Uncancellable()).ok());
+  EXPECT_EQ(
+      engine_->Allocate(*s1, std::span(&one, 1), CallContext::Uncancellable()).status().code(),
+      absl::StatusCode::kResourceExhausted);
+  // Another tenant is not limited by it.
+  std::shared_ptr<const Session> other = *engine_->OpenSession(Spec("roomy"));
+  EXPECT_TRUE(engine_->Allocate(*other, std::span(&three, 1), CallContext::Uncancellable()).ok());
+  EXPECT_TRUE(engine_->CheckInvariants().ok());
+}
+
 TEST_F(EngineTest, APinKeepsAPrefixOutOfEvictionUntilItEnds) {
   ManualClock clock(1'000'000'000);
   EngineOptions options = SmallPool(8, &clock);

@@ -4,6 +4,7 @@
 
 #include "absl/synchronization/notification.h"
 #include "daemon/engine/engine.h"
+#include "fmt/format.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/daemon/engine_test_util.h"
@@ -90,6 +91,54 @@ TEST_F(LimitsTest, BatchItems) {
             absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(OverLimit(), 3u);
   EXPECT_EQ(engine_->Stats().cache.sequences, 3);
+  ExpectInvariants();
+}
+
+// Zero-token sequences cost no block and no quota: only this limit bounds them.
+TEST_F(LimitsTest, SequencesPerSessionCountZeroTokenOnes) {
+  Make({.sequences_per_session = 3});
+  std::vector<AllocateRequest> two(2, AllocateRequest{.num_tokens = 0});
+  absl::StatusOr<Tables> first = engine_->Allocate(*alice_, two, CallContext::Uncancellable());
+  ASSERT_TRUE(first.ok()) << first.status();
+  // Two more would make four: the whole batch is refused, nothing created.
+  const absl::Status refused =
+      engine_->Allocate(*alice_, two, CallContext::Uncancellable()).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_THAT(std::string(refused.message()), HasSubstr("limits.sequences_per_session"));
+  EXPECT_EQ(engine_->Stats().cache.sequences, 2);
+  const SequenceId parent = first->slices[0].sequence;
+  ASSERT_TRUE(engine_->Fork(*alice_, parent, CallContext::Uncancellable()).ok());
+  EXPECT_EQ(engine_->Fork(*alice_, parent, CallContext::Uncancellable()).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(OverLimit(), 2u);
+  // Another session has its own count; a freed sequence makes room again.
+  std::shared_ptr<const Session> bob = *engine_->OpenSession(Spec("t", "bob"));
+  EXPECT_TRUE(engine_->Allocate(*bob, two, CallContext::Uncancellable()).ok());
+  ASSERT_TRUE(
+      engine_->Free(*alice_, std::span(&parent, 1), OnFree::kDiscard, CallContext::Uncancellable())
+          .ok());
+  EXPECT_TRUE(
+      engine_->Allocate(*alice_, std::span(two).first(1), CallContext::Uncancellable()).ok());
+  ExpectInvariants();
+}
+
+// Tenants named t1, t2, ... each come and go: their namespace slots are reused, so the table
+// (65,534 slots) never fills.
+TEST_F(LimitsTest, IdleNamespaceSlotsAreRecycled) {
+  Make({});
+  const AllocateRequest empty{.num_tokens = 0};
+  const AllocateRequest one_block{.num_tokens = 16};
+  for (int i = 0; i < 66'000; ++i) {
+    SessionSpec spec = Spec(fmt::format("t{}", i));
+    spec.uid = 1000;
+    absl::StatusOr<std::shared_ptr<const Session>> s = engine_->OpenSession(spec);
+    ASSERT_TRUE(s.ok()) << i << ": " << s.status();
+    const AllocateRequest& request = i % 2 == 0 ? empty : one_block;
+    const absl::Status allocated =
+        engine_->Allocate(**s, std::span(&request, 1), CallContext::Uncancellable()).status();
+    ASSERT_TRUE(allocated.ok()) << i << ": " << allocated;
+    engine_->EndSession((*s)->id, SessionEnd::kDetached);
+  }
   ExpectInvariants();
 }
 

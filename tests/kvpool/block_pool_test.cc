@@ -18,6 +18,9 @@ class BlockPoolTestPeer {
     pool.refs_[static_cast<size_t>(block.value())] = refs;
   }
   static void ListTwice(BlockPool& pool, BlockId block) { pool.free_list_.push_back(block); }
+  static void SetOwner(BlockPool& pool, BlockId block, uint16_t slot) {
+    pool.owner_[static_cast<size_t>(block.value())] = slot;
+  }
 };
 
 namespace {
@@ -37,9 +40,12 @@ class ManualFences final : public FenceObserver {
 
 class BlockPoolTest : public ::testing::Test {
  protected:
-  void Make(int32_t num_blocks, int32_t trace_depth = 8) {
-    auto pool = BlockPool::Create(
-        {.num_blocks = num_blocks, .trace_depth = trace_depth, .fences = &fences_});
+  void Make(int32_t num_blocks, int32_t trace_depth = 8,
+            int32_t max_namespaces = kMaxNamespaceSlots) {
+    auto pool = BlockPool::Create({.num_blocks = num_blocks,
+                                   .trace_depth = trace_depth,
+                                   .max_namespaces = max_namespaces,
+                                   .fences = &fences_});
     ASSERT_TRUE(pool.ok()) << pool.status();
     pool_ = std::move(*pool);
     ns_a_ = *pool_->RegisterNamespace(NamespaceId(100));
@@ -68,6 +74,12 @@ TEST_F(BlockPoolTest, CreateRejectsBadOptions) {
   EXPECT_EQ(BlockPool::Create({.num_blocks = 0}).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(BlockPool::Create({.num_blocks = 4, .trace_depth = -1}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(BlockPool::Create({.num_blocks = 4, .max_namespaces = 0}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(BlockPool::Create({.num_blocks = 4, .max_namespaces = kMaxNamespaceSlots + 1})
+                .status()
+                .code(),
             absl::StatusCode::kInvalidArgument);
 }
 
@@ -280,6 +292,75 @@ TEST_F(BlockPoolTest, NamespacesRegisterOnce) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// The whole table of a full-size pool: once every namespace's blocks are back on the free list,
+// one sweep makes all their slots reusable and a new namespace registers and allocates.
+TEST_F(BlockPoolTest, AFullNamespaceTableIsRecycledOnceIdle) {
+  Make(4);  // registers 100 and 200
+  for (uint64_t ns = 1; pool_->namespaces_left() > 0; ++ns) {
+    ASSERT_TRUE(pool_->RegisterNamespace(NamespaceId(1000 + ns)).ok());
+  }
+  EXPECT_EQ(pool_->stats().namespaces, kMaxNamespaceSlots);
+  const std::string full = pool_->DebugString();
+  EXPECT_EQ(pool_->RegisterNamespace(NamespaceId(7)).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(pool_->DebugString(), full);
+  const std::vector<BlockId> held = Alloc(2, ns_a_);  // A still owns blocks: not idle
+  const std::vector<NamespaceSlot> idle = pool_->IdleNamespaces({});
+  ASSERT_EQ(idle.size(), static_cast<size_t>(kMaxNamespaceSlots - 1));
+  EXPECT_EQ(std::count(idle.begin(), idle.end(), ns_a_), 0);
+  pool_->RecycleNamespaces(idle);
+  ExpectInvariants();
+  EXPECT_EQ(pool_->namespaces_left(), kMaxNamespaceSlots - 1);
+  EXPECT_EQ(pool_->FindNamespace(NamespaceId(100)), ns_a_);
+  EXPECT_FALSE(pool_->FindNamespace(NamespaceId(200)).has_value());
+  absl::StatusOr<NamespaceSlot> fresh = pool_->RegisterNamespace(NamespaceId(7));
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  Alloc(2, *fresh);
+  EXPECT_EQ(pool_->owner(BlockId(2)), NamespaceId(7));
+  EXPECT_EQ(pool_->stats().namespaces_recycled, static_cast<uint64_t>(kMaxNamespaceSlots - 1));
+  ExpectInvariants();
+}
+
+// The stale-KV hole: A's block goes back FREE still tagged with A's slot; the slot is recycled
+// and given to B; B's next hand-out is that very block. It must be scrubbed, or B reads A's KV.
+TEST_F(BlockPoolTest, ABlockOfARecycledNamespaceIsScrubbedWhoeverGetsTheSlot) {
+  Make(1, 8, /*max_namespaces=*/2);  // slots: A, B
+  std::vector<BlockFill> fills;
+  const BlockId block = Alloc(1, ns_a_, &fills)[0];
+  EXPECT_FALSE(fills[0].scrub);  // never handed out before: still zero
+  ASSERT_TRUE(pool_->Release(block, ctx_).ok());
+  EXPECT_EQ(pool_->RegisterNamespace(NamespaceId(300)).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  // B is held by its owner's records (say, a sequence without blocks): only A is recycled.
+  const std::vector<uint8_t> held = {0, 0, 1};
+  ASSERT_THAT(pool_->IdleNamespaces(held), ElementsAre(ns_a_));
+  pool_->RecycleNamespaces(pool_->IdleNamespaces(held));
+  EXPECT_EQ(pool_->owner(block), kNoNamespace);
+  const NamespaceSlot c = *pool_->RegisterNamespace(NamespaceId(300));
+  EXPECT_EQ(c, ns_a_);  // A's old slot
+  fills.clear();
+  ASSERT_EQ(Alloc(1, c, &fills)[0], block);
+  EXPECT_TRUE(fills[0].scrub) << "a block of the previous owner of this slot was not scrubbed";
+  EXPECT_EQ(pool_->stats().scrubs, 1u);
+  ExpectInvariants();
+}
+
+TEST_F(BlockPoolTest, CachedAndRetiringBlocksKeepTheirNamespaceBusy) {
+  Make(3);
+  const std::vector<BlockId> a = Alloc(1, ns_a_);
+  const std::vector<BlockId> b = Alloc(1, ns_b_);
+  ASSERT_TRUE(pool_->AddCacheRef(a[0], ctx_).ok());
+  ASSERT_TRUE(pool_->Release(a[0], ctx_).ok());  // CACHED
+  ASSERT_TRUE(pool_->MarkInFlight(b[0], Fence{0, 5}, ctx_).ok());
+  ASSERT_TRUE(pool_->Release(b[0], ctx_).ok());  // RETIRING
+  EXPECT_TRUE(pool_->IdleNamespaces({}).empty());
+  ASSERT_TRUE(pool_->DropCacheRef(a[0], ctx_).ok());
+  EXPECT_THAT(pool_->IdleNamespaces({}), ElementsAre(ns_a_));
+  fences_.Complete(0, 5);
+  pool_->ReclaimRetired(ctx_);
+  EXPECT_THAT(pool_->IdleNamespaces({}), ElementsAre(ns_a_, ns_b_));
+}
+
 TEST_F(BlockPoolTest, CheckInvariantsNamesTheWholeViolation) {
   Make(4);
   BlockPoolTestPeer::SetRefs(*pool_, BlockId(2), 3);
@@ -288,6 +369,16 @@ TEST_F(BlockPoolTest, CheckInvariantsNamesTheWholeViolation) {
   ASSERT_TRUE(pool_->CheckInvariants().ok());
   BlockPoolTestPeer::ListTwice(*pool_, BlockId(1));
   EXPECT_EQ(pool_->CheckInvariants().message(), "free list has 5 entries but 4 blocks are FREE");
+}
+
+TEST_F(BlockPoolTest, CheckInvariantsCatchesAFreeBlockRememberingARecycledSlot) {
+  Make(2);
+  ASSERT_TRUE(pool_->Release(Alloc(1, ns_b_)[0], ctx_).ok());
+  pool_->RecycleNamespaces(pool_->IdleNamespaces({}));
+  ExpectInvariants();
+  BlockPoolTestPeer::SetOwner(*pool_, BlockId(0), ns_b_.value());  // the re-tag undone
+  EXPECT_EQ(pool_->CheckInvariants().message(),
+            "FREE block 0 has owner slot 2, not a registered namespace's");
 }
 
 }  // namespace
