@@ -12,6 +12,10 @@
 //       prints "found" or "absent <bytes scanned>".
 //   trust_client match <dir> <tenant> <seed> <tokens>
 //       (compute-only) prints "matched <n>": how much of the planted prompt is cached for it.
+//   trust_client quota <dir> <tenant> <blocks>
+//       (KV access) attaches twice, under two model strings (two namespaces of one tenant), and
+//       has each session allocate one-block sequences until <blocks> or a refusal; prints
+//       "held <first> <second>".
 //   trust_client hold <dir> <tenant> 0
 //       (compute-only) attaches, prints "holding" and waits to be killed.
 //   trust_client listen <dir> - <uid>
@@ -162,6 +166,23 @@ int main(int argc, char** argv) {
   const uint64_t a = std::strtoull(argv[4], nullptr, 10);
   const int64_t b = argc > 5 ? std::atoll(argv[5]) : 0;
   if (mode == "attach") return Attach(dir, tenant, a != 0);
+  if (mode == "quota") {
+    int64_t held[2] = {0, 0};
+    std::vector<std::unique_ptr<Client>> clients;
+    for (int k = 0; k < 2; ++k) {
+      absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect({.runtime_dir = dir,
+                                                                   .client_name = "trust-client",
+                                                                   .tenant = tenant,
+                                                                   .model = k == 0 ? "m1" : "m2",
+                                                                   .kv_access = true});
+      if (!c.ok()) return Fail(c.status());
+      while (held[k] < static_cast<int64_t>(a) && (*c)->Allocate({}, 16).ok()) ++held[k];
+      clients.push_back(*std::move(c));
+    }
+    std::printf("held %lld %lld\n", static_cast<long long>(held[0]),
+                static_cast<long long>(held[1]));
+    return 0;
+  }
   if (mode == "listen") return Listen(dir, static_cast<uid_t>(a));
   absl::StatusOr<std::unique_ptr<Client>> c =
       Connect(dir, tenant, mode == "plant" || mode == "scan");

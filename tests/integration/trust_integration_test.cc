@@ -105,6 +105,12 @@ TEST_F(TrustIntegrationTest, TwoPoolsShareNoBytesAndNoPrefixes) {
   ExpectServingAndConsistent();
 }
 
+TEST_F(TrustIntegrationTest, ATenantQuotaHoldsAcrossItsModelStrings) {
+  // Tenant a's quota is 40 blocks over all its namespaces: a second model string is no fresh 40.
+  EXPECT_EQ(As(kAlice, {"quota", daemon_->dir(), "a", "30"}), "held 30 10\n");
+  ExpectServingAndConsistent();
+}
+
 TEST_F(TrustIntegrationTest, TenantLimitsHold) {
   // Carol may have one session at once: a second one is refused while the first lives.
   absl::StatusOr<Child> first =
