@@ -2,7 +2,10 @@
 // API, default options) that answers kvpool.v1.KvPool/Ping with an empty reply and nothing else,
 // on a Unix socket, in a process of its own like the daemon.
 //
-//   bare_grpc_server SOCKET_PATH     # prints "ready" once serving; exits on SIGTERM or SIGINT
+//   bare_grpc_server SOCKET_PATH [callback]   # prints "ready" once serving; exits on SIGTERM
+//
+// With `callback` it answers through the callback API instead (kvpoold's), to tell what the API
+// costs from what kvpoold adds.
 
 #include <signal.h>
 
@@ -22,11 +25,22 @@ class BarePing final : public kvpool::v1::KvPool::Service {
   }
 };
 
+class BareCallbackPing final : public kvpool::v1::KvPool::CallbackService {
+  grpc::ServerUnaryReactor* Ping(grpc::CallbackServerContext* context,
+                                 const kvpool::v1::PingRequest*,
+                                 kvpool::v1::PingResponse*) override {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 2) {
-    std::fprintf(stderr, "usage: bare_grpc_server SOCKET_PATH\n");
+  const bool callback = argc == 3 && std::string(argv[2]) == "callback";
+  if (argc != 2 && !callback) {
+    std::fprintf(stderr, "usage: bare_grpc_server SOCKET_PATH [callback]\n");
     return 2;
   }
   sigset_t stop;
@@ -35,10 +49,15 @@ int main(int argc, char** argv) {
   sigaddset(&stop, SIGINT);
   pthread_sigmask(SIG_BLOCK, &stop, nullptr);  // before gRPC starts its threads
 
-  BarePing service;
+  BarePing sync_service;
+  BareCallbackPing callback_service;
   grpc::ServerBuilder builder;
   builder.AddListeningPort(std::string("unix:") + argv[1], grpc::InsecureServerCredentials());
-  builder.RegisterService(&service);
+  if (callback) {
+    builder.RegisterService(&callback_service);
+  } else {
+    builder.RegisterService(&sync_service);
+  }
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr) {
     std::fprintf(stderr, "bare_grpc_server: cannot listen on %s\n", argv[1]);

@@ -62,11 +62,13 @@ BENCHMARK(BM_Ping)->UseRealTime();
 // The floor: a bare synchronous gRPC server, called the way the client calls kvpoold (a fresh
 // context with a deadline per call, one channel over a Unix socket).
 struct BareServer {
-  BareServer() {
+  explicit BareServer(bool callback) {
     char dir[] = "/tmp/kvpool-bare-XXXXXX";
     KVPOOL_CHECK(mkdtemp(dir) != nullptr);
     path = std::string(dir) + "/grpc.sock";
-    absl::StatusOr<testing::Child> c = testing::Spawn({KVPOOL_BARE_GRPC_SERVER_BINARY, path});
+    std::vector<std::string> argv = {KVPOOL_BARE_GRPC_SERVER_BINARY, path};
+    if (callback) argv.push_back("callback");
+    absl::StatusOr<testing::Child> c = testing::Spawn(argv);
     KVPOOL_CHECK_OK(c.status());
     child = *c;
     KVPOOL_CHECK(testing::ReadLine(child, absl::Seconds(10)).value_or("") == "ready");
@@ -87,14 +89,16 @@ struct BareServer {
   std::unique_ptr<v1::KvPool::Stub> stub;
 };
 
-std::unique_ptr<BareServer>& Bare() {
-  static std::unique_ptr<BareServer> bare;
-  return bare;
+// [0]: the sync API, [1]: the callback API (kvpoold's).
+std::unique_ptr<BareServer>& Bare(int api) {
+  static std::unique_ptr<BareServer> bare[2];
+  return bare[api];
 }
 
 void BM_BareGrpcPing(benchmark::State& state) {
-  if (Bare() == nullptr) Bare() = std::make_unique<BareServer>();
-  v1::KvPool::Stub& stub = *Bare()->stub;
+  const int api = static_cast<int>(state.range(0));
+  if (Bare(api) == nullptr) Bare(api) = std::make_unique<BareServer>(api == 1);
+  v1::KvPool::Stub& stub = *Bare(api)->stub;
   const v1::PingRequest request;
   v1::PingResponse response;
   for (auto _ : state) {
@@ -103,7 +107,7 @@ void BM_BareGrpcPing(benchmark::State& state) {
     KVPOOL_CHECK(stub.Ping(&context, request, &response).ok());
   }
 }
-BENCHMARK(BM_BareGrpcPing)->UseRealTime();
+BENCHMARK(BM_BareGrpcPing)->Arg(0)->Arg(1)->UseRealTime();
 
 void BM_Allocate(benchmark::State& state) {
   const client::Client& c = *Get().client;
@@ -231,8 +235,10 @@ int main(int argc, char** argv) {
   const int rc = kvpool::bench::RunWithRatios(
       argc, argv,
       {
-          {"bare gRPC Ping / kvpoold Ping", "BM_Ping/real_time", "BM_BareGrpcPing/real_time",
+          {"bare sync gRPC Ping / kvpoold Ping", "BM_Ping/real_time", "BM_BareGrpcPing/0/real_time",
            1 / 1.2},
+          {"bare callback gRPC Ping / kvpoold Ping", "BM_Ping/real_time",
+           "BM_BareGrpcPing/1/real_time", 0},
           {"Ping / Allocate (1 sequence)", "BM_Allocate/real_time", "BM_Ping/real_time", 1 / 1.2},
           {"Ping / Free (1 sequence)", "BM_Free/real_time", "BM_Ping/real_time", 1 / 1.2},
           {"Ping / Grow (1 token x 256 sequences)", "BM_Grow256/real_time", "BM_Ping/real_time",
@@ -241,6 +247,7 @@ int main(int argc, char** argv) {
       });
   std::printf("(reclaim after kill -9: see BM_ReclaimAfterKill; target < 100 ms)\n");
   kvpool::Instance().reset();  // the client detaches, then the daemon stops
-  kvpool::Bare().reset();
+  kvpool::Bare(0).reset();
+  kvpool::Bare(1).reset();
   return rc;
 }
