@@ -6,6 +6,7 @@
 // (same owners, same lengths: nothing leaked, nothing lost). Once every session has ended,
 // free + cached == total.
 
+#include <cstdlib>
 #include <map>
 #include <random>
 #include <set>
@@ -23,7 +24,11 @@ namespace {
 
 using testing::GivesUpAfter;
 
-constexpr int kOperations = 100'000;
+// 100k in the release tree; $KVPOOL_RANDOM_OPS sets fewer where each costs more (sanitizers).
+int Operations() {
+  if (const char* env = std::getenv("KVPOOL_RANDOM_OPS")) return std::atoi(env);
+  return 100'000;
+}
 constexpr int32_t kVocab = 61;
 
 // A model small enough that a step costs microseconds.
@@ -341,7 +346,8 @@ class EngineRandomTest : public ::testing::Test {
 };
 
 TEST_F(EngineRandomTest, SessionsCallsStepsCancellationsAndEndsNeverLeakOrCorrupt) {
-  for (int op = 0; op < kOperations; ++op) {
+  const int operations = Operations();
+  for (int op = 0; op < operations; ++op) {
     const int what = Rand(100);
     if (what < 3) {
       EndSession();
@@ -356,7 +362,7 @@ TEST_F(EngineRandomTest, SessionsCallsStepsCancellationsAndEndsNeverLeakOrCorrup
   for (Pending& p : pending_) engine_->Abandon(*p.call, absl::UnavailableError("the end"));
   pending_.clear();
   while (!live_.empty()) EndSession();
-  ExpectModel(kOperations);
+  ExpectModel(operations);
   const EngineStats s = engine_->Stats();
   EXPECT_EQ(s.cache.sequences, 0);
   EXPECT_EQ(s.cache.pool.free + s.cache.pool.cached + s.cache.pool.retiring,
