@@ -170,9 +170,20 @@ NodeIndex PrefixCache::FindFull(NodeIndex parent, std::span<const int32_t> token
 
 NodeIndex PrefixCache::FindFull(NodeIndex parent, std::span<const int32_t> tokens,
                                 uint64_t token_hash) const {
-  auto it = children_.find(ChildKey{parent, token_hash});
-  if (it == children_.end()) return kNoNode;
-  return std::ranges::equal(Tokens(it->second), tokens) ? it->second : kNoNode;
+  if (wide_[parent] != 0) {
+    auto it = children_.find(ChildKey{parent, token_hash});
+    if (it == children_.end()) return kNoNode;
+    return std::ranges::equal(Tokens(it->second), tokens) ? it->second : kNoNode;
+  }
+  // At most kWideFanout siblings: comparing their token hashes beats a hash-map probe (a cache
+  // miss per lookup, and another per removal, in a map as large as the tree).
+  for (NodeIndex c = first_child_[parent]; c != kNoNode; c = next_sibling_[c]) {
+    if (token_hash_[c] == token_hash && coverage_[c] == block_size_ &&
+        std::ranges::equal(Tokens(c), tokens)) {
+      return c;
+    }
+  }
+  return kNoNode;
 }
 
 NodeIndex PrefixCache::BestChild(NodeIndex parent, std::span<const int32_t> tokens,
@@ -224,7 +235,13 @@ void PrefixCache::LinkChild(NodeIndex parent, NodeIndex node) {
   std::vector<NodeIndex> children;
   for (NodeIndex c = first_child_[parent]; c != kNoNode; c = next_sibling_[c])
     children.push_back(c);
-  for (auto it = children.rbegin(); it != children.rend(); ++it) ChainPush(*it);
+  for (auto it = children.rbegin(); it != children.rend(); ++it) {
+    ChainPush(*it);
+    // `node` itself is not full yet (MakeFull indexes it once its token hash is set).
+    if (*it != node && coverage_[*it] == block_size_) {
+      children_.try_emplace(ChildKey{parent, token_hash_[*it]}, *it);
+    }
+  }
 }
 
 void PrefixCache::UnlinkChild(NodeIndex node) {

@@ -283,7 +283,8 @@ class PrefixCache final {
   // Children: a sibling list per parent. A parent with more than kWideFanout children also
   // chains them by first token, so the partial-block scans (BestChild, Covering,
   // RemoveDominated) compare only the children that share the block's first token, whatever the
-  // fan-out (a root with thousands of children stays cheap). It stays wide until it has none.
+  // fan-out (a root with thousands of children stays cheap), and indexes its full children in
+  // children_ for FindFull. It stays wide until it has none.
   static constexpr int32_t kWideFanout = 8;
   struct FirstTokenKey {
     NodeIndex parent;
@@ -374,13 +375,14 @@ class PrefixCache final {
   std::vector<NodeState> state_;  // eviction bookkeeping, one cache line per two nodes
   std::vector<NamespaceId> ns_;
   std::vector<BlockHash> hash_;       // full nodes (and roots: zero)
-  std::vector<uint64_t> token_hash_;  // full nodes: key in children_
+  std::vector<uint64_t> token_hash_;  // full nodes: HashTokens(tokens), their key in children_
   std::vector<int32_t> tokens_;       // [node][block_size]
   std::vector<NodeIndex> free_nodes_;
   std::vector<NodeIndex> node_of_block_;  // by BlockId
 
   absl::flat_hash_map<NamespaceId, NodeIndex> roots_;
-  absl::flat_hash_map<ChildKey, NodeIndex> children_;     // full children only
+  // Full children of wide parents (a narrow parent's few are compared by token_hash_ in place).
+  absl::flat_hash_map<ChildKey, NodeIndex> children_;
   absl::flat_hash_map<FirstTokenKey, NodeIndex> chains_;  // wide parents' chain heads
   mutable uint64_t child_scans_ = 0;
 

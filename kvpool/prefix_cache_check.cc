@@ -145,7 +145,8 @@ absl::Status PrefixCache::CheckInvariants(
   return policy_->CheckInvariants();
 }
 
-// The first-token chains hold exactly the children of wide parents, each under its own key.
+// The first-token chains hold exactly the children of wide parents, each under its own key; the
+// full-child index only theirs.
 absl::Status PrefixCache::CheckChains() const {
   int64_t expected = 0;
   for (NodeIndex node = 0; node < static_cast<NodeIndex>(parent_.size()); ++node) {
@@ -169,6 +170,13 @@ absl::Status PrefixCache::CheckChains() const {
   }
   if (chained != expected) {
     return InvariantViolation("{} children of wide nodes chained, {} expected", chained, expected);
+  }
+  // The full-child index holds children of wide parents only, each under its own token hash.
+  for (const auto& [key, child] : children_) {
+    if (wide_[key.parent] == 0 || parent_[child] != key.parent || coverage_[child] != block_size_ ||
+        token_hash_[child] != key.token_hash) {
+      return InvariantViolation("child index entry n{} -> n{} is stale", key.parent, child);
+    }
   }
   return absl::OkStatus();
 }

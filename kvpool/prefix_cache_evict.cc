@@ -79,10 +79,13 @@ void PrefixCache::RemoveNode(NodeIndex node, const TraceContext& ctx) {
   }
   policy_->OnErase(node, Facts(node), now_ns_);
   const NodeIndex parent = parent_[node];
-  UnlinkChild(node);
-  if (coverage_[node] == block_size_) {
+  const bool full = coverage_[node] == block_size_;
+  if (full && wide_[parent] != 0) {  // before UnlinkChild, which may make the parent narrow
     auto it = children_.find(ChildKey{parent, token_hash_[node]});
     if (it != children_.end() && it->second == node) children_.erase(it);
+  }
+  UnlinkChild(node);
+  if (full) {
     if (events_on_) {
       if (pending_removed_ns_ != ns_[node]) FlushRemoved();
       pending_removed_ns_ = ns_[node];

@@ -411,6 +411,38 @@ TEST_F(PrefixCacheTest, ThousandsOfChildrenKeepLookupsAndRemovalsShort) {
   EXPECT_EQ(cache_->cache()->stats().nodes, 0);
 }
 
+// Full children are found by comparing token hashes in place while a parent has few, and through
+// the child index once it turns wide (the index then takes in the children it already had); a
+// parent that lost them all is narrow again and its new children are found in place.
+TEST_F(PrefixCacheTest, FullChildrenAreFoundBeforeAndAfterTheParentTurnsWide) {
+  Make(64);
+  const std::vector<int32_t> stem = Tokens(0, kBs);
+  auto prompt = [&](int32_t i) { return Concat(stem, Tokens(10'000 + i * 100, kBs)); };
+  auto serve_all = [&](int32_t from, int32_t to) {
+    for (int32_t i = from; i < to; ++i) Serve(prompt(i));
+  };
+  auto expect_all_cached = [&](int32_t from, int32_t to) {
+    for (int32_t i = from; i < to; ++i) {
+      const AllocateResult r = Alloc(prompt(i));
+      EXPECT_EQ(r.matched_tokens, 2 * kBs) << "child " << i;
+      ASSERT_TRUE(cache_->Free(kAlice, r.sequence, OnFree::kCommit).ok());
+    }
+    ExpectInvariants();
+  };
+  serve_all(0, 8);  // 8 full children of the stem: narrow
+  expect_all_cached(0, 8);
+  serve_all(8, 12);  // the 9th turns the stem wide
+  expect_all_cached(0, 12);
+  const AllocateResult hold = Alloc(stem);  // keeps the stem while its children go
+  ASSERT_EQ(hold.matched_tokens, kBs);
+  ASSERT_EQ(cache_->EvictCached(1'000), 12);
+  ExpectInvariants();
+  serve_all(20, 23);
+  expect_all_cached(20, 23);
+  EXPECT_EQ(cache_->cache()->stats().nodes, 4);
+  ASSERT_TRUE(cache_->Free(kAlice, hold.sequence, OnFree::kCommit).ok());
+}
+
 TEST_F(PrefixCacheTest, CommitRejectsBadInputAndChangesNothing) {
   Make(8);
   const AllocateResult r = Alloc(Tokens(0, 40), /*extra=*/10);
