@@ -102,6 +102,10 @@ class EvictionPolicy {
   virtual absl::Status CheckInvariants() const = 0;
   // One line for operators: the policy and its state (e.g. learned estimates).
   virtual std::string DebugString() const = 0;
+
+  // Whether the policy reads NodeFacts::fingerprint. When it does not (and nothing else needs
+  // them), the cache skips the chained hash of every stored block and passes 0.
+  virtual bool uses_fingerprints() const { return true; }
 };
 
 // The ordering policies.

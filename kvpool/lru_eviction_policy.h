@@ -40,6 +40,7 @@ class LruEvictionPolicy final : public EvictionPolicy {
              absl::FunctionRef<bool(NodeIndex, const EvictionRank&)> visit) const override;
   absl::Status CheckInvariants() const override;
   std::string DebugString() const override;
+  bool uses_fingerprints() const override { return false; }
 
  private:
   static constexpr int kOrderBits = 58;  // release orders below 2^58: centuries of releases

@@ -351,6 +351,9 @@ class PrefixCache final {
   const size_t evicted_memory_;
   const bool retain_partial_tails_;
   const bool events_on_;
+  // Chained hashes are computed: events, the evicted-hash memory or the policy need them. Off,
+  // hash_ and the fingerprints stay zero.
+  const bool hashes_on_;
   BlockPool* const pool_;
   std::unique_ptr<EvictionPolicy> policy_;
   EventLog events_;
@@ -374,7 +377,7 @@ class PrefixCache final {
   std::vector<NodeIndex> tail_next_;
   std::vector<NodeState> state_;  // eviction bookkeeping, one cache line per two nodes
   std::vector<NamespaceId> ns_;
-  std::vector<BlockHash> hash_;       // full nodes (and roots: zero)
+  std::vector<BlockHash> hash_;       // full nodes when hashes_on_ (roots: zero)
   std::vector<uint64_t> token_hash_;  // full nodes: HashTokens(tokens), their key in children_
   std::vector<int32_t> tokens_;       // [node][block_size]
   std::vector<NodeIndex> free_nodes_;

@@ -47,7 +47,10 @@ absl::Status PrefixCache::CheckNode(NodeIndex node,
   if (state_[node].depth != state_[parent].depth + 1)
     return InvariantViolation("node {} has a stale depth", node);
   if (coverage_[node] == block_size_) {
-    if (hash_[node] != PrefixChainHash(hash_[parent], ns_[node], Tokens(node))) {
+    const BlockHash want =
+        hashes_on_ ? PrefixChainHash(hash_[parent], ns_[node], Tokens(node)) : BlockHash{};
+    if (hash_[node] != want ||
+        state_[node].fingerprint != (hashes_on_ ? BlockFingerprint(want) : 0)) {
       return InvariantViolation("node {} has a broken hash chain", node);
     }
     if (FindFull(parent, Tokens(node)) == kNoNode)

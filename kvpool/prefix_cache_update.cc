@@ -50,8 +50,10 @@ void PrefixCache::MakeFull(NodeIndex node, uint64_t token_hash) {
   KVPOOL_DCHECK(token_hash == HashTokens(Tokens(node)));
   const NodeIndex parent = parent_[node];
   token_hash_[node] = token_hash;
-  hash_[node] = PrefixChainHash(hash_[parent], ns_[node], Tokens(node));
-  state_[node].fingerprint = BlockFingerprint(hash_[node]);
+  if (hashes_on_) {
+    hash_[node] = PrefixChainHash(hash_[parent], ns_[node], Tokens(node));
+    state_[node].fingerprint = BlockFingerprint(hash_[node]);
+  }
   // Only wide parents index their full children. A 64-bit collision with a different block
   // leaves this one out of the index; lookups still find it by scanning the children.
   if (wide_[parent] != 0) children_.try_emplace(ChildKey{parent, token_hash_[node]}, node);

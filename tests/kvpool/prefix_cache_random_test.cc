@@ -52,7 +52,14 @@ struct ModelPin {
   int64_t expires = 0;
 };
 
-class PrefixCacheRandomTest : public ::testing::TestWithParam<const char*> {
+// An eviction spec, and whether the cache records events (off, as in kvpool-replay, plain LRU
+// leaves the chained hashes uncomputed).
+struct RandomParams {
+  const char* policy;
+  bool events = true;
+};
+
+class PrefixCacheRandomTest : public ::testing::TestWithParam<RandomParams> {
  protected:
   void SetUp() override {
     auto cache = KvCacheManager::Create({.block_size = kBs,
@@ -60,8 +67,10 @@ class PrefixCacheRandomTest : public ::testing::TestWithParam<const char*> {
                                          .max_blocks_per_seq = kMaxBlocksPerSeq,
                                          .trace_depth = 4,
                                          .clock = &clock_,
-                                         .eviction_policy = GetParam(),
+                                         .eviction_policy = GetParam().policy,
                                          .event_capacity = 64,
+                                         .cache_events = GetParam().events,
+                                         .evicted_memory = GetParam().events ? size_t{65536} : 0,
                                          .max_pins = kMaxPins,
                                          .max_pin_ttl_ns = 400,
                                          .max_pinned_blocks = kNumBlocks});
@@ -330,7 +339,7 @@ class PrefixCacheRandomTest : public ::testing::TestWithParam<const char*> {
 
 TEST_P(PrefixCacheRandomTest, TreeAndPoolAgreeWithComputedKv) {
   // The default policy gets the full run; the others a shorter one each.
-  int64_t ops = std::string(GetParam()) == kDefaultEvictionSpec ? 100'000 : 40'000;
+  int64_t ops = std::string(GetParam().policy) == kDefaultEvictionSpec ? 100'000 : 40'000;
   if (const char* env = std::getenv("KVPOOL_RANDOM_OPS")) ops = std::atoll(env) / 5;
   for (int64_t step = 0; step < ops; ++step) {
     clock_.Advance(1);
@@ -384,7 +393,10 @@ TEST_P(PrefixCacheRandomTest, TreeAndPoolAgreeWithComputedKv) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Policies, PrefixCacheRandomTest,
-                         ::testing::Values(kDefaultEvictionSpec.data(), "lru", "reuse+admit"));
+                         ::testing::Values(RandomParams{kDefaultEvictionSpec.data()},
+                                           RandomParams{"lru"}, RandomParams{"reuse+admit"},
+                                           RandomParams{"lru", /*events=*/false},
+                                           RandomParams{"reuse", /*events=*/false}));
 
 }  // namespace
 }  // namespace kvpool
