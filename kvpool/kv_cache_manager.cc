@@ -696,21 +696,32 @@ absl::Status KvCacheManager::CheckPublish(const Sequence& seq, std::span<const i
   const size_t bs = static_cast<size_t>(block_size_);
   const std::span<const int32_t> known(seq.tokens);
   const size_t end = static_cast<size_t>(num_tokens);
-  std::vector<int32_t> tokens;  // one block's, from the known tokens and `extra`
+  std::vector<int32_t> joined;  // a block straddling the known tokens and `extra`
   for (size_t k = seq.path.full.size(); k * bs < end; ++k) {
-    tokens.clear();
-    for (size_t t = k * bs; t < std::min(end, (k + 1) * bs); ++t) {
-      tokens.push_back(t < known.size() ? known[t] : extra[t - known.size()]);
-    }
     const BlockId block = seq.table[k];
+    // A block the tree holds no node for agrees with any tokens (no copy needed to see that).
+    if (claims == nullptr && cache_->CoverageOf(block) == 0) continue;
+    const size_t begin = k * bs;
+    const size_t stop = std::min(end, begin + bs);
+    std::span<const int32_t> tokens;  // the block's, from the known tokens and `extra`
+    if (stop <= known.size()) {
+      tokens = known.subspan(begin, stop - begin);
+    } else if (begin >= known.size()) {
+      tokens = extra.subspan(begin - known.size(), stop - begin);
+    } else {
+      joined.assign(known.begin() + static_cast<ptrdiff_t>(begin), known.end());
+      joined.insert(joined.end(), extra.begin(),
+                    extra.begin() + static_cast<ptrdiff_t>(stop - known.size()));
+      tokens = joined;
+    }
     bool agrees = cache_->Agrees(block, tokens);
     if (agrees && claims != nullptr) {
-      auto [it, fresh] = claims->try_emplace(block, tokens);
-      const std::vector<int32_t>& other = it->second;
+      auto [it, fresh] = claims->try_emplace(block, tokens.begin(), tokens.end());
+      std::vector<int32_t>& other = it->second;
       agrees =
           fresh || std::equal(other.begin(), other.begin() + std::min(other.size(), tokens.size()),
                               tokens.begin());
-      if (tokens.size() > other.size()) it->second = tokens;
+      if (tokens.size() > other.size()) other.assign(tokens.begin(), tokens.end());
     }
     if (!agrees) {
       return absl::FailedPreconditionError(fmt::format(

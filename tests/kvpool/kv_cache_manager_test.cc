@@ -433,6 +433,32 @@ TEST_F(KvCacheManagerTest, APublishThatContradictsTheBlocksPublishedTokensIsRefu
   EXPECT_EQ(cache_->stats().pool.free, 64);
 }
 
+// The block a commit checks may straddle the tokens the sequence already holds and the ones the
+// commit brings: both halves are compared with what was published.
+TEST_F(KvCacheManagerTest, ACommitIsCheckedAcrossTheBlockItsNewTokensStartIn) {
+  Make(64, 64);
+  std::vector<int32_t> prompt(20);
+  for (int32_t i = 0; i < 20; ++i) prompt[static_cast<size_t>(i)] = 1000 + i;
+  DevicePlan plan;
+  const absl::StatusOr<AllocateResult> s1 =
+      cache_->Allocate(kAlice, {.ns = kTenantA, .num_tokens = 48, .prompt = prompt}, &plan);
+  ASSERT_TRUE(s1.ok()) << s1.status();
+  const absl::StatusOr<SequenceId> s2 = cache_->Fork(kAlice, s1->sequence, &plan);
+  ASSERT_TRUE(s2.ok()) << s2.status();
+  // s1 publishes block 1 as prompt tokens 16..19, then twelve 9s.
+  ASSERT_TRUE(cache_->Commit(kAlice, s1->sequence, 40, std::vector<int32_t>(20, 9)).ok());
+  const std::string before = cache_->DebugString();
+  // s2 holds tokens 16..19 of block 1 and brings four more: 7s contradict the 9s there.
+  EXPECT_EQ(cache_->Commit(kAlice, *s2, 24, std::vector<int32_t>(4, 7)).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(cache_->DebugString() == before) << "the refused commit changed the pool";
+  EXPECT_TRUE(cache_->Commit(kAlice, *s2, 24, std::vector<int32_t>(4, 9)).ok());
+  ExpectInvariants();
+  ASSERT_TRUE(cache_->Free(kAlice, *s2, OnFree::kCommit).ok());
+  ASSERT_TRUE(cache_->Free(kAlice, s1->sequence, OnFree::kCommit).ok());
+  ExpectInvariants();
+}
+
 TEST_F(KvCacheManagerTest, FreeBatchIsAllOrNothing) {
   Make(8, 8);
   const SequenceId a = Alloc(kAlice, 20), b = Alloc(kAlice, 20), c = Alloc(kBob, 5);
