@@ -10,11 +10,7 @@ namespace kvpool {
 
 void LruEvictionPolicy::Reserve(NodeIndex capacity) {
   const size_t n = static_cast<size_t>(capacity);
-  if (where_.size() >= n) return;
-  prev_.resize(n, kNoNode);
-  next_.resize(n, kNoNode);
-  seq_.resize(n, 0);
-  where_.resize(n, kNone);
+  if (slots_.size() < n) slots_.resize(n);
 }
 
 void LruEvictionPolicy::Add(NodeIndex node, const NodeFacts& facts) {
@@ -24,48 +20,48 @@ void LruEvictionPolicy::Add(NodeIndex node, const NodeFacts& facts) {
   const uint64_t seq = facts.release_seq;
   ++size_;
   added_below_ = std::max(added_below_, node + 1);
-  if (list.tail == kNoNode || (seq != list.floor + 1 && seq > seq_[list.tail])) {
-    prev_[node] = list.tail;  // the newest: at the back
-    next_[node] = kNoNode;
+  if (list.tail == kNoNode || (seq != list.floor + 1 && seq > slots_[list.tail].seq)) {
+    slots_[node].prev = list.tail;  // the newest: at the back
+    slots_[node].next = kNoNode;
     if (list.tail == kNoNode) {
       list.head = node;
       list.floor = std::min(list.floor, seq - 1);
     } else {
-      next_[list.tail] = node;
+      slots_[list.tail].next = node;
     }
     list.tail = node;
-  } else if (seq == list.floor + 1 || seq < seq_[list.head]) {  // the oldest: at the front
-    prev_[node] = kNoNode;
-    next_[node] = list.head;
-    prev_[list.head] = node;
+  } else if (seq == list.floor + 1 || seq < slots_[list.head].seq) {  // the oldest: at the front
+    slots_[node].prev = kNoNode;
+    slots_[node].next = list.head;
+    slots_[list.head].prev = node;
     list.head = node;
     list.floor = std::min(list.floor, seq - 1);
   } else {
     stragglers_.emplace(Key(facts.priority, seq), node);
-    where_[node] = kStraggler;
+    slots_[node].where = kStraggler;
     return;
   }
-  seq_[node] = seq;
-  where_[node] = kList;
+  slots_[node].seq = seq;
+  slots_[node].where = kList;
 }
 
 void LruEvictionPolicy::Unlink(List& list, NodeIndex node) {
-  const NodeIndex prev = prev_[node];
-  const NodeIndex next = next_[node];
-  (prev == kNoNode ? list.head : next_[prev]) = next;
-  (next == kNoNode ? list.tail : prev_[next]) = prev;
+  const NodeIndex prev = slots_[node].prev;
+  const NodeIndex next = slots_[node].next;
+  (prev == kNoNode ? list.head : slots_[prev].next) = next;
+  (next == kNoNode ? list.tail : slots_[next].prev) = prev;
 }
 
 void LruEvictionPolicy::Remove(NodeIndex node, const NodeFacts& facts) {
   KVPOOL_DCHECK(Contains(node));
-  if (where_[node] == kList) {
+  if (slots_[node].where == kList) {
     List& list = lists_[facts.priority];
     if (list.head == node) list.floor = facts.release_seq;  // every other listed order is above
     Unlink(list, node);
   } else {
     stragglers_.erase({Key(facts.priority, facts.release_seq), node});
   }
-  where_[node] = kNone;
+  slots_[node].where = kNone;
   --size_;
 }
 
@@ -83,11 +79,12 @@ void LruEvictionPolicy::Visit(int64_t,
     NodeIndex listed = lists_[priority].head;
     while (listed != kNoNode || straggler != end) {
       const bool from_list =
-          straggler == end || (listed != kNoNode && seq_[listed] < (straggler->first & kOrderMask));
+          straggler == end ||
+          (listed != kNoNode && slots_[listed].seq < (straggler->first & kOrderMask));
       const NodeIndex node = from_list ? listed : straggler->second;
-      const uint64_t seq = from_list ? seq_[listed] : straggler->first & kOrderMask;
+      const uint64_t seq = from_list ? slots_[listed].seq : straggler->first & kOrderMask;
       if (from_list) {
-        listed = next_[listed];
+        listed = slots_[listed].next;
       } else {
         ++straggler;
       }
@@ -98,22 +95,23 @@ void LruEvictionPolicy::Visit(int64_t,
 
 absl::Status LruEvictionPolicy::CheckInvariants() const {
   int64_t held = 0;
-  for (NodeIndex node = 0; node < added_below_; ++node) held += where_[node] != kNone ? 1 : 0;
+  for (NodeIndex node = 0; node < added_below_; ++node) held += slots_[node].where != kNone ? 1 : 0;
   int64_t listed = 0;
   for (const List& list : lists_) {
     NodeIndex prev = kNoNode;
-    for (NodeIndex n = list.head; n != kNoNode; prev = n, n = next_[n]) {
-      if (where_[n] != kList || prev_[n] != prev || ++listed > size_) {
+    for (NodeIndex n = list.head; n != kNoNode; prev = n, n = slots_[n].next) {
+      if (slots_[n].where != kList || slots_[n].prev != prev || ++listed > size_) {
         return InvariantViolation("lru: the list is broken at node {}", n);
       }
-      if ((prev != kNoNode && seq_[prev] >= seq_[n]) || seq_[n] <= list.floor) {
+      if ((prev != kNoNode && slots_[prev].seq >= slots_[n].seq) || slots_[n].seq <= list.floor) {
         return InvariantViolation("lru: node {} is listed out of release order", n);
       }
     }
     if (list.tail != prev) return InvariantViolation("lru: a list's tail is stale");
   }
   for (const auto& [key, node] : stragglers_) {
-    if (where_[node] != kStraggler) return InvariantViolation("lru: straggler {} unmarked", node);
+    if (slots_[node].where != kStraggler)
+      return InvariantViolation("lru: straggler {} unmarked", node);
   }
   if (held != size_ || listed + static_cast<int64_t>(stragglers_.size()) != size_) {
     return InvariantViolation("lru: {} marked, {} listed, {} stragglers, size {}", held, listed,

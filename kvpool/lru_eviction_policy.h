@@ -32,7 +32,7 @@ class LruEvictionPolicy final : public EvictionPolicy {
   void Add(NodeIndex node, const NodeFacts& facts) override;
   void Remove(NodeIndex node, const NodeFacts& facts) override;
   bool Contains(NodeIndex node) const override {
-    return node >= 0 && static_cast<size_t>(node) < where_.size() && where_[node] != kNone;
+    return node >= 0 && static_cast<size_t>(node) < slots_.size() && slots_[node].where != kNone;
   }
   int64_t size() const override { return size_; }
   EvictionRank Rank(NodeIndex node, const NodeFacts& facts, int64_t now_ns) const override;
@@ -60,10 +60,14 @@ class LruEvictionPolicy final : public EvictionPolicy {
 
   List lists_[kNumPriorities];
   absl::btree_set<std::pair<uint64_t, NodeIndex>> stragglers_;  // (Key, node)
-  std::vector<NodeIndex> prev_;                                 // by node, in its list
-  std::vector<NodeIndex> next_;
-  std::vector<uint64_t> seq_;   // by node: its release order, while listed
-  std::vector<uint8_t> where_;  // by node: Where
+  // By node, packed so that adding or removing a candidate touches one cache line per node.
+  struct Slot {
+    NodeIndex prev = kNoNode;  // in its list
+    NodeIndex next = kNoNode;
+    uint64_t seq = 0;  // its release order, while listed
+    Where where = kNone;
+  };
+  std::vector<Slot> slots_;
   int64_t size_ = 0;
   NodeIndex added_below_ = 0;  // 1 + the highest node ever added (bounds CheckInvariants)
 };
