@@ -121,25 +121,15 @@ NodeIndex PrefixCache::NewNode() {
     free_nodes_.pop_back();
     return node;
   }
-  const auto node = static_cast<NodeIndex>(parent_.size());
-  parent_.push_back(kNoNode);
-  first_child_.push_back(kNoNode);
-  next_sibling_.push_back(kNoNode);
-  prev_sibling_.push_back(kNoNode);
-  num_children_.push_back(0);
-  wide_.push_back(0);
+  const auto node = static_cast<NodeIndex>(nodes_.size());
+  nodes_.emplace_back();
   chain_prev_.push_back(kNoNode);
   chain_next_.push_back(kNoNode);
-  block_.push_back(kInvalidBlock);
-  coverage_.push_back(0);
-  lock_.push_back(0);
-  priority_.push_back(0);
   tail_prev_.push_back(kNoNode);
   tail_next_.push_back(kNoNode);
   state_.emplace_back();
   ns_.push_back(kNoNamespace);
   hash_.push_back(BlockHash{});
-  token_hash_.push_back(0);
   tokens_.resize(tokens_.size() + static_cast<size_t>(block_size_));
   if (static_cast<size_t>(node) % 1024 == 0) policy_->Reserve(node + 1024);
   return node;
@@ -171,15 +161,15 @@ NodeIndex PrefixCache::FindFull(NodeIndex parent, std::span<const int32_t> token
 
 NodeIndex PrefixCache::FindFull(NodeIndex parent, std::span<const int32_t> tokens,
                                 uint64_t token_hash) const {
-  if (wide_[parent] != 0) {
+  if (nodes_[parent].wide != 0) {
     auto it = children_.find(ChildKey{parent, token_hash});
     if (it == children_.end()) return kNoNode;
     return std::ranges::equal(Tokens(it->second), tokens) ? it->second : kNoNode;
   }
   // At most kWideFanout siblings: comparing their token hashes beats a hash-map probe (a cache
   // miss per lookup, and another per removal, in a map as large as the tree).
-  for (NodeIndex c = first_child_[parent]; c != kNoNode; c = next_sibling_[c]) {
-    if (token_hash_[c] == token_hash && coverage_[c] == block_size_ &&
+  for (NodeIndex c = nodes_[parent].first_child; c != kNoNode; c = nodes_[c].next_sibling) {
+    if (nodes_[c].token_hash == token_hash && nodes_[c].coverage == block_size_ &&
         std::ranges::equal(Tokens(c), tokens)) {
       return c;
     }
@@ -195,7 +185,8 @@ NodeIndex PrefixCache::BestChild(NodeIndex parent, std::span<const int32_t> toke
   for (NodeIndex c = FirstCandidate(parent, tokens[0]); c != kNoNode; c = NextCandidate(c)) {
     ++child_scans_;
     const int32_t shared = CommonPrefix(Tokens(c), tokens);
-    if (shared > *common || (shared == *common && shared > 0 && coverage_[c] > coverage_[best])) {
+    if (shared > *common ||
+        (shared == *common && shared > 0 && nodes_[c].coverage > nodes_[best].coverage)) {
       best = c;
       *common = shared;
     }
@@ -207,7 +198,7 @@ NodeIndex PrefixCache::Covering(NodeIndex parent, std::span<const int32_t> token
                                 NodeIndex except) const {
   if (tokens.size() == static_cast<size_t>(block_size_)) return FindFull(parent, tokens);
   if (tokens.empty()) {
-    for (NodeIndex c = first_child_[parent]; c != kNoNode; c = next_sibling_[c]) {
+    for (NodeIndex c = nodes_[parent].first_child; c != kNoNode; c = nodes_[c].next_sibling) {
       if (c != except) return c;
     }
     return kNoNode;
@@ -220,49 +211,50 @@ NodeIndex PrefixCache::Covering(NodeIndex parent, std::span<const int32_t> token
 }
 
 void PrefixCache::LinkChild(NodeIndex parent, NodeIndex node) {
-  prev_sibling_[node] = kNoNode;
-  next_sibling_[node] = first_child_[parent];
-  if (first_child_[parent] != kNoNode) prev_sibling_[first_child_[parent]] = node;
-  first_child_[parent] = node;
-  ++num_children_[parent];
-  if (wide_[parent] != 0) {
+  nodes_[node].prev_sibling = kNoNode;
+  nodes_[node].next_sibling = nodes_[parent].first_child;
+  if (nodes_[parent].first_child != kNoNode) nodes_[nodes_[parent].first_child].prev_sibling = node;
+  nodes_[parent].first_child = node;
+  ++nodes_[parent].num_children;
+  if (nodes_[parent].wide != 0) {
     ChainPush(node);
     return;
   }
-  if (num_children_[parent] <= kWideFanout) return;
+  if (nodes_[parent].num_children <= kWideFanout) return;
   // Becomes wide: chain the children oldest first, so each chain lists them newest first, in
   // sibling-list order (the scans pick the same child either way).
-  wide_[parent] = 1;
+  nodes_[parent].wide = 1;
   std::vector<NodeIndex> children;
-  for (NodeIndex c = first_child_[parent]; c != kNoNode; c = next_sibling_[c])
+  for (NodeIndex c = nodes_[parent].first_child; c != kNoNode; c = nodes_[c].next_sibling)
     children.push_back(c);
   for (auto it = children.rbegin(); it != children.rend(); ++it) {
     ChainPush(*it);
     // `node` itself is not full yet (MakeFull indexes it once its token hash is set).
-    if (*it != node && coverage_[*it] == block_size_) {
-      children_.try_emplace(ChildKey{parent, token_hash_[*it]}, *it);
+    if (*it != node && nodes_[*it].coverage == block_size_) {
+      children_.try_emplace(ChildKey{parent, nodes_[*it].token_hash}, *it);
     }
   }
 }
 
 void PrefixCache::UnlinkChild(NodeIndex node) {
-  const NodeIndex parent = parent_[node];
-  if (prev_sibling_[node] != kNoNode) {
-    next_sibling_[prev_sibling_[node]] = next_sibling_[node];
+  const NodeIndex parent = nodes_[node].parent;
+  if (nodes_[node].prev_sibling != kNoNode) {
+    nodes_[nodes_[node].prev_sibling].next_sibling = nodes_[node].next_sibling;
   } else {
-    first_child_[parent] = next_sibling_[node];
+    nodes_[parent].first_child = nodes_[node].next_sibling;
   }
-  if (next_sibling_[node] != kNoNode) prev_sibling_[next_sibling_[node]] = prev_sibling_[node];
-  next_sibling_[node] = prev_sibling_[node] = kNoNode;
-  --num_children_[parent];
-  if (wide_[parent] != 0) {
+  if (nodes_[node].next_sibling != kNoNode)
+    nodes_[nodes_[node].next_sibling].prev_sibling = nodes_[node].prev_sibling;
+  nodes_[node].next_sibling = nodes_[node].prev_sibling = kNoNode;
+  --nodes_[parent].num_children;
+  if (nodes_[parent].wide != 0) {
     ChainRemove(node);
-    if (num_children_[parent] == 0) wide_[parent] = 0;
+    if (nodes_[parent].num_children == 0) nodes_[parent].wide = 0;
   }
 }
 
 void PrefixCache::ChainPush(NodeIndex node) {
-  const FirstTokenKey key{parent_[node], Tokens(node)[0]};
+  const FirstTokenKey key{nodes_[node].parent, Tokens(node)[0]};
   auto [it, inserted] = chains_.try_emplace(key, node);
   chain_prev_[node] = kNoNode;
   chain_next_[node] = inserted ? kNoNode : it->second;
@@ -278,7 +270,7 @@ void PrefixCache::ChainRemove(NodeIndex node) {
   if (prev != kNoNode) {
     chain_next_[prev] = next;
   } else {
-    auto it = chains_.find(FirstTokenKey{parent_[node], Tokens(node)[0]});
+    auto it = chains_.find(FirstTokenKey{nodes_[node].parent, Tokens(node)[0]});
     KVPOOL_CHECK(it != chains_.end() && it->second == node);
     if (next == kNoNode) {
       chains_.erase(it);
@@ -291,7 +283,7 @@ void PrefixCache::ChainRemove(NodeIndex node) {
 }
 
 NodeIndex PrefixCache::FirstCandidate(NodeIndex parent, int32_t token) const {
-  if (wide_[parent] == 0) return first_child_[parent];
+  if (nodes_[parent].wide == 0) return nodes_[parent].first_child;
   auto it = chains_.find(FirstTokenKey{parent, token});
   return it == chains_.end() ? kNoNode : it->second;
 }
@@ -345,12 +337,12 @@ MatchExplanation PrefixCache::Explain(NamespaceId ns, std::span<const int32_t> t
         tokens.subspan(pos, std::min(static_cast<size_t>(block_size_), tokens.size() - pos));
     e.tokens_needed = static_cast<int32_t>(block.size());
     const NodeIndex best = BestChild(parent, block, &e.best_common);
-    if (best != kNoNode) e.best_coverage = coverage_[best];
+    if (best != kNoNode) e.best_coverage = nodes_[best].coverage;
     const bool was_evicted = block.size() == static_cast<size_t>(block_size_) &&
                              evicted_set_.contains(PrefixChainHash(hash_[parent], ns, block));
     if (was_evicted) {
       e.stop = MatchStop::kEvicted;
-    } else if (best == kNoNode && num_children_[parent] == 0) {
+    } else if (best == kNoNode && nodes_[parent].num_children == 0) {
       e.stop = MatchStop::kNoChild;
     } else if (best != kNoNode && e.best_common == e.best_coverage &&
                e.best_coverage < e.tokens_needed) {
@@ -369,7 +361,7 @@ MatchExplanation PrefixCache::Explain(NamespaceId ns, std::span<const int32_t> t
 }
 
 void PrefixCache::Lock(NodeIndex node) {
-  if (lock_[node]++ == 0) UpdateEvictable(node);
+  if (nodes_[node].lock++ == 0) UpdateEvictable(node);
 }
 
 void PrefixCache::LockHit(NodeIndex node) {
@@ -380,8 +372,8 @@ void PrefixCache::LockHit(NodeIndex node) {
 }
 
 void PrefixCache::Unlock(NodeIndex node) {
-  KVPOOL_CHECK_MSG(lock_[node] > 0, "unlock of an unlocked prefix-cache node");
-  if (--lock_[node] == 0) UpdateEvictable(node);
+  KVPOOL_CHECK_MSG(nodes_[node].lock > 0, "unlock of an unlocked prefix-cache node");
+  if (--nodes_[node].lock == 0) UpdateEvictable(node);
 }
 
 CachePath PrefixCache::Adopt(const PrefixMatch& match) {
@@ -409,8 +401,9 @@ void PrefixCache::Truncate(CachePath* path, size_t keep_full) {
 }
 
 bool PrefixCache::ShouldBeEvictable(NodeIndex node) const {
-  const BlockId block = block_[node];
-  return block != kInvalidBlock && lock_[node] == 0 && pool_->state(block) == BlockState::kCached;
+  const BlockId block = nodes_[node].block;
+  return block != kInvalidBlock && nodes_[node].lock == 0 &&
+         pool_->state(block) == BlockState::kCached;
 }
 
 void PrefixCache::UpdateEvictable(NodeIndex node) {

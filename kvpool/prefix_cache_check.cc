@@ -25,28 +25,28 @@ PrefixCacheStats PrefixCache::stats() const {
 absl::Status PrefixCache::CheckNode(NodeIndex node,
                                     const absl::flat_hash_map<NodeIndex, uint32_t>* pins,
                                     absl::flat_hash_map<NamespaceId, int64_t>* pin_held) const {
-  const NodeIndex parent = parent_[node];
-  const BlockId block = block_[node];
-  if (parent == kNoNode || (block_[parent] == kInvalidBlock && Root(ns_[node]) != parent)) {
+  const NodeIndex parent = nodes_[node].parent;
+  const BlockId block = nodes_[node].block;
+  if (parent == kNoNode || (nodes_[parent].block == kInvalidBlock && Root(ns_[node]) != parent)) {
     return InvariantViolation("node {} has no live parent", node);
   }
-  if (block_[parent] != kInvalidBlock && coverage_[parent] != block_size_) {
+  if (nodes_[parent].block != kInvalidBlock && nodes_[parent].coverage != block_size_) {
     return InvariantViolation("node {} hangs under partial node {}", node, parent);
   }
-  if (coverage_[node] <= 0 || coverage_[node] > block_size_) {
-    return InvariantViolation("node {} has coverage {}", node, coverage_[node]);
+  if (nodes_[node].coverage <= 0 || nodes_[node].coverage > block_size_) {
+    return InvariantViolation("node {} has coverage {}", node, nodes_[node].coverage);
   }
   if (node_of_block_[static_cast<size_t>(block.value())] != node || !pool_->cache_held(block)) {
     return InvariantViolation("node {} and block {} do not point at each other", node,
                               block.value());
   }
   if (ns_[node] != ns_[parent]) return InvariantViolation("node {} left its namespace", node);
-  if (block_[parent] != kInvalidBlock && priority_[node] > priority_[parent]) {
+  if (nodes_[parent].block != kInvalidBlock && nodes_[node].priority > nodes_[parent].priority) {
     return InvariantViolation("node {} outranks its parent", node);
   }
   if (state_[node].depth != state_[parent].depth + 1)
     return InvariantViolation("node {} has a stale depth", node);
-  if (coverage_[node] == block_size_) {
+  if (nodes_[node].coverage == block_size_) {
     const BlockHash want =
         hashes_on_ ? PrefixChainHash(hash_[parent], ns_[node], Tokens(node)) : BlockHash{};
     if (hash_[node] != want ||
@@ -59,7 +59,7 @@ absl::Status PrefixCache::CheckNode(NodeIndex node,
   const bool evictable = ShouldBeEvictable(node);
   if (evictable != (state_[node].evictable != 0))
     return InvariantViolation("node {} evictability is stale", node);
-  const bool candidate = evictable && num_children_[node] == 0;
+  const bool candidate = evictable && nodes_[node].num_children == 0;
   const bool tail = state_[node].in_tails != 0;
   if ((state_[node].in_policy != 0) != policy_->Contains(node)) {
     return InvariantViolation("node {} disagrees with the policy on holding it", node);
@@ -79,7 +79,7 @@ absl::Status PrefixCache::CheckNode(NodeIndex node,
     if (state_[node].pins != want)
       return InvariantViolation("node {} has {} pins, {} expected", node, state_[node].pins, want);
   }
-  if (state_[node].pins > lock_[node])
+  if (state_[node].pins > nodes_[node].lock)
     return InvariantViolation("node {} has more pins than locks", node);
   const bool charged = state_[node].pins > 0 && pool_->state(block) == BlockState::kCached;
   if (charged != (state_[node].pin_charged != 0))
@@ -93,32 +93,33 @@ absl::Status PrefixCache::CheckInvariants(
     const absl::flat_hash_map<NodeIndex, uint32_t>* expected_pins) const {
   int64_t nodes = 0, full = 0, evictable = 0, pinned = 0;
   absl::flat_hash_map<NamespaceId, int64_t> pin_held;
-  for (NodeIndex node = 0; node < static_cast<NodeIndex>(parent_.size()); ++node) {
-    const bool root = block_[node] == kInvalidBlock && parent_[node] == kNoNode &&
+  for (NodeIndex node = 0; node < static_cast<NodeIndex>(nodes_.size()); ++node) {
+    const bool root = nodes_[node].block == kInvalidBlock && nodes_[node].parent == kNoNode &&
                       Root(ns_[node]) == node && ns_[node] != kNoNamespace;
-    if (block_[node] == kInvalidBlock && !root) {  // free slot
+    if (nodes_[node].block == kInvalidBlock && !root) {  // free slot
       if (state_[node].in_tails != 0 || policy_->Contains(node) || state_[node].pins != 0) {
         return InvariantViolation("free node slot {} is still a candidate or pinned", node);
       }
       continue;
     }
     int32_t children = 0;
-    for (NodeIndex c = first_child_[node]; c != kNoNode; c = next_sibling_[c]) {
-      if (parent_[c] != node)
+    for (NodeIndex c = nodes_[node].first_child; c != kNoNode; c = nodes_[c].next_sibling) {
+      if (nodes_[c].parent != node)
         return InvariantViolation("node {} lists child {} of another parent", node, c);
       ++children;
     }
-    if (children != num_children_[node])
+    if (children != nodes_[node].num_children)
       return InvariantViolation("node {} child count is stale", node);
     if (expected_locks != nullptr) {
       auto it = expected_locks->find(node);
       const uint32_t want = it == expected_locks->end() ? 0 : it->second;
-      if (lock_[node] != want)
-        return InvariantViolation("node {} has {} locks, {} expected", node, lock_[node], want);
+      if (nodes_[node].lock != want)
+        return InvariantViolation("node {} has {} locks, {} expected", node, nodes_[node].lock,
+                                  want);
     }
     if (root) continue;
     ++nodes;
-    full += coverage_[node] == block_size_ ? 1 : 0;
+    full += nodes_[node].coverage == block_size_ ? 1 : 0;
     evictable += ShouldBeEvictable(node) ? 1 : 0;
     pinned += state_[node].pins > 0 ? 1 : 0;
     if (absl::Status s = CheckNode(node, expected_pins, &pin_held); !s.ok()) return s;
@@ -152,20 +153,23 @@ absl::Status PrefixCache::CheckInvariants(
 // full-child index only theirs.
 absl::Status PrefixCache::CheckChains() const {
   int64_t expected = 0;
-  for (NodeIndex node = 0; node < static_cast<NodeIndex>(parent_.size()); ++node) {
-    if (wide_[node] != 0) {
-      if (num_children_[node] == 0) return InvariantViolation("n{} is wide with no child", node);
-      expected += num_children_[node];
-    } else if (num_children_[node] > kWideFanout) {
-      return InvariantViolation("n{} has {} children but is not wide", node, num_children_[node]);
+  for (NodeIndex node = 0; node < static_cast<NodeIndex>(nodes_.size()); ++node) {
+    if (nodes_[node].wide != 0) {
+      if (nodes_[node].num_children == 0)
+        return InvariantViolation("n{} is wide with no child", node);
+      expected += nodes_[node].num_children;
+    } else if (nodes_[node].num_children > kWideFanout) {
+      return InvariantViolation("n{} has {} children but is not wide", node,
+                                nodes_[node].num_children);
     }
   }
   int64_t chained = 0;
   for (const auto& [key, head] : chains_) {
     NodeIndex prev = kNoNode;
     for (NodeIndex n = head; n != kNoNode; prev = n, n = chain_next_[n]) {
-      if (parent_[n] != key.parent || wide_[key.parent] == 0 || coverage_[n] == 0 ||
-          Tokens(n)[0] != key.token || chain_prev_[n] != prev || ++chained > expected) {
+      if (nodes_[n].parent != key.parent || nodes_[key.parent].wide == 0 ||
+          nodes_[n].coverage == 0 || Tokens(n)[0] != key.token || chain_prev_[n] != prev ||
+          ++chained > expected) {
         return InvariantViolation("first-token chain of n{} token {} is broken at n{}", key.parent,
                                   key.token, n);
       }
@@ -176,8 +180,8 @@ absl::Status PrefixCache::CheckChains() const {
   }
   // The full-child index holds children of wide parents only, each under its own token hash.
   for (const auto& [key, child] : children_) {
-    if (wide_[key.parent] == 0 || parent_[child] != key.parent || coverage_[child] != block_size_ ||
-        token_hash_[child] != key.token_hash) {
+    if (nodes_[key.parent].wide == 0 || nodes_[child].parent != key.parent ||
+        nodes_[child].coverage != block_size_ || nodes_[child].token_hash != key.token_hash) {
       return InvariantViolation("child index entry n{} -> n{} is stale", key.parent, child);
     }
   }
@@ -189,13 +193,13 @@ std::string PrefixCache::DebugString() const {
       "cache nodes={} full={} evictable={} candidates={} pinned={} next_event={}\n", num_nodes_,
       num_full_, num_evictable_, policy_->size() + num_tails_, pinned_nodes_, events_.next_seq());
   auto it = std::back_inserter(out);
-  for (NodeIndex node = 0; node < static_cast<NodeIndex>(parent_.size()); ++node) {
-    if (block_[node] == kInvalidBlock) continue;
+  for (NodeIndex node = 0; node < static_cast<NodeIndex>(nodes_.size()); ++node) {
+    if (nodes_[node].block == kInvalidBlock) continue;
     fmt::format_to(it,
                    "n{} parent={} block={} cov={} lock={} pins={} prio={} hits={} candidate={} "
                    "tokens={}\n",
-                   node, parent_[node], block_[node].value(), coverage_[node], lock_[node],
-                   state_[node].pins, priority_[node], state_[node].hits,
+                   node, nodes_[node].parent, nodes_[node].block.value(), nodes_[node].coverage,
+                   nodes_[node].lock, state_[node].pins, nodes_[node].priority, state_[node].hits,
                    state_[node].in_tails != 0 ? "tail"
                    : policy_->Contains(node)  ? "policy"
                                               : "no",

@@ -13,8 +13,8 @@
 namespace kvpool {
 
 void PrefixCache::UpdateCandidate(NodeIndex node) {
-  if (block_[node] == kInvalidBlock) return;  // a root
-  const bool want = state_[node].evictable != 0 && num_children_[node] == 0;
+  if (nodes_[node].block == kInvalidBlock) return;  // a root
+  const bool want = state_[node].evictable != 0 && nodes_[node].num_children == 0;
   NodeState& state = state_[node];
   const bool tail = state.in_tails != 0;
   if (want == (tail || state.in_policy != 0)) return;
@@ -65,7 +65,7 @@ void PrefixCache::TailRemove(NodeIndex node) {
 }
 
 void PrefixCache::RemoveNode(NodeIndex node, const TraceContext& ctx) {
-  KVPOOL_CHECK_MSG(num_children_[node] == 0 && lock_[node] == 0,
+  KVPOOL_CHECK_MSG(nodes_[node].num_children == 0 && nodes_[node].lock == 0,
                    "evicting a prefix-cache node that is not an unlocked leaf");
   if (state_[node].in_tails != 0) {
     TailRemove(node);
@@ -78,10 +78,10 @@ void PrefixCache::RemoveNode(NodeIndex node, const TraceContext& ctx) {
     --num_evictable_;
   }
   policy_->OnErase(node, Facts(node), now_ns_);
-  const NodeIndex parent = parent_[node];
-  const bool full = coverage_[node] == block_size_;
-  if (full && wide_[parent] != 0) {  // before UnlinkChild, which may make the parent narrow
-    auto it = children_.find(ChildKey{parent, token_hash_[node]});
+  const NodeIndex parent = nodes_[node].parent;
+  const bool full = nodes_[node].coverage == block_size_;
+  if (full && nodes_[parent].wide != 0) {  // before UnlinkChild, which may make the parent narrow
+    auto it = children_.find(ChildKey{parent, nodes_[node].token_hash});
     if (it != children_.end() && it->second == node) children_.erase(it);
   }
   UnlinkChild(node);
@@ -100,13 +100,13 @@ void PrefixCache::RemoveNode(NodeIndex node, const TraceContext& ctx) {
     }
     --num_full_;
   }
-  const BlockId block = block_[node];
+  const BlockId block = nodes_[node].block;
   node_of_block_[static_cast<size_t>(block.value())] = kNoNode;
   KVPOOL_CHECK_OK(pool_->DropCacheRef(block, ctx));
-  parent_[node] = kNoNode;
-  block_[node] = kInvalidBlock;
-  coverage_[node] = 0;
-  priority_[node] = 0;
+  nodes_[node].parent = kNoNode;
+  nodes_[node].block = kInvalidBlock;
+  nodes_[node].coverage = 0;
+  nodes_[node].priority = 0;
   state_[node].depth = 0;
   state_[node].fingerprint = 0;
   state_[node].hits = 0;
@@ -126,9 +126,9 @@ int64_t PrefixCache::PlanEviction(int64_t blocks, std::span<const NodeIndex> kee
   if (blocks <= 0) return 0;
   // Scratch kept between calls (no allocation per eviction): by node, children planned away and
   // whether it is kept; and the parents that became leaves, as a min-heap by rank.
-  if (plan_gone_.size() < parent_.size()) {
-    plan_gone_.resize(parent_.size(), 0);
-    plan_kept_.resize(parent_.size(), 0);
+  if (plan_gone_.size() < nodes_.size()) {
+    plan_gone_.resize(nodes_.size(), 0);
+    plan_kept_.resize(nodes_.size(), 0);
   }
   std::vector<int32_t>& gone_children = plan_gone_;
   std::vector<uint8_t>& kept = plan_kept_;
@@ -141,11 +141,11 @@ int64_t PrefixCache::PlanEviction(int64_t blocks, std::span<const NodeIndex> kee
   auto take = [&](NodeIndex node) {
     victims->push_back(node);
     // A block still read by queued device work retires instead of freeing.
-    if (pool_->FencesPassed(block_[node])) ++freed;
-    const NodeIndex parent = parent_[node];
-    if (block_[parent] == kInvalidBlock) return;  // a root
+    if (pool_->FencesPassed(nodes_[node].block)) ++freed;
+    const NodeIndex parent = nodes_[node].parent;
+    if (nodes_[parent].block == kInvalidBlock) return;  // a root
     if (gone_children[parent]++ == 0) plan_touched_.push_back(parent);
-    if (gone_children[parent] == num_children_[parent] && state_[parent].evictable != 0 &&
+    if (gone_children[parent] == nodes_[parent].num_children && state_[parent].evictable != 0 &&
         kept[parent] == 0) {
       freed_parents.emplace_back(policy_->Rank(parent, Facts(parent), now_ns_), parent);
       std::push_heap(freed_parents.begin(), freed_parents.end(), kLater);
@@ -214,8 +214,8 @@ absl::Status PrefixCache::Clear(const TraceContext& ctx) {
 }
 
 void PrefixCache::UpdatePinCharge(NodeIndex node) {
-  const bool want = state_[node].pins > 0 && block_[node] != kInvalidBlock &&
-                    pool_->state(block_[node]) == BlockState::kCached;
+  const bool want = state_[node].pins > 0 && nodes_[node].block != kInvalidBlock &&
+                    pool_->state(nodes_[node].block) == BlockState::kCached;
   if (want == (state_[node].pin_charged != 0)) return;
   state_[node].pin_charged = want ? 1 : 0;
   auto it = pin_held_.try_emplace(ns_[node], 0).first;
@@ -226,10 +226,10 @@ void PrefixCache::UpdatePinCharge(NodeIndex node) {
 void PrefixCache::Pin(std::span<const NodeIndex> nodes, int priority) {
   KVPOOL_CHECK(priority >= 0 && priority < kNumPriorities);
   for (NodeIndex node : nodes) {
-    KVPOOL_CHECK(block_[node] != kInvalidBlock);
+    KVPOOL_CHECK(nodes_[node].block != kInvalidBlock);
     Lock(node);  // first: a locked node is no candidate, so its class may change
     if (state_[node].pins++ == 0) ++pinned_nodes_;
-    priority_[node] = static_cast<int8_t>(std::max<int>(priority_[node], priority));
+    nodes_[node].priority = static_cast<int8_t>(std::max<int>(nodes_[node].priority, priority));
     UpdatePinCharge(node);
   }
 }
@@ -248,7 +248,7 @@ void PrefixCache::Unpin(std::span<const NodeIndex> nodes) {
 int64_t PrefixCache::PinCharge(std::span<const NodeIndex> nodes) const {
   int64_t n = 0;
   for (NodeIndex node : nodes) {
-    n += state_[node].pins == 0 && pool_->state(block_[node]) == BlockState::kCached ? 1 : 0;
+    n += state_[node].pins == 0 && pool_->state(nodes_[node].block) == BlockState::kCached ? 1 : 0;
   }
   return n;
 }

@@ -20,11 +20,11 @@ NodeIndex PrefixCache::Insert(NodeIndex parent, std::span<const int32_t> tokens,
                               uint64_t token_hash, BlockId block, int priority,
                               const TraceContext& ctx) {
   const NodeIndex node = NewNode();
-  parent_[node] = parent;
-  block_[node] = block;
-  coverage_[node] = static_cast<int32_t>(tokens.size());
-  lock_[node] = 1;  // the committing sequence follows it
-  priority_[node] = static_cast<int8_t>(priority);
+  nodes_[node].parent = parent;
+  nodes_[node].block = block;
+  nodes_[node].coverage = static_cast<int32_t>(tokens.size());
+  nodes_[node].lock = 1;  // the committing sequence follows it
+  nodes_[node].priority = static_cast<int8_t>(priority);
   state_[node].depth = state_[parent].depth + 1;
   ns_[node] = ns_[parent];
   std::copy(tokens.begin(), tokens.end(),
@@ -32,15 +32,16 @@ NodeIndex PrefixCache::Insert(NodeIndex parent, std::span<const int32_t> tokens,
   LinkChild(parent, node);
   // A node's class is at least its descendants' (the policy's leaf-first promise). The
   // ancestors are locked by the committing sequence, so none is in the policy's lists now.
-  for (NodeIndex a = parent; a != kNoNode && block_[a] != kInvalidBlock && priority_[a] < priority;
-       a = parent_[a]) {
-    priority_[a] = static_cast<int8_t>(priority);
+  for (NodeIndex a = parent;
+       a != kNoNode && nodes_[a].block != kInvalidBlock && nodes_[a].priority < priority;
+       a = nodes_[a].parent) {
+    nodes_[a].priority = static_cast<int8_t>(priority);
   }
   node_of_block_[static_cast<size_t>(block.value())] = node;
   KVPOOL_CHECK_OK(pool_->AddCacheRef(block, ctx));
   ++num_nodes_;
   ++counters_.inserted;
-  if (coverage_[node] == block_size_) MakeFull(node, token_hash);
+  if (nodes_[node].coverage == block_size_) MakeFull(node, token_hash);
   UpdateCandidate(parent);  // no longer a leaf
   policy_->OnInsert(node, Facts(node), now_ns_);
   return node;
@@ -48,15 +49,16 @@ NodeIndex PrefixCache::Insert(NodeIndex parent, std::span<const int32_t> tokens,
 
 void PrefixCache::MakeFull(NodeIndex node, uint64_t token_hash) {
   KVPOOL_DCHECK(token_hash == HashTokens(Tokens(node)));
-  const NodeIndex parent = parent_[node];
-  token_hash_[node] = token_hash;
+  const NodeIndex parent = nodes_[node].parent;
+  nodes_[node].token_hash = token_hash;
   if (hashes_on_) {
     hash_[node] = PrefixChainHash(hash_[parent], ns_[node], Tokens(node));
     state_[node].fingerprint = BlockFingerprint(hash_[node]);
   }
   // Only wide parents index their full children. A 64-bit collision with a different block
   // leaves this one out of the index; lookups still find it by scanning the children.
-  if (wide_[parent] != 0) children_.try_emplace(ChildKey{parent, token_hash_[node]}, node);
+  if (nodes_[parent].wide != 0)
+    children_.try_emplace(ChildKey{parent, nodes_[node].token_hash}, node);
   ++num_full_;
 }
 
@@ -64,9 +66,9 @@ void PrefixCache::Widen(NodeIndex node, std::span<const int32_t> tokens) {
   KVPOOL_DCHECK(StartsWith(tokens, Tokens(node)));
   std::copy(tokens.begin(), tokens.end(),
             tokens_.begin() + static_cast<ptrdiff_t>(node) * block_size_);
-  coverage_[node] = static_cast<int32_t>(tokens.size());
+  nodes_[node].coverage = static_cast<int32_t>(tokens.size());
   ++counters_.widened;
-  if (coverage_[node] == block_size_) {
+  if (nodes_[node].coverage == block_size_) {
     MakeFull(node, HashTokens(tokens));
     policy_->OnInsert(node, Facts(node), now_ns_);  // its hash is known now
   }
@@ -100,7 +102,7 @@ void PrefixCache::CommitBlocks(NamespaceId ns, std::span<const int32_t> tokens,
       // complete (widen it into the full node), or someone else's that we leave.
       const NodeIndex p = path->partial;
       path->partial = kNoNode;
-      if (child == kNoNode && block_[p] == table[k] && parent_[p] == parent) {
+      if (child == kNoNode && nodes_[p].block == table[k] && nodes_[p].parent == parent) {
         Widen(p, block);
         child = p;  // its lock moves into path->full
         fresh = true;
@@ -113,7 +115,7 @@ void PrefixCache::CommitBlocks(NamespaceId ns, std::span<const int32_t> tokens,
       if (owner == kNoNode) {
         child = Insert(parent, block, block_hash, table[k], priority, ctx);
         fresh = true;
-      } else if (parent_[owner] == parent && coverage_[owner] < block_size_ &&
+      } else if (nodes_[owner].parent == parent && nodes_[owner].coverage < block_size_ &&
                  StartsWith(block, Tokens(owner))) {
         // The sequence's own earlier rewind endpoint (a Truncate dropped it from the path).
         Widen(owner, block);
@@ -144,7 +146,7 @@ void PrefixCache::CommitBlocks(NamespaceId ns, std::span<const int32_t> tokens,
   const std::span<const int32_t> block = tokens.subspan(done);
   const BlockId mine = table[path->full.size()];
   const NodeIndex cur = path->partial;
-  if (cur != kNoNode && parent_[cur] == parent && StartsWith(Tokens(cur), block)) return;
+  if (cur != kNoNode && nodes_[cur].parent == parent && StartsWith(Tokens(cur), block)) return;
   if (NodeIndex s = Covering(parent, block, cur); s != kNoNode) {
     LockHit(s);
     if (cur != kNoNode) Unlock(cur);
@@ -153,8 +155,8 @@ void PrefixCache::CommitBlocks(NamespaceId ns, std::span<const int32_t> tokens,
   }
   const NodeIndex owner = node_of_block_[static_cast<size_t>(mine.value())];
   if (owner != kNoNode) {
-    if (parent_[owner] == parent && StartsWith(block, Tokens(owner))) {
-      if (coverage_[owner] < static_cast<int32_t>(block.size())) Widen(owner, block);
+    if (nodes_[owner].parent == parent && StartsWith(block, Tokens(owner))) {
+      if (nodes_[owner].coverage < static_cast<int32_t>(block.size())) Widen(owner, block);
       if (owner != cur) {
         Lock(owner);
         if (cur != kNoNode) Unlock(cur);
@@ -173,10 +175,10 @@ void PrefixCache::CommitBlocks(NamespaceId ns, std::span<const int32_t> tokens,
 void PrefixCache::RemoveDominated(NodeIndex node, const TraceContext& ctx) {
   const std::span<const int32_t> mine = Tokens(node);
   // A dominated sibling is a prefix of `mine`, so it shares its first token.
-  for (NodeIndex s = FirstCandidate(parent_[node], mine[0]); s != kNoNode;) {
+  for (NodeIndex s = FirstCandidate(nodes_[node].parent, mine[0]); s != kNoNode;) {
     ++child_scans_;
     const NodeIndex next = NextCandidate(s);
-    if (s != node && coverage_[s] < block_size_ && StartsWith(mine, Tokens(s)) &&
+    if (s != node && nodes_[s].coverage < block_size_ && StartsWith(mine, Tokens(s)) &&
         ShouldBeEvictable(s)) {
       RemoveNode(s, ctx);
       ++counters_.dominated;
@@ -190,7 +192,7 @@ void PrefixCache::Announce(NodeIndex first, NodeIndex last) {
   if (!events_on_) return;
   KvEvent e{.type = KvEventType::kBlockStored, .ns = ns_[first], .block_size = block_size_};
   std::vector<NodeIndex> chain;
-  for (NodeIndex n = last;; n = parent_[n]) {
+  for (NodeIndex n = last;; n = nodes_[n].parent) {
     chain.push_back(n);
     if (n == first) break;
   }
@@ -200,7 +202,8 @@ void PrefixCache::Announce(NodeIndex first, NodeIndex last) {
     const std::span<const int32_t> t = Tokens(n);
     e.token_ids.insert(e.token_ids.end(), t.begin(), t.end());
   }
-  if (block_[parent_[first]] != kInvalidBlock) e.parent_hash = hash_[parent_[first]];
+  if (nodes_[nodes_[first].parent].block != kInvalidBlock)
+    e.parent_hash = hash_[nodes_[first].parent];
   events_.Append(std::move(e));
 }
 
@@ -220,11 +223,11 @@ std::vector<KvEvent> PrefixCache::SnapshotEvents(uint64_t* resume_seq) const {
   while (!stack.empty()) {  // parents before children
     const NodeIndex node = stack.back();
     stack.pop_back();
-    for (NodeIndex c = first_child_[node]; c != kNoNode; c = next_sibling_[c]) {
-      if (coverage_[c] != block_size_) continue;
+    for (NodeIndex c = nodes_[node].first_child; c != kNoNode; c = nodes_[c].next_sibling) {
+      if (nodes_[c].coverage != block_size_) continue;
       KvEvent e{.type = KvEventType::kBlockStored, .ns = ns_[c], .block_size = block_size_};
       e.block_hashes.push_back(hash_[c]);
-      if (block_[node] != kInvalidBlock) e.parent_hash = hash_[node];
+      if (nodes_[node].block != kInvalidBlock) e.parent_hash = hash_[node];
       const std::span<const int32_t> t = Tokens(c);
       e.token_ids.assign(t.begin(), t.end());
       e.epoch = events_.epoch();
