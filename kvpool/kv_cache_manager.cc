@@ -427,10 +427,14 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
     }
     keep.insert(keep.end(), p.match.full.begin(), p.match.full.end());
     int64_t charged = 0;  // physical blocks this request adds to the namespace's ACTIVE ones
+    // A match's blocks are distinct (one node per block): only earlier requests' adoptions can
+    // repeat one, so only they are searched (a whole-list search is quadratic in a long match).
+    const auto adopted_before = static_cast<ptrdiff_t>(adopted.size());
     for (BlockId block : matched) {
       // A CACHED block becomes ACTIVE: charged, unless a pin held (and charged) it already.
       if (pool_->state(block) == BlockState::kCached && !cache_->pin_held(block) &&
-          std::find(adopted.begin(), adopted.end(), block) == adopted.end()) {
+          std::find(adopted.begin(), adopted.begin() + adopted_before, block) ==
+              adopted.begin() + adopted_before) {
         adopted.push_back(block);
         ++charged;
       }

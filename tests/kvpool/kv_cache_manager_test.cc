@@ -179,6 +179,32 @@ TEST_F(KvCacheManagerTest, AllocateBatchIsAllOrNothing) {
   ExpectInvariants();
 }
 
+// Requests of one batch that match the same cached prefix turn its blocks ACTIVE once: the
+// namespace quota is charged for them once, then for each request's fresh blocks.
+TEST_F(KvCacheManagerTest, ABatchSharingACachedPrefixChargesItOnce) {
+  Make(16, 8);
+  std::vector<int32_t> prompt(32);
+  for (int32_t i = 0; i < 32; ++i) prompt[static_cast<size_t>(i)] = 500 + i;
+  DevicePlan plan;
+  const absl::StatusOr<AllocateResult> first =
+      cache_->Allocate(kAlice, {.ns = kTenantA, .num_tokens = 32, .prompt = prompt}, &plan);
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_TRUE(cache_->Free(kAlice, first->sequence, OnFree::kCommit).ok());
+  // Two requests, each the 2 cached blocks and 1 fresh one: 2 + 2 ACTIVE blocks in all.
+  const std::vector<AllocateRequest> batch = {{.ns = kTenantA, .num_tokens = 48, .prompt = prompt},
+                                              {.ns = kTenantA, .num_tokens = 48, .prompt = prompt}};
+  std::vector<AllocateResult> ids;
+  ASSERT_TRUE(cache_->SetNamespaceQuota(kTenantA, 3).ok());
+  EXPECT_EQ(cache_->AllocateBatch(kAlice, batch, &ids, &plan).code(),
+            absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE(cache_->SetNamespaceQuota(kTenantA, 4).ok());
+  ASSERT_TRUE(cache_->AllocateBatch(kAlice, batch, &ids, &plan).ok());
+  ASSERT_EQ(ids.size(), 2u);
+  EXPECT_EQ(ids[0].matched_tokens, 32);
+  EXPECT_EQ(ids[1].matched_tokens, 32);
+  ExpectInvariants();
+}
+
 TEST_F(KvCacheManagerTest, BadRequestsGetTheirCodesAndChangeNothing) {
   Make(16, 8);
   const SequenceId seq = Alloc(kAlice, 20);
