@@ -173,6 +173,8 @@ void PrefixCache::CommitBlocks(NamespaceId ns, std::span<const int32_t> tokens,
 }
 
 void PrefixCache::RemoveDominated(NodeIndex node, const TraceContext& ctx) {
+  // An only child has no sibling to dominate (the common case: reading its tokens costs a miss).
+  if (nodes_[nodes_[node].parent].num_children <= 1) return;
   const std::span<const int32_t> mine = Tokens(node);
   // A dominated sibling is a prefix of `mine`, so it shares its first token.
   for (NodeIndex s = FirstCandidate(nodes_[node].parent, mine[0]); s != kNoNode;) {
