@@ -61,18 +61,17 @@ absl::StatusOr<std::unique_ptr<KvCacheManager>> KvCacheManager::Create(
                                          .fences = options.fences}));
   std::unique_ptr<PrefixCache> cache;
   if (options.prefix_cache) {
-    KVPOOL_ASSIGN_OR_RETURN(cache,
-                            PrefixCache::Create({.block_size = options.block_size,
-                                                 .epoch = options.epoch,
-                                                 .event_capacity = options.event_capacity,
-                                                 .event_capacity_bytes =
-                                                     options.event_capacity_bytes,
-                                                 .evicted_memory = options.evicted_memory,
-                                                 .events = options.cache_events,
-                                                 .policy = options.eviction_policy,
-                                                 .history_blocks = options.eviction_history_blocks,
-                                                 .policy_factory = options.eviction_policy_factory},
-                                                pool.get()));
+    KVPOOL_ASSIGN_OR_RETURN(
+        cache, PrefixCache::Create({.block_size = options.block_size,
+                                    .epoch = options.epoch,
+                                    .event_capacity = options.event_capacity,
+                                    .event_capacity_bytes = options.event_capacity_bytes,
+                                    .evicted_memory = options.evicted_memory,
+                                    .events = options.cache_events,
+                                    .policy = options.eviction_policy,
+                                    .history_blocks = options.eviction_history_blocks,
+                                    .policy_factory = options.eviction_policy_factory},
+                                   pool.get()));
   }
   return std::unique_ptr<KvCacheManager>(
       new KvCacheManager(options, std::move(pool), std::move(cache)));

@@ -91,9 +91,9 @@ struct MatchExplanation {
 BlockHash PrefixChainHash(const BlockHash& parent, NamespaceId ns, std::span<const int32_t> tokens);
 
 struct PrefixCacheOptions {
-  int32_t block_size = 16;        // tokens per block; > 0
-  uint64_t epoch = 0;             // stamped on every event
-  size_t event_capacity = 65536;  // events kept for replay; > 0
+  int32_t block_size = 16;                              // tokens per block; > 0
+  uint64_t epoch = 0;                                   // stamped on every event
+  size_t event_capacity = 65536;                        // events kept for replay; > 0
   size_t event_capacity_bytes = kDefaultEventLogBytes;  // and the bytes they may take; > 0
   size_t evicted_memory = 65536;  // recently evicted block hashes remembered for Explain()
   // Record KV events. Off (a replay or bench with no event consumer) the log stays empty and

@@ -11,8 +11,8 @@
 
 #include "fmt/format.h"
 #include "gtest/gtest.h"
-#include "kernels/cpu_kernels.h"
 #include "kernels/cpu_isa.h"
+#include "kernels/cpu_kernels.h"
 #include "tests/kernels/kernel_test_util.h"
 
 namespace kvpool::kernels::cpu {
