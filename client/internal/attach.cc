@@ -85,11 +85,19 @@ absl::StatusOr<Attachment> Attach(const std::string& runtime_dir, const v1::Atta
                     path, cred.uid, cred.pid, *daemon_uid));
   }
 
+  return Exchange(std::move(*socket), path, request, timeout);
+}
+
+absl::StatusOr<Attachment> Exchange(UniqueFd socket, const std::string& path,
+                                    const v1::AttachRequest& request, absl::Duration timeout) {
   Attachment out;
-  out.socket = std::move(*socket);
-  if (absl::Status s = wire::SendFrame(out.socket.get(), request); !s.ok()) {
-    return absl::Status(s.code(), fmt::format("sending the attach request to {}: {}", path,
-                                              std::string(s.message())));
+  out.socket = std::move(socket);
+  // A daemon that refuses a peer at accept writes its refusal and hangs up, often before our
+  // request is sent: the send then fails with EPIPE while the refusal waits to be read.
+  const absl::Status sent = wire::SendFrame(out.socket.get(), request);
+  if (!sent.ok() && sent.code() != absl::StatusCode::kUnavailable) {
+    return absl::Status(sent.code(), fmt::format("sending the attach request to {}: {}", path,
+                                                 std::string(sent.message())));
   }
   std::vector<int> raw_fds;
   const absl::Status received =
@@ -107,6 +115,12 @@ absl::StatusOr<Attachment> Attach(const std::string& runtime_dir, const v1::Atta
     return absl::Status(
         RefusalCode(out.response.error_code()),
         fmt::format("kvpoold at {} refused the attach: {}", path, out.response.error()));
+  }
+  if (!sent.ok()) {
+    // An answer that is not a refusal to a request the daemon never got: not to be trusted.
+    return absl::UnavailableError(
+        fmt::format("kvpoold at {} hung up before the attach request was sent: {}", path,
+                    std::string(sent.message())));
   }
   return out;
 }

@@ -35,4 +35,10 @@ struct Attachment {
 absl::StatusOr<Attachment> Attach(const std::string& runtime_dir, const v1::AttachRequest& request,
                                   absl::Duration timeout, std::span<const uid_t> trusted = {});
 
+// The exchange on an already connected and checked `socket` (`path` names it in messages): sends
+// `request`, then reads the answer. A daemon that hung up before the request went out but left a
+// refusal is reported with the refusal's code. Errors as for Attach.
+absl::StatusOr<Attachment> Exchange(UniqueFd socket, const std::string& path,
+                                    const v1::AttachRequest& request, absl::Duration timeout);
+
 }  // namespace kvpool::client::internal

@@ -1,10 +1,15 @@
 #include "client/client.h"
 
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <cstring>
 #include <thread>
 
+#include "client/internal/attach.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kvpool/v1/wire.h"
 #include "tests/client/fake_daemon.h"
 
 namespace kvpool::client {
@@ -60,6 +65,37 @@ TEST_F(ClientTest, RefusalKeepsTheDaemonsCode) {
       dir_.path(), &pool_,
       {.mode = FakeAttachServer::Mode::kRefuse, .refuse_code = 14, .refuse_reason = "draining"});
   EXPECT_EQ(Client::Connect(Options()).status().code(), absl::StatusCode::kUnavailable);
+}
+
+// The daemon refuses a peer at accept and hangs up, so the client's send can fail with EPIPE
+// while the refusal waits in its socket: the refusal is what the caller must see.
+TEST(AttachExchangeTest, RefusalSentBeforeTheRequestKeepsItsCode) {
+  int pair[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair), 0);
+  UniqueFd ours(pair[0]);
+  {
+    UniqueFd daemon(pair[1]);
+    v1::AttachResponse refusal;
+    refusal.set_error("uid 7 gid 7 may not attach to this kvpoold");
+    refusal.set_error_code(static_cast<int32_t>(absl::StatusCode::kPermissionDenied));
+    ASSERT_TRUE(wire::SendFrame(daemon.get(), refusal).ok());
+  }  // closed before the client sends: its send gets EPIPE
+  v1::AttachRequest request;
+  request.set_client_name("refused");
+  auto attached =
+      internal::Exchange(std::move(ours), "/run/kvpool/attach.sock", request, absl::Seconds(5));
+  EXPECT_EQ(attached.status().code(), absl::StatusCode::kPermissionDenied) << attached.status();
+  EXPECT_THAT(std::string(attached.status().message()), HasSubstr("may not attach"));
+}
+
+TEST(AttachExchangeTest, HangUpBeforeTheRequestWithoutAnswerIsUnavailable) {
+  int pair[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair), 0);
+  UniqueFd ours(pair[0]);
+  close(pair[1]);
+  auto attached = internal::Exchange(std::move(ours), "/run/kvpool/attach.sock",
+                                     v1::AttachRequest(), absl::Seconds(5));
+  EXPECT_EQ(attached.status().code(), absl::StatusCode::kUnavailable) << attached.status();
 }
 
 TEST_F(ClientTest, HangUpWithoutAnswerIsUnavailable) {

@@ -76,6 +76,10 @@ def receive_frame(sock: socket.socket, message, deadline: float) -> List[int]:
                 continue
             except InterruptedError:
                 continue
+            except ConnectionResetError as e:
+                raise KvPoolError(
+                    grpc.StatusCode.UNAVAILABLE, f"the peer reset the attach socket: {e}"
+                ) from e
             except OSError as e:
                 raise KvPoolError(grpc.StatusCode.INTERNAL, f"recvmsg: {e}") from e
             fds.extend(got)
@@ -187,33 +191,51 @@ def attach(runtime_dir: str, request, timeout: float) -> Attachment:
     sock = _connect(path, timeout)
     try:
         _check_peer(sock, path, dir_stat.st_uid)
-        try:
-            sock.sendall(encode_frame(request))
-        except OSError as e:
-            raise KvPoolError(
-                grpc.StatusCode.INTERNAL, f"sending the attach request to {path}: {e}"
-            ) from e
-        response = attach_pb2.AttachResponse()
-        try:
-            fds = receive_frame(sock, response, deadline)
-        except KvPoolError as e:
-            if e.code == grpc.StatusCode.UNAVAILABLE:
-                raise KvPoolError(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"kvpoold at {path} closed the connection without answering the attach",
-                ) from e
-            raise KvPoolError(e.code, f"attaching to {path}: {e.message}") from e
-        if response.error:
-            _close_all(fds)
-            raise KvPoolError(
-                code_from_number(response.error_code),
-                f"kvpoold at {path} refused the attach: {response.error}",
-            )
-        sock.settimeout(None)
-        return Attachment(sock, response, fds)
+        return exchange(sock, path, request, deadline)
     except BaseException:
         sock.close()
         raise
+
+
+def exchange(sock: socket.socket, path: str, request, deadline: float) -> Attachment:
+    """The exchange on a connected, checked socket (`path` names it in messages): sends `request`
+    and reads the answer. A daemon that refused this peer at accept may hang up before the request
+    goes out (the send fails with EPIPE) while its refusal waits to be read: the refusal's code is
+    what is raised. Errors as for attach(); the caller closes `sock` after an error."""
+    send_error: Optional[OSError] = None
+    try:
+        sock.sendall(encode_frame(request))
+    except (BrokenPipeError, ConnectionResetError) as e:
+        send_error = e
+    except OSError as e:
+        raise KvPoolError(
+            grpc.StatusCode.INTERNAL, f"sending the attach request to {path}: {e}"
+        ) from e
+    response = attach_pb2.AttachResponse()
+    try:
+        fds = receive_frame(sock, response, deadline)
+    except KvPoolError as e:
+        if e.code == grpc.StatusCode.UNAVAILABLE:
+            raise KvPoolError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"kvpoold at {path} closed the connection without answering the attach",
+            ) from e
+        raise KvPoolError(e.code, f"attaching to {path}: {e.message}") from e
+    if response.error:
+        _close_all(fds)
+        raise KvPoolError(
+            code_from_number(response.error_code),
+            f"kvpoold at {path} refused the attach: {response.error}",
+        )
+    if send_error is not None:
+        # An answer that is not a refusal to a request the daemon never got: not to be trusted.
+        _close_all(fds)
+        raise KvPoolError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"kvpoold at {path} hung up before the attach request was sent: {send_error}",
+        )
+    sock.settimeout(None)
+    return Attachment(sock, response, fds)
 
 
 def send_detach(sock: socket.socket) -> None:

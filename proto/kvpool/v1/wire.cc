@@ -13,8 +13,11 @@
 namespace kvpool::wire {
 namespace {
 
+// A peer that hung up is UNAVAILABLE, like a clean close; any other failure is INTERNAL.
 absl::Status Errno(const char* what) {
-  return absl::InternalError(std::string(what) + ": " + std::strerror(errno));
+  const std::string message = std::string(what) + ": " + std::strerror(errno);
+  if (errno == EPIPE || errno == ECONNRESET) return absl::UnavailableError(message);
+  return absl::InternalError(message);
 }
 
 // Waits until `socket` is readable or `deadline` passes.

@@ -27,7 +27,8 @@ inline constexpr int kMaxFds = 4;
 std::string DefaultRuntimeDir();
 
 // Writes `message` as one frame (4-byte little-endian length, then the bytes), with `fds` as
-// SCM_RIGHTS on the first byte. Errors: INTERNAL (I/O), INVALID_ARGUMENT (too big).
+// SCM_RIGHTS on the first byte. Errors: UNAVAILABLE (the peer hung up: EPIPE, ECONNRESET),
+// INTERNAL (other I/O), INVALID_ARGUMENT (too big).
 absl::Status SendFrame(int socket, const google::protobuf::MessageLite& message,
                        const std::vector<int>& fds = {});
 
@@ -58,7 +59,7 @@ class FrameReader {
 
 // Reads one frame into `message`, collecting any descriptors sent with it into `fds` (the caller
 // owns and must close them). Waits at most `timeout`. Errors: DEADLINE_EXCEEDED, UNAVAILABLE
-// (the peer closed), INVALID_ARGUMENT (oversized or unparsable frame), INTERNAL (I/O).
+// (the peer closed or reset), INVALID_ARGUMENT (oversized or unparsable frame), INTERNAL (I/O).
 absl::Status ReceiveFrame(int socket, google::protobuf::MessageLite* message, std::vector<int>* fds,
                           absl::Duration timeout);
 

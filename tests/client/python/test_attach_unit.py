@@ -12,7 +12,7 @@ import unittest
 import kvpool
 from kvpool import KvPoolError, StatusCode
 from kvpool._proto import attach_pb2, layout_pb2
-from kvpool.attach import encode_frame, receive_frame
+from kvpool.attach import encode_frame, exchange, receive_frame
 from kvpool.mapping import PoolMapping
 
 C = StatusCode
@@ -110,6 +110,25 @@ class FramingTest(unittest.TestCase):
         self.a.close()
         with self.assertRaises(KvPoolError) as e:
             receive_frame(self.b, attach_pb2.AttachResponse(), time.monotonic() + 5)
+        self.assertEqual(e.exception.code, C.UNAVAILABLE)
+
+    def test_a_refusal_sent_before_the_request_keeps_its_code(self):
+        # A daemon refusing a peer at accept writes the refusal and hangs up, often before the
+        # client has sent its request: the send fails (EPIPE) but the refusal is what counts.
+        refusal = attach_pb2.AttachResponse(error="uid 7 gid 7 may not attach", error_code=7)
+        self.a.sendall(encode_frame(refusal))
+        self.a.close()
+        request = attach_pb2.AttachRequest(client_name="refused")
+        with self.assertRaises(KvPoolError) as e:
+            exchange(self.b, "/run/kvpool/attach.sock", request, time.monotonic() + 5)
+        self.assertEqual(e.exception.code, C.PERMISSION_DENIED)
+        self.assertIn("may not attach", e.exception.message)
+
+    def test_a_hang_up_before_the_request_without_answer_is_unavailable(self):
+        self.a.close()
+        with self.assertRaises(KvPoolError) as e:
+            deadline = time.monotonic() + 5
+            exchange(self.b, "/run/kvpool/attach.sock", attach_pb2.AttachRequest(), deadline)
         self.assertEqual(e.exception.code, C.UNAVAILABLE)
 
 
