@@ -68,6 +68,7 @@ absl::StatusOr<std::unique_ptr<KvCacheManager>> KvCacheManager::Create(
                                     .event_capacity_bytes = options.event_capacity_bytes,
                                     .evicted_memory = options.evicted_memory,
                                     .events = options.cache_events,
+                                    .journal = options.publish_journal,
                                     .policy = options.eviction_policy,
                                     .history_blocks = options.eviction_history_blocks,
                                     .policy_factory = options.eviction_policy_factory},

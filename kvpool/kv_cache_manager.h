@@ -103,6 +103,7 @@ struct KvCacheOptions {
   uint64_t epoch = 0;             // stamped on every cache event (daemon start)
   size_t event_capacity = 65536;  // cache events kept for replay; > 0
   bool cache_events = true;       // record cache events at all (PrefixCacheOptions::events)
+  bool publish_journal = false;   // journal newly cached full blocks (TakePublished)
   size_t evicted_memory = 65536;  // evicted block hashes kept for ExplainMatch (0: none)
   // Bytes those events may take (each event's struct plus its hash and token vectors); the
   // oldest are dropped past it, as past event_capacity. > 0.
@@ -348,6 +349,15 @@ class KvCacheManager final {
   absl::Status ClearCache();
   // The cache's event log (null with the prefix cache off) and a snapshot for late consumers.
   const EventLog* events() const { return cache_ ? &cache_->events() : nullptr; }
+  // The full blocks cached since the last call, oldest first (KvCacheOptions::publish_journal;
+  // always empty without it). Their bytes stay put while they are cached or held.
+  void TakePublished(std::vector<PublishedBlock>* out) {
+    if (cache_) {
+      cache_->TakePublished(out);
+    } else {
+      out->clear();
+    }
+  }
   std::vector<KvEvent> SnapshotEvents(uint64_t* resume_seq) const;
 
   // Accessors.

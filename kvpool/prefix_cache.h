@@ -90,6 +90,15 @@ struct MatchExplanation {
 // "hash" is zero. Used in events and by remote tiers; matching never relies on it.
 BlockHash PrefixChainHash(const BlockHash& parent, NamespaceId ns, std::span<const int32_t> tokens);
 
+// A full block that became cached (PrefixCache::TakePublished): what a lower tier needs to store
+// a copy of it. Its bytes are the block's while the block stays cached or held.
+struct PublishedBlock {
+  NamespaceId ns;
+  BlockId block;
+  BlockHash hash;
+  BlockHash parent;  // zero for a chain's first block
+};
+
 struct PrefixCacheOptions {
   int32_t block_size = 16;                              // tokens per block; > 0
   uint64_t epoch = 0;                                   // stamped on every event
@@ -99,6 +108,9 @@ struct PrefixCacheOptions {
   // Record KV events. Off (a replay or bench with no event consumer) the log stays empty and
   // stored blocks cost no token copies.
   bool events = true;
+  // Keep a journal of the full blocks that become cached, for a tier writer to drain
+  // (TakePublished). Turns chained hashes on.
+  bool journal = false;
   // Eviction spec (ParseEvictionSpec): the ordering policy and whether partial tails are kept.
   std::string policy = std::string(kDefaultEvictionSpec);
   int64_t history_blocks = 0;  // EvictionOptions::history_blocks (0: 4 per pool block)
@@ -218,6 +230,11 @@ class PrefixCache final {
   const EvictionPolicy& policy() const { return *policy_; }
 
   const EventLog& events() const { return events_; }
+  // Moves the journal (PrefixCacheOptions::journal) into `out`, oldest first, and empties it.
+  void TakePublished(std::vector<PublishedBlock>* out) {
+    out->clear();
+    out->swap(published_);
+  }
   // BlockStored events (seq 0) describing every full node now cached, parents first; a consumer
   // that applies them after clearing its view, then reads from `*resume_seq`, misses nothing.
   std::vector<KvEvent> SnapshotEvents(uint64_t* resume_seq) const;
@@ -368,6 +385,7 @@ class PrefixCache final {
   const size_t evicted_memory_;
   const bool retain_partial_tails_;
   const bool events_on_;
+  const bool journal_on_;
   // Chained hashes are computed: events, the evicted-hash memory or the policy need them. Off,
   // hash_ and the fingerprints stay zero.
   const bool hashes_on_;
@@ -402,6 +420,7 @@ class PrefixCache final {
   absl::flat_hash_set<BlockHash> evicted_set_;
 
   std::vector<BlockHash> pending_removed_;  // batched into one BlockRemoved per call
+  std::vector<PublishedBlock> published_;   // the journal, when on
   NamespaceId pending_removed_ns_;
 
   // PlanEviction's scratch, kept to avoid allocating or hashing on every eviction: by node, the

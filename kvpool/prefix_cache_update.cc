@@ -191,6 +191,19 @@ void PrefixCache::RemoveDominated(NodeIndex node, const TraceContext& ctx) {
 }
 
 void PrefixCache::Announce(NodeIndex first, NodeIndex last) {
+  if (journal_on_) {
+    const size_t start = published_.size();
+    for (NodeIndex n = last;; n = nodes_[n].parent) {
+      const NodeIndex parent = nodes_[n].parent;
+      published_.push_back(
+          {.ns = ns_[n],
+           .block = nodes_[n].block,
+           .hash = hash_[n],
+           .parent = nodes_[parent].block != kInvalidBlock ? hash_[parent] : BlockHash{}});
+      if (n == first) break;
+    }
+    std::reverse(published_.begin() + static_cast<ptrdiff_t>(start), published_.end());
+  }
   if (!events_on_) return;
   KvEvent e{.type = KvEventType::kBlockStored, .ns = ns_[first], .block_size = block_size_};
   std::vector<NodeIndex> chain;

@@ -90,6 +90,67 @@ class PrefixCacheTest : public ::testing::Test {
   DevicePlan last_plan_;
 };
 
+// The journal a tier writer drains: every full block that becomes cached, once, parents first,
+// with the chained hashes the events carry; partial blocks and re-publishes are not in it.
+TEST(PublishJournalTest, ListsEachNewlyCachedFullBlockOnce) {
+  ManualClock clock;
+  auto made = KvCacheManager::Create({.block_size = kBs,
+                                      .num_blocks = 16,
+                                      .max_blocks_per_seq = 64,
+                                      .clock = &clock,
+                                      .publish_journal = true});
+  ASSERT_TRUE(made.ok()) << made.status();
+  KvCacheManager& cache = **made;
+  std::vector<PublishedBlock> journal;
+  cache.TakePublished(&journal);
+  EXPECT_THAT(journal, IsEmpty());
+
+  DevicePlan plan;
+  const std::vector<int32_t> prompt = Tokens(0, 2 * kBs + 5);  // two full blocks and a tail
+  auto a =
+      cache.Allocate(kAlice, {.ns = kTenantA, .num_tokens = 2 * kBs + 5, .prompt = prompt}, &plan);
+  ASSERT_TRUE(a.ok());
+  const std::vector<BlockId> table = cache.Find(a->sequence)->table;
+  ASSERT_TRUE(cache.Free(kAlice, a->sequence, OnFree::kCommit).ok());
+  cache.TakePublished(&journal);
+  ASSERT_THAT(journal, SizeIs(2));
+  const BlockHash h0 = PrefixChainHash({}, kTenantA, std::span(prompt).first(kBs));
+  const BlockHash h1 = PrefixChainHash(h0, kTenantA, std::span(prompt).subspan(kBs, kBs));
+  EXPECT_EQ(journal[0].block, table[0]);
+  EXPECT_EQ(journal[0].hash, h0);
+  EXPECT_EQ(journal[0].parent, BlockHash{});
+  EXPECT_EQ(journal[0].ns, kTenantA);
+  EXPECT_EQ(journal[1].block, table[1]);
+  EXPECT_EQ(journal[1].hash, h1);
+  EXPECT_EQ(journal[1].parent, h0);
+  cache.TakePublished(&journal);
+  EXPECT_THAT(journal, IsEmpty());  // drained
+
+  // The same prompt again adds nothing new; one more full block adds exactly that block.
+  const std::vector<int32_t> longer = Tokens(0, 3 * kBs);
+  auto b = cache.Allocate(kBob, {.ns = kTenantA, .num_tokens = 3 * kBs, .prompt = longer}, &plan);
+  ASSERT_TRUE(b.ok());
+  ASSERT_TRUE(cache.Free(kBob, b->sequence, OnFree::kCommit).ok());
+  cache.TakePublished(&journal);
+  ASSERT_THAT(journal, SizeIs(1));
+  EXPECT_EQ(journal[0].parent, h1);
+  EXPECT_EQ(journal[0].hash,
+            PrefixChainHash(h1, kTenantA, std::span(longer).subspan(2 * kBs, kBs)));
+}
+
+TEST(PublishJournalTest, OffByDefault) {
+  ManualClock clock;
+  auto cache = *KvCacheManager::Create(
+      {.block_size = kBs, .num_blocks = 8, .max_blocks_per_seq = 8, .clock = &clock});
+  DevicePlan plan;
+  const std::vector<int32_t> prompt = Tokens(0, kBs);
+  auto a = cache->Allocate(kAlice, {.ns = kTenantA, .num_tokens = kBs, .prompt = prompt}, &plan);
+  ASSERT_TRUE(cache->Free(kAlice, a->sequence, OnFree::kCommit).ok());
+  std::vector<PublishedBlock> journal(3);
+  cache->TakePublished(&journal);
+  EXPECT_THAT(journal, IsEmpty());
+}
+
 TEST_F(PrefixCacheTest, ServedPromptIsSharedByReference) {
   Make(32);
   const std::vector<int32_t> prompt = Tokens(0, 100);  // 3 full blocks + 4 tokens
