@@ -1,6 +1,6 @@
 #pragma once
 
-// Deterministic block chains for the Redis tier tests and benchmark: chained hashes computed the
+// Deterministic block chains for the tier tests and benchmark: chained hashes computed the
 // way the prefix cache computes them (PrefixChainHash over 16-token blocks) and payload bytes
 // that differ per namespace, block and seed.
 
@@ -21,7 +21,7 @@ struct TestChain {
   std::vector<std::vector<std::byte>> blocks;  // [n][block_bytes]
 
   // Puts every block (parent zero for the first). Returns how many were queued.
-  int Put(RedisBlockStore& store) const {
+  int Put(RemoteTier& store) const {
     int queued = 0;
     for (size_t i = 0; i < hashes.size(); ++i) {
       queued += store.Put(space, {.hash = hashes[i],

@@ -1,0 +1,111 @@
+#include "tier/host_block_store.h"
+
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "tests/tier/test_chain.h"
+
+namespace kvpool::tier {
+namespace {
+
+using testing::MakeChain;
+
+constexpr int64_t kBlockBytes = 256;
+const BlockSpace kSpace{NamespaceId(7), 0x1234};
+
+std::vector<std::vector<std::byte>> Buffers(size_t n) {
+  return std::vector<std::vector<std::byte>>(n, std::vector<std::byte>(kBlockBytes));
+}
+std::vector<std::span<std::byte>> Spans(std::vector<std::vector<std::byte>>& buffers) {
+  return {buffers.begin(), buffers.end()};
+}
+
+TEST(HostBlockStoreTest, StoredChainComesBackByteForByte) {
+  auto store = HostBlockStore::Create(8, kBlockBytes);
+  ASSERT_TRUE(store.ok()) << store.status();
+  const auto chain = MakeChain(kSpace, 4, kBlockBytes, 1);
+  EXPECT_EQ(chain.Put(**store), 4);
+  auto buffers = Buffers(4);
+  auto found = (*store)->Lookup(kSpace, BlockHash{}, chain.hashes, Spans(buffers));
+  ASSERT_TRUE(found.ok());
+  EXPECT_EQ(found->hits, 4);
+  EXPECT_EQ(found->coverage, std::vector<uint32_t>(4, 16));
+  EXPECT_EQ(buffers, chain.blocks);
+  // From the middle of the chain: the parent is the block before.
+  auto tail = Buffers(2);
+  found =
+      (*store)->Lookup(kSpace, chain.hashes[1], std::span(chain.hashes).subspan(2), Spans(tail));
+  EXPECT_EQ(found->hits, 2);
+  EXPECT_EQ(tail[1], chain.blocks[3]);
+}
+
+TEST(HostBlockStoreTest, OtherSpacesAndWrongParentsMiss) {
+  auto store = *HostBlockStore::Create(8, kBlockBytes);
+  const auto chain = MakeChain(kSpace, 3, kBlockBytes, 2);
+  chain.Put(*store);
+  auto buffers = Buffers(3);
+  for (const BlockSpace other : {BlockSpace{NamespaceId(8), kSpace.layout_fingerprint},
+                                 BlockSpace{kSpace.ns, kSpace.layout_fingerprint + 1}}) {
+    EXPECT_EQ(store->Lookup(other, BlockHash{}, chain.hashes, Spans(buffers))->hits, 0);
+  }
+  // Block 1 asked for under another parent: not the chain it was stored in.
+  auto one = Buffers(1);
+  EXPECT_EQ(
+      store->Lookup(kSpace, BlockHash{1, 2}, std::span(chain.hashes).subspan(1, 1), Spans(one))
+          ->hits,
+      0);
+  EXPECT_EQ(store->stats().corrupt, 1u);
+  // A hole stops the run: only the leading blocks count.
+  std::vector<BlockHash> holed = chain.hashes;
+  holed[1] = BlockHash{9, 9};
+  EXPECT_EQ(store->Lookup(kSpace, BlockHash{}, holed, Spans(buffers))->hits, 1);
+}
+
+TEST(HostBlockStoreTest, FullStoreEvictsTheLeastRecentlyUsed) {
+  auto store = *HostBlockStore::Create(3, kBlockBytes);
+  const auto chain = MakeChain(kSpace, 4, kBlockBytes, 3);
+  auto put = [&](int i) {
+    return store->Put(kSpace,
+                      {.hash = chain.hashes[static_cast<size_t>(i)],
+                       .parent = i == 0 ? BlockHash{} : chain.hashes[static_cast<size_t>(i - 1)],
+                       .coverage = 16,
+                       .bytes = chain.blocks[static_cast<size_t>(i)]});
+  };
+  EXPECT_TRUE(put(0) && put(1) && put(2));
+  auto one = Buffers(1);
+  // Touch block 0: block 1 is now the least recently used and goes when block 3 comes.
+  EXPECT_EQ(store->Lookup(kSpace, BlockHash{}, std::span(chain.hashes).first(1), Spans(one))->hits,
+            1);
+  EXPECT_TRUE(put(3));
+  EXPECT_EQ(store->stored(), 3);
+  EXPECT_EQ(store->evicted(), 1u);
+  auto buffers = Buffers(4);
+  EXPECT_EQ(store->Lookup(kSpace, BlockHash{}, chain.hashes, Spans(buffers))->hits, 1);
+  auto two = Buffers(2);
+  EXPECT_EQ(
+      store->Lookup(kSpace, chain.hashes[1], std::span(chain.hashes).subspan(2), Spans(two))->hits,
+      2);
+  EXPECT_EQ(store->stats().already_present, 0u);
+  EXPECT_TRUE(put(3));
+  EXPECT_EQ(store->stats().already_present, 1u);
+}
+
+TEST(HostBlockStoreTest, BadSizesAreRefused) {
+  EXPECT_EQ(HostBlockStore::Create(0, kBlockBytes).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(HostBlockStore::Create(4, 0).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(HostBlockStore::Create(int64_t{1} << 40, kBlockBytes).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  auto store = *HostBlockStore::Create(2, kBlockBytes);
+  std::vector<std::byte> small(kBlockBytes - 1);
+  EXPECT_FALSE(store->Put(kSpace, {.hash = BlockHash{1, 1}, .coverage = 16, .bytes = small}));
+  EXPECT_EQ(store->stored(), 0);
+  EXPECT_EQ(store->stats().dropped_write_errors, 1u);
+  std::vector<BlockHash> hashes{BlockHash{1, 1}};
+  std::vector<std::span<std::byte>> none;
+  EXPECT_EQ(store->Lookup(kSpace, BlockHash{}, hashes, none).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace kvpool::tier

@@ -1,0 +1,95 @@
+#pragma once
+
+// HostBlockStore: the host tier (L2, DESIGN.md §9), a fixed arena of block-sized slots in host
+// memory, content-addressed like the Redis tier (namespace, layout, chained hash) and evicting
+// least recently used slots when full. The daemon writes every block the device pool publishes
+// through to it (an inclusive cache, SGLang HiCache's write-through policy) and looks it up,
+// before Redis, on a local miss; a hit is copied into a fresh device block that its sequence
+// sees only after the copy's fence (daemon/engine/tiers.h).
+//
+// Every slot remembers its block's parent hash and coverage, and Lookup follows the chain: a
+// block whose stored parent is not the one asked for is a miss, so a hash collision cannot splice
+// two chains. Payload lengths are the store's fixed block size; a Put of another size is refused.
+//
+// Thread-safe (one mutex; a Put or Lookup holds it for its memcpy, a few microseconds per block).
+// On CUDA the arena should be pinned for full copy bandwidth; today it is pageable memory on
+// every backend (the copies still go through Device::CopyToHost / CopyToDevice).
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "tier/remote_tier.h"
+
+namespace kvpool::tier {
+
+class HostBlockStore final : public RemoteTier {
+ public:
+  // `blocks` slots of `block_bytes` each. Errors: INVALID_ARGUMENT (either not positive, or the
+  // arena would pass 2^46 bytes), RESOURCE_EXHAUSTED (the arena cannot be allocated).
+  static absl::StatusOr<std::unique_ptr<HostBlockStore>> Create(int64_t blocks,
+                                                                int64_t block_bytes);
+
+  // Copies the block into a slot at once (the least recently used one when full) and returns
+  // true; false (counted in dropped_write_errors) when its size is not block_bytes(). A block
+  // already stored is only touched (already_present).
+  bool Put(const BlockSpace& space, const BlockToStore& block) override;
+  absl::Status Flush(absl::Duration) override { return absl::OkStatus(); }  // Put is synchronous
+  RemoteTierStats stats() const override;
+
+  int64_t capacity() const { return capacity_; }
+  int64_t block_bytes() const { return block_bytes_; }
+  int64_t stored() const;    // blocks held now
+  uint64_t evicted() const;  // blocks dropped to make room, since creation
+
+ protected:
+  LookupResult LookupChecked(const BlockSpace& space, const BlockHash& parent,
+                             std::span<const BlockHash> hashes,
+                             std::span<const std::span<std::byte>> out) override;
+
+ private:
+  struct Key {
+    uint64_t ns = 0;
+    uint64_t layout = 0;
+    BlockHash hash;
+    friend bool operator==(const Key&, const Key&) = default;
+    template <typename H>
+    friend H AbslHashValue(H h, const Key& k) {
+      return H::combine(std::move(h), k.ns, k.layout, k.hash);
+    }
+  };
+  struct Slot {
+    Key key;
+    BlockHash parent;
+    uint32_t coverage = 0;
+    int32_t prev = -1;  // LRU list: prev is more recent, next less recent
+    int32_t next = -1;
+  };
+
+  HostBlockStore(int64_t blocks, int64_t block_bytes, std::unique_ptr<std::byte[]> arena);
+  std::byte* SlotBytes(int32_t slot) const {
+    return arena_.get() + static_cast<size_t>(slot) * static_cast<size_t>(block_bytes_);
+  }
+  void Unlink(int32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void PushFront(int32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const int64_t capacity_;
+  const int64_t block_bytes_;
+  const std::unique_ptr<std::byte[]> arena_;
+
+  mutable absl::Mutex mu_;
+  std::vector<Slot> slots_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<Key, int32_t> index_ ABSL_GUARDED_BY(mu_);
+  int32_t head_ ABSL_GUARDED_BY(mu_) = -1;   // most recently used
+  int32_t tail_ ABSL_GUARDED_BY(mu_) = -1;   // least recently used
+  int32_t unused_ ABSL_GUARDED_BY(mu_) = 0;  // slots [unused_, capacity) never used yet
+  RemoteTierStats stats_ ABSL_GUARDED_BY(mu_);
+  uint64_t evicted_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace kvpool::tier
