@@ -158,6 +158,32 @@ std::string LayerBytesTable(const v1::PoolLayout& l) {
   return table.Render() + "\n";
 }
 
+// The lower tiers: one row per store, then the moves between the pool and the tiers.
+std::string TiersText(const v1::GetStatsResponse& s) {
+  if (!s.has_tiers()) return "";
+  const v1::TierStats& t = s.tiers();
+  internal::Table stores({"TIER", "BLOCKS", "CAPACITY", "HITS", "MISSES", "CORRUPT", "WRITTEN",
+                          "DROPPED", "EVICTED", "QUEUED", "BREAKER"});
+  for (const v1::TierStoreStats& st : t.stores()) {
+    const bool host = st.medium() == "host";
+    stores.AddRow({st.medium(), host ? std::to_string(st.blocks()) : "-",
+                   host ? std::to_string(st.capacity_blocks()) : "-", std::to_string(st.hits()),
+                   std::to_string(st.misses()), std::to_string(st.corrupt()),
+                   std::to_string(st.written()), std::to_string(st.dropped()),
+                   host ? std::to_string(st.evicted()) : "-",
+                   host ? "-" : std::to_string(st.queued_blocks()),
+                   st.breaker().empty() ? "-" : st.breaker()});
+  }
+  internal::Table moves({"TIER MOVES", "BLOCKS", "GB/S", "FAILED"});
+  moves.AddRow({"demoted (pool -> tiers)", std::to_string(t.demoted_blocks()),
+                fmt::format("{:.2f}", t.demote_gbps()),
+                fmt::format("{} (+{} dropped)", t.demote_failed(), t.demote_dropped())});
+  moves.AddRow({"promoted from host", std::to_string(t.promoted_from_host()),
+                fmt::format("{:.2f}", t.promote_gbps()), std::to_string(t.promote_failed())});
+  moves.AddRow({"promoted from redis", std::to_string(t.promoted_from_redis()), "", ""});
+  return fmt::format("\n{}\n{}", stores.Render(), moves.Render());
+}
+
 std::string TableText(const v1::SequenceInfo& info, size_t max_entries) {
   std::string out;
   const size_t n = static_cast<size_t>(std::min(info.block_ids_size(), info.generations_size()));
@@ -249,6 +275,7 @@ std::string FormatStats(const v1::GetStatsResponse& s, bool json) {
   };
   for (const auto& [name, value] : rows) counters.AddRow({name, value});
   out += counters.Render();
+  out += TiersText(s);
   if (s.model().empty()) return out + "model: none\n";
   internal::Table model({"MODEL", "VALUE"});
   const std::pair<const char*, std::string> model_rows[] = {

@@ -277,6 +277,66 @@ void ValidatePoolsAndTenants(const v1::DaemonConfig& c, const kernels::PoolLayou
   }
 }
 
+void ValidateTiers(const v1::TierSpec& t,
+                   const std::function<void(std::string_view, std::string)>& bad) {
+  if (t.host_blocks() < 0) bad("tiers.host_blocks", "must be >= 0 (0: no host tier)");
+  if (t.staged_blocks() < 0) bad("tiers.staged_blocks", "must be >= 0 (0: the default)");
+  const v1::RedisTierSpec& r = t.redis();
+  if (!r.enabled()) return;
+  const int where = (r.unix_socket().empty() ? 0 : 1) + (r.host().empty() ? 0 : 1) +
+                    (r.cluster_seeds().empty() ? 0 : 1);
+  if (where != 1) {
+    bad("tiers.redis", "name exactly one of unix_socket, host or cluster_seeds");
+  }
+  if (r.port() < 0 || r.port() > 65535) bad("tiers.redis.port", "must be in [0, 65535]");
+  if (!r.key_slotting().empty() && r.key_slotting() != "namespace" && r.key_slotting() != "block") {
+    bad("tiers.redis.key_slotting",
+        fmt::format("'{}' is not namespace or block", r.key_slotting()));
+  }
+  const std::pair<const char*, int64_t> non_negative[] = {
+      {"tiers.redis.connect_timeout_ms", r.connect_timeout_ms()},
+      {"tiers.redis.command_timeout_ms", r.command_timeout_ms()},
+      {"tiers.redis.write_queue_blocks", r.write_queue_blocks()},
+      {"tiers.redis.write_queue_bytes", r.write_queue_bytes()},
+      {"tiers.redis.ttl_seconds", r.ttl_seconds()},
+      {"tiers.redis.breaker_failure_threshold", r.breaker_failure_threshold()},
+      {"tiers.redis.breaker_backoff_ms", r.breaker_backoff_ms()}};
+  for (const auto& [field, value] : non_negative) {
+    if (value < 0) bad(field, "must be >= 0 (0: the default)");
+  }
+}
+
+// The engine's tier options from a validated TierSpec (absent fields take their defaults).
+TierOptions TierOptionsOf(const v1::TierSpec& t) {
+  TierOptions o;
+  o.host_blocks = t.host_blocks();
+  if (t.staged_blocks() > 0) o.staged_blocks = t.staged_blocks();
+  const v1::RedisTierSpec& r = t.redis();
+  tier::RedisTierOptions& redis = o.redis;
+  redis.enabled = r.enabled();
+  redis.unix_socket = r.unix_socket();
+  redis.host = r.host();
+  if (r.port() > 0) redis.port = r.port();
+  redis.cluster_seeds.assign(r.cluster_seeds().begin(), r.cluster_seeds().end());
+  redis.username = r.username();
+  redis.password = r.password();
+  redis.key_slotting =
+      r.key_slotting() == "block" ? tier::KeySlotting::kBlock : tier::KeySlotting::kNamespace;
+  if (r.connect_timeout_ms() > 0)
+    redis.connect_timeout = absl::Milliseconds(r.connect_timeout_ms());
+  if (r.command_timeout_ms() > 0)
+    redis.command_timeout = absl::Milliseconds(r.command_timeout_ms());
+  if (r.write_queue_blocks() > 0) redis.write_queue_blocks = r.write_queue_blocks();
+  if (r.write_queue_bytes() > 0) redis.write_queue_bytes = r.write_queue_bytes();
+  redis.ttl_seconds = r.ttl_seconds();
+  if (r.breaker_failure_threshold() > 0) {
+    redis.breaker_failure_threshold = r.breaker_failure_threshold();
+  }
+  if (r.breaker_backoff_ms() > 0)
+    redis.breaker_backoff = absl::Milliseconds(r.breaker_backoff_ms());
+  return o;
+}
+
 }  // namespace
 
 std::vector<std::string> ValidateConfig(const v1::DaemonConfig& c) {
@@ -322,6 +382,7 @@ std::vector<std::string> ValidateConfig(const v1::DaemonConfig& c) {
     bad("event_capacity_bytes", fmt::format("must be > 0 (got {})", c.event_capacity_bytes()));
   }
   if (c.session_quota_blocks() < 0) bad("session_quota_blocks", "must be >= 0 (0: unlimited)");
+  ValidateTiers(c.tiers(), bad);
   for (const auto& [tenant, quota] : c.tenant_quota_blocks()) {
     if (quota < 0) bad(fmt::format("tenant_quota_blocks[{}]", tenant), "must be >= 0");
   }
@@ -405,6 +466,7 @@ absl::StatusOr<EngineOptions> MakeEngineOptions(const v1::DaemonConfig& c, uint6
   o.event_capacity_bytes = static_cast<size_t>(c.event_capacity_bytes());
   o.fill_policy = *kernels::ParseFillPolicy(c.fill_policy());
   o.session_quota_blocks = c.session_quota_blocks();
+  o.tiers = TierOptionsOf(c.tiers());
   o.limits = {.sessions_per_uid = c.limits().sessions_per_uid(),
               .sequences_per_session = c.limits().sequences_per_session(),
               .batch_items = c.limits().batch_items(),

@@ -4,6 +4,7 @@
 #include "kvpool/util/errors.h"
 #include "kvpool/util/fmt.h"
 #include "kvpool/v1/wire.h"
+#include "tier/circuit_breaker.h"
 
 namespace kvpool::daemon {
 namespace {
@@ -128,6 +129,59 @@ void ToProto(const AttachCounters& a, v1::GetStatsResponse* r) {
   r->set_attach_accept_backoffs(a.accept_backoffs.load(std::memory_order_relaxed));
 }
 
+namespace {
+
+void ToProto(const tier::RemoteTierStats& s, v1::TierStoreStats* out) {
+  out->set_breaker(tier::BreakerStateName(s.breaker));
+  out->set_breaker_opens(s.breaker_opens);
+  out->set_lookups(s.lookups);
+  out->set_hits(s.hits);
+  out->set_misses(s.misses);
+  out->set_corrupt(s.corrupt);
+  out->set_written(s.written);
+  out->set_already_present(s.already_present);
+  out->set_dropped(s.dropped_queue_full + s.dropped_breaker_open + s.dropped_write_errors +
+                   s.dropped_shutdown);
+  out->set_bytes_read(s.bytes_read);
+  out->set_bytes_written(s.bytes_written);
+  out->set_queued_blocks(s.queued_blocks);
+}
+
+double Gbps(uint64_t bytes, int64_t ns) {
+  return ns > 0 ? static_cast<double>(bytes) / static_cast<double>(ns) : 0.0;
+}
+
+void ToProto(const TierStats& t, v1::TierStats* out) {
+  if (t.host) {
+    v1::TierStoreStats* host = out->add_stores();
+    ToProto(t.host_store, host);
+    host->set_medium("host");
+    host->clear_breaker();
+    host->set_capacity_blocks(t.host_capacity_blocks);
+    host->set_blocks(t.host_blocks);
+    host->set_evicted(t.host_evicted);
+  }
+  if (t.remote) {
+    v1::TierStoreStats* redis = out->add_stores();
+    ToProto(t.remote_store, redis);
+    redis->set_medium("redis");
+  }
+  out->set_demoted_blocks(t.demoted);
+  out->set_demoted_bytes(t.demoted_bytes);
+  out->set_demote_gbps(Gbps(t.demoted_bytes, t.demote_ns));
+  out->set_demote_dropped(t.demote_dropped_full);
+  out->set_demote_failed(t.demote_failed);
+  out->set_demote_queued(t.demote_queued);
+  out->set_lookups(t.lookups);
+  out->set_promoted_from_host(t.promoted_from_host);
+  out->set_promoted_from_redis(t.promoted_from_remote);
+  out->set_promoted_bytes(t.promoted_bytes);
+  out->set_promote_gbps(Gbps(t.promoted_bytes, t.promote_ns));
+  out->set_promote_failed(t.promote_failed);
+}
+
+}  // namespace
+
 void ToProto(const EngineStats& st, v1::GetStatsResponse* r) {
   const KvCacheStats& s = st.cache;
   r->set_num_blocks(s.pool.num_blocks);
@@ -188,6 +242,7 @@ void ToProto(const EngineStats& st, v1::GetStatsResponse* r) {
   r->set_sessions_refused(st.sessions.refused);
   r->set_calls_not_permitted(st.calls.not_permitted);
   r->set_calls_over_limit(st.calls.over_limit);
+  if (st.tiers.host || st.tiers.remote) ToProto(st.tiers, r->mutable_tiers());
 }
 
 void ToProto(const SessionListing& l, int64_t now_ns, v1::SessionInfo* info) {

@@ -15,6 +15,10 @@ namespace {
 
 spdlog::logger& Log() { return Logger("daemon"); }
 
+// The owner of the sequences that promote tier hits into the pool (Engine::LoadFromTiers): no
+// session, so no client can see, free or end them.
+constexpr SessionId kTierLoader{~uint64_t{0}};
+
 absl::Status DeviceError(const absl::Status& s) {
   return absl::InternalError(fmt::format("device: {}", s.message()));
 }
@@ -187,6 +191,7 @@ absl::StatusOr<Tables> Engine::Allocate(const Session& s, std::span<const Alloca
                                                      item.priority, s.spec.tenant, s.max_priority));
     }
   }
+  for (const AllocateRequest& item : items) LoadFromTiers(s, item.prompt);
   Tables out;
   std::vector<SequenceId> created;
   Fence fence;
@@ -298,7 +303,10 @@ absl::Status Engine::Commit(const Session& s, SequenceId sequence, int64_t num_t
   KVPOOL_RETURN_IF_ERROR(context.Check());
   absl::MutexLock lock(&mu_);
   KVPOOL_RETURN_IF_ERROR(Admit(s, {.kv_access = true}));
-  return state_->pool_of(s).cache().Commit(s.id, sequence, num_tokens, new_tokens);
+  PoolState& pool = state_->pool_of(s);
+  KVPOOL_RETURN_IF_ERROR(pool.cache().Commit(s.id, sequence, num_tokens, new_tokens));
+  pool.StagePublished();
+  return absl::OkStatus();
 }
 
 absl::Status Engine::Free(const Session& s, std::span<const SequenceId> sequences, OnFree on_free,
@@ -306,7 +314,108 @@ absl::Status Engine::Free(const Session& s, std::span<const SequenceId> sequence
   KVPOOL_RETURN_IF_ERROR(context.Check());
   absl::MutexLock lock(&mu_);
   KVPOOL_RETURN_IF_ERROR(Admit(s, {.items = sequences.size()}));
-  return state_->pool_of(s).cache().FreeBatch(s.id, sequences, on_free);
+  PoolState& pool = state_->pool_of(s);
+  KVPOOL_RETURN_IF_ERROR(pool.cache().FreeBatch(s.id, sequences, on_free));
+  pool.StagePublished();
+  return absl::OkStatus();
+}
+
+void Engine::LoadFromTiers(const Session& s, std::span<const int32_t> prompt) {
+  const int32_t bs = layout(s.pool).block_size;
+  const size_t full = prompt.size() / static_cast<size_t>(bs);
+  if (full == 0) return;
+  PoolState* pool;
+  TierSet* tiers;
+  size_t local;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!state_->health.ok() || !state_->CheckLive(s.id).ok() || s.spec.tenant.empty()) return;
+    pool = &state_->pool_of(s);
+    tiers = pool->tiers();
+    if (tiers == nullptr) return;
+    local = static_cast<size_t>(pool->cache().MatchPrefix(s.ns, prompt) / bs);
+  }
+  if (local >= full) return;
+  // The chain's names as the prefix cache computes them, then the tiers, with no lock held.
+  std::vector<BlockHash> chain(full);
+  BlockHash parent;
+  for (size_t i = 0; i < full; ++i) {
+    chain[i] = parent = PrefixChainHash(parent, s.ns, prompt.subspan(i * bs, bs));
+  }
+  const BlockHash after = local == 0 ? BlockHash{} : chain[local - 1];
+  TierSet::Found found = tiers->Lookup(s.ns, after, std::span(chain).subspan(local));
+  if (found.hits == 0) return;
+  const size_t upto = local + static_cast<size_t>(found.hits);
+  const int64_t from_host = found.from_host;
+  const int64_t from_remote = found.hits - found.from_host;
+
+  // A loader sequence over the prompt's first `upto` blocks: the cached ones adopted, fresh
+  // blocks for the rest, which the tiers' bytes fill on the transfer stream after the plan.
+  const int64_t started = absl::GetCurrentTimeNanos();
+  SequenceId loader;
+  Fence copied;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!state_->health.ok() || !state_->CheckLive(s.id).ok()) return;
+    KvCacheManager& cache = pool->cache();
+    const AllocateRequest request{.ns = s.ns,
+                                  .num_tokens = static_cast<int64_t>(upto) * bs,
+                                  .prompt = prompt.first(upto * bs)};
+    DevicePlan plan;
+    const absl::StatusOr<AllocateResult> made = cache.Allocate(kTierLoader, request, &plan);
+    if (!made.ok()) {  // no room (quota, pool): the prompt is a miss, as without the tiers
+      tiers->CountPromotion(from_host, from_remote, 0, /*failed=*/true);
+      return;
+    }
+    loader = made->sequence;
+    if (made->matched_tokens % bs != 0) {
+      // A partly cached block is shared, not ours to fill: leave this prompt to compute.
+      KVPOOL_CHECK_OK(cache.Free(kTierLoader, loader));
+      tiers->CountPromotion(from_host, from_remote, 0, /*failed=*/true);
+      return;
+    }
+    absl::StatusOr<Fence> fence = pool->Carry(plan);
+    const Sequence& seq = *cache.Find(loader);
+    std::vector<BlockId> targets;
+    for (size_t i = static_cast<size_t>(made->matched_tokens / bs); fence.ok() && i < upto; ++i) {
+      const BlockId block = seq.table[i];
+      void* dst = static_cast<std::byte*>(pool->view().base) + block.value() * tiers->block_bytes();
+      fence = device_->CopyToDevice(kernels::StreamId::kTransfer, dst,
+                                    found.bytes[i - local].data(), tiers->block_bytes());
+      targets.push_back(block);
+    }
+    const Fence queued = fence.ok() ? *fence : device_->LastFence(kernels::StreamId::kTransfer);
+    if (!targets.empty()) KVPOOL_CHECK_OK(cache.MarkInFlight(targets, queued));
+    if (!fence.ok()) {
+      KVPOOL_CHECK_OK(cache.Free(kTierLoader, loader));
+      tiers->CountPromotion(from_host, from_remote, 0, /*failed=*/true);
+      return;
+    }
+    copied = *fence;
+  }
+  const absl::Status waited = device_->Synchronize(copied);
+  absl::MutexLock lock(&mu_);
+  KvCacheManager& cache = pool->cache();
+  if (!waited.ok()) {
+    KVPOOL_CHECK_OK(cache.Free(kTierLoader, loader));
+    tiers->CountPromotion(from_host, from_remote, 0, /*failed=*/true);
+    return;
+  }
+  // The bytes are in place: publish them (the prefix cache holds them from here on, for this
+  // caller's Allocate and everyone else's) and let the loader go.
+  if (!cache.Free(kTierLoader, loader, OnFree::kCommit).ok()) {
+    KVPOOL_CHECK_OK(cache.Free(kTierLoader, loader));
+    tiers->CountPromotion(from_host, from_remote, 0, /*failed=*/true);
+    return;
+  }
+  pool->StagePublished(std::span(chain).first(upto));
+  tiers->CountPromotion(from_host, from_remote, absl::GetCurrentTimeNanos() - started, false);
+  if (from_remote > 0) {
+    const size_t first_remote = local + static_cast<size_t>(from_host);
+    tiers->KeepInHost(s.ns, first_remote == 0 ? BlockHash{} : chain[first_remote - 1],
+                      std::span(chain).subspan(first_remote, static_cast<size_t>(from_remote)),
+                      std::span(found.bytes).subspan(static_cast<size_t>(from_host)));
+  }
 }
 
 absl::StatusOr<int64_t> Engine::MatchPrefix(const Session& s,
@@ -394,6 +503,7 @@ void Engine::Submit(std::unique_ptr<ComputeCall> call) {
     call->Complete();
     return;
   }
+  if (call->request().creates()) LoadFromTiers(call->session(), call->request().tokens);
   runner_->Submit(std::move(call));
 }
 

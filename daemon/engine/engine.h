@@ -83,6 +83,7 @@ struct EngineStats {
   double uptime_seconds = 0;
   bool draining = false;
   absl::Status health;
+  TierStats tiers;  // the pool's lower tiers (tiers.host / tiers.remote say which exist)
 };
 
 struct SessionListing {
@@ -195,6 +196,9 @@ class Engine final {
   absl::StatusOr<int64_t> Evict(int32_t pool, int64_t blocks, bool all);
   // Every pool's invariants, and that clients see every block's current generation.
   absl::Status CheckInvariants() const;
+  // Waits until every block published so far reached the tiers (host stored, remote written).
+  // Errors: DEADLINE_EXCEEDED.
+  absl::Status FlushTiers(absl::Duration timeout) const;
   // Refuses new sequences from now on; returns how many are still live (every pool).
   int64_t Drain();
   bool draining() const;
@@ -235,6 +239,10 @@ class Engine final {
   absl::Status Complete(const Session& s, Fence fence, std::span<const SequenceId> created,
                         const CallContext& context);
   void Release(const Session& s, std::span<const SequenceId> created);
+  // Before a prompt is matched: promotes from the pool's tiers (tiers.h) the blocks of `prompt`
+  // after its locally cached prefix that a tier holds, so the match that follows finds them.
+  // Best effort: a miss, no room or a device failure leaves the pool as it was (counted).
+  void LoadFromTiers(const Session& s, std::span<const int32_t> prompt) ABSL_LOCKS_EXCLUDED(mu_);
   // What a compute call may ask, checked before it queues: top_k, the prompt against the
   // context, the decode width, and the session's queued calls. Errors: INVALID_ARGUMENT,
   // OUT_OF_RANGE, RESOURCE_EXHAUSTED.

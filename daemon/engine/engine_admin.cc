@@ -34,7 +34,21 @@ EngineStats Engine::Stats(int32_t pool_index) const {
   s.uptime_seconds = static_cast<double>(state_->now() - started_ns_) * 1e-9;
   s.draining = state_->draining;
   s.health = state_->health;
+  if (pool.tiers() != nullptr) s.tiers = pool.tiers()->stats();
   return s;
+}
+
+absl::Status Engine::FlushTiers(absl::Duration timeout) const {
+  std::vector<TierSet*> tiers;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    for (int32_t i = 0; i < state_->num_pools(); ++i) {
+      if (state_->pool(i).tiers() != nullptr) tiers.push_back(state_->pool(i).tiers());
+    }
+  }
+  const absl::Time deadline = absl::Now() + timeout;
+  for (TierSet* t : tiers) KVPOOL_RETURN_IF_ERROR(t->Flush(deadline - absl::Now()));
+  return absl::OkStatus();
 }
 
 std::vector<SessionListing> Engine::ListSessions() const {

@@ -8,6 +8,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "daemon/engine/step_scheduler.h"
+#include "daemon/engine/tiers.h"
 #include "kernels/plan_executor.h"
 #include "kernels/pool_layout.h"
 #include "kvpool/eviction_policy.h"
@@ -52,6 +53,7 @@ struct EngineOptions {
   size_t event_capacity = 65536;                        // cache events kept for replay, per pool
   size_t event_capacity_bytes = kDefaultEventLogBytes;  // bytes those events may take, per pool
   kernels::FillPolicy fill_policy = kernels::FillPolicy::kNone;
+  TierOptions tiers;  // lower tiers of every pool (each pool its own stores); off by default
   int64_t session_quota_blocks = 0;  // block references a session may hold; 0: unlimited
   // The configured tenants. Empty: any tenant name may be claimed, with `open_tenant`'s limits
   // and, when `open_quota_blocks` names it, that quota.

@@ -31,19 +31,24 @@ absl::StatusOr<std::unique_ptr<PoolState>> PoolState::Create(const PoolOptions& 
                               .eviction_policy = options.eviction_policy,
                               .epoch = options.epoch,
                               .event_capacity = options.event_capacity,
+                              .publish_journal = options.tiers.enabled() && options.prefix_cache,
                               .event_capacity_bytes = options.event_capacity_bytes,
                               .max_sequences_per_session = options.limits.sequences_per_session}));
   KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<GenerationTable> generations,
                           GenerationTable::Create(layout.num_blocks));
-  return std::unique_ptr<PoolState>(new PoolState(pool.name, layout, options.fill_policy, device,
-                                                  std::move(arena), std::move(steps),
-                                                  std::move(cache), std::move(generations)));
+  std::unique_ptr<TierSet> tiers;
+  if (options.tiers.enabled() && options.prefix_cache) {
+    KVPOOL_ASSIGN_OR_RETURN(tiers, TierSet::Create(options.tiers, device, layout));
+  }
+  return std::unique_ptr<PoolState>(
+      new PoolState(pool.name, layout, options.fill_policy, device, std::move(arena),
+                    std::move(steps), std::move(cache), std::move(generations), std::move(tiers)));
 }
 
 PoolState::PoolState(std::string name, const kernels::PoolLayout& layout, kernels::FillPolicy fill,
                      kernels::Device* device, std::unique_ptr<kernels::Arena> arena,
                      std::unique_ptr<StepTimeline> steps, std::unique_ptr<KvCacheManager> cache,
-                     std::unique_ptr<GenerationTable> generations)
+                     std::unique_ptr<GenerationTable> generations, std::unique_ptr<TierSet> tiers)
     : name_(std::move(name)),
       layout_(layout),
       device_(device),
@@ -52,9 +57,20 @@ PoolState::PoolState(std::string name, const kernels::PoolLayout& layout, kernel
       cache_(std::move(cache)),
       generations_(std::move(generations)),
       executor_(device, kernels::StreamId::kTransfer, kernels::KvPoolView{arena_->base(), layout_},
-                fill) {}
+                fill),
+      tiers_(std::move(tiers)) {}
+
+void PoolState::StagePublished(std::span<const BlockHash> skip) {
+  if (!tiers_) return;
+  cache_->TakePublished(&published_);
+  tiers_->Stage(*cache_, view(), published_, skip);
+}
 
 PoolState::~PoolState() {
+  if (tiers_) {
+    // What was published last still goes down (bounded: the copies are queued already).
+    tiers_->Flush(absl::Seconds(5)).IgnoreError();
+  }
   if (absl::Status s = device_->SynchronizeAll(); !s.ok()) {
     Logger("daemon").error("device at pool {}'s release: {}", name_, s.ToString());
   }

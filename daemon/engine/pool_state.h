@@ -14,6 +14,7 @@
 #include "daemon/engine/engine_options.h"
 #include "daemon/engine/generation_table.h"
 #include "daemon/engine/step_timeline.h"
+#include "daemon/engine/tiers.h"
 #include "kernels/device.h"
 #include "kernels/plan_executor.h"
 #include "kvpool/kv_cache_manager.h"
@@ -64,6 +65,13 @@ class PoolState final {
   const kernels::Arena& arena() const { return *arena_; }
   const GenerationTable& generations() const { return *generations_; }
   StepTimeline& steps() { return *steps_; }
+  // The pool's lower tiers; null when none is configured.
+  TierSet* tiers() const { return tiers_.get(); }
+
+  // Stages for the tiers every full block published since the last call (TierSet::Stage); call
+  // it in each lock hold that may publish, before the lock is released. `skip`: hashes just
+  // promoted from a tier. A no-op without tiers.
+  void StagePublished(std::span<const BlockHash> skip = {});
 
   // Enqueues `plan`'s device work, marks the blocks it touches in flight with that work's fence
   // and publishes the generations of the blocks it hands out. Returns the fence to wait for
@@ -84,7 +92,7 @@ class PoolState final {
   PoolState(std::string name, const kernels::PoolLayout& layout, kernels::FillPolicy fill,
             kernels::Device* device, std::unique_ptr<kernels::Arena> arena,
             std::unique_ptr<StepTimeline> steps, std::unique_ptr<KvCacheManager> cache,
-            std::unique_ptr<GenerationTable> generations);
+            std::unique_ptr<GenerationTable> generations, std::unique_ptr<TierSet> tiers);
 
   const std::string name_;
   const kernels::PoolLayout layout_;
@@ -94,6 +102,8 @@ class PoolState final {
   const std::unique_ptr<KvCacheManager> cache_;
   const std::unique_ptr<GenerationTable> generations_;
   kernels::PlanExecutor executor_;
+  const std::unique_ptr<TierSet> tiers_;
+  std::vector<PublishedBlock> published_;  // scratch of StagePublished
 };
 
 }  // namespace kvpool::daemon

@@ -186,6 +186,7 @@ void Step::Finish(EngineState& state, const absl::Status& launched) {
   m.step_sequences += items_.size();
   m.busy_ns += busy_ns_;
   for (Entry& e : entries_) FinishEntry(state, e);
+  pool.StagePublished();  // what the step published goes down to the tiers
 }
 
 void Step::FinishEntry(EngineState& state, Entry& e) {

@@ -111,6 +111,28 @@ TEST(FormatTest, StatsShowBlockShares) {
   EXPECT_TRUE(parsed.contains("evictions"));  // defaults are printed too
 }
 
+TEST(FormatTest, StatsShowTiersOnlyWhenConfigured) {
+  v1::GetStatsResponse stats;
+  stats.set_num_blocks(16);
+  EXPECT_THAT(FormatStats(stats, false), ::testing::Not(HasSubstr("TIER")));
+  v1::TierStoreStats* host = stats.mutable_tiers()->add_stores();
+  host->set_medium("host");
+  host->set_blocks(12);
+  host->set_capacity_blocks(64);
+  host->set_hits(5);
+  v1::TierStoreStats* redis = stats.mutable_tiers()->add_stores();
+  redis->set_medium("redis");
+  redis->set_breaker("open");
+  redis->set_hits(3);
+  stats.mutable_tiers()->set_promoted_from_host(5);
+  stats.mutable_tiers()->set_promoted_from_redis(3);
+  const std::string text = FormatStats(stats, false);
+  EXPECT_THAT(text, ::testing::ContainsRegex("\nhost +12 +64 +5 "));
+  EXPECT_THAT(text, ::testing::ContainsRegex("\nredis +- +- +3 .* open\n"));
+  EXPECT_THAT(text, ::testing::ContainsRegex("promoted from host +5 "));
+  EXPECT_THAT(text, ::testing::ContainsRegex("promoted from redis +3"));
+}
+
 TEST(FormatTest, StatsShowBytesPerTokenOfEachLayer) {
   v1::GetStatsResponse stats;
   v1::PoolLayout* l = stats.mutable_layout();

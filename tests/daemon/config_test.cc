@@ -113,6 +113,48 @@ TEST(ConfigTest, EngineOptionsFollowTheConfig) {
   EXPECT_EQ(MakeEngineOptions(c, 42).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST(ConfigTest, TiersAreOffByDefaultAndCheckedWhenOn) {
+  absl::StatusOr<EngineOptions> o = MakeEngineOptions(DefaultConfig(), 1);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_FALSE(o->tiers.enabled());
+
+  const std::string path = ::testing::TempDir() + "/tiers.textproto";
+  std::ofstream(path) << "tiers { host_blocks: -1 redis { enabled: true unix_socket: \"/r.sock\" "
+                         "host: \"h\" key_slotting: \"row\" command_timeout_ms: -2 } }\n";
+  const absl::Status bad = LoadConfig(path).status();
+  ASSERT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  const std::string message(bad.message());
+  EXPECT_THAT(message, HasSubstr("tiers.host_blocks"));
+  EXPECT_THAT(message, HasSubstr("tiers.redis: name exactly one of"));
+  EXPECT_THAT(message, HasSubstr("tiers.redis.key_slotting: 'row'"));
+  EXPECT_THAT(message, HasSubstr("tiers.redis.command_timeout_ms"));
+
+  std::ofstream(path) << "tiers { host_blocks: 64 staged_blocks: 8 redis { enabled: true "
+                         "cluster_seeds: \"127.0.0.1:7000\" key_slotting: \"block\" "
+                         "command_timeout_ms: 50 ttl_seconds: 600 } }\n";
+  const absl::StatusOr<v1::DaemonConfig> c = LoadConfig(path);
+  ASSERT_TRUE(c.ok()) << c.status();
+  o = MakeEngineOptions(*c, 1);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->tiers.host_blocks, 64);
+  EXPECT_EQ(o->tiers.staged_blocks, 8);
+  EXPECT_TRUE(o->tiers.redis.enabled);
+  EXPECT_EQ(o->tiers.redis.cluster_seeds, std::vector<std::string>{"127.0.0.1:7000"});
+  EXPECT_EQ(o->tiers.redis.key_slotting, tier::KeySlotting::kBlock);
+  EXPECT_EQ(o->tiers.redis.command_timeout, absl::Milliseconds(50));
+  EXPECT_EQ(o->tiers.redis.connect_timeout, absl::Milliseconds(200));  // the default
+  EXPECT_EQ(o->tiers.redis.ttl_seconds, 600);
+}
+
+// The sample config in deploy/ spells out the defaults: it loads, and its tiers are off.
+TEST(ConfigTest, TheSampleConfigLoads) {
+  const absl::StatusOr<v1::DaemonConfig> c =
+      LoadConfig(std::string(KVPOOL_SOURCE_DIR) + "/deploy/kvpoold.textproto");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->tiers().host_blocks(), 0);
+  EXPECT_FALSE(c->tiers().redis().enabled());
+}
+
 // PoolShape's dtypes (config.proto): default, K / V, then per-layer entries, last match wins.
 TEST(ConfigTest, ShapeDTypesPerLayerAndSide) {
   v1::DaemonConfig c = DefaultConfig();

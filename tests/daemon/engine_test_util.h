@@ -20,6 +20,7 @@ namespace kvpool::daemon::testing {
 class FailingDevice final : public kernels::Device {
  public:
   std::atomic<bool> fail{false};
+  std::atomic<bool> fail_copy_to_device{false};  // CopyToDevice fails too (tier promotions)
 
   std::string name() const override { return "failing-cpu"; }
   bool host_visible() const override { return true; }
@@ -31,6 +32,7 @@ class FailingDevice final : public kernels::Device {
   }
   absl::StatusOr<Fence> CopyToDevice(kernels::StreamId s, void* dst, const void* src,
                                      int64_t bytes) override {
+    if (fail_copy_to_device) return absl::InternalError("injected: copy to device not queued");
     return cpu_.CopyToDevice(s, dst, src, bytes);
   }
   absl::StatusOr<Fence> CopyToHost(kernels::StreamId s, void* dst, const void* src,

@@ -1,0 +1,227 @@
+#include "daemon/engine/tiers.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/time/clock.h"
+#include "fmt/format.h"
+#include "kvpool/util/check.h"
+#include "kvpool/util/logging.h"
+#include "kvpool/util/status_macros.h"
+#include "tier/redis_block_store.h"
+
+namespace kvpool::daemon {
+namespace {
+
+int64_t NowNs() { return absl::GetCurrentTimeNanos(); }
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<TierSet>> TierSet::Create(const TierOptions& options,
+                                                         kernels::Device* device,
+                                                         const kernels::PoolLayout& layout) {
+  if (options.host_blocks < 0 || options.staged_blocks <= 0) {
+    return absl::InvalidArgumentError(fmt::format("tiers: host_blocks {} and staged_blocks {}",
+                                                  options.host_blocks, options.staged_blocks));
+  }
+  std::unique_ptr<tier::HostBlockStore> host;
+  if (options.host_blocks > 0) {
+    KVPOOL_ASSIGN_OR_RETURN(
+        host, tier::HostBlockStore::Create(options.host_blocks, layout.block_bytes()));
+  }
+  std::unique_ptr<tier::RemoteTier> remote;
+  if (options.redis.enabled) {
+    KVPOOL_ASSIGN_OR_RETURN(remote, tier::RedisBlockStore::Create(options.redis));
+  }
+  return std::make_unique<TierSet>(device, layout, std::move(host), std::move(remote),
+                                   options.staged_blocks);
+}
+
+TierSet::TierSet(kernels::Device* device, const kernels::PoolLayout& layout,
+                 std::unique_ptr<tier::HostBlockStore> host,
+                 std::unique_ptr<tier::RemoteTier> remote, int64_t staged_blocks)
+    : device_(device),
+      block_bytes_(layout.block_bytes()),
+      block_size_(layout.block_size),
+      layout_fingerprint_(layout.Hash()),
+      max_staged_(staged_blocks),
+      host_(std::move(host)),
+      remote_(std::move(remote)) {
+  KVPOOL_CHECK(host_ == nullptr || host_->block_bytes() == block_bytes_);
+  writer_ = std::thread([this] { WriterLoop(); });
+}
+
+TierSet::~TierSet() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    changed_.SignalAll();
+  }
+  writer_.join();
+}
+
+void TierSet::Stage(KvCacheManager& cache, const kernels::KvPoolView& view,
+                    std::span<const PublishedBlock> published, std::span<const BlockHash> skip) {
+  if (published.empty()) return;
+  // The compute stream may still be writing what a step just published: copy after it.
+  const Fence computed = device_->LastFence(kernels::StreamId::kCompute);
+  if (computed.value != 0) {
+    if (absl::Status s = device_->StreamWait(kernels::StreamId::kTransfer, computed); !s.ok()) {
+      absl::MutexLock lock(&mu_);
+      counters_.demote_failed += published.size();
+      return;
+    }
+  }
+  std::vector<BlockId> copied;
+  Fence last;
+  absl::MutexLock lock(&mu_);
+  for (const PublishedBlock& p : published) {
+    if (std::find(skip.begin(), skip.end(), p.hash) != skip.end()) continue;
+    if (static_cast<int64_t>(queue_.size()) + in_flight_ >= max_staged_) {
+      ++counters_.demote_dropped_full;
+      continue;
+    }
+    Staged item{.space = {p.ns, layout_fingerprint_}, .hash = p.hash, .parent = p.parent};
+    item.bytes.resize(static_cast<size_t>(block_bytes_));
+    const std::byte* src =
+        static_cast<const std::byte*>(view.base) + p.block.value() * block_bytes_;
+    const absl::StatusOr<Fence> fence =
+        device_->CopyToHost(kernels::StreamId::kTransfer, item.bytes.data(), src, block_bytes_);
+    if (!fence.ok()) {
+      ++counters_.demote_failed;
+      continue;
+    }
+    item.fence = *fence;
+    item.staged_ns = NowNs();
+    last = *fence;
+    copied.push_back(p.block);
+    queue_.push_back(std::move(item));
+  }
+  if (!copied.empty()) {
+    // Until the copies have run the blocks stay out of the free list, whatever happens to them.
+    KVPOOL_CHECK_OK(cache.MarkInFlight(copied, last));
+    changed_.Signal();
+  }
+}
+
+void TierSet::WriterLoop() {
+  for (;;) {
+    Staged item;
+    {
+      absl::MutexLock lock(&mu_);
+      while (queue_.empty() && !stopping_) changed_.Wait(&mu_);
+      if (queue_.empty()) return;  // stopping, and everything staged was offered
+      item = std::move(queue_.front());
+      queue_.pop_front();
+      ++in_flight_;
+    }
+    const absl::Status copied = device_->Synchronize(item.fence);
+    const int64_t spent = NowNs() - item.staged_ns;
+    if (copied.ok()) {
+      const tier::BlockToStore block{.hash = item.hash,
+                                     .parent = item.parent,
+                                     .coverage = static_cast<uint32_t>(block_size_),
+                                     .bytes = item.bytes};
+      if (host_) host_->Put(item.space, block);
+      if (remote_) remote_->Put(item.space, block);
+    }
+    absl::MutexLock lock(&mu_);
+    --in_flight_;
+    if (copied.ok()) {
+      ++counters_.demoted;
+      counters_.demoted_bytes += static_cast<uint64_t>(block_bytes_);
+      counters_.demote_ns += spent;
+    } else {
+      ++counters_.demote_failed;
+      Logger("daemon").warn("tier: copying a block out failed: {}", copied.ToString());
+    }
+    changed_.SignalAll();
+  }
+}
+
+TierSet::Found TierSet::Lookup(NamespaceId ns, const BlockHash& parent,
+                               std::span<const BlockHash> hashes) {
+  Found found;
+  if (hashes.empty()) return found;
+  {
+    absl::MutexLock lock(&mu_);
+    ++counters_.lookups;
+  }
+  found.bytes.assign(hashes.size(), std::vector<std::byte>(static_cast<size_t>(block_bytes_)));
+  std::vector<std::span<std::byte>> out(found.bytes.begin(), found.bytes.end());
+  const tier::BlockSpace space{ns, layout_fingerprint_};
+  if (host_) {
+    const absl::StatusOr<tier::LookupResult> r = host_->Lookup(space, parent, hashes, out);
+    if (r.ok()) found.hits = found.from_host = r->hits;
+  }
+  if (remote_ && found.hits < static_cast<int64_t>(hashes.size())) {
+    const size_t from = static_cast<size_t>(found.hits);
+    const BlockHash& after = from == 0 ? parent : hashes[from - 1];
+    const absl::StatusOr<tier::LookupResult> r =
+        remote_->Lookup(space, after, hashes.subspan(from), std::span(out).subspan(from));
+    if (r.ok()) found.hits += r->hits;
+  }
+  found.bytes.resize(static_cast<size_t>(found.hits));
+  return found;
+}
+
+void TierSet::KeepInHost(NamespaceId ns, const BlockHash& parent, std::span<const BlockHash> hashes,
+                         std::span<const std::vector<std::byte>> bytes) {
+  if (!host_) return;
+  const tier::BlockSpace space{ns, layout_fingerprint_};
+  for (size_t i = 0; i < hashes.size() && i < bytes.size(); ++i) {
+    host_->Put(space, {.hash = hashes[i],
+                       .parent = i == 0 ? parent : hashes[i - 1],
+                       .coverage = static_cast<uint32_t>(block_size_),
+                       .bytes = bytes[i]});
+  }
+}
+
+void TierSet::CountPromotion(int64_t from_host, int64_t from_remote, int64_t ns_spent,
+                             bool failed) {
+  absl::MutexLock lock(&mu_);
+  if (failed) {
+    counters_.promote_failed += static_cast<uint64_t>(from_host + from_remote);
+    return;
+  }
+  counters_.promoted_from_host += static_cast<uint64_t>(from_host);
+  counters_.promoted_from_remote += static_cast<uint64_t>(from_remote);
+  counters_.promoted_bytes += static_cast<uint64_t>((from_host + from_remote) * block_bytes_);
+  counters_.promote_ns += ns_spent;
+}
+
+absl::Status TierSet::Flush(absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  {
+    absl::MutexLock lock(&mu_);
+    while (!queue_.empty() || in_flight_ > 0) {
+      if (changed_.WaitWithDeadline(&mu_, deadline)) {
+        if (queue_.empty() && in_flight_ == 0) break;
+        return absl::DeadlineExceededError("tier: staged copies still pending");
+      }
+    }
+  }
+  if (remote_) return remote_->Flush(std::max(deadline - absl::Now(), absl::ZeroDuration()));
+  return absl::OkStatus();
+}
+
+TierStats TierSet::stats() const {
+  TierStats out;
+  {
+    absl::MutexLock lock(&mu_);
+    out = counters_;
+    out.demote_queued = static_cast<int64_t>(queue_.size()) + in_flight_;
+  }
+  out.host = host_ != nullptr;
+  out.remote = remote_ != nullptr;
+  if (host_) {
+    out.host_capacity_blocks = host_->capacity();
+    out.host_blocks = host_->stored();
+    out.host_evicted = host_->evicted();
+    out.host_store = host_->stats();
+  }
+  if (remote_) out.remote_store = remote_->stats();
+  return out;
+}
+
+}  // namespace kvpool::daemon

@@ -1,0 +1,146 @@
+#pragma once
+
+// TierSet: one pool's lower tiers (DESIGN.md §9): a host tier (L2, tier::HostBlockStore) and a
+// remote tier (L3, tier::RedisBlockStore), either or both, and the two ways blocks move between
+// them and the device pool.
+//
+// Down (write-through): every full block the pool publishes is copied to host memory on the
+// transfer stream, after the compute stream's work so far, and the block is marked in flight
+// with that copy's fence, so it cannot be reused before its bytes are out (Stage, under the
+// engine's lock, in the same lock hold as the publish). A writer thread waits for each copy's
+// fence and offers the bytes to L2 and L3. Staged copies are bounded: past the bound a block is
+// dropped and counted, never waited for.
+//
+// Up (load on a local miss): Lookup asks L2, then L3 for what L2 lacks, for the chained hashes
+// after the locally cached prefix; the engine copies the hits into fresh device blocks of a
+// loader sequence on the transfer stream and publishes them only after that copy's fence
+// (Engine::LoadFromTiers), so no sequence ever sees a block whose bytes are not there yet.
+//
+// Thread-safe. Lock order: Engine::mu_ -> TierSet::mu_ -> the device's stream locks.
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <span>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "kernels/device.h"
+#include "kernels/pool_layout.h"
+#include "kvpool/kv_cache_manager.h"
+#include "tier/host_block_store.h"
+#include "tier/redis_tier_options.h"
+#include "tier/remote_tier.h"
+
+namespace kvpool::daemon {
+
+struct TierOptions {
+  int64_t host_blocks = 0;       // L2 capacity in blocks; 0: no host tier
+  tier::RedisTierOptions redis;  // L3; redis.enabled false: none
+  int64_t staged_blocks = 1024;  // device -> host copies waiting for the writer, at most
+  bool enabled() const { return host_blocks > 0 || redis.enabled; }
+};
+
+// Figures of one pool's tiers: moves between the device pool and the tiers, and each store's own.
+struct TierStats {
+  bool host = false;    // a host tier is configured
+  bool remote = false;  // a remote tier is configured
+  int64_t host_capacity_blocks = 0;
+  int64_t host_blocks = 0;    // blocks in the host tier now
+  uint64_t host_evicted = 0;  // blocks the host tier dropped to make room
+  tier::RemoteTierStats host_store;
+  tier::RemoteTierStats remote_store;
+  // Demotions: published blocks copied out of the device pool toward the tiers.
+  uint64_t demoted = 0;
+  uint64_t demoted_bytes = 0;
+  int64_t demote_ns = 0;             // copy time summed (fence waits of the writer)
+  uint64_t demote_dropped_full = 0;  // not copied: the staging bound was reached
+  uint64_t demote_failed = 0;        // copies the device failed
+  int64_t demote_queued = 0;         // staged now
+  // Promotions: tier hits copied into fresh device blocks and published.
+  uint64_t lookups = 0;               // local misses looked up in the tiers
+  uint64_t promoted_from_host = 0;    // blocks
+  uint64_t promoted_from_remote = 0;  // blocks
+  uint64_t promoted_bytes = 0;
+  int64_t promote_ns = 0;       // copy time summed (enqueue to fence)
+  uint64_t promote_failed = 0;  // hits not promoted: no room, device failure, raced
+};
+
+class TierSet final {
+ public:
+  // Errors: INVALID_ARGUMENT (options), RESOURCE_EXHAUSTED (host arena); those of
+  // RedisBlockStore::Create. `device` outlives the set.
+  static absl::StatusOr<std::unique_ptr<TierSet>> Create(const TierOptions& options,
+                                                         kernels::Device* device,
+                                                         const kernels::PoolLayout& layout);
+  // Builds a set over stores made elsewhere (tests: a fake remote). Either may be null.
+  TierSet(kernels::Device* device, const kernels::PoolLayout& layout,
+          std::unique_ptr<tier::HostBlockStore> host, std::unique_ptr<tier::RemoteTier> remote,
+          int64_t staged_blocks);
+  ~TierSet();  // stops the writer after the copies already staged
+  TierSet(const TierSet&) = delete;
+  TierSet& operator=(const TierSet&) = delete;
+
+  // Under the engine's lock, in the lock hold that published them: copies `published` blocks out
+  // of `view` (the pool's arena) and marks them in flight in `cache` until the copy has run.
+  // `skip` lists hashes not to stage (just promoted from a tier: already there).
+  void Stage(KvCacheManager& cache, const kernels::KvPoolView& view,
+             std::span<const PublishedBlock> published, std::span<const BlockHash> skip = {});
+
+  struct Found {
+    int64_t hits = 0;                           // leading blocks found
+    int64_t from_host = 0;                      // of which the host tier had the first ones
+    std::vector<std::vector<std::byte>> bytes;  // [hits] each block's bytes
+  };
+  // Outside any lock: the longest leading run of `hashes` (a chain after `parent`) the tiers
+  // hold, L2 first, then L3 from where L2 stopped. Never fails: a tier down or corrupt misses.
+  Found Lookup(NamespaceId ns, const BlockHash& parent, std::span<const BlockHash> hashes);
+
+  // Offers blocks promoted from the remote tier to the host tier (their bytes are at hand).
+  void KeepInHost(NamespaceId ns, const BlockHash& parent, std::span<const BlockHash> hashes,
+                  std::span<const std::vector<std::byte>> bytes);
+
+  // Counts a promotion (the engine does the copying).
+  void CountPromotion(int64_t from_host, int64_t from_remote, int64_t ns_spent, bool failed);
+
+  // Waits until every staged copy reached the stores and the remote wrote its queue.
+  // Errors: DEADLINE_EXCEEDED.
+  absl::Status Flush(absl::Duration timeout);
+
+  TierStats stats() const;
+  int64_t block_bytes() const { return block_bytes_; }
+
+ private:
+  struct Staged {
+    tier::BlockSpace space;
+    BlockHash hash;
+    BlockHash parent;
+    std::vector<std::byte> bytes;
+    Fence fence;
+    int64_t staged_ns = 0;
+  };
+  void WriterLoop();
+
+  kernels::Device* const device_;
+  const int64_t block_bytes_;
+  const int32_t block_size_;
+  const uint64_t layout_fingerprint_;
+  const int64_t max_staged_;
+  const std::unique_ptr<tier::HostBlockStore> host_;
+  const std::unique_ptr<tier::RemoteTier> remote_;
+
+  mutable absl::Mutex mu_;
+  absl::CondVar changed_;
+  std::deque<Staged> queue_ ABSL_GUARDED_BY(mu_);
+  int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // taken by the writer, not yet offered
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  TierStats counters_ ABSL_GUARDED_BY(mu_);
+  std::thread writer_;
+};
+
+}  // namespace kvpool::daemon

@@ -1,0 +1,142 @@
+"""The lower tiers against real processes (DESIGN.md §9): a prefix evicted from the device pool
+comes back from the host tier with the same greedy tokens; two daemons sharing one redis-server
+on a private Unix socket share their prefixes byte for byte and keep tenants apart; Redis killed
+mid-run costs no call, and hits resume once it is back. Skipped without redis-server."""
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+import unittest
+
+import kvpool
+from kvpool_testing import Daemon, SMALL_CONFIG, python_child, run, wait_until
+from py_kv_client import prompt as kv_prompt
+
+REDIS = shutil.which("redis-server")
+PROMPT_TOKENS = 96  # six full blocks of 16
+
+
+class Redis:
+    """redis-server on a Unix socket in a private directory, no persistence."""
+
+    def __init__(self):
+        self.dir = tempfile.mkdtemp(prefix="kvpool-redis-")
+        self.socket = os.path.join(self.dir, "redis.sock")
+        self.process = None
+        self.start()
+
+    def start(self):
+        self.process = subprocess.Popen(
+            [REDIS, "--port", "0", "--unixsocket", self.socket, "--unixsocketperm", "700",
+             "--save", "", "--appendonly", "no", "--dir", self.dir],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        until(lambda: os.path.exists(self.socket), "redis-server's socket")
+
+    def kill(self):
+        self.process.kill()
+        self.process.wait()
+        if os.path.exists(self.socket):
+            os.unlink(self.socket)
+
+    def close(self):
+        if self.process and self.process.poll() is None:
+            self.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def until(predicate, what, timeout=10):
+    if not wait_until(predicate, timeout=timeout):
+        raise AssertionError(f"timed out waiting for {what}")
+
+
+def redis_config(socket_path, extra=""):
+    return (SMALL_CONFIG + "\ntiers { redis { enabled: true unix_socket: "
+            f'"{socket_path}" connect_timeout_ms: 100 command_timeout_ms: 200 '
+            f"breaker_backoff_ms: 200 }} {extra} }}\n")
+
+
+def store(stats, medium):
+    for s in stats.tiers.stores:
+        if s.medium == medium:
+            return s
+    raise AssertionError(f"no {medium} tier in {stats.tiers}")
+
+
+def py_kv(mode, directory, tokens, seed):
+    rc, out = run(python_child("py_kv_client.py", mode, directory, tokens, seed))
+    assert rc == 0, out
+    return out
+
+
+class HostTierTest(unittest.TestCase):
+    def test_an_evicted_prefix_comes_back_with_the_same_greedy_tokens(self):
+        with Daemon(SMALL_CONFIG + "\ntiers { host_blocks: 1024 }\n") as daemon:
+            with kvpool.Client.connect(daemon.dir, client_name="host-tier") as c:
+                prompt = [(7 * i + 3) % 500 for i in range(80)]  # five full blocks
+                first = c.prefill(prompt)
+                c.free([first.sequence_id], commit=True)
+                until(lambda: c.get_stats().tiers.demoted_blocks >= 5, "five blocks demoted")
+                self.assertGreaterEqual(c.evict_all(), 5)
+                self.assertEqual(c.match_prefix(prompt), 0)
+                again = c.prefill(prompt)
+                self.assertGreaterEqual(again.reused_tokens, 64)
+                self.assertEqual(again.next_token, first.next_token)
+                c.free([again.sequence_id], commit=True)
+                # As much as a prefix that never left the device pool gives.
+                control = c.prefill(prompt)
+                self.assertEqual(again.reused_tokens, control.reused_tokens)
+                tiers = c.get_stats().tiers
+                self.assertEqual(tiers.promoted_from_host, 5)
+                self.assertEqual(store(c.get_stats(), "host").hits, 5)
+                self.assertTrue(c.check_invariants().ok)
+
+
+@unittest.skipUnless(REDIS, "redis-server is not installed")
+class RedisTierTest(unittest.TestCase):
+    def setUp(self):
+        self.redis = Redis()
+        self.addCleanup(self.redis.close)
+
+    def test_a_prefix_committed_on_one_daemon_is_a_hit_on_another(self):
+        config = redis_config(self.redis.socket)
+        with Daemon(config) as a, Daemon(config) as b:
+            written = py_kv("write", a.dir, PROMPT_TOKENS, 42)
+            checksum = written.split()[1]
+            with kvpool.Client.connect(a.dir, client_name="watch-a") as ca:
+                until(lambda: store(ca.get_stats(), "redis").written >= 6, "six blocks in redis")
+            read = py_kv("read", b.dir, PROMPT_TOKENS, 42)
+            self.assertEqual(read, f"matched {PROMPT_TOKENS} checksum {checksum}\n")
+            with kvpool.Client.connect(b.dir, client_name="watch-b") as cb:
+                stats = cb.get_stats()
+                self.assertEqual(stats.tiers.promoted_from_redis, 6)
+                self.assertEqual(store(stats, "redis").hits, 6)
+                # Another tenant on daemon B finds nothing of it.
+                with kvpool.Client.connect(b.dir, tenant="other", client_name="eve",
+                                           kv_access=True) as eve:
+                    seq = eve.allocate_one(kv_prompt(PROMPT_TOKENS, 42))
+                    self.assertEqual(seq.matched_tokens, 0)
+                self.assertTrue(cb.check_invariants().ok)
+
+    def test_redis_down_costs_no_call_and_hits_resume_when_it_is_back(self):
+        config = redis_config(self.redis.socket)
+        with Daemon(config) as a, Daemon(config) as b:
+            self.redis.kill()
+            # Every call still works while Redis is gone; the breaker opens.
+            py_kv("write", a.dir, PROMPT_TOKENS, 5)
+            out = py_kv("read", b.dir, PROMPT_TOKENS, 5)
+            self.assertTrue(out.startswith("matched 0 "), out)
+            with kvpool.Client.connect(b.dir, client_name="watch-b") as cb:
+                self.assertGreaterEqual(store(cb.get_stats(), "redis").lookups, 1)
+                cb.ping()
+            self.redis.start()
+            # Back: what is written now is shared again (the breaker closes on a probe).
+            def shared():
+                py_kv("write", a.dir, PROMPT_TOKENS, 6)
+                return py_kv("read", b.dir, PROMPT_TOKENS, 6).startswith(f"matched {PROMPT_TOKENS} ")
+            until(shared, "hits after redis came back", timeout=20)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,188 @@
+// The engine's lower tiers (daemon/engine/tiers.h): published blocks go down to the host tier,
+// a local miss is promoted back into fresh blocks, byte for byte, and a sequence never sees a
+// promoted block before its copy has run. The Redis tier's wiring is exercised by the two-daemon
+// integration test (tests/integration/tier_integration_test.py).
+
+#include "daemon/engine/tiers.h"
+
+#include <sys/mman.h>
+
+#include <cstring>
+#include <thread>
+
+#include "absl/synchronization/notification.h"
+#include "daemon/engine/call_context.h"
+#include "daemon/engine/engine.h"
+#include "gtest/gtest.h"
+#include "tests/daemon/engine_test_util.h"
+
+namespace kvpool::daemon {
+namespace {
+
+using testing::FailingDevice;
+using testing::Prompt;
+using testing::SmallPool;
+using testing::Spec;
+
+constexpr int32_t kBlocks = 8;
+
+class TiersTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    EngineOptions options = SmallPool(kBlocks);
+    options.tiers.host_blocks = 32;
+    engine_ = std::move(*Engine::Create(options, &device_, /*model=*/nullptr));
+    alice_ = *engine_->OpenSession(Spec("tenant-a", "alice"));
+    absl::StatusOr<PoolGrant> grant = engine_->Grant(alice_);
+    ASSERT_TRUE(grant.ok()) << grant.status();
+    block_bytes_ = grant->layout.block_bytes();
+    arena_bytes_ = grant->layout.arena_bytes();
+    void* p = mmap(nullptr, static_cast<size_t>(arena_bytes_), PROT_READ | PROT_WRITE, MAP_SHARED,
+                   grant->arena->fd.get(), 0);
+    ASSERT_NE(p, MAP_FAILED);
+    arena_ = static_cast<std::byte*>(p);
+  }
+  void TearDown() override {
+    if (arena_ != nullptr) munmap(arena_, static_cast<size_t>(arena_bytes_));
+  }
+
+  Tables Allocate(const Session& s, std::span<const int32_t> prompt, int64_t tokens) {
+    const AllocateRequest request{.num_tokens = tokens, .prompt = prompt};
+    absl::StatusOr<Tables> t =
+        engine_->Allocate(s, std::span(&request, 1), CallContext::Uncancellable());
+    EXPECT_TRUE(t.ok()) << t.status();
+    return t.ok() ? *t : Tables{};
+  }
+  std::byte* Block(BlockId b) { return arena_ + b.value() * block_bytes_; }
+  // Writes a pattern of `seed` into every block of `t` (a client computing its KV).
+  void Write(const Tables& t, uint8_t seed) {
+    for (size_t i = 0; i < t.blocks.size(); ++i) {
+      std::memset(Block(t.blocks[i]), seed + static_cast<int>(i),
+                  static_cast<size_t>(block_bytes_));
+    }
+  }
+  bool Holds(BlockId b, uint8_t value) {
+    const std::byte* p = Block(b);
+    for (int64_t i = 0; i < block_bytes_; ++i) {
+      if (p[i] != static_cast<std::byte>(value)) return false;
+    }
+    return true;
+  }
+  // Alice computes and publishes `prompt` (its KV patterned by `seed`), then it is evicted from
+  // the device pool: only the host tier still has it.
+  void PublishThenEvict(std::span<const int32_t> prompt, uint8_t seed) {
+    const Tables t = Allocate(*alice_, prompt, static_cast<int64_t>(prompt.size()));
+    Write(t, seed);
+    const SequenceId id = t.slices[0].sequence;
+    ASSERT_TRUE(
+        engine_->Free(*alice_, std::span(&id, 1), OnFree::kCommit, CallContext::Uncancellable())
+            .ok());
+    ASSERT_TRUE(engine_->FlushTiers(absl::Seconds(10)).ok());
+    ASSERT_TRUE(engine_->Evict(0, 0, /*all=*/true).ok());
+    ASSERT_EQ(engine_->Stats().cache.pool.cached, 0);
+  }
+
+  FailingDevice device_;
+  std::unique_ptr<Engine> engine_;
+  std::shared_ptr<const Session> alice_;
+  std::byte* arena_ = nullptr;
+  int64_t block_bytes_ = 0;
+  int64_t arena_bytes_ = 0;
+};
+
+TEST_F(TiersTest, AnEvictedPrefixComesBackFromTheHostTierByteForByte) {
+  const std::vector<int32_t> prompt = Prompt(48, 1);  // three full blocks
+  PublishThenEvict(prompt, 10);
+  EXPECT_EQ(engine_->Stats().tiers.demoted, 3u);
+  EXPECT_EQ(engine_->Stats().tiers.host_blocks, 3);
+
+  // Another session's prompt shares the three blocks and adds one: the three are promoted.
+  auto bob = *engine_->OpenSession(Spec("tenant-a", "bob"));
+  std::vector<int32_t> longer = prompt;
+  longer.resize(64, 5);
+  const Tables t = Allocate(*bob, longer, 64);
+  EXPECT_EQ(t.slices[0].matched_tokens, 48);
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(Holds(t.blocks[static_cast<size_t>(i)], 10 + i)) << i;
+  const TierStats tiers = engine_->Stats().tiers;
+  EXPECT_EQ(tiers.promoted_from_host, 3u);
+  EXPECT_EQ(tiers.promoted_bytes, static_cast<uint64_t>(3 * block_bytes_));
+  EXPECT_EQ(tiers.host_store.hits, 3u);
+  EXPECT_TRUE(engine_->CheckInvariants().ok());
+}
+
+TEST_F(TiersTest, OtherTenantsAndOtherPrefixesMiss) {
+  const std::vector<int32_t> prompt = Prompt(32, 2);
+  PublishThenEvict(prompt, 20);
+  auto eve = *engine_->OpenSession(Spec("tenant-b", "eve"));
+  EXPECT_EQ(Allocate(*eve, prompt, 32).slices[0].matched_tokens, 0);
+  // Same second block, another first one: the chain differs, nothing matches.
+  std::vector<int32_t> other = prompt;
+  other[0] += 1;
+  EXPECT_EQ(Allocate(*alice_, other, 32).slices[0].matched_tokens, 0);
+  EXPECT_EQ(engine_->Stats().tiers.promoted_from_host, 0u);
+}
+
+TEST_F(TiersTest, APromotedBlockIsNotHandedOutBeforeItsCopyRan) {
+  const std::vector<int32_t> prompt = Prompt(32, 3);
+  PublishThenEvict(prompt, 30);
+  // Hold the transfer stream: the promotion's copies queue behind this task.
+  absl::Notification release;
+  ASSERT_TRUE(
+      device_.EnqueueHostTask(kernels::StreamId::kTransfer, [&] { release.WaitForNotification(); })
+          .ok());
+  absl::Notification done;
+  Tables t;
+  std::thread caller([&] {
+    t = Allocate(*alice_, prompt, 32);
+    done.Notify();
+  });
+  // While the copy cannot run, the caller has no table (a fence-less promotion would return
+  // blocks whose bytes are not there yet, and fail the check below).
+  EXPECT_FALSE(done.WaitForNotificationWithTimeout(absl::Milliseconds(200)));
+  release.Notify();
+  caller.join();
+  ASSERT_EQ(t.slices[0].matched_tokens, 32);
+  EXPECT_TRUE(Holds(t.blocks[0], 30));
+  EXPECT_TRUE(Holds(t.blocks[1], 31));
+}
+
+TEST_F(TiersTest, AFailedCopyIsAMissAndLeavesThePoolAsItWas) {
+  const std::vector<int32_t> prompt = Prompt(32, 4);
+  PublishThenEvict(prompt, 40);
+  device_.fail_copy_to_device = true;
+  const Tables t = Allocate(*alice_, prompt, 32);
+  EXPECT_EQ(t.slices[0].matched_tokens, 0);
+  const EngineStats stats = engine_->Stats();
+  EXPECT_EQ(stats.tiers.promote_failed, 2u);
+  EXPECT_EQ(stats.cache.pool.cached, 0);
+  EXPECT_TRUE(engine_->CheckInvariants().ok());
+}
+
+TEST_F(TiersTest, PublishedBlocksStayPutUntilTheirCopyRan) {
+  // A block freed with commit is cached and evictable at once; its copy to the host tier must
+  // have run before anyone can be handed the block again.
+  absl::Notification release;
+  const std::vector<int32_t> prompt = Prompt(16, 5);
+  const Tables t = Allocate(*alice_, prompt, 16);
+  Write(t, 50);
+  ASSERT_TRUE(
+      device_.EnqueueHostTask(kernels::StreamId::kTransfer, [&] { release.WaitForNotification(); })
+          .ok());
+  const SequenceId id = t.slices[0].sequence;
+  ASSERT_TRUE(
+      engine_->Free(*alice_, std::span(&id, 1), OnFree::kCommit, CallContext::Uncancellable())
+          .ok());
+  // Evicted now, but still in flight: the pool cannot hand it out before the copy.
+  ASSERT_TRUE(engine_->Evict(0, 0, /*all=*/true).ok());
+  const KvCacheStats held = engine_->Stats().cache;
+  EXPECT_EQ(held.pool.retiring, 1);
+  release.Notify();
+  ASSERT_TRUE(engine_->FlushTiers(absl::Seconds(10)).ok());
+  auto bob = *engine_->OpenSession(Spec("tenant-a", "bob"));
+  const Tables again = Allocate(*bob, prompt, 16);
+  EXPECT_EQ(again.slices[0].matched_tokens, 16);
+  EXPECT_TRUE(Holds(again.blocks[0], 50));
+}
+
+}  // namespace
+}  // namespace kvpool::daemon
