@@ -12,6 +12,7 @@
 #include "kvpool/util/check.h"
 #include "kvpool/util/clock.h"
 #include "kvpool/util/status_macros.h"
+#include "tier/host_block_store.h"
 
 namespace kvpool::tools {
 namespace {
@@ -22,8 +23,16 @@ using workload::kTraceBlockTokens;
 // One configuration's manager and tallies.
 struct Run {
   std::unique_ptr<KvCacheManager> cache;
+  std::unique_ptr<tier::HostBlockStore> host;  // with options.host_blocks
+  std::vector<PublishedBlock> published;       // scratch
   ReplayResult result;
 };
+
+constexpr SessionId kSession(1);
+constexpr SessionId kLoader(2);
+constexpr NamespaceId kNs(1);
+// A replay moves no bytes: the host tier stores one byte per block.
+constexpr std::byte kNoBytes[1] = {};
 
 absl::StatusOr<Run> MakeRun(const ReplayOptions& options, int64_t all_blocks, int64_t longest,
                             const Clock* clock) {
@@ -33,6 +42,9 @@ absl::StatusOr<Run> MakeRun(const ReplayOptions& options, int64_t all_blocks, in
   }
   if (options.capacity_blocks < 0) {
     return absl::InvalidArgumentError("capacity_blocks must be >= 0 (0: unlimited)");
+  }
+  if (options.host_blocks < 0) {
+    return absl::InvalidArgumentError("host_blocks must be >= 0 (0: no host tier)");
   }
   const int64_t per_trace_block = kTraceBlockTokens / options.block_size;
   // Unlimited: room for every block of every prompt, so nothing is ever evicted.
@@ -51,29 +63,76 @@ absl::StatusOr<Run> MakeRun(const ReplayOptions& options, int64_t all_blocks, in
                               .clock = clock,
                               .eviction_policy = options.policy,
                               .cache_events = options.cache_events,
+                              .publish_journal = options.host_blocks > 0,
                               .evicted_memory = options.cache_events ? size_t{65536} : 0});
   if (!cache.ok()) {
     return absl::InvalidArgumentError(
         fmt::format("policy '{}': {}", options.policy, std::string(cache.status().message())));
   }
   run.cache = std::move(*cache);
+  if (options.host_blocks > 0) {
+    KVPOOL_ASSIGN_OR_RETURN(run.host, tier::HostBlockStore::Create(
+                                          options.host_blocks * per_trace_block, sizeof(kNoBytes)));
+  }
   return run;
+}
+
+// The daemon's promotion (Engine::LoadFromTiers) without bytes: the prompt's full blocks after
+// the pool's match that the host tier holds are allocated to a loader sequence and published.
+void Promote(std::span<const int32_t> tokens, Run* run) {
+  KvCacheManager& cache = *run->cache;
+  const size_t bs = static_cast<size_t>(cache.block_size());
+  const size_t full = tokens.size() / bs;
+  const size_t local = static_cast<size_t>(cache.MatchPrefix(kNs, tokens)) / bs;
+  if (local >= full) return;
+  std::vector<BlockHash> chain(full);
+  BlockHash parent;
+  for (size_t i = 0; i < full; ++i) {
+    chain[i] = parent = PrefixChainHash(parent, kNs, tokens.subspan(i * bs, bs));
+  }
+  std::vector<std::byte> sink(full - local);
+  std::vector<std::span<std::byte>> out;
+  for (std::byte& b : sink) out.emplace_back(&b, 1);
+  const tier::BlockSpace space{kNs, 0};
+  const absl::StatusOr<tier::LookupResult> found = run->host->Lookup(
+      space, local == 0 ? BlockHash{} : chain[local - 1], std::span(chain).subspan(local), out);
+  if (!found.ok() || found->hits == 0) return;
+  const size_t upto = local + static_cast<size_t>(found->hits);
+  DevicePlan plan;
+  const absl::StatusOr<AllocateResult> loader = cache.Allocate(
+      kLoader,
+      {.ns = kNs, .num_tokens = static_cast<int64_t>(upto * bs), .prompt = tokens.first(upto * bs)},
+      &plan);
+  if (!loader.ok()) return;  // no room: a miss, as in the daemon
+  const bool whole = loader->matched_tokens % static_cast<int64_t>(bs) == 0;
+  KVPOOL_CHECK_OK(
+      cache.Free(kLoader, loader->sequence, whole ? OnFree::kCommit : OnFree::kDiscard));
+  if (whole) run->result.host_hit_blocks += found->hits;
+}
+
+// Writes what the pool just published through to the host tier.
+void WriteThrough(Run* run) {
+  run->cache->TakePublished(&run->published);
+  const tier::BlockSpace space{kNs, 0};
+  for (const PublishedBlock& p : run->published) {
+    run->host->Put(space, {.hash = p.hash, .parent = p.parent, .coverage = 0, .bytes = kNoBytes});
+  }
 }
 
 // Serves one request (its tokens already expanded) to one configuration.
 absl::Status Serve(const TraceRequest& request, const std::vector<int32_t>& tokens, Run* run) {
-  constexpr SessionId kSession(1);
-  constexpr NamespaceId kNs(1);
   ReplayResult& result = run->result;
   const int64_t n = static_cast<int64_t>(tokens.size());
   ++result.requests;
   result.prompt_tokens += n;
   result.prompt_blocks += static_cast<int64_t>(request.hash_ids.size());
   const auto start = std::chrono::steady_clock::now();
+  if (run->host) Promote(tokens, run);
   DevicePlan plan;
   const absl::StatusOr<AllocateResult> r =
       run->cache->Allocate(kSession, {.ns = kNs, .num_tokens = n, .prompt = tokens}, &plan);
   if (r.ok()) KVPOOL_CHECK_OK(run->cache->Free(kSession, r->sequence, OnFree::kCommit));
+  if (run->host) WriteThrough(run);
   result.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (!r.ok()) {
     if (!absl::IsResourceExhausted(r.status())) return r.status();

@@ -31,6 +31,11 @@ struct ReplayOptions {
   // default: a replay has no event consumer, and the event ring (65,536 events, each with its
   // blocks' tokens) would hold the whole trace's tokens, not the cache's.
   bool cache_events = false;
+  // A host tier below the pool (tier::HostBlockStore), in 512-token blocks; 0: none. It works as
+  // the daemon's (daemon/engine/tiers.h): every published full block is written through to it,
+  // and a prompt's blocks after the pool's match that the host tier holds are promoted (through a
+  // loader sequence, then published) before the prompt is matched. No bytes move in a replay.
+  int64_t host_blocks = 0;
 };
 
 struct ReplayResult {
@@ -40,7 +45,8 @@ struct ReplayResult {
   int64_t hit_blocks = 0;     // of which found cached (wholly matched)
   int64_t prompt_tokens = 0;
   int64_t hit_tokens = 0;
-  uint64_t evictions = 0;  // pool blocks evicted
+  uint64_t evictions = 0;       // pool blocks evicted
+  int64_t host_hit_blocks = 0;  // pool blocks promoted from the host tier (in hit_tokens too)
   // Seconds spent in this configuration's allocate + commit + free calls (token expansion,
   // shared by every configuration of a run, excluded).
   double seconds = 0;

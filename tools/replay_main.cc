@@ -5,6 +5,7 @@
 //   kvpool-replay --trace=../shared/traces/mooncake/conversation_trace.jsonl
 //                 --capacity_blocks=1000 --policy=reuse+admit
 //   kvpool-replay --sweep   # both traces x 1k/2k/5k/10k blocks x every policy
+//   kvpool-replay --tiers   # both traces: the device pool alone vs with a host tier below it
 
 #include <unistd.h>
 
@@ -35,6 +36,12 @@ ABSL_FLAG(bool, sweep, false,
 ABSL_FLAG(std::string, traces_dir, "../shared/traces/mooncake", "where --sweep finds the traces");
 ABSL_FLAG(int32_t, threads, 1, "--sweep: replay this many capacities at a time");
 ABSL_FLAG(int64_t, max_requests, 0, "replay only the trace's first N requests (0: all)");
+ABSL_FLAG(int64_t, host_blocks, 0,
+          "a host tier of this many 512-token blocks below the pool (write-through, promoted on "
+          "a miss, as kvpoold's); 0: none");
+ABSL_FLAG(bool, tiers, false,
+          "replay both traces of --traces_dir at 1k and 2k device blocks, alone and with a host "
+          "tier of 4x the device blocks, with --policy, and print the table");
 
 namespace {
 
@@ -66,6 +73,39 @@ int RunSweep() {
   return 0;
 }
 
+int RunTiers() {
+  std::printf("%-26s %8s %8s %12s %12s %8s %12s\n", "trace", "device", "host", "device_only",
+              "with_host", "ratio", "from_host_%");
+  const std::string policy = absl::GetFlag(FLAGS_policy);
+  for (std::string_view name : tools::kSweepTraces) {
+    const std::string path = absl::GetFlag(FLAGS_traces_dir) + "/" + std::string(name);
+    auto trace = kvpool::workload::ReadMooncakeTrace(path);
+    if (!trace.ok()) return Fail(std::string(trace.status().message()));
+    const int64_t max_requests = absl::GetFlag(FLAGS_max_requests);
+    if (max_requests > 0 && static_cast<int64_t>(trace->size()) > max_requests) {
+      trace->resize(static_cast<size_t>(max_requests));
+    }
+    for (int64_t device : {int64_t{1000}, int64_t{2000}}) {
+      const std::vector<tools::ReplayOptions> configs = {
+          {.capacity_blocks = device, .policy = policy},
+          {.capacity_blocks = device, .policy = policy, .host_blocks = 4 * device}};
+      const auto results = tools::ReplayAll(*trace, configs);
+      if (!results.ok()) return Fail(results.status().ToString());
+      const tools::ReplayResult& alone = (*results)[0];
+      const tools::ReplayResult& tiered = (*results)[1];
+      std::printf("%-26s %8lld %8lld %12.4f %12.4f %7.2fx %12.1f\n", std::string(name).c_str(),
+                  static_cast<long long>(device), static_cast<long long>(4 * device),
+                  alone.hit_rate(), tiered.hit_rate(),
+                  alone.hit_rate() > 0 ? tiered.hit_rate() / alone.hit_rate() : 0.0,
+                  tiered.hit_blocks > 0 ? 100.0 * static_cast<double>(tiered.host_hit_blocks) /
+                                              static_cast<double>(tiered.hit_blocks)
+                                        : 0.0);
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}
+
 int RunOne(const std::string& path) {
   auto trace = kvpool::workload::ReadMooncakeTrace(path);
   if (!trace.ok()) return Fail(std::string(trace.status().message()));
@@ -78,7 +118,8 @@ int RunOne(const std::string& path) {
        .capacity_blocks = absl::GetFlag(FLAGS_capacity_blocks),
        .policy = absl::GetFlag(FLAGS_policy),
        .trace_depth = absl::GetFlag(FLAGS_trace_depth),
-       .cache_events = absl::GetFlag(FLAGS_cache_events)}};
+       .cache_events = absl::GetFlag(FLAGS_cache_events),
+       .host_blocks = absl::GetFlag(FLAGS_host_blocks)}};
   // Plain LRU beside it, same run (unless it is plain LRU: then it is its own baseline).
   if (configs[0].policy != "lru") {
     configs.push_back(configs[0]);
@@ -104,6 +145,11 @@ int RunOne(const std::string& path) {
   std::printf("token_hit_rate %.4f\n",
               r.prompt_tokens == 0 ? 0.0 : static_cast<double>(r.hit_tokens) / r.prompt_tokens);
   std::printf("evictions %llu\n", static_cast<unsigned long long>(r.evictions));
+  if (configs[0].host_blocks > 0) {
+    std::printf("host_blocks %lld host_hit_blocks %lld\n",
+                static_cast<long long>(configs[0].host_blocks),
+                static_cast<long long>(r.host_hit_blocks));
+  }
   std::printf("policy_state %s\n", r.policy_state.c_str());
   std::printf("requests_per_s %.0f (allocate+commit+free; lru %.0f)\n", r.requests_per_second(),
               lru.requests_per_second());
@@ -123,6 +169,7 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("Replays a Mooncake trace through kvpool's prefix cache.");
   absl::ParseCommandLine(argc, argv);
   if (absl::GetFlag(FLAGS_sweep)) return RunSweep();
+  if (absl::GetFlag(FLAGS_tiers)) return RunTiers();
   const std::string path = absl::GetFlag(FLAGS_trace);
   if (path.empty()) {
     std::fprintf(stderr, "kvpool-replay: --trace (or --sweep) is required (see --help)\n");

@@ -57,6 +57,32 @@ TEST(ReplayTest, OnePassServesEachConfigurationAsIfAlone) {
   }
 }
 
+// A host tier below the pool (write-through, promoted on a miss, as in the daemon) only adds
+// hits: never fewer than the pool alone, and with a host tier of the pool's size or more, at
+// least as many as a pool as large as the host tier would have (it is inclusive).
+TEST(ReplayTest, AHostTierOnlyAddsHits) {
+  std::vector<TraceRequest> trace;
+  for (int64_t i = 0; i < 600; ++i) {
+    trace.push_back({.timestamp_ms = i * 250,
+                     .input_length = 512 * (2 + i % 3) + i % 5,
+                     .hash_ids = {i % 8, 100 + i % 16, 200 + i % 32, 300 + i}});
+    trace.back().hash_ids.resize(static_cast<size_t>((trace.back().input_length + 511) / 512));
+  }
+  for (int32_t block_size : {16, 512}) {
+    const std::vector<ReplayOptions> configs = {
+        {.block_size = block_size, .capacity_blocks = 20, .policy = "lru"},
+        {.block_size = block_size, .capacity_blocks = 20, .policy = "lru", .host_blocks = 80},
+        {.block_size = block_size, .capacity_blocks = 80, .policy = "lru"}};
+    const absl::StatusOr<std::vector<ReplayResult>> r = ReplayAll(trace, configs);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ((*r)[0].host_hit_blocks, 0);
+    EXPECT_GT((*r)[1].host_hit_blocks, 0) << block_size;
+    EXPECT_GT((*r)[1].hit_blocks, (*r)[0].hit_blocks) << block_size;
+    EXPECT_GE((*r)[1].hit_blocks, (*r)[2].hit_blocks * 9 / 10) << block_size;
+  }
+  EXPECT_EQ(Replay(trace, {.host_blocks = -1}).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 // Recording events (and the evicted-hash memory) changes nothing the replay measures: with them
 // off, as kvpool-replay runs by default to keep its memory bounded by the cache, the hit rates
 // and evictions are those of a replay with them on, at both block sizes.
