@@ -191,7 +191,9 @@ absl::StatusOr<Tables> Engine::Allocate(const Session& s, std::span<const Alloca
                                                      item.priority, s.spec.tenant, s.max_priority));
     }
   }
-  for (const AllocateRequest& item : items) LoadFromTiers(s, item.prompt);
+  if (s.spec.kv_access) {  // else Admit refuses the call: it must not warm the cache either
+    for (const AllocateRequest& item : items) LoadFromTiers(s, item.prompt);
+  }
   Tables out;
   std::vector<SequenceId> created;
   Fence fence;
@@ -329,7 +331,10 @@ void Engine::LoadFromTiers(const Session& s, std::span<const int32_t> prompt) {
   size_t local;
   {
     absl::MutexLock lock(&mu_);
-    if (!state_->health.ok() || !state_->CheckLive(s.id).ok() || s.spec.tenant.empty()) return;
+    if (!state_->health.ok() || state_->draining || !state_->CheckLive(s.id).ok() ||
+        s.spec.tenant.empty()) {
+      return;
+    }
     pool = &state_->pool_of(s);
     tiers = pool->tiers();
     if (tiers == nullptr) return;
@@ -356,7 +361,7 @@ void Engine::LoadFromTiers(const Session& s, std::span<const int32_t> prompt) {
   Fence copied;
   {
     absl::MutexLock lock(&mu_);
-    if (!state_->health.ok() || !state_->CheckLive(s.id).ok()) return;
+    if (!state_->health.ok() || state_->draining || !state_->CheckLive(s.id).ok()) return;
     KvCacheManager& cache = pool->cache();
     const AllocateRequest request{.ns = s.ns,
                                   .num_tokens = static_cast<int64_t>(upto) * bs,

@@ -44,7 +44,7 @@ TierSet::TierSet(kernels::Device* device, const kernels::PoolLayout& layout,
       block_bytes_(layout.block_bytes()),
       block_size_(layout.block_size),
       layout_fingerprint_(layout.Hash()),
-      max_staged_(staged_blocks),
+      max_staged_(std::min(staged_blocks, std::max<int64_t>(1, kMaxStagedBytes / block_bytes_))),
       host_(std::move(host)),
       remote_(std::move(remote)) {
   KVPOOL_CHECK(host_ == nullptr || host_->block_bytes() == block_bytes_);

@@ -39,10 +39,14 @@
 
 namespace kvpool::daemon {
 
+// Host memory the copies waiting for the tier writer may take, whatever staged_blocks says.
+inline constexpr int64_t kMaxStagedBytes = int64_t{256} << 20;
+
 struct TierOptions {
   int64_t host_blocks = 0;       // L2 capacity in blocks; 0: no host tier
   tier::RedisTierOptions redis;  // L3; redis.enabled false: none
-  int64_t staged_blocks = 1024;  // device -> host copies waiting for the writer, at most
+  // Device -> host copies waiting for the writer, at most (and at most kMaxStagedBytes of them).
+  int64_t staged_blocks = 1024;
   bool enabled() const { return host_blocks > 0 || redis.enabled; }
 };
 
