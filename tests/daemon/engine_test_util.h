@@ -3,13 +3,18 @@
 // Shared by the engine's tests: a device whose enqueues can be made to fail, the engine options
 // of a small pool of the tiny model's shape, and prompts.
 
+#include <sys/mman.h>
+
 #include <atomic>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <random>
+#include <span>
 #include <vector>
 
 #include "daemon/engine/engine.h"
+#include "gtest/gtest.h"
 #include "kernels/cpu_device.h"
 #include "model/model.h"
 #include "model/weights.h"
@@ -146,6 +151,46 @@ class GivesUpAfter final : public CallContext {
 
  private:
   mutable std::atomic<int> left_;
+};
+
+// A client's read-write mapping of a session's arena (PoolGrant), with block helpers.
+class MappedArena {
+ public:
+  // REQUIRES: `grant` has an arena (a KV-access session's). Fails the test when it cannot map.
+  explicit MappedArena(const PoolGrant& grant)
+      : bytes_(grant.layout.arena_bytes()), block_bytes_(grant.layout.block_bytes()) {
+    void* p = mmap(nullptr, static_cast<size_t>(bytes_), PROT_READ | PROT_WRITE, MAP_SHARED,
+                   grant.arena->fd.get(), 0);
+    EXPECT_NE(p, MAP_FAILED);
+    base_ = p == MAP_FAILED ? nullptr : static_cast<std::byte*>(p);
+  }
+  ~MappedArena() {
+    if (base_ != nullptr) munmap(base_, static_cast<size_t>(bytes_));
+  }
+  MappedArena(const MappedArena&) = delete;
+  MappedArena& operator=(const MappedArena&) = delete;
+
+  int64_t block_bytes() const { return block_bytes_; }
+  std::byte* Block(BlockId b) const { return base_ + b.value() * block_bytes_; }
+  // Block i of `blocks` filled with seed + i (a client computing its KV).
+  void Fill(std::span<const BlockId> blocks, uint8_t seed) const {
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      std::memset(Block(blocks[i]), seed + static_cast<int>(i), static_cast<size_t>(block_bytes_));
+    }
+  }
+  // Whether every byte of `b` is `value`.
+  bool Holds(BlockId b, uint8_t value) const {
+    const std::byte* p = Block(b);
+    for (int64_t i = 0; i < block_bytes_; ++i) {
+      if (p[i] != static_cast<std::byte>(value)) return false;
+    }
+    return true;
+  }
+
+ private:
+  const int64_t bytes_;
+  const int64_t block_bytes_;
+  std::byte* base_ = nullptr;
 };
 
 // A session of `tenant` with KV access (as the zero-configuration default grants it).

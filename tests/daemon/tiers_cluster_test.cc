@@ -4,7 +4,6 @@
 // (MOVED / ASK redirects); another tenant finds nothing. Skipped without redis-server.
 
 #include <hiredis/hiredis.h>
-#include <sys/mman.h>
 
 #include <cstring>
 #include <string>
@@ -21,6 +20,7 @@ namespace kvpool::daemon {
 namespace {
 
 using testing::FailingDevice;
+using testing::MappedArena;
 using testing::Prompt;
 using testing::SmallPool;
 using testing::Spec;
@@ -31,14 +31,7 @@ struct Node {
   FailingDevice device;
   std::unique_ptr<Engine> engine;
   std::shared_ptr<const Session> session;
-  std::byte* arena = nullptr;
-  int64_t arena_bytes = 0;
-  int64_t block_bytes = 0;
-
-  ~Node() {
-    if (arena != nullptr) munmap(arena, static_cast<size_t>(arena_bytes));
-  }
-  std::byte* Block(BlockId b) const { return arena + b.value() * block_bytes; }
+  std::unique_ptr<MappedArena> arena;
 };
 
 class TiersClusterTest : public ::testing::Test {
@@ -69,13 +62,11 @@ class TiersClusterTest : public ::testing::Test {
     node->engine = std::move(*engine);
     node->session = *node->engine->OpenSession(Spec(tenant));
     absl::StatusOr<PoolGrant> grant = node->engine->Grant(node->session);
-    EXPECT_TRUE(grant.ok()) << grant.status();
-    node->block_bytes = grant->layout.block_bytes();
-    node->arena_bytes = grant->layout.arena_bytes();
-    void* p = mmap(nullptr, static_cast<size_t>(node->arena_bytes), PROT_READ | PROT_WRITE,
-                   MAP_SHARED, grant->arena->fd.get(), 0);
-    EXPECT_NE(p, MAP_FAILED);
-    node->arena = static_cast<std::byte*>(p);
+    if (!grant.ok()) {
+      ADD_FAILURE() << grant.status();
+      return nullptr;
+    }
+    node->arena = std::make_unique<MappedArena>(*grant);
     return node;
   }
 
@@ -90,10 +81,7 @@ class TiersClusterTest : public ::testing::Test {
   // `n` computes `prompt` (block i of it filled with seed + i) and publishes it.
   static void Publish(Node& n, std::span<const int32_t> prompt, uint8_t seed) {
     const Tables t = Allocate(n, prompt);
-    for (size_t i = 0; i < t.blocks.size(); ++i) {
-      std::memset(n.Block(t.blocks[i]), seed + static_cast<int>(i),
-                  static_cast<size_t>(n.block_bytes));
-    }
+    n.arena->Fill(t.blocks, seed);
     const SequenceId id = t.slices[0].sequence;
     ASSERT_TRUE(
         n.engine->Free(*n.session, std::span(&id, 1), OnFree::kCommit, CallContext::Uncancellable())
@@ -105,13 +93,7 @@ class TiersClusterTest : public ::testing::Test {
     const Tables t = Allocate(n, prompt);
     bool same = t.slices[0].matched_tokens == static_cast<int64_t>(prompt.size());
     for (size_t i = 0; same && i < t.blocks.size(); ++i) {
-      const std::byte* p = n.Block(t.blocks[i]);
-      for (int64_t k = 0; k < n.block_bytes; ++k) {
-        if (p[k] != static_cast<std::byte>(seed + i)) {
-          same = false;
-          break;
-        }
-      }
+      same = n.arena->Holds(t.blocks[i], static_cast<uint8_t>(seed + i));
     }
     const SequenceId id = t.slices[0].sequence;
     EXPECT_TRUE(

@@ -5,8 +5,6 @@
 
 #include "daemon/engine/tiers.h"
 
-#include <sys/mman.h>
-
 #include <cstring>
 #include <thread>
 
@@ -20,6 +18,7 @@ namespace kvpool::daemon {
 namespace {
 
 using testing::FailingDevice;
+using testing::MappedArena;
 using testing::Prompt;
 using testing::SmallPool;
 using testing::Spec;
@@ -35,15 +34,7 @@ class TiersTest : public ::testing::Test {
     alice_ = *engine_->OpenSession(Spec("tenant-a", "alice"));
     absl::StatusOr<PoolGrant> grant = engine_->Grant(alice_);
     ASSERT_TRUE(grant.ok()) << grant.status();
-    block_bytes_ = grant->layout.block_bytes();
-    arena_bytes_ = grant->layout.arena_bytes();
-    void* p = mmap(nullptr, static_cast<size_t>(arena_bytes_), PROT_READ | PROT_WRITE, MAP_SHARED,
-                   grant->arena->fd.get(), 0);
-    ASSERT_NE(p, MAP_FAILED);
-    arena_ = static_cast<std::byte*>(p);
-  }
-  void TearDown() override {
-    if (arena_ != nullptr) munmap(arena_, static_cast<size_t>(arena_bytes_));
+    arena_ = std::make_unique<MappedArena>(*grant);
   }
 
   Tables Allocate(const Session& s, std::span<const int32_t> prompt, int64_t tokens) {
@@ -53,26 +44,12 @@ class TiersTest : public ::testing::Test {
     EXPECT_TRUE(t.ok()) << t.status();
     return t.ok() ? *t : Tables{};
   }
-  std::byte* Block(BlockId b) { return arena_ + b.value() * block_bytes_; }
-  // Writes a pattern of `seed` into every block of `t` (a client computing its KV).
-  void Write(const Tables& t, uint8_t seed) {
-    for (size_t i = 0; i < t.blocks.size(); ++i) {
-      std::memset(Block(t.blocks[i]), seed + static_cast<int>(i),
-                  static_cast<size_t>(block_bytes_));
-    }
-  }
-  bool Holds(BlockId b, uint8_t value) {
-    const std::byte* p = Block(b);
-    for (int64_t i = 0; i < block_bytes_; ++i) {
-      if (p[i] != static_cast<std::byte>(value)) return false;
-    }
-    return true;
-  }
+  bool Holds(BlockId b, uint8_t value) const { return arena_->Holds(b, value); }
   // Alice computes and publishes `prompt` (its KV patterned by `seed`), then it is evicted from
   // the device pool: only the host tier still has it.
   void PublishThenEvict(std::span<const int32_t> prompt, uint8_t seed) {
     const Tables t = Allocate(*alice_, prompt, static_cast<int64_t>(prompt.size()));
-    Write(t, seed);
+    arena_->Fill(t.blocks, seed);
     const SequenceId id = t.slices[0].sequence;
     ASSERT_TRUE(
         engine_->Free(*alice_, std::span(&id, 1), OnFree::kCommit, CallContext::Uncancellable())
@@ -85,9 +62,7 @@ class TiersTest : public ::testing::Test {
   FailingDevice device_;
   std::unique_ptr<Engine> engine_;
   std::shared_ptr<const Session> alice_;
-  std::byte* arena_ = nullptr;
-  int64_t block_bytes_ = 0;
-  int64_t arena_bytes_ = 0;
+  std::unique_ptr<MappedArena> arena_;
 };
 
 TEST_F(TiersTest, AnEvictedPrefixComesBackFromTheHostTierByteForByte) {
@@ -105,7 +80,7 @@ TEST_F(TiersTest, AnEvictedPrefixComesBackFromTheHostTierByteForByte) {
   for (int i = 0; i < 3; ++i) EXPECT_TRUE(Holds(t.blocks[static_cast<size_t>(i)], 10 + i)) << i;
   const TierStats tiers = engine_->Stats().tiers;
   EXPECT_EQ(tiers.promoted_from_host, 3u);
-  EXPECT_EQ(tiers.promoted_bytes, static_cast<uint64_t>(3 * block_bytes_));
+  EXPECT_EQ(tiers.promoted_bytes, static_cast<uint64_t>(3 * arena_->block_bytes()));
   EXPECT_EQ(tiers.host_store.hits, 3u);
   EXPECT_TRUE(engine_->CheckInvariants().ok());
 }
@@ -164,7 +139,7 @@ TEST_F(TiersTest, PublishedBlocksStayPutUntilTheirCopyRan) {
   absl::Notification release;
   const std::vector<int32_t> prompt = Prompt(16, 5);
   const Tables t = Allocate(*alice_, prompt, 16);
-  Write(t, 50);
+  arena_->Fill(t.blocks, 50);
   ASSERT_TRUE(
       device_.EnqueueHostTask(kernels::StreamId::kTransfer, [&] { release.WaitForNotification(); })
           .ok());
