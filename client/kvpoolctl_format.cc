@@ -404,7 +404,8 @@ std::string FormatEvents(const v1::WatchEventsResponse& events, bool json) {
         break;
     }
     std::string line =
-        fmt::format("{:>8} {:<7} epoch {} ns {:#018x}", e.seq(), type, e.epoch(), e.namespace_id());
+        fmt::format("{:>8} {:<7} {:<6} epoch {} ns {:#018x}", e.seq(), type,
+                    e.medium().empty() ? "device" : e.medium(), e.epoch(), e.namespace_id());
     if (e.block_hashes_size() > 0) {
       line += fmt::format(" blocks {} [{}", e.block_hashes_size(), HashText(e.block_hashes(0)));
       if (e.block_hashes_size() > 1) line += " ...";

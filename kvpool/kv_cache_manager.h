@@ -349,6 +349,10 @@ class KvCacheManager final {
   absl::Status ClearCache();
   // The cache's event log (null with the prefix cache off) and a snapshot for late consumers.
   const EventLog* events() const { return cache_ ? &cache_->events() : nullptr; }
+  // Records an event of a lower tier in the pool's event log (numbered with the pool's events).
+  void AppendTierEvent(KvEvent event) {
+    if (cache_) cache_->AppendEvent(std::move(event));
+  }
   // The full blocks cached since the last call, oldest first (KvCacheOptions::publish_journal;
   // always empty without it). Their bytes stay put while they are cached or held.
   void TakePublished(std::vector<PublishedBlock>* out) {

@@ -38,6 +38,10 @@ inline constexpr size_t kDefaultEventLogBytes = size_t{64} << 20;
 
 enum class KvEventType : uint8_t { kBlockStored, kBlockRemoved, kAllBlocksCleared };
 
+// Where an event's blocks are (vLLM's `medium`): the device pool, or the host tier below it
+// (docs/tiers.md). Host-tier events name blocks by hash only (no tokens).
+enum class KvMedium : uint8_t { kDevice, kHost };
+
 struct KvEvent {
   uint64_t seq = 0;    // gap-free, from 1; 0 in snapshot entries
   uint64_t epoch = 0;  // changes when the daemon restarts
@@ -49,6 +53,7 @@ struct KvEvent {
   std::optional<BlockHash> parent_hash;  // stored: the first block's parent (none at the root)
   std::vector<int32_t> token_ids;        // stored: every block's tokens, concatenated
   int32_t block_size = 0;
+  KvMedium medium = KvMedium::kDevice;
 };
 
 // The memory one event takes in the ring, in bytes: the struct and its vectors' buffers.

@@ -230,6 +230,10 @@ class PrefixCache final {
   const EvictionPolicy& policy() const { return *policy_; }
 
   const EventLog& events() const { return events_; }
+  // Appends an event about blocks outside the tree (a lower tier's), when events are on.
+  void AppendEvent(KvEvent event) {
+    if (events_on_) events_.Append(std::move(event));
+  }
   // Moves the journal (PrefixCacheOptions::journal) into `out`, oldest first, and empties it.
   void TakePublished(std::vector<PublishedBlock>* out) {
     out->clear();

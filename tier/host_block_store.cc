@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <new>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 
@@ -50,37 +51,49 @@ void HostBlockStore::PushFront(int32_t slot) {
 }
 
 bool HostBlockStore::Put(const BlockSpace& space, const BlockToStore& block) {
-  absl::MutexLock lock(&mu_);
-  ++stats_.puts;
-  if (static_cast<int64_t>(block.bytes.size()) != block_bytes_) {
-    ++stats_.dropped_write_errors;
-    return false;
+  bool stored = false;
+  std::optional<Key> dropped;
+  {
+    absl::MutexLock lock(&mu_);
+    ++stats_.puts;
+    if (static_cast<int64_t>(block.bytes.size()) != block_bytes_) {
+      ++stats_.dropped_write_errors;
+      return false;
+    }
+    const Key key{space.ns.value(), space.layout_fingerprint, block.hash};
+    if (auto it = index_.find(key); it != index_.end()) {
+      ++stats_.already_present;
+      Unlink(it->second);
+      PushFront(it->second);
+      return true;
+    }
+    int32_t slot;
+    if (unused_ < capacity_) {
+      slot = unused_++;
+    } else {
+      slot = tail_;  // the least recently used block makes room
+      Unlink(slot);
+      dropped = slots_[static_cast<size_t>(slot)].key;
+      index_.erase(*dropped);
+      ++evicted_;
+    }
+    Slot& s = slots_[static_cast<size_t>(slot)];
+    s.key = key;
+    s.parent = block.parent;
+    s.coverage = block.coverage;
+    std::memcpy(SlotBytes(slot), block.bytes.data(), block.bytes.size());
+    index_.emplace(key, slot);
+    PushFront(slot);
+    ++stats_.written;
+    stats_.bytes_written += static_cast<uint64_t>(block_bytes_);
+    stored = true;
   }
-  const Key key{space.ns.value(), space.layout_fingerprint, block.hash};
-  if (auto it = index_.find(key); it != index_.end()) {
-    ++stats_.already_present;
-    Unlink(it->second);
-    PushFront(it->second);
-    return true;
+  if (listener_) {
+    if (dropped) {
+      listener_({NamespaceId(dropped->ns), dropped->layout}, dropped->hash, BlockHash{}, false);
+    }
+    if (stored) listener_(space, block.hash, block.parent, true);
   }
-  int32_t slot;
-  if (unused_ < capacity_) {
-    slot = unused_++;
-  } else {
-    slot = tail_;  // the least recently used block makes room
-    Unlink(slot);
-    index_.erase(slots_[static_cast<size_t>(slot)].key);
-    ++evicted_;
-  }
-  Slot& s = slots_[static_cast<size_t>(slot)];
-  s.key = key;
-  s.parent = block.parent;
-  s.coverage = block.coverage;
-  std::memcpy(SlotBytes(slot), block.bytes.data(), block.bytes.size());
-  index_.emplace(key, slot);
-  PushFront(slot);
-  ++stats_.written;
-  stats_.bytes_written += static_cast<uint64_t>(block_bytes_);
   return true;
 }
 

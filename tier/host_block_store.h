@@ -17,6 +17,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -34,6 +35,13 @@ class HostBlockStore final : public RemoteTier {
   // arena would pass 2^46 bytes), RESOURCE_EXHAUSTED (the arena cannot be allocated).
   static absl::StatusOr<std::unique_ptr<HostBlockStore>> Create(int64_t blocks,
                                                                 int64_t block_bytes);
+
+  // Told of every block stored (stored true) and every block dropped to make room (false),
+  // after the store's lock is released, on the thread that called Put.
+  using Listener = std::function<void(const BlockSpace& space, const BlockHash& hash,
+                                      const BlockHash& parent, bool stored)>;
+  // REQUIRES: no Put has run yet (the listener is read without a lock).
+  void set_listener(Listener listener) { listener_ = std::move(listener); }
 
   // Copies the block into a slot at once (the least recently used one when full) and returns
   // true; false (counted in dropped_write_errors) when its size is not block_bytes(). A block
@@ -81,6 +89,7 @@ class HostBlockStore final : public RemoteTier {
   const int64_t capacity_;
   const int64_t block_bytes_;
   const std::unique_ptr<std::byte[]> arena_;
+  Listener listener_;
 
   mutable absl::Mutex mu_;
   std::vector<Slot> slots_ ABSL_GUARDED_BY(mu_);

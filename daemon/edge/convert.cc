@@ -103,6 +103,7 @@ v1::KvEvent ToProto(const KvEvent& e) {
   if (e.parent_hash) ToProto(*e.parent_hash, out.mutable_parent_hash());
   out.mutable_token_ids()->Add(e.token_ids.begin(), e.token_ids.end());
   out.set_block_size(e.block_size);
+  out.set_medium(e.medium == KvMedium::kHost ? "host" : "device");
   return out;
 }
 

@@ -36,6 +36,18 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
             .max_position = model->config().max_position};
   }
   auto engine = std::unique_ptr<Engine>(new Engine(std::move(state), model, std::move(info)));
+  {
+    Engine* e = engine.get();
+    absl::MutexLock lock(&e->mu_);
+    for (int32_t i = 0; i < e->state_->num_pools(); ++i) {
+      if (TierSet* t = e->state_->pool(i).tiers(); t != nullptr) {
+        t->set_on_events([e, i] {
+          absl::MutexLock lock(&e->mu_);
+          e->state_->pool(i).DrainTierEvents();
+        });
+      }
+    }
+  }
   if (model != nullptr) {
     engine->runner_ =
         std::make_unique<StepRunner>(engine.get(), static_cast<int32_t>(options.pools.size()),
@@ -64,7 +76,18 @@ Engine::Engine(std::unique_ptr<EngineState> state, model::StepModel* model, Mode
       limits_(state->options().limits),
       state_(std::move(state)) {}
 
-Engine::~Engine() { StopCompute(); }
+Engine::~Engine() {
+  StopCompute();
+  // The tier writers call back into the engine (their events): stop them while it is whole.
+  std::vector<TierSet*> tiers;
+  {
+    absl::MutexLock lock(&mu_);
+    for (int32_t i = 0; i < state_->num_pools(); ++i) {
+      if (state_->pool(i).tiers() != nullptr) tiers.push_back(state_->pool(i).tiers());
+    }
+  }
+  for (TierSet* t : tiers) t->Stop();
+}
 
 absl::StatusOr<std::shared_ptr<const Session>> Engine::OpenSession(SessionSpec spec) {
   absl::MutexLock lock(&mu_);
@@ -420,6 +443,7 @@ void Engine::LoadFromTiers(const Session& s, std::span<const int32_t> prompt) {
     tiers->KeepInHost(s.ns, first_remote == 0 ? BlockHash{} : chain[first_remote - 1],
                       std::span(chain).subspan(first_remote, static_cast<size_t>(from_remote)),
                       std::span(found.bytes).subspan(static_cast<size_t>(from_host)));
+    pool->DrainTierEvents();
   }
 }
 

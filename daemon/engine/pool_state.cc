@@ -64,6 +64,13 @@ void PoolState::StagePublished(std::span<const BlockHash> skip) {
   if (!tiers_) return;
   cache_->TakePublished(&published_);
   tiers_->Stage(*cache_, view(), published_, skip);
+  DrainTierEvents();
+}
+
+void PoolState::DrainTierEvents() {
+  if (!tiers_) return;
+  tiers_->TakeEvents(&tier_events_);
+  for (KvEvent& e : tier_events_) cache_->AppendTierEvent(std::move(e));
 }
 
 PoolState::~PoolState() {

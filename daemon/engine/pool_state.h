@@ -72,6 +72,8 @@ class PoolState final {
   // it in each lock hold that may publish, before the lock is released. `skip`: hashes just
   // promoted from a tier. A no-op without tiers.
   void StagePublished(std::span<const BlockHash> skip = {});
+  // Moves the host tier's events into the pool's event log (numbered with the pool's own).
+  void DrainTierEvents();
 
   // Enqueues `plan`'s device work, marks the blocks it touches in flight with that work's fence
   // and publishes the generations of the blocks it hands out. Returns the fence to wait for
@@ -104,6 +106,7 @@ class PoolState final {
   kernels::PlanExecutor executor_;
   const std::unique_ptr<TierSet> tiers_;
   std::vector<PublishedBlock> published_;  // scratch of StagePublished
+  std::vector<KvEvent> tier_events_;       // scratch of DrainTierEvents
 };
 
 }  // namespace kvpool::daemon

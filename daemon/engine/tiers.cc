@@ -48,16 +48,46 @@ TierSet::TierSet(kernels::Device* device, const kernels::PoolLayout& layout,
       host_(std::move(host)),
       remote_(std::move(remote)) {
   KVPOOL_CHECK(host_ == nullptr || host_->block_bytes() == block_bytes_);
+  if (host_) {
+    host_->set_listener([this](const tier::BlockSpace& space, const BlockHash& hash,
+                               const BlockHash& parent,
+                               bool stored) { OnHostChange(space, hash, parent, stored); });
+  }
   writer_ = std::thread([this] { WriterLoop(); });
 }
 
-TierSet::~TierSet() {
+TierSet::~TierSet() { Stop(); }
+
+void TierSet::Stop() {
   {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
     changed_.SignalAll();
   }
-  writer_.join();
+  if (writer_.joinable()) writer_.join();
+}
+
+void TierSet::OnHostChange(const tier::BlockSpace& space, const BlockHash& hash,
+                           const BlockHash& parent, bool stored) {
+  KvEvent e{.type = stored ? KvEventType::kBlockStored : KvEventType::kBlockRemoved,
+            .ns = space.ns,
+            .block_hashes = {hash},
+            .block_size = block_size_,
+            .medium = KvMedium::kHost};
+  if (stored && parent != BlockHash{}) e.parent_hash = parent;
+  absl::MutexLock lock(&mu_);
+  events_.push_back(std::move(e));
+}
+
+void TierSet::TakeEvents(std::vector<KvEvent>* out) {
+  out->clear();
+  absl::MutexLock lock(&mu_);
+  out->swap(events_);
+}
+
+void TierSet::set_on_events(std::function<void()> on_events) {
+  absl::MutexLock lock(&mu_);
+  on_events_ = std::move(on_events);
 }
 
 void TierSet::Stage(KvCacheManager& cache, const kernels::KvPoolView& view,
@@ -75,6 +105,10 @@ void TierSet::Stage(KvCacheManager& cache, const kernels::KvPoolView& view,
   std::vector<BlockId> copied;
   Fence last;
   absl::MutexLock lock(&mu_);
+  if (stopping_) {
+    counters_.demote_dropped_full += published.size();
+    return;
+  }
   for (const PublishedBlock& p : published) {
     if (std::find(skip.begin(), skip.end(), p.hash) != skip.end()) continue;
     if (static_cast<int64_t>(queue_.size()) + in_flight_ >= max_staged_) {
@@ -125,6 +159,12 @@ void TierSet::WriterLoop() {
       if (host_) host_->Put(item.space, block);
       if (remote_) remote_->Put(item.space, block);
     }
+    std::function<void()> on_events;
+    {
+      absl::MutexLock lock(&mu_);
+      if (!events_.empty()) on_events = on_events_;
+    }
+    if (on_events) on_events();  // before in_flight_ drops: Flush implies the events are logged
     absl::MutexLock lock(&mu_);
     --in_flight_;
     if (copied.ok()) {

@@ -21,6 +21,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <span>
 #include <thread>
@@ -112,6 +113,16 @@ class TierSet final {
   // Counts a promotion (the engine does the copying).
   void CountPromotion(int64_t from_host, int64_t from_remote, int64_t ns_spent, bool failed);
 
+  // Host-tier events (BlockStored / BlockRemoved, medium host) not yet taken, oldest first.
+  void TakeEvents(std::vector<KvEvent>* out);
+  // Called by the writer thread, with no lock held, after it stored blocks whose events wait in
+  // TakeEvents (the engine moves them into the pool's event log). Set it before Stage is called.
+  void set_on_events(std::function<void()> on_events);
+
+  // Offers what is staged to the stores, then stops the writer; later Stage calls only drop
+  // (counted). Idempotent. The engine calls it before it goes, so on_events never runs late.
+  void Stop();
+
   // Waits until every staged copy reached the stores and the remote wrote its queue.
   // Errors: DEADLINE_EXCEEDED.
   absl::Status Flush(absl::Duration timeout);
@@ -129,6 +140,8 @@ class TierSet final {
     int64_t staged_ns = 0;
   };
   void WriterLoop();
+  void OnHostChange(const tier::BlockSpace& space, const BlockHash& hash, const BlockHash& parent,
+                    bool stored);
 
   kernels::Device* const device_;
   const int64_t block_bytes_;
@@ -144,6 +157,8 @@ class TierSet final {
   int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // taken by the writer, not yet offered
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   TierStats counters_ ABSL_GUARDED_BY(mu_);
+  std::vector<KvEvent> events_ ABSL_GUARDED_BY(mu_);
+  std::function<void()> on_events_ ABSL_GUARDED_BY(mu_);
   std::thread writer_;
 };
 

@@ -70,6 +70,21 @@ TEST_F(TiersTest, AnEvictedPrefixComesBackFromTheHostTierByteForByte) {
   PublishThenEvict(prompt, 10);
   EXPECT_EQ(engine_->Stats().tiers.demoted, 3u);
   EXPECT_EQ(engine_->Stats().tiers.host_blocks, 3);
+  // The pool's event log says where the blocks went: stored on the device, then in the host tier
+  // (hashes only), then the device's cache cleared.
+  std::vector<KvEvent> events;
+  ASSERT_TRUE(engine_->ReadEvents(0, 1, 100, &events));
+  std::vector<BlockHash> device_stored, host_stored;
+  for (const KvEvent& e : events) {
+    if (e.type != KvEventType::kBlockStored) continue;
+    std::vector<BlockHash>& into = e.medium == KvMedium::kHost ? host_stored : device_stored;
+    into.insert(into.end(), e.block_hashes.begin(), e.block_hashes.end());
+  }
+  EXPECT_EQ(device_stored.size(), 3u);
+  EXPECT_EQ(host_stored, device_stored);
+  ASSERT_FALSE(events.empty());
+  EXPECT_EQ(events.back().type, KvEventType::kAllBlocksCleared);
+  EXPECT_EQ(events.back().medium, KvMedium::kDevice);
 
   // Another session's prompt shares the three blocks and adds one: the three are promoted.
   auto bob = *engine_->OpenSession(Spec("tenant-a", "bob"));

@@ -90,6 +90,30 @@ TEST(HostBlockStoreTest, FullStoreEvictsTheLeastRecentlyUsed) {
   EXPECT_EQ(store->stats().already_present, 1u);
 }
 
+TEST(HostBlockStoreTest, TheListenerHearsOfEveryStoredAndDroppedBlock) {
+  auto store = *HostBlockStore::Create(2, kBlockBytes);
+  std::vector<std::pair<BlockHash, bool>> heard;
+  store->set_listener(
+      [&](const BlockSpace& space, const BlockHash& hash, const BlockHash&, bool stored) {
+        EXPECT_EQ(space.ns, kSpace.ns);
+        heard.emplace_back(hash, stored);
+      });
+  const auto chain = MakeChain(kSpace, 3, kBlockBytes, 4);
+  EXPECT_EQ(chain.Put(*store), 3);
+  auto put = [&](size_t i) {
+    store->Put(kSpace, {.hash = chain.hashes[i],
+                        .parent = i == 0 ? BlockHash{} : chain.hashes[i - 1],
+                        .coverage = 16,
+                        .bytes = chain.blocks[i]});
+  };
+  put(2);  // there: touched, nothing to hear
+  put(0);  // back, in the place of block 1, now the least recently used
+  const std::vector<std::pair<BlockHash, bool>> want = {
+      {chain.hashes[0], true}, {chain.hashes[1], true},  {chain.hashes[0], false},
+      {chain.hashes[2], true}, {chain.hashes[1], false}, {chain.hashes[0], true}};
+  EXPECT_EQ(heard, want);
+}
+
 TEST(HostBlockStoreTest, BadSizesAreRefused) {
   EXPECT_EQ(HostBlockStore::Create(0, kBlockBytes).status().code(),
             absl::StatusCode::kInvalidArgument);
