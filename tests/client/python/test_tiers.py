@@ -119,6 +119,31 @@ class RedisTierTest(unittest.TestCase):
                     self.assertEqual(seq.matched_tokens, 0)
                 self.assertTrue(cb.check_invariants().ok)
 
+    def test_a_corrupted_value_is_a_miss_never_data(self):
+        config = redis_config(self.redis.socket)
+        with Daemon(config) as a, Daemon(config) as b:
+            py_kv("write", a.dir, PROMPT_TOKENS, 9)
+            with kvpool.Client.connect(a.dir, client_name="watch-a") as ca:
+                until(lambda: store(ca.get_stats(), "redis").written >= 6, "six blocks in redis")
+            cli = [shutil.which("redis-cli"), "-s", self.redis.socket]
+            keys = subprocess.run(cli + ["--scan", "--pattern", "kvp1:*"], check=True,
+                                  capture_output=True, text=True).stdout.split()
+            self.assertEqual(len(keys), 6)
+            # Flip one byte of one block's payload (past the 72-byte header).
+            for key in keys[:1]:
+                old = subprocess.run(cli + ["GETRANGE", key, "100", "100"], check=True,
+                                     capture_output=True).stdout[:1]
+                flipped = bytes([old[0] ^ 0xFF]) if old else b"x"
+                subprocess.run(cli + ["-x", "SETRANGE", key, "100"], input=flipped, check=True,
+                               capture_output=True)
+            out = py_kv("read", b.dir, PROMPT_TOKENS, 9)
+            matched = int(out.split()[1])
+            self.assertLess(matched, PROMPT_TOKENS)  # the chain stops at the bad block
+            self.assertEqual(matched % 16, 0)
+            with kvpool.Client.connect(b.dir, client_name="watch-b") as cb:
+                self.assertEqual(store(cb.get_stats(), "redis").corrupt, 1)
+                self.assertTrue(cb.check_invariants().ok)
+
     def test_redis_down_costs_no_call_and_hits_resume_when_it_is_back(self):
         config = redis_config(self.redis.socket)
         with Daemon(config) as a, Daemon(config) as b:
