@@ -34,6 +34,9 @@ class CpuDevice final : public Device {
   bool host_visible() const override { return true; }
   absl::StatusOr<std::unique_ptr<Arena>> CreateArena(int64_t bytes) override;
   absl::StatusOr<std::unique_ptr<DeviceBuffer>> AllocateBuffer(int64_t bytes) override;
+  absl::StatusOr<std::unique_ptr<DeviceBuffer>> AllocateHostBuffer(int64_t bytes) override {
+    return AllocateBuffer(bytes);  // device memory is host memory
+  }
   absl::StatusOr<Fence> CopyToDevice(StreamId stream, void* dst, const void* src,
                                      int64_t bytes) override;
   absl::StatusOr<Fence> CopyToHost(StreamId stream, void* dst, const void* src,

@@ -79,6 +79,10 @@ class Device : public FenceObserver {
   // Errors: RESOURCE_EXHAUSTED when the device cannot provide the memory; INTERNAL otherwise.
   virtual absl::StatusOr<std::unique_ptr<Arena>> CreateArena(int64_t bytes) = 0;
   virtual absl::StatusOr<std::unique_ptr<DeviceBuffer>> AllocateBuffer(int64_t bytes) = 0;
+  // Host memory the device copies to and from asynchronously at full speed: page-locked on CUDA
+  // (a copy to pageable memory would block the caller until the stream got there), plain on the
+  // CPU. data() is a host pointer. Errors as AllocateBuffer.
+  virtual absl::StatusOr<std::unique_ptr<DeviceBuffer>> AllocateHostBuffer(int64_t bytes) = 0;
 
   // Enqueued operations: each runs after everything enqueued before it on `stream` and returns
   // its fence. Pointers must stay valid until that fence has passed. Argument errors are

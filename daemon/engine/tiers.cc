@@ -116,12 +116,23 @@ void TierSet::Stage(KvCacheManager& cache, const kernels::KvPoolView& view,
       continue;
     }
     Staged item{.space = {p.ns, layout_fingerprint_}, .hash = p.hash, .parent = p.parent};
-    item.bytes.resize(static_cast<size_t>(block_bytes_));
+    if (!spare_.empty()) {
+      item.bytes = std::move(spare_.back());
+      spare_.pop_back();
+    } else if (absl::StatusOr<std::unique_ptr<kernels::DeviceBuffer>> made =
+                   device_->AllocateHostBuffer(block_bytes_);
+               made.ok()) {
+      item.bytes = std::move(*made);
+    } else {
+      ++counters_.demote_failed;
+      continue;
+    }
     const std::byte* src =
         static_cast<const std::byte*>(view.base) + p.block.value() * block_bytes_;
     const absl::StatusOr<Fence> fence =
-        device_->CopyToHost(kernels::StreamId::kTransfer, item.bytes.data(), src, block_bytes_);
+        device_->CopyToHost(kernels::StreamId::kTransfer, item.bytes->data(), src, block_bytes_);
     if (!fence.ok()) {
+      spare_.push_back(std::move(item.bytes));
       ++counters_.demote_failed;
       continue;
     }
@@ -155,7 +166,8 @@ void TierSet::WriterLoop() {
       const tier::BlockToStore block{.hash = item.hash,
                                      .parent = item.parent,
                                      .coverage = static_cast<uint32_t>(block_size_),
-                                     .bytes = item.bytes};
+                                     .bytes = {static_cast<const std::byte*>(item.bytes->data()),
+                                               static_cast<size_t>(block_bytes_)}};
       if (host_) host_->Put(item.space, block);
       if (remote_) remote_->Put(item.space, block);
     }
@@ -166,6 +178,7 @@ void TierSet::WriterLoop() {
     }
     if (on_events) on_events();  // before in_flight_ drops: Flush implies the events are logged
     absl::MutexLock lock(&mu_);
+    spare_.push_back(std::move(item.bytes));
     --in_flight_;
     if (copied.ok()) {
       ++counters_.demoted;

@@ -135,7 +135,7 @@ class TierSet final {
     tier::BlockSpace space;
     BlockHash hash;
     BlockHash parent;
-    std::vector<std::byte> bytes;
+    std::unique_ptr<kernels::DeviceBuffer> bytes;  // host memory (pinned on CUDA), one block
     Fence fence;
     int64_t staged_ns = 0;
   };
@@ -158,6 +158,8 @@ class TierSet final {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   TierStats counters_ ABSL_GUARDED_BY(mu_);
   std::vector<KvEvent> events_ ABSL_GUARDED_BY(mu_);
+  // Staging buffers the writer is done with, for the next Stage (at most max_staged_ exist).
+  std::vector<std::unique_ptr<kernels::DeviceBuffer>> spare_ ABSL_GUARDED_BY(mu_);
   std::function<void()> on_events_ ABSL_GUARDED_BY(mu_);
   std::thread writer_;
 };

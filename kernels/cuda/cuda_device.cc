@@ -116,6 +116,10 @@ absl::StatusOr<std::unique_ptr<DeviceBuffer>> CudaDevice::AllocateBuffer(int64_t
   return AllocateCudaBuffer(ordinal_, bytes);
 }
 
+absl::StatusOr<std::unique_ptr<DeviceBuffer>> CudaDevice::AllocateHostBuffer(int64_t bytes) {
+  return AllocatePinnedBuffer(ordinal_, bytes);
+}
+
 absl::StatusOr<CudaDevice::Stream*> CudaDevice::GetStream(StreamId stream) const {
   const auto s = static_cast<uint32_t>(stream);
   if (s >= kNumStreams) return NoStream(s);

@@ -53,6 +53,7 @@ class CudaDevice final : public Device {
   bool host_visible() const override { return false; }
   absl::StatusOr<std::unique_ptr<Arena>> CreateArena(int64_t bytes) override;
   absl::StatusOr<std::unique_ptr<DeviceBuffer>> AllocateBuffer(int64_t bytes) override;
+  absl::StatusOr<std::unique_ptr<DeviceBuffer>> AllocateHostBuffer(int64_t bytes) override;
   // `src` (CopyToDevice) and `dst` (CopyToHost) are host memory; pinned memory makes the copy
   // asynchronous, pageable memory makes the call return only once the copy is staged (to the
   // device) or done (to the host).

@@ -109,6 +109,18 @@ class CudaBuffer final : public DeviceBuffer {
   const int64_t bytes_;
 };
 
+class PinnedBuffer final : public DeviceBuffer {
+ public:
+  PinnedBuffer(void* data, int64_t bytes) : data_(data), bytes_(bytes) {}
+  ~PinnedBuffer() override { cudaFreeHost(data_); }
+  void* data() const override { return data_; }
+  int64_t bytes() const override { return bytes_; }
+
+ private:
+  void* const data_;
+  const int64_t bytes_;
+};
+
 absl::StatusOr<bool> VmmSupported(const DriverApi& api, CUdevice device) {
   int vmm = 0;
   int posix_fd = 0;
@@ -217,6 +229,16 @@ absl::StatusOr<std::unique_ptr<DeviceBuffer>> AllocateCudaBuffer(int ordinal, in
       CudaStatus(cudaMalloc(&data, static_cast<size_t>(bytes)),
                  fmt::format("cudaMalloc({} bytes on device {})", bytes, ordinal)));
   return std::unique_ptr<DeviceBuffer>(std::make_unique<CudaBuffer>(ordinal, data, bytes));
+}
+
+absl::StatusOr<std::unique_ptr<DeviceBuffer>> AllocatePinnedBuffer(int ordinal, int64_t bytes) {
+  if (bytes <= 0) return absl::InvalidArgumentError("buffer size must be > 0");
+  KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(ordinal), "cudaSetDevice"));
+  void* data = nullptr;
+  KVPOOL_RETURN_IF_ERROR(
+      CudaStatus(cudaMallocHost(&data, static_cast<size_t>(bytes)),
+                 fmt::format("cudaMallocHost({} bytes for device {})", bytes, ordinal)));
+  return std::unique_ptr<DeviceBuffer>(std::make_unique<PinnedBuffer>(data, bytes));
 }
 
 }  // namespace kvpool::kernels::cuda

@@ -31,4 +31,8 @@ absl::StatusOr<std::unique_ptr<Arena>> CreateCudaArena(int ordinal, int64_t byte
 // out of memory; INTERNAL otherwise.
 absl::StatusOr<std::unique_ptr<DeviceBuffer>> AllocateCudaBuffer(int ordinal, int64_t bytes);
 
+// Page-locked host memory (cudaMallocHost, `bytes` > 0) for asynchronous copies with device
+// `ordinal`, freed (cudaFreeHost) when destroyed. Errors as AllocateCudaBuffer.
+absl::StatusOr<std::unique_ptr<DeviceBuffer>> AllocatePinnedBuffer(int ordinal, int64_t bytes);
+
 }  // namespace kvpool::kernels::cuda

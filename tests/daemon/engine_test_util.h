@@ -35,6 +35,10 @@ class FailingDevice final : public kernels::Device {
   absl::StatusOr<std::unique_ptr<kernels::DeviceBuffer>> AllocateBuffer(int64_t bytes) override {
     return cpu_.AllocateBuffer(bytes);
   }
+  absl::StatusOr<std::unique_ptr<kernels::DeviceBuffer>> AllocateHostBuffer(
+      int64_t bytes) override {
+    return cpu_.AllocateHostBuffer(bytes);
+  }
   absl::StatusOr<Fence> CopyToDevice(kernels::StreamId s, void* dst, const void* src,
                                      int64_t bytes) override {
     if (fail_copy_to_device) return absl::InternalError("injected: copy to device not queued");
