@@ -2,6 +2,7 @@
 
 #include "daemon/engine/engine.h"
 
+#include "absl/cleanup/cleanup.h"
 #include "daemon/engine/step.h"
 #include "daemon/engine/step_runner.h"
 #include "fmt/format.h"
@@ -372,6 +373,7 @@ void Engine::LoadFromTiers(const Session& s, std::span<const int32_t> prompt) {
   }
   const BlockHash after = local == 0 ? BlockHash{} : chain[local - 1];
   TierSet::Found found = tiers->Lookup(s.ns, after, std::span(chain).subspan(local));
+  const absl::Cleanup recycle = [&] { tiers->Recycle(&found); };
   if (found.hits == 0) return;
   const size_t upto = local + static_cast<size_t>(found.hits);
   const int64_t from_host = found.from_host;
@@ -409,7 +411,8 @@ void Engine::LoadFromTiers(const Session& s, std::span<const int32_t> prompt) {
       const BlockId block = seq.table[i];
       void* dst = static_cast<std::byte*>(pool->view().base) + block.value() * tiers->block_bytes();
       fence = device_->CopyToDevice(kernels::StreamId::kTransfer, dst,
-                                    found.bytes[i - local].data(), tiers->block_bytes());
+                                    found.block(i - local, tiers->block_bytes()).data(),
+                                    tiers->block_bytes());
       targets.push_back(block);
     }
     const Fence queued = fence.ok() ? *fence : device_->LastFence(kernels::StreamId::kTransfer);
@@ -442,7 +445,7 @@ void Engine::LoadFromTiers(const Session& s, std::span<const int32_t> prompt) {
     const size_t first_remote = local + static_cast<size_t>(from_host);
     tiers->KeepInHost(s.ns, first_remote == 0 ? BlockHash{} : chain[first_remote - 1],
                       std::span(chain).subspan(first_remote, static_cast<size_t>(from_remote)),
-                      std::span(found.bytes).subspan(static_cast<size_t>(from_host)));
+                      found, static_cast<size_t>(from_host));
     pool->DrainTierEvents();
   }
 }

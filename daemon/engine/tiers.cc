@@ -132,7 +132,7 @@ void TierSet::Stage(KvCacheManager& cache, const kernels::KvPoolView& view,
     const absl::StatusOr<Fence> fence =
         device_->CopyToHost(kernels::StreamId::kTransfer, item.bytes->data(), src, block_bytes_);
     if (!fence.ok()) {
-      spare_.push_back(std::move(item.bytes));
+      GiveBack(std::move(item.bytes));
       ++counters_.demote_failed;
       continue;
     }
@@ -178,7 +178,7 @@ void TierSet::WriterLoop() {
     }
     if (on_events) on_events();  // before in_flight_ drops: Flush implies the events are logged
     absl::MutexLock lock(&mu_);
-    spare_.push_back(std::move(item.bytes));
+    GiveBack(std::move(item.bytes));
     --in_flight_;
     if (copied.ok()) {
       ++counters_.demoted;
@@ -200,8 +200,15 @@ TierSet::Found TierSet::Lookup(NamespaceId ns, const BlockHash& parent,
     absl::MutexLock lock(&mu_);
     ++counters_.lookups;
   }
-  found.bytes.assign(hashes.size(), std::vector<std::byte>(static_cast<size_t>(block_bytes_)));
-  std::vector<std::span<std::byte>> out(found.bytes.begin(), found.bytes.end());
+  std::vector<std::span<std::byte>> out;
+  for (size_t i = 0; i < hashes.size(); ++i) {
+    std::unique_ptr<kernels::DeviceBuffer> buffer = TakeBuffer();
+    if (buffer == nullptr) break;  // look up as many as there are buffers for
+    out.emplace_back(static_cast<std::byte*>(buffer->data()), static_cast<size_t>(block_bytes_));
+    found.buffers.push_back(std::move(buffer));
+  }
+  if (out.empty()) return found;
+  hashes = hashes.first(out.size());
   const tier::BlockSpace space{ns, layout_fingerprint_};
   if (host_) {
     const absl::StatusOr<tier::LookupResult> r = host_->Lookup(space, parent, hashes, out);
@@ -214,19 +221,44 @@ TierSet::Found TierSet::Lookup(NamespaceId ns, const BlockHash& parent,
         remote_->Lookup(space, after, hashes.subspan(from), std::span(out).subspan(from));
     if (r.ok()) found.hits += r->hits;
   }
-  found.bytes.resize(static_cast<size_t>(found.hits));
   return found;
 }
 
+std::unique_ptr<kernels::DeviceBuffer> TierSet::TakeBuffer() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!spare_.empty()) {
+      std::unique_ptr<kernels::DeviceBuffer> buffer = std::move(spare_.back());
+      spare_.pop_back();
+      return buffer;
+    }
+  }
+  absl::StatusOr<std::unique_ptr<kernels::DeviceBuffer>> made =
+      device_->AllocateHostBuffer(block_bytes_);
+  return made.ok() ? std::move(*made) : nullptr;
+}
+
+void TierSet::GiveBack(std::unique_ptr<kernels::DeviceBuffer> buffer) {
+  // Keep as many as staging may use at once; lookups beyond that allocate and free.
+  if (static_cast<int64_t>(spare_.size()) < max_staged_) spare_.push_back(std::move(buffer));
+}
+
+void TierSet::Recycle(Found* found) {
+  absl::MutexLock lock(&mu_);
+  for (auto& buffer : found->buffers) GiveBack(std::move(buffer));
+  found->buffers.clear();
+  found->hits = found->from_host = 0;
+}
+
 void TierSet::KeepInHost(NamespaceId ns, const BlockHash& parent, std::span<const BlockHash> hashes,
-                         std::span<const std::vector<std::byte>> bytes) {
+                         const Found& found, size_t first) {
   if (!host_) return;
   const tier::BlockSpace space{ns, layout_fingerprint_};
-  for (size_t i = 0; i < hashes.size() && i < bytes.size(); ++i) {
+  for (size_t i = 0; i < hashes.size() && first + i < static_cast<size_t>(found.hits); ++i) {
     host_->Put(space, {.hash = hashes[i],
                        .parent = i == 0 ? parent : hashes[i - 1],
                        .coverage = static_cast<uint32_t>(block_size_),
-                       .bytes = bytes[i]});
+                       .bytes = found.block(first + i, block_bytes_)});
   }
 }
 

@@ -98,17 +98,26 @@ class TierSet final {
              std::span<const PublishedBlock> published, std::span<const BlockHash> skip = {});
 
   struct Found {
-    int64_t hits = 0;                           // leading blocks found
-    int64_t from_host = 0;                      // of which the host tier had the first ones
-    std::vector<std::vector<std::byte>> bytes;  // [hits] each block's bytes
+    int64_t hits = 0;       // leading blocks found
+    int64_t from_host = 0;  // of which the host tier had the first ones
+    // Block i's bytes are buffers[i]'s first block_bytes() (i < hits); staging buffers, host
+    // memory pinned on CUDA, to give back with Recycle.
+    std::vector<std::unique_ptr<kernels::DeviceBuffer>> buffers;
+    std::span<const std::byte> block(size_t i, int64_t bytes) const {
+      return {static_cast<const std::byte*>(buffers[i]->data()), static_cast<size_t>(bytes)};
+    }
   };
   // Outside any lock: the longest leading run of `hashes` (a chain after `parent`) the tiers
-  // hold, L2 first, then L3 from where L2 stopped. Never fails: a tier down or corrupt misses.
+  // hold, L2 first, then L3 from where L2 stopped. Never fails: a tier down or corrupt misses
+  // (and so does a run longer than the staging buffers that can be had).
   Found Lookup(NamespaceId ns, const BlockHash& parent, std::span<const BlockHash> hashes);
+  // Takes back a Lookup's buffers for later staging and lookups.
+  void Recycle(Found* found);
 
-  // Offers blocks promoted from the remote tier to the host tier (their bytes are at hand).
+  // Offers found blocks [first, first + count) (promoted from the remote tier, so their bytes
+  // are at hand) to the host tier; `parent` is block `first`'s parent.
   void KeepInHost(NamespaceId ns, const BlockHash& parent, std::span<const BlockHash> hashes,
-                  std::span<const std::vector<std::byte>> bytes);
+                  const Found& found, size_t first);
 
   // Counts a promotion (the engine does the copying).
   void CountPromotion(int64_t from_host, int64_t from_remote, int64_t ns_spent, bool failed);
@@ -140,6 +149,9 @@ class TierSet final {
     int64_t staged_ns = 0;
   };
   void WriterLoop();
+  // A staging buffer of one block: a spare one, or a new one (null when none can be had).
+  std::unique_ptr<kernels::DeviceBuffer> TakeBuffer() ABSL_LOCKS_EXCLUDED(mu_);
+  void GiveBack(std::unique_ptr<kernels::DeviceBuffer> buffer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnHostChange(const tier::BlockSpace& space, const BlockHash& hash, const BlockHash& parent,
                     bool stored);
 
