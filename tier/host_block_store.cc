@@ -8,8 +8,9 @@
 
 namespace kvpool::tier {
 
-absl::StatusOr<std::unique_ptr<HostBlockStore>> HostBlockStore::Create(int64_t blocks,
-                                                                       int64_t block_bytes) {
+namespace {
+
+absl::Status CheckSizes(int64_t blocks, int64_t block_bytes) {
   if (blocks <= 0 || block_bytes <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("host tier: ", blocks, " blocks of ", block_bytes, " bytes"));
@@ -18,18 +19,36 @@ absl::StatusOr<std::unique_ptr<HostBlockStore>> HostBlockStore::Create(int64_t b
     return absl::InvalidArgumentError(
         absl::StrCat("host tier: ", blocks, " blocks of ", block_bytes, " bytes is too large"));
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<HostBlockStore>> HostBlockStore::Create(int64_t blocks,
+                                                                       int64_t block_bytes) {
+  if (absl::Status s = CheckSizes(blocks, block_bytes); !s.ok()) return s;
   std::unique_ptr<std::byte[]> arena(new (std::nothrow)
                                          std::byte[static_cast<size_t>(blocks * block_bytes)]);
   if (arena == nullptr) {
     return absl::ResourceExhaustedError(
         absl::StrCat("host tier: cannot allocate ", blocks * block_bytes, " bytes"));
   }
-  return std::unique_ptr<HostBlockStore>(new HostBlockStore(blocks, block_bytes, std::move(arena)));
+  std::byte* base = arena.get();
+  return std::unique_ptr<HostBlockStore>(
+      new HostBlockStore(blocks, block_bytes, base, std::move(arena)));
 }
 
-HostBlockStore::HostBlockStore(int64_t blocks, int64_t block_bytes,
-                               std::unique_ptr<std::byte[]> arena)
-    : capacity_(blocks), block_bytes_(block_bytes), arena_(std::move(arena)) {
+absl::StatusOr<std::unique_ptr<HostBlockStore>> HostBlockStore::Create(int64_t blocks,
+                                                                       int64_t block_bytes,
+                                                                       std::byte* memory) {
+  if (absl::Status s = CheckSizes(blocks, block_bytes); !s.ok()) return s;
+  if (memory == nullptr) return absl::InvalidArgumentError("host tier: no memory");
+  return std::unique_ptr<HostBlockStore>(new HostBlockStore(blocks, block_bytes, memory, nullptr));
+}
+
+HostBlockStore::HostBlockStore(int64_t blocks, int64_t block_bytes, std::byte* arena,
+                               std::unique_ptr<std::byte[]> owned)
+    : capacity_(blocks), block_bytes_(block_bytes), arena_(arena), owned_(std::move(owned)) {
   slots_.resize(static_cast<size_t>(blocks));
   index_.reserve(static_cast<size_t>(blocks));
 }

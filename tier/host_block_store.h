@@ -12,8 +12,8 @@
 // two chains. Payload lengths are the store's fixed block size; a Put of another size is refused.
 //
 // Thread-safe (one mutex; a Put or Lookup holds it for its memcpy, a few microseconds per block).
-// On CUDA the arena should be pinned for full copy bandwidth; today it is pageable memory on
-// every backend (the copies still go through Device::CopyToHost / CopyToDevice).
+// The daemon places the slots in page-locked memory on CUDA (the second Create); tests and the
+// replay let the store allocate its own.
 
 #include <cstddef>
 #include <cstdint>
@@ -35,6 +35,11 @@ class HostBlockStore final : public RemoteTier {
   // arena would pass 2^46 bytes), RESOURCE_EXHAUSTED (the arena cannot be allocated).
   static absl::StatusOr<std::unique_ptr<HostBlockStore>> Create(int64_t blocks,
                                                                 int64_t block_bytes);
+  // The same over `memory` the caller owns (blocks * block_bytes bytes at least, outliving the
+  // store): page-locked memory on CUDA (Device::AllocateHostBuffer), so copies to and from the
+  // device run at full speed. Errors: INVALID_ARGUMENT (sizes, or no memory).
+  static absl::StatusOr<std::unique_ptr<HostBlockStore>> Create(int64_t blocks, int64_t block_bytes,
+                                                                std::byte* memory);
 
   // Told of every block stored (stored true) and every block dropped to make room (false),
   // after the store's lock is released, on the thread that called Put.
@@ -79,16 +84,18 @@ class HostBlockStore final : public RemoteTier {
     int32_t next = -1;
   };
 
-  HostBlockStore(int64_t blocks, int64_t block_bytes, std::unique_ptr<std::byte[]> arena);
+  HostBlockStore(int64_t blocks, int64_t block_bytes, std::byte* arena,
+                 std::unique_ptr<std::byte[]> owned);
   std::byte* SlotBytes(int32_t slot) const {
-    return arena_.get() + static_cast<size_t>(slot) * static_cast<size_t>(block_bytes_);
+    return arena_ + static_cast<size_t>(slot) * static_cast<size_t>(block_bytes_);
   }
   void Unlink(int32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PushFront(int32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const int64_t capacity_;
   const int64_t block_bytes_;
-  const std::unique_ptr<std::byte[]> arena_;
+  std::byte* const arena_;
+  const std::unique_ptr<std::byte[]> owned_;  // arena_, when the store allocated it
   Listener listener_;
 
   mutable absl::Mutex mu_;

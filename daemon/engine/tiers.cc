@@ -24,27 +24,39 @@ absl::StatusOr<std::unique_ptr<TierSet>> TierSet::Create(const TierOptions& opti
     return absl::InvalidArgumentError(fmt::format("tiers: host_blocks {} and staged_blocks {}",
                                                   options.host_blocks, options.staged_blocks));
   }
+  std::unique_ptr<kernels::DeviceBuffer> host_memory;
   std::unique_ptr<tier::HostBlockStore> host;
   if (options.host_blocks > 0) {
+    // Page-locked on CUDA: the tier's copies to and from the device then run asynchronously.
+    if (options.host_blocks > (int64_t{1} << 46) / layout.block_bytes()) {
+      return absl::InvalidArgumentError(
+          fmt::format("tiers: {} host blocks of {} bytes is too large", options.host_blocks,
+                      layout.block_bytes()));
+    }
+    KVPOOL_ASSIGN_OR_RETURN(host_memory,
+                            device->AllocateHostBuffer(options.host_blocks * layout.block_bytes()));
     KVPOOL_ASSIGN_OR_RETURN(
-        host, tier::HostBlockStore::Create(options.host_blocks, layout.block_bytes()));
+        host, tier::HostBlockStore::Create(options.host_blocks, layout.block_bytes(),
+                                           static_cast<std::byte*>(host_memory->data())));
   }
   std::unique_ptr<tier::RemoteTier> remote;
   if (options.redis.enabled) {
     KVPOOL_ASSIGN_OR_RETURN(remote, tier::RedisBlockStore::Create(options.redis));
   }
   return std::make_unique<TierSet>(device, layout, std::move(host), std::move(remote),
-                                   options.staged_blocks);
+                                   options.staged_blocks, std::move(host_memory));
 }
 
 TierSet::TierSet(kernels::Device* device, const kernels::PoolLayout& layout,
                  std::unique_ptr<tier::HostBlockStore> host,
-                 std::unique_ptr<tier::RemoteTier> remote, int64_t staged_blocks)
+                 std::unique_ptr<tier::RemoteTier> remote, int64_t staged_blocks,
+                 std::unique_ptr<kernels::DeviceBuffer> host_memory)
     : device_(device),
       block_bytes_(layout.block_bytes()),
       block_size_(layout.block_size),
       layout_fingerprint_(layout.Hash()),
       max_staged_(std::min(staged_blocks, std::max<int64_t>(1, kMaxStagedBytes / block_bytes_))),
+      host_memory_(std::move(host_memory)),
       host_(std::move(host)),
       remote_(std::move(remote)) {
   KVPOOL_CHECK(host_ == nullptr || host_->block_bytes() == block_bytes_);

@@ -83,10 +83,11 @@ class TierSet final {
   static absl::StatusOr<std::unique_ptr<TierSet>> Create(const TierOptions& options,
                                                          kernels::Device* device,
                                                          const kernels::PoolLayout& layout);
-  // Builds a set over stores made elsewhere (tests: a fake remote). Either may be null.
+  // Builds a set over stores made elsewhere (tests: a fake remote). Either may be null;
+  // `host_memory`, when given, holds the host store's slots and is kept as long as the store.
   TierSet(kernels::Device* device, const kernels::PoolLayout& layout,
           std::unique_ptr<tier::HostBlockStore> host, std::unique_ptr<tier::RemoteTier> remote,
-          int64_t staged_blocks);
+          int64_t staged_blocks, std::unique_ptr<kernels::DeviceBuffer> host_memory = nullptr);
   ~TierSet();  // stops the writer after the copies already staged
   TierSet(const TierSet&) = delete;
   TierSet& operator=(const TierSet&) = delete;
@@ -160,6 +161,8 @@ class TierSet final {
   const int32_t block_size_;
   const uint64_t layout_fingerprint_;
   const int64_t max_staged_;
+  // The host store's slots (pinned on CUDA); declared before host_, so it outlives the store.
+  const std::unique_ptr<kernels::DeviceBuffer> host_memory_;
   const std::unique_ptr<tier::HostBlockStore> host_;
   const std::unique_ptr<tier::RemoteTier> remote_;
 

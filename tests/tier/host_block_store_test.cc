@@ -1,5 +1,6 @@
 #include "tier/host_block_store.h"
 
+#include <algorithm>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -112,6 +113,21 @@ TEST(HostBlockStoreTest, TheListenerHearsOfEveryStoredAndDroppedBlock) {
       {chain.hashes[0], true}, {chain.hashes[1], true},  {chain.hashes[0], false},
       {chain.hashes[2], true}, {chain.hashes[1], false}, {chain.hashes[0], true}};
   EXPECT_EQ(heard, want);
+}
+
+TEST(HostBlockStoreTest, SlotsCanLiveInMemoryTheCallerOwns) {
+  std::vector<std::byte> memory(4 * kBlockBytes);
+  EXPECT_EQ(HostBlockStore::Create(4, kBlockBytes, nullptr).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  auto store = HostBlockStore::Create(4, kBlockBytes, memory.data());
+  ASSERT_TRUE(store.ok()) << store.status();
+  const auto chain = MakeChain(kSpace, 2, kBlockBytes, 5);
+  chain.Put(**store);
+  // The bytes are in the caller's memory, slot by slot.
+  EXPECT_TRUE(std::equal(chain.blocks[0].begin(), chain.blocks[0].end(), memory.begin()));
+  auto buffers = Buffers(2);
+  EXPECT_EQ((*store)->Lookup(kSpace, BlockHash{}, chain.hashes, Spans(buffers))->hits, 2);
+  EXPECT_EQ(buffers, chain.blocks);
 }
 
 TEST(HostBlockStoreTest, BadSizesAreRefused) {
