@@ -6,8 +6,9 @@
 //
 // The CPU backend: the "device" is host memory, so a promotion is two copies (tier slot ->
 // staging buffer -> pool block) plus the bookkeeping; the ratio says what share of memcpy
-// bandwidth a promotion reaches (0.5 would be two copies at memcpy speed). Blocks are the tiny model's shape, 64 KiB (16 tokens x 4 layers
-// x 4 KV heads x 64 dims x K,V x bf16); 64 of them, 4 MiB, are a 1,024-token prefix.
+// bandwidth a promotion reaches (0.5 would be two copies at memcpy speed). Blocks are the tiny
+// model's shape, 64 KiB (16 tokens x 4 layers x 4 KV heads x 64 dims x K,V x bf16); 64 of them, 4
+// MiB, are a 1,024-token prefix.
 
 #include <cstring>
 #include <memory>

@@ -346,10 +346,71 @@ absl::Status Engine::Free(const Session& s, std::span<const SequenceId> sequence
   return absl::OkStatus();
 }
 
+namespace {
+
+// The chained names of the prompt's first `full` blocks, as the prefix cache computes them.
+std::vector<BlockHash> ChainHashes(NamespaceId ns, std::span<const int32_t> prompt, size_t full,
+                                   int32_t block_size) {
+  std::vector<BlockHash> chain(full);
+  BlockHash parent;
+  for (size_t i = 0; i < full; ++i) {
+    chain[i] = parent = PrefixChainHash(parent, ns, prompt.subspan(i * block_size, block_size));
+  }
+  return chain;
+}
+
+// Under the engine's lock: a loader sequence over the prompt's first `upto` blocks (the cached
+// ones adopted, fresh blocks for the rest) and the copies of the tier hits into the fresh ones,
+// on the transfer stream after the plan's fills. Returns the loader and the copies' fence;
+// errors (no room, a partly cached block, a copy not queued) leave the pool as it was.
+struct Loading {
+  SequenceId loader;
+  Fence copied;
+};
+absl::StatusOr<Loading> StartPromotion(PoolState& pool, kernels::Device& device, NamespaceId ns,
+                                       std::span<const int32_t> prompt, size_t local, size_t upto,
+                                       const TierSet::Found& found) {
+  KvCacheManager& cache = pool.cache();
+  const int32_t bs = cache.block_size();
+  const int64_t block_bytes = pool.layout().block_bytes();
+  DevicePlan plan;
+  KVPOOL_ASSIGN_OR_RETURN(const AllocateResult made,
+                          cache.Allocate(kTierLoader,
+                                         {.ns = ns,
+                                          .num_tokens = static_cast<int64_t>(upto) * bs,
+                                          .prompt = prompt.first(upto * bs)},
+                                         &plan));
+  if (made.matched_tokens % bs != 0) {  // a partly cached block is shared, not ours to fill
+    KVPOOL_CHECK_OK(cache.Free(kTierLoader, made.sequence));
+    return absl::AbortedError("a partly cached block");
+  }
+  absl::StatusOr<Fence> fence = pool.Carry(plan);
+  const Sequence& seq = *cache.Find(made.sequence);
+  std::vector<BlockId> targets;
+  for (size_t i = static_cast<size_t>(made.matched_tokens / bs); fence.ok() && i < upto; ++i) {
+    const BlockId block = seq.table[i];
+    void* dst = static_cast<std::byte*>(pool.view().base) + block.value() * block_bytes;
+    fence = device.CopyToDevice(kernels::StreamId::kTransfer, dst,
+                                found.block(i - local, block_bytes).data(), block_bytes);
+    targets.push_back(block);
+  }
+  // Whatever was queued keeps its blocks out of the free list until it has run.
+  const Fence queued = fence.ok() ? *fence : device.LastFence(kernels::StreamId::kTransfer);
+  if (!targets.empty()) KVPOOL_CHECK_OK(cache.MarkInFlight(targets, queued));
+  if (!fence.ok()) {
+    KVPOOL_CHECK_OK(cache.Free(kTierLoader, made.sequence));
+    return fence.status();
+  }
+  return Loading{made.sequence, *fence};
+}
+
+}  // namespace
+
 void Engine::LoadFromTiers(const Session& s, std::span<const int32_t> prompt) {
   const int32_t bs = layout(s.pool).block_size;
   const size_t full = prompt.size() / static_cast<size_t>(bs);
   if (full == 0) return;
+  // 1. The local match, under the lock.
   PoolState* pool;
   TierSet* tiers;
   size_t local;
@@ -365,83 +426,43 @@ void Engine::LoadFromTiers(const Session& s, std::span<const int32_t> prompt) {
     local = static_cast<size_t>(pool->cache().MatchPrefix(s.ns, prompt) / bs);
   }
   if (local >= full) return;
-  // The chain's names as the prefix cache computes them, then the tiers, with no lock held.
-  std::vector<BlockHash> chain(full);
-  BlockHash parent;
-  for (size_t i = 0; i < full; ++i) {
-    chain[i] = parent = PrefixChainHash(parent, s.ns, prompt.subspan(i * bs, bs));
-  }
-  const BlockHash after = local == 0 ? BlockHash{} : chain[local - 1];
-  TierSet::Found found = tiers->Lookup(s.ns, after, std::span(chain).subspan(local));
+
+  // 2. The tiers, for the blocks after it, with no lock held.
+  const std::vector<BlockHash> chain = ChainHashes(s.ns, prompt, full, bs);
+  TierSet::Found found = tiers->Lookup(s.ns, local == 0 ? BlockHash{} : chain[local - 1],
+                                       std::span(chain).subspan(local));
   const absl::Cleanup recycle = [&] { tiers->Recycle(&found); };
   if (found.hits == 0) return;
   const size_t upto = local + static_cast<size_t>(found.hits);
   const int64_t from_host = found.from_host;
   const int64_t from_remote = found.hits - found.from_host;
 
-  // A loader sequence over the prompt's first `upto` blocks: the cached ones adopted, fresh
-  // blocks for the rest, which the tiers' bytes fill on the transfer stream after the plan.
+  // 3. The copies into fresh blocks of a loader sequence, queued under the lock.
   const int64_t started = absl::GetCurrentTimeNanos();
-  SequenceId loader;
-  Fence copied;
+  absl::StatusOr<Loading> loading;
   {
     absl::MutexLock lock(&mu_);
     if (!state_->health.ok() || state_->draining || !state_->CheckLive(s.id).ok()) return;
-    KvCacheManager& cache = pool->cache();
-    const AllocateRequest request{.ns = s.ns,
-                                  .num_tokens = static_cast<int64_t>(upto) * bs,
-                                  .prompt = prompt.first(upto * bs)};
-    DevicePlan plan;
-    const absl::StatusOr<AllocateResult> made = cache.Allocate(kTierLoader, request, &plan);
-    if (!made.ok()) {  // no room (quota, pool): the prompt is a miss, as without the tiers
-      tiers->CountPromotion(from_host, from_remote, 0, /*failed=*/true);
-      return;
-    }
-    loader = made->sequence;
-    if (made->matched_tokens % bs != 0) {
-      // A partly cached block is shared, not ours to fill: leave this prompt to compute.
-      KVPOOL_CHECK_OK(cache.Free(kTierLoader, loader));
-      tiers->CountPromotion(from_host, from_remote, 0, /*failed=*/true);
-      return;
-    }
-    absl::StatusOr<Fence> fence = pool->Carry(plan);
-    const Sequence& seq = *cache.Find(loader);
-    std::vector<BlockId> targets;
-    for (size_t i = static_cast<size_t>(made->matched_tokens / bs); fence.ok() && i < upto; ++i) {
-      const BlockId block = seq.table[i];
-      void* dst = static_cast<std::byte*>(pool->view().base) + block.value() * tiers->block_bytes();
-      fence = device_->CopyToDevice(kernels::StreamId::kTransfer, dst,
-                                    found.block(i - local, tiers->block_bytes()).data(),
-                                    tiers->block_bytes());
-      targets.push_back(block);
-    }
-    const Fence queued = fence.ok() ? *fence : device_->LastFence(kernels::StreamId::kTransfer);
-    if (!targets.empty()) KVPOOL_CHECK_OK(cache.MarkInFlight(targets, queued));
-    if (!fence.ok()) {
-      KVPOOL_CHECK_OK(cache.Free(kTierLoader, loader));
-      tiers->CountPromotion(from_host, from_remote, 0, /*failed=*/true);
-      return;
-    }
-    copied = *fence;
+    loading = StartPromotion(*pool, *device_, s.ns, prompt, local, upto, found);
   }
-  const absl::Status waited = device_->Synchronize(copied);
+  if (!loading.ok()) {  // no room, a shared partial block, a copy not queued: a miss
+    tiers->CountPromotion(from_host, from_remote, 0, /*failed=*/true);
+    return;
+  }
+
+  // 4. Their fence, with no lock held; then the blocks are published (the prefix cache holds
+  // them from here on, for this caller's Allocate and everyone else's) and the loader goes.
+  const absl::Status waited = device_->Synchronize(loading->copied);
   absl::MutexLock lock(&mu_);
   KvCacheManager& cache = pool->cache();
-  if (!waited.ok()) {
-    KVPOOL_CHECK_OK(cache.Free(kTierLoader, loader));
+  if (!waited.ok() || !cache.Free(kTierLoader, loading->loader, OnFree::kCommit).ok()) {
+    KVPOOL_CHECK_OK(cache.Free(kTierLoader, loading->loader));
     tiers->CountPromotion(from_host, from_remote, 0, /*failed=*/true);
     return;
   }
-  // The bytes are in place: publish them (the prefix cache holds them from here on, for this
-  // caller's Allocate and everyone else's) and let the loader go.
-  if (!cache.Free(kTierLoader, loader, OnFree::kCommit).ok()) {
-    KVPOOL_CHECK_OK(cache.Free(kTierLoader, loader));
-    tiers->CountPromotion(from_host, from_remote, 0, /*failed=*/true);
-    return;
-  }
-  pool->StagePublished(std::span(chain).first(upto));
+  pool->StagePublished(std::span(chain).first(upto));  // already in a tier: not staged again
   tiers->CountPromotion(from_host, from_remote, absl::GetCurrentTimeNanos() - started, false);
-  if (from_remote > 0) {
+  if (from_remote > 0) {  // what Redis had goes into the host tier too
     const size_t first_remote = local + static_cast<size_t>(from_host);
     tiers->KeepInHost(s.ns, first_remote == 0 ? BlockHash{} : chain[first_remote - 1],
                       std::span(chain).subspan(first_remote, static_cast<size_t>(from_remote)),
