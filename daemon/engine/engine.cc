@@ -75,19 +75,19 @@ Engine::Engine(std::unique_ptr<EngineState> state, model::StepModel* model, Mode
       model_info_(std::move(model_info)),
       started_ns_(state->now()),
       limits_(state->options().limits),
+      tiers_([&] {
+        std::vector<TierSet*> tiers;  // by pool; null without tiers
+        for (int32_t i = 0; i < state->num_pools(); ++i) tiers.push_back(state->pool(i).tiers());
+        return tiers;
+      }()),
       state_(std::move(state)) {}
 
 Engine::~Engine() {
   StopCompute();
   // The tier writers call back into the engine (their events): stop them while it is whole.
-  std::vector<TierSet*> tiers;
-  {
-    absl::MutexLock lock(&mu_);
-    for (int32_t i = 0; i < state_->num_pools(); ++i) {
-      if (state_->pool(i).tiers() != nullptr) tiers.push_back(state_->pool(i).tiers());
-    }
+  for (TierSet* t : tiers_) {
+    if (t != nullptr) t->Stop();
   }
-  for (TierSet* t : tiers) t->Stop();
 }
 
 absl::StatusOr<std::shared_ptr<const Session>> Engine::OpenSession(SessionSpec spec) {
@@ -407,12 +407,13 @@ absl::StatusOr<Loading> StartPromotion(PoolState& pool, kernels::Device& device,
 }  // namespace
 
 void Engine::LoadFromTiers(const Session& s, std::span<const int32_t> prompt) {
+  TierSet* const tiers = tiers_[static_cast<size_t>(s.pool)];
+  if (tiers == nullptr) return;
   const int32_t bs = layout(s.pool).block_size;
   const size_t full = prompt.size() / static_cast<size_t>(bs);
   if (full == 0) return;
   // 1. The local match, under the lock.
   PoolState* pool;
-  TierSet* tiers;
   size_t local;
   {
     absl::MutexLock lock(&mu_);
@@ -421,8 +422,6 @@ void Engine::LoadFromTiers(const Session& s, std::span<const int32_t> prompt) {
       return;
     }
     pool = &state_->pool_of(s);
-    tiers = pool->tiers();
-    if (tiers == nullptr) return;
     local = static_cast<size_t>(pool->cache().MatchPrefix(s.ns, prompt) / bs);
   }
   if (local >= full) return;

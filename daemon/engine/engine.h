@@ -257,6 +257,9 @@ class Engine final {
   const ModelInfo model_info_;
   const int64_t started_ns_;
   const ClientLimits limits_;
+  // Each pool's tiers (PoolState::tiers(); null: none), fixed at creation, so calls of pools
+  // without tiers skip the tier paths without taking the lock.
+  const std::vector<TierSet*> tiers_;
 
   mutable absl::Mutex mu_;
   const std::unique_ptr<EngineState> state_ ABSL_PT_GUARDED_BY(mu_);

@@ -39,15 +39,10 @@ EngineStats Engine::Stats(int32_t pool_index) const {
 }
 
 absl::Status Engine::FlushTiers(absl::Duration timeout) const {
-  std::vector<TierSet*> tiers;
-  {
-    absl::ReaderMutexLock lock(&mu_);
-    for (int32_t i = 0; i < state_->num_pools(); ++i) {
-      if (state_->pool(i).tiers() != nullptr) tiers.push_back(state_->pool(i).tiers());
-    }
-  }
   const absl::Time deadline = absl::Now() + timeout;
-  for (TierSet* t : tiers) KVPOOL_RETURN_IF_ERROR(t->Flush(deadline - absl::Now()));
+  for (TierSet* t : tiers_) {
+    if (t != nullptr) KVPOOL_RETURN_IF_ERROR(t->Flush(deadline - absl::Now()));
+  }
   return absl::OkStatus();
 }
 
