@@ -37,17 +37,14 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
             .max_position = model->config().max_position};
   }
   auto engine = std::unique_ptr<Engine>(new Engine(std::move(state), model, std::move(info)));
-  {
-    Engine* e = engine.get();
-    absl::MutexLock lock(&e->mu_);
-    for (int32_t i = 0; i < e->state_->num_pools(); ++i) {
-      if (TierSet* t = e->state_->pool(i).tiers(); t != nullptr) {
-        t->set_on_events([e, i] {
-          absl::MutexLock lock(&e->mu_);
-          e->state_->pool(i).DrainTierEvents();
-        });
-      }
-    }
+  // The tier writers hand their events to the pool's log (stopped again in ~Engine).
+  Engine* e = engine.get();
+  for (size_t i = 0; i < e->tiers_.size(); ++i) {
+    if (e->tiers_[i] == nullptr) continue;
+    e->tiers_[i]->set_on_events([e, pool = static_cast<int32_t>(i)] {
+      absl::MutexLock lock(&e->mu_);
+      e->state_->pool(pool).DrainTierEvents();
+    });
   }
   if (model != nullptr) {
     engine->runner_ =

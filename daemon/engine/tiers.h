@@ -138,7 +138,6 @@ class TierSet final {
   absl::Status Flush(absl::Duration timeout);
 
   TierStats stats() const;
-  int64_t block_bytes() const { return block_bytes_; }
 
  private:
   struct Staged {
