@@ -137,7 +137,10 @@ TEST_F(DaemonIntegrationTest, PeerNotAllowedIsRefusedAndGetsNoDescriptor) {
   ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
   v1::AttachRequest request;
   request.set_protocol_version(wire::kProtocolVersion);
-  ASSERT_TRUE(wire::SendFrame(fd, request).ok());
+  // The daemon refuses at accept and hangs up, often before this request is sent: the send may
+  // then fail (the peer is gone), and the refusal is still there to read.
+  const absl::Status sent = wire::SendFrame(fd, request);
+  EXPECT_TRUE(sent.ok() || sent.code() == absl::StatusCode::kUnavailable) << sent;
   v1::AttachResponse response;
   std::vector<int> fds;
   ASSERT_TRUE(wire::ReceiveFrame(fd, &response, &fds, absl::Seconds(5)).ok());
