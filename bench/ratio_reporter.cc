@@ -14,6 +14,7 @@ namespace {
 struct Rep {
   double ns = 0;                // real time per iteration
   double bytes_per_second = 0;  // 0 unless the benchmark sets it
+  std::map<std::string, double> counters;
 };
 
 class RecordingReporter final : public benchmark::ConsoleReporter {
@@ -27,6 +28,7 @@ class RecordingReporter final : public benchmark::ConsoleReporter {
       if (auto bps = run.counters.find("bytes_per_second"); bps != run.counters.end()) {
         rep.bytes_per_second = bps->second.value;
       }
+      for (const auto& [name, counter] : run.counters) rep.counters[name] = counter.value;
       reps_[run.benchmark_name()][std::max<int64_t>(run.repetition_index, 0)] = rep;
     }
   }
@@ -42,6 +44,19 @@ class RecordingReporter final : public benchmark::ConsoleReporter {
 double Ratio(const Rep& ours, const Rep& base, RatioPair::Compare compare) {
   return compare == RatioPair::Compare::kBandwidth ? ours.bytes_per_second / base.bytes_per_second
                                                    : base.ns / ours.ns;
+}
+
+// A side's repetitions with the time per iteration taken from `counter` when it is set (a
+// repetition without that counter is dropped).
+std::map<int64_t, Rep> Side(const std::map<int64_t, Rep>& reps, const std::string& counter) {
+  if (counter.empty()) return reps;
+  std::map<int64_t, Rep> out;
+  for (const auto& [index, rep] : reps) {
+    auto c = rep.counters.find(counter);
+    if (c == rep.counters.end()) continue;
+    out[index] = Rep{.ns = c->second};
+  }
+  return out;
 }
 
 // The best repetition: least time (most bytes/s for bandwidth pairs).
@@ -71,15 +86,18 @@ int RunWithRatios(int argc, char** argv, const std::vector<RatioPair>& pairs) {
   std::printf("\n%-44s %12s %12s %10s %20s %8s\n", "ratio (same run)", "ours ns/op", "base ns/op",
               "base/ours", "per rep min/med/max", "target");
   for (const RatioPair& pair : pairs) {
-    auto ours = reps.find(pair.ours);
-    auto base = reps.find(pair.baseline);
-    if (ours == reps.end() || base == reps.end()) {
+    auto ours_it = reps.find(pair.ours);
+    auto base_it = reps.find(pair.baseline);
+    std::map<int64_t, Rep> ours, base;
+    if (ours_it != reps.end()) ours = Side(ours_it->second, pair.ours_counter);
+    if (base_it != reps.end()) base = Side(base_it->second, pair.baseline_counter);
+    if (ours.empty() || base.empty()) {
       // Filtered out with --benchmark_filter: say so rather than invent a number.
       std::printf("%-44s %12s %12s %10s\n", pair.label.c_str(), "-", "-", "not run");
       missing = true;
       continue;
     }
-    const Rep best_ours = Best(ours->second), best_base = Best(base->second);
+    const Rep best_ours = Best(ours), best_base = Best(base);
     if (pair.compare == RatioPair::Compare::kBandwidth &&
         (best_ours.bytes_per_second <= 0 || best_base.bytes_per_second <= 0)) {
       std::printf("%-44s %12s %12s %10s\n", pair.label.c_str(), "-", "-", "no bytes/s");
@@ -89,9 +107,9 @@ int RunWithRatios(int argc, char** argv, const std::vector<RatioPair>& pairs) {
     const double ratio = Ratio(best_ours, best_base, pair.compare);
     // Repetition i of ours against repetition i of the baseline.
     std::vector<double> per_rep;
-    for (const auto& [index, rep] : ours->second) {
-      auto other = base->second.find(index);
-      if (other != base->second.end()) per_rep.push_back(Ratio(rep, other->second, pair.compare));
+    for (const auto& [index, rep] : ours) {
+      auto other = base.find(index);
+      if (other != base.end()) per_rep.push_back(Ratio(rep, other->second, pair.compare));
     }
     std::sort(per_rep.begin(), per_rep.end());
     char spread[48] = "-";

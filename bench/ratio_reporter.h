@@ -23,6 +23,12 @@ struct RatioPair {
   std::string baseline;  // benchmark name of the baseline
   double target = 0;     // minimum acceptable ratio; 0 when the issue sets none
   Compare compare = Compare::kTime;
+  // kTime only: when set, each side's time per iteration is this counter of its benchmark
+  // (ns per iteration) instead of the benchmark's real time. One benchmark that runs both sides
+  // alternately, call by call, reports each side's time in a counter of its own, and so both
+  // sides of the ratio see the same machine (see kernels_bench's BM_PagedVsDense).
+  std::string ours_counter;
+  std::string baseline_counter;
 };
 
 // Call from main() instead of BENCHMARK_MAIN(). Returns the process exit code: non-zero when
