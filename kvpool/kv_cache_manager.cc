@@ -535,6 +535,7 @@ absl::Status KvCacheManager::GrowBatch(SessionId caller, std::span<const GrowReq
   KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckRoom(blocks, {}, &victims, "grow")));
 
   EvictPlanned(victims, ctx);
+  if (changes != nullptr) changes->reserve(changes->size() + plans.size());
   for (const GrowPlan& p : plans) {
     ctx.sequence = p.sequence->id;
     const TableChange change = ApplyGrow(p, ctx, plan);

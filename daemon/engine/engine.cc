@@ -264,6 +264,10 @@ absl::StatusOr<Tables> Engine::Grow(const Session& s, std::span<const GrowReques
       return DeviceError(carried.status());
     }
     fence = *carried;
+    out.slices.reserve(changes.size());
+    out.blocks.reserve(changes.size());  // a decode step's grow: at most a block each, mostly
+    out.generations.reserve(changes.size());
+    old_lengths.reserve(changes.size());
     for (const TableChange& c : changes) {
       pool.AppendTable(*pool.cache().Find(c.sequence), c.first_changed, 0, &out);
       old_lengths.push_back(c.old_num_tokens);
