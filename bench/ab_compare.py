@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Before/after for a Google Benchmark binary, in one run: the old and the new binary run
 alternately, round by round (the first to run alternates too), and each benchmark's time is
-compared within its round. Prints, per benchmark, the median and the spread (min..max) of the
-per-round ratios new/old, and whether the median stays within --max_slowdown.
+compared within its round. Prints, per benchmark, the median of the per-round ratios new/old,
+a 95 % bootstrap interval for that median, their spread (min..max), and whether the median stays
+within --max_slowdown.
 
 On a shared machine a binary's own times move by tens of percent between runs; a ratio taken
 within one round cancels most of that drift, and the median over rounds drops the rounds that
@@ -15,6 +16,7 @@ another process disturbed.
 
 import argparse
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -30,6 +32,8 @@ def run_once(binary, extra):
         if done.returncode != 0:
             raise RuntimeError(f"{binary} failed ({done.returncode}): {done.stderr[-2000:]}")
         results = json.load(out)
+    if not results.get("benchmarks"):
+        raise RuntimeError(f"{binary} ran no benchmark (does the filter match?)")
     times = {}
     for b in results["benchmarks"]:
         if b.get("run_type") == "aggregate" or "error_occurred" in b:
@@ -37,6 +41,14 @@ def run_once(binary, extra):
         times.setdefault(b["run_name"], []).append(b["real_time"])
     # Several repetitions inside one run: their median stands for the round.
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def bootstrap_median(values, resamples=2000, seed=1):
+    """A 95 % percentile-bootstrap interval for the median of `values` (seeded: reproducible)."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values)))
+                     for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
 def main():
@@ -66,7 +78,8 @@ def main():
         print("no benchmark ran in both binaries")
         return 1
     width = max(len(n) for n in ratios)
-    print(f"{'benchmark':<{width}}  new/old median  (min..max over {args.rounds} rounds)")
+    print(f"{'benchmark':<{width}}  new/old median  95% interval   (min..max over {args.rounds} "
+          "rounds)")
     slower = 0
     for name, rs in ratios.items():
         med = statistics.median(rs)
@@ -74,7 +87,9 @@ def main():
         if med > 1 + args.max_slowdown:
             flag = f"  SLOWER by more than {args.max_slowdown:.0%}"
             slower += 1
-        print(f"{name:<{width}}  {med:14.3f}  ({min(rs):.3f}..{max(rs):.3f}){flag}")
+        lo, hi = bootstrap_median(rs)
+        print(f"{name:<{width}}  {med:14.3f}  [{lo:.3f}, {hi:.3f}]  ({min(rs):.3f}..{max(rs):.3f})"
+              f"{flag}")
     print("no benchmark slower" if slower == 0 else f"{slower} benchmark(s) slower")
     return 0
 

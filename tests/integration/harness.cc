@@ -99,7 +99,8 @@ std::pair<int, std::string> RunToEnd(const std::vector<std::string>& argv) {
 }
 
 absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(const std::string& config,
-                                                                    std::string dir) {
+                                                                    std::string dir,
+                                                                    std::string binary) {
   if (dir.empty()) {
     char tmpl[] = "/tmp/kvpool-test-XXXXXX";
     if (mkdtemp(tmpl) == nullptr) return absl::InternalError("mkdtemp");
@@ -107,8 +108,8 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(const std::s
   }
   const std::string config_path = dir + ".textproto";
   std::ofstream(config_path) << config << "\nruntime_dir: \"" << dir << "\"\n";
-  absl::StatusOr<Child> child =
-      Spawn({DaemonBinary(), "--config=" + config_path, "--log_level=warn"});
+  absl::StatusOr<Child> child = Spawn(
+      {binary.empty() ? DaemonBinary() : binary, "--config=" + config_path, "--log_level=warn"});
   if (!child.ok()) return child.status();
   close(child->out);  // its stdout is not needed (logs go to stderr)
   const absl::Time deadline = absl::Now() + absl::Seconds(10);

@@ -24,10 +24,12 @@ std::string TrustClientBinary();
 class DaemonProcess final {
  public:
   // Starts kvpoold with `config` (textproto; runtime_dir is set to `dir`, a fresh temporary
-  // directory when empty) and waits until its sockets accept connections.
+  // directory when empty) and waits until its sockets accept connections. `binary`: another
+  // build's kvpoold (a benchmark's baseline); empty for DaemonBinary().
   // Errors: INTERNAL when it does not come up within 10 s (its exit status in the message).
   static absl::StatusOr<std::unique_ptr<DaemonProcess>> Start(const std::string& config,
-                                                              std::string dir = "");
+                                                              std::string dir = "",
+                                                              std::string binary = "");
   ~DaemonProcess();  // stops it (SIGTERM) if still running
 
   // SIGTERM and wait; returns the exit code (-signal when killed).
