@@ -20,6 +20,7 @@
 #include <sys/mman.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -47,6 +48,14 @@ struct Fixture {
     daemon = *std::move(d);
     absl::StatusOr<std::unique_ptr<client::Client>> c = client::Client::Connect(
         {.runtime_dir = daemon->dir(), .client_name = "rpc_bench", .kv_access = true});
+    if (!c.ok() && !binary.empty()) {
+      std::fprintf(stderr,
+                   "rpc_bench: this build's client cannot attach to %s: %s\n(a baseline daemon "
+                   "must speak this build's attach protocol)\n",
+                   binary.c_str(), c.status().ToString().c_str());
+      daemon.reset();  // stopped: exit() leaves a half-built fixture's members alone
+      std::exit(2);
+    }
     KVPOOL_CHECK_OK(c.status());
     client = *std::move(c);
   }
