@@ -378,80 +378,18 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
   if (requests.empty()) return EmptyBatch("allocate");
   if (caller == kNoSession) return absl::InvalidArgumentError("session 0 is reserved");
   std::vector<AllocatePlan> plans(requests.size());
-  std::vector<std::pair<NamespaceId, int64_t>> by_ns;
-  std::vector<NodeIndex> keep;   // matched nodes: never evicted to make room for this call
-  std::vector<BlockId> adopted;  // cached blocks this call turns ACTIVE (count once each)
-  WriteClaims joined;            // partially matched blocks shared by writers of this batch
-  int64_t refs = 0;
-  int64_t blocks = 0;
+  AllocateTally tally;
   for (size_t k = 0; k < requests.size(); ++k) {
-    const AllocateRequest& r = requests[k];
-    if (r.ns == kNoNamespace) return absl::InvalidArgumentError("namespace 0 is reserved");
-    if (r.num_tokens < 0 || static_cast<int64_t>(r.prompt.size()) > r.num_tokens) {
-      return absl::InvalidArgumentError(
-          fmt::format("token count {} is negative or shorter than the prompt ({} tokens)",
-                      r.num_tokens, r.prompt.size()));
-    }
-    if (r.priority < 0 || r.priority >= kNumPriorities) {
-      return absl::InvalidArgumentError(
-          fmt::format("priority {} outside [0, {})", r.priority, kNumPriorities));
-    }
-    const int64_t need = BlocksFor(r.num_tokens);
-    if (need > max_blocks_per_seq_) {
-      return CountExhausted(ResourceExhausted(
-          Resource::kTableBound, need - max_blocks_per_seq_,
-          fmt::format("a sequence of {} tokens needs {} blocks", r.num_tokens, need)));
-    }
-    AllocatePlan& p = plans[k];
-    if (cache_ && !r.prompt.empty()) p.match = cache_->Match(r.ns, r.prompt);
-    // Table slots the match fills: every fully matched block, and the partially matched one
-    // (shared, or copied when the sequence will write into it).
-    const int64_t from_match =
-        static_cast<int64_t>(p.match.full.size()) + (p.match.partial != kNoNode ? 1 : 0);
-    std::vector<BlockId> matched;  // blocks the sequence will hold by reference
-    for (NodeIndex node : p.match.full) matched.push_back(cache_->block_of(node));
-    if (p.match.partial != kNoNode) {
-      const BlockId block = cache_->block_of(p.match.partial);
-      // Sharing it is enough unless the sequence will write into it: then it must write alone
-      // and above the published tokens, or it gets a copy.
-      if (r.num_tokens > p.match.matched_tokens) {
-        uint32_t earlier = 0;  // holders this batch already added
-        for (const auto& [b, n] : joined) earlier += b == block ? n : 0;
-        p.copy_partial = MustCopy(block, p.match.partial_tokens, pool_->refs(block) - 1 + earlier);
-      }
-      if (!p.copy_partial) {
-        Claim(&joined, block);
-        matched.push_back(block);
-      }
-      keep.push_back(p.match.partial);
-    }
-    keep.insert(keep.end(), p.match.full.begin(), p.match.full.end());
-    int64_t charged = 0;  // physical blocks this request adds to the namespace's ACTIVE ones
-    // A match's blocks are distinct (one node per block): only earlier requests' adoptions can
-    // repeat one, so only they are searched (a whole-list search is quadratic in a long match).
-    const auto adopted_before = static_cast<ptrdiff_t>(adopted.size());
-    for (BlockId block : matched) {
-      // A CACHED block becomes ACTIVE: charged, unless a pin held (and charged) it already.
-      if (pool_->state(block) == BlockState::kCached && !cache_->pin_held(block) &&
-          std::find(adopted.begin(), adopted.begin() + adopted_before, block) ==
-              adopted.begin() + adopted_before) {
-        adopted.push_back(block);
-        ++charged;
-      }
-    }
-    p.new_blocks = static_cast<int32_t>(need - from_match);
-    const int64_t fresh = p.new_blocks + (p.copy_partial ? 1 : 0);
-    blocks += fresh;
-    AddTo(&by_ns, r.ns, charged + fresh);
-    refs += need;
+    KVPOOL_RETURN_IF_ERROR(CountExhausted(PlanAllocate(requests[k], &tally, &plans[k])));
   }
   std::vector<NodeIndex> victims;
   std::vector<NamespaceSlot> recycle;
   KVPOOL_RETURN_IF_ERROR(
       CountExhausted(CheckSequences(caller, static_cast<int64_t>(requests.size()), "allocate")));
-  KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckCapacity(by_ns, caller, refs, "allocate")));
-  KVPOOL_RETURN_IF_ERROR(CountExhausted(PlanNamespaces(by_ns, &recycle, "allocate")));
-  KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckRoom(blocks, keep, &victims, "allocate")));
+  KVPOOL_RETURN_IF_ERROR(
+      CountExhausted(CheckCapacity(tally.by_ns, caller, tally.refs, "allocate")));
+  KVPOOL_RETURN_IF_ERROR(CountExhausted(PlanNamespaces(tally.by_ns, &recycle, "allocate")));
+  KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckRoom(tally.blocks, tally.keep, &victims, "allocate")));
 
   // Everything checked: from here on nothing can fail.
   pool_->RecycleNamespaces(recycle);
@@ -495,7 +433,70 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
   }
   SessionUsage& usage = sessions_[caller];
   usage.sequences += static_cast<int64_t>(requests.size());
-  usage.block_refs += refs;
+  usage.block_refs += tally.refs;
+  return absl::OkStatus();
+}
+
+absl::Status KvCacheManager::PlanAllocate(const AllocateRequest& r, AllocateTally* tally,
+                                          AllocatePlan* p) const {
+  if (r.ns == kNoNamespace) return absl::InvalidArgumentError("namespace 0 is reserved");
+  if (r.num_tokens < 0 || static_cast<int64_t>(r.prompt.size()) > r.num_tokens) {
+    return absl::InvalidArgumentError(
+        fmt::format("token count {} is negative or shorter than the prompt ({} tokens)",
+                    r.num_tokens, r.prompt.size()));
+  }
+  if (r.priority < 0 || r.priority >= kNumPriorities) {
+    return absl::InvalidArgumentError(
+        fmt::format("priority {} outside [0, {})", r.priority, kNumPriorities));
+  }
+  const int64_t need = BlocksFor(r.num_tokens);
+  if (need > max_blocks_per_seq_) {
+    return ResourceExhausted(
+        Resource::kTableBound, need - max_blocks_per_seq_,
+        fmt::format("a sequence of {} tokens needs {} blocks", r.num_tokens, need));
+  }
+  if (cache_ && !r.prompt.empty()) p->match = cache_->Match(r.ns, r.prompt);
+  // Table slots the match fills: every fully matched block, and the partially matched one
+  // (shared, or copied when the sequence will write into it).
+  const int64_t from_match =
+      static_cast<int64_t>(p->match.full.size()) + (p->match.partial != kNoNode ? 1 : 0);
+  std::vector<BlockId> matched;  // blocks the sequence will hold by reference
+  for (NodeIndex node : p->match.full) matched.push_back(cache_->block_of(node));
+  if (p->match.partial != kNoNode) {
+    const BlockId block = cache_->block_of(p->match.partial);
+    // Sharing it is enough unless the sequence will write into it: then it must write alone
+    // and above the published tokens, or it gets a copy.
+    if (r.num_tokens > p->match.matched_tokens) {
+      uint32_t earlier = 0;  // holders this batch already added
+      for (const auto& [b, n] : tally->joined) earlier += b == block ? n : 0;
+      p->copy_partial = MustCopy(block, p->match.partial_tokens, pool_->refs(block) - 1 + earlier);
+    }
+    if (!p->copy_partial) {
+      Claim(&tally->joined, block);
+      matched.push_back(block);
+    }
+    tally->keep.push_back(p->match.partial);
+  }
+  tally->keep.insert(tally->keep.end(), p->match.full.begin(), p->match.full.end());
+  int64_t charged = 0;  // physical blocks this request adds to the namespace's ACTIVE ones
+  // A match's blocks are distinct (one node per block): only earlier requests' adoptions can
+  // repeat one, so only they are searched (a whole-list search is quadratic in a long match).
+  std::vector<BlockId>& adopted = tally->adopted;
+  const auto adopted_before = static_cast<ptrdiff_t>(adopted.size());
+  for (BlockId block : matched) {
+    // A CACHED block becomes ACTIVE: charged, unless a pin held (and charged) it already.
+    if (pool_->state(block) == BlockState::kCached && !cache_->pin_held(block) &&
+        std::find(adopted.begin(), adopted.begin() + adopted_before, block) ==
+            adopted.begin() + adopted_before) {
+      adopted.push_back(block);
+      ++charged;
+    }
+  }
+  p->new_blocks = static_cast<int32_t>(need - from_match);
+  const int64_t fresh = p->new_blocks + (p->copy_partial ? 1 : 0);
+  tally->blocks += fresh;
+  AddTo(&tally->by_ns, r.ns, charged + fresh);
+  tally->refs += need;
   return absl::OkStatus();
 }
 

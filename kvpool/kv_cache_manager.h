@@ -432,6 +432,15 @@ class KvCacheManager final {
   };
   // Blocks a batch has already claimed to write into, and by how many holders.
   using WriteClaims = std::vector<std::pair<BlockId, uint32_t>>;
+  // What an Allocate batch needs in all, summed as each request is planned.
+  struct AllocateTally {
+    std::vector<std::pair<NamespaceId, int64_t>> by_ns;  // ACTIVE blocks added, by namespace
+    std::vector<NodeIndex> keep;   // matched nodes: never evicted to make room for this call
+    std::vector<BlockId> adopted;  // cached blocks the batch turns ACTIVE (counted once each)
+    WriteClaims joined;            // partially matched blocks shared by writers of the batch
+    int64_t refs = 0;              // block references the new sequences will hold
+    int64_t blocks = 0;            // fresh blocks: new ones and copies of partial matches
+  };
 
   KvCacheManager(const KvCacheOptions& options, std::unique_ptr<BlockPool> pool,
                  std::unique_ptr<PrefixCache> cache);
@@ -495,6 +504,10 @@ class KvCacheManager final {
                          std::vector<NodeIndex>* victims, std::string_view what);
   void EvictPlanned(std::span<const NodeIndex> victims, const TraceContext& ctx);
   TableChange ApplyGrow(const GrowPlan& plan, const TraceContext& ctx, DevicePlan* device_plan);
+  // Checks one Allocate request, matches its prompt and works out what it needs, adding that to
+  // `tally`. Changes nothing.
+  absl::Status PlanAllocate(const AllocateRequest& request, AllocateTally* tally,
+                            AllocatePlan* plan) const;
   // Retain/Release through the pool, keeping the prefix cache's view of evictability current.
   void RetainBlock(BlockId block, const TraceContext& ctx);
   void ReleaseBlock(BlockId block, const TraceContext& ctx);
