@@ -23,7 +23,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -214,40 +213,15 @@ void BM_DenseDecode(benchmark::State& state) {
 // the same machine state. BM_PagedDecode and BM_DenseDecode run seconds apart, and on a shared
 // machine a kernel's time moves by tens of percent in that time.
 void BM_PagedVsDense(benchmark::State& state) {
-  using Clock = std::chrono::steady_clock;
   Workload& w = GetWorkload(static_cast<int32_t>(state.range(0)));
   const KvPoolView pool{w.arena.get(), w.layout};
   const DecodeArgs paged = PagedArgs(w);
   std::vector<const void*> k, v;
   const cpu::DenseDecodeArgs dense = DenseArgs(w, &k, &v);
-  Clock::duration paged_time{}, dense_time{};
-  const auto run_paged = [&] {
-    const Clock::time_point start = Clock::now();
-    KVPOOL_CHECK_OK(cpu::PagedAttentionDecode(pool, paged, &Threads()));
-    paged_time += Clock::now() - start;
-  };
-  const auto run_dense = [&] {
-    const Clock::time_point start = Clock::now();
-    KVPOOL_CHECK_OK(cpu::DenseAttentionDecode(dense, &Threads()));
-    dense_time += Clock::now() - start;
-  };
-  bool paged_first = true;
-  for (auto _ : state) {
-    if (paged_first) {
-      run_paged();
-      run_dense();
-    } else {
-      run_dense();
-      run_paged();
-    }
-    paged_first = !paged_first;
-  }
-  const auto per_iteration = [&](Clock::duration d) {
-    return benchmark::Counter(static_cast<double>(std::chrono::nanoseconds(d).count()),
-                              benchmark::Counter::kAvgIterations);
-  };
-  state.counters["paged_ns"] = per_iteration(paged_time);
-  state.counters["dense_ns"] = per_iteration(dense_time);
+  bench::Interleave(
+      state, [&] { KVPOOL_CHECK_OK(cpu::PagedAttentionDecode(pool, paged, &Threads())); },
+      "paged_ns", [&] { KVPOOL_CHECK_OK(cpu::DenseAttentionDecode(dense, &Threads())); },
+      "dense_ns");
 }
 
 // One sequence of kReused + kFresh tokens in shuffled blocks, and the queries of its last kFresh.

@@ -7,9 +7,12 @@
 // repetitions, each repetition of ours paired with the same repetition of the baseline (with
 // --benchmark_enable_random_interleaving=true the two ran in the same round, close in time).
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
+
+#include "benchmark/benchmark.h"
 
 namespace kvpool::bench {
 
@@ -35,5 +38,45 @@ struct RatioPair {
 // flags are bad or a pair's benchmark did not run (a ratio below its target is reported, not
 // failed: the machine is shared and timings are not tests).
 int RunWithRatios(int argc, char** argv, const std::vector<RatioPair>& pairs);
+
+// The two sides of a counter pair in one benchmark: each iteration runs `prepare()` (untimed,
+// housekeeping), then `a()` and `b()` once each, the one that goes first alternating, and times
+// each into a counter of its own (`a_counter`, `b_counter`: ns per iteration) for a RatioPair's
+// ours_counter / baseline_counter. So both sides see the same moment of a noisy machine, which
+// two separate benchmarks, seconds apart, do not.
+template <typename A, typename B, typename Prepare>
+void Interleave(benchmark::State& state, A&& a, const char* a_counter, B&& b, const char* b_counter,
+                Prepare&& prepare) {
+  using Clock = std::chrono::steady_clock;
+  Clock::duration a_time{}, b_time{};
+  const auto timed = [](auto& side, Clock::duration* total) {
+    const Clock::time_point start = Clock::now();
+    side();
+    *total += Clock::now() - start;
+  };
+  bool a_first = true;
+  for (auto _ : state) {
+    prepare();
+    if (a_first) {
+      timed(a, &a_time);
+      timed(b, &b_time);
+    } else {
+      timed(b, &b_time);
+      timed(a, &a_time);
+    }
+    a_first = !a_first;
+  }
+  const auto per_iteration = [](Clock::duration d) {
+    return benchmark::Counter(static_cast<double>(std::chrono::nanoseconds(d).count()),
+                              benchmark::Counter::kAvgIterations);
+  };
+  state.counters[a_counter] = per_iteration(a_time);
+  state.counters[b_counter] = per_iteration(b_time);
+}
+template <typename A, typename B>
+void Interleave(benchmark::State& state, A&& a, const char* a_counter, B&& b,
+                const char* b_counter) {
+  Interleave(state, a, a_counter, b, b_counter, [] {});
+}
 
 }  // namespace kvpool::bench

@@ -19,7 +19,6 @@
 #include <stdlib.h>
 #include <sys/mman.h>
 
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -258,37 +257,15 @@ BENCHMARK(BM_Free)->UseRealTime();
 void BM_Grow256(benchmark::State& state) { RunOp<Grow256Op>(state); }
 BENCHMARK(BM_Grow256)->UseRealTime();
 
-// Calls `a` and `b` alternately, call by call (which of the two goes first alternates too), and
-// times each into a counter of its own (ns per call). Both sides see the same moment of a noisy
-// machine, which two separate benchmarks (or two runs) do not.
+// `a` and `b` alternately, call by call (bench::Interleave), each one's housekeeping untimed.
 void Interleave(benchmark::State& state, Op& a, Op& b, const char* a_counter,
                 const char* b_counter) {
-  using Clock = std::chrono::steady_clock;
-  Clock::duration a_time{}, b_time{};
-  auto timed = [](Op& op, Clock::duration* total) {
-    const Clock::time_point start = Clock::now();
-    op.Call();
-    *total += Clock::now() - start;
-  };
-  bool a_first = true;
-  for (auto _ : state) {
-    if (a.due()) a.Prepare();
-    if (b.due()) b.Prepare();
-    if (a_first) {
-      timed(a, &a_time);
-      timed(b, &b_time);
-    } else {
-      timed(b, &b_time);
-      timed(a, &a_time);
-    }
-    a_first = !a_first;
-  }
-  auto per_call = [](Clock::duration d) {
-    return benchmark::Counter(static_cast<double>(std::chrono::nanoseconds(d).count()),
-                              benchmark::Counter::kAvgIterations);
-  };
-  state.counters[a_counter] = per_call(a_time);
-  state.counters[b_counter] = per_call(b_time);
+  bench::Interleave(
+      state, [&] { a.Call(); }, a_counter, [&] { b.Call(); }, b_counter,
+      [&] {
+        if (a.due()) a.Prepare();
+        if (b.due()) b.Prepare();
+      });
 }
 
 // A call beside a Ping on the same daemon and socket, interleaved: what the pool adds to the
