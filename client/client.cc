@@ -1,9 +1,12 @@
 #include "client/client.h"
 
+#include <algorithm>
 #include <cerrno>  // program_invocation_short_name
+#include <optional>
 #include <utility>
 
 #include "client/internal/attach.h"
+#include "client/internal/doorbell.h"
 #include "client/internal/status_macros.h"
 #include "fmt/format.h"
 #include "grpcpp/create_channel.h"
@@ -33,16 +36,42 @@ absl::Status CheckSequences(std::string_view rpc,
   return absl::OkStatus();
 }
 
+// Takes the doorbell's descriptor out of `attachment` (and its role out of the response's list)
+// and maps it; null when the daemon granted none.
+absl::StatusOr<std::unique_ptr<internal::ClientDoorbell>> TakeDoorbell(
+    internal::Attachment* attachment) {
+  v1::AttachResponse& r = attachment->response;
+  const auto role = std::find(r.fds().begin(), r.fds().end(), v1::FD_ROLE_DOORBELL);
+  const bool sent = role != r.fds().end();
+  if (sent != r.decode_doorbell()) {
+    return absl::InvalidArgumentError(
+        "kvpoold's attach response and its descriptors disagree about the decode doorbell");
+  }
+  if (!sent) return nullptr;
+  const auto index = static_cast<size_t>(role - r.fds().begin());
+  if (index >= attachment->fds.size()) {
+    return absl::InvalidArgumentError(
+        fmt::format("the attach response lists {} descriptors but {} arrived", r.fds_size(),
+                    attachment->fds.size()));
+  }
+  UniqueFd fd = std::move(attachment->fds[index]);
+  attachment->fds.erase(attachment->fds.begin() + static_cast<std::ptrdiff_t>(index));
+  r.mutable_fds()->erase(r.mutable_fds()->begin() + static_cast<int>(index));
+  return internal::ClientDoorbell::Map(std::move(fd));
+}
+
 }  // namespace
 
 Client::Client(std::string runtime_dir, absl::Duration timeout, UniqueFd attach_socket,
                v1::AttachResponse attach, std::unique_ptr<PoolMapping> mapping,
+               std::unique_ptr<internal::ClientDoorbell> doorbell,
                std::unique_ptr<v1::KvPool::StubInterface> stub)
     : runtime_dir_(std::move(runtime_dir)),
       timeout_(timeout),
       attach_socket_(std::move(attach_socket)),
       attach_(std::move(attach)),
       mapping_(std::move(mapping)),
+      doorbell_(std::move(doorbell)),
       stub_(std::move(stub)) {}
 
 Client::~Client() {
@@ -71,9 +100,12 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ConnectOptions& op
   request.set_tenant(options.tenant);
   request.set_model(options.model);
   request.set_kv_access(options.kv_access);
+  request.set_decode_doorbell(options.decode_doorbell);
   KVPOOL_CLIENT_ASSIGN_OR_RETURN(
       internal::Attachment attachment,
       internal::Attach(dir, request, options.timeout, options.trusted_daemon_uids));
+  KVPOOL_CLIENT_ASSIGN_OR_RETURN(std::unique_ptr<internal::ClientDoorbell> doorbell,
+                                 TakeDoorbell(&attachment));
   std::unique_ptr<PoolMapping> mapping;
   if (attachment.response.kv_access()) {
     KVPOOL_CLIENT_ASSIGN_OR_RETURN(
@@ -93,9 +125,9 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ConnectOptions& op
 
   v1::AttachResponse attach = std::move(attachment.response);
   attach.clear_fds();
-  return std::unique_ptr<Client>(new Client(std::move(dir), options.timeout,
-                                            std::move(attachment.socket), std::move(attach),
-                                            std::move(mapping), std::move(stub)));
+  return std::unique_ptr<Client>(
+      new Client(std::move(dir), options.timeout, std::move(attachment.socket), std::move(attach),
+                 std::move(mapping), std::move(doorbell), std::move(stub)));
 }
 
 void Client::PrepareContext(grpc::ClientContext* context, bool deadline) const {
@@ -295,6 +327,12 @@ absl::StatusOr<v1::PrefillResponse> Client::Prefill(uint64_t sequence_id,
 
 absl::StatusOr<v1::DecodeResponse> Client::Decode(std::span<const DecodeItem> items,
                                                   int32_t top_k) const {
+  if (doorbell_ != nullptr && top_k == 0) {
+    if (std::optional<absl::StatusOr<v1::DecodeResponse>> r =
+            doorbell_->Decode(items, absl::Now() + timeout_, attach_socket_.get())) {
+      return *std::move(r);
+    }
+  }
   v1::DecodeRequest request;
   for (const DecodeItem& item : items) {
     request.add_sequence_ids(item.sequence_id);

@@ -41,6 +41,9 @@
 #include "kvpool/v1/kvpool.grpc.pb.h"
 
 namespace kvpool::client {
+namespace internal {
+class ClientDoorbell;
+}
 
 struct ConnectOptions {
   std::string runtime_dir;  // where kvpoold's sockets are; empty: wire::DefaultRuntimeDir()
@@ -56,6 +59,10 @@ struct ConnectOptions {
   // directory that only root could have placed (systemd's /run/kvpool). The directory and the
   // attach socket's peer (SO_PEERCRED) are checked before anything is sent (docs/trust-model.md).
   std::vector<uid_t> trusted_daemon_uids;
+  // Ask for a decode doorbell (kvpool/v1/doorbell.h): Decode then goes through shared memory
+  // instead of a gRPC round trip, when the daemon runs a model. It costs the daemon a thread for
+  // the session's life.
+  bool decode_doorbell = true;
 };
 
 // One sequence to allocate.
@@ -107,6 +114,7 @@ class Client final {
   const v1::PoolLayout& layout() const { return attach_.layout(); }
   const std::string& pool() const { return attach_.pool(); }
   bool kv_access() const { return mapping_ != nullptr; }
+  bool decode_doorbell() const { return doorbell_ != nullptr; }  // the daemon granted one
   // The pool's mapping; null for a compute-only session.
   const PoolMapping* mapping() const { return mapping_.get(); }
 
@@ -149,7 +157,9 @@ class Client final {
   // `tokens` extend that sequence.
   absl::StatusOr<v1::PrefillResponse> Prefill(uint64_t sequence_id, std::span<const int32_t> tokens,
                                               int32_t top_k = 0, int32_t priority = 0) const;
-  // One step for every item (all or none).
+  // One step for every item (all or none). Through the decode doorbell when the session has one
+  // and it is free, top_k is 0 and there are at most wire::kDoorbellMaxItems items; over gRPC
+  // otherwise. Either way the same checks, step and answer.
   absl::StatusOr<v1::DecodeResponse> Decode(std::span<const DecodeItem> items,
                                             int32_t top_k = 0) const;
   // Streams generated tokens to `on_token` until the daemon ends the stream (OK) or the callback
@@ -197,6 +207,7 @@ class Client final {
  private:
   Client(std::string runtime_dir, absl::Duration timeout, UniqueFd attach_socket,
          v1::AttachResponse attach, std::unique_ptr<PoolMapping> mapping,
+         std::unique_ptr<internal::ClientDoorbell> doorbell,
          std::unique_ptr<v1::KvPool::StubInterface> stub);
 
   template <typename Request, typename Response>
@@ -211,6 +222,7 @@ class Client final {
   UniqueFd attach_socket_;
   const v1::AttachResponse attach_;  // layout, token, ids; no descriptors
   const std::unique_ptr<PoolMapping> mapping_;
+  const std::unique_ptr<internal::ClientDoorbell> doorbell_;  // null: none granted
   const std::unique_ptr<v1::KvPool::StubInterface> stub_;
 
   mutable absl::Mutex watch_mu_;

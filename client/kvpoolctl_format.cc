@@ -267,6 +267,7 @@ std::string FormatStats(const v1::GetStatsResponse& s, bool json) {
       {"attach_timed_out", std::to_string(s.attach_timed_out())},
       {"attach_malformed", std::to_string(s.attach_malformed())},
       {"attach_accept_backoffs", std::to_string(s.attach_accept_backoffs())},
+      {"doorbell_calls", std::to_string(s.doorbell_calls())},
       {"prompt_tokens", std::to_string(s.prompt_tokens())},
       {"hit_tokens", std::to_string(s.hit_tokens())},
       {"hit_rate_%",

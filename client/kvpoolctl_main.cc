@@ -123,6 +123,7 @@ int main(int argc, char** argv) {
   options.tenant = absl::GetFlag(FLAGS_tenant);
   options.model = absl::GetFlag(FLAGS_model);
   options.timeout = timeout;
+  options.decode_doorbell = false;  // it never decodes: no daemon thread for it
   absl::StatusOr<std::unique_ptr<kvpool::client::Client>> client =
       kvpool::client::Client::Connect(options);
   if (!client.ok()) {

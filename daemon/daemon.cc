@@ -196,14 +196,34 @@ absl::Status Daemon::StartAttach() {
     ToProto(*grant, &reply.response);
     if (grant->arena && grant->arena->fd.valid()) reply.fds.push_back(std::move(grant->arena->fd));
     if (grant->generation_table.valid()) reply.fds.push_back(std::move(grant->generation_table));
-    Log().info("session {} attached: {} (pid {}, uid {}, tenant {}, model {}, pool {}, {}{})",
+    if (request.decode_doorbell() && engine_->has_model()) {
+      UniqueFd client_fd;
+      absl::StatusOr<std::unique_ptr<DecodeDoorbell>> doorbell = DecodeDoorbell::Start(
+          session, [this](std::unique_ptr<ComputeCall> call) { engine_->Submit(std::move(call)); },
+          [this] {
+            attach_counters_.doorbell_calls.fetch_add(1, std::memory_order_relaxed);
+            service_->NotifyEvents();
+          },
+          &client_fd);
+      if (!doorbell.ok()) {
+        engine_->EndSession(session->id, SessionEnd::kConnectionLost);
+        return doorbell.status();
+      }
+      doorbells_.Add(session->id, *std::move(doorbell));
+      reply.fds.push_back(std::move(client_fd));
+      reply.response.add_fds(v1::FD_ROLE_DOORBELL);
+      reply.response.set_decode_doorbell(true);
+    }
+    Log().info("session {} attached: {} (pid {}, uid {}, tenant {}, model {}, pool {}, {}{}{})",
                session->id.value(), session->spec.client_name, peer.pid, peer.uid,
                session->spec.tenant, session->spec.model, grant->pool,
                session->spec.kv_access ? "KV access" : "compute-only",
-               session->spec.admin ? ", admin" : "");
+               session->spec.admin ? ", admin" : "",
+               reply.response.decode_doorbell() ? ", decode doorbell" : "");
     return reply;
   };
   auto closed = [this](SessionId id, SessionEnd how) {
+    doorbells_.Remove(id);  // cancels its call in flight; joined later
     const int64_t released = engine_->EndSession(id, how);
     service_->NotifyEvents();
     Log().info("session {} ended ({}); released {} sequence(s)", id.value(), SessionEndName(how),
@@ -268,6 +288,7 @@ void Daemon::Shutdown() {
     }
   }
   engine_->StopCompute();  // fails what is still queued; the step in progress finishes
+  doorbells_.StopAll();    // their calls have completed or will with that step
   if (started_) {
     server_->Shutdown(absl::ToChronoTime(absl::Now()));
     server_->Wait();

@@ -20,6 +20,7 @@
 #include "absl/synchronization/notification.h"
 #include "daemon/edge/attach_policy.h"
 #include "daemon/edge/attach_server.h"
+#include "daemon/edge/decode_doorbell.h"
 #include "daemon/engine/engine.h"
 #include "kernels/device.h"
 #include "kvpool/v1/config.pb.h"
@@ -71,6 +72,7 @@ class Daemon final {
   std::unique_ptr<KvPoolService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<AttachServer> attach_;
+  Doorbells doorbells_;  // by session; each stopped when its session ends
   absl::Notification shutdown_;
   bool started_ = false;
   bool stopped_ = false;

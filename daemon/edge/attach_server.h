@@ -71,6 +71,7 @@ struct AttachCounters {
   std::atomic<uint64_t> timed_out{0};          // handshakes not complete in handshake_timeout
   std::atomic<uint64_t> malformed{0};          // oversized, unparsable or fd-carrying requests
   std::atomic<uint64_t> accept_backoffs{0};    // times accept ran out of descriptors
+  std::atomic<uint64_t> doorbell_calls{0};     // decode calls answered through doorbells
 };
 
 class AttachServer final {

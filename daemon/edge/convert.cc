@@ -44,13 +44,17 @@ void ToProto(const BlockHash& h, v1::BlockHash* out) {
 
 }  // namespace
 
+std::optional<std::string> ShortfallValue(const absl::Status& status) {
+  std::optional<Shortfall> shortfall = GetShortfall(status);
+  if (!shortfall) return std::nullopt;
+  return fmt::format("{}:{}", ResourceName(shortfall->resource), shortfall->blocks);
+}
+
 grpc::Status ToGrpcStatus(const absl::Status& status, grpc::ServerContextBase* context) {
   if (status.ok()) return grpc::Status::OK;
   if (context != nullptr) {
-    if (std::optional<Shortfall> shortfall = GetShortfall(status)) {
-      context->AddTrailingMetadata(
-          wire::kShortfallKey,
-          fmt::format("{}:{}", ResourceName(shortfall->resource), shortfall->blocks));
+    if (std::optional<std::string> shortfall = ShortfallValue(status)) {
+      context->AddTrailingMetadata(wire::kShortfallKey, *shortfall);
     }
   }
   // absl and gRPC share the canonical code numbering.
@@ -128,6 +132,7 @@ void ToProto(const AttachCounters& a, v1::GetStatsResponse* r) {
   r->set_attach_timed_out(a.timed_out.load(std::memory_order_relaxed));
   r->set_attach_malformed(a.malformed.load(std::memory_order_relaxed));
   r->set_attach_accept_backoffs(a.accept_backoffs.load(std::memory_order_relaxed));
+  r->set_doorbell_calls(a.doorbell_calls.load(std::memory_order_relaxed));
 }
 
 namespace {

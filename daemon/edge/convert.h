@@ -3,7 +3,9 @@
 // Translations between the wire (kvpool.v1 protobuf, grpc::Status) and the engine's core types.
 // The only place besides the service and attach server where the daemon sees protobuf.
 
+#include <optional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -19,6 +21,8 @@ namespace kvpool::daemon {
 // RESOURCE_EXHAUSTED that carries a shortfall also sets the trailing metadata
 // "kvpool-shortfall" = "<resource>:<blocks>" when `context` is given.
 grpc::Status ToGrpcStatus(const absl::Status& status, grpc::ServerContextBase* context = nullptr);
+// The "<resource>:<blocks>" value of that metadata, when `status` carries a shortfall.
+std::optional<std::string> ShortfallValue(const absl::Status& status);
 
 template <typename Field>
 std::span<const int32_t> Tokens(const Field& field) {

@@ -7,6 +7,7 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -24,6 +25,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvpool/util/unique_fd.h"
+#include "kvpool/v1/doorbell.h"
 #include "kvpool/v1/wire.h"
 #include "model/weights.h"
 #include "tests/integration/harness.h"
@@ -196,6 +198,63 @@ TEST(HostileIntegrationTest, BatchItemsDecodeWidthAndQueuedCalls) {
 }
 
 // --- Compute calls ---
+
+// A process holding a decode doorbell writes whatever it likes into the page, rings as fast as it
+// can, then vanishes mid-ring; another tenant's session decodes throughout, and the daemon serves
+// and stays consistent.
+TEST(HostileIntegrationTest, AScribblingDoorbellClientHurtsOnlyItself) {
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> d = DaemonProcess::Start("");
+  ASSERT_TRUE(d.ok()) << d.status();
+  const std::string dir = (*d)->dir();
+  std::unique_ptr<client::Client> victim = Connect(dir, "victim");
+  ASSERT_NE(victim, nullptr);
+  absl::StatusOr<v1::PrefillResponse> p = victim->Prefill(0, std::vector<int32_t>(20, 9));
+  ASSERT_TRUE(p.ok()) << p.status();
+  client::DecodeItem item{p->sequence_id(), p->next_token()};
+
+  v1::AttachRequest request;
+  request.set_protocol_version(wire::kProtocolVersion);
+  request.set_client_name("scribbler");
+  request.set_tenant("other");
+  request.set_model("default");
+  request.set_decode_doorbell(true);
+  absl::StatusOr<client::internal::Attachment> a =
+      client::internal::Attach(dir, request, absl::Seconds(10), {});
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(a->response.decode_doorbell());
+  ASSERT_EQ(a->fds.size(), 1u);
+  EXPECT_NE(ftruncate(a->fds[0].get(), 0), 0);  // sealed: the daemon's reads stay in bounds
+  void* map =
+      mmap(nullptr, wire::kDoorbellBytes, PROT_READ | PROT_WRITE, MAP_SHARED, a->fds[0].get(), 0);
+  ASSERT_NE(map, MAP_FAILED);
+  auto* page = static_cast<wire::DoorbellPage*>(map);
+  uint64_t x = 88172645463325252ull;
+  auto next = [&x] { return x ^= x << 13, x ^= x >> 7, x ^= x << 17; };
+  for (int round = 0; round < 300; ++round) {
+    auto* bytes = reinterpret_cast<uint64_t*>(page);
+    for (size_t i = 0; i < wire::kDoorbellBytes / 8; ++i) bytes[i] = next();
+    // Half the rounds name the victim's sequence (another tenant's), with plausible counts.
+    if (round % 2 == 0) {
+      page->num_items = 1 + static_cast<uint32_t>(next() % 4);
+      page->items[0].sequence_id = item.sequence_id;
+    }
+    page->ring.fetch_add(1);
+    wire::FutexWakeAll(&page->ring);
+    if (round % 50 == 0) {
+      absl::StatusOr<v1::DecodeResponse> r = victim->Decode(std::span(&item, 1));
+      ASSERT_TRUE(r.ok()) << r.status();
+      item.token = r->next_tokens(0);
+    }
+  }
+  munmap(map, wire::kDoorbellBytes);
+  a->socket = UniqueFd();  // the scribbler goes away, its last ring perhaps unanswered
+
+  // The victim's sequence advanced only by its own decodes: 20 prompt tokens, six steps.
+  absl::StatusOr<v1::DecodeResponse> r = victim->Decode(std::span(&item, 1));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->num_tokens(0), 27);
+  ExpectServingAndConsistent(dir);
+}
 
 // A model of 256 positions: a 260-token prompt used to be computed anyway.
 TEST(HostileIntegrationTest, APromptBeyondTheContextIsRefused) {

@@ -12,7 +12,8 @@
 //   integration_client decode <runtime_dir> <tokens> <seed>
 //       prefill a prompt of <tokens> tokens (in the model's vocabulary) through the daemon's
 //       model, then decode one token at a time forever, printing "decoding" after the first (the
-//       test kills it).
+//       test kills it). Through the session's decode doorbell; `decode_rpc` does the same over the
+//       Decode RPC.
 //
 // KV of token p is a function of the prompt up to p, so a prefix hit must read back exactly what
 // the writer wrote.
@@ -70,13 +71,18 @@ bool ForEachRow(const Client& c, const std::vector<BlockRef>& table, int64_t tok
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 5) return Fail("usage: integration_client write|read|hold <dir> <a> <b>");
+  if (argc != 5) {
+    return Fail("usage: integration_client write|read|hold|decode|decode_rpc <dir> <a> <b>");
+  }
   const std::string mode = argv[1];
   const std::string dir = argv[2];
   const int64_t a = std::atoll(argv[3]);
   const int64_t b = std::atoll(argv[4]);
-  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(
-      {.runtime_dir = dir, .client_name = "integration-" + mode, .kv_access = true});
+  absl::StatusOr<std::unique_ptr<Client>> client =
+      Client::Connect({.runtime_dir = dir,
+                       .client_name = "integration-" + mode,
+                       .kv_access = true,
+                       .decode_doorbell = mode != "decode_rpc"});
   if (!client.ok()) return Fail(client.status().ToString());
   const Client& c = **client;
 
@@ -92,7 +98,7 @@ int main(int argc, char** argv) {
     for (;;) pause();
   }
 
-  if (mode == "decode") {
+  if (mode == "decode" || mode == "decode_rpc") {
     std::vector<int32_t> prompt = Prompt(a, static_cast<uint64_t>(b));
     for (int32_t& t : prompt) t %= 4096;  // inside any model's vocabulary here
     absl::StatusOr<kvpool::v1::PrefillResponse> first = c.Prefill(0, prompt);

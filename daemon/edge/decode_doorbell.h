@@ -1,0 +1,104 @@
+#pragma once
+
+// DecodeDoorbell: one session's decode doorbell (kvpool/v1/doorbell.h), the daemon's side. It
+// owns the sealed memfd page and one thread that waits on the page's ring word, copies each
+// request out once, queues it in the engine as a Decode call of the session (the same checks,
+// limits and model step as the Decode RPC), and writes the answer back. One call at a time per
+// session: a client that rings again before its answer is served after it.
+//
+// A doorbell ends with its session: Stop() cancels the call in flight (CallContext) and wakes the
+// thread without waiting for it; the destructor joins it. Nothing a client writes into the page
+// can keep the thread from stopping (the stop flag is in the daemon's memory) or make it read
+// out of bounds (num_items is read once and bounded; the memfd cannot be shrunk).
+//
+// Doorbells: the daemon's set of them, by session. A stopped doorbell is joined once its thread
+// has exited (Reap), so ending a session never waits for a model step on the attach loop.
+//
+// Thread-safe.
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "daemon/engine/call_context.h"
+#include "daemon/engine/compute_call.h"
+#include "daemon/engine/session.h"
+#include "kvpool/util/unique_fd.h"
+#include "kvpool/v1/doorbell.h"
+
+namespace kvpool::daemon {
+
+class DecodeDoorbell final {
+ public:
+  // Queues a call (Engine::Submit); it must complete exactly once.
+  using SubmitFn = std::function<void(std::unique_ptr<ComputeCall>)>;
+  // Runs after each answer (the daemon counts it and notifies event watchers: steps publish
+  // blocks).
+  using AfterFn = std::function<void()>;
+
+  // Creates the page and starts serving `session`. `client_fd` receives a descriptor of the page
+  // for the client. Errors: INTERNAL (memfd, seals, mmap).
+  static absl::StatusOr<std::unique_ptr<DecodeDoorbell>> Start(
+      std::shared_ptr<const Session> session, SubmitFn submit, AfterFn after, UniqueFd* client_fd);
+  ~DecodeDoorbell();  // Stop(), then joins the thread
+
+  DecodeDoorbell(const DecodeDoorbell&) = delete;
+  DecodeDoorbell& operator=(const DecodeDoorbell&) = delete;
+
+  // Cancels the call in flight and tells the thread to exit; does not wait. Idempotent.
+  void Stop();
+  // The thread has exited (joining it will not wait).
+  bool exited() const { return exited_.load(std::memory_order_acquire); }
+  // Requests served so far (answered, whatever the outcome).
+  uint64_t calls() const { return calls_.load(std::memory_order_relaxed); }
+
+ private:
+  DecodeDoorbell(std::shared_ptr<const Session> session, SubmitFn submit, AfterFn after,
+                 UniqueFd fd, wire::DoorbellPage* page);
+
+  void Loop();
+  // Serves the request rung as `ring`; returns once it is answered.
+  void Serve(uint32_t ring);
+  void Answer(uint32_t ring, const absl::Status& status, const ComputeResult* result);
+
+  const std::shared_ptr<const Session> session_;
+  const SubmitFn submit_;
+  const AfterFn after_;
+  const UniqueFd fd_;
+  wire::DoorbellPage* const page_;  // mapped kDoorbellBytes, read-write
+  const std::shared_ptr<ManualCallContext> context_;
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> exited_{false};
+  std::atomic<uint64_t> calls_{0};
+  std::thread thread_;
+};
+
+class Doorbells final {
+ public:
+  ~Doorbells();  // StopAll()
+
+  // Adds `doorbell` for `session`, first joining the stopped ones whose threads have exited.
+  void Add(SessionId session, std::unique_ptr<DecodeDoorbell> doorbell);
+  // Stops the doorbell of `session`, if any, without waiting for it.
+  void Remove(SessionId session);
+  // Stops every doorbell and joins them all.
+  void StopAll();
+  // Doorbells not yet joined (live or stopping).
+  size_t size() const;
+
+ private:
+  void Reap() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<SessionId, std::unique_ptr<DecodeDoorbell>> live_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<DecodeDoorbell>> stopped_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvpool::daemon

@@ -1,0 +1,274 @@
+// DecodeDoorbell and Doorbells (daemon/edge/decode_doorbell.h) with the engine replaced by a queue
+// of submitted calls the test completes by hand, and the client's side played by writing the
+// page directly, the way any process holding the descriptor could.
+
+#include "daemon/edge/decode_doorbell.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <string>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+
+namespace kvpool::daemon {
+namespace {
+
+// The calls the doorbell submitted, held until the test completes them.
+class FakeEngine {
+ public:
+  DecodeDoorbell::SubmitFn Submit() {
+    return [this](std::unique_ptr<ComputeCall> call) {
+      absl::MutexLock lock(&mu_);
+      calls_.push_back(std::move(call));
+    };
+  }
+  // Waits for the next submitted call (null after 5 s).
+  std::unique_ptr<ComputeCall> Next() {
+    absl::MutexLock lock(&mu_);
+    auto any = [this] { return !calls_.empty(); };
+    if (!mu_.AwaitWithTimeout(absl::Condition(&any), absl::Seconds(5))) return nullptr;
+    std::unique_ptr<ComputeCall> c = std::move(calls_.front());
+    calls_.pop_front();
+    return c;
+  }
+  size_t queued() {
+    absl::MutexLock lock(&mu_);
+    return calls_.size();
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::deque<std::unique_ptr<ComputeCall>> calls_ ABSL_GUARDED_BY(mu_);
+};
+
+// The client's end: the page mapped from the descriptor the client receives.
+class Page {
+ public:
+  explicit Page(UniqueFd fd) : fd_(std::move(fd)) {
+    void* p = mmap(nullptr, wire::kDoorbellBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_.get(), 0);
+    EXPECT_NE(p, MAP_FAILED);
+    page_ = static_cast<wire::DoorbellPage*>(p);
+  }
+  ~Page() { munmap(page_, wire::kDoorbellBytes); }
+  wire::DoorbellPage* operator->() { return page_; }
+  int fd() const { return fd_.get(); }
+
+  uint32_t Ring(std::initializer_list<wire::DoorbellItem> items) {
+    uint32_t i = 0;
+    for (const wire::DoorbellItem& item : items) page_->items[i++] = item;
+    page_->num_items = i;
+    return RingRaw();
+  }
+  uint32_t RingRaw() {
+    const uint32_t r = page_->ring.load() + 1;
+    page_->ring.store(r, std::memory_order_release);
+    wire::FutexWakeAll(&page_->ring);
+    return r;
+  }
+  // Waits until `ring` is answered (false after 5 s).
+  bool Answered(uint32_t ring) {
+    const absl::Time until = absl::Now() + absl::Seconds(5);
+    while (page_->answered.load(std::memory_order_acquire) != ring) {
+      if (absl::Now() > until) return false;
+      absl::SleepFor(absl::Microseconds(100));
+    }
+    return true;
+  }
+  std::string message() const { return std::string(page_->message, page_->message_bytes); }
+
+ private:
+  UniqueFd fd_;
+  wire::DoorbellPage* page_ = nullptr;
+};
+
+std::shared_ptr<const Session> MakeSession() {
+  auto s = std::make_shared<Session>();
+  s->id = SessionId(7);
+  return s;
+}
+
+struct Fixture {
+  FakeEngine engine;
+  std::atomic<int> after{0};  // answers, as the after-callback counts them
+  UniqueFd client_fd;
+  std::unique_ptr<DecodeDoorbell> doorbell;
+
+  Fixture() {
+    absl::StatusOr<std::unique_ptr<DecodeDoorbell>> d = DecodeDoorbell::Start(
+        MakeSession(), engine.Submit(), [this] { after.fetch_add(1); }, &client_fd);
+    EXPECT_TRUE(d.ok()) << d.status();
+    doorbell = *std::move(d);
+  }
+};
+
+TEST(DecodeDoorbellTest, ARingBecomesOneDecodeCallOfTheSessionAndItsAnswer) {
+  Fixture f;
+  Page page(std::move(f.client_fd));
+  const uint32_t ring =
+      page.Ring({{.sequence_id = 11, .token = 5}, {.sequence_id = 12, .token = 6}});
+  std::unique_ptr<ComputeCall> call = f.engine.Next();
+  ASSERT_NE(call, nullptr);
+  EXPECT_EQ(call->session().id, SessionId(7));
+  ASSERT_EQ(call->request().kind, ComputeRequest::Kind::kDecode);
+  ASSERT_EQ(call->request().decode.size(), 2u);
+  EXPECT_EQ(call->request().decode[0].sequence, SequenceId(11));
+  EXPECT_EQ(call->request().decode[0].token, 5);
+  EXPECT_EQ(call->request().decode[1].sequence, SequenceId(12));
+  EXPECT_TRUE(call->context().Check().ok());
+  EXPECT_NE(page->answered.load(), ring);  // not before the step
+
+  call->result().status = absl::OkStatus();
+  call->result().results.resize(2);
+  call->result().results[0].next_token = 100;
+  call->result().results[1].next_token = 200;
+  call->result().lengths = {65, 66};
+  call->result().step_sequences = 3;
+  call->Complete();
+  call.reset();
+  ASSERT_TRUE(page.Answered(ring));
+  EXPECT_EQ(page->code, 0);
+  EXPECT_EQ(page->step_sequences, 3);
+  EXPECT_EQ(page->results[0].next_token, 100);
+  EXPECT_EQ(page->results[0].num_tokens, 65);
+  EXPECT_EQ(page->results[1].next_token, 200);
+  EXPECT_EQ(page->results[1].num_tokens, 66);
+  EXPECT_EQ(f.doorbell->calls(), 1u);
+  for (int i = 0; i < 500 && f.after.load() == 0; ++i) absl::SleepFor(absl::Milliseconds(1));
+  EXPECT_EQ(f.after.load(), 1);
+
+  // An error comes back with its code, message and shortfall-free.
+  const uint32_t second = page.Ring({{.sequence_id = 99, .token = 1}});
+  call = f.engine.Next();
+  ASSERT_NE(call, nullptr);
+  call->result().status = absl::NotFoundError("no sequence 99 in this session");
+  call->Complete();
+  call.reset();
+  ASSERT_TRUE(page.Answered(second));
+  EXPECT_EQ(page->code, static_cast<int32_t>(absl::StatusCode::kNotFound));
+  EXPECT_EQ(page.message(), "no sequence 99 in this session");
+  EXPECT_EQ(page->shortfall_bytes, 0u);
+}
+
+TEST(DecodeDoorbellTest, AnOversizedCountIsRefusedWithoutACall) {
+  Fixture f;
+  Page page(std::move(f.client_fd));
+  page->num_items = 0xFFFFFFFFu;
+  const uint32_t ring = page.RingRaw();
+  ASSERT_TRUE(page.Answered(ring));
+  EXPECT_EQ(page->code, static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
+  EXPECT_NE(page.message().find("at most 256"), std::string::npos) << page.message();
+  EXPECT_EQ(f.engine.queued(), 0u);
+  // The doorbell still serves the next request.
+  const uint32_t next = page.Ring({{.sequence_id = 1, .token = 1}});
+  std::unique_ptr<ComputeCall> call = f.engine.Next();
+  ASSERT_NE(call, nullptr);
+  call->Complete();
+  call.reset();
+  EXPECT_TRUE(page.Answered(next));
+}
+
+TEST(DecodeDoorbellTest, ARingDuringACallIsServedAfterIt) {
+  Fixture f;
+  Page page(std::move(f.client_fd));
+  const uint32_t first = page.Ring({{.sequence_id = 1, .token = 1}});
+  std::unique_ptr<ComputeCall> call = f.engine.Next();
+  ASSERT_NE(call, nullptr);
+  const uint32_t second = page.Ring({{.sequence_id = 2, .token = 2}});
+  absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_EQ(f.engine.queued(), 0u);  // one call at a time
+  call->Complete();
+  call.reset();
+  ASSERT_TRUE(page.Answered(first));
+  call = f.engine.Next();
+  ASSERT_NE(call, nullptr);
+  EXPECT_EQ(call->request().decode[0].sequence, SequenceId(2));
+  call->Complete();
+  call.reset();
+  EXPECT_TRUE(page.Answered(second));
+}
+
+TEST(DecodeDoorbellTest, StopCancelsTheCallInFlightAndNeverWaitsForIt) {
+  Fixture f;
+  Page page(std::move(f.client_fd));
+  page.Ring({{.sequence_id = 1, .token = 1}});
+  std::unique_ptr<ComputeCall> call = f.engine.Next();
+  ASSERT_NE(call, nullptr);
+  f.doorbell->Stop();  // returns at once, with the call still out
+  EXPECT_EQ(call->context().Check().code(), absl::StatusCode::kCancelled);
+  EXPECT_FALSE(f.doorbell->exited());
+  call->result().status = call->context().Check();
+  call->Complete();
+  call.reset();
+  const absl::Time until = absl::Now() + absl::Seconds(5);
+  while (!f.doorbell->exited() && absl::Now() < until) absl::SleepFor(absl::Milliseconds(1));
+  EXPECT_TRUE(f.doorbell->exited());
+  // Rings after the stop are not served.
+  page.Ring({{.sequence_id = 1, .token = 1}});
+  absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_EQ(f.engine.queued(), 0u);
+}
+
+TEST(DecodeDoorbellTest, AnIdleDoorbellStopsWhateverTheClientWrites) {
+  Fixture f;
+  Page page(std::move(f.client_fd));
+  // The client keeps the ring word where the thread last saw it and scribbles everywhere else.
+  std::memset(page->items, 0xAB, sizeof(page->items));
+  page->answered.store(12345);
+  absl::SleepFor(absl::Milliseconds(5));
+  const absl::Time start = absl::Now();
+  f.doorbell.reset();  // Stop + join
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+}
+
+TEST(DecodeDoorbellTest, TheClientCannotResizeThePage) {
+  Fixture f;
+  EXPECT_NE(ftruncate(f.client_fd.get(), 0), 0);
+  EXPECT_EQ(errno, EPERM);
+  EXPECT_NE(ftruncate(f.client_fd.get(), 1 << 20), 0);
+  struct stat st {};
+  ASSERT_EQ(fstat(f.client_fd.get(), &st), 0);
+  EXPECT_EQ(static_cast<size_t>(st.st_size), wire::kDoorbellBytes);
+}
+
+TEST(DoorbellsTest, RemoveDoesNotWaitForACallInFlightAndAddReapsLater) {
+  FakeEngine engine;
+  Doorbells doorbells;
+  UniqueFd fd;
+  absl::StatusOr<std::unique_ptr<DecodeDoorbell>> d =
+      DecodeDoorbell::Start(MakeSession(), engine.Submit(), nullptr, &fd);
+  ASSERT_TRUE(d.ok());
+  doorbells.Add(SessionId(7), *std::move(d));
+  Page page(std::move(fd));
+  page.Ring({{.sequence_id = 1, .token = 1}});
+  std::unique_ptr<ComputeCall> call = engine.Next();
+  ASSERT_NE(call, nullptr);
+  doorbells.Remove(SessionId(7));  // would deadlock here if it joined
+  EXPECT_EQ(doorbells.size(), 1u);
+  call->Complete();
+  call.reset();
+  // The next Add joins the stopped one once its thread has exited.
+  const absl::Time until = absl::Now() + absl::Seconds(5);
+  UniqueFd other_fd;
+  while (absl::Now() < until) {
+    absl::StatusOr<std::unique_ptr<DecodeDoorbell>> other =
+        DecodeDoorbell::Start(MakeSession(), engine.Submit(), nullptr, &other_fd);
+    ASSERT_TRUE(other.ok());
+    doorbells.Add(SessionId(8), *std::move(other));
+    if (doorbells.size() == 1) break;
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  EXPECT_EQ(doorbells.size(), 1u);
+  doorbells.StopAll();
+  EXPECT_EQ(doorbells.size(), 0u);
+}
+
+}  // namespace
+}  // namespace kvpool::daemon
