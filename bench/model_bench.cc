@@ -6,14 +6,15 @@
 // On a shared machine, add --benchmark_enable_random_interleaving=true (and more repetitions) so
 // both sides of a ratio see the same background load; the best repetition of each counts.
 //
-// - BM_InProcessDecode / BM_DaemonDecode at batch 1 and 8: one decode step of every sequence of
-//   the batch per iteration (in-process: LocalEngine::Decode; daemon: one Decode RPC from one
-//   session). Both run the daemon's default model (tiny, seed 1, blocks of 16, bf16 KV) over
-//   equal pools, on the same prompts and the same schedule of context lengths: 64-token prompts,
-//   and every sequence starts over (outside the timing) once it holds kRestartAt tokens.
-//   Before the daemon is timed, its greedy tokens for one prompt must equal this process's.
-//   Counters: tokens/s; context (mean tokens per sequence); model_ms (the daemon's own time in
-//   Model::Step per step, from GetStats: the rest of the daemon's time is the round trip).
+// - BM_InProcessDecode / BM_DaemonDecode / BM_DaemonDecodeRpc at batch 1 and 8: one decode step
+//   of every sequence of the batch per iteration (in-process: LocalEngine::Decode; daemon: one
+//   Decode from one session, through its decode doorbell, or as a Decode RPC for ...Rpc). Both run
+//   the daemon's default model (tiny, seed 1, blocks of 16, bf16 KV) over equal pools, on the same
+//   prompts and the same schedule of context lengths: 64-token prompts, and every sequence starts
+//   over (outside the timing) once it holds kRestartAt tokens. Before the daemon is timed, its
+//   greedy tokens for one prompt must equal this process's. Counters: tokens/s; context (mean
+//   tokens per sequence); model_ms (the daemon's own time in Model::Step per step, from GetStats:
+//   the rest of the daemon's time is the round trip).
 // - BM_InProcessPrefill/reused/new: one prefill step of `new` prompt tokens after `reused` ones
 //   the prefix cache holds (published once, outside the timing), through LocalEngine::Prefill;
 //   each iteration's new tokens are drawn afresh (a prefill publishes its blocks), and its
@@ -134,10 +135,12 @@ class Shared final {
   bool checked_ ABSL_GUARDED_BY(mu_) = false;
 };
 
-absl::StatusOr<std::unique_ptr<client::Client>> Connect(Gathering g) {
+// `doorbell`: Decode through the session's decode doorbell (the client's default), else the RPC.
+absl::StatusOr<std::unique_ptr<client::Client>> Connect(Gathering g, bool doorbell = true) {
   absl::StatusOr<const testing::DaemonProcess*> d = Shared::Get().Daemon(g);
   if (!d.ok()) return d.status();
-  return client::Client::Connect({.runtime_dir = (*d)->dir(), .client_name = "model_bench"});
+  return client::Client::Connect(
+      {.runtime_dir = (*d)->dir(), .client_name = "model_bench", .decode_doorbell = doorbell});
 }
 
 // Sequences decoding in lockstep in this process: each step feeds every sequence the token the
@@ -333,8 +336,8 @@ BENCHMARK(BM_InProcessDecode)
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 
-void BM_DaemonDecode(benchmark::State& state) {
-  absl::StatusOr<std::unique_ptr<client::Client>> c = Connect(Gathering::kOn);
+void DaemonDecode(benchmark::State& state, bool doorbell) {
+  absl::StatusOr<std::unique_ptr<client::Client>> c = Connect(Gathering::kOn, doorbell);
   if (!c.ok()) {
     state.SkipWithError(c.status().ToString().c_str());
     return;
@@ -354,7 +357,17 @@ void BM_DaemonDecode(benchmark::State& state) {
     state.counters["model_ms"] = static_cast<double>(tally.busy_us) / 1e3 / tally.steps;
   }
 }
+
+void BM_DaemonDecode(benchmark::State& state) { DaemonDecode(state, /*doorbell=*/true); }
 BENCHMARK(BM_DaemonDecode)
+    ->ArgName("batch")
+    ->Arg(1)
+    ->Arg(8)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+
+void BM_DaemonDecodeRpc(benchmark::State& state) { DaemonDecode(state, /*doorbell=*/false); }
+BENCHMARK(BM_DaemonDecodeRpc)
     ->ArgName("batch")
     ->Arg(1)
     ->Arg(8)
@@ -483,7 +496,9 @@ int main(int argc, char** argv) {
       argc, argv,
       {
           {"decode batch 1: daemon vs in-process", "BM_DaemonDecode/batch:1/real_time",
-           "BM_InProcessDecode/batch:1/real_time", 0.9},
+           "BM_InProcessDecode/batch:1/real_time", 0.95},
+          {"decode batch 1: doorbell vs Decode RPC", "BM_DaemonDecode/batch:1/real_time",
+           "BM_DaemonDecodeRpc/batch:1/real_time", 0},
           {"decode batch 8: daemon vs in-process", "BM_DaemonDecode/batch:8/real_time",
            "BM_InProcessDecode/batch:8/real_time", 0.9},
           {"host gemm m=200: ours vs OpenBLAS", "BM_HostGemm/openblas:0/m:200/real_time",
