@@ -33,8 +33,9 @@ class FakeEngine {
   // Waits for the next submitted call (null after 5 s).
   std::unique_ptr<ComputeCall> Next() {
     absl::MutexLock lock(&mu_);
-    auto any = [this] { return !calls_.empty(); };
-    if (!mu_.AwaitWithTimeout(absl::Condition(&any), absl::Seconds(5))) return nullptr;
+    if (!mu_.AwaitWithTimeout(absl::Condition(this, &FakeEngine::HasCalls), absl::Seconds(5))) {
+      return nullptr;
+    }
     std::unique_ptr<ComputeCall> c = std::move(calls_.front());
     calls_.pop_front();
     return c;
@@ -45,6 +46,8 @@ class FakeEngine {
   }
 
  private:
+  bool HasCalls() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !calls_.empty(); }
+
   absl::Mutex mu_;
   std::deque<std::unique_ptr<ComputeCall>> calls_ ABSL_GUARDED_BY(mu_);
 };
