@@ -42,6 +42,8 @@ struct Options {
   // Prompts are cut to this (0: to the model's context and a share of the pool per worker).
   int64_t max_prompt_tokens = 0;
   int64_t max_reply_tokens = 256;
+  // Model mode: Decode through each session's decode doorbell (else the Decode RPC).
+  bool decode_doorbell = true;
   bool progress = true;  // a live line on stderr when it is a terminal
 };
 

@@ -25,6 +25,8 @@ ABSL_FLAG(int64_t, max_requests, 0, "stop after this many requests (0: all)");
 ABSL_FLAG(int64_t, max_prompt_tokens, 0,
           "cut prompts to this (0: fit the model's context and the pool)");
 ABSL_FLAG(int64_t, max_reply_tokens, 256, "cut replies to this many tokens");
+ABSL_FLAG(bool, decode_doorbell, true,
+          "model mode: decode through each session's decode doorbell (false: the Decode RPC)");
 
 int main(int argc, char** argv) {
   // --help lists this file's flags (absl's default looks for a file named after the binary).
@@ -50,6 +52,7 @@ int main(int argc, char** argv) {
       .max_requests = absl::GetFlag(FLAGS_max_requests),
       .max_prompt_tokens = absl::GetFlag(FLAGS_max_prompt_tokens),
       .max_reply_tokens = absl::GetFlag(FLAGS_max_reply_tokens),
+      .decode_doorbell = absl::GetFlag(FLAGS_decode_doorbell),
   });
   if (!summary.ok()) {
     std::fprintf(stderr, "kvpool-loadgen: %s\n", summary.status().ToString().c_str());

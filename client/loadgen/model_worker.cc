@@ -27,7 +27,8 @@ client::Client* ModelWorker::ClientFor(int32_t tenant) {
                                  .client_name = fmt::format("loadgen-{}", getpid()),
                                  .tenant = fmt::format("tenant-{}", tenant),
                                  .model = "loadgen",
-                                 .timeout = absl::Seconds(120)});
+                                 .timeout = absl::Seconds(120),
+                                 .decode_doorbell = options_.decode_doorbell});
     if (!made.ok()) {
       Error(fmt::format("connect: {}", made.status().ToString()));
       clients_.erase(tenant);
