@@ -196,6 +196,30 @@ std::string TableText(const v1::SequenceInfo& info, size_t max_entries) {
   return out;
 }
 
+// The model's table (after the counters), or "model: none".
+std::string ModelText(const v1::GetStatsResponse& s) {
+  if (s.model().empty()) return "model: none\n";
+  internal::Table model({"MODEL", "VALUE"});
+  const std::pair<const char*, std::string> model_rows[] = {
+      {"model", s.model()},
+      {"steps", std::to_string(s.model_steps())},
+      {"sequences_per_step",
+       fmt::format("{:.2f}", s.model_steps() ? static_cast<double>(s.model_step_sequences()) /
+                                                   static_cast<double>(s.model_steps())
+                                             : 0.0)},
+      {"busy_s", fmt::format("{:.1f}", static_cast<double>(s.model_busy_us()) / 1e6)},
+      {"prefill_calls", std::to_string(s.prefill_calls())},
+      {"prefill_tokens_computed", std::to_string(s.prefill_tokens_computed())},
+      {"prefill_tokens_reused", std::to_string(s.prefill_tokens_reused())},
+      {"prefill_chunks", std::to_string(s.prefill_chunks())},
+      {"decode_tokens", std::to_string(s.decode_tokens())},
+      {"doorbell_calls", std::to_string(s.doorbell_calls())},
+  };
+  for (const auto& [name, value] : model_rows) model.AddRow({name, value});
+  std::string out = "\n";  // not "\n" + Render(): g++ 12 warns falsely (-Wrestrict) on that
+  return out + model.Render();
+}
+
 }  // namespace
 
 absl::StatusOr<TraceFormat> ParseTraceFormat(std::string_view name) {
@@ -267,7 +291,6 @@ std::string FormatStats(const v1::GetStatsResponse& s, bool json) {
       {"attach_timed_out", std::to_string(s.attach_timed_out())},
       {"attach_malformed", std::to_string(s.attach_malformed())},
       {"attach_accept_backoffs", std::to_string(s.attach_accept_backoffs())},
-      {"doorbell_calls", std::to_string(s.doorbell_calls())},
       {"prompt_tokens", std::to_string(s.prompt_tokens())},
       {"hit_tokens", std::to_string(s.hit_tokens())},
       {"hit_rate_%",
@@ -277,24 +300,7 @@ std::string FormatStats(const v1::GetStatsResponse& s, bool json) {
   for (const auto& [name, value] : rows) counters.AddRow({name, value});
   out += counters.Render();
   out += TiersText(s);
-  if (s.model().empty()) return out + "model: none\n";
-  internal::Table model({"MODEL", "VALUE"});
-  const std::pair<const char*, std::string> model_rows[] = {
-      {"model", s.model()},
-      {"steps", std::to_string(s.model_steps())},
-      {"sequences_per_step",
-       fmt::format("{:.2f}", s.model_steps() ? static_cast<double>(s.model_step_sequences()) /
-                                                   static_cast<double>(s.model_steps())
-                                             : 0.0)},
-      {"busy_s", fmt::format("{:.1f}", static_cast<double>(s.model_busy_us()) / 1e6)},
-      {"prefill_calls", std::to_string(s.prefill_calls())},
-      {"prefill_tokens_computed", std::to_string(s.prefill_tokens_computed())},
-      {"prefill_tokens_reused", std::to_string(s.prefill_tokens_reused())},
-      {"prefill_chunks", std::to_string(s.prefill_chunks())},
-      {"decode_tokens", std::to_string(s.decode_tokens())},
-  };
-  for (const auto& [name, value] : model_rows) model.AddRow({name, value});
-  return out + "\n" + model.Render();
+  return out + ModelText(s);
 }
 
 std::string FormatSessions(const v1::ListSessionsResponse& sessions, bool json) {
