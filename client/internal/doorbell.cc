@@ -67,6 +67,7 @@ std::optional<absl::StatusOr<v1::DecodeResponse>> ClientDoorbell::DecodeLocked(
     p.items[i] = {.sequence_id = items[i].sequence_id, .token = items[i].token, .reserved = 0};
   }
   p.num_items = static_cast<uint32_t>(items.size());
+  p.timeout_ns = absl::ToInt64Nanoseconds(deadline - absl::Now());
   const uint32_t ring = ++ring_;
   p.ring.store(ring, std::memory_order_release);
   wire::FutexWakeAll(&p.ring);

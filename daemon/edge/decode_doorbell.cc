@@ -60,7 +60,6 @@ DecodeDoorbell::DecodeDoorbell(std::shared_ptr<const Session> session, SubmitFn 
       after_(std::move(after)),
       fd_(std::move(fd)),
       page_(page),
-      context_(std::make_shared<ManualCallContext>()),
       thread_([this] { Loop(); }) {}
 
 DecodeDoorbell::~DecodeDoorbell() {
@@ -71,7 +70,10 @@ DecodeDoorbell::~DecodeDoorbell() {
 
 void DecodeDoorbell::Stop() {
   if (stop_.exchange(true, std::memory_order_acq_rel)) return;
-  context_->Cancel();
+  {
+    absl::MutexLock lock(&mu_);
+    if (current_ != nullptr) current_->Cancel();
+  }
   // Change the ring word under the thread's futex wait, so that it wakes whatever the client
   // wrote; it then reads stop_, which no client can touch.
   page_->ring.fetch_add(1, std::memory_order_release);
@@ -96,6 +98,7 @@ void DecodeDoorbell::Loop() {
 void DecodeDoorbell::Serve(uint32_t ring) {
   // Read once: the client may change the page at any moment.
   const uint32_t n = __atomic_load_n(&page_->num_items, __ATOMIC_RELAXED);
+  const int64_t timeout_ns = __atomic_load_n(&page_->timeout_ns, __ATOMIC_RELAXED);
   if (n > wire::kDoorbellMaxItems) {
     Answer(ring,
            absl::InvalidArgumentError(
@@ -110,8 +113,18 @@ void DecodeDoorbell::Serve(uint32_t ring) {
   for (uint32_t i = 0; i < n; ++i)
     request.decode.push_back({SequenceId(items[i].sequence_id), items[i].token});
 
+  // A year stands for "no deadline" and keeps the sum from overflowing.
+  constexpr int64_t kLongest = int64_t{365} * 24 * 3600 * 1'000'000'000;
+  const Clock* clock = Clock::Real();
+  auto context = std::make_shared<ManualCallContext>(
+      clock, clock->NowNanos() + std::clamp<int64_t>(timeout_ns, 0, kLongest));
+  {
+    absl::MutexLock lock(&mu_);
+    if (stop_.load(std::memory_order_acquire)) context->Cancel();
+    current_ = context;
+  }
   auto completion = std::make_shared<Completion>();
-  submit_(std::make_unique<ComputeCall>(session_, std::move(request), context_,
+  submit_(std::make_unique<ComputeCall>(session_, std::move(request), std::move(context),
                                         [this, ring, completion](ComputeCall& call) {
                                           const ComputeResult& result = call.result();
                                           Answer(ring, result.status, &result);

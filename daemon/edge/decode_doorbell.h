@@ -6,6 +6,9 @@
 // limits and model step as the Decode RPC), and writes the answer back. One call at a time per
 // session: a client that rings again before its answer is served after it.
 //
+// Each call's CallContext carries the client's deadline (the page's timeout_ns, from the moment
+// the request is copied), as a gRPC deadline would.
+//
 // A doorbell ends with its session: Stop() cancels the call in flight (CallContext) and wakes the
 // thread without waiting for it; the destructor joins it. Nothing a client writes into the page
 // can keep the thread from stopping (the stop flag is in the daemon's memory) or make it read
@@ -73,8 +76,10 @@ class DecodeDoorbell final {
   const AfterFn after_;
   const UniqueFd fd_;
   wire::DoorbellPage* const page_;  // mapped kDoorbellBytes, read-write
-  const std::shared_ptr<ManualCallContext> context_;
   std::atomic<bool> stop_{false};
+  absl::Mutex mu_;
+  // The call in flight's context: Stop() cancels it.
+  std::shared_ptr<ManualCallContext> current_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> exited_{false};
   std::atomic<uint64_t> calls_{0};
   std::thread thread_;

@@ -91,6 +91,9 @@ TEST_F(DoorbellTest, AnAnswerBecomesTheDecodeResponse) {
   EXPECT_EQ((*r)->num_tokens(1), 101);
   EXPECT_EQ((*r)->step_sequences(), 4);
   EXPECT_EQ(page_->items[1].token, 2);
+  // The call's deadline travels with it, as time left.
+  EXPECT_GT(page_->timeout_ns, 4'000'000'000);
+  EXPECT_LE(page_->timeout_ns, 5'000'000'000);
 }
 
 TEST_F(DoorbellTest, AnErrorKeepsItsCodeMessageAndShortfall) {

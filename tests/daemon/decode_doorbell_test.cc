@@ -68,6 +68,7 @@ class Page {
     uint32_t i = 0;
     for (const wire::DoorbellItem& item : items) page_->items[i++] = item;
     page_->num_items = i;
+    page_->timeout_ns = timeout_ns;
     return RingRaw();
   }
   uint32_t RingRaw() {
@@ -86,6 +87,8 @@ class Page {
     return true;
   }
   std::string message() const { return std::string(page_->message, page_->message_bytes); }
+
+  int64_t timeout_ns = 10'000'000'000;  // what Ring() writes
 
  private:
   UniqueFd fd_;
@@ -239,6 +242,40 @@ TEST(DecodeDoorbellTest, TheClientCannotResizeThePage) {
   struct stat st {};
   ASSERT_EQ(fstat(f.client_fd.get(), &st), 0);
   EXPECT_EQ(static_cast<size_t>(st.st_size), wire::kDoorbellBytes);
+}
+
+TEST(DecodeDoorbellTest, EachCallCarriesTheClientsDeadline) {
+  Fixture f;
+  Page page(std::move(f.client_fd));
+  const auto context_of = [&](int64_t timeout_ns) {
+    page.timeout_ns = timeout_ns;
+    const uint32_t ring = page.Ring({{.sequence_id = 1, .token = 1}});
+    std::unique_ptr<ComputeCall> call = f.engine.Next();
+    EXPECT_NE(call, nullptr);
+    if (call == nullptr) return absl::InternalError("no call");
+    const absl::Status s = call->context().Check();
+    call->result().status = s;
+    call->Complete();
+    EXPECT_TRUE(page.Answered(ring));
+    return s;
+  };
+  EXPECT_TRUE(context_of(10'000'000'000).ok());
+  EXPECT_TRUE(context_of(INT64_MAX).ok());  // clamped: no overflow into the past
+  EXPECT_EQ(context_of(0).code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(context_of(INT64_MIN).code(), absl::StatusCode::kDeadlineExceeded);
+  // A deadline that passes while the call waits in the queue.
+  page.timeout_ns = 30'000'000;
+  const uint32_t ring = page.Ring({{.sequence_id = 1, .token = 1}});
+  std::unique_ptr<ComputeCall> call = f.engine.Next();
+  ASSERT_NE(call, nullptr);
+  EXPECT_TRUE(call->context().Check().ok());
+  absl::SleepFor(absl::Milliseconds(60));
+  EXPECT_EQ(call->context().Check().code(), absl::StatusCode::kDeadlineExceeded);
+  call->result().status = call->context().Check();
+  call->Complete();
+  call.reset();
+  ASSERT_TRUE(page.Answered(ring));
+  EXPECT_EQ(page->code, static_cast<int32_t>(absl::StatusCode::kDeadlineExceeded));
 }
 
 TEST(DoorbellsTest, RemoveDoesNotWaitForACallInFlightAndAddReapsLater) {

@@ -11,7 +11,8 @@
 //           call of the session (the same checks, limits and step as the RPC), writes the
 //           answer, stores the served ring value into `answered` (release) and wakes it;
 //   client  waits on `answered` until it equals its ring.
-// The daemon reads nothing of the page but `ring`, `num_items` and items[], each once per call,
+// The daemon reads nothing of the page but `ring`, `num_items`, `timeout_ns` and items[], each
+// once per call,
 // and bounds num_items before copying: a client can only hurt itself by writing anything else at
 // any time. Words are waited on with shared futexes (the page is MAP_SHARED).
 //
@@ -49,6 +50,9 @@ struct DoorbellPage {
   // Written by the client.
   alignas(64) std::atomic<uint32_t> ring;  // bumped once per request
   uint32_t num_items;                      // in [1, kDoorbellMaxItems]
+  // How long the client waits from the ring on (ns): the call's deadline, as a gRPC deadline
+  // would be. A call still queued when it passes is refused (DEADLINE_EXCEEDED); <= 0: at once.
+  int64_t timeout_ns;
   DoorbellItem items[kDoorbellMaxItems];
   // Written by the daemon.
   alignas(64) std::atomic<uint32_t> answered;  // the ring value last answered
