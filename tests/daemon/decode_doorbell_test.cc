@@ -263,13 +263,14 @@ TEST(DecodeDoorbellTest, EachCallCarriesTheClientsDeadline) {
   EXPECT_TRUE(context_of(INT64_MAX).ok());  // clamped: no overflow into the past
   EXPECT_EQ(context_of(0).code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_EQ(context_of(INT64_MIN).code(), absl::StatusCode::kDeadlineExceeded);
-  // A deadline that passes while the call waits in the queue.
-  page.timeout_ns = 30'000'000;
+  // A deadline that passes while the call waits in the queue (long enough to be checked first
+  // under sanitizers on a loaded machine).
+  page.timeout_ns = 1'000'000'000;
   const uint32_t ring = page.Ring({{.sequence_id = 1, .token = 1}});
   std::unique_ptr<ComputeCall> call = f.engine.Next();
   ASSERT_NE(call, nullptr);
   EXPECT_TRUE(call->context().Check().ok());
-  absl::SleepFor(absl::Milliseconds(60));
+  absl::SleepFor(absl::Milliseconds(1100));
   EXPECT_EQ(call->context().Check().code(), absl::StatusCode::kDeadlineExceeded);
   call->result().status = call->context().Check();
   call->Complete();
