@@ -10,7 +10,6 @@
 
 #include "daemon/edge/convert.h"
 #include "fmt/format.h"
-#include "model/step_planner.h"
 
 namespace kvpool::daemon {
 namespace {
