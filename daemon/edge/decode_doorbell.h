@@ -42,14 +42,16 @@ class DecodeDoorbell final {
  public:
   // Queues a call (Engine::Submit); it must complete exactly once.
   using SubmitFn = std::function<void(std::unique_ptr<ComputeCall>)>;
-  // Runs after each answer (the daemon counts it and notifies event watchers: steps publish
-  // blocks).
-  using AfterFn = std::function<void()>;
+  // Runs with each answer, before the client can see it: the daemon counts it (so a client
+  // that has its answer finds it counted in GetStats, as after a Decode RPC) and notifies event
+  // watchers (steps publish blocks).
+  using AnsweredFn = std::function<void()>;
 
   // Creates the page and starts serving `session`. `client_fd` receives a descriptor of the page
   // for the client. Errors: INTERNAL (memfd, seals, mmap).
   static absl::StatusOr<std::unique_ptr<DecodeDoorbell>> Start(
-      std::shared_ptr<const Session> session, SubmitFn submit, AfterFn after, UniqueFd* client_fd);
+      std::shared_ptr<const Session> session, SubmitFn submit, AnsweredFn answered,
+      UniqueFd* client_fd);
   ~DecodeDoorbell();  // Stop(), then joins the thread
 
   DecodeDoorbell(const DecodeDoorbell&) = delete;
@@ -63,7 +65,7 @@ class DecodeDoorbell final {
   uint64_t calls() const { return calls_.load(std::memory_order_relaxed); }
 
  private:
-  DecodeDoorbell(std::shared_ptr<const Session> session, SubmitFn submit, AfterFn after,
+  DecodeDoorbell(std::shared_ptr<const Session> session, SubmitFn submit, AnsweredFn answered,
                  UniqueFd fd, wire::DoorbellPage* page);
 
   void Loop();
@@ -73,7 +75,7 @@ class DecodeDoorbell final {
 
   const std::shared_ptr<const Session> session_;
   const SubmitFn submit_;
-  const AfterFn after_;
+  const AnsweredFn answered_;
   const UniqueFd fd_;
   wire::DoorbellPage* const page_;  // mapped kDoorbellBytes, read-write
   std::atomic<bool> stop_{false};
