@@ -158,23 +158,17 @@ bool PrefixCache::Agrees(BlockId block, std::span<const int32_t> tokens) const {
 }
 
 NodeIndex PrefixCache::FindFull(NodeIndex parent, std::span<const int32_t> tokens) const {
-  return FindFull(parent, tokens, HashTokens(tokens));
-}
-
-NodeIndex PrefixCache::FindFull(NodeIndex parent, std::span<const int32_t> tokens,
-                                uint64_t token_hash) const {
   if (nodes_[parent].wide != 0) {
-    auto it = children_.find(ChildKey{parent, token_hash});
+    auto it = children_.find(ChildKey{parent, HashTokens(tokens)});
     if (it == children_.end()) return kNoNode;
     return std::ranges::equal(Tokens(it->second), tokens) ? it->second : kNoNode;
   }
-  // At most kWideFanout siblings: comparing their token hashes beats a hash-map probe (a cache
-  // miss per lookup, and another per removal, in a map as large as the tree).
+  // At most kWideFanout siblings: comparing their tokens beats a hash-map probe (a cache miss per
+  // lookup, and another per removal, in a map as large as the tree) and hashing the block (as
+  // costly as comparing it, and most blocks a prompt publishes follow a parent with no child).
+  // The first token turns most siblings away.
   for (NodeIndex c = nodes_[parent].first_child; c != kNoNode; c = nodes_[c].next_sibling) {
-    if (nodes_[c].token_hash == token_hash && nodes_[c].coverage == block_size_ &&
-        std::ranges::equal(Tokens(c), tokens)) {
-      return c;
-    }
+    if (nodes_[c].coverage == block_size_ && std::ranges::equal(Tokens(c), tokens)) return c;
   }
   return kNoNode;
 }
@@ -231,8 +225,9 @@ void PrefixCache::LinkChild(NodeIndex parent, NodeIndex node) {
     children.push_back(c);
   for (auto it = children.rbegin(); it != children.rend(); ++it) {
     ChainPush(*it);
-    // `node` itself is not full yet (MakeFull indexes it once its token hash is set).
+    // `node` itself is not full yet (MakeFull indexes it).
     if (*it != node && nodes_[*it].coverage == block_size_) {
+      nodes_[*it].token_hash = HashTokens(Tokens(*it));
       children_.try_emplace(ChildKey{parent, nodes_[*it].token_hash}, *it);
     }
   }

@@ -293,7 +293,10 @@ class PrefixCache final {
     BlockId block = kInvalidBlock;  // kInvalidBlock for roots and free slots
     int32_t coverage = 0;           // tokens of the block published (0 for roots)
     uint32_t lock = 0;              // sequences and pins following the node
-    uint64_t token_hash = 0;        // full nodes: HashTokens(tokens), their key in children_
+    // HashTokens(tokens) of a full child of a wide parent (its key in children_); set when it is
+    // indexed or its parent turns wide, and never computed otherwise: a narrow parent's children
+    // are compared by tokens, so publishing and matching under one hash no block.
+    uint64_t token_hash = 0;
     int8_t priority = 0;
     uint8_t wide = 0;  // children chained by first token (> kWideFanout once)
   };
@@ -308,10 +311,9 @@ class PrefixCache final {
   NodeIndex Root(NamespaceId ns) const;
   NodeIndex RootOrCreate(NamespaceId ns);
   NodeIndex NewNode();
-  // The full child of `parent` holding exactly `tokens` (a whole block), or kNoNode.
+  // The full child of `parent` holding exactly `tokens` (a whole block), or kNoNode. Hashes the
+  // tokens only when `parent` is wide.
   NodeIndex FindFull(NodeIndex parent, std::span<const int32_t> tokens) const;
-  // The same, given HashTokens(tokens).
-  NodeIndex FindFull(NodeIndex parent, std::span<const int32_t> tokens, uint64_t token_hash) const;
   // The child of `parent` sharing the most leading tokens with `tokens` (capped at its
   // coverage); ties go to the wider node. Returns kNoNode when none shares any.
   NodeIndex BestChild(NodeIndex parent, std::span<const int32_t> tokens, int32_t* common) const;
@@ -347,13 +349,12 @@ class PrefixCache final {
   // Commit() without the retention mark.
   void CommitBlocks(NamespaceId ns, std::span<const int32_t> tokens, std::span<const BlockId> table,
                     int priority, CachePath* path, const TraceContext& ctx);
-  // `token_hash`: HashTokens(tokens) when they are a whole block (unused otherwise).
-  NodeIndex Insert(NodeIndex parent, std::span<const int32_t> tokens, uint64_t token_hash,
-                   BlockId block, int priority, const TraceContext& ctx);
+  NodeIndex Insert(NodeIndex parent, std::span<const int32_t> tokens, BlockId block, int priority,
+                   const TraceContext& ctx);
   // Extends `node` (holding the sequence's own block) to `tokens`; a node reaching a full block
   // joins the child index and is announced.
   void Widen(NodeIndex node, std::span<const int32_t> tokens);
-  void MakeFull(NodeIndex node, uint64_t token_hash);
+  void MakeFull(NodeIndex node);
   // Removes unused partial siblings of `node` that it covers.
   void RemoveDominated(NodeIndex node, const TraceContext& ctx);
   void RemoveNode(NodeIndex node, const TraceContext& ctx);
@@ -413,7 +414,7 @@ class PrefixCache final {
   std::vector<NodeIndex> node_of_block_;  // by BlockId
 
   absl::flat_hash_map<NamespaceId, NodeIndex> roots_;
-  // Full children of wide parents (a narrow parent's few are compared by token_hash in place).
+  // Full children of wide parents (a narrow parent's few are compared by tokens in place).
   absl::flat_hash_map<ChildKey, NodeIndex> children_;
   absl::flat_hash_map<FirstTokenKey, NodeIndex> chains_;  // wide parents' chain heads
   mutable uint64_t child_scans_ = 0;

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "fmt/format.h"
+#include "kvpool/internal/tokens.h"
 #include "kvpool/prefix_cache.h"
 #include "kvpool/util/errors.h"
 
@@ -150,7 +151,8 @@ absl::Status PrefixCache::CheckInvariants(
 }
 
 // The first-token chains hold exactly the children of wide parents, each under its own key; the
-// full-child index only theirs.
+// full-child index only theirs, and each full child of a wide parent carries its token hash
+// (RemoveNode finds its index entry by it).
 absl::Status PrefixCache::CheckChains() const {
   int64_t expected = 0;
   for (NodeIndex node = 0; node < static_cast<NodeIndex>(nodes_.size()); ++node) {
@@ -158,6 +160,12 @@ absl::Status PrefixCache::CheckChains() const {
       if (nodes_[node].num_children == 0)
         return InvariantViolation("n{} is wide with no child", node);
       expected += nodes_[node].num_children;
+      for (NodeIndex c = nodes_[node].first_child; c != kNoNode; c = nodes_[c].next_sibling) {
+        if (nodes_[c].coverage == block_size_ &&
+            nodes_[c].token_hash != internal::HashTokens(Tokens(c))) {
+          return InvariantViolation("full child n{} of wide n{} has a stale token hash", c, node);
+        }
+      }
     } else if (nodes_[node].num_children > kWideFanout) {
       return InvariantViolation("n{} has {} children but is not wide", node,
                                 nodes_[node].num_children);

@@ -107,6 +107,7 @@ void PrefixCache::RemoveNode(NodeIndex node, const TraceContext& ctx) {
   nodes_[node].block = kInvalidBlock;
   nodes_[node].coverage = 0;
   nodes_[node].priority = 0;
+  nodes_[node].token_hash = 0;
   state_[node].depth = 0;
   state_[node].fingerprint = 0;
   state_[node].hits = 0;

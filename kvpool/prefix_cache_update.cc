@@ -16,9 +16,8 @@ namespace kvpool {
 using internal::HashTokens;
 using internal::StartsWith;
 
-NodeIndex PrefixCache::Insert(NodeIndex parent, std::span<const int32_t> tokens,
-                              uint64_t token_hash, BlockId block, int priority,
-                              const TraceContext& ctx) {
+NodeIndex PrefixCache::Insert(NodeIndex parent, std::span<const int32_t> tokens, BlockId block,
+                              int priority, const TraceContext& ctx) {
   const NodeIndex node = NewNode();
   nodes_[node].parent = parent;
   nodes_[node].block = block;
@@ -41,24 +40,24 @@ NodeIndex PrefixCache::Insert(NodeIndex parent, std::span<const int32_t> tokens,
   KVPOOL_CHECK_OK(pool_->AddCacheRef(block, ctx));
   ++num_nodes_;
   ++counters_.inserted;
-  if (nodes_[node].coverage == block_size_) MakeFull(node, token_hash);
+  if (nodes_[node].coverage == block_size_) MakeFull(node);
   UpdateCandidate(parent);  // no longer a leaf
   policy_->OnInsert(node, Facts(node), now_ns_);
   return node;
 }
 
-void PrefixCache::MakeFull(NodeIndex node, uint64_t token_hash) {
-  KVPOOL_DCHECK(token_hash == HashTokens(Tokens(node)));
+void PrefixCache::MakeFull(NodeIndex node) {
   const NodeIndex parent = nodes_[node].parent;
-  nodes_[node].token_hash = token_hash;
   if (hashes_on_) {
     hash_[node] = PrefixChainHash(hash_[parent], ns_[node], Tokens(node));
     state_[node].fingerprint = BlockFingerprint(hash_[node]);
   }
   // Only wide parents index their full children. A 64-bit collision with a different block
   // leaves this one out of the index; lookups still find it by scanning the children.
-  if (nodes_[parent].wide != 0)
+  if (nodes_[parent].wide != 0) {
+    nodes_[node].token_hash = HashTokens(Tokens(node));
     children_.try_emplace(ChildKey{parent, nodes_[node].token_hash}, node);
+  }
   ++num_full_;
 }
 
@@ -69,7 +68,7 @@ void PrefixCache::Widen(NodeIndex node, std::span<const int32_t> tokens) {
   nodes_[node].coverage = static_cast<int32_t>(tokens.size());
   ++counters_.widened;
   if (nodes_[node].coverage == block_size_) {
-    MakeFull(node, HashTokens(tokens));
+    MakeFull(node);
     policy_->OnInsert(node, Facts(node), now_ns_);  // its hash is known now
   }
 }
@@ -94,8 +93,7 @@ void PrefixCache::CommitBlocks(NamespaceId ns, std::span<const int32_t> tokens,
 
   for (size_t k = path->full.size(); (k + 1) * bs <= tokens.size(); ++k) {
     const std::span<const int32_t> block = tokens.subspan(k * bs, bs);
-    const uint64_t block_hash = HashTokens(block);
-    NodeIndex child = FindFull(parent, block, block_hash);
+    NodeIndex child = FindFull(parent, block);
     bool fresh = false;
     if (path->partial != kNoNode) {
       // The partial node sat at this position: it is either the sequence's own block, now
@@ -113,7 +111,7 @@ void PrefixCache::CommitBlocks(NamespaceId ns, std::span<const int32_t> tokens,
     if (child == kNoNode) {
       const NodeIndex owner = node_of_block_[static_cast<size_t>(table[k].value())];
       if (owner == kNoNode) {
-        child = Insert(parent, block, block_hash, table[k], priority, ctx);
+        child = Insert(parent, block, table[k], priority, ctx);
         fresh = true;
       } else if (nodes_[owner].parent == parent && nodes_[owner].coverage < block_size_ &&
                  StartsWith(block, Tokens(owner))) {
@@ -166,7 +164,7 @@ void PrefixCache::CommitBlocks(NamespaceId ns, std::span<const int32_t> tokens,
     }
     return;
   }
-  const NodeIndex node = Insert(parent, block, 0, mine, priority, ctx);
+  const NodeIndex node = Insert(parent, block, mine, priority, ctx);
   if (cur != kNoNode) Unlock(cur);
   path->partial = node;
   RemoveDominated(node, ctx);
