@@ -200,10 +200,9 @@ absl::Status Daemon::StartAttach() {
       UniqueFd client_fd;
       absl::StatusOr<std::unique_ptr<DecodeDoorbell>> doorbell = DecodeDoorbell::Start(
           session, [this](std::unique_ptr<ComputeCall> call) { engine_->Submit(std::move(call)); },
-          [this] {
-            attach_counters_.doorbell_calls.fetch_add(1, std::memory_order_relaxed);
-            service_->NotifyEvents();
-          },
+          {.counted =
+               [this] { attach_counters_.doorbell_calls.fetch_add(1, std::memory_order_relaxed); },
+           .published = [this] { service_->NotifyEvents(); }},
           &client_fd);
       if (!doorbell.ok()) {
         engine_->EndSession(session->id, SessionEnd::kConnectionLost);

@@ -28,8 +28,7 @@ struct Completion {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<DecodeDoorbell>> DecodeDoorbell::Start(
-    std::shared_ptr<const Session> session, SubmitFn submit, AnsweredFn answered,
-    UniqueFd* client_fd) {
+    std::shared_ptr<const Session> session, SubmitFn submit, Hooks hooks, UniqueFd* client_fd) {
   UniqueFd fd(memfd_create("kvpool-doorbell", MFD_CLOEXEC | MFD_ALLOW_SEALING));
   if (!fd.valid()) return Errno("memfd_create");
   if (ftruncate(fd.get(), static_cast<off_t>(wire::kDoorbellBytes)) != 0) return Errno("ftruncate");
@@ -49,15 +48,15 @@ absl::StatusOr<std::unique_ptr<DecodeDoorbell>> DecodeDoorbell::Start(
   *client_fd = std::move(dup);
   // A fresh memfd reads as zeros: ring and answered start at 0, as the client expects.
   return std::unique_ptr<DecodeDoorbell>(
-      new DecodeDoorbell(std::move(session), std::move(submit), std::move(answered), std::move(fd),
+      new DecodeDoorbell(std::move(session), std::move(submit), std::move(hooks), std::move(fd),
                          static_cast<wire::DoorbellPage*>(page)));
 }
 
-DecodeDoorbell::DecodeDoorbell(std::shared_ptr<const Session> session, SubmitFn submit,
-                               AnsweredFn answered, UniqueFd fd, wire::DoorbellPage* page)
+DecodeDoorbell::DecodeDoorbell(std::shared_ptr<const Session> session, SubmitFn submit, Hooks hooks,
+                               UniqueFd fd, wire::DoorbellPage* page)
     : session_(std::move(session)),
       submit_(std::move(submit)),
-      answered_(std::move(answered)),
+      hooks_(std::move(hooks)),
       fd_(std::move(fd)),
       page_(page),
       thread_([this] { Loop(); }) {}
@@ -159,9 +158,10 @@ void DecodeDoorbell::Answer(uint32_t ring, const absl::Status& status,
     }
   }
   calls_.fetch_add(1, std::memory_order_relaxed);
-  if (answered_) answered_();
+  if (hooks_.counted) hooks_.counted();
   p.answered.store(ring, std::memory_order_release);
   wire::FutexWakeAll(&p.answered);
+  if (hooks_.published) hooks_.published();
 }
 
 Doorbells::~Doorbells() { StopAll(); }

@@ -42,16 +42,20 @@ class DecodeDoorbell final {
  public:
   // Queues a call (Engine::Submit); it must complete exactly once.
   using SubmitFn = std::function<void(std::unique_ptr<ComputeCall>)>;
-  // Runs with each answer, before the client can see it: the daemon counts it (so a client
-  // that has its answer finds it counted in GetStats, as after a Decode RPC) and notifies event
-  // watchers (steps publish blocks).
-  using AnsweredFn = std::function<void()>;
+  // What the daemon does with each answer (either may be empty).
+  struct Hooks {
+    // Before the client can see it: the daemon counts it, so a client that has its answer finds
+    // it counted in GetStats, as after a Decode RPC.
+    std::function<void()> counted;
+    // Once the client can: the daemon wakes event watchers (steps publish blocks), whose reads
+    // must not hold up the answer.
+    std::function<void()> published;
+  };
 
   // Creates the page and starts serving `session`. `client_fd` receives a descriptor of the page
   // for the client. Errors: INTERNAL (memfd, seals, mmap).
   static absl::StatusOr<std::unique_ptr<DecodeDoorbell>> Start(
-      std::shared_ptr<const Session> session, SubmitFn submit, AnsweredFn answered,
-      UniqueFd* client_fd);
+      std::shared_ptr<const Session> session, SubmitFn submit, Hooks hooks, UniqueFd* client_fd);
   ~DecodeDoorbell();  // Stop(), then joins the thread
 
   DecodeDoorbell(const DecodeDoorbell&) = delete;
@@ -65,8 +69,8 @@ class DecodeDoorbell final {
   uint64_t calls() const { return calls_.load(std::memory_order_relaxed); }
 
  private:
-  DecodeDoorbell(std::shared_ptr<const Session> session, SubmitFn submit, AnsweredFn answered,
-                 UniqueFd fd, wire::DoorbellPage* page);
+  DecodeDoorbell(std::shared_ptr<const Session> session, SubmitFn submit, Hooks hooks, UniqueFd fd,
+                 wire::DoorbellPage* page);
 
   void Loop();
   // Serves the request rung as `ring`; returns once it is answered.
@@ -75,7 +79,7 @@ class DecodeDoorbell final {
 
   const std::shared_ptr<const Session> session_;
   const SubmitFn submit_;
-  const AnsweredFn answered_;
+  const Hooks hooks_;
   const UniqueFd fd_;
   wire::DoorbellPage* const page_;  // mapped kDoorbellBytes, read-write
   std::atomic<bool> stop_{false};

@@ -104,27 +104,38 @@ std::shared_ptr<const Session> MakeSession() {
 
 struct Fixture {
   FakeEngine engine;
-  // Answers, as the answered-callback counts them. It takes its time, as a loaded daemon may: an
-  // answer published before it ran would reach the client uncounted.
-  std::atomic<int> answered{0};
+  // Answers as the hooks saw them. Each hook may take its time, as on a loaded daemon: the
+  // counted one must still run before the client sees the answer, the published one must not
+  // hold the answer up.
+  std::atomic<int> counted{0};
+  std::atomic<int> published{0};
+  std::atomic<int> counted_when_published{0};
   UniqueFd client_fd;
   std::unique_ptr<DecodeDoorbell> doorbell;
 
-  Fixture() {
-    absl::StatusOr<std::unique_ptr<DecodeDoorbell>> d = DecodeDoorbell::Start(
-        MakeSession(), engine.Submit(),
-        [this] {
-          absl::SleepFor(absl::Milliseconds(50));
-          answered.fetch_add(1);
-        },
-        &client_fd);
+  explicit Fixture(absl::Duration counted_delay = absl::ZeroDuration(),
+                   absl::Duration published_delay = absl::ZeroDuration()) {
+    absl::StatusOr<std::unique_ptr<DecodeDoorbell>> d =
+        DecodeDoorbell::Start(MakeSession(), engine.Submit(),
+                              {.counted =
+                                   [this, counted_delay] {
+                                     absl::SleepFor(counted_delay);
+                                     counted.fetch_add(1);
+                                   },
+                               .published =
+                                   [this, published_delay] {
+                                     absl::SleepFor(published_delay);
+                                     counted_when_published.store(counted.load());
+                                     published.fetch_add(1);
+                                   }},
+                              &client_fd);
     EXPECT_TRUE(d.ok()) << d.status();
     doorbell = *std::move(d);
   }
 };
 
 TEST(DecodeDoorbellTest, ARingBecomesOneDecodeCallOfTheSessionAndItsAnswer) {
-  Fixture f;
+  Fixture f(/*counted_delay=*/absl::Milliseconds(50), /*published_delay=*/absl::Seconds(1));
   Page page(std::move(f.client_fd));
   const uint32_t ring =
       page.Ring({{.sequence_id = 11, .token = 5}, {.sequence_id = 12, .token = 6}});
@@ -151,10 +162,13 @@ TEST(DecodeDoorbellTest, ARingBecomesOneDecodeCallOfTheSessionAndItsAnswer) {
     call.reset();
   });
   const bool answered = page.Answered(ring);
-  // Counted before the client could see it.
-  EXPECT_EQ(f.answered.load(), 1);
+  // Counted before the client could see it; event watchers are woken only after.
+  EXPECT_EQ(f.counted.load(), 1);
+  EXPECT_EQ(f.published.load(), 0);
   engine_thread.join();
   ASSERT_TRUE(answered);
+  EXPECT_EQ(f.published.load(), 1);
+  EXPECT_EQ(f.counted_when_published.load(), 1);
   EXPECT_EQ(page->code, 0);
   EXPECT_EQ(page->step_sequences, 3);
   EXPECT_EQ(page->results[0].next_token, 100);
@@ -297,7 +311,7 @@ TEST(DoorbellsTest, RemoveDoesNotWaitForACallInFlightAndAddReapsLater) {
   Doorbells doorbells;
   UniqueFd fd;
   absl::StatusOr<std::unique_ptr<DecodeDoorbell>> d =
-      DecodeDoorbell::Start(MakeSession(), engine.Submit(), nullptr, &fd);
+      DecodeDoorbell::Start(MakeSession(), engine.Submit(), {}, &fd);
   ASSERT_TRUE(d.ok());
   doorbells.Add(SessionId(7), *std::move(d));
   Page page(std::move(fd));
@@ -313,7 +327,7 @@ TEST(DoorbellsTest, RemoveDoesNotWaitForACallInFlightAndAddReapsLater) {
   UniqueFd other_fd;
   while (absl::Now() < until) {
     absl::StatusOr<std::unique_ptr<DecodeDoorbell>> other =
-        DecodeDoorbell::Start(MakeSession(), engine.Submit(), nullptr, &other_fd);
+        DecodeDoorbell::Start(MakeSession(), engine.Submit(), {}, &other_fd);
     ASSERT_TRUE(other.ok());
     doorbells.Add(SessionId(8), *std::move(other));
     if (doorbells.size() == 1) break;
