@@ -349,6 +349,10 @@ class PrefixCache final {
   // Commit() without the retention mark.
   void CommitBlocks(NamespaceId ns, std::span<const int32_t> tokens, std::span<const BlockId> table,
                     int priority, CachePath* path, const TraceContext& ctx);
+  // Its trailing partial `block`, held in the sequence's block `mine`, after the full node
+  // `parent`: follows a sibling that covers it, widens the sequence's own node, or inserts one.
+  void CommitPartial(NodeIndex parent, std::span<const int32_t> block, BlockId mine, int priority,
+                     CachePath* path, const TraceContext& ctx);
   NodeIndex Insert(NodeIndex parent, std::span<const int32_t> tokens, BlockId block, int priority,
                    const TraceContext& ctx);
   // Extends `node` (holding the sequence's own block) to `tokens`; a node reaching a full block

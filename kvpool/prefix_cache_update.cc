@@ -140,9 +140,11 @@ void PrefixCache::CommitBlocks(NamespaceId ns, std::span<const int32_t> tokens,
 
   const size_t done = path->full.size() * bs;
   if (done >= tokens.size() || tokens.size() - done >= bs) return;
-  // The trailing partial block.
-  const std::span<const int32_t> block = tokens.subspan(done);
-  const BlockId mine = table[path->full.size()];
+  CommitPartial(parent, tokens.subspan(done), table[path->full.size()], priority, path, ctx);
+}
+
+void PrefixCache::CommitPartial(NodeIndex parent, std::span<const int32_t> block, BlockId mine,
+                                int priority, CachePath* path, const TraceContext& ctx) {
   const NodeIndex cur = path->partial;
   if (cur != kNoNode && nodes_[cur].parent == parent && StartsWith(Tokens(cur), block)) return;
   if (NodeIndex s = Covering(parent, block, cur); s != kNoNode) {
