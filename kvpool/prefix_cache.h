@@ -293,9 +293,9 @@ class PrefixCache final {
     BlockId block = kInvalidBlock;  // kInvalidBlock for roots and free slots
     int32_t coverage = 0;           // tokens of the block published (0 for roots)
     uint32_t lock = 0;              // sequences and pins following the node
-    // HashTokens(tokens) of a full child of a wide parent (its key in children_); set when it is
-    // indexed or its parent turns wide, and never computed otherwise: a narrow parent's children
-    // are compared by tokens, so publishing and matching under one hash no block.
+    // HashTokens(tokens) of a full child of a wide parent (its key in children_), set when it is
+    // indexed or its parent turns wide. Not computed otherwise: a narrow parent's children are
+    // compared by tokens, so publishing or matching a block under one hashes nothing.
     uint64_t token_hash = 0;
     int8_t priority = 0;
     uint8_t wide = 0;  // children chained by first token (> kWideFanout once)
