@@ -12,7 +12,6 @@
 namespace kvpool {
 namespace {
 
-constexpr uint32_t kMaxRefs = std::numeric_limits<uint32_t>::max() - 1;
 
 absl::Status NoSuchBlock(BlockId block, int32_t num_blocks) {
   return absl::NotFoundError(
@@ -191,8 +190,7 @@ absl::Status BlockPool::ReleaseSlow(BlockId block, const TraceContext& ctx,
   return absl::OkStatus();
 }
 
-absl::Status BlockPool::AddCacheRef(BlockId block, const TraceContext& ctx,
-                                    std::source_location site) {
+absl::Status BlockPool::AddCacheRefError(BlockId block) const {
   if (!Contains(block)) return NoSuchBlock(block, num_blocks_);
   const size_t i = Index(block);
   if (state_[i] != BlockState::kActive || cache_held_[i]) {
@@ -200,18 +198,12 @@ absl::Status BlockPool::AddCacheRef(BlockId block, const TraceContext& ctx,
         fmt::format("cache reference on block {} in state {}{}", block.value(),
                     BlockStateName(state_[i]), cache_held_[i] ? " (already cache-held)" : ""));
   }
-  if (refs_[i] >= kMaxRefs) {
-    return absl::FailedPreconditionError(
-        fmt::format("reference count of block {} would saturate", block.value()));
-  }
-  cache_held_[i] = 1;
-  ++refs_[i];
-  trace_.Record(block, BlockOp::kCacheRef, refs_[i], generation_[i], ctx, site);
-  return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      fmt::format("reference count of block {} would saturate", block.value()));
 }
 
-absl::Status BlockPool::DropCacheRef(BlockId block, const TraceContext& ctx,
-                                     std::source_location site) {
+absl::Status BlockPool::DropCacheRefSlow(BlockId block, const TraceContext& ctx,
+                                         const std::source_location& site) {
   if (!Contains(block)) return NoSuchBlock(block, num_blocks_);
   const size_t i = Index(block);
   if (!cache_held_[i]) {
@@ -269,9 +261,8 @@ int32_t BlockPool::ReclaimRetired(const TraceContext& ctx, std::source_location 
   return reclaimed;
 }
 
-bool BlockPool::FencesPassed(size_t i) const {
+bool BlockPool::PendingFencesPassed(size_t i) const {
   const uint8_t mask = in_flight_[i];
-  if (mask == 0) return true;
   for (uint32_t t = 0; t < kMaxTimelines; ++t) {
     if ((mask >> t & 1u) && !fences_->HasPassed(Fence{t, pending_[i * kMaxTimelines + t]})) {
       return false;

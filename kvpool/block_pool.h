@@ -149,6 +149,7 @@ class BlockPool final {
 
   // The prefix cache takes its single reference on an ACTIVE block.
   // Errors: NOT_FOUND; FAILED_PRECONDITION if the block is not ACTIVE or already cache-held.
+  // Inline, as is DropCacheRef(): the cache calls them for every block it stores and evicts.
   absl::Status AddCacheRef(BlockId block, const TraceContext& ctx,
                            std::source_location site = std::source_location::current());
 
@@ -215,11 +216,20 @@ class BlockPool final {
 
   absl::Status CheckNamespaces() const;
 
+  // A count stops here: one more reference is refused rather than wrapping.
+  static constexpr uint32_t kMaxRefs = 0xFFFFFFFEu;
+
   static size_t Index(BlockId block) { return static_cast<size_t>(block.value()); }
-  bool FencesPassed(size_t i) const;
+  bool FencesPassed(size_t i) const { return in_flight_[i] == 0 || PendingFencesPassed(i); }
+  bool PendingFencesPassed(size_t i) const;
   // The error Allocate() returns when its fast-path check fails.
   absl::Status AllocateError(int32_t n, NamespaceSlot slot) const;
-  // Release() of anything but the last reference of an ACTIVE block.
+  // AddCacheRef() and DropCacheRef() where the fast path does not apply: errors, or (a drop) a
+  // block other holders keep or that must retire.
+  absl::Status AddCacheRefError(BlockId block) const;
+  absl::Status DropCacheRefSlow(BlockId block, const TraceContext& ctx,
+                                const std::source_location& site);
+  // Release() of a reference that leaves the block with other holders than the cache.
   absl::Status ReleaseSlow(BlockId block, const TraceContext& ctx,
                            const std::source_location& site);
   // Last reference gone: FREE, or RETIRING while in flight.
@@ -335,8 +345,51 @@ inline absl::Status BlockPool::Release(BlockId block, const TraceContext& ctx,
       FreeOrRetire(block, ctx, site);
       return absl::OkStatus();
     }
+    // A sequence's last reference of a block the prefix cache holds too: CACHED.
+    if (state_[i] == BlockState::kActive && refs_[i] == 2 && cache_held_[i] != 0) {
+      refs_[i] = 1;
+      state_[i] = BlockState::kCached;
+      ++num_cached_;
+      --active_by_ns_[owner_[i]];
+      last_use_[i] = ctx.time_ns;
+      trace_.Record(block, BlockOp::kRelease, 1, generation_[i], ctx, site);
+      return absl::OkStatus();
+    }
   }
   return ReleaseSlow(block, ctx, site);
+}
+
+inline absl::Status BlockPool::AddCacheRef(BlockId block, const TraceContext& ctx,
+                                           std::source_location site) {
+  if (ABSL_PREDICT_TRUE(Contains(block))) {
+    const size_t i = Index(block);
+    if (ABSL_PREDICT_TRUE(state_[i] == BlockState::kActive && cache_held_[i] == 0 &&
+                          refs_[i] < kMaxRefs)) {
+      cache_held_[i] = 1;
+      const uint32_t refs = ++refs_[i];
+      trace_.Record(block, BlockOp::kCacheRef, refs, generation_[i], ctx, site);
+      return absl::OkStatus();
+    }
+  }
+  return AddCacheRefError(block);
+}
+
+inline absl::Status BlockPool::DropCacheRef(BlockId block, const TraceContext& ctx,
+                                            std::source_location site) {
+  // Fast path: an eviction, the cache's the only reference (CACHED) and no device work in flight.
+  if (ABSL_PREDICT_TRUE(Contains(block))) {
+    const size_t i = Index(block);
+    if (ABSL_PREDICT_TRUE(cache_held_[i] != 0 && refs_[i] == 1 && in_flight_[i] == 0)) {
+      cache_held_[i] = 0;
+      refs_[i] = 0;
+      --num_cached_;
+      last_use_[i] = ctx.time_ns;
+      PushFree(block);
+      trace_.Record(block, BlockOp::kFree, 0, generation_[i], ctx, site);
+      return absl::OkStatus();
+    }
+  }
+  return DropCacheRefSlow(block, ctx, site);
 }
 
 }  // namespace kvpool
