@@ -106,6 +106,12 @@ class EvictionPolicy {
   // Whether the policy reads NodeFacts::fingerprint. When it does not (and nothing else needs
   // them), the cache skips the chained hash of every stored block and passes 0.
   virtual bool uses_fingerprints() const { return true; }
+  // Whether Rank() is {facts.priority, 0, facts.release_seq} for every node at every time. When
+  // it is, the cache ranks the parents an eviction plan frees itself, without a call per node.
+  virtual bool ranks_by_release() const { return false; }
+  // Whether OnInsert, OnHit and OnErase do anything. When they do not, the cache skips the calls
+  // (one per stored and one per evicted block).
+  virtual bool hears_accesses() const { return true; }
 };
 
 // The ordering policies.

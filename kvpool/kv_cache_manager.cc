@@ -577,10 +577,13 @@ void KvCacheManager::ReleaseTail(Sequence* sequence, size_t keep, const TraceCon
       cache_->Unlock(path.partial);
       path.partial = kNoNode;
     }
-    ReleaseBlock(sequence->table[k], ctx);
+    const BlockId block = sequence->table[k];
     if (k < path.full.size()) {
-      cache_->Unlock(path.full[k]);
+      KVPOOL_CHECK_OK(pool_->Release(block, ctx));
+      cache_->UnlockReleased(path.full[k], block);
       path.full.pop_back();
+    } else {
+      ReleaseBlock(block, ctx);
     }
   }
   sessions_[sequence->session].block_refs -= static_cast<int64_t>(sequence->table.size() - keep);

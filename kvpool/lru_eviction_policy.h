@@ -41,6 +41,8 @@ class LruEvictionPolicy final : public EvictionPolicy {
   absl::Status CheckInvariants() const override;
   std::string DebugString() const override;
   bool uses_fingerprints() const override { return false; }
+  bool ranks_by_release() const override { return true; }
+  bool hears_accesses() const override { return false; }
 
  private:
   static constexpr int kOrderBits = 58;  // release orders below 2^58: centuries of releases

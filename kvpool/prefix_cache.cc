@@ -113,6 +113,8 @@ PrefixCache::PrefixCache(const PrefixCacheOptions& options, BlockPool* pool,
                  policy->uses_fingerprints()),
       pool_(pool),
       policy_(std::move(policy)),
+      ranks_by_release_(policy_->ranks_by_release()),
+      hears_accesses_(policy_->hears_accesses()),
       events_(options.epoch, options.event_capacity, options.event_capacity_bytes),
       node_of_block_(static_cast<size_t>(pool->num_blocks()), kNoNode),
       evicted_ring_(options.evicted_memory) {}
@@ -365,12 +367,23 @@ void PrefixCache::LockHit(NodeIndex node) {
   Lock(node);  // first: the policy hears of hits on nodes that are not candidates
   ++state_[node].hits;
   ++counters_.hits;
-  policy_->OnHit(node, Facts(node), now_ns_);
+  if (hears_accesses_) policy_->OnHit(node, Facts(node), now_ns_);
 }
 
 void PrefixCache::Unlock(NodeIndex node) {
   KVPOOL_CHECK_MSG(nodes_[node].lock > 0, "unlock of an unlocked prefix-cache node");
   if (--nodes_[node].lock == 0) UpdateEvictable(node);
+}
+
+void PrefixCache::UnlockReleased(NodeIndex node, BlockId block) {
+  KVPOOL_CHECK_MSG(nodes_[node].lock > 0, "unlock of an unlocked prefix-cache node");
+  --nodes_[node].lock;
+  if (nodes_[node].block == block) {
+    UpdateEvictable(node);  // its lock and its block's references both changed
+    return;
+  }
+  OnBlockRefsChanged(block);  // the block's own node, if it has one, is another
+  if (nodes_[node].lock == 0) UpdateEvictable(node);
 }
 
 CachePath PrefixCache::Adopt(const PrefixMatch& match) {
@@ -397,12 +410,6 @@ void PrefixCache::Truncate(CachePath* path, size_t keep_full) {
   }
 }
 
-bool PrefixCache::ShouldBeEvictable(NodeIndex node) const {
-  const BlockId block = nodes_[node].block;
-  return block != kInvalidBlock && nodes_[node].lock == 0 &&
-         pool_->state(block) == BlockState::kCached;
-}
-
 void PrefixCache::UpdateEvictable(NodeIndex node) {
   const bool want = ShouldBeEvictable(node);
   if (want != (state_[node].evictable != 0)) {
@@ -414,7 +421,8 @@ void PrefixCache::UpdateEvictable(NodeIndex node) {
     }
     UpdateCandidate(node);
   }
-  UpdatePinCharge(node);
+  // Only a pinned node (or one just unpinned) has a charge to change.
+  if (state_[node].pins != 0 || state_[node].pin_charged != 0) UpdatePinCharge(node);
 }
 
 void PrefixCache::OnBlockRefsChanged(BlockId block) {

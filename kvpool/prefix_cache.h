@@ -159,6 +159,9 @@ class PrefixCache final {
   CachePath Clone(const CachePath& path);
   void Lock(NodeIndex node);
   void Unlock(NodeIndex node);
+  // OnBlockRefsChanged(block) and Unlock(node) in one: a sequence released `block`, its table
+  // entry at `node`'s position, and leaves the node. Re-evaluates the node once, not twice.
+  void UnlockReleased(NodeIndex node, BlockId block);
 
   // Publishes the blocks of a sequence in `ns` whose tokens are `tokens` and whose block table
   // is `table` (covering them), extending `path`: full blocks become (or follow) full nodes, a
@@ -361,12 +364,19 @@ class PrefixCache final {
   void MakeFull(NodeIndex node);
   // Removes unused partial siblings of `node` that it covers.
   void RemoveDominated(NodeIndex node, const TraceContext& ctx);
-  void RemoveNode(NodeIndex node, const TraceContext& ctx);
+  // Removes an unlocked leaf and returns its cache reference. `offer_parent`: re-evaluate the
+  // parent, which may have become a candidate; false only when the caller removes the parent
+  // next (an evicted chain), so it is never added to the policy just to be taken out again.
+  void RemoveNode(NodeIndex node, const TraceContext& ctx, bool offer_parent = true);
   // Lock() for a node a sequence reuses: also counts the hit and tells the policy.
   void LockHit(NodeIndex node);
   // Re-evaluates a node after its locks or its block's references changed.
   void UpdateEvictable(NodeIndex node);
-  bool ShouldBeEvictable(NodeIndex node) const;
+  bool ShouldBeEvictable(NodeIndex node) const {
+    const BlockId block = nodes_[node].block;
+    return block != kInvalidBlock && nodes_[node].lock == 0 &&
+           pool_->state(block) == BlockState::kCached;
+  }
   // Puts `node` into, or takes it out of, the candidates (policy or first-out tails) as it is
   // or is not an evictable leaf.
   void UpdateCandidate(NodeIndex node);
@@ -377,6 +387,13 @@ class PrefixCache final {
   void TailPush(NodeIndex node);
   void TailRemove(NodeIndex node);
   void UpdatePinCharge(NodeIndex node);
+  // The policy's Rank() of an evictable node, computed here when the policy ranks by release.
+  EvictionRank RankOf(NodeIndex node) const {
+    if (ranks_by_release_) {
+      return EvictionRank{.priority = nodes_[node].priority, .order = state_[node].release_seq};
+    }
+    return policy_->Rank(node, Facts(node), now_ns_);
+  }
   NodeFacts Facts(NodeIndex node) const {
     return NodeFacts{.fingerprint = state_[node].fingerprint,
                      .depth = state_[node].depth,
@@ -400,6 +417,8 @@ class PrefixCache final {
   const bool hashes_on_;
   BlockPool* const pool_;
   std::unique_ptr<EvictionPolicy> policy_;
+  const bool ranks_by_release_;  // policy_->ranks_by_release()
+  const bool hears_accesses_;    // policy_->hears_accesses()
   EventLog events_;
   int64_t now_ns_ = 0;
   uint64_t release_counter_ = 0;

@@ -64,7 +64,7 @@ void PrefixCache::TailRemove(NodeIndex node) {
   --num_tails_;
 }
 
-void PrefixCache::RemoveNode(NodeIndex node, const TraceContext& ctx) {
+void PrefixCache::RemoveNode(NodeIndex node, const TraceContext& ctx, bool offer_parent) {
   KVPOOL_CHECK_MSG(nodes_[node].num_children == 0 && nodes_[node].lock == 0,
                    "evicting a prefix-cache node that is not an unlocked leaf");
   if (state_[node].in_tails != 0) {
@@ -77,7 +77,7 @@ void PrefixCache::RemoveNode(NodeIndex node, const TraceContext& ctx) {
     state_[node].evictable = 0;
     --num_evictable_;
   }
-  policy_->OnErase(node, Facts(node), now_ns_);
+  if (hears_accesses_) policy_->OnErase(node, Facts(node), now_ns_);
   const NodeIndex parent = nodes_[node].parent;
   const bool full = nodes_[node].coverage == block_size_;
   if (full && nodes_[parent].wide != 0) {  // before UnlinkChild, which may make the parent narrow
@@ -116,7 +116,7 @@ void PrefixCache::RemoveNode(NodeIndex node, const TraceContext& ctx) {
   free_nodes_.push_back(node);
   --num_nodes_;
   ++counters_.evicted;
-  UpdateCandidate(parent);  // may have become a leaf
+  if (offer_parent) UpdateCandidate(parent);  // may have become a leaf
 }
 
 // The plan walks the first-out tails, then the policy's candidates in rank order. A victim may
@@ -148,7 +148,7 @@ int64_t PrefixCache::PlanEviction(int64_t blocks, std::span<const NodeIndex> kee
     if (gone_children[parent]++ == 0) plan_touched_.push_back(parent);
     if (gone_children[parent] == nodes_[parent].num_children && state_[parent].evictable != 0 &&
         kept[parent] == 0) {
-      freed_parents.emplace_back(policy_->Rank(parent, Facts(parent), now_ns_), parent);
+      freed_parents.emplace_back(RankOf(parent), parent);
       std::push_heap(freed_parents.begin(), freed_parents.end(), kLater);
     }
   };
@@ -178,10 +178,14 @@ int64_t PrefixCache::PlanEviction(int64_t blocks, std::span<const NodeIndex> kee
 }
 
 void PrefixCache::Evict(std::span<const NodeIndex> victims, const TraceContext& ctx) {
-  for (NodeIndex node : victims) {
+  for (size_t i = 0; i < victims.size(); ++i) {
+    const NodeIndex node = victims[i];
     KVPOOL_CHECK(ShouldBeEvictable(node));
     if (state_[node].in_tails != 0) ++counters_.tails_evicted;
-    RemoveNode(node, ctx);
+    // A plan takes a chain leaf first, each parent right after its last child: that parent
+    // goes next, so it is not offered to the policy in between.
+    const bool parent_next = i + 1 < victims.size() && victims[i + 1] == nodes_[node].parent;
+    RemoveNode(node, ctx, /*offer_parent=*/!parent_next);
   }
   FlushRemoved();
 }

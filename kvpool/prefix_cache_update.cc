@@ -41,8 +41,9 @@ NodeIndex PrefixCache::Insert(NodeIndex parent, std::span<const int32_t> tokens,
   ++num_nodes_;
   ++counters_.inserted;
   if (nodes_[node].coverage == block_size_) MakeFull(node);
-  UpdateCandidate(parent);  // no longer a leaf
-  policy_->OnInsert(node, Facts(node), now_ns_);
+  // No longer a leaf: it leaves the candidates if it was one.
+  if (state_[parent].in_tails != 0 || state_[parent].in_policy != 0) UpdateCandidate(parent);
+  if (hears_accesses_) policy_->OnInsert(node, Facts(node), now_ns_);
   return node;
 }
 
@@ -69,7 +70,7 @@ void PrefixCache::Widen(NodeIndex node, std::span<const int32_t> tokens) {
   ++counters_.widened;
   if (nodes_[node].coverage == block_size_) {
     MakeFull(node);
-    policy_->OnInsert(node, Facts(node), now_ns_);  // its hash is known now
+    if (hears_accesses_) policy_->OnInsert(node, Facts(node), now_ns_);  // its hash is known now
   }
 }
 
@@ -85,7 +86,8 @@ void PrefixCache::CommitBlocks(NamespaceId ns, std::span<const int32_t> tokens,
                                const TraceContext& ctx) {
   const size_t bs = static_cast<size_t>(block_size_);
   NodeIndex parent = path->full.empty() ? RootOrCreate(ns) : path->full.back();
-  std::vector<NodeIndex> announced;  // nodes that became full here, in chain order
+  const bool announce = events_on_ || journal_on_;
+  std::vector<NodeIndex> announced;  // nodes that became full here, in chain order (if announced)
   auto flush = [&] {
     if (!announced.empty()) Announce(announced.front(), announced.back());
     announced.clear();
@@ -126,7 +128,9 @@ void PrefixCache::CommitBlocks(NamespaceId ns, std::span<const int32_t> tokens,
     } else if (!fresh) {
       LockHit(child);  // computed again, but someone published it first
     }
-    if (fresh) {
+    if (!announce) {
+      // nothing to collect
+    } else if (fresh) {
       if (!announced.empty() && parent != announced.back()) flush();
       announced.push_back(child);
     } else {
