@@ -358,6 +358,16 @@ class PrefixCache final {
                      CachePath* path, const TraceContext& ctx);
   NodeIndex Insert(NodeIndex parent, std::span<const int32_t> tokens, BlockId block, int priority,
                    const TraceContext& ctx);
+  // Inserts the full blocks `tokens` held in `table` as a chain below `parent`, which has no
+  // child, extending `path`, up to the first block the tree already holds a node for. Returns
+  // how many it inserted.
+  size_t AppendChain(NodeIndex parent, std::span<const int32_t> tokens,
+                     std::span<const BlockId> table, int priority, CachePath* path,
+                     const TraceContext& ctx);
+  // A node's class is at least its descendants' (the policy's leaf-first promise): raises
+  // `node` and its ancestors to `priority`. They are locked by the committing sequence, so none
+  // is in the policy's lists.
+  void RaiseAncestors(NodeIndex node, int priority);
   // Extends `node` (holding the sequence's own block) to `tokens`; a node reaching a full block
   // joins the child index and is announced.
   void Widen(NodeIndex node, std::span<const int32_t> tokens);

@@ -29,13 +29,7 @@ NodeIndex PrefixCache::Insert(NodeIndex parent, std::span<const int32_t> tokens,
   std::copy(tokens.begin(), tokens.end(),
             tokens_.begin() + static_cast<ptrdiff_t>(node) * block_size_);
   LinkChild(parent, node);
-  // A node's class is at least its descendants' (the policy's leaf-first promise). The
-  // ancestors are locked by the committing sequence, so none is in the policy's lists now.
-  for (NodeIndex a = parent;
-       a != kNoNode && nodes_[a].block != kInvalidBlock && nodes_[a].priority < priority;
-       a = nodes_[a].parent) {
-    nodes_[a].priority = static_cast<int8_t>(priority);
-  }
+  RaiseAncestors(parent, priority);
   node_of_block_[static_cast<size_t>(block.value())] = node;
   KVPOOL_CHECK_OK(pool_->AddCacheRef(block, ctx));
   ++num_nodes_;
@@ -45,6 +39,62 @@ NodeIndex PrefixCache::Insert(NodeIndex parent, std::span<const int32_t> tokens,
   if (state_[parent].in_tails != 0 || state_[parent].in_policy != 0) UpdateCandidate(parent);
   if (hears_accesses_) policy_->OnInsert(node, Facts(node), now_ns_);
   return node;
+}
+
+size_t PrefixCache::AppendChain(NodeIndex parent, std::span<const int32_t> tokens,
+                                std::span<const BlockId> table, int priority, CachePath* path,
+                                const TraceContext& ctx) {
+  KVPOOL_DCHECK(nodes_[parent].first_child == kNoNode && nodes_[parent].wide == 0);
+  KVPOOL_DCHECK(tokens.size() == table.size() * static_cast<size_t>(block_size_));
+  // Insert() for a parent with no child, one block after another: each node is its parent's
+  // only child, the parent (locked by the sequence, or a root) is no candidate, and the class
+  // is raised once for the whole chain.
+  if (state_[parent].in_tails != 0 || state_[parent].in_policy != 0) UpdateCandidate(parent);
+  RaiseAncestors(parent, priority);
+  const size_t bs = static_cast<size_t>(block_size_);
+  size_t n = 0;
+  for (; n < table.size(); ++n) {
+    const BlockId block = table[n];
+    // A block the tree holds already is not inserted again: the general path decides (a shared
+    // block's node sits at its own position, so this is not expected past the tree's edge).
+    if (node_of_block_[static_cast<size_t>(block.value())] != kNoNode) break;
+    const NodeIndex node = NewNode();
+    Node& x = nodes_[node];
+    x.parent = parent;
+    x.first_child = x.next_sibling = x.prev_sibling = kNoNode;
+    x.num_children = 0;
+    x.block = block;
+    x.coverage = block_size_;
+    x.lock = 1;  // the committing sequence follows it
+    x.priority = static_cast<int8_t>(priority);
+    nodes_[parent].first_child = node;
+    nodes_[parent].num_children = 1;
+    state_[node].depth = state_[parent].depth + 1;
+    ns_[node] = ns_[parent];
+    std::memcpy(tokens_.data() + static_cast<size_t>(node) * bs, tokens.data() + n * bs,
+                bs * sizeof(int32_t));
+    node_of_block_[static_cast<size_t>(block.value())] = node;
+    KVPOOL_CHECK_OK(pool_->AddCacheRef(block, ctx));
+    if (hashes_on_) {
+      hash_[node] = PrefixChainHash(hash_[parent], ns_[node], Tokens(node));
+      state_[node].fingerprint = BlockFingerprint(hash_[node]);
+    }
+    if (hears_accesses_) policy_->OnInsert(node, Facts(node), now_ns_);
+    path->full.push_back(node);
+    parent = node;
+  }
+  num_nodes_ += static_cast<int64_t>(n);
+  num_full_ += static_cast<int64_t>(n);
+  counters_.inserted += n;
+  return n;
+}
+
+void PrefixCache::RaiseAncestors(NodeIndex node, int priority) {
+  for (NodeIndex a = node;
+       a != kNoNode && nodes_[a].block != kInvalidBlock && nodes_[a].priority < priority;
+       a = nodes_[a].parent) {
+    nodes_[a].priority = static_cast<int8_t>(priority);
+  }
 }
 
 void PrefixCache::MakeFull(NodeIndex node) {
@@ -94,6 +144,22 @@ void PrefixCache::CommitBlocks(NamespaceId ns, std::span<const int32_t> tokens,
   };
 
   for (size_t k = path->full.size(); (k + 1) * bs <= tokens.size(); ++k) {
+    if (path->partial == kNoNode && nodes_[parent].first_child == kNoNode) {
+      // Past the tree's edge: what follows is new (most of what a prompt publishes).
+      const size_t full = tokens.size() / bs;
+      const size_t n = AppendChain(parent, tokens.subspan(k * bs, (full - k) * bs),
+                                   table.subspan(k, full - k), priority, path, ctx);
+      if (n > 0) {
+        if (announce) {
+          if (!announced.empty() && parent != announced.back()) flush();
+          announced.insert(announced.end(), path->full.end() - static_cast<ptrdiff_t>(n),
+                           path->full.end());
+        }
+        parent = path->full.back();
+        k += n - 1;
+        continue;
+      }
+    }
     const std::span<const int32_t> block = tokens.subspan(k * bs, bs);
     NodeIndex child = FindFull(parent, block);
     bool fresh = false;
