@@ -1,7 +1,6 @@
 #include "kvpool/block_pool.h"
 
 #include <algorithm>
-#include <limits>
 
 #include "fmt/format.h"
 #include "kvpool/util/check.h"
@@ -11,7 +10,6 @@
 
 namespace kvpool {
 namespace {
-
 
 absl::Status NoSuchBlock(BlockId block, int32_t num_blocks) {
   return absl::NotFoundError(

@@ -285,8 +285,8 @@ TEST_P(PolicyRandomTest, VisitYieldsExactlyTheCandidatesInRankOrder) {
     policy.Visit(now, [&](NodeIndex n, const EvictionRank& rank) {
       EXPECT_EQ(rank, policy.Rank(n, live.at(n), now)) << "step " << step;
       if (policy.ranks_by_release()) {  // the promise PlanEviction relies on
-        EXPECT_EQ(rank, (EvictionRank{.priority = live.at(n).priority,
-                                      .order = live.at(n).release_seq}))
+        EXPECT_EQ(rank,
+                  (EvictionRank{.priority = live.at(n).priority, .order = live.at(n).release_seq}))
             << "step " << step;
       }
       EXPECT_LE(previous, rank) << "step " << step << ": out of order at node " << n;
