@@ -119,12 +119,7 @@ PrefixCache::PrefixCache(const PrefixCacheOptions& options, BlockPool* pool,
       node_of_block_(static_cast<size_t>(pool->num_blocks()), kNoNode),
       evicted_ring_(options.evicted_memory) {}
 
-NodeIndex PrefixCache::NewNode() {
-  if (!free_nodes_.empty()) {
-    const NodeIndex node = free_nodes_.back();
-    free_nodes_.pop_back();
-    return node;
-  }
+NodeIndex PrefixCache::GrowNodes() {
   const auto node = static_cast<NodeIndex>(nodes_.size());
   nodes_.emplace_back();
   chain_prev_.push_back(kNoNode);

@@ -313,7 +313,14 @@ class PrefixCache final {
   }
   NodeIndex Root(NamespaceId ns) const;
   NodeIndex RootOrCreate(NamespaceId ns);
-  NodeIndex NewNode();
+  // A free node slot: a recycled one (inline: one per stored block), or GrowNodes().
+  NodeIndex NewNode() {
+    if (free_nodes_.empty()) return GrowNodes();
+    const NodeIndex node = free_nodes_.back();
+    free_nodes_.pop_back();
+    return node;
+  }
+  NodeIndex GrowNodes();
   // The full child of `parent` holding exactly `tokens` (a whole block), or kNoNode. Hashes the
   // tokens only when `parent` is wide.
   NodeIndex FindFull(NodeIndex parent, std::span<const int32_t> tokens) const;
