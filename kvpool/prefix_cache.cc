@@ -414,7 +414,9 @@ void PrefixCache::UpdateEvictable(NodeIndex node) {
       state_[node].released_ns = now_ns_;
       state_[node].release_seq = ++release_counter_;
     }
-    UpdateCandidate(node);
+    // Candidates are leaves (a parent leaves them when it gains a child), so a node with
+    // children is none before or after: most released nodes, all but a chain's last.
+    if (nodes_[node].num_children == 0) UpdateCandidate(node);
   }
   // Only a pinned node (or one just unpinned) has a charge to change.
   if (state_[node].pins != 0 || state_[node].pin_charged != 0) UpdatePinCharge(node);
