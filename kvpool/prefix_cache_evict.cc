@@ -182,8 +182,9 @@ void PrefixCache::Evict(std::span<const NodeIndex> victims, const TraceContext& 
     const NodeIndex node = victims[i];
     KVPOOL_CHECK(ShouldBeEvictable(node));
     if (state_[node].in_tails != 0) ++counters_.tails_evicted;
-    // A plan takes a chain leaf first, each parent right after its last child: that parent
-    // goes next, so it is not offered to the policy in between.
+    // An evicted chain: a plan takes a parent right after its last child unless another
+    // candidate ranks lower. When the parent is the next victim it is not offered to the
+    // policy in between.
     const bool parent_next = i + 1 < victims.size() && victims[i + 1] == nodes_[node].parent;
     RemoveNode(node, ctx, /*offer_parent=*/!parent_next);
   }

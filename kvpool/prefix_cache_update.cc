@@ -47,8 +47,8 @@ size_t PrefixCache::AppendChain(NodeIndex parent, std::span<const int32_t> token
   KVPOOL_DCHECK(nodes_[parent].first_child == kNoNode && nodes_[parent].wide == 0);
   KVPOOL_DCHECK(tokens.size() == table.size() * static_cast<size_t>(block_size_));
   // Insert() for a parent with no child, one block after another: each node is its parent's
-  // only child, the parent (locked by the sequence, or a root) is no candidate, and the class
-  // is raised once for the whole chain.
+  // only child and locked by the committing sequence (so no candidate), and the class is raised
+  // once for the whole chain.
   if (state_[parent].in_tails != 0 || state_[parent].in_policy != 0) UpdateCandidate(parent);
   RaiseAncestors(parent, priority);
   const size_t bs = static_cast<size_t>(block_size_);
