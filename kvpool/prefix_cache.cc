@@ -354,6 +354,23 @@ MatchExplanation PrefixCache::Explain(NamespaceId ns, std::span<const int32_t> t
   return e;
 }
 
+inline void PrefixCache::UpdateEvictable(NodeIndex node) {
+  const bool want = ShouldBeEvictable(node);
+  if (want != (state_[node].evictable != 0)) {
+    state_[node].evictable = want ? 1 : 0;
+    num_evictable_ += want ? 1 : -1;
+    if (want) {  // released: the moment LRU and the reuse model age it from
+      state_[node].released_ns = now_ns_;
+      state_[node].release_seq = ++release_counter_;
+    }
+    // Candidates are leaves (a parent leaves them when it gains a child), so a node with
+    // children is none before or after: most released nodes, all but a chain's last.
+    if (nodes_[node].num_children == 0) UpdateCandidate(node);
+  }
+  // Only a pinned node (or one just unpinned) has a charge to change.
+  if (state_[node].pins != 0 || state_[node].pin_charged != 0) UpdatePinCharge(node);
+}
+
 void PrefixCache::Lock(NodeIndex node) {
   if (nodes_[node].lock++ == 0) UpdateEvictable(node);
 }
@@ -403,23 +420,6 @@ void PrefixCache::Truncate(CachePath* path, size_t keep_full) {
     Unlock(path->full.back());
     path->full.pop_back();
   }
-}
-
-void PrefixCache::UpdateEvictable(NodeIndex node) {
-  const bool want = ShouldBeEvictable(node);
-  if (want != (state_[node].evictable != 0)) {
-    state_[node].evictable = want ? 1 : 0;
-    num_evictable_ += want ? 1 : -1;
-    if (want) {  // released: the moment LRU and the reuse model age it from
-      state_[node].released_ns = now_ns_;
-      state_[node].release_seq = ++release_counter_;
-    }
-    // Candidates are leaves (a parent leaves them when it gains a child), so a node with
-    // children is none before or after: most released nodes, all but a chain's last.
-    if (nodes_[node].num_children == 0) UpdateCandidate(node);
-  }
-  // Only a pinned node (or one just unpinned) has a charge to change.
-  if (state_[node].pins != 0 || state_[node].pin_charged != 0) UpdatePinCharge(node);
 }
 
 void PrefixCache::OnBlockRefsChanged(BlockId block) {

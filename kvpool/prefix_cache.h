@@ -387,7 +387,9 @@ class PrefixCache final {
   void RemoveNode(NodeIndex node, const TraceContext& ctx, bool offer_parent = true);
   // Lock() for a node a sequence reuses: also counts the hit and tells the policy.
   void LockHit(NodeIndex node);
-  // Re-evaluates a node after its locks or its block's references changed.
+  // Re-evaluates a node after its locks or its block's references changed. Defined inline in
+  // prefix_cache.cc, whose functions are its only callers (one call per node a sequence locks,
+  // unlocks or releases).
   void UpdateEvictable(NodeIndex node);
   bool ShouldBeEvictable(NodeIndex node) const {
     const BlockId block = nodes_[node].block;
