@@ -296,6 +296,14 @@ inline absl::Status BlockPool::Allocate(int32_t n, NamespaceSlot slot, const Tra
   int64_t* const last_use = last_use_.data();
   const size_t top = free_list_.size();
   const BlockId* const free_top = free_list_.data() + top;
+  // Written in place, not pushed: no capacity check per block.
+  out->resize(out->size() + static_cast<size_t>(n));
+  BlockId* const out_end = out->data() + out->size() - n;
+  BlockFill* fills_end = nullptr;
+  if (fills != nullptr) {
+    fills->resize(fills->size() + static_cast<size_t>(n));
+    fills_end = fills->data() + fills->size() - n;
+  }
   uint64_t scrubs = 0;
   for (int32_t k = 0; k < n; ++k) {
     const BlockId block = free_top[-1 - k];
@@ -306,12 +314,12 @@ inline absl::Status BlockPool::Allocate(int32_t n, NamespaceSlot slot, const Tra
     const uint32_t generation = ++generations[i];
     const uint16_t last_owner = owners[i];
     owners[i] = owner;
-    if (fills != nullptr) {
+    if (fills_end != nullptr) {
       const bool scrub = last_owner != 0 && last_owner != owner;
       scrubs += scrub;
-      fills->push_back(BlockFill{block, scrub});
+      fills_end[k] = BlockFill{block, scrub};
     }
-    out->push_back(block);
+    out_end[k] = block;
     trace_.Record(block, BlockOp::kAllocate, 1, generation, ctx, site);
   }
   free_list_.resize(top - static_cast<size_t>(n));
