@@ -194,12 +194,10 @@ void PrefixCache::CommitBlocks(NamespaceId ns, std::span<const int32_t> tokens,
     } else if (!fresh) {
       LockHit(child);  // computed again, but someone published it first
     }
-    if (!announce) {
-      // nothing to collect
-    } else if (fresh) {
+    if (announce && fresh) {
       if (!announced.empty() && parent != announced.back()) flush();
       announced.push_back(child);
-    } else {
+    } else if (announce) {
       flush();
     }
     RemoveDominated(child, ctx);
