@@ -8,9 +8,13 @@ page-aligned prompt (SGLang's cache_finished_req), unlock.
 
 Written from the algorithm, not copied. Deviations from SGLang, each in SGLang's favour (they make
 this baseline faster, so a ratio against it is conservative):
-  - a node's value is a Python list of per-token KV slot indices (SGLang: a torch tensor of the
-    same); --value=page keeps one index per page instead (same information for a paged
-    allocator, less copying: an even faster baseline);
+  - --value=tensor is SGLang's own layout: a node's value is a torch int64 tensor of per-token
+    KV slot indices, and the allocator is its PagedTokenToKVPoolAllocator on the CPU (free
+    pages in a tensor; alloc slices it and expands pages to slots; free takes
+    torch.unique(slots // page_size) and concatenates it in front). Needs torch (Debian:
+    python3-torch). --value=token keeps the same per-token indices in Python lists;
+    --value=page keeps one index per page instead (same information for a paged allocator,
+    less copying: the fastest baseline);
   - no torch, no metrics, no events (SGLang's enable_kv_cache_events is off by default);
   - eviction frees only the shortfall ("evicting as needed", the same work kvpool does). SGLang's
     scheduler asks evict() for the whole request (tree_cache.evict(num_tokens)); pass
@@ -34,6 +38,11 @@ import sys
 import time
 
 import numpy as np
+
+try:
+    import torch
+except ImportError:  # only --value=tensor needs it
+    torch = None
 
 TRACE_BLOCK_TOKENS = 512
 VOCAB = 128000
@@ -127,17 +136,45 @@ class PagedAllocator:
             self.free_pages.extend([v // ps for v in value[::ps]])
 
 
+class TensorPagedAllocator:
+    """SGLang's PagedTokenToKVPoolAllocator on the CPU (no staging, no free groups): free pages
+    in an int64 tensor; values are per-token slot tensors."""
+
+    def __init__(self, num_pages, page_size):
+        self.ps = page_size
+        self.per_page = False
+        self.tensor = True
+        self.free_pages = torch.arange(1, num_pages + 1, dtype=torch.int64)
+        self._offsets = torch.arange(page_size, dtype=torch.int64)
+
+    def available_pages(self):
+        return len(self.free_pages)
+
+    def alloc(self, n):
+        if n > len(self.free_pages):
+            return None
+        out_pages = self.free_pages[:n]
+        self.free_pages = self.free_pages[n:]
+        return (out_pages[:, None] * self.ps + self._offsets).reshape(-1)
+
+    def free(self, value):
+        if value.numel() == 0:
+            return
+        self.free_pages = torch.cat((torch.unique(value // self.ps), self.free_pages))
+
+
 class RadixCache:
     def __init__(self, allocator, page_size):
         self.allocator = allocator
         self.page_size = page_size
         self.unit = page_size if allocator.per_page else 1  # tokens per value entry
+        self.tensor = getattr(allocator, "tensor", False)
         self.reset()
 
     def reset(self):
         self.root = TreeNode()
         self.root.key = []
-        self.root.value = []
+        self.root.value = torch.empty((0,), dtype=torch.int64) if self.tensor else []
         self.root.lock_ref = 1
         self.evictable_size_ = 0
         self.protected_size_ = 0
@@ -158,9 +195,12 @@ class RadixCache:
     def match_prefix(self, key):
         """Returns (page indices of the longest cached page-aligned prefix, its last node)."""
         key = key[: len(key) // self.page_size * self.page_size]
+        empty = torch.empty((0,), dtype=torch.int64) if self.tensor else []
         if not key:
-            return [], self.root
+            return empty, self.root
         value, node = self._match_prefix_helper(self.root, key)
+        if self.tensor:
+            return (torch.cat(value) if value else empty), node
         out = []
         for v in value:
             out += v
@@ -197,6 +237,9 @@ class RadixCache:
         child.parent = new_node
         child.key = child.key[split_len:]
         child.value = child.value[split_len // u:]
+        if self.tensor:  # SGLang clones both halves
+            new_node.value = new_node.value.clone()
+            child.value = child.value.clone()
         new_node.parent.children[self._child_key(key)] = new_node
         return new_node
 
@@ -223,7 +266,7 @@ class RadixCache:
             new_node = TreeNode()
             new_node.parent = node
             new_node.key = key
-            new_node.value = value
+            new_node.value = value.clone() if self.tensor else value
             node.children[self._child_key(key)] = new_node
             self.evictable_size_ += len(key)
         return total
@@ -281,10 +324,13 @@ class RadixCache:
 
 
 class Replay:
-    def __init__(self, page_size, capacity_blocks, evict_mode="shortfall", per_page=False):
+    def __init__(self, page_size, capacity_blocks, evict_mode="shortfall", value="token"):
         self.ps = page_size
-        self.allocator = PagedAllocator(capacity_blocks * TRACE_BLOCK_TOKENS // page_size,
-                                        page_size, per_page)
+        pages = capacity_blocks * TRACE_BLOCK_TOKENS // page_size
+        if value == "tensor":
+            self.allocator = TensorPagedAllocator(pages, page_size)
+        else:
+            self.allocator = PagedAllocator(pages, page_size, value == "page")
         self.cache = RadixCache(self.allocator, page_size)
         self.unit = self.cache.unit
         self.evict_mode = evict_mode
@@ -314,10 +360,16 @@ class Replay:
             # cache_finished_req: free the unaligned tail page, insert the aligned prompt, free
             # what someone else cached meanwhile, unlock.
             aligned = len(tokens) // ps * ps
-            all_value = prefix + value
+            if cache.tensor:
+                # cache_finished_req: the request's slots, its aligned part copied for the tree
+                all_value = torch.cat((prefix, value))
+                aligned_value = all_value[: aligned // u].to(dtype=torch.int64, copy=True)
+            else:
+                all_value = prefix + value
+                aligned_value = all_value[: aligned // u]
             if aligned < len(tokens):
                 self.allocator.free(all_value[aligned // u:])
-            cached = cache.insert(tokens[:aligned], all_value[: aligned // u])
+            cached = cache.insert(tokens[:aligned], aligned_value)
             if cached // u > len(prefix):
                 self.allocator.free(all_value[len(prefix): cached // u])
             cache.dec_lock_ref(last)
@@ -345,8 +397,8 @@ class Replay:
         }
 
 
-def replay(trace, page_size, capacity_blocks, limit=0, evict_mode="shortfall", per_page=False):
-    r = Replay(page_size, capacity_blocks, evict_mode, per_page)
+def replay(trace, page_size, capacity_blocks, limit=0, evict_mode="shortfall", value="token"):
+    r = Replay(page_size, capacity_blocks, evict_mode, value)
     for k, request in enumerate(trace):
         if limit and k >= limit:
             break
@@ -362,12 +414,15 @@ def main():
                    help="cache capacity in 512-token blocks")
     p.add_argument("--limit", type=int, default=0, help="replay only this many requests")
     p.add_argument("--evict", choices=["shortfall", "request"], default="shortfall")
-    p.add_argument("--value", choices=["token", "page"], default="token",
-                   help="a node's value: per-token slot indices (SGLang's layout) or page indices")
+    p.add_argument("--value", choices=["tensor", "token", "page"], default="token",
+                   help="a node's value: per-token slot indices in a torch tensor (SGLang's "
+                        "layout and allocator) or a list, or page indices in a list")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
-    res = replay(read_trace(a.trace), a.page_size, a.capacity_blocks, a.limit, a.evict,
-                 a.value == "page")
+    if a.value == "tensor" and torch is None:
+        print("--value=tensor needs torch (Debian: python3-torch)", file=sys.stderr)
+        return 2
+    res = replay(read_trace(a.trace), a.page_size, a.capacity_blocks, a.limit, a.evict, a.value)
     if a.json:
         print(json.dumps(res))
     else:
