@@ -139,27 +139,43 @@ int64_t PrefixCache::PlanEviction(int64_t blocks, std::span<const NodeIndex> kee
   for (NodeIndex node : keep) kept[node] = 1;
   constexpr auto kLater = std::greater<>();
   int64_t freed = 0;
-  auto take = [&](NodeIndex node) {
-    victims->push_back(node);
-    // A block still read by queued device work retires instead of freeing.
-    if (pool_->FencesPassed(nodes_[node].block)) ++freed;
-    const NodeIndex parent = nodes_[node].parent;
-    if (nodes_[parent].block == kInvalidBlock) return;  // a root
-    if (gone_children[parent]++ == 0) plan_touched_.push_back(parent);
-    if (gone_children[parent] == nodes_[parent].num_children && state_[parent].evictable != 0 &&
-        kept[parent] == 0) {
+  // `ranked`: `node` is taken in rank order (not as a first-out tail), so nothing untaken ranks
+  // below it.
+  auto take = [&](NodeIndex node, bool ranked) {
+    while (true) {
+      victims->push_back(node);
+      // A block still read by queued device work retires instead of freeing.
+      if (pool_->FencesPassed(nodes_[node].block)) ++freed;
+      const NodeIndex parent = nodes_[node].parent;
+      if (nodes_[parent].block == kInvalidBlock) return;  // a root
+      const int32_t children = nodes_[parent].num_children;
+      if (children != 1) {  // an only child frees its parent without bookkeeping
+        if (gone_children[parent]++ == 0) plan_touched_.push_back(parent);
+        if (gone_children[parent] != children) return;
+      }
+      if (state_[parent].evictable == 0 || kept[parent] != 0) return;
+      // A chain released at once, deepest first: the parent's release order is the next one
+      // in the same class, so under a release-ordered policy nothing can rank between the two
+      // and the parent is the next victim. No heap, no Rank().
+      if (ranked && ranks_by_release_ && freed < blocks &&
+          nodes_[parent].priority == nodes_[node].priority &&
+          state_[parent].release_seq == state_[node].release_seq + 1) {
+        node = parent;
+        continue;
+      }
       freed_parents.emplace_back(RankOf(parent), parent);
       std::push_heap(freed_parents.begin(), freed_parents.end(), kLater);
+      return;
     }
   };
   auto take_parent = [&] {
     std::pop_heap(freed_parents.begin(), freed_parents.end(), kLater);
     const NodeIndex parent = freed_parents.back().second;
     freed_parents.pop_back();
-    take(parent);
+    take(parent, /*ranked=*/true);
   };
   for (NodeIndex node = tails_head_; node != kNoNode && freed < blocks; node = tail_next_[node]) {
-    if (kept[node] == 0) take(node);
+    if (kept[node] == 0) take(node, /*ranked=*/false);
   }
   if (freed < blocks) {
     policy_->Visit(now_ns_, [&](NodeIndex node, const EvictionRank& rank) {
@@ -167,7 +183,7 @@ int64_t PrefixCache::PlanEviction(int64_t blocks, std::span<const NodeIndex> kee
         take_parent();
       }
       if (freed >= blocks) return false;
-      if (kept[node] == 0) take(node);
+      if (kept[node] == 0) take(node, /*ranked=*/true);
       return freed < blocks;
     });
   }

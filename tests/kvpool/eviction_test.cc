@@ -2,6 +2,7 @@
 // first-out partial tails, the admission filter and policy injection.
 
 #include <numeric>
+#include <random>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -199,6 +200,95 @@ TEST_F(EvictionTest, EveryPolicyKeepsTheBooksUnderChurn) {
     EXPECT_GT(cache_->stats().hit_tokens, 0u);
   }
 }
+
+// LRU that does not say it ranks by release order: the cache plans with Rank() and its heap of
+// freed parents for every victim, never with the release-order shortcuts.
+class PlainRankLru final : public EvictionPolicy {
+ public:
+  void Reserve(NodeIndex capacity) override { lru_.Reserve(capacity); }
+  void OnInsert(NodeIndex, const NodeFacts&, int64_t) override {}
+  void OnHit(NodeIndex, const NodeFacts&, int64_t) override {}
+  void OnErase(NodeIndex, const NodeFacts&, int64_t) override {}
+  void Add(NodeIndex node, const NodeFacts& facts) override { lru_.Add(node, facts); }
+  void Remove(NodeIndex node, const NodeFacts& facts) override { lru_.Remove(node, facts); }
+  bool Contains(NodeIndex node) const override { return lru_.Contains(node); }
+  int64_t size() const override { return lru_.size(); }
+  EvictionRank Rank(NodeIndex node, const NodeFacts& facts, int64_t now_ns) const override {
+    return lru_.Rank(node, facts, now_ns);
+  }
+  void Visit(int64_t now_ns,
+             absl::FunctionRef<bool(NodeIndex, const EvictionRank&)> visit) const override {
+    lru_.Visit(now_ns, visit);
+  }
+  absl::Status CheckInvariants() const override { return lru_.CheckInvariants(); }
+  std::string DebugString() const override { return "plain-rank lru"; }
+  bool uses_fingerprints() const override { return false; }
+
+ private:
+  LruEvictionPolicy lru_;
+};
+
+// Plain LRU takes release-order shortcuts when it plans (a chain released at once is evicted
+// without ranking each parent). Driven side by side with the same LRU planned the long way,
+// under concurrent sequences, shared prefixes, partial tails, every priority class and frees in
+// any order, it must evict exactly the same blocks in the same order (with first-out tails too).
+class EvictionShortcutTest : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(EvictionShortcutTest, PlansWhatTheFullRankOrderPlans) {
+  ManualClock clock;
+  auto make = [&](std::function<std::unique_ptr<EvictionPolicy>()> factory) {
+    auto m = KvCacheManager::Create({.block_size = kBs,
+                                     .num_blocks = 48,
+                                     .max_blocks_per_seq = 16,
+                                     .clock = &clock,
+                                     .eviction_policy = GetParam(),
+                                     .eviction_policy_factory = std::move(factory)});
+    EXPECT_TRUE(m.ok()) << m.status();
+    return std::move(*m);
+  };
+  std::unique_ptr<KvCacheManager> fast = make(nullptr);
+  std::unique_ptr<KvCacheManager> full = make([] { return std::make_unique<PlainRankLru>(); });
+  std::mt19937 rng(16);
+  std::vector<SequenceId> live;
+  uint64_t evictions_seen = 0;
+  for (int step = 0; step < 3000; ++step) {
+    clock.Advance(1000);
+    if (live.size() < 4 && rng() % 3 != 0) {
+      // A few openings shared by many prompts, then a private part of any length.
+      std::vector<int32_t> prompt =
+          Tokens(static_cast<int32_t>(rng() % 4) * 1000, static_cast<int32_t>(rng() % (3 * kBs)));
+      const std::vector<int32_t> rest =
+          Tokens(100'000 + step * 100, static_cast<int32_t>(1 + rng() % (5 * kBs)));
+      prompt.insert(prompt.end(), rest.begin(), rest.end());
+      const AllocateRequest request{.ns = kNs,
+                                    .num_tokens = static_cast<int64_t>(prompt.size()),
+                                    .prompt = prompt,
+                                    .priority = static_cast<int>(rng() % 3 == 0 ? rng() % 4 : 0)};
+      DevicePlan plan_fast, plan_full;
+      const absl::StatusOr<AllocateResult> a = fast->Allocate(kAlice, request, &plan_fast);
+      const absl::StatusOr<AllocateResult> b = full->Allocate(kAlice, request, &plan_full);
+      ASSERT_EQ(a.status().code(), b.status().code()) << "step " << step;
+      if (a.ok()) {
+        ASSERT_EQ(a->sequence, b->sequence);
+        ASSERT_EQ(a->matched_tokens, b->matched_tokens) << "step " << step;
+        live.push_back(a->sequence);
+      }
+    } else if (!live.empty()) {
+      const size_t i = rng() % live.size();
+      const OnFree how = rng() % 4 == 0 ? OnFree::kDiscard : OnFree::kCommit;
+      ASSERT_TRUE(fast->Free(kAlice, live[i], how).ok());
+      ASSERT_TRUE(full->Free(kAlice, live[i], how).ok());
+      live.erase(live.begin() + static_cast<ptrdiff_t>(i));
+    }
+    ASSERT_EQ(fast->DebugString(), full->DebugString()) << "step " << step;
+    evictions_seen = fast->stats().evictions;
+  }
+  ASSERT_TRUE(fast->CheckInvariants().ok());
+  ASSERT_TRUE(full->CheckInvariants().ok());
+  EXPECT_GT(evictions_seen, 1000u);  // the shortcut had plenty to plan
+}
+
+INSTANTIATE_TEST_SUITE_P(Specs, EvictionShortcutTest, ::testing::Values("lru", "lru+notail"));
 
 TEST_F(EvictionTest, BadPoliciesAreRefusedAtCreation) {
   EXPECT_EQ(
