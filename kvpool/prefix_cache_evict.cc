@@ -80,11 +80,17 @@ void PrefixCache::RemoveNode(NodeIndex node, const TraceContext& ctx, bool offer
   if (hears_accesses_) policy_->OnErase(node, Facts(node), now_ns_);
   const NodeIndex parent = nodes_[node].parent;
   const bool full = nodes_[node].coverage == block_size_;
-  if (full && nodes_[parent].wide != 0) {  // before UnlinkChild, which may make the parent narrow
-    auto it = children_.find(ChildKey{parent, nodes_[node].token_hash});
-    if (it != children_.end() && it->second == node) children_.erase(it);
+  if (nodes_[parent].wide == 0 && nodes_[parent].num_children == 1) {
+    // An only child of a narrow parent (an evicted chain): it has no siblings to unlink from.
+    nodes_[parent].first_child = kNoNode;
+    nodes_[parent].num_children = 0;
+  } else {
+    if (full && nodes_[parent].wide != 0) {  // before UnlinkChild, which may make it narrow
+      auto it = children_.find(ChildKey{parent, nodes_[node].token_hash});
+      if (it != children_.end() && it->second == node) children_.erase(it);
+    }
+    UnlinkChild(node);
   }
-  UnlinkChild(node);
   if (full) {
     if (events_on_) {
       if (pending_removed_ns_ != ns_[node]) FlushRemoved();
@@ -109,10 +115,12 @@ void PrefixCache::RemoveNode(NodeIndex node, const TraceContext& ctx, bool offer
   nodes_[node].priority = 0;
   nodes_[node].token_hash = 0;
   state_[node].depth = 0;
-  state_[node].fingerprint = 0;
   state_[node].hits = 0;
   state_[node].retain = 0;
-  hash_[node] = BlockHash{};
+  if (hashes_on_) {  // otherwise never set
+    state_[node].fingerprint = 0;
+    hash_[node] = BlockHash{};
+  }
   free_nodes_.push_back(node);
   --num_nodes_;
   ++counters_.evicted;

@@ -71,8 +71,8 @@ size_t PrefixCache::AppendChain(NodeIndex parent, std::span<const int32_t> token
     nodes_[parent].num_children = 1;
     state_[node].depth = state_[parent].depth + 1;
     ns_[node] = ns_[parent];
-    std::memcpy(tokens_.data() + static_cast<size_t>(node) * bs, tokens.data() + n * bs,
-                bs * sizeof(int32_t));
+    internal::CopyBlockTokens(tokens_.data() + static_cast<size_t>(node) * bs,
+                              tokens.data() + n * bs, bs);
     node_of_block_[static_cast<size_t>(block.value())] = node;
     KVPOOL_CHECK_OK(pool_->AddCacheRef(block, ctx));
     if (hashes_on_) {

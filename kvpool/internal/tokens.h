@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <span>
 
 #include "xxhash.h"
@@ -20,6 +21,17 @@ inline int32_t CommonPrefix(std::span<const int32_t> a, std::span<const int32_t>
   const size_t n = std::min(a.size(), b.size());
   const auto mismatch = std::mismatch(a.begin(), a.begin() + static_cast<ptrdiff_t>(n), b.begin());
   return static_cast<int32_t>(mismatch.first - a.begin());
+}
+
+// Copies one block's `n` tokens. The default block size (16) is copied with a fixed-size move
+// the compiler inlines (two vector stores), not a call to memcpy: a fresh chain copies one block
+// per node it stores.
+inline void CopyBlockTokens(int32_t* dst, const int32_t* src, size_t n) {
+  if (n == 16) {
+    std::memcpy(dst, src, 16 * sizeof(int32_t));
+  } else {
+    std::memcpy(dst, src, n * sizeof(int32_t));
+  }
 }
 
 inline bool StartsWith(std::span<const int32_t> whole, std::span<const int32_t> prefix) {
