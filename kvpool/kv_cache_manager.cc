@@ -571,21 +571,17 @@ void KvCacheManager::ReleaseTail(Sequence* sequence, size_t keep, const TraceCon
   // Deepest first: a tree node becomes evictable only after its descendants (the eviction
   // policy's leaf-first promise), and the LIFO free list hands the first block out next.
   CachePath& path = sequence->path;
-  for (size_t i = sequence->table.size(); i > keep; --i) {
-    const size_t k = i - 1;
+  // The blocks past the path's full nodes first (its partial node's, and any not published)...
+  for (size_t k = sequence->table.size(); k > std::max(keep, path.full.size());) {
+    --k;
     if (path.partial != kNoNode && k == path.full.size()) {
       cache_->Unlock(path.partial);
       path.partial = kNoNode;
     }
-    const BlockId block = sequence->table[k];
-    if (k < path.full.size()) {
-      KVPOOL_CHECK_OK(pool_->Release(block, ctx));
-      cache_->UnlockReleased(path.full[k], block);
-      path.full.pop_back();
-    } else {
-      ReleaseBlock(block, ctx);
-    }
+    ReleaseBlock(sequence->table[k], ctx);
   }
+  // ...then the full nodes' blocks, deepest first.
+  if (path.full.size() > keep) cache_->ReleasePath(&path, sequence->table, keep, ctx);
   sessions_[sequence->session].block_refs -= static_cast<int64_t>(sequence->table.size() - keep);
   sequence->table.resize(keep);
 }

@@ -387,15 +387,26 @@ void PrefixCache::Unlock(NodeIndex node) {
   if (--nodes_[node].lock == 0) UpdateEvictable(node);
 }
 
-void PrefixCache::UnlockReleased(NodeIndex node, BlockId block) {
-  KVPOOL_CHECK_MSG(nodes_[node].lock > 0, "unlock of an unlocked prefix-cache node");
-  --nodes_[node].lock;
-  if (nodes_[node].block == block) {
-    UpdateEvictable(node);  // its lock and its block's references both changed
-    return;
+void PrefixCache::ReleasePath(CachePath* path, std::span<const BlockId> table, size_t keep,
+                              const TraceContext& ctx, std::source_location site) {
+  KVPOOL_DCHECK(table.size() >= path->full.size());
+  // One loop, the pool's Release and the node's re-evaluation inlined: a finished prompt
+  // releases every block it published here.
+  for (size_t k = path->full.size(); k > keep;) {
+    --k;
+    const NodeIndex node = path->full[k];
+    const BlockId block = table[k];
+    KVPOOL_CHECK_OK(pool_->Release(block, ctx, site));
+    KVPOOL_CHECK_MSG(nodes_[node].lock > 0, "unlock of an unlocked prefix-cache node");
+    --nodes_[node].lock;
+    if (nodes_[node].block == block) {
+      UpdateEvictable(node);  // its lock and its block's references both changed
+      continue;
+    }
+    OnBlockRefsChanged(block);  // the block's own node, if it has one, is another
+    if (nodes_[node].lock == 0) UpdateEvictable(node);
   }
-  OnBlockRefsChanged(block);  // the block's own node, if it has one, is another
-  if (nodes_[node].lock == 0) UpdateEvictable(node);
+  if (path->full.size() > keep) path->full.resize(keep);
 }
 
 CachePath PrefixCache::Adopt(const PrefixMatch& match) {

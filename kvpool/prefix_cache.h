@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <source_location>
 #include <span>
 #include <string>
 #include <vector>
@@ -159,9 +160,14 @@ class PrefixCache final {
   CachePath Clone(const CachePath& path);
   void Lock(NodeIndex node);
   void Unlock(NodeIndex node);
-  // OnBlockRefsChanged(block) and Unlock(node) in one: a sequence released `block`, its table
-  // entry at `node`'s position, and leaves the node. Re-evaluates the node once, not twice.
-  void UnlockReleased(NodeIndex node, BlockId block);
+  // A sequence whose blocks are `table` leaves its path's full nodes past the first `keep`,
+  // deepest first: for each it drops its pool reference to the block at that position (the
+  // caller's reference, recorded at `site`) and unlocks the node, re-evaluating the node once.
+  // Its partial node, if any, is the caller's business. REQUIRES: table.size() >=
+  // path->full.size().
+  void ReleasePath(CachePath* path, std::span<const BlockId> table, size_t keep,
+                   const TraceContext& ctx,
+                   std::source_location site = std::source_location::current());
 
   // Publishes the blocks of a sequence in `ns` whose tokens are `tokens` and whose block table
   // is `table` (covering them), extending `path`: full blocks become (or follow) full nodes, a
