@@ -115,6 +115,7 @@ PrefixCache::PrefixCache(const PrefixCacheOptions& options, BlockPool* pool,
       policy_(std::move(policy)),
       ranks_by_release_(policy_->ranks_by_release()),
       hears_accesses_(policy_->hears_accesses()),
+      lean_evictions_(!options.events && options.evicted_memory == 0 && !hears_accesses_),
       events_(options.epoch, options.event_capacity, options.event_capacity_bytes),
       node_of_block_(static_cast<size_t>(pool->num_blocks()), kNoNode),
       evicted_ring_(options.evicted_memory) {}

@@ -391,6 +391,9 @@ class PrefixCache final {
   // parent, which may have become a candidate; false only when the caller removes the parent
   // next (an evicted chain), so it is never added to the policy just to be taken out again.
   void RemoveNode(NodeIndex node, const TraceContext& ctx, bool offer_parent = true);
+  // RemoveNode()'s last step: returns the node's cache reference and its slot. Defined inline in
+  // prefix_cache_evict.cc (its callers: RemoveNode and Evict's chain path).
+  void FreeSlot(NodeIndex node, const TraceContext& ctx);
   // Lock() for a node a sequence reuses: also counts the hit and tells the policy.
   void LockHit(NodeIndex node);
   // Re-evaluates a node after its locks or its block's references changed. Defined inline in
@@ -444,6 +447,9 @@ class PrefixCache final {
   std::unique_ptr<EvictionPolicy> policy_;
   const bool ranks_by_release_;  // policy_->ranks_by_release()
   const bool hears_accesses_;    // policy_->hears_accesses()
+  // Nothing is recorded per evicted block (no events, no policy hearing erasures, no memory of
+  // evicted hashes): Evict() removes a chain's inner nodes without RemoveNode().
+  const bool lean_evictions_;
   EventLog events_;
   int64_t now_ns_ = 0;
   uint64_t release_counter_ = 0;

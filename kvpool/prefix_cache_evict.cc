@@ -64,6 +64,27 @@ void PrefixCache::TailRemove(NodeIndex node) {
   --num_tails_;
 }
 
+inline void PrefixCache::FreeSlot(NodeIndex node, const TraceContext& ctx) {
+  const BlockId block = nodes_[node].block;
+  node_of_block_[static_cast<size_t>(block.value())] = kNoNode;
+  KVPOOL_CHECK_OK(pool_->DropCacheRef(block, ctx));
+  nodes_[node].parent = kNoNode;
+  nodes_[node].block = kInvalidBlock;
+  nodes_[node].coverage = 0;
+  nodes_[node].priority = 0;
+  nodes_[node].token_hash = 0;
+  state_[node].depth = 0;
+  state_[node].hits = 0;
+  state_[node].retain = 0;
+  if (hashes_on_) {  // otherwise never set
+    state_[node].fingerprint = 0;
+    hash_[node] = BlockHash{};
+  }
+  free_nodes_.push_back(node);
+  --num_nodes_;
+  ++counters_.evicted;
+}
+
 void PrefixCache::RemoveNode(NodeIndex node, const TraceContext& ctx, bool offer_parent) {
   KVPOOL_CHECK_MSG(nodes_[node].num_children == 0 && nodes_[node].lock == 0,
                    "evicting a prefix-cache node that is not an unlocked leaf");
@@ -106,24 +127,7 @@ void PrefixCache::RemoveNode(NodeIndex node, const TraceContext& ctx, bool offer
     }
     --num_full_;
   }
-  const BlockId block = nodes_[node].block;
-  node_of_block_[static_cast<size_t>(block.value())] = kNoNode;
-  KVPOOL_CHECK_OK(pool_->DropCacheRef(block, ctx));
-  nodes_[node].parent = kNoNode;
-  nodes_[node].block = kInvalidBlock;
-  nodes_[node].coverage = 0;
-  nodes_[node].priority = 0;
-  nodes_[node].token_hash = 0;
-  state_[node].depth = 0;
-  state_[node].hits = 0;
-  state_[node].retain = 0;
-  if (hashes_on_) {  // otherwise never set
-    state_[node].fingerprint = 0;
-    hash_[node] = BlockHash{};
-  }
-  free_nodes_.push_back(node);
-  --num_nodes_;
-  ++counters_.evicted;
+  FreeSlot(node, ctx);
   if (offer_parent) UpdateCandidate(parent);  // may have become a leaf
 }
 
@@ -209,7 +213,23 @@ void PrefixCache::Evict(std::span<const NodeIndex> victims, const TraceContext& 
     // An evicted chain: a plan takes a parent right after its last child unless another
     // candidate ranks lower. When the parent is the next victim it is not offered to the
     // policy in between.
-    const bool parent_next = i + 1 < victims.size() && victims[i + 1] == nodes_[node].parent;
+    const NodeIndex parent = nodes_[node].parent;
+    const bool parent_next = i + 1 < victims.size() && victims[i + 1] == parent;
+    // Inside an evicted chain (most victims): a full node, no candidate (it had a child until
+    // the plan took it), its narrow parent's only child and next victim, and nothing to record
+    // per block. RemoveNode() in a few stores.
+    if (parent_next && lean_evictions_ && state_[node].in_policy == 0 &&
+        state_[node].in_tails == 0 && nodes_[node].coverage == block_size_ &&
+        nodes_[parent].wide == 0 && nodes_[parent].num_children == 1 &&
+        nodes_[node].num_children == 0) {
+      state_[node].evictable = 0;
+      --num_evictable_;
+      nodes_[parent].first_child = kNoNode;
+      nodes_[parent].num_children = 0;
+      --num_full_;
+      FreeSlot(node, ctx);
+      continue;
+    }
     RemoveNode(node, ctx, /*offer_parent=*/!parent_next);
   }
   FlushRemoved();
