@@ -222,8 +222,10 @@ void PrefixCache::Evict(std::span<const NodeIndex> victims, const TraceContext& 
         state_[node].in_tails == 0 && nodes_[node].coverage == block_size_ &&
         nodes_[parent].wide == 0 && nodes_[parent].num_children == 1 &&
         nodes_[node].num_children == 0) {
-      state_[node].evictable = 0;
-      --num_evictable_;
+      if (state_[node].evictable != 0) {
+        state_[node].evictable = 0;
+        --num_evictable_;
+      }
       nodes_[parent].first_child = kNoNode;
       nodes_[parent].num_children = 0;
       --num_full_;
