@@ -371,6 +371,11 @@ class PrefixCache final {
                      CachePath* path, const TraceContext& ctx);
   NodeIndex Insert(NodeIndex parent, std::span<const int32_t> tokens, BlockId block, int priority,
                    const TraceContext& ctx);
+  // A fresh slot `node` becomes a childless node below `parent` holding `tokens` in `block`,
+  // locked once by the committing sequence, with the cache's pool reference taken. Linking it
+  // into `parent`'s children and the counts are the caller's (Insert, AppendChain).
+  void FillNode(NodeIndex node, NodeIndex parent, std::span<const int32_t> tokens, BlockId block,
+                int priority, const TraceContext& ctx);
   // Inserts the full blocks `tokens` held in `table` as a chain below `parent`, which has no
   // child, extending `path`, up to the first block the tree already holds a node for. Returns
   // how many it inserted.

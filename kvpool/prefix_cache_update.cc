@@ -16,22 +16,30 @@ namespace kvpool {
 using internal::HashTokens;
 using internal::StartsWith;
 
+inline void PrefixCache::FillNode(NodeIndex node, NodeIndex parent, std::span<const int32_t> tokens,
+                                  BlockId block, int priority, const TraceContext& ctx) {
+  Node& x = nodes_[node];
+  x.parent = parent;
+  x.first_child = x.next_sibling = x.prev_sibling = kNoNode;
+  x.num_children = 0;
+  x.block = block;
+  x.coverage = static_cast<int32_t>(tokens.size());
+  x.lock = 1;  // the committing sequence follows it
+  x.priority = static_cast<int8_t>(priority);
+  state_[node].depth = state_[parent].depth + 1;
+  ns_[node] = ns_[parent];
+  internal::CopyBlockTokens(tokens_.data() + static_cast<size_t>(node) * block_size_, tokens.data(),
+                            tokens.size());
+  node_of_block_[static_cast<size_t>(block.value())] = node;
+  KVPOOL_CHECK_OK(pool_->AddCacheRef(block, ctx));
+}
+
 NodeIndex PrefixCache::Insert(NodeIndex parent, std::span<const int32_t> tokens, BlockId block,
                               int priority, const TraceContext& ctx) {
   const NodeIndex node = NewNode();
-  nodes_[node].parent = parent;
-  nodes_[node].block = block;
-  nodes_[node].coverage = static_cast<int32_t>(tokens.size());
-  nodes_[node].lock = 1;  // the committing sequence follows it
-  nodes_[node].priority = static_cast<int8_t>(priority);
-  state_[node].depth = state_[parent].depth + 1;
-  ns_[node] = ns_[parent];
-  std::copy(tokens.begin(), tokens.end(),
-            tokens_.begin() + static_cast<ptrdiff_t>(node) * block_size_);
+  FillNode(node, parent, tokens, block, priority, ctx);
   LinkChild(parent, node);
   RaiseAncestors(parent, priority);
-  node_of_block_[static_cast<size_t>(block.value())] = node;
-  KVPOOL_CHECK_OK(pool_->AddCacheRef(block, ctx));
   ++num_nodes_;
   ++counters_.inserted;
   if (nodes_[node].coverage == block_size_) MakeFull(node);
@@ -59,22 +67,9 @@ size_t PrefixCache::AppendChain(NodeIndex parent, std::span<const int32_t> token
     // block's node sits at its own position, so this is not expected past the tree's edge).
     if (node_of_block_[static_cast<size_t>(block.value())] != kNoNode) break;
     const NodeIndex node = NewNode();
-    Node& x = nodes_[node];
-    x.parent = parent;
-    x.first_child = x.next_sibling = x.prev_sibling = kNoNode;
-    x.num_children = 0;
-    x.block = block;
-    x.coverage = block_size_;
-    x.lock = 1;  // the committing sequence follows it
-    x.priority = static_cast<int8_t>(priority);
     nodes_[parent].first_child = node;
     nodes_[parent].num_children = 1;
-    state_[node].depth = state_[parent].depth + 1;
-    ns_[node] = ns_[parent];
-    internal::CopyBlockTokens(tokens_.data() + static_cast<size_t>(node) * bs,
-                              tokens.data() + n * bs, bs);
-    node_of_block_[static_cast<size_t>(block.value())] = node;
-    KVPOOL_CHECK_OK(pool_->AddCacheRef(block, ctx));
+    FillNode(node, parent, tokens.subspan(n * bs, bs), block, priority, ctx);
     if (hashes_on_) {
       hash_[node] = PrefixChainHash(hash_[parent], ns_[node], Tokens(node));
       state_[node].fingerprint = BlockFingerprint(hash_[node]);
