@@ -6,6 +6,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/base/attributes.h"
 #include "fmt/format.h"
 #include "kvpool/prefix_cache.h"
 #include "kvpool/util/check.h"
@@ -64,7 +65,8 @@ void PrefixCache::TailRemove(NodeIndex node) {
   --num_tails_;
 }
 
-inline void PrefixCache::FreeSlot(NodeIndex node, const TraceContext& ctx) {
+ABSL_ATTRIBUTE_ALWAYS_INLINE inline void PrefixCache::FreeSlot(NodeIndex node,
+                                                               const TraceContext& ctx) {
   const BlockId block = nodes_[node].block;
   node_of_block_[static_cast<size_t>(block.value())] = kNoNode;
   KVPOOL_CHECK_OK(pool_->DropCacheRef(block, ctx));
