@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -17,7 +18,10 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "tools/replay.h"
 
 ABSL_FLAG(std::string, trace, "",
@@ -110,6 +114,34 @@ int RunTiers() {
   return 0;
 }
 
+// Replays `trace` `more` times again and folds their time into `results` (the first pass's), so
+// that requests/s counts every pass. Each pass must repeat the first one's outcome exactly: the
+// replay is deterministic (trace time, not wall time, drives the policies).
+absl::Status ReplayAgain(const std::vector<kvpool::workload::TraceRequest>& trace,
+                         std::span<const tools::ReplayOptions> configs, int32_t more,
+                         std::vector<tools::ReplayResult>* results) {
+  std::vector<double> seconds;
+  for (const tools::ReplayResult& r : *results) seconds.push_back(r.seconds);
+  for (int32_t pass = 0; pass < more; ++pass) {
+    absl::StatusOr<std::vector<tools::ReplayResult>> again = tools::ReplayAll(trace, configs);
+    if (!again.ok()) return again.status();
+    for (size_t i = 0; i < again->size(); ++i) {
+      const tools::ReplayResult& a = (*again)[i];
+      const tools::ReplayResult& first = (*results)[i];
+      if (a.hit_blocks != first.hit_blocks || a.hit_tokens != first.hit_tokens ||
+          a.evictions != first.evictions) {
+        return absl::InternalError(
+            absl::StrCat("pass ", pass + 2, " of the replay differs from the first"));
+      }
+      seconds[i] += a.seconds;
+    }
+  }
+  for (size_t i = 0; i < results->size(); ++i) {
+    (*results)[i].seconds = seconds[i] / (more + 1);  // the mean pass
+  }
+  return absl::OkStatus();
+}
+
 int RunOne(const std::string& path) {
   auto trace = kvpool::workload::ReadMooncakeTrace(path);
   if (!trace.ok()) return Fail(std::string(trace.status().message()));
@@ -139,25 +171,8 @@ int RunOne(const std::string& path) {
   auto results = tools::ReplayAll(*trace, configs, tty ? progress : tools::ReplayProgress());
   if (tty) std::fprintf(stderr, "\n");
   if (!results.ok()) return Fail(results.status().ToString());
-  // Later passes add their time and must repeat the first's outcome exactly (the replay is
-  // deterministic: trace time, not wall time, drives the policies).
-  std::vector<double> seconds;
-  for (const tools::ReplayResult& r : *results) seconds.push_back(r.seconds);
-  for (int32_t pass = 1; pass < passes; ++pass) {
-    const auto again = tools::ReplayAll(*trace, configs);
-    if (!again.ok()) return Fail(again.status().ToString());
-    for (size_t i = 0; i < again->size(); ++i) {
-      const tools::ReplayResult& a = (*again)[i];
-      const tools::ReplayResult& first = (*results)[i];
-      if (a.hit_blocks != first.hit_blocks || a.hit_tokens != first.hit_tokens ||
-          a.evictions != first.evictions) {
-        return Fail("pass " + std::to_string(pass + 1) + " differs from the first");
-      }
-      seconds[i] += a.seconds;
-    }
-  }
-  for (size_t i = 0; i < results->size(); ++i) {
-    (*results)[i].seconds = seconds[i] / passes;  // requests/s over all passes
+  if (absl::Status s = ReplayAgain(*trace, configs, passes - 1, &*results); !s.ok()) {
+    return Fail(s.ToString());
   }
   const tools::ReplayResult& r = (*results)[0];
   const tools::ReplayResult& lru = results->back();
