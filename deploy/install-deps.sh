@@ -11,6 +11,8 @@ packages=(
   # libraries (DESIGN.md "Stack")
   libabsl-dev libspdlog-dev libxxhash-dev nlohmann-json3-dev libsystemd-dev libopenblas-dev
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  # HMAC-SHA256 for the deployment secret's MACs (tier/secret.h)
+  libssl-dev
   # the Redis tier (tier/): hiredis to talk to Redis; redis-server and redis-tools (redis-cli)
   # only for its tests and benchmark, which start private servers themselves (the service the
   # package enables is not used: `systemctl disable --now redis-server` if it is unwanted)

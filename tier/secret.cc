@@ -1,0 +1,143 @@
+#include "tier/secret.h"
+
+#include <fcntl.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "fmt/format.h"
+#include "kvpool/util/check.h"
+#include "kvpool/util/unique_fd.h"
+
+namespace kvpool::tier {
+namespace {
+
+constexpr std::string_view kHowToMake =
+    "make one with `install -m 0600 /dev/null F && head -c 32 /dev/urandom > F` as the daemon's "
+    "user, the same file on every host that shares a tier";
+
+std::string RandomBytes(size_t n) {
+  std::string out(n, '\0');
+  size_t got = 0;
+  while (got < n) {
+    const ssize_t r = getrandom(out.data() + got, n - got, 0);
+    KVPOOL_CHECK_MSG(r > 0 || errno == EINTR, "getrandom failed");
+    if (r > 0) got += static_cast<size_t>(r);
+  }
+  return out;
+}
+
+void AppendPart(EVP_MAC_CTX* ctx, std::string_view part) {
+  const std::string length = LittleEndian64(part.size());
+  KVPOOL_CHECK(EVP_MAC_update(ctx, reinterpret_cast<const unsigned char*>(length.data()),
+                              length.size()) == 1);
+  KVPOOL_CHECK(
+      EVP_MAC_update(ctx, reinterpret_cast<const unsigned char*>(part.data()), part.size()) == 1);
+}
+
+}  // namespace
+
+std::string LittleEndian64(uint64_t value) {
+  std::string out(8, '\0');
+  for (size_t i = 0; i < 8; ++i) out[i] = static_cast<char>((value >> (8 * i)) & 0xff);
+  return out;
+}
+
+DeploymentSecret::DeploymentSecret(std::string key, bool ephemeral)
+    : key_(std::move(key)), ephemeral_(ephemeral) {
+  fingerprint_ = Mac64("kvpool secret fingerprint", {});
+}
+
+absl::StatusOr<DeploymentSecret> DeploymentSecret::FromFile(const std::string& path) {
+  UniqueFd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK));
+  if (!fd.valid()) {
+    const int err = errno;
+    if (err == ENOENT) {
+      return absl::NotFoundError(fmt::format("secret file {}: no such file; {}", path, kHowToMake));
+    }
+    if (err == ELOOP) {
+      return absl::PermissionDeniedError(
+          fmt::format("secret file {} is a symbolic link: name the file itself", path));
+    }
+    return absl::PermissionDeniedError(fmt::format("secret file {}: {}", path, std::strerror(err)));
+  }
+  struct stat st {};
+  if (fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(fmt::format("secret file {} is not a regular file", path));
+  }
+  if (st.st_uid != geteuid()) {
+    return absl::PermissionDeniedError(
+        fmt::format("secret file {} belongs to uid {}, not to the daemon's uid {}", path, st.st_uid,
+                    geteuid()));
+  }
+  if ((st.st_mode & 077) != 0) {
+    return absl::PermissionDeniedError(
+        fmt::format("secret file {} has mode {:o}: group and others must have no access "
+                    "(chmod 0600)",
+                    path, st.st_mode & 07777));
+  }
+  if (st.st_size < static_cast<off_t>(kMinBytes) || st.st_size > static_cast<off_t>(kMaxBytes)) {
+    return absl::InvalidArgumentError(
+        fmt::format("secret file {} holds {} bytes: it needs {} to {}; {}", path, st.st_size,
+                    kMinBytes, kMaxBytes, kHowToMake));
+  }
+  std::string key(static_cast<size_t>(st.st_size), '\0');
+  size_t got = 0;
+  while (got < key.size()) {
+    const ssize_t r = read(fd.get(), key.data() + got, key.size() - got);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) {
+      return absl::PermissionDeniedError(fmt::format("secret file {}: short read", path));
+    }
+    got += static_cast<size_t>(r);
+  }
+  return DeploymentSecret(std::move(key), /*ephemeral=*/false);
+}
+
+DeploymentSecret DeploymentSecret::Random() {
+  return DeploymentSecret(RandomBytes(kMinBytes), /*ephemeral=*/true);
+}
+
+DeploymentSecret DeploymentSecret::FromBytes(std::string_view bytes) {
+  KVPOOL_CHECK(bytes.size() >= kMinBytes && bytes.size() <= kMaxBytes);
+  return DeploymentSecret(std::string(bytes), /*ephemeral=*/false);
+}
+
+DeploymentSecret::Digest DeploymentSecret::Mac(
+    std::string_view domain, std::initializer_list<std::string_view> parts) const {
+  // EVP_MAC (OpenSSL 3): the one-shot HMAC() has no way to feed several parts.
+  EVP_MAC* mac = EVP_MAC_fetch(nullptr, "HMAC", nullptr);
+  KVPOOL_CHECK_MSG(mac != nullptr, "OpenSSL has no HMAC");
+  EVP_MAC_CTX* ctx = EVP_MAC_CTX_new(mac);
+  KVPOOL_CHECK(ctx != nullptr);
+  char digest_name[] = "SHA256";
+  const OSSL_PARAM params[] = {
+      OSSL_PARAM_construct_utf8_string("digest", digest_name, 0),
+      OSSL_PARAM_construct_end(),
+  };
+  KVPOOL_CHECK(EVP_MAC_init(ctx, reinterpret_cast<const unsigned char*>(key_.data()), key_.size(),
+                            params) == 1);
+  AppendPart(ctx, domain);
+  for (std::string_view part : parts) AppendPart(ctx, part);
+  Digest out{};
+  size_t written = 0;
+  KVPOOL_CHECK(EVP_MAC_final(ctx, out.data(), &written, out.size()) == 1 && written == out.size());
+  EVP_MAC_CTX_free(ctx);
+  EVP_MAC_free(mac);
+  return out;
+}
+
+uint64_t DeploymentSecret::Mac64(std::string_view domain,
+                                 std::initializer_list<std::string_view> parts) const {
+  const Digest d = Mac(domain, parts);
+  uint64_t v = 0;
+  for (size_t i = 0; i < 8; ++i) v |= static_cast<uint64_t>(d[i]) << (8 * i);
+  return v;
+}
+
+}  // namespace kvpool::tier

@@ -1,0 +1,66 @@
+#pragma once
+
+// DeploymentSecret: the key every identity and MAC that must agree across daemons is derived
+// under (DESIGN.md §7, §9): namespace ids, the tiers' block keys and value MACs. Whoever lacks it
+// can neither aim at another tenant's namespace nor forge, read by key or replay a stored block.
+//
+// It is read from a file only the daemon may read (FromFile checks that), or, when none is
+// configured, drawn at random at start (Random): identities then agree within this process only,
+// which is right for a daemon that shares nothing below its host tier.
+//
+// Every MAC is HMAC-SHA256 (OpenSSL) over an unambiguous encoding: a domain string that says what
+// the MAC is for, then each part as its length (u64, little-endian) and its bytes. No two
+// different (domain, parts) lists encode alike, so no choice of client strings makes two
+// identities collide short of a collision of HMAC-SHA256 itself.
+//
+// Immutable after construction: thread-safe. Copyable (the key is 32-4096 bytes).
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <string_view>
+
+#include "absl/status/statusor.h"
+
+namespace kvpool::tier {
+
+class DeploymentSecret final {
+ public:
+  static constexpr size_t kMinBytes = 32;
+  static constexpr size_t kMaxBytes = 4096;
+  using Digest = std::array<uint8_t, 32>;
+
+  // The secret in `path`: a regular file (not a symlink) owned by this process's effective uid,
+  // with no permission for group or others, of kMinBytes to kMaxBytes bytes (taken as they are,
+  // trailing newline included). Errors: NOT_FOUND (no such file), PERMISSION_DENIED (a symlink,
+  // another owner, readable or writable by group or others, unreadable), INVALID_ARGUMENT (not
+  // a regular file, too short or too long); each names the path and the fix.
+  static absl::StatusOr<DeploymentSecret> FromFile(const std::string& path);
+  // kMinBytes fresh random bytes (getrandom(2)).
+  static DeploymentSecret Random();
+  // A secret of exactly `bytes` (tests, benchmarks). REQUIRES: kMinBytes <= size <= kMaxBytes.
+  static DeploymentSecret FromBytes(std::string_view bytes);
+
+  // HMAC-SHA256 of the encoding of (`domain`, `parts`...) described above.
+  Digest Mac(std::string_view domain, std::initializer_list<std::string_view> parts) const;
+  // The first 8 bytes of Mac as a little-endian integer.
+  uint64_t Mac64(std::string_view domain, std::initializer_list<std::string_view> parts) const;
+  // Names the secret without revealing it (Mac64 of a fixed domain): equal for equal secrets.
+  uint64_t fingerprint() const { return fingerprint_; }
+  // Drawn by Random(): nothing outside this process shares it.
+  bool ephemeral() const { return ephemeral_; }
+
+ private:
+  DeploymentSecret(std::string key, bool ephemeral);
+
+  std::string key_;
+  bool ephemeral_ = false;
+  uint64_t fingerprint_ = 0;
+};
+
+// `value` as 8 little-endian bytes: a part of a MAC's encoding for an integer.
+std::string LittleEndian64(uint64_t value);
+
+}  // namespace kvpool::tier
