@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
 #include "fmt/format.h"
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
@@ -467,6 +468,14 @@ absl::StatusOr<EngineOptions> MakeEngineOptions(const v1::DaemonConfig& c, uint6
   o.fill_policy = *kernels::ParseFillPolicy(c.fill_policy());
   o.session_quota_blocks = c.session_quota_blocks();
   o.tiers = TierOptionsOf(c.tiers());
+  if (!c.secret_file().empty()) {
+    absl::StatusOr<tier::DeploymentSecret> secret =
+        tier::DeploymentSecret::FromFile(c.secret_file());
+    if (!secret.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("secret_file: ", secret.status().message()));
+    }
+    o.secret = *std::move(secret);
+  }
   o.limits = {.sessions_per_uid = c.limits().sessions_per_uid(),
               .sequences_per_session = c.limits().sequences_per_session(),
               .batch_items = c.limits().batch_items(),

@@ -3,6 +3,7 @@
 // What an Engine is built from: plain values (the edge converts the config proto into these).
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -14,6 +15,7 @@
 #include "kvpool/eviction_policy.h"
 #include "kvpool/kv_events.h"
 #include "kvpool/util/clock.h"
+#include "tier/secret.h"
 
 namespace kvpool::daemon {
 
@@ -64,6 +66,8 @@ struct EngineOptions {
   uint64_t epoch = 1;  // this start of the daemon (stamped on events, told at attach)
   std::string daemon_version = "kvpoold 0.1.0";
   const Clock* clock = Clock::Real();  // not owned; outlives the engine
+  // Keys namespace ids and the tiers' keys and MACs (tier/secret.h); none: a random one.
+  std::optional<tier::DeploymentSecret> secret;
 
   // Model steps (when the engine runs a model).
   std::string model_name;                // reported at attach and in stats

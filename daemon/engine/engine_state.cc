@@ -10,6 +10,7 @@ namespace kvpool::daemon {
 absl::StatusOr<std::unique_ptr<EngineState>> EngineState::Create(const EngineOptions& options,
                                                                  kernels::Device* device) {
   if (options.pools.empty()) return absl::InvalidArgumentError("the engine needs a pool");
+  tier::DeploymentSecret secret = options.secret.value_or(tier::DeploymentSecret::Random());
   std::vector<std::unique_ptr<PoolState>> pools;
   for (const PoolOptions& pool : options.pools) {
     KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<PoolState> state,
@@ -21,7 +22,8 @@ absl::StatusOr<std::unique_ptr<EngineState>> EngineState::Create(const EngineOpt
       return absl::InvalidArgumentError(fmt::format("tenant {}: no pool {}", name, limits.pool));
     }
   }
-  return std::unique_ptr<EngineState>(new EngineState(options, std::move(pools)));
+  return std::unique_ptr<EngineState>(
+      new EngineState(options, std::move(secret), std::move(pools)));
 }
 
 absl::StatusOr<int32_t> EngineState::FindPool(std::string_view name) const {

@@ -44,6 +44,8 @@ class EngineState final {
                                                              kernels::Device* device);
 
   const EngineOptions& options() const { return options_; }
+  // options().secret, or the random one drawn at creation when it has none.
+  const tier::DeploymentSecret& secret() const { return secret_; }
   int64_t now() const { return options_.clock->NowNanos(); }
   int32_t num_pools() const { return static_cast<int32_t>(pools_.size()); }
   PoolState& pool(int32_t i) { return *pools_[static_cast<size_t>(i)]; }
@@ -80,12 +82,14 @@ class EngineState final {
   absl::Status health;
 
  private:
-  EngineState(const EngineOptions& options, std::vector<std::unique_ptr<PoolState>> pools)
-      : options_(options), pools_(std::move(pools)) {}
+  EngineState(const EngineOptions& options, tier::DeploymentSecret secret,
+              std::vector<std::unique_ptr<PoolState>> pools)
+      : options_(options), secret_(std::move(secret)), pools_(std::move(pools)) {}
   // The limits of `tenant`. Errors: PERMISSION_DENIED when tenants are configured and it is not.
   absl::StatusOr<TenantLimits> LimitsOf(const std::string& tenant) const;
 
   const EngineOptions options_;
+  const tier::DeploymentSecret secret_;
   const std::vector<std::unique_ptr<PoolState>> pools_;
   uint64_t next_session_ = 1;
   absl::flat_hash_map<SessionId, std::shared_ptr<const Session>> live_;
