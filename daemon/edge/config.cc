@@ -104,6 +104,7 @@ void ApplyDefaults(v1::DaemonConfig* c) {
   if (l->attach_pending() == 0) l->set_attach_pending(64);
   if (l->attach_pending_per_uid() == 0) l->set_attach_pending_per_uid(8);
   if (l->attach_timeout_ms() == 0) l->set_attach_timeout_ms(500);
+  if (l->cache_salts_per_session() == 0) l->set_cache_salts_per_session(4096);
 }
 
 namespace {
@@ -149,6 +150,7 @@ void ValidateLimits(const v1::DaemonConfig& c,
       {"limits.attach_pending", l.attach_pending()},
       {"limits.attach_pending_per_uid", l.attach_pending_per_uid()},
       {"limits.attach_timeout_ms", l.attach_timeout_ms()},
+      {"limits.cache_salts_per_session", l.cache_salts_per_session()},
   };
   for (const auto& [field, value] : positive) {
     if (value <= 0) bad(field, fmt::format("must be > 0 (got {})", value));
@@ -481,7 +483,8 @@ absl::StatusOr<EngineOptions> MakeEngineOptions(const v1::DaemonConfig& c, uint6
               .batch_items = c.limits().batch_items(),
               .queued_calls_per_session = c.limits().queued_calls_per_session(),
               .decode_width = c.limits().decode_width() > 0 ? c.limits().decode_width()
-                                                            : c.model().max_step_tokens()};
+                                                            : c.model().max_step_tokens(),
+              .cache_salts_per_session = c.limits().cache_salts_per_session()};
   for (const auto& [tenant, quota] : c.tenant_quota_blocks()) o.open_quota_blocks[tenant] = quota;
   o.epoch = epoch;
   const v1::ModelSpec& m = c.model();

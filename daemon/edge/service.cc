@@ -3,6 +3,8 @@
 
 #include "daemon/edge/service.h"
 
+#include "absl/algorithm/container.h"
+
 #include <algorithm>
 #include <limits>
 #include <utility>
@@ -64,7 +66,11 @@ KvPoolService::Unary* KvPoolService::Allocate(Context* c, const v1::AllocateRequ
                                               v1::AllocateResponse* r) {
   Unary* reactor = Run(c, false, [&](const Session& s) -> absl::Status {
     const std::vector<AllocateRequest> items = FromProto(*q);
-    absl::StatusOr<Tables> tables = engine_->Allocate(s, items, GrpcCallContext(c, clock_));
+    std::vector<std::string> salts;  // none, or one per item
+    if (absl::c_any_of(q->items(), [](const auto& item) { return !item.cache_salt().empty(); })) {
+      for (const v1::AllocateItem& item : q->items()) salts.push_back(item.cache_salt());
+    }
+    absl::StatusOr<Tables> tables = engine_->Allocate(s, items, GrpcCallContext(c, clock_), salts);
     if (!tables.ok()) return tables.status();
     ToProto(*tables, r->mutable_sequences());
     return absl::OkStatus();
@@ -133,7 +139,7 @@ KvPoolService::Unary* KvPoolService::Free(Context* c, const v1::FreeRequest* q, 
 KvPoolService::Unary* KvPoolService::MatchPrefix(Context* c, const v1::MatchPrefixRequest* q,
                                                  v1::MatchPrefixResponse* r) {
   return Run(c, false, [&](const Session& s) -> absl::Status {
-    absl::StatusOr<int64_t> matched = engine_->MatchPrefix(s, Tokens(q->tokens()));
+    absl::StatusOr<int64_t> matched = engine_->MatchPrefix(s, Tokens(q->tokens()), q->cache_salt());
     if (!matched.ok()) return matched.status();
     r->set_matched_tokens(*matched);
     return absl::OkStatus();
@@ -172,10 +178,10 @@ KvPoolService::Unary* KvPoolService::Pin(Context* c, const v1::PinRequest* q, v1
           "a pin names exactly one of tokens (a cached prefix) and sequence_id");
     }
     absl::StatusOr<PinInfo> pin =
-        by_sequence
-            ? engine_->PinSequence(s, SequenceId(q->sequence_id()), TtlNanos(q->ttl_ms()),
-                                   q->priority())
-            : engine_->PinPrefix(s, Tokens(q->tokens()), TtlNanos(q->ttl_ms()), q->priority());
+        by_sequence ? engine_->PinSequence(s, SequenceId(q->sequence_id()), TtlNanos(q->ttl_ms()),
+                                           q->priority())
+                    : engine_->PinPrefix(s, Tokens(q->tokens()), TtlNanos(q->ttl_ms()),
+                                         q->priority(), q->cache_salt());
     if (!pin.ok()) return pin.status();
     PinToProto(*pin, engine_->pool_name(s.pool), clock_->NowNanos(), r->mutable_pin());
     return absl::OkStatus();

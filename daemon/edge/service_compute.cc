@@ -64,6 +64,7 @@ KvPoolService::Unary* KvPoolService::Prefill(Context* c, const v1::PrefillReques
                          .sequence = SequenceId(q->sequence_id()),
                          .tokens = {q->tokens().begin(), q->tokens().end()},
                          .priority = q->priority(),
+                         .cache_salt = q->cache_salt(),
                          .top_k = q->top_k()};
   const bool top = q->top_k() > 0;
   return Compute(c, std::move(request), CheckTopK(q->top_k()), [r, top](const ComputeResult& done) {
@@ -119,7 +120,8 @@ class GenerateWriter final : public grpc::ServerWriteReactor<v1::GenerateRespons
     Submit({.kind = ComputeRequest::Kind::kPrefill,
             .sequence = SequenceId(request_.sequence_id()),
             .tokens = {request_.prompt().begin(), request_.prompt().end()},
-            .priority = request_.priority()});
+            .priority = request_.priority(),
+            .cache_salt = request_.cache_salt()});
   }
 
   void OnWriteDone(bool ok) override {

@@ -12,6 +12,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -28,8 +29,10 @@ struct ComputeRequest {
   Kind kind = Kind::kDecode;
   // Prefill: SequenceId(0) for a new sequence (prefix-matched), else the one to extend.
   SequenceId sequence;
-  std::vector<int32_t> tokens;             // prefill: the prompt (or the next turn)
-  int priority = 0;                        // prefill of a new sequence: prefix-cache class
+  std::vector<int32_t> tokens;  // prefill: the prompt (or the next turn)
+  int priority = 0;             // prefill of a new sequence: prefix-cache class
+  std::string
+      cache_salt;  // prefill of a new sequence: its namespace (EngineState::SaltedNamespace)
   std::vector<model::DecodeInput> decode;  // decode: one input per sequence, all or none
   int32_t top_k = 0;  // also return the top_k next tokens (the step runs the widest of its calls)
 

@@ -202,18 +202,27 @@ void Engine::Release(const Session& s, std::span<const SequenceId> created) {
 }
 
 absl::StatusOr<Tables> Engine::Allocate(const Session& s, std::span<const AllocateRequest> requests,
-                                        const CallContext& context) {
+                                        const CallContext& context,
+                                        std::span<const std::string> salts) {
   KVPOOL_RETURN_IF_ERROR(context.Check());
+  KVPOOL_CHECK(salts.empty() || salts.size() == requests.size());
   std::vector<AllocateRequest> items(requests.begin(), requests.end());
+  for (size_t i = 0; i < salts.size(); ++i) {
+    if (salts[i].size() > kMaxCacheSaltBytes) {
+      return absl::InvalidArgumentError(fmt::format("item {}: a cache salt of {} bytes: at most {}",
+                                                    i, salts[i].size(), kMaxCacheSaltBytes));
+    }
+  }
   for (AllocateRequest& item : items) {
-    item.ns = s.ns;
     if (item.priority > s.max_priority) {
       return absl::PermissionDeniedError(fmt::format("priority {} is above tenant {}'s ceiling {}",
                                                      item.priority, s.spec.tenant, s.max_priority));
     }
   }
   if (s.spec.kv_access) {  // else Admit refuses the call: it must not warm the cache either
-    for (const AllocateRequest& item : items) LoadFromTiers(s, item.prompt);
+    for (size_t i = 0; i < items.size(); ++i) {
+      LoadFromTiers(s, items[i].prompt, salts.empty() ? "" : salts[i]);
+    }
   }
   Tables out;
   std::vector<SequenceId> created;
@@ -224,6 +233,10 @@ absl::StatusOr<Tables> Engine::Allocate(const Session& s, std::span<const Alloca
                                      .kv_access = true,
                                      .items = requests.size(),
                                      .sequences = requests.size()}));
+    for (size_t i = 0; i < items.size(); ++i) {
+      KVPOOL_ASSIGN_OR_RETURN(items[i].ns,
+                              state_->SaltedNamespace(s, salts.empty() ? "" : salts[i]));
+    }
     PoolState& pool = state_->pool_of(s);
     std::vector<AllocateResult> results;
     DevicePlan plan;
@@ -407,7 +420,8 @@ absl::StatusOr<Loading> StartPromotion(PoolState& pool, kernels::Device& device,
 
 }  // namespace
 
-void Engine::LoadFromTiers(const Session& s, std::span<const int32_t> prompt) {
+void Engine::LoadFromTiers(const Session& s, std::span<const int32_t> prompt,
+                           std::string_view salt) {
   TierSet* const tiers = tiers_[static_cast<size_t>(s.pool)];
   if (tiers == nullptr) return;
   const int32_t bs = layout(s.pool).block_size;
@@ -416,20 +430,24 @@ void Engine::LoadFromTiers(const Session& s, std::span<const int32_t> prompt) {
   // 1. The local match, under the lock.
   PoolState* pool;
   size_t local;
+  NamespaceId ns;
   {
     absl::MutexLock lock(&mu_);
     if (!state_->health.ok() || state_->draining || !state_->CheckLive(s.id).ok() ||
         s.spec.tenant.empty()) {
       return;
     }
+    absl::StatusOr<NamespaceId> peeked = state_->PeekNamespace(s, salt);
+    if (!peeked.ok()) return;
+    ns = *peeked;
     pool = &state_->pool_of(s);
-    local = static_cast<size_t>(pool->cache().MatchPrefix(s.ns, prompt) / bs);
+    local = static_cast<size_t>(pool->cache().MatchPrefix(ns, prompt) / bs);
   }
   if (local >= full) return;
 
   // 2. The tiers, for the blocks after it, with no lock held.
-  const std::vector<BlockHash> chain = ChainHashes(s.ns, prompt, full, bs);
-  TierSet::Found found = tiers->Lookup(s.ns, local == 0 ? BlockHash{} : chain[local - 1],
+  const std::vector<BlockHash> chain = ChainHashes(ns, prompt, full, bs);
+  TierSet::Found found = tiers->Lookup(ns, local == 0 ? BlockHash{} : chain[local - 1],
                                        std::span(chain).subspan(local));
   const absl::Cleanup recycle = [&] { tiers->Recycle(&found); };
   if (found.hits == 0) return;
@@ -443,7 +461,7 @@ void Engine::LoadFromTiers(const Session& s, std::span<const int32_t> prompt) {
   {
     absl::MutexLock lock(&mu_);
     if (!state_->health.ok() || state_->draining || !state_->CheckLive(s.id).ok()) return;
-    loading = StartPromotion(*pool, *device_, s.ns, prompt, local, upto, found);
+    loading = StartPromotion(*pool, *device_, ns, prompt, local, upto, found);
   }
   if (!loading.ok()) {  // no room, a shared partial block, a copy not queued: a miss
     tiers->CountPromotion(from_host, from_remote, 0, /*failed=*/true);
@@ -464,18 +482,19 @@ void Engine::LoadFromTiers(const Session& s, std::span<const int32_t> prompt) {
   tiers->CountPromotion(from_host, from_remote, absl::GetCurrentTimeNanos() - started, false);
   if (from_remote > 0) {  // what Redis had goes into the host tier too
     const size_t first_remote = local + static_cast<size_t>(from_host);
-    tiers->KeepInHost(s.ns, first_remote == 0 ? BlockHash{} : chain[first_remote - 1],
+    tiers->KeepInHost(ns, first_remote == 0 ? BlockHash{} : chain[first_remote - 1],
                       std::span(chain).subspan(first_remote, static_cast<size_t>(from_remote)),
                       found, static_cast<size_t>(from_host));
     pool->DrainTierEvents();
   }
 }
 
-absl::StatusOr<int64_t> Engine::MatchPrefix(const Session& s,
-                                            std::span<const int32_t> tokens) const {
+absl::StatusOr<int64_t> Engine::MatchPrefix(const Session& s, std::span<const int32_t> tokens,
+                                            std::string_view salt) const {
   absl::MutexLock lock(&mu_);
+  KVPOOL_ASSIGN_OR_RETURN(const NamespaceId ns, state_->PeekNamespace(s, salt));
   KVPOOL_RETURN_IF_ERROR(Admit(s, {}));
-  return state_->pool_of(s).cache().MatchPrefix(s.ns, tokens);
+  return state_->pool_of(s).cache().MatchPrefix(ns, tokens);
 }
 
 namespace {
@@ -500,12 +519,14 @@ absl::Status Engine::CheckPinPriority(const Session& s, int priority) const {
 }
 
 absl::StatusOr<PinInfo> Engine::PinPrefix(const Session& s, std::span<const int32_t> tokens,
-                                          int64_t ttl_ns, int priority) {
+                                          int64_t ttl_ns, int priority, std::string_view salt) {
   absl::MutexLock lock(&mu_);
+  KVPOOL_RETURN_IF_ERROR(state_->PeekNamespace(s, salt).status());  // the salt's length
   KVPOOL_RETURN_IF_ERROR(Admit(s, {}));
   KVPOOL_RETURN_IF_ERROR(CheckPinPriority(s, priority));
+  KVPOOL_ASSIGN_OR_RETURN(const NamespaceId ns, state_->SaltedNamespace(s, salt));
   KvCacheManager& cache = state_->pool_of(s).cache();
-  KVPOOL_ASSIGN_OR_RETURN(const PinId id, cache.PinPrefix(s.id, s.ns, tokens, ttl_ns, priority));
+  KVPOOL_ASSIGN_OR_RETURN(const PinId id, cache.PinPrefix(s.id, ns, tokens, ttl_ns, priority));
   return FindPin(cache, s.id, id);
 }
 
@@ -556,7 +577,9 @@ void Engine::Submit(std::unique_ptr<ComputeCall> call) {
     call->Complete();
     return;
   }
-  if (call->request().creates()) LoadFromTiers(call->session(), call->request().tokens);
+  if (call->request().creates()) {
+    LoadFromTiers(call->session(), call->request().tokens, call->request().cache_salt);
+  }
   runner_->Submit(std::move(call));
 }
 
@@ -564,6 +587,10 @@ absl::Status Engine::CheckCompute(const ComputeCall& call) {
   const ComputeRequest& r = call.request();
   const ClientLimits& limits = limits_;
   // Per call: a top_k no step can serve fails this call alone, not the step it would join.
+  if (r.cache_salt.size() > kMaxCacheSaltBytes) {
+    return absl::InvalidArgumentError(fmt::format("a cache salt of {} bytes: at most {}",
+                                                  r.cache_salt.size(), kMaxCacheSaltBytes));
+  }
   if (r.top_k < 0 || r.top_k > model_info_.vocab_size) {
     return absl::InvalidArgumentError(
         fmt::format("top_k {} outside [0, {}] (the vocabulary)", r.top_k, model_info_.vocab_size));

@@ -72,6 +72,7 @@ struct EngineStats {
   std::vector<std::string> pools;  // every pool's name
   KvCacheStats cache;
   int64_t attached_sessions = 0;  // sessions attached now (holding sequences or not)
+  size_t namespaces = 0;          // namespaces some session uses now (every pool's)
   SessionCounters sessions;
   CallCounters calls;
   ModelCounters model;
@@ -125,9 +126,12 @@ class Engine final {
   // (new sequences freed, grown ones rewound) and the call fails with the caller's status;
   // Truncate, Commit and Free, which create nothing, stand. ---
 
-  // New sequences in the session's namespace (`requests[i].ns` is ignored). Full tables.
+  // New sequences in the session's namespace, or in the namespace of `salts[i]`
+  // (EngineState::SaltedNamespace; `salts` is empty or one per request; `requests[i].ns` is
+  // ignored). Full tables. Also INVALID_ARGUMENT for a salt over kMaxCacheSaltBytes.
   absl::StatusOr<Tables> Allocate(const Session& s, std::span<const AllocateRequest> requests,
-                                  const CallContext& context);
+                                  const CallContext& context,
+                                  std::span<const std::string> salts = {});
   // The changed tail of each table, in request order.
   absl::StatusOr<Tables> Grow(const Session& s, std::span<const GrowRequest> requests,
                               const CallContext& context);
@@ -139,14 +143,15 @@ class Engine final {
                       std::span<const int32_t> new_tokens, const CallContext& context);
   absl::Status Free(const Session& s, std::span<const SequenceId> sequences, OnFree on_free,
                     const CallContext& context);
-  absl::StatusOr<int64_t> MatchPrefix(const Session& s, std::span<const int32_t> tokens) const;
+  absl::StatusOr<int64_t> MatchPrefix(const Session& s, std::span<const int32_t> tokens,
+                                      std::string_view salt = {}) const;
 
   // --- Retention pins (kvpool.proto PinRequest; KvCacheManager::PinPrefix for the rules). Pins
   // live in the session's pool, in its namespace, and end with the session. A compute-only
   // session may pin (a pin hands out nothing to write); a priority above the tenant's ceiling is
   // PERMISSION_DENIED. Errors otherwise as the manager's, plus those of every session call. ---
   absl::StatusOr<PinInfo> PinPrefix(const Session& s, std::span<const int32_t> tokens,
-                                    int64_t ttl_ns, int priority);
+                                    int64_t ttl_ns, int priority, std::string_view salt = {});
   absl::StatusOr<PinInfo> PinSequence(const Session& s, SequenceId sequence, int64_t ttl_ns,
                                       int priority);
   // The pin as renewed.
@@ -242,7 +247,8 @@ class Engine final {
   // Before a prompt is matched: promotes from the pool's tiers (tiers.h) the blocks of `prompt`
   // after its locally cached prefix that a tier holds, so the match that follows finds them.
   // Best effort: a miss, no room or a device failure leaves the pool as it was (counted).
-  void LoadFromTiers(const Session& s, std::span<const int32_t> prompt) ABSL_LOCKS_EXCLUDED(mu_);
+  void LoadFromTiers(const Session& s, std::span<const int32_t> prompt, std::string_view salt)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // What a compute call may ask, checked before it queues: top_k, the prompt against the
   // context, the decode width, and the session's queued calls. Errors: INVALID_ARGUMENT,
   // OUT_OF_RANGE, RESOURCE_EXHAUSTED.

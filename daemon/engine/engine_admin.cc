@@ -23,6 +23,7 @@ EngineStats Engine::Stats(int32_t pool_index) const {
   for (const auto& [id, session] : state_->sessions()) {
     s.attached_sessions += session->pool == pool_index ? 1 : 0;
   }
+  s.namespaces = state_->namespaces().size();
   s.sessions = state_->session_counters;
   s.calls = state_->call_counters;
   s.model = pool.model_counters;

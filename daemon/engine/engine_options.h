@@ -44,6 +44,8 @@ struct ClientLimits {
   int32_t batch_items = 4096;             // items of one Allocate, Grow or Free
   int32_t queued_calls_per_session = 64;  // Prefill/Decode calls queued or in a step
   int32_t decode_width = 512;             // sequences of one Decode
+  // Cache salts one session holds sequences or pins under at once (EngineState::SaltedNamespace).
+  int32_t cache_salts_per_session = 4096;
 };
 
 struct EngineOptions {

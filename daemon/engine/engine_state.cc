@@ -1,9 +1,9 @@
 #include "daemon/engine/engine_state.h"
 
+#include "absl/container/flat_hash_set.h"
 #include "fmt/format.h"
 #include "kvpool/util/check.h"
 #include "kvpool/util/status_macros.h"
-#include "xxhash.h"
 
 namespace kvpool::daemon {
 
@@ -33,14 +33,11 @@ absl::StatusOr<int32_t> EngineState::FindPool(std::string_view name) const {
   return absl::NotFoundError(fmt::format("no pool '{}'", name));
 }
 
-NamespaceId EngineState::NamespaceOf(const PoolState& pool, std::string_view tenant,
-                                     std::string_view model) const {
-  // Length-prefixed parts: no choice of tenant and model strings makes two keys collide. The
-  // layout's hash keeps pools of other shapes apart (their blocks are not interchangeable).
-  const std::string key = fmt::format("{}:{}{}:{}{:016x}", tenant.size(), tenant, model.size(),
-                                      model, pool.layout().Hash());
-  const uint64_t h = XXH3_64bits(key.data(), key.size());
-  return NamespaceId(h == 0 ? 1 : h);
+NamespaceKey EngineState::KeyOf(const Session& s, std::string_view salt) const {
+  return {.layout_hash = pool(s.pool).layout().Hash(),
+          .tenant = s.spec.tenant,
+          .model = s.spec.model,
+          .salt = salt};
 }
 
 absl::StatusOr<TenantLimits> EngineState::LimitsOf(const std::string& tenant) const {
@@ -62,13 +59,6 @@ absl::StatusOr<TenantLimits> EngineState::LimitsOf(const std::string& tenant) co
 }
 
 namespace {
-
-// The quota group of every namespace of `tenant` (KvCacheManager::SetNamespaceQuota): never 0.
-uint64_t QuotaGroupOf(std::string_view tenant) {
-  const std::string key = fmt::format("quota:{}", tenant);
-  const uint64_t h = XXH3_64bits(key.data(), key.size());
-  return h == 0 ? 1 : h;
-}
 
 // Counting without inserting: a refused attach must leave no entry behind.
 template <typename Map, typename Key>
@@ -95,33 +85,26 @@ absl::StatusOr<std::shared_ptr<const Session>> EngineState::Open(SessionSpec spe
         fmt::format("uid {} has its {} sessions attached already (limits.sessions_per_uid)",
                     spec.uid, options_.limits.sessions_per_uid));
   }
-  PoolState* pool = limits.ok() ? &this->pool(limits->pool) : nullptr;
-  const NamespaceId ns = pool ? NamespaceOf(*pool, spec.tenant, spec.model) : NamespaceId(0);
-  if (limits.ok() && limits->quota_blocks > 0) {
-    if (absl::Status s =
-            pool->cache().SetNamespaceQuota(ns, limits->quota_blocks, QuotaGroupOf(spec.tenant));
-        !s.ok()) {
-      limits = s;
-    }
-  }
   if (!limits.ok()) {
     ++session_counters.refused;
     return limits.status();
   }
+  PoolState* pool = &this->pool(limits->pool);
   auto session = std::make_shared<Session>();
   session->id = SessionId(next_session_++);
   session->token = NewToken();
-  session->ns = ns;
   session->opened_ns = now();
   session->pool = limits->pool;
   session->max_priority = limits->max_priority;
+  session->quota_blocks = limits->quota_blocks;
   session->spec = std::move(spec);
+  session->ns = namespaces_.Acquire(KeyOf(*session, ""));
+  JoinQuota(*session, session->ns);
   if (options_.session_quota_blocks > 0) {
     KVPOOL_CHECK_OK(pool->cache().SetSessionQuota(session->id, options_.session_quota_blocks));
   }
   ++sessions_of_tenant_[session->spec.tenant];
   ++sessions_of_uid_[session->spec.uid];
-  ++sessions_of_ns_[{session->pool, ns}];
   live_.emplace(session->id, session);
   by_token_.emplace(session->token, session->id);
   ++session_counters.opened;
@@ -150,11 +133,12 @@ int64_t EngineState::End(SessionId id, SessionEnd how) {
   if (--sessions_of_uid_[session->spec.uid] == 0) sessions_of_uid_.erase(session->spec.uid);
   KvCacheManager& cache = pool_of(*session).cache();
   const int64_t released = cache.FreeSession(id);
-  const std::pair<int32_t, NamespaceId> ns{session->pool, session->ns};
-  if (--sessions_of_ns_[ns] == 0) {
-    sessions_of_ns_.erase(ns);
-    KVPOOL_CHECK_OK(cache.SetNamespaceQuota(session->ns, kUnlimited));  // no longer in its group
+  // Nothing of the session is left in its namespaces: they are no longer its.
+  if (auto salted = salts_.find(id); salted != salts_.end()) {
+    for (const auto& [salt, ns] : salted->second) LeaveNamespace(*session, ns);
+    salts_.erase(salted);
   }
+  LeaveNamespace(*session, session->ns);
   session_counters.sequences_released += static_cast<uint64_t>(released);
   switch (how) {
     case SessionEnd::kDetached:
@@ -168,6 +152,72 @@ int64_t EngineState::End(SessionId id, SessionEnd how) {
       break;
   }
   return released;
+}
+
+}  // namespace kvpool::daemon
+
+namespace kvpool::daemon {
+
+void EngineState::JoinQuota(const Session& s, NamespaceId ns) {
+  if (s.quota_blocks <= 0) return;
+  // Cannot fail: the quota is positive and the namespace is not 0.
+  KVPOOL_CHECK_OK(pool(s.pool).cache().SetNamespaceQuota(ns, s.quota_blocks,
+                                                         namespaces_.QuotaGroup(s.spec.tenant)));
+}
+
+void EngineState::LeaveNamespace(const Session& s, NamespaceId ns) {
+  // The last user gone, the namespace holds nothing of anyone's: out of its quota group, so that
+  // namespaces no one uses do not pile up there.
+  if (namespaces_.Release(ns) && s.quota_blocks > 0) {
+    KVPOOL_CHECK_OK(pool(s.pool).cache().SetNamespaceQuota(ns, kUnlimited));
+  }
+}
+
+absl::StatusOr<NamespaceId> EngineState::PeekNamespace(const Session& s,
+                                                       std::string_view salt) const {
+  if (salt.size() > kMaxCacheSaltBytes) {
+    return absl::InvalidArgumentError(
+        fmt::format("a cache salt of {} bytes: at most {}", salt.size(), kMaxCacheSaltBytes));
+  }
+  return salt.empty() ? s.ns : namespaces_.Peek(KeyOf(s, salt));
+}
+
+absl::StatusOr<NamespaceId> EngineState::SaltedNamespace(const Session& s, std::string_view salt) {
+  KVPOOL_ASSIGN_OR_RETURN(const NamespaceId peeked, PeekNamespace(s, salt));
+  if (salt.empty()) return peeked;
+  auto& mine = salts_[s.id];
+  if (mine.contains(absl::string_view(salt.data(), salt.size()))) return peeked;
+  const size_t most = static_cast<size_t>(options_.limits.cache_salts_per_session);
+  if (mine.size() >= most) PruneSalts(s);
+  if (mine.size() >= most) {
+    ++call_counters.over_limit;
+    return absl::ResourceExhaustedError(
+        fmt::format("session {} holds sequences or pins under {} cache salts: at most {} "
+                    "(limits.cache_salts_per_session)",
+                    s.id.value(), mine.size(), most));
+  }
+  const NamespaceId ns = namespaces_.Acquire(KeyOf(s, salt));
+  JoinQuota(s, ns);
+  mine.emplace(std::string(salt), ns);
+  return ns;
+}
+
+void EngineState::PruneSalts(const Session& s) {
+  const KvCacheManager& cache = pool(s.pool).cache();
+  absl::flat_hash_set<NamespaceId> held;
+  cache.ForEachSequence([&](const Sequence& seq) {
+    if (seq.session == s.id) held.insert(seq.ns);
+  });
+  for (const PinInfo& pin : cache.ListPins(s.id)) held.insert(pin.ns);
+  auto& mine = salts_[s.id];
+  for (auto it = mine.begin(); it != mine.end();) {
+    if (held.contains(it->second)) {
+      ++it;
+      continue;
+    }
+    LeaveNamespace(s, it->second);
+    mine.erase(it++);
+  }
 }
 
 }  // namespace kvpool::daemon

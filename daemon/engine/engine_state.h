@@ -13,6 +13,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "daemon/engine/engine_options.h"
+#include "daemon/engine/namespace_table.h"
 #include "daemon/engine/pool_state.h"
 #include "daemon/engine/session.h"
 #include "kernels/device.h"
@@ -55,8 +56,6 @@ class EngineState final {
   absl::StatusOr<int32_t> FindPool(std::string_view name) const;
 
   // Sessions.
-  NamespaceId NamespaceOf(const PoolState& pool, std::string_view tenant,
-                          std::string_view model) const;
   // Opens a session the attach policy accepted, within its tenant's limits. A tenant with a quota
   // has it set on the session's namespace, in the tenant's quota group: the quota bounds the sum
   // over every namespace (model) of the tenant. Errors: PERMISSION_DENIED (an unknown tenant, or
@@ -75,6 +74,19 @@ class EngineState final {
     return live_;
   }
 
+  // Namespaces (namespace_table.h). The namespace of `s`'s calls with cache salt `salt`
+  // (kvpool.proto AllocateItem.cache_salt; empty: the session's own, s.ns). A salt's first use by
+  // the session makes its namespace one of the session's: in the table, and in the tenant's
+  // quota group when the tenant has a quota, until the session ends. A session that has used
+  // limits.cache_salts_per_session salts first lets go of those it holds no sequence or pin in.
+  // Errors: INVALID_ARGUMENT (a salt over kMaxCacheSaltBytes), RESOURCE_EXHAUSTED (it holds
+  // sequences or pins in that many salted namespaces); nothing has changed.
+  absl::StatusOr<NamespaceId> SaltedNamespace(const Session& s, std::string_view salt);
+  // The namespace SaltedNamespace would give, without making it the session's (lookups).
+  // Errors: INVALID_ARGUMENT (a salt over kMaxCacheSaltBytes).
+  absl::StatusOr<NamespaceId> PeekNamespace(const Session& s, std::string_view salt) const;
+  const NamespaceTable& namespaces() const { return namespaces_; }
+
   bool draining = false;
   SessionCounters session_counters;
   CallCounters call_counters;
@@ -84,20 +96,31 @@ class EngineState final {
  private:
   EngineState(const EngineOptions& options, tier::DeploymentSecret secret,
               std::vector<std::unique_ptr<PoolState>> pools)
-      : options_(options), secret_(std::move(secret)), pools_(std::move(pools)) {}
+      : options_(options),
+        secret_(std::move(secret)),
+        pools_(std::move(pools)),
+        namespaces_(&secret_) {}
   // The limits of `tenant`. Errors: PERMISSION_DENIED when tenants are configured and it is not.
   absl::StatusOr<TenantLimits> LimitsOf(const std::string& tenant) const;
+  NamespaceKey KeyOf(const Session& s, std::string_view salt) const;
+  // Puts a namespace the table has just given `s` into its tenant's quota group (a no-op for a
+  // tenant without a quota); a namespace the table forgot leaves it.
+  void JoinQuota(const Session& s, NamespaceId ns);
+  void LeaveNamespace(const Session& s, NamespaceId ns);
+  // Lets go of the salted namespaces of `s` it holds no sequence or pin in.
+  void PruneSalts(const Session& s);
 
   const EngineOptions options_;
   const tier::DeploymentSecret secret_;
   const std::vector<std::unique_ptr<PoolState>> pools_;
+  NamespaceTable namespaces_;
+  // The salted namespaces each session has made its own, by salt.
+  absl::flat_hash_map<SessionId, absl::flat_hash_map<std::string, NamespaceId>> salts_;
   uint64_t next_session_ = 1;
   absl::flat_hash_map<SessionId, std::shared_ptr<const Session>> live_;
   absl::flat_hash_map<std::string, SessionId> by_token_;
   absl::flat_hash_map<std::string, int32_t> sessions_of_tenant_;
   absl::flat_hash_map<uid_t, int32_t> sessions_of_uid_;
-  // Live sessions by (pool, namespace).
-  absl::flat_hash_map<std::pair<int32_t, NamespaceId>, int32_t> sessions_of_ns_;
 };
 
 }  // namespace kvpool::daemon

@@ -16,6 +16,9 @@
 
 namespace kvpool::daemon {
 
+// The longest cache salt a call may name (kvpool.proto AllocateItem.cache_salt).
+inline constexpr size_t kMaxCacheSaltBytes = 256;
+
 // Who attached and what they claimed, as the attach policy accepted it.
 struct SessionSpec {
   std::string client_name;  // for operators (kvpoolctl sessions)
@@ -40,6 +43,7 @@ struct Session {
   int64_t opened_ns = 0;     // the engine clock's reading at attach
   int32_t pool = 0;          // the pool its sequences live in (EngineOptions::pools)
   int32_t max_priority = 0;  // the highest prefix-cache priority its tenant allows
+  int64_t quota_blocks = 0;  // its tenant's block quota, over all its namespaces (0: none)
   // Its ComputeCalls alive (queued, in a step, or completing): ClientLimits bounds them.
   mutable std::atomic<int32_t> compute_calls{0};
 };

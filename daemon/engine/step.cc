@@ -119,7 +119,11 @@ absl::Status Step::PlanNew(EngineState& state, ComputeCall& call, Entry* entry) 
   std::vector<TableChange> changes;
   model::PlannedItem item;
   if (r.prefill()) {
-    KVPOOL_RETURN_IF_ERROR(model::PlanPrefill(pool.cache(), s.id, s.ns, r.sequence, r.tokens,
+    NamespaceId ns = s.ns;
+    if (r.creates()) {
+      KVPOOL_ASSIGN_OR_RETURN(ns, state.SaltedNamespace(s, r.cache_salt));
+    }
+    KVPOOL_RETURN_IF_ERROR(model::PlanPrefill(pool.cache(), s.id, ns, r.sequence, r.tokens,
                                               r.priority, limits_, &item, &plan, &changes));
   } else {
     KVPOOL_RETURN_IF_ERROR(

@@ -2,9 +2,11 @@
 
 #include "daemon/edge/config.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <fstream>
 
 #include "gmock/gmock.h"
@@ -198,6 +200,32 @@ TEST(ConfigTest, ShapeDTypeProblemsAreOneLineEach) {
   EXPECT_THAT(message, HasSubstr("shape.layers[1]: sets no dtype"));
   EXPECT_THAT(message, HasSubstr("shape.layers[2]: names no layer"));
   EXPECT_THAT(message, HasSubstr("shape.layers[2].v_dtype: unknown dtype 'int4'"));
+}
+
+}  // namespace
+}  // namespace kvpool::daemon
+
+namespace kvpool::daemon {
+namespace {
+
+TEST(ConfigTest, TheSecretFileIsReadAndAnOpenOneRefused) {
+  const std::string path = ::testing::TempDir() + "/kvpool-config-test-secret";
+  std::remove(path.c_str());
+  { std::ofstream(path) << "0123456789abcdef0123456789abcdef"; }
+  v1::DaemonConfig c = DefaultConfig();
+  c.set_secret_file(path);
+  ASSERT_EQ(chmod(path.c_str(), 0644), 0);
+  absl::StatusOr<EngineOptions> o = MakeEngineOptions(c, 1);
+  EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(o.status().message()), ::testing::HasSubstr("secret_file"));
+  ASSERT_EQ(chmod(path.c_str(), 0600), 0);
+  o = MakeEngineOptions(c, 1);
+  ASSERT_TRUE(o.ok()) << o.status();
+  ASSERT_TRUE(o->secret.has_value());
+  EXPECT_EQ(o->secret->fingerprint(),
+            tier::DeploymentSecret::FromBytes("0123456789abcdef0123456789abcdef").fingerprint());
+  EXPECT_FALSE(MakeEngineOptions(DefaultConfig(), 1)->secret.has_value());  // random at start
+  std::remove(path.c_str());
 }
 
 }  // namespace

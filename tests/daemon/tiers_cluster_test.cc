@@ -55,6 +55,8 @@ class TiersClusterTest : public ::testing::Test {
     options.tiers.redis.cluster_seeds = cluster_.Seeds();
     options.tiers.redis.key_slotting = tier::KeySlotting::kBlock;
     options.tiers.redis.command_timeout = absl::Seconds(5);
+    // Both daemons key namespace ids and tier keys by the same deployment secret.
+    options.secret = tier::DeploymentSecret::FromBytes("tiers_cluster_test shared secret!");
     absl::StatusOr<std::unique_ptr<Engine>> engine =
         Engine::Create(options, &node->device, /*model=*/nullptr);
     EXPECT_TRUE(engine.ok()) << engine.status();

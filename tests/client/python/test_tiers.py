@@ -24,6 +24,11 @@ class Redis:
     def __init__(self):
         self.dir = tempfile.mkdtemp(prefix="kvpool-redis-")
         self.socket = os.path.join(self.dir, "redis.sock")
+        # The deployment secret both daemons name: namespace ids and tier keys are keyed by it.
+        self.secret = os.path.join(self.dir, "secret")
+        fd = os.open(self.secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, os.urandom(32))
+        os.close(fd)
         self.process = None
         self.start()
 
@@ -51,9 +56,10 @@ def until(predicate, what, timeout=10):
         raise AssertionError(f"timed out waiting for {what}")
 
 
-def redis_config(socket_path, extra=""):
-    return (SMALL_CONFIG + "\ntiers { redis { enabled: true unix_socket: "
-            f'"{socket_path}" connect_timeout_ms: 100 command_timeout_ms: 200 '
+def redis_config(redis, extra=""):
+    return (SMALL_CONFIG + f'\nsecret_file: "{redis.secret}"\n'
+            "tiers { redis { enabled: true unix_socket: "
+            f'"{redis.socket}" connect_timeout_ms: 100 command_timeout_ms: 200 '
             f"breaker_backoff_ms: 200 }} {extra} }}\n")
 
 
@@ -100,7 +106,7 @@ class RedisTierTest(unittest.TestCase):
         self.addCleanup(self.redis.close)
 
     def test_a_prefix_committed_on_one_daemon_is_a_hit_on_another(self):
-        config = redis_config(self.redis.socket)
+        config = redis_config(self.redis)
         with Daemon(config) as a, Daemon(config) as b:
             written = py_kv("write", a.dir, PROMPT_TOKENS, 42)
             checksum = written.split()[1]
@@ -120,7 +126,7 @@ class RedisTierTest(unittest.TestCase):
                 self.assertTrue(cb.check_invariants().ok)
 
     def test_a_corrupted_value_is_a_miss_never_data(self):
-        config = redis_config(self.redis.socket)
+        config = redis_config(self.redis)
         with Daemon(config) as a, Daemon(config) as b:
             py_kv("write", a.dir, PROMPT_TOKENS, 9)
             with kvpool.Client.connect(a.dir, client_name="watch-a") as ca:
@@ -145,7 +151,7 @@ class RedisTierTest(unittest.TestCase):
                 self.assertTrue(cb.check_invariants().ok)
 
     def test_redis_down_costs_no_call_and_hits_resume_when_it_is_back(self):
-        config = redis_config(self.redis.socket)
+        config = redis_config(self.redis)
         with Daemon(config) as a, Daemon(config) as b:
             self.redis.kill()
             # Every call still works while Redis is gone; the breaker opens (three failed round

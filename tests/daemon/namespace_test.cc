@@ -1,0 +1,248 @@
+// Namespaces (DESIGN.md §1, §7; daemon/engine/namespace_table.h): ids from a table under a keyed
+// MAC, never an unkeyed hash of client strings; cache salts that split a session's namespace.
+
+#include <cstring>
+#include <string>
+
+#include "daemon/engine/engine.h"
+#include "daemon/engine/namespace_table.h"
+#include "gtest/gtest.h"
+#include "tests/daemon/engine_test_util.h"
+
+#define XXH_INLINE_ALL
+#include "xxhash.h"
+
+namespace kvpool::daemon {
+namespace {
+
+using testing::FailingDevice;
+using testing::Prompt;
+using testing::SmallPool;
+using testing::Spec;
+
+const tier::DeploymentSecret& TestSecret() {
+  static const tier::DeploymentSecret secret =
+      tier::DeploymentSecret::FromBytes("0123456789abcdef0123456789abcdef");
+  return secret;
+}
+
+TEST(NamespaceTableTest, AKeyKeepsItsIdAndOtherKeysGetOthers) {
+  NamespaceTable table(&TestSecret());
+  const NamespaceId a = table.Acquire({.layout_hash = 1, .tenant = "a", .model = "m"});
+  EXPECT_EQ(table.Acquire({.layout_hash = 1, .tenant = "a", .model = "m"}), a);
+  EXPECT_NE(table.Acquire({.layout_hash = 1, .tenant = "a", .model = "m", .salt = "s"}), a);
+  EXPECT_NE(table.Acquire({.layout_hash = 2, .tenant = "a", .model = "m"}), a);
+  EXPECT_NE(table.Acquire({.layout_hash = 1, .tenant = "am", .model = ""}), a);
+  EXPECT_EQ(table.size(), 4u);
+  EXPECT_EQ(table.Peek({.layout_hash = 1, .tenant = "a", .model = "m"}), a);
+}
+
+TEST(NamespaceTableTest, AReleasedKeyComesBackWithTheSameId) {
+  NamespaceTable table(&TestSecret());
+  const NamespaceKey key{.layout_hash = 1, .tenant = "a", .model = "m"};
+  const NamespaceId id = table.Acquire(key);
+  table.Acquire(key);
+  EXPECT_FALSE(table.Release(id));
+  EXPECT_TRUE(table.Release(id));
+  EXPECT_EQ(table.size(), 0u);
+  EXPECT_EQ(table.Peek(key), id);
+  EXPECT_EQ(table.Acquire(key), id);  // what the cache holds under it stays reachable
+}
+
+TEST(NamespaceTableTest, OtherSecretsGiveOtherIds) {
+  const tier::DeploymentSecret other = tier::DeploymentSecret::Random();
+  NamespaceTable mine(&TestSecret()), theirs(&other);
+  const NamespaceKey key{.layout_hash = 1, .tenant = "a", .model = "m"};
+  EXPECT_NE(mine.Acquire(key), theirs.Acquire(key));
+}
+
+// A derivation that gives every key the same first id: the table still keeps keys apart.
+TEST(NamespaceTableTest, ACollisionOfTheMacNeverMergesTwoKeys) {
+  NamespaceTable table(&TestSecret(), [](std::string_view encoded, uint64_t round) {
+    return round == 0 ? uint64_t{7} : XXH3_64bits(encoded.data(), encoded.size()) + round;
+  });
+  const NamespaceId a = table.Acquire({.layout_hash = 1, .tenant = "a", .model = "m"});
+  const NamespaceId b = table.Acquire({.layout_hash = 1, .tenant = "b", .model = "m"});
+  EXPECT_EQ(a, NamespaceId(7));
+  EXPECT_NE(b, a);
+  EXPECT_EQ(table.collisions(), 1u);
+  EXPECT_EQ(table.Peek({.layout_hash = 1, .tenant = "b", .model = "m"}), b);
+}
+
+// The scheme kvpool used before: XXH3-64 of "<len>:<tenant><len>:<model><layout:016x>".
+uint64_t OldNamespace(std::string_view tenant, std::string_view model, uint64_t layout) {
+  std::string key = std::to_string(tenant.size()) + ":" + std::string(tenant) +
+                    std::to_string(model.size()) + ":" + std::string(model);
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(layout));
+  key += hex;
+  return XXH3_64bits(key.data(), key.size());
+}
+
+uint64_t Read64(const void* p) {
+  uint64_t v;
+  std::memcpy(&v, p, 8);
+  return v;
+}
+
+// XXH3-64 of 33-64 bytes (xxhash.h, XXH3_len_17to128_64b) adds up four independent 16-byte chunk
+// mixes, mix(c) = fold64(c.lo ^ s.lo, c.hi ^ s.hi) with its default secret's words s, then
+// avalanches the sum. fold64(1, t) = t, so a chunk the attacker fully controls can contribute any
+// value: set it to cancel what its different tenant name changed in chunk 0. Returns attacker's
+// model string (42 bytes: a 64-byte key whose chunks 16..31 lie inside it).
+std::string ForgeModel(std::string_view victim_tenant, std::string_view victim_model,
+                       std::string_view attacker_tenant, uint64_t layout) {
+  auto key_of = [&](std::string_view tenant, std::string_view model) {
+    char hex[17];
+    std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(layout));
+    return std::to_string(tenant.size()) + ":" + std::string(tenant) +
+           std::to_string(model.size()) + ":" + std::string(model) + hex;
+  };
+  auto mix = [](const std::string& key, size_t at, size_t secret_at) {
+    return XXH3_mul128_fold64(Read64(key.data() + at) ^ Read64(XXH3_kSecret + secret_at),
+                              Read64(key.data() + at + 8) ^ Read64(XXH3_kSecret + secret_at + 8));
+  };
+  const std::string victim = key_of(victim_tenant, victim_model);
+  std::string model(victim_model);
+  std::string attacker = key_of(attacker_tenant, model);
+  EXPECT_EQ(victim.size(), 64u);
+  EXPECT_EQ(attacker.size(), 64u);
+  // Chunk 16 (secret words at 32) is inside the model string, which starts at byte 6.
+  const uint64_t target = mix(victim, 0, 0) + mix(victim, 16, 32) - mix(attacker, 0, 0);
+  const uint64_t lo = 1 ^ Read64(XXH3_kSecret + 32);
+  const uint64_t hi = target ^ Read64(XXH3_kSecret + 40);
+  std::memcpy(model.data() + 10, &lo, 8);
+  std::memcpy(model.data() + 18, &hi, 8);
+  return model;
+}
+
+class NamespaceTest : public ::testing::Test {
+ protected:
+  void SetUp() override { Make(SmallPool(64)); }
+  void Make(EngineOptions options) {
+    options.secret = TestSecret();
+    engine_ = std::move(*Engine::Create(options, &device_, /*model=*/nullptr));
+  }
+  std::shared_ptr<const Session> Open(std::string tenant, std::string model = "m") {
+    SessionSpec spec = Spec(std::move(tenant));
+    spec.model = std::move(model);
+    absl::StatusOr<std::shared_ptr<const Session>> s = engine_->OpenSession(spec);
+    EXPECT_TRUE(s.ok()) << s.status();
+    return *s;
+  }
+  absl::StatusOr<Tables> Allocate(const Session& s, std::span<const int32_t> prompt,
+                                  std::string salt = "") {
+    const AllocateRequest request{.num_tokens = static_cast<int64_t>(prompt.size()),
+                                  .prompt = prompt};
+    const std::string salts[] = {std::move(salt)};
+    return engine_->Allocate(s, std::span(&request, 1), CallContext::Uncancellable(), salts);
+  }
+  // `s` computes and publishes `prompt` (under `salt`).
+  void Publish(const Session& s, std::span<const int32_t> prompt, std::string salt = "") {
+    absl::StatusOr<Tables> t = Allocate(s, prompt, std::move(salt));
+    ASSERT_TRUE(t.ok()) << t.status();
+    const SequenceId id = t->slices[0].sequence;
+    ASSERT_TRUE(
+        engine_->Free(s, std::span(&id, 1), OnFree::kCommit, CallContext::Uncancellable()).ok());
+  }
+  int64_t Matched(const Session& s, std::span<const int32_t> prompt, std::string salt = "") {
+    absl::StatusOr<int64_t> m = engine_->MatchPrefix(s, prompt, salt);
+    EXPECT_TRUE(m.ok()) << m.status();
+    return m.value_or(-1);
+  }
+
+  FailingDevice device_;
+  std::unique_ptr<Engine> engine_;
+};
+
+// The attack from issue 27: a model string crafted from XXH3's structure put a session of
+// tenant b into tenant a's namespace, where it matched a's cached prompt.
+TEST_F(NamespaceTest, AModelStringForgedAgainstXxh3LandsInItsOwnNamespace) {
+  const std::string victim_model(42, 'x');
+  const uint64_t layout = engine_->layout().Hash();
+  const std::string forged = ForgeModel("a", victim_model, "b", layout);
+  ASSERT_EQ(OldNamespace("a", victim_model, layout), OldNamespace("b", forged, layout))
+      << "the forgery must collide under the old scheme, or this test proves nothing";
+
+  std::shared_ptr<const Session> victim = Open("a", victim_model);
+  std::shared_ptr<const Session> attacker = Open("b", forged);
+  EXPECT_NE(victim->ns, attacker->ns);
+  const std::vector<int32_t> prompt = Prompt(64, 1);
+  Publish(*victim, prompt);
+  EXPECT_EQ(Matched(*victim, prompt), 64);
+  EXPECT_EQ(Matched(*attacker, prompt), 0);
+}
+
+TEST_F(NamespaceTest, CallsWithOtherSaltsShareNothing) {
+  std::shared_ptr<const Session> s = Open("frontend");
+  const std::vector<int32_t> prompt = Prompt(64, 2);
+  Publish(*s, prompt, "user-1");
+  EXPECT_EQ(Matched(*s, prompt, "user-1"), 64);
+  EXPECT_EQ(Matched(*s, prompt, "user-2"), 0);
+  EXPECT_EQ(Matched(*s, prompt), 0);
+  absl::StatusOr<Tables> other = Allocate(*s, prompt, "user-2");
+  ASSERT_TRUE(other.ok()) << other.status();
+  EXPECT_EQ(other->slices[0].matched_tokens, 0);
+  absl::StatusOr<Tables> same = Allocate(*s, prompt, "user-1");
+  ASSERT_TRUE(same.ok()) << same.status();
+  EXPECT_EQ(same->slices[0].matched_tokens, 64);
+  // Another session of the same tenant and model shares the salt's namespace.
+  EXPECT_EQ(Matched(*Open("frontend"), prompt, "user-1"), 64);
+  EXPECT_TRUE(engine_->CheckInvariants().ok());
+}
+
+TEST_F(NamespaceTest, AnOversizedSaltIsAnArgumentErrorThatChangesNothing) {
+  std::shared_ptr<const Session> s = Open("frontend");
+  const std::vector<int32_t> prompt = Prompt(32, 3);
+  const std::string salt(kMaxCacheSaltBytes + 1, 's');
+  EXPECT_TRUE(absl::IsInvalidArgument(Allocate(*s, prompt, salt).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(engine_->MatchPrefix(*s, prompt, salt).status()));
+  EXPECT_EQ(engine_->Stats().cache.pool.active, 0);
+  EXPECT_TRUE(Allocate(*s, prompt, std::string(kMaxCacheSaltBytes, 's')).ok());
+}
+
+TEST_F(NamespaceTest, SaltsDoNotEscapeTheTenantsQuota) {
+  EngineOptions options = SmallPool(64);
+  options.open_quota_blocks["tight"] = 4;
+  Make(options);
+  std::shared_ptr<const Session> s = Open("tight");
+  const std::vector<int32_t> three = Prompt(48, 4);
+  ASSERT_TRUE(Allocate(*s, three, "one").ok());
+  EXPECT_TRUE(absl::IsResourceExhausted(Allocate(*s, three, "two").status()));
+  EXPECT_TRUE(Allocate(*s, Prompt(16, 5), "three").ok());
+  EXPECT_TRUE(absl::IsResourceExhausted(Allocate(*s, Prompt(16, 6), "four").status()));
+}
+
+TEST_F(NamespaceTest, ASessionLetsGoOfSaltsItHoldsNothingUnder) {
+  EngineOptions options = SmallPool(64);
+  options.limits.cache_salts_per_session = 2;
+  Make(options);
+  std::shared_ptr<const Session> s = Open("frontend");
+  const std::vector<int32_t> prompt = Prompt(16, 7);
+  absl::StatusOr<Tables> held = Allocate(*s, prompt, "held-1");
+  ASSERT_TRUE(held.ok());
+  ASSERT_TRUE(Allocate(*s, prompt, "held-2").ok());
+  // Both salts hold a sequence: a third is over the limit.
+  EXPECT_TRUE(absl::IsResourceExhausted(Allocate(*s, prompt, "third").status()));
+  const SequenceId first = held->slices[0].sequence;
+  ASSERT_TRUE(
+      engine_->Free(*s, std::span(&first, 1), OnFree::kCommit, CallContext::Uncancellable()).ok());
+  // held-1 holds nothing now: it goes, and the third salt takes its place.
+  EXPECT_TRUE(Allocate(*s, prompt, "third").ok());
+  // Its namespace is out of the table; the blocks it published stay matchable by its salt.
+  EXPECT_EQ(Matched(*s, prompt, "held-1"), 16);
+  EXPECT_TRUE(engine_->CheckInvariants().ok());
+}
+
+TEST_F(NamespaceTest, EndingTheSessionForgetsItsNamespaces) {
+  const size_t before = engine_->Stats().namespaces;
+  std::shared_ptr<const Session> s = Open("frontend");
+  ASSERT_TRUE(Allocate(*s, Prompt(16, 8), "a").ok());
+  ASSERT_TRUE(Allocate(*s, Prompt(16, 8), "b").ok());
+  EXPECT_EQ(engine_->Stats().namespaces, before + 3);
+  engine_->EndSession(s->id, SessionEnd::kDetached);
+  EXPECT_EQ(engine_->Stats().namespaces, before);
+}
+
+}  // namespace
+}  // namespace kvpool::daemon
