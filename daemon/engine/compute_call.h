@@ -6,6 +6,9 @@
 //   result    the outcome; written by the step that completes the call (Step)
 //   progress  a prefill under way between chunks (PrefillProgress); owned here, advanced by Step
 //   queue     the scheduler's bookkeeping (arrival, steps passed over, this step's chunk)
+//   promotion blocks the tiers had for a new sequence's prompt, held until its plan adopts them;
+//             set by Engine::Submit, released (engine lock held) by Step when it plans or drops
+//             the call
 // The StepRunner owns the call while it is queued or in a step and hands it to `done` exactly once.
 
 #include <cstdint>
@@ -18,6 +21,7 @@
 #include "absl/status/status.h"
 #include "daemon/engine/call_context.h"
 #include "daemon/engine/prefill_progress.h"
+#include "daemon/engine/promotion_hold.h"
 #include "daemon/engine/session.h"
 #include "model/step_model.h"
 #include "model/step_planner.h"
@@ -89,6 +93,8 @@ class ComputeCall final {
     if (progress_) return progress_->left();
     return static_cast<int64_t>(request_.tokens.size());
   }
+
+  std::optional<PromotionHold> promotion;
 
   // Scheduler bookkeeping (StepScheduler).
   int64_t arrived_ns = 0;     // engine clock, when submitted

@@ -3,6 +3,7 @@
 #include "daemon/engine/engine.h"
 
 #include "absl/cleanup/cleanup.h"
+#include "daemon/engine/promotion.h"
 #include "daemon/engine/step.h"
 #include "daemon/engine/step_runner.h"
 #include "fmt/format.h"
@@ -16,9 +17,14 @@ namespace {
 
 spdlog::logger& Log() { return Logger("daemon"); }
 
-// The owner of the sequences that promote tier hits into the pool (Engine::LoadFromTiers): no
-// session, so no client can see, free or end them.
-constexpr SessionId kTierLoader{~uint64_t{0}};
+// A priority class's range: an argument error, checked before anything about the caller.
+absl::Status CheckPriorityRange(int priority) {
+  if (priority < 0 || priority >= kNumPriorities) {
+    return absl::InvalidArgumentError(
+        fmt::format("priority {} outside [0, {})", priority, kNumPriorities));
+  }
+  return absl::OkStatus();
+}
 
 absl::Status DeviceError(const absl::Status& s) {
   return absl::InternalError(fmt::format("device: {}", s.message()));
@@ -72,6 +78,8 @@ Engine::Engine(std::unique_ptr<EngineState> state, model::StepModel* model, Mode
       model_info_(std::move(model_info)),
       started_ns_(state->now()),
       limits_(state->options().limits),
+      lock_gap_hook_(state->options().lock_gap_hook),
+      revalidate_lock_gaps_(state->options().revalidate_lock_gaps),
       tiers_([&] {
         std::vector<TierSet*> tiers;  // by pool; null without tiers
         for (int32_t i = 0; i < state->num_pools(); ++i) tiers.push_back(state->pool(i).tiers());
@@ -206,41 +214,60 @@ absl::StatusOr<Tables> Engine::Allocate(const Session& s, std::span<const Alloca
                                         std::span<const std::string> salts) {
   KVPOOL_RETURN_IF_ERROR(context.Check());
   KVPOOL_CHECK(salts.empty() || salts.size() == requests.size());
-  std::vector<AllocateRequest> items(requests.begin(), requests.end());
-  for (size_t i = 0; i < salts.size(); ++i) {
-    if (salts[i].size() > kMaxCacheSaltBytes) {
+  auto salt = [&](size_t i) -> std::string_view { return salts.empty() ? "" : salts[i]; };
+  // Arguments first, then who asks and what it may do, then limits; tier work only after all.
+  for (size_t i = 0; i < requests.size(); ++i) {
+    if (salt(i).size() > kMaxCacheSaltBytes) {
       return absl::InvalidArgumentError(fmt::format("item {}: a cache salt of {} bytes: at most {}",
-                                                    i, salts[i].size(), kMaxCacheSaltBytes));
+                                                    i, salt(i).size(), kMaxCacheSaltBytes));
+    }
+    KVPOOL_RETURN_IF_ERROR(CheckPriorityRange(requests[i].priority));
+  }
+  const Needs needs{
+      .creates = true, .kv_access = true, .items = requests.size(), .sequences = requests.size()};
+  // Who asks and what it may do, before any tier work is done for it; checked again below.
+  auto admit = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
+    KVPOOL_RETURN_IF_ERROR(Admit(s, needs));
+    for (const AllocateRequest& r : requests) {
+      KVPOOL_RETURN_IF_ERROR(CheckCeiling(s, r.priority));
+    }
+    return absl::OkStatus();
+  };
+  {
+    absl::MutexLock lock(&mu_);
+    KVPOOL_RETURN_IF_ERROR(admit());
+  }
+  std::vector<PromotionHold> holds;  // what the tiers had, held for this call's sequences
+  const absl::Cleanup unused = [&] {
+    if (holds.empty()) return;
+    absl::MutexLock lock(&mu_);
+    for (const PromotionHold& h : holds) ReleaseHold(*state_, h, /*adopted=*/false);
+  };
+  if (tiers_[static_cast<size_t>(s.pool)] != nullptr) {
+    for (size_t i = 0; i < requests.size(); ++i) {
+      if (auto hold = LoadFromTiers(s, salt(i), requests[i].prompt, context)) {
+        holds.push_back(*hold);
+      }
     }
   }
-  for (AllocateRequest& item : items) {
-    if (item.priority > s.max_priority) {
-      return absl::PermissionDeniedError(fmt::format("priority {} is above tenant {}'s ceiling {}",
-                                                     item.priority, s.spec.tenant, s.max_priority));
-    }
-  }
-  if (s.spec.kv_access) {  // else Admit refuses the call: it must not warm the cache either
-    for (size_t i = 0; i < items.size(); ++i) {
-      LoadFromTiers(s, items[i].prompt, salts.empty() ? "" : salts[i]);
-    }
-  }
+  if (!holds.empty()) InGap(LockGap::kAdoption);
   Tables out;
   std::vector<SequenceId> created;
   Fence fence;
   {
     absl::MutexLock lock(&mu_);
-    KVPOOL_RETURN_IF_ERROR(Admit(s, {.creates = true,
-                                     .kv_access = true,
-                                     .items = requests.size(),
-                                     .sequences = requests.size()}));
+    KVPOOL_RETURN_IF_ERROR(admit());  // again: the session may have ended meanwhile
+    std::vector<AllocateRequest> items(requests.begin(), requests.end());
     for (size_t i = 0; i < items.size(); ++i) {
-      KVPOOL_ASSIGN_OR_RETURN(items[i].ns,
-                              state_->SaltedNamespace(s, salts.empty() ? "" : salts[i]));
+      KVPOOL_ASSIGN_OR_RETURN(items[i].ns, state_->SaltedNamespace(s, salt(i)));
     }
     PoolState& pool = state_->pool_of(s);
     std::vector<AllocateResult> results;
     DevicePlan plan;
     KVPOOL_RETURN_IF_ERROR(pool.cache().AllocateBatch(s.id, items, &results, &plan));
+    // The new sequences matched the promoted blocks: they hold them now, the loaders can go.
+    for (const PromotionHold& h : holds) ReleaseHold(*state_, h, /*adopted=*/true);
+    holds.clear();
     for (const AllocateResult& r : results) created.push_back(r.sequence);
     const absl::StatusOr<Fence> carried = pool.Carry(plan);
     if (!carried.ok()) {
@@ -253,6 +280,7 @@ absl::StatusOr<Tables> Engine::Allocate(const Session& s, std::span<const Alloca
       pool.AppendTable(*pool.cache().Find(r.sequence), 0, r.matched_tokens, &out);
     }
   }
+  InGap(LockGap::kControlWait);
   KVPOOL_RETURN_IF_ERROR(Complete(s, fence, created, context));
   return out;
 }
@@ -360,133 +388,76 @@ absl::Status Engine::Free(const Session& s, std::span<const SequenceId> sequence
   return absl::OkStatus();
 }
 
-namespace {
-
-// The chained names of the prompt's first `full` blocks, as the prefix cache computes them.
-std::vector<BlockHash> ChainHashes(NamespaceId ns, std::span<const int32_t> prompt, size_t full,
-                                   int32_t block_size) {
-  std::vector<BlockHash> chain(full);
-  BlockHash parent;
-  for (size_t i = 0; i < full; ++i) {
-    chain[i] = parent = PrefixChainHash(parent, ns, prompt.subspan(i * block_size, block_size));
-  }
-  return chain;
+bool Engine::MayPromote(const Session& s, const CallContext& context) const {
+  return state_->health.ok() && !state_->draining && state_->CheckLive(s.id).ok() &&
+         !s.spec.tenant.empty() && context.Check().ok();
 }
 
-// Under the engine's lock: a loader sequence over the prompt's first `upto` blocks (the cached
-// ones adopted, fresh blocks for the rest) and the copies of the tier hits into the fresh ones,
-// on the transfer stream after the plan's fills. Returns the loader and the copies' fence;
-// errors (no room, a partly cached block, a copy not queued) leave the pool as it was.
-struct Loading {
-  SequenceId loader;
-  Fence copied;
-};
-absl::StatusOr<Loading> StartPromotion(PoolState& pool, kernels::Device& device, NamespaceId ns,
-                                       std::span<const int32_t> prompt, size_t local, size_t upto,
-                                       const TierSet::Found& found) {
-  KvCacheManager& cache = pool.cache();
-  const int32_t bs = cache.block_size();
-  const int64_t block_bytes = pool.layout().block_bytes();
-  DevicePlan plan;
-  KVPOOL_ASSIGN_OR_RETURN(const AllocateResult made,
-                          cache.Allocate(kTierLoader,
-                                         {.ns = ns,
-                                          .num_tokens = static_cast<int64_t>(upto) * bs,
-                                          .prompt = prompt.first(upto * bs)},
-                                         &plan));
-  if (made.matched_tokens % bs != 0) {  // a partly cached block is shared, not ours to fill
-    KVPOOL_CHECK_OK(cache.Free(kTierLoader, made.sequence));
-    return absl::AbortedError("a partly cached block");
-  }
-  absl::StatusOr<Fence> fence = pool.Carry(plan);
-  const Sequence& seq = *cache.Find(made.sequence);
-  std::vector<BlockId> targets;
-  for (size_t i = static_cast<size_t>(made.matched_tokens / bs); fence.ok() && i < upto; ++i) {
-    const BlockId block = seq.table[i];
-    void* dst = static_cast<std::byte*>(pool.view().base) + block.value() * block_bytes;
-    fence = device.CopyToDevice(kernels::StreamId::kTransfer, dst,
-                                found.block(i - local, block_bytes).data(), block_bytes);
-    targets.push_back(block);
-  }
-  // Whatever was queued keeps its blocks out of the free list until it has run.
-  const Fence queued = fence.ok() ? *fence : device.LastFence(kernels::StreamId::kTransfer);
-  if (!targets.empty()) KVPOOL_CHECK_OK(cache.MarkInFlight(targets, queued));
-  if (!fence.ok()) {
-    KVPOOL_CHECK_OK(cache.Free(kTierLoader, made.sequence));
-    return fence.status();
-  }
-  return Loading{made.sequence, *fence};
-}
-
-}  // namespace
-
-void Engine::LoadFromTiers(const Session& s, std::span<const int32_t> prompt,
-                           std::string_view salt) {
+std::optional<PromotionHold> Engine::LoadFromTiers(const Session& s, std::string_view salt,
+                                                   std::span<const int32_t> prompt,
+                                                   const CallContext& context) {
   TierSet* const tiers = tiers_[static_cast<size_t>(s.pool)];
-  if (tiers == nullptr) return;
-  const int32_t bs = layout(s.pool).block_size;
-  const size_t full = prompt.size() / static_cast<size_t>(bs);
-  if (full == 0) return;
-  // 1. The local match, under the lock.
-  PoolState* pool;
-  size_t local;
+  if (tiers == nullptr || prompt.size() < static_cast<size_t>(layout(s.pool).block_size)) {
+    return std::nullopt;
+  }
   NamespaceId ns;
   {
     absl::MutexLock lock(&mu_);
-    if (!state_->health.ok() || state_->draining || !state_->CheckLive(s.id).ok() ||
-        s.spec.tenant.empty()) {
-      return;
-    }
     absl::StatusOr<NamespaceId> peeked = state_->PeekNamespace(s, salt);
-    if (!peeked.ok()) return;
+    if (!MayPromote(s, context) || !peeked.ok()) return std::nullopt;
     ns = *peeked;
-    pool = &state_->pool_of(s);
-    local = static_cast<size_t>(pool->cache().MatchPrefix(ns, prompt) / bs);
   }
-  if (local >= full) return;
-
-  // 2. The tiers, for the blocks after it, with no lock held.
-  const std::vector<BlockHash> chain = ChainHashes(ns, prompt, full, bs);
-  TierSet::Found found = tiers->Lookup(ns, local == 0 ? BlockHash{} : chain[local - 1],
-                                       std::span(chain).subspan(local));
-  const absl::Cleanup recycle = [&] { tiers->Recycle(&found); };
-  if (found.hits == 0) return;
-  const size_t upto = local + static_cast<size_t>(found.hits);
-  const int64_t from_host = found.from_host;
-  const int64_t from_remote = found.hits - found.from_host;
-
-  // 3. The copies into fresh blocks of a loader sequence, queued under the lock.
-  const int64_t started = absl::GetCurrentTimeNanos();
-  absl::StatusOr<Loading> loading;
-  {
-    absl::MutexLock lock(&mu_);
-    if (!state_->health.ok() || state_->draining || !state_->CheckLive(s.id).ok()) return;
-    loading = StartPromotion(*pool, *device_, ns, prompt, local, upto, found);
+  Promotion promotion(s.pool, ns, prompt, layout(s.pool).block_size);
+  const absl::Cleanup recycle = [&] { promotion.Recycle(*tiers); };
+  // An eviction that shrinks the local match during the lookup sends it round again, at most
+  // this often (each round is a local match and one tier round trip).
+  constexpr int kRounds = 3;
+  for (int round = 0; round < kRounds; ++round) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (!MayPromote(s, context) || !promotion.Match(*state_)) return std::nullopt;
+    }
+    InGap(LockGap::kTierLookup);
+    promotion.Lookup(*tiers);
+    Promotion::Outcome outcome;
+    {
+      absl::MutexLock lock(&mu_);
+      if (!MayPromote(s, context)) return std::nullopt;  // what the session was may be gone
+      outcome = promotion.Start(*state_, *device_, revalidate_lock_gaps_);
+    }
+    switch (outcome) {
+      case Promotion::Outcome::kNothing:
+        return std::nullopt;
+      case Promotion::Outcome::kFailed:
+        tiers->CountPromotion(promotion.hits(), 0, 0, /*failed=*/true);
+        return std::nullopt;
+      case Promotion::Outcome::kRaced:
+        tiers->CountRaced();
+        continue;
+      case Promotion::Outcome::kStarted:
+        return FinishPromotion(s, promotion, context);
+    }
   }
-  if (!loading.ok()) {  // no room, a shared partial block, a copy not queued: a miss
-    tiers->CountPromotion(from_host, from_remote, 0, /*failed=*/true);
-    return;
-  }
+  return std::nullopt;
+}
 
-  // 4. Their fence, with no lock held; then the blocks are published (the prefix cache holds
-  // them from here on, for this caller's Allocate and everyone else's) and the loader goes.
-  const absl::Status waited = device_->Synchronize(loading->copied);
+std::optional<PromotionHold> Engine::FinishPromotion(const Session& s, Promotion& promotion,
+                                                     const CallContext& context) {
+  InGap(LockGap::kPromotionCopy);
+  const absl::Status copied = promotion.Wait(*device_);
   absl::MutexLock lock(&mu_);
-  KvCacheManager& cache = pool->cache();
-  if (!waited.ok() || !cache.Free(kTierLoader, loading->loader, OnFree::kCommit).ok()) {
-    KVPOOL_CHECK_OK(cache.Free(kTierLoader, loading->loader));
-    tiers->CountPromotion(from_host, from_remote, 0, /*failed=*/true);
-    return;
+  std::optional<PromotionHold> hold = promotion.Publish(*state_, copied);
+  if (hold.has_value() && !MayPromote(s, context)) {
+    // The caller is gone (its session ended, it gave up, the engine drains): nothing is held for
+    // it. The blocks stay published.
+    ReleaseHold(*state_, *hold, /*adopted=*/false);
+    return std::nullopt;
   }
-  pool->StagePublished(std::span(chain).first(upto));  // already in a tier: not staged again
-  tiers->CountPromotion(from_host, from_remote, absl::GetCurrentTimeNanos() - started, false);
-  if (from_remote > 0) {  // what Redis had goes into the host tier too
-    const size_t first_remote = local + static_cast<size_t>(from_host);
-    tiers->KeepInHost(ns, first_remote == 0 ? BlockHash{} : chain[first_remote - 1],
-                      std::span(chain).subspan(first_remote, static_cast<size_t>(from_remote)),
-                      found, static_cast<size_t>(from_host));
-    pool->DrainTierEvents();
-  }
+  return hold;
+}
+
+void Engine::InGap(LockGap gap) const {
+  if (lock_gap_hook_) lock_gap_hook_(gap);
 }
 
 absl::StatusOr<int64_t> Engine::MatchPrefix(const Session& s, std::span<const int32_t> tokens,
@@ -509,7 +480,7 @@ absl::StatusOr<PinInfo> FindPin(const KvCacheManager& cache, SessionId session, 
 
 }  // namespace
 
-absl::Status Engine::CheckPinPriority(const Session& s, int priority) const {
+absl::Status Engine::CheckCeiling(const Session& s, int priority) const {
   if (priority > s.max_priority) {
     ++state_->call_counters.not_permitted;
     return absl::PermissionDeniedError(fmt::format("priority {} is above tenant {}'s ceiling {}",
@@ -520,10 +491,11 @@ absl::Status Engine::CheckPinPriority(const Session& s, int priority) const {
 
 absl::StatusOr<PinInfo> Engine::PinPrefix(const Session& s, std::span<const int32_t> tokens,
                                           int64_t ttl_ns, int priority, std::string_view salt) {
+  KVPOOL_RETURN_IF_ERROR(CheckPriorityRange(priority));
   absl::MutexLock lock(&mu_);
   KVPOOL_RETURN_IF_ERROR(state_->PeekNamespace(s, salt).status());  // the salt's length
   KVPOOL_RETURN_IF_ERROR(Admit(s, {}));
-  KVPOOL_RETURN_IF_ERROR(CheckPinPriority(s, priority));
+  KVPOOL_RETURN_IF_ERROR(CheckCeiling(s, priority));
   KVPOOL_ASSIGN_OR_RETURN(const NamespaceId ns, state_->SaltedNamespace(s, salt));
   KvCacheManager& cache = state_->pool_of(s).cache();
   KVPOOL_ASSIGN_OR_RETURN(const PinId id, cache.PinPrefix(s.id, ns, tokens, ttl_ns, priority));
@@ -532,9 +504,10 @@ absl::StatusOr<PinInfo> Engine::PinPrefix(const Session& s, std::span<const int3
 
 absl::StatusOr<PinInfo> Engine::PinSequence(const Session& s, SequenceId sequence, int64_t ttl_ns,
                                             int priority) {
+  KVPOOL_RETURN_IF_ERROR(CheckPriorityRange(priority));
   absl::MutexLock lock(&mu_);
   KVPOOL_RETURN_IF_ERROR(Admit(s, {}));
-  KVPOOL_RETURN_IF_ERROR(CheckPinPriority(s, priority));
+  KVPOOL_RETURN_IF_ERROR(CheckCeiling(s, priority));
   KvCacheManager& cache = state_->pool_of(s).cache();
   KVPOOL_ASSIGN_OR_RETURN(const PinId id, cache.PinSequence(s.id, sequence, ttl_ns, priority));
   return FindPin(cache, s.id, id);
@@ -578,7 +551,10 @@ void Engine::Submit(std::unique_ptr<ComputeCall> call) {
     return;
   }
   if (call->request().creates()) {
-    LoadFromTiers(call->session(), call->request().tokens, call->request().cache_salt);
+    // Held for the call until its plan adopts the blocks (Step::PlanCall) or drops it.
+    call->promotion = LoadFromTiers(call->session(), call->request().cache_salt,
+                                    call->request().tokens, call->context());
+    if (call->promotion.has_value()) InGap(LockGap::kAdoption);
   }
   runner_->Submit(std::move(call));
 }
@@ -586,11 +562,13 @@ void Engine::Submit(std::unique_ptr<ComputeCall> call) {
 absl::Status Engine::CheckCompute(const ComputeCall& call) {
   const ComputeRequest& r = call.request();
   const ClientLimits& limits = limits_;
-  // Per call: a top_k no step can serve fails this call alone, not the step it would join.
+  // Arguments first: the call's own, then against the model.
   if (r.cache_salt.size() > kMaxCacheSaltBytes) {
     return absl::InvalidArgumentError(fmt::format("a cache salt of {} bytes: at most {}",
                                                   r.cache_salt.size(), kMaxCacheSaltBytes));
   }
+  if (r.creates()) KVPOOL_RETURN_IF_ERROR(CheckPriorityRange(r.priority));
+  // Per call: a top_k no step can serve fails this call alone, not the step it would join.
   if (r.top_k < 0 || r.top_k > model_info_.vocab_size) {
     return absl::InvalidArgumentError(
         fmt::format("top_k {} outside [0, {}] (the vocabulary)", r.top_k, model_info_.vocab_size));
@@ -599,6 +577,10 @@ absl::Status Engine::CheckCompute(const ComputeCall& call) {
     return absl::OutOfRangeError(
         fmt::format("a prompt of {} tokens: the model's context is {} positions", r.tokens.size(),
                     model_info_.max_position));
+  }
+  if (r.creates() && r.priority > call.session().max_priority) {
+    absl::MutexLock lock(&mu_);
+    return CheckCeiling(call.session(), r.priority);  // counted
   }
   absl::Status over;
   if (!r.prefill() && r.decode.size() > static_cast<size_t>(limits.decode_width)) {

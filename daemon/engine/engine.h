@@ -37,6 +37,7 @@
 #include "daemon/engine/compute_call.h"
 #include "daemon/engine/engine_options.h"
 #include "daemon/engine/engine_state.h"
+#include "daemon/engine/promotion.h"
 #include "daemon/engine/session.h"
 #include "kernels/device.h"
 #include "kvpool/block_trace.h"
@@ -236,19 +237,31 @@ class Engine final {
   // Under the lock, before a call changes anything: the engine serves, the session is live, and
   // it may do what the call `needs`.
   absl::Status Admit(const Session& s, Needs needs) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // PERMISSION_DENIED (counted) for a pin priority above the session's ceiling.
-  absl::Status CheckPinPriority(const Session& s, int priority) const
+  // PERMISSION_DENIED (counted) for a priority above the session's ceiling.
+  absl::Status CheckCeiling(const Session& s, int priority) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // After a call's device work was queued, outside the lock: waits for it; then releases the
   // sequences the call created when the wait failed or the caller gave up meanwhile.
   absl::Status Complete(const Session& s, Fence fence, std::span<const SequenceId> created,
                         const CallContext& context);
   void Release(const Session& s, std::span<const SequenceId> created);
-  // Before a prompt is matched: promotes from the pool's tiers (tiers.h) the blocks of `prompt`
-  // after its locally cached prefix that a tier holds, so the match that follows finds them.
-  // Best effort: a miss, no room or a device failure leaves the pool as it was (counted).
-  void LoadFromTiers(const Session& s, std::span<const int32_t> prompt, std::string_view salt)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // Before a call that makes a sequence over `prompt` (in the namespace of `salt`), once the
+  // call is admitted: promotes what the pool's tiers hold after the prompt's locally cached
+  // prefix (promotion.h) and returns the hold that keeps it for the call, to release once the
+  // call's allocation adopted it (ReleaseHold). Best effort: nullopt when there is nothing to
+  // promote or no room, the device failed (counted), or the caller is gone.
+  std::optional<PromotionHold> LoadFromTiers(const Session& s, std::string_view salt,
+                                             std::span<const int32_t> prompt,
+                                             const CallContext& context) ABSL_LOCKS_EXCLUDED(mu_);
+  // The copy's wait and the publish of a started promotion.
+  std::optional<PromotionHold> FinishPromotion(const Session& s, Promotion& promotion,
+                                               const CallContext& context) ABSL_LOCKS_EXCLUDED(mu_);
+  // Whether tier work for a call of `s` is still worth doing (serving, not draining, the session
+  // live, the caller waiting).
+  bool MayPromote(const Session& s, const CallContext& context) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A gap between two holds of the lock: the test hook runs (EngineOptions::lock_gap_hook).
+  void InGap(LockGap gap) const ABSL_LOCKS_EXCLUDED(mu_);
   // What a compute call may ask, checked before it queues: top_k, the prompt against the
   // context, the decode width, and the session's queued calls. Errors: INVALID_ARGUMENT,
   // OUT_OF_RANGE, RESOURCE_EXHAUSTED.
@@ -263,6 +276,8 @@ class Engine final {
   const ModelInfo model_info_;
   const int64_t started_ns_;
   const ClientLimits limits_;
+  const std::function<void(LockGap)> lock_gap_hook_;
+  const bool revalidate_lock_gaps_;
   // Each pool's tiers (PoolState::tiers(); null: none), fixed at creation, so calls of pools
   // without tiers skip the tier paths without taking the lock.
   const std::vector<TierSet*> tiers_;

@@ -3,6 +3,7 @@
 // What an Engine is built from: plain values (the edge converts the config proto into these).
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -18,6 +19,16 @@
 #include "tier/secret.h"
 
 namespace kvpool::daemon {
+
+// The places where a call lets go of the engine's lock and takes it again (docs/threads-and-
+// locks.md lists what each re-validates after the gap).
+enum class LockGap : uint8_t {
+  kTierLookup,     // a promotion asks the tiers (Promotion::Lookup)
+  kPromotionCopy,  // a promotion waits for its copies (Promotion::Wait)
+  kAdoption,       // a promotion's hold waits for its call's allocation
+  kStepLaunch,     // a model step runs (Step::Launch)
+  kControlWait,    // a control call waits for its device work (Engine::Complete)
+};
 
 // One pool: its own arena, block pool and prefix tree (docs/trust-model.md).
 struct PoolOptions {
@@ -70,6 +81,12 @@ struct EngineOptions {
   const Clock* clock = Clock::Real();  // not owned; outlives the engine
   // Keys namespace ids and the tiers' keys and MACs (tier/secret.h); none: a random one.
   std::optional<tier::DeploymentSecret> secret;
+
+  // Tests only. Runs in every lock gap, on the calling thread, with no lock held: a test holds a
+  // gap open there (a latch) or changes the pool in it (an eviction), deterministically.
+  std::function<void(LockGap)> lock_gap_hook;
+  // Tests only: false skips the re-validation after a gap, to show that a test catches the race.
+  bool revalidate_lock_gaps = true;
 
   // Model steps (when the engine runs a model).
   std::string model_name;                // reported at attach and in stats

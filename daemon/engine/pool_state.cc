@@ -1,5 +1,6 @@
 #include "daemon/engine/pool_state.h"
 
+#include "daemon/engine/promotion_hold.h"
 #include "fmt/format.h"
 #include "kvpool/util/check.h"
 #include "kvpool/util/fmt.h"
@@ -121,6 +122,12 @@ void PoolState::AppendTable(const Sequence& seq, int32_t offset, int64_t matched
 
 absl::Status PoolState::CheckInvariants() const {
   KVPOOL_RETURN_IF_ERROR(cache_->CheckInvariants());
+  int64_t loaders = 0;
+  cache_->ForEachSequence([&](const Sequence& seq) { loaders += seq.session == kTierLoader; });
+  if (loaders != this->loaders) {
+    return absl::InternalError(fmt::format("pool {}: {} loader sequences, {} promotions alive",
+                                           name_, loaders, this->loaders));
+  }
   const BlockPool& pool = cache_->pool();
   for (int32_t b = 0; b < layout_.num_blocks; ++b) {
     const uint32_t shared = generations_->Get(BlockId(b));

@@ -89,6 +89,9 @@ class PoolState final {
   absl::Status CheckInvariants() const;
 
   ModelCounters model_counters;
+  // Loader sequences of tier promotions alive (started, or held for their call): every sequence
+  // of kTierLoader in the pool is one of them (CheckInvariants).
+  int64_t loaders = 0;
 
  private:
   PoolState(std::string name, const kernels::PoolLayout& layout, kernels::FillPolicy fill,

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "daemon/engine/promotion.h"
 #include "fmt/format.h"
 #include "kvpool/util/check.h"
 #include "kvpool/util/fmt.h"
@@ -65,12 +66,6 @@ absl::Status Step::Admit(EngineState& state, const ComputeCall& call) const {
     return absl::InvalidArgumentError(fmt::format("top_k {} outside [0, {}] (the vocabulary)",
                                                   call.request().top_k, limits_.vocab_size));
   }
-  if (call.request().priority > call.session().max_priority) {
-    ++state.call_counters.not_permitted;
-    return absl::PermissionDeniedError(
-        fmt::format("priority {} is above tenant {}'s ceiling {}", call.request().priority,
-                    call.session().spec.tenant, call.session().max_priority));
-  }
   return absl::OkStatus();
 }
 
@@ -90,7 +85,14 @@ absl::Status Step::PlanCall(EngineState& state, ComputeCall& call) {
       return s;
     }
   } else {
-    KVPOOL_RETURN_IF_ERROR(PlanNew(state, call, &entry));
+    const absl::Status planned = PlanNew(state, call, &entry);
+    // The new sequence matched what a promotion held for it (or the call failed): either way
+    // the hold has done its work.
+    if (call.promotion.has_value()) {
+      ReleaseHold(state, *call.promotion, /*adopted=*/planned.ok());
+      call.promotion.reset();
+    }
+    KVPOOL_RETURN_IF_ERROR(planned);
   }
   const std::span<const model::PlannedItem> items =
       call.progress() ? std::span(&call.progress()->item(), 1) : std::span(entry.decode);
@@ -275,6 +277,10 @@ void Step::Undo(EngineState& state, const absl::Status& why) {
 }
 
 void Step::Abandon(EngineState& state, ComputeCall& call) {
+  if (call.promotion.has_value()) {
+    ReleaseHold(state, *call.promotion, /*adopted=*/false);
+    call.promotion.reset();
+  }
   PoolState& pool = state.pool_of(call.session());
   const PrefillProgress* p = call.progress();
   if (p == nullptr) return;

@@ -31,8 +31,9 @@ void StepRunner::Submit(std::unique_ptr<ComputeCall> call) {
       return;
     }
   }
-  call->result().status = absl::UnavailableError("kvpoold is shutting down");
-  call->Complete();
+  std::vector<std::unique_ptr<ComputeCall>> stopped;
+  stopped.push_back(std::move(call));
+  Drop(std::move(stopped), absl::UnavailableError("kvpoold is shutting down"));
 }
 
 void StepRunner::SessionEnded(SessionId session) {

@@ -43,19 +43,25 @@ absl::StatusOr<std::unique_ptr<TierSet>> TierSet::Create(const TierOptions& opti
   if (options.redis.enabled) {
     KVPOOL_ASSIGN_OR_RETURN(remote, tier::RedisBlockStore::Create(options.redis));
   }
+  if (options.lookup_blocks <= 0) {
+    return absl::InvalidArgumentError(
+        fmt::format("tiers: lookup_blocks {} must be > 0", options.lookup_blocks));
+  }
   return std::make_unique<TierSet>(device, layout, std::move(host), std::move(remote),
-                                   options.staged_blocks, std::move(host_memory));
+                                   options.staged_blocks, std::move(host_memory),
+                                   options.lookup_blocks);
 }
 
 TierSet::TierSet(kernels::Device* device, const kernels::PoolLayout& layout,
                  std::unique_ptr<tier::HostBlockStore> host,
                  std::unique_ptr<tier::RemoteTier> remote, int64_t staged_blocks,
-                 std::unique_ptr<kernels::DeviceBuffer> host_memory)
+                 std::unique_ptr<kernels::DeviceBuffer> host_memory, int64_t lookup_blocks)
     : device_(device),
       block_bytes_(layout.block_bytes()),
       block_size_(layout.block_size),
       layout_fingerprint_(layout.Hash()),
       max_staged_(std::min(staged_blocks, std::max<int64_t>(1, kMaxStagedBytes / block_bytes_))),
+      max_lookup_(std::min(lookup_blocks, std::max<int64_t>(1, kMaxStagedBytes / block_bytes_))),
       host_memory_(std::move(host_memory)),
       host_(std::move(host)),
       remote_(std::move(remote)) {
@@ -219,6 +225,10 @@ TierSet::Found TierSet::Lookup(NamespaceId ns, const BlockHash& parent,
     out.emplace_back(static_cast<std::byte*>(buffer->data()), static_cast<size_t>(block_bytes_));
     found.buffers.push_back(std::move(buffer));
   }
+  if (out.size() < hashes.size()) {
+    absl::MutexLock lock(&mu_);
+    ++counters_.lookup_truncated;
+  }
   if (out.empty()) return found;
   hashes = hashes.first(out.size());
   const tier::BlockSpace space{ns, layout_fingerprint_};
@@ -239,6 +249,8 @@ TierSet::Found TierSet::Lookup(NamespaceId ns, const BlockHash& parent,
 std::unique_ptr<kernels::DeviceBuffer> TierSet::TakeBuffer() {
   {
     absl::MutexLock lock(&mu_);
+    if (lookup_held_ >= max_lookup_) return nullptr;
+    ++lookup_held_;
     if (!spare_.empty()) {
       std::unique_ptr<kernels::DeviceBuffer> buffer = std::move(spare_.back());
       spare_.pop_back();
@@ -247,7 +259,10 @@ std::unique_ptr<kernels::DeviceBuffer> TierSet::TakeBuffer() {
   }
   absl::StatusOr<std::unique_ptr<kernels::DeviceBuffer>> made =
       device_->AllocateHostBuffer(block_bytes_);
-  return made.ok() ? std::move(*made) : nullptr;
+  if (made.ok()) return std::move(*made);
+  absl::MutexLock lock(&mu_);
+  --lookup_held_;
+  return nullptr;
 }
 
 void TierSet::GiveBack(std::unique_ptr<kernels::DeviceBuffer> buffer) {
@@ -257,6 +272,7 @@ void TierSet::GiveBack(std::unique_ptr<kernels::DeviceBuffer> buffer) {
 
 void TierSet::Recycle(Found* found) {
   absl::MutexLock lock(&mu_);
+  lookup_held_ -= static_cast<int64_t>(found->buffers.size());
   for (auto& buffer : found->buffers) GiveBack(std::move(buffer));
   found->buffers.clear();
   found->hits = found->from_host = 0;
@@ -272,6 +288,22 @@ void TierSet::KeepInHost(NamespaceId ns, const BlockHash& parent, std::span<cons
                        .coverage = static_cast<uint32_t>(block_size_),
                        .bytes = found.block(first + i, block_bytes_)});
   }
+}
+
+std::span<const std::byte> TierSet::Found::block(size_t i, int64_t bytes) const {
+  KVPOOL_CHECK_MSG(i < static_cast<size_t>(hits) && i < buffers.size(),
+                   "tier lookup: hit index out of range");
+  return {static_cast<const std::byte*>(buffers[i]->data()), static_cast<size_t>(bytes)};
+}
+
+void TierSet::CountRaced() {
+  absl::MutexLock lock(&mu_);
+  ++counters_.promote_raced;
+}
+
+void TierSet::CountHoldEnd(bool adopted) {
+  absl::MutexLock lock(&mu_);
+  ++(adopted ? counters_.promote_adopted : counters_.promote_unused);
 }
 
 void TierSet::CountPromotion(int64_t from_host, int64_t from_remote, int64_t ns_spent,

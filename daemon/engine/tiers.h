@@ -48,6 +48,9 @@ struct TierOptions {
   tier::RedisTierOptions redis;  // L3; redis.enabled false: none
   // Device -> host copies waiting for the writer, at most (and at most kMaxStagedBytes of them).
   int64_t staged_blocks = 1024;
+  // Blocks all lookups in flight may hold in staging buffers at once (host memory, pinned on
+  // CUDA; at most kMaxStagedBytes of them); a lookup past it asks for fewer blocks (counted).
+  int64_t lookup_blocks = 512;
   bool enabled() const { return host_blocks > 0 || redis.enabled; }
 };
 
@@ -73,7 +76,14 @@ struct TierStats {
   uint64_t promoted_from_remote = 0;  // blocks
   uint64_t promoted_bytes = 0;
   int64_t promote_ns = 0;       // copy time summed (enqueue to fence)
-  uint64_t promote_failed = 0;  // hits not promoted: no room, device failure, raced
+  uint64_t promote_failed = 0;  // hits not promoted: no room, device failure
+  // Lookups done again: an eviction shrank the local match while the tiers were asked.
+  uint64_t promote_raced = 0;
+  // Promotions held for their call (Promotion): adopted by its allocation, or let go unused (the
+  // call failed, was cancelled or its session ended first).
+  uint64_t promote_adopted = 0;
+  uint64_t promote_unused = 0;
+  uint64_t lookup_truncated = 0;  // lookups cut short: every lookup buffer was in use
 };
 
 class TierSet final {
@@ -87,7 +97,8 @@ class TierSet final {
   // `host_memory`, when given, holds the host store's slots and is kept as long as the store.
   TierSet(kernels::Device* device, const kernels::PoolLayout& layout,
           std::unique_ptr<tier::HostBlockStore> host, std::unique_ptr<tier::RemoteTier> remote,
-          int64_t staged_blocks, std::unique_ptr<kernels::DeviceBuffer> host_memory = nullptr);
+          int64_t staged_blocks, std::unique_ptr<kernels::DeviceBuffer> host_memory = nullptr,
+          int64_t lookup_blocks = TierOptions{}.lookup_blocks);
   ~TierSet();  // stops the writer after the copies already staged
   TierSet(const TierSet&) = delete;
   TierSet& operator=(const TierSet&) = delete;
@@ -104,13 +115,12 @@ class TierSet final {
     // Block i's bytes are buffers[i]'s first block_bytes() (i < hits); staging buffers, host
     // memory pinned on CUDA, to give back with Recycle.
     std::vector<std::unique_ptr<kernels::DeviceBuffer>> buffers;
-    std::span<const std::byte> block(size_t i, int64_t bytes) const {
-      return {static_cast<const std::byte*>(buffers[i]->data()), static_cast<size_t>(bytes)};
-    }
+    // REQUIRES: i < hits (checked: an index from a stale match must never read past them).
+    std::span<const std::byte> block(size_t i, int64_t bytes) const;
   };
   // Outside any lock: the longest leading run of `hashes` (a chain after `parent`) the tiers
   // hold, L2 first, then L3 from where L2 stopped. Never fails: a tier down or corrupt misses
-  // (and so does a run longer than the staging buffers that can be had).
+  // (and so does a run longer than the lookup buffers free now: lookup_blocks bounds them all).
   Found Lookup(NamespaceId ns, const BlockHash& parent, std::span<const BlockHash> hashes);
   // Takes back a Lookup's buffers for later staging and lookups.
   void Recycle(Found* found);
@@ -122,6 +132,10 @@ class TierSet final {
 
   // Counts a promotion (the engine does the copying).
   void CountPromotion(int64_t from_host, int64_t from_remote, int64_t ns_spent, bool failed);
+  // Counts a lookup done again because the local match shrank meanwhile.
+  void CountRaced();
+  // Counts the end of a promotion's hold: `adopted` by its call, or let go unused.
+  void CountHoldEnd(bool adopted);
 
   // Host-tier events (BlockStored / BlockRemoved, medium host) not yet taken, oldest first.
   void TakeEvents(std::vector<KvEvent>* out);
@@ -149,7 +163,8 @@ class TierSet final {
     int64_t staged_ns = 0;
   };
   void WriterLoop();
-  // A staging buffer of one block: a spare one, or a new one (null when none can be had).
+  // A lookup buffer of one block: a spare one, or a new one; null when lookups hold max_lookup_
+  // already or none can be had.
   std::unique_ptr<kernels::DeviceBuffer> TakeBuffer() ABSL_LOCKS_EXCLUDED(mu_);
   void GiveBack(std::unique_ptr<kernels::DeviceBuffer> buffer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnHostChange(const tier::BlockSpace& space, const BlockHash& hash, const BlockHash& parent,
@@ -160,6 +175,7 @@ class TierSet final {
   const int32_t block_size_;
   const uint64_t layout_fingerprint_;
   const int64_t max_staged_;
+  const int64_t max_lookup_;
   // The host store's slots (pinned on CUDA); declared before host_, so it outlives the store.
   const std::unique_ptr<kernels::DeviceBuffer> host_memory_;
   const std::unique_ptr<tier::HostBlockStore> host_;
@@ -168,7 +184,8 @@ class TierSet final {
   mutable absl::Mutex mu_;
   absl::CondVar changed_;
   std::deque<Staged> queue_ ABSL_GUARDED_BY(mu_);
-  int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // taken by the writer, not yet offered
+  int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;    // taken by the writer, not yet offered
+  int64_t lookup_held_ ABSL_GUARDED_BY(mu_) = 0;  // buffers lookups hold (until Recycle)
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   TierStats counters_ ABSL_GUARDED_BY(mu_);
   std::vector<KvEvent> events_ ABSL_GUARDED_BY(mu_);

@@ -3,8 +3,9 @@
 // (chunked, batched across sessions), give up on calls before or while they run, and call after
 // their session ended. The reference model follows what each call's outcome says it did; after
 // every operation CheckInvariants() holds and the engine's sequences are exactly the model's
-// (same owners, same lengths: nothing leaked, nothing lost). Once every session has ended,
-// free + cached == total.
+// (same owners, same lengths: nothing leaked, nothing lost; no promotion's loader outlives its
+// call). A host tier sits under the pool, and operators evict now and then, so evicted prefixes
+// come back through promotions. Once every session has ended, free + cached == total.
 
 #include <cstdlib>
 #include <map>
@@ -61,6 +62,8 @@ class EngineRandomTest : public ::testing::Test {
                                .num_blocks = 64};
     options.max_blocks_per_seq = 24;
     options.session_quota_blocks = 40;
+    // A host tier under the pool: evicted prefixes come back through promotions (and their holds).
+    options.tiers.host_blocks = 256;
     model_ = MicroModel(options.pools[0].layout);
     engine_ = std::move(*Engine::Create(options, &device_, model_.get()));
   }
@@ -351,6 +354,8 @@ TEST_F(EngineRandomTest, SessionsCallsStepsCancellationsAndEndsNeverLeakOrCorrup
     const int what = Rand(100);
     if (what < 3) {
       EndSession();
+    } else if (what < 5) {
+      ASSERT_TRUE(engine_->Evict(0, 1 + Rand(16), /*all=*/false).ok());  // an operator's Evict
     } else if (what < 45) {
       StepCall();
     } else {
@@ -376,6 +381,8 @@ TEST_F(EngineRandomTest, SessionsCallsStepsCancellationsAndEndsNeverLeakOrCorrup
   EXPECT_GT(s.sessions.lost, 10u);
   EXPECT_GT(s.cache.evictions, 10u);
   EXPECT_GT(s.cache.cow_copies, 10u);
+  EXPECT_GT(s.tiers.promoted_from_host, 10u);
+  EXPECT_GT(s.tiers.promote_adopted, 10u);
 }
 
 }  // namespace

@@ -373,3 +373,32 @@ TEST_F(EngineTest, ASequencePinOutlivesTheSequenceButNotItsSession) {
 
 }  // namespace
 }  // namespace kvpool::daemon
+
+namespace kvpool::daemon {
+namespace {
+
+// Issue 27: arguments are checked before permission. A priority outside [0, 4) is malformed
+// (INVALID_ARGUMENT, as kvpool.proto documents), whatever the tenant's ceiling; one inside the
+// range but above the ceiling is not permitted.
+TEST(EnginePriorityTest, OutOfRangeIsAnArgumentErrorAndAboveTheCeilingIsNotPermitted) {
+  testing::FailingDevice device;
+  EngineOptions options = testing::SmallPool(16);
+  options.open_tenant.max_priority = 1;
+  std::unique_ptr<Engine> engine = std::move(*Engine::Create(options, &device, nullptr));
+  std::shared_ptr<const Session> s = *engine->OpenSession(testing::Spec("t"));
+  const std::vector<int32_t> prompt = testing::Prompt(16, 1);
+  auto allocate = [&](int priority) {
+    const AllocateRequest r{.num_tokens = 16, .prompt = prompt, .priority = priority};
+    return engine->Allocate(*s, std::span(&r, 1), CallContext::Uncancellable()).status();
+  };
+  EXPECT_TRUE(absl::IsInvalidArgument(allocate(7))) << allocate(7);
+  EXPECT_TRUE(absl::IsInvalidArgument(allocate(-1))) << allocate(-1);
+  EXPECT_TRUE(absl::IsPermissionDenied(allocate(2))) << allocate(2);
+  EXPECT_TRUE(allocate(1).ok());
+  EXPECT_TRUE(absl::IsInvalidArgument(engine->PinPrefix(*s, prompt, 1'000'000, 7).status()));
+  EXPECT_TRUE(absl::IsPermissionDenied(engine->PinPrefix(*s, prompt, 1'000'000, 2).status()));
+  EXPECT_EQ(engine->Stats().cache.sequences, 1);
+}
+
+}  // namespace
+}  // namespace kvpool::daemon

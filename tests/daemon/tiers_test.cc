@@ -5,13 +5,16 @@
 
 #include "daemon/engine/tiers.h"
 
+#include <atomic>
 #include <cstring>
 #include <thread>
 
 #include "absl/synchronization/notification.h"
 #include "daemon/engine/call_context.h"
 #include "daemon/engine/engine.h"
+#include "daemon/engine/promotion_hold.h"
 #include "gtest/gtest.h"
+#include "kvpool/util/check.h"
 #include "tests/daemon/engine_test_util.h"
 
 namespace kvpool::daemon {
@@ -27,15 +30,31 @@ constexpr int32_t kBlocks = 8;
 
 class TiersTest : public ::testing::Test {
  protected:
-  void SetUp() override {
+  void SetUp() override { Make(Options()); }
+  static EngineOptions Options() {
     EngineOptions options = SmallPool(kBlocks);
     options.tiers.host_blocks = 32;
-    engine_ = std::move(*Engine::Create(options, &device_, /*model=*/nullptr));
+    return options;
+  }
+  void Make(EngineOptions options, model::StepModel* model = nullptr) {
+    arena_.reset();
+    alice_.reset();
+    engine_.reset();
+    engine_ = std::move(*Engine::Create(options, &device_, model));
     alice_ = *engine_->OpenSession(Spec("tenant-a", "alice"));
     absl::StatusOr<PoolGrant> grant = engine_->Grant(alice_);
     ASSERT_TRUE(grant.ok()) << grant.status();
     arena_ = std::make_unique<MappedArena>(*grant);
   }
+  // Options whose lock gap `gap` runs `action` the first time it opens after Arm().
+  EngineOptions InGap(LockGap gap, std::function<void()> action) {
+    EngineOptions options = Options();
+    options.lock_gap_hook = [this, gap, action = std::move(action)](LockGap g) {
+      if (g == gap && armed_.exchange(false)) action();
+    };
+    return options;
+  }
+  void Arm() { armed_ = true; }
 
   Tables Allocate(const Session& s, std::span<const int32_t> prompt, int64_t tokens) {
     const AllocateRequest request{.num_tokens = tokens, .prompt = prompt};
@@ -48,6 +67,12 @@ class TiersTest : public ::testing::Test {
   // Alice computes and publishes `prompt` (its KV patterned by `seed`), then it is evicted from
   // the device pool: only the host tier still has it.
   void PublishThenEvict(std::span<const int32_t> prompt, uint8_t seed) {
+    Publish(prompt, seed);
+    ASSERT_TRUE(engine_->Evict(0, 0, /*all=*/true).ok());
+    ASSERT_EQ(engine_->Stats().cache.pool.cached, 0);
+  }
+  // Alice computes and publishes `prompt`; it reaches the host tier.
+  void Publish(std::span<const int32_t> prompt, uint8_t seed) {
     const Tables t = Allocate(*alice_, prompt, static_cast<int64_t>(prompt.size()));
     arena_->Fill(t.blocks, seed);
     const SequenceId id = t.slices[0].sequence;
@@ -55,10 +80,18 @@ class TiersTest : public ::testing::Test {
         engine_->Free(*alice_, std::span(&id, 1), OnFree::kCommit, CallContext::Uncancellable())
             .ok());
     ASSERT_TRUE(engine_->FlushTiers(absl::Seconds(10)).ok());
-    ASSERT_TRUE(engine_->Evict(0, 0, /*all=*/true).ok());
-    ASSERT_EQ(engine_->Stats().cache.pool.cached, 0);
+  }
+  void EvictAll() { ASSERT_TRUE(engine_->Evict(0, kBlocks, /*all=*/false).ok()); }
+  void ExpectNoLoaderLeft() {
+    const absl::Status s = engine_->CheckInvariants();  // loader sequences == promotions alive
+    EXPECT_TRUE(s.ok()) << s;
+    std::vector<SessionId> owners;
+    std::vector<int32_t> pools;
+    engine_->ListSequences(std::nullopt, kNoSession, &owners, &pools);
+    for (SessionId owner : owners) EXPECT_NE(owner, kTierLoader);
   }
 
+  std::atomic<bool> armed_{false};
   FailingDevice device_;
   std::unique_ptr<Engine> engine_;
   std::shared_ptr<const Session> alice_;
@@ -172,6 +205,158 @@ TEST_F(TiersTest, PublishedBlocksStayPutUntilTheirCopyRan) {
   const Tables again = Allocate(*bob, prompt, 16);
   EXPECT_EQ(again.slices[0].matched_tokens, 16);
   EXPECT_TRUE(Holds(again.blocks[0], 50));
+}
+
+// Issue 27's crash, forced: the local match (two of three blocks) shrinks to nothing while the
+// tiers are asked for the third. The hits then no longer join the cached prefix; the promotion
+// looks up again from where the match now ends instead of indexing the hits from the old one.
+TEST_F(TiersTest, AnEvictionDuringTheLookupSendsThePromotionRoundAgain) {
+  Make(InGap(LockGap::kTierLookup, [this] { EvictAll(); }));
+  const std::vector<int32_t> prompt = Prompt(48, 6);
+  Publish(prompt, 60);
+  ASSERT_TRUE(engine_->Evict(0, 1, /*all=*/false).ok());  // the leaf: two blocks stay local
+  ASSERT_EQ(engine_->MatchPrefix(*alice_, prompt).value(), 32);
+  Arm();
+  const Tables t = Allocate(*alice_, prompt, 48);
+  ASSERT_EQ(t.slices[0].matched_tokens, 48);
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(Holds(t.blocks[static_cast<size_t>(i)], 60 + i)) << i;
+  const TierStats tiers = engine_->Stats().tiers;
+  EXPECT_EQ(tiers.promote_raced, 1u);
+  EXPECT_EQ(tiers.promoted_from_host, 3u);
+  EXPECT_EQ(tiers.promote_adopted, 1u);
+  ExpectNoLoaderLeft();
+}
+
+// The same race with the re-validation switched off: the hits are indexed from the stale match,
+// which is what crashed kvpoold (a wrapped size_t index and a call through garbage). Now a check
+// stops it before any read out of bounds.
+TEST_F(TiersTest, WithoutTheReValidationTheRaceReadsOutOfBounds) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(
+      {
+        EngineOptions options = InGap(LockGap::kTierLookup, [this] { EvictAll(); });
+        options.revalidate_lock_gaps = false;
+        Make(options);
+        const std::vector<int32_t> prompt = Prompt(48, 6);
+        Publish(prompt, 60);
+        KVPOOL_CHECK_OK(engine_->Evict(0, 1, /*all=*/false).status());
+        Arm();
+        Allocate(*alice_, prompt, 48);
+      },
+      "hit index out of range");
+}
+
+// Issue 27: a promoted block was published as an ordinary cached block, and churn between the
+// promotion and the requester's allocation evicted it first. The hold keeps it for the requester.
+TEST_F(TiersTest, APromotionIsHeldForItsCallerThroughAnEviction) {
+  Make(InGap(LockGap::kAdoption, [this] { EvictAll(); }));
+  const std::vector<int32_t> prompt = Prompt(48, 7);
+  PublishThenEvict(prompt, 70);
+  Arm();
+  const Tables t = Allocate(*alice_, prompt, 48);
+  EXPECT_EQ(t.slices[0].matched_tokens, 48);
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(Holds(t.blocks[static_cast<size_t>(i)], 70 + i)) << i;
+  const TierStats tiers = engine_->Stats().tiers;
+  EXPECT_EQ(tiers.promoted_from_host, 3u);
+  EXPECT_EQ(tiers.promote_adopted, 1u);
+  EXPECT_EQ(tiers.promote_unused, 0u);
+  ExpectNoLoaderLeft();
+}
+
+TEST_F(TiersTest, APrefillReusesWhatWasPromotedForItThroughAnEviction) {
+  std::unique_ptr<model::Model> model = testing::TinyModel(Options().pools[0].layout);
+  EngineOptions options = InGap(LockGap::kAdoption, [this] { EvictAll(); });
+  Make(options, model.get());
+  const std::vector<int32_t> prompt = Prompt(49, 8);  // three full blocks and one token
+  auto prefill = [&] {
+    absl::Notification done;
+    ComputeResult result;
+    engine_->Submit(std::make_unique<ComputeCall>(
+        alice_, ComputeRequest{.kind = ComputeRequest::Kind::kPrefill, .tokens = prompt}, nullptr,
+        [&](ComputeCall& call) {
+          result = call.result();
+          done.Notify();
+        }));
+    done.WaitForNotification();
+    return result;
+  };
+  ComputeResult first = prefill();
+  ASSERT_TRUE(first.status.ok()) << first.status;
+  const SequenceId id = first.sequences[0];
+  ASSERT_TRUE(
+      engine_->Free(*alice_, std::span(&id, 1), OnFree::kCommit, CallContext::Uncancellable())
+          .ok());
+  ASSERT_TRUE(engine_->FlushTiers(absl::Seconds(10)).ok());
+  EvictAll();
+  Arm();
+  const ComputeResult again = prefill();
+  ASSERT_TRUE(again.status.ok()) << again.status;
+  EXPECT_EQ(again.reused, 48);
+  EXPECT_EQ(again.results[0].next_token, first.results[0].next_token);
+  EXPECT_EQ(engine_->Stats().tiers.promote_adopted, 1u);
+  ExpectNoLoaderLeft();
+}
+
+// Lookup buffers are bounded over all lookups in flight: a promotion holding them all leaves a
+// second lookup none, however long its prompt.
+TEST_F(TiersTest, LookupBuffersAreBoundedOverAllLookups) {
+  const std::vector<int32_t> first = Prompt(48, 9), second = Prompt(48, 10);
+  EngineOptions options = Options();
+  options.tiers.lookup_blocks = 2;
+  Tables inner;
+  options.lock_gap_hook = [&](LockGap g) {
+    // The first promotion's buffers are still taken: the second lookup gets none.
+    if (g != LockGap::kPromotionCopy || !armed_.exchange(false)) return;
+    auto bob = *engine_->OpenSession(Spec("tenant-a", "bob"));
+    inner = Allocate(*bob, second, 48);
+  };
+  Make(options);
+  Publish(first, 90);
+  Publish(second, 100);
+  EvictAll();
+  const uint64_t truncated = engine_->Stats().tiers.lookup_truncated;
+  Arm();
+  const Tables outer = Allocate(*alice_, first, 48);
+  EXPECT_EQ(outer.slices[0].matched_tokens, 32);  // two blocks of buffers
+  EXPECT_EQ(inner.slices[0].matched_tokens, 0);
+  const TierStats tiers = engine_->Stats().tiers;
+  EXPECT_EQ(tiers.promoted_from_host, 2u);
+  EXPECT_EQ(tiers.lookup_truncated, truncated + 2);
+  ExpectNoLoaderLeft();
+}
+
+// Admission first: a call its limits refuse costs no tier lookup and copies nothing.
+TEST_F(TiersTest, ARefusedCallDoesNoTierWork) {
+  EngineOptions options = Options();
+  options.limits.sequences_per_session = 1;
+  Make(options);
+  const std::vector<int32_t> prompt = Prompt(32, 11);
+  PublishThenEvict(prompt, 110);
+  Allocate(*alice_, {}, 16);  // the one sequence it may hold
+  const uint64_t lookups = engine_->Stats().tiers.lookups;
+  const AllocateRequest request{.num_tokens = 32, .prompt = prompt};
+  const absl::Status refused =
+      engine_->Allocate(*alice_, std::span(&request, 1), CallContext::Uncancellable()).status();
+  EXPECT_TRUE(absl::IsResourceExhausted(refused)) << refused;
+  EXPECT_EQ(engine_->Stats().tiers.lookups, lookups);
+  EXPECT_EQ(engine_->Stats().tiers.promoted_from_host, 0u);
+}
+
+// A session that ends while its promotion copies leaves nothing held.
+TEST_F(TiersTest, ASessionEndingDuringThePromotionLeavesNoHold) {
+  Make(InGap(LockGap::kPromotionCopy,
+             [this] { engine_->EndSession(alice_->id, SessionEnd::kConnectionLost); }));
+  const std::vector<int32_t> prompt = Prompt(32, 12);
+  PublishThenEvict(prompt, 120);
+  Arm();
+  const AllocateRequest request{.num_tokens = 32, .prompt = prompt};
+  EXPECT_TRUE(absl::IsNotFound(
+      engine_->Allocate(*alice_, std::span(&request, 1), CallContext::Uncancellable()).status()));
+  const TierStats tiers = engine_->Stats().tiers;
+  EXPECT_EQ(tiers.promoted_from_host, 2u);  // copied and published, for whoever comes next
+  EXPECT_EQ(tiers.promote_unused, 1u);
+  EXPECT_EQ(engine_->Stats().cache.pool.cached, 2);
+  ExpectNoLoaderLeft();
 }
 
 }  // namespace

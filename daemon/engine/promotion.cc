@@ -1,0 +1,138 @@
+#include "daemon/engine/promotion.h"
+
+#include <utility>
+
+#include "kvpool/util/check.h"
+
+namespace kvpool::daemon {
+
+namespace {
+
+void FreeLoader(PoolState& pool, SequenceId loader) {
+  // The loader belongs to no session: nothing but the promotion that made it frees it.
+  KVPOOL_CHECK_OK(pool.cache().Free(kTierLoader, loader));
+  --pool.loaders;
+}
+
+}  // namespace
+
+void ReleaseHold(EngineState& state, const PromotionHold& hold, bool adopted) {
+  PoolState& pool = state.pool(hold.pool);
+  FreeLoader(pool, hold.loader);
+  pool.tiers()->CountHoldEnd(adopted);
+}
+
+Promotion::Promotion(int32_t pool, NamespaceId ns, std::span<const int32_t> prompt,
+                     int32_t block_size)
+    : pool_(pool),
+      ns_(ns),
+      prompt_(prompt),
+      block_size_(block_size),
+      full_(prompt.size() / static_cast<size_t>(block_size)) {
+  chain_.resize(full_);
+  BlockHash parent;
+  for (size_t i = 0; i < full_; ++i) {
+    chain_[i] = parent = PrefixChainHash(parent, ns, prompt.subspan(i * block_size, block_size));
+  }
+}
+
+bool Promotion::Match(const EngineState& state) {
+  const int64_t matched = state.pool(pool_).cache().MatchPrefix(ns_, prompt_);
+  local_ = static_cast<size_t>(matched / block_size_);
+  return local_ < full_;
+}
+
+void Promotion::Lookup(TierSet& tiers) {
+  tiers.Recycle(&found_);
+  found_ = tiers.Lookup(ns_, local_ == 0 ? BlockHash{} : chain_[local_ - 1],
+                        std::span(chain_).subspan(local_));
+  upto_ = local_ + static_cast<size_t>(found_.hits);
+}
+
+void Promotion::Recycle(TierSet& tiers) { tiers.Recycle(&found_); }
+
+Promotion::Outcome Promotion::Start(EngineState& state, kernels::Device& device, bool revalidate) {
+  if (found_.hits == 0) return Outcome::kNothing;
+  PoolState& pool = state.pool(pool_);
+  KvCacheManager& cache = pool.cache();
+  // What Match learned may be stale: blocks of the local prefix evicted (or new ones published)
+  // while the lookup ran without the lock.
+  const int64_t matched_now = cache.MatchPrefix(ns_, prompt_.first(upto_ * block_size_));
+  if (revalidate && static_cast<size_t>(matched_now / block_size_) < local_) {
+    return Outcome::kRaced;  // the hits no longer join the cached prefix
+  }
+  if (matched_now % block_size_ != 0) return Outcome::kFailed;  // a partly cached block: shared
+  DevicePlan plan;
+  absl::StatusOr<AllocateResult> made =
+      cache.Allocate(kTierLoader,
+                     {.ns = ns_,
+                      .num_tokens = static_cast<int64_t>(upto_) * block_size_,
+                      .prompt = prompt_.first(upto_ * block_size_)},
+                     &plan);
+  if (!made.ok()) return Outcome::kFailed;  // no room (or the namespace's quota)
+  loader_ = made->sequence;
+  ++pool.loaders;
+  KVPOOL_CHECK(made->matched_tokens == matched_now);  // the same match, in the same lock hold
+  absl::StatusOr<Fence> fence = pool.Carry(plan);
+  if (fence.ok()) {
+    fence = CopyHits(pool, device, static_cast<size_t>(made->matched_tokens / block_size_), *fence);
+  }
+  if (!fence.ok()) {
+    FreeLoader(pool, loader_);  // what was queued keeps its blocks in flight (CopyHits)
+    return Outcome::kFailed;
+  }
+  copied_ = *fence;
+  started_ns_ = state.now();
+  return Outcome::kStarted;
+}
+
+absl::StatusOr<Fence> Promotion::CopyHits(PoolState& pool, kernels::Device& device, size_t from,
+                                          Fence carried) {
+  const int64_t block_bytes = pool.layout().block_bytes();
+  const Sequence& seq = *pool.cache().Find(loader_);
+  std::vector<BlockId> targets;
+  absl::StatusOr<Fence> fence = carried;
+  for (size_t i = from; fence.ok() && i < upto_; ++i) {
+    const BlockId block = seq.table[i];
+    void* dst = static_cast<std::byte*>(pool.view().base) + block.value() * block_bytes;
+    // Block i of the prompt is hit i - local_: `from` >= local_ once re-validated.
+    fence = device.CopyToDevice(kernels::StreamId::kTransfer, dst,
+                                found_.block(i - local_, block_bytes).data(), block_bytes);
+    targets.push_back(block);
+  }
+  // Whatever was queued keeps its blocks out of the free list until it has run.
+  const Fence queued = fence.ok() ? *fence : device.LastFence(kernels::StreamId::kTransfer);
+  if (!targets.empty()) KVPOOL_CHECK_OK(pool.cache().MarkInFlight(targets, queued));
+  return fence;
+}
+
+absl::Status Promotion::Wait(kernels::Device& device) const { return device.Synchronize(copied_); }
+
+std::optional<PromotionHold> Promotion::Publish(EngineState& state, const absl::Status& copied) {
+  PoolState& pool = state.pool(pool_);
+  TierSet& tiers = *pool.tiers();
+  const int64_t from_host = std::min<int64_t>(found_.from_host, found_.hits);
+  const int64_t from_remote = found_.hits - from_host;
+  const PromotionHold hold{
+      .pool = pool_, .loader = loader_, .tokens = static_cast<int64_t>(upto_) * block_size_};
+  // The loader is no client's: only this engine frees it, so it is still there. The commit
+  // publishes only what the prompt says the blocks hold (they were filled from blocks stored
+  // under exactly these chained hashes).
+  if (!copied.ok() || !pool.cache().Commit(kTierLoader, loader_, hold.tokens, {}).ok()) {
+    FreeLoader(pool, loader_);
+    tiers.CountPromotion(from_host, from_remote, 0, /*failed=*/true);
+    return std::nullopt;
+  }
+  pool.StagePublished(std::span(chain_).first(upto_));  // already in a tier: not staged again
+  tiers.CountPromotion(from_host, from_remote, state.now() - started_ns_, /*failed=*/false);
+  if (from_remote > 0) {  // what Redis had goes into the host tier too
+    const size_t first_remote = local_ + static_cast<size_t>(from_host);
+    tiers.KeepInHost(ns_, first_remote == 0 ? BlockHash{} : chain_[first_remote - 1],
+                     std::span(chain_).subspan(first_remote, static_cast<size_t>(from_remote)),
+                     found_, static_cast<size_t>(from_host));
+    pool.DrainTierEvents();
+  }
+  return hold;
+}
+
+}  // namespace kvpool::daemon

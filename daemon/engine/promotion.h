@@ -1,0 +1,99 @@
+#pragma once
+
+// Promotion: a local prefix miss whose next blocks a lower tier holds (DESIGN.md §9), copied into
+// fresh device blocks and handed to the call that asked. A small state machine the engine drives
+// across two lock gaps, in the shape of Step (step.h):
+//
+//   Match    (engine lock)  the prompt's locally cached full blocks: `local`
+//   Lookup   (no lock)      the tiers, for the chain of full blocks after `local` (TierSet::Lookup)
+//   Start    (engine lock)  re-validates what Match learned: a loader sequence (owned by no
+//                           session: kTierLoader) over the prompt's first `local + hits` blocks
+//                           adopts what is cached now and takes fresh blocks for the rest; the
+//                           hits are copied into the fresh ones on the transfer stream. When the
+//                           local match shrank during the gap (an eviction), the hits no longer
+//                           join the cached prefix: Start says so (kRaced) and the engine looks
+//                           up again. When it grew, the hits it now covers are skipped.
+//   Wait     (no lock)      the copies' fence
+//   Publish  (engine lock)  the loader commits its blocks into the prefix cache and stays: the
+//                           hold (PromotionHold) keeps every block of the prefix from eviction
+//                           until the requesting call's allocation has adopted them, so no
+//                           churn between promotion and adoption wastes the copy. The caller
+//                           releases the hold in the lock hold that adopted the blocks (or when
+//                           the call fails or is dropped).
+//
+// Nothing is published before its bytes are in the pool; a copy that fails or a device error
+// leaves the pool as it was (the loader freed, counted).
+//
+// Thread-compatible: one thread drives a promotion; each method says which lock it REQUIRES.
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "daemon/engine/engine_state.h"
+#include "daemon/engine/pool_state.h"
+#include "daemon/engine/promotion_hold.h"
+#include "daemon/engine/tiers.h"
+#include "kernels/device.h"
+
+namespace kvpool::daemon {
+
+// Frees the hold's loader (its blocks stay in the prefix cache, evictable once no one else holds
+// them) and counts whether its call `adopted` the blocks. REQUIRES: the engine lock; the hold was
+// not released before.
+void ReleaseHold(EngineState& state, const PromotionHold& hold, bool adopted);
+
+class Promotion final {
+ public:
+  // A promotion of `prompt`'s full blocks in namespace `ns` of pool `pool`; `prompt` outlives it.
+  Promotion(int32_t pool, NamespaceId ns, std::span<const int32_t> prompt, int32_t block_size);
+
+  enum class Outcome : uint8_t {
+    kNothing,  // nothing to promote: all cached, or the tiers had nothing after the match
+    kRaced,    // the local match shrank during the lookup gap: look up again (Match first)
+    kStarted,  // copies queued: Wait, then Publish
+    kFailed,   // no room, a shared partial block, a copy not queued: counted, nothing changed
+  };
+
+  // REQUIRES: the engine lock. The local match; false when there is nothing to look up.
+  bool Match(const EngineState& state);
+  // REQUIRES: no lock. Asks the tiers for the chain after the local match.
+  void Lookup(TierSet& tiers);
+  // REQUIRES: the engine lock. `revalidate` false skips the re-validation of the local match (a
+  // test shows with it what the re-validation prevents: the hits indexed from a stale match).
+  Outcome Start(EngineState& state, kernels::Device& device, bool revalidate = true);
+  // REQUIRES: no lock. The copies' fence. Errors: the device's.
+  absl::Status Wait(kernels::Device& device) const;
+  // REQUIRES: the engine lock; Start returned kStarted. Publishes the loader's blocks and returns
+  // the hold; after a failed Wait (`copied`) or a failed commit, frees the loader (counted) and
+  // returns nullopt.
+  std::optional<PromotionHold> Publish(EngineState& state, const absl::Status& copied);
+  // REQUIRES: no lock. Gives the lookup's buffers back to the tiers (safe to call at any point,
+  // more than once).
+  void Recycle(TierSet& tiers);
+
+  int64_t hits() const { return found_.hits; }
+
+ private:
+  // Copies the hits for blocks [from, upto_) of the loader's table on the transfer stream, after
+  // `carried` (the loader's fills). REQUIRES: the engine lock.
+  absl::StatusOr<Fence> CopyHits(PoolState& pool, kernels::Device& device, size_t from,
+                                 Fence carried);
+
+  const int32_t pool_;
+  const NamespaceId ns_;
+  const std::span<const int32_t> prompt_;
+  const int32_t block_size_;
+  const size_t full_;             // the prompt's full blocks
+  std::vector<BlockHash> chain_;  // their chained hashes
+  size_t local_ = 0;              // full blocks cached at Match
+  size_t upto_ = 0;               // local_ + hits: the loader's length in blocks
+  TierSet::Found found_;          // block i of found_ is the prompt's block local_ + i
+  SequenceId loader_;
+  Fence copied_;
+  int64_t started_ns_ = 0;
+};
+
+}  // namespace kvpool::daemon
