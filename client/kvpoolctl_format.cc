@@ -181,7 +181,11 @@ std::string TiersText(const v1::GetStatsResponse& s) {
   moves.AddRow({"promoted from host", std::to_string(t.promoted_from_host()),
                 fmt::format("{:.2f}", t.promote_gbps()), std::to_string(t.promote_failed())});
   moves.AddRow({"promoted from redis", std::to_string(t.promoted_from_redis()), "", ""});
-  return fmt::format("\n{}\n{}", stores.Render(), moves.Render());
+  return fmt::format(
+      "\n{}\n{}\npromotions: {} adopted by their call, {} unused, {} looked up again after an "
+      "eviction, {} lookups short of buffers\n",
+      stores.Render(), moves.Render(), t.promote_adopted(), t.promote_unused(), t.promote_raced(),
+      t.lookup_truncated());
 }
 
 std::string TableText(const v1::SequenceInfo& info, size_t max_entries) {

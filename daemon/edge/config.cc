@@ -284,6 +284,7 @@ void ValidateTiers(const v1::TierSpec& t,
                    const std::function<void(std::string_view, std::string)>& bad) {
   if (t.host_blocks() < 0) bad("tiers.host_blocks", "must be >= 0 (0: no host tier)");
   if (t.staged_blocks() < 0) bad("tiers.staged_blocks", "must be >= 0 (0: the default)");
+  if (t.lookup_blocks() < 0) bad("tiers.lookup_blocks", "must be >= 0 (0: the default)");
   const v1::RedisTierSpec& r = t.redis();
   if (!r.enabled()) return;
   const int where = (r.unix_socket().empty() ? 0 : 1) + (r.host().empty() ? 0 : 1) +
@@ -314,6 +315,7 @@ TierOptions TierOptionsOf(const v1::TierSpec& t) {
   TierOptions o;
   o.host_blocks = t.host_blocks();
   if (t.staged_blocks() > 0) o.staged_blocks = t.staged_blocks();
+  if (t.lookup_blocks() > 0) o.lookup_blocks = t.lookup_blocks();
   const v1::RedisTierSpec& r = t.redis();
   tier::RedisTierOptions& redis = o.redis;
   redis.enabled = r.enabled();

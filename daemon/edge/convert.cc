@@ -184,6 +184,10 @@ void ToProto(const TierStats& t, v1::TierStats* out) {
   out->set_promoted_bytes(t.promoted_bytes);
   out->set_promote_gbps(Gbps(t.promoted_bytes, t.promote_ns));
   out->set_promote_failed(t.promote_failed);
+  out->set_promote_raced(t.promote_raced);
+  out->set_promote_adopted(t.promote_adopted);
+  out->set_promote_unused(t.promote_unused);
+  out->set_lookup_truncated(t.lookup_truncated);
 }
 
 }  // namespace

@@ -3,12 +3,11 @@
 
 #include "daemon/edge/service.h"
 
-#include "absl/algorithm/container.h"
-
 #include <algorithm>
 #include <limits>
 #include <utility>
 
+#include "absl/algorithm/container.h"
 #include "daemon/edge/grpc_call_context.h"
 #include "kvpool/v1/wire.h"
 
