@@ -118,6 +118,13 @@ absl::Status FinishItem(KvCacheManager& cache, SessionId caller, const PlannedIt
   // Tokens before `start` the cache does not know (a client wrote their K/V itself), or a
   // sequence rewound during the step: nothing can be published.
   if (known < item.start || known > end || seq->num_tokens < end) return absl::OkStatus();
+  // The blocks the step wrote must still be the sequence's: a rewind and regrowth while the step
+  // ran (a KV client's Truncate, then Grow) hands it fresh blocks the step never wrote.
+  const size_t written = static_cast<size_t>((end + cache.block_size() - 1) / cache.block_size());
+  if (seq->table.size() < written || item.table.size() < written) return absl::OkStatus();
+  for (size_t i = 0; i < written; ++i) {
+    if (seq->table[i].value() != item.table[i]) return absl::OkStatus();
+  }
   const std::span<const int32_t> fresh =
       std::span(item.tokens).subspan(static_cast<size_t>(known - item.start));
   const int64_t block_size = cache.block_size();

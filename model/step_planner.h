@@ -75,7 +75,9 @@ absl::Status PlanDecode(KvCacheManager& cache, SessionId caller,
 
 // The step computed `item`: records its tokens as known and commits the sequence's full blocks
 // to the prefix cache (a sequence whose earlier tokens are unknown, because its client wrote
-// K/V itself, is left unpublished). Errors: NOT_FOUND when the sequence was freed meanwhile.
+// K/V itself, or whose blocks are no longer the ones the step wrote, because it was rewound and
+// grown again meanwhile, is left unpublished). Errors: NOT_FOUND when the sequence was freed
+// meanwhile.
 absl::Status FinishItem(KvCacheManager& cache, SessionId caller, const PlannedItem& item);
 
 // The step failed: frees a sequence the plan created, or rewinds one it grew to `start`. A

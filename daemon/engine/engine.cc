@@ -611,7 +611,9 @@ void Engine::RunStep(int32_t pool, std::span<ComputeCall* const> calls) {
     absl::MutexLock lock(&mu_);
     step.Plan(*state_);
   }
-  // The step itself, outside the lock: control calls go on meanwhile.
+  // The step itself, outside the lock: control calls go on meanwhile (Finish re-validates what
+  // they may have changed).
+  InGap(LockGap::kStepLaunch);
   const absl::Status launched = step.Launch(*model_, *clock_);
   absl::MutexLock lock(&mu_);
   step.Finish(*state_, launched);

@@ -361,3 +361,58 @@ TEST_F(TiersTest, ASessionEndingDuringThePromotionLeavesNoHold) {
 
 }  // namespace
 }  // namespace kvpool::daemon
+
+namespace kvpool::daemon {
+namespace {
+
+// The step's lock gap: a KV client rewinds its sequence and grows it again while a prefill of it
+// runs, so the blocks the step writes are no longer the sequence's. Finish must not publish the
+// fresh blocks (never written) as holding the step's tokens.
+TEST(StepGapTest, ASequenceRewoundAndRegrownDuringItsStepPublishesNothingItDidNotWrite) {
+  testing::FailingDevice device;
+  EngineOptions options = testing::SmallPool(16);
+  std::unique_ptr<Engine> engine;
+  std::shared_ptr<const Session> alice;
+  std::atomic<bool> armed{false};
+  SequenceId sequence(0);
+  options.lock_gap_hook = [&](LockGap gap) {
+    if (gap != LockGap::kStepLaunch || !armed.exchange(false)) return;
+    ASSERT_TRUE(engine->Truncate(*alice, sequence, 32, CallContext::Uncancellable()).ok());
+    const GrowRequest grow{.sequence = sequence, .num_tokens = 48};
+    ASSERT_TRUE(engine->Grow(*alice, std::span(&grow, 1), CallContext::Uncancellable()).ok());
+  };
+  std::unique_ptr<model::Model> model = testing::TinyModel(options.pools[0].layout);
+  engine = std::move(*Engine::Create(options, &device, model.get()));
+  alice = *engine->OpenSession(testing::Spec("t"));
+  auto prefill = [&](SequenceId id, std::vector<int32_t> tokens) {
+    absl::Notification done;
+    ComputeResult result;
+    engine->Submit(std::make_unique<ComputeCall>(
+        alice,
+        ComputeRequest{
+            .kind = ComputeRequest::Kind::kPrefill, .sequence = id, .tokens = std::move(tokens)},
+        nullptr, [&](ComputeCall& call) {
+          result = call.result();
+          done.Notify();
+        }));
+    done.WaitForNotification();
+    return result;
+  };
+  const std::vector<int32_t> first = testing::Prompt(32, 1);
+  const ComputeResult made = prefill(SequenceId(0), first);
+  ASSERT_TRUE(made.status.ok()) << made.status;
+  sequence = made.sequences[0];
+  std::vector<int32_t> turn = testing::Prompt(16, 2);
+  turn[0] = made.results[0].next_token;  // the next turn starts with the pending token
+  armed = true;
+  const ComputeResult next = prefill(sequence, turn);
+  ASSERT_TRUE(next.status.ok()) << next.status;
+  std::vector<int32_t> all = first;
+  all.insert(all.end(), turn.begin(), turn.end());
+  // The first turn's two blocks are published; the third block is not the one the step wrote.
+  EXPECT_EQ(engine->MatchPrefix(*alice, all).value(), 32);
+  EXPECT_TRUE(engine->CheckInvariants().ok());
+}
+
+}  // namespace
+}  // namespace kvpool::daemon
