@@ -317,6 +317,16 @@ class SquattedRuntimeDirTest(unittest.TestCase):
         self.assertIn("belongs to uid 65534", error.message)
         self.assertEqual(received(), 0, "the attach request went to the squatter")
 
+    def test_the_frontend_refuses_it_too(self):
+        path = self.runtime_dir(0o1777, self.NOBODY)
+        received = self.squatter(path)
+        done = subprocess.run([sys.executable, "-m", "kvpool_frontend", f"--socket_dir={path}",
+                               "--no_auth", "--port=0"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, timeout=60)
+        self.assertEqual(done.returncode, 1, done.stderr)
+        self.assertIn("not trusting kvpoold's runtime directory", done.stderr)
+        self.assertEqual(received(), 0, "the frontend's attach request went to the squatter")
+
     def test_a_uid_the_caller_trusts_is_attached_to(self):
         refusal = encode_frame(attach_pb2.AttachResponse(error="fake daemon", error_code=9))
         path = self.runtime_dir(0o1777, self.NOBODY)
