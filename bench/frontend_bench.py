@@ -51,7 +51,7 @@ def http(urls, concurrency, requests, max_tokens):
 def start_frontend(build_dir, directory):
     process = subprocess.Popen(
         [os.path.join(build_dir, "client", "frontend", "kvpool-frontend"), f"--socket_dir={directory}",
-         "--port=0"], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+         "--port=0", "--no_auth"], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
     line = process.stdout.readline()
     if " at " not in line:
         process.kill()

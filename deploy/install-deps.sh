@@ -24,6 +24,9 @@ packages=(
   # (/usr/bin/python3), not whatever python3 comes first on PATH
   python3 python3-grpcio python3-protobuf python3-aiohttp python3-numpy python3-sentencepiece
   curl
+  # property-based tests of the frontend's request parsing, API keys and limits
+  # (tests/client/frontend/test_frontend_properties.py)
+  python3-hypothesis
 )
 
 missing=()

@@ -2,11 +2,14 @@
 # The OpenAI-compatible frontend demo: install what is missing, build (release preset), start
 # kvpoold with its embedded default (the synthetic "tiny" model, the standard runtime directory)
 # and two kvpool-frontend processes on 127.0.0.1:8000 and :8001 (KVPOOL_FRONTEND_PORTS="A B" to
-# change), show them with curl (models, health, one completion through each frontend: the second
-# finds the prompt in the daemon's prefix cache (usage.prompt_tokens_details.cached_tokens), a
-# streamed chat, a refused sampling parameter), drive both with kvpool-http-loadgen (time to first token, inter-token latency
-# and cached prompt tokens from the HTTP side), print `kvpoolctl stats`, and stop everything
-# cleanly (the frontends drain on SIGTERM).
+# change) sharing one API keys file with one demo key (kvpool-frontend-keys, in a temporary
+# directory removed at the end), show them with curl (models, health, one completion through each
+# frontend: the second finds the prompt in the daemon's prefix cache
+# (usage.prompt_tokens_details.cached_tokens, in whole blocks), the same request without the key
+# refused with 401, a streamed chat, a refused sampling parameter), drive both with
+# kvpool-http-loadgen (time to first token, inter-token latency and cached prompt tokens from the
+# HTTP side), print `kvpoolctl stats`, and stop everything cleanly (the frontends drain on
+# SIGTERM).
 #
 #   deploy/run-frontend.sh                              # 4 streams at once, 32 requests
 #   deploy/run-frontend.sh --concurrency 8 --requests 64 --max_tokens 128
@@ -24,6 +27,7 @@ dir="${XDG_RUNTIME_DIR:+$XDG_RUNTIME_DIR/kvpool}"
 dir="${dir:-/tmp/kvpool-$(id -u)}"
 read -r -a ports <<< "${KVPOOL_FRONTEND_PORTS:-8000 8001}"
 
+keys_dir=$(mktemp -d)
 pids=()
 stop() {
   for ((i = ${#pids[@]} - 1; i >= 0; i--)); do  # frontends first, the daemon last
@@ -32,8 +36,14 @@ stop() {
       wait "${pids[i]}" || true
     fi
   done
+  rm -rf "$keys_dir"
 }
 trap stop EXIT
+# One demo user: the key is printed once by the tool; the file holds only its SHA-256.
+keys="$keys_dir/keys.json"
+KVPOOL_API_KEY=$("$bin/client/frontend/kvpool-frontend-keys" --keys_file="$keys" add demo)
+export KVPOOL_API_KEY  # kvpool-http-loadgen sends it
+auth=(-H "Authorization: Bearer $KVPOOL_API_KEY")
 
 "$bin/daemon/kvpoold" &
 pids+=($!)
@@ -45,7 +55,7 @@ done
 
 urls=()
 for port in "${ports[@]}"; do
-  "$bin/client/frontend/kvpool-frontend" --socket_dir="$dir" --port="$port" &
+  "$bin/client/frontend/kvpool-frontend" --socket_dir="$dir" --port="$port" --keys_file="$keys" &
   pids+=($!)
   urls+=("http://127.0.0.1:$port")
 done
@@ -59,15 +69,17 @@ done
 
 show() { echo; echo "\$ $*"; "$@"; echo; }
 prompt="You are a helpful assistant. Answer in one short sentence. What does a KV cache hold?"
-show curl -s "${urls[0]}/v1/models"
+show curl -s "${urls[0]}/v1/models" "${auth[@]}"
 show curl -s "${urls[1]}/health"
 for url in "${urls[@]}"; do  # the second frontend finds the prompt in the daemon's cache
-  show curl -s "$url/v1/completions" -H 'Content-Type: application/json' \
+  show curl -s "$url/v1/completions" "${auth[@]}" -H 'Content-Type: application/json' \
     -d "{\"model\": \"tiny\", \"prompt\": \"$prompt\", \"max_tokens\": 8}"
 done
-show curl -sN "${urls[1]}/v1/chat/completions" -H 'Content-Type: application/json' \
+show curl -s "${urls[0]}/v1/completions" -H 'Content-Type: application/json' \
+  -d "{\"model\": \"tiny\", \"prompt\": \"$prompt\", \"max_tokens\": 8}"
+show curl -sN "${urls[1]}/v1/chat/completions" "${auth[@]}" -H 'Content-Type: application/json' \
   -d "{\"model\": \"tiny\", \"messages\": [{\"role\": \"user\", \"content\": \"$prompt\"}], \"max_tokens\": 4, \"stream\": true, \"stream_options\": {\"include_usage\": true}}"
-show curl -s "${urls[1]}/v1/completions" -H 'Content-Type: application/json' \
+show curl -s "${urls[1]}/v1/completions" "${auth[@]}" -H 'Content-Type: application/json' \
   -d "{\"model\": \"tiny\", \"prompt\": \"$prompt\", \"max_tokens\": 8, \"temperature\": 0.8}"
 
 echo "\$ kvpool-http-loadgen ${urls[*]} $*"

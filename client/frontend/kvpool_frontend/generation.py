@@ -1,8 +1,13 @@
 """One completion over the daemon's model: Prefill the prompt, then one Decode step per token
 (gathered with the frontend's other streams by DecodeBatcher), until
 max_tokens, the tokenizer's EOS or a stop string; then Free the sequence, publishing the prompt
-and what was generated into the prefix cache (so the next turn of the conversation, through any
-frontend of the same tenant and model, reuses it).
+and what was generated into the prefix cache of the request's sharing domain (its cache salt: the
+next turn of the conversation, through any frontend of the same tenant and model, reuses it; no
+other domain ever sees it).
+
+Prefill and Decode calls go through a gate (an asyncio.Semaphore) that keeps the frontend's calls
+in flight below the daemon's limits.queued_calls_per_session: past it a call waits its turn here
+instead of failing there (admission.py states the bound).
 
 The sequence is freed however the generation ends: finished, failed, or abandoned because the
 HTTP client went away (the handler is cancelled, or the transport closes). The Free runs in a
@@ -12,6 +17,7 @@ task of its own that a cancellation of the handler does not stop; Frontend.close
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from typing import AsyncIterator, Callable, List, Optional, Tuple
 
@@ -72,10 +78,12 @@ class DecodeBatcher:
     when it returns they all go out in the next call (streams woken by one call's results queue
     before it is sent). A failed batch is retried one sequence at a time (the daemon's batches are
     all or nothing, so nothing happened), so only the sequences that fail get the error.
+    Every call goes through `gate` (None: no bound), retries included.
     Not thread-safe: one event loop.
     """
 
-    def __init__(self):
+    def __init__(self, gate: Optional[asyncio.Semaphore] = None):
+        self._gate = gate if gate is not None else contextlib.nullcontext()
         self._pending = {}   # (client, top_k) -> [(sequence_id, token, future)]
         self._busy = set()   # (client, top_k) with a call in flight
         self._active = {}    # sequence id -> event set once its submitted step has ended
@@ -113,7 +121,8 @@ class DecodeBatcher:
         self.calls += 1
         self.sequences += len(batch)
         try:
-            response = await client.decode([(s, t) for s, t, _ in batch], top_k=top_k)
+            async with self._gate:
+                response = await client.decode([(s, t) for s, t, _ in batch], top_k=top_k)
         except KvPoolError as e:
             if len(batch) == 1:
                 self._settle(batch[0], error=e)
@@ -147,13 +156,24 @@ class DecodeBatcher:
             await event.wait()
 
 
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a generation runs in the daemon: its sharing domain, and how its calls are paced."""
+
+    cache_salt: str = ""                       # kvpool.proto PrefillRequest.cache_salt
+    block_size: int = 1                        # the pool's: cached_tokens is a multiple of it
+    gate: Optional[asyncio.Semaphore] = None   # the frontend's call gate (None: no bound)
+
+
 class Generation:
     """See the module docstring. Not thread-safe: one per request, on the event loop."""
 
     def __init__(self, client, batcher: DecodeBatcher, prompt: List[int], max_tokens: int,
                  stops: List[str], top_k: int, eos_id: Optional[int],
-                 decode_text: Callable[[List[int]], str], on_free: Callable[[asyncio.Task], None]):
+                 decode_text: Callable[[List[int]], str], on_free: Callable[[asyncio.Task], None],
+                 placement: Placement = Placement()):
         self._client = client
+        self._placement = placement
         self._batcher = batcher
         self.prompt = prompt
         self.max_tokens = max_tokens
@@ -163,18 +183,25 @@ class Generation:
         self._stop = StopMatcher(stops)
         self._on_free = on_free
         self.sequence_id = 0
+        # Prompt tokens the prefix cache supplied, in whole blocks: the exact match would tell a
+        # caller the shared domain's tokens one at a time (a group's members share a domain).
         self.cached_tokens = 0
         self.completion_tokens = 0
         self.finish_reason: Optional[str] = None
         self._first = None
         self._decoding: Optional[asyncio.Future] = None  # the next token's Decode, in flight
+        self._freeing: Optional[asyncio.Task] = None     # the Free, once close() started it
         self.abandoned: Callable[[], bool] = lambda: False
 
     async def start(self) -> None:
-        """Prefills the prompt. Raises KvPoolError (nothing is held then)."""
-        self._first = await self._client.prefill(self.prompt, top_k=self._top_k)
+        """Prefills the prompt in the placement's domain. Raises KvPoolError (nothing is held
+        then)."""
+        p = self._placement
+        async with (p.gate if p.gate is not None else contextlib.nullcontext()):
+            self._first = await self._client.prefill(self.prompt, top_k=self._top_k,
+                                                     cache_salt=p.cache_salt)
         self.sequence_id = self._first.sequence_id
-        self.cached_tokens = self._first.reused_tokens
+        self.cached_tokens = self._first.reused_tokens // p.block_size * p.block_size
 
     async def steps(self) -> AsyncIterator[Step]:
         """One Step per generated token; finish_reason is set when it ends. Raises KvPoolError
@@ -210,14 +237,16 @@ class Generation:
             token, top = await self._decoding
             self._decoding = None
 
-    def close(self) -> None:
+    def close(self) -> Optional[asyncio.Task]:
         """Frees the sequence in a task of its own (publishing what was computed), once a
-        Decode step of it still queued or in flight has ended."""
-        if not self.sequence_id:
-            return
-        sequence_id, self.sequence_id = self.sequence_id, 0
-        self._decoding = None
-        self._on_free(asyncio.ensure_future(self._free(sequence_id)))
+        Decode step of it still queued or in flight has ended. Returns that task (the same one
+        on every call), or None when no sequence was made."""
+        if self.sequence_id:
+            sequence_id, self.sequence_id = self.sequence_id, 0
+            self._decoding = None
+            self._freeing = asyncio.ensure_future(self._free(sequence_id))
+            self._on_free(self._freeing)
+        return self._freeing
 
     async def _free(self, sequence_id: int) -> None:
         await self._batcher.idle(sequence_id)

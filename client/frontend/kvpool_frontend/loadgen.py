@@ -6,9 +6,10 @@ prefix cache supplied (usage.prompt_tokens_details.cached_tokens).
     kvpool-http-loadgen --url http://127.0.0.1:8000 --url http://127.0.0.1:8001 \
         --concurrency 4 --requests 32 --shared_prefix 400 --prompt 100 --max_tokens 64
 
-Requests go round-robin to the URLs, `concurrency` at a time. Each prompt is a shared prefix (the
-same for every request: a system prompt) and a part of its own, as text of about that many
-characters. Exits 1 when any request failed.
+Requests go round-robin to the URLs, `concurrency` at a time, with `Authorization: Bearer` and
+the key of --api_key (default: $KVPOOL_API_KEY; none for a frontend run with --no_auth). Each
+prompt is a shared prefix (the same for every request: a system prompt) and a part of its own, as
+text of about that many characters. Exits 1 when any request failed.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import time
@@ -101,7 +103,8 @@ async def run(args) -> Dict:
     shared = text_of(args.shared_prefix, rng)
     prompts = [shared + " " + text_of(args.prompt, rng) for _ in range(args.requests)]
     timeout = aiohttp.ClientTimeout(total=args.timeout)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
         model = args.model
         if not model:
             async with session.get(urls[0] + "/v1/models") as response:
@@ -156,6 +159,8 @@ def main(argv=None) -> int:
     p.add_argument("--url", action="append", required=True,
                    help="a frontend's base URL (repeat, or separate with commas)")
     p.add_argument("--model", default="", help="default: the first frontend's /v1/models")
+    p.add_argument("--api_key", default=os.environ.get("KVPOOL_API_KEY", ""),
+                   help="the API key to send (default: $KVPOOL_API_KEY)")
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--requests", type=int, default=32)

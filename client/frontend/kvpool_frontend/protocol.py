@@ -6,7 +6,8 @@ So, for /v1/completions and /v1/chat/completions:
   mapped    model (must be the served name), prompt (a string or one list of token ids) /
             messages, max_tokens (max_completion_tokens for chat), stop (a string or up to 4),
             stream, stream_options.include_usage, logprobs (completions: 0..20 top tokens; chat:
-            true, with top_logprobs 0..20) -> the daemon's top_k, user and seed (accepted;
+            true, with top_logprobs 0..20) -> the daemon's top_k, cache_salt (vLLM's: narrows
+            the caller's prefix-sharing domain; auth.request_salt), user and seed (accepted;
             greedy decoding is deterministic anyway)
   accepted  only at the value greedy decoding already has: temperature 0 (or absent), top_p 1,
             top_k 1 or -1 (vLLM's extension), n 1, best_of 1, presence_penalty and
@@ -14,7 +15,8 @@ So, for /v1/completions and /v1/chat/completions:
   refused   any other value of those, and any field not listed here: 400 with the field named
 
 max_tokens defaults to 16 for completions (OpenAI's default) and to the rest of the context for
-chat. prompt + max_tokens must fit the model's context (model_max_position).
+chat; a default is lowered to the API key's max_tokens limit, a value the request names
+above it is refused. prompt + max_tokens must fit the model's context (model_max_position).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ MAX_STOP = 4
 
 _COMMON = {"model", "max_tokens", "stop", "stream", "stream_options", "user", "seed",
            "temperature", "top_p", "top_k", "n", "presence_penalty", "frequency_penalty",
-           "logit_bias", "ignore_eos"}
+           "logit_bias", "ignore_eos", "cache_salt"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "suffix", "best_of"}
 CHAT_FIELDS = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
 
@@ -62,10 +64,12 @@ class Params:
     prompt: Union[str, List[int], None] = None  # completions
     messages: Optional[list] = None             # chat
     max_tokens: Optional[int] = None            # None: the rest of the context (chat)
+    max_tokens_given: bool = False              # the request named it (else: a default)
     stop: List[str] = dataclasses.field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
     logprobs: Optional[int] = None              # top tokens per step; None: no logprobs
+    cache_salt: object = None                   # as sent (auth.request_salt checks it)
 
     @property
     def top_k(self) -> int:
@@ -158,7 +162,7 @@ def _common(body, served_model: str, allowed) -> Params:
             raise bad("stream_options supports only include_usage", "stream_options")
         include_usage = bool(options.get("include_usage", False))
     return Params(chat=False, stop=_stop(body.get("stop")), stream=stream,
-                  include_usage=include_usage)
+                  include_usage=include_usage, cache_salt=body.get("cache_salt"))
 
 
 def parse_completion(body, served_model: str) -> Params:
@@ -177,7 +181,9 @@ def parse_completion(body, served_model: str) -> Params:
     else:
         raise bad("prompt must be a non-empty string or list of token ids", "prompt")
     p.prompt = prompt
-    p.max_tokens = _positive_int(body, "max_tokens") or 16
+    p.max_tokens = _positive_int(body, "max_tokens")
+    p.max_tokens_given = p.max_tokens is not None
+    p.max_tokens = p.max_tokens or 16
     logprobs = body.get("logprobs")
     if logprobs is not None:
         if not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS:
@@ -193,6 +199,7 @@ def parse_chat(body, served_model: str) -> Params:
     if not isinstance(p.messages, list) or not p.messages:
         raise bad("messages must be a non-empty list", "messages")
     p.max_tokens = _positive_int(body, "max_completion_tokens") or _positive_int(body, "max_tokens")
+    p.max_tokens_given = p.max_tokens is not None
     logprobs = body.get("logprobs")
     top = body.get("top_logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):

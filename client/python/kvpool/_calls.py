@@ -33,12 +33,14 @@ class Sequence:
 
 @dataclasses.dataclass
 class AllocateItem:
-    """One sequence to allocate: `prompt` is matched against the prefix cache; `num_tokens` is the
-    room to make (0: the prompt's length); `priority` the prefix-cache class [0, 4)."""
+    """One sequence to allocate: `prompt` is matched against the prefix cache (of `cache_salt`'s
+    sharing domain: kvpool.proto AllocateItem.cache_salt); `num_tokens` is the room to make (0:
+    the prompt's length); `priority` the prefix-cache class [0, 4)."""
 
     prompt: Seq[int]
     num_tokens: int = 0
     priority: int = 0
+    cache_salt: str = ""
 
 
 def apply_grow(tail: Sequence, table: List[BlockRef]) -> None:
@@ -92,6 +94,7 @@ def allocate_request(items: Iterable[Union[AllocateItem, Seq[int]]]) -> kvpool_p
                 out.prompt.extend(item.prompt)
                 out.num_tokens = item.num_tokens or len(item.prompt)
                 out.priority = item.priority
+                out.cache_salt = item.cache_salt
             else:  # a bare prompt
                 out.prompt.extend(item)
                 out.num_tokens = len(out.prompt)
@@ -156,16 +159,17 @@ def free_request(sequence_ids: Iterable[int], commit: bool):
         return kvpool_pb2.FreeRequest(sequence_ids=list(sequence_ids), commit=bool(commit))
 
 
-def match_prefix_request(tokens: Seq[int]):
+def match_prefix_request(tokens: Seq[int], cache_salt: str = ""):
     with building("MatchPrefix"):
-        return kvpool_pb2.MatchPrefixRequest(tokens=list(tokens))
+        return kvpool_pb2.MatchPrefixRequest(tokens=list(tokens), cache_salt=cache_salt)
 
 
 def pin_request(tokens: Seq[int] = (), sequence_id: int = 0, ttl_s: float = 0.0,
-                priority: int = 0):
+                priority: int = 0, cache_salt: str = ""):
     with building("Pin"):
         return kvpool_pb2.PinRequest(tokens=list(tokens), sequence_id=sequence_id,
-                                     ttl_ms=int(ttl_s * 1000), priority=priority)
+                                     ttl_ms=int(ttl_s * 1000), priority=priority,
+                                     cache_salt=cache_salt)
 
 
 def renew_pin_request(pin_id: int, ttl_s: float):
@@ -175,10 +179,12 @@ def renew_pin_request(pin_id: int, ttl_s: float):
 
 # --- Compute ---
 
-def prefill_request(tokens: Seq[int], sequence_id: int, top_k: int, priority: int):
+def prefill_request(tokens: Seq[int], sequence_id: int, top_k: int, priority: int,
+                    cache_salt: str = ""):
     with building("Prefill"):
         return kvpool_pb2.PrefillRequest(
-            sequence_id=sequence_id, tokens=list(tokens), top_k=top_k, priority=priority
+            sequence_id=sequence_id, tokens=list(tokens), top_k=top_k, priority=priority,
+            cache_salt=cache_salt,
         )
 
 
@@ -201,11 +207,13 @@ def decode_result(request, response):
 
 
 def generate_request(prompt: Seq[int], max_tokens: int, sequence_id: int,
-                     stop_tokens: Seq[int], priority: int, free_when_done: bool):
+                     stop_tokens: Seq[int], priority: int, free_when_done: bool,
+                     cache_salt: str = ""):
     with building("Generate"):
         return kvpool_pb2.GenerateRequest(
             sequence_id=sequence_id, prompt=list(prompt), max_tokens=max_tokens,
             stop_tokens=list(stop_tokens), priority=priority, free_when_done=free_when_done,
+            cache_salt=cache_salt,
         )
 
 

@@ -33,9 +33,11 @@ class AsyncClient(_Session):
     @classmethod
     async def connect(cls, socket_dir: Optional[str] = None, *, tenant: str = "default",
                       model: str = "default", kv_access: bool = False,
-                      client_name: Optional[str] = None, timeout: float = 10.0) -> "AsyncClient":
+                      client_name: Optional[str] = None, timeout: float = 10.0,
+                      trusted_daemon_uids: Iterable[int] = ()) -> "AsyncClient":
         runtime_dir, attachment, mapping = await asyncio.to_thread(
-            cls._attach_blocking, socket_dir, tenant, model, kv_access, client_name, timeout)
+            cls._attach_blocking, socket_dir, tenant, model, kv_access, client_name, timeout,
+            trusted_daemon_uids)
         self = object.__new__(cls)
         self._init_session(runtime_dir, timeout, attachment, mapping)
         self._channel = grpc.aio.insecure_channel(
@@ -72,8 +74,9 @@ class AsyncClient(_Session):
         response = await self._call("Allocate", _calls.allocate_request(items))
         return _calls.allocate_result(response, len(items))
 
-    async def allocate_one(self, prompt: Seq[int], num_tokens: int = 0, priority: int = 0) -> Sequence:
-        return (await self.allocate([AllocateItem(prompt, num_tokens, priority)]))[0]
+    async def allocate_one(self, prompt: Seq[int], num_tokens: int = 0, priority: int = 0,
+                           cache_salt: str = "") -> Sequence:
+        return (await self.allocate([AllocateItem(prompt, num_tokens, priority, cache_salt)]))[0]
 
     async def grow(self, items: Iterable[Tuple[int, int]]) -> List[Sequence]:
         request = _calls.grow_request(items)
@@ -95,12 +98,14 @@ class AsyncClient(_Session):
     async def free(self, sequence_ids: Iterable[int], commit: bool = False) -> None:
         await self._call("Free", _calls.free_request(sequence_ids, commit))
 
-    async def match_prefix(self, tokens: Seq[int]) -> int:
-        return (await self._call("MatchPrefix", _calls.match_prefix_request(tokens))).matched_tokens
+    async def match_prefix(self, tokens: Seq[int], cache_salt: str = "") -> int:
+        return (await self._call("MatchPrefix", _calls.match_prefix_request(
+            tokens, cache_salt))).matched_tokens
 
-    async def pin_prefix(self, tokens: Seq[int], ttl_s: float, priority: int = 0):
-        return (await self._call("Pin", _calls.pin_request(tokens=tokens, ttl_s=ttl_s,
-                                                           priority=priority))).pin
+    async def pin_prefix(self, tokens: Seq[int], ttl_s: float, priority: int = 0,
+                         cache_salt: str = ""):
+        return (await self._call("Pin", _calls.pin_request(
+            tokens=tokens, ttl_s=ttl_s, priority=priority, cache_salt=cache_salt))).pin
 
     async def pin_sequence(self, sequence_id: int, ttl_s: float, priority: int = 0):
         return (await self._call("Pin", _calls.pin_request(sequence_id=sequence_id, ttl_s=ttl_s,
@@ -122,9 +127,10 @@ class AsyncClient(_Session):
     # --- Compute ---
 
     async def prefill(self, tokens: Seq[int], sequence_id: int = 0, top_k: int = 0,
-                      priority: int = 0, timeout: Optional[float] = None):
+                      priority: int = 0, timeout: Optional[float] = None, cache_salt: str = ""):
         return await self._call(
-            "Prefill", _calls.prefill_request(tokens, sequence_id, top_k, priority), timeout)
+            "Prefill", _calls.prefill_request(tokens, sequence_id, top_k, priority, cache_salt),
+            timeout)
 
     async def decode(self, items: Iterable[Tuple[int, int]], top_k: int = 0,
                      timeout: Optional[float] = None):
@@ -132,11 +138,11 @@ class AsyncClient(_Session):
         return _calls.decode_result(request, await self._call("Decode", request, timeout))
 
     def generate(self, prompt: Seq[int], max_tokens: int, *, sequence_id: int = 0,
-                 stop_tokens: Seq[int] = (), priority: int = 0,
-                 free_when_done: bool = False) -> AsyncIterator:
+                 stop_tokens: Seq[int] = (), priority: int = 0, free_when_done: bool = False,
+                 cache_salt: str = "") -> AsyncIterator:
         self._check_open()
         request = _calls.generate_request(prompt, max_tokens, sequence_id, stop_tokens, priority,
-                                          free_when_done)
+                                          free_when_done, cache_salt)
         return _stream(self.stub.Generate(request, metadata=self._metadata))
 
     # --- Admin ---

@@ -11,15 +11,15 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-import stat
 import struct
 import time
-from typing import List, Optional
+from typing import Iterable, List, Optional
 
 import grpc
 
 from kvpool._proto import attach_pb2
 from kvpool.errors import KvPoolError, code_from_number
+from kvpool.runtime_dir import trusted_daemon_uid
 
 GRPC_SOCKET = "kvpoold.sock"
 ATTACH_SOCKET = "attach.sock"
@@ -117,26 +117,6 @@ class Attachment:
         self.fds = []
 
 
-def _check_runtime_dir(runtime_dir: str) -> os.stat_result:
-    """The runtime directory is never followed through a symlink (DESIGN.md §7)."""
-    try:
-        st = os.lstat(runtime_dir)
-    except FileNotFoundError as e:
-        raise KvPoolError(
-            grpc.StatusCode.UNAVAILABLE, f"no kvpoold runtime directory at {runtime_dir}"
-        ) from e
-    except PermissionError as e:
-        raise KvPoolError(grpc.StatusCode.PERMISSION_DENIED, f"lstat {runtime_dir}: {e}") from e
-    if stat.S_ISLNK(st.st_mode):
-        raise KvPoolError(
-            grpc.StatusCode.PERMISSION_DENIED,
-            f"the runtime directory {runtime_dir} is a symlink: kvpool never follows one",
-        )
-    if not stat.S_ISDIR(st.st_mode):
-        raise KvPoolError(grpc.StatusCode.UNAVAILABLE, f"{runtime_dir} is not a directory")
-    return st
-
-
 def _connect(path: str, timeout: float) -> socket.socket:
     if len(path.encode()) > _SUN_PATH_MAX:
         raise KvPoolError(
@@ -164,33 +144,35 @@ def _connect(path: str, timeout: float) -> socket.socket:
     return sock
 
 
-def _check_peer(sock: socket.socket, path: str, owner_uid: int) -> None:
-    """Before sending anything: the peer must run as the runtime directory's owner (or root)."""
+def _check_peer(sock: socket.socket, path: str, daemon_uid: int) -> None:
+    """Before sending anything: the peer must run as the uid the runtime directory says (or root)."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, _ = struct.unpack("3i", creds)
-    if uid not in (owner_uid, 0):
+    if uid not in (daemon_uid, 0):
         raise KvPoolError(
             grpc.StatusCode.PERMISSION_DENIED,
             f"the process listening at {path} (pid {pid}) runs as uid {uid}, but the runtime "
-            f"directory belongs to uid {owner_uid}: not sending it anything",
+            f"directory belongs to uid {daemon_uid}: not sending it anything",
         )
 
 
-def attach(runtime_dir: str, request, timeout: float) -> Attachment:
+def attach(runtime_dir: str, request, timeout: float, trusted: Iterable[int] = ()) -> Attachment:
     """Connects to <runtime_dir>/attach.sock, sends `request` and returns the accepted attach.
 
+    The runtime directory is checked first (kvpool.runtime_dir: `trusted` names uids the daemon
+    may run as beyond root and our own), then the listener's uid, before anything is sent.
     Raises KvPoolError: UNAVAILABLE (no daemon listens there), PERMISSION_DENIED (socket not
-    accessible, the runtime directory is a symlink, the listener is not its owner, or the daemon
+    accessible, a runtime directory not to trust, the listener is not its owner, or the daemon
     refused this peer), DEADLINE_EXCEEDED (no answer within `timeout` seconds),
     INVALID_ARGUMENT (path too long, malformed answer), or the code the daemon refused with.
     Nothing is held after an error.
     """
-    dir_stat = _check_runtime_dir(runtime_dir)
+    daemon_uid = trusted_daemon_uid(runtime_dir, trusted)
     path = os.path.join(runtime_dir, ATTACH_SOCKET)
     deadline = time.monotonic() + timeout
     sock = _connect(path, timeout)
     try:
-        _check_peer(sock, path, dir_stat.st_uid)
+        _check_peer(sock, path, daemon_uid)
         return exchange(sock, path, request, deadline)
     except BaseException:
         sock.close()

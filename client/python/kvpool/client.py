@@ -59,7 +59,7 @@ class _Session:
         self._metadata = ((SESSION_TOKEN_KEY, r.session_token),)
 
     @staticmethod
-    def _attach_blocking(socket_dir, tenant, model, kv_access, client_name, timeout):
+    def _attach_blocking(socket_dir, tenant, model, kv_access, client_name, timeout, trusted):
         """Attach + mapping, as both clients do it. Returns (runtime_dir, attachment, mapping)."""
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise invalid_argument(f"timeout must be a positive number of seconds, not {timeout!r}")
@@ -72,7 +72,9 @@ class _Session:
                 model=model,
                 kv_access=bool(kv_access),
             )
-        attachment = attach(runtime_dir, request, timeout)
+        with _calls.building("trusted_daemon_uids"):
+            trusted = [int(uid) for uid in trusted]
+        attachment = attach(runtime_dir, request, timeout, trusted)
         try:
             mapping = None
             if attachment.response.kv_access:
@@ -185,15 +187,19 @@ class Client(_Session):
     @classmethod
     def connect(cls, socket_dir: Optional[str] = None, *, tenant: str = "default",
                 model: str = "default", kv_access: bool = False,
-                client_name: Optional[str] = None, timeout: float = 10.0) -> "Client":
+                client_name: Optional[str] = None, timeout: float = 10.0,
+                trusted_daemon_uids: Iterable[int] = ()) -> "Client":
         """Attaches to kvpoold in `socket_dir` (default: $XDG_RUNTIME_DIR/kvpool, else
         /tmp/kvpool-$UID) and maps its pool when `kv_access`. `tenant` and `model` (with the
         layout) name the prefix-sharing namespace. `timeout` bounds the attach and every call.
-        Raises KvPoolError: UNAVAILABLE (no daemon there), PERMISSION_DENIED (not allowed, or KV
-        access not granted), DEADLINE_EXCEEDED, INVALID_ARGUMENT, or the daemon's refusal code;
-        nothing is held after an error."""
+        The runtime directory must be one this process trusts (kvpool.runtime_dir: owned by root,
+        by us, by one of `trusted_daemon_uids`, or placed by root) and the daemon must answer as
+        its owner, both checked before anything is sent.
+        Raises KvPoolError: UNAVAILABLE (no daemon there), PERMISSION_DENIED (not allowed, KV
+        access not granted, or a runtime directory or listener not to trust), DEADLINE_EXCEEDED,
+        INVALID_ARGUMENT, or the daemon's refusal code; nothing is held after an error."""
         runtime_dir, attachment, mapping = cls._attach_blocking(
-            socket_dir, tenant, model, kv_access, client_name, timeout)
+            socket_dir, tenant, model, kv_access, client_name, timeout, trusted_daemon_uids)
         self = object.__new__(cls)
         self._init_session(runtime_dir, timeout, attachment, mapping)
         self._channel = grpc.insecure_channel(
@@ -235,8 +241,9 @@ class Client(_Session):
         items = list(items)
         return _calls.allocate_result(self._call("Allocate", _calls.allocate_request(items)), len(items))
 
-    def allocate_one(self, prompt: Seq[int], num_tokens: int = 0, priority: int = 0) -> Sequence:
-        return self.allocate([AllocateItem(prompt, num_tokens, priority)])[0]
+    def allocate_one(self, prompt: Seq[int], num_tokens: int = 0, priority: int = 0,
+                     cache_salt: str = "") -> Sequence:
+        return self.allocate([AllocateItem(prompt, num_tokens, priority, cache_salt)])[0]
 
     def grow(self, items: Iterable[Tuple[int, int]]) -> List[Sequence]:
         """(sequence_id, new length) per item, all or none; the changed tail of each table, in
@@ -263,18 +270,22 @@ class Client(_Session):
         """Frees the sequences (all or none); `commit` publishes their known tokens first."""
         self._call("Free", _calls.free_request(sequence_ids, commit))
 
-    def match_prefix(self, tokens: Seq[int]) -> int:
-        """Leading tokens of `tokens` cached in this session's namespace (lookup only)."""
-        return self._call("MatchPrefix", _calls.match_prefix_request(tokens)).matched_tokens
+    def match_prefix(self, tokens: Seq[int], cache_salt: str = "") -> int:
+        """Leading tokens of `tokens` cached in this session's namespace, within `cache_salt`'s
+        sharing domain (lookup only)."""
+        return self._call("MatchPrefix",
+                          _calls.match_prefix_request(tokens, cache_salt)).matched_tokens
 
     # Retention pins (kvpool.proto PinRequest): keep a cached prefix of this session's namespace,
     # or what one of its sequences published, out of eviction for `ttl_s` seconds, at a priority
     # up to the tenant's ceiling. A pin ends by itself, with unpin(), or with the session.
 
-    def pin_prefix(self, tokens: Seq[int], ttl_s: float, priority: int = 0):
-        """Pins the wholly cached prefix `tokens`; returns the PinInfo."""
-        return self._call("Pin", _calls.pin_request(tokens=tokens, ttl_s=ttl_s,
-                                                    priority=priority)).pin
+    def pin_prefix(self, tokens: Seq[int], ttl_s: float, priority: int = 0,
+                   cache_salt: str = ""):
+        """Pins the wholly cached prefix `tokens` (of `cache_salt`'s domain); returns the
+        PinInfo."""
+        return self._call("Pin", _calls.pin_request(tokens=tokens, ttl_s=ttl_s, priority=priority,
+                                                    cache_salt=cache_salt)).pin
 
     def pin_sequence(self, sequence_id: int, ttl_s: float, priority: int = 0):
         """Pins what `sequence_id` has published so far; returns the PinInfo."""
@@ -297,14 +308,20 @@ class Client(_Session):
         self._call("Ping", kvpool_pb2.PingRequest())
 
     # --- Compute (FAILED_PRECONDITION when the daemon runs no model) ---
+    # `cache_salt` (new sequences; kvpool.proto AllocateItem.cache_salt, at most 256 bytes): the
+    # prefix-sharing domain within the session's namespace. Calls with different salts never
+    # share cached blocks; "" is the session's namespace itself. A frontend gives each of its
+    # users a salt of its own.
 
     def prefill(self, tokens: Seq[int], sequence_id: int = 0, top_k: int = 0,
-                priority: int = 0, timeout: Optional[float] = None) -> "kvpool_pb2.PrefillResponse":
-        """sequence_id 0: a new sequence whose prompt is matched against the prefix cache;
-        otherwise `tokens` extend that sequence. Returns the first generated token (pending).
-        `timeout`: this call's deadline in seconds (default: the client's)."""
-        return self._call("Prefill", _calls.prefill_request(tokens, sequence_id, top_k, priority),
-                          timeout)
+                priority: int = 0, timeout: Optional[float] = None,
+                cache_salt: str = "") -> "kvpool_pb2.PrefillResponse":
+        """sequence_id 0: a new sequence whose prompt is matched against the prefix cache (of
+        `cache_salt`'s domain); otherwise `tokens` extend that sequence. Returns the first
+        generated token (pending). `timeout`: this call's deadline in seconds (default: the
+        client's)."""
+        return self._call("Prefill", _calls.prefill_request(tokens, sequence_id, top_k, priority,
+                                                            cache_salt), timeout)
 
     def decode(self, items: Iterable[Tuple[int, int]], top_k: int = 0,
                timeout: Optional[float] = None) -> "kvpool_pb2.DecodeResponse":
@@ -313,12 +330,12 @@ class Client(_Session):
         return _calls.decode_result(request, self._call("Decode", request, timeout))
 
     def generate(self, prompt: Seq[int], max_tokens: int, *, sequence_id: int = 0,
-                 stop_tokens: Seq[int] = (), priority: int = 0,
-                 free_when_done: bool = False) -> Iterator["kvpool_pb2.GenerateResponse"]:
+                 stop_tokens: Seq[int] = (), priority: int = 0, free_when_done: bool = False,
+                 cache_salt: str = "") -> Iterator["kvpool_pb2.GenerateResponse"]:
         """Streams generated tokens (no deadline). Closing the iterator early cancels the call."""
         self._check_open()
         request = _calls.generate_request(prompt, max_tokens, sequence_id, stop_tokens, priority,
-                                          free_when_done)
+                                          free_when_done, cache_salt)
         return _stream(self.stub.Generate(request, metadata=self._metadata))
 
     # --- Admin (PERMISSION_DENIED unless admin) ---

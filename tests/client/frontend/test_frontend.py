@@ -23,8 +23,8 @@ class FrontendTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.daemon = Daemon(CONFIG)
-        cls.a = Frontend(cls.daemon.dir)
-        cls.b = Frontend(cls.daemon.dir)
+        cls.a = Frontend(cls.daemon.dir, "--no_auth")
+        cls.b = Frontend(cls.daemon.dir, "--no_auth")
         cls.admin = kvpool.Client.connect(cls.daemon.dir, client_name="test-admin")
 
     @classmethod
@@ -62,10 +62,11 @@ class FrontendTest(unittest.TestCase):
         self.assertEqual(usage["total_tokens"], 209)
         self.assertLessEqual(usage["prompt_tokens_details"]["cached_tokens"], 1)  # at most BOS
         # The other frontend: the same greedy text, the prompt from the daemon's prefix cache
-        # (all but its last token, whose logits give the first generated token).
+        # (all but its last token, whose logits give the first generated token: 200), reported
+        # in whole blocks of 16.
         status, _, second = self.complete(self.b, prompt=prompt, max_tokens=8)
         self.assertEqual(second["choices"][0]["text"], first["choices"][0]["text"])
-        self.assertEqual(second["usage"]["prompt_tokens_details"]["cached_tokens"], 200)
+        self.assertEqual(second["usage"]["prompt_tokens_details"]["cached_tokens"], 192)
         # The next turn, through the first frontend again: the prompt and the reply are cached.
         turn2 = prompt + first["choices"][0]["text"] + " And the next question?"
         status, _, third = self.complete(self.a, prompt=turn2, max_tokens=4)
@@ -175,7 +176,7 @@ class FrontendTest(unittest.TestCase):
             self.assertEqual(getattr(after, field), getattr(before, field), field)
 
     def test_exhausted_pool_is_429_with_the_shortfall(self):
-        with Frontend(self.daemon.dir, "--tenant=tight") as tight:
+        with Frontend(self.daemon.dir, "--no_auth", "--tenant=tight") as tight:
             status, headers, err = http(tight.url + "/v1/completions",
                                         {"model": "tiny", "prompt": "y" * 300, "max_tokens": 2})
             self.assertEqual(status, 429, err)
@@ -240,7 +241,7 @@ class FrontendTest(unittest.TestCase):
 class DrainTest(unittest.TestCase):
     def test_sigterm_finishes_requests_in_flight_and_refuses_new_ones(self):
         with Daemon(CONFIG) as daemon, kvpool.Client.connect(daemon.dir) as admin:
-            frontend = Frontend(daemon.dir, "--drain_timeout=30")
+            frontend = Frontend(daemon.dir, "--no_auth", "--drain_timeout=30")
             body = json.dumps({"model": "tiny", "prompt": "Finish this.", "max_tokens": 60,
                                "stream": True}).encode()
             s = socket.create_connection(("127.0.0.1", frontend.port), timeout=60)
@@ -267,7 +268,7 @@ class DrainTest(unittest.TestCase):
 
     def test_daemon_drain_is_503_and_a_killed_frontend_is_reclaimed(self):
         with Daemon(CONFIG) as daemon, kvpool.Client.connect(daemon.dir) as admin:
-            frontend = Frontend(daemon.dir)
+            frontend = Frontend(daemon.dir, "--no_auth")
             status, _, _ = http(frontend.url + "/v1/completions",
                                 {"model": "tiny", "prompt": "before", "max_tokens": 1})
             self.assertEqual(status, 200)
@@ -286,7 +287,7 @@ class DrainTest(unittest.TestCase):
         directory = tempfile.mkdtemp(prefix="kvpool-pytest-")
         self.addCleanup(shutil.rmtree, directory, True)
         daemon = Daemon(CONFIG, directory)
-        with Frontend(directory) as frontend:
+        with Frontend(directory, "--no_auth") as frontend:
             request = {"model": "tiny", "prompt": "again", "max_tokens": 2}
             self.assertEqual(http(frontend.url + "/v1/completions", request)[0], 200)
             daemon.close()
@@ -312,7 +313,7 @@ class CheckpointFrontendTest(unittest.TestCase):
         sp = sentencepiece.SentencePieceProcessor(model_file=train_sentencepiece(directory, 400))
         write_checkpoint(directory, vocab_size=512)
         with Daemon(f'pool_bytes: 16777216 model {{ checkpoint: "{directory}" }}') as daemon, \
-                Frontend(daemon.dir) as frontend:
+                Frontend(daemon.dir, "--no_auth") as frontend:
             name = os.path.basename(directory)
             self.assertEqual(http(frontend.url + "/v1/models")[2]["data"][0]["id"], name)
             prompt = "the pool keeps every block"

@@ -1,15 +1,23 @@
 """kvpool-frontend's pieces alone: the byte and SentencePiece tokenizers and streaming
-detokenization, the chat templates, the OpenAI request mapping, and stop strings."""
+detokenization, the chat templates, the OpenAI request mapping, stop strings, the keys file and
+its tool, sharing domains, and admission (a seeded run against a reference model)."""
 
 import asyncio
+import json
 import os
+import random
 import shutil
+import stat
+import subprocess
+import sys
 import tempfile
 import unittest
 
 import kvpool
 
-from kvpool_frontend import chat, protocol, tokenizer
+from kvpool_frontend import auth, chat, protocol, tokenizer
+from kvpool_frontend.admission import Admission
+from kvpool_frontend.auth import KeyStore, KeysFileError, Limits
 from kvpool_frontend.generation import DecodeBatcher, StopMatcher
 from kvpool_frontend.protocol import ApiError
 from kvpool_frontend.tokenizer import ByteTokenizer, Detokenizer, TokenizerError
@@ -227,6 +235,176 @@ class DecodeBatcherTest(unittest.TestCase):
             self.assertEqual(sorted(client.batches[1:]), [[1], [2], [3]])
 
         asyncio.run(scenario())
+
+
+H1, H2 = auth.hash_key("kvp-one"), auth.hash_key("kvp-two")
+
+
+class KeysFileTest(unittest.TestCase):
+    def test_keys_groups_and_limits(self):
+        keys = KeyStore.parse(json.dumps({
+            "defaults": {"concurrent_requests": 2, "max_tokens": 100},
+            "keys": [{"name": "alice", "sha256": H1},
+                     {"name": "bot", "sha256": H2, "group": "ci", "limits": {"max_tokens": 7}}]}))
+        alice = keys.authenticate("Bearer kvp-one")
+        bot = keys.authenticate("bearer   kvp-two")
+        self.assertEqual((alice.name, alice.salt), ("alice", f"key:{H1}"))
+        self.assertEqual((bot.name, bot.salt), ("bot", "group:ci"))
+        self.assertEqual(alice.limits, Limits(2, 32768, 100, 1 << 20))
+        self.assertEqual(bot.limits, Limits(2, 32768, 7, 1 << 20))
+        for header in (None, "Bearer kvp-three", "Bearer " + H1, "Basic kvp-one"):
+            with self.assertRaises(ApiError) as e:
+                keys.authenticate(header)
+            self.assertEqual((e.exception.status, e.exception.code), (401, "invalid_api_key"))
+            self.assertIn("WWW-Authenticate", e.exception.headers)
+
+    def test_malformed_files_are_refused_with_the_reason(self):
+        cases = [
+            ("[]", "expected an object"),
+            ('{"keys": {}}', "must be a list"),
+            ('{"keys": [], "extra": 1}', "expected an object"),
+            ('{"keys": [{"name": "a b", "sha256": "%s"}]}' % H1, "name must be"),
+            ('{"keys": [{"name": "a", "sha256": "%s"}]}' % H1.upper(), "sha256 must be"),
+            ('{"keys": [{"name": "a", "sha256": "%s", "group": "x/y"}]}' % H1, "group must be"),
+            ('{"keys": [{"name": "a", "sha256": "%s", "limits": {"max_tokens": 0}}]}' % H1,
+             "max_tokens must be an integer >= 1"),
+            ('{"keys": [{"name": "a", "sha256": "%s", "limits": {"rpm": 3}}]}' % H1,
+             "unknown limit 'rpm'"),
+            ('{"keys": [{"name": "a", "sha256": "%s", "key": "x"}]}' % H1, "unknown field"),
+            ('{"keys": [{"name": "a", "sha256": "%s"}, {"name": "a", "sha256": "%s"}]}'
+             % (H1, H2), "used twice"),
+            ('{"keys": [{"name": "a", "sha256": "%s"}, {"name": "b", "sha256": "%s"}]}'
+             % (H1, H1), "the same sha256"),
+            ('{"defaults": {"body_bytes": true}}', "body_bytes must be"),
+            ("{", "not JSON"),
+        ]
+        for text, message in cases:
+            with self.assertRaises(KeysFileError) as e:
+                KeyStore.parse(text)
+            self.assertIn(message, str(e.exception), text)
+
+    def test_a_file_others_may_write_is_refused(self):
+        directory = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, directory)
+        path = os.path.join(directory, "keys.json")
+        with open(path, "w") as f:
+            f.write('{"keys": []}')
+        for mode, ok in ((0o600, True), (0o644, True), (0o620, False), (0o602, False)):
+            os.chmod(path, mode)
+            if ok:
+                self.assertEqual(KeyStore.load(path).names, [])
+            else:
+                with self.assertRaises(KeysFileError) as e:
+                    KeyStore.load(path)
+                self.assertIn("others may write", str(e.exception))
+        os.symlink(path, path + ".link")
+        with self.assertRaises(KeysFileError):
+            KeyStore.load(path + ".link")
+
+
+class SharingDomainTest(unittest.TestCase):
+    def test_salts_never_collide(self):
+        # Every (caller, request salt) pair gets its own salt: the caller's salt has no '/'.
+        bases = [f"key:{H1}", f"key:{H2}", "group:ci", "group:cj", auth.ANONYMOUS_SALT]
+        fields = [None, "a", "a/b", "b", "/", "key:x", "x" * auth.MAX_REQUEST_SALT_BYTES]
+        salts = [auth.request_salt(b, f) for b in bases for f in fields]
+        self.assertEqual(len(set(salts)), len(salts))
+        self.assertTrue(all(len(s.encode()) <= 256 for s in salts))
+
+    def test_bad_request_salts_are_400(self):
+        for field in ("", 3, ["a"], "x" * (auth.MAX_REQUEST_SALT_BYTES + 1), "\ud800",
+                      "é" * 65):
+            with self.assertRaises(ApiError) as e:
+                auth.request_salt("key:x", field)
+            self.assertEqual((e.exception.status, e.exception.param), (400, "cache_salt"))
+
+
+class KeysToolTest(unittest.TestCase):
+    def run_tool(self, *args):
+        done = subprocess.run([sys.executable, "-m", "kvpool_frontend.keys",
+                               f"--keys_file={self.path}", *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, timeout=30)
+        return done.returncode, done.stdout, done.stderr
+
+    def setUp(self):
+        directory = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, directory)
+        self.path = os.path.join(directory, "keys.json")
+
+    def test_add_prints_the_key_once_and_stores_its_hash(self):
+        rc, out, _ = self.run_tool("add", "alice", "--concurrent_requests=3")
+        self.assertEqual(rc, 0)
+        key = out.strip()
+        self.assertTrue(key.startswith("kvp-") and len(key) > 40, key)
+        self.assertEqual(stat.S_IMODE(os.stat(self.path).st_mode), 0o600)
+        with open(self.path) as f:
+            text = f.read()
+        self.assertNotIn(key, text)
+        self.assertIn(auth.hash_key(key), text)
+        rc, out, _ = self.run_tool("add", "bot", "--group=ci")
+        bot_key = out.strip()
+        keys = KeyStore.load(self.path)
+        self.assertEqual(keys.names, ["alice", "bot"])
+        self.assertEqual(keys.authenticate("Bearer " + key).limits.concurrent_requests, 3)
+        self.assertEqual(keys.authenticate("Bearer " + bot_key).salt, "group:ci")
+        self.assertEqual(self.run_tool("add", "alice")[0], 1)  # taken
+        self.assertEqual(self.run_tool("add", "bad name")[0], 1)
+        rc, out, _ = self.run_tool("list")
+        self.assertEqual(out.splitlines(), ["alice concurrent_requests=3", "bot group=ci"])
+        self.assertEqual(self.run_tool("remove", "alice")[0], 0)
+        self.assertEqual(KeyStore.load(self.path).names, ["bot"])
+        self.assertEqual(self.run_tool("remove", "alice")[0], 1)
+
+
+class AdmissionTest(unittest.TestCase):
+    """Admission driven by a seeded random sequence of calls, checked after every step against a
+    reference model (counts per key, the blocks of each run)."""
+
+    def test_random_calls_match_the_reference_model(self):
+        for seed in range(20):
+            rng = random.Random(seed)
+            max_running, budget = rng.randint(1, 6), rng.randint(4, 60)
+            a = Admission(max_running, budget, block_size=16)
+            limits = {k: rng.randint(1, 4) for k in "abcd"}
+            held = {k: 0 for k in limits}   # the model: request slots per key
+            runs = []                       # the model: blocks of each run slot
+            for step in range(300):
+                op = rng.random()
+                if op < 0.3:
+                    key = rng.choice("abcd")
+                    refusal = a.enter(key, limits[key])
+                    if held[key] >= limits[key]:
+                        self.assertEqual((refusal.status, refusal.retry_after), (429, 1))
+                    else:
+                        self.assertIsNone(refusal)
+                        held[key] += 1
+                elif op < 0.5:
+                    keys = [k for k, n in held.items() if n]
+                    if keys:
+                        key = rng.choice(keys)
+                        a.leave(key)
+                        held[key] -= 1
+                elif op < 0.8:
+                    blocks = a.blocks_for(rng.randint(1, 400), rng.randint(1, 400))
+                    refusal = a.start(blocks)
+                    if blocks > budget:
+                        self.assertEqual((refusal.status, refusal.retry_after), (400, None))
+                    elif len(runs) >= max_running or sum(runs) + blocks > budget:
+                        self.assertEqual((refusal.status, refusal.code), (429, "overloaded"))
+                    else:
+                        self.assertIsNone(refusal)
+                        runs.append(blocks)
+                elif runs:
+                    a.finish(runs.pop(rng.randrange(len(runs))))
+                self.assertIsNone(a.check_invariants(), (seed, step))
+                self.assertEqual((a.running, a.reserved_blocks), (len(runs), sum(runs)))
+                self.assertEqual({k: a.requests(k) for k in held}, held)
+
+    def test_blocks_cover_the_whole_context(self):
+        a = Admission(4, 100, block_size=16)
+        self.assertEqual(a.blocks_for(1, 15), 1)
+        self.assertEqual(a.blocks_for(1, 16), 2)
+        self.assertEqual(a.blocks_for(200, 56), 16)
 
 
 if __name__ == "__main__":

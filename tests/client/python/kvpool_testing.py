@@ -159,15 +159,17 @@ class Frontend:
 
 
 def http(url: str, body=None, raw: Optional[bytes] = None, method: Optional[str] = None,
-         timeout: float = 60):
-    """(status, headers, parsed JSON body) of one request; `body` is sent as JSON."""
+         timeout: float = 60, key: Optional[str] = None, headers: Optional[dict] = None):
+    """(status, headers, parsed JSON body) of one request; `body` is sent as JSON, with
+    `Authorization: Bearer <key>` when `key` is given, and `headers`."""
     import json
     import urllib.error
     import urllib.request
 
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     request = urllib.request.Request(url, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json",
+                                              **_auth(key), **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, dict(response.headers), json.loads(response.read())
@@ -175,14 +177,18 @@ def http(url: str, body=None, raw: Optional[bytes] = None, method: Optional[str]
         return e.code, dict(e.headers), json.loads(e.read())
 
 
-def stream(url: str, body, timeout: float = 60):
+def _auth(key: Optional[str]) -> dict:
+    return {"Authorization": f"Bearer {key}"} if key is not None else {}
+
+
+def stream(url: str, body, timeout: float = 60, key: Optional[str] = None):
     """The server-sent events of one streaming request: (status, [event JSON or "[DONE]"])."""
     import json
     import urllib.error
     import urllib.request
 
     request = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **_auth(key)})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             events = []

@@ -1,10 +1,17 @@
-"""The attach framing and the mapping's checks without a daemon: frames split across reads, with
-descriptors on the first byte; oversized, truncated and unparsable frames; attach responses whose
-descriptors or layout do not add up. Every failure closes the descriptors it received."""
+"""The attach framing, the runtime directory's checks and the mapping's checks without a daemon:
+frames split across reads, with descriptors on the first byte; oversized, truncated and
+unparsable frames; squatted, shared and symlinked runtime directories (refused before anything is
+sent); attach responses whose descriptors or layout do not add up. Every failure closes the
+descriptors it received."""
 
 import os
+import shutil
 import socket
+import stat
 import struct
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 import unittest
@@ -14,6 +21,7 @@ from kvpool import KvPoolError, StatusCode
 from kvpool._proto import attach_pb2, layout_pb2
 from kvpool.attach import encode_frame, exchange, receive_frame
 from kvpool.mapping import PoolMapping
+from kvpool.runtime_dir import trusted_daemon_uid, untrusted_reason
 
 C = StatusCode
 
@@ -183,6 +191,171 @@ class MappingChecksTest(unittest.TestCase):
             error = self.create(response, fds)
             self.assertEqual(error.code, C.INVALID_ARGUMENT, message)
             self.assertIn(message, error.message)
+
+
+def dir_stat(uid, mode):
+    """An os.stat_result of a directory with that owner and permission bits."""
+    return os.stat_result((stat.S_IFDIR | mode, 1, 1, 2, uid, uid, 4096, 0, 0, 0))
+
+
+class RuntimeDirRuleTest(unittest.TestCase):
+    """The trust rule itself (kvpool.runtime_dir, as proto/kvpool/v1/runtime_dir.cc), for any uid."""
+
+    ME, OTHER, TRUSTED = 1000, 4242, 777
+
+    def reason(self, directory, parent, trusted=()):
+        return untrusted_reason("/x/kvpool", directory, parent, self.ME, trusted)
+
+    def test_owner_root_me_or_trusted(self):
+        tmp = dir_stat(0, 0o1777)
+        for owner in (0, self.ME):
+            self.assertIsNone(self.reason(dir_stat(owner, 0o700), tmp))
+        self.assertIsNone(self.reason(dir_stat(self.TRUSTED, 0o755), tmp, [self.TRUSTED]))
+
+    def test_someone_elses_directory_in_a_shared_parent_is_refused(self):
+        for parent in (dir_stat(0, 0o1777), dir_stat(0, 0o777), dir_stat(0, 0o775),
+                       dir_stat(self.OTHER, 0o755), None):
+            why = self.reason(dir_stat(self.OTHER, 0o700), parent, [self.TRUSTED])
+            self.assertIn("belongs to uid 4242", why)
+
+    def test_placed_by_root_is_trusted(self):
+        # systemd's /run/kvpool: made by root for the daemon's uid, in a parent only root writes.
+        self.assertIsNone(self.reason(dir_stat(self.OTHER, 0o750), dir_stat(0, 0o755)))
+        self.assertIsNone(self.reason(dir_stat(self.OTHER, 0o750), dir_stat(self.ME, 0o700)))
+
+    def test_a_directory_others_may_write_is_refused_whoever_owns_it(self):
+        for mode in (0o770, 0o707, 0o777, 0o1777):
+            for owner in (0, self.ME, self.TRUSTED):
+                why = self.reason(dir_stat(owner, mode), dir_stat(0, 0o755), [self.TRUSTED])
+                self.assertIn("others may write to it", why)
+
+
+SQUATTER = """
+import socket, sys
+path, reply = sys.argv[1], bytes.fromhex(sys.argv[2])
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.bind(path)
+s.listen(1)
+s.settimeout(10)
+print("ready", flush=True)
+try:
+    c, _ = s.accept()
+except socket.timeout:
+    print("received 0", flush=True)
+    sys.exit(0)
+c.settimeout(2)
+got = b""
+try:
+    while len(got) < 4 or len(got) < 4 + int.from_bytes(got[:4], "little"):
+        chunk = c.recv(4096)
+        if not chunk:
+            break
+        got += chunk
+except socket.timeout:
+    pass
+if reply:
+    c.sendall(reply)
+print("received", len(got), flush=True)
+"""
+
+
+@unittest.skipUnless(os.geteuid() == 0, "needs root to give a directory to another uid")
+class SquattedRuntimeDirTest(unittest.TestCase):
+    """Real directories given to uid 65534 (nobody), with a listener running as that uid in them:
+    a squatter. The client must refuse the directory before it sends anything."""
+
+    NOBODY = 65534
+
+    def setUp(self):
+        self.top = tempfile.mkdtemp(prefix="kvpool-squat-")
+        self.addCleanup(shutil.rmtree, self.top, True)
+
+    def runtime_dir(self, parent_mode, owner, mode=0o700):
+        parent = os.path.join(self.top, "parent")
+        os.mkdir(parent)
+        os.chmod(parent, parent_mode)
+        os.chmod(self.top, 0o755)
+        path = os.path.join(parent, f"kvpool-{os.geteuid()}")
+        os.mkdir(path)
+        os.chown(path, owner, owner)
+        os.chmod(path, mode)
+        return path
+
+    def squatter(self, path, reply=b""):
+        """A listener at <path>/attach.sock running as nobody; returns a function that waits for
+        it and says how many bytes the client sent it."""
+        process = subprocess.Popen(
+            [sys.executable, "-c", SQUATTER, os.path.join(path, "attach.sock"), reply.hex()],
+            stdout=subprocess.PIPE, text=True, user=self.NOBODY, group=self.NOBODY)
+        self.addCleanup(process.kill)
+        self.assertEqual(process.stdout.readline().strip(), "ready")
+
+        def received():
+            # The client gave up without connecting: wake the listener so it reports.
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                s.connect(os.path.join(path, "attach.sock"))
+            except OSError:
+                pass
+            s.close()
+            line = process.stdout.readline().strip()
+            process.wait(timeout=10)
+            process.stdout.close()
+            return int(line.split()[1])
+        return received
+
+    def connect(self, path, **kwargs):
+        with self.assertRaises(KvPoolError) as e:
+            kvpool.Client.connect(path, timeout=5, **kwargs)
+        return e.exception
+
+    def test_a_squatted_directory_in_a_world_writable_parent_is_refused(self):
+        path = self.runtime_dir(0o1777, self.NOBODY)  # /tmp/kvpool-<uid>, made by nobody
+        received = self.squatter(path)
+        error = self.connect(path)
+        self.assertEqual(error.code, C.PERMISSION_DENIED, error.message)
+        self.assertIn("belongs to uid 65534", error.message)
+        self.assertEqual(received(), 0, "the attach request went to the squatter")
+
+    def test_the_frontend_refuses_it_too(self):
+        path = self.runtime_dir(0o1777, self.NOBODY)
+        received = self.squatter(path)
+        done = subprocess.run([sys.executable, "-m", "kvpool_frontend", f"--socket_dir={path}",
+                               "--no_auth", "--port=0"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, timeout=60)
+        self.assertEqual(done.returncode, 1, done.stderr)
+        self.assertIn("not trusting kvpoold's runtime directory", done.stderr)
+        self.assertEqual(received(), 0, "the frontend's attach request went to the squatter")
+
+    def test_a_uid_the_caller_trusts_is_attached_to(self):
+        refusal = encode_frame(attach_pb2.AttachResponse(error="fake daemon", error_code=9))
+        path = self.runtime_dir(0o1777, self.NOBODY)
+        received = self.squatter(path, refusal)
+        error = self.connect(path, trusted_daemon_uids=[self.NOBODY])
+        self.assertEqual(error.code, C.FAILED_PRECONDITION, error.message)  # its answer
+        self.assertIn("fake daemon", error.message)
+        self.assertGreater(received(), 0)
+
+    def test_a_directory_root_placed_for_the_daemon_is_trusted(self):
+        self.assertEqual(trusted_daemon_uid(self.runtime_dir(0o755, self.NOBODY, 0o750)),
+                         self.NOBODY)
+
+    def test_shared_symlinked_and_plain_files_are_refused(self):
+        path = self.runtime_dir(0o755, os.geteuid(), 0o770)
+        error = self.connect(path)
+        self.assertEqual(error.code, C.PERMISSION_DENIED)
+        self.assertIn("others may write to it", error.message)
+        os.chmod(path, 0o700)
+        self.assertEqual(trusted_daemon_uid(path), os.geteuid())
+        link = os.path.join(self.top, "link")
+        os.symlink(path, link)
+        error = self.connect(link)
+        self.assertEqual(error.code, C.PERMISSION_DENIED)
+        self.assertIn("symlink", error.message)
+        plain = os.path.join(self.top, "file")
+        open(plain, "w").close()
+        self.assertEqual(self.connect(plain).code, C.PERMISSION_DENIED)
+        self.assertEqual(self.connect(os.path.join(self.top, "absent")).code, C.UNAVAILABLE)
 
 
 if __name__ == "__main__":

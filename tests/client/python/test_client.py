@@ -278,6 +278,29 @@ class ClientTest(unittest.TestCase):
             c.ping()
         self.assertEqual(e.exception.code, C.FAILED_PRECONDITION)
 
+    def test_cache_salts_split_the_namespace(self):
+        c = self.connect(kv_access=False)
+        other = self.connect("other", kv_access=False)
+        prompt = tokens(40, 9)
+        first = c.prefill(prompt, cache_salt="key:alice")
+        c.free([first.sequence_id], commit=True)
+        self.assertEqual(c.match_prefix(prompt, cache_salt="key:alice"), 40)
+        # Another salt, or none, never sees it; another session naming the same salt does.
+        self.assertEqual(c.match_prefix(prompt, cache_salt="key:bob"), 0)
+        self.assertEqual(c.match_prefix(prompt), 0)
+        self.assertEqual(other.match_prefix(prompt, cache_salt="key:alice"), 40)
+        second = other.prefill(prompt, cache_salt="key:bob")
+        self.assertEqual(second.reused_tokens, 0)
+        other.free([second.sequence_id])
+        third = other.prefill(prompt, cache_salt="key:alice")
+        self.assertEqual(third.reused_tokens, 39)  # the last token's logits are computed anew
+        other.free([third.sequence_id])
+        streamed = list(c.generate(prompt, 1, cache_salt="key:alice", free_when_done=True))
+        self.assertEqual(streamed[0].reused_tokens, 39)
+        with self.assertRaises(KvPoolError) as e:
+            c.prefill(prompt, cache_salt="x" * 257)
+        self.assertEqual(e.exception.code, C.INVALID_ARGUMENT)
+
     def test_async_client_makes_the_same_calls(self):
         async def scenario():
             async with await kvpool.aio.AsyncClient.connect(
@@ -293,6 +316,10 @@ class ClientTest(unittest.TestCase):
                     await c.grow_one(seqs[0].id, 64 * 16 + 1)
                 self.assertEqual(e.exception.shortfall, kvpool.Shortfall("max_blocks_per_seq", 1))
                 await c.free([s.id for s in seqs])
+                salted = await c.prefill(tokens(30, 5), cache_salt="aio")
+                await c.free([salted.sequence_id], commit=True)
+                self.assertEqual(await c.match_prefix(tokens(30, 5), cache_salt="aio"), 30)
+                self.assertEqual(await c.match_prefix(tokens(30, 5)), 0)
                 first = await c.prefill(tokens(30, 5))
                 steps = await asyncio.gather(*[
                     c.decode([(first.sequence_id, first.next_token)]) for _ in range(1)])
