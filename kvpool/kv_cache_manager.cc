@@ -135,12 +135,41 @@ int64_t KvCacheManager::QuotaUsage(const Quota& quota) const {
   return used;
 }
 
-absl::Status KvCacheManager::SetSessionQuota(SessionId session, int64_t max_block_refs) {
+absl::Status KvCacheManager::SetSessionQuota(SessionId session, int64_t max_block_refs,
+                                             uint64_t group) {
   if (max_block_refs < 0) {
     return absl::InvalidArgumentError(fmt::format("negative session quota {}", max_block_refs));
   }
-  sessions_[session].quota = max_block_refs;
+  auto it = sessions_.find(session);
+  if (group != 0 && it != sessions_.end() && it->second.group != 0 && it->second.group != group) {
+    return absl::InvalidArgumentError(fmt::format("session {} is in reference group {} already",
+                                                  session.value(), it->second.group));
+  }
+  SessionUsage& usage = sessions_[session];
+  usage.quota = max_block_refs;
+  if (group != 0 && usage.group == 0) {
+    usage.group = group;
+    RefGroup& g = ref_groups_[group];
+    ++g.sessions;
+    g.block_refs += usage.block_refs;
+  }
   return absl::OkStatus();
+}
+
+absl::Status KvCacheManager::SetRefGroupQuota(uint64_t group, int64_t max_block_refs) {
+  if (max_block_refs < 0 || group == 0) {
+    return absl::InvalidArgumentError(
+        fmt::format("reference group {}: quota {} (a group is not 0, a quota not negative)", group,
+                    max_block_refs));
+  }
+  ref_groups_[group].quota = max_block_refs;
+  return absl::OkStatus();
+}
+
+void KvCacheManager::AddRefs(SessionId session, int64_t delta) {
+  SessionUsage& usage = sessions_[session];
+  usage.block_refs += delta;
+  if (usage.group != 0) ref_groups_[usage.group].block_refs += delta;
 }
 
 absl::StatusOr<Sequence*> KvCacheManager::Owned(SessionId caller, SequenceId sequence) {
@@ -285,12 +314,21 @@ absl::Status KvCacheManager::CheckCapacity(std::span<const std::pair<NamespaceId
   if (!quotas_.empty()) KVPOOL_RETURN_IF_ERROR(CheckQuotas(by_ns, what));
   if (refs > 0) {
     auto it = sessions_.find(session);
-    if (it != sessions_.end() && it->second.quota != kUnlimited &&
-        it->second.block_refs + refs > it->second.quota) {
-      const SessionUsage& usage = it->second;
+    if (it == sessions_.end()) return absl::OkStatus();
+    const SessionUsage& usage = it->second;
+    if (usage.quota != kUnlimited && usage.block_refs + refs > usage.quota) {
       return ResourceExhausted(Resource::kSessionQuota, usage.block_refs + refs - usage.quota,
                                fmt::format("{} for session {} ({} of {} block references held)",
                                            what, session.value(), usage.block_refs, usage.quota));
+    }
+    if (usage.group != 0) {
+      const RefGroup& g = ref_groups_.at(usage.group);
+      if (g.quota != kUnlimited && g.block_refs + refs > g.quota) {
+        return ResourceExhausted(
+            Resource::kSessionQuota, g.block_refs + refs - g.quota,
+            fmt::format("{} for session {} ({} of {} block references held by its group)", what,
+                        session.value(), g.block_refs, g.quota));
+      }
     }
   }
   return absl::OkStatus();
@@ -431,9 +469,8 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
     counters_.hit_tokens += static_cast<uint64_t>(p.match.matched_tokens);
     results->push_back(AllocateResult{id, p.match.matched_tokens});
   }
-  SessionUsage& usage = sessions_[caller];
-  usage.sequences += static_cast<int64_t>(requests.size());
-  usage.block_refs += tally.refs;
+  sessions_[caller].sequences += static_cast<int64_t>(requests.size());
+  AddRefs(caller, tally.refs);
   return absl::OkStatus();
 }
 
@@ -542,7 +579,7 @@ absl::Status KvCacheManager::GrowBatch(SessionId caller, std::span<const GrowReq
     const TableChange change = ApplyGrow(p, ctx, plan);
     if (changes != nullptr) changes->push_back(change);
   }
-  if (refs > 0) sessions_[caller].block_refs += refs;
+  if (refs > 0) AddRefs(caller, refs);
   return absl::OkStatus();
 }
 
@@ -582,7 +619,7 @@ void KvCacheManager::ReleaseTail(Sequence* sequence, size_t keep, const TraceCon
   }
   // ...then the full nodes' blocks, deepest first.
   if (path.full.size() > keep) cache_->ReleasePath(&path, sequence->table, keep, ctx);
-  sessions_[sequence->session].block_refs -= static_cast<int64_t>(sequence->table.size() - keep);
+  AddRefs(sequence->session, -static_cast<int64_t>(sequence->table.size() - keep));
   sequence->table.resize(keep);
 }
 
@@ -641,9 +678,8 @@ absl::StatusOr<SequenceId> KvCacheManager::Fork(SessionId caller, SequenceId seq
     child.table.back() = dst[0];
     ++counters_.cow_copies;
   }
-  SessionUsage& usage = sessions_[caller];
-  usage.block_refs += static_cast<int64_t>(child.table.size());
-  ++usage.sequences;
+  AddRefs(caller, static_cast<int64_t>(child.table.size()));
+  ++sessions_[caller].sequences;
   sequences_.emplace(id, std::move(child));
   return id;
 }
@@ -691,7 +727,9 @@ void KvCacheManager::FreeChecked(Sequence* seq, OnFree on_free) {
   ReleaseTail(seq, 0, ctx);
   if (cache_) cache_->Truncate(&seq->path, 0);
   auto it = sessions_.find(caller);
-  if (--it->second.sequences == 0 && it->second.quota == kUnlimited) sessions_.erase(it);
+  if (--it->second.sequences == 0 && it->second.quota == kUnlimited && it->second.group == 0) {
+    sessions_.erase(it);
+  }
   sequences_.erase(id);
 }
 
@@ -753,7 +791,12 @@ int64_t KvCacheManager::FreeSession(SessionId session) {
   }
   std::sort(pins.begin(), pins.end());
   for (PinId id : pins) ReleasePin(id);
-  sessions_.erase(session);
+  if (auto it = sessions_.find(session); it != sessions_.end()) {
+    if (const uint64_t group = it->second.group; group != 0 && --ref_groups_[group].sessions == 0) {
+      ref_groups_.erase(group);
+    }
+    sessions_.erase(it);
+  }
   return static_cast<int64_t>(owned.size());
 }
 

@@ -228,8 +228,18 @@ class KvCacheManager final {
   // Errors: INVALID_ARGUMENT (negative quota, ns 0); nothing has changed.
   absl::Status SetNamespaceQuota(NamespaceId ns, int64_t max_blocks, uint64_t group = 0);
   // Bounds the block references session `session`'s sequences may hold (kUnlimited to lift it).
-  // Errors: INVALID_ARGUMENT (negative quota).
-  absl::Status SetSessionQuota(SessionId session, int64_t max_block_refs);
+  // With `group` != 0 the session also joins reference group `group` (once, at its first call
+  // with a group; it stays there until FreeSession), whose members' references are bounded
+  // together by SetRefGroupQuota: a sequence's known tokens never outnumber its references times
+  // block_size, so this bounds what a set of sessions (a peer uid's) can make the manager hold,
+  // forks and shared prefixes included. Errors: INVALID_ARGUMENT (negative quota, another group
+  // than the session's); nothing has changed.
+  absl::Status SetSessionQuota(SessionId session, int64_t max_block_refs, uint64_t group = 0);
+  // Bounds the block references of reference group `group`'s sessions together (kUnlimited to
+  // lift it). A quota below the current use refuses further references; it takes nothing away.
+  // The group is forgotten, quota included, when its last session is freed.
+  // Errors: INVALID_ARGUMENT (negative quota, group 0).
+  absl::Status SetRefGroupQuota(uint64_t group, int64_t max_block_refs);
 
   // Creates a sequence of `num_tokens` tokens owned by `caller` in the request's namespace.
   // Errors: INVALID_ARGUMENT (session 0, namespace 0, negative count), RESOURCE_EXHAUSTED
@@ -393,7 +403,15 @@ class KvCacheManager final {
     int64_t block_refs = 0;
     int64_t sequences = 0;
     int64_t quota = kUnlimited;
+    uint64_t group = 0;  // its reference group; 0: none
   };
+  struct RefGroup {
+    int64_t block_refs = 0;  // summed over its sessions
+    int64_t quota = kUnlimited;
+    int64_t sessions = 0;
+  };
+  // Adds `delta` block references to `session`'s usage and its group's.
+  void AddRefs(SessionId session, int64_t delta);
 
   struct Pin {
     PinInfo info;
@@ -532,6 +550,7 @@ class KvCacheManager final {
 
   absl::flat_hash_map<SequenceId, Sequence> sequences_;
   absl::flat_hash_map<SessionId, SessionUsage> sessions_;
+  absl::flat_hash_map<uint64_t, RefGroup> ref_groups_;
   const int64_t max_sequences_per_session_;              // 0: unlimited
   absl::flat_hash_map<NamespaceId, QuotaKey> quota_of_;  // namespaces that have a quota
   absl::flat_hash_map<QuotaKey, Quota> quotas_;

@@ -154,6 +154,23 @@ absl::Status KvCacheManager::CheckInvariants() const {
                                 u.sequences, max_sequences_per_session_);
     }
   }
+  absl::flat_hash_map<uint64_t, RefGroup> groups;
+  for (const auto& [session, u] : sessions_) {
+    if (u.group == 0) continue;
+    groups[u.group].block_refs += u.block_refs;
+    ++groups[u.group].sessions;
+  }
+  for (const auto& [group, g] : ref_groups_) {
+    const RefGroup& want = groups[group];
+    if (g.block_refs != want.block_refs || g.sessions != want.sessions || g.sessions == 0) {
+      return InvariantViolation("reference group {} counts {} refs of {} sessions, but {} of {}",
+                                group, g.block_refs, g.sessions, want.block_refs, want.sessions);
+    }
+  }
+  if (groups.size() != ref_groups_.size()) {
+    return InvariantViolation("{} reference groups have sessions, {} are tracked", groups.size(),
+                              ref_groups_.size());
+  }
   KVPOOL_RETURN_IF_ERROR(CheckQuotaBooks());
   if (cache_) {
     absl::flat_hash_map<NodeIndex, uint32_t> pinned;
@@ -210,6 +227,7 @@ std::string KvCacheManager::DebugString() const {
   out += "sessions:";
   for (const auto& [id, u] : sessions) {
     fmt::format_to(it, " {}={}/{}/{}", id.value(), u.block_refs, u.sequences, u.quota);
+    if (u.group != 0) fmt::format_to(it, "@{}", u.group);
   }
   std::vector<std::pair<QuotaKey, std::vector<uint64_t>>> quotas;
   for (const auto& [key, quota] : quotas_) {

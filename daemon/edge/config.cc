@@ -105,6 +105,7 @@ void ApplyDefaults(v1::DaemonConfig* c) {
   if (l->attach_pending_per_uid() == 0) l->set_attach_pending_per_uid(8);
   if (l->attach_timeout_ms() == 0) l->set_attach_timeout_ms(500);
   if (l->cache_salts_per_session() == 0) l->set_cache_salts_per_session(4096);
+  if (l->block_refs_per_uid() == 0) l->set_block_refs_per_uid(int64_t{1} << 22);
 }
 
 namespace {
@@ -151,6 +152,7 @@ void ValidateLimits(const v1::DaemonConfig& c,
       {"limits.attach_pending_per_uid", l.attach_pending_per_uid()},
       {"limits.attach_timeout_ms", l.attach_timeout_ms()},
       {"limits.cache_salts_per_session", l.cache_salts_per_session()},
+      {"limits.block_refs_per_uid", l.block_refs_per_uid()},
   };
   for (const auto& [field, value] : positive) {
     if (value <= 0) bad(field, fmt::format("must be > 0 (got {})", value));
@@ -486,7 +488,8 @@ absl::StatusOr<EngineOptions> MakeEngineOptions(const v1::DaemonConfig& c, uint6
               .queued_calls_per_session = c.limits().queued_calls_per_session(),
               .decode_width = c.limits().decode_width() > 0 ? c.limits().decode_width()
                                                             : c.model().max_step_tokens(),
-              .cache_salts_per_session = c.limits().cache_salts_per_session()};
+              .cache_salts_per_session = c.limits().cache_salts_per_session(),
+              .block_refs_per_uid = c.limits().block_refs_per_uid()};
   for (const auto& [tenant, quota] : c.tenant_quota_blocks()) o.open_quota_blocks[tenant] = quota;
   o.epoch = epoch;
   const v1::ModelSpec& m = c.model();

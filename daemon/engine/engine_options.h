@@ -57,6 +57,11 @@ struct ClientLimits {
   int32_t decode_width = 512;             // sequences of one Decode
   // Cache salts one session holds sequences or pins under at once (EngineState::SaltedNamespace).
   int32_t cache_salts_per_session = 4096;
+  // Block references the sessions of one peer uid hold at once, per pool. A sequence's token list
+  // and table never outgrow its references (times block_size tokens), so this bounds what forks
+  // and shared prefixes can make the daemon keep for one uid: 2^22 references of 16-token blocks
+  // are 256 MiB of token lists.
+  int64_t block_refs_per_uid = int64_t{1} << 22;
 };
 
 struct EngineOptions {

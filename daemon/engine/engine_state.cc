@@ -100,9 +100,13 @@ absl::StatusOr<std::shared_ptr<const Session>> EngineState::Open(SessionSpec spe
   session->spec = std::move(spec);
   session->ns = namespaces_.Acquire(KeyOf(*session, ""));
   JoinQuota(*session, session->ns);
-  if (options_.session_quota_blocks > 0) {
-    KVPOOL_CHECK_OK(pool->cache().SetSessionQuota(session->id, options_.session_quota_blocks));
-  }
+  // The uid's sessions share one bound on block references (and so on the token lists and tables
+  // they make the pool keep: forks and shared prefixes hold references, not blocks).
+  const uint64_t uid_group = uint64_t{session->spec.uid} + 1;
+  KVPOOL_CHECK_OK(pool->cache().SetRefGroupQuota(uid_group, options_.limits.block_refs_per_uid));
+  KVPOOL_CHECK_OK(pool->cache().SetSessionQuota(
+      session->id, options_.session_quota_blocks > 0 ? options_.session_quota_blocks : kUnlimited,
+      uid_group));
   ++sessions_of_tenant_[session->spec.tenant];
   ++sessions_of_uid_[session->spec.uid];
   live_.emplace(session->id, session);

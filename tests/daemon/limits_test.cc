@@ -209,3 +209,60 @@ TEST_F(LimitsTest, WhatNoStepCanServeIsRefusedBeforeItQueues) {
 
 }  // namespace
 }  // namespace kvpool::daemon
+
+namespace kvpool::daemon {
+namespace {
+
+// Issue 27: a fork copied its parent's token list and table for free (it takes no block), so the
+// default limits let one uid's sessions keep tens of GB of token lists. The references a uid's
+// sessions hold are bounded together now (compute-only sessions' included: they may still fork,
+// which branching a conversation needs, within the same bound).
+TEST(TokenListLimitTest, ForksOfAUidsSessionsAreBoundedTogether) {
+  FailingDevice device;
+  EngineOptions options = SmallPool(64);
+  options.limits.block_refs_per_uid = 64;
+  std::unique_ptr<Engine> engine = std::move(*Engine::Create(options, &device, nullptr));
+  SessionSpec kv = Spec("t", "kv");
+  kv.uid = 1000;
+  SessionSpec second = Spec("t", "second");
+  second.uid = 1000;
+  std::shared_ptr<const Session> a = *engine->OpenSession(kv);
+  std::shared_ptr<const Session> b = *engine->OpenSession(second);
+  const std::vector<int32_t> prompt = Prompt(256, 1);
+  const AllocateRequest sixteen{.num_tokens = 256, .prompt = prompt};
+  absl::StatusOr<Tables> made =
+      engine->Allocate(*a, std::span(&sixteen, 1), CallContext::Uncancellable());
+  ASSERT_TRUE(made.ok()) << made.status();
+  const SequenceId parent = made->slices[0].sequence;
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(engine->Fork(*a, parent, CallContext::Uncancellable()).ok()) << i;  // 64 refs
+  }
+  const absl::Status refused = engine->Fork(*a, parent, CallContext::Uncancellable()).status();
+  EXPECT_TRUE(absl::IsResourceExhausted(refused)) << refused;
+  // Another session of the same uid shares the bound: its match of the cached prefix would be
+  // sixteen more references.
+  ASSERT_TRUE(engine->Free(*a, std::span(&parent, 1), OnFree::kCommit, CallContext::Uncancellable())
+                  .ok());  // 48 refs left, the prefix cached
+  const AllocateRequest again{.num_tokens = 256, .prompt = prompt};
+  ASSERT_TRUE(engine->Allocate(*b, std::span(&again, 1), CallContext::Uncancellable()).ok());
+  EXPECT_TRUE(absl::IsResourceExhausted(
+      engine->Allocate(*b, std::span(&again, 1), CallContext::Uncancellable()).status()));
+  // Another uid is not limited by it.
+  SessionSpec other = Spec("t", "other");
+  other.uid = 1001;
+  std::shared_ptr<const Session> c = *engine->OpenSession(other);
+  absl::StatusOr<Tables> theirs =
+      engine->Allocate(*c, std::span(&sixteen, 1), CallContext::Uncancellable());
+  ASSERT_TRUE(theirs.ok()) << theirs.status();
+  EXPECT_TRUE(engine->Fork(*c, theirs->slices[0].sequence, CallContext::Uncancellable()).ok());
+  EXPECT_TRUE(engine->CheckInvariants().ok());
+  // Ending the sessions gives everything back.
+  engine->EndSession(a->id, SessionEnd::kDetached);
+  engine->EndSession(b->id, SessionEnd::kDetached);
+  engine->EndSession(c->id, SessionEnd::kDetached);
+  EXPECT_TRUE(engine->CheckInvariants().ok());
+  EXPECT_EQ(engine->Stats().cache.sequences, 0);
+}
+
+}  // namespace
+}  // namespace kvpool::daemon

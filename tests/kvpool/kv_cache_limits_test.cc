@@ -149,6 +149,43 @@ TEST_F(KvCacheLimitsTest, GrowAndForkCountAgainstTheGroup) {
   ExpectInvariants();
 }
 
+// Forks hold references without taking blocks, so only a bound on references bounds what forks
+// (and shared prefixes) make the manager keep: every fork copies the parent's table and tokens.
+// A reference group bounds its sessions' references together (issue 27: a uid's sessions).
+TEST_F(KvCacheLimitsTest, AReferenceGroupBoundsItsSessionsTogether) {
+  Make({});
+  constexpr uint64_t kUid = 7;
+  ASSERT_TRUE(cache_->SetRefGroupQuota(kUid, 6).ok());
+  ASSERT_TRUE(cache_->SetSessionQuota(kAlice, kUnlimited, kUid).ok());
+  ASSERT_TRUE(cache_->SetSessionQuota(kBob, kUnlimited, kUid).ok());
+  EXPECT_FALSE(cache_->SetSessionQuota(kBob, kUnlimited, kUid + 1).ok());  // one group each
+  const SequenceId a = *Alloc(kAlice, kA, 32);                             // 2 references
+  DevicePlan plan;
+  ASSERT_TRUE(cache_->Fork(kAlice, a, &plan).ok());  // 4
+  ExpectInvariants();
+  const SequenceId b = *Alloc(kBob, kA, 16);           // 5: Bob's count with Alice's
+  ASSERT_TRUE(cache_->Grow(kBob, b, 32, &plan).ok());  // 6
+  const absl::Status refused = cache_->Fork(kAlice, a, &plan).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  ASSERT_TRUE(GetShortfall(refused).has_value());
+  EXPECT_EQ(GetShortfall(refused)->blocks, 2);
+  EXPECT_EQ(cache_->Grow(kBob, b, 33, &plan).code(), absl::StatusCode::kResourceExhausted);
+  ExpectInvariants();
+  // Freeing gives the references back to the group; another group is not limited by it.
+  ASSERT_TRUE(cache_->Free(kBob, b).ok());
+  EXPECT_TRUE(cache_->Fork(kAlice, a, &plan).ok());
+  ASSERT_TRUE(cache_->SetSessionQuota(SessionId(99), kUnlimited, kUid + 1).ok());
+  EXPECT_TRUE(Alloc(SessionId(99), kA, 16 * 16).ok());
+  ExpectInvariants();
+  // The group goes with its last session.
+  cache_->FreeSession(kAlice);
+  cache_->FreeSession(kBob);
+  ExpectInvariants();
+  ASSERT_TRUE(cache_->SetSessionQuota(kAlice, kUnlimited, kUid).ok());
+  EXPECT_TRUE(Alloc(kAlice, kA, 16 * 16).ok());  // the old group's quota is gone with it
+  ExpectInvariants();
+}
+
 // The slot table holds 2 namespaces. A zero-token sequence holds no block, but its namespace is
 // in use: its slot is not recycled under it.
 TEST_F(KvCacheLimitsTest, IdleNamespacesAreRecycledButNotOnesWithSequences) {
