@@ -44,11 +44,6 @@ void KvPoolService::EndCall() {
   --calls_;
 }
 
-bool KvPoolService::Stopping() {
-  absl::MutexLock lock(&calls_mu_);
-  return stopping_;
-}
-
 void KvPoolService::Stop() {
   absl::MutexLock lock(&calls_mu_);
   stopping_ = true;

@@ -120,7 +120,6 @@ class KvPoolService final : public v1::KvPool::CallbackService {
   // Counts a call that completes asynchronously; false when the service is stopping.
   bool BeginCall();
   void EndCall();
-  bool Stopping();
   void Register(EventWriter* writer);
   void Unregister(EventWriter* writer);
 

@@ -136,9 +136,8 @@ class GenerateWriter final : public grpc::ServerWriteReactor<v1::GenerateRespons
                                   last_) != request_.stop_tokens().end();
       if (produced_ >= request_.max_tokens() || stop) return Close(grpc::Status::OK);
       if (cancelled_) return Close(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
-      if (service_->Stopping()) {
-        return Close(grpc::Status(grpc::StatusCode::UNAVAILABLE, "kvpoold is shutting down"));
-      }
+      // A shutdown lets the stream run on within its drain timeout; past it the engine stops
+      // computing, and the next step's UNAVAILABLE closes the stream.
       busy_ = true;
       sequence = sequence_;
       last = last_;

@@ -141,3 +141,31 @@ TEST_F(DaemonTest, ShutdownTurnsHealthDownAndEndsEverySession) {
 
 }  // namespace
 }  // namespace kvpool::daemon
+
+namespace kvpool::daemon {
+namespace {
+
+// Issue 27: shutdown ended the streams in flight (a Generate was closed with UNAVAILABLE at its
+// next token) instead of letting them finish within the drain timeout.
+TEST_F(DaemonTest, ShutdownLetsAGenerationInFlightFinish) {
+  Start({});
+  absl::StatusOr<std::unique_ptr<client::Client>> c = Connect();
+  ASSERT_TRUE(c.ok()) << c.status();
+  v1::GenerateRequest request;
+  for (int32_t t = 1; t <= 8; ++t) request.add_prompt(t);
+  request.set_max_tokens(64);
+  request.set_free_when_done(true);
+  absl::Notification first;
+  std::thread shutdown;
+  int tokens = 0;
+  const absl::Status generated = (*c)->Generate(request, [&](const v1::GenerateResponse&) {
+    if (++tokens == 1) shutdown = std::thread([this] { daemon_->Shutdown(); });
+    return true;
+  });
+  EXPECT_TRUE(generated.ok()) << generated;
+  EXPECT_EQ(tokens, 64);
+  shutdown.join();
+}
+
+}  // namespace
+}  // namespace kvpool::daemon
