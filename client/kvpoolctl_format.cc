@@ -218,6 +218,7 @@ std::string ModelText(const v1::GetStatsResponse& s) {
       {"prefill_chunks", std::to_string(s.prefill_chunks())},
       {"decode_tokens", std::to_string(s.decode_tokens())},
       {"doorbell_calls", std::to_string(s.doorbell_calls())},
+      {"doorbells_refused", std::to_string(s.doorbells_refused())},
   };
   for (const auto& [name, value] : model_rows) model.AddRow({name, value});
   std::string out = "\n";  // not "\n" + Render(): g++ 12 warns falsely (-Wrestrict) on that

@@ -196,7 +196,16 @@ absl::Status Daemon::StartAttach() {
     ToProto(*grant, &reply.response);
     if (grant->arena && grant->arena->fd.valid()) reply.fds.push_back(std::move(grant->arena->fd));
     if (grant->generation_table.valid()) reply.fds.push_back(std::move(grant->generation_table));
-    if (request.decode_doorbell() && engine_->has_model()) {
+    // A doorbell is a thread of the daemon's: a uid gets limits.doorbells_per_uid of them; past
+    // that its sessions decode over gRPC (the client falls back when none is granted).
+    const bool doorbell_room =
+        doorbells_.live_for_uid(peer.uid) < config_.limits().doorbells_per_uid();
+    if (request.decode_doorbell() && engine_->has_model() && !doorbell_room) {
+      attach_counters_.doorbells_refused.fetch_add(1, std::memory_order_relaxed);
+      Log().warn("session {}: no decode doorbell: uid {} has {} already (limits.doorbells_per_uid)",
+                 session->id.value(), peer.uid, config_.limits().doorbells_per_uid());
+    }
+    if (request.decode_doorbell() && engine_->has_model() && doorbell_room) {
       UniqueFd client_fd;
       absl::StatusOr<std::unique_ptr<DecodeDoorbell>> doorbell = DecodeDoorbell::Start(
           session, [this](std::unique_ptr<ComputeCall> call) { engine_->Submit(std::move(call)); },

@@ -72,6 +72,7 @@ struct AttachCounters {
   std::atomic<uint64_t> malformed{0};          // oversized, unparsable or fd-carrying requests
   std::atomic<uint64_t> accept_backoffs{0};    // times accept ran out of descriptors
   std::atomic<uint64_t> doorbell_calls{0};     // decode calls answered through doorbells
+  std::atomic<uint64_t> doorbells_refused{0};  // doorbells not granted: the uid has its share
 };
 
 class AttachServer final {

@@ -106,6 +106,7 @@ void ApplyDefaults(v1::DaemonConfig* c) {
   if (l->attach_timeout_ms() == 0) l->set_attach_timeout_ms(500);
   if (l->cache_salts_per_session() == 0) l->set_cache_salts_per_session(4096);
   if (l->block_refs_per_uid() == 0) l->set_block_refs_per_uid(int64_t{1} << 22);
+  if (l->doorbells_per_uid() == 0) l->set_doorbells_per_uid(8);
 }
 
 namespace {
@@ -153,6 +154,7 @@ void ValidateLimits(const v1::DaemonConfig& c,
       {"limits.attach_timeout_ms", l.attach_timeout_ms()},
       {"limits.cache_salts_per_session", l.cache_salts_per_session()},
       {"limits.block_refs_per_uid", l.block_refs_per_uid()},
+      {"limits.doorbells_per_uid", l.doorbells_per_uid()},
   };
   for (const auto& [field, value] : positive) {
     if (value <= 0) bad(field, fmt::format("must be > 0 (got {})", value));

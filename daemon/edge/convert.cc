@@ -133,6 +133,7 @@ void ToProto(const AttachCounters& a, v1::GetStatsResponse* r) {
   r->set_attach_malformed(a.malformed.load(std::memory_order_relaxed));
   r->set_attach_accept_backoffs(a.accept_backoffs.load(std::memory_order_relaxed));
   r->set_doorbell_calls(a.doorbell_calls.load(std::memory_order_relaxed));
+  r->set_doorbells_refused(a.doorbells_refused.load(std::memory_order_relaxed));
 }
 
 namespace {

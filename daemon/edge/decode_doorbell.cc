@@ -23,12 +23,14 @@ absl::Status Errno(std::string_view what) {
 struct Completion {
   absl::Mutex mu;
   bool done ABSL_GUARDED_BY(mu) = false;
+  bool ok ABSL_GUARDED_BY(mu) = false;  // answered with a success
 };
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<DecodeDoorbell>> DecodeDoorbell::Start(
-    std::shared_ptr<const Session> session, SubmitFn submit, Hooks hooks, UniqueFd* client_fd) {
+    std::shared_ptr<const Session> session, SubmitFn submit, Hooks hooks, UniqueFd* client_fd,
+    const Clock* clock) {
   UniqueFd fd(memfd_create("kvpool-doorbell", MFD_CLOEXEC | MFD_ALLOW_SEALING));
   if (!fd.valid()) return Errno("memfd_create");
   if (ftruncate(fd.get(), static_cast<off_t>(wire::kDoorbellBytes)) != 0) return Errno("ftruncate");
@@ -49,16 +51,17 @@ absl::StatusOr<std::unique_ptr<DecodeDoorbell>> DecodeDoorbell::Start(
   // A fresh memfd reads as zeros: ring and answered start at 0, as the client expects.
   return std::unique_ptr<DecodeDoorbell>(
       new DecodeDoorbell(std::move(session), std::move(submit), std::move(hooks), std::move(fd),
-                         static_cast<wire::DoorbellPage*>(page)));
+                         static_cast<wire::DoorbellPage*>(page), clock));
 }
 
 DecodeDoorbell::DecodeDoorbell(std::shared_ptr<const Session> session, SubmitFn submit, Hooks hooks,
-                               UniqueFd fd, wire::DoorbellPage* page)
+                               UniqueFd fd, wire::DoorbellPage* page, const Clock* clock)
     : session_(std::move(session)),
       submit_(std::move(submit)),
       hooks_(std::move(hooks)),
       fd_(std::move(fd)),
       page_(page),
+      clock_(clock),
       thread_([this] { Loop(); }) {}
 
 DecodeDoorbell::~DecodeDoorbell() {
@@ -71,6 +74,7 @@ void DecodeDoorbell::Stop() {
   if (stop_.exchange(true, std::memory_order_acq_rel)) return;
   {
     absl::MutexLock lock(&mu_);
+    stopping_ = true;  // ends a back-off
     if (current_ != nullptr) current_->Cancel();
   }
   // Change the ring word under the thread's futex wait, so that it wakes whatever the client
@@ -81,6 +85,8 @@ void DecodeDoorbell::Stop() {
 
 void DecodeDoorbell::Loop() {
   uint32_t served = 0;
+  int64_t backoff_ns = 0;
+  int64_t not_before_ns = 0;
   for (;;) {
     const uint32_t ring = page_->ring.load(std::memory_order_acquire);
     if (stop_.load(std::memory_order_acquire)) break;
@@ -88,13 +94,25 @@ void DecodeDoorbell::Loop() {
       wire::FutexWait(&page_->ring, ring);
       continue;
     }
-    served = ring;
-    Serve(ring);
+    if (backoff_ns > 0) BackOff(not_before_ns);
+    if (stop_.load(std::memory_order_acquire)) break;
+    served = page_->ring.load(std::memory_order_acquire);  // the latest request
+    if (Serve(served)) {
+      backoff_ns = 0;
+    } else {
+      backoff_ns = std::clamp(2 * backoff_ns, kFirstBackoffNs, kMaxBackoffNs);
+      not_before_ns = clock_->NowNanos() + backoff_ns;
+    }
   }
   exited_.store(true, std::memory_order_release);
 }
 
-void DecodeDoorbell::Serve(uint32_t ring) {
+void DecodeDoorbell::BackOff(int64_t until_ns) {
+  absl::MutexLock lock(&mu_);
+  clock_->AwaitUntil(mu_, absl::Condition(&stopping_), until_ns);
+}
+
+bool DecodeDoorbell::Serve(uint32_t ring) {
   // Read once: the client may change the page at any moment.
   const uint32_t n = __atomic_load_n(&page_->num_items, __ATOMIC_RELAXED);
   const int64_t timeout_ns = __atomic_load_n(&page_->timeout_ns, __ATOMIC_RELAXED);
@@ -103,7 +121,7 @@ void DecodeDoorbell::Serve(uint32_t ring) {
            absl::InvalidArgumentError(
                fmt::format("decode doorbell: {} items; at most {}", n, wire::kDoorbellMaxItems)),
            nullptr);
-    return;
+    return false;
   }
   wire::DoorbellItem items[wire::kDoorbellMaxItems];
   std::memcpy(items, page_->items, n * sizeof(wire::DoorbellItem));
@@ -114,9 +132,8 @@ void DecodeDoorbell::Serve(uint32_t ring) {
 
   // A year stands for "no deadline" and keeps the sum from overflowing.
   constexpr int64_t kLongest = int64_t{365} * 24 * 3600 * 1'000'000'000;
-  const Clock* clock = Clock::Real();
   auto context = std::make_shared<ManualCallContext>(
-      clock, clock->NowNanos() + std::clamp<int64_t>(timeout_ns, 0, kLongest));
+      clock_, clock_->NowNanos() + std::clamp<int64_t>(timeout_ns, 0, kLongest));
   {
     absl::MutexLock lock(&mu_);
     if (stop_.load(std::memory_order_acquire)) context->Cancel();
@@ -128,10 +145,12 @@ void DecodeDoorbell::Serve(uint32_t ring) {
                                           const ComputeResult& result = call.result();
                                           Answer(ring, result.status, &result);
                                           absl::MutexLock lock(&completion->mu);
+                                          completion->ok = result.status.ok();
                                           completion->done = true;
                                         }));
   absl::MutexLock lock(&completion->mu);
   completion->mu.Await(absl::Condition(&completion->done));
+  return completion->ok;
 }
 
 void DecodeDoorbell::Answer(uint32_t ring, const absl::Status& status,
@@ -197,6 +216,13 @@ void Doorbells::StopAll() {
 size_t Doorbells::size() const {
   absl::MutexLock lock(&mu_);
   return live_.size() + stopped_.size();
+}
+
+int32_t Doorbells::live_for_uid(uid_t uid) const {
+  absl::MutexLock lock(&mu_);
+  int32_t n = 0;
+  for (const auto& [session, d] : live_) n += d->uid() == uid ? 1 : 0;
+  return n;
 }
 
 void Doorbells::Reap() {

@@ -9,6 +9,12 @@
 // Each call's CallContext carries the client's deadline (the page's timeout_ns, from the moment
 // the request is copied), as a gRPC deadline would.
 //
+// A client that rings faster than it can be served well (request after refused request, each
+// answered at once) cannot keep the thread spinning: after an answer that is an error, the next
+// ring is served no sooner than a back-off after it (kFirstBackoffNs, doubling on each further
+// error up to kMaxBackoffNs, reset by a success). With the daemon's bound on doorbells per uid
+// (limits.doorbells_per_uid), this bounds the CPU one uid's doorbells can take.
+//
 // A doorbell ends with its session: Stop() cancels the call in flight (CallContext) and wakes the
 // thread without waiting for it; the destructor joins it. Nothing a client writes into the page
 // can keep the thread from stopping (the stop flag is in the daemon's memory) or make it read
@@ -33,6 +39,7 @@
 #include "daemon/engine/call_context.h"
 #include "daemon/engine/compute_call.h"
 #include "daemon/engine/session.h"
+#include "kvpool/util/clock.h"
 #include "kvpool/util/unique_fd.h"
 #include "kvpool/v1/doorbell.h"
 
@@ -52,10 +59,15 @@ class DecodeDoorbell final {
     std::function<void()> published;
   };
 
+  static constexpr int64_t kFirstBackoffNs = 50'000;    // after one error
+  static constexpr int64_t kMaxBackoffNs = 10'000'000;  // after many in a row
+
   // Creates the page and starts serving `session`. `client_fd` receives a descriptor of the page
-  // for the client. Errors: INTERNAL (memfd, seals, mmap).
+  // for the client. `clock` (not owned, outlives the doorbell) times deadlines and back-offs.
+  // Errors: INTERNAL (memfd, seals, mmap).
   static absl::StatusOr<std::unique_ptr<DecodeDoorbell>> Start(
-      std::shared_ptr<const Session> session, SubmitFn submit, Hooks hooks, UniqueFd* client_fd);
+      std::shared_ptr<const Session> session, SubmitFn submit, Hooks hooks, UniqueFd* client_fd,
+      const Clock* clock = Clock::Real());
   ~DecodeDoorbell();  // Stop(), then joins the thread
 
   DecodeDoorbell(const DecodeDoorbell&) = delete;
@@ -67,23 +79,28 @@ class DecodeDoorbell final {
   bool exited() const { return exited_.load(std::memory_order_acquire); }
   // Requests served so far (answered, whatever the outcome).
   uint64_t calls() const { return calls_.load(std::memory_order_relaxed); }
+  uid_t uid() const { return session_->spec.uid; }
 
  private:
   DecodeDoorbell(std::shared_ptr<const Session> session, SubmitFn submit, Hooks hooks, UniqueFd fd,
-                 wire::DoorbellPage* page);
+                 wire::DoorbellPage* page, const Clock* clock);
 
   void Loop();
-  // Serves the request rung as `ring`; returns once it is answered.
-  void Serve(uint32_t ring);
+  // Serves the request rung as `ring`; returns once it is answered, with whether it succeeded.
+  bool Serve(uint32_t ring);
   void Answer(uint32_t ring, const absl::Status& status, const ComputeResult* result);
+  // Waits out the back-off after an error (returns early when stopped).
+  void BackOff(int64_t until_ns);
 
   const std::shared_ptr<const Session> session_;
   const SubmitFn submit_;
   const Hooks hooks_;
   const UniqueFd fd_;
   wire::DoorbellPage* const page_;  // mapped kDoorbellBytes, read-write
+  const Clock* const clock_;
   std::atomic<bool> stop_{false};
   absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;  // stop_, for waits under mu_
   // The call in flight's context: Stop() cancels it.
   std::shared_ptr<ManualCallContext> current_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> exited_{false};
@@ -103,6 +120,8 @@ class Doorbells final {
   void StopAll();
   // Doorbells not yet joined (live or stopping).
   size_t size() const;
+  // Live doorbells of sessions of `uid`.
+  int32_t live_for_uid(uid_t uid) const;
 
  private:
   void Reap() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -169,3 +169,34 @@ TEST_F(DaemonTest, ShutdownLetsAGenerationInFlightFinish) {
 
 }  // namespace
 }  // namespace kvpool::daemon
+
+namespace kvpool::daemon {
+namespace {
+
+// A uid gets limits.doorbells_per_uid doorbells (daemon threads); a session past it decodes over
+// gRPC, counted.
+TEST_F(DaemonTest, AUidPastItsDoorbellsDecodesOverGrpc) {
+  dir_ = ::testing::TempDir() + "/kvpoold-" + std::to_string(getpid()) + "-doorbells";
+  v1::DaemonConfig config = DefaultConfig();
+  config.set_runtime_dir(dir_);
+  config.set_pool_bytes(int64_t{64} << 16);
+  config.mutable_limits()->set_doorbells_per_uid(1);
+  daemon_ = std::move(*Daemon::Create(config));
+  ASSERT_TRUE(daemon_->Start().ok());
+  absl::StatusOr<std::unique_ptr<client::Client>> first = Connect();
+  absl::StatusOr<std::unique_ptr<client::Client>> second = Connect();
+  ASSERT_TRUE(first.ok() && second.ok());
+  EXPECT_TRUE((*first)->decode_doorbell());
+  EXPECT_FALSE((*second)->decode_doorbell());
+  const std::vector<int32_t> prompt = {1, 2, 3, 4, 5};
+  absl::StatusOr<v1::PrefillResponse> p = (*second)->Prefill(0, prompt);
+  ASSERT_TRUE(p.ok()) << p.status();
+  const client::DecodeItem item{.sequence_id = p->sequence_id(), .token = p->next_token()};
+  EXPECT_TRUE((*second)->Decode(std::span(&item, 1)).ok());
+  absl::StatusOr<v1::GetStatsResponse> stats = (*first)->GetStats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->doorbells_refused(), 1u);
+}
+
+}  // namespace
+}  // namespace kvpool::daemon

@@ -340,3 +340,71 @@ TEST(DoorbellsTest, RemoveDoesNotWaitForACallInFlightAndAddReapsLater) {
 
 }  // namespace
 }  // namespace kvpool::daemon
+
+namespace kvpool::daemon {
+namespace {
+
+// Issue 27: a client ringing refused request after refused request kept its doorbell's thread
+// spinning. After an error the next ring waits out a back-off on the doorbell's clock.
+TEST(DecodeDoorbellTest, AfterAnErrorTheNextRingWaitsOutABackOff) {
+  ManualClock clock(1'000'000'000);
+  FakeEngine engine;
+  UniqueFd fd;
+  absl::StatusOr<std::unique_ptr<DecodeDoorbell>> d =
+      DecodeDoorbell::Start(MakeSession(), engine.Submit(), {}, &fd, &clock);
+  ASSERT_TRUE(d.ok()) << d.status();
+  Page page(std::move(fd));
+  page->num_items = 0xFFFFFFFFu;  // refused at once, without a call
+  const uint32_t first = page.RingRaw();
+  ASSERT_TRUE(page.Answered(first));
+  const uint32_t second = page.RingRaw();
+  absl::SleepFor(absl::Milliseconds(100));  // real time passes; the doorbell's clock does not
+  EXPECT_NE(page->answered.load(), second);
+  clock.Advance(DecodeDoorbell::kFirstBackoffNs);
+  ASSERT_TRUE(page.Answered(second));
+  // Errors in a row double it; a success resets it.
+  const uint32_t third = page.RingRaw();
+  clock.Advance(DecodeDoorbell::kFirstBackoffNs);
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_NE(page->answered.load(), third);
+  clock.Advance(DecodeDoorbell::kFirstBackoffNs);
+  ASSERT_TRUE(page.Answered(third));
+  clock.Advance(4 * DecodeDoorbell::kFirstBackoffNs);
+  const uint32_t good = page.Ring({{.sequence_id = 1, .token = 1}});
+  std::unique_ptr<ComputeCall> call = engine.Next();
+  ASSERT_NE(call, nullptr);
+  call->Complete();  // OK
+  call.reset();
+  ASSERT_TRUE(page.Answered(good));
+  const uint32_t after = page.Ring({{.sequence_id = 1, .token = 1}});
+  call = engine.Next();  // served at once: no back-off after a success
+  ASSERT_NE(call, nullptr);
+  call->Complete();
+  call.reset();
+  EXPECT_TRUE(page.Answered(after));
+  (*d)->Stop();
+}
+
+TEST(DoorbellsTest, LiveDoorbellsAreCountedByUid) {
+  FakeEngine engine;
+  Doorbells doorbells;
+  auto session = [](uint64_t id, uid_t uid) {
+    auto s = std::make_shared<Session>();
+    s->id = SessionId(id);
+    s->spec.uid = uid;
+    return s;
+  };
+  for (uint64_t id : {1, 2, 3}) {
+    UniqueFd fd;
+    doorbells.Add(SessionId(id), *DecodeDoorbell::Start(session(id, id < 3 ? 1000 : 1001),
+                                                        engine.Submit(), {}, &fd));
+  }
+  EXPECT_EQ(doorbells.live_for_uid(1000), 2);
+  EXPECT_EQ(doorbells.live_for_uid(1001), 1);
+  doorbells.Remove(SessionId(1));
+  EXPECT_EQ(doorbells.live_for_uid(1000), 1);
+  doorbells.StopAll();
+}
+
+}  // namespace
+}  // namespace kvpool::daemon
