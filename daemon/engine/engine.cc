@@ -177,6 +177,7 @@ absl::Status Engine::Admit(const Session& s, Needs needs) const {
 
 absl::Status Engine::Complete(const Session& s, Fence fence, std::span<const SequenceId> created,
                               const CallContext& context) {
+  InGap(LockGap::kControlWait);
   if (fence.value != 0) {
     if (absl::Status waited = device_->Synchronize(fence); !waited.ok()) {
       Log().critical("device failed, kvpoold stops serving: {}", waited.ToString());
@@ -214,7 +215,9 @@ absl::StatusOr<Tables> Engine::Allocate(const Session& s, std::span<const Alloca
                                         std::span<const std::string> salts) {
   KVPOOL_RETURN_IF_ERROR(context.Check());
   KVPOOL_CHECK(salts.empty() || salts.size() == requests.size());
-  auto salt = [&](size_t i) -> std::string_view { return salts.empty() ? "" : salts[i]; };
+  auto salt = [&](size_t i) {
+    return salts.empty() ? std::string_view() : std::string_view(salts[i]);
+  };
   // Arguments first, then who asks and what it may do, then limits; tier work only after all.
   for (size_t i = 0; i < requests.size(); ++i) {
     if (salt(i).size() > kMaxCacheSaltBytes) {
@@ -280,7 +283,6 @@ absl::StatusOr<Tables> Engine::Allocate(const Session& s, std::span<const Alloca
       pool.AppendTable(*pool.cache().Find(r.sequence), 0, r.matched_tokens, &out);
     }
   }
-  InGap(LockGap::kControlWait);
   KVPOOL_RETURN_IF_ERROR(Complete(s, fence, created, context));
   return out;
 }
