@@ -41,11 +41,12 @@ absl::Status FillBlocks(const KvPoolView& pool, const FillBlocksArgs& args);
 // PagedAttentionDecode computes in f32 from what the pool holds, except for an 8-bit side on
 // AVX-512 with VNNI, VBMI and BF16 (cpu_isa.h: KernelAvx512Vnni; internal/decode_vnni.cc), which
 // multiplies bytes: an int8 K is scored against the query rounded once per step and head to int8
-// codes (internal/decode_tile.h: RoundedQuery), an fp8 K against the query rounded to bf16; an
-// int8 V is weighed by the probabilities (times the block scales) in 16-bit fixed point per head
-// and 32-token chunk, an fp8 V by them rounded to bf16.
-// Against f32 arithmetic over the same query that adds a normalized error of about 2e-5 (int8 V)
-// and 6e-4 (fp8 V), tenfold and more below each format's own (tests/kernels/kv_dtype_test.cc).
+// codes (internal/decode_tile.h: RoundedQuery; the CUDA kernel scores an int8 K against the
+// same codes), an fp8 K against the query rounded to bf16; an int8 V is weighed by the
+// probabilities (times the block scales) in 16-bit fixed point per head and 32-token chunk, an
+// fp8 V by them rounded to bf16. Against f32 arithmetic over the same query that adds a
+// normalized error of about 2e-5 (int8 V) and 6e-4 (fp8 V), tenfold and more below each format's
+// own (tests/kernels/kv_dtype_test.cc).
 absl::Status PagedAttentionDecode(const KvPoolView& pool, const DecodeArgs& args,
                                   ThreadPool* threads);
 
