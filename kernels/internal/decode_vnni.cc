@@ -84,6 +84,15 @@ inline __mmask64 BlockMask(int dim, int b) {
   return rest >= kBytes ? ~__mmask64{0} : (__mmask64{1} << rest) - 1;
 }
 
+// The scores read K in half vectors, two tokens' 32 codes to a vector: head_dim in those halves,
+// and the load mask of half h.
+constexpr int kHalf = kBytes / 2;
+constexpr int CodeHalves(int dim) { return (dim + kHalf - 1) / kHalf; }
+inline __mmask32 HalfMask(int dim, int h) {
+  const int rest = dim - h * kHalf;
+  return rest >= kHalf ? ~__mmask32{0} : (__mmask32{1} << rest) - 1;
+}
+
 // The lanes of tokens [first, first + 16) that are among a chunk's n.
 inline __mmask16 ChunkMask(int n, int first) {
   const int count = std::clamp(n - first, 0, 16);
@@ -94,10 +103,13 @@ inline __mmask16 ChunkMask(int n, int first) {
 
 // ---- the prepared query -----------------------------------------------------------------------
 //
-// int8 K: [q_heads][CodeBlocks * 64] codes (zero past head_dim), [q_heads] f32 factors (step *
-// softmax scale), [q_heads] int32 offsets (128 * the head's code sum).
-// fp8 K:  [q_heads][CodeBlocks][2][32] bf16: block b's values in the order Fp8Lookup's bytes
-// unpack to (unpacklo / unpackhi of 16-byte lanes: dimensions 16L + r, then 16L + 8 + r).
+// Each half of head_dim (CodeHalves) twice over, as the scores pair two tokens' halves in a
+// vector (Dots):
+// int8 K: [q_heads][CodeHalves][2][32] codes (zero past head_dim), [q_heads] f32 factors (step *
+//   softmax scale), [q_heads] int32 offsets (128 * the head's code sum);
+// fp8 K:  [q_heads][CodeHalves][2][32] bf16: half h's values in the order Fp8Lookup's bytes
+//   unpack to (unpacklo then unpackhi of 16-byte lanes: dimensions 32h + 16(L % 2) + r, then
+//   32h + 16(L % 2) + 8 + r, for lane L and r < 8).
 
 struct Int8Query {
   const int8_t* codes;
@@ -110,14 +122,14 @@ struct Int8Query {
         factor(reinterpret_cast<const float*>(p + int64_t{shape.q_heads()} * Stride(shape))),
         offset(reinterpret_cast<const int32_t*>(factor + shape.q_heads())),
         stride(Stride(shape)) {}
-  static int Stride(const DecodeShape& shape) { return CodeBlocks(shape.dim) * kBytes; }
+  static int Stride(const DecodeShape& shape) { return CodeHalves(shape.dim) * kBytes; }
   static int64_t Bytes(const DecodeShape& shape) {
     return int64_t{shape.q_heads()} * (Stride(shape) + 8);
   }
 };
 
 int64_t Fp8QueryBytes(const DecodeShape& shape) {
-  return int64_t{shape.q_heads()} * CodeBlocks(shape.dim) * kBytes * 2;
+  return int64_t{shape.q_heads()} * CodeHalves(shape.dim) * kBytes * 2;
 }
 
 int64_t PreparedBytes(const DecodeShape& shape, DType k_dtype) {
@@ -145,10 +157,14 @@ void PrepareInt8(const DecodeShape& shape, const float* q, float scale, char* ou
     const float* x = q + int64_t{h} * dim;
     const float step = Int8QueryStep(x, dim);
     int32_t sum = 0;
-    for (int d = 0; d < stride; ++d) {
-      const int8_t c = d < dim ? FloatToInt8(x[d] / step) : 0;
-      codes[int64_t{h} * stride + d] = c;
-      sum += c;
+    for (int half = 0; half < CodeHalves(dim); ++half) {
+      for (int e = 0; e < kHalf; ++e) {
+        const int d = half * kHalf + e;
+        const int8_t c = d < dim ? FloatToInt8(x[d] / step) : 0;
+        codes[int64_t{h} * stride + half * kBytes + e] = c;
+        codes[int64_t{h} * stride + half * kBytes + kHalf + e] = c;
+        sum += c;
+      }
     }
     const float factor = step * scale;
     const int32_t offset = 128 * sum;
@@ -159,14 +175,14 @@ void PrepareInt8(const DecodeShape& shape, const float* q, float scale, char* ou
 
 void PrepareFp8(const DecodeShape& shape, const float* q, char* out) {
   const int dim = shape.dim;
-  const int blocks = CodeBlocks(dim);
+  const int halves = CodeHalves(dim);
   for (int h = 0; h < shape.q_heads(); ++h) {
-    for (int b = 0; b < blocks; ++b) {
-      for (int half = 0; half < 2; ++half) {
+    for (int half = 0; half < halves; ++half) {
+      for (int unpack = 0; unpack < 2; ++unpack) {
         for (int e = 0; e < 32; ++e) {
-          const int d = b * kBytes + 16 * (e / 8) + 8 * half + e % 8;
+          const int d = half * kHalf + 16 * (e / 8 % 2) + 8 * unpack + e % 8;
           const uint16_t bits = d < dim ? FloatToBF16(q[int64_t{h} * dim + d]) : 0;
-          std::memcpy(out + ((int64_t{h} * blocks + b) * 64 + half * 32 + e) * 2, &bits, 2);
+          std::memcpy(out + ((int64_t{h} * halves + half) * 64 + unpack * 32 + e) * 2, &bits, 2);
         }
       }
     }
@@ -180,61 +196,78 @@ void Prepare(const DecodeShape& shape, DType k_dtype, const float* q, float scal
 
 // ---- scores -----------------------------------------------------------------------------------
 
-// 16 raw dot products of kHeads query heads (from q0) with kT = 16 / kHeads tokens' K head
-// slices (rows[t] + offset), lane j * kT + t, times the head's factor (int8: step and softmax
-// scale) or the softmax scale (fp8).
+// Two tokens' K codes of one half of a head slice (rows + offset), in one vector: the first's
+// in the low 256 bits. Codes past head_dim are zero.
+inline __m512i PairedHalves(const char* a, const char* b, int64_t offset, __mmask32 mask) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_maskz_loadu_epi8(mask, a + offset)),
+                            _mm256_maskz_loadu_epi8(mask, b + offset), 1);
+}
+
+// 32 raw dot products of kHeads query heads (from q0) with kT = 32 / kHeads tokens' K head
+// slices (rows[t] + offset), [head][token] in out[0] then out[1], times the head's factor
+// (int8: step and softmax scale) or the softmax scale (fp8). Two tokens share a vector, half a
+// head slice each (t and t + 4 of every 8), so each accumulator holds two dot products in its
+// two 256-bit halves and 16 accumulators reduce to 32 sums in 42 instructions.
 template <DType kK, int kHeads>
-inline __m512 Dots(const DecodeShape& shape, const DecodeTask& task, int q0,
-                   const char* const* rows, int64_t offset) {
-  constexpr int kT = 16 / kHeads;
+inline void Dots(const DecodeShape& shape, const DecodeTask& task, int q0, const char* const* rows,
+                 int64_t offset, __m512* out) {
+  constexpr int kPairs = 16 / kHeads;
   const int dim = shape.dim;
-  const int blocks = CodeBlocks(dim);
-  // Lane a's head, for the per-head factors and offsets.
-  const __m512i head_of_lane =
-      _mm512_set_epi32(15 / kT, 14 / kT, 13 / kT, 12 / kT, 11 / kT, 10 / kT, 9 / kT, 8 / kT, 7 / kT,
-                       6 / kT, 5 / kT, 4 / kT, 3 / kT, 2 / kT, 1 / kT, 0);
-  constexpr __mmask16 kHeadMask = (1u << kHeads) - 1;
+  const int halves = CodeHalves(dim);
   if constexpr (kK == DType::kInt8) {
     const Int8Query query(task.prepared_q, shape);
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
     __m512i acc[16];
     for (__m512i& a : acc) a = _mm512_setzero_si512();
-    for (int b = 0; b < blocks; ++b) {
-      const __mmask64 mask = BlockMask(dim, b);
-      for (int t = 0; t < kT; ++t) {
+    for (int h = 0; h < halves; ++h) {
+      const __mmask32 mask = HalfMask(dim, h);
+      for (int p = 0; p < kPairs; ++p) {
+        const int t = p / 4 * 8 + p % 4;
         const __m512i k =
-            _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, rows[t] + offset + b * kBytes), flip);
+            _mm512_xor_si512(PairedHalves(rows[t], rows[t + 4], offset + h * kHalf, mask), flip);
         for (int j = 0; j < kHeads; ++j) {
-          const int8_t* qc = query.codes + int64_t{q0 + j} * query.stride + b * kBytes;
-          acc[j * kT + t] = Dpbusd(acc[j * kT + t], k, _mm512_loadu_si512(qc));
+          const int8_t* qc = query.codes + int64_t{q0 + j} * query.stride + h * kBytes;
+          acc[j * kPairs + p] = Dpbusd(acc[j * kPairs + p], k, _mm512_loadu_si512(qc));
         }
       }
     }
-    const __m512i offsets = _mm512_permutexvar_epi32(
-        head_of_lane, _mm512_maskz_loadu_epi32(kHeadMask, query.offset + q0));
-    const __m512 factors =
-        _mm512_permutexvar_ps(head_of_lane, _mm512_maskz_loadu_ps(kHeadMask, query.factor + q0));
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(Reduce16(acc), offsets)), factors);
+    __m512i sums[2];
+    Reduce32(acc, sums);
+    constexpr int kTokenBits = kHeads == 4 ? 3 : kHeads == 2 ? 4 : 5;  // log2(32 / kHeads)
+    for (int v = 0; v < 2; ++v) {
+      // Lane l's head: (16 v + l) / kT.
+      const __m512i head = _mm512_srli_epi32(
+          _mm512_add_epi32(_mm512_set1_epi32(16 * v),
+                           _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)),
+          kTokenBits);
+      const __m512i offsets = _mm512_permutexvar_epi32(
+          head, _mm512_maskz_loadu_epi32((1u << kHeads) - 1, query.offset + q0));
+      const __m512 factors =
+          _mm512_permutexvar_ps(head, _mm512_maskz_loadu_ps((1u << kHeads) - 1, query.factor + q0));
+      out[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums[v], offsets)), factors);
+    }
   } else {
     static_assert(kK == DType::kFp8E4M3);
     const Fp8Lookup lookup;
     const char* query = task.prepared_q;
     __m512 acc[16];
     for (__m512& a : acc) a = _mm512_setzero_ps();
-    for (int b = 0; b < blocks; ++b) {
-      const __mmask64 mask = BlockMask(dim, b);
-      for (int t = 0; t < kT; ++t) {
+    for (int h = 0; h < halves; ++h) {
+      const __mmask32 mask = HalfMask(dim, h);
+      for (int p = 0; p < kPairs; ++p) {
+        const int t = p / 4 * 8 + p % 4;
         __m512i high, low;
-        lookup.Bytes(_mm512_maskz_loadu_epi8(mask, rows[t] + offset + b * kBytes), &high, &low);
+        lookup.Bytes(PairedHalves(rows[t], rows[t + 4], offset + h * kHalf, mask), &high, &low);
         const __m512i w0 = _mm512_unpacklo_epi8(low, high), w1 = _mm512_unpackhi_epi8(low, high);
         for (int j = 0; j < kHeads; ++j) {
-          const char* qb = query + (int64_t{q0 + j} * blocks + b) * 128;
-          acc[j * kT + t] = Dpbf16(acc[j * kT + t], w0, _mm512_loadu_si512(qb));
-          acc[j * kT + t] = Dpbf16(acc[j * kT + t], w1, _mm512_loadu_si512(qb + 64));
+          const char* qh = query + (int64_t{q0 + j} * halves + h) * 128;
+          acc[j * kPairs + p] = Dpbf16(acc[j * kPairs + p], w0, _mm512_loadu_si512(qh));
+          acc[j * kPairs + p] = Dpbf16(acc[j * kPairs + p], w1, _mm512_loadu_si512(qh + 64));
         }
       }
     }
-    return _mm512_mul_ps(Reduce16(acc), _mm512_set1_ps(task.scale));
+    Reduce32(acc, out);
+    for (int v = 0; v < 2; ++v) out[v] = _mm512_mul_ps(out[v], _mm512_set1_ps(task.scale));
   }
 }
 
@@ -244,7 +277,7 @@ inline __m512 Dots(const DecodeShape& shape, const DecodeTask& task, int q0,
 template <DType kK, int kHeads>
 void ScoreChunk8(const DecodeShape& shape, const DecodeTask& task, const ChunkRows& c,
                  int64_t v_head_bytes, float (*s)[kDecodeChunk]) {
-  constexpr int kT = 16 / kHeads;
+  constexpr int kT = 32 / kHeads;
   const int dim = shape.dim;
   const int group = shape.group;
   for (int i = 0; i < c.n; i += kT) {
@@ -259,8 +292,11 @@ void ScoreChunk8(const DecodeShape& shape, const DecodeTask& task, const ChunkRo
       }
       for (int g0 = 0; g0 < group; g0 += kHeads) {
         const int q0 = h * group + g0;
-        alignas(64) float out[16];
-        _mm512_store_ps(out, Dots<kK, kHeads>(shape, task, q0, rows, int64_t{h} * dim));
+        __m512 dots[2];
+        Dots<kK, kHeads>(shape, task, q0, rows, int64_t{h} * dim, dots);
+        alignas(64) float out[32];
+        _mm512_store_ps(out, dots[0]);
+        _mm512_store_ps(out + 16, dots[1]);
         for (int j = 0; j < kHeads; ++j) std::copy_n(out + j * kT, kT, &s[q0 + j][i]);
       }
     }
