@@ -12,8 +12,9 @@
 // Scores, fp8 K: two vpermi2b lookups (128-entry tables, the code's sign added after) give each
 // code's bf16 bits, exact for every e4m3 value subnormals included (the NaN codes are NaN), and
 // vdpbf16ps multiplies them with the query rounded to bf16: 32 products per instruction.
-// Both: 16 (token, head) dot products at a time, reduced to one vector in 45 shuffles and adds,
-// then multiplied by the query step and softmax scale and by each token's block scale.
+// Both: 32 (token, head) dot products at a time, two tokens' half head slices to a vector,
+// reduced to two vectors in 42 shuffles and adds, then multiplied by the query step and softmax
+// scale and by each token's block scale.
 //
 // Values: the probabilities of a chunk, times their tokens' block scales (p'), are paired by
 // token (two tokens' V codes interleaved per lane):
