@@ -11,8 +11,9 @@
 //   - KV bytes read per second beside a STREAM-like read of this machine in the same run (both
 //     on all cores): how close decode gets to the memory's limit;
 //   - 8-bit KV (fp8 e4m3, int8; and K bf16 / V int8) beside bf16 at 4k, 8k and 16k: tokens per
-//     second of the same decode over half (three quarters) of the bytes. The 8-bit pools are
-//     written through WriteKv from random f32 values, so their codes and scales are real ones.
+//     second of the same decode over half (three quarters) of the bytes, as separate benchmarks
+//     and alternating call by call (BM_EightBitVsBf16). The 8-bit pools are written through
+//     WriteKv from random f32 values, so their codes and scales are real ones.
 // Prefill: 200 new tokens over 1,400 reused (one sequence, block size 16, bf16 KV), Llama-3-8B
 // heads (/0) and kvpoold's tiny model's (/1: 8 query heads, 4 KV heads, head_dim 64):
 //   - BM_PrefillTiled: PagedAttentionPrefill;
@@ -224,6 +225,25 @@ void BM_PagedVsDense(benchmark::State& state) {
       "dense_ns");
 }
 
+// 8-bit (or K bf16 / V int8) decode beside bf16 decode of the same shape and context,
+// alternating call by call as BM_PagedVsDense does: range(0) is the Precision (1 fp8, 2 int8,
+// 3 K bf16 / V int8), range(1) the context.
+void BM_EightBitVsBf16(benchmark::State& state) {
+  const auto precision = static_cast<Precision>(state.range(0));
+  const int32_t context = static_cast<int32_t>(state.range(1));
+  Workload& eight = GetWorkload(context, precision);
+  Workload& bf16 = GetWorkload(context, Precision::kBF16);
+  const KvPoolView eight_pool{eight.arena.get(), eight.layout};
+  const KvPoolView bf16_pool{bf16.arena.get(), bf16.layout};
+  const DecodeArgs eight_args = PagedArgs(eight), bf16_args = PagedArgs(bf16);
+  bench::Interleave(
+      state,
+      [&] { KVPOOL_CHECK_OK(cpu::PagedAttentionDecode(eight_pool, eight_args, &Threads())); },
+      "8bit_ns",
+      [&] { KVPOOL_CHECK_OK(cpu::PagedAttentionDecode(bf16_pool, bf16_args, &Threads())); },
+      "bf16_ns");
+}
+
 // One sequence of kReused + kFresh tokens in shuffled blocks, and the queries of its last kFresh.
 struct PrefillWorkload {
   static constexpr int32_t kReused = 1400;
@@ -325,6 +345,11 @@ BENCHMARK(BM_PagedVsDense) KVPOOL_CONTEXTS->UseRealTime();
 BENCHMARK(BM_PagedDecodeFp8) KVPOOL_LONG_CONTEXTS->UseRealTime();
 BENCHMARK(BM_PagedDecodeInt8) KVPOOL_LONG_CONTEXTS->UseRealTime();
 BENCHMARK(BM_PagedDecodeBf16Int8) KVPOOL_LONG_CONTEXTS->UseRealTime();
+BENCHMARK(BM_EightBitVsBf16)
+    ->ArgsProduct({{static_cast<int>(Precision::kFp8), static_cast<int>(Precision::kInt8),
+                    static_cast<int>(Precision::kBF16Int8)},
+                   {4096, 8192, 16384}})
+    ->UseRealTime();
 
 // STREAM-like read: sum a buffer far larger than the caches, on every core.
 __attribute__((target("avx2"))) float SumAvx2(const float* p, int64_t n) {
@@ -405,6 +430,23 @@ int main(int argc, char** argv) {
       pairs.push_back({fmt::format("{}/bf16 decode throughput, ctx {}", name, ctx),
                        fmt::format("{}/{}/real_time", bench, ctx),
                        fmt::format("BM_PagedDecode/{}/real_time", ctx), target});
+    }
+  }
+  // The same, both sides alternating call by call (BM_EightBitVsBf16): the target is judged
+  // on these, as on the interleaved paged/dense rows.
+  for (int ctx : {4096, 8192, 16384}) {
+    using kvpool::kernels::Precision;
+    for (const auto& [name, precision, target] : {std::tuple{"fp8", Precision::kFp8, 1.6},
+                                                  {"int8", Precision::kInt8, 1.6},
+                                                  {"K bf16 / V int8", Precision::kBF16Int8, 0.0}}) {
+      const std::string bench =
+          fmt::format("BM_EightBitVsBf16/{}/{}/real_time", static_cast<int>(precision), ctx);
+      pairs.push_back({.label = fmt::format("{}/bf16, interleaved calls, ctx {}", name, ctx),
+                       .ours = bench,
+                       .baseline = bench,
+                       .target = target,
+                       .ours_counter = "8bit_ns",
+                       .baseline_counter = "bf16_ns"});
     }
   }
   for (int shape : {0, 1}) {

@@ -7,7 +7,8 @@
 // only in how a chunk's row pointers are found.
 //
 // The task runs on the widest instruction set the processor has (kernels/cpu_isa.h): AVX-512
-// where head_dim is a multiple of 16, else AVX2 + FMA + F16C, else portable C++.
+// where head_dim is a multiple of 16 (with VNNI, VBMI and BF16 for an 8-bit side where the
+// processor has them: decode_vnni.cc), else AVX2 + FMA + F16C, else portable C++.
 
 #include <algorithm>
 #include <cmath>
@@ -36,8 +37,8 @@ constexpr int64_t kMinSplit = 256;  // tokens per task at least (splitting has a
 internal::DecodeFns DecodeFnsFor(int dim) {
   switch (KernelIsa()) {
     case Isa::kAvx512:
-      if (dim % 16 == 0) return internal::DecodeAvx512();
-      return internal::DecodeAvx2();
+      if (dim % 16 != 0) return internal::DecodeAvx2();
+      return KernelAvx512Vnni() ? internal::DecodeAvx512Vnni() : internal::DecodeAvx512();
     case Isa::kAvx2:
       return internal::DecodeAvx2();
     case Isa::kPortable:
@@ -51,14 +52,14 @@ struct KvDTypes {
   DType k, v;
 };
 
-void Attend(const DecodeShape& shape, const DecodeTask& task, const PagedRows& rows,
-            KvDTypes dtypes) {
-  DecodeFnsFor(shape.dim).paged(shape, task, rows, dtypes.k, dtypes.v);
+void Attend(const internal::DecodeFns& fns, const DecodeShape& shape, const DecodeTask& task,
+            const PagedRows& rows, KvDTypes dtypes) {
+  fns.paged(shape, task, rows, dtypes.k, dtypes.v);
 }
 
-void Attend(const DecodeShape& shape, const DecodeTask& task, const DenseRows& rows,
-            KvDTypes dtypes) {
-  DecodeFnsFor(shape.dim).dense(shape, task, rows, dtypes.k, dtypes.v);
+void Attend(const internal::DecodeFns& fns, const DecodeShape& shape, const DecodeTask& task,
+            const DenseRows& rows, KvDTypes dtypes) {
+  fns.dense(shape, task, rows, dtypes.k, dtypes.v);
 }
 
 absl::Status CheckShape(int32_t num_q_heads, int32_t head_dim) {
@@ -73,6 +74,7 @@ void RunDecode(const DecodeShape& shape, int32_t num_seqs, const int32_t* lens, 
                KvDTypes dtypes) {
   const int q_heads = shape.q_heads();
   const int dim = shape.dim;
+  const internal::DecodeFns fns = DecodeFnsFor(dim);
   // Enough ranges to keep every thread busy twice over, none shorter than kMinSplit tokens.
   int64_t total = 0;
   for (int32_t s = 0; s < num_seqs; ++s) total += lens[s];
@@ -98,20 +100,33 @@ void RunDecode(const DecodeShape& shape, int32_t num_seqs, const int32_t* lens, 
   thread_local std::vector<float> scratch;
   std::vector<float>& partials = scratch;
   partials.assign(static_cast<size_t>(stride) * ranges.size(), 0.0f);
+  // The query each sequence's tasks score K with, where the set converts it first (once per
+  // sequence and step, not once per task).
+  const int64_t prepared_bytes =
+      fns.prepared_bytes != nullptr ? fns.prepared_bytes(shape, dtypes.k) : 0;
+  thread_local std::vector<char> prepared_scratch;
+  std::vector<char>& prepared = prepared_scratch;
+  prepared.resize(static_cast<size_t>(prepared_bytes) * num_seqs);
+  for (int32_t s = 0; s < num_seqs && prepared_bytes > 0; ++s) {
+    fns.prepare(shape, dtypes.k, q + static_cast<int64_t>(s) * q_heads * dim, scale,
+                prepared.data() + s * prepared_bytes);
+  }
   auto run = [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) {
       const Range& range = ranges[r];
       float* m = partials.data() + r * stride;
       float* l = m + q_heads;
       std::fill(m, m + q_heads, -std::numeric_limits<float>::infinity());
-      const DecodeTask task{q + static_cast<int64_t>(range.seq) * q_heads * dim,
-                            scale,
-                            range.begin,
-                            range.end,
-                            m,
-                            l,
-                            l + q_heads};
-      Attend(shape, task, rows_of(range.seq), dtypes);
+      const DecodeTask task{
+          q + static_cast<int64_t>(range.seq) * q_heads * dim,
+          prepared_bytes > 0 ? prepared.data() + range.seq * prepared_bytes : nullptr,
+          scale,
+          range.begin,
+          range.end,
+          m,
+          l,
+          l + q_heads};
+      Attend(fns, shape, task, rows_of(range.seq), dtypes);
     }
   };
   if (threads == nullptr) {

@@ -29,7 +29,14 @@ Isa Detect() {
   return Isa::kPortable;
 }
 
+bool DetectAvx512Vnni() {
+  __builtin_cpu_init();
+  return DetectedIsa() == Isa::kAvx512 && __builtin_cpu_supports("avx512vnni") &&
+         __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bf16");
+}
+
 std::atomic<Isa> limit{Isa::kAvx512};
+std::atomic<bool> vnni_enabled{true};
 
 }  // namespace
 
@@ -56,6 +63,20 @@ void LimitKernelIsaForTesting(Isa max) { limit.store(max, std::memory_order_rela
 
 void ForcePortableKernelsForTesting(bool portable) {
   LimitKernelIsaForTesting(portable ? Isa::kPortable : Isa::kAvx512);
+}
+
+bool DetectedAvx512Vnni() {
+  static const bool detected = DetectAvx512Vnni();
+  return detected;
+}
+
+bool KernelAvx512Vnni() {
+  return KernelIsa() == Isa::kAvx512 && DetectedAvx512Vnni() &&
+         vnni_enabled.load(std::memory_order_relaxed);
+}
+
+void SetAvx512VnniForTesting(bool enabled) {
+  vnni_enabled.store(enabled, std::memory_order_relaxed);
 }
 
 }  // namespace kvpool::kernels::cpu

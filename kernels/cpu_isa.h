@@ -6,8 +6,14 @@
 // Each file compiles its vector paths with function-level target attributes or a
 // `#pragma GCC target` region, so nothing outside them uses these instructions.
 //
-// Test seam: LimitKernelIsaForTesting caps the choice, so every path is covered on any machine
-// that has it. Thread-safe.
+// Within AVX-512 the 8-bit decode (int8 and fp8 K/V) also uses three extensions where the
+// processor has all of them: VNNI (vpdpbusd, vpdpwssd), VBMI (vpermi2b) and BF16 (vdpbf16ps), as
+// Sapphire Rapids and Zen 4 or later do (Ice Lake lacks BF16, Cascade and Cooper Lake VBMI: they
+// keep the plain AVX-512 path). The extensions are not a level of their own: the levels stay the
+// three below, and everything but the 8-bit decode runs the same code with or without them.
+//
+// Test seam: LimitKernelIsaForTesting caps the choice and SetAvx512VnniForTesting turns the
+// extensions off, so every path is covered on any machine that has it. Thread-safe.
 
 #include <cstdint>
 #include <string_view>
@@ -30,5 +36,15 @@ void LimitKernelIsaForTesting(Isa max);
 
 // Same as LimitKernelIsaForTesting(portable ? kPortable : kAvx512).
 void ForcePortableKernelsForTesting(bool portable);
+
+// Whether the processor has AVX-512 VNNI, VBMI and BF16 (and DetectedIsa() is kAvx512).
+bool DetectedAvx512Vnni();
+
+// What the 8-bit decode uses now: KernelIsa() is kAvx512, DetectedAvx512Vnni(), and the tests
+// have not turned the extensions off.
+bool KernelAvx512Vnni();
+
+// Turns the extensions off (false) or back on where the processor has them (true, the default).
+void SetAvx512VnniForTesting(bool enabled);
 
 }  // namespace kvpool::kernels::cpu

@@ -1,9 +1,9 @@
 #pragma once
 
 // The CPU implementations of the KV kernels. They are the product on the CPU backend: vectorized
-// with AVX2/FMA/F16C when the processor has them (checked at run time; the default build does not
-// assume them) and spread over a ThreadPool across sequences and KV heads. Every CUDA kernel is
-// tested against its counterpart here.
+// with AVX-512 or AVX2/FMA/F16C when the processor has them (checked at run time; the default build
+// does not assume them) and spread over a ThreadPool across sequences and KV heads. Every CUDA
+// kernel is tested against its counterpart here.
 
 #include "absl/status/status.h"
 #include "kernels/kernel_args.h"
@@ -37,12 +37,23 @@ absl::Status CheckAttentionShape(int32_t num_q_heads, int32_t head_dim);
 absl::Status WriteKv(const KvPoolView& pool, const WriteKvArgs& args);
 absl::Status CopyBlocks(const KvPoolView& pool, const CopyBlocksArgs& args);
 absl::Status FillBlocks(const KvPoolView& pool, const FillBlocksArgs& args);
+//
+// PagedAttentionDecode computes in f32 from what the pool holds, except for an 8-bit side on
+// AVX-512 with VNNI, VBMI and BF16 (cpu_isa.h: KernelAvx512Vnni; internal/decode_vnni.cc), which
+// multiplies bytes: an int8 K is scored against the query rounded once per step and head to int8
+// codes (internal/decode_tile.h: RoundedQuery; the CUDA kernel scores an int8 K against the
+// same codes), an fp8 K against the query rounded to bf16; an int8 V is weighed by the
+// probabilities (times the block scales) in 16-bit fixed point per head and 32-token chunk, an
+// fp8 V by them rounded to bf16. Against f32 arithmetic over the same query that adds a
+// normalized error of about 2e-5 (int8 V) and 6e-4 (fp8 V), tenfold and more below each format's
+// own (tests/kernels/kv_dtype_test.cc).
 absl::Status PagedAttentionDecode(const KvPoolView& pool, const DecodeArgs& args,
                                   ThreadPool* threads);
 
 // Prefill attention (kernel_args.h: PrefillArgs) in tiles of query tokens against chunks of
-// paged K/V with an online softmax (cpu_prefill.cc). Results equal PagedAttentionDecode's with
-// one pseudo-sequence per query, within float rounding. args.workspace must hold
+// paged K/V with an online softmax (cpu_prefill.cc), in f32 whatever the dtypes. Results equal
+// PagedAttentionDecode's with one pseudo-sequence per query within float rounding (within the
+// VNNI path's roundings above for an 8-bit side). args.workspace must hold
 // PrefillWorkspaceBytes(pool.layout, threads ? threads->threads() : 1) bytes (any alignment): a
 // slice per worker. Errors: INVALID_ARGUMENT as above, also for a small workspace or a head_dim
 // above kMaxAttentionHeadDim (nothing is written then).

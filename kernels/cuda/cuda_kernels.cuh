@@ -58,6 +58,34 @@ __device__ __forceinline__ void Load8(const __nv_bfloat16* p, float (&x)[8]) {
   }
 }
 
+// 4 int8 codes (the bytes of w, lowest first) as floats, exact: each code offset to unsigned
+// (c + 128) and placed under the exponent of 2^23 by one byte permute, then 2^23 + 128
+// subtracted. Two integer-pipe instructions per value instead of a conversion (I2F runs at a
+// quarter of the FMA rate).
+__device__ __forceinline__ void Int8x4ToFloat(uint32_t w, float* x) {
+  const uint32_t u = w ^ 0x80808080u;
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    x[j] = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7650 + j)) - 8388736.0f;
+}
+
+// 4 fp8 e4m3 codes (the bytes of w, lowest first) as their values / 256 (dtype.h's
+// WidenedUnit), exact, subnormals included: two codes at a time moved into the high bytes of a
+// half2 by a byte permute, then the sign kept at bit 15 and the other seven bits shifted to bits
+// 13..7 of each half (one shift and one logic op for two values), then widened as a pair.
+__device__ __forceinline__ void Fp8x4ToFloat(uint32_t w, float* x) {
+  const uint32_t pairs[2] = {__byte_perm(w, 0, 0x1404), __byte_perm(w, 0, 0x3424)};
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const uint32_t bits = ((pairs[k] >> 1) & 0x3F803F80u) | (pairs[k] & 0x80008000u);
+    __half2 h;
+    memcpy(&h, &bits, sizeof(h));
+    const float2 f = __half22float2(h);
+    x[2 * k] = f.x;
+    x[2 * k + 1] = f.y;
+  }
+}
+
 // 8 consecutive elements of a K/V row stored as `dtype`, widened to f32; 8-bit codes unscaled
 // (fp8 e4m3 through f16, its value / 256: dtype.h's WidenedUnit). `dtype` is uniform across the
 // grid, so the switch is a uniform branch: one kernel serves every K and V dtype pair instead of
@@ -76,19 +104,14 @@ __device__ __forceinline__ void LoadKv8(const char* p, DType dtype, float (&x)[8
       return;
     case DType::kInt8: {
       const uint2 raw = __ldg(reinterpret_cast<const uint2*>(p));
-      const auto* b = reinterpret_cast<const int8_t*>(&raw);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) x[j] = static_cast<float>(b[j]);
+      Int8x4ToFloat(raw.x, x);
+      Int8x4ToFloat(raw.y, x + 4);
       return;
     }
     case DType::kFp8E4M3: {
       const uint2 raw = __ldg(reinterpret_cast<const uint2*>(p));
-      const auto* b = reinterpret_cast<const int8_t*>(&raw);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const auto bits = static_cast<unsigned short>((static_cast<int>(b[j]) << 7) & 0xBF80);
-        x[j] = __half2float(__ushort_as_half(bits));
-      }
+      Fp8x4ToFloat(raw.x, x);
+      Fp8x4ToFloat(raw.y, x + 4);
       return;
     }
   }

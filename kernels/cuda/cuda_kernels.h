@@ -80,6 +80,9 @@ cudaError_t LaunchCopyBlocks(const KvPoolView& pool, const CopyBlocksArgs& args,
 cudaError_t LaunchFillBlocks(const KvPoolView& pool, const FillBlocksArgs& args,
                              cudaStream_t stream);
 
+// Computes in f32 from what the pool holds, except that an int8 K is scored with dp4a against
+// the query rounded per head to int8 codes, as the CPU's VNNI path rounds it (decode_tile.h:
+// RoundedQuery), so the two backends agree.
 // REQUIRES: plan == PlanDecode(pool.layout, args.num_seqs, args.num_q_heads, args.max_seq_len,
 // ...), plan.num_splits <= kMaxGridYZ, head_dim <= kMaxDecodeHeadDim, and
 // args.workspace_bytes >= plan.workspace_bytes with a 4-byte aligned workspace.

@@ -66,15 +66,40 @@ __device__ void PoisonPartition(const DecodeParams& p, int64_t q_row, int heads,
   }
 }
 
+// Rounds the CTA's query heads (q_s, [kHeads][head_dim]) for an int8 K the way the CPU's VNNI
+// path does (decode_tile.h: RoundedQuery): per head, codes FloatToInt8(x / step) into `codes`
+// ([kHeads][head_dim]) and step * scale into factor[h]; NaN for a head holding a NaN or an
+// infinity. One warp per head. Padding heads (zero) get zero codes and factors.
+__device__ void QuantizeQuery(const float* q_s, int heads, int head_dim, float scale, int8_t* codes,
+                              float* factor) {
+  const int lane = threadIdx.x & 31;
+  for (int h = threadIdx.x >> 5; h < heads; h += kDecodeWarps) {
+    const float* x = q_s + h * head_dim;
+    float absmax = 0.f;
+    bool finite = true;
+    for (int d = lane; d < head_dim; d += 32) {
+      finite = finite && isfinite(x[d]);
+      absmax = fmaxf(absmax, fabsf(x[d]));
+    }
+    absmax = WarpMax(absmax);
+    const float step = __all_sync(0xffffffffu, finite) ? absmax / 127.0f : NAN;
+    for (int d = lane; d < head_dim; d += 32) codes[h * head_dim + d] = FloatToInt8(x[d] / step);
+    if (lane == 0) factor[h] = step * scale;
+  }
+}
+
 // Grid: (sequence, KV head * head_chunks, split). Dynamic shared memory:
 // q [kHeads][head_dim], acc [kHeads][head_dim], scores [kHeads][partition], all f32. K and V
 // are read in their own dtypes (LoadKv8); an 8-bit side's block scale multiplies the token's
-// score (K) or probability (V).
+// score (K) or probability (V). An int8 K is scored with dp4a against the query rounded to int8
+// codes per head (QuantizeQuery; the codes sit in the acc area until pass 1c): exact integer
+// dot products, four multiply-adds an instruction, as the CPU's VNNI path computes them.
 template <int kHeads>
 __global__ void __launch_bounds__(kDecodeThreads) DecodePartitionKernel(DecodeParams p) {
   extern __shared__ float smem[];
   __shared__ float max_s[kHeads];
   __shared__ float sum_s[kHeads];
+  __shared__ float q_factor_s[kHeads];  // int8 K: the query step times the softmax scale
   __shared__ int bad_block_s;
 
   const LayerLayout& layout = p.view.l;
@@ -109,6 +134,12 @@ __global__ void __launch_bounds__(kDecodeThreads) DecodePartitionKernel(DecodePa
   }
   if (threadIdx.x == 0) bad_block_s = 0;
   __syncthreads();
+  const bool int8_k = layout.k_dtype == DType::kInt8;
+  auto* q_codes_s = reinterpret_cast<int8_t*>(acc_s);
+  if (int8_k) {
+    QuantizeQuery(q_s, kHeads, head_dim, p.scale, q_codes_s, q_factor_s);
+    __syncthreads();
+  }
 
   // A group of `lanes` lanes handles one token, each lane one 8-element slice of the head, so a
   // group reads a K/V row in one coalesced sweep.
@@ -128,10 +159,14 @@ __global__ void __launch_bounds__(kDecodeThreads) DecodePartitionKernel(DecodePa
       (static_cast<int64_t>(kv_head) * head_dim + slice * 8) * DTypeSize(layout.v_dtype);
 
   float q_r[kHeads][8];
+  int2 q_codes_r[kHeads];  // int8 K: this lane's 8 query codes per head, 4 to a word
 #pragma unroll
   for (int h = 0; h < kHeads; ++h) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) q_r[h][j] = has_slice ? q_s[h * head_dim + slice * 8 + j] : 0.f;
+    q_codes_r[h] = int8_k && has_slice
+                       ? *reinterpret_cast<const int2*>(q_codes_s + h * head_dim + slice * 8)
+                       : make_int2(0, 0);
   }
 
   // Pass 1a: scores. Every lane runs every iteration: the group reduction shuffles.
@@ -148,13 +183,23 @@ __global__ void __launch_bounds__(kDecodeThreads) DecodePartitionKernel(DecodePa
         valid = false;
       } else if (has_slice) {
         k_scale = KvScale(p.view.k_scales(block), kv_head, layout.k_dtype);
-        float kf[8];
-        LoadKv8(p.view.k(block) + (t % block_size) * layout.k_row_bytes + k_slice, layout.k_dtype,
-                kf);
+        const char* k = p.view.k(block) + (t % block_size) * layout.k_row_bytes + k_slice;
+        if (int8_k) {
+          // A lane's part is at most 8 * 127 * 127 and a row's sum below 2^24: exact as floats.
+          const int2 codes = __ldg(reinterpret_cast<const int2*>(k));
 #pragma unroll
-        for (int h = 0; h < kHeads; ++h) {
+          for (int h = 0; h < kHeads; ++h) {
+            dot[h] = static_cast<float>(
+                __dp4a(codes.y, q_codes_r[h].y, __dp4a(codes.x, q_codes_r[h].x, 0)));
+          }
+        } else {
+          float kf[8];
+          LoadKv8(k, layout.k_dtype, kf);
 #pragma unroll
-          for (int j = 0; j < 8; ++j) dot[h] = fmaf(q_r[h][j], kf[j], dot[h]);
+          for (int h = 0; h < kHeads; ++h) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) dot[h] = fmaf(q_r[h][j], kf[j], dot[h]);
+          }
         }
       }
     }
@@ -165,7 +210,8 @@ __global__ void __launch_bounds__(kDecodeThreads) DecodePartitionKernel(DecodePa
     if (valid && slice == 0) {
 #pragma unroll
       for (int h = 0; h < kHeads; ++h) {
-        if (h < heads) score_s[h * p.partition + i] = dot[h] * (p.scale * k_scale);
+        const float factor = int8_k ? q_factor_s[h] : p.scale;
+        if (h < heads) score_s[h * p.partition + i] = dot[h] * (factor * k_scale);
       }
     }
   }

@@ -15,9 +15,13 @@
 // templated on the K dtype and the head-group width, its values one templated on the V dtype,
 // so any K dtype pairs with any V dtype. An 8-bit side's codes are widened unscaled; the scale of
 // a token's block and head multiplies its score (K) or its probability (V), once per token and
-// head instead of once per value.
+// head instead of once per value. With AVX-512 VNNI, VBMI and BF16, the 8-bit sides' chunks
+// multiply bytes instead (decode_vnni.cc, around the same driver).
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "kernels/dtype.h"
 #include "kernels/pool_layout.h"
@@ -42,6 +46,9 @@ struct DecodeShape {
 // One (sequence, token range) task and where its partial state goes.
 struct DecodeTask {
   const float* q;  // [q_heads][dim]
+  // The sequence's query as DecodeFns::prepare left it for the K dtype, or null when the set
+  // prepares none for that dtype (then the task reads q).
+  const char* prepared_q;
   float scale;
   int64_t begin, end;
   float* m;    // [q_heads] running max (-inf before the first chunk)
@@ -93,17 +100,52 @@ struct DenseRows {
 };
 
 // One instruction set's decode task for each row source, K stored as `k_dtype` and V as
-// `v_dtype`.
+// `v_dtype`; and, for the sets that score some K dtype against a converted query (the 8-bit ones
+// with AVX-512 VNNI), how that query is made: once per sequence and step, before its tasks run.
 struct DecodeFns {
   void (*paged)(const DecodeShape& shape, const DecodeTask& task, const PagedRows& rows,
                 DType k_dtype, DType v_dtype);
   void (*dense)(const DecodeShape& shape, const DecodeTask& task, const DenseRows& rows,
                 DType k_dtype, DType v_dtype);
+  // Bytes of one sequence's prepared query for K stored as `k_dtype`: 0 when the tasks read the
+  // f32 query (and `prepare` is not called). Null: 0 for every dtype.
+  int64_t (*prepared_bytes)(const DecodeShape& shape, DType k_dtype);
+  // Writes prepared_bytes(shape, k_dtype) bytes at `out` (any alignment) from the query q
+  // ([q_heads][dim]) and the softmax scale.
+  void (*prepare)(const DecodeShape& shape, DType k_dtype, const float* q, float scale, char* out);
 };
 
-// REQUIRES: the processor supports the set; AVX-512: head_dim a multiple of 16.
+// How the AVX-512 VNNI set (decode_vnni.cc) rounds the query it scores an 8-bit K with, once per
+// step and head: against int8 K to int8 codes, FloatToInt8(x / step) with one step per head,
+// Int8QueryStep = max |x| / 127 (vpdpbusd multiplies bytes); against fp8 K each value to bf16
+// (vdpbf16ps multiplies bf16 pairs). A head holding a NaN or an infinity has a NaN step, so its
+// scores are NaN as its f32 ones would be. RoundedQuery writes the values the scores are then
+// exact for (the tests' references use it); the other sets and dtypes score the f32 query.
+inline float Int8QueryStep(const float* x, int dim) {
+  float absmax = 0;
+  for (int d = 0; d < dim; ++d) {
+    if (!std::isfinite(x[d])) return std::numeric_limits<float>::quiet_NaN();
+    absmax = std::max(absmax, std::abs(x[d]));
+  }
+  return absmax / 127.0f;
+}
+
+inline void RoundedQuery(DType k_dtype, const float* x, int dim, float* out) {
+  if (k_dtype == DType::kInt8) {
+    const float step = Int8QueryStep(x, dim);
+    for (int d = 0; d < dim; ++d) out[d] = static_cast<float>(FloatToInt8(x[d] / step)) * step;
+  } else if (k_dtype == DType::kFp8E4M3) {
+    for (int d = 0; d < dim; ++d) out[d] = BF16ToFloat(FloatToBF16(x[d]));
+  } else {
+    std::copy(x, x + dim, out);
+  }
+}
+
+// REQUIRES: the processor supports the set; AVX-512: head_dim a multiple of 16; AVX-512 VNNI:
+// also KernelAvx512Vnni() (cpu_isa.h).
 DecodeFns DecodePortable();
 DecodeFns DecodeAvx2();
 DecodeFns DecodeAvx512();
+DecodeFns DecodeAvx512Vnni();
 
 }  // namespace kvpool::kernels::cpu::internal

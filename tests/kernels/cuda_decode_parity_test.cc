@@ -2,8 +2,10 @@
 // (fp8 e4m3 and int8 included, and asymmetric K/V pairs), ragged lengths and several query/KV
 // head groupings. For each case the arena the CUDA WriteKv leaves must be the CPU WriteKv's byte
 // for byte (both poisoned first), and the output must match the double-precision reference over
-// what the pool holds (the kernel's arithmetic, 1e-4) and over the f32 values written (the
-// format's tolerance, kernel_test_util.h).
+// what the pool holds and the query the kernel scores with (the kernel's arithmetic, 1e-4; an
+// int8 K is scored with dp4a against the query rounded per head to int8, as the CPU's VNNI path
+// rounds it: decode_tile.h's RoundedQuery) and over the f32 values written (the format's
+// tolerance, kernel_test_util.h).
 //
 // The backend is loaded the way production loads it; every test skips without a device.
 
@@ -20,6 +22,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu_kernels.h"
 #include "kernels/device.h"
+#include "kernels/internal/decode_tile.h"
 #include "kvpool/util/status_macros.h"
 #include "tests/kernels/cuda_test_util.h"
 #include "tests/kernels/kernel_test_util.h"
@@ -148,6 +151,17 @@ std::vector<float> Reference(const Case& c, const std::vector<int32_t>& lens,
   return out;
 }
 
+// The query the kernel scores K with: rounded per head for an int8 K, else q itself.
+std::vector<float> ScoredQuery(const Case& c, const std::vector<float>& q) {
+  if (c.dtype != DType::kInt8) return q;
+  std::vector<float> out(q.size());
+  for (size_t row = 0; row < q.size() / static_cast<size_t>(c.head_dim); ++row) {
+    cpu::internal::RoundedQuery(c.dtype, q.data() + row * c.head_dim, c.head_dim,
+                                out.data() + row * c.head_dim);
+  }
+  return out;
+}
+
 // The CUDA decode of `q` over the problem's pool.
 void Decode(Device& device, const Case& c, const std::vector<int32_t>& lens, int32_t max_seq_len,
             const Problem& p, const std::vector<float>& q, std::vector<float>* got) {
@@ -214,7 +228,8 @@ void CheckDecode(Device& device, const Case& c, const std::vector<int32_t>& lens
     stored_v.push_back(test_util::StoredRows(written_view, table, kLayer, KvSide::kV, lens[s]));
   }
   bool nan = false;
-  EXPECT_LT(NormalizedError(got, Reference(c, lens, q, stored_k, stored_v), &nan), 1e-4);
+  EXPECT_LT(NormalizedError(got, Reference(c, lens, ScoredQuery(c, q), stored_k, stored_v), &nan),
+            1e-4);
   EXPECT_FALSE(nan);
   const double tolerance = std::max(test_util::FormatTolerance(c.dtype),
                                     test_util::FormatTolerance(c.v_dtype.value_or(c.dtype)));

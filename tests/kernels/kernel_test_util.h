@@ -202,12 +202,19 @@ struct PrefillProblem {
 
   // The double-precision reference over what the pool holds: query i of sequence s as a
   // sequence of its own over the first seq_lens[s] - q_len(s) + i + 1 tokens of s.
-  std::vector<float> Reference() const { return ReferenceOver(dense_k, dense_v); }
+  std::vector<float> Reference() const { return ReferenceOver(dense_k, dense_v, q); }
+  // The same for another query (e.g. the query as a kernel rounds it), same layout as q.
+  std::vector<float> Reference(const std::vector<float>& query) const {
+    return ReferenceOver(dense_k, dense_v, query);
+  }
   // The same over the f32 values the pool was written from (the format's own error included).
-  std::vector<float> ReferenceToOriginal() const { return ReferenceOver(original_k, original_v); }
+  std::vector<float> ReferenceToOriginal() const {
+    return ReferenceOver(original_k, original_v, q);
+  }
 
   std::vector<float> ReferenceOver(const std::vector<std::vector<float>>& keys,
-                                   const std::vector<std::vector<float>>& values) const {
+                                   const std::vector<std::vector<float>>& values,
+                                   const std::vector<float>& query) const {
     std::vector<const void*> k, v;
     std::vector<int32_t> lens;
     for (size_t s = 0; s < seq_lens.size(); ++s) {
@@ -225,7 +232,7 @@ struct PrefillProblem {
                                    .head_dim = layout.head_dim,
                                    .dtype = DType::kF32,
                                    .scale = scale(),
-                                   .q = q.data(),
+                                   .q = query.data(),
                                    .out = out.data(),
                                    .k = k.data(),
                                    .v = v.data(),
