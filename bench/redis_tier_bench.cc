@@ -1,9 +1,15 @@
 // Redis tier load throughput: RedisBlockStore::Lookup of a 32-block prefix beside a bare hiredis
 // pipelined GET of the same 32 keys (same value size, same redis-server, same transport), in one
-// run. The ratio is the tier's cost over the wire protocol itself: key building, the header and
-// xxh3 checksum check, the copy into caller buffers, the breaker and the connection pool.
+// run. The ratio is the tier's cost over the wire protocol itself: building the keyed keys, the
+// header check and the value's MAC (Poly1305 under a one-time key, block_codec.h), the copy into
+// caller buffers, the breaker and the connection pool.
 //
 //   build/release/bench/redis_tier_bench --benchmark_repetitions=5
+//
+// Before and after a change to any of those (OLD: the binary built before it), one command:
+//
+//   python3 bench/ab_compare.py --old=OLD --new=build/release/bench/redis_tier_bench
+//       --rounds=10 -- --benchmark_filter=BM_StoreLookup --benchmark_repetitions=3
 //
 // Block size 256 KiB: one 16-token block of Llama-3.2-1B in bf16, 16 layers x 2 (K, V) x 8 KV
 // heads x 64 head_dim x 2 bytes x 16 tokens = 262144 bytes. Llama-3-8B's is 2 MiB, small models'
@@ -33,6 +39,12 @@ constexpr int64_t kBlockBytes = 256 * 1024;
 constexpr int kBlocks = 32;
 constexpr BlockSpace kSpace{.ns = NamespaceId(1), .layout_fingerprint = 0x11a3a};
 
+const DeploymentSecret& Secret() {
+  static const DeploymentSecret* secret =
+      new DeploymentSecret(DeploymentSecret::FromBytes("redis_tier_bench: a fixed test secret"));
+  return *secret;
+}
+
 // One server, loaded once, shared by every benchmark of the run.
 struct Env {
   std::unique_ptr<testing::TempDir> dir;
@@ -60,12 +72,12 @@ struct Env {
     KVPOOL_CHECK_OK(server.status());
     env->server = std::move(*server);
     env->chain = testing::MakeChain(kSpace, kBlocks, kBlockBytes, 1);
-    auto store = RedisBlockStore::Create(env->server->TierOptions());
+    auto store = RedisBlockStore::Create(env->server->TierOptions(), Secret());
     KVPOOL_CHECK_OK(store.status());
     KVPOOL_CHECK(env->chain.Put(**store) == kBlocks);
     KVPOOL_CHECK_OK((*store)->Flush(absl::Seconds(60)));
     for (const BlockHash& h : env->chain.hashes) {
-      env->keys.push_back(BlockKey(kSpace, h, KeySlotting::kNamespace));
+      env->keys.push_back(BlockKey(Secret(), kSpace, h, KeySlotting::kNamespace));
     }
     return env;
   }
@@ -86,7 +98,7 @@ RedisTierOptions Options(bool tcp) {
 void BM_StoreLookup(benchmark::State& state) {
   const bool tcp = state.range(0) != 0;
   Env& env = Env::Get();
-  auto store = RedisBlockStore::Create(Options(tcp));
+  auto store = RedisBlockStore::Create(Options(tcp), Secret());
   KVPOOL_CHECK_OK(store.status());
   testing::LookupBuffers out(kBlocks, kBlockBytes);
   for (auto _ : state) {

@@ -1,6 +1,7 @@
 // RedisBlockStore against real redis-server processes on private Unix sockets (label
 // `integration`): round trips, two stores sharing one server as two daemons would, namespace
-// isolation, corrupted and foreign values, a server killed and restarted, a full write queue.
+// isolation, corrupted, planted, replayed and foreign values, a server killed and restarted, a
+// full write queue.
 
 #include <hiredis/hiredis.h>
 
@@ -36,10 +37,14 @@ class RedisStoreTest : public ::testing::Test {
     server_ = std::move(*server);
   }
 
-  std::unique_ptr<RedisBlockStore> NewStore(RedisTierOptions options) {
-    auto store = RedisBlockStore::Create(options, &clock_);
+  std::unique_ptr<RedisBlockStore> NewStore(RedisTierOptions options,
+                                            const DeploymentSecret& secret) {
+    auto store = RedisBlockStore::Create(options, secret, &clock_);
     EXPECT_TRUE(store.ok()) << store.status();
     return store.ok() ? std::move(*store) : nullptr;
+  }
+  std::unique_ptr<RedisBlockStore> NewStore(RedisTierOptions options) {
+    return NewStore(options, secret_);
   }
   std::unique_ptr<RedisBlockStore> NewStore() { return NewStore(server_->TierOptions()); }
 
@@ -51,11 +56,22 @@ class RedisStoreTest : public ::testing::Test {
     return result.ok() ? result->hits : -1;
   }
 
-  // The key of block i as the store writes it.
-  static std::string KeyOf(const TestChain& chain, int i) {
-    return BlockKey(chain.space, chain.hashes[i], KeySlotting::kNamespace);
+  // The key of block i as a store with `secret` writes it.
+  static std::string KeyOf(const TestChain& chain, int i, const DeploymentSecret& secret) {
+    return BlockKey(secret, chain.space, chain.hashes[i], KeySlotting::kNamespace);
+  }
+  std::string KeyOf(const TestChain& chain, int i) const { return KeyOf(chain, i, secret_); }
+  // The value stored under `key`.
+  std::string ValueAt(const std::string& key) const {
+    auto value = server_->Command({"GET", key});
+    EXPECT_TRUE(value.ok()) << value.status();
+    return value.ok() && (*value)->type == REDIS_REPLY_STRING
+               ? std::string((*value)->str, (*value)->len)
+               : std::string();
   }
 
+  const DeploymentSecret secret_ =
+      DeploymentSecret::FromBytes("redis store test: the deployment secret of the daemons");
   ManualClock clock_;
   std::unique_ptr<testing::TempDir> dir_;
   std::unique_ptr<RedisServer> server_;
@@ -173,11 +189,13 @@ TEST_F(RedisStoreTest, CorruptedValueIsAMissAndCounted) {
   LookupBuffers out(4, kBlockBytes);
   EXPECT_EQ(LookupAll(*store, chain, &out, kSpace), 2);
   EXPECT_EQ(store->stats().corrupt, 1u);
+  EXPECT_EQ(store->stats().forged, 1u);  // a damaged payload fails the MAC
   EXPECT_NE(out.storage[2], chain.blocks[2]) << "a refused block must not reach the buffer";
   // A damaged header (the magic) is refused as well.
   ASSERT_TRUE(server_->Command({"SETRANGE", KeyOf(chain, 0), "0", "X"}).ok());
   EXPECT_EQ(LookupAll(*store, chain, &out, kSpace), 0);
   EXPECT_EQ(store->stats().corrupt, 2u);
+  EXPECT_EQ(store->stats().forged, 1u);  // refused for its magic, before the MAC
   // A truncated value too (block 1, looked up on its own under its parent).
   auto value = server_->Command({"GET", KeyOf(chain, 1)});
   ASSERT_TRUE(value.ok()) << value.status();
@@ -195,20 +213,128 @@ TEST_F(RedisStoreTest, ValueWithAnotherLayoutFingerprintIsAMiss) {
   const TestChain chain = MakeChain(kSpace, 1, kBlockBytes, 8);
   ASSERT_EQ(chain.Put(*store), 1);
   ASSERT_TRUE(store->Flush(absl::Seconds(30)).ok());
-  // The same value copied under the key of another layout: its header still names the first.
+  // The same value copied under the key of another layout: its MAC binds the first key.
   const BlockSpace other_layout{.ns = kSpace.ns, .layout_fingerprint = 0xbad};
-  auto value = server_->Command({"GET", KeyOf(chain, 0)});
-  ASSERT_TRUE(value.ok()) << value.status();
-  const std::string bytes((*value)->str, (*value)->len);
+  const std::string bytes = ValueAt(KeyOf(chain, 0));
+  ASSERT_FALSE(bytes.empty());
   ASSERT_TRUE(
       server_
-          ->Command(
-              {"SET", BlockKey(other_layout, chain.hashes[0], KeySlotting::kNamespace), bytes})
+          ->Command({"SET",
+                     BlockKey(secret_, other_layout, chain.hashes[0], KeySlotting::kNamespace),
+                     bytes})
           .ok());
   LookupBuffers out(1, kBlockBytes);
   EXPECT_EQ(LookupAll(*store, chain, &out, other_layout), 0);
   EXPECT_EQ(store->stats().corrupt, 1u);
+  EXPECT_EQ(store->stats().forged, 1u);
   EXPECT_EQ(LookupAll(*store, chain, &out, kSpace), 1);  // the original still reads
+}
+
+// A writer that reaches Redis but lacks the deployment secret plants blocks under the victim's
+// keys (handed to it here: it cannot compute them, block_codec_test shows, but could see them
+// in a SCAN), every header field right, the MAC made under a secret of its own. With format 1
+// (an xxh3 checksum anyone can compute, keys from public values) the same value was the victim's
+// KV; now it is a miss, counted as forged.
+TEST_F(RedisStoreTest, PlantedValueWithoutTheSecretIsAMissAndCounted) {
+  auto victim = NewStore();
+  const TestChain chain = MakeChain(kSpace, 2, kBlockBytes, 14);
+  const DeploymentSecret guess = DeploymentSecret::FromBytes("the attacker's guess at the secret");
+  const std::vector<std::byte> poison(kBlockBytes, std::byte{0x66});
+  for (int i = 0; i < 2; ++i) {
+    std::string value;
+    EncodeBlockValue(guess, KeyOf(chain, i), RandomValueNonce(),
+                     {.layout_fingerprint = kSpace.layout_fingerprint,
+                      .hash = chain.hashes[i],
+                      .parent = i == 0 ? BlockHash{} : chain.hashes[0],
+                      .coverage = 16},
+                     poison, &value);
+    ASSERT_TRUE(server_->Command({"SET", KeyOf(chain, i), value}).ok());
+  }
+  LookupBuffers out(2, kBlockBytes);
+  EXPECT_EQ(LookupAll(*victim, chain, &out, kSpace), 0);
+  EXPECT_NE(out.storage[0], poison);
+  const RemoteTierStats stats = victim->stats();
+  EXPECT_EQ(stats.forged, 1u);  // block 1 is past the first miss: not even checked
+  EXPECT_EQ(stats.corrupt, 1u);
+  EXPECT_EQ(stats.misses, 2u);
+}
+
+// One flipped bit anywhere in a stored value, header (coverage and the reserved word included,
+// which format 1 did not check: a flipped coverage byte used to be a hit) or payload, is a miss.
+TEST_F(RedisStoreTest, FlippedByteInHeaderOrPayloadIsAMiss) {
+  auto store = NewStore();
+  const TestChain chain = MakeChain(kSpace, 1, kBlockBytes, 15);
+  ASSERT_EQ(chain.Put(*store), 1);
+  ASSERT_TRUE(store->Flush(absl::Seconds(30)).ok());
+  const std::string key = KeyOf(chain, 0);
+  const std::string good = ValueAt(key);
+  ASSERT_EQ(static_cast<int64_t>(good.size()), kBlockHeaderBytes + kBlockBytes);
+  std::vector<int64_t> positions;
+  for (int64_t i = 0; i < kBlockHeaderBytes; ++i) positions.push_back(i);
+  positions.insert(positions.end(), {kBlockHeaderBytes, kBlockHeaderBytes + kBlockBytes / 2,
+                                     kBlockHeaderBytes + kBlockBytes - 1});
+  LookupBuffers out(1, kBlockBytes);
+  for (int64_t at : positions) {
+    std::string bad = good;
+    bad[at] = static_cast<char>(bad[at] ^ 0x04);
+    ASSERT_TRUE(server_->Command({"SET", key, bad}).ok());
+    EXPECT_EQ(LookupAll(*store, chain, &out, kSpace), 0) << "byte " << at;
+  }
+  EXPECT_EQ(store->stats().corrupt, positions.size());
+  ASSERT_TRUE(server_->Command({"SET", key, good}).ok());
+  EXPECT_EQ(LookupAll(*store, chain, &out, kSpace), 1);  // the untouched value still reads
+  EXPECT_EQ(out.storage[0], chain.blocks[0]);
+}
+
+// A valid value replayed under another key is refused: under another namespace's key with the
+// very same chain hashes (format 1 checked layout, hashes, length and checksum, all equal here,
+// and handed tenant B's bytes to tenant A), and under another block's key of the same chain.
+TEST_F(RedisStoreTest, ValueCopiedUnderAnotherKeyIsAMiss) {
+  auto store = NewStore();
+  const BlockSpace other{.ns = NamespaceId(8), .layout_fingerprint = kSpace.layout_fingerprint};
+  const TestChain mine = MakeChain(kSpace, 2, kBlockBytes, 16);
+  TestChain theirs = MakeChain(other, 2, kBlockBytes, 17);
+  theirs.hashes = mine.hashes;
+  ASSERT_EQ(theirs.Put(*store), 2);
+  ASSERT_TRUE(store->Flush(absl::Seconds(30)).ok());
+  ASSERT_TRUE(server_->Command({"SET", KeyOf(mine, 0), ValueAt(KeyOf(theirs, 0))}).ok());
+  LookupBuffers out(2, kBlockBytes);
+  EXPECT_EQ(LookupAll(*store, mine, &out, kSpace), 0);
+  EXPECT_NE(out.storage[0], theirs.blocks[0]);
+  EXPECT_EQ(store->stats().forged, 1u);
+
+  ASSERT_EQ(mine.Put(*store), 2);  // SET NX: block 0's key is taken, block 1 is stored
+  ASSERT_TRUE(store->Flush(absl::Seconds(30)).ok());
+  ASSERT_TRUE(server_->Command({"SET", KeyOf(mine, 0), ValueAt(KeyOf(mine, 1))}).ok());
+  EXPECT_EQ(LookupAll(*store, mine, &out, kSpace), 0);
+  EXPECT_EQ(store->stats().forged, 2u);
+  // Block 1 alone, under its own key, is fine.
+  auto tail = store->Lookup(kSpace, mine.hashes[0], std::span(mine.hashes).subspan(1, 1),
+                            std::span(out.spans).subspan(0, 1));
+  ASSERT_TRUE(tail.ok());
+  EXPECT_EQ(tail->hits, 1);
+  EXPECT_EQ(out.storage[0], mine.blocks[1]);
+}
+
+// A daemon configured with another secret shares nothing: it writes under keys this one never
+// asks for, and its value moved under this one's key fails the MAC. (Before the secret existed,
+// any two stores on one server shared every block.)
+TEST_F(RedisStoreTest, ValueWrittenUnderAnotherSecretIsAMiss) {
+  auto mine = NewStore();
+  auto stranger = NewStore(server_->TierOptions(),
+                           DeploymentSecret::FromBytes("another deployment's secret, not ours"));
+  const TestChain chain = MakeChain(kSpace, 2, kBlockBytes, 18);
+  ASSERT_EQ(chain.Put(*stranger), 2);
+  ASSERT_TRUE(stranger->Flush(absl::Seconds(30)).ok());
+  LookupBuffers out(2, kBlockBytes);
+  EXPECT_EQ(LookupAll(*mine, chain, &out, kSpace), 0);
+  EXPECT_EQ(mine->stats().corrupt, 0u);  // nothing under our keys at all
+  const std::string theirs = ValueAt(
+      KeyOf(chain, 0, DeploymentSecret::FromBytes("another deployment's secret, not ours")));
+  ASSERT_FALSE(theirs.empty());
+  ASSERT_TRUE(server_->Command({"SET", KeyOf(chain, 0), theirs}).ok());
+  EXPECT_EQ(LookupAll(*mine, chain, &out, kSpace), 0);
+  EXPECT_EQ(mine->stats().forged, 1u);
 }
 
 TEST_F(RedisStoreTest, PasswordIsSentAndAWrongOneOpensTheBreaker) {
