@@ -148,7 +148,9 @@ class RedisTierTest(unittest.TestCase):
             self.assertLess(matched, PROMPT_TOKENS)  # the chain stops at the bad block
             self.assertEqual(matched % 16, 0)
             with kvpool.Client.connect(b.dir, client_name="watch-b") as cb:
-                self.assertEqual(store(cb.get_stats(), "redis").corrupt, 1)
+                redis = store(cb.get_stats(), "redis")
+                self.assertEqual(redis.corrupt, 1)
+                self.assertEqual(redis.forged, 1)  # a damaged payload fails the MAC
                 self.assertTrue(cb.check_invariants().ok)
 
     def test_redis_down_costs_no_call_and_hits_resume_when_it_is_back(self):
