@@ -20,8 +20,10 @@
 //   but lacks the secret can neither plant a value a store accepts nor aim at a block's key
 //   (block_codec.h). Redis may evict any key at any time (maxmemory + an LRU policy are its
 //   business); a missing key is an ordinary miss.
-// - Never blocks a caller on a slow or absent Redis for more than one connect_timeout +
-//   command_timeout (per round trip; a cluster redirect adds one): consecutive failures open a
+// - Never blocks a caller on a slow or absent Redis for more than command_timeout (plus 10 ms):
+//   a Lookup, and each write batch, has one deadline for its whole exchange (connect, AUTH,
+//   every command and every reply, cluster redirects included), however slowly the server
+//   dribbles its answer. A call that runs out of it fails, and consecutive failures open a
 //   circuit breaker, after which Lookup misses and Put drops at once until a probe succeeds.
 // - Put never blocks: it copies the block into a bounded queue (blocks and bytes) drained by one
 //   background thread with pipelined `SET key value NX [EX ttl]`; a full queue drops and counts.

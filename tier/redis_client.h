@@ -63,10 +63,12 @@ class RedisClient {
 
   // Sends every command, pipelined, and hands `on_reply` one result per command. A standalone
   // client makes one round trip; a cluster client one per node the commands' slots live on, all
-  // flushed before any is read, plus one per redirect hop (at most max_redirects).
-  // Per-command errors: UNAVAILABLE (cannot connect, connection lost or timed out, CLUSTERDOWN /
-  // TRYAGAIN / LOADING, too many redirects); INTERNAL (any other Redis error reply, with its
-  // text). After an I/O error the connection is dropped and remade on the next call; a
+  // flushed before any is read, plus one per redirect hop (at most max_redirects). The whole
+  // call, connecting and redirects included, has one deadline, options.command_timeout from its
+  // start (plus at most internal::kDeadlineSlack): whatever is not answered by then fails.
+  // Per-command errors: UNAVAILABLE (cannot connect, connection lost, the deadline passed,
+  // CLUSTERDOWN / TRYAGAIN / LOADING, too many redirects); INTERNAL (any other Redis error reply,
+  // with its text). After an I/O error the connection is dropped and remade on the next call; a
   // connection kept from an earlier call that fails before its first reply (the server
   // restarted) is retried once on a fresh one, so commands must be idempotent (GET, SET NX).
   virtual void Stream(std::span<const RedisCommand> commands, ReplyCallback on_reply) = 0;

@@ -43,16 +43,17 @@ class ClusterClient final : public RedisClient {
   };
 
   int NodeIndex(const std::string& host, int port);  // adds the node when new
-  RedisConnection* Connect(int node);                // null when it cannot connect
-  void RefreshSlotMap();
+  // Null when it cannot connect (and AUTH) before `deadline`.
+  RedisConnection* Connect(int node, int64_t deadline);
+  void RefreshSlotMap(int64_t deadline);
   bool AdoptSlotMap(const redisReply& slots, const std::string& asked_host);
   int RouteOf(const RedisCommand& command);  // node index; -1 when no node is known
-  // One redirect round: sends `pending` grouped per node, reads every reply; answers
-  // `on_reply` or appends to `next` what was redirected.
+  // One redirect round, over before `deadline`: sends `pending` grouped per node, reads every
+  // reply; answers `on_reply` or appends to `next` what was redirected.
   void RunRound(std::span<const RedisCommand> commands, const std::vector<Pending>& pending,
-                ReplyCallback on_reply, std::vector<Pending>* next);
+                ReplyCallback on_reply, std::vector<Pending>* next, int64_t deadline);
   void ReadNode(std::span<const RedisCommand> commands, const std::vector<Pending>& sent, int node,
-                ReplyCallback on_reply, std::vector<Pending>* next);
+                ReplyCallback on_reply, std::vector<Pending>* next, int64_t deadline);
   // Whether `node`'s connection predates this call (and so may have died unseen: a failure
   // before its first reply is retried once on a fresh connection; GET and SET NX are
   // idempotent).
