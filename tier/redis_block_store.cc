@@ -111,6 +111,7 @@ void RedisBlockStore::AddClientStats(PooledClient* pooled) {
   counters_.moved_redirects += now.moved_redirects - was.moved_redirects;
   counters_.ask_redirects += now.ask_redirects - was.ask_redirects;
   counters_.slot_map_refreshes += now.slot_map_refreshes - was.slot_map_refreshes;
+  counters_.refused_redirects += now.refused_redirects - was.refused_redirects;
   was = now;
 }
 
@@ -373,7 +374,8 @@ RedisClientStats RedisBlockStore::client_stats() const {
           .io_errors = c.io_errors,
           .moved_redirects = c.moved_redirects,
           .ask_redirects = c.ask_redirects,
-          .slot_map_refreshes = c.slot_map_refreshes};
+          .slot_map_refreshes = c.slot_map_refreshes,
+          .refused_redirects = c.refused_redirects};
 }
 
 absl::Status RedisBlockStore::CheckInvariants() const {

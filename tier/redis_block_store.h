@@ -158,7 +158,7 @@ class RedisBlockStore final : public RemoteTier {
         dropped_breaker_open{0}, dropped_write_errors{0}, dropped_shutdown{0}, bytes_read{0},
         bytes_written{0};
     std::atomic<uint64_t> round_trips{0}, connects{0}, connect_failures{0}, io_errors{0},
-        moved_redirects{0}, ask_redirects{0}, slot_map_refreshes{0};
+        moved_redirects{0}, ask_redirects{0}, slot_map_refreshes{0}, refused_redirects{0};
   };
   Counters counters_;
 };

@@ -28,10 +28,16 @@ ClusterClient::ClusterClient(const RedisTierOptions& options) : options_(options
   }
 }
 
-int ClusterClient::NodeIndex(const std::string& host, int port) {
+int ClusterClient::FindNode(const std::string& host, int port) const {
   for (size_t i = 0; i < nodes_.size(); ++i) {
     if (nodes_[i].port == port && nodes_[i].host == host) return static_cast<int>(i);
   }
+  return -1;
+}
+
+int ClusterClient::NodeIndex(const std::string& host, int port) {
+  const int known = FindNode(host, port);
+  if (known >= 0) return known;
   nodes_.push_back(Node{.host = host, .port = port});
   return static_cast<int>(nodes_.size() - 1);
 }
@@ -118,7 +124,7 @@ int ClusterClient::RouteOf(const RedisCommand& command) {
 }
 
 bool ClusterClient::HandleRedirect(const redisReply& reply, const Pending& p,
-                                   std::vector<Pending>* next) {
+                                   ReplyCallback on_reply, std::vector<Pending>* next) {
   const std::string_view text(reply.str, reply.len);
   const bool moved = text.starts_with("MOVED ");
   if (!moved && !text.starts_with("ASK ")) return false;
@@ -129,7 +135,19 @@ bool ClusterClient::HandleRedirect(const redisReply& reply, const Pending& p,
   int slot = -1;
   if (parts.size() != 3 || !ParseHostPort(parts[2], &host, &port).ok()) return false;
   std::from_chars(parts[1].data(), parts[1].data() + parts[1].size(), slot);
-  const int node = NodeIndex(host, port);
+  const int node = FindNode(host, port);
+  if (node < 0) {
+    ++stats_.refused_redirects;
+    map_stale_ = true;  // a node that joined the cluster is learnt before the next call
+    if (warned_refusal_in_call_ != call_) {
+      warned_refusal_in_call_ = call_;
+      Logger("tier").warn("redis cluster: refused a redirect to {}: no node of the cluster",
+                          parts[2]);
+    }
+    on_reply(p.index, absl::InternalError(absl::StrCat("redis cluster: ", std::string(text),
+                                                       ": no node of the cluster; refused")));
+    return true;
+  }
   if (moved) {
     ++stats_.moved_redirects;
     if (slot >= 0 && slot < kNumClusterSlots) slot_node_[slot] = static_cast<int16_t>(node);
@@ -162,7 +180,9 @@ void ClusterClient::ReadNode(std::span<const RedisCommand> commands,
       continue;
     }
     ++answered;
-    if ((*reply)->type == REDIS_REPLY_ERROR && HandleRedirect(**reply, p, next)) continue;
+    if ((*reply)->type == REDIS_REPLY_ERROR && HandleRedirect(**reply, p, on_reply, next)) {
+      continue;
+    }
     absl::Status status = ReplyStatus(**reply);
     on_reply(p.index, status.ok() ? std::move(reply) : absl::StatusOr<RedisReply>(status));
   }
