@@ -53,50 +53,55 @@ DeploymentSecret::DeploymentSecret(std::string key, bool ephemeral)
   fingerprint_ = Mac64("kvpool secret fingerprint", {});
 }
 
-absl::StatusOr<DeploymentSecret> DeploymentSecret::FromFile(const std::string& path) {
+absl::StatusOr<std::string> ReadPrivateFile(const std::string& path, std::string_view what,
+                                            size_t min_bytes, size_t max_bytes,
+                                            std::string_view how_to_make) {
+  const std::string hint = how_to_make.empty() ? "" : fmt::format("; {}", how_to_make);
   UniqueFd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK));
   if (!fd.valid()) {
     const int err = errno;
     if (err == ENOENT) {
-      return absl::NotFoundError(fmt::format("secret file {}: no such file; {}", path, kHowToMake));
+      return absl::NotFoundError(fmt::format("{} {}: no such file{}", what, path, hint));
     }
     if (err == ELOOP) {
       return absl::PermissionDeniedError(
-          fmt::format("secret file {} is a symbolic link: name the file itself", path));
+          fmt::format("{} {} is a symbolic link: name the file itself", what, path));
     }
-    return absl::PermissionDeniedError(fmt::format("secret file {}: {}", path, std::strerror(err)));
+    return absl::PermissionDeniedError(fmt::format("{} {}: {}", what, path, std::strerror(err)));
   }
   struct stat st {};
   if (fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) {
-    return absl::InvalidArgumentError(fmt::format("secret file {} is not a regular file", path));
+    return absl::InvalidArgumentError(fmt::format("{} {} is not a regular file", what, path));
   }
   if (st.st_uid != geteuid()) {
-    return absl::PermissionDeniedError(
-        fmt::format("secret file {} belongs to uid {}, not to the daemon's uid {}", path, st.st_uid,
-                    geteuid()));
+    return absl::PermissionDeniedError(fmt::format(
+        "{} {} belongs to uid {}, not to the daemon's uid {}", what, path, st.st_uid, geteuid()));
   }
   if ((st.st_mode & 077) != 0) {
     return absl::PermissionDeniedError(
-        fmt::format("secret file {} has mode {:o}: group and others must have no access "
-                    "(chmod 0600)",
+        fmt::format("{} {} has mode {:o}: group and others must have no access (chmod 0600)", what,
                     path, st.st_mode & 07777));
   }
-  if (st.st_size < static_cast<off_t>(kMinBytes) || st.st_size > static_cast<off_t>(kMaxBytes)) {
-    return absl::InvalidArgumentError(
-        fmt::format("secret file {} holds {} bytes: it needs {} to {}; {}", path, st.st_size,
-                    kMinBytes, kMaxBytes, kHowToMake));
+  if (st.st_size < static_cast<off_t>(min_bytes) || st.st_size > static_cast<off_t>(max_bytes)) {
+    return absl::InvalidArgumentError(fmt::format("{} {} holds {} bytes: it needs {} to {}{}", what,
+                                                  path, st.st_size, min_bytes, max_bytes, hint));
   }
-  std::string key(static_cast<size_t>(st.st_size), '\0');
+  std::string bytes(static_cast<size_t>(st.st_size), '\0');
   size_t got = 0;
-  while (got < key.size()) {
-    const ssize_t r = read(fd.get(), key.data() + got, key.size() - got);
+  while (got < bytes.size()) {
+    const ssize_t r = read(fd.get(), bytes.data() + got, bytes.size() - got);
     if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) {
-      return absl::PermissionDeniedError(fmt::format("secret file {}: short read", path));
-    }
+    if (r <= 0) return absl::PermissionDeniedError(fmt::format("{} {}: short read", what, path));
     got += static_cast<size_t>(r);
   }
-  return DeploymentSecret(std::move(key), /*ephemeral=*/false);
+  return bytes;
+}
+
+absl::StatusOr<DeploymentSecret> DeploymentSecret::FromFile(const std::string& path) {
+  absl::StatusOr<std::string> key =
+      ReadPrivateFile(path, "secret file", kMinBytes, kMaxBytes, kHowToMake);
+  if (!key.ok()) return key.status();
+  return DeploymentSecret(*std::move(key), /*ephemeral=*/false);
 }
 
 DeploymentSecret DeploymentSecret::Random() {

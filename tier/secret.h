@@ -63,4 +63,15 @@ class DeploymentSecret final {
 // `value` as 8 little-endian bytes: a part of a MAC's encoding for an integer.
 std::string LittleEndian64(uint64_t value);
 
+// The bytes of a credential file only this process may read: `path` must be a regular file
+// (not a symlink) owned by the effective uid, with no permission for group or others, of
+// `min_bytes` to `max_bytes` bytes. `what` names it in messages ("secret file"), `how_to_make`
+// (may be empty) says how to make a good one. Errors: NOT_FOUND (no such file),
+// PERMISSION_DENIED (a symlink, another owner, open to group or others, unreadable),
+// INVALID_ARGUMENT (not a regular file, too short or too long); each a single line naming the
+// path and the fix. DeploymentSecret::FromFile and the Redis tier's password_file use it.
+absl::StatusOr<std::string> ReadPrivateFile(const std::string& path, std::string_view what,
+                                            size_t min_bytes, size_t max_bytes,
+                                            std::string_view how_to_make);
+
 }  // namespace kvpool::tier
