@@ -6,9 +6,11 @@
 #include <hiredis/hiredis.h>
 
 #include <chrono>
+#include <fstream>
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
 #include "tests/tier/redis_harness.h"
 #include "tests/tier/test_chain.h"
@@ -358,6 +360,55 @@ TEST_F(RedisStoreTest, PasswordIsSentAndAWrongOneOpensTheBreaker) {
   EXPECT_EQ(stats.lookup_errors, 2u);
   EXPECT_EQ(stats.rejected_lookups, 1u);
   EXPECT_EQ(refused->client_stats().connect_failures, 2u);
+}
+
+// The rules deploy/redis-kvpool-acl.rules gives the `kvpool` user, as ACL SETUSER arguments.
+std::vector<std::string> DeployedAclRules() {
+  std::ifstream file(std::string(KVPOOL_SOURCE_DIR) + "/deploy/redis-kvpool-acl.rules");
+  std::vector<std::string> rules;
+  for (std::string line; std::getline(file, line);) {
+    if (line.empty() || line[0] == '#') continue;
+    for (absl::string_view rule : absl::StrSplit(line, ' ', absl::SkipEmpty())) {
+      rules.emplace_back(rule);
+    }
+  }
+  return rules;
+}
+
+// The ACL deploy/setup-redis-acl.sh sets up (tests/deploy/redis_acl_setup_test.sh checks the
+// script itself), on this test's private server: the default user closed, the `kvpool` user with
+// a password and exactly the deployed rules. A store without the password is refused (each
+// command answers NOAUTH: misses and dropped writes, never data); with it, the store writes and
+// reads under those rules, so the rules allow every command the tier sends.
+TEST_F(RedisStoreTest, AclUserWithPasswordWorksAndAConnectionWithoutItIsRefused) {
+  const std::vector<std::string> rules = DeployedAclRules();
+  ASSERT_FALSE(rules.empty()) << "deploy/redis-kvpool-acl.rules";
+  std::vector<std::string> setuser = {"ACL", "SETUSER", "kvpool", "reset", "on", ">kvpool pass"};
+  setuser.insert(setuser.end(), rules.begin(), rules.end());
+  ASSERT_TRUE(server_->Command(setuser).ok());
+  ASSERT_TRUE(server_->Command({"ACL", "SETUSER", "default", "off"}).ok());
+  const TestChain chain = MakeChain(kSpace, 2, kBlockBytes, 19);
+  LookupBuffers out(2, kBlockBytes);
+
+  auto anonymous = NewStore();
+  ASSERT_EQ(chain.Put(*anonymous), 2);
+  ASSERT_TRUE(anonymous->Flush(absl::Seconds(30)).ok());
+  EXPECT_EQ(LookupAll(*anonymous, chain, &out, kSpace), 0);
+  RemoteTierStats stats = anonymous->stats();
+  EXPECT_EQ(stats.written, 0u);
+  EXPECT_EQ(stats.dropped_write_errors, 2u);
+  EXPECT_EQ(stats.lookup_errors, 1u);
+
+  RedisTierOptions options = server_->TierOptions();
+  options.username = "kvpool";
+  options.password = "kvpool pass";
+  auto store = NewStore(options);
+  ASSERT_EQ(chain.Put(*store), 2);
+  ASSERT_TRUE(store->Flush(absl::Seconds(30)).ok());
+  EXPECT_EQ(store->stats().written, 2u);
+  EXPECT_EQ(LookupAll(*store, chain, &out, kSpace), 2);
+  EXPECT_EQ(out.storage, chain.blocks);
+  EXPECT_EQ(store->stats().lookup_errors, 0u);
 }
 
 TEST_F(RedisStoreTest, TtlIsSetWhenConfigured) {
