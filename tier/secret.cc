@@ -48,9 +48,39 @@ std::string LittleEndian64(uint64_t value) {
   return out;
 }
 
+void DeploymentSecret::MacCtxFree::operator()(evp_mac_ctx_st* ctx) const { EVP_MAC_CTX_free(ctx); }
+
+DeploymentSecret::MacCtx DeploymentSecret::NewKeyedCtx(const std::string& key) {
+  // EVP_MAC (OpenSSL 3): the one-shot HMAC() has no way to feed several parts.
+  EVP_MAC* mac = EVP_MAC_fetch(nullptr, "HMAC", nullptr);
+  KVPOOL_CHECK_MSG(mac != nullptr, "OpenSSL has no HMAC");
+  MacCtx ctx(EVP_MAC_CTX_new(mac));
+  EVP_MAC_free(mac);  // the context holds its own reference
+  KVPOOL_CHECK(ctx != nullptr);
+  char digest_name[] = "SHA256";
+  const OSSL_PARAM params[] = {
+      OSSL_PARAM_construct_utf8_string("digest", digest_name, 0),
+      OSSL_PARAM_construct_end(),
+  };
+  KVPOOL_CHECK(EVP_MAC_init(ctx.get(), reinterpret_cast<const unsigned char*>(key.data()),
+                            key.size(), params) == 1);
+  return ctx;
+}
+
 DeploymentSecret::DeploymentSecret(std::string key, bool ephemeral)
-    : key_(std::move(key)), ephemeral_(ephemeral) {
+    : key_(std::move(key)), keyed_(NewKeyedCtx(key_)), ephemeral_(ephemeral) {
   fingerprint_ = Mac64("kvpool secret fingerprint", {});
+}
+
+DeploymentSecret::DeploymentSecret(const DeploymentSecret& other)
+    : key_(other.key_),
+      keyed_(NewKeyedCtx(key_)),
+      ephemeral_(other.ephemeral_),
+      fingerprint_(other.fingerprint_) {}
+
+DeploymentSecret& DeploymentSecret::operator=(const DeploymentSecret& other) {
+  if (this != &other) *this = DeploymentSecret(other);
+  return *this;
 }
 
 absl::StatusOr<std::string> ReadPrivateFile(const std::string& path, std::string_view what,
@@ -115,25 +145,15 @@ DeploymentSecret DeploymentSecret::FromBytes(std::string_view bytes) {
 
 DeploymentSecret::Digest DeploymentSecret::Mac(
     std::string_view domain, std::initializer_list<std::string_view> parts) const {
-  // EVP_MAC (OpenSSL 3): the one-shot HMAC() has no way to feed several parts.
-  EVP_MAC* mac = EVP_MAC_fetch(nullptr, "HMAC", nullptr);
-  KVPOOL_CHECK_MSG(mac != nullptr, "OpenSSL has no HMAC");
-  EVP_MAC_CTX* ctx = EVP_MAC_CTX_new(mac);
+  KVPOOL_CHECK(keyed_ != nullptr);  // not a moved-from secret
+  MacCtx ctx(EVP_MAC_CTX_dup(keyed_.get()));
   KVPOOL_CHECK(ctx != nullptr);
-  char digest_name[] = "SHA256";
-  const OSSL_PARAM params[] = {
-      OSSL_PARAM_construct_utf8_string("digest", digest_name, 0),
-      OSSL_PARAM_construct_end(),
-  };
-  KVPOOL_CHECK(EVP_MAC_init(ctx, reinterpret_cast<const unsigned char*>(key_.data()), key_.size(),
-                            params) == 1);
-  AppendPart(ctx, domain);
-  for (std::string_view part : parts) AppendPart(ctx, part);
+  AppendPart(ctx.get(), domain);
+  for (std::string_view part : parts) AppendPart(ctx.get(), part);
   Digest out{};
   size_t written = 0;
-  KVPOOL_CHECK(EVP_MAC_final(ctx, out.data(), &written, out.size()) == 1 && written == out.size());
-  EVP_MAC_CTX_free(ctx);
-  EVP_MAC_free(mac);
+  KVPOOL_CHECK(EVP_MAC_final(ctx.get(), out.data(), &written, out.size()) == 1 &&
+               written == out.size());
   return out;
 }
 
