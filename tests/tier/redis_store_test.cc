@@ -1,83 +1,27 @@
 // RedisBlockStore against real redis-server processes on private Unix sockets (label
 // `integration`): round trips, two stores sharing one server as two daemons would, namespace
-// isolation, corrupted, planted, replayed and foreign values, a server killed and restarted, a
-// full write queue.
+// isolation, corrupted and foreign values, a server killed and restarted, a full write queue.
+// Planted, replayed and other-secret values and the deployed ACL: redis_security_test.cc.
 
 #include <hiredis/hiredis.h>
 
 #include <chrono>
-#include <fstream>
 #include <random>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
-#include "tests/tier/redis_harness.h"
-#include "tests/tier/test_chain.h"
-#include "tier/redis_block_store.h"
+#include "tests/tier/redis_store_fixture.h"
 
 namespace kvpool::tier {
 namespace {
 
+using testing::kBlockBytes;
+using testing::kSpace;
 using testing::LookupBuffers;
 using testing::MakeChain;
 using testing::RedisServer;
+using testing::RedisStoreTest;
 using testing::TestChain;
-
-constexpr int64_t kBlockBytes = 4096;
-constexpr BlockSpace kSpace{.ns = NamespaceId(7), .layout_fingerprint = 0x5eed};
-
-class RedisStoreTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    if (testing::RedisServerBinary().empty()) GTEST_SKIP() << "redis-server is not installed";
-    auto dir = testing::TempDir::Create("kvpool-redis-test");
-    ASSERT_TRUE(dir.ok()) << dir.status();
-    dir_ = std::move(*dir);
-    auto server = RedisServer::Start(dir_->path(), {.unix_socket = true});
-    ASSERT_TRUE(server.ok()) << server.status();
-    server_ = std::move(*server);
-  }
-
-  std::unique_ptr<RedisBlockStore> NewStore(RedisTierOptions options,
-                                            const DeploymentSecret& secret) {
-    auto store = RedisBlockStore::Create(options, secret, &clock_);
-    EXPECT_TRUE(store.ok()) << store.status();
-    return store.ok() ? std::move(*store) : nullptr;
-  }
-  std::unique_ptr<RedisBlockStore> NewStore(RedisTierOptions options) {
-    return NewStore(options, secret_);
-  }
-  std::unique_ptr<RedisBlockStore> NewStore() { return NewStore(server_->TierOptions()); }
-
-  // Looks up the whole chain; returns the hit count, the buffers in `out`.
-  int64_t LookupAll(RedisBlockStore& store, const TestChain& chain, LookupBuffers* out,
-                    BlockSpace space) {
-    auto result = store.Lookup(space, BlockHash{}, chain.hashes, out->spans);
-    EXPECT_TRUE(result.ok()) << result.status();
-    return result.ok() ? result->hits : -1;
-  }
-
-  // The key of block i as a store with `secret` writes it.
-  static std::string KeyOf(const TestChain& chain, int i, const DeploymentSecret& secret) {
-    return BlockKey(secret, chain.space, chain.hashes[i], KeySlotting::kNamespace);
-  }
-  std::string KeyOf(const TestChain& chain, int i) const { return KeyOf(chain, i, secret_); }
-  // The value stored under `key`.
-  std::string ValueAt(const std::string& key) const {
-    auto value = server_->Command({"GET", key});
-    EXPECT_TRUE(value.ok()) << value.status();
-    return value.ok() && (*value)->type == REDIS_REPLY_STRING
-               ? std::string((*value)->str, (*value)->len)
-               : std::string();
-  }
-
-  const DeploymentSecret secret_ =
-      DeploymentSecret::FromBytes("redis store test: the deployment secret of the daemons");
-  ManualClock clock_;
-  std::unique_ptr<testing::TempDir> dir_;
-  std::unique_ptr<RedisServer> server_;
-};
 
 TEST_F(RedisStoreTest, RoundTripIsByteIdentical) {
   auto store = NewStore();
@@ -232,113 +176,6 @@ TEST_F(RedisStoreTest, ValueWithAnotherLayoutFingerprintIsAMiss) {
   EXPECT_EQ(LookupAll(*store, chain, &out, kSpace), 1);  // the original still reads
 }
 
-// A writer that reaches Redis but lacks the deployment secret plants blocks under the victim's
-// keys (handed to it here: it cannot compute them, block_codec_test shows, but could see them
-// in a SCAN), every header field right, the MAC made under a secret of its own. With format 1
-// (an xxh3 checksum anyone can compute, keys from public values) the same value was the victim's
-// KV; now it is a miss, counted as forged.
-TEST_F(RedisStoreTest, PlantedValueWithoutTheSecretIsAMissAndCounted) {
-  auto victim = NewStore();
-  const TestChain chain = MakeChain(kSpace, 2, kBlockBytes, 14);
-  const DeploymentSecret guess = DeploymentSecret::FromBytes("the attacker's guess at the secret");
-  const std::vector<std::byte> poison(kBlockBytes, std::byte{0x66});
-  for (int i = 0; i < 2; ++i) {
-    std::string value;
-    EncodeBlockValue(guess, KeyOf(chain, i), RandomValueNonce(),
-                     {.layout_fingerprint = kSpace.layout_fingerprint,
-                      .hash = chain.hashes[i],
-                      .parent = i == 0 ? BlockHash{} : chain.hashes[0],
-                      .coverage = 16},
-                     poison, &value);
-    ASSERT_TRUE(server_->Command({"SET", KeyOf(chain, i), value}).ok());
-  }
-  LookupBuffers out(2, kBlockBytes);
-  EXPECT_EQ(LookupAll(*victim, chain, &out, kSpace), 0);
-  EXPECT_NE(out.storage[0], poison);
-  const RemoteTierStats stats = victim->stats();
-  EXPECT_EQ(stats.forged, 1u);  // block 1 is past the first miss: not even checked
-  EXPECT_EQ(stats.corrupt, 1u);
-  EXPECT_EQ(stats.misses, 2u);
-}
-
-// One flipped bit anywhere in a stored value, header (coverage and the reserved word included,
-// which format 1 did not check: a flipped coverage byte used to be a hit) or payload, is a miss.
-TEST_F(RedisStoreTest, FlippedByteInHeaderOrPayloadIsAMiss) {
-  auto store = NewStore();
-  const TestChain chain = MakeChain(kSpace, 1, kBlockBytes, 15);
-  ASSERT_EQ(chain.Put(*store), 1);
-  ASSERT_TRUE(store->Flush(absl::Seconds(30)).ok());
-  const std::string key = KeyOf(chain, 0);
-  const std::string good = ValueAt(key);
-  ASSERT_EQ(static_cast<int64_t>(good.size()), kBlockHeaderBytes + kBlockBytes);
-  std::vector<int64_t> positions;
-  for (int64_t i = 0; i < kBlockHeaderBytes; ++i) positions.push_back(i);
-  positions.insert(positions.end(), {kBlockHeaderBytes, kBlockHeaderBytes + kBlockBytes / 2,
-                                     kBlockHeaderBytes + kBlockBytes - 1});
-  LookupBuffers out(1, kBlockBytes);
-  for (int64_t at : positions) {
-    std::string bad = good;
-    bad[at] = static_cast<char>(bad[at] ^ 0x04);
-    ASSERT_TRUE(server_->Command({"SET", key, bad}).ok());
-    EXPECT_EQ(LookupAll(*store, chain, &out, kSpace), 0) << "byte " << at;
-  }
-  EXPECT_EQ(store->stats().corrupt, positions.size());
-  ASSERT_TRUE(server_->Command({"SET", key, good}).ok());
-  EXPECT_EQ(LookupAll(*store, chain, &out, kSpace), 1);  // the untouched value still reads
-  EXPECT_EQ(out.storage[0], chain.blocks[0]);
-}
-
-// A valid value replayed under another key is refused: under another namespace's key with the
-// very same chain hashes (format 1 checked layout, hashes, length and checksum, all equal here,
-// and handed tenant B's bytes to tenant A), and under another block's key of the same chain.
-TEST_F(RedisStoreTest, ValueCopiedUnderAnotherKeyIsAMiss) {
-  auto store = NewStore();
-  const BlockSpace other{.ns = NamespaceId(8), .layout_fingerprint = kSpace.layout_fingerprint};
-  const TestChain mine = MakeChain(kSpace, 2, kBlockBytes, 16);
-  TestChain theirs = MakeChain(other, 2, kBlockBytes, 17);
-  theirs.hashes = mine.hashes;
-  ASSERT_EQ(theirs.Put(*store), 2);
-  ASSERT_TRUE(store->Flush(absl::Seconds(30)).ok());
-  ASSERT_TRUE(server_->Command({"SET", KeyOf(mine, 0), ValueAt(KeyOf(theirs, 0))}).ok());
-  LookupBuffers out(2, kBlockBytes);
-  EXPECT_EQ(LookupAll(*store, mine, &out, kSpace), 0);
-  EXPECT_NE(out.storage[0], theirs.blocks[0]);
-  EXPECT_EQ(store->stats().forged, 1u);
-
-  ASSERT_EQ(mine.Put(*store), 2);  // SET NX: block 0's key is taken, block 1 is stored
-  ASSERT_TRUE(store->Flush(absl::Seconds(30)).ok());
-  ASSERT_TRUE(server_->Command({"SET", KeyOf(mine, 0), ValueAt(KeyOf(mine, 1))}).ok());
-  EXPECT_EQ(LookupAll(*store, mine, &out, kSpace), 0);
-  EXPECT_EQ(store->stats().forged, 2u);
-  // Block 1 alone, under its own key, is fine.
-  auto tail = store->Lookup(kSpace, mine.hashes[0], std::span(mine.hashes).subspan(1, 1),
-                            std::span(out.spans).subspan(0, 1));
-  ASSERT_TRUE(tail.ok());
-  EXPECT_EQ(tail->hits, 1);
-  EXPECT_EQ(out.storage[0], mine.blocks[1]);
-}
-
-// A daemon configured with another secret shares nothing: it writes under keys this one never
-// asks for, and its value moved under this one's key fails the MAC. (Before the secret existed,
-// any two stores on one server shared every block.)
-TEST_F(RedisStoreTest, ValueWrittenUnderAnotherSecretIsAMiss) {
-  auto mine = NewStore();
-  auto stranger = NewStore(server_->TierOptions(),
-                           DeploymentSecret::FromBytes("another deployment's secret, not ours"));
-  const TestChain chain = MakeChain(kSpace, 2, kBlockBytes, 18);
-  ASSERT_EQ(chain.Put(*stranger), 2);
-  ASSERT_TRUE(stranger->Flush(absl::Seconds(30)).ok());
-  LookupBuffers out(2, kBlockBytes);
-  EXPECT_EQ(LookupAll(*mine, chain, &out, kSpace), 0);
-  EXPECT_EQ(mine->stats().corrupt, 0u);  // nothing under our keys at all
-  const std::string theirs = ValueAt(
-      KeyOf(chain, 0, DeploymentSecret::FromBytes("another deployment's secret, not ours")));
-  ASSERT_FALSE(theirs.empty());
-  ASSERT_TRUE(server_->Command({"SET", KeyOf(chain, 0), theirs}).ok());
-  EXPECT_EQ(LookupAll(*mine, chain, &out, kSpace), 0);
-  EXPECT_EQ(mine->stats().forged, 1u);
-}
-
 TEST_F(RedisStoreTest, PasswordIsSentAndAWrongOneOpensTheBreaker) {
   ASSERT_TRUE(server_->Command({"CONFIG", "SET", "requirepass", "s3cret"}).ok());
   RedisTierOptions options = server_->TierOptions();
@@ -360,55 +197,6 @@ TEST_F(RedisStoreTest, PasswordIsSentAndAWrongOneOpensTheBreaker) {
   EXPECT_EQ(stats.lookup_errors, 2u);
   EXPECT_EQ(stats.rejected_lookups, 1u);
   EXPECT_EQ(refused->client_stats().connect_failures, 2u);
-}
-
-// The rules deploy/redis-kvpool-acl.rules gives the `kvpool` user, as ACL SETUSER arguments.
-std::vector<std::string> DeployedAclRules() {
-  std::ifstream file(std::string(KVPOOL_SOURCE_DIR) + "/deploy/redis-kvpool-acl.rules");
-  std::vector<std::string> rules;
-  for (std::string line; std::getline(file, line);) {
-    if (line.empty() || line[0] == '#') continue;
-    for (absl::string_view rule : absl::StrSplit(line, ' ', absl::SkipEmpty())) {
-      rules.emplace_back(rule);
-    }
-  }
-  return rules;
-}
-
-// The ACL deploy/setup-redis-acl.sh sets up (tests/deploy/redis_acl_setup_test.sh checks the
-// script itself), on this test's private server: the default user closed, the `kvpool` user with
-// a password and exactly the deployed rules. A store without the password is refused (each
-// command answers NOAUTH: misses and dropped writes, never data); with it, the store writes and
-// reads under those rules, so the rules allow every command the tier sends.
-TEST_F(RedisStoreTest, AclUserWithPasswordWorksAndAConnectionWithoutItIsRefused) {
-  const std::vector<std::string> rules = DeployedAclRules();
-  ASSERT_FALSE(rules.empty()) << "deploy/redis-kvpool-acl.rules";
-  std::vector<std::string> setuser = {"ACL", "SETUSER", "kvpool", "reset", "on", ">kvpool pass"};
-  setuser.insert(setuser.end(), rules.begin(), rules.end());
-  ASSERT_TRUE(server_->Command(setuser).ok());
-  ASSERT_TRUE(server_->Command({"ACL", "SETUSER", "default", "off"}).ok());
-  const TestChain chain = MakeChain(kSpace, 2, kBlockBytes, 19);
-  LookupBuffers out(2, kBlockBytes);
-
-  auto anonymous = NewStore();
-  ASSERT_EQ(chain.Put(*anonymous), 2);
-  ASSERT_TRUE(anonymous->Flush(absl::Seconds(30)).ok());
-  EXPECT_EQ(LookupAll(*anonymous, chain, &out, kSpace), 0);
-  RemoteTierStats stats = anonymous->stats();
-  EXPECT_EQ(stats.written, 0u);
-  EXPECT_EQ(stats.dropped_write_errors, 2u);
-  EXPECT_EQ(stats.lookup_errors, 1u);
-
-  RedisTierOptions options = server_->TierOptions();
-  options.username = "kvpool";
-  options.password = "kvpool pass";
-  auto store = NewStore(options);
-  ASSERT_EQ(chain.Put(*store), 2);
-  ASSERT_TRUE(store->Flush(absl::Seconds(30)).ok());
-  EXPECT_EQ(store->stats().written, 2u);
-  EXPECT_EQ(LookupAll(*store, chain, &out, kSpace), 2);
-  EXPECT_EQ(out.storage, chain.blocks);
-  EXPECT_EQ(store->stats().lookup_errors, 0u);
 }
 
 TEST_F(RedisStoreTest, TtlIsSetWhenConfigured) {
