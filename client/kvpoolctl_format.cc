@@ -162,15 +162,15 @@ std::string LayerBytesTable(const v1::PoolLayout& l) {
 std::string TiersText(const v1::GetStatsResponse& s) {
   if (!s.has_tiers()) return "";
   const v1::TierStats& t = s.tiers();
-  internal::Table stores({"TIER", "BLOCKS", "CAPACITY", "HITS", "MISSES", "CORRUPT", "WRITTEN",
-                          "DROPPED", "EVICTED", "QUEUED", "BREAKER"});
+  internal::Table stores({"TIER", "BLOCKS", "CAPACITY", "HITS", "MISSES", "CORRUPT", "FORGED",
+                          "WRITTEN", "DROPPED", "EVICTED", "QUEUED", "BREAKER"});
   for (const v1::TierStoreStats& st : t.stores()) {
     const bool host = st.medium() == "host";
     stores.AddRow({st.medium(), host ? std::to_string(st.blocks()) : "-",
                    host ? std::to_string(st.capacity_blocks()) : "-", std::to_string(st.hits()),
                    std::to_string(st.misses()), std::to_string(st.corrupt()),
-                   std::to_string(st.written()), std::to_string(st.dropped()),
-                   host ? std::to_string(st.evicted()) : "-",
+                   host ? "-" : std::to_string(st.forged()), std::to_string(st.written()),
+                   std::to_string(st.dropped()), host ? std::to_string(st.evicted()) : "-",
                    host ? "-" : std::to_string(st.queued_blocks()),
                    st.breaker().empty() ? "-" : st.breaker()});
   }

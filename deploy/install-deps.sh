@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# Installs, with apt, only the Debian 12 packages kvpool needs that are missing. Idempotent: a
-# machine that has everything runs no apt command at all. Run as root (or with sudo available).
+# Installs, with apt, only the Debian 12 packages kvpool needs that are missing, then sets up ACL
+# for the local redis-server it installs (deploy/setup-redis-acl.sh: a `kvpool` user whose
+# password is in /etc/kvpool/redis-password, no anonymous access). Idempotent: a machine that
+# has everything runs no apt command at all and changes nothing. Run as root (or with sudo
+# available).
 set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
 
 packages=(
   # toolchain (clang-16 builds .ci/run's second tree, the ci-clang preset: lock annotations,
@@ -14,8 +18,8 @@ packages=(
   # HMAC-SHA256 for the deployment secret's MACs (tier/secret.h)
   libssl-dev
   # the Redis tier (tier/): hiredis to talk to Redis; redis-server and redis-tools (redis-cli)
-  # only for its tests and benchmark, which start private servers themselves (the service the
-  # package enables is not used: `systemctl disable --now redis-server` if it is unwanted)
+  # for its tests and benchmark, which start private servers themselves, and as the local Redis
+  # a daemon may use (ACL set up below; `systemctl disable --now redis-server` if unwanted)
   libhiredis-dev redis-server redis-tools
   # tests and benchmarks (systemd: systemd-analyze and systemd-sysusers check deploy/)
   libgtest-dev libgmock-dev libbenchmark-dev systemd
@@ -35,16 +39,31 @@ for p in "${packages[@]}"; do
   [[ "$status" == "install ok installed" ]] || missing+=("$p")
 done
 
-if [[ ${#missing[@]} -eq 0 ]]; then
-  echo "install-deps: all ${#packages[@]} packages present"
-  exit 0
-fi
-
 sudo=""
-if [[ $(id -u) -ne 0 ]]; then
-  command -v sudo >/dev/null || { echo "install-deps: need root (or sudo) to install: ${missing[*]}" >&2; exit 1; }
+if [[ $(id -u) -ne 0 ]] && command -v sudo >/dev/null; then
   sudo="sudo"
 fi
-echo "install-deps: installing ${missing[*]}"
-$sudo apt-get update -qq
-DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+if [[ ${#missing[@]} -eq 0 ]]; then
+  echo "install-deps: all ${#packages[@]} packages present"
+else
+  if [[ $(id -u) -ne 0 && -z "$sudo" ]]; then
+    echo "install-deps: need root (or sudo) to install: ${missing[*]}" >&2
+    exit 1
+  fi
+  echo "install-deps: installing ${missing[*]}"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# Redis ACL for the local redis-server (the default user no longer answers anonymous clients).
+# As root every run (it changes nothing when done); with sudo only the first time, so a machine
+# that has everything does not ask for a sudo password.
+if [[ $(id -u) -eq 0 ]]; then
+  "$here/setup-redis-acl.sh"
+elif [[ -e /etc/kvpool/redis-password ]]; then
+  echo "install-deps: Redis ACL set up before; \`sudo deploy/setup-redis-acl.sh\` refreshes it"
+elif [[ -n "$sudo" ]]; then
+  sudo "$here/setup-redis-acl.sh"
+else
+  echo "install-deps: skipped the Redis ACL setup (needs root): run deploy/setup-redis-acl.sh as root"
+fi

@@ -49,17 +49,18 @@ absl::Status TransportStatus(const std::vector<absl::StatusOr<RedisReply>>& repl
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<RedisBlockStore>> RedisBlockStore::Create(
-    const RedisTierOptions& options, const Clock* clock) {
+    const RedisTierOptions& options, const DeploymentSecret& secret, const Clock* clock) {
   absl::Status status = ValidateOptions(options);
   if (!status.ok()) return status;
   absl::StatusOr<std::unique_ptr<RedisClient>> writer = CreateRedisClient(options);
   if (!writer.ok()) return writer.status();
-  return absl::WrapUnique(new RedisBlockStore(options, clock, std::move(*writer)));
+  return absl::WrapUnique(new RedisBlockStore(options, secret, clock, std::move(*writer)));
 }
 
-RedisBlockStore::RedisBlockStore(const RedisTierOptions& options, const Clock* clock,
-                                 std::unique_ptr<RedisClient> writer)
+RedisBlockStore::RedisBlockStore(const RedisTierOptions& options, const DeploymentSecret& secret,
+                                 const Clock* clock, std::unique_ptr<RedisClient> writer)
     : options_(options),
+      secret_(secret),
       clock_(clock),
       breaker_({.failure_threshold = options.breaker_failure_threshold,
                 .backoff = options.breaker_backoff,
@@ -110,6 +111,7 @@ void RedisBlockStore::AddClientStats(PooledClient* pooled) {
   counters_.moved_redirects += now.moved_redirects - was.moved_redirects;
   counters_.ask_redirects += now.ask_redirects - was.ask_redirects;
   counters_.slot_map_refreshes += now.slot_map_refreshes - was.slot_map_refreshes;
+  counters_.refused_redirects += now.refused_redirects - was.refused_redirects;
   was = now;
 }
 
@@ -141,8 +143,9 @@ LookupResult RedisBlockStore::LookupChecked(const BlockSpace& space, const Block
   std::vector<RedisCommand> commands;
   keys.reserve(hashes.size());
   commands.reserve(hashes.size());
+  const SpaceKeys space_keys(secret_, space, options_.key_slotting);
   for (const BlockHash& hash : hashes) {
-    keys.push_back(BlockKey(space, hash, options_.key_slotting));
+    keys.push_back(space_keys.Key(hash));
     commands.push_back(RedisCommand{.args = {"GET", keys.back()}});
   }
   PooledClient reader = AcquireReader();
@@ -162,7 +165,7 @@ LookupResult RedisBlockStore::LookupChecked(const BlockSpace& space, const Block
     }
     if (i > first_miss) return;  // past a gap: never part of the prefix
     const BlockHash& expected_parent = i == 0 ? parent : hashes[i - 1];
-    if (VerifyAndCopy(space, hashes[i], expected_parent, **reply, out[i], &coverage[i])) {
+    if (VerifyAndCopy(space, keys[i], hashes[i], expected_parent, **reply, out[i], &coverage[i])) {
       verified[i] = true;
     } else {
       first_miss = std::min(first_miss, i);
@@ -184,9 +187,10 @@ LookupResult RedisBlockStore::LookupChecked(const BlockSpace& space, const Block
   return result;
 }
 
-bool RedisBlockStore::VerifyAndCopy(const BlockSpace& space, const BlockHash& hash,
-                                    const BlockHash& parent, const redisReply& reply,
-                                    std::span<std::byte> out, uint32_t* coverage) {
+bool RedisBlockStore::VerifyAndCopy(const BlockSpace& space, std::string_view key,
+                                    const BlockHash& hash, const BlockHash& parent,
+                                    const redisReply& reply, std::span<std::byte> out,
+                                    uint32_t* coverage) {
   if (reply.type != REDIS_REPLY_STRING) return false;  // nil: never stored, or evicted
   const BlockExpectation expect{.layout_fingerprint = space.layout_fingerprint,
                                 .hash = hash,
@@ -194,12 +198,13 @@ bool RedisBlockStore::VerifyAndCopy(const BlockSpace& space, const BlockHash& ha
                                 .payload_bytes = static_cast<int64_t>(out.size())};
   BlockHeader header;
   std::span<const std::byte> payload;
-  const BlockCheck check =
-      CheckBlockValue(std::string_view(reply.str, reply.len), expect, &header, &payload);
+  const BlockCheck check = CheckBlockValue(secret_, key, std::string_view(reply.str, reply.len),
+                                           expect, &header, &payload);
   if (check != BlockCheck::kOk) {
     ++counters_.corrupt;
-    Log().warn("redis tier: refused {}: {} ({} value bytes)",
-               BlockKey(space, hash, options_.key_slotting), BlockCheckName(check), reply.len);
+    if (check == BlockCheck::kMac) ++counters_.forged;
+    Log().warn("redis tier: refused {}: {} ({} value bytes)", key, BlockCheckName(check),
+               reply.len);
     return false;
   }
   std::memcpy(out.data(), payload.data(), payload.size());
@@ -228,9 +233,10 @@ bool RedisBlockStore::Put(const BlockSpace& space, const BlockToStore& block) {
       return false;
     }
   }
-  WriteItem item{.key = BlockKey(space, block.hash, options_.key_slotting)};
+  WriteItem item{.key = BlockKey(secret_, space, block.hash, options_.key_slotting)};
   item.value.reserve(static_cast<size_t>(value_bytes));
-  EncodeBlockValue({.layout_fingerprint = space.layout_fingerprint,
+  EncodeBlockValue(secret_, item.key, RandomValueNonce(),
+                   {.layout_fingerprint = space.layout_fingerprint,
                     .hash = block.hash,
                     .parent = block.parent,
                     .coverage = block.coverage},
@@ -344,6 +350,7 @@ RemoteTierStats RedisBlockStore::stats() const {
   s.hits = c.hits;
   s.misses = c.misses;
   s.corrupt = c.corrupt;
+  s.forged = c.forged;
   s.puts = c.puts;
   s.written = c.written;
   s.already_present = c.already_present;
@@ -367,7 +374,8 @@ RedisClientStats RedisBlockStore::client_stats() const {
           .io_errors = c.io_errors,
           .moved_redirects = c.moved_redirects,
           .ask_redirects = c.ask_redirects,
-          .slot_map_refreshes = c.slot_map_refreshes};
+          .slot_map_refreshes = c.slot_map_refreshes,
+          .refused_redirects = c.refused_redirects};
 }
 
 absl::Status RedisBlockStore::CheckInvariants() const {

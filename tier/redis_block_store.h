@@ -8,17 +8,22 @@
 // (one pipelined round trip; fills caller buffers with the longest run of verified blocks), and
 // exporting stats(). Keys and values: block_codec.h.
 //
-//   auto store = RedisBlockStore::Create(options);            // connects lazily
+//   auto store = RedisBlockStore::Create(options, secret);    // connects lazily
 //   store->Put(space, {.hash = h, .parent = p, .coverage = 16, .bytes = block});
 //   auto found = store->Lookup(space, parent_of_first, hashes, buffers);  // found->hits blocks
 //
 // Guarantees:
-// - Never a wrong byte: a value is returned only after its magic, version, layout fingerprint,
-//   block and parent hash, length and xxh3-64 checksum all match; anything else is a miss,
-//   counted in `corrupt` and logged (warn). Redis may evict any key at any time (maxmemory +
-//   an LRU policy are its business); a missing key is an ordinary miss.
-// - Never blocks a caller on a slow or absent Redis for more than one connect_timeout +
-//   command_timeout (per round trip; a cluster redirect adds one): consecutive failures open a
+// - Never a wrong byte: a value is returned only after its magic, version and length match and
+//   its MAC verifies under the deployment secret for the key it was read from, and then its
+//   layout fingerprint, block and parent hash match; anything else is a miss, counted in
+//   `corrupt` (and a failed MAC in `forged` too) and logged (warn). Whoever can write to Redis
+//   but lacks the secret can neither plant a value a store accepts nor aim at a block's key
+//   (block_codec.h). Redis may evict any key at any time (maxmemory + an LRU policy are its
+//   business); a missing key is an ordinary miss.
+// - Never blocks a caller on a slow or absent Redis for more than command_timeout (plus 10 ms):
+//   a Lookup, and each write batch, has one deadline for its whole exchange (connect, AUTH,
+//   every command and every reply, cluster redirects included), however slowly the server
+//   dribbles its answer. A call that runs out of it fails, and consecutive failures open a
 //   circuit breaker, after which Lookup misses and Put drops at once until a probe succeeds.
 // - Put never blocks: it copies the block into a bounded queue (blocks and bytes) drained by one
 //   background thread with pipelined `SET key value NX [EX ttl]`; a full queue drops and counts.
@@ -56,6 +61,7 @@
 #include "tier/redis_client.h"
 #include "tier/redis_tier_options.h"
 #include "tier/remote_tier.h"
+#include "tier/secret.h"
 
 struct redisReply;
 
@@ -63,11 +69,13 @@ namespace kvpool::tier {
 
 class RedisBlockStore final : public RemoteTier {
  public:
-  // Validates `options` and starts the writer thread; connects on first use.
+  // Validates `options` and starts the writer thread; connects on first use. Keys and value
+  // MACs are derived under (a copy of) `secret`: stores that share blocks must hold the same one.
   // Errors: INVALID_ARGUMENT naming the bad field (options.enabled false included: a disabled
   // tier has no store). REQUIRES: `clock` outlives the store (it times the breaker and Flush).
   static absl::StatusOr<std::unique_ptr<RedisBlockStore>> Create(
-      const RedisTierOptions& options, const Clock* clock = Clock::Real());
+      const RedisTierOptions& options, const DeploymentSecret& secret,
+      const Clock* clock = Clock::Real());
 
   // Stops the writer: the round trip in flight completes (bounded by the timeouts), whatever is
   // still queued is dropped and counted in dropped_shutdown.
@@ -108,8 +116,8 @@ class RedisBlockStore final : public RemoteTier {
     RedisClientStats reported;
   };
 
-  RedisBlockStore(const RedisTierOptions& options, const Clock* clock,
-                  std::unique_ptr<RedisClient> writer);
+  RedisBlockStore(const RedisTierOptions& options, const DeploymentSecret& secret,
+                  const Clock* clock, std::unique_ptr<RedisClient> writer);
 
   PooledClient AcquireReader();
   void ReleaseReader(PooledClient reader);
@@ -118,14 +126,16 @@ class RedisBlockStore final : public RemoteTier {
   void ReportOutcome(const absl::Status& transport);
   // Checks one GET reply for block `hash` and copies its payload into `out` when it passes;
   // counts and logs a refusal. Returns whether it passed.
-  bool VerifyAndCopy(const BlockSpace& space, const BlockHash& hash, const BlockHash& parent,
-                     const redisReply& reply, std::span<std::byte> out, uint32_t* coverage);
+  bool VerifyAndCopy(const BlockSpace& space, std::string_view key, const BlockHash& hash,
+                     const BlockHash& parent, const redisReply& reply, std::span<std::byte> out,
+                     uint32_t* coverage);
 
   void WriterLoop();
   void WriteBatch(std::vector<WriteItem>& batch);
   void CompleteBatch(const std::vector<WriteItem>& batch);
 
   const RedisTierOptions options_;
+  const DeploymentSecret secret_;
   const Clock* const clock_;
   CircuitBreaker breaker_;
 
@@ -144,11 +154,11 @@ class RedisBlockStore final : public RemoteTier {
 
   struct Counters {
     std::atomic<uint64_t> lookups{0}, rejected_lookups{0}, lookup_errors{0}, hits{0}, misses{0},
-        corrupt{0}, puts{0}, written{0}, already_present{0}, dropped_queue_full{0},
+        corrupt{0}, forged{0}, puts{0}, written{0}, already_present{0}, dropped_queue_full{0},
         dropped_breaker_open{0}, dropped_write_errors{0}, dropped_shutdown{0}, bytes_read{0},
         bytes_written{0};
     std::atomic<uint64_t> round_trips{0}, connects{0}, connect_failures{0}, io_errors{0},
-        moved_redirects{0}, ask_redirects{0}, slot_map_refreshes{0};
+        moved_redirects{0}, ask_redirects{0}, slot_map_refreshes{0}, refused_redirects{0};
   };
   Counters counters_;
 };

@@ -17,27 +17,30 @@ class StandaloneClient final : public RedisClient {
   explicit StandaloneClient(const RedisTierOptions& options) : options_(options) {}
 
   void Stream(std::span<const RedisCommand> commands, ReplyCallback on_reply) override {
+    const int64_t deadline = internal::CallDeadline(options_.command_timeout);
     const bool reused = connection_ != nullptr && !connection_->broken();
-    if (!Attempt(commands, on_reply, /*may_retry=*/reused)) {
-      Attempt(commands, on_reply, /*may_retry=*/false);
+    if (!Attempt(commands, on_reply, /*may_retry=*/reused, deadline)) {
+      Attempt(commands, on_reply, /*may_retry=*/false, deadline);
     }
   }
 
   RedisClientStats stats() const override { return stats_; }
 
  private:
-  // One pipelined round trip. Returns false, having delivered nothing, when it failed before
-  // the first reply and `may_retry`; otherwise delivers every result and returns true.
-  bool Attempt(std::span<const RedisCommand> commands, ReplyCallback on_reply, bool may_retry) {
-    absl::Status status = Connect();
+  // One pipelined round trip, over before `deadline`. Returns false, having delivered nothing,
+  // when it failed before the first reply and `may_retry`; otherwise delivers every result and
+  // returns true.
+  bool Attempt(std::span<const RedisCommand> commands, ReplyCallback on_reply, bool may_retry,
+               int64_t deadline) {
+    absl::Status status = Connect(deadline);
     if (status.ok()) {
       for (const RedisCommand& command : commands) connection_->Append(command);
-      status = connection_->Flush();
+      status = connection_->Flush(deadline);
       ++stats_.round_trips;
     }
     for (size_t i = 0; i < commands.size(); ++i) {
       absl::StatusOr<RedisReply> reply =
-          status.ok() ? connection_->Read() : absl::StatusOr<RedisReply>(status);
+          status.ok() ? connection_->Read(deadline) : absl::StatusOr<RedisReply>(status);
       if (!reply.ok()) {
         status = reply.status();
         if (i == 0 && may_retry) {
@@ -58,17 +61,17 @@ class StandaloneClient final : public RedisClient {
     return true;
   }
 
-  absl::Status Connect() {
+  absl::Status Connect(int64_t deadline) {
     if (connection_ != nullptr && !connection_->broken()) return absl::OkStatus();
     connection_.reset();
     absl::StatusOr<std::unique_ptr<internal::RedisConnection>> connection =
         options_.unix_socket.empty()
-            ? internal::RedisConnection::ConnectTcp(
-                  options_.host, options_.port, options_.connect_timeout, options_.command_timeout)
+            ? internal::RedisConnection::ConnectTcp(options_.host, options_.port,
+                                                    options_.connect_timeout, deadline)
             : internal::RedisConnection::ConnectUnix(options_.unix_socket, options_.connect_timeout,
-                                                     options_.command_timeout);
+                                                     deadline);
     absl::Status status = connection.status();
-    if (status.ok()) status = internal::Authenticate(**connection, options_);
+    if (status.ok()) status = internal::Authenticate(**connection, options_, deadline);
     if (!status.ok()) {
       ++stats_.connect_failures;
       return status;

@@ -50,6 +50,9 @@ struct RedisClientStats {
   uint64_t moved_redirects = 0;     // cluster: MOVED replies followed
   uint64_t ask_redirects = 0;       // cluster: ASK replies followed (ASKING + retry)
   uint64_t slot_map_refreshes = 0;  // cluster: CLUSTER SLOTS answers adopted
+  // cluster: MOVED / ASK to an address that is no node of the cluster (seeds and what CLUSTER
+  // SLOTS named), refused: never connected to, never sent the credentials
+  uint64_t refused_redirects = 0;
 };
 
 class RedisClient {
@@ -63,12 +66,15 @@ class RedisClient {
 
   // Sends every command, pipelined, and hands `on_reply` one result per command. A standalone
   // client makes one round trip; a cluster client one per node the commands' slots live on, all
-  // flushed before any is read, plus one per redirect hop (at most max_redirects).
-  // Per-command errors: UNAVAILABLE (cannot connect, connection lost or timed out, CLUSTERDOWN /
-  // TRYAGAIN / LOADING, too many redirects); INTERNAL (any other Redis error reply, with its
-  // text). After an I/O error the connection is dropped and remade on the next call; a
-  // connection kept from an earlier call that fails before its first reply (the server
-  // restarted) is retried once on a fresh one, so commands must be idempotent (GET, SET NX).
+  // flushed before any is read, plus one per redirect hop (at most max_redirects). The whole
+  // call, connecting and redirects included, has one deadline, options.command_timeout from its
+  // start (plus at most internal::kDeadlineSlack): whatever is not answered by then fails.
+  // Per-command errors: UNAVAILABLE (cannot connect, connection lost, the deadline passed,
+  // CLUSTERDOWN / TRYAGAIN / LOADING, too many redirects); INTERNAL (any other Redis error reply,
+  // with its text, and a cluster redirect to an address that is no node of the cluster).
+  // After an I/O error the connection is dropped and remade on the next call; a connection kept
+  // from an earlier call that fails before its first reply (the server restarted) is retried
+  // once on a fresh one, so commands must be idempotent (GET, SET NX).
   virtual void Stream(std::span<const RedisCommand> commands, ReplyCallback on_reply) = 0;
 
   // Stream, with the results collected in command order.

@@ -40,10 +40,13 @@ struct RedisTierOptions {
 
   KeySlotting key_slotting = KeySlotting::kNamespace;  // cluster only; see KeySlotting
 
-  absl::Duration connect_timeout = absl::Milliseconds(200);  // one connect attempt
-  // The longest one socket read or write may wait without progress. A Lookup does one round
-  // trip (one per node, cluster redirects excepted), so a dead or hung server costs a caller at
-  // most connect_timeout + command_timeout before the breaker opens and later calls cost nothing.
+  // One connect attempt (TCP or Unix socket), at most; it also counts against command_timeout.
+  absl::Duration connect_timeout = absl::Milliseconds(200);
+  // The deadline of one whole call: a Lookup's round trip or a write batch, from its start to its
+  // last reply (connecting, AUTH, writing every command, reading every reply, cluster redirects
+  // and slot map refreshes included), not a timeout per read. A dead, hung or slow-dripping
+  // server costs a caller at most this (plus 10 ms) per call, and the calls that run out of it
+  // count as failures toward the breaker, after which later calls cost nothing.
   absl::Duration command_timeout = absl::Milliseconds(500);
   int max_redirects = 5;  // MOVED / ASK hops followed per command before it fails
 

@@ -46,11 +46,15 @@ struct RemoteTierStats {
   BreakerState breaker = BreakerState::kClosed;  // breaker state now
   uint64_t breaker_opens = 0;                    // times the breaker opened
   uint64_t lookups = 0;                          // Lookup calls with at least one hash
-  uint64_t rejected_lookups = 0;      // of those, answered "all miss" at once: breaker open
-  uint64_t lookup_errors = 0;         // Lookups with a failed command (I/O, timeout, error reply)
-  uint64_t hits = 0;                  // blocks returned by Lookup
-  uint64_t misses = 0;                // blocks asked for and not returned, for any reason
-  uint64_t corrupt = 0;               // values refused by CheckBlockValue (counted in misses)
+  uint64_t rejected_lookups = 0;  // of those, answered "all miss" at once: breaker open
+  uint64_t lookup_errors = 0;     // Lookups with a failed command (I/O, timeout, error reply)
+  uint64_t hits = 0;              // blocks returned by Lookup
+  uint64_t misses = 0;            // blocks asked for and not returned, for any reason
+  uint64_t corrupt = 0;           // values refused by any check (counted in misses)
+  // Of corrupt, values whose MAC did not verify (BlockCheck::kMac): planted by a writer without
+  // the deployment secret, damaged, copied from another key, or written by a daemon with
+  // another secret (a misconfiguration: daemons that share a tier must share the secret).
+  uint64_t forged = 0;
   uint64_t puts = 0;                  // Put calls
   uint64_t written = 0;               // blocks stored
   uint64_t already_present = 0;       // writes that found the key: stored before, by anyone

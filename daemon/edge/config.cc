@@ -21,6 +21,7 @@
 #include "kvpool/util/status_macros.h"
 #include "kvpool/v1/wire.h"
 #include "model/weights.h"
+#include "tier/secret.h"
 
 namespace kvpool::daemon {
 namespace {
@@ -297,6 +298,9 @@ void ValidateTiers(const v1::TierSpec& t,
     bad("tiers.redis", "name exactly one of unix_socket, host or cluster_seeds");
   }
   if (r.port() < 0 || r.port() > 65535) bad("tiers.redis.port", "must be in [0, 65535]");
+  if (!r.password().empty() && !r.password_file().empty()) {
+    bad("tiers.redis", "set password or password_file, not both (password_file is preferred)");
+  }
   if (!r.key_slotting().empty() && r.key_slotting() != "namespace" && r.key_slotting() != "block") {
     bad("tiers.redis.key_slotting",
         fmt::format("'{}' is not namespace or block", r.key_slotting()));
@@ -312,6 +316,25 @@ void ValidateTiers(const v1::TierSpec& t,
   for (const auto& [field, value] : non_negative) {
     if (value < 0) bad(field, "must be >= 0 (0: the default)");
   }
+}
+
+// The Redis password in `path` (tiers.redis.password_file), without one trailing newline.
+// Errors: INVALID_ARGUMENT, one line naming the field, the file and what is wrong with it.
+absl::StatusOr<std::string> ReadRedisPassword(const std::string& path) {
+  absl::StatusOr<std::string> bytes =
+      tier::ReadPrivateFile(path, "password file", 1, 4096, /*how_to_make=*/"");
+  if (!bytes.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tiers.redis.password_file: ", bytes.status().message()));
+  }
+  std::string password = *std::move(bytes);
+  if (password.ends_with('\n')) password.pop_back();
+  if (password.ends_with('\r')) password.pop_back();
+  if (password.empty() || password.find_first_of("\r\n") != std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat("tiers.redis.password_file: password file ",
+                                                   path, " must hold one non-empty line"));
+  }
+  return password;
 }
 
 // The engine's tier options from a validated TierSpec (absent fields take their defaults).
@@ -476,6 +499,10 @@ absl::StatusOr<EngineOptions> MakeEngineOptions(const v1::DaemonConfig& c, uint6
   o.fill_policy = *kernels::ParseFillPolicy(c.fill_policy());
   o.session_quota_blocks = c.session_quota_blocks();
   o.tiers = TierOptionsOf(c.tiers());
+  if (o.tiers.redis.enabled && !c.tiers().redis().password_file().empty()) {
+    KVPOOL_ASSIGN_OR_RETURN(o.tiers.redis.password,
+                            ReadRedisPassword(c.tiers().redis().password_file()));
+  }
   if (!c.secret_file().empty()) {
     absl::StatusOr<tier::DeploymentSecret> secret =
         tier::DeploymentSecret::FromFile(c.secret_file());

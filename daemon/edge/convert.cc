@@ -145,6 +145,7 @@ void ToProto(const tier::RemoteTierStats& s, v1::TierStoreStats* out) {
   out->set_hits(s.hits);
   out->set_misses(s.misses);
   out->set_corrupt(s.corrupt);
+  out->set_forged(s.forged);
   out->set_written(s.written);
   out->set_already_present(s.already_present);
   out->set_dropped(s.dropped_queue_full + s.dropped_breaker_open + s.dropped_write_errors +

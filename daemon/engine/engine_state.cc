@@ -14,7 +14,7 @@ absl::StatusOr<std::unique_ptr<EngineState>> EngineState::Create(const EngineOpt
   std::vector<std::unique_ptr<PoolState>> pools;
   for (const PoolOptions& pool : options.pools) {
     KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<PoolState> state,
-                            PoolState::Create(pool, options, device));
+                            PoolState::Create(pool, options, device, secret));
     pools.push_back(std::move(state));
   }
   for (const auto& [name, limits] : options.tenants) {

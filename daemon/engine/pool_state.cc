@@ -11,7 +11,8 @@ namespace kvpool::daemon {
 
 absl::StatusOr<std::unique_ptr<PoolState>> PoolState::Create(const PoolOptions& pool,
                                                              const EngineOptions& options,
-                                                             kernels::Device* device) {
+                                                             kernels::Device* device,
+                                                             const tier::DeploymentSecret& secret) {
   const kernels::PoolLayout& layout = pool.layout;
   KVPOOL_RETURN_IF_ERROR(kernels::ValidateLayout(layout));
   if (layout.num_blocks <= 0) {
@@ -39,7 +40,7 @@ absl::StatusOr<std::unique_ptr<PoolState>> PoolState::Create(const PoolOptions& 
                           GenerationTable::Create(layout.num_blocks));
   std::unique_ptr<TierSet> tiers;
   if (options.tiers.enabled() && options.prefix_cache) {
-    KVPOOL_ASSIGN_OR_RETURN(tiers, TierSet::Create(options.tiers, device, layout));
+    KVPOOL_ASSIGN_OR_RETURN(tiers, TierSet::Create(options.tiers, device, layout, secret));
   }
   return std::unique_ptr<PoolState>(
       new PoolState(pool.name, layout, options.fill_policy, device, std::move(arena),

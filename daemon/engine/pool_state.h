@@ -50,10 +50,12 @@ struct ModelCounters {
 
 class PoolState final {
  public:
-  // Errors: INVALID_ARGUMENT (options), RESOURCE_EXHAUSTED / INTERNAL (arena, generation table).
+  // Errors: INVALID_ARGUMENT (options), RESOURCE_EXHAUSTED / INTERNAL (arena, generation table);
+  // those of TierSet::Create. `secret` keys the pool's tiers (EngineState::secret()).
   static absl::StatusOr<std::unique_ptr<PoolState>> Create(const PoolOptions& pool,
                                                            const EngineOptions& options,
-                                                           kernels::Device* device);
+                                                           kernels::Device* device,
+                                                           const tier::DeploymentSecret& secret);
   ~PoolState();  // waits for the device: nothing may touch the arena when it goes
 
   const std::string& name() const { return name_; }

@@ -19,7 +19,8 @@ int64_t NowNs() { return absl::GetCurrentTimeNanos(); }
 
 absl::StatusOr<std::unique_ptr<TierSet>> TierSet::Create(const TierOptions& options,
                                                          kernels::Device* device,
-                                                         const kernels::PoolLayout& layout) {
+                                                         const kernels::PoolLayout& layout,
+                                                         const tier::DeploymentSecret& secret) {
   if (options.host_blocks < 0 || options.staged_blocks <= 0) {
     return absl::InvalidArgumentError(fmt::format("tiers: host_blocks {} and staged_blocks {}",
                                                   options.host_blocks, options.staged_blocks));
@@ -41,7 +42,7 @@ absl::StatusOr<std::unique_ptr<TierSet>> TierSet::Create(const TierOptions& opti
   }
   std::unique_ptr<tier::RemoteTier> remote;
   if (options.redis.enabled) {
-    KVPOOL_ASSIGN_OR_RETURN(remote, tier::RedisBlockStore::Create(options.redis));
+    KVPOOL_ASSIGN_OR_RETURN(remote, tier::RedisBlockStore::Create(options.redis, secret));
   }
   if (options.lookup_blocks <= 0) {
     return absl::InvalidArgumentError(

@@ -37,6 +37,7 @@
 #include "tier/host_block_store.h"
 #include "tier/redis_tier_options.h"
 #include "tier/remote_tier.h"
+#include "tier/secret.h"
 
 namespace kvpool::daemon {
 
@@ -89,10 +90,12 @@ struct TierStats {
 class TierSet final {
  public:
   // Errors: INVALID_ARGUMENT (options), RESOURCE_EXHAUSTED (host arena); those of
-  // RedisBlockStore::Create. `device` outlives the set.
+  // RedisBlockStore::Create. `device` outlives the set. The Redis tier's keys and MACs are
+  // derived under (a copy of) `secret`.
   static absl::StatusOr<std::unique_ptr<TierSet>> Create(const TierOptions& options,
                                                          kernels::Device* device,
-                                                         const kernels::PoolLayout& layout);
+                                                         const kernels::PoolLayout& layout,
+                                                         const tier::DeploymentSecret& secret);
   // Builds a set over stores made elsewhere (tests: a fake remote). Either may be null;
   // `host_memory`, when given, holds the host store's slots and is kept as long as the store.
   TierSet(kernels::Device* device, const kernels::PoolLayout& layout,

@@ -124,11 +124,14 @@ TEST(FormatTest, StatsShowTiersOnlyWhenConfigured) {
   redis->set_medium("redis");
   redis->set_breaker("open");
   redis->set_hits(3);
+  redis->set_corrupt(2);
+  redis->set_forged(1);
   stats.mutable_tiers()->set_promoted_from_host(5);
   stats.mutable_tiers()->set_promoted_from_redis(3);
   const std::string text = FormatStats(stats, false);
-  EXPECT_THAT(text, ::testing::ContainsRegex("\nhost +12 +64 +5 "));
-  EXPECT_THAT(text, ::testing::ContainsRegex("\nredis +- +- +3 .* open\n"));
+  EXPECT_THAT(text, ::testing::ContainsRegex("\nhost +12 +64 +5 +0 +0 +- "));
+  // HITS, MISSES, CORRUPT, then FORGED (Redis only: values whose MAC failed)
+  EXPECT_THAT(text, ::testing::ContainsRegex("\nredis +- +- +3 +0 +2 +1 .* open\n"));
   EXPECT_THAT(text, ::testing::ContainsRegex("promoted from host +5 "));
   EXPECT_THAT(text, ::testing::ContainsRegex("promoted from redis +3"));
 }

@@ -148,6 +148,46 @@ TEST(ConfigTest, TiersAreOffByDefaultAndCheckedWhenOn) {
   EXPECT_EQ(o->tiers.redis.ttl_seconds, 600);
 }
 
+// tiers.redis.password_file: read at load, owner-only, not a symlink; a clear one-line error
+// otherwise (the field is new: before it, the config test could not name a file at all).
+TEST(ConfigTest, RedisPasswordFileIsReadAndMustBeOwnerOnly) {
+  const std::string file = ::testing::TempDir() + "/redis-password";
+  std::remove(file.c_str());
+  std::ofstream(file) << "s3cret pass\n";
+  v1::DaemonConfig c = DefaultConfig();
+  v1::RedisTierSpec* redis = c.mutable_tiers()->mutable_redis();
+  redis->set_enabled(true);
+  redis->set_unix_socket("/run/redis/redis.sock");
+  redis->set_username("kvpool");
+  redis->set_password_file(file);
+
+  ASSERT_EQ(chmod(file.c_str(), 0644), 0);
+  absl::Status bad = MakeEngineOptions(c, 1).status();
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.message()), HasSubstr("tiers.redis.password_file: "));
+  EXPECT_THAT(std::string(bad.message()), HasSubstr("chmod 0600"));
+  EXPECT_EQ(std::string(bad.message()).find('\n'), std::string::npos) << bad;
+
+  const std::string link = file + ".link";
+  std::remove(link.c_str());
+  ASSERT_EQ(symlink(file.c_str(), link.c_str()), 0);
+  ASSERT_EQ(chmod(file.c_str(), 0600), 0);
+  redis->set_password_file(link);
+  bad = MakeEngineOptions(c, 1).status();
+  EXPECT_THAT(std::string(bad.message()), HasSubstr("symbolic link")) << bad;
+  redis->set_password_file(file + ".missing");
+  EXPECT_EQ(MakeEngineOptions(c, 1).status().code(), absl::StatusCode::kInvalidArgument);
+
+  redis->set_password_file(file);
+  absl::StatusOr<EngineOptions> o = MakeEngineOptions(c, 1);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->tiers.redis.password, "s3cret pass");  // the trailing newline is not part of it
+  EXPECT_EQ(o->tiers.redis.username, "kvpool");
+
+  redis->set_password("inline");
+  EXPECT_THAT(ValidateConfig(c), ::testing::Contains(HasSubstr("not both")));
+}
+
 // The sample config in deploy/ spells out the defaults: it loads, and its tiers are off.
 TEST(ConfigTest, TheSampleConfigLoads) {
   const absl::StatusOr<v1::DaemonConfig> c =

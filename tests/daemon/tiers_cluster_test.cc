@@ -55,8 +55,9 @@ class TiersClusterTest : public ::testing::Test {
     options.tiers.redis.cluster_seeds = cluster_.Seeds();
     options.tiers.redis.key_slotting = tier::KeySlotting::kBlock;
     options.tiers.redis.command_timeout = absl::Seconds(5);
-    // Both daemons key namespace ids and tier keys by the same deployment secret.
-    options.secret = tier::DeploymentSecret::FromBytes("tiers_cluster_test shared secret!");
+    // Daemons that share a tier share the deployment secret (without it each would draw its
+    // own, and neither could find, or would accept, the other's blocks).
+    options.secret = tier::DeploymentSecret::FromBytes("tiers cluster test: a shared secret");
     absl::StatusOr<std::unique_ptr<Engine>> engine =
         Engine::Create(options, &node->device, /*model=*/nullptr);
     EXPECT_TRUE(engine.ok()) << engine.status();

@@ -51,7 +51,7 @@ class RedisClusterTest : public ::testing::Test {
     options.cluster_seeds = cluster_.Seeds();
     options.key_slotting = slotting;
     options.command_timeout = absl::Seconds(5);
-    auto store = RedisBlockStore::Create(options);
+    auto store = RedisBlockStore::Create(options, secret_);
     EXPECT_TRUE(store.ok()) << store.status();
     return store.ok() ? std::move(*store) : nullptr;
   }
@@ -93,6 +93,8 @@ class RedisClusterTest : public ::testing::Test {
     ASSERT_TRUE(reply.ok()) << reply.status();
   }
 
+  const DeploymentSecret secret_ =
+      DeploymentSecret::FromBytes("redis cluster test: the stores' shared secret");
   std::unique_ptr<testing::TempDir> dir_;
   testing::RedisCluster cluster_;
 };
@@ -158,7 +160,7 @@ TEST_F(RedisClusterTest, SlotMigrationFollowsAskThenMoved) {
 
   std::vector<std::string> keys;
   for (const BlockHash& h : chain.hashes)
-    keys.push_back(BlockKey(space, h, KeySlotting::kNamespace));
+    keys.push_back(BlockKey(secret_, space, h, KeySlotting::kNamespace));
   const int slot = KeySlot(keys[0]);
   const int from = OwnerOf(slot);
   ASSERT_GE(from, 0);
@@ -283,7 +285,7 @@ TEST_F(RedisClusterTest, KilledNodeOpensTheBreakerAndItsRestartClosesIt) {
   options.connect_timeout = absl::Milliseconds(300);
   options.command_timeout = absl::Milliseconds(300);
   options.breaker_failure_threshold = 2;
-  auto created = RedisBlockStore::Create(options, &clock);
+  auto created = RedisBlockStore::Create(options, secret_, &clock);
   ASSERT_TRUE(created.ok()) << created.status();
   RedisBlockStore& store = **created;
   const BlockSpace space{.ns = NamespaceId(11), .layout_fingerprint = 9};
@@ -293,7 +295,8 @@ TEST_F(RedisClusterTest, KilledNodeOpensTheBreakerAndItsRestartClosesIt) {
   LookupBuffers out(8, kBlockBytes);
   ASSERT_EQ(LookupAll(store, chain, &out), 8);
 
-  const int owner = OwnerOf(KeySlot(BlockKey(space, chain.hashes[0], KeySlotting::kNamespace)));
+  const int owner =
+      OwnerOf(KeySlot(BlockKey(secret_, space, chain.hashes[0], KeySlotting::kNamespace)));
   ASSERT_GE(owner, 0);
   cluster_.nodes[owner]->Kill();
   for (int i = 0; i < 4; ++i) {

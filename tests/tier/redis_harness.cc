@@ -186,15 +186,15 @@ RedisTierOptions RedisServer::TierOptions() const {
 }
 
 absl::StatusOr<RedisReply> RedisServer::Command(const std::vector<std::string>& args) const {
-  auto connection = options_.unix_socket
-                        ? internal::RedisConnection::ConnectUnix(socket_path_, absl::Seconds(1),
-                                                                 absl::Seconds(10))
-                        : internal::RedisConnection::ConnectTcp(
-                              "127.0.0.1", port_, absl::Seconds(1), absl::Seconds(10));
+  const int64_t deadline = internal::CallDeadline(absl::Seconds(10));
+  auto connection =
+      options_.unix_socket
+          ? internal::RedisConnection::ConnectUnix(socket_path_, absl::Seconds(1), deadline)
+          : internal::RedisConnection::ConnectTcp("127.0.0.1", port_, absl::Seconds(1), deadline);
   if (!connection.ok()) return connection.status();
   RedisCommand command{.key_index = -1};
   for (const std::string& a : args) command.args.push_back(a);
-  return (*connection)->Call(command);
+  return (*connection)->Call(command, deadline);
 }
 
 absl::StatusOr<std::string> RunProgram(const std::vector<std::string>& argv) {

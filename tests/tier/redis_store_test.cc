@@ -1,6 +1,7 @@
 // RedisBlockStore against real redis-server processes on private Unix sockets (label
 // `integration`): round trips, two stores sharing one server as two daemons would, namespace
 // isolation, corrupted and foreign values, a server killed and restarted, a full write queue.
+// Planted, replayed and other-secret values and the deployed ACL: redis_security_test.cc.
 
 #include <hiredis/hiredis.h>
 
@@ -9,57 +10,18 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "tests/tier/redis_harness.h"
-#include "tests/tier/test_chain.h"
-#include "tier/redis_block_store.h"
+#include "tests/tier/redis_store_fixture.h"
 
 namespace kvpool::tier {
 namespace {
 
+using testing::kBlockBytes;
+using testing::kSpace;
 using testing::LookupBuffers;
 using testing::MakeChain;
 using testing::RedisServer;
+using testing::RedisStoreTest;
 using testing::TestChain;
-
-constexpr int64_t kBlockBytes = 4096;
-constexpr BlockSpace kSpace{.ns = NamespaceId(7), .layout_fingerprint = 0x5eed};
-
-class RedisStoreTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    if (testing::RedisServerBinary().empty()) GTEST_SKIP() << "redis-server is not installed";
-    auto dir = testing::TempDir::Create("kvpool-redis-test");
-    ASSERT_TRUE(dir.ok()) << dir.status();
-    dir_ = std::move(*dir);
-    auto server = RedisServer::Start(dir_->path(), {.unix_socket = true});
-    ASSERT_TRUE(server.ok()) << server.status();
-    server_ = std::move(*server);
-  }
-
-  std::unique_ptr<RedisBlockStore> NewStore(RedisTierOptions options) {
-    auto store = RedisBlockStore::Create(options, &clock_);
-    EXPECT_TRUE(store.ok()) << store.status();
-    return store.ok() ? std::move(*store) : nullptr;
-  }
-  std::unique_ptr<RedisBlockStore> NewStore() { return NewStore(server_->TierOptions()); }
-
-  // Looks up the whole chain; returns the hit count, the buffers in `out`.
-  int64_t LookupAll(RedisBlockStore& store, const TestChain& chain, LookupBuffers* out,
-                    BlockSpace space) {
-    auto result = store.Lookup(space, BlockHash{}, chain.hashes, out->spans);
-    EXPECT_TRUE(result.ok()) << result.status();
-    return result.ok() ? result->hits : -1;
-  }
-
-  // The key of block i as the store writes it.
-  static std::string KeyOf(const TestChain& chain, int i) {
-    return BlockKey(chain.space, chain.hashes[i], KeySlotting::kNamespace);
-  }
-
-  ManualClock clock_;
-  std::unique_ptr<testing::TempDir> dir_;
-  std::unique_ptr<RedisServer> server_;
-};
 
 TEST_F(RedisStoreTest, RoundTripIsByteIdentical) {
   auto store = NewStore();
@@ -173,11 +135,13 @@ TEST_F(RedisStoreTest, CorruptedValueIsAMissAndCounted) {
   LookupBuffers out(4, kBlockBytes);
   EXPECT_EQ(LookupAll(*store, chain, &out, kSpace), 2);
   EXPECT_EQ(store->stats().corrupt, 1u);
+  EXPECT_EQ(store->stats().forged, 1u);  // a damaged payload fails the MAC
   EXPECT_NE(out.storage[2], chain.blocks[2]) << "a refused block must not reach the buffer";
   // A damaged header (the magic) is refused as well.
   ASSERT_TRUE(server_->Command({"SETRANGE", KeyOf(chain, 0), "0", "X"}).ok());
   EXPECT_EQ(LookupAll(*store, chain, &out, kSpace), 0);
   EXPECT_EQ(store->stats().corrupt, 2u);
+  EXPECT_EQ(store->stats().forged, 1u);  // refused for its magic, before the MAC
   // A truncated value too (block 1, looked up on its own under its parent).
   auto value = server_->Command({"GET", KeyOf(chain, 1)});
   ASSERT_TRUE(value.ok()) << value.status();
@@ -195,19 +159,20 @@ TEST_F(RedisStoreTest, ValueWithAnotherLayoutFingerprintIsAMiss) {
   const TestChain chain = MakeChain(kSpace, 1, kBlockBytes, 8);
   ASSERT_EQ(chain.Put(*store), 1);
   ASSERT_TRUE(store->Flush(absl::Seconds(30)).ok());
-  // The same value copied under the key of another layout: its header still names the first.
+  // The same value copied under the key of another layout: its MAC binds the first key.
   const BlockSpace other_layout{.ns = kSpace.ns, .layout_fingerprint = 0xbad};
-  auto value = server_->Command({"GET", KeyOf(chain, 0)});
-  ASSERT_TRUE(value.ok()) << value.status();
-  const std::string bytes((*value)->str, (*value)->len);
+  const std::string bytes = ValueAt(KeyOf(chain, 0));
+  ASSERT_FALSE(bytes.empty());
   ASSERT_TRUE(
       server_
-          ->Command(
-              {"SET", BlockKey(other_layout, chain.hashes[0], KeySlotting::kNamespace), bytes})
+          ->Command({"SET",
+                     BlockKey(secret_, other_layout, chain.hashes[0], KeySlotting::kNamespace),
+                     bytes})
           .ok());
   LookupBuffers out(1, kBlockBytes);
   EXPECT_EQ(LookupAll(*store, chain, &out, other_layout), 0);
   EXPECT_EQ(store->stats().corrupt, 1u);
+  EXPECT_EQ(store->stats().forged, 1u);
   EXPECT_EQ(LookupAll(*store, chain, &out, kSpace), 1);  // the original still reads
 }
 

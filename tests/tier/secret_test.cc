@@ -6,10 +6,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "gtest/gtest.h"
 
@@ -58,6 +61,40 @@ TEST(DeploymentSecretTest, OtherSecretsGiveOtherMacsAndFingerprints) {
   EXPECT_NE(a.Mac64("d", {"x"}), b.Mac64("d", {"x"}));
   EXPECT_NE(a.fingerprint(), b.fingerprint());
   EXPECT_EQ(a.fingerprint(), DeploymentSecret(a).fingerprint());
+}
+
+TEST(DeploymentSecretTest, CopiesAndMovesMacAlike) {
+  const DeploymentSecret original = DeploymentSecret::FromBytes(Bytes0To31());
+  const DeploymentSecret::Digest expected = original.Mac("kvpool test", {"tenant", "model"});
+  DeploymentSecret copy = original;
+  EXPECT_EQ(copy.Mac("kvpool test", {"tenant", "model"}), expected);
+  DeploymentSecret moved = std::move(copy);
+  EXPECT_EQ(moved.Mac("kvpool test", {"tenant", "model"}), expected);
+  DeploymentSecret assigned = DeploymentSecret::Random();
+  assigned = moved;
+  EXPECT_EQ(assigned.Mac("kvpool test", {"tenant", "model"}), expected);
+  EXPECT_EQ(assigned.fingerprint(), original.fingerprint());
+  EXPECT_FALSE(assigned.ephemeral());
+  copy = std::move(assigned);  // a moved-from secret takes a new value
+  EXPECT_EQ(copy.Mac("kvpool test", {"tenant", "model"}), expected);
+}
+
+// Every Mac starts from a copy of one keyed context the secret holds: threads that MAC at once
+// (the Redis tier's lookups and writer) must each get the right digest.
+TEST(DeploymentSecretTest, ConcurrentMacsAreEachRight) {
+  const DeploymentSecret secret = DeploymentSecret::FromBytes(Bytes0To31());
+  const DeploymentSecret::Digest expected = secret.Mac("kvpool test", {"tenant", "model"});
+  std::atomic<int> wrong{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < 2000; ++i) {
+        if (secret.Mac("kvpool test", {"tenant", "model"}) != expected) ++wrong;
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(wrong.load(), 0);
 }
 
 class SecretFileTest : public ::testing::Test {

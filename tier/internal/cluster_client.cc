@@ -28,22 +28,28 @@ ClusterClient::ClusterClient(const RedisTierOptions& options) : options_(options
   }
 }
 
-int ClusterClient::NodeIndex(const std::string& host, int port) {
+int ClusterClient::FindNode(const std::string& host, int port) const {
   for (size_t i = 0; i < nodes_.size(); ++i) {
     if (nodes_[i].port == port && nodes_[i].host == host) return static_cast<int>(i);
   }
+  return -1;
+}
+
+int ClusterClient::NodeIndex(const std::string& host, int port) {
+  const int known = FindNode(host, port);
+  if (known >= 0) return known;
   nodes_.push_back(Node{.host = host, .port = port});
   return static_cast<int>(nodes_.size() - 1);
 }
 
-RedisConnection* ClusterClient::Connect(int node) {
+RedisConnection* ClusterClient::Connect(int node, int64_t deadline) {
   Node& n = nodes_[node];
   if (n.connection != nullptr && !n.connection->broken()) return n.connection.get();
   n.connection.reset();
-  absl::StatusOr<std::unique_ptr<RedisConnection>> connection = RedisConnection::ConnectTcp(
-      n.host, n.port, options_.connect_timeout, options_.command_timeout);
+  absl::StatusOr<std::unique_ptr<RedisConnection>> connection =
+      RedisConnection::ConnectTcp(n.host, n.port, options_.connect_timeout, deadline);
   absl::Status status = connection.status();
-  if (status.ok()) status = Authenticate(**connection, options_);
+  if (status.ok()) status = Authenticate(**connection, options_, deadline);
   if (!status.ok()) {
     ++stats_.connect_failures;
     map_stale_ = true;  // a node that went away may have handed its slots over
@@ -81,7 +87,7 @@ bool ClusterClient::AdoptSlotMap(const redisReply& slots, const std::string& ask
   return true;
 }
 
-void ClusterClient::RefreshSlotMap() {
+void ClusterClient::RefreshSlotMap(int64_t deadline) {
   // Nodes we hold a connection to first: no connect needed.
   std::vector<int> order;
   for (size_t i = 0; i < nodes_.size(); ++i) {
@@ -91,9 +97,9 @@ void ClusterClient::RefreshSlotMap() {
     if (nodes_[i].connection == nullptr) order.push_back(static_cast<int>(i));
   }
   for (int node : order) {
-    RedisConnection* connection = Connect(node);
+    RedisConnection* connection = Connect(node, deadline);
     if (connection == nullptr) continue;
-    absl::StatusOr<RedisReply> reply = connection->Call(kClusterSlots);
+    absl::StatusOr<RedisReply> reply = connection->Call(kClusterSlots, deadline);
     ++stats_.round_trips;
     if (!reply.ok()) {
       if (connection->broken()) nodes_[node].connection.reset();
@@ -118,7 +124,7 @@ int ClusterClient::RouteOf(const RedisCommand& command) {
 }
 
 bool ClusterClient::HandleRedirect(const redisReply& reply, const Pending& p,
-                                   std::vector<Pending>* next) {
+                                   ReplyCallback on_reply, std::vector<Pending>* next) {
   const std::string_view text(reply.str, reply.len);
   const bool moved = text.starts_with("MOVED ");
   if (!moved && !text.starts_with("ASK ")) return false;
@@ -129,7 +135,19 @@ bool ClusterClient::HandleRedirect(const redisReply& reply, const Pending& p,
   int slot = -1;
   if (parts.size() != 3 || !ParseHostPort(parts[2], &host, &port).ok()) return false;
   std::from_chars(parts[1].data(), parts[1].data() + parts[1].size(), slot);
-  const int node = NodeIndex(host, port);
+  const int node = FindNode(host, port);
+  if (node < 0) {
+    ++stats_.refused_redirects;
+    map_stale_ = true;  // a node that joined the cluster is learnt before the next call
+    if (warned_refusal_in_call_ != call_) {
+      warned_refusal_in_call_ = call_;
+      Logger("tier").warn("redis cluster: refused a redirect to {}: no node of the cluster",
+                          parts[2]);
+    }
+    on_reply(p.index, absl::InternalError(absl::StrCat("redis cluster: ", std::string(text),
+                                                       ": no node of the cluster; refused")));
+    return true;
+  }
   if (moved) {
     ++stats_.moved_redirects;
     if (slot >= 0 && slot < kNumClusterSlots) slot_node_[slot] = static_cast<int16_t>(node);
@@ -143,15 +161,15 @@ bool ClusterClient::HandleRedirect(const redisReply& reply, const Pending& p,
 
 void ClusterClient::ReadNode(std::span<const RedisCommand> commands,
                              const std::vector<Pending>& sent, int node, ReplyCallback on_reply,
-                             std::vector<Pending>* next) {
+                             std::vector<Pending>* next, int64_t deadline) {
   RedisConnection* connection = nodes_[node].connection.get();
   const bool reused = Reused(node);
   absl::Status io_error;
   size_t answered = 0;
   for (const Pending& p : sent) {
-    if (io_error.ok() && p.asking) io_error = connection->Read().status();  // ASKING's +OK
+    if (io_error.ok() && p.asking) io_error = connection->Read(deadline).status();  // ASKING's +OK
     absl::StatusOr<RedisReply> reply =
-        io_error.ok() ? connection->Read() : absl::StatusOr<RedisReply>(io_error);
+        io_error.ok() ? connection->Read(deadline) : absl::StatusOr<RedisReply>(io_error);
     if (!reply.ok()) {
       io_error = reply.status();
       if (reused && answered == 0) {
@@ -162,7 +180,9 @@ void ClusterClient::ReadNode(std::span<const RedisCommand> commands,
       continue;
     }
     ++answered;
-    if ((*reply)->type == REDIS_REPLY_ERROR && HandleRedirect(**reply, p, next)) continue;
+    if ((*reply)->type == REDIS_REPLY_ERROR && HandleRedirect(**reply, p, on_reply, next)) {
+      continue;
+    }
     absl::Status status = ReplyStatus(**reply);
     on_reply(p.index, status.ok() ? std::move(reply) : absl::StatusOr<RedisReply>(status));
   }
@@ -175,7 +195,7 @@ void ClusterClient::ReadNode(std::span<const RedisCommand> commands,
 
 void ClusterClient::RunRound(std::span<const RedisCommand> commands,
                              const std::vector<Pending>& pending, ReplyCallback on_reply,
-                             std::vector<Pending>* next) {
+                             std::vector<Pending>* next, int64_t deadline) {
   std::vector<std::vector<Pending>> by_node(nodes_.size());
   for (const Pending& p : pending) {
     if (p.node < 0) {
@@ -187,7 +207,7 @@ void ClusterClient::RunRound(std::span<const RedisCommand> commands,
   std::vector<int> flushed;
   for (size_t node = 0; node < by_node.size(); ++node) {
     if (by_node[node].empty()) continue;
-    RedisConnection* connection = Connect(static_cast<int>(node));
+    RedisConnection* connection = Connect(static_cast<int>(node), deadline);
     const bool reused = connection != nullptr && Reused(static_cast<int>(node));
     absl::Status status = absl::UnavailableError(
         absl::StrCat("redis ", nodes_[node].host, ":", nodes_[node].port, ": cannot connect"));
@@ -196,7 +216,7 @@ void ClusterClient::RunRound(std::span<const RedisCommand> commands,
         if (p.asking) connection->Append(kAsking);
         connection->Append(commands[p.index]);
       }
-      status = connection->Flush();
+      status = connection->Flush(deadline);
       if (!status.ok()) {
         ++stats_.io_errors;
         nodes_[node].connection.reset();
@@ -216,12 +236,13 @@ void ClusterClient::RunRound(std::span<const RedisCommand> commands,
     ++stats_.round_trips;
     flushed.push_back(static_cast<int>(node));
   }
-  for (int node : flushed) ReadNode(commands, by_node[node], node, on_reply, next);
+  for (int node : flushed) ReadNode(commands, by_node[node], node, on_reply, next, deadline);
 }
 
 void ClusterClient::Stream(std::span<const RedisCommand> commands, ReplyCallback on_reply) {
   ++call_;
-  if (map_stale_) RefreshSlotMap();
+  const int64_t deadline = CallDeadline(options_.command_timeout);
+  if (map_stale_) RefreshSlotMap(deadline);
   std::vector<Pending> pending;
   pending.reserve(commands.size());
   for (size_t i = 0; i < commands.size(); ++i) {
@@ -230,7 +251,7 @@ void ClusterClient::Stream(std::span<const RedisCommand> commands, ReplyCallback
   std::vector<Pending> next;
   for (int hop = 0; !pending.empty() && hop <= options_.max_redirects; ++hop) {
     next.clear();
-    RunRound(commands, pending, on_reply, &next);
+    RunRound(commands, pending, on_reply, &next, deadline);
     pending.swap(next);
   }
   for (const Pending& p : pending) {

@@ -5,6 +5,13 @@
 // pipelines per node (every node's pipeline is flushed before any is read, so nodes work in
 // parallel), follows MOVED (re-route, and refresh the map before the next call) and ASK
 // (ASKING + the command on the target, map unchanged) up to max_redirects hops per command.
+//
+// The nodes it knows are the seeds and the nodes CLUSTER SLOTS answers from known nodes named;
+// it connects to no other address, so the credentials go to no other. A MOVED or ASK to an
+// address it does not know is refused (INTERNAL for that command, counted in
+// refused_redirects, logged) and the map is refreshed before the next call: a node added to the
+// cluster is learnt that way, a redirect planted by whoever can answer for a node is not
+// followed.
 // Thread-compatible, like every RedisClient.
 
 #include <array>
@@ -42,28 +49,34 @@ class ClusterClient final : public RedisClient {
     bool asking = false;
   };
 
-  int NodeIndex(const std::string& host, int port);  // adds the node when new
-  RedisConnection* Connect(int node);                // null when it cannot connect
-  void RefreshSlotMap();
+  int NodeIndex(const std::string& host, int port);       // adds the node when new
+  int FindNode(const std::string& host, int port) const;  // -1 when it is no known node
+  // Null when it cannot connect (and AUTH) before `deadline`.
+  RedisConnection* Connect(int node, int64_t deadline);
+  void RefreshSlotMap(int64_t deadline);
   bool AdoptSlotMap(const redisReply& slots, const std::string& asked_host);
   int RouteOf(const RedisCommand& command);  // node index; -1 when no node is known
-  // One redirect round: sends `pending` grouped per node, reads every reply; answers
-  // `on_reply` or appends to `next` what was redirected.
+  // One redirect round, over before `deadline`: sends `pending` grouped per node, reads every
+  // reply; answers `on_reply` or appends to `next` what was redirected.
   void RunRound(std::span<const RedisCommand> commands, const std::vector<Pending>& pending,
-                ReplyCallback on_reply, std::vector<Pending>* next);
+                ReplyCallback on_reply, std::vector<Pending>* next, int64_t deadline);
   void ReadNode(std::span<const RedisCommand> commands, const std::vector<Pending>& sent, int node,
-                ReplyCallback on_reply, std::vector<Pending>* next);
+                ReplyCallback on_reply, std::vector<Pending>* next, int64_t deadline);
   // Whether `node`'s connection predates this call (and so may have died unseen: a failure
   // before its first reply is retried once on a fresh connection; GET and SET NX are
   // idempotent).
   bool Reused(int node) const { return nodes_[node].connected_in_call < call_; }
-  bool HandleRedirect(const redisReply& reply, const Pending& p, std::vector<Pending>* next);
+  // When `reply` is a MOVED or ASK: follows it (appends to `next`) if its target is a known
+  // node, or answers `on_reply` with the refusal; returns true. False for any other reply.
+  bool HandleRedirect(const redisReply& reply, const Pending& p, ReplyCallback on_reply,
+                      std::vector<Pending>* next);
 
   const RedisTierOptions options_;
-  std::vector<Node> nodes_;                          // seeds first; only grows
+  std::vector<Node> nodes_;  // seeds first, then nodes CLUSTER SLOTS named; only grows
   std::array<int16_t, kNumClusterSlots> slot_node_;  // node index per slot; -1 unknown
   bool map_stale_ = true;
-  uint64_t call_ = 0;  // Stream calls so far
+  uint64_t call_ = 0;                    // Stream calls so far
+  uint64_t warned_refusal_in_call_ = 0;  // the last call that logged a refused redirect
 
   RedisClientStats stats_;
 };

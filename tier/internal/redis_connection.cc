@@ -4,20 +4,42 @@
 #include <signal.h>
 #include <sys/time.h>
 
+#include <algorithm>
 #include <mutex>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kvpool/util/clock.h"
 
 namespace kvpool::tier {
 
 void RedisReplyDeleter::operator()(redisReply* reply) const { freeReplyObject(reply); }
 
 namespace internal {
-absl::StatusOr<std::unique_ptr<RedisConnection>> RedisConnection::Adopt(
-    redisContext* c, std::string address, absl::Duration command_timeout) {
+namespace {
+
+// The time left before `deadline`, clamped to [1 ms, cap]: hiredis takes a zero timeval as no
+// timeout at all.
+timeval TimeLeft(int64_t deadline, int64_t now, absl::Duration cap) {
+  const absl::Duration left = absl::Nanoseconds(deadline - now);
+  return absl::ToTimeval(std::clamp(left, absl::Milliseconds(1), cap));
+}
+
+absl::Status DeadlinePassed(std::string_view address, std::string_view what) {
+  return absl::UnavailableError(absl::StrCat("redis ", std::string(address), ": ",
+                                             std::string(what), ": the call's deadline passed"));
+}
+
+}  // namespace
+
+int64_t CallDeadline(absl::Duration timeout) {
+  return Clock::Real()->NowNanos() + absl::ToInt64Nanoseconds(timeout);
+}
+
+absl::StatusOr<std::unique_ptr<RedisConnection>> RedisConnection::Adopt(redisContext* c,
+                                                                        std::string address) {
   if (c == nullptr) return absl::UnavailableError(absl::StrCat("redis ", address, ": no memory"));
-  if (c->err != 0 || redisSetTimeout(c, absl::ToTimeval(command_timeout)) != REDIS_OK) {
+  if (c->err != 0) {
     std::string message = absl::StrCat("redis ", address, ": connect: ", c->errstr);
     redisFree(c);
     return absl::UnavailableError(message);
@@ -36,27 +58,55 @@ void IgnoreSigpipeOnce() {
 }
 
 absl::StatusOr<std::unique_ptr<RedisConnection>> RedisConnection::ConnectTcp(
-    const std::string& host, int port, absl::Duration connect_timeout,
-    absl::Duration command_timeout) {
+    const std::string& host, int port, absl::Duration connect_timeout, int64_t deadline) {
   IgnoreSigpipeOnce();
-  redisContext* c = redisConnectWithTimeout(host.c_str(), port, absl::ToTimeval(connect_timeout));
-  return Adopt(c, absl::StrCat(host, ":", port), command_timeout);
+  std::string address = absl::StrCat(host, ":", port);
+  const int64_t now = Clock::Real()->NowNanos();
+  if (now >= deadline) return DeadlinePassed(address, "connect");
+  redisContext* c =
+      redisConnectWithTimeout(host.c_str(), port, TimeLeft(deadline, now, connect_timeout));
+  return Adopt(c, std::move(address));
 }
 
 absl::StatusOr<std::unique_ptr<RedisConnection>> RedisConnection::ConnectUnix(
-    const std::string& path, absl::Duration connect_timeout, absl::Duration command_timeout) {
+    const std::string& path, absl::Duration connect_timeout, int64_t deadline) {
   IgnoreSigpipeOnce();
-  redisContext* c = redisConnectUnixWithTimeout(path.c_str(), absl::ToTimeval(connect_timeout));
-  return Adopt(c, path, command_timeout);
+  const int64_t now = Clock::Real()->NowNanos();
+  if (now >= deadline) return DeadlinePassed(path, "connect");
+  redisContext* c =
+      redisConnectUnixWithTimeout(path.c_str(), TimeLeft(deadline, now, connect_timeout));
+  return Adopt(c, path);
 }
 
 RedisConnection::~RedisConnection() { redisFree(context_); }
 
-bool RedisConnection::broken() const { return context_->err != 0; }
+bool RedisConnection::broken() const { return context_->err != 0 || timed_out_; }
 
-absl::Status RedisConnection::IoError(std::string_view what) {
+absl::Status RedisConnection::IoError(std::string_view what, int64_t deadline) {
+  // The socket timeout armed for the deadline fired (EAGAIN), or it passed during the syscall.
+  if (deadline - Clock::Real()->NowNanos() < absl::ToInt64Nanoseconds(absl::Milliseconds(1))) {
+    timed_out_ = true;
+  }
+  if (timed_out_) return DeadlinePassed(address_, what);
   return absl::UnavailableError(absl::StrCat("redis ", address_, ": ", std::string(what), ": ",
                                              context_->err != 0 ? context_->errstr : "error"));
+}
+
+absl::Status RedisConnection::Arm(int64_t deadline) {
+  const int64_t now = Clock::Real()->NowNanos();
+  if (timed_out_ || now >= deadline) {
+    timed_out_ = true;
+    return DeadlinePassed(address_, "I/O");
+  }
+  if (deadline == armed_for_ && now - armed_at_ <= absl::ToInt64Nanoseconds(kDeadlineSlack)) {
+    return absl::OkStatus();  // a syscall started now ends by deadline + kDeadlineSlack
+  }
+  if (redisSetTimeout(context_, TimeLeft(deadline, now, absl::InfiniteDuration())) != REDIS_OK) {
+    return IoError("set timeout", deadline);
+  }
+  armed_for_ = deadline;
+  armed_at_ = now;
+  return absl::OkStatus();
 }
 
 void RedisConnection::Append(const RedisCommand& command) {
@@ -71,23 +121,36 @@ void RedisConnection::Append(const RedisCommand& command) {
   redisAppendCommandArgv(context_, static_cast<int>(argv.size()), argv.data(), lens.data());
 }
 
-absl::Status RedisConnection::Flush() {
+absl::Status RedisConnection::Flush(int64_t deadline) {
   int done = 0;
   while (done == 0) {
-    if (redisBufferWrite(context_, &done) != REDIS_OK) return IoError("write");
+    if (absl::Status armed = Arm(deadline); !armed.ok()) return armed;
+    if (redisBufferWrite(context_, &done) != REDIS_OK) return IoError("write", deadline);
   }
   return absl::OkStatus();
 }
 
-absl::StatusOr<RedisReply> RedisConnection::Read() {
+absl::StatusOr<RedisReply> RedisConnection::Read(int64_t deadline) {
   void* reply = nullptr;
-  if (redisGetReply(context_, &reply) != REDIS_OK || reply == nullptr) return IoError("read");
+  if (broken() || redisGetReplyFromReader(context_, &reply) != REDIS_OK) {
+    return IoError("read", deadline);
+  }
+  // One read(2) at a time, each bounded by what is left of the deadline: a reply that arrives a
+  // byte at a time still ends the call on time.
+  while (reply == nullptr) {
+    if (absl::Status armed = Arm(deadline); !armed.ok()) return armed;
+    if (redisBufferRead(context_) != REDIS_OK ||
+        redisGetReplyFromReader(context_, &reply) != REDIS_OK) {
+      return IoError("read", deadline);
+    }
+  }
   return RedisReply(static_cast<redisReply*>(reply));
 }
 
-absl::StatusOr<RedisReply> RedisConnection::Call(const RedisCommand& command) {
+absl::StatusOr<RedisReply> RedisConnection::Call(const RedisCommand& command, int64_t deadline) {
   Append(command);
-  absl::StatusOr<RedisReply> reply = Read();  // redisGetReply flushes first
+  if (absl::Status flushed = Flush(deadline); !flushed.ok()) return flushed;
+  absl::StatusOr<RedisReply> reply = Read(deadline);
   if (reply.ok()) {
     absl::Status status = ReplyStatus(**reply);
     if (!status.ok()) return status;
@@ -95,12 +158,13 @@ absl::StatusOr<RedisReply> RedisConnection::Call(const RedisCommand& command) {
   return reply;
 }
 
-absl::Status Authenticate(RedisConnection& connection, const RedisTierOptions& options) {
+absl::Status Authenticate(RedisConnection& connection, const RedisTierOptions& options,
+                          int64_t deadline) {
   if (options.password.empty()) return absl::OkStatus();
   RedisCommand auth{.args = {"AUTH"}, .key_index = -1};
   if (!options.username.empty()) auth.args.push_back(options.username);
   auth.args.push_back(options.password);
-  absl::StatusOr<RedisReply> reply = connection.Call(auth);
+  absl::StatusOr<RedisReply> reply = connection.Call(auth, deadline);
   if (reply.ok()) return absl::OkStatus();
   return absl::UnavailableError(
       absl::StrCat("redis ", connection.address(), ": AUTH failed: ", reply.status().message()));

@@ -1,10 +1,13 @@
 #pragma once
 
-// RedisConnection: one blocking hiredis connection with connect and I/O timeouts, used in three
-// steps so several connections can be in flight at once: Append (buffer only), Flush (write),
-// Read (one reply). Any I/O error or timeout breaks the connection for good (broken()).
-// Thread-compatible.
+// RedisConnection: one blocking hiredis connection, used in three steps so several connections
+// can be in flight at once: Append (buffer only), Flush (write), Read (one reply). Every step
+// that does I/O takes the deadline of the whole call it belongs to (CallDeadline), not a timeout
+// per syscall: a server that dribbles a reply a byte at a time keeps a caller no longer than the
+// deadline (plus kDeadlineSlack). Any I/O error, timeout or passed deadline breaks the
+// connection for good (broken()). Thread-compatible.
 
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -16,27 +19,39 @@ struct redisContext;
 
 namespace kvpool::tier::internal {
 
+// A deadline on Clock::Real() (nanoseconds): the kernel's socket timeouts count real time, so a
+// deadline on an injected clock could never be enforced by them.
+int64_t CallDeadline(absl::Duration timeout);
+
+// How far a blocking syscall may run past its call's deadline: the socket timeout is re-armed
+// to the time left only when the last arming is older than this, so a fast call costs one
+// arming (two setsockopt) rather than two per read.
+inline constexpr absl::Duration kDeadlineSlack = absl::Milliseconds(10);
+
 class RedisConnection final {
  public:
-  // Errors: UNAVAILABLE when the server cannot be reached within connect_timeout.
-  static absl::StatusOr<std::unique_ptr<RedisConnection>> ConnectTcp(
-      const std::string& host, int port, absl::Duration connect_timeout,
-      absl::Duration command_timeout);
+  // Connects within connect_timeout and before `deadline`, whichever comes first.
+  // Errors: UNAVAILABLE when the server cannot be reached in that time.
+  static absl::StatusOr<std::unique_ptr<RedisConnection>> ConnectTcp(const std::string& host,
+                                                                     int port,
+                                                                     absl::Duration connect_timeout,
+                                                                     int64_t deadline);
   static absl::StatusOr<std::unique_ptr<RedisConnection>> ConnectUnix(
-      const std::string& path, absl::Duration connect_timeout, absl::Duration command_timeout);
+      const std::string& path, absl::Duration connect_timeout, int64_t deadline);
   ~RedisConnection();
   RedisConnection(const RedisConnection&) = delete;
   RedisConnection& operator=(const RedisConnection&) = delete;
 
   // Adds `command` to the output buffer. No I/O.
   void Append(const RedisCommand& command);
-  // Writes the output buffer. Errors: UNAVAILABLE (broken() afterwards).
-  absl::Status Flush();
-  // Reads the next reply; an error reply is returned as a reply (type REDIS_REPLY_ERROR).
-  // Errors: UNAVAILABLE on I/O error or timeout (broken() afterwards).
-  absl::StatusOr<RedisReply> Read();
+  // Writes the output buffer before `deadline`. Errors: UNAVAILABLE (broken() afterwards).
+  absl::Status Flush(int64_t deadline);
+  // Reads the next reply before `deadline`; an error reply is returned as a reply (type
+  // REDIS_REPLY_ERROR). Errors: UNAVAILABLE on I/O error, timeout or a passed deadline
+  // (broken() afterwards).
+  absl::StatusOr<RedisReply> Read(int64_t deadline);
   // Append + Flush + Read for one command, error replies turned into statuses (ReplyStatus).
-  absl::StatusOr<RedisReply> Call(const RedisCommand& command);
+  absl::StatusOr<RedisReply> Call(const RedisCommand& command, int64_t deadline);
 
   bool broken() const;
   const std::string& address() const { return address_; }
@@ -44,19 +59,27 @@ class RedisConnection final {
  private:
   // Takes `c` (freed on error). Errors: UNAVAILABLE when it failed to connect.
   static absl::StatusOr<std::unique_ptr<RedisConnection>> Adopt(redisContext* c,
-                                                                std::string address,
-                                                                absl::Duration command_timeout);
+                                                                std::string address);
   RedisConnection(redisContext* context, std::string address)
       : context_(context), address_(std::move(address)) {}
-  absl::Status IoError(std::string_view what);
+  // Before a blocking syscall: fails (and breaks the connection) when `deadline` has passed,
+  // else makes sure the socket timeouts end the syscall by deadline + kDeadlineSlack.
+  absl::Status Arm(int64_t deadline);
+  // UNAVAILABLE for a failed `what`; says the deadline passed when it (nearly) has.
+  absl::Status IoError(std::string_view what, int64_t deadline);
 
   redisContext* context_;
-  std::string address_;  // "host:port" or the socket path, for messages
+  std::string address_;     // "host:port" or the socket path, for messages
+  bool timed_out_ = false;  // a deadline passed with the protocol mid-stream
+  int64_t armed_for_ = 0;   // the deadline the socket timeouts were last set for
+  int64_t armed_at_ = 0;    // when (Clock::Real())
 };
 
-// Sends AUTH when `options` carry a password. Errors: UNAVAILABLE when the server refuses it
-// (the connection is then unusable for the tier, as if it could not be reached).
-absl::Status Authenticate(RedisConnection& connection, const RedisTierOptions& options);
+// Sends AUTH when `options` carry a password, before `deadline`. Errors: UNAVAILABLE when the
+// server refuses it or does not answer in time (the connection is then unusable for the tier,
+// as if it could not be reached).
+absl::Status Authenticate(RedisConnection& connection, const RedisTierOptions& options,
+                          int64_t deadline);
 
 // OK for a non-error reply; UNAVAILABLE for CLUSTERDOWN / TRYAGAIN / LOADING / MASTERDOWN;
 // INTERNAL with the text for any other error reply.

@@ -1,7 +1,8 @@
 """The lower tiers against real processes (DESIGN.md §9): a prefix evicted from the device pool
 comes back from the host tier with the same greedy tokens; two daemons sharing one redis-server
-on a private Unix socket share their prefixes byte for byte and keep tenants apart; Redis killed
-mid-run costs no call, and hits resume once it is back. Skipped without redis-server."""
+on a private Unix socket (and one deployment secret) share their prefixes byte for byte and keep
+tenants apart; Redis killed mid-run costs no call, and hits resume once it is back. Skipped
+without redis-server."""
 
 import os
 import shutil
@@ -19,12 +20,12 @@ PROMPT_TOKENS = 96  # six full blocks of 16
 
 
 class Redis:
-    """redis-server on a Unix socket in a private directory, no persistence."""
+    """redis-server on a Unix socket in a private directory, no persistence; beside it the
+    deployment secret (secret_file) every daemon that shares it must name."""
 
     def __init__(self):
         self.dir = tempfile.mkdtemp(prefix="kvpool-redis-")
         self.socket = os.path.join(self.dir, "redis.sock")
-        # The deployment secret both daemons name: namespace ids and tier keys are keyed by it.
         self.secret = os.path.join(self.dir, "secret")
         fd = os.open(self.secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         os.write(fd, os.urandom(32))
@@ -58,8 +59,8 @@ def until(predicate, what, timeout=10):
 
 def redis_config(redis, extra=""):
     return (SMALL_CONFIG + f'\nsecret_file: "{redis.secret}"\n'
-            "tiers { redis { enabled: true unix_socket: "
-            f'"{redis.socket}" connect_timeout_ms: 100 command_timeout_ms: 200 '
+            f'tiers {{ redis {{ enabled: true unix_socket: "{redis.socket}" '
+            "connect_timeout_ms: 100 command_timeout_ms: 200 "
             f"breaker_backoff_ms: 200 }} {extra} }}\n")
 
 
@@ -132,10 +133,10 @@ class RedisTierTest(unittest.TestCase):
             with kvpool.Client.connect(a.dir, client_name="watch-a") as ca:
                 until(lambda: store(ca.get_stats(), "redis").written >= 6, "six blocks in redis")
             cli = [shutil.which("redis-cli"), "-s", self.redis.socket]
-            keys = subprocess.run(cli + ["--scan", "--pattern", "kvp1:*"], check=True,
+            keys = subprocess.run(cli + ["--scan", "--pattern", "kvp2:*"], check=True,
                                   capture_output=True, text=True).stdout.split()
             self.assertEqual(len(keys), 6)
-            # Flip one byte of one block's payload (past the 72-byte header).
+            # Flip one byte of one block's payload (past the 96-byte header).
             for key in keys[:1]:
                 old = subprocess.run(cli + ["GETRANGE", key, "100", "100"], check=True,
                                      capture_output=True).stdout[:1]
@@ -147,7 +148,9 @@ class RedisTierTest(unittest.TestCase):
             self.assertLess(matched, PROMPT_TOKENS)  # the chain stops at the bad block
             self.assertEqual(matched % 16, 0)
             with kvpool.Client.connect(b.dir, client_name="watch-b") as cb:
-                self.assertEqual(store(cb.get_stats(), "redis").corrupt, 1)
+                redis = store(cb.get_stats(), "redis")
+                self.assertEqual(redis.corrupt, 1)
+                self.assertEqual(redis.forged, 1)  # a damaged payload fails the MAC
                 self.assertTrue(cb.check_invariants().ok)
 
     def test_redis_down_costs_no_call_and_hits_resume_when_it_is_back(self):
