@@ -164,6 +164,34 @@ absl::Status Daemon::StartGrpc() {
   return absl::OkStatus();
 }
 
+absl::Status Daemon::AddDoorbell(const std::shared_ptr<const Session>& session, uid_t uid,
+                                 AttachReply* reply) {
+  // A doorbell is a thread of the daemon's: a uid gets limits.doorbells_per_uid of them; past
+  // that its sessions decode over gRPC (the client falls back when none is granted).
+  if (doorbells_.live_for_uid(uid) >= config_.limits().doorbells_per_uid()) {
+    attach_counters_.doorbells_refused.fetch_add(1, std::memory_order_relaxed);
+    Log().warn("session {}: no decode doorbell: uid {} has {} already (limits.doorbells_per_uid)",
+               session->id.value(), uid, config_.limits().doorbells_per_uid());
+    return absl::OkStatus();
+  }
+  UniqueFd client_fd;
+  absl::StatusOr<std::unique_ptr<DecodeDoorbell>> doorbell = DecodeDoorbell::Start(
+      session, [this](std::unique_ptr<ComputeCall> call) { engine_->Submit(std::move(call)); },
+      {.counted =
+           [this] { attach_counters_.doorbell_calls.fetch_add(1, std::memory_order_relaxed); },
+       .published = [this] { service_->NotifyEvents(); }},
+      &client_fd);
+  if (!doorbell.ok()) {
+    engine_->EndSession(session->id, SessionEnd::kConnectionLost);
+    return doorbell.status();
+  }
+  doorbells_.Add(session->id, *std::move(doorbell));
+  reply->fds.push_back(std::move(client_fd));
+  reply->response.add_fds(v1::FD_ROLE_DOORBELL);
+  reply->response.set_decode_doorbell(true);
+  return absl::OkStatus();
+}
+
 absl::Status Daemon::StartAttach() {
   auto attach = [this](const PeerCredentials& peer,
                        const v1::AttachRequest& request) -> absl::StatusOr<AttachReply> {
@@ -196,31 +224,8 @@ absl::Status Daemon::StartAttach() {
     ToProto(*grant, &reply.response);
     if (grant->arena && grant->arena->fd.valid()) reply.fds.push_back(std::move(grant->arena->fd));
     if (grant->generation_table.valid()) reply.fds.push_back(std::move(grant->generation_table));
-    // A doorbell is a thread of the daemon's: a uid gets limits.doorbells_per_uid of them; past
-    // that its sessions decode over gRPC (the client falls back when none is granted).
-    const bool doorbell_room =
-        doorbells_.live_for_uid(peer.uid) < config_.limits().doorbells_per_uid();
-    if (request.decode_doorbell() && engine_->has_model() && !doorbell_room) {
-      attach_counters_.doorbells_refused.fetch_add(1, std::memory_order_relaxed);
-      Log().warn("session {}: no decode doorbell: uid {} has {} already (limits.doorbells_per_uid)",
-                 session->id.value(), peer.uid, config_.limits().doorbells_per_uid());
-    }
-    if (request.decode_doorbell() && engine_->has_model() && doorbell_room) {
-      UniqueFd client_fd;
-      absl::StatusOr<std::unique_ptr<DecodeDoorbell>> doorbell = DecodeDoorbell::Start(
-          session, [this](std::unique_ptr<ComputeCall> call) { engine_->Submit(std::move(call)); },
-          {.counted =
-               [this] { attach_counters_.doorbell_calls.fetch_add(1, std::memory_order_relaxed); },
-           .published = [this] { service_->NotifyEvents(); }},
-          &client_fd);
-      if (!doorbell.ok()) {
-        engine_->EndSession(session->id, SessionEnd::kConnectionLost);
-        return doorbell.status();
-      }
-      doorbells_.Add(session->id, *std::move(doorbell));
-      reply.fds.push_back(std::move(client_fd));
-      reply.response.add_fds(v1::FD_ROLE_DOORBELL);
-      reply.response.set_decode_doorbell(true);
+    if (request.decode_doorbell() && engine_->has_model()) {
+      KVPOOL_RETURN_IF_ERROR(AddDoorbell(session, peer.uid, &reply));
     }
     Log().info("session {} attached: {} (pid {}, uid {}, tenant {}, model {}, pool {}, {}{}{})",
                session->id.value(), session->spec.client_name, peer.pid, peer.uid,

@@ -61,6 +61,10 @@ class Daemon final {
 
   absl::Status StartGrpc();
   absl::Status StartAttach();
+  // Gives an attaching session a decode doorbell when its uid has room for one (counted when
+  // not). Errors: those of DecodeDoorbell::Start, after which the session has been ended.
+  absl::Status AddDoorbell(const std::shared_ptr<const Session>& session, uid_t uid,
+                           AttachReply* reply);
   void SetServing(bool serving);
 
   const v1::DaemonConfig config_;

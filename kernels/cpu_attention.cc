@@ -66,6 +66,33 @@ absl::Status CheckShape(int32_t num_q_heads, int32_t head_dim) {
   return CheckAttentionShape(num_q_heads, head_dim);
 }
 
+// Merges each sequence's partial states (per range r: m[q_heads], l[q_heads], acc[q_heads][dim],
+// `stride` floats apart; sequence s owns ranges [first_range[s], first_range[s + 1])) into its
+// rows of `out`: out = sum_r acc_r * e^(m_r - M) / sum_r l_r * e^(m_r - M).
+void MergePartials(int32_t num_seqs, int q_heads, int dim, const int32_t* first_range,
+                   const float* partials, int64_t stride, float* out) {
+  for (int32_t s = 0; s < num_seqs; ++s) {
+    for (int h = 0; h < q_heads; ++h) {
+      float max = -std::numeric_limits<float>::infinity();
+      for (int32_t r = first_range[s]; r < first_range[s + 1]; ++r) {
+        max = std::max(max, partials[r * stride + h]);
+      }
+      float* o = out + (static_cast<int64_t>(s) * q_heads + h) * dim;
+      std::fill(o, o + dim, 0.0f);
+      float denom = 0;
+      for (int32_t r = first_range[s]; r < first_range[s + 1]; ++r) {
+        const float* m = partials + r * stride;
+        const float w = std::exp(m[h] - max);
+        denom += m[q_heads + h] * w;
+        const float* acc = m + 2 * q_heads + h * dim;
+        for (int d = 0; d < dim; ++d) o[d] += acc[d] * w;
+      }
+      const float inv = 1.0f / denom;
+      for (int d = 0; d < dim; ++d) o[d] *= inv;
+    }
+  }
+}
+
 // Splits every sequence into token ranges, runs them over the pool, and merges each sequence's
 // partial states into `out`. `rows_of(s)` gives sequence s's row source.
 template <typename RowsOf>
@@ -134,27 +161,7 @@ void RunDecode(const DecodeShape& shape, int32_t num_seqs, const int32_t* lens, 
   } else {
     threads->ParallelFor(static_cast<int64_t>(ranges.size()), 1, run);
   }
-  // Merge: out = sum_r acc_r * e^(m_r - M) / sum_r l_r * e^(m_r - M).
-  for (int32_t s = 0; s < num_seqs; ++s) {
-    for (int h = 0; h < q_heads; ++h) {
-      float max = -std::numeric_limits<float>::infinity();
-      for (int32_t r = first_range[s]; r < first_range[s + 1]; ++r) {
-        max = std::max(max, partials[r * stride + h]);
-      }
-      float* o = out + (static_cast<int64_t>(s) * q_heads + h) * dim;
-      std::fill(o, o + dim, 0.0f);
-      float denom = 0;
-      for (int32_t r = first_range[s]; r < first_range[s + 1]; ++r) {
-        const float* m = partials.data() + r * stride;
-        const float w = std::exp(m[h] - max);
-        denom += m[q_heads + h] * w;
-        const float* acc = m + 2 * q_heads + h * dim;
-        for (int d = 0; d < dim; ++d) o[d] += acc[d] * w;
-      }
-      const float inv = 1.0f / denom;
-      for (int d = 0; d < dim; ++d) o[d] *= inv;
-    }
-  }
+  MergePartials(num_seqs, q_heads, dim, first_range.data(), partials.data(), stride, out);
 }
 
 }  // namespace

@@ -412,6 +412,8 @@ class KvCacheManager final {
   };
   // Adds `delta` block references to `session`'s usage and its group's.
   void AddRefs(SessionId session, int64_t delta);
+  // Each reference group counts exactly its sessions and their references.
+  absl::Status CheckRefGroups() const;
 
   struct Pin {
     PinInfo info;

@@ -91,6 +91,27 @@ KvCacheStats KvCacheManager::stats() const {
   return s;
 }
 
+absl::Status KvCacheManager::CheckRefGroups() const {
+  absl::flat_hash_map<uint64_t, RefGroup> groups;
+  for (const auto& [session, u] : sessions_) {
+    if (u.group == 0) continue;
+    groups[u.group].block_refs += u.block_refs;
+    ++groups[u.group].sessions;
+  }
+  for (const auto& [group, g] : ref_groups_) {
+    const RefGroup& want = groups[group];
+    if (g.block_refs != want.block_refs || g.sessions != want.sessions || g.sessions == 0) {
+      return InvariantViolation("reference group {} counts {} refs of {} sessions, but {} of {}",
+                                group, g.block_refs, g.sessions, want.block_refs, want.sessions);
+    }
+  }
+  if (groups.size() != ref_groups_.size()) {
+    return InvariantViolation("{} reference groups have sessions, {} are tracked", groups.size(),
+                              ref_groups_.size());
+  }
+  return absl::OkStatus();
+}
+
 absl::Status KvCacheManager::CheckInvariants() const {
   KVPOOL_RETURN_IF_ERROR(pool_->CheckInvariants());
   std::vector<uint32_t> refs(static_cast<size_t>(pool_->num_blocks()), 0);
@@ -154,23 +175,7 @@ absl::Status KvCacheManager::CheckInvariants() const {
                                 u.sequences, max_sequences_per_session_);
     }
   }
-  absl::flat_hash_map<uint64_t, RefGroup> groups;
-  for (const auto& [session, u] : sessions_) {
-    if (u.group == 0) continue;
-    groups[u.group].block_refs += u.block_refs;
-    ++groups[u.group].sessions;
-  }
-  for (const auto& [group, g] : ref_groups_) {
-    const RefGroup& want = groups[group];
-    if (g.block_refs != want.block_refs || g.sessions != want.sessions || g.sessions == 0) {
-      return InvariantViolation("reference group {} counts {} refs of {} sessions, but {} of {}",
-                                group, g.block_refs, g.sessions, want.block_refs, want.sessions);
-    }
-  }
-  if (groups.size() != ref_groups_.size()) {
-    return InvariantViolation("{} reference groups have sessions, {} are tracked", groups.size(),
-                              ref_groups_.size());
-  }
+  KVPOOL_RETURN_IF_ERROR(CheckRefGroups());
   KVPOOL_RETURN_IF_ERROR(CheckQuotaBooks());
   if (cache_) {
     absl::flat_hash_map<NodeIndex, uint32_t> pinned;

@@ -30,20 +30,7 @@ int Operations() {
   if (const char* env = std::getenv("KVPOOL_RANDOM_OPS")) return std::atoi(env);
   return 100'000;
 }
-constexpr int32_t kVocab = 61;
-
-// A model small enough that a step costs microseconds.
-std::unique_ptr<model::Model> MicroModel(const kernels::PoolLayout& layout) {
-  const model::ModelConfig config{.vocab_size = kVocab,
-                                  .hidden_size = 32,
-                                  .intermediate_size = 48,
-                                  .num_layers = 1,
-                                  .num_heads = 2,
-                                  .num_kv_heads = 1,
-                                  .head_dim = 16};
-  return std::move(
-      *model::Model::Create(model::SyntheticWeights(config, 3), layout, {.threads = 1}));
-}
+constexpr int32_t kVocab = testing::kMicroVocab;
 
 class EngineRandomTest : public ::testing::Test {
  protected:
@@ -64,7 +51,7 @@ class EngineRandomTest : public ::testing::Test {
     options.session_quota_blocks = 40;
     // A host tier under the pool: evicted prefixes come back through promotions (and their holds).
     options.tiers.host_blocks = 256;
-    model_ = MicroModel(options.pools[0].layout);
+    model_ = testing::MicroModel(options.pools[0].layout);
     engine_ = std::move(*Engine::Create(options, &device_, model_.get()));
   }
 

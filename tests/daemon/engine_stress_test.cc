@@ -23,7 +23,7 @@ namespace {
 
 using testing::GivesUpAfter;
 
-constexpr int32_t kVocab = 61;
+constexpr int32_t kVocab = testing::kMicroVocab;
 constexpr int32_t kBlockSize = 4;
 constexpr int kPrefixes = 8;  // prompts share 6-block prefixes...
 constexpr int kPrefixBlocks = 6;
@@ -33,18 +33,6 @@ constexpr int kSuffixes = 24;  // ...followed by one of these (about 200 distinc
 int Operations() {
   if (const char* env = std::getenv("KVPOOL_STRESS_OPS")) return std::atoi(env);
   return 1500;
-}
-
-std::unique_ptr<model::Model> MicroModel(const kernels::PoolLayout& layout) {
-  const model::ModelConfig config{.vocab_size = kVocab,
-                                  .hidden_size = 32,
-                                  .intermediate_size = 48,
-                                  .num_layers = 1,
-                                  .num_heads = 2,
-                                  .num_kv_heads = 1,
-                                  .head_dim = 16};
-  return std::move(
-      *model::Model::Create(model::SyntheticWeights(config, 3), layout, {.threads = 1}));
 }
 
 class EngineStressTest : public ::testing::Test {
@@ -64,7 +52,7 @@ class EngineStressTest : public ::testing::Test {
       thread_local std::mt19937 rng(std::hash<std::thread::id>()(std::this_thread::get_id()));
       std::this_thread::sleep_for(std::chrono::microseconds(rng() % 200));
     };
-    model_ = MicroModel(options.pools[0].layout);
+    model_ = testing::MicroModel(options.pools[0].layout);
     engine_ = std::move(*Engine::Create(options, &device_, model_.get()));
   }
 

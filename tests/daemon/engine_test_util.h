@@ -137,6 +137,21 @@ inline std::unique_ptr<model::Model> TinyModel(const kernels::PoolLayout& layout
                                          layout, {.threads = 1}));
 }
 
+// A model small enough that a step costs microseconds (vocabulary kMicroVocab), for tests that run
+// thousands of steps.
+inline constexpr int32_t kMicroVocab = 61;
+inline std::unique_ptr<model::Model> MicroModel(const kernels::PoolLayout& layout) {
+  const model::ModelConfig config{.vocab_size = kMicroVocab,
+                                  .hidden_size = 32,
+                                  .intermediate_size = 48,
+                                  .num_layers = 1,
+                                  .num_heads = 2,
+                                  .num_kv_heads = 1,
+                                  .head_dim = 16};
+  return std::move(
+      *model::Model::Create(model::SyntheticWeights(config, 3), layout, {.threads = 1}));
+}
+
 inline std::vector<int32_t> Prompt(size_t n, uint32_t seed) {
   std::mt19937 rng(seed);
   std::vector<int32_t> out(n);
