@@ -220,7 +220,7 @@ absl::Status Model::RunStep(const kernels::KvPoolView& pool, std::span<const Ste
   results->resize(ni);
   for (size_t i = 0; i < ni; ++i) {
     internal::FillResult(&s.logits[i * static_cast<size_t>(c.vocab_size)], c.vocab_size, options,
-                         &(*results)[i]);
+                         items[i], &(*results)[i]);
   }
   s.Trim(n, static_cast<int64_t>(ni));
   return absl::OkStatus();

@@ -71,6 +71,11 @@ absl::Status CheckStep(const ModelConfig& config, const kernels::PoolLayout& lay
     if (it.start < 0) {
       return absl::InvalidArgumentError(fmt::format("step: item {} starts at {}", i, it.start));
     }
+    if (it.sampling != nullptr) {
+      if (absl::Status bad = CheckSampling(*it.sampling, config.vocab_size); !bad.ok()) {
+        return absl::InvalidArgumentError(fmt::format("step: item {}: {}", i, bad.message()));
+      }
+    }
     for (int32_t t : it.tokens) {
       if (t < 0 || t >= config.vocab_size) {
         return absl::InvalidArgumentError(fmt::format(

@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "kernels/device.h"
 #include "kernels/pool_layout.h"
+#include "model/sampling.h"
 #include "model/weights.h"
 
 namespace kvpool::model {
@@ -28,11 +29,16 @@ struct StepItem {
   std::span<const int32_t> tokens;       // the new tokens (at least one)
   int64_t start = 0;                     // position of tokens[0]: tokens already in the pool
   std::span<const int32_t> block_table;  // covers start + tokens.size() tokens
+  // How the next token is chosen (sampling.h); null: greedy. Not owned; outlives the step.
+  const SamplingParams* sampling = nullptr;
+  // The tokens its penalties count (the sequence's last kPenaltyWindow, this step's included).
+  std::span<const int32_t> history;
 };
 
 struct StepOptions {
   int32_t top_k = 0;         // also return the k most likely next tokens with log-probs
   bool keep_logits = false;  // also return the full logits of each item's last token
+  bool logprobs = false;     // also return the chosen token's log-probability
 };
 
 struct TokenLogProb {
@@ -42,7 +48,8 @@ struct TokenLogProb {
 
 // What a step produces for one item: the prediction after its last token.
 struct ItemResult {
-  int32_t next_token = 0;         // greedy (argmax; the lowest id on a tie)
+  int32_t next_token = 0;         // greedy (argmax; the lowest id on a tie), or as sampled
+  float logprob = 0;              // of next_token under the model's distribution (logprobs)
   std::vector<TokenLogProb> top;  // top_k entries, most likely first
   std::vector<float> logits;      // [vocab] when keep_logits
 };
@@ -62,7 +69,8 @@ class StepModel {
   // item, in order. Items must name disjoint blocks for their new tokens (two sequences never
   // write the same slot). Errors: INVALID_ARGUMENT (empty step or item, a token outside the
   // vocabulary, a table too short, a block outside the pool, a layout other than the model's,
-  // top_k outside [0, vocab]), checked before anything is written; nothing in the pool changes
+  // top_k outside [0, vocab], sampling parameters out of range), checked before anything is
+  // written; nothing in the pool changes
   // then. INTERNAL when the device fails (the pool's blocks of the step are then undefined).
   absl::Status Step(const kernels::KvPoolView& pool, std::span<const StepItem> items,
                     const StepOptions& options, std::vector<ItemResult>* results);

@@ -228,7 +228,7 @@ absl::Status CudaModel::RunStep(const kernels::KvPoolView& pool, std::span<const
   const auto* logits = static_cast<const float*>(logits_host_.data);
   for (int64_t i = 0; i < ni; ++i) {
     internal::FillResult(logits + i * c.vocab_size, c.vocab_size, options,
-                         &(*results)[static_cast<size_t>(i)]);
+                         items[static_cast<size_t>(i)], &(*results)[static_cast<size_t>(i)]);
   }
   return absl::OkStatus();
 }
