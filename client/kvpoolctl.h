@@ -39,6 +39,8 @@ struct Invocation {
   bool snapshot = false;          // events --snapshot
   int64_t blocks = 0;             // evict --blocks (0: not given)
   uint64_t namespace_id = 0;      // explain --namespace (0: kvpoolctl's own)
+  std::string tenant;             // invalidate --tenant (required there)
+  std::string model;              // invalidate --model (empty: every model of the tenant)
   // --pool: the pool of stats, trace, events, explain, evict (empty: the session's; stats then
   // shows every pool) and sequences (empty: every pool).
   std::string pool;

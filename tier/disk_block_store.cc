@@ -211,6 +211,10 @@ void DiskBlockStore::WriteBatch(std::vector<QueuedWrite>& batch,
   if (io.ok()) io = WriteRecords(batch, slots);
   FinishBatch(batch, slots, io, &changes);
   Tell(changes);
+  // Only now: a Flush that returns has its records' events told.
+  absl::MutexLock lock(&mu_);
+  completed_ += static_cast<int64_t>(batch.size());
+  changed_.SignalAll();
 }
 
 void DiskBlockStore::FinishBatch(const std::vector<QueuedWrite>& batch,
@@ -245,8 +249,6 @@ void DiskBlockStore::FinishBatch(const std::vector<QueuedWrite>& batch,
     Logger("tier").warn("disk tier {}: a write failed, its blocks are dropped: {}",
                         options_.directory, io.ToString());
   }
-  completed_ += static_cast<int64_t>(batch.size());
-  changed_.SignalAll();
 }
 
 absl::Status DiskBlockStore::ClearEntries(const std::vector<int32_t>& slots) const {

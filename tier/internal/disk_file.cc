@@ -112,13 +112,16 @@ absl::StatusOr<int64_t> DiskFile::Size() const {
 }
 
 absl::Status MakeDirectory(const std::string& path) {
-  if (mkdir(path.c_str(), 0700) == 0) return absl::OkStatus();
-  const int err = errno;
   struct stat st {};
-  if (err == EEXIST && lstat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
-    return absl::OkStatus();
+  if (lstat(path.c_str(), &st) == 0) {
+    if (S_ISDIR(st.st_mode)) return absl::OkStatus();
+    return absl::ErrnoToStatus(ENOTDIR, absl::StrCat("mkdir ", path));
   }
-  return absl::ErrnoToStatus(err == EEXIST ? ENOTDIR : err, absl::StrCat("mkdir ", path));
+  if (const size_t slash = path.find_last_of('/'); slash != std::string::npos && slash > 0) {
+    if (absl::Status s = MakeDirectory(path.substr(0, slash)); !s.ok()) return s;
+  }
+  if (mkdir(path.c_str(), 0700) == 0 || errno == EEXIST) return absl::OkStatus();
+  return absl::ErrnoToStatus(errno, absl::StrCat("mkdir ", path));
 }
 
 }  // namespace kvpool::tier::internal

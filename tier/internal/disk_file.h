@@ -64,7 +64,8 @@ class DiskFile final {
   bool direct_ = false;
 };
 
-// Makes `path` (mode 0700) unless it is a directory already. Errors: the errno of mkdir(2).
+// Makes `path` and any missing parent (mode 0700) unless it is a directory already. Errors: the
+// errno of mkdir(2); ENOTDIR when something else is there.
 absl::Status MakeDirectory(const std::string& path);
 
 }  // namespace kvpool::tier::internal
