@@ -177,8 +177,20 @@ class DiskBlockStore final : public RemoteTier {
   int32_t TakeSlot(std::vector<Change>* changes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::vector<Planned> PlanLookup(const BlockSpace& space, const BlockHash& parent,
                                   std::span<const BlockHash> hashes) ABSL_LOCKS_EXCLUDED(mu_);
-  // Reads the planned slots into `out` (or bounce buffers) and verifies them in order; returns
-  // how many leading ones verified.
+  // Blocks [begin, end) of a plan in adjacent slots: one read, then each block's tag.
+  struct Piece {
+    size_t begin = 0;
+    size_t end = 0;
+    bool direct = false;  // read into the caller's buffers (else through a bounce buffer)
+    absl::Status io;      // the read's outcome
+    size_t verified = 0;  // blocks [begin, verified) passed their tags
+  };
+  static constexpr int kReadPieceBlocks = 16;  // blocks per read, at most
+  static constexpr size_t kReadThreads = 4;    // pieces read at once, the caller's thread included
+  void ReadPiece(std::span<const Planned> plan, std::span<const std::span<std::byte>> out,
+                 Piece* piece) const;
+  // Reads the planned slots into `out` (or bounce buffers) and verifies them; returns how many
+  // leading ones verified.
   int64_t ReadVerified(std::span<const Planned> plan, std::span<const std::span<std::byte>> out);
   void DropIfUnchanged(const Planned& planned) ABSL_LOCKS_EXCLUDED(mu_);
 

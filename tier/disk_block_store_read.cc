@@ -1,6 +1,8 @@
 // DiskBlockStore: lookups, and the store's invariants (disk_block_store.h).
 
+#include <algorithm>
 #include <cstring>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "kvpool/util/logging.h"
@@ -54,45 +56,79 @@ LookupResult DiskBlockStore::LookupChecked(const BlockSpace& space, const BlockH
   return result;
 }
 
+void DiskBlockStore::ReadPiece(std::span<const Planned> plan,
+                               std::span<const std::span<std::byte>> out, Piece* piece) const {
+  piece->verified = piece->begin;
+  // Straight into the caller's buffers when O_DIRECT can take them; else a bounce buffer.
+  piece->direct = slot_bytes_ == block_bytes_;
+  for (size_t i = piece->begin; i < piece->end && piece->direct; ++i) {
+    piece->direct = reinterpret_cast<uintptr_t>(out[i].data()) % kDiskAlign == 0;
+  }
+  internal::AlignedBuffer bounce;
+  if (!piece->direct) {
+    absl::StatusOr<internal::AlignedBuffer> made = internal::AlignedBuffer::Create(
+        static_cast<int64_t>(piece->end - piece->begin) * slot_bytes_);
+    if (!made.ok()) {
+      piece->io = made.status();
+      return;
+    }
+    bounce = *std::move(made);
+  }
+  std::vector<iovec> parts;
+  for (size_t i = piece->begin; i < piece->end; ++i) {
+    std::byte* to =
+        piece->direct ? out[i].data() : bounce.data() + (i - piece->begin) * slot_bytes_;
+    parts.push_back({to, static_cast<size_t>(slot_bytes_)});
+  }
+  piece->io = files_.data.ReadAt(int64_t{plan[piece->begin].slot} * slot_bytes_, parts);
+  for (size_t i = piece->begin; i < piece->end && piece->io.ok(); ++i) {
+    const std::span<const std::byte> bytes{
+        static_cast<const std::byte*>(parts[i - piece->begin].iov_base),
+        static_cast<size_t>(block_bytes_)};
+    if (!VerifyEntry(secret_, layout_fingerprint_, bytes, plan[i].entry)) return;
+    if (!piece->direct) std::memcpy(out[i].data(), bytes.data(), bytes.size());
+    piece->verified = i + 1;
+  }
+}
+
 int64_t DiskBlockStore::ReadVerified(std::span<const Planned> plan,
                                      std::span<const std::span<std::byte>> out) {
+  // Runs of adjacent slots, cut into pieces of at most kReadPieceBlocks: each one preadv and its
+  // blocks' tags, the pieces on up to kReadThreads threads at once (the caller's included), so
+  // the disk sees several requests in flight and the MACs are checked while others read.
+  std::vector<Piece> pieces;
+  for (size_t i = 0; i < plan.size(); ++i) {
+    if (pieces.empty() || plan[i].slot != plan[i - 1].slot + 1 ||
+        i - pieces.back().begin >= static_cast<size_t>(kReadPieceBlocks)) {
+      pieces.push_back({.begin = i});
+    }
+    pieces.back().end = i + 1;
+  }
+  for (size_t wave = 0; wave < pieces.size(); wave += kReadThreads) {
+    const size_t last = std::min(pieces.size(), wave + kReadThreads);
+    std::vector<std::thread> helpers;
+    for (size_t p = wave + 1; p < last; ++p) {
+      helpers.emplace_back([this, plan, out, piece = &pieces[p]] { ReadPiece(plan, out, piece); });
+    }
+    ReadPiece(plan, out, &pieces[wave]);
+    for (std::thread& t : helpers) t.join();
+  }
   int64_t verified = 0;
   absl::Status io;
-  size_t begin = 0;
-  while (begin < plan.size() && io.ok()) {
-    size_t end = begin + 1;  // a run of adjacent slots: one preadv
-    while (end < plan.size() && plan[end].slot == plan[end - 1].slot + 1) ++end;
-    // Straight into the caller's buffers when O_DIRECT can take them; else a bounce buffer.
-    bool direct = slot_bytes_ == block_bytes_;
-    for (size_t i = begin; i < end && direct; ++i) {
-      direct = reinterpret_cast<uintptr_t>(out[i].data()) % kDiskAlign == 0;
+  for (const Piece& piece : pieces) {
+    if (!piece.io.ok()) {
+      io = piece.io;
+      break;
     }
-    internal::AlignedBuffer bounce;
-    if (!direct) {
-      absl::StatusOr<internal::AlignedBuffer> made =
-          internal::AlignedBuffer::Create(static_cast<int64_t>(end - begin) * slot_bytes_);
-      if (!made.ok()) break;  // no memory: the rest misses
-      bounce = *std::move(made);
+    verified = static_cast<int64_t>(piece.verified);
+    if (piece.verified < piece.end) {
+      DropIfUnchanged(plan[piece.verified]);  // failed its MAC: dropped, and the rest misses
+      break;
     }
-    std::vector<iovec> parts;
-    for (size_t i = begin; i < end; ++i) {
-      std::byte* to = direct ? out[i].data() : bounce.data() + (i - begin) * slot_bytes_;
-      parts.push_back({to, static_cast<size_t>(slot_bytes_)});
-    }
-    io = files_.data.ReadAt(int64_t{plan[begin].slot} * slot_bytes_, parts);
-    for (size_t i = begin; i < end && io.ok(); ++i) {
-      const std::span<const std::byte> bytes{
-          static_cast<const std::byte*>(parts[i - begin].iov_base),
-          static_cast<size_t>(block_bytes_)};
-      if (!VerifyEntry(secret_, layout_fingerprint_, bytes, plan[i].entry)) {
-        DropIfUnchanged(plan[i]);
-        for (size_t j = i; j < end && direct; ++j) std::memset(out[j].data(), 0, out[j].size());
-        return verified;
-      }
-      if (!direct) std::memcpy(out[i].data(), bytes.data(), bytes.size());
-      ++verified;
-    }
-    begin = end;
+  }
+  // Past the hits, the caller's buffers hold nothing that failed a check.
+  for (size_t i = static_cast<size_t>(verified); i < plan.size(); ++i) {
+    std::memset(out[i].data(), 0, out[i].size());
   }
   if (!io.ok()) {
     breaker_.OnFailure();
@@ -106,7 +142,6 @@ int64_t DiskBlockStore::ReadVerified(std::span<const Planned> plan,
 }
 
 void DiskBlockStore::DropIfUnchanged(const Planned& planned) {
-  breaker_.OnSuccess();  // the disk answered; the record was bad
   std::vector<Change> changes;
   {
     absl::MutexLock lock(&mu_);
