@@ -6,7 +6,8 @@
 //   kvpoolctl [--socket_dir=DIR] [--json] [--timeout=10s] [--pool=NAME] [--tenant=T] COMMAND ...
 //     stats | sessions | sequences [--session=N] | trace (BLOCK | --all)
 //     [--format=text|json|chrome] events [--follow] [--from=N] [--snapshot] | explain TOKENS_FILE
-//     [--namespace=N] evict (--blocks=N | --all) | check | log-level LEVEL | drain
+//     [--namespace=N] evict (--blocks=N | --all) | invalidate --tenant=T [--model=M] | check |
+//     log-level LEVEL | drain
 //
 // Thread-safe (no shared state).
 

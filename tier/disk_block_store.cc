@@ -115,7 +115,8 @@ bool DiskBlockStore::Put(const BlockSpace& space, const BlockToStore& block) {
   const bool fits = space.layout_fingerprint == layout_fingerprint_ &&
                     static_cast<int64_t>(block.bytes.size()) == block_bytes_;
   absl::StatusOr<internal::AlignedBuffer> bytes = absl::InvalidArgumentError("wrong size");
-  if (fits) bytes = internal::AlignedBuffer::Create(slot_bytes_);  // no lock held
+  if (fits) bytes = internal::AlignedBuffer::Create(slot_bytes_);  // no lock held for either
+  if (bytes.ok()) std::memcpy(bytes->data(), block.bytes.data(), block.bytes.size());
   absl::MutexLock lock(&mu_);
   ++counters_.puts;
   if (!bytes.ok()) {  // another layout's, a wrong size, or no memory
@@ -131,7 +132,6 @@ bool DiskBlockStore::Put(const BlockSpace& space, const BlockToStore& block) {
     ++counters_.dropped_queue_full;
     return false;
   }
-  std::memcpy(bytes->data(), block.bytes.data(), block.bytes.size());
   queue_.push_back({.entry = {.ns = space.ns,
                               .hash = block.hash,
                               .parent = block.parent,
