@@ -495,6 +495,16 @@ absl::StatusOr<int64_t> Client::EvictAll(std::string_view pool) const {
   return response.evicted();
 }
 
+absl::StatusOr<v1::InvalidateResponse> Client::Invalidate(std::string_view tenant,
+                                                          std::string_view model) const {
+  v1::InvalidateRequest request;
+  request.set_tenant(std::string(tenant));
+  request.set_model(std::string(model));
+  v1::InvalidateResponse response;
+  KVPOOL_CLIENT_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::Invalidate, request, &response));
+  return response;
+}
+
 absl::StatusOr<v1::CheckInvariantsResponse> Client::CheckInvariants() const {
   v1::CheckInvariantsResponse response;
   KVPOOL_CLIENT_RETURN_IF_ERROR(

@@ -194,6 +194,10 @@ class Client final {
   absl::StatusOr<int64_t> Evict(int64_t blocks, std::string_view pool = {}) const;
   // Empties the prefix cache. FAILED_PRECONDITION while cached blocks are in use.
   absl::StatusOr<int64_t> EvictAll(std::string_view pool = {}) const;
+  // Drops every tier's blocks of `tenant`'s namespaces (of its model `model` only, unless
+  // empty). Admin only.
+  absl::StatusOr<v1::InvalidateResponse> Invalidate(std::string_view tenant,
+                                                    std::string_view model = {}) const;
   absl::StatusOr<v1::CheckInvariantsResponse> CheckInvariants() const;
   absl::Status SetLogLevel(std::string_view level) const;
   // Stops the daemon taking new sequences; returns how many are still live.

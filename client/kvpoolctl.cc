@@ -24,7 +24,7 @@ struct CommandSpec {
 constexpr CommandSpec kCommands[] = {
     {"stats", 0, 0}, {"sessions", 0, 0},  {"sequences", 0, 0}, {"pins", 0, 0},
     {"trace", 0, 1}, {"events", 0, 0},    {"explain", 1, 1},   {"evict", 0, 0},
-    {"check", 0, 0}, {"log-level", 1, 1}, {"drain", 0, 0},
+    {"check", 0, 0}, {"log-level", 1, 1}, {"drain", 0, 0},     {"invalidate", 0, 0},
 };
 
 absl::StatusOr<int32_t> ParseBlockId(const std::string& text) {
@@ -55,6 +55,7 @@ std::string Usage() {
          "                                         prefix-cache events\n"
          "  explain TOKENS_FILE [--namespace=N]    why a prompt matches as far as it does\n"
          "  evict (--blocks=N | --all)             evict unused cached blocks\n"
+         "  invalidate --tenant=T [--model=M]      drop every tier's blocks of T (of its model M)\n"
          "  check                                  verify the pool's invariants (exit 1 if not)\n"
          "  log-level LEVEL                        set the daemon's log level\n"
          "  drain                                  stop taking new sequences\n";
@@ -90,6 +91,9 @@ absl::Status ValidateInvocation(const Invocation& inv) {
     if ((inv.blocks > 0) == inv.all) {
       return absl::InvalidArgumentError("evict takes --blocks=N or --all (one of them)");
     }
+  }
+  if (inv.command == "invalidate" && inv.tenant.empty()) {
+    return absl::InvalidArgumentError("invalidate needs --tenant=T (and optionally --model=M)");
   }
   if (inv.command == "log-level" && inv.args[0].empty()) {
     return absl::InvalidArgumentError("log-level needs a level name");
@@ -224,6 +228,14 @@ int Run(const Client& client, const Invocation& inv, std::ostream& out, std::ost
     v1::EvictResponse response;
     response.set_evicted(*evicted);
     out << (inv.json ? ToJson(response) + "\n" : fmt::format("evicted {} block(s)\n", *evicted));
+  } else if (command == "invalidate") {
+    absl::StatusOr<v1::InvalidateResponse> done = client.Invalidate(inv.tenant, inv.model);
+    if (!done.ok()) return fail(done.status());
+    out << (inv.json ? ToJson(*done) + "\n"
+                     : fmt::format("invalidated tenant {}{}{} (generation {}): {} session(s) moved "
+                                   "to new namespaces, {} tier block(s) dropped\n",
+                                   inv.tenant, inv.model.empty() ? "" : " model ", inv.model,
+                                   done->generation(), done->sessions(), done->tier_blocks()));
   } else if (command == "check") {
     absl::StatusOr<v1::CheckInvariantsResponse> check = client.CheckInvariants();
     if (!check.ok()) return fail(check.status());

@@ -6,7 +6,8 @@
 //   kvpoolctl [--socket_dir=DIR] [--json] [--timeout=10s] [--pool=NAME] [--tenant=T] COMMAND ...
 //     stats | sessions | sequences [--session=N] | trace (BLOCK | --all)
 //     [--format=text|json|chrome] events [--follow] [--from=N] [--snapshot] | explain TOKENS_FILE
-//     [--namespace=N] evict (--blocks=N | --all) | check | log-level LEVEL | drain
+//     [--namespace=N] evict (--blocks=N | --all) | invalidate --tenant=T [--model=M] | check |
+//     log-level LEVEL | drain
 //
 // Thread-safe (no shared state).
 
@@ -39,6 +40,8 @@ struct Invocation {
   bool snapshot = false;          // events --snapshot
   int64_t blocks = 0;             // evict --blocks (0: not given)
   uint64_t namespace_id = 0;      // explain --namespace (0: kvpoolctl's own)
+  std::string tenant;             // invalidate --tenant (required there)
+  std::string model;              // invalidate --model (empty: every model of the tenant)
   // --pool: the pool of stats, trace, events, explain, evict (empty: the session's; stats then
   // shows every pool) and sequences (empty: every pool).
   std::string pool;

@@ -32,8 +32,11 @@ ABSL_FLAG(uint64_t, namespace, 0, "explain: the namespace id to explain in (0: k
 ABSL_FLAG(std::string, pool, "",
           "the pool to show or act on (stats without it: every pool; sequences: every pool)");
 ABSL_FLAG(std::string, tenant, "",
-          "the tenant to attach as (none: an admin-only session where tenants are configured)");
-ABSL_FLAG(std::string, model, "default", "the model name to attach with (explain's namespace)");
+          "the tenant to attach as (none: an admin-only session where tenants are configured); "
+          "invalidate: the tenant to invalidate (kvpoolctl then attaches with none)");
+ABSL_FLAG(std::string, model, "",
+          "the model name to attach with (explain's namespace; none: \"default\"); invalidate: "
+          "the model to invalidate (none: every model of the tenant)");
 
 namespace {
 
@@ -110,6 +113,8 @@ int main(int argc, char** argv) {
   inv.blocks = absl::GetFlag(FLAGS_blocks);
   inv.namespace_id = absl::GetFlag(FLAGS_namespace);
   inv.pool = absl::GetFlag(FLAGS_pool);
+  inv.tenant = absl::GetFlag(FLAGS_tenant);
+  inv.model = absl::GetFlag(FLAGS_model);
   if (absl::Status s = ctl::ValidateInvocation(inv); !s.ok()) {
     return UsageError(std::string(s.message()));
   }
@@ -120,8 +125,10 @@ int main(int argc, char** argv) {
   options.runtime_dir = absl::GetFlag(FLAGS_socket_dir);
   options.client_name = "kvpoolctl";
   // No tenant: with tenants configured, an admin-only session; without, the "default" tenant.
-  options.tenant = absl::GetFlag(FLAGS_tenant);
-  options.model = absl::GetFlag(FLAGS_model);
+  // invalidate names its target with --tenant and --model: it attaches as no tenant.
+  const bool targets = inv.command == "invalidate";
+  options.tenant = targets ? "" : inv.tenant;
+  options.model = targets || inv.model.empty() ? "default" : inv.model;
   options.timeout = timeout;
   options.decode_doorbell = false;  // it never decodes: no daemon thread for it
   absl::StatusOr<std::unique_ptr<kvpool::client::Client>> client =

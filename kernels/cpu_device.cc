@@ -78,8 +78,10 @@ class MemfdArena final : public Arena {
 
 class HostBuffer final : public DeviceBuffer {
  public:
+  // Page-aligned: the disk tier reads into lookup buffers with O_DIRECT, which needs it.
   explicit HostBuffer(int64_t bytes)
-      : data_(std::aligned_alloc(64, static_cast<size_t>((bytes + 63) / 64 * 64))), bytes_(bytes) {}
+      : data_(std::aligned_alloc(4096, static_cast<size_t>((bytes + 4095) / 4096 * 4096))),
+        bytes_(bytes) {}
   ~HostBuffer() override { std::free(data_); }
   void* data() const override { return data_; }
   int64_t bytes() const override { return bytes_; }

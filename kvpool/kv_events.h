@@ -38,9 +38,9 @@ inline constexpr size_t kDefaultEventLogBytes = size_t{64} << 20;
 
 enum class KvEventType : uint8_t { kBlockStored, kBlockRemoved, kAllBlocksCleared };
 
-// Where an event's blocks are (vLLM's `medium`): the device pool, or the host tier below it
-// (docs/tiers.md). Host-tier events name blocks by hash only (no tokens).
-enum class KvMedium : uint8_t { kDevice, kHost };
+// Where an event's blocks are (vLLM's `medium`): the device pool, or the host or disk tier below
+// it (docs/tiers.md). Tier events name blocks by hash only (no tokens).
+enum class KvMedium : uint8_t { kDevice, kHost, kDisk };
 
 struct KvEvent {
   uint64_t seq = 0;    // gap-free, from 1; 0 in snapshot entries

@@ -47,25 +47,10 @@ void Update(EVP_MAC_CTX* ctx, std::string_view bytes) {
 // is `payload`, stored under `key` (block_codec.h has the construction).
 std::array<uint8_t, kTagBytes> Tag(const DeploymentSecret& secret, std::string_view key,
                                    std::string_view header, std::string_view payload) {
-  const std::string_view nonce = header.substr(kBlockNonceOffset, sizeof(ValueNonce));
-  const DeploymentSecret::Digest one_time_key =
-      secret.Mac("kvpool redis value poly1305 v2", {nonce, key});
-  // Fetched once: a fetch costs about as much as a 4 KiB Poly1305. EVP_MAC objects are
-  // immutable and may create contexts from any thread.
-  static EVP_MAC* const mac = EVP_MAC_fetch(nullptr, "POLY1305", nullptr);
-  KVPOOL_CHECK_MSG(mac != nullptr, "OpenSSL has no POLY1305");
-  EVP_MAC_CTX* ctx = EVP_MAC_CTX_new(mac);
-  KVPOOL_CHECK(ctx != nullptr);
-  KVPOOL_CHECK(EVP_MAC_init(ctx, one_time_key.data(), one_time_key.size(), nullptr) == 1);
-  Update(ctx, LittleEndian64(key.size()));
-  Update(ctx, key);
-  Update(ctx, header.substr(0, kBlockTagOffset));
-  Update(ctx, payload);
-  std::array<uint8_t, kTagBytes> tag{};
-  size_t written = 0;
-  KVPOOL_CHECK(EVP_MAC_final(ctx, tag.data(), &written, tag.size()) == 1 && written == tag.size());
-  EVP_MAC_CTX_free(ctx);
-  return tag;
+  ValueNonce nonce;
+  std::memcpy(nonce.data(), header.data() + kBlockNonceOffset, nonce.size());
+  return OneTimeTag(secret, "kvpool redis value poly1305 v2", nonce, key,
+                    {LittleEndian64(key.size()), key, header.substr(0, kBlockTagOffset), payload});
 }
 
 std::string Hex(const uint8_t* bytes, size_t n) {
@@ -80,6 +65,26 @@ std::string Hex(const uint8_t* bytes, size_t n) {
 }
 
 }  // namespace
+
+ValueTag OneTimeTag(const DeploymentSecret& secret, std::string_view domain,
+                    const ValueNonce& nonce, std::string_view key,
+                    std::initializer_list<std::string_view> parts) {
+  const DeploymentSecret::Digest one_time_key =
+      secret.Mac(domain, {Bytes(nonce.data(), nonce.size()), key});
+  // Fetched once: a fetch costs about as much as a 4 KiB Poly1305. EVP_MAC objects are
+  // immutable and may create contexts from any thread.
+  static EVP_MAC* const mac = EVP_MAC_fetch(nullptr, "POLY1305", nullptr);
+  KVPOOL_CHECK_MSG(mac != nullptr, "OpenSSL has no POLY1305");
+  EVP_MAC_CTX* ctx = EVP_MAC_CTX_new(mac);
+  KVPOOL_CHECK(ctx != nullptr);
+  KVPOOL_CHECK(EVP_MAC_init(ctx, one_time_key.data(), one_time_key.size(), nullptr) == 1);
+  for (std::string_view part : parts) Update(ctx, part);
+  ValueTag tag{};
+  size_t written = 0;
+  KVPOOL_CHECK(EVP_MAC_final(ctx, tag.data(), &written, tag.size()) == 1 && written == tag.size());
+  EVP_MAC_CTX_free(ctx);
+  return tag;
+}
 
 SpaceKeys::SpaceKeys(const DeploymentSecret& secret, const BlockSpace& space, KeySlotting slotting)
     : secret_(secret),

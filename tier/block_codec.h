@@ -35,6 +35,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <span>
 #include <string>
 #include <string_view>
@@ -91,6 +92,14 @@ std::string BlockKey(const DeploymentSecret& secret, const BlockSpace& space, co
 
 // 16 bytes from OpenSSL's CSPRNG (RAND_bytes).
 ValueNonce RandomValueNonce();
+
+// A Poly1305 tag under the one-time key Mac(`domain`, nonce, `key`) (secret.h) over `parts`, in
+// order: the construction of the Redis values' tag above, shared by the disk tier's records
+// (disk_format.h). REQUIRES: no (domain, nonce, key) ever authenticates two different messages.
+using ValueTag = std::array<uint8_t, 16>;
+ValueTag OneTimeTag(const DeploymentSecret& secret, std::string_view domain,
+                    const ValueNonce& nonce, std::string_view key,
+                    std::initializer_list<std::string_view> parts);
 
 // Appends the encoded value of `payload` stored under `key` (header + payload) to `out`.
 // Fills in payload_bytes. REQUIRES: `nonce` was never used for another value (RandomValueNonce).

@@ -87,7 +87,10 @@ bool HostBlockStore::Put(const BlockSpace& space, const BlockToStore& block) {
       return true;
     }
     int32_t slot;
-    if (unused_ < capacity_) {
+    if (!free_.empty()) {
+      slot = free_.back();
+      free_.pop_back();
+    } else if (unused_ < capacity_) {
       slot = unused_++;
     } else {
       slot = tail_;  // the least recently used block makes room
@@ -100,6 +103,8 @@ bool HostBlockStore::Put(const BlockSpace& space, const BlockToStore& block) {
     s.key = key;
     s.parent = block.parent;
     s.coverage = block.coverage;
+    s.tags = block.tags;
+    s.used = true;
     std::memcpy(SlotBytes(slot), block.bytes.data(), block.bytes.size());
     index_.emplace(key, slot);
     PushFront(slot);
@@ -142,6 +147,28 @@ LookupResult HostBlockStore::LookupChecked(const BlockSpace& space, const BlockH
   stats_.misses += hashes.size() - static_cast<size_t>(result.hits);
   stats_.bytes_read += static_cast<uint64_t>(result.hits * block_bytes_);
   return result;
+}
+
+int64_t HostBlockStore::Invalidate(const TagFilter& filter) {
+  std::vector<Key> dropped;
+  {
+    absl::MutexLock lock(&mu_);
+    for (int32_t slot = 0; slot < unused_; ++slot) {
+      Slot& s = slots_[static_cast<size_t>(slot)];
+      if (!s.used || !filter.Matches(s.tags)) continue;
+      Unlink(slot);
+      index_.erase(s.key);
+      dropped.push_back(s.key);
+      s.used = false;
+      free_.push_back(slot);
+    }
+  }
+  if (listener_) {
+    for (const Key& k : dropped) {
+      listener_({NamespaceId(k.ns), k.layout}, k.hash, BlockHash{}, false);
+    }
+  }
+  return static_cast<int64_t>(dropped.size());
 }
 
 RemoteTierStats HostBlockStore::stats() const {

@@ -41,7 +41,8 @@ class HostBlockStore final : public RemoteTier {
   static absl::StatusOr<std::unique_ptr<HostBlockStore>> Create(int64_t blocks, int64_t block_bytes,
                                                                 std::byte* memory);
 
-  // Told of every block stored (stored true) and every block dropped to make room (false),
+  // Told of every block stored (stored true) and every block dropped, to make room or by
+  // Invalidate (false),
   // after the store's lock is released, on the thread that called Put.
   using Listener = std::function<void(const BlockSpace& space, const BlockHash& hash,
                                       const BlockHash& parent, bool stored)>;
@@ -54,6 +55,10 @@ class HostBlockStore final : public RemoteTier {
   bool Put(const BlockSpace& space, const BlockToStore& block) override;
   absl::Status Flush(absl::Duration) override { return absl::OkStatus(); }  // Put is synchronous
   RemoteTierStats stats() const override;
+
+  // Drops every block whose tags `filter` matches (an invalidation; the listener hears each as
+  // dropped). Returns how many. O(capacity).
+  int64_t Invalidate(const TagFilter& filter);
 
   int64_t capacity() const { return capacity_; }
   int64_t block_bytes() const { return block_bytes_; }
@@ -80,6 +85,8 @@ class HostBlockStore final : public RemoteTier {
     Key key;
     BlockHash parent;
     uint32_t coverage = 0;
+    NamespaceTags tags;
+    bool used = false;
     int32_t prev = -1;  // LRU list: prev is more recent, next less recent
     int32_t next = -1;
   };
@@ -101,9 +108,10 @@ class HostBlockStore final : public RemoteTier {
   mutable absl::Mutex mu_;
   std::vector<Slot> slots_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<Key, int32_t> index_ ABSL_GUARDED_BY(mu_);
-  int32_t head_ ABSL_GUARDED_BY(mu_) = -1;   // most recently used
-  int32_t tail_ ABSL_GUARDED_BY(mu_) = -1;   // least recently used
-  int32_t unused_ ABSL_GUARDED_BY(mu_) = 0;  // slots [unused_, capacity) never used yet
+  int32_t head_ ABSL_GUARDED_BY(mu_) = -1;          // most recently used
+  int32_t tail_ ABSL_GUARDED_BY(mu_) = -1;          // least recently used
+  int32_t unused_ ABSL_GUARDED_BY(mu_) = 0;         // slots [unused_, capacity) never used yet
+  std::vector<int32_t> free_ ABSL_GUARDED_BY(mu_);  // slots emptied by Invalidate
   RemoteTierStats stats_ ABSL_GUARDED_BY(mu_);
   uint64_t evicted_ ABSL_GUARDED_BY(mu_) = 0;
 };

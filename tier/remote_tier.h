@@ -28,6 +28,25 @@
 
 namespace kvpool::tier {
 
+// Keyed MACs of a namespace's tenant and of its (tenant, model) under the deployment secret
+// (NamespaceTable::TagsOf): a store that keeps them can drop every block of a tenant, or of one
+// of its models (an invalidation), without ever holding the client strings. 0: untagged.
+struct NamespaceTags {
+  uint64_t tenant = 0;
+  uint64_t model = 0;
+  friend bool operator==(const NamespaceTags&, const NamespaceTags&) = default;
+};
+
+// Which blocks an invalidation drops: every block of `tenant`, or only those of one model of it.
+struct TagFilter {
+  uint64_t tenant = 0;
+  bool any_model = true;
+  uint64_t model = 0;  // when !any_model
+  bool Matches(const NamespaceTags& tags) const {
+    return tags.tenant == tenant && (any_model || tags.model == model);
+  }
+};
+
 // One block to store: its chained hash, its parent's (zero for a chain's first block), how many
 // tokens it covers and its bytes (copied by Put; the caller may reuse them on return).
 struct BlockToStore {
@@ -35,6 +54,7 @@ struct BlockToStore {
   BlockHash parent;
   uint32_t coverage = 0;
   std::span<const std::byte> bytes;
+  NamespaceTags tags;  // kept by the host and disk tiers, for invalidation
 };
 
 struct LookupResult {

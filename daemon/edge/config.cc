@@ -2,7 +2,10 @@
 
 #include <sys/stat.h>
 #include <unistd.h>
+#include <xxhash.h>
 
+#include <algorithm>
+#include <cctype>
 #include <fstream>
 #include <functional>
 #include <optional>
@@ -285,11 +288,40 @@ void ValidatePoolsAndTenants(const v1::DaemonConfig& c, const kernels::PoolLayou
   }
 }
 
+void ValidateDiskTier(const v1::DiskTierSpec& d,
+                      const std::function<void(std::string_view, std::string)>& bad) {
+  if (d.directory().empty()) return;
+  if (d.directory()[0] != '/') {
+    bad("tiers.disk.directory", fmt::format("must be an absolute path (got '{}')", d.directory()));
+  }
+  if (d.capacity_bytes() <= 0) bad("tiers.disk.capacity_bytes", "must be > 0");
+  if (!d.fsync().empty() && d.fsync() != "none" && d.fsync() != "batch" &&
+      d.fsync() != "periodic") {
+    bad("tiers.disk.fsync", fmt::format("'{}' is not none, batch or periodic", d.fsync()));
+  }
+  const std::pair<const char*, int64_t> non_negative[] = {
+      {"tiers.disk.fsync_interval_ms", d.fsync_interval_ms()},
+      {"tiers.disk.write_queue_blocks", d.write_queue_blocks()},
+      {"tiers.disk.write_queue_bytes", d.write_queue_bytes()}};
+  for (const auto& [field, value] : non_negative) {
+    if (value < 0) bad(field, "must be >= 0 (0: the default)");
+  }
+}
+
+// A pool's name as the name of its disk tier directory: letters, digits, '.', '_', '-'.
+bool PathSafeName(std::string_view name) {
+  if (name.empty() || name == "." || name == "..") return false;
+  return std::all_of(name.begin(), name.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-';
+  });
+}
+
 void ValidateTiers(const v1::TierSpec& t,
                    const std::function<void(std::string_view, std::string)>& bad) {
   if (t.host_blocks() < 0) bad("tiers.host_blocks", "must be >= 0 (0: no host tier)");
   if (t.staged_blocks() < 0) bad("tiers.staged_blocks", "must be >= 0 (0: the default)");
   if (t.lookup_blocks() < 0) bad("tiers.lookup_blocks", "must be >= 0 (0: the default)");
+  ValidateDiskTier(t.disk(), bad);
   const v1::RedisTierSpec& r = t.redis();
   if (!r.enabled()) return;
   const int where = (r.unix_socket().empty() ? 0 : 1) + (r.host().empty() ? 0 : 1) +
@@ -337,9 +369,29 @@ absl::StatusOr<std::string> ReadRedisPassword(const std::string& path) {
   return password;
 }
 
+// The disk tier's options from a validated DiskTierSpec; `model` names what the stored bytes
+// mean (a tier written for another model starts empty).
+tier::DiskTierOptions DiskTierOptionsOf(const v1::DiskTierSpec& d, const v1::ModelSpec& model) {
+  tier::DiskTierOptions o;
+  o.directory = d.directory();
+  o.capacity_bytes = d.capacity_bytes();
+  o.fsync = d.fsync() == "batch"      ? tier::DiskFsync::kBatch
+            : d.fsync() == "periodic" ? tier::DiskFsync::kPeriodic
+                                      : tier::DiskFsync::kNone;
+  if (d.fsync_interval_ms() > 0) o.fsync_interval = absl::Milliseconds(d.fsync_interval_ms());
+  if (d.write_queue_blocks() > 0) o.write_queue_blocks = d.write_queue_blocks();
+  if (d.write_queue_bytes() > 0) o.write_queue_bytes = d.write_queue_bytes();
+  o.direct_io = !d.disable_direct_io();
+  const std::string identity =
+      fmt::format("name {} seed {} checkpoint {}", model.name(), model.seed(), model.checkpoint());
+  o.content_fingerprint = XXH3_64bits(identity.data(), identity.size());
+  return o;
+}
+
 // The engine's tier options from a validated TierSpec (absent fields take their defaults).
-TierOptions TierOptionsOf(const v1::TierSpec& t) {
+TierOptions TierOptionsOf(const v1::TierSpec& t, const v1::ModelSpec& model) {
   TierOptions o;
+  o.disk = DiskTierOptionsOf(t.disk(), model);
   o.host_blocks = t.host_blocks();
   if (t.staged_blocks() > 0) o.staged_blocks = t.staged_blocks();
   if (t.lookup_blocks() > 0) o.lookup_blocks = t.lookup_blocks();
@@ -415,6 +467,19 @@ std::vector<std::string> ValidateConfig(const v1::DaemonConfig& c) {
   }
   if (c.session_quota_blocks() < 0) bad("session_quota_blocks", "must be >= 0 (0: unlimited)");
   ValidateTiers(c.tiers(), bad);
+  if (!c.tiers().disk().directory().empty()) {
+    // A random secret would make every record useless after a restart (namespace ids and the
+    // records' MACs derive from it), and the secret itself is never written to the tier.
+    if (c.secret_file().empty()) {
+      bad("tiers.disk", "needs secret_file: its records are sealed under the deployment secret");
+    }
+    for (int i = 0; i < c.pools_size(); ++i) {
+      if (!PathSafeName(c.pools(i).name())) {
+        bad(fmt::format("pools[{}].name", i),
+            "must be letters, digits, '.', '_' and '-' with a disk tier (it names a directory)");
+      }
+    }
+  }
   for (const auto& [tenant, quota] : c.tenant_quota_blocks()) {
     if (quota < 0) bad(fmt::format("tenant_quota_blocks[{}]", tenant), "must be >= 0");
   }
@@ -498,7 +563,8 @@ absl::StatusOr<EngineOptions> MakeEngineOptions(const v1::DaemonConfig& c, uint6
   o.event_capacity_bytes = static_cast<size_t>(c.event_capacity_bytes());
   o.fill_policy = *kernels::ParseFillPolicy(c.fill_policy());
   o.session_quota_blocks = c.session_quota_blocks();
-  o.tiers = TierOptionsOf(c.tiers());
+  o.tiers = TierOptionsOf(c.tiers(), c.model());
+  if (o.tiers.disk.enabled()) o.invalidations_file = o.tiers.disk.directory + "/invalidations";
   if (o.tiers.redis.enabled && !c.tiers().redis().password_file().empty()) {
     KVPOOL_ASSIGN_OR_RETURN(o.tiers.redis.password,
                             ReadRedisPassword(c.tiers().redis().password_file()));

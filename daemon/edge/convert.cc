@@ -9,6 +9,18 @@
 namespace kvpool::daemon {
 namespace {
 
+const char* MediumName(KvMedium medium) {
+  switch (medium) {
+    case KvMedium::kDevice:
+      return "device";
+    case KvMedium::kHost:
+      return "host";
+    case KvMedium::kDisk:
+      return "disk";
+  }
+  return "device";
+}
+
 v1::DType ToProto(kernels::DType d) {
   switch (d) {
     case kernels::DType::kF32:
@@ -107,7 +119,7 @@ v1::KvEvent ToProto(const KvEvent& e) {
   if (e.parent_hash) ToProto(*e.parent_hash, out.mutable_parent_hash());
   out.mutable_token_ids()->Add(e.token_ids.begin(), e.token_ids.end());
   out.set_block_size(e.block_size);
-  out.set_medium(e.medium == KvMedium::kHost ? "host" : "device");
+  out.set_medium(MediumName(e.medium));
   return out;
 }
 
@@ -168,6 +180,24 @@ void ToProto(const TierStats& t, v1::TierStats* out) {
     host->set_capacity_blocks(t.host_capacity_blocks);
     host->set_blocks(t.host_blocks);
     host->set_evicted(t.host_evicted);
+    host->set_invalidated(t.host_invalidated);
+  }
+  if (t.disk) {
+    v1::TierStoreStats* disk = out->add_stores();
+    ToProto(t.disk_store, disk);
+    disk->set_medium("disk");
+    const tier::DiskTierStats& d = t.disk_tier;
+    disk->set_capacity_blocks(d.capacity_blocks);
+    disk->set_blocks(d.blocks);
+    disk->set_evicted(d.evicted);
+    disk->set_invalidated(d.invalidated);
+    disk->set_read_errors(d.read_errors);
+    disk->set_write_errors(d.write_errors);
+    disk->set_recovered_blocks(d.recovered_blocks);
+    disk->set_scan_dropped(d.scan_dropped);
+    disk->set_scan_ms(static_cast<double>(d.scan_ns) * 1e-6);
+    disk->set_started_empty(d.started_empty);
+    disk->set_direct_io(d.direct_io);
   }
   if (t.remote) {
     v1::TierStoreStats* redis = out->add_stores();
@@ -183,6 +213,7 @@ void ToProto(const TierStats& t, v1::TierStats* out) {
   out->set_lookups(t.lookups);
   out->set_promoted_from_host(t.promoted_from_host);
   out->set_promoted_from_redis(t.promoted_from_remote);
+  out->set_promoted_from_disk(t.promoted_from_disk);
   out->set_promoted_bytes(t.promoted_bytes);
   out->set_promote_gbps(Gbps(t.promoted_bytes, t.promote_ns));
   out->set_promote_failed(t.promote_failed);
@@ -254,7 +285,8 @@ void ToProto(const EngineStats& st, v1::GetStatsResponse* r) {
   r->set_sessions_refused(st.sessions.refused);
   r->set_calls_not_permitted(st.calls.not_permitted);
   r->set_calls_over_limit(st.calls.over_limit);
-  if (st.tiers.host || st.tiers.remote) ToProto(st.tiers, r->mutable_tiers());
+  if (st.tiers.host || st.tiers.disk || st.tiers.remote) ToProto(st.tiers, r->mutable_tiers());
+  r->set_invalidations(st.invalidations);
 }
 
 void ToProto(const SessionListing& l, int64_t now_ns, v1::SessionInfo* info) {

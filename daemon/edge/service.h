@@ -81,6 +81,7 @@ class KvPoolService final : public v1::KvPool::CallbackService {
   Unary* ExplainMatch(Context* c, const v1::ExplainMatchRequest* q,
                       v1::ExplainMatchResponse* r) override;
   Unary* Evict(Context* c, const v1::EvictRequest* q, v1::EvictResponse* r) override;
+  Unary* Invalidate(Context* c, const v1::InvalidateRequest* q, v1::InvalidateResponse* r) override;
   Unary* CheckInvariants(Context* c, const v1::CheckInvariantsRequest* q,
                          v1::CheckInvariantsResponse* r) override;
   Unary* SetLogLevel(Context* c, const v1::SetLogLevelRequest* q,

@@ -224,6 +224,21 @@ KvPoolService::Unary* KvPoolService::Evict(Context* c, const v1::EvictRequest* q
   return reactor;
 }
 
+KvPoolService::Unary* KvPoolService::Invalidate(Context* c, const v1::InvalidateRequest* q,
+                                                v1::InvalidateResponse* r) {
+  Unary* reactor = Run(c, true, [&](const Session&) -> absl::Status {
+    KVPOOL_ASSIGN_OR_RETURN(const Engine::Invalidation done,
+                            engine_->Invalidate(q->tenant(), q->model()));
+    r->set_generation(done.generation);
+    r->set_sessions(done.sessions);
+    r->set_namespaces(done.namespaces);
+    r->set_tier_blocks(done.tier_blocks);
+    return absl::OkStatus();
+  });
+  NotifyEvents();  // the tiers' BlockRemoved events
+  return reactor;
+}
+
 KvPoolService::Unary* KvPoolService::CheckInvariants(Context* c, const v1::CheckInvariantsRequest*,
                                                      v1::CheckInvariantsResponse* r) {
   return Run(c, true, [&](const Session&) {

@@ -3,6 +3,7 @@
 #include "daemon/engine/engine.h"
 
 #include "absl/cleanup/cleanup.h"
+#include "daemon/engine/invalidations.h"
 #include "daemon/engine/promotion.h"
 #include "daemon/engine/step.h"
 #include "daemon/engine/step_runner.h"
@@ -51,6 +52,18 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
       absl::MutexLock lock(&e->mu_);
       e->state_->pool(pool).DrainTierEvents();
     });
+    // Stage and KeepInHost run under the engine's lock (TierSet::set_tags_of).
+    e->tiers_[i]->set_tags_of([e](NamespaceId ns) {
+      e->mu_.AssertReaderHeld();
+      return e->state_->namespaces().TagsOf(ns);
+    });
+  }
+  if (!options.invalidations_file.empty()) {
+    absl::MutexLock lock(&e->mu_);
+    KVPOOL_ASSIGN_OR_RETURN(
+        Generations generations,
+        LoadGenerations(options.invalidations_file, e->state_->secret().fingerprint()));
+    e->state_->RestoreGenerations(std::move(generations));
   }
   if (model != nullptr) {
     engine->runner_ =
@@ -85,6 +98,7 @@ Engine::Engine(std::unique_ptr<EngineState> state, model::StepModel* model, Mode
         for (int32_t i = 0; i < state->num_pools(); ++i) tiers.push_back(state->pool(i).tiers());
         return tiers;
       }()),
+      invalidations_file_(state->options().invalidations_file),
       state_(std::move(state)) {}
 
 Engine::~Engine() {
@@ -431,7 +445,7 @@ std::optional<PromotionHold> Engine::LoadFromTiers(const Session& s, std::string
       case Promotion::Outcome::kNothing:
         return std::nullopt;
       case Promotion::Outcome::kFailed:
-        tiers->CountPromotion(promotion.hits(), 0, 0, /*failed=*/true);
+        tiers->CountPromotion(promotion.hits(), 0, 0, 0, /*failed=*/true);
         return std::nullopt;
       case Promotion::Outcome::kRaced:
         tiers->CountRaced();

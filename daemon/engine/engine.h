@@ -85,7 +85,8 @@ struct EngineStats {
   double uptime_seconds = 0;
   bool draining = false;
   absl::Status health;
-  TierStats tiers;  // the pool's lower tiers (tiers.host / tiers.remote say which exist)
+  TierStats tiers;  // the pool's lower tiers (tiers.host / .disk / .remote say which exist)
+  uint64_t invalidations = 0;  // Invalidate calls that succeeded (every pool)
 };
 
 struct SessionListing {
@@ -205,6 +206,23 @@ class Engine final {
   // Waits until every block published so far reached the tiers (host stored, remote written).
   // Errors: DEADLINE_EXCEEDED.
   absl::Status FlushTiers(absl::Duration timeout) const;
+  // What Invalidate did.
+  struct Invalidation {
+    uint64_t generation = 0;  // the tenant's (or model's) invalidation count now
+    int64_t sessions = 0;     // live sessions moved to new namespace ids
+    int64_t namespaces = 0;   // namespaces retired (their live sequences finish in them)
+    int64_t tier_blocks = 0;  // blocks the host and disk tiers dropped (every pool)
+  };
+  // Drops every tier's entries of the namespaces of `tenant` (of its model `model` only, unless
+  // empty), without a drain: from now on no match in any tier (device pool, host, disk, Redis)
+  // finds a block cached in them before, while other tenants' blocks stay (EngineState::
+  // Invalidate has the construction; docs/tiers.md, Invalidation). The host and disk tiers drop
+  // theirs at once (events, counted); the device pool's and Redis's become unreachable and age
+  // out. Remembered across restarts in options.invalidations_file. Errors: INVALID_ARGUMENT
+  // (empty tenant, nothing changed); INTERNAL when it holds now but could not be written down
+  // (a restart would forget it).
+  absl::StatusOr<Invalidation> Invalidate(std::string_view tenant, std::string_view model);
+
   // Refuses new sequences from now on; returns how many are still live (every pool).
   int64_t Drain();
   bool draining() const;
@@ -282,6 +300,10 @@ class Engine final {
   // without tiers skip the tier paths without taking the lock.
   const std::vector<TierSet*> tiers_;
 
+  const std::string invalidations_file_;
+  // Serializes invalidations, so the generations are written in the order they were raised.
+  // Taken before mu_, never after it.
+  absl::Mutex invalidation_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   mutable absl::Mutex mu_;
   const std::unique_ptr<EngineState> state_ ABSL_PT_GUARDED_BY(mu_);
   std::unique_ptr<StepRunner> runner_;  // set once in Create; null without a model

@@ -3,7 +3,9 @@
 #include <algorithm>
 
 #include "daemon/engine/engine.h"
+#include "daemon/engine/invalidations.h"
 #include "fmt/format.h"
+#include "kvpool/util/logging.h"
 #include "kvpool/util/status_macros.h"
 
 namespace kvpool::daemon {
@@ -36,7 +38,41 @@ EngineStats Engine::Stats(int32_t pool_index) const {
   s.draining = state_->draining;
   s.health = state_->health;
   if (pool.tiers() != nullptr) s.tiers = pool.tiers()->stats();
+  s.invalidations = state_->invalidations;
   return s;
+}
+
+absl::StatusOr<Engine::Invalidation> Engine::Invalidate(std::string_view tenant,
+                                                        std::string_view model) {
+  absl::MutexLock serialized(&invalidation_mu_);
+  Invalidation out;
+  Generations generations;
+  uint64_t fingerprint = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    KVPOOL_ASSIGN_OR_RETURN(const EngineState::Invalidated done, state_->Invalidate(tenant, model));
+    out = {.generation = done.generation, .sessions = done.sessions, .namespaces = done.namespaces};
+    for (int32_t p = 0; p < state_->num_pools(); ++p) {
+      PoolState& pool = state_->pool(p);
+      if (pool.tiers() == nullptr) continue;
+      out.tier_blocks += pool.tiers()->Invalidate(done.filter);
+      pool.DrainTierEvents();
+    }
+    ++state_->invalidations;
+    generations = state_->namespaces().generations();
+    fingerprint = state_->secret().fingerprint();
+  }
+  Logger("daemon").info("invalidated tenant {}{}{}: {} sessions moved, {} tier blocks dropped",
+                        tenant, model.empty() ? "" : " model ", model, out.sessions,
+                        out.tier_blocks);
+  if (invalidations_file_.empty()) return out;
+  // Outside the engine's lock: a file write and a sync.
+  if (absl::Status s = SaveGenerations(invalidations_file_, fingerprint, generations); !s.ok()) {
+    return absl::InternalError(
+        fmt::format("the invalidation holds until a restart, but could not be written down: {}",
+                    std::string(s.message())));
+  }
+  return out;
 }
 
 absl::Status Engine::FlushTiers(absl::Duration timeout) const {

@@ -86,6 +86,9 @@ struct EngineOptions {
   const Clock* clock = Clock::Real();  // not owned; outlives the engine
   // Keys namespace ids and the tiers' keys and MACs (tier/secret.h); none: a random one.
   std::optional<tier::DeploymentSecret> secret;
+  // Where invalidations are remembered across restarts (invalidations.h); empty: nowhere (a
+  // restart forgets them). The edge names a file in the disk tier's directory.
+  std::string invalidations_file;
 
   // Tests only. Runs in every lock gap, on the calling thread, with no lock held: a test holds a
   // gap open there (a latch) or changes the pool in it (an eviction), deterministically.

@@ -142,7 +142,12 @@ int64_t EngineState::End(SessionId id, SessionEnd how) {
     for (const auto& [salt, ns] : salted->second) LeaveNamespace(*session, ns);
     salts_.erase(salted);
   }
-  LeaveNamespace(*session, session->ns);
+  LeaveNamespace(*session, OwnNamespace(*session));
+  own_.erase(id);
+  if (auto retired = retired_.find(id); retired != retired_.end()) {
+    for (NamespaceId ns : retired->second) LeaveNamespace(*session, ns);
+    retired_.erase(retired);
+  }
   session_counters.sequences_released += static_cast<uint64_t>(released);
   switch (how) {
     case SessionEnd::kDetached:
@@ -183,7 +188,39 @@ absl::StatusOr<NamespaceId> EngineState::PeekNamespace(const Session& s,
     return absl::InvalidArgumentError(
         fmt::format("a cache salt of {} bytes: at most {}", salt.size(), kMaxCacheSaltBytes));
   }
-  return salt.empty() ? s.ns : namespaces_.Peek(KeyOf(s, salt));
+  return salt.empty() ? OwnNamespace(s) : namespaces_.Peek(KeyOf(s, salt));
+}
+
+NamespaceId EngineState::OwnNamespace(const Session& s) const {
+  auto it = own_.find(s.id);
+  return it == own_.end() ? s.ns : it->second;
+}
+
+absl::StatusOr<EngineState::Invalidated> EngineState::Invalidate(std::string_view tenant,
+                                                                 std::string_view model) {
+  if (tenant.empty()) return absl::InvalidArgumentError("invalidate: name a tenant");
+  const tier::NamespaceTags tags = namespaces_.Tags(tenant, model);
+  Invalidated out{
+      .filter = {.tenant = tags.tenant, .any_model = model.empty(), .model = tags.model}};
+  out.generation = namespaces_.Invalidate(model.empty() ? tags.tenant : tags.model);
+  for (const auto& [id, session] : live_) {
+    const Session& s = *session;
+    if (s.spec.tenant != tenant || (!model.empty() && s.spec.model != model)) continue;
+    std::vector<NamespaceId>& retired = retired_[id];
+    retired.push_back(OwnNamespace(s));
+    const NamespaceId fresh = namespaces_.Acquire(KeyOf(s, ""));
+    JoinQuota(s, fresh);
+    own_[id] = fresh;
+    // Salted ones are acquired afresh at their next use.
+    if (auto salted = salts_.find(id); salted != salts_.end()) {
+      for (const auto& [salt, ns] : salted->second) retired.push_back(ns);
+      out.namespaces += static_cast<int64_t>(salted->second.size());
+      salts_.erase(salted);
+    }
+    ++out.sessions;
+    ++out.namespaces;
+  }
+  return out;
 }
 
 absl::StatusOr<NamespaceId> EngineState::SaltedNamespace(const Session& s, std::string_view salt) {

@@ -86,8 +86,29 @@ class EngineState final {
   // Errors: INVALID_ARGUMENT (a salt over kMaxCacheSaltBytes).
   absl::StatusOr<NamespaceId> PeekNamespace(const Session& s, std::string_view salt) const;
   const NamespaceTable& namespaces() const { return namespaces_; }
+  // The session's own namespace now (salt ""): s.ns until an invalidation moved it.
+  NamespaceId OwnNamespace(const Session& s) const;
+
+  // What an invalidation did.
+  struct Invalidated {
+    tier::TagFilter filter;   // the tiers' blocks it drops
+    uint64_t generation = 0;  // the tag's generation now
+    int64_t sessions = 0;     // live sessions moved to new namespace ids
+    int64_t namespaces = 0;   // namespaces they held, retired (their sequences keep them)
+  };
+  // Invalidates every namespace of `tenant` (of its model `model` only, unless empty): raises
+  // the tag's generation (NamespaceTable), so every key of it derives a new id and nothing
+  // cached under the old ids is matched again, in any tier; moves the tenant's live sessions to
+  // the new ids (their sequences finish in the old ones, which they hold until they end).
+  // Errors: INVALID_ARGUMENT (empty tenant); nothing has changed.
+  absl::StatusOr<Invalidated> Invalidate(std::string_view tenant, std::string_view model);
+  // Restores the generations of earlier invalidations (a restart). REQUIRES: no session yet.
+  void RestoreGenerations(absl::flat_hash_map<uint64_t, uint64_t> generations) {
+    namespaces_.SetGenerations(std::move(generations));
+  }
 
   bool draining = false;
+  uint64_t invalidations = 0;  // Invalidate calls that succeeded
   SessionCounters session_counters;
   CallCounters call_counters;
   // OK while the engine serves; the device failure that stopped it otherwise.
@@ -116,6 +137,11 @@ class EngineState final {
   NamespaceTable namespaces_;
   // The salted namespaces each session has made its own, by salt.
   absl::flat_hash_map<SessionId, absl::flat_hash_map<std::string, NamespaceId>> salts_;
+  // Sessions whose own namespace an invalidation moved: the new one (the others: Session::ns).
+  absl::flat_hash_map<SessionId, NamespaceId> own_;
+  // Namespaces an invalidation took from each session: held (in the table and the quota group)
+  // until the session ends, for the sequences and pins still in them.
+  absl::flat_hash_map<SessionId, std::vector<NamespaceId>> retired_;
   uint64_t next_session_ = 1;
   absl::flat_hash_map<SessionId, std::shared_ptr<const Session>> live_;
   absl::flat_hash_map<std::string, SessionId> by_token_;

@@ -16,6 +16,14 @@
 // reachable; it could go to another key only after a MAC collision, which the table checks while
 // either key is in use.
 //
+// Invalidation (docs/tiers.md): every entry carries the tags of its tenant and of its (tenant,
+// model) (keyed MACs, NamespaceTags), which the host and disk tiers keep with each block. An
+// invalidation of a tenant, or of one of its models, raises that tag's generation, and a key
+// whose tenant or model tag has a generation is encoded with both: from then on the key derives
+// another id, so nothing cached under the old one (in any tier, Redis included) is ever matched
+// again. Entries already in use keep their old id until their users release them (the engine
+// moves its sessions to the new one).
+//
 // Thread-compatible (EngineState's lock guards it).
 
 #include <cstdint>
@@ -25,6 +33,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "kvpool/util/strong_id.h"
+#include "tier/remote_tier.h"
 #include "tier/secret.h"
 
 namespace kvpool::daemon {
@@ -55,6 +64,21 @@ class NamespaceTable final {
   // The id `key` has, or would get if acquired now; changes nothing.
   NamespaceId Peek(const NamespaceKey& key) const;
 
+  // The tags of `tenant` and of (`tenant`, `model`): keyed MACs under the secret, never 0.
+  tier::NamespaceTags Tags(std::string_view tenant, std::string_view model) const;
+  // The tags of an id in use; zero tags for an id the table does not hold.
+  tier::NamespaceTags TagsOf(NamespaceId id) const;
+
+  // Generations by tag (a tenant's or a model's tag: Tags); 0 for a tag never invalidated.
+  uint64_t generation(uint64_t tag) const;
+  // Raises `tag`'s generation by one; keys under it derive new ids from now on. Returns it.
+  uint64_t Invalidate(uint64_t tag);
+  // Every tag's generation (persisted by the engine, restored with SetGenerations at start).
+  const absl::flat_hash_map<uint64_t, uint64_t>& generations() const { return generations_; }
+  void SetGenerations(absl::flat_hash_map<uint64_t, uint64_t> generations) {
+    generations_ = std::move(generations);
+  }
+
   // The quota group of every namespace of `tenant` (KvCacheManager::SetNamespaceQuota): a keyed
   // MAC too, so no tenant name chosen by a client lands in another tenant's group. Never 0.
   uint64_t QuotaGroup(std::string_view tenant) const;
@@ -67,8 +91,11 @@ class NamespaceTable final {
   struct Entry {
     std::string key;  // the encoded key
     int64_t users = 0;
+    tier::NamespaceTags tags;
   };
-  static std::string Encode(const NamespaceKey& key);
+  // The key's encoding, with its tags' generations when either has one (then `tags` are filled,
+  // when given, to spare the caller computing them again).
+  std::string Encode(const NamespaceKey& key, tier::NamespaceTags* tags = nullptr) const;
   // The id of derivation `round` of the encoded key.
   NamespaceId Derive(std::string_view encoded, uint64_t round) const;
   // The first derivation of `encoded` that no other key holds.
@@ -78,6 +105,7 @@ class NamespaceTable final {
   const DeriveFn derive_;
   absl::flat_hash_map<NamespaceId, Entry> by_id_;
   absl::flat_hash_map<std::string, NamespaceId> by_key_;
+  absl::flat_hash_map<uint64_t, uint64_t> generations_;
   uint64_t collisions_ = 0;
 };
 

@@ -40,7 +40,9 @@ absl::StatusOr<std::unique_ptr<PoolState>> PoolState::Create(const PoolOptions& 
                           GenerationTable::Create(layout.num_blocks));
   std::unique_ptr<TierSet> tiers;
   if (options.tiers.enabled() && options.prefix_cache) {
-    KVPOOL_ASSIGN_OR_RETURN(tiers, TierSet::Create(options.tiers, device, layout, secret));
+    TierOptions tier_options = options.tiers;
+    if (tier_options.disk.enabled()) tier_options.disk.directory += "/" + pool.name;  // its own
+    KVPOOL_ASSIGN_OR_RETURN(tiers, TierSet::Create(tier_options, device, layout, secret));
   }
   return std::unique_ptr<PoolState>(
       new PoolState(pool.name, layout, options.fill_policy, device, std::move(arena),

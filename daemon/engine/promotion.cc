@@ -112,7 +112,8 @@ std::optional<PromotionHold> Promotion::Publish(EngineState& state, const absl::
   PoolState& pool = state.pool(pool_);
   TierSet& tiers = *pool.tiers();
   const int64_t from_host = std::min<int64_t>(found_.from_host, found_.hits);
-  const int64_t from_remote = found_.hits - from_host;
+  const int64_t from_disk = std::min<int64_t>(found_.from_disk, found_.hits - from_host);
+  const int64_t from_remote = found_.hits - from_host - from_disk;
   const PromotionHold hold{
       .pool = pool_, .loader = loader_, .tokens = static_cast<int64_t>(upto_) * block_size_};
   // The loader is no client's: only this engine frees it, so it is still there. The commit
@@ -120,16 +121,18 @@ std::optional<PromotionHold> Promotion::Publish(EngineState& state, const absl::
   // under exactly these chained hashes).
   if (!copied.ok() || !pool.cache().Commit(kTierLoader, loader_, hold.tokens, {}).ok()) {
     FreeLoader(pool, loader_);
-    tiers.CountPromotion(from_host, from_remote, 0, /*failed=*/true);
+    tiers.CountPromotion(from_host, from_disk, from_remote, 0, /*failed=*/true);
     return std::nullopt;
   }
   pool.StagePublished(std::span(chain_).first(upto_));  // already in a tier: not staged again
-  tiers.CountPromotion(from_host, from_remote, state.now() - started_ns_, /*failed=*/false);
-  if (from_remote > 0) {  // what Redis had goes into the host tier too
-    const size_t first_remote = local_ + static_cast<size_t>(from_host);
-    tiers.KeepInHost(ns_, first_remote == 0 ? BlockHash{} : chain_[first_remote - 1],
-                     std::span(chain_).subspan(first_remote, static_cast<size_t>(from_remote)),
-                     found_, static_cast<size_t>(from_host));
+  tiers.CountPromotion(from_host, from_disk, from_remote, state.now() - started_ns_,
+                       /*failed=*/false);
+  if (from_disk + from_remote > 0) {  // what the disk or Redis had goes into the host tier too
+    const size_t first_below = local_ + static_cast<size_t>(from_host);
+    tiers.KeepInHost(
+        ns_, first_below == 0 ? BlockHash{} : chain_[first_below - 1],
+        std::span(chain_).subspan(first_below, static_cast<size_t>(from_disk + from_remote)),
+        found_, static_cast<size_t>(from_host));
     pool.DrainTierEvents();
   }
   return hold;

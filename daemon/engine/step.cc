@@ -121,7 +121,7 @@ absl::Status Step::PlanNew(EngineState& state, ComputeCall& call, Entry* entry) 
   std::vector<TableChange> changes;
   model::PlannedItem item;
   if (r.prefill()) {
-    NamespaceId ns = s.ns;
+    NamespaceId ns = state.OwnNamespace(s);
     if (r.creates()) {
       KVPOOL_ASSIGN_OR_RETURN(ns, state.SaltedNamespace(s, r.cache_salt));
     }

@@ -15,6 +15,10 @@ namespace {
 
 int64_t NowNs() { return absl::GetCurrentTimeNanos(); }
 
+// Set while this thread runs TierSet::Invalidate (under the engine's lock): the disk tier's
+// events it causes are drained by the engine itself then, not through on_events.
+thread_local bool t_invalidating = false;
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<TierSet>> TierSet::Create(const TierOptions& options,
@@ -48,15 +52,30 @@ absl::StatusOr<std::unique_ptr<TierSet>> TierSet::Create(const TierOptions& opti
     return absl::InvalidArgumentError(
         fmt::format("tiers: lookup_blocks {} must be > 0", options.lookup_blocks));
   }
+  std::unique_ptr<tier::DiskBlockStore> disk;
+  if (options.disk.enabled()) {
+    absl::StatusOr<std::unique_ptr<tier::DiskBlockStore>> opened =
+        tier::DiskBlockStore::Open(options.disk, secret, layout.Hash(), layout.block_bytes());
+    if (opened.ok()) {
+      disk = *std::move(opened);
+    } else if (absl::IsInvalidArgument(opened.status())) {
+      return opened.status();
+    } else {
+      // The directory, not the config: serve without the disk tier rather than not at all.
+      Logger("daemon").error("disk tier {} is unavailable, the pool runs without it: {}",
+                             options.disk.directory, opened.status().ToString());
+    }
+  }
   return std::make_unique<TierSet>(device, layout, std::move(host), std::move(remote),
                                    options.staged_blocks, std::move(host_memory),
-                                   options.lookup_blocks);
+                                   options.lookup_blocks, std::move(disk));
 }
 
 TierSet::TierSet(kernels::Device* device, const kernels::PoolLayout& layout,
                  std::unique_ptr<tier::HostBlockStore> host,
                  std::unique_ptr<tier::RemoteTier> remote, int64_t staged_blocks,
-                 std::unique_ptr<kernels::DeviceBuffer> host_memory, int64_t lookup_blocks)
+                 std::unique_ptr<kernels::DeviceBuffer> host_memory, int64_t lookup_blocks,
+                 std::unique_ptr<tier::DiskBlockStore> disk)
     : device_(device),
       block_bytes_(layout.block_bytes()),
       block_size_(layout.block_size),
@@ -65,12 +84,18 @@ TierSet::TierSet(kernels::Device* device, const kernels::PoolLayout& layout,
       max_lookup_(std::min(lookup_blocks, std::max<int64_t>(1, kMaxStagedBytes / block_bytes_))),
       host_memory_(std::move(host_memory)),
       host_(std::move(host)),
-      remote_(std::move(remote)) {
+      remote_(std::move(remote)),
+      disk_(std::move(disk)) {
   KVPOOL_CHECK(host_ == nullptr || host_->block_bytes() == block_bytes_);
   if (host_) {
-    host_->set_listener([this](const tier::BlockSpace& space, const BlockHash& hash,
-                               const BlockHash& parent,
-                               bool stored) { OnHostChange(space, hash, parent, stored); });
+    host_->set_listener(
+        [this](const tier::BlockSpace& space, const BlockHash& hash, const BlockHash& parent,
+               bool stored) { OnStoreChange(KvMedium::kHost, space, hash, parent, stored); });
+  }
+  if (disk_) {
+    disk_->set_listener(
+        [this](const tier::BlockSpace& space, const BlockHash& hash, const BlockHash& parent,
+               bool stored) { OnStoreChange(KvMedium::kDisk, space, hash, parent, stored); });
   }
   writer_ = std::thread([this] { WriterLoop(); });
 }
@@ -84,18 +109,38 @@ void TierSet::Stop() {
     changed_.SignalAll();
   }
   if (writer_.joinable()) writer_.join();
+  // The disk tier's writer tells of its records until the store goes: never the engine again,
+  // and none of its calls is still running when Stop returns.
+  absl::MutexLock lock(&mu_);
+  on_events_ = nullptr;
+  while (telling_ > 0) changed_.Wait(&mu_);
 }
 
-void TierSet::OnHostChange(const tier::BlockSpace& space, const BlockHash& hash,
-                           const BlockHash& parent, bool stored) {
+void TierSet::OnStoreChange(KvMedium medium, const tier::BlockSpace& space, const BlockHash& hash,
+                            const BlockHash& parent, bool stored) {
   KvEvent e{.type = stored ? KvEventType::kBlockStored : KvEventType::kBlockRemoved,
             .ns = space.ns,
             .block_hashes = {hash},
             .block_size = block_size_,
-            .medium = KvMedium::kHost};
+            .medium = medium};
   if (stored && parent != BlockHash{}) e.parent_hash = parent;
+  std::function<void()> on_events;
+  {
+    absl::MutexLock lock(&mu_);
+    events_.push_back(std::move(e));
+    // The disk tier tells from its own writer thread (or a lookup's, in a lock gap), long after
+    // the staging that caused it: the engine is told at once. The host tier tells on threads
+    // that either drain afterwards (the writer loop) or hold the engine's lock.
+    if (medium == KvMedium::kDisk && !t_invalidating && on_events_) {
+      on_events = on_events_;
+      ++telling_;
+    }
+  }
+  if (!on_events) return;
+  on_events();
   absl::MutexLock lock(&mu_);
-  events_.push_back(std::move(e));
+  --telling_;
+  changed_.SignalAll();
 }
 
 void TierSet::TakeEvents(std::vector<KvEvent>* out) {
@@ -134,7 +179,10 @@ void TierSet::Stage(KvCacheManager& cache, const kernels::KvPoolView& view,
       ++counters_.demote_dropped_full;
       continue;
     }
-    Staged item{.space = {p.ns, layout_fingerprint_}, .hash = p.hash, .parent = p.parent};
+    Staged item{.space = {p.ns, layout_fingerprint_},
+                .hash = p.hash,
+                .parent = p.parent,
+                .tags = tags_of_ ? tags_of_(p.ns) : tier::NamespaceTags{}};
     if (!spare_.empty()) {
       item.bytes = std::move(spare_.back());
       spare_.pop_back();
@@ -186,8 +234,10 @@ void TierSet::WriterLoop() {
                                      .parent = item.parent,
                                      .coverage = static_cast<uint32_t>(block_size_),
                                      .bytes = {static_cast<const std::byte*>(item.bytes->data()),
-                                               static_cast<size_t>(block_bytes_)}};
+                                               static_cast<size_t>(block_bytes_)},
+                                     .tags = item.tags};
       if (host_) host_->Put(item.space, block);
+      if (disk_) disk_->Put(item.space, block);  // queued: never waits for the disk
       if (remote_) remote_->Put(item.space, block);
     }
     std::function<void()> on_events;
@@ -237,14 +287,25 @@ TierSet::Found TierSet::Lookup(NamespaceId ns, const BlockHash& parent,
     const absl::StatusOr<tier::LookupResult> r = host_->Lookup(space, parent, hashes, out);
     if (r.ok()) found.hits = found.from_host = r->hits;
   }
+  if (disk_ && found.hits < static_cast<int64_t>(hashes.size())) {
+    const int64_t got = LookupBelow(*disk_, space, parent, hashes, out, found.hits);
+    found.from_disk = got;
+    found.hits += got;
+  }
   if (remote_ && found.hits < static_cast<int64_t>(hashes.size())) {
-    const size_t from = static_cast<size_t>(found.hits);
-    const BlockHash& after = from == 0 ? parent : hashes[from - 1];
-    const absl::StatusOr<tier::LookupResult> r =
-        remote_->Lookup(space, after, hashes.subspan(from), std::span(out).subspan(from));
-    if (r.ok()) found.hits += r->hits;
+    found.hits += LookupBelow(*remote_, space, parent, hashes, out, found.hits);
   }
   return found;
+}
+
+int64_t TierSet::LookupBelow(tier::RemoteTier& store, const tier::BlockSpace& space,
+                             const BlockHash& parent, std::span<const BlockHash> hashes,
+                             std::span<const std::span<std::byte>> out, int64_t from) {
+  const size_t at = static_cast<size_t>(from);
+  const BlockHash& after = at == 0 ? parent : hashes[at - 1];
+  const absl::StatusOr<tier::LookupResult> r =
+      store.Lookup(space, after, hashes.subspan(at), out.subspan(at));
+  return r.ok() ? r->hits : 0;
 }
 
 std::unique_ptr<kernels::DeviceBuffer> TierSet::TakeBuffer() {
@@ -276,18 +337,20 @@ void TierSet::Recycle(Found* found) {
   lookup_held_ -= static_cast<int64_t>(found->buffers.size());
   for (auto& buffer : found->buffers) GiveBack(std::move(buffer));
   found->buffers.clear();
-  found->hits = found->from_host = 0;
+  found->hits = found->from_host = found->from_disk = 0;
 }
 
 void TierSet::KeepInHost(NamespaceId ns, const BlockHash& parent, std::span<const BlockHash> hashes,
                          const Found& found, size_t first) {
   if (!host_) return;
   const tier::BlockSpace space{ns, layout_fingerprint_};
+  const tier::NamespaceTags tags = tags_of_ ? tags_of_(ns) : tier::NamespaceTags{};
   for (size_t i = 0; i < hashes.size() && first + i < static_cast<size_t>(found.hits); ++i) {
     host_->Put(space, {.hash = hashes[i],
                        .parent = i == 0 ? parent : hashes[i - 1],
                        .coverage = static_cast<uint32_t>(block_size_),
-                       .bytes = found.block(first + i, block_bytes_)});
+                       .bytes = found.block(first + i, block_bytes_),
+                       .tags = tags});
   }
 }
 
@@ -307,16 +370,18 @@ void TierSet::CountHoldEnd(bool adopted) {
   ++(adopted ? counters_.promote_adopted : counters_.promote_unused);
 }
 
-void TierSet::CountPromotion(int64_t from_host, int64_t from_remote, int64_t ns_spent,
-                             bool failed) {
+void TierSet::CountPromotion(int64_t from_host, int64_t from_disk, int64_t from_remote,
+                             int64_t ns_spent, bool failed) {
+  const int64_t blocks = from_host + from_disk + from_remote;
   absl::MutexLock lock(&mu_);
   if (failed) {
-    counters_.promote_failed += static_cast<uint64_t>(from_host + from_remote);
+    counters_.promote_failed += static_cast<uint64_t>(blocks);
     return;
   }
   counters_.promoted_from_host += static_cast<uint64_t>(from_host);
+  counters_.promoted_from_disk += static_cast<uint64_t>(from_disk);
   counters_.promoted_from_remote += static_cast<uint64_t>(from_remote);
-  counters_.promoted_bytes += static_cast<uint64_t>((from_host + from_remote) * block_bytes_);
+  counters_.promoted_bytes += static_cast<uint64_t>(blocks * block_bytes_);
   counters_.promote_ns += ns_spent;
 }
 
@@ -330,6 +395,9 @@ absl::Status TierSet::Flush(absl::Duration timeout) {
         return absl::DeadlineExceededError("tier: staged copies still pending");
       }
     }
+  }
+  if (disk_) {
+    KVPOOL_RETURN_IF_ERROR(disk_->Flush(std::max(deadline - absl::Now(), absl::ZeroDuration())));
   }
   if (remote_) return remote_->Flush(std::max(deadline - absl::Now(), absl::ZeroDuration()));
   return absl::OkStatus();
@@ -351,7 +419,22 @@ TierStats TierSet::stats() const {
     out.host_store = host_->stats();
   }
   if (remote_) out.remote_store = remote_->stats();
+  out.disk = disk_ != nullptr;
+  if (disk_) {
+    out.disk_store = disk_->stats();
+    out.disk_tier = disk_->disk_stats();
+  }
   return out;
+}
+
+int64_t TierSet::Invalidate(const tier::TagFilter& filter) {
+  const int64_t from_host = host_ ? host_->Invalidate(filter) : 0;
+  t_invalidating = true;
+  const int64_t from_disk = disk_ ? disk_->Invalidate(filter) : 0;
+  t_invalidating = false;
+  absl::MutexLock lock(&mu_);
+  counters_.host_invalidated += static_cast<uint64_t>(from_host);
+  return from_host + from_disk;
 }
 
 }  // namespace kvpool::daemon

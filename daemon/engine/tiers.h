@@ -1,17 +1,18 @@
 #pragma once
 
-// TierSet: one pool's lower tiers (DESIGN.md §9): a host tier (L2, tier::HostBlockStore) and a
-// remote tier (L3, tier::RedisBlockStore), either or both, and the two ways blocks move between
-// them and the device pool.
+// TierSet: one pool's lower tiers (DESIGN.md §9): a host tier (L2, tier::HostBlockStore), a disk
+// tier (tier::DiskBlockStore, survives a restart) and a remote tier (L3, tier::RedisBlockStore),
+// any of them, and the two ways blocks move between them and the device pool.
 //
 // Down (write-through): every full block the pool publishes is copied to host memory on the
 // transfer stream, after the compute stream's work so far, and the block is marked in flight
 // with that copy's fence, so it cannot be reused before its bytes are out (Stage, under the
 // engine's lock, in the same lock hold as the publish). A writer thread waits for each copy's
-// fence and offers the bytes to L2 and L3. Staged copies are bounded: past the bound a block is
-// dropped and counted, never waited for.
+// fence and offers the bytes to L2, the disk and L3. Staged copies are bounded: past the bound a
+// block is dropped and counted, never waited for.
 //
-// Up (load on a local miss): Lookup asks L2, then L3 for what L2 lacks, for the chained hashes
+// Up (load on a local miss): Lookup asks L2, then the disk, then L3, each from where the one
+// before stopped, for the chained hashes
 // after the locally cached prefix; the engine copies the hits into fresh device blocks of a
 // loader sequence on the transfer stream and publishes them only after that copy's fence
 // (Engine::LoadFromTiers), so no sequence ever sees a block whose bytes are not there yet.
@@ -34,6 +35,8 @@
 #include "kernels/device.h"
 #include "kernels/pool_layout.h"
 #include "kvpool/kv_cache_manager.h"
+#include "tier/disk_block_store.h"
+#include "tier/disk_tier_options.h"
 #include "tier/host_block_store.h"
 #include "tier/redis_tier_options.h"
 #include "tier/remote_tier.h"
@@ -45,24 +48,31 @@ namespace kvpool::daemon {
 inline constexpr int64_t kMaxStagedBytes = int64_t{256} << 20;
 
 struct TierOptions {
-  int64_t host_blocks = 0;       // L2 capacity in blocks; 0: no host tier
+  int64_t host_blocks = 0;  // L2 capacity in blocks; 0: no host tier
+  // The disk tier; disk.directory empty: none. The engine gives each pool its own directory
+  // below it (PoolState::Create).
+  tier::DiskTierOptions disk;
   tier::RedisTierOptions redis;  // L3; redis.enabled false: none
   // Device -> host copies waiting for the writer, at most (and at most kMaxStagedBytes of them).
   int64_t staged_blocks = 1024;
   // Blocks all lookups in flight may hold in staging buffers at once (host memory, pinned on
   // CUDA; at most kMaxStagedBytes of them); a lookup past it asks for fewer blocks (counted).
   int64_t lookup_blocks = 512;
-  bool enabled() const { return host_blocks > 0 || redis.enabled; }
+  bool enabled() const { return host_blocks > 0 || disk.enabled() || redis.enabled; }
 };
 
 // Figures of one pool's tiers: moves between the device pool and the tiers, and each store's own.
 struct TierStats {
   bool host = false;    // a host tier is configured
   bool remote = false;  // a remote tier is configured
+  bool disk = false;    // a disk tier is configured and open
   int64_t host_capacity_blocks = 0;
-  int64_t host_blocks = 0;    // blocks in the host tier now
-  uint64_t host_evicted = 0;  // blocks the host tier dropped to make room
+  int64_t host_blocks = 0;        // blocks in the host tier now
+  uint64_t host_evicted = 0;      // blocks the host tier dropped to make room
+  uint64_t host_invalidated = 0;  // blocks the host tier dropped by invalidation
   tier::RemoteTierStats host_store;
+  tier::RemoteTierStats disk_store;
+  tier::DiskTierStats disk_tier;
   tier::RemoteTierStats remote_store;
   // Demotions: published blocks copied out of the device pool toward the tiers.
   uint64_t demoted = 0;
@@ -74,6 +84,7 @@ struct TierStats {
   // Promotions: tier hits copied into fresh device blocks and published.
   uint64_t lookups = 0;               // local misses looked up in the tiers
   uint64_t promoted_from_host = 0;    // blocks
+  uint64_t promoted_from_disk = 0;    // blocks
   uint64_t promoted_from_remote = 0;  // blocks
   uint64_t promoted_bytes = 0;
   int64_t promote_ns = 0;       // copy time summed (enqueue to fence)
@@ -89,9 +100,11 @@ struct TierStats {
 
 class TierSet final {
  public:
-  // Errors: INVALID_ARGUMENT (options), RESOURCE_EXHAUSTED (host arena); those of
-  // RedisBlockStore::Create. `device` outlives the set. The Redis tier's keys and MACs are
-  // derived under (a copy of) `secret`.
+  // Errors: INVALID_ARGUMENT (options, the disk tier's included), RESOURCE_EXHAUSTED (host
+  // arena); those of RedisBlockStore::Create. A disk tier whose directory cannot be opened (the
+  // environment, not the config) is left out and logged: the pool serves without it. `device`
+  // outlives the set. The Redis and disk tiers' keys and MACs are derived under (a copy of)
+  // `secret`.
   static absl::StatusOr<std::unique_ptr<TierSet>> Create(const TierOptions& options,
                                                          kernels::Device* device,
                                                          const kernels::PoolLayout& layout,
@@ -101,7 +114,8 @@ class TierSet final {
   TierSet(kernels::Device* device, const kernels::PoolLayout& layout,
           std::unique_ptr<tier::HostBlockStore> host, std::unique_ptr<tier::RemoteTier> remote,
           int64_t staged_blocks, std::unique_ptr<kernels::DeviceBuffer> host_memory = nullptr,
-          int64_t lookup_blocks = TierOptions{}.lookup_blocks);
+          int64_t lookup_blocks = TierOptions{}.lookup_blocks,
+          std::unique_ptr<tier::DiskBlockStore> disk = nullptr);
   ~TierSet();  // stops the writer after the copies already staged
   TierSet(const TierSet&) = delete;
   TierSet& operator=(const TierSet&) = delete;
@@ -115,6 +129,7 @@ class TierSet final {
   struct Found {
     int64_t hits = 0;       // leading blocks found
     int64_t from_host = 0;  // of which the host tier had the first ones
+    int64_t from_disk = 0;  // and the disk tier the next ones (the remote tier the rest)
     // Block i's bytes are buffers[i]'s first block_bytes() (i < hits); staging buffers, host
     // memory pinned on CUDA, to give back with Recycle.
     std::vector<std::unique_ptr<kernels::DeviceBuffer>> buffers;
@@ -122,25 +137,40 @@ class TierSet final {
     std::span<const std::byte> block(size_t i, int64_t bytes) const;
   };
   // Outside any lock: the longest leading run of `hashes` (a chain after `parent`) the tiers
-  // hold, L2 first, then L3 from where L2 stopped. Never fails: a tier down or corrupt misses
-  // (and so does a run longer than the lookup buffers free now: lookup_blocks bounds them all).
+  // hold, L2 first, then the disk from where L2 stopped, then L3 from where the disk stopped. Never
+  // fails: a tier down or corrupt misses (and so does a run longer than the lookup buffers free
+  // now: lookup_blocks bounds them all).
   Found Lookup(NamespaceId ns, const BlockHash& parent, std::span<const BlockHash> hashes);
   // Takes back a Lookup's buffers for later staging and lookups.
   void Recycle(Found* found);
 
-  // Offers found blocks [first, first + count) (promoted from the remote tier, so their bytes
-  // are at hand) to the host tier; `parent` is block `first`'s parent.
+  // Offers found blocks [first, first + count) (promoted from the disk or the remote tier, so
+  // their bytes are at hand) to the host tier; `parent` is block `first`'s parent. REQUIRES: the
+  // engine's lock (the namespace's tags are looked up, set_tags_of).
   void KeepInHost(NamespaceId ns, const BlockHash& parent, std::span<const BlockHash> hashes,
                   const Found& found, size_t first);
 
   // Counts a promotion (the engine does the copying).
-  void CountPromotion(int64_t from_host, int64_t from_remote, int64_t ns_spent, bool failed);
+  void CountPromotion(int64_t from_host, int64_t from_disk, int64_t from_remote, int64_t ns_spent,
+                      bool failed);
+
+  // The tags of a namespace (NamespaceTable::TagsOf), which the host and disk tiers keep with
+  // every block for invalidation; called under the engine's lock by Stage and KeepInHost. Set it
+  // before Stage is called; unset, blocks are untagged.
+  using TagsOf = std::function<tier::NamespaceTags(NamespaceId)>;
+  void set_tags_of(TagsOf tags_of) { tags_of_ = std::move(tags_of); }
+  // Drops every block of the host and disk tiers whose tags `filter` matches (their events
+  // wait in TakeEvents). Returns how many. Redis cannot be asked to drop by tag (its keys are
+  // MACs, its ACL allows no DEL or SCAN): the engine makes its entries unreachable instead
+  // (docs/tiers.md, Invalidation).
+  int64_t Invalidate(const tier::TagFilter& filter);
   // Counts a lookup done again because the local match shrank meanwhile.
   void CountRaced();
   // Counts the end of a promotion's hold: `adopted` by its call, or let go unused.
   void CountHoldEnd(bool adopted);
 
-  // Host-tier events (BlockStored / BlockRemoved, medium host) not yet taken, oldest first.
+  // Host- and disk-tier events (BlockStored / BlockRemoved, medium host or disk) not yet taken,
+  // oldest first.
   void TakeEvents(std::vector<KvEvent>* out);
   // Called by the writer thread, with no lock held, after it stored blocks whose events wait in
   // TakeEvents (the engine moves them into the pool's event log). Set it before Stage is called.
@@ -161,17 +191,23 @@ class TierSet final {
     tier::BlockSpace space;
     BlockHash hash;
     BlockHash parent;
+    tier::NamespaceTags tags;
     std::unique_ptr<kernels::DeviceBuffer> bytes;  // host memory (pinned on CUDA), one block
     Fence fence;
     int64_t staged_ns = 0;
   };
   void WriterLoop();
+  // Asks `store` for hashes [from, ...) after what the stores above found, into out[from, ...).
+  // Returns its hits.
+  static int64_t LookupBelow(tier::RemoteTier& store, const tier::BlockSpace& space,
+                             const BlockHash& parent, std::span<const BlockHash> hashes,
+                             std::span<const std::span<std::byte>> out, int64_t from);
   // A lookup buffer of one block: a spare one, or a new one; null when lookups hold max_lookup_
   // already or none can be had.
   std::unique_ptr<kernels::DeviceBuffer> TakeBuffer() ABSL_LOCKS_EXCLUDED(mu_);
   void GiveBack(std::unique_ptr<kernels::DeviceBuffer> buffer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void OnHostChange(const tier::BlockSpace& space, const BlockHash& hash, const BlockHash& parent,
-                    bool stored);
+  void OnStoreChange(KvMedium medium, const tier::BlockSpace& space, const BlockHash& hash,
+                     const BlockHash& parent, bool stored);
 
   kernels::Device* const device_;
   const int64_t block_bytes_;
@@ -183,6 +219,8 @@ class TierSet final {
   const std::unique_ptr<kernels::DeviceBuffer> host_memory_;
   const std::unique_ptr<tier::HostBlockStore> host_;
   const std::unique_ptr<tier::RemoteTier> remote_;
+  const std::unique_ptr<tier::DiskBlockStore> disk_;
+  TagsOf tags_of_;  // set before the first Stage, read under the engine's lock
 
   mutable absl::Mutex mu_;
   absl::CondVar changed_;
@@ -195,6 +233,7 @@ class TierSet final {
   // Staging buffers the writer is done with, for the next Stage (at most max_staged_ exist).
   std::vector<std::unique_ptr<kernels::DeviceBuffer>> spare_ ABSL_GUARDED_BY(mu_);
   std::function<void()> on_events_ ABSL_GUARDED_BY(mu_);
+  int64_t telling_ ABSL_GUARDED_BY(mu_) = 0;  // disk-tier calls of on_events_ running now
   std::thread writer_;
 };
 

@@ -71,6 +71,10 @@ TEST(ValidateInvocationTest, KnowsEachCommandsArguments) {
   EXPECT_FALSE(valid({.command = "evict", .blocks = -4}));
   EXPECT_TRUE(valid({.command = "log-level", .args = {"debug"}}));
   EXPECT_FALSE(valid({.command = "log-level"}));
+  EXPECT_TRUE(valid({.command = "invalidate", .tenant = "t"}));
+  EXPECT_TRUE(valid({.command = "invalidate", .tenant = "t", .model = "m"}));
+  EXPECT_FALSE(valid({.command = "invalidate"}));  // a tenant is required
+  EXPECT_FALSE(valid({.command = "invalidate", .args = {"t"}, .tenant = "t"}));
 }
 
 TEST(FormatTest, SessionsAreAnAlignedTable) {
@@ -134,6 +138,26 @@ TEST(FormatTest, StatsShowTiersOnlyWhenConfigured) {
   EXPECT_THAT(text, ::testing::ContainsRegex("\nredis +- +- +3 +0 +2 +1 .* open\n"));
   EXPECT_THAT(text, ::testing::ContainsRegex("promoted from host +5 "));
   EXPECT_THAT(text, ::testing::ContainsRegex("promoted from redis +3"));
+}
+
+TEST(FormatTest, StatsShowTheDiskTierAndHowItStarted) {
+  v1::GetStatsResponse stats;
+  v1::TierStoreStats* disk = stats.mutable_tiers()->add_stores();
+  disk->set_medium("disk");
+  disk->set_blocks(7);
+  disk->set_capacity_blocks(100);
+  disk->set_hits(4);
+  disk->set_forged(1);
+  disk->set_write_errors(2);
+  disk->set_recovered_blocks(6);
+  disk->set_started_empty("it was written for another model");
+  stats.mutable_tiers()->set_promoted_from_disk(4);
+  const std::string text = FormatStats(stats, false);
+  EXPECT_THAT(text, ::testing::ContainsRegex("\ndisk +7 +100 +4 +0 +0 +1 "));
+  EXPECT_THAT(text, HasSubstr("2 write errors"));
+  EXPECT_THAT(text, HasSubstr("6 records kept"));
+  EXPECT_THAT(text, HasSubstr("started empty: it was written for another model"));
+  EXPECT_THAT(text, ::testing::ContainsRegex("promoted from disk +4"));
 }
 
 TEST(FormatTest, StatsShowBytesPerTokenOfEachLayer) {

@@ -148,6 +148,39 @@ TEST(ConfigTest, TiersAreOffByDefaultAndCheckedWhenOn) {
   EXPECT_EQ(o->tiers.redis.ttl_seconds, 600);
 }
 
+// The disk tier needs the deployment secret (its records are sealed under it, and a random one
+// would make them useless after a restart) and pool names that can name a directory.
+TEST(ConfigTest, TheDiskTierNeedsASecretFileAndPathSafePoolNames) {
+  const std::string path = ::testing::TempDir() + "/disk.textproto";
+  std::ofstream(path) << "pools { name: \"a/b\" pool_bytes: 16777216 }\n"
+                         "tiers { disk { directory: \"rel\" capacity_bytes: 0 fsync: \"always\" "
+                         "} }\n";
+  const absl::Status bad = LoadConfig(path).status();
+  ASSERT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  const std::string message(bad.message());
+  EXPECT_THAT(message, HasSubstr("tiers.disk: needs secret_file"));
+  EXPECT_THAT(message, HasSubstr("tiers.disk.directory: must be an absolute path"));
+  EXPECT_THAT(message, HasSubstr("tiers.disk.capacity_bytes: must be > 0"));
+  EXPECT_THAT(message, HasSubstr("tiers.disk.fsync: 'always'"));
+  EXPECT_THAT(message, HasSubstr("pools[0].name: must be letters"));
+
+  const std::string secret = ::testing::TempDir() + "/disk-secret";
+  std::ofstream(secret) << std::string(32, 'x');
+  ASSERT_EQ(chmod(secret.c_str(), 0600), 0);
+  std::ofstream(path) << "secret_file: \"" << secret << "\"\n"
+                      << "tiers { disk { directory: \"/var/cache/kvpool\" capacity_bytes: "
+                         "1073741824 fsync: \"batch\" } }\n";
+  const absl::StatusOr<v1::DaemonConfig> c = LoadConfig(path);
+  ASSERT_TRUE(c.ok()) << c.status();
+  const absl::StatusOr<EngineOptions> o = MakeEngineOptions(*c, 1);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_TRUE(o->tiers.enabled());
+  EXPECT_EQ(o->tiers.disk.directory, "/var/cache/kvpool");
+  EXPECT_EQ(o->tiers.disk.fsync, tier::DiskFsync::kBatch);
+  EXPECT_EQ(o->invalidations_file, "/var/cache/kvpool/invalidations");
+  EXPECT_NE(o->tiers.disk.content_fingerprint, 0u);  // the model's
+}
+
 // tiers.redis.password_file: read at load, owner-only, not a symlink; a clear one-line error
 // otherwise (the field is new: before it, the config test could not name a file at all).
 TEST(ConfigTest, RedisPasswordFileIsReadAndMustBeOwnerOnly) {

@@ -37,6 +37,46 @@ TEST(NamespaceTableTest, AKeyKeepsItsIdAndOtherKeysGetOthers) {
   EXPECT_EQ(table.Peek({.layout_hash = 1, .tenant = "a", .model = "m"}), a);
 }
 
+// Invalidation (docs/tiers.md): a raised generation gives every key of the tenant (or of its one
+// model) a new id, salts included; other tenants and models keep theirs; the old id stays its
+// users' until they release it; tags never depend on the generation.
+TEST(NamespaceTableTest, AnInvalidationGivesTheTenantsKeysNewIdsAndNoOneElse) {
+  NamespaceTable table(&TestSecret());
+  const NamespaceKey am{.layout_hash = 1, .tenant = "a", .model = "m"};
+  const NamespaceKey an{.layout_hash = 1, .tenant = "a", .model = "n"};
+  const NamespaceKey as{.layout_hash = 1, .tenant = "a", .model = "m", .salt = "s"};
+  const NamespaceKey bm{.layout_hash = 1, .tenant = "b", .model = "m"};
+  const NamespaceId old_am = table.Acquire(am);
+  const NamespaceId old_an = table.Peek(an);
+  const NamespaceId old_as = table.Peek(as);
+  const NamespaceId old_bm = table.Peek(bm);
+  const tier::NamespaceTags tags = table.TagsOf(old_am);
+  EXPECT_EQ(tags, table.Tags("a", "m"));
+  EXPECT_NE(tags.model, table.Tags("a", "n").model);
+  EXPECT_EQ(tags.tenant, table.Tags("a", "n").tenant);
+
+  EXPECT_EQ(table.Invalidate(tags.model), 1u);  // model m of tenant a
+  const NamespaceId new_am = table.Acquire(am);
+  EXPECT_NE(new_am, old_am);
+  EXPECT_NE(table.Peek(as), old_as);
+  EXPECT_EQ(table.Peek(an), old_an);
+  EXPECT_EQ(table.Peek(bm), old_bm);
+  EXPECT_EQ(table.TagsOf(new_am), tags);
+  EXPECT_EQ(table.TagsOf(old_am), tags);  // still its user's
+  EXPECT_TRUE(table.Release(old_am));
+  EXPECT_EQ(table.Acquire(am), new_am);
+
+  EXPECT_EQ(table.Invalidate(tags.tenant), 1u);  // every model of tenant a
+  EXPECT_NE(table.Peek(an), old_an);
+  EXPECT_NE(table.Peek(am), new_am);
+  EXPECT_EQ(table.Peek(bm), old_bm);
+  // The same generations give the same ids (a restart restores them).
+  NamespaceTable restarted(&TestSecret());
+  restarted.SetGenerations(table.generations());
+  EXPECT_EQ(restarted.Peek(an), table.Peek(an));
+  EXPECT_EQ(restarted.Peek(bm), old_bm);
+}
+
 TEST(NamespaceTableTest, AReleasedKeyComesBackWithTheSameId) {
   NamespaceTable table(&TestSecret());
   const NamespaceKey key{.layout_hash = 1, .tenant = "a", .model = "m"};

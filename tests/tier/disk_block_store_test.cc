@@ -1,0 +1,315 @@
+#include "tier/disk_block_store.h"
+
+#include <fcntl.h>
+#include <sys/mount.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "tests/tier/test_chain.h"
+
+namespace kvpool::tier {
+namespace {
+
+using testing::LookupBuffers;
+using testing::MakeChain;
+using testing::TestChain;
+
+constexpr int64_t kBlockBytes = 8192;  // two pages: O_DIRECT reads straight into aligned buffers
+constexpr uint64_t kLayout = 0x1234;
+const BlockSpace kSpace{NamespaceId(7), kLayout};
+const DeploymentSecret kSecret = DeploymentSecret::FromBytes(std::string(32, 's'));
+
+class DiskBlockStoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/kvpool-disk-test-XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  DiskTierOptions Options(int64_t blocks) const {
+    return {.directory = dir_ + "/pool", .capacity_bytes = blocks * kBlockBytes};
+  }
+  std::unique_ptr<DiskBlockStore> Open(int64_t blocks = 16,
+                                       const DeploymentSecret& secret = kSecret,
+                                       uint64_t layout = kLayout, uint64_t content = 0) {
+    DiskTierOptions options = Options(blocks);
+    options.content_fingerprint = content;
+    auto store = DiskBlockStore::Open(options, secret, layout, kBlockBytes);
+    EXPECT_TRUE(store.ok()) << store.status();
+    return store.ok() ? *std::move(store) : nullptr;
+  }
+  static void PutAll(DiskBlockStore& store, const TestChain& chain, NamespaceTags tags = {}) {
+    for (size_t i = 0; i < chain.hashes.size(); ++i) {
+      ASSERT_TRUE(store.Put(chain.space, {.hash = chain.hashes[i],
+                                          .parent = i == 0 ? BlockHash{} : chain.hashes[i - 1],
+                                          .coverage = 16,
+                                          .bytes = chain.blocks[i],
+                                          .tags = tags}));
+    }
+    ASSERT_TRUE(store.Flush(absl::Seconds(10)).ok());
+  }
+  // Hits of `chain` from its root, with the buffers overwritten first; each hit byte for byte.
+  static int64_t Hits(DiskBlockStore& store, const TestChain& chain) {
+    LookupBuffers out(static_cast<int>(chain.hashes.size()), kBlockBytes);
+    for (auto& b : out.storage) std::fill(b.begin(), b.end(), std::byte{0xAA});
+    auto found = store.Lookup(chain.space, BlockHash{}, chain.hashes, out.spans);
+    EXPECT_TRUE(found.ok());
+    for (int64_t i = 0; i < found->hits; ++i) {
+      EXPECT_EQ(out.storage[static_cast<size_t>(i)], chain.blocks[static_cast<size_t>(i)]) << i;
+    }
+    EXPECT_TRUE(store.CheckInvariants().ok()) << store.CheckInvariants();
+    return found->hits;
+  }
+  // Flips one byte of `file` at `offset`.
+  void Flip(const std::string& file, int64_t offset) const {
+    std::fstream f(dir_ + "/pool/" + file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(offset);
+    char c = 0;
+    f.read(&c, 1);
+    f.seekp(offset);
+    c = static_cast<char>(c ^ 0x5A);
+    f.write(&c, 1);
+  }
+
+  std::string dir_;
+};
+
+TEST_F(DiskBlockStoreTest, ChainComesBackByteForByteAcrossAReopen) {
+  const TestChain chain = MakeChain(kSpace, 6, kBlockBytes, 1);
+  {
+    auto store = Open();
+    PutAll(*store, chain);
+    EXPECT_EQ(Hits(*store, chain), 6);
+    // Straight into page-aligned buffers too (the daemon's lookup buffers are).
+    std::vector<internal::AlignedBuffer> aligned;
+    std::vector<std::span<std::byte>> spans;
+    for (int i = 0; i < 6; ++i) {
+      aligned.push_back(*internal::AlignedBuffer::Create(kBlockBytes));
+      spans.push_back(aligned.back().span());
+    }
+    EXPECT_EQ(store->Lookup(kSpace, BlockHash{}, chain.hashes, spans)->hits, 6);
+    for (int i = 0; i < 6; ++i) {
+      EXPECT_TRUE(std::equal(spans[i].begin(), spans[i].end(), chain.blocks[i].begin()));
+    }
+  }
+  auto again = Open();
+  EXPECT_EQ(again->disk_stats().recovered_blocks, 6);
+  EXPECT_EQ(again->disk_stats().started_empty, "");
+  EXPECT_EQ(Hits(*again, chain), 6);
+  // Another namespace, layout or parent finds nothing.
+  LookupBuffers out(1, kBlockBytes);
+  EXPECT_EQ(
+      again->Lookup({NamespaceId(8), kLayout}, BlockHash{}, {chain.hashes.data(), 1}, out.spans)
+          ->hits,
+      0);
+  EXPECT_EQ(
+      again->Lookup({kSpace.ns, kLayout + 1}, BlockHash{}, {chain.hashes.data(), 1}, out.spans)
+          ->hits,
+      0);
+  EXPECT_EQ(again->Lookup(kSpace, BlockHash{1, 2}, {chain.hashes.data(), 1}, out.spans)->hits, 0);
+}
+
+TEST_F(DiskBlockStoreTest, BudgetSmallerThanTheWorkloadKeepsTheMostRecent) {
+  auto store = Open(/*blocks=*/4);
+  const TestChain chain = MakeChain(kSpace, 6, kBlockBytes, 2);
+  PutAll(*store, chain);
+  EXPECT_EQ(store->disk_stats().blocks, 4);
+  EXPECT_EQ(store->disk_stats().evicted, 2u);
+  EXPECT_EQ(Hits(*store, chain), 0);  // the chain's first blocks made room
+  LookupBuffers out(4, kBlockBytes);
+  const auto tail =
+      store->Lookup(kSpace, chain.hashes[1], std::span(chain.hashes).subspan(2), out.spans);
+  EXPECT_EQ(tail->hits, 4);
+  EXPECT_EQ(out.storage[3], chain.blocks[5]);
+}
+
+TEST_F(DiskBlockStoreTest, TornOrTruncatedRecordsAreMissesNeverData) {
+  const TestChain chain = MakeChain(kSpace, 4, kBlockBytes, 3);
+  PutAll(*Open(), chain);
+  Flip("blocks.kvd", 1 * kBlockBytes + 100);  // slot 1's payload
+  {
+    auto store = Open();
+    EXPECT_EQ(Hits(*store, chain), 1);
+    EXPECT_EQ(store->stats().corrupt, 1u);
+    EXPECT_EQ(store->stats().forged, 1u);
+    EXPECT_EQ(store->disk_stats().blocks, 3);  // dropped when it failed
+  }
+  // Cut the file inside slot 0: zeros past the end fail the MAC too.
+  ASSERT_EQ(truncate((dir_ + "/pool/blocks.kvd").c_str(), kBlockBytes / 2), 0);
+  auto store = Open();
+  EXPECT_EQ(Hits(*store, chain), 0);
+  EXPECT_EQ(store->stats().forged, 1u);
+}
+
+TEST_F(DiskBlockStoreTest, DamagedIndexEntriesAreDroppedAtScan) {
+  const TestChain chain = MakeChain(kSpace, 3, kBlockBytes, 4);
+  PutAll(*Open(), chain);
+  Flip("index.kvi", 2 * kIndexEntryBytes + 20);  // slot 2's hash
+  auto store = Open();
+  EXPECT_EQ(store->disk_stats().scan_dropped, 1);
+  EXPECT_EQ(store->disk_stats().recovered_blocks, 2);
+  EXPECT_EQ(Hits(*store, chain), 2);
+}
+
+TEST_F(DiskBlockStoreTest, AnotherSecretLayoutModelOrVersionStartsEmpty) {
+  const TestChain chain = MakeChain(kSpace, 2, kBlockBytes, 5);
+  PutAll(*Open(), chain);
+  const DeploymentSecret other = DeploymentSecret::FromBytes(std::string(32, 'o'));
+  EXPECT_EQ(Open(16, other)->disk_stats().started_empty,
+            "it was written under another deployment secret");
+  PutAll(*Open(), chain);
+  EXPECT_EQ(Open(16, kSecret, kLayout + 1)->disk_stats().started_empty,
+            "it was written for another pool layout");
+  PutAll(*Open(), chain);
+  EXPECT_EQ(Open(16, kSecret, kLayout, 99)->disk_stats().started_empty,
+            "it was written for another model");
+  PutAll(*Open(), chain);
+  // A superblock of a format this build does not read.
+  Superblock future{.version = kDiskFormatVersion + 1};
+  std::vector<std::byte> bytes(kSuperblockBytes);
+  EncodeSuperblock(future, bytes);
+  std::ofstream(dir_ + "/pool/tier.meta", std::ios::binary | std::ios::in)
+      .write(reinterpret_cast<const char*>(bytes.data()), kSuperblockBytes);
+  auto store = Open();
+  EXPECT_NE(store->disk_stats().started_empty.find("incompatible kvpoold"), std::string::npos)
+      << store->disk_stats().started_empty;
+  EXPECT_EQ(store->disk_stats().blocks, 0);
+  EXPECT_EQ(Hits(*store, chain), 0);
+}
+
+TEST_F(DiskBlockStoreTest, InvalidateDropsOnlyTheTaggedTenantAndStaysDroppedAfterAReopen) {
+  const TestChain a = MakeChain(kSpace, 3, kBlockBytes, 6);
+  const TestChain b = MakeChain({NamespaceId(9), kLayout}, 3, kBlockBytes, 7);
+  {
+    auto store = Open();
+    PutAll(*store, a, {.tenant = 1, .model = 11});
+    PutAll(*store, b, {.tenant = 2, .model = 22});
+    EXPECT_EQ(store->Invalidate({.tenant = 1, .any_model = false, .model = 12}), 0);
+    EXPECT_EQ(store->Invalidate({.tenant = 1}), 3);
+    EXPECT_EQ(Hits(*store, a), 0);
+    EXPECT_EQ(Hits(*store, b), 3);
+    EXPECT_EQ(store->disk_stats().invalidated, 3u);
+    ASSERT_TRUE(store->Flush(absl::Seconds(5)).ok());  // the cleared entries go down
+  }
+  auto store = Open();
+  EXPECT_EQ(store->disk_stats().recovered_blocks, 3);
+  EXPECT_EQ(Hits(*store, a), 0);
+  EXPECT_EQ(Hits(*store, b), 3);
+}
+
+// A seeded mix of puts, lookups, invalidations and reopens against what was put: every hit is
+// the bytes put under that name, and the invariants hold after every step.
+TEST_F(DiskBlockStoreTest, RandomOperationsNeverReturnAWrongByte) {
+  std::mt19937 rng(20240601);
+  std::vector<TestChain> chains;
+  for (uint32_t i = 0; i < 6; ++i) {
+    chains.push_back(MakeChain({NamespaceId(1 + i % 3), kLayout}, 4, kBlockBytes, 100 + i));
+  }
+  auto store = Open(/*blocks=*/10);
+  for (int step = 0; step < 60; ++step) {
+    const TestChain& c = chains[rng() % chains.size()];
+    switch (rng() % 5) {
+      case 0:
+      case 1:
+        PutAll(*store, c, {.tenant = c.space.ns.value()});
+        break;
+      case 2:
+        Hits(*store, c);  // checks the bytes of every hit
+        break;
+      case 3:
+        store->Invalidate({.tenant = c.space.ns.value()});
+        EXPECT_EQ(Hits(*store, c), 0);
+        break;
+      case 4:
+        ASSERT_TRUE(store->Flush(absl::Seconds(5)).ok());
+        store.reset();
+        store = Open(/*blocks=*/10);
+        break;
+    }
+    ASSERT_TRUE(store->CheckInvariants().ok()) << step << ": " << store->CheckInvariants();
+  }
+}
+
+// Fills the file system under `dir` with a file of its own, leaving no space.
+void FillUp(const std::string& dir) {
+  std::ofstream filler(dir + "/filler", std::ios::binary);
+  const std::string chunk(4096, 'x');
+  while (filler.write(chunk.data(), chunk.size()) && filler.flush()) {
+  }
+}
+
+// A file system that fills up under the store (another writer takes the space): its writes fail
+// and are counted, lookups of what it holds still hit, nothing stalls or crashes; once space is
+// back, writes succeed again. Needs CAP_SYS_ADMIN for a private tmpfs (skipped without it).
+TEST_F(DiskBlockStoreTest, AFileSystemThatFillsUpIsCountedNeverFatal) {
+  const std::string mnt = dir_ + "/mnt";
+  std::filesystem::create_directory(mnt);
+  if (mount("kvpool-test", mnt.c_str(), "tmpfs", 0, "size=256k") != 0) {
+    GTEST_SKIP() << "cannot mount a tmpfs here (" << strerror(errno) << ")";
+  }
+  DiskTierOptions options{.directory = mnt + "/pool", .capacity_bytes = 64 * kBlockBytes};
+  options.breaker_failure_threshold = 1000;  // count every failure; the breaker is tested apart
+  {
+    auto store = *DiskBlockStore::Open(options, kSecret, kLayout, kBlockBytes);
+    const TestChain chain = MakeChain(kSpace, 4, kBlockBytes, 8);
+    PutAll(*store, chain);
+    EXPECT_EQ(Hits(*store, chain), 4);
+    FillUp(mnt);
+    const TestChain more = MakeChain({NamespaceId(3), kLayout}, 8, kBlockBytes, 9);
+    PutAll(*store, more);
+    EXPECT_GT(store->disk_stats().write_errors, 0u);
+    EXPECT_EQ(store->stats().dropped_write_errors, 8u);
+    EXPECT_EQ(Hits(*store, more), 0);
+    EXPECT_EQ(Hits(*store, chain), 4);  // what was there is still read
+    std::filesystem::remove(mnt + "/filler");
+    PutAll(*store, more);
+    EXPECT_EQ(Hits(*store, more), 8);
+  }
+  umount2(mnt.c_str(), MNT_DETACH);
+}
+
+TEST_F(DiskBlockStoreTest, ABreakerStopsWritesOnAFailingDiskAndProbesAgain) {
+  const std::string mnt = dir_ + "/mnt";
+  std::filesystem::create_directory(mnt);
+  if (mount("kvpool-test", mnt.c_str(), "tmpfs", 0, "size=256k") != 0) {
+    GTEST_SKIP() << "cannot mount a tmpfs here (" << strerror(errno) << ")";
+  }
+  ManualClock clock;
+  DiskTierOptions options{.directory = mnt + "/pool", .capacity_bytes = 16 * kBlockBytes};
+  options.write_batch_blocks = 1;
+  options.breaker_failure_threshold = 2;
+  {
+    auto store = *DiskBlockStore::Open(options, kSecret, kLayout, kBlockBytes, &clock);
+    FillUp(mnt);
+    const TestChain chain = MakeChain(kSpace, 4, kBlockBytes, 10);
+    for (size_t i = 0; i < 4; ++i) {
+      EXPECT_TRUE(
+          store->Put(kSpace, {.hash = chain.hashes[i], .coverage = 16, .bytes = chain.blocks[i]}));
+      ASSERT_TRUE(store->Flush(absl::Seconds(5)).ok());
+    }
+    EXPECT_EQ(store->stats().breaker, BreakerState::kOpen);
+    // Two failed writes (a record, or the clearing of the failed record's entry) opened it;
+    // from then on nothing was tried.
+    EXPECT_GE(store->stats().dropped_write_errors, 1u);
+    EXPECT_GE(store->stats().dropped_breaker_open, 2u);
+    EXPECT_EQ(store->stats().dropped_write_errors + store->stats().dropped_breaker_open, 4u);
+    std::filesystem::remove(mnt + "/filler");
+    clock.Advance(2'000'000'000);  // past the back-off: the next write probes, and succeeds
+    PutAll(*store, chain);
+    EXPECT_EQ(store->stats().breaker, BreakerState::kClosed);
+    EXPECT_EQ(Hits(*store, chain), 4);
+  }
+  umount2(mnt.c_str(), MNT_DETACH);
+}
+
+}  // namespace
+}  // namespace kvpool::tier
