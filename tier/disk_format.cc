@@ -8,6 +8,8 @@
 #include <string>
 #include <string_view>
 
+#include "tier/disk_tier_options.h"
+
 namespace kvpool::tier {
 namespace {
 
@@ -69,6 +71,10 @@ ValueTag EntryTag(const DeploymentSecret& secret, uint64_t layout_fingerprint,
 }
 
 }  // namespace
+
+uint64_t ContentFingerprint(std::string_view identity) {
+  return XXH3_64bits(identity.data(), identity.size());
+}
 
 void EncodeSuperblock(const Superblock& sb, std::span<std::byte> out) {
   std::memset(out.data(), 0, static_cast<size_t>(kSuperblockBytes));

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 #include "absl/time/time.h"
 
@@ -47,5 +48,8 @@ struct DiskTierOptions {
 
   bool enabled() const { return !directory.empty(); }
 };
+
+// The content_fingerprint of a model identity string (what the daemon writes from its ModelSpec).
+uint64_t ContentFingerprint(std::string_view identity);
 
 }  // namespace kvpool::tier

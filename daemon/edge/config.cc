@@ -2,7 +2,6 @@
 
 #include <sys/stat.h>
 #include <unistd.h>
-#include <xxhash.h>
 
 #include <algorithm>
 #include <cctype>
@@ -24,6 +23,7 @@
 #include "kvpool/util/status_macros.h"
 #include "kvpool/v1/wire.h"
 #include "model/weights.h"
+#include "tier/disk_tier_options.h"
 #include "tier/secret.h"
 
 namespace kvpool::daemon {
@@ -384,7 +384,7 @@ tier::DiskTierOptions DiskTierOptionsOf(const v1::DiskTierSpec& d, const v1::Mod
   o.direct_io = !d.disable_direct_io();
   const std::string identity =
       fmt::format("name {} seed {} checkpoint {}", model.name(), model.seed(), model.checkpoint());
-  o.content_fingerprint = XXH3_64bits(identity.data(), identity.size());
+  o.content_fingerprint = tier::ContentFingerprint(identity);
   return o;
 }
 
