@@ -79,7 +79,7 @@ class ByteTokenizer:
 class SentencePieceTokenizer:
     name = "sentencepiece"
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, model_vocab_size: int = 0):
         try:
             import sentencepiece
         except ImportError as e:
@@ -89,6 +89,9 @@ class SentencePieceTokenizer:
         self.path = path
         self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
         self.vocab_size = self._sp.get_piece_size()
+        # Models pad their vocabulary past the tokenizer's (to a multiple of 64 or 128): ids in
+        # the padding are valid model tokens with no text. A sampled step can choose one.
+        self.model_vocab_size = max(model_vocab_size, self.vocab_size)
         self.bos_id = self._sp.bos_id() if self._sp.bos_id() >= 0 else None
         self.eos_id = self._sp.eos_id() if self._sp.eos_id() >= 0 else None
 
@@ -97,7 +100,7 @@ class SentencePieceTokenizer:
 
     def token_bytes(self, token: int) -> bytes:
         self.check(token)
-        if self._sp.is_control(token):
+        if token >= self.vocab_size or self._sp.is_control(token):
             return b""
         if self._sp.is_byte(token):  # "<0xAB>" byte fallback
             return bytes([int(self._sp.id_to_piece(token)[3:5], 16)])
@@ -106,11 +109,12 @@ class SentencePieceTokenizer:
     def decode(self, ids: List[int]) -> str:
         for t in ids:
             self.check(t)
-        return self._sp.decode(list(ids))
+        return self._sp.decode([t for t in ids if t < self.vocab_size])
 
     def check(self, token: int) -> None:
-        if not 0 <= token < self.vocab_size:
-            raise TokenizerError(f"token {token} outside the vocabulary [0, {self.vocab_size})")
+        if not 0 <= token < self.model_vocab_size:
+            raise TokenizerError(
+                f"token {token} outside the vocabulary [0, {self.model_vocab_size})")
 
 
 def load(spec: str, model_name: str, vocab_size: int):
@@ -128,7 +132,7 @@ def load(spec: str, model_name: str, vocab_size: int):
     path = os.path.join(spec, "tokenizer.model") if os.path.isdir(spec) else spec
     if not os.path.isfile(path):
         raise TokenizerError(f"no tokenizer at {path}")
-    tokenizer = SentencePieceTokenizer(path)
+    tokenizer = SentencePieceTokenizer(path, vocab_size)
     if tokenizer.vocab_size > vocab_size:
         raise TokenizerError(
             f"{path} has {tokenizer.vocab_size} tokens but the model's vocabulary is {vocab_size}")
