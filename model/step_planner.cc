@@ -131,6 +131,20 @@ absl::Status FinishItem(KvCacheManager& cache, SessionId caller, const PlannedIt
   return cache.Commit(caller, item.sequence, end / block_size * block_size, fresh);
 }
 
+std::vector<int32_t> PenaltyHistory(const KvCacheManager& cache, const PlannedItem& item) {
+  const Sequence& seq = *cache.Find(item.sequence);
+  const size_t known = std::min(seq.tokens.size(), static_cast<size_t>(item.start));
+  const size_t window = static_cast<size_t>(kPenaltyWindow);
+  const size_t fresh = std::min(item.tokens.size(), window);
+  const size_t before = std::min(known, window - fresh);
+  std::vector<int32_t> out;
+  out.reserve(before + fresh);
+  out.insert(out.end(), seq.tokens.begin() + static_cast<ptrdiff_t>(known - before),
+             seq.tokens.begin() + static_cast<ptrdiff_t>(known));
+  out.insert(out.end(), item.tokens.end() - static_cast<ptrdiff_t>(fresh), item.tokens.end());
+  return out;
+}
+
 void UndoItem(KvCacheManager& cache, SessionId caller, const PlannedItem& item) {
   const Sequence* seq = cache.Find(item.sequence);
   if (seq == nullptr || seq->session != caller) return;  // freed meanwhile: nothing to give back

@@ -33,9 +33,16 @@ struct PlannedItem {
   int64_t reused = 0;           // prompt tokens the prefix cache supplied (new sequences)
   std::vector<int32_t> tokens;  // the tokens the step computes, from position `start`
   std::vector<int32_t> table;   // the sequence's block ids, covering start + tokens.size()
+  // What sampling penalties count (PenaltyHistory); empty unless the caller asked for them.
+  std::vector<int32_t> history;
 
-  StepItem AsStepItem() const { return {tokens, start, table}; }
+  StepItem AsStepItem() const { return {tokens, start, table, nullptr, history}; }
 };
+
+// The tokens a penalized sample of `item` counts: the last kPenaltyWindow of the sequence's
+// known tokens before item.start followed by item.tokens (a client that wrote K/V itself without
+// committing its tokens leaves a gap that counts nothing). REQUIRES: the sequence exists.
+std::vector<int32_t> PenaltyHistory(const KvCacheManager& cache, const PlannedItem& item);
 
 // What the model accepts: token ids in [0, vocab_size), and sequences of at most max_position
 // tokens (the positions RoPE was trained for; ModelConfig::max_position).

@@ -412,6 +412,15 @@ absl::StatusOr<std::vector<GrowRequest>> FromProto(const v1::GrowRequest& reques
   return items;
 }
 
+model::SamplingParams FromProto(const v1::SamplingParams& params, uint64_t drawn_seed) {
+  return {.temperature = params.temperature(),
+          .top_p = params.has_top_p() ? params.top_p() : 1.0F,
+          .top_k = params.top_k(),
+          .presence_penalty = params.presence_penalty(),
+          .frequency_penalty = params.frequency_penalty(),
+          .seed = params.has_seed() ? params.seed() : drawn_seed};
+}
+
 absl::StatusOr<std::vector<model::DecodeInput>> FromProto(const v1::DecodeRequest& request) {
   if (request.sequence_ids_size() != request.tokens_size()) {
     return absl::InvalidArgumentError(fmt::format("decode: {} sequence ids but {} tokens",

@@ -51,5 +51,8 @@ void ToProto(const Tables& tables, v1::GrowResponse* out);
 std::vector<AllocateRequest> FromProto(const v1::AllocateRequest& request);
 absl::StatusOr<std::vector<GrowRequest>> FromProto(const v1::GrowRequest& request);
 absl::StatusOr<std::vector<model::DecodeInput>> FromProto(const v1::DecodeRequest& request);
+// The sampling parameters as given (the engine checks their ranges); `drawn_seed` stands in for
+// an absent seed.
+model::SamplingParams FromProto(const v1::SamplingParams& params, uint64_t drawn_seed);
 
 }  // namespace kvpool::daemon

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/random/random.h"
 #include "daemon/edge/grpc_call_context.h"
 #include "daemon/edge/service.h"
 #include "fmt/format.h"
@@ -28,6 +29,25 @@ absl::Status CheckTopK(int32_t top_k) {
     return absl::InvalidArgumentError(fmt::format("top_k {} outside [0, {}]", top_k, kMaxTopK));
   }
   return absl::OkStatus();
+}
+
+uint64_t DrawSeed() {
+  absl::BitGen gen;
+  return absl::Uniform<uint64_t>(gen);
+}
+
+// A decode's sampling parameters, one set per sequence where one set without a seed stands for
+// several (each sequence draws its own: a shared seed would correlate their samples).
+std::vector<model::SamplingParams> SamplingOf(
+    const google::protobuf::RepeatedPtrField<v1::SamplingParams>& given, size_t sequences) {
+  std::vector<model::SamplingParams> out;
+  if (given.size() == 1 && !given[0].has_seed() && sequences > 1) {
+    for (size_t i = 0; i < sequences; ++i) out.push_back(FromProto(given[0], DrawSeed()));
+    return out;
+  }
+  for (const v1::SamplingParams& p : given)
+    out.push_back(FromProto(p, p.has_seed() ? 0 : DrawSeed()));
+  return out;
 }
 
 }  // namespace
@@ -65,11 +85,17 @@ KvPoolService::Unary* KvPoolService::Prefill(Context* c, const v1::PrefillReques
                          .tokens = {q->tokens().begin(), q->tokens().end()},
                          .priority = q->priority(),
                          .cache_salt = q->cache_salt(),
-                         .top_k = q->top_k()};
+                         .top_k = q->top_k(),
+                         .logprobs = q->logprobs()};
+  if (q->has_sampling()) {
+    request.sampling.push_back(FromProto(q->sampling(), q->sampling().has_seed() ? 0 : DrawSeed()));
+  }
   const bool top = q->top_k() > 0;
-  return Compute(c, std::move(request), CheckTopK(q->top_k()), [r, top](const ComputeResult& done) {
+  const bool logprobs = q->logprobs();
+  return Compute(c, std::move(request), CheckTopK(q->top_k()), [=](const ComputeResult& done) {
     r->set_sequence_id(done.sequences[0].value());
     r->set_next_token(done.results[0].next_token);
+    if (logprobs) r->set_logprob(done.results[0].logprob);
     r->set_reused_tokens(done.reused);
     r->set_computed_tokens(done.computed);
     r->set_num_tokens(done.lengths[0]);
@@ -85,11 +111,15 @@ KvPoolService::Unary* KvPoolService::Decode(Context* c, const v1::DecodeRequest*
   ComputeRequest request{
       .kind = ComputeRequest::Kind::kDecode,
       .decode = inputs.ok() ? *std::move(inputs) : std::vector<model::DecodeInput>{},
-      .top_k = q->top_k()};
+      .top_k = q->top_k(),
+      .sampling = SamplingOf(q->sampling(), static_cast<size_t>(q->sequence_ids_size())),
+      .logprobs = q->logprobs()};
   const bool top = q->top_k() > 0;
-  return Compute(c, std::move(request), std::move(malformed), [r, top](const ComputeResult& done) {
+  const bool logprobs = q->logprobs();
+  return Compute(c, std::move(request), std::move(malformed), [=](const ComputeResult& done) {
     for (size_t i = 0; i < done.results.size(); ++i) {
       r->add_next_tokens(done.results[i].next_token);
+      if (logprobs) r->add_logprobs(done.results[i].logprob);
       r->add_num_tokens(done.lengths[i]);
       if (top) ToProto(done.results[i].top, r->add_top());
     }
@@ -109,7 +139,13 @@ class GenerateWriter final : public grpc::ServerWriteReactor<v1::GenerateRespons
       : service_(service),
         session_(std::move(session)),
         request_(request),
-        call_context_(std::make_shared<GrpcCallContext>(context, service->clock_)) {}
+        call_context_(std::make_shared<GrpcCallContext>(context, service->clock_)) {
+    if (request_.has_sampling()) {
+      // One seed for the stream: its tokens are a function of it (and the prompt) alone.
+      sampling_.push_back(
+          FromProto(request_.sampling(), request_.sampling().has_seed() ? 0 : DrawSeed()));
+    }
+  }
 
   void Start() {
     {
@@ -121,7 +157,10 @@ class GenerateWriter final : public grpc::ServerWriteReactor<v1::GenerateRespons
             .sequence = SequenceId(request_.sequence_id()),
             .tokens = {request_.prompt().begin(), request_.prompt().end()},
             .priority = request_.priority(),
-            .cache_salt = request_.cache_salt()});
+            .cache_salt = request_.cache_salt(),
+            .top_k = request_.top_k(),
+            .sampling = sampling_,
+            .logprobs = request_.logprobs()});
   }
 
   void OnWriteDone(bool ok) override {
@@ -142,7 +181,11 @@ class GenerateWriter final : public grpc::ServerWriteReactor<v1::GenerateRespons
       sequence = sequence_;
       last = last_;
     }
-    Submit({.kind = ComputeRequest::Kind::kDecode, .decode = {{sequence, last}}});
+    Submit({.kind = ComputeRequest::Kind::kDecode,
+            .decode = {{sequence, last}},
+            .top_k = request_.top_k(),
+            .sampling = sampling_,
+            .logprobs = request_.logprobs()});
   }
 
   void OnCancel() override {
@@ -176,9 +219,13 @@ class GenerateWriter final : public grpc::ServerWriteReactor<v1::GenerateRespons
       response_.clear_reused_tokens();
     }
     if (cancelled_) return Close(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
-    last_ = done.results[0].next_token;
+    const model::ItemResult& result = done.results[0];
+    last_ = result.next_token;
     response_.set_sequence_id(sequence_.value());
     response_.set_token(last_);
+    if (request_.logprobs()) response_.set_logprob(result.logprob);
+    response_.clear_top();
+    if (request_.top_k() > 0) ToProto(result.top, response_.mutable_top());
     response_.set_index(produced_++);
     busy_ = true;
     StartWrite(&response_);
@@ -205,6 +252,7 @@ class GenerateWriter final : public grpc::ServerWriteReactor<v1::GenerateRespons
   const std::shared_ptr<const Session> session_;
   const v1::GenerateRequest request_;
   const std::shared_ptr<const CallContext> call_context_;
+  std::vector<model::SamplingParams> sampling_;  // every step's (set once, before the first)
   absl::Mutex mu_;
   SequenceId sequence_ ABSL_GUARDED_BY(mu_);
   bool created_ ABSL_GUARDED_BY(mu_) = false;    // the stream's prefill made the sequence
@@ -231,6 +279,8 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* KvPoolService::Generate(
   } else if (error.ok() && q->max_tokens() < 1) {
     error = absl::InvalidArgumentError(
         fmt::format("generate: max_tokens {} must be >= 1", q->max_tokens()));
+  } else if (error.ok()) {
+    error = CheckTopK(q->top_k());
   }
   if (!error.ok()) {
     EndCall();

@@ -39,10 +39,25 @@ struct ComputeRequest {
       cache_salt;  // prefill of a new sequence: its namespace (EngineState::SaltedNamespace)
   std::vector<model::DecodeInput> decode;  // decode: one input per sequence, all or none
   int32_t top_k = 0;  // also return the top_k next tokens (the step runs the widest of its calls)
+  // How each next token is chosen: empty, greedy; one, every sequence's; otherwise one per decode
+  // input, in order (a prefill takes at most one). Each seed is the caller's or already drawn.
+  std::vector<model::SamplingParams> sampling;
+  bool logprobs = false;  // also return each next token's log-probability
+
+  // The parameters of the call's `i`th sequence; null: greedy.
+  const model::SamplingParams* sampling_for(size_t i) const {
+    if (sampling.empty()) return nullptr;
+    return &sampling[sampling.size() == 1 ? 0 : i];
+  }
 
   bool prefill() const { return kind == Kind::kPrefill; }
   bool creates() const { return prefill() && sequence == SequenceId(0); }
 };
+
+// INVALID_ARGUMENT when the call's sampling parameters do not fit it: more than one set for a
+// prefill, a count other than 0, 1 or one per sequence for a decode, or a value out of range
+// for a vocabulary of `vocab` (model::CheckSampling; the message names the sequence's index).
+absl::Status CheckSamplingOf(const ComputeRequest& request, int32_t vocab);
 
 struct ComputeResult {
   absl::Status status;

@@ -589,6 +589,7 @@ absl::Status Engine::CheckCompute(const ComputeCall& call) {
     return absl::InvalidArgumentError(
         fmt::format("top_k {} outside [0, {}] (the vocabulary)", r.top_k, model_info_.vocab_size));
   }
+  KVPOOL_RETURN_IF_ERROR(CheckSamplingOf(r, model_info_.vocab_size));
   if (r.prefill() && static_cast<int64_t>(r.tokens.size()) > model_info_.max_position) {
     return absl::OutOfRangeError(
         fmt::format("a prompt of {} tokens: the model's context is {} positions", r.tokens.size(),

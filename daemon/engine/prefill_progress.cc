@@ -9,7 +9,7 @@ namespace kvpool::daemon {
 model::StepItem PrefillProgress::NextChunk(int64_t max_tokens) const {
   const int64_t n = std::clamp<int64_t>(max_tokens, 1, left());
   return {std::span(item_.tokens).subspan(static_cast<size_t>(computed_), static_cast<size_t>(n)),
-          item_.start + computed_, item_.table};
+          item_.start + computed_, item_.table, nullptr, item_.history};
 }
 
 absl::Status PrefillProgress::StillHolds(const KvCacheManager& cache, SessionId owner) const {

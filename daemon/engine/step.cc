@@ -144,23 +144,46 @@ absl::Status Step::PlanNew(EngineState& state, ComputeCall& call, Entry* entry) 
     return absl::InternalError(fmt::format("device: {}", carried.status().message()));
   }
   if (carried->value != 0) prepared_ = *carried;  // one stream, in order: the last covers all
-  if (r.prefill()) call.StartProgress(std::move(item));
+  // Copied now, under the lock: the step reads them without it.
+  auto penalized = [&r](size_t i) {
+    const model::SamplingParams* p = r.sampling_for(i);
+    return p != nullptr && p->penalized();
+  };
+  if (r.prefill()) {
+    if (penalized(0)) item.history = model::PenaltyHistory(pool.cache(), item);
+    call.StartProgress(std::move(item));
+  } else {
+    for (size_t i = 0; i < entry->decode.size(); ++i) {
+      if (penalized(i))
+        entry->decode[i].history = model::PenaltyHistory(pool.cache(), entry->decode[i]);
+    }
+  }
   return absl::OkStatus();
 }
 
 absl::Status Step::Launch(model::StepModel& model, const Clock& clock) {
   if (entries_.empty()) return absl::OkStatus();
   items_.clear();
-  int32_t top_k = 0;
+  model::StepOptions options;
   for (Entry& e : entries_) {
+    const ComputeRequest& r = e.call->request();
     e.first = items_.size();
     if (const PrefillProgress* p = e.call->progress()) {
-      items_.push_back(p->NextChunk(e.call->chunk));
+      model::StepItem chunk = p->NextChunk(e.call->chunk);
+      if (static_cast<int64_t>(chunk.tokens.size()) == p->left()) {
+        // The last chunk: its prediction is the call's answer (earlier ones are discarded).
+        chunk.sampling = r.sampling_for(0);
+      }
+      items_.push_back(chunk);
     } else {
-      for (const model::PlannedItem& item : e.decode) items_.push_back(item.AsStepItem());
+      for (size_t i = 0; i < e.decode.size(); ++i) {
+        items_.push_back(e.decode[i].AsStepItem());
+        items_.back().sampling = r.sampling_for(i);
+      }
     }
     e.count = items_.size() - e.first;
-    top_k = std::max(top_k, e.call->request().top_k);
+    options.top_k = std::max(options.top_k, r.top_k);
+    options.logprobs = options.logprobs || r.logprobs;
   }
   if (prepared_.value != 0) {
     if (absl::Status s = device_->Synchronize(prepared_); !s.ok()) {
@@ -168,7 +191,7 @@ absl::Status Step::Launch(model::StepModel& model, const Clock& clock) {
     }
   }
   const int64_t start = clock.NowNanos();
-  const absl::Status stepped = model.Step(view_, items_, {.top_k = top_k}, &results_);
+  const absl::Status stepped = model.Step(view_, items_, options, &results_);
   busy_ns_ = clock.NowNanos() - start;
   return stepped;
 }

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <optional>
 
 #include "absl/synchronization/notification.h"
 #include "client/client.h"
@@ -137,6 +138,54 @@ TEST_F(DaemonTest, ShutdownTurnsHealthDownAndEndsEverySession) {
   EXPECT_FALSE(std::filesystem::exists(dir_ + "/" + wire::kAttachSocket));
   EXPECT_FALSE(std::filesystem::exists(dir_ + "/" + wire::kGrpcSocket));
   EXPECT_EQ((*c)->Ping().code(), absl::StatusCode::kUnavailable);
+}
+
+// Sampling over gRPC (issue 30): a Generate stream keeps one seed, so the same seed gives the
+// same tokens; without one each stream draws its own; log-probabilities and top tokens come back
+// with every token; out-of-range parameters fail with INVALID_ARGUMENT.
+TEST_F(DaemonTest, SampledGenerationsFollowTheirSeed) {
+  Start({});
+  absl::StatusOr<std::unique_ptr<client::Client>> c = Connect();
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto generate = [&](std::optional<uint64_t> seed) {
+    v1::GenerateRequest request;
+    for (int32_t t = 1; t <= 12; ++t) request.add_prompt(t * 37);
+    request.set_max_tokens(12);
+    request.set_free_when_done(true);
+    request.set_logprobs(true);
+    request.set_top_k(3);
+    request.mutable_sampling()->set_temperature(1.5F);
+    if (seed) request.mutable_sampling()->set_seed(*seed);
+    std::vector<int32_t> tokens;
+    const absl::Status s = (*c)->Generate(request, [&](const v1::GenerateResponse& r) {
+      tokens.push_back(r.token());
+      EXPECT_LE(r.logprob(), 0);
+      EXPECT_LT(r.logprob(), 0) << "a sampled token's log-probability was not returned";
+      EXPECT_EQ(r.top().tokens_size(), 3);
+      return true;
+    });
+    EXPECT_TRUE(s.ok()) << s;
+    return tokens;
+  };
+  const std::vector<int32_t> seeded = generate(42);
+  EXPECT_EQ(seeded.size(), 12u);
+  EXPECT_EQ(generate(42), seeded);
+  EXPECT_NE(generate(std::nullopt), generate(std::nullopt));
+
+  v1::PrefillRequest bad;
+  bad.add_tokens(5);
+  bad.mutable_sampling()->set_top_p(0);
+  absl::StatusOr<v1::PrefillResponse> refused = (*c)->Prefill(bad);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(), ::testing::HasSubstr("top_p"));
+  v1::DecodeRequest two_for_three;
+  for (uint64_t id : {1, 2, 3}) {
+    two_for_three.add_sequence_ids(id);
+    two_for_three.add_tokens(1);
+  }
+  two_for_three.add_sampling();
+  two_for_three.add_sampling();
+  EXPECT_EQ((*c)->Decode(two_for_three).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace
