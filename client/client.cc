@@ -320,6 +320,10 @@ absl::StatusOr<v1::PrefillResponse> Client::Prefill(uint64_t sequence_id,
   request.mutable_tokens()->Add(tokens.begin(), tokens.end());
   request.set_top_k(top_k);
   request.set_priority(priority);
+  return Prefill(request);
+}
+
+absl::StatusOr<v1::PrefillResponse> Client::Prefill(const v1::PrefillRequest& request) const {
   v1::PrefillResponse response;
   KVPOOL_CLIENT_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::Prefill, request, &response));
   return response;
@@ -339,11 +343,16 @@ absl::StatusOr<v1::DecodeResponse> Client::Decode(std::span<const DecodeItem> it
     request.add_tokens(item.token);
   }
   request.set_top_k(top_k);
+  return Decode(request);
+}
+
+absl::StatusOr<v1::DecodeResponse> Client::Decode(const v1::DecodeRequest& request) const {
   v1::DecodeResponse response;
   KVPOOL_CLIENT_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::Decode, request, &response));
-  if (response.next_tokens_size() != static_cast<int>(items.size())) {
+  if (response.next_tokens_size() != request.sequence_ids_size()) {
     return absl::InternalError(fmt::format("Decode: {} tokens back for {} sequences",
-                                           response.next_tokens_size(), items.size()));
+                                           response.next_tokens_size(),
+                                           request.sequence_ids_size()));
   }
   return response;
 }

@@ -157,11 +157,15 @@ class Client final {
   // `tokens` extend that sequence.
   absl::StatusOr<v1::PrefillResponse> Prefill(uint64_t sequence_id, std::span<const int32_t> tokens,
                                               int32_t top_k = 0, int32_t priority = 0) const;
+  // Any PrefillRequest (sampling, log-probabilities, a cache salt).
+  absl::StatusOr<v1::PrefillResponse> Prefill(const v1::PrefillRequest& request) const;
   // One step for every item (all or none). Through the decode doorbell when the session has one
   // and it is free, top_k is 0 and there are at most wire::kDoorbellMaxItems items; over gRPC
   // otherwise. Either way the same checks, step and answer.
   absl::StatusOr<v1::DecodeResponse> Decode(std::span<const DecodeItem> items,
                                             int32_t top_k = 0) const;
+  // Any DecodeRequest (sampling, log-probabilities), over gRPC.
+  absl::StatusOr<v1::DecodeResponse> Decode(const v1::DecodeRequest& request) const;
   // Streams generated tokens to `on_token` until the daemon ends the stream (OK) or the callback
   // returns false (the call is cancelled; OK). No deadline. Errors: the stream's status.
   absl::Status Generate(const v1::GenerateRequest& request,

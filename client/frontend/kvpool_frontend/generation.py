@@ -21,7 +21,7 @@ import contextlib
 import dataclasses
 from typing import AsyncIterator, Callable, List, Optional, Tuple
 
-from kvpool import KvPoolError, StatusCode
+from kvpool import KvPoolError, Sampling, StatusCode
 
 from kvpool_frontend.tokenizer import Detokenizer
 
@@ -84,18 +84,20 @@ class DecodeBatcher:
 
     def __init__(self, gate: Optional[asyncio.Semaphore] = None):
         self._gate = gate if gate is not None else contextlib.nullcontext()
-        self._pending = {}   # (client, top_k) -> [(sequence_id, token, future)]
+        self._pending = {}   # (client, top_k) -> [(sequence_id, token, sampling, future)]
         self._busy = set()   # (client, top_k) with a call in flight
         self._active = {}    # sequence id -> event set once its submitted step has ended
         self.calls = 0       # Decode calls sent
         self.sequences = 0   # sequences carried by them
 
-    def submit(self, client, sequence_id: int, token: int, top_k: int) -> asyncio.Future:
-        """The future of (next token, top tokens) of one sequence's decode step."""
+    def submit(self, client, sequence_id: int, token: int, top_k: int,
+               sampling: Optional[Sampling] = None) -> asyncio.Future:
+        """The future of (next token, its log-probability, top tokens) of one sequence's decode
+        step; the log-probability is None unless top_k > 0. `sampling`: None, greedy."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         key = (client, top_k)
-        self._pending.setdefault(key, []).append((sequence_id, token, future))
+        self._pending.setdefault(key, []).append((sequence_id, token, sampling, future))
         self._active[sequence_id] = asyncio.Event()
         if key not in self._busy:
             self._busy.add(key)
@@ -122,7 +124,9 @@ class DecodeBatcher:
         self.sequences += len(batch)
         try:
             async with self._gate:
-                response = await client.decode([(s, t) for s, t, _ in batch], top_k=top_k)
+                response = await client.decode([(s, t) for s, t, _, _ in batch], top_k=top_k,
+                                               sampling=_batch_sampling(batch),
+                                               logprobs=top_k > 0)
         except KvPoolError as e:
             if len(batch) == 1:
                 self._settle(batch[0], error=e)
@@ -135,10 +139,11 @@ class DecodeBatcher:
             raise
         for i, item in enumerate(batch):
             top = response.top[i].tokens if top_k else ()
-            self._settle(item, result=(response.next_tokens[i], top))
+            logprob = response.logprobs[i] if top_k else None
+            self._settle(item, result=(response.next_tokens[i], logprob, top))
 
     def _settle(self, item, result=None, error=None) -> None:
-        sequence_id, _, future = item
+        sequence_id, _, _, future = item
         event = self._active.pop(sequence_id, None)
         if event is not None:
             event.set()
@@ -171,13 +176,14 @@ class Generation:
     def __init__(self, client, batcher: DecodeBatcher, prompt: List[int], max_tokens: int,
                  stops: List[str], top_k: int, eos_id: Optional[int],
                  decode_text: Callable[[List[int]], str], on_free: Callable[[asyncio.Task], None],
-                 placement: Placement = Placement()):
+                 placement: Placement = Placement(), sampling: Optional[Sampling] = None):
         self._client = client
         self._placement = placement
         self._batcher = batcher
         self.prompt = prompt
         self.max_tokens = max_tokens
         self._top_k = top_k
+        self._sampling = sampling  # one seed for the whole generation (None: greedy)
         self._eos = eos_id
         self._detok = Detokenizer(decode_text, prompt)
         self._stop = StopMatcher(stops)
@@ -199,17 +205,19 @@ class Generation:
         p = self._placement
         async with (p.gate if p.gate is not None else contextlib.nullcontext()):
             self._first = await self._client.prefill(self.prompt, top_k=self._top_k,
-                                                     cache_salt=p.cache_salt)
+                                                     cache_salt=p.cache_salt,
+                                                     sampling=self._sampling,
+                                                     logprobs=self._top_k > 0)
         self.sequence_id = self._first.sequence_id
         self.cached_tokens = self._first.reused_tokens // p.block_size * p.block_size
 
     async def steps(self) -> AsyncIterator[Step]:
         """One Step per generated token; finish_reason is set when it ends. Raises KvPoolError
         when a Decode fails, ClientGone when abandoned() says the HTTP client went away."""
-        token, top = self._first.next_token, self._first.top.tokens
+        token, logprob, top = self._first.next_token, self._first.logprob, self._first.top.tokens
         while True:
             self.completion_tokens += 1
-            step = Step(token, "", *_logprobs(token, top, self._top_k))
+            step = Step(token, "", *_logprobs(logprob, top, self._top_k))
             if token == self._eos:
                 step.text = self._stop.flush()
                 self.finish_reason = "stop"
@@ -232,9 +240,9 @@ class Generation:
             # The next Decode goes out before this token is written to the client, so the HTTP
             # side of a token overlaps the model step of the next.
             self._decoding = self._batcher.submit(self._client, self.sequence_id, token,
-                                                  self._top_k)
+                                                  self._top_k, self._sampling)
             yield step
-            token, top = await self._decoding
+            token, logprob, top = await self._decoding
             self._decoding = None
 
     def close(self) -> Optional[asyncio.Task]:
@@ -259,9 +267,16 @@ class Generation:
                 raise
 
 
-def _logprobs(token: int, top, top_k: int):
+def _logprobs(logprob: float, top, top_k: int):
+    """The chosen token's log-probability (the daemon's: a sampled token may be outside the top
+    tokens) and the top (token, log-probability) pairs."""
     if not top_k:
         return None, []
-    pairs = [(t.token, t.logprob) for t in top]
-    chosen = next((lp for t, lp in pairs if t == token), pairs[0][1] if pairs else None)
-    return chosen, pairs
+    return logprob, [(t.token, t.logprob) for t in top]
+
+
+def _batch_sampling(batch):
+    """A Decode's sampling: None when every sequence is greedy, else one per sequence."""
+    if all(sampling is None for _, _, sampling, _ in batch):
+        return None
+    return [sampling if sampling is not None else Sampling() for _, _, sampling, _ in batch]

@@ -1,28 +1,37 @@
 """The OpenAI request fields kvpool-frontend takes, what it maps them to, and what it refuses.
 
-The daemon decodes greedily and can return the top-k log-probabilities of each step (k <= 64).
-So, for /v1/completions and /v1/chat/completions:
+The daemon samples each sequence with its own parameters (kvpool.proto SamplingParams) and can
+return the chosen token's and the top-k log-probabilities of each step (k <= 64). So, for
+/v1/completions and /v1/chat/completions:
 
   mapped    model (must be the served name), prompt (a string or one list of token ids) /
             messages, max_tokens (max_completion_tokens for chat), stop (a string or up to 4),
             stream, stream_options.include_usage, logprobs (completions: 0..20 top tokens; chat:
-            true, with top_logprobs 0..20) -> the daemon's top_k, cache_salt (vLLM's: narrows
-            the caller's prefix-sharing domain; auth.request_salt), user and seed (accepted;
-            greedy decoding is deterministic anyway)
-  accepted  only at the value greedy decoding already has: temperature 0 (or absent), top_p 1,
-            top_k 1 or -1 (vLLM's extension), n 1, best_of 1, presence_penalty and
-            frequency_penalty 0, logit_bias empty, echo false, suffix absent, ignore_eos false
+            true, with top_logprobs 0..20) -> the daemon's top_k and the chosen token's
+            log-probability, cache_salt (vLLM's: narrows the caller's prefix-sharing domain;
+            auth.request_salt), temperature [0, 2] (default 1, OpenAI's), top_p (0, 1],
+            top_k (vLLM's extension: -1 or 0 for no cut, else 1..vocab), presence_penalty and
+            frequency_penalty [-2, 2], seed (an integer: the same seed and request give the same
+            tokens; absent, the frontend draws one per request), user (accepted, unused)
+  accepted  only at their default: n 1, best_of 1, logit_bias empty, echo false, suffix absent,
+            ignore_eos false
   refused   any other value of those, and any field not listed here: 400 with the field named
 
-max_tokens defaults to 16 for completions (OpenAI's default) and to the rest of the context for
-chat; a default is lowered to the API key's max_tokens limit, a value the request names
-above it is refused. prompt + max_tokens must fit the model's context (model_max_position).
+Log-probabilities are the model's distribution before temperature, top_k, top_p and penalties
+(as OpenAI and vLLM report them). max_tokens defaults to 16 for completions (OpenAI's default)
+and to the rest of the context for chat; a default is lowered to the API key's max_tokens limit,
+a value the request names above it is refused. prompt + max_tokens must fit the model's context
+(model_max_position).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import random
 from typing import List, Optional, Union
+
+from kvpool import Sampling
 
 MAX_LOGPROBS = 20
 MAX_STOP = 4
@@ -70,6 +79,15 @@ class Params:
     include_usage: bool = False
     logprobs: Optional[int] = None              # top tokens per step; None: no logprobs
     cache_salt: object = None                   # as sent (auth.request_salt checks it)
+    sampling: Sampling = dataclasses.field(default_factory=Sampling)  # seed always set
+
+    @property
+    def daemon_sampling(self) -> Optional[Sampling]:
+        """What the daemon is asked to sample with; None: greedy (no parameters sent)."""
+        s = self.sampling
+        if s.temperature == 0 and s.presence_penalty == 0 and s.frequency_penalty == 0:
+            return None
+        return s
 
     @property
     def top_k(self) -> int:
@@ -90,24 +108,41 @@ def _only(body: dict, name: str, allowed, what: str) -> None:
         raise bad(f"{name}={body[name]!r} is not supported: {what}", name, "unsupported_parameter")
 
 
-def _greedy_only(body: dict) -> None:
-    greedy = "this server decodes greedily"
-    t = body.get("temperature")
-    if t is not None and (not _is_number(t) or t != 0):
-        raise bad(f"temperature={t!r} is not supported: {greedy} (use 0 or leave it out)",
-                  "temperature", "unsupported_parameter")
-    p = body.get("top_p")
-    if p is not None and (not _is_number(p) or p != 1):
-        raise bad(f"top_p={p!r} is not supported: {greedy} (use 1 or leave it out)", "top_p",
-                  "unsupported_parameter")
-    _only(body, "top_k", (1, -1), f"{greedy} (top_k 1 or -1)")
+def _number(body: dict, name: str, default: float, low: float, high: float,
+            low_open: bool = False) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    bracket = "(" if low_open else "["
+    if (not _is_number(v) or not math.isfinite(v) or v > high
+            or (v <= low if low_open else v < low)):
+        raise bad(f"{name} must be a number in {bracket}{low:g}, {high:g}], not {v!r}", name)
+    return float(v)
+
+
+def _sampling(body: dict) -> Sampling:
+    """The daemon's sampling parameters for the request's OpenAI ones."""
+    top_k = body.get("top_k")
+    if top_k is None or top_k == -1:
+        top_k = 0
+    elif not _is_int(top_k) or top_k < 0:
+        raise bad(f"top_k must be -1 (no cut) or an integer >= 0, not {top_k!r}", "top_k")
+    seed = body.get("seed")
+    if seed is None:
+        seed = random.getrandbits(64)
+    elif not _is_int(seed) or not -2**63 <= seed < 2**64:
+        raise bad(f"seed must be a 64-bit integer, not {seed!r}", "seed")
+    return Sampling(temperature=_number(body, "temperature", 1.0, 0, 2),
+                    top_p=_number(body, "top_p", 1.0, 0, 1, low_open=True),
+                    top_k=top_k,
+                    presence_penalty=_number(body, "presence_penalty", 0.0, -2, 2),
+                    frequency_penalty=_number(body, "frequency_penalty", 0.0, -2, 2),
+                    seed=seed % 2**64)
+
+
+def _defaults_only(body: dict) -> None:
     _only(body, "n", (1,), "one choice per request")
     _only(body, "best_of", (1,), "one choice per request")
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = body.get(name)
-        if v is not None and (not _is_number(v) or v != 0):
-            raise bad(f"{name}={v!r} is not supported: {greedy} without penalties", name,
-                      "unsupported_parameter")
     if body.get("logit_bias"):
         raise bad("logit_bias is not supported", "logit_bias", "unsupported_parameter")
     _only(body, "echo", (False,), "the prompt is not echoed")
@@ -149,7 +184,8 @@ def _common(body, served_model: str, allowed) -> Params:
     if model != served_model:
         raise ApiError(404, f"the model {model!r} does not exist (this server has "
                             f"{served_model!r})", param="model", code="model_not_found")
-    _greedy_only(body)
+    _defaults_only(body)
+    sampling = _sampling(body)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad("stream must be a boolean", "stream")
@@ -162,7 +198,8 @@ def _common(body, served_model: str, allowed) -> Params:
             raise bad("stream_options supports only include_usage", "stream_options")
         include_usage = bool(options.get("include_usage", False))
     return Params(chat=False, stop=_stop(body.get("stop")), stream=stream,
-                  include_usage=include_usage, cache_salt=body.get("cache_salt"))
+                  include_usage=include_usage, cache_salt=body.get("cache_salt"),
+                  sampling=sampling)
 
 
 def parse_completion(body, served_model: str) -> Params:

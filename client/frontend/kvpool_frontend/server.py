@@ -353,7 +353,7 @@ class Frontend:
             placement = Placement(salt, client.layout.block_size, self.gate)
             gen = Generation(client, self.batcher, prompt, params.max_tokens, params.stop,
                              params.top_k, self.tokenizer.eos_id, self.tokenizer.decode,
-                             self._track_free, placement)
+                             self._track_free, placement, params.daemon_sampling)
             gen.abandoned = lambda: transport is None or transport.is_closing()
             return gen
 

@@ -28,7 +28,7 @@ from kvpool.errors import KvPoolError, Shortfall, StatusCode  # noqa: E402
 from kvpool.layout import DType, Layout  # noqa: E402
 from kvpool.mapping import BlockRef, PoolMapping  # noqa: E402
 from kvpool.attach import default_runtime_dir  # noqa: E402
-from kvpool.client import AllocateItem, Client, Sequence, apply_grow  # noqa: E402
+from kvpool.client import AllocateItem, Client, Sampling, Sequence, apply_grow  # noqa: E402
 from kvpool.engine import EngineHelper, EngineSequence  # noqa: E402
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "KvPoolError",
     "Layout",
     "PoolMapping",
+    "Sampling",
     "Sequence",
     "Shortfall",
     "StatusCode",

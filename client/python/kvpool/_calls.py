@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Iterable, List, Sequence as Seq, Tuple, Union
+from typing import Iterable, List, Optional, Sequence as Seq, Tuple, Union
 
 import grpc
 
@@ -179,22 +179,71 @@ def renew_pin_request(pin_id: int, ttl_s: float):
 
 # --- Compute ---
 
+@dataclasses.dataclass
+class Sampling:
+    """How a step chooses the next token (kvpool.proto SamplingParams): OpenAI's parameters. All
+    defaults: greedy. seed None: the daemon draws one per call (per stream for generate)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: Optional[int] = None
+
+
+SamplingLike = Union[Sampling, dict, None]
+
+
+def sampling_message(sampling: SamplingLike, what: str):
+    """A SamplingParams message from a Sampling, a dict of its fields, or a message."""
+    if isinstance(sampling, kvpool_pb2.SamplingParams):
+        return sampling
+    if isinstance(sampling, dict):
+        unknown = set(sampling) - {f.name for f in dataclasses.fields(Sampling)}
+        if unknown:
+            raise invalid_argument(f"{what}: unknown sampling parameters {sorted(unknown)}")
+        sampling = Sampling(**sampling)
+    if not isinstance(sampling, Sampling):
+        raise invalid_argument(f"{what}: sampling must be a kvpool.Sampling or a dict, "
+                               f"not {type(sampling).__name__}")
+    with building(what):
+        message = kvpool_pb2.SamplingParams(
+            temperature=sampling.temperature, top_k=sampling.top_k,
+            presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty)
+        message.top_p = sampling.top_p
+        if sampling.seed is not None:
+            message.seed = sampling.seed
+    return message
+
+
 def prefill_request(tokens: Seq[int], sequence_id: int, top_k: int, priority: int,
-                    cache_salt: str = ""):
+                    cache_salt: str = "", sampling: SamplingLike = None, logprobs: bool = False):
     with building("Prefill"):
-        return kvpool_pb2.PrefillRequest(
+        request = kvpool_pb2.PrefillRequest(
             sequence_id=sequence_id, tokens=list(tokens), top_k=top_k, priority=priority,
-            cache_salt=cache_salt,
+            cache_salt=cache_salt, logprobs=logprobs,
         )
+    if sampling is not None:
+        request.sampling.CopyFrom(sampling_message(sampling, "Prefill"))
+    return request
 
 
-def decode_request(items: Iterable[Tuple[int, int]], top_k: int):
+def decode_request(items: Iterable[Tuple[int, int]], top_k: int,
+                   sampling: Union[SamplingLike, List[SamplingLike]] = None,
+                   logprobs: bool = False):
+    """`sampling`: None (greedy), one for every sequence, or a list with one per sequence."""
     request = kvpool_pb2.DecodeRequest()
     with building("Decode"):
         for sequence_id, token in items:
             request.sequence_ids.append(sequence_id)
             request.tokens.append(token)
         request.top_k = top_k
+        request.logprobs = logprobs
+    if sampling is not None:
+        for one in (sampling if isinstance(sampling, (list, tuple)) else [sampling]):
+            request.sampling.append(sampling_message(one, "Decode"))
     return request
 
 
@@ -203,18 +252,27 @@ def decode_result(request, response):
         raise internal(
             f"Decode: {len(response.next_tokens)} tokens back for {len(request.sequence_ids)} sequences"
         )
+    if request.logprobs and len(response.logprobs) != len(request.sequence_ids):
+        raise internal(
+            f"Decode: {len(response.logprobs)} log-probabilities back for "
+            f"{len(request.sequence_ids)} sequences"
+        )
     return response
 
 
 def generate_request(prompt: Seq[int], max_tokens: int, sequence_id: int,
                      stop_tokens: Seq[int], priority: int, free_when_done: bool,
-                     cache_salt: str = ""):
+                     cache_salt: str = "", sampling: SamplingLike = None, logprobs: bool = False,
+                     top_k: int = 0):
     with building("Generate"):
-        return kvpool_pb2.GenerateRequest(
+        request = kvpool_pb2.GenerateRequest(
             sequence_id=sequence_id, prompt=list(prompt), max_tokens=max_tokens,
             stop_tokens=list(stop_tokens), priority=priority, free_when_done=free_when_done,
-            cache_salt=cache_salt,
+            cache_salt=cache_salt, logprobs=logprobs, top_k=top_k,
         )
+    if sampling is not None:
+        request.sampling.CopyFrom(sampling_message(sampling, "Generate"))
+    return request
 
 
 # --- Admin ---

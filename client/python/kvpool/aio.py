@@ -127,22 +127,25 @@ class AsyncClient(_Session):
     # --- Compute ---
 
     async def prefill(self, tokens: Seq[int], sequence_id: int = 0, top_k: int = 0,
-                      priority: int = 0, timeout: Optional[float] = None, cache_salt: str = ""):
+                      priority: int = 0, timeout: Optional[float] = None, cache_salt: str = "",
+                      sampling: _calls.SamplingLike = None, logprobs: bool = False):
         return await self._call(
-            "Prefill", _calls.prefill_request(tokens, sequence_id, top_k, priority, cache_salt),
+            "Prefill", _calls.prefill_request(tokens, sequence_id, top_k, priority, cache_salt,
+                                              sampling, logprobs),
             timeout)
 
     async def decode(self, items: Iterable[Tuple[int, int]], top_k: int = 0,
-                     timeout: Optional[float] = None):
-        request = _calls.decode_request(items, top_k)
+                     timeout: Optional[float] = None, sampling=None, logprobs: bool = False):
+        request = _calls.decode_request(items, top_k, sampling, logprobs)
         return _calls.decode_result(request, await self._call("Decode", request, timeout))
 
     def generate(self, prompt: Seq[int], max_tokens: int, *, sequence_id: int = 0,
                  stop_tokens: Seq[int] = (), priority: int = 0, free_when_done: bool = False,
-                 cache_salt: str = "") -> AsyncIterator:
+                 cache_salt: str = "", sampling: _calls.SamplingLike = None,
+                 logprobs: bool = False, top_k: int = 0) -> AsyncIterator:
         self._check_open()
         request = _calls.generate_request(prompt, max_tokens, sequence_id, stop_tokens, priority,
-                                          free_when_done, cache_salt)
+                                          free_when_done, cache_salt, sampling, logprobs, top_k)
         return _stream(self.stub.Generate(request, metadata=self._metadata))
 
     # --- Admin ---

@@ -26,7 +26,7 @@ from typing import Iterable, Iterator, List, Optional, Sequence as Seq, Tuple, U
 import grpc
 
 from kvpool import _calls
-from kvpool._calls import AllocateItem, Sequence, apply_grow  # noqa: F401 (re-exported)
+from kvpool._calls import AllocateItem, Sampling, Sequence, apply_grow  # noqa: F401 (re-exported)
 from kvpool._proto import attach_pb2, kvpool_pb2, kvpool_pb2_grpc
 from kvpool.attach import (
     GRPC_SOCKET,
@@ -315,27 +315,34 @@ class Client(_Session):
 
     def prefill(self, tokens: Seq[int], sequence_id: int = 0, top_k: int = 0,
                 priority: int = 0, timeout: Optional[float] = None,
-                cache_salt: str = "") -> "kvpool_pb2.PrefillResponse":
+                cache_salt: str = "", sampling: _calls.SamplingLike = None,
+                logprobs: bool = False) -> "kvpool_pb2.PrefillResponse":
         """sequence_id 0: a new sequence whose prompt is matched against the prefix cache (of
         `cache_salt`'s domain); otherwise `tokens` extend that sequence. Returns the first
         generated token (pending). `timeout`: this call's deadline in seconds (default: the
-        client's)."""
+        client's). `sampling` (kvpool.Sampling or a dict of its fields): how the token is chosen
+        (None: greedy); `logprobs`: also return its log-probability."""
         return self._call("Prefill", _calls.prefill_request(tokens, sequence_id, top_k, priority,
-                                                            cache_salt), timeout)
+                                                            cache_salt, sampling, logprobs),
+                          timeout)
 
     def decode(self, items: Iterable[Tuple[int, int]], top_k: int = 0,
-               timeout: Optional[float] = None) -> "kvpool_pb2.DecodeResponse":
-        """One step for every (sequence_id, pending token), all or none."""
-        request = _calls.decode_request(items, top_k)
+               timeout: Optional[float] = None, sampling=None,
+               logprobs: bool = False) -> "kvpool_pb2.DecodeResponse":
+        """One step for every (sequence_id, pending token), all or none. `sampling`: None
+        (greedy), one for every sequence, or a list with one per sequence."""
+        request = _calls.decode_request(items, top_k, sampling, logprobs)
         return _calls.decode_result(request, self._call("Decode", request, timeout))
 
     def generate(self, prompt: Seq[int], max_tokens: int, *, sequence_id: int = 0,
                  stop_tokens: Seq[int] = (), priority: int = 0, free_when_done: bool = False,
-                 cache_salt: str = "") -> Iterator["kvpool_pb2.GenerateResponse"]:
-        """Streams generated tokens (no deadline). Closing the iterator early cancels the call."""
+                 cache_salt: str = "", sampling: _calls.SamplingLike = None,
+                 logprobs: bool = False, top_k: int = 0) -> Iterator["kvpool_pb2.GenerateResponse"]:
+        """Streams generated tokens (no deadline). Closing the iterator early cancels the call.
+        `sampling` applies to every token, with one seed for the stream."""
         self._check_open()
         request = _calls.generate_request(prompt, max_tokens, sequence_id, stop_tokens, priority,
-                                          free_when_done, cache_salt)
+                                          free_when_done, cache_salt, sampling, logprobs, top_k)
         return _stream(self.stub.Generate(request, metadata=self._metadata))
 
     # --- Admin (PERMISSION_DENIED unless admin) ---

@@ -33,15 +33,17 @@ class FakeClient:
         self.published: Dict[str, List[Tuple[int, ...]]] = {}
         self.live: Dict[int, Tuple[str, List[int]]] = {}  # sequence id -> (salt, tokens)
         self.salts: List[str] = []                         # of every Prefill, in order
+        self.samplings: list = []                          # of every Prefill, in order
         self.prefills = 0
         self.decodes = 0
         self._next_id = 1
 
     async def prefill(self, tokens, sequence_id=0, top_k=0, priority=0, timeout=None,
-                      cache_salt=""):
+                      cache_salt="", sampling=None, logprobs=False):
         await asyncio.sleep(0)
         self.prefills += 1
         self.salts.append(cache_salt)
+        self.samplings.append(sampling)
         tokens = list(tokens)
         reused = 0
         for done in self.published.get(cache_salt, []):
@@ -52,15 +54,17 @@ class FakeClient:
         sid, self._next_id = self._next_id, self._next_id + 1
         self.live[sid] = (cache_salt, tokens)
         return types.SimpleNamespace(sequence_id=sid, next_token=65, reused_tokens=reused,
+                                     logprob=-0.5 if logprobs else 0.0,
                                      top=types.SimpleNamespace(tokens=self._top(top_k)))
 
-    async def decode(self, items, top_k=0, timeout=None):
+    async def decode(self, items, top_k=0, timeout=None, sampling=None, logprobs=False):
         await asyncio.sleep(0)
         self.decodes += 1
         items = list(items)
         for sid, token in items:
             self.live[sid][1].append(token)
         return types.SimpleNamespace(next_tokens=[65] * len(items),
+                                     logprobs=[-0.5] * len(items) if logprobs else [],
                                      top=[types.SimpleNamespace(tokens=self._top(top_k))
                                           for _ in items])
 

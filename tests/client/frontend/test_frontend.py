@@ -36,6 +36,7 @@ class FrontendTest(unittest.TestCase):
 
     def complete(self, frontend, **body):
         body.setdefault("model", "tiny")
+        body.setdefault("temperature", 0)  # greedy: the tests compare texts across calls
         return http(frontend.url + "/v1/completions", body)
 
     def idle(self):
@@ -81,7 +82,7 @@ class FrontendTest(unittest.TestCase):
         prompt = "Streams arrive one token at a time."
         _, _, whole = self.complete(self.a, prompt=prompt, max_tokens=12)
         status, events = stream(self.b.url + "/v1/completions", {
-            "model": "tiny", "prompt": prompt, "max_tokens": 12, "stream": True,
+            "model": "tiny", "prompt": prompt, "temperature": 0, "max_tokens": 12, "stream": True,
             "stream_options": {"include_usage": True}})
         self.assertEqual(status, 200)
         self.assertEqual(events[-1], "[DONE]")
@@ -97,12 +98,12 @@ class FrontendTest(unittest.TestCase):
         # Chat: a role event first, then the content, the same as the non-streaming answer.
         messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
         status, _, answer = http(self.a.url + "/v1/chat/completions",
-                                 {"model": "tiny", "messages": messages, "max_tokens": 6})
+                                 {"model": "tiny", "messages": messages, "temperature": 0, "max_tokens": 6})
         self.assertEqual(status, 200, answer)
         self.assertEqual(answer["object"], "chat.completion")
         self.assertEqual(answer["choices"][0]["message"]["role"], "assistant")
         status, events = stream(self.b.url + "/v1/chat/completions", {
-            "model": "tiny", "messages": messages, "max_tokens": 6, "stream": True})
+            "model": "tiny", "messages": messages, "temperature": 0, "max_tokens": 6, "stream": True})
         self.assertEqual(events[0]["object"], "chat.completion.chunk")
         self.assertEqual(events[0]["choices"][0]["delta"]["role"], "assistant")
         content = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1])
@@ -120,7 +121,7 @@ class FrontendTest(unittest.TestCase):
             self.assertEqual(stopped["choices"][0]["text"], text[:cut])
             self.assertEqual(stopped["choices"][0]["finish_reason"], "stop")
         _, events = stream(self.a.url + "/v1/completions", {
-            "model": "tiny", "prompt": prompt, "max_tokens": 10, "stop": stop, "stream": True})
+            "model": "tiny", "prompt": prompt, "temperature": 0, "max_tokens": 10, "stop": stop, "stream": True})
         self.assertEqual("".join(e["choices"][0]["text"] for e in events[:-1]), text[:cut])
         self.assertEqual(events[-2]["choices"][0]["finish_reason"], "stop")
 
@@ -140,6 +141,25 @@ class FrontendTest(unittest.TestCase):
         self.assertEqual(len(content), 2)
         self.assertEqual(len(content[0]["top_logprobs"]), 3)
 
+    def test_sampling_follows_the_seed_across_frontends(self):
+        body = dict(prompt="Sample this, please.", max_tokens=12, temperature=1.5, top_p=0.95,
+                    seed=1234, logprobs=1)
+        status, _, one = self.complete(self.a, **body)
+        self.assertEqual(status, 200, one)
+        _, _, two = self.complete(self.b, **body)
+        self.assertEqual(two["choices"][0]["text"], one["choices"][0]["text"])
+        lp = one["choices"][0]["logprobs"]
+        for chosen, top in zip(lp["token_logprobs"], lp["top_logprobs"]):
+            self.assertLessEqual(chosen, max(top.values()) + 1e-6)  # the chosen, not the top one
+        self.assertTrue(any(c < max(t.values()) - 1e-6
+                            for c, t in zip(lp["token_logprobs"], lp["top_logprobs"])),
+                        "a hot sample of 12 tokens that only ever chose the likeliest token")
+        # Without a seed each request draws its own; OpenAI's default temperature is 1.
+        texts = {self.complete(self.a, prompt="Sample this, please.", max_tokens=12,
+                               temperature=None)[2]["choices"][0]["text"] for _ in range(3)}
+        self.assertGreater(len(texts), 1)
+        self.assertTrue(self.idle())
+
     def test_bad_requests_get_400_and_change_nothing(self):
         before = self.admin.get_stats()
         url = self.a.url
@@ -147,9 +167,9 @@ class FrontendTest(unittest.TestCase):
             ("/v1/completions", None, b"{not json", 400, None),
             ("/v1/completions", {"prompt": "x"}, None, 400, "model"),
             ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, None, 404, "model"),
-            ("/v1/completions", {"model": "tiny", "prompt": "x", "temperature": 0.7}, None, 400, "temperature"),
+            ("/v1/completions", {"model": "tiny", "prompt": "x", "temperature": 2.5}, None, 400, "temperature"),
             ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 2}, None, 400, "n"),
-            ("/v1/completions", {"model": "tiny", "prompt": "x", "top_p": 0.9}, None, 400, "top_p"),
+            ("/v1/completions", {"model": "tiny", "prompt": "x", "top_p": 0}, None, 400, "top_p"),
             ("/v1/completions", {"model": "tiny", "prompt": "x", "frobnicate": 1}, None, 400, "frobnicate"),
             ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"]}, None, 400, "prompt"),
             ("/v1/completions", {"model": "tiny", "prompt": ""}, None, 400, "prompt"),
@@ -318,12 +338,12 @@ class CheckpointFrontendTest(unittest.TestCase):
             self.assertEqual(http(frontend.url + "/v1/models")[2]["data"][0]["id"], name)
             prompt = "the pool keeps every block"
             status, _, out = http(frontend.url + "/v1/completions",
-                                  {"model": name, "prompt": prompt, "max_tokens": 6})
+                                  {"model": name, "prompt": prompt, "temperature": 0, "max_tokens": 6})
             self.assertEqual(status, 200, out)
             self.assertEqual(out["usage"]["prompt_tokens"], 1 + len(sp.encode(prompt)))
             self.assertIn(out["usage"]["completion_tokens"], range(1, 7))
             _, events = stream(frontend.url + "/v1/completions",
-                               {"model": name, "prompt": prompt, "max_tokens": 6, "stream": True})
+                               {"model": name, "prompt": prompt, "temperature": 0, "max_tokens": 6, "stream": True})
             self.assertEqual("".join(e["choices"][0]["text"] for e in events[:-1]),
                              out["choices"][0]["text"])
             messages = [{"role": "system", "content": "brief"},

@@ -59,9 +59,10 @@ short_text = st.text(min_size=1, max_size=12)
 GOOD = {
     "max_tokens": st.integers(1, 12), "stream": st.booleans(), "user": short_text,
     "seed": st.integers(), "stop": st.none() | short_text | st.lists(short_text, max_size=4),
-    "temperature": st.sampled_from([0, 0.0, None]), "top_p": st.sampled_from([1, 1.0, None]),
-    "top_k": st.sampled_from([1, -1, None]), "n": st.sampled_from([1, None]),
-    "presence_penalty": st.sampled_from([0, None]), "frequency_penalty": st.sampled_from([0, 0.0]),
+    "temperature": st.none() | st.sampled_from([0, 2]) | st.floats(0, 2),
+    "top_p": st.none() | st.just(1) | st.floats(0, 1, exclude_min=True),
+    "top_k": st.none() | st.integers(-1, 64), "n": st.sampled_from([1, None]),
+    "presence_penalty": st.none() | st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
     "logit_bias": st.sampled_from([{}, None]), "ignore_eos": st.sampled_from([False, None]),
     "cache_salt": st.none() | st.text(any_char, min_size=1, max_size=40),
 }

@@ -15,6 +15,7 @@ import unittest
 
 import kvpool
 
+from kvpool import Sampling
 from kvpool_frontend import auth, chat, protocol, tokenizer
 from kvpool_frontend.admission import Admission
 from kvpool_frontend.auth import KeyStore, KeysFileError, Limits
@@ -85,6 +86,17 @@ class SentencePieceTest(unittest.TestCase):
         prompt = tok.encode("a frontend")
         self.assertEqual(stream_text(tok, prompt, ids), " " + tok.decode(ids))
 
+    def test_the_models_padding_tokens_decode_to_nothing(self):
+        # A model's vocabulary padded past the tokenizer's (512 > 400): a sampled step may choose
+        # a padding id; it has no text, and only ids past the model's are errors.
+        tok = tokenizer.load("auto", self.dir, 512)
+        ids = tok.encode("the pool")
+        self.assertEqual(tok.decode(ids + [470] + ids), tok.decode(ids + ids))
+        self.assertEqual(tok.token_bytes(511), b"")
+        self.assertEqual(stream_text(tok, [], ids + [470]), tok.decode(ids))
+        with self.assertRaises(TokenizerError):
+            tok.decode([512])
+
     def test_a_tokenizer_larger_than_the_model_is_refused(self):
         with self.assertRaises(TokenizerError):
             tokenizer.load(os.path.join(self.dir, "tokenizer.model"), "tiny", 100)
@@ -138,11 +150,36 @@ class ProtocolTest(unittest.TestCase):
         self.assertEqual((p.max_tokens, p.top_k), (9, 5))
         self.assertEqual(protocol.parse_completion({"model": "m", "prompt": [[1, 2]]}, "m").prompt, [1, 2])
 
+    def test_sampling_parameters_map_to_the_daemons(self):
+        p = protocol.parse_completion({"model": "m", "prompt": "x", "temperature": 0.7,
+                                       "top_p": 0.9, "top_k": 40, "presence_penalty": 0.5,
+                                       "frequency_penalty": -1, "seed": -1}, "m")
+        self.assertEqual(p.daemon_sampling, Sampling(0.7, 0.9, 40, 0.5, -1.0, 2 ** 64 - 1))
+        # OpenAI's default temperature is 1; without a seed one is drawn per request.
+        a = protocol.parse_completion({"model": "m", "prompt": "x"}, "m").daemon_sampling
+        b = protocol.parse_completion({"model": "m", "prompt": "x"}, "m").daemon_sampling
+        self.assertEqual((a.temperature, a.top_p, a.top_k), (1.0, 1.0, 0))
+        self.assertNotEqual(a.seed, b.seed)
+        # Greedy (temperature 0, no penalties): nothing is sent, the daemon's argmax.
+        p = protocol.parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                 "temperature": 0, "top_k": -1}, "m")
+        self.assertIsNone(p.daemon_sampling)
+        p = protocol.parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                 "temperature": 0, "frequency_penalty": 1}, "m")
+        self.assertEqual(p.daemon_sampling.frequency_penalty, 1.0)
+
     def test_refusals_name_the_field(self):
         cases = [
-            ({"model": "m", "prompt": "x", "temperature": 1.0}, "temperature"),
-            ({"model": "m", "prompt": "x", "top_k": 40}, "top_k"),
-            ({"model": "m", "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+            ({"model": "m", "prompt": "x", "temperature": 2.01}, "temperature"),
+            ({"model": "m", "prompt": "x", "temperature": float("nan")}, "temperature"),
+            ({"model": "m", "prompt": "x", "top_p": 0}, "top_p"),
+            ({"model": "m", "prompt": "x", "top_p": 1.5}, "top_p"),
+            ({"model": "m", "prompt": "x", "top_k": -2}, "top_k"),
+            ({"model": "m", "prompt": "x", "top_k": 1.5}, "top_k"),
+            ({"model": "m", "prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+            ({"model": "m", "prompt": "x", "frequency_penalty": "1"}, "frequency_penalty"),
+            ({"model": "m", "prompt": "x", "seed": 2 ** 64}, "seed"),
+            ({"model": "m", "prompt": "x", "seed": 1.0}, "seed"),
             ({"model": "m", "prompt": "x", "logit_bias": {"1": 2}}, "logit_bias"),
             ({"model": "m", "prompt": "x", "echo": True}, "echo"),
             ({"model": "m", "prompt": "x", "best_of": 3}, "best_of"),
@@ -191,12 +228,14 @@ class FakeDecoder:
     def __init__(self, bad=None):
         self.bad = bad
         self.batches = []
+        self.samplings = []  # each call's sampling argument
 
-    async def decode(self, items, top_k=0):
+    async def decode(self, items, top_k=0, sampling=None, logprobs=False):
         from kvpool._proto import kvpool_pb2
 
         items = list(items)
         self.batches.append([s for s, _ in items])
+        self.samplings.append(sampling)
         await asyncio.sleep(0.01)
         if any(s == self.bad for s, _ in items):
             raise kvpool.KvPoolError(kvpool.StatusCode.RESOURCE_EXHAUSTED, "pool is full")
@@ -211,7 +250,7 @@ class DecodeBatcherTest(unittest.TestCase):
             async def stream(seq, steps):
                 token = seq * 100
                 for _ in range(steps):
-                    token, _ = await batcher.submit(client, seq, token, 0)
+                    token, _, _ = await batcher.submit(client, seq, token, 0)
                 return token
 
             results = await asyncio.gather(stream(1, 5), stream(2, 5), stream(3, 3))
@@ -227,12 +266,29 @@ class DecodeBatcherTest(unittest.TestCase):
             client, batcher = FakeDecoder(bad=2), DecodeBatcher()
             futures = [batcher.submit(client, s, 10 * s, 0) for s in (1, 2, 3)]
             results = await asyncio.gather(*futures, return_exceptions=True)
-            self.assertEqual(results[0], (11, ()))
+            self.assertEqual(results[0], (11, None, ()))
             self.assertIsInstance(results[1], kvpool.KvPoolError)
             self.assertEqual(results[1].code, kvpool.StatusCode.RESOURCE_EXHAUSTED)
-            self.assertEqual(results[2], (31, ()))
+            self.assertEqual(results[2], (31, None, ()))
             self.assertEqual(client.batches[0], [1, 2, 3])
             self.assertEqual(sorted(client.batches[1:]), [[1], [2], [3]])
+
+        asyncio.run(scenario())
+
+    def test_each_sequence_keeps_its_own_sampling_in_a_shared_call(self):
+        async def scenario():
+            client, batcher = FakeDecoder(), DecodeBatcher()
+            hot = kvpool.Sampling(temperature=1.2, seed=5)
+            futures = [batcher.submit(client, 1, 10, 0, hot), batcher.submit(client, 2, 20, 0),
+                       batcher.submit(client, 3, 30, 0, kvpool.Sampling(top_p=0.5, seed=6))]
+            await asyncio.gather(*futures)
+            self.assertEqual(client.batches, [[1, 2, 3]])
+            # One set per sequence, in order; the greedy one keeps the defaults (the argmax).
+            self.assertEqual(client.samplings[0],
+                             [hot, kvpool.Sampling(), kvpool.Sampling(top_p=0.5, seed=6)])
+            # All greedy: no parameters at all.
+            await batcher.submit(client, 4, 40, 0)
+            self.assertIsNone(client.samplings[1])
 
         asyncio.run(scenario())
 
