@@ -14,7 +14,7 @@ install(FILES ${PROJECT_SOURCE_DIR}/deploy/kvpoold.tmpfiles DESTINATION lib/tmpf
 install(CODE "include(\"${PROJECT_SOURCE_DIR}/cmake/InstallDeployFiles.cmake\")
 kvpool_install_unit(\"${PROJECT_SOURCE_DIR}\" \"${_kvpool_gen}\")" COMPONENT daemon)
 install(FILES ${PROJECT_SOURCE_DIR}/README.md DESTINATION ${_kvpool_doc}/kvpool COMPONENT daemon)
-file(GLOB _kvpool_docs ${PROJECT_SOURCE_DIR}/docs/*.md)
+file(GLOB _kvpool_docs CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/docs/*.md)
 install(FILES ${_kvpool_docs} DESTINATION ${_kvpool_doc}/kvpool/docs COMPONENT daemon)
 
 # Every package: copyright and the changelog (gzip -9n: lintian's and dpkg's expectations).
@@ -80,7 +80,7 @@ install(FILES ${PROJECT_SOURCE_DIR}/client/block_ref.h ${PROJECT_SOURCE_DIR}/cli
         DESTINATION ${KVPOOL_DEV_INCLUDEDIR}/client COMPONENT dev)
 install(FILES ${PROJECT_SOURCE_DIR}/kvpool/util/unique_fd.h
         DESTINATION ${KVPOOL_DEV_INCLUDEDIR}/kvpool/util COMPONENT dev)
-file(GLOB _kvpool_proto_headers ${PROJECT_SOURCE_DIR}/proto/kvpool/v1/*.h)
+file(GLOB _kvpool_proto_headers CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/proto/kvpool/v1/*.h)
 install(FILES ${_kvpool_proto_headers} DESTINATION ${KVPOOL_DEV_INCLUDEDIR}/kvpool/v1 COMPONENT dev)
 install(DIRECTORY ${PROJECT_BINARY_DIR}/kvpool/v1/ DESTINATION ${KVPOOL_DEV_INCLUDEDIR}/kvpool/v1
         COMPONENT dev FILES_MATCHING PATTERN "*.pb.h")
