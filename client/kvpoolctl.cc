@@ -45,6 +45,7 @@ std::string StatusLine(const absl::Status& status) {
 
 std::string Usage() {
   return "usage: kvpoolctl [--socket_dir=DIR] [--json] [--timeout=10s] [--pool=NAME] COMMAND ...\n"
+         "       kvpoolctl --help | --version\n"
          "  stats                                  pool gauges and counters (every pool)\n"
          "  sessions                               attached client sessions\n"
          "  sequences [--session=N]                live sequences and their block tables\n"

@@ -15,6 +15,7 @@
 #include "absl/time/time.h"
 #include "client/client.h"
 #include "client/kvpoolctl.h"
+#include "kvpool/util/version.h"
 #include "kvpool/v1/wire.h"
 
 ABSL_FLAG(std::string, socket_dir, "",
@@ -85,6 +86,10 @@ int main(int argc, char** argv) {
     }
     if (arg == "-h" || arg == "--help" || arg == "help") {
       std::cout << ctl::Usage();
+      return ctl::kExitOk;
+    }
+    if (arg == "--version") {  // the project's version (CMakeLists.txt project())
+      std::cout << "kvpoolctl " << kvpool::kVersion << "\n";
       return ctl::kExitOk;
     }
     if (arg.size() > 1 && arg[0] == '-') {

@@ -10,11 +10,13 @@
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "daemon/daemon.h"
 #include "daemon/edge/config.h"
 #include "daemon/signal_watcher.h"
 #include "kvpool/util/logging.h"
+#include "kvpool/util/version.h"
 
 ABSL_FLAG(std::string, config, "",
           "textproto config (proto/kvpool/v1/config.proto); none: defaults");
@@ -47,9 +49,11 @@ absl::StatusOr<kvpool::v1::DaemonConfig> Configure() {
 
 int main(int argc, char** argv) {
   // --help lists this file's flags (absl's default looks for a file named after the binary).
-  absl::SetFlagsUsageConfig({.contains_help_flags = [](absl::string_view file) {
-    return absl::EndsWith(file, "daemon/main.cc");
-  }});
+  // --version prints the project's version (CMakeLists.txt project(), the package's version).
+  absl::SetFlagsUsageConfig(
+      {.contains_help_flags =
+           [](absl::string_view file) { return absl::EndsWith(file, "daemon/main.cc"); },
+       .version_string = [] { return absl::StrCat("kvpoold ", kvpool::kVersion, "\n"); }});
   absl::SetProgramUsageMessage(
       "shares one accelerator's paged KV-cache pool with the serving processes of this host.");
   absl::ParseCommandLine(argc, argv);

@@ -31,6 +31,10 @@ packages=(
   # property-based tests of the frontend's request parsing, API keys and limits
   # (tests/client/frontend/test_frontend_properties.py)
   python3-hypothesis
+  # the Debian packages (docs/packaging.md; cmake --build --preset release --target package):
+  # dpkg-shlibdeps (dpkg-dev) and file for CPack's library dependencies, help2man for the man
+  # pages, lintian for deb_package_test
+  dpkg-dev file help2man lintian
 )
 
 missing=()

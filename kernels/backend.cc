@@ -19,8 +19,10 @@ constexpr char kCudaLibrary[] = "libkvpool_cuda.so";
 using DeviceCountFn = int (*)();
 using CreateDeviceFn = Device* (*)(int, char*, size_t);
 
-// Where the backend may be: $KVPOOL_BACKEND_DIR, beside the executable, ../lib beside it, the
-// build tree's lib/ (so uninstalled builds work), then the loader's own search path.
+// Where the backend may be: $KVPOOL_BACKEND_DIR, beside the executable, ../lib/kvpool beside it
+// (the installed layout: /usr/bin/kvpoold, /usr/lib/kvpool/libkvpool_cuda.so, a private plug-in
+// directory, cmake/Packaging.cmake), ../lib beside it, the build tree's lib/ (so uninstalled
+// builds work), then the loader's own search path.
 std::vector<std::string> Candidates() {
   std::vector<std::string> out;
   if (const char* dir = std::getenv("KVPOOL_BACKEND_DIR")) {
@@ -30,6 +32,7 @@ std::vector<std::string> Candidates() {
   const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", ec);
   if (!ec) {
     out.push_back((exe.parent_path() / kCudaLibrary).string());
+    out.push_back((exe.parent_path() / ".." / "lib" / "kvpool" / kCudaLibrary).string());
     out.push_back((exe.parent_path() / ".." / "lib" / kCudaLibrary).string());
   }
 #ifdef KVPOOL_BUILD_LIB_DIR

@@ -22,6 +22,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "kvpool/util/version.h"
 #include "tools/replay.h"
 
 ABSL_FLAG(std::string, trace, "",
@@ -204,9 +205,11 @@ int RunOne(const std::string& path) {
 
 int main(int argc, char** argv) {
   // --help lists this file's flags (absl's default looks for a file named after the binary).
-  absl::SetFlagsUsageConfig({.contains_help_flags = [](absl::string_view file) {
-    return absl::EndsWith(file, "tools/replay_main.cc");
-  }});
+  // --version prints the project's version (CMakeLists.txt project(), the package's version).
+  absl::SetFlagsUsageConfig(
+      {.contains_help_flags =
+           [](absl::string_view file) { return absl::EndsWith(file, "tools/replay_main.cc"); },
+       .version_string = [] { return absl::StrCat("kvpool-replay ", kvpool::kVersion, "\n"); }});
   absl::SetProgramUsageMessage("Replays a Mooncake trace through kvpool's prefix cache.");
   absl::ParseCommandLine(argc, argv);
   if (absl::GetFlag(FLAGS_sweep)) return RunSweep();

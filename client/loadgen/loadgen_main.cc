@@ -9,7 +9,9 @@
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "client/loadgen/loadgen.h"
+#include "kvpool/util/version.h"
 
 ABSL_FLAG(std::string, mode, "model",
           "model: tokens from the daemon's model (Prefill/Decode); kv: the clients write KV "
@@ -30,9 +32,11 @@ ABSL_FLAG(bool, decode_doorbell, true,
 
 int main(int argc, char** argv) {
   // --help lists this file's flags (absl's default looks for a file named after the binary).
-  absl::SetFlagsUsageConfig({.contains_help_flags = [](absl::string_view file) {
-    return absl::EndsWith(file, "loadgen/loadgen_main.cc");
-  }});
+  // --version prints the project's version (CMakeLists.txt project(), the package's version).
+  absl::SetFlagsUsageConfig(
+      {.contains_help_flags =
+           [](absl::string_view file) { return absl::EndsWith(file, "loadgen/loadgen_main.cc"); },
+       .version_string = [] { return absl::StrCat("kvpool-loadgen ", kvpool::kVersion, "\n"); }});
   absl::SetProgramUsageMessage("Drives kvpoold with several client processes.");
   absl::ParseCommandLine(argc, argv);
   const std::string mode = absl::GetFlag(FLAGS_mode);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
 #include "daemon/engine/step_scheduler.h"
 #include "daemon/engine/tiers.h"
 #include "kernels/plan_executor.h"
@@ -16,6 +17,7 @@
 #include "kvpool/eviction_policy.h"
 #include "kvpool/kv_events.h"
 #include "kvpool/util/clock.h"
+#include "kvpool/util/version.h"
 #include "tier/secret.h"
 
 namespace kvpool::daemon {
@@ -82,7 +84,7 @@ struct EngineOptions {
   absl::flat_hash_map<std::string, int64_t> open_quota_blocks;
   ClientLimits limits;
   uint64_t epoch = 1;  // this start of the daemon (stamped on events, told at attach)
-  std::string daemon_version = "kvpoold 0.1.0";
+  std::string daemon_version = absl::StrCat("kvpoold ", kVersion);
   const Clock* clock = Clock::Real();  // not owned; outlives the engine
   // Keys namespace ids and the tiers' keys and MACs (tier/secret.h); none: a random one.
   std::optional<tier::DeploymentSecret> secret;

@@ -31,8 +31,10 @@ unit="$tmp/kvpoold.service"
 sed "s#/usr/local/bin/kvpoold#$binary#" "$deploy/kvpoold.service" > "$unit"
 grep -q "^ExecStart=$binary " "$unit" || fail "ExecStart does not run /usr/local/bin/kvpoold"
 
-# 1. verify: no output at all (unknown keys and bad values are warnings, not errors).
-if ! verify=$(cd "$tmp" && systemd-analyze verify "$unit" 2>&1) || [[ -n "$verify" ]]; then
+# 1. verify: no output at all (unknown keys and bad values are warnings, not errors). --man=no:
+# Documentation=man:kvpoold(8) exists once the package is installed (deb_package_test.sh
+# verifies the installed unit with its man page), not in the source tree.
+if ! verify=$(cd "$tmp" && systemd-analyze verify --man=no "$unit" 2>&1) || [[ -n "$verify" ]]; then
   fail "systemd-analyze verify: ${verify:-non-zero exit}"
 fi
 echo "systemd-analyze verify: clean"
