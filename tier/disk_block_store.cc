@@ -151,7 +151,9 @@ void DiskBlockStore::WriterLoop() {
     {
       absl::MutexLock lock(&mu_);
       while (queue_.empty() && erase_.empty() && !stopping_) changed_.Wait(&mu_);
-      if (queue_.empty() && (erase_.empty() || stopping_)) return;
+      // Stopping too: what is queued is written, and the entries of dropped records are cleared
+      // (an invalidated record must not come back after a restart).
+      if (queue_.empty() && erase_.empty()) return;
       // Never more than there are slots: every record of a batch gets one.
       const int64_t most = std::min<int64_t>(options_.write_batch_blocks, slots_count_);
       while (!queue_.empty() && static_cast<int64_t>(batch.size()) < most) {
@@ -161,6 +163,7 @@ void DiskBlockStore::WriterLoop() {
       }
       erased.assign(erase_.begin(), erase_.end());
       erase_.clear();
+      erasing_ = static_cast<int64_t>(erased.size());
       std::sort(erased.begin(), erased.end());
       filters_in_batch_.clear();
     }
@@ -174,7 +177,15 @@ void DiskBlockStore::WriteBatch(std::vector<QueuedWrite>& batch,
     absl::MutexLock lock(&mu_);
     counters_.dropped_breaker_open += batch.size();
     completed_ += static_cast<int64_t>(batch.size());
-    erase_.insert(erased.begin(), erased.end());  // cleared once the disk takes writes again
+    erasing_ = 0;
+    if (!stopping_) {
+      erase_.insert(erased.begin(), erased.end());  // cleared once the disk takes writes again
+    } else if (!erased.empty()) {
+      Logger("tier").warn(
+          "disk tier {}: stopping while the disk fails: the entries of {} dropped records could "
+          "not be cleared, and a restart may find those records again",
+          options_.directory, erased.size());
+    }
     changed_.SignalAll();
     if (queue_.empty() && !stopping_) changed_.WaitWithTimeout(&mu_, options_.breaker_backoff);
     return;
@@ -214,6 +225,7 @@ void DiskBlockStore::WriteBatch(std::vector<QueuedWrite>& batch,
   // Only now: a Flush that returns has its records' events told.
   absl::MutexLock lock(&mu_);
   completed_ += static_cast<int64_t>(batch.size());
+  erasing_ = 0;
   changed_.SignalAll();
 }
 
@@ -305,10 +317,13 @@ absl::Status DiskBlockStore::Flush(absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
   absl::MutexLock lock(&mu_);
   const int64_t target = enqueued_;
-  while (completed_ < target) {
-    if (changed_.WaitWithDeadline(&mu_, deadline) && completed_ < target) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("disk tier: ", target - completed_, " writes still queued"));
+  // Queued writes, and the entries of dropped records (evicted, invalidated) still to clear.
+  auto pending = [&] { return completed_ < target || !erase_.empty() || erasing_ > 0; };
+  while (pending()) {
+    if (changed_.WaitWithDeadline(&mu_, deadline) && pending()) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "disk tier: ", std::max<int64_t>(target - completed_, 0), " writes still queued, ",
+          erase_.size() + static_cast<size_t>(erasing_), " entries to clear"));
     }
   }
   return absl::OkStatus();

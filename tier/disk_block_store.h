@@ -232,6 +232,7 @@ class DiskBlockStore final : public RemoteTier {
   // Free slots whose entry still names a record on disk, to clear (a slot taken for a new
   // record leaves it: the new entry overwrites the old).
   absl::flat_hash_set<int32_t> erase_ ABSL_GUARDED_BY(mu_);
+  int64_t erasing_ ABSL_GUARDED_BY(mu_) = 0;  // of erase_, taken by the writer's current batch
   // Invalidations while a batch was being written: its records are checked against them.
   std::vector<TagFilter> filters_in_batch_ ABSL_GUARDED_BY(mu_);
   int64_t last_sync_ns_ ABSL_GUARDED_BY(mu_) = 0;

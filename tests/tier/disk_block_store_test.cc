@@ -69,6 +69,16 @@ class DiskBlockStoreTest : public ::testing::Test {
     EXPECT_TRUE(store.CheckInvariants().ok()) << store.CheckInvariants();
     return found->hits;
   }
+  // Index entries on disk that are not all zero (a cleared slot's entry is zeroed).
+  int64_t ReadIndexEntries() const {
+    std::ifstream f(dir_ + "/pool/index.kvi", std::ios::binary);
+    std::vector<char> entry(static_cast<size_t>(kIndexEntryBytes));
+    int64_t live = 0;
+    while (f.read(entry.data(), static_cast<std::streamsize>(entry.size()))) {
+      live += std::any_of(entry.begin(), entry.end(), [](char c) { return c != 0; });
+    }
+    return live;
+  }
   // Flips one byte of `file` at `offset`.
   void Flip(const std::string& file, int64_t offset) const {
     std::fstream f(dir_ + "/pool/" + file, std::ios::in | std::ios::out | std::ios::binary);
@@ -204,6 +214,28 @@ TEST_F(DiskBlockStoreTest, InvalidateDropsOnlyTheTaggedTenantAndStaysDroppedAfte
   EXPECT_EQ(store->disk_stats().recovered_blocks, 3);
   EXPECT_EQ(Hits(*store, a), 0);
   EXPECT_EQ(Hits(*store, b), 3);
+}
+
+// The entries an invalidation clears reach the disk before the store stops, and before a Flush
+// returns: before, a store closed right after Invalidate (a daemon's shutdown) left them for the
+// next start to find again, and Flush waited only for queued writes.
+TEST_F(DiskBlockStoreTest, AnInvalidationSurvivesAStopRightAfterIt) {
+  for (int round = 0; round < 5; ++round) {
+    const TestChain a = MakeChain(kSpace, 3, kBlockBytes, 40 + static_cast<uint32_t>(round));
+    {
+      auto store = Open();
+      PutAll(*store, a, {.tenant = 1, .model = 11});
+      ASSERT_TRUE(store->Flush(absl::Seconds(5)).ok());  // written: stored records
+      EXPECT_EQ(store->Invalidate({.tenant = 1}), 3);
+    }  // stops at once
+    auto store = Open();
+    EXPECT_EQ(Hits(*store, a), 0) << "round " << round;
+    PutAll(*store, a, {.tenant = 1, .model = 11});
+    ASSERT_TRUE(store->Flush(absl::Seconds(5)).ok());
+    EXPECT_EQ(store->Invalidate({.tenant = 1}), 3);
+    ASSERT_TRUE(store->Flush(absl::Seconds(5)).ok());
+    EXPECT_EQ(ReadIndexEntries(), 0) << "round " << round << ": Flush returned before the clears";
+  }
 }
 
 // A seeded mix of puts, lookups, invalidations and reopens against what was put: every hit is
