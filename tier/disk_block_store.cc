@@ -318,7 +318,9 @@ absl::Status DiskBlockStore::Flush(absl::Duration timeout) {
   absl::MutexLock lock(&mu_);
   const int64_t target = enqueued_;
   // Queued writes, and the entries of dropped records (evicted, invalidated) still to clear.
-  auto pending = [&] { return completed_ < target || !erase_.empty() || erasing_ > 0; };
+  auto pending = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return completed_ < target || !erase_.empty() || erasing_ > 0;
+  };
   while (pending()) {
     if (changed_.WaitWithDeadline(&mu_, deadline) && pending()) {
       return absl::DeadlineExceededError(absl::StrCat(

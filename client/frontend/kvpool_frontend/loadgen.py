@@ -54,7 +54,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, model: str, prom
                       args) -> Result:
     r = Result()
     body = {"model": model, "max_tokens": args.max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, "temperature": args.temperature}
     if args.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
         path = "/v1/chat/completions"
@@ -167,6 +167,9 @@ def main(argv=None) -> int:
     p.add_argument("--shared_prefix", type=int, default=400, help="characters shared by every prompt")
     p.add_argument("--prompt", type=int, default=100, help="characters of each prompt's own part")
     p.add_argument("--max_tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sent with every request (0: greedy, so runs generate the same tokens; "
+                        "the server's default is OpenAI's 1)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON line")
