@@ -32,8 +32,9 @@ std::span<const int32_t> Tokens(const Field& field) {
 void ToProto(const kernels::PoolLayout& layout, v1::PoolLayout* out);
 v1::KvEvent ToProto(const KvEvent& event);
 void ToProto(const BlockTraceEntry& entry, v1::TraceEntry* out);
-void ToProto(const EngineStats& stats, v1::GetStatsResponse* out);
-void ToProto(const AttachCounters& attach, v1::GetStatsResponse* out);
+// Every stats figure comes from the stats table (daemon/metrics/stats_table.h); `attach` (may
+// be null) gives the attach socket's.
+void ToProto(const EngineStats& stats, const AttachCounters* attach, v1::GetStatsResponse* out);
 // `pool`: the session's pool's name.
 void ToProto(const SessionListing& listing, int64_t now_ns, v1::SessionInfo* out);
 // What an accepted attach sends back (the descriptors go beside it, in `fds` order).
