@@ -150,8 +150,8 @@ absl::Status Daemon::Start() {
 
 absl::Status Daemon::StartMetrics() {
   if (config_.metrics().listen().empty()) return absl::OkStatus();
-  KVPOOL_ASSIGN_OR_RETURN(
-      metrics_, MetricsServer::Start(config_.metrics().listen(), engine_.get(), &attach_counters_));
+  KVPOOL_ASSIGN_OR_RETURN(metrics_, MetricsServer::Start(config_.metrics().listen(), engine_.get(),
+                                                         &attach_counters_, &rpc_counters_));
   Log().info("serving /metrics on {} (port {})", config_.metrics().listen(), metrics_->port());
   return absl::OkStatus();
 }
@@ -161,12 +161,16 @@ int Daemon::metrics_port() const { return metrics_ ? metrics_->port() : 0; }
 absl::Status Daemon::StartGrpc() {
   const std::string path = config_.runtime_dir() + "/" + wire::kGrpcSocket;
   unlink(path.c_str());  // stale, from a daemon that died
-  service_ = std::make_unique<KvPoolService>(engine_.get(), Clock::Real(), &attach_counters_);
+  service_ = std::make_unique<KvPoolService>(engine_.get(), Clock::Real(), &attach_counters_,
+                                             &rpc_counters_);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   builder.AddListeningPort("unix:" + path, grpc::InsecureServerCredentials());
   builder.RegisterService(service_.get());
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> counting;
+  counting.push_back(RpcCounters::Interceptor(&rpc_counters_));
+  builder.experimental().SetInterceptorCreators(std::move(counting));
   {
     // gRPC binds the socket inside BuildAndStart; no other thread creates files meanwhile.
     wire::ScopedUmask umask(config_.socket_mode());

@@ -22,6 +22,7 @@
 #include "daemon/edge/attach_server.h"
 #include "daemon/edge/decode_doorbell.h"
 #include "daemon/engine/engine.h"
+#include "daemon/metrics/rpc_counters.h"
 #include "kernels/device.h"
 #include "kvpool/v1/config.pb.h"
 #include "model/step_model.h"
@@ -78,6 +79,7 @@ class Daemon final {
   std::unique_ptr<model::StepModel> model_;
   std::unique_ptr<Engine> engine_;
   AttachCounters attach_counters_;  // outlives attach_ and service_
+  RpcCounters rpc_counters_;        // outlives server_ (its interceptor) and service_
   std::unique_ptr<KvPoolService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<AttachServer> attach_;

@@ -73,11 +73,12 @@ class FamilySet {
 }  // namespace
 
 std::vector<prometheus::MetricFamily> CollectFamilies(const Engine& engine,
-                                                      const AttachCounters* attach) {
+                                                      const AttachCounters* attach,
+                                                      const RpcCounters* rpcs) {
   FamilySet families;
   for (int32_t pool = 0; pool < engine.num_pools(); ++pool) {
     const EngineStats stats = engine.Stats(pool);
-    ForEachStat({.engine = &stats, .attach = attach}, /*daemon_rows=*/pool == 0,
+    ForEachStat({.engine = &stats, .attach = attach, .rpcs = rpcs}, /*daemon_rows=*/pool == 0,
                 [&](const StatSample& s) { families.Add(s); });
   }
   return families.Take();

@@ -10,28 +10,31 @@
 
 #include "daemon/edge/attach_server.h"
 #include "daemon/engine/engine.h"
+#include "daemon/metrics/rpc_counters.h"
 #include "prometheus/collectable.h"
 #include "prometheus/metric_family.h"
 
 namespace kvpool::daemon {
 
-// The families of every pool of `engine`; `attach` may be null.
+// The families of every pool of `engine`; `attach` and `rpcs` may be null.
 std::vector<prometheus::MetricFamily> CollectFamilies(const Engine& engine,
-                                                      const AttachCounters* attach);
+                                                      const AttachCounters* attach,
+                                                      const RpcCounters* rpcs = nullptr);
 
 // CollectFamilies as a prometheus::Collectable (what prometheus::Exposer serves). Thread-safe;
-// `engine` and `attach` must outlive it.
+// what it is given must outlive it.
 class StatsCollector final : public prometheus::Collectable {
  public:
-  StatsCollector(const Engine* engine, const AttachCounters* attach)
-      : engine_(engine), attach_(attach) {}
+  StatsCollector(const Engine* engine, const AttachCounters* attach, const RpcCounters* rpcs)
+      : engine_(engine), attach_(attach), rpcs_(rpcs) {}
   std::vector<prometheus::MetricFamily> Collect() const override {
-    return CollectFamilies(*engine_, attach_);
+    return CollectFamilies(*engine_, attach_, rpcs_);
   }
 
  private:
   const Engine* const engine_;
   const AttachCounters* const attach_;
+  const RpcCounters* const rpcs_;
 };
 
 }  // namespace kvpool::daemon

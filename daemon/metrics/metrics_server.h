@@ -24,7 +24,8 @@ class MetricsServer final {
   // INVALID_ARGUMENT (the address), UNAVAILABLE (it could not be bound).
   static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(std::string_view listen,
                                                               const Engine* engine,
-                                                              const AttachCounters* attach);
+                                                              const AttachCounters* attach,
+                                                              const RpcCounters* rpcs);
   ~MetricsServer();
 
   int port() const { return port_; }  // the port bound

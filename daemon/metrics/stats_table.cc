@@ -386,6 +386,11 @@ const TenantRow kTenantRows[] = {
      KVPOOL_TENANT_STAT(hit_tokens)},
 };
 
+const RpcRow kRpcRows[] = {
+    {"rpcs", kCounter, "calls", "KvPool RPCs completed, by method and status code.", kNoLabel, "",
+     1, +[](const RpcCounters::Entry& e) { return static_cast<double>(e.calls); }},
+};
+
 #undef KVPOOL_STAT
 #undef KVPOOL_STAT_IF
 #undef KVPOOL_TENANT_STAT
@@ -425,6 +430,7 @@ std::string_view StatKindName(StatKind kind) {
 std::span<const PoolRow> PoolStatRows() { return kPoolRows; }
 std::span<const PoolRow> DaemonStatRows() { return kDaemonRows; }
 std::span<const TenantRow> TenantStatRows() { return kTenantRows; }
+std::span<const RpcRow> RpcStatRows() { return kRpcRows; }
 
 void ForEachStat(const StatsSource& source, bool daemon_rows,
                  const std::function<void(const StatSample&)>& fn) {
@@ -455,6 +461,15 @@ void ForEachStat(const StatsSource& source, bool daemon_rows,
     StatSample s = SampleOf(row, source);
     if (!row.label.name.empty()) s.labels.emplace_back(row.label.name, row.label.value);
     fn(s);
+  }
+  if (source.rpcs == nullptr) return;
+  for (const RpcCounters::Entry& entry : source.rpcs->Snapshot()) {
+    for (const RpcRow& row : kRpcRows) {
+      StatSample s = SampleOf(row, entry);
+      s.labels.emplace_back("method", entry.method);
+      s.labels.emplace_back("code", entry.code);
+      fn(s);
+    }
   }
 }
 

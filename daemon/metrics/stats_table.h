@@ -8,9 +8,10 @@
 // filling it (wire compatibility), and rows naming the same field add up into it (the
 // eviction reasons sum to `evictions`).
 //
-// Three tables: pool rows (one value per pool: blocks, cache, model steps, tiers), daemon rows
-// (one value for the whole daemon: sessions, calls, the attach socket) and tenant rows (one
-// value per pool and tenant, the tenants bounded by TenantCounterTable).
+// Four tables: pool rows (one value per pool: blocks, cache, model steps, tiers), daemon rows
+// (one value for the whole daemon: sessions, calls, the attach socket), tenant rows (one value
+// per pool and tenant, the tenants bounded by TenantCounterTable) and rpc rows (one value per
+// gRPC method and status code that occurred: at most 26 x 17).
 //
 // Names: snake_case; /metrics shows a row as kvpool_<name> (counters with _total), except rows
 // named with a "vllm:" prefix, which keep vLLM's names (and get vLLM's model_name label) for the
@@ -26,6 +27,7 @@
 
 #include "daemon/edge/attach_server.h"
 #include "daemon/engine/engine.h"
+#include "daemon/metrics/rpc_counters.h"
 #include "kvpool/util/histogram.h"
 
 namespace kvpool::daemon {
@@ -37,10 +39,12 @@ enum class StatKind : uint8_t {
 };
 std::string_view StatKindName(StatKind kind);  // "counter", "gauge", "histogram"
 
-// What the rows read: one pool's figures (with the daemon's) and the attach socket's counters.
+// What the rows read: one pool's figures (with the daemon's), the attach socket's counters and
+// the gRPC service's.
 struct StatsSource {
   const EngineStats* engine = nullptr;     // never null
   const AttachCounters* attach = nullptr;  // null: no attach socket (its rows read 0)
+  const RpcCounters* rpcs = nullptr;       // null: no calls counted (no rpc rows)
 };
 
 // A label a row sets to a fixed value: rows of one name differ by it (reason="capacity").
@@ -68,10 +72,12 @@ struct StatRow {
 
 using PoolRow = StatRow<StatsSource>;
 using TenantRow = StatRow<TenantCounters>;
+using RpcRow = StatRow<RpcCounters::Entry>;
 
 std::span<const PoolRow> PoolStatRows();
 std::span<const PoolRow> DaemonStatRows();
 std::span<const TenantRow> TenantStatRows();
+std::span<const RpcRow> RpcStatRows();
 
 // One value of one row, as every output sees it: the row and its label values (pool, tenant,
 // model_name and the row's own label, in that order, those that apply).
@@ -88,7 +94,7 @@ struct StatSample {
 };
 
 // Calls `fn` for every present row of `source`: the pool rows and tenant rows of its pool,
-// then, when `daemon_rows`, the daemon rows (once per scrape, not once per pool).
+// then, when `daemon_rows`, the daemon rows and rpc rows (once per scrape, not once per pool).
 void ForEachStat(const StatsSource& source, bool daemon_rows,
                  const std::function<void(const StatSample&)>& fn);
 

@@ -67,7 +67,7 @@ class StatsTableTest : public ::testing::Test {
 
   v1::GetStatsResponse GetStats() {
     v1::GetStatsResponse r;
-    ToProto(engine_->Stats(0), &attach_, &r);
+    ToProto(engine_->Stats(0), &attach_, &rpcs_, &r);
     return r;
   }
 
@@ -75,6 +75,7 @@ class StatsTableTest : public ::testing::Test {
   std::unique_ptr<model::Model> model_;
   std::unique_ptr<Engine> engine_;
   AttachCounters attach_;
+  RpcCounters rpcs_;
 };
 
 // A Stat's name with every label, for comparing outputs: name{k=v,...}.
@@ -89,10 +90,16 @@ TEST_F(StatsTableTest, EveryPresentRowReachesGetStatsKvpoolctlAndTheExposition) 
   AllocateAndFree("tenant-a", Prompt(48, 1));
   AllocateAndFree("tenant-a", Prompt(48, 1));
   attach_.malformed = 3;
+  const int allocate = rpcs_.MethodIndex("/kvpool.v1.KvPool/Allocate");
+  ASSERT_GE(allocate, 0);
+  EXPECT_EQ(rpcs_.MethodIndex("/grpc.health.v1.Health/Check"), -1);
+  rpcs_.Count(allocate, 0);
+  rpcs_.Count(allocate, 0);
+  rpcs_.Count(allocate, 5);
   const v1::GetStatsResponse r = GetStats();
   const std::string ctl = client::ctl::FormatStats(r, false);
   const std::string text =
-      prometheus::TextSerializer().Serialize(CollectFamilies(*engine_, &attach_));
+      prometheus::TextSerializer().Serialize(CollectFamilies(*engine_, &attach_, &rpcs_));
 
   std::set<std::string> sent;
   for (const v1::Stat& s : r.stats()) {
@@ -128,6 +135,9 @@ TEST_F(StatsTableTest, EveryPresentRowReachesGetStatsKvpoolctlAndTheExposition) 
   }
   for (const PoolRow& row : DaemonStatRows()) EXPECT_TRUE(sent_name(row.name)) << row.name;
   for (const TenantRow& row : TenantStatRows()) EXPECT_TRUE(sent_name(row.name)) << row.name;
+  for (const RpcRow& row : RpcStatRows()) EXPECT_TRUE(sent_name(row.name)) << row.name;
+  EXPECT_THAT(text, HasSubstr("kvpool_rpcs_total{method=\"Allocate\",code=\"OK\"} 2"));
+  EXPECT_THAT(text, HasSubstr("kvpool_rpcs_total{method=\"Allocate\",code=\"NOT_FOUND\"} 1"));
   EXPECT_THAT(text, HasSubstr("kvpool_attach_refusals_total{reason=\"malformed\"} 3"));
   EXPECT_THAT(text, HasSubstr("kvpool_tenant_hit_tokens_total{pool=\"default\",tenant=\"tenant-a\"}"
                               " 48"));
