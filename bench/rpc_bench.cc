@@ -14,15 +14,24 @@
 // - A block read through the client's mapping of the pool beside a local memcpy of the same size.
 // - Reclaim: from kill -9 of a client holding sequences until the daemon reports its blocks
 //   back (the daemon learns of the death from the attach socket closing).
+// - The same four calls against a daemon serving /metrics, scraped every 100 ms (ten times a
+//   1 s Prometheus), and one without, interleaved (BM_MetricsOnVsOff); and one scrape of
+//   /metrics with 1,000 tenants' series (BM_ScrapeTenants/1000).
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bench/ratio_reporter.h"
@@ -39,10 +48,10 @@ namespace {
 constexpr char kConfig[] = "pool_bytes: 268435456\nmax_blocks_per_seq: 4096\n";
 
 struct Fixture {
-  // `binary`: the kvpoold to start; empty for this build's.
-  explicit Fixture(const std::string& binary = "") {
+  // `binary`: the kvpoold to start; empty for this build's. `extra_config`: appended to kConfig.
+  explicit Fixture(const std::string& binary = "", const std::string& extra_config = "") {
     absl::StatusOr<std::unique_ptr<testing::DaemonProcess>> d =
-        testing::DaemonProcess::Start(kConfig, "", binary);
+        testing::DaemonProcess::Start(kConfig + extra_config, "", binary);
     KVPOOL_CHECK_OK(d.status());
     daemon = *std::move(d);
     absl::StatusOr<std::unique_ptr<client::Client>> c = client::Client::Connect(
@@ -297,6 +306,105 @@ BENCHMARK_TEMPLATE(BM_VersusBaseline, AllocateOp)
 BENCHMARK_TEMPLATE(BM_VersusBaseline, FreeOp)->Name("BM_VersusBaseline/Free")->UseRealTime();
 BENCHMARK_TEMPLATE(BM_VersusBaseline, Grow256Op)->Name("BM_VersusBaseline/Grow256")->UseRealTime();
 
+// A port of 127.0.0.1 nothing listens on now (kvpoold's metrics.listen takes an address).
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  KVPOOL_CHECK(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
+  KVPOOL_CHECK(getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+// GET /metrics from 127.0.0.1:`port` (HTTP/1.0: the server closes when done); the bytes read,
+// headers included. A benchmark's load generator, not a client to reuse.
+size_t Scrape(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  KVPOOL_CHECK(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
+  const char request[] = "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+  KVPOOL_CHECK(write(fd, request, sizeof(request) - 1) == sizeof(request) - 1);
+  size_t total = 0;
+  char buffer[65536];
+  for (ssize_t n; (n = read(fd, buffer, sizeof(buffer))) > 0;) total += static_cast<size_t>(n);
+  close(fd);
+  return total;
+}
+
+// A daemon of this build serving /metrics, scraped every 100 ms by a thread of its own.
+struct ScrapedFixture {
+  ScrapedFixture() : port(FreePort()) {
+    fixture = std::make_unique<Fixture>(
+        "", "metrics { listen: \"127.0.0.1:" + std::to_string(port) + "\" }\n");
+    scraper = std::thread([this] {
+      while (!stop.load()) {
+        KVPOOL_CHECK(Scrape(port) > 0);
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+    });
+  }
+  ~ScrapedFixture() {
+    stop = true;
+    scraper.join();
+  }
+  int port;
+  std::unique_ptr<Fixture> fixture;
+  std::atomic<bool> stop{false};
+  std::thread scraper;
+};
+
+std::unique_ptr<ScrapedFixture>& ScrapedInstance() {
+  static std::unique_ptr<ScrapedFixture> fixture;
+  return fixture;
+}
+
+// The same call against a daemon serving /metrics (scraped) and Get() (no endpoint),
+// interleaved: what the endpoint costs the calls (issue 30: at most 2 %).
+template <typename T>
+void BM_MetricsOnVsOff(benchmark::State& state) {
+  if (ScrapedInstance() == nullptr) ScrapedInstance() = std::make_unique<ScrapedFixture>();
+  T on(ScrapedInstance()->fixture->client.get());
+  T off(Get().client.get());
+  Interleave(state, on, off, "on_ns", "off_ns");
+}
+BENCHMARK_TEMPLATE(BM_MetricsOnVsOff, PingOp)->Name("BM_MetricsOnVsOff/Ping")->UseRealTime();
+BENCHMARK_TEMPLATE(BM_MetricsOnVsOff, AllocateOp)
+    ->Name("BM_MetricsOnVsOff/Allocate")
+    ->UseRealTime();
+BENCHMARK_TEMPLATE(BM_MetricsOnVsOff, FreeOp)->Name("BM_MetricsOnVsOff/Free")->UseRealTime();
+BENCHMARK_TEMPLATE(BM_MetricsOnVsOff, Grow256Op)->Name("BM_MetricsOnVsOff/Grow256")->UseRealTime();
+
+// One scrape of /metrics from a daemon whose pool has state.range(0) tenants' series (each
+// tenant attached, allocated a prompt and left); bytes per scrape as a counter.
+void BM_ScrapeTenants(benchmark::State& state) {
+  const int64_t tenants = state.range(0);
+  const int port = FreePort();
+  Fixture daemon("", "metrics { listen: \"127.0.0.1:" + std::to_string(port) +
+                         "\" max_tenants: " + std::to_string(tenants) + " }\n");
+  const std::vector<int32_t> prompt(64, 7);
+  for (int64_t t = 0; t < tenants; ++t) {
+    absl::StatusOr<std::unique_ptr<client::Client>> c =
+        client::Client::Connect({.runtime_dir = daemon.daemon->dir(),
+                                 .client_name = "rpc_bench",
+                                 .tenant = "tenant-" + std::to_string(t),
+                                 .kv_access = true});
+    KVPOOL_CHECK_OK(c.status());
+    absl::StatusOr<v1::SequenceInfo> s = (*c)->Allocate(prompt, 64);
+    KVPOOL_CHECK_OK(s.status());
+    KVPOOL_CHECK_OK((*c)->Free({s->sequence_id()}));
+  }
+  size_t bytes = 0;
+  for (auto _ : state) bytes = Scrape(port);
+  state.counters["bytes"] = static_cast<double>(bytes);
+}
+BENCHMARK(BM_ScrapeTenants)->Arg(1000)->UseRealTime()->Unit(benchmark::kMillisecond);
+
 // One whole block (every layer's K and V) through the mapping, beside a local copy of as much.
 void BM_MappingRead(benchmark::State& state) {
   const client::Client& c = *Get().client;
@@ -391,10 +499,20 @@ int main(int argc, char** argv) {
                      .ours_counter = "ours_ns",
                      .baseline_counter = "base_ns"});
   }
+  for (const char* call : {"Ping", "Allocate", "Free", "Grow256"}) {
+    const std::string bench = std::string("BM_MetricsOnVsOff/") + call + "/real_time";
+    pairs.push_back({.label = std::string(call) + ": /metrics off / on (scraped), interleaved",
+                     .ours = bench,
+                     .baseline = bench,
+                     .target = 1 / 1.02,
+                     .ours_counter = "on_ns",
+                     .baseline_counter = "off_ns"});
+  }
   const int rc = kvpool::bench::RunWithRatios(argc, argv, pairs);
   std::printf("(reclaim after kill -9: see BM_ReclaimAfterKill; target < 100 ms)\n");
   kvpool::Instance().reset();  // the client detaches, then the daemon stops
   kvpool::BaselineInstance().reset();
+  kvpool::ScrapedInstance().reset();
   kvpool::Bare(0).reset();
   kvpool::Bare(1).reset();
   return rc;

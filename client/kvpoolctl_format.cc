@@ -211,29 +211,51 @@ std::string TableText(const v1::SequenceInfo& info, size_t max_entries) {
   return out;
 }
 
-// The model's table (after the counters), or "model: none".
+// The model's name and its mean batch, or "model: none" (its counters are in the stats table).
 std::string ModelText(const v1::GetStatsResponse& s) {
   if (s.model().empty()) return "model: none\n";
-  internal::Table model({"MODEL", "VALUE"});
-  const std::pair<const char*, std::string> model_rows[] = {
-      {"model", s.model()},
-      {"steps", std::to_string(s.model_steps())},
-      {"sequences_per_step",
-       fmt::format("{:.2f}", s.model_steps() ? static_cast<double>(s.model_step_sequences()) /
-                                                   static_cast<double>(s.model_steps())
-                                             : 0.0)},
-      {"busy_s", fmt::format("{:.1f}", static_cast<double>(s.model_busy_us()) / 1e6)},
-      {"prefill_calls", std::to_string(s.prefill_calls())},
-      {"prefill_tokens_computed", std::to_string(s.prefill_tokens_computed())},
-      {"prefill_tokens_reused", std::to_string(s.prefill_tokens_reused())},
-      {"prefill_chunks", std::to_string(s.prefill_chunks())},
-      {"decode_tokens", std::to_string(s.decode_tokens())},
-      {"doorbell_calls", std::to_string(s.doorbell_calls())},
-      {"doorbells_refused", std::to_string(s.doorbells_refused())},
-  };
-  for (const auto& [name, value] : model_rows) model.AddRow({name, value});
-  std::string out = "\n";  // not "\n" + Render(): g++ 12 warns falsely (-Wrestrict) on that
-  return out + model.Render();
+  const double per_step = s.model_steps() ? static_cast<double>(s.model_step_sequences()) /
+                                                static_cast<double>(s.model_steps())
+                                          : 0.0;
+  return fmt::format("model: {}, {:.2f} sequences per step\n", s.model(), per_step);
+}
+
+// A row's name with its labels but the pool's (the whole output is of one pool):
+// evictions{reason=capacity}.
+std::string StatName(const v1::Stat& stat) {
+  std::string labels;
+  for (int i = 0; i < stat.label_names_size() && i < stat.label_values_size(); ++i) {
+    if (stat.label_names(i) == "pool") continue;
+    labels += fmt::format("{}{}={}", labels.empty() ? "" : ",", stat.label_names(i),
+                          stat.label_values(i));
+  }
+  return labels.empty() ? stat.name() : fmt::format("{}{{{}}}", stat.name(), labels);
+}
+
+std::string StatValue(const v1::Stat& stat) {
+  if (stat.kind() == v1::Stat::KIND_HISTOGRAM) {
+    return stat.count() == 0 ? "0 observed"
+                             : fmt::format("{} observed, mean {:.4g}", stat.count(),
+                                           stat.sum() / static_cast<double>(stat.count()));
+  }
+  const double v = stat.value();
+  if (v == static_cast<double>(static_cast<int64_t>(v))) {
+    return std::to_string(static_cast<int64_t>(v));
+  }
+  return fmt::format("{:.4g}", v);
+}
+
+// The daemon's stats table as it sent it (GetStatsResponse.stats), and the hit rate.
+std::string StatsTable(const v1::GetStatsResponse& s) {
+  internal::Table counters({"STAT", "VALUE", "UNIT"});
+  for (const v1::Stat& stat : s.stats()) {
+    counters.AddRow({StatName(stat), StatValue(stat), stat.unit()});
+  }
+  counters.AddRow(
+      {"hit_rate_%",
+       Percent(static_cast<int64_t>(s.hit_tokens()), static_cast<int64_t>(s.prompt_tokens())),
+       "%"});
+  return counters.Render();
 }
 
 }  // namespace
@@ -268,53 +290,7 @@ std::string FormatStats(const v1::GetStatsResponse& s, bool json) {
   add("total", s.num_blocks());
   out += blocks.Render() + "\n";
 
-  internal::Table counters({"COUNTER", "VALUE"});
-  const std::pair<const char*, std::string> rows[] = {
-      {"sessions_attached", std::to_string(s.attached_sessions())},
-      {"sessions_holding_sequences", std::to_string(s.sessions())},
-      {"sequences", std::to_string(s.sequences())},
-      {"cache_nodes", std::to_string(s.cache_nodes())},
-      {"allocate_calls", std::to_string(s.allocate_calls())},
-      {"grow_calls", std::to_string(s.grow_calls())},
-      {"truncate_calls", std::to_string(s.truncate_calls())},
-      {"fork_calls", std::to_string(s.fork_calls())},
-      {"commit_calls", std::to_string(s.commit_calls())},
-      {"free_calls", std::to_string(s.free_calls())},
-      {"blocks_allocated", std::to_string(s.blocks_allocated())},
-      {"blocks_freed", std::to_string(s.blocks_freed())},
-      {"cow_copies", std::to_string(s.cow_copies())},
-      {"scrubs", std::to_string(s.scrubs())},
-      {"evictions", std::to_string(s.evictions())},
-      {"pins", std::to_string(s.pins())},
-      {"pinned_blocks", std::to_string(s.pinned_blocks())},
-      {"pins_made", std::to_string(s.pins_made())},
-      {"pins_expired", std::to_string(s.pins_expired())},
-      {"exhausted", std::to_string(s.exhausted())},
-      {"over_releases", std::to_string(s.over_releases())},
-      {"sessions_opened", std::to_string(s.sessions_opened())},
-      {"sessions_detached", std::to_string(s.sessions_detached())},
-      {"sessions_reclaimed", std::to_string(s.sessions_reclaimed())},
-      {"sequences_released_on_end", std::to_string(s.sequences_released_on_end())},
-      {"calls_given_up", std::to_string(s.calls_given_up())},
-      {"sequences_released_on_give_up", std::to_string(s.sequences_released_on_give_up())},
-      {"calls_of_ended_sessions", std::to_string(s.calls_of_ended_sessions())},
-      {"device_failures", std::to_string(s.device_failures())},
-      {"sessions_refused", std::to_string(s.sessions_refused())},
-      {"calls_not_permitted", std::to_string(s.calls_not_permitted())},
-      {"calls_over_limit", std::to_string(s.calls_over_limit())},
-      {"attach_refused_at_accept", std::to_string(s.attach_refused_at_accept())},
-      {"attach_displaced", std::to_string(s.attach_displaced())},
-      {"attach_timed_out", std::to_string(s.attach_timed_out())},
-      {"attach_malformed", std::to_string(s.attach_malformed())},
-      {"attach_accept_backoffs", std::to_string(s.attach_accept_backoffs())},
-      {"prompt_tokens", std::to_string(s.prompt_tokens())},
-      {"hit_tokens", std::to_string(s.hit_tokens())},
-      {"hit_rate_%",
-       Percent(static_cast<int64_t>(s.hit_tokens()), static_cast<int64_t>(s.prompt_tokens()))},
-      {"events_next_seq", std::to_string(s.events_next_seq())},
-  };
-  for (const auto& [name, value] : rows) counters.AddRow({name, value});
-  out += counters.Render();
+  out += StatsTable(s);
   out += TiersText(s);
   return out + ModelText(s);
 }

@@ -12,6 +12,7 @@
 #include "daemon/edge/config.h"
 #include "daemon/edge/convert.h"
 #include "daemon/edge/service.h"
+#include "daemon/metrics/metrics_server.h"
 #include "fmt/format.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
@@ -138,7 +139,8 @@ absl::Status Daemon::Start() {
   }
   KVPOOL_RETURN_IF_ERROR(StartGrpc());
   KVPOOL_RETURN_IF_ERROR(StartAttach());
-  started_ = true;
+  started_ = true;  // from here on Shutdown() stops what Start() started
+  KVPOOL_RETURN_IF_ERROR(StartMetrics());
   SetServing(true);
   sd_notifyf(0, "READY=1\nSTATUS=serving %d blocks on %s\nMAINPID=%d", engine_->layout().num_blocks,
              device_->name().c_str(), getpid());
@@ -146,15 +148,29 @@ absl::Status Daemon::Start() {
   return absl::OkStatus();
 }
 
+absl::Status Daemon::StartMetrics() {
+  if (config_.metrics().listen().empty()) return absl::OkStatus();
+  KVPOOL_ASSIGN_OR_RETURN(metrics_, MetricsServer::Start(config_.metrics().listen(), engine_.get(),
+                                                         &attach_counters_, &rpc_counters_));
+  Log().info("serving /metrics on {} (port {})", config_.metrics().listen(), metrics_->port());
+  return absl::OkStatus();
+}
+
+int Daemon::metrics_port() const { return metrics_ ? metrics_->port() : 0; }
+
 absl::Status Daemon::StartGrpc() {
   const std::string path = config_.runtime_dir() + "/" + wire::kGrpcSocket;
   unlink(path.c_str());  // stale, from a daemon that died
-  service_ = std::make_unique<KvPoolService>(engine_.get(), Clock::Real(), &attach_counters_);
+  service_ = std::make_unique<KvPoolService>(engine_.get(), Clock::Real(), &attach_counters_,
+                                             &rpc_counters_);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   builder.AddListeningPort("unix:" + path, grpc::InsecureServerCredentials());
   builder.RegisterService(service_.get());
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> counting;
+  counting.push_back(RpcCounters::Interceptor(&rpc_counters_));
+  builder.experimental().SetInterceptorCreators(std::move(counting));
   {
     // gRPC binds the socket inside BuildAndStart; no other thread creates files meanwhile.
     wire::ScopedUmask umask(config_.socket_mode());
@@ -289,6 +305,7 @@ void Daemon::Wait() {
 void Daemon::Shutdown() {
   if (stopped_) return;
   stopped_ = true;
+  metrics_.reset();  // no scrape reads the engine from here on
   if (started_) {
     sd_notify(0, "STOPPING=1");
     SetServing(false);

@@ -22,6 +22,7 @@
 #include "daemon/edge/attach_server.h"
 #include "daemon/edge/decode_doorbell.h"
 #include "daemon/engine/engine.h"
+#include "daemon/metrics/rpc_counters.h"
 #include "kernels/device.h"
 #include "kvpool/v1/config.pb.h"
 #include "model/step_model.h"
@@ -33,6 +34,7 @@ class Server;
 namespace kvpool::daemon {
 
 class KvPoolService;
+class MetricsServer;
 
 class Daemon final {
  public:
@@ -54,6 +56,8 @@ class Daemon final {
 
   Engine& engine() { return *engine_; }
   const std::string& runtime_dir() const { return config_.runtime_dir(); }
+  // The port /metrics is served on; 0 when it is not.
+  int metrics_port() const;
 
  private:
   Daemon(v1::DaemonConfig config, std::unique_ptr<kernels::Device> device,
@@ -61,6 +65,8 @@ class Daemon final {
 
   absl::Status StartGrpc();
   absl::Status StartAttach();
+  // Errors: those of MetricsServer::Start. A no-op without metrics.listen.
+  absl::Status StartMetrics();
   // Gives an attaching session a decode doorbell when its uid has room for one (counted when
   // not). Errors: those of DecodeDoorbell::Start, after which the session has been ended.
   absl::Status AddDoorbell(const std::shared_ptr<const Session>& session, uid_t uid,
@@ -73,10 +79,12 @@ class Daemon final {
   std::unique_ptr<model::StepModel> model_;
   std::unique_ptr<Engine> engine_;
   AttachCounters attach_counters_;  // outlives attach_ and service_
+  RpcCounters rpc_counters_;        // outlives server_ (its interceptor) and service_
   std::unique_ptr<KvPoolService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<AttachServer> attach_;
-  Doorbells doorbells_;  // by session; each stopped when its session ends
+  std::unique_ptr<MetricsServer> metrics_;  // null: no /metrics (config metrics.listen empty)
+  Doorbells doorbells_;                     // by session; each stopped when its session ends
   absl::Notification shutdown_;
   bool started_ = false;
   bool stopped_ = false;

@@ -21,6 +21,11 @@ packages=(
   # for its tests and benchmark, which start private servers themselves, and as the local Redis
   # a daemon may use (ACL set up below; `systemctl disable --now redis-server` if unwanted)
   libhiredis-dev redis-server redis-tools
+  # kvpoold's /metrics endpoint (daemon/metrics): prometheus-cpp's Exposer and text format;
+  # prometheus (with promtool) for its tests, which run a private Prometheus on loopback (the
+  # package also enables its own prometheus.service on :9090; `systemctl disable --now
+  # prometheus` if unwanted)
+  prometheus-cpp-dev prometheus
   # tests and benchmarks (systemd: systemd-analyze and systemd-sysusers check deploy/)
   libgtest-dev libgmock-dev libbenchmark-dev systemd
   # the Python client (client/python: stubs from protoc + grpc_python_plugin above), the

@@ -210,6 +210,8 @@ struct KvCacheStats {
   uint64_t pins_made = 0;      // successful PinPrefix/PinSequence calls
   uint64_t pins_expired = 0;   // pins that ran out of time
   PrefixCacheStats cache;
+  // Of evictions, those an admin asked for (EvictCached, ClearCache).
+  uint64_t admin_evictions = 0;
 };
 
 class KvCacheManager final {

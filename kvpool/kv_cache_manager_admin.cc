@@ -60,6 +60,7 @@ int64_t KvCacheManager::EvictCached(int64_t blocks) {
   if (!cache_ || blocks <= 0) return 0;
   const int64_t evicted = cache_->EvictUpTo(blocks, BeginCall(kNoSession, SequenceId(0)));
   counters_.evictions += static_cast<uint64_t>(evicted);
+  counters_.admin_evictions += static_cast<uint64_t>(evicted);
   return evicted;
 }
 
@@ -68,6 +69,7 @@ absl::Status KvCacheManager::ClearCache() {
   const int64_t before = cache_->stats().nodes;
   KVPOOL_RETURN_IF_ERROR(cache_->Clear(BeginCall(kNoSession, SequenceId(0))));
   counters_.evictions += static_cast<uint64_t>(before);
+  counters_.admin_evictions += static_cast<uint64_t>(before);
   return absl::OkStatus();
 }
 

@@ -12,6 +12,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "daemon/metrics/metrics_config.h"
 #include "fmt/format.h"
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
@@ -501,6 +502,7 @@ std::vector<std::string> ValidateConfig(const v1::DaemonConfig& c) {
   }
   ValidateModel(c, shape_ok.ok(), bad);
   ValidateLimits(c, bad);
+  for (std::string& problem : ValidateMetricsSpec(c.metrics())) errors.push_back(problem);
   return errors;
 }
 
@@ -563,6 +565,8 @@ absl::StatusOr<EngineOptions> MakeEngineOptions(const v1::DaemonConfig& c, uint6
   o.event_capacity_bytes = static_cast<size_t>(c.event_capacity_bytes());
   o.fill_policy = *kernels::ParseFillPolicy(c.fill_policy());
   o.session_quota_blocks = c.session_quota_blocks();
+  o.max_tenant_labels = static_cast<size_t>(
+      c.metrics().max_tenants() > 0 ? c.metrics().max_tenants() : kDefaultMaxTenants);
   o.tiers = TierOptionsOf(c.tiers(), c.model());
   if (o.tiers.disk.enabled()) o.invalidations_file = o.tiers.disk.directory + "/invalidations";
   if (o.tiers.redis.enabled && !c.tiers().redis().password_file().empty()) {

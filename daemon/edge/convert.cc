@@ -1,5 +1,6 @@
 #include "daemon/edge/convert.h"
 
+#include "daemon/metrics/stats_proto.h"
 #include "fmt/format.h"
 #include "kvpool/util/errors.h"
 #include "kvpool/util/fmt.h"
@@ -138,16 +139,6 @@ void ToProto(const BlockTraceEntry& e, v1::TraceEntry* t) {
   t->set_site(fmt::format("{}:{} ({})", file, e.site.line(), e.site.function_name()));
 }
 
-void ToProto(const AttachCounters& a, v1::GetStatsResponse* r) {
-  r->set_attach_refused_at_accept(a.refused_at_accept.load(std::memory_order_relaxed));
-  r->set_attach_displaced(a.displaced.load(std::memory_order_relaxed));
-  r->set_attach_timed_out(a.timed_out.load(std::memory_order_relaxed));
-  r->set_attach_malformed(a.malformed.load(std::memory_order_relaxed));
-  r->set_attach_accept_backoffs(a.accept_backoffs.load(std::memory_order_relaxed));
-  r->set_doorbell_calls(a.doorbell_calls.load(std::memory_order_relaxed));
-  r->set_doorbells_refused(a.doorbells_refused.load(std::memory_order_relaxed));
-}
-
 namespace {
 
 void ToProto(const tier::RemoteTierStats& s, v1::TierStoreStats* out) {
@@ -225,68 +216,18 @@ void ToProto(const TierStats& t, v1::TierStats* out) {
 
 }  // namespace
 
-void ToProto(const EngineStats& st, v1::GetStatsResponse* r) {
-  const KvCacheStats& s = st.cache;
-  r->set_num_blocks(s.pool.num_blocks);
-  r->set_free_blocks(s.pool.free);
-  r->set_active_blocks(s.pool.active);
-  r->set_cached_blocks(s.pool.cached);
-  r->set_retiring_blocks(s.pool.retiring);
-  r->set_sequences(s.sequences);
-  r->set_sessions(s.sessions);
-  r->set_allocate_calls(s.allocate_calls);
-  r->set_grow_calls(s.grow_calls);
-  r->set_truncate_calls(s.truncate_calls);
-  r->set_fork_calls(s.fork_calls);
-  r->set_commit_calls(s.commit_calls);
-  r->set_free_calls(s.free_calls);
-  r->set_blocks_allocated(s.pool.allocated);
-  r->set_blocks_freed(s.pool.freed);
-  r->set_cow_copies(s.cow_copies);
-  r->set_scrubs(s.pool.scrubs);
-  r->set_exhausted(s.exhausted);
-  r->set_over_releases(s.pool.over_releases);
-  r->set_prompt_tokens(s.prompt_tokens);
-  r->set_hit_tokens(s.hit_tokens);
-  r->set_evictions(s.evictions);
-  r->set_cache_nodes(s.cache.nodes);
-  r->set_pins(s.pins);
-  r->set_pinned_blocks(s.pinned_blocks);
-  r->set_pins_made(s.pins_made);
-  r->set_pins_expired(s.pins_expired);
-  r->set_events_next_seq(st.events_next_seq);
-  r->set_epoch(st.epoch);
+void ToProto(const EngineStats& st, const AttachCounters* attach, const RpcCounters* rpcs,
+             v1::GetStatsResponse* r) {
+  // What is not a number of the stats table; the figures come from the table (stats_table.cc).
   r->set_device(st.device);
+  r->set_epoch(st.epoch);  // an identity of 64 random bits, not a figure: a double would round it
   ToProto(st.layout, r->mutable_layout());
-  r->set_uptime_seconds(st.uptime_seconds);
-  r->set_draining(st.draining);
-  r->set_sessions_reclaimed(st.sessions.lost);
   r->set_model(st.model_info.name);
-  r->set_model_steps(st.model.steps);
-  r->set_model_step_sequences(st.model.step_sequences);
-  r->set_prefill_calls(st.model.prefill_calls);
-  r->set_prefill_tokens_computed(st.model.prefill_computed);
-  r->set_prefill_tokens_reused(st.model.prefill_reused);
-  r->set_decode_tokens(st.model.decode_tokens);
-  r->set_model_busy_us(static_cast<uint64_t>(st.model.busy_ns / 1000));
-  r->set_prefill_chunks(st.model.prefill_chunks);
-  r->set_attached_sessions(st.attached_sessions);
-  r->set_sessions_opened(st.sessions.opened);
-  r->set_sessions_detached(st.sessions.detached);
-  r->set_sessions_shut_down(st.sessions.shut_down);
-  r->set_sequences_released_on_end(st.sessions.sequences_released);
-  r->set_calls_given_up(st.calls.gave_up);
-  r->set_sequences_released_on_give_up(st.calls.released_on_give_up);
-  r->set_calls_of_ended_sessions(st.calls.session_ended);
-  r->set_device_failures(st.calls.device_failures);
   if (!st.health.ok()) r->set_failure(st.health.ToString());
   r->set_pool(st.pool);
   for (const std::string& p : st.pools) r->add_pools(p);
-  r->set_sessions_refused(st.sessions.refused);
-  r->set_calls_not_permitted(st.calls.not_permitted);
-  r->set_calls_over_limit(st.calls.over_limit);
   if (st.tiers.host || st.tiers.disk || st.tiers.remote) ToProto(st.tiers, r->mutable_tiers());
-  r->set_invalidations(st.invalidations);
+  FillStats({.engine = &st, .attach = attach, .rpcs = rpcs}, r);
 }
 
 void ToProto(const SessionListing& l, int64_t now_ns, v1::SessionInfo* info) {

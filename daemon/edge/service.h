@@ -42,9 +42,11 @@ class Refusal final : public grpc::ServerWriteReactor<Response> {
 class KvPoolService final : public v1::KvPool::CallbackService {
  public:
   // Neither is owned; both outlive the service.
-  // `attach` (not owned; may be null) holds the attach socket's counters for GetStats.
-  KvPoolService(Engine* engine, const Clock* clock, const AttachCounters* attach = nullptr)
-      : engine_(engine), clock_(clock), attach_(attach) {}
+  // `attach` and `rpcs` (not owned; may be null) hold the attach socket's and the calls'
+  // counters for GetStats.
+  KvPoolService(Engine* engine, const Clock* clock, const AttachCounters* attach = nullptr,
+                const RpcCounters* rpcs = nullptr)
+      : engine_(engine), clock_(clock), attach_(attach), rpcs_(rpcs) {}
   ~KvPoolService() override = default;
 
   using Context = grpc::CallbackServerContext;
@@ -127,6 +129,7 @@ class KvPoolService final : public v1::KvPool::CallbackService {
   Engine* const engine_;
   const Clock* const clock_;
   const AttachCounters* const attach_;
+  const RpcCounters* const rpcs_;
   absl::Mutex calls_mu_;
   int64_t calls_ ABSL_GUARDED_BY(calls_mu_) = 0;  // calls running
   bool stopping_ ABSL_GUARDED_BY(calls_mu_) = false;

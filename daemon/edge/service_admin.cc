@@ -149,8 +149,7 @@ KvPoolService::Unary* KvPoolService::GetStats(Context* c, const v1::GetStatsRequ
                                               v1::GetStatsResponse* r) {
   return Run(c, true, [&](const Session& s) -> absl::Status {
     KVPOOL_ASSIGN_OR_RETURN(const int32_t pool, PoolOf(s, q->pool()));
-    ToProto(engine_->Stats(pool), r);
-    if (attach_ != nullptr) ToProto(*attach_, r);
+    ToProto(engine_->Stats(pool), attach_, rpcs_, r);
     return absl::OkStatus();
   });
 }

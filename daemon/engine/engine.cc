@@ -285,7 +285,12 @@ absl::StatusOr<Tables> Engine::Allocate(const Session& s, std::span<const Alloca
     // The new sequences matched the promoted blocks: they hold them now, the loaders can go.
     for (const PromotionHold& h : holds) ReleaseHold(*state_, h, /*adopted=*/true);
     holds.clear();
-    for (const AllocateResult& r : results) created.push_back(r.sequence);
+    TenantCounters& tenant = pool.tenant_counters.For(s.spec.tenant);
+    for (size_t i = 0; i < results.size(); ++i) {
+      created.push_back(results[i].sequence);
+      tenant.prompt_tokens += items[i].prompt.size();
+      tenant.hit_tokens += static_cast<uint64_t>(results[i].matched_tokens);
+    }
     const absl::StatusOr<Fence> carried = pool.Carry(plan);
     if (!carried.ok()) {
       KVPOOL_CHECK_OK(pool.cache().FreeBatch(s.id, created));

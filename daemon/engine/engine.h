@@ -87,6 +87,7 @@ struct EngineStats {
   absl::Status health;
   TierStats tiers;  // the pool's lower tiers (tiers.host / .disk / .remote say which exist)
   uint64_t invalidations = 0;  // Invalidate calls that succeeded (every pool)
+  std::vector<std::pair<std::string, TenantCounters>> tenants;  // the pool's, by tenant label
 };
 
 struct SessionListing {

@@ -39,6 +39,7 @@ EngineStats Engine::Stats(int32_t pool_index) const {
   s.health = state_->health;
   if (pool.tiers() != nullptr) s.tiers = pool.tiers()->stats();
   s.invalidations = state_->invalidations;
+  s.tenants = pool.tenant_counters.Snapshot();
   return s;
 }
 

@@ -77,6 +77,9 @@ struct EngineOptions {
   kernels::FillPolicy fill_policy = kernels::FillPolicy::kNone;
   TierOptions tiers;  // lower tiers of every pool (each pool its own stores); off by default
   int64_t session_quota_blocks = 0;  // block references a session may hold; 0: unlimited
+  // Tenants counted under their own name in per-tenant stats, per pool; later ones count under
+  // "other" (TenantCounterTable).
+  size_t max_tenant_labels = 64;
   // The configured tenants. Empty: any tenant name may be claimed, with `open_tenant`'s limits
   // and, when `open_quota_blocks` names it, that quota.
   absl::flat_hash_map<std::string, TenantLimits> tenants;

@@ -44,9 +44,11 @@ absl::StatusOr<std::unique_ptr<PoolState>> PoolState::Create(const PoolOptions& 
     if (tier_options.disk.enabled()) tier_options.disk.directory += "/" + pool.name;  // its own
     KVPOOL_ASSIGN_OR_RETURN(tiers, TierSet::Create(tier_options, device, layout, secret));
   }
-  return std::unique_ptr<PoolState>(
+  auto state = std::unique_ptr<PoolState>(
       new PoolState(pool.name, layout, options.fill_policy, device, std::move(arena),
                     std::move(steps), std::move(cache), std::move(generations), std::move(tiers)));
+  state->tenant_counters = TenantCounterTable(options.max_tenant_labels);
+  return state;
 }
 
 PoolState::PoolState(std::string name, const kernels::PoolLayout& layout, kernels::FillPolicy fill,

@@ -14,10 +14,12 @@
 #include "daemon/engine/engine_options.h"
 #include "daemon/engine/generation_table.h"
 #include "daemon/engine/step_timeline.h"
+#include "daemon/engine/tenant_counters.h"
 #include "daemon/engine/tiers.h"
 #include "kernels/device.h"
 #include "kernels/plan_executor.h"
 #include "kvpool/kv_cache_manager.h"
+#include "kvpool/util/histogram.h"
 
 namespace kvpool::daemon {
 
@@ -37,6 +39,11 @@ struct Tables {
   std::vector<uint32_t> generations;  // parallel to blocks
 };
 
+// Bucket bounds of the step histograms: 100 us to 10 s, and 1 to 1024 sequences.
+inline constexpr double kStepSecondsBounds[] = {1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025,
+                                                0.05, 0.1,    0.25, 0.5,  1,      2.5,  5,    10};
+inline constexpr double kStepBatchBounds[] = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024};
+
 struct ModelCounters {
   uint64_t steps = 0;
   uint64_t step_sequences = 0;  // sequences summed over steps
@@ -46,6 +53,9 @@ struct ModelCounters {
   uint64_t decode_tokens = 0;
   uint64_t prefill_chunks = 0;  // chunks that left prompt tokens for a later step
   int64_t busy_ns = 0;          // time in model steps
+  // Each step's model time (seconds) and its sequences.
+  Histogram step_seconds{kStepSecondsBounds};
+  Histogram step_batch{kStepBatchBounds};
 };
 
 class PoolState final {
@@ -91,6 +101,7 @@ class PoolState final {
   absl::Status CheckInvariants() const;
 
   ModelCounters model_counters;
+  TenantCounterTable tenant_counters{0};  // sized by Create (EngineOptions::max_tenant_labels)
   // Loader sequences of tier promotions alive (started, or held for their call): every sequence
   // of kTierLoader in the pool is one of them (CheckInvariants).
   int64_t loaders = 0;

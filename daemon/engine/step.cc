@@ -214,6 +214,8 @@ void Step::Finish(EngineState& state, const absl::Status& launched) {
   ++m.steps;
   m.step_sequences += items_.size();
   m.busy_ns += busy_ns_;
+  m.step_seconds.Observe(static_cast<double>(busy_ns_) * 1e-9);
+  m.step_batch.Observe(static_cast<double>(items_.size()));
   for (Entry& e : entries_) FinishEntry(state, e);
   pool.StagePublished();  // what the step published goes down to the tiers
 }

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <fstream>
 
+#include "daemon/metrics/metrics_config.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -228,6 +229,24 @@ TEST(ConfigTest, TheSampleConfigLoads) {
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->tiers().host_blocks(), 0);
   EXPECT_FALSE(c->tiers().redis().enabled());
+}
+
+// metrics.listen: a bare port is loopback only; a bad address or tenant bound is one line each.
+TEST(ConfigTest, MetricsAddressDefaultsToLoopback) {
+  EXPECT_EQ(*MetricsBindAddress("9400"), "127.0.0.1:9400");
+  EXPECT_EQ(*MetricsBindAddress(":9400"), "127.0.0.1:9400");
+  EXPECT_EQ(*MetricsBindAddress("0.0.0.0:9400"), "0.0.0.0:9400");
+  EXPECT_EQ(*MetricsBindAddress("[::1]:0"), "[::1]:0");
+  for (const char* bad : {"", "x", "host:", "1.2.3.4:65536", ":-1", "9400x"}) {
+    EXPECT_EQ(MetricsBindAddress(bad).status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+  v1::DaemonConfig c = DefaultConfig();
+  EXPECT_THAT(ValidateConfig(c), ::testing::IsEmpty());  // unset: off
+  c.mutable_metrics()->set_listen("localhost:http");
+  c.mutable_metrics()->set_max_tenants(-1);
+  EXPECT_THAT(ValidateConfig(c),
+              ::testing::UnorderedElementsAre(HasSubstr("metrics.listen: 'localhost:http'"),
+                                              HasSubstr("metrics.max_tenants")));
 }
 
 // PoolShape's dtypes (config.proto): default, K / V, then per-layer entries, last match wins.

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <optional>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "client/client.h"
 #include "daemon/edge/config.h"
@@ -245,6 +246,28 @@ TEST_F(DaemonTest, AUidPastItsDoorbellsDecodesOverGrpc) {
   absl::StatusOr<v1::GetStatsResponse> stats = (*first)->GetStats();
   ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_EQ(stats->doorbells_refused(), 1u);
+}
+
+// metrics.listen on port 0: the endpoint takes a free port and is reported; an address already
+// in use fails Start with UNAVAILABLE, the daemon's sockets gone again.
+TEST_F(DaemonTest, MetricsEndpointBindsOrFailsStart) {
+  dir_ = ::testing::TempDir() + "/kvpoold-" + std::to_string(getpid()) + "-metrics";
+  v1::DaemonConfig config = DefaultConfig();
+  config.set_runtime_dir(dir_);
+  config.set_pool_bytes(int64_t{64} << 16);
+  config.mutable_metrics()->set_listen("127.0.0.1:0");
+  daemon_ = std::move(*Daemon::Create(config));
+  ASSERT_TRUE(daemon_->Start().ok());
+  const int port = daemon_->metrics_port();
+  ASSERT_GT(port, 0);
+
+  config.set_runtime_dir(dir_ + "-second");
+  config.mutable_metrics()->set_listen(absl::StrCat("127.0.0.1:", port));
+  std::unique_ptr<Daemon> second = std::move(*Daemon::Create(config));
+  EXPECT_EQ(second->Start().code(), absl::StatusCode::kUnavailable);
+  second.reset();
+  EXPECT_FALSE(std::filesystem::exists(dir_ + "-second/" + wire::kGrpcSocket));
+  std::filesystem::remove_all(dir_ + "-second");
 }
 
 }  // namespace

@@ -21,7 +21,7 @@ PROJECT = ("kvpool/v1/", "kvpool/util/", "kvpool/", "tier/", "kernels/", "model/
 THIRD_PARTY = ("absl", "fmt", "spdlog", "xxhash.h", "grpcpp", "grpc", "google", "nlohmann",
                "hiredis", "openssl", "cblas.h", "cublas_v2.h", "cuda.h", "cuda_runtime.h",
                "cuda_runtime_api.h", "cuda_fp16.h", "cuda_bf16.h", "cudaTypedefs.h", "gtest",
-               "gmock", "benchmark")
+               "gmock", "benchmark", "prometheus")
 CUDA = ("cuda.h", "cuda_runtime.h", "cuda_runtime_api.h", "cuda_fp16.h", "cuda_bf16.h",
         "cudaTypedefs.h")
 LEAF = ("absl", "fmt", "spdlog")
@@ -38,6 +38,10 @@ RULES = {
     # The engine sees core types only: no gRPC, no protobuf, no generated kvpool/v1 types.
     "daemon/engine/": (("kvpool/util/", "kvpool/", "kernels/", "model/", "tier/",
                         "daemon/engine/"), LEAF),
+    # /metrics: prometheus-cpp (Debian's prometheus-cpp-dev) serves the stats tables; only here.
+    "daemon/metrics/": (("kvpool/v1/", "kvpool/util/", "kvpool/", "kernels/", "model/", "tier/",
+                         "daemon/engine/", "daemon/"), LEAF + ("grpcpp", "grpc", "google",
+                                                               "prometheus")),
     "daemon/": (("kvpool/v1/", "kvpool/util/", "kvpool/", "kernels/", "model/", "tier/",
                  "daemon/engine/", "daemon/"), LEAF + ("grpcpp", "grpc", "google")),
     # Clients depend on the protocol and the leaf library only (+ the CUDA driver for mapping).

@@ -1,0 +1,211 @@
+// The stats tables (daemon/metrics/stats_table.h): every row reaches GetStats, `kvpoolctl stats`
+// and the Prometheus exposition; every figure GetStatsResponse had is still filled, with its old
+// meaning; per-tenant figures fold past their bound.
+
+#include "daemon/metrics/stats_table.h"
+
+#include <set>
+#include <string>
+
+#include "client/kvpoolctl_format.h"
+#include "daemon/edge/convert.h"
+#include "daemon/engine/label_fold.h"
+#include "daemon/metrics/exposition.h"
+#include "daemon/metrics/stats_proto.h"
+#include "engine_test_util.h"
+#include "gmock/gmock.h"
+#include "google/protobuf/descriptor.h"
+#include "gtest/gtest.h"
+#include "prometheus/text_serializer.h"
+
+namespace kvpool::daemon {
+namespace {
+
+using testing::FailingDevice;
+using ::testing::HasSubstr;
+using testing::Prompt;
+using testing::SmallPool;
+using testing::Spec;
+
+TEST(LabelFoldTest, FirstValuesKeepTheirLabelsAndLaterOnesFold) {
+  LabelFold fold(2);
+  EXPECT_EQ(fold.Label("a"), "a");
+  EXPECT_EQ(fold.Label("b"), "b");
+  EXPECT_EQ(fold.Label("c"), LabelFold::kOther);
+  EXPECT_EQ(fold.Label("a"), "a");  // kept for good
+  EXPECT_EQ(fold.Label("b"), "b");
+  EXPECT_EQ(fold.Label("other"), LabelFold::kOther);  // takes no slot
+  EXPECT_EQ(fold.size(), 2u);
+  LabelFold none(0);
+  EXPECT_EQ(none.Label("a"), LabelFold::kOther);
+  EXPECT_EQ(none.size(), 0u);
+}
+
+class StatsTableTest : public ::testing::Test {
+ protected:
+  void Make(size_t max_tenants = 64) {
+    EngineOptions options = SmallPool(64);
+    options.tiers.host_blocks = 16;
+    options.max_tenant_labels = max_tenants;
+    options.epoch = 0xF00DFACE12345679;  // above 2^53: a double would round it
+    model_ = testing::TinyModel(options.pools[0].layout);
+    engine_ = std::move(*Engine::Create(options, &device_, model_.get()));
+  }
+
+  // One Allocate of `prompt` by a session of `tenant`, then a Free that commits it.
+  void AllocateAndFree(const std::string& tenant, const std::vector<int32_t>& prompt) {
+    std::shared_ptr<const Session> s = *engine_->OpenSession(Spec(tenant, tenant + "-client"));
+    const AllocateRequest request{.num_tokens = static_cast<int64_t>(prompt.size()),
+                                  .prompt = prompt};
+    absl::StatusOr<Tables> t =
+        engine_->Allocate(*s, std::span(&request, 1), CallContext::Uncancellable());
+    ASSERT_TRUE(t.ok()) << t.status();
+    const SequenceId id = t->slices[0].sequence;
+    ASSERT_TRUE(
+        engine_->Free(*s, std::span(&id, 1), OnFree::kCommit, CallContext::Uncancellable()).ok());
+  }
+
+  v1::GetStatsResponse GetStats() {
+    v1::GetStatsResponse r;
+    ToProto(engine_->Stats(0), &attach_, &rpcs_, &r);
+    return r;
+  }
+
+  FailingDevice device_;
+  std::unique_ptr<model::Model> model_;
+  std::unique_ptr<Engine> engine_;
+  AttachCounters attach_;
+  RpcCounters rpcs_;
+};
+
+// A Stat's name with every label, for comparing outputs: name{k=v,...}.
+std::string Key(std::string_view name, const std::vector<std::pair<std::string, std::string>>& l) {
+  std::string out(name);
+  for (const auto& [k, v] : l) out += "," + k + "=" + v;
+  return out;
+}
+
+TEST_F(StatsTableTest, EveryPresentRowReachesGetStatsKvpoolctlAndTheExposition) {
+  Make();
+  AllocateAndFree("tenant-a", Prompt(48, 1));
+  AllocateAndFree("tenant-a", Prompt(48, 1));
+  attach_.malformed = 3;
+  const int allocate = rpcs_.MethodIndex("/kvpool.v1.KvPool/Allocate");
+  ASSERT_GE(allocate, 0);
+  EXPECT_EQ(rpcs_.MethodIndex("/grpc.health.v1.Health/Check"), -1);
+  rpcs_.Count(allocate, 0);
+  rpcs_.Count(allocate, 0);
+  rpcs_.Count(allocate, 5);
+  const v1::GetStatsResponse r = GetStats();
+  const std::string ctl = client::ctl::FormatStats(r, false);
+  const std::string text =
+      prometheus::TextSerializer().Serialize(CollectFamilies(*engine_, &attach_, &rpcs_));
+
+  std::set<std::string> sent;
+  for (const v1::Stat& s : r.stats()) {
+    std::vector<std::pair<std::string, std::string>> labels;
+    for (int i = 0; i < s.label_names_size(); ++i) {
+      labels.emplace_back(s.label_names(i), s.label_values(i));
+    }
+    EXPECT_TRUE(sent.insert(Key(s.name(), labels)).second) << "sent twice: " << s.name();
+    EXPECT_FALSE(s.help().empty()) << s.name();
+    EXPECT_FALSE(s.unit().empty()) << s.name();
+    EXPECT_THAT(ctl, HasSubstr(s.name())) << "kvpoolctl stats leaves out " << s.name();
+    const StatKind kind = s.kind() == v1::Stat::KIND_COUNTER ? StatKind::kCounter
+                          : s.kind() == v1::Stat::KIND_GAUGE ? StatKind::kGauge
+                                                             : StatKind::kHistogram;
+    EXPECT_THAT(text, HasSubstr("# TYPE " + ExportedName(s.name(), kind) + " "))
+        << "/metrics leaves out " << s.name();
+  }
+  // Every row of every table is sent (this source has a model, a host tier and a tenant; the
+  // disk and Redis rows are absent without those tiers, and only they).
+  const EngineStats stats = engine_->Stats(0);
+  const StatsSource source{.engine = &stats, .attach = &attach_};
+  auto sent_name = [&](std::string_view name) {
+    for (const v1::Stat& s : r.stats()) {
+      if (s.name() == name) return true;
+    }
+    return false;
+  };
+  for (const PoolRow& row : PoolStatRows()) {
+    const bool present = row.present == nullptr || row.present(source);
+    EXPECT_TRUE(present ? sent_name(row.name)
+                        : row.label.value == "disk" || row.label.value == "redis")
+        << row.name;
+  }
+  for (const PoolRow& row : DaemonStatRows()) EXPECT_TRUE(sent_name(row.name)) << row.name;
+  for (const TenantRow& row : TenantStatRows()) EXPECT_TRUE(sent_name(row.name)) << row.name;
+  for (const RpcRow& row : RpcStatRows()) EXPECT_TRUE(sent_name(row.name)) << row.name;
+  EXPECT_THAT(text, HasSubstr("kvpool_rpcs_total{method=\"Allocate\",code=\"OK\"} 2"));
+  EXPECT_THAT(text, HasSubstr("kvpool_rpcs_total{method=\"Allocate\",code=\"NOT_FOUND\"} 1"));
+  EXPECT_THAT(text, HasSubstr("kvpool_attach_refusals_total{reason=\"malformed\"} 3"));
+  EXPECT_THAT(text, HasSubstr("kvpool_tenant_hit_tokens_total{pool=\"default\",tenant=\"tenant-a\"}"
+                              " 48"));
+  EXPECT_THAT(text, HasSubstr("vllm:prefix_cache_hits_total{pool=\"default\",model_name=\"tiny\"}"
+                              " 48"));
+  EXPECT_THAT(text, HasSubstr("kvpool_step_seconds_bucket{pool=\"default\",le=\"+Inf\"} 0"));
+}
+
+TEST_F(StatsTableTest, EveryFigureOfGetStatsResponseIsFilledByARow) {
+  std::set<std::string_view> named;
+  for (const PoolRow& row : PoolStatRows()) named.insert(row.proto_field);
+  for (const PoolRow& row : DaemonStatRows()) named.insert(row.proto_field);
+  const google::protobuf::Descriptor& d = *v1::GetStatsResponse::descriptor();
+  for (int i = 0; i < d.field_count(); ++i) {
+    const google::protobuf::FieldDescriptor& f = *d.field(i);
+    if (f.is_repeated() || f.cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_MESSAGE ||
+        f.cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_STRING) {
+      continue;  // the layout, tiers, names: not table figures
+    }
+    if (f.name() == "epoch") continue;  // 64 random bits, set exactly by convert.cc
+
+    EXPECT_TRUE(named.contains(f.name())) << "no stats row fills GetStatsResponse." << f.name();
+  }
+  for (std::string_view field : named) {
+    EXPECT_TRUE(field.empty() || d.FindFieldByName(std::string(field)) != nullptr) << field;
+  }
+}
+
+TEST_F(StatsTableTest, OldFieldsKeepTheirMeaning) {
+  Make();
+  AllocateAndFree("tenant-a", Prompt(64, 2));
+  ASSERT_TRUE(engine_->Evict(0, 2, false).ok());
+  const EngineStats stats = engine_->Stats(0);
+  const v1::GetStatsResponse r = GetStats();
+  EXPECT_EQ(r.num_blocks(), 64);
+  EXPECT_EQ(r.free_blocks(), stats.cache.pool.free);
+  EXPECT_EQ(r.cached_blocks(), stats.cache.pool.cached);
+  EXPECT_EQ(r.prompt_tokens(), 64u);
+  EXPECT_EQ(r.evictions(), 2u);  // the reasons add up into the one old field
+  EXPECT_EQ(r.evictions(), stats.cache.evictions);
+  EXPECT_EQ(r.blocks_allocated(), stats.cache.pool.allocated);
+  EXPECT_EQ(r.epoch(), 0xF00DFACE12345679u);
+  EXPECT_EQ(r.sessions_opened(), 1u);
+  EXPECT_EQ(r.attached_sessions(), 1);
+  EXPECT_EQ(r.model_busy_us(), static_cast<uint64_t>(stats.model.busy_ns / 1000));
+  EXPECT_EQ(r.model(), "tiny");
+  EXPECT_EQ(r.device(), "failing-cpu");
+}
+
+TEST_F(StatsTableTest, TenantsPastTheBoundCountUnderOther) {
+  Make(/*max_tenants=*/2);
+  const std::vector<int32_t> prompt = Prompt(32, 3);
+  for (const char* tenant : {"t1", "t2", "t3", "t4"}) AllocateAndFree(tenant, prompt);
+  const EngineStats stats = engine_->Stats(0);
+  ASSERT_EQ(stats.tenants.size(), 3u);
+  EXPECT_EQ(stats.tenants[0].first, "other");
+  EXPECT_EQ(stats.tenants[0].second.prompt_tokens, 64u);  // t3 and t4
+  EXPECT_EQ(stats.tenants[1].first, "t1");
+  EXPECT_EQ(stats.tenants[1].second.prompt_tokens, 32u);
+  EXPECT_EQ(stats.tenants[2].first, "t2");
+  uint64_t prompt_tokens = 0;
+  for (const auto& [tenant, counters] : stats.tenants) prompt_tokens += counters.prompt_tokens;
+  EXPECT_EQ(prompt_tokens, stats.cache.prompt_tokens);
+  const std::string text =
+      prometheus::TextSerializer().Serialize(CollectFamilies(*engine_, nullptr));
+  EXPECT_THAT(text, HasSubstr("tenant=\"other\""));
+  EXPECT_THAT(text, ::testing::Not(HasSubstr("tenant=\"t3\"")));
+}
+
+}  // namespace
+}  // namespace kvpool::daemon
