@@ -150,6 +150,7 @@ absl::Status Daemon::StartGrpc() {
   const std::string path = config_.runtime_dir() + "/" + wire::kGrpcSocket;
   unlink(path.c_str());  // stale, from a daemon that died
   service_ = std::make_unique<KvPoolService>(engine_.get(), Clock::Real(), &attach_counters_);
+  engine_->AddEventListener(service_.get());
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -178,8 +179,7 @@ absl::Status Daemon::AddDoorbell(const std::shared_ptr<const Session>& session, 
   absl::StatusOr<std::unique_ptr<DecodeDoorbell>> doorbell = DecodeDoorbell::Start(
       session, [this](std::unique_ptr<ComputeCall> call) { engine_->Submit(std::move(call)); },
       {.counted =
-           [this] { attach_counters_.doorbell_calls.fetch_add(1, std::memory_order_relaxed); },
-       .published = [this] { service_->NotifyEvents(); }},
+           [this] { attach_counters_.doorbell_calls.fetch_add(1, std::memory_order_relaxed); }},
       &client_fd);
   if (!doorbell.ok()) {
     engine_->EndSession(session->id, SessionEnd::kConnectionLost);
@@ -238,7 +238,6 @@ absl::Status Daemon::StartAttach() {
   auto closed = [this](SessionId id, SessionEnd how) {
     doorbells_.Remove(id);  // cancels its call in flight; joined later
     const int64_t released = engine_->EndSession(id, how);
-    service_->NotifyEvents();
     Log().info("session {} ended ({}); released {} sequence(s)", id.value(), SessionEndName(how),
                released);
   };
@@ -309,6 +308,7 @@ void Daemon::Shutdown() {
     attach_.reset();
     unlink((config_.runtime_dir() + "/" + wire::kGrpcSocket).c_str());
   }
+  if (service_) engine_->RemoveEventListener(service_.get());
   engine_.reset();  // waits for the device, releases the pool
   model_.reset();
   Log().info("kvpoold stopped");
