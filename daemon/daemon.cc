@@ -12,6 +12,7 @@
 #include "daemon/edge/config.h"
 #include "daemon/edge/convert.h"
 #include "daemon/edge/service.h"
+#include "daemon/edge/zmq_event_publisher.h"
 #include "fmt/format.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
@@ -136,6 +137,7 @@ absl::Status Daemon::Start() {
     return absl::FailedPreconditionError(
         fmt::format("another kvpoold is already running in {}", dir));
   }
+  KVPOOL_RETURN_IF_ERROR(StartEventPublisher());
   KVPOOL_RETURN_IF_ERROR(StartGrpc());
   KVPOOL_RETURN_IF_ERROR(StartAttach());
   started_ = true;
@@ -162,6 +164,22 @@ absl::Status Daemon::StartGrpc() {
     server_ = builder.BuildAndStart();
   }
   if (server_ == nullptr) return absl::InternalError(fmt::format("cannot serve gRPC on {}", path));
+  return absl::OkStatus();
+}
+
+absl::Status Daemon::StartEventPublisher() {
+  const v1::ZmqEventsSpec& z = config_.zmq_events();
+  if (z.endpoint().empty()) return absl::OkStatus();
+  ZmqEventOptions options{.endpoint = z.endpoint(),
+                          .replay_endpoint = z.replay_endpoint(),
+                          .topic = z.topic(),
+                          .data_parallel_rank = z.data_parallel_rank()};
+  if (!z.pool().empty()) {
+    KVPOOL_ASSIGN_OR_RETURN(options.pool, engine_->FindPool(z.pool()));
+  }
+  if (z.replay_batches() > 0) options.replay_batches = static_cast<size_t>(z.replay_batches());
+  KVPOOL_ASSIGN_OR_RETURN(event_publisher_, ZmqEventPublisher::Start(options, engine_.get()));
+  engine_->AddEventListener(event_publisher_.get());
   return absl::OkStatus();
 }
 
@@ -309,6 +327,10 @@ void Daemon::Shutdown() {
     unlink((config_.runtime_dir() + "/" + wire::kGrpcSocket).c_str());
   }
   if (service_) engine_->RemoveEventListener(service_.get());
+  if (event_publisher_) {
+    engine_->RemoveEventListener(event_publisher_.get());
+    event_publisher_.reset();  // sends what the log holds, then stops
+  }
   engine_.reset();  // waits for the device, releases the pool
   model_.reset();
   Log().info("kvpoold stopped");

@@ -33,6 +33,7 @@ class Server;
 namespace kvpool::daemon {
 
 class KvPoolService;
+class ZmqEventPublisher;
 
 class Daemon final {
  public:
@@ -61,6 +62,8 @@ class Daemon final {
 
   absl::Status StartGrpc();
   absl::Status StartAttach();
+  // The ZeroMQ publisher of cache events, when the config asks for one (zmq_events).
+  absl::Status StartEventPublisher();
   // Gives an attaching session a decode doorbell when its uid has room for one (counted when
   // not). Errors: those of DecodeDoorbell::Start, after which the session has been ended.
   absl::Status AddDoorbell(const std::shared_ptr<const Session>& session, uid_t uid,
@@ -74,6 +77,7 @@ class Daemon final {
   std::unique_ptr<Engine> engine_;
   AttachCounters attach_counters_;  // outlives attach_ and service_
   std::unique_ptr<KvPoolService> service_;
+  std::unique_ptr<ZmqEventPublisher> event_publisher_;  // null: none configured
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<AttachServer> attach_;
   Doorbells doorbells_;  // by session; each stopped when its session ends
