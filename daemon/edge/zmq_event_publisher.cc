@@ -153,12 +153,15 @@ ZmqEventPublisher::ZmqEventPublisher(const ZmqEventOptions& options, const Engin
 
 ZmqEventPublisher::~ZmqEventPublisher() {
   stopping_.store(true);
+  wake_pending_.store(false);
   OnEvents(options_.pool, 0);
   thread_.join();
 }
 
 void ZmqEventPublisher::OnEvents(int32_t pool, uint64_t) {
   if (pool != options_.pool) return;
+  // One write per wake-up: the appending thread skips the syscall while one is pending.
+  if (wake_pending_.exchange(true)) return;
   const uint64_t one = 1;
   // Never blocks: a full counter (2^64 - 2 wake-ups pending) is as good as one.
   [[maybe_unused]] ssize_t n = write(wake_.get(), &one, sizeof(one));
@@ -180,6 +183,9 @@ void ZmqEventPublisher::Run() {
       if (since < kCoalesce && !stopping_.load()) absl::SleepFor(kCoalesce - since);
       uint64_t count = 0;
       [[maybe_unused]] ssize_t r = read(wake_.get(), &count, sizeof(count));
+      // After the read (a write it consumed was for events appended before this point) and
+      // before the log is read (an append after this point writes again).
+      wake_pending_.store(false);
       last_publish_ = absl::Now();
     }
     PublishNew();

@@ -91,6 +91,7 @@ class ZmqEventPublisher final : public EventListener {
   std::string bound_endpoint_;
   std::string bound_replay_endpoint_;
   std::atomic<bool> stopping_{false};
+  std::atomic<bool> wake_pending_{false};           // an eventfd write not yet read
   uint64_t next_ = 1;                               // the thread's: the next seq to publish
   absl::Time last_publish_ = absl::InfinitePast();  // the thread's
   ZmqEventCounters counters_;
