@@ -258,7 +258,9 @@ void ValidateZmqEvents(const v1::DaemonConfig& c,
   if (z.replay_endpoint() == z.endpoint()) {
     bad("zmq_events.replay_endpoint", "must differ from zmq_events.endpoint");
   }
-  if (z.replay_batches() < 0) bad("zmq_events.replay_batches", "must be >= 0 (0: 10000)");
+  if (z.replay_batches() < 0 || z.replay_batches() > 1000000) {
+    bad("zmq_events.replay_batches", "must be in [0, 1000000] (0: 10000)");
+  }
   if (!z.pool().empty() && c.pools_size() > 0 &&
       std::none_of(c.pools().begin(), c.pools().end(),
                    [&](const v1::PoolSpec& p) { return p.name() == z.pool(); })) {

@@ -60,7 +60,8 @@ TEST(ConfigTest, TheZmqEventPublisherIsOffByDefaultAndCheckedWhenSet) {
   c.mutable_zmq_events()->set_pool("elsewhere");
   const std::vector<std::string> problems = ValidateConfig(c);
   EXPECT_THAT(problems, ::testing::Contains(HasSubstr("zmq_events.replay_endpoint: must differ")));
-  EXPECT_THAT(problems, ::testing::Contains(HasSubstr("zmq_events.replay_batches: must be >= 0")));
+  EXPECT_THAT(problems,
+              ::testing::Contains(HasSubstr("zmq_events.replay_batches: must be in [0, 1000000]")));
   EXPECT_THAT(problems,
               ::testing::Contains(HasSubstr("zmq_events.pool: no pool named 'elsewhere'")));
   c.mutable_zmq_events()->set_pool("default");
