@@ -13,6 +13,7 @@
 #include "daemon/edge/convert.h"
 #include "daemon/edge/service.h"
 #include "daemon/metrics/metrics_server.h"
+#include "daemon/edge/zmq_event_publisher.h"
 #include "fmt/format.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
@@ -137,6 +138,7 @@ absl::Status Daemon::Start() {
     return absl::FailedPreconditionError(
         fmt::format("another kvpoold is already running in {}", dir));
   }
+  KVPOOL_RETURN_IF_ERROR(StartEventPublisher());
   KVPOOL_RETURN_IF_ERROR(StartGrpc());
   KVPOOL_RETURN_IF_ERROR(StartAttach());
   started_ = true;  // from here on Shutdown() stops what Start() started
@@ -163,6 +165,7 @@ absl::Status Daemon::StartGrpc() {
   unlink(path.c_str());  // stale, from a daemon that died
   service_ = std::make_unique<KvPoolService>(engine_.get(), Clock::Real(), &attach_counters_,
                                              &rpc_counters_);
+  engine_->AddEventListener(service_.get());
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -180,6 +183,22 @@ absl::Status Daemon::StartGrpc() {
   return absl::OkStatus();
 }
 
+absl::Status Daemon::StartEventPublisher() {
+  const v1::ZmqEventsSpec& z = config_.zmq_events();
+  if (z.endpoint().empty()) return absl::OkStatus();
+  ZmqEventOptions options{.endpoint = z.endpoint(),
+                          .replay_endpoint = z.replay_endpoint(),
+                          .topic = z.topic(),
+                          .data_parallel_rank = z.data_parallel_rank()};
+  if (!z.pool().empty()) {
+    KVPOOL_ASSIGN_OR_RETURN(options.pool, engine_->FindPool(z.pool()));
+  }
+  if (z.replay_batches() > 0) options.replay_batches = static_cast<size_t>(z.replay_batches());
+  KVPOOL_ASSIGN_OR_RETURN(event_publisher_, ZmqEventPublisher::Start(options, engine_.get()));
+  engine_->AddEventListener(event_publisher_.get());
+  return absl::OkStatus();
+}
+
 absl::Status Daemon::AddDoorbell(const std::shared_ptr<const Session>& session, uid_t uid,
                                  AttachReply* reply) {
   // A doorbell is a thread of the daemon's: a uid gets limits.doorbells_per_uid of them; past
@@ -194,8 +213,7 @@ absl::Status Daemon::AddDoorbell(const std::shared_ptr<const Session>& session, 
   absl::StatusOr<std::unique_ptr<DecodeDoorbell>> doorbell = DecodeDoorbell::Start(
       session, [this](std::unique_ptr<ComputeCall> call) { engine_->Submit(std::move(call)); },
       {.counted =
-           [this] { attach_counters_.doorbell_calls.fetch_add(1, std::memory_order_relaxed); },
-       .published = [this] { service_->NotifyEvents(); }},
+           [this] { attach_counters_.doorbell_calls.fetch_add(1, std::memory_order_relaxed); }},
       &client_fd);
   if (!doorbell.ok()) {
     engine_->EndSession(session->id, SessionEnd::kConnectionLost);
@@ -254,7 +272,6 @@ absl::Status Daemon::StartAttach() {
   auto closed = [this](SessionId id, SessionEnd how) {
     doorbells_.Remove(id);  // cancels its call in flight; joined later
     const int64_t released = engine_->EndSession(id, how);
-    service_->NotifyEvents();
     Log().info("session {} ended ({}); released {} sequence(s)", id.value(), SessionEndName(how),
                released);
   };
@@ -325,6 +342,11 @@ void Daemon::Shutdown() {
     attach_->CloseAll();  // ends every remaining session
     attach_.reset();
     unlink((config_.runtime_dir() + "/" + wire::kGrpcSocket).c_str());
+  }
+  if (service_) engine_->RemoveEventListener(service_.get());
+  if (event_publisher_) {
+    engine_->RemoveEventListener(event_publisher_.get());
+    event_publisher_.reset();  // sends what the log holds, then stops
   }
   engine_.reset();  // waits for the device, releases the pool
   model_.reset();

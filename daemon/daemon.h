@@ -35,6 +35,7 @@ namespace kvpool::daemon {
 
 class KvPoolService;
 class MetricsServer;
+class ZmqEventPublisher;
 
 class Daemon final {
  public:
@@ -67,6 +68,8 @@ class Daemon final {
   absl::Status StartAttach();
   // Errors: those of MetricsServer::Start. A no-op without metrics.listen.
   absl::Status StartMetrics();
+  // The ZeroMQ publisher of cache events, when the config asks for one (zmq_events).
+  absl::Status StartEventPublisher();
   // Gives an attaching session a decode doorbell when its uid has room for one (counted when
   // not). Errors: those of DecodeDoorbell::Start, after which the session has been ended.
   absl::Status AddDoorbell(const std::shared_ptr<const Session>& session, uid_t uid,
@@ -81,6 +84,7 @@ class Daemon final {
   AttachCounters attach_counters_;  // outlives attach_ and service_
   RpcCounters rpc_counters_;        // outlives server_ (its interceptor) and service_
   std::unique_ptr<KvPoolService> service_;
+  std::unique_ptr<ZmqEventPublisher> event_publisher_;  // null: none configured
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<AttachServer> attach_;
   std::unique_ptr<MetricsServer> metrics_;  // null: no /metrics (config metrics.listen empty)

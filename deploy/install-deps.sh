@@ -17,6 +17,9 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   # HMAC-SHA256 for the deployment secret's MACs (tier/secret.h)
   libssl-dev
+  # the vLLM KV-event publisher (daemon/edge/zmq_event_publisher.h, docs/events.md): ZeroMQ
+  # sockets and msgpack payloads; python3-zmq and python3-msgpack for its test's consumer
+  libzmq3-dev libmsgpack-cxx-dev python3-zmq python3-msgpack
   # the Redis tier (tier/): hiredis to talk to Redis; redis-server and redis-tools (redis-cli)
   # for its tests and benchmark, which start private servers themselves, and as the local Redis
   # a daemon may use (ACL set up below; `systemctl disable --now redis-server` if unwanted)

@@ -94,6 +94,7 @@ class World final {
     RequireOk(engine.status(), "Engine::Create");
     engine_ = *std::move(engine);
     service_ = std::make_unique<daemon::KvPoolService>(engine_.get(), Clock::Real());
+    engine_->AddEventListener(service_.get());
     grpc::ServerBuilder builder;
     builder.RegisterService(service_.get());
     server_ = builder.BuildAndStart();
@@ -111,6 +112,7 @@ class World final {
     engine_->StopCompute();
     server_->Shutdown(absl::ToChronoTime(absl::Now()));
     server_->Wait();
+    engine_->RemoveEventListener(service_.get());
     for (auto& s : sessions_) {
       if (s) engine_->EndSession(s->id, daemon::SessionEnd::kShutdown);
     }

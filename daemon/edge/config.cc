@@ -247,6 +247,30 @@ bool PrintableName(const std::string& name) {
 }
 
 // The pools and the tenants (docs/trust-model.md).
+// The ZeroMQ event publisher: set fields need an endpoint; a named pool exists. (Whether ZeroMQ
+// can bind an endpoint is learned when the daemon starts, which then exits with its reason.)
+void ValidateZmqEvents(const v1::DaemonConfig& c,
+                       const std::function<void(std::string_view, std::string)>& bad) {
+  const v1::ZmqEventsSpec& z = c.zmq_events();
+  if (z.endpoint().empty()) {
+    if (z.ByteSizeLong() != 0) bad("zmq_events.endpoint", "must be set for a publisher");
+    return;
+  }
+  if (z.replay_endpoint() == z.endpoint()) {
+    bad("zmq_events.replay_endpoint", "must differ from zmq_events.endpoint");
+  }
+  if (z.replay_batches() < 0 || z.replay_batches() > 1000000) {
+    bad("zmq_events.replay_batches", "must be in [0, 1000000] (0: 10000)");
+  }
+  if (!z.pool().empty() && c.pools_size() > 0 &&
+      std::none_of(c.pools().begin(), c.pools().end(),
+                   [&](const v1::PoolSpec& p) { return p.name() == z.pool(); })) {
+    bad("zmq_events.pool", fmt::format("no pool named '{}'", z.pool()));
+  } else if (!z.pool().empty() && c.pools_size() == 0 && z.pool() != "default") {
+    bad("zmq_events.pool", fmt::format("no pool named '{}' (the one pool is 'default')", z.pool()));
+  }
+}
+
 void ValidatePoolsAndTenants(const v1::DaemonConfig& c, const kernels::PoolLayout* shape,
                              const std::function<void(std::string_view, std::string)>& bad) {
   absl::flat_hash_set<std::string> pools, tenants;
@@ -503,6 +527,7 @@ std::vector<std::string> ValidateConfig(const v1::DaemonConfig& c) {
   ValidateModel(c, shape_ok.ok(), bad);
   ValidateLimits(c, bad);
   for (std::string& problem : ValidateMetricsSpec(c.metrics())) errors.push_back(problem);
+  ValidateZmqEvents(c, bad);
   return errors;
 }
 

@@ -180,7 +180,6 @@ void DecodeDoorbell::Answer(uint32_t ring, const absl::Status& status,
   if (hooks_.counted) hooks_.counted();
   p.answered.store(ring, std::memory_order_release);
   wire::FutexWakeAll(&p.answered);
-  if (hooks_.published) hooks_.published();
 }
 
 Doorbells::~Doorbells() { StopAll(); }

@@ -49,14 +49,12 @@ class DecodeDoorbell final {
  public:
   // Queues a call (Engine::Submit); it must complete exactly once.
   using SubmitFn = std::function<void(std::unique_ptr<ComputeCall>)>;
-  // What the daemon does with each answer (either may be empty).
+  // What the daemon does with each answer (may be empty). (Event watchers need no hook: the
+  // engine tells its EventListeners of the events a step made.)
   struct Hooks {
     // Before the client can see it: the daemon counts it, so a client that has its answer finds
     // it counted in GetStats, as after a Decode RPC.
     std::function<void()> counted;
-    // Once the client can: the daemon wakes event watchers (steps publish blocks), whose reads
-    // must not hold up the answer.
-    std::function<void()> published;
   };
 
   static constexpr int64_t kFirstBackoffNs = 50'000;    // after one error

@@ -58,7 +58,7 @@ bool KvPoolService::WaitIdle(absl::Time deadline) {
 
 KvPoolService::Unary* KvPoolService::Allocate(Context* c, const v1::AllocateRequest* q,
                                               v1::AllocateResponse* r) {
-  Unary* reactor = Run(c, false, [&](const Session& s) -> absl::Status {
+  return Run(c, false, [&](const Session& s) -> absl::Status {
     const std::vector<AllocateRequest> items = FromProto(*q);
     std::vector<std::string> salts;  // none, or one per item
     if (absl::c_any_of(q->items(), [](const auto& item) { return !item.cache_salt().empty(); })) {
@@ -69,13 +69,11 @@ KvPoolService::Unary* KvPoolService::Allocate(Context* c, const v1::AllocateRequ
     ToProto(*tables, r->mutable_sequences());
     return absl::OkStatus();
   });
-  NotifyEvents();  // room may have been made by evicting cached blocks
-  return reactor;
 }
 
 KvPoolService::Unary* KvPoolService::Grow(Context* c, const v1::GrowRequest* q,
                                           v1::GrowResponse* r) {
-  Unary* reactor = Run(c, false, [&](const Session& s) -> absl::Status {
+  return Run(c, false, [&](const Session& s) -> absl::Status {
     absl::StatusOr<std::vector<GrowRequest>> items = FromProto(*q);
     if (!items.ok()) return items.status();
     absl::StatusOr<Tables> tables = engine_->Grow(s, *items, GrpcCallContext(c, clock_));
@@ -83,8 +81,6 @@ KvPoolService::Unary* KvPoolService::Grow(Context* c, const v1::GrowRequest* q,
     ToProto(*tables, r);
     return absl::OkStatus();
   });
-  NotifyEvents();
-  return reactor;
 }
 
 KvPoolService::Unary* KvPoolService::Truncate(Context* c, const v1::TruncateRequest* q,
@@ -97,37 +93,31 @@ KvPoolService::Unary* KvPoolService::Truncate(Context* c, const v1::TruncateRequ
 
 KvPoolService::Unary* KvPoolService::Fork(Context* c, const v1::ForkRequest* q,
                                           v1::ForkResponse* r) {
-  Unary* reactor = Run(c, false, [&](const Session& s) -> absl::Status {
+  return Run(c, false, [&](const Session& s) -> absl::Status {
     absl::StatusOr<Tables> child =
         engine_->Fork(s, SequenceId(q->sequence_id()), GrpcCallContext(c, clock_));
     if (!child.ok()) return child.status();
     ToProto(*child, 0, 0, r->mutable_sequence());
     return absl::OkStatus();
   });
-  NotifyEvents();
-  return reactor;
 }
 
 KvPoolService::Unary* KvPoolService::Commit(Context* c, const v1::CommitRequest* q,
                                             v1::CommitResponse*) {
-  Unary* reactor = Run(c, false, [&](const Session& s) {
+  return Run(c, false, [&](const Session& s) {
     return engine_->Commit(s, SequenceId(q->sequence_id()), q->num_tokens(),
                            Tokens(q->new_tokens()), GrpcCallContext(c, clock_));
   });
-  NotifyEvents();
-  return reactor;
 }
 
 KvPoolService::Unary* KvPoolService::Free(Context* c, const v1::FreeRequest* q, v1::FreeResponse*) {
-  Unary* reactor = Run(c, false, [&](const Session& s) {
+  return Run(c, false, [&](const Session& s) {
     std::vector<SequenceId> ids;
     ids.reserve(static_cast<size_t>(q->sequence_ids_size()));
     for (uint64_t id : q->sequence_ids()) ids.push_back(SequenceId(id));
     return engine_->Free(s, ids, q->commit() ? OnFree::kCommit : OnFree::kDiscard,
                          GrpcCallContext(c, clock_));
   });
-  NotifyEvents();
-  return reactor;
 }
 
 KvPoolService::Unary* KvPoolService::MatchPrefix(Context* c, const v1::MatchPrefixRequest* q,

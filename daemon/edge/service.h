@@ -7,10 +7,13 @@
 //
 // Control calls are short (bookkeeping plus, at most, a wait for a small device plan) and run
 // inline on gRPC's callback threads. Compute calls complete when their model step has run.
-// WatchEvents streams cache events; followers are woken by NotifyEvents() after every call that
-// can produce events.
+// WatchEvents streams cache events; the service is the engine's EventListener, so followers are
+// woken whenever the engine appended events, whatever made them (a call, a step, a tier writer).
+// Whoever builds the service adds it to the engine (Engine::AddEventListener) and removes it
+// before either goes.
 //
-// Lock order: writers_mu_ -> EventWriter::mu_ -> the engine's lock.
+// Lock order: (Engine::listeners_mu_, as reader) -> writers_mu_ -> EventWriter::mu_ -> the
+// engine's lock.
 //
 // Thread-safe.
 
@@ -23,6 +26,7 @@
 #include "daemon/edge/attach_server.h"
 #include "daemon/edge/convert.h"
 #include "daemon/engine/engine.h"
+#include "daemon/engine/event_listener.h"
 #include "grpcpp/grpcpp.h"
 #include "kvpool/v1/kvpool.grpc.pb.h"
 
@@ -39,7 +43,7 @@ class Refusal final : public grpc::ServerWriteReactor<Response> {
   void OnDone() override { delete this; }
 };
 
-class KvPoolService final : public v1::KvPool::CallbackService {
+class KvPoolService final : public v1::KvPool::CallbackService, public EventListener {
  public:
   // Neither is owned; both outlive the service.
   // `attach` and `rpcs` (not owned; may be null) hold the attach socket's and the calls'
@@ -90,8 +94,8 @@ class KvPoolService final : public v1::KvPool::CallbackService {
                      v1::SetLogLevelResponse* r) override;
   Unary* Drain(Context* c, const v1::DrainRequest* q, v1::DrainResponse* r) override;
 
-  // Wakes every following WatchEvents stream to send what is new.
-  void NotifyEvents();
+  // EventListener: wakes the WatchEvents streams of `pool` to send what is new.
+  void OnEvents(int32_t pool, uint64_t next_seq) override;
   // Ends every WatchEvents stream (UNAVAILABLE), so the server can shut down.
   void EndStreams();
   // From now on every call fails with UNAVAILABLE ("shutting down").

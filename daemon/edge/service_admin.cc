@@ -61,6 +61,8 @@ class EventWriter final : public grpc::ServerWriteReactor<v1::WatchEventsRespons
     Pump();
   }
 
+  int32_t pool() const { return pool_; }
+
   void OnDone() override {
     service_->Unregister(this);
     service_->EndCall();
@@ -128,9 +130,11 @@ void KvPoolService::Unregister(EventWriter* writer) {
   writers_.erase(writer);
 }
 
-void KvPoolService::NotifyEvents() {
+void KvPoolService::OnEvents(int32_t pool, uint64_t) {
   absl::MutexLock lock(&writers_mu_);
-  for (EventWriter* writer : writers_) writer->Pump();
+  for (EventWriter* writer : writers_) {
+    if (writer->pool() == pool) writer->Pump();
+  }
 }
 
 void KvPoolService::EndStreams() {
@@ -212,20 +216,18 @@ KvPoolService::Unary* KvPoolService::ExplainMatch(Context* c, const v1::ExplainM
 
 KvPoolService::Unary* KvPoolService::Evict(Context* c, const v1::EvictRequest* q,
                                            v1::EvictResponse* r) {
-  Unary* reactor = Run(c, true, [&](const Session& s) -> absl::Status {
+  return Run(c, true, [&](const Session& s) -> absl::Status {
     KVPOOL_ASSIGN_OR_RETURN(const int32_t pool, PoolOf(s, q->pool()));
     absl::StatusOr<int64_t> evicted = engine_->Evict(pool, q->blocks(), q->all());
     if (!evicted.ok()) return evicted.status();
     r->set_evicted(*evicted);
     return absl::OkStatus();
   });
-  NotifyEvents();
-  return reactor;
 }
 
 KvPoolService::Unary* KvPoolService::Invalidate(Context* c, const v1::InvalidateRequest* q,
                                                 v1::InvalidateResponse* r) {
-  Unary* reactor = Run(c, true, [&](const Session&) -> absl::Status {
+  return Run(c, true, [&](const Session&) -> absl::Status {
     KVPOOL_ASSIGN_OR_RETURN(const Engine::Invalidation done,
                             engine_->Invalidate(q->tenant(), q->model()));
     r->set_generation(done.generation);
@@ -234,8 +236,6 @@ KvPoolService::Unary* KvPoolService::Invalidate(Context* c, const v1::Invalidate
     r->set_tier_blocks(done.tier_blocks);
     return absl::OkStatus();
   });
-  NotifyEvents();  // the tiers' BlockRemoved events
-  return reactor;
 }
 
 KvPoolService::Unary* KvPoolService::CheckInvariants(Context* c, const v1::CheckInvariantsRequest*,

@@ -69,7 +69,6 @@ KvPoolService::Unary* KvPoolService::Compute(Context* context, ComputeRequest re
   auto done = [this, reactor, context, finish = std::move(finish)](ComputeCall& call) {
     if (call.result().status.ok()) finish(call.result());
     reactor->Finish(ToGrpcStatus(call.result().status, context));
-    NotifyEvents();  // steps publish blocks
     EndCall();
   };
   engine_->Submit(std::make_unique<ComputeCall>(*std::move(session), std::move(request),
@@ -243,7 +242,6 @@ class GenerateWriter final : public grpc::ServerWriteReactor<v1::GenerateRespons
           !s.ok() && !absl::IsNotFound(s)) {
         Logger("daemon").warn("generate: freeing sequence {}: {}", id.value(), s.ToString());
       }
-      service_->NotifyEvents();
     }
     Finish(status);
   }

@@ -49,7 +49,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   for (size_t i = 0; i < e->tiers_.size(); ++i) {
     if (e->tiers_[i] == nullptr) continue;
     e->tiers_[i]->set_on_events([e, pool = static_cast<int32_t>(i)] {
-      absl::MutexLock lock(&e->mu_);
+      WriteLock lock(e);
       e->state_->pool(pool).DrainTierEvents();
     });
     // Stage and KeepInHost run under the engine's lock (TierSet::set_tags_of).
@@ -59,7 +59,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
     });
   }
   if (!options.invalidations_file.empty()) {
-    absl::MutexLock lock(&e->mu_);
+    WriteLock lock(e);
     KVPOOL_ASSIGN_OR_RETURN(
         Generations generations,
         LoadGenerations(options.invalidations_file, e->state_->secret().fingerprint()));
@@ -99,7 +99,8 @@ Engine::Engine(std::unique_ptr<EngineState> state, model::StepModel* model, Mode
         return tiers;
       }()),
       invalidations_file_(state->options().invalidations_file),
-      state_(std::move(state)) {}
+      state_(std::move(state)),
+      told_seq_(static_cast<size_t>(state_->num_pools()), 1) {}
 
 Engine::~Engine() {
   StopCompute();
@@ -110,7 +111,7 @@ Engine::~Engine() {
 }
 
 absl::StatusOr<std::shared_ptr<const Session>> Engine::OpenSession(SessionSpec spec) {
-  absl::MutexLock lock(&mu_);
+  WriteLock lock(this);
   return state_->Open(std::move(spec));
 }
 
@@ -122,7 +123,7 @@ std::shared_ptr<const Session> Engine::Authenticate(std::string_view token) cons
 int64_t Engine::EndSession(SessionId id, SessionEnd how) {
   int64_t released;
   {
-    absl::MutexLock lock(&mu_);
+    WriteLock lock(this);
     released = state_->End(id, how);
   }
   if (runner_) runner_->SessionEnded(id);
@@ -196,7 +197,7 @@ absl::Status Engine::Complete(const Session& s, Fence fence, std::span<const Seq
     if (absl::Status waited = device_->Synchronize(fence); !waited.ok()) {
       Log().critical("device failed, kvpoold stops serving: {}", waited.ToString());
       {
-        absl::MutexLock lock(&mu_);
+        WriteLock lock(this);
         if (state_->health.ok()) state_->health = waited;
       }
       Release(s, created);
@@ -206,7 +207,7 @@ absl::Status Engine::Complete(const Session& s, Fence fence, std::span<const Seq
   if (absl::Status gave_up = context.Check(); !gave_up.ok() && !created.empty()) {
     // The caller will never learn of these sequences: they must not outlive the call.
     Release(s, created);
-    absl::MutexLock lock(&mu_);
+    WriteLock lock(this);
     ++state_->call_counters.gave_up;
     state_->call_counters.released_on_give_up += created.size();
     return gave_up;
@@ -215,7 +216,7 @@ absl::Status Engine::Complete(const Session& s, Fence fence, std::span<const Seq
 }
 
 void Engine::Release(const Session& s, std::span<const SequenceId> created) {
-  absl::MutexLock lock(&mu_);
+  WriteLock lock(this);
   KvCacheManager& cache = state_->pool_of(s).cache();
   for (SequenceId id : created) {
     // Gone already when the session ended meanwhile (its end released everything).
@@ -251,13 +252,13 @@ absl::StatusOr<Tables> Engine::Allocate(const Session& s, std::span<const Alloca
     return absl::OkStatus();
   };
   {
-    absl::MutexLock lock(&mu_);
+    WriteLock lock(this);
     KVPOOL_RETURN_IF_ERROR(admit());
   }
   std::vector<PromotionHold> holds;  // what the tiers had, held for this call's sequences
   const absl::Cleanup unused = [&] {
     if (holds.empty()) return;
-    absl::MutexLock lock(&mu_);
+    WriteLock lock(this);
     for (const PromotionHold& h : holds) ReleaseHold(*state_, h, /*adopted=*/false);
   };
   if (tiers_[static_cast<size_t>(s.pool)] != nullptr) {
@@ -272,7 +273,7 @@ absl::StatusOr<Tables> Engine::Allocate(const Session& s, std::span<const Alloca
   std::vector<SequenceId> created;
   Fence fence;
   {
-    absl::MutexLock lock(&mu_);
+    WriteLock lock(this);
     KVPOOL_RETURN_IF_ERROR(admit());  // again: the session may have ended meanwhile
     std::vector<AllocateRequest> items(requests.begin(), requests.end());
     for (size_t i = 0; i < items.size(); ++i) {
@@ -313,7 +314,7 @@ absl::StatusOr<Tables> Engine::Grow(const Session& s, std::span<const GrowReques
   std::vector<int64_t> old_lengths;
   Fence fence;
   {
-    absl::MutexLock lock(&mu_);
+    WriteLock lock(this);
     KVPOOL_RETURN_IF_ERROR(Admit(s, {.kv_access = true, .items = requests.size()}));
     PoolState& pool = state_->pool_of(s);
     DevicePlan plan;
@@ -339,7 +340,7 @@ absl::StatusOr<Tables> Engine::Grow(const Session& s, std::span<const GrowReques
   if (absl::Status gave_up = context.Check(); !gave_up.ok()) {
     // The caller never learns of the new blocks: take the growth back (a copy-on-write copy, which
     // has run, stays in the table: it holds the same tokens as the block it replaced).
-    absl::MutexLock lock(&mu_);
+    WriteLock lock(this);
     KvCacheManager& cache = state_->pool_of(s).cache();
     for (size_t i = 0; i < out.slices.size(); ++i) {
       const Sequence* seq = cache.Find(out.slices[i].sequence);
@@ -357,7 +358,7 @@ absl::StatusOr<Tables> Engine::Grow(const Session& s, std::span<const GrowReques
 absl::Status Engine::Truncate(const Session& s, SequenceId sequence, int64_t num_tokens,
                               const CallContext& context) {
   KVPOOL_RETURN_IF_ERROR(context.Check());
-  absl::MutexLock lock(&mu_);
+  WriteLock lock(this);
   KVPOOL_RETURN_IF_ERROR(Admit(s, {}));
   return state_->pool_of(s).cache().Truncate(s.id, sequence, num_tokens);
 }
@@ -369,7 +370,7 @@ absl::StatusOr<Tables> Engine::Fork(const Session& s, SequenceId sequence,
   SequenceId child;
   Fence fence;
   {
-    absl::MutexLock lock(&mu_);
+    WriteLock lock(this);
     KVPOOL_RETURN_IF_ERROR(Admit(s, {.creates = true, .sequences = 1}));
     PoolState& pool = state_->pool_of(s);
     DevicePlan plan;
@@ -390,7 +391,7 @@ absl::StatusOr<Tables> Engine::Fork(const Session& s, SequenceId sequence,
 absl::Status Engine::Commit(const Session& s, SequenceId sequence, int64_t num_tokens,
                             std::span<const int32_t> new_tokens, const CallContext& context) {
   KVPOOL_RETURN_IF_ERROR(context.Check());
-  absl::MutexLock lock(&mu_);
+  WriteLock lock(this);
   KVPOOL_RETURN_IF_ERROR(Admit(s, {.kv_access = true}));
   PoolState& pool = state_->pool_of(s);
   KVPOOL_RETURN_IF_ERROR(pool.cache().Commit(s.id, sequence, num_tokens, new_tokens));
@@ -401,7 +402,7 @@ absl::Status Engine::Commit(const Session& s, SequenceId sequence, int64_t num_t
 absl::Status Engine::Free(const Session& s, std::span<const SequenceId> sequences, OnFree on_free,
                           const CallContext& context) {
   KVPOOL_RETURN_IF_ERROR(context.Check());
-  absl::MutexLock lock(&mu_);
+  WriteLock lock(this);
   KVPOOL_RETURN_IF_ERROR(Admit(s, {.items = sequences.size()}));
   PoolState& pool = state_->pool_of(s);
   KVPOOL_RETURN_IF_ERROR(pool.cache().FreeBatch(s.id, sequences, on_free));
@@ -423,7 +424,7 @@ std::optional<PromotionHold> Engine::LoadFromTiers(const Session& s, std::string
   }
   NamespaceId ns;
   {
-    absl::MutexLock lock(&mu_);
+    WriteLock lock(this);
     absl::StatusOr<NamespaceId> peeked = state_->PeekNamespace(s, salt);
     if (!MayPromote(s, context) || !peeked.ok()) return std::nullopt;
     ns = *peeked;
@@ -435,14 +436,14 @@ std::optional<PromotionHold> Engine::LoadFromTiers(const Session& s, std::string
   constexpr int kRounds = 3;
   for (int round = 0; round < kRounds; ++round) {
     {
-      absl::MutexLock lock(&mu_);
+      WriteLock lock(this);
       if (!MayPromote(s, context) || !promotion.Match(*state_)) return std::nullopt;
     }
     InGap(LockGap::kTierLookup);
     promotion.Lookup(*tiers);
     Promotion::Outcome outcome;
     {
-      absl::MutexLock lock(&mu_);
+      WriteLock lock(this);
       if (!MayPromote(s, context)) return std::nullopt;  // what the session was may be gone
       outcome = promotion.Start(*state_, *device_, revalidate_lock_gaps_);
     }
@@ -466,7 +467,7 @@ std::optional<PromotionHold> Engine::FinishPromotion(const Session& s, Promotion
                                                      const CallContext& context) {
   InGap(LockGap::kPromotionCopy);
   const absl::Status copied = promotion.Wait(*device_);
-  absl::MutexLock lock(&mu_);
+  WriteLock lock(this);
   std::optional<PromotionHold> hold = promotion.Publish(*state_, copied);
   if (hold.has_value() && !MayPromote(s, context)) {
     // The caller is gone (its session ended, it gave up, the engine drains): nothing is held for
@@ -483,7 +484,7 @@ void Engine::InGap(LockGap gap) const {
 
 absl::StatusOr<int64_t> Engine::MatchPrefix(const Session& s, std::span<const int32_t> tokens,
                                             std::string_view salt) const {
-  absl::MutexLock lock(&mu_);
+  WriteLock lock(this);
   KVPOOL_ASSIGN_OR_RETURN(const NamespaceId ns, state_->PeekNamespace(s, salt));
   KVPOOL_RETURN_IF_ERROR(Admit(s, {}));
   return state_->pool_of(s).cache().MatchPrefix(ns, tokens);
@@ -513,7 +514,7 @@ absl::Status Engine::CheckCeiling(const Session& s, int priority) const {
 absl::StatusOr<PinInfo> Engine::PinPrefix(const Session& s, std::span<const int32_t> tokens,
                                           int64_t ttl_ns, int priority, std::string_view salt) {
   KVPOOL_RETURN_IF_ERROR(CheckPriorityRange(priority));
-  absl::MutexLock lock(&mu_);
+  WriteLock lock(this);
   KVPOOL_RETURN_IF_ERROR(state_->PeekNamespace(s, salt).status());  // the salt's length
   KVPOOL_RETURN_IF_ERROR(Admit(s, {}));
   KVPOOL_RETURN_IF_ERROR(CheckCeiling(s, priority));
@@ -526,7 +527,7 @@ absl::StatusOr<PinInfo> Engine::PinPrefix(const Session& s, std::span<const int3
 absl::StatusOr<PinInfo> Engine::PinSequence(const Session& s, SequenceId sequence, int64_t ttl_ns,
                                             int priority) {
   KVPOOL_RETURN_IF_ERROR(CheckPriorityRange(priority));
-  absl::MutexLock lock(&mu_);
+  WriteLock lock(this);
   KVPOOL_RETURN_IF_ERROR(Admit(s, {}));
   KVPOOL_RETURN_IF_ERROR(CheckCeiling(s, priority));
   KvCacheManager& cache = state_->pool_of(s).cache();
@@ -535,7 +536,7 @@ absl::StatusOr<PinInfo> Engine::PinSequence(const Session& s, SequenceId sequenc
 }
 
 absl::StatusOr<PinInfo> Engine::RenewPin(const Session& s, PinId pin, int64_t ttl_ns) {
-  absl::MutexLock lock(&mu_);
+  WriteLock lock(this);
   KVPOOL_RETURN_IF_ERROR(Admit(s, {}));
   KvCacheManager& cache = state_->pool_of(s).cache();
   KVPOOL_RETURN_IF_ERROR(cache.RenewPin(s.id, pin, ttl_ns));
@@ -543,13 +544,13 @@ absl::StatusOr<PinInfo> Engine::RenewPin(const Session& s, PinId pin, int64_t tt
 }
 
 absl::Status Engine::Unpin(const Session& s, PinId pin) {
-  absl::MutexLock lock(&mu_);
+  WriteLock lock(this);
   KVPOOL_RETURN_IF_ERROR(Admit(s, {}));
   return state_->pool_of(s).cache().Unpin(s.id, pin);
 }
 
 std::vector<Engine::PinListing> Engine::ListPins(SessionId session) const {
-  absl::MutexLock lock(&mu_);
+  WriteLock lock(this);
   std::vector<PinListing> out;
   for (int32_t p = 0; p < state_->num_pools(); ++p) {
     for (PinInfo& pin : state_->pool(p).cache().ListPins(session)) {
@@ -601,7 +602,7 @@ absl::Status Engine::CheckCompute(const ComputeCall& call) {
                     model_info_.max_position));
   }
   if (r.creates() && r.priority > call.session().max_priority) {
-    absl::MutexLock lock(&mu_);
+    WriteLock lock(this);
     return CheckCeiling(call.session(), r.priority);  // counted
   }
   absl::Status over;
@@ -617,7 +618,7 @@ absl::Status Engine::CheckCompute(const ComputeCall& call) {
                     call.session().id.value(), limits.queued_calls_per_session));
   }
   if (!over.ok()) {
-    absl::MutexLock lock(&mu_);
+    WriteLock lock(this);
     ++state_->call_counters.over_limit;
   }
   return over;
@@ -630,19 +631,19 @@ void Engine::StopCompute() {
 void Engine::RunStep(int32_t pool, std::span<ComputeCall* const> calls) {
   Step step(pool, calls, {model_info_.vocab_size, model_info_.max_position});
   {
-    absl::MutexLock lock(&mu_);
+    WriteLock lock(this);
     step.Plan(*state_);
   }
   // The step itself, outside the lock: control calls go on meanwhile (Finish re-validates what
   // they may have changed).
   InGap(LockGap::kStepLaunch);
   const absl::Status launched = step.Launch(*model_, *clock_);
-  absl::MutexLock lock(&mu_);
+  WriteLock lock(this);
   step.Finish(*state_, launched);
 }
 
 void Engine::Abandon(ComputeCall& call, const absl::Status& why) {
-  absl::MutexLock lock(&mu_);
+  WriteLock lock(this);
   const bool created =
       call.request().creates() && call.progress() != nullptr &&
       call.progress()->StillHolds(state_->pool_of(call.session()).cache(), call.session().id).ok();

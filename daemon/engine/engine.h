@@ -17,9 +17,14 @@
 // was (cached blocks evicted to make room stay evicted). Compute calls queue for the StepRunner,
 // whose steps the engine plans and finishes under the lock and runs outside it (step.h).
 //
+// Cache events reach the edges through EventListeners (event_listener.h): every hold of the lock
+// as writer ends by telling them of the pools whose event log grew in it, after the lock is
+// released (WriteLock).
+//
 // Lock order: KvPoolService's writer locks -> Engine::mu_ -> the device's stream locks. The
 // StepRunner's lock is never held while the engine's is taken, nor the other way round; done
-// callbacks run with no lock held.
+// callbacks run with no lock held. listeners_mu_ is never held with mu_: the listeners run after
+// mu_ is released, under listeners_mu_ as reader, and may take mu_ as reader themselves.
 //
 // Thread-safe.
 
@@ -28,15 +33,18 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/inlined_vector.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "daemon/engine/call_context.h"
 #include "daemon/engine/compute_call.h"
 #include "daemon/engine/engine_options.h"
 #include "daemon/engine/engine_state.h"
+#include "daemon/engine/event_listener.h"
 #include "daemon/engine/promotion.h"
 #include "daemon/engine/session.h"
 #include "kernels/device.h"
@@ -235,6 +243,11 @@ class Engine final {
   bool ReadEvents(int32_t pool, uint64_t from, size_t max, std::vector<KvEvent>* out) const;
   std::vector<KvEvent> SnapshotEvents(int32_t pool, uint64_t* resume_seq) const;
   uint64_t next_event_seq(int32_t pool) const;
+  // Adds a listener told of every pool's new events from now on (event_listener.h). Not owned:
+  // it must stay until RemoveEventListener, which waits for a call of it in progress.
+  // REQUIRES: not added already.
+  void AddEventListener(EventListener* listener) ABSL_LOCKS_EXCLUDED(mu_, listeners_mu_);
+  void RemoveEventListener(EventListener* listener) ABSL_LOCKS_EXCLUDED(mu_, listeners_mu_);
 
   // The StepRunner's hooks: one step over `calls`, all of sessions of `pool` (plan, launch,
   // finish); and a queued call that will not run (its caller gave up, its session ended,
@@ -245,6 +258,23 @@ class Engine final {
 
  private:
   Engine(std::unique_ptr<EngineState> state, model::StepModel* model, ModelInfo model_info);
+
+  // A hold of mu_ as writer (every one in the engine is one): when it ends, it releases mu_ and
+  // then tells the listeners of each pool whose event log grew during it.
+  class ABSL_SCOPED_LOCKABLE WriteLock {
+   public:
+    explicit WriteLock(const Engine* engine) ABSL_EXCLUSIVE_LOCK_FUNCTION(engine->mu_);
+    ~WriteLock() ABSL_UNLOCK_FUNCTION();
+    WriteLock(const WriteLock&) = delete;
+    WriteLock& operator=(const WriteLock&) = delete;
+
+   private:
+    const Engine* const engine_;
+  };
+  // (pool, its log's next_seq) of each pool whose log grew since the last call.
+  using GrownLogs = absl::InlinedVector<std::pair<int32_t, uint64_t>, 4>;
+  GrownLogs TakeGrownLogs() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void TellListeners(const GrownLogs& grown) const ABSL_LOCKS_EXCLUDED(mu_, listeners_mu_);
 
   // What a control call needs of its session beyond being live.
   struct Needs {
@@ -308,6 +338,11 @@ class Engine final {
   mutable absl::Mutex mu_;
   const std::unique_ptr<EngineState> state_ ABSL_PT_GUARDED_BY(mu_);
   std::unique_ptr<StepRunner> runner_;  // set once in Create; null without a model
+  // Each pool's log's next_seq as last told to the listeners (mutable: const calls that hold the
+  // lock as writer, MatchPrefix and ListPins, may append events too).
+  mutable std::vector<uint64_t> told_seq_ ABSL_GUARDED_BY(mu_);
+  mutable absl::Mutex listeners_mu_;
+  std::vector<EventListener*> listeners_ ABSL_GUARDED_BY(listeners_mu_);
 };
 
 }  // namespace kvpool::daemon

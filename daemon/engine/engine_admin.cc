@@ -5,6 +5,7 @@
 #include "daemon/engine/engine.h"
 #include "daemon/engine/invalidations.h"
 #include "fmt/format.h"
+#include "kvpool/util/check.h"
 #include "kvpool/util/logging.h"
 #include "kvpool/util/status_macros.h"
 
@@ -50,7 +51,7 @@ absl::StatusOr<Engine::Invalidation> Engine::Invalidate(std::string_view tenant,
   Generations generations;
   uint64_t fingerprint = 0;
   {
-    absl::MutexLock lock(&mu_);
+    WriteLock lock(this);
     KVPOOL_ASSIGN_OR_RETURN(const EngineState::Invalidated done, state_->Invalidate(tenant, model));
     out = {.generation = done.generation, .sessions = done.sessions, .namespaces = done.namespaces};
     for (int32_t p = 0; p < state_->num_pools(); ++p) {
@@ -143,7 +144,7 @@ MatchExplanation Engine::Explain(int32_t pool, NamespaceId ns,
 }
 
 absl::StatusOr<int64_t> Engine::Evict(int32_t pool, int64_t blocks, bool all) {
-  absl::MutexLock lock(&mu_);
+  WriteLock lock(this);
   KvCacheManager& cache = state_->pool(pool).cache();
   if (all) {
     const int64_t before = cache.stats().cache.nodes;
@@ -163,7 +164,7 @@ absl::Status Engine::CheckInvariants() const {
 }
 
 int64_t Engine::Drain() {
-  absl::MutexLock lock(&mu_);
+  WriteLock lock(this);
   state_->draining = true;
   int64_t live = 0;
   for (int32_t p = 0; p < state_->num_pools(); ++p) {
@@ -197,6 +198,46 @@ uint64_t Engine::next_event_seq(int32_t pool) const {
   absl::ReaderMutexLock lock(&mu_);
   const EventLog* log = state_->pool(pool).cache().events();
   return log ? log->next_seq() : 1;
+}
+
+void Engine::AddEventListener(EventListener* listener) {
+  absl::MutexLock lock(&listeners_mu_);
+  KVPOOL_CHECK(std::find(listeners_.begin(), listeners_.end(), listener) == listeners_.end());
+  listeners_.push_back(listener);
+}
+
+void Engine::RemoveEventListener(EventListener* listener) {
+  absl::MutexLock lock(&listeners_mu_);  // as writer: no call of it is in progress after this
+  listeners_.erase(std::remove(listeners_.begin(), listeners_.end(), listener), listeners_.end());
+}
+
+Engine::WriteLock::WriteLock(const Engine* engine) : engine_(engine) { engine_->mu_.Lock(); }
+
+// Not analyzed: the analysis cannot see that engine_->mu_ is the capability this object holds.
+Engine::WriteLock::~WriteLock() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  const GrownLogs grown = engine_->TakeGrownLogs();
+  engine_->mu_.Unlock();
+  if (!grown.empty()) engine_->TellListeners(grown);
+}
+
+Engine::GrownLogs Engine::TakeGrownLogs() const {
+  GrownLogs grown;
+  for (int32_t p = 0; p < state_->num_pools(); ++p) {
+    const EventLog* log = state_->pool(p).cache().events();
+    if (log == nullptr) continue;
+    uint64_t& told = told_seq_[static_cast<size_t>(p)];
+    if (log->next_seq() == told) continue;
+    told = log->next_seq();
+    grown.emplace_back(p, told);
+  }
+  return grown;
+}
+
+void Engine::TellListeners(const GrownLogs& grown) const {
+  absl::ReaderMutexLock lock(&listeners_mu_);
+  for (EventListener* listener : listeners_) {
+    for (const auto& [pool, next_seq] : grown) listener->OnEvents(pool, next_seq);
+  }
 }
 
 }  // namespace kvpool::daemon

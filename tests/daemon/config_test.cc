@@ -47,6 +47,30 @@ TEST(ConfigTest, EventCapacityBytesIsPositive) {
   EXPECT_EQ(o->event_capacity_bytes, size_t{1} << 20);
 }
 
+TEST(ConfigTest, TheZmqEventPublisherIsOffByDefaultAndCheckedWhenSet) {
+  v1::DaemonConfig c;
+  ApplyDefaults(&c);
+  EXPECT_TRUE(ValidateConfig(c).empty());
+  c.mutable_zmq_events()->set_topic("kv");  // a field set, no endpoint
+  EXPECT_THAT(ValidateConfig(c),
+              ::testing::Contains(HasSubstr("zmq_events.endpoint: must be set for a publisher")));
+  c.mutable_zmq_events()->set_endpoint("ipc:///tmp/kv-events");
+  EXPECT_TRUE(ValidateConfig(c).empty());
+  c.mutable_zmq_events()->set_replay_endpoint("ipc:///tmp/kv-events");
+  c.mutable_zmq_events()->set_replay_batches(-1);
+  c.mutable_zmq_events()->set_pool("elsewhere");
+  const std::vector<std::string> problems = ValidateConfig(c);
+  EXPECT_THAT(problems, ::testing::Contains(HasSubstr("zmq_events.replay_endpoint: must differ")));
+  EXPECT_THAT(problems,
+              ::testing::Contains(HasSubstr("zmq_events.replay_batches: must be in [0, 1000000]")));
+  EXPECT_THAT(problems,
+              ::testing::Contains(HasSubstr("zmq_events.pool: no pool named 'elsewhere'")));
+  c.mutable_zmq_events()->set_pool("default");
+  c.mutable_zmq_events()->set_replay_endpoint("ipc:///tmp/kv-replay");
+  c.mutable_zmq_events()->set_replay_batches(0);
+  EXPECT_TRUE(ValidateConfig(c).empty());
+}
+
 TEST(ConfigTest, EvictionPolicySpecsAreCheckedWhole) {
   const std::string path = ::testing::TempDir() + "/eviction.textproto";
   std::ofstream(path) << "eviction_policy: \"reuse+admit\"\n";

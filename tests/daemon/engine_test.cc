@@ -402,3 +402,64 @@ TEST(EnginePriorityTest, OutOfRangeIsAnArgumentErrorAndAboveTheCeilingIsNotPermi
 
 }  // namespace
 }  // namespace kvpool::daemon
+
+namespace kvpool::daemon {
+namespace {
+
+// Records what the engine tells it; reads the engine back from inside the call, which would
+// deadlock if the engine still held its lock.
+class RecordingListener final : public EventListener {
+ public:
+  explicit RecordingListener(const Engine* engine) : engine_(engine) {}
+  void OnEvents(int32_t pool, uint64_t next_seq) override {
+    absl::MutexLock lock(&mu_);
+    calls_.push_back({pool, next_seq, engine_->next_event_seq(pool)});
+  }
+  struct Call {
+    int32_t pool;
+    uint64_t next_seq;
+    uint64_t read_back;  // next_event_seq read inside the call
+  };
+  std::vector<Call> calls() {
+    absl::MutexLock lock(&mu_);
+    return calls_;
+  }
+
+ private:
+  const Engine* const engine_;
+  absl::Mutex mu_;
+  std::vector<Call> calls_ ABSL_GUARDED_BY(mu_);
+};
+
+TEST_F(EngineTest, ListenersHearOfEveryHoldThatAppendedEventsAndOfNoOther) {
+  Make(8);
+  RecordingListener listener(engine_.get());
+  engine_->AddEventListener(&listener);
+  const std::vector<int32_t> prompt = Prompt(32, 7);
+  const SequenceId id = Allocate(*alice_, 32, prompt);  // no event: nothing published yet
+  EXPECT_TRUE(listener.calls().empty());
+  ASSERT_TRUE(
+      engine_->Free(*alice_, std::span(&id, 1), OnFree::kCommit, CallContext::Uncancellable())
+          .ok());  // BlockStored
+  std::vector<RecordingListener::Call> calls = listener.calls();
+  ASSERT_EQ(calls.size(), 1u);
+  EXPECT_EQ(calls[0].pool, 0);
+  EXPECT_EQ(calls[0].next_seq, 2u);
+  EXPECT_EQ(calls[0].read_back, 2u);
+  EXPECT_TRUE(engine_->MatchPrefix(*bob_, prompt).ok());  // a read: no event
+  EXPECT_EQ(listener.calls().size(), 1u);
+  ASSERT_TRUE(engine_->Evict(0, 0, /*all=*/true).ok());  // BlockRemoved
+  calls = listener.calls();
+  ASSERT_EQ(calls.size(), 2u);
+  EXPECT_EQ(calls[1].next_seq, 3u);
+  engine_->RemoveEventListener(&listener);
+  const SequenceId again = Allocate(*alice_, 32, prompt);
+  ASSERT_TRUE(
+      engine_->Free(*alice_, std::span(&again, 1), OnFree::kCommit, CallContext::Uncancellable())
+          .ok());
+  EXPECT_EQ(listener.calls().size(), 2u);  // removed: told nothing more
+  EXPECT_EQ(engine_->next_event_seq(0), 4u);
+}
+
+}  // namespace
+}  // namespace kvpool::daemon

@@ -4,6 +4,7 @@
 
 #include "daemon/edge/service.h"
 
+#include <chrono>
 #include <limits>
 
 #include "gmock/gmock.h"
@@ -31,7 +32,11 @@ class ServiceTest : public ::testing::Test {
  protected:
   void SetUp() override {
     engine_ = std::move(*Engine::Create(SmallPool(32), &device_, /*model=*/nullptr));
+    SetUp2();
+  }
+  void SetUp2() {
     service_ = std::make_unique<KvPoolService>(engine_.get(), Clock::Real());
+    engine_->AddEventListener(service_.get());
     grpc::ServerBuilder builder;
     builder.RegisterService(service_.get());
     server_ = builder.BuildAndStart();
@@ -42,8 +47,22 @@ class ServiceTest : public ::testing::Test {
     user_ = *engine_->OpenSession(Spec("t", "user"));
   }
   void TearDown() override {
+    service_->EndStreams();
     server_->Shutdown();
     server_->Wait();
+    engine_->RemoveEventListener(service_.get());
+  }
+  // Rebuilds the engine with `options` (the service, server and sessions with it).
+  void Remake(const EngineOptions& options) {
+    TearDown();
+    admin_.reset();
+    user_.reset();
+    stub_.reset();
+    server_.reset();
+    service_.reset();
+    engine_.reset();
+    engine_ = std::move(*Engine::Create(options, &device_, /*model=*/nullptr));
+    SetUp2();
   }
 
   // A context carrying `session`'s token (none when null).
@@ -227,6 +246,50 @@ TEST_F(ServiceTest, PinsAreMadeListedAndEndedThroughTheProtocol) {
   EXPECT_EQ(stub_->RenewPin(As(user_).get(), renew, &renewed).error_code(),
             grpc::StatusCode::NOT_FOUND);
   EXPECT_TRUE(engine_->CheckInvariants().ok());
+}
+
+// The engine tells the service of every event it appends (EventListener), whatever made it: here
+// the host tier's writer thread, on its own schedule, after a commit made on the engine directly.
+// Before the listener the edges pumped the streams after each RPC, so this follower waited for
+// some unrelated RPC (none comes here) and its deadline passed.
+TEST_F(ServiceTest, AFollowerSeesTheHostTiersEventsWithNoOtherCall) {
+  EngineOptions options = SmallPool(32);
+  options.tiers.host_blocks = 32;
+  Remake(options);
+  auto context = As(admin_);
+  context->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  v1::WatchEventsRequest request;
+  request.set_snapshot(true);
+  request.set_follow(true);
+  std::unique_ptr<grpc::ClientReader<v1::WatchEventsResponse>> stream =
+      stub_->WatchEvents(context.get(), request);
+  v1::WatchEventsResponse response;
+  ASSERT_TRUE(stream->Read(&response));  // the (empty) snapshot: the stream is open
+  ASSERT_TRUE(response.snapshot());
+  EXPECT_EQ(response.events_size(), 0);
+
+  const std::vector<int32_t> prompt = testing::Prompt(48, 1);  // 3 full blocks
+  const AllocateRequest allocate{.num_tokens = 48, .prompt = prompt};
+  absl::StatusOr<Tables> t =
+      engine_->Allocate(*user_, std::span(&allocate, 1), CallContext::Uncancellable());
+  ASSERT_TRUE(t.ok()) << t.status();
+  const SequenceId id = t->slices[0].sequence;
+  ASSERT_TRUE(
+      engine_->Free(*user_, std::span(&id, 1), OnFree::kCommit, CallContext::Uncancellable()).ok());
+
+  int device_stored = 0;
+  int host_stored = 0;
+  uint64_t next_seq = 1;
+  while (host_stored < 3 && stream->Read(&response)) {
+    for (const v1::KvEvent& e : response.events()) {
+      EXPECT_EQ(e.seq(), next_seq++);  // gap-free, in order
+      if (e.type() != v1::KvEvent::TYPE_BLOCK_STORED) continue;
+      (e.medium() == "host" ? host_stored : device_stored) += e.block_hashes_size();
+    }
+  }
+  EXPECT_EQ(device_stored, 3);
+  EXPECT_EQ(host_stored, 3) << "the host tier's events did not reach the follower";
+  context->TryCancel();
 }
 
 TEST_F(ServiceTest, AStoppedServiceRefusesEveryCall) {

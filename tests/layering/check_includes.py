@@ -21,7 +21,7 @@ PROJECT = ("kvpool/v1/", "kvpool/util/", "kvpool/", "tier/", "kernels/", "model/
 THIRD_PARTY = ("absl", "fmt", "spdlog", "xxhash.h", "grpcpp", "grpc", "google", "nlohmann",
                "hiredis", "openssl", "cblas.h", "cublas_v2.h", "cuda.h", "cuda_runtime.h",
                "cuda_runtime_api.h", "cuda_fp16.h", "cuda_bf16.h", "cudaTypedefs.h", "gtest",
-               "gmock", "benchmark", "prometheus")
+               "gmock", "benchmark", "prometheus", "zmq.h", "msgpack.hpp")
 CUDA = ("cuda.h", "cuda_runtime.h", "cuda_runtime_api.h", "cuda_fp16.h", "cuda_bf16.h",
         "cudaTypedefs.h")
 LEAF = ("absl", "fmt", "spdlog")
@@ -42,8 +42,11 @@ RULES = {
     "daemon/metrics/": (("kvpool/v1/", "kvpool/util/", "kvpool/", "kernels/", "model/", "tier/",
                          "daemon/engine/", "daemon/"), LEAF + ("grpcpp", "grpc", "google",
                                                                "prometheus")),
+    # The edges also speak vLLM's KV-event protocol (daemon/edge/zmq_event_publisher.h): ZeroMQ,
+    # and msgpack for its payloads.
     "daemon/": (("kvpool/v1/", "kvpool/util/", "kvpool/", "kernels/", "model/", "tier/",
-                 "daemon/engine/", "daemon/"), LEAF + ("grpcpp", "grpc", "google")),
+                 "daemon/engine/", "daemon/"), LEAF + ("grpcpp", "grpc", "google", "zmq.h",
+                                                       "msgpack.hpp")),
     # Clients depend on the protocol and the leaf library only (+ the CUDA driver for mapping).
     "client/": (("kvpool/v1/", "kvpool/util/", "client/"),
                 LEAF + ("grpcpp", "google", "nlohmann", "cuda.h", "cudaTypedefs.h")),

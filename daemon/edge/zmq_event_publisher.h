@@ -1,0 +1,101 @@
+#pragma once
+
+// ZmqEventPublisher: one pool's cache events on ZeroMQ in vLLM's KV-event protocol, for routers
+// written against vLLM (llm-d's KV-cache manager, Dynamo, AIBrix); docs/events.md has the wire
+// format and the guarantees.
+//
+// - A PUB socket bound at `endpoint` sends each kvpool event as one batch, the multipart message
+//   [topic, seq as 8 bytes big-endian, payload] (vllm_events.h). The batch's seq is the event's
+//   own sequence number, the one WatchEvents reports, so both streams number the same events the
+//   same way and neither has gaps. PUB drops a message for a subscriber whose queue is full (its
+//   high-water mark); the consumer sees the gap in seq and asks the replay socket.
+// - A ROUTER socket bound at `replay_endpoint` (optional) answers a request [seq as 8 bytes
+//   big-endian] (a REQ or DEALER peer) with every batch still kept whose seq is >= it, each as
+//   [seq, payload], then the end marker [-1 as 8 bytes, empty]. Malformed requests are dropped
+//   (counted) and answer nothing; a frame over 64 bytes disconnects its peer. Replies never block
+//   the publisher: a peer that does not read loses them.
+// - When the publisher fell behind the engine's event log (its bound, EngineOptions::
+//   event_capacity), the lost events are replaced by one resync batch: AllBlocksCleared, then the
+//   pool's snapshot as BlockStored events, numbered with the seq of the last event it covers.
+//
+// It is an EventListener: the engine wakes it (never blocking) and its own thread reads the log
+// and sends. Thread-safe. Lock order: Engine::listeners_mu_ (reader) -> nothing (OnEvents writes
+// an eventfd); its thread takes Engine::mu_ as reader only, holding nothing.
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "daemon/engine/engine.h"
+#include "daemon/engine/event_listener.h"
+#include "kvpool/util/unique_fd.h"
+
+namespace kvpool::daemon {
+
+struct ZmqEventOptions {
+  std::string endpoint;         // PUB, bound (tcp://127.0.0.1:5557, ipc://path, tcp://*:5557)
+  std::string replay_endpoint;  // ROUTER, bound; empty: no replay socket
+  std::string topic;            // the first frame of every published message
+  int32_t pool = 0;             // whose events
+  int64_t data_parallel_rank = 0;
+  size_t replay_batches = 10000;           // batches kept for replay (vLLM's buffer_steps)
+  size_t replay_bytes = size_t{64} << 20;  // their payloads' bytes, at most
+  int32_t send_hwm = 100000;               // PUB messages queued per subscriber
+};
+
+struct ZmqEventCounters {
+  std::atomic<uint64_t> batches{0};          // published
+  std::atomic<uint64_t> resyncs{0};          // resync batches (events lost behind the log)
+  std::atomic<uint64_t> replays{0};          // replay requests answered
+  std::atomic<uint64_t> replays_refused{0};  // malformed replay requests dropped
+};
+
+class ZmqEventPublisher final : public EventListener {
+ public:
+  // Binds the sockets and starts the thread; publishes from the pool's first event (a resync
+  // for those the log no longer holds). The caller adds it to `engine` (AddEventListener) and
+  // removes it before it goes. Errors: INVALID_ARGUMENT (an endpoint ZeroMQ cannot bind: syntax,
+  // address in use, ...).
+  static absl::StatusOr<std::unique_ptr<ZmqEventPublisher>> Start(const ZmqEventOptions& options,
+                                                                  const Engine* engine);
+  ~ZmqEventPublisher() override;  // publishes what is in the log, then stops
+
+  void OnEvents(int32_t pool, uint64_t next_seq) override;
+
+  // The endpoints as bound (a wildcard port resolved).
+  const std::string& endpoint() const { return bound_endpoint_; }
+  const std::string& replay_endpoint() const { return bound_replay_endpoint_; }
+  const ZmqEventCounters& counters() const { return counters_; }
+
+ private:
+  struct Sockets;
+  ZmqEventPublisher(const ZmqEventOptions& options, const Engine* engine,
+                    std::unique_ptr<Sockets> sockets, UniqueFd wake);
+  void Run();
+  // Sends every event of the log from next_ on (a resync first when some were lost).
+  void PublishNew();
+  void Send(uint64_t seq, std::string payload);
+  // Answers at most a few waiting replay requests.
+  void ServeReplays();
+  void ServeReplay();
+
+  const ZmqEventOptions options_;
+  const Engine* const engine_;
+  std::unique_ptr<Sockets> sockets_;  // used by the thread alone
+  UniqueFd wake_;                     // eventfd: OnEvents and the destructor write it
+  std::string bound_endpoint_;
+  std::string bound_replay_endpoint_;
+  std::atomic<bool> stopping_{false};
+  std::atomic<bool> wake_pending_{false};           // an eventfd write not yet read
+  uint64_t next_ = 1;                               // the thread's: the next seq to publish
+  absl::Time last_publish_ = absl::InfinitePast();  // the thread's
+  ZmqEventCounters counters_;
+  std::thread thread_;
+};
+
+}  // namespace kvpool::daemon
