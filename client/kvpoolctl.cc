@@ -7,6 +7,7 @@
 #include <iostream>
 #include <iterator>
 #include <limits>
+#include <optional>
 #include <sstream>
 
 #include "client/kvpoolctl_format.h"
@@ -155,42 +156,36 @@ absl::StatusOr<std::vector<int32_t>> ReadTokensFile(const std::string& path) {
   return tokens;
 }
 
-int Run(const Client& client, const Invocation& inv, std::ostream& out, std::ostream& err) {
-  const auto fail = [&](const absl::Status& status) {
-    err << "kvpoolctl: " << inv.command << ": " << StatusLine(status) << "\n";
-    return kExitFailure;
-  };
-  if (absl::Status s = ValidateInvocation(inv); !s.ok()) {
-    err << "kvpoolctl: " << std::string(s.message()) << " (kvpoolctl --help lists the commands)\n";
-    return kExitUsage;
-  }
+// The commands that read: stats, sessions, sequences, pins, trace, events, explain. Not one of
+// them: nullopt.
+std::optional<absl::Status> RunQuery(const Client& client, const Invocation& inv,
+                                     std::ostream& out) {
   const std::string& command = inv.command;
-
   if (command == "stats") {
     // One pool (--pool), or each of them in turn.
     absl::StatusOr<v1::GetStatsResponse> stats = client.GetStats(inv.pool);
-    if (!stats.ok()) return fail(stats.status());
+    if (!stats.ok()) return stats.status();
     out << FormatStats(*stats, inv.json);
     if (inv.pool.empty()) {
       for (const std::string& pool : stats->pools()) {
         if (pool == stats->pool()) continue;
         absl::StatusOr<v1::GetStatsResponse> other = client.GetStats(pool);
-        if (!other.ok()) return fail(other.status());
+        if (!other.ok()) return other.status();
         out << (inv.json ? "" : "\n") << FormatStats(*other, inv.json);
       }
     }
   } else if (command == "sessions") {
     absl::StatusOr<v1::ListSessionsResponse> sessions = client.ListSessions();
-    if (!sessions.ok()) return fail(sessions.status());
+    if (!sessions.ok()) return sessions.status();
     out << FormatSessions(*sessions, inv.json);
   } else if (command == "sequences") {
     absl::StatusOr<v1::ListSequencesResponse> sequences =
         client.ListSequences(inv.session, inv.pool);
-    if (!sequences.ok()) return fail(sequences.status());
+    if (!sequences.ok()) return sequences.status();
     out << FormatSequences(*sequences, inv.json);
   } else if (command == "pins") {
     absl::StatusOr<std::vector<v1::PinInfo>> pins = client.ListPins(/*all_sessions=*/true);
-    if (!pins.ok()) return fail(pins.status());
+    if (!pins.ok()) return pins.status();
     v1::ListPinsResponse response;
     for (v1::PinInfo& pin : *pins) *response.add_pins() = std::move(pin);
     out << FormatPins(response, inv.json);
@@ -200,7 +195,7 @@ int Run(const Client& client, const Invocation& inv, std::ostream& out, std::ost
     absl::StatusOr<v1::DumpBlockTraceResponse> trace =
         inv.all ? client.DumpAllBlockTraces(inv.pool)
                 : client.DumpBlockTrace(*ParseBlockId(inv.args[0]), inv.pool);
-    if (!trace.ok()) return fail(trace.status());
+    if (!trace.ok()) return trace.status();
     out << FormatTrace(*trace, format);
   } else if (command == "events") {
     v1::WatchEventsRequest request;
@@ -208,52 +203,76 @@ int Run(const Client& client, const Invocation& inv, std::ostream& out, std::ost
     request.set_follow(inv.follow);
     request.set_snapshot(inv.snapshot);
     request.set_pool(inv.pool);
-    const absl::Status status =
-        client.WatchEvents(request, [&](const v1::WatchEventsResponse& response) {
-          out << FormatEvents(response, inv.json);
-          out.flush();  // --follow output is read live, often through a pipe
-          return static_cast<bool>(out);
-        });
-    if (!status.ok()) return fail(status);
+    return client.WatchEvents(request, [&](const v1::WatchEventsResponse& response) {
+      out << FormatEvents(response, inv.json);
+      out.flush();  // --follow output is read live, often through a pipe
+      return static_cast<bool>(out);
+    });
   } else if (command == "explain") {
     absl::StatusOr<std::vector<int32_t>> tokens = ReadTokensFile(inv.args[0]);
-    if (!tokens.ok()) return fail(tokens.status());
+    if (!tokens.ok()) return tokens.status();
     absl::StatusOr<v1::ExplainMatchResponse> explain =
         client.ExplainMatch(*tokens, inv.namespace_id, inv.pool);
-    if (!explain.ok()) return fail(explain.status());
+    if (!explain.ok()) return explain.status();
     out << FormatExplain(*explain, inv.json);
-  } else if (command == "evict") {
+  } else {
+    return std::nullopt;
+  }
+  return absl::OkStatus();
+}
+
+// The commands that act: evict, invalidate, log-level, drain.
+absl::Status RunAction(const Client& client, const Invocation& inv, std::ostream& out) {
+  const std::string& command = inv.command;
+  if (command == "evict") {
     absl::StatusOr<int64_t> evicted =
         inv.all ? client.EvictAll(inv.pool) : client.Evict(inv.blocks, inv.pool);
-    if (!evicted.ok()) return fail(evicted.status());
+    if (!evicted.ok()) return evicted.status();
     v1::EvictResponse response;
     response.set_evicted(*evicted);
     out << (inv.json ? ToJson(response) + "\n" : fmt::format("evicted {} block(s)\n", *evicted));
   } else if (command == "invalidate") {
     absl::StatusOr<v1::InvalidateResponse> done = client.Invalidate(inv.tenant, inv.model);
-    if (!done.ok()) return fail(done.status());
+    if (!done.ok()) return done.status();
     out << (inv.json ? ToJson(*done) + "\n"
                      : fmt::format("invalidated tenant {}{}{} (generation {}): {} session(s) moved "
                                    "to new namespaces, {} tier block(s) dropped\n",
                                    inv.tenant, inv.model.empty() ? "" : " model ", inv.model,
                                    done->generation(), done->sessions(), done->tier_blocks()));
-  } else if (command == "check") {
-    absl::StatusOr<v1::CheckInvariantsResponse> check = client.CheckInvariants();
-    if (!check.ok()) return fail(check.status());
-    out << FormatCheck(*check, inv.json);
-    if (!check->ok()) return kExitFailure;
   } else if (command == "log-level") {
-    if (absl::Status s = client.SetLogLevel(inv.args[0]); !s.ok()) return fail(s);
+    if (absl::Status s = client.SetLogLevel(inv.args[0]); !s.ok()) return s;
     v1::SetLogLevelRequest level;
     level.set_level(inv.args[0]);
     out << (inv.json ? ToJson(level) + "\n" : fmt::format("log level set to {}\n", inv.args[0]));
   } else if (command == "drain") {
     absl::StatusOr<int64_t> live = client.Drain();
-    if (!live.ok()) return fail(live.status());
+    if (!live.ok()) return live.status();
     v1::DrainResponse response;
     response.set_sequences(*live);
     out << (inv.json ? ToJson(response) + "\n"
                      : fmt::format("kvpoold is draining; {} sequence(s) still live\n", *live));
+  }
+  return absl::OkStatus();
+}
+
+int Run(const Client& client, const Invocation& inv, std::ostream& out, std::ostream& err) {
+  const auto fail = [&](const absl::Status& status) {
+    err << "kvpoolctl: " << inv.command << ": " << StatusLine(status) << "\n";
+    return kExitFailure;
+  };
+  if (absl::Status s = ValidateInvocation(inv); !s.ok()) {
+    err << "kvpoolctl: " << std::string(s.message()) << " (kvpoolctl --help lists the commands)\n";
+    return kExitUsage;
+  }
+  if (inv.command == "check") {
+    absl::StatusOr<v1::CheckInvariantsResponse> check = client.CheckInvariants();
+    if (!check.ok()) return fail(check.status());
+    out << FormatCheck(*check, inv.json);
+    if (!check->ok()) return kExitFailure;
+  } else {
+    std::optional<absl::Status> done = RunQuery(client, inv, out);
+    if (!done.has_value()) done = RunAction(client, inv, out);
+    if (!done->ok()) return fail(*done);
   }
   out.flush();
   if (!out) return fail(absl::InternalError("cannot write the output"));

@@ -246,7 +246,6 @@ bool PrintableName(const std::string& name) {
                      [](unsigned char ch) { return ch >= 0x20 && ch < 0x7f; });
 }
 
-// The pools and the tenants (docs/trust-model.md).
 // The ZeroMQ event publisher: set fields need an endpoint; a named pool exists. (Whether ZeroMQ
 // can bind an endpoint is learned when the daemon starts, which then exits with its reason.)
 void ValidateZmqEvents(const v1::DaemonConfig& c,
@@ -271,6 +270,7 @@ void ValidateZmqEvents(const v1::DaemonConfig& c,
   }
 }
 
+// The pools and the tenants (docs/trust-model.md).
 void ValidatePoolsAndTenants(const v1::DaemonConfig& c, const kernels::PoolLayout* shape,
                              const std::function<void(std::string_view, std::string)>& bad) {
   absl::flat_hash_set<std::string> pools, tenants;
@@ -339,6 +339,23 @@ bool PathSafeName(std::string_view name) {
   return std::all_of(name.begin(), name.end(), [](char c) {
     return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-';
   });
+}
+
+// What a disk tier needs of the rest of the config.
+void ValidateDiskTierNeeds(const v1::DaemonConfig& c,
+                           const std::function<void(std::string_view, std::string)>& bad) {
+  if (c.tiers().disk().directory().empty()) return;
+  // A random secret would make every record useless after a restart (namespace ids and the
+  // records' MACs derive from it), and the secret itself is never written to the tier.
+  if (c.secret_file().empty()) {
+    bad("tiers.disk", "needs secret_file: its records are sealed under the deployment secret");
+  }
+  for (int i = 0; i < c.pools_size(); ++i) {
+    if (!PathSafeName(c.pools(i).name())) {
+      bad(fmt::format("pools[{}].name", i),
+          "must be letters, digits, '.', '_' and '-' with a disk tier (it names a directory)");
+    }
+  }
 }
 
 void ValidateTiers(const v1::TierSpec& t,
@@ -492,19 +509,7 @@ std::vector<std::string> ValidateConfig(const v1::DaemonConfig& c) {
   }
   if (c.session_quota_blocks() < 0) bad("session_quota_blocks", "must be >= 0 (0: unlimited)");
   ValidateTiers(c.tiers(), bad);
-  if (!c.tiers().disk().directory().empty()) {
-    // A random secret would make every record useless after a restart (namespace ids and the
-    // records' MACs derive from it), and the secret itself is never written to the tier.
-    if (c.secret_file().empty()) {
-      bad("tiers.disk", "needs secret_file: its records are sealed under the deployment secret");
-    }
-    for (int i = 0; i < c.pools_size(); ++i) {
-      if (!PathSafeName(c.pools(i).name())) {
-        bad(fmt::format("pools[{}].name", i),
-            "must be letters, digits, '.', '_' and '-' with a disk tier (it names a directory)");
-      }
-    }
-  }
+  ValidateDiskTierNeeds(c, bad);
   for (const auto& [tenant, quota] : c.tenant_quota_blocks()) {
     if (quota < 0) bad(fmt::format("tenant_quota_blocks[{}]", tenant), "must be >= 0");
   }
