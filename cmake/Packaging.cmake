@@ -117,7 +117,7 @@ set(CPACK_DEBIAN_FRONTEND_PACKAGE_NAME kvpool-frontend)
 set(CPACK_DEBIAN_FRONTEND_PACKAGE_SECTION net)
 set(CPACK_DEBIAN_FRONTEND_PACKAGE_ARCHITECTURE all)
 set(CPACK_DEBIAN_FRONTEND_PACKAGE_DEPENDS
-    "python3:any, python3-kvpool (= ${PROJECT_VERSION}), python3-aiohttp")
+    "python3:any, python3-kvpool (= ${PROJECT_VERSION}), python3-aiohttp, python3-prometheus-client")
 set(CPACK_DEBIAN_FRONTEND_PACKAGE_RECOMMENDS "python3-sentencepiece")
 set(CPACK_DEBIAN_FRONTEND_PACKAGE_CONTROL_EXTRA
     ${_kvpool_debian}/kvpool-frontend/postinst ${_kvpool_debian}/kvpool-frontend/prerm)

@@ -36,6 +36,9 @@ packages=(
   # (/usr/bin/python3), not whatever python3 comes first on PATH
   python3 python3-grpcio python3-protobuf python3-aiohttp python3-numpy python3-sentencepiece
   curl
+  # the frontend's GET /metrics (client/frontend/kvpool_frontend/metrics.py): Prometheus' own
+  # client library writes the text format and histograms (no hand-written exposition)
+  python3-prometheus-client
   # property-based tests of the frontend's request parsing, API keys and limits
   # (tests/client/frontend/test_frontend_properties.py)
   python3-hypothesis

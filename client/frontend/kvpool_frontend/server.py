@@ -49,11 +49,15 @@ from kvpool_frontend import auth, chat, protocol
 from kvpool_frontend.admission import Admission, Refusal
 from kvpool_frontend.auth import KeyStore, Limits, Principal
 from kvpool_frontend.generation import ClientGone, DecodeBatcher, Generation, Placement, Step
+from kvpool_frontend.metrics import CONTENT_TYPE, FrontendMetrics
 from kvpool_frontend.protocol import ApiError, Params
 from kvpool_frontend.tokenizer import TokenizerError
 from kvpool_frontend.writer import BoundedWriter, ClientStalled
 
 log = logging.getLogger("kvpool.frontend")
+# The paths counted under their own endpoint label (anything else: "other", bounding the labels).
+_ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
+                        "/metrics"})
 
 _STATUS = {
     StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -116,6 +120,7 @@ class Frontend:
         self.tokenizer = tokenizer
         self.template = template
         self.served_model = served_model
+        self.metrics = FrontendMetrics(served_model)
         self.max_position = client.model_max_position
         self.vocab_size = client.model_vocab_size
         self.created = int(time.time())
@@ -137,6 +142,7 @@ class Frontend:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_text)
         return app
 
     def _max_body_bytes(self) -> int:
@@ -201,6 +207,13 @@ class Frontend:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):
+        request["kvpool_arrival"] = time.monotonic()
+        response = await self._answer(request, handler)
+        endpoint = request.path if request.path in _ENDPOINTS else "other"
+        self.metrics.answered(endpoint, response.status)
+        return response
+
+    async def _answer(self, request: web.Request, handler):
         try:
             return await handler(request)
         except ApiError as e:
@@ -227,6 +240,11 @@ class Frontend:
         if self.keys is None:
             return auth.anonymous(self.options.anonymous_limits)
         return self.keys.authenticate(request.headers.get("Authorization"))
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        """Prometheus text (metrics.py); no API key, as vLLM's: counts only, no tenant's data."""
+        return web.Response(body=self.metrics.exposition(),
+                            headers={"Content-Type": CONTENT_TYPE})
 
     async def models(self, request: web.Request) -> web.Response:
         self._authenticate(request)
@@ -347,6 +365,7 @@ class Frontend:
         refusal = self.admission.start(blocks)
         if refusal is not None:
             raise refused(refusal)
+        self.metrics.running.labels(self.served_model).inc()
         transport = request.transport
 
         def generation(client) -> Generation:
@@ -379,6 +398,7 @@ class Frontend:
             self._note(e)
             raise
         finally:
+            self.metrics.running.labels(self.served_model).dec()
             freeing = gen.close() if gen is not None else None
             if freeing is None:
                 self.admission.finish(blocks)
@@ -399,7 +419,7 @@ class Frontend:
 
     async def _whole(self, request: web.Request, gen: Generation, params: Params,
                      writer_args) -> web.StreamResponse:
-        steps = [s async for s in gen.steps()]
+        steps = [s async for s in self._timed(request, gen)]
         text = "".join(s.text for s in steps)
         out = self._head(params, chunk=False)
         logprobs = self._logprobs(steps, params) if params.logprobs is not None else None
@@ -439,7 +459,7 @@ class Frontend:
             if params.chat:
                 await send([{"index": 0, "delta": {"role": "assistant", "content": ""},
                              "logprobs": None, "finish_reason": None}])
-            async for step in gen.steps():
+            async for step in self._timed(request, gen):
                 logprobs = self._logprobs([step], params) if params.logprobs is not None else None
                 if params.chat:
                     await send([{"index": 0, "delta": {"content": step.text},
@@ -465,6 +485,18 @@ class Frontend:
             except (ClientStalled, ConnectionResetError):
                 pass
         return response
+
+    async def _timed(self, request: web.Request, gen: Generation):
+        """gen.steps(), each token's time and the finished request counted in the metrics."""
+        arrival = request.get("kvpool_arrival", time.monotonic())
+        last = 0.0
+        async for step in gen.steps():
+            now = time.monotonic()
+            self.metrics.token(arrival, last, now)
+            last = now
+            yield step
+        self.metrics.finished(arrival, last or time.monotonic(), len(gen.prompt),
+                              gen.completion_tokens, gen.cached_tokens, gen.finish_reason)
 
     def _token_text(self, token: int) -> str:
         raw = self.tokenizer.token_bytes(token)

@@ -293,6 +293,55 @@ class DecodeBatcherTest(unittest.TestCase):
         asyncio.run(scenario())
 
 
+class FrontendMetricsTest(unittest.TestCase):
+    """GET /metrics over a frontend on a fake daemon: vLLM's request families and the frontend's
+    own count what was served (issue 30)."""
+
+    def test_requests_tokens_latencies_and_refusals_are_counted(self):
+        from frontend_fakes import InProcessFrontend
+        from prometheus_client.parser import text_string_to_metric_families
+
+        from kvpool_frontend.server import Options
+
+        server = InProcessFrontend(Options(max_running=8))
+        self.addCleanup(server.close)
+        post = lambda body: server.request("POST", "/v1/completions", data=json.dumps(body),
+                                           headers={"Content-Type": "application/json"})
+        self.assertEqual(post({"model": "tiny", "prompt": "one", "max_tokens": 3})[0], 200)
+        status, _, raw = post({"model": "tiny", "prompt": "two", "max_tokens": 5, "stream": True})
+        self.assertEqual(status, 200, raw)
+        self.assertEqual(post({"model": "tiny", "prompt": "x", "temperature": 9})[0], 400)
+        server.settle()
+        status, headers, raw = server.request("GET", "/metrics")
+        self.assertEqual(status, 200)
+        self.assertTrue(headers["Content-Type"].startswith("text/plain"))
+        samples = {}
+        for family in text_string_to_metric_families(raw.decode()):
+            for sample in family.samples:
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                samples[key] = sample.value
+
+        def value(name, **labels):
+            return samples.get((name, tuple(sorted({"model_name": "tiny", **labels}.items()))))
+
+        self.assertEqual(value("vllm:request_success_total", finished_reason="length"), 2)
+        self.assertEqual(value("vllm:generation_tokens_total"), 3 + 5)
+        self.assertEqual(value("vllm:prompt_tokens_total"), 4 + 4)  # BOS + the bytes
+        self.assertEqual(value("vllm:time_to_first_token_seconds_count"), 2)
+        self.assertEqual(value("vllm:inter_token_latency_seconds_count"), 2 + 4)
+        self.assertEqual(value("vllm:e2e_request_latency_seconds_count"), 2)
+        self.assertEqual(value("vllm:num_requests_running"), 0)
+        self.assertEqual(value("kvpool_frontend_http_requests_total",
+                               endpoint="/v1/completions", code="200"), 2)
+        self.assertEqual(value("kvpool_frontend_http_requests_total",
+                               endpoint="/v1/completions", code="400"), 1)
+        # A path nobody serves is counted under "other": the labels stay bounded.
+        self.assertEqual(server.request("GET", "/no/such/path")[0], 404)
+        raw = server.request("GET", "/metrics")[2].decode()
+        self.assertIn('endpoint="other"', raw)
+        self.assertNotIn("/no/such/path", raw)
+
+
 H1, H2 = auth.hash_key("kvp-one"), auth.hash_key("kvp-two")
 
 
