@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvpool/util/logging.h"
+#include "tier/internal/slot_lru.h"
 
 namespace kvpool::tier {
 namespace {
@@ -63,20 +64,10 @@ void DiskBlockStore::Tell(const std::vector<Change>& changes) const {
   }
 }
 
-void DiskBlockStore::Unlink(int32_t slot) {
-  Slot& s = slots_[static_cast<size_t>(slot)];
-  (s.prev >= 0 ? slots_[static_cast<size_t>(s.prev)].next : head_) = s.next;
-  (s.next >= 0 ? slots_[static_cast<size_t>(s.next)].prev : tail_) = s.prev;
-  s.prev = s.next = -1;
-}
+void DiskBlockStore::Unlink(int32_t slot) { internal::UnlinkSlot(slots_, head_, tail_, slot); }
 
 void DiskBlockStore::PushFront(int32_t slot) {
-  Slot& s = slots_[static_cast<size_t>(slot)];
-  s.prev = -1;
-  s.next = head_;
-  if (head_ >= 0) slots_[static_cast<size_t>(head_)].prev = slot;
-  head_ = slot;
-  if (tail_ < 0) tail_ = slot;
+  internal::PushFrontSlot(slots_, head_, tail_, slot);
 }
 
 void DiskBlockStore::DropStored(int32_t slot, std::vector<Change>* changes) {

@@ -5,6 +5,7 @@
 #include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "tier/internal/slot_lru.h"
 
 namespace kvpool::tier {
 
@@ -53,20 +54,10 @@ HostBlockStore::HostBlockStore(int64_t blocks, int64_t block_bytes, std::byte* a
   index_.reserve(static_cast<size_t>(blocks));
 }
 
-void HostBlockStore::Unlink(int32_t slot) {
-  Slot& s = slots_[static_cast<size_t>(slot)];
-  (s.prev >= 0 ? slots_[static_cast<size_t>(s.prev)].next : head_) = s.next;
-  (s.next >= 0 ? slots_[static_cast<size_t>(s.next)].prev : tail_) = s.prev;
-  s.prev = s.next = -1;
-}
+void HostBlockStore::Unlink(int32_t slot) { internal::UnlinkSlot(slots_, head_, tail_, slot); }
 
 void HostBlockStore::PushFront(int32_t slot) {
-  Slot& s = slots_[static_cast<size_t>(slot)];
-  s.prev = -1;
-  s.next = head_;
-  if (head_ >= 0) slots_[static_cast<size_t>(head_)].prev = slot;
-  head_ = slot;
-  if (tail_ < 0) tail_ = slot;
+  internal::PushFrontSlot(slots_, head_, tail_, slot);
 }
 
 bool HostBlockStore::Put(const BlockSpace& space, const BlockToStore& block) {

@@ -35,16 +35,6 @@
 // line beside the arithmetic on the same slice of this chunk's rows), so the memory is busy in
 // both phases instead of during the scores only (decode_tile.inc prefetches this chunk's V there).
 
-// GCC 12's AVX-512 intrinsics start from _mm512_undefined_*() and warn about it where they are
-// inlined (GCC bug 105593, fixed in 13): silence those two warnings for the intrinsic headers.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#if !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#include <immintrin.h>
-#pragma GCC diagnostic pop
-
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -53,6 +43,7 @@
 #include <type_traits>
 
 #include "kernels/internal/decode_tile.h"
+#include "kernels/internal/immintrin.h"
 
 namespace kvpool::kernels::cpu::internal {
 namespace {

@@ -3,16 +3,6 @@
 // K/V 8 at a time with the 256-bit helpers (head_dim is a multiple of 8, not of 16); decode loads
 // 16 at a time and runs only where head_dim is a multiple of 16.
 
-// GCC 12's AVX-512 intrinsics start from _mm512_undefined_*() and warn about it where they are
-// inlined (GCC bug 105593, fixed in 13): silence those two warnings for the intrinsic headers.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#if !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#include <immintrin.h>
-#pragma GCC diagnostic pop
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -20,6 +10,7 @@
 #include <type_traits>
 
 #include "kernels/internal/decode_tile.h"
+#include "kernels/internal/immintrin.h"
 #include "kernels/internal/prefill_tile.h"
 
 namespace kvpool::kernels::cpu::internal {

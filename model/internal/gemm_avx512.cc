@@ -1,18 +1,9 @@
 // Gemm's register tile (gemm_tile.inc) with AVX-512: 8 W rows x 32 x rows (16 accumulators).
 
-// GCC 12's AVX-512 intrinsics start from _mm512_undefined_*() and warn about it where they are
-// inlined (GCC bug 105593, fixed in 13): silence those two warnings for the intrinsic headers.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#if !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#include <immintrin.h>
-#pragma GCC diagnostic pop
-
 #include <algorithm>
 #include <cstdint>
 
+#include "kernels/internal/immintrin.h"
 #include "model/internal/gemm.h"
 
 namespace kvpool::model::internal {
