@@ -11,6 +11,7 @@
 // processor has them: decode_vnni.cc), else AVX2 + FMA + F16C, else portable C++.
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -21,6 +22,7 @@
 #include "kernels/cpu_kernels.h"
 #include "kernels/internal/decode_tile.h"
 #include "kernels/validate.h"
+#include "kvpool/util/status_macros.h"
 
 namespace kvpool::kernels::cpu {
 namespace {
@@ -93,18 +95,26 @@ void MergePartials(int32_t num_seqs, int q_heads, int dim, const int32_t* first_
   }
 }
 
-// Splits every sequence into token ranges, runs them over the pool, and merges each sequence's
-// partial states into `out`. `rows_of(s)` gives sequence s's row source.
+// Splits the keys each sequence's query sees (its window and sinks: at most two spans) into token
+// ranges, runs them over the pool, and merges each sequence's partial states into `out`.
+// `rows_of(s)` gives sequence s's row source.
 template <typename RowsOf>
 void RunDecode(const DecodeShape& shape, int32_t num_seqs, const int32_t* lens, const float* q,
-               float* out, float scale, ThreadPool* threads, const RowsOf& rows_of,
-               KvDTypes dtypes) {
+               float* out, float scale, ThreadPool* threads, const RowsOf& rows_of, KvDTypes dtypes,
+               AttentionWindow window = {}) {
   const int q_heads = shape.q_heads();
   const int dim = shape.dim;
   const internal::DecodeFns fns = DecodeFnsFor(dim);
+  auto spans_of = [&](int32_t s) {
+    const int64_t pos = lens[s] - 1;
+    return std::array<std::pair<int64_t, int64_t>, 2>{
+        {{0, window.SinkEnd(pos)}, {window.Start(pos), lens[s]}}};
+  };
   // Enough ranges to keep every thread busy twice over, none shorter than kMinSplit tokens.
   int64_t total = 0;
-  for (int32_t s = 0; s < num_seqs; ++s) total += lens[s];
+  for (int32_t s = 0; s < num_seqs; ++s) {
+    for (auto [begin, end] : spans_of(s)) total += std::max<int64_t>(end - begin, 0);
+  }
   const int64_t want = 2 * (threads != nullptr ? threads->threads() : 1);
   const int64_t split =
       std::max<int64_t>(kMinSplit, (total / want + kDecodeChunk - 1) / kDecodeChunk * kDecodeChunk);
@@ -116,8 +126,10 @@ void RunDecode(const DecodeShape& shape, int32_t num_seqs, const int32_t* lens, 
   std::vector<int32_t> first_range(static_cast<size_t>(num_seqs) + 1);
   for (int32_t s = 0; s < num_seqs; ++s) {
     first_range[s] = static_cast<int32_t>(ranges.size());
-    for (int64_t b = 0; b < lens[s]; b += split)
-      ranges.push_back({s, b, std::min<int64_t>(lens[s], b + split)});
+    for (auto [begin, end] : spans_of(s)) {
+      for (int64_t b = begin; b < end; b += split)
+        ranges.push_back({s, b, std::min<int64_t>(end, b + split)});
+    }
   }
   first_range[num_seqs] = static_cast<int32_t>(ranges.size());
   // Partial state per range: m[q_heads], l[q_heads], acc[q_heads][dim].
@@ -191,21 +203,17 @@ absl::Status PagedAttentionDecode(const KvPoolView& pool, const DecodeArgs& a,
           "PagedAttentionDecode: sequence {} length {} outside [1, {}]", s, len, a.max_seq_len));
     }
     const int32_t* table = a.block_tables + static_cast<int64_t>(s) * a.table_stride;
-    for (int32_t b = 0; b < (len + l.block_size - 1) / l.block_size; ++b) {
-      if (table[b] < 0 || table[b] >= l.num_blocks) {
-        return absl::InvalidArgumentError(
-            fmt::format("PagedAttentionDecode: sequence {} block {} is {} (pool has {})", s, b,
-                        table[b], l.num_blocks));
-      }
-    }
+    KVPOOL_RETURN_IF_ERROR(
+        CheckVisibleBlocks("PagedAttentionDecode", s, table, l, a.window, len - 1, len));
   }
   const DecodeShape shape{l.num_kv_heads, a.num_q_heads / l.num_kv_heads, l.head_dim};
   const KvLayerView view = pool.Layer(a.layer);
-  RunDecode(shape, a.num_seqs, a.seq_lens, a.q, a.out, a.scale, threads,
-            [&](int32_t s) {
-              return PagedRows{&view, a.block_tables + static_cast<int64_t>(s) * a.table_stride};
-            },
-            {view.l.k_dtype, view.l.v_dtype});
+  RunDecode(
+      shape, a.num_seqs, a.seq_lens, a.q, a.out, a.scale, threads,
+      [&](int32_t s) {
+        return PagedRows{&view, a.block_tables + static_cast<int64_t>(s) * a.table_stride};
+      },
+      {view.l.k_dtype, view.l.v_dtype}, a.window);
   return absl::OkStatus();
 }
 

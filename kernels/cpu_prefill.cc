@@ -58,12 +58,10 @@ absl::Status CheckSequences(const KvPoolView& pool, const PrefillArgs& a) {
                       len, q_len, a.max_seq_len));
     }
     const int32_t* table = a.block_tables + static_cast<int64_t>(s) * a.table_stride;
-    for (int32_t b = 0; b < (len + l.block_size - 1) / l.block_size; ++b) {
-      if (table[b] < 0 || table[b] >= l.num_blocks) {
-        return absl::InvalidArgumentError(
-            fmt::format("PagedAttentionPrefill: sequence {} block {} is {} (pool has {})", s, b,
-                        table[b], l.num_blocks));
-      }
+    if (absl::Status bad =
+            CheckVisibleBlocks("PagedAttentionPrefill", s, table, l, a.window, len - q_len, len);
+        !bad.ok()) {
+      return bad;
     }
   }
   return absl::OkStatus();
@@ -144,6 +142,7 @@ absl::Status PagedAttentionPrefill(const KvPoolView& pool, const PrefillArgs& a,
            .out = a.out + offset,
            .q_stride = q_stride,
            .scale = a.scale,
+           .window = a.window,
            .scratch = scratch});
     }
   };

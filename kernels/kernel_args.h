@@ -6,7 +6,36 @@
 
 #include <cstdint>
 
+#include "kernels/dtype.h"  // KVPOOL_HOST_DEVICE
+
 namespace kvpool::kernels {
+
+// Sliding-window attention (Mistral, Gemma 2/3, gpt-oss): with `window` W > 0 a query at position
+// p sees the keys at positions (p - W, p], W of them with its own, plus the first `sinks`
+// positions (attention sinks, StreamingLLM), which every query sees. W = 0 is full attention.
+// A kernel reads no key outside what some query of the call sees, so the blocks wholly before a
+// window (sinks aside) may be released (their table entries < 0).
+struct AttentionWindow {
+  int32_t window = 0;  // W; 0: every earlier position
+  int32_t sinks = 0;   // S >= 0; meaningful with W > 0 only
+
+  // The first key position of the window of a query at `pos`.
+  KVPOOL_HOST_DEVICE constexpr int64_t Start(int64_t pos) const {
+    return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+  }
+  // The sink positions a query at `pos` sees apart from its window: [0, SinkEnd(pos)).
+  KVPOOL_HOST_DEVICE constexpr int64_t SinkEnd(int64_t pos) const {
+    const int64_t s = window > 0 ? sinks : 0;
+    const int64_t start = Start(pos);
+    return s < start ? s : start;
+  }
+  // The keys some query at a position in [first, last] sees are [0, SinkEnd(first)) and
+  // [Start(first), last] (the window's start only grows with the position).
+  // Whether a query at `pos` sees the key at `key` (key <= pos).
+  KVPOOL_HOST_DEVICE constexpr bool Sees(int64_t pos, int64_t key) const {
+    return key <= pos && (key >= Start(pos) || key < SinkEnd(pos));
+  }
+};
 
 // Scatter new tokens' K and V into their blocks, converted to the layer's K and V dtypes (round
 // to nearest even; an 8-bit side is quantized against its block's per-head scales, see WriteKv).
@@ -30,6 +59,7 @@ struct DecodeArgs {
   int32_t table_stride = 0;               // >= blocks of the longest sequence
   const int32_t* seq_lens = nullptr;      // [num_seqs]; each in [1, table_stride * block_size]
   int32_t max_seq_len = 0;                // >= every seq_lens[i] (sizes split-K work)
+  AttentionWindow window;                 // the query at seq_lens[i] - 1 sees its window only
   void* workspace = nullptr;              // DecodeWorkspaceBytes() bytes (may be 0)
   int64_t workspace_bytes = 0;
 };
@@ -53,6 +83,7 @@ struct PrefillArgs {
   const int32_t* seq_lens = nullptr;      // [num_seqs]; q_len(s) <= seq_lens[s] <= max_seq_len
   int32_t max_seq_len = 0;                // >= every seq_lens[i]
   int32_t max_q_len = 0;                  // >= every q_len(s) (sizes the CUDA grid)
+  AttentionWindow window;                 // each query sees its own window only
   void* workspace = nullptr;              // PrefillWorkspaceBytes() bytes (may be 0)
   int64_t workspace_bytes = 0;
 };

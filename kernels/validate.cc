@@ -58,6 +58,10 @@ absl::Status ValidateDecode(const KvPoolView& pool, const DecodeArgs& a) {
   if (a.workspace_bytes < 0 || (a.workspace_bytes > 0 && a.workspace == nullptr)) {
     return Bad("PagedAttentionDecode", "bad workspace");
   }
+  if (a.window.window < 0 || a.window.sinks < 0) {
+    return Bad("PagedAttentionDecode",
+               fmt::format("window {} and sinks {} must be >= 0", a.window.window, a.window.sinks));
+  }
   return absl::OkStatus();
 }
 
@@ -92,9 +96,30 @@ absl::Status ValidatePrefill(const KvPoolView& pool, const PrefillArgs& a,
   if (a.workspace_bytes < 0 || (a.workspace_bytes > 0 && a.workspace == nullptr)) {
     return Bad(kName, "bad workspace");
   }
+  if (a.window.window < 0 || a.window.sinks < 0) {
+    return Bad(kName,
+               fmt::format("window {} and sinks {} must be >= 0", a.window.window, a.window.sinks));
+  }
   if (a.workspace_bytes < workspace_needed) {
     return Bad(kName, fmt::format("workspace of {} bytes, {} needed (PrefillWorkspaceBytes)",
                                   a.workspace_bytes, workspace_needed));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckVisibleBlocks(std::string_view kernel, int32_t seq, const int32_t* table,
+                                const PoolLayout& l, const AttentionWindow& window,
+                                int64_t first_pos, int64_t len) {
+  const int64_t bs = l.block_size;
+  const int64_t spans[2][2] = {{0, window.SinkEnd(first_pos)}, {window.Start(first_pos), len}};
+  for (const auto& span : spans) {
+    if (span[0] >= span[1]) continue;
+    for (int64_t b = span[0] / bs; b < (span[1] + bs - 1) / bs; ++b) {
+      if (table[b] < 0 || table[b] >= l.num_blocks) {
+        return Bad(kernel, fmt::format("sequence {} block {} is {} (pool has {})", seq, b, table[b],
+                                       l.num_blocks));
+      }
+    }
   }
   return absl::OkStatus();
 }

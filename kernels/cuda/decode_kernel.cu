@@ -34,6 +34,7 @@ struct DecodeParams {
   int32_t table_stride;
   const int32_t* seq_lens;
   int32_t max_seq_len;
+  AttentionWindow window;
   int32_t partition;
   int32_t num_splits;
   int32_t head_chunks;
@@ -41,6 +42,18 @@ struct DecodeParams {
   float* ws_acc;  // [num_seqs][num_q_heads][num_splits][head_dim]
   float* ws_max;  // [num_seqs][num_q_heads][num_splits]
   float* ws_sum;  // [num_seqs][num_q_heads][num_splits]
+};
+
+// The keys a sequence's query sees, numbered 0, 1, ...: its sinks [0, sink_end), then its window
+// [start, seq_len). Splits partition these, so no split reads a block before the window.
+struct VisibleKeys {
+  int sink_end, start, count;
+  __device__ VisibleKeys(const AttentionWindow& w, int32_t seq_len) {
+    sink_end = static_cast<int>(w.SinkEnd(seq_len - 1));
+    start = static_cast<int>(w.Start(seq_len - 1));
+    count = sink_end + seq_len - start;
+  }
+  __device__ int Position(int i) const { return i < sink_end ? i : i - sink_end + start; }
 };
 
 __device__ __forceinline__ bool BadLength(int32_t seq_len, const DecodeParams& p) {
@@ -122,8 +135,9 @@ __global__ void __launch_bounds__(kDecodeThreads) DecodePartitionKernel(DecodePa
     }
     return;
   }
+  const VisibleKeys keys(p.window, seq_len);
   const int start = split * p.partition;
-  const int n = min(p.partition, seq_len - start);
+  const int n = min(p.partition, keys.count - start);
   if (n <= 0) return;  // past this sequence's end; the combine pass reads only used splits
 
   float* q_s = smem;
@@ -176,7 +190,7 @@ __global__ void __launch_bounds__(kDecodeThreads) DecodePartitionKernel(DecodePa
     bool valid = i < n;
     float k_scale = 1.f;
     if (valid) {
-      const int t = start + i;
+      const int t = keys.Position(start + i);
       const int32_t block = table[t / block_size];
       if (block < 0 || block >= layout.num_blocks) {
         bad_block_s = 1;
@@ -246,7 +260,7 @@ __global__ void __launch_bounds__(kDecodeThreads) DecodePartitionKernel(DecodePa
   for (int base = 0; base < n; base += token_groups) {
     const int i = base + token_group;
     if (i >= n || !has_slice) continue;
-    const int t = start + i;
+    const int t = keys.Position(start + i);
     const int32_t block = table[t / block_size];
     const float v_scale = KvScale(p.view.v_scales(block), kv_head, layout.v_dtype);
     float vf[8];
@@ -308,7 +322,7 @@ __global__ void __launch_bounds__(kCombineThreads) DecodeCombineKernel(DecodePar
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) out[d] = NAN;
     return;
   }
-  const int used = (seq_len + p.partition - 1) / p.partition;
+  const int used = (VisibleKeys(p.window, seq_len).count + p.partition - 1) / p.partition;
   const float* m = p.ws_max + q_row * p.num_splits;
   const float* l = p.ws_sum + q_row * p.num_splits;
   const float* acc = p.ws_acc + q_row * p.num_splits * head_dim;
@@ -378,6 +392,7 @@ cudaError_t LaunchPagedAttentionDecode(const KvPoolView& pool, const DecodeArgs&
   p.table_stride = args.table_stride;
   p.seq_lens = args.seq_lens;
   p.max_seq_len = args.max_seq_len;
+  p.window = args.window;
   p.partition = plan.partition_tokens;
   p.num_splits = plan.num_splits;
   p.head_chunks = plan.head_chunks;

@@ -38,6 +38,7 @@ struct PrefillParams {
   const int32_t* seq_lens;
   int32_t max_seq_len;
   int32_t max_q_len;
+  AttentionWindow window;
   PrefillPlan plan;
 };
 
@@ -117,72 +118,80 @@ __global__ void __launch_bounds__(kThreads) PrefillKernel(PrefillParams p) {
 #pragma unroll
   for (int j = 0; j < kSlots; ++j) acc[j] = 0.f;
 
-  for (int64_t c0 = 0; c0 <= last_pos; c0 += kKeys) {
-    const int nk = static_cast<int>(min(static_cast<int64_t>(kKeys), last_pos + 1 - c0));
-    __syncthreads();  // the previous chunk's readers are done (and q_s is loaded)
-    for (int i = threadIdx.x; i < nk * slices; i += blockDim.x) {
-      const int c = i / slices, d = (i % slices) * 8;
-      const int64_t t = c0 + c;
-      const int32_t block = table[t / layout.block_size];
-      if (block < 0 || block >= layout.num_blocks) {
-        bad_block_s = 1;
-        continue;
+  // The keys some query of the tile sees: the sinks, then from the first query's window start
+  // (without a window: [0, last_pos]), so no block before a window is read.
+  const int64_t span_begin[2] = {0, p.window.Start(first_pos)};
+  const int64_t span_end[2] = {p.window.SinkEnd(first_pos), last_pos + 1};
+  for (int span = 0; span < 2; ++span) {
+    for (int64_t c0 = span_begin[span]; c0 < span_end[span]; c0 += kKeys) {
+      const int nk = static_cast<int>(min(static_cast<int64_t>(kKeys), span_end[span] - c0));
+      __syncthreads();  // the previous chunk's readers are done (and q_s is loaded)
+      for (int i = threadIdx.x; i < nk * slices; i += blockDim.x) {
+        const int c = i / slices, d = (i % slices) * 8;
+        const int64_t t = c0 + c;
+        const int32_t block = table[t / layout.block_size];
+        if (block < 0 || block >= layout.num_blocks) {
+          bad_block_s = 1;
+          continue;
+        }
+        const int64_t slot = t % layout.block_size;
+        const int64_t element = static_cast<int64_t>(kv_head) * dim + d;
+        float x[8];
+        LoadKv8(p.view.k(block) + slot * layout.k_row_bytes + element * DTypeSize(layout.k_dtype),
+                layout.k_dtype, x);
+        const float ks = KvScale(p.view.k_scales(block), kv_head, layout.k_dtype);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) k_s[c * ld + d + j] = x[j] * ks;
+        LoadKv8(p.view.v(block) + slot * layout.v_row_bytes + element * DTypeSize(layout.v_dtype),
+                layout.v_dtype, x);
+        const float vs = KvScale(p.view.v_scales(block), kv_head, layout.v_dtype);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v_s[c * ld + d + j] = x[j] * vs;
       }
-      const int64_t slot = t % layout.block_size;
-      const int64_t element = static_cast<int64_t>(kv_head) * dim + d;
-      float x[8];
-      LoadKv8(p.view.k(block) + slot * layout.k_row_bytes + element * DTypeSize(layout.k_dtype),
-              layout.k_dtype, x);
-      const float ks = KvScale(p.view.k_scales(block), kv_head, layout.k_dtype);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) k_s[c * ld + d + j] = x[j] * ks;
-      LoadKv8(p.view.v(block) + slot * layout.v_row_bytes + element * DTypeSize(layout.v_dtype),
-              layout.v_dtype, x);
-      const float vs = KvScale(p.view.v_scales(block), kv_head, layout.v_dtype);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) v_s[c * ld + d + j] = x[j] * vs;
-    }
-    __syncthreads();
-    if (bad_block_s) {
-      PoisonRows(p, first_row, head0, heads, tokens);
-      return;
-    }
-
-    // Scores of keys sub, sub + 4, ...; a key past the row's position is masked.
-    float s[kKeys / kLanesPerRow];
-    float chunk_max = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < kKeys / kLanesPerRow; ++i) {
-      const int c = sub + kLanesPerRow * i;
-      s[i] = -INFINITY;
-      if (c < nk && c0 + c <= pos) {
-        float dot = 0.f;
-        for (int d = 0; d < dim; ++d) dot = fmaf(q_s[r * ld + d], k_s[c * ld + d], dot);
-        s[i] = dot;
+      __syncthreads();
+      if (bad_block_s) {
+        PoisonRows(p, first_row, head0, heads, tokens);
+        return;
       }
-      chunk_max = fmaxf(chunk_max, s[i]);
-    }
-    // Key 0 is in every row's first chunk, so m is finite from then on.
-    const float m_new = fmaxf(m, RowMax(chunk_max));
-    const float alpha = expf(m - m_new);  // 0 on the first chunk
-    float sum = 0.f;
+
+      // Scores of keys sub, sub + 4, ...; a key past the row's position or outside its window and
+      // sinks is masked.
+      float s[kKeys / kLanesPerRow];
+      float chunk_max = -INFINITY;
 #pragma unroll
-    for (int i = 0; i < kKeys / kLanesPerRow; ++i) {
-      const float e = s[i] == -INFINITY ? 0.f : expf(s[i] - m_new);
-      p_s[r * (kKeys + 1) + sub + kLanesPerRow * i] = e;
-      sum += e;
-    }
-    l = l * alpha + RowSum(sum);
-    m = m_new;
-    __syncwarp();  // a row's four threads are in one warp
+      for (int i = 0; i < kKeys / kLanesPerRow; ++i) {
+        const int c = sub + kLanesPerRow * i;
+        s[i] = -INFINITY;
+        if (c < nk && p.window.Sees(pos, c0 + c)) {
+          float dot = 0.f;
+          for (int d = 0; d < dim; ++d) dot = fmaf(q_s[r * ld + d], k_s[c * ld + d], dot);
+          s[i] = dot;
+        }
+        chunk_max = fmaxf(chunk_max, s[i]);
+      }
+      // A row that has seen no key yet keeps m = -inf (a window may start past this chunk): its
+      // factor is 1 and its probabilities 0 until then.
+      const float m_new = fmaxf(m, RowMax(chunk_max));
+      const float alpha = m_new == -INFINITY ? 1.f : expf(m - m_new);  // 0 on the first keys
+      float sum = 0.f;
+#pragma unroll
+      for (int i = 0; i < kKeys / kLanesPerRow; ++i) {
+        const float e = s[i] == -INFINITY ? 0.f : expf(s[i] - m_new);
+        p_s[r * (kKeys + 1) + sub + kLanesPerRow * i] = e;
+        sum += e;
+      }
+      l = l * alpha + RowSum(sum);
+      m = m_new;
+      __syncwarp();  // a row's four threads are in one warp
 
 #pragma unroll
-    for (int j = 0; j < kSlots; ++j) {
-      const int d = sub + kLanesPerRow * j;
-      if (d >= dim) continue;
-      float a = acc[j] * alpha;
-      for (int c = 0; c < nk; ++c) a = fmaf(p_s[r * (kKeys + 1) + c], v_s[c * ld + d], a);
-      acc[j] = a;
+      for (int j = 0; j < kSlots; ++j) {
+        const int d = sub + kLanesPerRow * j;
+        if (d >= dim) continue;
+        float a = acc[j] * alpha;
+        for (int c = 0; c < nk; ++c) a = fmaf(p_s[r * (kKeys + 1) + c], v_s[c * ld + d], a);
+        acc[j] = a;
+      }
     }
   }
 
@@ -242,6 +251,7 @@ cudaError_t LaunchPagedAttentionPrefill(const KvPoolView& pool, const PrefillArg
   p.seq_lens = args.seq_lens;
   p.max_seq_len = args.max_seq_len;
   p.max_q_len = args.max_q_len;
+  p.window = args.window;
   p.plan = plan;
   const int dim = pool.layout.head_dim;
   if (dim <= 64) return Launch<16>(p, args.num_seqs, stream);

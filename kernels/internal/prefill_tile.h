@@ -4,11 +4,14 @@
 // one sequence times the query heads of one KV head, against that sequence's paged K/V in chunks
 // of kPrefillKeys keys, FlashAttention-style:
 //
-//   for each chunk of keys [c0, c0 + kPrefillKeys) up to the tile's last position:
+//   for each chunk of keys [c0, c0 + kPrefillKeys) that some query of the tile sees (up to the
+//   tile's last position; with a sliding window, the sinks and from the first query's window
+//   start on, so the blocks before a window are never read):
 //     gather the chunk's K and V rows (this KV head) from their blocks, widened to f32, K
 //     transposed to [dim][keys];
 //     S = Q · Kᵀ                      register-tiled: kRows query rows x two vectors of keys;
-//     causal mask (only in chunks that reach past a row's position), online softmax with a
+//     causal and window masks (only in chunks that reach past a row's position or below its
+//     window), online softmax with a
 //     vectorized exp: m' = max(m, max S), P = exp(S - m'), l = l·e^(m - m') + ΣP;
 //     O = O·e^(m - m') + P · V        register-tiled: kRows rows x two vectors of head_dim;
 //   out = O / l.
@@ -26,6 +29,7 @@
 
 #include "kernels/cpu_isa.h"
 #include "kernels/dtype.h"
+#include "kernels/kernel_args.h"
 #include "kernels/pool_layout.h"
 
 namespace kvpool::kernels::cpu::internal {
@@ -54,7 +58,8 @@ struct PrefillTask {
   float* out;         // same layout as q
   int64_t q_stride;   // floats from one token's row to the next
   float scale;
-  float* scratch;  // PrefillScratchFloats(head_dim) floats, 64-byte aligned
+  AttentionWindow window;  // which keys each query sees (kernel_args.h)
+  float* scratch;          // PrefillScratchFloats(head_dim) floats, 64-byte aligned
 };
 
 using PrefillTaskFn = void (*)(const PrefillTask& task);
