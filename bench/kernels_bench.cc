@@ -14,6 +14,8 @@
 //     second of the same decode over half (three quarters) of the bytes, as separate benchmarks
 //     and alternating call by call (BM_EightBitVsBf16). The 8-bit pools are written through
 //     WriteKv from random f32 values, so their codes and scales are real ones.
+// Window decode: the same bf16 sequences with a 1,024-token sliding window beside full attention
+// at 4k and 16k, alternating call by call (BM_WindowVsFull): time and KV bytes visited.
 // Prefill: 200 new tokens over 1,400 reused (one sequence, block size 16, bf16 KV), Llama-3-8B
 // heads (/0) and kvpoold's tiny model's (/1: 8 query heads, 4 KV heads, head_dim 64):
 //   - BM_PrefillTiled: PagedAttentionPrefill;
@@ -244,6 +246,30 @@ void BM_EightBitVsBf16(benchmark::State& state) {
       "bf16_ns");
 }
 
+// Sliding-window decode (window 1,024, no sinks: a Mistral/Gemma-style window layer) beside
+// full-attention decode of the same sequences, alternating call by call: the time of each and
+// the KV bytes each visits (the rows of its visible spans, K and V).
+void BM_WindowVsFull(benchmark::State& state) {
+  constexpr int32_t kWindow = 1024;
+  Workload& w = GetWorkload(static_cast<int32_t>(state.range(0)));
+  const KvPoolView pool{w.arena.get(), w.layout};
+  const DecodeArgs full = PagedArgs(w);
+  DecodeArgs window = full;
+  window.window = {.window = kWindow};
+  bench::Interleave(
+      state, [&] { KVPOOL_CHECK_OK(cpu::PagedAttentionDecode(pool, window, &Threads())); },
+      "window_ns", [&] { KVPOOL_CHECK_OK(cpu::PagedAttentionDecode(pool, full, &Threads())); },
+      "full_ns");
+  auto visited = [&](const AttentionWindow& aw) {
+    int64_t rows = 0;
+    for (int32_t len : w.lens) rows += aw.SinkEnd(len - 1) + len - aw.Start(len - 1);
+    return static_cast<double>(
+        rows * (w.layout.row_bytes(0, KvSide::kK) + w.layout.row_bytes(0, KvSide::kV)));
+  };
+  state.counters["window_bytes"] = visited(window.window);
+  state.counters["full_bytes"] = visited(full.window);
+}
+
 // One sequence of kReused + kFresh tokens in shuffled blocks, and the queries of its last kFresh.
 struct PrefillWorkload {
   static constexpr int32_t kReused = 1400;
@@ -345,6 +371,7 @@ BENCHMARK(BM_PagedVsDense) KVPOOL_CONTEXTS->UseRealTime();
 BENCHMARK(BM_PagedDecodeFp8) KVPOOL_LONG_CONTEXTS->UseRealTime();
 BENCHMARK(BM_PagedDecodeInt8) KVPOOL_LONG_CONTEXTS->UseRealTime();
 BENCHMARK(BM_PagedDecodeBf16Int8) KVPOOL_LONG_CONTEXTS->UseRealTime();
+BENCHMARK(BM_WindowVsFull)->Arg(4096)->Arg(16384)->UseRealTime();
 BENCHMARK(BM_EightBitVsBf16)
     ->ArgsProduct({{static_cast<int>(Precision::kFp8), static_cast<int>(Precision::kInt8),
                     static_cast<int>(Precision::kBF16Int8)},
@@ -448,6 +475,23 @@ int main(int argc, char** argv) {
                        .ours_counter = "8bit_ns",
                        .baseline_counter = "bf16_ns"});
     }
+  }
+  // Window decode (W = 1,024) against full attention at the same context, interleaved (issue 28:
+  // at 16k, >= 5x fewer KV bytes and >= 3x faster).
+  for (int ctx : {4096, 16384}) {
+    const std::string bench = fmt::format("BM_WindowVsFull/{}/real_time", ctx);
+    pairs.push_back({.label = fmt::format("window 1k/full decode speed, interleaved, ctx {}", ctx),
+                     .ours = bench,
+                     .baseline = bench,
+                     .target = ctx == 16384 ? 3.0 : 0,
+                     .ours_counter = "window_ns",
+                     .baseline_counter = "full_ns"});
+    pairs.push_back({.label = fmt::format("window 1k/full KV bytes visited (fewer), ctx {}", ctx),
+                     .ours = bench,
+                     .baseline = bench,
+                     .target = ctx == 16384 ? 5.0 : 0,
+                     .ours_counter = "window_bytes",
+                     .baseline_counter = "full_bytes"});
   }
   for (int shape : {0, 1}) {
     pairs.push_back({fmt::format("prefill 200 over 1400: tiled/as-decode, {}",
