@@ -246,7 +246,8 @@ void Model::Attention(int32_t layer, const kernels::KvPoolView& pool) {
                                                         .block_tables = L.tables.data(),
                                                         .table_stride = L.stride,
                                                         .seq_lens = L.lens.data(),
-                                                        .max_seq_len = L.max_len},
+                                                        .max_seq_len = L.max_len,
+                                                        .window = c.window(layer)},
                                                        &threads_));
   }
   if (L.num_prefill > 0) {
@@ -265,6 +266,7 @@ void Model::Attention(int32_t layer, const kernels::KvPoolView& pool) {
          .seq_lens = L.lens.data() + first,
          .max_seq_len = L.max_len,
          .max_q_len = L.max_q_len,
+         .window = c.window(layer),
          .workspace = s.prefill_workspace.data(),
          .workspace_bytes = static_cast<int64_t>(s.prefill_workspace.size())},
         &threads_));

@@ -152,6 +152,42 @@ absl::Status GetBool(const json& config, const std::string& path, const char* ke
   return absl::OkStatus();
 }
 
+// Sliding windows as transformers writes them: `layer_types` names each layer's attention
+// (Gemma 3, gpt-oss, Qwen3); without it a `sliding_window` applies to every layer (Mistral),
+// unless `use_sliding_window` is false (Qwen2 writes a window it does not use).
+absl::Status ParseLayerKinds(const json& config, const std::string& path, ModelConfig* c) {
+  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "sliding_window", false, &c->sliding_window));
+  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "kvpool_sink_tokens", false, &c->sink_tokens));
+  bool use_window = true;
+  KVPOOL_RETURN_IF_ERROR(GetBool(config, path, "use_sliding_window", &use_window));
+  if (config.contains("layer_types") && !config["layer_types"].is_null()) {
+    const json& types = config["layer_types"];
+    if (!types.is_array()) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": layer_types is not a list"));
+    }
+    for (const json& t : types) {
+      if (t == "full_attention") {
+        c->layer_kinds.push_back(LayerKind::kFullAttention);
+      } else if (t == "sliding_attention") {
+        c->layer_kinds.push_back(LayerKind::kSlidingAttention);
+      } else {
+        return absl::InvalidArgumentError(
+            absl::StrCat(path, ": layer_types entry ", t.dump(),
+                         " unsupported (full_attention or sliding_attention)"));
+      }
+    }
+  } else if (c->sliding_window > 0 && use_window) {
+    c->layer_kinds.assign(static_cast<size_t>(std::max(c->num_layers, 0)),
+                          LayerKind::kSlidingAttention);
+  }
+  if (std::find(c->layer_kinds.begin(), c->layer_kinds.end(), LayerKind::kSlidingAttention) ==
+      c->layer_kinds.end()) {
+    c->sliding_window = 0;  // a window no layer uses (Qwen2's) changes nothing
+    c->sink_tokens = 0;
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<ModelConfig> ParseConfig(const std::string& text, const std::string& path) {
   const json config = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (config.is_discarded() || !config.is_object()) {
@@ -186,6 +222,7 @@ absl::StatusOr<ModelConfig> ParseConfig(const std::string& text, const std::stri
   if (config.contains("rope_scaling") && !config["rope_scaling"].is_null()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": rope_scaling unsupported"));
   }
+  KVPOOL_RETURN_IF_ERROR(ParseLayerKinds(config, path, &c));
   if (absl::Status status = ValidateConfig(c); !status.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", status.message()));
   }
@@ -203,7 +240,7 @@ double ShortestDecimal(float value) {
 }
 
 std::string ConfigJson(const ModelConfig& c, std::string_view torch_dtype) {
-  const json config = {
+  json config = {
       {"architectures", {"LlamaForCausalLM"}},
       {"model_type", "llama"},
       {"torch_dtype", std::string(torch_dtype)},
@@ -220,6 +257,16 @@ std::string ConfigJson(const ModelConfig& c, std::string_view torch_dtype) {
       {"tie_word_embeddings", c.tie_word_embeddings},
       {"max_position_embeddings", c.max_position},
   };
+  if (!c.layer_kinds.empty()) {
+    json types = json::array();
+    for (LayerKind kind : c.layer_kinds) {
+      types.push_back(kind == LayerKind::kSlidingAttention ? "sliding_attention"
+                                                           : "full_attention");
+    }
+    config["layer_types"] = types;
+    config["sliding_window"] = c.sliding_window;
+    if (c.sink_tokens > 0) config["kvpool_sink_tokens"] = c.sink_tokens;
+  }
   return config.dump(2) + "\n";
 }
 
@@ -233,6 +280,27 @@ absl::Status PositiveFiniteField(std::string_view field, float value) {
   if (value > 0.0f && std::isfinite(value)) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat("ModelConfig.", std::string(field),
                                                  " must be positive and finite (got ", value, ")"));
+}
+
+absl::Status ValidateLayerKinds(const ModelConfig& c) {
+  if (!c.layer_kinds.empty() && c.layer_kinds.size() != static_cast<size_t>(c.num_layers)) {
+    return absl::InvalidArgumentError(absl::StrCat("ModelConfig.layer_kinds has ",
+                                                   c.layer_kinds.size(), " entries for ",
+                                                   c.num_layers, " layers"));
+  }
+  const bool slides = std::find(c.layer_kinds.begin(), c.layer_kinds.end(),
+                                LayerKind::kSlidingAttention) != c.layer_kinds.end();
+  if (slides && c.sliding_window <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ModelConfig.sliding_window must be positive with a sliding layer (got ",
+                     c.sliding_window, ")"));
+  }
+  if (c.sliding_window < 0 || c.sink_tokens < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("ModelConfig.sliding_window (", c.sliding_window,
+                                                   ") and sink_tokens (", c.sink_tokens,
+                                                   ") must be >= 0"));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -257,10 +325,19 @@ absl::Status ValidateConfig(const ModelConfig& c) {
   }
   KVPOOL_RETURN_IF_ERROR(PositiveFiniteField("rms_norm_eps", c.rms_norm_eps));
   KVPOOL_RETURN_IF_ERROR(PositiveFiniteField("rope_theta", c.rope_theta));
-  return absl::OkStatus();
+  return ValidateLayerKinds(c);
 }
 
 absl::StatusOr<ModelConfig> NamedConfig(std::string_view name) {
+  if (name == "tiny-swa") {
+    ModelConfig c = *NamedConfig("tiny");
+    for (int32_t l = 0; l < c.num_layers; ++l) {
+      c.layer_kinds.push_back(l % 2 == 0 ? LayerKind::kSlidingAttention
+                                         : LayerKind::kFullAttention);
+    }
+    c.sliding_window = 256;
+    return c;
+  }
   if (name == "tiny") {
     return ModelConfig{.vocab_size = 8192,
                        .hidden_size = 512,
@@ -287,8 +364,8 @@ absl::StatusOr<ModelConfig> NamedConfig(std::string_view name) {
                        .tie_word_embeddings = false,
                        .max_position = 8192};
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown model size '", std::string(name), "'; known sizes: tiny, small"));
+  return absl::InvalidArgumentError(absl::StrCat("unknown model size '", std::string(name),
+                                                 "'; known sizes: tiny, small, tiny-swa"));
 }
 
 ModelWeights SyntheticWeights(const ModelConfig& config, uint64_t seed) {

@@ -122,7 +122,7 @@ void ValidateModel(const v1::DaemonConfig& c, bool shape_ok,
   const v1::ModelSpec& m = c.model();
   if (m.checkpoint().empty() && m.name() != "none" && shape_ok) {
     if (absl::StatusOr<model::ModelConfig> named = model::NamedConfig(m.name()); !named.ok()) {
-      bad("model.name", fmt::format("'{}' is not tiny, small or none", m.name()));
+      bad("model.name", fmt::format("'{}' is not tiny, small, tiny-swa or none", m.name()));
     } else if (named->num_layers != c.shape().num_layers() ||
                named->num_kv_heads != c.shape().num_kv_heads() ||
                named->head_dim != c.shape().head_dim()) {

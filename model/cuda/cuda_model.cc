@@ -257,6 +257,7 @@ absl::Status CudaModel::Attention(const kernels::KvPoolView& pool, int32_t layer
                                                    .table_stride = L.stride,
                                                    .seq_lens = lens,
                                                    .max_seq_len = L.max_len,
+                                                   .window = c.window(layer),
                                                    .workspace = workspace_->data(),
                                                    .workspace_bytes = workspace_->bytes()},
                                                   plan, stream_),
@@ -278,7 +279,8 @@ absl::Status CudaModel::Attention(const kernels::KvPoolView& pool, int32_t layer
                         .table_stride = L.stride,
                         .seq_lens = lens + first,
                         .max_seq_len = L.max_len,
-                        .max_q_len = L.max_q_len},
+                        .max_q_len = L.max_q_len,
+                        .window = c.window(layer)},
                        kernels::cuda::PlanPrefill(layout_, c.num_heads, L.max_q_len), stream_),
                    "paged prefill attention kernel"));
   }

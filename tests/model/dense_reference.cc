@@ -86,12 +86,17 @@ std::vector<float> DenseReference::Forward(int32_t token) {
     for (double e : k) k_[l].push_back(RoundTo(e, dtype_));
     for (double e : v) v_[l].push_back(RoundTo(e, dtype_));
     std::vector<double> attn(static_cast<size_t>(nh * hd), 0.0);
+    const kernels::AttentionWindow window = c.window(static_cast<int32_t>(l));
     const int64_t group = nh / nkv;
     for (int64_t head = 0; head < nh; ++head) {
       const int64_t kvh = head / group;
       std::vector<double> scores(static_cast<size_t>(pos + 1));
       double top = -INFINITY;
       for (int64_t p = 0; p <= pos; ++p) {
+        if (!window.Sees(pos, p)) {  // outside a sliding layer's window and sinks
+          scores[static_cast<size_t>(p)] = -INFINITY;
+          continue;
+        }
         double dot = 0;
         for (int64_t d = 0; d < hd; ++d) {
           dot += q[static_cast<size_t>(head * hd + d)] *
@@ -103,6 +108,7 @@ std::vector<float> DenseReference::Forward(int32_t token) {
       double sum = 0;
       for (double& s : scores) sum += (s = std::exp(s - top));
       for (int64_t p = 0; p <= pos; ++p) {
+        if (!window.Sees(pos, p)) continue;
         for (int64_t d = 0; d < hd; ++d) {
           attn[static_cast<size_t>(head * hd + d)] +=
               scores[static_cast<size_t>(p)] / sum *

@@ -1,0 +1,241 @@
+// Sliding-window layers (issue 28): the paged model with window layers against the dense
+// reference that attends each window by the book; reuse from the prefix cache against
+// recomputing; the window really changes what a long sequence computes; and the configuration's
+// presets, checks and checkpoint round trip.
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iterator>
+#include <string>
+#include <tuple>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kvpool/util/check.h"
+#include "model/local_engine.h"
+#include "model/model.h"
+#include "tests/model/dense_reference.h"
+
+namespace kvpool::model {
+namespace {
+
+using ::testing::HasSubstr;
+
+const StepOptions kLogits{.keep_logits = true};
+
+// f32 K/V leaves only float-vs-double arithmetic; bf16 K/V also rounding (model_test.cc's bound).
+double Tolerance(kernels::DType dtype) { return dtype == kernels::DType::kF32 ? 2e-4 : 2e-2; }
+
+// SmallTestConfig with a sliding layer first and a full one after it.
+ModelConfig Windowed(int32_t window, int32_t sinks) {
+  ModelConfig c = SmallTestConfig();
+  c.layer_kinds = {LayerKind::kSlidingAttention, LayerKind::kFullAttention};
+  c.sliding_window = window;
+  c.sink_tokens = sinks;
+  return c;
+}
+
+std::unique_ptr<LocalEngine> MakeEngine(const ModelWeights& w, int32_t block_size,
+                                        kernels::DType dtype, bool prefix_cache) {
+  auto engine = LocalEngine::Create(w, {.block_size = block_size,
+                                        .dtype = dtype,
+                                        .pool_bytes = int64_t{16} << 20,
+                                        .prefix_cache = prefix_cache,
+                                        .threads = 2});
+  EXPECT_TRUE(engine.ok()) << engine.status();
+  return std::move(engine).value();
+}
+
+// (block size, dtype, window, sinks)
+using Param = std::tuple<int32_t, kernels::DType, int32_t, int32_t>;
+class WindowedVsDenseTest : public ::testing::TestWithParam<Param> {};
+
+TEST_P(WindowedVsDenseTest, PrefillAndDecodeMatchReference) {
+  const auto [block_size, dtype, window, sinks] = GetParam();
+  const ModelWeights w = SyntheticWeights(Windowed(window, sinks), 7);
+  auto engine = MakeEngine(w, block_size, dtype, /*prefix_cache=*/true);
+  DenseReference ref(w, dtype);
+
+  const std::vector<int32_t> prompt = RandomTokens(37, 256, 1);
+  auto first = engine->Prefill(SequenceId(0), prompt, kLogits);
+  ASSERT_TRUE(first.ok()) << first.status();
+  std::vector<float> want = ref.Extend(prompt);
+  EXPECT_LE(RelError(first->result.logits, want), Tolerance(dtype));
+  int32_t token = Argmax(want);
+  if (dtype == kernels::DType::kF32) {
+    EXPECT_EQ(first->result.next_token, token);
+  }
+  for (int step = 0; step < 12; ++step) {
+    const DecodeInput in{first->sequence, token};
+    auto out = engine->Decode(std::span(&in, 1), kLogits);
+    ASSERT_TRUE(out.ok()) << out.status();
+    want = ref.Extend(std::span(&token, 1));
+    EXPECT_LE(RelError((*out)[0].logits, want), Tolerance(dtype)) << "step " << step;
+    token = Argmax(want);
+    if (dtype == kernels::DType::kF32) {
+      EXPECT_EQ((*out)[0].next_token, token) << "step " << step;
+    }
+  }
+  EXPECT_TRUE(engine->cache().CheckInvariants().ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(Windows, WindowedVsDenseTest,
+                         ::testing::Combine(::testing::Values(1, 16),
+                                            ::testing::Values(kernels::DType::kF32,
+                                                              kernels::DType::kBF16),
+                                            ::testing::Values(8, 20), ::testing::Values(0, 3)));
+
+// A second turn that reuses the first from the prefix cache computes what a cache-less engine
+// computes from scratch, past the window's edge.
+TEST(WindowModelTest, ReuseFromTheCacheEqualsRecomputing) {
+  const ModelWeights w = SyntheticWeights(Windowed(12, 2), 17);
+  const std::vector<int32_t> prompt = RandomTokens(50, 256, 5), more = RandomTokens(9, 256, 6);
+  std::vector<int32_t> history = prompt;
+  history.insert(history.end(), more.begin(), more.end());
+  for (kernels::DType dtype : {kernels::DType::kF32, kernels::DType::kBF16}) {
+    auto on = MakeEngine(w, 16, dtype, /*prefix_cache=*/true);
+    auto off = MakeEngine(w, 16, dtype, /*prefix_cache=*/false);
+    for (LocalEngine* e : {on.get(), off.get()}) {
+      auto first = e->Prefill(SequenceId(0), prompt, kLogits);
+      ASSERT_TRUE(first.ok()) << first.status();
+      ASSERT_TRUE(e->Free(first->sequence, /*commit=*/true).ok());
+    }
+    auto a = on->Prefill(SequenceId(0), history, kLogits);
+    auto b = off->Prefill(SequenceId(0), history, kLogits);
+    ASSERT_TRUE(a.ok() && b.ok());
+    EXPECT_GE(a->reused, 48);
+    EXPECT_EQ(b->reused, 0);
+    EXPECT_EQ(a->result.next_token, b->result.next_token);
+    EXPECT_LE(RelError(a->result.logits, b->result.logits), Tolerance(dtype));
+    int32_t ta = a->result.next_token, tb = b->result.next_token;
+    for (int step = 0; step < 6; ++step) {
+      const DecodeInput ia{a->sequence, ta}, ib{b->sequence, tb};
+      auto da = on->Decode(std::span(&ia, 1), kLogits);
+      auto db = off->Decode(std::span(&ib, 1), kLogits);
+      ASSERT_TRUE(da.ok() && db.ok());
+      EXPECT_LE(RelError((*da)[0].logits, (*db)[0].logits), Tolerance(dtype)) << "step " << step;
+      ta = (*da)[0].next_token;
+      tb = (*db)[0].next_token;
+      EXPECT_EQ(ta, tb) << "step " << step;
+    }
+    EXPECT_TRUE(on->cache().CheckInvariants().ok());
+  }
+}
+
+// The window is not decoration: past it, the same weights compute other logits than with every
+// layer full, and within it the same ones.
+TEST(WindowModelTest, TheWindowChangesOnlyWhatLiesPastIt) {
+  ModelConfig full = Windowed(8, 0);
+  full.layer_kinds.clear();
+  full.sliding_window = 0;
+  const ModelWeights w_full = SyntheticWeights(full, 3),
+                     w_window = SyntheticWeights(Windowed(8, 0), 3);
+  auto a = MakeEngine(w_full, 16, kernels::DType::kF32, false);
+  auto b = MakeEngine(w_window, 16, kernels::DType::kF32, false);
+  const std::vector<int32_t> short_prompt = RandomTokens(8, 256, 2);
+  const std::vector<int32_t> long_prompt = RandomTokens(40, 256, 2);
+  auto fa = a->Prefill(SequenceId(0), short_prompt, kLogits);
+  auto fb = b->Prefill(SequenceId(0), short_prompt, kLogits);
+  ASSERT_TRUE(fa.ok() && fb.ok());
+  EXPECT_EQ(fa->result.logits, fb->result.logits);
+  auto la = a->Prefill(SequenceId(0), long_prompt, kLogits);
+  auto lb = b->Prefill(SequenceId(0), long_prompt, kLogits);
+  ASSERT_TRUE(la.ok() && lb.ok());
+  EXPECT_GT(RelError(la->result.logits, lb->result.logits), 1e-2);
+}
+
+TEST(WindowConfigTest, TinySwaAlternatesSlidingAndFullLayers) {
+  absl::StatusOr<ModelConfig> c = NamedConfig("tiny-swa");
+  ASSERT_TRUE(c.ok()) << c.status();
+  const ModelConfig tiny = *NamedConfig("tiny");
+  EXPECT_EQ(c->num_layers, tiny.num_layers);
+  EXPECT_EQ(c->num_kv_heads, tiny.num_kv_heads);
+  EXPECT_EQ(c->sliding_window, 256);
+  for (int32_t l = 0; l < c->num_layers; ++l) {
+    EXPECT_EQ(c->kind(l), l % 2 == 0 ? LayerKind::kSlidingAttention : LayerKind::kFullAttention);
+  }
+  EXPECT_TRUE(ValidateConfig(*c).ok());
+}
+
+TEST(WindowConfigTest, RefusesInconsistentWindows) {
+  ModelConfig c = Windowed(8, 0);
+  c.sliding_window = 0;
+  EXPECT_THAT(ValidateConfig(c).message(), HasSubstr("sliding_window"));
+  c = Windowed(8, -1);
+  EXPECT_THAT(ValidateConfig(c).message(), HasSubstr("sink_tokens"));
+  c = Windowed(8, 0);
+  c.layer_kinds.push_back(LayerKind::kFullAttention);
+  EXPECT_THAT(ValidateConfig(c).message(), HasSubstr("layer_kinds"));
+}
+
+class WindowCheckpointTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() /
+           ("kvpool_window_ckpt_" + std::to_string(::getpid()));
+    std::filesystem::remove_all(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  // Saves `w`, then replaces config.json's text with `edit(text)` when given, and reads it back.
+  absl::StatusOr<ModelConfig> RoundTrip(const ModelWeights& w,
+                                        std::function<std::string(std::string)> edit = nullptr) {
+    KVPOOL_CHECK_OK(SaveCheckpoint(w, dir_.string(), "f32"));
+    if (edit) {
+      const std::filesystem::path path = dir_ / "config.json";
+      std::ifstream in(path);
+      std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      in.close();
+      std::ofstream(path, std::ios::trunc) << edit(text);
+    }
+    return ReadCheckpointConfig(dir_.string());
+  }
+
+  std::filesystem::path dir_;
+};
+
+TEST_F(WindowCheckpointTest, LayerTypesAndTheWindowSurviveASaveAndALoad) {
+  const ModelWeights w = SyntheticWeights(Windowed(20, 3), 5);
+  absl::StatusOr<ModelConfig> back = RoundTrip(w);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, w.config);
+}
+
+TEST_F(WindowCheckpointTest, ReadsTheHuggingFaceSpellings) {
+  ModelConfig plain = SmallTestConfig();
+  const ModelWeights w = SyntheticWeights(plain, 5);
+  auto with = [](std::string extra) {
+    return [extra](std::string text) { return "{" + extra + "," + text.substr(1); };
+  };
+  // Mistral: one window for every layer.
+  absl::StatusOr<ModelConfig> mistral = RoundTrip(w, with("\"sliding_window\": 16"));
+  ASSERT_TRUE(mistral.ok()) << mistral.status();
+  EXPECT_EQ(mistral->sliding_window, 16);
+  EXPECT_EQ(mistral->kind(0), LayerKind::kSlidingAttention);
+  EXPECT_EQ(mistral->kind(1), LayerKind::kSlidingAttention);
+  // Qwen2: a window it does not use.
+  absl::StatusOr<ModelConfig> qwen =
+      RoundTrip(w, with("\"sliding_window\": 16, \"use_sliding_window\": false"));
+  ASSERT_TRUE(qwen.ok()) << qwen.status();
+  EXPECT_EQ(*qwen, plain);
+  // Unknown layer types, and a list of the wrong length, are refused.
+  EXPECT_THAT(RoundTrip(w, with("\"sliding_window\": 16, \"layer_types\": [\"full_attention\", "
+                                "\"linear_attention\"]"))
+                  .status()
+                  .message(),
+              HasSubstr("linear_attention"));
+  EXPECT_THAT(RoundTrip(w, with("\"sliding_window\": 16, \"layer_types\": [\"full_attention\"]"))
+                  .status()
+                  .message(),
+              HasSubstr("layer_kinds"));
+  EXPECT_THAT(RoundTrip(w, with("\"layer_types\": [\"full_attention\", \"sliding_attention\"]"))
+                  .status()
+                  .message(),
+              HasSubstr("sliding_window"));
+}
+
+}  // namespace
+}  // namespace kvpool::model
