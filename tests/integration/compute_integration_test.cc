@@ -68,8 +68,9 @@ Generated Converse(const client::Client& c, const std::vector<int32_t>& prompt, 
 
 // The same, in this process.
 std::vector<int32_t> RunLocally(const std::vector<int32_t>& prompt, int n,
-                                kernels::DType dtype = kernels::DType::kBF16) {
-  auto config = model::NamedConfig("tiny");
+                                kernels::DType dtype = kernels::DType::kBF16,
+                                const char* model_name = "tiny") {
+  auto config = model::NamedConfig(model_name);
   auto engine =
       model::LocalEngine::Create(model::SyntheticWeights(*config, 1),
                                  {.block_size = 16, .dtype = dtype, .pool_bytes = 8 << 20});
@@ -239,6 +240,50 @@ TEST_F(ComputeIntegrationTest, PrefillReusesAnotherSessionsConversation) {
   const Generated g = Converse(*b, history, 4);
   EXPECT_EQ(g.reused, 50);
   EXPECT_EQ(g.tokens, RunLocally(history, 4));
+}
+
+// A sliding-window model (issue 28's tiny-swa: window 256 in every other layer) served to
+// several clients whose prompts share a prefix longer than the window: each reply, reused from
+// another client's prefix or computed beside the others, equals the model run alone in this
+// process.
+TEST_F(ComputeIntegrationTest, ASlidingWindowModelSharesPrefixesAsComputedAlone) {
+  StartDaemon(R"pb(
+    pool_bytes: 33554432
+    max_blocks_per_seq: 256
+    shape { dtype: "f32" }
+    model { name: "tiny-swa" }
+  )pb");
+  const std::vector<int32_t> shared = Prompt(300, 21);
+  constexpr int kClients = 3;
+  std::vector<std::unique_ptr<client::Client>> clients;
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < kClients; ++i) {
+    clients.push_back(Connect(daemon_->dir(), "swa-" + std::to_string(i)));
+    std::vector<int32_t> p = shared;
+    const std::vector<int32_t> own = Prompt(10 + static_cast<size_t>(i), 40 + i);
+    p.insert(p.end(), own.begin(), own.end());
+    prompts.push_back(std::move(p));
+  }
+  std::vector<Generated> first(kClients), again(kClients);
+  for (int i = 0; i < kClients; ++i) {
+    first[i] = Converse(*clients[i], prompts[i], 6);
+    EXPECT_EQ(first[i].tokens, RunLocally(prompts[i], 6, kernels::DType::kF32, "tiny-swa"))
+        << "client " << i;
+    if (i > 0) {
+      EXPECT_GE(first[i].reused, 288) << "client " << i;  // the shared 18 blocks
+    }
+  }
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kClients; ++i) {
+    threads.emplace_back([&, i] { again[i] = Converse(*clients[i], prompts[i], 6); });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int i = 0; i < kClients; ++i) {
+    EXPECT_EQ(again[i].tokens, first[i].tokens) << "client " << i;
+    EXPECT_GE(again[i].reused, 288) << "client " << i;
+  }
+  EXPECT_EQ(Stats(*clients[0]).model(), "tiny-swa");
+  EXPECT_TRUE(clients[0]->CheckInvariants()->ok());
 }
 
 TEST_F(ComputeIntegrationTest, GenerateStreamsWhatPrefillAndDecodeReturn) {
