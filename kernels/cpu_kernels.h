@@ -61,6 +61,13 @@ absl::Status PagedAttentionPrefill(const KvPoolView& pool, const PrefillArgs& ar
                                    ThreadPool* threads);
 int64_t PrefillWorkspaceBytes(const PoolLayout& layout, int threads);
 
+// The state-space recurrence (kernel_args.h: SsmScanArgs), in f32: each (sequence, head) is one
+// task whose tokens run in order; heads of a group share b and c. Errors: INVALID_ARGUMENT for
+// bad sizes, null pointers or unordered starts (nothing is written then).
+absl::Status SsmScan(const SsmScanArgs& args, ThreadPool* threads);
+// The same in double precision, one token at a time: the reference SsmScan is held to.
+void SsmScanReference(const SsmScanArgs& args);
+
 // Decode against contiguous K/V: sequence i's keys are k[i] = [seq_lens[i]][num_kv_heads][head_dim]
 // (values likewise). The same vectorized code as the paged kernel, so paged/dense measures the
 // cost of paging alone. f32, f16 and bf16 only (the 8-bit formats need a paged block's scales).

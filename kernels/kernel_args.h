@@ -88,6 +88,33 @@ struct PrefillArgs {
   int64_t workspace_bytes = 0;
 };
 
+// A state-space layer's recurrence over new tokens (Mamba-2's SSD family, the "gated linear
+// recurrence" of issue 28): per sequence one state [num_heads][d_state][head_dim] that carries the
+// sequence's whole history. For each new token t of a sequence, in order, and head h of group
+// g = h / (num_heads / num_groups):
+//   a     = exp(dt[t][h] * a_log_neg[h])                       (a_log_neg < 0: a in (0, 1))
+//   S[n][p] = a * S[n][p] + (dt[t][h] * b[t][g][n]) * x[t][h][p]
+//   y[t][h][p] = sum_n c[t][g][n] * S[n][p] + d[h] * x[t][h][p]
+// A prefill chunk and a decode token run the same per-token arithmetic, so scanning tokens
+// [0, n) at once equals scanning [0, k) and then [k, n) from the state left at k, bit for bit:
+// a checkpoint of the state is an exact resume point.
+struct SsmScanArgs {
+  int32_t num_seqs = 0;
+  int32_t num_heads = 0;
+  int32_t head_dim = 0;
+  int32_t d_state = 0;
+  int32_t num_groups = 0;            // divides num_heads
+  const int32_t* starts = nullptr;   // [num_seqs + 1]: sequence s's token rows
+  const float* x = nullptr;          // [tokens][num_heads][head_dim]
+  const float* dt = nullptr;         // [tokens][num_heads], > 0 (after softplus)
+  const float* a_log_neg = nullptr;  // [num_heads], < 0 (Mamba-2's A = -exp(A_log))
+  const float* b = nullptr;          // [tokens][num_groups][d_state]
+  const float* c = nullptr;          // [tokens][num_groups][d_state]
+  const float* d = nullptr;          // [num_heads] skip weights; null: none
+  float* const* states = nullptr;    // [num_seqs]: each [num_heads][d_state][head_dim], updated
+  float* y = nullptr;                // [tokens][num_heads][head_dim]
+};
+
 // Copy whole blocks (copy-on-write, tier moves).
 struct CopyBlocksArgs {
   int32_t num_pairs = 0;
