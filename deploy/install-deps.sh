@@ -12,6 +12,8 @@ packages=(
   # ASan + UBSan, libFuzzer, whose runtimes are in libclang-rt-16-dev; clang 14 cannot compile
   # std::source_location against libstdc++ 12)
   g++ cmake ninja-build ccache pkg-config git clang-16 libclang-rt-16-dev
+  # the format check in .ci/run (tests/format/check_format.sh; .clang-format)
+  clang-format
   # libraries (DESIGN.md "Stack")
   libabsl-dev libspdlog-dev libxxhash-dev nlohmann-json3-dev libsystemd-dev libopenblas-dev
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
