@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <random>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -64,13 +65,19 @@ int64_t TotalTokens() {
   return n;
 }
 
+// A policy spec ending in "@sampled" also follows vLLM's default share (1 %) of the blocks for
+// the residency histograms (BlockResidency): the cost of metrics.block_residency_sample = 0.01.
 std::unique_ptr<KvCacheManager> MakeCache(int64_t num_blocks, int32_t max_blocks_per_seq,
-                                          const char* policy = "lru") {
+                                          std::string_view policy = "lru") {
+  constexpr std::string_view kSampled = "@sampled";
+  const bool sampled = policy.ends_with(kSampled);
+  if (sampled) policy.remove_suffix(kSampled.size());
   auto cache = KvCacheManager::Create({.block_size = kBs,
                                        .num_blocks = static_cast<int32_t>(num_blocks),
                                        .max_blocks_per_seq = max_blocks_per_seq,
                                        .trace_depth = 0,
-                                       .eviction_policy = policy});
+                                       .residency_sample = sampled ? 0.01 : 0.0,
+                                       .eviction_policy = std::string(policy)});
   KVPOOL_CHECK_OK(cache.status());
   return std::move(*cache);
 }
@@ -194,6 +201,7 @@ KVPOOL_POLICY_BENCHMARKS(lru, "lru");
 KVPOOL_POLICY_BENCHMARKS(default, "lru+admit+notail");
 KVPOOL_POLICY_BENCHMARKS(reuse, "reuse");
 KVPOOL_POLICY_BENCHMARKS(reuse_admit, "reuse+admit");
+KVPOOL_POLICY_BENCHMARKS(default_sampled, "lru+admit+notail@sampled");
 
 }  // namespace
 }  // namespace kvpool

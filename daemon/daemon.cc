@@ -152,10 +152,15 @@ absl::Status Daemon::Start() {
 
 absl::Status Daemon::StartMetrics() {
   if (config_.metrics().listen().empty()) return absl::OkStatus();
-  KVPOOL_ASSIGN_OR_RETURN(metrics_, MetricsServer::Start(config_.metrics().listen(), engine_.get(),
-                                                         &attach_counters_, &rpc_counters_));
+  KVPOOL_ASSIGN_OR_RETURN(
+      metrics_, MetricsServer::Start(config_.metrics().listen(), engine_.get(), &attach_counters_,
+                                     &rpc_counters_, &stream_counters_, ZmqCounters()));
   Log().info("serving /metrics on {} (port {})", config_.metrics().listen(), metrics_->port());
   return absl::OkStatus();
+}
+
+const ZmqEventCounters* Daemon::ZmqCounters() const {
+  return config_.zmq_events().endpoint().empty() ? nullptr : &zmq_counters_;
 }
 
 int Daemon::metrics_port() const { return metrics_ ? metrics_->port() : 0; }
@@ -164,7 +169,7 @@ absl::Status Daemon::StartGrpc() {
   const std::string path = config_.runtime_dir() + "/" + wire::kGrpcSocket;
   unlink(path.c_str());  // stale, from a daemon that died
   service_ = std::make_unique<KvPoolService>(engine_.get(), Clock::Real(), &attach_counters_,
-                                             &rpc_counters_);
+                                             &rpc_counters_, &stream_counters_, ZmqCounters());
   engine_->AddEventListener(service_.get());
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -189,7 +194,8 @@ absl::Status Daemon::StartEventPublisher() {
   ZmqEventOptions options{.endpoint = z.endpoint(),
                           .replay_endpoint = z.replay_endpoint(),
                           .topic = z.topic(),
-                          .data_parallel_rank = z.data_parallel_rank()};
+                          .data_parallel_rank = z.data_parallel_rank(),
+                          .counters = &zmq_counters_};
   if (!z.pool().empty()) {
     KVPOOL_ASSIGN_OR_RETURN(options.pool, engine_->FindPool(z.pool()));
   }

@@ -21,8 +21,10 @@
 #include "daemon/edge/attach_policy.h"
 #include "daemon/edge/attach_server.h"
 #include "daemon/edge/decode_doorbell.h"
+#include "daemon/edge/zmq_event_publisher.h"
 #include "daemon/engine/engine.h"
 #include "daemon/metrics/rpc_counters.h"
+#include "daemon/metrics/stream_counters.h"
 #include "kernels/device.h"
 #include "kvpool/v1/config.pb.h"
 #include "model/step_model.h"
@@ -68,6 +70,8 @@ class Daemon final {
   absl::Status StartAttach();
   // Errors: those of MetricsServer::Start. A no-op without metrics.listen.
   absl::Status StartMetrics();
+  // The publisher's counters when the config asks for a publisher (zmq_events); else null.
+  const ZmqEventCounters* ZmqCounters() const;
   // The ZeroMQ publisher of cache events, when the config asks for one (zmq_events).
   absl::Status StartEventPublisher();
   // Gives an attaching session a decode doorbell when its uid has room for one (counted when
@@ -83,6 +87,8 @@ class Daemon final {
   std::unique_ptr<Engine> engine_;
   AttachCounters attach_counters_;  // outlives attach_ and service_
   RpcCounters rpc_counters_;        // outlives server_ (its interceptor) and service_
+  EventStreamCounters stream_counters_;  // WatchEvents': outlives service_ and metrics_
+  ZmqEventCounters zmq_counters_;        // the publisher's: outlives it and metrics_
   std::unique_ptr<KvPoolService> service_;
   std::unique_ptr<ZmqEventPublisher> event_publisher_;  // null: none configured
   std::unique_ptr<grpc::Server> server_;

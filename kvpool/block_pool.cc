@@ -41,6 +41,10 @@ absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::Create(const BlockPoolOpti
     return absl::InvalidArgumentError(
         fmt::format("trace_depth must be 0 or a power of two (got {})", options.trace_depth));
   }
+  if (!(options.residency_sample >= 0 && options.residency_sample <= 1)) {
+    return absl::InvalidArgumentError(
+        fmt::format("residency_sample must be in [0, 1] (got {})", options.residency_sample));
+  }
   if (options.max_namespaces < 1 || options.max_namespaces > kMaxNamespaceSlots) {
     return absl::InvalidArgumentError(fmt::format("max_namespaces must be in [1, {}] (got {})",
                                                   kMaxNamespaceSlots, options.max_namespaces));
@@ -62,6 +66,7 @@ BlockPool::BlockPool(const BlockPoolOptions& options)
       max_namespaces_(options.max_namespaces),
       namespaces_{kNoNamespace},
       active_by_ns_{0},
+      residency_(num_blocks_, options.residency_sample, options.residency_seed),
       trace_(num_blocks_, options.trace_depth) {
   free_list_.reserve(num_blocks_);
   // Highest id at the bottom so that a fresh pool hands out 0, 1, 2, ...
@@ -212,6 +217,7 @@ absl::Status BlockPool::DropCacheRefSlow(BlockId block, const TraceContext& ctx,
   const uint32_t refs = --refs_[i];
   if (refs == 0) {
     --num_cached_;
+    residency_.OnEvict(block, generation_[i], ctx.time_ns);
     FreeOrRetire(block, ctx, site);
   } else {
     trace_.Record(block, BlockOp::kCacheDrop, refs, generation_[i], ctx, site);
@@ -251,6 +257,7 @@ int32_t BlockPool::ReclaimRetired(const TraceContext& ctx, std::source_location 
       retiring_[kept++] = block;
       continue;
     }
+    fence_wait_.Observe(static_cast<double>(ctx.time_ns - last_use_[Index(block)]) * 1e-9);
     PushFree(block);
     trace_.Record(block, BlockOp::kReclaim, 0, generation_[Index(block)], ctx, site);
     ++reclaimed;
@@ -320,6 +327,8 @@ BlockPoolStats BlockPool::stats() const {
   s.over_releases = over_releases_;
   s.namespaces = static_cast<int32_t>(slots_.size());
   s.namespaces_recycled = namespaces_recycled_;
+  s.fence_wait = fence_wait_;
+  s.residency = residency_.stats();
   return s;
 }
 

@@ -39,8 +39,10 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kvpool/block_residency.h"
 #include "kvpool/block_trace.h"
 #include "kvpool/fence.h"
+#include "kvpool/util/histogram.h"
 #include "kvpool/util/strong_id.h"
 
 namespace kvpool {
@@ -75,7 +77,16 @@ struct BlockPoolOptions {
   // Answers whether device work has completed. Needed only by MarkInFlight(); not owned, must
   // outlive the pool.
   const FenceObserver* fences = nullptr;
+  // Share of hand-outs whose residency is followed (BlockResidency), in [0, 1]; 0: none. The
+  // seed makes the picks reproducible.
+  double residency_sample = 0;
+  uint64_t residency_seed = 0;
 };
+
+// Buckets of BlockPoolStats::fence_wait (seconds): 100 us to 10 s.
+inline constexpr double kFenceWaitBucketsSeconds[] = {0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005,
+                                                      0.01,   0.025,   0.05,   0.1,   0.25,   0.5,
+                                                      1,      2.5,     5,      10};
 
 struct BlockPoolStats {
   // Gauges, in blocks. free + active + cached + retiring == num_blocks.
@@ -93,12 +104,17 @@ struct BlockPoolStats {
   // Namespaces: registered now (gauge); slots recycled since creation (counter).
   int32_t namespaces = 0;
   uint64_t namespaces_recycled = 0;
+  // Time each reclaimed block spent RETIRING (its last release to the reclaim pass that found
+  // its fences passed), seconds.
+  Histogram fence_wait{kFenceWaitBucketsSeconds};
+  // Sampled block residency (vLLM's kv_block_* histograms).
+  BlockResidencyStats residency;
 };
 
 class BlockPool final {
  public:
-  // Errors: INVALID_ARGUMENT for num_blocks <= 0, a trace_depth that is not 0 or a power of 2, or
-  // max_namespaces outside [1, kMaxNamespaceSlots].
+  // Errors: INVALID_ARGUMENT for num_blocks <= 0, a trace_depth that is not 0 or a power of 2,
+  // max_namespaces outside [1, kMaxNamespaceSlots], or residency_sample outside [0, 1].
   static absl::StatusOr<std::unique_ptr<BlockPool>> Create(const BlockPoolOptions& options);
 
   // Returns the slot of `ns`, registering it on first use (in a recycled slot when there is one).
@@ -166,7 +182,14 @@ class BlockPool final {
   absl::Status MarkInFlight(BlockId block, Fence fence, const TraceContext& ctx,
                             std::source_location site = std::source_location::current());
 
-  // Moves every RETIRING block whose fences have passed to the free list. Returns how many.
+  // The prefix cache served `block` to a new holder (a prefix hit): residency's access.
+  // REQUIRES: Contains(block).
+  void NoteCacheHit(BlockId block, const TraceContext& ctx) {
+    residency_.OnAccess(block, generation_[Index(block)], ctx.time_ns);
+  }
+
+  // Moves every RETIRING block whose fences have passed to the free list, observing how long
+  // each waited in fence_wait. Returns how many.
   int32_t ReclaimRetired(const TraceContext& ctx,
                          std::source_location site = std::source_location::current());
 
@@ -275,6 +298,8 @@ class BlockPool final {
   uint64_t retired_ = 0;
   uint64_t scrubs_ = 0;
   uint64_t over_releases_ = 0;
+  Histogram fence_wait_{kFenceWaitBucketsSeconds};
+  BlockResidency residency_;
 
   BlockTrace trace_;
 };
@@ -323,6 +348,7 @@ inline absl::Status BlockPool::Allocate(int32_t n, NamespaceSlot slot, const Tra
     trace_.Record(block, BlockOp::kAllocate, 1, generation, ctx, site);
   }
   free_list_.resize(top - static_cast<size_t>(n));
+  residency_.OnHandOut({out_end, static_cast<size_t>(n)}, generations, ctx.time_ns);
   scrubs_ += scrubs;
   active_by_ns_[owner] += n;
   allocated_ += static_cast<uint64_t>(n);
@@ -392,6 +418,7 @@ inline absl::Status BlockPool::DropCacheRef(BlockId block, const TraceContext& c
       refs_[i] = 0;
       --num_cached_;
       last_use_[i] = ctx.time_ns;
+      residency_.OnEvict(block, generation_[i], ctx.time_ns);
       PushFree(block);
       trace_.Record(block, BlockOp::kFree, 0, generation_[i], ctx, site);
       return absl::OkStatus();

@@ -58,7 +58,9 @@ absl::StatusOr<std::unique_ptr<KvCacheManager>> KvCacheManager::Create(
       BlockPool::Create(BlockPoolOptions{.num_blocks = options.num_blocks,
                                          .trace_depth = options.trace_depth,
                                          .max_namespaces = options.max_namespaces,
-                                         .fences = options.fences}));
+                                         .fences = options.fences,
+                                         .residency_sample = options.residency_sample,
+                                         .residency_seed = options.residency_seed}));
   std::unique_ptr<PrefixCache> cache;
   if (options.prefix_cache) {
     KVPOOL_ASSIGN_OR_RETURN(
@@ -182,6 +184,23 @@ absl::StatusOr<Sequence*> KvCacheManager::Owned(SessionId caller, SequenceId seq
         fmt::format("sequence {} belongs to another session", sequence.value()));
   }
   return &it->second;
+}
+
+void KvCacheManager::CountMissed(MatchStop stop, uint64_t tokens) {
+  switch (stop) {
+    case MatchStop::kPromptEnd:  // no cache: nothing was cached
+    case MatchStop::kUnknownNamespace:
+    case MatchStop::kNoChild:
+    case MatchStop::kDiverged:
+      counters_.missed_not_cached += tokens;
+      return;
+    case MatchStop::kEvicted:
+      counters_.missed_evicted += tokens;
+      return;
+    case MatchStop::kInsufficientCoverage:
+      counters_.missed_coverage += tokens;
+      return;
+  }
 }
 
 absl::Status KvCacheManager::CountExhausted(absl::Status status) {
@@ -451,6 +470,7 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
     for (NodeIndex node : p.match.full) {
       seq.table.push_back(cache_->block_of(node));
       RetainBlock(seq.table.back(), ctx);
+      pool_->NoteCacheHit(seq.table.back(), ctx);
     }
     if (p.match.partial != kNoNode) {
       const BlockId src = cache_->block_of(p.match.partial);
@@ -461,12 +481,14 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
       } else {
         seq.table.push_back(src);
         RetainBlock(src, ctx);
+        pool_->NoteCacheHit(src, ctx);
       }
     }
     KVPOOL_CHECK_OK(pool_->Allocate(p.new_blocks, seq.slot, ctx, &seq.table, &plan->fills));
     seq.num_tokens = r.num_tokens;
     counters_.prompt_tokens += r.prompt.size();
     counters_.hit_tokens += static_cast<uint64_t>(p.match.matched_tokens);
+    CountMissed(p.stop, r.prompt.size() - static_cast<uint64_t>(p.match.matched_tokens));
     results->push_back(AllocateResult{id, p.match.matched_tokens});
   }
   sessions_[caller].sequences += static_cast<int64_t>(requests.size());
@@ -492,7 +514,14 @@ absl::Status KvCacheManager::PlanAllocate(const AllocateRequest& r, AllocateTall
         Resource::kTableBound, need - max_blocks_per_seq_,
         fmt::format("a sequence of {} tokens needs {} blocks", r.num_tokens, need));
   }
-  if (cache_ && !r.prompt.empty()) p->match = cache_->Match(r.ns, r.prompt);
+  if (cache_ && !r.prompt.empty()) {
+    p->match = cache_->Match(r.ns, r.prompt);
+    if (p->match.matched_tokens < static_cast<int64_t>(r.prompt.size())) {
+      MatchExplanation why;
+      cache_->ExplainStop(r.ns, r.prompt, p->match, &why);
+      p->stop = why.stop;
+    }
+  }
   // Table slots the match fills: every fully matched block, and the partially matched one
   // (shared, or copied when the sequence will write into it).
   const int64_t from_match =

@@ -92,6 +92,8 @@ struct KvCacheOptions {
   int32_t num_blocks = 0;              // blocks in the pool; > 0
   int32_t max_blocks_per_seq = 0;      // bound on every block table; > 0
   int32_t trace_depth = 8;             // operations remembered per block: 0 (off) or a power of 2
+  double residency_sample = 0;         // BlockPoolOptions::residency_sample: share followed
+  uint64_t residency_seed = 0;         // its picks' seed
   const Clock* clock = Clock::Real();  // not owned; outlives the manager
   const FenceObserver* fences = nullptr;  // not owned; see BlockPoolOptions
   bool prefix_cache = true;               // share prefixes; off: Commit only records tokens
@@ -204,6 +206,11 @@ struct KvCacheStats {
   uint64_t exhausted = 0;      // calls refused with RESOURCE_EXHAUSTED
   uint64_t prompt_tokens = 0;  // prompt tokens looked up by Allocate
   uint64_t hit_tokens = 0;     // of which found in the prefix cache
+  // The others (prompt_tokens - hit_tokens), by why the match stopped where it did
+  // (PrefixCache::ExplainStop at plan time):
+  uint64_t missed_not_cached = 0;  // nothing cached there (no namespace tree, no child, diverged)
+  uint64_t missed_evicted = 0;     // the next full block was cached and has been evicted
+  uint64_t missed_coverage = 0;    // a cached block agrees but covers too few of the tokens
   uint64_t evictions = 0;      // cached blocks evicted to make room (or on request)
   int64_t pins = 0;            // live pins
   int64_t pinned_blocks = 0;   // distinct blocks they hold
@@ -450,6 +457,7 @@ class KvCacheManager final {
   struct AllocatePlan {
     PrefixMatch match;
     bool copy_partial = false;  // the partially matched block is copied, not shared
+    MatchStop stop = MatchStop::kPromptEnd;  // why the match stopped (prompt tokens missed)
     int32_t new_blocks = 0;
   };
   // Blocks a batch has already claimed to write into, and by how many holders.
@@ -535,6 +543,8 @@ class KvCacheManager final {
   void ReleaseBlock(BlockId block, const TraceContext& ctx);
   // Releases table entries past `keep`, deepest first, unlocking tree nodes on the way.
   void ReleaseTail(Sequence* sequence, size_t keep, const TraceContext& ctx);
+  // Adds `tokens` prompt tokens the prefix cache did not have to the counter of `stop`.
+  void CountMissed(MatchStop stop, uint64_t tokens);
   absl::Status CountExhausted(absl::Status status);
   // Tokens each block of a batch is said to hold, by the sequences publishing it.
   using PublishClaims = absl::flat_hash_map<BlockId, std::vector<int32_t>>;

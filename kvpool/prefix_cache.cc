@@ -315,37 +315,45 @@ PrefixMatch PrefixCache::Match(NamespaceId ns, std::span<const int32_t> tokens) 
   return m;
 }
 
-MatchExplanation PrefixCache::Explain(NamespaceId ns, std::span<const int32_t> tokens) const {
-  MatchExplanation e;
-  const PrefixMatch m = Match(ns, tokens);
-  e.matched_tokens = m.matched_tokens;
-  e.block_index = static_cast<int64_t>(m.full.size());
+void PrefixCache::ExplainStop(NamespaceId ns, std::span<const int32_t> tokens, const PrefixMatch& m,
+                              MatchExplanation* e) const {
+  e->matched_tokens = m.matched_tokens;
+  e->block_index = static_cast<int64_t>(m.full.size());
   const size_t pos = m.full.size() * static_cast<size_t>(block_size_);
   const NodeIndex root = Root(ns);
   if (root == kNoNode) {
-    e.stop = MatchStop::kUnknownNamespace;
-  } else if (pos >= tokens.size() || m.matched_tokens == static_cast<int64_t>(tokens.size())) {
-    e.stop = MatchStop::kPromptEnd;
-  } else {
-    const NodeIndex parent = m.full.empty() ? root : m.full.back();
-    const std::span<const int32_t> block =
-        tokens.subspan(pos, std::min(static_cast<size_t>(block_size_), tokens.size() - pos));
-    e.tokens_needed = static_cast<int32_t>(block.size());
-    const NodeIndex best = BestChild(parent, block, &e.best_common);
-    if (best != kNoNode) e.best_coverage = nodes_[best].coverage;
-    const bool was_evicted = block.size() == static_cast<size_t>(block_size_) &&
-                             evicted_set_.contains(PrefixChainHash(hash_[parent], ns, block));
-    if (was_evicted) {
-      e.stop = MatchStop::kEvicted;
-    } else if (best == kNoNode && nodes_[parent].num_children == 0) {
-      e.stop = MatchStop::kNoChild;
-    } else if (best != kNoNode && e.best_common == e.best_coverage &&
-               e.best_coverage < e.tokens_needed) {
-      e.stop = MatchStop::kInsufficientCoverage;
-    } else {
-      e.stop = MatchStop::kDiverged;
-    }
+    e->stop = MatchStop::kUnknownNamespace;
+    return;
   }
+  if (pos >= tokens.size() || m.matched_tokens == static_cast<int64_t>(tokens.size())) {
+    e->stop = MatchStop::kPromptEnd;
+    return;
+  }
+  const NodeIndex parent = m.full.empty() ? root : m.full.back();
+  const std::span<const int32_t> block =
+      tokens.subspan(pos, std::min(static_cast<size_t>(block_size_), tokens.size() - pos));
+  e->tokens_needed = static_cast<int32_t>(block.size());
+  const NodeIndex best = BestChild(parent, block, &e->best_common);
+  if (best != kNoNode) e->best_coverage = nodes_[best].coverage;
+  // Nothing remembered as evicted (none yet, or no memory): no hash to compute.
+  const bool was_evicted = block.size() == static_cast<size_t>(block_size_) &&
+                           !evicted_set_.empty() &&
+                           evicted_set_.contains(PrefixChainHash(hash_[parent], ns, block));
+  if (was_evicted) {
+    e->stop = MatchStop::kEvicted;
+  } else if (best == kNoNode && nodes_[parent].num_children == 0) {
+    e->stop = MatchStop::kNoChild;
+  } else if (best != kNoNode && e->best_common == e->best_coverage &&
+             e->best_coverage < e->tokens_needed) {
+    e->stop = MatchStop::kInsufficientCoverage;
+  } else {
+    e->stop = MatchStop::kDiverged;
+  }
+}
+
+MatchExplanation PrefixCache::Explain(NamespaceId ns, std::span<const int32_t> tokens) const {
+  MatchExplanation e;
+  ExplainStop(ns, tokens, Match(ns, tokens), &e);
   for (const auto& [other, other_root] : roots_) {
     if (other == ns) continue;
     const int64_t matched = Match(other, tokens).matched_tokens;

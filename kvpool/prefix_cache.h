@@ -152,6 +152,11 @@ class PrefixCache final {
   // The longest cached prefix of `tokens` in `ns`. Changes nothing.
   PrefixMatch Match(NamespaceId ns, std::span<const int32_t> tokens) const;
   MatchExplanation Explain(NamespaceId ns, std::span<const int32_t> tokens) const;
+  // Explain() for a match already made (`m` is Match(ns, tokens), the tree unchanged since),
+  // without the search of other namespaces: fills every field of `e` but other_namespaces.
+  // Cost: one scan of the stopping block's candidates and at most one block hash.
+  void ExplainStop(NamespaceId ns, std::span<const int32_t> tokens, const PrefixMatch& m,
+                   MatchExplanation* e) const;
 
   // Locks the nodes of `match` for a new sequence and tells the policy they were hit. Block
   // references are the caller's business.

@@ -597,6 +597,7 @@ absl::StatusOr<EngineOptions> MakeEngineOptions(const v1::DaemonConfig& c, uint6
   o.session_quota_blocks = c.session_quota_blocks();
   o.max_tenant_labels = static_cast<size_t>(
       c.metrics().max_tenants() > 0 ? c.metrics().max_tenants() : kDefaultMaxTenants);
+  o.block_residency_sample = c.metrics().block_residency_sample();
   o.tiers = TierOptionsOf(c.tiers(), c.model());
   if (o.tiers.disk.enabled()) o.invalidations_file = o.tiers.disk.directory + "/invalidations";
   if (o.tiers.redis.enabled && !c.tiers().redis().password_file().empty()) {

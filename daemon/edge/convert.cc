@@ -217,7 +217,8 @@ void ToProto(const TierStats& t, v1::TierStats* out) {
 }  // namespace
 
 void ToProto(const EngineStats& st, const AttachCounters* attach, const RpcCounters* rpcs,
-             v1::GetStatsResponse* r) {
+             v1::GetStatsResponse* r, const EventStreamStats* streams,
+             const ZmqEventCounters* zmq) {
   // What is not a number of the stats table; the figures come from the table (stats_table.cc).
   r->set_device(st.device);
   r->set_epoch(st.epoch);  // an identity of 64 random bits, not a figure: a double would round it
@@ -227,7 +228,7 @@ void ToProto(const EngineStats& st, const AttachCounters* attach, const RpcCount
   r->set_pool(st.pool);
   for (const std::string& p : st.pools) r->add_pools(p);
   if (st.tiers.host || st.tiers.disk || st.tiers.remote) ToProto(st.tiers, r->mutable_tiers());
-  FillStats({.engine = &st, .attach = attach, .rpcs = rpcs}, r);
+  FillStats({.engine = &st, .attach = attach, .rpcs = rpcs, .streams = streams, .zmq = zmq}, r);
 }
 
 void ToProto(const SessionListing& l, int64_t now_ns, v1::SessionInfo* info) {

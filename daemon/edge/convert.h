@@ -10,8 +10,10 @@
 
 #include "absl/status/status.h"
 #include "daemon/edge/attach_server.h"
+#include "daemon/edge/zmq_event_publisher.h"
 #include "daemon/engine/engine.h"
 #include "daemon/metrics/rpc_counters.h"
+#include "daemon/metrics/stream_counters.h"
 #include "grpcpp/grpcpp.h"
 #include "kvpool/v1/attach.pb.h"
 #include "kvpool/v1/kvpool.pb.h"
@@ -33,10 +35,12 @@ std::span<const int32_t> Tokens(const Field& field) {
 void ToProto(const kernels::PoolLayout& layout, v1::PoolLayout* out);
 v1::KvEvent ToProto(const KvEvent& event);
 void ToProto(const BlockTraceEntry& entry, v1::TraceEntry* out);
-// Every stats figure comes from the stats table (daemon/metrics/stats_table.h); `attach` and
-// `rpcs` (each may be null) give the attach socket's and the gRPC service's.
+// Every stats figure comes from the stats table (daemon/metrics/stats_table.h); `attach`,
+// `rpcs`, `streams` and `zmq` (each may be null) give the attach socket's, the gRPC service's,
+// the WatchEvents streams' and the ZeroMQ publisher's.
 void ToProto(const EngineStats& stats, const AttachCounters* attach, const RpcCounters* rpcs,
-             v1::GetStatsResponse* out);
+             v1::GetStatsResponse* out, const EventStreamStats* streams = nullptr,
+             const ZmqEventCounters* zmq = nullptr);
 // `pool`: the session's pool's name.
 void ToProto(const SessionListing& listing, int64_t now_ns, v1::SessionInfo* out);
 // What an accepted attach sends back (the descriptors go beside it, in `fds` order).

@@ -47,10 +47,17 @@ class KvPoolService final : public v1::KvPool::CallbackService, public EventList
  public:
   // Neither is owned; both outlive the service.
   // `attach` and `rpcs` (not owned; may be null) hold the attach socket's and the calls'
-  // counters for GetStats.
+  // counters for GetStats; the WatchEvents streams count into `streams` (not owned; null: the
+  // service's own), and `zmq` (may be null) is the ZeroMQ publisher's.
   KvPoolService(Engine* engine, const Clock* clock, const AttachCounters* attach = nullptr,
-                const RpcCounters* rpcs = nullptr)
-      : engine_(engine), clock_(clock), attach_(attach), rpcs_(rpcs) {}
+                const RpcCounters* rpcs = nullptr, EventStreamCounters* streams = nullptr,
+                const ZmqEventCounters* zmq = nullptr)
+      : engine_(engine),
+        clock_(clock),
+        attach_(attach),
+        rpcs_(rpcs),
+        streams_(streams != nullptr ? streams : &own_streams_),
+        zmq_(zmq) {}
   ~KvPoolService() override = default;
 
   using Context = grpc::CallbackServerContext;
@@ -134,6 +141,9 @@ class KvPoolService final : public v1::KvPool::CallbackService, public EventList
   const Clock* const clock_;
   const AttachCounters* const attach_;
   const RpcCounters* const rpcs_;
+  EventStreamCounters own_streams_;
+  EventStreamCounters* const streams_;  // streams given, or own_streams_
+  const ZmqEventCounters* const zmq_;
   absl::Mutex calls_mu_;
   int64_t calls_ ABSL_GUARDED_BY(calls_mu_) = 0;  // calls running
   bool stopping_ ABSL_GUARDED_BY(calls_mu_) = false;

@@ -14,10 +14,17 @@ namespace kvpool::daemon {
 class EventWriter final : public grpc::ServerWriteReactor<v1::WatchEventsResponse> {
  public:
   EventWriter(KvPoolService* service, int32_t pool, const v1::WatchEventsRequest& request)
-      : service_(service), engine_(service->engine_), pool_(pool), follow_(request.follow()) {
+      : service_(service),
+        engine_(service->engine_),
+        counters_(service->streams_),
+        pool_(pool),
+        follow_(request.follow()) {
     next_ = request.from_seq() == 0 ? engine_->next_event_seq(pool_) : request.from_seq();
     std::vector<KvEvent> probe;
-    if (request.snapshot() || !engine_->ReadEvents(pool_, next_, 0, &probe)) SendSnapshot();
+    if (request.snapshot() || !engine_->ReadEvents(pool_, next_, 0, &probe)) {
+      SendSnapshot(/*requested=*/request.snapshot());
+    }
+    if (follow_) counters_->FollowerOpened();
     service->Register(this);
     Pump();
   }
@@ -28,7 +35,7 @@ class EventWriter final : public grpc::ServerWriteReactor<v1::WatchEventsRespons
     if (writing_ || done_) return;
     std::vector<KvEvent> events;
     if (!engine_->ReadEvents(pool_, next_, 256, &events)) {
-      SendSnapshotLocked();  // fell behind the ring while following
+      SendSnapshotLocked(/*requested=*/false);  // fell behind the ring while following
       return;
     }
     if (events.empty()) {
@@ -37,6 +44,8 @@ class EventWriter final : public grpc::ServerWriteReactor<v1::WatchEventsRespons
     }
     response_.Clear();
     next_ = events.back().seq + 1;
+    const uint64_t head = engine_->next_event_seq(pool_);
+    counters_->BatchSent(head > next_ ? head - next_ : 0);
     for (const KvEvent& e : events) *response_.add_events() = ToProto(e);
     writing_ = true;
     StartWrite(&response_);
@@ -64,17 +73,20 @@ class EventWriter final : public grpc::ServerWriteReactor<v1::WatchEventsRespons
   int32_t pool() const { return pool_; }
 
   void OnDone() override {
+    if (follow_) counters_->FollowerClosed();
     service_->Unregister(this);
     service_->EndCall();
     delete this;
   }
 
  private:
-  void SendSnapshot() {
+  // `requested`: the caller asked for it; otherwise the stream's next event had left the log.
+  void SendSnapshot(bool requested) {
     absl::MutexLock lock(&mu_);
-    SendSnapshotLocked();
+    SendSnapshotLocked(requested);
   }
-  void SendSnapshotLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  void SendSnapshotLocked(bool requested) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    counters_->SnapshotSent(requested);
     uint64_t resume = 0;
     response_.Clear();
     response_.set_snapshot(true);
@@ -94,6 +106,7 @@ class EventWriter final : public grpc::ServerWriteReactor<v1::WatchEventsRespons
 
   KvPoolService* const service_;
   Engine* const engine_;
+  EventStreamCounters* const counters_;
   const int32_t pool_;
   const bool follow_;
   absl::Mutex mu_;
@@ -153,7 +166,8 @@ KvPoolService::Unary* KvPoolService::GetStats(Context* c, const v1::GetStatsRequ
                                               v1::GetStatsResponse* r) {
   return Run(c, true, [&](const Session& s) -> absl::Status {
     KVPOOL_ASSIGN_OR_RETURN(const int32_t pool, PoolOf(s, q->pool()));
-    ToProto(engine_->Stats(pool), attach_, rpcs_, r);
+    const EventStreamStats streams = streams_->Read();
+    ToProto(engine_->Stats(pool), attach_, rpcs_, r, &streams, zmq_);
     return absl::OkStatus();
   });
 }

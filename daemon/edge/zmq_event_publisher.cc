@@ -143,7 +143,8 @@ ZmqEventPublisher::ZmqEventPublisher(const ZmqEventOptions& options, const Engin
       sockets_(std::move(sockets)),
       wake_(std::move(wake)),
       bound_endpoint_(LastEndpoint(sockets_->pub)),
-      bound_replay_endpoint_(sockets_->replay ? LastEndpoint(sockets_->replay) : "") {
+      bound_replay_endpoint_(sockets_->replay ? LastEndpoint(sockets_->replay) : ""),
+      counters_(options.counters != nullptr ? options.counters : &own_counters_) {
   // next_ = 1: from the daemon's first event; those the log no longer holds (a publisher added
   // late) become one resync batch.
   thread_ = std::thread([this] { Run(); });
@@ -207,7 +208,7 @@ void ZmqEventPublisher::PublishNew() {
                  next_, resume - 1);
       Send(resume - 1, EncodeVllmBatch(snapshot, now, options_.data_parallel_rank,
                                        /*clear_first=*/true));
-      counters_.resyncs.fetch_add(1, std::memory_order_relaxed);
+      counters_->resyncs.fetch_add(1, std::memory_order_relaxed);
       next_ = resume;
       continue;
     }
@@ -225,8 +226,11 @@ void ZmqEventPublisher::Send(uint64_t seq, std::string payload) {
   // PUB never blocks: a subscriber past its high-water mark loses the message (and replays).
   zmq_send(sockets_->pub, options_.topic.data(), options_.topic.size(), ZMQ_SNDMORE);
   zmq_send(sockets_->pub, seq_bytes.data(), seq_bytes.size(), ZMQ_SNDMORE);
-  message->SendOn(sockets_->pub, 0);
-  counters_.batches.fetch_add(1, std::memory_order_relaxed);
+  if (message->SendOn(sockets_->pub, 0)) {
+    counters_->batches.fetch_add(1, std::memory_order_relaxed);
+  } else {
+    counters_->send_errors.fetch_add(1, std::memory_order_relaxed);
+  }
   if (sockets_->replay == nullptr) return;
   sockets_->kept_bytes += message->size();
   sockets_->kept.push_back({seq, std::move(message)});
@@ -265,7 +269,7 @@ void ZmqEventPublisher::ServeReplay() {
     zmq_msg_close(&part);
   }
   if (frames.size() != kMaxRequestFrames || !frames[1].empty() || frames[2].size() != 8) {
-    counters_.replays_refused.fetch_add(1, std::memory_order_relaxed);
+    counters_->replays_refused.fetch_add(1, std::memory_order_relaxed);
     return;
   }
   const std::string& peer = frames[0];
@@ -279,12 +283,13 @@ void ZmqEventPublisher::ServeReplay() {
     if (k.seq < from) continue;
     // A peer gone or not reading: ROUTER_MANDATORY fails the send at once; give up on it.
     if (!send_header(SeqBytes(k.seq)) || !k.payload->SendOn(sockets_->replay, ZMQ_DONTWAIT)) {
+      counters_->replays_abandoned.fetch_add(1, std::memory_order_relaxed);
       return;
     }
   }
   const std::string end(8, '\xff');  // -1, vLLM's end marker
   if (send_header(end)) zmq_send(sockets_->replay, "", 0, ZMQ_DONTWAIT);
-  counters_.replays.fetch_add(1, std::memory_order_relaxed);
+  counters_->replays.fetch_add(1, std::memory_order_relaxed);
 }
 
 }  // namespace kvpool::daemon

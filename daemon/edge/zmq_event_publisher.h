@@ -37,6 +37,17 @@
 
 namespace kvpool::daemon {
 
+// What a publisher counts. A message PUB drops for a subscriber past its high-water mark is not
+// among them: ZeroMQ drops it silently (the subscriber sees the gap and asks for a replay).
+struct ZmqEventCounters {
+  std::atomic<uint64_t> batches{0};            // published
+  std::atomic<uint64_t> resyncs{0};            // resync batches (events lost behind the log)
+  std::atomic<uint64_t> send_errors{0};        // batches the PUB socket refused (not queued)
+  std::atomic<uint64_t> replays{0};            // replay requests answered in full
+  std::atomic<uint64_t> replays_refused{0};    // malformed replay requests dropped
+  std::atomic<uint64_t> replays_abandoned{0};  // answers cut short: the peer was not reading
+};
+
 struct ZmqEventOptions {
   std::string endpoint;         // PUB, bound (tcp://127.0.0.1:5557, ipc://path, tcp://*:5557)
   std::string replay_endpoint;  // ROUTER, bound; empty: no replay socket
@@ -46,13 +57,8 @@ struct ZmqEventOptions {
   size_t replay_batches = 10000;           // batches kept for replay (vLLM's buffer_steps)
   size_t replay_bytes = size_t{64} << 20;  // their payloads' bytes, at most
   int32_t send_hwm = 100000;               // PUB messages queued per subscriber
-};
-
-struct ZmqEventCounters {
-  std::atomic<uint64_t> batches{0};          // published
-  std::atomic<uint64_t> resyncs{0};          // resync batches (events lost behind the log)
-  std::atomic<uint64_t> replays{0};          // replay requests answered
-  std::atomic<uint64_t> replays_refused{0};  // malformed replay requests dropped
+  // Where the publisher counts (the daemon's, for its stats tables); null: its own.
+  ZmqEventCounters* counters = nullptr;
 };
 
 class ZmqEventPublisher final : public EventListener {
@@ -70,7 +76,7 @@ class ZmqEventPublisher final : public EventListener {
   // The endpoints as bound (a wildcard port resolved).
   const std::string& endpoint() const { return bound_endpoint_; }
   const std::string& replay_endpoint() const { return bound_replay_endpoint_; }
-  const ZmqEventCounters& counters() const { return counters_; }
+  const ZmqEventCounters& counters() const { return *counters_; }
 
  private:
   struct Sockets;
@@ -94,7 +100,8 @@ class ZmqEventPublisher final : public EventListener {
   std::atomic<bool> wake_pending_{false};           // an eventfd write not yet read
   uint64_t next_ = 1;                               // the thread's: the next seq to publish
   absl::Time last_publish_ = absl::InfinitePast();  // the thread's
-  ZmqEventCounters counters_;
+  ZmqEventCounters own_counters_;
+  ZmqEventCounters* const counters_;  // options_.counters, or own_counters_
   std::thread thread_;
 };
 

@@ -80,6 +80,8 @@ struct EngineOptions {
   // Tenants counted under their own name in per-tenant stats, per pool; later ones count under
   // "other" (TenantCounterTable).
   size_t max_tenant_labels = 64;
+  // Share of block hand-outs followed for the residency histograms (BlockPoolOptions), [0, 1].
+  double block_residency_sample = 0;
   // The configured tenants. Empty: any tenant name may be claimed, with `open_tenant`'s limits
   // and, when `open_quota_blocks` names it, that quota.
   absl::flat_hash_map<std::string, TenantLimits> tenants;

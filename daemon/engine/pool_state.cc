@@ -27,6 +27,8 @@ absl::StatusOr<std::unique_ptr<PoolState>> PoolState::Create(const PoolOptions& 
                               .num_blocks = layout.num_blocks,
                               .max_blocks_per_seq = options.max_blocks_per_seq,
                               .trace_depth = options.trace_depth,
+                              .residency_sample = options.block_residency_sample,
+                              .residency_seed = options.epoch,
                               .clock = options.clock,
                               .fences = steps.get(),
                               .prefix_cache = options.prefix_cache,

@@ -1,6 +1,7 @@
 #include "daemon/metrics/exposition.h"
 
 #include <limits>
+#include <optional>
 #include <string>
 
 #include "absl/container/flat_hash_map.h"
@@ -74,12 +75,20 @@ class FamilySet {
 
 std::vector<prometheus::MetricFamily> CollectFamilies(const Engine& engine,
                                                       const AttachCounters* attach,
-                                                      const RpcCounters* rpcs) {
+                                                      const RpcCounters* rpcs,
+                                                      const EventStreamCounters* streams,
+                                                      const ZmqEventCounters* zmq) {
   FamilySet families;
+  std::optional<EventStreamStats> stream_stats;
+  if (streams != nullptr) stream_stats = streams->Read();
   for (int32_t pool = 0; pool < engine.num_pools(); ++pool) {
     const EngineStats stats = engine.Stats(pool);
-    ForEachStat({.engine = &stats, .attach = attach, .rpcs = rpcs}, /*daemon_rows=*/pool == 0,
-                [&](const StatSample& s) { families.Add(s); });
+    ForEachStat({.engine = &stats,
+                 .attach = attach,
+                 .rpcs = rpcs,
+                 .streams = stream_stats ? &*stream_stats : nullptr,
+                 .zmq = zmq},
+                /*daemon_rows=*/pool == 0, [&](const StatSample& s) { families.Add(s); });
   }
   return families.Take();
 }

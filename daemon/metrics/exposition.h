@@ -9,32 +9,41 @@
 #include <vector>
 
 #include "daemon/edge/attach_server.h"
+#include "daemon/edge/zmq_event_publisher.h"
 #include "daemon/engine/engine.h"
 #include "daemon/metrics/rpc_counters.h"
+#include "daemon/metrics/stream_counters.h"
 #include "prometheus/collectable.h"
 #include "prometheus/metric_family.h"
 
 namespace kvpool::daemon {
 
 // The families of every pool of `engine`; `attach` and `rpcs` may be null.
+// `streams` and `zmq` may be null too (their rows are then absent).
 std::vector<prometheus::MetricFamily> CollectFamilies(const Engine& engine,
                                                       const AttachCounters* attach,
-                                                      const RpcCounters* rpcs = nullptr);
+                                                      const RpcCounters* rpcs = nullptr,
+                                                      const EventStreamCounters* streams = nullptr,
+                                                      const ZmqEventCounters* zmq = nullptr);
 
 // CollectFamilies as a prometheus::Collectable (what prometheus::Exposer serves). Thread-safe;
 // what it is given must outlive it.
 class StatsCollector final : public prometheus::Collectable {
  public:
-  StatsCollector(const Engine* engine, const AttachCounters* attach, const RpcCounters* rpcs)
-      : engine_(engine), attach_(attach), rpcs_(rpcs) {}
+  StatsCollector(const Engine* engine, const AttachCounters* attach, const RpcCounters* rpcs,
+                 const EventStreamCounters* streams = nullptr,
+                 const ZmqEventCounters* zmq = nullptr)
+      : engine_(engine), attach_(attach), rpcs_(rpcs), streams_(streams), zmq_(zmq) {}
   std::vector<prometheus::MetricFamily> Collect() const override {
-    return CollectFamilies(*engine_, attach_, rpcs_);
+    return CollectFamilies(*engine_, attach_, rpcs_, streams_, zmq_);
   }
 
  private:
   const Engine* const engine_;
   const AttachCounters* const attach_;
   const RpcCounters* const rpcs_;
+  const EventStreamCounters* const streams_;
+  const ZmqEventCounters* const zmq_;
 };
 
 }  // namespace kvpool::daemon

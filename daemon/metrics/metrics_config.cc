@@ -36,6 +36,10 @@ std::vector<std::string> ValidateMetricsSpec(const v1::MetricsSpec& spec) {
     problems.push_back(
         fmt::format("metrics.max_tenants: must be in [0, 10000] (got {})", spec.max_tenants()));
   }
+  if (!(spec.block_residency_sample() >= 0 && spec.block_residency_sample() <= 1)) {
+    problems.push_back(fmt::format("metrics.block_residency_sample: must be in [0, 1] (got {})",
+                                   spec.block_residency_sample()));
+  }
   return problems;
 }
 

@@ -7,13 +7,12 @@
 
 namespace kvpool::daemon {
 
-absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(std::string_view listen,
-                                                                    const Engine* engine,
-                                                                    const AttachCounters* attach,
-                                                                    const RpcCounters* rpcs) {
+absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
+    std::string_view listen, const Engine* engine, const AttachCounters* attach,
+    const RpcCounters* rpcs, const EventStreamCounters* streams, const ZmqEventCounters* zmq) {
   absl::StatusOr<std::string> address = MetricsBindAddress(listen);
   if (!address.ok()) return address.status();
-  auto collector = std::make_shared<StatsCollector>(engine, attach, rpcs);
+  auto collector = std::make_shared<StatsCollector>(engine, attach, rpcs, streams, zmq);
   std::unique_ptr<prometheus::Exposer> exposer;
   try {  // civetweb reports a failed bind by throwing; nothing of ours throws
     exposer = std::make_unique<prometheus::Exposer>(*address, /*num_threads=*/2);

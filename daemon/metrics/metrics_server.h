@@ -22,10 +22,9 @@ class MetricsServer final {
  public:
   // Serves /metrics on `listen` (MetricsBindAddress; port 0 picks a free one). Errors:
   // INVALID_ARGUMENT (the address), UNAVAILABLE (it could not be bound).
-  static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(std::string_view listen,
-                                                              const Engine* engine,
-                                                              const AttachCounters* attach,
-                                                              const RpcCounters* rpcs);
+  static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(
+      std::string_view listen, const Engine* engine, const AttachCounters* attach,
+      const RpcCounters* rpcs, const EventStreamCounters* streams, const ZmqEventCounters* zmq);
   ~MetricsServer();
 
   int port() const { return port_; }  // the port bound

@@ -26,8 +26,10 @@
 #include <vector>
 
 #include "daemon/edge/attach_server.h"
+#include "daemon/edge/zmq_event_publisher.h"
 #include "daemon/engine/engine.h"
 #include "daemon/metrics/rpc_counters.h"
+#include "daemon/metrics/stream_counters.h"
 #include "kvpool/util/histogram.h"
 
 namespace kvpool::daemon {
@@ -39,12 +41,14 @@ enum class StatKind : uint8_t {
 };
 std::string_view StatKindName(StatKind kind);  // "counter", "gauge", "histogram"
 
-// What the rows read: one pool's figures (with the daemon's), the attach socket's counters and
-// the gRPC service's.
+// What the rows read: one pool's figures (with the daemon's), the attach socket's counters, the
+// gRPC service's, and the event streams' (WatchEvents, the ZeroMQ publisher).
 struct StatsSource {
   const EngineStats* engine = nullptr;     // never null
   const AttachCounters* attach = nullptr;  // null: no attach socket (its rows read 0)
   const RpcCounters* rpcs = nullptr;       // null: no calls counted (no rpc rows)
+  const EventStreamStats* streams = nullptr;  // null: no WatchEvents figures (their rows absent)
+  const ZmqEventCounters* zmq = nullptr;      // null: no ZeroMQ publisher (its rows absent)
 };
 
 // A label a row sets to a fixed value: rows of one name differ by it (reason="capacity").

@@ -268,9 +268,16 @@ TEST(ConfigTest, MetricsAddressDefaultsToLoopback) {
   EXPECT_THAT(ValidateConfig(c), ::testing::IsEmpty());  // unset: off
   c.mutable_metrics()->set_listen("localhost:http");
   c.mutable_metrics()->set_max_tenants(-1);
+  c.mutable_metrics()->set_block_residency_sample(1.5);
   EXPECT_THAT(ValidateConfig(c),
               ::testing::UnorderedElementsAre(HasSubstr("metrics.listen: 'localhost:http'"),
-                                              HasSubstr("metrics.max_tenants")));
+                                              HasSubstr("metrics.max_tenants"),
+                                              HasSubstr("metrics.block_residency_sample")));
+  v1::DaemonConfig sampled = DefaultConfig();
+  sampled.mutable_metrics()->set_block_residency_sample(0.25);
+  absl::StatusOr<EngineOptions> o = MakeEngineOptions(sampled, 1);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->block_residency_sample, 0.25);
 }
 
 // PoolShape's dtypes (config.proto): default, K / V, then per-layer entries, last match wins.

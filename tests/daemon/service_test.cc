@@ -299,5 +299,76 @@ TEST_F(ServiceTest, AStoppedServiceRefusesEveryCall) {
   EXPECT_TRUE(service_->WaitIdle(absl::Now() + absl::Seconds(5)));
 }
 
+// The GetStats row `name` (with label value `label`, when given).
+const v1::Stat* FindStat(const v1::GetStatsResponse& r, std::string_view name,
+                         std::string_view label = "") {
+  for (const v1::Stat& s : r.stats()) {
+    if (s.name() != name) continue;
+    if (label.empty()) return &s;
+    for (const std::string& v : s.label_values()) {
+      if (v == label) return &s;
+    }
+  }
+  return nullptr;
+}
+
+// The WatchEvents figures of GetStats: snapshots by why, followers now, and a lag observation
+// per batch sent.
+TEST_F(ServiceTest, WatchEventsCountsSnapshotsFollowersAndLag) {
+  EngineOptions options = SmallPool(32);
+  options.event_capacity = 2;  // the log keeps the last two events
+  Remake(options);
+  for (int i = 0; i < 3; ++i) {  // 3 calls, each 1 block stored: seq 1 leaves the log
+    const std::vector<int32_t> prompt = testing::Prompt(16, 10 + i);
+    const AllocateRequest allocate{.num_tokens = 16, .prompt = prompt};
+    absl::StatusOr<Tables> t =
+        engine_->Allocate(*user_, std::span(&allocate, 1), CallContext::Uncancellable());
+    ASSERT_TRUE(t.ok()) << t.status();
+    const SequenceId id = t->slices[0].sequence;
+    ASSERT_TRUE(
+        engine_->Free(*user_, std::span(&id, 1), OnFree::kCommit, CallContext::Uncancellable())
+            .ok());
+  }
+  ASSERT_GT(engine_->next_event_seq(0), 3u);
+  auto read_all = [&](const v1::WatchEventsRequest& request) {
+    auto context = As(admin_);
+    auto stream = stub_->WatchEvents(context.get(), request);
+    v1::WatchEventsResponse response;
+    while (stream->Read(&response)) {
+    }
+    EXPECT_TRUE(stream->Finish().ok());
+  };
+  v1::WatchEventsRequest behind;
+  behind.set_from_seq(1);  // dropped from the log: a snapshot instead
+  read_all(behind);
+  v1::WatchEventsRequest recent;
+  recent.set_from_seq(engine_->next_event_seq(0) - 1);  // still in the log: one batch
+  read_all(recent);
+
+  auto context = As(admin_);
+  v1::WatchEventsRequest follow;
+  follow.set_snapshot(true);
+  follow.set_follow(true);
+  auto stream = stub_->WatchEvents(context.get(), follow);
+  v1::WatchEventsResponse response;
+  ASSERT_TRUE(stream->Read(&response));
+  ASSERT_TRUE(response.snapshot());
+
+  v1::GetStatsResponse stats;
+  ASSERT_TRUE(stub_->GetStats(As(admin_).get(), {}, &stats).ok());
+  const v1::Stat* requested = FindStat(stats, "event_snapshots", "requested");
+  const v1::Stat* fell_behind = FindStat(stats, "event_snapshots", "fell_behind");
+  const v1::Stat* followers = FindStat(stats, "event_followers");
+  const v1::Stat* lag = FindStat(stats, "event_follower_lag_events");
+  ASSERT_TRUE(requested && fell_behind && followers && lag);
+  EXPECT_EQ(requested->value(), 1);
+  EXPECT_EQ(fell_behind->value(), 1);
+  EXPECT_EQ(followers->value(), 1);
+  EXPECT_EQ(lag->count(), 1u);  // the one batch the `recent` stream was sent
+  EXPECT_EQ(lag->sum(), 0);     // it held everything up to the log's head
+  EXPECT_EQ(FindStat(stats, "zmq_event_batches"), nullptr);  // no publisher: no rows
+  context->TryCancel();
+}
+
 }  // namespace
 }  // namespace kvpool::daemon

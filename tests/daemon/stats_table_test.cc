@@ -44,8 +44,9 @@ TEST(LabelFoldTest, FirstValuesKeepTheirLabelsAndLaterOnesFold) {
 class StatsTableTest : public ::testing::Test {
  protected:
   void Make(size_t max_tenants = 64) {
-    EngineOptions options = SmallPool(64);
+    EngineOptions options = SmallPool(64, &clock_);
     options.tiers.host_blocks = 16;
+    options.block_residency_sample = 1;  // every block: the residency rows are present
     options.max_tenant_labels = max_tenants;
     options.epoch = 0xF00DFACE12345679;  // above 2^53: a double would round it
     model_ = testing::TinyModel(options.pools[0].layout);
@@ -67,16 +68,44 @@ class StatsTableTest : public ::testing::Test {
 
   v1::GetStatsResponse GetStats() {
     v1::GetStatsResponse r;
-    ToProto(engine_->Stats(0), &attach_, &rpcs_, &r);
+    const EventStreamStats streams = streams_.Read();
+    ToProto(engine_->Stats(0), &attach_, &rpcs_, &r, &streams, &zmq_);
     return r;
   }
+  std::string Exposition() {
+    return prometheus::TextSerializer().Serialize(
+        CollectFamilies(*engine_, &attach_, &rpcs_, &streams_, &zmq_));
+  }
 
+  ManualClock clock_{1'000'000'000};  // outlives the engine
   FailingDevice device_;
   std::unique_ptr<model::Model> model_;
   std::unique_ptr<Engine> engine_;
   AttachCounters attach_;
   RpcCounters rpcs_;
+  EventStreamCounters streams_;
+  ZmqEventCounters zmq_;
 };
+
+// The GetStats row `name` with label value `label` (any, when empty); null when absent.
+const v1::Stat* FindStat(const v1::GetStatsResponse& r, std::string_view name,
+                         std::string_view label = "") {
+  for (const v1::Stat& s : r.stats()) {
+    if (s.name() != name) continue;
+    if (label.empty()) return &s;
+    for (const std::string& v : s.label_values()) {
+      if (v == label) return &s;
+    }
+  }
+  return nullptr;
+}
+
+// Observations of a GetStats histogram in the bucket holding `value`.
+uint64_t InBucket(const v1::Stat& s, double value) {
+  size_t i = 0;
+  while (i < static_cast<size_t>(s.bucket_bounds_size()) && s.bucket_bounds(i) < value) ++i;
+  return s.bucket_counts(static_cast<int>(i));
+}
 
 // A Stat's name with every label, for comparing outputs: name{k=v,...}.
 std::string Key(std::string_view name, const std::vector<std::pair<std::string, std::string>>& l) {
@@ -98,8 +127,7 @@ TEST_F(StatsTableTest, EveryPresentRowReachesGetStatsKvpoolctlAndTheExposition) 
   rpcs_.Count(allocate, 5);
   const v1::GetStatsResponse r = GetStats();
   const std::string ctl = client::ctl::FormatStats(r, false);
-  const std::string text =
-      prometheus::TextSerializer().Serialize(CollectFamilies(*engine_, &attach_, &rpcs_));
+  const std::string text = Exposition();
 
   std::set<std::string> sent;
   for (const v1::Stat& s : r.stats()) {
@@ -185,6 +213,64 @@ TEST_F(StatsTableTest, OldFieldsKeepTheirMeaning) {
   EXPECT_EQ(r.model_busy_us(), static_cast<uint64_t>(stats.model.busy_ns / 1000));
   EXPECT_EQ(r.model(), "tiny");
   EXPECT_EQ(r.device(), "failing-cpu");
+}
+
+// Residency is timed by the engine's clock: born at the first Allocate, hit by the next two,
+// evicted 7.5 s after birth; the misses of the first Allocate count as not cached.
+TEST_F(StatsTableTest, ResidencyAndMissesAreCountedAndExported) {
+  Make();
+  constexpr int64_t kS = 1'000'000'000;
+  const std::vector<int32_t> prompt = Prompt(48, 4);  // 3 full blocks
+  AllocateAndFree("t", prompt);                       // born at 0 s (misses 48 tokens)
+  clock_.Advance(2 * kS);
+  AllocateAndFree("t", prompt);  // hit at 2 s
+  clock_.Advance(3 * kS / 2);
+  AllocateAndFree("t", prompt);  // hit at 3.5 s
+  clock_.Advance(4 * kS);
+  ASSERT_TRUE(engine_->Evict(0, 3, false).ok());  // at 7.5 s
+  const v1::GetStatsResponse r = GetStats();
+  const v1::Stat* lifetime = FindStat(r, "vllm:kv_block_lifetime_seconds");
+  const v1::Stat* idle = FindStat(r, "vllm:kv_block_idle_before_evict_seconds");
+  const v1::Stat* gap = FindStat(r, "vllm:kv_block_reuse_gap_seconds");
+  ASSERT_TRUE(lifetime && idle && gap);
+  EXPECT_EQ(lifetime->count(), 3u);
+  EXPECT_EQ(InBucket(*lifetime, 7.5), 3u);
+  EXPECT_EQ(idle->count(), 3u);
+  EXPECT_EQ(InBucket(*idle, 4), 3u);
+  EXPECT_EQ(gap->count(), 3u);
+  EXPECT_EQ(InBucket(*gap, 1.5), 3u);
+  ASSERT_NE(FindStat(r, "missed_tokens", "not_cached"), nullptr);
+  EXPECT_EQ(FindStat(r, "missed_tokens", "not_cached")->value(), 48);
+  EXPECT_EQ(FindStat(r, "missed_tokens", "evicted")->value(), 0);
+  const std::string text = Exposition();
+  EXPECT_THAT(text, HasSubstr("vllm:kv_block_lifetime_seconds_count{pool=\"default\","
+                              "model_name=\"tiny\"} 3"));
+  EXPECT_THAT(text, HasSubstr("kvpool_missed_tokens_total{pool=\"default\",reason=\"not_cached\"}"
+                              " 48"));
+  EXPECT_THAT(text, HasSubstr("kvpool_fence_wait_seconds_count{pool=\"default\"}"));
+}
+
+// The event streams' rows read the counters they are given; the ZeroMQ rows only when there is
+// a publisher.
+TEST_F(StatsTableTest, EventStreamRowsReadTheirCounters) {
+  Make();
+  streams_.FollowerOpened();
+  streams_.SnapshotSent(/*requested=*/false);
+  streams_.BatchSent(300);
+  zmq_.batches = 7;
+  zmq_.replays_abandoned = 2;
+  const v1::GetStatsResponse r = GetStats();
+  EXPECT_EQ(FindStat(r, "event_followers")->value(), 1);
+  EXPECT_EQ(FindStat(r, "event_snapshots", "fell_behind")->value(), 1);
+  EXPECT_EQ(FindStat(r, "event_snapshots", "requested")->value(), 0);
+  EXPECT_EQ(InBucket(*FindStat(r, "event_follower_lag_events"), 300), 1u);
+  EXPECT_EQ(FindStat(r, "zmq_event_batches")->value(), 7);
+  EXPECT_EQ(FindStat(r, "zmq_event_replays", "abandoned")->value(), 2);
+  EXPECT_THAT(Exposition(), HasSubstr("kvpool_zmq_event_batches_total 7"));
+  v1::GetStatsResponse without;
+  ToProto(engine_->Stats(0), &attach_, &rpcs_, &without);
+  EXPECT_EQ(FindStat(without, "zmq_event_batches"), nullptr);
+  EXPECT_EQ(FindStat(without, "event_followers"), nullptr);
 }
 
 TEST_F(StatsTableTest, TenantsPastTheBoundCountUnderOther) {

@@ -179,7 +179,10 @@ TEST_F(ZmqEventPublisherTest, LostEventsBecomeOneResyncNumberedAsTheLastEventItC
   // A replay from before the oldest batch kept answers from the oldest.
   EXPECT_EQ(Replay(1).size(), 2u);
   EXPECT_TRUE(Replay(12).empty());
+  EXPECT_EQ(publisher_->counters().replays.load(), 4u);  // each answered in full
   EXPECT_EQ(publisher_->counters().replays_refused.load(), 0u);
+  EXPECT_EQ(publisher_->counters().replays_abandoned.load(), 0u);
+  EXPECT_EQ(publisher_->counters().send_errors.load(), 0u);
 }
 
 TEST_F(ZmqEventPublisherTest, AMalformedReplayRequestIsDroppedAndTheNextAnswered) {

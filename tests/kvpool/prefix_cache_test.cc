@@ -248,6 +248,26 @@ TEST_F(PrefixCacheTest, BlockCoveringTooFewTokensIsNeverAdoptedForMore) {
   ExpectInvariants();
 }
 
+// Every prompt token Allocate does not find is counted once, under why its match stopped: the
+// reasons add up to prompt_tokens - hit_tokens.
+TEST_F(PrefixCacheTest, MissedTokensAreCountedByWhyTheMatchStopped) {
+  Make(32);
+  Serve(Tokens(0, 48));                                // nothing cached yet: 48 not cached
+  EXPECT_EQ(Alloc(Tokens(0, 48)).matched_tokens, 48);  // all found; it holds the partial node
+  const AllocateResult wider = Alloc(Tokens(0, 64));   // block 1 covers 16 of 32: 16 coverage
+  EXPECT_EQ(wider.matched_tokens, 48);
+  Serve(Tokens(1000, 64));                               // a new chain: 64 not cached
+  ASSERT_EQ(cache_->EvictCached(64), 2);                 // only that chain is unlocked
+  EXPECT_EQ(Alloc(Tokens(1000, 64)).matched_tokens, 0);  // 64 evicted
+  const KvCacheStats s = cache_->stats();
+  EXPECT_EQ(s.missed_not_cached, 48u + 64u);
+  EXPECT_EQ(s.missed_coverage, 16u);
+  EXPECT_EQ(s.missed_evicted, 64u);
+  EXPECT_EQ(s.missed_not_cached + s.missed_coverage + s.missed_evicted,
+            s.prompt_tokens - s.hit_tokens);
+  ExpectInvariants();
+}
+
 TEST_F(PrefixCacheTest, ExactBlockBoundaryMatchIgnoresStalePartialBlocks) {
   Make(32);
   Serve(Tokens(0, 48));

@@ -64,7 +64,8 @@ class MetricsTest(unittest.TestCase):
     def setUp(self):
         self.port = free_port()
         self.daemon = Daemon(SMALL_CONFIG + f'\ntiers {{ host_blocks: 32 }}\n'
-                             f'metrics {{ listen: "{self.port}" max_tenants: 2 }}\n')
+                             f'metrics {{ listen: "{self.port}" max_tenants: 2'
+                             f' block_residency_sample: 1 }}\n')
         self.addCleanup(self.daemon.close)
         self.url = f"http://127.0.0.1:{self.port}/metrics"
 
