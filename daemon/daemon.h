@@ -85,8 +85,8 @@ class Daemon final {
   std::unique_ptr<kernels::Device> device_;
   std::unique_ptr<model::StepModel> model_;
   std::unique_ptr<Engine> engine_;
-  AttachCounters attach_counters_;  // outlives attach_ and service_
-  RpcCounters rpc_counters_;        // outlives server_ (its interceptor) and service_
+  AttachCounters attach_counters_;       // outlives attach_ and service_
+  RpcCounters rpc_counters_;             // outlives server_ (its interceptor) and service_
   EventStreamCounters stream_counters_;  // WatchEvents': outlives service_ and metrics_
   ZmqEventCounters zmq_counters_;        // the publisher's: outlives it and metrics_
   std::unique_ptr<KvPoolService> service_;

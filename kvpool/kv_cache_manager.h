@@ -211,11 +211,11 @@ struct KvCacheStats {
   uint64_t missed_not_cached = 0;  // nothing cached there (no namespace tree, no child, diverged)
   uint64_t missed_evicted = 0;     // the next full block was cached and has been evicted
   uint64_t missed_coverage = 0;    // a cached block agrees but covers too few of the tokens
-  uint64_t evictions = 0;      // cached blocks evicted to make room (or on request)
-  int64_t pins = 0;            // live pins
-  int64_t pinned_blocks = 0;   // distinct blocks they hold
-  uint64_t pins_made = 0;      // successful PinPrefix/PinSequence calls
-  uint64_t pins_expired = 0;   // pins that ran out of time
+  uint64_t evictions = 0;          // cached blocks evicted to make room (or on request)
+  int64_t pins = 0;                // live pins
+  int64_t pinned_blocks = 0;       // distinct blocks they hold
+  uint64_t pins_made = 0;          // successful PinPrefix/PinSequence calls
+  uint64_t pins_expired = 0;       // pins that ran out of time
   PrefixCacheStats cache;
   // Of evictions, those an admin asked for (EvictCached, ClearCache).
   uint64_t admin_evictions = 0;
@@ -456,7 +456,7 @@ class KvCacheManager final {
   // What one Allocate request needs (see AllocateBatch).
   struct AllocatePlan {
     PrefixMatch match;
-    bool copy_partial = false;  // the partially matched block is copied, not shared
+    bool copy_partial = false;               // the partially matched block is copied, not shared
     MatchStop stop = MatchStop::kPromptEnd;  // why the match stopped (prompt tokens missed)
     int32_t new_blocks = 0;
   };

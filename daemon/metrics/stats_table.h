@@ -44,9 +44,9 @@ std::string_view StatKindName(StatKind kind);  // "counter", "gauge", "histogram
 // What the rows read: one pool's figures (with the daemon's), the attach socket's counters, the
 // gRPC service's, and the event streams' (WatchEvents, the ZeroMQ publisher).
 struct StatsSource {
-  const EngineStats* engine = nullptr;     // never null
-  const AttachCounters* attach = nullptr;  // null: no attach socket (its rows read 0)
-  const RpcCounters* rpcs = nullptr;       // null: no calls counted (no rpc rows)
+  const EngineStats* engine = nullptr;        // never null
+  const AttachCounters* attach = nullptr;     // null: no attach socket (its rows read 0)
+  const RpcCounters* rpcs = nullptr;          // null: no calls counted (no rpc rows)
   const EventStreamStats* streams = nullptr;  // null: no WatchEvents figures (their rows absent)
   const ZmqEventCounters* zmq = nullptr;      // null: no ZeroMQ publisher (its rows absent)
 };
