@@ -18,6 +18,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "client/client.h"
+#include "kvpool/util/mutex_mode.h"
 
 ABSL_FLAG(std::string, socket_dir, "", "kvpoold's runtime directory (default: the standard one)");
 ABSL_FLAG(int32_t, calls, 2000, "timed calls of each kind");
@@ -47,6 +48,7 @@ int Fail(const absl::Status& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  kvpool::SetProgramDeadlockDetection();  // what the client library used to do for the process
   absl::ParseCommandLine(argc, argv);
   const int calls = std::max(1, absl::GetFlag(FLAGS_calls));
   absl::StatusOr<std::unique_ptr<kvpool::client::Client>> connected =

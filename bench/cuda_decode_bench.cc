@@ -4,8 +4,9 @@
 //
 // The pool is Llama-3-8B-like (bf16, 32 query heads, 8 KV heads, head_dim 128, block_size 16, 32
 // layers; one layer is decoded) with each sequence's blocks scattered over the arena. The backend
-// is loaded through dlopen exactly as the daemon loads it; this binary links nothing from CUDA and
-// reads the peak bandwidth from the driver (itself dlopen'ed) or, failing that, from a table.
+// is loaded by kernels::LoadBackendLibrary, as the daemon loads it; this binary links nothing from
+// CUDA and reads the peak bandwidth from the driver (itself dlopen'ed) or, failing that, from a
+// table.
 //
 //   cuda_decode_bench [--smoke] [--batch N] [--backend PATH]
 //
@@ -27,6 +28,7 @@
 
 #include "absl/status/statusor.h"
 #include "fmt/format.h"
+#include "kernels/backend.h"
 #include "kernels/device.h"
 #include "kvpool/util/status_macros.h"
 
@@ -226,26 +228,20 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "--batch must be > 0\n");
     return 1;
   }
-  void* handle = dlopen(options.backend.c_str(), RTLD_NOW | RTLD_LOCAL);
-  if (handle == nullptr) {
-    std::fprintf(stderr, "cannot load %s: %s\n", options.backend.c_str(), dlerror());
+  absl::StatusOr<const BackendReg*> backend = LoadBackendLibrary(options.backend);
+  if (!backend.ok()) {
+    std::fprintf(stderr, "%s\n", backend.status().ToString().c_str());
     return 1;
   }
-  auto count = reinterpret_cast<int (*)()>(dlsym(handle, "kvpool_backend_device_count"));
-  auto create = reinterpret_cast<Device* (*)(int, char*, size_t)>(
-      dlsym(handle, "kvpool_backend_create_device"));
-  if (count == nullptr || create == nullptr) {
-    std::fprintf(stderr, "%s is not a kvpool backend\n", options.backend.c_str());
-    return 1;
-  }
-  if (count() <= 0) {
+  if ((*backend)->device_count() <= 0) {
     std::printf("no CUDA device (no driver or no GPU): nothing to measure\n");
     return 0;
   }
-  char error[512] = {0};
-  std::unique_ptr<Device> device(create(0, error, sizeof(error)));
+  const DeviceParams params{.ordinal = 0};
+  BackendError error;
+  std::unique_ptr<Device> device((*backend)->create_device(&params, &error));
   if (device == nullptr) {
-    std::fprintf(stderr, "CUDA device 0: %s\n", error);
+    std::fprintf(stderr, "CUDA device 0: %s\n", error.message);
     return 1;
   }
   const absl::Status status = Run(*device, options);

@@ -51,6 +51,7 @@
 #include "client/client.h"
 #include "kernels/cpu_isa.h"
 #include "kernels/thread_pool.h"
+#include "kvpool/util/mutex_mode.h"
 #include "model/internal/gemm.h"
 #include "model/local_engine.h"
 #include "model/weights.h"
@@ -572,6 +573,7 @@ BENCHMARK(BM_DaemonEightClientsSeparate)
 }  // namespace kvpool
 
 int main(int argc, char** argv) {
+  kvpool::SetProgramDeadlockDetection();  // what the client library used to do for the process
   const int rc = kvpool::bench::RunWithRatios(
       argc, argv,
       {

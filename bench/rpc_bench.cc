@@ -39,6 +39,7 @@
 #include "client/client.h"
 #include "grpcpp/grpcpp.h"
 #include "kvpool/util/check.h"
+#include "kvpool/util/mutex_mode.h"
 #include "kvpool/v1/kvpool.grpc.pb.h"
 #include "tests/integration/harness.h"
 
@@ -466,6 +467,7 @@ BENCHMARK(BM_ReclaimAfterKill)->UseManualTime()->Iterations(10)->Unit(benchmark:
 }  // namespace kvpool
 
 int main(int argc, char** argv) {
+  kvpool::SetProgramDeadlockDetection();  // what the client library used to do for the process
   std::vector<kvpool::bench::RatioPair> pairs{
       {"bare sync gRPC Ping / kvpoold Ping", "BM_Ping/real_time", "BM_BareGrpcPing/0/real_time",
        1 / 1.2},

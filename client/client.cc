@@ -7,11 +7,11 @@
 
 #include "client/internal/attach.h"
 #include "client/internal/doorbell.h"
-#include "client/internal/status_macros.h"
 #include "fmt/format.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
+#include "kvpool/util/status_macros.h"
 #include "kvpool/v1/wire.h"
 
 namespace kvpool::client {
@@ -83,12 +83,6 @@ Client::~Client() {
 }
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ConnectOptions& options) {
-  // Debian's Abseil checks every mutex for deadlock cycles; the client's only locks are leaves.
-  static const bool quiet = [] {
-    absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
-    return true;
-  }();
-  (void)quiet;
   if (options.timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("ConnectOptions::timeout must be positive");
   }
@@ -101,15 +95,15 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ConnectOptions& op
   request.set_model(options.model);
   request.set_kv_access(options.kv_access);
   request.set_decode_doorbell(options.decode_doorbell);
-  KVPOOL_CLIENT_ASSIGN_OR_RETURN(
+  KVPOOL_ASSIGN_OR_RETURN(
       internal::Attachment attachment,
       internal::Attach(dir, request, options.timeout, options.trusted_daemon_uids));
-  KVPOOL_CLIENT_ASSIGN_OR_RETURN(std::unique_ptr<internal::ClientDoorbell> doorbell,
-                                 TakeDoorbell(&attachment));
+  KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<internal::ClientDoorbell> doorbell,
+                          TakeDoorbell(&attachment));
   std::unique_ptr<PoolMapping> mapping;
   if (attachment.response.kv_access()) {
-    KVPOOL_CLIENT_ASSIGN_OR_RETURN(
-        mapping, PoolMapping::Create(attachment.response, std::move(attachment.fds)));
+    KVPOOL_ASSIGN_OR_RETURN(mapping,
+                            PoolMapping::Create(attachment.response, std::move(attachment.fds)));
   } else if (!attachment.fds.empty()) {
     return absl::InvalidArgumentError(
         "kvpoold sent descriptors to a session it says is compute-only");
@@ -157,8 +151,8 @@ absl::StatusOr<std::vector<v1::SequenceInfo>> Client::Allocate(
     out->set_priority(item.priority);
   }
   v1::AllocateResponse response;
-  KVPOOL_CLIENT_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::Allocate, request, &response));
-  KVPOOL_CLIENT_RETURN_IF_ERROR(CheckSequences("Allocate", response.sequences(), items.size()));
+  KVPOOL_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::Allocate, request, &response));
+  KVPOOL_RETURN_IF_ERROR(CheckSequences("Allocate", response.sequences(), items.size()));
   return std::vector<v1::SequenceInfo>(
       std::make_move_iterator(response.mutable_sequences()->begin()),
       std::make_move_iterator(response.mutable_sequences()->end()));
@@ -166,8 +160,8 @@ absl::StatusOr<std::vector<v1::SequenceInfo>> Client::Allocate(
 
 absl::StatusOr<v1::SequenceInfo> Client::Allocate(std::span<const int32_t> prompt,
                                                   int64_t num_tokens, int32_t priority) const {
-  KVPOOL_CLIENT_ASSIGN_OR_RETURN(std::vector<v1::SequenceInfo> sequences,
-                                 Allocate({AllocateItem{prompt, num_tokens, priority}}));
+  KVPOOL_ASSIGN_OR_RETURN(std::vector<v1::SequenceInfo> sequences,
+                          Allocate({AllocateItem{prompt, num_tokens, priority}}));
   return std::move(sequences.front());
 }
 
@@ -181,7 +175,7 @@ absl::StatusOr<std::vector<v1::SequenceInfo>> Client::Grow(
     request.add_num_tokens(item.num_tokens);
   }
   v1::GrowResponse response;
-  KVPOOL_CLIENT_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::Grow, request, &response));
+  KVPOOL_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::Grow, request, &response));
   // The response is parallel arrays plus the concatenated tails: check the shape, then split.
   const int n = static_cast<int>(items.size());
   if (response.num_tokens_size() != n || response.table_offsets_size() != n ||
@@ -211,8 +205,8 @@ absl::StatusOr<std::vector<v1::SequenceInfo>> Client::Grow(
 }
 
 absl::StatusOr<v1::SequenceInfo> Client::Grow(uint64_t sequence_id, int64_t num_tokens) const {
-  KVPOOL_CLIENT_ASSIGN_OR_RETURN(std::vector<v1::SequenceInfo> sequences,
-                                 Grow({GrowItem{sequence_id, num_tokens}}));
+  KVPOOL_ASSIGN_OR_RETURN(std::vector<v1::SequenceInfo> sequences,
+                          Grow({GrowItem{sequence_id, num_tokens}}));
   return std::move(sequences.front());
 }
 
@@ -228,7 +222,7 @@ absl::StatusOr<v1::SequenceInfo> Client::Fork(uint64_t sequence_id) const {
   v1::ForkRequest request;
   request.set_sequence_id(sequence_id);
   v1::ForkResponse response;
-  KVPOOL_CLIENT_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::Fork, request, &response));
+  KVPOOL_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::Fork, request, &response));
   if (absl::Status s = ValidateSequenceInfo(response.sequence()); !s.ok()) {
     return Malformed("Fork", std::string(s.message()));
   }
@@ -257,7 +251,7 @@ absl::StatusOr<int64_t> Client::MatchPrefix(std::span<const int32_t> tokens) con
   v1::MatchPrefixRequest request;
   request.mutable_tokens()->Add(tokens.begin(), tokens.end());
   v1::MatchPrefixResponse response;
-  KVPOOL_CLIENT_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::MatchPrefix, request, &response));
+  KVPOOL_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::MatchPrefix, request, &response));
   return response.matched_tokens();
 }
 
@@ -268,7 +262,7 @@ absl::StatusOr<v1::PinInfo> Client::PinPrefix(std::span<const int32_t> tokens, a
   request.set_ttl_ms(absl::ToInt64Milliseconds(ttl));
   request.set_priority(priority);
   v1::PinResponse response;
-  KVPOOL_CLIENT_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::Pin, request, &response));
+  KVPOOL_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::Pin, request, &response));
   return response.pin();
 }
 
@@ -279,7 +273,7 @@ absl::StatusOr<v1::PinInfo> Client::PinSequence(uint64_t sequence_id, absl::Dura
   request.set_ttl_ms(absl::ToInt64Milliseconds(ttl));
   request.set_priority(priority);
   v1::PinResponse response;
-  KVPOOL_CLIENT_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::Pin, request, &response));
+  KVPOOL_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::Pin, request, &response));
   return response.pin();
 }
 
@@ -288,7 +282,7 @@ absl::StatusOr<v1::PinInfo> Client::RenewPin(uint64_t pin_id, absl::Duration ttl
   request.set_pin_id(pin_id);
   request.set_ttl_ms(absl::ToInt64Milliseconds(ttl));
   v1::RenewPinResponse response;
-  KVPOOL_CLIENT_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::RenewPin, request, &response));
+  KVPOOL_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::RenewPin, request, &response));
   return response.pin();
 }
 
@@ -303,7 +297,7 @@ absl::StatusOr<std::vector<v1::PinInfo>> Client::ListPins(bool all_sessions) con
   v1::ListPinsRequest request;
   request.set_all_sessions(all_sessions);
   v1::ListPinsResponse response;
-  KVPOOL_CLIENT_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::ListPins, request, &response));
+  KVPOOL_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::ListPins, request, &response));
   return std::vector<v1::PinInfo>(response.pins().begin(), response.pins().end());
 }
 
@@ -325,7 +319,7 @@ absl::StatusOr<v1::PrefillResponse> Client::Prefill(uint64_t sequence_id,
 
 absl::StatusOr<v1::PrefillResponse> Client::Prefill(const v1::PrefillRequest& request) const {
   v1::PrefillResponse response;
-  KVPOOL_CLIENT_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::Prefill, request, &response));
+  KVPOOL_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::Prefill, request, &response));
   return response;
 }
 
@@ -348,7 +342,7 @@ absl::StatusOr<v1::DecodeResponse> Client::Decode(std::span<const DecodeItem> it
 
 absl::StatusOr<v1::DecodeResponse> Client::Decode(const v1::DecodeRequest& request) const {
   v1::DecodeResponse response;
-  KVPOOL_CLIENT_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::Decode, request, &response));
+  KVPOOL_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::Decode, request, &response));
   if (response.next_tokens_size() != request.sequence_ids_size()) {
     return absl::InternalError(fmt::format("Decode: {} tokens back for {} sequences",
                                            response.next_tokens_size(),
@@ -381,13 +375,13 @@ absl::StatusOr<v1::GetStatsResponse> Client::GetStats(std::string_view pool) con
   v1::GetStatsRequest request;
   request.set_pool(std::string(pool));
   v1::GetStatsResponse response;
-  KVPOOL_CLIENT_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::GetStats, request, &response));
+  KVPOOL_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::GetStats, request, &response));
   return response;
 }
 
 absl::StatusOr<v1::ListSessionsResponse> Client::ListSessions() const {
   v1::ListSessionsResponse response;
-  KVPOOL_CLIENT_RETURN_IF_ERROR(
+  KVPOOL_RETURN_IF_ERROR(
       Unary(&v1::KvPool::StubInterface::ListSessions, v1::ListSessionsRequest(), &response));
   return response;
 }
@@ -398,8 +392,7 @@ absl::StatusOr<v1::ListSequencesResponse> Client::ListSequences(uint64_t session
   request.set_session_id(session_id);
   request.set_pool(std::string(pool));
   v1::ListSequencesResponse response;
-  KVPOOL_CLIENT_RETURN_IF_ERROR(
-      Unary(&v1::KvPool::StubInterface::ListSequences, request, &response));
+  KVPOOL_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::ListSequences, request, &response));
   if (response.session_ids_size() != response.sequences_size()) {
     return Malformed("ListSequences",
                      fmt::format("{} sequences but {} owners", response.sequences_size(),
@@ -419,8 +412,7 @@ absl::StatusOr<v1::DumpBlockTraceResponse> Client::DumpBlockTrace(int32_t block_
   request.set_block_id(block_id);
   request.set_pool(std::string(pool));
   v1::DumpBlockTraceResponse response;
-  KVPOOL_CLIENT_RETURN_IF_ERROR(
-      Unary(&v1::KvPool::StubInterface::DumpBlockTrace, request, &response));
+  KVPOOL_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::DumpBlockTrace, request, &response));
   return response;
 }
 
@@ -429,8 +421,7 @@ absl::StatusOr<v1::DumpBlockTraceResponse> Client::DumpAllBlockTraces(std::strin
   request.set_all(true);
   request.set_pool(std::string(pool));
   v1::DumpBlockTraceResponse response;
-  KVPOOL_CLIENT_RETURN_IF_ERROR(
-      Unary(&v1::KvPool::StubInterface::DumpBlockTrace, request, &response));
+  KVPOOL_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::DumpBlockTrace, request, &response));
   return response;
 }
 
@@ -481,8 +472,7 @@ absl::StatusOr<v1::ExplainMatchResponse> Client::ExplainMatch(std::span<const in
   request.set_namespace_id(namespace_id);
   request.set_pool(std::string(pool));
   v1::ExplainMatchResponse response;
-  KVPOOL_CLIENT_RETURN_IF_ERROR(
-      Unary(&v1::KvPool::StubInterface::ExplainMatch, request, &response));
+  KVPOOL_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::ExplainMatch, request, &response));
   return response;
 }
 
@@ -491,7 +481,7 @@ absl::StatusOr<int64_t> Client::Evict(int64_t blocks, std::string_view pool) con
   request.set_blocks(blocks);
   request.set_pool(std::string(pool));
   v1::EvictResponse response;
-  KVPOOL_CLIENT_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::Evict, request, &response));
+  KVPOOL_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::Evict, request, &response));
   return response.evicted();
 }
 
@@ -500,7 +490,7 @@ absl::StatusOr<int64_t> Client::EvictAll(std::string_view pool) const {
   request.set_all(true);
   request.set_pool(std::string(pool));
   v1::EvictResponse response;
-  KVPOOL_CLIENT_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::Evict, request, &response));
+  KVPOOL_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::Evict, request, &response));
   return response.evicted();
 }
 
@@ -510,13 +500,13 @@ absl::StatusOr<v1::InvalidateResponse> Client::Invalidate(std::string_view tenan
   request.set_tenant(std::string(tenant));
   request.set_model(std::string(model));
   v1::InvalidateResponse response;
-  KVPOOL_CLIENT_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::Invalidate, request, &response));
+  KVPOOL_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::Invalidate, request, &response));
   return response;
 }
 
 absl::StatusOr<v1::CheckInvariantsResponse> Client::CheckInvariants() const {
   v1::CheckInvariantsResponse response;
-  KVPOOL_CLIENT_RETURN_IF_ERROR(
+  KVPOOL_RETURN_IF_ERROR(
       Unary(&v1::KvPool::StubInterface::CheckInvariants, v1::CheckInvariantsRequest(), &response));
   return response;
 }
@@ -530,8 +520,7 @@ absl::Status Client::SetLogLevel(std::string_view level) const {
 
 absl::StatusOr<int64_t> Client::Drain() const {
   v1::DrainResponse response;
-  KVPOOL_CLIENT_RETURN_IF_ERROR(
-      Unary(&v1::KvPool::StubInterface::Drain, v1::DrainRequest(), &response));
+  KVPOOL_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::Drain, v1::DrainRequest(), &response));
   return response.sequences();
 }
 

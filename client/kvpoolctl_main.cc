@@ -15,6 +15,7 @@
 #include "absl/time/time.h"
 #include "client/client.h"
 #include "client/kvpoolctl.h"
+#include "kvpool/util/mutex_mode.h"
 #include "kvpool/util/version.h"
 #include "kvpool/v1/wire.h"
 
@@ -76,6 +77,7 @@ std::string SetFlag(std::string_view arg, const std::vector<std::string_view>& r
 }  // namespace
 
 int main(int argc, char** argv) {
+  kvpool::SetProgramDeadlockDetection();
   const std::vector<std::string_view> args(argv + 1, argv + argc);
   std::vector<std::string> positional;
   for (size_t i = 0; i < args.size(); ++i) {

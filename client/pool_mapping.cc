@@ -10,8 +10,8 @@
 #include <utility>
 
 #include "client/internal/cuda_mapping.h"
-#include "client/internal/status_macros.h"
 #include "fmt/format.h"
+#include "kvpool/util/status_macros.h"
 
 namespace kvpool::client {
 namespace {
@@ -115,7 +115,7 @@ absl::Status ValidateLayout(v1::PoolLayout* l) {
   if (l->chunk_bytes() > std::numeric_limits<int64_t>::max() / (2 * l->num_layers())) {
     return absl::InvalidArgumentError("pool layout overflows 64-bit byte offsets");
   }
-  KVPOOL_CLIENT_RETURN_IF_ERROR(CheckLayers(l));
+  KVPOOL_RETURN_IF_ERROR(CheckLayers(l));
   if (l->block_bytes() > std::numeric_limits<int64_t>::max() / l->num_blocks()) {
     return absl::InvalidArgumentError("pool layout overflows 64-bit byte offsets");
   }
@@ -158,7 +158,7 @@ PoolMapping::~PoolMapping() {
 absl::StatusOr<std::unique_ptr<PoolMapping>> PoolMapping::Create(const v1::AttachResponse& attach,
                                                                  std::vector<UniqueFd> fds) {
   v1::PoolLayout layout = attach.layout();
-  KVPOOL_CLIENT_RETURN_IF_ERROR(ValidateLayout(&layout));
+  KVPOOL_RETURN_IF_ERROR(ValidateLayout(&layout));
   const int64_t needed = int64_t{layout.num_blocks()} * layout.block_bytes();
   const int64_t arena_bytes = attach.arena_bytes() == 0 ? needed : attach.arena_bytes();
   if (arena_bytes < needed) {
@@ -206,8 +206,7 @@ absl::StatusOr<std::unique_ptr<PoolMapping>> PoolMapping::Create(const v1::Attac
   mapping->generation_fd_ = std::move(generation_fd);
 
   const int64_t table_bytes = int64_t{layout.num_blocks()} * static_cast<int64_t>(sizeof(uint32_t));
-  KVPOOL_CLIENT_RETURN_IF_ERROR(
-      CheckFdSize(mapping->generation_fd_, table_bytes, "generation table"));
+  KVPOOL_RETURN_IF_ERROR(CheckFdSize(mapping->generation_fd_, table_bytes, "generation table"));
   void* table = mmap(nullptr, static_cast<size_t>(table_bytes), PROT_READ, MAP_SHARED,
                      mapping->generation_fd_.get(), 0);
   if (table == MAP_FAILED) return MmapError("generation table", table_bytes);
@@ -216,7 +215,7 @@ absl::StatusOr<std::unique_ptr<PoolMapping>> PoolMapping::Create(const v1::Attac
 
   switch (attach.arena_kind()) {
     case v1::ARENA_KIND_MEMFD: {
-      KVPOOL_CLIENT_RETURN_IF_ERROR(CheckFdSize(mapping->arena_fd_, mapped_bytes, "arena"));
+      KVPOOL_RETURN_IF_ERROR(CheckFdSize(mapping->arena_fd_, mapped_bytes, "arena"));
       void* base = mmap(nullptr, static_cast<size_t>(mapped_bytes), PROT_READ | PROT_WRITE,
                         MAP_SHARED, mapping->arena_fd_.get(), 0);
       if (base == MAP_FAILED) return MmapError("arena", mapped_bytes);
@@ -224,14 +223,14 @@ absl::StatusOr<std::unique_ptr<PoolMapping>> PoolMapping::Create(const v1::Attac
       return mapping;
     }
     case v1::ARENA_KIND_CUDA_VMM: {
-      KVPOOL_CLIENT_ASSIGN_OR_RETURN(
+      KVPOOL_ASSIGN_OR_RETURN(
           mapping->cuda_, internal::CudaMapping::ImportVmm(mapping->arena_fd_.get(), mapped_bytes,
                                                            attach.device_ordinal()));
       mapping->base_ = mapping->cuda_->base();
       return mapping;
     }
     case v1::ARENA_KIND_CUDA_IPC: {
-      KVPOOL_CLIENT_ASSIGN_OR_RETURN(
+      KVPOOL_ASSIGN_OR_RETURN(
           mapping->cuda_,
           internal::CudaMapping::OpenIpc(attach.cuda_ipc_handle(), attach.device_ordinal()));
       mapping->base_ = mapping->cuda_->base();
@@ -269,7 +268,7 @@ absl::Status PoolMapping::CheckCurrent(BlockRef block) const {
 }
 
 absl::StatusOr<char*> PoolMapping::Block(BlockRef block) const {
-  KVPOOL_CLIENT_RETURN_IF_ERROR(CheckCurrent(block));
+  KVPOOL_RETURN_IF_ERROR(CheckCurrent(block));
   return base_ + int64_t{block.id} * layout_.block_bytes();
 }
 
@@ -279,13 +278,13 @@ absl::StatusOr<char*> PoolMapping::Chunk(int32_t layer, int32_t kv, BlockRef blo
     return absl::OutOfRangeError(
         fmt::format("layer {} is past the pool's {} layers", layer, layout_.num_layers()));
   }
-  KVPOOL_CLIENT_ASSIGN_OR_RETURN(char* start, Block(block));
+  KVPOOL_ASSIGN_OR_RETURN(char* start, Block(block));
   const v1::LayerLayout& l = layout_.layers(layer);
   return start + (kv == 0 ? l.k_offset() : l.v_offset());
 }
 
 absl::StatusOr<float*> PoolMapping::Scales(int32_t layer, int32_t kv, BlockRef block) const {
-  KVPOOL_CLIENT_ASSIGN_OR_RETURN(char* chunk, Chunk(layer, kv, block));
+  KVPOOL_ASSIGN_OR_RETURN(char* chunk, Chunk(layer, kv, block));
   const v1::LayerLayout& l = layout_.layers(layer);
   const v1::DType d = kv == 0 ? l.k_dtype() : l.v_dtype();
   if (!HasScales(d)) {

@@ -83,3 +83,22 @@ function(kvpool_py_test)
   set_tests_properties(${A_NAME} PROPERTIES LABELS "${A_LABELS}" TIMEOUT ${A_TIMEOUT}
     ENVIRONMENT "PYTHONPATH=${KVPOOL_PYTHON_PATH}:${PROJECT_SOURCE_DIR}/tests/client/python;PYTHONDONTWRITEBYTECODE=1;KVPOOLD=$<TARGET_FILE:kvpoold>;KVPOOLCTL=$<TARGET_FILE:kvpoolctl>;KVPOOL_INTEGRATION_CLIENT=$<TARGET_FILE:integration_client>;KVPOOL_LOADGEN=$<TARGET_FILE:kvpool-loadgen>")
 endfunction()
+
+# A target of the CUDA backend plug-in (kernels/cuda, model/cuda): the static CUDA runtime, hidden
+# symbols (the plug-in exports its registration only), position-independent code, and the
+# project's warnings on the host side of the .cu files and on the device side too.
+function(kvpool_cuda_target target)
+  set_target_properties(${target} PROPERTIES
+    CUDA_RUNTIME_LIBRARY Static
+    CXX_VISIBILITY_PRESET hidden
+    CUDA_VISIBILITY_PRESET hidden
+    VISIBILITY_INLINES_HIDDEN ON
+    POSITION_INDEPENDENT_CODE ON
+  )
+  kvpool_target_defaults(${target})
+  set(warnings -Xcompiler=-Wall,-Wextra,-Wno-unused-parameter,-Wno-missing-field-initializers)
+  if(KVPOOL_WERROR)
+    list(APPEND warnings -Werror=all-warnings -Xcompiler=-Werror)
+  endif()
+  target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:${warnings}>)
+endfunction()

@@ -72,7 +72,9 @@ class Device : public FenceObserver {
  public:
   ~Device() override = default;
 
-  virtual std::string name() const = 0;  // "cpu", "cuda:0 (NVIDIA H200)"
+  // "cpu (8 threads, avx2+fma+f16c)", "cuda:0 (NVIDIA H200)": its backend's registry name
+  // (backend_api.h), then anything that is not a letter or digit.
+  virtual std::string name() const = 0;
   // True when device memory is host memory (pointers from base()/data() can be dereferenced).
   virtual bool host_visible() const = 0;
 

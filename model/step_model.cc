@@ -102,11 +102,6 @@ absl::Status CheckStep(const ModelConfig& config, const kernels::PoolLayout& lay
   return absl::OkStatus();
 }
 
-// The CUDA backend's model entry point (model/cuda/model_entry.cc).
-using CreateModelFn = StepModel* (*)(kernels::Device* device, ModelWeights* weights,
-                                     const kernels::PoolLayout* layout, int* code, char* error,
-                                     size_t error_bytes);
-
 }  // namespace
 
 absl::Status StepModel::Step(const kernels::KvPoolView& pool, std::span<const StepItem> items,
@@ -142,18 +137,17 @@ absl::StatusOr<std::unique_ptr<StepModel>> CreateStepModel(ModelWeights weights,
     return std::unique_ptr<StepModel>(std::move(model));
   }
   KVPOOL_RETURN_IF_ERROR(CheckModel(weights, layout));
-  auto create =
-      reinterpret_cast<CreateModelFn>(kernels::CudaBackendSymbol("kvpool_backend_create_model"));
-  if (create == nullptr) {
+  KVPOOL_ASSIGN_OR_RETURN(const kernels::BackendReg* backend, kernels::BackendOf(*device));
+  if (backend->create_model == nullptr) {
     return absl::UnavailableError(
-        fmt::format("{} has no model: {}", device->name(), kernels::DescribeCudaBackend()));
+        fmt::format("the {} backend has no model for {}", backend->name, device->name()));
   }
-  int code = 0;
-  char error[512] = {0};
-  StepModel* model = create(device, &weights, &layout, &code, error, sizeof(error));
+  kernels::BackendError error;
+  StepModel* model = backend->create_model(device, &weights, &layout, &error);
   if (model == nullptr) {
-    return absl::Status(static_cast<absl::StatusCode>(code),
-                        fmt::format("model on {}: {}", device->name(), error));
+    const auto code =
+        error.code == 0 ? absl::StatusCode::kInternal : static_cast<absl::StatusCode>(error.code);
+    return absl::Status(code, fmt::format("model on {}: {}", device->name(), error.message));
   }
   return std::unique_ptr<StepModel>(model);
 }

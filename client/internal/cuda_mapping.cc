@@ -11,8 +11,8 @@
 #include <cstring>
 #include <string>
 
-#include "client/internal/status_macros.h"
 #include "fmt/format.h"
+#include "kvpool/util/status_macros.h"
 #endif
 
 namespace kvpool::client::internal {
@@ -101,12 +101,12 @@ absl::Status Check(const Driver& d, CUresult result, const std::string& what) {
 
 // cuInit, then retain device `ordinal`'s primary context and make it current on this thread.
 absl::Status EnterPrimaryContext(const Driver& d, int ordinal) {
-  KVPOOL_CLIENT_RETURN_IF_ERROR(Check(d, d.init(0), "cuInit"));
+  KVPOOL_RETURN_IF_ERROR(Check(d, d.init(0), "cuInit"));
   CUdevice device = 0;
-  KVPOOL_CLIENT_RETURN_IF_ERROR(
+  KVPOOL_RETURN_IF_ERROR(
       Check(d, d.device_get(&device, ordinal), fmt::format("cuDeviceGet({})", ordinal)));
   CUcontext context = nullptr;
-  KVPOOL_CLIENT_RETURN_IF_ERROR(
+  KVPOOL_RETURN_IF_ERROR(
       Check(d, d.primary_ctx_retain(&context, device), "cuDevicePrimaryCtxRetain"));
   if (absl::Status s = Check(d, d.ctx_set_current(context), "cuCtxSetCurrent"); !s.ok()) {
     d.primary_ctx_release(device);
@@ -119,31 +119,31 @@ absl::Status EnterPrimaryContext(const Driver& d, int ordinal) {
 
 absl::StatusOr<std::unique_ptr<CudaMapping>> CudaMapping::ImportVmm(int fd, int64_t mapped_bytes,
                                                                     int device_ordinal) {
-  KVPOOL_CLIENT_ASSIGN_OR_RETURN(const Driver* d, GetDriver());
-  KVPOOL_CLIENT_RETURN_IF_ERROR(EnterPrimaryContext(*d, device_ordinal));
+  KVPOOL_ASSIGN_OR_RETURN(const Driver* d, GetDriver());
+  KVPOOL_RETURN_IF_ERROR(EnterPrimaryContext(*d, device_ordinal));
   // From here the destructor undoes whatever succeeded.
   std::unique_ptr<CudaMapping> m(new CudaMapping(Kind::kVmm, device_ordinal));
   m->context_retained_ = true;
   m->bytes_ = static_cast<uint64_t>(mapped_bytes);
 
   CUmemGenericAllocationHandle handle = 0;
-  KVPOOL_CLIENT_RETURN_IF_ERROR(
+  KVPOOL_RETURN_IF_ERROR(
       Check(*d,
             d->mem_import(&handle, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
                           CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
             "cuMemImportFromShareableHandle"));
   m->alloc_handle_ = handle;
   CUdeviceptr ptr = 0;
-  KVPOOL_CLIENT_RETURN_IF_ERROR(Check(*d, d->mem_address_reserve(&ptr, m->bytes_, 0, 0, 0),
-                                      fmt::format("cuMemAddressReserve({} bytes)", mapped_bytes)));
+  KVPOOL_RETURN_IF_ERROR(Check(*d, d->mem_address_reserve(&ptr, m->bytes_, 0, 0, 0),
+                               fmt::format("cuMemAddressReserve({} bytes)", mapped_bytes)));
   m->device_ptr_ = ptr;
-  KVPOOL_CLIENT_RETURN_IF_ERROR(Check(*d, d->mem_map(ptr, m->bytes_, 0, handle, 0), "cuMemMap"));
+  KVPOOL_RETURN_IF_ERROR(Check(*d, d->mem_map(ptr, m->bytes_, 0, handle, 0), "cuMemMap"));
   m->mapped_ = true;
   CUmemAccessDesc access = {};
   access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   access.location.id = device_ordinal;
   access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  KVPOOL_CLIENT_RETURN_IF_ERROR(
+  KVPOOL_RETURN_IF_ERROR(
       Check(*d, d->mem_set_access(ptr, m->bytes_, &access, 1), "cuMemSetAccess"));
   return m;
 }
@@ -156,12 +156,12 @@ absl::StatusOr<std::unique_ptr<CudaMapping>> CudaMapping::OpenIpc(std::string_vi
         "cuda_ipc_handle holds {} bytes, a CUipcMemHandle is {}", handle.size(), sizeof(ipc)));
   }
   std::memcpy(&ipc, handle.data(), sizeof(ipc));
-  KVPOOL_CLIENT_ASSIGN_OR_RETURN(const Driver* d, GetDriver());
-  KVPOOL_CLIENT_RETURN_IF_ERROR(EnterPrimaryContext(*d, device_ordinal));
+  KVPOOL_ASSIGN_OR_RETURN(const Driver* d, GetDriver());
+  KVPOOL_RETURN_IF_ERROR(EnterPrimaryContext(*d, device_ordinal));
   std::unique_ptr<CudaMapping> m(new CudaMapping(Kind::kIpc, device_ordinal));
   m->context_retained_ = true;
   CUdeviceptr ptr = 0;
-  KVPOOL_CLIENT_RETURN_IF_ERROR(
+  KVPOOL_RETURN_IF_ERROR(
       Check(*d, d->ipc_open(&ptr, ipc, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle"));
   m->device_ptr_ = ptr;
   return m;

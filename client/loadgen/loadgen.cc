@@ -208,17 +208,9 @@ double Percentile(std::vector<int64_t>* v, double q) {
   return static_cast<double>((*v)[k]) / 1e3;  // microseconds
 }
 
-}  // namespace
-
-absl::StatusOr<Summary> Run(const Options& options) {
-  if (options.workers <= 0) return absl::InvalidArgumentError("--workers must be > 0");
-  // The parent must not touch gRPC before forking (its threads do not survive fork()): the
-  // workers learn about the pool themselves.
-  const std::string runtime_dir =
-      options.runtime_dir.empty() ? wire::DefaultRuntimeDir() : options.runtime_dir;
-  if (access((runtime_dir + "/" + wire::kAttachSocket).c_str(), F_OK) != 0) {
-    return absl::UnavailableError(fmt::format("no kvpoold in {} (start it first)", runtime_dir));
-  }
+// The requests of the run: generated conversations, or a Mooncake trace; at most max_requests.
+// Errors: ReadMooncakeTrace's.
+absl::StatusOr<std::vector<workload::Request>> LoadRequests(const Options& options) {
   std::vector<workload::Request> requests;
   if (options.trace.empty()) {
     requests = workload::GenerateConversations({.seed = options.seed,
@@ -234,12 +226,37 @@ absl::StatusOr<Summary> Run(const Options& options) {
   if (options.max_requests > 0 && static_cast<int64_t>(requests.size()) > options.max_requests) {
     requests.resize(static_cast<size_t>(options.max_requests));
   }
+  return requests;
+}
 
-  // Fork the workers: conversation c is served by worker c % workers, so a conversation's turns
-  // stay in order.
-  const auto start = Clock::now();
-  std::vector<pid_t> pids;
-  std::vector<int> pipes;
+// One worker process as the parent sees it: its pid and the read end of its record pipe.
+struct Child {
+  pid_t pid = -1;
+  int fd = -1;
+};
+
+// The body of worker `w` (in the child): conversation c is served by worker c % workers, so a
+// conversation's turns stay in order. Never returns.
+[[noreturn]] void RunWorker(const Options& options, const std::vector<workload::Request>& requests,
+                            int32_t w, int fd) {
+  if (options.mode == Mode::kModel) {
+    internal::ModelWorker worker(options, fd);
+    for (const workload::Request& r : requests) {
+      if (r.conversation % options.workers == w) worker.Serve(r);
+    }
+  } else {
+    Worker worker(options, fd);
+    for (const workload::Request& r : requests) {
+      if (r.conversation % options.workers == w) worker.Serve(r);
+    }
+  }  // detach every session before exiting
+  _exit(0);
+}
+
+// Forks options.workers workers. Errors: INTERNAL when a pipe or fork fails.
+absl::StatusOr<std::vector<Child>> ForkWorkers(const Options& options,
+                                               const std::vector<workload::Request>& requests) {
+  std::vector<Child> children;
   for (int32_t w = 0; w < options.workers; ++w) {
     int fds[2];
     if (pipe2(fds, O_CLOEXEC) != 0) return absl::InternalError("pipe failed");
@@ -247,34 +264,62 @@ absl::StatusOr<Summary> Run(const Options& options) {
     if (pid < 0) return absl::InternalError("fork failed");
     if (pid == 0) {
       close(fds[0]);
-      Options mine = options;
-      mine.runtime_dir = runtime_dir;
-      if (options.mode == Mode::kModel) {
-        internal::ModelWorker worker(mine, fds[1]);
-        for (const workload::Request& r : requests) {
-          if (r.conversation % options.workers == w) worker.Serve(r);
-        }
-      } else {
-        Worker worker(mine, fds[1]);
-        for (const workload::Request& r : requests) {
-          if (r.conversation % options.workers == w) worker.Serve(r);
-        }
-      }  // detach every session before exiting
-      _exit(0);
+      RunWorker(options, requests, w, fds[1]);
     }
     close(fds[1]);
-    pids.push_back(pid);
-    pipes.push_back(fds[0]);
+    children.push_back({.pid = pid, .fd = fds[0]});
   }
+  return children;
+}
 
-  // Aggregate what the workers report.
+// What the workers reported, summed as it arrives.
+struct Tally {
   Summary summary;
-  summary.requests = static_cast<int64_t>(requests.size());
-  std::vector<int64_t> latencies[static_cast<int>(Op::kCount)];
-  const bool tty = options.progress && isatty(STDERR_FILENO);
+  std::vector<int64_t> latencies[static_cast<int>(Op::kCount)];  // nanoseconds, per op
+
+  void Add(const Record& r) {
+    switch (r.kind) {
+      case Record::Kind::kRequest:
+        if (r.rejected) {
+          ++summary.rejected;
+          break;
+        }
+        ++summary.completed;
+        summary.prompt_tokens += r.a;
+        summary.hit_tokens += r.b;
+        summary.decoded_tokens += r.c;
+        summary.kv_mismatches += r.d;
+        break;
+      case Record::Kind::kLatency:
+        latencies[static_cast<int>(r.op)].push_back(r.a);
+        break;
+      case Record::Kind::kError:
+        ++summary.errors;
+        break;
+    }
+  }
+  size_t tokens() const {
+    return latencies[static_cast<int>(Op::kDecode)].size() +
+           latencies[static_cast<int>(Op::kPrefill)].size();
+  }
+};
+
+void PrintProgress(const Tally& t, double elapsed) {
+  const Summary& s = t.summary;
+  std::fprintf(stderr,
+               "\r[kvpool-loadgen] %lld/%lld requests  %.0f tokens/s  prefix hit %.1f%%  "
+               "errors %lld ",
+               static_cast<long long>(s.completed + s.rejected), static_cast<long long>(s.requests),
+               static_cast<double>(t.tokens()) / std::max(elapsed, 1e-9),
+               s.prompt_tokens ? 100.0 * s.hit_tokens / s.prompt_tokens : 0.0,
+               static_cast<long long>(s.errors));
+}
+
+// Reads every worker's records until each has closed its pipe, showing progress on a terminal.
+void Collect(const std::vector<Child>& children, bool tty, Clock::time_point start, Tally* tally) {
   auto last_print = Clock::now();
   std::vector<pollfd> open;
-  for (int fd : pipes) open.push_back({fd, POLLIN, 0});
+  for (const Child& c : children) open.push_back({c.fd, POLLIN, 0});
   while (!open.empty()) {
     if (poll(open.data(), open.size(), 200) < 0 && errno != EINTR) break;
     for (size_t i = 0; i < open.size();) {
@@ -289,110 +334,99 @@ absl::StatusOr<Summary> Run(const Options& options) {
         open.erase(open.begin() + static_cast<ptrdiff_t>(i));
         continue;
       }
-      switch (r.kind) {
-        case Record::Kind::kRequest:
-          if (r.rejected) {
-            ++summary.rejected;
-            break;
-          }
-          ++summary.completed;
-          summary.prompt_tokens += r.a;
-          summary.hit_tokens += r.b;
-          summary.decoded_tokens += r.c;
-          summary.kv_mismatches += r.d;
-          break;
-        case Record::Kind::kLatency:
-          latencies[static_cast<int>(r.op)].push_back(r.a);
-          break;
-        case Record::Kind::kError:
-          ++summary.errors;
-          break;
-      }
+      tally->Add(r);
     }
     if (tty && Clock::now() - last_print > std::chrono::milliseconds(200)) {
       last_print = Clock::now();
-      const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
-      std::fprintf(stderr,
-                   "\r[kvpool-loadgen] %lld/%lld requests  %.0f tokens/s  prefix hit %.1f%%  "
-                   "errors %lld ",
-                   static_cast<long long>(summary.completed + summary.rejected),
-                   static_cast<long long>(summary.requests),
-                   static_cast<double>(latencies[static_cast<int>(Op::kDecode)].size() +
-                                       latencies[static_cast<int>(Op::kPrefill)].size()) /
-                       std::max(elapsed, 1e-9),
-                   summary.prompt_tokens ? 100.0 * summary.hit_tokens / summary.prompt_tokens : 0.0,
-                   static_cast<long long>(summary.errors));
+      PrintProgress(*tally, std::chrono::duration<double>(Clock::now() - start).count());
     }
   }
+}
+
+// Waits for every worker; true when one did not exit 0.
+bool Reap(const std::vector<Child>& children) {
   bool crashed = false;
-  for (pid_t pid : pids) {
+  for (const Child& c : children) {
     int status = 0;
-    waitpid(pid, &status, 0);
+    waitpid(c.pid, &status, 0);
     crashed |= !WIFEXITED(status) || WEXITSTATUS(status) != 0;
   }
-  if (tty) std::fprintf(stderr, "\n");
-  summary.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  return crashed;
+}
 
-  // The daemon's view at the end: every worker has detached, so nothing should be active.
-  std::string pool_line = "pool: (stats unavailable)";
-  std::string check_line = "invariants: (not checked)";
-  std::string model_line;
+// The daemon's view at the end, as report lines: every worker has detached, so nothing should be
+// active. A violated invariant counts as an error.
+struct DaemonView {
+  std::string pool = "pool: (stats unavailable)";
+  std::string check = "invariants: (not checked)";
+  std::string model;  // empty unless the daemon's model ran
+};
+
+DaemonView AskDaemon(const Options& options, const std::string& runtime_dir, Summary* summary) {
+  DaemonView view;
   absl::StatusOr<std::unique_ptr<client::Client>> admin =
       client::Client::Connect({.runtime_dir = runtime_dir, .client_name = "loadgen"});
-  if (admin.ok()) {
-    if (absl::StatusOr<v1::GetStatsResponse> s = (*admin)->GetStats(); s.ok()) {
-      pool_line = fmt::format(
-          "blocks in use: {} active, {} cached, {} free, {} retiring of {} ({} cow copies, {} "
-          "evictions)",
-          s->active_blocks(), s->cached_blocks(), s->free_blocks(), s->retiring_blocks(),
-          s->num_blocks(), s->cow_copies(), s->evictions());
-      if (options.mode == Mode::kModel && s->model_steps() > 0) {
-        model_line = fmt::format(
-            "daemon model {}: {} steps, {:.2f} sequences per step, busy {:.1f} s", s->model(),
-            s->model_steps(), static_cast<double>(s->model_step_sequences()) / s->model_steps(),
-            s->model_busy_us() / 1e6);
-      }
-    }
-    if (absl::StatusOr<v1::CheckInvariantsResponse> c = (*admin)->CheckInvariants(); c.ok()) {
-      check_line = c->ok() ? "invariants: ok" : "invariants: VIOLATED: " + c->violation();
-      if (!c->ok()) ++summary.errors;
+  if (!admin.ok()) return view;
+  if (absl::StatusOr<v1::GetStatsResponse> s = (*admin)->GetStats(); s.ok()) {
+    view.pool = fmt::format(
+        "blocks in use: {} active, {} cached, {} free, {} retiring of {} ({} cow copies, {} "
+        "evictions)",
+        s->active_blocks(), s->cached_blocks(), s->free_blocks(), s->retiring_blocks(),
+        s->num_blocks(), s->cow_copies(), s->evictions());
+    if (options.mode == Mode::kModel && s->model_steps() > 0) {
+      view.model = fmt::format(
+          "daemon model {}: {} steps, {:.2f} sequences per step, busy {:.1f} s", s->model(),
+          s->model_steps(), static_cast<double>(s->model_step_sequences()) / s->model_steps(),
+          s->model_busy_us() / 1e6);
     }
   }
+  if (absl::StatusOr<v1::CheckInvariantsResponse> c = (*admin)->CheckInvariants(); c.ok()) {
+    view.check = c->ok() ? "invariants: ok" : "invariants: VIOLATED: " + c->violation();
+    if (!c->ok()) ++summary->errors;
+  }
+  return view;
+}
 
-  std::string& out = summary.report;
+// The model mode's figures: tokens per second, time to first token, inter-token latency.
+void ReportModel(Tally* t, std::string* out) {
+  Summary& s = t->summary;
+  std::vector<int64_t>& ttft = t->latencies[static_cast<int>(Op::kPrefill)];
+  std::vector<int64_t>& itl = t->latencies[static_cast<int>(Op::kDecode)];
+  s.tokens_per_second = s.decoded_tokens / std::max(s.seconds, 1e-9);
+  s.ttft_p50_ms = Percentile(&ttft, 0.50) / 1e3;
+  s.ttft_p99_ms = Percentile(&ttft, 0.99) / 1e3;
+  s.itl_p50_ms = Percentile(&itl, 0.50) / 1e3;
+  s.itl_p99_ms = Percentile(&itl, 0.99) / 1e3;
+  *out += fmt::format("generated tokens: {} ({:.1f} tokens/s over all workers)\n", s.decoded_tokens,
+                      s.tokens_per_second);
+  *out += fmt::format("time to first token: p50 {:.1f} ms  p99 {:.1f} ms ({} prefills)\n",
+                      s.ttft_p50_ms, s.ttft_p99_ms, ttft.size());
+  *out += fmt::format("inter-token latency: p50 {:.1f} ms  p99 {:.1f} ms ({} decodes)\n",
+                      s.itl_p50_ms, s.itl_p99_ms, itl.size());
+}
+
+// Fills summary.report (and the model mode's figures) from the tally and the daemon's view.
+void Report(const Options& options, const DaemonView& daemon, Tally* t) {
+  Summary& s = t->summary;
+  std::string& out = s.report;
   out += fmt::format("kvpool-loadgen: {} workers, {} requests ({}), {}\n", options.workers,
-                     summary.requests,
-                     options.trace.empty() ? "generated conversations" : options.trace,
+                     s.requests, options.trace.empty() ? "generated conversations" : options.trace,
                      options.mode == Mode::kModel ? "tokens from the daemon's model"
                                                   : "KV written by the clients");
   out += fmt::format(
       "requests: {} completed, {} rejected (pool full), {} errors in {:.2f} s ({:.1f}/s)\n",
-      summary.completed, summary.rejected, summary.errors, summary.seconds,
-      summary.completed / std::max(summary.seconds, 1e-9));
-  out += fmt::format(
-      "prefix hit rate: {:.4f} ({} of {} prompt tokens reused)\n",
-      summary.prompt_tokens ? static_cast<double>(summary.hit_tokens) / summary.prompt_tokens : 0.0,
-      summary.hit_tokens, summary.prompt_tokens);
+      s.completed, s.rejected, s.errors, s.seconds, s.completed / std::max(s.seconds, 1e-9));
+  out += fmt::format("prefix hit rate: {:.4f} ({} of {} prompt tokens reused)\n",
+                     s.prompt_tokens ? static_cast<double>(s.hit_tokens) / s.prompt_tokens : 0.0,
+                     s.hit_tokens, s.prompt_tokens);
   if (options.mode == Mode::kModel) {
-    std::vector<int64_t>& ttft = latencies[static_cast<int>(Op::kPrefill)];
-    std::vector<int64_t>& itl = latencies[static_cast<int>(Op::kDecode)];
-    summary.tokens_per_second = summary.decoded_tokens / std::max(summary.seconds, 1e-9);
-    summary.ttft_p50_ms = Percentile(&ttft, 0.50) / 1e3;
-    summary.ttft_p99_ms = Percentile(&ttft, 0.99) / 1e3;
-    summary.itl_p50_ms = Percentile(&itl, 0.50) / 1e3;
-    summary.itl_p99_ms = Percentile(&itl, 0.99) / 1e3;
-    out += fmt::format("generated tokens: {} ({:.1f} tokens/s over all workers)\n",
-                       summary.decoded_tokens, summary.tokens_per_second);
-    out += fmt::format("time to first token: p50 {:.1f} ms  p99 {:.1f} ms ({} prefills)\n",
-                       summary.ttft_p50_ms, summary.ttft_p99_ms, ttft.size());
-    out += fmt::format("inter-token latency: p50 {:.1f} ms  p99 {:.1f} ms ({} decodes)\n",
-                       summary.itl_p50_ms, summary.itl_p99_ms, itl.size());
+    ReportModel(t, &out);
   } else {
-    out += fmt::format("decoded tokens: {}\n", summary.decoded_tokens);
-    out += fmt::format("kv mismatches: {}\n", summary.kv_mismatches);
+    out += fmt::format("decoded tokens: {}\n", s.decoded_tokens);
+    out += fmt::format("kv mismatches: {}\n", s.kv_mismatches);
   }
   for (int op = 0; op < static_cast<int>(Op::kCount); ++op) {
-    std::vector<int64_t>& v = latencies[op];
+    std::vector<int64_t>& v = t->latencies[op];
     if (v.empty()) continue;
     const size_t calls = v.size();
     const double p50 = Percentile(&v, 0.50);
@@ -400,11 +434,41 @@ absl::StatusOr<Summary> Run(const Options& options) {
     out += fmt::format("rpc {:<8} {:>7} calls  p50 {:8.1f} us  p99 {:8.1f} us\n", kOpNames[op],
                        calls, p50, p99);
   }
-  if (!model_line.empty()) out += model_line + "\n";
-  out += pool_line + "\n" + check_line + "\n";
-  std::fputs(out.c_str(), stdout);
+  if (!daemon.model.empty()) out += daemon.model + "\n";
+  out += daemon.pool + "\n" + daemon.check + "\n";
+}
+
+}  // namespace
+
+absl::StatusOr<Summary> Run(const Options& options) {
+  if (options.workers <= 0) return absl::InvalidArgumentError("--workers must be > 0");
+  // The parent must not touch gRPC before forking (its threads do not survive fork()): the
+  // workers learn about the pool themselves.
+  Options resolved = options;
+  if (resolved.runtime_dir.empty()) resolved.runtime_dir = wire::DefaultRuntimeDir();
+  if (access((resolved.runtime_dir + "/" + wire::kAttachSocket).c_str(), F_OK) != 0) {
+    return absl::UnavailableError(
+        fmt::format("no kvpoold in {} (start it first)", resolved.runtime_dir));
+  }
+  absl::StatusOr<std::vector<workload::Request>> requests = LoadRequests(resolved);
+  if (!requests.ok()) return requests.status();
+
+  const auto start = Clock::now();
+  absl::StatusOr<std::vector<Child>> children = ForkWorkers(resolved, *requests);
+  if (!children.ok()) return children.status();
+  Tally tally;
+  tally.summary.requests = static_cast<int64_t>(requests->size());
+  const bool tty = options.progress && isatty(STDERR_FILENO);
+  Collect(*children, tty, start, &tally);
+  const bool crashed = Reap(*children);
+  if (tty) std::fprintf(stderr, "\n");
+  tally.summary.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+
+  const DaemonView daemon = AskDaemon(resolved, resolved.runtime_dir, &tally.summary);
+  Report(resolved, daemon, &tally);
+  std::fputs(tally.summary.report.c_str(), stdout);
   if (crashed) return absl::InternalError("a worker process crashed");
-  return summary;
+  return std::move(tally.summary);
 }
 
 }  // namespace kvpool::loadgen

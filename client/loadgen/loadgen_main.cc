@@ -11,6 +11,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/loadgen/loadgen.h"
+#include "kvpool/util/mutex_mode.h"
 #include "kvpool/util/version.h"
 
 ABSL_FLAG(std::string, mode, "model",
@@ -31,6 +32,7 @@ ABSL_FLAG(bool, decode_doorbell, true,
           "model mode: decode through each session's decode doorbell (false: the Decode RPC)");
 
 int main(int argc, char** argv) {
+  kvpool::SetProgramDeadlockDetection();
   // --help lists this file's flags (absl's default looks for a file named after the binary).
   // --version prints the project's version (CMakeLists.txt project(), the package's version).
   absl::SetFlagsUsageConfig(

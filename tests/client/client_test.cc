@@ -3,9 +3,11 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstring>
 #include <thread>
 
+#include "absl/synchronization/mutex.h"
 #include "client/internal/attach.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -121,6 +123,28 @@ TEST_F(ClientTest, AComputeOnlySessionAsksForNoDescriptorAndMapsNothing) {
   EXPECT_FALSE((*client)->kv_access());
   EXPECT_EQ((*client)->mapping(), nullptr);
   EXPECT_EQ((*client)->layout().block_bytes(), SmallLayout().block_bytes());  // still told
+}
+
+// A library must not change process-wide settings: Connect used to switch Abseil's deadlock
+// detection off for the whole process, and with it the check every test (tests/test_main.cc) and
+// daemon_test rely on. After a connect, a lock-order cycle must still abort the test program.
+TEST_F(ClientTest, ConnectLeavesDeadlockDetectionToTheProgram) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  auto connect_then_invert_two_locks = [this] {
+    FakeAttachServer server(dir_.path(), &pool_, {});
+    std::unique_ptr<Client> client = ConnectOrDie();
+    std::fprintf(stderr, "connected: %d\n", client != nullptr);
+    absl::Mutex a, b;
+    {
+      absl::MutexLock la(&a);
+      absl::MutexLock lb(&b);
+    }
+    {
+      absl::MutexLock lb(&b);
+      absl::MutexLock la(&a);  // the other order: a cycle
+    }
+  };
+  EXPECT_DEATH(connect_then_invert_two_locks(), "Potential Mutex deadlock");
 }
 
 TEST_F(ClientTest, ConnectSendsTheRequestAndMapsThePool) {

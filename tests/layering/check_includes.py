@@ -47,7 +47,8 @@ RULES = {
     "daemon/": (("kvpool/v1/", "kvpool/util/", "kvpool/", "kernels/", "model/", "tier/",
                  "daemon/engine/", "daemon/"), LEAF + ("grpcpp", "grpc", "google", "zmq.h",
                                                        "msgpack.hpp")),
-    # Clients depend on the protocol and the leaf library only (+ the CUDA driver for mapping).
+    # Clients: proto (kvpool/v1) and kvpool/util only, as client/CMakeLists.txt links them (+ the
+    # CUDA driver's headers for mapping).
     "client/": (("kvpool/v1/", "kvpool/util/", "client/"),
                 LEAF + ("grpcpp", "google", "nlohmann", "cuda.h", "cudaTypedefs.h")),
     "client/loadgen/": (("kvpool/v1/", "kvpool/util/", "client/", "workload/"),

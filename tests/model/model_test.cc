@@ -1,4 +1,6 @@
-// The paged model against the dense reference, and the prefix cache's reuse against recomputing.
+// The host model: batching, mixed steps, the prefix cache's reuse against recomputing, checkpoints
+// and bad input (the cases every backend shares, paged against dense among them, are
+// backend_model_test.cc).
 
 #include "model/model.h"
 
@@ -34,43 +36,7 @@ std::unique_ptr<LocalEngine> MakeEngine(const ModelWeights& w, int32_t block_siz
   return std::move(engine).value();
 }
 
-class PagedVsDenseTest : public ::testing::TestWithParam<std::tuple<int32_t, kernels::DType>> {};
-
-TEST_P(PagedVsDenseTest, PrefillAndDecodeMatchReference) {
-  const auto [block_size, dtype] = GetParam();
-  const ModelWeights w = SyntheticWeights(SmallTestConfig(), 7);
-  auto engine = MakeEngine(w, block_size, dtype, /*prefix_cache=*/true);
-  DenseReference ref(w, dtype);
-
-  const std::vector<int32_t> prompt = RandomTokens(37, 256, 1);
-  auto first = engine->Prefill(SequenceId(0), prompt, kLogits);
-  ASSERT_TRUE(first.ok()) << first.status();
-  std::vector<float> want = ref.Extend(prompt);
-  EXPECT_LE(RelError(first->result.logits, want), Tolerance(dtype));
-  int32_t token = Argmax(want);
-  if (dtype == kernels::DType::kF32) {
-    EXPECT_EQ(first->result.next_token, token);
-  }
-
-  for (int step = 0; step < 12; ++step) {
-    const DecodeInput in{first->sequence, token};
-    auto out = engine->Decode(std::span(&in, 1), kLogits);
-    ASSERT_TRUE(out.ok()) << out.status();
-    want = ref.Extend(std::span(&token, 1));
-    EXPECT_LE(RelError((*out)[0].logits, want), Tolerance(dtype)) << "step " << step;
-    token = Argmax(want);
-    if (dtype == kernels::DType::kF32) {
-      EXPECT_EQ((*out)[0].next_token, token) << "step " << step;
-    }
-  }
-  EXPECT_EQ(engine->cache().Find(first->sequence)->num_tokens, 37 + 12);
-  EXPECT_TRUE(engine->cache().CheckInvariants().ok());
-}
-
-INSTANTIATE_TEST_SUITE_P(BlockSizes, PagedVsDenseTest,
-                         ::testing::Combine(::testing::Values(1, 16, 64),
-                                            ::testing::Values(kernels::DType::kF32,
-                                                              kernels::DType::kBF16)));
+// Paged against dense on every backend: backend_model_test.cc.
 
 TEST(ModelTest, BatchedDecodeMatchesEachSequenceAlone) {
   const ModelWeights w = SyntheticWeights(SmallTestConfig(), 11);

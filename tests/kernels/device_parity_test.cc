@@ -1,9 +1,14 @@
-// The CUDA backend against the CPU: WriteKv, CopyBlocks and FillBlocks byte-exact (the poison of
-// every dtype as the CPU's); fences, StreamWait and host tasks across the two streams. Decode
-// parity is cuda_decode_parity_test.cc.
+// The CUDA device against the CPU's kernels and the Device contract: WriteKv, CopyBlocks and
+// FillBlocks byte-exact (the poison of every dtype as the CPU's); fences, StreamWait and host
+// tasks across the two streams; arena export. Decode and prefill parity, which every backend
+// runs, are decode_parity_test.cc and prefill_parity_test.cc.
 //
-// The backend is loaded the way production loads it (dlopen of libkvpool_cuda.so, then the two C
-// entry points); every test skips when the library or a device is missing.
+// Instantiated for CUDA only, for now: run on the CPU device these cases show where the two
+// devices' contracts differ (the CPU's WriteKv refuses a slot past the pool, which CUDA's skips,
+// and the refusal then sticks to the CPU device's stream, so every later case on it fails; a host
+// task that synchronizes its own stream does not come back), which is an issue of its own.
+// Devices are made through the registry as kvpoold makes them; without a GPU the cases skip,
+// saying why.
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -23,19 +28,16 @@
 #include "kernels/cpu_kernels.h"
 #include "kernels/device.h"
 #include "kvpool/util/status_macros.h"
-#include "tests/kernels/cuda_test_util.h"
+#include "tests/kernels/backend_test_util.h"
 #include "tests/kernels/kernel_test_util.h"
 
 namespace kvpool::kernels {
 namespace {
 
-using test_util::CudaBackend;
 using test_util::Download;
 using test_util::NormalizedError;
 using test_util::RandomValues;
 using test_util::Upload;
-
-::testing::Environment* const kBackend = ::testing::AddGlobalTestEnvironment(new CudaBackend);
 
 bool IsNaN(const char* element, DType dtype) {
   switch (dtype) {
@@ -67,16 +69,8 @@ std::vector<int32_t> Iota(int32_t n) {
   return out;
 }
 
-class CudaParityTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    if (CudaBackend::device() == nullptr) GTEST_SKIP() << CudaBackend::why();
-  }
-  Device& device() { return *CudaBackend::device(); }
-};
-
 // A small pool whose every byte the tests predict on the host.
-class CudaBlockOpsTest : public CudaParityTest {
+class BlockOpsTest : public test_util::BackendTest<> {
  protected:
   static constexpr PoolLayout kLayout{.block_size = 4,
                                       .num_layers = 2,
@@ -97,7 +91,7 @@ class CudaBlockOpsTest : public CudaParityTest {
     return bytes.ok() ? *bytes : std::vector<char>();
   }
   void SetUp() override {
-    CudaParityTest::SetUp();
+    BackendTest::SetUp();
     if (IsSkipped()) return;
     // Room for the f32 variant of the layout (twice the bf16 size).
     ASSERT_OK_AND_MOVE(arena_, device().CreateArena(2 * kLayout.arena_bytes()));
@@ -108,7 +102,7 @@ class CudaBlockOpsTest : public CudaParityTest {
   KvPoolView pool_;
 };
 
-TEST_F(CudaBlockOpsTest, WriteKvScattersRowsAndSkipsPadding) {
+TEST_P(BlockOpsTest, WriteKvScattersRowsAndSkipsPadding) {
   std::vector<char> expected(static_cast<size_t>(arena_->bytes()), 1);
   Reset(expected);
   const int64_t values = kLayout.num_kv_heads * kLayout.head_dim;
@@ -147,7 +141,7 @@ TEST_F(CudaBlockOpsTest, WriteKvScattersRowsAndSkipsPadding) {
   EXPECT_EQ(Read(), expected);
 }
 
-TEST_F(CudaBlockOpsTest, CopyBlocksIsByteExact) {
+TEST_P(BlockOpsTest, CopyBlocksIsByteExact) {
   std::vector<char> expected(static_cast<size_t>(arena_->bytes()));
   std::mt19937 rng(11);
   for (char& b : expected) b = static_cast<char>(rng());
@@ -166,7 +160,7 @@ TEST_F(CudaBlockOpsTest, CopyBlocksIsByteExact) {
   EXPECT_EQ(Read(), expected);
 }
 
-TEST_F(CudaBlockOpsTest, FillBlocksZeroesOrPoisonsWholeBlocksOfEveryDType) {
+TEST_P(BlockOpsTest, FillBlocksZeroesOrPoisonsWholeBlocksOfEveryDType) {
   for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16, DType::kFp8E4M3, DType::kInt8}) {
     SCOPED_TRACE(DTypeName(dtype));
     PoolLayout layout = kLayout;
@@ -205,9 +199,9 @@ TEST_F(CudaBlockOpsTest, FillBlocksZeroesOrPoisonsWholeBlocksOfEveryDType) {
   }
 }
 
-class CudaFenceTest : public CudaParityTest {};
+class DeviceFenceTest : public test_util::BackendTest<> {};
 
-TEST_F(CudaFenceTest, ValuesCountPerStreamAndPassAfterSynchronize) {
+TEST_P(DeviceFenceTest, ValuesCountPerStreamAndPassAfterSynchronize) {
   Device& d = device();
   const Fence start_c = d.LastFence(StreamId::kCompute);
   const Fence start_t = d.LastFence(StreamId::kTransfer);
@@ -235,7 +229,7 @@ TEST_F(CudaFenceTest, ValuesCountPerStreamAndPassAfterSynchronize) {
   EXPECT_FALSE(d.HasPassed(Fence{7, 1}));
 }
 
-TEST_F(CudaFenceTest, StreamWaitOrdersComputeAfterTransfer) {
+TEST_P(DeviceFenceTest, StreamWaitOrdersComputeAfterTransfer) {
   Device& d = device();
   // A large fill keeps the transfer stream busy long after the compute stream's copy would
   // have run without the wait.
@@ -273,7 +267,7 @@ TEST_F(CudaFenceTest, StreamWaitOrdersComputeAfterTransfer) {
   }
 }
 
-TEST_F(CudaFenceTest, HostTasksRunInStreamOrderAndMayNotCallCuda) {
+TEST_P(DeviceFenceTest, HostTasksRunInStreamOrderAndMayNotCallCuda) {
   Device& d = device();
   std::mutex mu;
   std::vector<int> order;
@@ -300,7 +294,7 @@ TEST_F(CudaFenceTest, HostTasksRunInStreamOrderAndMayNotCallCuda) {
   EXPECT_TRUE(d.status().ok());
 }
 
-TEST_F(CudaFenceTest, BadArgumentsEnqueueNothing) {
+TEST_P(DeviceFenceTest, BadArgumentsEnqueueNothing) {
   Device& d = device();
   const PoolLayout layout{.block_size = 16, .num_kv_heads = 8, .head_dim = 128, .num_blocks = 4};
   ASSERT_OK_AND_MOVE(auto arena, d.CreateArena(layout.arena_bytes()));
@@ -329,7 +323,7 @@ TEST_F(CudaFenceTest, BadArgumentsEnqueueNothing) {
   EXPECT_EQ(d.LastFence(StreamId::kCompute).value, before.value);
 }
 
-TEST_F(CudaFenceTest, ArenaExportsAMappableHandle) {
+TEST_P(DeviceFenceTest, ArenaExportsAMappableHandle) {
   ASSERT_OK_AND_MOVE(auto arena, device().CreateArena(3 << 20));
   ASSERT_OK_AND_MOVE(ArenaExport exported, arena->Export());
   EXPECT_EQ(exported.bytes, 3 << 20);
@@ -347,7 +341,7 @@ TEST_F(CudaFenceTest, ArenaExportsAMappableHandle) {
 // A fresh arena reads as zeros, even where the driver hands back a freed arena's memory: the
 // pool never scrubs a block's first hand-out (its last owner is "nobody"), so stale bytes of an
 // earlier arena (another tenant's, another process's) must not survive into a new one.
-TEST_F(CudaFenceTest, ANewArenaIsZeroedWhateverItsMemoryHeldBefore) {
+TEST_P(DeviceFenceTest, ANewArenaIsZeroedWhateverItsMemoryHeldBefore) {
   constexpr int64_t kBytes = 8 << 20;
   for (int round = 0; round < 2; ++round) {
     ASSERT_OK_AND_MOVE(auto arena, device().CreateArena(kBytes));
@@ -360,6 +354,10 @@ TEST_F(CudaFenceTest, ANewArenaIsZeroedWhateverItsMemoryHeldBefore) {
     ASSERT_TRUE(fence.ok() && device().Synchronize(*fence).ok());
   }  // the second round's arena is likely the first one's memory again
 }
+
+INSTANTIATE_TEST_SUITE_P(Cuda, BlockOpsTest, ::testing::Values("cuda"), test_util::BackendName());
+INSTANTIATE_TEST_SUITE_P(Cuda, DeviceFenceTest, ::testing::Values("cuda"),
+                         test_util::BackendName());
 
 }  // namespace
 }  // namespace kvpool::kernels

@@ -1,13 +1,14 @@
-// The CUDA decode kernel and WriteKv against the CPU: block sizes 1, 16 and 64, every dtype
+// Every backend's decode kernel and WriteKv against the CPU, one case table run on each
+// (backend_test_util.h): block sizes 1, 16 and 64, every dtype
 // (fp8 e4m3 and int8 included, and asymmetric K/V pairs), ragged lengths and several query/KV
-// head groupings. For each case the arena the CUDA WriteKv leaves must be the CPU WriteKv's byte
-// for byte (both poisoned first), and the output must match the double-precision reference over
-// what the pool holds and the query the kernel scores with (the kernel's arithmetic, 1e-4; an
-// int8 K is scored with dp4a against the query rounded per head to int8, as the CPU's VNNI path
-// rounds it: decode_tile.h's RoundedQuery) and over the f32 values written (the format's
-// tolerance, kernel_test_util.h).
+// head groupings. For each case the arena the device's WriteKv leaves must be the CPU WriteKv's
+// byte for byte (both poisoned first), and the output must match the double-precision reference
+// over what the pool holds and the query the kernel scores with (the kernel's arithmetic, per
+// backend: NumericsOf) and over the f32 values written (the format's tolerance,
+// kernel_test_util.h).
 //
-// The backend is loaded the way production loads it; every test skips without a device.
+// Devices are made through the registry as kvpoold makes them; a backend that is unavailable
+// here (CUDA without a GPU) has its cases skipped, saying why.
 
 #include <cmath>
 #include <cstring>
@@ -20,22 +21,20 @@
 
 #include "fmt/format.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu_isa.h"
 #include "kernels/cpu_kernels.h"
 #include "kernels/device.h"
 #include "kernels/internal/decode_tile.h"
 #include "kvpool/util/status_macros.h"
-#include "tests/kernels/cuda_test_util.h"
+#include "tests/kernels/backend_test_util.h"
 #include "tests/kernels/kernel_test_util.h"
 
 namespace kvpool::kernels {
 namespace {
 
-using test_util::CudaBackend;
 using test_util::Download;
 using test_util::NormalizedError;
 using test_util::Upload;
-
-::testing::Environment* const kBackend = ::testing::AddGlobalTestEnvironment(new CudaBackend);
 
 struct Case {
   int32_t block_size;
@@ -151,9 +150,28 @@ std::vector<float> Reference(const Case& c, const std::vector<int32_t>& lens,
   return out;
 }
 
-// The query the kernel scores K with: rounded per head for an int8 K, else q itself.
-std::vector<float> ScoredQuery(const Case& c, const std::vector<float>& q) {
-  if (c.dtype != DType::kInt8) return q;
+// How a backend's decode treats 8-bit KV: the query it scores K with, and the bound on its own
+// arithmetic against the double-precision reference over what the pool holds and that query.
+// CUDA: an int8 K against the query rounded per head to int8 (dp4a), the f32 query otherwise;
+// f32 arithmetic (1e-4). The CPU on its AVX-512 VNNI path: an 8-bit K against the query rounded
+// as decode_tile.h's RoundedQuery rounds it, and an 8-bit V's probabilities rounded too (fp8 V
+// to bf16: kv_dtype_test.cc's KernelTolerance, 1.5e-3); elsewhere the f32 query (1e-4).
+struct Numerics {
+  bool round_query;
+  double bound;
+};
+
+Numerics NumericsOf(const std::string& backend, const Case& c) {
+  const DType v = c.v_dtype.value_or(c.dtype);
+  if (backend == "cpu") {
+    const bool vnni = cpu::KernelAvx512Vnni();
+    return {.round_query = vnni, .bound = vnni && v == DType::kFp8E4M3 ? 1.5e-3 : 1e-4};
+  }
+  return {.round_query = c.dtype == DType::kInt8, .bound = 1e-4};
+}
+
+std::vector<float> ScoredQuery(const Numerics& n, const Case& c, const std::vector<float>& q) {
+  if (!n.round_query) return q;
   std::vector<float> out(q.size());
   for (size_t row = 0; row < q.size() / static_cast<size_t>(c.head_dim); ++row) {
     cpu::internal::RoundedQuery(c.dtype, q.data() + row * c.head_dim, c.head_dim,
@@ -162,7 +180,7 @@ std::vector<float> ScoredQuery(const Case& c, const std::vector<float>& q) {
   return out;
 }
 
-// The CUDA decode of `q` over the problem's pool.
+// The device's decode of `q` over the problem's pool.
 void Decode(Device& device, const Case& c, const std::vector<int32_t>& lens, int32_t max_seq_len,
             const Problem& p, const std::vector<float>& q, std::vector<float>* got) {
   const auto num_seqs = static_cast<int32_t>(lens.size());
@@ -197,8 +215,8 @@ void Decode(Device& device, const Case& c, const std::vector<int32_t>& lens, int
 }
 
 // `max_seq_len` may exceed the longest sequence (its extra splits must be ignored).
-void CheckDecode(Device& device, const Case& c, const std::vector<int32_t>& lens,
-                 int32_t max_seq_len) {
+void CheckDecode(const std::string& backend, Device& device, const Case& c,
+                 const std::vector<int32_t>& lens, int32_t max_seq_len) {
   std::mt19937 rng(1234);
   Problem p;
   p.layout = LayoutOf(c, lens);
@@ -210,7 +228,7 @@ void CheckDecode(Device& device, const Case& c, const std::vector<int32_t>& lens
   if (::testing::Test::HasFatalFailure()) return;
   ASSERT_OK_AND_MOVE(std::vector<char> written,
                      Download<char>(device, p.arena->base(), p.host.size()));
-  EXPECT_TRUE(written == p.host) << "CUDA WriteKv differs from the CPU's";
+  EXPECT_TRUE(written == p.host) << "the device's WriteKv differs from the CPU's";
 
   std::vector<float> q(lens.size() * static_cast<size_t>(c.q_heads * c.head_dim));
   std::normal_distribution<float> dist(0.0f, 1.0f);
@@ -219,7 +237,7 @@ void CheckDecode(Device& device, const Case& c, const std::vector<int32_t>& lens
   Decode(device, c, lens, max_seq_len, p, q, &got);
   if (::testing::Test::HasFatalFailure()) return;
 
-  // What the pool holds, read back from the CUDA arena through the documented layout.
+  // What the pool holds, read back from the device's arena through the documented layout.
   const KvPoolView written_view{written.data(), p.layout};
   std::vector<std::vector<float>> stored_k, stored_v;
   for (size_t s = 0; s < lens.size(); ++s) {
@@ -228,8 +246,10 @@ void CheckDecode(Device& device, const Case& c, const std::vector<int32_t>& lens
     stored_v.push_back(test_util::StoredRows(written_view, table, kLayer, KvSide::kV, lens[s]));
   }
   bool nan = false;
-  EXPECT_LT(NormalizedError(got, Reference(c, lens, ScoredQuery(c, q), stored_k, stored_v), &nan),
-            1e-4);
+  const Numerics numerics = NumericsOf(backend, c);
+  EXPECT_LT(NormalizedError(
+                got, Reference(c, lens, ScoredQuery(numerics, c, q), stored_k, stored_v), &nan),
+            numerics.bound);
   EXPECT_FALSE(nan);
   const double tolerance = std::max(test_util::FormatTolerance(c.dtype),
                                     test_util::FormatTolerance(c.v_dtype.value_or(c.dtype)));
@@ -244,45 +264,40 @@ std::string Name(const ::testing::TestParamInfo<Case>& info) {
                      c.kv_heads, c.head_dim);
 }
 
-class CudaDecodeTest : public ::testing::TestWithParam<Case> {
- protected:
-  void SetUp() override {
-    if (CudaBackend::device() == nullptr) GTEST_SKIP() << CudaBackend::why();
-  }
-  Device& device() { return *CudaBackend::device(); }
-};
+class DecodeParityTest : public test_util::BackendTest<Case> {};
 
-TEST_P(CudaDecodeTest, MatchesTheCpuReference) {
+TEST_P(DecodeParityTest, MatchesTheCpuReference) {
   // Ragged: partial blocks, exact multiples of the partition sizes and one past them.
   const std::vector<int32_t> lens = {1, 17, 64, 65, 200, 513, 1000, 2049};
-  CheckDecode(device(), GetParam(), lens, 2049 + 100);
+  CheckDecode(backend(), device(), param(), lens, 2049 + 100);
 }
 
-TEST_P(CudaDecodeTest, SingleSplitMatchesTheCpuReference) {
+TEST_P(DecodeParityTest, SingleSplitMatchesTheCpuReference) {
   // max_seq_len within one partition: the kernel writes `out` without the combine pass.
-  CheckDecode(device(), GetParam(), {1, 5, 33, 64}, 64);
+  CheckDecode(backend(), device(), param(), {1, 5, 33, 64}, 64);
 }
 
 INSTANTIATE_TEST_SUITE_P(
-    Shapes, CudaDecodeTest,
-    ::testing::Values(Case{1, DType::kF32, 32, 8, 128}, Case{1, DType::kF16, 32, 8, 128},
-                      Case{1, DType::kBF16, 32, 8, 128}, Case{16, DType::kF32, 32, 8, 128},
-                      Case{16, DType::kF16, 32, 8, 128}, Case{16, DType::kBF16, 32, 8, 128},
-                      Case{64, DType::kF32, 32, 8, 128}, Case{64, DType::kF16, 32, 8, 128},
-                      Case{64, DType::kBF16, 32, 8, 128}, Case{16, DType::kBF16, 32, 8, 64},
-                      Case{16, DType::kF16, 24, 8, 128},  // group of 3
-                      Case{16, DType::kBF16, 12, 1, 64},  // group of 12
-                      Case{16, DType::kF32, 8, 8, 256},   // no grouping
-                      Case{64, DType::kF16, 4, 2, 72},    // odd head_dim
-                      // 8-bit KV, block sizes 1, 16, 64, and asymmetric K / V.
-                      Case{1, DType::kFp8E4M3, 32, 8, 128}, Case{16, DType::kFp8E4M3, 32, 8, 128},
-                      Case{64, DType::kFp8E4M3, 32, 8, 128}, Case{1, DType::kInt8, 32, 8, 128},
-                      Case{16, DType::kInt8, 32, 8, 128}, Case{64, DType::kInt8, 32, 8, 128},
-                      Case{16, DType::kInt8, 12, 1, 64}, Case{64, DType::kFp8E4M3, 4, 2, 72},
-                      Case{16, DType::kBF16, 32, 8, 128, DType::kInt8},
-                      Case{16, DType::kBF16, 32, 8, 128, DType::kFp8E4M3},
-                      Case{16, DType::kFp8E4M3, 32, 8, 128, DType::kInt8}),
-    Name);
+    Shapes, DecodeParityTest,
+    test_util::OnEveryBackend(::testing::Values(
+        Case{1, DType::kF32, 32, 8, 128}, Case{1, DType::kF16, 32, 8, 128},
+        Case{1, DType::kBF16, 32, 8, 128}, Case{16, DType::kF32, 32, 8, 128},
+        Case{16, DType::kF16, 32, 8, 128}, Case{16, DType::kBF16, 32, 8, 128},
+        Case{64, DType::kF32, 32, 8, 128}, Case{64, DType::kF16, 32, 8, 128},
+        Case{64, DType::kBF16, 32, 8, 128}, Case{16, DType::kBF16, 32, 8, 64},
+        Case{16, DType::kF16, 24, 8, 128},  // group of 3
+        Case{16, DType::kBF16, 12, 1, 64},  // group of 12
+        Case{16, DType::kF32, 8, 8, 256},   // no grouping
+        Case{64, DType::kF16, 4, 2, 72},    // odd head_dim
+        // 8-bit KV, block sizes 1, 16, 64, and asymmetric K / V.
+        Case{1, DType::kFp8E4M3, 32, 8, 128}, Case{16, DType::kFp8E4M3, 32, 8, 128},
+        Case{64, DType::kFp8E4M3, 32, 8, 128}, Case{1, DType::kInt8, 32, 8, 128},
+        Case{16, DType::kInt8, 32, 8, 128}, Case{64, DType::kInt8, 32, 8, 128},
+        Case{16, DType::kInt8, 12, 1, 64}, Case{64, DType::kFp8E4M3, 4, 2, 72},
+        Case{16, DType::kBF16, 32, 8, 128, DType::kInt8},
+        Case{16, DType::kBF16, 32, 8, 128, DType::kFp8E4M3},
+        Case{16, DType::kFp8E4M3, 32, 8, 128, DType::kInt8})),
+    test_util::BackendCaseName<Case>(Name));
 
 }  // namespace
 }  // namespace kvpool::kernels
