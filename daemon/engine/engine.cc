@@ -66,8 +66,9 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
     e->state_->RestoreGenerations(std::move(generations));
   }
   if (model != nullptr) {
+    StepExecutor* const executor = e;  // the runner sees the engine as its executor only
     engine->runner_ =
-        std::make_unique<StepRunner>(engine.get(), static_cast<int32_t>(options.pools.size()),
+        std::make_unique<StepRunner>(executor, static_cast<int32_t>(options.pools.size()),
                                      options.clock, options.gather_window_ns, options.scheduler);
   }
   return engine;
@@ -641,6 +642,8 @@ void Engine::RunStep(int32_t pool, std::span<ComputeCall* const> calls) {
   WriteLock lock(this);
   step.Finish(*state_, launched);
 }
+
+StepExecutor& StepExecutorOf(Engine& engine) { return engine; }
 
 void Engine::Abandon(ComputeCall& call, const absl::Status& why) {
   WriteLock lock(this);

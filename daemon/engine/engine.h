@@ -47,6 +47,7 @@
 #include "daemon/engine/event_listener.h"
 #include "daemon/engine/promotion.h"
 #include "daemon/engine/session.h"
+#include "daemon/engine/step_executor.h"
 #include "kernels/device.h"
 #include "kvpool/block_trace.h"
 #include "kvpool/kv_cache_manager.h"
@@ -104,7 +105,7 @@ struct SessionListing {
   int64_t block_refs = 0;
 };
 
-class Engine final {
+class Engine final : private StepExecutor {
  public:
   // `device` must outlive the engine. `model` (not owned, may be null: no compute calls) runs the
   // steps; the engine starts a StepRunner for it. Errors: those of EngineState::Create.
@@ -249,14 +250,13 @@ class Engine final {
   void AddEventListener(EventListener* listener) ABSL_LOCKS_EXCLUDED(mu_, listeners_mu_);
   void RemoveEventListener(EventListener* listener) ABSL_LOCKS_EXCLUDED(mu_, listeners_mu_);
 
-  // The StepRunner's hooks: one step over `calls`, all of sessions of `pool` (plan, launch,
-  // finish); and a queued call that will not run (its caller gave up, its session ended,
-  // shutdown): a prefill between chunks gives back what it holds, and the call's status becomes
-  // `why`.
-  void RunStep(int32_t pool, std::span<ComputeCall* const> calls);
-  void Abandon(ComputeCall& call, const absl::Status& why);
-
  private:
+  // The StepRunner's hooks (step_executor.h), private: only the runner this engine starts holds
+  // them (tests: daemon/engine/internal/step_executor_of.h).
+  friend StepExecutor& StepExecutorOf(Engine& engine);
+  void RunStep(int32_t pool, std::span<ComputeCall* const> calls) override;
+  void Abandon(ComputeCall& call, const absl::Status& why) override;
+
   Engine(std::unique_ptr<EngineState> state, model::StepModel* model, ModelInfo model_info);
 
   // A hold of mu_ as writer (every one in the engine is one): when it ends, it releases mu_ and
