@@ -120,6 +120,16 @@ absl::Status EngineState::CheckLive(SessionId id) const {
   return absl::NotFoundError(fmt::format("session {} has ended", id.value()));
 }
 
+CallerFacts EngineState::FactsOf(const Session& s, absl::Status waiting) const {
+  return {.session = &s,
+          .serving = health,
+          .live = CheckLive(s.id),
+          .waiting = std::move(waiting),
+          .draining = draining,
+          .held_sequences = pool(s.pool).cache().session_sequences(s.id),
+          .queued_calls = s.compute_calls.load(std::memory_order_relaxed)};
+}
+
 std::shared_ptr<const Session> EngineState::FindByToken(std::string_view token) const {
   auto it = by_token_.find(absl::string_view(token.data(), token.size()));
   return it == by_token_.end() ? nullptr : live_.at(it->second);
