@@ -80,10 +80,13 @@ struct EngineOptions {
   // Tenants counted under their own name in per-tenant stats, per pool; later ones count under
   // "other" (TenantCounterTable).
   size_t max_tenant_labels = 64;
-  // The configured tenants. Empty: any tenant name may be claimed, with `open_tenant`'s limits
-  // and, when `open_quota_blocks` names it, that quota.
+  // The configured tenants. Empty: any tenant name may be claimed, with `open_tenant`'s limits.
   absl::flat_hash_map<std::string, TenantLimits> tenants;
   TenantLimits open_tenant;
+  // A tenant's quota is its TenantLimits::quota_blocks, and only that. Without `tenants`, this
+  // names the quota_blocks of the tenants that claim these names (config.proto
+  // tenant_quota_blocks, an alias for TenantSpec.quota_blocks in the zero-configuration mode);
+  // with `tenants` it must be empty (Engine::Create: INVALID_ARGUMENT).
   absl::flat_hash_map<std::string, int64_t> open_quota_blocks;
   ClientLimits limits;
   uint64_t epoch = 1;  // this start of the daemon (stamped on events, told at attach)

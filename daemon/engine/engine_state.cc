@@ -10,6 +10,14 @@ namespace kvpool::daemon {
 absl::StatusOr<std::unique_ptr<EngineState>> EngineState::Create(const EngineOptions& options,
                                                                  kernels::Device* device) {
   if (options.pools.empty()) return absl::InvalidArgumentError("the engine needs a pool");
+  if (!options.tenants.empty() && !options.open_quota_blocks.empty()) {
+    // One way to give a tenant a quota: a configured tenant's is its TenantLimits::quota_blocks;
+    // open_quota_blocks is that same field for tenants of the zero-configuration mode.
+    return absl::InvalidArgumentError(
+        fmt::format("open_quota_blocks names {} tenant(s) but tenants are configured: give each "
+                    "its TenantLimits::quota_blocks (config: tenants[].quota_blocks)",
+                    options.open_quota_blocks.size()));
+  }
   tier::DeploymentSecret secret = options.secret.value_or(tier::DeploymentSecret::Random());
   std::vector<std::unique_ptr<PoolState>> pools;
   for (const PoolOptions& pool : options.pools) {
