@@ -14,6 +14,8 @@
 namespace kvpool::daemon {
 namespace {
 
+// The RPC's own bound on top_k (kvpool.proto: a response carries at most this many per token);
+// the model's (the vocabulary) is the engine's admission gate's (daemon/engine/admission.h).
 constexpr int32_t kMaxTopK = 64;
 
 void ToProto(const std::vector<model::TokenLogProb>& top, v1::TopTokens* out) {

@@ -18,15 +18,6 @@ namespace {
 
 spdlog::logger& Log() { return Logger("daemon"); }
 
-// A priority class's range: an argument error, checked before anything about the caller.
-absl::Status CheckPriorityRange(int priority) {
-  if (priority < 0 || priority >= kNumPriorities) {
-    return absl::InvalidArgumentError(
-        fmt::format("priority {} outside [0, {})", priority, kNumPriorities));
-  }
-  return absl::OkStatus();
-}
-
 absl::Status DeviceError(const absl::Status& s) {
   return absl::InternalError(fmt::format("device: {}", s.message()));
 }
@@ -66,8 +57,9 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
     e->state_->RestoreGenerations(std::move(generations));
   }
   if (model != nullptr) {
+    StepExecutor* const executor = e;  // the runner sees the engine as its executor only
     engine->runner_ =
-        std::make_unique<StepRunner>(engine.get(), static_cast<int32_t>(options.pools.size()),
+        std::make_unique<StepRunner>(executor, static_cast<int32_t>(options.pools.size()),
                                      options.clock, options.gather_window_ns, options.scheduler);
   }
   return engine;
@@ -90,7 +82,10 @@ Engine::Engine(std::unique_ptr<EngineState> state, model::StepModel* model, Mode
       model_(model),
       model_info_(std::move(model_info)),
       started_ns_(state->now()),
-      limits_(state->options().limits),
+      gate_({.vocab_size = model_info_.vocab_size,
+             .max_position = model_info_.max_position,
+             .max_pin_ttl_ns = KvCacheOptions{}.max_pin_ttl_ns,  // the engine keeps the default
+             .limits = state->options().limits}),
       lock_gap_hook_(state->options().lock_gap_hook),
       revalidate_lock_gaps_(state->options().revalidate_lock_gaps),
       tiers_([&] {
@@ -150,44 +145,10 @@ absl::StatusOr<PoolGrant> Engine::Grant(std::shared_ptr<const Session> session) 
   return grant;
 }
 
-absl::Status Engine::Admit(const Session& s, Needs needs) const {
-  if (!state_->health.ok()) {
-    return absl::UnavailableError(
-        fmt::format("kvpoold stopped serving: {}", state_->health.message()));
-  }
-  if (absl::Status live = state_->CheckLive(s.id); !live.ok()) {
-    ++state_->call_counters.session_ended;
-    return live;
-  }
-  if (s.spec.tenant.empty()) {
-    ++state_->call_counters.not_permitted;
-    return absl::PermissionDeniedError("an admin session without a tenant holds no sequences");
-  }
-  if (needs.kv_access && !s.spec.kv_access) {
-    ++state_->call_counters.not_permitted;
-    return absl::PermissionDeniedError(
-        "a compute-only session may not hold blocks to write or publish KV it wrote (attach "
-        "with KV access, if its tenant grants it)");
-  }
-  if (needs.creates && state_->draining) {
-    return absl::UnavailableError("kvpoold is draining: no new sequences");
-  }
-  if (needs.items > static_cast<size_t>(state_->options().limits.batch_items)) {
-    ++state_->call_counters.over_limit;
-    return absl::ResourceExhaustedError(
-        fmt::format("{} items in one call: at most {} (limits.batch_items)", needs.items,
-                    state_->options().limits.batch_items));
-  }
-  // The pool's manager enforces this bound too; checked here first so that it is counted.
-  const int64_t held = state_->pool(s.pool).cache().session_sequences(s.id);
-  const int32_t max_sequences = state_->options().limits.sequences_per_session;
-  if (needs.sequences > 0 && held + static_cast<int64_t>(needs.sequences) > max_sequences) {
-    ++state_->call_counters.over_limit;
-    return absl::ResourceExhaustedError(
-        fmt::format("session {} holds {} sequences: at most {} (limits.sequences_per_session)",
-                    s.id.value(), held, max_sequences));
-  }
-  return absl::OkStatus();
+absl::Status Engine::Admit(const Session& s, const CallAsk& ask) const {
+  const Verdict verdict = gate_.CheckCaller(ask, state_->FactsOf(s));
+  Count(verdict.counted, state_->call_counters);
+  return verdict.status;
 }
 
 absl::Status Engine::Complete(const Session& s, Fence fence, std::span<const SequenceId> created,
@@ -233,27 +194,18 @@ absl::StatusOr<Tables> Engine::Allocate(const Session& s, std::span<const Alloca
   auto salt = [&](size_t i) {
     return salts.empty() ? std::string_view() : std::string_view(salts[i]);
   };
-  // Arguments first, then who asks and what it may do, then limits; tier work only after all.
-  for (size_t i = 0; i < requests.size(); ++i) {
-    if (salt(i).size() > kMaxCacheSaltBytes) {
-      return absl::InvalidArgumentError(fmt::format("item {}: a cache salt of {} bytes: at most {}",
-                                                    i, salt(i).size(), kMaxCacheSaltBytes));
-    }
-    KVPOOL_RETURN_IF_ERROR(CheckPriorityRange(requests[i].priority));
-  }
-  const Needs needs{
+  // Arguments first, then who asks and what it may do, then limits (admission.h); tier work
+  // only after all.
+  CallAsk ask{
       .creates = true, .kv_access = true, .items = requests.size(), .sequences = requests.size()};
-  // Who asks and what it may do, before any tier work is done for it; checked again below.
-  auto admit = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
-    KVPOOL_RETURN_IF_ERROR(Admit(s, needs));
-    for (const AllocateRequest& r : requests) {
-      KVPOOL_RETURN_IF_ERROR(CheckCeiling(s, r.priority));
-    }
-    return absl::OkStatus();
-  };
+  for (size_t i = 0; i < requests.size(); ++i) {
+    ask.salt_bytes.push_back(salt(i).size());
+    ask.priorities.push_back(requests[i].priority);
+  }
+  KVPOOL_RETURN_IF_ERROR(gate_.CheckArguments(ask).status);
   {
     WriteLock lock(this);
-    KVPOOL_RETURN_IF_ERROR(admit());
+    KVPOOL_RETURN_IF_ERROR(Admit(s, ask));
   }
   std::vector<PromotionHold> holds;  // what the tiers had, held for this call's sequences
   const absl::Cleanup unused = [&] {
@@ -274,7 +226,7 @@ absl::StatusOr<Tables> Engine::Allocate(const Session& s, std::span<const Alloca
   Fence fence;
   {
     WriteLock lock(this);
-    KVPOOL_RETURN_IF_ERROR(admit());  // again: the session may have ended meanwhile
+    KVPOOL_RETURN_IF_ERROR(Admit(s, ask));  // again: the session may have ended meanwhile
     std::vector<AllocateRequest> items(requests.begin(), requests.end());
     for (size_t i = 0; i < items.size(); ++i) {
       KVPOOL_ASSIGN_OR_RETURN(items[i].ns, state_->SaltedNamespace(s, salt(i)));
@@ -484,9 +436,11 @@ void Engine::InGap(LockGap gap) const {
 
 absl::StatusOr<int64_t> Engine::MatchPrefix(const Session& s, std::span<const int32_t> tokens,
                                             std::string_view salt) const {
+  const CallAsk ask{.salt_bytes = {salt.size()}};
+  KVPOOL_RETURN_IF_ERROR(gate_.CheckArguments(ask).status);
   WriteLock lock(this);
+  KVPOOL_RETURN_IF_ERROR(Admit(s, ask));
   KVPOOL_ASSIGN_OR_RETURN(const NamespaceId ns, state_->PeekNamespace(s, salt));
-  KVPOOL_RETURN_IF_ERROR(Admit(s, {}));
   return state_->pool_of(s).cache().MatchPrefix(ns, tokens);
 }
 
@@ -502,22 +456,12 @@ absl::StatusOr<PinInfo> FindPin(const KvCacheManager& cache, SessionId session, 
 
 }  // namespace
 
-absl::Status Engine::CheckCeiling(const Session& s, int priority) const {
-  if (priority > s.max_priority) {
-    ++state_->call_counters.not_permitted;
-    return absl::PermissionDeniedError(fmt::format("priority {} is above tenant {}'s ceiling {}",
-                                                   priority, s.spec.tenant, s.max_priority));
-  }
-  return absl::OkStatus();
-}
-
 absl::StatusOr<PinInfo> Engine::PinPrefix(const Session& s, std::span<const int32_t> tokens,
                                           int64_t ttl_ns, int priority, std::string_view salt) {
-  KVPOOL_RETURN_IF_ERROR(CheckPriorityRange(priority));
+  const CallAsk ask{.salt_bytes = {salt.size()}, .priorities = {priority}, .pin_ttl_ns = ttl_ns};
+  KVPOOL_RETURN_IF_ERROR(gate_.CheckArguments(ask).status);
   WriteLock lock(this);
-  KVPOOL_RETURN_IF_ERROR(state_->PeekNamespace(s, salt).status());  // the salt's length
-  KVPOOL_RETURN_IF_ERROR(Admit(s, {}));
-  KVPOOL_RETURN_IF_ERROR(CheckCeiling(s, priority));
+  KVPOOL_RETURN_IF_ERROR(Admit(s, ask));
   KVPOOL_ASSIGN_OR_RETURN(const NamespaceId ns, state_->SaltedNamespace(s, salt));
   KvCacheManager& cache = state_->pool_of(s).cache();
   KVPOOL_ASSIGN_OR_RETURN(const PinId id, cache.PinPrefix(s.id, ns, tokens, ttl_ns, priority));
@@ -526,18 +470,20 @@ absl::StatusOr<PinInfo> Engine::PinPrefix(const Session& s, std::span<const int3
 
 absl::StatusOr<PinInfo> Engine::PinSequence(const Session& s, SequenceId sequence, int64_t ttl_ns,
                                             int priority) {
-  KVPOOL_RETURN_IF_ERROR(CheckPriorityRange(priority));
+  const CallAsk ask{.priorities = {priority}, .pin_ttl_ns = ttl_ns};
+  KVPOOL_RETURN_IF_ERROR(gate_.CheckArguments(ask).status);
   WriteLock lock(this);
-  KVPOOL_RETURN_IF_ERROR(Admit(s, {}));
-  KVPOOL_RETURN_IF_ERROR(CheckCeiling(s, priority));
+  KVPOOL_RETURN_IF_ERROR(Admit(s, ask));
   KvCacheManager& cache = state_->pool_of(s).cache();
   KVPOOL_ASSIGN_OR_RETURN(const PinId id, cache.PinSequence(s.id, sequence, ttl_ns, priority));
   return FindPin(cache, s.id, id);
 }
 
 absl::StatusOr<PinInfo> Engine::RenewPin(const Session& s, PinId pin, int64_t ttl_ns) {
+  const CallAsk ask{.pin_ttl_ns = ttl_ns};
+  KVPOOL_RETURN_IF_ERROR(gate_.CheckArguments(ask).status);
   WriteLock lock(this);
-  KVPOOL_RETURN_IF_ERROR(Admit(s, {}));
+  KVPOOL_RETURN_IF_ERROR(Admit(s, ask));
   KvCacheManager& cache = state_->pool_of(s).cache();
   KVPOOL_RETURN_IF_ERROR(cache.RenewPin(s.id, pin, ttl_ns));
   return FindPin(cache, s.id, pin);
@@ -567,7 +513,7 @@ void Engine::Submit(std::unique_ptr<ComputeCall> call) {
     call->Complete();
     return;
   }
-  if (absl::Status refused = CheckCompute(*call); !refused.ok()) {
+  if (absl::Status refused = AdmitCompute(*call); !refused.ok()) {
     call->result().status = std::move(refused);
     call->Complete();
     return;
@@ -581,47 +527,19 @@ void Engine::Submit(std::unique_ptr<ComputeCall> call) {
   runner_->Submit(std::move(call));
 }
 
-absl::Status Engine::CheckCompute(const ComputeCall& call) {
-  const ComputeRequest& r = call.request();
-  const ClientLimits& limits = limits_;
-  // Arguments first: the call's own, then against the model.
-  if (r.cache_salt.size() > kMaxCacheSaltBytes) {
-    return absl::InvalidArgumentError(fmt::format("a cache salt of {} bytes: at most {}",
-                                                  r.cache_salt.size(), kMaxCacheSaltBytes));
+absl::Status Engine::AdmitCompute(const ComputeCall& call) {
+  const CallAsk ask = AdmissionGate::AskOf(call, /*queued=*/true);
+  Verdict verdict = gate_.CheckArguments(ask);
+  if (!verdict.ok()) return verdict.status;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    verdict = gate_.CheckCaller(ask, state_->FactsOf(call.session()));
   }
-  if (r.creates()) KVPOOL_RETURN_IF_ERROR(CheckPriorityRange(r.priority));
-  // Per call: a top_k no step can serve fails this call alone, not the step it would join.
-  if (r.top_k < 0 || r.top_k > model_info_.vocab_size) {
-    return absl::InvalidArgumentError(
-        fmt::format("top_k {} outside [0, {}] (the vocabulary)", r.top_k, model_info_.vocab_size));
-  }
-  KVPOOL_RETURN_IF_ERROR(CheckSamplingOf(r, model_info_.vocab_size));
-  if (r.prefill() && static_cast<int64_t>(r.tokens.size()) > model_info_.max_position) {
-    return absl::OutOfRangeError(
-        fmt::format("a prompt of {} tokens: the model's context is {} positions", r.tokens.size(),
-                    model_info_.max_position));
-  }
-  if (r.creates() && r.priority > call.session().max_priority) {
+  if (verdict.counted != Counted::kNone) {
     WriteLock lock(this);
-    return CheckCeiling(call.session(), r.priority);  // counted
+    Count(verdict.counted, state_->call_counters);
   }
-  absl::Status over;
-  if (!r.prefill() && r.decode.size() > static_cast<size_t>(limits.decode_width)) {
-    over = absl::ResourceExhaustedError(
-        fmt::format("a decode of {} sequences: at most {} (limits.decode_width)", r.decode.size(),
-                    limits.decode_width));
-  } else if (call.session().compute_calls.load(std::memory_order_relaxed) >
-             limits.queued_calls_per_session) {
-    over = absl::ResourceExhaustedError(
-        fmt::format("session {} has {} compute calls queued or running already "
-                    "(limits.queued_calls_per_session)",
-                    call.session().id.value(), limits.queued_calls_per_session));
-  }
-  if (!over.ok()) {
-    WriteLock lock(this);
-    ++state_->call_counters.over_limit;
-  }
-  return over;
+  return verdict.status;
 }
 
 void Engine::StopCompute() {
@@ -629,7 +547,7 @@ void Engine::StopCompute() {
 }
 
 void Engine::RunStep(int32_t pool, std::span<ComputeCall* const> calls) {
-  Step step(pool, calls, {model_info_.vocab_size, model_info_.max_position});
+  Step step(pool, calls, {model_info_.vocab_size, model_info_.max_position}, gate_);
   {
     WriteLock lock(this);
     step.Plan(*state_);
@@ -641,6 +559,8 @@ void Engine::RunStep(int32_t pool, std::span<ComputeCall* const> calls) {
   WriteLock lock(this);
   step.Finish(*state_, launched);
 }
+
+StepExecutor& StepExecutorOf(Engine& engine) { return engine; }
 
 void Engine::Abandon(ComputeCall& call, const absl::Status& why) {
   WriteLock lock(this);

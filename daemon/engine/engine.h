@@ -40,6 +40,7 @@
 #include "absl/container/inlined_vector.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "daemon/engine/admission.h"
 #include "daemon/engine/call_context.h"
 #include "daemon/engine/compute_call.h"
 #include "daemon/engine/engine_options.h"
@@ -47,6 +48,7 @@
 #include "daemon/engine/event_listener.h"
 #include "daemon/engine/promotion.h"
 #include "daemon/engine/session.h"
+#include "daemon/engine/step_executor.h"
 #include "kernels/device.h"
 #include "kvpool/block_trace.h"
 #include "kvpool/kv_cache_manager.h"
@@ -104,7 +106,7 @@ struct SessionListing {
   int64_t block_refs = 0;
 };
 
-class Engine final {
+class Engine final : private StepExecutor {
  public:
   // `device` must outlive the engine. `model` (not owned, may be null: no compute calls) runs the
   // steps; the engine starts a StepRunner for it. Errors: those of EngineState::Create.
@@ -128,6 +130,8 @@ class Engine final {
   std::vector<SessionListing> ListSessions() const;
 
   // --- Control calls (session calls; errors as in kvpool.proto; a failed call changes nothing).
+  // Whether a call is taken is the AdmissionGate's (admission.h), in one order for every call:
+  // arguments, then the session's life, then permission, then limits.
   // Every call: NOT_FOUND once the session has ended, CANCELLED / DEADLINE_EXCEEDED when the caller
   // gave up before the call changed anything, UNAVAILABLE after a device failure stopped the
   // engine. Allocate and Fork also UNAVAILABLE while draining. Allocate, Grow and Commit
@@ -249,14 +253,13 @@ class Engine final {
   void AddEventListener(EventListener* listener) ABSL_LOCKS_EXCLUDED(mu_, listeners_mu_);
   void RemoveEventListener(EventListener* listener) ABSL_LOCKS_EXCLUDED(mu_, listeners_mu_);
 
-  // The StepRunner's hooks: one step over `calls`, all of sessions of `pool` (plan, launch,
-  // finish); and a queued call that will not run (its caller gave up, its session ended,
-  // shutdown): a prefill between chunks gives back what it holds, and the call's status becomes
-  // `why`.
-  void RunStep(int32_t pool, std::span<ComputeCall* const> calls);
-  void Abandon(ComputeCall& call, const absl::Status& why);
-
  private:
+  // The StepRunner's hooks (step_executor.h), private: only the runner this engine starts holds
+  // them (tests: daemon/engine/internal/step_executor_of.h).
+  friend StepExecutor& StepExecutorOf(Engine& engine);
+  void RunStep(int32_t pool, std::span<ComputeCall* const> calls) override;
+  void Abandon(ComputeCall& call, const absl::Status& why) override;
+
   Engine(std::unique_ptr<EngineState> state, model::StepModel* model, ModelInfo model_info);
 
   // A hold of mu_ as writer (every one in the engine is one): when it ends, it releases mu_ and
@@ -276,19 +279,10 @@ class Engine final {
   GrownLogs TakeGrownLogs() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void TellListeners(const GrownLogs& grown) const ABSL_LOCKS_EXCLUDED(mu_, listeners_mu_);
 
-  // What a control call needs of its session beyond being live.
-  struct Needs {
-    bool creates = false;    // makes sequences: not while draining
-    bool kv_access = false;  // hands out blocks to write, or publishes what a client wrote
-    size_t items = 0;        // a batch of this many (ClientLimits::batch_items)
-    size_t sequences = 0;    // makes this many sequences (ClientLimits::sequences_per_session)
-  };
-  // Under the lock, before a call changes anything: the engine serves, the session is live, and
-  // it may do what the call `needs`.
-  absl::Status Admit(const Session& s, Needs needs) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // PERMISSION_DENIED (counted) for a priority above the session's ceiling.
-  absl::Status CheckCeiling(const Session& s, int priority) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Under the lock, before a call changes anything: the admission gate's stages after the
+  // arguments (admission.h), counted. The caller checked the arguments (gate_.CheckArguments)
+  // before it took the lock.
+  absl::Status Admit(const Session& s, const CallAsk& ask) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // After a call's device work was queued, outside the lock: waits for it; then releases the
   // sequences the call created when the wait failed or the caller gave up meanwhile.
   absl::Status Complete(const Session& s, Fence fence, std::span<const SequenceId> created,
@@ -311,10 +305,8 @@ class Engine final {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A gap between two holds of the lock: the test hook runs (EngineOptions::lock_gap_hook).
   void InGap(LockGap gap) const ABSL_LOCKS_EXCLUDED(mu_);
-  // What a compute call may ask, checked before it queues: top_k, the prompt against the
-  // context, the decode width, and the session's queued calls. Errors: INVALID_ARGUMENT,
-  // OUT_OF_RANGE, RESOURCE_EXHAUSTED.
-  absl::Status CheckCompute(const ComputeCall& call);
+  // Whether a compute call may queue (admission.h, every stage). Errors: those of the gate.
+  absl::Status AdmitCompute(const ComputeCall& call) ABSL_LOCKS_EXCLUDED(mu_);
 
   const std::vector<kernels::PoolLayout> layouts_;  // by pool
   const std::vector<std::string> pool_names_;
@@ -324,7 +316,7 @@ class Engine final {
   model::StepModel* const model_;
   const ModelInfo model_info_;
   const int64_t started_ns_;
-  const ClientLimits limits_;
+  const AdmissionGate gate_;  // every call's admission (admission.h)
   const std::function<void(LockGap)> lock_gap_hook_;
   const bool revalidate_lock_gaps_;
   // Each pool's tiers (PoolState::tiers(); null: none), fixed at creation, so calls of pools

@@ -82,10 +82,13 @@ struct EngineOptions {
   size_t max_tenant_labels = 64;
   // Share of block hand-outs followed for the residency histograms (BlockPoolOptions), [0, 1].
   double block_residency_sample = 0;
-  // The configured tenants. Empty: any tenant name may be claimed, with `open_tenant`'s limits
-  // and, when `open_quota_blocks` names it, that quota.
+  // The configured tenants. Empty: any tenant name may be claimed, with `open_tenant`'s limits.
   absl::flat_hash_map<std::string, TenantLimits> tenants;
   TenantLimits open_tenant;
+  // A tenant's quota is its TenantLimits::quota_blocks, and only that. Without `tenants`, this
+  // names the quota_blocks of the tenants that claim these names (config.proto
+  // tenant_quota_blocks, an alias for TenantSpec.quota_blocks in the zero-configuration mode);
+  // with `tenants` it must be empty (Engine::Create: INVALID_ARGUMENT).
   absl::flat_hash_map<std::string, int64_t> open_quota_blocks;
   ClientLimits limits;
   uint64_t epoch = 1;  // this start of the daemon (stamped on events, told at attach)

@@ -10,6 +10,14 @@ namespace kvpool::daemon {
 absl::StatusOr<std::unique_ptr<EngineState>> EngineState::Create(const EngineOptions& options,
                                                                  kernels::Device* device) {
   if (options.pools.empty()) return absl::InvalidArgumentError("the engine needs a pool");
+  if (!options.tenants.empty() && !options.open_quota_blocks.empty()) {
+    // One way to give a tenant a quota: a configured tenant's is its TenantLimits::quota_blocks;
+    // open_quota_blocks is that same field for tenants of the zero-configuration mode.
+    return absl::InvalidArgumentError(
+        fmt::format("open_quota_blocks names {} tenant(s) but tenants are configured: give each "
+                    "its TenantLimits::quota_blocks (config: tenants[].quota_blocks)",
+                    options.open_quota_blocks.size()));
+  }
   tier::DeploymentSecret secret = options.secret.value_or(tier::DeploymentSecret::Random());
   std::vector<std::unique_ptr<PoolState>> pools;
   for (const PoolOptions& pool : options.pools) {
@@ -118,6 +126,16 @@ absl::StatusOr<std::shared_ptr<const Session>> EngineState::Open(SessionSpec spe
 absl::Status EngineState::CheckLive(SessionId id) const {
   if (live_.contains(id)) return absl::OkStatus();
   return absl::NotFoundError(fmt::format("session {} has ended", id.value()));
+}
+
+CallerFacts EngineState::FactsOf(const Session& s, absl::Status waiting) const {
+  return {.session = &s,
+          .serving = health,
+          .live = CheckLive(s.id),
+          .waiting = std::move(waiting),
+          .draining = draining,
+          .held_sequences = pool(s.pool).cache().session_sequences(s.id),
+          .queued_calls = s.compute_calls.load(std::memory_order_relaxed)};
 }
 
 std::shared_ptr<const Session> EngineState::FindByToken(std::string_view token) const {

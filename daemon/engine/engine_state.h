@@ -12,6 +12,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "daemon/engine/admission.h"
 #include "daemon/engine/engine_options.h"
 #include "daemon/engine/namespace_table.h"
 #include "daemon/engine/pool_state.h"
@@ -106,6 +107,10 @@ class EngineState final {
   void RestoreGenerations(absl::flat_hash_map<uint64_t, uint64_t> generations) {
     namespaces_.SetGenerations(std::move(generations));
   }
+
+  // What the admission gate needs to know of `s` now (admission.h); `waiting` is its caller's
+  // CallContext::Check() where the call waited in a queue.
+  CallerFacts FactsOf(const Session& s, absl::Status waiting = absl::OkStatus()) const;
 
   bool draining = false;
   uint64_t invalidations = 0;  // Invalidate calls that succeeded

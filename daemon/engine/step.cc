@@ -42,31 +42,12 @@ void Step::Plan(EngineState& state) {
 }
 
 absl::Status Step::Admit(EngineState& state, const ComputeCall& call) const {
-  if (!state.health.ok()) {
-    return absl::UnavailableError(
-        fmt::format("kvpoold stopped serving: {}", state.health.message()));
-  }
-  if (absl::Status s = state.CheckLive(call.session().id); !s.ok()) {
-    ++state.call_counters.session_ended;
-    return s;
-  }
-  if (absl::Status s = call.context().Check(); !s.ok()) {
-    ++state.call_counters.gave_up;
-    return s;
-  }
-  if (call.session().spec.tenant.empty()) {
-    ++state.call_counters.not_permitted;
-    return absl::PermissionDeniedError("an admin session without a tenant holds no sequences");
-  }
-  if (state.draining && call.request().creates() && call.progress() == nullptr) {
-    return absl::UnavailableError("kvpoold is draining: no new sequences");
-  }
-  if (call.request().top_k < 0 || call.request().top_k > limits_.vocab_size) {
-    // This call's alone: the step runs the widest top_k of the calls it admitted.
-    return absl::InvalidArgumentError(fmt::format("top_k {} outside [0, {}] (the vocabulary)",
-                                                  call.request().top_k, limits_.vocab_size));
-  }
-  return absl::OkStatus();
+  // Again, as the call joins a step: its session may have ended, its caller given up, or the
+  // engine begun draining since it queued (admission.h).
+  const Verdict verdict = gate_.Admit(AdmissionGate::AskOf(call, /*queued=*/false),
+                                      state.FactsOf(call.session(), call.context().Check()));
+  Count(verdict.counted, state.call_counters);
+  return verdict.status;
 }
 
 absl::Status Step::PlanCall(EngineState& state, ComputeCall& call) {

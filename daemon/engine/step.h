@@ -2,8 +2,9 @@
 
 // Step: one model step over the pool, as a small state machine the engine drives:
 //
-//   Plan     (engine lock held)  each call in turn: admitted (session live, caller still waiting,
-//                                not draining for a new sequence), planned against the pool, its
+//   Plan     (engine lock held)  each call in turn: admitted again (AdmissionGate: session live,
+//                                caller still waiting, not draining for a new sequence), planned
+//                                against the pool, its
 //                                device work enqueued and every block it touches marked in flight
 //                                before the next call is planned, so a later call of the same step
 //                                can never evict and reuse a block an earlier one still copies
@@ -28,6 +29,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
+#include "daemon/engine/admission.h"
 #include "daemon/engine/compute_call.h"
 #include "daemon/engine/engine_state.h"
 #include "daemon/engine/pool_state.h"
@@ -38,9 +40,11 @@ namespace kvpool::daemon {
 class Step final {
  public:
   // `calls` as the scheduler took them (prefills under way first), all of sessions of pool
-  // `pool`; not owned, they outlive the step.
-  Step(int32_t pool, std::span<ComputeCall* const> calls, const model::TokenLimits& limits)
-      : pool_(pool), calls_(calls.begin(), calls.end()), limits_(limits) {}
+  // `pool`; not owned, they outlive the step, as does `gate`, which admits each call again as
+  // the step plans it.
+  Step(int32_t pool, std::span<ComputeCall* const> calls, const model::TokenLimits& limits,
+       const AdmissionGate& gate)
+      : pool_(pool), calls_(calls.begin(), calls.end()), limits_(limits), gate_(gate) {}
 
   // REQUIRES: the engine lock.
   void Plan(EngineState& state);
@@ -79,6 +83,7 @@ class Step final {
   const int32_t pool_;
   const std::vector<ComputeCall*> calls_;
   const model::TokenLimits limits_;
+  const AdmissionGate& gate_;
   std::vector<Entry> entries_;
   absl::flat_hash_set<SequenceId> in_step_;
   Fence fence_;     // the step's own (StepTimeline): every block it reads or writes

@@ -3,15 +3,14 @@
 #include <algorithm>
 #include <utility>
 
-#include "daemon/engine/engine.h"
 #include "fmt/format.h"
 #include "kvpool/util/fmt.h"
 
 namespace kvpool::daemon {
 
-StepRunner::StepRunner(Engine* engine, int32_t num_pools, const Clock* clock,
+StepRunner::StepRunner(StepExecutor* executor, int32_t num_pools, const Clock* clock,
                        int64_t gather_window_ns, const SchedulerOptions& options)
-    : engine_(engine),
+    : executor_(executor),
       clock_(clock),
       gather_window_ns_(gather_window_ns),
       batching_(options.batching) {
@@ -66,7 +65,7 @@ uint64_t StepRunner::steps() const {
 void StepRunner::Drop(std::vector<std::unique_ptr<ComputeCall>> calls, const absl::Status& status) {
   for (std::unique_ptr<ComputeCall>& call : calls) {
     // A prefill between chunks gives its sequence back.
-    engine_->Abandon(*call, status.ok() ? call->context().Check() : status);
+    executor_->Abandon(*call, status.ok() ? call->context().Check() : status);
     call->Complete();
   }
 }
@@ -135,7 +134,7 @@ void StepRunner::Loop() {
     std::vector<ComputeCall*> calls;
     calls.reserve(step.size());
     for (const auto& call : step) calls.push_back(call.get());
-    engine_->RunStep(pool, calls);
+    executor_->RunStep(pool, calls);
     AfterStep(pool, std::move(step));
   }
 }

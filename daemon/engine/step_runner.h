@@ -2,9 +2,9 @@
 
 // StepRunner: the engine's model loop. Prefill and Decode calls queue here, by pool; one thread
 // forms steps from them (a StepScheduler per pool: a step's block ids index one pool's arena)
-// taking the pools with queued calls in turn, runs each step through Engine::RunStep, then hands
-// every call back through ComputeCall::Complete(), or queues a prefill with tokens left for its
-// next chunk.
+// taking the pools with queued calls in turn, runs each step through its StepExecutor (the
+// engine, step_executor.h), then hands every call back through ComputeCall::Complete(), or queues
+// a prefill with tokens left for its next chunk.
 //
 // Waiting, all of it on the injected Clock:
 //  - gathering: a step waits until every session of the previous step has queued again, at most
@@ -26,18 +26,17 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "daemon/engine/compute_call.h"
+#include "daemon/engine/step_executor.h"
 #include "daemon/engine/step_scheduler.h"
 #include "kvpool/util/clock.h"
 
 namespace kvpool::daemon {
 
-class Engine;
-
 class StepRunner final {
  public:
   // Neither is owned; both outlive the runner. Starts the loop thread.
-  StepRunner(Engine* engine, int32_t num_pools, const Clock* clock, int64_t gather_window_ns,
-             const SchedulerOptions& options);
+  StepRunner(StepExecutor* executor, int32_t num_pools, const Clock* clock,
+             int64_t gather_window_ns, const SchedulerOptions& options);
   ~StepRunner();  // Stop()
 
   // Queues `call`. After Stop(), completes it at once with UNAVAILABLE.
@@ -68,7 +67,7 @@ class StepRunner final {
   // After a step: completes finished calls, queues the next chunk of the others.
   void AfterStep(int32_t pool, std::vector<std::unique_ptr<ComputeCall>> step);
 
-  Engine* const engine_;
+  StepExecutor* const executor_;
   const Clock* const clock_;
   const int64_t gather_window_ns_;
   const bool batching_;

@@ -140,6 +140,21 @@ TEST(ConfigTest, EngineOptionsFollowTheConfig) {
   EXPECT_EQ(MakeEngineOptions(c, 42).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// One way to give a tenant a quota: with `tenants`, their quota_blocks; tenant_quota_blocks is
+// its alias for the zero-configuration mode, and naming both is a config error (issue 29).
+TEST(ConfigTest, ATenantsQuotaIsGivenOneWay) {
+  v1::DaemonConfig c = *LoadConfig("");
+  (*c.mutable_tenant_quota_blocks())["a"] = 9;
+  EXPECT_THAT(ValidateConfig(c), ::testing::IsEmpty());
+  v1::TenantSpec* t = c.add_tenants();
+  t->set_name("a");
+  t->add_uids(1000);
+  t->set_quota_blocks(9);
+  EXPECT_THAT(ValidateConfig(c), ::testing::Contains(HasSubstr("tenant_quota_blocks")));
+  c.clear_tenant_quota_blocks();
+  EXPECT_THAT(ValidateConfig(c), ::testing::IsEmpty());
+}
+
 TEST(ConfigTest, TiersAreOffByDefaultAndCheckedWhenOn) {
   absl::StatusOr<EngineOptions> o = MakeEngineOptions(DefaultConfig(), 1);
   ASSERT_TRUE(o.ok()) << o.status();

@@ -16,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/engine/engine.h"
+#include "daemon/engine/internal/step_executor_of.h"
 #include "gtest/gtest.h"
 #include "model/model.h"
 #include "tests/daemon/engine_test_util.h"
@@ -249,7 +250,7 @@ class EngineRandomTest : public ::testing::Test {
       raw.push_back(fresh.back().get());
     }
     for (ComputeCall* c : raw) c->chunk = 1 + Rand(16);
-    engine_->RunStep(/*pool=*/0, raw);
+    StepExecutorOf(*engine_).RunStep(/*pool=*/0, raw);
     for (ComputeCall* c : raw) {
       const ComputeRequest& r = c->request();
       std::string line = absl::StrCat(
@@ -288,7 +289,7 @@ class EngineRandomTest : public ::testing::Test {
     // Now and then a prefill between chunks is abandoned (shutdown, the runner's cancellation).
     if (!pending_.empty() && Chance(10)) {
       const bool holds = Holds(pending_.back());
-      engine_->Abandon(*pending_.back().call, absl::CancelledError("abandoned"));
+      StepExecutorOf(*engine_).Abandon(*pending_.back().call, absl::CancelledError("abandoned"));
       Resolve(pending_.back(), holds);
       pending_.pop_back();
     }
@@ -351,7 +352,8 @@ TEST_F(EngineRandomTest, SessionsCallsStepsCancellationsAndEndsNeverLeakOrCorrup
     ExpectModel(op);
     if (HasFatalFailure()) return;
   }
-  for (Pending& p : pending_) engine_->Abandon(*p.call, absl::UnavailableError("the end"));
+  for (Pending& p : pending_)
+    StepExecutorOf(*engine_).Abandon(*p.call, absl::UnavailableError("the end"));
   pending_.clear();
   while (!live_.empty()) EndSession();
   ExpectModel(operations);

@@ -255,6 +255,33 @@ TEST_F(EngineTest, TenantQuotaIsSetWhenItsSessionOpens) {
   EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
 }
 
+// One way to give a tenant a quota (issue 29): TenantLimits::quota_blocks. open_quota_blocks is
+// that field for the zero-configuration mode, with the same effect; beside configured tenants it
+// is an error (before, it was silently ignored there).
+TEST_F(EngineTest, OpenQuotaBlocksIsTheConfiguredQuotaUnderAnotherName) {
+  const AllocateRequest three_blocks{.num_tokens = 48};
+  auto refused = [&](const EngineOptions& options) {
+    engine_ = std::move(*Engine::Create(options, &device_, nullptr));
+    std::shared_ptr<const Session> s = *engine_->OpenSession(Spec("tight"));
+    return engine_->Allocate(*s, std::span(&three_blocks, 1), CallContext::Uncancellable())
+        .status()
+        .code();
+  };
+  EngineOptions open = SmallPool(64);
+  open.open_quota_blocks["tight"] = 2;
+  EngineOptions configured = SmallPool(64);
+  configured.tenants["tight"] = {.quota_blocks = 2};
+  EXPECT_EQ(refused(open), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(refused(configured), absl::StatusCode::kResourceExhausted);
+
+  EngineOptions both = configured;
+  both.open_quota_blocks["tight"] = 2;
+  engine_.reset();
+  absl::StatusOr<std::unique_ptr<Engine>> made = Engine::Create(both, &device_, nullptr);
+  EXPECT_EQ(made.status().code(), absl::StatusCode::kInvalidArgument) << made.status();
+  EXPECT_THAT(std::string(made.status().message()), ::testing::HasSubstr("quota_blocks"));
+}
+
 // A new model string is a new namespace, not a fresh quota: the tenant's quota bounds the sum.
 TEST_F(EngineTest, TenantQuotaIsSummedOverItsModels) {
   EngineOptions options = SmallPool(64);

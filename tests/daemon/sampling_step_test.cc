@@ -8,6 +8,7 @@
 
 #include "absl/synchronization/notification.h"
 #include "daemon/engine/engine.h"
+#include "daemon/engine/internal/step_executor_of.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/daemon/engine_test_util.h"
@@ -61,7 +62,7 @@ class SamplingStepTest : public ::testing::Test {
   static std::unique_ptr<ComputeCall> Call(std::shared_ptr<const Session> s, ComputeRequest r) {
     return std::make_unique<ComputeCall>(std::move(s), std::move(r), nullptr, [](ComputeCall&) {});
   }
-  void Run(std::vector<ComputeCall*> calls) { engine_->RunStep(/*pool=*/0, calls); }
+  void Run(std::vector<ComputeCall*> calls) { StepExecutorOf(*engine_).RunStep(/*pool=*/0, calls); }
 
   // Runs `plans` side by side: their prefills in one step, then each decode step together.
   std::vector<Trace> RunTogether(const std::vector<Plan>& plans, int decodes) {

@@ -1,4 +1,4 @@
-// Model steps through the Engine (Engine::RunStep, the runner's hook, driven directly here):
+// Model steps through the Engine (its StepExecutor, the runner's hook, driven directly here):
 // planning, chunked prefill, and the bugs a step used to have with sessions, cancellation,
 // eviction and failed device work.
 
@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "daemon/engine/engine.h"
+#include "daemon/engine/internal/step_executor_of.h"
 #include "daemon/engine/step_timeline.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -53,7 +54,7 @@ class StepTest : public ::testing::Test {
         ComputeRequest{.kind = ComputeRequest::Kind::kDecode, .decode = {{seq, token}}}, nullptr,
         [](ComputeCall&) {});
   }
-  void Run(std::vector<ComputeCall*> calls) { engine_->RunStep(/*pool=*/0, calls); }
+  void Run(std::vector<ComputeCall*> calls) { StepExecutorOf(*engine_).RunStep(/*pool=*/0, calls); }
   void ExpectInvariants() {
     const absl::Status s = engine_->CheckInvariants();
     EXPECT_TRUE(s.ok()) << s;
@@ -378,7 +379,7 @@ TEST_F(StepTest, AChunkedPrefillWhoseSequenceWasFreedStopsAndLeaksNothing) {
   Run({q.get()});
   ASSERT_TRUE(q->unfinished());
   EXPECT_EQ(engine_->Stats().cache.sequences, 1);
-  engine_->Abandon(*q, absl::UnavailableError("shutting down"));
+  StepExecutorOf(*engine_).Abandon(*q, absl::UnavailableError("shutting down"));
   EXPECT_EQ(engine_->Stats().cache.sequences, 0);
   EXPECT_EQ(engine_->Stats().cache.pool.free, free_before);
   ExpectInvariants();

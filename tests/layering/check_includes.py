@@ -16,7 +16,7 @@ import sys
 # Project directories an include can name, by its first path component (kvpool/v1/ is the proto
 # library's generated and hand-written code; kvpool/util/ is the leaf library).
 PROJECT = ("kvpool/v1/", "kvpool/util/", "kvpool/", "tier/", "kernels/", "model/",
-           "daemon/engine/", "daemon/", "client/", "workload/", "tools/", "bench/", "tests/")
+           "daemon/engine/internal/", "daemon/engine/", "daemon/", "client/", "workload/", "tools/", "bench/", "tests/")
 # Third-party libraries, by the first component of what is included.
 THIRD_PARTY = ("absl", "fmt", "spdlog", "xxhash.h", "grpcpp", "grpc", "google", "nlohmann",
                "hiredis", "openssl", "cblas.h", "cublas_v2.h", "cuda.h", "cuda_runtime.h",
@@ -35,9 +35,10 @@ RULES = {
     "kernels/": (("kvpool/util/", "kvpool/", "kernels/"), LEAF + ("xxhash.h",) + CUDA),
     "model/": (("kvpool/util/", "kvpool/", "kernels/", "model/"),
                LEAF + ("nlohmann", "cblas.h", "cublas_v2.h") + CUDA),
-    # The engine sees core types only: no gRPC, no protobuf, no generated kvpool/v1 types.
+    # The engine sees core types only: no gRPC, no protobuf, no generated kvpool/v1 types. Its
+    # internal/ headers (test hooks: step_executor_of.h) are for itself and tests, never the edges.
     "daemon/engine/": (("kvpool/util/", "kvpool/", "kernels/", "model/", "tier/",
-                        "daemon/engine/"), LEAF),
+                        "daemon/engine/internal/", "daemon/engine/"), LEAF),
     # /metrics: prometheus-cpp (Debian's prometheus-cpp-dev) serves the stats tables; only here.
     "daemon/metrics/": (("kvpool/v1/", "kvpool/util/", "kvpool/", "kernels/", "model/", "tier/",
                          "daemon/engine/", "daemon/"), LEAF + ("grpcpp", "grpc", "google",
