@@ -104,7 +104,8 @@ class KvPoolService final : public v1::KvPool::CallbackService, public EventList
   // (gRPC's own graceful shutdown waits for every idle client to answer a PING, which a client
   // with no call in flight may take its 5 s backup-poll period to do: the daemon drains its calls
   // itself and then shuts the server down at once.)
-  bool WaitIdle(absl::Time deadline);
+  // `deadline_ns` on the service's clock.
+  bool WaitIdle(int64_t deadline_ns);
 
  private:
   friend class EventWriter;
