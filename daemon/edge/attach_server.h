@@ -52,6 +52,8 @@
 
 namespace kvpool::daemon {
 
+struct LockOrderPeer;
+
 // An accepted attach: the response and the descriptors to send with it (in response.fds order).
 struct AttachReply {
   SessionId session;
@@ -109,6 +111,7 @@ class AttachServer final {
   size_t pending() const { return pending_.load(std::memory_order_relaxed); }
 
  private:
+  friend struct LockOrderPeer;  // tests/daemon/lock_order_test.cc takes the locks in order
   struct Connection;
   enum class Command : uint8_t { kStopAccepting, kCloseAll, kExit };
 

@@ -46,6 +46,8 @@
 
 namespace kvpool::daemon {
 
+struct LockOrderPeer;
+
 class DecodeDoorbell final {
  public:
   // Queues a call (Engine::Submit); it must complete exactly once.
@@ -81,6 +83,7 @@ class DecodeDoorbell final {
   uid_t uid() const { return session_->spec.uid; }
 
  private:
+  friend struct LockOrderPeer;  // tests/daemon/lock_order_test.cc takes the locks in order
   DecodeDoorbell(std::shared_ptr<const Session> session, SubmitFn submit, Hooks hooks, UniqueFd fd,
                  wire::DoorbellPage* page, const Clock* clock);
 
@@ -123,6 +126,7 @@ class Doorbells final {
   int32_t live_for_uid(uid_t uid) const;
 
  private:
+  friend struct LockOrderPeer;  // tests/daemon/lock_order_test.cc takes the locks in order
   void Reap() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   mutable absl::Mutex mu_;

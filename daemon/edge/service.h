@@ -32,6 +32,8 @@
 
 namespace kvpool::daemon {
 
+struct LockOrderPeer;
+
 class EventWriter;
 class GenerateWriter;
 
@@ -108,6 +110,7 @@ class KvPoolService final : public v1::KvPool::CallbackService, public EventList
   bool WaitIdle(int64_t deadline_ns);
 
  private:
+  friend struct LockOrderPeer;  // tests/daemon/lock_order_test.cc takes the locks in order
   friend class EventWriter;
   friend class GenerateWriter;
 

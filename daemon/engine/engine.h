@@ -54,6 +54,8 @@
 
 namespace kvpool::daemon {
 
+struct LockOrderPeer;
+
 class StepRunner;
 
 // The model behind Prefill/Decode/Generate (empty name: none).
@@ -257,6 +259,7 @@ class Engine final {
   void Abandon(ComputeCall& call, const absl::Status& why);
 
  private:
+  friend struct LockOrderPeer;  // tests/daemon/lock_order_test.cc takes the locks in order
   Engine(std::unique_ptr<EngineState> state, model::StepModel* model, ModelInfo model_info);
 
   // A hold of mu_ as writer (every one in the engine is one): when it ends, it releases mu_ and

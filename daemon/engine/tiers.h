@@ -44,6 +44,8 @@
 
 namespace kvpool::daemon {
 
+struct LockOrderPeer;
+
 // Host memory the copies waiting for the tier writer may take, whatever staged_blocks says.
 inline constexpr int64_t kMaxStagedBytes = int64_t{256} << 20;
 
@@ -188,6 +190,7 @@ class TierSet final {
   TierStats stats() const;
 
  private:
+  friend struct LockOrderPeer;  // tests/daemon/lock_order_test.cc takes the locks in order
   struct Staged {
     tier::BlockSpace space;
     BlockHash hash;
