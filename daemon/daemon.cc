@@ -93,8 +93,10 @@ absl::StatusOr<std::unique_ptr<model::StepModel>> LoadModel(const v1::ModelSpec&
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const v1::DaemonConfig& config) {
+absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const v1::DaemonConfig& config,
+                                                       const Clock* clock) {
   KVPOOL_ASSIGN_OR_RETURN(EngineOptions options, MakeEngineOptions(config, NewEpoch()));
+  options.clock = clock;
   KVPOOL_ASSIGN_OR_RETURN(kernels::BackendKind backend, kernels::ParseBackend(config.backend()));
   absl::StatusOr<std::unique_ptr<kernels::Device>> device =
       kernels::CreateDevice({.kind = backend,
@@ -118,12 +120,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const v1::DaemonConfig& c
     Log().info("pool {}: {} on {}", pool.name, pool.layout.ToString(), (*device)->name());
   }
   return std::unique_ptr<Daemon>(
-      new Daemon(config, *std::move(device), *std::move(model), *std::move(engine)));
+      new Daemon(config, clock, *std::move(device), *std::move(model), *std::move(engine)));
 }
 
-Daemon::Daemon(v1::DaemonConfig config, std::unique_ptr<kernels::Device> device,
+Daemon::Daemon(v1::DaemonConfig config, const Clock* clock, std::unique_ptr<kernels::Device> device,
                std::unique_ptr<model::StepModel> model, std::unique_ptr<Engine> engine)
     : config_(std::move(config)),
+      clock_(clock),
       policy_(PolicyOptions(config_)),
       device_(std::move(device)),
       model_(std::move(model)),
@@ -168,7 +171,7 @@ int Daemon::metrics_port() const { return metrics_ ? metrics_->port() : 0; }
 absl::Status Daemon::StartGrpc() {
   const std::string path = config_.runtime_dir() + "/" + wire::kGrpcSocket;
   unlink(path.c_str());  // stale, from a daemon that died
-  service_ = std::make_unique<KvPoolService>(engine_.get(), Clock::Real(), &attach_counters_,
+  service_ = std::make_unique<KvPoolService>(engine_.get(), clock_, &attach_counters_,
                                              &rpc_counters_, &stream_counters_, ZmqCounters());
   engine_->AddEventListener(service_.get());
   grpc::EnableDefaultHealthCheckService(true);
@@ -200,7 +203,8 @@ absl::Status Daemon::StartEventPublisher() {
     KVPOOL_ASSIGN_OR_RETURN(options.pool, engine_->FindPool(z.pool()));
   }
   if (z.replay_batches() > 0) options.replay_batches = static_cast<size_t>(z.replay_batches());
-  KVPOOL_ASSIGN_OR_RETURN(event_publisher_, ZmqEventPublisher::Start(options, engine_.get()));
+  KVPOOL_ASSIGN_OR_RETURN(event_publisher_,
+                          ZmqEventPublisher::Start(options, engine_.get(), clock_));
   engine_->AddEventListener(event_publisher_.get());
   return absl::OkStatus();
 }
@@ -220,7 +224,7 @@ absl::Status Daemon::AddDoorbell(const std::shared_ptr<const Session>& session, 
       session, [this](std::unique_ptr<ComputeCall> call) { engine_->Submit(std::move(call)); },
       {.counted =
            [this] { attach_counters_.doorbell_calls.fetch_add(1, std::memory_order_relaxed); }},
-      &client_fd);
+      &client_fd, clock_);
   if (!doorbell.ok()) {
     engine_->EndSession(session->id, SessionEnd::kConnectionLost);
     return doorbell.status();
@@ -290,7 +294,7 @@ absl::Status Daemon::StartAttach() {
   KVPOOL_ASSIGN_OR_RETURN(
       attach_,
       AttachServer::Start(config_.runtime_dir() + "/" + wire::kAttachSocket, config_.socket_mode(),
-                          limits, admit, attach, closed, &attach_counters_));
+                          limits, admit, attach, closed, &attach_counters_, clock_));
   return absl::OkStatus();
 }
 
@@ -309,18 +313,26 @@ void Daemon::Wait() {
     ping = absl::Microseconds(watchdog_usec / 2);
   }
   // Health is looked at more often than the watchdog is pinged.
-  const absl::Duration tick = std::min(ping, absl::Milliseconds(500));
-  absl::Time next_ping = absl::Now();
+  const int64_t tick_ns = absl::ToInt64Nanoseconds(std::min(ping, absl::Milliseconds(500)));
+  const int64_t ping_ns = absl::ToInt64Nanoseconds(ping);
+  int64_t next_ping_ns = clock_->NowNanos();
   bool serving = true;
-  while (!shutdown_.WaitForNotificationWithTimeout(tick)) {
+  for (;;) {
+    {
+      absl::MutexLock lock(&shutdown_mu_);
+      if (clock_->AwaitUntil(shutdown_mu_, absl::Condition(&shutdown_requested_),
+                             clock_->NowNanos() + tick_ns)) {
+        return;
+      }
+    }
     if (serving && !engine_->health().ok()) {
       serving = false;
       SetServing(false);
       Log().critical("health NOT_SERVING: {}", engine_->health().ToString());
     }
-    if (absl::Now() >= next_ping) {
+    if (clock_->NowNanos() >= next_ping_ns) {
       sd_notify(0, "WATCHDOG=1");
-      next_ping = absl::Now() + ping;
+      next_ping_ns = clock_->NowNanos() + ping_ns;
     }
   }
 }
@@ -336,7 +348,7 @@ void Daemon::Shutdown() {
     engine_->Drain();
     service_->Stop();
     service_->EndStreams();
-    if (!service_->WaitIdle(absl::Now() + absl::Milliseconds(config_.drain_timeout_ms()))) {
+    if (!service_->WaitIdle(clock_->NowNanos() + int64_t{config_.drain_timeout_ms()} * 1'000'000)) {
       Log().warn("calls still running after {} ms: cancelling them", config_.drain_timeout_ms());
     }
   }

@@ -17,7 +17,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "absl/synchronization/notification.h"
+#include "absl/synchronization/mutex.h"
 #include "daemon/edge/attach_policy.h"
 #include "daemon/edge/attach_server.h"
 #include "daemon/edge/decode_doorbell.h"
@@ -26,6 +26,7 @@
 #include "daemon/metrics/rpc_counters.h"
 #include "daemon/metrics/stream_counters.h"
 #include "kernels/device.h"
+#include "kvpool/util/clock.h"
 #include "kvpool/v1/config.pb.h"
 #include "model/step_model.h"
 
@@ -44,15 +45,21 @@ class Daemon final {
   // The gRPC service name health answers for, beside "".
   static constexpr char kServiceName[] = "kvpool.v1.KvPool";
 
-  // `config` must have passed ValidateConfig. Errors: those of the device, the model and the
-  // engine (the caller logs them and exits 1).
-  static absl::StatusOr<std::unique_ptr<Daemon>> Create(const v1::DaemonConfig& config);
+  // `config` must have passed ValidateConfig. `clock` (not owned; outlives the daemon) is the
+  // engine's and every edge's: call deadlines, attach handshakes and back-offs, doorbells, the
+  // event publisher's pacing, the drain and the watchdog loop. Errors: those of the device, the
+  // model and the engine (the caller logs them and exits 1).
+  static absl::StatusOr<std::unique_ptr<Daemon>> Create(const v1::DaemonConfig& config,
+                                                        const Clock* clock);
   ~Daemon();  // Shutdown()
 
   // Errors: FAILED_PRECONDITION (another kvpoold serves this runtime directory), INTERNAL
   // (directory, sockets).
   absl::Status Start();
-  void RequestShutdown() { shutdown_.Notify(); }
+  void RequestShutdown() {
+    absl::MutexLock lock(&shutdown_mu_);
+    shutdown_requested_ = true;
+  }
   void Wait();
   // Idempotent.
   void Shutdown();
@@ -63,7 +70,7 @@ class Daemon final {
   int metrics_port() const;
 
  private:
-  Daemon(v1::DaemonConfig config, std::unique_ptr<kernels::Device> device,
+  Daemon(v1::DaemonConfig config, const Clock* clock, std::unique_ptr<kernels::Device> device,
          std::unique_ptr<model::StepModel> model, std::unique_ptr<Engine> engine);
 
   absl::Status StartGrpc();
@@ -81,6 +88,7 @@ class Daemon final {
   void SetServing(bool serving);
 
   const v1::DaemonConfig config_;
+  const Clock* const clock_;
   const AttachPolicy policy_;
   std::unique_ptr<kernels::Device> device_;
   std::unique_ptr<model::StepModel> model_;
@@ -95,7 +103,8 @@ class Daemon final {
   std::unique_ptr<AttachServer> attach_;
   std::unique_ptr<MetricsServer> metrics_;  // null: no /metrics (config metrics.listen empty)
   Doorbells doorbells_;                     // by session; each stopped when its session ends
-  absl::Notification shutdown_;
+  absl::Mutex shutdown_mu_;
+  bool shutdown_requested_ ABSL_GUARDED_BY(shutdown_mu_) = false;
   bool started_ = false;
   bool stopped_ = false;
 };

@@ -77,7 +77,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   absl::StatusOr<std::unique_ptr<kvpool::daemon::Daemon>> daemon =
-      kvpool::daemon::Daemon::Create(*config);
+      kvpool::daemon::Daemon::Create(*config, kvpool::Clock::Real());
   if (!daemon.ok()) {
     kvpool::Logger("daemon").critical("{}", daemon.status().ToString());
     return 1;

@@ -46,6 +46,7 @@
 #include "absl/status/statusor.h"
 #include "kvpool/block_pool.h"
 #include "kvpool/eviction_policy.h"
+#include "kvpool/internal/eviction_planner.h"
 #include "kvpool/kv_events.h"
 
 namespace kvpool {
@@ -194,8 +195,11 @@ class PrefixCache final {
   // Works out, without changing anything, which nodes to evict (in order) to free `blocks`
   // blocks now, never touching a node listed in `keep`. Appends them to `victims` and returns
   // how many blocks they free (fewer than asked when the cache cannot free more).
+  // Not const: the planner's scratch is the cache's (EvictionPlanner).
   int64_t PlanEviction(int64_t blocks, std::span<const NodeIndex> keep,
-                       std::vector<NodeIndex>* victims) const;
+                       std::vector<NodeIndex>* victims) {
+    return planner_.Plan(*this, blocks, keep, victims);
+  }
   // Evicts the planned nodes, in order.
   void Evict(std::span<const NodeIndex> victims, const TraceContext& ctx);
   // Evicts up to `blocks` evictable nodes (an operator's request). Returns how many.
@@ -270,6 +274,8 @@ class PrefixCache final {
   std::string DebugString() const;
 
  private:
+  friend class EvictionPlanner;  // reads the tree, the tails and the policy; changes nothing
+
   struct ChildKey {
     NodeIndex parent;
     uint64_t token_hash;
@@ -492,13 +498,7 @@ class PrefixCache final {
   std::vector<PublishedBlock> published_;   // the journal, when on
   NamespaceId pending_removed_ns_;
 
-  // PlanEviction's scratch, kept to avoid allocating or hashing on every eviction: by node, the
-  // children planned away and whether it is kept (all zero between calls), and the nodes whose
-  // entries to reset.
-  mutable std::vector<int32_t> plan_gone_;
-  mutable std::vector<uint8_t> plan_kept_;
-  mutable std::vector<NodeIndex> plan_touched_;
-  mutable std::vector<std::pair<EvictionRank, NodeIndex>> plan_parents_;
+  EvictionPlanner planner_;  // PlanEviction's, with its scratch
 
   NodeIndex tails_head_ = kNoNode;
   NodeIndex tails_tail_ = kNoNode;

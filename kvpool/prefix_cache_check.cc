@@ -147,6 +147,7 @@ absl::Status PrefixCache::CheckInvariants(
   if (static_cast<int64_t>(children_.size()) > full)
     return InvariantViolation("child index has stale keys");
   if (absl::Status s = CheckChains(); !s.ok()) return s;
+  if (!planner_.clean()) return InvariantViolation("the eviction planner's scratch is not reset");
   return policy_->CheckInvariants();
 }
 

@@ -133,24 +133,20 @@ void PrefixCache::RemoveNode(NodeIndex node, const TraceContext& ctx, bool offer
   if (offer_parent) UpdateCandidate(parent);  // may have become a leaf
 }
 
-// The plan walks the first-out tails, then the policy's candidates in rank order. A victim may
-// turn its parent into a leaf; such parents wait in a heap by rank and are taken as soon as they
-// rank below the policy's next candidate. O((k + m) log(k + n)) for k victims and m skipped.
-int64_t PrefixCache::PlanEviction(int64_t blocks, std::span<const NodeIndex> keep,
-                                  std::vector<NodeIndex>* victims) const {
+// The plan walks the first-out tails, then the policy's candidates in rank order (the class
+// comment in internal/eviction_planner.h).
+int64_t EvictionPlanner::Plan(const PrefixCache& cache, int64_t blocks,
+                              std::span<const NodeIndex> keep, std::vector<NodeIndex>* victims) {
   if (blocks <= 0) return 0;
-  // Scratch kept between calls (no allocation per eviction): by node, children planned away and
-  // whether it is kept; and the parents that became leaves, as a min-heap by rank.
-  if (plan_gone_.size() < nodes_.size()) {
-    plan_gone_.resize(nodes_.size(), 0);
-    plan_kept_.resize(nodes_.size(), 0);
+  const std::vector<PrefixCache::Node>& nodes = cache.nodes_;
+  const std::vector<PrefixCache::NodeState>& state = cache.state_;
+  if (gone_children_.size() < nodes.size()) {
+    gone_children_.resize(nodes.size(), 0);
+    kept_.resize(nodes.size(), 0);
   }
-  std::vector<int32_t>& gone_children = plan_gone_;
-  std::vector<uint8_t>& kept = plan_kept_;
-  std::vector<std::pair<EvictionRank, NodeIndex>>& freed_parents = plan_parents_;
-  freed_parents.clear();
-  plan_touched_.clear();
-  for (NodeIndex node : keep) kept[node] = 1;
+  freed_parents_.clear();
+  touched_.clear();
+  for (NodeIndex node : keep) kept_[node] = 1;
   constexpr auto kLater = std::greater<>();
   int64_t freed = 0;
   // `ranked`: `node` is taken in rank order (not as a first-out tail), so nothing untaken ranks
@@ -159,52 +155,59 @@ int64_t PrefixCache::PlanEviction(int64_t blocks, std::span<const NodeIndex> kee
     while (true) {
       victims->push_back(node);
       // A block still read by queued device work retires instead of freeing.
-      if (pool_->FencesPassed(nodes_[node].block)) ++freed;
-      const NodeIndex parent = nodes_[node].parent;
-      if (nodes_[parent].block == kInvalidBlock) return;  // a root
-      const int32_t children = nodes_[parent].num_children;
+      if (cache.pool_->FencesPassed(nodes[node].block)) ++freed;
+      const NodeIndex parent = nodes[node].parent;
+      if (nodes[parent].block == kInvalidBlock) return;  // a root
+      const int32_t children = nodes[parent].num_children;
       if (children != 1) {  // an only child frees its parent without bookkeeping
-        if (gone_children[parent]++ == 0) plan_touched_.push_back(parent);
-        if (gone_children[parent] != children) return;
+        if (gone_children_[parent]++ == 0) touched_.push_back(parent);
+        if (gone_children_[parent] != children) return;
       }
-      if (state_[parent].evictable == 0 || kept[parent] != 0) return;
+      if (state[parent].evictable == 0 || kept_[parent] != 0) return;
       // A chain released at once, deepest first: the parent's release order is the next one
       // in the same class, so under a release-ordered policy nothing can rank between the two
       // and the parent is the next victim. No heap, no Rank().
-      if (ranked && ranks_by_release_ && freed < blocks &&
-          nodes_[parent].priority == nodes_[node].priority &&
-          state_[parent].release_seq == state_[node].release_seq + 1) {
+      if (ranked && cache.ranks_by_release_ && freed < blocks &&
+          nodes[parent].priority == nodes[node].priority &&
+          state[parent].release_seq == state[node].release_seq + 1) {
         node = parent;
         continue;
       }
-      freed_parents.emplace_back(RankOf(parent), parent);
-      std::push_heap(freed_parents.begin(), freed_parents.end(), kLater);
+      freed_parents_.emplace_back(cache.RankOf(parent), parent);
+      std::push_heap(freed_parents_.begin(), freed_parents_.end(), kLater);
       return;
     }
   };
   auto take_parent = [&] {
-    std::pop_heap(freed_parents.begin(), freed_parents.end(), kLater);
-    const NodeIndex parent = freed_parents.back().second;
-    freed_parents.pop_back();
+    std::pop_heap(freed_parents_.begin(), freed_parents_.end(), kLater);
+    const NodeIndex parent = freed_parents_.back().second;
+    freed_parents_.pop_back();
     take(parent, /*ranked=*/true);
   };
-  for (NodeIndex node = tails_head_; node != kNoNode && freed < blocks; node = tail_next_[node]) {
-    if (kept[node] == 0) take(node, /*ranked=*/false);
+  for (NodeIndex node = cache.tails_head_; node != kNoNode && freed < blocks;
+       node = cache.tail_next_[node]) {
+    if (kept_[node] == 0) take(node, /*ranked=*/false);
   }
   if (freed < blocks) {
-    policy_->Visit(now_ns_, [&](NodeIndex node, const EvictionRank& rank) {
-      while (freed < blocks && !freed_parents.empty() && freed_parents.front().first < rank) {
+    cache.policy_->Visit(cache.now_ns_, [&](NodeIndex node, const EvictionRank& rank) {
+      while (freed < blocks && !freed_parents_.empty() && freed_parents_.front().first < rank) {
         take_parent();
       }
       if (freed >= blocks) return false;
-      if (kept[node] == 0) take(node, /*ranked=*/true);
+      if (kept_[node] == 0) take(node, /*ranked=*/true);
       return freed < blocks;
     });
   }
-  while (freed < blocks && !freed_parents.empty()) take_parent();
-  for (NodeIndex node : keep) kept[node] = 0;
-  for (NodeIndex node : plan_touched_) gone_children[node] = 0;
+  while (freed < blocks && !freed_parents_.empty()) take_parent();
+  for (NodeIndex node : keep) kept_[node] = 0;
+  for (NodeIndex node : touched_) gone_children_[node] = 0;
   return freed;
+}
+
+bool EvictionPlanner::clean() const {
+  return std::all_of(gone_children_.begin(), gone_children_.end(),
+                     [](int32_t n) { return n == 0; }) &&
+         std::all_of(kept_.begin(), kept_.end(), [](uint8_t k) { return k == 0; });
 }
 
 void PrefixCache::Evict(std::span<const NodeIndex> victims, const TraceContext& ctx) {

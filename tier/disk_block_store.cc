@@ -305,19 +305,17 @@ bool DiskBlockStore::SyncDue() {
 }
 
 absl::Status DiskBlockStore::Flush(absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
+  const int64_t deadline_ns = clock_->NowNanos() + absl::ToInt64Nanoseconds(timeout);
   absl::MutexLock lock(&mu_);
   const int64_t target = enqueued_;
   // Queued writes, and the entries of dropped records (evicted, invalidated) still to clear.
-  auto pending = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return completed_ < target || !erase_.empty() || erasing_ > 0;
+  auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return completed_ >= target && erase_.empty() && erasing_ == 0;
   };
-  while (pending()) {
-    if (changed_.WaitWithDeadline(&mu_, deadline) && pending()) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "disk tier: ", std::max<int64_t>(target - completed_, 0), " writes still queued, ",
-          erase_.size() + static_cast<size_t>(erasing_), " entries to clear"));
-    }
+  if (!clock_->AwaitUntil(mu_, absl::Condition(&done), deadline_ns)) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "disk tier: ", std::max<int64_t>(target - completed_, 0), " writes still queued, ",
+        erase_.size() + static_cast<size_t>(erasing_), " entries to clear"));
   }
   return absl::OkStatus();
 }

@@ -42,7 +42,7 @@ struct AttachServer::Connection {
   UniqueFd socket;
   PeerCredentials peer;
   bool handshaking = true;
-  absl::Time deadline;  // of the handshake
+  int64_t deadline_ns = 0;  // of the handshake, on the server's clock
   wire::FrameReader request;
   SessionId session;  // once accepted
 
@@ -51,7 +51,7 @@ struct AttachServer::Connection {
 
 absl::StatusOr<std::unique_ptr<AttachServer>> AttachServer::Start(
     const std::string& path, uint32_t mode, AttachLimits limits, AdmitFn admit, AttachFn attach,
-    ClosedFn closed, AttachCounters* counters) {
+    ClosedFn closed, AttachCounters* counters, const Clock* clock) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.size() >= sizeof(addr.sun_path)) {
@@ -76,18 +76,21 @@ absl::StatusOr<std::unique_ptr<AttachServer>> AttachServer::Start(
   if (!EpollAdd(epoll.get(), wake.get(), EPOLLIN, kWakeKey)) return Errno("epoll_ctl(wake)");
   return std::unique_ptr<AttachServer>(
       new AttachServer(path, limits, std::move(listener), std::move(epoll), std::move(wake),
-                       std::move(admit), std::move(attach), std::move(closed), counters));
+                       std::move(admit), std::move(attach), std::move(closed), counters, clock));
 }
 
 AttachServer::AttachServer(std::string path, AttachLimits limits, UniqueFd listener, UniqueFd epoll,
                            UniqueFd wake, AdmitFn admit, AttachFn attach, ClosedFn closed,
-                           AttachCounters* counters)
+                           AttachCounters* counters, const Clock* clock)
     : path_(std::move(path)),
       limits_(limits),
       admit_(std::move(admit)),
       attach_(std::move(attach)),
       closed_(std::move(closed)),
       counters_(counters),
+      clock_(clock),
+      handshake_timeout_ns_(absl::ToInt64Nanoseconds(limits.handshake_timeout)),
+      accept_backoff_ns_(absl::ToInt64Nanoseconds(limits.accept_backoff)),
       epoll_(std::move(epoll)),
       wake_(std::move(wake)),
       listener_(std::move(listener)) {
@@ -181,29 +184,29 @@ void AttachServer::CloseListener() {
   unlink(path_.c_str());
 }
 
-int AttachServer::PollTimeoutMs(absl::Time now) const {
-  absl::Time next = absl::InfiniteFuture();
+int AttachServer::PollTimeoutMs() const {
+  int64_t next = INT64_MAX;
   for (uint64_t id : handshakes_) {
     auto it = connections_.find(id);
     if (it != connections_.end() && it->second->handshaking) {
-      next = it->second->deadline;  // the oldest live handshake expires first
+      next = it->second->deadline_ns;  // the oldest live handshake expires first
       break;
     }
   }
-  if (listener_.valid() && !listener_in_epoll_) next = std::min(next, listener_paused_until_);
-  if (next == absl::InfiniteFuture()) return -1;
-  return static_cast<int>(std::max<int64_t>(0, absl::ToInt64Milliseconds(next - now) + 1));
+  if (listener_.valid() && !listener_in_epoll_) next = std::min(next, listener_paused_until_ns_);
+  if (next == INT64_MAX) return -1;
+  return clock_->PollTimeoutMs(next);
 }
 
 void AttachServer::Loop() {
   std::vector<epoll_event> events(64);
   for (;;) {
-    absl::Time now = absl::Now();
-    if (listener_.valid() && !listener_in_epoll_ && now >= listener_paused_until_) {
+    if (listener_.valid() && !listener_in_epoll_ &&
+        clock_->NowNanos() >= listener_paused_until_ns_) {
       listener_in_epoll_ = EpollAdd(epoll_.get(), listener_.get(), EPOLLIN, kListenerKey);
     }
-    const int n = epoll_wait(epoll_.get(), events.data(), static_cast<int>(events.size()),
-                             PollTimeoutMs(now));
+    const int n =
+        epoll_wait(epoll_.get(), events.data(), static_cast<int>(events.size()), PollTimeoutMs());
     if (n < 0) {
       if (errno == EINTR) continue;
       Log().critical("attach loop: epoll_wait: {}", std::strerror(errno));
@@ -227,7 +230,7 @@ void AttachServer::Loop() {
       }  // else: dropped earlier in this batch
     }
     if (exit) return;
-    ExpireHandshakes(absl::Now());
+    ExpireHandshakes(clock_->NowNanos());
   }
 }
 
@@ -244,7 +247,7 @@ void AttachServer::Accept() {
       // now would spin. Leave it alone for a while; sessions closing meanwhile free descriptors.
       epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, listener_.get(), nullptr);
       listener_in_epoll_ = false;
-      listener_paused_until_ = absl::Now() + limits_.accept_backoff;
+      listener_paused_until_ns_ = clock_->NowNanos() + accept_backoff_ns_;
       const uint64_t backoffs =
           counters_->accept_backoffs.fetch_add(1, std::memory_order_relaxed) + 1;
       if ((backoffs & (backoffs - 1)) == 0) {  // the 1st, 2nd, 4th, 8th ... time
@@ -278,7 +281,7 @@ void AttachServer::Admit(UniqueFd socket) {
     Log().warn("attach: epoll_ctl: {}", std::strerror(errno));
     return;
   }
-  c->deadline = absl::Now() + limits_.handshake_timeout;
+  c->deadline_ns = clock_->NowNanos() + handshake_timeout_ns_;
   ++pending_by_uid_[c->peer.uid];
   pending_.fetch_add(1, std::memory_order_relaxed);
   handshakes_.push_back(c->id);
@@ -419,7 +422,7 @@ void AttachServer::WatchSession(Connection& c) {
   closed_(session, how);
 }
 
-void AttachServer::ExpireHandshakes(absl::Time now) {
+void AttachServer::ExpireHandshakes(int64_t now_ns) {
   while (!handshakes_.empty()) {
     auto it = connections_.find(handshakes_.front());
     if (it == connections_.end() || !it->second->handshaking) {
@@ -427,7 +430,7 @@ void AttachServer::ExpireHandshakes(absl::Time now) {
       continue;
     }
     Connection& c = *it->second;
-    if (c.deadline > now) return;  // the rest are younger
+    if (c.deadline_ns > now_ns) return;  // the rest are younger
     counters_->timed_out.fetch_add(1, std::memory_order_relaxed);
     Log().warn("attach from pid {} uid {}: no complete request within {}", c.peer.pid, c.peer.uid,
                absl::FormatDuration(limits_.handshake_timeout));

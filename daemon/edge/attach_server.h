@@ -20,6 +20,8 @@
 //    `accept_backoff` instead of spinning on it;
 //  - session connections are in the same loop, so a client killed mid-handshake-storm is noticed
 //    at once.
+// Handshake deadlines and the accept back-off are read on the injected Clock (tests drive a
+// ManualClock; epoll_wait sleeps as long as Clock::PollTimeoutMs allows).
 // Everything the loop owns is touched only by the loop thread: StopAccepting() and CloseAll()
 // hand their work to it and wait, so no descriptor is ever closed under a reader.
 //
@@ -43,11 +45,14 @@
 #include "absl/time/time.h"
 #include "daemon/edge/attach_policy.h"
 #include "daemon/engine/session.h"
+#include "kvpool/util/clock.h"
 #include "kvpool/util/unique_fd.h"
 #include "kvpool/v1/attach.pb.h"
 #include "kvpool/v1/wire.h"
 
 namespace kvpool::daemon {
+
+struct LockOrderPeer;
 
 // An accepted attach: the response and the descriptors to send with it (in response.fds order).
 struct AttachReply {
@@ -88,11 +93,13 @@ class AttachServer final {
 
   // Binds `path` (permission bits `mode`, set through the umask at bind: no chmod by path) and
   // starts the loop. Errors: INVALID_ARGUMENT (path too long), INTERNAL for socket errors.
-  // `counters` (not owned) outlives the server.
+  // `counters` and `clock` (not owned) outlive the server; `clock` times handshakes and the
+  // accept back-off.
   static absl::StatusOr<std::unique_ptr<AttachServer>> Start(const std::string& path, uint32_t mode,
                                                              AttachLimits limits, AdmitFn admit,
                                                              AttachFn attach, ClosedFn closed,
-                                                             AttachCounters* counters);
+                                                             AttachCounters* counters,
+                                                             const Clock* clock);
   ~AttachServer();  // stops the loop and closes everything (without calling ClosedFn)
 
   // Stops accepting (the socket file is removed) and drops the handshakes in progress; live
@@ -104,12 +111,13 @@ class AttachServer final {
   size_t pending() const { return pending_.load(std::memory_order_relaxed); }
 
  private:
+  friend struct LockOrderPeer;  // tests/daemon/lock_order_test.cc takes the locks in order
   struct Connection;
   enum class Command : uint8_t { kStopAccepting, kCloseAll, kExit };
 
   AttachServer(std::string path, AttachLimits limits, UniqueFd listener, UniqueFd epoll,
                UniqueFd wake, AdmitFn admit, AttachFn attach, ClosedFn closed,
-               AttachCounters* counters);
+               AttachCounters* counters, const Clock* clock);
 
   // The loop thread's work.
   void Loop();
@@ -120,12 +128,12 @@ class AttachServer final {
   void FinishHandshake(Connection& c);
   void Refuse(Connection& c, const absl::Status& why);
   void WatchSession(Connection& c);
-  void ExpireHandshakes(absl::Time now);
+  void ExpireHandshakes(int64_t now_ns);
   void MakeRoomFor(uid_t uid);
   void EndPending(Connection& c);  // the handshake is over, one way or another
   void Drop(uint64_t id);          // closes a connection, whatever its state, without callbacks
   void CloseListener();
-  int PollTimeoutMs(absl::Time now) const;
+  int PollTimeoutMs() const;
 
   // Any thread.
   void Post(Command command);
@@ -137,12 +145,15 @@ class AttachServer final {
   const AttachFn attach_;
   const ClosedFn closed_;
   AttachCounters* const counters_;
+  const Clock* const clock_;
+  const int64_t handshake_timeout_ns_;
+  const int64_t accept_backoff_ns_;
   const UniqueFd epoll_;
   const UniqueFd wake_;  // eventfd: commands are waiting
 
   // Loop thread only.
   UniqueFd listener_;
-  absl::Time listener_paused_until_ = absl::InfinitePast();
+  int64_t listener_paused_until_ns_ = INT64_MIN;  // on clock_
   bool listener_in_epoll_ = false;
   uint64_t next_id_ = 1;  // 0 is the listener's epoll key; 1 the wake eventfd's
   absl::flat_hash_map<uint64_t, std::unique_ptr<Connection>> connections_;

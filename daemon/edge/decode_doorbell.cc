@@ -97,11 +97,13 @@ void DecodeDoorbell::Loop() {
     if (backoff_ns > 0) BackOff(not_before_ns);
     if (stop_.load(std::memory_order_acquire)) break;
     served = page_->ring.load(std::memory_order_acquire);  // the latest request
+    // Read before the answer is written: whoever sees the answer sees the back-off's start.
+    const int64_t taken_ns = clock_->NowNanos();
     if (Serve(served)) {
       backoff_ns = 0;
     } else {
       backoff_ns = std::clamp(2 * backoff_ns, kFirstBackoffNs, kMaxBackoffNs);
-      not_before_ns = clock_->NowNanos() + backoff_ns;
+      not_before_ns = taken_ns + backoff_ns;
     }
   }
   exited_.store(true, std::memory_order_release);

@@ -11,8 +11,9 @@
 //
 // A client that rings faster than it can be served well (request after refused request, each
 // answered at once) cannot keep the thread spinning: after an answer that is an error, the next
-// ring is served no sooner than a back-off after it (kFirstBackoffNs, doubling on each further
-// error up to kMaxBackoffNs, reset by a success). With the daemon's bound on doorbells per uid
+// ring is served no sooner than a back-off after the refused request was taken, on the injected
+// clock (kFirstBackoffNs, doubling on each further error up to kMaxBackoffNs, reset by a
+// success). With the daemon's bound on doorbells per uid
 // (limits.doorbells_per_uid), this bounds the CPU one uid's doorbells can take.
 //
 // A doorbell ends with its session: Stop() cancels the call in flight (CallContext) and wakes the
@@ -45,6 +46,8 @@
 
 namespace kvpool::daemon {
 
+struct LockOrderPeer;
+
 class DecodeDoorbell final {
  public:
   // Queues a call (Engine::Submit); it must complete exactly once.
@@ -65,7 +68,7 @@ class DecodeDoorbell final {
   // Errors: INTERNAL (memfd, seals, mmap).
   static absl::StatusOr<std::unique_ptr<DecodeDoorbell>> Start(
       std::shared_ptr<const Session> session, SubmitFn submit, Hooks hooks, UniqueFd* client_fd,
-      const Clock* clock = Clock::Real());
+      const Clock* clock);
   ~DecodeDoorbell();  // Stop(), then joins the thread
 
   DecodeDoorbell(const DecodeDoorbell&) = delete;
@@ -80,6 +83,7 @@ class DecodeDoorbell final {
   uid_t uid() const { return session_->spec.uid; }
 
  private:
+  friend struct LockOrderPeer;  // tests/daemon/lock_order_test.cc takes the locks in order
   DecodeDoorbell(std::shared_ptr<const Session> session, SubmitFn submit, Hooks hooks, UniqueFd fd,
                  wire::DoorbellPage* page, const Clock* clock);
 
@@ -122,6 +126,7 @@ class Doorbells final {
   int32_t live_for_uid(uid_t uid) const;
 
  private:
+  friend struct LockOrderPeer;  // tests/daemon/lock_order_test.cc takes the locks in order
   void Reap() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   mutable absl::Mutex mu_;

@@ -49,11 +49,12 @@ void KvPoolService::Stop() {
   stopping_ = true;
 }
 
-bool KvPoolService::WaitIdle(absl::Time deadline) {
+bool KvPoolService::WaitIdle(int64_t deadline_ns) {
   absl::MutexLock lock(&calls_mu_);
-  return calls_mu_.AwaitWithDeadline(absl::Condition(
-                                         +[](int64_t* calls) { return *calls == 0; }, &calls_),
-                                     deadline);
+  return clock_->AwaitUntil(calls_mu_,
+                            absl::Condition(
+                                +[](int64_t* calls) { return *calls == 0; }, &calls_),
+                            deadline_ns);
 }
 
 KvPoolService::Unary* KvPoolService::Allocate(Context* c, const v1::AllocateRequest* q,

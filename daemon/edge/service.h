@@ -32,6 +32,8 @@
 
 namespace kvpool::daemon {
 
+struct LockOrderPeer;
+
 class EventWriter;
 class GenerateWriter;
 
@@ -111,9 +113,11 @@ class KvPoolService final : public v1::KvPool::CallbackService, public EventList
   // (gRPC's own graceful shutdown waits for every idle client to answer a PING, which a client
   // with no call in flight may take its 5 s backup-poll period to do: the daemon drains its calls
   // itself and then shuts the server down at once.)
-  bool WaitIdle(absl::Time deadline);
+  // `deadline_ns` on the service's clock.
+  bool WaitIdle(int64_t deadline_ns);
 
  private:
+  friend struct LockOrderPeer;  // tests/daemon/lock_order_test.cc takes the locks in order
   friend class EventWriter;
   friend class GenerateWriter;
 

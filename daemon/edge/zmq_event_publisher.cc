@@ -109,7 +109,7 @@ struct ZmqEventPublisher::Sockets {
 };
 
 absl::StatusOr<std::unique_ptr<ZmqEventPublisher>> ZmqEventPublisher::Start(
-    const ZmqEventOptions& options, const Engine* engine) {
+    const ZmqEventOptions& options, const Engine* engine, const Clock* clock) {
   auto sockets = std::make_unique<Sockets>();
   sockets->pub = sockets->Open(ZMQ_PUB);
   zmq_setsockopt(sockets->pub, ZMQ_SNDHWM, &options.send_hwm, sizeof(options.send_hwm));
@@ -133,13 +133,15 @@ absl::StatusOr<std::unique_ptr<ZmqEventPublisher>> ZmqEventPublisher::Start(
   UniqueFd wake(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
   if (!wake.valid()) return absl::InternalError(fmt::format("eventfd: errno {}", errno));
   return std::unique_ptr<ZmqEventPublisher>(
-      new ZmqEventPublisher(options, engine, std::move(sockets), std::move(wake)));
+      new ZmqEventPublisher(options, engine, clock, std::move(sockets), std::move(wake)));
 }
 
 ZmqEventPublisher::ZmqEventPublisher(const ZmqEventOptions& options, const Engine* engine,
-                                     std::unique_ptr<Sockets> sockets, UniqueFd wake)
+                                     const Clock* clock, std::unique_ptr<Sockets> sockets,
+                                     UniqueFd wake)
     : options_(options),
       engine_(engine),
+      clock_(clock),
       sockets_(std::move(sockets)),
       wake_(std::move(wake)),
       bound_endpoint_(LastEndpoint(sockets_->pub)),
@@ -154,6 +156,10 @@ ZmqEventPublisher::ZmqEventPublisher(const ZmqEventOptions& options, const Engin
 
 ZmqEventPublisher::~ZmqEventPublisher() {
   stopping_.store(true);
+  {
+    absl::MutexLock lock(&stop_mu_);
+    stop_requested_ = true;  // ends a pacing wait
+  }
   wake_pending_.store(false);
   OnEvents(options_.pool, 0);
   thread_.join();
@@ -180,14 +186,17 @@ void ZmqEventPublisher::Run() {
     if ((items[0].revents & ZMQ_POLLIN) != 0) {
       // Events come in bursts (a step, a batch of calls): one wake-up per kCoalesce at most
       // sends them together, where one per event would cost each call a thread switch.
-      const absl::Duration since = absl::Now() - last_publish_;
-      if (since < kCoalesce && !stopping_.load()) absl::SleepFor(kCoalesce - since);
+      if (last_publish_ns_ != INT64_MIN) {
+        absl::MutexLock lock(&stop_mu_);
+        clock_->AwaitUntil(stop_mu_, absl::Condition(&stop_requested_),
+                           last_publish_ns_ + absl::ToInt64Nanoseconds(kCoalesce));
+      }
       uint64_t count = 0;
       [[maybe_unused]] ssize_t r = read(wake_.get(), &count, sizeof(count));
       // After the read (a write it consumed was for events appended before this point) and
       // before the log is read (an append after this point writes again).
       wake_pending_.store(false);
-      last_publish_ = absl::Now();
+      last_publish_ns_ = clock_->NowNanos();
     }
     PublishNew();
     if (stopping_.load()) return;
@@ -199,6 +208,7 @@ void ZmqEventPublisher::PublishNew() {
   std::vector<KvEvent> events;
   while (true) {
     events.clear();
+    // vLLM's `ts` is Unix time: the wall clock's, not the pacing clock's (which has no epoch).
     const double now = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch());
     if (!engine_->ReadEvents(options_.pool, next_, kReadBatch, &events)) {
       // Lost behind the log: one batch restates the pool, numbered as the last event it covers.

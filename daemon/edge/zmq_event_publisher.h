@@ -30,9 +30,11 @@
 #include <thread>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "daemon/engine/engine.h"
 #include "daemon/engine/event_listener.h"
+#include "kvpool/util/clock.h"
 #include "kvpool/util/unique_fd.h"
 
 namespace kvpool::daemon {
@@ -65,10 +67,12 @@ class ZmqEventPublisher final : public EventListener {
  public:
   // Binds the sockets and starts the thread; publishes from the pool's first event (a resync
   // for those the log no longer holds). The caller adds it to `engine` (AddEventListener) and
-  // removes it before it goes. Errors: INVALID_ARGUMENT (an endpoint ZeroMQ cannot bind: syntax,
-  // address in use, ...).
+  // removes it before it goes. `clock` (not owned; outlives the publisher) paces the sends (one
+  // wake-up per kCoalesce at most). Errors: INVALID_ARGUMENT (an endpoint ZeroMQ cannot bind:
+  // syntax, address in use, ...).
   static absl::StatusOr<std::unique_ptr<ZmqEventPublisher>> Start(const ZmqEventOptions& options,
-                                                                  const Engine* engine);
+                                                                  const Engine* engine,
+                                                                  const Clock* clock);
   ~ZmqEventPublisher() override;  // publishes what is in the log, then stops
 
   void OnEvents(int32_t pool, uint64_t next_seq) override;
@@ -80,7 +84,7 @@ class ZmqEventPublisher final : public EventListener {
 
  private:
   struct Sockets;
-  ZmqEventPublisher(const ZmqEventOptions& options, const Engine* engine,
+  ZmqEventPublisher(const ZmqEventOptions& options, const Engine* engine, const Clock* clock,
                     std::unique_ptr<Sockets> sockets, UniqueFd wake);
   void Run();
   // Sends every event of the log from next_ on (a resync first when some were lost).
@@ -92,14 +96,17 @@ class ZmqEventPublisher final : public EventListener {
 
   const ZmqEventOptions options_;
   const Engine* const engine_;
+  const Clock* const clock_;
   std::unique_ptr<Sockets> sockets_;  // used by the thread alone
   UniqueFd wake_;                     // eventfd: OnEvents and the destructor write it
   std::string bound_endpoint_;
   std::string bound_replay_endpoint_;
   std::atomic<bool> stopping_{false};
-  std::atomic<bool> wake_pending_{false};           // an eventfd write not yet read
-  uint64_t next_ = 1;                               // the thread's: the next seq to publish
-  absl::Time last_publish_ = absl::InfinitePast();  // the thread's
+  absl::Mutex stop_mu_;  // a leaf: only for the pacing wait to see stopping_
+  bool stop_requested_ ABSL_GUARDED_BY(stop_mu_) = false;
+  std::atomic<bool> wake_pending_{false};  // an eventfd write not yet read
+  uint64_t next_ = 1;                      // the thread's: the next seq to publish
+  int64_t last_publish_ns_ = INT64_MIN;    // the thread's, on clock_
   ZmqEventCounters own_counters_;
   ZmqEventCounters* const counters_;  // options_.counters, or own_counters_
   std::thread thread_;

@@ -56,6 +56,8 @@
 
 namespace kvpool::daemon {
 
+struct LockOrderPeer;
+
 class StepRunner;
 
 // The model behind Prefill/Decode/Generate (empty name: none).
@@ -260,6 +262,7 @@ class Engine final : private StepExecutor {
   void RunStep(int32_t pool, std::span<ComputeCall* const> calls) override;
   void Abandon(ComputeCall& call, const absl::Status& why) override;
 
+  friend struct LockOrderPeer;  // tests/daemon/lock_order_test.cc takes the locks in order
   Engine(std::unique_ptr<EngineState> state, model::StepModel* model, ModelInfo model_info);
 
   // A hold of mu_ as writer (every one in the engine is one): when it ends, it releases mu_ and

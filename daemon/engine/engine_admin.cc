@@ -78,9 +78,12 @@ absl::StatusOr<Engine::Invalidation> Engine::Invalidate(std::string_view tenant,
 }
 
 absl::Status Engine::FlushTiers(absl::Duration timeout) const {
-  const absl::Time deadline = absl::Now() + timeout;
+  const int64_t deadline_ns = clock_->NowNanos() + absl::ToInt64Nanoseconds(timeout);
   for (TierSet* t : tiers_) {
-    if (t != nullptr) KVPOOL_RETURN_IF_ERROR(t->Flush(deadline - absl::Now()));
+    if (t != nullptr) {
+      KVPOOL_RETURN_IF_ERROR(
+          t->Flush(absl::Nanoseconds(std::max<int64_t>(deadline_ns - clock_->NowNanos(), 0))));
+    }
   }
   return absl::OkStatus();
 }

@@ -44,7 +44,8 @@ absl::StatusOr<std::unique_ptr<PoolState>> PoolState::Create(const PoolOptions& 
   if (options.tiers.enabled() && options.prefix_cache) {
     TierOptions tier_options = options.tiers;
     if (tier_options.disk.enabled()) tier_options.disk.directory += "/" + pool.name;  // its own
-    KVPOOL_ASSIGN_OR_RETURN(tiers, TierSet::Create(tier_options, device, layout, secret));
+    KVPOOL_ASSIGN_OR_RETURN(tiers,
+                            TierSet::Create(tier_options, device, layout, secret, options.clock));
   }
   auto state = std::unique_ptr<PoolState>(
       new PoolState(pool.name, layout, options.fill_policy, device, std::move(arena),

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <utility>
 
-#include "absl/time/clock.h"
 #include "fmt/format.h"
 #include "kvpool/util/check.h"
 #include "kvpool/util/logging.h"
@@ -12,8 +11,6 @@
 
 namespace kvpool::daemon {
 namespace {
-
-int64_t NowNs() { return absl::GetCurrentTimeNanos(); }
 
 // Set while this thread runs TierSet::Invalidate (under the engine's lock): the disk tier's
 // events it causes are drained by the engine itself then, not through on_events.
@@ -24,7 +21,8 @@ thread_local bool t_invalidating = false;
 absl::StatusOr<std::unique_ptr<TierSet>> TierSet::Create(const TierOptions& options,
                                                          kernels::Device* device,
                                                          const kernels::PoolLayout& layout,
-                                                         const tier::DeploymentSecret& secret) {
+                                                         const tier::DeploymentSecret& secret,
+                                                         const Clock* clock) {
   if (options.host_blocks < 0 || options.staged_blocks <= 0) {
     return absl::InvalidArgumentError(fmt::format("tiers: host_blocks {} and staged_blocks {}",
                                                   options.host_blocks, options.staged_blocks));
@@ -46,7 +44,7 @@ absl::StatusOr<std::unique_ptr<TierSet>> TierSet::Create(const TierOptions& opti
   }
   std::unique_ptr<tier::RemoteTier> remote;
   if (options.redis.enabled) {
-    KVPOOL_ASSIGN_OR_RETURN(remote, tier::RedisBlockStore::Create(options.redis, secret));
+    KVPOOL_ASSIGN_OR_RETURN(remote, tier::RedisBlockStore::Create(options.redis, secret, clock));
   }
   if (options.lookup_blocks <= 0) {
     return absl::InvalidArgumentError(
@@ -54,8 +52,8 @@ absl::StatusOr<std::unique_ptr<TierSet>> TierSet::Create(const TierOptions& opti
   }
   std::unique_ptr<tier::DiskBlockStore> disk;
   if (options.disk.enabled()) {
-    absl::StatusOr<std::unique_ptr<tier::DiskBlockStore>> opened =
-        tier::DiskBlockStore::Open(options.disk, secret, layout.Hash(), layout.block_bytes());
+    absl::StatusOr<std::unique_ptr<tier::DiskBlockStore>> opened = tier::DiskBlockStore::Open(
+        options.disk, secret, layout.Hash(), layout.block_bytes(), clock);
     if (opened.ok()) {
       disk = *std::move(opened);
     } else if (absl::IsInvalidArgument(opened.status())) {
@@ -66,17 +64,18 @@ absl::StatusOr<std::unique_ptr<TierSet>> TierSet::Create(const TierOptions& opti
                              options.disk.directory, opened.status().ToString());
     }
   }
-  return std::make_unique<TierSet>(device, layout, std::move(host), std::move(remote),
+  return std::make_unique<TierSet>(device, layout, clock, std::move(host), std::move(remote),
                                    options.staged_blocks, std::move(host_memory),
                                    options.lookup_blocks, std::move(disk));
 }
 
-TierSet::TierSet(kernels::Device* device, const kernels::PoolLayout& layout,
+TierSet::TierSet(kernels::Device* device, const kernels::PoolLayout& layout, const Clock* clock,
                  std::unique_ptr<tier::HostBlockStore> host,
                  std::unique_ptr<tier::RemoteTier> remote, int64_t staged_blocks,
                  std::unique_ptr<kernels::DeviceBuffer> host_memory, int64_t lookup_blocks,
                  std::unique_ptr<tier::DiskBlockStore> disk)
     : device_(device),
+      clock_(clock),
       block_bytes_(layout.block_bytes()),
       block_size_(layout.block_size),
       layout_fingerprint_(layout.Hash()),
@@ -204,7 +203,7 @@ void TierSet::Stage(KvCacheManager& cache, const kernels::KvPoolView& view,
       continue;
     }
     item.fence = *fence;
-    item.staged_ns = NowNs();
+    item.staged_ns = clock_->NowNanos();
     last = *fence;
     copied.push_back(p.block);
     queue_.push_back(std::move(item));
@@ -228,7 +227,7 @@ void TierSet::WriterLoop() {
       ++in_flight_;
     }
     const absl::Status copied = device_->Synchronize(item.fence);
-    const int64_t spent = NowNs() - item.staged_ns;
+    const int64_t spent = clock_->NowNanos() - item.staged_ns;
     if (copied.ok()) {
       const tier::BlockToStore block{.hash = item.hash,
                                      .parent = item.parent,
@@ -386,20 +385,22 @@ void TierSet::CountPromotion(int64_t from_host, int64_t from_disk, int64_t from_
 }
 
 absl::Status TierSet::Flush(absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
+  const int64_t deadline_ns = clock_->NowNanos() + absl::ToInt64Nanoseconds(timeout);
   {
     absl::MutexLock lock(&mu_);
-    while (!queue_.empty() || in_flight_ > 0) {
-      if (changed_.WaitWithDeadline(&mu_, deadline)) {
-        if (queue_.empty() && in_flight_ == 0) break;
-        return absl::DeadlineExceededError("tier: staged copies still pending");
-      }
+    auto drained = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return queue_.empty() && in_flight_ == 0;
+    };
+    if (!clock_->AwaitUntil(mu_, absl::Condition(&drained), deadline_ns)) {
+      return absl::DeadlineExceededError("tier: staged copies still pending");
     }
   }
-  if (disk_) {
-    KVPOOL_RETURN_IF_ERROR(disk_->Flush(std::max(deadline - absl::Now(), absl::ZeroDuration())));
-  }
-  if (remote_) return remote_->Flush(std::max(deadline - absl::Now(), absl::ZeroDuration()));
+  // The stores take a timeout: what is left of the deadline on the same clock.
+  auto left = [&] {
+    return absl::Nanoseconds(std::max<int64_t>(deadline_ns - clock_->NowNanos(), 0));
+  };
+  if (disk_) KVPOOL_RETURN_IF_ERROR(disk_->Flush(left()));
+  if (remote_) return remote_->Flush(left());
   return absl::OkStatus();
 }
 

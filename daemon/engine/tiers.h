@@ -44,6 +44,8 @@
 
 namespace kvpool::daemon {
 
+struct LockOrderPeer;
+
 // Host memory the copies waiting for the tier writer may take, whatever staged_blocks says.
 inline constexpr int64_t kMaxStagedBytes = int64_t{256} << 20;
 
@@ -104,14 +106,15 @@ class TierSet final {
   // arena); those of RedisBlockStore::Create. A disk tier whose directory cannot be opened (the
   // environment, not the config) is left out and logged: the pool serves without it. `device`
   // outlives the set. The Redis and disk tiers' keys and MACs are derived under (a copy of)
-  // `secret`.
+  // `secret`. `clock` (the engine's; outlives the set) times Flush and the stores' breakers.
   static absl::StatusOr<std::unique_ptr<TierSet>> Create(const TierOptions& options,
                                                          kernels::Device* device,
                                                          const kernels::PoolLayout& layout,
-                                                         const tier::DeploymentSecret& secret);
+                                                         const tier::DeploymentSecret& secret,
+                                                         const Clock* clock);
   // Builds a set over stores made elsewhere (tests: a fake remote). Either may be null;
   // `host_memory`, when given, holds the host store's slots and is kept as long as the store.
-  TierSet(kernels::Device* device, const kernels::PoolLayout& layout,
+  TierSet(kernels::Device* device, const kernels::PoolLayout& layout, const Clock* clock,
           std::unique_ptr<tier::HostBlockStore> host, std::unique_ptr<tier::RemoteTier> remote,
           int64_t staged_blocks, std::unique_ptr<kernels::DeviceBuffer> host_memory = nullptr,
           int64_t lookup_blocks = TierOptions{}.lookup_blocks,
@@ -180,13 +183,14 @@ class TierSet final {
   // (counted). Idempotent. The engine calls it before it goes, so on_events never runs late.
   void Stop();
 
-  // Waits until every staged copy reached the stores and the remote wrote its queue.
-  // Errors: DEADLINE_EXCEEDED.
+  // Waits until every staged copy reached the stores and the remote wrote its queue, for at most
+  // `timeout` on the set's clock. Errors: DEADLINE_EXCEEDED.
   absl::Status Flush(absl::Duration timeout);
 
   TierStats stats() const;
 
  private:
+  friend struct LockOrderPeer;  // tests/daemon/lock_order_test.cc takes the locks in order
   struct Staged {
     tier::BlockSpace space;
     BlockHash hash;
@@ -210,6 +214,7 @@ class TierSet final {
                      const BlockHash& parent, bool stored);
 
   kernels::Device* const device_;
+  const Clock* const clock_;
   const int64_t block_bytes_;
   const int32_t block_size_;
   const uint64_t layout_fingerprint_;

@@ -1,6 +1,8 @@
 #include "kvpool/util/clock.h"
 
+#include <algorithm>
 #include <chrono>
+#include <climits>
 
 #include "absl/time/time.h"
 
@@ -21,6 +23,13 @@ class SteadyClock final : public Clock {
     const int64_t left = deadline_nanos - NowNanos();
     if (left <= 0) return condition.Eval();
     return mu.AwaitWithTimeout(condition, absl::Nanoseconds(left));
+  }
+
+  int PollTimeoutMs(int64_t deadline_nanos) const override {
+    const int64_t left = deadline_nanos - NowNanos();
+    if (left <= 0) return 0;
+    // Rounded up: a poller that wakes a little early would only spin on the deadline.
+    return static_cast<int>(std::min<int64_t>((left + 999'999) / 1'000'000, INT_MAX));
   }
 };
 

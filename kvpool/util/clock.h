@@ -22,6 +22,12 @@ class Clock {
   virtual bool AwaitUntil(absl::Mutex& mu, const absl::Condition& condition,
                           int64_t deadline_nanos) const = 0;
 
+  // For a thread that waits in poll()/epoll_wait() (a descriptor can wake it, this clock cannot):
+  // how many real milliseconds it may sleep before it must read this clock again to notice
+  // `deadline_nanos`. 0 once the deadline has passed; never negative (the caller passes -1 itself
+  // when it has no deadline).
+  virtual int PollTimeoutMs(int64_t deadline_nanos) const = 0;
+
   // The process-wide steady clock. Never null; lives forever.
   static const Clock* Real();
 };
@@ -41,6 +47,11 @@ class ManualClock final : public Clock {
   // changes by Advance()/Set(), which cannot wake a waiter blocked on someone else's mutex.
   bool AwaitUntil(absl::Mutex& mu, const absl::Condition& condition,
                   int64_t deadline_nanos) const override;
+  // 1 while the deadline lies ahead: a poller re-reads the manual time every millisecond, as
+  // AwaitUntil does, so an Advance() past its deadline wakes it within about a millisecond.
+  int PollTimeoutMs(int64_t deadline_nanos) const override {
+    return NowNanos() >= deadline_nanos ? 0 : 1;
+  }
 
  private:
   std::atomic<int64_t> now_;

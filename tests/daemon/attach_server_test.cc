@@ -18,6 +18,7 @@
 #include "absl/synchronization/mutex.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kvpool/util/clock.h"
 #include "kvpool/v1/wire.h"
 
 namespace kvpool::daemon {
@@ -84,7 +85,7 @@ class AttachServerTest : public ::testing::Test {
       ended_.emplace_back(id, how);
     };
     absl::StatusOr<std::unique_ptr<AttachServer>> s =
-        AttachServer::Start(path_, 0600, limits, admit, attach, closed, &counters_);
+        AttachServer::Start(path_, 0600, limits, admit, attach, closed, &counters_, &clock_);
     ASSERT_TRUE(s.ok()) << s.status();
     server_ = *std::move(s);
   }
@@ -109,7 +110,16 @@ class AttachServerTest : public ::testing::Test {
     return mu_.AwaitWithTimeout(absl::Condition(&enough), timeout);
   }
 
+  // Waits (in real time) until the loop holds `n` handshakes, so that a deadline it set is known
+  // to lie on the clock's current reading.
+  bool AwaitPending(size_t n) {
+    for (int i = 0; i < 5000 && server_->pending() != n; ++i) absl::SleepFor(absl::Milliseconds(1));
+    return server_->pending() == n;
+  }
+
   std::string dir_, path_;
+  // The server's clock: handshake deadlines and the accept back-off pass when the test says so.
+  ManualClock clock_;
   AttachCounters counters_;
   std::unique_ptr<AttachServer> server_;
   std::atomic<bool> refuse_all_{false};
@@ -180,6 +190,11 @@ TEST_F(AttachServerTest, AHandshakeMustCompleteInTime) {
   Start({.handshake_timeout = absl::Milliseconds(50)});
   UniqueFd slow = Connect(path_);
   ASSERT_EQ(send(slow.get(), "\x05\x00", 2, MSG_NOSIGNAL), 2);  // half a length, then nothing
+  ASSERT_TRUE(AwaitPending(1));
+  clock_.Advance(absl::ToInt64Nanoseconds(absl::Milliseconds(50)) - 1);
+  EXPECT_FALSE(Read(slow.get(), absl::Milliseconds(10)).ok());  // not yet
+  EXPECT_EQ(server_->pending(), 1u);
+  clock_.Advance(1);
   absl::StatusOr<v1::AttachResponse> r = Read(slow.get());
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->error_code(), static_cast<int>(absl::StatusCode::kDeadlineExceeded));
@@ -283,10 +298,12 @@ TEST_F(AttachServerTest, StopAcceptingKeepsSessions) {
   EXPECT_EQ(Ended()[0].second, SessionEnd::kConnectionLost);
 }
 
-// Out of descriptors, accept fails while the listener stays readable: the loop backs off instead
-// of spinning, and takes the waiting connections once descriptors are free again.
+// Out of descriptors, accept fails while the listener stays readable: the loop backs off for
+// accept_backoff on its clock instead of spinning, and takes the waiting connections once
+// descriptors are free again and the back-off has passed.
 TEST_F(AttachServerTest, OutOfDescriptorsBacksOffInsteadOfSpinning) {
-  Start({.accept_backoff = absl::Milliseconds(20)});
+  const absl::Duration backoff = absl::Milliseconds(20);
+  Start({.accept_backoff = backoff});
   std::vector<UniqueFd> clients;
   for (int i = 0; i < 6; ++i) clients.emplace_back(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
   rlimit saved{};
@@ -302,18 +319,30 @@ TEST_F(AttachServerTest, OutOfDescriptorsBacksOffInsteadOfSpinning) {
   for (UniqueFd& c : clients) {
     ASSERT_EQ(connect(c.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
   }
+  auto backoffs_reach = [&](uint64_t n) {
+    for (int i = 0; i < 5000 && counters_.accept_backoffs.load() < n; ++i) {
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    return counters_.accept_backoffs.load() >= n;
+  };
+  ASSERT_TRUE(backoffs_reach(1));
+  // While the clock stands still the listener is left alone: no second try, and no CPU spent.
   rusage before{}, after{};
   getrusage(RUSAGE_SELF, &before);
-  absl::SleepFor(absl::Milliseconds(300));
+  absl::SleepFor(absl::Milliseconds(30));
   getrusage(RUSAGE_SELF, &after);
-  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
   const double cpu_s = (after.ru_utime.tv_sec - before.ru_utime.tv_sec) +
                        (after.ru_stime.tv_sec - before.ru_stime.tv_sec) +
                        (after.ru_utime.tv_usec - before.ru_utime.tv_usec) * 1e-6 +
                        (after.ru_stime.tv_usec - before.ru_stime.tv_usec) * 1e-6;
-  EXPECT_LT(cpu_s, 0.1) << "the loop spun on the readable listener";
-  EXPECT_GE(counters_.accept_backoffs.load(), 1u);
-  // Descriptors again: every waiting client gets through.
+  EXPECT_LT(cpu_s, 0.015) << "the loop spun on the readable listener";
+  EXPECT_EQ(counters_.accept_backoffs.load(), 1u);
+  // The back-off passes: accept is tried again, still without descriptors, and backs off again.
+  clock_.Advance(absl::ToInt64Nanoseconds(backoff));
+  ASSERT_TRUE(backoffs_reach(2));
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+  // Descriptors again: once the back-off passes every waiting client gets through.
+  clock_.Advance(absl::ToInt64Nanoseconds(backoff));
   for (UniqueFd& c : clients) {
     ASSERT_TRUE(wire::SendFrame(c.get(), Request()).ok());
     absl::StatusOr<v1::AttachResponse> r = Read(c.get());
@@ -321,6 +350,7 @@ TEST_F(AttachServerTest, OutOfDescriptorsBacksOffInsteadOfSpinning) {
     EXPECT_TRUE(r->error().empty()) << r->error();
   }
   EXPECT_EQ(server_->sessions(), clients.size());
+  EXPECT_EQ(counters_.accept_backoffs.load(), 2u);
 }
 
 }  // namespace

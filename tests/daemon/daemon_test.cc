@@ -66,7 +66,7 @@ class DaemonTest : public ::testing::Test {
     config.set_pool_bytes(int64_t{64} << 16);
     config.mutable_admin_uids()->Clear();
     for (uint32_t uid : admin_uids) config.add_admin_uids(uid);
-    daemon_ = std::move(*Daemon::Create(config));
+    daemon_ = std::move(*Daemon::Create(config, Clock::Real()));
     ASSERT_TRUE(daemon_->Start().ok());
   }
   void TearDown() override {
@@ -231,7 +231,7 @@ TEST_F(DaemonTest, AUidPastItsDoorbellsDecodesOverGrpc) {
   config.set_runtime_dir(dir_);
   config.set_pool_bytes(int64_t{64} << 16);
   config.mutable_limits()->set_doorbells_per_uid(1);
-  daemon_ = std::move(*Daemon::Create(config));
+  daemon_ = std::move(*Daemon::Create(config, Clock::Real()));
   ASSERT_TRUE(daemon_->Start().ok());
   absl::StatusOr<std::unique_ptr<client::Client>> first = Connect();
   absl::StatusOr<std::unique_ptr<client::Client>> second = Connect();
@@ -256,14 +256,14 @@ TEST_F(DaemonTest, MetricsEndpointBindsOrFailsStart) {
   config.set_runtime_dir(dir_);
   config.set_pool_bytes(int64_t{64} << 16);
   config.mutable_metrics()->set_listen("127.0.0.1:0");
-  daemon_ = std::move(*Daemon::Create(config));
+  daemon_ = std::move(*Daemon::Create(config, Clock::Real()));
   ASSERT_TRUE(daemon_->Start().ok());
   const int port = daemon_->metrics_port();
   ASSERT_GT(port, 0);
 
   config.set_runtime_dir(dir_ + "-second");
   config.mutable_metrics()->set_listen(absl::StrCat("127.0.0.1:", port));
-  std::unique_ptr<Daemon> second = std::move(*Daemon::Create(config));
+  std::unique_ptr<Daemon> second = std::move(*Daemon::Create(config, Clock::Real()));
   EXPECT_EQ(second->Start().code(), absl::StatusCode::kUnavailable);
   second.reset();
   EXPECT_FALSE(std::filesystem::exists(dir_ + "-second/" + wire::kGrpcSocket));

@@ -103,6 +103,8 @@ std::shared_ptr<const Session> MakeSession() {
 }
 
 struct Fixture {
+  // The doorbell's clock: deadlines and back-offs move only when the test says so.
+  ManualClock clock{1'000'000'000};
   FakeEngine engine;
   // Answers as the hook saw them. The hook may take its time, as on a loaded daemon: it must
   // still run before the client sees the answer.
@@ -118,7 +120,7 @@ struct Fixture {
                                      absl::SleepFor(counted_delay);
                                      counted.fetch_add(1);
                                    }},
-                              &client_fd);
+                              &client_fd, &clock);
     EXPECT_TRUE(d.ok()) << d.status();
     doorbell = *std::move(d);
   }
@@ -186,7 +188,8 @@ TEST(DecodeDoorbellTest, AnOversizedCountIsRefusedWithoutACall) {
   EXPECT_EQ(page->code, static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
   EXPECT_NE(page.message().find("at most 256"), std::string::npos) << page.message();
   EXPECT_EQ(f.engine.queued(), 0u);
-  // The doorbell still serves the next request.
+  // The doorbell still serves the next request, once the back-off after an error has passed.
+  f.clock.Advance(DecodeDoorbell::kFirstBackoffNs);
   const uint32_t next = page.Ring({{.sequence_id = 1, .token = 1}});
   std::unique_ptr<ComputeCall> call = f.engine.Next();
   ASSERT_NE(call, nullptr);
@@ -271,20 +274,23 @@ TEST(DecodeDoorbellTest, EachCallCarriesTheClientsDeadline) {
     call->result().status = s;
     call->Complete();
     EXPECT_TRUE(page.Answered(ring));
+    if (!s.ok()) f.clock.Advance(DecodeDoorbell::kMaxBackoffNs);  // past the back-off
     return s;
   };
   EXPECT_TRUE(context_of(10'000'000'000).ok());
   EXPECT_TRUE(context_of(INT64_MAX).ok());  // clamped: no overflow into the past
   EXPECT_EQ(context_of(0).code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_EQ(context_of(INT64_MIN).code(), absl::StatusCode::kDeadlineExceeded);
-  // A deadline that passes while the call waits in the queue (long enough to be checked first
-  // under sanitizers on a loaded machine).
+  // A deadline that passes while the call waits in the queue: on the doorbell's clock, so the
+  // test advances it instead of sleeping past it.
   page.timeout_ns = 1'000'000'000;
   const uint32_t ring = page.Ring({{.sequence_id = 1, .token = 1}});
   std::unique_ptr<ComputeCall> call = f.engine.Next();
   ASSERT_NE(call, nullptr);
   EXPECT_TRUE(call->context().Check().ok());
-  absl::SleepFor(absl::Milliseconds(1100));
+  f.clock.Advance(page.timeout_ns - 1);
+  EXPECT_TRUE(call->context().Check().ok());
+  f.clock.Advance(1);
   EXPECT_EQ(call->context().Check().code(), absl::StatusCode::kDeadlineExceeded);
   call->result().status = call->context().Check();
   call->Complete();
@@ -294,11 +300,12 @@ TEST(DecodeDoorbellTest, EachCallCarriesTheClientsDeadline) {
 }
 
 TEST(DoorbellsTest, RemoveDoesNotWaitForACallInFlightAndAddReapsLater) {
+  ManualClock clock;
   FakeEngine engine;
   Doorbells doorbells;
   UniqueFd fd;
   absl::StatusOr<std::unique_ptr<DecodeDoorbell>> d =
-      DecodeDoorbell::Start(MakeSession(), engine.Submit(), {}, &fd);
+      DecodeDoorbell::Start(MakeSession(), engine.Submit(), {}, &fd, &clock);
   ASSERT_TRUE(d.ok());
   doorbells.Add(SessionId(7), *std::move(d));
   Page page(std::move(fd));
@@ -314,7 +321,7 @@ TEST(DoorbellsTest, RemoveDoesNotWaitForACallInFlightAndAddReapsLater) {
   UniqueFd other_fd;
   while (absl::Now() < until) {
     absl::StatusOr<std::unique_ptr<DecodeDoorbell>> other =
-        DecodeDoorbell::Start(MakeSession(), engine.Submit(), {}, &other_fd);
+        DecodeDoorbell::Start(MakeSession(), engine.Submit(), {}, &other_fd, &clock);
     ASSERT_TRUE(other.ok());
     doorbells.Add(SessionId(8), *std::move(other));
     if (doorbells.size() == 1) break;
@@ -345,14 +352,14 @@ TEST(DecodeDoorbellTest, AfterAnErrorTheNextRingWaitsOutABackOff) {
   const uint32_t first = page.RingRaw();
   ASSERT_TRUE(page.Answered(first));
   const uint32_t second = page.RingRaw();
-  absl::SleepFor(absl::Milliseconds(100));  // real time passes; the doorbell's clock does not
+  absl::SleepFor(absl::Milliseconds(20));  // real time passes; the doorbell's clock does not
   EXPECT_NE(page->answered.load(), second);
   clock.Advance(DecodeDoorbell::kFirstBackoffNs);
   ASSERT_TRUE(page.Answered(second));
   // Errors in a row double it; a success resets it.
   const uint32_t third = page.RingRaw();
   clock.Advance(DecodeDoorbell::kFirstBackoffNs);
-  absl::SleepFor(absl::Milliseconds(50));
+  absl::SleepFor(absl::Milliseconds(20));
   EXPECT_NE(page->answered.load(), third);
   clock.Advance(DecodeDoorbell::kFirstBackoffNs);
   ASSERT_TRUE(page.Answered(third));
@@ -373,6 +380,7 @@ TEST(DecodeDoorbellTest, AfterAnErrorTheNextRingWaitsOutABackOff) {
 }
 
 TEST(DoorbellsTest, LiveDoorbellsAreCountedByUid) {
+  ManualClock clock;
   FakeEngine engine;
   Doorbells doorbells;
   auto session = [](uint64_t id, uid_t uid) {
@@ -384,7 +392,7 @@ TEST(DoorbellsTest, LiveDoorbellsAreCountedByUid) {
   for (uint64_t id : {1, 2, 3}) {
     UniqueFd fd;
     doorbells.Add(SessionId(id), *DecodeDoorbell::Start(session(id, id < 3 ? 1000 : 1001),
-                                                        engine.Submit(), {}, &fd));
+                                                        engine.Submit(), {}, &fd, &clock));
   }
   EXPECT_EQ(doorbells.live_for_uid(1000), 2);
   EXPECT_EQ(doorbells.live_for_uid(1001), 1);

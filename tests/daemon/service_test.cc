@@ -296,7 +296,7 @@ TEST_F(ServiceTest, AStoppedServiceRefusesEveryCall) {
   service_->Stop();
   v1::PingResponse r;
   EXPECT_EQ(stub_->Ping(As(user_).get(), {}, &r).error_code(), grpc::StatusCode::UNAVAILABLE);
-  EXPECT_TRUE(service_->WaitIdle(absl::Now() + absl::Seconds(5)));
+  EXPECT_TRUE(service_->WaitIdle(Clock::Real()->NowNanos() + 5'000'000'000));
 }
 
 // The GetStats row `name` (with label value `label`, when given).

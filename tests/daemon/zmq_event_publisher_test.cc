@@ -100,7 +100,7 @@ class ZmqEventPublisherTest : public ::testing::Test {
         ZmqEventPublisher::Start({.endpoint = "ipc://" + dir_ + "-events",
                                   .replay_endpoint = "ipc://" + dir_ + "-replay",
                                   .topic = "kv"},
-                                 engine_.get());
+                                 engine_.get(), Clock::Real());
     ASSERT_TRUE(p.ok()) << p.status();
     publisher_ = *std::move(p);
     engine_->AddEventListener(publisher_.get());
@@ -225,7 +225,7 @@ TEST_F(ZmqEventPublisherTest, NoWakeUpIsLostUnderConcurrentAppends) {
 
 TEST_F(ZmqEventPublisherTest, AnEndpointThatCannotBeBoundIsAnError) {
   const absl::StatusOr<std::unique_ptr<ZmqEventPublisher>> p =
-      ZmqEventPublisher::Start({.endpoint = "bogus://nowhere"}, engine_.get());
+      ZmqEventPublisher::Start({.endpoint = "bogus://nowhere"}, engine_.get(), Clock::Real());
   EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
 }
 
