@@ -10,6 +10,7 @@
 // Devices are made through the registry as kvpoold makes them; a backend that is unavailable
 // here (CUDA without a GPU) has its cases skipped, saying why.
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -43,6 +44,9 @@ struct Case {
   int32_t kv_heads;
   int32_t head_dim;
   std::optional<DType> v_dtype = std::nullopt;  // V's, when not `dtype`
+  // A sliding window (issue 28): the blocks no query sees are released (-1) before the decode,
+  // and the references read the visible keys only.
+  AttentionWindow window{};
 };
 
 constexpr int32_t kLayer = 1;
@@ -207,11 +211,42 @@ void Decode(Device& device, const Case& c, const std::vector<int32_t>& lens, int
        .table_stride = p.stride,
        .seq_lens = static_cast<const int32_t*>(len_buffer->data()),
        .max_seq_len = max_seq_len,
+       .window = c.window,
        .workspace = workspace ? workspace->data() : nullptr,
        .workspace_bytes = workspace_bytes});
   ASSERT_TRUE(decoded.ok()) << decoded.status();
   ASSERT_OK_AND_MOVE(*got, Download<float>(device, out_buffer->data(), q.size()));
   ASSERT_TRUE(device.status().ok()) << device.status();
+}
+
+// Under c.window, each sequence's last query sees its sinks and window: keeps only those rows of
+// every per-sequence [len][kv_heads][head_dim] array in `rows`, sets `seen` to their counts, and
+// releases (-1) every table entry whose block holds none of them.
+void Window(const Case& c, std::vector<int32_t>* seen, std::vector<int32_t>* tables, int32_t stride,
+            std::vector<std::vector<std::vector<float>>*> rows) {
+  const int64_t row = static_cast<int64_t>(c.kv_heads) * c.head_dim;
+  for (size_t s = 0; s < seen->size(); ++s) {
+    const int32_t len = (*seen)[s];
+    const int64_t pos = len - 1;
+    std::vector<bool> keep(static_cast<size_t>(len));
+    for (int64_t key = 0; key < len; ++key) keep[key] = c.window.Sees(pos, key);
+    for (auto* arrays : rows) {
+      std::vector<float>& a = (*arrays)[s];
+      std::vector<float> kept;
+      for (int64_t key = 0; key < len; ++key) {
+        if (keep[key]) kept.insert(kept.end(), a.begin() + key * row, a.begin() + (key + 1) * row);
+      }
+      a = std::move(kept);
+    }
+    (*seen)[s] = static_cast<int32_t>(std::count(keep.begin(), keep.end(), true));
+    for (int32_t b = 0; b * c.block_size < len; ++b) {
+      bool any = false;
+      for (int32_t key = b * c.block_size; key < std::min(len, (b + 1) * c.block_size); ++key) {
+        any = any || keep[key];
+      }
+      if (!any) (*tables)[s * stride + b] = -1;
+    }
+  }
 }
 
 // `max_seq_len` may exceed the longest sequence (its extra splits must be ignored).
@@ -233,9 +268,6 @@ void CheckDecode(const std::string& backend, Device& device, const Case& c,
   std::vector<float> q(lens.size() * static_cast<size_t>(c.q_heads * c.head_dim));
   std::normal_distribution<float> dist(0.0f, 1.0f);
   for (float& x : q) x = dist(rng);
-  std::vector<float> got;
-  Decode(device, c, lens, max_seq_len, p, q, &got);
-  if (::testing::Test::HasFatalFailure()) return;
 
   // What the pool holds, read back from the device's arena through the documented layout.
   const KvPoolView written_view{written.data(), p.layout};
@@ -245,23 +277,31 @@ void CheckDecode(const std::string& backend, Device& device, const Case& c,
     stored_k.push_back(test_util::StoredRows(written_view, table, kLayer, KvSide::kK, lens[s]));
     stored_v.push_back(test_util::StoredRows(written_view, table, kLayer, KvSide::kV, lens[s]));
   }
+  std::vector<int32_t> seen = lens;
+  if (c.window.window > 0)
+    Window(c, &seen, &p.tables, p.stride, {&stored_k, &stored_v, &p.original_k, &p.original_v});
+  std::vector<float> got;
+  Decode(device, c, lens, max_seq_len, p, q, &got);
+  if (::testing::Test::HasFatalFailure()) return;
   bool nan = false;
   const Numerics numerics = NumericsOf(backend, c);
   EXPECT_LT(NormalizedError(
-                got, Reference(c, lens, ScoredQuery(numerics, c, q), stored_k, stored_v), &nan),
+                got, Reference(c, seen, ScoredQuery(numerics, c, q), stored_k, stored_v), &nan),
             numerics.bound);
   EXPECT_FALSE(nan);
   const double tolerance = std::max(test_util::FormatTolerance(c.dtype),
                                     test_util::FormatTolerance(c.v_dtype.value_or(c.dtype)));
-  EXPECT_LT(NormalizedError(got, Reference(c, lens, q, p.original_k, p.original_v), &nan),
+  EXPECT_LT(NormalizedError(got, Reference(c, seen, q, p.original_k, p.original_v), &nan),
             std::max(tolerance, 1e-4));
 }
 
 std::string Name(const ::testing::TestParamInfo<Case>& info) {
   const Case& c = info.param;
-  return fmt::format("bs{}_{}{}_q{}kv{}_d{}", c.block_size, DTypeName(c.dtype),
-                     c.v_dtype ? fmt::format("_v{}", DTypeName(*c.v_dtype)) : "", c.q_heads,
-                     c.kv_heads, c.head_dim);
+  return fmt::format(
+      "bs{}_{}{}_q{}kv{}_d{}{}", c.block_size, DTypeName(c.dtype),
+      c.v_dtype ? fmt::format("_v{}", DTypeName(*c.v_dtype)) : "", c.q_heads, c.kv_heads,
+      c.head_dim,
+      c.window.window > 0 ? fmt::format("_w{}s{}", c.window.window, c.window.sinks) : "");
 }
 
 class DecodeParityTest : public test_util::BackendTest<Case> {};
@@ -296,7 +336,11 @@ INSTANTIATE_TEST_SUITE_P(
         Case{16, DType::kInt8, 12, 1, 64}, Case{64, DType::kFp8E4M3, 4, 2, 72},
         Case{16, DType::kBF16, 32, 8, 128, DType::kInt8},
         Case{16, DType::kBF16, 32, 8, 128, DType::kFp8E4M3},
-        Case{16, DType::kFp8E4M3, 32, 8, 128, DType::kInt8})),
+        Case{16, DType::kFp8E4M3, 32, 8, 128, DType::kInt8},
+        // Sliding windows: inside one partition, across several, with sinks past the start.
+        Case{16, DType::kBF16, 32, 8, 128, std::nullopt, {.window = 100, .sinks = 4}},
+        Case{1, DType::kF32, 8, 2, 64, std::nullopt, {.window = 700, .sinks = 0}},
+        Case{64, DType::kInt8, 32, 8, 128, std::nullopt, {.window = 33, .sinks = 70}})),
     test_util::BackendCaseName<Case>(Name));
 
 }  // namespace
