@@ -4,6 +4,8 @@
 #include <cmath>
 #include <random>
 
+#include "kvpool/util/check.h"
+
 namespace kvpool::model {
 namespace {
 
@@ -167,6 +169,20 @@ double RelError(std::span<const float> got, std::span<const float> want) {
     scale = std::max(scale, std::abs(double{want[i]}));
   }
   return err / scale;
+}
+
+double HostTolerance(kernels::DType dtype) { return dtype == kernels::DType::kF32 ? 2e-4 : 2e-2; }
+
+std::unique_ptr<LocalEngine> MakeTestEngine(const ModelWeights& w, int32_t block_size,
+                                            kernels::DType dtype, bool prefix_cache) {
+  absl::StatusOr<std::unique_ptr<LocalEngine>> engine =
+      LocalEngine::Create(w, {.block_size = block_size,
+                              .dtype = dtype,
+                              .pool_bytes = int64_t{16} << 20,
+                              .prefix_cache = prefix_cache,
+                              .threads = 2});
+  KVPOOL_CHECK_OK(engine.status());
+  return std::move(engine).value();
 }
 
 }  // namespace kvpool::model

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kernels/dtype.h"
+#include "model/local_engine.h"
 #include "model/weights.h"
 
 namespace kvpool::model {
@@ -46,5 +47,13 @@ std::vector<int32_t> RandomTokens(size_t n, int32_t vocab, uint32_t seed);
 // The largest difference relative to the reference's scale (at least 1); infinite on a NaN or
 // a size mismatch.
 double RelError(std::span<const float> got, std::span<const float> want);
+// The host model's bound against the reference or a recomputation: f32 K/V leaves only
+// float-vs-double arithmetic (and sums grouped differently); bf16 K/V also leaves rounding of
+// values the two sides computed slightly differently before rounding.
+double HostTolerance(kernels::DType dtype);
+// A LocalEngine on the host over a 16 MiB pool with two kernel threads. Aborts if it cannot be
+// made (the arguments are the tests' own).
+std::unique_ptr<LocalEngine> MakeTestEngine(const ModelWeights& w, int32_t block_size,
+                                            kernels::DType dtype, bool prefix_cache);
 
 }  // namespace kvpool::model

@@ -19,28 +19,13 @@ namespace {
 
 using ::testing::HasSubstr;
 
-// f32 K/V leaves only float-vs-double arithmetic; bf16 K/V also leaves rounding of values the
-// two sides computed slightly differently before rounding.
-double Tolerance(kernels::DType dtype) { return dtype == kernels::DType::kF32 ? 2e-4 : 2e-2; }
-
 const StepOptions kLogits{.keep_logits = true};
-
-std::unique_ptr<LocalEngine> MakeEngine(const ModelWeights& w, int32_t block_size,
-                                        kernels::DType dtype, bool prefix_cache) {
-  auto engine = LocalEngine::Create(w, {.block_size = block_size,
-                                        .dtype = dtype,
-                                        .pool_bytes = int64_t{16} << 20,
-                                        .prefix_cache = prefix_cache,
-                                        .threads = 2});
-  EXPECT_TRUE(engine.ok()) << engine.status();
-  return std::move(engine).value();
-}
 
 // Paged against dense on every backend: backend_model_test.cc.
 
 TEST(ModelTest, BatchedDecodeMatchesEachSequenceAlone) {
   const ModelWeights w = SyntheticWeights(SmallTestConfig(), 11);
-  auto engine = MakeEngine(w, 16, kernels::DType::kF32, true);
+  auto engine = MakeTestEngine(w, 16, kernels::DType::kF32, true);
   std::vector<DenseReference> refs;
   std::vector<DecodeInput> inputs;
   for (size_t len : {5u, 20u, 33u}) {
@@ -64,7 +49,7 @@ TEST(ModelTest, BatchedDecodeMatchesEachSequenceAlone) {
 
 TEST(ModelTest, OneStepMixesPrefillAndDecode) {
   const ModelWeights w = SyntheticWeights(SmallTestConfig(), 13);
-  auto engine = MakeEngine(w, 16, kernels::DType::kF32, true);
+  auto engine = MakeTestEngine(w, 16, kernels::DType::kF32, true);
   const std::vector<int32_t> a = RandomTokens(21, 256, 1), b = RandomTokens(30, 256, 2);
   auto first = engine->Prefill(SequenceId(0), a);
   ASSERT_TRUE(first.ok());
@@ -104,7 +89,7 @@ TEST(ModelTest, TinyConfigMatchesReference) {
   auto config = NamedConfig("tiny");
   ASSERT_TRUE(config.ok());
   const ModelWeights w = SyntheticWeights(*config, 1);
-  auto engine = MakeEngine(w, 16, kernels::DType::kBF16, true);
+  auto engine = MakeTestEngine(w, 16, kernels::DType::kBF16, true);
   DenseReference ref(w, kernels::DType::kBF16);
   const std::vector<int32_t> prompt = RandomTokens(24, config->vocab_size, 3);
   auto first = engine->Prefill(SequenceId(0), prompt, kLogits);
@@ -165,8 +150,8 @@ TEST(ModelTest, PrefixCacheOnAndOffGiveTheSameTokens) {
   const ModelWeights w = SyntheticWeights(SmallTestConfig(), 17);
   const std::vector<int32_t> prompt = RandomTokens(50, 256, 5), follow_up = RandomTokens(7, 256, 6);
   for (kernels::DType dtype : {kernels::DType::kF32, kernels::DType::kBF16}) {
-    auto on = MakeEngine(w, 16, dtype, /*prefix_cache=*/true);
-    auto off = MakeEngine(w, 16, dtype, /*prefix_cache=*/false);
+    auto on = MakeTestEngine(w, 16, dtype, /*prefix_cache=*/true);
+    auto off = MakeTestEngine(w, 16, dtype, /*prefix_cache=*/false);
     const Conversation a = Converse(*on, prompt, follow_up);
     const Conversation b = Converse(*off, prompt, follow_up);
     // The second turn reused every token of the first, including the partial block.
@@ -177,7 +162,7 @@ TEST(ModelTest, PrefixCacheOnAndOffGiveTheSameTokens) {
     // Reused K/V is what recomputing writes, up to the order of float sums (a prefill of 7
     // tokens and one of 67 group the products differently).
     for (size_t i = 0; i < a.logits.size(); ++i) {
-      EXPECT_LE(RelError(a.logits[i], b.logits[i]), Tolerance(dtype)) << "step " << i;
+      EXPECT_LE(RelError(a.logits[i], b.logits[i]), HostTolerance(dtype)) << "step " << i;
     }
     // The partial block (12 of 16 tokens) was adopted: the new sequence writes above its
     // published tokens.
@@ -188,7 +173,7 @@ TEST(ModelTest, PrefixCacheOnAndOffGiveTheSameTokens) {
 
 TEST(ModelTest, RepeatedPromptRecomputesOnlyItsLastToken) {
   const ModelWeights w = SyntheticWeights(SmallTestConfig(), 41);
-  auto engine = MakeEngine(w, 16, kernels::DType::kF32, true);
+  auto engine = MakeTestEngine(w, 16, kernels::DType::kF32, true);
   const std::vector<int32_t> prompt = RandomTokens(48, 256, 12);  // three full blocks
   auto first = engine->Prefill(SequenceId(0), prompt, kLogits);
   ASSERT_TRUE(first.ok());
@@ -215,7 +200,7 @@ TEST(ModelTest, RepeatedPromptRecomputesOnlyItsLastToken) {
 TEST(ModelTest, ForkedSequencesDecodeIndependently) {
   const ModelWeights w = SyntheticWeights(SmallTestConfig(), 19);
   for (bool prefix_cache : {true, false}) {
-    auto engine = MakeEngine(w, 16, kernels::DType::kF32, prefix_cache);
+    auto engine = MakeTestEngine(w, 16, kernels::DType::kF32, prefix_cache);
     const std::vector<int32_t> prompt = RandomTokens(37, 256, 8);  // ends inside a block
     auto parent = engine->Prefill(SequenceId(0), prompt);
     ASSERT_TRUE(parent.ok());
@@ -245,7 +230,7 @@ TEST(ModelTest, LoadedCheckpointRunsLikeTheWeightsItWasSavedFrom) {
   const std::string dir = ::testing::TempDir() + "/model_test_checkpoint";
   const std::vector<int32_t> prompt = RandomTokens(30, 256, 13);
   auto run = [&](const ModelWeights& weights) {
-    auto engine = MakeEngine(weights, 16, kernels::DType::kF32, true);
+    auto engine = MakeTestEngine(weights, 16, kernels::DType::kF32, true);
     auto first = engine->Prefill(SequenceId(0), prompt, kLogits);
     EXPECT_TRUE(first.ok()) << first.status();
     return first->result;
@@ -266,7 +251,7 @@ TEST(ModelTest, LoadedCheckpointRunsLikeTheWeightsItWasSavedFrom) {
 
 TEST(ModelTest, BadTokenChangesNothing) {
   const ModelWeights w = SyntheticWeights(SmallTestConfig(), 23);
-  auto engine = MakeEngine(w, 16, kernels::DType::kBF16, true);
+  auto engine = MakeTestEngine(w, 16, kernels::DType::kBF16, true);
   const std::vector<int32_t> prompt = RandomTokens(20, 256, 9);
   auto first = engine->Prefill(SequenceId(0), prompt);
   ASSERT_TRUE(first.ok());
@@ -288,7 +273,7 @@ TEST(ModelTest, BadTokenChangesNothing) {
 
 TEST(ModelTest, StepRejectsShortTableBeforeWriting) {
   const ModelWeights w = SyntheticWeights(SmallTestConfig(), 29);
-  auto engine = MakeEngine(w, 16, kernels::DType::kF32, true);
+  auto engine = MakeTestEngine(w, 16, kernels::DType::kF32, true);
   const std::vector<int32_t> tokens = RandomTokens(20, 256, 10);
   const std::vector<int32_t> table = {0};  // 20 tokens need two blocks
   const StepItem item{tokens, 0, table};
@@ -329,7 +314,7 @@ TEST(ModelTest, SequencesStayWithinTheContext) {
   ModelConfig c = SmallTestConfig();
   c.max_position = 40;
   const ModelWeights w = SyntheticWeights(c, 43);
-  auto engine = MakeEngine(w, 16, kernels::DType::kBF16, true);
+  auto engine = MakeTestEngine(w, 16, kernels::DType::kBF16, true);
   const auto free_before = engine->cache().stats().pool.free;
   EXPECT_EQ(engine->Prefill(SequenceId(0), RandomTokens(41, 256, 1)).status().code(),
             absl::StatusCode::kOutOfRange);
@@ -352,7 +337,7 @@ TEST(ModelTest, SequencesStayWithinTheContext) {
 // again (issue 12).
 TEST(ModelTest, ScratchShrinksBackAfterAnOversizedStep) {
   const ModelWeights w = SyntheticWeights(SmallTestConfig(), 47);
-  auto engine = MakeEngine(w, 16, kernels::DType::kBF16, true);
+  auto engine = MakeTestEngine(w, 16, kernels::DType::kBF16, true);
   auto* model = dynamic_cast<Model*>(&engine->model());
   ASSERT_NE(model, nullptr);
   auto first = engine->Prefill(SequenceId(0), RandomTokens(1000, 256, 5));
@@ -369,7 +354,7 @@ TEST(ModelTest, ScratchShrinksBackAfterAnOversizedStep) {
 
 TEST(ModelTest, TopKLogProbsAreSortedAndNormalized) {
   const ModelWeights w = SyntheticWeights(SmallTestConfig(), 37);
-  auto engine = MakeEngine(w, 16, kernels::DType::kF32, true);
+  auto engine = MakeTestEngine(w, 16, kernels::DType::kF32, true);
   auto r =
       engine->Prefill(SequenceId(0), RandomTokens(12, 256, 11), {.top_k = 5, .keep_logits = true});
   ASSERT_TRUE(r.ok());
