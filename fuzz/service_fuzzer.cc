@@ -108,7 +108,9 @@ class World final {
     engine_->Drain();
     service_->Stop();
     service_->EndStreams();
-    Require(service_->WaitIdle(absl::Now() + absl::Seconds(30)), "calls still running after 30 s");
+    Require(
+        service_->WaitIdle(Clock::Real()->NowNanos() + absl::ToInt64Nanoseconds(absl::Seconds(30))),
+        "calls still running after 30 s");
     engine_->StopCompute();
     server_->Shutdown(absl::ToChronoTime(absl::Now()));
     server_->Wait();
