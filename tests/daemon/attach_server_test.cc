@@ -301,7 +301,20 @@ TEST_F(AttachServerTest, StopAcceptingKeepsSessions) {
 // Out of descriptors, accept fails while the listener stays readable: the loop backs off for
 // accept_backoff on its clock instead of spinning, and takes the waiting connections once
 // descriptors are free again and the back-off has passed.
+// The sanitizers' runtimes need descriptors of their own (UBSan probes memory through a pipe
+// the first time it checks a type's vptr; ASan reads /proc to unwind a report), so with the
+// process's last descriptor taken they report types that are fine and then abort. The test
+// runs in the release tree only.
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(undefined_behavior_sanitizer)
+#define KVPOOL_SANITIZED 1
+#endif
+#endif
+
 TEST_F(AttachServerTest, OutOfDescriptorsBacksOffInsteadOfSpinning) {
+#ifdef KVPOOL_SANITIZED
+  GTEST_SKIP() << "the sanitizers need the descriptors this test takes away";
+#endif
   const absl::Duration backoff = absl::Milliseconds(20);
   Start({.accept_backoff = backoff});
   std::vector<UniqueFd> clients;
@@ -325,22 +338,26 @@ TEST_F(AttachServerTest, OutOfDescriptorsBacksOffInsteadOfSpinning) {
     }
     return counters_.accept_backoffs.load() >= n;
   };
-  ASSERT_TRUE(backoffs_reach(1));
+  // Nothing is checked until the descriptor limit is back: a failing check needs descriptors.
+  const bool first_backoff = backoffs_reach(1);
   // While the clock stands still the listener is left alone: no second try, and no CPU spent.
   rusage before{}, after{};
   getrusage(RUSAGE_SELF, &before);
   absl::SleepFor(absl::Milliseconds(30));
   getrusage(RUSAGE_SELF, &after);
+  const uint64_t backoffs_while_still = counters_.accept_backoffs.load();
+  // The back-off passes: accept is tried again, still without descriptors, and backs off again.
+  clock_.Advance(absl::ToInt64Nanoseconds(backoff));
+  const bool second_backoff = backoffs_reach(2);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+  ASSERT_TRUE(first_backoff);
   const double cpu_s = (after.ru_utime.tv_sec - before.ru_utime.tv_sec) +
                        (after.ru_stime.tv_sec - before.ru_stime.tv_sec) +
                        (after.ru_utime.tv_usec - before.ru_utime.tv_usec) * 1e-6 +
                        (after.ru_stime.tv_usec - before.ru_stime.tv_usec) * 1e-6;
   EXPECT_LT(cpu_s, 0.015) << "the loop spun on the readable listener";
-  EXPECT_EQ(counters_.accept_backoffs.load(), 1u);
-  // The back-off passes: accept is tried again, still without descriptors, and backs off again.
-  clock_.Advance(absl::ToInt64Nanoseconds(backoff));
-  ASSERT_TRUE(backoffs_reach(2));
-  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+  EXPECT_EQ(backoffs_while_still, 1u);
+  ASSERT_TRUE(second_backoff);
   // Descriptors again: once the back-off passes every waiting client gets through.
   clock_.Advance(absl::ToInt64Nanoseconds(backoff));
   for (UniqueFd& c : clients) {
