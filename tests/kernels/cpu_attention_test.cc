@@ -37,16 +37,7 @@ std::string Name(const ::testing::TestParamInfo<Case>& info) {
                      c.kv_heads, c.head_dim, isa.substr(0, isa.find('+')));
 }
 
-class PagedDecodeTest : public ::testing::TestWithParam<Case> {
- protected:
-  void SetUp() override {
-    if (GetParam().isa > DetectedIsa()) {
-      GTEST_SKIP() << "this processor lacks " << IsaName(GetParam().isa);
-    }
-    LimitKernelIsaForTesting(GetParam().isa);
-  }
-  void TearDown() override { LimitKernelIsaForTesting(Isa::kAvx512); }
-};
+class PagedDecodeTest : public test_util::IsaTest<Case> {};
 
 TEST_P(PagedDecodeTest, MatchesTheDenseReference) {
   const Case& c = GetParam();

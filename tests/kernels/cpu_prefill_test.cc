@@ -40,16 +40,7 @@ std::string Name(const ::testing::TestParamInfo<Case>& info) {
                      c.kv_heads, c.head_dim, isa);
 }
 
-class PrefillTest : public ::testing::TestWithParam<Case> {
- protected:
-  void SetUp() override {
-    if (GetParam().isa > DetectedIsa()) {
-      GTEST_SKIP() << "this processor lacks " << IsaName(GetParam().isa);
-    }
-    LimitKernelIsaForTesting(GetParam().isa);
-  }
-  void TearDown() override { LimitKernelIsaForTesting(Isa::kAvx512); }
-};
+class PrefillTest : public test_util::IsaTest<Case> {};
 
 // (reused tokens, new tokens) per sequence: a prompt with nothing reused, chunks past a reused
 // prefix (ending mid-block and on a block edge), single tokens, and tiles cut at every length.

@@ -13,6 +13,8 @@
 #include <utility>
 #include <vector>
 
+#include "gtest/gtest.h"
+#include "kernels/cpu_isa.h"
 #include "kernels/cpu_kernels.h"
 #include "kernels/dtype.h"
 #include "kernels/kernel_args.h"
@@ -20,6 +22,20 @@
 #include "kvpool/util/check.h"
 
 namespace kvpool::kernels::test_util {
+
+// A CPU kernel test over a case table whose cases name an instruction set (`Case::isa`): each
+// case runs with the kernels limited to it, and is skipped where the processor lacks it.
+template <typename Case>
+class IsaTest : public ::testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    if (this->GetParam().isa > cpu::DetectedIsa()) {
+      GTEST_SKIP() << "this processor lacks " << cpu::IsaName(this->GetParam().isa);
+    }
+    cpu::LimitKernelIsaForTesting(this->GetParam().isa);
+  }
+  void TearDown() override { cpu::LimitKernelIsaForTesting(cpu::Isa::kAvx512); }
+};
 
 // `count` standard-normal values stored in `dtype` (16- or 32-bit), as raw bytes.
 inline std::vector<char> RandomValues(int64_t count, DType dtype, std::mt19937* rng) {

@@ -44,39 +44,36 @@ struct Problem {
     y.assign(x.size(), -1.0f);
   }
 
-  // Arguments over tokens [from, to) of every sequence (clamped to its length), writing `out`.
-  SsmScanArgs Args(int32_t from, int32_t to, std::vector<int32_t>* rows,
-                   std::vector<float*>* state_ptrs) {
-    rows->clear();
-    state_ptrs->clear();
-    for (size_t i = 0; i + 1 < starts.size(); ++i) {
-      const int32_t len = starts[i + 1] - starts[i];
-      rows->push_back(starts[i] + std::min(from, len));
-      rows->push_back(starts[i] + std::min(to, len));
-      state_ptrs->push_back(states[i].data());
-    }
-    // SsmScanArgs wants one starts array: run the sequences one at a time through it.
-    return {.num_seqs = 1,
+  // Arguments over every sequence's tokens, `states` pointing at each one's state.
+  SsmScanArgs AllArgs(std::vector<float*>* states) {
+    states->clear();
+    for (auto& st : this->states) states->push_back(st.data());
+    return {.num_seqs = static_cast<int32_t>(states->size()),
             .num_heads = s.heads,
             .head_dim = s.head_dim,
             .d_state = s.d_state,
             .num_groups = s.groups,
+            .starts = starts.data(),
             .x = x.data(),
             .dt = dt.data(),
             .a_log_neg = a.data(),
             .b = b.data(),
             .c = c.data(),
             .d = d.data(),
+            .states = states->data(),
             .y = y.data()};
   }
 
-  // Scans tokens [from, to) of every sequence.
+  // Scans tokens [from, to) of every sequence (clamped to its length), one sequence at a time:
+  // SsmScanArgs takes one starts array, and each chunk's rows are a pair of their own.
   void Scan(int32_t from, int32_t to, ThreadPool* threads) {
-    std::vector<int32_t> rows;
     std::vector<float*> ptrs;
-    SsmScanArgs args = Args(from, to, &rows, &ptrs);
+    SsmScanArgs args = AllArgs(&ptrs);
+    args.num_seqs = 1;
     for (size_t i = 0; i < ptrs.size(); ++i) {
-      args.starts = rows.data() + 2 * i;
+      const int32_t len = starts[i + 1] - starts[i];
+      const int32_t rows[2] = {starts[i] + std::min(from, len), starts[i] + std::min(to, len)};
+      args.starts = rows;
       args.states = ptrs.data() + i;
       ASSERT_TRUE(SsmScan(args, threads).ok());
     }
@@ -96,29 +93,9 @@ TEST_P(SsmScanTest, MatchesTheDoublePrecisionReference) {
   Problem p(GetParam(), kLens, 3);
   Problem ref = p;
   ThreadPool threads(2);
-  std::vector<float*> states;
-  for (auto& st : p.states) states.push_back(st.data());
-  const SsmScanArgs args{.num_seqs = static_cast<int32_t>(kLens.size()),
-                         .num_heads = p.s.heads,
-                         .head_dim = p.s.head_dim,
-                         .d_state = p.s.d_state,
-                         .num_groups = p.s.groups,
-                         .starts = p.starts.data(),
-                         .x = p.x.data(),
-                         .dt = p.dt.data(),
-                         .a_log_neg = p.a.data(),
-                         .b = p.b.data(),
-                         .c = p.c.data(),
-                         .d = p.d.data(),
-                         .states = states.data(),
-                         .y = p.y.data()};
-  ASSERT_TRUE(SsmScan(args, &threads).ok());
-  std::vector<float*> ref_states;
-  for (auto& st : ref.states) ref_states.push_back(st.data());
-  SsmScanArgs ref_args = args;
-  ref_args.states = ref_states.data();
-  ref_args.y = ref.y.data();
-  SsmScanReference(ref_args);
+  std::vector<float*> states, ref_states;
+  ASSERT_TRUE(SsmScan(p.AllArgs(&states), &threads).ok());
+  SsmScanReference(ref.AllArgs(&ref_states));
   bool nan = false;
   EXPECT_LT(NormalizedError(p.y, ref.y, &nan), 1e-5);
   EXPECT_FALSE(nan);
@@ -155,21 +132,9 @@ INSTANTIATE_TEST_SUITE_P(Shapes, SsmScanTest,
 
 TEST(SsmScanArgsTest, RefusesBadArgumentsBeforeWriting) {
   Problem p({4, 2, 16, 16}, {5, 3}, 9);
-  std::vector<float*> states = {p.states[0].data(), p.states[1].data()};
+  std::vector<float*> states;
   const std::vector<std::vector<float>> before = p.states;
-  const SsmScanArgs good{.num_seqs = 2,
-                         .num_heads = 4,
-                         .head_dim = 16,
-                         .d_state = 16,
-                         .num_groups = 2,
-                         .starts = p.starts.data(),
-                         .x = p.x.data(),
-                         .dt = p.dt.data(),
-                         .a_log_neg = p.a.data(),
-                         .b = p.b.data(),
-                         .c = p.c.data(),
-                         .states = states.data(),
-                         .y = p.y.data()};
+  const SsmScanArgs good = p.AllArgs(&states);
   auto refused = [&](SsmScanArgs a) {
     EXPECT_EQ(SsmScan(a, nullptr).code(), absl::StatusCode::kInvalidArgument);
     EXPECT_EQ(p.states, before);

@@ -43,16 +43,8 @@ const std::vector<AttentionWindow> kWindows = {{1, 0},   {7, 0},  {64, 0},  {100
 const std::vector<std::pair<int32_t, int32_t>> kShapes = {{0, 300}, {200, 90}, {517, 1},
                                                           {64, 64}, {0, 5},    {130, 2}};
 
-class WindowTest : public ::testing::TestWithParam<Case> {
+class WindowTest : public test_util::IsaTest<Case> {
  protected:
-  void SetUp() override {
-    if (GetParam().isa > DetectedIsa()) {
-      GTEST_SKIP() << "this processor lacks " << IsaName(GetParam().isa);
-    }
-    LimitKernelIsaForTesting(GetParam().isa);
-  }
-  void TearDown() override { LimitKernelIsaForTesting(Isa::kAvx512); }
-
   static PrefillProblem Problem() {
     return PrefillProblem({.block_size = 16,
                            .num_layers = 2,
