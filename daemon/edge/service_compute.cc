@@ -1,15 +1,14 @@
 // KvPoolService's compute calls: Prefill, Decode and Generate queue in the engine and complete
 // when their model step has run (service.h).
 
-#include <algorithm>
 #include <utility>
 
 #include "absl/random/random.h"
 #include "daemon/edge/grpc_call_context.h"
 #include "daemon/edge/service.h"
+#include "daemon/engine/generation.h"
 #include "fmt/format.h"
 #include "kvpool/util/fmt.h"
-#include "kvpool/util/logging.h"
 
 namespace kvpool::daemon {
 namespace {
@@ -128,141 +127,48 @@ KvPoolService::Unary* KvPoolService::Decode(Context* c, const v1::DecodeRequest*
   });
 }
 
-// A Generate stream: one Prefill, then one Decode per token, each written before the next is
-// submitted. Deletes itself when gRPC is done with it; it finishes only while no step of its own
-// is queued or running, so no step completion can outlive it. A sequence it created is freed when
-// the stream ends before the client received its id (the first message), and with
-// free_when_done.
-class GenerateWriter final : public grpc::ServerWriteReactor<v1::GenerateResponse> {
+// A Generate stream: writes what its Generation (daemon/engine/generation.h) yields. Deletes
+// itself when gRPC is done with it; the generation ends (OnEnd) only while no step of its own is
+// queued or running, so no step completion can outlive the writer.
+class GenerateWriter final : public grpc::ServerWriteReactor<v1::GenerateResponse>,
+                             private Generation::Sink {
  public:
   GenerateWriter(KvPoolService* service, grpc::CallbackServerContext* context,
-                 std::shared_ptr<const Session> session, const v1::GenerateRequest& request)
+                 std::shared_ptr<const Session> session, GenerationRequest request)
       : service_(service),
-        session_(std::move(session)),
-        request_(request),
-        call_context_(std::make_shared<GrpcCallContext>(context, service->clock_)) {
-    if (request_.has_sampling()) {
-      // One seed for the stream: its tokens are a function of it (and the prompt) alone.
-      sampling_.push_back(
-          FromProto(request_.sampling(), request_.sampling().has_seed() ? 0 : DrawSeed()));
-    }
-  }
+        generation_(service->engine_, std::move(session), std::move(request),
+                    std::make_shared<GrpcCallContext>(context, service->clock_), this) {}
 
-  void Start() {
-    {
-      absl::MutexLock lock(&mu_);
-      busy_ = true;
-    }
-    // Outside the lock: a stopped engine completes the call at once, on this thread.
-    Submit({.kind = ComputeRequest::Kind::kPrefill,
-            .sequence = SequenceId(request_.sequence_id()),
-            .tokens = {request_.prompt().begin(), request_.prompt().end()},
-            .priority = request_.priority(),
-            .cache_salt = request_.cache_salt(),
-            .top_k = request_.top_k(),
-            .sampling = sampling_,
-            .logprobs = request_.logprobs()});
-  }
+  void Start() { generation_.Start(); }
 
-  void OnWriteDone(bool ok) override {
-    SequenceId sequence;
-    int32_t last;
-    {
-      absl::MutexLock lock(&mu_);
-      busy_ = false;
-      if (!ok) return Close(grpc::Status(grpc::StatusCode::CANCELLED, "client went away"));
-      delivered_ = true;  // the client knows the sequence now
-      const bool stop = std::find(request_.stop_tokens().begin(), request_.stop_tokens().end(),
-                                  last_) != request_.stop_tokens().end();
-      if (produced_ >= request_.max_tokens() || stop) return Close(grpc::Status::OK);
-      if (cancelled_) return Close(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
-      // A shutdown lets the stream run on within its drain timeout; past it the engine stops
-      // computing, and the next step's UNAVAILABLE closes the stream.
-      busy_ = true;
-      sequence = sequence_;
-      last = last_;
-    }
-    Submit({.kind = ComputeRequest::Kind::kDecode,
-            .decode = {{sequence, last}},
-            .top_k = request_.top_k(),
-            .sampling = sampling_,
-            .logprobs = request_.logprobs()});
-  }
-
-  void OnCancel() override {
-    absl::MutexLock lock(&mu_);
-    cancelled_ = true;
-    if (!busy_) Close(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
-  }
-
+  void OnWriteDone(bool ok) override { generation_.Delivered(ok); }
+  void OnCancel() override { generation_.Cancel(); }
   void OnDone() override {
     service_->EndCall();
     delete this;
   }
 
  private:
-  void Submit(ComputeRequest request) {
-    service_->engine_->Submit(std::make_unique<ComputeCall>(
-        session_, std::move(request), call_context_, [this](ComputeCall& c) { OnStep(c); }));
-  }
-
-  // A step of ours completed (runner thread).
-  void OnStep(ComputeCall& call) {
-    absl::MutexLock lock(&mu_);
-    busy_ = false;
-    const ComputeResult& done = call.result();
-    if (!done.status.ok()) return Close(ToGrpcStatus(done.status));
-    if (call.request().prefill()) {
-      sequence_ = done.sequences[0];
-      created_ = call.request().creates();
-      response_.set_reused_tokens(done.reused);
+  // The generation calls these one at a time, so response_ needs no lock.
+  void OnToken(const GeneratedToken& token) override {
+    response_.set_sequence_id(token.sequence.value());
+    if (token.reused_tokens.has_value()) {
+      response_.set_reused_tokens(*token.reused_tokens);
     } else {
       response_.clear_reused_tokens();
     }
-    if (cancelled_) return Close(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
-    const model::ItemResult& result = done.results[0];
-    last_ = result.next_token;
-    response_.set_sequence_id(sequence_.value());
-    response_.set_token(last_);
-    if (request_.logprobs()) response_.set_logprob(result.logprob);
+    response_.set_token(token.token);
+    response_.set_logprob(token.logprob);
     response_.clear_top();
-    if (request_.top_k() > 0) ToProto(result.top, response_.mutable_top());
-    response_.set_index(produced_++);
-    busy_ = true;
+    if (!token.top.empty()) ToProto(token.top, response_.mutable_top());
+    response_.set_index(token.index);
     StartWrite(&response_);
   }
-
-  void Close(const grpc::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (closed_) return;
-    closed_ = true;
-    const bool orphan = created_ && !delivered_;  // the client never learned of it
-    if (sequence_ != SequenceId(0) && (request_.free_when_done() || orphan)) {
-      const SequenceId id = sequence_;
-      const OnFree mode = status.ok() ? OnFree::kCommit : OnFree::kDiscard;
-      if (absl::Status s = service_->engine_->Free(*session_, std::span(&id, 1), mode,
-                                                   CallContext::Uncancellable());
-          !s.ok() && !absl::IsNotFound(s)) {
-        Logger("daemon").warn("generate: freeing sequence {}: {}", id.value(), s.ToString());
-      }
-    }
-    Finish(status);
-  }
+  void OnEnd(const absl::Status& status) override { Finish(ToGrpcStatus(status)); }
 
   KvPoolService* const service_;
-  const std::shared_ptr<const Session> session_;
-  const v1::GenerateRequest request_;
-  const std::shared_ptr<const CallContext> call_context_;
-  std::vector<model::SamplingParams> sampling_;  // every step's (set once, before the first)
-  absl::Mutex mu_;
-  SequenceId sequence_ ABSL_GUARDED_BY(mu_);
-  bool created_ ABSL_GUARDED_BY(mu_) = false;    // the stream's prefill made the sequence
-  bool delivered_ ABSL_GUARDED_BY(mu_) = false;  // a message reached the client
-  int32_t last_ ABSL_GUARDED_BY(mu_) = 0;
-  int32_t produced_ ABSL_GUARDED_BY(mu_) = 0;
-  bool busy_ ABSL_GUARDED_BY(mu_) = false;  // a step or a write of ours is in flight
-  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
-  bool closed_ ABSL_GUARDED_BY(mu_) = false;
-  v1::GenerateResponse response_ ABSL_GUARDED_BY(mu_);
+  Generation generation_;
+  v1::GenerateResponse response_;
 };
 
 grpc::ServerWriteReactor<v1::GenerateResponse>* KvPoolService::Generate(
@@ -273,20 +179,24 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* KvPoolService::Generate(
   }
   absl::StatusOr<std::shared_ptr<const Session>> session = Authenticate(c, false);
   absl::Status error = session.status();
-  if (error.ok() && !engine_->has_model()) {
-    error =
-        absl::FailedPreconditionError("kvpoold runs no model (config: model { name: \"none\" })");
-  } else if (error.ok() && q->max_tokens() < 1) {
-    error = absl::InvalidArgumentError(
-        fmt::format("generate: max_tokens {} must be >= 1", q->max_tokens()));
-  } else if (error.ok()) {
-    error = CheckTopK(q->top_k());
-  }
+  if (error.ok()) error = CheckTopK(q->top_k());
   if (!error.ok()) {
     EndCall();
     return new Refusal<v1::GenerateResponse>(ToGrpcStatus(error));
   }
-  auto* writer = new GenerateWriter(this, c, *std::move(session), *q);
+  GenerationRequest request{.sequence = SequenceId(q->sequence_id()),
+                            .prompt = {q->prompt().begin(), q->prompt().end()},
+                            .priority = q->priority(),
+                            .cache_salt = q->cache_salt(),
+                            .top_k = q->top_k(),
+                            .logprobs = q->logprobs(),
+                            .max_tokens = q->max_tokens(),
+                            .stop_tokens = {q->stop_tokens().begin(), q->stop_tokens().end()},
+                            .free_when_done = q->free_when_done()};
+  if (q->has_sampling()) {
+    request.sampling = FromProto(q->sampling(), q->sampling().has_seed() ? 0 : DrawSeed());
+  }
+  auto* writer = new GenerateWriter(this, c, *std::move(session), std::move(request));
   writer->Start();
   return writer;
 }

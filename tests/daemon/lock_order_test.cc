@@ -6,8 +6,8 @@
 // a doorbell and the attach server, so that their own nested acquisitions are checked against
 // the documented order as well.
 //
-// Not reachable from here: GenerateWriter::mu_ and EventWriter::mu_ (reactors private to the
-// gRPC service, which exist only inside a call), the device's stream locks and the stores' leaf
+// Not reachable from here: EventWriter::mu_ (a reactor private to the gRPC service, which exists
+// only inside a call), the device's stream locks and the stores' leaf
 // locks (no lock of theirs is taken while holding one of them).
 
 #include <filesystem>
