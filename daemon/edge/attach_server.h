@@ -45,6 +45,7 @@
 #include "absl/time/time.h"
 #include "daemon/edge/attach_policy.h"
 #include "daemon/engine/session.h"
+#include "daemon/metrics/edge_counters.h"
 #include "kvpool/util/clock.h"
 #include "kvpool/util/unique_fd.h"
 #include "kvpool/v1/attach.pb.h"
@@ -67,17 +68,6 @@ struct AttachLimits {
   int max_pending_per_uid = 8;                              // of them, per peer uid
   absl::Duration accept_backoff = absl::Milliseconds(100);  // after EMFILE/ENFILE
   uint32_t max_request_bytes = 64 << 10;                    // one AttachRequest frame
-};
-
-// What the loop has turned away, for stats (written by the loop, read by anyone).
-struct AttachCounters {
-  std::atomic<uint64_t> refused_at_accept{0};  // peers not allowed to attach, refused unread
-  std::atomic<uint64_t> displaced{0};          // handshakes closed for a newer one over a cap
-  std::atomic<uint64_t> timed_out{0};          // handshakes not complete in handshake_timeout
-  std::atomic<uint64_t> malformed{0};          // oversized, unparsable or fd-carrying requests
-  std::atomic<uint64_t> accept_backoffs{0};    // times accept ran out of descriptors
-  std::atomic<uint64_t> doorbell_calls{0};     // decode calls answered through doorbells
-  std::atomic<uint64_t> doorbells_refused{0};  // doorbells not granted: the uid has its share
 };
 
 class AttachServer final {

@@ -34,21 +34,11 @@
 #include "absl/time/time.h"
 #include "daemon/engine/engine.h"
 #include "daemon/engine/event_listener.h"
+#include "daemon/metrics/edge_counters.h"
 #include "kvpool/util/clock.h"
 #include "kvpool/util/unique_fd.h"
 
 namespace kvpool::daemon {
-
-// What a publisher counts. A message PUB drops for a subscriber past its high-water mark is not
-// among them: ZeroMQ drops it silently (the subscriber sees the gap and asks for a replay).
-struct ZmqEventCounters {
-  std::atomic<uint64_t> batches{0};            // published
-  std::atomic<uint64_t> resyncs{0};            // resync batches (events lost behind the log)
-  std::atomic<uint64_t> send_errors{0};        // batches the PUB socket refused (not queued)
-  std::atomic<uint64_t> replays{0};            // replay requests answered in full
-  std::atomic<uint64_t> replays_refused{0};    // malformed replay requests dropped
-  std::atomic<uint64_t> replays_abandoned{0};  // answers cut short: the peer was not reading
-};
 
 struct ZmqEventOptions {
   std::string endpoint;         // PUB, bound (tcp://127.0.0.1:5557, ipc://path, tcp://*:5557)

@@ -8,9 +8,8 @@
 #include <memory>
 #include <vector>
 
-#include "daemon/edge/attach_server.h"
-#include "daemon/edge/zmq_event_publisher.h"
 #include "daemon/engine/engine.h"
+#include "daemon/metrics/edge_counters.h"
 #include "daemon/metrics/rpc_counters.h"
 #include "daemon/metrics/stream_counters.h"
 #include "prometheus/collectable.h"

@@ -25,9 +25,8 @@
 #include <utility>
 #include <vector>
 
-#include "daemon/edge/attach_server.h"
-#include "daemon/edge/zmq_event_publisher.h"
 #include "daemon/engine/engine.h"
+#include "daemon/metrics/edge_counters.h"
 #include "daemon/metrics/rpc_counters.h"
 #include "daemon/metrics/stream_counters.h"
 #include "kvpool/util/histogram.h"

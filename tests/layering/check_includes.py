@@ -16,7 +16,8 @@ import sys
 # Project directories an include can name, by its first path component (kvpool/v1/ is the proto
 # library's generated and hand-written code; kvpool/util/ is the leaf library).
 PROJECT = ("kvpool/v1/", "kvpool/util/", "kvpool/", "tier/", "kernels/", "model/",
-           "daemon/engine/internal/", "daemon/engine/", "daemon/", "client/", "workload/", "tools/", "bench/", "tests/")
+           "daemon/engine/internal/", "daemon/engine/", "daemon/metrics/", "daemon/edge/", "daemon/",
+           "client/", "workload/", "tools/", "bench/", "tests/")
 # Third-party libraries, by the first component of what is included.
 THIRD_PARTY = ("absl", "fmt", "spdlog", "xxhash.h", "grpcpp", "grpc", "google", "nlohmann",
                "hiredis", "openssl", "cblas.h", "cublas_v2.h", "cuda.h", "cuda_runtime.h",
@@ -40,14 +41,19 @@ RULES = {
     "daemon/engine/": (("kvpool/util/", "kvpool/", "kernels/", "model/", "tier/",
                         "daemon/engine/internal/", "daemon/engine/"), LEAF),
     # /metrics: prometheus-cpp (Debian's prometheus-cpp-dev) serves the stats tables; only here.
+    # The metrics read the edges' counters (edge_counters.h, here), never an edge.
     "daemon/metrics/": (("kvpool/v1/", "kvpool/util/", "kvpool/", "kernels/", "model/", "tier/",
-                         "daemon/engine/", "daemon/"), LEAF + ("grpcpp", "grpc", "google",
-                                                               "prometheus")),
+                         "daemon/engine/", "daemon/metrics/"),
+                        LEAF + ("grpcpp", "grpc", "google", "prometheus")),
     # The edges also speak vLLM's KV-event protocol (daemon/edge/zmq_event_publisher.h): ZeroMQ,
     # and msgpack for its payloads.
+    "daemon/edge/": (("kvpool/v1/", "kvpool/util/", "kvpool/", "kernels/", "model/", "tier/",
+                      "daemon/engine/", "daemon/metrics/", "daemon/edge/"),
+                     LEAF + ("grpcpp", "grpc", "google", "zmq.h", "msgpack.hpp")),
+    # The daemon's life cycle (daemon.cc, main.cc) puts the edges, metrics and engine together.
     "daemon/": (("kvpool/v1/", "kvpool/util/", "kvpool/", "kernels/", "model/", "tier/",
-                 "daemon/engine/", "daemon/"), LEAF + ("grpcpp", "grpc", "google", "zmq.h",
-                                                       "msgpack.hpp")),
+                 "daemon/engine/", "daemon/metrics/", "daemon/edge/", "daemon/"),
+                LEAF + ("grpcpp", "grpc", "google")),
     # Clients: proto (kvpool/v1) and kvpool/util only, as client/CMakeLists.txt links them (+ the
     # CUDA driver's headers for mapping).
     "client/": (("kvpool/v1/", "kvpool/util/", "client/"),
