@@ -116,13 +116,36 @@ void ApplyDefaults(v1::DaemonConfig* c) {
 
 namespace {
 
-// The model section: its name or checkpoint, and the step settings.
-void ValidateModel(const v1::DaemonConfig& c, bool shape_ok,
-                   const std::function<void(std::string_view, std::string)>& bad) {
+// Reports a problem: the field, then why. The parse goes on, so every problem is reported.
+using Bad = std::function<void(std::string_view, std::string)>;
+
+// `name` as one of `table`'s values; the problem names the valid ones (empty: the first).
+template <typename T, size_t N>
+std::optional<T> Choose(std::string_view field, const std::string& name,
+                        const std::pair<const char*, T> (&table)[N], const Bad& bad) {
+  if (name.empty()) return table[0].second;
+  std::string valid;
+  for (const auto& [text, value] : table) {
+    if (name == text) return value;
+    valid += fmt::format("{}{}", valid.empty() ? "" : ", ", text);
+  }
+  bad(field, fmt::format("'{}' is not one of {}", name, valid));
+  return std::nullopt;
+}
+
+constexpr std::pair<const char*, tier::DiskFsync> kFsyncNames[] = {
+    {"none", tier::DiskFsync::kNone},
+    {"batch", tier::DiskFsync::kBatch},
+    {"periodic", tier::DiskFsync::kPeriodic}};
+constexpr std::pair<const char*, tier::KeySlotting> kKeySlottingNames[] = {
+    {"namespace", tier::KeySlotting::kNamespace}, {"block", tier::KeySlotting::kBlock}};
+
+// The model section: its name or checkpoint, and the step settings, into `o`.
+void ParseModel(const v1::DaemonConfig& c, bool shape_ok, EngineOptions* o, const Bad& bad) {
   const v1::ModelSpec& m = c.model();
   if (m.checkpoint().empty() && m.name() != "none" && shape_ok) {
     if (absl::StatusOr<model::ModelConfig> named = model::NamedConfig(m.name()); !named.ok()) {
-      bad("model.name", fmt::format("'{}' is not tiny, small, tiny-swa or none", m.name()));
+      bad("model.name", absl::StrCat(named.status().message(), " (or none)"));
     } else if (named->num_layers != c.shape().num_layers() ||
                named->num_kv_heads != c.shape().num_kv_heads() ||
                named->head_dim != c.shape().head_dim()) {
@@ -143,11 +166,16 @@ void ValidateModel(const v1::DaemonConfig& c, bool shape_ok,
     bad("model.prefill_share_tokens",
         fmt::format("must be in [0, max_step_tokens] (got {})", m.prefill_share_tokens()));
   }
+  o->model_name = m.checkpoint().empty() ? m.name() : m.checkpoint();
+  o->gather_window_ns = int64_t{m.gather_window_us()} * 1000;
+  o->scheduler = {.batching = !m.disable_batching(),
+                  .max_step_tokens = m.max_step_tokens(),
+                  .prefill_max_wait_steps = m.prefill_max_wait_steps(),
+                  .prefill_share = m.prefill_share_tokens()};
 }
 
 // Every limit is positive; the decode width fits one step.
-void ValidateLimits(const v1::DaemonConfig& c,
-                    const std::function<void(std::string_view, std::string)>& bad) {
+void ParseLimits(const v1::DaemonConfig& c, EngineOptions* o, const Bad& bad) {
   const v1::Limits& l = c.limits();
   const std::pair<const char*, int64_t> positive[] = {
       {"limits.sessions_per_uid", l.sessions_per_uid()},
@@ -172,14 +200,20 @@ void ValidateLimits(const v1::DaemonConfig& c,
   if (l.attach_pending_per_uid() > l.attach_pending()) {
     bad("limits.attach_pending_per_uid", "must be at most limits.attach_pending");
   }
+  o->limits = {
+      .sessions_per_uid = l.sessions_per_uid(),
+      .sequences_per_session = l.sequences_per_session(),
+      .batch_items = l.batch_items(),
+      .queued_calls_per_session = l.queued_calls_per_session(),
+      .decode_width = l.decode_width() > 0 ? l.decode_width() : c.model().max_step_tokens(),
+      .cache_salts_per_session = l.cache_salts_per_session(),
+      .block_refs_per_uid = l.block_refs_per_uid()};
 }
 
 // The pool shape as a layout (num_blocks 0): geometry, `dtype`, then k_dtype / v_dtype, then each
 // `layers` entry in order (config.proto: PoolShape). Reports each dtype problem through `bad`
 // and clears *dtypes_ok; geometry is ValidateLayout's to check.
-kernels::PoolLayout ShapeLayout(const v1::PoolShape& s,
-                                const std::function<void(std::string_view, std::string)>& bad,
-                                bool* dtypes_ok) {
+kernels::PoolLayout ShapeLayout(const v1::PoolShape& s, const Bad& bad, bool* dtypes_ok) {
   kernels::PoolLayout layout{.block_size = s.block_size(),
                              .num_layers = s.num_layers(),
                              .num_kv_heads = s.num_kv_heads(),
@@ -248,8 +282,7 @@ bool PrintableName(const std::string& name) {
 
 // The ZeroMQ event publisher: set fields need an endpoint; a named pool exists. (Whether ZeroMQ
 // can bind an endpoint is learned when the daemon starts, which then exits with its reason.)
-void ValidateZmqEvents(const v1::DaemonConfig& c,
-                       const std::function<void(std::string_view, std::string)>& bad) {
+void ValidateZmqEvents(const v1::DaemonConfig& c, const Bad& bad) {
   const v1::ZmqEventsSpec& z = c.zmq_events();
   if (z.endpoint().empty()) {
     if (z.ByteSizeLong() != 0) bad("zmq_events.endpoint", "must be set for a publisher");
@@ -270,26 +303,20 @@ void ValidateZmqEvents(const v1::DaemonConfig& c,
   }
 }
 
-// The pools and the tenants (docs/trust-model.md).
-void ValidatePoolsAndTenants(const v1::DaemonConfig& c, const kernels::PoolLayout* shape,
-                             const std::function<void(std::string_view, std::string)>& bad) {
-  absl::flat_hash_set<std::string> pools, tenants;
-  if (c.pools().empty()) pools.insert("default");  // of pool_bytes
-  for (int i = 0; i < c.pools_size(); ++i) {
-    const v1::PoolSpec& p = c.pools(i);
-    const std::string field = fmt::format("pools[{}]", i);
-    if (!PrintableName(p.name())) bad(field + ".name", "must be printable, 1 to 128 bytes");
-    if (!pools.insert(p.name()).second) bad(field + ".name", fmt::format("'{}' twice", p.name()));
-    if (p.pool_bytes() <= 0) {
-      bad(field + ".pool_bytes", fmt::format("must be > 0 (got {})", p.pool_bytes()));
-    } else if (shape != nullptr) {
-      if (absl::StatusOr<kernels::PoolLayout> sized =
-              kernels::LayoutForBudget(*shape, p.pool_bytes());
-          !sized.ok()) {
-        bad(field + ".pool_bytes", std::string(sized.status().message()));
-      }
-    }
-  }
+// A pool of `bytes` of `shape` (null: the shape is bad, reported already) into `o`.
+void AddPool(std::string_view field, std::string name, int64_t bytes,
+             const kernels::PoolLayout* shape, EngineOptions* o, const Bad& bad) {
+  if (bytes <= 0) return bad(field, fmt::format("must be > 0 (got {})", bytes));
+  if (shape == nullptr) return;
+  absl::StatusOr<kernels::PoolLayout> sized = kernels::LayoutForBudget(*shape, bytes);
+  if (!sized.ok()) return bad(field, std::string(sized.status().message()));
+  o->pools.push_back({.name = std::move(name), .layout = *sized});
+}
+
+// The tenants (docs/trust-model.md) into `o`; `pools`: the names of the pools, in order.
+void ParseTenants(const v1::DaemonConfig& c, const std::vector<std::string>& pools,
+                  EngineOptions* o, const Bad& bad) {
+  absl::flat_hash_set<std::string> tenants;
   for (int i = 0; i < c.tenants_size(); ++i) {
     const v1::TenantSpec& t = c.tenants(i);
     const std::string field = fmt::format("tenants[{}]", i);
@@ -302,28 +329,61 @@ void ValidatePoolsAndTenants(const v1::DaemonConfig& c, const kernels::PoolLayou
       bad(field + ".max_priority", fmt::format("must be in [0, {}]", kNumPriorities - 1));
     }
     if (t.max_sessions() < 0) bad(field + ".max_sessions", "must be >= 0 (0: unlimited)");
-    if (!t.pool().empty() && !pools.contains(t.pool())) {
-      bad(field + ".pool", fmt::format("no pool '{}'", t.pool()));
-    }
+    const auto pool =
+        t.pool().empty() ? pools.begin() : std::find(pools.begin(), pools.end(), t.pool());
+    if (pool == pools.end()) bad(field + ".pool", fmt::format("no pool '{}'", t.pool()));
+    o->tenants[t.name()] = {
+        .kv_access = t.kv_access(),
+        .quota_blocks = t.quota_blocks(),
+        .max_priority = t.has_max_priority() ? t.max_priority() : kNumPriorities - 1,
+        .max_sessions = t.max_sessions(),
+        .pool = static_cast<int32_t>(pool - pools.begin())};
   }
   if (!c.tenants().empty() && !c.tenant_quota_blocks().empty()) {
     bad("tenant_quota_blocks",
         "is for the zero-configuration mode: with tenants, use their "
         "quota_blocks");
   }
+  for (const auto& [tenant, quota] : c.tenant_quota_blocks()) {
+    if (quota < 0) bad(fmt::format("tenant_quota_blocks[{}]", tenant), "must be >= 0");
+    o->open_quota_blocks[tenant] = quota;
+  }
 }
 
-void ValidateDiskTier(const v1::DiskTierSpec& d,
-                      const std::function<void(std::string_view, std::string)>& bad) {
+// The pools (pools, or one "default" of pool_bytes) and the tenants into `o`; `shape` null when
+// it is bad.
+void ParsePoolsAndTenants(const v1::DaemonConfig& c, const kernels::PoolLayout* shape,
+                          EngineOptions* o, const Bad& bad) {
+  std::vector<std::string> names;
+  if (c.pools().empty()) {
+    names.push_back("default");
+    AddPool("pool_bytes", "default", c.pool_bytes(), shape, o, bad);
+  } else if (c.pool_bytes() <= 0) {  // unused with pools, and still not a size
+    bad("pool_bytes", fmt::format("must be > 0 (got {})", c.pool_bytes()));
+  }
+  for (int i = 0; i < c.pools_size(); ++i) {
+    const v1::PoolSpec& p = c.pools(i);
+    const std::string field = fmt::format("pools[{}]", i);
+    if (!PrintableName(p.name())) bad(field + ".name", "must be printable, 1 to 128 bytes");
+    if (std::find(names.begin(), names.end(), p.name()) != names.end()) {
+      bad(field + ".name", fmt::format("'{}' twice", p.name()));
+    }
+    names.push_back(p.name());
+    AddPool(field + ".pool_bytes", p.name(), p.pool_bytes(), shape, o, bad);
+  }
+  ParseTenants(c, names, o, bad);
+}
+
+// The disk tier into `o`; `model` names what the stored bytes mean (a tier written for another
+// model starts empty).
+void ParseDiskTier(const v1::DiskTierSpec& d, const v1::ModelSpec& model, tier::DiskTierOptions* o,
+                   const Bad& bad) {
   if (d.directory().empty()) return;
   if (d.directory()[0] != '/') {
     bad("tiers.disk.directory", fmt::format("must be an absolute path (got '{}')", d.directory()));
   }
   if (d.capacity_bytes() <= 0) bad("tiers.disk.capacity_bytes", "must be > 0");
-  if (!d.fsync().empty() && d.fsync() != "none" && d.fsync() != "batch" &&
-      d.fsync() != "periodic") {
-    bad("tiers.disk.fsync", fmt::format("'{}' is not none, batch or periodic", d.fsync()));
-  }
+  o->fsync = Choose("tiers.disk.fsync", d.fsync(), kFsyncNames, bad).value_or(o->fsync);
   const std::pair<const char*, int64_t> non_negative[] = {
       {"tiers.disk.fsync_interval_ms", d.fsync_interval_ms()},
       {"tiers.disk.write_queue_blocks", d.write_queue_blocks()},
@@ -331,6 +391,15 @@ void ValidateDiskTier(const v1::DiskTierSpec& d,
   for (const auto& [field, value] : non_negative) {
     if (value < 0) bad(field, "must be >= 0 (0: the default)");
   }
+  o->directory = d.directory();
+  o->capacity_bytes = d.capacity_bytes();
+  if (d.fsync_interval_ms() > 0) o->fsync_interval = absl::Milliseconds(d.fsync_interval_ms());
+  if (d.write_queue_blocks() > 0) o->write_queue_blocks = d.write_queue_blocks();
+  if (d.write_queue_bytes() > 0) o->write_queue_bytes = d.write_queue_bytes();
+  o->direct_io = !d.disable_direct_io();
+  const std::string identity =
+      fmt::format("name {} seed {} checkpoint {}", model.name(), model.seed(), model.checkpoint());
+  o->content_fingerprint = tier::ContentFingerprint(identity);
 }
 
 // A pool's name as the name of its disk tier directory: letters, digits, '.', '_', '-'.
@@ -342,8 +411,7 @@ bool PathSafeName(std::string_view name) {
 }
 
 // What a disk tier needs of the rest of the config.
-void ValidateDiskTierNeeds(const v1::DaemonConfig& c,
-                           const std::function<void(std::string_view, std::string)>& bad) {
+void ValidateDiskTierNeeds(const v1::DaemonConfig& c, const Bad& bad) {
   if (c.tiers().disk().directory().empty()) return;
   // A random secret would make every record useless after a restart (namespace ids and the
   // records' MACs derive from it), and the secret itself is never written to the tier.
@@ -358,13 +426,8 @@ void ValidateDiskTierNeeds(const v1::DaemonConfig& c,
   }
 }
 
-void ValidateTiers(const v1::TierSpec& t,
-                   const std::function<void(std::string_view, std::string)>& bad) {
-  if (t.host_blocks() < 0) bad("tiers.host_blocks", "must be >= 0 (0: no host tier)");
-  if (t.staged_blocks() < 0) bad("tiers.staged_blocks", "must be >= 0 (0: the default)");
-  if (t.lookup_blocks() < 0) bad("tiers.lookup_blocks", "must be >= 0 (0: the default)");
-  ValidateDiskTier(t.disk(), bad);
-  const v1::RedisTierSpec& r = t.redis();
+// The Redis tier into `o` (absent fields take their defaults).
+void ParseRedisTier(const v1::RedisTierSpec& r, tier::RedisTierOptions* o, const Bad& bad) {
   if (!r.enabled()) return;
   const int where = (r.unix_socket().empty() ? 0 : 1) + (r.host().empty() ? 0 : 1) +
                     (r.cluster_seeds().empty() ? 0 : 1);
@@ -375,10 +438,8 @@ void ValidateTiers(const v1::TierSpec& t,
   if (!r.password().empty() && !r.password_file().empty()) {
     bad("tiers.redis", "set password or password_file, not both (password_file is preferred)");
   }
-  if (!r.key_slotting().empty() && r.key_slotting() != "namespace" && r.key_slotting() != "block") {
-    bad("tiers.redis.key_slotting",
-        fmt::format("'{}' is not namespace or block", r.key_slotting()));
-  }
+  o->key_slotting = Choose("tiers.redis.key_slotting", r.key_slotting(), kKeySlottingNames, bad)
+                        .value_or(o->key_slotting);
   const std::pair<const char*, int64_t> non_negative[] = {
       {"tiers.redis.connect_timeout_ms", r.connect_timeout_ms()},
       {"tiers.redis.command_timeout_ms", r.command_timeout_ms()},
@@ -390,6 +451,34 @@ void ValidateTiers(const v1::TierSpec& t,
   for (const auto& [field, value] : non_negative) {
     if (value < 0) bad(field, "must be >= 0 (0: the default)");
   }
+  o->enabled = true;
+  o->unix_socket = r.unix_socket();
+  o->host = r.host();
+  if (r.port() > 0) o->port = r.port();
+  o->cluster_seeds.assign(r.cluster_seeds().begin(), r.cluster_seeds().end());
+  o->username = r.username();
+  o->password = r.password();
+  if (r.connect_timeout_ms() > 0) o->connect_timeout = absl::Milliseconds(r.connect_timeout_ms());
+  if (r.command_timeout_ms() > 0) o->command_timeout = absl::Milliseconds(r.command_timeout_ms());
+  if (r.write_queue_blocks() > 0) o->write_queue_blocks = r.write_queue_blocks();
+  if (r.write_queue_bytes() > 0) o->write_queue_bytes = r.write_queue_bytes();
+  o->ttl_seconds = r.ttl_seconds();
+  if (r.breaker_failure_threshold() > 0) {
+    o->breaker_failure_threshold = r.breaker_failure_threshold();
+  }
+  if (r.breaker_backoff_ms() > 0) o->breaker_backoff = absl::Milliseconds(r.breaker_backoff_ms());
+}
+
+// The tiers into `o`.
+void ParseTiers(const v1::TierSpec& t, const v1::ModelSpec& model, TierOptions* o, const Bad& bad) {
+  if (t.host_blocks() < 0) bad("tiers.host_blocks", "must be >= 0 (0: no host tier)");
+  if (t.staged_blocks() < 0) bad("tiers.staged_blocks", "must be >= 0 (0: the default)");
+  if (t.lookup_blocks() < 0) bad("tiers.lookup_blocks", "must be >= 0 (0: the default)");
+  o->host_blocks = t.host_blocks();
+  if (t.staged_blocks() > 0) o->staged_blocks = t.staged_blocks();
+  if (t.lookup_blocks() > 0) o->lookup_blocks = t.lookup_blocks();
+  ParseDiskTier(t.disk(), model, &o->disk, bad);
+  ParseRedisTier(t.redis(), &o->redis, bad);
 }
 
 // The Redis password in `path` (tiers.redis.password_file), without one trailing newline.
@@ -411,89 +500,14 @@ absl::StatusOr<std::string> ReadRedisPassword(const std::string& path) {
   return password;
 }
 
-// The disk tier's options from a validated DiskTierSpec; `model` names what the stored bytes
-// mean (a tier written for another model starts empty).
-tier::DiskTierOptions DiskTierOptionsOf(const v1::DiskTierSpec& d, const v1::ModelSpec& model) {
-  tier::DiskTierOptions o;
-  o.directory = d.directory();
-  o.capacity_bytes = d.capacity_bytes();
-  o.fsync = d.fsync() == "batch"      ? tier::DiskFsync::kBatch
-            : d.fsync() == "periodic" ? tier::DiskFsync::kPeriodic
-                                      : tier::DiskFsync::kNone;
-  if (d.fsync_interval_ms() > 0) o.fsync_interval = absl::Milliseconds(d.fsync_interval_ms());
-  if (d.write_queue_blocks() > 0) o.write_queue_blocks = d.write_queue_blocks();
-  if (d.write_queue_bytes() > 0) o.write_queue_bytes = d.write_queue_bytes();
-  o.direct_io = !d.disable_direct_io();
-  const std::string identity =
-      fmt::format("name {} seed {} checkpoint {}", model.name(), model.seed(), model.checkpoint());
-  o.content_fingerprint = tier::ContentFingerprint(identity);
-  return o;
-}
-
-// The engine's tier options from a validated TierSpec (absent fields take their defaults).
-TierOptions TierOptionsOf(const v1::TierSpec& t, const v1::ModelSpec& model) {
-  TierOptions o;
-  o.disk = DiskTierOptionsOf(t.disk(), model);
-  o.host_blocks = t.host_blocks();
-  if (t.staged_blocks() > 0) o.staged_blocks = t.staged_blocks();
-  if (t.lookup_blocks() > 0) o.lookup_blocks = t.lookup_blocks();
-  const v1::RedisTierSpec& r = t.redis();
-  tier::RedisTierOptions& redis = o.redis;
-  redis.enabled = r.enabled();
-  redis.unix_socket = r.unix_socket();
-  redis.host = r.host();
-  if (r.port() > 0) redis.port = r.port();
-  redis.cluster_seeds.assign(r.cluster_seeds().begin(), r.cluster_seeds().end());
-  redis.username = r.username();
-  redis.password = r.password();
-  redis.key_slotting =
-      r.key_slotting() == "block" ? tier::KeySlotting::kBlock : tier::KeySlotting::kNamespace;
-  if (r.connect_timeout_ms() > 0)
-    redis.connect_timeout = absl::Milliseconds(r.connect_timeout_ms());
-  if (r.command_timeout_ms() > 0)
-    redis.command_timeout = absl::Milliseconds(r.command_timeout_ms());
-  if (r.write_queue_blocks() > 0) redis.write_queue_blocks = r.write_queue_blocks();
-  if (r.write_queue_bytes() > 0) redis.write_queue_bytes = r.write_queue_bytes();
-  redis.ttl_seconds = r.ttl_seconds();
-  if (r.breaker_failure_threshold() > 0) {
-    redis.breaker_failure_threshold = r.breaker_failure_threshold();
-  }
-  if (r.breaker_backoff_ms() > 0)
-    redis.breaker_backoff = absl::Milliseconds(r.breaker_backoff_ms());
-  return o;
-}
-
-}  // namespace
-
-std::vector<std::string> ValidateConfig(const v1::DaemonConfig& c) {
-  std::vector<std::string> errors;
-  auto bad = [&](std::string_view field, std::string why) {
-    errors.push_back(fmt::format("{}: {}", field, why));
-  };
-  if (!c.runtime_dir().empty() && c.runtime_dir()[0] != '/') {
-    bad("runtime_dir", fmt::format("must be an absolute path (got '{}')", c.runtime_dir()));
-  }
-  if (!kernels::ParseBackend(c.backend()).ok()) {
-    bad("backend", fmt::format("'{}' is not auto, cpu or cuda", c.backend()));
-  }
-  if (c.device_ordinal() < 0) bad("device_ordinal", "must be >= 0");
-  if (c.cpu_threads() < 0) bad("cpu_threads", "must be >= 0 (0: all cores)");
-  bool dtypes_ok = true;
-  const kernels::PoolLayout shape = ShapeLayout(c.shape(), bad, &dtypes_ok);
-  const absl::Status shape_ok = kernels::ValidateLayout(shape);
-  if (!shape_ok.ok()) bad("shape", std::string(shape_ok.message()));
-  if (c.pool_bytes() <= 0) {
-    bad("pool_bytes", fmt::format("must be > 0 (got {})", c.pool_bytes()));
-  } else if (shape_ok.ok() && dtypes_ok) {
-    if (absl::StatusOr<kernels::PoolLayout> sized = kernels::LayoutForBudget(shape, c.pool_bytes());
-        !sized.ok()) {
-      bad("pool_bytes", std::string(sized.status().message()));
-    }
-  }
-  ValidatePoolsAndTenants(c, shape_ok.ok() && dtypes_ok ? &shape : nullptr, bad);
+// The top-level fields of the pool and its bookkeeping into `o`.
+void ParsePoolOptions(const v1::DaemonConfig& c, EngineOptions* o, const Bad& bad) {
   if (c.max_blocks_per_seq() <= 0) bad("max_blocks_per_seq", "must be > 0");
-  if (!kernels::ParseFillPolicy(c.fill_policy()).ok()) {
-    bad("fill_policy", fmt::format("'{}' is not none, zero or poison", c.fill_policy()));
+  if (absl::StatusOr<kernels::FillPolicy> fill = kernels::ParseFillPolicy(c.fill_policy());
+      fill.ok()) {
+    o->fill_policy = *fill;
+  } else {
+    bad("fill_policy", std::string(fill.status().message()));
   }
   if (c.trace_depth() < 0 || (c.trace_depth() & (c.trace_depth() - 1)) != 0) {
     bad("trace_depth", fmt::format("must be 0 or a power of 2 (got {})", c.trace_depth()));
@@ -508,11 +522,28 @@ std::vector<std::string> ValidateConfig(const v1::DaemonConfig& c) {
     bad("event_capacity_bytes", fmt::format("must be > 0 (got {})", c.event_capacity_bytes()));
   }
   if (c.session_quota_blocks() < 0) bad("session_quota_blocks", "must be >= 0 (0: unlimited)");
-  ValidateTiers(c.tiers(), bad);
-  ValidateDiskTierNeeds(c, bad);
-  for (const auto& [tenant, quota] : c.tenant_quota_blocks()) {
-    if (quota < 0) bad(fmt::format("tenant_quota_blocks[{}]", tenant), "must be >= 0");
+  o->max_blocks_per_seq = c.max_blocks_per_seq();
+  o->trace_depth = c.trace_depth();
+  o->prefix_cache = !c.disable_prefix_cache();
+  o->eviction_policy = c.eviction_policy();
+  o->event_capacity = static_cast<size_t>(std::max<int64_t>(c.event_capacity(), 0));
+  o->event_capacity_bytes = static_cast<size_t>(std::max<int64_t>(c.event_capacity_bytes(), 0));
+  o->session_quota_blocks = c.session_quota_blocks();
+  o->max_tenant_labels = static_cast<size_t>(
+      c.metrics().max_tenants() > 0 ? c.metrics().max_tenants() : kDefaultMaxTenants);
+  o->block_residency_sample = c.metrics().block_residency_sample();
+}
+
+// The process's own fields: nothing of them reaches the engine.
+void CheckProcessFields(const v1::DaemonConfig& c, const Bad& bad) {
+  if (!c.runtime_dir().empty() && c.runtime_dir()[0] != '/') {
+    bad("runtime_dir", fmt::format("must be an absolute path (got '{}')", c.runtime_dir()));
   }
+  if (absl::StatusOr<kernels::BackendKind> b = kernels::ParseBackend(c.backend()); !b.ok()) {
+    bad("backend", std::string(b.status().message()));
+  }
+  if (c.device_ordinal() < 0) bad("device_ordinal", "must be >= 0");
+  if (c.cpu_threads() < 0) bad("cpu_threads", "must be >= 0 (0: all cores)");
   static const char* kLevels[] = {"trace", "debug", "info", "warn", "error", "critical", "off"};
   if (std::find(std::begin(kLevels), std::end(kLevels), c.log_level()) == std::end(kLevels)) {
     bad("log_level",
@@ -529,11 +560,37 @@ std::vector<std::string> ValidateConfig(const v1::DaemonConfig& c) {
         fmt::format("{:o} must give the owner rwx and no one else write permission",
                     c.runtime_dir_mode()));
   }
-  ValidateModel(c, shape_ok.ok(), bad);
-  ValidateLimits(c, bad);
+}
+
+// The one pass over a config: each field checked once and, where it reaches the engine,
+// converted once into *o. One line per problem; *o is usable only when there is none.
+std::vector<std::string> Parse(const v1::DaemonConfig& c, EngineOptions* o) {
+  std::vector<std::string> errors;
+  auto bad = [&](std::string_view field, std::string why) {
+    errors.push_back(fmt::format("{}: {}", field, why));
+  };
+  CheckProcessFields(c, bad);
+  bool dtypes_ok = true;
+  const kernels::PoolLayout shape = ShapeLayout(c.shape(), bad, &dtypes_ok);
+  const absl::Status shape_ok = kernels::ValidateLayout(shape);
+  if (!shape_ok.ok()) bad("shape", std::string(shape_ok.message()));
+  ParsePoolsAndTenants(c, shape_ok.ok() && dtypes_ok ? &shape : nullptr, o, bad);
+  ParsePoolOptions(c, o, bad);
+  ParseTiers(c.tiers(), c.model(), &o->tiers, bad);
+  ValidateDiskTierNeeds(c, bad);
+  if (o->tiers.disk.enabled()) o->invalidations_file = o->tiers.disk.directory + "/invalidations";
+  ParseModel(c, shape_ok.ok(), o, bad);
+  ParseLimits(c, o, bad);
   for (std::string& problem : ValidateMetricsSpec(c.metrics())) errors.push_back(problem);
   ValidateZmqEvents(c, bad);
   return errors;
+}
+
+}  // namespace
+
+std::vector<std::string> ValidateConfig(const v1::DaemonConfig& c) {
+  EngineOptions scratch;
+  return Parse(c, &scratch);
 }
 
 absl::StatusOr<v1::DaemonConfig> LoadConfig(const std::string& path) {
@@ -560,46 +617,11 @@ absl::StatusOr<v1::DaemonConfig> LoadConfig(const std::string& path) {
 }
 
 absl::StatusOr<EngineOptions> MakeEngineOptions(const v1::DaemonConfig& c, uint64_t epoch) {
-  if (std::vector<std::string> problems = ValidateConfig(c); !problems.empty()) {
+  EngineOptions o;
+  if (std::vector<std::string> problems = Parse(c, &o); !problems.empty()) {
     return absl::InvalidArgumentError(Join(problems));
   }
-  bool dtypes_ok = true;  // ValidateConfig passed: no problem to report
-  const kernels::PoolLayout shape = ShapeLayout(
-      c.shape(), [](std::string_view, std::string) {}, &dtypes_ok);
-  EngineOptions o;
-  for (const v1::PoolSpec& p : c.pools()) {
-    KVPOOL_ASSIGN_OR_RETURN(kernels::PoolLayout layout,
-                            kernels::LayoutForBudget(shape, p.pool_bytes()));
-    o.pools.push_back({.name = p.name(), .layout = layout});
-  }
-  if (o.pools.empty()) {
-    KVPOOL_ASSIGN_OR_RETURN(kernels::PoolLayout layout,
-                            kernels::LayoutForBudget(shape, c.pool_bytes()));
-    o.pools.push_back({.name = "default", .layout = layout});
-  }
-  for (const v1::TenantSpec& t : c.tenants()) {
-    int32_t pool = 0;
-    while (!t.pool().empty() && o.pools[static_cast<size_t>(pool)].name != t.pool()) ++pool;
-    o.tenants[t.name()] = {
-        .kv_access = t.kv_access(),
-        .quota_blocks = t.quota_blocks(),
-        .max_priority = t.has_max_priority() ? t.max_priority() : kNumPriorities - 1,
-        .max_sessions = t.max_sessions(),
-        .pool = pool};
-  }
-  o.max_blocks_per_seq = c.max_blocks_per_seq();
-  o.trace_depth = c.trace_depth();
-  o.prefix_cache = !c.disable_prefix_cache();
-  o.eviction_policy = c.eviction_policy();
-  o.event_capacity = static_cast<size_t>(c.event_capacity());
-  o.event_capacity_bytes = static_cast<size_t>(c.event_capacity_bytes());
-  o.fill_policy = *kernels::ParseFillPolicy(c.fill_policy());
-  o.session_quota_blocks = c.session_quota_blocks();
-  o.max_tenant_labels = static_cast<size_t>(
-      c.metrics().max_tenants() > 0 ? c.metrics().max_tenants() : kDefaultMaxTenants);
-  o.block_residency_sample = c.metrics().block_residency_sample();
-  o.tiers = TierOptionsOf(c.tiers(), c.model());
-  if (o.tiers.disk.enabled()) o.invalidations_file = o.tiers.disk.directory + "/invalidations";
+  // The files the config names, read once it is known to be good.
   if (o.tiers.redis.enabled && !c.tiers().redis().password_file().empty()) {
     KVPOOL_ASSIGN_OR_RETURN(o.tiers.redis.password,
                             ReadRedisPassword(c.tiers().redis().password_file()));
@@ -612,23 +634,7 @@ absl::StatusOr<EngineOptions> MakeEngineOptions(const v1::DaemonConfig& c, uint6
     }
     o.secret = *std::move(secret);
   }
-  o.limits = {.sessions_per_uid = c.limits().sessions_per_uid(),
-              .sequences_per_session = c.limits().sequences_per_session(),
-              .batch_items = c.limits().batch_items(),
-              .queued_calls_per_session = c.limits().queued_calls_per_session(),
-              .decode_width = c.limits().decode_width() > 0 ? c.limits().decode_width()
-                                                            : c.model().max_step_tokens(),
-              .cache_salts_per_session = c.limits().cache_salts_per_session(),
-              .block_refs_per_uid = c.limits().block_refs_per_uid()};
-  for (const auto& [tenant, quota] : c.tenant_quota_blocks()) o.open_quota_blocks[tenant] = quota;
   o.epoch = epoch;
-  const v1::ModelSpec& m = c.model();
-  o.model_name = m.checkpoint().empty() ? m.name() : m.checkpoint();
-  o.gather_window_ns = int64_t{m.gather_window_us()} * 1000;
-  o.scheduler = {.batching = !m.disable_batching(),
-                 .max_step_tokens = m.max_step_tokens(),
-                 .prefill_max_wait_steps = m.prefill_max_wait_steps(),
-                 .prefill_share = m.prefill_share_tokens()};
   return o;
 }
 

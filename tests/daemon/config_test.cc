@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <fstream>
 
+#include "absl/strings/str_join.h"
 #include "daemon/metrics/metrics_config.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -91,7 +92,7 @@ TEST(ConfigTest, EveryProblemIsOneLineNamingTheField) {
   ASSERT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
   const std::string message(c.status().message());
   EXPECT_EQ(std::count(message.begin(), message.end(), '\n'), 4);  // five lines
-  EXPECT_THAT(message, HasSubstr("backend: 'tpu'"));
+  EXPECT_THAT(message, HasSubstr("backend: unknown backend 'tpu' (auto, cpu, cuda)"));
   EXPECT_THAT(message, HasSubstr("pool_bytes: must be > 0"));
   EXPECT_THAT(message, HasSubstr("trace_depth"));
   EXPECT_THAT(message, HasSubstr("head_dim must be a multiple of 8"));
@@ -142,6 +143,30 @@ TEST(ConfigTest, EngineOptionsFollowTheConfig) {
 
 // One way to give a tenant a quota: with `tenants`, their quota_blocks; tenant_quota_blocks is
 // its alias for the zero-configuration mode, and naming both is a config error (issue 29).
+// Issue 29: one pass checks each field and converts it; the engine's options and the problems
+// come from the same pass, so they cannot disagree.
+TEST(ConfigTest, EngineOptionsAndProblemsComeFromOnePass) {
+  v1::DaemonConfig c = DefaultConfig();
+  c.set_fill_policy("poison");
+  c.mutable_tiers()->mutable_redis()->set_enabled(true);
+  c.mutable_tiers()->mutable_redis()->set_host("h");
+  absl::StatusOr<EngineOptions> o = MakeEngineOptions(c, 1);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->fill_policy, kernels::FillPolicy::kPoison);
+  EXPECT_EQ(o->tiers.redis.key_slotting, tier::KeySlotting::kNamespace);  // the first is default
+  c.set_fill_policy("scribble");
+  c.mutable_tiers()->mutable_redis()->set_key_slotting("slot");
+  c.mutable_model()->set_name("huge");
+  const std::vector<std::string> problems = ValidateConfig(c);
+  EXPECT_THAT(problems, ::testing::UnorderedElementsAre(
+                            "fill_policy: unknown fill policy 'scribble' (none, zero, poison)",
+                            "tiers.redis.key_slotting: 'slot' is not one of namespace, block",
+                            HasSubstr("model.name: unknown model size 'huge'; known sizes: tiny")));
+  o = MakeEngineOptions(c, 1);
+  ASSERT_FALSE(o.ok());
+  EXPECT_EQ(o.status().message(), absl::StrJoin(problems, "\n"));
+}
+
 TEST(ConfigTest, ATenantsQuotaIsGivenOneWay) {
   v1::DaemonConfig c = *LoadConfig("");
   (*c.mutable_tenant_quota_blocks())["a"] = 9;
@@ -168,7 +193,7 @@ TEST(ConfigTest, TiersAreOffByDefaultAndCheckedWhenOn) {
   const std::string message(bad.message());
   EXPECT_THAT(message, HasSubstr("tiers.host_blocks"));
   EXPECT_THAT(message, HasSubstr("tiers.redis: name exactly one of"));
-  EXPECT_THAT(message, HasSubstr("tiers.redis.key_slotting: 'row'"));
+  EXPECT_THAT(message, HasSubstr("tiers.redis.key_slotting: 'row' is not one of namespace, block"));
   EXPECT_THAT(message, HasSubstr("tiers.redis.command_timeout_ms"));
 
   std::ofstream(path) << "tiers { host_blocks: 64 staged_blocks: 8 redis { enabled: true "
@@ -201,7 +226,7 @@ TEST(ConfigTest, TheDiskTierNeedsASecretFileAndPathSafePoolNames) {
   EXPECT_THAT(message, HasSubstr("tiers.disk: needs secret_file"));
   EXPECT_THAT(message, HasSubstr("tiers.disk.directory: must be an absolute path"));
   EXPECT_THAT(message, HasSubstr("tiers.disk.capacity_bytes: must be > 0"));
-  EXPECT_THAT(message, HasSubstr("tiers.disk.fsync: 'always'"));
+  EXPECT_THAT(message, HasSubstr("tiers.disk.fsync: 'always' is not one of none, batch, periodic"));
   EXPECT_THAT(message, HasSubstr("pools[0].name: must be letters"));
 
   const std::string secret = ::testing::TempDir() + "/disk-secret";
