@@ -11,6 +11,7 @@
 #include "fmt/format.h"
 #include "kernels/cpu_kernels.h"
 #include "kernels/validate.h"
+#include "kvpool/util/status_macros.h"
 
 namespace kvpool::kernels {
 namespace {
@@ -116,6 +117,19 @@ uint64_t CpuDevice::Stream::submitted() const {
   return submitted_;
 }
 
+namespace {
+// The device whose stream task this thread is running, if any: a host task may not call its
+// device (Device::EnqueueHostTask), as on CUDA; on the CPU one that synchronized its own stream
+// would wait for itself.
+thread_local const CpuDevice* running_task_of = nullptr;
+
+absl::Status RefuseInsideTask(const CpuDevice* device, std::string_view call) {
+  if (running_task_of != device) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      fmt::format("{} from inside a host task of the same device", call));
+}
+}  // namespace
+
 void CpuDevice::Stream::Loop() {
   for (;;) {
     Task task;
@@ -129,7 +143,9 @@ void CpuDevice::Stream::Loop() {
       task = std::move(queue_.front());
       queue_.pop_front();
     }
+    running_task_of = device_;
     absl::Status status = task.run();
+    running_task_of = nullptr;
     if (!status.ok()) device_->RecordError(std::move(status));
     absl::MutexLock lock(&mu_);  // waiters Await under mu_
     completed_.store(task.value, std::memory_order_release);
@@ -250,6 +266,7 @@ int64_t CpuDevice::PrefillWorkspaceBytes(const PoolLayout& layout) const {
 
 absl::StatusOr<Fence> CpuDevice::EnqueueHostTask(StreamId stream, std::function<void()> task) {
   if (!task) return absl::InvalidArgumentError("empty host task");
+  KVPOOL_RETURN_IF_ERROR(RefuseInsideTask(this, "EnqueueHostTask"));
   absl::StatusOr<Stream*> s = GetStream(stream);
   if (!s.ok()) return s.status();
   return (*s)->Enqueue([task = std::move(task)] {
@@ -276,6 +293,7 @@ absl::Status CpuDevice::StreamWait(StreamId waiter, Fence fence) {
 }
 
 absl::Status CpuDevice::Synchronize(Fence fence) {
+  KVPOOL_RETURN_IF_ERROR(RefuseInsideTask(this, "Synchronize"));
   if (fence.timeline >= kNumStreams) {
     return absl::InvalidArgumentError(fmt::format("no stream {}", fence.timeline));
   }
@@ -289,6 +307,7 @@ absl::Status CpuDevice::Synchronize(Fence fence) {
 }
 
 absl::Status CpuDevice::SynchronizeAll() {
+  KVPOOL_RETURN_IF_ERROR(RefuseInsideTask(this, "SynchronizeAll"));
   for (uint32_t s = 0; s < kNumStreams; ++s) streams_[s]->WaitFor(streams_[s]->submitted());
   return status();
 }
