@@ -18,9 +18,9 @@
 //
 // Values: the probabilities of a chunk, times their tokens' block scales (p'), are paired by
 // token (two tokens' V codes interleaved per lane):
-//   int8 V: p' of each head quantized to 16-bit fixed point against the head's largest p' in the
-//     chunk (step max p' / 32767, an absolute error of at most max p' / 65534 per token) and
-//     multiplied by the sign-extended codes with vpdpwssd, exact in int32;
+//   int8 V: p' of each head quantized to 16-bit fixed point against the head's largest |p'| in
+//     the chunk (step max |p'| / 32767, an absolute error of at most max |p'| / 65534 per token)
+//     and multiplied by the sign-extended codes with vpdpwssd, exact in int32;
 //   fp8 V: the codes looked up as bf16 as above and p' rounded to bf16 (a relative error of
 //     2^-9, 32 times finer than the format's own 2^-4) for vdpbf16ps.
 // A NaN p' (a NaN block scale) makes its head's chunk NaN, as f32 arithmetic would.
@@ -310,7 +310,7 @@ void ScoreChunk8(const DecodeShape& shape, const DecodeTask& task, const ChunkRo
 // ---- values -----------------------------------------------------------------------------------
 
 // Head q's probabilities (s[0..n)) times their tokens' V scales, two tokens to an int32 lane:
-// int8 V as 16-bit fixed point of step *step (NaN when any is NaN), fp8 V as bf16.
+// int8 V as signed 16-bit fixed point of step *step (NaN when any is NaN), fp8 V as bf16.
 template <DType kV>
 void PairProbabilities(const float* s, const float* v_scale, int n, int32_t* pairs, float* step) {
   static_assert(kDecodeChunk == 32);
@@ -322,7 +322,8 @@ void PairProbabilities(const float* s, const float* v_scale, int n, int32_t* pai
   if constexpr (kV == DType::kInt8) {
     const bool nan =
         (_mm512_cmp_ps_mask(p0, p0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(p1, p1, _CMP_UNORD_Q)) != 0;
-    const float max = _mm512_reduce_max_ps(_mm512_max_ps(p0, p1));
+    // The largest magnitude: a negative V scale (WriteKv writes none) makes a negative p'.
+    const float max = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(p0), _mm512_abs_ps(p1)));
     const __m512 inv = _mm512_set1_ps(max > 0.0f && !nan ? 32767.0f / max : 0.0f);
     const __m256i c0 = _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(p0, inv)));
     const __m256i c1 = _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(p1, inv)));

@@ -93,6 +93,13 @@ double KernelTolerance(DType v, bool vnni) {
   return v == DType::kFp8E4M3 ? 1.5e-3 : v == DType::kInt8 ? 6e-5 : 2e-5;
 }
 
+// What the VNNI path's rounding of the query for an 8-bit K costs (int8 K: int8 codes of step
+// max |q| / 127; fp8 K: bf16), measured against the reference over the stored K/V with the f32
+// query (so the V side's own rounding is in it too). Worst measured over this file's cases:
+// int8 K 3.3e-3, fp8 K 1.5e-3 (the formats' own errors against the values written: up to 8e-3
+// and 4e-2); the bounds are about two and a half times those.
+double QueryRoundingTolerance(DType k) { return k == DType::kInt8 ? 8e-3 : 4e-3; }
+
 class KvDTypeTest : public ::testing::TestWithParam<Case> {
  protected:
   void SetUp() override {
@@ -162,6 +169,12 @@ TEST_P(KvDTypeTest, PagedDecodeMatchesBothReferences) {
   EXPECT_LT(format_error, Tolerance(c));
   RecordProperty("kernel_error", fmt::format("{:.3g}", kernel_error));
   RecordProperty("format_error", fmt::format("{:.3g}", format_error));
+  if (c.vnni && DTypeHasScales(c.k)) {
+    // What rounding the query costs on its own: against the stored K/V and the f32 query.
+    const double query_error = NormalizedError(got, p.Reference(), &nan);
+    EXPECT_LT(query_error, QueryRoundingTolerance(c.k));
+    RecordProperty("query_rounding_error", fmt::format("{:.3g}", query_error));
+  }
 }
 
 TEST_P(KvDTypeTest, PagedPrefillMatchesBothReferences) {
@@ -415,6 +428,70 @@ TEST(ConvertTest, VectorRowsMatchTheScalarConversions) {
   }
   EXPECT_TRUE(std::isnan(vec.absmax(src.data(), 64)));
   EXPECT_EQ(vec.absmax(src.data() + 32, 64), scalar.absmax(src.data() + 32, 64));
+}
+
+// A block's V scale is the factor of its codes whatever its sign (WriteKv writes none below 0, but
+// the layout does not forbid one): with the scales of some blocks negated, every path returns what
+// the portable one does. The VNNI path's int8 V fixed point once scaled each chunk by its largest
+// probability times scale, signed: a chunk of negative scales came out 0, and one where a
+// negative product outweighed the largest positive one wrapped around.
+TEST(EightBitDecodeTest, NegativeVScalesMatchThePortablePath) {
+  PoolLayout layout{.block_size = 16,
+                    .num_layers = 1,
+                    .num_kv_heads = 2,
+                    .head_dim = 64,
+                    .dtype = DType::kBF16,
+                    .num_blocks = 5};
+  layout.SetKvDType(0, KvSide::kV, DType::kInt8);
+  std::vector<char> arena(static_cast<size_t>(layout.arena_bytes()));
+  const KvPoolView pool{arena.data(), layout};
+  std::mt19937 rng(17);
+  const int32_t len = 70;
+  const std::vector<float> k = test_util::RandomFloats(len * 2 * 64, &rng);
+  std::vector<float> v = test_util::RandomFloats(len * 2 * 64, &rng);
+  // Block 1's values a tenth of the others': its positive products are outweighed by block 0's
+  // negative ones in the chunk the two share.
+  for (int64_t i = 16 * 2 * 64; i < 32 * 2 * 64; ++i) v[i] *= 0.1f;
+  std::vector<int64_t> slots(len);
+  std::iota(slots.begin(), slots.end(), 0);
+  ASSERT_TRUE(
+      WriteKv(pool,
+              {.layer = 0, .num_tokens = len, .k = k.data(), .v = v.data(), .slots = slots.data()})
+          .ok());
+  // Blocks 0, 2 and 3: the first chunk (blocks 0 and 1) mixed, the second all negative.
+  for (int32_t block : {0, 2, 3}) {
+    for (int h = 0; h < 2; ++h) pool.Layer(0).v_scales(block)[h] *= -1.0f;
+  }
+  const std::vector<int32_t> table = {0, 1, 2, 3, 4};
+  const std::vector<float> q = test_util::RandomFloats(4 * 64, &rng);
+  auto decode = [&](Isa isa, bool vnni) {
+    KernelPath path(isa, vnni);
+    std::vector<float> out(q.size(), -1);
+    EXPECT_TRUE(PagedAttentionDecode(pool,
+                                     {.layer = 0,
+                                      .num_seqs = 1,
+                                      .num_q_heads = 4,
+                                      .scale = 0.125f,
+                                      .q = q.data(),
+                                      .out = out.data(),
+                                      .block_tables = table.data(),
+                                      .table_stride = 5,
+                                      .seq_lens = &len,
+                                      .max_seq_len = len},
+                                     nullptr)
+                    .ok());
+    return out;
+  };
+  const std::vector<float> portable = decode(Isa::kPortable, false);
+  for (auto [isa, vnni] :
+       {std::pair{Isa::kAvx512, true}, {Isa::kAvx512, false}, {Isa::kAvx2, false}}) {
+    if (KernelPath::Lacks(isa, vnni)) continue;
+    bool nan = false;
+    const double error = NormalizedError(decode(isa, vnni), portable, &nan);
+    EXPECT_LT(error, KernelTolerance(DType::kInt8, vnni)) << PathName(isa, vnni);
+    EXPECT_FALSE(nan);
+    RecordProperty(PathName(isa, vnni) + "_error", fmt::format("{:.3g}", error));
+  }
 }
 
 // WriteKv on an 8-bit layer, one token at a time as decode appends them.
