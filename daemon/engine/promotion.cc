@@ -100,9 +100,13 @@ absl::StatusOr<Fence> Promotion::CopyHits(PoolState& pool, kernels::Device& devi
                                 found_.block(i - local_, block_bytes).data(), block_bytes);
     targets.push_back(block);
   }
-  // Whatever was queued keeps its blocks out of the free list until it has run.
+  // Whatever was queued keeps its blocks out of the free list, and the tier slots and buffers it
+  // reads pinned (found_.reads, TierSet::Recycle), until it has run.
   const Fence queued = fence.ok() ? *fence : device.LastFence(kernels::StreamId::kTransfer);
-  if (!targets.empty()) KVPOOL_CHECK_OK(pool.cache().MarkInFlight(targets, queued));
+  if (!targets.empty()) {
+    KVPOOL_CHECK_OK(pool.cache().MarkInFlight(targets, queued));
+    found_.reads = queued;
+  }
   return fence;
 }
 

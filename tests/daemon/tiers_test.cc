@@ -359,6 +359,60 @@ TEST_F(TiersTest, ASessionEndingDuringThePromotionLeavesNoHold) {
   ExpectNoLoaderLeft();
 }
 
+// Issue 31: a promotion copies straight from the host tier's slots, so a slot must keep its bytes
+// until that copy has run. Forced here: the tier writer stores new blocks (which, with nothing
+// pinned, evict and overwrite the promoted ones' slots) after the promotion looked its blocks up
+// and before its copy runs. With the slots pinned the promoted blocks hold what was published;
+// without the pins (LookupPinned not unlinking: tried by hand) they hold the newcomers' bytes.
+TEST_F(TiersTest, AHostSlotIsNotReusedWhileItsPromotionCopyIsQueued) {
+  EngineOptions options = Options();
+  options.tiers.host_blocks = 2;
+  absl::Notification release_stream;
+  options.lock_gap_hook = [&](LockGap g) {
+    if (g == LockGap::kPromotionCopy && armed_.exchange(false)) release_stream.Notify();
+  };
+  Make(options);
+  const std::vector<int32_t> promoted = Prompt(32, 13), newcomer = Prompt(32, 14);
+  PublishThenEvict(promoted, 130);  // both host slots hold it
+  // The transfer stream waits for the promotion's lock gap; the newcomer's copies out of the pool
+  // queue behind that, and then a task that lets the promotion's copies run only once the tier
+  // writer has offered the newcomer's blocks to the host tier.
+  ASSERT_TRUE(device_
+                  .EnqueueHostTask(kernels::StreamId::kTransfer,
+                                   [&] { release_stream.WaitForNotification(); })
+                  .ok());
+  const uint64_t puts = engine_->Stats().tiers.host_store.puts;
+  const Tables t = Allocate(*alice_, newcomer, 32);
+  arena_->Fill(t.blocks, 140);
+  const SequenceId id = t.slices[0].sequence;
+  ASSERT_TRUE(
+      engine_->Free(*alice_, std::span(&id, 1), OnFree::kCommit, CallContext::Uncancellable())
+          .ok());
+  ASSERT_TRUE(device_
+                  .EnqueueHostTask(kernels::StreamId::kTransfer,
+                                   [&] {
+                                     const absl::Time give_up = absl::Now() + absl::Seconds(10);
+                                     while (engine_->Stats().tiers.host_store.puts < puts + 2 &&
+                                            absl::Now() < give_up) {
+                                       absl::SleepFor(absl::Milliseconds(1));
+                                     }
+                                   })
+                  .ok());
+  Arm();
+  const Tables again = Allocate(*alice_, promoted, 32);
+  ASSERT_EQ(again.slices[0].matched_tokens, 32);
+  ASSERT_TRUE(engine_->FlushTiers(absl::Seconds(10)).ok());
+  const TierStats tiers = engine_->Stats().tiers;
+  EXPECT_EQ(tiers.host_store.puts, puts + 2);
+  EXPECT_EQ(tiers.promoted_from_host, 2u);
+  EXPECT_TRUE(Holds(again.blocks[0], 130));
+  EXPECT_TRUE(Holds(again.blocks[1], 131));
+  // Both slots were pinned when the newcomer came: it found no room.
+  EXPECT_EQ(tiers.host_store.dropped_queue_full, 2u);
+  EXPECT_EQ(tiers.host_store.written, 2u);
+  ExpectNoLoaderLeft();
+}
+
 }  // namespace
 }  // namespace kvpool::daemon
 
