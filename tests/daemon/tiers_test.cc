@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <optional>
 #include <thread>
 
 #include "absl/synchronization/notification.h"
@@ -357,6 +358,33 @@ TEST_F(TiersTest, ASessionEndingDuringThePromotionLeavesNoHold) {
   EXPECT_EQ(tiers.promote_unused, 1u);
   EXPECT_EQ(engine_->Stats().cache.pool.cached, 2);
   ExpectNoLoaderLeft();
+}
+
+// Issue 31: a host-tier hit is copied once, straight from its slot into the pool block. Before,
+// the lookup copied it into a staging buffer first and the device copied from there: every
+// source below was a one-block staging buffer, not the host tier's arena.
+TEST_F(TiersTest, AHostTierHitIsCopiedStraightFromItsSlot) {
+  const std::vector<int32_t> prompt = Prompt(48, 15);
+  PublishThenEvict(prompt, 150);
+  const int64_t block_bytes = arena_->block_bytes();
+  // The host tier's slots: the one host allocation of host_blocks blocks (TierSet::Create).
+  std::optional<testing::FailingDevice::Range> slots;
+  for (const auto& buffer : device_.host_buffers()) {
+    if (buffer.bytes == Options().tiers.host_blocks * block_bytes) slots = buffer;
+  }
+  ASSERT_TRUE(slots.has_value());
+  const size_t before = device_.copies_to_device().size();
+  const Tables t = Allocate(*alice_, prompt, 48);
+  ASSERT_EQ(t.slices[0].matched_tokens, 48);
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(Holds(t.blocks[static_cast<size_t>(i)], 150 + i)) << i;
+  const std::vector<testing::FailingDevice::Range> copies = device_.copies_to_device();
+  int64_t copied = 0;
+  for (size_t i = before; i < copies.size(); ++i) {
+    EXPECT_TRUE(slots->Contains(copies[i])) << "copy " << i << " is not from the host tier's slots";
+    copied += copies[i].bytes;
+  }
+  EXPECT_EQ(copied, 3 * block_bytes);  // each block once (consecutive ones in one copy)
+  EXPECT_EQ(engine_->Stats().tiers.promoted_from_host, 3u);
 }
 
 // Issue 31: a promotion copies straight from the host tier's slots, so a slot must keep its bytes
