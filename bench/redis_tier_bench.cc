@@ -2,7 +2,8 @@
 // pipelined GET of the same 32 keys (same value size, same redis-server, same transport), in one
 // run. The ratio is the tier's cost over the wire protocol itself: building the keyed keys, the
 // header check and the value's MAC (Poly1305 under a one-time key, block_codec.h), the copy into
-// caller buffers, the breaker and the connection pool.
+// caller buffers (made from hiredis's read buffer: the bare GET copies each value once too, into
+// its reply), the breaker and the connection pool. BM_LookupVsBareGet runs the two alternately.
 //
 //   build/release/bench/redis_tier_bench --benchmark_repetitions=5
 //
@@ -181,6 +182,52 @@ bool UnauthenticatedLookup(redisContext* c, testing::LookupBuffers& out) {
   return ok;
 }
 
+// The bare pipelined GETs of BM_HiredisPipelinedGet (copy=0). Returns whether every block came
+// back whole.
+bool BareGets(redisContext* c) {
+  for (const std::string& key : Env::Get().keys) {
+    const char* argv[] = {"GET", key.c_str()};
+    const size_t lens[] = {3, key.size()};
+    redisAppendCommandArgv(c, 2, argv, lens);
+  }
+  bool ok = true;
+  for (int i = 0; i < kBlocks; ++i) {
+    void* reply = nullptr;
+    ok = redisGetReply(c, &reply) == REDIS_OK && ok;
+    auto* r = static_cast<redisReply*>(reply);
+    ok = ok && r->type == REDIS_REPLY_STRING &&
+         r->len == static_cast<size_t>(kBlockHeaderBytes + kBlockBytes);
+    benchmark::DoNotOptimize(r->str);
+    freeReplyObject(r);
+  }
+  return ok;
+}
+
+// Issue 31's pair, alternating call by call so both sides see the same moment of this shared
+// machine: the store's Lookup (keys, checks, the payload copied into the caller's buffers) against
+// the bare pipelined GETs of the same values.
+void BM_LookupVsBareGet(benchmark::State& state) {
+  const bool tcp = state.range(0) != 0;
+  Env& env = Env::Get();
+  auto store = RedisBlockStore::Create(Options(tcp), Secret());
+  KVPOOL_CHECK_OK(store.status());
+  redisContext* c = tcp ? redisConnect("127.0.0.1", env.tcp_port)
+                        : redisConnectUnix(env.server->socket_path().c_str());
+  KVPOOL_CHECK(c != nullptr && c->err == 0);
+  testing::LookupBuffers out(kBlocks, kBlockBytes);
+  bool ok = true;
+  bench::Interleave(
+      state,
+      [&] {
+        auto result = (*store)->Lookup(kSpace, BlockHash{}, env.chain.hashes, out.spans);
+        ok = ok && result.ok() && result->hits == kBlocks;
+      },
+      "lookup_ns", [&] { ok = BareGets(c) && ok; }, "get_ns");
+  if (!ok) state.SkipWithError("a lookup missed");
+  redisFree(c);
+}
+BENCHMARK(BM_LookupVsBareGet)->Arg(0)->Arg(1)->ArgName("tcp")->UseRealTime();
+
 // The store's Lookup (keyed keys, every value's Poly1305 tag checked) against
 // UnauthenticatedLookup, alternating call by call in one benchmark so both see the same moment of
 // this shared machine: the ratio bounds what the MAC costs a promotion (it also charges the
@@ -266,6 +313,19 @@ int main(int argc, char** argv) {
            "BM_HiredisPipelinedGet/tcp:0/copy:1/real_time"},
           {"Lookup 32 x 256 KiB, TCP loopback / bare GET + memcpy",
            "BM_StoreLookup/tcp:1/real_time", "BM_HiredisPipelinedGet/tcp:1/copy:1/real_time"},
+          // Issue 31: a load at 0.9 of bare pipelined GETs of the same values, interleaved.
+          {.label = "Lookup / bare hiredis GET, Unix socket (interleaved)",
+           .ours = "BM_LookupVsBareGet/tcp:0/real_time",
+           .baseline = "BM_LookupVsBareGet/tcp:0/real_time",
+           .target = 0.9,
+           .ours_counter = "lookup_ns",
+           .baseline_counter = "get_ns"},
+          {.label = "Lookup / bare hiredis GET, TCP loopback (interleaved)",
+           .ours = "BM_LookupVsBareGet/tcp:1/real_time",
+           .baseline = "BM_LookupVsBareGet/tcp:1/real_time",
+           .target = 0.9,
+           .ours_counter = "lookup_ns",
+           .baseline_counter = "get_ns"},
           // The MAC's cost to a promotion (issue 27: at most 10 %), in one run, interleaved.
           {.label = "Lookup with MAC / GET + xxh3 + memcpy, Unix socket (interleaved)",
            .ours = "BM_LookupVsUnauthenticated/tcp:0/real_time",

@@ -1,14 +1,18 @@
 // Host tier promotion bandwidth: kvpoold's engine promoting a 64-block prefix from the host tier
-// into fresh device blocks (host tier lookup into staging buffers, the copy into the pool on the
-// transfer stream, its fence, the publish), beside a bare memcpy of the same bytes, in one run.
+// into fresh device blocks (the host tier lookup, the copy into the pool on the transfer stream,
+// its fence, the publish), beside a bare memcpy of the same bytes, in one run.
 //
 //   build/release/bench/tier_bench --benchmark_repetitions=5
 //
-// The CPU backend: the "device" is host memory, so a promotion is two copies (tier slot ->
-// staging buffer -> pool block) plus the bookkeeping; the ratio says what share of memcpy
-// bandwidth a promotion reaches (0.5 would be two copies at memcpy speed). Blocks are the tiny
-// model's shape, 64 KiB (16 tokens x 4 layers x 4 KV heads x 64 dims x K,V x bf16); 64 of them, 4
-// MiB, are a 1,024-token prefix.
+// The CPU backend: the "device" is host memory, so a promotion is one copy (tier slot -> pool
+// block, issue 31; two before, through a staging buffer) plus the bookkeeping; the ratio says
+// what share of memcpy bandwidth a promotion reaches. Blocks are the tiny model's shape, 64 KiB
+// (16 tokens x 4 layers x 4 KV heads x 64 dims x K,V x bf16); 64 of them, 4 MiB, are a
+// 1,024-token prefix.
+//
+// Both sides see the same caches: the promotion takes kPrefixes prefixes in turn (64 MiB of tier
+// slots, twice the L3 of the machines this runs on), and the pool's free list hands it the same 64
+// blocks each time; the memcpy reads kPrefixes source regions in turn into one destination.
 
 #include <cstring>
 #include <memory>
@@ -24,6 +28,7 @@ namespace kvpool::daemon {
 namespace {
 
 constexpr int kPrefixBlocks = 64;
+constexpr int kPrefixes = 16;
 
 kernels::PoolLayout Layout() {
   return {.block_size = 16,
@@ -31,66 +36,98 @@ kernels::PoolLayout Layout() {
           .num_kv_heads = 4,
           .head_dim = 64,
           .dtype = kernels::DType::kBF16,
-          .num_blocks = 4 * kPrefixBlocks};
+          .num_blocks = 2 * kPrefixBlocks};
 }
 
-std::vector<int32_t> Prompt() {
+std::vector<int32_t> Prompt(int prefix) {
   std::vector<int32_t> tokens(kPrefixBlocks * 16);
-  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>((i * 7919) % 32000);
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    tokens[i] = static_cast<int32_t>((i * 7919 + static_cast<size_t>(prefix) * 104729) % 32000);
+  }
   return tokens;
 }
 
-void BM_PromoteFromHost(benchmark::State& state) {
-  kernels::CpuDevice device(1);
-  EngineOptions options;
-  options.pools = {{.name = "default", .layout = Layout()}};
-  options.tiers.host_blocks = 2 * kPrefixBlocks;
-  auto engine = std::move(*Engine::Create(options, &device, /*model=*/nullptr));
-  auto session = *engine->OpenSession(
-      {.client_name = "bench", .tenant = "t", .model = "m", .kv_access = true});
-  const std::vector<int32_t> prompt = Prompt();
-  const AllocateRequest request{.num_tokens = static_cast<int64_t>(prompt.size()),
-                                .prompt = prompt};
-  // Publish the prefix once; the host tier has it from then on.
-  Tables t = *engine->Allocate(*session, std::span(&request, 1), CallContext::Uncancellable());
-  SequenceId id = t.slices[0].sequence;
-  KVPOOL_CHECK_OK(
-      engine->Free(*session, std::span(&id, 1), OnFree::kCommit, CallContext::Uncancellable()));
-  KVPOOL_CHECK_OK(engine->FlushTiers(absl::Seconds(10)));
-  for (auto _ : state) {
-    state.PauseTiming();
-    KVPOOL_CHECK(engine->Evict(0, 0, /*all=*/true).ok());
-    state.ResumeTiming();
-    t = *engine->Allocate(*session, std::span(&request, 1), CallContext::Uncancellable());
-    state.PauseTiming();
+// An engine whose host tier holds kPrefixes prefixes, none of them in the pool.
+struct Promoter {
+  kernels::CpuDevice device{1};
+  std::unique_ptr<Engine> engine;
+  std::shared_ptr<const Session> session;
+  std::vector<std::vector<int32_t>> prompts;
+  int next = 0;
+
+  Promoter() {
+    EngineOptions options;
+    options.pools = {{.name = "default", .layout = Layout()}};
+    options.tiers.host_blocks = kPrefixes * kPrefixBlocks;
+    engine = std::move(*Engine::Create(options, &device, /*model=*/nullptr));
+    session = *engine->OpenSession(
+        {.client_name = "bench", .tenant = "t", .model = "m", .kv_access = true});
+    for (int p = 0; p < kPrefixes; ++p) {
+      prompts.push_back(Prompt(p));
+      const SequenceId id = Allocate(prompts.back()).slices[0].sequence;
+      KVPOOL_CHECK_OK(
+          engine->Free(*session, std::span(&id, 1), OnFree::kCommit, CallContext::Uncancellable()));
+      KVPOOL_CHECK_OK(engine->FlushTiers(absl::Seconds(10)));
+      KVPOOL_CHECK(engine->Evict(0, 0, /*all=*/true).ok());
+    }
+  }
+  Tables Allocate(std::span<const int32_t> prompt) {
+    const AllocateRequest request{.num_tokens = static_cast<int64_t>(prompt.size()),
+                                  .prompt = prompt};
+    return *engine->Allocate(*session, std::span(&request, 1), CallContext::Uncancellable());
+  }
+  // Promotes the next prefix (timed by the caller) and returns its sequence.
+  SequenceId Promote() {
+    const std::vector<int32_t>& prompt = prompts[static_cast<size_t>(next)];
+    next = (next + 1) % kPrefixes;
+    const Tables t = Allocate(prompt);
     KVPOOL_CHECK(t.slices[0].matched_tokens == static_cast<int64_t>(prompt.size()));
-    id = t.slices[0].sequence;
+    return t.slices[0].sequence;
+  }
+  // Untimed: frees it and empties the pool again.
+  void Reset(SequenceId id) {
     KVPOOL_CHECK_OK(
         engine->Free(*session, std::span(&id, 1), OnFree::kDiscard, CallContext::Uncancellable()));
+    KVPOOL_CHECK(engine->Evict(0, 0, /*all=*/true).ok());
+  }
+  void CheckPromoted(int64_t iterations) const {
+    KVPOOL_CHECK(engine->Stats().tiers.promoted_from_host >=
+                 static_cast<uint64_t>(iterations) * kPrefixBlocks);
+  }
+};
+
+// memcpy of one prefix's bytes from kPrefixes source regions in turn into one destination.
+struct Copier {
+  const size_t bytes = static_cast<size_t>(kPrefixBlocks * Layout().block_bytes());
+  std::vector<std::byte> src = std::vector<std::byte>(bytes * kPrefixes, std::byte{1});
+  std::vector<std::byte> dst = std::vector<std::byte>(bytes, std::byte{2});
+  int region = 0;
+
+  void Copy() {
+    std::memcpy(dst.data(), src.data() + static_cast<size_t>(region) * bytes, bytes);
+    benchmark::DoNotOptimize(dst.data());
+    benchmark::ClobberMemory();
+    region = (region + 1) % kPrefixes;
+  }
+};
+
+void BM_PromoteFromHost(benchmark::State& state) {
+  Promoter promoter;
+  for (auto _ : state) {
+    const SequenceId id = promoter.Promote();
+    state.PauseTiming();
+    promoter.Reset(id);
     state.ResumeTiming();
   }
-  const TierStats tiers = engine->Stats().tiers;
-  KVPOOL_CHECK(tiers.promoted_from_host >=
-               static_cast<uint64_t>(state.iterations()) * kPrefixBlocks);
+  promoter.CheckPromoted(state.iterations());
   state.SetBytesProcessed(state.iterations() * kPrefixBlocks * Layout().block_bytes());
 }
 BENCHMARK(BM_PromoteFromHost)->UseRealTime();
 
-// memcpy of the same 4 MiB per iteration, from and to memory the caches do not hold (16 pairs
-// of regions in turn, 128 MiB), as the promotion's tier slots and pool blocks are.
 void BM_Memcpy(benchmark::State& state) {
-  constexpr int kRegions = 16;
-  const size_t bytes = static_cast<size_t>(kPrefixBlocks * Layout().block_bytes());
-  std::vector<std::byte> src(bytes * kRegions, std::byte{1});
-  std::vector<std::byte> dst(bytes * kRegions, std::byte{2});
-  int region = 0;
-  for (auto _ : state) {
-    std::memcpy(dst.data() + region * bytes, src.data() + region * bytes, bytes);
-    benchmark::DoNotOptimize(dst.data());
-    benchmark::ClobberMemory();
-    region = (region + 1) % kRegions;
-  }
-  state.SetBytesProcessed(state.iterations() * static_cast<int64_t>(bytes));
+  Copier copier;
+  for (auto _ : state) copier.Copy();
+  state.SetBytesProcessed(state.iterations() * static_cast<int64_t>(copier.bytes));
 }
 BENCHMARK(BM_Memcpy)->UseRealTime();
 
@@ -100,6 +137,9 @@ BENCHMARK(BM_Memcpy)->UseRealTime();
 int main(int argc, char** argv) {
   return kvpool::bench::RunWithRatios(
       argc, argv,
-      {{"promote 64 x 64 KiB from the host tier / memcpy of 4 MiB", "BM_PromoteFromHost/real_time",
-        "BM_Memcpy/real_time", 0, kvpool::bench::RatioPair::Compare::kBandwidth}});
+      {
+          {"promote 64 x 64 KiB from the host tier / memcpy of 4 MiB",
+           "BM_PromoteFromHost/real_time", "BM_Memcpy/real_time", 0.9,
+           kvpool::bench::RatioPair::Compare::kBandwidth},
+      });
 }

@@ -5,6 +5,7 @@
 #include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "kvpool/util/check.h"
 #include "tier/internal/slot_lru.h"
 
 namespace kvpool::tier {
@@ -73,22 +74,16 @@ bool HostBlockStore::Put(const BlockSpace& space, const BlockToStore& block) {
     const Key key{space.ns.value(), space.layout_fingerprint, block.hash};
     if (auto it = index_.find(key); it != index_.end()) {
       ++stats_.already_present;
-      Unlink(it->second);
-      PushFront(it->second);
+      if (slots_[static_cast<size_t>(it->second)].pins == 0) {  // a pinned one is out of the list
+        Unlink(it->second);
+        PushFront(it->second);
+      }
       return true;
     }
-    int32_t slot;
-    if (!free_.empty()) {
-      slot = free_.back();
-      free_.pop_back();
-    } else if (unused_ < capacity_) {
-      slot = unused_++;
-    } else {
-      slot = tail_;  // the least recently used block makes room
-      Unlink(slot);
-      dropped = slots_[static_cast<size_t>(slot)].key;
-      index_.erase(*dropped);
-      ++evicted_;
+    const int32_t slot = TakeSlot(&dropped);
+    if (slot < 0) {
+      ++stats_.dropped_queue_full;  // every slot is pinned by a promotion's copy
+      return false;
     }
     Slot& s = slots_[static_cast<size_t>(slot)];
     s.key = key;
@@ -112,6 +107,34 @@ bool HostBlockStore::Put(const BlockSpace& space, const BlockToStore& block) {
   return true;
 }
 
+int32_t HostBlockStore::TakeSlot(std::optional<Key>* dropped) {
+  if (!free_.empty()) {
+    const int32_t slot = free_.back();
+    free_.pop_back();
+    return slot;
+  }
+  if (unused_ < capacity_) return unused_++;
+  // The least recently used block makes room. Pinned slots are not in the list: never taken.
+  const int32_t slot = tail_;
+  if (slot < 0) return -1;
+  Unlink(slot);
+  *dropped = slots_[static_cast<size_t>(slot)].key;
+  index_.erase(**dropped);
+  ++evicted_;
+  return slot;
+}
+
+int32_t HostBlockStore::FindInChain(const BlockSpace& space, const BlockHash& parent,
+                                    const BlockHash& hash) {
+  const auto it = index_.find(Key{space.ns.value(), space.layout_fingerprint, hash});
+  if (it == index_.end()) return -1;
+  if (slots_[static_cast<size_t>(it->second)].parent != parent) {
+    ++stats_.corrupt;  // another chain under this hash
+    return -1;
+  }
+  return it->second;
+}
+
 LookupResult HostBlockStore::LookupChecked(const BlockSpace& space, const BlockHash& parent,
                                            std::span<const BlockHash> hashes,
                                            std::span<const std::span<std::byte>> out) {
@@ -120,16 +143,18 @@ LookupResult HostBlockStore::LookupChecked(const BlockSpace& space, const BlockH
   ++stats_.lookups;
   const BlockHash* want_parent = &parent;
   for (size_t i = 0; i < hashes.size(); ++i) {
-    const auto it = index_.find(Key{space.ns.value(), space.layout_fingerprint, hashes[i]});
-    if (it == index_.end()) break;
-    const Slot& s = slots_[static_cast<size_t>(it->second)];
-    if (s.parent != *want_parent || static_cast<int64_t>(out[i].size()) != block_bytes_) {
-      ++stats_.corrupt;  // another chain under this hash, or a buffer of the wrong size
+    const int32_t slot = FindInChain(space, *want_parent, hashes[i]);
+    if (slot < 0) break;
+    if (static_cast<int64_t>(out[i].size()) != block_bytes_) {
+      ++stats_.corrupt;  // a buffer of the wrong size
       break;
     }
-    std::memcpy(out[i].data(), SlotBytes(it->second), static_cast<size_t>(block_bytes_));
-    Unlink(it->second);
-    PushFront(it->second);
+    const Slot& s = slots_[static_cast<size_t>(slot)];
+    std::memcpy(out[i].data(), SlotBytes(slot), static_cast<size_t>(block_bytes_));
+    if (s.pins == 0) {  // a pinned slot is out of the list until its last pin goes
+      Unlink(slot);
+      PushFront(slot);
+    }
     result.coverage.push_back(s.coverage);
     ++result.hits;
     want_parent = &hashes[i];
@@ -140,6 +165,66 @@ LookupResult HostBlockStore::LookupChecked(const BlockSpace& space, const BlockH
   return result;
 }
 
+HostBlockStore::Pins HostBlockStore::LookupPinned(const BlockSpace& space, const BlockHash& parent,
+                                                  std::span<const BlockHash> hashes) {
+  Pins pins;
+  pins.store_ = this;
+  absl::MutexLock lock(&mu_);
+  if (hashes.empty()) return pins;
+  ++stats_.lookups;
+  const BlockHash* want_parent = &parent;
+  for (size_t i = 0; i < hashes.size(); ++i) {
+    const int32_t slot = FindInChain(space, *want_parent, hashes[i]);
+    if (slot < 0) break;
+    Slot& s = slots_[static_cast<size_t>(slot)];
+    if (s.pins++ == 0) {
+      Unlink(slot);  // out of the LRU list: nothing evicts it while pinned
+      ++pinned_;
+    }
+    pins.slots_.push_back(slot);
+    want_parent = &hashes[i];
+  }
+  const int64_t hits = pins.size();
+  stats_.hits += static_cast<uint64_t>(hits);
+  stats_.misses += hashes.size() - static_cast<size_t>(hits);
+  stats_.bytes_read += static_cast<uint64_t>(hits * block_bytes_);
+  return pins;
+}
+
+void HostBlockStore::Unpin(std::span<const int32_t> slots) {
+  absl::MutexLock lock(&mu_);
+  for (const int32_t slot : slots) {
+    Slot& s = slots_[static_cast<size_t>(slot)];
+    KVPOOL_CHECK_MSG(s.pins > 0, "host tier: a slot unpinned more often than pinned");
+    if (--s.pins > 0) continue;
+    --pinned_;
+    if (s.used) {
+      PushFront(slot);  // just read: the most recently used
+    } else {
+      free_.push_back(slot);  // invalidated while pinned: free only now
+    }
+  }
+}
+
+HostBlockStore::Pins& HostBlockStore::Pins::operator=(Pins&& other) noexcept {
+  if (this != &other) {
+    Release();
+    store_ = std::exchange(other.store_, nullptr);
+    slots_ = std::move(other.slots_);
+  }
+  return *this;
+}
+
+std::span<const std::byte> HostBlockStore::Pins::block(size_t i) const {
+  KVPOOL_CHECK_MSG(i < slots_.size(), "host tier: pinned block index out of range");
+  return {store_->SlotBytes(slots_[i]), static_cast<size_t>(store_->block_bytes_)};
+}
+
+void HostBlockStore::Pins::Release() {
+  if (store_ != nullptr && !slots_.empty()) store_->Unpin(slots_);
+  slots_.clear();
+}
+
 int64_t HostBlockStore::Invalidate(const TagFilter& filter) {
   std::vector<Key> dropped;
   {
@@ -147,10 +232,11 @@ int64_t HostBlockStore::Invalidate(const TagFilter& filter) {
     for (int32_t slot = 0; slot < unused_; ++slot) {
       Slot& s = slots_[static_cast<size_t>(slot)];
       if (!s.used || !filter.Matches(s.tags)) continue;
-      Unlink(slot);
       index_.erase(s.key);
       dropped.push_back(s.key);
       s.used = false;
+      if (s.pins > 0) continue;  // out of the list; freed by its last unpin
+      Unlink(slot);
       free_.push_back(slot);
     }
   }
@@ -170,6 +256,11 @@ RemoteTierStats HostBlockStore::stats() const {
 uint64_t HostBlockStore::evicted() const {
   absl::MutexLock lock(&mu_);
   return evicted_;
+}
+
+int64_t HostBlockStore::pinned() const {
+  absl::MutexLock lock(&mu_);
+  return pinned_;
 }
 
 int64_t HostBlockStore::stored() const {

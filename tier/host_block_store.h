@@ -14,11 +14,21 @@
 // Thread-safe (one mutex; a Put or Lookup holds it for its memcpy, a few microseconds per block).
 // The daemon places the slots in page-locked memory on CUDA (the second Create); tests and the
 // replay let the store allocate its own.
+//
+// Pinned reads (LookupPinned): the daemon's promotions copy a hit straight from its slot into the
+// device pool (one copy, on the transfer stream), so the slot must keep its bytes until that copy
+// has run. A pinned slot is out of the LRU list: no Put evicts or overwrites it, an Invalidate
+// drops it from the index but frees it only when the last pin goes, and a Put of its key only
+// counts already_present. When every slot is pinned, a Put of a new block is dropped (counted in
+// dropped_queue_full: the store has no room now).
 
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
+#include <span>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -60,7 +70,39 @@ class HostBlockStore final : public RemoteTier {
   // dropped). Returns how many. O(capacity).
   int64_t Invalidate(const TagFilter& filter);
 
+  // Slots pinned by LookupPinned: move-only; their bytes stay as they are until Release (or
+  // destruction). REQUIRES at Release: nothing still reads them (the daemon waits for its copies'
+  // fence first, TierSet::Recycle). The store outlives its pins.
+  class Pins final {
+   public:
+    Pins() = default;
+    Pins(Pins&& other) noexcept
+        : store_(std::exchange(other.store_, nullptr)), slots_(std::move(other.slots_)) {}
+    Pins& operator=(Pins&& other) noexcept;
+    Pins(const Pins&) = delete;
+    Pins& operator=(const Pins&) = delete;
+    ~Pins() { Release(); }
+
+    int64_t size() const { return static_cast<int64_t>(slots_.size()); }
+    // Pinned block i's bytes (block_bytes() of them). REQUIRES: i < size() (checked).
+    std::span<const std::byte> block(size_t i) const;
+    // Unpins every slot; idempotent.
+    void Release();
+
+   private:
+    friend class HostBlockStore;
+    HostBlockStore* store_ = nullptr;
+    std::vector<int32_t> slots_;
+  };
+
+  // Lookup without a copy: pins the slots of the longest leading run of `hashes` (a chain after
+  // `parent`) the store holds, and touches them as a Lookup does. Counted as a Lookup. Never
+  // fails: a mismatch ends the run.
+  Pins LookupPinned(const BlockSpace& space, const BlockHash& parent,
+                    std::span<const BlockHash> hashes);
+
   int64_t capacity() const { return capacity_; }
+  int64_t pinned() const;  // slots pinned now (each counted once, however many pins it has)
   int64_t block_bytes() const { return block_bytes_; }
   int64_t stored() const;    // blocks held now
   uint64_t evicted() const;  // blocks dropped to make room, since creation
@@ -86,7 +128,8 @@ class HostBlockStore final : public RemoteTier {
     BlockHash parent;
     uint32_t coverage = 0;
     NamespaceTags tags;
-    bool used = false;
+    bool used = false;  // holds an indexed block
+    int32_t pins = 0;   // LookupPinned holds; > 0: out of the LRU list, never reused
     int32_t prev = -1;  // LRU list: prev is more recent, next less recent
     int32_t next = -1;
   };
@@ -98,6 +141,14 @@ class HostBlockStore final : public RemoteTier {
   }
   void Unlink(int32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PushFront(int32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The slot a new block goes to, and the key it drops to make room; -1 when every slot is
+  // pinned.
+  int32_t TakeSlot(std::optional<Key>* dropped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The slot for hashes[i] when it continues the chain, else -1 (counted corrupt when another
+  // chain holds the hash).
+  int32_t FindInChain(const BlockSpace& space, const BlockHash& parent, const BlockHash& hash)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Unpin(std::span<const int32_t> slots) ABSL_LOCKS_EXCLUDED(mu_);
 
   const int64_t capacity_;
   const int64_t block_bytes_;
@@ -114,6 +165,7 @@ class HostBlockStore final : public RemoteTier {
   std::vector<int32_t> free_ ABSL_GUARDED_BY(mu_);  // slots emptied by Invalidate
   RemoteTierStats stats_ ABSL_GUARDED_BY(mu_);
   uint64_t evicted_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t pinned_ ABSL_GUARDED_BY(mu_) = 0;  // slots with pins > 0
 };
 
 }  // namespace kvpool::tier

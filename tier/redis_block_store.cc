@@ -148,13 +148,19 @@ LookupResult RedisBlockStore::LookupChecked(const BlockSpace& space, const Block
     keys.push_back(space_keys.Key(hash));
     commands.push_back(RedisCommand{.args = {"GET", keys.back()}});
   }
-  PooledClient reader = AcquireReader();
-  // Each reply is checked, copied and freed as it arrives, so a lookup never holds more than
-  // one value beyond what hiredis buffers.
-  std::vector<bool> verified(hashes.size(), false);
-  std::vector<uint32_t> coverage(hashes.size(), 0);
+  // Each value is checked where hiredis read it and its payload copied into out[i] only when it
+  // passed (one copy; ValueSink), so a lookup never holds a value beyond hiredis's read buffer.
+  std::vector<ValueSink> sinks;
+  sinks.reserve(hashes.size());
   size_t first_miss = hashes.size();  // lowest index known not to be a hit
-  absl::Status failure;               // the first failed command's status
+  for (size_t i = 0; i < hashes.size(); ++i) {
+    sinks.push_back({this, &space, keys[i], &hashes[i], i == 0 ? &parent : &hashes[i - 1], out[i],
+                     i, &first_miss});
+    commands[i].sink = &sinks[i];
+  }
+  std::vector<bool> verified(hashes.size(), false);
+  absl::Status failure;  // the first failed command's status
+  PooledClient reader = AcquireReader();
   reader.client->Stream(commands, [&](size_t i, absl::StatusOr<RedisReply> reply) {
     if (!reply.ok()) {
       if (failure.ok() || (absl::IsUnavailable(reply.status()) && !absl::IsUnavailable(failure))) {
@@ -164,11 +170,16 @@ LookupResult RedisBlockStore::LookupChecked(const BlockSpace& space, const Block
       return;
     }
     if (i > first_miss) return;  // past a gap: never part of the prefix
-    const BlockHash& expected_parent = i == 0 ? parent : hashes[i - 1];
-    if (VerifyAndCopy(space, keys[i], hashes[i], expected_parent, **reply, out[i], &coverage[i])) {
+    ValueSink& sink = sinks[i];
+    if (!sink.taken && (**reply).type == REDIS_REPLY_STRING) {  // not offered to the sink
+      sink.verified =
+          VerifyAndCopy(space, keys[i], hashes[i], *sink.parent,
+                        std::string_view((**reply).str, (**reply).len), out[i], &sink.coverage);
+    }
+    if (sink.verified) {
       verified[i] = true;
     } else {
-      first_miss = std::min(first_miss, i);
+      first_miss = std::min(first_miss, i);  // nil (never stored, or evicted) or refused
     }
   });
   ReleaseReader(std::move(reader));
@@ -178,7 +189,7 @@ LookupResult RedisBlockStore::LookupChecked(const BlockSpace& space, const Block
     Log().debug("redis tier: lookup: {}", failure.message());
   }
   while (result.hits < static_cast<int64_t>(hashes.size()) && verified[result.hits]) {
-    result.coverage.push_back(coverage[result.hits]);
+    result.coverage.push_back(sinks[result.hits].coverage);
     counters_.bytes_read += out[result.hits].size();
     ++result.hits;
   }
@@ -187,24 +198,31 @@ LookupResult RedisBlockStore::LookupChecked(const BlockSpace& space, const Block
   return result;
 }
 
+bool RedisBlockStore::ValueSink::Take(std::string_view value) {
+  taken = true;
+  // Past a gap the value is never part of the prefix: dropped unchecked, as the reply would be.
+  if (index <= *first_miss) {
+    verified = store->VerifyAndCopy(*space, key, *hash, *parent, value, out, &coverage);
+  }
+  return true;
+}
+
 bool RedisBlockStore::VerifyAndCopy(const BlockSpace& space, std::string_view key,
                                     const BlockHash& hash, const BlockHash& parent,
-                                    const redisReply& reply, std::span<std::byte> out,
+                                    std::string_view value, std::span<std::byte> out,
                                     uint32_t* coverage) {
-  if (reply.type != REDIS_REPLY_STRING) return false;  // nil: never stored, or evicted
   const BlockExpectation expect{.layout_fingerprint = space.layout_fingerprint,
                                 .hash = hash,
                                 .parent = &parent,
                                 .payload_bytes = static_cast<int64_t>(out.size())};
   BlockHeader header;
   std::span<const std::byte> payload;
-  const BlockCheck check = CheckBlockValue(secret_, key, std::string_view(reply.str, reply.len),
-                                           expect, &header, &payload);
+  const BlockCheck check = CheckBlockValue(secret_, key, value, expect, &header, &payload);
   if (check != BlockCheck::kOk) {
     ++counters_.corrupt;
     if (check == BlockCheck::kMac) ++counters_.forged;
     Log().warn("redis tier: refused {}: {} ({} value bytes)", key, BlockCheckName(check),
-               reply.len);
+               value.size());
     return false;
   }
   std::memcpy(out.data(), payload.data(), payload.size());

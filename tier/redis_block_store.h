@@ -124,11 +124,39 @@ class RedisBlockStore final : public RemoteTier {
   void AddClientStats(PooledClient* pooled);
   // Feeds one round trip's outcome to the breaker, logging transitions.
   void ReportOutcome(const absl::Status& transport);
-  // Checks one GET reply for block `hash` and copies its payload into `out` when it passes;
-  // counts and logs a refusal. Returns whether it passed.
+  // Checks one GET's value for block `hash` and copies its payload into `out` when it passes
+  // (out is untouched otherwise); counts and logs a refusal. Returns whether it passed.
   bool VerifyAndCopy(const BlockSpace& space, std::string_view key, const BlockHash& hash,
-                     const BlockHash& parent, const redisReply& reply, std::span<std::byte> out,
+                     const BlockHash& parent, std::string_view value, std::span<std::byte> out,
                      uint32_t* coverage);
+  // One lookup's GET of block `index`: its value, where hiredis read it, goes through
+  // VerifyAndCopy straight into `out` (ReplySink), so the payload is copied once.
+  struct ValueSink final : ReplySink {
+    ValueSink(RedisBlockStore* store, const BlockSpace* space, std::string_view key,
+              const BlockHash* hash, const BlockHash* parent, std::span<std::byte> out,
+              size_t index, const size_t* first_miss)
+        : store(store),
+          space(space),
+          key(key),
+          hash(hash),
+          parent(parent),
+          out(out),
+          index(index),
+          first_miss(first_miss) {}
+    bool Take(std::string_view value) override;
+
+    RedisBlockStore* store;
+    const BlockSpace* space;
+    std::string_view key;
+    const BlockHash* hash;
+    const BlockHash* parent;  // the hash block `index` must follow
+    std::span<std::byte> out;
+    size_t index;
+    const size_t* first_miss;  // the lookup's: values past it are not checked
+    bool taken = false;        // the value came through Take
+    bool verified = false;     // it passed, and out holds its payload
+    uint32_t coverage = 0;
+  };
 
   void WriterLoop();
   void WriteBatch(std::vector<WriteItem>& batch);

@@ -39,8 +39,8 @@ class StandaloneClient final : public RedisClient {
       ++stats_.round_trips;
     }
     for (size_t i = 0; i < commands.size(); ++i) {
-      absl::StatusOr<RedisReply> reply =
-          status.ok() ? connection_->Read(deadline) : absl::StatusOr<RedisReply>(status);
+      absl::StatusOr<RedisReply> reply = status.ok() ? connection_->Read(deadline, commands[i].sink)
+                                                     : absl::StatusOr<RedisReply>(status);
       if (!reply.ok()) {
         status = reply.status();
         if (i == 0 && may_retry) {

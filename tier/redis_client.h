@@ -36,10 +36,22 @@ struct RedisReplyDeleter {
 // into statuses before a reply reaches a caller).
 using RedisReply = std::unique_ptr<redisReply, RedisReplyDeleter>;
 
+// Takes a command's bulk-string reply where hiredis read it (its read buffer), so a large value
+// is copied once, to where the sink wants it, rather than into a reply of its own first.
+class ReplySink {
+ public:
+  virtual ~ReplySink() = default;
+  // Called at most once per reply that is a bulk string, on the thread that runs the command;
+  // `value` is valid only during the call. Returns true when the sink took the value: the reply
+  // handed on is then an empty string (REDIS_REPLY_STRING, len 0); false: it carries the value.
+  virtual bool Take(std::string_view value) = 0;
+};
+
 // One command. The strings `args` point to must outlive the Execute call.
 struct RedisCommand {
   std::vector<std::string_view> args;  // args[0] is the command name
   int key_index = 1;                   // which arg is the key a cluster routes by; -1: none
+  ReplySink* sink = nullptr;           // when set, offered the reply if it is a bulk string
 };
 
 struct RedisClientStats {

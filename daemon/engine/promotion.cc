@@ -92,17 +92,44 @@ absl::StatusOr<Fence> Promotion::CopyHits(PoolState& pool, kernels::Device& devi
   const Sequence& seq = *pool.cache().Find(loader_);
   std::vector<BlockId> targets;
   absl::StatusOr<Fence> fence = carried;
+  // Host-tier hits whose slot and pool block both follow the previous one's go in one copy (a
+  // prefix stored at once sits in consecutive slots, and fresh blocks are often consecutive).
+  // Only within the host tier's arena and the pool's: staging buffers are allocations of their
+  // own, and a copy never spans two.
+  std::byte* run_dst = nullptr;
+  const std::byte* run_src = nullptr;
+  int64_t run_bytes = 0;
+  bool run_in_host = false;
+  auto flush = [&] {
+    if (run_bytes > 0 && fence.ok()) {
+      fence = device.CopyToDevice(kernels::StreamId::kTransfer, run_dst, run_src, run_bytes);
+    }
+    run_bytes = 0;
+  };
   for (size_t i = from; fence.ok() && i < upto_; ++i) {
     const BlockId block = seq.table[i];
-    void* dst = static_cast<std::byte*>(pool.view().base) + block.value() * block_bytes;
+    std::byte* dst = static_cast<std::byte*>(pool.view().base) + block.value() * block_bytes;
     // Block i of the prompt is hit i - local_: `from` >= local_ once re-validated.
-    fence = device.CopyToDevice(kernels::StreamId::kTransfer, dst,
-                                found_.block(i - local_, block_bytes).data(), block_bytes);
+    const size_t hit = i - local_;
+    const std::byte* src = found_.block(hit, block_bytes).data();
+    const bool in_host = hit < static_cast<size_t>(found_.from_host);
+    if (!in_host || !run_in_host || dst != run_dst + run_bytes || src != run_src + run_bytes) {
+      flush();
+      run_dst = dst;
+      run_src = src;
+      run_in_host = in_host;
+    }
+    run_bytes += block_bytes;
     targets.push_back(block);
   }
-  // Whatever was queued keeps its blocks out of the free list until it has run.
+  flush();
+  // Whatever was queued keeps its blocks out of the free list, and the tier slots and buffers it
+  // reads pinned (found_.reads, TierSet::Recycle), until it has run.
   const Fence queued = fence.ok() ? *fence : device.LastFence(kernels::StreamId::kTransfer);
-  if (!targets.empty()) KVPOOL_CHECK_OK(pool.cache().MarkInFlight(targets, queued));
+  if (!targets.empty()) {
+    KVPOOL_CHECK_OK(pool.cache().MarkInFlight(targets, queued));
+    found_.reads = queued;
+  }
   return fence;
 }
 

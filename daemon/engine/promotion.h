@@ -5,11 +5,14 @@
 // across two lock gaps, in the shape of Step (step.h):
 //
 //   Match    (engine lock)  the prompt's locally cached full blocks: `local`
-//   Lookup   (no lock)      the tiers, for the chain of full blocks after `local` (TierSet::Lookup)
+//   Lookup   (no lock)      the tiers, for the chain of full blocks after `local` (TierSet::Lookup:
+//                           host-tier hits are pinned in their slots, lower tiers' read into
+//                           staging buffers)
 //   Start    (engine lock)  re-validates what Match learned: a loader sequence (owned by no
 //                           session: kTierLoader) over the prompt's first `local + hits` blocks
 //                           adopts what is cached now and takes fresh blocks for the rest; the
-//                           hits are copied into the fresh ones on the transfer stream. When the
+//                           hits are copied into the fresh ones on the transfer stream, straight
+//                           from the host tier's slots (one copy per block). When the
 //                           local match shrank during the gap (an eviction), the hits no longer
 //                           join the cached prefix: Start says so (kRaced) and the engine looks
 //                           up again. When it grew, the hits it now covers are skipped.
@@ -70,8 +73,8 @@ class Promotion final {
   // the hold; after a failed Wait (`copied`) or a failed commit, frees the loader (counted) and
   // returns nullopt.
   std::optional<PromotionHold> Publish(EngineState& state, const absl::Status& copied);
-  // REQUIRES: no lock. Gives the lookup's buffers back to the tiers (safe to call at any point,
-  // more than once).
+  // REQUIRES: no lock. Gives the lookup's pinned slots and buffers back to the tiers once the
+  // copies that read them have run (safe to call at any point, more than once).
   void Recycle(TierSet& tiers);
 
   int64_t hits() const { return found_.hits; }

@@ -268,31 +268,39 @@ TierSet::Found TierSet::Lookup(NamespaceId ns, const BlockHash& parent,
     absl::MutexLock lock(&mu_);
     ++counters_.lookups;
   }
-  std::vector<std::span<std::byte>> out;
-  for (size_t i = 0; i < hashes.size(); ++i) {
-    std::unique_ptr<kernels::DeviceBuffer> buffer = TakeBuffer();
-    if (buffer == nullptr) break;  // look up as many as there are buffers for
-    out.emplace_back(static_cast<std::byte*>(buffer->data()), static_cast<size_t>(block_bytes_));
-    found.buffers.push_back(std::move(buffer));
-  }
-  if (out.size() < hashes.size()) {
-    absl::MutexLock lock(&mu_);
-    ++counters_.lookup_truncated;
-  }
-  if (out.empty()) return found;
-  hashes = hashes.first(out.size());
+  const int64_t granted = Reserve(static_cast<int64_t>(hashes.size()));
+  if (granted == 0) return found;
+  hashes = hashes.first(static_cast<size_t>(granted));
   const tier::BlockSpace space{ns, layout_fingerprint_};
   if (host_) {
-    const absl::StatusOr<tier::LookupResult> r = host_->Lookup(space, parent, hashes, out);
-    if (r.ok()) found.hits = found.from_host = r->hits;
+    found.host = host_->LookupPinned(space, parent, hashes);
+    found.hits = found.from_host = found.host.size();
   }
-  if (disk_ && found.hits < static_cast<int64_t>(hashes.size())) {
-    const int64_t got = LookupBelow(*disk_, space, parent, hashes, out, found.hits);
-    found.from_disk = got;
-    found.hits += got;
+  // Staging buffers for what the host tier did not have, when a tier below can fill them.
+  std::vector<std::span<std::byte>> out;
+  const size_t below = hashes.size() - static_cast<size_t>(found.hits);
+  if (below > 0 && (disk_ || remote_)) {
+    for (size_t i = 0; i < below; ++i) {
+      std::unique_ptr<kernels::DeviceBuffer> buffer = TakeBuffer();
+      if (buffer == nullptr) break;  // look up as many as there are buffers for
+      out.emplace_back(static_cast<std::byte*>(buffer->data()), static_cast<size_t>(block_bytes_));
+      found.buffers.push_back(std::move(buffer));
+    }
   }
-  if (remote_ && found.hits < static_cast<int64_t>(hashes.size())) {
-    found.hits += LookupBelow(*remote_, space, parent, hashes, out, found.hits);
+  {
+    absl::MutexLock lock(&mu_);  // the lookup blocks neither pinned nor buffered go back
+    lookup_held_ -= granted - found.from_host - static_cast<int64_t>(found.buffers.size());
+  }
+  if (out.empty()) return found;
+  const size_t at = static_cast<size_t>(found.hits);
+  const BlockHash& after = at == 0 ? parent : hashes[at - 1];
+  hashes = hashes.subspan(at, out.size());
+  if (disk_) {
+    found.from_disk = LookupBelow(*disk_, space, after, hashes, out, 0);
+    found.hits += found.from_disk;
+  }
+  if (remote_ && found.from_disk < static_cast<int64_t>(hashes.size())) {
+    found.hits += LookupBelow(*remote_, space, after, hashes, out, found.from_disk);
   }
   return found;
 }
@@ -307,11 +315,17 @@ int64_t TierSet::LookupBelow(tier::RemoteTier& store, const tier::BlockSpace& sp
   return r.ok() ? r->hits : 0;
 }
 
+int64_t TierSet::Reserve(int64_t want) {
+  absl::MutexLock lock(&mu_);
+  const int64_t granted = std::clamp<int64_t>(max_lookup_ - lookup_held_, 0, want);
+  if (granted < want) ++counters_.lookup_truncated;
+  lookup_held_ += granted;
+  return granted;
+}
+
 std::unique_ptr<kernels::DeviceBuffer> TierSet::TakeBuffer() {
   {
     absl::MutexLock lock(&mu_);
-    if (lookup_held_ >= max_lookup_) return nullptr;
-    ++lookup_held_;
     if (!spare_.empty()) {
       std::unique_ptr<kernels::DeviceBuffer> buffer = std::move(spare_.back());
       spare_.pop_back();
@@ -320,10 +334,7 @@ std::unique_ptr<kernels::DeviceBuffer> TierSet::TakeBuffer() {
   }
   absl::StatusOr<std::unique_ptr<kernels::DeviceBuffer>> made =
       device_->AllocateHostBuffer(block_bytes_);
-  if (made.ok()) return std::move(*made);
-  absl::MutexLock lock(&mu_);
-  --lookup_held_;
-  return nullptr;
+  return made.ok() ? std::move(*made) : nullptr;
 }
 
 void TierSet::GiveBack(std::unique_ptr<kernels::DeviceBuffer> buffer) {
@@ -332,11 +343,29 @@ void TierSet::GiveBack(std::unique_ptr<kernels::DeviceBuffer> buffer) {
 }
 
 void TierSet::Recycle(Found* found) {
+  if (!device_->HasPassed(found->reads)) {
+    // A copy queued from these slots and buffers may still run (a promotion that failed after
+    // queueing some): neither is reused before it has.
+    const absl::Status s = device_->Synchronize(found->reads);
+    if (!device_->HasPassed(found->reads)) {
+      Logger("daemon").error(
+          "tier: a promotion's copies never completed ({}): {} host slots and "
+          "{} buffers stay held",
+          s.ToString(), found->host.size(), found->buffers.size());
+      absl::MutexLock lock(&mu_);
+      kept_.push_back(std::move(*found));
+      *found = Found{};
+      return;
+    }
+  }
+  const int64_t pinned = found->host.size();
+  found->host.Release();
   absl::MutexLock lock(&mu_);
-  lookup_held_ -= static_cast<int64_t>(found->buffers.size());
+  lookup_held_ -= pinned + static_cast<int64_t>(found->buffers.size());
   for (auto& buffer : found->buffers) GiveBack(std::move(buffer));
   found->buffers.clear();
   found->hits = found->from_host = found->from_disk = 0;
+  found->reads = Fence{};
 }
 
 void TierSet::KeepInHost(NamespaceId ns, const BlockHash& parent, std::span<const BlockHash> hashes,
@@ -354,9 +383,11 @@ void TierSet::KeepInHost(NamespaceId ns, const BlockHash& parent, std::span<cons
 }
 
 std::span<const std::byte> TierSet::Found::block(size_t i, int64_t bytes) const {
-  KVPOOL_CHECK_MSG(i < static_cast<size_t>(hits) && i < buffers.size(),
-                   "tier lookup: hit index out of range");
-  return {static_cast<const std::byte*>(buffers[i]->data()), static_cast<size_t>(bytes)};
+  KVPOOL_CHECK_MSG(i < static_cast<size_t>(hits), "tier lookup: hit index out of range");
+  if (i < static_cast<size_t>(from_host)) return host.block(i);
+  const size_t b = i - static_cast<size_t>(from_host);
+  KVPOOL_CHECK_MSG(b < buffers.size(), "tier lookup: hit index out of range");
+  return {static_cast<const std::byte*>(buffers[b]->data()), static_cast<size_t>(bytes)};
 }
 
 void TierSet::CountRaced() {

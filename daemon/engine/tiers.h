@@ -57,8 +57,9 @@ struct TierOptions {
   tier::RedisTierOptions redis;  // L3; redis.enabled false: none
   // Device -> host copies waiting for the writer, at most (and at most kMaxStagedBytes of them).
   int64_t staged_blocks = 1024;
-  // Blocks all lookups in flight may hold in staging buffers at once (host memory, pinned on
-  // CUDA; at most kMaxStagedBytes of them); a lookup past it asks for fewer blocks (counted).
+  // Blocks all lookups in flight may hold at once: host-tier slots pinned until their copy ran,
+  // and staging buffers for the disk and remote tiers (host memory, pinned on CUDA; at most
+  // kMaxStagedBytes of them); a lookup past it asks for fewer blocks (counted).
   int64_t lookup_blocks = 512;
   bool enabled() const { return host_blocks > 0 || disk.enabled() || redis.enabled; }
 };
@@ -133,18 +134,26 @@ class TierSet final {
     int64_t hits = 0;       // leading blocks found
     int64_t from_host = 0;  // of which the host tier had the first ones
     int64_t from_disk = 0;  // and the disk tier the next ones (the remote tier the rest)
-    // Block i's bytes are buffers[i]'s first block_bytes() (i < hits); staging buffers, host
-    // memory pinned on CUDA, to give back with Recycle.
+    // Blocks [0, from_host) are read in place: the host tier's slots, pinned (no copy; the slots
+    // are page-locked on CUDA). Block i >= from_host is buffers[i - from_host]'s first
+    // block_bytes(): staging buffers, host memory pinned on CUDA. Both go back with Recycle.
+    tier::HostBlockStore::Pins host;
     std::vector<std::unique_ptr<kernels::DeviceBuffer>> buffers;
+    // The last queued copy that reads the blocks above (Promotion::CopyHits): Recycle lets the
+    // pins and buffers go only once it has passed.
+    Fence reads;
     // REQUIRES: i < hits (checked: an index from a stale match must never read past them).
     std::span<const std::byte> block(size_t i, int64_t bytes) const;
   };
   // Outside any lock: the longest leading run of `hashes` (a chain after `parent`) the tiers
-  // hold, L2 first, then the disk from where L2 stopped, then L3 from where the disk stopped. Never
-  // fails: a tier down or corrupt misses (and so does a run longer than the lookup buffers free
-  // now: lookup_blocks bounds them all).
+  // hold, L2 first (its slots pinned, not copied), then the disk from where L2 stopped, then L3
+  // from where the disk stopped (into staging buffers). Never fails: a tier down or corrupt misses
+  // (and so does a run longer than lookup_blocks allows now: it bounds the pinned slots and
+  // staging buffers of all lookups together).
   Found Lookup(NamespaceId ns, const BlockHash& parent, std::span<const BlockHash> hashes);
-  // Takes back a Lookup's buffers for later staging and lookups.
+  // Outside any lock: takes back a Lookup's pins and buffers, after waiting for found->reads (a
+  // slot or buffer is never reused while a stream still reads it). When that wait fails (a
+  // device error) the pins and buffers are kept for good, logged: leaked rather than reused.
   void Recycle(Found* found);
 
   // Offers found blocks [first, first + count) (promoted from the disk or the remote tier, so
@@ -206,8 +215,11 @@ class TierSet final {
   static int64_t LookupBelow(tier::RemoteTier& store, const tier::BlockSpace& space,
                              const BlockHash& parent, std::span<const BlockHash> hashes,
                              std::span<const std::span<std::byte>> out, int64_t from);
-  // A lookup buffer of one block: a spare one, or a new one; null when lookups hold max_lookup_
-  // already or none can be had.
+  // Up to `want` of the lookup blocks (max_lookup_ over all lookups) for one lookup; counts a
+  // truncation when it gets fewer.
+  int64_t Reserve(int64_t want) ABSL_LOCKS_EXCLUDED(mu_);
+  // A lookup buffer of one block (reserved already): a spare one, or a new one; null when none
+  // can be had.
   std::unique_ptr<kernels::DeviceBuffer> TakeBuffer() ABSL_LOCKS_EXCLUDED(mu_);
   void GiveBack(std::unique_ptr<kernels::DeviceBuffer> buffer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnStoreChange(KvMedium medium, const tier::BlockSpace& space, const BlockHash& hash,
@@ -230,13 +242,17 @@ class TierSet final {
   mutable absl::Mutex mu_;
   absl::CondVar changed_;
   std::deque<Staged> queue_ ABSL_GUARDED_BY(mu_);
-  int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;    // taken by the writer, not yet offered
-  int64_t lookup_held_ ABSL_GUARDED_BY(mu_) = 0;  // buffers lookups hold (until Recycle)
+  int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // taken by the writer, not yet offered
+  // Lookup blocks held (pinned slots and buffers, until Recycle).
+  int64_t lookup_held_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   TierStats counters_ ABSL_GUARDED_BY(mu_);
   std::vector<KvEvent> events_ ABSL_GUARDED_BY(mu_);
   // Staging buffers the writer is done with, for the next Stage (at most max_staged_ exist).
   std::vector<std::unique_ptr<kernels::DeviceBuffer>> spare_ ABSL_GUARDED_BY(mu_);
+  // Lookups whose copies never completed (Recycle): their slots stay pinned and their buffers
+  // held, and counted in lookup_held_, for the set's life. Declared after host_: released first.
+  std::vector<Found> kept_ ABSL_GUARDED_BY(mu_);
   std::function<void()> on_events_ ABSL_GUARDED_BY(mu_);
   int64_t telling_ ABSL_GUARDED_BY(mu_) = 0;  // disk-tier calls of on_events_ running now
   std::thread writer_;

@@ -13,6 +13,7 @@
 #include <span>
 #include <vector>
 
+#include "absl/synchronization/mutex.h"
 #include "daemon/engine/engine.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu_device.h"
@@ -37,12 +38,38 @@ class FailingDevice final : public kernels::Device {
   }
   absl::StatusOr<std::unique_ptr<kernels::DeviceBuffer>> AllocateHostBuffer(
       int64_t bytes) override {
-    return cpu_.AllocateHostBuffer(bytes);
+    absl::StatusOr<std::unique_ptr<kernels::DeviceBuffer>> made = cpu_.AllocateHostBuffer(bytes);
+    if (made.ok()) {
+      absl::MutexLock lock(&mu_);
+      host_buffers_.push_back({static_cast<const std::byte*>((*made)->data()), bytes});
+    }
+    return made;
   }
   absl::StatusOr<Fence> CopyToDevice(kernels::StreamId s, void* dst, const void* src,
                                      int64_t bytes) override {
     if (fail_copy_to_device) return absl::InternalError("injected: copy to device not queued");
+    {
+      absl::MutexLock lock(&mu_);
+      copies_to_device_.push_back({static_cast<const std::byte*>(src), bytes});
+    }
     return cpu_.CopyToDevice(s, dst, src, bytes);
+  }
+  // Host memory handed out by AllocateHostBuffer, and the sources of CopyToDevice, in order
+  // (tier tests: where a promotion copies from). Freed buffers stay listed.
+  struct Range {
+    const std::byte* begin = nullptr;
+    int64_t bytes = 0;
+    bool Contains(const Range& r) const {
+      return r.begin >= begin && r.begin + r.bytes <= begin + bytes;
+    }
+  };
+  std::vector<Range> host_buffers() const {
+    absl::MutexLock lock(&mu_);
+    return host_buffers_;
+  }
+  std::vector<Range> copies_to_device() const {
+    absl::MutexLock lock(&mu_);
+    return copies_to_device_;
   }
   absl::StatusOr<Fence> CopyToHost(kernels::StreamId s, void* dst, const void* src,
                                    int64_t bytes) override {
@@ -91,6 +118,9 @@ class FailingDevice final : public kernels::Device {
 
  private:
   kernels::CpuDevice cpu_{1};
+  mutable absl::Mutex mu_;
+  std::vector<Range> host_buffers_ ABSL_GUARDED_BY(mu_);
+  std::vector<Range> copies_to_device_ ABSL_GUARDED_BY(mu_);
 };
 
 // A model (the tiny one, say) with a hook that runs inside each step, while the engine's lock is

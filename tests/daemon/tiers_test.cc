@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <optional>
 #include <thread>
 
 #include "absl/synchronization/notification.h"
@@ -356,6 +357,87 @@ TEST_F(TiersTest, ASessionEndingDuringThePromotionLeavesNoHold) {
   EXPECT_EQ(tiers.promoted_from_host, 2u);  // copied and published, for whoever comes next
   EXPECT_EQ(tiers.promote_unused, 1u);
   EXPECT_EQ(engine_->Stats().cache.pool.cached, 2);
+  ExpectNoLoaderLeft();
+}
+
+// Issue 31: a host-tier hit is copied once, straight from its slot into the pool block. Before,
+// the lookup copied it into a staging buffer first and the device copied from there: every
+// source below was a one-block staging buffer, not the host tier's arena.
+TEST_F(TiersTest, AHostTierHitIsCopiedStraightFromItsSlot) {
+  const std::vector<int32_t> prompt = Prompt(48, 15);
+  PublishThenEvict(prompt, 150);
+  const int64_t block_bytes = arena_->block_bytes();
+  // The host tier's slots: the one host allocation of host_blocks blocks (TierSet::Create).
+  std::optional<testing::FailingDevice::Range> slots;
+  for (const auto& buffer : device_.host_buffers()) {
+    if (buffer.bytes == Options().tiers.host_blocks * block_bytes) slots = buffer;
+  }
+  ASSERT_TRUE(slots.has_value());
+  const size_t before = device_.copies_to_device().size();
+  const Tables t = Allocate(*alice_, prompt, 48);
+  ASSERT_EQ(t.slices[0].matched_tokens, 48);
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(Holds(t.blocks[static_cast<size_t>(i)], 150 + i)) << i;
+  const std::vector<testing::FailingDevice::Range> copies = device_.copies_to_device();
+  int64_t copied = 0;
+  for (size_t i = before; i < copies.size(); ++i) {
+    EXPECT_TRUE(slots->Contains(copies[i])) << "copy " << i << " is not from the host tier's slots";
+    copied += copies[i].bytes;
+  }
+  EXPECT_EQ(copied, 3 * block_bytes);  // each block once (consecutive ones in one copy)
+  EXPECT_EQ(engine_->Stats().tiers.promoted_from_host, 3u);
+}
+
+// Issue 31: a promotion copies straight from the host tier's slots, so a slot must keep its bytes
+// until that copy has run. Forced here: the tier writer stores new blocks (which, with nothing
+// pinned, evict and overwrite the promoted ones' slots) after the promotion looked its blocks up
+// and before its copy runs. With the slots pinned the promoted blocks hold what was published;
+// without the pins (LookupPinned not unlinking: tried by hand) they hold the newcomers' bytes.
+TEST_F(TiersTest, AHostSlotIsNotReusedWhileItsPromotionCopyIsQueued) {
+  EngineOptions options = Options();
+  options.tiers.host_blocks = 2;
+  absl::Notification release_stream;
+  options.lock_gap_hook = [&](LockGap g) {
+    if (g == LockGap::kPromotionCopy && armed_.exchange(false)) release_stream.Notify();
+  };
+  Make(options);
+  const std::vector<int32_t> promoted = Prompt(32, 13), newcomer = Prompt(32, 14);
+  PublishThenEvict(promoted, 130);  // both host slots hold it
+  // The transfer stream waits for the promotion's lock gap; the newcomer's copies out of the pool
+  // queue behind that, and then a task that lets the promotion's copies run only once the tier
+  // writer has offered the newcomer's blocks to the host tier.
+  ASSERT_TRUE(device_
+                  .EnqueueHostTask(kernels::StreamId::kTransfer,
+                                   [&] { release_stream.WaitForNotification(); })
+                  .ok());
+  const uint64_t puts = engine_->Stats().tiers.host_store.puts;
+  const Tables t = Allocate(*alice_, newcomer, 32);
+  arena_->Fill(t.blocks, 140);
+  const SequenceId id = t.slices[0].sequence;
+  ASSERT_TRUE(
+      engine_->Free(*alice_, std::span(&id, 1), OnFree::kCommit, CallContext::Uncancellable())
+          .ok());
+  ASSERT_TRUE(device_
+                  .EnqueueHostTask(kernels::StreamId::kTransfer,
+                                   [&] {
+                                     const absl::Time give_up = absl::Now() + absl::Seconds(10);
+                                     while (engine_->Stats().tiers.host_store.puts < puts + 2 &&
+                                            absl::Now() < give_up) {
+                                       absl::SleepFor(absl::Milliseconds(1));
+                                     }
+                                   })
+                  .ok());
+  Arm();
+  const Tables again = Allocate(*alice_, promoted, 32);
+  ASSERT_EQ(again.slices[0].matched_tokens, 32);
+  ASSERT_TRUE(engine_->FlushTiers(absl::Seconds(10)).ok());
+  const TierStats tiers = engine_->Stats().tiers;
+  EXPECT_EQ(tiers.host_store.puts, puts + 2);
+  EXPECT_EQ(tiers.promoted_from_host, 2u);
+  EXPECT_TRUE(Holds(again.blocks[0], 130));
+  EXPECT_TRUE(Holds(again.blocks[1], 131));
+  // Both slots were pinned when the newcomer came: it found no room.
+  EXPECT_EQ(tiers.host_store.dropped_queue_full, 2u);
+  EXPECT_EQ(tiers.host_store.written, 2u);
   ExpectNoLoaderLeft();
 }
 

@@ -147,5 +147,86 @@ TEST(HostBlockStoreTest, BadSizesAreRefused) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// Pinned reads (promotions copy straight from the slots): the bytes of a pinned slot stay as they
+// are, whatever is put meanwhile, and a full store of pinned slots drops new blocks instead.
+TEST(HostBlockStoreTest, PinnedSlotsAreNeitherEvictedNorOverwritten) {
+  auto store = *HostBlockStore::Create(3, kBlockBytes);
+  const auto chain = MakeChain(kSpace, 6, kBlockBytes, 6);
+  auto put = [&](size_t i) {
+    return store->Put(kSpace, {.hash = chain.hashes[i],
+                               .parent = i == 0 ? BlockHash{} : chain.hashes[i - 1],
+                               .coverage = 16,
+                               .bytes = chain.blocks[i]});
+  };
+  EXPECT_TRUE(put(0) && put(1) && put(2));  // block 0 is the least recently used
+  HostBlockStore::Pins pins = store->LookupPinned(kSpace, BlockHash{}, std::span(chain.hashes));
+  ASSERT_EQ(pins.size(), 3);
+  pins = store->LookupPinned(kSpace, BlockHash{}, std::span(chain.hashes).first(1));
+  ASSERT_EQ(pins.size(), 1);  // the move let blocks 1 and 2 go: only block 0 is pinned now
+  EXPECT_EQ(store->pinned(), 1);
+  EXPECT_EQ(store->stats().hits, 4u);
+  // Three new blocks: each evicts an unpinned one, never block 0's slot.
+  EXPECT_TRUE(put(3) && put(4) && put(5));
+  EXPECT_EQ(store->evicted(), 3u);
+  const std::span<const std::byte> pinned = pins.block(0);
+  EXPECT_TRUE(std::equal(pinned.begin(), pinned.end(), chain.blocks[0].begin()));
+  auto one = Buffers(1);
+  EXPECT_EQ(store->Lookup(kSpace, BlockHash{}, std::span(chain.hashes).first(1), Spans(one))->hits,
+            1);
+  // Every slot pinned: a new block has no room and is dropped (counted), nothing is overwritten.
+  HostBlockStore::Pins more =
+      store->LookupPinned(kSpace, chain.hashes[3], std::span(chain.hashes).subspan(4));
+  ASSERT_EQ(more.size(), 2);
+  EXPECT_EQ(store->pinned(), 3);
+  const std::vector<std::byte> other(kBlockBytes, std::byte{0x5a});
+  EXPECT_FALSE(store->Put(kSpace, {.hash = BlockHash{7, 7}, .coverage = 16, .bytes = other}));
+  EXPECT_EQ(store->stats().dropped_queue_full, 1u);
+  EXPECT_TRUE(put(5));  // already there: only counted
+  EXPECT_TRUE(std::equal(pinned.begin(), pinned.end(), chain.blocks[0].begin()));
+  // Unpinned, the slots are the most recently used again, and evictable.
+  more.Release();
+  pins.Release();
+  EXPECT_EQ(store->pinned(), 0);
+  EXPECT_TRUE(store->Put(kSpace, {.hash = BlockHash{7, 7}, .coverage = 16, .bytes = other}));
+  EXPECT_EQ(store->stored(), 3);
+}
+
+// An invalidation drops a pinned block from the index at once, but its slot is reused only after
+// the last pin goes.
+TEST(HostBlockStoreTest, AnInvalidatedPinnedSlotIsFreedByItsLastUnpin) {
+  auto store = *HostBlockStore::Create(2, kBlockBytes);
+  const auto chain = MakeChain(kSpace, 2, kBlockBytes, 7);
+  const NamespaceTags tags{.tenant = 1, .model = 2};
+  for (size_t i = 0; i < 2; ++i) {
+    ASSERT_TRUE(store->Put(kSpace, {.hash = chain.hashes[i],
+                                    .parent = i == 0 ? BlockHash{} : chain.hashes[i - 1],
+                                    .coverage = 16,
+                                    .bytes = chain.blocks[i],
+                                    .tags = tags}));
+  }
+  HostBlockStore::Pins pins = store->LookupPinned(kSpace, BlockHash{}, std::span(chain.hashes));
+  HostBlockStore::Pins twice =
+      store->LookupPinned(kSpace, BlockHash{}, std::span(chain.hashes).first(1));
+  ASSERT_EQ(pins.size(), 2);
+  EXPECT_EQ(store->Invalidate({.tenant = 1}), 2);
+  EXPECT_EQ(store->stored(), 0);
+  EXPECT_EQ(store->LookupPinned(kSpace, BlockHash{}, std::span(chain.hashes)).size(), 0);
+  // No slot is free while both are pinned: a new block is dropped, the pinned bytes stay.
+  const std::vector<std::byte> other(kBlockBytes, std::byte{0x77});
+  EXPECT_FALSE(store->Put(kSpace, {.hash = BlockHash{9, 9}, .coverage = 16, .bytes = other}));
+  pins.Release();  // block 1's slot is free now; block 0's is still pinned by `twice`
+  EXPECT_TRUE(store->Put(kSpace, {.hash = BlockHash{9, 9}, .coverage = 16, .bytes = other}));
+  // The next one takes that slot again (evicting block {9, 9}), never block 0's.
+  EXPECT_TRUE(store->Put(kSpace, {.hash = BlockHash{8, 8}, .coverage = 16, .bytes = other}));
+  EXPECT_EQ(store->evicted(), 1u);
+  const std::span<const std::byte> first = twice.block(0);
+  EXPECT_TRUE(std::equal(first.begin(), first.end(), chain.blocks[0].begin()));
+  twice.Release();
+  EXPECT_TRUE(store->Put(kSpace, {.hash = BlockHash{6, 6}, .coverage = 16, .bytes = other}));
+  EXPECT_EQ(store->stored(), 2);
+  EXPECT_EQ(store->evicted(), 1u);
+  EXPECT_EQ(store->pinned(), 0);
+}
+
 }  // namespace
 }  // namespace kvpool::tier

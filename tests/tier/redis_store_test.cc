@@ -7,6 +7,8 @@
 
 #include <chrono>
 #include <random>
+#include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
@@ -44,6 +46,55 @@ TEST_F(RedisStoreTest, RoundTripIsByteIdentical) {
   EXPECT_EQ(stats.bytes_read, static_cast<uint64_t>(8 * kBlockBytes));
   EXPECT_EQ(stats.breaker, BreakerState::kClosed);
   EXPECT_TRUE(store->CheckInvariants().ok());
+}
+
+// Issue 31: a GET's value goes to its command's ReplySink straight from hiredis's read buffer (the
+// store verifies it there and copies the payload once, into the caller's buffer); the reply
+// handed on is then empty, so no second copy of the value exists. Only a top-level bulk string
+// is offered: nil, error and array replies (and strings inside arrays) come through as before.
+TEST_F(RedisStoreTest, AReplySinkTakesABulkStringWhereHiredisReadIt) {
+  struct Sink final : ReplySink {
+    bool Take(std::string_view value) override {
+      taken.emplace_back(value);
+      return keep;
+    }
+    bool keep = true;
+    std::vector<std::string> taken;
+  };
+  std::string value(300 * 1024, 'v');
+  for (size_t i = 0; i < value.size(); i += 4099) value[i] = static_cast<char>('a' + i % 26);
+  ASSERT_TRUE(server_->Command({"SET", "k", value}).ok());
+  ASSERT_TRUE(server_->Command({"RPUSH", "list", "x"}).ok());
+  auto client = CreateRedisClient(server_->TierOptions());
+  ASSERT_TRUE(client.ok()) << client.status();
+  Sink sink;
+  const std::vector<RedisCommand> commands = {
+      {.args = {"GET", "k"}, .sink = &sink},
+      {.args = {"GET", "missing"}, .sink = &sink},
+      {.args = {"GET", "list"}, .sink = &sink},
+      {.args = {"MGET", "k", "k"}, .sink = &sink},
+      {.args = {"GET", "k"}},
+      {.args = {"PING"}, .key_index = -1, .sink = &sink},
+  };
+  std::vector<absl::StatusOr<RedisReply>> replies = (*client)->Execute(commands);
+  ASSERT_EQ(sink.taken.size(), 1u);  // the first GET's value only
+  EXPECT_TRUE(sink.taken[0] == value);
+  ASSERT_TRUE(replies[0].ok()) << replies[0].status();
+  EXPECT_EQ((*replies[0])->type, REDIS_REPLY_STRING);
+  EXPECT_EQ((*replies[0])->len, 0u) << "a value the sink took is not copied into the reply too";
+  EXPECT_EQ((*replies[1])->type, REDIS_REPLY_NIL);
+  EXPECT_FALSE(replies[2].ok());  // WRONGTYPE: an error, never offered
+  ASSERT_TRUE(replies[3].ok());
+  ASSERT_EQ((*replies[3])->elements, 2u);
+  EXPECT_EQ((*replies[3])->element[1]->len, value.size());
+  EXPECT_EQ((*replies[4])->len, value.size());  // no sink: the reply carries the value
+  EXPECT_EQ((*replies[5])->type, REDIS_REPLY_STATUS);
+  // A sink that declines leaves the value in the reply.
+  sink.keep = false;
+  replies = (*client)->Execute(std::span(commands).first(1));
+  ASSERT_EQ(sink.taken.size(), 2u);
+  ASSERT_TRUE(replies[0].ok());
+  EXPECT_EQ(std::string_view((*replies[0])->str, (*replies[0])->len), value);
 }
 
 TEST_F(RedisStoreTest, LookupReturnsTheLongestPrefixOfHits) {

@@ -168,8 +168,9 @@ void ClusterClient::ReadNode(std::span<const RedisCommand> commands,
   size_t answered = 0;
   for (const Pending& p : sent) {
     if (io_error.ok() && p.asking) io_error = connection->Read(deadline).status();  // ASKING's +OK
-    absl::StatusOr<RedisReply> reply =
-        io_error.ok() ? connection->Read(deadline) : absl::StatusOr<RedisReply>(io_error);
+    absl::StatusOr<RedisReply> reply = io_error.ok()
+                                           ? connection->Read(deadline, commands[p.index].sink)
+                                           : absl::StatusOr<RedisReply>(io_error);
     if (!reply.ok()) {
       io_error = reply.status();
       if (reused && answered == 0) {

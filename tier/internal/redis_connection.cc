@@ -8,6 +8,7 @@
 #include <mutex>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "kvpool/util/clock.h"
 
@@ -30,6 +31,30 @@ absl::Status DeadlinePassed(std::string_view address, std::string_view what) {
                                              std::string(what), ": the call's deadline passed"));
 }
 
+// hiredis's own reply functions, but for a top-level bulk string, which goes to the ReplySink the
+// reader's privdata names (Read sets it per reply; hiredis hands it to every task of the reply).
+// hiredis 0.14 and 1.x share createString's signature; the rest of the table is copied as is.
+const redisReplyObjectFunctions* g_hiredis_functions = nullptr;
+
+void* CreateString(const redisReadTask* task, char* str, size_t len) {
+  if (task->parent == nullptr && task->type == REDIS_REPLY_STRING && task->privdata != nullptr &&
+      static_cast<ReplySink*>(task->privdata)->Take(std::string_view(str, len))) {
+    return g_hiredis_functions->createString(task, str, 0);
+  }
+  return g_hiredis_functions->createString(task, str, len);
+}
+
+// The table every connection's reader uses, made once from hiredis's default one.
+redisReplyObjectFunctions* SinkFunctions(const redisReplyObjectFunctions* hiredis) {
+  static redisReplyObjectFunctions table = [hiredis] {
+    g_hiredis_functions = hiredis;
+    redisReplyObjectFunctions t = *hiredis;
+    t.createString = &CreateString;
+    return t;
+  }();
+  return &table;
+}
+
 }  // namespace
 
 int64_t CallDeadline(absl::Duration timeout) {
@@ -44,6 +69,7 @@ absl::StatusOr<std::unique_ptr<RedisConnection>> RedisConnection::Adopt(redisCon
     redisFree(c);
     return absl::UnavailableError(message);
   }
+  c->reader->fn = SinkFunctions(c->reader->fn);
   return absl::WrapUnique(new RedisConnection(c, std::move(address)));
 }
 
@@ -130,8 +156,12 @@ absl::Status RedisConnection::Flush(int64_t deadline) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<RedisReply> RedisConnection::Read(int64_t deadline) {
+absl::StatusOr<RedisReply> RedisConnection::Read(int64_t deadline, ReplySink* sink) {
   void* reply = nullptr;
+  // hiredis copies the reader's privdata into a reply's tasks when it starts parsing it: set for
+  // this reply, cleared again however the read ends.
+  context_->reader->privdata = sink;
+  const absl::Cleanup no_sink = [this] { context_->reader->privdata = nullptr; };
   if (broken() || redisGetReplyFromReader(context_, &reply) != REDIS_OK) {
     return IoError("read", deadline);
   }

@@ -47,9 +47,9 @@ class RedisConnection final {
   // Writes the output buffer before `deadline`. Errors: UNAVAILABLE (broken() afterwards).
   absl::Status Flush(int64_t deadline);
   // Reads the next reply before `deadline`; an error reply is returned as a reply (type
-  // REDIS_REPLY_ERROR). Errors: UNAVAILABLE on I/O error, timeout or a passed deadline
-  // (broken() afterwards).
-  absl::StatusOr<RedisReply> Read(int64_t deadline);
+  // REDIS_REPLY_ERROR). A bulk-string reply is offered to `sink` first, when given (ReplySink).
+  // Errors: UNAVAILABLE on I/O error, timeout or a passed deadline (broken() afterwards).
+  absl::StatusOr<RedisReply> Read(int64_t deadline, ReplySink* sink = nullptr);
   // Append + Flush + Read for one command, error replies turned into statuses (ReplyStatus).
   absl::StatusOr<RedisReply> Call(const RedisCommand& command, int64_t deadline);
 
