@@ -14,6 +14,7 @@
 #include "kvpool/util/status_macros.h"
 #include "model/internal/gemm.h"
 #include "model/internal/logits.h"
+#include "model/internal/ordered_matmul.h"
 #include "model/internal/skinny_matmul.h"
 #include "model/internal/ssm_mixer.h"
 #include "model/internal/step_layout.h"
@@ -117,14 +118,21 @@ void Rope(float* head, int32_t head_dim, const float* cos, const float* sin) {
 
 }  // namespace
 
-// Decode-sized products read each weight once (internal/skinny_matmul.h), larger ones go through
-// internal/gemm.h.
+// Decode-sized products read each weight once (internal/skinny_matmul.h; with state-space layers
+// internal/ordered_matmul.h, which sums as Gemm does), larger ones go through internal/gemm.h.
 void Model::Linear(const float* x, int64_t rows, const internal::HugeVector& w, int32_t out,
                    int32_t in, float* y, bool accumulate) {
   if (rows <= internal::kMaxSkinnyRows && !rows_independent_) {
     internal::SkinnyMatMul(x, static_cast<int32_t>(rows), w.data(), out, in, y, accumulate,
                            &threads_);
     return;
+  }
+  if (rows <= internal::kMaxSkinnyRows && internal::OrderedMatMulAvailable()) {
+    if (const auto packed = packed_.find(w.data()); packed != packed_.end()) {
+      internal::OrderedMatMul(x, static_cast<int32_t>(rows), packed->second.data(), out, in, y,
+                              accumulate, &threads_);
+      return;
+    }
   }
   std::vector<float>& scratch = scratch_->gemm;
   Reserve(scratch,
@@ -172,6 +180,7 @@ Model::Model(ModelWeights weights, const kernels::PoolLayout& layout, const Opti
     for (float a_log : L.ssm_a_log) a.push_back(-std::exp(a_log));
   }
   head_ = stack({config_.tie_word_embeddings ? &weights_.embed : &weights_.lm_head});
+  if (rows_independent_ && internal::OrderedMatMulAvailable()) PackForDecode();
   scratch_->prefill_workspace.resize(
       static_cast<size_t>(kernels::cpu::PrefillWorkspaceBytes(layout_, threads_.threads())));
   const int32_t half = config_.head_dim / 2;
@@ -182,6 +191,24 @@ Model::Model(ModelWeights weights, const kernels::PoolLayout& layout, const Opti
 }
 
 Model::~Model() = default;
+
+void Model::PackForDecode() {
+  const ModelConfig& c = config_;
+  const int32_t h = c.hidden_size, im = c.intermediate_size;
+  const int32_t qd = c.num_heads * c.head_dim, qkvd = qd + 2 * c.num_kv_heads * c.head_dim;
+  const auto pack = [&](const internal::HugeVector& w, int32_t out, int32_t in) {
+    if (!w.empty()) packed_.emplace(w.data(), internal::PackOrdered(w.data(), out, in));
+  };
+  for (size_t l = 0; l < wqkv_.size(); ++l) {
+    pack(wqkv_[l], qkvd, h);
+    pack(w_gate_up_[l], 2 * im, h);
+    pack(wo_[l], h, qd);
+    pack(w_down_[l], h, im);
+    pack(ssm_in_[l], static_cast<int32_t>(c.ssm.in_proj_dim()), h);
+    pack(ssm_out_[l], h, static_cast<int32_t>(c.ssm.inner()));
+  }
+  pack(head_, c.vocab_size, h);
+}
 
 int64_t Model::weight_bytes() const {
   int64_t n = static_cast<int64_t>(weights_.final_norm.size() + head_.size());

@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "kernels/pool_layout.h"
 #include "kernels/thread_pool.h"
@@ -74,6 +75,8 @@ class Model final : public StepModel {
   // A state-space layer's mixer (instead of attention): adds its output to the residual stream
   // and advances every sequence's state.
   void StateSpace(int32_t layer, int64_t num_tokens);
+  // Fills packed_.
+  void PackForDecode();
   // Where each sequence's rows and state are, for the scan.
   void PlanStates(std::span<const StepItem> items);
 
@@ -91,10 +94,14 @@ class Model final : public StepModel {
   std::vector<internal::HugeVector> ssm_in_;
   std::vector<internal::HugeVector> ssm_out_;
   std::vector<std::vector<float>> ssm_a_neg_;
-  // Every product goes through internal::Gemm (never SkinnyMatMul), whose sum per output is in
-  // the order of k whatever the rows: with state-space layers, a sequence computed in chunks
-  // equals one computed at once, bit for bit (on Gemm's vector path: AVX2 or AVX-512).
+  // With state-space layers every product sums each output in the order of k whatever the rows
+  // (internal::Gemm's vector path, and for decode-sized products internal::OrderedMatMul over
+  // the k-major copies in packed_, never SkinnyMatMul): a sequence computed in chunks equals one
+  // computed at once, bit for bit (AVX2 or AVX-512; without them every product is OpenBLAS's).
   bool rows_independent_ = false;
+  // PackOrdered copies of every matrix above, by the address of its data (rows_independent_ with
+  // AVX2 or AVX-512 only; the row-major originals serve Gemm).
+  absl::flat_hash_map<const float*, internal::HugeVector> packed_;
   // The output head ([vocab][hidden]): lm_head, or embed when tied (token embeddings are then
   // read from here too).
   internal::HugeVector head_;
