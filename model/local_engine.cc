@@ -8,6 +8,11 @@ namespace kvpool::model {
 absl::StatusOr<std::unique_ptr<LocalEngine>> LocalEngine::Create(ModelWeights weights,
                                                                  const Options& options) {
   const ModelConfig config = weights.config;
+  if (config.num_state_layers() > 0 && options.prefix_cache) {
+    return absl::InvalidArgumentError(
+        "prefix_cache with state-space layers: a cached prefix has no state to resume from (no "
+        "checkpoints yet, docs/hybrid-groups.md §4); set prefix_cache = false");
+  }
   kernels::PoolLayout shape{.block_size = options.block_size,
                             .num_layers = config.num_layers,
                             .num_kv_heads = config.num_kv_heads,
@@ -56,11 +61,26 @@ absl::StatusOr<std::vector<ItemResult>> LocalEngine::Run(const DevicePlan& plan,
     status = fence.ok() ? device_->Synchronize(*fence) : fence.status();
   }
   std::vector<StepItem> step;
-  for (const PlannedItem& item : items) step.push_back(item.AsStepItem());
+  const int64_t state_floats = model_->state_bytes() / static_cast<int64_t>(sizeof(float));
+  for (const PlannedItem& item : items) {
+    StepItem& it = step.emplace_back(item.AsStepItem());
+    if (state_floats == 0) continue;
+    // A sequence this step creates starts from the state of no tokens.
+    if (item.created) states_[item.sequence].assign(static_cast<size_t>(state_floats), 0.0f);
+    const auto found = states_.find(item.sequence);
+    if (found == states_.end() && status.ok()) {
+      status = absl::FailedPreconditionError(fmt::format(
+          "sequence {} has no state (it was not made by this engine)", item.sequence.value()));
+    }
+    if (found != states_.end()) it.state = found->second;
+  }
   std::vector<ItemResult> results;
   if (status.ok()) status = model_->Step(view_, step, options, &results);
   if (!status.ok()) {
-    for (const PlannedItem& item : items) UndoItem(*cache_, kSession, item);
+    for (const PlannedItem& item : items) {
+      UndoItem(*cache_, kSession, item);
+      if (item.created) states_.erase(item.sequence);
+    }
     return status;
   }
   for (const PlannedItem& item : items) KVPOOL_RETURN_IF_ERROR(FinishItem(*cache_, kSession, item));
@@ -89,6 +109,10 @@ absl::StatusOr<std::vector<ItemResult>> LocalEngine::Decode(std::span<const Deco
 absl::StatusOr<SequenceId> LocalEngine::Fork(SequenceId sequence) {
   DevicePlan plan;
   KVPOOL_ASSIGN_OR_RETURN(SequenceId child, cache_->Fork(kSession, sequence, &plan));
+  if (const auto parent = states_.find(sequence); parent != states_.end()) {
+    std::vector<float> copy = parent->second;
+    states_[child] = std::move(copy);
+  }
   if (!plan.empty()) {
     KVPOOL_ASSIGN_OR_RETURN(Fence fence, executor_->Execute(plan));
     KVPOOL_RETURN_IF_ERROR(device_->Synchronize(fence));
@@ -97,7 +121,29 @@ absl::StatusOr<SequenceId> LocalEngine::Fork(SequenceId sequence) {
 }
 
 absl::Status LocalEngine::Free(SequenceId sequence, bool commit) {
-  return cache_->Free(kSession, sequence, commit ? OnFree::kCommit : OnFree::kDiscard);
+  KVPOOL_RETURN_IF_ERROR(
+      cache_->Free(kSession, sequence, commit ? OnFree::kCommit : OnFree::kDiscard));
+  states_.erase(sequence);
+  return absl::OkStatus();
+}
+
+absl::Status LocalEngine::Truncate(SequenceId sequence, int64_t num_tokens) {
+  if (model_->state_bytes() > 0) {
+    const Sequence* seq = cache_->Find(sequence);
+    if (seq != nullptr && seq->session == kSession && seq->num_tokens != num_tokens) {
+      return absl::FailedPreconditionError(fmt::format(
+          "sequence {} cannot be truncated from {} to {} tokens: its state-space layers hold "
+          "the state after token {} only, and no checkpoint of an earlier state exists",
+          sequence.value(), seq->num_tokens, num_tokens, seq->num_tokens));
+    }
+  }
+  return cache_->Truncate(kSession, sequence, num_tokens);
+}
+
+std::span<const float> LocalEngine::state(SequenceId sequence) const {
+  const auto found = states_.find(sequence);
+  if (found == states_.end()) return {};
+  return found->second;
 }
 
 }  // namespace kvpool::model

@@ -6,6 +6,11 @@
 // kvpoold drives them (minus RPC, sessions and cross-client batching). Tests hold the daemon's
 // results, and the GPU's, to it; benchmarks measure the daemon against it.
 //
+// A model with state-space layers gets one state slot per sequence (StepItem::state), made with
+// the sequence, copied by Fork and dropped by Free: docs/hybrid-groups.md §6 step 1, over a pool
+// that still keeps every token. Without checkpoints such a model has no prefix cache and cannot
+// rewind (Create and Truncate refuse).
+//
 // All sequences belong to one session in one namespace. Thread-compatible.
 
 #include <cstdint>
@@ -13,6 +18,7 @@
 #include <span>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "kernels/backend.h"
 #include "kernels/device.h"
@@ -37,8 +43,9 @@ class LocalEngine final {
     int device_ordinal = 0;
   };
 
-  // Errors: INVALID_ARGUMENT (a model the options' layout cannot hold), RESOURCE_EXHAUSTED;
-  // CreateDevice's and CreateStepModel's (UNAVAILABLE for CUDA without a GPU).
+  // Errors: INVALID_ARGUMENT (a model the options' layout cannot hold, prefix_cache with
+  // state-space layers: a cached prefix has no state to resume from until checkpoints exist),
+  // RESOURCE_EXHAUSTED; CreateDevice's and CreateStepModel's (UNAVAILABLE for CUDA without a GPU).
   static absl::StatusOr<std::unique_ptr<LocalEngine>> Create(ModelWeights weights,
                                                              const Options& options);
   ~LocalEngine();
@@ -55,9 +62,17 @@ class LocalEngine final {
   // One step for every input (one batched model step). Errors as PlanDecode and Model::Step.
   absl::StatusOr<std::vector<ItemResult>> Decode(std::span<const DecodeInput> inputs,
                                                  const StepOptions& options = {});
-  // Errors as KvCacheManager::Fork / Free.
+  // Errors as KvCacheManager::Fork / Free. Fork copies the sequence's state.
   absl::StatusOr<SequenceId> Fork(SequenceId sequence);
   absl::Status Free(SequenceId sequence, bool commit);
+  // Rewinds `sequence` to `num_tokens` (KvCacheManager::Truncate). With state-space layers only
+  // its current length is accepted: FAILED_PRECONDITION for any other (the state of an earlier
+  // token is gone: no checkpoint exists). Errors as KvCacheManager::Truncate; nothing changes on
+  // error.
+  absl::Status Truncate(SequenceId sequence, int64_t num_tokens);
+  // The sequence's state (every state-space layer's, StepItem::state's layout); empty for an
+  // unknown sequence or a model without state-space layers.
+  std::span<const float> state(SequenceId sequence) const;
 
   KvCacheManager& cache() { return *cache_; }
   StepModel& model() { return *model_; }
@@ -83,6 +98,8 @@ class LocalEngine final {
   std::unique_ptr<KvCacheManager> cache_;
   std::unique_ptr<kernels::PlanExecutor> executor_;
   std::unique_ptr<StepModel> model_;
+  // One state per live sequence (models with state-space layers), state_bytes() / 4 floats.
+  absl::flat_hash_map<SequenceId, std::vector<float>> states_;
 };
 
 }  // namespace kvpool::model

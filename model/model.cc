@@ -14,7 +14,9 @@
 #include "kvpool/util/status_macros.h"
 #include "model/internal/gemm.h"
 #include "model/internal/logits.h"
+#include "model/internal/ordered_matmul.h"
 #include "model/internal/skinny_matmul.h"
+#include "model/internal/ssm_mixer.h"
 #include "model/internal/step_layout.h"
 
 namespace kvpool::model {
@@ -38,6 +40,17 @@ struct Model::Scratch {
   internal::StepLayout step;            // rows, tables and lengths of the step (decode items first)
   std::vector<char> prefill_workspace;  // kernels::cpu::PrefillWorkspaceBytes
   std::vector<float> gemm;              // internal::GemmScratchFloats
+  // State-space layers.
+  std::vector<float> ssm_proj;       // [tokens][in_proj_dim]: z, x, B, C, dt
+  std::vector<float> ssm_xbc;        // [tokens][conv_dim] after the conv
+  std::vector<float> ssm_x;          // [tokens][ssm heads][head_dim]
+  std::vector<float> ssm_b;          // [tokens][groups][d_state]
+  std::vector<float> ssm_c;          // same
+  std::vector<float> ssm_dt;         // [tokens][ssm heads]
+  std::vector<float> ssm_y;          // [tokens][inner]
+  std::vector<int32_t> seq_starts;   // [sequences + 1]: each sequence's rows, in row order
+  std::vector<float*> seq_states;    // [sequences]: its state (every layer's)
+  std::vector<float*> layer_states;  // [sequences]: one layer's scan state
 
   // Steps in a row that needed under a quarter of the tokens (or items) the buffers hold.
   static constexpr int kTrimAfterSmallSteps = 8;
@@ -49,7 +62,8 @@ struct Model::Scratch {
     auto bytes = [](const auto& v) { return static_cast<int64_t>(v.capacity() * sizeof(v[0])); };
     return bytes(x) + bytes(xn) + bytes(qkv) + bytes(q) + bytes(attn) + bytes(k) + bytes(v) +
            bytes(gate_up) + bytes(act) + bytes(cos) + bytes(sin) + bytes(last) + bytes(logits) +
-           bytes(gemm);
+           bytes(gemm) + bytes(ssm_proj) + bytes(ssm_xbc) + bytes(ssm_x) + bytes(ssm_b) +
+           bytes(ssm_c) + bytes(ssm_dt) + bytes(ssm_y);
   }
 
   // After a step of `tokens` tokens and `items` items.
@@ -60,8 +74,9 @@ struct Model::Scratch {
     small_steps = small ? small_steps + 1 : 0;
     if (small_steps < kTrimAfterSmallSteps) return;
     // The next step allocates what it needs (once).
-    for (std::vector<float>* f :
-         {&x, &xn, &qkv, &q, &attn, &k, &v, &gate_up, &act, &cos, &sin, &last, &logits, &gemm}) {
+    for (std::vector<float>* f : {&x,        &xn,      &qkv,   &q,     &attn,  &k,      &v,
+                                  &gate_up,  &act,     &cos,   &sin,   &last,  &logits, &gemm,
+                                  &ssm_proj, &ssm_xbc, &ssm_x, &ssm_b, &ssm_c, &ssm_dt, &ssm_y}) {
       std::vector<float>().swap(*f);
     }
     peak_tokens = tokens;
@@ -103,14 +118,21 @@ void Rope(float* head, int32_t head_dim, const float* cos, const float* sin) {
 
 }  // namespace
 
-// Decode-sized products read each weight once (internal/skinny_matmul.h), larger ones go through
-// internal/gemm.h.
+// Decode-sized products read each weight once (internal/skinny_matmul.h; with state-space layers
+// internal/ordered_matmul.h, which sums as Gemm does), larger ones go through internal/gemm.h.
 void Model::Linear(const float* x, int64_t rows, const internal::HugeVector& w, int32_t out,
                    int32_t in, float* y, bool accumulate) {
-  if (rows <= internal::kMaxSkinnyRows) {
+  if (rows <= internal::kMaxSkinnyRows && !rows_independent_) {
     internal::SkinnyMatMul(x, static_cast<int32_t>(rows), w.data(), out, in, y, accumulate,
                            &threads_);
     return;
+  }
+  if (rows <= internal::kMaxSkinnyRows && internal::OrderedMatMulAvailable()) {
+    if (const auto packed = packed_.find(w.data()); packed != packed_.end()) {
+      internal::OrderedMatMul(x, static_cast<int32_t>(rows), packed->second.data(), out, in, y,
+                              accumulate, &threads_);
+      return;
+    }
   }
   std::vector<float>& scratch = scratch_->gemm;
   Reserve(scratch,
@@ -135,6 +157,7 @@ Model::Model(ModelWeights weights, const kernels::PoolLayout& layout, const Opti
       weights_(std::move(weights)),
       threads_(options.threads),
       scratch_(std::make_unique<Scratch>()) {
+  rows_independent_ = config_.num_state_layers() > 0;
   const auto stack = [](std::initializer_list<std::vector<float>*> parts) {
     size_t n = 0;
     for (const std::vector<float>* p : parts) n += p->size();
@@ -151,8 +174,13 @@ Model::Model(ModelWeights weights, const kernels::PoolLayout& layout, const Opti
     w_gate_up_.push_back(stack({&L.w_gate, &L.w_up}));
     wo_.push_back(stack({&L.wo}));
     w_down_.push_back(stack({&L.w_down}));
+    ssm_in_.push_back(stack({&L.ssm_in}));
+    ssm_out_.push_back(stack({&L.ssm_out}));
+    std::vector<float>& a = ssm_a_neg_.emplace_back();
+    for (float a_log : L.ssm_a_log) a.push_back(-std::exp(a_log));
   }
   head_ = stack({config_.tie_word_embeddings ? &weights_.embed : &weights_.lm_head});
+  if (rows_independent_ && internal::OrderedMatMulAvailable()) PackForDecode();
   scratch_->prefill_workspace.resize(
       static_cast<size_t>(kernels::cpu::PrefillWorkspaceBytes(layout_, threads_.threads())));
   const int32_t half = config_.head_dim / 2;
@@ -164,12 +192,33 @@ Model::Model(ModelWeights weights, const kernels::PoolLayout& layout, const Opti
 
 Model::~Model() = default;
 
+void Model::PackForDecode() {
+  const ModelConfig& c = config_;
+  const int32_t h = c.hidden_size, im = c.intermediate_size;
+  const int32_t qd = c.num_heads * c.head_dim, qkvd = qd + 2 * c.num_kv_heads * c.head_dim;
+  const auto pack = [&](const internal::HugeVector& w, int32_t out, int32_t in) {
+    if (!w.empty()) packed_.emplace(w.data(), internal::PackOrdered(w.data(), out, in));
+  };
+  for (size_t l = 0; l < wqkv_.size(); ++l) {
+    pack(wqkv_[l], qkvd, h);
+    pack(w_gate_up_[l], 2 * im, h);
+    pack(wo_[l], h, qd);
+    pack(w_down_[l], h, im);
+    pack(ssm_in_[l], static_cast<int32_t>(c.ssm.in_proj_dim()), h);
+    pack(ssm_out_[l], h, static_cast<int32_t>(c.ssm.inner()));
+  }
+  pack(head_, c.vocab_size, h);
+}
+
 int64_t Model::weight_bytes() const {
   int64_t n = static_cast<int64_t>(weights_.final_norm.size() + head_.size());
   for (size_t l = 0; l < weights_.layers.size(); ++l) {
     const LayerWeights& L = weights_.layers[l];
     n += static_cast<int64_t>(wqkv_[l].size() + w_gate_up_[l].size() + wo_[l].size() +
-                              w_down_[l].size() + L.attn_norm.size() + L.mlp_norm.size());
+                              w_down_[l].size() + L.attn_norm.size() + L.mlp_norm.size() +
+                              ssm_in_[l].size() + ssm_out_[l].size() + L.ssm_conv.size() +
+                              L.ssm_conv_bias.size() + L.ssm_dt_bias.size() + L.ssm_a_log.size() +
+                              L.ssm_d.size() + L.ssm_norm.size());
   }
   return n * static_cast<int64_t>(sizeof(float));
 }
@@ -204,6 +253,7 @@ absl::Status Model::RunStep(const kernels::KvPoolView& pool, std::span<const Ste
     }
   }
 
+  if (c.num_state_layers() > 0) PlanStates(items);
   for (int32_t layer = 0; layer < c.num_layers; ++layer) Layer(layer, pool, n);
 
   // The prediction after each item's last token.
@@ -277,13 +327,38 @@ void Model::Layer(int32_t layer, const kernels::KvPoolView& pool, int64_t n) {
   const ModelConfig& c = config_;
   const LayerWeights& L = weights_.layers[static_cast<size_t>(layer)];
   Scratch& s = *scratch_;
+  const int32_t h = c.hidden_size, im = c.intermediate_size;
+  const size_t nt = static_cast<size_t>(n);
+
+  if (c.kind(layer) == LayerKind::kStateSpace) {
+    StateSpace(layer, n);
+  } else {
+    SelfAttention(layer, pool, n);
+  }
+
+  // MLP.
+  RmsNorm(s.x.data(), n, h, L.mlp_norm, c.rms_norm_eps, s.xn.data());
+  Reserve(s.gate_up, nt * 2 * static_cast<size_t>(im));
+  Reserve(s.act, nt * static_cast<size_t>(im));
+  Linear(s.xn.data(), n, w_gate_up_[static_cast<size_t>(layer)], 2 * im, h, s.gate_up.data());
+  for (size_t t = 0; t < nt; ++t) {
+    const float* g = &s.gate_up[t * 2 * static_cast<size_t>(im)];
+    const float* u = g + im;
+    float* a = &s.act[t * static_cast<size_t>(im)];
+    for (int32_t i = 0; i < im; ++i) a[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+  }
+  Linear(s.act.data(), n, w_down_[static_cast<size_t>(layer)], h, im, s.x.data(),
+         /*accumulate=*/true);
+}
+
+void Model::SelfAttention(int32_t layer, const kernels::KvPoolView& pool, int64_t n) {
+  const ModelConfig& c = config_;
+  const LayerWeights& L = weights_.layers[static_cast<size_t>(layer)];
+  Scratch& s = *scratch_;
   const int32_t h = c.hidden_size, hd = c.head_dim, half = hd / 2;
   const int32_t qd = c.num_heads * hd, kvd = c.num_kv_heads * hd, qkvd = qd + 2 * kvd;
-  const int32_t im = c.intermediate_size;
   const size_t nt = static_cast<size_t>(n);
   const size_t kv_row = static_cast<size_t>(kvd);
-
-  // Attention.
   RmsNorm(s.x.data(), n, h, L.attn_norm, c.rms_norm_eps, s.xn.data());
   Reserve(s.qkv, nt * static_cast<size_t>(qkvd));
   Linear(s.xn.data(), n, wqkv_[static_cast<size_t>(layer)], qkvd, h, s.qkv.data());
@@ -312,19 +387,96 @@ void Model::Layer(int32_t layer, const kernels::KvPoolView& pool, int64_t n) {
   Attention(layer, pool);
   Linear(s.attn.data(), n, wo_[static_cast<size_t>(layer)], h, qd, s.x.data(),
          /*accumulate=*/true);
+}
 
-  // MLP.
-  RmsNorm(s.x.data(), n, h, L.mlp_norm, c.rms_norm_eps, s.xn.data());
-  Reserve(s.gate_up, nt * 2 * static_cast<size_t>(im));
-  Reserve(s.act, nt * static_cast<size_t>(im));
-  Linear(s.xn.data(), n, w_gate_up_[static_cast<size_t>(layer)], 2 * im, h, s.gate_up.data());
-  for (size_t t = 0; t < nt; ++t) {
-    const float* g = &s.gate_up[t * 2 * static_cast<size_t>(im)];
-    const float* u = g + im;
-    float* a = &s.act[t * static_cast<size_t>(im)];
-    for (int32_t i = 0; i < im; ++i) a[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+// Rows are grouped by item (StepLayout: decode items first, then prefill items); the scan wants
+// each sequence's rows in order, with its state.
+void Model::PlanStates(std::span<const StepItem> items) {
+  Scratch& s = *scratch_;
+  std::vector<std::pair<int32_t, size_t>> first;  // (first row, item)
+  first.reserve(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    const auto rows = static_cast<int32_t>(items[i].tokens.size());
+    first.emplace_back(s.step.last_rows[i] - rows + 1, i);
   }
-  Linear(s.act.data(), n, w_down_[static_cast<size_t>(layer)], h, im, s.x.data(),
+  std::sort(first.begin(), first.end());
+  s.seq_starts.clear();
+  s.seq_states.clear();
+  for (const auto& [row, i] : first) {
+    s.seq_starts.push_back(row);
+    s.seq_states.push_back(items[i].state.data());
+  }
+  s.seq_starts.push_back(static_cast<int32_t>(s.step.num_tokens));
+}
+
+void Model::StateSpace(int32_t layer, int64_t n) {
+  const ModelConfig& c = config_;
+  const SsmConfig& m = c.ssm;
+  const LayerWeights& L = weights_.layers[static_cast<size_t>(layer)];
+  Scratch& s = *scratch_;
+  const int32_t h = c.hidden_size;
+  const auto inner = static_cast<int32_t>(m.inner()), proj = static_cast<int32_t>(m.in_proj_dim());
+  const int64_t conv_dim = m.conv_dim(), bc = int64_t{m.num_groups} * m.d_state;
+  const size_t nt = static_cast<size_t>(n);
+  // This layer's state within each sequence's: the layers before it that have one come first.
+  int64_t offset = 0;
+  for (int32_t l = 0; l < layer; ++l) {
+    offset += c.kind(l) == LayerKind::kStateSpace ? m.state_floats() : 0;
+  }
+
+  RmsNorm(s.x.data(), n, h, L.attn_norm, c.rms_norm_eps, s.xn.data());
+  Reserve(s.ssm_proj, nt * static_cast<size_t>(proj));
+  Linear(s.xn.data(), n, ssm_in_[static_cast<size_t>(layer)], proj, h, s.ssm_proj.data());
+  // Per sequence: the conv over x, B and C with the inputs it carries.
+  Reserve(s.ssm_xbc, nt * static_cast<size_t>(conv_dim));
+  const size_t seqs = s.seq_states.size();
+  for (size_t q = 0; q < seqs; ++q) {
+    const int64_t r0 = s.seq_starts[q], r1 = s.seq_starts[q + 1];
+    internal::SsmConv(m, &s.ssm_proj[static_cast<size_t>(r0 * proj + inner)], proj, r1 - r0,
+                      L.ssm_conv.data(), L.ssm_conv_bias.data(), s.seq_states[q] + offset,
+                      &s.ssm_xbc[static_cast<size_t>(r0 * conv_dim)]);
+  }
+  // The scan's operands, each contiguous per token.
+  Reserve(s.ssm_x, nt * static_cast<size_t>(inner));
+  Reserve(s.ssm_b, nt * static_cast<size_t>(bc));
+  Reserve(s.ssm_c, nt * static_cast<size_t>(bc));
+  Reserve(s.ssm_dt, nt * static_cast<size_t>(m.num_heads));
+  Reserve(s.ssm_y, nt * static_cast<size_t>(inner));
+  for (size_t t = 0; t < nt; ++t) {
+    const float* xbc = &s.ssm_xbc[t * static_cast<size_t>(conv_dim)];
+    std::copy_n(xbc, inner, &s.ssm_x[t * static_cast<size_t>(inner)]);
+    std::copy_n(xbc + inner, bc, &s.ssm_b[t * static_cast<size_t>(bc)]);
+    std::copy_n(xbc + inner + bc, bc, &s.ssm_c[t * static_cast<size_t>(bc)]);
+    const float* dt = &s.ssm_proj[t * static_cast<size_t>(proj) + static_cast<size_t>(inner) +
+                                  static_cast<size_t>(conv_dim)];
+    for (int32_t hd = 0; hd < m.num_heads; ++hd) {
+      s.ssm_dt[t * static_cast<size_t>(m.num_heads) + static_cast<size_t>(hd)] =
+          internal::SsmSoftplus(dt[hd], L.ssm_dt_bias[static_cast<size_t>(hd)]);
+    }
+  }
+  s.layer_states.resize(seqs);
+  for (size_t q = 0; q < seqs; ++q) {
+    s.layer_states[q] = s.seq_states[q] + offset + m.conv_state_floats();
+  }
+  KVPOOL_CHECK_OK(kernels::cpu::SsmScan({.num_seqs = static_cast<int32_t>(seqs),
+                                         .num_heads = m.num_heads,
+                                         .head_dim = m.head_dim,
+                                         .d_state = m.d_state,
+                                         .num_groups = m.num_groups,
+                                         .starts = s.seq_starts.data(),
+                                         .x = s.ssm_x.data(),
+                                         .dt = s.ssm_dt.data(),
+                                         .a_log_neg = ssm_a_neg_[static_cast<size_t>(layer)].data(),
+                                         .b = s.ssm_b.data(),
+                                         .c = s.ssm_c.data(),
+                                         .d = L.ssm_d.data(),
+                                         .states = s.layer_states.data(),
+                                         .y = s.ssm_y.data()},
+                                        &threads_));
+  // Gate, norm (into ssm_x, free now) and the output projection into the residual stream.
+  internal::SsmGatedNorm(m, s.ssm_y.data(), s.ssm_proj.data(), proj, n, L.ssm_norm.data(),
+                         c.rms_norm_eps, s.ssm_x.data());
+  Linear(s.ssm_x.data(), n, ssm_out_[static_cast<size_t>(layer)], h, inner, s.x.data(),
          /*accumulate=*/true);
 }
 

@@ -16,6 +16,9 @@
 // steps) and internal/gemm.h (larger ones; OpenBLAS without AVX2), the KV kernels are
 // kernels::cpu. The pool memory must be host-visible.
 //
+// State-space layers (LayerKind::kStateSpace, Mamba-2) replace attention by a mixer whose
+// history is one state per sequence, kept by the caller (StepItem::state) and advanced in place.
+//
 // Thread-compatible: one Step at a time (the daemon runs steps in order on its runner thread).
 
 #include <cstdint>
@@ -24,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "kernels/pool_layout.h"
 #include "kernels/thread_pool.h"
@@ -65,7 +69,16 @@ class Model final : public StepModel {
   void Linear(const float* x, int64_t rows, const internal::HugeVector& w, int32_t out, int32_t in,
               float* y, bool accumulate = false);
   void Layer(int32_t layer, const kernels::KvPoolView& pool, int64_t num_tokens);
+  // An attention layer's mixer: q, k, v, the K/V write, attention, o_proj into the residual.
+  void SelfAttention(int32_t layer, const kernels::KvPoolView& pool, int64_t num_tokens);
   void Attention(int32_t layer, const kernels::KvPoolView& pool);
+  // A state-space layer's mixer (instead of attention): adds its output to the residual stream
+  // and advances every sequence's state.
+  void StateSpace(int32_t layer, int64_t num_tokens);
+  // Fills packed_.
+  void PackForDecode();
+  // Where each sequence's rows and state are, for the scan.
+  void PlanStates(std::span<const StepItem> items);
 
   const ModelConfig config_;
   const kernels::PoolLayout layout_;
@@ -77,6 +90,18 @@ class Model final : public StepModel {
   std::vector<internal::HugeVector> w_gate_up_;
   std::vector<internal::HugeVector> wo_;
   std::vector<internal::HugeVector> w_down_;
+  // State-space layers (empty for attention ones): in_proj, out_proj, and A = -exp(A_log).
+  std::vector<internal::HugeVector> ssm_in_;
+  std::vector<internal::HugeVector> ssm_out_;
+  std::vector<std::vector<float>> ssm_a_neg_;
+  // With state-space layers every product sums each output in the order of k whatever the rows
+  // (internal::Gemm's vector path, and for decode-sized products internal::OrderedMatMul over
+  // the k-major copies in packed_, never SkinnyMatMul): a sequence computed in chunks equals one
+  // computed at once, bit for bit (AVX2 or AVX-512; without them every product is OpenBLAS's).
+  bool rows_independent_ = false;
+  // PackOrdered copies of every matrix above, by the address of its data (rows_independent_ with
+  // AVX2 or AVX-512 only; the row-major originals serve Gemm).
+  absl::flat_hash_map<const float*, internal::HugeVector> packed_;
   // The output head ([vocab][hidden]): lm_head, or embed when tied (token embeddings are then
   // read from here too).
   internal::HugeVector head_;

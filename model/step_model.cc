@@ -1,7 +1,11 @@
 #include "model/step_model.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "fmt/format.h"
 #include "kernels/backend.h"
@@ -32,18 +36,55 @@ absl::Status CheckWeights(const ModelWeights& w) {
     return absl::InvalidArgumentError(
         fmt::format("weights: {} layers, the config says {}", w.layers.size(), c.num_layers));
   }
+  const SsmConfig& m = c.ssm;
   for (size_t l = 0; l < w.layers.size(); ++l) {
     const LayerWeights& L = w.layers[l];
     const std::string p = fmt::format("layers.{}.", l);
+    // A layer holds its kind's tensors and none of the other kind's.
+    const bool ssm = c.kind(static_cast<int32_t>(l)) == LayerKind::kStateSpace;
     KVPOOL_RETURN_IF_ERROR(CheckSize(L.attn_norm, h, p + "attn_norm"));
     KVPOOL_RETURN_IF_ERROR(CheckSize(L.mlp_norm, h, p + "mlp_norm"));
-    KVPOOL_RETURN_IF_ERROR(CheckSize(L.wq, q * h, p + "wq"));
-    KVPOOL_RETURN_IF_ERROR(CheckSize(L.wk, kv * h, p + "wk"));
-    KVPOOL_RETURN_IF_ERROR(CheckSize(L.wv, kv * h, p + "wv"));
-    KVPOOL_RETURN_IF_ERROR(CheckSize(L.wo, h * q, p + "wo"));
+    KVPOOL_RETURN_IF_ERROR(CheckSize(L.wq, ssm ? 0 : q * h, p + "wq"));
+    KVPOOL_RETURN_IF_ERROR(CheckSize(L.wk, ssm ? 0 : kv * h, p + "wk"));
+    KVPOOL_RETURN_IF_ERROR(CheckSize(L.wv, ssm ? 0 : kv * h, p + "wv"));
+    KVPOOL_RETURN_IF_ERROR(CheckSize(L.wo, ssm ? 0 : h * q, p + "wo"));
+    KVPOOL_RETURN_IF_ERROR(CheckSize(L.ssm_in, ssm ? m.in_proj_dim() * h : 0, p + "ssm_in"));
+    KVPOOL_RETURN_IF_ERROR(
+        CheckSize(L.ssm_conv, ssm ? m.conv_dim() * m.conv_width : 0, p + "ssm_conv"));
+    KVPOOL_RETURN_IF_ERROR(CheckSize(L.ssm_conv_bias, ssm ? m.conv_dim() : 0, p + "ssm_conv_bias"));
+    KVPOOL_RETURN_IF_ERROR(CheckSize(L.ssm_dt_bias, ssm ? m.num_heads : 0, p + "ssm_dt_bias"));
+    KVPOOL_RETURN_IF_ERROR(CheckSize(L.ssm_a_log, ssm ? m.num_heads : 0, p + "ssm_a_log"));
+    KVPOOL_RETURN_IF_ERROR(CheckSize(L.ssm_d, ssm ? m.num_heads : 0, p + "ssm_d"));
+    KVPOOL_RETURN_IF_ERROR(CheckSize(L.ssm_norm, ssm ? m.inner() : 0, p + "ssm_norm"));
+    KVPOOL_RETURN_IF_ERROR(CheckSize(L.ssm_out, ssm ? h * m.inner() : 0, p + "ssm_out"));
     KVPOOL_RETURN_IF_ERROR(CheckSize(L.w_gate, im * h, p + "w_gate"));
     KVPOOL_RETURN_IF_ERROR(CheckSize(L.w_up, im * h, p + "w_up"));
     KVPOOL_RETURN_IF_ERROR(CheckSize(L.w_down, h * im, p + "w_down"));
+  }
+  return absl::OkStatus();
+}
+
+// With state-space layers: every item brings a state of the model's size, and no two overlap
+// (each step updates its items' states in place).
+absl::Status CheckStates(const ModelConfig& config, std::span<const StepItem> items) {
+  const int64_t floats = config.state_bytes() / static_cast<int64_t>(sizeof(float));
+  if (floats == 0) return absl::OkStatus();
+  std::vector<std::pair<uintptr_t, size_t>> spans;  // (address of the state, item)
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (static_cast<int64_t>(items[i].state.size()) != floats) {
+      return absl::InvalidArgumentError(
+          fmt::format("step: item {} has a state of {} floats; the model's state-space layers "
+                      "need {}",
+                      i, items[i].state.size(), floats));
+    }
+    spans.emplace_back(reinterpret_cast<uintptr_t>(items[i].state.data()), i);
+  }
+  std::sort(spans.begin(), spans.end());
+  for (size_t k = 1; k < spans.size(); ++k) {
+    if (spans[k].first < spans[k - 1].first + static_cast<uintptr_t>(floats) * sizeof(float)) {
+      return absl::InvalidArgumentError(
+          fmt::format("step: items {} and {} share a state", spans[k - 1].second, spans[k].second));
+    }
   }
   return absl::OkStatus();
 }
@@ -63,6 +104,7 @@ absl::Status CheckStep(const ModelConfig& config, const kernels::PoolLayout& lay
     return absl::InvalidArgumentError(
         fmt::format("step: top_k {} outside [0, {}]", options.top_k, config.vocab_size));
   }
+  KVPOOL_RETURN_IF_ERROR(CheckStates(config, items));
   for (size_t i = 0; i < items.size(); ++i) {
     const StepItem& it = items[i];
     if (it.tokens.empty()) {
@@ -137,6 +179,11 @@ absl::StatusOr<std::unique_ptr<StepModel>> CreateStepModel(ModelWeights weights,
     return std::unique_ptr<StepModel>(std::move(model));
   }
   KVPOOL_RETURN_IF_ERROR(CheckModel(weights, layout));
+  if (weights.config.num_state_layers() > 0) {
+    // (No device model computes a state-space layer yet; the host model does.)
+    return absl::UnimplementedError(fmt::format(
+        "model on {}: state-space layers run on the host (cpu) backend only", device->name()));
+  }
   KVPOOL_ASSIGN_OR_RETURN(const kernels::BackendReg* backend, kernels::BackendOf(*device));
   if (backend->create_model == nullptr) {
     return absl::UnavailableError(

@@ -33,6 +33,12 @@ struct StepItem {
   const SamplingParams* sampling = nullptr;
   // The tokens its penalties count (the sequence's last kPenaltyWindow, this step's included).
   std::span<const int32_t> history;
+  // The sequence's state-space state (docs/hybrid-groups.md §3: a per-sequence slot outside the
+  // pool): ModelConfig::state_bytes() / 4 floats, every state-space layer's in layer order, the
+  // state after the sequence's first `start` tokens; the step leaves it after start +
+  // tokens.size(). Zeros are the state of no tokens. Owned by the caller; two items never share
+  // one. Ignored (may be empty) for a model without state-space layers.
+  std::span<float> state;
 };
 
 struct StepOptions {
@@ -64,14 +70,17 @@ class StepModel {
   virtual std::string where() const = 0;
   // Weight bytes one step reads (f32): the figure decode bandwidth is measured against.
   virtual int64_t weight_bytes() const = 0;
+  // Bytes of one sequence's state (StepItem::state); 0 without state-space layers.
+  int64_t state_bytes() const { return config().state_bytes(); }
 
   // Runs one step: writes the K/V of every new token into `pool` and returns one result per
-  // item, in order. Items must name disjoint blocks for their new tokens (two sequences never
-  // write the same slot). Errors: INVALID_ARGUMENT (empty step or item, a token outside the
-  // vocabulary, a table too short, a block outside the pool, a layout other than the model's,
-  // top_k outside [0, vocab], sampling parameters out of range), checked before anything is
-  // written; nothing in the pool changes
-  // then. INTERNAL when the device fails (the pool's blocks of the step are then undefined).
+  // item, in order; updates every item's state in place (models with state-space layers). Items
+  // must name disjoint blocks for their new tokens (two sequences never write the same slot).
+  // Errors: INVALID_ARGUMENT (empty step or item, a token outside the vocabulary, a table too
+  // short, a block outside the pool, a layout other than the model's, top_k outside [0, vocab],
+  // sampling parameters out of range, a state of the wrong size or shared by two items), checked
+  // before anything is written; nothing in the pool or the states changes then. INTERNAL when
+  // the device fails (the pool's blocks and the states of the step are then undefined).
   absl::Status Step(const kernels::KvPoolView& pool, std::span<const StepItem> items,
                     const StepOptions& options, std::vector<ItemResult>* results);
 
@@ -89,7 +98,8 @@ absl::Status CheckModel(const ModelWeights& weights, const kernels::PoolLayout& 
 // The step model for `device`: Model on a host-visible device (threads: its kernel threads, 0 =
 // hardware concurrency), else the device's backend model (CUDA: weights uploaded to the GPU,
 // matrix products through cuBLAS). Errors: CheckModel's; UNAVAILABLE when the backend cannot run
-// a model (no cuBLAS, say, with why); RESOURCE_EXHAUSTED when the weights do not fit.
+// a model (no cuBLAS, say, with why); UNIMPLEMENTED for state-space layers on a device that is
+// not host-visible; RESOURCE_EXHAUSTED when the weights do not fit.
 absl::StatusOr<std::unique_ptr<StepModel>> CreateStepModel(ModelWeights weights,
                                                            const kernels::PoolLayout& layout,
                                                            kernels::Device* device, int threads);

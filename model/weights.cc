@@ -24,7 +24,8 @@ using nlohmann::json;
 
 // Every tensor of a checkpoint with its transformers name and [out][in] shape, bound to the
 // vector that holds it. `Weights` is ModelWeights (loading) or const ModelWeights (saving);
-// weights.layers must already hold config.num_layers entries. Each layer has kTensorsPerLayer.
+// weights.layers must already hold config.num_layers entries. Each layer has at least
+// kTensorsPerLayer (an attention layer that many, a state-space layer more).
 constexpr int64_t kTensorsPerLayer = 9;
 template <typename Weights>
 auto TensorSlots(Weights& weights) {
@@ -42,14 +43,28 @@ auto TensorSlots(Weights& weights) {
   const int64_t inter = c.intermediate_size;
   std::vector<Slot> slots;
   slots.push_back({"model.embed_tokens.weight", {c.vocab_size, hidden}, &weights.embed});
+  const SsmConfig& m = c.ssm;
   for (size_t i = 0; i < weights.layers.size(); ++i) {
     auto& layer = weights.layers[i];
     const std::string p = absl::StrCat("model.layers.", i, ".");
     slots.push_back({p + "input_layernorm.weight", {hidden}, &layer.attn_norm});
-    slots.push_back({p + "self_attn.q_proj.weight", {q_width, hidden}, &layer.wq});
-    slots.push_back({p + "self_attn.k_proj.weight", {kv_width, hidden}, &layer.wk});
-    slots.push_back({p + "self_attn.v_proj.weight", {kv_width, hidden}, &layer.wv});
-    slots.push_back({p + "self_attn.o_proj.weight", {hidden, q_width}, &layer.wo});
+    if (c.kind(static_cast<int32_t>(i)) == LayerKind::kStateSpace) {
+      // Bamba's (and Granite 4.0 hybrid's) names for the Mamba-2 mixer.
+      slots.push_back({p + "mamba.in_proj.weight", {m.in_proj_dim(), hidden}, &layer.ssm_in});
+      slots.push_back(
+          {p + "mamba.conv1d.weight", {m.conv_dim(), 1, m.conv_width}, &layer.ssm_conv});
+      slots.push_back({p + "mamba.conv1d.bias", {m.conv_dim()}, &layer.ssm_conv_bias});
+      slots.push_back({p + "mamba.dt_bias", {m.num_heads}, &layer.ssm_dt_bias});
+      slots.push_back({p + "mamba.A_log", {m.num_heads}, &layer.ssm_a_log});
+      slots.push_back({p + "mamba.D", {m.num_heads}, &layer.ssm_d});
+      slots.push_back({p + "mamba.norm.weight", {m.inner()}, &layer.ssm_norm});
+      slots.push_back({p + "mamba.out_proj.weight", {hidden, m.inner()}, &layer.ssm_out});
+    } else {
+      slots.push_back({p + "self_attn.q_proj.weight", {q_width, hidden}, &layer.wq});
+      slots.push_back({p + "self_attn.k_proj.weight", {kv_width, hidden}, &layer.wk});
+      slots.push_back({p + "self_attn.v_proj.weight", {kv_width, hidden}, &layer.wv});
+      slots.push_back({p + "self_attn.o_proj.weight", {hidden, q_width}, &layer.wo});
+    }
     slots.push_back({p + "post_attention_layernorm.weight", {hidden}, &layer.mlp_norm});
     slots.push_back({p + "mlp.gate_proj.weight", {inter, hidden}, &layer.w_gate});
     slots.push_back({p + "mlp.up_proj.weight", {inter, hidden}, &layer.w_up});
@@ -70,37 +85,6 @@ int64_t NumElements(const std::vector<int64_t>& shape) {
 
 std::string ShapeText(const std::vector<int64_t>& shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
-}
-
-// ---- Synthetic weights ----------------------------------------------------------------------
-
-// splitmix64's output function: a bijection on 64 bits with good avalanche. Used in counter mode
-// (value i of a stream is Mix64(key + i * golden)), so the result depends on nothing but integer
-// arithmetic: identical on every machine and compiler.
-constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
-uint64_t Mix64(uint64_t z) {
-  z += kGolden;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-// Fills `n` approximately normal(0, stddev) values. Each is the centred sum of four 16-bit
-// uniforms (Irwin-Hall), exact in integers; the one float multiply that scales it is correctly
-// rounded everywhere, unlike std::normal_distribution or libm-dependent transforms.
-std::vector<float> NormalLike(uint64_t seed, uint64_t stream, double stddev, int64_t n) {
-  // Variance of one uniform on {0..65535} is (65536^2 - 1) / 12; four of them sum to 4x that.
-  const double sum_stddev = std::sqrt((65536.0 * 65536.0 - 1.0) / 3.0);
-  const auto scale = static_cast<float>(stddev / sum_stddev);
-  const uint64_t key = Mix64(Mix64(seed) ^ (stream * 0xD1B54A32D192ED03ull));
-  std::vector<float> out(static_cast<size_t>(n));
-  for (size_t i = 0; i < out.size(); ++i) {
-    const uint64_t r = Mix64(key + i * kGolden);
-    const auto sum = static_cast<int32_t>((r & 0xFFFF) + ((r >> 16) & 0xFFFF) +
-                                          ((r >> 32) & 0xFFFF) + (r >> 48));
-    out[i] = static_cast<float>(sum - 131070) * scale;  // 131070 = 4 * 65535 / 2
-  }
-  return out;
 }
 
 // ---- config.json ----------------------------------------------------------------------------
@@ -166,15 +150,30 @@ absl::Status ParseLayerKinds(const json& config, const std::string& path, ModelC
       return absl::InvalidArgumentError(absl::StrCat(path, ": layer_types is not a list"));
     }
     for (const json& t : types) {
-      if (t == "full_attention") {
+      if (t == "full_attention" || t == "attention") {
         c->layer_kinds.push_back(LayerKind::kFullAttention);
       } else if (t == "sliding_attention") {
         c->layer_kinds.push_back(LayerKind::kSlidingAttention);
+      } else if (t == "mamba") {
+        c->layer_kinds.push_back(LayerKind::kStateSpace);
       } else {
         return absl::InvalidArgumentError(
             absl::StrCat(path, ": layer_types entry ", t.dump(),
-                         " unsupported (full_attention or sliding_attention)"));
+                         " unsupported (full_attention, attention, sliding_attention or mamba)"));
       }
+    }
+  } else if (config.contains("layers_block_type") && !config["layers_block_type"].is_null()) {
+    // Bamba: "mamba" or "attention" per layer.
+    const json& types = config["layers_block_type"];
+    if (!types.is_array()) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": layers_block_type is not a list"));
+    }
+    for (const json& t : types) {
+      if (t != "mamba" && t != "attention") {
+        return absl::InvalidArgumentError(absl::StrCat(path, ": layers_block_type entry ", t.dump(),
+                                                       " unsupported (mamba or attention)"));
+      }
+      c->layer_kinds.push_back(t == "mamba" ? LayerKind::kStateSpace : LayerKind::kFullAttention);
     }
   } else if (c->sliding_window > 0 && use_window) {
     c->layer_kinds.assign(static_cast<size_t>(std::max(c->num_layers, 0)),
@@ -184,6 +183,36 @@ absl::Status ParseLayerKinds(const json& config, const std::string& path, ModelC
       c->layer_kinds.end()) {
     c->sliding_window = 0;  // a window no layer uses (Qwen2's) changes nothing
     c->sink_tokens = 0;
+  }
+  return absl::OkStatus();
+}
+
+// The state-space layers' shape as Bamba writes it (mamba_*), read only when some layer is one.
+// mamba_d_head "auto" (or absent) is mamba_expand (default 2) * hidden_size / mamba_n_heads.
+absl::Status ParseSsm(const json& config, const std::string& path, ModelConfig* c) {
+  if (c->num_state_layers() == 0) return absl::OkStatus();
+  SsmConfig& m = c->ssm;
+  m.num_groups = 1;
+  m.conv_width = 4;
+  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_n_heads", true, &m.num_heads));
+  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_d_state", true, &m.d_state));
+  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_n_groups", false, &m.num_groups));
+  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_d_conv", false, &m.conv_width));
+  if (config.contains("mamba_d_head") && config["mamba_d_head"] != "auto") {
+    KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_d_head", true, &m.head_dim));
+  } else {
+    int32_t expand = 2;
+    KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_expand", false, &expand));
+    if (m.num_heads > 0)
+      m.head_dim = static_cast<int32_t>(int64_t{expand} * c->hidden_size / m.num_heads);
+  }
+  // Variants this mixer does not compute: biases on the projections, a conv without one.
+  if (config.contains("mamba_proj_bias") && config["mamba_proj_bias"] == true) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": mamba_proj_bias unsupported"));
+  }
+  if (config.contains("mamba_conv_bias") && config["mamba_conv_bias"] == false) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": mamba_conv_bias false unsupported (the conv has a bias)"));
   }
   return absl::OkStatus();
 }
@@ -223,6 +252,7 @@ absl::StatusOr<ModelConfig> ParseConfig(const std::string& text, const std::stri
     return absl::InvalidArgumentError(absl::StrCat(path, ": rope_scaling unsupported"));
   }
   KVPOOL_RETURN_IF_ERROR(ParseLayerKinds(config, path, &c));
+  KVPOOL_RETURN_IF_ERROR(ParseSsm(config, path, &c));
   if (absl::Status status = ValidateConfig(c); !status.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", status.message()));
   }
@@ -260,12 +290,30 @@ std::string ConfigJson(const ModelConfig& c, std::string_view torch_dtype) {
   if (!c.layer_kinds.empty()) {
     json types = json::array();
     for (LayerKind kind : c.layer_kinds) {
-      types.push_back(kind == LayerKind::kSlidingAttention ? "sliding_attention"
-                                                           : "full_attention");
+      switch (kind) {
+        case LayerKind::kFullAttention:
+          types.push_back("full_attention");
+          break;
+        case LayerKind::kSlidingAttention:
+          types.push_back("sliding_attention");
+          break;
+        case LayerKind::kStateSpace:
+          types.push_back("mamba");
+          break;
+      }
     }
     config["layer_types"] = types;
     config["sliding_window"] = c.sliding_window;
     if (c.sink_tokens > 0) config["kvpool_sink_tokens"] = c.sink_tokens;
+  }
+  if (c.num_state_layers() > 0) {
+    config["mamba_n_heads"] = c.ssm.num_heads;
+    config["mamba_d_head"] = c.ssm.head_dim;
+    config["mamba_d_state"] = c.ssm.d_state;
+    config["mamba_n_groups"] = c.ssm.num_groups;
+    config["mamba_d_conv"] = c.ssm.conv_width;
+    config["mamba_conv_bias"] = true;
+    config["mamba_proj_bias"] = false;
   }
   return config.dump(2) + "\n";
 }
@@ -281,6 +329,8 @@ absl::Status PositiveFiniteField(std::string_view field, float value) {
   return absl::InvalidArgumentError(absl::StrCat("ModelConfig.", std::string(field),
                                                  " must be positive and finite (got ", value, ")"));
 }
+
+absl::Status ValidateSsm(const ModelConfig& c);
 
 absl::Status ValidateLayerKinds(const ModelConfig& c) {
   if (!c.layer_kinds.empty() && c.layer_kinds.size() != static_cast<size_t>(c.num_layers)) {
@@ -299,6 +349,31 @@ absl::Status ValidateLayerKinds(const ModelConfig& c) {
     return absl::InvalidArgumentError(absl::StrCat("ModelConfig.sliding_window (", c.sliding_window,
                                                    ") and sink_tokens (", c.sink_tokens,
                                                    ") must be >= 0"));
+  }
+  return ValidateSsm(c);
+}
+
+// A state-space layer needs every ssm field; a model without one must leave them unset (a shape
+// nothing uses would still be saved, compared and sized as if it did).
+absl::Status ValidateSsm(const ModelConfig& c) {
+  const SsmConfig& m = c.ssm;
+  if (c.num_state_layers() == 0) {
+    if (m == SsmConfig{}) return absl::OkStatus();
+    return absl::InvalidArgumentError("ModelConfig.ssm is set but no layer is a state-space layer");
+  }
+  KVPOOL_RETURN_IF_ERROR(PositiveField("ssm.num_heads", m.num_heads));
+  KVPOOL_RETURN_IF_ERROR(PositiveField("ssm.head_dim", m.head_dim));
+  KVPOOL_RETURN_IF_ERROR(PositiveField("ssm.d_state", m.d_state));
+  KVPOOL_RETURN_IF_ERROR(PositiveField("ssm.num_groups", m.num_groups));
+  KVPOOL_RETURN_IF_ERROR(PositiveField("ssm.conv_width", m.conv_width));
+  if (m.num_heads % m.num_groups != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("ModelConfig.ssm.num_groups (", m.num_groups,
+                                                   ") must divide ssm.num_heads (", m.num_heads,
+                                                   ")"));
+  }
+  // Every buffer of a step is indexed in int32 rows of these widths.
+  if (m.in_proj_dim() > INT32_MAX / 4 || m.state_floats() > INT32_MAX / 4) {
+    return absl::InvalidArgumentError("ModelConfig.ssm is too large");
   }
   return absl::OkStatus();
 }
@@ -329,6 +404,13 @@ absl::Status ValidateConfig(const ModelConfig& c) {
 }
 
 absl::StatusOr<ModelConfig> NamedConfig(std::string_view name) {
+  if (name == "tiny-hybrid") {
+    ModelConfig c = *NamedConfig("tiny");
+    c.layer_kinds = {LayerKind::kStateSpace, LayerKind::kStateSpace, LayerKind::kFullAttention,
+                     LayerKind::kStateSpace};
+    c.ssm = {.num_heads = 16, .head_dim = 64, .d_state = 128, .num_groups = 1, .conv_width = 4};
+    return c;
+  }
   if (name == "tiny-swa") {
     ModelConfig c = *NamedConfig("tiny");
     for (int32_t l = 0; l < c.num_layers; ++l) {
@@ -364,56 +446,9 @@ absl::StatusOr<ModelConfig> NamedConfig(std::string_view name) {
                        .tie_word_embeddings = false,
                        .max_position = 8192};
   }
-  return absl::InvalidArgumentError(absl::StrCat("unknown model size '", std::string(name),
-                                                 "'; known sizes: tiny, small, tiny-swa"));
-}
-
-ModelWeights SyntheticWeights(const ModelConfig& config, uint64_t seed) {
-  KVPOOL_CHECK_OK(ValidateConfig(config));
-  // Scales keep a forward pass well conditioned at any depth and greedy decoding varied:
-  // - every linear map has std 1/sqrt(in_features), so it maps the unit-RMS output of RMSNorm to
-  //   O(1) values;
-  // - the residual branches (o_proj, down_proj) are further scaled by 1/sqrt(layers), so the
-  //   residual stream stays O(1) (about 0.9 RMS) however deep the model;
-  // - q_proj is 3x larger, giving attention logits of std ~3. With std-1 logits attention is
-  //   nearly uniform, every position sees the same context average, and greedy decoding of the
-  //   tied "tiny" model settles into one repeated token within a few steps; at 3 it stays varied
-  //   (over 100 distinct tokens in 116 greedy steps of a plain forward pass, "tiny", seeds 1-3);
-  // - embedding and LM head rows have std 1/sqrt(hidden), so logits have std ~1. Embeddings of
-  //   std 1 would make a tied LM head score the current token far above the rest: greedy would
-  //   echo its input.
-  ModelWeights w;
-  w.config = config;
-  const int64_t hidden = config.hidden_size;
-  const int64_t q_width = int64_t{config.num_heads} * config.head_dim;
-  const int64_t kv_width = int64_t{config.num_kv_heads} * config.head_dim;
-  const int64_t inter = config.intermediate_size;
-  const int64_t vocab = config.vocab_size;
-  const double residual_scale = 1.0 / std::sqrt(static_cast<double>(config.num_layers));
-  constexpr double kQueryScale = 3.0;
-  const auto in_scale = [](int64_t in) { return 1.0 / std::sqrt(static_cast<double>(in)); };
-
-  // Stream ids fix which values each tensor gets, independent of generation order.
-  w.embed = NormalLike(seed, 1, in_scale(hidden), vocab * hidden);
-  if (!config.tie_word_embeddings) {
-    w.lm_head = NormalLike(seed, 2, in_scale(hidden), vocab * hidden);
-  }
-  w.final_norm.assign(static_cast<size_t>(hidden), 1.0f);
-  w.layers.resize(static_cast<size_t>(config.num_layers));
-  for (size_t i = 0; i < w.layers.size(); ++i) {
-    LayerWeights& layer = w.layers[i];
-    const uint64_t base = 16 + 16 * i;
-    layer.attn_norm.assign(static_cast<size_t>(hidden), 1.0f);
-    layer.mlp_norm.assign(static_cast<size_t>(hidden), 1.0f);
-    layer.wq = NormalLike(seed, base + 0, in_scale(hidden) * kQueryScale, q_width * hidden);
-    layer.wk = NormalLike(seed, base + 1, in_scale(hidden), kv_width * hidden);
-    layer.wv = NormalLike(seed, base + 2, in_scale(hidden), kv_width * hidden);
-    layer.wo = NormalLike(seed, base + 3, in_scale(q_width) * residual_scale, hidden * q_width);
-    layer.w_gate = NormalLike(seed, base + 4, in_scale(hidden), inter * hidden);
-    layer.w_up = NormalLike(seed, base + 5, in_scale(hidden), inter * hidden);
-    layer.w_down = NormalLike(seed, base + 6, in_scale(inter) * residual_scale, hidden * inter);
-  }
-  return w;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown model size '", std::string(name),
+                   "'; known sizes: tiny, small, tiny-swa, tiny-hybrid"));
 }
 
 absl::StatusOr<ModelConfig> ReadCheckpointConfig(const std::string& dir) {

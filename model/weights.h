@@ -21,6 +21,35 @@ namespace kvpool::model {
 enum class LayerKind : uint8_t {
   kFullAttention,     // every earlier position
   kSlidingAttention,  // the last `sliding_window` positions (its own included) and the sinks
+  // A Mamba-2 mixer instead of attention: no K/V in the pool; the sequence's whole history is one
+  // fixed-size state (SsmConfig) the caller keeps per sequence (StepItem::state).
+  kStateSpace,
+};
+
+// The state-space layers' shape (Mamba-2 / Bamba). Per layer and token the input projection gives
+// z (gate, inner), x (inner), B and C (groups x d_state each) and dt (heads), inner = num_heads *
+// head_dim; x, B and C go through a depthwise causal conv of width conv_width and SiLU; the scan
+// (kernels::SsmScanArgs) gives y; out = out_proj(RMSNorm_per_group(y * silu(z))).
+struct SsmConfig {
+  int32_t num_heads = 0;   // > 0; a multiple of num_groups
+  int32_t head_dim = 0;    // > 0
+  int32_t d_state = 0;     // > 0
+  int32_t num_groups = 0;  // > 0; B and C are shared by num_heads / num_groups heads
+  int32_t conv_width = 0;  // > 0 (Mamba-2: 4); 1 is no convolution over earlier tokens
+
+  int64_t inner() const { return int64_t{num_heads} * head_dim; }
+  // Channels of the convolution: x, B and C.
+  int64_t conv_dim() const { return inner() + 2 * int64_t{num_groups} * d_state; }
+  // Outputs of the input projection: z, x, B, C, dt.
+  int64_t in_proj_dim() const { return inner() + conv_dim() + num_heads; }
+  // One layer's per-sequence state, in floats: the conv's last conv_width - 1 inputs
+  // [conv_width - 1][conv_dim], then the scan's [num_heads][d_state][head_dim].
+  int64_t conv_state_floats() const { return int64_t{conv_width - 1} * conv_dim(); }
+  int64_t state_floats() const {
+    return conv_state_floats() + int64_t{num_heads} * d_state * head_dim;
+  }
+
+  friend bool operator==(const SsmConfig&, const SsmConfig&) = default;
 };
 
 struct ModelConfig {
@@ -41,6 +70,7 @@ struct ModelConfig {
   std::vector<LayerKind> layer_kinds;
   int32_t sliding_window = 0;  // > 0 when some layer slides
   int32_t sink_tokens = 0;
+  SsmConfig ssm;  // set (every field positive) exactly when some layer is kStateSpace
 
   LayerKind kind(int32_t layer) const {
     return layer_kinds.empty() ? LayerKind::kFullAttention
@@ -52,30 +82,55 @@ struct ModelConfig {
     return {.window = sliding_window, .sinks = sink_tokens};
   }
 
+  int32_t num_state_layers() const {
+    int32_t n = 0;
+    for (LayerKind k : layer_kinds) n += k == LayerKind::kStateSpace ? 1 : 0;
+    return n;
+  }
+  // Bytes of one sequence's state (StepItem::state): every state-space layer's, in layer order,
+  // f32. 0 for a model without state-space layers.
+  int64_t state_bytes() const {
+    return int64_t{num_state_layers()} * ssm.state_floats() * int64_t{sizeof(float)};
+  }
+
   friend bool operator==(const ModelConfig&, const ModelConfig&) = default;
 };
 
 // Checks every size is positive, num_heads is a multiple of num_kv_heads, head_dim is even and a
-// multiple of 8, layer_kinds is empty or one per layer, and a model with a sliding layer has a
-// positive window (sinks >= 0). Errors: INVALID_ARGUMENT naming the field.
+// multiple of 8, layer_kinds is empty or one per layer, a model with a sliding layer has a
+// positive window (sinks >= 0), and a model with a state-space layer a complete `ssm` (every
+// field positive, num_groups dividing num_heads) while one without has none.
+// Errors: INVALID_ARGUMENT naming the field.
 absl::Status ValidateConfig(const ModelConfig& config);
 
 // The named sizes: "tiny" (kvpoold's default: 4 layers, 8 query / 4 KV heads of 64, vocab 8192),
 // "small", and "tiny-swa" (tiny with sliding layers of window 256 alternating with full ones,
-// sliding first, as gpt-oss and Gemma 2 alternate). Errors: INVALID_ARGUMENT for an unknown name
-// (listing the known ones).
+// sliding first, as gpt-oss and Gemma 2 alternate), and "tiny-hybrid" (tiny's width and
+// attention geometry, layers state-space, state-space, full attention, state-space; 16 SSM heads
+// of 64, d_state 64, one group, conv width 4: Mamba-2's proportions at tiny's size).
+// Errors: INVALID_ARGUMENT for an unknown name (listing the known ones).
 absl::StatusOr<ModelConfig> NamedConfig(std::string_view name);
 
+// An attention layer has wq..wo and no ssm_*; a state-space layer the reverse. Both have the
+// norms and the MLP.
 struct LayerWeights {
-  std::vector<float> attn_norm;  // [hidden]
-  std::vector<float> wq;         // [num_heads * head_dim][hidden]
-  std::vector<float> wk;         // [num_kv_heads * head_dim][hidden]
-  std::vector<float> wv;         // [num_kv_heads * head_dim][hidden]
-  std::vector<float> wo;         // [hidden][num_heads * head_dim]
-  std::vector<float> mlp_norm;   // [hidden]
-  std::vector<float> w_gate;     // [intermediate][hidden]
-  std::vector<float> w_up;       // [intermediate][hidden]
-  std::vector<float> w_down;     // [hidden][intermediate]
+  std::vector<float> attn_norm;      // [hidden] (before attention or the state-space mixer)
+  std::vector<float> wq;             // [num_heads * head_dim][hidden]
+  std::vector<float> wk;             // [num_kv_heads * head_dim][hidden]
+  std::vector<float> wv;             // [num_kv_heads * head_dim][hidden]
+  std::vector<float> wo;             // [hidden][num_heads * head_dim]
+  std::vector<float> ssm_in;         // [in_proj_dim][hidden]: z, x, B, C, dt
+  std::vector<float> ssm_conv;       // [conv_dim][conv_width] (depthwise; last tap = this token)
+  std::vector<float> ssm_conv_bias;  // [conv_dim]
+  std::vector<float> ssm_dt_bias;    // [ssm heads], added before the softplus
+  std::vector<float> ssm_a_log;      // [ssm heads]: A = -exp(A_log)
+  std::vector<float> ssm_d;          // [ssm heads] skip
+  std::vector<float> ssm_norm;       // [inner] gated RMSNorm weight
+  std::vector<float> ssm_out;        // [hidden][inner]
+  std::vector<float> mlp_norm;       // [hidden]
+  std::vector<float> w_gate;         // [intermediate][hidden]
+  std::vector<float> w_up;           // [intermediate][hidden]
+  std::vector<float> w_down;         // [hidden][intermediate]
 };
 
 struct ModelWeights {
@@ -97,10 +152,18 @@ ModelWeights SyntheticWeights(const ModelConfig& config, uint64_t seed);
 // tie_word_embeddings, max_position_embeddings; sliding windows: `layer_types` of
 // "full_attention" / "sliding_attention" with `sliding_window`, or `sliding_window` alone for
 // every layer unless `use_sliding_window` is false, as Mistral and Qwen2 write them; and
-// kvpool's own `kvpool_sink_tokens`) and every *.safetensors file in `dir`, with
+// kvpool's own `kvpool_sink_tokens`; state-space layers: "mamba" in `layer_types` (Granite 4.0
+// hybrid's spelling, "attention" there is full attention) or Bamba's `layers_block_type` of
+// "mamba" / "attention", with Bamba's mamba_n_heads, mamba_d_head (or "auto": mamba_expand *
+// hidden_size / mamba_n_heads), mamba_d_state, mamba_n_groups (default 1), mamba_d_conv
+// (default 4)) and every *.safetensors file in `dir`, with
 // tensors named as transformers names them (model.embed_tokens.weight,
 // model.layers.N.self_attn.{q,k,v,o}_proj.weight, model.layers.N.mlp.{gate,up,down}_proj.weight,
-// model.layers.N.{input,post_attention}_layernorm.weight, model.norm.weight, lm_head.weight).
+// model.layers.N.{input,post_attention}_layernorm.weight, model.norm.weight, lm_head.weight;
+// a state-space layer's mixer under Bamba's names, model.layers.N.mamba.{in_proj.weight,
+// conv1d.weight, conv1d.bias, dt_bias, A_log, D, norm.weight, out_proj.weight}, its norms and
+// MLP under the Llama names above: a Bamba checkpoint's own feed_forward.* / pre_ff_layernorm
+// names are not read).
 // f32, f16 and bf16 tensors are converted to f32.
 // Errors: NOT_FOUND (no config.json or no safetensors), INVALID_ARGUMENT naming the file and
 // tensor (bad header, unsupported dtype, wrong shape, missing tensor).

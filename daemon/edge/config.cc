@@ -140,12 +140,24 @@ constexpr std::pair<const char*, tier::DiskFsync> kFsyncNames[] = {
 constexpr std::pair<const char*, tier::KeySlotting> kKeySlottingNames[] = {
     {"namespace", tier::KeySlotting::kNamespace}, {"block", tier::KeySlotting::kBlock}};
 
+// Step 1 of docs/hybrid-groups.md keeps a sequence's state outside the pool, in a slot only the
+// in-process engine (model::LocalEngine) has; the daemon's sequences get one with the pool's
+// state group (§3).
+std::string StateLayersUnsupported(const std::string& model) {
+  return fmt::format(
+      "model {} has state-space layers, which need the pool's state group "
+      "(docs/hybrid-groups.md §3); kvpoold does not keep per-sequence states yet",
+      model);
+}
+
 // The model section: its name or checkpoint, and the step settings, into `o`.
 void ParseModel(const v1::DaemonConfig& c, bool shape_ok, EngineOptions* o, const Bad& bad) {
   const v1::ModelSpec& m = c.model();
   if (m.checkpoint().empty() && m.name() != "none" && shape_ok) {
     if (absl::StatusOr<model::ModelConfig> named = model::NamedConfig(m.name()); !named.ok()) {
       bad("model.name", absl::StrCat(named.status().message(), " (or none)"));
+    } else if (named->num_state_layers() > 0) {
+      bad("model.name", StateLayersUnsupported(m.name()));
     } else if (named->num_layers != c.shape().num_layers() ||
                named->num_kv_heads != c.shape().num_kv_heads() ||
                named->head_dim != c.shape().head_dim()) {
@@ -155,6 +167,12 @@ void ParseModel(const v1::DaemonConfig& c, bool shape_ok, EngineOptions* o, cons
   }
   if (!m.checkpoint().empty() && m.checkpoint()[0] != '/') {
     bad("model.checkpoint", fmt::format("must be an absolute path (got '{}')", m.checkpoint()));
+  } else if (!m.checkpoint().empty()) {
+    // (A checkpoint that does not read is reported when it is loaded.)
+    const absl::StatusOr<model::ModelConfig> read = model::ReadCheckpointConfig(m.checkpoint());
+    if (read.ok() && read->num_state_layers() > 0) {
+      bad("model.checkpoint", StateLayersUnsupported(m.checkpoint()));
+    }
   }
   if (m.gather_window_us() < 0 || m.gather_window_us() > 1000000) {
     bad("model.gather_window_us", "must be in [0, 1000000]");

@@ -32,6 +32,9 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(ModelWeights weight
                                                              const kernels::PoolLayout& layout,
                                                              int ordinal, int num_sms,
                                                              std::string device_name) {
+  if (weights.config.num_state_layers() > 0) {
+    return absl::UnimplementedError("the CUDA model has no state-space layers (the host has)");
+  }
   if (layout.head_dim > kernels::cuda::kMaxDecodeHeadDim) {
     return absl::InvalidArgumentError(fmt::format("head_dim {} > {} (the CUDA decode kernel's)",
                                                   layout.head_dim,

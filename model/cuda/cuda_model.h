@@ -34,8 +34,9 @@ class CudaModel final : public StepModel {
  public:
   // Uploads `weights` to device `ordinal` (num_sms: its multiprocessors, for the decode plan).
   // REQUIRES: CheckModel(weights, layout).ok(). Errors: UNAVAILABLE without cuBLAS;
-  // INVALID_ARGUMENT for a head_dim beyond the CUDA decode kernel's; RESOURCE_EXHAUSTED when the
-  // weights do not fit; INTERNAL for other CUDA failures (nothing is left allocated).
+  // UNIMPLEMENTED for a model with state-space layers; INVALID_ARGUMENT for a head_dim beyond the
+  // CUDA decode kernel's; RESOURCE_EXHAUSTED when the weights do not fit; INTERNAL for other CUDA
+  // failures (nothing is left allocated).
   static absl::StatusOr<std::unique_ptr<CudaModel>> Create(ModelWeights weights,
                                                            const kernels::PoolLayout& layout,
                                                            int ordinal, int num_sms,

@@ -7,12 +7,14 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 
 #include "absl/strings/str_join.h"
 #include "daemon/metrics/metrics_config.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "model/weights.h"
 
 namespace kvpool::daemon {
 namespace {
@@ -165,6 +167,32 @@ TEST(ConfigTest, EngineOptionsAndProblemsComeFromOnePass) {
   o = MakeEngineOptions(c, 1);
   ASSERT_FALSE(o.ok());
   EXPECT_EQ(o.status().message(), absl::StrJoin(problems, "\n"));
+}
+
+// Issue 28: a model with state-space layers needs per-sequence states the daemon does not keep
+// yet; it is refused at start, by name or as a checkpoint, saying why.
+TEST(ConfigTest, StateSpaceModelsAreRefusedUntilThePoolHasAStateGroup) {
+  v1::DaemonConfig c = DefaultConfig();
+  c.mutable_model()->set_name("tiny-hybrid");
+  EXPECT_THAT(ValidateConfig(c),
+              ::testing::ElementsAre(
+                  AllOf(HasSubstr("model.name: model tiny-hybrid"), HasSubstr("state group"))));
+  EXPECT_EQ(MakeEngineOptions(c, 1).status().code(), absl::StatusCode::kInvalidArgument);
+
+  const std::string dir = (std::filesystem::temp_directory_path() /
+                           ("kvpool_config_hybrid_" + std::to_string(::getpid())))
+                              .string();
+  ASSERT_TRUE(model::SaveCheckpoint(model::SyntheticWeights(*model::NamedConfig("tiny-hybrid"), 1),
+                                    dir, "bf16")
+                  .ok());
+  c.mutable_model()->set_checkpoint(dir);
+  EXPECT_THAT(ValidateConfig(c), ::testing::ElementsAre(AllOf(HasSubstr("model.checkpoint"),
+                                                              HasSubstr("state-space"))));
+  std::filesystem::remove_all(dir);
+  // tiny-swa (window layers only) is served as before.
+  c = DefaultConfig();
+  c.mutable_model()->set_name("tiny-swa");
+  EXPECT_THAT(ValidateConfig(c), ::testing::IsEmpty());
 }
 
 TEST(ConfigTest, ATenantsQuotaIsGivenOneWay) {

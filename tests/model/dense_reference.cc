@@ -60,7 +60,28 @@ float RoundTo(double v, kernels::DType dtype) {
 }  // namespace
 
 DenseReference::DenseReference(const ModelWeights& weights, kernels::DType kv_dtype)
-    : w_(&weights), dtype_(kv_dtype), k_(weights.layers.size()), v_(weights.layers.size()) {}
+    : w_(&weights),
+      dtype_(kv_dtype),
+      k_(weights.layers.size()),
+      v_(weights.layers.size()),
+      conv_(weights.layers.size()),
+      ssm_(weights.layers.size()) {
+  const SsmConfig& m = weights.config.ssm;
+  for (size_t l = 0; l < weights.layers.size(); ++l) {
+    if (weights.config.kind(static_cast<int32_t>(l)) != LayerKind::kStateSpace) continue;
+    conv_[l].assign(static_cast<size_t>(m.conv_state_floats()), 0.0);
+    ssm_[l].assign(static_cast<size_t>(m.state_floats() - m.conv_state_floats()), 0.0);
+  }
+}
+
+std::vector<float> DenseReference::State() const {
+  std::vector<float> out;
+  for (size_t l = 0; l < conv_.size(); ++l) {
+    out.insert(out.end(), conv_[l].begin(), conv_[l].end());
+    out.insert(out.end(), ssm_[l].begin(), ssm_[l].end());
+  }
+  return out;
+}
 
 std::vector<float> DenseReference::Extend(std::span<const int32_t> tokens) {
   std::vector<float> logits;
@@ -70,7 +91,7 @@ std::vector<float> DenseReference::Extend(std::span<const int32_t> tokens) {
 
 std::vector<float> DenseReference::Forward(int32_t token) {
   const ModelConfig& c = w_->config;
-  const int64_t h = c.hidden_size, hd = c.head_dim, nh = c.num_heads, nkv = c.num_kv_heads;
+  const int64_t h = c.hidden_size;
   const int64_t pos = length_++;
   std::vector<double> x(static_cast<size_t>(h));
   for (int64_t i = 0; i < h; ++i)
@@ -78,6 +99,30 @@ std::vector<float> DenseReference::Forward(int32_t token) {
   for (size_t l = 0; l < w_->layers.size(); ++l) {
     const LayerWeights& L = w_->layers[l];
     const std::vector<double> xn = Norm(x, L.attn_norm, c.rms_norm_eps);
+    const std::vector<double> o = c.kind(static_cast<int32_t>(l)) == LayerKind::kStateSpace
+                                      ? StateMixer(l, xn)
+                                      : AttentionMixer(l, xn, pos);
+    for (int64_t i = 0; i < h; ++i) x[static_cast<size_t>(i)] += o[static_cast<size_t>(i)];
+    const std::vector<double> xm = Norm(x, L.mlp_norm, c.rms_norm_eps);
+    const std::vector<double> gate = MatVec(L.w_gate, xm, c.intermediate_size);
+    const std::vector<double> up = MatVec(L.w_up, xm, c.intermediate_size);
+    std::vector<double> act(gate.size());
+    for (size_t i = 0; i < act.size(); ++i) act[i] = gate[i] / (1.0 + std::exp(-gate[i])) * up[i];
+    const std::vector<double> down = MatVec(L.w_down, act, h);
+    for (int64_t i = 0; i < h; ++i) x[static_cast<size_t>(i)] += down[static_cast<size_t>(i)];
+  }
+  const std::vector<double> xf = Norm(x, w_->final_norm, c.rms_norm_eps);
+  const std::vector<double> logits =
+      MatVec(c.tie_word_embeddings ? w_->embed : w_->lm_head, xf, c.vocab_size);
+  return std::vector<float>(logits.begin(), logits.end());
+}
+
+std::vector<double> DenseReference::AttentionMixer(size_t l, const std::vector<double>& xn,
+                                                   int64_t pos) {
+  const ModelConfig& c = w_->config;
+  const LayerWeights& L = w_->layers[l];
+  const int64_t h = c.hidden_size, hd = c.head_dim, nh = c.num_heads, nkv = c.num_kv_heads;
+  {
     std::vector<double> q = MatVec(L.wq, xn, nh * hd);
     std::vector<double> k = MatVec(L.wk, xn, nkv * hd);
     const std::vector<double> v = MatVec(L.wv, xn, nkv * hd);
@@ -118,20 +163,65 @@ std::vector<float> DenseReference::Forward(int32_t token) {
         }
       }
     }
-    const std::vector<double> o = MatVec(L.wo, attn, h);
-    for (int64_t i = 0; i < h; ++i) x[static_cast<size_t>(i)] += o[static_cast<size_t>(i)];
-    const std::vector<double> xm = Norm(x, L.mlp_norm, c.rms_norm_eps);
-    const std::vector<double> gate = MatVec(L.w_gate, xm, c.intermediate_size);
-    const std::vector<double> up = MatVec(L.w_up, xm, c.intermediate_size);
-    std::vector<double> act(gate.size());
-    for (size_t i = 0; i < act.size(); ++i) act[i] = gate[i] / (1.0 + std::exp(-gate[i])) * up[i];
-    const std::vector<double> down = MatVec(L.w_down, act, h);
-    for (int64_t i = 0; i < h; ++i) x[static_cast<size_t>(i)] += down[static_cast<size_t>(i)];
+    return MatVec(L.wo, attn, h);
   }
-  const std::vector<double> xf = Norm(x, w_->final_norm, c.rms_norm_eps);
-  const std::vector<double> logits =
-      MatVec(c.tie_word_embeddings ? w_->embed : w_->lm_head, xf, c.vocab_size);
-  return std::vector<float>(logits.begin(), logits.end());
+}
+
+// Mamba-2 by the book: in_proj, causal conv + SiLU, softplus(dt), the recurrence, the gated
+// per-group RMSNorm, out_proj.
+std::vector<double> DenseReference::StateMixer(size_t l, const std::vector<double>& xn) {
+  const ModelConfig& c = w_->config;
+  const SsmConfig& m = c.ssm;
+  const LayerWeights& L = w_->layers[l];
+  const size_t inner = static_cast<size_t>(m.inner()), dim = static_cast<size_t>(m.conv_dim());
+  const size_t held = static_cast<size_t>(m.conv_width - 1), width = held + 1;
+  const size_t heads = static_cast<size_t>(m.num_heads), hd = static_cast<size_t>(m.head_dim);
+  const size_t ds = static_cast<size_t>(m.d_state), bc = static_cast<size_t>(m.num_groups) * ds;
+  const std::vector<double> p = MatVec(L.ssm_in, xn, m.in_proj_dim());
+  std::vector<double> xbc(dim);
+  std::vector<double>& carry = conv_[l];
+  for (size_t ch = 0; ch < dim; ++ch) {
+    double acc = L.ssm_conv_bias[ch];
+    for (size_t j = 0; j < width; ++j) {
+      const double in = j < held ? carry[j * dim + ch] : p[inner + ch];
+      acc += double{L.ssm_conv[ch * width + j]} * in;
+    }
+    xbc[ch] = acc / (1.0 + std::exp(-acc));
+  }
+  if (held > 0) {
+    carry.erase(carry.begin(), carry.begin() + static_cast<ptrdiff_t>(dim));
+    carry.insert(carry.end(), p.begin() + static_cast<ptrdiff_t>(inner),
+                 p.begin() + static_cast<ptrdiff_t>(inner + dim));
+  }
+  std::vector<double> y(inner);
+  for (size_t head = 0; head < heads; ++head) {
+    const double raw = p[inner + dim + head] + L.ssm_dt_bias[head];
+    const double dt = raw > 20 ? raw : std::log1p(std::exp(raw));
+    const double a = std::exp(-std::exp(double{L.ssm_a_log[head]}) * dt);
+    const size_t g = head / (heads / static_cast<size_t>(m.num_groups));
+    const double* b = &xbc[inner + g * ds];
+    const double* cc = &xbc[inner + bc + g * ds];
+    double* state = &ssm_[l][head * ds * hd];
+    for (size_t q = 0; q < hd; ++q) {
+      const double xv = xbc[head * hd + q];
+      double acc = L.ssm_d[head] * xv;
+      for (size_t n = 0; n < ds; ++n) {
+        double& s = state[n * hd + q];
+        s = a * s + dt * b[n] * xv;
+        acc += cc[n] * s;
+      }
+      y[head * hd + q] = acc;
+    }
+  }
+  const size_t group = inner / static_cast<size_t>(m.num_groups);
+  for (size_t i = 0; i < inner; ++i) y[i] *= p[i] / (1.0 + std::exp(-p[i]));
+  for (size_t g0 = 0; g0 < inner; g0 += group) {
+    double ss = 0;
+    for (size_t i = g0; i < g0 + group; ++i) ss += y[i] * y[i];
+    const double inv = 1.0 / std::sqrt(ss / static_cast<double>(group) + c.rms_norm_eps);
+    for (size_t i = g0; i < g0 + group; ++i) y[i] *= inv * L.ssm_norm[i];
+  }
+  return MatVec(L.ssm_out, y, c.hidden_size);
 }
 
 int32_t Argmax(std::span<const float> logits) {

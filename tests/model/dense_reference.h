@@ -6,6 +6,7 @@
 // is shared with model.cc but the weights. K and V are rounded through the pool's dtype when
 // stored, as the pool stores them, so the only differences left are float vs double arithmetic.
 // (8-bit dtypes are kept unrounded: their per-block scales are the pool's business.)
+// State-space layers keep their conv inputs and scan state in double, one token at a time.
 //
 // Copyable (a copy is a fork of the sequence).
 
@@ -27,15 +28,22 @@ class DenseReference {
   // Appends `tokens` (computing each in turn) and returns the logits after the last one.
   std::vector<float> Extend(std::span<const int32_t> tokens);
   int64_t size() const { return length_; }
+  // Every state-space layer's state, in StepItem::state's layout, rounded to float.
+  std::vector<float> State() const;
 
  private:
   std::vector<float> Forward(int32_t token);
+  // Layer l's mixer output (added to the residual stream) for the normalized input xn.
+  std::vector<double> AttentionMixer(size_t l, const std::vector<double>& xn, int64_t pos);
+  std::vector<double> StateMixer(size_t l, const std::vector<double>& xn);
 
   const ModelWeights* w_;
   kernels::DType dtype_;
   int64_t length_ = 0;
-  std::vector<std::vector<float>> k_;  // [layer][position][kv_heads][head_dim]
-  std::vector<std::vector<float>> v_;  // same
+  std::vector<std::vector<float>> k_;      // [layer][position][kv_heads][head_dim]
+  std::vector<std::vector<float>> v_;      // same
+  std::vector<std::vector<double>> conv_;  // [layer][conv_width - 1][conv_dim], oldest first
+  std::vector<std::vector<double>> ssm_;   // [layer][ssm heads][d_state][head_dim]
 };
 
 int32_t Argmax(std::span<const float> logits);

@@ -7,6 +7,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/cpu_isa.h"
+#include "model/internal/ordered_matmul.h"
 
 namespace kvpool::model::internal {
 namespace {
@@ -54,6 +55,34 @@ TEST_P(GemmTest, MatchesTheTextbookProductForEveryShape) {
             ASSERT_NEAR(y[i], want[i], 1e-4) << "m " << m << " n " << n << " k " << k
                                              << " accumulate " << accumulate << " at " << i;
           }
+        }
+      }
+    }
+  }
+}
+
+// OrderedMatMul (decode-sized products of models with state-space layers) gives Gemm's bits
+// for every row count and shape: each output summed in the order of k, one FMA at a time.
+TEST_P(GemmTest, OrderedMatMulGivesGemmsBitsForAnyRows) {
+  if (!OrderedMatMulAvailable()) GTEST_SKIP() << "Gemm is OpenBLAS here";
+  std::mt19937 rng(4);
+  std::uniform_real_distribution<float> u(-1, 1);
+  kernels::ThreadPool threads(2);
+  for (int32_t m : {1, 3, 4, 5, 16}) {
+    for (int32_t n : {1, 15, 16, 17, 100}) {
+      for (int32_t k : {1, 7, 64, 129}) {
+        for (bool accumulate : {false, true}) {
+          std::vector<float> x(static_cast<size_t>(m * k)), w(static_cast<size_t>(n * k));
+          for (float& v : x) v = u(rng);
+          for (float& v : w) v = u(rng);
+          std::vector<float> y(static_cast<size_t>(m * n), 0.5f), want = y;
+          std::vector<float> scratch(static_cast<size_t>(GemmScratchFloats(m, k)));
+          Gemm(x.data(), m, w.data(), n, k, want.data(), accumulate, scratch.data(), nullptr);
+          const HugeVector packed = PackOrdered(w.data(), n, k);
+          OrderedMatMul(x.data(), m, packed.data(), n, k, y.data(), accumulate,
+                        n > 16 ? &threads : nullptr);
+          ASSERT_EQ(y, want) << "m " << m << " n " << n << " k " << k << " accumulate "
+                             << accumulate;
         }
       }
     }

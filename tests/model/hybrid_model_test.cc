@@ -1,0 +1,394 @@
+// State-space layers (issue 28, docs/hybrid-groups.md §6 step 1): the host model with Mamba-2
+// layers against the dense reference; a sequence computed in chunks, or as a prefill and then
+// decodes, equals one computed at once, bit for bit in f32 (state and logits); sequences of one
+// step are independent; LocalEngine's per-sequence state slots (fork, free, truncate); the
+// tiny-hybrid preset and the configuration's checks.
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iterator>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu_isa.h"
+#include "kvpool/util/check.h"
+#include "model/local_engine.h"
+#include "model/model.h"
+#include "tests/model/dense_reference.h"
+
+namespace kvpool::model {
+namespace {
+
+using ::testing::HasSubstr;
+
+const StepOptions kLogits{.keep_logits = true};
+
+// SmallTestConfig's width with the given layers; two SSM groups so B and C are shared by pairs
+// of heads, and a conv of width 4 as Mamba-2's.
+ModelConfig HybridConfig(std::vector<LayerKind> kinds) {
+  ModelConfig c = SmallTestConfig();
+  c.num_layers = static_cast<int32_t>(kinds.size());
+  c.layer_kinds = std::move(kinds);
+  c.ssm = {.num_heads = 4, .head_dim = 16, .d_state = 8, .num_groups = 2, .conv_width = 4};
+  return c;
+}
+const LayerKind kS = LayerKind::kStateSpace, kF = LayerKind::kFullAttention;
+
+// Gemm's vector path sums each output in the order of k whatever the rows; OpenBLAS (the
+// fallback without AVX2) promises nothing of the kind.
+bool ExactResume() { return kernels::cpu::KernelIsa() != kernels::cpu::Isa::kPortable; }
+
+std::vector<float> Copy(std::span<const float> s) { return {s.begin(), s.end()}; }
+
+TEST(HybridModelTest, PrefillAndDecodeMatchTheDenseReference) {
+  const ModelWeights w = SyntheticWeights(HybridConfig({kS, kF, kS}), 7);
+  for (kernels::DType dtype : {kernels::DType::kF32, kernels::DType::kBF16}) {
+    auto engine = MakeTestEngine(w, 16, dtype, /*prefix_cache=*/false);
+    DenseReference ref(w, dtype);
+    const std::vector<int32_t> prompt = RandomTokens(37, 256, 1);
+    auto first = engine->Prefill(SequenceId(0), prompt, kLogits);
+    ASSERT_TRUE(first.ok()) << first.status();
+    std::vector<float> want = ref.Extend(prompt);
+    EXPECT_LE(RelError(first->result.logits, want), HostTolerance(dtype));
+    EXPECT_LE(RelError(engine->state(first->sequence), ref.State()), 2e-4);
+    int32_t token = Argmax(want);
+    for (int step = 0; step < 12; ++step) {
+      const DecodeInput in{first->sequence, token};
+      auto out = engine->Decode(std::span(&in, 1), kLogits);
+      ASSERT_TRUE(out.ok()) << out.status();
+      want = ref.Extend(std::span(&token, 1));
+      EXPECT_LE(RelError((*out)[0].logits, want), HostTolerance(dtype)) << "step " << step;
+      token = Argmax(want);
+    }
+    EXPECT_LE(RelError(engine->state(first->sequence), ref.State()), 2e-3);
+    EXPECT_TRUE(engine->cache().CheckInvariants().ok());
+  }
+}
+
+// The sequence's state and last logits after its tokens went in as `chunks` (sizes; the first
+// a new sequence's prefill, the rest later turns of it, or decodes when 1 and `decode`).
+struct Outcome {
+  std::vector<float> state, logits;
+};
+Outcome InChunks(const ModelWeights& w, const std::vector<int32_t>& tokens,
+                 const std::vector<size_t>& chunks, bool decode) {
+  auto engine = MakeTestEngine(w, 16, kernels::DType::kF32, /*prefix_cache=*/false);
+  SequenceId seq(0);
+  Outcome run;
+  size_t at = 0;
+  for (size_t n : chunks) {
+    const std::span<const int32_t> part = std::span(tokens).subspan(at, n);
+    at += n;
+    if (decode && n == 1 && seq != SequenceId(0)) {
+      const DecodeInput in{seq, part[0]};
+      auto out = engine->Decode(std::span(&in, 1), kLogits);
+      KVPOOL_CHECK_OK(out.status());
+      run.logits = (*out)[0].logits;
+    } else {
+      auto out = engine->Prefill(seq, part, kLogits);
+      KVPOOL_CHECK_OK(out.status());
+      seq = out->sequence;
+      run.logits = out->result.logits;
+    }
+  }
+  run.state = Copy(engine->state(seq));
+  return run;
+}
+
+std::vector<size_t> Split(size_t total, size_t chunk) {
+  std::vector<size_t> out;
+  for (size_t at = 0; at < total; at += chunk) out.push_back(std::min(chunk, total - at));
+  return out;
+}
+
+// Prefill in chunks of 1, 3, 16, 17 (skinny and wide products alike) and prefill then decodes:
+// the state and the logits equal the one-shot prefill's bit for bit. Attention layers keep that
+// for chunks of several tokens (the prefill kernel sums each query's keys in one order however
+// the queries are split), but a one-token step goes through the decode kernel, which sums in
+// another order: there the first layer's state (before any attention) is still equal bit for
+// bit, and the rest is held to the host tolerance.
+TEST(HybridModelTest, ChunksAndDecodesEqualOnePrefillBitForBit) {
+  if (!ExactResume()) GTEST_SKIP() << "no AVX2: products go through OpenBLAS";
+  const std::vector<int32_t> tokens = RandomTokens(41, 256, 9);
+  for (const bool attention : {false, true}) {
+    const ModelWeights w =
+        SyntheticWeights(attention ? HybridConfig({kS, kF, kS}) : HybridConfig({kS, kS}), 3);
+    const Outcome once = InChunks(w, tokens, {tokens.size()}, false);
+    const auto layer0 = static_cast<ptrdiff_t>(w.config.ssm.state_floats());
+    struct Case {
+      std::string name;
+      std::vector<size_t> sizes;
+      bool decodes;  // some step has one token
+    };
+    std::vector<Case> cases;
+    for (size_t chunk : {1u, 3u, 16u, 17u}) {
+      cases.push_back(
+          {"chunks of " + std::to_string(chunk), Split(tokens.size(), chunk), chunk == 1});
+    }
+    for (size_t k : {1u, 20u, 33u}) {
+      std::vector<size_t> sizes = {k};
+      sizes.insert(sizes.end(), tokens.size() - k, 1);
+      cases.push_back({"prefill " + std::to_string(k) + " then decodes", sizes, true});
+    }
+    for (const Case& c : cases) {
+      SCOPED_TRACE(c.name + (attention ? ", with attention" : ""));
+      const Outcome run = InChunks(w, tokens, c.sizes, c.decodes);
+      ASSERT_EQ(run.state.size(), once.state.size());
+      if (!attention || !c.decodes) {
+        EXPECT_EQ(run.state, once.state);
+        EXPECT_EQ(run.logits, once.logits);
+      } else {
+        EXPECT_TRUE(std::equal(once.state.begin(), once.state.begin() + layer0, run.state.begin()));
+        EXPECT_LE(RelError(run.state, once.state), 1e-4);
+        EXPECT_LE(RelError(run.logits, once.logits), HostTolerance(kernels::DType::kF32));
+      }
+    }
+  }
+}
+
+// Two sequences decoded in one step compute what each computes alone, and a sequence's state
+// changes only with its own tokens.
+TEST(HybridModelTest, SequencesOfOneStepAreIndependent) {
+  if (!ExactResume()) GTEST_SKIP() << "no AVX2: products go through OpenBLAS";
+  const ModelWeights w = SyntheticWeights(HybridConfig({kS, kS}), 5);
+  auto together = MakeTestEngine(w, 16, kernels::DType::kF32, false);
+  auto apart = MakeTestEngine(w, 16, kernels::DType::kF32, false);
+  std::vector<DecodeInput> both;
+  std::vector<SequenceId> alone;
+  for (uint32_t i = 0; i < 2; ++i) {
+    const std::vector<int32_t> prompt = RandomTokens(10 + 13 * i, 256, 20 + i);
+    auto a = together->Prefill(SequenceId(0), prompt);
+    auto b = apart->Prefill(SequenceId(0), prompt);
+    ASSERT_TRUE(a.ok() && b.ok());
+    both.push_back({a->sequence, a->result.next_token});
+    alone.push_back(b->sequence);
+  }
+  for (int step = 0; step < 5; ++step) {
+    auto joint = together->Decode(both, kLogits);
+    ASSERT_TRUE(joint.ok()) << joint.status();
+    for (size_t i = 0; i < 2; ++i) {
+      const DecodeInput in{alone[i], both[i].token};
+      auto single = apart->Decode(std::span(&in, 1), kLogits);
+      ASSERT_TRUE(single.ok());
+      EXPECT_EQ((*joint)[i].logits, (*single)[0].logits) << "seq " << i << " step " << step;
+      EXPECT_EQ(Copy(together->state(both[i].sequence)), Copy(apart->state(alone[i])));
+      both[i].token = (*joint)[i].next_token;
+    }
+  }
+}
+
+// Model::Step refuses a missing, mis-sized or shared state before touching any.
+TEST(HybridModelTest, StepRefusesBadStatesAndChangesNothing) {
+  const ModelWeights w = SyntheticWeights(HybridConfig({kS, kF}), 2);
+  auto engine = MakeTestEngine(w, 16, kernels::DType::kF32, false);
+  StepModel& model = engine->model();
+  const int64_t floats = model.state_bytes() / 4;
+  EXPECT_EQ(floats, w.config.ssm.state_floats());
+  std::vector<float> one(static_cast<size_t>(floats), 0.5f), shared = one;
+  const std::vector<int32_t> tokens = {1, 2, 3}, table = {0};
+  std::vector<ItemResult> results;
+  StepItem a{.tokens = tokens, .block_table = table, .state = one};
+  StepItem b{.tokens = tokens, .block_table = table, .state = one};
+  const std::vector<float> before = one;
+  EXPECT_THAT(model.Step(engine->pool(), std::vector{a, b}, {}, &results).message(),
+              HasSubstr("share a state"));
+  a.state = std::span(one).first(one.size() - 1);
+  EXPECT_THAT(model.Step(engine->pool(), std::vector{a}, {}, &results).message(),
+              HasSubstr("state of"));
+  a.state = {};
+  EXPECT_EQ(model.Step(engine->pool(), std::vector{a}, {}, &results).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(one, before);
+  a.state = shared;
+  EXPECT_TRUE(model.Step(engine->pool(), std::vector{a}, {}, &results).ok());
+  EXPECT_NE(shared, before);
+}
+
+// A model without state-space layers neither needs nor touches a state.
+TEST(HybridModelTest, AModelWithoutStateLayersIgnoresStates) {
+  const ModelWeights w = SyntheticWeights(SmallTestConfig(), 4);
+  auto engine = MakeTestEngine(w, 16, kernels::DType::kF32, false);
+  EXPECT_EQ(engine->model().state_bytes(), 0);
+  std::vector<float> garbage(7, 3.0f);
+  const std::vector<int32_t> tokens = {5, 6, 7, 8}, table = {1};
+  std::vector<ItemResult> with, without;
+  StepItem item{.tokens = tokens, .block_table = table};
+  ASSERT_TRUE(engine->model().Step(engine->pool(), std::vector{item}, kLogits, &without).ok());
+  item.state = garbage;
+  ASSERT_TRUE(engine->model().Step(engine->pool(), std::vector{item}, kLogits, &with).ok());
+  EXPECT_EQ(with[0].logits, without[0].logits);
+  EXPECT_EQ(garbage, std::vector<float>(7, 3.0f));
+}
+
+TEST(HybridEngineTest, ForkCopiesTheStateAndFreeDropsIt) {
+  const ModelWeights w = SyntheticWeights(HybridConfig({kS, kF, kS}), 8);
+  auto engine = MakeTestEngine(w, 16, kernels::DType::kF32, false);
+  auto parent = engine->Prefill(SequenceId(0), RandomTokens(21, 256, 4));
+  ASSERT_TRUE(parent.ok());
+  absl::StatusOr<SequenceId> child = engine->Fork(parent->sequence);
+  ASSERT_TRUE(child.ok()) << child.status();
+  EXPECT_EQ(Copy(engine->state(*child)), Copy(engine->state(parent->sequence)));
+  // The child's decode moves its own state only; the parent then decodes as if never forked.
+  const std::vector<float> parent_state = Copy(engine->state(parent->sequence));
+  const DecodeInput c{*child, 77};
+  ASSERT_TRUE(engine->Decode(std::span(&c, 1)).ok());
+  EXPECT_NE(Copy(engine->state(*child)), parent_state);
+  EXPECT_EQ(Copy(engine->state(parent->sequence)), parent_state);
+  ASSERT_TRUE(engine->Free(*child, false).ok());
+  EXPECT_TRUE(engine->state(*child).empty());
+  EXPECT_TRUE(engine->cache().CheckInvariants().ok());
+}
+
+TEST(HybridEngineTest, TruncateOnlyToTheCurrentLength) {
+  const ModelWeights w = SyntheticWeights(HybridConfig({kS, kF}), 8);
+  auto engine = MakeTestEngine(w, 16, kernels::DType::kF32, false);
+  auto seq = engine->Prefill(SequenceId(0), RandomTokens(20, 256, 4));
+  ASSERT_TRUE(seq.ok());
+  const std::vector<float> state = Copy(engine->state(seq->sequence));
+  const absl::Status refused = engine->Truncate(seq->sequence, 16);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(refused.message(), HasSubstr("no checkpoint"));
+  EXPECT_EQ(engine->cache().Find(seq->sequence)->num_tokens, 20);
+  EXPECT_EQ(Copy(engine->state(seq->sequence)), state);
+  EXPECT_TRUE(engine->Truncate(seq->sequence, 20).ok());
+  // Without state-space layers a rewind is the pool's business as before.
+  auto plain =
+      MakeTestEngine(SyntheticWeights(SmallTestConfig(), 1), 16, kernels::DType::kF32, false);
+  auto p = plain->Prefill(SequenceId(0), RandomTokens(20, 256, 4));
+  ASSERT_TRUE(p.ok());
+  EXPECT_TRUE(plain->Truncate(p->sequence, 16).ok());
+}
+
+TEST(HybridEngineTest, RefusesAPrefixCacheWithoutCheckpoints) {
+  auto engine = LocalEngine::Create(SyntheticWeights(HybridConfig({kS, kF}), 1),
+                                    {.pool_bytes = int64_t{4} << 20, .prefix_cache = true});
+  EXPECT_EQ(engine.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(engine.status().message(), HasSubstr("prefix_cache"));
+}
+
+TEST(HybridConfigTest, TinyHybridIsMostlyStateSpaceWithTinysAttention) {
+  absl::StatusOr<ModelConfig> c = NamedConfig("tiny-hybrid");
+  ASSERT_TRUE(c.ok()) << c.status();
+  const ModelConfig tiny = *NamedConfig("tiny");
+  EXPECT_EQ(c->num_layers, tiny.num_layers);
+  EXPECT_EQ(c->num_kv_heads, tiny.num_kv_heads);
+  EXPECT_EQ(c->head_dim, tiny.head_dim);
+  EXPECT_EQ(c->layer_kinds, (std::vector<LayerKind>{kS, kS, kF, kS}));
+  EXPECT_TRUE(ValidateConfig(*c).ok());
+  // Three layers of [3][1024 + 2 * 128] conv inputs and [16][128][64] state, f32.
+  EXPECT_EQ(c->state_bytes(), 3 * (3 * (1024 + 256) + 16 * 128 * 64) * 4);
+  EXPECT_EQ(tiny.state_bytes(), 0);
+}
+
+TEST(HybridConfigTest, RefusesIncompleteOrStrayStateSpaceShapes) {
+  const auto message = [](const ModelConfig& c) {
+    const absl::Status s = ValidateConfig(c);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    return std::string(s.message());
+  };
+  ModelConfig c = HybridConfig({kS, kF});
+  ASSERT_TRUE(ValidateConfig(c).ok());
+  c.ssm.d_state = 0;
+  EXPECT_THAT(message(c), HasSubstr("ssm.d_state"));
+  c = HybridConfig({kS, kF});
+  c.ssm.conv_width = -1;
+  EXPECT_THAT(message(c), HasSubstr("ssm.conv_width"));
+  c = HybridConfig({kS, kF});
+  c.ssm.num_groups = 3;
+  EXPECT_THAT(message(c), HasSubstr("ssm.num_groups"));
+  c = HybridConfig({kF, kF});
+  EXPECT_THAT(message(c), HasSubstr("no layer is a state-space layer"));
+}
+
+class HybridCheckpointTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() /
+           ("kvpool_hybrid_ckpt_" + std::to_string(::getpid()));
+    std::filesystem::remove_all(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  // config.json's text through `edit`.
+  void EditConfig(const std::function<std::string(std::string)>& edit) {
+    const std::filesystem::path path = dir_ / "config.json";
+    std::ifstream in(path);
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    in.close();
+    std::ofstream(path, std::ios::trunc) << edit(text);
+  }
+
+  std::filesystem::path dir_;
+};
+
+// Every state-space tensor is written under its Bamba name and read back as it was, and the
+// loaded model computes what the original does.
+TEST_F(HybridCheckpointTest, StateSpaceLayersSurviveASaveAndALoad) {
+  const ModelWeights w = SyntheticWeights(HybridConfig({kS, kF, kS}), 12);
+  ASSERT_TRUE(SaveCheckpoint(w, dir_.string(), "f32").ok());
+  absl::StatusOr<ModelWeights> back = LoadCheckpoint(dir_.string());
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->config, w.config);
+  for (size_t l = 0; l < w.layers.size(); ++l) {
+    const LayerWeights &a = w.layers[l], &b = back->layers[l];
+    EXPECT_EQ(a.ssm_in, b.ssm_in) << l;
+    EXPECT_EQ(a.ssm_conv, b.ssm_conv) << l;
+    EXPECT_EQ(a.ssm_conv_bias, b.ssm_conv_bias) << l;
+    EXPECT_EQ(a.ssm_dt_bias, b.ssm_dt_bias) << l;
+    EXPECT_EQ(a.ssm_a_log, b.ssm_a_log) << l;
+    EXPECT_EQ(a.ssm_d, b.ssm_d) << l;
+    EXPECT_EQ(a.ssm_norm, b.ssm_norm) << l;
+    EXPECT_EQ(a.ssm_out, b.ssm_out) << l;
+    EXPECT_EQ(a.wq, b.wq) << l;
+    EXPECT_EQ(a.w_down, b.w_down) << l;
+  }
+  const std::vector<int32_t> prompt = RandomTokens(19, 256, 3);
+  auto original = MakeTestEngine(w, 16, kernels::DType::kF32, false);
+  auto loaded = MakeTestEngine(*back, 16, kernels::DType::kF32, false);
+  auto x = original->Prefill(SequenceId(0), prompt, kLogits);
+  auto y = loaded->Prefill(SequenceId(0), prompt, kLogits);
+  ASSERT_TRUE(x.ok() && y.ok());
+  EXPECT_EQ(x->result.logits, y->result.logits);
+}
+
+// Bamba's own spelling: layers_block_type, and mamba_d_head "auto" (mamba_expand * hidden /
+// heads); variants the mixer does not compute are refused, naming the field.
+TEST_F(HybridCheckpointTest, ReadsBambasSpellingAndRefusesWhatItCannotCompute) {
+  ModelConfig c = HybridConfig({kS, kF});
+  c.ssm.head_dim = 64;  // 2 * 128 / 4, what "auto" gives
+  ASSERT_TRUE(SaveCheckpoint(SyntheticWeights(c, 1), dir_.string(), "bf16").ok());
+  EditConfig([](std::string text) {
+    text = std::regex_replace(text, std::regex(R"("layer_types": \[[^\]]*\],)"),
+                              R"("layers_block_type": ["mamba", "attention"],)");
+    return std::regex_replace(text, std::regex(R"("mamba_d_head": 64)"),
+                              R"("mamba_d_head": "auto")");
+  });
+  absl::StatusOr<ModelConfig> read = ReadCheckpointConfig(dir_.string());
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(*read, c);
+  EXPECT_TRUE(LoadCheckpoint(dir_.string()).ok());
+  const auto proj_bias = [](const char* from, const char* to) {
+    return [from, to](std::string text) {
+      return std::regex_replace(text, std::regex(std::string("\"mamba_proj_bias\": ") + from),
+                                std::string("\"mamba_proj_bias\": ") + to);
+    };
+  };
+  EditConfig(proj_bias("false", "true"));
+  EXPECT_THAT(ReadCheckpointConfig(dir_.string()).status().message(), HasSubstr("mamba_proj_bias"));
+  EditConfig(proj_bias("true", "false"));
+  ASSERT_TRUE(ReadCheckpointConfig(dir_.string()).ok());
+  EditConfig([](std::string text) {
+    return std::regex_replace(text, std::regex(R"("mamba_d_state": \d+,)"), "");
+  });
+  EXPECT_THAT(ReadCheckpointConfig(dir_.string()).status().message(),
+              HasSubstr("missing mamba_d_state"));
+}
+
+}  // namespace
+}  // namespace kvpool::model
