@@ -244,6 +244,16 @@ TEST_F(StatsTableTest, ResidencyAndMissesAreCountedAndExported) {
   ASSERT_NE(FindStat(r, "missed_tokens", "not_cached"), nullptr);
   EXPECT_EQ(FindStat(r, "missed_tokens", "not_cached")->value(), 48);
   EXPECT_EQ(FindStat(r, "missed_tokens", "evicted")->value(), 0);
+  double missed = 0;  // every reason's row, the two folded out of not_cached included
+  std::set<std::string> reasons;
+  for (const v1::Stat& stat : r.stats()) {
+    if (stat.name() != "missed_tokens") continue;
+    missed += stat.value();
+    reasons.insert(stat.label_values(stat.label_values_size() - 1));
+  }
+  EXPECT_EQ(missed, static_cast<double>(r.prompt_tokens() - r.hit_tokens()));
+  EXPECT_EQ(reasons, (std::set<std::string>{"not_cached", "another_namespace", "evicted",
+                                            "below_admission_bar", "coverage"}));
   const std::string text = Exposition();
   EXPECT_THAT(text, HasSubstr("vllm:kv_block_lifetime_seconds_count{pool=\"default\","
                               "model_name=\"tiny\"} 3"));
