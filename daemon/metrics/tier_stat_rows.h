@@ -231,7 +231,7 @@ inline void AddLocalStoreRows(std::vector<PoolRow>* rows) {
 }
 
 // Demotions (published blocks copied out toward the tiers) and promotions (tier hits copied
-// into fresh device blocks).
+// into fresh device blocks; by tier, present with that tier).
 inline void AddMoveRows(std::vector<PoolRow>* rows) {
   const StatKind kGauge = StatKind::kGauge;
   const StatKind kCounter = StatKind::kCounter;
@@ -265,15 +265,15 @@ inline void AddMoveRows(std::vector<PoolRow>* rows) {
   rows->push_back(MoveRow("tier_lookups", kCounter, "calls",
                           "Local prefix misses looked up in the tiers.", none, "tiers.lookups",
                           KVPOOL_TIER_STAT(t.lookups)));
-  rows->push_back(MoveRow("tier_promoted_blocks", kCounter, "blocks", kPromotedHelp,
-                          {"medium", "host"}, "tiers.promoted_from_host",
-                          KVPOOL_TIER_STAT(t.promoted_from_host)));
-  rows->push_back(MoveRow("tier_promoted_blocks", kCounter, "blocks", kPromotedHelp,
-                          {"medium", "disk"}, "tiers.promoted_from_disk",
-                          KVPOOL_TIER_STAT(t.promoted_from_disk)));
-  rows->push_back(MoveRow("tier_promoted_blocks", kCounter, "blocks", kPromotedHelp,
-                          {"medium", "redis"}, "tiers.promoted_from_redis",
-                          KVPOOL_TIER_STAT(t.promoted_from_remote)));
+  rows->push_back(MediumRow<TierMedium::kHost>("tier_promoted_blocks", kCounter, "blocks",
+                                               kPromotedHelp, "tiers.promoted_from_host",
+                                               KVPOOL_TIER_STAT(t.promoted_from_host)));
+  rows->push_back(MediumRow<TierMedium::kDisk>("tier_promoted_blocks", kCounter, "blocks",
+                                               kPromotedHelp, "tiers.promoted_from_disk",
+                                               KVPOOL_TIER_STAT(t.promoted_from_disk)));
+  rows->push_back(MediumRow<TierMedium::kRedis>("tier_promoted_blocks", kCounter, "blocks",
+                                                kPromotedHelp, "tiers.promoted_from_redis",
+                                                KVPOOL_TIER_STAT(t.promoted_from_remote)));
   rows->push_back(MoveRow("tier_promote_failed", kCounter, "blocks",
                           "Tier hits not promoted: no room, or a device failure.", none,
                           "tiers.promote_failed", KVPOOL_TIER_STAT(t.promote_failed)));
