@@ -158,45 +158,20 @@ std::string LayerBytesTable(const v1::PoolLayout& l) {
   return table.Render() + "\n";
 }
 
-// The lower tiers: one row per store, then the moves between the pool and the tiers.
+// The lower tiers: their figures are rows of the stats table (tier_*{medium=...}, printed with
+// the others); here only what is not a figure: which stores there are, their breakers, why the
+// disk tier started empty, and the copy rates.
 std::string TiersText(const v1::GetStatsResponse& s) {
   if (!s.has_tiers()) return "";
   const v1::TierStats& t = s.tiers();
-  internal::Table stores({"TIER", "BLOCKS", "CAPACITY", "HITS", "MISSES", "CORRUPT", "FORGED",
-                          "WRITTEN", "DROPPED", "EVICTED", "QUEUED", "BREAKER"});
-  std::string disk_line;
+  std::string out = "\ntiers:";
   for (const v1::TierStoreStats& st : t.stores()) {
-    const bool local = st.medium() == "host" || st.medium() == "disk";  // counted in blocks
-    const bool host = st.medium() == "host";
-    stores.AddRow({st.medium(), local ? std::to_string(st.blocks()) : "-",
-                   local ? std::to_string(st.capacity_blocks()) : "-", std::to_string(st.hits()),
-                   std::to_string(st.misses()), std::to_string(st.corrupt()),
-                   host ? "-" : std::to_string(st.forged()), std::to_string(st.written()),
-                   std::to_string(st.dropped()), local ? std::to_string(st.evicted()) : "-",
-                   host ? "-" : std::to_string(st.queued_blocks()),
-                   st.breaker().empty() ? "-" : st.breaker()});
-    if (st.medium() == "disk") {
-      disk_line = fmt::format(
-          "disk: {} read errors, {} write errors, {} invalidated; at start {} records kept, {} "
-          "dropped, index rebuilt in {:.1f} ms{}{}\n",
-          st.read_errors(), st.write_errors(), st.invalidated(), st.recovered_blocks(),
-          st.scan_dropped(), st.scan_ms(), st.direct_io() ? " (O_DIRECT)" : "",
-          st.started_empty().empty() ? "" : "; started empty: " + st.started_empty());
-    }
+    out += " " + st.medium();
+    if (!st.breaker().empty()) out += fmt::format(" (breaker {})", st.breaker());
+    if (!st.started_empty().empty()) out += fmt::format(" (started empty: {})", st.started_empty());
   }
-  internal::Table moves({"TIER MOVES", "BLOCKS", "GB/S", "FAILED"});
-  moves.AddRow({"demoted (pool -> tiers)", std::to_string(t.demoted_blocks()),
-                fmt::format("{:.2f}", t.demote_gbps()),
-                fmt::format("{} (+{} dropped)", t.demote_failed(), t.demote_dropped())});
-  moves.AddRow({"promoted from host", std::to_string(t.promoted_from_host()),
-                fmt::format("{:.2f}", t.promote_gbps()), std::to_string(t.promote_failed())});
-  moves.AddRow({"promoted from disk", std::to_string(t.promoted_from_disk()), "", ""});
-  moves.AddRow({"promoted from redis", std::to_string(t.promoted_from_redis()), "", ""});
-  return fmt::format(
-      "\n{}\n{}{}\npromotions: {} adopted by their call, {} unused, {} looked up again after an "
-      "eviction, {} lookups short of buffers\n",
-      stores.Render(), disk_line, moves.Render(), t.promote_adopted(), t.promote_unused(),
-      t.promote_raced(), t.lookup_truncated());
+  return out + fmt::format("; demoted at {:.2f} GB/s, promoted at {:.2f} GB/s\n", t.demote_gbps(),
+                           t.promote_gbps());
 }
 
 std::string TableText(const v1::SequenceInfo& info, size_t max_entries) {

@@ -53,6 +53,7 @@ class AdmissionFilter final : public EvictionPolicy {
 
   // Whether `node` is admitted (ordered by the inner policy once it is a candidate).
   bool admitted(NodeIndex node) const { return admitted_[static_cast<size_t>(node)] != 0; }
+  bool below_admission_bar(NodeIndex node) const override { return !admitted(node); }
   const EvictionPolicy& inner() const { return *inner_; }
 
  private:

@@ -66,8 +66,9 @@ BlockPool::BlockPool(const BlockPoolOptions& options)
       max_namespaces_(options.max_namespaces),
       namespaces_{kNoNamespace},
       active_by_ns_{0},
-      residency_(num_blocks_, options.residency_sample, options.residency_seed),
-      trace_(num_blocks_, options.trace_depth) {
+      residency_on_(options.residency_sample > 0),
+      trace_(num_blocks_, options.trace_depth),
+      residency_(num_blocks_, options.residency_sample, options.residency_seed) {
   free_list_.reserve(num_blocks_);
   // Highest id at the bottom so that a fresh pool hands out 0, 1, 2, ...
   for (int32_t b = num_blocks_ - 1; b >= 0; --b) free_list_.push_back(BlockId(b));
@@ -217,7 +218,7 @@ absl::Status BlockPool::DropCacheRefSlow(BlockId block, const TraceContext& ctx,
   const uint32_t refs = --refs_[i];
   if (refs == 0) {
     --num_cached_;
-    residency_.OnEvict(block, generation_[i], ctx.time_ns);
+    if (residency_on_) residency_.OnEvict(block, generation_[i], ctx.time_ns);
     FreeOrRetire(block, ctx, site);
   } else {
     trace_.Record(block, BlockOp::kCacheDrop, refs, generation_[i], ctx, site);

@@ -185,7 +185,9 @@ class BlockPool final {
   // The prefix cache served `block` to a new holder (a prefix hit): residency's access.
   // REQUIRES: Contains(block).
   void NoteCacheHit(BlockId block, const TraceContext& ctx) {
-    residency_.OnAccess(block, generation_[Index(block)], ctx.time_ns);
+    if (ABSL_PREDICT_FALSE(residency_on_)) {
+      residency_.OnAccess(block, generation_[Index(block)], ctx.time_ns);
+    }
   }
 
   // Moves every RETIRING block whose fences have passed to the free list, observing how long
@@ -298,10 +300,15 @@ class BlockPool final {
   uint64_t retired_ = 0;
   uint64_t scrubs_ = 0;
   uint64_t over_releases_ = 0;
-  Histogram fence_wait_{kFenceWaitBucketsSeconds};
-  BlockResidency residency_;
+  // Whether residency_ samples (residency_sample > 0): the hot paths test this flag, which sits
+  // beside the counters they update, and touch residency_ only when it is set.
+  const bool residency_on_;
 
   BlockTrace trace_;
+  // Observability kept apart from the fields every call touches (after them, so that adding
+  // it moved none of theirs).
+  Histogram fence_wait_{kFenceWaitBucketsSeconds};
+  BlockResidency residency_;
 };
 
 inline absl::Status BlockPool::Allocate(int32_t n, NamespaceSlot slot, const TraceContext& ctx,
@@ -348,7 +355,9 @@ inline absl::Status BlockPool::Allocate(int32_t n, NamespaceSlot slot, const Tra
     trace_.Record(block, BlockOp::kAllocate, 1, generation, ctx, site);
   }
   free_list_.resize(top - static_cast<size_t>(n));
-  residency_.OnHandOut({out_end, static_cast<size_t>(n)}, generations, ctx.time_ns);
+  if (ABSL_PREDICT_FALSE(residency_on_)) {
+    residency_.OnHandOut({out_end, static_cast<size_t>(n)}, generations, ctx.time_ns);
+  }
   scrubs_ += scrubs;
   active_by_ns_[owner] += n;
   allocated_ += static_cast<uint64_t>(n);
@@ -418,7 +427,7 @@ inline absl::Status BlockPool::DropCacheRef(BlockId block, const TraceContext& c
       refs_[i] = 0;
       --num_cached_;
       last_use_[i] = ctx.time_ns;
-      residency_.OnEvict(block, generation_[i], ctx.time_ns);
+      if (ABSL_PREDICT_FALSE(residency_on_)) residency_.OnEvict(block, generation_[i], ctx.time_ns);
       PushFree(block);
       trace_.Record(block, BlockOp::kFree, 0, generation_[i], ctx, site);
       return absl::OkStatus();

@@ -25,7 +25,8 @@ BlockResidency::BlockResidency(int32_t num_blocks, double sample_rate, uint64_t 
     : sample_rate_(std::clamp(sample_rate, 0.0, 1.0)),
       rng_(seed),
       countdown_(0),
-      followed_(static_cast<size_t>(num_blocks), 0) {
+      // Nothing to follow when nothing is sampled: no per-block array either.
+      followed_(sample_rate_ > 0 ? static_cast<size_t>(num_blocks) : 0, 0) {
   countdown_ = NextGap();
   stats_.sample_rate = sample_rate_;
 }

@@ -15,7 +15,9 @@
 // Cost: a hand-out of n blocks none of which is sampled is one compare and one subtraction for
 // the whole call (the sampler counts down to its next pick, drawn from a geometric distribution,
 // so exactly a `sample_rate` share is picked in expectation); an access or eviction is one byte
-// load unless the block is followed. Deterministic for a given seed. Times come from the
+// load unless the block is followed. With sample_rate 0 nothing is allocated per block and the
+// owner calls none of the On* hooks (BlockPool tests a cached flag instead: one predictable
+// branch per call, nothing touched). Deterministic for a given seed. Times come from the
 // caller's injected Clock (TraceContext::time_ns).
 //
 // Thread-compatible: BlockPool owns it, under the owner's lock.
@@ -61,7 +63,11 @@ class BlockResidency final {
     }
     Pick(blocks, generations, now_ns);
   }
+  // Whether any share is followed (sample_rate > 0).
+  bool sampling() const { return sample_rate_ > 0; }
+
   // The prefix cache served `block` (of `generation`) to a new holder at `now_ns`.
+  // REQUIRES (this and OnEvict): sampling().
   void OnAccess(BlockId block, uint32_t generation, int64_t now_ns) {
     if (ABSL_PREDICT_FALSE(followed_[static_cast<size_t>(block.value())] != 0)) {
       Access(block, generation, now_ns);

@@ -106,6 +106,14 @@ class EvictionPolicy {
   // Whether the policy reads NodeFacts::fingerprint. When it does not (and nothing else needs
   // them), the cache skips the chained hash of every stored block and passes 0.
   virtual bool uses_fingerprints() const { return true; }
+  // Whether `node` is below the policy's admission bar (kept only on probation, evicted before
+  // every admitted node): the cache remembers it of an evicted block, so that a later miss on
+  // that block counts as "below the admission bar", not as "evicted". Asked once per evicted
+  // full node, before OnErase.
+  virtual bool below_admission_bar(NodeIndex node) const {
+    (void)node;
+    return false;
+  }
   // Whether Rank() is {facts.priority, 0, facts.release_seq} for every node at every time. When
   // it is, the cache ranks the parents an eviction plan frees itself, without a call per node.
   virtual bool ranks_by_release() const { return false; }

@@ -186,16 +186,18 @@ absl::StatusOr<Sequence*> KvCacheManager::Owned(SessionId caller, SequenceId seq
   return &it->second;
 }
 
-void KvCacheManager::CountMissed(MatchStop stop, uint64_t tokens) {
-  switch (stop) {
+void KvCacheManager::CountMissed(const AllocatePlan& p, uint64_t tokens) {
+  switch (p.stop) {
     case MatchStop::kPromptEnd:  // no cache: nothing was cached
     case MatchStop::kUnknownNamespace:
     case MatchStop::kNoChild:
     case MatchStop::kDiverged:
-      counters_.missed_not_cached += tokens;
+      (p.first_block_elsewhere ? counters_.missed_another_namespace
+                               : counters_.missed_not_cached) += tokens;
       return;
     case MatchStop::kEvicted:
-      counters_.missed_evicted += tokens;
+      (p.below_admission_bar ? counters_.missed_below_admission_bar : counters_.missed_evicted) +=
+          tokens;
       return;
     case MatchStop::kInsufficientCoverage:
       counters_.missed_coverage += tokens;
@@ -488,7 +490,7 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
     seq.num_tokens = r.num_tokens;
     counters_.prompt_tokens += r.prompt.size();
     counters_.hit_tokens += static_cast<uint64_t>(p.match.matched_tokens);
-    CountMissed(p.stop, r.prompt.size() - static_cast<uint64_t>(p.match.matched_tokens));
+    CountMissed(p, r.prompt.size() - static_cast<uint64_t>(p.match.matched_tokens));
     results->push_back(AllocateResult{id, p.match.matched_tokens});
   }
   sessions_[caller].sequences += static_cast<int64_t>(requests.size());
@@ -520,6 +522,8 @@ absl::Status KvCacheManager::PlanAllocate(const AllocateRequest& r, AllocateTall
       MatchExplanation why;
       cache_->ExplainStop(r.ns, r.prompt, p->match, &why);
       p->stop = why.stop;
+      p->below_admission_bar = why.below_admission_bar;
+      p->first_block_elsewhere = why.first_block_elsewhere;
     }
   }
   // Table slots the match fills: every fully matched block, and the partially matched one

@@ -210,12 +210,16 @@ struct KvCacheStats {
   // (PrefixCache::ExplainStop at plan time):
   uint64_t missed_not_cached = 0;  // nothing cached there (no namespace tree, no child, diverged)
   uint64_t missed_evicted = 0;     // the next full block was cached and has been evicted
-  uint64_t missed_coverage = 0;    // a cached block agrees but covers too few of the tokens
-  uint64_t evictions = 0;          // cached blocks evicted to make room (or on request)
-  int64_t pins = 0;                // live pins
-  int64_t pinned_blocks = 0;       // distinct blocks they hold
-  uint64_t pins_made = 0;          // successful PinPrefix/PinSequence calls
-  uint64_t pins_expired = 0;       // pins that ran out of time
+  // nothing cached here, but another namespace holds the prompt's first block
+  uint64_t missed_another_namespace = 0;
+  // ... evicted while below the admission bar (AdmissionFilter probation): never admitted
+  uint64_t missed_below_admission_bar = 0;
+  uint64_t missed_coverage = 0;  // a cached block agrees but covers too few of the tokens
+  uint64_t evictions = 0;        // cached blocks evicted to make room (or on request)
+  int64_t pins = 0;              // live pins
+  int64_t pinned_blocks = 0;     // distinct blocks they hold
+  uint64_t pins_made = 0;        // successful PinPrefix/PinSequence calls
+  uint64_t pins_expired = 0;     // pins that ran out of time
   PrefixCacheStats cache;
   // Of evictions, those an admin asked for (EvictCached, ClearCache).
   uint64_t admin_evictions = 0;
@@ -458,6 +462,8 @@ class KvCacheManager final {
     PrefixMatch match;
     bool copy_partial = false;               // the partially matched block is copied, not shared
     MatchStop stop = MatchStop::kPromptEnd;  // why the match stopped (prompt tokens missed)
+    bool below_admission_bar = false;        // kEvicted: MatchExplanation's
+    bool first_block_elsewhere = false;      // not cached here: MatchExplanation's
     int32_t new_blocks = 0;
   };
   // Blocks a batch has already claimed to write into, and by how many holders.
@@ -543,8 +549,9 @@ class KvCacheManager final {
   void ReleaseBlock(BlockId block, const TraceContext& ctx);
   // Releases table entries past `keep`, deepest first, unlocking tree nodes on the way.
   void ReleaseTail(Sequence* sequence, size_t keep, const TraceContext& ctx);
-  // Adds `tokens` prompt tokens the prefix cache did not have to the counter of `stop`.
-  void CountMissed(MatchStop stop, uint64_t tokens);
+  // Adds `tokens` prompt tokens the prefix cache did not have to the counter of why `p`'s match
+  // stopped.
+  void CountMissed(const AllocatePlan& p, uint64_t tokens);
   absl::Status CountExhausted(absl::Status status);
   // Tokens each block of a batch is said to hold, by the sequences publishing it.
   using PublishClaims = absl::flat_hash_map<BlockId, std::vector<int32_t>>;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <utility>
 
@@ -64,7 +65,8 @@ std::string MatchExplanation::ToString() const {
           block_index, best_coverage, tokens_needed, best_common);
       break;
     case MatchStop::kEvicted:
-      out += fmt::format("block {}: it was cached and has been evicted", block_index);
+      out += fmt::format("block {}: it was cached and has been evicted{}", block_index,
+                         below_admission_bar ? " (below the admission bar: never admitted)" : "");
       break;
   }
   for (const auto& [ns, tokens] : other_namespaces) {
@@ -321,8 +323,16 @@ void PrefixCache::ExplainStop(NamespaceId ns, std::span<const int32_t> tokens, c
   e->block_index = static_cast<int64_t>(m.full.size());
   const size_t pos = m.full.size() * static_cast<size_t>(block_size_);
   const NodeIndex root = Root(ns);
+  // A stop at the first block for want of anything cached: does another namespace hold it?
+  auto note_elsewhere = [&] {
+    if (pos == 0 && tokens.size() >= static_cast<size_t>(block_size_)) {
+      e->first_block_elsewhere =
+          FirstBlockElsewhere(ns, tokens.first(static_cast<size_t>(block_size_)));
+    }
+  };
   if (root == kNoNode) {
     e->stop = MatchStop::kUnknownNamespace;
+    note_elsewhere();
     return;
   }
   if (pos >= tokens.size() || m.matched_tokens == static_cast<int64_t>(tokens.size())) {
@@ -336,19 +346,32 @@ void PrefixCache::ExplainStop(NamespaceId ns, std::span<const int32_t> tokens, c
   const NodeIndex best = BestChild(parent, block, &e->best_common);
   if (best != kNoNode) e->best_coverage = nodes_[best].coverage;
   // Nothing remembered as evicted (none yet, or no memory): no hash to compute.
-  const bool was_evicted = block.size() == static_cast<size_t>(block_size_) &&
-                           !evicted_set_.empty() &&
-                           evicted_set_.contains(PrefixChainHash(hash_[parent], ns, block));
-  if (was_evicted) {
+  const auto evicted = block.size() == static_cast<size_t>(block_size_) && !evicted_set_.empty()
+                           ? evicted_set_.find(PrefixChainHash(hash_[parent], ns, block))
+                           : evicted_set_.end();
+  if (evicted != evicted_set_.end()) {
     e->stop = MatchStop::kEvicted;
+    e->below_admission_bar = evicted->second;
   } else if (best == kNoNode && nodes_[parent].num_children == 0) {
     e->stop = MatchStop::kNoChild;
+    note_elsewhere();
   } else if (best != kNoNode && e->best_common == e->best_coverage &&
              e->best_coverage < e->tokens_needed) {
     e->stop = MatchStop::kInsufficientCoverage;
   } else {
     e->stop = MatchStop::kDiverged;
+    note_elsewhere();
   }
+}
+
+bool PrefixCache::FirstBlockElsewhere(NamespaceId ns, std::span<const int32_t> block) const {
+  if (first_blocks_.empty()) return false;
+  const uint64_t h = HashTokens(block);
+  for (auto it = first_blocks_.lower_bound({h, std::numeric_limits<NodeIndex>::min()});
+       it != first_blocks_.end() && it->first == h; ++it) {
+    if (ns_[it->second] != ns && std::ranges::equal(Tokens(it->second), block)) return true;
+  }
+  return false;
 }
 
 MatchExplanation PrefixCache::Explain(NamespaceId ns, std::span<const int32_t> tokens) const {

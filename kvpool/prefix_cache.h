@@ -40,6 +40,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/btree_set.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
@@ -81,6 +82,12 @@ struct MatchExplanation {
   int32_t tokens_needed = 0;  // prompt tokens in that block
   int32_t best_coverage = 0;  // coverage of the closest cached block there
   int32_t best_common = 0;    // tokens it shares with the prompt
+  // kUnknownNamespace, kNoChild or kDiverged at block 0: another namespace holds this prompt's
+  // first block (the prefix is cached, under another tenant's or salt's namespace).
+  bool first_block_elsewhere = false;
+  // kEvicted: the policy had that block below its admission bar (on probation) when it was
+  // evicted (AdmissionFilter): it was never kept past its request.
+  bool below_admission_bar = false;
   // Other namespaces whose trees would match more of this prompt (prefixes are never shared
   // across namespaces), with how many tokens.
   std::vector<std::pair<NamespaceId, int64_t>> other_namespaces;
@@ -373,6 +380,8 @@ class PrefixCache final {
     return nodes_[nodes_[child].parent].wide != 0 ? chain_next_[child] : nodes_[child].next_sibling;
   }
   absl::Status CheckChains() const;
+  // first_blocks_ holds exactly the full first blocks, each under its tokens' hash.
+  absl::Status CheckFirstBlocks() const;
   // Commit() without the retention mark.
   void CommitBlocks(NamespaceId ns, std::span<const int32_t> tokens, std::span<const BlockId> table,
                     int priority, CachePath* path, const TraceContext& ctx);
@@ -401,6 +410,12 @@ class PrefixCache final {
   // joins the child index and is announced.
   void Widen(NodeIndex node, std::span<const int32_t> tokens);
   void MakeFull(NodeIndex node);
+  // first_blocks_ upkeep: `node`, a full first block, was made (MakeFull, AppendChain) or is
+  // being freed (FreeSlot).
+  void IndexFirstBlock(NodeIndex node);
+  void UnindexFirstBlock(NodeIndex node);
+  // Whether a namespace other than `ns` holds a full first block of exactly `block`.
+  bool FirstBlockElsewhere(NamespaceId ns, std::span<const int32_t> block) const;
   // Removes unused partial siblings of `node` that it covers.
   void RemoveDominated(NodeIndex node, const TraceContext& ctx);
   // Removes an unlocked leaf and returns its cache reference. `offer_parent`: re-evaluate the
@@ -492,7 +507,12 @@ class PrefixCache final {
   // Recently evicted full blocks, for Explain().
   std::vector<BlockHash> evicted_ring_;
   size_t evicted_next_ = 0;
-  absl::flat_hash_set<BlockHash> evicted_set_;
+  // The hashes of evicted_ring_, each with whether the policy had it below its admission bar.
+  absl::flat_hash_map<BlockHash, bool> evicted_set_;
+  // The full first blocks of every namespace, by HashTokens of their tokens, each with its node:
+  // tells a miss whose first block another namespace holds (ExplainStop) without a match per
+  // namespace. Only ever counted: a match never leaves its namespace.
+  absl::btree_set<std::pair<uint64_t, NodeIndex>> first_blocks_;
 
   std::vector<BlockHash> pending_removed_;  // batched into one BlockRemoved per call
   std::vector<PublishedBlock> published_;   // the journal, when on

@@ -131,6 +131,7 @@ absl::Status PrefixCache::CheckInvariants(
     }
   }
   if (nodes != num_nodes_ || full != num_full_) return InvariantViolation("node counts are stale");
+  if (absl::Status s = CheckFirstBlocks(); !s.ok()) return s;
   if (evictable != num_evictable_) {
     return InvariantViolation("{} nodes evictable, {} counted", evictable, num_evictable_);
   }
@@ -154,6 +155,24 @@ absl::Status PrefixCache::CheckInvariants(
 // The first-token chains hold exactly the children of wide parents, each under its own key; the
 // full-child index only theirs, and each full child of a wide parent carries its token hash
 // (RemoveNode finds its index entry by it).
+absl::Status PrefixCache::CheckFirstBlocks() const {
+  size_t first_full = 0;
+  for (NodeIndex node = 0; node < static_cast<NodeIndex>(nodes_.size()); ++node) {
+    const bool first = nodes_[node].block != kInvalidBlock && state_[node].depth == 1 &&
+                       nodes_[node].coverage == block_size_;
+    if (!first) continue;
+    ++first_full;
+    if (!first_blocks_.contains({internal::HashTokens(Tokens(node)), node})) {
+      return InvariantViolation("first block {} is missing from the first-block index", node);
+    }
+  }
+  if (first_full != first_blocks_.size()) {
+    return InvariantViolation("first-block index holds {} entries for {} first blocks",
+                              first_blocks_.size(), first_full);
+  }
+  return absl::OkStatus();
+}
+
 absl::Status PrefixCache::CheckChains() const {
   int64_t expected = 0;
   for (NodeIndex node = 0; node < static_cast<NodeIndex>(nodes_.size()); ++node) {

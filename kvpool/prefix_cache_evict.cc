@@ -68,6 +68,7 @@ void PrefixCache::TailRemove(NodeIndex node) {
 ABSL_ATTRIBUTE_ALWAYS_INLINE inline void PrefixCache::FreeSlot(NodeIndex node,
                                                                const TraceContext& ctx) {
   const BlockId block = nodes_[node].block;
+  if (state_[node].depth == 1 && nodes_[node].coverage == block_size_) UnindexFirstBlock(node);
   node_of_block_[static_cast<size_t>(block.value())] = kNoNode;
   KVPOOL_CHECK_OK(pool_->DropCacheRef(block, ctx));
   nodes_[node].parent = kNoNode;
@@ -100,9 +101,11 @@ void PrefixCache::RemoveNode(NodeIndex node, const TraceContext& ctx, bool offer
     state_[node].evictable = 0;
     --num_evictable_;
   }
+  const bool full = nodes_[node].coverage == block_size_;
+  // Asked before OnErase, which forgets what the policy knew of the node.
+  const bool below_bar = full && evicted_memory_ > 0 && policy_->below_admission_bar(node);
   if (hears_accesses_) policy_->OnErase(node, Facts(node), now_ns_);
   const NodeIndex parent = nodes_[node].parent;
-  const bool full = nodes_[node].coverage == block_size_;
   if (nodes_[parent].wide == 0 && nodes_[parent].num_children == 1) {
     // An only child of a narrow parent (an evicted chain): it has no siblings to unlink from.
     nodes_[parent].first_child = kNoNode;
@@ -124,7 +127,7 @@ void PrefixCache::RemoveNode(NodeIndex node, const TraceContext& ctx, bool offer
       BlockHash& slot = evicted_ring_[evicted_next_];
       if (slot != BlockHash{}) evicted_set_.erase(slot);
       slot = hash_[node];
-      evicted_set_.insert(slot);
+      evicted_set_[slot] = below_bar;
       evicted_next_ = (evicted_next_ + 1) % evicted_memory_;
     }
     --num_full_;

@@ -74,6 +74,7 @@ size_t PrefixCache::AppendChain(NodeIndex parent, std::span<const int32_t> token
       hash_[node] = PrefixChainHash(hash_[parent], ns_[node], Tokens(node));
       state_[node].fingerprint = BlockFingerprint(hash_[node]);
     }
+    if (state_[node].depth == 1) IndexFirstBlock(node);
     if (hears_accesses_) policy_->OnInsert(node, Facts(node), now_ns_);
     path->full.push_back(node);
     parent = node;
@@ -104,7 +105,16 @@ void PrefixCache::MakeFull(NodeIndex node) {
     nodes_[node].token_hash = HashTokens(Tokens(node));
     children_.try_emplace(ChildKey{parent, nodes_[node].token_hash}, node);
   }
+  if (state_[node].depth == 1) IndexFirstBlock(node);
   ++num_full_;
+}
+
+void PrefixCache::IndexFirstBlock(NodeIndex node) {
+  first_blocks_.emplace(HashTokens(Tokens(node)), node);
+}
+
+void PrefixCache::UnindexFirstBlock(NodeIndex node) {
+  first_blocks_.erase({HashTokens(Tokens(node)), node});
 }
 
 void PrefixCache::Widen(NodeIndex node, std::span<const int32_t> tokens) {

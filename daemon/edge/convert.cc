@@ -141,77 +141,28 @@ void ToProto(const BlockTraceEntry& e, v1::TraceEntry* t) {
 
 namespace {
 
-void ToProto(const tier::RemoteTierStats& s, v1::TierStoreStats* out) {
-  out->set_breaker(tier::BreakerStateName(s.breaker));
-  out->set_breaker_opens(s.breaker_opens);
-  out->set_lookups(s.lookups);
-  out->set_hits(s.hits);
-  out->set_misses(s.misses);
-  out->set_corrupt(s.corrupt);
-  out->set_forged(s.forged);
-  out->set_written(s.written);
-  out->set_already_present(s.already_present);
-  out->set_dropped(s.dropped_queue_full + s.dropped_breaker_open + s.dropped_write_errors +
-                   s.dropped_shutdown);
-  out->set_bytes_read(s.bytes_read);
-  out->set_bytes_written(s.bytes_written);
-  out->set_queued_blocks(s.queued_blocks);
-}
-
 double Gbps(uint64_t bytes, int64_t ns) {
   return ns > 0 ? static_cast<double>(bytes) / static_cast<double>(ns) : 0.0;
 }
 
-void ToProto(const TierStats& t, v1::TierStats* out) {
-  if (t.host) {
-    v1::TierStoreStats* host = out->add_stores();
-    ToProto(t.host_store, host);
-    host->set_medium("host");
-    host->clear_breaker();
-    host->set_capacity_blocks(t.host_capacity_blocks);
-    host->set_blocks(t.host_blocks);
-    host->set_evicted(t.host_evicted);
-    host->set_invalidated(t.host_invalidated);
-  }
+// What of the tiers is not a figure of the stats table: which stores exist (in the order host,
+// disk, redis), their breakers' states, why the disk tier started empty, and the copy rates
+// (ratios of two rows). The tier rows fill every number (daemon/metrics/tier_stat_rows.h).
+void TierTextToProto(const TierStats& t, v1::TierStats* out) {
+  if (t.host) out->add_stores()->set_medium("host");
   if (t.disk) {
     v1::TierStoreStats* disk = out->add_stores();
-    ToProto(t.disk_store, disk);
     disk->set_medium("disk");
-    const tier::DiskTierStats& d = t.disk_tier;
-    disk->set_capacity_blocks(d.capacity_blocks);
-    disk->set_blocks(d.blocks);
-    disk->set_evicted(d.evicted);
-    disk->set_invalidated(d.invalidated);
-    disk->set_read_errors(d.read_errors);
-    disk->set_write_errors(d.write_errors);
-    disk->set_recovered_blocks(d.recovered_blocks);
-    disk->set_scan_dropped(d.scan_dropped);
-    disk->set_scan_ms(static_cast<double>(d.scan_ns) * 1e-6);
-    disk->set_started_empty(d.started_empty);
-    disk->set_direct_io(d.direct_io);
+    disk->set_breaker(tier::BreakerStateName(t.disk_store.breaker));
+    disk->set_started_empty(t.disk_tier.started_empty);
   }
   if (t.remote) {
     v1::TierStoreStats* redis = out->add_stores();
-    ToProto(t.remote_store, redis);
     redis->set_medium("redis");
+    redis->set_breaker(tier::BreakerStateName(t.remote_store.breaker));
   }
-  out->set_demoted_blocks(t.demoted);
-  out->set_demoted_bytes(t.demoted_bytes);
   out->set_demote_gbps(Gbps(t.demoted_bytes, t.demote_ns));
-  out->set_demote_dropped(t.demote_dropped_full);
-  out->set_demote_failed(t.demote_failed);
-  out->set_demote_queued(t.demote_queued);
-  out->set_lookups(t.lookups);
-  out->set_promoted_from_host(t.promoted_from_host);
-  out->set_promoted_from_redis(t.promoted_from_remote);
-  out->set_promoted_from_disk(t.promoted_from_disk);
-  out->set_promoted_bytes(t.promoted_bytes);
   out->set_promote_gbps(Gbps(t.promoted_bytes, t.promote_ns));
-  out->set_promote_failed(t.promote_failed);
-  out->set_promote_raced(t.promote_raced);
-  out->set_promote_adopted(t.promote_adopted);
-  out->set_promote_unused(t.promote_unused);
-  out->set_lookup_truncated(t.lookup_truncated);
 }
 
 }  // namespace
@@ -227,7 +178,9 @@ void ToProto(const EngineStats& st, const AttachCounters* attach, const RpcCount
   if (!st.health.ok()) r->set_failure(st.health.ToString());
   r->set_pool(st.pool);
   for (const std::string& p : st.pools) r->add_pools(p);
-  if (st.tiers.host || st.tiers.disk || st.tiers.remote) ToProto(st.tiers, r->mutable_tiers());
+  if (st.tiers.host || st.tiers.disk || st.tiers.remote) {
+    TierTextToProto(st.tiers, r->mutable_tiers());
+  }
   FillStats({.engine = &st, .attach = attach, .rpcs = rpcs, .streams = streams, .zmq = zmq}, r);
 }
 

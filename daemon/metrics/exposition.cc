@@ -93,4 +93,10 @@ std::vector<prometheus::MetricFamily> CollectFamilies(const Engine& engine,
   return families.Take();
 }
 
+std::vector<prometheus::MetricFamily> CollectFamilies(const StatsSource& source) {
+  FamilySet families;
+  ForEachStat(source, /*daemon_rows=*/true, [&](const StatSample& s) { families.Add(s); });
+  return families.Take();
+}
+
 }  // namespace kvpool::daemon

@@ -11,6 +11,7 @@
 #include "daemon/engine/engine.h"
 #include "daemon/metrics/edge_counters.h"
 #include "daemon/metrics/rpc_counters.h"
+#include "daemon/metrics/stats_table.h"
 #include "daemon/metrics/stream_counters.h"
 #include "prometheus/collectable.h"
 #include "prometheus/metric_family.h"
@@ -24,6 +25,10 @@ std::vector<prometheus::MetricFamily> CollectFamilies(const Engine& engine,
                                                       const RpcCounters* rpcs = nullptr,
                                                       const EventStreamCounters* streams = nullptr,
                                                       const ZmqEventCounters* zmq = nullptr);
+
+// The families of one source (one pool's figures, with the daemon rows): what CollectFamilies
+// makes of each pool, for a caller that has the stats already (tests).
+std::vector<prometheus::MetricFamily> CollectFamilies(const StatsSource& source);
 
 // CollectFamilies as a prometheus::Collectable (what prometheus::Exposer serves). Thread-safe;
 // what it is given must outlive it.

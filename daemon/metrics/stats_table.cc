@@ -4,6 +4,9 @@
 #include "daemon/metrics/stats_table.h"
 
 #include <atomic>
+#include <vector>
+
+#include "daemon/metrics/tier_stat_rows.h"
 
 namespace kvpool::daemon {
 namespace {
@@ -45,15 +48,6 @@ bool MeasuresResidency(const StatsSource& src) {
   return src.engine->cache.pool.residency.sample_rate > 0;
 }
 bool HasModel(const StatsSource& src) { return !src.engine->model_info.name.empty(); }
-bool HasTiers(const StatsSource& src) {
-  const TierStats& t = src.engine->tiers;
-  return t.host || t.disk || t.remote;
-}
-
-double TokensOfBlocks(const EngineStats& e, uint64_t blocks) {
-  return static_cast<double>(blocks) * e.layout.block_size;
-}
-
 const PoolRow kPoolRows[] = {
     // Blocks and sequences (gauges): free + active + cached + retiring == num_blocks.
     {"blocks", kGauge, "blocks", "Blocks of the pool.", kNoLabel, "num_blocks", 1,
@@ -120,10 +114,26 @@ const PoolRow kPoolRows[] = {
      kCounter,
      "tokens",
      "Prompt tokens not found in the prefix cache, by why the match stopped.",
+     {"reason", "another_namespace"},
+     "",
+     1,
+     KVPOOL_STAT(e.cache.missed_another_namespace)},
+    {"missed_tokens",
+     kCounter,
+     "tokens",
+     "Prompt tokens not found in the prefix cache, by why the match stopped.",
      {"reason", "evicted"},
      "",
      1,
      KVPOOL_STAT(e.cache.missed_evicted)},
+    {"missed_tokens",
+     kCounter,
+     "tokens",
+     "Prompt tokens not found in the prefix cache, by why the match stopped.",
+     {"reason", "below_admission_bar"},
+     "",
+     1,
+     KVPOOL_STAT(e.cache.missed_below_admission_bar)},
     {"missed_tokens",
      kCounter,
      "tokens",
@@ -179,47 +189,6 @@ const PoolRow kPoolRows[] = {
      +[](const StatsSource& src) { return &src.engine->model.step_seconds; }, &HasModel},
     {"step_batch_size", kHistogram, "sequences", "Sequences in each model step.", kNoLabel, "", 1,
      nullptr, +[](const StatsSource& src) { return &src.engine->model.step_batch; }, &HasModel},
-    // The lower tiers: copies between the pool and the tiers, by direction.
-    {"tier_transfer_bytes",
-     kCounter,
-     "bytes",
-     "Bytes copied between the pool and its tiers.",
-     {"direction", "demote"},
-     "",
-     1,
-     KVPOOL_STAT(e.tiers.demoted_bytes),
-     nullptr,
-     &HasTiers},
-    {"tier_transfer_bytes",
-     kCounter,
-     "bytes",
-     "Bytes copied between the pool and its tiers.",
-     {"direction", "promote"},
-     "",
-     1,
-     KVPOOL_STAT(e.tiers.promoted_bytes),
-     nullptr,
-     &HasTiers},
-    {"tier_transfer_seconds",
-     kCounter,
-     "seconds",
-     "Copy time between the pool and its tiers (enqueue to fence).",
-     {"direction", "demote"},
-     "",
-     1,
-     KVPOOL_STAT(static_cast<double>(e.tiers.demote_ns) * 1e-9),
-     nullptr,
-     &HasTiers},
-    {"tier_transfer_seconds",
-     kCounter,
-     "seconds",
-     "Copy time between the pool and its tiers (enqueue to fence).",
-     {"direction", "promote"},
-     "",
-     1,
-     KVPOOL_STAT(static_cast<double>(e.tiers.promote_ns) * 1e-9),
-     nullptr,
-     &HasTiers},
     // vLLM's names (vllm/v1/metrics/loggers.py), for dashboards and autoscalers that query them.
     {"vllm:kv_cache_usage_perc", kGauge, "ratio",
      "KV-cache usage: share of blocks held by sequences (1 = full).", kNoLabel, "", 1,
@@ -244,66 +213,6 @@ const PoolRow kPoolRows[] = {
      KVPOOL_STAT(e.cache.prompt_tokens)},
     {"vllm:prefix_cache_hits", kCounter, "tokens", "Prefix cache hits: prompt tokens found.",
      kNoLabel, "", 1, KVPOOL_STAT(e.cache.hit_tokens)},
-    {"vllm:external_prefix_cache_queries",
-     kCounter,
-     "tokens",
-     "Tokens asked of a lower tier (blocks times block size), by tier.",
-     {"medium", "host"},
-     "",
-     1,
-     KVPOOL_STAT(TokensOfBlocks(e, e.tiers.host_store.hits + e.tiers.host_store.misses)),
-     nullptr,
-     KVPOOL_STAT_IF(tiers.host)},
-    {"vllm:external_prefix_cache_hits",
-     kCounter,
-     "tokens",
-     "Tokens a lower tier returned (blocks times block size), by tier.",
-     {"medium", "host"},
-     "",
-     1,
-     KVPOOL_STAT(TokensOfBlocks(e, e.tiers.host_store.hits)),
-     nullptr,
-     KVPOOL_STAT_IF(tiers.host)},
-    {"vllm:external_prefix_cache_queries",
-     kCounter,
-     "tokens",
-     "Tokens asked of a lower tier (blocks times block size), by tier.",
-     {"medium", "disk"},
-     "",
-     1,
-     KVPOOL_STAT(TokensOfBlocks(e, e.tiers.disk_store.hits + e.tiers.disk_store.misses)),
-     nullptr,
-     KVPOOL_STAT_IF(tiers.disk)},
-    {"vllm:external_prefix_cache_hits",
-     kCounter,
-     "tokens",
-     "Tokens a lower tier returned (blocks times block size), by tier.",
-     {"medium", "disk"},
-     "",
-     1,
-     KVPOOL_STAT(TokensOfBlocks(e, e.tiers.disk_store.hits)),
-     nullptr,
-     KVPOOL_STAT_IF(tiers.disk)},
-    {"vllm:external_prefix_cache_queries",
-     kCounter,
-     "tokens",
-     "Tokens asked of a lower tier (blocks times block size), by tier.",
-     {"medium", "redis"},
-     "",
-     1,
-     KVPOOL_STAT(TokensOfBlocks(e, e.tiers.remote_store.hits + e.tiers.remote_store.misses)),
-     nullptr,
-     KVPOOL_STAT_IF(tiers.remote)},
-    {"vllm:external_prefix_cache_hits",
-     kCounter,
-     "tokens",
-     "Tokens a lower tier returned (blocks times block size), by tier.",
-     {"medium", "redis"},
-     "",
-     1,
-     KVPOOL_STAT(TokensOfBlocks(e, e.tiers.remote_store.hits)),
-     nullptr,
-     KVPOOL_STAT_IF(tiers.remote)},
 };
 
 const PoolRow kDaemonRows[] = {
@@ -514,6 +423,7 @@ StatSample SampleOf(const StatRow<Source>& row, const Source& source) {
                .kind = row.kind,
                .unit = row.unit,
                .help = row.help,
+               .label = row.label,
                .proto_field = row.proto_field,
                .proto_scale = row.proto_scale};
   if (row.kind == StatKind::kHistogram) {
@@ -540,7 +450,16 @@ std::string_view StatKindName(StatKind kind) {
   return "untyped";
 }
 
-std::span<const PoolRow> PoolStatRows() { return kPoolRows; }
+std::span<const PoolRow> PoolStatRows() {
+  // The pool's own rows, then its tiers' (tier_stat_rows.h).
+  static const std::vector<PoolRow> rows = [] {
+    std::vector<PoolRow> out(std::begin(kPoolRows), std::end(kPoolRows));
+    const std::span<const PoolRow> tiers = internal::TierStatRows();
+    out.insert(out.end(), tiers.begin(), tiers.end());
+    return out;
+  }();
+  return rows;
+}
 std::span<const PoolRow> DaemonStatRows() { return kDaemonRows; }
 std::span<const TenantRow> TenantStatRows() { return kTenantRows; }
 std::span<const RpcRow> RpcStatRows() { return kRpcRows; }
@@ -550,7 +469,7 @@ void ForEachStat(const StatsSource& source, bool daemon_rows,
   const EngineStats& e = *source.engine;
   const std::string_view model =
       e.model_info.name.empty() ? std::string_view("none") : std::string_view(e.model_info.name);
-  for (const PoolRow& row : kPoolRows) {
+  for (const PoolRow& row : PoolStatRows()) {
     if (row.present != nullptr && !row.present(source)) continue;
     StatSample s = SampleOf(row, source);
     s.labels.emplace_back("pool", e.pool);

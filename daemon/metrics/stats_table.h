@@ -6,9 +6,12 @@
 // these rows, so adding a figure is one row plus the code that counts it. A row may also name
 // the GetStatsResponse field that carried the figure before the table existed: GetStats keeps
 // filling it (wire compatibility), and rows naming the same field add up into it (the
-// eviction reasons sum to `evictions`).
+// eviction reasons sum to `evictions`). The name is a path below GetStatsResponse
+// ("tiers.lookups"); through a repeated message ("tiers.stores.hits") it picks the element
+// whose field named like the row's label holds the label's value (medium="disk").
 //
-// Four tables: pool rows (one value per pool: blocks, cache, model steps, tiers), daemon rows
+// Four tables: pool rows (one value per pool: blocks, cache, model steps, and the tiers':
+// tier_stat_rows.h), daemon rows
 // (one value for the whole daemon: sessions, calls, the attach socket), tenant rows (one value
 // per pool and tenant, the tenants bounded by TenantCounterTable) and rpc rows (one value per
 // gRPC method and status code that occurred: at most 26 x 17).
@@ -63,7 +66,7 @@ struct StatRow {
   std::string_view unit;
   std::string_view help;
   StatLabel label;               // name empty: none
-  std::string_view proto_field;  // GetStatsResponse field it also fills; empty: none
+  std::string_view proto_field;  // GetStatsResponse field (path) it also fills; empty: none
   double proto_scale = 1;        // that field holds value * proto_scale (model_busy_us)
   // Exactly one of these, by kind: the value of a counter or gauge, or the histogram.
   double (*value)(const Source&) = nullptr;
@@ -92,6 +95,7 @@ struct StatSample {
   std::vector<std::pair<std::string_view, std::string_view>> labels;
   double value = 0;
   const Histogram* histogram = nullptr;  // kHistogram; valid while the source is
+  StatLabel label;                       // the row's own label (name empty: none)
   std::string_view proto_field;
   double proto_scale = 1;
 };

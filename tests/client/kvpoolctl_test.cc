@@ -115,49 +115,51 @@ TEST(FormatTest, StatsShowBlockShares) {
   EXPECT_TRUE(parsed.contains("evictions"));  // defaults are printed too
 }
 
+// A stats-table row as the daemon sends it: name{medium=...} and its value.
+void AddTierRow(v1::GetStatsResponse* stats, const std::string& name, const std::string& medium,
+                double value) {
+  v1::Stat* stat = stats->add_stats();
+  stat->set_name(name);
+  stat->set_kind(v1::Stat::KIND_COUNTER);
+  stat->set_unit("blocks");
+  stat->add_label_names("pool");
+  stat->add_label_values("default");
+  stat->add_label_names("medium");
+  stat->add_label_values(medium);
+  stat->set_value(value);
+}
+
 TEST(FormatTest, StatsShowTiersOnlyWhenConfigured) {
   v1::GetStatsResponse stats;
   stats.set_num_blocks(16);
-  EXPECT_THAT(FormatStats(stats, false), ::testing::Not(HasSubstr("TIER")));
-  v1::TierStoreStats* host = stats.mutable_tiers()->add_stores();
-  host->set_medium("host");
-  host->set_blocks(12);
-  host->set_capacity_blocks(64);
-  host->set_hits(5);
+  EXPECT_THAT(FormatStats(stats, false), ::testing::Not(HasSubstr("tiers:")));
+  stats.mutable_tiers()->add_stores()->set_medium("host");
   v1::TierStoreStats* redis = stats.mutable_tiers()->add_stores();
   redis->set_medium("redis");
   redis->set_breaker("open");
-  redis->set_hits(3);
-  redis->set_corrupt(2);
-  redis->set_forged(1);
-  stats.mutable_tiers()->set_promoted_from_host(5);
-  stats.mutable_tiers()->set_promoted_from_redis(3);
+  stats.mutable_tiers()->set_demote_gbps(1.5);
+  // The figures are the table's rows, printed as every other row is.
+  AddTierRow(&stats, "tier_store_hits", "host", 5);
+  AddTierRow(&stats, "tier_store_forged", "redis", 1);
+  AddTierRow(&stats, "tier_promoted_blocks", "redis", 3);
   const std::string text = FormatStats(stats, false);
-  EXPECT_THAT(text, ::testing::ContainsRegex("\nhost +12 +64 +5 +0 +0 +- "));
-  // HITS, MISSES, CORRUPT, then FORGED (Redis only: values whose MAC failed)
-  EXPECT_THAT(text, ::testing::ContainsRegex("\nredis +- +- +3 +0 +2 +1 .* open\n"));
-  EXPECT_THAT(text, ::testing::ContainsRegex("promoted from host +5 "));
-  EXPECT_THAT(text, ::testing::ContainsRegex("promoted from redis +3"));
+  EXPECT_THAT(text, ::testing::ContainsRegex("\ntier_store_hits\\{medium=host\\} +5 +blocks"));
+  EXPECT_THAT(text, ::testing::ContainsRegex("\ntier_store_forged\\{medium=redis\\} +1 "));
+  EXPECT_THAT(text, ::testing::ContainsRegex("\ntier_promoted_blocks\\{medium=redis\\} +3 "));
+  EXPECT_THAT(text, HasSubstr("tiers: host redis (breaker open); demoted at 1.50 GB/s"));
 }
 
 TEST(FormatTest, StatsShowTheDiskTierAndHowItStarted) {
   v1::GetStatsResponse stats;
   v1::TierStoreStats* disk = stats.mutable_tiers()->add_stores();
   disk->set_medium("disk");
-  disk->set_blocks(7);
-  disk->set_capacity_blocks(100);
-  disk->set_hits(4);
-  disk->set_forged(1);
-  disk->set_write_errors(2);
-  disk->set_recovered_blocks(6);
+  disk->set_breaker("closed");
   disk->set_started_empty("it was written for another model");
-  stats.mutable_tiers()->set_promoted_from_disk(4);
+  AddTierRow(&stats, "tier_store_write_errors", "disk", 2);
   const std::string text = FormatStats(stats, false);
-  EXPECT_THAT(text, ::testing::ContainsRegex("\ndisk +7 +100 +4 +0 +0 +1 "));
-  EXPECT_THAT(text, HasSubstr("2 write errors"));
-  EXPECT_THAT(text, HasSubstr("6 records kept"));
-  EXPECT_THAT(text, HasSubstr("started empty: it was written for another model"));
-  EXPECT_THAT(text, ::testing::ContainsRegex("promoted from disk +4"));
+  EXPECT_THAT(text, ::testing::ContainsRegex("\ntier_store_write_errors\\{medium=disk\\} +2 "));
+  EXPECT_THAT(text, HasSubstr("disk (breaker closed) (started empty: it was written for another "
+                              "model)"));
 }
 
 TEST(FormatTest, StatsShowBytesPerTokenOfEachLayer) {

@@ -4,6 +4,7 @@
 
 #include "daemon/metrics/stats_table.h"
 
+#include <cmath>
 #include <set>
 #include <string>
 
@@ -190,6 +191,7 @@ TEST_F(StatsTableTest, EveryFigureOfGetStatsResponseIsFilledByARow) {
     EXPECT_TRUE(named.contains(f.name())) << "no stats row fills GetStatsResponse." << f.name();
   }
   for (std::string_view field : named) {
+    if (field.find('.') != std::string_view::npos) continue;  // paths: EveryTierRowReaches...
     EXPECT_TRUE(field.empty() || d.FindFieldByName(std::string(field)) != nullptr) << field;
   }
 }
@@ -242,12 +244,204 @@ TEST_F(StatsTableTest, ResidencyAndMissesAreCountedAndExported) {
   ASSERT_NE(FindStat(r, "missed_tokens", "not_cached"), nullptr);
   EXPECT_EQ(FindStat(r, "missed_tokens", "not_cached")->value(), 48);
   EXPECT_EQ(FindStat(r, "missed_tokens", "evicted")->value(), 0);
+  double missed = 0;  // every reason's row, the two folded out of not_cached included
+  std::set<std::string> reasons;
+  for (const v1::Stat& stat : r.stats()) {
+    if (stat.name() != "missed_tokens") continue;
+    missed += stat.value();
+    reasons.insert(stat.label_values(stat.label_values_size() - 1));
+  }
+  EXPECT_EQ(missed, static_cast<double>(r.prompt_tokens() - r.hit_tokens()));
+  EXPECT_EQ(reasons, (std::set<std::string>{"not_cached", "another_namespace", "evicted",
+                                            "below_admission_bar", "coverage"}));
   const std::string text = Exposition();
   EXPECT_THAT(text, HasSubstr("vllm:kv_block_lifetime_seconds_count{pool=\"default\","
                               "model_name=\"tiny\"} 3"));
   EXPECT_THAT(text, HasSubstr("kvpool_missed_tokens_total{pool=\"default\",reason=\"not_cached\"}"
                               " 48"));
   EXPECT_THAT(text, HasSubstr("kvpool_fence_wait_seconds_count{pool=\"default\"}"));
+}
+
+// Distinct values for every figure of a store, from `base` up (so a row reading the wrong
+// field shows).
+tier::RemoteTierStats StoreFigures(uint64_t base) {
+  tier::RemoteTierStats s;
+  uint64_t* fields[] = {&s.breaker_opens,
+                        &s.lookups,
+                        &s.rejected_lookups,
+                        &s.lookup_errors,
+                        &s.hits,
+                        &s.misses,
+                        &s.corrupt,
+                        &s.forged,
+                        &s.puts,
+                        &s.written,
+                        &s.already_present,
+                        &s.dropped_queue_full,
+                        &s.dropped_breaker_open,
+                        &s.dropped_write_errors,
+                        &s.dropped_shutdown,
+                        &s.bytes_read,
+                        &s.bytes_written};
+  for (uint64_t* f : fields) *f = base++;
+  s.queued_blocks = static_cast<int64_t>(base++);
+  s.queued_bytes = static_cast<int64_t>(base);
+  return s;
+}
+
+// All three tiers, every figure distinct.
+TierStats AllTiers() {
+  TierStats t;
+  t.host = t.disk = t.remote = true;
+  t.host_store = StoreFigures(100);
+  t.disk_store = StoreFigures(200);
+  t.remote_store = StoreFigures(300);
+  t.host_capacity_blocks = 401;
+  t.host_blocks = 402;
+  t.host_evicted = 403;
+  t.host_invalidated = 404;
+  tier::DiskTierStats& d = t.disk_tier;
+  d = {.capacity_blocks = 501,
+       .blocks = 502,
+       .evicted = 503,
+       .invalidated = 504,
+       .read_errors = 505,
+       .write_errors = 506,
+       .direct_io = true,
+       .recovered_blocks = 507,
+       .scan_dropped = 508,
+       .scan_ns = 509'000'000,
+       .started_empty = "another secret"};
+  uint64_t v = 600;
+  for (uint64_t* f :
+       {&t.demoted, &t.demoted_bytes, &t.demote_dropped_full, &t.demote_failed, &t.lookups,
+        &t.promoted_from_host, &t.promoted_from_disk, &t.promoted_from_remote, &t.promoted_bytes,
+        &t.promote_failed, &t.promote_raced, &t.promote_adopted, &t.promote_unused,
+        &t.lookup_truncated}) {
+    *f = v++;
+  }
+  t.demote_ns = 2'000'000'000;
+  t.promote_ns = 4'000'000'000;
+  t.demote_queued = 7;
+  return t;
+}
+
+// The proto value at a row's path (as stats_proto.cc walks it), as a double; NaN when the path
+// leads nowhere.
+double AtPath(const google::protobuf::Message& root, std::string_view path, const StatLabel& key) {
+  const google::protobuf::Message* m = &root;
+  for (size_t dot = path.find('.'); dot != std::string_view::npos; dot = path.find('.')) {
+    const auto* f = m->GetDescriptor()->FindFieldByName(std::string(path.substr(0, dot)));
+    if (f == nullptr) return std::nan("");
+    const google::protobuf::Reflection& r = *m->GetReflection();
+    if (!f->is_repeated()) {
+      m = &r.GetMessage(*m, f);
+    } else {
+      const google::protobuf::Message* found = nullptr;
+      for (int i = 0; i < r.FieldSize(*m, f); ++i) {
+        const google::protobuf::Message& e = r.GetRepeatedMessage(*m, f, i);
+        const auto* k = e.GetDescriptor()->FindFieldByName(std::string(key.name));
+        if (k != nullptr && e.GetReflection()->GetString(e, k) == key.value) found = &e;
+      }
+      if (found == nullptr) return std::nan("");
+      m = found;
+    }
+    path.remove_prefix(dot + 1);
+  }
+  const auto* f = m->GetDescriptor()->FindFieldByName(std::string(path));
+  if (f == nullptr) return std::nan("");
+  const google::protobuf::Reflection& r = *m->GetReflection();
+  using FD = google::protobuf::FieldDescriptor;
+  switch (f->cpp_type()) {
+    case FD::CPPTYPE_INT32:
+      return r.GetInt32(*m, f);
+    case FD::CPPTYPE_INT64:
+      return static_cast<double>(r.GetInt64(*m, f));
+    case FD::CPPTYPE_UINT64:
+      return static_cast<double>(r.GetUInt64(*m, f));
+    case FD::CPPTYPE_DOUBLE:
+      return r.GetDouble(*m, f);
+    case FD::CPPTYPE_BOOL:
+      return r.GetBool(*m, f) ? 1 : 0;
+    default:
+      return std::nan("");
+  }
+}
+
+bool IsTierRow(const PoolRow& row) {
+  return row.name.starts_with("tier_") || row.name.starts_with("vllm:external_");
+}
+
+// With a host, a disk and a Redis tier, every tier row reaches GetStats (as a Stat, and in the
+// old TierStats field it names, with its value), `kvpoolctl stats` and the exposition.
+TEST_F(StatsTableTest, EveryTierRowReachesEveryOutput) {
+  Make();
+  EngineStats stats = engine_->Stats(0);
+  stats.tiers = AllTiers();
+  const StatsSource source{.engine = &stats, .attach = &attach_};
+  v1::GetStatsResponse r;
+  ToProto(stats, &attach_, &rpcs_, &r);
+  const std::string ctl = client::ctl::FormatStats(r, false);
+  const std::string text = prometheus::TextSerializer().Serialize(CollectFamilies(source));
+  int tier_rows = 0;
+  for (const PoolRow& row : PoolStatRows()) {
+    if (!IsTierRow(row)) continue;
+    ++tier_rows;
+    ASSERT_TRUE(row.present == nullptr || row.present(source)) << row.name;
+    // The row as kvpoolctl prints it (labels but the pool's) and as /metrics exports it.
+    std::vector<std::pair<std::string, std::string>> labels;
+    if (row.name.starts_with("vllm:")) labels.emplace_back("model_name", "tiny");
+    if (!row.label.name.empty()) labels.emplace_back(row.label.name, row.label.value);
+    std::string shown(row.name), exported = ExportedName(row.name, row.kind) + "{pool=\"default\"";
+    for (size_t i = 0; i < labels.size(); ++i) {
+      shown += (i == 0 ? "{" : ",") + labels[i].first + "=" + labels[i].second;
+      exported += "," + labels[i].first + "=\"" + labels[i].second + "\"";
+    }
+    if (!labels.empty()) shown += "}";
+    const v1::Stat* stat = FindStat(r, row.name, row.label.value);
+    ASSERT_NE(stat, nullptr) << "GetStats leaves out " << shown;
+    EXPECT_EQ(stat->value(), row.value(source)) << shown;
+    EXPECT_THAT(ctl, HasSubstr("\n" + shown + " ")) << "kvpoolctl stats leaves out " << shown;
+    EXPECT_THAT(text, HasSubstr("\n" + exported + "} ")) << "/metrics leaves out " << shown;
+    if (!row.proto_field.empty()) {
+      EXPECT_DOUBLE_EQ(AtPath(r, row.proto_field, row.label), row.value(source) * row.proto_scale)
+          << shown << " -> " << row.proto_field;
+    }
+  }
+  EXPECT_GT(tier_rows, 40);
+  // The old fields keep their meaning (kvpoolctl and the Python client read them).
+  ASSERT_EQ(r.tiers().stores_size(), 3);
+  EXPECT_EQ(r.tiers().stores(0).medium(), "host");
+  EXPECT_EQ(r.tiers().stores(0).hits(), 104u);
+  EXPECT_EQ(r.tiers().stores(0).breaker(), "");
+  EXPECT_EQ(r.tiers().stores(1).medium(), "disk");
+  EXPECT_EQ(r.tiers().stores(1).dropped(), 211u + 212 + 213 + 214);
+  EXPECT_EQ(r.tiers().stores(1).scan_ms(), 509);
+  EXPECT_TRUE(r.tiers().stores(1).direct_io());
+  EXPECT_EQ(r.tiers().stores(1).started_empty(), "another secret");
+  EXPECT_EQ(r.tiers().stores(2).medium(), "redis");
+  EXPECT_EQ(r.tiers().stores(2).breaker(), "closed");
+  EXPECT_EQ(r.tiers().stores(2).queued_blocks(), 317);
+  EXPECT_EQ(r.tiers().promoted_from_redis(), 607u);
+  EXPECT_DOUBLE_EQ(r.tiers().demote_gbps(), 601.0 / 2e9);
+}
+
+// Every number of the old TierStats / TierStoreStats messages is filled by a tier row (the
+// rates, names and states excepted: they are not figures).
+TEST_F(StatsTableTest, EveryTierFieldIsFilledByARow) {
+  std::set<std::string> named;
+  for (const PoolRow& row : PoolStatRows()) named.insert(std::string(row.proto_field));
+  using FD = google::protobuf::FieldDescriptor;
+  for (const auto& [prefix, d] :
+       {std::pair{std::string("tiers."), v1::TierStats::descriptor()},
+        std::pair{std::string("tiers.stores."), v1::TierStoreStats::descriptor()}}) {
+    for (int i = 0; i < d->field_count(); ++i) {
+      const FD& f = *d->field(i);
+      if (f.cpp_type() == FD::CPPTYPE_MESSAGE || f.cpp_type() == FD::CPPTYPE_STRING) continue;
+      if (f.name() == "demote_gbps" || f.name() == "promote_gbps") continue;  // ratios
+      EXPECT_TRUE(named.contains(prefix + f.name())) << "no tier row fills " << prefix << f.name();
+    }
+  }
 }
 
 // The event streams' rows read the counters they are given; the ZeroMQ rows only when there is

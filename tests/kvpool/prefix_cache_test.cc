@@ -256,15 +256,48 @@ TEST_F(PrefixCacheTest, MissedTokensAreCountedByWhyTheMatchStopped) {
   EXPECT_EQ(Alloc(Tokens(0, 48)).matched_tokens, 48);  // all found; it holds the partial node
   const AllocateResult wider = Alloc(Tokens(0, 64));   // block 1 covers 16 of 32: 16 coverage
   EXPECT_EQ(wider.matched_tokens, 48);
+  // The default policy keeps a block seen once on probation (AdmissionFilter): evicted there,
+  // it was below the admission bar.
   Serve(Tokens(1000, 64));                               // a new chain: 64 not cached
   ASSERT_EQ(cache_->EvictCached(64), 2);                 // only that chain is unlocked
-  EXPECT_EQ(Alloc(Tokens(1000, 64)).matched_tokens, 0);  // 64 evicted
+  EXPECT_EQ(Alloc(Tokens(1000, 64)).matched_tokens, 0);  // 64 below the admission bar
+  // A chain hit once is admitted: evicted after that, its miss is an eviction's.
+  Serve(Tokens(2000, 64));                               // 64 not cached
+  Serve(Tokens(2000, 64));                               // hit: admitted
+  ASSERT_EQ(cache_->EvictCached(64), 2);                 // only that chain is unlocked
+  EXPECT_EQ(Alloc(Tokens(2000, 64)).matched_tokens, 0);  // 64 evicted
   const KvCacheStats s = cache_->stats();
-  EXPECT_EQ(s.missed_not_cached, 48u + 64u);
+  EXPECT_EQ(s.missed_not_cached, 48u + 64u + 64u);
   EXPECT_EQ(s.missed_coverage, 16u);
+  EXPECT_EQ(s.missed_below_admission_bar, 64u);
   EXPECT_EQ(s.missed_evicted, 64u);
-  EXPECT_EQ(s.missed_not_cached + s.missed_coverage + s.missed_evicted,
+  EXPECT_EQ(
+      s.missed_not_cached + s.missed_coverage + s.missed_evicted + s.missed_below_admission_bar,
+      s.prompt_tokens - s.hit_tokens);
+  ExpectInvariants();
+}
+
+// A miss at the prompt's first block whose tokens another namespace holds counts as
+// another_namespace; it is only counted: the match in the caller's namespace finds nothing.
+TEST_F(PrefixCacheTest, MissesOfAPrefixAnotherNamespaceHoldsAreCountedSo) {
+  Make(32);
+  Serve(Tokens(0, 64), kTenantA);                                     // 64 not cached
+  EXPECT_EQ(Alloc(Tokens(0, 64), 0, kTenantB).matched_tokens, 0);     // B has no tree: another's
+  Serve(Tokens(5000, 64), kTenantB);                                  // 64 not cached
+  EXPECT_EQ(Alloc(Tokens(0, 64), 0, kTenantB).matched_tokens, 0);     // B's differs: another's
+  EXPECT_EQ(Alloc(Tokens(9000, 64), 0, kTenantB).matched_tokens, 0);  // nobody's: not cached
+  const KvCacheStats s = cache_->stats();
+  EXPECT_EQ(s.missed_another_namespace, 128u);
+  EXPECT_EQ(s.missed_not_cached, 192u);
+  EXPECT_EQ(s.missed_not_cached + s.missed_another_namespace + s.missed_coverage +
+                s.missed_evicted + s.missed_below_admission_bar,
             s.prompt_tokens - s.hit_tokens);
+  EXPECT_TRUE(cache_->ExplainMatch(kTenantB, Tokens(0, 64)).first_block_elsewhere);
+  EXPECT_FALSE(cache_->ExplainMatch(kTenantB, Tokens(9000, 64)).first_block_elsewhere);
+  EXPECT_FALSE(cache_->ExplainMatch(kTenantA, Tokens(0, 64)).first_block_elsewhere);  // a hit
+  // Evicted everywhere, it is nobody's any more.
+  ASSERT_GT(cache_->EvictCached(64), 0);
+  EXPECT_FALSE(cache_->ExplainMatch(kTenantB, Tokens(0, 64)).first_block_elsewhere);
   ExpectInvariants();
 }
 
