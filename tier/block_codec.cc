@@ -172,17 +172,27 @@ BlockCheck CheckBlockValue(const DeploymentSecret& secret, std::string_view key,
                            std::string_view value, const BlockExpectation& expect,
                            BlockHeader* header, std::span<const std::byte>* payload) {
   if (static_cast<int64_t>(value.size()) < kBlockHeaderBytes) return BlockCheck::kShort;
-  const char* h = value.data();
+  const std::string_view rest = value.substr(kBlockHeaderBytes);
+  *payload =
+      std::span<const std::byte>(reinterpret_cast<const std::byte*>(rest.data()), rest.size());
+  return CheckBlockParts(secret, key, value.substr(0, kBlockHeaderBytes), *payload, expect, header);
+}
+
+BlockCheck CheckBlockParts(const DeploymentSecret& secret, std::string_view key,
+                           std::string_view head, std::span<const std::byte> payload,
+                           const BlockExpectation& expect, BlockHeader* header) {
+  if (static_cast<int64_t>(head.size()) != kBlockHeaderBytes) return BlockCheck::kShort;
+  const char* h = head.data();
   if (Get<uint32_t>(h, 0) != kBlockMagic || Get<uint16_t>(h, 4) != kBlockVersion ||
       Get<uint16_t>(h, 6) != kBlockHeaderBytes) {
     return BlockCheck::kMagic;
   }
-  const int64_t actual = static_cast<int64_t>(value.size()) - kBlockHeaderBytes;
+  const int64_t actual = static_cast<int64_t>(payload.size());
   if (static_cast<int64_t>(Get<uint64_t>(h, 56)) != actual || actual != expect.payload_bytes) {
     return BlockCheck::kLength;
   }
   const std::array<uint8_t, kTagBytes> tag =
-      Tag(secret, key, value.substr(0, kBlockHeaderBytes), value.substr(kBlockHeaderBytes));
+      Tag(secret, key, head, Bytes(payload.data(), payload.size()));
   if (CRYPTO_memcmp(tag.data(), h + kBlockTagOffset, tag.size()) != 0) return BlockCheck::kMac;
   header->layout_fingerprint = Get<uint64_t>(h, 8);
   header->hash = {.lo = Get<uint64_t>(h, 16), .hi = Get<uint64_t>(h, 24)};
@@ -192,8 +202,6 @@ BlockCheck CheckBlockValue(const DeploymentSecret& secret, std::string_view key,
   if (header->layout_fingerprint != expect.layout_fingerprint) return BlockCheck::kLayout;
   if (header->hash != expect.hash) return BlockCheck::kHash;
   if (expect.parent != nullptr && header->parent != *expect.parent) return BlockCheck::kHash;
-  *payload = std::span<const std::byte>(reinterpret_cast<const std::byte*>(h + kBlockHeaderBytes),
-                                        static_cast<size_t>(actual));
   return BlockCheck::kOk;
 }
 

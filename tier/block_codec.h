@@ -134,4 +134,11 @@ BlockCheck CheckBlockValue(const DeploymentSecret& secret, std::string_view key,
                            std::string_view value, const BlockExpectation& expect,
                            BlockHeader* header, std::span<const std::byte>* payload);
 
+// CheckBlockValue for a value read in two pieces: its first kBlockHeaderBytes bytes `head` and
+// the rest, `payload` (a reader that read the payload straight into its destination). Same
+// checks, same order, same results; on kOk fills `header`.
+BlockCheck CheckBlockParts(const DeploymentSecret& secret, std::string_view key,
+                           std::string_view head, std::span<const std::byte> payload,
+                           const BlockExpectation& expect, BlockHeader* header);
+
 }  // namespace kvpool::tier

@@ -207,6 +207,37 @@ bool RedisBlockStore::ValueSink::Take(std::string_view value) {
   return true;
 }
 
+bool RedisBlockStore::ValueSink::Place(size_t len, Placement* where) {
+  if (index > *first_miss || len != kBlockHeaderBytes + out.size()) return false;
+  where->head = std::span<char>(head);
+  where->tail = std::span<char>(reinterpret_cast<char*>(out.data()), out.size());
+  return true;
+}
+
+void RedisBlockStore::ValueSink::Placed() {
+  taken = true;
+  const BlockExpectation expect{.layout_fingerprint = space->layout_fingerprint,
+                                .hash = *hash,
+                                .parent = parent,
+                                .payload_bytes = static_cast<int64_t>(out.size())};
+  BlockHeader header;
+  const BlockCheck check = CheckBlockParts(
+      store->secret_, key, std::string_view(head.data(), head.size()), out, expect, &header);
+  verified = check == BlockCheck::kOk;
+  if (verified) {
+    coverage = header.coverage;
+  } else {
+    store->Refused(key, check, head.size() + out.size());
+  }
+}
+
+void RedisBlockStore::Refused(std::string_view key, BlockCheck check, size_t value_bytes) {
+  ++counters_.corrupt;
+  if (check == BlockCheck::kMac) ++counters_.forged;
+  Log().warn("redis tier: refused {}: {} ({} value bytes)", key, BlockCheckName(check),
+             value_bytes);
+}
+
 bool RedisBlockStore::VerifyAndCopy(const BlockSpace& space, std::string_view key,
                                     const BlockHash& hash, const BlockHash& parent,
                                     std::string_view value, std::span<std::byte> out,
@@ -219,10 +250,7 @@ bool RedisBlockStore::VerifyAndCopy(const BlockSpace& space, std::string_view ke
   std::span<const std::byte> payload;
   const BlockCheck check = CheckBlockValue(secret_, key, value, expect, &header, &payload);
   if (check != BlockCheck::kOk) {
-    ++counters_.corrupt;
-    if (check == BlockCheck::kMac) ++counters_.forged;
-    Log().warn("redis tier: refused {}: {} ({} value bytes)", key, BlockCheckName(check),
-               value.size());
+    Refused(key, check, value.size());
     return false;
   }
   std::memcpy(out.data(), payload.data(), payload.size());

@@ -124,6 +124,8 @@ class RedisBlockStore final : public RemoteTier {
   void AddClientStats(PooledClient* pooled);
   // Feeds one round trip's outcome to the breaker, logging transitions.
   void ReportOutcome(const absl::Status& transport);
+  // Counts and logs a refusal of `key`'s value.
+  void Refused(std::string_view key, BlockCheck check, size_t value_bytes);
   // Checks one GET's value for block `hash` and copies its payload into `out` when it passes
   // (out is untouched otherwise); counts and logs a refusal. Returns whether it passed.
   bool VerifyAndCopy(const BlockSpace& space, std::string_view key, const BlockHash& hash,
@@ -144,6 +146,11 @@ class RedisBlockStore final : public RemoteTier {
           index(index),
           first_miss(first_miss) {}
     bool Take(std::string_view value) override;
+    // A value of the expected length is read straight from the socket: its header into `head`,
+    // its payload into `out` (unverified until Placed checks it: out is the caller's staging, and
+    // only out[0, hits) is handed on). Declines anything else, and values past a gap.
+    bool Place(size_t len, Placement* where) override;
+    void Placed() override;
 
     RedisBlockStore* store;
     const BlockSpace* space;
@@ -152,9 +159,10 @@ class RedisBlockStore final : public RemoteTier {
     const BlockHash* parent;  // the hash block `index` must follow
     std::span<std::byte> out;
     size_t index;
-    const size_t* first_miss;  // the lookup's: values past it are not checked
-    bool taken = false;        // the value came through Take
-    bool verified = false;     // it passed, and out holds its payload
+    const size_t* first_miss;                    // the lookup's: values past it are not checked
+    bool taken = false;                          // the value came through Take or Place
+    std::array<char, kBlockHeaderBytes> head{};  // a placed value's header
+    bool verified = false;                       // it passed, and out holds its payload
     uint32_t coverage = 0;
   };
 

@@ -45,6 +45,23 @@ class ReplySink {
   // `value` is valid only during the call. Returns true when the sink took the value: the reply
   // handed on is then an empty string (REDIS_REPLY_STRING, len 0); false: it carries the value.
   virtual bool Take(std::string_view value) = 0;
+
+  // Where to read a bulk string of `len` bytes whose bytes are (mostly) still in the socket:
+  // `head` then `tail`, their sizes summing to len. When a sink places a value its bytes are read
+  // from the socket straight there (only what hiredis had already buffered is copied), Placed()
+  // is called instead of Take, and the reply handed on is an empty string. Returning false (the
+  // default) has the value read as usual and offered to Take.
+  struct Placement {
+    std::span<char> head;
+    std::span<char> tail;
+  };
+  virtual bool Place(size_t len, Placement* where) {
+    (void)len;
+    (void)where;
+    return false;
+  }
+  // Every byte of the placed value has arrived (on the thread that runs the command).
+  virtual void Placed() {}
 };
 
 // One command. The strings `args` point to must outlive the Execute call.

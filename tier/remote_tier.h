@@ -100,9 +100,9 @@ class RemoteTier {
   // Looks up `hashes`, a chain: hashes[i] is the parent of hashes[i + 1], and `parent` that of
   // hashes[0] (zero at the root). Copies the longest run of leading verified blocks into `out`,
   // block i into out[i]; every payload must be exactly out[i].size() bytes. Beyond that run
-  // out[i] is either untouched or holds block i's verified bytes (answers may come out of
-  // order); never anything that failed a check. The remote being down, slow, evicting or
-  // corrupt is never an error: those blocks are misses.
+  // out[i] holds anything: a store may read a value straight into it and refuse it there (out
+  // is the caller's staging; only out[0, hits) is ever to be used). The remote being down, slow,
+  // evicting or corrupt is never an error: those blocks are misses.
   // Errors: INVALID_ARGUMENT when out.size() != hashes.size() or a buffer is empty (nothing
   // looked up, nothing counted).
   absl::StatusOr<LookupResult> Lookup(const BlockSpace& space, const BlockHash& parent,

@@ -15,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "tests/daemon/engine_test_util.h"
 #include "tests/tier/redis_harness.h"
+#include "tier/block_codec.h"
 
 namespace kvpool::daemon {
 namespace {
@@ -141,6 +142,44 @@ TEST_F(TiersClusterTest, APrefixPublishedOnOneIsPromotedOnTheOtherAcrossAReshard
   // Another tenant, same prompt, same cluster: nothing.
   EXPECT_EQ(Allocate(*eve, before).slices[0].matched_tokens, 0);
   EXPECT_EQ(eve->engine->Stats().tiers.promoted_from_remote, 0u);
+  EXPECT_TRUE(b->engine->CheckInvariants().ok());
+}
+
+// The Redis tier reads a value's payload from the socket straight into a staging buffer and
+// checks it there: a value that fails the check must still never reach the pool. Every value of
+// a published prefix is replaced with one whose payload is another (header and tag kept, so the
+// tag fails); the other engine promotes nothing, and no block of its pool holds those bytes.
+TEST_F(TiersClusterTest, ARefusedValueReadIntoStagingNeverReachesThePool) {
+  auto a = Start("tenant-a");
+  auto b = Start("tenant-a");
+  ASSERT_TRUE(a && b);
+  const std::vector<int32_t> prompt = Prompt(16 * 6, 3);
+  Publish(*a, prompt, 10);
+  constexpr uint8_t kForged = 0x66;
+  int forged = 0;
+  for (const auto& node : cluster_.nodes) {
+    auto keys = node->Command({"KEYS", "*"});
+    ASSERT_TRUE(keys.ok()) << keys.status();
+    for (size_t k = 0; k < (*keys)->elements; ++k) {
+      const std::string key((*keys)->element[k]->str, (*keys)->element[k]->len);
+      auto value = node->Command({"GET", key});
+      ASSERT_TRUE(value.ok()) << value.status();
+      std::string bad((*value)->str, (*value)->len);
+      std::memset(bad.data() + tier::kBlockHeaderBytes, kForged,
+                  bad.size() - static_cast<size_t>(tier::kBlockHeaderBytes));
+      ASSERT_TRUE(node->Command({"SET", key, bad}).ok());
+      ++forged;
+    }
+  }
+  ASSERT_EQ(forged, 6);
+  const Tables t = Allocate(*b, prompt);
+  EXPECT_EQ(t.slices[0].matched_tokens, 0);
+  const TierStats stats = b->engine->Stats().tiers;
+  EXPECT_EQ(stats.promoted_from_remote, 0u);
+  EXPECT_GE(stats.remote_store.forged, 1u);
+  for (int32_t block = 0; block < 64; ++block) {
+    EXPECT_FALSE(b->arena->Holds(BlockId(block), kForged)) << "block " << block;
+  }
   EXPECT_TRUE(b->engine->CheckInvariants().ok());
 }
 

@@ -45,8 +45,9 @@ TEST_F(RedisSecurityTest, PlantedValueWithoutTheSecretIsAMissAndCounted) {
     ASSERT_TRUE(server_->Command({"SET", KeyOf(chain, i), value}).ok());
   }
   LookupBuffers out(2, kBlockBytes);
+  // Block 0's payload was read into its staging buffer and refused there: not a hit (the daemon
+  // uses only out[0, hits); tiers_cluster_test checks that such bytes never reach the pool).
   EXPECT_EQ(LookupAll(*victim, chain, &out, kSpace), 0);
-  EXPECT_NE(out.storage[0], poison);
   const RemoteTierStats stats = victim->stats();
   EXPECT_EQ(stats.forged, 1u);  // block 1 is past the first miss: not even checked
   EXPECT_EQ(stats.corrupt, 1u);
@@ -94,7 +95,6 @@ TEST_F(RedisSecurityTest, ValueCopiedUnderAnotherKeyIsAMiss) {
   ASSERT_TRUE(server_->Command({"SET", KeyOf(mine, 0), ValueAt(KeyOf(theirs, 0))}).ok());
   LookupBuffers out(2, kBlockBytes);
   EXPECT_EQ(LookupAll(*store, mine, &out, kSpace), 0);
-  EXPECT_NE(out.storage[0], theirs.blocks[0]);
   EXPECT_EQ(store->stats().forged, 1u);
 
   ASSERT_EQ(mine.Put(*store), 2);  // SET NX: block 0's key is taken, block 1 is stored

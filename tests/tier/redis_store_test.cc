@@ -5,6 +5,7 @@
 
 #include <hiredis/hiredis.h>
 
+#include <algorithm>
 #include <chrono>
 #include <random>
 #include <string>
@@ -95,6 +96,70 @@ TEST_F(RedisStoreTest, AReplySinkTakesABulkStringWhereHiredisReadIt) {
   ASSERT_EQ(sink.taken.size(), 2u);
   ASSERT_TRUE(replies[0].ok());
   EXPECT_EQ(std::string_view((*replies[0])->str, (*replies[0])->len), value);
+}
+
+// A sink that places a bulk string has its bytes read from the socket straight into its buffers
+// (what hiredis had already buffered copied, the rest read(2) there), in two pieces; the reply
+// handed on is empty, and the stream stays in step: values of every size (one that fits in what
+// hiredis read with the header, an empty one, large ones) pipelined between replies that are not
+// placed (nil, an error, a declined length, a command without a sink) all come back right.
+TEST_F(RedisStoreTest, APlacingSinkReadsAValueStraightFromTheSocketIntoItsBuffers) {
+  struct Sink final : ReplySink {
+    bool Take(std::string_view value) override {
+      taken.emplace_back(value);
+      return true;
+    }
+    bool Place(size_t len, Placement* where) override {
+      if (len == decline) return false;
+      buffer.assign(len, '\0');
+      const size_t head = std::min<size_t>(len, 10);
+      where->head = std::span<char>(buffer.data(), head);
+      where->tail = std::span<char>(buffer.data() + head, len - head);
+      return true;
+    }
+    void Placed() override { placed.push_back(buffer); }
+    size_t decline = 7;
+    std::string buffer;
+    std::vector<std::string> placed, taken;
+  };
+  auto pattern = [](size_t n, char base) {
+    std::string v(n, base);
+    for (size_t i = 0; i < n; i += 4099) v[i] = static_cast<char>('a' + i % 26);
+    return v;
+  };
+  const std::vector<std::string> values = {pattern(300 * 1024, 'v'), "small", "",
+                                           pattern(2 * 1024 * 1024 + 3, 'w'), "decline"};
+  for (size_t i = 0; i < values.size(); ++i) {
+    ASSERT_TRUE(server_->Command({"SET", absl::StrCat("k", i), values[i]}).ok());
+  }
+  ASSERT_TRUE(server_->Command({"RPUSH", "list", "x"}).ok());
+  auto client = CreateRedisClient(server_->TierOptions());
+  ASSERT_TRUE(client.ok()) << client.status();
+  Sink sink;
+  const std::vector<RedisCommand> commands = {
+      {.args = {"GET", "k0"}, .sink = &sink},      {.args = {"GET", "k1"}, .sink = &sink},
+      {.args = {"GET", "missing"}, .sink = &sink}, {.args = {"GET", "k2"}, .sink = &sink},
+      {.args = {"GET", "list"}, .sink = &sink},    {.args = {"GET", "k3"}, .sink = &sink},
+      {.args = {"GET", "k4"}, .sink = &sink},      {.args = {"GET", "k3"}},
+      {.args = {"GET", "k0"}, .sink = &sink},
+  };
+  for (int round = 0; round < 3; ++round) {  // the same connection, again and again
+    sink.placed.clear();
+    sink.taken.clear();
+    std::vector<absl::StatusOr<RedisReply>> replies = (*client)->Execute(commands);
+    EXPECT_EQ(sink.placed,
+              (std::vector<std::string>{values[0], values[1], values[2], values[3], values[0]}));
+    EXPECT_EQ(sink.taken, std::vector<std::string>{values[4]});  // declined: read as usual
+    for (size_t i : {0, 1, 3, 5, 6, 8}) {
+      ASSERT_TRUE(replies[i].ok()) << i << ": " << replies[i].status();
+      EXPECT_EQ((*replies[i])->type, REDIS_REPLY_STRING) << i;
+      EXPECT_EQ((*replies[i])->len, 0u) << i;
+    }
+    EXPECT_EQ((*replies[2])->type, REDIS_REPLY_NIL);
+    EXPECT_FALSE(replies[4].ok());  // WRONGTYPE
+    ASSERT_TRUE(replies[7].ok());
+    EXPECT_EQ(std::string_view((*replies[7])->str, (*replies[7])->len), values[3]);
+  }
 }
 
 TEST_F(RedisStoreTest, LookupReturnsTheLongestPrefixOfHits) {

@@ -1,15 +1,24 @@
 #include "tier/internal/redis_connection.h"
 
+// hiredis 0.14's sds.h (which hiredis.h includes) declares sdsrange without C linkage.
+extern "C" {
+#include <hiredis/sds.h>
+}
 #include <hiredis/hiredis.h>
 #include <signal.h>
 #include <sys/time.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <cstring>
 #include <mutex>
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "kvpool/util/check.h"
 #include "kvpool/util/clock.h"
 
 namespace kvpool::tier {
@@ -106,7 +115,7 @@ absl::StatusOr<std::unique_ptr<RedisConnection>> RedisConnection::ConnectUnix(
 
 RedisConnection::~RedisConnection() { redisFree(context_); }
 
-bool RedisConnection::broken() const { return context_->err != 0 || timed_out_; }
+bool RedisConnection::broken() const { return context_->err != 0 || timed_out_ || failed_; }
 
 absl::Status RedisConnection::IoError(std::string_view what, int64_t deadline) {
   // The socket timeout armed for the deadline fired (EAGAIN), or it passed during the syscall.
@@ -156,7 +165,94 @@ absl::Status RedisConnection::Flush(int64_t deadline) {
   return absl::OkStatus();
 }
 
+absl::Status RedisConnection::Buffer(size_t n, int64_t deadline) {
+  const redisReader* r = context_->reader;
+  while (r->len - r->pos < n) {
+    if (absl::Status armed = Arm(deadline); !armed.ok()) return armed;
+    if (redisBufferRead(context_) != REDIS_OK) return IoError("read", deadline);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RedisConnection::ReadInto(std::span<char> to, int64_t deadline) {
+  redisReader* r = context_->reader;
+  const size_t buffered = std::min(to.size(), r->len - r->pos);
+  std::memcpy(to.data(), r->buf + r->pos, buffered);
+  r->pos += buffered;
+  for (size_t done = buffered; done < to.size();) {
+    if (absl::Status armed = Arm(deadline); !armed.ok()) return armed;
+    const ssize_t n = ::read(context_->fd, to.data() + done, to.size() - done);
+    if (n > 0) {
+      done += static_cast<size_t>(n);
+    } else if (n < 0 && errno == EINTR) {
+      continue;
+    } else {
+      const int read_errno = errno;
+      failed_ = true;  // the reply is half read: the stream cannot be resumed
+      const absl::Status error = IoError("read", deadline);
+      if (timed_out_) return error;
+      return absl::UnavailableError(absl::StrCat(
+          "redis ", address_,
+          ": read: ", n == 0 ? "server closed the connection" : std::strerror(read_errno)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<RedisReply> RedisConnection::ReadPlaced(int64_t deadline, ReplySink& sink) {
+  redisReader* r = context_->reader;
+  // The "$<len>\r\n" line: at most 1 + 19 digits + 2 bytes for a length hiredis accepts.
+  constexpr size_t kMaxLine = 22;
+  size_t line_end = std::string_view::npos;
+  while (line_end == std::string_view::npos) {
+    const std::string_view buffered(r->buf + r->pos, r->len - r->pos);
+    if (!buffered.empty() && buffered[0] != '$') return RedisReply();
+    line_end = buffered.substr(0, kMaxLine).find("\r\n");
+    if (line_end == std::string_view::npos && buffered.size() >= kMaxLine) return RedisReply();
+    if (line_end == std::string_view::npos) {
+      if (absl::Status read = Buffer(buffered.size() + 1, deadline); !read.ok()) return read;
+    }
+  }
+  size_t len = 0;
+  const char* digits = r->buf + r->pos + 1;
+  const char* digits_end = r->buf + r->pos + line_end;
+  if (const auto [end, error] = std::from_chars(digits, digits_end, len);
+      digits == digits_end || error != std::errc() || end != digits_end) {
+    return RedisReply();  // nil ($-1) or not a length: hiredis's to answer
+  }
+  ReplySink::Placement where;
+  if (!sink.Place(len, &where)) return RedisReply();
+  KVPOOL_CHECK(where.head.size() + where.tail.size() == len);
+  r->pos += line_end + 2;
+  for (std::span<char> part : {where.head, where.tail}) {
+    if (absl::Status read = ReadInto(part, deadline); !read.ok()) return read;
+  }
+  if (absl::Status read = Buffer(2, deadline); !read.ok()) return read;
+  if (r->buf[r->pos] != '\r' || r->buf[r->pos + 1] != '\n') {
+    failed_ = true;
+    return absl::UnavailableError(
+        absl::StrCat("redis ", address_, ": protocol error: no CRLF after a bulk string"));
+  }
+  r->pos += 2;
+  if (r->pos >= 1024) {  // as hiredis's own reader discards what it consumed
+    sdsrange(r->buf, static_cast<int>(r->pos), -1);
+    r->pos = 0;
+    r->len = sdslen(r->buf);
+  }
+  sink.Placed();
+  redisReadTask task{};
+  task.type = REDIS_REPLY_STRING;
+  char empty[] = "";
+  return RedisReply(static_cast<redisReply*>(g_hiredis_functions->createString(&task, empty, 0)));
+}
+
 absl::StatusOr<RedisReply> RedisConnection::Read(int64_t deadline, ReplySink* sink) {
+  // A value the sink places is read from the socket straight into place. Only from a reply's
+  // start: hiredis's reader holds no part of a reply between Reads (each Read ends with one whole).
+  if (sink != nullptr && !broken() && context_->reader->ridx == -1) {
+    absl::StatusOr<RedisReply> placed = ReadPlaced(deadline, *sink);
+    if (!placed.ok() || *placed != nullptr) return placed;
+  }
   void* reply = nullptr;
   // hiredis copies the reader's privdata into a reply's tasks when it starts parsing it: set for
   // this reply, cleared again however the read ends.

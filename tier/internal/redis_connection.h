@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -57,6 +58,15 @@ class RedisConnection final {
   const std::string& address() const { return address_; }
 
  private:
+  // Read for a reply the sink places (ReplySink::Place): when the next reply is a bulk string
+  // the sink places, reads its bytes from the socket into the placement and returns an empty
+  // string reply; a null reply when the reply is to be read as usual (not a bulk string, or the
+  // sink declined; nothing of it consumed). Errors: as Read.
+  absl::StatusOr<RedisReply> ReadPlaced(int64_t deadline, ReplySink& sink);
+  // Fills `to` with the reply bytes hiredis buffered, then from the socket.
+  absl::Status ReadInto(std::span<char> to, int64_t deadline);
+  // Makes sure hiredis buffered at least `n` unread bytes.
+  absl::Status Buffer(size_t n, int64_t deadline);
   // Takes `c` (freed on error). Errors: UNAVAILABLE when it failed to connect.
   static absl::StatusOr<std::unique_ptr<RedisConnection>> Adopt(redisContext* c,
                                                                 std::string address);
@@ -71,6 +81,7 @@ class RedisConnection final {
   redisContext* context_;
   std::string address_;     // "host:port" or the socket path, for messages
   bool timed_out_ = false;  // a deadline passed with the protocol mid-stream
+  bool failed_ = false;     // a read of our own (ReadInto) failed: the stream is mid-reply
   int64_t armed_for_ = 0;   // the deadline the socket timeouts were last set for
   int64_t armed_at_ = 0;    // when (Clock::Real())
 };
