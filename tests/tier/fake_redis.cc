@@ -95,6 +95,8 @@ bool FakeConnection::Pause(absl::Duration how_long) {
   return !server_->mu_.AwaitWithTimeout(absl::Condition(&server_->stopping_), how_long);
 }
 
+void FakeConnection::HangUp() { shutdown(fd_, SHUT_RDWR); }
+
 absl::StatusOr<std::unique_ptr<FakeRedisServer>> FakeRedisServer::Start(Handler handler) {
   const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   sockaddr_in addr{};

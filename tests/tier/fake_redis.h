@@ -43,6 +43,8 @@ class FakeConnection final {
   // Waits `how_long` (the pace of a slow server: the one sleep a fake server needs). False when
   // the server began stopping meanwhile.
   bool Pause(absl::Duration how_long);
+  // Hangs up (the peer reads EOF); the descriptor is closed with the server.
+  void HangUp();
 
  private:
   bool Fill();  // reads more bytes into buffer_; false on EOF or error

@@ -99,6 +99,53 @@ TEST_F(RedisFaultTest, SlowDripLookupEndsAtTheDeadlineAndOpensTheBreaker) {
   EXPECT_EQ((*server)->accepted(), accepted);
 }
 
+// A value of the length the store expects is read from the socket straight into the caller's
+// staging buffer (ReplySink::Place), not through hiredis: that read keeps the call's deadline
+// too, and a server that hangs up in the middle of such a value is an I/O error (a miss, the
+// connection remade for the next call), never a hit or a hang.
+TEST_F(RedisFaultTest, AValueReadStraightIntoStagingKeepsTheDeadlineAndACutOneIsAMiss) {
+  std::atomic<bool> cut{false};
+  auto server = FakeRedisServer::Start([&cut](FakeConnection& connection) {
+    while (connection.ReadCommand()) {
+      const std::string reply =
+          testing::RespBulk(std::string(kBlockHeaderBytes + kBlockBytes, 'x'));
+      const size_t at_once = 40;  // the "$<len>" line and a little of the value
+      if (!connection.Write(std::string_view(reply).substr(0, at_once))) return;
+      if (cut) {
+        connection.HangUp();
+        return;
+      }
+      for (size_t i = at_once; i < reply.size(); ++i) {
+        if (!connection.Write(std::string_view(reply).substr(i, 1)) ||
+            !connection.Pause(absl::Milliseconds(20))) {
+          return;
+        }
+      }
+    }
+  });
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto store = NewStore(**server, /*threshold=*/3);
+  const TestChain chain = MakeChain(kSpace, 1, kBlockBytes, 2);
+  LookupBuffers out(1, kBlockBytes);
+  int64_t hits = -1;
+  const absl::Duration took = Timed([&] {
+    auto result = store->Lookup(kSpace, BlockHash{}, chain.hashes, out.spans);
+    hits = result.ok() ? result->hits : -1;
+  });
+  EXPECT_EQ(hits, 0);
+  EXPECT_GE(took, kDeadline - absl::Milliseconds(5));
+  EXPECT_LT(took, kDeadline + kSlack);
+  cut = true;
+  auto result = store->Lookup(kSpace, BlockHash{}, chain.hashes, out.spans);
+  ASSERT_TRUE(result.ok());
+  EXPECT_EQ(result->hits, 0);
+  const RemoteTierStats stats = store->stats();
+  EXPECT_EQ(stats.lookup_errors, 2u);
+  EXPECT_EQ(stats.corrupt, 0u);         // never checked: the value never arrived whole
+  EXPECT_EQ((*server)->accepted(), 2);  // the timed-out connection was not reused
+  EXPECT_EQ(store->client_stats().io_errors, 2u);
+}
+
 TEST_F(RedisFaultTest, SlowDripWriteBatchEndsAtTheDeadlineAndOpensTheBreaker) {
   auto server = FakeRedisServer::Start(DribbleOneReply);
   ASSERT_TRUE(server.ok()) << server.status();
