@@ -81,7 +81,7 @@ function(kvpool_py_test)
            COMMAND ${KVPOOL_PYTHON} -m unittest -v ${CMAKE_CURRENT_SOURCE_DIR}/${A_FILE}
            WORKING_DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR})
   set_tests_properties(${A_NAME} PROPERTIES LABELS "${A_LABELS}" TIMEOUT ${A_TIMEOUT}
-    ENVIRONMENT "PYTHONPATH=${KVPOOL_PYTHON_PATH}:${PROJECT_SOURCE_DIR}/tests/client/python;PYTHONDONTWRITEBYTECODE=1;KVPOOLD=$<TARGET_FILE:kvpoold>;KVPOOLCTL=$<TARGET_FILE:kvpoolctl>;KVPOOL_INTEGRATION_CLIENT=$<TARGET_FILE:integration_client>;KVPOOL_LOADGEN=$<TARGET_FILE:kvpool-loadgen>")
+    ENVIRONMENT "PYTHONPATH=${KVPOOL_PYTHON_PATH}:${PROJECT_SOURCE_DIR}/tests/client/python;PYTHONDONTWRITEBYTECODE=1;KVPOOLD=$<TARGET_FILE:kvpoold>;KVPOOLCTL=$<TARGET_FILE:kvpoolctl>;KVPOOL_INTEGRATION_CLIENT=$<TARGET_FILE:integration_client>;KVPOOL_LOADGEN=$<TARGET_FILE:kvpool-loadgen>;KVPOOL_SANITIZER=${KVPOOL_SANITIZER}")
 endfunction()
 
 # A target of the CUDA backend plug-in (kernels/cuda, model/cuda): the static CUDA runtime, hidden
