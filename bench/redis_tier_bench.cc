@@ -157,10 +157,10 @@ BENCHMARK(BM_HiredisPipelinedGet)
     ->ArgNames({"tcp", "copy"})
     ->UseRealTime();
 
-// What a lookup cost before values carried a MAC, as far as one can rebuild it beside the store:
-// the bare pipelined GETs, each payload's xxh3-64 (format 1's checksum) and its copy into the
-// caller's buffer. Returns whether every block came back.
-bool UnauthenticatedLookup(redisContext* c, testing::LookupBuffers& out) {
+// A GET of every key, pipelined; `take(i, value)` sees the i-th value whole (header included).
+// Returns whether every block came back whole.
+template <typename Take>
+bool PipelinedGets(redisContext* c, Take take) {
   for (const std::string& key : Env::Get().keys) {
     const char* argv[] = {"GET", key.c_str()};
     const size_t lens[] = {3, key.size()};
@@ -173,34 +173,26 @@ bool UnauthenticatedLookup(redisContext* c, testing::LookupBuffers& out) {
     auto* r = static_cast<redisReply*>(reply);
     ok = ok && r->type == REDIS_REPLY_STRING &&
          r->len == static_cast<size_t>(kBlockHeaderBytes + kBlockBytes);
-    if (ok) {
-      benchmark::DoNotOptimize(XXH3_64bits(r->str + kBlockHeaderBytes, kBlockBytes));
-      std::memcpy(out.spans[i].data(), r->str + kBlockHeaderBytes, kBlockBytes);
-    }
+    if (ok) take(i, r->str);
     freeReplyObject(r);
   }
   return ok;
 }
 
+// What a lookup cost before values carried a MAC, as far as one can rebuild it beside the store:
+// the bare pipelined GETs, each payload's xxh3-64 (format 1's checksum) and its copy into the
+// caller's buffer. Returns whether every block came back.
+bool UnauthenticatedLookup(redisContext* c, testing::LookupBuffers& out) {
+  return PipelinedGets(c, [&out](int i, const char* value) {
+    benchmark::DoNotOptimize(XXH3_64bits(value + kBlockHeaderBytes, kBlockBytes));
+    std::memcpy(out.spans[i].data(), value + kBlockHeaderBytes, kBlockBytes);
+  });
+}
+
 // The bare pipelined GETs of BM_HiredisPipelinedGet (copy=0). Returns whether every block came
 // back whole.
 bool BareGets(redisContext* c) {
-  for (const std::string& key : Env::Get().keys) {
-    const char* argv[] = {"GET", key.c_str()};
-    const size_t lens[] = {3, key.size()};
-    redisAppendCommandArgv(c, 2, argv, lens);
-  }
-  bool ok = true;
-  for (int i = 0; i < kBlocks; ++i) {
-    void* reply = nullptr;
-    ok = redisGetReply(c, &reply) == REDIS_OK && ok;
-    auto* r = static_cast<redisReply*>(reply);
-    ok = ok && r->type == REDIS_REPLY_STRING &&
-         r->len == static_cast<size_t>(kBlockHeaderBytes + kBlockBytes);
-    benchmark::DoNotOptimize(r->str);
-    freeReplyObject(r);
-  }
-  return ok;
+  return PipelinedGets(c, [](int, const char* value) { benchmark::DoNotOptimize(value); });
 }
 
 // Issue 31's pair, alternating call by call so both sides see the same moment of this shared
