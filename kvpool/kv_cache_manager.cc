@@ -76,22 +76,42 @@ absl::StatusOr<std::unique_ptr<KvCacheManager>> KvCacheManager::Create(
                                     .policy_factory = options.eviction_policy_factory},
                                    pool.get()));
   }
+  if (options.state_slots < 0) {
+    return absl::InvalidArgumentError(
+        fmt::format("state_slots must be >= 0 (got {})", options.state_slots));
+  }
+  std::unique_ptr<BlockPool> states;
+  if (options.state_slots > 0) {
+    KVPOOL_ASSIGN_OR_RETURN(states, BlockPool::Create({.num_blocks = options.state_slots,
+                                                       .trace_depth = options.trace_depth,
+                                                       .max_namespaces = 1,
+                                                       .fences = options.fences}));
+  }
   return std::unique_ptr<KvCacheManager>(
-      new KvCacheManager(options, std::move(pool), std::move(cache)));
+      new KvCacheManager(options, std::move(pool), std::move(cache), std::move(states)));
 }
 
 KvCacheManager::KvCacheManager(const KvCacheOptions& options, std::unique_ptr<BlockPool> pool,
-                               std::unique_ptr<PrefixCache> cache)
+                               std::unique_ptr<PrefixCache> cache,
+                               std::unique_ptr<BlockPool> states)
     : block_size_(options.block_size),
       max_blocks_per_seq_(options.max_blocks_per_seq),
       clock_(options.clock),
       pool_(std::move(pool)),
       cache_(std::move(cache)),
+      states_(std::move(states)),
       max_sequences_per_session_(options.max_sequences_per_session),
       max_pins_(options.max_pins),
       max_pin_ttl_ns_(options.max_pin_ttl_ns),
       max_pinned_blocks_(options.max_pinned_blocks > 0 ? options.max_pinned_blocks
-                                                       : options.num_blocks / 2) {}
+                                                       : options.num_blocks / 2) {
+  if (states_) {
+    // The slots' one owner (any id: the state group's namespace table is its own).
+    const absl::StatusOr<NamespaceSlot> owner = states_->RegisterNamespace(NamespaceId(1));
+    KVPOOL_CHECK_OK(owner.status());
+    state_owner_ = *owner;
+  }
+}
 
 TraceContext KvCacheManager::BeginCall(SessionId session, SequenceId sequence) {
   const TraceContext ctx = Context(session, sequence);
@@ -369,6 +389,31 @@ absl::Status KvCacheManager::CheckRoom(int64_t blocks, std::span<const NodeIndex
   return absl::OkStatus();
 }
 
+absl::Status KvCacheManager::CheckStateRoom(int64_t slots, std::string_view what) {
+  if (!states_ || slots == 0) return absl::OkStatus();
+  const TraceContext ctx = Context(kNoSession, SequenceId(0));
+  if (slots > states_->num_free()) states_->ReclaimRetired(ctx);
+  if (const int64_t short_by = slots - states_->num_free(); short_by > 0) {
+    return ResourceExhausted(Resource::kStateSlots, short_by,
+                             fmt::format("{} needs {} state slots, {} free of {}", what, slots,
+                                         states_->num_free(), states_->num_blocks()));
+  }
+  return absl::OkStatus();
+}
+
+void KvCacheManager::TakeStateSlot(Sequence* seq, BlockId copy_of, const TraceContext& ctx,
+                                   DevicePlan* plan) {
+  if (!states_) return;
+  std::vector<BlockId> slot;
+  KVPOOL_CHECK_OK(states_->Allocate(1, state_owner_, ctx, &slot, /*fills=*/nullptr));
+  seq->state_slot = slot[0];
+  if (copy_of == kInvalidBlock) {
+    plan->state_zeros.push_back(slot[0]);
+  } else {
+    plan->state_copies.push_back(BlockCopy{copy_of, slot[0]});
+  }
+}
+
 void KvCacheManager::EvictPlanned(std::span<const NodeIndex> victims, const TraceContext& ctx) {
   if (victims.empty()) return;
   cache_->Evict(victims, ctx);
@@ -449,6 +494,8 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
       CountExhausted(CheckCapacity(tally.by_ns, caller, tally.refs, "allocate")));
   KVPOOL_RETURN_IF_ERROR(CountExhausted(PlanNamespaces(tally.by_ns, &recycle, "allocate")));
   KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckRoom(tally.blocks, tally.keep, &victims, "allocate")));
+  KVPOOL_RETURN_IF_ERROR(
+      CountExhausted(CheckStateRoom(static_cast<int64_t>(requests.size()), "allocate")));
 
   // Everything checked: from here on nothing can fail.
   pool_->RecycleNamespaces(recycle);
@@ -487,10 +534,13 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
       }
     }
     KVPOOL_CHECK_OK(pool_->Allocate(p.new_blocks, seq.slot, ctx, &seq.table, &plan->fills));
+    TakeStateSlot(&seq, kInvalidBlock, ctx, plan);
     seq.num_tokens = r.num_tokens;
     counters_.prompt_tokens += r.prompt.size();
     counters_.hit_tokens += static_cast<uint64_t>(p.match.matched_tokens);
-    CountMissed(p, r.prompt.size() - static_cast<uint64_t>(p.match.matched_tokens));
+    counters_.missed_no_checkpoint += static_cast<uint64_t>(p.no_checkpoint);
+    CountMissed(p, r.prompt.size() - static_cast<uint64_t>(p.match.matched_tokens) -
+                       static_cast<uint64_t>(p.no_checkpoint));
     results->push_back(AllocateResult{id, p.match.matched_tokens});
   }
   sessions_[caller].sequences += static_cast<int64_t>(requests.size());
@@ -524,6 +574,12 @@ absl::Status KvCacheManager::PlanAllocate(const AllocateRequest& r, AllocateTall
       p->stop = why.stop;
       p->below_admission_bar = why.below_admission_bar;
       p->first_block_elsewhere = why.first_block_elsewhere;
+    }
+    if (states_) {
+      // A state group resumes only from a checkpoint of the state at the match's end, and the
+      // tree keeps none yet (docs/hybrid-groups.md §4): the whole prompt is computed.
+      p->no_checkpoint = p->match.matched_tokens;
+      p->match = PrefixMatch{};
     }
   }
   // Table slots the match fills: every fully matched block, and the partially matched one
@@ -664,6 +720,13 @@ absl::Status KvCacheManager::Truncate(SessionId caller, SequenceId sequence, int
     return absl::InvalidArgumentError(fmt::format("cannot truncate sequence {} of {} tokens to {}",
                                                   sequence.value(), seq->num_tokens, num_tokens));
   }
+  if (states_ && num_tokens < static_cast<int64_t>(seq->tokens.size())) {
+    return absl::FailedPreconditionError(fmt::format(
+        "cannot truncate sequence {} to {} tokens: its state-space state is past its {} known "
+        "tokens and has no checkpoint at {} (docs/hybrid-groups.md §3; the nearest is at 0: free "
+        "it and prefill again)",
+        sequence.value(), num_tokens, seq->tokens.size(), num_tokens));
+  }
   ReleaseTail(seq, static_cast<size_t>(BlocksFor(num_tokens)), ctx);
   // The tree path keeps only the full blocks the sequence still has whole; the block it now
   // ends inside is still held (so never evicted) and is protected by its coverage.
@@ -687,6 +750,7 @@ absl::StatusOr<SequenceId> KvCacheManager::Fork(SessionId caller, SequenceId seq
   KVPOOL_RETURN_IF_ERROR(CountExhausted(
       CheckCapacity(by_ns, caller, static_cast<int64_t>(parent->table.size()), "fork")));
   KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckRoom(partial ? 1 : 0, {}, &victims, "fork")));
+  KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckStateRoom(1, "fork")));
 
   const SequenceId id(next_sequence_id_++);
   ctx.sequence = id;
@@ -711,6 +775,7 @@ absl::StatusOr<SequenceId> KvCacheManager::Fork(SessionId caller, SequenceId seq
     child.table.back() = dst[0];
     ++counters_.cow_copies;
   }
+  TakeStateSlot(&child, parent->state_slot, ctx, plan);
   AddRefs(caller, static_cast<int64_t>(child.table.size()));
   ++sessions_[caller].sequences;
   sequences_.emplace(id, std::move(child));
@@ -759,6 +824,8 @@ void KvCacheManager::FreeChecked(Sequence* seq, OnFree on_free) {
   }
   ReleaseTail(seq, 0, ctx);
   if (cache_) cache_->Truncate(&seq->path, 0);
+  // Fenced like a block: a step still reading or writing the state keeps the slot RETIRING.
+  if (states_) KVPOOL_CHECK_OK(states_->Release(seq->state_slot, ctx));
   auto it = sessions_.find(caller);
   if (--it->second.sequences == 0 && it->second.quota == kUnlimited && it->second.group == 0) {
     sessions_.erase(it);

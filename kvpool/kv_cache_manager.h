@@ -83,8 +83,15 @@ struct BlockCopy {
 struct DevicePlan {
   std::vector<BlockCopy> copies;
   std::vector<BlockFill> fills;  // freshly handed-out blocks (not copy targets)
+  // The same for the state group's slots (KvCacheOptions::state_slots): a forked sequence's
+  // state copied from its parent's, and a new sequence's state zeroed (the state of no tokens,
+  // whatever the fill policy).
+  std::vector<BlockCopy> state_copies;
+  std::vector<BlockId> state_zeros;
 
-  bool empty() const { return copies.empty() && fills.empty(); }
+  bool empty() const {
+    return copies.empty() && fills.empty() && state_copies.empty() && state_zeros.empty();
+  }
 };
 
 struct KvCacheOptions {
@@ -120,6 +127,12 @@ struct KvCacheOptions {
   int32_t max_pins = 4096;
   int64_t max_pin_ttl_ns = 3'600'000'000'000;  // one hour
   int64_t max_pinned_blocks = 0;
+  // The state group (docs/hybrid-groups.md §3), for models with state-space layers: this many
+  // slots, one per live sequence (its working state), handed out by Allocate and Fork and
+  // released, fenced like a block, by Free. 0: no state group. With one, a prompt matches no
+  // cached prefix (the tree keeps no state checkpoints yet: the tokens the attention match found
+  // count as missed_no_checkpoint) and Truncate never rewinds below the sequence's known tokens.
+  int32_t state_slots = 0;
 };
 
 struct Sequence {
@@ -133,7 +146,8 @@ struct Sequence {
   int priority = 0;             // prefix-cache priority class of what it publishes
   bool retain_tail = false;     // keep its partial tail in the cache after it ends
   CachePath path;               // its place in the prefix tree (locked nodes)
-  uint64_t batch_mark = 0;      // KvCacheManager's scratch: finds a sequence listed twice
+  BlockId state_slot = kInvalidBlock;  // its slot in the state group (kInvalidBlock: none)
+  uint64_t batch_mark = 0;             // KvCacheManager's scratch: finds a sequence listed twice
 };
 
 struct AllocateRequest {
@@ -215,12 +229,15 @@ struct KvCacheStats {
   // ... evicted while below the admission bar (AdmissionFilter probation): never admitted
   uint64_t missed_below_admission_bar = 0;
   uint64_t missed_coverage = 0;  // a cached block agrees but covers too few of the tokens
-  uint64_t evictions = 0;        // cached blocks evicted to make room (or on request)
-  int64_t pins = 0;              // live pins
-  int64_t pinned_blocks = 0;     // distinct blocks they hold
-  uint64_t pins_made = 0;        // successful PinPrefix/PinSequence calls
-  uint64_t pins_expired = 0;     // pins that ran out of time
+  // cached for full attention, but the state group has no checkpoint there (hybrid models)
+  uint64_t missed_no_checkpoint = 0;
+  uint64_t evictions = 0;     // cached blocks evicted to make room (or on request)
+  int64_t pins = 0;           // live pins
+  int64_t pinned_blocks = 0;  // distinct blocks they hold
+  uint64_t pins_made = 0;     // successful PinPrefix/PinSequence calls
+  uint64_t pins_expired = 0;  // pins that ran out of time
   PrefixCacheStats cache;
+  BlockPoolStats states;  // the state group's slots (num_blocks 0 without one)
   // Of evictions, those an admin asked for (EvictCached, ClearCache).
   uint64_t admin_evictions = 0;
 };
@@ -285,7 +302,8 @@ class KvCacheManager final {
 
   // Rewinds `sequence` to `num_tokens` tokens, releasing the blocks past the new end.
   // Errors: NOT_FOUND, PERMISSION_DENIED, INVALID_ARGUMENT (negative, or longer than the
-  // sequence).
+  // sequence), FAILED_PRECONDITION (a state group, and fewer tokens than the sequence knows:
+  // its state cannot go back without a checkpoint, and none is kept yet).
   absl::Status Truncate(SessionId caller, SequenceId sequence, int64_t num_tokens);
 
   // A new sequence of the same session and namespace sharing every full block of `sequence` by
@@ -327,8 +345,13 @@ class KvCacheManager final {
   // has passed. All-or-nothing.
   // Errors: as BlockPool::MarkInFlight; nothing is marked on error.
   absl::Status MarkInFlight(std::span<const BlockId> blocks, Fence fence);
+  // The same for slots of the state group (a step's states, a plan's state copies and zeros).
+  // Errors: NOT_FOUND (no state group, or no such slot), FAILED_PRECONDITION (a slot no
+  // sequence holds); nothing is marked on error.
+  absl::Status MarkStatesInFlight(std::span<const BlockId> slots, Fence fence);
 
-  // Moves RETIRING blocks whose fences have passed to the free list. Returns how many.
+  // Moves RETIRING blocks (and state slots) whose fences have passed to the free list. Returns
+  // how many.
   int32_t ReclaimRetired();
 
   // Pins (retention hints; kv_cache_manager_pins.cc). A pin locks tree nodes: while it lasts its
@@ -391,6 +414,8 @@ class KvCacheManager final {
   const Sequence* Find(SequenceId sequence) const;
   void ForEachSequence(absl::FunctionRef<void(const Sequence&)> fn) const;
   const BlockPool& pool() const { return *pool_; }
+  // The state group's slots; null without one.
+  const BlockPool* states() const { return states_.get(); }
   const PrefixCache* cache() const { return cache_.get(); }
   int32_t block_size() const { return block_size_; }
   int32_t max_blocks_per_seq() const { return max_blocks_per_seq_; }
@@ -464,6 +489,7 @@ class KvCacheManager final {
     MatchStop stop = MatchStop::kPromptEnd;  // why the match stopped (prompt tokens missed)
     bool below_admission_bar = false;        // kEvicted: MatchExplanation's
     bool first_block_elsewhere = false;      // not cached here: MatchExplanation's
+    int64_t no_checkpoint = 0;  // tokens the attention match found, cut for want of a state
     int32_t new_blocks = 0;
   };
   // Blocks a batch has already claimed to write into, and by how many holders.
@@ -479,7 +505,7 @@ class KvCacheManager final {
   };
 
   KvCacheManager(const KvCacheOptions& options, std::unique_ptr<BlockPool> pool,
-                 std::unique_ptr<PrefixCache> cache);
+                 std::unique_ptr<PrefixCache> cache, std::unique_ptr<BlockPool> states);
 
   int64_t BlocksFor(int64_t num_tokens) const {
     return num_tokens / block_size_ + (num_tokens % block_size_ != 0 ? 1 : 0);
@@ -533,6 +559,12 @@ class KvCacheManager final {
   // `recycle`, for the caller to hand to BlockPool::RecycleNamespaces once nothing can fail.
   absl::Status PlanNamespaces(std::span<const std::pair<NamespaceId, int64_t>> by_ns,
                               std::vector<NamespaceSlot>* recycle, std::string_view what) const;
+  // Checks there are `slots` free state slots (reclaiming retired ones first). OK without a
+  // state group.
+  absl::Status CheckStateRoom(int64_t slots, std::string_view what);
+  // Hands `seq` a state slot: zeroed, or a copy of `copy_of`'s. REQUIRES: CheckStateRoom.
+  void TakeStateSlot(Sequence* seq, BlockId copy_of, const TraceContext& ctx, DevicePlan* plan);
+  absl::Status CheckStates() const;
   // Checks there is room for `blocks` new blocks: free ones, retired ones that can be reclaimed
   // (reclaimed now: housekeeping), then cached ones to evict (never the nodes in `keep`). The
   // evictions are planned into `victims`, for the caller to carry out once nothing can fail.
@@ -568,6 +600,10 @@ class KvCacheManager final {
   const Clock* const clock_;
   std::unique_ptr<BlockPool> pool_;
   std::unique_ptr<PrefixCache> cache_;  // null with the prefix cache off
+  // The state group's slots (null without one). Every slot is zeroed or copied over whole when
+  // it is handed out, so no bytes cross from one owner to the next: one namespace serves all.
+  std::unique_ptr<BlockPool> states_;
+  NamespaceSlot state_owner_;
 
   absl::flat_hash_map<SequenceId, Sequence> sequences_;
   absl::flat_hash_map<SessionId, SessionUsage> sessions_;

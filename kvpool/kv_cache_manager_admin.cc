@@ -28,8 +28,27 @@ absl::Status KvCacheManager::MarkInFlight(std::span<const BlockId> blocks, Fence
   return absl::OkStatus();
 }
 
+absl::Status KvCacheManager::MarkStatesInFlight(std::span<const BlockId> slots, Fence fence) {
+  if (slots.empty()) return absl::OkStatus();
+  if (!states_) return absl::NotFoundError("this pool has no state group");
+  for (BlockId slot : slots) {
+    if (!states_->Contains(slot)) {
+      return absl::NotFoundError(fmt::format("state slot {} does not exist", slot.value()));
+    }
+    if (states_->state(slot) != BlockState::kActive) {
+      return absl::FailedPreconditionError(fmt::format("device work on state slot {} in state {}",
+                                                       slot.value(),
+                                                       BlockStateName(states_->state(slot))));
+    }
+  }
+  const TraceContext ctx = Context(kNoSession, SequenceId(0));
+  for (BlockId slot : slots) KVPOOL_RETURN_IF_ERROR(states_->MarkInFlight(slot, fence, ctx));
+  return absl::OkStatus();
+}
+
 int32_t KvCacheManager::ReclaimRetired() {
-  return pool_->ReclaimRetired(Context(kNoSession, SequenceId(0)));
+  const TraceContext ctx = Context(kNoSession, SequenceId(0));
+  return pool_->ReclaimRetired(ctx) + (states_ ? states_->ReclaimRetired(ctx) : 0);
 }
 
 const Sequence* KvCacheManager::Find(SequenceId sequence) const {
@@ -90,7 +109,36 @@ KvCacheStats KvCacheManager::stats() const {
   if (cache_) s.cache = cache_->stats();
   s.pins = static_cast<int64_t>(pins_.size());
   s.pinned_blocks = cache_ ? cache_->pinned_nodes() : 0;
+  if (states_) s.states = states_->stats();
   return s;
+}
+
+absl::Status KvCacheManager::CheckStates() const {
+  if (!states_) {
+    for (const auto& [id, seq] : sequences_) {
+      if (seq.state_slot != kInvalidBlock) {
+        return InvariantViolation("sequence {} holds a state slot without a state group",
+                                  id.value());
+      }
+    }
+    return absl::OkStatus();
+  }
+  KVPOOL_RETURN_IF_ERROR(states_->CheckInvariants());
+  std::vector<uint8_t> held(static_cast<size_t>(states_->num_blocks()), 0);
+  for (const auto& [id, seq] : sequences_) {
+    const BlockId slot = seq.state_slot;
+    if (!states_->Contains(slot) || states_->state(slot) != BlockState::kActive ||
+        held[static_cast<size_t>(slot.value())]++ != 0) {
+      return InvariantViolation("sequence {} holds state slot {}, which is not its own ACTIVE one",
+                                id.value(), slot.value());
+    }
+  }
+  if (states_->num_active() != static_cast<int32_t>(sequences_.size()) ||
+      states_->num_cached() != 0) {
+    return InvariantViolation("{} state slots are ACTIVE and {} CACHED for {} sequences",
+                              states_->num_active(), states_->num_cached(), sequences_.size());
+  }
+  return absl::OkStatus();
 }
 
 absl::Status KvCacheManager::CheckRefGroups() const {
@@ -179,6 +227,7 @@ absl::Status KvCacheManager::CheckInvariants() const {
   }
   KVPOOL_RETURN_IF_ERROR(CheckRefGroups());
   KVPOOL_RETURN_IF_ERROR(CheckQuotaBooks());
+  KVPOOL_RETURN_IF_ERROR(CheckStates());
   if (cache_) {
     absl::flat_hash_map<NodeIndex, uint32_t> pinned;
     KVPOOL_RETURN_IF_ERROR(CheckPins(&locks, &pinned));
@@ -215,6 +264,7 @@ absl::Status KvCacheManager::CheckQuotaBooks() const {
 std::string KvCacheManager::DebugString() const {
   std::string out = pool_->DebugString();
   if (cache_) out += cache_->DebugString();
+  if (states_) out += "state group:\n" + states_->DebugString();
   auto it = std::back_inserter(out);
   std::vector<SequenceId> ids;
   for (const auto& [id, seq] : sequences_) ids.push_back(id);
@@ -224,9 +274,11 @@ std::string KvCacheManager::DebugString() const {
     const Sequence& seq = sequences_.at(id);
     std::vector<int32_t> table;
     for (BlockId b : seq.table) table.push_back(b.value());
-    fmt::format_to(it, "{} session={} ns={} tokens={} known={} table={} path={}+{}\n", id.value(),
+    fmt::format_to(it, "{} session={} ns={} tokens={} known={} table={} path={}+{}", id.value(),
                    seq.session.value(), seq.ns.value(), seq.num_tokens, seq.tokens.size(),
                    fmt::join(table, ","), fmt::join(seq.path.full, ","), seq.path.partial);
+    if (states_) fmt::format_to(it, " state={}", seq.state_slot.value());
+    out += "\n";
   }
   std::vector<std::pair<SessionId, SessionUsage>> sessions(sessions_.begin(), sessions_.end());
   std::sort(sessions.begin(), sessions.end(),

@@ -21,6 +21,7 @@ enum class Resource : uint8_t {
   kSessionQuota,    // the session's block quota
   kTableBound,      // max_blocks_per_seq
   kPinnedBlocks,    // blocks pins may hold at once (KvCacheOptions::max_pinned_blocks)
+  kStateSlots,      // free slots in the pool's state group (one per live sequence)
 };
 
 std::string_view ResourceName(Resource resource);
