@@ -120,24 +120,20 @@ void PrintMemory() {
     const kernels::PoolLayout& layout = engine->pool().layout;
     const model::ModelConfig& c = engine->model().config();
     const int64_t blocks = (kContext + layout.block_size - 1) / layout.block_size;
-    int64_t attention_block_bytes = 0;
-    for (int32_t l = 0; l < c.num_layers; ++l) {
-      if (c.kind(l) == model::LayerKind::kStateSpace) continue;
-      attention_block_bytes +=
-          layout.chunk_bytes(l, kernels::KvSide::kK) + layout.chunk_bytes(l, kernels::KvSide::kV);
-    }
-    const int64_t kv = blocks * attention_block_bytes, state = c.state_bytes();
+    // The pool holds K/V of the attention layers only (ModelConfig::pool_layers()).
+    const int64_t kv = blocks * layout.block_bytes(), state = c.state_bytes();
     const double total = static_cast<double>(kv + state);
     if (m == 0) tiny_bytes = total;
     std::printf(
         "  %-12s KV %8.2f MiB (%d of %d layers) + state %6.3f MiB = %8.2f MiB  (%.2fx tiny)\n",
-        kModels[m], static_cast<double>(kv) / (1 << 20), c.num_layers - c.num_state_layers(),
-        c.num_layers, static_cast<double>(state) / (1 << 20), total / (1 << 20),
-        total / tiny_bytes);
+        kModels[m], static_cast<double>(kv) / (1 << 20), layout.num_layers, c.num_layers,
+        static_cast<double>(state) / (1 << 20), total / (1 << 20), total / tiny_bytes);
     if (c.num_state_layers() > 0) {
-      const int64_t today = blocks * layout.block_bytes() + state;
-      std::printf("  %-12s today's pool (a KV chunk for every layer) + state: %.2f MiB\n", "",
-                  static_cast<double>(today) / (1 << 20));
+      const int64_t every_layer = blocks * layout.block_bytes() / layout.num_layers * c.num_layers;
+      std::printf(
+          "  %-12s a pool with a KV chunk for every layer (before the state group) + "
+          "state: %.2f MiB\n",
+          "", static_cast<double>(every_layer + state) / (1 << 20));
     }
   }
 }

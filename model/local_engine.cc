@@ -14,14 +14,14 @@ absl::StatusOr<std::unique_ptr<LocalEngine>> LocalEngine::Create(ModelWeights we
         "checkpoints yet, docs/hybrid-groups.md §4); set prefix_cache = false");
   }
   kernels::PoolLayout shape{.block_size = options.block_size,
-                            .num_layers = config.num_layers,
+                            .num_layers = config.pool_layers(),
                             .num_kv_heads = config.num_kv_heads,
                             .head_dim = config.head_dim,
                             .dtype = options.dtype};
   for (const kernels::LayerDTypes& d : options.layer_dtypes) {
-    if (d.layer < 0 || d.layer >= config.num_layers) {
-      return absl::InvalidArgumentError(
-          fmt::format("layer_dtypes: layer {} outside [0, {})", d.layer, config.num_layers));
+    if (d.layer < 0 || d.layer >= config.pool_layers()) {
+      return absl::InvalidArgumentError(fmt::format(
+          "layer_dtypes: layer {} outside the pool's [0, {})", d.layer, config.pool_layers()));
     }
     shape.SetKvDType(d.layer, kernels::KvSide::kK, d.k);
     shape.SetKvDType(d.layer, kernels::KvSide::kV, d.v);

@@ -281,13 +281,14 @@ int64_t Model::scratch_bytes() const { return scratch_->Bytes(); }
 // Decode items through the decode kernel, prefill items through the tiled prefill kernel.
 void Model::Attention(int32_t layer, const kernels::KvPoolView& pool) {
   const ModelConfig& c = config_;
+  const int32_t kv_layer = c.kv_layer(layer);  // its K/V's place in the pool
   Scratch& s = *scratch_;
   const internal::StepLayout& L = s.step;
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
   const int64_t qd = int64_t{c.num_heads} * c.head_dim;
   if (L.num_decode > 0) {
     KVPOOL_CHECK_OK(kernels::cpu::PagedAttentionDecode(pool,
-                                                       {.layer = layer,
+                                                       {.layer = kv_layer,
                                                         .num_seqs = L.num_decode,
                                                         .num_q_heads = c.num_heads,
                                                         .scale = scale,
@@ -304,7 +305,7 @@ void Model::Attention(int32_t layer, const kernels::KvPoolView& pool) {
     const int64_t first = static_cast<int64_t>(L.num_decode);
     KVPOOL_CHECK_OK(kernels::cpu::PagedAttentionPrefill(
         pool,
-        {.layer = layer,
+        {.layer = kv_layer,
          .num_seqs = L.num_prefill,
          .num_q_heads = c.num_heads,
          .scale = scale,
@@ -379,7 +380,7 @@ void Model::SelfAttention(int32_t layer, const kernels::KvPoolView& pool, int64_
   }
   // Every new token's K/V goes in (converted to the layer's dtypes, quantized for 8-bit ones)
   // before any query reads: a prefill token attends to the tokens before it in the same step.
-  KVPOOL_CHECK_OK(kernels::cpu::WriteKv(pool, {.layer = layer,
+  KVPOOL_CHECK_OK(kernels::cpu::WriteKv(pool, {.layer = c.kv_layer(layer),
                                                .num_tokens = static_cast<int32_t>(n),
                                                .k = s.k.data(),
                                                .v = s.v.data(),

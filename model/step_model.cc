@@ -160,8 +160,9 @@ absl::Status CheckModel(const ModelWeights& weights, const kernels::PoolLayout& 
     return absl::InvalidArgumentError(
         fmt::format("the pool's {} is {} but the model needs {}", field, pool, model));
   };
-  if (layout.num_layers != c.num_layers) {
-    return mismatch("num_layers", layout.num_layers, c.num_layers);
+  // (State-space layers keep no K/V: the pool holds the attention layers only.)
+  if (layout.num_layers != c.pool_layers()) {
+    return mismatch("num_layers", layout.num_layers, c.pool_layers());
   }
   if (layout.num_kv_heads != c.num_kv_heads) {
     return mismatch("num_kv_heads", layout.num_kv_heads, c.num_kv_heads);

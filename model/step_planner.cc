@@ -34,6 +34,7 @@ void FillTable(const Sequence& seq, PlannedItem* item) {
   item->table.clear();
   item->table.reserve(seq.table.size());
   for (BlockId b : seq.table) item->table.push_back(b.value());
+  item->state_slot = seq.state_slot;
 }
 
 }  // namespace
@@ -165,6 +166,14 @@ std::vector<BlockId> BlocksOf(std::span<const PlannedItem> items) {
   std::sort(blocks.begin(), blocks.end());
   blocks.erase(std::unique(blocks.begin(), blocks.end()), blocks.end());
   return blocks;
+}
+
+std::vector<BlockId> StatesOf(std::span<const PlannedItem> items) {
+  std::vector<BlockId> slots;
+  for (const PlannedItem& item : items) {
+    if (item.state_slot != kInvalidBlock) slots.push_back(item.state_slot);
+  }
+  return slots;  // distinct: a step holds a sequence once, and sequences never share a slot
 }
 
 }  // namespace kvpool::model

@@ -33,6 +33,8 @@ struct PlannedItem {
   int64_t reused = 0;           // prompt tokens the prefix cache supplied (new sequences)
   std::vector<int32_t> tokens;  // the tokens the step computes, from position `start`
   std::vector<int32_t> table;   // the sequence's block ids, covering start + tokens.size()
+  // Its slot in the pool's state group (KvCacheManager::state_slot); kInvalidBlock without one.
+  BlockId state_slot = kInvalidBlock;
   // What sampling penalties count (PenaltyHistory); empty unless the caller asked for them.
   std::vector<int32_t> history;
 
@@ -93,5 +95,7 @@ void UndoItem(KvCacheManager& cache, SessionId caller, const PlannedItem& item);
 
 // Every block the step reads or writes (for KvCacheManager::MarkInFlight).
 std::vector<BlockId> BlocksOf(std::span<const PlannedItem> items);
+// Every state slot the step reads and writes (for KvCacheManager::MarkStatesInFlight).
+std::vector<BlockId> StatesOf(std::span<const PlannedItem> items);
 
 }  // namespace kvpool::model

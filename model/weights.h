@@ -7,6 +7,7 @@
 // embedded default). Matrices keep the Hugging Face layout of nn.Linear:
 // [out_features][in_features], row-major, so y = x · Wᵀ.
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -86,6 +87,21 @@ struct ModelConfig {
     int32_t n = 0;
     for (LayerKind k : layer_kinds) n += k == LayerKind::kStateSpace ? 1 : 0;
     return n;
+  }
+  // The layers with K/V in the pool: every attention layer (state-space layers have none).
+  int32_t num_kv_layers() const { return num_layers - num_state_layers(); }
+  // The pool's num_layers for this model (docs/hybrid-groups.md §2: the attention group holds
+  // the attention layers only): num_kv_layers(), or 1 for a model without attention (a layout
+  // has at least one layer; its blocks then go unused).
+  int32_t pool_layers() const { return std::max(num_kv_layers(), 1); }
+  // Where attention layer `layer`'s K/V is in the pool: its index among the attention layers.
+  // REQUIRES: kind(layer) is an attention kind.
+  int32_t kv_layer(int32_t layer) const {
+    int32_t n = 0;
+    for (int32_t l = 0; l < layer && static_cast<size_t>(l) < layer_kinds.size(); ++l) {
+      n += layer_kinds[static_cast<size_t>(l)] == LayerKind::kStateSpace ? 0 : 1;
+    }
+    return layer_kinds.empty() ? layer : n;
   }
   // Bytes of one sequence's state (StepItem::state): every state-space layer's, in layer order,
   // f32. 0 for a model without state-space layers.

@@ -250,7 +250,7 @@ absl::Status CudaModel::Attention(const kernels::KvPoolView& pool, int32_t layer
         kernels::cuda::PlanDecode(layout_, L.num_decode, c.num_heads, L.max_len, num_sms_);
     KVPOOL_RETURN_IF_ERROR(CudaStatus(
         kernels::cuda::LaunchPagedAttentionDecode(pool,
-                                                  {.layer = layer,
+                                                  {.layer = c.kv_layer(layer),
                                                    .num_seqs = L.num_decode,
                                                    .num_q_heads = c.num_heads,
                                                    .scale = scale,
@@ -271,7 +271,7 @@ absl::Status CudaModel::Attention(const kernels::KvPoolView& pool, int32_t layer
     KVPOOL_RETURN_IF_ERROR(
         CudaStatus(kernels::cuda::LaunchPagedAttentionPrefill(
                        pool,
-                       {.layer = layer,
+                       {.layer = c.kv_layer(layer),
                         .num_seqs = L.num_prefill,
                         .num_q_heads = c.num_heads,
                         .scale = scale,
@@ -320,12 +320,14 @@ absl::Status CudaModel::Launch(const kernels::KvPoolView& pool, int32_t n, int32
                         c.num_kv_heads, hd, At<float>(q_), At<float>(k_), At<float>(v_), stream_),
         "RoPE kernel"));
     // Every new token's K/V goes in before any query reads (stream order).
-    KVPOOL_RETURN_IF_ERROR(CudaStatus(
-        kernels::cuda::LaunchWriteKv(
-            pool,
-            {.layer = l, .num_tokens = n, .k = At<float>(k_), .v = At<float>(v_), .slots = slots},
-            stream_),
-        "WriteKv kernel"));
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(kernels::cuda::LaunchWriteKv(pool,
+                                                                   {.layer = c.kv_layer(l),
+                                                                    .num_tokens = n,
+                                                                    .k = At<float>(k_),
+                                                                    .v = At<float>(v_),
+                                                                    .slots = slots},
+                                                                   stream_),
+                                      "WriteKv kernel"));
     KVPOOL_RETURN_IF_ERROR(Attention(pool, l));
     KVPOOL_RETURN_IF_ERROR(Gemm(At<float>(attn_), n, L.wo, h, qd, x, true));
     // MLP.
