@@ -1,5 +1,6 @@
 #include "kernels/pool_layout.h"
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -57,13 +58,21 @@ int64_t PoolLayout::v_offset(int32_t block, int32_t layer) const {
 uint64_t PoolLayout::Hash() const {
   const int64_t fields[] = {block_size, num_layers, num_kv_heads, head_dim,
                             static_cast<int64_t>(uniform() ? k_dtype(0) : dtype)};
-  if (uniform()) return XXH3_64bits(fields, sizeof(fields));
-  // Mixed precision: the shape, then every layer's (K, V) dtypes.
+  if (uniform() && state_slot_bytes == 0) return XXH3_64bits(fields, sizeof(fields));
+  // Mixed precision: the shape, then every layer's (K, V) dtypes; then the state slot's size.
   std::vector<uint8_t> bytes(sizeof(fields));
   std::memcpy(bytes.data(), fields, sizeof(fields));
-  for (int32_t l = 0; l < num_layers; ++l) {
-    bytes.push_back(static_cast<uint8_t>(k_dtype(l)));
-    bytes.push_back(static_cast<uint8_t>(v_dtype(l)));
+  if (!uniform()) {
+    for (int32_t l = 0; l < num_layers; ++l) {
+      bytes.push_back(static_cast<uint8_t>(k_dtype(l)));
+      bytes.push_back(static_cast<uint8_t>(v_dtype(l)));
+    }
+  }
+  if (state_slot_bytes != 0) {
+    const size_t at = bytes.size();
+    bytes.resize(at + sizeof(state_slot_bytes) + 1);
+    bytes[at] = 's';
+    std::memcpy(bytes.data() + at + 1, &state_slot_bytes, sizeof(state_slot_bytes));
   }
   return XXH3_64bits(bytes.data(), bytes.size());
 }
@@ -84,15 +93,20 @@ std::string PoolLayout::DTypesString() const {
 std::string PoolLayout::ToString() const {
   const std::string dtypes =
       uniform() ? std::string(DTypeName(k_dtype(0))) : fmt::format("[k/v {}]", DTypesString());
-  return fmt::format(
+  std::string out = fmt::format(
       "block_size={} layers={} kv_heads={} head_dim={} dtype={} blocks={} ({} KiB/block)",
       block_size, num_layers, num_kv_heads, head_dim, dtypes, num_blocks, block_bytes() / 1024);
+  if (num_state_slots > 0 || state_slot_bytes > 0) {
+    out += fmt::format(" state_slots={} ({} KiB/slot)", num_state_slots, state_slot_bytes / 1024);
+  }
+  return out;
 }
 
 bool operator==(const PoolLayout& a, const PoolLayout& b) {
   if (a.block_size != b.block_size || a.num_layers != b.num_layers ||
       a.num_kv_heads != b.num_kv_heads || a.head_dim != b.head_dim ||
-      a.num_blocks != b.num_blocks) {
+      a.num_blocks != b.num_blocks || a.num_state_slots != b.num_state_slots ||
+      a.state_slot_bytes != b.state_slot_bytes) {
     return false;
   }
   for (int32_t l = 0; l < a.num_layers && l < kMaxLayers; ++l) {
@@ -136,16 +150,33 @@ absl::Status ValidateLayout(const PoolLayout& l) {
     }
   }
   if (l.num_blocks < 0) return absl::InvalidArgumentError("layout num_blocks must be >= 0");
+  if (l.num_state_slots < 0 || l.state_slot_bytes < 0 || l.state_slot_bytes % 64 != 0 ||
+      (l.num_state_slots > 0 && l.state_slot_bytes == 0)) {
+    return absl::InvalidArgumentError(fmt::format(
+        "layout state slots: num_state_slots must be >= 0 and state_slot_bytes a multiple of 64, "
+        "positive when there are slots (got {} slots of {} bytes)",
+        l.num_state_slots, l.state_slot_bytes));
+  }
   return absl::OkStatus();
 }
 
 absl::StatusOr<PoolLayout> LayoutForBudget(PoolLayout shape, int64_t capacity_bytes) {
   shape.num_blocks = 0;
   if (absl::Status s = ValidateLayout(shape); !s.ok()) return s;
-  const int64_t blocks = capacity_bytes / shape.block_bytes();
+  // The state slots first (they are one per running sequence: not optional), then whole pages
+  // of blocks up to where the slots begin.
+  const int64_t states = int64_t{shape.num_state_slots} * shape.state_slot_bytes;
+  const int64_t kv_budget =
+      shape.num_state_slots == 0
+          ? capacity_bytes
+          : (capacity_bytes - states) / PoolLayout::kStatePageBytes * PoolLayout::kStatePageBytes;
+  const int64_t blocks = std::max<int64_t>(kv_budget, 0) / shape.block_bytes();
   if (blocks < 1) {
-    return absl::InvalidArgumentError(fmt::format("a budget of {} bytes holds no block of {} bytes",
-                                                  capacity_bytes, shape.block_bytes()));
+    return absl::InvalidArgumentError(fmt::format(
+        "a budget of {} bytes holds no block of {} bytes{}", capacity_bytes, shape.block_bytes(),
+        states == 0 ? ""
+                    : fmt::format(" after {} state slots of {} bytes", shape.num_state_slots,
+                                  shape.state_slot_bytes)));
   }
   if (blocks > std::numeric_limits<int32_t>::max()) {
     return absl::InvalidArgumentError(fmt::format("a budget of {} bytes is {} blocks, above {}",
@@ -154,6 +185,16 @@ absl::StatusOr<PoolLayout> LayoutForBudget(PoolLayout shape, int64_t capacity_by
   }
   shape.num_blocks = static_cast<int32_t>(blocks);
   return shape;
+}
+
+PoolLayout StateSlotLayout(const PoolLayout& layout) {
+  // 2 (K and V) x 1 row x 1 head x head_dim f32 values = state_slot_bytes.
+  return PoolLayout{.block_size = 1,
+                    .num_layers = 1,
+                    .num_kv_heads = 1,
+                    .head_dim = static_cast<int32_t>(layout.state_slot_bytes / 8),
+                    .dtype = DType::kF32,
+                    .num_blocks = layout.num_state_slots};
 }
 
 }  // namespace kvpool::kernels

@@ -79,6 +79,11 @@ struct PoolLayout {
   int32_t head_dim = 128;
   DType dtype = DType::kBF16;  // K and V of every layer and side without an override
   int32_t num_blocks = 0;
+  // The state group (docs/hybrid-groups.md §2, §3): num_state_slots slots of state_slot_bytes
+  // each (a multiple of 64), in the arena after the KV blocks at state_offset(). A slot holds one
+  // sequence's state-space state (f32, the model's layout). 0 and 0: no state group.
+  int32_t num_state_slots = 0;
+  int64_t state_slot_bytes = 0;
   // Per-layer precision: overrides[side][layer] is 0 (the layer's side is `dtype`) or 1 + the
   // DType it is stored in instead. Entries past num_layers stay 0 (ValidateLayout).
   std::array<std::array<uint8_t, kMaxLayers>, 2> overrides{};
@@ -109,7 +114,17 @@ struct PoolLayout {
   int64_t chunk_bytes() const { return chunk_bytes(0, KvSide::kK); }
   // The sum of every layer's K and V chunk.
   int64_t block_bytes() const;
-  int64_t arena_bytes() const { return static_cast<int64_t>(num_blocks) * block_bytes(); }
+  // The KV blocks' bytes, from the arena's start.
+  int64_t kv_bytes() const { return static_cast<int64_t>(num_blocks) * block_bytes(); }
+  // Where the state slots begin: the KV blocks' end, rounded up to a 4096-byte page.
+  int64_t state_offset() const {
+    return (kv_bytes() + kStatePageBytes - 1) / kStatePageBytes * kStatePageBytes;
+  }
+  // The whole arena: the KV blocks, then the state slots (if any).
+  int64_t arena_bytes() const {
+    return num_state_slots == 0 ? kv_bytes() : state_offset() + num_state_slots * state_slot_bytes;
+  }
+  static constexpr int64_t kStatePageBytes = 4096;
   // Bytes a token takes in layer `layer` (K and V, scales and padding shared out):
   // (chunk_bytes(K) + chunk_bytes(V)) / block_size.
   double bytes_per_token(int32_t layer) const {
@@ -121,10 +136,11 @@ struct PoolLayout {
   int64_t k_offset(int32_t block, int32_t layer) const;
   int64_t v_offset(int32_t block, int32_t layer) const;
 
-  // A stable 64-bit digest of every field but num_blocks, per-layer dtypes included: two pools
-  // whose blocks are interchangeable have the same hash (it is mixed into every prefix-cache
-  // namespace), whether their dtypes are spelled as `dtype` or as overrides. A uniform layout
-  // hashes as it did before per-layer dtypes existed.
+  // A stable 64-bit digest of every field but num_blocks and num_state_slots, per-layer dtypes
+  // and the state slot size included: two pools whose blocks (and states) are interchangeable
+  // have the same hash (it is mixed into every prefix-cache namespace), whether their dtypes are
+  // spelled as `dtype` or as overrides. A layout without a state group hashes as it did before
+  // state groups, and a uniform one as before per-layer dtypes existed.
   uint64_t Hash() const;
   std::string ToString() const;
   // The dtypes of every layer as runs, e.g. "0-1:bf16/bf16 2-29:fp8/int8 30-31:bf16/bf16".
@@ -136,13 +152,21 @@ struct PoolLayout {
 };
 
 // Checks the shape (positive sizes, head_dim a multiple of 8 for vector loads, num_layers at
-// most kMaxLayers, valid dtypes and no override past num_layers, num_blocks >= 0).
+// most kMaxLayers, valid dtypes and no override past num_layers, num_blocks >= 0; state slots
+// either none or num_state_slots >= 0 of a positive state_slot_bytes that is a multiple of 64).
 // Errors: INVALID_ARGUMENT naming the field.
 absl::Status ValidateLayout(const PoolLayout& layout);
 
-// The layout with num_blocks = capacity_bytes / block_bytes (never guessed).
-// Errors: INVALID_ARGUMENT (bad shape, or a budget below one block or above INT32_MAX blocks).
+// The layout with num_blocks = what capacity_bytes holds after the shape's state slots (never
+// guessed): the arena_bytes() of the result is at most capacity_bytes.
+// Errors: INVALID_ARGUMENT (bad shape, or a budget below the state slots and one block, or above
+// INT32_MAX blocks).
 absl::StatusOr<PoolLayout> LayoutForBudget(PoolLayout shape, int64_t capacity_bytes);
+
+// The state slots of `layout` as a pool kernels can copy and fill by slot id (CopyBlocks,
+// FillBlocks): one f32 layer of one token row per block, state_slot_bytes a block, based at
+// state_offset(). REQUIRES: layout.num_state_slots > 0.
+PoolLayout StateSlotLayout(const PoolLayout& layout);
 
 // One layer of the arena, for a kernel: the chunks and scales of a block by id.
 struct KvLayerView {
@@ -170,6 +194,14 @@ struct KvPoolView {
 
   // REQUIRES: 0 <= layer < layout.num_layers.
   KvLayerView Layer(int32_t layer) const { return {static_cast<char*>(base), layout.Layer(layer)}; }
+  // The state slots (StateSlotLayout). REQUIRES: layout.num_state_slots > 0.
+  KvPoolView StateSlots() const {
+    return {static_cast<char*>(base) + layout.state_offset(), StateSlotLayout(layout)};
+  }
+  // Slot `slot`'s state. REQUIRES: 0 <= slot < layout.num_state_slots.
+  char* state(int32_t slot) const {
+    return static_cast<char*>(base) + layout.state_offset() + slot * layout.state_slot_bytes;
+  }
   char* k(int32_t block, int32_t layer) const {
     return static_cast<char*>(base) + layout.k_offset(block, layer);
   }

@@ -101,6 +101,67 @@ TEST(PoolLayoutTest, ValidationNamesTheProblem) {
   EXPECT_EQ(ValidateLayout(code).code(), absl::StatusCode::kInvalidArgument);
 }
 
+// The state group (docs/hybrid-groups.md §2): slots after the blocks, from the next page, paid
+// for first out of the budget; copied and zeroed by slot id through StateSlotLayout.
+TEST(PoolLayoutTest, StateSlotsFollowTheBlocksAndComeOutOfTheBudgetFirst) {
+  const PoolLayout shape{.block_size = 16, .num_layers = 1, .num_kv_heads = 4, .head_dim = 64};
+  PoolLayout with = shape;
+  with.num_state_slots = 3;
+  with.state_slot_bytes = 6400;
+  const int64_t budget = 1 << 20;
+  absl::StatusOr<PoolLayout> sized = LayoutForBudget(with, budget);
+  ASSERT_TRUE(sized.ok()) << sized.status();
+  EXPECT_EQ(sized->state_offset() % PoolLayout::kStatePageBytes, 0);
+  EXPECT_GE(sized->state_offset(), sized->kv_bytes());
+  EXPECT_EQ(sized->arena_bytes(), sized->state_offset() + 3 * 6400);
+  EXPECT_LE(sized->arena_bytes(), budget);
+  // One block more would not fit beside the slots.
+  PoolLayout more = *sized;
+  ++more.num_blocks;
+  EXPECT_GT(more.arena_bytes(), budget);
+  // Without slots the layout, its size and its hash are exactly as before state groups.
+  absl::StatusOr<PoolLayout> plain = LayoutForBudget(shape, budget);
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ(plain->arena_bytes(), plain->kv_bytes());
+  EXPECT_EQ(plain->num_blocks, budget / shape.block_bytes());
+  EXPECT_NE(sized->Hash(), plain->Hash());  // states of another size are not interchangeable
+  PoolLayout fewer = *sized;
+  fewer.num_state_slots = 1;
+  EXPECT_EQ(fewer.Hash(), sized->Hash());  // the count, like num_blocks, is not in it
+  EXPECT_FALSE(fewer == *sized);
+  // Too many slots for the budget, and bad slot shapes.
+  PoolLayout crowded = with;
+  crowded.num_state_slots = 200;
+  EXPECT_EQ(LayoutForBudget(crowded, budget).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(LayoutForBudget(crowded, budget).status().message().find("after 200 state slots"),
+            std::string_view::npos);
+  PoolLayout odd = with;
+  odd.state_slot_bytes = 100;  // not a multiple of 64
+  EXPECT_EQ(ValidateLayout(odd).code(), absl::StatusCode::kInvalidArgument);
+  PoolLayout empty = with;
+  empty.state_slot_bytes = 0;
+  EXPECT_EQ(ValidateLayout(empty).code(), absl::StatusCode::kInvalidArgument);
+
+  // Copy and zero slots by id, through the slots' own view, leaving the blocks alone.
+  std::vector<char> arena(static_cast<size_t>(sized->arena_bytes()), 7);
+  const KvPoolView view{arena.data(), *sized};
+  const KvPoolView slots = view.StateSlots();
+  EXPECT_EQ(slots.layout.block_bytes(), 6400);
+  EXPECT_EQ(slots.layout.num_blocks, 3);
+  std::memset(view.state(1), 9, 6400);
+  const int32_t pairs[] = {1, 2};
+  ASSERT_TRUE(cpu::CopyBlocks(slots, {.num_pairs = 1, .pairs = pairs}).ok());
+  const int32_t zero[] = {0};
+  ASSERT_TRUE(cpu::FillBlocks(slots, {.num_blocks = 1, .blocks = zero}).ok());
+  for (int64_t i = 0; i < 6400; ++i) {
+    ASSERT_EQ(view.state(0)[i], 0);
+    ASSERT_EQ(view.state(2)[i], 9);
+  }
+  for (int64_t i = 0; i < sized->state_offset(); ++i) ASSERT_EQ(arena[static_cast<size_t>(i)], 7);
+  const int32_t past[] = {3};
+  EXPECT_FALSE(cpu::FillBlocks(slots, {.num_blocks = 1, .blocks = past}).ok());
+}
+
 TEST(PoolLayoutTest, PoisonMakesEveryChunkReadAsNaN) {
   const PoolLayout l = Mixed();
   std::vector<char> arena(static_cast<size_t>(l.arena_bytes()), 0);
