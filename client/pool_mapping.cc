@@ -100,6 +100,24 @@ absl::Status CheckLayers(v1::PoolLayout* l) {
   return absl::OkStatus();
 }
 
+// The state group, when there is one, lies after the blocks and its slots fit 64-bit offsets.
+absl::Status CheckStateSlots(const v1::PoolLayout& l) {
+  if (l.num_state_slots() == 0 && l.state_slot_bytes() == 0 && l.state_offset() == 0) {
+    return absl::OkStatus();
+  }
+  const int64_t blocks_end = int64_t{l.num_blocks()} * l.block_bytes();
+  if (l.num_state_slots() <= 0 || l.state_slot_bytes() <= 0 || l.state_slot_bytes() % 4 != 0 ||
+      l.state_offset() < blocks_end ||
+      l.state_slot_bytes() >
+          (std::numeric_limits<int64_t>::max() - l.state_offset()) / l.num_state_slots()) {
+    return absl::InvalidArgumentError(
+        fmt::format("invalid state slots in the pool layout: {} of {} bytes at {} (blocks end at "
+                    "{})",
+                    l.num_state_slots(), l.state_slot_bytes(), l.state_offset(), blocks_end));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateLayout(v1::PoolLayout* l) {
   if (l->block_size() <= 0 || l->num_layers() <= 0 || l->num_kv_heads() <= 0 ||
       l->head_dim() <= 0 || l->num_blocks() <= 0 || l->chunk_bytes() < 0 ||
@@ -119,7 +137,7 @@ absl::Status ValidateLayout(v1::PoolLayout* l) {
   if (l->block_bytes() > std::numeric_limits<int64_t>::max() / l->num_blocks()) {
     return absl::InvalidArgumentError("pool layout overflows 64-bit byte offsets");
   }
-  return absl::OkStatus();
+  return CheckStateSlots(*l);
 }
 
 // Fails unless `fd` is at least `bytes` long, so that touching the mapping cannot SIGBUS.
@@ -159,11 +177,15 @@ absl::StatusOr<std::unique_ptr<PoolMapping>> PoolMapping::Create(const v1::Attac
                                                                  std::vector<UniqueFd> fds) {
   v1::PoolLayout layout = attach.layout();
   KVPOOL_RETURN_IF_ERROR(ValidateLayout(&layout));
-  const int64_t needed = int64_t{layout.num_blocks()} * layout.block_bytes();
+  const int64_t needed =
+      layout.num_state_slots() > 0
+          ? layout.state_offset() + int64_t{layout.num_state_slots()} * layout.state_slot_bytes()
+          : int64_t{layout.num_blocks()} * layout.block_bytes();
   const int64_t arena_bytes = attach.arena_bytes() == 0 ? needed : attach.arena_bytes();
   if (arena_bytes < needed) {
-    return absl::InvalidArgumentError(fmt::format("arena_bytes {} < num_blocks * block_bytes = {}",
-                                                  attach.arena_bytes(), needed));
+    return absl::InvalidArgumentError(
+        fmt::format("arena_bytes {} < the {} bytes the blocks and state slots need",
+                    attach.arena_bytes(), needed));
   }
   const int64_t mapped_bytes = attach.mapped_bytes() == 0 ? arena_bytes : attach.mapped_bytes();
   if (mapped_bytes < arena_bytes) {
@@ -265,6 +287,15 @@ absl::Status PoolMapping::CheckCurrent(BlockRef block) const {
         "block {} was reused (generation {}, you hold {})", block.id, current, block.generation));
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<float*> PoolMapping::State(int32_t slot) const {
+  if (slot < 0 || slot >= layout_.num_state_slots()) {
+    return absl::OutOfRangeError(fmt::format("state slot {} is outside the pool's [0, {})", slot,
+                                             layout_.num_state_slots()));
+  }
+  return reinterpret_cast<float*>(base_ + layout_.state_offset() +
+                                  int64_t{slot} * layout_.state_slot_bytes());
 }
 
 absl::StatusOr<char*> PoolMapping::Block(BlockRef block) const {

@@ -63,7 +63,7 @@ class PoolMapping final {
   bool host_accessible() const { return kind_ == v1::ARENA_KIND_MEMFD; }
   // First byte of block 0 (a device pointer unless host_accessible()).
   char* base() const { return base_; }
-  int64_t arena_bytes() const { return arena_bytes_; }    // num_blocks * block_bytes
+  int64_t arena_bytes() const { return arena_bytes_; }    // the blocks, then any state slots
   int64_t mapped_bytes() const { return mapped_bytes_; }  // >= arena_bytes
   int32_t num_blocks() const { return layout_.num_blocks(); }
 
@@ -83,6 +83,12 @@ class PoolMapping final {
   // not an 8-bit dtype.
   absl::StatusOr<float*> KScales(int32_t layer, BlockRef block) const;
   absl::StatusOr<float*> VScales(int32_t layer, BlockRef block) const;
+
+  // A state slot of the pool's state group (SequenceInfo.state_slot): one sequence's
+  // state-space state, f32, state_slot_bytes of them (layout.proto). The daemon's model steps
+  // advance it in place; a client must not write it while a step of its sequence runs.
+  // Errors: OUT_OF_RANGE (no such slot; every slot without a state group).
+  absl::StatusOr<float*> State(int32_t slot) const;
 
   // Layer `layer`'s K (kv 0) or V (kv 1) dtype; DTYPE_UNSPECIFIED for a layer out of range.
   v1::DType dtype(int32_t layer, int32_t kv) const;

@@ -31,6 +31,7 @@ namespace kvpool::daemon {
 namespace {
 
 constexpr int64_t kDefaultPoolBytes = 256ll << 20;
+constexpr int32_t kDefaultStateSlots = 64;
 
 // Collects protobuf's parse errors as "file:line:col: message" lines.
 class ErrorLines final : public google::protobuf::io::ErrorCollector {
@@ -84,7 +85,11 @@ void ApplyDefaults(v1::DaemonConfig* c) {
   v1::PoolShape* s = c->mutable_shape();
   if (s->block_size() == 0) s->set_block_size(16);
   if (geometry.ok()) {
-    if (s->num_layers() == 0) s->set_num_layers(geometry->num_layers);
+    // (Only attention layers keep K/V: a hybrid's state-space layers have a state slot instead.)
+    if (s->num_layers() == 0) s->set_num_layers(geometry->pool_layers());
+    if (s->state_slots() == 0 && geometry->num_state_layers() > 0) {
+      s->set_state_slots(kDefaultStateSlots);
+    }
     if (s->num_kv_heads() == 0) s->set_num_kv_heads(geometry->num_kv_heads);
     if (s->head_dim() == 0) s->set_head_dim(geometry->head_dim);
   }
@@ -140,39 +145,22 @@ constexpr std::pair<const char*, tier::DiskFsync> kFsyncNames[] = {
 constexpr std::pair<const char*, tier::KeySlotting> kKeySlottingNames[] = {
     {"namespace", tier::KeySlotting::kNamespace}, {"block", tier::KeySlotting::kBlock}};
 
-// Step 1 of docs/hybrid-groups.md keeps a sequence's state outside the pool, in a slot only the
-// in-process engine (model::LocalEngine) has; the daemon's sequences get one with the pool's
-// state group (§3).
-std::string StateLayersUnsupported(const std::string& model) {
-  return fmt::format(
-      "model {} has state-space layers, which need the pool's state group "
-      "(docs/hybrid-groups.md §3); kvpoold does not keep per-sequence states yet",
-      model);
-}
-
 // The model section: its name or checkpoint, and the step settings, into `o`.
 void ParseModel(const v1::DaemonConfig& c, bool shape_ok, EngineOptions* o, const Bad& bad) {
   const v1::ModelSpec& m = c.model();
   if (m.checkpoint().empty() && m.name() != "none" && shape_ok) {
     if (absl::StatusOr<model::ModelConfig> named = model::NamedConfig(m.name()); !named.ok()) {
       bad("model.name", absl::StrCat(named.status().message(), " (or none)"));
-    } else if (named->num_state_layers() > 0) {
-      bad("model.name", StateLayersUnsupported(m.name()));
-    } else if (named->num_layers != c.shape().num_layers() ||
+    } else if (named->pool_layers() != c.shape().num_layers() ||
                named->num_kv_heads != c.shape().num_kv_heads() ||
                named->head_dim != c.shape().head_dim()) {
-      bad("shape", fmt::format("model {} needs num_layers {}, num_kv_heads {}, head_dim {}",
-                               m.name(), named->num_layers, named->num_kv_heads, named->head_dim));
+      bad("shape",
+          fmt::format("model {} needs num_layers {}, num_kv_heads {}, head_dim {}", m.name(),
+                      named->pool_layers(), named->num_kv_heads, named->head_dim));
     }
   }
   if (!m.checkpoint().empty() && m.checkpoint()[0] != '/') {
     bad("model.checkpoint", fmt::format("must be an absolute path (got '{}')", m.checkpoint()));
-  } else if (!m.checkpoint().empty()) {
-    // (A checkpoint that does not read is reported when it is loaded.)
-    const absl::StatusOr<model::ModelConfig> read = model::ReadCheckpointConfig(m.checkpoint());
-    if (read.ok() && read->num_state_layers() > 0) {
-      bad("model.checkpoint", StateLayersUnsupported(m.checkpoint()));
-    }
   }
   if (m.gather_window_us() < 0 || m.gather_window_us() > 1000000) {
     bad("model.gather_window_us", "must be in [0, 1000000]");
@@ -319,6 +307,29 @@ void ValidateZmqEvents(const v1::DaemonConfig& c, const Bad& bad) {
   } else if (!z.pool().empty() && c.pools_size() == 0 && z.pool() != "default") {
     bad("zmq_events.pool", fmt::format("no pool named '{}' (the one pool is 'default')", z.pool()));
   }
+}
+
+// The state group of the pool shape (docs/hybrid-groups.md §2): shape.state_slots slots of the
+// model's state, rounded up to 64 bytes; none for a model without state-space layers. (A
+// checkpoint that does not read is reported when it is loaded.)
+void ParseStateGroup(const v1::DaemonConfig& c, kernels::PoolLayout* shape, const Bad& bad) {
+  const int32_t slots = c.shape().state_slots();
+  if (slots < 0) return bad("shape.state_slots", fmt::format("must be >= 0 (got {})", slots));
+  const v1::ModelSpec& m = c.model();
+  absl::StatusOr<model::ModelConfig> geometry = absl::NotFoundError("no model");
+  if (!m.checkpoint().empty() && m.checkpoint()[0] == '/') {
+    geometry = model::ReadCheckpointConfig(m.checkpoint());
+  } else if (m.checkpoint().empty() && m.name() != "none") {
+    geometry = model::NamedConfig(m.name());
+  }
+  const int64_t state_bytes = geometry.ok() ? geometry->state_bytes() : 0;
+  if (state_bytes == 0) {
+    if (slots > 0) bad("shape.state_slots", "the model has no state-space layers (0: none)");
+    return;
+  }
+  if (slots == 0) return bad("shape.state_slots", "a model with state-space layers needs >= 1");
+  shape->num_state_slots = slots;
+  shape->state_slot_bytes = (state_bytes + 63) / 64 * 64;
 }
 
 // A pool of `bytes` of `shape` (null: the shape is bad, reported already) into `o`.
@@ -589,7 +600,8 @@ std::vector<std::string> Parse(const v1::DaemonConfig& c, EngineOptions* o) {
   };
   CheckProcessFields(c, bad);
   bool dtypes_ok = true;
-  const kernels::PoolLayout shape = ShapeLayout(c.shape(), bad, &dtypes_ok);
+  kernels::PoolLayout shape = ShapeLayout(c.shape(), bad, &dtypes_ok);
+  ParseStateGroup(c, &shape, bad);
   const absl::Status shape_ok = kernels::ValidateLayout(shape);
   if (!shape_ok.ok()) bad("shape", std::string(shape_ok.message()));
   ParsePoolsAndTenants(c, shape_ok.ok() && dtypes_ok ? &shape : nullptr, o, bad);

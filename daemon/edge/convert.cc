@@ -84,6 +84,11 @@ void ToProto(const kernels::PoolLayout& layout, v1::PoolLayout* out) {
   out->set_chunk_bytes(layout.uniform() ? layout.chunk_bytes() : 0);
   out->set_block_bytes(layout.block_bytes());
   out->set_layout_hash(layout.Hash());
+  if (layout.num_state_slots > 0) {
+    out->set_num_state_slots(layout.num_state_slots);
+    out->set_state_slot_bytes(layout.state_slot_bytes);
+    out->set_state_offset(layout.state_offset());
+  }
   out->clear_layers();
   for (int32_t l = 0; l < layout.num_layers; ++l) {
     const kernels::LayerLayout g = layout.Layer(l);
@@ -249,6 +254,7 @@ void ToProto(const Tables& tables, size_t slice, size_t first_block, v1::Sequenc
   info->set_num_tokens(s.num_tokens);
   info->set_matched_tokens(s.matched_tokens);
   info->set_table_offset(s.table_offset);
+  if (s.state_slot != kInvalidBlock) info->set_state_slot(s.state_slot.value());
   auto* ids = info->mutable_block_ids();
   auto* gens = info->mutable_generations();
   ids->Reserve(s.length);

@@ -27,6 +27,18 @@ absl::Status DeviceError(const absl::Status& s) {
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options,
                                                        kernels::Device* device,
                                                        model::StepModel* model) {
+  if (model != nullptr && model->state_bytes() > 0) {
+    // Each sequence's state lives in its pool's state group (docs/hybrid-groups.md §3).
+    for (const PoolOptions& pool : options.pools) {
+      if (pool.layout.num_state_slots == 0 || pool.layout.state_slot_bytes < model->state_bytes()) {
+        return absl::InvalidArgumentError(fmt::format(
+            "pool {} has {} state slots of {} bytes; the model's state-space layers need slots "
+            "of {} bytes (shape.state_slots)",
+            pool.name, pool.layout.num_state_slots, pool.layout.state_slot_bytes,
+            model->state_bytes()));
+      }
+    }
+  }
   KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<EngineState> state, EngineState::Create(options, device));
   ModelInfo info;
   if (model != nullptr) {

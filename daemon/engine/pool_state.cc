@@ -37,7 +37,8 @@ absl::StatusOr<std::unique_ptr<PoolState>> PoolState::Create(const PoolOptions& 
                               .event_capacity = options.event_capacity,
                               .publish_journal = options.tiers.enabled() && options.prefix_cache,
                               .event_capacity_bytes = options.event_capacity_bytes,
-                              .max_sequences_per_session = options.limits.sequences_per_session}));
+                              .max_sequences_per_session = options.limits.sequences_per_session,
+                              .state_slots = layout.num_state_slots}));
   KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<GenerationTable> generations,
                           GenerationTable::Create(layout.num_blocks));
   std::unique_ptr<TierSet> tiers;
@@ -67,7 +68,13 @@ PoolState::PoolState(std::string name, const kernels::PoolLayout& layout, kernel
       generations_(std::move(generations)),
       executor_(device, kernels::StreamId::kTransfer, kernels::KvPoolView{arena_->base(), layout_},
                 fill),
-      tiers_(std::move(tiers)) {}
+      tiers_(std::move(tiers)) {
+  if (layout_.num_state_slots > 0) {
+    // A state slot is zeroed whatever the fill policy: zeros are the state of no tokens.
+    state_executor_ = std::make_unique<kernels::PlanExecutor>(
+        device, kernels::StreamId::kTransfer, view().StateSlots(), kernels::FillPolicy::kZero);
+  }
+}
 
 void PoolState::StagePublished(std::span<const BlockHash> skip) {
   if (!tiers_) return;
@@ -110,7 +117,21 @@ absl::StatusOr<Fence> PoolState::Carry(const DevicePlan& plan) {
   if (queued.value != 0) {
     KVPOOL_CHECK_OK(cache_->MarkInFlight(kernels::PlanExecutor::TouchedBlocks(plan), queued));
   }
-  return fence;
+  if (!fence.ok() || (plan.state_copies.empty() && plan.state_zeros.empty())) return fence;
+  return CarryStates(plan, *fence);
+}
+
+absl::StatusOr<Fence> PoolState::CarryStates(const DevicePlan& plan, Fence blocks_fence) {
+  DevicePlan states{.copies = plan.state_copies};
+  for (BlockId slot : plan.state_zeros) states.fills.push_back({.block = slot, .scrub = true});
+  const absl::StatusOr<Fence> fence = state_executor_->Execute(states);
+  const Fence queued = fence.ok() ? *fence : state_executor_->pending();
+  if (queued.value != 0) {
+    KVPOOL_CHECK_OK(
+        cache_->MarkStatesInFlight(kernels::PlanExecutor::TouchedBlocks(states), queued));
+  }
+  if (!fence.ok()) return fence;
+  return fence->value != 0 ? *fence : blocks_fence;  // one stream: the later covers both
 }
 
 void PoolState::AppendTable(const Sequence& seq, int32_t offset, int64_t matched_tokens,
@@ -120,7 +141,8 @@ void PoolState::AppendTable(const Sequence& seq, int32_t offset, int64_t matched
                          .num_tokens = seq.num_tokens,
                          .matched_tokens = matched_tokens,
                          .table_offset = offset,
-                         .length = size - offset});
+                         .length = size - offset,
+                         .state_slot = seq.state_slot});
   for (int32_t i = offset; i < size; ++i) {
     const BlockId b = seq.table[static_cast<size_t>(i)];
     out->blocks.push_back(b);

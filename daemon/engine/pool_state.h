@@ -32,6 +32,7 @@ struct TableSlice {
   int64_t matched_tokens = 0;  // Allocate: leading prompt tokens found in the prefix cache
   int32_t table_offset = 0;    // table entries before it are unchanged (0: the whole table)
   int32_t length = 0;
+  BlockId state_slot = kInvalidBlock;  // its slot in the state group (kInvalidBlock: none)
 };
 struct Tables {
   std::vector<TableSlice> slices;
@@ -87,7 +88,8 @@ class PoolState final {
   // Moves the host tier's events into the pool's event log (numbered with the pool's own).
   void DrainTierEvents();
 
-  // Enqueues `plan`'s device work, marks the blocks it touches in flight with that work's fence
+  // Enqueues `plan`'s device work (the state group's after the blocks', on the same stream),
+  // marks the blocks and state slots it touches in flight with that work's fence
   // and publishes the generations of the blocks it hands out. Returns the fence to wait for
   // outside the lock (value 0: nothing to wait for). Errors: the executor's; then what was
   // enqueued before the failure is marked in flight, and the caller undoes the call that made
@@ -107,6 +109,9 @@ class PoolState final {
   int64_t loaders = 0;
 
  private:
+  // Carry's part for the state group: after the blocks' work (fenced at `blocks_fence`).
+  absl::StatusOr<Fence> CarryStates(const DevicePlan& plan, Fence blocks_fence);
+
   PoolState(std::string name, const kernels::PoolLayout& layout, kernels::FillPolicy fill,
             kernels::Device* device, std::unique_ptr<kernels::Arena> arena,
             std::unique_ptr<StepTimeline> steps, std::unique_ptr<KvCacheManager> cache,
@@ -120,6 +125,8 @@ class PoolState final {
   const std::unique_ptr<KvCacheManager> cache_;
   const std::unique_ptr<GenerationTable> generations_;
   kernels::PlanExecutor executor_;
+  // The state group's copies and zeros (over view().StateSlots()); null without a state group.
+  std::unique_ptr<kernels::PlanExecutor> state_executor_;
   const std::unique_ptr<TierSet> tiers_;
   std::vector<PublishedBlock> published_;  // scratch of StagePublished
   std::vector<KvEvent> tier_events_;       // scratch of DrainTierEvents

@@ -16,6 +16,7 @@ absl::Status PrefillProgress::StillHolds(const KvCacheManager& cache, SessionId 
   const Sequence* seq = cache.Find(item_.sequence);
   const int64_t end = item_.start + static_cast<int64_t>(item_.tokens.size());
   const bool same = seq != nullptr && seq->session == owner && seq->num_tokens == end &&
+                    seq->state_slot == item_.state_slot &&
                     seq->table.size() >= item_.table.size() &&
                     std::equal(item_.table.begin(), item_.table.end(), seq->table.begin(),
                                [](int32_t a, BlockId b) { return a == b.value(); });

@@ -81,6 +81,7 @@ absl::Status Step::PlanCall(EngineState& state, ComputeCall& call) {
   // if its sequence is freed (or its client dies) meanwhile, and even if a later call of this
   // step evicts it.
   KVPOOL_CHECK_OK(pool.cache().MarkInFlight(model::BlocksOf(items), fence_));
+  KVPOOL_CHECK_OK(pool.cache().MarkStatesInFlight(model::StatesOf(items), fence_));
   for (const model::PlannedItem& item : items) in_step_.insert(item.sequence);
   entries_.push_back(std::move(entry));
   return absl::OkStatus();
@@ -146,6 +147,12 @@ absl::Status Step::Launch(model::StepModel& model, const Clock& clock) {
   if (entries_.empty()) return absl::OkStatus();
   items_.clear();
   model::StepOptions options;
+  // A sequence's state-space state is its slot in the pool's state group, advanced in place.
+  const auto state_of = [&](BlockId slot) -> std::span<float> {
+    if (slot == kInvalidBlock) return {};
+    return {reinterpret_cast<float*>(view_.state(slot.value())),
+            static_cast<size_t>(model.state_bytes() / sizeof(float))};
+  };
   for (Entry& e : entries_) {
     const ComputeRequest& r = e.call->request();
     e.first = items_.size();
@@ -155,11 +162,13 @@ absl::Status Step::Launch(model::StepModel& model, const Clock& clock) {
         // The last chunk: its prediction is the call's answer (earlier ones are discarded).
         chunk.sampling = r.sampling_for(0);
       }
+      chunk.state = state_of(p->item().state_slot);
       items_.push_back(chunk);
     } else {
       for (size_t i = 0; i < e.decode.size(); ++i) {
         items_.push_back(e.decode[i].AsStepItem());
         items_.back().sampling = r.sampling_for(i);
+        items_.back().state = state_of(e.decode[i].state_slot);
       }
     }
     e.count = items_.size() - e.first;

@@ -45,7 +45,14 @@ class FakePool final {
   ~FakePool();
 
   const v1::PoolLayout& layout() const { return layout_; }
-  int64_t arena_bytes() const { return int64_t{layout_.num_blocks()} * layout_.block_bytes(); }
+  // The blocks, then the state slots if the layout has them.
+  int64_t arena_bytes() const {
+    if (layout_.num_state_slots() > 0) {
+      return layout_.state_offset() +
+             int64_t{layout_.num_state_slots()} * layout_.state_slot_bytes();
+    }
+    return int64_t{layout_.num_blocks()} * layout_.block_bytes();
+  }
   char* arena() const { return arena_; }
   uint32_t* generations() const { return generations_; }
   int arena_fd() const { return arena_fd_.get(); }

@@ -108,6 +108,63 @@ TEST_F(PoolMappingTest, RejectsAnArenaSmallerThanTheLayout) {
   EXPECT_EQ(mapping.status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// A pool with a state group (docs/hybrid-groups.md): the slots after the blocks, mapped too.
+v1::PoolLayout WithStates(int32_t slots, int64_t slot_bytes, int64_t offset) {
+  v1::PoolLayout l = SmallLayout();
+  l.set_num_state_slots(slots);
+  l.set_state_slot_bytes(slot_bytes);
+  l.set_state_offset(offset);
+  return l;
+}
+
+TEST(PoolMappingStatesTest, StateSlotsAreMappedAfterTheBlocks) {
+  const int64_t blocks_end = int64_t{16} * 1024;  // SmallLayout: 16 blocks of 1 KiB
+  testing::FakePool pool(WithStates(3, 128, blocks_end + 4096));
+  absl::StatusOr<std::unique_ptr<PoolMapping>> m =
+      PoolMapping::Create(pool.Response(), pool.DupFds());
+  ASSERT_TRUE(m.ok()) << m.status();
+  absl::StatusOr<float*> state = (*m)->State(2);
+  ASSERT_TRUE(state.ok()) << state.status();
+  (*state)[31] = 2.5f;  // the slot's last value
+  float seen = 0;
+  std::memcpy(&seen, pool.arena() + blocks_end + 4096 + 2 * 128 + 31 * 4, sizeof(seen));
+  EXPECT_EQ(seen, 2.5f);
+  EXPECT_EQ((*m)->State(3).status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ((*m)->State(-1).status().code(), absl::StatusCode::kOutOfRange);
+
+  // No state group: every slot is out of range.
+  testing::FakePool plain(SmallLayout());
+  absl::StatusOr<std::unique_ptr<PoolMapping>> p =
+      PoolMapping::Create(plain.Response(), plain.DupFds());
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ((*p)->State(0).status().code(), absl::StatusCode::kOutOfRange);
+}
+
+TEST(PoolMappingStatesTest, RejectsStateSlotsThatOverlapOrOverflow) {
+  const int64_t blocks_end = int64_t{16} * 1024;
+  for (const v1::PoolLayout& bad :
+       {WithStates(2, 128, blocks_end - 64),                   // inside the blocks
+        WithStates(0, 128, blocks_end),                        // slots of nothing
+        WithStates(2, 0, blocks_end),                          // empty slots
+        WithStates(2, 130, blocks_end),                        // not whole floats
+        WithStates(1 << 30, int64_t{1} << 40, blocks_end)}) {  // past 64-bit offsets
+    testing::FakePool pool(SmallLayout());                     // a memfd of the blocks alone
+    v1::AttachResponse response = pool.Response();
+    *response.mutable_layout() = bad;
+    response.set_arena_bytes(0);
+    response.set_mapped_bytes(0);
+    EXPECT_EQ(PoolMapping::Create(response, pool.DupFds()).status().code(),
+              absl::StatusCode::kInvalidArgument)
+        << bad.ShortDebugString();
+  }
+  // Slots past the end of the arena the daemon sent.
+  testing::FakePool pool(SmallLayout());
+  v1::AttachResponse response = pool.Response();
+  *response.mutable_layout() = WithStates(2, 128, blocks_end);
+  EXPECT_EQ(PoolMapping::Create(response, pool.DupFds()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST_F(PoolMappingTest, RejectsAnInconsistentLayout) {
   v1::AttachResponse response = pool_.Response();
   response.mutable_layout()->set_block_bytes(response.layout().block_bytes() + 1);

@@ -169,30 +169,63 @@ TEST(ConfigTest, EngineOptionsAndProblemsComeFromOnePass) {
   EXPECT_EQ(o.status().message(), absl::StrJoin(problems, "\n"));
 }
 
-// Issue 28: a model with state-space layers needs per-sequence states the daemon does not keep
-// yet; it is refused at start, by name or as a checkpoint, saying why.
-TEST(ConfigTest, StateSpaceModelsAreRefusedUntilThePoolHasAStateGroup) {
-  v1::DaemonConfig c = DefaultConfig();
+// Issue 28: a model with state-space layers gets the pool's state group (docs/hybrid-groups.md
+// §2): the pool keeps K/V of its attention layers only, and shape.state_slots slots of the
+// model's state come out of the pool's bytes before the blocks; by name or as a checkpoint.
+TEST(ConfigTest, StateSpaceModelsGetAStateGroup) {
+  const model::ModelConfig hybrid = *model::NamedConfig("tiny-hybrid");
+  auto check = [&](const v1::DaemonConfig& c) {
+    EXPECT_THAT(ValidateConfig(c), ::testing::IsEmpty());
+    EXPECT_EQ(c.shape().num_layers(), 1);  // one attention layer of four
+    EXPECT_EQ(c.shape().state_slots(), 64);
+    absl::StatusOr<EngineOptions> o = MakeEngineOptions(c, 1);
+    ASSERT_TRUE(o.ok()) << o.status();
+    const kernels::PoolLayout& l = o->pools[0].layout;
+    EXPECT_EQ(l.num_layers, 1);
+    EXPECT_EQ(l.num_state_slots, 64);
+    EXPECT_EQ(l.state_slot_bytes, (hybrid.state_bytes() + 63) / 64 * 64);
+    EXPECT_GT(l.num_blocks, 0);
+    EXPECT_LE(l.arena_bytes(), c.pool_bytes());
+    EXPECT_GT(l.arena_bytes() + l.block_bytes(), c.pool_bytes() - 4096);  // nothing left unused
+  };
+  v1::DaemonConfig c;
   c.mutable_model()->set_name("tiny-hybrid");
-  EXPECT_THAT(ValidateConfig(c),
-              ::testing::ElementsAre(
-                  AllOf(HasSubstr("model.name: model tiny-hybrid"), HasSubstr("state group"))));
-  EXPECT_EQ(MakeEngineOptions(c, 1).status().code(), absl::StatusCode::kInvalidArgument);
+  ApplyDefaults(&c);
+  check(c);
 
   const std::string dir = (std::filesystem::temp_directory_path() /
                            ("kvpool_config_hybrid_" + std::to_string(::getpid())))
                               .string();
-  ASSERT_TRUE(model::SaveCheckpoint(model::SyntheticWeights(*model::NamedConfig("tiny-hybrid"), 1),
-                                    dir, "bf16")
-                  .ok());
-  c.mutable_model()->set_checkpoint(dir);
-  EXPECT_THAT(ValidateConfig(c), ::testing::ElementsAre(AllOf(HasSubstr("model.checkpoint"),
-                                                              HasSubstr("state-space"))));
+  ASSERT_TRUE(model::SaveCheckpoint(model::SyntheticWeights(hybrid, 1), dir, "bf16").ok());
+  v1::DaemonConfig from_checkpoint;
+  from_checkpoint.mutable_model()->set_checkpoint(dir);
+  ApplyDefaults(&from_checkpoint);
+  check(from_checkpoint);
   std::filesystem::remove_all(dir);
-  // tiny-swa (window layers only) is served as before.
+
+  // More slots than the pool holds, slots for a model without a state, negative slots.
+  v1::DaemonConfig crowded = c;
+  crowded.mutable_shape()->set_state_slots(1000);  // 1.5 GiB of states in a 256 MiB pool
+  EXPECT_THAT(
+      ValidateConfig(crowded),
+      ::testing::ElementsAre(AllOf(HasSubstr("pool_bytes"), HasSubstr("after 1000 state slots"))));
+  v1::DaemonConfig stateless = DefaultConfig();
+  stateless.mutable_shape()->set_state_slots(4);
+  EXPECT_THAT(ValidateConfig(stateless),
+              ::testing::ElementsAre("shape.state_slots: the model has no state-space layers "
+                                     "(0: none)"));
+  stateless.mutable_shape()->set_state_slots(-1);
+  EXPECT_THAT(ValidateConfig(stateless),
+              ::testing::ElementsAre("shape.state_slots: must be >= 0 (got -1)"));
+  // The shape of another model is refused, naming what the model needs.
+  v1::DaemonConfig mismatched = DefaultConfig();  // tiny's shape: 4 layers with K/V
+  mismatched.mutable_model()->set_name("tiny-hybrid");
+  EXPECT_THAT(ValidateConfig(mismatched), ::testing::Contains(HasSubstr("needs num_layers 1")));
+  // tiny-swa (window layers only) is served as before, with no state group.
   c = DefaultConfig();
   c.mutable_model()->set_name("tiny-swa");
   EXPECT_THAT(ValidateConfig(c), ::testing::IsEmpty());
+  EXPECT_EQ(MakeEngineOptions(c, 1)->pools[0].layout.num_state_slots, 0);
 }
 
 TEST(ConfigTest, ATenantsQuotaIsGivenOneWay) {

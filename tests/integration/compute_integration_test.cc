@@ -71,9 +71,12 @@ std::vector<int32_t> RunLocally(const std::vector<int32_t>& prompt, int n,
                                 kernels::DType dtype = kernels::DType::kBF16,
                                 const char* model_name = "tiny") {
   auto config = model::NamedConfig(model_name);
-  auto engine =
-      model::LocalEngine::Create(model::SyntheticWeights(*config, 1),
-                                 {.block_size = 16, .dtype = dtype, .pool_bytes = 8 << 20});
+  // (A model with state-space layers resumes no cached prefix in process: it has no checkpoints.)
+  auto engine = model::LocalEngine::Create(model::SyntheticWeights(*config, 1),
+                                           {.block_size = 16,
+                                            .dtype = dtype,
+                                            .pool_bytes = 8 << 20,
+                                            .prefix_cache = config->num_state_layers() == 0});
   EXPECT_TRUE(engine.ok()) << engine.status();
   std::vector<int32_t> out;
   auto first = (*engine)->Prefill(SequenceId(0), prompt);
@@ -284,6 +287,75 @@ TEST_F(ComputeIntegrationTest, ASlidingWindowModelSharesPrefixesAsComputedAlone)
   }
   EXPECT_EQ(Stats(*clients[0]).model(), "tiny-swa");
   EXPECT_TRUE(clients[0]->CheckInvariants()->ok());
+}
+
+// A hybrid model (issue 28's tiny-hybrid: state-space, state-space, full attention,
+// state-space) served to several clients at once: each sequence's state lives in the pool's
+// state group, a fork decodes from a copy of its parent's state, and every reply equals the model
+// run alone in this process. Nothing is reused from the prefix cache (no state checkpoints yet):
+// the attention match is counted as cut by the state group.
+TEST_F(ComputeIntegrationTest, AHybridModelKeepsEachSequencesStateInThePool) {
+  StartDaemon(R"pb(
+    pool_bytes: 33554432
+    max_blocks_per_seq: 256
+    shape { dtype: "f32" state_slots: 8 }
+    model { name: "tiny-hybrid" }
+  )pb");
+  const std::vector<int32_t> shared = Prompt(40, 61);
+  constexpr int kClients = 3;
+  std::vector<std::unique_ptr<client::Client>> clients;
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < kClients; ++i) {
+    clients.push_back(Connect(daemon_->dir(), "hybrid-" + std::to_string(i)));
+    std::vector<int32_t> p = shared;
+    const std::vector<int32_t> own = Prompt(5 + static_cast<size_t>(i), 70 + i);
+    p.insert(p.end(), own.begin(), own.end());
+    prompts.push_back(std::move(p));
+  }
+  std::vector<std::vector<int32_t>> alone(kClients);
+  for (int i = 0; i < kClients; ++i) {
+    alone[i] = RunLocally(prompts[i], 6, kernels::DType::kF32, "tiny-hybrid");
+  }
+  std::vector<Generated> got(kClients);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kClients; ++i) {
+    threads.emplace_back([&, i] { got[i] = Converse(*clients[i], prompts[i], 6); });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int i = 0; i < kClients; ++i) {
+    EXPECT_EQ(got[i].tokens, alone[i]) << "client " << i;
+    EXPECT_EQ(got[i].reused, 0) << "client " << i;
+  }
+  // A fork carries its parent's state: both branches continue exactly as the parent would.
+  const client::Client& c = *clients[0];
+  absl::StatusOr<v1::PrefillResponse> first = c.Prefill(0, prompts[0]);
+  ASSERT_TRUE(first.ok()) << first.status();
+  absl::StatusOr<v1::SequenceInfo> fork = c.Fork(first->sequence_id());
+  ASSERT_TRUE(fork.ok()) << fork.status();
+  ASSERT_TRUE(fork->has_state_slot());
+  const client::DecodeItem both[] = {{first->sequence_id(), first->next_token()},
+                                     {fork->sequence_id(), first->next_token()}};
+  absl::StatusOr<v1::DecodeResponse> next = c.Decode(both);
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(next->next_tokens(0), alone[0][1]);
+  EXPECT_EQ(next->next_tokens(1), alone[0][1]);
+
+  const v1::GetStatsResponse stats = Stats(c);
+  EXPECT_EQ(stats.model(), "tiny-hybrid");
+  auto stat = [&](const std::string& name, const std::string& label) {
+    for (const v1::Stat& st : stats.stats()) {
+      if (st.name() == name && !st.label_values().empty() &&
+          st.label_values(st.label_values_size() - 1) == label) {
+        return st.value();
+      }
+    }
+    ADD_FAILURE() << "no stat " << name << "{" << label << "}";
+    return -1.0;
+  };
+  // The second prefill of prompts[0] found at least its two full cached blocks, and was cut.
+  EXPECT_GE(stat("missed_tokens", "no_checkpoint"), 32);
+  EXPECT_EQ(stat("state_slots", "active"), kClients + 2);  // every live sequence, the fork too
+  EXPECT_TRUE(c.CheckInvariants()->ok());
 }
 
 TEST_F(ComputeIntegrationTest, GenerateStreamsWhatPrefillAndDecodeReturn) {

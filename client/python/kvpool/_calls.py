@@ -25,6 +25,9 @@ class Sequence:
     matched_tokens: int = 0  # Allocate only: prompt tokens already cached (a prefix hit)
     table_offset: int = 0
     blocks: List[BlockRef] = dataclasses.field(default_factory=list)
+    # Its slot in the pool's state group (models with state-space layers; mapping.state()); None
+    # without one.
+    state_slot: Optional[int] = None
 
     @property
     def block_ids(self) -> List[int]:
@@ -80,6 +83,7 @@ def to_sequence(rpc: str, info) -> Sequence:
         matched_tokens=info.matched_tokens,
         table_offset=info.table_offset,
         blocks=[BlockRef(b, g) for b, g in zip(info.block_ids, info.generations)],
+        state_slot=info.state_slot if info.HasField("state_slot") else None,
     )
 
 

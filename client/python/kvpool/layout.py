@@ -90,6 +90,28 @@ class Layout:
                 f"pool layout block_bytes {self.block_bytes} != 2 * num_layers {self.num_layers}"
                 f" * chunk_bytes {self.chunk_bytes}"
             )
+        # The state group (models with state-space layers): slot s is state_slot_bytes at
+        # state_offset + s * state_slot_bytes, after the blocks. 0 slots: none.
+        self.num_state_slots = proto.num_state_slots
+        self.state_slot_bytes = proto.state_slot_bytes
+        self.state_offset = proto.state_offset
+        if (self.num_state_slots, self.state_slot_bytes, self.state_offset) != (0, 0, 0) and (
+            self.num_state_slots <= 0
+            or self.state_slot_bytes <= 0
+            or self.state_slot_bytes % 4 != 0
+            or self.state_offset < self.num_blocks * self.block_bytes
+        ):
+            raise _invalid(
+                f"invalid state slots in the pool layout: {self.num_state_slots} of "
+                f"{self.state_slot_bytes} bytes at {self.state_offset}"
+            )
+
+    @property
+    def arena_bytes(self) -> int:
+        """Bytes the blocks and the state slots take from the arena's start."""
+        if self.num_state_slots > 0:
+            return self.state_offset + self.num_state_slots * self.state_slot_bytes
+        return self.num_blocks * self.block_bytes
 
     def _chunks(self) -> List[Tuple[Chunk, Chunk]]:
         """[(K, V)] per layer. The one place that knows how layout.proto places chunks."""

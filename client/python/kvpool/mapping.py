@@ -83,10 +83,12 @@ class PoolMapping:
         fds = list(fds)
         try:
             layout = Layout(attach.layout)
-            needed = layout.num_blocks * layout.block_bytes
+            needed = layout.arena_bytes
             arena_bytes = attach.arena_bytes or needed
             if arena_bytes < needed:
-                raise _invalid(f"arena_bytes {arena_bytes} < num_blocks * block_bytes = {needed}")
+                raise _invalid(
+                    f"arena_bytes {arena_bytes} < the {needed} bytes the blocks and state slots need"
+                )
             mapped_bytes = attach.mapped_bytes or arena_bytes
             if mapped_bytes < arena_bytes:
                 raise _invalid(f"mapped_bytes {mapped_bytes} < arena_bytes {arena_bytes}")
@@ -267,6 +269,19 @@ class PoolMapping:
         return self._base_address() + self._chunk_offset(layer, V, ref)
 
     # --- Host views (memfd arenas) ---
+
+    def state(self, slot: int) -> memoryview:
+        """State slot `slot` (a sequence's SequenceInfo.state_slot): its state-space state, f32,
+        state_slot_bytes / 4 values, writable. The daemon's model steps advance it in place.
+        Raises OUT_OF_RANGE (no such slot; every slot without a state group)."""
+        if not isinstance(slot, int) or not 0 <= slot < self.layout.num_state_slots:
+            raise KvPoolError(
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"state slot {slot} is outside the pool's [0, {self.layout.num_state_slots})",
+            )
+        start = self.layout.state_offset + slot * self.layout.state_slot_bytes
+        raw = memoryview(self._host())[start : start + self.layout.state_slot_bytes]
+        return raw.cast("f")
 
     def block(self, ref: BlockRef) -> memoryview:
         """The block's bytes: [2 * num_layers] chunks of [block_size][num_kv_heads][head_dim]."""

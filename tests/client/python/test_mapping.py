@@ -184,6 +184,34 @@ class MappingTest(unittest.TestCase):
             self.assertEqual(e.exception.code, C.FAILED_PRECONDITION)
 
 
+class StateSlotTest(unittest.TestCase):
+    """A hybrid model's per-sequence states in the pool's state group, seen from Python."""
+
+    def test_states_live_in_the_mapped_slots(self):
+        with Daemon('pool_bytes: 33554432 max_blocks_per_seq: 64 '
+                    'shape { dtype: "f32" state_slots: 4 } model { name: "tiny-hybrid" }') as d:
+            c = kvpool.Client.connect(d.dir, client_name="states", kv_access=True)
+            self.addCleanup(c.close)
+            layout = c.mapping.layout
+            self.assertEqual(layout.num_state_slots, 4)
+            self.assertEqual(layout.num_layers, 1)  # K/V of the one attention layer only
+            seq = c.allocate_one([], num_tokens=0)
+            self.assertIsNotNone(seq.state_slot)
+            state = c.mapping.state(seq.state_slot)
+            self.assertEqual(len(state), layout.state_slot_bytes // 4)
+            self.assertTrue(all(v == 0.0 for v in state))  # the state of no tokens
+            c.prefill(list(range(1, 21)), sequence_id=seq.id)
+            after = bytes(state.cast("B"))
+            self.assertTrue(any(after))  # the step advanced it in place
+            child = c.fork(seq.id)
+            self.assertNotEqual(child.state_slot, seq.state_slot)
+            self.assertEqual(bytes(c.mapping.state(child.state_slot).cast("B")), after)
+            with self.assertRaises(KvPoolError) as e:
+                c.mapping.state(4)
+            self.assertEqual(e.exception.code, C.OUT_OF_RANGE)
+            del state
+
+
 def _pattern(prefix, nbytes):
     h = 0
     for t in prefix:
