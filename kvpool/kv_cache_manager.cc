@@ -174,7 +174,18 @@ absl::Status KvCacheManager::SetSessionQuota(SessionId session, int64_t max_bloc
     RefGroup& g = ref_groups_[group];
     ++g.sessions;
     g.block_refs += usage.block_refs;
+    g.sequences += usage.sequences;
   }
+  return absl::OkStatus();
+}
+
+absl::Status KvCacheManager::SetRefGroupStateSlots(uint64_t group, int64_t max_state_slots) {
+  if (max_state_slots < 0 || group == 0) {
+    return absl::InvalidArgumentError(
+        fmt::format("reference group {}: {} state slots (a group is not 0, a bound not negative)",
+                    group, max_state_slots));
+  }
+  if (states_) ref_groups_[group].max_state_slots = max_state_slots;
   return absl::OkStatus();
 }
 
@@ -186,6 +197,12 @@ absl::Status KvCacheManager::SetRefGroupQuota(uint64_t group, int64_t max_block_
   }
   ref_groups_[group].quota = max_block_refs;
   return absl::OkStatus();
+}
+
+void KvCacheManager::AddSequences(SessionId session, int64_t delta) {
+  SessionUsage& usage = sessions_[session];
+  usage.sequences += delta;
+  if (usage.group != 0) ref_groups_[usage.group].sequences += delta;
 }
 
 void KvCacheManager::AddRefs(SessionId session, int64_t delta) {
@@ -316,8 +333,17 @@ absl::Status KvCacheManager::CheckQuotas(std::span<const std::pair<NamespaceId, 
 
 absl::Status KvCacheManager::CheckSequences(SessionId session, int64_t more,
                                             std::string_view what) const {
-  if (max_sequences_per_session_ == 0) return absl::OkStatus();
   auto it = sessions_.find(session);
+  if (states_ && it != sessions_.end() && it->second.group != 0) {
+    const RefGroup& g = ref_groups_.at(it->second.group);
+    if (g.sequences + more > g.max_state_slots) {
+      return ResourceExhausted(
+          Resource::kStateSlots, g.sequences + more - g.max_state_slots,
+          fmt::format("{} of {} more: session {}'s group holds {} state slots of its {}", what,
+                      more, session.value(), g.sequences, g.max_state_slots));
+    }
+  }
+  if (max_sequences_per_session_ == 0) return absl::OkStatus();
   const int64_t held = it == sessions_.end() ? 0 : it->second.sequences;
   if (held + more <= max_sequences_per_session_) return absl::OkStatus();
   return absl::ResourceExhaustedError(
@@ -543,7 +569,7 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
                        static_cast<uint64_t>(p.no_checkpoint));
     results->push_back(AllocateResult{id, p.match.matched_tokens});
   }
-  sessions_[caller].sequences += static_cast<int64_t>(requests.size());
+  AddSequences(caller, static_cast<int64_t>(requests.size()));
   AddRefs(caller, tally.refs);
   return absl::OkStatus();
 }
@@ -777,7 +803,7 @@ absl::StatusOr<SequenceId> KvCacheManager::Fork(SessionId caller, SequenceId seq
   }
   TakeStateSlot(&child, parent->state_slot, ctx, plan);
   AddRefs(caller, static_cast<int64_t>(child.table.size()));
-  ++sessions_[caller].sequences;
+  AddSequences(caller, 1);
   sequences_.emplace(id, std::move(child));
   return id;
 }
@@ -826,8 +852,9 @@ void KvCacheManager::FreeChecked(Sequence* seq, OnFree on_free) {
   if (cache_) cache_->Truncate(&seq->path, 0);
   // Fenced like a block: a step still reading or writing the state keeps the slot RETIRING.
   if (states_) KVPOOL_CHECK_OK(states_->Release(seq->state_slot, ctx));
+  AddSequences(caller, -1);
   auto it = sessions_.find(caller);
-  if (--it->second.sequences == 0 && it->second.quota == kUnlimited && it->second.group == 0) {
+  if (it->second.sequences == 0 && it->second.quota == kUnlimited && it->second.group == 0) {
     sessions_.erase(it);
   }
   sequences_.erase(id);

@@ -270,6 +270,11 @@ class KvCacheManager final {
   // The group is forgotten, quota included, when its last session is freed.
   // Errors: INVALID_ARGUMENT (negative quota, group 0).
   absl::Status SetRefGroupQuota(uint64_t group, int64_t max_block_refs);
+  // With a state group: bounds the state slots (one per live sequence) reference group
+  // `group`'s sessions hold together (kUnlimited to lift it), so that one peer cannot take every
+  // slot with sequences that hold no block. A no-op without a state group. Forgotten with the
+  // group. Errors: INVALID_ARGUMENT (negative bound, group 0).
+  absl::Status SetRefGroupStateSlots(uint64_t group, int64_t max_state_slots);
 
   // Creates a sequence of `num_tokens` tokens owned by `caller` in the request's namespace.
   // Errors: INVALID_ARGUMENT (session 0, namespace 0, negative count), RESOURCE_EXHAUSTED
@@ -447,7 +452,11 @@ class KvCacheManager final {
     int64_t block_refs = 0;  // summed over its sessions
     int64_t quota = kUnlimited;
     int64_t sessions = 0;
+    int64_t sequences = 0;                 // live, summed over its sessions
+    int64_t max_state_slots = kUnlimited;  // with a state group: bound on `sequences`
   };
+  // Adds `delta` live sequences to `session`'s usage and its group's.
+  void AddSequences(SessionId session, int64_t delta);
   // Adds `delta` block references to `session`'s usage and its group's.
   void AddRefs(SessionId session, int64_t delta);
   // Each reference group counts exactly its sessions and their references.

@@ -146,13 +146,17 @@ absl::Status KvCacheManager::CheckRefGroups() const {
   for (const auto& [session, u] : sessions_) {
     if (u.group == 0) continue;
     groups[u.group].block_refs += u.block_refs;
+    groups[u.group].sequences += u.sequences;
     ++groups[u.group].sessions;
   }
   for (const auto& [group, g] : ref_groups_) {
     const RefGroup& want = groups[group];
-    if (g.block_refs != want.block_refs || g.sessions != want.sessions || g.sessions == 0) {
-      return InvariantViolation("reference group {} counts {} refs of {} sessions, but {} of {}",
-                                group, g.block_refs, g.sessions, want.block_refs, want.sessions);
+    if (g.block_refs != want.block_refs || g.sessions != want.sessions || g.sessions == 0 ||
+        g.sequences != want.sequences) {
+      return InvariantViolation(
+          "reference group {} counts {} refs and {} sequences of {} sessions, but {}, {} of {}",
+          group, g.block_refs, g.sequences, g.sessions, want.block_refs, want.sequences,
+          want.sessions);
     }
   }
   if (groups.size() != ref_groups_.size()) {

@@ -203,6 +203,10 @@ void ParseLimits(const v1::DaemonConfig& c, EngineOptions* o, const Bad& bad) {
         fmt::format("must be in [0, model.max_step_tokens] ({}; 0: that), got {}",
                     c.model().max_step_tokens(), l.decode_width()));
   }
+  if (l.state_slots_per_uid() < 0) {
+    bad("limits.state_slots_per_uid",
+        fmt::format("must be >= 0 (0: every state slot), got {}", l.state_slots_per_uid()));
+  }
   if (l.attach_pending_per_uid() > l.attach_pending()) {
     bad("limits.attach_pending_per_uid", "must be at most limits.attach_pending");
   }
@@ -213,7 +217,8 @@ void ParseLimits(const v1::DaemonConfig& c, EngineOptions* o, const Bad& bad) {
       .queued_calls_per_session = l.queued_calls_per_session(),
       .decode_width = l.decode_width() > 0 ? l.decode_width() : c.model().max_step_tokens(),
       .cache_salts_per_session = l.cache_salts_per_session(),
-      .block_refs_per_uid = l.block_refs_per_uid()};
+      .block_refs_per_uid = l.block_refs_per_uid(),
+      .state_slots_per_uid = l.state_slots_per_uid() > 0 ? l.state_slots_per_uid() : kUnlimited};
 }
 
 // The pool shape as a layout (num_blocks 0): geometry, `dtype`, then k_dtype / v_dtype, then each

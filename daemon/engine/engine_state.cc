@@ -112,6 +112,8 @@ absl::StatusOr<std::shared_ptr<const Session>> EngineState::Open(SessionSpec spe
   // they make the pool keep: forks and shared prefixes hold references, not blocks).
   const uint64_t uid_group = uint64_t{session->spec.uid} + 1;
   KVPOOL_CHECK_OK(pool->cache().SetRefGroupQuota(uid_group, options_.limits.block_refs_per_uid));
+  KVPOOL_CHECK_OK(
+      pool->cache().SetRefGroupStateSlots(uid_group, options_.limits.state_slots_per_uid));
   KVPOOL_CHECK_OK(pool->cache().SetSessionQuota(
       session->id, options_.session_quota_blocks > 0 ? options_.session_quota_blocks : kUnlimited,
       uid_group));

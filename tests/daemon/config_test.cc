@@ -217,6 +217,12 @@ TEST(ConfigTest, StateSpaceModelsGetAStateGroup) {
   stateless.mutable_shape()->set_state_slots(-1);
   EXPECT_THAT(ValidateConfig(stateless),
               ::testing::ElementsAre("shape.state_slots: must be >= 0 (got -1)"));
+  v1::DaemonConfig negative = c;
+  negative.mutable_limits()->set_state_slots_per_uid(-2);
+  EXPECT_THAT(ValidateConfig(negative),
+              ::testing::ElementsAre(HasSubstr("limits.state_slots_per_uid: must be >= 0")));
+  negative.mutable_limits()->set_state_slots_per_uid(8);
+  EXPECT_EQ(MakeEngineOptions(negative, 1)->limits.state_slots_per_uid, 8);
   // The shape of another model is refused, naming what the model needs.
   v1::DaemonConfig mismatched = DefaultConfig();  // tiny's shape: 4 layers with K/V
   mismatched.mutable_model()->set_name("tiny-hybrid");

@@ -264,5 +264,49 @@ TEST(TokenListLimitTest, ForksOfAUidsSessionsAreBoundedTogether) {
   EXPECT_EQ(engine->Stats().cache.sequences, 0);
 }
 
+// Issue 28: a pool with a state group gives every live sequence a slot, even one that holds no
+// block, so without a bound one uid's sessions could take every slot with empty sequences and
+// starve the others. limits.state_slots_per_uid bounds a uid's share.
+TEST(StateSlotLimitTest, AUidsSessionsShareABoundedNumberOfStateSlots) {
+  FailingDevice device;
+  EngineOptions options = SmallPool(64);
+  options.pools[0].layout.num_state_slots = 8;
+  options.pools[0].layout.state_slot_bytes = 64;
+  options.limits.state_slots_per_uid = 3;
+  std::unique_ptr<Engine> engine = std::move(*Engine::Create(options, &device, nullptr));
+  SessionSpec first = Spec("t", "first"), second = Spec("t", "second"), other = Spec("t", "other");
+  first.uid = second.uid = 1000;
+  other.uid = 1001;
+  std::shared_ptr<const Session> a = *engine->OpenSession(first);
+  std::shared_ptr<const Session> b = *engine->OpenSession(second);
+  std::shared_ptr<const Session> c = *engine->OpenSession(other);
+  const AllocateRequest empty{.num_tokens = 0};
+  std::vector<SequenceId> held;
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<Tables> made =
+        engine->Allocate(*(i < 2 ? a : b), std::span(&empty, 1), CallContext::Uncancellable());
+    ASSERT_TRUE(made.ok()) << made.status();
+    EXPECT_NE(made->slices[0].state_slot, kInvalidBlock);
+    held.push_back(made->slices[0].sequence);
+  }
+  const absl::Status refused =
+      engine->Allocate(*a, std::span(&empty, 1), CallContext::Uncancellable()).status();
+  EXPECT_TRUE(absl::IsResourceExhausted(refused)) << refused;
+  EXPECT_THAT(std::string(refused.message()), HasSubstr("state slots"));
+  EXPECT_TRUE(
+      absl::IsResourceExhausted(engine->Fork(*b, held[2], CallContext::Uncancellable()).status()));
+  // Another uid keeps the rest of the slots.
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_TRUE(engine->Allocate(*c, std::span(&empty, 1), CallContext::Uncancellable()).ok());
+  }
+  // A freed sequence gives its slot back to its uid.
+  ASSERT_TRUE(
+      engine->Free(*a, std::span(&held[0], 1), OnFree::kDiscard, CallContext::Uncancellable())
+          .ok());
+  EXPECT_TRUE(engine->Fork(*b, held[2], CallContext::Uncancellable()).ok());
+  EXPECT_TRUE(engine->CheckInvariants().ok());
+  EXPECT_EQ(engine->Stats().cache.states.active, 6);
+}
+
 }  // namespace
 }  // namespace kvpool::daemon

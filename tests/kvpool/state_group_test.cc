@@ -223,6 +223,37 @@ TEST_F(StateGroupTest, FreeSessionGivesEverySlotBack) {
   ExpectInvariants();
 }
 
+// One peer (a reference group: the daemon puts a uid's sessions in one) cannot take every slot
+// with sequences that hold no block: its share is bounded, and the others keep theirs.
+TEST_F(StateGroupTest, AReferenceGroupsShareOfTheSlotsIsBounded) {
+  Make(6);
+  constexpr uint64_t kUid = 1001;
+  ASSERT_TRUE(cache_->SetSessionQuota(kAlice, kUnlimited, kUid).ok());
+  ASSERT_TRUE(cache_->SetRefGroupStateSlots(kUid, 2).ok());
+  ASSERT_TRUE(Alloc(kAlice, 0).ok());
+  absl::StatusOr<AllocateResult> second = Alloc(kAlice, 0);
+  ASSERT_TRUE(second.ok());
+  const std::string before = cache_->DebugString();
+  absl::StatusOr<AllocateResult> third = Alloc(kAlice, 0);
+  ASSERT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted) << third.status();
+  EXPECT_EQ(GetShortfall(third.status())->resource, Resource::kStateSlots);
+  DevicePlan plan;
+  EXPECT_EQ(cache_->Fork(kAlice, second->sequence, &plan).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(cache_->DebugString(), before);
+  // Another session of the same group shares the bound; a session outside it does not.
+  ASSERT_TRUE(cache_->SetSessionQuota(kBob, kUnlimited, kUid).ok());
+  EXPECT_EQ(Alloc(kBob, 0).status().code(), absl::StatusCode::kResourceExhausted);
+  constexpr SessionId kCarol(3);
+  for (int i = 0; i < 4; ++i) EXPECT_TRUE(Alloc(kCarol, 0).ok()) << i;
+  // A freed sequence gives its share back.
+  ASSERT_TRUE(cache_->Free(kAlice, second->sequence).ok());
+  EXPECT_TRUE(Alloc(kBob, 0).ok());
+  ExpectInvariants();
+  EXPECT_EQ(cache_->SetRefGroupStateSlots(kUid, -1).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache_->SetRefGroupStateSlots(0, 1).code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST_F(StateGroupTest, NegativeSlotsAreRefused) {
   auto cache = KvCacheManager::Create(
       {.block_size = 16, .num_blocks = 8, .max_blocks_per_seq = 8, .state_slots = -1});
