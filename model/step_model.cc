@@ -51,7 +51,12 @@ absl::Status CheckWeights(const ModelWeights& w) {
     KVPOOL_RETURN_IF_ERROR(CheckSize(L.ssm_in, ssm ? m.in_proj_dim() * h : 0, p + "ssm_in"));
     KVPOOL_RETURN_IF_ERROR(
         CheckSize(L.ssm_conv, ssm ? m.conv_dim() * m.conv_width : 0, p + "ssm_conv"));
-    KVPOOL_RETURN_IF_ERROR(CheckSize(L.ssm_conv_bias, ssm ? m.conv_dim() : 0, p + "ssm_conv_bias"));
+    KVPOOL_RETURN_IF_ERROR(
+        CheckSize(L.ssm_conv_bias, ssm && m.conv_bias ? m.conv_dim() : 0, p + "ssm_conv_bias"));
+    KVPOOL_RETURN_IF_ERROR(
+        CheckSize(L.ssm_in_bias, ssm && m.proj_bias ? m.in_proj_dim() : 0, p + "ssm_in_bias"));
+    KVPOOL_RETURN_IF_ERROR(
+        CheckSize(L.ssm_out_bias, ssm && m.proj_bias ? h : 0, p + "ssm_out_bias"));
     KVPOOL_RETURN_IF_ERROR(CheckSize(L.ssm_dt_bias, ssm ? m.num_heads : 0, p + "ssm_dt_bias"));
     KVPOOL_RETURN_IF_ERROR(CheckSize(L.ssm_a_log, ssm ? m.num_heads : 0, p + "ssm_a_log"));
     KVPOOL_RETURN_IF_ERROR(CheckSize(L.ssm_d, ssm ? m.num_heads : 0, p + "ssm_d"));

@@ -79,9 +79,9 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(ModelWeights weight
   }
   KVPOOL_ASSIGN_OR_RETURN(m->final_norm_, m->Upload(weights.final_norm));
   std::vector<float> inv_freq;
-  for (int32_t i = 0; i < c.head_dim / 2; ++i) {
+  for (int32_t i = 0; i < c.rotary() / 2; ++i) {
     inv_freq.push_back(static_cast<float>(
-        1.0 / std::pow(static_cast<double>(c.rope_theta), 2.0 * i / c.head_dim)));
+        1.0 / std::pow(static_cast<double>(c.rope_theta), 2.0 * i / c.rotary())));
   }
   KVPOOL_ASSIGN_OR_RETURN(m->inv_freq_, m->Upload(inv_freq));
   // What a step streams: every matrix once (the host model's figure, for comparison).
@@ -315,10 +315,11 @@ absl::Status CudaModel::Launch(const kernels::KvPoolView& pool, int32_t n, int32
         LaunchRmsNorm(x, nullptr, n, h, At<float>(L.attn_norm), c.rms_norm_eps, xn, stream_),
         "RMSNorm kernel"));
     KVPOOL_RETURN_IF_ERROR(Gemm(xn, n, L.wqkv, qd + 2 * kvd, h, At<float>(qkv_), false));
-    KVPOOL_RETURN_IF_ERROR(CudaStatus(
-        LaunchRopeSplit(At<float>(qkv_), positions, At<float>(inv_freq_), n, c.num_heads,
-                        c.num_kv_heads, hd, At<float>(q_), At<float>(k_), At<float>(v_), stream_),
-        "RoPE kernel"));
+    KVPOOL_RETURN_IF_ERROR(
+        CudaStatus(LaunchRopeSplit(At<float>(qkv_), positions, At<float>(inv_freq_), n, c.num_heads,
+                                   c.num_kv_heads, hd, c.rotary(), At<float>(q_), At<float>(k_),
+                                   At<float>(v_), stream_),
+                   "RoPE kernel"));
     // Every new token's K/V goes in before any query reads (stream order).
     KVPOOL_RETURN_IF_ERROR(CudaStatus(
         kernels::cuda::LaunchWriteKv(

@@ -97,7 +97,7 @@ class CudaModel final : public StepModel {
   Buffer embed_;  // [vocab][hidden] when untied; tied models read head_
   Buffer head_;   // [vocab][hidden]
   Buffer final_norm_;
-  Buffer inv_freq_;  // [head_dim / 2]
+  Buffer inv_freq_;  // [rotary() / 2]
 
   // Per step. The rows (decode items first) and the kernels' sequences, and the inputs staged
   // in pinned memory and copied in one piece: tokens, positions, slots, lengths, block tables,
