@@ -184,11 +184,6 @@ absl::StatusOr<std::unique_ptr<StepModel>> CreateStepModel(ModelWeights weights,
     return std::unique_ptr<StepModel>(std::move(model));
   }
   KVPOOL_RETURN_IF_ERROR(CheckModel(weights, layout));
-  if (weights.config.num_state_layers() > 0) {
-    // (No device model computes a state-space layer yet; the host model does.)
-    return absl::UnimplementedError(fmt::format(
-        "model on {}: state-space layers run on the host (cpu) backend only", device->name()));
-  }
   KVPOOL_ASSIGN_OR_RETURN(const kernels::BackendReg* backend, kernels::BackendOf(*device));
   if (backend->create_model == nullptr) {
     return absl::UnavailableError(

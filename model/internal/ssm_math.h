@@ -1,9 +1,12 @@
 #pragma once
 
-// The per-element arithmetic of a state-space (Mamba-2) layer around the scan, used by the host
-// model (ssm_mixer.cc) and written to be shared with device kernels: one definition, compiled for
-// the host and, under nvcc, for the device. Every function here is the work of one element, one
-// channel or one row.
+// The per-element arithmetic of a state-space (Mamba-2) layer around the scan, shared by the
+// host model (ssm_mixer.cc) and the CUDA model's kernels (model/cuda/ssm_kernels.cu): one
+// definition, compiled for the host and, under nvcc, for the device. Every function here is the
+// work of one element, one channel or one row, written so that a kernel thread can run it as is;
+// tests/model/ssm_math_test.cc runs them in the CUDA kernels' decomposition on the CPU and holds
+// the result to the dense reference. What the test cannot see is the launch geometry and the
+// memory movement around these calls (model/cuda/ssm_kernels.cu).
 //
 // Plain arithmetic in f32: expf, log1pf and sqrtf are the host's libm here and CUDA's on the
 // device (within 2 ulp of each other), so host and device agree to rounding, not bit for bit.
@@ -70,6 +73,17 @@ KVPOOL_HOST_DEVICE inline void SsmCarryShift(const SsmDims& m, const float* in, 
   }
 }
 
+// One thread's conv work: channel ch of one sequence's `rows` rows (in: its first row, out: its
+// first output row, [rows][conv_dim]), every output before the carry moves on.
+KVPOOL_HOST_DEVICE inline void SsmConvChannel(const SsmDims& m, const float* in, int64_t in_stride,
+                                              int64_t rows, const float* w, const float* bias,
+                                              float* carry, float* out, int64_t ch) {
+  for (int64_t r = 0; r < rows; ++r) {
+    out[r * m.conv_dim + ch] = SsmConvAt(m, in, in_stride, carry, w, bias, r, ch);
+  }
+  SsmCarryShift(m, in, in_stride, rows, carry, ch);
+}
+
 // Element e of token t's scan operands, taken from its conv output (xbc: [conv_dim], x then B
 // then C) and its projection (proj: [in_proj_dim], dt after z and the conv inputs): e in
 // [0, inner) is x, then bc of B, bc of C, and num_heads of dt (softplus of dt + dt_bias).
@@ -89,6 +103,20 @@ KVPOOL_HOST_DEVICE inline void SsmSplitAt(const SsmDims& m, const float* xbc, co
     dt[t * m.num_heads + h] =
         SsmSoftplus(proj[t * m.in_proj_dim + m.inner + m.conv_dim + h], dt_bias[h]);
   }
+}
+
+// The recurrence of one head for one token, on one column p of its state [d_state][head_dim]
+// (col[n] is state[n][p]): col[n] = decay * col[n] + (dt * b[n]) * x, and the output
+// skip * x + sum_n c[n] * col[n], n in order (cpu::SsmScan's arithmetic). decay = SsmDecay.
+KVPOOL_HOST_DEVICE inline float SsmDecay(float dt, float a_neg) { return expf(dt * a_neg); }
+KVPOOL_HOST_DEVICE inline float SsmScanToken(float* col, int32_t d_state, float decay, float dt,
+                                             float x, const float* b, const float* c, float skip) {
+  float y = skip * x;
+  for (int32_t n = 0; n < d_state; ++n) {
+    col[n] = decay * col[n] + (dt * b[n]) * x;
+    y += c[n] * col[n];
+  }
+  return y;
 }
 
 // The gated RMSNorm (mamba_ssm's RMSNormGated, norm_before_gate=False): g = y * silu(z) per
