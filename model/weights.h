@@ -38,8 +38,8 @@ struct SsmConfig {
   int32_t conv_width = 0;  // > 0 (Mamba-2: 4); 1 is no convolution over earlier tokens
   // Variants real checkpoints have (Bamba's mamba_conv_bias / mamba_proj_bias): a bias on the
   // conv, biases on in_proj and out_proj. The gated RMSNorm runs over each group's
-  // inner / num_groups values (mamba_ssm's Mamba2, NemotronH) or over all of inner at once
-  // (Bamba's BambaRMSNormGated); the two agree when num_groups is 1.
+  // inner / num_groups values (mamba_ssm's Mamba2; vLLM and SGLang for every Mamba-2 hybrid) or
+  // over all of inner at once (transformers' BambaRMSNormGated); the same when num_groups is 1.
   bool conv_bias = true;
   bool proj_bias = false;
   bool norm_per_group = true;
@@ -184,9 +184,9 @@ ModelWeights SyntheticWeights(const ModelConfig& config, uint64_t seed);
 // A Bamba checkpoint (model_type "bamba" or BambaForCausalLM) is read in Bamba's own layout:
 // model.layers.N.feed_forward.{gate,up,down}_proj.weight, model.layers.N.pre_ff_layernorm.weight
 // and model.final_layernorm.weight, RoPE over attn_rotary_emb values of each head (default half,
-// as BambaConfig sets partial_rotary_factor 0.5), the gated norm over all of inner, and
-// rms_norm_eps 1e-5 by default. NemotronH, Falcon-H1, Jamba and Zamba2 configs are refused.
-// f32, f16 and bf16 tensors are converted to f32.
+// as BambaConfig sets partial_rotary_factor 0.5), and rms_norm_eps 1e-5 by default. The gated
+// norm runs per group unless kvpool's own `kvpool_ssm_norm_per_group` is false. NemotronH,
+// Falcon-H1, Jamba and Zamba2 configs are refused. f32, f16 and bf16 tensors are converted to f32.
 // Errors: NOT_FOUND (no config.json or no safetensors), INVALID_ARGUMENT naming the file and
 // field or tensor (bad header, unsupported dtype or variant, wrong shape, missing tensor).
 absl::StatusOr<ModelWeights> LoadCheckpoint(const std::string& dir);

@@ -146,7 +146,7 @@ absl::Status ParseLayerKinds(const json& config, const std::string& path, bool b
 // The state-space layers' shape as Bamba writes it (mamba_*), read only when some layer is one.
 // mamba_d_head "auto" (or absent) is mamba_expand (default 2) * hidden_size / mamba_n_heads.
 // mamba_chunk_size only changes how a chunked scan rounds; the scan here runs token by token.
-absl::Status ParseSsm(const json& config, const std::string& path, bool bamba, ModelConfig* c) {
+absl::Status ParseSsm(const json& config, const std::string& path, ModelConfig* c) {
   if (c->num_state_layers() == 0) return absl::OkStatus();
   SsmConfig& m = c->ssm;
   m.num_groups = 1;
@@ -165,8 +165,10 @@ absl::Status ParseSsm(const json& config, const std::string& path, bool bamba, M
   }
   KVPOOL_RETURN_IF_ERROR(GetBool(config, path, "mamba_conv_bias", &m.conv_bias));
   KVPOOL_RETURN_IF_ERROR(GetBool(config, path, "mamba_proj_bias", &m.proj_bias));
-  // BambaRMSNormGated normalizes all of inner at once; kvpool's own key says so for others.
-  m.norm_per_group = !bamba;
+  // The gated norm per B/C group, as mamba_ssm's Mamba2 trained Bamba and as vLLM and SGLang
+  // serve it (Mixer2RMSNormGated). transformers' BambaRMSNormGated spans all of inner instead;
+  // the two agree for every released Bamba (one group). kvpool's own key picks the other.
+  m.norm_per_group = true;
   KVPOOL_RETURN_IF_ERROR(GetBool(config, path, "kvpool_ssm_norm_per_group", &m.norm_per_group));
   if (m.num_groups == 1) m.norm_per_group = true;  // one group: the same norm either way
   // Bamba's dt clamp: the default (0, inf) clamps nothing; a real limit is not computed here.
@@ -305,7 +307,7 @@ absl::StatusOr<ParsedConfig> ParseConfig(const std::string& text, const std::str
   }
   KVPOOL_RETURN_IF_ERROR(ParseRotary(config, path, bamba, &c));
   KVPOOL_RETURN_IF_ERROR(ParseLayerKinds(config, path, bamba, &c));
-  KVPOOL_RETURN_IF_ERROR(ParseSsm(config, path, bamba, &c));
+  KVPOOL_RETURN_IF_ERROR(ParseSsm(config, path, &c));
   if (absl::Status status = ValidateConfig(c); !status.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", status.message()));
   }

@@ -248,10 +248,10 @@ TEST_P(BackendModelTest, BadInputIsRefusedBeforeTheDevice) {
 }
 
 // State-space layers (issue 28) around a full-attention one, with every variant real
-// checkpoints have at once: two B/C groups under Bamba's whole-inner gated norm, projection
-// biases, no conv bias, and RoPE over half of each head. Two sequences share every step: a
-// prefill of 37 and one of 2 (shorter than the conv's window), a chunk and a decode, then
-// batched decodes; each against its own dense reference, logits and state slot.
+// checkpoints have at once: two B/C groups under a whole-inner gated norm (transformers' Bamba),
+// projection biases, no conv bias, and RoPE over half of each head. Two sequences share every step:
+// a prefill of 37 and one of 2 (shorter than the conv's window), a chunk and a decode, then batched
+// decodes; each against its own dense reference, logits and state slot.
 TEST_P(BackendModelTest, StateSpaceLayersMatchReference) {
   ModelConfig c = SmallTestConfig();
   c.num_layers = 3;

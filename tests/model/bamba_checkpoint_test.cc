@@ -1,9 +1,9 @@
 // Real Mamba-2 hybrid checkpoints (issue 28): a Bamba checkpoint in exactly the layout
 // transformers' BambaForCausalLM writes (config.json with BambaConfig's fields, tensors under
 // Bamba's names: mamba.*, feed_forward.*, pre_ff_layernorm, final_layernorm) loads, and the
-// model computes what the dense reference computes from the same weights, partial RoPE and
-// Bamba's whole-inner gated norm included. The variants real checkpoints have (conv bias absent,
-// projection biases present, the norm per group or not, partial rotary) run against the dense
+// model computes what the dense reference computes from the same weights, Bamba's partial RoPE
+// included. The variants real checkpoints have (conv bias absent, projection biases present,
+// the gated norm per group or over all of inner, partial rotary) run against the dense
 // reference; what the model cannot run is refused with INVALID_ARGUMENT naming the field.
 
 #include <string>
@@ -220,24 +220,28 @@ TEST_F(BambaCheckpointTest, ReadsBambasDefaultsAndPythonsInfinity) {
   EXPECT_EQ(read->layer_kinds, (std::vector<LayerKind>{kS, kS, kS, kS}));
 }
 
-// Two groups: Bamba's gated norm spans all of inner, Mamba-2's each group; both against the
+// Two groups: the gated norm per group (as mamba_ssm trained Bamba and vLLM serves it), or over
+// all of inner (transformers' BambaRMSNormGated) with kvpool's own key; both against the
 // reference, and they differ (so the test tells them apart).
-TEST_F(BambaCheckpointTest, NormOverAllOfInnerForBambaPerGroupOtherwise) {
+TEST_F(BambaCheckpointTest, NormPerGroupOrOverAllOfInner) {
   ModelConfig c = BambaTestConfig();
   c.ssm.num_groups = 2;
-  c.ssm.norm_per_group = false;
-  const ModelWeights whole = SyntheticWeights(c, 4);
+  const ModelWeights grouped = SyntheticWeights(c, 4);
   std::string text = BambaConfigJson();
   text.replace(text.find(R"("mamba_n_groups": 1)"), 19, R"("mamba_n_groups": 2)");
-  WriteBamba(whole, text);
+  WriteBamba(grouped, text);
   absl::StatusOr<ModelWeights> loaded = LoadCheckpoint(dir_);
   ASSERT_TRUE(loaded.ok()) << loaded.status();
-  EXPECT_FALSE(loaded->config.ssm.norm_per_group);
+  EXPECT_TRUE(loaded->config.ssm.norm_per_group);
   ExpectMatchesReference(*loaded);
-  ModelWeights grouped = whole;
-  grouped.config.ssm.norm_per_group = true;
-  ExpectMatchesReference(grouped);
-  auto a = MakeTestEngine(whole, 16, kernels::DType::kF32, false);
+  text = BambaConfigJson(R"("kvpool_ssm_norm_per_group": false,)");
+  text.replace(text.find(R"("mamba_n_groups": 1)"), 19, R"("mamba_n_groups": 2)");
+  WriteBamba(grouped, text);
+  absl::StatusOr<ModelWeights> whole = LoadCheckpoint(dir_);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  EXPECT_FALSE(whole->config.ssm.norm_per_group);
+  ExpectMatchesReference(*whole);
+  auto a = MakeTestEngine(*whole, 16, kernels::DType::kF32, false);
   auto b = MakeTestEngine(grouped, 16, kernels::DType::kF32, false);
   const std::vector<int32_t> prompt = RandomTokens(9, 256, 2);
   auto x = a->Prefill(SequenceId(0), prompt, {.keep_logits = true});
