@@ -194,8 +194,12 @@ absl::Status CudaModel::RunStep(const kernels::KvPoolView& pool, std::span<const
   const int64_t ssm_seqs = c.num_state_layers() > 0 ? ni : 0;
   offsets_.seq_starts = Align(offsets_.last_rows + 4 * ni);
   offsets_.state_ptrs = Align(offsets_.seq_starts + 4 * (ssm_seqs + 1));
-  offsets_.end = Align(offsets_.state_ptrs +
-                       static_cast<int64_t>(sizeof(float*)) * 2 * c.num_state_layers() * ssm_seqs);
+  // At most n / kSsmChunkRows + 1 chunks per sequence's share (PlanSsmChunks).
+  const int64_t max_chunks = ssm_seqs > 0 ? n / kSsmChunkRows + ssm_seqs : 0;
+  offsets_.chunk_rows = Align(offsets_.state_ptrs + static_cast<int64_t>(sizeof(float*)) * 2 *
+                                                        c.num_state_layers() * ssm_seqs);
+  offsets_.seq_chunks = Align(offsets_.chunk_rows + 4 * (max_chunks + 1));
+  offsets_.end = Align(offsets_.seq_chunks + 4 * (ssm_seqs + 1));
   KVPOOL_RETURN_IF_ERROR(Reserve(staged_, offsets_.end));
   char* host = static_cast<char*>(staged_.data);
   auto stage = [host](int64_t offset, const auto& values) {

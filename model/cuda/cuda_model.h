@@ -32,6 +32,7 @@
 #include "absl/status/statusor.h"
 #include "kernels/device.h"
 #include "model/cuda/cublas_api.h"
+#include "model/internal/ssm_chunk.h"
 #include "model/internal/step_layout.h"
 #include "model/step_model.h"
 
@@ -129,7 +130,7 @@ class CudaModel final : public StepModel {
   Buffer inputs_;
   struct {
     int64_t tokens = 0, positions = 0, slots = 0, lens = 0, tables = 0, q_starts = 0, last_rows = 0,
-            seq_starts = 0, state_ptrs = 0, end = 0;
+            seq_starts = 0, state_ptrs = 0, chunk_rows = 0, seq_chunks = 0, end = 0;
   } offsets_;
   Buffer x_, xn_, qkv_, q_, attn_, k_, v_, gate_up_, act_, last_, logits_, workspace_;
 
@@ -143,6 +144,11 @@ class CudaModel final : public StepModel {
   Buffer states_;
   Pinned states_host_;
   Buffer ssm_proj_, ssm_xbc_, ssm_x_, ssm_b_, ssm_c_, ssm_dt_, ssm_y_;
+  // A step with a sequence of more than kSsmChunkRows rows scans in chunks (ssm_kernels.h): its
+  // plan (staged at chunk_rows and seq_chunks) and workspace.
+  bool chunked_ = false;
+  internal::SsmChunkPlan chunk_plan_;
+  Buffer ssm_chunks_, ssm_decays_;
 };
 
 }  // namespace kvpool::model::cuda

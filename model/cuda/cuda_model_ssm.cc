@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "kernels/cuda/cuda_status.h"
 #include "kvpool/util/status_macros.h"
@@ -97,6 +98,24 @@ absl::Status CudaModel::StageStates(std::span<const StepItem> items, int32_t num
     offset += m.state_floats();
   }
 
+  // Long prefills scan in chunks.
+  int32_t longest = 0;
+  for (size_t q = 0; q + 1 < seq_starts_.size(); ++q) {
+    longest = std::max(longest, seq_starts_[q + 1] - seq_starts_[q]);
+  }
+  chunked_ = longest > kSsmChunkRows;
+  if (chunked_) {
+    chunk_plan_ = internal::PlanSsmChunks(seq_starts_, kSsmChunkRows);
+    const std::vector<int32_t>& rows = chunk_plan_.chunk_rows;
+    const std::vector<int32_t>& per_seq = chunk_plan_.seq_chunks;
+    std::memcpy(host + offsets_.chunk_rows, rows.data(), rows.size() * sizeof(int32_t));
+    std::memcpy(host + offsets_.seq_chunks, per_seq.data(), per_seq.size() * sizeof(int32_t));
+    const int64_t chunks = static_cast<int64_t>(rows.size()) - 1;
+    KVPOOL_RETURN_IF_ERROR(
+        Reserve(ssm_chunks_, 4 * chunks * m.num_heads * m.d_state * int64_t{m.head_dim}));
+    KVPOOL_RETURN_IF_ERROR(Reserve(ssm_decays_, 4 * chunks * m.num_heads));
+  }
+
   const int64_t n = num_tokens, bc = int64_t{m.num_groups} * m.d_state;
   KVPOOL_RETURN_IF_ERROR(Reserve(ssm_proj_, 4 * n * m.in_proj_dim()));
   KVPOOL_RETURN_IF_ERROR(Reserve(ssm_xbc_, 4 * n * m.conv_dim()));
@@ -149,11 +168,22 @@ absl::Status CudaModel::StateSpace(int32_t layer, int32_t n) {
       LaunchSsmSplit(dims, n, At<float>(ssm_xbc_), p, At<float>(L.ssm_dt_bias), At<float>(ssm_x_),
                      At<float>(ssm_b_), At<float>(ssm_c_), At<float>(ssm_dt_), stream_),
       "SSM split kernel"));
-  KVPOOL_RETURN_IF_ERROR(
-      CudaStatus(LaunchSsmScan(dims, seqs, starts, At<float>(ssm_x_), At<float>(ssm_dt_),
-                               At<float>(L.ssm_a_neg), At<float>(ssm_b_), At<float>(ssm_c_),
-                               At<float>(L.ssm_d), states, At<float>(ssm_y_), stream_),
-                 "SSM scan kernel"));
+  if (chunked_) {
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(
+        LaunchSsmChunkedScan(dims, seqs, At<int32_t>(inputs_, offsets_.seq_chunks),
+                             static_cast<int32_t>(chunk_plan_.chunk_rows.size()) - 1,
+                             At<int32_t>(inputs_, offsets_.chunk_rows), At<float>(ssm_x_),
+                             At<float>(ssm_dt_), At<float>(L.ssm_a_neg), At<float>(ssm_b_),
+                             At<float>(ssm_c_), At<float>(L.ssm_d), states, At<float>(ssm_chunks_),
+                             At<float>(ssm_decays_), At<float>(ssm_y_), stream_),
+        "SSM chunked scan kernels"));
+  } else {
+    KVPOOL_RETURN_IF_ERROR(
+        CudaStatus(LaunchSsmScan(dims, seqs, starts, At<float>(ssm_x_), At<float>(ssm_dt_),
+                                 At<float>(L.ssm_a_neg), At<float>(ssm_b_), At<float>(ssm_c_),
+                                 At<float>(L.ssm_d), states, At<float>(ssm_y_), stream_),
+                   "SSM scan kernel"));
+  }
   // Gate and norm into ssm_x_ (free now), then out_proj into the residual stream.
   KVPOOL_RETURN_IF_ERROR(
       CudaStatus(LaunchSsmGatedNorm(dims, n, At<float>(ssm_y_), p, proj, At<float>(L.ssm_norm),

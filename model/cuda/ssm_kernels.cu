@@ -1,6 +1,6 @@
 // The CUDA model's state-space kernels (ssm_kernels.h). The arithmetic of every thread is
-// model/internal/ssm_math.h, shared with the host model; what is here is how the work is laid
-// over the grid and where each thread reads and writes.
+// model/internal/ssm_math.h (shared with the host model) and ssm_chunk.h; what is here is how
+// the work is laid over the grid and where each thread reads and writes.
 
 #include <algorithm>
 
@@ -75,6 +75,39 @@ __global__ void SsmScanKernel(SsmDims m, const int32_t* starts, const float* x, 
   if (p < dim) {
     for (int32_t n = 0; n < ds; ++n) state[static_cast<int64_t>(n) * dim + p] = col[n];
   }
+}
+
+// Chunked scan, pass 1: blockIdx.x the chunk, blockIdx.y the head; thread p a state column.
+__global__ void SsmChunkLocalKernel(SsmDims m, const int32_t* chunk_rows, const float* x,
+                                    const float* dt, const float* a_neg, const float* b,
+                                    float* chunks, float* decays) {
+  const int32_t h = blockIdx.y, p = threadIdx.x;
+  const int64_t k = blockIdx.x;
+  if (p >= m.head_dim) return;
+  float col[kMaxSsmDState];
+  internal::SsmChunkLocal(m, k, chunk_rows[k], chunk_rows[k + 1], h, p, x, dt, a_neg[h], b, col,
+                          chunks, decays);
+}
+
+// Pass 2: blockIdx.x the sequence, blockIdx.y the head.
+__global__ void SsmChunkCarryKernel(SsmDims m, const int32_t* seq_chunks, const float* decays,
+                                    float* chunks, float* const* states) {
+  const int32_t s = blockIdx.x, h = blockIdx.y, p = threadIdx.x;
+  if (p >= m.head_dim) return;
+  internal::SsmChunkCarry(m, seq_chunks[s], seq_chunks[s + 1], h, p, decays, chunks, states[s]);
+}
+
+// Pass 3: as pass 1.
+__global__ void SsmChunkOutputsKernel(SsmDims m, const int32_t* chunk_rows, const float* x,
+                                      const float* dt, const float* a_neg, const float* b,
+                                      const float* c, const float* d, const float* chunks,
+                                      float* y) {
+  const int32_t h = blockIdx.y, p = threadIdx.x;
+  const int64_t k = blockIdx.x;
+  if (p >= m.head_dim) return;
+  float col[kMaxSsmDState];
+  internal::SsmChunkOutputs(m, k, chunk_rows[k], chunk_rows[k + 1], h, p, x, dt, a_neg[h], b, c, d,
+                            chunks, col, y);
 }
 
 // The sum of `v` over the block (every thread gets it). REQUIRES: blockDim.x == kThreads.
@@ -154,6 +187,23 @@ cudaError_t LaunchSsmScan(const SsmDims& m, int32_t num_seqs, const int32_t* sta
   const size_t shared = 2 * static_cast<size_t>(m.d_state) * sizeof(float);
   SsmScanKernel<<<dim3(static_cast<unsigned>(num_seqs), static_cast<unsigned>(m.num_heads)),
                   threads, shared, stream>>>(m, starts, x, dt, a_neg, b, c, d, states, y);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchSsmChunkedScan(const SsmDims& m, int32_t num_seqs, const int32_t* seq_chunks,
+                                 int32_t num_chunks, const int32_t* chunk_rows, const float* x,
+                                 const float* dt, const float* a_neg, const float* b,
+                                 const float* c, const float* d, float* const* states,
+                                 float* chunks, float* decays, float* y, cudaStream_t stream) {
+  if (num_seqs <= 0 || num_chunks <= 0) return cudaSuccess;
+  const int threads = m.head_dim < 32 ? 32 : (m.head_dim + 31) / 32 * 32;
+  const dim3 per_chunk(static_cast<unsigned>(num_chunks), static_cast<unsigned>(m.num_heads));
+  SsmChunkLocalKernel<<<per_chunk, threads, 0, stream>>>(m, chunk_rows, x, dt, a_neg, b, chunks,
+                                                         decays);
+  SsmChunkCarryKernel<<<dim3(static_cast<unsigned>(num_seqs), static_cast<unsigned>(m.num_heads)),
+                        threads, 0, stream>>>(m, seq_chunks, decays, chunks, states);
+  SsmChunkOutputsKernel<<<per_chunk, threads, 0, stream>>>(m, chunk_rows, x, dt, a_neg, b, c, d,
+                                                           chunks, y);
   return cudaGetLastError();
 }
 

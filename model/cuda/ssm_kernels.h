@@ -1,11 +1,12 @@
 #pragma once
 
 // Host launchers of the CUDA model's state-space (Mamba-2) kernels: the depthwise causal conv
-// with its carried inputs, the split into the scan's operands, the per-token scan, the gated
-// RMSNorm and a bias add. The projections around them are cuBLAS (cuda_model.cc). Each kernel's
-// arithmetic is model/internal/ssm_math.h, the host model's own (tests/model/ssm_math_test.cc
-// runs it in these kernels' decomposition on the CPU); what only a GPU can check is the launch
-// geometry and the memory movement of ssm_kernels.cu.
+// with its carried inputs, the split into the scan's operands, the per-token scan (decode) and
+// the chunked one (long prefills), the gated RMSNorm and a bias add. The projections around them
+// are cuBLAS (cuda_model.cc). Each kernel's arithmetic is model/internal/ssm_math.h, the host
+// model's own, and ssm_chunk.h (tests/model/ssm_math_test.cc runs both in these kernels'
+// decomposition on the CPU); what only a GPU can check is the launch geometry and the memory
+// movement of ssm_kernels.cu.
 //
 // Plain C++: cuda_model.cc includes this without nvcc. Each launcher enqueues on `stream` and
 // returns the launch error; none allocates or synchronizes. Every pointer is device memory.
@@ -17,6 +18,7 @@
 
 #include <cstdint>
 
+#include "model/internal/ssm_chunk.h"
 #include "model/internal/ssm_math.h"
 
 namespace kvpool::model::cuda {
@@ -49,6 +51,20 @@ cudaError_t LaunchSsmScan(const internal::SsmDims& m, int32_t num_seqs, const in
                           const float* x, const float* dt, const float* a_neg, const float* b,
                           const float* c, const float* d, float* const* states, float* y,
                           cudaStream_t stream);
+
+// The same recurrence for long prefills, in chunks of at most kSsmChunkRows rows that run in
+// parallel (internal/ssm_chunk.h: each chunk from a zero state, then one pass per sequence over
+// its chunks' states, then each chunk's outputs from its incoming state). chunk_rows and
+// seq_chunks: internal::PlanSsmChunks of the sequences' rows. Workspace: `chunks` num_chunks *
+// num_heads * d_state * head_dim floats, `decays` num_chunks * num_heads. Three launches; the
+// states are left as LaunchSsmScan leaves them (to rounding). REQUIRES: as LaunchSsmScan.
+inline constexpr int32_t kSsmChunkRows = 128;
+cudaError_t LaunchSsmChunkedScan(const internal::SsmDims& m, int32_t num_seqs,
+                                 const int32_t* seq_chunks, int32_t num_chunks,
+                                 const int32_t* chunk_rows, const float* x, const float* dt,
+                                 const float* a_neg, const float* b, const float* c, const float* d,
+                                 float* const* states, float* chunks, float* decays, float* y,
+                                 cudaStream_t stream);
 
 // out[r] = the gated RMSNorm of y[r] with gate z[r] (rows z_stride apart): one CTA per (row,
 // norm group), a block reduction for the group's sum of squares.

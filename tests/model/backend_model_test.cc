@@ -250,8 +250,9 @@ TEST_P(BackendModelTest, BadInputIsRefusedBeforeTheDevice) {
 // State-space layers (issue 28) around a full-attention one, with every variant real
 // checkpoints have at once: two B/C groups under a whole-inner gated norm (transformers' Bamba),
 // projection biases, no conv bias, and RoPE over half of each head. Two sequences share every step:
-// a prefill of 37 and one of 2 (shorter than the conv's window), a chunk and a decode, then batched
-// decodes; each against its own dense reference, logits and state slot.
+// a prefill of 300 (more than the CUDA model's kSsmChunkRows: its chunked scan) and one of 2
+// (shorter than the conv's window), a chunk and a decode, then batched decodes; each against its
+// own dense reference, logits and state slot.
 TEST_P(BackendModelTest, StateSpaceLayersMatchReference) {
   ModelConfig c = SmallTestConfig();
   c.num_layers = 3;
@@ -269,7 +270,7 @@ TEST_P(BackendModelTest, StateSpaceLayersMatchReference) {
   ENGINE_OR_SKIP(engine, w, 16, kernels::DType::kF32, /*prefix_cache=*/false);
   const double tolerance = Tolerance(kernels::DType::kF32);
   std::vector<DenseReference> refs(2, DenseReference(w, kernels::DType::kF32));
-  const std::vector<int32_t> a = RandomTokens(37, 256, 1), b = RandomTokens(6, 256, 2);
+  const std::vector<int32_t> a = RandomTokens(300, 256, 1), b = RandomTokens(6, 256, 2);
   std::vector<SequenceId> seqs;
   for (size_t s = 0; s < 2; ++s) {
     const std::span<const int32_t> part = s == 0 ? std::span(a) : std::span(b).first(2);

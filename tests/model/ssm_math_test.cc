@@ -6,6 +6,9 @@
 // layout, inside a plain forward pass, and holds the logits and the states to the dense
 // reference, which shares nothing with ssm_math.h. So wrong shared math fails here.
 //
+// The chunked scan for long prefills (internal/ssm_chunk.h) likewise, against the reference
+// scan.
+//
 // Not tested here (needs a GPU): the launch geometry (grid and block sizes, the scan's shared
 // memory staging and barriers, the norm's block reduction, which sums in another order than
 // the sequential sum here), the device pointer tables and the copies of the states to and from
@@ -14,10 +17,13 @@
 #include "model/internal/ssm_math.h"
 
 #include <cmath>
+#include <random>
 #include <span>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/cpu_kernels.h"
+#include "model/internal/ssm_chunk.h"
 #include "model/internal/ssm_mixer.h"
 #include "tests/model/dense_reference.h"
 
@@ -225,6 +231,93 @@ TEST(SsmMathTest, TheCarryHoldsTheLastInputsOldestFirst) {
   }
   EXPECT_EQ(carry, (std::vector<float>{1, 2, 3, 4, 5, 6, 1, 2, 3}));
   EXPECT_FLOAT_EQ(out[0], internal::SsmSilu(0 + 1 + 4 + 1));
+}
+
+// The chunked scan's three passes (internal/ssm_chunk.h) in the kernels' decomposition (a thread
+// per (chunk, head, column), then per (sequence, head, column), then per (chunk, head, column)),
+// for sequences of 1 to 300 rows in one step, chunks of 1 to 128 rows: the outputs and the states
+// against the double-precision reference scan (kernels::cpu::SsmScanReference).
+TEST(SsmMathTest, TheChunkedScanMatchesTheReferenceScan) {
+  const SsmDims m = internal::SsmDimsOf(
+      {.num_heads = 4, .head_dim = 16, .d_state = 8, .num_groups = 2, .conv_width = 4});
+  std::vector<int32_t> starts = {0};
+  for (int32_t rows : {1, 5, 64, 130, 300}) starts.push_back(starts.back() + rows);
+  const int64_t n = starts.back(), seqs = static_cast<int64_t>(starts.size()) - 1;
+  const int64_t state_floats = m.num_heads * m.d_state * m.head_dim;
+  std::mt19937 rng(3);
+  const auto uniform = [&rng](float lo, float hi, int64_t count) {
+    std::uniform_real_distribution<float> dist(lo, hi);
+    std::vector<float> v(static_cast<size_t>(count));
+    for (float& f : v) f = dist(rng);
+    return v;
+  };
+  const std::vector<float> x = uniform(-1, 1, n * m.inner),
+                           dt = uniform(0.01f, 0.2f, n * m.num_heads), b = uniform(-1, 1, n * m.bc),
+                           c = uniform(-1, 1, n * m.bc), a_neg = uniform(-2, -0.5f, m.num_heads),
+                           d = uniform(0.5f, 1.5f, m.num_heads),
+                           initial = uniform(-0.5f, 0.5f, seqs * state_floats);
+  std::vector<float> want_states = initial, want_y(n * m.inner);
+  std::vector<float*> want_ptrs;
+  for (int64_t s = 0; s < seqs; ++s) want_ptrs.push_back(&want_states[s * state_floats]);
+  kernels::cpu::SsmScanReference({.num_seqs = static_cast<int32_t>(seqs),
+                                  .num_heads = m.num_heads,
+                                  .head_dim = m.head_dim,
+                                  .d_state = m.d_state,
+                                  .num_groups = m.num_groups,
+                                  .starts = starts.data(),
+                                  .x = x.data(),
+                                  .dt = dt.data(),
+                                  .a_log_neg = a_neg.data(),
+                                  .b = b.data(),
+                                  .c = c.data(),
+                                  .d = d.data(),
+                                  .states = want_ptrs.data(),
+                                  .y = want_y.data()});
+  for (int32_t chunk : {1, 7, 64, 128}) {
+    SCOPED_TRACE(chunk);
+    const internal::SsmChunkPlan plan = internal::PlanSsmChunks(starts, chunk);
+    const int64_t chunks = static_cast<int64_t>(plan.chunk_rows.size()) - 1;
+    // Every sequence in ceil(rows / chunk) chunks of at most `chunk` rows, none empty.
+    for (int64_t s = 0; s < seqs; ++s) {
+      EXPECT_EQ(plan.seq_chunks[s + 1] - plan.seq_chunks[s],
+                (starts[s + 1] - starts[s] + chunk - 1) / chunk);
+      EXPECT_EQ(plan.chunk_rows[plan.seq_chunks[s]], starts[s]);
+    }
+    for (int64_t k = 0; k < chunks; ++k) {
+      EXPECT_GT(plan.chunk_rows[k + 1], plan.chunk_rows[k]);
+      EXPECT_LE(plan.chunk_rows[k + 1] - plan.chunk_rows[k], chunk);
+    }
+    std::vector<float> states = initial, y(n * m.inner), col(m.d_state);
+    std::vector<float> local(chunks * state_floats), decays(chunks * m.num_heads);
+    for (int64_t k = 0; k < chunks; ++k) {  // pass 1
+      for (int32_t h = 0; h < m.num_heads; ++h) {
+        for (int32_t p = 0; p < m.head_dim; ++p) {
+          internal::SsmChunkLocal(m, k, plan.chunk_rows[k], plan.chunk_rows[k + 1], h, p, x.data(),
+                                  dt.data(), a_neg[h], b.data(), col.data(), local.data(),
+                                  decays.data());
+        }
+      }
+    }
+    for (int64_t s = 0; s < seqs; ++s) {  // pass 2
+      for (int32_t h = 0; h < m.num_heads; ++h) {
+        for (int32_t p = 0; p < m.head_dim; ++p) {
+          internal::SsmChunkCarry(m, plan.seq_chunks[s], plan.seq_chunks[s + 1], h, p,
+                                  decays.data(), local.data(), &states[s * state_floats]);
+        }
+      }
+    }
+    for (int64_t k = 0; k < chunks; ++k) {  // pass 3
+      for (int32_t h = 0; h < m.num_heads; ++h) {
+        for (int32_t p = 0; p < m.head_dim; ++p) {
+          internal::SsmChunkOutputs(m, k, plan.chunk_rows[k], plan.chunk_rows[k + 1], h, p,
+                                    x.data(), dt.data(), a_neg[h], b.data(), c.data(), d.data(),
+                                    local.data(), col.data(), y.data());
+        }
+      }
+    }
+    EXPECT_LE(RelError(y, want_y), 1e-4);
+    EXPECT_LE(RelError(states, want_states), 1e-4);
+  }
 }
 
 }  // namespace
