@@ -145,7 +145,7 @@ absl::Status ParseLayerKinds(const json& config, const std::string& path, bool b
 
 // The state-space layers' shape as Bamba writes it (mamba_*), read only when some layer is one.
 // mamba_d_head "auto" (or absent) is mamba_expand (default 2) * hidden_size / mamba_n_heads.
-// mamba_chunk_size only changes how a chunked scan rounds; the scan here runs token by token.
+// mamba_chunk_size only changes how a chunked scan rounds; kvpool's scans pick their own.
 absl::Status ParseSsm(const json& config, const std::string& path, ModelConfig* c) {
   if (c->num_state_layers() == 0) return absl::OkStatus();
   SsmConfig& m = c->ssm;
@@ -201,6 +201,11 @@ absl::Status ParseRotary(const json& config, const std::string& path, bool bamba
     }
     // transformers truncates head_dim * factor; the margin absorbs a factor written as r / d.
     c->rotary_dim = static_cast<int32_t>(std::floor(c->head_dim * f.get<double>() + 1e-6));
+    if (c->rotary_dim == 0) {  // 0 would read as "all of the head"
+      return absl::InvalidArgumentError(absl::StrCat(path, ": partial_rotary_factor ", f.dump(),
+                                                     " rotates no value of a head of ",
+                                                     c->head_dim));
+    }
   } else if (bamba) {
     c->rotary_dim = c->head_dim / 2;
   }

@@ -289,6 +289,12 @@ TEST_F(BambaCheckpointTest, RefusesWhatItCannotRunNamingTheField) {
   text.replace(text.find(R"("attn_rotary_emb": 8,)"), 21, "");
   WriteBamba(w, text);
   ExpectInvalid({"partial_rotary_factor"});
+  // A factor too small for one pair of a head (16 values) would otherwise read as rotary_dim 0,
+  // which means all of the head.
+  text = BambaConfigJson(R"("partial_rotary_factor": 0.05,)");
+  text.replace(text.find(R"("attn_rotary_emb": 8,)"), 21, "");
+  WriteBamba(w, text);
+  ExpectInvalid({"partial_rotary_factor", "rotates no value"});
   text = BambaConfigJson();
   text.replace(text.find(R"("attn_rotary_emb": 8)"), 20, R"("attn_rotary_emb": 7)");
   WriteBamba(w, text);
