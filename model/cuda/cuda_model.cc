@@ -167,22 +167,12 @@ absl::Status CudaModel::Gemm(const float* x, int32_t rows, const Buffer& w, int3
                       "cublasSgemm");
 }
 
-absl::Status CudaModel::RunStep(const kernels::KvPoolView& pool, std::span<const StepItem> items,
-                                const StepOptions& options, std::vector<ItemResult>* results) {
+// Where each of the step's inputs lies in staged_ and inputs_ (offsets_), 256-byte aligned.
+void CudaModel::LayInputs(int64_t ni) {
   const ModelConfig& c = config_;
-  const int32_t bs = layout_.block_size;
-  KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(ordinal_), "cudaSetDevice"));
-
-  // The step's rows as on the host (internal/step_layout.h): decode items first, each a
-  // sequence of the decode kernel; then prefill items, sequences of the prefill kernel.
-  internal::PlanStepLayout(items, bs, &step_);
   const internal::StepLayout& L = step_;
   const int64_t n = L.num_tokens;
-  const int64_t ni = static_cast<int64_t>(items.size());
   const int64_t seqs = int64_t{L.num_decode} + L.num_prefill;
-  if (seqs * std::max(L.stride, 1) > INT32_MAX) {
-    return absl::InvalidArgumentError(fmt::format("step: {} tokens is too many", n));
-  }
   offsets_.tokens = 0;
   offsets_.positions = Align(offsets_.tokens + 4 * n);
   offsets_.slots = Align(offsets_.positions + 4 * n);
@@ -200,6 +190,25 @@ absl::Status CudaModel::RunStep(const kernels::KvPoolView& pool, std::span<const
                                                         c.num_state_layers() * ssm_seqs);
   offsets_.seq_chunks = Align(offsets_.chunk_rows + 4 * (max_chunks + 1));
   offsets_.end = Align(offsets_.seq_chunks + 4 * (ssm_seqs + 1));
+}
+
+absl::Status CudaModel::RunStep(const kernels::KvPoolView& pool, std::span<const StepItem> items,
+                                const StepOptions& options, std::vector<ItemResult>* results) {
+  const ModelConfig& c = config_;
+  const int32_t bs = layout_.block_size;
+  KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(ordinal_), "cudaSetDevice"));
+
+  // The step's rows as on the host (internal/step_layout.h): decode items first, each a
+  // sequence of the decode kernel; then prefill items, sequences of the prefill kernel.
+  internal::PlanStepLayout(items, bs, &step_);
+  const internal::StepLayout& L = step_;
+  const int64_t n = L.num_tokens;
+  const int64_t ni = static_cast<int64_t>(items.size());
+  const int64_t seqs = int64_t{L.num_decode} + L.num_prefill;
+  if (seqs * std::max(L.stride, 1) > INT32_MAX) {
+    return absl::InvalidArgumentError(fmt::format("step: {} tokens is too many", n));
+  }
+  LayInputs(ni);
   KVPOOL_RETURN_IF_ERROR(Reserve(staged_, offsets_.end));
   char* host = static_cast<char*>(staged_.data);
   auto stage = [host](int64_t offset, const auto& values) {

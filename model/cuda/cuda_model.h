@@ -89,6 +89,8 @@ class CudaModel final : public StepModel {
   // y[rows][out] = x[rows][in] · W[out][in]ᵀ (+ y when accumulate).
   absl::Status Gemm(const float* x, int32_t rows, const Buffer& w, int32_t out, int32_t in,
                     float* y, bool accumulate);
+  // Sets offsets_ for the step laid out in step_ (num_items items).
+  void LayInputs(int64_t num_items);
   // The step's launches, after its inputs were staged; RunStep synchronizes after them.
   absl::Status Launch(const kernels::KvPoolView& pool, int32_t num_tokens, int32_t num_items);
   // One layer's MLP (its norm, SwiGLU and down projection into the residual stream x_).
