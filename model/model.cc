@@ -104,10 +104,10 @@ void RmsNorm(const float* x, int64_t rows, int32_t dim, const std::vector<float>
   }
 }
 
-// Rotates one head in place (the Hugging Face "rotate_half" convention: element i pairs with
-// element i + head_dim / 2).
-void Rope(float* head, int32_t head_dim, const float* cos, const float* sin) {
-  const int32_t half = head_dim / 2;
+// Rotates the first `rotary` values of one head in place (the Hugging Face "rotate_half"
+// convention: element i pairs with element i + rotary / 2); the rest stay as they are.
+void Rope(float* head, int32_t rotary, const float* cos, const float* sin) {
+  const int32_t half = rotary / 2;
   for (int32_t i = 0; i < half; ++i) {
     const float a = head[i];
     const float b = head[i + half];
@@ -183,10 +183,10 @@ Model::Model(ModelWeights weights, const kernels::PoolLayout& layout, const Opti
   if (rows_independent_ && internal::OrderedMatMulAvailable()) PackForDecode();
   scratch_->prefill_workspace.resize(
       static_cast<size_t>(kernels::cpu::PrefillWorkspaceBytes(layout_, threads_.threads())));
-  const int32_t half = config_.head_dim / 2;
-  for (int32_t i = 0; i < half; ++i) {
+  const int32_t rotary = config_.rotary();
+  for (int32_t i = 0; i < rotary / 2; ++i) {
     inv_freq_.push_back(static_cast<float>(
-        1.0 / std::pow(static_cast<double>(config_.rope_theta), 2.0 * i / config_.head_dim)));
+        1.0 / std::pow(static_cast<double>(config_.rope_theta), 2.0 * i / rotary)));
   }
 }
 
@@ -214,11 +214,11 @@ int64_t Model::weight_bytes() const {
   int64_t n = static_cast<int64_t>(weights_.final_norm.size() + head_.size());
   for (size_t l = 0; l < weights_.layers.size(); ++l) {
     const LayerWeights& L = weights_.layers[l];
-    n += static_cast<int64_t>(wqkv_[l].size() + w_gate_up_[l].size() + wo_[l].size() +
-                              w_down_[l].size() + L.attn_norm.size() + L.mlp_norm.size() +
-                              ssm_in_[l].size() + ssm_out_[l].size() + L.ssm_conv.size() +
-                              L.ssm_conv_bias.size() + L.ssm_dt_bias.size() + L.ssm_a_log.size() +
-                              L.ssm_d.size() + L.ssm_norm.size());
+    n += static_cast<int64_t>(
+        wqkv_[l].size() + w_gate_up_[l].size() + wo_[l].size() + w_down_[l].size() +
+        L.attn_norm.size() + L.mlp_norm.size() + ssm_in_[l].size() + ssm_out_[l].size() +
+        L.ssm_conv.size() + L.ssm_conv_bias.size() + L.ssm_dt_bias.size() + L.ssm_a_log.size() +
+        L.ssm_in_bias.size() + L.ssm_out_bias.size() + L.ssm_d.size() + L.ssm_norm.size());
   }
   return n * static_cast<int64_t>(sizeof(float));
 }
@@ -226,7 +226,7 @@ int64_t Model::weight_bytes() const {
 absl::Status Model::RunStep(const kernels::KvPoolView& pool, std::span<const StepItem> items,
                             const StepOptions& options, std::vector<ItemResult>* results) {
   const ModelConfig& c = config_;
-  const int32_t h = c.hidden_size, half = c.head_dim / 2;
+  const int32_t h = c.hidden_size, half = c.rotary() / 2;
   Scratch& s = *scratch_;
 
   // Lay the step's tokens out (decode items first) with their embeddings and RoPE angles.
@@ -356,7 +356,7 @@ void Model::SelfAttention(int32_t layer, const kernels::KvPoolView& pool, int64_
   const ModelConfig& c = config_;
   const LayerWeights& L = weights_.layers[static_cast<size_t>(layer)];
   Scratch& s = *scratch_;
-  const int32_t h = c.hidden_size, hd = c.head_dim, half = hd / 2;
+  const int32_t h = c.hidden_size, hd = c.head_dim, rotary = c.rotary(), half = rotary / 2;
   const int32_t qd = c.num_heads * hd, kvd = c.num_kv_heads * hd, qkvd = qd + 2 * kvd;
   const size_t nt = static_cast<size_t>(n);
   const size_t kv_row = static_cast<size_t>(kvd);
@@ -372,7 +372,7 @@ void Model::SelfAttention(int32_t layer, const kernels::KvPoolView& pool, int64_
     const float* cs = &s.cos[t * static_cast<size_t>(half)];
     const float* sn = &s.sin[t * static_cast<size_t>(half)];
     for (int32_t head = 0; head < c.num_heads + c.num_kv_heads; ++head) {
-      Rope(qkv + head * hd, hd, cs, sn);  // queries, then keys
+      Rope(qkv + head * hd, rotary, cs, sn);  // queries, then keys
     }
     std::memcpy(&s.q[t * static_cast<size_t>(qd)], qkv, static_cast<size_t>(qd) * sizeof(float));
     std::memcpy(&s.k[t * kv_row], qkv + qd, kv_row * sizeof(float));
@@ -413,11 +413,12 @@ void Model::PlanStates(std::span<const StepItem> items) {
 void Model::StateSpace(int32_t layer, int64_t n) {
   const ModelConfig& c = config_;
   const SsmConfig& m = c.ssm;
+  const internal::SsmDims dims = internal::SsmDimsOf(m);
   const LayerWeights& L = weights_.layers[static_cast<size_t>(layer)];
   Scratch& s = *scratch_;
   const int32_t h = c.hidden_size;
   const auto inner = static_cast<int32_t>(m.inner()), proj = static_cast<int32_t>(m.in_proj_dim());
-  const int64_t conv_dim = m.conv_dim(), bc = int64_t{m.num_groups} * m.d_state;
+  const int64_t conv_dim = m.conv_dim(), bc = dims.bc;
   const size_t nt = static_cast<size_t>(n);
   // This layer's state within each sequence's: the layers before it that have one come first.
   int64_t offset = 0;
@@ -428,13 +429,15 @@ void Model::StateSpace(int32_t layer, int64_t n) {
   RmsNorm(s.x.data(), n, h, L.attn_norm, c.rms_norm_eps, s.xn.data());
   Reserve(s.ssm_proj, nt * static_cast<size_t>(proj));
   Linear(s.xn.data(), n, ssm_in_[static_cast<size_t>(layer)], proj, h, s.ssm_proj.data());
+  if (m.proj_bias) internal::AddBias(s.ssm_proj.data(), n, proj, proj, L.ssm_in_bias.data());
   // Per sequence: the conv over x, B and C with the inputs it carries.
   Reserve(s.ssm_xbc, nt * static_cast<size_t>(conv_dim));
   const size_t seqs = s.seq_states.size();
+  const float* conv_bias = m.conv_bias ? L.ssm_conv_bias.data() : nullptr;
   for (size_t q = 0; q < seqs; ++q) {
     const int64_t r0 = s.seq_starts[q], r1 = s.seq_starts[q + 1];
-    internal::SsmConv(m, &s.ssm_proj[static_cast<size_t>(r0 * proj + inner)], proj, r1 - r0,
-                      L.ssm_conv.data(), L.ssm_conv_bias.data(), s.seq_states[q] + offset,
+    internal::SsmConv(dims, &s.ssm_proj[static_cast<size_t>(r0 * proj + inner)], proj, r1 - r0,
+                      L.ssm_conv.data(), conv_bias, s.seq_states[q] + offset,
                       &s.ssm_xbc[static_cast<size_t>(r0 * conv_dim)]);
   }
   // The scan's operands, each contiguous per token.
@@ -443,18 +446,8 @@ void Model::StateSpace(int32_t layer, int64_t n) {
   Reserve(s.ssm_c, nt * static_cast<size_t>(bc));
   Reserve(s.ssm_dt, nt * static_cast<size_t>(m.num_heads));
   Reserve(s.ssm_y, nt * static_cast<size_t>(inner));
-  for (size_t t = 0; t < nt; ++t) {
-    const float* xbc = &s.ssm_xbc[t * static_cast<size_t>(conv_dim)];
-    std::copy_n(xbc, inner, &s.ssm_x[t * static_cast<size_t>(inner)]);
-    std::copy_n(xbc + inner, bc, &s.ssm_b[t * static_cast<size_t>(bc)]);
-    std::copy_n(xbc + inner + bc, bc, &s.ssm_c[t * static_cast<size_t>(bc)]);
-    const float* dt = &s.ssm_proj[t * static_cast<size_t>(proj) + static_cast<size_t>(inner) +
-                                  static_cast<size_t>(conv_dim)];
-    for (int32_t hd = 0; hd < m.num_heads; ++hd) {
-      s.ssm_dt[t * static_cast<size_t>(m.num_heads) + static_cast<size_t>(hd)] =
-          internal::SsmSoftplus(dt[hd], L.ssm_dt_bias[static_cast<size_t>(hd)]);
-    }
-  }
+  internal::SsmSplit(dims, s.ssm_xbc.data(), s.ssm_proj.data(), L.ssm_dt_bias.data(), n,
+                     s.ssm_x.data(), s.ssm_b.data(), s.ssm_c.data(), s.ssm_dt.data());
   s.layer_states.resize(seqs);
   for (size_t q = 0; q < seqs; ++q) {
     s.layer_states[q] = s.seq_states[q] + offset + m.conv_state_floats();
@@ -475,10 +468,11 @@ void Model::StateSpace(int32_t layer, int64_t n) {
                                          .y = s.ssm_y.data()},
                                         &threads_));
   // Gate, norm (into ssm_x, free now) and the output projection into the residual stream.
-  internal::SsmGatedNorm(m, s.ssm_y.data(), s.ssm_proj.data(), proj, n, L.ssm_norm.data(),
+  internal::SsmGatedNorm(dims, s.ssm_y.data(), s.ssm_proj.data(), proj, n, L.ssm_norm.data(),
                          c.rms_norm_eps, s.ssm_x.data());
   Linear(s.ssm_x.data(), n, ssm_out_[static_cast<size_t>(layer)], h, inner, s.x.data(),
          /*accumulate=*/true);
+  if (m.proj_bias) internal::AddBias(s.x.data(), n, h, h, L.ssm_out_bias.data());
 }
 
 }  // namespace kvpool::model

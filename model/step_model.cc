@@ -51,7 +51,12 @@ absl::Status CheckWeights(const ModelWeights& w) {
     KVPOOL_RETURN_IF_ERROR(CheckSize(L.ssm_in, ssm ? m.in_proj_dim() * h : 0, p + "ssm_in"));
     KVPOOL_RETURN_IF_ERROR(
         CheckSize(L.ssm_conv, ssm ? m.conv_dim() * m.conv_width : 0, p + "ssm_conv"));
-    KVPOOL_RETURN_IF_ERROR(CheckSize(L.ssm_conv_bias, ssm ? m.conv_dim() : 0, p + "ssm_conv_bias"));
+    KVPOOL_RETURN_IF_ERROR(
+        CheckSize(L.ssm_conv_bias, ssm && m.conv_bias ? m.conv_dim() : 0, p + "ssm_conv_bias"));
+    KVPOOL_RETURN_IF_ERROR(
+        CheckSize(L.ssm_in_bias, ssm && m.proj_bias ? m.in_proj_dim() : 0, p + "ssm_in_bias"));
+    KVPOOL_RETURN_IF_ERROR(
+        CheckSize(L.ssm_out_bias, ssm && m.proj_bias ? h : 0, p + "ssm_out_bias"));
     KVPOOL_RETURN_IF_ERROR(CheckSize(L.ssm_dt_bias, ssm ? m.num_heads : 0, p + "ssm_dt_bias"));
     KVPOOL_RETURN_IF_ERROR(CheckSize(L.ssm_a_log, ssm ? m.num_heads : 0, p + "ssm_a_log"));
     KVPOOL_RETURN_IF_ERROR(CheckSize(L.ssm_d, ssm ? m.num_heads : 0, p + "ssm_d"));
@@ -180,11 +185,6 @@ absl::StatusOr<std::unique_ptr<StepModel>> CreateStepModel(ModelWeights weights,
     return std::unique_ptr<StepModel>(std::move(model));
   }
   KVPOOL_RETURN_IF_ERROR(CheckModel(weights, layout));
-  if (weights.config.num_state_layers() > 0) {
-    // (No device model computes a state-space layer yet; the host model does.)
-    return absl::UnimplementedError(fmt::format(
-        "model on {}: state-space layers run on the host (cpu) backend only", device->name()));
-  }
   KVPOOL_ASSIGN_OR_RETURN(const kernels::BackendReg* backend, kernels::BackendOf(*device));
   if (backend->create_model == nullptr) {
     return absl::UnavailableError(

@@ -98,8 +98,8 @@ absl::Status CheckModel(const ModelWeights& weights, const kernels::PoolLayout& 
 // The step model for `device`: Model on a host-visible device (threads: its kernel threads, 0 =
 // hardware concurrency), else the device's backend model (CUDA: weights uploaded to the GPU,
 // matrix products through cuBLAS). Errors: CheckModel's; UNAVAILABLE when the backend cannot run
-// a model (no cuBLAS, say, with why); UNIMPLEMENTED for state-space layers on a device that is
-// not host-visible; RESOURCE_EXHAUSTED when the weights do not fit.
+// a model (no cuBLAS, say, with why); INVALID_ARGUMENT for a shape the device's kernels do not
+// take; RESOURCE_EXHAUSTED when the weights do not fit.
 absl::StatusOr<std::unique_ptr<StepModel>> CreateStepModel(ModelWeights weights,
                                                            const kernels::PoolLayout& layout,
                                                            kernels::Device* device, int threads);

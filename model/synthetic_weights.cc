@@ -39,7 +39,7 @@ std::vector<float> NormalLike(uint64_t seed, uint64_t stream, double stddev, int
   return out;
 }
 
-// A state-space layer's mixer (streams base + 7 ... base + 12 of the layer's 16). As Mamba-2
+// A state-space layer's mixer (streams base + 7 ... base + 14 of the layer's 16). As Mamba-2
 // initializes it, in spirit: dt = softplus(dt_raw + dt_bias) around 0.05 (dt_bias near -3),
 // A = exp(A_log) around 1.6 (each token keeps about 92 % of the state), D = 1, norm weights 1;
 // projections of std 1/sqrt(in), the output one scaled like every residual branch. Only integer
@@ -56,7 +56,11 @@ void SyntheticSsm(const ModelConfig& config, uint64_t seed, uint64_t base, doubl
                              m.in_proj_dim() * hidden);
   layer->ssm_conv = NormalLike(seed, base + 8, 1.0 / std::sqrt(static_cast<double>(m.conv_width)),
                                m.conv_dim() * m.conv_width);
-  layer->ssm_conv_bias = NormalLike(seed, base + 9, 0.02, m.conv_dim());
+  if (m.conv_bias) layer->ssm_conv_bias = NormalLike(seed, base + 9, 0.02, m.conv_dim());
+  if (m.proj_bias) {  // streams base + 13 and 14: the other tensors' values do not change
+    layer->ssm_in_bias = NormalLike(seed, base + 13, 0.1, m.in_proj_dim());
+    layer->ssm_out_bias = NormalLike(seed, base + 14, 0.02, hidden);
+  }
   layer->ssm_dt_bias = shifted(NormalLike(seed, base + 10, 0.5, m.num_heads), -3.0f);
   layer->ssm_a_log = shifted(NormalLike(seed, base + 11, 0.25, m.num_heads), 0.5f);
   layer->ssm_d.assign(static_cast<size_t>(m.num_heads), 1.0f);

@@ -14,13 +14,16 @@
 #include "absl/strings/str_join.h"
 #include "kvpool/util/check.h"
 #include "kvpool/util/status_macros.h"
+#include "model/internal/hf_config.h"
 #include "model/internal/safetensors.h"
-#include "nlohmann/json.hpp"
 
 namespace kvpool::model {
 namespace {
 
-using nlohmann::json;
+using internal::ConfigJson;
+using internal::Names;
+using internal::ParseConfig;
+using internal::ParsedConfig;
 
 // Every tensor of a checkpoint with its transformers name and [out][in] shape, bound to the
 // vector that holds it. `Weights` is ModelWeights (loading) or const ModelWeights (saving);
@@ -28,7 +31,7 @@ using nlohmann::json;
 // kTensorsPerLayer (an attention layer that many, a state-space layer more).
 constexpr int64_t kTensorsPerLayer = 9;
 template <typename Weights>
-auto TensorSlots(Weights& weights) {
+auto TensorSlots(Weights& weights, Names names) {
   using Vector =
       std::conditional_t<std::is_const_v<Weights>, const std::vector<float>, std::vector<float>>;
   struct Slot {
@@ -44,6 +47,7 @@ auto TensorSlots(Weights& weights) {
   std::vector<Slot> slots;
   slots.push_back({"model.embed_tokens.weight", {c.vocab_size, hidden}, &weights.embed});
   const SsmConfig& m = c.ssm;
+  const bool bamba = names == Names::kBamba;
   for (size_t i = 0; i < weights.layers.size(); ++i) {
     auto& layer = weights.layers[i];
     const std::string p = absl::StrCat("model.layers.", i, ".");
@@ -51,9 +55,15 @@ auto TensorSlots(Weights& weights) {
     if (c.kind(static_cast<int32_t>(i)) == LayerKind::kStateSpace) {
       // Bamba's (and Granite 4.0 hybrid's) names for the Mamba-2 mixer.
       slots.push_back({p + "mamba.in_proj.weight", {m.in_proj_dim(), hidden}, &layer.ssm_in});
+      if (m.proj_bias) {
+        slots.push_back({p + "mamba.in_proj.bias", {m.in_proj_dim()}, &layer.ssm_in_bias});
+        slots.push_back({p + "mamba.out_proj.bias", {hidden}, &layer.ssm_out_bias});
+      }
       slots.push_back(
           {p + "mamba.conv1d.weight", {m.conv_dim(), 1, m.conv_width}, &layer.ssm_conv});
-      slots.push_back({p + "mamba.conv1d.bias", {m.conv_dim()}, &layer.ssm_conv_bias});
+      if (m.conv_bias) {
+        slots.push_back({p + "mamba.conv1d.bias", {m.conv_dim()}, &layer.ssm_conv_bias});
+      }
       slots.push_back({p + "mamba.dt_bias", {m.num_heads}, &layer.ssm_dt_bias});
       slots.push_back({p + "mamba.A_log", {m.num_heads}, &layer.ssm_a_log});
       slots.push_back({p + "mamba.D", {m.num_heads}, &layer.ssm_d});
@@ -65,12 +75,17 @@ auto TensorSlots(Weights& weights) {
       slots.push_back({p + "self_attn.v_proj.weight", {kv_width, hidden}, &layer.wv});
       slots.push_back({p + "self_attn.o_proj.weight", {hidden, q_width}, &layer.wo});
     }
-    slots.push_back({p + "post_attention_layernorm.weight", {hidden}, &layer.mlp_norm});
-    slots.push_back({p + "mlp.gate_proj.weight", {inter, hidden}, &layer.w_gate});
-    slots.push_back({p + "mlp.up_proj.weight", {inter, hidden}, &layer.w_up});
-    slots.push_back({p + "mlp.down_proj.weight", {hidden, inter}, &layer.w_down});
+    const std::string mlp = p + (bamba ? "feed_forward." : "mlp.");
+    slots.push_back({p + (bamba ? "pre_ff_layernorm.weight" : "post_attention_layernorm.weight"),
+                     {hidden},
+                     &layer.mlp_norm});
+    slots.push_back({mlp + "gate_proj.weight", {inter, hidden}, &layer.w_gate});
+    slots.push_back({mlp + "up_proj.weight", {inter, hidden}, &layer.w_up});
+    slots.push_back({mlp + "down_proj.weight", {hidden, inter}, &layer.w_down});
   }
-  slots.push_back({"model.norm.weight", {hidden}, &weights.final_norm});
+  slots.push_back({bamba ? "model.final_layernorm.weight" : "model.norm.weight",
+                   {hidden},
+                   &weights.final_norm});
   if (!c.tie_word_embeddings) {
     slots.push_back({"lm_head.weight", {c.vocab_size, hidden}, &weights.lm_head});
   }
@@ -85,237 +100,6 @@ int64_t NumElements(const std::vector<int64_t>& shape) {
 
 std::string ShapeText(const std::vector<int64_t>& shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
-}
-
-// ---- config.json ----------------------------------------------------------------------------
-
-// Reads config[key] as an int32 into *out. Absent or null keeps *out, unless `required`.
-absl::Status GetInt(const json& config, const std::string& path, const char* key, bool required,
-                    int32_t* out) {
-  if (!config.contains(key) || config[key].is_null()) {
-    if (!required) return absl::OkStatus();
-    return absl::InvalidArgumentError(absl::StrCat(path, ": missing ", key));
-  }
-  const json& value = config[key];
-  int64_t v = 0;
-  if (value.is_number_unsigned()) {
-    v = static_cast<int64_t>(std::min<uint64_t>(value.get<uint64_t>(), uint64_t{1} << 62));
-  } else if (value.is_number_integer()) {
-    v = value.get<int64_t>();
-  } else {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": ", key, " is not an integer"));
-  }
-  if (v < INT32_MIN || v > INT32_MAX) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": ", key, " = ", v, " is out of range"));
-  }
-  *out = static_cast<int32_t>(v);
-  return absl::OkStatus();
-}
-
-absl::Status GetFloat(const json& config, const std::string& path, const char* key, float* out) {
-  if (!config.contains(key) || config[key].is_null()) return absl::OkStatus();
-  if (!config[key].is_number()) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": ", key, " is not a number"));
-  }
-  const double value = config[key].get<double>();
-  // Narrowing a double past the float range is undefined behaviour, not inf.
-  if (!(std::abs(value) <= std::numeric_limits<float>::max())) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(path, ": ", key, " = ", value, " is out of range"));
-  }
-  *out = static_cast<float>(value);
-  return absl::OkStatus();
-}
-
-absl::Status GetBool(const json& config, const std::string& path, const char* key, bool* out) {
-  if (!config.contains(key) || config[key].is_null()) return absl::OkStatus();
-  if (!config[key].is_boolean()) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": ", key, " is not a boolean"));
-  }
-  *out = config[key].get<bool>();
-  return absl::OkStatus();
-}
-
-// Sliding windows as transformers writes them: `layer_types` names each layer's attention
-// (Gemma 3, gpt-oss, Qwen3); without it a `sliding_window` applies to every layer (Mistral),
-// unless `use_sliding_window` is false (Qwen2 writes a window it does not use).
-absl::Status ParseLayerKinds(const json& config, const std::string& path, ModelConfig* c) {
-  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "sliding_window", false, &c->sliding_window));
-  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "kvpool_sink_tokens", false, &c->sink_tokens));
-  bool use_window = true;
-  KVPOOL_RETURN_IF_ERROR(GetBool(config, path, "use_sliding_window", &use_window));
-  if (config.contains("layer_types") && !config["layer_types"].is_null()) {
-    const json& types = config["layer_types"];
-    if (!types.is_array()) {
-      return absl::InvalidArgumentError(absl::StrCat(path, ": layer_types is not a list"));
-    }
-    for (const json& t : types) {
-      if (t == "full_attention" || t == "attention") {
-        c->layer_kinds.push_back(LayerKind::kFullAttention);
-      } else if (t == "sliding_attention") {
-        c->layer_kinds.push_back(LayerKind::kSlidingAttention);
-      } else if (t == "mamba") {
-        c->layer_kinds.push_back(LayerKind::kStateSpace);
-      } else {
-        return absl::InvalidArgumentError(
-            absl::StrCat(path, ": layer_types entry ", t.dump(),
-                         " unsupported (full_attention, attention, sliding_attention or mamba)"));
-      }
-    }
-  } else if (config.contains("layers_block_type") && !config["layers_block_type"].is_null()) {
-    // Bamba: "mamba" or "attention" per layer.
-    const json& types = config["layers_block_type"];
-    if (!types.is_array()) {
-      return absl::InvalidArgumentError(absl::StrCat(path, ": layers_block_type is not a list"));
-    }
-    for (const json& t : types) {
-      if (t != "mamba" && t != "attention") {
-        return absl::InvalidArgumentError(absl::StrCat(path, ": layers_block_type entry ", t.dump(),
-                                                       " unsupported (mamba or attention)"));
-      }
-      c->layer_kinds.push_back(t == "mamba" ? LayerKind::kStateSpace : LayerKind::kFullAttention);
-    }
-  } else if (c->sliding_window > 0 && use_window) {
-    c->layer_kinds.assign(static_cast<size_t>(std::max(c->num_layers, 0)),
-                          LayerKind::kSlidingAttention);
-  }
-  if (std::find(c->layer_kinds.begin(), c->layer_kinds.end(), LayerKind::kSlidingAttention) ==
-      c->layer_kinds.end()) {
-    c->sliding_window = 0;  // a window no layer uses (Qwen2's) changes nothing
-    c->sink_tokens = 0;
-  }
-  return absl::OkStatus();
-}
-
-// The state-space layers' shape as Bamba writes it (mamba_*), read only when some layer is one.
-// mamba_d_head "auto" (or absent) is mamba_expand (default 2) * hidden_size / mamba_n_heads.
-absl::Status ParseSsm(const json& config, const std::string& path, ModelConfig* c) {
-  if (c->num_state_layers() == 0) return absl::OkStatus();
-  SsmConfig& m = c->ssm;
-  m.num_groups = 1;
-  m.conv_width = 4;
-  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_n_heads", true, &m.num_heads));
-  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_d_state", true, &m.d_state));
-  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_n_groups", false, &m.num_groups));
-  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_d_conv", false, &m.conv_width));
-  if (config.contains("mamba_d_head") && config["mamba_d_head"] != "auto") {
-    KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_d_head", true, &m.head_dim));
-  } else {
-    int32_t expand = 2;
-    KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_expand", false, &expand));
-    if (m.num_heads > 0)
-      m.head_dim = static_cast<int32_t>(int64_t{expand} * c->hidden_size / m.num_heads);
-  }
-  // Variants this mixer does not compute: biases on the projections, a conv without one.
-  if (config.contains("mamba_proj_bias") && config["mamba_proj_bias"] == true) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": mamba_proj_bias unsupported"));
-  }
-  if (config.contains("mamba_conv_bias") && config["mamba_conv_bias"] == false) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(path, ": mamba_conv_bias false unsupported (the conv has a bias)"));
-  }
-  return absl::OkStatus();
-}
-
-absl::StatusOr<ModelConfig> ParseConfig(const std::string& text, const std::string& path) {
-  const json config = json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (config.is_discarded() || !config.is_object()) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": not a well-formed JSON object"));
-  }
-  // Defaults are LlamaConfig's, except max_position_embeddings (ours: kvpoold's tiny model).
-  ModelConfig c{.rms_norm_eps = 1e-6f, .rope_theta = 10000.0f, .max_position = 4096};
-  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "vocab_size", true, &c.vocab_size));
-  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "hidden_size", true, &c.hidden_size));
-  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "intermediate_size", true, &c.intermediate_size));
-  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "num_hidden_layers", true, &c.num_layers));
-  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "num_attention_heads", true, &c.num_heads));
-  c.num_kv_heads = c.num_heads;
-  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "num_key_value_heads", false, &c.num_kv_heads));
-  if (c.num_heads > 0) c.head_dim = c.hidden_size / c.num_heads;
-  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "head_dim", false, &c.head_dim));
-  KVPOOL_RETURN_IF_ERROR(GetFloat(config, path, "rms_norm_eps", &c.rms_norm_eps));
-  KVPOOL_RETURN_IF_ERROR(GetFloat(config, path, "rope_theta", &c.rope_theta));
-  KVPOOL_RETURN_IF_ERROR(GetBool(config, path, "tie_word_embeddings", &c.tie_word_embeddings));
-  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "max_position_embeddings", false, &c.max_position));
-
-  // Variants this model does not implement would load and then compute something else; refuse.
-  if (config.contains("hidden_act") && config["hidden_act"] != "silu") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        path, ": hidden_act ", config["hidden_act"].dump(), " unsupported (silu only)"));
-  }
-  for (const char* key : {"attention_bias", "mlp_bias"}) {
-    if (config.contains(key) && config[key] != false && !config[key].is_null()) {
-      return absl::InvalidArgumentError(absl::StrCat(path, ": ", key, " unsupported"));
-    }
-  }
-  if (config.contains("rope_scaling") && !config["rope_scaling"].is_null()) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": rope_scaling unsupported"));
-  }
-  KVPOOL_RETURN_IF_ERROR(ParseLayerKinds(config, path, &c));
-  KVPOOL_RETURN_IF_ERROR(ParseSsm(config, path, &c));
-  if (absl::Status status = ValidateConfig(c); !status.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": ", status.message()));
-  }
-  return c;
-}
-
-// The decimal a person would write for `value` (1e-05, not 9.99999974737875e-06), as a double
-// that still reads back as exactly `value` once narrowed to float.
-double ShortestDecimal(float value) {
-  char buffer[64];
-  const auto printed = std::to_chars(buffer, buffer + sizeof(buffer), value);
-  double parsed = 0.0;
-  std::from_chars(buffer, printed.ptr, parsed);
-  return parsed;
-}
-
-std::string ConfigJson(const ModelConfig& c, std::string_view torch_dtype) {
-  json config = {
-      {"architectures", {"LlamaForCausalLM"}},
-      {"model_type", "llama"},
-      {"torch_dtype", std::string(torch_dtype)},
-      {"hidden_act", "silu"},
-      {"vocab_size", c.vocab_size},
-      {"hidden_size", c.hidden_size},
-      {"intermediate_size", c.intermediate_size},
-      {"num_hidden_layers", c.num_layers},
-      {"num_attention_heads", c.num_heads},
-      {"num_key_value_heads", c.num_kv_heads},
-      {"head_dim", c.head_dim},
-      {"rms_norm_eps", ShortestDecimal(c.rms_norm_eps)},
-      {"rope_theta", ShortestDecimal(c.rope_theta)},
-      {"tie_word_embeddings", c.tie_word_embeddings},
-      {"max_position_embeddings", c.max_position},
-  };
-  if (!c.layer_kinds.empty()) {
-    json types = json::array();
-    for (LayerKind kind : c.layer_kinds) {
-      switch (kind) {
-        case LayerKind::kFullAttention:
-          types.push_back("full_attention");
-          break;
-        case LayerKind::kSlidingAttention:
-          types.push_back("sliding_attention");
-          break;
-        case LayerKind::kStateSpace:
-          types.push_back("mamba");
-          break;
-      }
-    }
-    config["layer_types"] = types;
-    config["sliding_window"] = c.sliding_window;
-    if (c.sink_tokens > 0) config["kvpool_sink_tokens"] = c.sink_tokens;
-  }
-  if (c.num_state_layers() > 0) {
-    config["mamba_n_heads"] = c.ssm.num_heads;
-    config["mamba_d_head"] = c.ssm.head_dim;
-    config["mamba_d_state"] = c.ssm.d_state;
-    config["mamba_n_groups"] = c.ssm.num_groups;
-    config["mamba_d_conv"] = c.ssm.conv_width;
-    config["mamba_conv_bias"] = true;
-    config["mamba_proj_bias"] = false;
-  }
-  return config.dump(2) + "\n";
 }
 
 absl::Status PositiveField(std::string_view field, int32_t value) {
@@ -398,6 +182,10 @@ absl::Status ValidateConfig(const ModelConfig& c) {
     return absl::InvalidArgumentError(
         absl::StrCat("ModelConfig.head_dim must be a multiple of 8 (got ", c.head_dim, ")"));
   }
+  if (c.rotary_dim < 0 || c.rotary_dim > c.head_dim || c.rotary_dim % 2 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ModelConfig.rotary_dim must be even and in [0, head_dim] (got ", c.rotary_dim, ")"));
+  }
   KVPOOL_RETURN_IF_ERROR(PositiveFiniteField("rms_norm_eps", c.rms_norm_eps));
   KVPOOL_RETURN_IF_ERROR(PositiveFiniteField("rope_theta", c.rope_theta));
   return ValidateLayerKinds(c);
@@ -451,7 +239,10 @@ absl::StatusOr<ModelConfig> NamedConfig(std::string_view name) {
                    "'; known sizes: tiny, small, tiny-swa, tiny-hybrid"));
 }
 
-absl::StatusOr<ModelConfig> ReadCheckpointConfig(const std::string& dir) {
+namespace {
+
+// `dir`/config.json, with the tensor names its model type uses.
+absl::StatusOr<ParsedConfig> ReadConfig(const std::string& dir) {
   std::error_code ec;
   if (!std::filesystem::is_directory(dir, ec)) {
     return absl::NotFoundError(absl::StrCat("checkpoint directory ", dir, " does not exist"));
@@ -461,9 +252,17 @@ absl::StatusOr<ModelConfig> ReadCheckpointConfig(const std::string& dir) {
   return ParseConfig(text, path);
 }
 
+}  // namespace
+
+absl::StatusOr<ModelConfig> ReadCheckpointConfig(const std::string& dir) {
+  KVPOOL_ASSIGN_OR_RETURN(ParsedConfig parsed, ReadConfig(dir));
+  return std::move(parsed.config);
+}
+
 absl::StatusOr<ModelWeights> LoadCheckpoint(const std::string& dir) {
   namespace fs = std::filesystem;
-  KVPOOL_ASSIGN_OR_RETURN(const ModelConfig config, ReadCheckpointConfig(dir));
+  KVPOOL_ASSIGN_OR_RETURN(const ParsedConfig parsed, ReadConfig(dir));
+  const ModelConfig& config = parsed.config;
 
   std::error_code ec;
   std::vector<std::string> paths;
@@ -509,7 +308,7 @@ absl::StatusOr<ModelWeights> LoadCheckpoint(const std::string& dir) {
   ModelWeights weights;
   weights.config = config;
   weights.layers.resize(static_cast<size_t>(config.num_layers));
-  for (const auto& slot : TensorSlots(weights)) {
+  for (const auto& slot : TensorSlots(weights, parsed.names)) {
     const auto found = index.find(slot.name);
     if (found == index.end()) {
       return absl::InvalidArgumentError(
@@ -549,7 +348,7 @@ absl::Status SaveCheckpoint(const ModelWeights& weights, const std::string& dir,
                                                    weights.config.num_layers));
   }
   std::vector<internal::TensorToWrite> tensors;
-  for (const auto& slot : TensorSlots(weights)) {
+  for (const auto& slot : TensorSlots(weights, Names::kLlama)) {
     if (static_cast<int64_t>(slot.data->size()) != NumElements(slot.shape)) {
       return absl::InvalidArgumentError(
           absl::StrCat("tensor ", slot.name, " holds ", slot.data->size(), " values; shape ",

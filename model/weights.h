@@ -37,6 +37,13 @@ struct SsmConfig {
   int32_t d_state = 0;     // > 0
   int32_t num_groups = 0;  // > 0; B and C are shared by num_heads / num_groups heads
   int32_t conv_width = 0;  // > 0 (Mamba-2: 4); 1 is no convolution over earlier tokens
+  // Variants real checkpoints have (Bamba's mamba_conv_bias / mamba_proj_bias): a bias on the
+  // conv, biases on in_proj and out_proj. The gated RMSNorm runs over each group's
+  // inner / num_groups values (mamba_ssm's Mamba2; vLLM and SGLang for every Mamba-2 hybrid) or
+  // over all of inner at once (transformers' BambaRMSNormGated); the same when num_groups is 1.
+  bool conv_bias = true;
+  bool proj_bias = false;
+  bool norm_per_group = true;
 
   int64_t inner() const { return int64_t{num_heads} * head_dim; }
   // Channels of the convolution: x, B and C.
@@ -65,6 +72,9 @@ struct ModelConfig {
   float rope_theta = 10000.0f;
   bool tie_word_embeddings = false;  // the LM head is the embedding matrix
   int32_t max_position = 4096;       // longest sequence RoPE is meant for
+  // RoPE rotates the first rotary_dim values of each head (rotate_half within them) and leaves
+  // the rest as they are (partial rotary: Bamba rotates half of each head); 0 is head_dim.
+  int32_t rotary_dim = 0;
   // Per layer, in order; empty: every layer full attention. Sliding layers (Mistral, Gemma 2/3,
   // gpt-oss) see `sliding_window` positions, plus the first `sink_tokens` (StreamingLLM's attention
   // sinks; 0 in the Hugging Face models, which have no such tokens).
@@ -72,6 +82,9 @@ struct ModelConfig {
   int32_t sliding_window = 0;  // > 0 when some layer slides
   int32_t sink_tokens = 0;
   SsmConfig ssm;  // set (every field positive) exactly when some layer is kStateSpace
+
+  // The values of each head RoPE rotates (even, <= head_dim).
+  int32_t rotary() const { return rotary_dim == 0 ? head_dim : rotary_dim; }
 
   LayerKind kind(int32_t layer) const {
     return layer_kinds.empty() ? LayerKind::kFullAttention
@@ -136,13 +149,15 @@ struct LayerWeights {
   std::vector<float> wv;             // [num_kv_heads * head_dim][hidden]
   std::vector<float> wo;             // [hidden][num_heads * head_dim]
   std::vector<float> ssm_in;         // [in_proj_dim][hidden]: z, x, B, C, dt
+  std::vector<float> ssm_in_bias;    // [in_proj_dim] with ssm.proj_bias, else empty
   std::vector<float> ssm_conv;       // [conv_dim][conv_width] (depthwise; last tap = this token)
-  std::vector<float> ssm_conv_bias;  // [conv_dim]
+  std::vector<float> ssm_conv_bias;  // [conv_dim] with ssm.conv_bias, else empty
   std::vector<float> ssm_dt_bias;    // [ssm heads], added before the softplus
   std::vector<float> ssm_a_log;      // [ssm heads]: A = -exp(A_log)
   std::vector<float> ssm_d;          // [ssm heads] skip
   std::vector<float> ssm_norm;       // [inner] gated RMSNorm weight
   std::vector<float> ssm_out;        // [hidden][inner]
+  std::vector<float> ssm_out_bias;   // [hidden] with ssm.proj_bias, else empty
   std::vector<float> mlp_norm;       // [hidden]
   std::vector<float> w_gate;         // [intermediate][hidden]
   std::vector<float> w_up;           // [intermediate][hidden]
@@ -162,27 +177,34 @@ struct ModelWeights {
 // REQUIRES: ValidateConfig(config).ok().
 ModelWeights SyntheticWeights(const ModelConfig& config, uint64_t seed);
 
-// Loads a Hugging Face Llama checkpoint: `dir`/config.json (LlamaConfig fields: vocab_size,
-// hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
-// head_dim (optional: hidden_size / num_attention_heads), rms_norm_eps, rope_theta,
-// tie_word_embeddings, max_position_embeddings; sliding windows: `layer_types` of
-// "full_attention" / "sliding_attention" with `sliding_window`, or `sliding_window` alone for
-// every layer unless `use_sliding_window` is false, as Mistral and Qwen2 write them; and
-// kvpool's own `kvpool_sink_tokens`; state-space layers: "mamba" in `layer_types` (Granite 4.0
-// hybrid's spelling, "attention" there is full attention) or Bamba's `layers_block_type` of
-// "mamba" / "attention", with Bamba's mamba_n_heads, mamba_d_head (or "auto": mamba_expand *
-// hidden_size / mamba_n_heads), mamba_d_state, mamba_n_groups (default 1), mamba_d_conv
-// (default 4)) and every *.safetensors file in `dir`, with
-// tensors named as transformers names them (model.embed_tokens.weight,
-// model.layers.N.self_attn.{q,k,v,o}_proj.weight, model.layers.N.mlp.{gate,up,down}_proj.weight,
-// model.layers.N.{input,post_attention}_layernorm.weight, model.norm.weight, lm_head.weight;
-// a state-space layer's mixer under Bamba's names, model.layers.N.mamba.{in_proj.weight,
-// conv1d.weight, conv1d.bias, dt_bias, A_log, D, norm.weight, out_proj.weight}, its norms and
-// MLP under the Llama names above: a Bamba checkpoint's own feed_forward.* / pre_ff_layernorm
-// names are not read).
-// f32, f16 and bf16 tensors are converted to f32.
+// Loads a Hugging Face Llama or Bamba checkpoint: `dir`/config.json (LlamaConfig fields:
+// vocab_size, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
+// num_key_value_heads, head_dim (optional: hidden_size / num_attention_heads), rms_norm_eps,
+// rope_theta, tie_word_embeddings, max_position_embeddings, partial_rotary_factor; sliding
+// windows: `layer_types` of "full_attention" / "sliding_attention" with `sliding_window`, or
+// `sliding_window` alone for every layer unless `use_sliding_window` is false, as Mistral and
+// Qwen2 write them; and kvpool's own `kvpool_sink_tokens`; state-space layers: "mamba" in
+// `layer_types` (Granite 4.0 hybrid's spelling, "attention" there is full attention), Bamba's
+// `layers_block_type` of "mamba" / "attention", or Bamba's `attn_layer_indices` (the full
+// attention layers; every other layer of a Bamba model is a Mamba layer), with Bamba's
+// mamba_n_heads, mamba_d_head (or "auto": mamba_expand * hidden_size / mamba_n_heads),
+// mamba_d_state, mamba_n_groups (default 1), mamba_d_conv (default 4), mamba_conv_bias (default
+// true), mamba_proj_bias (default false); mamba_chunk_size is read by nothing (the scan is per
+// token) and time_step_limit must be the default (0, inf), Python's Infinity accepted) and every
+// *.safetensors file in `dir`, with tensors named as transformers names them
+// (model.embed_tokens.weight, model.layers.N.self_attn.{q,k,v,o}_proj.weight,
+// model.layers.N.mlp.{gate,up,down}_proj.weight, model.layers.N.{input,post_attention}_
+// layernorm.weight, model.norm.weight, lm_head.weight; a state-space layer's mixer under Bamba's
+// names, model.layers.N.mamba.{in_proj.weight, in_proj.bias, conv1d.weight, conv1d.bias, dt_bias,
+// A_log, D, norm.weight, out_proj.weight, out_proj.bias}, the biases as the config declares).
+// A Bamba checkpoint (model_type "bamba" or BambaForCausalLM) is read in Bamba's own layout:
+// model.layers.N.feed_forward.{gate,up,down}_proj.weight, model.layers.N.pre_ff_layernorm.weight
+// and model.final_layernorm.weight, RoPE over attn_rotary_emb values of each head (default half,
+// as BambaConfig sets partial_rotary_factor 0.5), and rms_norm_eps 1e-5 by default. The gated
+// norm runs per group unless kvpool's own `kvpool_ssm_norm_per_group` is false. NemotronH,
+// Falcon-H1, Jamba and Zamba2 configs are refused. f32, f16 and bf16 tensors are converted to f32.
 // Errors: NOT_FOUND (no config.json or no safetensors), INVALID_ARGUMENT naming the file and
-// tensor (bad header, unsupported dtype, wrong shape, missing tensor).
+// field or tensor (bad header, unsupported dtype or variant, wrong shape, missing tensor).
 absl::StatusOr<ModelWeights> LoadCheckpoint(const std::string& dir);
 
 // Reads only `dir`/config.json (cheap: for sizing a pool before loading the weights).

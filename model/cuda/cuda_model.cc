@@ -11,6 +11,7 @@
 #include "kernels/cuda/cuda_status.h"
 #include "kvpool/util/status_macros.h"
 #include "model/cuda/model_kernels.h"
+#include "model/cuda/ssm_kernels.h"
 #include "model/internal/logits.h"
 #include "model/internal/step_layout.h"
 
@@ -32,8 +33,12 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(ModelWeights weight
                                                              const kernels::PoolLayout& layout,
                                                              int ordinal, int num_sms,
                                                              std::string device_name) {
-  if (weights.config.num_state_layers() > 0) {
-    return absl::UnimplementedError("the CUDA model has no state-space layers (the host has)");
+  const SsmConfig& ssm = weights.config.ssm;
+  if (weights.config.num_state_layers() > 0 &&
+      (ssm.d_state > kMaxSsmDState || ssm.head_dim > kMaxSsmHeadDim)) {
+    return absl::InvalidArgumentError(
+        fmt::format("SSM d_state {} / head_dim {} beyond the CUDA scan kernel's {} / {}",
+                    ssm.d_state, ssm.head_dim, kMaxSsmDState, kMaxSsmHeadDim));
   }
   if (layout.head_dim > kernels::cuda::kMaxDecodeHeadDim) {
     return absl::InvalidArgumentError(fmt::format("head_dim {} > {} (the CUDA decode kernel's)",
@@ -60,12 +65,17 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(ModelWeights weight
     }
     return out;
   };
-  for (LayerWeights& L : weights.layers) {
+  for (size_t l = 0; l < weights.layers.size(); ++l) {
+    LayerWeights& L = weights.layers[l];
     Layer layer;
     KVPOOL_ASSIGN_OR_RETURN(layer.attn_norm, m->Upload(L.attn_norm));
     KVPOOL_ASSIGN_OR_RETURN(layer.mlp_norm, m->Upload(L.mlp_norm));
-    KVPOOL_ASSIGN_OR_RETURN(layer.wqkv, m->Upload(stacked({&L.wq, &L.wk, &L.wv})));
-    KVPOOL_ASSIGN_OR_RETURN(layer.wo, m->Upload(L.wo));
+    if (c.kind(static_cast<int32_t>(l)) == LayerKind::kStateSpace) {
+      KVPOOL_RETURN_IF_ERROR(m->UploadStateSpace(L, &layer));
+    } else {
+      KVPOOL_ASSIGN_OR_RETURN(layer.wqkv, m->Upload(stacked({&L.wq, &L.wk, &L.wv})));
+      KVPOOL_ASSIGN_OR_RETURN(layer.wo, m->Upload(L.wo));
+    }
     KVPOOL_ASSIGN_OR_RETURN(layer.w_gate_up, m->Upload(stacked({&L.w_gate, &L.w_up})));
     KVPOOL_ASSIGN_OR_RETURN(layer.w_down, m->Upload(L.w_down));
     std::vector<float>().swap(L.wo);
@@ -79,17 +89,20 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(ModelWeights weight
   }
   KVPOOL_ASSIGN_OR_RETURN(m->final_norm_, m->Upload(weights.final_norm));
   std::vector<float> inv_freq;
-  for (int32_t i = 0; i < c.head_dim / 2; ++i) {
+  for (int32_t i = 0; i < c.rotary() / 2; ++i) {
     inv_freq.push_back(static_cast<float>(
-        1.0 / std::pow(static_cast<double>(c.rope_theta), 2.0 * i / c.head_dim)));
+        1.0 / std::pow(static_cast<double>(c.rope_theta), 2.0 * i / c.rotary())));
   }
   KVPOOL_ASSIGN_OR_RETURN(m->inv_freq_, m->Upload(inv_freq));
   // What a step streams: every matrix once (the host model's figure, for comparison).
   const int64_t h = c.hidden_size, q = int64_t{c.num_heads} * c.head_dim,
                 kv = int64_t{c.num_kv_heads} * c.head_dim, im = c.intermediate_size;
+  const int64_t ssm_layer = ssm.in_proj_dim() * h + h * ssm.inner();
+  const int64_t ssm_layers = c.num_state_layers();
   m->weight_bytes_ = static_cast<int64_t>(sizeof(float)) *
-                     (c.num_layers * (2 * h + (q + 2 * kv) * h + h * q + 3 * im * h) +
-                      int64_t{c.vocab_size} * h + h);
+                     (c.num_layers * (2 * h + 3 * im * h) +
+                      (c.num_layers - ssm_layers) * ((q + 2 * kv) * h + h * q) +
+                      ssm_layers * ssm_layer + int64_t{c.vocab_size} * h + h);
   return m;
 }
 
@@ -107,7 +120,7 @@ CudaModel::~CudaModel() {
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);
   if (handle_ != nullptr) cublas_->destroy(handle_);
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
-  for (Pinned* p : {&staged_, &logits_host_}) {
+  for (Pinned* p : {&staged_, &logits_host_, &states_host_}) {
     if (p->data != nullptr) cudaFreeHost(p->data);
   }
   // Buffers free themselves (cudaFree waits for the device).
@@ -154,6 +167,31 @@ absl::Status CudaModel::Gemm(const float* x, int32_t rows, const Buffer& w, int3
                       "cublasSgemm");
 }
 
+// Where each of the step's inputs lies in staged_ and inputs_ (offsets_), 256-byte aligned.
+void CudaModel::LayInputs(int64_t ni) {
+  const ModelConfig& c = config_;
+  const internal::StepLayout& L = step_;
+  const int64_t n = L.num_tokens;
+  const int64_t seqs = int64_t{L.num_decode} + L.num_prefill;
+  offsets_.tokens = 0;
+  offsets_.positions = Align(offsets_.tokens + 4 * n);
+  offsets_.slots = Align(offsets_.positions + 4 * n);
+  offsets_.lens = Align(offsets_.slots + 8 * n);
+  offsets_.tables = Align(offsets_.lens + 4 * seqs);
+  offsets_.q_starts = Align(offsets_.tables + 4 * seqs * L.stride);
+  offsets_.last_rows = Align(offsets_.q_starts + 4 * (int64_t{L.num_prefill} + 1));
+  // State-space layers: the sequences' rows and, per state layer, 2 pointers per sequence.
+  const int64_t ssm_seqs = c.num_state_layers() > 0 ? ni : 0;
+  offsets_.seq_starts = Align(offsets_.last_rows + 4 * ni);
+  offsets_.state_ptrs = Align(offsets_.seq_starts + 4 * (ssm_seqs + 1));
+  // At most n / kSsmChunkRows + 1 chunks per sequence's share (PlanSsmChunks).
+  const int64_t max_chunks = ssm_seqs > 0 ? n / kSsmChunkRows + ssm_seqs : 0;
+  offsets_.chunk_rows = Align(offsets_.state_ptrs + static_cast<int64_t>(sizeof(float*)) * 2 *
+                                                        c.num_state_layers() * ssm_seqs);
+  offsets_.seq_chunks = Align(offsets_.chunk_rows + 4 * (max_chunks + 1));
+  offsets_.end = Align(offsets_.seq_chunks + 4 * (ssm_seqs + 1));
+}
+
 absl::Status CudaModel::RunStep(const kernels::KvPoolView& pool, std::span<const StepItem> items,
                                 const StepOptions& options, std::vector<ItemResult>* results) {
   const ModelConfig& c = config_;
@@ -170,14 +208,7 @@ absl::Status CudaModel::RunStep(const kernels::KvPoolView& pool, std::span<const
   if (seqs * std::max(L.stride, 1) > INT32_MAX) {
     return absl::InvalidArgumentError(fmt::format("step: {} tokens is too many", n));
   }
-  offsets_.tokens = 0;
-  offsets_.positions = Align(offsets_.tokens + 4 * n);
-  offsets_.slots = Align(offsets_.positions + 4 * n);
-  offsets_.lens = Align(offsets_.slots + 8 * n);
-  offsets_.tables = Align(offsets_.lens + 4 * seqs);
-  offsets_.q_starts = Align(offsets_.tables + 4 * seqs * L.stride);
-  offsets_.last_rows = Align(offsets_.q_starts + 4 * (int64_t{L.num_prefill} + 1));
-  offsets_.end = Align(offsets_.last_rows + 4 * ni);
+  LayInputs(ni);
   KVPOOL_RETURN_IF_ERROR(Reserve(staged_, offsets_.end));
   char* host = static_cast<char*>(staged_.data);
   auto stage = [host](int64_t offset, const auto& values) {
@@ -190,6 +221,7 @@ absl::Status CudaModel::RunStep(const kernels::KvPoolView& pool, std::span<const
   stage(offsets_.tables, L.tables);
   stage(offsets_.q_starts, L.q_starts);
   stage(offsets_.last_rows, L.last_rows);
+  KVPOOL_RETURN_IF_ERROR(StageStates(items, static_cast<int32_t>(n)));
 
   // Scratch for the widest step so far.
   const int64_t h = c.hidden_size, qd = int64_t{c.num_heads} * c.head_dim,
@@ -225,6 +257,7 @@ absl::Status CudaModel::RunStep(const kernels::KvPoolView& pool, std::span<const
       CudaStatus(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (model step)");
   KVPOOL_RETURN_IF_ERROR(launched);
   KVPOOL_RETURN_IF_ERROR(synced);
+  UnstageStates(items);
 
   results->clear();
   results->resize(static_cast<size_t>(ni));
@@ -290,9 +323,23 @@ absl::Status CudaModel::Attention(const kernels::KvPoolView& pool, int32_t layer
   return absl::OkStatus();
 }
 
+absl::Status CudaModel::Mlp(const Layer& L, int32_t n) {
+  const ModelConfig& c = config_;
+  const int32_t h = c.hidden_size, im = c.intermediate_size;
+  float* x = At<float>(x_);
+  float* xn = At<float>(xn_);
+  KVPOOL_RETURN_IF_ERROR(CudaStatus(
+      LaunchRmsNorm(x, nullptr, n, h, At<float>(L.mlp_norm), c.rms_norm_eps, xn, stream_),
+      "RMSNorm kernel"));
+  KVPOOL_RETURN_IF_ERROR(Gemm(xn, n, L.w_gate_up, 2 * im, h, At<float>(gate_up_), false));
+  KVPOOL_RETURN_IF_ERROR(CudaStatus(
+      LaunchSiluMul(At<float>(gate_up_), n, im, At<float>(act_), stream_), "SwiGLU kernel"));
+  return Gemm(At<float>(act_), n, L.w_down, h, im, x, true);
+}
+
 absl::Status CudaModel::Launch(const kernels::KvPoolView& pool, int32_t n, int32_t ni) {
   const ModelConfig& c = config_;
-  const int32_t h = c.hidden_size, hd = c.head_dim, im = c.intermediate_size;
+  const int32_t h = c.hidden_size, hd = c.head_dim;
   const int32_t qd = c.num_heads * hd, kvd = c.num_kv_heads * hd;
   KVPOOL_RETURN_IF_ERROR(
       CudaStatus(cudaMemcpyAsync(inputs_->data(), staged_.data, static_cast<size_t>(offsets_.end),
@@ -305,20 +352,34 @@ absl::Status CudaModel::Launch(const kernels::KvPoolView& pool, int32_t n, int32
   float* x = At<float>(x_);
   float* xn = At<float>(xn_);
 
+  const int64_t state_bytes = static_cast<int64_t>(seq_items_.size()) * c.state_bytes();
+  if (state_bytes > 0) {
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(
+        cudaMemcpyAsync(states_->data(), states_host_.data, static_cast<size_t>(state_bytes),
+                        cudaMemcpyHostToDevice, stream_),
+        "cudaMemcpyAsync (states)"));
+  }
+
   KVPOOL_RETURN_IF_ERROR(CudaStatus(
       LaunchEmbed(At<float>(c.tie_word_embeddings ? head_ : embed_), tokens, n, h, x, stream_),
       "embedding kernel"));
   for (int32_t l = 0; l < c.num_layers; ++l) {
     const Layer& L = layers_[static_cast<size_t>(l)];
+    if (c.kind(l) == LayerKind::kStateSpace) {
+      KVPOOL_RETURN_IF_ERROR(StateSpace(l, n));
+      KVPOOL_RETURN_IF_ERROR(Mlp(L, n));
+      continue;
+    }
     // Attention.
     KVPOOL_RETURN_IF_ERROR(CudaStatus(
         LaunchRmsNorm(x, nullptr, n, h, At<float>(L.attn_norm), c.rms_norm_eps, xn, stream_),
         "RMSNorm kernel"));
     KVPOOL_RETURN_IF_ERROR(Gemm(xn, n, L.wqkv, qd + 2 * kvd, h, At<float>(qkv_), false));
-    KVPOOL_RETURN_IF_ERROR(CudaStatus(
-        LaunchRopeSplit(At<float>(qkv_), positions, At<float>(inv_freq_), n, c.num_heads,
-                        c.num_kv_heads, hd, At<float>(q_), At<float>(k_), At<float>(v_), stream_),
-        "RoPE kernel"));
+    KVPOOL_RETURN_IF_ERROR(
+        CudaStatus(LaunchRopeSplit(At<float>(qkv_), positions, At<float>(inv_freq_), n, c.num_heads,
+                                   c.num_kv_heads, hd, c.rotary(), At<float>(q_), At<float>(k_),
+                                   At<float>(v_), stream_),
+                   "RoPE kernel"));
     // Every new token's K/V goes in before any query reads (stream order).
     KVPOOL_RETURN_IF_ERROR(CudaStatus(kernels::cuda::LaunchWriteKv(pool,
                                                                    {.layer = c.kv_layer(l),
@@ -330,14 +391,13 @@ absl::Status CudaModel::Launch(const kernels::KvPoolView& pool, int32_t n, int32
                                       "WriteKv kernel"));
     KVPOOL_RETURN_IF_ERROR(Attention(pool, l));
     KVPOOL_RETURN_IF_ERROR(Gemm(At<float>(attn_), n, L.wo, h, qd, x, true));
-    // MLP.
+    KVPOOL_RETURN_IF_ERROR(Mlp(L, n));
+  }
+  if (state_bytes > 0) {
     KVPOOL_RETURN_IF_ERROR(CudaStatus(
-        LaunchRmsNorm(x, nullptr, n, h, At<float>(L.mlp_norm), c.rms_norm_eps, xn, stream_),
-        "RMSNorm kernel"));
-    KVPOOL_RETURN_IF_ERROR(Gemm(xn, n, L.w_gate_up, 2 * im, h, At<float>(gate_up_), false));
-    KVPOOL_RETURN_IF_ERROR(CudaStatus(
-        LaunchSiluMul(At<float>(gate_up_), n, im, At<float>(act_), stream_), "SwiGLU kernel"));
-    KVPOOL_RETURN_IF_ERROR(Gemm(At<float>(act_), n, L.w_down, h, im, x, true));
+        cudaMemcpyAsync(states_host_.data, states_->data(), static_cast<size_t>(state_bytes),
+                        cudaMemcpyDeviceToHost, stream_),
+        "cudaMemcpyAsync (states)"));
   }
   // The prediction after each item's last token.
   KVPOOL_RETURN_IF_ERROR(CudaStatus(LaunchRmsNorm(x, last_rows, ni, h, At<float>(final_norm_),

@@ -4,8 +4,14 @@
 // Same decoder and the same step as model::Model (model/model.h), operation for operation: the
 // dense layers are cuBLAS SGEMMs over f32 weights uploaded to the device, the K/V write and the
 // paged attention are the backend's own kernels (kernels/cuda), and RMSNorm, RoPE and SwiGLU are
-// small kernels of ours (model_kernels.h). Only the logits come back to the host, where the
-// greedy token and top-k log-probs are taken exactly as Model takes them (internal/logits.h).
+// small kernels of ours (model_kernels.h), as are a state-space layer's conv, scan and gated
+// norm (ssm_kernels.h). Only the logits come back to the host, where the greedy token and top-k
+// log-probs are taken exactly as Model takes them (internal/logits.h).
+//
+// State-space layers: each item's StepItem::state is host memory (the caller's slot); a step
+// copies the items' states to the device before its kernels and back into the slots after them
+// (only when the step succeeds), so the slot holds exactly the host model's layout and values
+// (to rounding) after every step.
 //
 // Streams: the model has its own non-blocking stream. Step uploads its block tables, slots and
 // lengths on that stream ahead of the kernels that read them, and returns only once the stream
@@ -19,12 +25,14 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "kernels/device.h"
 #include "model/cuda/cublas_api.h"
+#include "model/internal/ssm_chunk.h"
 #include "model/internal/step_layout.h"
 #include "model/step_model.h"
 
@@ -34,9 +42,9 @@ class CudaModel final : public StepModel {
  public:
   // Uploads `weights` to device `ordinal` (num_sms: its multiprocessors, for the decode plan).
   // REQUIRES: CheckModel(weights, layout).ok(). Errors: UNAVAILABLE without cuBLAS;
-  // UNIMPLEMENTED for a model with state-space layers; INVALID_ARGUMENT for a head_dim beyond the
-  // CUDA decode kernel's; RESOURCE_EXHAUSTED when the weights do not fit; INTERNAL for other CUDA
-  // failures (nothing is left allocated).
+  // INVALID_ARGUMENT for a head_dim beyond the CUDA decode kernel's, or an SSM d_state or
+  // head_dim beyond the scan kernel's (ssm_kernels.h); RESOURCE_EXHAUSTED when the weights do
+  // not fit; INTERNAL for other CUDA failures (nothing is left allocated).
   static absl::StatusOr<std::unique_ptr<CudaModel>> Create(ModelWeights weights,
                                                            const kernels::PoolLayout& layout,
                                                            int ordinal, int num_sms,
@@ -60,6 +68,9 @@ class CudaModel final : public StepModel {
     Buffer wo;                   // [hidden][q]
     Buffer w_gate_up;            // [2 * intermediate][hidden]
     Buffer w_down;               // [hidden][intermediate]
+    // State-space layers (LayerWeights' ssm_*; a bias absent from the model stays null).
+    Buffer ssm_in, ssm_in_bias, ssm_conv, ssm_conv_bias, ssm_dt_bias, ssm_a_neg, ssm_d, ssm_norm,
+        ssm_out, ssm_out_bias;
   };
   // Host memory the device copies to or from asynchronously (cudaMallocHost).
   struct Pinned {
@@ -78,10 +89,23 @@ class CudaModel final : public StepModel {
   // y[rows][out] = x[rows][in] · W[out][in]ᵀ (+ y when accumulate).
   absl::Status Gemm(const float* x, int32_t rows, const Buffer& w, int32_t out, int32_t in,
                     float* y, bool accumulate);
+  // Sets offsets_ for the step laid out in step_ (num_items items).
+  void LayInputs(int64_t num_items);
   // The step's launches, after its inputs were staged; RunStep synchronizes after them.
   absl::Status Launch(const kernels::KvPoolView& pool, int32_t num_tokens, int32_t num_items);
+  // One layer's MLP (its norm, SwiGLU and down projection into the residual stream x_).
+  absl::Status Mlp(const Layer& layer, int32_t num_tokens);
   // One layer's attention, after its K/V were written.
   absl::Status Attention(const kernels::KvPoolView& pool, int32_t layer);
+  // cuda_model_ssm.cc: a state-space layer's weights onto the device.
+  absl::Status UploadStateSpace(LayerWeights& weights, Layer* layer);
+  // Reserves the step's SSM buffers and stages its states (sorted as the rows) and their device
+  // pointers; after Reserve(staged_) with the offsets set.
+  absl::Status StageStates(std::span<const StepItem> items, int32_t num_tokens);
+  // Layer `layer`'s mixer, a state-space one, into the residual stream x_.
+  absl::Status StateSpace(int32_t layer, int32_t num_tokens);
+  // The states back into the items' slots, after the step's stream is idle.
+  void UnstageStates(std::span<const StepItem> items);
 
   const ModelConfig config_;
   const kernels::PoolLayout layout_;
@@ -97,7 +121,7 @@ class CudaModel final : public StepModel {
   Buffer embed_;  // [vocab][hidden] when untied; tied models read head_
   Buffer head_;   // [vocab][hidden]
   Buffer final_norm_;
-  Buffer inv_freq_;  // [head_dim / 2]
+  Buffer inv_freq_;  // [rotary() / 2]
 
   // Per step. The rows (decode items first) and the kernels' sequences, and the inputs staged
   // in pinned memory and copied in one piece: tokens, positions, slots, lengths, block tables,
@@ -108,9 +132,25 @@ class CudaModel final : public StepModel {
   Buffer inputs_;
   struct {
     int64_t tokens = 0, positions = 0, slots = 0, lens = 0, tables = 0, q_starts = 0, last_rows = 0,
-            end = 0;
+            seq_starts = 0, state_ptrs = 0, chunk_rows = 0, seq_chunks = 0, end = 0;
   } offsets_;
   Buffer x_, xn_, qkv_, q_, attn_, k_, v_, gate_up_, act_, last_, logits_, workspace_;
+
+  // State-space layers. The step's sequences in row order (as the host model's PlanStates):
+  // seq_starts_ [seqs + 1] their rows, seq_items_ the item of each. states_ holds the items'
+  // states in that order ([seqs][state floats]), staged through states_host_; the inputs hold
+  // seq_starts and, per state layer, the device pointers of each sequence's conv carry and scan
+  // state (state_ptrs: [state layers][2][seqs]).
+  std::vector<int32_t> seq_starts_;
+  std::vector<size_t> seq_items_;
+  Buffer states_;
+  Pinned states_host_;
+  Buffer ssm_proj_, ssm_xbc_, ssm_x_, ssm_b_, ssm_c_, ssm_dt_, ssm_y_;
+  // A step with a sequence of more than kSsmChunkRows rows scans in chunks (ssm_kernels.h): its
+  // plan (staged at chunk_rows and seq_chunks) and workspace.
+  bool chunked_ = false;
+  internal::SsmChunkPlan chunk_plan_;
+  Buffer ssm_chunks_, ssm_decays_;
 };
 
 }  // namespace kvpool::model::cuda

@@ -45,13 +45,18 @@ __global__ void RmsNormKernel(const float* x, const int32_t* rows, int32_t dim, 
 }
 
 __global__ void RopeSplitKernel(const float* qkv, const int32_t* positions, const float* inv_freq,
-                                int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, float* q,
-                                float* k, float* v) {
+                                int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,
+                                int32_t rotary, float* q, float* k, float* v) {
   const int64_t t = blockIdx.x;
-  const int32_t half = head_dim / 2;
+  const int32_t half = rotary / 2;
   const int32_t qd = num_heads * head_dim, kvd = num_kv_heads * head_dim;
   const float* row = qkv + t * (qd + 2 * kvd);
   const double pos = positions[t];
+  // Element e of head `head` (queries, then keys) goes to q or k.
+  const auto out = [&](int32_t head, int32_t e) -> float& {
+    return head < num_heads ? q[t * qd + head * head_dim + e]
+                            : k[t * kvd + static_cast<int64_t>(head - num_heads) * head_dim + e];
+  };
   for (int32_t idx = threadIdx.x; idx < (num_heads + num_kv_heads) * half; idx += blockDim.x) {
     const int32_t head = idx / half, i = idx % half;
     // Angles in double: positions reach the tens of thousands.
@@ -59,15 +64,14 @@ __global__ void RopeSplitKernel(const float* qkv, const int32_t* positions, cons
     sincos(pos * static_cast<double>(inv_freq[i]), &s, &c);
     const float cs = static_cast<float>(c), sn = static_cast<float>(s);
     const float a = row[head * head_dim + i], b = row[head * head_dim + i + half];
-    const float ra = a * cs - b * sn, rb = b * cs + a * sn;
-    if (head < num_heads) {
-      q[t * qd + head * head_dim + i] = ra;
-      q[t * qd + head * head_dim + i + half] = rb;
-    } else {
-      const int64_t at = t * kvd + static_cast<int64_t>(head - num_heads) * head_dim + i;
-      k[at] = ra;
-      k[at + half] = rb;
-    }
+    out(head, i) = a * cs - b * sn;
+    out(head, i + half) = b * cs + a * sn;
+  }
+  // Partial rotary: the values past `rotary` pass through.
+  const int32_t pass = head_dim - rotary;
+  for (int32_t idx = threadIdx.x; idx < (num_heads + num_kv_heads) * pass; idx += blockDim.x) {
+    const int32_t head = idx / pass, e = rotary + idx % pass;
+    out(head, e) = row[head * head_dim + e];
   }
   for (int32_t i = threadIdx.x; i < kvd; i += blockDim.x) {
     v[t * kvd + i] = row[qd + kvd + i];
@@ -103,10 +107,11 @@ cudaError_t LaunchRmsNorm(const float* x, const int32_t* rows, int32_t num_rows,
 
 cudaError_t LaunchRopeSplit(const float* qkv, const int32_t* positions, const float* inv_freq,
                             int32_t num_tokens, int32_t num_heads, int32_t num_kv_heads,
-                            int32_t head_dim, float* q, float* k, float* v, cudaStream_t stream) {
+                            int32_t head_dim, int32_t rotary, float* q, float* k, float* v,
+                            cudaStream_t stream) {
   if (num_tokens <= 0) return cudaSuccess;
   RopeSplitKernel<<<num_tokens, kThreads / 2, 0, stream>>>(qkv, positions, inv_freq, num_heads,
-                                                           num_kv_heads, head_dim, q, k, v);
+                                                           num_kv_heads, head_dim, rotary, q, k, v);
   return cudaGetLastError();
 }
 

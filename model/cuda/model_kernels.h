@@ -20,13 +20,15 @@ cudaError_t LaunchEmbed(const float* embed, const int32_t* tokens, int32_t num_t
 cudaError_t LaunchRmsNorm(const float* x, const int32_t* rows, int32_t num_rows, int32_t dim,
                           const float* weight, float eps, float* y, cudaStream_t stream);
 
-// From the fused projection qkv[t] = [q heads | k heads | v heads] (f32): rotates queries and
-// keys by their token's position (rotate_half RoPE, angles in double as on the host), writes
-// the queries to q [t][num_heads][head_dim] and the keys and values to k, v
+// From the fused projection qkv[t] = [q heads | k heads | v heads] (f32): rotates the first
+// `rotary` values of each query and key head by their token's position (rotate_half RoPE within
+// them, angles in double as on the host; inv_freq: [rotary / 2]) and passes the rest through,
+// writes the queries to q [t][num_heads][head_dim] and the keys and values to k, v
 // [t][num_kv_heads][head_dim], all f32 (WriteKv converts them to the pool's dtypes).
 cudaError_t LaunchRopeSplit(const float* qkv, const int32_t* positions, const float* inv_freq,
                             int32_t num_tokens, int32_t num_heads, int32_t num_kv_heads,
-                            int32_t head_dim, float* q, float* k, float* v, cudaStream_t stream);
+                            int32_t head_dim, int32_t rotary, float* q, float* k, float* v,
+                            cudaStream_t stream);
 
 // act[t][i] = silu(gate_up[t][i]) * gate_up[t][intermediate + i].
 cudaError_t LaunchSiluMul(const float* gate_up, int32_t num_tokens, int32_t intermediate,

@@ -34,10 +34,12 @@ const StepOptions kLogits{.keep_logits = true};
 // A LocalEngine on `backend`, or its status (UNAVAILABLE: the backend or its device is missing).
 absl::StatusOr<std::unique_ptr<LocalEngine>> EngineOn(const std::string& backend,
                                                       const ModelWeights& w, int32_t block_size,
-                                                      kernels::DType dtype) {
+                                                      kernels::DType dtype,
+                                                      bool prefix_cache = true) {
   return LocalEngine::Create(w, {.block_size = block_size,
                                  .dtype = dtype,
                                  .pool_bytes = int64_t{16} << 20,
+                                 .prefix_cache = prefix_cache,
                                  .threads = 2,
                                  .backend = KindOf(backend)});
 }
@@ -243,6 +245,57 @@ TEST_P(BackendModelTest, BadInputIsRefusedBeforeTheDevice) {
   const DecodeInput in{first->sequence, 5};
   EXPECT_TRUE(engine->Decode(std::span(&in, 1)).ok());
   EXPECT_TRUE(engine->device().status().ok());
+}
+
+// State-space layers (issue 28) around a full-attention one, with every variant real
+// checkpoints have at once: two B/C groups under a whole-inner gated norm (transformers' Bamba),
+// projection biases, no conv bias, and RoPE over half of each head. Two sequences share every step:
+// a prefill of 300 (more than the CUDA model's kSsmChunkRows: its chunked scan) and one of 2
+// (shorter than the conv's window), a chunk and a decode, then batched decodes; each against its
+// own dense reference, logits and state slot.
+TEST_P(BackendModelTest, StateSpaceLayersMatchReference) {
+  ModelConfig c = SmallTestConfig();
+  c.num_layers = 3;
+  c.rotary_dim = 16;
+  c.layer_kinds = {LayerKind::kStateSpace, LayerKind::kFullAttention, LayerKind::kStateSpace};
+  c.ssm = {.num_heads = 4,
+           .head_dim = 32,
+           .d_state = 16,
+           .num_groups = 2,
+           .conv_width = 4,
+           .conv_bias = false,
+           .proj_bias = true,
+           .norm_per_group = false};
+  const ModelWeights w = SyntheticWeights(c, 23);
+  ENGINE_OR_SKIP(engine, w, 16, kernels::DType::kF32, /*prefix_cache=*/false);
+  const double tolerance = Tolerance(kernels::DType::kF32);
+  std::vector<DenseReference> refs(2, DenseReference(w, kernels::DType::kF32));
+  const std::vector<int32_t> a = RandomTokens(300, 256, 1), b = RandomTokens(6, 256, 2);
+  std::vector<SequenceId> seqs;
+  for (size_t s = 0; s < 2; ++s) {
+    const std::span<const int32_t> part = s == 0 ? std::span(a) : std::span(b).first(2);
+    auto first = engine->Prefill(SequenceId(0), part, kLogits);
+    ASSERT_TRUE(first.ok()) << first.status();
+    EXPECT_LE(RelError(first->result.logits, refs[s].Extend(part)), tolerance);
+    seqs.push_back(first->sequence);
+  }
+  auto chunk = engine->Prefill(seqs[1], std::span(b).subspan(2, 3), kLogits);
+  ASSERT_TRUE(chunk.ok()) << chunk.status();
+  EXPECT_LE(RelError(chunk->result.logits, refs[1].Extend(std::span(b).subspan(2, 3))), tolerance);
+  std::vector<int32_t> next = {a[0], b[5]};
+  for (int step = 0; step < 6; ++step) {
+    const std::vector<DecodeInput> in = {{seqs[0], next[0]}, {seqs[1], next[1]}};
+    auto out = engine->Decode(in, kLogits);
+    ASSERT_TRUE(out.ok()) << out.status();
+    for (size_t s = 0; s < 2; ++s) {
+      const std::vector<float> want = refs[s].Extend(std::span(&next[s], 1));
+      EXPECT_LE(RelError((*out)[s].logits, want), tolerance) << "step " << step << " seq " << s;
+      next[s] = Argmax(want);
+    }
+  }
+  for (size_t s = 0; s < 2; ++s) {
+    EXPECT_LE(RelError(engine->state(seqs[s]), refs[s].State()), 2e-3) << "seq " << s;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, BackendModelTest, kernels::test_util::AllBackends(),

@@ -32,6 +32,7 @@ std::vector<double> Norm(const std::vector<double>& x, const std::vector<float>&
   return y;
 }
 
+// RoPE over the first `dim` values of a head (partial rotary: the rest are left alone).
 void Rotate(double* head, int32_t dim, int64_t pos, double theta) {
   for (int32_t i = 0; i < dim / 2; ++i) {
     const double angle = static_cast<double>(pos) * std::pow(theta, -2.0 * i / dim);
@@ -127,9 +128,9 @@ std::vector<double> DenseReference::AttentionMixer(size_t l, const std::vector<d
     std::vector<double> k = MatVec(L.wk, xn, nkv * hd);
     const std::vector<double> v = MatVec(L.wv, xn, nkv * hd);
     for (int64_t head = 0; head < nh; ++head)
-      Rotate(&q[static_cast<size_t>(head * hd)], c.head_dim, pos, c.rope_theta);
+      Rotate(&q[static_cast<size_t>(head * hd)], c.rotary(), pos, c.rope_theta);
     for (int64_t head = 0; head < nkv; ++head)
-      Rotate(&k[static_cast<size_t>(head * hd)], c.head_dim, pos, c.rope_theta);
+      Rotate(&k[static_cast<size_t>(head * hd)], c.rotary(), pos, c.rope_theta);
     for (double e : k) k_[l].push_back(RoundTo(e, dtype_));
     for (double e : v) v_[l].push_back(RoundTo(e, dtype_));
     std::vector<double> attn(static_cast<size_t>(nh * hd), 0.0);
@@ -167,8 +168,8 @@ std::vector<double> DenseReference::AttentionMixer(size_t l, const std::vector<d
   }
 }
 
-// Mamba-2 by the book: in_proj, causal conv + SiLU, softplus(dt), the recurrence, the gated
-// per-group RMSNorm, out_proj.
+// Mamba-2 by the book: in_proj (+ bias), causal conv (+ bias) + SiLU, softplus(dt), the
+// recurrence, the gated RMSNorm, out_proj (+ bias).
 std::vector<double> DenseReference::StateMixer(size_t l, const std::vector<double>& xn) {
   const ModelConfig& c = w_->config;
   const SsmConfig& m = c.ssm;
@@ -177,11 +178,12 @@ std::vector<double> DenseReference::StateMixer(size_t l, const std::vector<doubl
   const size_t held = static_cast<size_t>(m.conv_width - 1), width = held + 1;
   const size_t heads = static_cast<size_t>(m.num_heads), hd = static_cast<size_t>(m.head_dim);
   const size_t ds = static_cast<size_t>(m.d_state), bc = static_cast<size_t>(m.num_groups) * ds;
-  const std::vector<double> p = MatVec(L.ssm_in, xn, m.in_proj_dim());
+  std::vector<double> p = MatVec(L.ssm_in, xn, m.in_proj_dim());
+  for (size_t i = 0; i < L.ssm_in_bias.size(); ++i) p[i] += L.ssm_in_bias[i];
   std::vector<double> xbc(dim);
   std::vector<double>& carry = conv_[l];
   for (size_t ch = 0; ch < dim; ++ch) {
-    double acc = L.ssm_conv_bias[ch];
+    double acc = m.conv_bias ? double{L.ssm_conv_bias[ch]} : 0.0;
     for (size_t j = 0; j < width; ++j) {
       const double in = j < held ? carry[j * dim + ch] : p[inner + ch];
       acc += double{L.ssm_conv[ch * width + j]} * in;
@@ -213,7 +215,8 @@ std::vector<double> DenseReference::StateMixer(size_t l, const std::vector<doubl
       y[head * hd + q] = acc;
     }
   }
-  const size_t group = inner / static_cast<size_t>(m.num_groups);
+  // Per B/C group (Mamba-2), or over all of inner (Bamba).
+  const size_t group = m.norm_per_group ? inner / static_cast<size_t>(m.num_groups) : inner;
   for (size_t i = 0; i < inner; ++i) y[i] *= p[i] / (1.0 + std::exp(-p[i]));
   for (size_t g0 = 0; g0 < inner; g0 += group) {
     double ss = 0;
@@ -221,7 +224,9 @@ std::vector<double> DenseReference::StateMixer(size_t l, const std::vector<doubl
     const double inv = 1.0 / std::sqrt(ss / static_cast<double>(group) + c.rms_norm_eps);
     for (size_t i = g0; i < g0 + group; ++i) y[i] *= inv * L.ssm_norm[i];
   }
-  return MatVec(L.ssm_out, y, c.hidden_size);
+  std::vector<double> out = MatVec(L.ssm_out, y, c.hidden_size);
+  for (size_t i = 0; i < L.ssm_out_bias.size(); ++i) out[i] += L.ssm_out_bias[i];
+  return out;
 }
 
 int32_t Argmax(std::span<const float> logits) {

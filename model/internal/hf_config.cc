@@ -1,0 +1,389 @@
+// config.json as transformers writes it (hf_config.h).
+
+#include "model/internal/hf_config.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <limits>
+#include <string_view>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kvpool/util/status_macros.h"
+#include "nlohmann/json.hpp"
+
+namespace kvpool::model::internal {
+namespace {
+
+using nlohmann::json;
+
+// Reads config[key] as an int32 into *out. Absent or null keeps *out, unless `required`.
+absl::Status GetInt(const json& config, const std::string& path, const char* key, bool required,
+                    int32_t* out) {
+  if (!config.contains(key) || config[key].is_null()) {
+    if (!required) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(path, ": missing ", key));
+  }
+  const json& value = config[key];
+  int64_t v = 0;
+  if (value.is_number_unsigned()) {
+    v = static_cast<int64_t>(std::min<uint64_t>(value.get<uint64_t>(), uint64_t{1} << 62));
+  } else if (value.is_number_integer()) {
+    v = value.get<int64_t>();
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", key, " is not an integer"));
+  }
+  if (v < INT32_MIN || v > INT32_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", key, " = ", v, " is out of range"));
+  }
+  *out = static_cast<int32_t>(v);
+  return absl::OkStatus();
+}
+
+absl::Status GetFloat(const json& config, const std::string& path, const char* key, float* out) {
+  if (!config.contains(key) || config[key].is_null()) return absl::OkStatus();
+  if (!config[key].is_number()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", key, " is not a number"));
+  }
+  const double value = config[key].get<double>();
+  // Narrowing a double past the float range is undefined behaviour, not inf.
+  if (!(std::abs(value) <= std::numeric_limits<float>::max())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": ", key, " = ", value, " is out of range"));
+  }
+  *out = static_cast<float>(value);
+  return absl::OkStatus();
+}
+
+absl::Status GetBool(const json& config, const std::string& path, const char* key, bool* out) {
+  if (!config.contains(key) || config[key].is_null()) return absl::OkStatus();
+  if (!config[key].is_boolean()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", key, " is not a boolean"));
+  }
+  *out = config[key].get<bool>();
+  return absl::OkStatus();
+}
+
+// Bamba's attn_layer_indices (what its config.json holds; layers_block_type is a property
+// derived from it): the listed layers are full attention, every other one state-space, all of
+// them when the list is absent or null.
+absl::Status ParseAttentionIndices(const json& config, const std::string& path, ModelConfig* c) {
+  c->layer_kinds.assign(static_cast<size_t>(std::max(c->num_layers, 0)), LayerKind::kStateSpace);
+  if (!config.contains("attn_layer_indices") || config["attn_layer_indices"].is_null()) {
+    return absl::OkStatus();
+  }
+  const json& indices = config["attn_layer_indices"];
+  if (!indices.is_array()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": attn_layer_indices is not a list"));
+  }
+  for (const json& i : indices) {
+    if (!i.is_number_integer() || i.get<int64_t>() < 0 || i.get<int64_t>() >= c->num_layers) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": attn_layer_indices entry ", i.dump(),
+                                                     " is not a layer of [0, ", c->num_layers,
+                                                     ")"));
+    }
+    c->layer_kinds[i.get<size_t>()] = LayerKind::kFullAttention;
+  }
+  return absl::OkStatus();
+}
+
+// Sliding windows as transformers writes them: `layer_types` names each layer's attention
+// (Gemma 3, gpt-oss, Qwen3); without it a `sliding_window` applies to every layer (Mistral),
+// unless `use_sliding_window` is false (Qwen2 writes a window it does not use).
+absl::Status ParseLayerKinds(const json& config, const std::string& path, bool bamba,
+                             ModelConfig* c) {
+  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "sliding_window", false, &c->sliding_window));
+  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "kvpool_sink_tokens", false, &c->sink_tokens));
+  bool use_window = true;
+  KVPOOL_RETURN_IF_ERROR(GetBool(config, path, "use_sliding_window", &use_window));
+  if (config.contains("layer_types") && !config["layer_types"].is_null()) {
+    const json& types = config["layer_types"];
+    if (!types.is_array()) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": layer_types is not a list"));
+    }
+    for (const json& t : types) {
+      if (t == "full_attention" || t == "attention") {
+        c->layer_kinds.push_back(LayerKind::kFullAttention);
+      } else if (t == "sliding_attention") {
+        c->layer_kinds.push_back(LayerKind::kSlidingAttention);
+      } else if (t == "mamba") {
+        c->layer_kinds.push_back(LayerKind::kStateSpace);
+      } else {
+        return absl::InvalidArgumentError(
+            absl::StrCat(path, ": layer_types entry ", t.dump(),
+                         " unsupported (full_attention, attention, sliding_attention or mamba)"));
+      }
+    }
+  } else if (config.contains("layers_block_type") && !config["layers_block_type"].is_null()) {
+    // Bamba: "mamba" or "attention" per layer.
+    const json& types = config["layers_block_type"];
+    if (!types.is_array()) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": layers_block_type is not a list"));
+    }
+    for (const json& t : types) {
+      if (t != "mamba" && t != "attention") {
+        return absl::InvalidArgumentError(absl::StrCat(path, ": layers_block_type entry ", t.dump(),
+                                                       " unsupported (mamba or attention)"));
+      }
+      c->layer_kinds.push_back(t == "mamba" ? LayerKind::kStateSpace : LayerKind::kFullAttention);
+    }
+  } else if (bamba ||
+             (config.contains("attn_layer_indices") && !config["attn_layer_indices"].is_null())) {
+    KVPOOL_RETURN_IF_ERROR(ParseAttentionIndices(config, path, c));
+  } else if (c->sliding_window > 0 && use_window) {
+    c->layer_kinds.assign(static_cast<size_t>(std::max(c->num_layers, 0)),
+                          LayerKind::kSlidingAttention);
+  }
+  if (std::find(c->layer_kinds.begin(), c->layer_kinds.end(), LayerKind::kSlidingAttention) ==
+      c->layer_kinds.end()) {
+    c->sliding_window = 0;  // a window no layer uses (Qwen2's) changes nothing
+    c->sink_tokens = 0;
+  }
+  return absl::OkStatus();
+}
+
+// The state-space layers' shape as Bamba writes it (mamba_*), read only when some layer is one.
+// mamba_d_head "auto" (or absent) is mamba_expand (default 2) * hidden_size / mamba_n_heads.
+// mamba_chunk_size only changes how a chunked scan rounds; kvpool's scans pick their own.
+absl::Status ParseSsm(const json& config, const std::string& path, ModelConfig* c) {
+  if (c->num_state_layers() == 0) return absl::OkStatus();
+  SsmConfig& m = c->ssm;
+  m.num_groups = 1;
+  m.conv_width = 4;
+  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_n_heads", true, &m.num_heads));
+  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_d_state", true, &m.d_state));
+  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_n_groups", false, &m.num_groups));
+  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_d_conv", false, &m.conv_width));
+  if (config.contains("mamba_d_head") && config["mamba_d_head"] != "auto") {
+    KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_d_head", true, &m.head_dim));
+  } else {
+    int32_t expand = 2;
+    KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_expand", false, &expand));
+    if (m.num_heads > 0)
+      m.head_dim = static_cast<int32_t>(int64_t{expand} * c->hidden_size / m.num_heads);
+  }
+  KVPOOL_RETURN_IF_ERROR(GetBool(config, path, "mamba_conv_bias", &m.conv_bias));
+  KVPOOL_RETURN_IF_ERROR(GetBool(config, path, "mamba_proj_bias", &m.proj_bias));
+  // The gated norm per B/C group, as mamba_ssm's Mamba2 trained Bamba and as vLLM and SGLang
+  // serve it (Mixer2RMSNormGated). transformers' BambaRMSNormGated spans all of inner instead;
+  // the two agree for every released Bamba (one group). kvpool's own key picks the other.
+  m.norm_per_group = true;
+  KVPOOL_RETURN_IF_ERROR(GetBool(config, path, "kvpool_ssm_norm_per_group", &m.norm_per_group));
+  if (m.num_groups == 1) m.norm_per_group = true;  // one group: the same norm either way
+  // Bamba's dt clamp: the default (0, inf) clamps nothing; a real limit is not computed here.
+  if (config.contains("time_step_limit") && !config["time_step_limit"].is_null()) {
+    const json& limit = config["time_step_limit"];
+    const bool none =
+        limit.is_array() && limit.size() == 2 && limit[0].is_number() &&
+        limit[0].get<double>() == 0.0 &&
+        (!limit[1].is_number() || limit[1].get<double>() >= std::numeric_limits<float>::max());
+    if (!none) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": time_step_limit ", limit.dump(),
+                                                     " unsupported (dt is not clamped)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// RoPE over part of each head: `partial_rotary_factor` (transformers' key), or Bamba's
+// `attn_rotary_emb` (the rotated width itself), else Bamba's 0.5 (its config class sets it for
+// every checkpoint).
+absl::Status ParseRotary(const json& config, const std::string& path, bool bamba, ModelConfig* c) {
+  if (bamba && config.contains("attn_rotary_emb") && !config["attn_rotary_emb"].is_null()) {
+    KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "attn_rotary_emb", true, &c->rotary_dim));
+  } else if (config.contains("partial_rotary_factor") &&
+             !config["partial_rotary_factor"].is_null()) {
+    const json& f = config["partial_rotary_factor"];
+    if (!f.is_number() || !(f.get<double>() > 0.0 && f.get<double>() <= 1.0)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": partial_rotary_factor ", f.dump(), " is not in (0, 1]"));
+    }
+    // transformers truncates head_dim * factor; the margin absorbs a factor written as r / d.
+    c->rotary_dim = static_cast<int32_t>(std::floor(c->head_dim * f.get<double>() + 1e-6));
+    if (c->rotary_dim == 0) {  // 0 would read as "all of the head"
+      return absl::InvalidArgumentError(absl::StrCat(path, ": partial_rotary_factor ", f.dump(),
+                                                     " rotates no value of a head of ",
+                                                     c->head_dim));
+    }
+  } else if (bamba) {
+    c->rotary_dim = c->head_dim / 2;
+  }
+  if (c->rotary_dim == c->head_dim) c->rotary_dim = 0;
+  return absl::OkStatus();
+}
+
+bool IsBamba(const json& config) {
+  if (config.contains("model_type") && config["model_type"] == "bamba") return true;
+  if (!config.contains("architectures") || !config["architectures"].is_array()) return false;
+  const json& a = config["architectures"];
+  return std::find(a.begin(), a.end(), "BambaForCausalLM") != a.end();
+}
+
+// Mamba-2 hybrids whose layers this decoder does not have: NemotronH (MLP-only layers with
+// squared ReLU, attention without RoPE), Falcon-H1 (attention and mixer in parallel, muP
+// multipliers), Jamba (Mamba-1 mixers, MoE). Refused by name rather than misread as Llama.
+absl::Status RefuseOtherHybrids(const json& config, const std::string& path) {
+  if (!config.contains("model_type") || !config["model_type"].is_string()) {
+    return absl::OkStatus();
+  }
+  const std::string type = config["model_type"].get<std::string>();
+  for (const char* other : {"nemotron_h", "falcon_h1", "jamba", "zamba2"}) {
+    if (type == other) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, ": model_type \"", type, "\" unsupported (Llama-style and Bamba hybrids only)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// transformers writes config.json with Python's json module, which spells an infinite float
+// Infinity (BambaConfig's default time_step_limit is [0.0, Infinity]) and a NaN NaN: not JSON.
+// Outside strings those words become null, which every reader here takes as "not given".
+std::string PythonJsonToJson(const std::string& text) {
+  std::string out;
+  out.reserve(text.size());
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char ch = text[i];
+    if (in_string) {
+      out += ch;
+      if (ch == '\\' && i + 1 < text.size()) {
+        out += text[++i];
+      } else if (ch == '"') {
+        in_string = false;
+      }
+      continue;
+    }
+    if (ch == '"') in_string = true;
+    bool replaced = false;
+    for (std::string_view word : {"-Infinity", "Infinity", "NaN"}) {
+      if (text.compare(i, word.size(), word) == 0) {
+        out += "null";
+        i += word.size() - 1;
+        replaced = true;
+        break;
+      }
+    }
+    if (!replaced) out += ch;
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<ParsedConfig> ParseConfig(const std::string& text, const std::string& path) {
+  const json config = json::parse(PythonJsonToJson(text), nullptr, /*allow_exceptions=*/false);
+  if (config.is_discarded() || !config.is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": not a well-formed JSON object"));
+  }
+  KVPOOL_RETURN_IF_ERROR(RefuseOtherHybrids(config, path));
+  const bool bamba = IsBamba(config);
+  // Defaults are LlamaConfig's (BambaConfig's rms_norm_eps for Bamba), except
+  // max_position_embeddings (ours: kvpoold's tiny model).
+  ModelConfig c{
+      .rms_norm_eps = bamba ? 1e-5f : 1e-6f, .rope_theta = 10000.0f, .max_position = 4096};
+  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "vocab_size", true, &c.vocab_size));
+  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "hidden_size", true, &c.hidden_size));
+  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "intermediate_size", true, &c.intermediate_size));
+  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "num_hidden_layers", true, &c.num_layers));
+  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "num_attention_heads", true, &c.num_heads));
+  c.num_kv_heads = c.num_heads;
+  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "num_key_value_heads", false, &c.num_kv_heads));
+  if (c.num_heads > 0) c.head_dim = c.hidden_size / c.num_heads;
+  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "head_dim", false, &c.head_dim));
+  KVPOOL_RETURN_IF_ERROR(GetFloat(config, path, "rms_norm_eps", &c.rms_norm_eps));
+  KVPOOL_RETURN_IF_ERROR(GetFloat(config, path, "rope_theta", &c.rope_theta));
+  KVPOOL_RETURN_IF_ERROR(GetBool(config, path, "tie_word_embeddings", &c.tie_word_embeddings));
+  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "max_position_embeddings", false, &c.max_position));
+
+  // Variants this model does not implement would load and then compute something else; refuse.
+  if (config.contains("hidden_act") && config["hidden_act"] != "silu") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, ": hidden_act ", config["hidden_act"].dump(), " unsupported (silu only)"));
+  }
+  for (const char* key : {"attention_bias", "mlp_bias"}) {
+    if (config.contains(key) && config[key] != false && !config[key].is_null()) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": ", key, " unsupported"));
+    }
+  }
+  if (config.contains("rope_scaling") && !config["rope_scaling"].is_null()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": rope_scaling unsupported"));
+  }
+  KVPOOL_RETURN_IF_ERROR(ParseRotary(config, path, bamba, &c));
+  KVPOOL_RETURN_IF_ERROR(ParseLayerKinds(config, path, bamba, &c));
+  KVPOOL_RETURN_IF_ERROR(ParseSsm(config, path, &c));
+  if (absl::Status status = ValidateConfig(c); !status.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", status.message()));
+  }
+  return ParsedConfig{.config = std::move(c), .names = bamba ? Names::kBamba : Names::kLlama};
+}
+
+namespace {
+
+// The decimal a person would write for `value` (1e-05, not 9.99999974737875e-06), as a double
+// that still reads back as exactly `value` once narrowed to float.
+double ShortestDecimal(float value) {
+  char buffer[64];
+  const auto printed = std::to_chars(buffer, buffer + sizeof(buffer), value);
+  double parsed = 0.0;
+  std::from_chars(buffer, printed.ptr, parsed);
+  return parsed;
+}
+
+}  // namespace
+
+std::string ConfigJson(const ModelConfig& c, std::string_view torch_dtype) {
+  json config = {
+      {"architectures", {"LlamaForCausalLM"}},
+      {"model_type", "llama"},
+      {"torch_dtype", std::string(torch_dtype)},
+      {"hidden_act", "silu"},
+      {"vocab_size", c.vocab_size},
+      {"hidden_size", c.hidden_size},
+      {"intermediate_size", c.intermediate_size},
+      {"num_hidden_layers", c.num_layers},
+      {"num_attention_heads", c.num_heads},
+      {"num_key_value_heads", c.num_kv_heads},
+      {"head_dim", c.head_dim},
+      {"rms_norm_eps", ShortestDecimal(c.rms_norm_eps)},
+      {"rope_theta", ShortestDecimal(c.rope_theta)},
+      {"tie_word_embeddings", c.tie_word_embeddings},
+      {"max_position_embeddings", c.max_position},
+  };
+  if (!c.layer_kinds.empty()) {
+    json types = json::array();
+    for (LayerKind kind : c.layer_kinds) {
+      switch (kind) {
+        case LayerKind::kFullAttention:
+          types.push_back("full_attention");
+          break;
+        case LayerKind::kSlidingAttention:
+          types.push_back("sliding_attention");
+          break;
+        case LayerKind::kStateSpace:
+          types.push_back("mamba");
+          break;
+      }
+    }
+    config["layer_types"] = types;
+    config["sliding_window"] = c.sliding_window;
+    if (c.sink_tokens > 0) config["kvpool_sink_tokens"] = c.sink_tokens;
+  }
+  if (c.num_state_layers() > 0) {
+    config["mamba_n_heads"] = c.ssm.num_heads;
+    config["mamba_d_head"] = c.ssm.head_dim;
+    config["mamba_d_state"] = c.ssm.d_state;
+    config["mamba_n_groups"] = c.ssm.num_groups;
+    config["mamba_d_conv"] = c.ssm.conv_width;
+    config["mamba_conv_bias"] = c.ssm.conv_bias;
+    config["mamba_proj_bias"] = c.ssm.proj_bias;
+    if (!c.ssm.norm_per_group) config["kvpool_ssm_norm_per_group"] = false;
+  }
+  if (c.rotary_dim != 0) {
+    config["partial_rotary_factor"] = static_cast<double>(c.rotary_dim) / c.head_dim;
+  }
+  return config.dump(2) + "\n";
+}
+
+}  // namespace kvpool::model::internal
