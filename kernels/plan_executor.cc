@@ -28,6 +28,13 @@ std::vector<BlockId> PlanExecutor::TouchedBlocks(const DevicePlan& plan) {
   return out;
 }
 
+DevicePlan PlanExecutor::StatePart(const DevicePlan& plan) {
+  DevicePlan states{.copies = plan.state_copies};
+  states.fills.reserve(plan.state_zeros.size());
+  for (BlockId slot : plan.state_zeros) states.fills.push_back({.block = slot, .scrub = true});
+  return states;
+}
+
 absl::Status PlanExecutor::CheckDisjoint(const DevicePlan& plan) {
   // Written blocks (fill and copy targets) must be distinct; sources must not be written.
   std::vector<BlockId> written;

@@ -55,6 +55,10 @@ class PlanExecutor final {
   // flight with Execute's fence.
   static std::vector<BlockId> TouchedBlocks(const DevicePlan& plan);
 
+  // The plan's state-group part (state_copies, state_zeros) as a plan of its own, for an
+  // executor over the state slots (KvPoolView::StateSlots) whose every fill zeroes.
+  static DevicePlan StatePart(const DevicePlan& plan);
+
  private:
   // One plan's block lists, on the host and staged on the device; busy until `fence` passed.
   struct Staging {

@@ -1,5 +1,8 @@
 #include "model/local_engine.h"
 
+#include <algorithm>
+#include <cstring>
+
 #include "fmt/format.h"
 #include "kvpool/util/status_macros.h"
 
@@ -8,11 +11,6 @@ namespace kvpool::model {
 absl::StatusOr<std::unique_ptr<LocalEngine>> LocalEngine::Create(ModelWeights weights,
                                                                  const Options& options) {
   const ModelConfig config = weights.config;
-  if (config.num_state_layers() > 0 && options.prefix_cache) {
-    return absl::InvalidArgumentError(
-        "prefix_cache with state-space layers: a cached prefix has no state to resume from (no "
-        "checkpoints yet, docs/hybrid-groups.md §4); set prefix_cache = false");
-  }
   kernels::PoolLayout shape{.block_size = options.block_size,
                             .num_layers = config.pool_layers(),
                             .num_kv_heads = config.num_kv_heads,
@@ -25,6 +23,14 @@ absl::StatusOr<std::unique_ptr<LocalEngine>> LocalEngine::Create(ModelWeights we
     }
     shape.SetKvDType(d.layer, kernels::KvSide::kK, d.k);
     shape.SetKvDType(d.layer, kernels::KvSide::kV, d.v);
+  }
+  if (config.state_bytes() > 0) {
+    // Each sequence's state lives in the pool's state group (docs/hybrid-groups.md §3).
+    shape.state_slot_bytes = (config.state_bytes() + 63) / 64 * 64;
+    shape.num_state_slots = options.state_slots > 0
+                                ? options.state_slots
+                                : static_cast<int32_t>(std::clamp<int64_t>(
+                                      options.pool_bytes / 4 / shape.state_slot_bytes, 1, 64));
   }
   KVPOOL_ASSIGN_OR_RETURN(kernels::PoolLayout layout,
                           kernels::LayoutForBudget(shape, options.pool_bytes));
@@ -40,9 +46,15 @@ absl::StatusOr<std::unique_ptr<LocalEngine>> LocalEngine::Create(ModelWeights we
                                                   .num_blocks = layout.num_blocks,
                                                   .max_blocks_per_seq = options.max_blocks_per_seq,
                                                   .fences = e->device_.get(),
-                                                  .prefix_cache = options.prefix_cache}));
+                                                  .prefix_cache = options.prefix_cache,
+                                                  .state_slots = layout.num_state_slots}));
   e->executor_ = std::make_unique<kernels::PlanExecutor>(
       e->device_.get(), kernels::StreamId::kTransfer, e->view_, kernels::FillPolicy::kNone);
+  if (layout.num_state_slots > 0) {
+    e->state_executor_ =
+        std::make_unique<kernels::PlanExecutor>(e->device_.get(), kernels::StreamId::kTransfer,
+                                                e->view_.StateSlots(), kernels::FillPolicy::kZero);
+  }
   KVPOOL_ASSIGN_OR_RETURN(
       e->model_, CreateStepModel(std::move(weights), layout, e->device_.get(), options.threads));
   return e;
@@ -52,35 +64,32 @@ LocalEngine::~LocalEngine() {
   if (device_) (void)device_->SynchronizeAll();
 }
 
+absl::Status LocalEngine::Carry(const DevicePlan& plan) {
+  if (plan.empty()) return absl::OkStatus();
+  absl::StatusOr<Fence> fence = executor_->Execute(plan);
+  if (fence.ok() && state_executor_ != nullptr) {
+    fence = state_executor_->Execute(kernels::PlanExecutor::StatePart(plan));
+  }
+  if (!fence.ok()) return fence.status();
+  return fence->value == 0 ? absl::OkStatus() : device_->Synchronize(*fence);
+}
+
 absl::StatusOr<std::vector<ItemResult>> LocalEngine::Run(const DevicePlan& plan,
                                                          std::vector<PlannedItem>& items,
                                                          const StepOptions& options) {
-  absl::Status status = absl::OkStatus();
-  if (!plan.empty()) {
-    absl::StatusOr<Fence> fence = executor_->Execute(plan);
-    status = fence.ok() ? device_->Synchronize(*fence) : fence.status();
-  }
+  absl::Status status = Carry(plan);
   std::vector<StepItem> step;
-  const int64_t state_floats = model_->state_bytes() / static_cast<int64_t>(sizeof(float));
+  const auto state_floats = static_cast<size_t>(model_->state_bytes() / sizeof(float));
   for (const PlannedItem& item : items) {
     StepItem& it = step.emplace_back(item.AsStepItem());
-    if (state_floats == 0) continue;
-    // A sequence this step creates starts from the state of no tokens.
-    if (item.created) states_[item.sequence].assign(static_cast<size_t>(state_floats), 0.0f);
-    const auto found = states_.find(item.sequence);
-    if (found == states_.end() && status.ok()) {
-      status = absl::FailedPreconditionError(fmt::format(
-          "sequence {} has no state (it was not made by this engine)", item.sequence.value()));
+    if (item.state_slot != kInvalidBlock) {
+      it.state = {reinterpret_cast<float*>(view_.state(item.state_slot.value())), state_floats};
     }
-    if (found != states_.end()) it.state = found->second;
   }
   std::vector<ItemResult> results;
   if (status.ok()) status = model_->Step(view_, step, options, &results);
   if (!status.ok()) {
-    for (const PlannedItem& item : items) {
-      UndoItem(*cache_, kSession, item);
-      if (item.created) states_.erase(item.sequence);
-    }
+    for (const PlannedItem& item : items) UndoItem(*cache_, kSession, item);
     return status;
   }
   for (const PlannedItem& item : items) KVPOOL_RETURN_IF_ERROR(FinishItem(*cache_, kSession, item));
@@ -109,41 +118,31 @@ absl::StatusOr<std::vector<ItemResult>> LocalEngine::Decode(std::span<const Deco
 absl::StatusOr<SequenceId> LocalEngine::Fork(SequenceId sequence) {
   DevicePlan plan;
   KVPOOL_ASSIGN_OR_RETURN(SequenceId child, cache_->Fork(kSession, sequence, &plan));
-  if (const auto parent = states_.find(sequence); parent != states_.end()) {
-    std::vector<float> copy = parent->second;
-    states_[child] = std::move(copy);
-  }
-  if (!plan.empty()) {
-    KVPOOL_ASSIGN_OR_RETURN(Fence fence, executor_->Execute(plan));
-    KVPOOL_RETURN_IF_ERROR(device_->Synchronize(fence));
-  }
+  KVPOOL_RETURN_IF_ERROR(Carry(plan));
   return child;
 }
 
 absl::Status LocalEngine::Free(SequenceId sequence, bool commit) {
-  KVPOOL_RETURN_IF_ERROR(
-      cache_->Free(kSession, sequence, commit ? OnFree::kCommit : OnFree::kDiscard));
-  states_.erase(sequence);
-  return absl::OkStatus();
+  return cache_->Free(kSession, sequence, commit ? OnFree::kCommit : OnFree::kDiscard);
 }
 
 absl::Status LocalEngine::Truncate(SequenceId sequence, int64_t num_tokens) {
-  if (model_->state_bytes() > 0) {
-    const Sequence* seq = cache_->Find(sequence);
-    if (seq != nullptr && seq->session == kSession && seq->num_tokens != num_tokens) {
-      return absl::FailedPreconditionError(fmt::format(
-          "sequence {} cannot be truncated from {} to {} tokens: its state-space layers hold "
-          "the state after token {} only, and no checkpoint of an earlier state exists",
-          sequence.value(), seq->num_tokens, num_tokens, seq->num_tokens));
-    }
-  }
   return cache_->Truncate(kSession, sequence, num_tokens);
 }
 
-std::span<const float> LocalEngine::state(SequenceId sequence) const {
-  const auto found = states_.find(sequence);
-  if (found == states_.end()) return {};
-  return found->second;
+std::vector<float> LocalEngine::state(SequenceId sequence) const {
+  const Sequence* seq = cache_->Find(sequence);
+  if (seq == nullptr || seq->state_slot == kInvalidBlock) return {};
+  std::vector<float> out(static_cast<size_t>(model_->state_bytes() / sizeof(float)));
+  const char* slot = view_.state(seq->state_slot.value());
+  if (device_->host_visible()) {
+    std::memcpy(out.data(), slot, out.size() * sizeof(float));
+    return out;
+  }
+  const absl::StatusOr<Fence> copied = device_->CopyToHost(
+      kernels::StreamId::kTransfer, out.data(), slot, static_cast<int64_t>(out.size() * 4));
+  if (!copied.ok() || !device_->Synchronize(*copied).ok()) return {};
+  return out;
 }
 
 }  // namespace kvpool::model

@@ -6,10 +6,10 @@
 // kvpoold drives them (minus RPC, sessions and cross-client batching). Tests hold the daemon's
 // results, and the GPU's, to it; benchmarks measure the daemon against it.
 //
-// A model with state-space layers gets one state slot per sequence (StepItem::state), made with
-// the sequence, copied by Fork and dropped by Free: docs/hybrid-groups.md §6 step 1, over a pool
-// that still keeps every token. Without checkpoints such a model has no prefix cache and cannot
-// rewind (Create and Truncate refuse).
+// A model with state-space layers keeps each sequence's state in the pool's state group, as
+// kvpoold does (docs/hybrid-groups.md §3; Options::state_slots): zeroed with the sequence,
+// copied by Fork, released fenced by Free. Without checkpoints such a model resumes no cached
+// prefix and cannot rewind below the tokens it knows (Truncate refuses).
 //
 // All sequences belong to one session in one namespace. Thread-compatible.
 
@@ -18,7 +18,6 @@
 #include <span>
 #include <vector>
 
-#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "kernels/backend.h"
 #include "kernels/device.h"
@@ -38,14 +37,18 @@ class LocalEngine final {
     int64_t pool_bytes = int64_t{64} << 20;
     int32_t max_blocks_per_seq = 4096;
     bool prefix_cache = true;
+    // Models with state-space layers: sequences alive at once (each has a slot in the pool's
+    // state group), out of pool_bytes. 0: as many as a quarter of pool_bytes holds, 1 to 64.
+    int32_t state_slots = 0;
     int threads = 0;  // kernel threads (0: hardware concurrency)
     kernels::BackendKind backend = kernels::BackendKind::kCpu;
     int device_ordinal = 0;
   };
 
-  // Errors: INVALID_ARGUMENT (a model the options' layout cannot hold, prefix_cache with
-  // state-space layers: a cached prefix has no state to resume from until checkpoints exist),
-  // RESOURCE_EXHAUSTED; CreateDevice's and CreateStepModel's (UNAVAILABLE for CUDA without a GPU).
+  // With state-space layers a prompt resumes no cached prefix (KvCacheOptions::state_slots: no
+  // checkpoints yet). Errors: INVALID_ARGUMENT (a model the options' layout cannot hold, a budget
+  // below the state slots and one block), RESOURCE_EXHAUSTED; CreateDevice's and
+  // CreateStepModel's (UNAVAILABLE for CUDA without a GPU).
   static absl::StatusOr<std::unique_ptr<LocalEngine>> Create(ModelWeights weights,
                                                              const Options& options);
   ~LocalEngine();
@@ -65,14 +68,14 @@ class LocalEngine final {
   // Errors as KvCacheManager::Fork / Free. Fork copies the sequence's state.
   absl::StatusOr<SequenceId> Fork(SequenceId sequence);
   absl::Status Free(SequenceId sequence, bool commit);
-  // Rewinds `sequence` to `num_tokens` (KvCacheManager::Truncate). With state-space layers only
-  // its current length is accepted: FAILED_PRECONDITION for any other (the state of an earlier
-  // token is gone: no checkpoint exists). Errors as KvCacheManager::Truncate; nothing changes on
-  // error.
+  // Rewinds `sequence` to `num_tokens` (KvCacheManager::Truncate: with state-space layers never
+  // below the tokens it knows, FAILED_PRECONDITION, as no checkpoint of an earlier state exists).
+  // Nothing changes on error.
   absl::Status Truncate(SequenceId sequence, int64_t num_tokens);
-  // The sequence's state (every state-space layer's, StepItem::state's layout); empty for an
-  // unknown sequence or a model without state-space layers.
-  std::span<const float> state(SequenceId sequence) const;
+  // A copy of the sequence's state (every state-space layer's, StepItem::state's layout), read
+  // from its slot in the pool's state group once the device is idle; empty for an unknown
+  // sequence or a model without state-space layers.
+  std::vector<float> state(SequenceId sequence) const;
 
   KvCacheManager& cache() { return *cache_; }
   StepModel& model() { return *model_; }
@@ -84,6 +87,8 @@ class LocalEngine final {
   TokenLimits Limits() const {
     return {model_->config().vocab_size, model_->config().max_position};
   }
+  // Enqueues `plan`'s device work (blocks, then states) and waits for it.
+  absl::Status Carry(const DevicePlan& plan);
   // Carries out `plan`, runs the step, then finishes (or undoes) every item.
   absl::StatusOr<std::vector<ItemResult>> Run(const DevicePlan& plan,
                                               std::vector<PlannedItem>& items,
@@ -97,9 +102,8 @@ class LocalEngine final {
   kernels::KvPoolView view_;
   std::unique_ptr<KvCacheManager> cache_;
   std::unique_ptr<kernels::PlanExecutor> executor_;
+  std::unique_ptr<kernels::PlanExecutor> state_executor_;  // null without state-space layers
   std::unique_ptr<StepModel> model_;
-  // One state per live sequence (models with state-space layers), state_bytes() / 4 floats.
-  absl::flat_hash_map<SequenceId, std::vector<float>> states_;
 };
 
 }  // namespace kvpool::model

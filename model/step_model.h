@@ -33,11 +33,12 @@ struct StepItem {
   const SamplingParams* sampling = nullptr;
   // The tokens its penalties count (the sequence's last kPenaltyWindow, this step's included).
   std::span<const int32_t> history;
-  // The sequence's state-space state (docs/hybrid-groups.md §3: a per-sequence slot outside the
-  // pool): ModelConfig::state_bytes() / 4 floats, every state-space layer's in layer order, the
-  // state after the sequence's first `start` tokens; the step leaves it after start +
-  // tokens.size(). Zeros are the state of no tokens. Owned by the caller; two items never share
-  // one. Ignored (may be empty) for a model without state-space layers.
+  // The sequence's state-space state (docs/hybrid-groups.md §3: its slot in the pool's state
+  // group, KvPoolView::state): ModelConfig::state_bytes() / 4 floats in device memory where the
+  // pool is (host memory on the CPU device), every state-space layer's in layer order, the state
+  // after the sequence's first `start` tokens; the step advances it in place to start +
+  // tokens.size(). Zeros are the state of no tokens. Two items never share one. Ignored (may be
+  // empty) for a model without state-space layers.
   std::span<float> state;
 };
 

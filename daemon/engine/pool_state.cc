@@ -122,8 +122,7 @@ absl::StatusOr<Fence> PoolState::Carry(const DevicePlan& plan) {
 }
 
 absl::StatusOr<Fence> PoolState::CarryStates(const DevicePlan& plan, Fence blocks_fence) {
-  DevicePlan states{.copies = plan.state_copies};
-  for (BlockId slot : plan.state_zeros) states.fills.push_back({.block = slot, .scrub = true});
+  const DevicePlan states = kernels::PlanExecutor::StatePart(plan);
   const absl::StatusOr<Fence> fence = state_executor_->Execute(states);
   const Fence queued = fence.ok() ? *fence : state_executor_->pending();
   if (queued.value != 0) {

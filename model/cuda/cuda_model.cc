@@ -120,7 +120,7 @@ CudaModel::~CudaModel() {
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);
   if (handle_ != nullptr) cublas_->destroy(handle_);
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
-  for (Pinned* p : {&staged_, &logits_host_, &states_host_}) {
+  for (Pinned* p : {&staged_, &logits_host_}) {
     if (p->data != nullptr) cudaFreeHost(p->data);
   }
   // Buffers free themselves (cudaFree waits for the device).
@@ -257,7 +257,6 @@ absl::Status CudaModel::RunStep(const kernels::KvPoolView& pool, std::span<const
       CudaStatus(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (model step)");
   KVPOOL_RETURN_IF_ERROR(launched);
   KVPOOL_RETURN_IF_ERROR(synced);
-  UnstageStates(items);
 
   results->clear();
   results->resize(static_cast<size_t>(ni));
@@ -352,14 +351,6 @@ absl::Status CudaModel::Launch(const kernels::KvPoolView& pool, int32_t n, int32
   float* x = At<float>(x_);
   float* xn = At<float>(xn_);
 
-  const int64_t state_bytes = static_cast<int64_t>(seq_items_.size()) * c.state_bytes();
-  if (state_bytes > 0) {
-    KVPOOL_RETURN_IF_ERROR(CudaStatus(
-        cudaMemcpyAsync(states_->data(), states_host_.data, static_cast<size_t>(state_bytes),
-                        cudaMemcpyHostToDevice, stream_),
-        "cudaMemcpyAsync (states)"));
-  }
-
   KVPOOL_RETURN_IF_ERROR(CudaStatus(
       LaunchEmbed(At<float>(c.tie_word_embeddings ? head_ : embed_), tokens, n, h, x, stream_),
       "embedding kernel"));
@@ -392,12 +383,6 @@ absl::Status CudaModel::Launch(const kernels::KvPoolView& pool, int32_t n, int32
     KVPOOL_RETURN_IF_ERROR(Attention(pool, l));
     KVPOOL_RETURN_IF_ERROR(Gemm(At<float>(attn_), n, L.wo, h, qd, x, true));
     KVPOOL_RETURN_IF_ERROR(Mlp(L, n));
-  }
-  if (state_bytes > 0) {
-    KVPOOL_RETURN_IF_ERROR(CudaStatus(
-        cudaMemcpyAsync(states_host_.data, states_->data(), static_cast<size_t>(state_bytes),
-                        cudaMemcpyDeviceToHost, stream_),
-        "cudaMemcpyAsync (states)"));
   }
   // The prediction after each item's last token.
   KVPOOL_RETURN_IF_ERROR(CudaStatus(LaunchRmsNorm(x, last_rows, ni, h, At<float>(final_norm_),

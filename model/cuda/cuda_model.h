@@ -99,13 +99,11 @@ class CudaModel final : public StepModel {
   absl::Status Attention(const kernels::KvPoolView& pool, int32_t layer);
   // cuda_model_ssm.cc: a state-space layer's weights onto the device.
   absl::Status UploadStateSpace(LayerWeights& weights, Layer* layer);
-  // Reserves the step's SSM buffers and stages its states (sorted as the rows) and their device
-  // pointers; after Reserve(staged_) with the offsets set.
+  // Reserves the step's SSM buffers and stages the device pointers of its states (sorted as the
+  // rows); after Reserve(staged_) with the offsets set.
   absl::Status StageStates(std::span<const StepItem> items, int32_t num_tokens);
   // Layer `layer`'s mixer, a state-space one, into the residual stream x_.
   absl::Status StateSpace(int32_t layer, int32_t num_tokens);
-  // The states back into the items' slots, after the step's stream is idle.
-  void UnstageStates(std::span<const StepItem> items);
 
   const ModelConfig config_;
   const kernels::PoolLayout layout_;
@@ -137,14 +135,11 @@ class CudaModel final : public StepModel {
   Buffer x_, xn_, qkv_, q_, attn_, k_, v_, gate_up_, act_, last_, logits_, workspace_;
 
   // State-space layers. The step's sequences in row order (as the host model's PlanStates):
-  // seq_starts_ [seqs + 1] their rows, seq_items_ the item of each. states_ holds the items'
-  // states in that order ([seqs][state floats]), staged through states_host_; the inputs hold
-  // seq_starts and, per state layer, the device pointers of each sequence's conv carry and scan
-  // state (state_ptrs: [state layers][2][seqs]).
+  // seq_starts_ [seqs + 1] their rows, seq_items_ the item of each. The inputs hold seq_starts
+  // and, per state layer, the device pointers of each sequence's conv carry and scan state in its
+  // state slot (state_ptrs: [state layers][2][seqs]), advanced in place.
   std::vector<int32_t> seq_starts_;
   std::vector<size_t> seq_items_;
-  Buffer states_;
-  Pinned states_host_;
   Buffer ssm_proj_, ssm_xbc_, ssm_x_, ssm_b_, ssm_c_, ssm_dt_, ssm_y_;
   // A step with a sequence of more than kSsmChunkRows rows scans in chunks (ssm_kernels.h): its
   // plan (staged at chunk_rows and seq_chunks) and workspace.

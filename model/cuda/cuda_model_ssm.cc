@@ -72,27 +72,19 @@ absl::Status CudaModel::StageStates(std::span<const StepItem> items, int32_t num
   seq_starts_.push_back(num_tokens);
 
   const int64_t seqs = static_cast<int64_t>(items.size());
-  const int64_t floats = c.state_bytes() / static_cast<int64_t>(sizeof(float));
-  const int64_t bytes = seqs * c.state_bytes();
-  KVPOOL_RETURN_IF_ERROR(Reserve(states_, bytes));
-  KVPOOL_RETURN_IF_ERROR(Reserve(states_host_, bytes));
-  auto* host_states = static_cast<float*>(states_host_.data);
-  for (int64_t q = 0; q < seqs; ++q) {
-    const std::span<float> state = items[seq_items_[static_cast<size_t>(q)]].state;
-    std::memcpy(host_states + q * floats, state.data(), state.size_bytes());
-  }
 
   char* host = static_cast<char*>(staged_.data);
   std::memcpy(host + offsets_.seq_starts, seq_starts_.data(), seq_starts_.size() * sizeof(int32_t));
-  // Per state layer: each sequence's conv carry, then each one's scan state.
+  // Per state layer: each sequence's conv carry, then each one's scan state, in place in the
+  // sequence's state slot (device memory: the pool's state group, StepItem::state).
   auto* ptrs = reinterpret_cast<float**>(host + offsets_.state_ptrs);
-  float* base = At<float>(states_);
   int64_t offset = 0;
   for (int32_t l = 0; l < c.num_layers; ++l) {
     if (c.kind(l) != LayerKind::kStateSpace) continue;
     for (int64_t q = 0; q < seqs; ++q) {
-      ptrs[q] = base + q * floats + offset;
-      ptrs[seqs + q] = base + q * floats + offset + m.conv_state_floats();
+      float* state = items[seq_items_[static_cast<size_t>(q)]].state.data();
+      ptrs[q] = state + offset;
+      ptrs[seqs + q] = state + offset + m.conv_state_floats();
     }
     ptrs += 2 * seqs;
     offset += m.state_floats();
@@ -124,16 +116,6 @@ absl::Status CudaModel::StageStates(std::span<const StepItem> items, int32_t num
   KVPOOL_RETURN_IF_ERROR(Reserve(ssm_c_, 4 * n * bc));
   KVPOOL_RETURN_IF_ERROR(Reserve(ssm_dt_, 4 * n * m.num_heads));
   return Reserve(ssm_y_, 4 * n * m.inner());
-}
-
-void CudaModel::UnstageStates(std::span<const StepItem> items) {
-  const int64_t floats = config_.state_bytes() / static_cast<int64_t>(sizeof(float));
-  if (floats == 0) return;
-  const auto* host_states = static_cast<const float*>(states_host_.data);
-  for (size_t q = 0; q < seq_items_.size(); ++q) {
-    const std::span<float> state = items[seq_items_[q]].state;
-    std::memcpy(state.data(), host_states + static_cast<int64_t>(q) * floats, state.size_bytes());
-  }
 }
 
 absl::Status CudaModel::StateSpace(int32_t layer, int32_t n) {

@@ -245,7 +245,7 @@ TEST(HybridEngineTest, ForkCopiesTheStateAndFreeDropsIt) {
   EXPECT_TRUE(engine->cache().CheckInvariants().ok());
 }
 
-TEST(HybridEngineTest, TruncateOnlyToTheCurrentLength) {
+TEST(HybridEngineTest, TruncateNeverBelowTheKnownTokens) {
   const ModelWeights w = SyntheticWeights(HybridConfig({kS, kF}), 8);
   auto engine = MakeTestEngine(w, 16, kernels::DType::kF32, false);
   auto seq = engine->Prefill(SequenceId(0), RandomTokens(20, 256, 4));
@@ -265,11 +265,26 @@ TEST(HybridEngineTest, TruncateOnlyToTheCurrentLength) {
   EXPECT_TRUE(plain->Truncate(p->sequence, 16).ok());
 }
 
-TEST(HybridEngineTest, RefusesAPrefixCacheWithoutCheckpoints) {
-  auto engine = LocalEngine::Create(SyntheticWeights(HybridConfig({kS, kF}), 1),
-                                    {.pool_bytes = int64_t{4} << 20, .prefix_cache = true});
-  EXPECT_EQ(engine.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(engine.status().message(), HasSubstr("prefix_cache"));
+// The state lives in the pool's state group: with the prefix cache on, a prompt cached for full
+// attention resumes nothing (no state checkpoint there yet) and is computed whole, as alone.
+TEST(HybridEngineTest, APrefixCacheResumesNothingWithoutCheckpoints) {
+  auto engine = LocalEngine::Create(
+      SyntheticWeights(HybridConfig({kS, kF}), 1),
+      {.dtype = kernels::DType::kF32, .pool_bytes = int64_t{4} << 20, .prefix_cache = true});
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  const std::vector<int32_t> prompt = RandomTokens(40, 256, 6);
+  auto first = (*engine)->Prefill(SequenceId(0), prompt);
+  ASSERT_TRUE(first.ok()) << first.status();
+  const std::vector<float> state = (*engine)->state(first->sequence);
+  ASSERT_TRUE((*engine)->Free(first->sequence, /*commit=*/true).ok());
+  auto again = (*engine)->Prefill(SequenceId(0), prompt);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->reused, 0);
+  EXPECT_EQ(again->result.next_token, first->result.next_token);
+  EXPECT_EQ((*engine)->state(again->sequence), state);
+  // All but the last prompt token were cached (full blocks and the partial tail): all cut.
+  EXPECT_EQ((*engine)->cache().stats().missed_no_checkpoint, 39u);
+  EXPECT_TRUE((*engine)->cache().CheckInvariants().ok());
 }
 
 TEST(HybridConfigTest, TinyHybridIsMostlyStateSpaceWithTinysAttention) {
