@@ -275,10 +275,11 @@ void RunTree::AddRun(NodeIndex root, BlockId at, std::span<const BlockId> blocks
   const size_t bs = static_cast<size_t>(block_size_);
   for (size_t k = 0; k < blocks.size(); ++k) {
     const BlockId b = blocks[k];
-    CopyBlockTokens(tokens_.get() + static_cast<size_t>(b.value()) * bs, tokens.data() + k * bs,
-                    bs);
+    StreamBlockTokens(tokens_.get() + static_cast<size_t>(b.value()) * bs, tokens.data() + k * bs,
+                      bs);
     place(b) = Place{node, depth + static_cast<int32_t>(k), block_size_, 0};
   }
+  StreamFence();
   place(blocks.back()).leaf = 1;
   if (at == kInvalidBlock) LinkChild(root, node);
 }

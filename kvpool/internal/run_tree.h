@@ -249,7 +249,7 @@ class RunTree final {
 
   const int32_t block_size_;
   std::vector<Place> places_;  // by BlockId
-  // Line-aligned: a block of whole cache lines starts on one.
+  // Line-aligned, so that a block of whole lines streams into its slot (StreamBlockTokens).
   struct FreeAligned {
     void operator()(int32_t* p) const { ::operator delete[](p, std::align_val_t{64}); }
   };
