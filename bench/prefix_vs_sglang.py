@@ -23,6 +23,8 @@ The default is "sglang,page" when SGLang is given, else "tensor,page". Targets a
   python3 bench/prefix_vs_sglang.py --build_dir=build/release --capacities=1000,5000 \
       --sglang_path=/path/to/sglang/python
   python3 bench/prefix_vs_sglang.py --smoke   # a few hundred requests, one round (ctest)
+With --kvpool_b=<another kvpool-replay> (an A/B: main's binary, say) that binary runs in the same
+alternating rounds, and the row adds its requests/s, this build's over it and its own ratio.
 """
 
 import argparse
@@ -36,8 +38,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRACES = ["conversation_trace.jsonl", "synthetic_trace.jsonl"]
 
 
-def run_kvpool(args, trace, block_size, capacity):
-    cmd = [os.path.join(args.build_dir, "tools", "kvpool-replay"), f"--trace={trace}",
+def run_kvpool(args, trace, block_size, capacity, binary=None):
+    binary = binary or os.path.join(args.build_dir, "tools", "kvpool-replay")
+    cmd = [binary, f"--trace={trace}",
            f"--block_size={block_size}", f"--capacity_blocks={capacity}",
            "--policy=lru", f"--max_requests={args.max_requests}", f"--passes={args.kvpool_passes}"]
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -105,6 +108,10 @@ def parse_args():
                    help="kvpool-replay replays the trace this many times per round (requests/s "
                         "over all): at block size 16 one pass times ~0.25 s against the "
                         "baseline's ~3 s, and so caught a burst of background load whole")
+    p.add_argument("--kvpool_b", default="",
+                   help="another kvpool-replay binary (e.g. main's) run in the same rounds: its "
+                        "requests/s, this build's over it (ab), and its ratio to the judged "
+                        "baseline are printed beside this build's")
     p.add_argument("--targets", default="16:10,512:50",
                    help="ratio to report as met, per block size (issue 31); others: --target")
     p.add_argument("--target", type=float, default=10.0, help="ratio for other block sizes")
@@ -135,14 +142,27 @@ def baselines(args):
 def compare(args, values, trace, bs, capacity):
     """Alternating rounds of kvpool and every baseline; returns the row and whether it met."""
     kv, py, ratios = [], {v: [] for v in values}, {v: [] for v in values}
+    kv_b, ab, b_ratios = [], [], []
+    mine = ["kvpool", "kvpool_b"] if args.kvpool_b else ["kvpool"]
     for r in range(args.rounds):
         # Alternate who goes first, so neither always runs on a cooler machine.
-        order = ["kvpool"] + values if r % 2 == 0 else values + ["kvpool"]
+        order = mine + values if r % 2 == 0 else values + mine[::-1]
         got = {}
         for who in order:
-            got[who] = (run_kvpool(args, trace, bs, capacity) if who == "kvpool"
-                        else run_python(args, trace, bs, capacity, who))
+            if who == "kvpool":
+                got[who] = run_kvpool(args, trace, bs, capacity)
+            elif who == "kvpool_b":
+                got[who] = run_kvpool(args, trace, bs, capacity, args.kvpool_b)
+            else:
+                got[who] = run_python(args, trace, bs, capacity, who)
         kv.append(got["kvpool"])
+        if args.kvpool_b:
+            kv_b.append(got["kvpool_b"])
+            ab.append(got["kvpool"]["requests_per_s"] / got["kvpool_b"]["requests_per_s"])
+            b_ratios.append(got["kvpool_b"]["requests_per_s"] / got[values[0]]["requests_per_s"])
+            if got["kvpool_b"]["hit_rate"] != got["kvpool"]["hit_rate"]:
+                raise RuntimeError(f"hit rates differ: {got['kvpool']['hit_rate']} against "
+                                   f"{args.kvpool_b}'s {got['kvpool_b']['hit_rate']}")
         for v in values:
             py[v].append(got[v])
             ratios[v].append(got["kvpool"]["requests_per_s"] / got[v]["requests_per_s"])
@@ -152,8 +172,11 @@ def compare(args, values, trace, bs, capacity):
     cols = " ".join(
         f"{statistics.median(x['requests_per_s'] for x in py[v]):>11.0f} "
         f"{statistics.median(ratios[v]):>6.1f}x" for v in values)
+    b_cols = (f"{statistics.median(x['requests_per_s'] for x in kv_b):>11.0f} "
+              f"{statistics.median(ab):>5.2f}x {statistics.median(b_ratios):>6.1f}x "
+              if args.kvpool_b else "")
     row = (f"{os.path.basename(trace):<26} {capacity:>5} {bs:>4} "
-           f"{statistics.median(x['requests_per_s'] for x in kv):>11.0f} {cols} "
+           f"{statistics.median(x['requests_per_s'] for x in kv):>11.0f} {b_cols}{cols} "
            f"{kv[0]['hit_rate']:>7.4f} {py[values[0]][0]['hit_rate']:>7.4f} {rss:>9.1f}  "
            f"{'met' if met else 'MISSED'} (>= {target:g}x; rounds "
            f"{', '.join(f'{x:.1f}' for x in ratios[values[0]])})")
@@ -168,7 +191,10 @@ def main():
     values = baselines(args)
     print(f"plain LRU, baselines {args.python} (values: {', '.join(values)}; target judged on "
           f"{values[0]}), {args.rounds} alternating rounds, median; capacity in 512-token blocks")
+    if args.kvpool_b:
+        print(f"B: {args.kvpool_b} (ab: kvpool_rps / b_rps; b_ratio: B over {values[0]})")
     print(f"{'trace':<26} {'cap':>5} {'bs':>4} {'kvpool_rps':>11} "
+          + (f"{'b_rps':>11} {'ab':>6} {'b_ratio':>7} " if args.kvpool_b else "")
           + " ".join(f"{v + '_rps':>11} {'ratio':>7}" for v in values)
           + f" {'kv_hit':>7} {'py_hit':>7} {'kv_rss_MB':>9}  target")
     ok = True
