@@ -116,14 +116,16 @@ void PrefixCache::Remove(BlockId block, const TraceContext& ctx, bool offer_pare
 
 ABSL_ATTRIBUTE_ALWAYS_INLINE inline EvictionPlanner::Step EvictionPlanner::NextStep(
     BlockId child, BlockId parent, bool chain, const Progress& p) {
+  // The plan has what it asked for: it takes nothing more, so the parent is not even ranked (an
+  // eviction of one block, as EvictCached(1), ranks and queues nothing).
+  if (p.freed >= p.blocks) return Step::kStop;
   const PrefixCache::Entry& pe = p.cache->entry(parent);
   if (pe.evictable == 0 || pe.kept != 0) return Step::kStop;
   // A run released at once, deepest first: the parent's release order is the next one in the
   // same class, so under a release-ordered policy nothing can rank between the two and the
   // parent is the next victim. No heap, no Rank().
   const PrefixCache::Entry& ce = p.cache->entry(child);
-  if (chain && p.freed < p.blocks && pe.priority == ce.priority &&
-      pe.release_seq == ce.release_seq + 1) {
+  if (chain && pe.priority == ce.priority && pe.release_seq == ce.release_seq + 1) {
     return Step::kFollow;
   }
   return Step::kQueue;
