@@ -21,6 +21,10 @@
 // amortized; Rank O(1); Visit O(log n + k) for k visited plus a per-policy constant per visited
 // node (a few dozen comparisons at most). No operation scans the candidates.
 //
+// A node, to a policy, is one cached block: the PrefixCache names each by its BlockId's value
+// (dense in [0, num_blocks)), whatever runs of blocks its radix nodes hold, and hands it the
+// block's own facts.
+//
 // Thread-compatible; owned by the PrefixCache.
 
 #include <compare>

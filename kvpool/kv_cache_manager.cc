@@ -401,8 +401,8 @@ absl::Status KvCacheManager::CheckCapacity(std::span<const std::pair<NamespaceId
   return absl::OkStatus();
 }
 
-absl::Status KvCacheManager::CheckRoom(int64_t blocks, std::span<const NodeIndex> keep,
-                                       std::vector<NodeIndex>* victims, std::string_view what) {
+absl::Status KvCacheManager::CheckRoom(int64_t blocks, std::span<const BlockId> keep,
+                                       std::vector<BlockId>* victims, std::string_view what) {
   if (blocks > pool_->num_free()) ReclaimRetired();
   int64_t short_by = blocks - pool_->num_free();
   if (short_by > 0 && cache_) short_by -= cache_->PlanEviction(short_by, keep, victims);
@@ -440,7 +440,7 @@ void KvCacheManager::TakeStateSlot(Sequence* seq, BlockId copy_of, const TraceCo
   }
 }
 
-void KvCacheManager::EvictPlanned(std::span<const NodeIndex> victims, const TraceContext& ctx) {
+void KvCacheManager::EvictPlanned(std::span<const BlockId> victims, const TraceContext& ctx) {
   if (victims.empty()) return;
   cache_->Evict(victims, ctx);
   counters_.evictions += victims.size();
@@ -512,7 +512,7 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
   for (size_t k = 0; k < requests.size(); ++k) {
     KVPOOL_RETURN_IF_ERROR(CountExhausted(PlanAllocate(requests[k], &tally, &plans[k])));
   }
-  std::vector<NodeIndex> victims;
+  std::vector<BlockId> victims;
   std::vector<NamespaceSlot> recycle;
   KVPOOL_RETURN_IF_ERROR(
       CountExhausted(CheckSequences(caller, static_cast<int64_t>(requests.size()), "allocate")));
@@ -542,13 +542,13 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
                    .priority = r.priority,
                    .retain_tail = r.retain_tail};
     if (cache_) seq.path = cache_->Adopt(p.match);
-    for (NodeIndex node : p.match.full) {
-      seq.table.push_back(cache_->block_of(node));
-      RetainBlock(seq.table.back(), ctx);
-      pool_->NoteCacheHit(seq.table.back(), ctx);
+    for (BlockId block : p.match.full) {
+      seq.table.push_back(block);
+      RetainBlock(block, ctx);
+      pool_->NoteCacheHit(block, ctx);
     }
-    if (p.match.partial != kNoNode) {
-      const BlockId src = cache_->block_of(p.match.partial);
+    if (p.match.partial != kInvalidBlock) {
+      const BlockId src = p.match.partial;
       if (p.copy_partial) {
         KVPOOL_CHECK_OK(pool_->Allocate(1, seq.slot, ctx, &seq.table, /*fills=*/nullptr));
         plan->copies.push_back(BlockCopy{src, seq.table.back()});
@@ -611,11 +611,10 @@ absl::Status KvCacheManager::PlanAllocate(const AllocateRequest& r, AllocateTall
   // Table slots the match fills: every fully matched block, and the partially matched one
   // (shared, or copied when the sequence will write into it).
   const int64_t from_match =
-      static_cast<int64_t>(p->match.full.size()) + (p->match.partial != kNoNode ? 1 : 0);
-  std::vector<BlockId> matched;  // blocks the sequence will hold by reference
-  for (NodeIndex node : p->match.full) matched.push_back(cache_->block_of(node));
-  if (p->match.partial != kNoNode) {
-    const BlockId block = cache_->block_of(p->match.partial);
+      static_cast<int64_t>(p->match.full.size()) + (p->match.partial != kInvalidBlock ? 1 : 0);
+  std::vector<BlockId> matched = p->match.full;  // blocks the sequence will hold by reference
+  if (p->match.partial != kInvalidBlock) {
+    const BlockId block = p->match.partial;
     // Sharing it is enough unless the sequence will write into it: then it must write alone
     // and above the published tokens, or it gets a copy.
     if (r.num_tokens > p->match.matched_tokens) {
@@ -683,7 +682,7 @@ absl::Status KvCacheManager::GrowBatch(SessionId caller, std::span<const GrowReq
     blocks += n;
     refs += plans[k].new_blocks;
   }
-  std::vector<NodeIndex> victims;
+  std::vector<BlockId> victims;
   KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckCapacity(by_ns, caller, refs, "grow")));
   KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckRoom(blocks, {}, &victims, "grow")));
 
@@ -726,9 +725,9 @@ void KvCacheManager::ReleaseTail(Sequence* sequence, size_t keep, const TraceCon
   // The blocks past the path's full nodes first (its partial node's, and any not published)...
   for (size_t k = sequence->table.size(); k > std::max(keep, path.full.size());) {
     --k;
-    if (path.partial != kNoNode && k == path.full.size()) {
+    if (path.partial != kInvalidBlock && k == path.full.size()) {
       cache_->Unlock(path.partial);
-      path.partial = kNoNode;
+      path.partial = kInvalidBlock;
     }
     ReleaseBlock(sequence->table[k], ctx);
   }
@@ -772,7 +771,7 @@ absl::StatusOr<SequenceId> KvCacheManager::Fork(SessionId caller, SequenceId seq
   KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckSequences(caller, 1, "fork")));
   const bool partial = parent->num_tokens % block_size_ != 0;
   const std::pair<NamespaceId, int64_t> by_ns[] = {{parent->ns, partial ? 1 : 0}};
-  std::vector<NodeIndex> victims;
+  std::vector<BlockId> victims;
   KVPOOL_RETURN_IF_ERROR(CountExhausted(
       CheckCapacity(by_ns, caller, static_cast<int64_t>(parent->table.size()), "fork")));
   KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckRoom(partial ? 1 : 0, {}, &victims, "fork")));

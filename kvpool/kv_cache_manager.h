@@ -198,7 +198,7 @@ struct PinInfo {
   SequenceId sequence{0};  // the sequence whose published blocks it pins; 0 for a prefix pin
   int priority = 0;        // class the pinned blocks were raised to
   int64_t tokens = 0;      // tokens pinned (the prefix length)
-  int64_t blocks = 0;      // tree nodes (pool blocks) it holds
+  int64_t blocks = 0;      // cached blocks it holds
   int64_t created_ns = 0;  // Clock reading when made (or last renewed)
   int64_t expires_ns = 0;  // Clock reading at which it ends by itself
 
@@ -464,7 +464,7 @@ class KvCacheManager final {
 
   struct Pin {
     PinInfo info;
-    std::vector<NodeIndex> nodes;  // root first, each pinned once
+    std::vector<BlockId> blocks;  // cached blocks, root first, each pinned once
   };
 
   // Whose quota a namespace counts against: a group's (SetNamespaceQuota's `group`) or its own
@@ -506,7 +506,7 @@ class KvCacheManager final {
   // What an Allocate batch needs in all, summed as each request is planned.
   struct AllocateTally {
     std::vector<std::pair<NamespaceId, int64_t>> by_ns;  // ACTIVE blocks added, by namespace
-    std::vector<NodeIndex> keep;   // matched nodes: never evicted to make room for this call
+    std::vector<BlockId> keep;     // matched blocks: never evicted to make room for this call
     std::vector<BlockId> adopted;  // cached blocks the batch turns ACTIVE (counted once each)
     WriteClaims joined;            // partially matched blocks shared by writers of the batch
     int64_t refs = 0;              // block references the new sequences will hold
@@ -527,15 +527,15 @@ class KvCacheManager final {
   TraceContext BeginCall(SessionId session, SequenceId sequence);
   // Expires pins whose deadline is <= now_ns.
   int64_t ExpirePinsAt(int64_t now_ns);
-  // Checks and makes a pin over `nodes` (a root-first path) for `tokens` tokens.
+  // Checks and makes a pin over cached `blocks` (a root-first path) for `tokens` tokens.
   absl::StatusOr<PinId> MakePin(SessionId caller, NamespaceId ns, SequenceId sequence,
-                                std::vector<NodeIndex> nodes, int64_t tokens, int64_t ttl_ns,
+                                std::vector<BlockId> blocks, int64_t tokens, int64_t ttl_ns,
                                 int priority, int64_t now_ns);
   absl::Status CheckTtl(int64_t ttl_ns) const;
   absl::StatusOr<Pin*> OwnedPin(SessionId caller, PinId pin);
   void ReleasePin(PinId pin);
-  absl::Status CheckPins(absl::flat_hash_map<NodeIndex, uint32_t>* locks,
-                         absl::flat_hash_map<NodeIndex, uint32_t>* pins) const;
+  absl::Status CheckPins(absl::flat_hash_map<BlockId, uint32_t>* locks,
+                         absl::flat_hash_map<BlockId, uint32_t>* pins) const;
   // The sequence, if `caller` owns it. Errors: NOT_FOUND, PERMISSION_DENIED.
   absl::StatusOr<Sequence*> Owned(SessionId caller, SequenceId sequence);
   // Whether writing token slot `slot` of `block` must first move the writer onto a copy:
@@ -577,9 +577,9 @@ class KvCacheManager final {
   // Checks there is room for `blocks` new blocks: free ones, retired ones that can be reclaimed
   // (reclaimed now: housekeeping), then cached ones to evict (never the nodes in `keep`). The
   // evictions are planned into `victims`, for the caller to carry out once nothing can fail.
-  absl::Status CheckRoom(int64_t blocks, std::span<const NodeIndex> keep,
-                         std::vector<NodeIndex>* victims, std::string_view what);
-  void EvictPlanned(std::span<const NodeIndex> victims, const TraceContext& ctx);
+  absl::Status CheckRoom(int64_t blocks, std::span<const BlockId> keep,
+                         std::vector<BlockId>* victims, std::string_view what);
+  void EvictPlanned(std::span<const BlockId> victims, const TraceContext& ctx);
   TableChange ApplyGrow(const GrowPlan& plan, const TraceContext& ctx, DevicePlan* device_plan);
   // Checks one Allocate request, matches its prompt and works out what it needs, adding that to
   // `tally`. Changes nothing.

@@ -11,6 +11,16 @@
 #include "kvpool/util/status_macros.h"
 
 namespace kvpool {
+namespace {
+
+std::vector<int32_t> Ids(std::span<const BlockId> blocks) {
+  std::vector<int32_t> ids;
+  ids.reserve(blocks.size());
+  for (BlockId b : blocks) ids.push_back(b.value());
+  return ids;
+}
+
+}  // namespace
 
 absl::Status KvCacheManager::MarkInFlight(std::span<const BlockId> blocks, Fence fence) {
   for (BlockId block : blocks) {
@@ -108,7 +118,7 @@ KvCacheStats KvCacheManager::stats() const {
   for (const auto& [id, usage] : sessions_) s.sessions += usage.sequences > 0 ? 1 : 0;
   if (cache_) s.cache = cache_->stats();
   s.pins = static_cast<int64_t>(pins_.size());
-  s.pinned_blocks = cache_ ? cache_->pinned_nodes() : 0;
+  s.pinned_blocks = cache_ ? cache_->pinned_blocks() : 0;
   if (states_) s.states = states_->stats();
   return s;
 }
@@ -170,7 +180,7 @@ absl::Status KvCacheManager::CheckInvariants() const {
   KVPOOL_RETURN_IF_ERROR(pool_->CheckInvariants());
   std::vector<uint32_t> refs(static_cast<size_t>(pool_->num_blocks()), 0);
   absl::flat_hash_map<SessionId, SessionUsage> usage;
-  absl::flat_hash_map<NodeIndex, uint32_t> locks;
+  absl::flat_hash_map<BlockId, uint32_t> locks;
   for (const auto& [id, seq] : sequences_) {
     if (seq.id != id)
       return InvariantViolation("sequence {} is filed under another id", id.value());
@@ -188,11 +198,11 @@ absl::Status KvCacheManager::CheckInvariants() const {
       return InvariantViolation("sequence {} has a stale namespace slot", id.value());
     }
     if (seq.path.full.size() > seq.table.size()) {
-      return InvariantViolation("sequence {} follows more tree nodes than it has blocks",
+      return InvariantViolation("sequence {} follows more cached blocks than it has blocks",
                                 id.value());
     }
-    for (NodeIndex node : seq.path.full) ++locks[node];
-    if (seq.path.partial != kNoNode) ++locks[seq.path.partial];
+    for (BlockId block : seq.path.full) ++locks[block];
+    if (seq.path.partial != kInvalidBlock) ++locks[seq.path.partial];
     for (BlockId block : seq.table) {
       if (!pool_->Contains(block) || pool_->state(block) != BlockState::kActive) {
         return InvariantViolation(
@@ -233,7 +243,7 @@ absl::Status KvCacheManager::CheckInvariants() const {
   KVPOOL_RETURN_IF_ERROR(CheckQuotaBooks());
   KVPOOL_RETURN_IF_ERROR(CheckStates());
   if (cache_) {
-    absl::flat_hash_map<NodeIndex, uint32_t> pinned;
+    absl::flat_hash_map<BlockId, uint32_t> pinned;
     KVPOOL_RETURN_IF_ERROR(CheckPins(&locks, &pinned));
     KVPOOL_RETURN_IF_ERROR(cache_->CheckInvariants(&locks, &pinned));
   } else if (pool_->num_cached() != 0 || !pins_.empty()) {
@@ -276,11 +286,10 @@ std::string KvCacheManager::DebugString() const {
   fmt::format_to(it, "next_sequence={}\nsequences:\n", next_sequence_id_);
   for (SequenceId id : ids) {
     const Sequence& seq = sequences_.at(id);
-    std::vector<int32_t> table;
-    for (BlockId b : seq.table) table.push_back(b.value());
     fmt::format_to(it, "{} session={} ns={} tokens={} known={} table={} path={}+{}", id.value(),
                    seq.session.value(), seq.ns.value(), seq.num_tokens, seq.tokens.size(),
-                   fmt::join(table, ","), fmt::join(seq.path.full, ","), seq.path.partial);
+                   fmt::join(Ids(seq.table), ","), fmt::join(Ids(seq.path.full), ","),
+                   seq.path.partial.value());
     if (states_) fmt::format_to(it, " state={}", seq.state_slot.value());
     out += "\n";
   }
@@ -313,9 +322,10 @@ std::string KvCacheManager::DebugString() const {
   std::sort(pins.begin(), pins.end());
   for (PinId id : pins) {
     const Pin& p = pins_.at(id);
-    fmt::format_to(it, " {}:session={},ns={},seq={},prio={},tokens={},expires={},nodes={}",
+    fmt::format_to(it, " {}:session={},ns={},seq={},prio={},tokens={},expires={},blocks={}",
                    id.value(), p.info.session.value(), p.info.ns.value(), p.info.sequence.value(),
-                   p.info.priority, p.info.tokens, p.info.expires_ns, fmt::join(p.nodes, "/"));
+                   p.info.priority, p.info.tokens, p.info.expires_ns,
+                   fmt::join(Ids(p.blocks), "/"));
   }
   out += "\n";
   return out;

@@ -46,9 +46,9 @@ absl::StatusOr<PinId> KvCacheManager::PinPrefix(SessionId caller, NamespaceId ns
         "only {} of the {} tokens to pin are cached in namespace {} (commit them first)",
         match.matched_tokens, tokens.size(), ns.value()));
   }
-  std::vector<NodeIndex> nodes = match.full;
-  if (match.partial != kNoNode) nodes.push_back(match.partial);
-  return MakePin(caller, ns, SequenceId(0), std::move(nodes), static_cast<int64_t>(tokens.size()),
+  std::vector<BlockId> blocks = match.full;
+  if (match.partial != kInvalidBlock) blocks.push_back(match.partial);
+  return MakePin(caller, ns, SequenceId(0), std::move(blocks), static_cast<int64_t>(tokens.size()),
                  ttl_ns, priority, ctx.time_ns);
 }
 
@@ -59,22 +59,22 @@ absl::StatusOr<PinId> KvCacheManager::PinSequence(SessionId caller, SequenceId s
   KVPOOL_RETURN_IF_ERROR(CheckTtl(ttl_ns));
   KVPOOL_RETURN_IF_ERROR(CheckPriority(priority));
   if (!cache_) return absl::FailedPreconditionError("the prefix cache is off: nothing to pin");
-  std::vector<NodeIndex> nodes = seq->path.full;
-  int64_t tokens = static_cast<int64_t>(nodes.size()) * block_size_;
-  if (seq->path.partial != kNoNode) {
-    nodes.push_back(seq->path.partial);
-    tokens += cache_->coverage(seq->path.partial);
+  std::vector<BlockId> blocks = seq->path.full;
+  int64_t tokens = static_cast<int64_t>(blocks.size()) * block_size_;
+  if (seq->path.partial != kInvalidBlock) {
+    blocks.push_back(seq->path.partial);
+    tokens += cache_->CoverageOf(seq->path.partial);
   }
-  if (nodes.empty()) {
+  if (blocks.empty()) {
     return absl::FailedPreconditionError(
         fmt::format("sequence {} has published nothing to pin (Commit first)", sequence.value()));
   }
-  return MakePin(caller, seq->ns, sequence, std::move(nodes), tokens, ttl_ns, priority,
+  return MakePin(caller, seq->ns, sequence, std::move(blocks), tokens, ttl_ns, priority,
                  ctx.time_ns);
 }
 
 absl::StatusOr<PinId> KvCacheManager::MakePin(SessionId caller, NamespaceId ns, SequenceId sequence,
-                                              std::vector<NodeIndex> nodes, int64_t tokens,
+                                              std::vector<BlockId> blocks, int64_t tokens,
                                               int64_t ttl_ns, int priority, int64_t now_ns) {
   if (static_cast<int64_t>(pins_.size()) >= max_pins_) {
     ++counters_.exhausted;
@@ -82,18 +82,18 @@ absl::StatusOr<PinId> KvCacheManager::MakePin(SessionId caller, NamespaceId ns, 
         fmt::format("pin: {} pins exist (max_pins {})", pins_.size(), max_pins_));
   }
   // Blocks only this pin would hold count against the namespace's quota.
-  const std::pair<NamespaceId, int64_t> by_ns[] = {{ns, cache_->PinCharge(nodes)}};
+  const std::pair<NamespaceId, int64_t> by_ns[] = {{ns, cache_->PinCharge(blocks)}};
   KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckCapacity(by_ns, caller, 0, "pin")));
-  const int64_t pinned = cache_->pinned_nodes() + cache_->NewlyPinned(nodes);
+  const int64_t pinned = cache_->pinned_blocks() + cache_->NewlyPinned(blocks);
   if (pinned > max_pinned_blocks_) {
     return CountExhausted(
         ResourceExhausted(Resource::kPinnedBlocks, pinned - max_pinned_blocks_,
-                          fmt::format("pin of {} blocks ({} pinned, at most {})", nodes.size(),
-                                      cache_->pinned_nodes(), max_pinned_blocks_)));
+                          fmt::format("pin of {} blocks ({} pinned, at most {})", blocks.size(),
+                                      cache_->pinned_blocks(), max_pinned_blocks_)));
   }
 
   // Everything checked: from here on nothing can fail.
-  cache_->Pin(nodes, priority);
+  cache_->Pin(blocks, priority);
   const PinId id(next_pin_id_++);
   Pin& pin = pins_[id];
   pin.info = PinInfo{.id = id,
@@ -102,10 +102,10 @@ absl::StatusOr<PinId> KvCacheManager::MakePin(SessionId caller, NamespaceId ns, 
                      .sequence = sequence,
                      .priority = priority,
                      .tokens = tokens,
-                     .blocks = static_cast<int64_t>(nodes.size()),
+                     .blocks = static_cast<int64_t>(blocks.size()),
                      .created_ns = now_ns,
                      .expires_ns = now_ns + ttl_ns};
-  pin.nodes = std::move(nodes);
+  pin.blocks = std::move(blocks);
   deadlines_.emplace(pin.info.expires_ns, id);
   ++counters_.pins_made;
   return id;
@@ -142,7 +142,7 @@ absl::Status KvCacheManager::Unpin(SessionId caller, PinId pin) {
 void KvCacheManager::ReleasePin(PinId pin) {
   auto it = pins_.find(pin);
   KVPOOL_CHECK(it != pins_.end());
-  cache_->Unpin(it->second.nodes);
+  cache_->Unpin(it->second.blocks);
   deadlines_.erase({it->second.info.expires_ns, pin});
   pins_.erase(it);
 }
@@ -174,8 +174,8 @@ std::vector<PinInfo> KvCacheManager::ListPins(SessionId session) const {
   return out;
 }
 
-absl::Status KvCacheManager::CheckPins(absl::flat_hash_map<NodeIndex, uint32_t>* locks,
-                                       absl::flat_hash_map<NodeIndex, uint32_t>* pinned) const {
+absl::Status KvCacheManager::CheckPins(absl::flat_hash_map<BlockId, uint32_t>* locks,
+                                       absl::flat_hash_map<BlockId, uint32_t>* pinned) const {
   if (static_cast<int64_t>(pins_.size()) > max_pins_)
     return InvariantViolation("more pins than max_pins");
   if (deadlines_.size() != pins_.size()) {
@@ -184,27 +184,28 @@ absl::Status KvCacheManager::CheckPins(absl::flat_hash_map<NodeIndex, uint32_t>*
   for (const auto& [id, pin] : pins_) {
     if (pin.info.id != id)
       return InvariantViolation("pin {} is filed under another id", id.value());
-    if (pin.nodes.empty() || static_cast<int64_t>(pin.nodes.size()) != pin.info.blocks) {
-      return InvariantViolation("pin {} holds {} nodes, {} reported", id.value(), pin.nodes.size(),
-                                pin.info.blocks);
+    if (pin.blocks.empty() || static_cast<int64_t>(pin.blocks.size()) != pin.info.blocks) {
+      return InvariantViolation("pin {} holds {} blocks, {} reported", id.value(),
+                                pin.blocks.size(), pin.info.blocks);
     }
     if (!deadlines_.contains({pin.info.expires_ns, id})) {
       return InvariantViolation("pin {} has no deadline queued", id.value());
     }
-    for (NodeIndex node : pin.nodes) {
-      if (cache_->block_of(node) == kInvalidBlock || cache_->ns_of(node) != pin.info.ns) {
-        return InvariantViolation("pin {} holds node {} outside its namespace's tree", id.value(),
-                                  node);
+    for (BlockId block : pin.blocks) {
+      if (!cache_->holds(block) || cache_->ns_of(block) != pin.info.ns) {
+        return InvariantViolation("pin {} holds block {} outside its namespace's tree", id.value(),
+                                  block.value());
       }
-      if (cache_->priority(node) < pin.info.priority) {
-        return InvariantViolation("pin {} node {} is below the pin's class", id.value(), node);
+      if (cache_->priority(block) < pin.info.priority) {
+        return InvariantViolation("pin {} block {} is below the pin's class", id.value(),
+                                  block.value());
       }
-      ++(*locks)[node];
-      ++(*pinned)[node];
+      ++(*locks)[block];
+      ++(*pinned)[block];
     }
   }
-  if (!pins_.empty() && cache_->pinned_nodes() > max_pinned_blocks_) {
-    return InvariantViolation("{} blocks pinned, max_pinned_blocks is {}", cache_->pinned_nodes(),
+  if (!pins_.empty() && cache_->pinned_blocks() > max_pinned_blocks_) {
+    return InvariantViolation("{} blocks pinned, max_pinned_blocks is {}", cache_->pinned_blocks(),
                               max_pinned_blocks_);
   }
   return absl::OkStatus();

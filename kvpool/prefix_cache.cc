@@ -13,8 +13,6 @@
 #include "xxhash.h"
 
 namespace kvpool {
-using internal::CommonPrefix;
-using internal::HashTokens;
 using internal::StartsWith;
 
 BlockHash PrefixChainHash(const BlockHash& parent, NamespaceId ns,
@@ -119,200 +117,26 @@ PrefixCache::PrefixCache(const PrefixCacheOptions& options, BlockPool* pool,
       hears_accesses_(policy_->hears_accesses()),
       lean_evictions_(!options.events && options.evicted_memory == 0 && !hears_accesses_),
       events_(options.epoch, options.event_capacity, options.event_capacity_bytes),
-      node_of_block_(static_cast<size_t>(pool->num_blocks()), kNoNode),
-      evicted_ring_(options.evicted_memory) {}
-
-NodeIndex PrefixCache::GrowNodes() {
-  const auto node = static_cast<NodeIndex>(nodes_.size());
-  nodes_.emplace_back();
-  chain_prev_.push_back(kNoNode);
-  chain_next_.push_back(kNoNode);
-  tail_prev_.push_back(kNoNode);
-  tail_next_.push_back(kNoNode);
-  state_.emplace_back();
-  ns_.push_back(kNoNamespace);
-  hash_.push_back(BlockHash{});
-  tokens_.resize(tokens_.size() + static_cast<size_t>(block_size_));
-  if (static_cast<size_t>(node) % 1024 == 0) policy_->Reserve(node + 1024);
-  return node;
-}
-
-NodeIndex PrefixCache::Root(NamespaceId ns) const {
-  auto it = roots_.find(ns);
-  return it == roots_.end() ? kNoNode : it->second;
-}
-
-NodeIndex PrefixCache::RootOrCreate(NamespaceId ns) {
-  if (NodeIndex root = Root(ns); root != kNoNode) return root;
-  const NodeIndex root = NewNode();
-  ns_[root] = ns;
-  roots_.emplace(ns, root);
-  return root;
+      tree_(options.block_size, pool->num_blocks()),
+      entries_(static_cast<size_t>(pool->num_blocks())),
+      tail_prev_(static_cast<size_t>(pool->num_blocks()), kInvalidBlock),
+      tail_next_(static_cast<size_t>(pool->num_blocks()), kInvalidBlock),
+      evicted_ring_(options.evicted_memory) {
+  if (hashes_on_) hash_.resize(static_cast<size_t>(pool->num_blocks()));
+  policy_->Reserve(pool->num_blocks());  // the policy knows blocks by their ids
 }
 
 bool PrefixCache::Agrees(BlockId block, std::span<const int32_t> tokens) const {
-  const NodeIndex node = node_of_block_[static_cast<size_t>(block.value())];
-  if (node == kNoNode) return true;
-  const std::span<const int32_t> published = Tokens(node);
+  if (!tree_.Holds(block)) return true;
+  const std::span<const int32_t> published = tree_.Tokens(block);
   return StartsWith(tokens, published) || StartsWith(published, tokens);
-}
-
-NodeIndex PrefixCache::FindFull(NodeIndex parent, std::span<const int32_t> tokens) const {
-  if (nodes_[parent].wide != 0) {
-    auto it = children_.find(ChildKey{parent, HashTokens(tokens)});
-    if (it == children_.end()) return kNoNode;
-    return std::ranges::equal(Tokens(it->second), tokens) ? it->second : kNoNode;
-  }
-  // At most kWideFanout siblings: comparing their tokens beats a hash-map probe (a cache miss per
-  // lookup, and another per removal, in a map as large as the tree) and hashing the block (as
-  // costly as comparing it, and most blocks a prompt publishes follow a parent with no child).
-  // The first token turns most siblings away.
-  for (NodeIndex c = nodes_[parent].first_child; c != kNoNode; c = nodes_[c].next_sibling) {
-    if (nodes_[c].coverage == block_size_ && std::ranges::equal(Tokens(c), tokens)) return c;
-  }
-  return kNoNode;
-}
-
-NodeIndex PrefixCache::BestChild(NodeIndex parent, std::span<const int32_t> tokens,
-                                 int32_t* common) const {
-  NodeIndex best = kNoNode;
-  *common = 0;
-  if (tokens.empty()) return best;
-  for (NodeIndex c = FirstCandidate(parent, tokens[0]); c != kNoNode; c = NextCandidate(c)) {
-    ++child_scans_;
-    const int32_t shared = CommonPrefix(Tokens(c), tokens);
-    if (shared > *common ||
-        (shared == *common && shared > 0 && nodes_[c].coverage > nodes_[best].coverage)) {
-      best = c;
-      *common = shared;
-    }
-  }
-  return best;
-}
-
-NodeIndex PrefixCache::Covering(NodeIndex parent, std::span<const int32_t> tokens,
-                                NodeIndex except) const {
-  if (tokens.size() == static_cast<size_t>(block_size_)) return FindFull(parent, tokens);
-  if (tokens.empty()) {
-    for (NodeIndex c = nodes_[parent].first_child; c != kNoNode; c = nodes_[c].next_sibling) {
-      if (c != except) return c;
-    }
-    return kNoNode;
-  }
-  for (NodeIndex c = FirstCandidate(parent, tokens[0]); c != kNoNode; c = NextCandidate(c)) {
-    ++child_scans_;
-    if (c != except && StartsWith(Tokens(c), tokens)) return c;
-  }
-  return kNoNode;
-}
-
-void PrefixCache::LinkChild(NodeIndex parent, NodeIndex node) {
-  nodes_[node].prev_sibling = kNoNode;
-  nodes_[node].next_sibling = nodes_[parent].first_child;
-  if (nodes_[parent].first_child != kNoNode) nodes_[nodes_[parent].first_child].prev_sibling = node;
-  nodes_[parent].first_child = node;
-  ++nodes_[parent].num_children;
-  if (nodes_[parent].wide != 0) {
-    ChainPush(node);
-    return;
-  }
-  if (nodes_[parent].num_children <= kWideFanout) return;
-  // Becomes wide: chain the children oldest first, so each chain lists them newest first, in
-  // sibling-list order (the scans pick the same child either way).
-  nodes_[parent].wide = 1;
-  std::vector<NodeIndex> children;
-  for (NodeIndex c = nodes_[parent].first_child; c != kNoNode; c = nodes_[c].next_sibling)
-    children.push_back(c);
-  for (auto it = children.rbegin(); it != children.rend(); ++it) {
-    ChainPush(*it);
-    // `node` itself is not full yet (MakeFull indexes it).
-    if (*it != node && nodes_[*it].coverage == block_size_) {
-      nodes_[*it].token_hash = HashTokens(Tokens(*it));
-      children_.try_emplace(ChildKey{parent, nodes_[*it].token_hash}, *it);
-    }
-  }
-}
-
-void PrefixCache::UnlinkChild(NodeIndex node) {
-  const NodeIndex parent = nodes_[node].parent;
-  if (nodes_[node].prev_sibling != kNoNode) {
-    nodes_[nodes_[node].prev_sibling].next_sibling = nodes_[node].next_sibling;
-  } else {
-    nodes_[parent].first_child = nodes_[node].next_sibling;
-  }
-  if (nodes_[node].next_sibling != kNoNode)
-    nodes_[nodes_[node].next_sibling].prev_sibling = nodes_[node].prev_sibling;
-  nodes_[node].next_sibling = nodes_[node].prev_sibling = kNoNode;
-  --nodes_[parent].num_children;
-  if (nodes_[parent].wide != 0) {
-    ChainRemove(node);
-    if (nodes_[parent].num_children == 0) nodes_[parent].wide = 0;
-  }
-}
-
-void PrefixCache::ChainPush(NodeIndex node) {
-  const FirstTokenKey key{nodes_[node].parent, Tokens(node)[0]};
-  auto [it, inserted] = chains_.try_emplace(key, node);
-  chain_prev_[node] = kNoNode;
-  chain_next_[node] = inserted ? kNoNode : it->second;
-  if (!inserted) {
-    chain_prev_[it->second] = node;
-    it->second = node;
-  }
-}
-
-void PrefixCache::ChainRemove(NodeIndex node) {
-  const NodeIndex prev = chain_prev_[node];
-  const NodeIndex next = chain_next_[node];
-  if (prev != kNoNode) {
-    chain_next_[prev] = next;
-  } else {
-    auto it = chains_.find(FirstTokenKey{nodes_[node].parent, Tokens(node)[0]});
-    KVPOOL_CHECK(it != chains_.end() && it->second == node);
-    if (next == kNoNode) {
-      chains_.erase(it);
-    } else {
-      it->second = next;
-    }
-  }
-  if (next != kNoNode) chain_prev_[next] = prev;
-  chain_prev_[node] = chain_next_[node] = kNoNode;
-}
-
-NodeIndex PrefixCache::FirstCandidate(NodeIndex parent, int32_t token) const {
-  if (nodes_[parent].wide == 0) return nodes_[parent].first_child;
-  auto it = chains_.find(FirstTokenKey{parent, token});
-  return it == chains_.end() ? kNoNode : it->second;
 }
 
 PrefixMatch PrefixCache::Match(NamespaceId ns, std::span<const int32_t> tokens) const {
   PrefixMatch m;
-  NodeIndex node = Root(ns);
-  if (node == kNoNode) return m;
-  const size_t bs = static_cast<size_t>(block_size_);
-  for (size_t pos = 0; pos < tokens.size();) {
-    const std::span<const int32_t> block = tokens.subspan(pos, std::min(bs, tokens.size() - pos));
-    if (block.size() == bs) {
-      if (NodeIndex child = FindFull(node, block); child != kNoNode) {
-        m.full.push_back(child);
-        node = child;
-        pos += bs;
-        continue;
-      }
-    }
-    int32_t common = 0;
-    const NodeIndex best = BestChild(node, block, &common);
-    if (best == kNoNode) break;
-    if (common == block_size_) {  // a full block the index missed (hash collision)
-      m.full.push_back(best);
-      node = best;
-      pos += bs;
-      continue;
-    }
-    m.partial = best;
-    m.partial_tokens = common;
-    break;
-  }
+  const NodeIndex root = tree_.Root(ns);
+  if (root == kNoNode) return m;
+  tree_.Match(root, tokens, &m.full, &m.partial, &m.partial_tokens);
   m.matched_tokens = static_cast<int64_t>(m.full.size()) * block_size_ + m.partial_tokens;
   return m;
 }
@@ -322,7 +146,7 @@ void PrefixCache::ExplainStop(NamespaceId ns, std::span<const int32_t> tokens, c
   e->matched_tokens = m.matched_tokens;
   e->block_index = static_cast<int64_t>(m.full.size());
   const size_t pos = m.full.size() * static_cast<size_t>(block_size_);
-  const NodeIndex root = Root(ns);
+  const NodeIndex root = tree_.Root(ns);
   // A stop at the first block for want of anything cached: does another namespace hold it?
   auto note_elsewhere = [&] {
     if (pos == 0 && tokens.size() >= static_cast<size_t>(block_size_)) {
@@ -339,23 +163,23 @@ void PrefixCache::ExplainStop(NamespaceId ns, std::span<const int32_t> tokens, c
     e->stop = MatchStop::kPromptEnd;
     return;
   }
-  const NodeIndex parent = m.full.empty() ? root : m.full.back();
+  const BlockId at = m.full.empty() ? kInvalidBlock : m.full.back();
   const std::span<const int32_t> block =
       tokens.subspan(pos, std::min(static_cast<size_t>(block_size_), tokens.size() - pos));
   e->tokens_needed = static_cast<int32_t>(block.size());
-  const NodeIndex best = BestChild(parent, block, &e->best_common);
-  if (best != kNoNode) e->best_coverage = nodes_[best].coverage;
+  const BlockId best = tree_.BestChild(root, at, block, &e->best_common);
+  if (best != kInvalidBlock) e->best_coverage = tree_.coverage(best);
   // Nothing remembered as evicted (none yet, or no memory): no hash to compute.
   const auto evicted = block.size() == static_cast<size_t>(block_size_) && !evicted_set_.empty()
-                           ? evicted_set_.find(PrefixChainHash(hash_[parent], ns, block))
+                           ? evicted_set_.find(PrefixChainHash(HashOf(at), ns, block))
                            : evicted_set_.end();
   if (evicted != evicted_set_.end()) {
     e->stop = MatchStop::kEvicted;
     e->below_admission_bar = evicted->second;
-  } else if (best == kNoNode && nodes_[parent].num_children == 0) {
+  } else if (best == kInvalidBlock && tree_.NumChildren(root, at) == 0) {
     e->stop = MatchStop::kNoChild;
     note_elsewhere();
-  } else if (best != kNoNode && e->best_common == e->best_coverage &&
+  } else if (best != kInvalidBlock && e->best_common == e->best_coverage &&
              e->best_coverage < e->tokens_needed) {
     e->stop = MatchStop::kInsufficientCoverage;
   } else {
@@ -366,10 +190,12 @@ void PrefixCache::ExplainStop(NamespaceId ns, std::span<const int32_t> tokens, c
 
 bool PrefixCache::FirstBlockElsewhere(NamespaceId ns, std::span<const int32_t> block) const {
   if (first_blocks_.empty()) return false;
-  const uint64_t h = HashTokens(block);
-  for (auto it = first_blocks_.lower_bound({h, std::numeric_limits<NodeIndex>::min()});
+  const uint64_t h = internal::HashTokens(block);
+  for (auto it = first_blocks_.lower_bound({h, BlockId(std::numeric_limits<int32_t>::min())});
        it != first_blocks_.end() && it->first == h; ++it) {
-    if (ns_[it->second] != ns && std::ranges::equal(Tokens(it->second), block)) return true;
+    if (tree_.ns_of(it->second) != ns && std::ranges::equal(tree_.Tokens(it->second), block)) {
+      return true;
+    }
   }
   return false;
 }
@@ -377,7 +203,7 @@ bool PrefixCache::FirstBlockElsewhere(NamespaceId ns, std::span<const int32_t> b
 MatchExplanation PrefixCache::Explain(NamespaceId ns, std::span<const int32_t> tokens) const {
   MatchExplanation e;
   ExplainStop(ns, tokens, Match(ns, tokens), &e);
-  for (const auto& [other, other_root] : roots_) {
+  for (const auto& [other, other_root] : tree_.roots()) {
     if (other == ns) continue;
     const int64_t matched = Match(other, tokens).matched_tokens;
     if (matched > e.matched_tokens) e.other_namespaces.emplace_back(other, matched);
@@ -386,88 +212,88 @@ MatchExplanation PrefixCache::Explain(NamespaceId ns, std::span<const int32_t> t
   return e;
 }
 
-inline void PrefixCache::UpdateEvictable(NodeIndex node) {
-  const bool want = ShouldBeEvictable(node);
-  if (want != (state_[node].evictable != 0)) {
-    state_[node].evictable = want ? 1 : 0;
+inline void PrefixCache::UpdateEvictable(BlockId block) {
+  Entry& e = entry(block);
+  const bool want = e.lock == 0 && pool_->state(block) == BlockState::kCached;
+  if (want != (e.evictable != 0)) {
+    e.evictable = want ? 1 : 0;
     num_evictable_ += want ? 1 : -1;
     if (want) {  // released: the moment LRU and the reuse model age it from
-      state_[node].released_ns = now_ns_;
-      state_[node].release_seq = ++release_counter_;
+      e.released_ns = now_ns_;
+      e.release_seq = ++release_counter_;
     }
-    // Candidates are leaves (a parent leaves them when it gains a child), so a node with
-    // children is none before or after: most released nodes, all but a chain's last.
-    if (nodes_[node].num_children == 0) UpdateCandidate(node);
+    // Candidates are leaves (a block leaves them when it gains a child), so a block with
+    // children is none before or after: most released blocks, all but a run's last.
+    if (tree_.IsLeaf(block)) UpdateCandidate(block);
   }
-  // Only a pinned node (or one just unpinned) has a charge to change.
-  if (state_[node].pins != 0 || state_[node].pin_charged != 0) UpdatePinCharge(node);
+  // Only a pinned block (or one just unpinned) has a charge to change.
+  if (e.pins != 0 || e.pin_charged != 0) UpdatePinCharge(block);
 }
 
-void PrefixCache::Lock(NodeIndex node) {
-  if (nodes_[node].lock++ == 0) UpdateEvictable(node);
+void PrefixCache::Lock(BlockId block) {
+  if (entry(block).lock++ == 0) UpdateEvictable(block);
 }
 
-void PrefixCache::LockHit(NodeIndex node) {
-  Lock(node);  // first: the policy hears of hits on nodes that are not candidates
-  ++state_[node].hits;
+void PrefixCache::LockHit(BlockId block) {
+  Lock(block);  // first: the policy hears of hits on blocks that are not candidates
+  ++entry(block).hits;
   ++counters_.hits;
-  if (hears_accesses_) policy_->OnHit(node, Facts(node), now_ns_);
+  if (hears_accesses_) policy_->OnHit(Key(block), Facts(block), now_ns_);
 }
 
-void PrefixCache::Unlock(NodeIndex node) {
-  KVPOOL_CHECK_MSG(nodes_[node].lock > 0, "unlock of an unlocked prefix-cache node");
-  if (--nodes_[node].lock == 0) UpdateEvictable(node);
+void PrefixCache::Unlock(BlockId block) {
+  KVPOOL_CHECK_MSG(entry(block).lock > 0, "unlock of an unlocked prefix-cache block");
+  if (--entry(block).lock == 0) UpdateEvictable(block);
 }
 
 void PrefixCache::ReleasePath(CachePath* path, std::span<const BlockId> table, size_t keep,
                               const TraceContext& ctx, std::source_location site) {
   KVPOOL_DCHECK(table.size() >= path->full.size());
-  // One loop, the pool's Release and the node's re-evaluation inlined: a finished prompt
+  // One loop, the pool's Release and the block's re-evaluation inlined: a finished prompt
   // releases every block it published here.
   for (size_t k = path->full.size(); k > keep;) {
     --k;
-    const NodeIndex node = path->full[k];
+    const BlockId cached = path->full[k];
     const BlockId block = table[k];
     KVPOOL_CHECK_OK(pool_->Release(block, ctx, site));
-    KVPOOL_CHECK_MSG(nodes_[node].lock > 0, "unlock of an unlocked prefix-cache node");
-    --nodes_[node].lock;
-    if (nodes_[node].block == block) {
-      UpdateEvictable(node);  // its lock and its block's references both changed
+    KVPOOL_CHECK_MSG(entry(cached).lock > 0, "unlock of an unlocked prefix-cache block");
+    --entry(cached).lock;
+    if (cached == block) {
+      UpdateEvictable(block);  // its lock and its references both changed
       continue;
     }
-    OnBlockRefsChanged(block);  // the block's own node, if it has one, is another
-    if (nodes_[node].lock == 0) UpdateEvictable(node);
+    OnBlockRefsChanged(block);  // the sequence's own block, if the tree holds it, is another
+    if (entry(cached).lock == 0) UpdateEvictable(cached);
   }
   if (path->full.size() > keep) path->full.resize(keep);
 }
 
 CachePath PrefixCache::Adopt(const PrefixMatch& match) {
   CachePath path{.full = match.full, .partial = match.partial};
-  for (NodeIndex node : path.full) LockHit(node);
-  if (path.partial != kNoNode) LockHit(path.partial);
+  for (BlockId block : path.full) LockHit(block);
+  if (path.partial != kInvalidBlock) LockHit(path.partial);
   return path;
 }
 
 CachePath PrefixCache::Clone(const CachePath& path) {
-  for (NodeIndex node : path.full) Lock(node);
-  if (path.partial != kNoNode) Lock(path.partial);
+  for (BlockId block : path.full) Lock(block);
+  if (path.partial != kInvalidBlock) Lock(path.partial);
   return path;
 }
 
+void PrefixCache::OnBlockRefsChanged(BlockId block) {
+  if (tree_.Holds(block)) UpdateEvictable(block);
+}
+
 void PrefixCache::Truncate(CachePath* path, size_t keep_full) {
-  if (path->partial != kNoNode) {
+  if (path->partial != kInvalidBlock) {
     Unlock(path->partial);
-    path->partial = kNoNode;
+    path->partial = kInvalidBlock;
   }
   while (path->full.size() > keep_full) {
     Unlock(path->full.back());
     path->full.pop_back();
   }
-}
-
-void PrefixCache::OnBlockRefsChanged(BlockId block) {
-  const NodeIndex node = node_of_block_[static_cast<size_t>(block.value())];
-  if (node != kNoNode) UpdateEvictable(node);
 }
 
 }  // namespace kvpool

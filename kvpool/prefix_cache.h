@@ -1,32 +1,38 @@
 #pragma once
 
 // PrefixCache: the radix tree of token blocks that lets sequences of one namespace share KV
-// (DESIGN.md §5). One node per cached block; a node's edge is the block's tokens, compared
-// exactly. A full node (coverage == block_size) may have children and is named by a chained
-// xxh3-128 hash; a partial node (coverage < block_size, a rewind endpoint) is always a leaf.
+// (DESIGN.md §5). A node holds a run of blocks (internal::RunTree: split where prompts diverge,
+// merged back when a split is no longer needed); everything with a meaning of its own stays per
+// block inside a run: coverage, locks, pins, priority class, eviction facts, events and the
+// journal. The cache names each block it holds by its BlockId: paths, matches, pins, eviction
+// plans and the policy's candidates are block ids, so a run's splits and merges are invisible
+// to callers. A block's edge is its tokens, compared exactly. A full block (coverage ==
+// block_size) may have children and is named by a chained xxh3-128 hash; a partial block
+// (coverage < block_size, a rewind endpoint) is always a leaf.
 //
 // Coverage rules (the partial-block bugs real engines shipped):
 //  - a block is reused only up to its coverage: a match never claims more tokens of a block
-//    than the node covers;
+//    than it covers;
 //  - per position the widest block wins: a partial block that an existing sibling already covers
 //    is not inserted, and a new wider block removes the (unused) narrower siblings it covers, so
 //    a rewind endpoint stays reusable whichever of the two was created first;
 //  - events announce full blocks only.
 //
-// Eviction (docs/eviction.md): a node is evictable when it holds a block, no sequence or pin
-// locks it and no sequence holds its block (the block is CACHED). Only evictable leaves are
-// candidates: the cache keeps the EvictionPolicy's candidate set equal to them, so whatever order
-// a policy chooses, a node with cached descendants is never a victim. Partial tails of finished
-// requests that nobody asked to retain (PrefixCacheOptions::policy "+notail", no
-// Commit(retain_tail)) go to a first-out list of their own instead of the policy. A plan takes
-// that list, then the policy's candidates in rank order, merging in the parents its earlier
-// victims turn into leaves. Each planned eviction costs O(log n) in the candidates, whatever the
-// tree's size. The tree owns exactly one pool reference per cached block and an eviction
-// returns exactly that one.
+// Eviction (docs/eviction.md): a block is evictable when no sequence or pin locks it and no
+// sequence holds it (it is CACHED). Only evictable leaves (a childless run's last block, or a
+// partial block) are candidates: the cache keeps the EvictionPolicy's candidate set equal to
+// them, so whatever order a policy chooses, a block with cached descendants is never a victim,
+// and eviction trims a run from its tail. Partial tails of finished requests that nobody asked
+// to retain (PrefixCacheOptions::policy "+notail", no Commit(retain_tail)) go to a first-out list
+// of their own instead of the policy. A plan takes that list, then the policy's candidates in
+// rank order, merging in the blocks its earlier victims turn into leaves. Each planned eviction
+// costs O(log n) in the candidates, whatever the tree's size, and O(1) inside a run released at
+// once. The tree owns exactly one pool reference per cached block and an eviction returns
+// exactly that one.
 //
-// Pins (KvCacheManager::PinPrefix): a pinned node is locked, so it is never evicted; while its
-// block is CACHED it counts as pin-held for its namespace's quota. Pin() raises the pinned
-// nodes' priority class for good.
+// Pins (KvCacheManager::PinPrefix): a pinned block is locked, so it is never evicted; while it
+// is CACHED it counts as pin-held for its namespace's quota. Pin() raises the pinned blocks'
+// priority class for good.
 //
 // Thread-compatible; owned by the KvCacheManager, which serializes calls. The cache calls into
 // the BlockPool (AddCacheRef/DropCacheRef) and must be told, through OnBlockRefsChanged(), when
@@ -48,21 +54,22 @@
 #include "kvpool/block_pool.h"
 #include "kvpool/eviction_policy.h"
 #include "kvpool/internal/eviction_planner.h"
+#include "kvpool/internal/run_tree.h"
 #include "kvpool/kv_events.h"
 
 namespace kvpool {
 
-// A sequence's place in the tree: the nodes it follows, each locked once on its behalf.
+// A sequence's place in the tree: the blocks it follows, each locked once on its behalf.
 struct CachePath {
-  std::vector<NodeIndex> full;  // nodes for the sequence's full blocks 0, 1, ... (a chain)
-  NodeIndex partial = kNoNode;  // node for the next block, when only part of it is shared
+  std::vector<BlockId> full;        // the tree's blocks for the sequence's full blocks 0, 1, ...
+  BlockId partial = kInvalidBlock;  // the tree's block for the next one, when only part is shared
 };
 
 struct PrefixMatch {
   int64_t matched_tokens = 0;
-  std::vector<NodeIndex> full;  // fully matched blocks, root first
-  NodeIndex partial = kNoNode;  // the block matched for part of its tokens, if any
-  int32_t partial_tokens = 0;   // how many (<= that node's coverage)
+  std::vector<BlockId> full;        // fully matched blocks, root first
+  BlockId partial = kInvalidBlock;  // the block matched for part of its tokens, if any
+  int32_t partial_tokens = 0;       // how many (<= its coverage)
 };
 
 // Why a prompt matched no further (for operators: `kvpoolctl explain`).
@@ -131,18 +138,21 @@ struct PrefixCacheOptions {
 struct PrefixCacheStats {
   int64_t nodes = 0;           // cached blocks (full + partial)
   int64_t full_nodes = 0;      // of which full
-  int64_t evictable = 0;       // nodes that could be evicted now (leaves or not)
+  int64_t evictable = 0;       // blocks that could be evicted now (leaves or not)
   int64_t candidates = 0;      // of which leaves (the policy's candidates plus first-out tails)
-  int64_t pinned = 0;          // nodes held by at least one pin
+  int64_t pinned = 0;          // blocks held by at least one pin
   int64_t namespaces = 0;      // namespaces with a tree
-  uint64_t inserted = 0;       // nodes created
-  uint64_t widened = 0;        // partial nodes widened in place as their sequence published more
-  uint64_t evicted = 0;        // nodes evicted (including dominated partial nodes)
-  uint64_t dominated = 0;      // partial nodes removed because a wider sibling covers them
-  uint64_t hits = 0;           // nodes adopted by new sequences (or followed by committing ones)
+  int64_t runs = 0;            // radix nodes holding those blocks (a run each, or a partial block)
+  uint64_t inserted = 0;       // blocks published
+  uint64_t widened = 0;        // partial blocks widened in place as their sequence published more
+  uint64_t evicted = 0;        // blocks evicted (including dominated partial blocks)
+  uint64_t dominated = 0;      // partial blocks removed because a wider sibling covers them
+  uint64_t hits = 0;           // blocks adopted by new sequences (or followed by committing ones)
   uint64_t tails_evicted = 0;  // unretained partial tails evicted first
+  uint64_t splits = 0;         // runs split where a block gained a second child
+  uint64_t merges = 0;         // runs merged back when a split was no longer needed
   // Children compared by partial-block lookups (BestChild, Covering, RemoveDominated): at most
-  // those sharing the block's first token per lookup once a node has many children.
+  // those sharing the block's first token per lookup once a position has many children.
   uint64_t child_scans = 0;
 };
 
@@ -166,92 +176,87 @@ class PrefixCache final {
   void ExplainStop(NamespaceId ns, std::span<const int32_t> tokens, const PrefixMatch& m,
                    MatchExplanation* e) const;
 
-  // Locks the nodes of `match` for a new sequence and tells the policy they were hit. Block
+  // Locks the blocks of `match` for a new sequence and tells the policy they were hit. Block
   // references are the caller's business.
   CachePath Adopt(const PrefixMatch& match);
-  // Locks `path`'s nodes once more (a forked sequence follows its parent's path).
+  // Locks `path`'s blocks once more (a forked sequence follows its parent's path).
   CachePath Clone(const CachePath& path);
-  void Lock(NodeIndex node);
-  void Unlock(NodeIndex node);
-  // A sequence whose blocks are `table` leaves its path's full nodes past the first `keep`,
+  // REQUIRES: the tree holds `block` (and, for Unlock, it is locked).
+  void Lock(BlockId block);
+  void Unlock(BlockId block);
+  // A sequence whose blocks are `table` leaves its path's full blocks past the first `keep`,
   // deepest first: for each it drops its pool reference to the block at that position (the
-  // caller's reference, recorded at `site`) and unlocks the node, re-evaluating the node once.
-  // Its partial node, if any, is the caller's business. REQUIRES: table.size() >=
+  // caller's reference, recorded at `site`) and unlocks the path's block, re-evaluating it once.
+  // Its partial block, if any, is the caller's business. REQUIRES: table.size() >=
   // path->full.size().
   void ReleasePath(CachePath* path, std::span<const BlockId> table, size_t keep,
                    const TraceContext& ctx,
                    std::source_location site = std::source_location::current());
 
   // Publishes the blocks of a sequence in `ns` whose tokens are `tokens` and whose block table
-  // is `table` (covering them), extending `path`: full blocks become (or follow) full nodes, a
-  // trailing partial block becomes (or widens, or follows) a partial node. The tree takes one
-  // pool reference per block it adopts. `priority` in [0, kNumPriorities). `retain_tail`: the
-  // trailing partial node the path ends on is kept like any other leaf once released, even when
-  // the spec says "+notail".
+  // is `table` (covering them), extending `path`: full blocks become (or follow) full cached
+  // blocks, a trailing partial block becomes (or widens, or follows) a partial one. The tree
+  // takes one pool reference per block it adopts. `priority` in [0, kNumPriorities).
+  // `retain_tail`: the trailing partial block the path ends on is kept like any other leaf once
+  // released, even when the spec says "+notail".
   // REQUIRES: Agrees() for every block of `table` past `path->full` with its tokens.
   void Commit(NamespaceId ns, std::span<const int32_t> tokens, std::span<const BlockId> table,
               int priority, bool retain_tail, CachePath* path, const TraceContext& ctx);
 
-  // Unlocks the nodes of `path` past its first `keep_full` full blocks, deepest first, and its
-  // partial node.
+  // Unlocks the blocks of `path` past its first `keep_full` full blocks, deepest first, and its
+  // partial block.
   void Truncate(CachePath* path, size_t keep_full);
 
-  // A sequence retained or released `block`: re-evaluates whether its node is evictable.
+  // A sequence retained or released `block`: re-evaluates whether it is evictable.
   void OnBlockRefsChanged(BlockId block);
 
-  // Works out, without changing anything, which nodes to evict (in order) to free `blocks`
-  // blocks now, never touching a node listed in `keep`. Appends them to `victims` and returns
+  // Works out, without changing anything, which blocks to evict (in order) to free `blocks`
+  // blocks now, never touching a block listed in `keep`. Appends them to `victims` and returns
   // how many blocks they free (fewer than asked when the cache cannot free more).
   // Not const: the planner's scratch is the cache's (EvictionPlanner).
-  int64_t PlanEviction(int64_t blocks, std::span<const NodeIndex> keep,
-                       std::vector<NodeIndex>* victims) {
+  int64_t PlanEviction(int64_t blocks, std::span<const BlockId> keep,
+                       std::vector<BlockId>* victims) {
     return planner_.Plan(*this, blocks, keep, victims);
   }
-  // Evicts the planned nodes, in order.
-  void Evict(std::span<const NodeIndex> victims, const TraceContext& ctx);
-  // Evicts up to `blocks` evictable nodes (an operator's request). Returns how many.
+  // Evicts the planned blocks, in order.
+  void Evict(std::span<const BlockId> victims, const TraceContext& ctx);
+  // Evicts up to `blocks` evictable blocks (an operator's request). Returns how many.
   int64_t EvictUpTo(int64_t blocks, const TraceContext& ctx);
-  // Drops every node. Errors: FAILED_PRECONDITION while any node is locked (by a sequence or a
+  // Drops every block. Errors: FAILED_PRECONDITION while any block is locked (by a sequence or a
   // pin) or in use (nothing evicted).
   absl::Status Clear(const TraceContext& ctx);
 
-  // Pins `nodes` (locks each once more) and raises their class to at least `priority`.
-  // REQUIRES: nodes hold blocks and form a path from a root (parents first), each listed once;
-  // 0 <= priority < kNumPriorities.
-  void Pin(std::span<const NodeIndex> nodes, int priority);
-  // Undoes one Pin() of `nodes`. REQUIRES: each is pinned.
-  void Unpin(std::span<const NodeIndex> nodes);
-  // Of `nodes` (distinct), how many a new pin would add to their namespace's pin-held blocks
+  // Pins `blocks` (locks each once more) and raises their class to at least `priority`.
+  // REQUIRES: the tree holds them and they form a path from a root (parents first), each listed
+  // once; 0 <= priority < kNumPriorities.
+  void Pin(std::span<const BlockId> blocks, int priority);
+  // Undoes one Pin() of `blocks`. REQUIRES: each is pinned.
+  void Unpin(std::span<const BlockId> blocks);
+  // Of `blocks` (distinct), how many a new pin would add to their namespace's pin-held blocks
   // (CACHED, not pinned yet), and how many are not pinned yet.
-  int64_t PinCharge(std::span<const NodeIndex> nodes) const;
-  int64_t NewlyPinned(std::span<const NodeIndex> nodes) const;
+  int64_t PinCharge(std::span<const BlockId> blocks) const;
+  int64_t NewlyPinned(std::span<const BlockId> blocks) const;
   // Blocks of `ns` that only pins hold (CACHED and pinned): they count against its quota.
   int64_t pin_held(NamespaceId ns) const;
   // Whether `block` is one of those.
-  bool pin_held(BlockId block) const {
-    const NodeIndex node = node_of_block_[static_cast<size_t>(block.value())];
-    return node != kNoNode && state_[node].pin_charged != 0;
-  }
-  int64_t pinned_nodes() const { return pinned_nodes_; }
-  uint32_t pins(NodeIndex node) const { return state_[node].pins; }
+  bool pin_held(BlockId block) const { return tree_.Holds(block) && entry(block).pin_charged; }
+  int64_t pinned_blocks() const { return pinned_blocks_; }
 
-  // How many leading tokens of `block` the tree has published (0 when it holds no node for it).
+  // How many leading tokens of `block` the tree has published (0 when it does not hold it).
   // Those tokens are immutable: a write below it must go to a copy.
-  int32_t CoverageOf(BlockId block) const {
-    const NodeIndex node = node_of_block_[static_cast<size_t>(block.value())];
-    return node == kNoNode ? 0 : nodes_[node].coverage;
-  }
+  int32_t CoverageOf(BlockId block) const { return tree_.coverage(block); }
   // Whether `tokens`, the tokens a sequence says `block` holds from its first slot on, agree with
   // what the tree published for it (one is a prefix of the other). A block holds one set of
   // bytes: a publisher that disagrees wrote into a block another sequence shares without the
   // copy-on-write of a Grow, and Commit() must not be called for it (it would corrupt the tree).
   bool Agrees(BlockId block, std::span<const int32_t> tokens) const;
   int32_t block_size() const { return block_size_; }
-  BlockId block_of(NodeIndex node) const { return nodes_[node].block; }
-  int32_t coverage(NodeIndex node) const { return nodes_[node].coverage; }
-  uint32_t locks(NodeIndex node) const { return nodes_[node].lock; }
-  int priority(NodeIndex node) const { return nodes_[node].priority; }
-  NamespaceId ns_of(NodeIndex node) const { return ns_[node]; }
+  // Per cached block. REQUIRES: the tree holds `block`.
+  uint32_t locks(BlockId block) const { return entry(block).lock; }
+  uint32_t pins(BlockId block) const { return entry(block).pins; }
+  int priority(BlockId block) const { return entry(block).priority; }
+  NamespaceId ns_of(BlockId block) const { return tree_.ns_of(block); }
+  bool holds(BlockId block) const { return tree_.Holds(block); }
   const EvictionPolicy& policy() const { return *policy_; }
 
   const EventLog& events() const { return events_; }
@@ -264,206 +269,152 @@ class PrefixCache final {
     out->clear();
     out->swap(published_);
   }
-  // BlockStored events (seq 0) describing every full node now cached, parents first; a consumer
+  // BlockStored events (seq 0) describing every full block now cached, parents first; a consumer
   // that applies them after clearing its view, then reads from `*resume_seq`, misses nothing.
   std::vector<KvEvent> SnapshotEvents(uint64_t* resume_seq) const;
 
   PrefixCacheStats stats() const;
-  // Tree shape, hash chains, coverage, the child index, one cache reference per node, that the
-  // policy (plus the first-out tails) holds exactly the evictable leaves and that its own books
-  // balance, and the pin counts behind pin_held(). `expected_locks` and `expected_pins`
-  // (node -> count), when given, must equal every node's lock and pin counts. Returns INTERNAL
-  // naming the first violation.
+  // The tree's shape (RunTree::CheckInvariants), hash chains, one cache reference per block,
+  // that the policy (plus the first-out tails) holds exactly the evictable leaves and that its
+  // own books balance, and the pin counts behind pin_held(). `expected_locks` and
+  // `expected_pins` (block -> count), when given, must equal every block's lock and pin counts.
+  // Returns INTERNAL naming the first violation.
   absl::Status CheckInvariants(
-      const absl::flat_hash_map<NodeIndex, uint32_t>* expected_locks = nullptr,
-      const absl::flat_hash_map<NodeIndex, uint32_t>* expected_pins = nullptr) const;
-  // Every node and the event position in canonical text form (fail-clean tests compare it).
+      const absl::flat_hash_map<BlockId, uint32_t>* expected_locks = nullptr,
+      const absl::flat_hash_map<BlockId, uint32_t>* expected_pins = nullptr) const;
+  // Every cached block, its run and the event position in canonical text form (fail-clean tests
+  // compare it); independent of which node slots the runs use.
   std::string DebugString() const;
 
  private:
   friend class EvictionPlanner;  // reads the tree, the tails and the policy; changes nothing
 
-  struct ChildKey {
-    NodeIndex parent;
-    uint64_t token_hash;
-    friend bool operator==(const ChildKey&, const ChildKey&) = default;
-    template <typename H>
-    friend H AbslHashValue(H h, const ChildKey& k) {
-      return H::combine(std::move(h), k.parent, k.token_hash);
-    }
-  };
-
-  // What eviction reads and writes of a node, packed so that evicting a node and re-ranking its
-  // parent touch one cache line each, not one per field (a miss each at 1M nodes). 40 bytes.
-  struct NodeState {
-    int64_t released_ns = 0;   // when it last became evictable
-    uint64_t release_seq = 0;  // release_counter_ at that moment
-    uint64_t fingerprint = 0;  // BlockFingerprint(hash_) of a full node, 0 when partial
-    uint32_t hits = 0;         // adoptions since insert
-    int32_t depth = 0;         // blocks from the root (roots: 0)
+  // What the cache records per block it holds (the tree keeps the block's place and tokens),
+  // packed so that publishing, releasing, planning or evicting a block touches one cache line of
+  // it (two blocks a line). Indexed by BlockId; reset when the block is published. 32 bytes.
+  struct Entry {
+    uint64_t release_seq = 0;  // release_counter_ when it last became evictable
+    int64_t released_ns = 0;   // and the time
+    uint32_t lock = 0;         // sequences and pins following it
     uint32_t pins = 0;         // pins among its locks
-    uint8_t evictable = 0;     // ShouldBeEvictable() as last evaluated
-    uint8_t retain = 0;        // a partial node someone asked to retain
-    uint8_t pin_charged = 0;   // counted in pin_held_
-    uint8_t in_tails = 0;      // a candidate on the first-out tail list
-    uint8_t in_policy = 0;     // a candidate the policy holds
-  };
-
-  // The tree's links and what every lookup, publish and eviction reads of a node, packed so that
-  // walking or changing a node touches one or two cache lines, not one per field. 48 bytes.
-  struct Node {
-    NodeIndex parent = kNoNode;
-    NodeIndex first_child = kNoNode;
-    NodeIndex next_sibling = kNoNode;
-    NodeIndex prev_sibling = kNoNode;
-    int32_t num_children = 0;
-    BlockId block = kInvalidBlock;  // kInvalidBlock for roots and free slots
-    int32_t coverage = 0;           // tokens of the block published (0 for roots)
-    uint32_t lock = 0;              // sequences and pins following the node
-    // HashTokens(tokens) of a full child of a wide parent (its key in children_), set when it is
-    // indexed or its parent turns wide. Not computed otherwise: a narrow parent's children are
-    // compared by tokens, so publishing or matching a block under one hashes nothing.
-    uint64_t token_hash = 0;
+    uint32_t hits = 0;         // adoptions since it was published
     int8_t priority = 0;
-    uint8_t wide = 0;  // children chained by first token (> kWideFanout once)
+    uint8_t evictable : 1 = 0;    // ShouldBeEvictable() as last evaluated
+    uint8_t retain : 1 = 0;       // a partial block someone asked to retain
+    uint8_t pin_charged : 1 = 0;  // counted in pin_held_
+    uint8_t in_tails : 1 = 0;     // a candidate on the first-out tail list
+    uint8_t in_policy : 1 = 0;    // a candidate the policy holds
+    // EvictionPlanner's scratch: the plan must not take it (0 between plans).
+    mutable uint8_t kept : 1 = 0;
   };
+  static_assert(sizeof(Entry) == 32);
 
   PrefixCache(const PrefixCacheOptions& options, BlockPool* pool,
               std::unique_ptr<EvictionPolicy> policy, bool retain_partial_tails);
 
-  std::span<const int32_t> Tokens(NodeIndex node) const {
-    return {tokens_.data() + static_cast<size_t>(node) * block_size_,
-            static_cast<size_t>(nodes_[node].coverage)};
-  }
-  NodeIndex Root(NamespaceId ns) const;
-  NodeIndex RootOrCreate(NamespaceId ns);
-  // A free node slot: a recycled one (inline: one per stored block), or GrowNodes().
-  NodeIndex NewNode() {
-    if (free_nodes_.empty()) return GrowNodes();
-    const NodeIndex node = free_nodes_.back();
-    free_nodes_.pop_back();
-    return node;
-  }
-  NodeIndex GrowNodes();
-  // The full child of `parent` holding exactly `tokens` (a whole block), or kNoNode. Hashes the
-  // tokens only when `parent` is wide.
-  NodeIndex FindFull(NodeIndex parent, std::span<const int32_t> tokens) const;
-  // The child of `parent` sharing the most leading tokens with `tokens` (capped at its
-  // coverage); ties go to the wider node. Returns kNoNode when none shares any.
-  NodeIndex BestChild(NodeIndex parent, std::span<const int32_t> tokens, int32_t* common) const;
-  // A child of `parent` other than `except` that covers all of `tokens`, or kNoNode.
-  NodeIndex Covering(NodeIndex parent, std::span<const int32_t> tokens, NodeIndex except) const;
-  // Children: a sibling list per parent. A parent with more than kWideFanout children also
-  // chains them by first token, so the partial-block scans (BestChild, Covering,
-  // RemoveDominated) compare only the children that share the block's first token, whatever the
-  // fan-out (a root with thousands of children stays cheap), and indexes its full children in
-  // children_ for FindFull. It stays wide until it has none.
-  static constexpr int32_t kWideFanout = 8;
-  struct FirstTokenKey {
-    NodeIndex parent;
-    int32_t token;
-    friend bool operator==(const FirstTokenKey&, const FirstTokenKey&) = default;
-    template <typename H>
-    friend H AbslHashValue(H h, const FirstTokenKey& k) {
-      return H::combine(std::move(h), k.parent, k.token);
-    }
-  };
-  // REQUIRES: `node`'s parent, tokens and coverage are set.
-  void LinkChild(NodeIndex parent, NodeIndex node);
-  void UnlinkChild(NodeIndex node);
-  void ChainPush(NodeIndex node);
-  void ChainRemove(NodeIndex node);
-  // The children of `parent` a block starting with `token` may share tokens with: the first, and
-  // the one after `child`. Every child sharing the token is among them.
-  NodeIndex FirstCandidate(NodeIndex parent, int32_t token) const;
-  NodeIndex NextCandidate(NodeIndex child) const {
-    return nodes_[nodes_[child].parent].wide != 0 ? chain_next_[child] : nodes_[child].next_sibling;
-  }
-  absl::Status CheckChains() const;
-  // first_blocks_ holds exactly the full first blocks, each under its tokens' hash.
-  absl::Status CheckFirstBlocks() const;
+  static size_t Index(BlockId b) { return static_cast<size_t>(b.value()); }
+  // The name the policy knows a block by.
+  static NodeIndex Key(BlockId b) { return b.value(); }
+  const Entry& entry(BlockId b) const { return entries_[Index(b)]; }
+  Entry& entry(BlockId b) { return entries_[Index(b)]; }
+
   // Commit() without the retention mark.
   void CommitBlocks(NamespaceId ns, std::span<const int32_t> tokens, std::span<const BlockId> table,
                     int priority, CachePath* path, const TraceContext& ctx);
-  // Its trailing partial `block`, held in the sequence's block `mine`, after the full node
-  // `parent`: follows a sibling that covers it, widens the sequence's own node, or inserts one.
-  void CommitPartial(NodeIndex parent, std::span<const int32_t> block, BlockId mine, int priority,
-                     CachePath* path, const TraceContext& ctx);
-  NodeIndex Insert(NodeIndex parent, std::span<const int32_t> tokens, BlockId block, int priority,
-                   const TraceContext& ctx);
-  // A fresh slot `node` becomes a childless node below `parent` holding `tokens` in `block`,
-  // locked once by the committing sequence, with the cache's pool reference taken. Linking it
-  // into `parent`'s children and the counts are the caller's (Insert, AppendChain).
-  void FillNode(NodeIndex node, NodeIndex parent, std::span<const int32_t> tokens, BlockId block,
-                int priority, const TraceContext& ctx);
-  // Inserts the full blocks `tokens` held in `table` as a chain below `parent`, which has no
-  // child, extending `path`, up to the first block the tree already holds a node for. Returns
-  // how many it inserted.
-  size_t AppendChain(NodeIndex parent, std::span<const int32_t> tokens,
+  // One full block of a commit at position (`root`, `at`): follows the cached block holding
+  // `tokens`, widens the sequence's own partial block, or inserts `mine`. Returns the block the
+  // path follows, or kInvalidBlock when `mine` is published elsewhere under other tokens. Sets
+  // `fresh` when the block became full here.
+  BlockId CommitFull(NodeIndex root, BlockId at, std::span<const int32_t> tokens, BlockId mine,
+                     int priority, CachePath* path, bool* fresh, const TraceContext& ctx);
+  // Its trailing partial `block`, held in the sequence's block `mine`, after position (`root`,
+  // `at`): follows a sibling that covers it, widens the sequence's own block, or inserts one.
+  void CommitPartial(NodeIndex root, BlockId at, std::span<const int32_t> block, BlockId mine,
+                     int priority, CachePath* path, const TraceContext& ctx);
+  // Publishes `block` (the caller's, ACTIVE) holding `tokens` below (`root`, `at`), locked once
+  // by the committing sequence.
+  void Insert(NodeIndex root, BlockId at, std::span<const int32_t> tokens, BlockId block,
+              int priority, const TraceContext& ctx);
+  // The cache's side of a published block: its state, locked once, and its pool reference.
+  void Fill(BlockId block, int priority, const TraceContext& ctx);
+  // Publishes the full blocks `tokens` held in `table` as a run below (`root`, `at`), which has
+  // no child, extending `path`, up to the first block the tree already holds. Returns how many.
+  size_t AppendChain(NodeIndex root, BlockId at, std::span<const int32_t> tokens,
                      std::span<const BlockId> table, int priority, CachePath* path,
                      const TraceContext& ctx);
-  // A node's class is at least its descendants' (the policy's leaf-first promise): raises
-  // `node` and its ancestors to `priority`. They are locked by the committing sequence, so none
+  // A block's class is at least its descendants' (the policy's leaf-first promise): raises
+  // `block` and its ancestors to `priority`. They are locked by the committing sequence, so none
   // is in the policy's lists.
-  void RaiseAncestors(NodeIndex node, int priority);
-  // Extends `node` (holding the sequence's own block) to `tokens`; a node reaching a full block
-  // joins the child index and is announced.
-  void Widen(NodeIndex node, std::span<const int32_t> tokens);
-  void MakeFull(NodeIndex node);
-  // first_blocks_ upkeep: `node`, a full first block, was made (MakeFull, AppendChain) or is
-  // being freed (FreeSlot).
-  void IndexFirstBlock(NodeIndex node);
-  void UnindexFirstBlock(NodeIndex node);
+  void RaiseAncestors(BlockId block, int priority);
+  // Extends partial `block` (the sequence's own) to `tokens`; one reaching a full block is
+  // named and announced.
+  void Widen(BlockId block, std::span<const int32_t> tokens);
+  void MakeFull(BlockId block);
+  // first_blocks_ upkeep: `block`, a full first block, was made (MakeFull, AppendChain) or is
+  // being removed (Remove).
+  void IndexFirstBlock(BlockId block);
+  void UnindexFirstBlock(BlockId block);
   // Whether a namespace other than `ns` holds a full first block of exactly `block`.
   bool FirstBlockElsewhere(NamespaceId ns, std::span<const int32_t> block) const;
-  // Removes unused partial siblings of `node` that it covers.
-  void RemoveDominated(NodeIndex node, const TraceContext& ctx);
+  // first_blocks_ holds exactly the full first blocks, each under its tokens' hash.
+  absl::Status CheckFirstBlocks() const;
+  // Removes unused partial siblings of `block` that it covers.
+  void RemoveDominated(BlockId block, const TraceContext& ctx);
   // Removes an unlocked leaf and returns its cache reference. `offer_parent`: re-evaluate the
-  // parent, which may have become a candidate; false only when the caller removes the parent
-  // next (an evicted chain), so it is never added to the policy just to be taken out again.
-  void RemoveNode(NodeIndex node, const TraceContext& ctx, bool offer_parent = true);
-  // RemoveNode()'s last step: returns the node's cache reference and its slot. Defined inline in
-  // prefix_cache_evict.cc (its callers: RemoveNode and Evict's chain path).
-  void FreeSlot(NodeIndex node, const TraceContext& ctx);
-  // Lock() for a node a sequence reuses: also counts the hit and tells the policy.
-  void LockHit(NodeIndex node);
-  // Re-evaluates a node after its locks or its block's references changed. Defined inline in
-  // prefix_cache.cc, whose functions are its only callers (one call per node a sequence locks,
-  // unlocks or releases).
-  void UpdateEvictable(NodeIndex node);
-  bool ShouldBeEvictable(NodeIndex node) const {
-    const BlockId block = nodes_[node].block;
-    return block != kInvalidBlock && nodes_[node].lock == 0 &&
-           pool_->state(block) == BlockState::kCached;
+  // block it hung below, which may have become a candidate; false only when the caller removes
+  // that block next (an evicted run), so it is never added to the policy just to be taken out.
+  void Remove(BlockId block, const TraceContext& ctx, bool offer_parent = true);
+  // Remove()'s last step: returns the block's cache reference. Defined inline in
+  // prefix_cache_evict.cc (its callers: Remove and TrimRun).
+  void Release(BlockId block, const TraceContext& ctx);
+  // Evict() of victims[0] and the victims after it that are the blocks before it in its run, as
+  // long as nothing is recorded per block and the next victim is the block's parent: the run
+  // shrinks by that many at once. Returns how many (0 when victims[0] does not qualify).
+  size_t TrimRun(std::span<const BlockId> victims, const TraceContext& ctx);
+  // Lock() for a block a sequence reuses: also counts the hit and tells the policy.
+  void LockHit(BlockId block);
+  // Re-evaluates a block after its locks or its references changed. Defined inline in
+  // prefix_cache.cc, whose functions are its only callers besides OnBlockRefsChanged.
+  void UpdateEvictable(BlockId block);
+  bool ShouldBeEvictable(BlockId block) const {
+    return entry(block).lock == 0 && pool_->state(block) == BlockState::kCached;
   }
-  // Puts `node` into, or takes it out of, the candidates (policy or first-out tails) as it is
+  // Puts `block` into, or takes it out of, the candidates (policy or first-out tails) as it is
   // or is not an evictable leaf.
-  void UpdateCandidate(NodeIndex node);
-  bool IsFirstOutTail(NodeIndex node) const {
-    return nodes_[node].coverage < block_size_ && !retain_partial_tails_ &&
-           state_[node].retain == 0;
+  void UpdateCandidate(BlockId block);
+  bool IsFirstOutTail(BlockId block) const {
+    return tree_.coverage(block) < block_size_ && !retain_partial_tails_ &&
+           entry(block).retain == 0;
   }
-  void TailPush(NodeIndex node);
-  void TailRemove(NodeIndex node);
-  void UpdatePinCharge(NodeIndex node);
-  // The policy's Rank() of an evictable node, computed here when the policy ranks by release.
-  EvictionRank RankOf(NodeIndex node) const {
+  void TailPush(BlockId block);
+  void TailRemove(BlockId block);
+  void UpdatePinCharge(BlockId block);
+  // The policy's Rank() of an evictable block, computed here when the policy ranks by release.
+  EvictionRank RankOf(BlockId block) const {
     if (ranks_by_release_) {
-      return EvictionRank{.priority = nodes_[node].priority, .order = state_[node].release_seq};
+      return EvictionRank{.priority = entry(block).priority, .order = entry(block).release_seq};
     }
-    return policy_->Rank(node, Facts(node), now_ns_);
+    return policy_->Rank(Key(block), Facts(block), now_ns_);
   }
-  NodeFacts Facts(NodeIndex node) const {
-    return NodeFacts{.fingerprint = state_[node].fingerprint,
-                     .depth = state_[node].depth,
-                     .hits = state_[node].hits,
-                     .priority = nodes_[node].priority,
-                     .released_ns = state_[node].released_ns,
-                     .release_seq = state_[node].release_seq};
+  NodeFacts Facts(BlockId block) const {
+    const Entry& s = entry(block);
+    return NodeFacts{.fingerprint = hashes_on_ ? BlockFingerprint(hash_[Index(block)]) : 0,
+                     .depth = tree_.depth(block),
+                     .hits = s.hits,
+                     .priority = s.priority,
+                     .released_ns = s.released_ns,
+                     .release_seq = s.release_seq};
   }
-  absl::Status CheckNode(NodeIndex node, const absl::flat_hash_map<NodeIndex, uint32_t>* pins,
-                         absl::flat_hash_map<NamespaceId, int64_t>* pin_held) const;
-  void Announce(NodeIndex first, NodeIndex last);  // BlockStored for the chain first..last
+  BlockHash HashOf(BlockId block) const {
+    return block == kInvalidBlock || !hashes_on_ ? BlockHash{} : hash_[Index(block)];
+  }
+  absl::Status CheckBlock(BlockId block, const absl::flat_hash_map<BlockId, uint32_t>* pins,
+                          absl::flat_hash_map<NamespaceId, int64_t>* pin_held) const;
+  absl::Status CheckCounts(int64_t blocks, int64_t full, int64_t evictable, int64_t pinned,
+                           const absl::flat_hash_map<NamespaceId, int64_t>& pin_held) const;
+  void Announce(std::span<const BlockId> chain);  // BlockStored for a chain, parents first
+  // A full block leaves: events, Explain memory (with whether it was below the admission bar).
+  void Forget(BlockId block, bool below_bar);
   void FlushRemoved();
 
   const int32_t block_size_;
@@ -472,47 +423,34 @@ class PrefixCache final {
   const bool events_on_;
   const bool journal_on_;
   // Chained hashes are computed: events, the evicted-hash memory or the policy need them. Off,
-  // hash_ and the fingerprints stay zero.
+  // hash_ stays empty and the fingerprints zero.
   const bool hashes_on_;
   BlockPool* const pool_;
   std::unique_ptr<EvictionPolicy> policy_;
   const bool ranks_by_release_;  // policy_->ranks_by_release()
   const bool hears_accesses_;    // policy_->hears_accesses()
   // Nothing is recorded per evicted block (no events, no policy hearing erasures, no memory of
-  // evicted hashes): Evict() removes a chain's inner nodes without RemoveNode().
+  // evicted hashes): Evict() trims a run's inner blocks without Remove().
   const bool lean_evictions_;
   EventLog events_;
   int64_t now_ns_ = 0;
   uint64_t release_counter_ = 0;
 
-  // Node metadata by NodeIndex: the hot fields in nodes_, the rest in arrays of their own.
-  std::vector<Node> nodes_;
-  std::vector<NodeIndex> chain_prev_;  // children of a wide parent: the first-token chain
-  std::vector<NodeIndex> chain_next_;
-  std::vector<NodeIndex> tail_prev_;  // first-out tails: a FIFO threaded through the nodes
-  std::vector<NodeIndex> tail_next_;
-  std::vector<NodeState> state_;  // eviction bookkeeping, one cache line per two nodes
-  std::vector<NamespaceId> ns_;
-  std::vector<BlockHash> hash_;  // full nodes when hashes_on_ (roots: zero)
-  std::vector<int32_t> tokens_;  // [node][block_size]
-  std::vector<NodeIndex> free_nodes_;
-  std::vector<NodeIndex> node_of_block_;  // by BlockId
-
-  absl::flat_hash_map<NamespaceId, NodeIndex> roots_;
-  // Full children of wide parents (a narrow parent's few are compared by tokens in place).
-  absl::flat_hash_map<ChildKey, NodeIndex> children_;
-  absl::flat_hash_map<FirstTokenKey, NodeIndex> chains_;  // wide parents' chain heads
-  mutable uint64_t child_scans_ = 0;
+  internal::RunTree tree_;
+  std::vector<Entry> entries_;      // by BlockId
+  std::vector<BlockHash> hash_;     // by BlockId: full blocks' chained hashes, when hashes_on_
+  std::vector<BlockId> tail_prev_;  // first-out tails: a FIFO threaded through the blocks
+  std::vector<BlockId> tail_next_;
 
   // Recently evicted full blocks, for Explain().
   std::vector<BlockHash> evicted_ring_;
   size_t evicted_next_ = 0;
   // The hashes of evicted_ring_, each with whether the policy had it below its admission bar.
   absl::flat_hash_map<BlockHash, bool> evicted_set_;
-  // The full first blocks of every namespace, by HashTokens of their tokens, each with its node:
+  // The full first blocks of every namespace, by HashTokens of their tokens, each with its block:
   // tells a miss whose first block another namespace holds (ExplainStop) without a match per
   // namespace. Only ever counted: a match never leaves its namespace.
-  absl::btree_set<std::pair<uint64_t, NodeIndex>> first_blocks_;
+  absl::btree_set<std::pair<uint64_t, BlockId>> first_blocks_;
 
   std::vector<BlockHash> pending_removed_;  // batched into one BlockRemoved per call
   std::vector<PublishedBlock> published_;   // the journal, when on
@@ -520,15 +458,15 @@ class PrefixCache final {
 
   EvictionPlanner planner_;  // PlanEviction's, with its scratch
 
-  NodeIndex tails_head_ = kNoNode;
-  NodeIndex tails_tail_ = kNoNode;
+  BlockId tails_head_ = kInvalidBlock;
+  BlockId tails_tail_ = kInvalidBlock;
   int64_t num_tails_ = 0;
   absl::flat_hash_map<NamespaceId, int64_t> pin_held_;  // CACHED pinned blocks by namespace
 
-  int64_t num_nodes_ = 0;
+  int64_t num_blocks_ = 0;  // cached blocks
   int64_t num_full_ = 0;
   int64_t num_evictable_ = 0;
-  int64_t pinned_nodes_ = 0;
+  int64_t pinned_blocks_ = 0;
   PrefixCacheStats counters_;
 };
 

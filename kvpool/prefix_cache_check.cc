@@ -1,169 +1,135 @@
 // PrefixCache: stats, invariants and the canonical dump.
 
-#include <algorithm>
 #include <string>
 
 #include "fmt/format.h"
 #include "kvpool/internal/tokens.h"
 #include "kvpool/prefix_cache.h"
 #include "kvpool/util/errors.h"
+#include "kvpool/util/status_macros.h"
 
 namespace kvpool {
 
 PrefixCacheStats PrefixCache::stats() const {
   PrefixCacheStats s = counters_;
-  s.child_scans = child_scans_;
-  s.nodes = num_nodes_;
+  const internal::RunTreeStats& tree = tree_.stats();
+  s.child_scans = tree.child_scans;
+  s.runs = tree.runs;
+  s.splits = tree.splits;
+  s.merges = tree.merges;
+  s.nodes = num_blocks_;
   s.full_nodes = num_full_;
   s.evictable = num_evictable_;
   s.candidates = policy_->size() + num_tails_;
-  s.pinned = pinned_nodes_;
-  s.namespaces = static_cast<int64_t>(roots_.size());
+  s.pinned = pinned_blocks_;
+  s.namespaces = static_cast<int64_t>(tree_.roots().size());
   return s;
 }
 
-// One cached (non-root) node: shape, coverage, hash chain, candidacy and pins.
-absl::Status PrefixCache::CheckNode(NodeIndex node,
-                                    const absl::flat_hash_map<NodeIndex, uint32_t>* pins,
-                                    absl::flat_hash_map<NamespaceId, int64_t>* pin_held) const {
-  const NodeIndex parent = nodes_[node].parent;
-  const BlockId block = nodes_[node].block;
-  if (parent == kNoNode || (nodes_[parent].block == kInvalidBlock && Root(ns_[node]) != parent)) {
-    return InvariantViolation("node {} has no live parent", node);
+// One cached block: class, hash chain, candidacy and pins (its place is the tree's to check).
+absl::Status PrefixCache::CheckBlock(BlockId block,
+                                     const absl::flat_hash_map<BlockId, uint32_t>* pins,
+                                     absl::flat_hash_map<NamespaceId, int64_t>* pin_held) const {
+  const Entry& e = entry(block);
+  const int b = block.value();
+  const BlockId parent = tree_.Parent(block);
+  if (parent != kInvalidBlock && e.priority > entry(parent).priority) {
+    return InvariantViolation("block {} outranks its parent", b);
   }
-  if (nodes_[parent].block != kInvalidBlock && nodes_[parent].coverage != block_size_) {
-    return InvariantViolation("node {} hangs under partial node {}", node, parent);
-  }
-  if (nodes_[node].coverage <= 0 || nodes_[node].coverage > block_size_) {
-    return InvariantViolation("node {} has coverage {}", node, nodes_[node].coverage);
-  }
-  if (node_of_block_[static_cast<size_t>(block.value())] != node || !pool_->cache_held(block)) {
-    return InvariantViolation("node {} and block {} do not point at each other", node,
-                              block.value());
-  }
-  if (ns_[node] != ns_[parent]) return InvariantViolation("node {} left its namespace", node);
-  if (nodes_[parent].block != kInvalidBlock && nodes_[node].priority > nodes_[parent].priority) {
-    return InvariantViolation("node {} outranks its parent", node);
-  }
-  if (state_[node].depth != state_[parent].depth + 1)
-    return InvariantViolation("node {} has a stale depth", node);
-  if (nodes_[node].coverage == block_size_) {
+  if (hashes_on_) {
     const BlockHash want =
-        hashes_on_ ? PrefixChainHash(hash_[parent], ns_[node], Tokens(node)) : BlockHash{};
-    if (hash_[node] != want ||
-        state_[node].fingerprint != (hashes_on_ ? BlockFingerprint(want) : 0)) {
-      return InvariantViolation("node {} has a broken hash chain", node);
-    }
-    if (FindFull(parent, Tokens(node)) == kNoNode)
-      return InvariantViolation("node {} is not indexed", node);
+        tree_.coverage(block) == block_size_
+            ? PrefixChainHash(HashOf(parent), tree_.ns_of(block), tree_.Tokens(block))
+            : BlockHash{};
+    if (hash_[Index(block)] != want)
+      return InvariantViolation("block {} has a broken hash chain", b);
   }
-  const bool evictable = ShouldBeEvictable(node);
-  if (evictable != (state_[node].evictable != 0))
-    return InvariantViolation("node {} evictability is stale", node);
-  const bool candidate = evictable && nodes_[node].num_children == 0;
-  const bool tail = state_[node].in_tails != 0;
-  if ((state_[node].in_policy != 0) != policy_->Contains(node)) {
-    return InvariantViolation("node {} disagrees with the policy on holding it", node);
+  const bool evictable = ShouldBeEvictable(block);
+  if (evictable != (e.evictable != 0)) {
+    return InvariantViolation("block {} evictability is stale", b);
   }
-  if (tail && policy_->Contains(node))
-    return InvariantViolation("node {} is a tail and in the policy", node);
-  if (candidate != (tail || policy_->Contains(node))) {
-    return InvariantViolation("node {} is {}an evictable leaf but {} a candidate", node,
+  const bool candidate = evictable && tree_.IsLeaf(block);
+  const bool tail = e.in_tails != 0;
+  const bool in_policy = policy_->Contains(Key(block));
+  if ((e.in_policy != 0) != in_policy) {
+    return InvariantViolation("block {} disagrees with the policy on holding it", b);
+  }
+  if (tail && in_policy) return InvariantViolation("block {} is a tail and in the policy", b);
+  if (candidate != (tail || in_policy)) {
+    return InvariantViolation("block {} is {}an evictable leaf but {} a candidate", b,
                               candidate ? "" : "not ", candidate ? "not" : "is");
   }
-  if (candidate && tail != IsFirstOutTail(node)) {
-    return InvariantViolation("node {} is in the wrong candidate list", node);
+  if (candidate && tail != IsFirstOutTail(block)) {
+    return InvariantViolation("block {} is in the wrong candidate list", b);
   }
   if (pins != nullptr) {
-    auto it = pins->find(node);
+    auto it = pins->find(block);
     const uint32_t want = it == pins->end() ? 0 : it->second;
-    if (state_[node].pins != want)
-      return InvariantViolation("node {} has {} pins, {} expected", node, state_[node].pins, want);
+    if (e.pins != want)
+      return InvariantViolation("block {} has {} pins, {} expected", b, e.pins, want);
   }
-  if (state_[node].pins > nodes_[node].lock)
-    return InvariantViolation("node {} has more pins than locks", node);
-  const bool charged = state_[node].pins > 0 && pool_->state(block) == BlockState::kCached;
-  if (charged != (state_[node].pin_charged != 0))
-    return InvariantViolation("node {} pin charge is stale", node);
-  if (charged) ++(*pin_held)[ns_[node]];
+  if (e.pins > e.lock) return InvariantViolation("block {} has more pins than locks", b);
+  if (e.kept != 0) return InvariantViolation("block {} is still marked kept by a plan", b);
+  const bool charged = e.pins > 0 && pool_->state(block) == BlockState::kCached;
+  if (charged != (e.pin_charged != 0)) return InvariantViolation("block {} pin charge is stale", b);
+  if (charged) ++(*pin_held)[tree_.ns_of(block)];
   return absl::OkStatus();
 }
 
 absl::Status PrefixCache::CheckInvariants(
-    const absl::flat_hash_map<NodeIndex, uint32_t>* expected_locks,
-    const absl::flat_hash_map<NodeIndex, uint32_t>* expected_pins) const {
-  int64_t nodes = 0, full = 0, evictable = 0, pinned = 0;
+    const absl::flat_hash_map<BlockId, uint32_t>* expected_locks,
+    const absl::flat_hash_map<BlockId, uint32_t>* expected_pins) const {
+  KVPOOL_RETURN_IF_ERROR(tree_.CheckInvariants());
+  int64_t blocks = 0, full = 0, evictable = 0, pinned = 0;
   absl::flat_hash_map<NamespaceId, int64_t> pin_held;
-  for (NodeIndex node = 0; node < static_cast<NodeIndex>(nodes_.size()); ++node) {
-    const bool root = nodes_[node].block == kInvalidBlock && nodes_[node].parent == kNoNode &&
-                      Root(ns_[node]) == node && ns_[node] != kNoNamespace;
-    if (nodes_[node].block == kInvalidBlock && !root) {  // free slot
-      if (state_[node].in_tails != 0 || policy_->Contains(node) || state_[node].pins != 0) {
-        return InvariantViolation("free node slot {} is still a candidate or pinned", node);
+  for (int32_t b = 0; b < pool_->num_blocks(); ++b) {
+    const BlockId block(b);
+    const bool held = tree_.Holds(block);
+    if (pool_->cache_held(block) != held) {
+      return InvariantViolation("block {} cache reference does not match the tree", b);
+    }
+    if (!held) {
+      if (entry(block).in_tails != 0 || policy_->Contains(Key(block))) {
+        return InvariantViolation("block {} left the tree but is still a candidate", b);
       }
       continue;
     }
-    int32_t children = 0;
-    for (NodeIndex c = nodes_[node].first_child; c != kNoNode; c = nodes_[c].next_sibling) {
-      if (nodes_[c].parent != node)
-        return InvariantViolation("node {} lists child {} of another parent", node, c);
-      ++children;
-    }
-    if (children != nodes_[node].num_children)
-      return InvariantViolation("node {} child count is stale", node);
+    ++blocks;
+    full += tree_.coverage(block) == block_size_ ? 1 : 0;
+    evictable += ShouldBeEvictable(block) ? 1 : 0;
+    pinned += entry(block).pins > 0 ? 1 : 0;
     if (expected_locks != nullptr) {
-      auto it = expected_locks->find(node);
+      auto it = expected_locks->find(block);
       const uint32_t want = it == expected_locks->end() ? 0 : it->second;
-      if (nodes_[node].lock != want)
-        return InvariantViolation("node {} has {} locks, {} expected", node, nodes_[node].lock,
-                                  want);
+      if (entry(block).lock != want) {
+        return InvariantViolation("block {} has {} locks, {} expected", b, entry(block).lock, want);
+      }
     }
-    if (root) continue;
-    ++nodes;
-    full += nodes_[node].coverage == block_size_ ? 1 : 0;
-    evictable += ShouldBeEvictable(node) ? 1 : 0;
-    pinned += state_[node].pins > 0 ? 1 : 0;
-    if (absl::Status s = CheckNode(node, expected_pins, &pin_held); !s.ok()) return s;
+    KVPOOL_RETURN_IF_ERROR(CheckBlock(block, expected_pins, &pin_held));
   }
-  for (size_t b = 0; b < node_of_block_.size(); ++b) {
-    if (pool_->cache_held(BlockId(static_cast<int32_t>(b))) != (node_of_block_[b] != kNoNode)) {
-      return InvariantViolation("block {} cache reference does not match the tree", b);
+  if (expected_locks != nullptr) {
+    for (const auto& [block, n] : *expected_locks) {
+      if (!tree_.Holds(block)) {
+        return InvariantViolation("block {} is locked {} times but not cached", block.value(), n);
+      }
     }
   }
-  if (nodes != num_nodes_ || full != num_full_) return InvariantViolation("node counts are stale");
-  if (absl::Status s = CheckFirstBlocks(); !s.ok()) return s;
-  if (evictable != num_evictable_) {
-    return InvariantViolation("{} nodes evictable, {} counted", evictable, num_evictable_);
-  }
-  if (pinned != pinned_nodes_)
-    return InvariantViolation("{} nodes pinned, {} counted", pinned, pinned_nodes_);
-  if (pin_held != pin_held_) return InvariantViolation("pin-held blocks per namespace are stale");
-  int64_t tails = 0;
-  for (NodeIndex n = tails_head_; n != kNoNode; n = tail_next_[n]) {
-    if (state_[n].in_tails == 0 || ++tails > num_tails_)
-      return InvariantViolation("the first-out tail list is broken");
-  }
-  if (tails != num_tails_)
-    return InvariantViolation("{} first-out tails listed, {} counted", tails, num_tails_);
-  if (static_cast<int64_t>(children_.size()) > full)
-    return InvariantViolation("child index has stale keys");
-  if (absl::Status s = CheckChains(); !s.ok()) return s;
+  KVPOOL_RETURN_IF_ERROR(CheckCounts(blocks, full, evictable, pinned, pin_held));
+  KVPOOL_RETURN_IF_ERROR(CheckFirstBlocks());
   if (!planner_.clean()) return InvariantViolation("the eviction planner's scratch is not reset");
   return policy_->CheckInvariants();
 }
 
-// The first-token chains hold exactly the children of wide parents, each under its own key; the
-// full-child index only theirs, and each full child of a wide parent carries its token hash
-// (RemoveNode finds its index entry by it).
 absl::Status PrefixCache::CheckFirstBlocks() const {
   size_t first_full = 0;
-  for (NodeIndex node = 0; node < static_cast<NodeIndex>(nodes_.size()); ++node) {
-    const bool first = nodes_[node].block != kInvalidBlock && state_[node].depth == 1 &&
-                       nodes_[node].coverage == block_size_;
-    if (!first) continue;
+  for (int32_t b = 0; b < pool_->num_blocks(); ++b) {
+    const BlockId block(b);
+    if (!tree_.Holds(block) || tree_.depth(block) != 1 || tree_.coverage(block) != block_size_) {
+      continue;
+    }
     ++first_full;
-    if (!first_blocks_.contains({internal::HashTokens(Tokens(node)), node})) {
-      return InvariantViolation("first block {} is missing from the first-block index", node);
+    if (!first_blocks_.contains({internal::HashTokens(tree_.Tokens(block)), block})) {
+      return InvariantViolation("first block {} is missing from the first-block index", b);
     }
   }
   if (first_full != first_blocks_.size()) {
@@ -173,65 +139,53 @@ absl::Status PrefixCache::CheckFirstBlocks() const {
   return absl::OkStatus();
 }
 
-absl::Status PrefixCache::CheckChains() const {
-  int64_t expected = 0;
-  for (NodeIndex node = 0; node < static_cast<NodeIndex>(nodes_.size()); ++node) {
-    if (nodes_[node].wide != 0) {
-      if (nodes_[node].num_children == 0)
-        return InvariantViolation("n{} is wide with no child", node);
-      expected += nodes_[node].num_children;
-      for (NodeIndex c = nodes_[node].first_child; c != kNoNode; c = nodes_[c].next_sibling) {
-        if (nodes_[c].coverage == block_size_ &&
-            nodes_[c].token_hash != internal::HashTokens(Tokens(c))) {
-          return InvariantViolation("full child n{} of wide n{} has a stale token hash", c, node);
-        }
-      }
-    } else if (nodes_[node].num_children > kWideFanout) {
-      return InvariantViolation("n{} has {} children but is not wide", node,
-                                nodes_[node].num_children);
+absl::Status PrefixCache::CheckCounts(
+    int64_t blocks, int64_t full, int64_t evictable, int64_t pinned,
+    const absl::flat_hash_map<NamespaceId, int64_t>& pin_held) const {
+  if (blocks != num_blocks_ || full != num_full_) {
+    return InvariantViolation("block counts are stale");
+  }
+  if (evictable != num_evictable_) {
+    return InvariantViolation("{} blocks evictable, {} counted", evictable, num_evictable_);
+  }
+  if (pinned != pinned_blocks_) {
+    return InvariantViolation("{} blocks pinned, {} counted", pinned, pinned_blocks_);
+  }
+  if (pin_held != pin_held_) return InvariantViolation("pin-held blocks per namespace are stale");
+  int64_t tails = 0;
+  for (BlockId b = tails_head_; b != kInvalidBlock; b = tail_next_[Index(b)]) {
+    if (entry(b).in_tails == 0 || ++tails > num_tails_) {
+      return InvariantViolation("the first-out tail list is broken");
     }
   }
-  int64_t chained = 0;
-  for (const auto& [key, head] : chains_) {
-    NodeIndex prev = kNoNode;
-    for (NodeIndex n = head; n != kNoNode; prev = n, n = chain_next_[n]) {
-      if (nodes_[n].parent != key.parent || nodes_[key.parent].wide == 0 ||
-          nodes_[n].coverage == 0 || Tokens(n)[0] != key.token || chain_prev_[n] != prev ||
-          ++chained > expected) {
-        return InvariantViolation("first-token chain of n{} token {} is broken at n{}", key.parent,
-                                  key.token, n);
-      }
-    }
-  }
-  if (chained != expected) {
-    return InvariantViolation("{} children of wide nodes chained, {} expected", chained, expected);
-  }
-  // The full-child index holds children of wide parents only, each under its own token hash.
-  for (const auto& [key, child] : children_) {
-    if (nodes_[key.parent].wide == 0 || nodes_[child].parent != key.parent ||
-        nodes_[child].coverage != block_size_ || nodes_[child].token_hash != key.token_hash) {
-      return InvariantViolation("child index entry n{} -> n{} is stale", key.parent, child);
-    }
+  if (tails != num_tails_) {
+    return InvariantViolation("{} first-out tails listed, {} counted", tails, num_tails_);
   }
   return absl::OkStatus();
 }
 
 std::string PrefixCache::DebugString() const {
   std::string out = fmt::format(
-      "cache nodes={} full={} evictable={} candidates={} pinned={} next_event={}\n", num_nodes_,
-      num_full_, num_evictable_, policy_->size() + num_tails_, pinned_nodes_, events_.next_seq());
+      "cache blocks={} full={} runs={} evictable={} candidates={} pinned={} next_event={}\n",
+      num_blocks_, num_full_, tree_.stats().runs, num_evictable_, policy_->size() + num_tails_,
+      pinned_blocks_, events_.next_seq());
   auto it = std::back_inserter(out);
-  for (NodeIndex node = 0; node < static_cast<NodeIndex>(nodes_.size()); ++node) {
-    if (nodes_[node].block == kInvalidBlock) continue;
+  for (int32_t b = 0; b < pool_->num_blocks(); ++b) {
+    const BlockId block(b);
+    if (!tree_.Holds(block)) continue;
+    const Entry& e = entry(block);
+    // The run a block belongs to shows as `run=1` on its first block: slots are not printed, so
+    // two trees holding the same runs print the same.
     fmt::format_to(it,
-                   "n{} parent={} block={} cov={} lock={} pins={} prio={} hits={} candidate={} "
-                   "tokens={}\n",
-                   node, nodes_[node].parent, nodes_[node].block.value(), nodes_[node].coverage,
-                   nodes_[node].lock, state_[node].pins, nodes_[node].priority, state_[node].hits,
-                   state_[node].in_tails != 0 ? "tail"
-                   : policy_->Contains(node)  ? "policy"
-                                              : "no",
-                   fmt::join(Tokens(node), ","));
+                   "b{} ns={} parent={} run={} cov={} lock={} pins={} prio={} hits={} "
+                   "candidate={} tokens={}\n",
+                   b, tree_.ns_of(block).value(), tree_.Parent(block).value(),
+                   tree_.StartsRun(block) ? 1 : 0, tree_.coverage(block), e.lock, e.pins,
+                   e.priority, e.hits,
+                   e.in_tails != 0    ? "tail"
+                   : e.in_policy != 0 ? "policy"
+                                      : "no",
+                   fmt::join(tree_.Tokens(block), ","));
   }
   return out;
 }

@@ -1,15 +1,17 @@
 #pragma once
 
-// EvictionPlanner: works out which nodes of a PrefixCache to evict, in order, to free a number of
-// blocks, without changing the cache (PrefixCache::PlanEviction). It owns the scratch a plan
+// EvictionPlanner: works out which blocks of a PrefixCache to evict, in order, to free a number
+// of blocks, without changing the cache (PrefixCache::PlanEviction). It owns the scratch a plan
 // needs, kept from one plan to the next so that a warm plan neither allocates nor hashes: by
-// node, how many children the plan took and whether the caller keeps it (both all zero between
-// plans), the nodes whose counts to reset, and the parents the plan turned into leaves (a
-// min-heap by rank).
+// block, how many children the plan took (all zero between plans), the blocks whose counts to
+// reset, and the parents the plan turned into leaves (a min-heap by rank). Which blocks the
+// caller keeps is a bit of the cache's per-block entry (set and cleared by the plan).
 //
 // The plan walks the cache's first-out tails, then the policy's candidates in rank order. A
 // victim may turn its parent into a leaf; such parents wait in the heap and are taken as soon as
-// they rank below the policy's next candidate. O((k + m) log(k + n)) for k victims and m skipped.
+// they rank below the policy's next candidate. Inside a run every block is its parent's only
+// child, so a victim's run is walked from its tail without bookkeeping. O((k + m) log(k + n))
+// for k victims and m skipped.
 //
 // Thread-compatible: each PrefixCache owns one and calls it under the cache's serialization.
 
@@ -19,6 +21,7 @@
 #include <vector>
 
 #include "kvpool/eviction_policy.h"
+#include "kvpool/util/strong_id.h"
 
 namespace kvpool {
 
@@ -26,20 +29,39 @@ class PrefixCache;
 
 class EvictionPlanner final {
  public:
-  // Appends to `victims` the nodes of `cache` to evict, in order, to free `blocks` blocks now,
+  // Appends to `victims` the blocks of `cache` to evict, in order, to free `blocks` blocks now,
   // never one listed in `keep`; returns how many blocks they free (fewer than asked when the
-  // cache cannot free more). Changes nothing in `cache`.
-  int64_t Plan(const PrefixCache& cache, int64_t blocks, std::span<const NodeIndex> keep,
-               std::vector<NodeIndex>* victims);
+  // cache cannot free more). Changes nothing in `cache` (the kept bits it sets, it clears).
+  int64_t Plan(const PrefixCache& cache, int64_t blocks, std::span<const BlockId> keep,
+               std::vector<BlockId>* victims);
 
-  // Whether the per-node scratch is all zero, as it is between plans (for CheckInvariants).
+  // Whether the per-block scratch is all zero, as it is between plans (for CheckInvariants).
   bool clean() const;
 
  private:
-  std::vector<int32_t> gone_children_;  // by node: children planned away
-  std::vector<uint8_t> kept_;           // by node: listed in `keep`
-  std::vector<NodeIndex> touched_;      // nodes whose gone_children_ to reset
-  std::vector<std::pair<EvictionRank, NodeIndex>> freed_parents_;  // a min-heap by rank
+  // One plan's progress.
+  struct Progress {
+    const PrefixCache* cache = nullptr;
+    int64_t blocks = 0;  // asked for
+    int64_t freed = 0;   // freed by the victims so far
+    std::vector<BlockId>* victims = nullptr;
+  };
+  // What a plan does with the parent of a block it took.
+  enum class Step : uint8_t {
+    kStop,    // nothing: it is not evictable, it is kept, or it has children left
+    kFollow,  // take it next (it ranks right after its child)
+    kQueue,   // queue it by rank among the freed parents
+  };
+  static Step NextStep(BlockId child, BlockId parent, bool chain, const Progress& p);
+  // Takes evictable leaf `block` and the blocks it turns into leaves while they rank next.
+  // `ranked`: taken in rank order (not as a first-out tail), so nothing untaken ranks below it.
+  void Take(BlockId block, bool ranked, Progress* p);
+  void Queue(BlockId parent, const Progress& p);
+  void TakeParent(Progress* p);
+
+  std::vector<int32_t> gone_children_;  // by block: children planned away
+  std::vector<BlockId> touched_;        // blocks whose gone_children_ to reset
+  std::vector<std::pair<EvictionRank, BlockId>> freed_parents_;  // a min-heap by rank
 };
 
 }  // namespace kvpool

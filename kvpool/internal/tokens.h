@@ -7,6 +7,10 @@
 #include <cstring>
 #include <span>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "xxhash.h"
 
 namespace kvpool::internal {
@@ -32,6 +36,33 @@ inline void CopyBlockTokens(int32_t* dst, const int32_t* src, size_t n) {
   } else {
     std::memcpy(dst, src, n * sizeof(int32_t));
   }
+}
+
+// CopyBlockTokens() for the blocks of a run a prompt publishes. A block of whole cache lines
+// going to a line-aligned slot is written with non-temporal stores, which skip reading the
+// destination's lines first: a slot was last touched when its block was last cached, long ago, so
+// each line would be a miss, and the tokens are read again only when a later prompt matches them.
+// Call StreamFence() after the last one, before anything reads them.
+inline void StreamBlockTokens(int32_t* dst, const int32_t* src, size_t n) {
+#if defined(__SSE2__)
+  constexpr size_t kLine = 64;
+  const size_t bytes = n * sizeof(int32_t);
+  if (bytes % kLine == 0 && reinterpret_cast<uintptr_t>(dst) % kLine == 0) {
+    auto* out = reinterpret_cast<__m128i*>(dst);
+    const auto* in = reinterpret_cast<const __m128i*>(src);
+    for (size_t v = 0; v < bytes / sizeof(__m128i); ++v) {
+      _mm_stream_si128(out + v, _mm_loadu_si128(in + v));
+    }
+    return;
+  }
+#endif
+  CopyBlockTokens(dst, src, n);
+}
+
+inline void StreamFence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
 }
 
 inline bool StartsWith(std::span<const int32_t> whole, std::span<const int32_t> prefix) {

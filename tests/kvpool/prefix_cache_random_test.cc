@@ -266,7 +266,7 @@ class PrefixCacheRandomTest : public ::testing::TestWithParam<RandomParams> {
       const SequenceId seq = Pick();
       const Live& s = live_.at(seq);
       const Sequence* real = cache_->Find(seq);
-      const bool published = !real->path.full.empty() || real->path.partial != kNoNode;
+      const bool published = !real->path.full.empty() || real->path.partial != kInvalidBlock;
       id = cache_->PinSequence(s.session, seq, ttl, priority);
       pin.session = s.session;
       pin.ns = s.ns;
