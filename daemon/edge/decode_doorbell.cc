@@ -1,6 +1,7 @@
 #include "daemon/edge/decode_doorbell.h"
 
 #include <fcntl.h>
+#include <immintrin.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -87,11 +88,17 @@ void DecodeDoorbell::Loop() {
   uint32_t served = 0;
   int64_t backoff_ns = 0;
   int64_t not_before_ns = 0;
+  bool poll = false;  // the last call was answered on this thread: look for the next ring first
   for (;;) {
     const uint32_t ring = page_->ring.load(std::memory_order_acquire);
     if (stop_.load(std::memory_order_acquire)) break;
     if (ring == served) {
-      wire::FutexWait(&page_->ring, ring);
+      if (poll) {
+        poll = false;
+        PollRing(served);
+      } else {
+        wire::FutexWait(&page_->ring, ring);
+      }
       continue;
     }
     if (backoff_ns > 0) BackOff(not_before_ns);
@@ -99,9 +106,10 @@ void DecodeDoorbell::Loop() {
     served = page_->ring.load(std::memory_order_acquire);  // the latest request
     // Read before the answer is written: whoever sees the answer sees the back-off's start.
     const int64_t taken_ns = clock_->NowNanos();
-    if (Serve(served)) {
+    if (Serve(served, &poll)) {
       backoff_ns = 0;
     } else {
+      poll = false;
       backoff_ns = std::clamp(2 * backoff_ns, kFirstBackoffNs, kMaxBackoffNs);
       not_before_ns = taken_ns + backoff_ns;
     }
@@ -109,12 +117,21 @@ void DecodeDoorbell::Loop() {
   exited_.store(true, std::memory_order_release);
 }
 
+void DecodeDoorbell::PollRing(uint32_t served) const {
+  for (int i = 0; i < kRingPolls; ++i) {
+    if (page_->ring.load(std::memory_order_acquire) != served) return;
+    if (stop_.load(std::memory_order_relaxed)) return;
+    _mm_pause();
+  }
+}
+
 void DecodeDoorbell::BackOff(int64_t until_ns) {
   absl::MutexLock lock(&mu_);
   clock_->AwaitUntil(mu_, absl::Condition(&stopping_), until_ns);
 }
 
-bool DecodeDoorbell::Serve(uint32_t ring) {
+bool DecodeDoorbell::Serve(uint32_t ring, bool* answered_here) {
+  *answered_here = false;
   // Read once: the client may change the page at any moment.
   const uint32_t n = __atomic_load_n(&page_->num_items, __ATOMIC_RELAXED);
   const int64_t timeout_ns = __atomic_load_n(&page_->timeout_ns, __ATOMIC_RELAXED);
@@ -151,6 +168,8 @@ bool DecodeDoorbell::Serve(uint32_t ring) {
                                           completion->done = true;
                                         }));
   absl::MutexLock lock(&completion->mu);
+  // Done already: the step ran on this thread (Engine::SubmitOrRun found the model idle).
+  *answered_here = completion->done;
   completion->mu.Await(absl::Condition(&completion->done));
   return completion->ok;
 }
