@@ -24,7 +24,8 @@ absl::Status Errno(std::string_view what) {
 struct Completion {
   absl::Mutex mu;
   bool done ABSL_GUARDED_BY(mu) = false;
-  bool ok ABSL_GUARDED_BY(mu) = false;  // answered with a success
+  bool ok ABSL_GUARDED_BY(mu) = false;     // answered with a success
+  bool alone ABSL_GUARDED_BY(mu) = false;  // its step served this call's sequences only
 };
 
 }  // namespace
@@ -160,16 +161,20 @@ bool DecodeDoorbell::Serve(uint32_t ring, bool* answered_here) {
   }
   auto completion = std::make_shared<Completion>();
   submit_(std::make_unique<ComputeCall>(session_, std::move(request), std::move(context),
-                                        [this, ring, completion](ComputeCall& call) {
+                                        [this, ring, n, completion](ComputeCall& call) {
                                           const ComputeResult& result = call.result();
                                           Answer(ring, result.status, &result);
                                           absl::MutexLock lock(&completion->mu);
                                           completion->ok = result.status.ok();
+                                          completion->alone =
+                                              result.step_sequences == static_cast<int32_t>(n);
                                           completion->done = true;
                                         }));
   absl::MutexLock lock(&completion->mu);
-  // Done already: the step ran on this thread (Engine::SubmitOrRun found the model idle).
-  *answered_here = completion->done;
+  // Done already: the step ran on this thread (Engine::SubmitOrRun found the model idle). Only a
+  // client decoding on its own is worth polling for: with others in the step, the next one
+  // gathers them anyway, and the polls of several doorbells would take the cores from the model.
+  *answered_here = completion->done && completion->alone;
   completion->mu.Await(absl::Condition(&completion->done));
   return completion->ok;
 }

@@ -62,7 +62,8 @@ class DecodeDoorbell final {
 
   static constexpr int64_t kFirstBackoffNs = 50'000;    // after one error
   static constexpr int64_t kMaxBackoffNs = 10'000'000;  // after many in a row
-  // After an answer this thread wrote itself (the step ran here), it polls the ring this many
+  // After an answer this thread wrote itself (the step ran here, for this call alone), it polls
+  // the ring this many
   // times (a PAUSE each: about 40 us on this machine's Zen cores, ~2x that on Intel's) before it
   // sleeps on the futex: a client decoding in a loop rings again within that, and is then served
   // without a thread wake-up, which on a small VM costs tens of microseconds.
@@ -94,7 +95,7 @@ class DecodeDoorbell final {
 
   void Loop();
   // Serves the request rung as `ring`; returns once it is answered, with whether it succeeded.
-  // `answered_here`: whether its step ran on this thread.
+  // `answered_here`: whether its step ran on this thread and served this call alone.
   bool Serve(uint32_t ring, bool* answered_here);
   // Polls the ring (kRingPolls times at most) until it moves past `served` or Stop().
   void PollRing(uint32_t served) const;
