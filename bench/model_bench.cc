@@ -18,7 +18,8 @@
 // - BM_DecodeInterleaved at batch 1 and 8: the same two decodes in one benchmark, alternating
 //   runs of 32 steps on each side so that both see the same seconds of a shared machine, whose
 //   background load otherwise moves the ratio by more than the round trip; counters
-//   inprocess_ns and daemon_ns (per step) give the ratio.
+//   inprocess_ns and daemon_ns (per step) give the ratio, and model_ns is the daemon's own time
+//   in Model::Step per step (GetStats), so daemon_ns - model_ns is what the round trip costs.
 // - BM_InProcessPrefill/reused/new: one prefill step of `new` prompt tokens after `reused` ones
 //   the prefix cache holds (published once, outside the timing), through LocalEngine::Prefill;
 //   each iteration's new tokens are drawn afresh (a prefill publishes its blocks), and its
@@ -386,7 +387,8 @@ BENCHMARK(BM_DaemonDecodeRpc)
 // their spread here (several per cent between repetitions) is larger than the round trip being
 // measured. Runs, not single steps: a step right after the other process ran is 15-30 % slower on
 // both sides (threads asleep, caches taken), which is not the steady decode being compared.
-// Counters: inprocess_ns and daemon_ns, each side's time per step.
+// Counters: inprocess_ns and daemon_ns, each side's time per step; model_ns, the daemon's time in
+// Model::Step per step (read between runs, outside the timing).
 constexpr int64_t kInterleavedSteps = 32;
 static_assert((kRestartAt - static_cast<int64_t>(kPromptTokens)) % kInterleavedSteps == 0,
               "a run of steps never straddles a restart");
@@ -404,7 +406,8 @@ void BM_DecodeInterleaved(benchmark::State& state) {
   }
   const int n = static_cast<int>(state.range(0));
   InProcessBatch local(*engine);
-  DaemonBatch remote(c->get());
+  ModelTally tally;
+  DaemonBatch remote(c->get(), &tally);
   absl::Status status = local.Start(0, n);
   if (status.ok()) status = remote.Start(0, n);
   using Clock = std::chrono::steady_clock;
@@ -447,6 +450,9 @@ void BM_DecodeInterleaved(benchmark::State& state) {
   };
   state.counters["inprocess_ns"] = per_step(local_time);
   state.counters["daemon_ns"] = per_step(remote_time);
+  if (tally.steps > 0) {
+    state.counters["model_ns"] = static_cast<double>(tally.busy_us) * 1e3 / tally.steps;
+  }
 }
 BENCHMARK(BM_DecodeInterleaved)
     ->ArgName("batch")

@@ -221,7 +221,9 @@ absl::Status Daemon::AddDoorbell(const std::shared_ptr<const Session>& session, 
   }
   UniqueFd client_fd;
   absl::StatusOr<std::unique_ptr<DecodeDoorbell>> doorbell = DecodeDoorbell::Start(
-      session, [this](std::unique_ptr<ComputeCall> call) { engine_->Submit(std::move(call)); },
+      session,
+      // The doorbell's thread only waits for the answer: when the model is idle, it runs the step.
+      [this](std::unique_ptr<ComputeCall> call) { engine_->SubmitOrRun(std::move(call)); },
       {.counted =
            [this] { attach_counters_.doorbell_calls.fetch_add(1, std::memory_order_relaxed); }},
       &client_fd, clock_);

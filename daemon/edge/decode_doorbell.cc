@@ -1,6 +1,7 @@
 #include "daemon/edge/decode_doorbell.h"
 
 #include <fcntl.h>
+#include <immintrin.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -23,7 +24,8 @@ absl::Status Errno(std::string_view what) {
 struct Completion {
   absl::Mutex mu;
   bool done ABSL_GUARDED_BY(mu) = false;
-  bool ok ABSL_GUARDED_BY(mu) = false;  // answered with a success
+  bool ok ABSL_GUARDED_BY(mu) = false;     // answered with a success
+  bool alone ABSL_GUARDED_BY(mu) = false;  // its step served this call's sequences only
 };
 
 }  // namespace
@@ -87,11 +89,17 @@ void DecodeDoorbell::Loop() {
   uint32_t served = 0;
   int64_t backoff_ns = 0;
   int64_t not_before_ns = 0;
+  bool poll = false;  // the last call was answered on this thread: look for the next ring first
   for (;;) {
     const uint32_t ring = page_->ring.load(std::memory_order_acquire);
     if (stop_.load(std::memory_order_acquire)) break;
     if (ring == served) {
-      wire::FutexWait(&page_->ring, ring);
+      if (poll) {
+        poll = false;
+        PollRing(served);
+      } else {
+        wire::FutexWait(&page_->ring, ring);
+      }
       continue;
     }
     if (backoff_ns > 0) BackOff(not_before_ns);
@@ -99,9 +107,10 @@ void DecodeDoorbell::Loop() {
     served = page_->ring.load(std::memory_order_acquire);  // the latest request
     // Read before the answer is written: whoever sees the answer sees the back-off's start.
     const int64_t taken_ns = clock_->NowNanos();
-    if (Serve(served)) {
+    if (Serve(served, &poll)) {
       backoff_ns = 0;
     } else {
+      poll = false;
       backoff_ns = std::clamp(2 * backoff_ns, kFirstBackoffNs, kMaxBackoffNs);
       not_before_ns = taken_ns + backoff_ns;
     }
@@ -109,12 +118,21 @@ void DecodeDoorbell::Loop() {
   exited_.store(true, std::memory_order_release);
 }
 
+void DecodeDoorbell::PollRing(uint32_t served) const {
+  for (int i = 0; i < kRingPolls; ++i) {
+    if (page_->ring.load(std::memory_order_acquire) != served) return;
+    if (stop_.load(std::memory_order_relaxed)) return;
+    _mm_pause();
+  }
+}
+
 void DecodeDoorbell::BackOff(int64_t until_ns) {
   absl::MutexLock lock(&mu_);
   clock_->AwaitUntil(mu_, absl::Condition(&stopping_), until_ns);
 }
 
-bool DecodeDoorbell::Serve(uint32_t ring) {
+bool DecodeDoorbell::Serve(uint32_t ring, bool* answered_here) {
+  *answered_here = false;
   // Read once: the client may change the page at any moment.
   const uint32_t n = __atomic_load_n(&page_->num_items, __ATOMIC_RELAXED);
   const int64_t timeout_ns = __atomic_load_n(&page_->timeout_ns, __ATOMIC_RELAXED);
@@ -143,14 +161,20 @@ bool DecodeDoorbell::Serve(uint32_t ring) {
   }
   auto completion = std::make_shared<Completion>();
   submit_(std::make_unique<ComputeCall>(session_, std::move(request), std::move(context),
-                                        [this, ring, completion](ComputeCall& call) {
+                                        [this, ring, n, completion](ComputeCall& call) {
                                           const ComputeResult& result = call.result();
                                           Answer(ring, result.status, &result);
                                           absl::MutexLock lock(&completion->mu);
                                           completion->ok = result.status.ok();
+                                          completion->alone =
+                                              result.step_sequences == static_cast<int32_t>(n);
                                           completion->done = true;
                                         }));
   absl::MutexLock lock(&completion->mu);
+  // Done already: the step ran on this thread (Engine::SubmitOrRun found the model idle). Only a
+  // client decoding on its own is worth polling for: with others in the step, the next one
+  // gathers them anyway, and the polls of several doorbells would take the cores from the model.
+  *answered_here = completion->done && completion->alone;
   completion->mu.Await(absl::Condition(&completion->done));
   return completion->ok;
 }

@@ -519,24 +519,32 @@ std::vector<Engine::PinListing> Engine::ListPins(SessionId session) const {
 }
 
 void Engine::Submit(std::unique_ptr<ComputeCall> call) {
+  if (Admit(*call)) runner_->Submit(std::move(call));
+}
+
+void Engine::SubmitOrRun(std::unique_ptr<ComputeCall> call) {
+  if (Admit(*call)) runner_->SubmitOrRun(std::move(call));
+}
+
+bool Engine::Admit(ComputeCall& call) {
   if (runner_ == nullptr) {
-    call->result().status =
+    call.result().status =
         absl::FailedPreconditionError("kvpoold runs no model (config: model { name: \"none\" })");
-    call->Complete();
-    return;
+    call.Complete();
+    return false;
   }
-  if (absl::Status refused = AdmitCompute(*call); !refused.ok()) {
-    call->result().status = std::move(refused);
-    call->Complete();
-    return;
+  if (absl::Status refused = AdmitCompute(call); !refused.ok()) {
+    call.result().status = std::move(refused);
+    call.Complete();
+    return false;
   }
-  if (call->request().creates()) {
+  if (call.request().creates()) {
     // Held for the call until its plan adopts the blocks (Step::PlanCall) or drops it.
-    call->promotion = LoadFromTiers(call->session(), call->request().cache_salt,
-                                    call->request().tokens, call->context());
-    if (call->promotion.has_value()) InGap(LockGap::kAdoption);
+    call.promotion = LoadFromTiers(call.session(), call.request().cache_salt, call.request().tokens,
+                                   call.context());
+    if (call.promotion.has_value()) InGap(LockGap::kAdoption);
   }
-  runner_->Submit(std::move(call));
+  return true;
 }
 
 absl::Status Engine::AdmitCompute(const ComputeCall& call) {

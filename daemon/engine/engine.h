@@ -187,6 +187,10 @@ class Engine final : private StepExecutor {
   // Queues a Prefill or Decode; `call->Complete()` runs exactly once with its outcome (at once,
   // with FAILED_PRECONDITION, when the engine runs no model; UNAVAILABLE after StopCompute()).
   void Submit(std::unique_ptr<ComputeCall> call);
+  // Submit, except that when the model is idle the call's step runs on the calling thread, which
+  // returns once the call is complete (StepRunner::SubmitOrRun). For a thread that only waits for
+  // the call's answer (a decode doorbell's).
+  void SubmitOrRun(std::unique_ptr<ComputeCall> call);
   // Completes every queued call with UNAVAILABLE and lets the step in progress finish.
   // Idempotent.
   void StopCompute();
@@ -310,6 +314,9 @@ class Engine final : private StepExecutor {
   void InGap(LockGap gap) const ABSL_LOCKS_EXCLUDED(mu_);
   // Whether a compute call may queue (admission.h, every stage). Errors: those of the gate.
   absl::Status AdmitCompute(const ComputeCall& call) ABSL_LOCKS_EXCLUDED(mu_);
+  // Submit's checks before the runner sees `call`: false when it was completed at once (no model,
+  // refused by admission); true when it may go to the runner (a tier promotion started for it).
+  bool Admit(ComputeCall& call) ABSL_LOCKS_EXCLUDED(mu_);
 
   const std::vector<kernels::PoolLayout> layouts_;  // by pool
   const std::vector<std::string> pool_names_;

@@ -35,6 +35,42 @@ void StepRunner::Submit(std::unique_ptr<ComputeCall> call) {
   Drop(std::move(stopped), absl::UnavailableError("kvpoold is shutting down"));
 }
 
+void StepRunner::SubmitOrRun(std::unique_ptr<ComputeCall> call) {
+  call->arrived_ns = clock_->NowNanos();
+  const int32_t pool = call->session().pool;
+  std::vector<std::unique_ptr<ComputeCall>> step, dropped;
+  bool stopped = false;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stop_) {
+      stopped = true;
+      dropped.push_back(std::move(call));
+    } else {
+      schedulers_[static_cast<size_t>(pool)].Push(std::move(call));
+      if (!MayRunHere(pool)) return;  // the loop thread takes it
+      stepping_ = true;
+      // As NextStep: callers that gave up while queued leave before anything is planned.
+      dropped = RemoveIf([](const ComputeCall& c) { return !c.context().Check().ok(); });
+      step = schedulers_[static_cast<size_t>(pool)].TakeStep();
+      last_pool_ = pool;
+    }
+  }
+  if (stopped) {
+    Drop(std::move(dropped), absl::UnavailableError("kvpoold is shutting down"));
+    return;
+  }
+  Drop(std::move(dropped), absl::OkStatus());
+  Run(pool, std::move(step));
+}
+
+bool StepRunner::MayRunHere(int32_t pool) const {
+  if (stepping_) return false;
+  for (size_t p = 0; p < schedulers_.size(); ++p) {
+    if (static_cast<int32_t>(p) != pool && !schedulers_[p].empty()) return false;
+  }
+  return !batching_ || gather_window_ns_ <= 0 || schedulers_[static_cast<size_t>(pool)].Gathered();
+}
+
 void StepRunner::SessionEnded(SessionId session) {
   std::vector<std::unique_ptr<ComputeCall>> dropped;
   {
@@ -55,6 +91,10 @@ void StepRunner::Stop() {
   }
   Drop(std::move(dropped), absl::UnavailableError("kvpoold is shutting down"));
   if (thread_.joinable()) thread_.join();
+  // A step that SubmitOrRun's caller runs finishes too.
+  absl::MutexLock lock(&mu_);
+  mu_.Await(absl::Condition(
+      +[](bool* stepping) { return !*stepping; }, &stepping_));
 }
 
 uint64_t StepRunner::steps() const {
@@ -94,9 +134,12 @@ bool StepRunner::NextStep(int32_t* pool, std::vector<std::unique_ptr<ComputeCall
                           std::vector<std::unique_ptr<ComputeCall>>* dropped) {
   absl::MutexLock lock(&mu_);
   mu_.Await(absl::Condition(
-      +[](StepRunner* r) ABSL_NO_THREAD_SAFETY_ANALYSIS { return r->stop_ || r->NextPool() >= 0; },
+      +[](StepRunner* r) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        return r->stop_ || (!r->stepping_ && r->NextPool() >= 0);
+      },
       this));
   if (stop_) return false;
+  stepping_ = true;  // SubmitOrRun queues from here on, for this thread to take
   *pool = NextPool();
   StepScheduler& scheduler = schedulers_[static_cast<size_t>(*pool)];
   if (batching_ && gather_window_ns_ > 0) {
@@ -115,7 +158,10 @@ bool StepRunner::NextStep(int32_t* pool, std::vector<std::unique_ptr<ComputeCall
                            },
                            &waiting),
                        deadline);
-    if (stop_) return false;
+    if (stop_) {
+      stepping_ = false;
+      return false;
+    }
   }
   // Callers that gave up while queued leave before anything is planned for them.
   *dropped = RemoveIf([](const ComputeCall& call) { return !call.context().Check().ok(); });
@@ -130,19 +176,28 @@ void StepRunner::Loop() {
     std::vector<std::unique_ptr<ComputeCall>> step, dropped;
     if (!NextStep(&pool, &step, &dropped)) return;
     Drop(std::move(dropped), absl::OkStatus());
-    if (step.empty()) continue;
-    std::vector<ComputeCall*> calls;
-    calls.reserve(step.size());
-    for (const auto& call : step) calls.push_back(call.get());
-    executor_->RunStep(pool, calls);
-    AfterStep(pool, std::move(step));
+    Run(pool, std::move(step));
   }
+}
+
+void StepRunner::Run(int32_t pool, std::vector<std::unique_ptr<ComputeCall>> step) {
+  if (step.empty()) {
+    absl::MutexLock lock(&mu_);
+    stepping_ = false;
+    return;
+  }
+  std::vector<ComputeCall*> calls;
+  calls.reserve(step.size());
+  for (const auto& call : step) calls.push_back(call.get());
+  executor_->RunStep(pool, calls);
+  AfterStep(pool, std::move(step));
 }
 
 void StepRunner::AfterStep(int32_t pool, std::vector<std::unique_ptr<ComputeCall>> step) {
   std::vector<std::unique_ptr<ComputeCall>> finished, stopped;
   {
     absl::MutexLock lock(&mu_);
+    stepping_ = false;
     last_step_end_ns_ = clock_->NowNanos();
     ++steps_;
     // The next chunks go in the next step, ahead of everything queued meanwhile.

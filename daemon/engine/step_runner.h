@@ -15,6 +15,9 @@
 //    that error, and a prefill between chunks gives back what it holds; the same happens to the
 //    calls of a session that ended (SessionEnded) and to everything at Stop().
 //
+// Steps run one at a time: on the loop thread, or on the thread of a SubmitOrRun that finds the
+// runner idle (a decode doorbell's, whose caller waits for its answer anyway).
+//
 // Thread-safe. Its lock is never held while it calls into the engine or completes a call.
 
 #include <cstdint>
@@ -41,10 +44,17 @@ class StepRunner final {
 
   // Queues `call`. After Stop(), completes it at once with UNAVAILABLE.
   void Submit(std::unique_ptr<ComputeCall> call);
+  // As Submit, but when no step is being formed or run, no other pool has calls queued, and
+  // `call` completes a step at once (the gathering above has nothing left to wait for), runs that
+  // step on the calling thread and returns once its calls are complete; otherwise queues `call`
+  // as Submit does. For a caller that would only wait for the call anyway (a decode doorbell's
+  // thread): its step skips the hand-off to the loop thread and the wake-up back, two thread
+  // switches of a decode step's round trip. Steps still run one at a time, in the same order.
+  void SubmitOrRun(std::unique_ptr<ComputeCall> call);
   // Completes the queued calls of `session` with NOT_FOUND (the session ended).
   void SessionEnded(SessionId session);
-  // Completes queued calls with UNAVAILABLE, lets the step in progress finish and joins the
-  // loop. Idempotent.
+  // Completes queued calls with UNAVAILABLE, lets the step in progress finish (the loop's, or one
+  // that SubmitOrRun's caller runs) and joins the loop. Idempotent.
   void Stop();
 
   // Steps run so far (tests wait on it).
@@ -56,6 +66,8 @@ class StepRunner final {
   // callers gave up. False when stopping.
   bool NextStep(int32_t* pool, std::vector<std::unique_ptr<ComputeCall>>* step,
                 std::vector<std::unique_ptr<ComputeCall>>* dropped);
+  // Whether SubmitOrRun's caller takes the next step, `pool`'s: see SubmitOrRun.
+  bool MayRunHere(int32_t pool) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The next pool with queued calls after the last one served; -1 when none has any.
   int32_t NextPool() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Moves out every queued call of every pool `drop` selects.
@@ -64,7 +76,10 @@ class StepRunner final {
   // Completes `calls` with `status` (their own CallContext status when `status` is OK), giving
   // back what prefills between chunks hold.
   void Drop(std::vector<std::unique_ptr<ComputeCall>> calls, const absl::Status& status);
-  // After a step: completes finished calls, queues the next chunk of the others.
+  // Runs `step` (taken by this thread, which set stepping_) and ends it: AfterStep, or for an
+  // empty step just clears stepping_.
+  void Run(int32_t pool, std::vector<std::unique_ptr<ComputeCall>> step);
+  // After a step: completes finished calls, queues the next chunk of the others, clears stepping_.
   void AfterStep(int32_t pool, std::vector<std::unique_ptr<ComputeCall>> step);
 
   StepExecutor* const executor_;
@@ -78,6 +93,9 @@ class StepRunner final {
   int64_t last_step_end_ns_ ABSL_GUARDED_BY(mu_) = INT64_MIN;
   uint64_t steps_ ABSL_GUARDED_BY(mu_) = 0;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  // A step is being formed (gathering) or run, by the loop thread or by SubmitOrRun's caller:
+  // whoever sets it takes and runs the next step; nobody else starts one until it is cleared.
+  bool stepping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };
 

@@ -251,6 +251,42 @@ TEST(DecodeDoorbellTest, AnIdleDoorbellStopsWhateverTheClientWrites) {
   EXPECT_LT(absl::Now() - start, absl::Seconds(1));
 }
 
+// Issue 31: the daemon runs an idle model's step on the doorbell's thread (Engine::SubmitOrRun),
+// which then polls the ring for a while before it sleeps. Rings right after an answer, rings after
+// the poll gave up, and a Stop() during the poll are all served or honoured.
+TEST(DecodeDoorbellTest, AfterAnAnswerWrittenOnItsOwnThreadItServesTheNextRingsAndStops) {
+  ManualClock clock{1'000'000'000};
+  UniqueFd client_fd;
+  // Completes each call before submit returns, as SubmitOrRun does with an idle model.
+  auto run_here = [](std::unique_ptr<ComputeCall> call) {
+    const std::vector<model::DecodeInput>& in = call->request().decode;
+    call->result().status = absl::OkStatus();
+    call->result().results.resize(in.size());
+    for (size_t i = 0; i < in.size(); ++i) call->result().results[i].next_token = in[i].token + 1;
+    call->result().lengths.assign(in.size(), 1);
+    call->result().step_sequences = 1;
+    call->Complete();
+  };
+  absl::StatusOr<std::unique_ptr<DecodeDoorbell>> d =
+      DecodeDoorbell::Start(MakeSession(), run_here, {}, &client_fd, &clock);
+  ASSERT_TRUE(d.ok()) << d.status();
+  Page page(std::move(client_fd));
+  for (int32_t i = 0; i < 40; ++i) {
+    const uint32_t ring = page.Ring({{.sequence_id = 1, .token = i}});
+    ASSERT_TRUE(page.Answered(ring)) << i;
+    EXPECT_EQ(page->code, 0);
+    EXPECT_EQ(page->results[0].next_token, i + 1);
+    // Every fourth ring comes after the poll has given up and the thread sleeps on the futex.
+    if (i % 4 == 3) absl::SleepFor(absl::Milliseconds(2));
+  }
+  EXPECT_EQ((*d)->calls(), 40u);
+  // Stopped while it polls after an answer: it exits at once.
+  ASSERT_TRUE(page.Answered(page.Ring({{.sequence_id = 1, .token = 0}})));
+  const absl::Time start = absl::Now();
+  d->reset();  // Stop + join
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+}
+
 TEST(DecodeDoorbellTest, TheClientCannotResizeThePage) {
   Fixture f;
   EXPECT_NE(ftruncate(f.client_fd.get(), 0), 0);

@@ -5,6 +5,7 @@
 #include "daemon/engine/step_runner.h"
 
 #include <string>
+#include <thread>
 
 #include "absl/synchronization/notification.h"
 #include "daemon/engine/engine.h"
@@ -43,6 +44,19 @@ class StepRunnerTest : public ::testing::Test {
           *out = call.result();
           done->Notify();
         }));
+    return done;
+  }
+  // engine_->SubmitOrRun: `done` is notified on completion, `thread` says where it ran.
+  std::shared_ptr<absl::Notification> SubmitOrRun(std::shared_ptr<const Session> s,
+                                                  ComputeRequest request, ComputeResult* out,
+                                                  std::thread::id* thread) {
+    auto done = std::make_shared<absl::Notification>();
+    engine_->SubmitOrRun(std::make_unique<ComputeCall>(std::move(s), std::move(request), nullptr,
+                                                       [done, out, thread](ComputeCall& call) {
+                                                         *out = call.result();
+                                                         *thread = std::this_thread::get_id();
+                                                         done->Notify();
+                                                       }));
     return done;
   }
   // A prefill to set the scene: the window (if the runner waits for someone) closes at once.
@@ -109,6 +123,61 @@ TEST_F(StepRunnerTest, TheGatherWindowClosesWhenTheClockPassesIt) {
   EXPECT_EQ(d.step_sequences, 1);
 }
 
+// Issue 31: a doorbell decode went through the runner's thread and back (two thread switches of
+// the round trip); with the runner idle, SubmitOrRun runs the step on the caller's thread.
+TEST_F(StepRunnerTest, SubmitOrRunRunsTheStepOnTheCallingThreadWhenTheRunnerIsIdle) {
+  Make(/*max_step_tokens=*/512, kWindow);
+  ComputeResult pa = Prefill(alice_, Prompt(10, 1));  // the runner waits for alice next
+  const uint64_t before = engine_->Stats().model.steps;
+  ComputeResult d;
+  std::thread::id ran_on;
+  auto decoded = SubmitOrRun(alice_,
+                             {.kind = ComputeRequest::Kind::kDecode,
+                              .decode = {{pa.sequences[0], pa.results[0].next_token}}},
+                             &d, &ran_on);
+  ASSERT_TRUE(decoded->HasBeenNotified());  // complete when SubmitOrRun returned
+  EXPECT_EQ(ran_on, std::this_thread::get_id());
+  ASSERT_TRUE(d.status.ok()) << d.status;
+  EXPECT_EQ(d.step_sequences, 1);
+  EXPECT_EQ(engine_->Stats().model.steps - before, 1u);
+  // The loop still serves Submit afterwards.
+  ComputeResult d2;
+  Submit(alice_,
+         {.kind = ComputeRequest::Kind::kDecode,
+          .decode = {{pa.sequences[0], d.results[0].next_token}}},
+         &d2)
+      ->WaitForNotification();
+  EXPECT_TRUE(d2.status.ok()) << d2.status;
+  EXPECT_TRUE(engine_->CheckInvariants().ok());
+}
+
+// A call that does not complete a gathered step on its own is queued: the caller does not wait
+// for the others, and the step still takes everyone.
+TEST_F(StepRunnerTest, SubmitOrRunQueuesACallThatLeavesTheStepGathering) {
+  Make(/*max_step_tokens=*/512, kWindow);
+  ComputeResult pa = Prefill(alice_, Prompt(10, 1));
+  ComputeResult pb = Prefill(bob_, Prompt(10, 2));  // the runner waits for bob next
+  ComputeResult da, db;
+  std::thread::id a_on, b_on;
+  auto a = SubmitOrRun(alice_,
+                       {.kind = ComputeRequest::Kind::kDecode,
+                        .decode = {{pa.sequences[0], pa.results[0].next_token}}},
+                       &da, &a_on);
+  EXPECT_FALSE(a->HasBeenNotified());  // queued: bob is not there yet (the clock does not move)
+  auto b = SubmitOrRun(bob_,
+                       {.kind = ComputeRequest::Kind::kDecode,
+                        .decode = {{pb.sequences[0], pb.results[0].next_token}}},
+                       &db, &b_on);
+  a->WaitForNotification();
+  b->WaitForNotification();
+  ASSERT_TRUE(da.status.ok()) << da.status;
+  ASSERT_TRUE(db.status.ok()) << db.status;
+  EXPECT_EQ(da.step_sequences, 2);
+  EXPECT_EQ(db.step_sequences, 2);
+  EXPECT_EQ(a_on, b_on);  // one step served both
+  EXPECT_TRUE(engine_->CheckInvariants().ok());
+}
+
 // Issue 10: a call whose deadline passed while it waited in the queue was still carried out.
 TEST_F(StepRunnerTest, ACallWhoseDeadlinePassesInTheQueueLeavesWithNothingCreated) {
   Make(/*max_step_tokens=*/512, kWindow);
@@ -172,6 +241,12 @@ TEST_F(StepRunnerTest, StopFailsQueuedCallsAndLaterOnes) {
   Submit(alice_, {.kind = ComputeRequest::Kind::kPrefill, .tokens = Prompt(3, 4)}, &late)
       ->WaitForNotification();
   EXPECT_EQ(late.status.code(), absl::StatusCode::kUnavailable);
+  std::thread::id ran_on;
+  ComputeResult later;
+  EXPECT_TRUE(SubmitOrRun(alice_, {.kind = ComputeRequest::Kind::kPrefill, .tokens = Prompt(3, 5)},
+                          &later, &ran_on)
+                  ->HasBeenNotified());
+  EXPECT_EQ(later.status.code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(engine_->Stats().cache.sequences, 1);
 }
 
