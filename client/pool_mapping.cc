@@ -140,6 +140,32 @@ absl::Status ValidateLayout(v1::PoolLayout* l) {
   return CheckStateSlots(*l);
 }
 
+struct ArenaSizes {
+  int64_t arena = 0;   // the blocks and the state slots (at least)
+  int64_t mapped = 0;  // >= arena
+};
+
+// The arena's size and mapped size the attach response gives (0: what the layout needs), checked
+// against the validated `layout`.
+absl::StatusOr<ArenaSizes> SizesOf(const v1::AttachResponse& attach, const v1::PoolLayout& layout) {
+  const int64_t needed =
+      layout.num_state_slots() > 0
+          ? layout.state_offset() + int64_t{layout.num_state_slots()} * layout.state_slot_bytes()
+          : int64_t{layout.num_blocks()} * layout.block_bytes();
+  const int64_t arena = attach.arena_bytes() == 0 ? needed : attach.arena_bytes();
+  if (arena < needed) {
+    return absl::InvalidArgumentError(
+        fmt::format("arena_bytes {} < the {} bytes the blocks and state slots need",
+                    attach.arena_bytes(), needed));
+  }
+  const int64_t mapped = attach.mapped_bytes() == 0 ? arena : attach.mapped_bytes();
+  if (mapped < arena) {
+    return absl::InvalidArgumentError(
+        fmt::format("mapped_bytes {} < arena_bytes {}", mapped, arena));
+  }
+  return ArenaSizes{.arena = arena, .mapped = mapped};
+}
+
 // Fails unless `fd` is at least `bytes` long, so that touching the mapping cannot SIGBUS.
 absl::Status CheckFdSize(const UniqueFd& fd, int64_t bytes, const char* what) {
   struct stat st {};
@@ -177,21 +203,8 @@ absl::StatusOr<std::unique_ptr<PoolMapping>> PoolMapping::Create(const v1::Attac
                                                                  std::vector<UniqueFd> fds) {
   v1::PoolLayout layout = attach.layout();
   KVPOOL_RETURN_IF_ERROR(ValidateLayout(&layout));
-  const int64_t needed =
-      layout.num_state_slots() > 0
-          ? layout.state_offset() + int64_t{layout.num_state_slots()} * layout.state_slot_bytes()
-          : int64_t{layout.num_blocks()} * layout.block_bytes();
-  const int64_t arena_bytes = attach.arena_bytes() == 0 ? needed : attach.arena_bytes();
-  if (arena_bytes < needed) {
-    return absl::InvalidArgumentError(
-        fmt::format("arena_bytes {} < the {} bytes the blocks and state slots need",
-                    attach.arena_bytes(), needed));
-  }
-  const int64_t mapped_bytes = attach.mapped_bytes() == 0 ? arena_bytes : attach.mapped_bytes();
-  if (mapped_bytes < arena_bytes) {
-    return absl::InvalidArgumentError(
-        fmt::format("mapped_bytes {} < arena_bytes {}", mapped_bytes, arena_bytes));
-  }
+  KVPOOL_ASSIGN_OR_RETURN(const ArenaSizes sizes, SizesOf(attach, layout));
+  const int64_t arena_bytes = sizes.arena, mapped_bytes = sizes.mapped;
 
   if (fds.size() != static_cast<size_t>(attach.fds_size())) {
     return absl::InvalidArgumentError(fmt::format(

@@ -8,6 +8,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvpool/util/errors.h"
+#include "tests/kvpool/manual_fences.h"
 
 namespace kvpool {
 
@@ -29,14 +30,7 @@ using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
 // Timelines whose completed values the test moves by hand.
-class ManualFences final : public FenceObserver {
- public:
-  bool HasPassed(Fence fence) const override { return completed_[fence.timeline] >= fence.value; }
-  void Complete(uint32_t timeline, uint64_t value) { completed_[timeline] = value; }
-
- private:
-  std::array<uint64_t, kMaxTimelines> completed_{};
-};
+using testing::ManualFences;
 
 class BlockPoolTest : public ::testing::Test {
  protected:

@@ -7,6 +7,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvpool/util/errors.h"
+#include "tests/kvpool/manual_fences.h"
 
 namespace kvpool {
 namespace {
@@ -19,14 +20,7 @@ constexpr SessionId kBob(2);
 constexpr NamespaceId kTenantA(100);
 constexpr NamespaceId kTenantB(200);
 
-class ManualFences final : public FenceObserver {
- public:
-  bool HasPassed(Fence fence) const override { return completed_[fence.timeline] >= fence.value; }
-  void Complete(uint32_t timeline, uint64_t value) { completed_[timeline] = value; }
-
- private:
-  std::array<uint64_t, kMaxTimelines> completed_{};
-};
+using testing::ManualFences;
 
 class KvCacheManagerTest : public ::testing::Test {
  protected:

@@ -9,6 +9,7 @@
 #include "gtest/gtest.h"
 #include "kvpool/kv_cache_manager.h"
 #include "kvpool/util/errors.h"
+#include "tests/kvpool/manual_fences.h"
 
 namespace kvpool {
 namespace {
@@ -20,14 +21,7 @@ constexpr SessionId kAlice(1);
 constexpr SessionId kBob(2);
 constexpr NamespaceId kTenant(100);
 
-class ManualFences final : public FenceObserver {
- public:
-  bool HasPassed(Fence fence) const override { return completed_[fence.timeline] >= fence.value; }
-  void Complete(uint32_t timeline, uint64_t value) { completed_[timeline] = value; }
-
- private:
-  std::array<uint64_t, kMaxTimelines> completed_{};
-};
+using testing::ManualFences;
 
 std::vector<int32_t> Prompt(int32_t n) {
   std::vector<int32_t> out(static_cast<size_t>(n));
