@@ -137,4 +137,20 @@ __device__ __forceinline__ float WarpSum(float v) {
   return v;
 }
 
+// The sum of `v` over the block, every thread gets it. REQUIRES: blockDim.x == kThreads (a
+// multiple of 32). A second call in one kernel must follow a __syncthreads() after the first's
+// result was read (the partial sums live in one shared array).
+template <int kThreads>
+__device__ __forceinline__ float BlockSum(float v) {
+  __shared__ float partial[kThreads / 32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  v = WarpSum(v);
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  float total = 0;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) total += partial[w];
+  return total;
+}
+
 }  // namespace kvpool::kernels::cuda

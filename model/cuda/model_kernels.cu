@@ -12,19 +12,6 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// The sum of `v` over the block (every thread gets it). REQUIRES: blockDim.x == kThreads.
-__device__ float BlockSum(float v) {
-  __shared__ float partial[kThreads / 32];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  v = kernels::cuda::WarpSum(v);
-  if (lane == 0) partial[warp] = v;
-  __syncthreads();
-  float total = 0;
-#pragma unroll
-  for (int w = 0; w < kThreads / 32; ++w) total += partial[w];
-  return total;
-}
-
 __global__ void EmbedKernel(const float* embed, const int32_t* tokens, int32_t hidden, float* x) {
   const int64_t t = blockIdx.x;
   const float* src = embed + static_cast<int64_t>(tokens[t]) * hidden;
@@ -38,7 +25,7 @@ __global__ void RmsNormKernel(const float* x, const int32_t* rows, int32_t dim, 
   const float* xr = x + static_cast<int64_t>(rows != nullptr ? rows[r] : r) * dim;
   float ss = 0;
   for (int32_t i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
-  ss = BlockSum(ss);
+  ss = kernels::cuda::BlockSum<kThreads>(ss);
   const float inv = 1.0f / sqrtf(ss / static_cast<float>(dim) + eps);
   float* yr = y + r * dim;
   for (int32_t i = threadIdx.x; i < dim; i += blockDim.x) yr[i] = xr[i] * inv * weight[i];

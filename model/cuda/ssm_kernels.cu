@@ -110,19 +110,6 @@ __global__ void SsmChunkOutputsKernel(SsmDims m, const int32_t* chunk_rows, cons
                             chunks, col, y);
 }
 
-// The sum of `v` over the block (every thread gets it). REQUIRES: blockDim.x == kThreads.
-__device__ float BlockSum(float v) {
-  __shared__ float partial[kThreads / 32];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  v = kernels::cuda::WarpSum(v);
-  if (lane == 0) partial[warp] = v;
-  __syncthreads();
-  float total = 0;
-#pragma unroll
-  for (int i = 0; i < kThreads / 32; ++i) total += partial[i];
-  return total;
-}
-
 // blockIdx.x: the row, blockIdx.y: the norm group. The gated values go to `out` first, then are
 // scaled in place by the thread that wrote them.
 __global__ void SsmGatedNormKernel(SsmDims m, const float* y, const float* z, int64_t z_stride,
@@ -138,7 +125,8 @@ __global__ void SsmGatedNormKernel(SsmDims m, const float* y, const float* z, in
     o[i] = v;
     ss += v * v;
   }
-  const float inv = internal::SsmNormScale(BlockSum(ss), m.norm_group, eps);
+  const float inv =
+      internal::SsmNormScale(kernels::cuda::BlockSum<kThreads>(ss), m.norm_group, eps);
   for (int64_t i = g0 + threadIdx.x; i < g0 + m.norm_group; i += blockDim.x) {
     o[i] = o[i] * inv * weight[i];
   }
