@@ -323,7 +323,44 @@ class RadixCache:
 # ---- the replay ---------------------------------------------------------------------------
 
 
-class Replay:
+class HitAccounting:
+    """kvpool-replay's hit accounting over a replay's requests: a prompt block is a hit when the
+    matched tokens reach its end (or the prompt's); only the cache calls' time is counted."""
+
+    def __init__(self):
+        self.requests = self.skipped = self.prompt_blocks = self.hit_blocks = 0
+        self.prompt_tokens = self.hit_tokens = 0
+        self.seconds = 0.0
+
+    def record(self, request, num_tokens, matched, seconds):
+        """One request; `matched` None: it could not be served (larger than the pool)."""
+        self.seconds += seconds
+        if matched is None:
+            self.skipped += 1
+            matched = 0
+        self.requests += 1
+        self.prompt_tokens += num_tokens
+        self.hit_tokens += matched
+        nb = len(request["hash_ids"])
+        self.prompt_blocks += nb
+        for b in range(nb):
+            if matched >= min(num_tokens, (b + 1) * TRACE_BLOCK_TOKENS):
+                self.hit_blocks += 1
+
+    def result(self):
+        return {
+            "requests": self.requests,
+            "skipped": self.skipped,
+            "prompt_blocks": self.prompt_blocks,
+            "hit_blocks": self.hit_blocks,
+            "hit_rate": self.hit_blocks / self.prompt_blocks if self.prompt_blocks else 0.0,
+            "token_hit_rate": self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            "seconds": self.seconds,
+            "requests_per_s": self.requests / self.seconds if self.seconds else 0.0,
+        }
+
+
+class Replay(HitAccounting):
     def __init__(self, page_size, capacity_blocks, evict_mode="shortfall", value="token"):
         self.ps = page_size
         pages = capacity_blocks * TRACE_BLOCK_TOKENS // page_size
@@ -334,9 +371,7 @@ class Replay:
         self.cache = RadixCache(self.allocator, page_size)
         self.unit = self.cache.unit
         self.evict_mode = evict_mode
-        self.requests = self.skipped = self.prompt_blocks = self.hit_blocks = 0
-        self.prompt_tokens = self.hit_tokens = 0
-        self.seconds = 0.0
+        HitAccounting.__init__(self)
 
     def serve(self, request, tokens):
         """One request, timed: match + lock, allocate (evicting), insert, unlock."""
@@ -353,9 +388,7 @@ class Replay:
         value = self.allocator.alloc(need)
         if value is None:  # larger than the whole pool
             cache.dec_lock_ref(last)
-            self.seconds += time.perf_counter() - t0
-            self.skipped += 1
-            matched = 0
+            matched = None
         else:
             # cache_finished_req: free the unaligned tail page, insert the aligned prompt, free
             # what someone else cached meanwhile, unlock.
@@ -373,28 +406,7 @@ class Replay:
             if cached // u > len(prefix):
                 self.allocator.free(all_value[len(prefix): cached // u])
             cache.dec_lock_ref(last)
-            self.seconds += time.perf_counter() - t0
-        n = len(tokens)
-        self.requests += 1
-        self.prompt_tokens += n
-        self.hit_tokens += matched
-        nb = len(request["hash_ids"])
-        self.prompt_blocks += nb
-        for b in range(nb):
-            if matched >= min(n, (b + 1) * TRACE_BLOCK_TOKENS):
-                self.hit_blocks += 1
-
-    def result(self):
-        return {
-            "requests": self.requests,
-            "skipped": self.skipped,
-            "prompt_blocks": self.prompt_blocks,
-            "hit_blocks": self.hit_blocks,
-            "hit_rate": self.hit_blocks / self.prompt_blocks if self.prompt_blocks else 0.0,
-            "token_hit_rate": self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
-            "seconds": self.seconds,
-            "requests_per_s": self.requests / self.seconds if self.seconds else 0.0,
-        }
+        self.record(request, len(tokens), matched, time.perf_counter() - t0)
 
 
 def replay(trace, page_size, capacity_blocks, limit=0, evict_mode="shortfall", value="token"):

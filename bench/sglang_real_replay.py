@@ -64,7 +64,7 @@ class FastPagedAllocator:
         self.free_pages.extend((free_index[:: self.page_size] // self.page_size).tolist())
 
 
-class Replay:
+class Replay(ours.HitAccounting):
     def __init__(self, sglang_path, page_size, capacity_blocks):
         sys.path.insert(0, sglang_path)
         import torch
@@ -78,8 +78,7 @@ class Replay:
         self.cache = radix_cache.RadixCache(cache_init_params.CacheInitParams(
             disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=self.allocator,
             page_size=page_size))
-        self.requests = self.skipped = self.prompt_blocks = self.hit_blocks = 0
-        self.seconds = 0.0
+        ours.HitAccounting.__init__(self)
 
     def _cache_ops(self, tokens):
         """One request's cache calls; returns the tokens matched (0 when it did not fit)."""
@@ -111,28 +110,7 @@ class Replay:
     def serve(self, request, tokens):
         t0 = time.perf_counter()
         matched = self._cache_ops(tokens)
-        self.seconds += time.perf_counter() - t0
-        if matched is None:
-            self.skipped += 1
-            matched = 0
-        self.requests += 1
-        n = len(tokens)
-        nb = len(request["hash_ids"])
-        self.prompt_blocks += nb
-        for b in range(nb):
-            if matched >= min(n, (b + 1) * TRACE_BLOCK_TOKENS):
-                self.hit_blocks += 1
-
-    def result(self):
-        return {
-            "requests": self.requests,
-            "skipped": self.skipped,
-            "prompt_blocks": self.prompt_blocks,
-            "hit_blocks": self.hit_blocks,
-            "hit_rate": self.hit_blocks / self.prompt_blocks if self.prompt_blocks else 0.0,
-            "seconds": self.seconds,
-            "requests_per_s": self.requests / self.seconds if self.seconds else 0.0,
-        }
+        self.record(request, len(tokens), matched, time.perf_counter() - t0)
 
 
 def main():
