@@ -4,8 +4,10 @@
 // session ended, or that is queued at Stop() is abandoned through the executor with the reason
 // and never reaches a step; every call completes exactly once.
 
+#include <atomic>
 #include <memory>
 #include <span>
+#include <thread>
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
@@ -32,6 +34,15 @@ class FakeExecutor final : public StepExecutor {
   };
 
   void RunStep(int32_t pool, std::span<ComputeCall* const> calls) override {
+    const int running = ++running_;
+    int most = most_running_.load();
+    while (running > most && !most_running_.compare_exchange_weak(most, running)) {
+    }
+    if (gate_ != nullptr && !entered_.HasBeenNotified()) {
+      entered_.Notify();  // the first step holds here until the test opens the gate
+      gate_->WaitForNotification();
+    }
+    --running_;
     Seen seen{.pool = pool};
     for (ComputeCall* call : calls) {
       int64_t n = 1;
@@ -60,9 +71,18 @@ class FakeExecutor final : public StepExecutor {
     absl::MutexLock lock(&mu_);
     return abandoned_;
   }
+  // Holds the first step inside RunStep until `gate` is notified; entered() says it got there.
+  void HoldFirstStep(absl::Notification* gate) { gate_ = gate; }
+  absl::Notification& entered() { return entered_; }
+  // The most steps RunStep ever ran at once.
+  int most_running() const { return most_running_.load(); }
 
  private:
   mutable absl::Mutex mu_;
+  absl::Notification* gate_ = nullptr;  // set before any step
+  absl::Notification entered_;
+  std::atomic<int> running_{0};
+  std::atomic<int> most_running_{0};
   std::vector<Seen> steps_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> abandoned_ ABSL_GUARDED_BY(mu_);
 };
@@ -89,15 +109,23 @@ class StepRunnerExecutorTest : public ::testing::Test {
   }
   Completion* Submit(std::shared_ptr<const Session> s, ComputeRequest r,
                      std::shared_ptr<const CallContext> context = nullptr) {
-    completions_.push_back(std::make_unique<Completion>());
-    Completion* c = completions_.back().get();
-    runner_->Submit(std::make_unique<ComputeCall>(std::move(s), std::move(r), std::move(context),
-                                                  [c](ComputeCall& call) {
-                                                    c->status = call.result().status;
-                                                    ++c->times;
-                                                    c->done.Notify();
-                                                  }));
+    Completion* c = NewCompletion();
+    runner_->Submit(Call(c, std::move(s), std::move(r), std::move(context)));
     return c;
+  }
+  Completion* NewCompletion() {
+    completions_.push_back(std::make_unique<Completion>());
+    return completions_.back().get();
+  }
+  static std::unique_ptr<ComputeCall> Call(Completion* c, std::shared_ptr<const Session> s,
+                                           ComputeRequest r,
+                                           std::shared_ptr<const CallContext> context = nullptr) {
+    return std::make_unique<ComputeCall>(std::move(s), std::move(r), std::move(context),
+                                         [c](ComputeCall& call) {
+                                           c->status = call.result().status;
+                                           ++c->times;
+                                           c->done.Notify();
+                                         });
   }
   static ComputeRequest Prefill(size_t tokens) {
     return {.kind = ComputeRequest::Kind::kPrefill, .tokens = std::vector<int32_t>(tokens, 1)};
@@ -111,6 +139,31 @@ class StepRunnerExecutorTest : public ::testing::Test {
   std::vector<std::unique_ptr<Completion>> completions_;
   std::unique_ptr<StepRunner> runner_;  // first to go: joins the loop before the rest
 };
+
+// Issue 31 (decode31): an idle runner's step runs on SubmitOrRun's caller, the lock released
+// while it runs. The gap is held open here: while that step is inside the executor, a call
+// submitted to the loop must wait for it (stepping_), never run beside it.
+TEST_F(StepRunnerExecutorTest, AStepRunOnTheCallersThreadExcludesTheLoopsUntilItEnds) {
+  absl::Notification gate;
+  executor_.HoldFirstStep(&gate);
+  Start(1);
+  Completion* inline_call = NewCompletion();
+  std::thread caller([&] { runner_->SubmitOrRun(Call(inline_call, SessionOf(1, 0), Decode())); });
+  executor_.entered().WaitForNotification();  // the caller's step is in the executor
+  Completion* queued = Submit(SessionOf(2, 0), Decode());
+  EXPECT_FALSE(queued->done.WaitForNotificationWithTimeout(absl::Milliseconds(100)));
+  gate.Notify();
+  caller.join();
+  queued->done.WaitForNotification();
+  EXPECT_TRUE(inline_call->done.HasBeenNotified());
+  EXPECT_EQ(executor_.most_running(), 1);
+  const std::vector<FakeExecutor::Seen> steps = executor_.steps();
+  ASSERT_EQ(steps.size(), 2u);
+  EXPECT_THAT(steps[0].sessions, ElementsAre(1u));
+  EXPECT_THAT(steps[1].sessions, ElementsAre(2u));
+  EXPECT_EQ(inline_call->times.load(), 1);
+  EXPECT_EQ(queued->times.load(), 1);
+}
 
 TEST_F(StepRunnerExecutorTest, EveryCallRunsAndCompletesOnce) {
   Start(2);
