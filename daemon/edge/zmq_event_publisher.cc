@@ -297,9 +297,11 @@ void ZmqEventPublisher::ServeReplay() {
       return;
     }
   }
+  // Counted before the end marker goes out: a peer that has read the whole answer sees it
+  // counted (counting after the send raced with a reader of the counters).
+  counters_->replays.fetch_add(1, std::memory_order_relaxed);
   const std::string end(8, '\xff');  // -1, vLLM's end marker
   if (send_header(end)) zmq_send(sockets_->replay, "", 0, ZMQ_DONTWAIT);
-  counters_->replays.fetch_add(1, std::memory_order_relaxed);
 }
 
 }  // namespace kvpool::daemon
