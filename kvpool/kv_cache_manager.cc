@@ -80,6 +80,13 @@ absl::StatusOr<std::unique_ptr<KvCacheManager>> KvCacheManager::Create(
     return absl::InvalidArgumentError(
         fmt::format("state_slots must be >= 0 (got {})", options.state_slots));
   }
+  if (options.checkpoint_slots < 0 || options.checkpoint_interval < 0 ||
+      (options.checkpoint_slots > 0 && options.checkpoint_slots >= options.state_slots)) {
+    return absl::InvalidArgumentError(fmt::format(
+        "checkpoint_slots must be in [0, state_slots) and checkpoint_interval >= 0 (got {} of {} "
+        "slots, interval {})",
+        options.checkpoint_slots, options.state_slots, options.checkpoint_interval));
+  }
   std::unique_ptr<BlockPool> states;
   if (options.state_slots > 0) {
     KVPOOL_ASSIGN_OR_RETURN(states, BlockPool::Create({.num_blocks = options.state_slots,
@@ -100,6 +107,8 @@ KvCacheManager::KvCacheManager(const KvCacheOptions& options, std::unique_ptr<Bl
       pool_(std::move(pool)),
       cache_(std::move(cache)),
       states_(std::move(states)),
+      checkpoint_slots_(states_ && cache_ ? options.checkpoint_slots : 0),
+      checkpoint_interval_(options.checkpoint_interval),
       max_sequences_per_session_(options.max_sequences_per_session),
       max_pins_(options.max_pins),
       max_pin_ttl_ns_(options.max_pin_ttl_ns),
@@ -110,6 +119,15 @@ KvCacheManager::KvCacheManager(const KvCacheOptions& options, std::unique_ptr<Bl
     const absl::StatusOr<NamespaceSlot> owner = states_->RegisterNamespace(NamespaceId(1));
     KVPOOL_CHECK_OK(owner.status());
     state_owner_ = *owner;
+  }
+  if (checkpoint_slots_ > 0) {
+    checkpoint_at_.resize(static_cast<size_t>(states_->num_blocks()));
+    // A block the tree lets go takes its checkpoint with it.
+    cache_->SetOnRemove([this](BlockId block, const TraceContext& ctx) {
+      if (auto it = checkpoint_of_.find(block); it != checkpoint_of_.end()) {
+        DropCheckpoint(it->second, ctx);
+      }
+    });
   }
 }
 
@@ -415,11 +433,27 @@ absl::Status KvCacheManager::CheckRoom(int64_t blocks, std::span<const BlockId> 
   return absl::OkStatus();
 }
 
-absl::Status KvCacheManager::CheckStateRoom(int64_t slots, std::string_view what) {
+absl::Status KvCacheManager::CheckStateRoom(int64_t slots, std::string_view what,
+                                            std::span<const BlockId> keep) {
   if (!states_ || slots == 0) return absl::OkStatus();
   const TraceContext ctx = Context(kNoSession, SequenceId(0));
   if (slots > states_->num_free()) states_->ReclaimRetired(ctx);
-  if (const int64_t short_by = slots - states_->num_free(); short_by > 0) {
+  int64_t short_by = slots - states_->num_free();
+  if (short_by > 0) {
+    // Cached checkpoints give way to working states: those nobody holds whose fences have passed
+    // free a slot at once when evicted.
+    int64_t spare = 0;
+    for (const auto& [stamp, slot] : checkpoint_lru_) {
+      if (states_->state(slot) == BlockState::kCached && states_->FencesPassed(slot) &&
+          std::find(keep.begin(), keep.end(), slot) == keep.end()) {
+        ++spare;
+      }
+    }
+    if (spare >= short_by) {
+      for (; short_by > 0; --short_by) KVPOOL_CHECK(EvictOldestCheckpoint(keep, true, ctx));
+    }
+  }
+  if (short_by > 0) {
     return ResourceExhausted(Resource::kStateSlots, short_by,
                              fmt::format("{} needs {} state slots, {} free of {}", what, slots,
                                          states_->num_free(), states_->num_blocks()));
@@ -489,6 +523,7 @@ void KvCacheManager::RevertGrow(SessionId caller, std::span<const TableChange> c
       seq.table[index] = it->replaced;
     }
     seq.num_tokens = it->old_num_tokens;
+    if (states_) DropPlanned(&seq, seq.num_tokens, ctx);
   }
 }
 
@@ -520,8 +555,12 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
       CountExhausted(CheckCapacity(tally.by_ns, caller, tally.refs, "allocate")));
   KVPOOL_RETURN_IF_ERROR(CountExhausted(PlanNamespaces(tally.by_ns, &recycle, "allocate")));
   KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckRoom(tally.blocks, tally.keep, &victims, "allocate")));
+  std::vector<BlockId> resumed;  // checkpoints the batch copies: never evicted for its slots
+  for (const AllocatePlan& p : plans) {
+    if (p.resume != kInvalidBlock) resumed.push_back(p.resume);
+  }
   KVPOOL_RETURN_IF_ERROR(
-      CountExhausted(CheckStateRoom(static_cast<int64_t>(requests.size()), "allocate")));
+      CountExhausted(CheckStateRoom(static_cast<int64_t>(requests.size()), "allocate", resumed)));
 
   // Everything checked: from here on nothing can fail.
   pool_->RecycleNamespaces(recycle);
@@ -560,7 +599,20 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
       }
     }
     KVPOOL_CHECK_OK(pool_->Allocate(p.new_blocks, seq.slot, ctx, &seq.table, &plan->fills));
-    TakeStateSlot(&seq, kInvalidBlock, ctx, plan);
+    TakeStateSlot(&seq, p.resume, ctx, plan);
+    if (p.resume != kInvalidBlock) {
+      // Held while the sequence lives, as its path's blocks are: the copy out of it is fenced
+      // with the plan, and the checkpoint stays where the match found it.
+      KVPOOL_CHECK_OK(states_->Retain(p.resume, ctx));
+      seq.resumed_from = p.resume;
+      TouchCheckpoint(p.resume);
+      ++counters_.checkpoints.resumed;
+    }
+    seq.state_tokens = p.match.matched_tokens;
+    // The branch point's checkpoint goes on the last block the prompt shares whole: the one
+    // tree block every later prompt through here follows, whichever sibling it continues into.
+    const int64_t branch = p.branch_at / block_size_ * block_size_;
+    seq.branch_at = branch > p.match.matched_tokens ? branch : 0;
     seq.num_tokens = r.num_tokens;
     counters_.prompt_tokens += r.prompt.size();
     counters_.hit_tokens += static_cast<uint64_t>(p.match.matched_tokens);
@@ -602,10 +654,11 @@ absl::Status KvCacheManager::PlanAllocate(const AllocateRequest& r, AllocateTall
       p->first_block_elsewhere = why.first_block_elsewhere;
     }
     if (states_) {
-      // A state group resumes only from a checkpoint of the state at the match's end, and the
-      // tree keeps none yet (docs/hybrid-groups.md §4): the whole prompt is computed.
-      p->no_checkpoint = p->match.matched_tokens;
-      p->match = PrefixMatch{};
+      // A state group resumes only from a checkpoint of the state exactly where the match ends
+      // (docs/hybrid-groups.md §4): the match is cut at the deepest one it reaches.
+      p->branch_at = p->match.matched_tokens;
+      p->resume = CutToCheckpoint(&p->match);
+      p->no_checkpoint = p->branch_at - p->match.matched_tokens;
     }
   }
   // Table slots the match fills: every fully matched block, and the partially matched one
@@ -714,6 +767,7 @@ absl::Status KvCacheManager::Commit(SessionId caller, SequenceId sequence, int64
   if (cache_) {
     cache_->Commit(seq->ns, std::span(seq->tokens).first(static_cast<size_t>(num_tokens)),
                    seq->table, seq->priority, seq->retain_tail, &seq->path, ctx);
+    if (!seq->checkpoints.empty()) KeepPlanned(seq, ctx);
   }
   return absl::OkStatus();
 }
@@ -746,11 +800,24 @@ absl::Status KvCacheManager::Truncate(SessionId caller, SequenceId sequence, int
                                                   sequence.value(), seq->num_tokens, num_tokens));
   }
   if (states_ && num_tokens < static_cast<int64_t>(seq->tokens.size())) {
+    // The nearest checkpoint on its path at or below `num_tokens`: a new sequence whose prompt is
+    // these tokens resumes there.
+    PrefixMatch path{.full = seq->path.full};
+    path.matched_tokens = static_cast<int64_t>(path.full.size()) * block_size_;
+    if (path.matched_tokens > num_tokens) {
+      path.full.resize(static_cast<size_t>(num_tokens / block_size_));
+      path.matched_tokens = static_cast<int64_t>(path.full.size()) * block_size_;
+    }
+    (void)CutToCheckpoint(&path);
     return absl::FailedPreconditionError(fmt::format(
         "cannot truncate sequence {} to {} tokens: its state-space state is past its {} known "
-        "tokens and has no checkpoint at {} (docs/hybrid-groups.md §3; the nearest is at 0: free "
-        "it and prefill again)",
-        sequence.value(), num_tokens, seq->tokens.size(), num_tokens));
+        "tokens and has no checkpoint at {} (docs/hybrid-groups.md §3); the nearest checkpoint "
+        "on its path is at {} tokens: a new sequence with that prompt resumes there",
+        sequence.value(), num_tokens, seq->tokens.size(), num_tokens, path.matched_tokens));
+  }
+  if (states_) {
+    DropPlanned(seq, num_tokens, ctx);
+    if (seq->state_tokens > num_tokens) seq->state_tokens = -1;
   }
   ReleaseTail(seq, static_cast<size_t>(BlocksFor(num_tokens)), ctx);
   // The tree path keeps only the full blocks the sequence still has whole; the block it now
@@ -789,7 +856,8 @@ absl::StatusOr<SequenceId> KvCacheManager::Fork(SessionId caller, SequenceId seq
                  .table = parent->table,
                  .tokens = parent->tokens,
                  .priority = parent->priority,
-                 .retain_tail = parent->retain_tail};
+                 .retain_tail = parent->retain_tail,
+                 .state_tokens = parent->state_tokens};
   if (cache_) child.path = cache_->Clone(parent->path);
   const size_t shared = child.table.size() - (partial ? 1 : 0);
   for (size_t i = 0; i < shared; ++i) RetainBlock(child.table[i], ctx);
@@ -847,10 +915,10 @@ void KvCacheManager::FreeChecked(Sequence* seq, OnFree on_free) {
     cache_->Commit(seq->ns, seq->tokens, seq->table, seq->priority, seq->retain_tail, &seq->path,
                    ctx);
   }
+  // Before the path goes: the checkpoints it keeps hang on the path's blocks.
+  if (states_) ReleaseStates(seq, on_free == OnFree::kCommit && cache_, ctx);
   ReleaseTail(seq, 0, ctx);
   if (cache_) cache_->Truncate(&seq->path, 0);
-  // Fenced like a block: a step still reading or writing the state keeps the slot RETIRING.
-  if (states_) KVPOOL_CHECK_OK(states_->Release(seq->state_slot, ctx));
   AddSequences(caller, -1);
   auto it = sessions_.find(caller);
   if (it->second.sequences == 0 && it->second.quota == kUnlimited && it->second.group == 0) {

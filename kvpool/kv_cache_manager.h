@@ -77,6 +77,15 @@ struct BlockCopy {
   friend bool operator==(const BlockCopy&, const BlockCopy&) = default;
 };
 
+// A state checkpoint a step is to take (KvCacheManager::PlanCheckpoints): the state after the
+// sequence's first `position` tokens, written into state slot `slot`.
+struct PlannedCheckpoint {
+  int64_t position = 0;
+  BlockId slot = kInvalidBlock;
+
+  friend bool operator==(const PlannedCheckpoint&, const PlannedCheckpoint&) = default;
+};
+
 // Device work a call requires before the sequences it changed may be written or read. The caller
 // enqueues it in order (copies first; fills touch other blocks) and marks the blocks it touches
 // in flight before the next call, so no source can be reused under a pending copy.
@@ -129,10 +138,21 @@ struct KvCacheOptions {
   int64_t max_pinned_blocks = 0;
   // The state group (docs/hybrid-groups.md §3), for models with state-space layers: this many
   // slots, one per live sequence (its working state), handed out by Allocate and Fork and
-  // released, fenced like a block, by Free. 0: no state group. With one, a prompt matches no
-  // cached prefix (the tree keeps no state checkpoints yet: the tokens the attention match found
-  // count as missed_no_checkpoint) and Truncate never rewinds below the sequence's known tokens.
+  // released, fenced like a block, by Free, and the state checkpoints below. 0: no state group.
+  // With one, a prompt resumes a cached prefix only where the tree keeps a checkpoint of the state
+  // (the tokens the attention match found past it count as missed_no_checkpoint), and Truncate
+  // never rewinds below the sequence's known tokens.
   int32_t state_slots = 0;
+  // Of state_slots, how many may hold state checkpoints (docs/hybrid-groups.md §4): copies of a
+  // sequence's state at exact token positions, kept beside the tree's blocks so that a prompt
+  // resumes from the deepest one its match reaches. A new sequence's working slot may evict
+  // cached checkpoints (least recently used first), never the other way round. 0: none (a prompt
+  // then resumes no cached prefix). In [0, state_slots).
+  int32_t checkpoint_slots = 0;
+  // Checkpoints are taken every this many blocks, on block boundaries (0: none by interval), at
+  // branch points (where a prompt left the cached prefix), at a prefill's last block boundary,
+  // and at the end of a sequence freed with OnFree::kCommit (its working state itself). >= 0.
+  int32_t checkpoint_interval = 4;
 };
 
 struct Sequence {
@@ -147,7 +167,14 @@ struct Sequence {
   bool retain_tail = false;     // keep its partial tail in the cache after it ends
   CachePath path;               // its place in the prefix tree (locked nodes)
   BlockId state_slot = kInvalidBlock;  // its slot in the state group (kInvalidBlock: none)
-  uint64_t batch_mark = 0;             // KvCacheManager's scratch: finds a sequence listed twice
+  // Tokens its working state has consumed (AdvanceState; the checkpoint it resumed from); -1:
+  // unknown (a rewind below it), and then no checkpoint is taken from it.
+  int64_t state_tokens = 0;
+  int64_t branch_at = 0;  // where its prompt left the cached prefix: a checkpoint is wanted there
+  // Checkpoints planned for its steps and not yet in the tree (each holds its slot).
+  std::vector<PlannedCheckpoint> checkpoints;
+  BlockId resumed_from = kInvalidBlock;  // the cached checkpoint its state was copied from (held)
+  uint64_t batch_mark = 0;               // KvCacheManager's scratch: finds a sequence listed twice
 };
 
 struct AllocateRequest {
@@ -238,6 +265,16 @@ struct KvCacheStats {
   uint64_t pins_expired = 0;  // pins that ran out of time
   PrefixCacheStats cache;
   BlockPoolStats states;  // the state group's slots (num_blocks 0 without one)
+  struct Checkpoints {
+    int64_t cached = 0;      // in the tree now
+    int64_t pending = 0;     // planned for steps, not yet in the tree
+    uint64_t planned = 0;    // PlanCheckpoints handed out a slot
+    uint64_t kept = 0;       // put into the tree (the end of a committed sequence included)
+    uint64_t redundant = 0;  // not kept: the tree had one as deep in that block already
+    uint64_t skipped = 0;    // wanted, but no slot could be spared
+    uint64_t evicted = 0;    // cached ones dropped (for room, or with their block)
+    uint64_t resumed = 0;    // sequences whose state started from one
+  } checkpoints;
   // Of evictions, those an admin asked for (EvictCached, ClearCache).
   uint64_t admin_evictions = 0;
 };
@@ -305,10 +342,12 @@ class KvCacheManager final {
   // sequences or the replaced blocks since (the caller reverts at once, under the same lock).
   void RevertGrow(SessionId caller, std::span<const TableChange> changes);
 
-  // Rewinds `sequence` to `num_tokens` tokens, releasing the blocks past the new end.
+  // Rewinds `sequence` to `num_tokens` tokens, releasing the blocks past the new end (and the
+  // checkpoints planned past it).
   // Errors: NOT_FOUND, PERMISSION_DENIED, INVALID_ARGUMENT (negative, or longer than the
-  // sequence), FAILED_PRECONDITION (a state group, and fewer tokens than the sequence knows:
-  // its state cannot go back without a checkpoint, and none is kept yet).
+  // sequence), FAILED_PRECONDITION (a state group, and fewer tokens than the sequence knows: its
+  // state cannot go back; the message names the nearest checkpoint on its path at or below
+  // `num_tokens`, from which a new sequence resumes).
   absl::Status Truncate(SessionId caller, SequenceId sequence, int64_t num_tokens);
 
   // A new sequence of the same session and namespace sharing every full block of `sequence` by
@@ -331,7 +370,8 @@ class KvCacheManager final {
                       std::span<const int32_t> new_tokens = {});
 
   // Releases every block of `sequence` and forgets it; with OnFree::kCommit, publishes its
-  // known tokens first.
+  // known tokens first (and, with checkpoints, keeps its state as the checkpoint at their end
+  // when it holds exactly them).
   // Errors: NOT_FOUND, PERMISSION_DENIED, FAILED_PRECONDITION (kCommit: as Commit).
   absl::Status Free(SessionId caller, SequenceId sequence, OnFree on_free = OnFree::kDiscard);
   // Frees every listed sequence, in order, or none.
@@ -354,6 +394,23 @@ class KvCacheManager final {
   // Errors: NOT_FOUND (no state group, or no such slot), FAILED_PRECONDITION (a slot no
   // sequence holds); nothing is marked on error.
   absl::Status MarkStatesInFlight(std::span<const BlockId> slots, Fence fence);
+
+  // State checkpoints (KvCacheOptions::checkpoint_slots; kv_cache_manager_checkpoints.cc).
+  //
+  // The checkpoints a step of `sequence` that advances its state from `from` to `to` tokens is to
+  // take: the positions in (from, to] on the checkpoint interval, its branch point, and (a
+  // `prefill`) its last block boundary before `to`. Each gets a state slot, appended to `out` by
+  // position; the sequence holds them until Commit or Free puts them into the tree (once its
+  // state has passed them, AdvanceState) or a rewind drops them. The step must write every one
+  // (the model's StepItem::checkpoints) and the caller marks their slots in flight with the
+  // step's. A position no slot can be spared for is skipped (counted). Nothing is planned without
+  // checkpoint slots or when `from` is not the tokens the sequence's state holds.
+  // Errors: NOT_FOUND, PERMISSION_DENIED, INVALID_ARGUMENT (not 0 <= from < to <= its length).
+  absl::Status PlanCheckpoints(SessionId caller, SequenceId sequence, int64_t from, int64_t to,
+                               bool prefill, std::vector<PlannedCheckpoint>* out);
+  // `sequence`'s working state now holds its first `tokens` tokens (a step computed them).
+  // Errors: NOT_FOUND, PERMISSION_DENIED, INVALID_ARGUMENT (outside [0, its length]).
+  absl::Status AdvanceState(SessionId caller, SequenceId sequence, int64_t tokens);
 
   // Moves RETIRING blocks (and state slots) whose fences have passed to the free list. Returns
   // how many.
@@ -498,7 +555,9 @@ class KvCacheManager final {
     MatchStop stop = MatchStop::kPromptEnd;  // why the match stopped (prompt tokens missed)
     bool below_admission_bar = false;        // kEvicted: MatchExplanation's
     bool first_block_elsewhere = false;      // not cached here: MatchExplanation's
-    int64_t no_checkpoint = 0;  // tokens the attention match found, cut for want of a state
+    int64_t no_checkpoint = 0;       // tokens the attention match found, cut for want of a state
+    BlockId resume = kInvalidBlock;  // the checkpoint the match was cut at (its state is copied)
+    int64_t branch_at = 0;           // the attention match's length, before the cut
     int32_t new_blocks = 0;
   };
   // Blocks a batch has already claimed to write into, and by how many holders.
@@ -568,12 +627,45 @@ class KvCacheManager final {
   // `recycle`, for the caller to hand to BlockPool::RecycleNamespaces once nothing can fail.
   absl::Status PlanNamespaces(std::span<const std::pair<NamespaceId, int64_t>> by_ns,
                               std::vector<NamespaceSlot>* recycle, std::string_view what) const;
-  // Checks there are `slots` free state slots (reclaiming retired ones first). OK without a
-  // state group.
-  absl::Status CheckStateRoom(int64_t slots, std::string_view what);
+  // Checks there are `slots` free state slots (reclaiming retired ones first, then evicting
+  // cached checkpoints not in `keep`, least recently used first, once it is sure there are
+  // enough: the call's last check). OK without a state group.
+  absl::Status CheckStateRoom(int64_t slots, std::string_view what,
+                              std::span<const BlockId> keep = {});
   // Hands `seq` a state slot: zeroed, or a copy of `copy_of`'s. REQUIRES: CheckStateRoom.
   void TakeStateSlot(Sequence* seq, BlockId copy_of, const TraceContext& ctx, DevicePlan* plan);
   absl::Status CheckStates() const;
+  absl::Status CheckCheckpoints() const;
+
+  // Checkpoints (kv_cache_manager_checkpoints.cc). Where a checkpoint is kept, by state slot.
+  struct CheckpointSlot {
+    BlockId block = kInvalidBlock;  // the tree block it belongs to; invalid: not a cached one
+    int32_t offset = 0;             // the state after this many of the block's tokens
+    uint64_t stamp = 0;             // its key in checkpoint_lru_
+  };
+  // Cuts `match` at the deepest checkpoint on its blocks at or below its end and returns that
+  // checkpoint's slot; empties it (kInvalidBlock) when there is none.
+  BlockId CutToCheckpoint(PrefixMatch* match) const;
+  // A slot for a new checkpoint within checkpoint_slots: free, or freed by evicting the least
+  // recently used cached checkpoint. kInvalidBlock when none can be spared.
+  BlockId TakeCheckpointSlot(const TraceContext& ctx);
+  // Evicts the least recently used cached checkpoint not in `keep` whose slot nobody holds
+  // (`passed`: and whose fences have passed). Returns false when there is none.
+  bool EvictOldestCheckpoint(std::span<const BlockId> keep, bool passed, const TraceContext& ctx);
+  // The tree block and offset holding the state after `seq`'s first `position` tokens, on its
+  // path (kInvalidBlock when its path does not reach there).
+  std::pair<BlockId, int32_t> PathPlace(const Sequence& seq, int64_t position) const;
+  // `slot` (one reference held by the caller, which passes) becomes the checkpoint at `offset` of
+  // tree block `block`, unless the block has one as deep (then the slot is released).
+  void KeepCheckpoint(BlockId block, int32_t offset, BlockId slot, const TraceContext& ctx);
+  // Puts `seq`'s planned checkpoints its state has passed, and its path reaches, into the tree.
+  void KeepPlanned(Sequence* seq, const TraceContext& ctx);
+  // Releases `seq`'s planned checkpoints past `position`.
+  void DropPlanned(Sequence* seq, int64_t position, const TraceContext& ctx);
+  void DropCheckpoint(BlockId slot, const TraceContext& ctx);  // a cached one
+  void TouchCheckpoint(BlockId slot);                          // a cached one, just used
+  // Everything a sequence holds in the state group, on its way out (Free).
+  void ReleaseStates(Sequence* seq, bool commit, const TraceContext& ctx);
   // Checks there is room for `blocks` new blocks: free ones, retired ones that can be reclaimed
   // (reclaimed now: housekeeping), then cached ones to evict (never the nodes in `keep`). The
   // evictions are planned into `victims`, for the caller to carry out once nothing can fail.
@@ -613,6 +705,13 @@ class KvCacheManager final {
   // it is handed out, so no bytes cross from one owner to the next: one namespace serves all.
   std::unique_ptr<BlockPool> states_;
   NamespaceSlot state_owner_;
+  const int32_t checkpoint_slots_;
+  const int32_t checkpoint_interval_;
+  std::vector<CheckpointSlot> checkpoint_at_;            // by state slot
+  absl::flat_hash_map<BlockId, BlockId> checkpoint_of_;  // tree block -> its checkpoint's slot
+  absl::btree_set<std::pair<uint64_t, BlockId>> checkpoint_lru_;  // (stamp, slot), cached ones
+  uint64_t checkpoint_clock_ = 0;
+  int64_t planned_checkpoints_ = 0;  // held by sequences (Sequence::checkpoints)
 
   absl::flat_hash_map<SequenceId, Sequence> sequences_;
   absl::flat_hash_map<SessionId, SessionUsage> sessions_;

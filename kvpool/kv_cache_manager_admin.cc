@@ -120,6 +120,8 @@ KvCacheStats KvCacheManager::stats() const {
   s.pins = static_cast<int64_t>(pins_.size());
   s.pinned_blocks = cache_ ? cache_->pinned_blocks() : 0;
   if (states_) s.states = states_->stats();
+  s.checkpoints.cached = static_cast<int64_t>(checkpoint_lru_.size());
+  s.checkpoints.pending = planned_checkpoints_;
   return s;
 }
 
@@ -143,12 +145,7 @@ absl::Status KvCacheManager::CheckStates() const {
                                 id.value(), slot.value());
     }
   }
-  if (states_->num_active() != static_cast<int32_t>(sequences_.size()) ||
-      states_->num_cached() != 0) {
-    return InvariantViolation("{} state slots are ACTIVE and {} CACHED for {} sequences",
-                              states_->num_active(), states_->num_cached(), sequences_.size());
-  }
-  return absl::OkStatus();
+  return CheckCheckpoints();
 }
 
 absl::Status KvCacheManager::CheckRefGroups() const {
@@ -279,6 +276,11 @@ std::string KvCacheManager::DebugString() const {
   std::string out = pool_->DebugString();
   if (cache_) out += cache_->DebugString();
   if (states_) out += "state group:\n" + states_->DebugString();
+  for (const auto& [stamp, slot] : checkpoint_lru_) {
+    const CheckpointSlot& c = checkpoint_at_[static_cast<size_t>(slot.value())];
+    fmt::format_to(std::back_inserter(out), "checkpoint slot={} block={} offset={} stamp={}\n",
+                   slot.value(), c.block.value(), c.offset, stamp);
+  }
   auto it = std::back_inserter(out);
   std::vector<SequenceId> ids;
   for (const auto& [id, seq] : sequences_) ids.push_back(id);
@@ -290,7 +292,16 @@ std::string KvCacheManager::DebugString() const {
                    seq.session.value(), seq.ns.value(), seq.num_tokens, seq.tokens.size(),
                    fmt::join(Ids(seq.table), ","), fmt::join(Ids(seq.path.full), ","),
                    seq.path.partial.value());
-    if (states_) fmt::format_to(it, " state={}", seq.state_slot.value());
+    if (states_) {
+      fmt::format_to(it, " state={}@{}", seq.state_slot.value(), seq.state_tokens);
+      for (const PlannedCheckpoint& c : seq.checkpoints) {
+        fmt::format_to(it, " ckpt={}@{}", c.slot.value(), c.position);
+      }
+      if (seq.resumed_from != kInvalidBlock) {
+        fmt::format_to(it, " resumed={}", seq.resumed_from.value());
+      }
+      if (seq.branch_at != 0) fmt::format_to(it, " branch={}", seq.branch_at);
+    }
     out += "\n";
   }
   std::vector<std::pair<SessionId, SessionUsage>> sessions(sessions_.begin(), sessions_.end());

@@ -167,6 +167,12 @@ class PrefixCache final {
   // policy, until the next call. The manager sets it once per call.
   void SetTime(int64_t now_ns) { now_ns_ = now_ns; }
 
+  // Called for every block the tree lets go (evicted, dominated, cleared), just before its cache
+  // reference is returned: the owner drops what it keeps per block (state checkpoints).
+  void SetOnRemove(std::function<void(BlockId, const TraceContext&)> on_remove) {
+    on_remove_ = std::move(on_remove);
+  }
+
   // The longest cached prefix of `tokens` in `ns`. Changes nothing.
   PrefixMatch Match(NamespaceId ns, std::span<const int32_t> tokens) const;
   MatchExplanation Explain(NamespaceId ns, std::span<const int32_t> tokens) const;
@@ -433,6 +439,7 @@ class PrefixCache final {
   // evicted hashes): Evict() trims a run's inner blocks without Remove().
   const bool lean_evictions_;
   EventLog events_;
+  std::function<void(BlockId, const TraceContext&)> on_remove_;  // SetOnRemove
   int64_t now_ns_ = 0;
   uint64_t release_counter_ = 0;
 

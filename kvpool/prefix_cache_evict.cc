@@ -65,6 +65,7 @@ void PrefixCache::TailRemove(BlockId block) {
 
 ABSL_ATTRIBUTE_ALWAYS_INLINE inline void PrefixCache::Release(BlockId block,
                                                               const TraceContext& ctx) {
+  if (ABSL_PREDICT_FALSE(on_remove_ != nullptr)) on_remove_(block, ctx);
   KVPOOL_CHECK_OK(pool_->DropCacheRef(block, ctx));
   --num_blocks_;
   ++counters_.evicted;

@@ -1,0 +1,288 @@
+// KvCacheManager: state checkpoints (docs/hybrid-groups.md §4). A checkpoint is a state-group
+// slot holding every state-space layer's state after an exact token position; it belongs to the
+// tree block that position ends in (with its offset in the block), is CACHED in the state group
+// while only the tree keeps it, and leaves with its block. A prompt resumes from the deepest one
+// its attention match reaches.
+
+#include <algorithm>
+#include <utility>
+
+#include "fmt/format.h"
+#include "kvpool/kv_cache_manager.h"
+#include "kvpool/util/check.h"
+#include "kvpool/util/errors.h"
+#include "kvpool/util/status_macros.h"
+
+namespace kvpool {
+namespace {
+
+size_t Index(BlockId b) { return static_cast<size_t>(b.value()); }
+
+}  // namespace
+
+BlockId KvCacheManager::CutToCheckpoint(PrefixMatch* m) const {
+  const int64_t bs = block_size_;
+  // Deepest first: the partially matched block, then the full ones from the last.
+  if (m->partial != kInvalidBlock) {
+    if (auto it = checkpoint_of_.find(m->partial); it != checkpoint_of_.end()) {
+      const int32_t offset = checkpoint_at_[Index(it->second)].offset;
+      if (offset <= m->partial_tokens) {
+        m->partial_tokens = offset;
+        m->matched_tokens = static_cast<int64_t>(m->full.size()) * bs + offset;
+        return it->second;
+      }
+    }
+    m->partial = kInvalidBlock;
+    m->partial_tokens = 0;
+  }
+  for (size_t i = m->full.size(); i-- > 0;) {
+    auto it = checkpoint_of_.find(m->full[i]);
+    if (it == checkpoint_of_.end()) continue;
+    const int32_t offset = checkpoint_at_[Index(it->second)].offset;
+    if (offset == block_size_) {
+      m->full.resize(i + 1);
+    } else {  // the state inside the block: its first `offset` tokens are matched
+      m->partial = m->full[i];
+      m->partial_tokens = offset;
+      m->full.resize(i);
+    }
+    m->matched_tokens = static_cast<int64_t>(i) * bs + offset;
+    return it->second;
+  }
+  *m = PrefixMatch{};
+  return kInvalidBlock;
+}
+
+bool KvCacheManager::EvictOldestCheckpoint(std::span<const BlockId> keep, bool passed,
+                                           const TraceContext& ctx) {
+  for (const auto& [stamp, slot] : checkpoint_lru_) {
+    if (states_->state(slot) != BlockState::kCached) continue;  // a resuming sequence holds it
+    if (passed && !states_->FencesPassed(slot)) continue;
+    if (std::find(keep.begin(), keep.end(), slot) != keep.end()) continue;
+    DropCheckpoint(slot, ctx);
+    return true;
+  }
+  return false;
+}
+
+BlockId KvCacheManager::TakeCheckpointSlot(const TraceContext& ctx) {
+  const auto in_use = [&] {
+    return static_cast<int64_t>(checkpoint_lru_.size()) + planned_checkpoints_;
+  };
+  if (in_use() >= checkpoint_slots_ && !EvictOldestCheckpoint({}, false, ctx)) {
+    return kInvalidBlock;
+  }
+  if (states_->num_free() == 0) states_->ReclaimRetired(ctx);
+  if (states_->num_free() == 0 && !EvictOldestCheckpoint({}, true, ctx)) return kInvalidBlock;
+  if (states_->num_free() == 0) return kInvalidBlock;
+  std::vector<BlockId> slot;
+  KVPOOL_CHECK_OK(states_->Allocate(1, state_owner_, ctx, &slot, /*fills=*/nullptr));
+  ++planned_checkpoints_;
+  return slot[0];
+}
+
+absl::Status KvCacheManager::PlanCheckpoints(SessionId caller, SequenceId sequence, int64_t from,
+                                             int64_t to, bool prefill,
+                                             std::vector<PlannedCheckpoint>* out) {
+  const TraceContext ctx = BeginCall(caller, sequence);
+  KVPOOL_ASSIGN_OR_RETURN(Sequence * seq, Owned(caller, sequence));
+  if (from < 0 || to <= from || to > seq->num_tokens) {
+    return absl::InvalidArgumentError(
+        fmt::format("checkpoints of sequence {} ({} tokens): a step from {} to {} tokens",
+                    sequence.value(), seq->num_tokens, from, to));
+  }
+  // A checkpoint names the state after its position: only a state known to hold `from` tokens
+  // can give one.
+  if (checkpoint_slots_ == 0 || seq->state_tokens != from) return absl::OkStatus();
+  const int64_t bs = block_size_;
+  std::vector<int64_t> want;
+  if (checkpoint_interval_ > 0) {
+    const int64_t every = int64_t{checkpoint_interval_} * bs;
+    for (int64_t p = (from / every + 1) * every; p <= to; p += every) want.push_back(p);
+  }
+  if (seq->branch_at > from && seq->branch_at <= to) want.push_back(seq->branch_at);
+  if (prefill && (to - 1) / bs * bs > from) want.push_back((to - 1) / bs * bs);
+  std::sort(want.begin(), want.end());
+  want.erase(std::unique(want.begin(), want.end()), want.end());
+  for (int64_t p : want) {
+    const bool planned = std::any_of(seq->checkpoints.begin(), seq->checkpoints.end(),
+                                     [&](const PlannedCheckpoint& c) { return c.position == p; });
+    if (planned) continue;
+    const BlockId slot = TakeCheckpointSlot(ctx);
+    if (slot == kInvalidBlock) {
+      ++counters_.checkpoints.skipped;
+      continue;
+    }
+    seq->checkpoints.push_back({p, slot});
+    out->push_back({p, slot});
+    ++counters_.checkpoints.planned;
+  }
+  std::sort(seq->checkpoints.begin(), seq->checkpoints.end(),
+            [](const PlannedCheckpoint& a, const PlannedCheckpoint& b) {
+              return a.position < b.position;
+            });
+  return absl::OkStatus();
+}
+
+absl::Status KvCacheManager::AdvanceState(SessionId caller, SequenceId sequence, int64_t tokens) {
+  KVPOOL_ASSIGN_OR_RETURN(Sequence * seq, Owned(caller, sequence));
+  if (tokens < 0 || tokens > seq->num_tokens) {
+    return absl::InvalidArgumentError(
+        fmt::format("the state of sequence {} ({} tokens) cannot hold {} tokens", sequence.value(),
+                    seq->num_tokens, tokens));
+  }
+  seq->state_tokens = tokens;
+  return absl::OkStatus();
+}
+
+std::pair<BlockId, int32_t> KvCacheManager::PathPlace(const Sequence& seq, int64_t position) const {
+  const auto index = static_cast<size_t>((position - 1) / block_size_);
+  const auto offset = static_cast<int32_t>(position - static_cast<int64_t>(index) * block_size_);
+  if (index < seq.path.full.size()) return {seq.path.full[index], offset};
+  if (index == seq.path.full.size() && seq.path.partial != kInvalidBlock &&
+      cache_->CoverageOf(seq.path.partial) >= offset) {
+    return {seq.path.partial, offset};
+  }
+  return {kInvalidBlock, 0};
+}
+
+void KvCacheManager::KeepCheckpoint(BlockId block, int32_t offset, BlockId slot,
+                                    const TraceContext& ctx) {
+  if (auto it = checkpoint_of_.find(block); it != checkpoint_of_.end()) {
+    // One checkpoint per block: the deepest (a later prompt that reaches it saves the most).
+    if (checkpoint_at_[Index(it->second)].offset >= offset) {
+      ++counters_.checkpoints.redundant;
+      KVPOOL_CHECK_OK(states_->Release(slot, ctx));  // fenced: the step that wrote it
+      return;
+    }
+    DropCheckpoint(it->second, ctx);
+  }
+  KVPOOL_CHECK_OK(states_->AddCacheRef(slot, ctx));
+  KVPOOL_CHECK_OK(states_->Release(slot, ctx));  // CACHED unless a resuming sequence holds it
+  checkpoint_at_[Index(slot)] = {.block = block, .offset = offset, .stamp = ++checkpoint_clock_};
+  checkpoint_lru_.insert({checkpoint_clock_, slot});
+  checkpoint_of_[block] = slot;
+  ++counters_.checkpoints.kept;
+}
+
+void KvCacheManager::KeepPlanned(Sequence* seq, const TraceContext& ctx) {
+  size_t kept = 0;
+  for (const PlannedCheckpoint& c : seq->checkpoints) {
+    // Only once the step that writes it has run (the state passed it), and where the path
+    // reaches.
+    const auto [block, offset] =
+        c.position <= seq->state_tokens ? PathPlace(*seq, c.position) : std::pair{kInvalidBlock, 0};
+    if (block == kInvalidBlock) {
+      seq->checkpoints[kept++] = c;
+      continue;
+    }
+    --planned_checkpoints_;
+    KeepCheckpoint(block, offset, c.slot, ctx);
+  }
+  seq->checkpoints.resize(kept);
+}
+
+void KvCacheManager::DropPlanned(Sequence* seq, int64_t position, const TraceContext& ctx) {
+  while (!seq->checkpoints.empty() && seq->checkpoints.back().position > position) {
+    KVPOOL_CHECK_OK(states_->Release(seq->checkpoints.back().slot, ctx));
+    seq->checkpoints.pop_back();
+    --planned_checkpoints_;
+  }
+}
+
+void KvCacheManager::DropCheckpoint(BlockId slot, const TraceContext& ctx) {
+  CheckpointSlot& c = checkpoint_at_[Index(slot)];
+  checkpoint_lru_.erase({c.stamp, slot});
+  checkpoint_of_.erase(c.block);
+  c = CheckpointSlot{};
+  // Fenced: a copy out of it still queued keeps it RETIRING.
+  KVPOOL_CHECK_OK(states_->DropCacheRef(slot, ctx));
+  ++counters_.checkpoints.evicted;
+}
+
+void KvCacheManager::TouchCheckpoint(BlockId slot) {
+  CheckpointSlot& c = checkpoint_at_[Index(slot)];
+  checkpoint_lru_.erase({c.stamp, slot});
+  c.stamp = ++checkpoint_clock_;
+  checkpoint_lru_.insert({c.stamp, slot});
+}
+
+void KvCacheManager::ReleaseStates(Sequence* seq, bool commit, const TraceContext& ctx) {
+  if (checkpoint_slots_ > 0 && commit) {
+    KeepPlanned(seq, ctx);
+    // Its working state holds exactly its known tokens: it becomes the checkpoint at their end
+    // (no copy: the sequence is done with it).
+    const int64_t end = seq->state_tokens;
+    const auto [block, offset] = end > 0 && end == static_cast<int64_t>(seq->tokens.size())
+                                     ? PathPlace(*seq, end)
+                                     : std::pair{kInvalidBlock, 0};
+    const bool room =
+        block != kInvalidBlock &&
+        (static_cast<int64_t>(checkpoint_lru_.size()) + planned_checkpoints_ < checkpoint_slots_ ||
+         EvictOldestCheckpoint({}, false, ctx));
+    if (room) {
+      KeepCheckpoint(block, offset, seq->state_slot, ctx);
+      seq->state_slot = kInvalidBlock;
+    }
+  }
+  DropPlanned(seq, -1, ctx);
+  // Fenced like a block: a step still reading or writing the state keeps the slot RETIRING.
+  if (seq->state_slot != kInvalidBlock) KVPOOL_CHECK_OK(states_->Release(seq->state_slot, ctx));
+  if (seq->resumed_from != kInvalidBlock) {
+    KVPOOL_CHECK_OK(states_->Release(seq->resumed_from, ctx));
+    seq->resumed_from = kInvalidBlock;
+  }
+}
+
+absl::Status KvCacheManager::CheckCheckpoints() const {
+  // Every slot's references: its working state, planned checkpoints and resumed-from holds by
+  // sequences, plus the tree's for a cached checkpoint.
+  std::vector<uint32_t> refs(static_cast<size_t>(states_->num_blocks()), 0);
+  int64_t planned = 0;
+  for (const auto& [id, seq] : sequences_) {
+    ++refs[Index(seq.state_slot)];
+    for (const PlannedCheckpoint& c : seq.checkpoints) {
+      if (!states_->Contains(c.slot) || c.position <= 0 || c.position > seq.num_tokens) {
+        return InvariantViolation("sequence {} plans checkpoint {}@{} outside its {} tokens",
+                                  id.value(), c.slot.value(), c.position, seq.num_tokens);
+      }
+      ++refs[Index(c.slot)];
+      ++planned;
+    }
+    if (seq.resumed_from != kInvalidBlock) ++refs[Index(seq.resumed_from)];
+  }
+  if (planned != planned_checkpoints_ ||
+      planned + static_cast<int64_t>(checkpoint_lru_.size()) > checkpoint_slots_ ||
+      checkpoint_lru_.size() != checkpoint_of_.size()) {
+    return InvariantViolation(
+        "{} planned checkpoints (counted {}) and {} cached ({} by block) for {} checkpoint slots",
+        planned, planned_checkpoints_, checkpoint_lru_.size(), checkpoint_of_.size(),
+        checkpoint_slots_);
+  }
+  for (const auto& [stamp, slot] : checkpoint_lru_) {
+    const CheckpointSlot& c = checkpoint_at_[Index(slot)];
+    auto it = checkpoint_of_.find(c.block);
+    if (c.stamp != stamp || it == checkpoint_of_.end() || it->second != slot ||
+        !cache_->holds(c.block) || c.offset <= 0 || c.offset > cache_->CoverageOf(c.block) ||
+        !states_->cache_held(slot)) {
+      return InvariantViolation("checkpoint slot {} (block {} offset {}) is not kept where it says",
+                                slot.value(), c.block.value(), c.offset);
+    }
+    ++refs[Index(slot)];
+  }
+  for (int32_t i = 0; i < states_->num_blocks(); ++i) {
+    const BlockId slot(i);
+    const BlockState state = states_->state(slot);
+    const bool live = state == BlockState::kActive || state == BlockState::kCached;
+    if ((live ? states_->refs(slot) : 0) != refs[static_cast<size_t>(i)] ||
+        (state == BlockState::kCached) !=
+            (refs[static_cast<size_t>(i)] == 1 && states_->cache_held(slot))) {
+      return InvariantViolation("state slot {} is {} with {} references, {} expected", i,
+                                BlockStateName(state), live ? states_->refs(slot) : 0,
+                                refs[static_cast<size_t>(i)]);
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvpool

@@ -1,0 +1,352 @@
+// State checkpoints in the prefix tree (docs/hybrid-groups.md §4): a prompt of a model with
+// state-space layers resumes from the deepest checkpoint its attention match reaches; checkpoints
+// are planned for steps, kept once the state has passed them, taken at the end of committed
+// sequences, give way to working states, leave with their blocks, and are fenced like blocks.
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kvpool/kv_cache_manager.h"
+#include "kvpool/util/errors.h"
+#include "tests/kvpool/manual_fences.h"
+
+namespace kvpool {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+
+constexpr SessionId kAlice(1);
+constexpr SessionId kBob(2);
+constexpr NamespaceId kTenant(100);
+constexpr int32_t kBlock = 16;
+
+using testing::ManualFences;
+
+std::vector<int32_t> Prompt(int32_t n, int32_t salt = 0) {
+  std::vector<int32_t> out(static_cast<size_t>(n));
+  for (int32_t i = 0; i < n; ++i) out[static_cast<size_t>(i)] = 7 * i + 3 + salt * 1000;
+  return out;
+}
+
+std::vector<int32_t> Concat(std::vector<int32_t> a, const std::vector<int32_t>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+class StateCheckpointTest : public ::testing::Test {
+ protected:
+  void Make(int32_t state_slots, int32_t checkpoint_slots, int32_t interval = 4,
+            int32_t num_blocks = 64) {
+    auto cache = KvCacheManager::Create({.block_size = kBlock,
+                                         .num_blocks = num_blocks,
+                                         .max_blocks_per_seq = 32,
+                                         .clock = &clock_,
+                                         .fences = &fences_,
+                                         .state_slots = state_slots,
+                                         .checkpoint_slots = checkpoint_slots,
+                                         .checkpoint_interval = interval});
+    ASSERT_TRUE(cache.ok()) << cache.status();
+    cache_ = std::move(*cache);
+  }
+
+  // What the step planner does for a prefill of `prompt` (new sequence): allocate, plan the
+  // step's checkpoints, "run" it (the state advances), record the tokens and commit full blocks.
+  SequenceId Prefill(SessionId session, const std::vector<int32_t>& prompt,
+                     std::vector<PlannedCheckpoint>* planned = nullptr) {
+    plan_ = DevicePlan{};
+    absl::StatusOr<AllocateResult> a = cache_->Allocate(
+        session, {.ns = kTenant, .num_tokens = static_cast<int64_t>(prompt.size()), .prompt = {}},
+        &plan_);
+    KVPOOL_CHECK_OK(a.status());
+    Compute(session, a->sequence, prompt, 0, planned);
+    return a->sequence;
+  }
+
+  // The step of `seq` from `start` to prompt.size(), with its checkpoints and commit.
+  void Compute(SessionId session, SequenceId seq, const std::vector<int32_t>& prompt, int64_t start,
+               std::vector<PlannedCheckpoint>* planned = nullptr) {
+    const auto end = static_cast<int64_t>(prompt.size());
+    std::vector<PlannedCheckpoint> out;
+    KVPOOL_CHECK_OK(cache_->PlanCheckpoints(session, seq, start, end, /*prefill=*/true, &out));
+    if (planned != nullptr) *planned = out;
+    KVPOOL_CHECK_OK(cache_->AdvanceState(session, seq, end));
+    const std::span<const int32_t> fresh =
+        std::span(prompt).subspan(std::min(cache_->Find(seq)->tokens.size(), prompt.size()));
+    KVPOOL_CHECK_OK(cache_->Commit(session, seq, end / kBlock * kBlock, fresh));
+  }
+
+  absl::StatusOr<AllocateResult> Resume(SessionId session, const std::vector<int32_t>& prompt) {
+    plan_ = DevicePlan{};
+    return cache_->Allocate(
+        session,
+        {.ns = kTenant, .num_tokens = static_cast<int64_t>(prompt.size()) + 1, .prompt = prompt},
+        &plan_);
+  }
+
+  BlockId Slot(SequenceId id) { return cache_->Find(id)->state_slot; }
+
+  void ExpectInvariants() {
+    const absl::Status status = cache_->CheckInvariants();
+    EXPECT_TRUE(status.ok()) << status;
+  }
+
+  ManualClock clock_;
+  ManualFences fences_;
+  std::unique_ptr<KvCacheManager> cache_;
+  DevicePlan plan_;
+};
+
+TEST_F(StateCheckpointTest, ACommittedSequencesStateIsTheCheckpointAtItsEnd) {
+  Make(/*state_slots=*/8, /*checkpoint_slots=*/4);
+  const std::vector<int32_t> turn1 = Prompt(40);
+  const SequenceId a = Prefill(kAlice, turn1);
+  const BlockId working = Slot(a);
+  ASSERT_TRUE(cache_->Free(kAlice, a, OnFree::kCommit).ok());
+  // No copy: the working slot itself is now the checkpoint after token 40.
+  EXPECT_EQ(cache_->states()->state(working), BlockState::kCached);
+  EXPECT_EQ(cache_->stats().checkpoints.cached, 2);  // 32 (prefill's last boundary) and 40
+  ExpectInvariants();
+
+  // The next turn resumes after the 40 tokens: its state is a copy of the checkpoint.
+  absl::StatusOr<AllocateResult> b = Resume(kBob, Concat(turn1, Prompt(20, 1)));
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(b->matched_tokens, 40);
+  EXPECT_THAT(plan_.state_copies, ElementsAre(BlockCopy{working, Slot(b->sequence)}));
+  EXPECT_THAT(plan_.state_zeros, IsEmpty());
+  EXPECT_EQ(cache_->Find(b->sequence)->state_tokens, 40);
+  EXPECT_EQ(cache_->Find(b->sequence)->resumed_from, working);
+  // Held while the sequence lives, so no pressure can evict it under the copy.
+  EXPECT_EQ(cache_->states()->state(working), BlockState::kActive);
+  EXPECT_EQ(cache_->stats().checkpoints.resumed, 1u);
+  ExpectInvariants();
+  ASSERT_TRUE(cache_->Free(kBob, b->sequence).ok());
+  EXPECT_EQ(cache_->states()->state(working), BlockState::kCached);
+  ExpectInvariants();
+}
+
+TEST_F(StateCheckpointTest, AMatchStopsWhereACheckpointIsMissingAndResumesFromTheOneBefore) {
+  Make(8, 4, /*interval=*/2);
+  const std::vector<int32_t> doc = Prompt(100);
+  std::vector<PlannedCheckpoint> planned;
+  const SequenceId a = Prefill(kAlice, doc, &planned);
+  // Every 2 blocks (32, 64, 96) and the prefill's last block boundary (96).
+  ASSERT_EQ(planned.size(), 3u);
+  EXPECT_EQ(planned[0].position, 32);
+  EXPECT_EQ(planned[1].position, 64);
+  EXPECT_EQ(planned[2].position, 96);
+  EXPECT_EQ(cache_->stats().checkpoints.cached, 3);  // kept by the commit of 96 tokens
+  ASSERT_TRUE(cache_->Free(kAlice, a).ok());
+  ExpectInvariants();
+
+  // 90 tokens cached for attention; the deepest checkpoint at or below is at 64.
+  std::vector<int32_t> other = doc;
+  other.resize(90);
+  other = Concat(other, Prompt(30, 2));
+  absl::StatusOr<AllocateResult> b = Resume(kBob, other);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(b->matched_tokens, 64);
+  EXPECT_THAT(plan_.state_copies, ElementsAre(BlockCopy{planned[1].slot, Slot(b->sequence)}));
+  EXPECT_EQ(cache_->stats().missed_no_checkpoint, 90u - 64u);
+  // It holds exactly the blocks of the 64 tokens it resumes from, and computes the rest.
+  EXPECT_EQ(cache_->Find(b->sequence)->path.full.size(), 4u);
+  ExpectInvariants();
+
+  // The whole document: resumes from 96.
+  absl::StatusOr<AllocateResult> c = Resume(kAlice, doc);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->matched_tokens, 96);
+  ExpectInvariants();
+}
+
+TEST_F(StateCheckpointTest, APlannedCheckpointIsKeptOnlyOnceTheStateHasPassedIt) {
+  Make(8, 4);
+  const std::vector<int32_t> prompt = Prompt(70);
+  plan_ = DevicePlan{};
+  absl::StatusOr<AllocateResult> a =
+      cache_->Allocate(kAlice, {.ns = kTenant, .num_tokens = 70}, &plan_);
+  ASSERT_TRUE(a.ok());
+  std::vector<PlannedCheckpoint> planned;
+  ASSERT_TRUE(cache_->PlanCheckpoints(kAlice, a->sequence, 0, 70, true, &planned).ok());
+  ASSERT_EQ(planned.size(), 1u);  // 64: the interval and the last boundary
+  // A client commits the tokens before the step ran: the checkpoint holds nothing yet.
+  ASSERT_TRUE(cache_->Commit(kAlice, a->sequence, 64, std::span(prompt).first(64)).ok());
+  EXPECT_EQ(cache_->stats().checkpoints.cached, 0);
+  EXPECT_EQ(cache_->stats().checkpoints.pending, 1);
+  ExpectInvariants();
+  ASSERT_TRUE(cache_->AdvanceState(kAlice, a->sequence, 70).ok());
+  ASSERT_TRUE(cache_->Commit(kAlice, a->sequence, 64).ok());
+  EXPECT_EQ(cache_->stats().checkpoints.cached, 1);
+  EXPECT_EQ(cache_->stats().checkpoints.pending, 0);
+  ExpectInvariants();
+}
+
+TEST_F(StateCheckpointTest, ARewindDropsThePlannedCheckpointsPastIt) {
+  Make(8, 4);
+  plan_ = DevicePlan{};
+  absl::StatusOr<AllocateResult> a =
+      cache_->Allocate(kAlice, {.ns = kTenant, .num_tokens = 70}, &plan_);
+  ASSERT_TRUE(a.ok());
+  std::vector<PlannedCheckpoint> planned;
+  ASSERT_TRUE(cache_->PlanCheckpoints(kAlice, a->sequence, 0, 70, true, &planned).ok());
+  ASSERT_EQ(planned.size(), 1u);
+  // The step failed (UndoItem): the sequence goes back to where it started.
+  ASSERT_TRUE(cache_->Truncate(kAlice, a->sequence, 0).ok());
+  EXPECT_EQ(cache_->stats().checkpoints.pending, 0);
+  EXPECT_EQ(cache_->states()->state(planned[0].slot), BlockState::kFree);
+  ExpectInvariants();
+}
+
+TEST_F(StateCheckpointTest, NothingIsPlannedFromAStateThatDoesNotHoldTheStepsStart) {
+  Make(8, 4);
+  plan_ = DevicePlan{};
+  absl::StatusOr<AllocateResult> a =
+      cache_->Allocate(kAlice, {.ns = kTenant, .num_tokens = 200}, &plan_);
+  ASSERT_TRUE(a.ok());
+  std::vector<PlannedCheckpoint> planned;
+  // Its state holds 0 tokens; a step said to start at 64 cannot give the state after 128.
+  ASSERT_TRUE(cache_->PlanCheckpoints(kAlice, a->sequence, 64, 200, true, &planned).ok());
+  EXPECT_THAT(planned, IsEmpty());
+  EXPECT_EQ(cache_->PlanCheckpoints(kAlice, a->sequence, 10, 10, true, &planned).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache_->PlanCheckpoints(kAlice, a->sequence, 0, 201, true, &planned).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache_->PlanCheckpoints(kBob, a->sequence, 0, 10, true, &planned).code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(cache_->AdvanceState(kAlice, a->sequence, 201).code(),
+            absl::StatusCode::kInvalidArgument);
+  ExpectInvariants();
+}
+
+TEST_F(StateCheckpointTest, ABranchPointGetsACheckpointOnTheLastSharedBlock) {
+  Make(8, 4, /*interval=*/0);
+  const std::vector<int32_t> system = Prompt(40);
+  const SequenceId a = Prefill(kAlice, Concat(system, Prompt(30, 1)));
+  ASSERT_TRUE(cache_->Free(kAlice, a).ok());  // checkpoint only at 64 (last boundary)
+  ASSERT_EQ(cache_->stats().checkpoints.cached, 1);
+
+  // Shares 40 tokens (two whole blocks): nothing to resume from, a checkpoint wanted at 32.
+  const std::vector<int32_t> second = Concat(system, Prompt(30, 2));
+  absl::StatusOr<AllocateResult> b =
+      Resume(kBob, std::vector<int32_t>(second.begin(), second.begin() + 69));
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(b->matched_tokens, 0);
+  EXPECT_EQ(cache_->Find(b->sequence)->branch_at, 32);
+  std::vector<PlannedCheckpoint> planned;
+  Compute(kBob, b->sequence, second, 0, &planned);
+  ASSERT_EQ(planned.size(), 2u);
+  EXPECT_EQ(planned[0].position, 32);
+  EXPECT_EQ(planned[1].position, 64);
+  ASSERT_TRUE(cache_->Free(kBob, b->sequence).ok());
+
+  // A third prompt through the same system prompt resumes at the branch point.
+  absl::StatusOr<AllocateResult> c = Resume(kAlice, Concat(system, Prompt(30, 3)));
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->matched_tokens, 32);
+  EXPECT_THAT(plan_.state_copies, ElementsAre(BlockCopy{planned[0].slot, Slot(c->sequence)}));
+  ExpectInvariants();
+}
+
+TEST_F(StateCheckpointTest, AnEvictedBlockTakesItsCheckpointWithItFenced) {
+  Make(8, 4);
+  const SequenceId a = Prefill(kAlice, Prompt(70));
+  const BlockId checkpoint = Slot(a);
+  ASSERT_TRUE(cache_->MarkStatesInFlight(std::span(&checkpoint, 1), Fence{0, 5}).ok());
+  ASSERT_TRUE(cache_->Free(kAlice, a, OnFree::kCommit).ok());
+  EXPECT_EQ(cache_->stats().checkpoints.cached, 2);  // 64 and the end, 70
+  EXPECT_EQ(cache_->EvictCached(64), 5);
+  EXPECT_EQ(cache_->stats().checkpoints.cached, 0);
+  EXPECT_EQ(cache_->stats().checkpoints.evicted, 2u);
+  // The step that wrote the end checkpoint is still in flight: its slot is not free yet.
+  EXPECT_EQ(cache_->states()->state(checkpoint), BlockState::kRetiring);
+  ExpectInvariants();
+  fences_.Complete(0, 5);
+  cache_->ReclaimRetired();
+  EXPECT_EQ(cache_->states()->state(checkpoint), BlockState::kFree);
+  ExpectInvariants();
+}
+
+TEST_F(StateCheckpointTest, WorkingStatesEvictCachedCheckpointsNeverTheOtherWayRound) {
+  Make(/*state_slots=*/5, /*checkpoint_slots=*/2, /*interval=*/0);
+  for (int32_t k = 0; k < 2; ++k) {
+    const SequenceId s = Prefill(kAlice, Prompt(20, k));
+    ASSERT_TRUE(cache_->Free(kAlice, s, OnFree::kCommit).ok());
+  }
+  // Each left two (16 and its end, 20); the second's pushed the first's out.
+  ASSERT_EQ(cache_->stats().checkpoints.cached, 2);
+  const uint64_t evicted = cache_->stats().checkpoints.evicted;
+  for (int32_t k = 0; k < 3; ++k) {
+    ASSERT_TRUE(Resume(kBob, Prompt(5, 10 + k)).ok());
+  }
+  EXPECT_EQ(cache_->stats().checkpoints.cached, 2);  // three free slots were enough
+  // No free slot left: the checkpoint it does not resume from makes way.
+  absl::StatusOr<AllocateResult> held = Resume(kBob, Prompt(20, 1));
+  ASSERT_TRUE(held.ok()) << held.status();
+  EXPECT_EQ(held->matched_tokens, 20);
+  EXPECT_EQ(cache_->stats().checkpoints.evicted, evicted + 1);
+  EXPECT_EQ(cache_->stats().checkpoints.cached, 1);
+  ExpectInvariants();
+  // The last checkpoint is held by the sequence resumed from it: nothing more to give.
+  const std::string before = cache_->DebugString();
+  absl::StatusOr<AllocateResult> refused = Resume(kBob, Prompt(5, 20));
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(GetShortfall(refused.status())->resource, Resource::kStateSlots);
+  EXPECT_EQ(cache_->DebugString(), before);
+  ExpectInvariants();
+}
+
+TEST_F(StateCheckpointTest, CheckpointsStayWithinTheirShareOfTheSlots) {
+  Make(/*state_slots=*/6, /*checkpoint_slots=*/2, /*interval=*/1);
+  std::vector<PlannedCheckpoint> planned;
+  const SequenceId a = Prefill(kAlice, Prompt(100), &planned);
+  // Six block boundaries wanted; two slots to hold them: the oldest cached ones make way.
+  EXPECT_EQ(planned.size(), 2u);
+  EXPECT_GE(cache_->stats().checkpoints.skipped, 4u);
+  EXPECT_LE(cache_->stats().checkpoints.cached + cache_->stats().checkpoints.pending, 2);
+  ASSERT_TRUE(cache_->Free(kAlice, a, OnFree::kCommit).ok());
+  EXPECT_LE(cache_->stats().checkpoints.cached, 2);
+  ExpectInvariants();
+}
+
+TEST_F(StateCheckpointTest, TruncateNamesTheNearestCheckpoint) {
+  Make(8, 4);
+  const std::vector<int32_t> prompt = Prompt(100);
+  const SequenceId a = Prefill(kAlice, prompt);
+  const absl::Status status = cache_->Truncate(kAlice, a, 80);
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("nearest checkpoint on its path is at 64"));
+  ExpectInvariants();
+}
+
+TEST_F(StateCheckpointTest, WithoutCheckpointSlotsAPromptResumesNothing) {
+  Make(8, 0);
+  const SequenceId a = Prefill(kAlice, Prompt(40));
+  ASSERT_TRUE(cache_->Free(kAlice, a, OnFree::kCommit).ok());
+  absl::StatusOr<AllocateResult> b = Resume(kBob, Prompt(40));
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(b->matched_tokens, 0);
+  EXPECT_EQ(cache_->stats().missed_no_checkpoint, 40u);
+  ExpectInvariants();
+}
+
+TEST_F(StateCheckpointTest, BadCheckpointOptionsAreRefused) {
+  for (auto [slots, checkpoints, interval] :
+       std::vector<std::tuple<int32_t, int32_t, int32_t>>{{4, 4, 4}, {4, -1, 4}, {4, 2, -1}}) {
+    EXPECT_EQ(KvCacheManager::Create({.block_size = kBlock,
+                                      .num_blocks = 8,
+                                      .max_blocks_per_seq = 8,
+                                      .state_slots = slots,
+                                      .checkpoint_slots = checkpoints,
+                                      .checkpoint_interval = interval})
+                  .status()
+                  .code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+}
+
+}  // namespace
+}  // namespace kvpool
