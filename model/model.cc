@@ -225,12 +225,25 @@ int64_t Model::weight_bytes() const {
 
 absl::Status Model::RunStep(const kernels::KvPoolView& pool, std::span<const StepItem> items,
                             const StepOptions& options, std::vector<ItemResult>* results) {
+  return RunPhase(pool, items, {}, options, results);
+}
+
+absl::Status Model::CopyStates(std::span<const StateCopy> copies) {
+  for (const StateCopy& copy : copies) {
+    std::memcpy(copy.to.data(), copy.from.data(), copy.from.size_bytes());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Model::RunPhase(const kernels::KvPoolView& pool, std::span<const StepItem> items,
+                             std::span<const uint8_t> in_prefill, const StepOptions& options,
+                             std::vector<ItemResult>* results) {
   const ModelConfig& c = config_;
   const int32_t h = c.hidden_size, half = c.rotary() / 2;
   Scratch& s = *scratch_;
 
   // Lay the step's tokens out (decode items first) with their embeddings and RoPE angles.
-  internal::PlanStepLayout(items, layout_.block_size, &s.step);
+  internal::PlanStepLayout(items, in_prefill, layout_.block_size, &s.step);
   const int64_t n = s.step.num_tokens;
   const size_t nt = static_cast<size_t>(n);
   Reserve(s.x, nt * static_cast<size_t>(h));

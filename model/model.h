@@ -65,6 +65,11 @@ class Model final : public StepModel {
 
   absl::Status RunStep(const kernels::KvPoolView& pool, std::span<const StepItem> items,
                        const StepOptions& options, std::vector<ItemResult>* results) override;
+  absl::Status RunPhase(const kernels::KvPoolView& pool, std::span<const StepItem> items,
+                        std::span<const uint8_t> in_prefill, const StepOptions& options,
+                        std::vector<ItemResult>* results) override;
+  // A memcpy each: the states are host memory.
+  absl::Status CopyStates(std::span<const StateCopy> copies) override;
   // y[rows][out] = x[rows][in] · W[out][in]ᵀ (+ y when accumulate).
   void Linear(const float* x, int64_t rows, const internal::HugeVector& w, int32_t out, int32_t in,
               float* y, bool accumulate = false);

@@ -69,12 +69,47 @@ absl::Status CheckWeights(const ModelWeights& w) {
   return absl::OkStatus();
 }
 
-// With state-space layers: every item brings a state of the model's size, and no two overlap
-// (each step updates its items' states in place).
+// An item's checkpoints: offsets strictly ascending within [1, tokens], each of `floats`.
+absl::Status CheckCheckpoints(const StepItem& item, size_t i, int64_t floats) {
+  int64_t last = 0;
+  const auto tokens = static_cast<int64_t>(item.tokens.size());
+  for (size_t k = 0; k < item.checkpoints.size(); ++k) {
+    const StateCheckpoint& cp = item.checkpoints[k];
+    if (cp.offset <= last || cp.offset > tokens) {
+      return absl::InvalidArgumentError(fmt::format(
+          "step: item {} checkpoint {} at offset {}: offsets must rise strictly within [1, {}]", i,
+          k, cp.offset, tokens));
+    }
+    last = cp.offset;
+    if (static_cast<int64_t>(cp.state.size()) != floats) {
+      return absl::InvalidArgumentError(
+          fmt::format("step: item {} checkpoint {} has {} floats; the state has {}", i, k,
+                      cp.state.size(), floats));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// With state-space layers: every item brings a state of the model's size, its checkpoints are
+// well placed and sized, and no two of all these spans overlap (each step updates its items'
+// states in place and writes the checkpoints). Without: no checkpoints.
 absl::Status CheckStates(const ModelConfig& config, std::span<const StepItem> items) {
   const int64_t floats = config.state_bytes() / static_cast<int64_t>(sizeof(float));
-  if (floats == 0) return absl::OkStatus();
-  std::vector<std::pair<uintptr_t, size_t>> spans;  // (address of the state, item)
+  if (floats == 0) {
+    for (size_t i = 0; i < items.size(); ++i) {
+      if (!items[i].checkpoints.empty()) {
+        return absl::InvalidArgumentError(fmt::format(
+            "step: item {} asks for state checkpoints; the model has no state-space layers", i));
+      }
+    }
+    return absl::OkStatus();
+  }
+  struct Span {
+    uintptr_t at;
+    size_t item;
+    int64_t checkpoint;  // -1: the item's state
+  };
+  std::vector<Span> spans;
   for (size_t i = 0; i < items.size(); ++i) {
     if (static_cast<int64_t>(items[i].state.size()) != floats) {
       return absl::InvalidArgumentError(
@@ -82,13 +117,26 @@ absl::Status CheckStates(const ModelConfig& config, std::span<const StepItem> it
                       "need {}",
                       i, items[i].state.size(), floats));
     }
-    spans.emplace_back(reinterpret_cast<uintptr_t>(items[i].state.data()), i);
+    KVPOOL_RETURN_IF_ERROR(CheckCheckpoints(items[i], i, floats));
+    spans.push_back({reinterpret_cast<uintptr_t>(items[i].state.data()), i, -1});
+    for (size_t k = 0; k < items[i].checkpoints.size(); ++k) {
+      spans.push_back({reinterpret_cast<uintptr_t>(items[i].checkpoints[k].state.data()), i,
+                       static_cast<int64_t>(k)});
+    }
   }
-  std::sort(spans.begin(), spans.end());
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.at < b.at; });
+  const auto name = [](const Span& s) {
+    return s.checkpoint < 0 ? fmt::format("item {}'s state", s.item)
+                            : fmt::format("item {}'s checkpoint {}", s.item, s.checkpoint);
+  };
   for (size_t k = 1; k < spans.size(); ++k) {
-    if (spans[k].first < spans[k - 1].first + static_cast<uintptr_t>(floats) * sizeof(float)) {
+    if (spans[k].at < spans[k - 1].at + static_cast<uintptr_t>(floats) * sizeof(float)) {
+      if (spans[k].checkpoint < 0 && spans[k - 1].checkpoint < 0) {
+        return absl::InvalidArgumentError(
+            fmt::format("step: items {} and {} share a state", spans[k - 1].item, spans[k].item));
+      }
       return absl::InvalidArgumentError(
-          fmt::format("step: items {} and {} share a state", spans[k - 1].second, spans[k].second));
+          fmt::format("step: {} overlaps {}", name(spans[k - 1]), name(spans[k])));
     }
   }
   return absl::OkStatus();
@@ -154,7 +202,66 @@ absl::Status CheckStep(const ModelConfig& config, const kernels::PoolLayout& lay
 absl::Status StepModel::Step(const kernels::KvPoolView& pool, std::span<const StepItem> items,
                              const StepOptions& options, std::vector<ItemResult>* results) {
   KVPOOL_RETURN_IF_ERROR(CheckStep(config(), layout(), pool, items, options));
-  return RunStep(pool, items, options, results);
+  const bool checkpoints = std::any_of(items.begin(), items.end(),
+                                       [](const StepItem& it) { return !it.checkpoints.empty(); });
+  if (!checkpoints) return RunStep(pool, items, options, results);
+  KVPOOL_RETURN_IF_ERROR(CopyStates({}));  // can this model copy states at all?
+  return StepInPhases(pool, items, options, results);
+}
+
+// Phase j runs the j-th piece of every item that still has one, in the items' order: pieces end
+// at the item's checkpoint offsets and at its last token. A piece that is not its item's last
+// has no history and no sampling (its result is dropped); after the phase, each item whose piece
+// ended at a checkpoint has its state copied there.
+absl::Status StepModel::StepInPhases(const kernels::KvPoolView& pool,
+                                     std::span<const StepItem> items, const StepOptions& options,
+                                     std::vector<ItemResult>* results) {
+  std::vector<size_t> done(items.size(), 0);  // tokens of each item already run
+  std::vector<size_t> next(items.size(), 0);  // its first checkpoint not yet taken
+  std::vector<StepItem> pieces;
+  std::vector<uint8_t> in_prefill;
+  std::vector<size_t> of;  // the item of each piece
+  std::vector<StateCopy> copies;
+  std::vector<ItemResult> phase;
+  std::vector<ItemResult> out(items.size());
+  while (true) {
+    pieces.clear();
+    in_prefill.clear();
+    of.clear();
+    for (size_t i = 0; i < items.size(); ++i) {
+      const StepItem& it = items[i];
+      const size_t a = done[i];
+      if (a == it.tokens.size()) continue;
+      const size_t b = next[i] < it.checkpoints.size()
+                           ? static_cast<size_t>(it.checkpoints[next[i]].offset)
+                           : it.tokens.size();
+      const bool last = b == it.tokens.size();
+      pieces.push_back({.tokens = it.tokens.subspan(a, b - a),
+                        .start = it.start + static_cast<int64_t>(a),
+                        .block_table = it.block_table,
+                        .sampling = last ? it.sampling : nullptr,
+                        .history = last ? it.history : std::span<const int32_t>(),
+                        .state = it.state});
+      in_prefill.push_back(it.tokens.size() > 1 ? 1 : 0);
+      of.push_back(i);
+      done[i] = b;
+    }
+    if (pieces.empty()) break;
+    KVPOOL_RETURN_IF_ERROR(RunPhase(pool, pieces, in_prefill, options, &phase));
+    copies.clear();
+    for (size_t p = 0; p < pieces.size(); ++p) {
+      const size_t i = of[p];
+      const StepItem& it = items[i];
+      if (next[i] < it.checkpoints.size() &&
+          static_cast<size_t>(it.checkpoints[next[i]].offset) == done[i]) {
+        copies.push_back({.from = it.state, .to = it.checkpoints[next[i]++].state});
+      }
+      if (done[i] == it.tokens.size()) out[i] = std::move(phase[p]);
+    }
+    if (!copies.empty()) KVPOOL_RETURN_IF_ERROR(CopyStates(copies));
+  }
+  *results = std::move(out);
+  return absl::OkStatus();
 }
 
 absl::Status CheckModel(const ModelWeights& weights, const kernels::PoolLayout& layout) {

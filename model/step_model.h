@@ -24,6 +24,12 @@
 
 namespace kvpool::model {
 
+// A copy of an item's state to take during the step (docs/hybrid-groups.md §4: checkpoints).
+struct StateCheckpoint {
+  int64_t offset = 0;      // after this many of the item's tokens: in [1, tokens.size()]
+  std::span<float> state;  // where: state_bytes() / 4 floats, device memory where the pool is
+};
+
 // One sequence's part of a step.
 struct StepItem {
   std::span<const int32_t> tokens;       // the new tokens (at least one)
@@ -40,6 +46,12 @@ struct StepItem {
   // tokens.size(). Zeros are the state of no tokens. Two items never share one. Ignored (may be
   // empty) for a model without state-space layers.
   std::span<float> state;
+  // Copies of the state to take inside the step, strictly ascending offsets (empty: none). After
+  // the step each one's `state` holds the item's state after its first start + offset tokens,
+  // what a step ending there would leave; the step's results, K/V and `state` are what they are
+  // without checkpoints. Only for a model with state-space layers; a checkpoint overlaps no other
+  // one and no item's state. Last member, so that aggregate initializers need not name it.
+  std::span<const StateCheckpoint> checkpoints;
 };
 
 struct StepOptions {
@@ -75,20 +87,64 @@ class StepModel {
   int64_t state_bytes() const { return config().state_bytes(); }
 
   // Runs one step: writes the K/V of every new token into `pool` and returns one result per
-  // item, in order; updates every item's state in place (models with state-space layers). Items
-  // must name disjoint blocks for their new tokens (two sequences never write the same slot).
+  // item, in order; updates every item's state in place (models with state-space layers) and
+  // fills its checkpoints. Items must name disjoint blocks for their new tokens (two sequences
+  // never write the same slot).
+  //
+  // A step with checkpoints runs in phases: every item is cut at its checkpoint offsets into
+  // pieces, phase j runs the j-th piece of every item that has one (one RunPhase, all of them
+  // batched), then copies the states of the items whose piece ended at a checkpoint into it
+  // (CopyStates). Its cost: one more pass over the weights (a RunPhase) per checkpoint before
+  // the end of the item that has most of them, and a state-sized copy per checkpoint. On the host
+  // model (with AVX2 or AVX-512: docs/hybrid-groups.md §6) the results, K/V and states equal the
+  // step's without checkpoints bit for bit, and each checkpoint the state a step ending there
+  // leaves; on a GPU they are not promised bit for bit (cuBLAS picks its kernels by shape, the
+  // chunked scan cuts each piece into its own chunks).
+  //
   // Errors: INVALID_ARGUMENT (empty step or item, a token outside the vocabulary, a table too
   // short, a block outside the pool, a layout other than the model's, top_k outside [0, vocab],
-  // sampling parameters out of range, a state of the wrong size or shared by two items), checked
-  // before anything is written; nothing in the pool or the states changes then. INTERNAL when
-  // the device fails (the pool's blocks and the states of the step are then undefined).
+  // sampling parameters out of range, a state of the wrong size or shared by two items,
+  // checkpoint offsets not strictly ascending in [1, tokens], a checkpoint of the wrong size or
+  // overlapping a state or another checkpoint, checkpoints for a model without state-space
+  // layers), checked before anything is written; nothing in the pool, the states or the
+  // checkpoints changes then. UNIMPLEMENTED, also before anything runs, when the model cannot
+  // copy states (CopyStates). INTERNAL when the device fails (the pool's blocks, the states and
+  // the checkpoints of the step are then undefined).
   absl::Status Step(const kernels::KvPoolView& pool, std::span<const StepItem> items,
                     const StepOptions& options, std::vector<ItemResult>* results);
 
  protected:
-  // Step after its checks passed.
+  // One state copy: `to` and `from` are state_bytes() / 4 floats, device memory where the pool is.
+  struct StateCopy {
+    std::span<const float> from;
+    std::span<float> to;
+  };
+
+  // Step after its checks passed, for items without checkpoints.
   virtual absl::Status RunStep(const kernels::KvPoolView& pool, std::span<const StepItem> items,
                                const StepOptions& options, std::vector<ItemResult>* results) = 0;
+  // One phase of a step with checkpoints: RunStep, except that an item whose `in_prefill` entry
+  // is nonzero is a piece of a longer prefill and runs as prefill items do even when it has one
+  // token (a one-token item otherwise goes through the decode kernel, which sums in another order
+  // than the prefill kernel a step ending there uses). The default is RunStep. (The defaults
+  // are inline: the CUDA backend's library links no step_model.cc.)
+  virtual absl::Status RunPhase(const kernels::KvPoolView& pool, std::span<const StepItem> items,
+                                std::span<const uint8_t> /*in_prefill*/, const StepOptions& options,
+                                std::vector<ItemResult>* results) {
+    return RunStep(pool, items, options, results);
+  }
+  // Copies each `from` into its `to`, ordered after everything the model ran before, and returns
+  // once the copies are done. No copies: OK when the model can copy states (Step asks so before
+  // a step with checkpoints runs anything). The default refuses (UNIMPLEMENTED): every model that
+  // runs state-space layers overrides it.
+  virtual absl::Status CopyStates(std::span<const StateCopy> /*copies*/) {
+    return absl::UnimplementedError("this model cannot copy states: it takes no state checkpoints");
+  }
+
+ private:
+  // Step's phases for items with checkpoints.
+  absl::Status StepInPhases(const kernels::KvPoolView& pool, std::span<const StepItem> items,
+                            const StepOptions& options, std::vector<ItemResult>* results);
 };
 
 // What every implementation checks at creation: a sane config, weights of the config's sizes,

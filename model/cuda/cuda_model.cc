@@ -194,13 +194,36 @@ void CudaModel::LayInputs(int64_t ni) {
 
 absl::Status CudaModel::RunStep(const kernels::KvPoolView& pool, std::span<const StepItem> items,
                                 const StepOptions& options, std::vector<ItemResult>* results) {
+  return RunPhase(pool, items, {}, options, results);
+}
+
+absl::Status CudaModel::CopyStates(std::span<const StateCopy> copies) {
+  if (copies.empty()) return absl::OkStatus();
+  KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(ordinal_), "cudaSetDevice"));
+  absl::Status copied = absl::OkStatus();
+  for (const StateCopy& copy : copies) {
+    copied = CudaStatus(cudaMemcpyAsync(copy.to.data(), copy.from.data(), copy.from.size_bytes(),
+                                        cudaMemcpyDeviceToDevice, stream_),
+                        "cudaMemcpyAsync (state checkpoint)");
+    if (!copied.ok()) break;
+  }
+  // Wait whatever happened, as RunPhase does: nothing of the step runs once Step returns.
+  const absl::Status synced =
+      CudaStatus(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (state checkpoints)");
+  KVPOOL_RETURN_IF_ERROR(copied);
+  return synced;
+}
+
+absl::Status CudaModel::RunPhase(const kernels::KvPoolView& pool, std::span<const StepItem> items,
+                                 std::span<const uint8_t> in_prefill, const StepOptions& options,
+                                 std::vector<ItemResult>* results) {
   const ModelConfig& c = config_;
   const int32_t bs = layout_.block_size;
   KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(ordinal_), "cudaSetDevice"));
 
   // The step's rows as on the host (internal/step_layout.h): decode items first, each a
   // sequence of the decode kernel; then prefill items, sequences of the prefill kernel.
-  internal::PlanStepLayout(items, bs, &step_);
+  internal::PlanStepLayout(items, in_prefill, bs, &step_);
   const internal::StepLayout& L = step_;
   const int64_t n = L.num_tokens;
   const int64_t ni = static_cast<int64_t>(items.size());

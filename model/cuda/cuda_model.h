@@ -8,10 +8,10 @@
 // norm (ssm_kernels.h). Only the logits come back to the host, where the greedy token and top-k
 // log-probs are taken exactly as Model takes them (internal/logits.h).
 //
-// State-space layers: each item's StepItem::state is host memory (the caller's slot); a step
-// copies the items' states to the device before its kernels and back into the slots after them
-// (only when the step succeeds), so the slot holds exactly the host model's layout and values
-// (to rounding) after every step.
+// State-space layers: each item's StepItem::state is device memory (its slot in the pool's state
+// group), read and advanced in place by the kernels, in the host model's layout and with its
+// values (to rounding). State checkpoints (StepModel::Step's phases) are device-to-device copies
+// on the model's stream.
 //
 // Streams: the model has its own non-blocking stream. Step uploads its block tables, slots and
 // lengths on that stream ahead of the kernels that read them, and returns only once the stream
@@ -59,6 +59,12 @@ class CudaModel final : public StepModel {
  protected:
   absl::Status RunStep(const kernels::KvPoolView& pool, std::span<const StepItem> items,
                        const StepOptions& options, std::vector<ItemResult>* results) override;
+  absl::Status RunPhase(const kernels::KvPoolView& pool, std::span<const StepItem> items,
+                        std::span<const uint8_t> in_prefill, const StepOptions& options,
+                        std::vector<ItemResult>* results) override;
+  // Device-to-device copies on the model's stream (after the phase's kernels, which RunPhase
+  // has waited for already), then waits for them: when Step returns nothing of it still runs.
+  absl::Status CopyStates(std::span<const StateCopy> copies) override;
 
  private:
   using Buffer = std::unique_ptr<kernels::DeviceBuffer>;

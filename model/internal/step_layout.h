@@ -6,7 +6,9 @@
 // Rows (the step's tokens) go item by item, decode items first: an item with one new token is a
 // sequence of the decode kernel, rows [0, num_decode); an item with several is a sequence of the
 // prefill kernel, rows [num_decode, num_tokens), each item's tokens together. The dense layers do
-// not care about the order; each item's result is read from its last row.
+// not care about the order; each item's result is read from its last row. An item marked
+// `in_prefill` (a piece of a longer prefill cut at a state checkpoint: StepModel::RunPhase) goes
+// to the prefill kernel whatever its length, as the tokens of a step ending there do.
 
 #include <algorithm>
 #include <cstdint>
@@ -36,18 +38,24 @@ struct StepLayout {
   std::vector<int32_t> last_rows;  // row of the item's last token
 };
 
-// Fills `out` (its vectors are reused). REQUIRES: StepModel::Step's checks passed.
-inline void PlanStepLayout(std::span<const StepItem> items, int32_t block_size, StepLayout* out) {
+// Fills `out` (its vectors are reused). `in_prefill`: empty, or one entry per item (nonzero: a
+// prefill item even with one token). REQUIRES: StepModel::Step's checks passed.
+inline void PlanStepLayout(std::span<const StepItem> items, std::span<const uint8_t> in_prefill,
+                           int32_t block_size, StepLayout* out) {
   StepLayout& L = *out;
+  const auto decode_item = [&](size_t i) {
+    return items[i].tokens.size() == 1 && (in_prefill.empty() || in_prefill[i] == 0);
+  };
   L.num_tokens = 0;
   L.num_decode = L.num_prefill = L.stride = L.max_len = L.max_q_len = 0;
-  for (const StepItem& it : items) {
+  for (size_t i = 0; i < items.size(); ++i) {
+    const StepItem& it = items[i];
     const auto q_len = static_cast<int32_t>(it.tokens.size());
     const auto len = static_cast<int32_t>(it.start + q_len);
     L.num_tokens += q_len;
     L.stride = std::max(L.stride, (len + block_size - 1) / block_size);
     L.max_len = std::max(L.max_len, len);
-    if (q_len == 1) {
+    if (decode_item(i)) {
       ++L.num_decode;
     } else {
       ++L.num_prefill;
@@ -68,7 +76,7 @@ inline void PlanStepLayout(std::span<const StepItem> items, int32_t block_size, 
   size_t decode_row = 0, prefill_row = static_cast<size_t>(L.num_decode);
   for (size_t i = 0; i < items.size(); ++i) {
     const StepItem& it = items[i];
-    const bool decode = it.tokens.size() == 1;
+    const bool decode = decode_item(i);
     size_t& seq = decode ? decode_seq : prefill_seq;
     size_t& row = decode ? decode_row : prefill_row;
     const auto len = static_cast<int32_t>(it.start + static_cast<int64_t>(it.tokens.size()));
