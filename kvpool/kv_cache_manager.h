@@ -408,8 +408,9 @@ class KvCacheManager final {
   // Errors: NOT_FOUND, PERMISSION_DENIED, INVALID_ARGUMENT (not 0 <= from < to <= its length).
   absl::Status PlanCheckpoints(SessionId caller, SequenceId sequence, int64_t from, int64_t to,
                                bool prefill, std::vector<PlannedCheckpoint>* out);
-  // `sequence`'s working state now holds its first `tokens` tokens (a step computed them).
-  // Errors: NOT_FOUND, PERMISSION_DENIED, INVALID_ARGUMENT (outside [0, its length]).
+  // `sequence`'s working state now holds its first `tokens` tokens (a step computed them); -1:
+  // it holds something no checkpoint may be taken from.
+  // Errors: NOT_FOUND, PERMISSION_DENIED, INVALID_ARGUMENT (outside [-1, its length]).
   absl::Status AdvanceState(SessionId caller, SequenceId sequence, int64_t tokens);
 
   // Moves RETIRING blocks (and state slots) whose fences have passed to the free list. Returns

@@ -126,7 +126,7 @@ absl::Status KvCacheManager::PlanCheckpoints(SessionId caller, SequenceId sequen
 
 absl::Status KvCacheManager::AdvanceState(SessionId caller, SequenceId sequence, int64_t tokens) {
   KVPOOL_ASSIGN_OR_RETURN(Sequence * seq, Owned(caller, sequence));
-  if (tokens < 0 || tokens > seq->num_tokens) {
+  if (tokens < -1 || tokens > seq->num_tokens) {
     return absl::InvalidArgumentError(
         fmt::format("the state of sequence {} ({} tokens) cannot hold {} tokens", sequence.value(),
                     seq->num_tokens, tokens));

@@ -24,13 +24,22 @@ absl::StatusOr<std::unique_ptr<LocalEngine>> LocalEngine::Create(ModelWeights we
     shape.SetKvDType(d.layer, kernels::KvSide::kK, d.k);
     shape.SetKvDType(d.layer, kernels::KvSide::kV, d.v);
   }
+  int32_t checkpoints = 0;  // of the state slots, those the prefix cache's checkpoints may hold
   if (config.state_bytes() > 0) {
     // Each sequence's state lives in the pool's state group (docs/hybrid-groups.md §3).
     shape.state_slot_bytes = (config.state_bytes() + 63) / 64 * 64;
-    shape.num_state_slots = options.state_slots > 0
+    const int32_t working = options.state_slots > 0
                                 ? options.state_slots
                                 : static_cast<int32_t>(std::clamp<int64_t>(
                                       options.pool_bytes / 4 / shape.state_slot_bytes, 1, 64));
+    if (options.checkpoint_slots < 0) {
+      return absl::InvalidArgumentError(
+          fmt::format("checkpoint_slots must be >= 0 (got {})", options.checkpoint_slots));
+    }
+    checkpoints = options.prefix_cache
+                      ? (options.checkpoint_slots > 0 ? options.checkpoint_slots : working)
+                      : 0;
+    shape.num_state_slots = working + checkpoints;
   }
   KVPOOL_ASSIGN_OR_RETURN(kernels::PoolLayout layout,
                           kernels::LayoutForBudget(shape, options.pool_bytes));
@@ -41,13 +50,15 @@ absl::StatusOr<std::unique_ptr<LocalEngine>> LocalEngine::Create(ModelWeights we
                                                  .cpu_threads = options.threads}));
   KVPOOL_ASSIGN_OR_RETURN(e->arena_, e->device_->CreateArena(layout.arena_bytes()));
   e->view_ = {e->arena_->base(), layout};
-  KVPOOL_ASSIGN_OR_RETURN(e->cache_,
-                          KvCacheManager::Create({.block_size = layout.block_size,
-                                                  .num_blocks = layout.num_blocks,
-                                                  .max_blocks_per_seq = options.max_blocks_per_seq,
-                                                  .fences = e->device_.get(),
-                                                  .prefix_cache = options.prefix_cache,
-                                                  .state_slots = layout.num_state_slots}));
+  KVPOOL_ASSIGN_OR_RETURN(
+      e->cache_, KvCacheManager::Create({.block_size = layout.block_size,
+                                         .num_blocks = layout.num_blocks,
+                                         .max_blocks_per_seq = options.max_blocks_per_seq,
+                                         .fences = e->device_.get(),
+                                         .prefix_cache = options.prefix_cache,
+                                         .state_slots = layout.num_state_slots,
+                                         .checkpoint_slots = checkpoints,
+                                         .checkpoint_interval = options.checkpoint_interval}));
   e->executor_ = std::make_unique<kernels::PlanExecutor>(
       e->device_.get(), kernels::StreamId::kTransfer, e->view_, kernels::FillPolicy::kNone);
   if (layout.num_state_slots > 0) {
@@ -79,11 +90,16 @@ absl::StatusOr<std::vector<ItemResult>> LocalEngine::Run(const DevicePlan& plan,
                                                          const StepOptions& options) {
   absl::Status status = Carry(plan);
   std::vector<StepItem> step;
+  std::vector<std::vector<StateCheckpoint>> checkpoints(items.size());
   const auto state_floats = static_cast<size_t>(model_->state_bytes() / sizeof(float));
-  for (const PlannedItem& item : items) {
+  for (size_t i = 0; i < items.size(); ++i) {
+    const PlannedItem& item = items[i];
     StepItem& it = step.emplace_back(item.AsStepItem());
     if (item.state_slot != kInvalidBlock) {
       it.state = {reinterpret_cast<float*>(view_.state(item.state_slot.value())), state_floats};
+      StepCheckpoints(item, item.start, item.start + static_cast<int64_t>(item.tokens.size()),
+                      view_, model_->state_bytes(), &checkpoints[i]);
+      it.checkpoints = checkpoints[i];
     }
   }
   std::vector<ItemResult> results;

@@ -7,9 +7,10 @@
 // results, and the GPU's, to it; benchmarks measure the daemon against it.
 //
 // A model with state-space layers keeps each sequence's state in the pool's state group, as
-// kvpoold does (docs/hybrid-groups.md §3; Options::state_slots): zeroed with the sequence,
-// copied by Fork, released fenced by Free. Without checkpoints such a model resumes no cached
-// prefix and cannot rewind below the tokens it knows (Truncate refuses).
+// kvpoold does (docs/hybrid-groups.md §3; Options::state_slots): zeroed with the sequence (or
+// copied from the checkpoint its prompt resumes from), copied by Fork, released fenced by Free
+// (a committed one's state becomes the checkpoint at its end). Its steps take the checkpoints
+// the core plans (§4). It cannot rewind below the tokens it knows (Truncate refuses).
 //
 // All sequences belong to one session in one namespace. Thread-compatible.
 
@@ -40,13 +41,17 @@ class LocalEngine final {
     // Models with state-space layers: sequences alive at once (each has a slot in the pool's
     // state group), out of pool_bytes. 0: as many as a quarter of pool_bytes holds, 1 to 64.
     int32_t state_slots = 0;
-    int threads = 0;  // kernel threads (0: hardware concurrency)
+    // And slots for the prefix cache's state checkpoints on top (KvCacheOptions::
+    // checkpoint_slots; none without the prefix cache). 0: as many as state_slots.
+    int32_t checkpoint_slots = 0;
+    int32_t checkpoint_interval = 4;  // KvCacheOptions::checkpoint_interval
+    int threads = 0;                  // kernel threads (0: hardware concurrency)
     kernels::BackendKind backend = kernels::BackendKind::kCpu;
     int device_ordinal = 0;
   };
 
-  // With state-space layers a prompt resumes no cached prefix (KvCacheOptions::state_slots: no
-  // checkpoints yet). Errors: INVALID_ARGUMENT (a model the options' layout cannot hold, a budget
+  // With state-space layers a prompt resumes a cached prefix only from a state checkpoint.
+  // Errors: INVALID_ARGUMENT (a model the options' layout cannot hold, a budget
   // below the state slots and one block), RESOURCE_EXHAUSTED; CreateDevice's and
   // CreateStepModel's (UNAVAILABLE for CUDA without a GPU).
   static absl::StatusOr<std::unique_ptr<LocalEngine>> Create(ModelWeights weights,

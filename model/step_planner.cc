@@ -75,6 +75,10 @@ absl::Status PlanPrefill(KvCacheManager& cache, SessionId caller, NamespaceId ns
     item->tokens.assign(tokens.begin(), tokens.end());
   }
   FillTable(*cache.Find(item->sequence), item);
+  // Cannot fail: the sequence is the caller's and the step's range within it.
+  KVPOOL_CHECK_OK(cache.PlanCheckpoints(caller, item->sequence, item->start,
+                                        item->start + static_cast<int64_t>(item->tokens.size()),
+                                        /*prefill=*/true, &item->checkpoints));
   return absl::OkStatus();
 }
 
@@ -104,6 +108,8 @@ absl::Status PlanDecode(KvCacheManager& cache, SessionId caller,
     item.start = grows[i].num_tokens - 1;
     item.tokens = {inputs[i].token};
     FillTable(*cache.Find(item.sequence), &item);
+    KVPOOL_CHECK_OK(cache.PlanCheckpoints(caller, item.sequence, item.start, item.start + 1,
+                                          /*prefill=*/false, &item.checkpoints));
   }
   return absl::OkStatus();
 }
@@ -116,16 +122,20 @@ absl::Status FinishItem(KvCacheManager& cache, SessionId caller, const PlannedIt
   }
   const int64_t end = item.start + static_cast<int64_t>(item.tokens.size());
   const int64_t known = static_cast<int64_t>(seq->tokens.size());
+  // Where nothing can be published, nothing is claimed of the state either (AdvanceState -1: no
+  // checkpoint is taken from it).
+  const auto unpublished = [&] { return cache.AdvanceState(caller, item.sequence, -1); };
   // Tokens before `start` the cache does not know (a client wrote their K/V itself), or a
   // sequence rewound during the step: nothing can be published.
-  if (known < item.start || known > end || seq->num_tokens < end) return absl::OkStatus();
+  if (known < item.start || known > end || seq->num_tokens < end) return unpublished();
   // The blocks the step wrote must still be the sequence's: a rewind and regrowth while the step
   // ran (a KV client's Truncate, then Grow) hands it fresh blocks the step never wrote.
   const size_t written = static_cast<size_t>((end + cache.block_size() - 1) / cache.block_size());
-  if (seq->table.size() < written || item.table.size() < written) return absl::OkStatus();
+  if (seq->table.size() < written || item.table.size() < written) return unpublished();
   for (size_t i = 0; i < written; ++i) {
-    if (seq->table[i].value() != item.table[i]) return absl::OkStatus();
+    if (seq->table[i].value() != item.table[i]) return unpublished();
   }
+  KVPOOL_RETURN_IF_ERROR(cache.AdvanceState(caller, item.sequence, end));
   const std::span<const int32_t> fresh =
       std::span(item.tokens).subspan(static_cast<size_t>(known - item.start));
   const int64_t block_size = cache.block_size();
@@ -172,8 +182,20 @@ std::vector<BlockId> StatesOf(std::span<const PlannedItem> items) {
   std::vector<BlockId> slots;
   for (const PlannedItem& item : items) {
     if (item.state_slot != kInvalidBlock) slots.push_back(item.state_slot);
+    for (const PlannedCheckpoint& c : item.checkpoints) slots.push_back(c.slot);
   }
   return slots;  // distinct: a step holds a sequence once, and sequences never share a slot
+}
+
+void StepCheckpoints(const PlannedItem& item, int64_t from, int64_t to,
+                     const kernels::KvPoolView& pool, int64_t state_bytes,
+                     std::vector<StateCheckpoint>* out) {
+  for (const PlannedCheckpoint& c : item.checkpoints) {
+    if (c.position <= from || c.position > to) continue;
+    out->push_back({.offset = c.position - from,
+                    .state = {reinterpret_cast<float*>(pool.state(c.slot.value())),
+                              static_cast<size_t>(state_bytes / sizeof(float))}});
+  }
 }
 
 }  // namespace kvpool::model

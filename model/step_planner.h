@@ -35,6 +35,9 @@ struct PlannedItem {
   std::vector<int32_t> table;   // the sequence's block ids, covering start + tokens.size()
   // Its slot in the pool's state group (KvCacheManager::state_slot); kInvalidBlock without one.
   BlockId state_slot = kInvalidBlock;
+  // The state checkpoints the step takes (KvCacheManager::PlanCheckpoints): positions in
+  // (start, start + tokens.size()], ascending, each with its slot (StepItem::checkpoints).
+  std::vector<PlannedCheckpoint> checkpoints;
   // What sampling penalties count (PenaltyHistory); empty unless the caller asked for them.
   std::vector<int32_t> history;
 
@@ -45,6 +48,13 @@ struct PlannedItem {
 // known tokens before item.start followed by item.tokens (a client that wrote K/V itself without
 // committing its tokens leaves a gap that counts nothing). REQUIRES: the sequence exists.
 std::vector<int32_t> PenaltyHistory(const KvCacheManager& cache, const PlannedItem& item);
+
+// The model's StepItem::checkpoints for `item`'s checkpoints at positions in (from, to] of a
+// step of its tokens [from, to): offsets from `from`, and each slot's state in `pool` (appended
+// to `out`, which the caller keeps until the step has run).
+void StepCheckpoints(const PlannedItem& item, int64_t from, int64_t to,
+                     const kernels::KvPoolView& pool, int64_t state_bytes,
+                     std::vector<StateCheckpoint>* out);
 
 // What the model accepts: token ids in [0, vocab_size), and sequences of at most max_position
 // tokens (the positions RoPE was trained for; ModelConfig::max_position).
@@ -82,11 +92,12 @@ absl::Status PlanDecode(KvCacheManager& cache, SessionId caller,
                         std::vector<PlannedItem>* items, DevicePlan* plan,
                         std::vector<TableChange>* changes = nullptr);
 
-// The step computed `item`: records its tokens as known and commits the sequence's full blocks
-// to the prefix cache (a sequence whose earlier tokens are unknown, because its client wrote
-// K/V itself, or whose blocks are no longer the ones the step wrote, because it was rewound and
-// grown again meanwhile, is left unpublished). Errors: NOT_FOUND when the sequence was freed
-// meanwhile.
+// The step computed `item`: records that the sequence's state holds its tokens (AdvanceState),
+// records its tokens as known and commits the sequence's full blocks to the prefix cache (and
+// with them the step's checkpoints) (a sequence whose earlier tokens are unknown, because its
+// client wrote K/V itself, or whose blocks are no longer the ones the step wrote, because it was
+// rewound and grown again meanwhile, is left unpublished). Errors: NOT_FOUND when the sequence was
+// freed meanwhile.
 absl::Status FinishItem(KvCacheManager& cache, SessionId caller, const PlannedItem& item);
 
 // The step failed: frees a sequence the plan created, or rewinds one it grew to `start`. A
@@ -95,7 +106,8 @@ void UndoItem(KvCacheManager& cache, SessionId caller, const PlannedItem& item);
 
 // Every block the step reads or writes (for KvCacheManager::MarkInFlight).
 std::vector<BlockId> BlocksOf(std::span<const PlannedItem> items);
-// Every state slot the step reads and writes (for KvCacheManager::MarkStatesInFlight).
+// Every state slot the step reads and writes, its checkpoints' included (for
+// KvCacheManager::MarkStatesInFlight).
 std::vector<BlockId> StatesOf(std::span<const PlannedItem> items);
 
 }  // namespace kvpool::model

@@ -7,6 +7,7 @@
 #include <cctype>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <optional>
 #include <sstream>
 
@@ -317,9 +318,15 @@ void ValidateZmqEvents(const v1::DaemonConfig& c, const Bad& bad) {
 // The state group of the pool shape (docs/hybrid-groups.md §2): shape.state_slots slots of the
 // model's state, rounded up to 64 bytes; none for a model without state-space layers. (A
 // checkpoint that does not read is reported when it is loaded.)
-void ParseStateGroup(const v1::DaemonConfig& c, kernels::PoolLayout* shape, const Bad& bad) {
+void ParseStateGroup(const v1::DaemonConfig& c, kernels::PoolLayout* shape,
+                     int32_t* checkpoint_slots, const Bad& bad) {
   const int32_t slots = c.shape().state_slots();
   if (slots < 0) return bad("shape.state_slots", fmt::format("must be >= 0 (got {})", slots));
+  const int32_t checkpoints = c.shape().checkpoint_slots();
+  if (checkpoints < -1) {
+    return bad("shape.checkpoint_slots",
+               fmt::format("must be >= 0, or -1 for none (got {})", checkpoints));
+  }
   const v1::ModelSpec& m = c.model();
   absl::StatusOr<model::ModelConfig> geometry = absl::NotFoundError("no model");
   if (!m.checkpoint().empty() && m.checkpoint()[0] == '/') {
@@ -330,10 +337,18 @@ void ParseStateGroup(const v1::DaemonConfig& c, kernels::PoolLayout* shape, cons
   const int64_t state_bytes = geometry.ok() ? geometry->state_bytes() : 0;
   if (state_bytes == 0) {
     if (slots > 0) bad("shape.state_slots", "the model has no state-space layers (0: none)");
+    if (checkpoints > 0) {
+      bad("shape.checkpoint_slots", "the model has no state-space layers (0: none)");
+    }
     return;
   }
   if (slots == 0) return bad("shape.state_slots", "a model with state-space layers needs >= 1");
-  shape->num_state_slots = slots;
+  *checkpoint_slots =
+      c.disable_prefix_cache() ? 0 : (checkpoints == 0 ? slots : std::max(0, checkpoints));
+  if (int64_t{slots} + *checkpoint_slots > std::numeric_limits<int32_t>::max()) {
+    return bad("shape.checkpoint_slots", "state_slots + checkpoint_slots overflow");
+  }
+  shape->num_state_slots = slots + *checkpoint_slots;
   shape->state_slot_bytes = (state_bytes + 63) / 64 * 64;
 }
 
@@ -606,7 +621,7 @@ std::vector<std::string> Parse(const v1::DaemonConfig& c, EngineOptions* o) {
   CheckProcessFields(c, bad);
   bool dtypes_ok = true;
   kernels::PoolLayout shape = ShapeLayout(c.shape(), bad, &dtypes_ok);
-  ParseStateGroup(c, &shape, bad);
+  ParseStateGroup(c, &shape, &o->checkpoint_slots, bad);
   const absl::Status shape_ok = kernels::ValidateLayout(shape);
   if (!shape_ok.ok()) bad("shape", std::string(shape_ok.message()));
   ParsePoolsAndTenants(c, shape_ok.ok() && dtypes_ok ? &shape : nullptr, o, bad);

@@ -74,6 +74,9 @@ struct EngineOptions {
   int32_t max_blocks_per_seq = 4096;  // bound on every block table
   int32_t trace_depth = 8;            // per-block trace entries: 0 or a power of 2
   bool prefix_cache = true;
+  // Of each pool's state slots (PoolLayout::num_state_slots), those the prefix cache's state
+  // checkpoints may hold (KvCacheOptions::checkpoint_slots).
+  int32_t checkpoint_slots = 0;
   std::string eviction_policy = std::string(kDefaultEvictionSpec);  // ParseEvictionSpec
   size_t event_capacity = 65536;                        // cache events kept for replay, per pool
   size_t event_capacity_bytes = kDefaultEventLogBytes;  // bytes those events may take, per pool

@@ -38,7 +38,8 @@ absl::StatusOr<std::unique_ptr<PoolState>> PoolState::Create(const PoolOptions& 
                               .publish_journal = options.tiers.enabled() && options.prefix_cache,
                               .event_capacity_bytes = options.event_capacity_bytes,
                               .max_sequences_per_session = options.limits.sequences_per_session,
-                              .state_slots = layout.num_state_slots}));
+                              .state_slots = layout.num_state_slots,
+                              .checkpoint_slots = options.checkpoint_slots}));
   KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<GenerationTable> generations,
                           GenerationTable::Create(layout.num_blocks));
   std::unique_ptr<TierSet> tiers;

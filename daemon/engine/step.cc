@@ -146,12 +146,21 @@ absl::Status Step::PlanNew(EngineState& state, ComputeCall& call, Entry* entry) 
 absl::Status Step::Launch(model::StepModel& model, const Clock& clock) {
   if (entries_.empty()) return absl::OkStatus();
   items_.clear();
+  checkpoints_.clear();
+  checkpoint_ranges_.clear();
   model::StepOptions options;
   // A sequence's state-space state is its slot in the pool's state group, advanced in place.
   const auto state_of = [&](BlockId slot) -> std::span<float> {
     if (slot == kInvalidBlock) return {};
     return {reinterpret_cast<float*>(view_.state(slot.value())),
             static_cast<size_t>(model.state_bytes() / sizeof(float))};
+  };
+  // The state checkpoints the core planned inside this step's part of each item.
+  const auto add_checkpoints = [&](const model::PlannedItem& item, const model::StepItem& step) {
+    const size_t first = checkpoints_.size();
+    model::StepCheckpoints(item, step.start, step.start + static_cast<int64_t>(step.tokens.size()),
+                           view_, model.state_bytes(), &checkpoints_);
+    checkpoint_ranges_.emplace_back(first, checkpoints_.size() - first);
   };
   for (Entry& e : entries_) {
     const ComputeRequest& r = e.call->request();
@@ -163,17 +172,23 @@ absl::Status Step::Launch(model::StepModel& model, const Clock& clock) {
         chunk.sampling = r.sampling_for(0);
       }
       chunk.state = state_of(p->item().state_slot);
+      add_checkpoints(p->item(), chunk);
       items_.push_back(chunk);
     } else {
       for (size_t i = 0; i < e.decode.size(); ++i) {
         items_.push_back(e.decode[i].AsStepItem());
         items_.back().sampling = r.sampling_for(i);
         items_.back().state = state_of(e.decode[i].state_slot);
+        add_checkpoints(e.decode[i], items_.back());
       }
     }
     e.count = items_.size() - e.first;
     options.top_k = std::max(options.top_k, r.top_k);
     options.logprobs = options.logprobs || r.logprobs;
+  }
+  for (size_t i = 0; i < items_.size(); ++i) {  // now that checkpoints_ no longer moves
+    items_[i].checkpoints =
+        std::span(checkpoints_).subspan(checkpoint_ranges_[i].first, checkpoint_ranges_[i].second);
   }
   if (prepared_.value != 0) {
     if (absl::Status s = device_->Synchronize(prepared_); !s.ok()) {

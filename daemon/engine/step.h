@@ -91,6 +91,9 @@ class Step final {
   kernels::KvPoolView view_;
   kernels::Device* device_ = nullptr;
   std::vector<model::StepItem> items_;
+  // The items' state checkpoints (StepItem::checkpoints points into it), and each item's range.
+  std::vector<model::StateCheckpoint> checkpoints_;
+  std::vector<std::pair<size_t, size_t>> checkpoint_ranges_;
   std::vector<model::ItemResult> results_;
   int64_t busy_ns_ = 0;
 };

@@ -182,7 +182,9 @@ TEST(ConfigTest, StateSpaceModelsGetAStateGroup) {
     ASSERT_TRUE(o.ok()) << o.status();
     const kernels::PoolLayout& l = o->pools[0].layout;
     EXPECT_EQ(l.num_layers, 1);
-    EXPECT_EQ(l.num_state_slots, 64);
+    // 64 working states and as many for the prefix cache's state checkpoints.
+    EXPECT_EQ(l.num_state_slots, 128);
+    EXPECT_EQ(o->checkpoint_slots, 64);
     EXPECT_EQ(l.state_slot_bytes, (hybrid.state_bytes() + 63) / 64 * 64);
     EXPECT_GT(l.num_blocks, 0);
     EXPECT_LE(l.arena_bytes(), c.pool_bytes());
@@ -205,10 +207,29 @@ TEST(ConfigTest, StateSpaceModelsGetAStateGroup) {
 
   // More slots than the pool holds, slots for a model without a state, negative slots.
   v1::DaemonConfig crowded = c;
-  crowded.mutable_shape()->set_state_slots(1000);  // 1.5 GiB of states in a 256 MiB pool
+  crowded.mutable_shape()->set_state_slots(1000);  // 3 GiB of states (and checkpoints) in 256 MiB
   EXPECT_THAT(
       ValidateConfig(crowded),
-      ::testing::ElementsAre(AllOf(HasSubstr("pool_bytes"), HasSubstr("after 1000 state slots"))));
+      ::testing::ElementsAre(AllOf(HasSubstr("pool_bytes"), HasSubstr("after 2000 state slots"))));
+  // Checkpoint slots: explicit, none (-1), none with the prefix cache off, bad, stray.
+  for (const auto& [set, disable_cache, want] : std::vector<std::tuple<int32_t, bool, int32_t>>{
+           {8, false, 8}, {-1, false, 0}, {8, true, 0}}) {
+    v1::DaemonConfig k = c;
+    k.mutable_shape()->set_checkpoint_slots(set);
+    k.set_disable_prefix_cache(disable_cache);
+    absl::StatusOr<EngineOptions> o = MakeEngineOptions(k, 1);
+    ASSERT_TRUE(o.ok()) << o.status();
+    EXPECT_EQ(o->checkpoint_slots, want);
+    EXPECT_EQ(o->pools[0].layout.num_state_slots, 64 + want);
+  }
+  v1::DaemonConfig bad_checkpoints = c;
+  bad_checkpoints.mutable_shape()->set_checkpoint_slots(-2);
+  EXPECT_THAT(ValidateConfig(bad_checkpoints),
+              ::testing::ElementsAre(HasSubstr("shape.checkpoint_slots: must be >= 0")));
+  v1::DaemonConfig stray = DefaultConfig();
+  stray.mutable_shape()->set_checkpoint_slots(4);
+  EXPECT_THAT(ValidateConfig(stray),
+              ::testing::ElementsAre(HasSubstr("shape.checkpoint_slots: the model has no")));
   v1::DaemonConfig stateless = DefaultConfig();
   stateless.mutable_shape()->set_state_slots(4);
   EXPECT_THAT(ValidateConfig(stateless),

@@ -161,7 +161,8 @@ TEST_F(StatsTableTest, EveryPresentRowReachesGetStatsKvpoolctlAndTheExposition) 
     const bool present = row.present == nullptr || row.present(source);
     EXPECT_TRUE(present ? sent_name(row.name)
                         : row.label.value == "disk" || row.label.value == "redis" ||
-                              row.name == "state_slots" || row.label.value == "no_checkpoint")
+                              row.name == "state_slots" || row.name == "state_checkpoints" ||
+                              row.label.value == "no_checkpoint")
         << row.name;
   }
   for (const PoolRow& row : DaemonStatRows()) EXPECT_TRUE(sent_name(row.name)) << row.name;

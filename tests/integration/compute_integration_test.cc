@@ -71,7 +71,7 @@ std::vector<int32_t> RunLocally(const std::vector<int32_t>& prompt, int n,
                                 kernels::DType dtype = kernels::DType::kBF16,
                                 const char* model_name = "tiny") {
   auto config = model::NamedConfig(model_name);
-  // (A model with state-space layers resumes no cached prefix in process: it has no checkpoints.)
+  // (Alone: nothing cached, every token computed.)
   auto engine = model::LocalEngine::Create(model::SyntheticWeights(*config, 1),
                                            {.block_size = 16,
                                             .dtype = dtype,
@@ -291,9 +291,8 @@ TEST_F(ComputeIntegrationTest, ASlidingWindowModelSharesPrefixesAsComputedAlone)
 
 // A hybrid model (issue 28's tiny-hybrid: state-space, state-space, full attention,
 // state-space) served to several clients at once: each sequence's state lives in the pool's
-// state group, a fork decodes from a copy of its parent's state, and every reply equals the model
-// run alone in this process. Nothing is reused from the prefix cache (no state checkpoints yet):
-// the attention match is counted as cut by the state group.
+// state group, prompts resume from the prefix cache's state checkpoints, a fork decodes from a
+// copy of its parent's state, and every reply equals the model run alone in this process.
 TEST_F(ComputeIntegrationTest, AHybridModelKeepsEachSequencesStateInThePool) {
   StartDaemon(R"pb(
     pool_bytes: 33554432
@@ -316,6 +315,16 @@ TEST_F(ComputeIntegrationTest, AHybridModelKeepsEachSequencesStateInThePool) {
   for (int i = 0; i < kClients; ++i) {
     alone[i] = RunLocally(prompts[i], 6, kernels::DType::kF32, "tiny-hybrid");
   }
+  // One client after the other: the first computes everything, and its prefill (45 tokens)
+  // leaves a checkpoint at its last block boundary, 32, inside the shared 40 tokens: the others
+  // resume there. Each frees its sequence with commit (its state becomes a checkpoint too).
+  for (int i = 0; i < kClients; ++i) {
+    const Generated g = Converse(*clients[i], prompts[i], 6);
+    EXPECT_EQ(g.tokens, alone[i]) << "client " << i;
+    EXPECT_EQ(g.reused, i == 0 ? 0 : 32) << "client " << i;
+    ASSERT_TRUE(clients[i]->Free({g.sequence}, /*commit=*/true).ok());
+  }
+  // Then all at once.
   std::vector<Generated> got(kClients);
   std::vector<std::thread> threads;
   for (int i = 0; i < kClients; ++i) {
@@ -324,7 +333,7 @@ TEST_F(ComputeIntegrationTest, AHybridModelKeepsEachSequencesStateInThePool) {
   for (std::thread& t : threads) t.join();
   for (int i = 0; i < kClients; ++i) {
     EXPECT_EQ(got[i].tokens, alone[i]) << "client " << i;
-    EXPECT_EQ(got[i].reused, 0) << "client " << i;
+    EXPECT_EQ(got[i].reused, 32) << "client " << i;
   }
   // A fork carries its parent's state: both branches continue exactly as the parent would.
   const client::Client& c = *clients[0];
@@ -352,9 +361,12 @@ TEST_F(ComputeIntegrationTest, AHybridModelKeepsEachSequencesStateInThePool) {
     ADD_FAILURE() << "no stat " << name << "{" << label << "}";
     return -1.0;
   };
-  // The second prefill of prompts[0] found at least its two full cached blocks, and was cut.
-  EXPECT_GE(stat("missed_tokens", "no_checkpoint"), 32);
-  EXPECT_EQ(stat("state_slots", "active"), kClients + 2);  // every live sequence, the fork too
+  // The second pass found 44 tokens of prompts[0] for full attention, resumed 32 of them.
+  EXPECT_GE(stat("missed_tokens", "no_checkpoint"), 12);
+  EXPECT_GE(stat("state_checkpoints", "kept"), 1 + kClients);  // 32, and each committed end
+  EXPECT_EQ(stat("state_checkpoints", "resumed"), 2 * kClients - 1 + 1);
+  // Every live sequence (the fork too) and the checkpoint they resumed from, held while they live.
+  EXPECT_EQ(stat("state_slots", "active"), kClients + 2 + 1);
   EXPECT_TRUE(c.CheckInvariants()->ok());
 }
 

@@ -265,26 +265,134 @@ TEST(HybridEngineTest, TruncateNeverBelowTheKnownTokens) {
   EXPECT_TRUE(plain->Truncate(p->sequence, 16).ok());
 }
 
-// The state lives in the pool's state group: with the prefix cache on, a prompt cached for full
-// attention resumes nothing (no state checkpoint there yet) and is computed whole, as alone.
-TEST(HybridEngineTest, APrefixCacheResumesNothingWithoutCheckpoints) {
-  auto engine = LocalEngine::Create(
-      SyntheticWeights(HybridConfig({kS, kF}), 1),
-      {.dtype = kernels::DType::kF32, .pool_bytes = int64_t{4} << 20, .prefix_cache = true});
-  ASSERT_TRUE(engine.ok()) << engine.status();
+// Parity (issue 28): a prompt that resumes from a state checkpoint in the tree computes, bit
+// for bit, what an engine without a prefix cache computes for the same tokens in the same steps:
+// the checkpoint holds exactly the state after its position and the shared blocks exactly the
+// K/V. One engine serves a conversation; a reference engine replays each turn's steps.
+class HybridResumeTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const ModelWeights w = SyntheticWeights(HybridConfig({kS, kF, kS}), 1);
+    const LocalEngine::Options cached{.dtype = kernels::DType::kF32,
+                                      .pool_bytes = int64_t{8} << 20,
+                                      .prefix_cache = true,
+                                      .state_slots = 4,
+                                      .checkpoint_slots = 6};
+    LocalEngine::Options plain = cached;
+    plain.prefix_cache = false;
+    auto a = LocalEngine::Create(w, cached);
+    auto b = LocalEngine::Create(w, plain);
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE(b.ok()) << b.status();
+    engine_ = std::move(*a);
+    reference_ = std::move(*b);
+  }
+
+  // Decodes `n` tokens after `first` on `e`, returning the tokens fed (first included).
+  static std::vector<int32_t> DecodeN(LocalEngine& e, SequenceId seq, int32_t first, int n) {
+    std::vector<int32_t> fed;
+    int32_t next = first;
+    for (int i = 0; i < n; ++i) {
+      fed.push_back(next);
+      const DecodeInput in{seq, next};
+      auto r = e.Decode(std::span(&in, 1), {.keep_logits = true});
+      KVPOOL_CHECK_OK(r.status());
+      next = (*r)[0].next_token;
+    }
+    fed.push_back(next);
+    return fed;
+  }
+
+  // `prompt` on the cached engine must resume `expect_reused` tokens; the reference computes the
+  // same tokens as a prefill of the resumed prefix, then of the rest. Both then decode a few
+  // tokens: every prediction (logits included) and the state after each step equal bitwise.
+  void ExpectParity(const std::vector<int32_t>& prompt, int64_t expect_reused) {
+    auto got = engine_->Prefill(SequenceId(0), prompt, {.keep_logits = true});
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->reused, expect_reused);
+    const std::span<const int32_t> all(prompt);
+    SequenceId ref(0);
+    absl::StatusOr<LocalEngine::PrefillResult> want;
+    if (expect_reused > 0) {
+      want = reference_->Prefill(SequenceId(0), all.first(static_cast<size_t>(expect_reused)));
+      ASSERT_TRUE(want.ok()) << want.status();
+      ref = want->sequence;
+    }
+    want = reference_->Prefill(ref, all.subspan(static_cast<size_t>(expect_reused)),
+                               {.keep_logits = true});
+    ASSERT_TRUE(want.ok()) << want.status();
+    EXPECT_EQ(got->result.logits, want->result.logits);
+    EXPECT_EQ(engine_->state(got->sequence), reference_->state(want->sequence));
+    const std::vector<int32_t> a = DecodeN(*engine_, got->sequence, got->result.next_token, 3);
+    const std::vector<int32_t> b = DecodeN(*reference_, want->sequence, want->result.next_token, 3);
+    EXPECT_EQ(a, b);
+    EXPECT_EQ(engine_->state(got->sequence), reference_->state(want->sequence));
+    ASSERT_TRUE(engine_->Free(got->sequence, /*commit=*/true).ok());
+    ASSERT_TRUE(reference_->Free(want->sequence, /*commit=*/false).ok());
+    EXPECT_TRUE(engine_->cache().CheckInvariants().ok()) << engine_->cache().CheckInvariants();
+  }
+
+  std::unique_ptr<LocalEngine> engine_;
+  std::unique_ptr<LocalEngine> reference_;
+};
+
+TEST_F(HybridResumeTest, AConversationsNextTurnResumesFromTheLastOnesEnd) {
+  // Turn 1 on both engines: a prompt and four decoded tokens. The cached engine's sequence is
+  // freed with commit: its state becomes the checkpoint after its 40 + 4 known tokens.
   const std::vector<int32_t> prompt = RandomTokens(40, 256, 6);
-  auto first = (*engine)->Prefill(SequenceId(0), prompt);
+  auto first = engine_->Prefill(SequenceId(0), prompt);
+  auto ref = reference_->Prefill(SequenceId(0), prompt);
   ASSERT_TRUE(first.ok()) << first.status();
-  const std::vector<float> state = (*engine)->state(first->sequence);
-  ASSERT_TRUE((*engine)->Free(first->sequence, /*commit=*/true).ok());
-  auto again = (*engine)->Prefill(SequenceId(0), prompt);
-  ASSERT_TRUE(again.ok()) << again.status();
-  EXPECT_EQ(again->reused, 0);
-  EXPECT_EQ(again->result.next_token, first->result.next_token);
-  EXPECT_EQ((*engine)->state(again->sequence), state);
-  // All but the last prompt token were cached (full blocks and the partial tail): all cut.
-  EXPECT_EQ((*engine)->cache().stats().missed_no_checkpoint, 39u);
-  EXPECT_TRUE((*engine)->cache().CheckInvariants().ok());
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  const std::vector<int32_t> fed = DecodeN(*engine_, first->sequence, first->result.next_token, 4);
+  ASSERT_EQ(DecodeN(*reference_, ref->sequence, ref->result.next_token, 4), fed);
+  ASSERT_TRUE(engine_->Free(first->sequence, /*commit=*/true).ok());
+  // Turn 2: everything so far (the last generated token, never fed, included) and more. The
+  // cached engine resumes after the 44 tokens; the reference's sequence goes on.
+  std::vector<int32_t> turn2 = prompt;
+  turn2.insert(turn2.end(), fed.begin(), fed.end());
+  const std::vector<int32_t> more = RandomTokens(20, 256, 7);
+  turn2.insert(turn2.end(), more.begin(), more.end());
+  auto got = engine_->Prefill(SequenceId(0), turn2, {.keep_logits = true});
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->reused, 44);
+  auto want =
+      reference_->Prefill(ref->sequence, std::span(turn2).subspan(44), {.keep_logits = true});
+  ASSERT_TRUE(want.ok()) << want.status();
+  EXPECT_EQ(got->result.logits, want->result.logits);
+  EXPECT_EQ(engine_->state(got->sequence), reference_->state(ref->sequence));
+  EXPECT_EQ(DecodeN(*engine_, got->sequence, got->result.next_token, 3),
+            DecodeN(*reference_, ref->sequence, want->result.next_token, 3));
+  EXPECT_EQ(engine_->state(got->sequence), reference_->state(ref->sequence));
+  EXPECT_EQ(engine_->cache().stats().checkpoints.resumed, 1u);
+  EXPECT_TRUE(engine_->cache().CheckInvariants().ok()) << engine_->cache().CheckInvariants();
+}
+
+TEST_F(HybridResumeTest, APromptThatLeavesTheCacheResumesFromTheCheckpointBefore) {
+  const std::vector<int32_t> doc = RandomTokens(100, 256, 8);
+  ExpectParity(doc, 0);  // checkpoints at 64 (interval) and 96 (the prefill's last boundary)
+  // Shares 90 tokens: 96 is past them, 64 is the deepest it reaches.
+  std::vector<int32_t> other(doc.begin(), doc.begin() + 90);
+  const std::vector<int32_t> tail = RandomTokens(25, 256, 9);
+  other.insert(other.end(), tail.begin(), tail.end());
+  ExpectParity(other, 64);
+  // The whole document again: resumes from 96 (only the last 4 tokens are computed).
+  ExpectParity(doc, 96);
+  // Cut for want of a checkpoint: 90 - 64, then 99 - 96 (the partial block past 96 has one at 103).
+  EXPECT_EQ(engine_->cache().stats().missed_no_checkpoint, (90u - 64u) + (99u - 96u));
+}
+
+TEST_F(HybridResumeTest, ABranchPointIsCheckpointedForThePromptsAfterIt) {
+  const std::vector<int32_t> system = RandomTokens(40, 256, 10);
+  auto with = [&](uint64_t seed) {
+    std::vector<int32_t> p = system;
+    const std::vector<int32_t> q = RandomTokens(30, 256, seed);
+    p.insert(p.end(), q.begin(), q.end());
+    return p;
+  };
+  ExpectParity(with(11), 0);
+  ExpectParity(with(12), 0);   // leaves at 40: a checkpoint at the last shared block, 32
+  ExpectParity(with(13), 32);  // resumes there
 }
 
 TEST(HybridConfigTest, TinyHybridIsMostlyStateSpaceWithTinysAttention) {
