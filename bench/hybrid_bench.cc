@@ -8,23 +8,31 @@
 //   model has none until checkpoints exist).
 // - BM_Decode/model:M/batch:B: one decode step of B sequences; each starts from a 64-token
 //   prompt and starts over (outside the timing) at kRestartAt tokens; tokens/s.
-// Both: synthetic weights of seed 1, blocks of 16, bf16 KV.
+// - BM_PrefillCheckpoints/every:E: tiny-hybrid's model step (model::Model, no engine) over one
+//   prefill of kPrefillTokens tokens from a zero state, taking a state checkpoint every E tokens
+//   (StepItem::checkpoints; E 0: none), so the step runs in kPrefillTokens / E phases; tokens/s.
+// All: synthetic weights of seed 1, blocks of 16, bf16 KV.
 //
 // Before the benchmarks it prints the memory one sequence of 32k tokens takes, computed from the
 // pool layouts and ModelConfig::state_bytes(): tiny's KV; tiny-hybrid's state plus the KV of its
 // attention layers (what a pool with a state group holds, docs/hybrid-groups.md §2), and, apart,
 // what today's pool holds for it (a KV chunk for every layer, the state layers' unused).
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
+#include <numeric>
 #include <random>
+#include <span>
 #include <vector>
 
 #include "bench/ratio_reporter.h"
 #include "benchmark/benchmark.h"
 #include "kvpool/util/check.h"
 #include "model/local_engine.h"
+#include "model/model.h"
 #include "model/weights.h"
 
 namespace kvpool {
@@ -110,6 +118,54 @@ BENCHMARK(BM_Decode)
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 
+void BM_PrefillCheckpoints(benchmark::State& state) {
+  const model::ModelConfig c = *model::NamedConfig("tiny-hybrid");
+  const auto blocks = static_cast<int32_t>(kPrefillTokens / 16);
+  const kernels::PoolLayout layout{.block_size = 16,
+                                   .num_layers = c.pool_layers(),
+                                   .num_kv_heads = c.num_kv_heads,
+                                   .head_dim = c.head_dim,
+                                   .num_blocks = blocks};
+  auto model = model::Model::Create(model::SyntheticWeights(c, 1), layout, {});
+  KVPOOL_CHECK_OK(model.status());
+  const auto bytes = static_cast<size_t>((layout.arena_bytes() + 4095) / 4096 * 4096);
+  std::unique_ptr<void, decltype(&std::free)> arena(std::aligned_alloc(4096, bytes), &std::free);
+  const kernels::KvPoolView pool{arena.get(), layout};
+  std::vector<int32_t> table(static_cast<size_t>(blocks));
+  std::iota(table.begin(), table.end(), 0);
+  const auto floats = static_cast<size_t>(c.state_bytes() / 4);
+  std::vector<float> live(floats);
+  const int64_t every = state.range(0);
+  const size_t count = every == 0 ? 0 : static_cast<size_t>(kPrefillTokens / every);
+  std::vector<std::vector<float>> copies(count, std::vector<float>(floats));
+  std::vector<model::StateCheckpoint> checkpoints;
+  for (size_t k = 0; k < count; ++k) {
+    checkpoints.push_back({static_cast<int64_t>(k + 1) * every, copies[k]});
+  }
+  uint32_t seed = 1;
+  std::vector<model::ItemResult> results;
+  for (auto _ : state) {
+    state.PauseTiming();
+    const std::vector<int32_t> prompt = Tokens(kPrefillTokens, seed++);
+    std::fill(live.begin(), live.end(), 0.0f);
+    state.ResumeTiming();
+    const model::StepItem item{
+        .tokens = prompt, .block_table = table, .state = live, .checkpoints = checkpoints};
+    KVPOOL_CHECK_OK((*model)->Step(pool, std::span(&item, 1), {}, &results));
+  }
+  state.counters["tokens/s"] = benchmark::Counter(
+      static_cast<double>(state.iterations() * kPrefillTokens), benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_PrefillCheckpoints)
+    ->ArgName("every")
+    ->Arg(0)
+    ->Arg(512)
+    ->Arg(128)
+    ->Arg(64)
+    ->Arg(16)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+
 // Bytes of one sequence of kContext tokens: KV of the layers `counted` keeps, plus its state.
 void PrintMemory() {
   std::printf("memory per sequence at %lld tokens (bf16 KV, blocks of 16):\n",
@@ -150,5 +206,13 @@ int main(int argc, char** argv) {
        {"decode batch 1: tiny-hybrid vs tiny", "BM_Decode/model:1/batch:1/real_time",
         "BM_Decode/model:0/batch:1/real_time", 0},
        {"decode batch 8: tiny-hybrid vs tiny", "BM_Decode/model:1/batch:8/real_time",
-        "BM_Decode/model:0/batch:8/real_time", 0}});
+        "BM_Decode/model:0/batch:8/real_time", 0},
+       {"prefill 512, one checkpoint at the end vs none",
+        "BM_PrefillCheckpoints/every:512/real_time", "BM_PrefillCheckpoints/every:0/real_time", 0},
+       {"prefill 512, a checkpoint every 128 tokens vs none",
+        "BM_PrefillCheckpoints/every:128/real_time", "BM_PrefillCheckpoints/every:0/real_time", 0},
+       {"prefill 512, a checkpoint every 64 tokens vs none",
+        "BM_PrefillCheckpoints/every:64/real_time", "BM_PrefillCheckpoints/every:0/real_time", 0},
+       {"prefill 512, a checkpoint every 16 tokens vs none",
+        "BM_PrefillCheckpoints/every:16/real_time", "BM_PrefillCheckpoints/every:0/real_time", 0}});
 }
