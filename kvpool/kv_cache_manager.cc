@@ -791,7 +791,8 @@ void KvCacheManager::ReleaseTail(Sequence* sequence, size_t keep, const TraceCon
   sequence->table.resize(keep);
 }
 
-absl::Status KvCacheManager::Truncate(SessionId caller, SequenceId sequence, int64_t num_tokens) {
+absl::Status KvCacheManager::Truncate(SessionId caller, SequenceId sequence, int64_t num_tokens,
+                                      DevicePlan* plan) {
   ++counters_.truncate_calls;
   const TraceContext ctx = BeginCall(caller, sequence);
   KVPOOL_ASSIGN_OR_RETURN(Sequence * seq, Owned(caller, sequence));
@@ -799,25 +800,28 @@ absl::Status KvCacheManager::Truncate(SessionId caller, SequenceId sequence, int
     return absl::InvalidArgumentError(fmt::format("cannot truncate sequence {} of {} tokens to {}",
                                                   sequence.value(), seq->num_tokens, num_tokens));
   }
-  if (states_ && num_tokens < static_cast<int64_t>(seq->tokens.size())) {
-    // The nearest checkpoint on its path at or below `num_tokens`: a new sequence whose prompt is
-    // these tokens resumes there.
-    PrefixMatch path{.full = seq->path.full};
-    path.matched_tokens = static_cast<int64_t>(path.full.size()) * block_size_;
-    if (path.matched_tokens > num_tokens) {
-      path.full.resize(static_cast<size_t>(num_tokens / block_size_));
-      path.matched_tokens = static_cast<int64_t>(path.full.size()) * block_size_;
-    }
-    (void)CutToCheckpoint(&path);
+  // Below its known tokens its state goes back to a checkpoint, or to the state of no tokens.
+  const bool rewind = states_ && num_tokens < static_cast<int64_t>(seq->tokens.size());
+  BlockId restore = kInvalidBlock;
+  if (rewind && num_tokens > 0) {
+    KVPOOL_ASSIGN_OR_RETURN(restore, RewindPoint(*seq, num_tokens, plan != nullptr));
+  } else if (rewind && plan == nullptr) {
     return absl::FailedPreconditionError(fmt::format(
-        "cannot truncate sequence {} to {} tokens: its state-space state is past its {} known "
-        "tokens and has no checkpoint at {} (docs/hybrid-groups.md §3); the nearest checkpoint "
-        "on its path is at {} tokens: a new sequence with that prompt resumes there",
-        sequence.value(), num_tokens, seq->tokens.size(), num_tokens, path.matched_tokens));
+        "cannot truncate sequence {} to 0 tokens without a device plan to zero its state",
+        sequence.value()));
   }
   if (states_) {
     DropPlanned(seq, num_tokens, ctx);
-    if (seq->state_tokens > num_tokens) seq->state_tokens = -1;
+    if (restore != kInvalidBlock) {
+      plan->state_copies.push_back(BlockCopy{restore, seq->state_slot});
+      TouchCheckpoint(restore);
+      seq->state_tokens = num_tokens;
+    } else if (rewind) {  // to 0
+      plan->state_zeros.push_back(seq->state_slot);
+      seq->state_tokens = 0;
+    } else if (seq->state_tokens > num_tokens) {
+      seq->state_tokens = -1;
+    }
   }
   ReleaseTail(seq, static_cast<size_t>(BlocksFor(num_tokens)), ctx);
   // The tree path keeps only the full blocks the sequence still has whole; the block it now

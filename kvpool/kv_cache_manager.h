@@ -343,12 +343,15 @@ class KvCacheManager final {
   void RevertGrow(SessionId caller, std::span<const TableChange> changes);
 
   // Rewinds `sequence` to `num_tokens` tokens, releasing the blocks past the new end (and the
-  // checkpoints planned past it).
+  // checkpoints planned past it). With a state group, below the tokens the sequence knows its
+  // state goes back only to a checkpoint the tree keeps at exactly `num_tokens` on its path: then
+  // `plan` (required for that) copies the checkpoint into its working state.
   // Errors: NOT_FOUND, PERMISSION_DENIED, INVALID_ARGUMENT (negative, or longer than the
-  // sequence), FAILED_PRECONDITION (a state group, and fewer tokens than the sequence knows: its
-  // state cannot go back; the message names the nearest checkpoint on its path at or below
-  // `num_tokens`, from which a new sequence resumes).
-  absl::Status Truncate(SessionId caller, SequenceId sequence, int64_t num_tokens);
+  // sequence), FAILED_PRECONDITION (a state group, fewer tokens than the sequence knows, and no
+  // checkpoint there or no `plan`: the message names the nearest checkpoint on its path at or
+  // below `num_tokens`, a point it can rewind to).
+  absl::Status Truncate(SessionId caller, SequenceId sequence, int64_t num_tokens,
+                        DevicePlan* plan = nullptr);
 
   // A new sequence of the same session and namespace sharing every full block of `sequence` by
   // reference; a partial last block is copied (the BlockCopy is in `plan`).
@@ -390,9 +393,10 @@ class KvCacheManager final {
   // has passed. All-or-nothing.
   // Errors: as BlockPool::MarkInFlight; nothing is marked on error.
   absl::Status MarkInFlight(std::span<const BlockId> blocks, Fence fence);
-  // The same for slots of the state group (a step's states, a plan's state copies and zeros).
-  // Errors: NOT_FOUND (no state group, or no such slot), FAILED_PRECONDITION (a slot no
-  // sequence holds); nothing is marked on error.
+  // The same for slots of the state group (a step's states and checkpoints, a plan's state copies
+  // and zeros; a cached checkpoint a plan copies from).
+  // Errors: NOT_FOUND (no state group, or no such slot), FAILED_PRECONDITION (a FREE or RETIRING
+  // slot); nothing is marked on error.
   absl::Status MarkStatesInFlight(std::span<const BlockId> slots, Fence fence);
 
   // State checkpoints (KvCacheOptions::checkpoint_slots; kv_cache_manager_checkpoints.cc).
@@ -663,6 +667,10 @@ class KvCacheManager final {
   void KeepPlanned(Sequence* seq, const TraceContext& ctx);
   // Releases `seq`'s planned checkpoints past `position`.
   void DropPlanned(Sequence* seq, int64_t position, const TraceContext& ctx);
+  // The checkpoint `seq` rewinds to at `position` (> 0): the tree's, exactly there on its path.
+  // FAILED_PRECONDITION naming the nearest one at or below when there is none (or `can_copy` is
+  // false: the caller gave no plan to copy it with).
+  absl::StatusOr<BlockId> RewindPoint(const Sequence& seq, int64_t position, bool can_copy) const;
   void DropCheckpoint(BlockId slot, const TraceContext& ctx);  // a cached one
   void TouchCheckpoint(BlockId slot);                          // a cached one, just used
   // Everything a sequence holds in the state group, on its way out (Free).

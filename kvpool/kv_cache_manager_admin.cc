@@ -45,7 +45,8 @@ absl::Status KvCacheManager::MarkStatesInFlight(std::span<const BlockId> slots, 
     if (!states_->Contains(slot)) {
       return absl::NotFoundError(fmt::format("state slot {} does not exist", slot.value()));
     }
-    if (states_->state(slot) != BlockState::kActive) {
+    if (states_->state(slot) != BlockState::kActive &&
+        states_->state(slot) != BlockState::kCached) {
       return absl::FailedPreconditionError(fmt::format("device work on state slot {} in state {}",
                                                        slot.value(),
                                                        BlockStateName(states_->state(slot))));

@@ -182,6 +182,29 @@ void KvCacheManager::KeepPlanned(Sequence* seq, const TraceContext& ctx) {
   seq->checkpoints.resize(kept);
 }
 
+absl::StatusOr<BlockId> KvCacheManager::RewindPoint(const Sequence& seq, int64_t position,
+                                                    bool can_copy) const {
+  if (checkpoint_slots_ > 0 && can_copy) {
+    const auto [block, offset] = PathPlace(seq, position);
+    if (auto it = checkpoint_of_.find(block); block != kInvalidBlock &&
+                                              it != checkpoint_of_.end() &&
+                                              checkpoint_at_[Index(it->second)].offset == offset) {
+      return it->second;
+    }
+  }
+  // The nearest checkpoint on its path at or below `position`.
+  PrefixMatch path{.full = seq.path.full};
+  path.full.resize(std::min(path.full.size(), static_cast<size_t>(position / block_size_)));
+  path.matched_tokens = static_cast<int64_t>(path.full.size()) * block_size_;
+  if (checkpoint_slots_ > 0) (void)CutToCheckpoint(&path);
+  return absl::FailedPreconditionError(fmt::format(
+      "cannot truncate sequence {} to {} tokens: its state-space state is past its {} known "
+      "tokens and has no checkpoint at {}{} (docs/hybrid-groups.md §3); the nearest checkpoint on "
+      "its path is at {} tokens",
+      seq.id.value(), position, seq.tokens.size(), position,
+      can_copy ? "" : " it can be copied from (no device plan)", path.matched_tokens));
+}
+
 void KvCacheManager::DropPlanned(Sequence* seq, int64_t position, const TraceContext& ctx) {
   while (!seq->checkpoints.empty() && seq->checkpoints.back().position > position) {
     KVPOOL_CHECK_OK(states_->Release(seq->checkpoints.back().slot, ctx));

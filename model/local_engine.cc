@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "fmt/format.h"
+#include "kvpool/util/check.h"
 #include "kvpool/util/status_macros.h"
 
 namespace kvpool::model {
@@ -143,7 +144,13 @@ absl::Status LocalEngine::Free(SequenceId sequence, bool commit) {
 }
 
 absl::Status LocalEngine::Truncate(SequenceId sequence, int64_t num_tokens) {
-  return cache_->Truncate(kSession, sequence, num_tokens);
+  DevicePlan plan;
+  KVPOOL_RETURN_IF_ERROR(cache_->Truncate(kSession, sequence, num_tokens, &plan));
+  if (absl::Status carried = Carry(plan); !carried.ok()) {
+    KVPOOL_CHECK_OK(cache_->AdvanceState(kSession, sequence, -1));  // its state is undefined now
+    return carried;
+  }
+  return absl::OkStatus();
 }
 
 std::vector<float> LocalEngine::state(SequenceId sequence) const {

@@ -73,9 +73,9 @@ class LocalEngine final {
   // Errors as KvCacheManager::Fork / Free. Fork copies the sequence's state.
   absl::StatusOr<SequenceId> Fork(SequenceId sequence);
   absl::Status Free(SequenceId sequence, bool commit);
-  // Rewinds `sequence` to `num_tokens` (KvCacheManager::Truncate: with state-space layers never
-  // below the tokens it knows, FAILED_PRECONDITION, as no checkpoint of an earlier state exists).
-  // Nothing changes on error.
+  // Rewinds `sequence` to `num_tokens` (KvCacheManager::Truncate: with state-space layers below
+  // the tokens it knows only to a state checkpoint the tree keeps there, whose state is copied
+  // back, or to 0; FAILED_PRECONDITION otherwise). Nothing changes on error.
   absl::Status Truncate(SequenceId sequence, int64_t num_tokens);
   // A copy of the sequence's state (every state-space layer's, StepItem::state's layout), read
   // from its slot in the pool's state group once the device is idle; empty for an unknown

@@ -322,9 +322,23 @@ absl::StatusOr<Tables> Engine::Grow(const Session& s, std::span<const GrowReques
 absl::Status Engine::Truncate(const Session& s, SequenceId sequence, int64_t num_tokens,
                               const CallContext& context) {
   KVPOOL_RETURN_IF_ERROR(context.Check());
-  WriteLock lock(this);
-  KVPOOL_RETURN_IF_ERROR(Admit(s, {}));
-  return state_->pool_of(s).cache().Truncate(s.id, sequence, num_tokens);
+  Fence fence;
+  {
+    WriteLock lock(this);
+    KVPOOL_RETURN_IF_ERROR(Admit(s, {}));
+    PoolState& pool = state_->pool_of(s);
+    // A hybrid model's rewind below the known tokens copies the checkpoint there into its state.
+    DevicePlan plan;
+    KVPOOL_RETURN_IF_ERROR(pool.cache().Truncate(s.id, sequence, num_tokens, &plan));
+    const absl::StatusOr<Fence> carried = pool.Carry(plan);
+    if (!carried.ok()) {
+      KVPOOL_CHECK_OK(pool.cache().AdvanceState(s.id, sequence, -1));  // its state is undefined
+      ++state_->call_counters.device_failures;
+      return DeviceError(carried.status());
+    }
+    fence = *carried;
+  }
+  return Complete(s, fence, {}, CallContext::Uncancellable());
 }
 
 absl::StatusOr<Tables> Engine::Fork(const Session& s, SequenceId sequence,

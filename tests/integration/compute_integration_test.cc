@@ -348,6 +348,16 @@ TEST_F(ComputeIntegrationTest, AHybridModelKeepsEachSequencesStateInThePool) {
   ASSERT_TRUE(next.ok()) << next.status();
   EXPECT_EQ(next->next_tokens(0), alone[0][1]);
   EXPECT_EQ(next->next_tokens(1), alone[0][1]);
+  // The fork rewinds to the checkpoint at 32 (on its path) and computes the rest again: the same
+  // answers. At 40 there is none: refused, naming 32.
+  const absl::Status no_checkpoint = c.Truncate(fork->sequence_id(), 40);
+  EXPECT_EQ(no_checkpoint.code(), absl::StatusCode::kFailedPrecondition) << no_checkpoint;
+  EXPECT_THAT(std::string(no_checkpoint.message()), HasSubstr("is at 32 tokens"));
+  ASSERT_TRUE(c.Truncate(fork->sequence_id(), 32).ok());
+  const std::vector<int32_t> rest(prompts[0].begin() + 32, prompts[0].end());
+  absl::StatusOr<v1::PrefillResponse> again_from_32 = c.Prefill(fork->sequence_id(), rest);
+  ASSERT_TRUE(again_from_32.ok()) << again_from_32.status();
+  EXPECT_EQ(again_from_32->next_token(), alone[0][0]);
 
   const v1::GetStatsResponse stats = Stats(c);
   EXPECT_EQ(stats.model(), "tiny-hybrid");

@@ -322,6 +322,33 @@ TEST_F(StateCheckpointTest, TruncateNamesTheNearestCheckpoint) {
   ExpectInvariants();
 }
 
+TEST_F(StateCheckpointTest, ARewindCopiesTheCheckpointThereBackIntoTheState) {
+  Make(8, 4);
+  const SequenceId a = Prefill(kAlice, Prompt(100));  // checkpoints at 64 and 96
+  const BlockId working = Slot(a);
+  const std::string before = cache_->DebugString();
+  // Without a plan to copy with, or where there is none: refused, nothing changed.
+  EXPECT_EQ(cache_->Truncate(kAlice, a, 96).code(), absl::StatusCode::kFailedPrecondition);
+  DevicePlan plan;
+  EXPECT_EQ(cache_->Truncate(kAlice, a, 70, &plan).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(plan.empty());
+  EXPECT_EQ(cache_->DebugString(), before);
+  ASSERT_TRUE(cache_->Truncate(kAlice, a, 64, &plan).ok());
+  ASSERT_EQ(plan.state_copies.size(), 1u);
+  EXPECT_EQ(plan.state_copies[0].dst, working);
+  EXPECT_EQ(cache_->states()->state(plan.state_copies[0].src), BlockState::kCached);
+  EXPECT_EQ(cache_->Find(a)->state_tokens, 64);
+  // The copy's source is marked in flight with the plan, cached as it is.
+  const BlockId src = plan.state_copies[0].src;
+  EXPECT_TRUE(cache_->MarkStatesInFlight(std::span(&src, 1), Fence{0, 3}).ok());
+  ExpectInvariants();
+  plan = DevicePlan{};
+  ASSERT_TRUE(cache_->Truncate(kAlice, a, 0, &plan).ok());
+  EXPECT_THAT(plan.state_zeros, ElementsAre(working));
+  EXPECT_EQ(cache_->Find(a)->state_tokens, 0);
+  ExpectInvariants();
+}
+
 TEST_F(StateCheckpointTest, WithoutCheckpointSlotsAPromptResumesNothing) {
   Make(8, 0);
   const SequenceId a = Prefill(kAlice, Prompt(40));

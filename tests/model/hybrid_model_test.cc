@@ -6,6 +6,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -380,6 +381,38 @@ TEST_F(HybridResumeTest, APromptThatLeavesTheCacheResumesFromTheCheckpointBefore
   ExpectParity(doc, 96);
   // Cut for want of a checkpoint: 90 - 64, then 99 - 96 (the partial block past 96 has one at 103).
   EXPECT_EQ(engine_->cache().stats().missed_no_checkpoint, (90u - 64u) + (99u - 96u));
+}
+
+TEST_F(HybridResumeTest, ARewindGoesBackToACheckpointAndOnFromThere) {
+  const std::vector<int32_t> doc = RandomTokens(100, 256, 14);
+  auto got = engine_->Prefill(SequenceId(0), doc);  // checkpoints at 64 and 96
+  ASSERT_TRUE(got.ok()) << got.status();
+  DecodeN(*engine_, got->sequence, got->result.next_token, 3);
+  const std::vector<float> before = engine_->state(got->sequence);
+  // No checkpoint at 80: refused, naming the one it could go back to; nothing changed.
+  const absl::Status refused = engine_->Truncate(got->sequence, 80);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(refused.message()), HasSubstr("nearest checkpoint on its path is at 64"));
+  EXPECT_EQ(engine_->state(got->sequence), before);
+  // At 96: the state is the checkpoint's, as if the 7 tokens after it had never been seen.
+  ASSERT_TRUE(engine_->Truncate(got->sequence, 96).ok());
+  auto ref = reference_->Prefill(SequenceId(0), std::span(doc).first(96));
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  EXPECT_EQ(engine_->state(got->sequence), reference_->state(ref->sequence));
+  const std::vector<int32_t> more = RandomTokens(21, 256, 15);
+  auto a = engine_->Prefill(got->sequence, more, {.keep_logits = true});
+  auto b = reference_->Prefill(ref->sequence, more, {.keep_logits = true});
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(a->result.logits, b->result.logits);
+  EXPECT_EQ(DecodeN(*engine_, got->sequence, a->result.next_token, 3),
+            DecodeN(*reference_, ref->sequence, b->result.next_token, 3));
+  EXPECT_EQ(engine_->state(got->sequence), reference_->state(ref->sequence));
+  // And back to nothing: the state of no tokens.
+  ASSERT_TRUE(engine_->Truncate(got->sequence, 0).ok());
+  const std::vector<float> zeros = engine_->state(got->sequence);
+  EXPECT_TRUE(std::all_of(zeros.begin(), zeros.end(), [](float v) { return v == 0.0f; }));
+  EXPECT_TRUE(engine_->cache().CheckInvariants().ok()) << engine_->cache().CheckInvariants();
 }
 
 TEST_F(HybridResumeTest, ABranchPointIsCheckpointedForThePromptsAfterIt) {
