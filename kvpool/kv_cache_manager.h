@@ -453,7 +453,9 @@ class KvCacheManager final {
   // Ends every pin whose time is up (at the Clock's reading). Returns how many.
   int64_t ExpirePins();
 
-  // Prefix cache, for routers and operators. Both change nothing.
+  // Prefix cache, for routers and operators. Both change nothing. With a state group MatchPrefix
+  // is what a prompt resumes (cut at the deepest state checkpoint), and the explanation says so
+  // beside what full attention has cached (MatchExplanation::resumable_tokens).
   int64_t MatchPrefix(NamespaceId ns, std::span<const int32_t> tokens) const;
   MatchExplanation ExplainMatch(NamespaceId ns, std::span<const int32_t> tokens) const;
   // Evicts up to `blocks` cached blocks nobody holds. Returns how many.

@@ -77,13 +77,19 @@ void KvCacheManager::ForEachSequence(absl::FunctionRef<void(const Sequence&)> fn
 }
 
 int64_t KvCacheManager::MatchPrefix(NamespaceId ns, std::span<const int32_t> tokens) const {
-  return cache_ ? cache_->Match(ns, tokens).matched_tokens : 0;
+  if (!cache_) return 0;
+  PrefixMatch m = cache_->Match(ns, tokens);
+  // With a state group a prompt resumes only from a checkpoint (what Allocate would adopt).
+  if (states_) (void)CutToCheckpoint(&m);
+  return m.matched_tokens;
 }
 
 MatchExplanation KvCacheManager::ExplainMatch(NamespaceId ns,
                                               std::span<const int32_t> tokens) const {
-  if (cache_) return cache_->Explain(ns, tokens);
-  return MatchExplanation{.stop = MatchStop::kUnknownNamespace};
+  if (!cache_) return MatchExplanation{.stop = MatchStop::kUnknownNamespace};
+  MatchExplanation e = cache_->Explain(ns, tokens);
+  if (states_) e.resumable_tokens = MatchPrefix(ns, tokens);
+  return e;
 }
 
 int64_t KvCacheManager::EvictCached(int64_t blocks) {

@@ -67,6 +67,12 @@ std::string MatchExplanation::ToString() const {
                          below_admission_bar ? " (below the admission bar: never admitted)" : "");
       break;
   }
+  if (resumable_tokens >= 0 && resumable_tokens < matched_tokens) {
+    out += fmt::format(
+        "; the state group resumes only {} of them (the deepest state checkpoint at or below; "
+        "the other {} are computed again)",
+        resumable_tokens, matched_tokens - resumable_tokens);
+  }
   for (const auto& [ns, tokens] : other_namespaces) {
     out += fmt::format(
         "; namespace {} would match {} tokens (prefixes are never shared across "

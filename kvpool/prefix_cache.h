@@ -95,6 +95,9 @@ struct MatchExplanation {
   // kEvicted: the policy had that block below its admission bar (on probation) when it was
   // evicted (AdmissionFilter): it was never kept past its request.
   bool below_admission_bar = false;
+  // With a state group (KvCacheManager): the tokens a prompt resumes, the deepest state checkpoint
+  // at or below matched_tokens (the rest are computed again); -1 without one.
+  int64_t resumable_tokens = -1;
   // Other namespaces whose trees would match more of this prompt (prefixes are never shared
   // across namespaces), with how many tokens.
   std::vector<std::pair<NamespaceId, int64_t>> other_namespaces;

@@ -224,6 +224,7 @@ KvPoolService::Unary* KvPoolService::ExplainMatch(Context* c, const v1::ExplainM
     r->set_matched_tokens(e.matched_tokens);
     r->set_stop(std::string(StopName(e.stop)));
     r->set_explanation(e.ToString());
+    if (e.resumable_tokens >= 0) r->set_resumable_tokens(e.resumable_tokens);
     return absl::OkStatus();
   });
 }

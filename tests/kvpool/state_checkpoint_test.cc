@@ -155,6 +155,12 @@ TEST_F(StateCheckpointTest, AMatchStopsWhereACheckpointIsMissingAndResumesFromTh
   // It holds exactly the blocks of the 64 tokens it resumes from, and computes the rest.
   EXPECT_EQ(cache_->Find(b->sequence)->path.full.size(), 4u);
   ExpectInvariants();
+  // Routers and operators see the same: 64 resumable, 90 cached for full attention.
+  EXPECT_EQ(cache_->MatchPrefix(kTenant, other), 64);
+  const MatchExplanation why = cache_->ExplainMatch(kTenant, other);
+  EXPECT_EQ(why.matched_tokens, 90);
+  EXPECT_EQ(why.resumable_tokens, 64);
+  EXPECT_THAT(why.ToString(), HasSubstr("the state group resumes only 64 of them"));
 
   // The whole document: resumes from 96.
   absl::StatusOr<AllocateResult> c = Resume(kAlice, doc);
