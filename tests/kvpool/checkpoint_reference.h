@@ -1,0 +1,77 @@
+#pragma once
+
+// What the state checkpoints of a KvCacheManager (docs/hybrid-groups.md §4) should be, worked out
+// from the outside, for randomized tests: the checkpoints it keeps (read from its DebugString),
+// the deepest one a prompt reaches, and the positions a step is to checkpoint.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <map>
+#include <span>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kvpool/kv_cache_manager.h"
+
+namespace kvpool::testing {
+
+struct CachedCheckpoint {
+  int32_t offset = 0;  // the state after this many of its block's tokens
+  int32_t slot = -1;
+};
+
+// The checkpoints the tree keeps, by tree block.
+inline std::map<int32_t, CachedCheckpoint> CachedCheckpoints(const KvCacheManager& manager) {
+  std::map<int32_t, CachedCheckpoint> out;
+  std::istringstream in(manager.DebugString());
+  for (std::string line; std::getline(in, line);) {
+    int slot = 0, block = 0, offset = 0;
+    unsigned long long stamp = 0;
+    if (std::sscanf(line.c_str(), "checkpoint slot=%d block=%d offset=%d stamp=%llu", &slot, &block,
+                    &offset, &stamp) == 4) {
+      out[block] = {offset, slot};
+    }
+  }
+  return out;
+}
+
+// The deepest checkpoint `prompt`'s attention match in `ns` reaches: (tokens, slot), or (0, -1).
+inline std::pair<int64_t, int32_t> DeepestCheckpoint(const KvCacheManager& manager, NamespaceId ns,
+                                                     std::span<const int32_t> prompt) {
+  const PrefixMatch m = manager.cache()->Match(ns, prompt);
+  const auto cached = CachedCheckpoints(manager);
+  const int64_t bs = manager.block_size();
+  std::pair<int64_t, int32_t> best{0, -1};
+  const auto consider = [&](BlockId block, int64_t base, int64_t limit) {
+    auto it = cached.find(block.value());
+    if (it != cached.end() && it->second.offset <= limit && base + it->second.offset > best.first) {
+      best = {base + it->second.offset, it->second.slot};
+    }
+  };
+  for (size_t i = 0; i < m.full.size(); ++i) consider(m.full[i], static_cast<int64_t>(i) * bs, bs);
+  if (m.partial != kInvalidBlock) {
+    consider(m.partial, static_cast<int64_t>(m.full.size()) * bs, m.partial_tokens);
+  }
+  return best;
+}
+
+// The positions a step from `from` to `to` tokens is to checkpoint, by position: every `interval`
+// blocks, the branch point, a prefill's last block boundary.
+inline std::vector<int64_t> WantedCheckpoints(int64_t from, int64_t to, bool prefill,
+                                              int64_t branch_at, int32_t interval, int32_t bs) {
+  std::vector<int64_t> want;
+  if (interval > 0) {
+    const int64_t every = int64_t{interval} * bs;
+    for (int64_t p = (from / every + 1) * every; p <= to; p += every) want.push_back(p);
+  }
+  if (branch_at > from && branch_at <= to) want.push_back(branch_at);
+  if (prefill && (to - 1) / bs * bs > from) want.push_back((to - 1) / bs * bs);
+  std::sort(want.begin(), want.end());
+  want.erase(std::unique(want.begin(), want.end()), want.end());
+  return want;
+}
+
+}  // namespace kvpool::testing
