@@ -21,6 +21,7 @@ namespace kvpool::testing {
 struct CachedCheckpoint {
   int32_t offset = 0;  // the state after this many of its block's tokens
   int32_t slot = -1;
+  uint64_t stamp = 0;  // its place in the eviction order (least recently used first)
 };
 
 // The checkpoints the tree keeps, by tree block.
@@ -32,17 +33,18 @@ inline std::map<int32_t, CachedCheckpoint> CachedCheckpoints(const KvCacheManage
     unsigned long long stamp = 0;
     if (std::sscanf(line.c_str(), "checkpoint slot=%d block=%d offset=%d stamp=%llu", &slot, &block,
                     &offset, &stamp) == 4) {
-      out[block] = {offset, slot};
+      out[block] = {offset, slot, stamp};
     }
   }
   return out;
 }
 
-// The deepest checkpoint `prompt`'s attention match in `ns` reaches: (tokens, slot), or (0, -1).
-inline std::pair<int64_t, int32_t> DeepestCheckpoint(const KvCacheManager& manager, NamespaceId ns,
-                                                     std::span<const int32_t> prompt) {
+// The deepest checkpoint (of `cached`, what CachedCheckpoints says now) `prompt`'s attention
+// match in `ns` reaches: (tokens, slot), or (0, -1).
+inline std::pair<int64_t, int32_t> DeepestCheckpoint(
+    const KvCacheManager& manager, const std::map<int32_t, CachedCheckpoint>& cached,
+    NamespaceId ns, std::span<const int32_t> prompt) {
   const PrefixMatch m = manager.cache()->Match(ns, prompt);
-  const auto cached = CachedCheckpoints(manager);
   const int64_t bs = manager.block_size();
   std::pair<int64_t, int32_t> best{0, -1};
   const auto consider = [&](BlockId block, int64_t base, int64_t limit) {

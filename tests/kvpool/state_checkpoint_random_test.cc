@@ -29,6 +29,7 @@
 #include <map>
 #include <random>
 #include <set>
+#include <span>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -144,10 +145,12 @@ class StateCheckpointRandomTest : public ::testing::TestWithParam<Config> {
 
   // Slots a call may take for working states (free, or reclaimable, or a cached checkpoint whose
   // fences passed, not in `keep`), and of them the ones not holding a checkpoint.
-  std::pair<int64_t, int64_t> Room(const std::set<int32_t>& keep) const {
+  std::pair<int64_t, int64_t> Room(
+      const std::set<int32_t>& keep,
+      const std::map<int32_t, testing::CachedCheckpoint>& ckpts) const {
     const std::set<int32_t> held = Held();
     std::set<int32_t> cached;
-    for (const auto& [block, c] : testing::CachedCheckpoints(*cache_)) cached.insert(c.slot);
+    for (const auto& [block, c] : ckpts) cached.insert(c.slot);
     int64_t all = 0, free = 0;
     for (int32_t s = 0; s < kStateSlots; ++s) {
       if (held.contains(s) || !slots_.Passed(s) || keep.contains(s)) continue;
@@ -215,6 +218,7 @@ class StateCheckpointRandomTest : public ::testing::TestWithParam<Config> {
     std::vector<std::pair<int64_t, int32_t>> deepest;
     std::vector<int64_t> attention;
     std::set<int32_t> keep;
+    const auto cached = testing::CachedCheckpoints(*cache_);
     Code want = Code::kOk;
     for (size_t k = 0; k < n; ++k) {
       prompts[k] = PickPrompt();
@@ -225,10 +229,10 @@ class StateCheckpointRandomTest : public ::testing::TestWithParam<Config> {
       r.prompt = prompts[k];
       batch.push_back(r);
       attention.push_back(cache_->MatchPrefix(kNamespace, prompts[k]));
-      deepest.push_back(testing::DeepestCheckpoint(*cache_, kNamespace, prompts[k]));
+      deepest.push_back(testing::DeepestCheckpoint(*cache_, cached, kNamespace, prompts[k]));
       if (deepest.back().second >= 0) keep.insert(deepest.back().second);
     }
-    const auto [room, free] = Room(keep);
+    const auto [room, free] = Room(keep, cached);
     if (want == Code::kOk && static_cast<int64_t>(n) > room) want = Code::kResourceExhausted;
     const std::string before = want == Code::kOk ? "" : Snapshot();
     const uint64_t missed_before = cache_->stats().missed_no_checkpoint;
@@ -249,11 +253,24 @@ class StateCheckpointRandomTest : public ::testing::TestWithParam<Config> {
       if (HasFatalFailure()) return;
     }
     ASSERT_EQ(cache_->stats().missed_no_checkpoint - missed_before, missed);
+    ExpectUsedLast(results);
     EnqueuePlan(plan);
     for (const AllocateResult& r : results) {
       if (Rand(4) != 0) StepCompute(r.sequence, /*run=*/Rand(5) != 0);
       if (HasFatalFailure()) return;
     }
+  }
+
+  // The checkpoints a batch resumed from are the most recently used (the last to be evicted).
+  void ExpectUsedLast(const std::vector<AllocateResult>& results) {
+    std::set<int32_t> used;
+    for (const AllocateResult& r : results) used.insert(seqs_.at(r.sequence).resumed_from);
+    uint64_t newest_other = 0, oldest_used = UINT64_MAX;
+    for (const auto& [block, c] : testing::CachedCheckpoints(*cache_)) {
+      uint64_t& bound = used.contains(c.slot) ? oldest_used : newest_other;
+      bound = used.contains(c.slot) ? std::min(bound, c.stamp) : std::max(bound, c.stamp);
+    }
+    ASSERT_LT(newest_other, oldest_used) << "a checkpoint resumed from is not the last to go";
   }
 
   // Records a new sequence, checking the plan's state work for it.
@@ -369,6 +386,7 @@ class StateCheckpointRandomTest : public ::testing::TestWithParam<Config> {
                     .fence = fence,
                     .what = "step state write"});
     MarkStates(slots, fence);
+    ExpectWritable(id);
     ASSERT_TRUE(cache_->MarkInFlight(cache_->Find(id)->table, fence).ok());
     ASSERT_TRUE(cache_->AdvanceState(m.session, id, m.step_to).ok());
     m.st = m.step_to;
@@ -378,6 +396,20 @@ class StateCheckpointRandomTest : public ::testing::TestWithParam<Config> {
     if (Rand(8) == 0) return;  // committed later, or never
     const int64_t known = std::max(m.known, m.step_to);
     Commit(id, Rand(2) == 0 ? m.step_to / bs_ * bs_ : m.step_to, known);
+  }
+
+  // The blocks the step writes KV into hold no other tokens in the tree than the sequence's.
+  void ExpectWritable(SequenceId id) {
+    const Seq& m = seqs_.at(id);
+    const Sequence* s = cache_->Find(id);
+    for (int64_t b = m.step_from / bs_; b <= (m.step_to - 1) / bs_; ++b) {
+      const int64_t end = std::min<int64_t>((b + 1) * bs_, m.tokens);
+      const std::span<const int32_t> tokens(m.content.data() + b * bs_,
+                                            static_cast<size_t>(end - b * bs_));
+      ASSERT_TRUE(cache_->cache()->Agrees(s->table[static_cast<size_t>(b)], tokens))
+          << "a step of sequence " << id << " writes into block "
+          << s->table[static_cast<size_t>(b)] << ", which the tree publishes with other tokens";
+    }
   }
 
   // Commit of `upto` tokens, telling the manager of those up to `known`. A planned checkpoint it
@@ -484,7 +516,7 @@ class StateCheckpointRandomTest : public ::testing::TestWithParam<Config> {
     const SequenceId parent = PickSequence();
     const SessionId caller = PickCaller(parent);
     Code want = Ownership(caller, parent);
-    const auto [room, free] = Room({});
+    const auto [room, free] = Room({}, testing::CachedCheckpoints(*cache_));
     if (want == Code::kOk && room < 1) want = Code::kResourceExhausted;
     const std::string before = want == Code::kOk ? "" : Snapshot();
     DevicePlan plan;
