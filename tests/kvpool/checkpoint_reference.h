@@ -2,12 +2,14 @@
 
 // What the state checkpoints of a KvCacheManager (docs/hybrid-groups.md §4) should be, worked out
 // from the outside, for randomized tests: the checkpoints it keeps (read from its DebugString),
-// the deepest one a prompt reaches, and the positions a step is to checkpoint.
+// the deepest one a prompt reaches, the positions a step is to checkpoint, the eviction order,
+// and where a step may write.
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <map>
+#include <set>
 #include <span>
 #include <sstream>
 #include <string>
@@ -74,6 +76,35 @@ inline std::vector<int64_t> WantedCheckpoints(int64_t from, int64_t to, bool pre
   std::sort(want.begin(), want.end());
   want.erase(std::unique(want.begin(), want.end()), want.end());
   return want;
+}
+
+// Whether the checkpoints in slots `used` are the most recently used of `cached` (the last to be
+// evicted).
+inline bool UsedLast(const std::map<int32_t, CachedCheckpoint>& cached,
+                     const std::set<int32_t>& used) {
+  uint64_t newest_other = 0, oldest_used = UINT64_MAX;
+  for (const auto& [block, c] : cached) {
+    if (used.contains(c.slot)) {
+      oldest_used = std::min(oldest_used, c.stamp);
+    } else {
+      newest_other = std::max(newest_other, c.stamp);
+    }
+  }
+  return newest_other < oldest_used;
+}
+
+// Whether the tree publishes blocks [first, last] of `seq` with no other tokens than `content`'s
+// (a step may write their KV).
+inline bool Writable(const KvCacheManager& manager, const Sequence& seq,
+                     const std::vector<int32_t>& content, int64_t first, int64_t last) {
+  const int64_t bs = manager.block_size();
+  for (int64_t b = first; b <= last; ++b) {
+    const int64_t end = std::min<int64_t>((b + 1) * bs, static_cast<int64_t>(content.size()));
+    const std::span<const int32_t> tokens(content.data() + b * bs,
+                                          static_cast<size_t>(end - b * bs));
+    if (!manager.cache()->Agrees(seq.table[static_cast<size_t>(b)], tokens)) return false;
+  }
+  return true;
 }
 
 }  // namespace kvpool::testing

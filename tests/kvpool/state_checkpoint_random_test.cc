@@ -29,7 +29,6 @@
 #include <map>
 #include <random>
 #include <set>
-#include <span>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -253,24 +252,15 @@ class StateCheckpointRandomTest : public ::testing::TestWithParam<Config> {
       if (HasFatalFailure()) return;
     }
     ASSERT_EQ(cache_->stats().missed_no_checkpoint - missed_before, missed);
-    ExpectUsedLast(results);
+    std::set<int32_t> used;
+    for (const AllocateResult& r : results) used.insert(seqs_.at(r.sequence).resumed_from);
+    ASSERT_TRUE(testing::UsedLast(testing::CachedCheckpoints(*cache_), used))
+        << "a checkpoint resumed from is not the last to be evicted";
     EnqueuePlan(plan);
     for (const AllocateResult& r : results) {
       if (Rand(4) != 0) StepCompute(r.sequence, /*run=*/Rand(5) != 0);
       if (HasFatalFailure()) return;
     }
-  }
-
-  // The checkpoints a batch resumed from are the most recently used (the last to be evicted).
-  void ExpectUsedLast(const std::vector<AllocateResult>& results) {
-    std::set<int32_t> used;
-    for (const AllocateResult& r : results) used.insert(seqs_.at(r.sequence).resumed_from);
-    uint64_t newest_other = 0, oldest_used = UINT64_MAX;
-    for (const auto& [block, c] : testing::CachedCheckpoints(*cache_)) {
-      uint64_t& bound = used.contains(c.slot) ? oldest_used : newest_other;
-      bound = used.contains(c.slot) ? std::min(bound, c.stamp) : std::max(bound, c.stamp);
-    }
-    ASSERT_LT(newest_other, oldest_used) << "a checkpoint resumed from is not the last to go";
   }
 
   // Records a new sequence, checking the plan's state work for it.
@@ -386,7 +376,9 @@ class StateCheckpointRandomTest : public ::testing::TestWithParam<Config> {
                     .fence = fence,
                     .what = "step state write"});
     MarkStates(slots, fence);
-    ExpectWritable(id);
+    ASSERT_TRUE(testing::Writable(*cache_, *cache_->Find(id), m.content, m.step_from / bs_,
+                                  (m.step_to - 1) / bs_))
+        << "a step of sequence " << id << " writes into a block the tree has with other tokens";
     ASSERT_TRUE(cache_->MarkInFlight(cache_->Find(id)->table, fence).ok());
     ASSERT_TRUE(cache_->AdvanceState(m.session, id, m.step_to).ok());
     m.st = m.step_to;
@@ -396,20 +388,6 @@ class StateCheckpointRandomTest : public ::testing::TestWithParam<Config> {
     if (Rand(8) == 0) return;  // committed later, or never
     const int64_t known = std::max(m.known, m.step_to);
     Commit(id, Rand(2) == 0 ? m.step_to / bs_ * bs_ : m.step_to, known);
-  }
-
-  // The blocks the step writes KV into hold no other tokens in the tree than the sequence's.
-  void ExpectWritable(SequenceId id) {
-    const Seq& m = seqs_.at(id);
-    const Sequence* s = cache_->Find(id);
-    for (int64_t b = m.step_from / bs_; b <= (m.step_to - 1) / bs_; ++b) {
-      const int64_t end = std::min<int64_t>((b + 1) * bs_, m.tokens);
-      const std::span<const int32_t> tokens(m.content.data() + b * bs_,
-                                            static_cast<size_t>(end - b * bs_));
-      ASSERT_TRUE(cache_->cache()->Agrees(s->table[static_cast<size_t>(b)], tokens))
-          << "a step of sequence " << id << " writes into block "
-          << s->table[static_cast<size_t>(b)] << ", which the tree publishes with other tokens";
-    }
   }
 
   // Commit of `upto` tokens, telling the manager of those up to `known`. A planned checkpoint it
@@ -486,10 +464,7 @@ class StateCheckpointRandomTest : public ::testing::TestWithParam<Config> {
     const absl::Status status = cache_->Grow(caller, id, tokens, &plan);
     ASSERT_EQ(status.code(), want) << status;
     if (!status.ok()) return ExpectRefused(status, before, plan, 0);
-    while (it->second.tokens < tokens) {
-      it->second.content.push_back(Token());
-      ++it->second.tokens;
-    }
+    for (; it->second.tokens < tokens; ++it->second.tokens) it->second.content.push_back(Token());
   }
 
   // Rewinds below the known tokens (refused), to or above them, or past the end.
@@ -661,14 +636,13 @@ TEST_P(StateCheckpointRandomTest, OperationsAgreeWithTheModel) {
     if (HasFatalFailure()) FAIL() << "at operation " << op;
   }
   const KvCacheStats s = cache_->stats();
-  std::printf("ops=%" PRId64 " steps=%" PRId64 " resumes=%" PRId64 " checked=%" PRId64
-              " state_refusals=%" PRId64 " early_commits=%" PRId64 " undos=%" PRId64
-              " reused=%" PRId64 " planned=%" PRIu64 " kept=%" PRIu64 " redundant=%" PRIu64
-              " skipped=%" PRIu64 " evicted=%" PRIu64 "\n",
-              ops, tally_.steps, tally_.resumes, slots_.landed("resume copy"),
-              tally_.state_refusals, tally_.early_commits, tally_.undos, slots_.reused(),
-              s.checkpoints.planned, s.checkpoints.kept, s.checkpoints.redundant,
-              s.checkpoints.skipped, s.checkpoints.evicted);
+  std::printf(
+      "ops=%" PRId64 " steps=%" PRId64 " resumes=%" PRId64 " checked=%" PRId64
+      " state_refusals=%" PRId64 " early_commits=%" PRId64 " undos=%" PRId64 " reused=%" PRId64
+      " planned=%" PRIu64 " kept=%" PRIu64 " skipped=%" PRIu64 " evicted=%" PRIu64 "\n",
+      ops, tally_.steps, tally_.resumes, slots_.landed("resume copy"), tally_.state_refusals,
+      tally_.early_commits, tally_.undos, slots_.reused(), s.checkpoints.planned,
+      s.checkpoints.kept, s.checkpoints.skipped, s.checkpoints.evicted);
   // The run must have exercised what it claims to.
   EXPECT_GT(slots_.landed("resume copy"), ops / 200);
   EXPECT_GT(tally_.state_refusals, ops / 200);
