@@ -276,6 +276,8 @@ class StateCheckpointRandomTest : public ::testing::TestWithParam<Config> {
     ASSERT_EQ(zeroed + copied, 1) << "sequence " << id << "'s slot " << slot << " is not "
                                   << (from >= 0 ? "copied from the checkpoint" : "zeroed");
     ASSERT_EQ(copied == 1, from >= 0);
+    // Its path's full blocks are whole in the match: it writes from `matched` on, never into them.
+    ASSERT_LE(static_cast<int64_t>(s->path.full.size()) * bs_, matched) << "sequence " << id;
     HandOut(s->state_slot);
     Seq& m = seqs_[id];
     m = Seq{.session = caller, .tokens = tokens, .content = prompt};
