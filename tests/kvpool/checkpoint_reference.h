@@ -78,6 +78,23 @@ inline std::vector<int64_t> WantedCheckpoints(int64_t from, int64_t to, bool pre
   return want;
 }
 
+// Whether slot `slot`, if `cached` has it, is kept where the state after `tokens[0..position)`
+// belongs: at the position's offset in a block the tree publishes with those tokens.
+inline bool KeptWhereItBelongs(const KvCacheManager& manager,
+                               const std::map<int32_t, CachedCheckpoint>& cached, int32_t slot,
+                               const std::vector<int32_t>& tokens, int64_t position) {
+  const int64_t bs = manager.block_size();
+  const int64_t start = (position - 1) / bs * bs;
+  for (const auto& [block, c] : cached) {
+    if (c.slot != slot) continue;
+    return c.offset == position - start &&
+           manager.cache()->Agrees(BlockId(block),
+                                   std::span(tokens).subspan(static_cast<size_t>(start),
+                                                             static_cast<size_t>(c.offset)));
+  }
+  return true;
+}
+
 // Whether the checkpoints in slots `used` are the most recently used of `cached` (the last to be
 // evicted).
 inline bool UsedLast(const std::map<int32_t, CachedCheckpoint>& cached,

@@ -401,11 +401,15 @@ class StateCheckpointRandomTest : public ::testing::TestWithParam<Config> {
     m.known = known;
     Remember(m.content, known);
     const std::vector<PlannedCheckpoint>& left = cache_->Find(id)->checkpoints;
+    const auto cached = testing::CachedCheckpoints(*cache_);
     for (const Planned& p : m.planned) {
       const bool kept = std::find(left.begin(), left.end(), p.c) == left.end();
       ASSERT_TRUE(!kept || (p.written && p.c.position <= m.st))
           << "checkpoint " << p.c.slot << "@" << p.c.position << " kept with the state at " << m.st
           << (p.written ? "" : ", never written");
+      ASSERT_TRUE(!kept || testing::KeptWhereItBelongs(*cache_, cached, p.c.slot.value(), m.content,
+                                                       p.c.position))
+          << "checkpoint " << p.c.slot << "@" << p.c.position << " kept on another block";
       if (!kept && p.c.position > m.st) ++tally_.early_commits;
     }
   }
@@ -531,7 +535,19 @@ class StateCheckpointRandomTest : public ::testing::TestWithParam<Config> {
     const absl::Status status = cache_->Free(caller, id, on_free);
     ASSERT_EQ(status.code(), want) << status;
     if (!status.ok()) return ExpectRefused(status, before, DevicePlan{}, 0);
-    if (on_free == OnFree::kCommit) Remember(seqs_.at(id).content, seqs_.at(id).known);
+    const Seq& m = seqs_.at(id);
+    if (on_free == OnFree::kCommit) {
+      Remember(m.content, m.known);
+      // Its working state, the checkpoint at its end if kept, and those it planned.
+      const auto cached = testing::CachedCheckpoints(*cache_);
+      ASSERT_TRUE(m.st <= 0 ||
+                  testing::KeptWhereItBelongs(*cache_, cached, m.slot, m.content, m.st));
+      for (const Planned& p : m.planned) {
+        ASSERT_TRUE(
+            testing::KeptWhereItBelongs(*cache_, cached, p.c.slot.value(), m.content, p.c.position))
+            << "checkpoint " << p.c.slot << "@" << p.c.position << " kept on another block";
+      }
+    }
     seqs_.erase(id);
   }
 
