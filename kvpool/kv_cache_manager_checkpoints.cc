@@ -139,8 +139,15 @@ std::pair<BlockId, int32_t> KvCacheManager::PathPlace(const Sequence& seq, int64
   const auto index = static_cast<size_t>((position - 1) / block_size_);
   const auto offset = static_cast<int32_t>(position - static_cast<int64_t>(index) * block_size_);
   if (index < seq.path.full.size()) return {seq.path.full[index], offset};
+  // The partial block may be another sequence's (one this sequence resumed inside and copied):
+  // its tokens past what this sequence published need not be this sequence's.
+  const int64_t start = static_cast<int64_t>(index) * block_size_;
   if (index == seq.path.full.size() && seq.path.partial != kInvalidBlock &&
-      cache_->CoverageOf(seq.path.partial) >= offset) {
+      cache_->CoverageOf(seq.path.partial) >= offset &&
+      static_cast<int64_t>(seq.tokens.size()) >= position &&
+      cache_->Agrees(
+          seq.path.partial,
+          std::span(seq.tokens).subspan(static_cast<size_t>(start), static_cast<size_t>(offset)))) {
     return {seq.path.partial, offset};
   }
   return {kInvalidBlock, 0};

@@ -16,9 +16,11 @@
 namespace kvpool {
 namespace {
 
+using ::testing::Contains;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
+using ::testing::Not;
 
 constexpr SessionId kAlice(1);
 constexpr SessionId kBob(2);
@@ -302,6 +304,50 @@ TEST_F(StateCheckpointTest, WorkingStatesEvictCachedCheckpointsNeverTheOtherWayR
   ASSERT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(GetShortfall(refused.status())->resource, Resource::kStateSlots);
   EXPECT_EQ(cache_->DebugString(), before);
+  ExpectInvariants();
+}
+
+// Found by state_checkpoint_random_test: a sequence that resumed inside a partially matched block
+// writes into a copy of it, while its path still names the shared block. When the sequence the
+// block belongs to extends and publishes it with other tokens, a checkpoint of the first sequence
+// past its own published tokens must not be hung on that block: it holds another state.
+TEST_F(StateCheckpointTest, ACheckpointIsNeverKeptOnABlockHoldingOtherTokens) {
+  Make(8, 4, /*interval=*/1);
+  const std::vector<int32_t> head = Prompt(8);
+  const SequenceId x = Prefill(kAlice, head);
+  ASSERT_TRUE(cache_->Free(kAlice, x, OnFree::kCommit).ok());  // a checkpoint at 8, mid-block
+  ASSERT_EQ(cache_->stats().checkpoints.cached, 1);
+
+  // C resumes at 8 and writes into the partially matched block itself; A, resuming there too,
+  // gets a copy of it (C holds it).
+  absl::StatusOr<AllocateResult> c = Resume(kBob, head);
+  ASSERT_TRUE(c.ok()) << c.status();
+  absl::StatusOr<AllocateResult> a = Resume(kAlice, head);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_EQ(a->matched_tokens, 8);
+  const std::vector<int32_t> theirs = Concat(head, Prompt(12, 2));
+  const std::vector<int32_t> ours = Concat(head, Prompt(12, 1));
+  ASSERT_TRUE(cache_->Grow(kAlice, a->sequence, 20, &plan_).ok());
+  ASSERT_TRUE(cache_->Grow(kBob, c->sequence, 20, &plan_).ok());
+
+  // A's step computes its tokens 8..20 and is to checkpoint the state after 16 of them.
+  std::vector<PlannedCheckpoint> planned;
+  ASSERT_TRUE(cache_->PlanCheckpoints(kAlice, a->sequence, 8, 20, true, &planned).ok());
+  ASSERT_EQ(planned.size(), 1u);
+  ASSERT_EQ(planned[0].position, 16);
+  ASSERT_TRUE(cache_->AdvanceState(kAlice, a->sequence, 20).ok());
+  // C publishes the block with its own tokens 8..16; then A tells of its tokens and publishes 8.
+  ASSERT_TRUE(cache_->Commit(kBob, c->sequence, 16, std::span(theirs).subspan(8, 8)).ok());
+  ASSERT_TRUE(cache_->Commit(kAlice, a->sequence, 8, std::span(ours).subspan(8)).ok());
+  ExpectInvariants();
+
+  // A prompt through C's 16 tokens resumes at most from the checkpoint at 8: A's state after 16
+  // tokens is not the state after C's.
+  absl::StatusOr<AllocateResult> d = Resume(kBob, theirs);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->matched_tokens, 8);
+  EXPECT_THAT(plan_.state_copies,
+              Not(Contains(::testing::Field(&BlockCopy::src, planned[0].slot))));
   ExpectInvariants();
 }
 

@@ -28,6 +28,7 @@
 #include "gtest/gtest.h"
 #include "kvpool/kv_cache_manager.h"
 #include "kvpool/util/errors.h"
+#include "tests/kvpool/timeline_fences.h"
 
 namespace kvpool {
 namespace {
@@ -50,19 +51,7 @@ using Code = absl::StatusCode;
 
 int64_t BlocksFor(int64_t tokens) { return (tokens + kBlockSize - 1) / kBlockSize; }
 
-// A FenceObserver the test drives: each timeline completes in order, timelines in any order.
-class TestFences final : public FenceObserver {
- public:
-  bool HasPassed(Fence fence) const override { return completed_[fence.timeline] >= fence.value; }
-  Fence Issue(uint32_t timeline) { return Fence{timeline, ++issued_[timeline]}; }
-  uint64_t Outstanding(uint32_t timeline) const { return issued_[timeline] - completed_[timeline]; }
-  void Complete(uint32_t timeline, uint64_t value) { completed_[timeline] = value; }
-  uint64_t completed(uint32_t timeline) const { return completed_[timeline]; }
-
- private:
-  std::array<uint64_t, kMaxTimelines> issued_{};
-  std::array<uint64_t, kMaxTimelines> completed_{};
-};
+using TestFences = testing::TimelineFences;
 
 // A step's write of a sequence's state: lands when its fence has passed and every earlier write
 // to the same slot has landed (a step reads the state the previous one wrote).

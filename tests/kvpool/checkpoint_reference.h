@@ -1,0 +1,127 @@
+#pragma once
+
+// What the state checkpoints of a KvCacheManager (docs/hybrid-groups.md §4) should be, worked out
+// from the outside, for randomized tests: the checkpoints it keeps (read from its DebugString),
+// the deepest one a prompt reaches, the positions a step is to checkpoint, the eviction order,
+// and where a step may write.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <map>
+#include <set>
+#include <span>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kvpool/kv_cache_manager.h"
+
+namespace kvpool::testing {
+
+struct CachedCheckpoint {
+  int32_t offset = 0;  // the state after this many of its block's tokens
+  int32_t slot = -1;
+  uint64_t stamp = 0;  // its place in the eviction order (least recently used first)
+};
+
+// The checkpoints the tree keeps, by tree block.
+inline std::map<int32_t, CachedCheckpoint> CachedCheckpoints(const KvCacheManager& manager) {
+  std::map<int32_t, CachedCheckpoint> out;
+  std::istringstream in(manager.DebugString());
+  for (std::string line; std::getline(in, line);) {
+    int slot = 0, block = 0, offset = 0;
+    unsigned long long stamp = 0;
+    if (std::sscanf(line.c_str(), "checkpoint slot=%d block=%d offset=%d stamp=%llu", &slot, &block,
+                    &offset, &stamp) == 4) {
+      out[block] = {offset, slot, stamp};
+    }
+  }
+  return out;
+}
+
+// The deepest checkpoint (of `cached`, what CachedCheckpoints says now) `prompt`'s attention
+// match in `ns` reaches: (tokens, slot), or (0, -1).
+inline std::pair<int64_t, int32_t> DeepestCheckpoint(
+    const KvCacheManager& manager, const std::map<int32_t, CachedCheckpoint>& cached,
+    NamespaceId ns, std::span<const int32_t> prompt) {
+  const PrefixMatch m = manager.cache()->Match(ns, prompt);
+  const int64_t bs = manager.block_size();
+  std::pair<int64_t, int32_t> best{0, -1};
+  const auto consider = [&](BlockId block, int64_t base, int64_t limit) {
+    auto it = cached.find(block.value());
+    if (it != cached.end() && it->second.offset <= limit && base + it->second.offset > best.first) {
+      best = {base + it->second.offset, it->second.slot};
+    }
+  };
+  for (size_t i = 0; i < m.full.size(); ++i) consider(m.full[i], static_cast<int64_t>(i) * bs, bs);
+  if (m.partial != kInvalidBlock) {
+    consider(m.partial, static_cast<int64_t>(m.full.size()) * bs, m.partial_tokens);
+  }
+  return best;
+}
+
+// The positions a step from `from` to `to` tokens is to checkpoint, by position: every `interval`
+// blocks, the branch point, a prefill's last block boundary.
+inline std::vector<int64_t> WantedCheckpoints(int64_t from, int64_t to, bool prefill,
+                                              int64_t branch_at, int32_t interval, int32_t bs) {
+  std::vector<int64_t> want;
+  if (interval > 0) {
+    const int64_t every = int64_t{interval} * bs;
+    for (int64_t p = (from / every + 1) * every; p <= to; p += every) want.push_back(p);
+  }
+  if (branch_at > from && branch_at <= to) want.push_back(branch_at);
+  if (prefill && (to - 1) / bs * bs > from) want.push_back((to - 1) / bs * bs);
+  std::sort(want.begin(), want.end());
+  want.erase(std::unique(want.begin(), want.end()), want.end());
+  return want;
+}
+
+// Whether slot `slot`, if `cached` has it, is kept where the state after `tokens[0..position)`
+// belongs: at the position's offset in a block the tree publishes with those tokens.
+inline bool KeptWhereItBelongs(const KvCacheManager& manager,
+                               const std::map<int32_t, CachedCheckpoint>& cached, int32_t slot,
+                               const std::vector<int32_t>& tokens, int64_t position) {
+  const int64_t bs = manager.block_size();
+  const int64_t start = (position - 1) / bs * bs;
+  for (const auto& [block, c] : cached) {
+    if (c.slot != slot) continue;
+    return c.offset == position - start &&
+           manager.cache()->Agrees(BlockId(block),
+                                   std::span(tokens).subspan(static_cast<size_t>(start),
+                                                             static_cast<size_t>(c.offset)));
+  }
+  return true;
+}
+
+// Whether the checkpoints in slots `used` are the most recently used of `cached` (the last to be
+// evicted).
+inline bool UsedLast(const std::map<int32_t, CachedCheckpoint>& cached,
+                     const std::set<int32_t>& used) {
+  uint64_t newest_other = 0, oldest_used = UINT64_MAX;
+  for (const auto& [block, c] : cached) {
+    if (used.contains(c.slot)) {
+      oldest_used = std::min(oldest_used, c.stamp);
+    } else {
+      newest_other = std::max(newest_other, c.stamp);
+    }
+  }
+  return newest_other < oldest_used;
+}
+
+// Whether the tree publishes blocks [first, last] of `seq` with no other tokens than `content`'s
+// (a step may write their KV).
+inline bool Writable(const KvCacheManager& manager, const Sequence& seq,
+                     const std::vector<int32_t>& content, int64_t first, int64_t last) {
+  const int64_t bs = manager.block_size();
+  for (int64_t b = first; b <= last; ++b) {
+    const int64_t end = std::min<int64_t>((b + 1) * bs, static_cast<int64_t>(content.size()));
+    const std::span<const int32_t> tokens(content.data() + b * bs,
+                                          static_cast<size_t>(end - b * bs));
+    if (!manager.cache()->Agrees(seq.table[static_cast<size_t>(b)], tokens)) return false;
+  }
+  return true;
+}
+
+}  // namespace kvpool::testing
