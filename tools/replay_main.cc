@@ -73,9 +73,9 @@ ABSL_FLAG(int64_t, state_bytes, 0,
           "2,147,840)");
 ABSL_FLAG(int32_t, kv_dtype_bytes, 2,
           "--layers=<kvpool model>: bytes of one K/V element (2: bf16, as vLLM holds them)");
-ABSL_FLAG(std::string, state_shares, "0.1,0.25,0.5",
+ABSL_FLAG(std::string, state_shares, "0.25",
           "--layers: the shares of the memory kvpool's layout gives to state slots, one row each");
-ABSL_FLAG(std::string, checkpoint_intervals, "0,32",
+ABSL_FLAG(std::string, checkpoint_intervals, "0",
           "--layers: kvpool's checkpoint intervals in blocks, one row each with every state "
           "share (0: branch points, the prefill's last block boundary and each prompt's end "
           "only; 32 blocks of 16 = 512 tokens)");
