@@ -27,6 +27,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "kvpool/util/version.h"
 #include "model/weights.h"
@@ -212,15 +213,18 @@ void PrintLayersHeader(const tools::LayerLayout& layers, const tools::HashChainL
 void PrintLayout(std::string_view trace, int64_t capacity, const char* name, Variant v,
                  const tools::LayoutResult& r, double base_hit) {
   const double tokens = std::max(r.mean_cached_tokens, 1.0);
+  // The ratio to the baseline: "inf" when only this layout hit, "-" when neither did.
+  const std::string ratio = base_hit > 0 ? absl::StrFormat("%.2fx", r.replay.hit_rate() / base_hit)
+                            : r.replay.hit_rate() > 0 ? "inf"
+                                                      : "-";
   std::printf(
-      "%-26s %6lld %-10s %5d %4d %5.2f %7lld %9.4f %9.4f %7.2fx %9.0f %9.0f %9.0f %7lld %7lld "
+      "%-26s %6lld %-10s %5d %4d %5.2f %7lld %9.4f %9.4f %8s %9.0f %9.0f %9.0f %7lld %7lld "
       "%7lld\n",
       std::string(trace).c_str(), static_cast<long long>(capacity), name, r.block_size, v.interval,
       v.share, static_cast<long long>(r.state_slots), r.replay.hit_rate(), r.token_hit_rate(),
-      base_hit > 0 ? r.replay.hit_rate() / base_hit : 0.0, r.mean_kv_bytes / tokens,
-      r.mean_state_bytes / tokens, r.bytes_per_cached_token(),
-      static_cast<long long>(r.checkpoints_kept), static_cast<long long>(r.checkpoints_evicted),
-      static_cast<long long>(r.checkpoints_resumed));
+      ratio.c_str(), r.mean_kv_bytes / tokens, r.mean_state_bytes / tokens,
+      r.bytes_per_cached_token(), static_cast<long long>(r.checkpoints_kept),
+      static_cast<long long>(r.checkpoints_evicted), static_cast<long long>(r.checkpoints_resumed));
 }
 
 // Replays `trace` with kvpool's layout at every state share and the hash-chain layout, at each
@@ -275,8 +279,8 @@ int RunLayers(const std::vector<std::string>& paths, std::span<const int64_t> ca
     const std::string name = path.substr(path.find_last_of('/') + 1);
     if (!RunLayersOn(*trace, name, *layers, capacities, *variants, &worst)) return 1;
   }
-  std::printf("lowest kvpool/hash-chain hit-rate ratio %.2fx (target: >= 3x, never below 1x)\n",
-              worst);
+  std::printf("lowest kvpool/hash-chain hit-rate ratio %s (target: >= 3x, never below 1x)\n",
+              worst >= 1e9 ? "inf" : absl::StrFormat("%.2fx", worst).c_str());
   return 0;
 }
 
