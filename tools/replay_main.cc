@@ -205,9 +205,9 @@ void PrintLayersHeader(const tools::LayerLayout& layers, const tools::HashChainL
       static_cast<long long>(layers.kv_bytes_per_token), chain.block_size,
       static_cast<long long>(chain.page_bytes), chain.group_size, chain.attention_groups,
       chain.state_groups, static_cast<long long>(chain.block_bytes()));
-  std::printf("%-26s %6s %-10s %5s %4s %5s %7s %9s %9s %8s %9s %9s %9s %7s %7s %7s\n", "trace",
+  std::printf("%-26s %6s %-10s %5s %4s %5s %7s %9s %9s %8s %9s %9s %9s %7s %7s %7s %7s\n", "trace",
               "blocks", "layout", "B", "ivl", "share", "slots", "hit_rate", "tok_hit", "vs_base",
-              "kvB/tok", "stB/tok", "B/tok", "kept", "evict", "resumed");
+              "kvB/tok", "stB/tok", "B/tok", "kept", "evict", "resumed", "skipped");
 }
 
 void PrintLayout(std::string_view trace, int64_t capacity, const char* name, Variant v,
@@ -219,12 +219,13 @@ void PrintLayout(std::string_view trace, int64_t capacity, const char* name, Var
                                                       : "-";
   std::printf(
       "%-26s %6lld %-10s %5d %4d %5.2f %7lld %9.4f %9.4f %8s %9.0f %9.0f %9.0f %7lld %7lld "
-      "%7lld\n",
+      "%7lld %7lld\n",
       std::string(trace).c_str(), static_cast<long long>(capacity), name, r.block_size, v.interval,
       v.share, static_cast<long long>(r.state_slots), r.replay.hit_rate(), r.token_hit_rate(),
       ratio.c_str(), r.mean_kv_bytes / tokens, r.mean_state_bytes / tokens,
       r.bytes_per_cached_token(), static_cast<long long>(r.checkpoints_kept),
-      static_cast<long long>(r.checkpoints_evicted), static_cast<long long>(r.checkpoints_resumed));
+      static_cast<long long>(r.checkpoints_evicted), static_cast<long long>(r.checkpoints_resumed),
+      static_cast<long long>(r.replay.skipped));
 }
 
 // Replays `trace` with kvpool's layout at every state share and the hash-chain layout, at each
