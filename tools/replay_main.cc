@@ -6,9 +6,13 @@
 //                 --capacity_blocks=1000 --policy=reuse+admit
 //   kvpool-replay --sweep   # both traces x 1k/2k/5k/10k blocks x every policy
 //   kvpool-replay --tiers   # both traces: the device pool alone vs with a host tier below it
+//   kvpool-replay --trace=... --capacity_blocks=1000 --layers=bamba-9b   # a hybrid model:
+//                 kvpool's layout (checkpoints) vs vLLM's one-page-size layout, same bytes
+//   kvpool-replay --layers_sweep --layers=bamba-9b   # both traces x 1k/2k/5k blocks
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <span>
 #include <string>
@@ -21,8 +25,13 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "kvpool/util/version.h"
+#include "model/weights.h"
+#include "tools/hybrid_replay.h"
 #include "tools/replay.h"
 
 ABSL_FLAG(std::string, trace, "",
@@ -51,6 +60,30 @@ ABSL_FLAG(int64_t, host_blocks, 0,
 ABSL_FLAG(bool, tiers, false,
           "replay both traces of --traces_dir at 1k and 2k device blocks, alone and with a host "
           "tier of 4x the device blocks, with --policy, and print the table");
+
+ABSL_FLAG(std::string, layers, "",
+          "a hybrid model's layers: a preset (bamba-9b, nemotron-h-8b), a kvpool model name with "
+          "state-space layers (tiny-hybrid), or a pattern (A/F attention, M/S state space, X "
+          "neither: 'SSFS', 'M,M,A,M'); replays kvpool's layout against vLLM's one-page-size "
+          "layout at the same bytes (--capacity_blocks 512-token blocks of attention K/V)");
+ABSL_FLAG(int64_t, kv_bytes_per_token, 0,
+          "--layers: K+V bytes of one token in one attention layer (0: the preset's, else 4096 "
+          "= 8 KV heads of 128 in bf16)");
+ABSL_FLAG(int64_t, state_bytes, 0,
+          "--layers: bytes of one state-space layer's state (0: the preset's, else Bamba-9B's "
+          "2,147,840)");
+ABSL_FLAG(int32_t, kv_dtype_bytes, 2,
+          "--layers=<kvpool model>: bytes of one K/V element (2: bf16, as vLLM holds them)");
+ABSL_FLAG(std::string, state_shares, "0.25",
+          "--layers: the shares of the memory kvpool's layout gives to state slots, one row each");
+ABSL_FLAG(std::string, checkpoint_intervals, "0",
+          "--layers: kvpool's checkpoint intervals in blocks, one row each with every state "
+          "share (0: branch points, the prefill's last block boundary and each prompt's end "
+          "only; 32 blocks of 16 = 512 tokens)");
+ABSL_FLAG(int32_t, layers_block_size, 16, "--layers: kvpool's block size in tokens");
+ABSL_FLAG(bool, layers_sweep, false,
+          "replay both traces of --traces_dir at 1k/2k/5k blocks with --layers (default "
+          "bamba-9b) and print the table");
 
 namespace {
 
@@ -112,6 +145,143 @@ int RunTiers() {
       std::fflush(stdout);
     }
   }
+  return 0;
+}
+
+// --layers: the layout, from a preset, a pattern, or a kvpool model's config.
+absl::StatusOr<tools::LayerLayout> Layers() {
+  std::string spec = absl::GetFlag(FLAGS_layers);
+  if (spec.empty()) spec = "bamba-9b";
+  const int64_t kv = absl::GetFlag(FLAGS_kv_bytes_per_token);
+  const int64_t state = absl::GetFlag(FLAGS_state_bytes);
+  const absl::StatusOr<kvpool::model::ModelConfig> config = kvpool::model::NamedConfig(spec);
+  if (!config.ok() || config->num_state_layers() == 0) return tools::ParseLayers(spec, kv, state);
+  // A kvpool model: its K/V at --kv_dtype_bytes, its state as the model holds it (f32).
+  const int32_t dtype = absl::GetFlag(FLAGS_kv_dtype_bytes);
+  if (dtype <= 0) return absl::InvalidArgumentError("--kv_dtype_bytes must be positive");
+  return tools::LayerLayout{
+      .name = spec,
+      .attention_layers = config->num_kv_layers(),
+      .state_layers = config->num_state_layers(),
+      .kv_bytes_per_token =
+          kv > 0 ? kv : int64_t{2} * config->num_kv_heads * config->head_dim * dtype,
+      .state_bytes = state > 0 ? state : config->state_bytes() / config->num_state_layers()};
+}
+
+// kvpool's variants: every checkpoint interval with every state share.
+struct Variant {
+  double share = 0;
+  int32_t interval = 0;
+};
+
+absl::StatusOr<std::vector<Variant>> Variants() {
+  std::vector<Variant> variants;
+  for (absl::string_view ivl : absl::StrSplit(absl::GetFlag(FLAGS_checkpoint_intervals), ',')) {
+    int32_t interval = 0;
+    if (!absl::SimpleAtoi(ivl, &interval) || interval < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--checkpoint_intervals: '", ivl, "' is not a number of blocks >= 0"));
+    }
+    for (absl::string_view part : absl::StrSplit(absl::GetFlag(FLAGS_state_shares), ',')) {
+      double share = 0;
+      if (!absl::SimpleAtod(part, &share) || !(share >= 0 && share < 1)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--state_shares: '", part, "' is not a share in [0, 1)"));
+      }
+      variants.push_back({share, interval});
+    }
+  }
+  return variants;
+}
+
+void PrintLayersHeader(const tools::LayerLayout& layers, const tools::HashChainLayout& chain) {
+  std::printf(
+      "layers %s: %d attention layers x %lld B/token, %d state layers x %lld B/state\n"
+      "hash-chain (vLLM): B = 16 * ceil(%lld / (16 * %lld)) = %d tokens, page %lld B, groups of "
+      "%d layers (%d attention, %d state), %lld B per cached block\n",
+      layers.name.c_str(), layers.attention_layers,
+      static_cast<long long>(layers.kv_bytes_per_token), layers.state_layers,
+      static_cast<long long>(layers.state_bytes), static_cast<long long>(layers.state_bytes),
+      static_cast<long long>(layers.kv_bytes_per_token), chain.block_size,
+      static_cast<long long>(chain.page_bytes), chain.group_size, chain.attention_groups,
+      chain.state_groups, static_cast<long long>(chain.block_bytes()));
+  std::printf("%-26s %6s %-10s %5s %4s %5s %7s %9s %9s %8s %9s %9s %9s %7s %7s %7s %7s\n", "trace",
+              "blocks", "layout", "B", "ivl", "share", "slots", "hit_rate", "tok_hit", "vs_base",
+              "kvB/tok", "stB/tok", "B/tok", "kept", "evict", "resumed", "skipped");
+}
+
+void PrintLayout(std::string_view trace, int64_t capacity, const char* name, Variant v,
+                 const tools::LayoutResult& r, double base_hit) {
+  const double tokens = std::max(r.mean_cached_tokens, 1.0);
+  // The ratio to the baseline: "inf" when only this layout hit, "-" when neither did.
+  const std::string ratio = base_hit > 0 ? absl::StrFormat("%.2fx", r.replay.hit_rate() / base_hit)
+                            : r.replay.hit_rate() > 0 ? "inf"
+                                                      : "-";
+  std::printf(
+      "%-26s %6lld %-10s %5d %4d %5.2f %7lld %9.4f %9.4f %8s %9.0f %9.0f %9.0f %7lld %7lld "
+      "%7lld %7lld\n",
+      std::string(trace).c_str(), static_cast<long long>(capacity), name, r.block_size, v.interval,
+      v.share, static_cast<long long>(r.state_slots), r.replay.hit_rate(), r.token_hit_rate(),
+      ratio.c_str(), r.mean_kv_bytes / tokens, r.mean_state_bytes / tokens,
+      r.bytes_per_cached_token(), static_cast<long long>(r.checkpoints_kept),
+      static_cast<long long>(r.checkpoints_evicted), static_cast<long long>(r.checkpoints_resumed),
+      static_cast<long long>(r.replay.skipped));
+}
+
+// Replays `trace` with kvpool's layout at every state share and the hash-chain layout, at each
+// capacity, and prints the rows; false (after printing why) on an error. Sets *worst to the
+// lowest hybrid/baseline ratio seen.
+bool RunLayersOn(const std::vector<kvpool::workload::TraceRequest>& trace, std::string_view name,
+                 const tools::LayerLayout& layers, std::span<const int64_t> capacities,
+                 std::span<const Variant> variants, double* worst) {
+  for (int64_t capacity : capacities) {
+    std::vector<tools::HybridReplayOptions> configs;
+    for (const Variant& v : variants) {
+      configs.push_back({.layers = layers,
+                         .capacity_blocks = capacity,
+                         .block_size = absl::GetFlag(FLAGS_layers_block_size),
+                         .state_share = v.share,
+                         .checkpoint_interval = v.interval});
+    }
+    const auto results = tools::ReplayHybrid(trace, configs);
+    if (!results.ok()) {
+      Fail(results.status().ToString());
+      return false;
+    }
+    const tools::LayoutResult& base = (*results)[0].baseline;
+    PrintLayout(name, capacity, "hash-chain", Variant{}, base, base.replay.hit_rate());
+    for (size_t i = 0; i < results->size(); ++i) {
+      const tools::LayoutResult& h = (*results)[i].hybrid;
+      PrintLayout(name, capacity, "kvpool", variants[i], h, base.replay.hit_rate());
+      const double ratio = base.replay.hit_rate() > 0 ? h.replay.hit_rate() / base.replay.hit_rate()
+                           : h.replay.hit_rate() > 0  ? 1e9
+                                                      : 1.0;
+      *worst = std::min(*worst, ratio);
+    }
+    std::fflush(stdout);
+  }
+  return true;
+}
+
+int RunLayers(const std::vector<std::string>& paths, std::span<const int64_t> capacities) {
+  const absl::StatusOr<tools::LayerLayout> layers = Layers();
+  if (!layers.ok()) return Fail(std::string(layers.status().message()));
+  const absl::StatusOr<std::vector<Variant>> variants = Variants();
+  if (!variants.ok()) return Fail(std::string(variants.status().message()));
+  PrintLayersHeader(*layers, tools::HashChain(*layers));
+  double worst = 1e18;
+  for (const std::string& path : paths) {
+    auto trace = kvpool::workload::ReadMooncakeTrace(path);
+    if (!trace.ok()) return Fail(std::string(trace.status().message()));
+    const int64_t max_requests = absl::GetFlag(FLAGS_max_requests);
+    if (max_requests > 0 && static_cast<int64_t>(trace->size()) > max_requests) {
+      trace->resize(static_cast<size_t>(max_requests));
+    }
+    const std::string name = path.substr(path.find_last_of('/') + 1);
+    if (!RunLayersOn(*trace, name, *layers, capacities, *variants, &worst)) return 1;
+  }
+  std::printf("lowest kvpool/hash-chain hit-rate ratio %s (target: >= 3x, never below 1x)\n",
+              worst >= 1e9 ? "inf" : absl::StrFormat("%.2fx", worst).c_str());
   return 0;
 }
 
@@ -214,10 +384,22 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   if (absl::GetFlag(FLAGS_sweep)) return RunSweep();
   if (absl::GetFlag(FLAGS_tiers)) return RunTiers();
+  if (absl::GetFlag(FLAGS_layers_sweep)) {
+    std::vector<std::string> paths;
+    for (std::string_view name : tools::kSweepTraces) {
+      paths.push_back(absl::GetFlag(FLAGS_traces_dir) + "/" + std::string(name));
+    }
+    return RunLayers(paths, tools::kLayersCapacities);
+  }
   const std::string path = absl::GetFlag(FLAGS_trace);
   if (path.empty()) {
     std::fprintf(stderr, "kvpool-replay: --trace (or --sweep) is required (see --help)\n");
     return 2;
+  }
+  if (!absl::GetFlag(FLAGS_layers).empty()) {
+    const int64_t capacity = absl::GetFlag(FLAGS_capacity_blocks);
+    if (capacity <= 0) return Fail("--layers needs --capacity_blocks > 0 (the memory budget)");
+    return RunLayers({path}, std::span(&capacity, 1));
   }
   return RunOne(path);
 }
