@@ -227,7 +227,7 @@ class StateCheckpointRandomTest : public ::testing::TestWithParam<Config> {
       if (BlocksFor(r.num_tokens) > kMaxBlocksPerSeq) want = Code::kResourceExhausted;
       r.prompt = prompts[k];
       batch.push_back(r);
-      attention.push_back(cache_->MatchPrefix(kNamespace, prompts[k]));
+      attention.push_back(cache_->cache()->Match(kNamespace, prompts[k]).matched_tokens);
       deepest.push_back(testing::DeepestCheckpoint(*cache_, cached, kNamespace, prompts[k]));
       if (deepest.back().second >= 0) keep.insert(deepest.back().second);
     }

@@ -286,7 +286,8 @@ class StateGroupRandomTest : public ::testing::Test {
     int64_t attention_match = 0;  // what the tree holds of the prompts, for full attention
     for (size_t k = 0; k < n; ++k) {
       batch.push_back(PickRequest(&prompts[k]));
-      attention_match += cache_->MatchPrefix(batch.back().ns, batch.back().prompt);
+      attention_match +=
+          cache_->cache()->Match(batch.back().ns, batch.back().prompt).matched_tokens;
     }
     const Code want = PredictAllocate(batch);
     const int64_t short_by = static_cast<int64_t>(n) - Available();
