@@ -169,6 +169,13 @@ TEST(ConfigTest, EngineOptionsAndProblemsComeFromOnePass) {
   EXPECT_EQ(o.status().message(), absl::StrJoin(problems, "\n"));
 }
 
+v1::DaemonConfig HybridConfig() {
+  v1::DaemonConfig c;
+  c.mutable_model()->set_name("tiny-hybrid");
+  ApplyDefaults(&c);
+  return c;
+}
+
 // Issue 28: a model with state-space layers gets the pool's state group (docs/hybrid-groups.md
 // §2): the pool keeps K/V of its attention layers only, and shape.state_slots slots of the
 // model's state come out of the pool's bytes before the blocks; by name or as a checkpoint.
@@ -190,10 +197,7 @@ TEST(ConfigTest, StateSpaceModelsGetAStateGroup) {
     EXPECT_LE(l.arena_bytes(), c.pool_bytes());
     EXPECT_GT(l.arena_bytes() + l.block_bytes(), c.pool_bytes() - 4096);  // nothing left unused
   };
-  v1::DaemonConfig c;
-  c.mutable_model()->set_name("tiny-hybrid");
-  ApplyDefaults(&c);
-  check(c);
+  check(HybridConfig());
 
   const std::string dir = (std::filesystem::temp_directory_path() /
                            ("kvpool_config_hybrid_" + std::to_string(::getpid())))
@@ -204,8 +208,11 @@ TEST(ConfigTest, StateSpaceModelsGetAStateGroup) {
   ApplyDefaults(&from_checkpoint);
   check(from_checkpoint);
   std::filesystem::remove_all(dir);
+}
 
-  // More slots than the pool holds, slots for a model without a state, negative slots.
+// The state and checkpoint slots of shape: too many for the pool, explicit, none, bad, stray.
+TEST(ConfigTest, StateAndCheckpointSlotsAreChecked) {
+  const v1::DaemonConfig c = HybridConfig();
   v1::DaemonConfig crowded = c;
   crowded.mutable_shape()->set_state_slots(1000);  // 3 GiB of states (and checkpoints) in 256 MiB
   EXPECT_THAT(
@@ -244,12 +251,15 @@ TEST(ConfigTest, StateSpaceModelsGetAStateGroup) {
               ::testing::ElementsAre(HasSubstr("limits.state_slots_per_uid: must be >= 0")));
   negative.mutable_limits()->set_state_slots_per_uid(8);
   EXPECT_EQ(MakeEngineOptions(negative, 1)->limits.state_slots_per_uid, 8);
+}
+
+TEST(ConfigTest, AHybridModelNeedsItsOwnShape) {
   // The shape of another model is refused, naming what the model needs.
   v1::DaemonConfig mismatched = DefaultConfig();  // tiny's shape: 4 layers with K/V
   mismatched.mutable_model()->set_name("tiny-hybrid");
   EXPECT_THAT(ValidateConfig(mismatched), ::testing::Contains(HasSubstr("needs num_layers 1")));
   // tiny-swa (window layers only) is served as before, with no state group.
-  c = DefaultConfig();
+  v1::DaemonConfig c = DefaultConfig();
   c.mutable_model()->set_name("tiny-swa");
   EXPECT_THAT(ValidateConfig(c), ::testing::IsEmpty());
   EXPECT_EQ(MakeEngineOptions(c, 1)->pools[0].layout.num_state_slots, 0);

@@ -7,6 +7,8 @@
 #include <atomic>
 #include <filesystem>
 #include <random>
+#include <string>
+#include <string_view>
 #include <thread>
 
 #include "client/client.h"
@@ -289,31 +291,36 @@ TEST_F(ComputeIntegrationTest, ASlidingWindowModelSharesPrefixesAsComputedAlone)
   EXPECT_TRUE(clients[0]->CheckInvariants()->ok());
 }
 
-// A hybrid model (issue 28's tiny-hybrid: state-space, state-space, full attention,
-// state-space) served to several clients at once: each sequence's state lives in the pool's
-// state group, prompts resume from the prefix cache's state checkpoints, a fork decodes from a
-// copy of its parent's state, and every reply equals the model run alone in this process.
+// Issue 28's tiny-hybrid (state-space, state-space, full attention, state-space) in a pool with
+// room for 8 working states (and as many checkpoints).
+constexpr std::string_view kHybridDaemon = R"pb(
+  pool_bytes: 33554432
+  max_blocks_per_seq: 256
+  shape { dtype: "f32" state_slots: 8 }
+  model { name: "tiny-hybrid" }
+)pb";
+
+// Client i's prompt: 40 shared tokens, then 5 + i of its own.
+std::vector<int32_t> HybridPrompt(int i) {
+  std::vector<int32_t> p = Prompt(40, 61);
+  const std::vector<int32_t> own = Prompt(5 + static_cast<size_t>(i), 70 + i);
+  p.insert(p.end(), own.begin(), own.end());
+  return p;
+}
+
+// A hybrid model served to several clients at once: each sequence's state lives in the pool's
+// state group, prompts resume from the prefix cache's state checkpoints, and every reply equals
+// the model run alone in this process.
 TEST_F(ComputeIntegrationTest, AHybridModelKeepsEachSequencesStateInThePool) {
-  StartDaemon(R"pb(
-    pool_bytes: 33554432
-    max_blocks_per_seq: 256
-    shape { dtype: "f32" state_slots: 8 }
-    model { name: "tiny-hybrid" }
-  )pb");
-  const std::vector<int32_t> shared = Prompt(40, 61);
+  StartDaemon(std::string(kHybridDaemon));
   constexpr int kClients = 3;
   std::vector<std::unique_ptr<client::Client>> clients;
   std::vector<std::vector<int32_t>> prompts;
+  std::vector<std::vector<int32_t>> alone;
   for (int i = 0; i < kClients; ++i) {
     clients.push_back(Connect(daemon_->dir(), "hybrid-" + std::to_string(i)));
-    std::vector<int32_t> p = shared;
-    const std::vector<int32_t> own = Prompt(5 + static_cast<size_t>(i), 70 + i);
-    p.insert(p.end(), own.begin(), own.end());
-    prompts.push_back(std::move(p));
-  }
-  std::vector<std::vector<int32_t>> alone(kClients);
-  for (int i = 0; i < kClients; ++i) {
-    alone[i] = RunLocally(prompts[i], 6, kernels::DType::kF32, "tiny-hybrid");
+    prompts.push_back(HybridPrompt(i));
+    alone.push_back(RunLocally(prompts[i], 6, kernels::DType::kF32, "tiny-hybrid"));
   }
   // One client after the other: the first computes everything, and its prefill (45 tokens)
   // leaves a checkpoint at its last block boundary, 32, inside the shared 40 tokens: the others
@@ -335,31 +342,8 @@ TEST_F(ComputeIntegrationTest, AHybridModelKeepsEachSequencesStateInThePool) {
     EXPECT_EQ(got[i].tokens, alone[i]) << "client " << i;
     EXPECT_EQ(got[i].reused, 32) << "client " << i;
   }
-  // A fork carries its parent's state: both branches continue exactly as the parent would.
-  const client::Client& c = *clients[0];
-  absl::StatusOr<v1::PrefillResponse> first = c.Prefill(0, prompts[0]);
-  ASSERT_TRUE(first.ok()) << first.status();
-  absl::StatusOr<v1::SequenceInfo> fork = c.Fork(first->sequence_id());
-  ASSERT_TRUE(fork.ok()) << fork.status();
-  ASSERT_TRUE(fork->has_state_slot());
-  const client::DecodeItem both[] = {{first->sequence_id(), first->next_token()},
-                                     {fork->sequence_id(), first->next_token()}};
-  absl::StatusOr<v1::DecodeResponse> next = c.Decode(both);
-  ASSERT_TRUE(next.ok()) << next.status();
-  EXPECT_EQ(next->next_tokens(0), alone[0][1]);
-  EXPECT_EQ(next->next_tokens(1), alone[0][1]);
-  // The fork rewinds to the checkpoint at 32 (on its path) and computes the rest again: the same
-  // answers. At 40 there is none: refused, naming 32.
-  const absl::Status no_checkpoint = c.Truncate(fork->sequence_id(), 40);
-  EXPECT_EQ(no_checkpoint.code(), absl::StatusCode::kFailedPrecondition) << no_checkpoint;
-  EXPECT_THAT(std::string(no_checkpoint.message()), HasSubstr("is at 32 tokens"));
-  ASSERT_TRUE(c.Truncate(fork->sequence_id(), 32).ok());
-  const std::vector<int32_t> rest(prompts[0].begin() + 32, prompts[0].end());
-  absl::StatusOr<v1::PrefillResponse> again_from_32 = c.Prefill(fork->sequence_id(), rest);
-  ASSERT_TRUE(again_from_32.ok()) << again_from_32.status();
-  EXPECT_EQ(again_from_32->next_token(), alone[0][0]);
 
-  const v1::GetStatsResponse stats = Stats(c);
+  const v1::GetStatsResponse stats = Stats(*clients[0]);
   EXPECT_EQ(stats.model(), "tiny-hybrid");
   auto stat = [&](const std::string& name, const std::string& label) {
     for (const v1::Stat& st : stats.stats()) {
@@ -374,9 +358,43 @@ TEST_F(ComputeIntegrationTest, AHybridModelKeepsEachSequencesStateInThePool) {
   // The second pass found 44 tokens of prompts[0] for full attention, resumed 32 of them.
   EXPECT_GE(stat("missed_tokens", "no_checkpoint"), 12);
   EXPECT_GE(stat("state_checkpoints", "kept"), 1 + kClients);  // 32, and each committed end
-  EXPECT_EQ(stat("state_checkpoints", "resumed"), 2 * kClients - 1 + 1);
-  // Every live sequence (the fork too) and the checkpoint they resumed from, held while they live.
-  EXPECT_EQ(stat("state_slots", "active"), kClients + 2 + 1);
+  EXPECT_EQ(stat("state_checkpoints", "resumed"), 2 * kClients - 1);
+  // Every live sequence and the checkpoint they resumed from, held while they live.
+  EXPECT_EQ(stat("state_slots", "active"), kClients + 1);
+  EXPECT_TRUE(clients[0]->CheckInvariants()->ok());
+}
+
+// A fork of a hybrid sequence decodes from a copy of its parent's state, and rewinds only to a
+// state checkpoint on its path.
+TEST_F(ComputeIntegrationTest, AHybridForkCarriesItsStateAndRewindsToACheckpoint) {
+  StartDaemon(std::string(kHybridDaemon));
+  auto client = Connect(daemon_->dir(), "hybrid-fork");
+  const client::Client& c = *client;
+  const std::vector<int32_t> prompt = HybridPrompt(0);
+  const std::vector<int32_t> alone = RunLocally(prompt, 2, kernels::DType::kF32, "tiny-hybrid");
+  absl::StatusOr<v1::PrefillResponse> first = c.Prefill(0, prompt);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->next_token(), alone[0]);
+  absl::StatusOr<v1::SequenceInfo> fork = c.Fork(first->sequence_id());
+  ASSERT_TRUE(fork.ok()) << fork.status();
+  ASSERT_TRUE(fork->has_state_slot());
+  const client::DecodeItem both[] = {{first->sequence_id(), first->next_token()},
+                                     {fork->sequence_id(), first->next_token()}};
+  absl::StatusOr<v1::DecodeResponse> next = c.Decode(both);
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(next->next_tokens(0), alone[1]);
+  EXPECT_EQ(next->next_tokens(1), alone[1]);
+  // The prefill (45 tokens) kept a checkpoint at its last block boundary, 32: the fork rewinds
+  // there and computes the rest again, with the same answer. At 40 there is none: refused,
+  // naming 32.
+  const absl::Status no_checkpoint = c.Truncate(fork->sequence_id(), 40);
+  EXPECT_EQ(no_checkpoint.code(), absl::StatusCode::kFailedPrecondition) << no_checkpoint;
+  EXPECT_THAT(std::string(no_checkpoint.message()), HasSubstr("is at 32 tokens"));
+  ASSERT_TRUE(c.Truncate(fork->sequence_id(), 32).ok());
+  const std::vector<int32_t> rest(prompt.begin() + 32, prompt.end());
+  absl::StatusOr<v1::PrefillResponse> again_from_32 = c.Prefill(fork->sequence_id(), rest);
+  ASSERT_TRUE(again_from_32.ok()) << again_from_32.status();
+  EXPECT_EQ(again_from_32->next_token(), alone[0]);
   EXPECT_TRUE(c.CheckInvariants()->ok());
 }
 
