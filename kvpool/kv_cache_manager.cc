@@ -617,35 +617,7 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
                    .tokens = std::vector<int32_t>(r.prompt.begin(), r.prompt.end()),
                    .priority = r.priority,
                    .retain_tail = r.retain_tail};
-    if (cache_) seq.path = cache_->Adopt(p.match);
-    for (BlockId block : p.match.full) {
-      seq.table.push_back(block);
-      RetainBlock(block, ctx);
-      pool_->NoteCacheHit(block, ctx);
-    }
-    if (p.match.partial != kInvalidBlock) {
-      const BlockId src = p.match.partial;
-      if (p.copy_partial) {
-        KVPOOL_CHECK_OK(pool_->Allocate(1, seq.slot, ctx, &seq.table, /*fills=*/nullptr));
-        plan->copies.push_back(BlockCopy{src, seq.table.back()});
-        ++counters_.cow_copies;
-      } else {
-        seq.table.push_back(src);
-        RetainBlock(src, ctx);
-        pool_->NoteCacheHit(src, ctx);
-      }
-    }
-    KVPOOL_CHECK_OK(pool_->Allocate(p.new_blocks, seq.slot, ctx, &seq.table, &plan->fills));
-    if (window_) AdoptWindow(&seq, p, r.num_tokens, ctx, plan);
-    TakeStateSlot(&seq, p.resume, ctx, plan);
-    if (p.resume != kInvalidBlock) {
-      // Held while the sequence lives, as its path's blocks are: the copy out of it is fenced
-      // with the plan, and the checkpoint stays where the match found it.
-      KVPOOL_CHECK_OK(states_->Retain(p.resume, ctx));
-      seq.resumed_from = p.resume;
-      TouchCheckpoint(p.resume);
-      ++counters_.checkpoints.resumed;
-    }
+    AdoptMatch(&seq, r, p, ctx, plan);
     seq.state_tokens = p.match.matched_tokens;
     // The branch point's checkpoint goes on the last block the prompt shares whole: the one
     // tree block every later prompt through here follows, whichever sibling it continues into.
@@ -664,6 +636,39 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
   AddSequences(caller, static_cast<int64_t>(requests.size()));
   AddRefs(caller, tally.refs);
   return absl::OkStatus();
+}
+
+void KvCacheManager::AdoptMatch(Sequence* seq, const AllocateRequest& r, const AllocatePlan& p,
+                                const TraceContext& ctx, DevicePlan* plan) {
+  if (cache_) seq->path = cache_->Adopt(p.match);
+  for (BlockId block : p.match.full) {
+    seq->table.push_back(block);
+    RetainBlock(block, ctx);
+    pool_->NoteCacheHit(block, ctx);
+  }
+  if (p.match.partial != kInvalidBlock) {
+    const BlockId src = p.match.partial;
+    if (p.copy_partial) {
+      KVPOOL_CHECK_OK(pool_->Allocate(1, seq->slot, ctx, &seq->table, /*fills=*/nullptr));
+      plan->copies.push_back(BlockCopy{src, seq->table.back()});
+      ++counters_.cow_copies;
+    } else {
+      seq->table.push_back(src);
+      RetainBlock(src, ctx);
+      pool_->NoteCacheHit(src, ctx);
+    }
+  }
+  KVPOOL_CHECK_OK(pool_->Allocate(p.new_blocks, seq->slot, ctx, &seq->table, &plan->fills));
+  if (window_) AdoptWindow(seq, p, r.num_tokens, ctx, plan);
+  TakeStateSlot(seq, p.resume, ctx, plan);
+  if (p.resume != kInvalidBlock) {
+    // Held while the sequence lives, as its path's blocks are: the copy out of it is fenced
+    // with the plan, and the checkpoint stays where the match found it.
+    KVPOOL_CHECK_OK(states_->Retain(p.resume, ctx));
+    seq->resumed_from = p.resume;
+    TouchCheckpoint(p.resume);
+    ++counters_.checkpoints.resumed;
+  }
 }
 
 absl::Status KvCacheManager::PlanAllocate(const AllocateRequest& r, AllocateTally* tally,

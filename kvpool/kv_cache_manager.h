@@ -821,6 +821,10 @@ class KvCacheManager final {
                          std::vector<BlockId>* victims, std::string_view what);
   void EvictPlanned(std::span<const BlockId> victims, const TraceContext& ctx);
   TableChange ApplyGrow(const GrowPlan& plan, const TraceContext& ctx, DevicePlan* device_plan);
+  // A new sequence's blocks, window blocks and state slot from its request's plan (AllocateBatch
+  // once nothing can fail).
+  void AdoptMatch(Sequence* seq, const AllocateRequest& r, const AllocatePlan& p,
+                  const TraceContext& ctx, DevicePlan* plan);
   // Checks one Allocate request, matches its prompt and works out what it needs, adding that to
   // `tally`. Changes nothing.
   absl::Status PlanAllocate(const AllocateRequest& request, AllocateTally* tally,
