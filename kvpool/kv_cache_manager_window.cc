@@ -388,13 +388,14 @@ absl::Status KvCacheManager::CheckWindows() const {
       return InvariantViolation("sequence {} has {} window entries for {} blocks (slot {})",
                                 id.value(), n, seq.table.size(), seq.window_slot.value());
     }
-    // Its sinks, then one run of released entries, then live ones to the end (the last live).
+    // Its sinks, then one run of released entries, then live ones to the end; a partial last
+    // block (being written) live.
     size_t i = 0;
     const size_t sinks = std::min(static_cast<size_t>(SinkBlocks()), n);
     while (i < sinks && seq.window_table[i] != kInvalidBlock) ++i;
     while (i < n && i >= sinks && seq.window_table[i] == kInvalidBlock) ++i;
     while (i < n && seq.window_table[i] != kInvalidBlock) ++i;
-    if (i != n || (n > 0 && seq.window_table[n - 1] == kInvalidBlock)) {
+    if (i != n || (seq.num_tokens % block_size_ != 0 && seq.window_table[n - 1] == kInvalidBlock)) {
       return InvariantViolation(
           "sequence {}: window entry {} is released out of order (sinks {}, {} entries)",
           id.value(), i, sinks, n);

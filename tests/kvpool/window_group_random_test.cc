@@ -421,7 +421,8 @@ TEST_P(WindowGroupRandomTest, MatchesTheReferenceModel) {
 
 INSTANTIATE_TEST_SUITE_P(Seeds, WindowGroupRandomTest,
                          ::testing::Values(Config{1, 5, 0}, Config{2, 8, 2}, Config{3, 13, 4},
-                                           Config{4, 3, 6}, Config{5, 9, 0}, Config{6, 16, 3}));
+                                           Config{4, 3, 6}, Config{5, 9, 0}, Config{6, 16, 3},
+                                           Config{7, 1, 0}, Config{8, 2, 5}));
 
 }  // namespace
 }  // namespace kvpool
