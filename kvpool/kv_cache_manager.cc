@@ -94,13 +94,27 @@ absl::StatusOr<std::unique_ptr<KvCacheManager>> KvCacheManager::Create(
                                                        .max_namespaces = 1,
                                                        .fences = options.fences}));
   }
-  return std::unique_ptr<KvCacheManager>(
-      new KvCacheManager(options, std::move(pool), std::move(cache), std::move(states)));
+  if (options.window_blocks < 0 || options.sink_tokens < 0 ||
+      (options.window_blocks > 0 && options.window_tokens <= 0)) {
+    return absl::InvalidArgumentError(fmt::format(
+        "window_blocks must be >= 0, sink_tokens >= 0 and, with a window group, window_tokens > 0 "
+        "(got window_blocks {}, window_tokens {}, sink_tokens {})",
+        options.window_blocks, options.window_tokens, options.sink_tokens));
+  }
+  std::unique_ptr<BlockPool> window;
+  if (options.window_blocks > 0) {
+    KVPOOL_ASSIGN_OR_RETURN(window, BlockPool::Create({.num_blocks = options.window_blocks,
+                                                       .trace_depth = options.trace_depth,
+                                                       .max_namespaces = options.max_namespaces,
+                                                       .fences = options.fences}));
+  }
+  return std::unique_ptr<KvCacheManager>(new KvCacheManager(
+      options, std::move(pool), std::move(cache), std::move(states), std::move(window)));
 }
 
 KvCacheManager::KvCacheManager(const KvCacheOptions& options, std::unique_ptr<BlockPool> pool,
                                std::unique_ptr<PrefixCache> cache,
-                               std::unique_ptr<BlockPool> states)
+                               std::unique_ptr<BlockPool> states, std::unique_ptr<BlockPool> window)
     : block_size_(options.block_size),
       max_blocks_per_seq_(options.max_blocks_per_seq),
       clock_(options.clock),
@@ -109,6 +123,9 @@ KvCacheManager::KvCacheManager(const KvCacheOptions& options, std::unique_ptr<Bl
       states_(std::move(states)),
       checkpoint_slots_(states_ && cache_ ? options.checkpoint_slots : 0),
       checkpoint_interval_(options.checkpoint_interval),
+      window_(std::move(window)),
+      window_tokens_(window_ ? options.window_tokens : 0),
+      sink_tokens_(window_ ? options.sink_tokens : 0),
       max_sequences_per_session_(options.max_sequences_per_session),
       max_pins_(options.max_pins),
       max_pin_ttl_ns_(options.max_pin_ttl_ns),
@@ -120,12 +137,16 @@ KvCacheManager::KvCacheManager(const KvCacheOptions& options, std::unique_ptr<Bl
     KVPOOL_CHECK_OK(owner.status());
     state_owner_ = *owner;
   }
-  if (checkpoint_slots_ > 0) {
-    checkpoint_at_.resize(static_cast<size_t>(states_->num_blocks()));
-    // A block the tree lets go takes its checkpoint with it.
+  if (checkpoint_slots_ > 0) checkpoint_at_.resize(static_cast<size_t>(states_->num_blocks()));
+  if (window_) window_at_.resize(static_cast<size_t>(window_->num_blocks()));
+  if (cache_ && (checkpoint_slots_ > 0 || window_)) {
+    // A block the tree lets go takes its secondary components (checkpoint, window block) with it.
     cache_->SetOnRemove([this](BlockId block, const TraceContext& ctx) {
       if (auto it = checkpoint_of_.find(block); it != checkpoint_of_.end()) {
         DropCheckpoint(it->second, ctx);
+      }
+      if (auto it = window_of_.find(block); it != window_of_.end()) {
+        DropWindowBlock(it->second, ctx);
       }
     });
   }
@@ -503,6 +524,7 @@ TableChange KvCacheManager::ApplyGrow(const GrowPlan& plan, const TraceContext& 
     KVPOOL_CHECK_OK(
         pool_->Allocate(plan.new_blocks, seq.slot, ctx, &seq.table, &device_plan->fills));
   }
+  if (window_) ApplyWindowGrow(plan, ctx, device_plan, &change);
   seq.num_tokens = plan.num_tokens;
   return change;
 }
@@ -513,14 +535,19 @@ void KvCacheManager::RevertGrow(SessionId caller, std::span<const TableChange> c
   for (auto it = changes.rbegin(); it != changes.rend(); ++it) {
     Sequence& seq = sequences_.at(it->sequence);
     KVPOOL_CHECK(seq.session == caller);
-    const bool cow = it->replaced != kInvalidBlock;
-    ReleaseTail(&seq, static_cast<size_t>(it->first_changed) + (cow ? 1 : 0), ctx);
-    if (cow) {
+    // Its old blocks, the copied one included (a copy-on-write is of the block it ended in).
+    ReleaseTail(&seq, static_cast<size_t>(BlocksFor(it->old_num_tokens)), ctx);
+    const size_t index = static_cast<size_t>(it->first_changed);
+    if (it->replaced != kInvalidBlock) {
       // The source is still held (by another sequence or the cache): that is why it was copied.
-      const size_t index = static_cast<size_t>(it->first_changed);
       RetainBlock(it->replaced, ctx);
       ReleaseBlock(seq.table[index], ctx);
       seq.table[index] = it->replaced;
+    }
+    if (it->window_replaced != kInvalidBlock) {
+      KVPOOL_CHECK_OK(window_->Retain(it->window_replaced, ctx));
+      KVPOOL_CHECK_OK(window_->Release(seq.window_table[index], ctx));
+      seq.window_table[index] = it->window_replaced;
     }
     seq.num_tokens = it->old_num_tokens;
     if (states_) DropPlanned(&seq, seq.num_tokens, ctx);
@@ -555,6 +582,14 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
       CountExhausted(CheckCapacity(tally.by_ns, caller, tally.refs, "allocate")));
   KVPOOL_RETURN_IF_ERROR(CountExhausted(PlanNamespaces(tally.by_ns, &recycle, "allocate")));
   KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckRoom(tally.blocks, tally.keep, &victims, "allocate")));
+  std::vector<NamespaceSlot> window_recycle;
+  std::vector<BlockId> window_victims;
+  if (window_) {
+    KVPOOL_RETURN_IF_ERROR(
+        CountExhausted(PlanWindowNamespaces(tally.by_ns, &window_recycle, "allocate")));
+    KVPOOL_RETURN_IF_ERROR(CountExhausted(
+        CheckWindowRoom(tally.window_blocks, tally.window_keep, &window_victims, "allocate")));
+  }
   std::vector<BlockId> resumed;  // checkpoints the batch copies: never evicted for its slots
   for (const AllocatePlan& p : plans) {
     if (p.resume != kInvalidBlock) resumed.push_back(p.resume);
@@ -565,6 +600,8 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
   // Everything checked: from here on nothing can fail.
   pool_->RecycleNamespaces(recycle);
   EvictPlanned(victims, ctx);
+  if (window_) window_->RecycleNamespaces(window_recycle);
+  EvictWindowPlanned(window_victims, ctx);
   for (size_t k = 0; k < requests.size(); ++k) {
     const AllocateRequest& r = requests[k];
     AllocatePlan& p = plans[k];
@@ -580,34 +617,7 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
                    .tokens = std::vector<int32_t>(r.prompt.begin(), r.prompt.end()),
                    .priority = r.priority,
                    .retain_tail = r.retain_tail};
-    if (cache_) seq.path = cache_->Adopt(p.match);
-    for (BlockId block : p.match.full) {
-      seq.table.push_back(block);
-      RetainBlock(block, ctx);
-      pool_->NoteCacheHit(block, ctx);
-    }
-    if (p.match.partial != kInvalidBlock) {
-      const BlockId src = p.match.partial;
-      if (p.copy_partial) {
-        KVPOOL_CHECK_OK(pool_->Allocate(1, seq.slot, ctx, &seq.table, /*fills=*/nullptr));
-        plan->copies.push_back(BlockCopy{src, seq.table.back()});
-        ++counters_.cow_copies;
-      } else {
-        seq.table.push_back(src);
-        RetainBlock(src, ctx);
-        pool_->NoteCacheHit(src, ctx);
-      }
-    }
-    KVPOOL_CHECK_OK(pool_->Allocate(p.new_blocks, seq.slot, ctx, &seq.table, &plan->fills));
-    TakeStateSlot(&seq, p.resume, ctx, plan);
-    if (p.resume != kInvalidBlock) {
-      // Held while the sequence lives, as its path's blocks are: the copy out of it is fenced
-      // with the plan, and the checkpoint stays where the match found it.
-      KVPOOL_CHECK_OK(states_->Retain(p.resume, ctx));
-      seq.resumed_from = p.resume;
-      TouchCheckpoint(p.resume);
-      ++counters_.checkpoints.resumed;
-    }
+    AdoptMatch(&seq, r, p, ctx, plan);
     seq.state_tokens = p.match.matched_tokens;
     // The branch point's checkpoint goes on the last block the prompt shares whole: the one
     // tree block every later prompt through here follows, whichever sibling it continues into.
@@ -617,13 +627,48 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
     counters_.prompt_tokens += r.prompt.size();
     counters_.hit_tokens += static_cast<uint64_t>(p.match.matched_tokens);
     counters_.missed_no_checkpoint += static_cast<uint64_t>(p.no_checkpoint);
+    counters_.missed_window_evicted += static_cast<uint64_t>(p.window_evicted);
     CountMissed(p, r.prompt.size() - static_cast<uint64_t>(p.match.matched_tokens) -
-                       static_cast<uint64_t>(p.no_checkpoint));
+                       static_cast<uint64_t>(p.no_checkpoint) -
+                       static_cast<uint64_t>(p.window_evicted));
     results->push_back(AllocateResult{id, p.match.matched_tokens});
   }
   AddSequences(caller, static_cast<int64_t>(requests.size()));
   AddRefs(caller, tally.refs);
   return absl::OkStatus();
+}
+
+void KvCacheManager::AdoptMatch(Sequence* seq, const AllocateRequest& r, const AllocatePlan& p,
+                                const TraceContext& ctx, DevicePlan* plan) {
+  if (cache_) seq->path = cache_->Adopt(p.match);
+  for (BlockId block : p.match.full) {
+    seq->table.push_back(block);
+    RetainBlock(block, ctx);
+    pool_->NoteCacheHit(block, ctx);
+  }
+  if (p.match.partial != kInvalidBlock) {
+    const BlockId src = p.match.partial;
+    if (p.copy_partial) {
+      KVPOOL_CHECK_OK(pool_->Allocate(1, seq->slot, ctx, &seq->table, /*fills=*/nullptr));
+      plan->copies.push_back(BlockCopy{src, seq->table.back()});
+      ++counters_.cow_copies;
+    } else {
+      seq->table.push_back(src);
+      RetainBlock(src, ctx);
+      pool_->NoteCacheHit(src, ctx);
+    }
+  }
+  KVPOOL_CHECK_OK(pool_->Allocate(p.new_blocks, seq->slot, ctx, &seq->table, &plan->fills));
+  if (window_) AdoptWindow(seq, p, r.num_tokens, ctx, plan);
+  TakeStateSlot(seq, p.resume, ctx, plan);
+  if (p.resume != kInvalidBlock) {
+    // Held while the sequence lives, as its path's blocks are: the copy out of it is fenced
+    // with the plan, and the checkpoint stays where the match found it.
+    KVPOOL_CHECK_OK(states_->Retain(p.resume, ctx));
+    seq->resumed_from = p.resume;
+    TouchCheckpoint(p.resume);
+    ++counters_.checkpoints.resumed;
+  }
 }
 
 absl::Status KvCacheManager::PlanAllocate(const AllocateRequest& r, AllocateTally* tally,
@@ -653,12 +698,12 @@ absl::Status KvCacheManager::PlanAllocate(const AllocateRequest& r, AllocateTall
       p->below_admission_bar = why.below_admission_bar;
       p->first_block_elsewhere = why.first_block_elsewhere;
     }
-    if (states_) {
-      // A state group resumes only from a checkpoint of the state exactly where the match ends
-      // (docs/hybrid-groups.md §4): the match is cut at the deepest one it reaches.
+    if (states_ || window_) {
+      // A state group resumes only from a checkpoint of the state exactly where the match ends,
+      // a window group only where it holds the window there (docs/hybrid-groups.md §4): the
+      // match is cut at the deepest point both reach.
       p->branch_at = p->match.matched_tokens;
-      p->resume = CutToCheckpoint(&p->match);
-      p->no_checkpoint = p->branch_at - p->match.matched_tokens;
+      p->resume = CutResumable(&p->match, &p->no_checkpoint, &p->window_evicted);
     }
   }
   // Table slots the match fills: every fully matched block, and the partially matched one
@@ -701,6 +746,7 @@ absl::Status KvCacheManager::PlanAllocate(const AllocateRequest& r, AllocateTall
   tally->blocks += fresh;
   AddTo(&tally->by_ns, r.ns, charged + fresh);
   tally->refs += need;
+  if (window_) PlanWindowAllocate(r, tally, p);
   return absl::OkStatus();
 }
 
@@ -717,9 +763,11 @@ absl::Status KvCacheManager::GrowBatch(SessionId caller, std::span<const GrowReq
   if (requests.empty()) return EmptyBatch("grow");
   std::vector<GrowPlan> plans(requests.size());
   WriteClaims claims;
+  WriteClaims window_claims;
   std::vector<std::pair<NamespaceId, int64_t>> by_ns;
   int64_t refs = 0;
   int64_t blocks = 0;
+  int64_t window_blocks = 0;
   const uint64_t mark = ++batch_serial_;
   for (size_t k = 0; k < requests.size(); ++k) {
     const GrowRequest& r = requests[k];
@@ -730,6 +778,8 @@ absl::Status KvCacheManager::GrowBatch(SessionId caller, std::span<const GrowReq
     }
     seq->batch_mark = mark;
     KVPOOL_RETURN_IF_ERROR(CountExhausted(PlanGrow(seq, r.num_tokens, &claims, &plans[k])));
+    if (window_) PlanWindowGrow(*seq, &window_claims, &plans[k]);
+    window_blocks += plans[k].new_blocks + (plans[k].window_cow ? 1 : 0);
     const int64_t n = plans[k].new_blocks + (plans[k].cow ? 1 : 0);
     if (n > 0) AddTo(&by_ns, seq->ns, n);
     blocks += n;
@@ -738,8 +788,13 @@ absl::Status KvCacheManager::GrowBatch(SessionId caller, std::span<const GrowReq
   std::vector<BlockId> victims;
   KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckCapacity(by_ns, caller, refs, "grow")));
   KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckRoom(blocks, {}, &victims, "grow")));
+  std::vector<BlockId> window_victims;
+  KVPOOL_RETURN_IF_ERROR(
+      CountExhausted(CheckWindowRoom(window_blocks, {}, &window_victims, "grow")));
 
+  // Everything checked: from here on nothing can fail.
   EvictPlanned(victims, ctx);
+  EvictWindowPlanned(window_victims, ctx);
   if (changes != nullptr) changes->reserve(changes->size() + plans.size());
   for (const GrowPlan& p : plans) {
     ctx.sequence = p.sequence->id;
@@ -768,6 +823,7 @@ absl::Status KvCacheManager::Commit(SessionId caller, SequenceId sequence, int64
     cache_->Commit(seq->ns, std::span(seq->tokens).first(static_cast<size_t>(num_tokens)),
                    seq->table, seq->priority, seq->retain_tail, &seq->path, ctx);
     if (!seq->checkpoints.empty()) KeepPlanned(seq, ctx);
+    if (window_) KeepWindowBlocks(seq, ctx);
   }
   return absl::OkStatus();
 }
@@ -776,6 +832,7 @@ void KvCacheManager::ReleaseTail(Sequence* sequence, size_t keep, const TraceCon
   // Deepest first: a tree node becomes evictable only after its descendants (the eviction
   // policy's leaf-first promise), and the LIFO free list hands the first block out next.
   CachePath& path = sequence->path;
+  if (window_) ReleaseWindowTail(sequence, keep, ctx);
   // The blocks past the path's full nodes first (its partial node's, and any not published)...
   for (size_t k = sequence->table.size(); k > std::max(keep, path.full.size());) {
     --k;
@@ -800,6 +857,7 @@ absl::Status KvCacheManager::Truncate(SessionId caller, SequenceId sequence, int
     return absl::InvalidArgumentError(fmt::format("cannot truncate sequence {} of {} tokens to {}",
                                                   sequence.value(), seq->num_tokens, num_tokens));
   }
+  if (window_) KVPOOL_RETURN_IF_ERROR(CheckWindowTruncate(*seq, num_tokens));
   // Below its known tokens its state goes back to a checkpoint, or to the state of no tokens.
   const bool rewind = states_ && num_tokens < static_cast<int64_t>(seq->tokens.size());
   BlockId restore = kInvalidBlock;
@@ -846,11 +904,15 @@ absl::StatusOr<SequenceId> KvCacheManager::Fork(SessionId caller, SequenceId seq
   KVPOOL_RETURN_IF_ERROR(CountExhausted(
       CheckCapacity(by_ns, caller, static_cast<int64_t>(parent->table.size()), "fork")));
   KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckRoom(partial ? 1 : 0, {}, &victims, "fork")));
+  std::vector<BlockId> window_victims;
+  KVPOOL_RETURN_IF_ERROR(
+      CountExhausted(CheckWindowRoom(partial ? 1 : 0, {}, &window_victims, "fork")));
   KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckStateRoom(1, "fork")));
 
   const SequenceId id(next_sequence_id_++);
   ctx.sequence = id;
   EvictPlanned(victims, ctx);
+  EvictWindowPlanned(window_victims, ctx);
   // Copy what the child needs before inserting: the insert may move `parent`.
   Sequence child{.id = id,
                  .session = caller,
@@ -858,11 +920,13 @@ absl::StatusOr<SequenceId> KvCacheManager::Fork(SessionId caller, SequenceId seq
                  .slot = parent->slot,
                  .num_tokens = parent->num_tokens,
                  .table = parent->table,
+                 .window_slot = parent->window_slot,
                  .tokens = parent->tokens,
                  .priority = parent->priority,
                  .retain_tail = parent->retain_tail,
                  .state_tokens = parent->state_tokens};
   if (cache_) child.path = cache_->Clone(parent->path);
+  if (window_) ForkWindow(*parent, &child, ctx, plan);
   const size_t shared = child.table.size() - (partial ? 1 : 0);
   for (size_t i = 0; i < shared; ++i) RetainBlock(child.table[i], ctx);
   if (partial) {
@@ -918,6 +982,7 @@ void KvCacheManager::FreeChecked(Sequence* seq, OnFree on_free) {
   if (on_free == OnFree::kCommit && cache_) {
     cache_->Commit(seq->ns, seq->tokens, seq->table, seq->priority, seq->retain_tail, &seq->path,
                    ctx);
+    if (window_) KeepWindowBlocks(seq, ctx);
   }
   // Before the path goes: the checkpoints it keeps hang on the path's blocks.
   if (states_) ReleaseStates(seq, on_free == OnFree::kCommit && cache_, ctx);

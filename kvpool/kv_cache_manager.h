@@ -43,6 +43,7 @@
 // Thread-compatible: the owner serializes calls. Pointers and spans returned by accessors are
 // valid until the next mutating call.
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -97,9 +98,14 @@ struct DevicePlan {
   // whatever the fill policy).
   std::vector<BlockCopy> state_copies;
   std::vector<BlockId> state_zeros;
+  // The same for the window group's blocks (KvCacheOptions::window_blocks): copy-on-write and
+  // fork copies, and fresh blocks under the same fill policy as `fills`.
+  std::vector<BlockCopy> window_copies;
+  std::vector<BlockFill> window_fills;
 
   bool empty() const {
-    return copies.empty() && fills.empty() && state_copies.empty() && state_zeros.empty();
+    return copies.empty() && fills.empty() && state_copies.empty() && state_zeros.empty() &&
+           window_copies.empty() && window_fills.empty();
   }
 };
 
@@ -153,6 +159,19 @@ struct KvCacheOptions {
   // branch points (where a prompt left the cached prefix), at a prefill's last block boundary,
   // and at the end of a sequence freed with OnFree::kCommit (its working state itself). >= 0.
   int32_t checkpoint_interval = 4;
+  // The sliding-window group (docs/hybrid-groups.md §3), for models with sliding-window attention
+  // layers: its own pool of this many blocks, of block_size tokens each (its bytes per block are
+  // its own), one entry per entry of every block table (Sequence::window_table). A sequence
+  // keeps only the entries its window still reads (SlideWindow releases the rest, fenced) plus
+  // its sinks; the tree keeps the window blocks of published blocks while they are live, and a
+  // prompt resumes only where the window group still holds its last window_tokens tokens. 0: no
+  // window group (everything as without one). >= 0.
+  int32_t window_blocks = 0;
+  // W: a query at position p reads keys [p - W + 1, p] (plus the sinks). > 0 with a window group.
+  int32_t window_tokens = 0;
+  // S: the first S tokens every query also reads (attention sinks); their blocks are never
+  // released while the sequence lives. >= 0.
+  int32_t sink_tokens = 0;
 };
 
 struct Sequence {
@@ -161,11 +180,16 @@ struct Sequence {
   NamespaceId ns;
   NamespaceSlot slot;
   int64_t num_tokens = 0;
-  std::vector<BlockId> table;   // token t lives in table[t / block_size], slot t % block_size
-  std::vector<int32_t> tokens;  // the token ids known so far (<= num_tokens of them)
-  int priority = 0;             // prefix-cache priority class of what it publishes
-  bool retain_tail = false;     // keep its partial tail in the cache after it ends
-  CachePath path;               // its place in the prefix tree (locked nodes)
+  std::vector<BlockId> table;  // token t lives in table[t / block_size], slot t % block_size
+  // With a window group: the window group's block holding the same tokens as table[i], or
+  // kInvalidBlock once released (left the window). As long as `table`; the sinks' entries first,
+  // then the released ones (if any), then live ones up to the end.
+  std::vector<BlockId> window_table;
+  NamespaceSlot window_slot;           // its namespace's slot in the window group's pool
+  std::vector<int32_t> tokens;         // the token ids known so far (<= num_tokens of them)
+  int priority = 0;                    // prefix-cache priority class of what it publishes
+  bool retain_tail = false;            // keep its partial tail in the cache after it ends
+  CachePath path;                      // its place in the prefix tree (locked nodes)
   BlockId state_slot = kInvalidBlock;  // its slot in the state group (kInvalidBlock: none)
   // Tokens its working state has consumed (AdvanceState; the checkpoint it resumed from); -1:
   // unknown (a rewind below it), and then no checkpoint is taken from it.
@@ -215,6 +239,9 @@ struct TableChange {
   // grow changed nothing.
   int32_t first_changed = 0;
   BlockId replaced = kInvalidBlock;  // copy-on-write: the block entry `first_changed` held before
+  // The same for window_table (the window group decides its copy-on-write on its own: either
+  // group's copy makes `first_changed` that entry).
+  BlockId window_replaced = kInvalidBlock;
 };
 
 // A pin as ListPins reports it.
@@ -258,6 +285,9 @@ struct KvCacheStats {
   uint64_t missed_coverage = 0;  // a cached block agrees but covers too few of the tokens
   // cached for full attention, but the state group has no checkpoint there (hybrid models)
   uint64_t missed_no_checkpoint = 0;
+  // cached for full attention, but a window block the resumed window needs is gone (evicted, or
+  // released before it was published)
+  uint64_t missed_window_evicted = 0;
   uint64_t evictions = 0;     // cached blocks evicted to make room (or on request)
   int64_t pins = 0;           // live pins
   int64_t pinned_blocks = 0;  // distinct blocks they hold
@@ -277,13 +307,22 @@ struct KvCacheStats {
   } checkpoints;
   // Of evictions, those an admin asked for (EvictCached, ClearCache).
   uint64_t admin_evictions = 0;
+  BlockPoolStats window;  // the window group's blocks (num_blocks 0 without one)
+  struct Windows {
+    int64_t cached = 0;     // window blocks the tree keeps now (beside their primary blocks)
+    uint64_t kept = 0;      // put into the tree by Commit / Free(kCommit)
+    uint64_t evicted = 0;   // dropped from the tree (window pressure, or with their block)
+    uint64_t released = 0;  // table entries released by SlideWindow (they left the window)
+  } windows;
 };
 
 class KvCacheManager final {
  public:
   // Errors: INVALID_ARGUMENT for a non-positive block_size, num_blocks, max_blocks_per_seq or
   // event_capacity_bytes, a trace_depth that is not 0 or a power of 2, a negative
-  // max_sequences_per_session, max_namespaces out of range, or a null clock.
+  // max_sequences_per_session, max_namespaces out of range, or a null clock; a negative
+  // window_blocks or sink_tokens, or a window group without window_tokens > 0 (each message
+  // names the field).
   static absl::StatusOr<std::unique_ptr<KvCacheManager>> Create(const KvCacheOptions& options);
 
   // Bounds the blocks namespace `ns` may hold (ACTIVE plus pin-held CACHED, see Quotas above).
@@ -349,7 +388,9 @@ class KvCacheManager final {
   // Errors: NOT_FOUND, PERMISSION_DENIED, INVALID_ARGUMENT (negative, or longer than the
   // sequence), FAILED_PRECONDITION (a state group, fewer tokens than the sequence knows, and no
   // checkpoint there or no `plan`: the message names the nearest checkpoint on its path at or
-  // below `num_tokens`, a point it can rewind to).
+  // below `num_tokens`, a point it can rewind to; a window group, and the window of `num_tokens`
+  // tokens, [num_tokens - W + 1, num_tokens) plus the sinks, needs an entry SlideWindow released:
+  // the message names the lowest length it can go back to).
   absl::Status Truncate(SessionId caller, SequenceId sequence, int64_t num_tokens,
                         DevicePlan* plan = nullptr);
 
@@ -398,6 +439,27 @@ class KvCacheManager final {
   // Errors: NOT_FOUND (no state group, or no such slot), FAILED_PRECONDITION (a FREE or RETIRING
   // slot); nothing is marked on error.
   absl::Status MarkStatesInFlight(std::span<const BlockId> slots, Fence fence);
+  // The same for blocks of the window group (a step's window blocks, a plan's window copies).
+  // Errors: NOT_FOUND (no window group, or no such block), FAILED_PRECONDITION (a FREE or
+  // RETIRING block); nothing is marked on error.
+  absl::Status MarkWindowInFlight(std::span<const BlockId> blocks, Fence fence);
+
+  // The window group (KvCacheOptions::window_blocks; kv_cache_manager_window.cc).
+  //
+  // `sequence`'s first `computed_tokens` tokens are computed: no later step reads a key before
+  // computed_tokens - W + 1 (the next query, at position computed_tokens, reads [p - W + 1, p]
+  // plus the sinks), so every window_table entry wholly before that, sinks excepted, is released
+  // (fenced: a block a step still reads stays RETIRING until its fence passes). vLLM's
+  // remove_skipped_blocks(num_computed_tokens). Call it after every step (prefill chunk or
+  // decode). The bound: after SlideWindow(n) on a sequence of n tokens it holds at most
+  // WindowBound() = ceil((W + block_size) / block_size) + ceil(S / block_size) live entries, and
+  // a Grow by k tokens adds at most ceil(k / block_size) + 1 more before the next slide. A no-op
+  // without a window group.
+  // Errors: NOT_FOUND, PERMISSION_DENIED, INVALID_ARGUMENT (outside [0, its length]); nothing
+  // has changed.
+  absl::Status SlideWindow(SessionId caller, SequenceId sequence, int64_t computed_tokens);
+  // The bound above (0 without a window group).
+  int64_t WindowBound() const;
 
   // State checkpoints (KvCacheOptions::checkpoint_slots; kv_cache_manager_checkpoints.cc).
   //
@@ -485,6 +547,10 @@ class KvCacheManager final {
   const BlockPool& pool() const { return *pool_; }
   // The state group's slots; null without one.
   const BlockPool* states() const { return states_.get(); }
+  // The window group's blocks; null without one.
+  const BlockPool* window() const { return window_.get(); }
+  int32_t window_tokens() const { return window_tokens_; }
+  int32_t sink_tokens() const { return sink_tokens_; }
   const PrefixCache* cache() const { return cache_.get(); }
   int32_t block_size() const { return block_size_; }
   int32_t max_blocks_per_seq() const { return max_blocks_per_seq_; }
@@ -498,7 +564,11 @@ class KvCacheManager final {
   // locked once per sequence whose path holds it and once per pin; pins are within their limits
   // and each has its deadline queued; per-session usage matches and is within
   // max_sequences_per_session; every sequence's namespace is registered at its slot; the quota
-  // groups and their members agree.
+  // groups and their members agree. Per group (state, window): free + active + cached +
+  // retiring == num_blocks. The window group: every window table as long as its table, sinks
+  // never released, released entries one run after them, live entries ACTIVE, each block's
+  // references = table entries naming it + the tree's, every cached window block kept for a
+  // block the tree holds.
   // Returns INTERNAL naming the first violation.
   absl::Status CheckInvariants() const;
 
@@ -552,8 +622,9 @@ class KvCacheManager final {
   struct GrowPlan {
     Sequence* sequence = nullptr;
     int64_t num_tokens = 0;
-    int32_t new_blocks = 0;  // appended to the table
-    bool cow = false;        // the block being written is shared: move onto a private copy
+    int32_t new_blocks = 0;   // appended to the table
+    bool cow = false;         // the block being written is shared: move onto a private copy
+    bool window_cow = false;  // the same for its window block
   };
   // What one Allocate request needs (see AllocateBatch).
   struct AllocatePlan {
@@ -562,9 +633,11 @@ class KvCacheManager final {
     MatchStop stop = MatchStop::kPromptEnd;  // why the match stopped (prompt tokens missed)
     bool below_admission_bar = false;        // kEvicted: MatchExplanation's
     bool first_block_elsewhere = false;      // not cached here: MatchExplanation's
-    int64_t no_checkpoint = 0;       // tokens the attention match found, cut for want of a state
-    BlockId resume = kInvalidBlock;  // the checkpoint the match was cut at (its state is copied)
-    int64_t branch_at = 0;           // the attention match's length, before the cut
+    int64_t no_checkpoint = 0;         // tokens the attention match found, cut for want of a state
+    BlockId resume = kInvalidBlock;    // the checkpoint the match was cut at (its state is copied)
+    int64_t branch_at = 0;             // the attention match's length, before the cut
+    int64_t window_evicted = 0;        // tokens cut for want of a window block
+    bool window_copy_partial = false;  // the partially matched block's window block is copied
     int32_t new_blocks = 0;
   };
   // Blocks a batch has already claimed to write into, and by how many holders.
@@ -572,15 +645,19 @@ class KvCacheManager final {
   // What an Allocate batch needs in all, summed as each request is planned.
   struct AllocateTally {
     std::vector<std::pair<NamespaceId, int64_t>> by_ns;  // ACTIVE blocks added, by namespace
-    std::vector<BlockId> keep;     // matched blocks: never evicted to make room for this call
-    std::vector<BlockId> adopted;  // cached blocks the batch turns ACTIVE (counted once each)
-    WriteClaims joined;            // partially matched blocks shared by writers of the batch
-    int64_t refs = 0;              // block references the new sequences will hold
-    int64_t blocks = 0;            // fresh blocks: new ones and copies of partial matches
+    std::vector<BlockId> keep;         // matched blocks: never evicted to make room for this call
+    std::vector<BlockId> adopted;      // cached blocks the batch turns ACTIVE (counted once each)
+    WriteClaims joined;                // partially matched blocks shared by writers of the batch
+    int64_t refs = 0;                  // block references the new sequences will hold
+    int64_t blocks = 0;                // fresh blocks: new ones and copies of partial matches
+    std::vector<BlockId> window_keep;  // window blocks the batch shares: never evicted for it
+    WriteClaims window_joined;         // partially matched window blocks shared by writers
+    int64_t window_blocks = 0;         // fresh window blocks
   };
 
   KvCacheManager(const KvCacheOptions& options, std::unique_ptr<BlockPool> pool,
-                 std::unique_ptr<PrefixCache> cache, std::unique_ptr<BlockPool> states);
+                 std::unique_ptr<PrefixCache> cache, std::unique_ptr<BlockPool> states,
+                 std::unique_ptr<BlockPool> window);
 
   int64_t BlocksFor(int64_t num_tokens) const {
     return num_tokens / block_size_ + (num_tokens % block_size_ != 0 ? 1 : 0);
@@ -677,6 +754,66 @@ class KvCacheManager final {
   void TouchCheckpoint(BlockId slot);                          // a cached one, just used
   // Everything a sequence holds in the state group, on its way out (Free).
   void ReleaseStates(Sequence* seq, bool commit, const TraceContext& ctx);
+
+  // The window group (kv_cache_manager_window.cc). Where a window block is kept in the tree.
+  struct WindowRecord {
+    BlockId primary = kInvalidBlock;  // the tree block it holds the tokens of; invalid: none
+    uint64_t stamp = 0;               // its key in window_lru_
+  };
+  int64_t SinkBlocks() const { return BlocksFor(sink_tokens_); }
+  // The first table entry a sequence of `n` computed tokens still reads past its sinks: the one
+  // holding token n - W + 1.
+  int64_t WindowStart(int64_t n) const {
+    return std::max<int64_t>(0, n - window_tokens_ + 1) / block_size_;
+  }
+  // Whether a sequence whose next query is at position `n` reads entry `index`.
+  bool WindowNeeds(int64_t index, int64_t n) const {
+    return index < BlocksFor(n) && (index < SinkBlocks() || index >= WindowStart(n));
+  }
+  // Cuts `match` to the longest prefix that every group can resume from: the window group holds
+  // the window blocks it needs, the state group a checkpoint exactly there. Returns the
+  // checkpoint (kInvalidBlock: none, or no state group) and adds the tokens each group cut.
+  BlockId CutResumable(PrefixMatch* match, int64_t* no_checkpoint, int64_t* window_evicted) const;
+  // Cuts `match` at the deepest prefix whose needed window blocks the tree keeps. Returns whether
+  // it cut anything.
+  bool CutToWindow(PrefixMatch* match) const;
+  // Whether writing token slot `slot` of window block `block` must go to a copy.
+  bool WindowMustCopy(BlockId block, int32_t slot, uint32_t other_holders) const;
+  // The window side of PlanGrow (after it), with the batch's window claims.
+  void PlanWindowGrow(const Sequence& seq, WriteClaims* claims, GrowPlan* plan) const;
+  // The window side of PlanAllocate: which matched window blocks the sequence shares, and whether
+  // it copies the partially matched one.
+  void PlanWindowAllocate(const AllocateRequest& r, AllocateTally* tally, AllocatePlan* p) const;
+  // Checks there are `blocks` free window blocks (reclaiming retired ones, then planning to evict
+  // cached window blocks not in `keep`, least recently used first, into `victims`).
+  absl::Status CheckWindowRoom(int64_t blocks, std::span<const BlockId> keep,
+                               std::vector<BlockId>* victims, std::string_view what);
+  // Checks the window group's namespace table has room for `namespaces`' slots; idle slots to
+  // recycle go to `recycle`.
+  absl::Status PlanWindowNamespaces(std::span<const std::pair<NamespaceId, int64_t>> namespaces,
+                                    std::vector<NamespaceSlot>* recycle,
+                                    std::string_view what) const;
+  void EvictWindowPlanned(std::span<const BlockId> victims, const TraceContext& ctx);
+  // The window side of ApplyGrow, AllocateBatch and Fork.
+  void ApplyWindowGrow(const GrowPlan& plan, const TraceContext& ctx, DevicePlan* device_plan,
+                       TableChange* change);
+  void AdoptWindow(Sequence* seq, const AllocatePlan& p, int64_t num_tokens,
+                   const TraceContext& ctx, DevicePlan* plan);
+  void ForkWindow(const Sequence& parent, Sequence* child, const TraceContext& ctx,
+                  DevicePlan* plan);
+  // FAILED_PRECONDITION when `seq` cannot be truncated to `n` tokens: the window of n needs an
+  // entry already released (the message names the lengths it can go back to).
+  absl::Status CheckWindowTruncate(const Sequence& seq, int64_t n) const;
+  // Releases window_table entries past `keep` (with ReleaseTail).
+  void ReleaseWindowTail(Sequence* seq, size_t keep, const TraceContext& ctx);
+  // Gives the tree the live window blocks of the published blocks of `seq` that have none.
+  void KeepWindowBlocks(Sequence* seq, const TraceContext& ctx);
+  void DropWindowBlock(BlockId block, const TraceContext& ctx);  // a cached one
+  void TouchWindowBlock(BlockId block);                          // a cached one, just matched
+  absl::Status CheckWindows() const;
+  absl::Status CheckWindowRefs() const;
+  void WindowDebugString(std::string* out) const;
+  void SequenceWindowDebugString(const Sequence& seq, std::string* out) const;
   // Checks there is room for `blocks` new blocks: free ones, retired ones that can be reclaimed
   // (reclaimed now: housekeeping), then cached ones to evict (never the nodes in `keep`). The
   // evictions are planned into `victims`, for the caller to carry out once nothing can fail.
@@ -684,6 +821,10 @@ class KvCacheManager final {
                          std::vector<BlockId>* victims, std::string_view what);
   void EvictPlanned(std::span<const BlockId> victims, const TraceContext& ctx);
   TableChange ApplyGrow(const GrowPlan& plan, const TraceContext& ctx, DevicePlan* device_plan);
+  // A new sequence's blocks, window blocks and state slot from its request's plan (AllocateBatch
+  // once nothing can fail).
+  void AdoptMatch(Sequence* seq, const AllocateRequest& r, const AllocatePlan& p,
+                  const TraceContext& ctx, DevicePlan* plan);
   // Checks one Allocate request, matches its prompt and works out what it needs, adding that to
   // `tally`. Changes nothing.
   absl::Status PlanAllocate(const AllocateRequest& request, AllocateTally* tally,
@@ -723,6 +864,15 @@ class KvCacheManager final {
   absl::btree_set<std::pair<uint64_t, BlockId>> checkpoint_lru_;  // (stamp, slot), cached ones
   uint64_t checkpoint_clock_ = 0;
   int64_t planned_checkpoints_ = 0;  // held by sequences (Sequence::checkpoints)
+  // The window group's blocks (null without one), one namespace slot per sequence namespace as
+  // in pool_ (a block crossing namespaces is scrubbed).
+  std::unique_ptr<BlockPool> window_;
+  const int32_t window_tokens_;
+  const int32_t sink_tokens_;
+  std::vector<WindowRecord> window_at_;                       // by window block
+  absl::flat_hash_map<BlockId, BlockId> window_of_;           // tree block -> its window block
+  absl::btree_set<std::pair<uint64_t, BlockId>> window_lru_;  // (stamp, window block)
+  uint64_t window_clock_ = 0;
 
   absl::flat_hash_map<SequenceId, Sequence> sequences_;
   absl::flat_hash_map<SessionId, SessionUsage> sessions_;

@@ -59,7 +59,8 @@ absl::Status KvCacheManager::MarkStatesInFlight(std::span<const BlockId> slots, 
 
 int32_t KvCacheManager::ReclaimRetired() {
   const TraceContext ctx = Context(kNoSession, SequenceId(0));
-  return pool_->ReclaimRetired(ctx) + (states_ ? states_->ReclaimRetired(ctx) : 0);
+  return pool_->ReclaimRetired(ctx) + (states_ ? states_->ReclaimRetired(ctx) : 0) +
+         (window_ ? window_->ReclaimRetired(ctx) : 0);
 }
 
 const Sequence* KvCacheManager::Find(SequenceId sequence) const {
@@ -79,8 +80,10 @@ void KvCacheManager::ForEachSequence(absl::FunctionRef<void(const Sequence&)> fn
 int64_t KvCacheManager::MatchPrefix(NamespaceId ns, std::span<const int32_t> tokens) const {
   if (!cache_) return 0;
   PrefixMatch m = cache_->Match(ns, tokens);
-  // With a state group a prompt resumes only from a checkpoint (what Allocate would adopt).
-  if (states_) (void)CutToCheckpoint(&m);
+  // With a state or window group a prompt resumes only where they can (what Allocate adopts).
+  int64_t no_checkpoint = 0;
+  int64_t window_evicted = 0;
+  if (states_ || window_) (void)CutResumable(&m, &no_checkpoint, &window_evicted);
   return m.matched_tokens;
 }
 
@@ -88,7 +91,12 @@ MatchExplanation KvCacheManager::ExplainMatch(NamespaceId ns,
                                               std::span<const int32_t> tokens) const {
   if (!cache_) return MatchExplanation{.stop = MatchStop::kUnknownNamespace};
   MatchExplanation e = cache_->Explain(ns, tokens);
-  if (states_) e.resumable_tokens = MatchPrefix(ns, tokens);
+  if (states_ || window_) {
+    PrefixMatch m = cache_->Match(ns, tokens);
+    int64_t no_checkpoint = 0;
+    (void)CutResumable(&m, &no_checkpoint, &e.window_evicted_tokens);
+    e.resumable_tokens = m.matched_tokens;
+  }
   return e;
 }
 
@@ -129,6 +137,8 @@ KvCacheStats KvCacheManager::stats() const {
   if (states_) s.states = states_->stats();
   s.checkpoints.cached = static_cast<int64_t>(checkpoint_lru_.size());
   s.checkpoints.pending = planned_checkpoints_;
+  if (window_) s.window = window_->stats();
+  s.windows.cached = static_cast<int64_t>(window_lru_.size());
   return s;
 }
 
@@ -246,6 +256,7 @@ absl::Status KvCacheManager::CheckInvariants() const {
   KVPOOL_RETURN_IF_ERROR(CheckRefGroups());
   KVPOOL_RETURN_IF_ERROR(CheckQuotaBooks());
   KVPOOL_RETURN_IF_ERROR(CheckStates());
+  KVPOOL_RETURN_IF_ERROR(CheckWindows());
   if (cache_) {
     absl::flat_hash_map<BlockId, uint32_t> pinned;
     KVPOOL_RETURN_IF_ERROR(CheckPins(&locks, &pinned));
@@ -283,6 +294,7 @@ std::string KvCacheManager::DebugString() const {
   std::string out = pool_->DebugString();
   if (cache_) out += cache_->DebugString();
   if (states_) out += "state group:\n" + states_->DebugString();
+  if (window_) WindowDebugString(&out);
   for (const auto& [stamp, slot] : checkpoint_lru_) {
     const CheckpointSlot& c = checkpoint_at_[static_cast<size_t>(slot.value())];
     fmt::format_to(std::back_inserter(out), "checkpoint slot={} block={} offset={} stamp={}\n",
@@ -309,6 +321,7 @@ std::string KvCacheManager::DebugString() const {
       }
       if (seq.branch_at != 0) fmt::format_to(it, " branch={}", seq.branch_at);
     }
+    if (window_) SequenceWindowDebugString(seq, &out);
     out += "\n";
   }
   std::vector<std::pair<SessionId, SessionUsage>> sessions(sessions_.begin(), sessions_.end());

@@ -67,11 +67,17 @@ std::string MatchExplanation::ToString() const {
                          below_admission_bar ? " (below the admission bar: never admitted)" : "");
       break;
   }
-  if (resumable_tokens >= 0 && resumable_tokens < matched_tokens) {
+  if (resumable_tokens >= 0 && resumable_tokens < matched_tokens - window_evicted_tokens) {
     out += fmt::format(
         "; the state group resumes only {} of them (the deepest state checkpoint at or below; "
         "the other {} are computed again)",
-        resumable_tokens, matched_tokens - resumable_tokens);
+        resumable_tokens, matched_tokens - resumable_tokens - window_evicted_tokens);
+  }
+  if (window_evicted_tokens > 0) {
+    out += fmt::format(
+        "; the window group cuts {} of them (a window block the resumed window needs was evicted "
+        "or never kept; they are computed again)",
+        window_evicted_tokens);
   }
   for (const auto& [ns, tokens] : other_namespaces) {
     out += fmt::format(

@@ -98,6 +98,10 @@ struct MatchExplanation {
   // With a state group (KvCacheManager): the tokens a prompt resumes, the deepest state checkpoint
   // at or below matched_tokens (the rest are computed again); -1 without one.
   int64_t resumable_tokens = -1;
+  // Of the tokens resumable_tokens leaves out, those the window group cut (a window block the
+  // resumed window needs was evicted, or released before it was published); the others the
+  // state group cut (no checkpoint).
+  int64_t window_evicted_tokens = 0;
   // Other namespaces whose trees would match more of this prompt (prefixes are never shared
   // across namespaces), with how many tokens.
   std::vector<std::pair<NamespaceId, int64_t>> other_namespaces;

@@ -26,6 +26,8 @@ std::string_view ResourceName(Resource resource) {
       return "max_pinned_blocks";
     case Resource::kStateSlots:
       return "state slots";
+    case Resource::kWindowBlocks:
+      return "window group blocks";
   }
   return "unknown";
 }
@@ -48,7 +50,7 @@ std::optional<Shortfall> GetShortfall(const absl::Status& status) {
   int consumed = 0;
   if (std::sscanf(text.c_str(), "%d:%lld%n", &resource, &blocks, &consumed) != 2 ||
       consumed != static_cast<int>(text.size()) || resource < 0 ||
-      resource > static_cast<int>(Resource::kStateSlots)) {
+      resource > static_cast<int>(Resource::kWindowBlocks)) {
     return std::nullopt;
   }
   return Shortfall{static_cast<Resource>(resource), blocks};

@@ -22,6 +22,7 @@ enum class Resource : uint8_t {
   kTableBound,      // max_blocks_per_seq
   kPinnedBlocks,    // blocks pins may hold at once (KvCacheOptions::max_pinned_blocks)
   kStateSlots,      // free slots in the pool's state group (one per live sequence)
+  kWindowBlocks,    // free blocks in the pool's window group (after reclaiming and evicting)
 };
 
 std::string_view ResourceName(Resource resource);

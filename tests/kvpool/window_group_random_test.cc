@@ -1,0 +1,428 @@
+// Seeded randomized test of the window group (docs/hybrid-groups.md §3, §4) against a reference
+// model: a KvCacheManager with a small window group beside its prefix cache, driven by random
+// Allocate (prompts from a few shared families), Grow, steps (compute every token not computed yet,
+// then MarkWindowInFlight and SlideWindow), SlideWindow to earlier points, Fork, Truncate, Commit,
+// Free (discard and commit), EvictCached, fences completed across timelines and ReclaimRetired.
+//
+// The window blocks' bytes are simulated: each token slot holds the (position, token) a step
+// wrote there, plans' copies and fills land at once, and every query a step computes reads its
+// window and sinks and checks each key is the sequence's own token at that position. So a block
+// released too early, shared without a copy-on-write, kept in the tree for the wrong block, or a
+// match that resumes past a tombstone, shows up as data. A block handed out (fill or copy target)
+// must have every fence it was marked with passed.
+// After every operation: CheckInvariants(), the code the model predicts, which entries of every
+// window table are live (the reference's), the bound after a slide, and a resumed sequence's
+// match against the reference's longest resumable prefix.
+//
+// KVPOOL_WINDOW_RANDOM_OPS=N runs N operations per seed instead of the default.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <map>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kvpool/kv_cache_manager.h"
+#include "kvpool/util/errors.h"
+#include "tests/kvpool/timeline_fences.h"
+
+namespace kvpool {
+namespace {
+
+using Code = absl::StatusCode;
+
+constexpr int32_t kBlockSize = 4;
+constexpr int32_t kMaxBlocksPerSeq = 24;
+constexpr int32_t kNumBlocks = 96;
+constexpr int32_t kWindowBlocks = 22;
+constexpr int32_t kFamilies = 3;
+constexpr size_t kMaxSequences = 8;
+constexpr int32_t kFamilyTokens = kMaxBlocksPerSeq * kBlockSize;
+constexpr uint32_t kTimelines = 2;
+constexpr SessionId kSessions[] = {SessionId(1), SessionId(2)};
+constexpr NamespaceId kNamespace(7);
+
+struct Config {
+  uint64_t seed;
+  int32_t window;
+  int32_t sinks;
+};
+
+void PrintTo(const Config& c, std::ostream* os) {
+  *os << "seed " << c.seed << ", W " << c.window << ", S " << c.sinks;
+}
+
+// What a token slot of a window block holds: the position and token a step wrote there.
+int64_t Key(int64_t position, int32_t token) { return position * 1000 + token; }
+constexpr int64_t kGarbage = -7;  // a fresh block's bytes: never a key
+
+struct Model {
+  SessionId session;
+  std::vector<int32_t> tokens;  // every token's id, num_tokens of them
+  int64_t known = 0;            // tokens the manager knows (prompt and commits)
+  int64_t computed = 0;         // tokens whose KV a step wrote
+  int64_t first_live = 0;       // entries [sinks, first_live) are released
+};
+
+struct Tally {
+  int64_t resumes = 0;           // Allocates that resumed a cached prefix
+  int64_t window_cuts = 0;       // ... whose match the window group cut
+  int64_t refusals = 0;          // calls refused for want of window blocks
+  int64_t truncate_refused = 0;  // Truncates refused below the released window
+  int64_t slid = 0;              // entries released by slides
+  int64_t steps = 0;
+};
+
+class WindowGroupRandomTest : public ::testing::TestWithParam<Config> {
+ protected:
+  void SetUp() override {
+    const Config& c = GetParam();
+    rng_.seed(c.seed);
+    window_ = c.window;
+    sinks_ = c.sinks;
+    auto m = KvCacheManager::Create({.block_size = kBlockSize,
+                                     .num_blocks = kNumBlocks,
+                                     .max_blocks_per_seq = kMaxBlocksPerSeq,
+                                     .fences = &fences_,
+                                     .window_blocks = kWindowBlocks,
+                                     .window_tokens = window_,
+                                     .sink_tokens = sinks_});
+    ASSERT_TRUE(m.ok()) << m.status();
+    manager_ = std::move(*m);
+    bytes_.assign(kWindowBlocks, std::vector<int64_t>(kBlockSize, kGarbage));
+    marks_.assign(kWindowBlocks, std::vector<uint64_t>(kTimelines, 0));
+    for (auto& family : families_) {
+      family.resize(kFamilyTokens);
+      for (int32_t& t : family) t = static_cast<int32_t>(Rand(3));
+    }
+  }
+
+  uint64_t Rand(uint64_t n) { return std::uniform_int_distribution<uint64_t>(0, n - 1)(rng_); }
+  int64_t SinkBlocks() const { return (sinks_ + kBlockSize - 1) / kBlockSize; }
+  int64_t BlocksFor(int64_t n) const { return (n + kBlockSize - 1) / kBlockSize; }
+  int64_t WindowStart(int64_t n) const {
+    return std::max<int64_t>(0, n - window_ + 1) / kBlockSize;
+  }
+  bool Needs(int64_t i, int64_t n) const {
+    return i < BlocksFor(n) && (i < SinkBlocks() || i >= WindowStart(n));
+  }
+  const Sequence& Seq(SequenceId id) const { return *manager_->Find(id); }
+  SequenceId Pick() {
+    auto it = models_.begin();
+    std::advance(it, static_cast<ptrdiff_t>(Rand(models_.size())));
+    return it->first;
+  }
+
+  // The device side of a plan: copies and fills land now; their blocks are marked in flight.
+  void Apply(const DevicePlan& plan) {
+    std::vector<BlockId> touched;
+    for (const BlockCopy& c : plan.window_copies) {
+      HandOut(c.dst);
+      bytes_[Index(c.dst)] = bytes_[Index(c.src)];
+      touched.insert(touched.end(), {c.src, c.dst});
+    }
+    for (const BlockFill& f : plan.window_fills) {
+      HandOut(f.block);
+      bytes_[Index(f.block)].assign(kBlockSize, kGarbage);
+      touched.push_back(f.block);
+    }
+    Mark(touched);
+  }
+  static size_t Index(BlockId b) { return static_cast<size_t>(b.value()); }
+  void HandOut(BlockId b) {
+    for (uint32_t t = 0; t < kTimelines; ++t) {
+      ASSERT_LE(marks_[Index(b)][t], fences_.completed(t))
+          << "window block " << b.value() << " handed out before its fence on timeline " << t;
+      marks_[Index(b)][t] = 0;
+    }
+  }
+  void Mark(const std::vector<BlockId>& blocks) {
+    if (blocks.empty()) return;
+    const uint32_t t = static_cast<uint32_t>(Rand(kTimelines));
+    if (fences_.Outstanding(t) >= 3) fences_.Complete(t, fences_.completed(t) + 1);
+    const Fence fence = fences_.Issue(t);
+    ASSERT_TRUE(manager_->MarkWindowInFlight(blocks, fence).ok());
+    for (BlockId b : blocks) marks_[Index(b)][t] = fence.value;
+  }
+
+  // The reference's longest resumable prefix of `prompt`: the attention match, or the deepest
+  // block boundary below it whose window and sinks the tree keeps.
+  int64_t Resumable(std::span<const int32_t> prompt) const {
+    const PrefixMatch m = manager_->cache()->Match(kNamespace, prompt);
+    std::map<int32_t, int32_t> kept;  // tree block -> window block
+    std::istringstream in(manager_->DebugString());
+    for (std::string line; std::getline(in, line);) {
+      int block = 0, primary = 0;
+      unsigned long long stamp = 0;
+      if (std::sscanf(line.c_str(), "window block=%d primary=%d stamp=%llu", &block, &primary,
+                      &stamp) == 3) {
+        kept[primary] = block;
+      }
+    }
+    const auto block_at = [&](int64_t i) {
+      return (static_cast<size_t>(i) < m.full.size() ? m.full[static_cast<size_t>(i)] : m.partial)
+          .value();
+    };
+    for (int64_t p = m.matched_tokens; p > 0; p = (p - 1) / kBlockSize * kBlockSize) {
+      bool ok = true;
+      for (int64_t i = 0; i < BlocksFor(p) && ok; ++i)
+        ok = !Needs(i, p) || kept.contains(block_at(i));
+      if (ok) return p;
+    }
+    return 0;
+  }
+
+  // Every entry's liveness is the reference's, and live ones name distinct-enough blocks.
+  void CheckTables() {
+    for (const auto& [id, model] : models_) {
+      const Sequence& seq = Seq(id);
+      ASSERT_EQ(seq.num_tokens, static_cast<int64_t>(model.tokens.size()));
+      ASSERT_EQ(seq.window_table.size(), seq.table.size());
+      for (size_t i = 0; i < seq.window_table.size(); ++i) {
+        const bool live =
+            static_cast<int64_t>(i) < SinkBlocks() || static_cast<int64_t>(i) >= model.first_live;
+        ASSERT_EQ(seq.window_table[i] != kInvalidBlock, live)
+            << "sequence " << id.value() << " entry " << i << " first_live " << model.first_live;
+      }
+    }
+  }
+
+  // A step: computes every token past `computed`, each query reading its window and sinks.
+  void Step(SequenceId id) {
+    Model& model = models_.at(id);
+    const Sequence& seq = Seq(id);
+    for (int64_t p = model.computed; p < static_cast<int64_t>(model.tokens.size()); ++p) {
+      const BlockId w = seq.window_table[static_cast<size_t>(p / kBlockSize)];
+      ASSERT_NE(w, kInvalidBlock) << "position " << p;
+      bytes_[Index(w)][static_cast<size_t>(p % kBlockSize)] =
+          Key(p, model.tokens[static_cast<size_t>(p)]);
+      for (int64_t q = 0; q <= p; ++q) {
+        if (q >= sinks_ && q < p - window_ + 1) continue;
+        const BlockId r = seq.window_table[static_cast<size_t>(q / kBlockSize)];
+        ASSERT_NE(r, kInvalidBlock) << "query " << p << " reads released key " << q;
+        ASSERT_EQ(bytes_[Index(r)][static_cast<size_t>(q % kBlockSize)],
+                  Key(q, model.tokens[static_cast<size_t>(q)]))
+            << "sequence " << id.value() << " query " << p << " key " << q << " in window block "
+            << r.value();
+      }
+    }
+    std::vector<BlockId> live;
+    for (BlockId b : seq.window_table) {
+      if (b != kInvalidBlock) live.push_back(b);
+    }
+    Mark(live);
+    model.computed = static_cast<int64_t>(model.tokens.size());
+    Slide(id, model.computed);
+    int64_t now = 0;
+    for (BlockId b : Seq(id).window_table) now += b != kInvalidBlock ? 1 : 0;
+    ASSERT_LE(now, manager_->WindowBound()) << "after a slide to its length";
+    ++tally_.steps;
+  }
+
+  void Slide(SequenceId id, int64_t n) {
+    Model& model = models_.at(id);
+    const int64_t before = model.first_live;
+    ASSERT_TRUE(manager_->SlideWindow(model.session, id, n).ok());
+    const int64_t size = static_cast<int64_t>(model.tokens.size() + kBlockSize - 1) / kBlockSize;
+    model.first_live = std::max(before, std::max(SinkBlocks(), std::min(WindowStart(n), size)));
+    tally_.slid += model.first_live - before;
+  }
+
+  void Allocate();
+  void Grow();
+  void Fork();
+  void Truncate();
+  void Commit();
+  void Free();
+
+  std::mt19937_64 rng_;
+  int32_t window_ = 0;
+  int32_t sinks_ = 0;
+  testing::TimelineFences fences_;
+  std::unique_ptr<KvCacheManager> manager_;
+  std::vector<std::vector<int64_t>> bytes_;   // [window block][token slot]
+  std::vector<std::vector<uint64_t>> marks_;  // [window block][timeline]: last fence marked
+  std::array<std::vector<int32_t>, kFamilies> families_;
+  std::map<SequenceId, Model> models_;
+  Tally tally_;
+};
+
+void WindowGroupRandomTest::Allocate() {
+  const auto& family = families_[Rand(kFamilies)];
+  const int64_t len = static_cast<int64_t>(Rand(kFamilyTokens / 2));
+  std::vector<int32_t> prompt(family.begin(), family.begin() + len);
+  if (len > 0 && Rand(3) == 0) prompt[Rand(static_cast<uint64_t>(len))] = 9;  // diverges
+  const int64_t n = len + static_cast<int64_t>(Rand(6));
+  const SessionId session = kSessions[Rand(2)];
+  const int64_t expect = Resumable(prompt);
+  const int64_t attention = manager_->cache()->Match(kNamespace, prompt).matched_tokens;
+  DevicePlan plan;
+  const absl::StatusOr<AllocateResult> r =
+      manager_->Allocate(session, {.ns = kNamespace, .num_tokens = n, .prompt = prompt}, &plan);
+  if (!r.ok()) {
+    ASSERT_EQ(r.status().code(), Code::kResourceExhausted) << r.status();
+    ++tally_.refusals;
+    return;
+  }
+  ASSERT_EQ(r->matched_tokens, expect) << "attention match " << attention;
+  tally_.resumes += expect > 0 ? 1 : 0;
+  tally_.window_cuts += expect < attention ? 1 : 0;
+  Apply(plan);
+  Model model{.session = session, .tokens = prompt, .known = len, .computed = expect};
+  for (int64_t p = len; p < n; ++p) {
+    model.tokens.push_back(Rand(4) != 0 ? family[static_cast<size_t>(p)] : 9);
+  }
+  model.first_live = std::max(SinkBlocks(), expect > 0 ? WindowStart(expect) : 0);
+  models_.emplace(r->sequence, std::move(model));
+  // The resumed window names blocks holding exactly the prompt's tokens.
+  const Sequence& seq = Seq(r->sequence);
+  for (int64_t q = 0; q < expect; ++q) {
+    if (!Needs(q / kBlockSize, expect)) continue;
+    ASSERT_EQ(bytes_[Index(seq.window_table[static_cast<size_t>(q / kBlockSize)])]
+                    [static_cast<size_t>(q % kBlockSize)],
+              Key(q, prompt[static_cast<size_t>(q)]))
+        << "resumed key " << q;
+  }
+}
+
+void WindowGroupRandomTest::Grow() {
+  const SequenceId id = Pick();
+  Model& model = models_.at(id);
+  const int64_t n = std::min<int64_t>(
+      static_cast<int64_t>(model.tokens.size()) + 1 + static_cast<int64_t>(Rand(6)),
+      kMaxBlocksPerSeq * kBlockSize);
+  DevicePlan plan;
+  const absl::Status s = manager_->Grow(model.session, id, n, &plan);
+  if (!s.ok()) {
+    ASSERT_EQ(s.code(), Code::kResourceExhausted) << s;
+    ++tally_.refusals;
+    return;
+  }
+  Apply(plan);
+  while (static_cast<int64_t>(model.tokens.size()) < n) {
+    model.tokens.push_back(static_cast<int32_t>(Rand(3)));
+  }
+}
+
+void WindowGroupRandomTest::Fork() {
+  const SequenceId id = Pick();
+  const Model parent = models_.at(id);
+  DevicePlan plan;
+  const absl::StatusOr<SequenceId> child = manager_->Fork(parent.session, id, &plan);
+  if (!child.ok()) {
+    ASSERT_EQ(child.status().code(), Code::kResourceExhausted) << child.status();
+    ++tally_.refusals;
+    return;
+  }
+  Apply(plan);
+  models_.emplace(*child, parent);
+}
+
+void WindowGroupRandomTest::Truncate() {
+  const SequenceId id = Pick();
+  Model& model = models_.at(id);
+  const int64_t n = static_cast<int64_t>(Rand(model.tokens.size() + 1));
+  bool refuse = false;
+  for (int64_t i = 0; i < BlocksFor(n); ++i) {
+    refuse |= Needs(i, n) && i >= SinkBlocks() && i < model.first_live;
+  }
+  const absl::Status s = manager_->Truncate(model.session, id, n);
+  if (refuse) {
+    ASSERT_EQ(s.code(), Code::kFailedPrecondition) << s;
+    ++tally_.truncate_refused;
+    return;
+  }
+  ASSERT_TRUE(s.ok()) << s;
+  model.tokens.resize(static_cast<size_t>(n));
+  model.known = std::min(model.known, n);
+  model.computed = std::min(model.computed, n);
+  model.first_live = std::max(SinkBlocks(), std::min(model.first_live, BlocksFor(n)));
+}
+
+void WindowGroupRandomTest::Commit() {
+  const SequenceId id = Pick();
+  Model& model = models_.at(id);
+  if (model.computed < model.known) return;  // only tokens whose KV is written are published
+  const std::span<const int32_t> fresh(model.tokens.data() + model.known,
+                                       static_cast<size_t>(model.computed - model.known));
+  const absl::Status s = manager_->Commit(model.session, id, model.computed, fresh);
+  ASSERT_TRUE(s.ok()) << s;
+  model.known = model.computed;
+}
+
+void WindowGroupRandomTest::Free() {
+  const SequenceId id = Pick();
+  const Model& model = models_.at(id);
+  const bool commit = model.computed >= model.known && Rand(2) == 0;
+  const absl::Status s =
+      manager_->Free(model.session, id, commit ? OnFree::kCommit : OnFree::kDiscard);
+  ASSERT_TRUE(s.ok()) << s;
+  models_.erase(id);
+}
+
+TEST_P(WindowGroupRandomTest, MatchesTheReferenceModel) {
+  int64_t ops = 3000;
+  if (const char* env = std::getenv("KVPOOL_WINDOW_RANDOM_OPS")) ops = std::atoll(env);
+  for (int64_t op = 0; op < ops; ++op) {
+    SCOPED_TRACE(::testing::Message() << "op " << op);
+    uint64_t kind = models_.empty() ? 0 : Rand(20);
+    // At most kMaxSequences live: an Allocate or Fork becomes a Free.
+    if (models_.size() >= kMaxSequences && (kind < 4 || kind == 12)) kind = 15;
+    if (kind < 4) {
+      Allocate();
+    } else if (kind < 7) {
+      Grow();
+    } else if (kind < 11) {
+      Step(Pick());
+    } else if (kind < 12) {
+      const SequenceId id = Pick();
+      Slide(id, static_cast<int64_t>(Rand(static_cast<uint64_t>(models_.at(id).computed) + 1)));
+    } else if (kind < 13) {
+      Fork();
+    } else if (kind < 14) {
+      Truncate();
+    } else if (kind < 15) {
+      Commit();
+    } else if (kind < 17) {
+      Free();
+    } else if (kind < 18) {
+      manager_->EvictCached(static_cast<int64_t>(1 + Rand(4)));
+    } else {
+      const uint32_t t = static_cast<uint32_t>(Rand(kTimelines));
+      fences_.Complete(t, fences_.completed(t) + 1 + Rand(2));
+      if (Rand(2) == 0) manager_->ReclaimRetired();
+    }
+    if (::testing::Test::HasFatalFailure()) return;
+    const absl::Status inv = manager_->CheckInvariants();
+    ASSERT_TRUE(inv.ok()) << inv << "\n" << manager_->DebugString();
+    CheckTables();
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+  // The run exercised what it is for.
+  EXPECT_GT(tally_.resumes, 20);
+  EXPECT_GT(tally_.window_cuts, 5);
+  EXPECT_GT(tally_.refusals, 5);
+  EXPECT_GT(tally_.truncate_refused, 5);
+  EXPECT_GT(tally_.slid, 100);
+  EXPECT_GT(manager_->stats().windows.evicted, 10u);
+  std::printf(
+      "resumes %lld (window cuts %lld), refusals %lld, truncates refused %lld, slid %lld, "
+      "steps %lld, window blocks kept %llu evicted %llu\n",
+      static_cast<long long>(tally_.resumes), static_cast<long long>(tally_.window_cuts),
+      static_cast<long long>(tally_.refusals), static_cast<long long>(tally_.truncate_refused),
+      static_cast<long long>(tally_.slid), static_cast<long long>(tally_.steps),
+      static_cast<unsigned long long>(manager_->stats().windows.kept),
+      static_cast<unsigned long long>(manager_->stats().windows.evicted));
+}
+
+INSTANTIATE_TEST_SUITE_P(Seeds, WindowGroupRandomTest,
+                         ::testing::Values(Config{1, 5, 0}, Config{2, 8, 2}, Config{3, 13, 4},
+                                           Config{4, 3, 6}, Config{5, 9, 0}, Config{6, 16, 3},
+                                           Config{7, 1, 0}, Config{8, 2, 5}));
+
+}  // namespace
+}  // namespace kvpool

@@ -1,0 +1,409 @@
+// The window group of a KvCacheManager (docs/hybrid-groups.md §3, §4): a window table beside each
+// block table whose entries are released, fenced, as they leave the window (SlideWindow); the
+// tree keeps the window blocks still live at Commit, and a prompt resumes only where the window
+// group holds the window it needs.
+
+#include <array>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kvpool/kv_cache_manager.h"
+#include "kvpool/util/errors.h"
+#include "tests/kvpool/manual_fences.h"
+
+namespace kvpool {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+
+constexpr SessionId kAlice(1);
+constexpr SessionId kBob(2);
+constexpr NamespaceId kTenant(100);
+constexpr int32_t kBlockSize = 16;
+
+using testing::ManualFences;
+
+std::vector<int32_t> Prompt(int32_t n, int32_t salt = 0) {
+  std::vector<int32_t> out(static_cast<size_t>(n));
+  for (int32_t i = 0; i < n; ++i) out[static_cast<size_t>(i)] = 7 * i + 3 + salt;
+  return out;
+}
+
+int64_t Live(const Sequence& seq) {
+  int64_t n = 0;
+  for (BlockId b : seq.window_table) n += b != kInvalidBlock ? 1 : 0;
+  return n;
+}
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+class WindowGroupTest : public ::testing::Test {
+ protected:
+  void Make(int32_t window_blocks, int32_t window_tokens, int32_t sink_tokens = 0,
+            int32_t num_blocks = 64, int32_t state_slots = 0, int32_t checkpoint_slots = 0,
+            int32_t checkpoint_interval = 4) {
+    auto cache = KvCacheManager::Create({.block_size = kBlockSize,
+                                         .num_blocks = num_blocks,
+                                         .max_blocks_per_seq = 64,
+                                         .clock = &clock_,
+                                         .fences = &fences_,
+                                         .state_slots = state_slots,
+                                         .checkpoint_slots = checkpoint_slots,
+                                         .checkpoint_interval = checkpoint_interval,
+                                         .window_blocks = window_blocks,
+                                         .window_tokens = window_tokens,
+                                         .sink_tokens = sink_tokens});
+    ASSERT_TRUE(cache.ok()) << cache.status();
+    cache_ = std::move(*cache);
+  }
+
+  absl::StatusOr<AllocateResult> Alloc(SessionId session, int64_t tokens,
+                                       std::span<const int32_t> prompt = {}) {
+    plan_ = DevicePlan{};
+    return cache_->Allocate(session, {.ns = kTenant, .num_tokens = tokens, .prompt = prompt},
+                            &plan_);
+  }
+
+  const Sequence& Seq(SequenceId id) { return *cache_->Find(id); }
+
+  void ExpectInvariants() {
+    const absl::Status status = cache_->CheckInvariants();
+    EXPECT_TRUE(status.ok()) << status;
+  }
+
+  ManualClock clock_;
+  ManualFences fences_;
+  std::unique_ptr<KvCacheManager> cache_;
+  DevicePlan plan_;
+};
+
+TEST_F(WindowGroupTest, CreateValidatesTheWindowOptions) {
+  const auto make = [](int32_t blocks, int32_t window, int32_t sinks) {
+    return KvCacheManager::Create({.block_size = 16,
+                                   .num_blocks = 8,
+                                   .max_blocks_per_seq = 8,
+                                   .window_blocks = blocks,
+                                   .window_tokens = window,
+                                   .sink_tokens = sinks})
+        .status();
+  };
+  EXPECT_TRUE(make(0, 0, 0).ok());
+  EXPECT_TRUE(make(4, 32, 4).ok());
+  for (const absl::Status& s : {make(-1, 32, 0), make(4, 0, 0), make(4, 32, -1)}) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  }
+  EXPECT_THAT(std::string(make(4, 0, 0).message()), HasSubstr("window_tokens"));
+  EXPECT_THAT(std::string(make(-1, 32, 0).message()), HasSubstr("window_blocks"));
+  EXPECT_THAT(std::string(make(4, 32, -1).message()), HasSubstr("sink_tokens"));
+}
+
+TEST_F(WindowGroupTest, WithoutAWindowGroupNothingChanges) {
+  Make(0, 0);
+  absl::StatusOr<AllocateResult> a = Alloc(kAlice, 40);
+  ASSERT_TRUE(a.ok());
+  EXPECT_THAT(Seq(a->sequence).window_table, IsEmpty());
+  EXPECT_TRUE(plan_.window_fills.empty());
+  EXPECT_TRUE(cache_->SlideWindow(kAlice, a->sequence, 40).ok());
+  EXPECT_EQ(cache_->WindowBound(), 0);
+  EXPECT_EQ(cache_->stats().window.num_blocks, 0);
+  ExpectInvariants();
+}
+
+// The bound: a long sequence decoded token by token, sliding after every step, never holds
+// more than WindowBound() window blocks while its full table grows.
+TEST_F(WindowGroupTest, ALongDecodeHoldsABoundedWindow) {
+  for (const auto& [window, sinks] : {std::pair{64, 0}, std::pair{50, 5}, std::pair{16, 16}}) {
+    SCOPED_TRACE(::testing::Message() << "W=" << window << " S=" << sinks);
+    const int64_t bound = CeilDiv(window + kBlockSize, kBlockSize) + CeilDiv(sinks, kBlockSize);
+    // Exactly the bound plus the block a one-token Grow may add: any leak is refused.
+    Make(static_cast<int32_t>(bound + 1), window, sinks, /*num_blocks=*/64);
+    ASSERT_EQ(cache_->WindowBound(), bound);
+    absl::StatusOr<AllocateResult> a = Alloc(kAlice, 10);
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE(cache_->SlideWindow(kAlice, a->sequence, 10).ok());
+    int64_t most = 0;
+    for (int64_t n = 11; n <= 64 * kBlockSize; ++n) {
+      DevicePlan plan;
+      ASSERT_TRUE(cache_->Grow(kAlice, a->sequence, n, &plan).ok()) << n;
+      ASSERT_LE(Live(Seq(a->sequence)), bound + 2) << n;  // ceil(1 / block_size) + 1 more
+      ASSERT_TRUE(cache_->SlideWindow(kAlice, a->sequence, n).ok());
+      const Sequence& seq = Seq(a->sequence);
+      ASSERT_LE(Live(seq), bound) << n;
+      ASSERT_EQ(seq.window_table.size(), seq.table.size());
+      most = std::max(most, Live(seq));
+      // The sinks are never released.
+      for (int64_t i = 0; i < CeilDiv(sinks, kBlockSize); ++i) {
+        ASSERT_NE(seq.window_table[static_cast<size_t>(i)], kInvalidBlock) << n;
+      }
+      if (n % 97 == 0) ExpectInvariants();
+    }
+    EXPECT_EQ(Seq(a->sequence).table.size(), 64u);  // the full table grew all the way
+    // The most it held: ceil((W + block_size - 2) / block_size) + sinks, the bound when W mod
+    // block_size is 0 or 1.
+    EXPECT_EQ(most, CeilDiv(window + kBlockSize - 2, kBlockSize) + CeilDiv(sinks, kBlockSize));
+    EXPECT_EQ(cache_->stats().window.active, Live(Seq(a->sequence)));
+    EXPECT_GT(cache_->stats().windows.released, 0u);
+    ExpectInvariants();
+  }
+}
+
+TEST_F(WindowGroupTest, ReleasedBlocksAreReusedOnlyAfterTheirFence) {
+  Make(/*window_blocks=*/6, /*window_tokens=*/32);
+  absl::StatusOr<AllocateResult> a = Alloc(kAlice, 96);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(plan_.window_fills.size(), 6u);
+  const std::vector<BlockId> before = Seq(a->sequence).window_table;
+  // A step reads every window block; the window slides while it runs.
+  ASSERT_TRUE(cache_->MarkWindowInFlight(before, Fence{0, 3}).ok());
+  ASSERT_TRUE(cache_->SlideWindow(kAlice, a->sequence, 96).ok());
+  // 96 computed: the next query reads [65, 96], blocks 4 and 5.
+  EXPECT_THAT(Seq(a->sequence).window_table,
+              ElementsAre(kInvalidBlock, kInvalidBlock, kInvalidBlock, kInvalidBlock, before[4],
+                          before[5]));
+  EXPECT_EQ(cache_->stats().window.retiring, 4);
+  ExpectInvariants();
+  const std::string state = cache_->DebugString();
+  absl::StatusOr<AllocateResult> early = Alloc(kBob, 16);
+  ASSERT_EQ(early.status().code(), absl::StatusCode::kResourceExhausted) << early.status();
+  ASSERT_TRUE(GetShortfall(early.status()).has_value());
+  EXPECT_EQ(GetShortfall(early.status())->resource, Resource::kWindowBlocks);
+  EXPECT_THAT(std::string(early.status().message()), HasSubstr("window group"));
+  EXPECT_EQ(cache_->DebugString(), state);
+  fences_.Complete(0, 3);
+  absl::StatusOr<AllocateResult> b = Alloc(kBob, 64);
+  ASSERT_TRUE(b.ok()) << b.status();
+  std::vector<BlockId> reused = Seq(b->sequence).window_table;
+  std::sort(reused.begin(), reused.end());
+  std::vector<BlockId> released(before.begin(), before.begin() + 4);
+  std::sort(released.begin(), released.end());
+  EXPECT_EQ(reused, released);
+  EXPECT_EQ(plan_.window_fills.size(), 4u);
+  ExpectInvariants();
+}
+
+TEST_F(WindowGroupTest, AGrowIsRefusedWholeWhenTheWindowGroupIsShort) {
+  Make(/*window_blocks=*/5, /*window_tokens=*/64);
+  absl::StatusOr<AllocateResult> a = Alloc(kAlice, 32);
+  absl::StatusOr<AllocateResult> b = Alloc(kAlice, 24);
+  ASSERT_TRUE(a.ok() && b.ok());
+  const std::string state = cache_->DebugString();
+  // a needs one more block, b one more: the full group has them, the window group one.
+  const std::array requests{GrowRequest{a->sequence, 40}, GrowRequest{b->sequence, 40}};
+  DevicePlan plan;
+  std::vector<TableChange> changes;
+  const absl::Status s = cache_->GrowBatch(kAlice, requests, &plan, &changes);
+  ASSERT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_EQ(GetShortfall(s)->resource, Resource::kWindowBlocks);
+  EXPECT_EQ(GetShortfall(s)->blocks, 1);
+  EXPECT_TRUE(plan.empty());
+  EXPECT_TRUE(changes.empty());
+  EXPECT_EQ(cache_->DebugString(), state);
+  // One of them fits, with a block in each group.
+  ASSERT_TRUE(cache_->GrowBatch(kAlice, std::span(requests).first(1), &plan, &changes).ok());
+  EXPECT_EQ(plan.fills.size(), 1u);
+  EXPECT_EQ(plan.window_fills.size(), 1u);
+  EXPECT_EQ(Seq(a->sequence).window_table.back(), plan.window_fills[0].block);
+  // RevertGrow undoes both groups.
+  cache_->RevertGrow(kAlice, changes);
+  EXPECT_EQ(Seq(a->sequence).window_table.size(), 2u);
+  EXPECT_EQ(Seq(a->sequence).table.size(), 2u);
+  EXPECT_EQ(cache_->stats().window.free, 1);
+  EXPECT_EQ(cache_->stats().pool.active, 4);
+  ExpectInvariants();
+}
+
+TEST_F(WindowGroupTest, ForkSharesLiveWindowBlocksAndCopiesThePartialOne) {
+  Make(/*window_blocks=*/16, /*window_tokens=*/16);
+  absl::StatusOr<AllocateResult> a = Alloc(kAlice, 40);
+  ASSERT_TRUE(a.ok());
+  ASSERT_TRUE(cache_->SlideWindow(kAlice, a->sequence, 40).ok());  // reads [25, 40]: from block 1
+  const std::vector<BlockId> parent = Seq(a->sequence).window_table;
+  ASSERT_EQ(parent[0], kInvalidBlock);
+  DevicePlan plan;
+  absl::StatusOr<SequenceId> child = cache_->Fork(kAlice, a->sequence, &plan);
+  ASSERT_TRUE(child.ok()) << child.status();
+  const std::vector<BlockId>& mine = Seq(*child).window_table;
+  ASSERT_EQ(mine.size(), 3u);
+  EXPECT_EQ(mine[0], kInvalidBlock);
+  EXPECT_EQ(mine[1], parent[1]);
+  EXPECT_NE(mine[2], parent[2]);
+  EXPECT_THAT(plan.window_copies, ElementsAre(BlockCopy{parent[2], mine[2]}));
+  EXPECT_EQ(cache_->window()->refs(parent[1]), 2u);
+  ExpectInvariants();
+  // Both write into the shared block after a rewind into it: each group copies on its own.
+  ASSERT_TRUE(cache_->Truncate(kAlice, *child, 31).ok());
+  plan = DevicePlan{};
+  std::vector<TableChange> changes;
+  ASSERT_TRUE(cache_->GrowBatch(kAlice, std::array{GrowRequest{*child, 33}}, &plan, &changes).ok());
+  ASSERT_EQ(plan.window_copies.size(), 1u);
+  EXPECT_EQ(plan.window_copies[0].src, parent[1]);
+  EXPECT_EQ(changes[0].window_replaced, parent[1]);
+  EXPECT_EQ(changes[0].first_changed, 1);
+  ExpectInvariants();
+}
+
+TEST_F(WindowGroupTest, TruncateBelowTheReleasedWindowIsRefusedWithTheLowestLength) {
+  Make(/*window_blocks=*/16, /*window_tokens=*/16);
+  absl::StatusOr<AllocateResult> a = Alloc(kAlice, 40);
+  ASSERT_TRUE(a.ok());
+  ASSERT_TRUE(cache_->SlideWindow(kAlice, a->sequence, 40).ok());  // block 0 released
+  const std::string state = cache_->DebugString();
+  // 20 tokens: the next query reads [5, 20], block 0 among them.
+  const absl::Status s = cache_->Truncate(kAlice, a->sequence, 20);
+  ASSERT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("lowest length it can go back to is 31"));
+  EXPECT_EQ(cache_->DebugString(), state);
+  ASSERT_TRUE(cache_->Truncate(kAlice, a->sequence, 31).ok());  // reads [16, 31]: block 1 on
+  EXPECT_EQ(Seq(a->sequence).window_table.size(), 2u);
+  EXPECT_EQ(cache_->stats().window.active, 1);
+  ASSERT_TRUE(cache_->Truncate(kAlice, a->sequence, 0).ok());  // nothing to read
+  EXPECT_THAT(Seq(a->sequence).window_table, IsEmpty());
+  EXPECT_EQ(cache_->SlideWindow(kAlice, a->sequence, 1).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache_->SlideWindow(kBob, a->sequence, 0).code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(cache_->SlideWindow(kAlice, SequenceId(99), 0).code(), absl::StatusCode::kNotFound);
+  ExpectInvariants();
+}
+
+TEST_F(WindowGroupTest, SinksAreKeptAndResumedWithTheWindow) {
+  Make(/*window_blocks=*/32, /*window_tokens=*/32, /*sink_tokens=*/16);
+  const std::vector<int32_t> prompt = Prompt(100);
+  absl::StatusOr<AllocateResult> a = Alloc(kAlice, 100, prompt);
+  ASSERT_TRUE(a.ok());
+  ASSERT_TRUE(cache_->SlideWindow(kAlice, a->sequence, 100).ok());
+  // Reads [69, 100] and the sink block 0: blocks 1..3 released.
+  const std::vector<BlockId> w = Seq(a->sequence).window_table;
+  EXPECT_THAT(w, ElementsAre(w[0], kInvalidBlock, kInvalidBlock, kInvalidBlock, w[4], w[5], w[6]));
+  EXPECT_NE(w[0], kInvalidBlock);
+  const absl::Status s = cache_->Truncate(kAlice, a->sequence, 17);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("(or 16 or fewer, within its sinks)"));
+  ASSERT_TRUE(cache_->Free(kAlice, a->sequence, OnFree::kCommit).ok());
+  EXPECT_EQ(cache_->stats().windows.kept, 4u);  // the sink and blocks 4, 5, 6
+  EXPECT_EQ(cache_->stats().window.cached, 4);
+  ExpectInvariants();
+  absl::StatusOr<AllocateResult> b = Alloc(kBob, 110, prompt);
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(b->matched_tokens, 100);
+  const std::vector<BlockId>& mine = Seq(b->sequence).window_table;
+  EXPECT_EQ(mine[0], w[0]);
+  EXPECT_EQ(mine[1], kInvalidBlock);
+  EXPECT_EQ(mine[4], w[4]);
+  EXPECT_EQ(mine[5], w[5]);
+  // Block 6 is matched as far as it is published; b writes only past that, alone: shared.
+  EXPECT_EQ(mine[6], w[6]);
+  EXPECT_THAT(plan_.window_copies, IsEmpty());
+  // A third sequence resuming there while b writes into it gets copies, in both groups.
+  absl::StatusOr<AllocateResult> c = Alloc(kAlice, 101, prompt);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->matched_tokens, 100);
+  EXPECT_THAT(plan_.window_copies, ElementsAre(BlockCopy{w[6], Seq(c->sequence).window_table[6]}));
+  EXPECT_EQ(plan_.copies.size(), 1u);
+  ExpectInvariants();
+}
+
+TEST_F(WindowGroupTest, AMatchIsCutWhereAWindowBlockWasEvictedAndResumesBeforeIt) {
+  Make(/*window_blocks=*/8, /*window_tokens=*/32);
+  const std::vector<int32_t> prompt = Prompt(96);
+  absl::StatusOr<AllocateResult> a = Alloc(kAlice, 96, prompt);
+  ASSERT_TRUE(a.ok());
+  ASSERT_TRUE(cache_->Commit(kAlice, a->sequence, 96).ok());  // every window block still live
+  const std::vector<BlockId> w = Seq(a->sequence).window_table;
+  ASSERT_TRUE(cache_->Free(kAlice, a->sequence).ok());
+  EXPECT_EQ(cache_->stats().window.cached, 6);
+  EXPECT_EQ(cache_->MatchPrefix(kTenant, prompt), 96);
+  // Window pressure: another sequence takes 3 window blocks, 2 free and one evicted (block 5's,
+  // the least recently kept). The primary blocks all stay.
+  absl::StatusOr<AllocateResult> c = Alloc(kBob, 48);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(cache_->stats().windows.evicted, 1u);
+  EXPECT_EQ(cache_->stats().cache.nodes, 6);
+  ExpectInvariants();
+  // The attention match is 96 tokens; resuming there needs [65, 96): block 5 is a tombstone, so
+  // the next candidate is 80, which needs blocks 3 and 4.
+  EXPECT_EQ(cache_->MatchPrefix(kTenant, prompt), 80);
+  const MatchExplanation why = cache_->ExplainMatch(kTenant, prompt);
+  EXPECT_EQ(why.matched_tokens, 96);
+  EXPECT_EQ(why.resumable_tokens, 80);
+  EXPECT_EQ(why.window_evicted_tokens, 16);
+  EXPECT_THAT(why.ToString(), HasSubstr("the window group cuts 16"));
+  absl::StatusOr<AllocateResult> b = Alloc(kBob, 100, prompt);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(b->matched_tokens, 80);
+  EXPECT_EQ(cache_->stats().missed_window_evicted, 16u);
+  const std::vector<BlockId>& mine = Seq(b->sequence).window_table;
+  ASSERT_EQ(mine.size(), 7u);
+  EXPECT_THAT(std::vector(mine.begin(), mine.begin() + 5),
+              ElementsAre(kInvalidBlock, kInvalidBlock, kInvalidBlock, w[3], w[4]));
+  EXPECT_EQ(Seq(b->sequence).table.size(), 7u);
+  ExpectInvariants();
+  // Full-group pressure takes primary blocks and their window blocks with them.
+  ASSERT_TRUE(cache_->Free(kBob, b->sequence).ok());
+  ASSERT_TRUE(cache_->Free(kBob, c->sequence).ok());
+  EXPECT_EQ(cache_->EvictCached(64), 6);
+  EXPECT_EQ(cache_->stats().windows.cached, 0);
+  EXPECT_EQ(cache_->stats().window.cached, 0);
+  ExpectInvariants();
+}
+
+TEST_F(WindowGroupTest, BlocksReleasedBeforeTheyArePublishedAreTombstones) {
+  Make(/*window_blocks=*/8, /*window_tokens=*/32);
+  const std::vector<int32_t> prompt = Prompt(80);
+  absl::StatusOr<AllocateResult> a = Alloc(kAlice, 80, prompt);
+  ASSERT_TRUE(a.ok());
+  ASSERT_TRUE(cache_->SlideWindow(kAlice, a->sequence, 80).ok());  // blocks 0..2 released
+  ASSERT_TRUE(cache_->Free(kAlice, a->sequence, OnFree::kCommit).ok());
+  EXPECT_EQ(cache_->stats().windows.kept, 2u);
+  EXPECT_EQ(cache_->MatchPrefix(kTenant, prompt), 80);
+  // A prompt that leaves at 64 would need blocks 2 and 3 there, 0 and 1 at 32: nothing resumes.
+  std::vector<int32_t> other = prompt;
+  other.resize(70);
+  other[64] = -1;
+  absl::StatusOr<AllocateResult> b = Alloc(kBob, 70, other);
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(b->matched_tokens, 0);
+  EXPECT_EQ(cache_->stats().missed_window_evicted, 64u);
+  ExpectInvariants();
+}
+
+// A state group and a window group in one manager: the match is the longest prefix both resume
+// from, their cuts alternating until they agree.
+TEST_F(WindowGroupTest, CheckpointAndWindowCutsAgree) {
+  Make(/*window_blocks=*/6, /*window_tokens=*/32, /*sink_tokens=*/0, /*num_blocks=*/64,
+       /*state_slots=*/5, /*checkpoint_slots=*/3, /*checkpoint_interval=*/2);
+  const std::vector<int32_t> prompt = Prompt(64);
+  absl::StatusOr<AllocateResult> a = Alloc(kAlice, 64, prompt);
+  ASSERT_TRUE(a.ok());
+  std::vector<PlannedCheckpoint> planned;
+  ASSERT_TRUE(
+      cache_->PlanCheckpoints(kAlice, a->sequence, 0, 64, /*prefill=*/false, &planned).ok());
+  ASSERT_EQ(planned.size(), 2u);  // at 32 and 64
+  ASSERT_TRUE(cache_->AdvanceState(kAlice, a->sequence, 64).ok());
+  ASSERT_TRUE(cache_->Commit(kAlice, a->sequence, 64).ok());
+  ASSERT_TRUE(cache_->Free(kAlice, a->sequence, OnFree::kCommit).ok());
+  EXPECT_EQ(cache_->MatchPrefix(kTenant, prompt), 64);
+  // Window pressure evicts block 3's window block (the least recently kept).
+  absl::StatusOr<AllocateResult> c = Alloc(kBob, 48);
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_TRUE(cache_->Free(kBob, c->sequence).ok());
+  // Window: 64 needs block 3 -> 48; state: no checkpoint at 48 -> 32; window at 32 needs blocks 0
+  // and 1, kept: 32.
+  const MatchExplanation why = cache_->ExplainMatch(kTenant, prompt);
+  EXPECT_EQ(why.resumable_tokens, 32);
+  EXPECT_EQ(why.window_evicted_tokens, 16);
+  EXPECT_THAT(why.ToString(), HasSubstr("the state group resumes only 32 of them"));
+  const KvCacheStats before = cache_->stats();
+  absl::StatusOr<AllocateResult> b = Alloc(kBob, 64, prompt);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(b->matched_tokens, 32);
+  const KvCacheStats after = cache_->stats();
+  EXPECT_EQ(after.missed_window_evicted - before.missed_window_evicted, 16u);
+  EXPECT_EQ(after.missed_no_checkpoint - before.missed_no_checkpoint, 16u);
+  EXPECT_EQ(plan_.state_copies.size(), 1u);  // from the checkpoint at 32
+  EXPECT_EQ(plan_.window_fills.size(), 2u);  // blocks 2 and 3 are computed again
+  ExpectInvariants();
+}
+
+}  // namespace
+}  // namespace kvpool
