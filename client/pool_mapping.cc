@@ -73,8 +73,19 @@ absl::Status CheckLayers(v1::PoolLayout* l) {
     return absl::InvalidArgumentError(fmt::format("pool layout describes {} of its {} layers",
                                                   l->layers_size(), l->num_layers()));
   }
-  int64_t offset = 0;
+  // The window group's layers (the last num_window_layers) start over in a window block.
+  if (l->num_window_layers() < 0 || l->num_window_layers() >= l->num_layers()) {
+    return absl::InvalidArgumentError(
+        fmt::format("pool layout has {} window layers of its {} layers", l->num_window_layers(),
+                    l->num_layers()));
+  }
+  const int first_window = l->num_layers() - l->num_window_layers();
+  int64_t offset = 0, main_bytes = 0;
   for (int i = 0; i < l->layers_size(); ++i) {
+    if (i == first_window) {
+      main_bytes = offset;
+      offset = 0;
+    }
     const v1::LayerLayout& layer = l->layers(i);
     const int64_t k = ChunkBytes(*l, layer.k_dtype()), v = ChunkBytes(*l, layer.v_dtype());
     const int64_t values = int64_t{l->block_size()} * l->num_kv_heads() * l->head_dim();
@@ -93,11 +104,42 @@ absl::Status CheckLayers(v1::PoolLayout* l) {
     }
     offset += layer.k_chunk_bytes() + layer.v_chunk_bytes();
   }
-  if (l->block_bytes() != offset) {
+  if (first_window == l->num_layers()) main_bytes = offset;
+  if (l->block_bytes() != main_bytes) {
     return absl::InvalidArgumentError(fmt::format(
-        "pool layout block_bytes {} != the sum of its chunks {}", l->block_bytes(), offset));
+        "pool layout block_bytes {} != the sum of its chunks {}", l->block_bytes(), main_bytes));
+  }
+  if (first_window < l->num_layers() && l->window_block_bytes() != offset) {
+    return absl::InvalidArgumentError(
+        fmt::format("pool layout window_block_bytes {} != the sum of its window layers' chunks {}",
+                    l->window_block_bytes(), offset));
   }
   return absl::OkStatus();
+}
+
+// Where the KV regions end: the blocks', or the window blocks' (after them) with a window group.
+int64_t KvEnd(const v1::PoolLayout& l) {
+  if (l.num_window_layers() == 0) return int64_t{l.num_blocks()} * l.block_bytes();
+  return l.window_offset() + int64_t{l.num_window_blocks()} * l.window_block_bytes();
+}
+
+// The window group, when there is one, lies after the blocks and fits 64-bit offsets; without
+// one its fields are all 0. (CheckLayers checked the layers and window_block_bytes.)
+absl::Status CheckWindowGroup(const v1::PoolLayout& l) {
+  if (l.num_window_layers() == 0) {
+    if (l.num_window_blocks() == 0 && l.window_block_bytes() == 0 && l.window_offset() == 0) {
+      return absl::OkStatus();
+    }
+  } else if (l.num_window_blocks() >= 0 && l.window_block_bytes() > 0 &&
+             l.window_offset() >= int64_t{l.num_blocks()} * l.block_bytes() &&
+             (l.num_window_blocks() == 0 ||
+              l.window_block_bytes() <= (std::numeric_limits<int64_t>::max() - l.window_offset()) /
+                                            l.num_window_blocks())) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(fmt::format(
+      "invalid window group in the pool layout: {} layers, {} blocks of {} bytes at {}",
+      l.num_window_layers(), l.num_window_blocks(), l.window_block_bytes(), l.window_offset()));
 }
 
 // The state group, when there is one, lies after the blocks and its slots fit 64-bit offsets.
@@ -105,7 +147,7 @@ absl::Status CheckStateSlots(const v1::PoolLayout& l) {
   if (l.num_state_slots() == 0 && l.state_slot_bytes() == 0 && l.state_offset() == 0) {
     return absl::OkStatus();
   }
-  const int64_t blocks_end = int64_t{l.num_blocks()} * l.block_bytes();
+  const int64_t blocks_end = KvEnd(l);
   if (l.num_state_slots() <= 0 || l.state_slot_bytes() <= 0 || l.state_slot_bytes() % 4 != 0 ||
       l.state_offset() < blocks_end ||
       l.state_slot_bytes() >
@@ -137,6 +179,7 @@ absl::Status ValidateLayout(v1::PoolLayout* l) {
   if (l->block_bytes() > std::numeric_limits<int64_t>::max() / l->num_blocks()) {
     return absl::InvalidArgumentError("pool layout overflows 64-bit byte offsets");
   }
+  KVPOOL_RETURN_IF_ERROR(CheckWindowGroup(*l));
   return CheckStateSlots(*l);
 }
 
@@ -151,7 +194,7 @@ absl::StatusOr<ArenaSizes> SizesOf(const v1::AttachResponse& attach, const v1::P
   const int64_t needed =
       layout.num_state_slots() > 0
           ? layout.state_offset() + int64_t{layout.num_state_slots()} * layout.state_slot_bytes()
-          : int64_t{layout.num_blocks()} * layout.block_bytes();
+          : KvEnd(layout);
   const int64_t arena = attach.arena_bytes() == 0 ? needed : attach.arena_bytes();
   if (arena < needed) {
     return absl::InvalidArgumentError(
@@ -321,6 +364,12 @@ absl::StatusOr<char*> PoolMapping::Chunk(int32_t layer, int32_t kv, BlockRef blo
   if (layer >= layout_.num_layers()) {
     return absl::OutOfRangeError(
         fmt::format("layer {} is past the pool's {} layers", layer, layout_.num_layers()));
+  }
+  if (layer >= layout_.num_layers() - layout_.num_window_layers()) {
+    return absl::UnimplementedError(
+        fmt::format("layer {} is in the pool's window group: its K/V are in window blocks, which "
+                    "this client does not address yet",
+                    layer));
   }
   KVPOOL_ASSIGN_OR_RETURN(char* start, Block(block));
   const v1::LayerLayout& l = layout_.layers(layer);

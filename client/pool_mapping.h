@@ -63,7 +63,7 @@ class PoolMapping final {
   bool host_accessible() const { return kind_ == v1::ARENA_KIND_MEMFD; }
   // First byte of block 0 (a device pointer unless host_accessible()).
   char* base() const { return base_; }
-  int64_t arena_bytes() const { return arena_bytes_; }    // the blocks, then any state slots
+  int64_t arena_bytes() const { return arena_bytes_; }    // the blocks, window blocks, state slots
   int64_t mapped_bytes() const { return mapped_bytes_; }  // >= arena_bytes
   int32_t num_blocks() const { return layout_.num_blocks(); }
 
@@ -73,7 +73,8 @@ class PoolMapping final {
   absl::StatusOr<char*> Block(BlockRef block) const;
   // Layer `layer`'s K (or V) chunk of the block: [block_size][num_kv_heads][head_dim] values of
   // dtype(layer, 0) (or 1); row_bytes() a token. Errors: as Block(), plus INVALID_ARGUMENT
-  // (negative layer) and OUT_OF_RANGE (layer >= num_layers).
+  // (negative layer), OUT_OF_RANGE (layer >= num_layers) and UNIMPLEMENTED (a layer of the
+  // pool's window group, layout.proto: its K/V are in window blocks, not addressed here yet).
   absl::StatusOr<char*> K(int32_t layer, BlockRef block) const;
   absl::StatusOr<char*> V(int32_t layer, BlockRef block) const;
   // The block's [num_kv_heads] f32 scales of an 8-bit K (or V): head h's value is code * scale.

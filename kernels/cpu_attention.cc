@@ -196,6 +196,7 @@ absl::Status PagedAttentionDecode(const KvPoolView& pool, const DecodeArgs& a,
   const PoolLayout& l = pool.layout;
   if (absl::Status s = CheckShape(a.num_q_heads, l.head_dim); !s.ok()) return s;
   // Every length and every block the sequences reach must be valid before anything runs.
+  const LayerLayout layer = l.Layer(a.layer);
   for (int32_t s = 0; s < a.num_seqs; ++s) {
     const int32_t len = a.seq_lens[s];
     if (len < 1 || len > a.max_seq_len) {
@@ -204,7 +205,7 @@ absl::Status PagedAttentionDecode(const KvPoolView& pool, const DecodeArgs& a,
     }
     const int32_t* table = a.block_tables + static_cast<int64_t>(s) * a.table_stride;
     KVPOOL_RETURN_IF_ERROR(
-        CheckVisibleBlocks("PagedAttentionDecode", s, table, l, a.window, len - 1, len));
+        CheckVisibleBlocks("PagedAttentionDecode", s, table, layer, a.window, len - 1, len));
   }
   const DecodeShape shape{l.num_kv_heads, a.num_q_heads / l.num_kv_heads, l.head_dim};
   const KvLayerView view = pool.Layer(a.layer);

@@ -19,10 +19,11 @@ absl::Status BlockOutOfRange(std::string_view kernel, int64_t block, int32_t num
       fmt::format("{}: block {} outside [0, {})", kernel, block, num_blocks));
 }
 
-// Every chunk of the block at `block` set to its dtype's poison pattern (dtype.h), scales NaN.
+// Every chunk of the main block at `block` set to its dtype's poison pattern (dtype.h), scales
+// NaN (the window layers' chunks are in their own blocks: WindowLayout).
 void PoisonBlock(const PoolLayout& layout, char* block) {
   int64_t offset = 0;
-  for (int32_t l = 0; l < layout.num_layers; ++l) {
+  for (int32_t l = 0; l < layout.num_full_layers(); ++l) {
     for (KvSide side : {KvSide::kK, KvSide::kV}) {
       const DType dtype = layout.kv_dtype(l, side);
       const int64_t chunk = layout.chunk_bytes(l, side);

@@ -40,7 +40,7 @@ internal::PrefillTaskFn TaskFn(DType k_dtype, DType v_dtype) {
 // What the host can check of every sequence before anything runs: ordered q_starts, lengths in
 // range, every block the sequence reaches inside the pool.
 absl::Status CheckSequences(const KvPoolView& pool, const PrefillArgs& a) {
-  const PoolLayout& l = pool.layout;
+  const LayerLayout layer = pool.layout.Layer(a.layer);
   if (a.q_starts[0] < 0) {
     return absl::InvalidArgumentError("PagedAttentionPrefill: q_starts[0] is negative");
   }
@@ -58,8 +58,8 @@ absl::Status CheckSequences(const KvPoolView& pool, const PrefillArgs& a) {
                       len, q_len, a.max_seq_len));
     }
     const int32_t* table = a.block_tables + static_cast<int64_t>(s) * a.table_stride;
-    if (absl::Status bad =
-            CheckVisibleBlocks("PagedAttentionPrefill", s, table, l, a.window, len - q_len, len);
+    if (absl::Status bad = CheckVisibleBlocks("PagedAttentionPrefill", s, table, layer, a.window,
+                                              len - q_len, len);
         !bad.ok()) {
       return bad;
     }

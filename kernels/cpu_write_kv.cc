@@ -88,7 +88,7 @@ void WriteSide(const LayerLayout& l, const Run& run, const int64_t* slots, const
 
 absl::Status WriteKv(const KvPoolView& pool, const WriteKvArgs& a) {
   if (absl::Status s = ValidateWriteKv(pool, a); !s.ok()) return s;
-  const PoolLayout& layout = pool.layout;
+  const LayerLayout layout = pool.layout.Layer(a.layer);  // a window layer's: its region's
   const int64_t capacity = static_cast<int64_t>(layout.num_blocks) * layout.block_size;
   for (int32_t i = 0; i < a.num_tokens; ++i) {  // check every slot before writing any
     if (a.slots[i] >= capacity) {

@@ -17,26 +17,36 @@ bool PoolLayout::uniform() const {
   return true;
 }
 
-int64_t PoolLayout::block_bytes() const {
+namespace {
+
+// The K and V chunks of layers [first, last) (clamped to what a layout describes).
+int64_t ChunksBytes(const PoolLayout& layout, int32_t first, int32_t last) {
   int64_t bytes = 0;
-  for (int32_t l = 0; l < num_layers && l < kMaxLayers; ++l) {
-    bytes += chunk_bytes(l, KvSide::kK) + chunk_bytes(l, KvSide::kV);
+  for (int32_t l = std::max(first, 0); l < last && l < kMaxLayers; ++l) {
+    bytes += layout.chunk_bytes(l, KvSide::kK) + layout.chunk_bytes(l, KvSide::kV);
   }
   return bytes;
 }
 
+}  // namespace
+
+int64_t PoolLayout::block_bytes() const { return ChunksBytes(*this, 0, num_full_layers()); }
+
+int64_t PoolLayout::window_block_bytes() const {
+  return ChunksBytes(*this, num_full_layers(), num_layers);
+}
+
 LayerLayout PoolLayout::Layer(int32_t layer) const {
+  const bool window = is_window_layer(layer);
   LayerLayout out;
   out.block_size = block_size;
   out.num_kv_heads = num_kv_heads;
   out.head_dim = head_dim;
-  out.num_blocks = num_blocks;
-  out.block_bytes = block_bytes();
+  out.num_blocks = window ? num_window_blocks : num_blocks;
+  out.block_bytes = window ? window_block_bytes() : block_bytes();
   out.k_dtype = k_dtype(layer);
   out.v_dtype = v_dtype(layer);
-  for (int32_t l = 0; l < layer; ++l) {
-    out.k_offset += chunk_bytes(l, KvSide::kK) + chunk_bytes(l, KvSide::kV);
-  }
+  out.k_offset = ChunksBytes(*this, window ? num_full_layers() : 0, layer);
   out.v_offset = out.k_offset + chunk_bytes(layer, KvSide::kK);
   out.k_row_bytes = row_bytes(layer, KvSide::kK);
   out.v_row_bytes = row_bytes(layer, KvSide::kV);
@@ -47,19 +57,24 @@ LayerLayout PoolLayout::Layer(int32_t layer) const {
 
 int64_t PoolLayout::k_offset(int32_t block, int32_t layer) const {
   const LayerLayout l = Layer(layer);
-  return static_cast<int64_t>(block) * l.block_bytes + l.k_offset;
+  const int64_t region = is_window_layer(layer) ? window_offset() : 0;
+  return region + static_cast<int64_t>(block) * l.block_bytes + l.k_offset;
 }
 
 int64_t PoolLayout::v_offset(int32_t block, int32_t layer) const {
   const LayerLayout l = Layer(layer);
-  return static_cast<int64_t>(block) * l.block_bytes + l.v_offset;
+  const int64_t region = is_window_layer(layer) ? window_offset() : 0;
+  return region + static_cast<int64_t>(block) * l.block_bytes + l.v_offset;
 }
 
 uint64_t PoolLayout::Hash() const {
   const int64_t fields[] = {block_size, num_layers, num_kv_heads, head_dim,
                             static_cast<int64_t>(uniform() ? k_dtype(0) : dtype)};
-  if (uniform() && state_slot_bytes == 0) return XXH3_64bits(fields, sizeof(fields));
-  // Mixed precision: the shape, then every layer's (K, V) dtypes; then the state slot's size.
+  if (uniform() && state_slot_bytes == 0 && num_window_layers == 0) {
+    return XXH3_64bits(fields, sizeof(fields));
+  }
+  // Mixed precision: the shape, then every layer's (K, V) dtypes; then the state slot's size;
+  // then the window layers (which layers have a region of their own).
   std::vector<uint8_t> bytes(sizeof(fields));
   std::memcpy(bytes.data(), fields, sizeof(fields));
   if (!uniform()) {
@@ -73,6 +88,12 @@ uint64_t PoolLayout::Hash() const {
     bytes.resize(at + sizeof(state_slot_bytes) + 1);
     bytes[at] = 's';
     std::memcpy(bytes.data() + at + 1, &state_slot_bytes, sizeof(state_slot_bytes));
+  }
+  if (num_window_layers != 0) {
+    const size_t at = bytes.size();
+    bytes.resize(at + sizeof(num_window_layers) + 1);
+    bytes[at] = 'w';
+    std::memcpy(bytes.data() + at + 1, &num_window_layers, sizeof(num_window_layers));
   }
   return XXH3_64bits(bytes.data(), bytes.size());
 }
@@ -99,6 +120,10 @@ std::string PoolLayout::ToString() const {
   if (num_state_slots > 0 || state_slot_bytes > 0) {
     out += fmt::format(" state_slots={} ({} KiB/slot)", num_state_slots, state_slot_bytes / 1024);
   }
+  if (num_window_layers > 0 || num_window_blocks > 0) {
+    out += fmt::format(" window_layers={} window_blocks={} ({} KiB/block)", num_window_layers,
+                       num_window_blocks, window_block_bytes() / 1024);
+  }
   return out;
 }
 
@@ -106,7 +131,8 @@ bool operator==(const PoolLayout& a, const PoolLayout& b) {
   if (a.block_size != b.block_size || a.num_layers != b.num_layers ||
       a.num_kv_heads != b.num_kv_heads || a.head_dim != b.head_dim ||
       a.num_blocks != b.num_blocks || a.num_state_slots != b.num_state_slots ||
-      a.state_slot_bytes != b.state_slot_bytes) {
+      a.state_slot_bytes != b.state_slot_bytes || a.num_window_layers != b.num_window_layers ||
+      a.num_window_blocks != b.num_window_blocks) {
     return false;
   }
   for (int32_t l = 0; l < a.num_layers && l < kMaxLayers; ++l) {
@@ -157,26 +183,45 @@ absl::Status ValidateLayout(const PoolLayout& l) {
         "positive when there are slots (got {} slots of {} bytes)",
         l.num_state_slots, l.state_slot_bytes));
   }
+  if (l.num_window_layers < 0 || l.num_window_layers >= l.num_layers || l.num_window_blocks < 0 ||
+      (l.num_window_layers == 0 && l.num_window_blocks != 0)) {
+    return absl::InvalidArgumentError(fmt::format(
+        "layout window group: num_window_layers must be in [0, num_layers = {}) (the main blocks "
+        "keep at least one layer) and num_window_blocks >= 0, 0 without window layers (got {} "
+        "layers, {} blocks)",
+        l.num_layers, l.num_window_layers, l.num_window_blocks));
+  }
   return absl::OkStatus();
 }
 
 absl::StatusOr<PoolLayout> LayoutForBudget(PoolLayout shape, int64_t capacity_bytes) {
   shape.num_blocks = 0;
   if (absl::Status s = ValidateLayout(shape); !s.ok()) return s;
-  // The state slots first (they are one per running sequence: not optional), then whole pages
-  // of blocks up to where the slots begin.
+  // The state slots first (they are one per running sequence: not optional), then the window
+  // blocks (asked for by count, like the slots), each region from a page boundary: the main
+  // blocks take whole pages up to where the next region begins.
+  const auto page_down = [](int64_t bytes) {
+    return bytes / PoolLayout::kStatePageBytes * PoolLayout::kStatePageBytes;
+  };
   const int64_t states = int64_t{shape.num_state_slots} * shape.state_slot_bytes;
-  const int64_t kv_budget =
-      shape.num_state_slots == 0
-          ? capacity_bytes
-          : (capacity_bytes - states) / PoolLayout::kStatePageBytes * PoolLayout::kStatePageBytes;
+  const int64_t windows = shape.window_bytes();
+  int64_t kv_budget = capacity_bytes;
+  if (shape.num_state_slots > 0) kv_budget = page_down(kv_budget - states);
+  if (shape.num_window_layers > 0) kv_budget = page_down(kv_budget - windows);
   const int64_t blocks = std::max<int64_t>(kv_budget, 0) / shape.block_bytes();
   if (blocks < 1) {
-    return absl::InvalidArgumentError(fmt::format(
-        "a budget of {} bytes holds no block of {} bytes{}", capacity_bytes, shape.block_bytes(),
-        states == 0 ? ""
-                    : fmt::format(" after {} state slots of {} bytes", shape.num_state_slots,
-                                  shape.state_slot_bytes)));
+    std::string after;
+    if (states > 0) {
+      after += fmt::format(" after {} state slots of {} bytes", shape.num_state_slots,
+                           shape.state_slot_bytes);
+    }
+    if (shape.num_window_layers > 0) {
+      after += fmt::format("{} {} window blocks of {} bytes", after.empty() ? " after" : " and",
+                           shape.num_window_blocks, shape.window_block_bytes());
+    }
+    return absl::InvalidArgumentError(
+        fmt::format("a budget of {} bytes holds no block of {} bytes{}", capacity_bytes,
+                    shape.block_bytes(), after));
   }
   if (blocks > std::numeric_limits<int32_t>::max()) {
     return absl::InvalidArgumentError(fmt::format("a budget of {} bytes is {} blocks, above {}",
@@ -195,6 +240,24 @@ PoolLayout StateSlotLayout(const PoolLayout& layout) {
                     .head_dim = static_cast<int32_t>(layout.state_slot_bytes / 8),
                     .dtype = DType::kF32,
                     .num_blocks = layout.num_state_slots};
+}
+
+PoolLayout WindowLayout(const PoolLayout& layout) {
+  PoolLayout out{.block_size = layout.block_size,
+                 .num_layers = layout.num_window_layers,
+                 .num_kv_heads = layout.num_kv_heads,
+                 .head_dim = layout.head_dim,
+                 .dtype = layout.dtype,
+                 .num_blocks = layout.num_window_blocks};
+  const int32_t first = layout.num_full_layers();
+  for (int32_t l = 0; l < layout.num_window_layers; ++l) {
+    for (KvSide side : {KvSide::kK, KvSide::kV}) {
+      if (layout.kv_dtype(first + l, side) != layout.dtype) {
+        out.SetKvDType(l, side, layout.kv_dtype(first + l, side));
+      }
+    }
+  }
+  return out;
 }
 
 }  // namespace kvpool::kernels

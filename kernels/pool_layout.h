@@ -21,6 +21,19 @@
 // starts 16-byte aligned in a 16-byte aligned arena. A block, scales included, is contiguous and
 // self-contained: offload, checksums, zero-fill, per-block IPC, copy-on-write and remote tiers
 // stay one contiguous copy each.
+//
+// The window group (docs/hybrid-groups.md §2): the last num_window_layers layers (a model's
+// sliding-window layers) live in a region of their own, num_window_blocks blocks laid out as
+// above but holding only those layers' chunks, from the next 4096-byte boundary after the
+// blocks above (the main region, which then holds the other layers only). The state slots, if
+// any, follow the last region, again from a 4096-byte boundary:
+//
+//   [0, kv_bytes())                         num_blocks main blocks (layers [0, num_full_layers))
+//   [window_offset(), + window_bytes())     num_window_blocks window blocks (the other layers)
+//   [state_offset(), arena_bytes())         num_state_slots state slots
+//
+// Layers keep one numbering (per-layer dtypes, Layer(), KvPoolView::Layer()): a kernel given a
+// window layer finds its chunks in the window region, by window block id.
 
 #include <array>
 #include <cstdint>
@@ -84,6 +97,11 @@ struct PoolLayout {
   // sequence's state-space state (f32, the model's layout). 0 and 0: no state group.
   int32_t num_state_slots = 0;
   int64_t state_slot_bytes = 0;
+  // The window group (docs/hybrid-groups.md §2): layers [num_layers - num_window_layers,
+  // num_layers) are stored in num_window_blocks blocks of their own at window_offset(). 0 and 0:
+  // no window group (every layer in the main blocks, exactly the layout before window groups).
+  int32_t num_window_layers = 0;
+  int32_t num_window_blocks = 0;
   // Per-layer precision: overrides[side][layer] is 0 (the layer's side is `dtype`) or 1 + the
   // DType it is stored in instead. Entries past num_layers stay 0 (ValidateLayout).
   std::array<std::array<uint8_t, kMaxLayers>, 2> overrides{};
@@ -112,35 +130,55 @@ struct PoolLayout {
   }
   // The chunk size of a uniform layout (every chunk's). REQUIRES: uniform().
   int64_t chunk_bytes() const { return chunk_bytes(0, KvSide::kK); }
-  // The sum of every layer's K and V chunk.
+  // The layers of the main blocks: [0, num_full_layers()); the rest are the window group's.
+  int32_t num_full_layers() const { return num_layers - num_window_layers; }
+  bool is_window_layer(int32_t layer) const { return layer >= num_full_layers(); }
+  // A main block: the sum of the main layers' K and V chunks.
   int64_t block_bytes() const;
-  // The KV blocks' bytes, from the arena's start.
+  // A window block: the sum of the window layers' K and V chunks (0 without a window group).
+  int64_t window_block_bytes() const;
+  // The main blocks' bytes, from the arena's start.
   int64_t kv_bytes() const { return static_cast<int64_t>(num_blocks) * block_bytes(); }
-  // Where the state slots begin: the KV blocks' end, rounded up to a 4096-byte page.
-  int64_t state_offset() const {
-    return (kv_bytes() + kStatePageBytes - 1) / kStatePageBytes * kStatePageBytes;
+  // Where the window blocks begin: the main blocks' end, rounded up to a 4096-byte page.
+  int64_t window_offset() const { return PageUp(kv_bytes()); }
+  int64_t window_bytes() const {
+    return static_cast<int64_t>(num_window_blocks) * window_block_bytes();
   }
-  // The whole arena: the KV blocks, then the state slots (if any).
+  // The KV regions' end: the main blocks', or the window blocks' with a window group.
+  int64_t kv_end() const {
+    return num_window_layers == 0 ? kv_bytes() : window_offset() + window_bytes();
+  }
+  // Where the state slots begin: the KV regions' end, rounded up to a 4096-byte page.
+  int64_t state_offset() const { return PageUp(kv_end()); }
+  // The whole arena: the KV blocks, the window blocks (if any), then the state slots (if any).
   int64_t arena_bytes() const {
-    return num_state_slots == 0 ? kv_bytes() : state_offset() + num_state_slots * state_slot_bytes;
+    return num_state_slots == 0 ? kv_end() : state_offset() + num_state_slots * state_slot_bytes;
   }
   static constexpr int64_t kStatePageBytes = 4096;
+  static constexpr int64_t PageUp(int64_t bytes) {
+    return (bytes + kStatePageBytes - 1) / kStatePageBytes * kStatePageBytes;
+  }
   // Bytes a token takes in layer `layer` (K and V, scales and padding shared out):
   // (chunk_bytes(K) + chunk_bytes(V)) / block_size.
   double bytes_per_token(int32_t layer) const {
     return static_cast<double>(chunk_bytes(layer, KvSide::kK) + chunk_bytes(layer, KvSide::kV)) /
            block_size;
   }
-  // Where layer `layer`'s chunks are. REQUIRES: 0 <= layer < num_layers.
+  // Where layer `layer`'s chunks are within a block of its region (a window layer: within a
+  // window block; block_bytes and num_blocks are then the window region's).
+  // REQUIRES: 0 <= layer < num_layers.
   LayerLayout Layer(int32_t layer) const;
+  // From the arena's start: block `block` of layer `layer`'s region (a window block id for a
+  // window layer).
   int64_t k_offset(int32_t block, int32_t layer) const;
   int64_t v_offset(int32_t block, int32_t layer) const;
 
-  // A stable 64-bit digest of every field but num_blocks and num_state_slots, per-layer dtypes
-  // and the state slot size included: two pools whose blocks (and states) are interchangeable
-  // have the same hash (it is mixed into every prefix-cache namespace), whether their dtypes are
-  // spelled as `dtype` or as overrides. A layout without a state group hashes as it did before
-  // state groups, and a uniform one as before per-layer dtypes existed.
+  // A stable 64-bit digest of every field but num_blocks, num_window_blocks and num_state_slots,
+  // per-layer dtypes, the window layers and the state slot size included: two pools whose blocks
+  // (and states) are interchangeable have the same hash (it is mixed into every prefix-cache
+  // namespace), whether their dtypes are spelled as `dtype` or as overrides. A layout without a
+  // state or window group hashes as it did before those groups, and a uniform one as before
+  // per-layer dtypes existed.
   uint64_t Hash() const;
   std::string ToString() const;
   // The dtypes of every layer as runs, e.g. "0-1:bf16/bf16 2-29:fp8/int8 30-31:bf16/bf16".
@@ -153,20 +191,29 @@ struct PoolLayout {
 
 // Checks the shape (positive sizes, head_dim a multiple of 8 for vector loads, num_layers at
 // most kMaxLayers, valid dtypes and no override past num_layers, num_blocks >= 0; state slots
-// either none or num_state_slots >= 0 of a positive state_slot_bytes that is a multiple of 64).
+// either none or num_state_slots >= 0 of a positive state_slot_bytes that is a multiple of 64;
+// window layers in [0, num_layers) (the main blocks keep at least one layer: they are the
+// primary group), num_window_blocks >= 0 and 0 without window layers).
 // Errors: INVALID_ARGUMENT naming the field.
 absl::Status ValidateLayout(const PoolLayout& layout);
 
-// The layout with num_blocks = what capacity_bytes holds after the shape's state slots (never
-// guessed): the arena_bytes() of the result is at most capacity_bytes.
-// Errors: INVALID_ARGUMENT (bad shape, or a budget below the state slots and one block, or above
-// INT32_MAX blocks).
+// The layout with num_blocks = what capacity_bytes holds after the shape's state slots and
+// window blocks (both asked for by count, paid for first; never guessed): the arena_bytes() of
+// the result is at most capacity_bytes.
+// Errors: INVALID_ARGUMENT (bad shape, or a budget below the state slots, the window blocks and
+// one block, or above INT32_MAX blocks).
 absl::StatusOr<PoolLayout> LayoutForBudget(PoolLayout shape, int64_t capacity_bytes);
 
 // The state slots of `layout` as a pool kernels can copy and fill by slot id (CopyBlocks,
 // FillBlocks): one f32 layer of one token row per block, state_slot_bytes a block, based at
 // state_offset(). REQUIRES: layout.num_state_slots > 0.
 PoolLayout StateSlotLayout(const PoolLayout& layout);
+
+// The window region of `layout` as a pool of its own, by window block id (CopyBlocks,
+// FillBlocks and their CUDA equivalents copy, zero and poison window blocks through it): the
+// window layers (renumbered from 0, their dtypes kept), num_window_blocks blocks, based at
+// window_offset(). REQUIRES: layout.num_window_layers > 0.
+PoolLayout WindowLayout(const PoolLayout& layout);
 
 // One layer of the arena, for a kernel: the chunks and scales of a block by id.
 struct KvLayerView {
@@ -192,8 +239,17 @@ struct KvPoolView {
   void* base = nullptr;
   PoolLayout layout;
 
-  // REQUIRES: 0 <= layer < layout.num_layers.
-  KvLayerView Layer(int32_t layer) const { return {static_cast<char*>(base), layout.Layer(layer)}; }
+  // REQUIRES: 0 <= layer < layout.num_layers. A window layer's view is based at the window
+  // region and takes window block ids.
+  KvLayerView Layer(int32_t layer) const {
+    char* region = static_cast<char*>(base);
+    if (layout.is_window_layer(layer)) region += layout.window_offset();
+    return {region, layout.Layer(layer)};
+  }
+  // The window blocks (WindowLayout). REQUIRES: layout.num_window_layers > 0.
+  KvPoolView Window() const {
+    return {static_cast<char*>(base) + layout.window_offset(), WindowLayout(layout)};
+  }
   // The state slots (StateSlotLayout). REQUIRES: layout.num_state_slots > 0.
   KvPoolView StateSlots() const {
     return {static_cast<char*>(base) + layout.state_offset(), StateSlotLayout(layout)};

@@ -108,7 +108,7 @@ absl::Status ValidatePrefill(const KvPoolView& pool, const PrefillArgs& a,
 }
 
 absl::Status CheckVisibleBlocks(std::string_view kernel, int32_t seq, const int32_t* table,
-                                const PoolLayout& l, const AttentionWindow& window,
+                                const LayerLayout& l, const AttentionWindow& window,
                                 int64_t first_pos, int64_t len) {
   const int64_t bs = l.block_size;
   const int64_t spans[2][2] = {{0, window.SinkEnd(first_pos)}, {window.Start(first_pos), len}};

@@ -243,7 +243,8 @@ absl::Status Model::RunPhase(const kernels::KvPoolView& pool, std::span<const St
   Scratch& s = *scratch_;
 
   // Lay the step's tokens out (decode items first) with their embeddings and RoPE angles.
-  internal::PlanStepLayout(items, in_prefill, layout_.block_size, &s.step);
+  internal::PlanStepLayout(items, in_prefill, layout_.block_size,
+                           /*window_group=*/layout_.num_window_layers > 0, &s.step);
   const int64_t n = s.step.num_tokens;
   const size_t nt = static_cast<size_t>(n);
   Reserve(s.x, nt * static_cast<size_t>(h));
@@ -294,9 +295,12 @@ int64_t Model::scratch_bytes() const { return scratch_->Bytes(); }
 // Decode items through the decode kernel, prefill items through the tiled prefill kernel.
 void Model::Attention(int32_t layer, const kernels::KvPoolView& pool) {
   const ModelConfig& c = config_;
-  const int32_t kv_layer = c.kv_layer(layer);  // its K/V's place in the pool
+  const int32_t kv_layer = PoolLayer(layer);  // its K/V's place in the pool
   Scratch& s = *scratch_;
   const internal::StepLayout& L = s.step;
+  // A window layer of a pool with a window group reads its region through the window tables.
+  const int32_t* tables =
+      layout_.is_window_layer(kv_layer) ? L.window_tables.data() : L.tables.data();
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
   const int64_t qd = int64_t{c.num_heads} * c.head_dim;
   if (L.num_decode > 0) {
@@ -307,7 +311,7 @@ void Model::Attention(int32_t layer, const kernels::KvPoolView& pool) {
                                                         .scale = scale,
                                                         .q = s.q.data(),
                                                         .out = s.attn.data(),
-                                                        .block_tables = L.tables.data(),
+                                                        .block_tables = tables,
                                                         .table_stride = L.stride,
                                                         .seq_lens = L.lens.data(),
                                                         .max_seq_len = L.max_len,
@@ -325,7 +329,7 @@ void Model::Attention(int32_t layer, const kernels::KvPoolView& pool) {
          .q = s.q.data() + first * qd,
          .out = s.attn.data() + first * qd,
          .q_starts = L.q_starts.data(),
-         .block_tables = L.tables.data() + first * L.stride,
+         .block_tables = tables + first * L.stride,
          .table_stride = L.stride,
          .seq_lens = L.lens.data() + first,
          .max_seq_len = L.max_len,
@@ -393,11 +397,14 @@ void Model::SelfAttention(int32_t layer, const kernels::KvPoolView& pool, int64_
   }
   // Every new token's K/V goes in (converted to the layer's dtypes, quantized for 8-bit ones)
   // before any query reads: a prefill token attends to the tokens before it in the same step.
-  KVPOOL_CHECK_OK(kernels::cpu::WriteKv(pool, {.layer = c.kv_layer(layer),
+  const int32_t kv_layer = PoolLayer(layer);
+  const std::vector<int64_t>& slots =
+      layout_.is_window_layer(kv_layer) ? s.step.window_slots : s.step.slots;
+  KVPOOL_CHECK_OK(kernels::cpu::WriteKv(pool, {.layer = kv_layer,
                                                .num_tokens = static_cast<int32_t>(n),
                                                .k = s.k.data(),
                                                .v = s.v.data(),
-                                               .slots = s.step.slots.data()}));
+                                               .slots = slots.data()}));
   Attention(layer, pool);
   Linear(s.attn.data(), n, wo_[static_cast<size_t>(layer)], h, qd, s.x.data(),
          /*accumulate=*/true);

@@ -77,6 +77,11 @@ class Model final : public StepModel {
   // An attention layer's mixer: q, k, v, the K/V write, attention, o_proj into the residual.
   void SelfAttention(int32_t layer, const kernels::KvPoolView& pool, int64_t num_tokens);
   void Attention(int32_t layer, const kernels::KvPoolView& pool);
+  // Attention layer `layer`'s layer in the pool (ModelConfig::kv_layer: with a window group, the
+  // sliding layers are the pool's last, in its window region).
+  int32_t PoolLayer(int32_t layer) const {
+    return config_.kv_layer(layer, layout_.num_window_layers > 0);
+  }
   // A state-space layer's mixer (instead of attention): adds its output to the residual stream
   // and advances every sequence's state.
   void StateSpace(int32_t layer, int64_t num_tokens);

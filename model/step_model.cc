@@ -142,6 +142,38 @@ absl::Status CheckStates(const ModelConfig& config, std::span<const StepItem> it
   return absl::OkStatus();
 }
 
+// With a window group: the item's window table covers its blocks, and every block the step
+// writes or reads in the sliding layers (the first new token's window, which reaches back
+// furthest, through the last new token; and the sinks) is a window block. Released entries
+// before the window are not looked at.
+absl::Status CheckWindowTable(const ModelConfig& config, const kernels::PoolLayout& l,
+                              const StepItem& it, size_t i) {
+  const int64_t bs = l.block_size;
+  const int64_t end = it.start + static_cast<int64_t>(it.tokens.size());
+  const int64_t blocks = (end + bs - 1) / bs;
+  if (static_cast<int64_t>(it.window_table.size()) < blocks) {
+    return absl::InvalidArgumentError(fmt::format(
+        "step: item {} needs {} window blocks for {} tokens but its window table has {}", i, blocks,
+        end, it.window_table.size()));
+  }
+  const kernels::AttentionWindow w{.window = config.sliding_window, .sinks = config.sink_tokens};
+  const int64_t spans[2][2] = {{0, w.SinkEnd(it.start)}, {w.Start(it.start), end}};
+  for (const auto& span : spans) {
+    if (span[0] >= span[1]) continue;
+    for (int64_t b = span[0] / bs; b < (span[1] + bs - 1) / bs; ++b) {
+      const int32_t id = it.window_table[static_cast<size_t>(b)];
+      if (id < 0 || id >= l.num_window_blocks) {
+        return absl::InvalidArgumentError(fmt::format(
+            "step: item {} window table entry {} is block {} (the window group has {}), and the "
+            "step reads or writes tokens [{}, {}) of it",
+            i, b, id, l.num_window_blocks, std::max(span[0], b * bs),
+            std::min(span[1], (b + 1) * bs)));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckStep(const ModelConfig& config, const kernels::PoolLayout& layout,
                        const kernels::KvPoolView& pool, std::span<const StepItem> items,
                        const StepOptions& options) {
@@ -193,6 +225,7 @@ absl::Status CheckStep(const ModelConfig& config, const kernels::PoolLayout& lay
             "step: item {} table entry {} is block {} (pool has {})", i, b, id, l.num_blocks));
       }
     }
+    if (l.num_window_layers > 0) KVPOOL_RETURN_IF_ERROR(CheckWindowTable(config, l, it, i));
   }
   return absl::OkStatus();
 }
@@ -241,7 +274,8 @@ absl::Status StepModel::StepInPhases(const kernels::KvPoolView& pool,
                         .block_table = it.block_table,
                         .sampling = last ? it.sampling : nullptr,
                         .history = last ? it.history : std::span<const int32_t>(),
-                        .state = it.state});
+                        .state = it.state,
+                        .window_table = it.window_table});
       in_prefill.push_back(it.tokens.size() > 1 ? 1 : 0);
       of.push_back(i);
       done[i] = b;
@@ -280,6 +314,13 @@ absl::Status CheckModel(const ModelWeights& weights, const kernels::PoolLayout& 
     return mismatch("num_kv_heads", layout.num_kv_heads, c.num_kv_heads);
   }
   if (layout.head_dim != c.head_dim) return mismatch("head_dim", layout.head_dim, c.head_dim);
+  // A window group holds the sliding layers, all of them and nothing else (they are the pool's
+  // last layers: ModelConfig::kv_layer(layer, true)).
+  if (layout.num_window_layers > 0 && layout.num_window_layers != c.num_sliding_layers()) {
+    return absl::InvalidArgumentError(fmt::format(
+        "the pool's window group holds {} layers but the model has {} sliding-window layers",
+        layout.num_window_layers, c.num_sliding_layers()));
+  }
   return absl::OkStatus();
 }
 

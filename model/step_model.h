@@ -46,6 +46,14 @@ struct StepItem {
   // tokens.size(). Zeros are the state of no tokens. Two items never share one. Ignored (may be
   // empty) for a model without state-space layers.
   std::span<float> state;
+  // The sequence's table in the pool's window group (docs/hybrid-groups.md §3), when the pool has
+  // one (PoolLayout::num_window_layers > 0; ignored otherwise): window block ids, covering the
+  // blocks block_table covers, where the sliding layers' K/V of the same tokens lives. Entries of
+  // blocks the window no longer reaches may be released (< 0, kInvalidBlock); every block the
+  // step writes or reads must be a window block: the new tokens' blocks, the blocks overlapping
+  // the first new token's window [start + 1 - sliding_window, start + tokens.size()) (clipped
+  // at 0) and the sink blocks.
+  std::span<const int32_t> window_table;
   // Copies of the state to take inside the step, strictly ascending offsets (empty: none). After
   // the step each one's `state` holds the item's state after its first start + offset tokens,
   // what a step ending there would leave; the step's results, K/V and `state` are what they are
@@ -102,10 +110,11 @@ class StepModel {
   // chunked scan cuts each piece into its own chunks).
   //
   // Errors: INVALID_ARGUMENT (empty step or item, a token outside the vocabulary, a table too
-  // short, a block outside the pool, a layout other than the model's, top_k outside [0, vocab],
-  // sampling parameters out of range, a state of the wrong size or shared by two items,
-  // checkpoint offsets not strictly ascending in [1, tokens], a checkpoint of the wrong size or
-  // overlapping a state or another checkpoint, checkpoints for a model without state-space
+  // short, a block outside the pool, with a window group a window table too short or an entry
+  // the step reads or writes that is not a window block, a layout other than the model's, top_k
+  // outside [0, vocab], sampling parameters out of range, a state of the wrong size or shared by
+  // two items, checkpoint offsets not strictly ascending in [1, tokens], a checkpoint of the wrong
+  // size or overlapping a state or another checkpoint, checkpoints for a model without state-space
   // layers), checked before anything is written; nothing in the pool, the states or the
   // checkpoints changes then. UNIMPLEMENTED, also before anything runs, when the model cannot
   // copy states (CopyStates). INTERNAL when the device fails (the pool's blocks, the states and
@@ -148,7 +157,9 @@ class StepModel {
 };
 
 // What every implementation checks at creation: a sane config, weights of the config's sizes,
-// and a pool layout whose num_layers, num_kv_heads and head_dim are the model's (any KV dtypes).
+// and a pool layout whose num_layers, num_kv_heads and head_dim are the model's (any KV dtypes),
+// and whose window group, if it has one, holds exactly the model's sliding layers
+// (num_window_layers == num_sliding_layers()).
 // Errors: INVALID_ARGUMENT naming the field or tensor.
 absl::Status CheckModel(const ModelWeights& weights, const kernels::PoolLayout& layout);
 

@@ -107,6 +107,11 @@ struct ModelConfig {
   // the attention layers only): num_kv_layers(), or 1 for a model without attention (a layout
   // has at least one layer; its blocks then go unused).
   int32_t pool_layers() const { return std::max(num_kv_layers(), 1); }
+  int32_t num_sliding_layers() const {
+    int32_t n = 0;
+    for (LayerKind k : layer_kinds) n += k == LayerKind::kSlidingAttention ? 1 : 0;
+    return n;
+  }
   // Where attention layer `layer`'s K/V is in the pool: its index among the attention layers.
   // REQUIRES: kind(layer) is an attention kind.
   int32_t kv_layer(int32_t layer) const {
@@ -115,6 +120,18 @@ struct ModelConfig {
       n += layer_kinds[static_cast<size_t>(l)] == LayerKind::kStateSpace ? 0 : 1;
     }
     return layer_kinds.empty() ? layer : n;
+  }
+  // Where attention layer `layer`'s K/V is in a pool with a window group
+  // (PoolLayout::num_window_layers == num_sliding_layers(), docs/hybrid-groups.md §2) when
+  // `window_group`: the full-attention layers first in model order, then the sliding layers in
+  // model order (the pool's last layers, its window region's). Without one: kv_layer(layer).
+  // REQUIRES: kind(layer) is an attention kind.
+  int32_t kv_layer(int32_t layer, bool window_group) const {
+    if (!window_group) return kv_layer(layer);
+    const LayerKind want = kind(layer);
+    int32_t n = want == LayerKind::kSlidingAttention ? num_kv_layers() - num_sliding_layers() : 0;
+    for (int32_t l = 0; l < layer; ++l) n += kind(l) == want ? 1 : 0;
+    return n;
   }
   // Bytes of one sequence's state (StepItem::state): every state-space layer's, in layer order,
   // f32. 0 for a model without state-space layers.

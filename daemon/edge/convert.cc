@@ -89,6 +89,12 @@ void ToProto(const kernels::PoolLayout& layout, v1::PoolLayout* out) {
     out->set_state_slot_bytes(layout.state_slot_bytes);
     out->set_state_offset(layout.state_offset());
   }
+  if (layout.num_window_layers > 0) {
+    out->set_num_window_layers(layout.num_window_layers);
+    out->set_num_window_blocks(layout.num_window_blocks);
+    out->set_window_block_bytes(layout.window_block_bytes());
+    out->set_window_offset(layout.window_offset());
+  }
   out->clear_layers();
   for (int32_t l = 0; l < layout.num_layers; ++l) {
     const kernels::LayerLayout g = layout.Layer(l);

@@ -254,11 +254,12 @@ cudaError_t LaunchFillBlocks(const KvPoolView& pool, const FillBlocksArgs& args,
   chunks.block_size = layout.block_size;
   chunks.num_kv_heads = layout.num_kv_heads;
   chunks.head_dim = layout.head_dim;
-  for (int32_t l = 0; l < layout.num_layers; ++l) {
+  // The main blocks' layers (a window group's are in their own blocks: WindowLayout).
+  for (int32_t l = 0; l < layout.num_full_layers(); ++l) {
     chunks.dtypes[2 * l] = layout.k_dtype(l);
     chunks.dtypes[2 * l + 1] = layout.v_dtype(l);
   }
-  const dim3 grid(args.num_blocks, 2 * layout.num_layers);
+  const dim3 grid(args.num_blocks, 2 * layout.num_full_layers());
   PoisonBlocksKernel<<<grid, kCopyThreads, 0, stream>>>(static_cast<char*>(pool.base), block_bytes,
                                                         layout.num_blocks, args.blocks, chunks);
   return cudaGetLastError();

@@ -180,9 +180,14 @@ void CudaModel::LayInputs(int64_t ni) {
   offsets_.tables = Align(offsets_.lens + 4 * seqs);
   offsets_.q_starts = Align(offsets_.tables + 4 * seqs * L.stride);
   offsets_.last_rows = Align(offsets_.q_starts + 4 * (int64_t{L.num_prefill} + 1));
+  // The window group's slots and tables (empty without one).
+  offsets_.window_slots = Align(offsets_.last_rows + 4 * ni);
+  offsets_.window_tables =
+      Align(offsets_.window_slots + 8 * static_cast<int64_t>(L.window_slots.size()));
   // State-space layers: the sequences' rows and, per state layer, 2 pointers per sequence.
   const int64_t ssm_seqs = c.num_state_layers() > 0 ? ni : 0;
-  offsets_.seq_starts = Align(offsets_.last_rows + 4 * ni);
+  offsets_.seq_starts =
+      Align(offsets_.window_tables + 4 * static_cast<int64_t>(L.window_tables.size()));
   offsets_.state_ptrs = Align(offsets_.seq_starts + 4 * (ssm_seqs + 1));
   // At most n / kSsmChunkRows + 1 chunks per sequence's share (PlanSsmChunks).
   const int64_t max_chunks = ssm_seqs > 0 ? n / kSsmChunkRows + ssm_seqs : 0;
@@ -223,7 +228,8 @@ absl::Status CudaModel::RunPhase(const kernels::KvPoolView& pool, std::span<cons
 
   // The step's rows as on the host (internal/step_layout.h): decode items first, each a
   // sequence of the decode kernel; then prefill items, sequences of the prefill kernel.
-  internal::PlanStepLayout(items, in_prefill, bs, &step_);
+  internal::PlanStepLayout(items, in_prefill, bs, /*window_group=*/layout_.num_window_layers > 0,
+                           &step_);
   const internal::StepLayout& L = step_;
   const int64_t n = L.num_tokens;
   const int64_t ni = static_cast<int64_t>(items.size());
@@ -244,6 +250,8 @@ absl::Status CudaModel::RunPhase(const kernels::KvPoolView& pool, std::span<cons
   stage(offsets_.tables, L.tables);
   stage(offsets_.q_starts, L.q_starts);
   stage(offsets_.last_rows, L.last_rows);
+  stage(offsets_.window_slots, L.window_slots);
+  stage(offsets_.window_tables, L.window_tables);
   KVPOOL_RETURN_IF_ERROR(StageStates(items, static_cast<int32_t>(n)));
 
   // Scratch for the widest step so far.
@@ -299,13 +307,16 @@ absl::Status CudaModel::Attention(const kernels::KvPoolView& pool, int32_t layer
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
   const int64_t qd = int64_t{c.num_heads} * c.head_dim;
   const auto* lens = At<int32_t>(inputs_, offsets_.lens);
-  const auto* tables = At<int32_t>(inputs_, offsets_.tables);
+  const int32_t kv_layer = PoolLayer(layer);
+  // A window layer of a pool with a window group reads its region through the window tables.
+  const auto* tables = At<int32_t>(
+      inputs_, layout_.is_window_layer(kv_layer) ? offsets_.window_tables : offsets_.tables);
   if (L.num_decode > 0) {
     const kernels::cuda::DecodePlan plan =
         kernels::cuda::PlanDecode(layout_, L.num_decode, c.num_heads, L.max_len, num_sms_);
     KVPOOL_RETURN_IF_ERROR(CudaStatus(
         kernels::cuda::LaunchPagedAttentionDecode(pool,
-                                                  {.layer = c.kv_layer(layer),
+                                                  {.layer = kv_layer,
                                                    .num_seqs = L.num_decode,
                                                    .num_q_heads = c.num_heads,
                                                    .scale = scale,
@@ -326,7 +337,7 @@ absl::Status CudaModel::Attention(const kernels::KvPoolView& pool, int32_t layer
     KVPOOL_RETURN_IF_ERROR(
         CudaStatus(kernels::cuda::LaunchPagedAttentionPrefill(
                        pool,
-                       {.layer = c.kv_layer(layer),
+                       {.layer = kv_layer,
                         .num_seqs = L.num_prefill,
                         .num_q_heads = c.num_heads,
                         .scale = scale,
@@ -370,6 +381,7 @@ absl::Status CudaModel::Launch(const kernels::KvPoolView& pool, int32_t n, int32
   const auto* tokens = At<int32_t>(inputs_, offsets_.tokens);
   const auto* positions = At<int32_t>(inputs_, offsets_.positions);
   const auto* slots = At<int64_t>(inputs_, offsets_.slots);
+  const auto* window_slots = At<int64_t>(inputs_, offsets_.window_slots);
   const auto* last_rows = At<int32_t>(inputs_, offsets_.last_rows);
   float* x = At<float>(x_);
   float* xn = At<float>(xn_);
@@ -394,15 +406,19 @@ absl::Status CudaModel::Launch(const kernels::KvPoolView& pool, int32_t n, int32
                                    c.num_kv_heads, hd, c.rotary(), At<float>(q_), At<float>(k_),
                                    At<float>(v_), stream_),
                    "RoPE kernel"));
-    // Every new token's K/V goes in before any query reads (stream order).
-    KVPOOL_RETURN_IF_ERROR(CudaStatus(kernels::cuda::LaunchWriteKv(pool,
-                                                                   {.layer = c.kv_layer(l),
-                                                                    .num_tokens = n,
-                                                                    .k = At<float>(k_),
-                                                                    .v = At<float>(v_),
-                                                                    .slots = slots},
-                                                                   stream_),
-                                      "WriteKv kernel"));
+    // Every new token's K/V goes in before any query reads (stream order); a window layer's
+    // into its window blocks.
+    const int32_t kv_layer = PoolLayer(l);
+    KVPOOL_RETURN_IF_ERROR(
+        CudaStatus(kernels::cuda::LaunchWriteKv(
+                       pool,
+                       {.layer = kv_layer,
+                        .num_tokens = n,
+                        .k = At<float>(k_),
+                        .v = At<float>(v_),
+                        .slots = layout_.is_window_layer(kv_layer) ? window_slots : slots},
+                       stream_),
+                   "WriteKv kernel"));
     KVPOOL_RETURN_IF_ERROR(Attention(pool, l));
     KVPOOL_RETURN_IF_ERROR(Gemm(At<float>(attn_), n, L.wo, h, qd, x, true));
     KVPOOL_RETURN_IF_ERROR(Mlp(L, n));

@@ -103,6 +103,11 @@ class CudaModel final : public StepModel {
   absl::Status Mlp(const Layer& layer, int32_t num_tokens);
   // One layer's attention, after its K/V were written.
   absl::Status Attention(const kernels::KvPoolView& pool, int32_t layer);
+  // Attention layer `layer`'s layer in the pool (with a window group, the sliding layers are the
+  // pool's last, in its window region: ModelConfig::kv_layer).
+  int32_t PoolLayer(int32_t layer) const {
+    return config_.kv_layer(layer, layout_.num_window_layers > 0);
+  }
   // cuda_model_ssm.cc: a state-space layer's weights onto the device.
   absl::Status UploadStateSpace(LayerWeights& weights, Layer* layer);
   // Reserves the step's SSM buffers and stages the device pointers of its states (sorted as the
@@ -129,14 +134,16 @@ class CudaModel final : public StepModel {
 
   // Per step. The rows (decode items first) and the kernels' sequences, and the inputs staged
   // in pinned memory and copied in one piece: tokens, positions, slots, lengths, block tables,
-  // prefill q_starts and the row of each item's last token (offsets below).
+  // prefill q_starts and the row of each item's last token (offsets below); with a window group
+  // also the window slots and window tables the sliding layers read (empty without one).
   internal::StepLayout step_;
   Pinned staged_;
   Pinned logits_host_;
   Buffer inputs_;
   struct {
     int64_t tokens = 0, positions = 0, slots = 0, lens = 0, tables = 0, q_starts = 0, last_rows = 0,
-            seq_starts = 0, state_ptrs = 0, chunk_rows = 0, seq_chunks = 0, end = 0;
+            window_slots = 0, window_tables = 0, seq_starts = 0, state_ptrs = 0, chunk_rows = 0,
+            seq_chunks = 0, end = 0;
   } offsets_;
   Buffer x_, xn_, qkv_, q_, attn_, k_, v_, gate_up_, act_, last_, logits_, workspace_;
 

@@ -9,6 +9,9 @@
 // not care about the order; each item's result is read from its last row. An item marked
 // `in_prefill` (a piece of a longer prefill cut at a state checkpoint: StepModel::RunPhase) goes
 // to the prefill kernel whatever its length, as the tokens of a step ending there do.
+//
+// With a window group (docs/hybrid-groups.md §2) each sequence also has a packed window table and
+// each row a window slot, for the sliding layers: the same rows and sequences, window block ids.
 
 #include <algorithm>
 #include <cstdint>
@@ -29,9 +32,13 @@ struct StepLayout {
   // Per row.
   std::vector<int32_t> tokens;
   std::vector<int32_t> positions;
-  std::vector<int64_t> slots;  // block * block_size + offset of the row's K/V
+  std::vector<int64_t> slots;         // block * block_size + offset of the row's K/V
+  std::vector<int64_t> window_slots;  // the same in the window group (with one, else empty)
   // Per sequence of the kernels, decode items first: [num_decode + num_prefill].
-  std::vector<int32_t> tables;    // [..][stride], padded with block 0
+  std::vector<int32_t> tables;  // [..][stride], padded with block 0
+  // [..][stride]: the window tables (with a window group, else empty), released entries (< 0)
+  // as the items give them, padded with block 0.
+  std::vector<int32_t> window_tables;
   std::vector<int32_t> lens;      // length after the step
   std::vector<int32_t> q_starts;  // [num_prefill + 1] prefill rows, counted from num_decode
   // Per item, in the caller's order.
@@ -39,9 +46,10 @@ struct StepLayout {
 };
 
 // Fills `out` (its vectors are reused). `in_prefill`: empty, or one entry per item (nonzero: a
-// prefill item even with one token). REQUIRES: StepModel::Step's checks passed.
+// prefill item even with one token). `window_group`: the pool has one (the items' window tables
+// are packed too). REQUIRES: StepModel::Step's checks passed.
 inline void PlanStepLayout(std::span<const StepItem> items, std::span<const uint8_t> in_prefill,
-                           int32_t block_size, StepLayout* out) {
+                           int32_t block_size, bool window_group, StepLayout* out) {
   StepLayout& L = *out;
   const auto decode_item = [&](size_t i) {
     return items[i].tokens.size() == 1 && (in_prefill.empty() || in_prefill[i] == 0);
@@ -68,6 +76,8 @@ inline void PlanStepLayout(std::span<const StepItem> items, std::span<const uint
   L.positions.resize(n);
   L.slots.resize(n);
   L.tables.assign(seqs * static_cast<size_t>(L.stride), 0);
+  L.window_slots.resize(window_group ? n : 0);
+  L.window_tables.assign(window_group ? seqs * static_cast<size_t>(L.stride) : 0, 0);
   L.lens.resize(seqs);
   L.q_starts.assign(1, 0);
   L.last_rows.resize(items.size());
@@ -82,14 +92,20 @@ inline void PlanStepLayout(std::span<const StepItem> items, std::span<const uint
     const auto len = static_cast<int32_t>(it.start + static_cast<int64_t>(it.tokens.size()));
     const size_t blocks = static_cast<size_t>((len + block_size - 1) / block_size);
     std::copy_n(it.block_table.begin(), blocks, L.tables.begin() + seq * L.stride);
+    if (window_group) {
+      std::copy_n(it.window_table.begin(), blocks, L.window_tables.begin() + seq * L.stride);
+    }
     L.lens[seq++] = len;
     for (size_t j = 0; j < it.tokens.size(); ++j, ++row) {
       const int64_t pos = it.start + static_cast<int64_t>(j);
       L.tokens[row] = it.tokens[j];
       L.positions[row] = static_cast<int32_t>(pos);
-      L.slots[row] =
-          static_cast<int64_t>(it.block_table[static_cast<size_t>(pos / block_size)]) * block_size +
-          pos % block_size;
+      const size_t b = static_cast<size_t>(pos / block_size);
+      L.slots[row] = static_cast<int64_t>(it.block_table[b]) * block_size + pos % block_size;
+      if (window_group) {
+        L.window_slots[row] =
+            static_cast<int64_t>(it.window_table[b]) * block_size + pos % block_size;
+      }
     }
     L.last_rows[i] = static_cast<int32_t>(row - 1);
     if (!decode) {

@@ -45,11 +45,15 @@ class FakePool final {
   ~FakePool();
 
   const v1::PoolLayout& layout() const { return layout_; }
-  // The blocks, then the state slots if the layout has them.
+  // The blocks, then the window blocks and the state slots if the layout has them.
   int64_t arena_bytes() const {
     if (layout_.num_state_slots() > 0) {
       return layout_.state_offset() +
              int64_t{layout_.num_state_slots()} * layout_.state_slot_bytes();
+    }
+    if (layout_.num_window_layers() > 0) {
+      return layout_.window_offset() +
+             int64_t{layout_.num_window_blocks()} * layout_.window_block_bytes();
     }
     return int64_t{layout_.num_blocks()} * layout_.block_bytes();
   }

@@ -140,6 +140,66 @@ TEST(PoolMappingStatesTest, StateSlotsAreMappedAfterTheBlocks) {
   EXPECT_EQ((*p)->State(0).status().code(), absl::StatusCode::kOutOfRange);
 }
 
+// A pool with a window group (layout.proto): SmallLayout's geometry, layer 0 in the 16 blocks
+// of 512 bytes, layers 1 and 2 in 4 window blocks of 1 KiB from byte 8192, each window layer's
+// offsets within a window block, as the daemon sends them.
+v1::PoolLayout WithWindow() {
+  v1::PoolLayout l = SmallLayout();
+  l.set_num_layers(3);
+  l.set_block_bytes(512);
+  l.set_num_window_layers(2);
+  l.set_num_window_blocks(4);
+  l.set_window_block_bytes(1024);
+  l.set_window_offset(8192);
+  for (int64_t k : {0, 0, 512}) {
+    v1::LayerLayout* layer = l.add_layers();
+    layer->set_k_dtype(v1::DTYPE_F32);
+    layer->set_v_dtype(v1::DTYPE_F32);
+    layer->set_k_offset(k);
+    layer->set_v_offset(k + 256);
+    layer->set_k_chunk_bytes(256);
+    layer->set_v_chunk_bytes(256);
+  }
+  return l;
+}
+
+TEST(PoolMappingWindowTest, AWindowGroupIsMappedAndItsLayersAreNotReadAsMainBlocks) {
+  testing::FakePool pool(WithWindow());
+  absl::StatusOr<std::unique_ptr<PoolMapping>> m =
+      PoolMapping::Create(pool.Response(), pool.DupFds());
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ((*m)->arena_bytes(), 8192 + 4 * 1024);
+  absl::StatusOr<char*> v0 = (*m)->V(0, {3, 1});
+  ASSERT_TRUE(v0.ok()) << v0.status();
+  **v0 = 0x5A;  // the daemon's own mapping sees it at block 3's layer-0 V chunk
+  EXPECT_EQ(pool.arena()[3 * 512 + 256], 0x5A);
+  EXPECT_EQ((*m)->K(1, {3, 1}).status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_EQ((*m)->VScales(2, {3, 1}).status().code(), absl::StatusCode::kUnimplemented);
+}
+
+TEST(PoolMappingWindowTest, RejectsAnInconsistentWindowGroup) {
+  std::vector<v1::PoolLayout> bad(6, WithWindow());
+  bad[0].set_window_block_bytes(512);           // not its layers' chunks
+  bad[1].set_window_offset(4096);               // inside the blocks
+  bad[2].set_num_window_layers(3);              // every layer
+  bad[3].set_num_window_blocks(-1);             // a negative count
+  bad[4].mutable_layers(1)->set_k_offset(512);  // the window layers do not start a block
+  bad[5].set_num_window_layers(0);  // window fields without a window group (layers contiguous)
+  bad[5].set_block_bytes(1536);
+  for (int i : {1, 2}) {
+    bad[5].mutable_layers(i)->set_k_offset(512 * i);
+    bad[5].mutable_layers(i)->set_v_offset(512 * i + 256);
+  }
+  for (const v1::PoolLayout& l : bad) {
+    testing::FakePool pool(WithWindow());
+    v1::AttachResponse response = pool.Response();
+    *response.mutable_layout() = l;
+    EXPECT_EQ(PoolMapping::Create(response, pool.DupFds()).status().code(),
+              absl::StatusCode::kInvalidArgument)
+        << l.ShortDebugString();
+  }
+}
+
 TEST(PoolMappingStatesTest, RejectsStateSlotsThatOverlapOrOverflow) {
   const int64_t blocks_end = int64_t{16} * 1024;
   for (const v1::PoolLayout& bad :

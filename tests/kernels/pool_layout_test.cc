@@ -1,6 +1,6 @@
 // PoolLayout with per-layer, per-side dtypes: chunk sizes and offsets by the arithmetic
 // pool_layout.h documents, the fingerprint, validation, FillBlocks per chunk, and the capacity
-// of the daemon's default 256 MiB pool in each precision.
+// of the daemon's default 256 MiB pool in each precision; the window group's region.
 
 #include "kernels/pool_layout.h"
 
@@ -12,6 +12,7 @@
 #include "fmt/format.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu_kernels.h"
+#include "xxhash.h"
 
 namespace kvpool::kernels {
 namespace {
@@ -160,6 +161,240 @@ TEST(PoolLayoutTest, StateSlotsFollowTheBlocksAndComeOutOfTheBudgetFirst) {
   for (int64_t i = 0; i < sized->state_offset(); ++i) ASSERT_EQ(arena[static_cast<size_t>(i)], 7);
   const int32_t past[] = {3};
   EXPECT_FALSE(cpu::FillBlocks(slots, {.num_blocks = 1, .blocks = past}).ok());
+}
+
+// Layers 0-1 full (f32), layers 2-3 the window group (layer 3's V int8); block_size 4, 2 KV heads
+// of 8: a chunk is 256 bytes in f32, 80 in int8. 5 main blocks, 3 window blocks.
+PoolLayout Windowed() {
+  PoolLayout l{.block_size = 4,
+               .num_layers = 4,
+               .num_kv_heads = 2,
+               .head_dim = 8,
+               .dtype = DType::kF32,
+               .num_blocks = 5,
+               .num_window_layers = 2,
+               .num_window_blocks = 3};
+  l.SetKvDType(3, KvSide::kV, DType::kInt8);
+  return l;
+}
+
+// docs/hybrid-groups.md §2: the window layers' chunks in window blocks of their own, from the
+// page after the main blocks; the main blocks hold the full layers only; state slots after both.
+TEST(PoolLayoutTest, TheWindowLayersLiveInTheirOwnRegion) {
+  PoolLayout l = Windowed();
+  ASSERT_TRUE(ValidateLayout(l).ok()) << ValidateLayout(l);
+  EXPECT_EQ(l.num_full_layers(), 2);
+  EXPECT_EQ(l.block_bytes(), 4 * 256);                      // layers 0 and 1
+  EXPECT_EQ(l.window_block_bytes(), 256 + 256 + 256 + 80);  // layers 2 and 3
+  EXPECT_EQ(l.kv_bytes(), 5 * 1024);
+  EXPECT_EQ(l.window_offset(), 8192);  // 5120 rounded up to the page
+  EXPECT_EQ(l.arena_bytes(), 8192 + 3 * 848);
+  const LayerLayout l1 = l.Layer(1), l2 = l.Layer(2), l3 = l.Layer(3);
+  EXPECT_EQ(l1.k_offset, 512);
+  EXPECT_EQ(l1.block_bytes, 1024);
+  EXPECT_EQ(l1.num_blocks, 5);
+  EXPECT_EQ(l2.k_offset, 0);  // within a window block
+  EXPECT_EQ(l2.v_offset, 256);
+  EXPECT_EQ(l3.k_offset, 512);
+  EXPECT_EQ(l3.v_offset, 768);
+  EXPECT_EQ(l3.v_scales_offset, 768 + 64);
+  for (const LayerLayout& w : {l2, l3}) {
+    EXPECT_EQ(w.block_bytes, 848);
+    EXPECT_EQ(w.num_blocks, 3);
+  }
+  EXPECT_EQ(l.k_offset(4, 1), 4 * 1024 + 512);
+  EXPECT_EQ(l.k_offset(2, 3), 8192 + 2 * 848 + 512);
+  EXPECT_EQ(l.v_offset(1, 2), 8192 + 848 + 256);
+  std::vector<char> arena(static_cast<size_t>(l.arena_bytes()));
+  const KvPoolView view{arena.data(), l};
+  EXPECT_EQ(view.Layer(3).k(2), arena.data() + 8192 + 2 * 848 + 512);
+  EXPECT_EQ(view.Layer(3).v_scales(1), reinterpret_cast<float*>(arena.data() + 8192 + 848 + 832));
+  EXPECT_EQ(view.Layer(1).v(4), arena.data() + 4 * 1024 + 768);
+  EXPECT_EQ(view.k(2, 3), view.Layer(3).k(2));
+  EXPECT_EQ(view.v(4, 0), view.Layer(0).v(4));
+  // State slots follow the window blocks.
+  l.num_state_slots = 2;
+  l.state_slot_bytes = 640;
+  EXPECT_EQ(l.state_offset(), 12288);  // 8192 + 2544 rounded up
+  EXPECT_EQ(l.arena_bytes(), 12288 + 2 * 640);
+  EXPECT_NE(l.ToString().find("window_layers=2 window_blocks=3"), std::string::npos);
+}
+
+// Without a window group, offsets and hashes are exactly the ones before window groups: the
+// hash of a uniform layout is still XXH3 of its five shape fields.
+TEST(PoolLayoutTest, TheWindowGroupIsInTheHashOnlyWhenThereIsOne) {
+  const PoolLayout plain{.block_size = 16, .num_layers = 4, .num_kv_heads = 4, .head_dim = 64};
+  const int64_t fields[] = {16, 4, 4, 64, static_cast<int64_t>(DType::kBF16)};
+  EXPECT_EQ(plain.Hash(), XXH3_64bits(fields, sizeof(fields)));
+  EXPECT_EQ(plain.Layer(3).k_offset, 3 * 2 * 2 * 16 * 4 * 64);
+  EXPECT_EQ(plain.window_block_bytes(), 0);
+  EXPECT_EQ(plain.arena_bytes(), plain.kv_bytes());
+  PoolLayout two = plain;
+  two.num_window_layers = 2;
+  two.num_window_blocks = 10;
+  PoolLayout one = plain;
+  one.num_window_layers = 1;
+  one.num_window_blocks = 10;
+  EXPECT_NE(two.Hash(), plain.Hash());
+  EXPECT_NE(two.Hash(), one.Hash());
+  PoolLayout fewer = two;
+  fewer.num_window_blocks = 3;  // the count, like num_blocks, is not in it
+  EXPECT_EQ(fewer.Hash(), two.Hash());
+  EXPECT_FALSE(fewer == two);
+  EXPECT_TRUE(two == two);
+  EXPECT_FALSE(one == two);
+  PoolLayout states = plain, both = two;
+  states.state_slot_bytes = both.state_slot_bytes = 64;
+  EXPECT_NE(states.Hash(), both.Hash());
+  EXPECT_NE(both.Hash(), two.Hash());
+}
+
+TEST(PoolLayoutTest, ValidationRefusesABadWindowGroup) {
+  const PoolLayout good = Windowed();
+  EXPECT_TRUE(ValidateLayout(good).ok());
+  auto refused = [](PoolLayout l) {
+    const absl::Status s = ValidateLayout(l);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    return s.message().find("window") != std::string_view::npos;
+  };
+  PoolLayout all = good;
+  all.num_window_layers = 4;  // the main blocks must keep a layer
+  EXPECT_TRUE(refused(all));
+  PoolLayout negative = good;
+  negative.num_window_layers = -1;
+  EXPECT_TRUE(refused(negative));
+  PoolLayout blocks = good;
+  blocks.num_window_blocks = -2;
+  EXPECT_TRUE(refused(blocks));
+  PoolLayout orphan = good;
+  orphan.num_window_layers = 0;  // window blocks without window layers
+  EXPECT_TRUE(refused(orphan));
+}
+
+// The window blocks are asked for by count and paid for before the main blocks (after the state
+// slots): the main blocks get whole pages up to the window region.
+TEST(PoolLayoutTest, WindowBlocksComeOutOfTheBudgetBeforeTheMainBlocks) {
+  PoolLayout shape = Windowed();
+  shape.num_window_blocks = 7;
+  shape.num_state_slots = 2;
+  shape.state_slot_bytes = 640;
+  for (const int64_t budget : {int64_t{40000}, int64_t{65536}, int64_t{1} << 20}) {
+    absl::StatusOr<PoolLayout> sized = LayoutForBudget(shape, budget);
+    ASSERT_TRUE(sized.ok()) << sized.status();
+    EXPECT_EQ(sized->num_window_blocks, 7);
+    EXPECT_EQ(sized->window_offset() % PoolLayout::kStatePageBytes, 0);
+    EXPECT_EQ(sized->state_offset() % PoolLayout::kStatePageBytes, 0);
+    EXPECT_GE(sized->state_offset(), sized->window_offset() + 7 * 848);
+    EXPECT_LE(sized->arena_bytes(), budget);
+    PoolLayout more = *sized;
+    ++more.num_blocks;
+    EXPECT_GT(more.arena_bytes(), budget) << budget;
+    // The same budget without the window region holds more main blocks.
+    PoolLayout plain = shape;
+    plain.num_window_layers = plain.num_window_blocks = 0;
+    plain.num_layers = 2;
+    plain.overrides = {};
+    absl::StatusOr<PoolLayout> alone = LayoutForBudget(plain, budget);
+    ASSERT_TRUE(alone.ok());
+    EXPECT_GT(alone->num_blocks, sized->num_blocks);
+  }
+  // The window blocks alone overflow a small budget: the error says what was paid for.
+  shape.num_window_blocks = 60;
+  const absl::Status crowded = LayoutForBudget(shape, 40000).status();
+  EXPECT_EQ(crowded.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(crowded.message().find("and 60 window blocks of 848 bytes"), std::string_view::npos)
+      << crowded;
+}
+
+// CopyBlocks and FillBlocks through WindowLayout touch the window blocks named and nothing else;
+// through the pool itself, the main blocks named (the window layers' chunks are not theirs).
+TEST(PoolLayoutTest, WindowLayoutCopiesAndFillsWindowBlocksOnly) {
+  const PoolLayout l = Windowed();
+  const PoolLayout w = WindowLayout(l);
+  EXPECT_EQ(w.num_layers, 2);
+  EXPECT_EQ(w.num_blocks, 3);
+  EXPECT_EQ(w.block_bytes(), l.window_block_bytes());
+  EXPECT_EQ(w.v_dtype(1), DType::kInt8);
+  EXPECT_EQ(w.k_dtype(1), DType::kF32);
+  std::vector<char> arena(static_cast<size_t>(l.arena_bytes()), 7);
+  std::vector<char> want = arena;
+  const KvPoolView pool{arena.data(), l};
+  const KvPoolView window = pool.Window();
+  EXPECT_EQ(static_cast<char*>(window.base), arena.data() + l.window_offset());
+  const int64_t wbb = l.window_block_bytes();
+  std::memset(window.k(1, 0), 9, static_cast<size_t>(wbb));  // window block 1
+  const int32_t pairs[] = {1, 2};
+  ASSERT_TRUE(cpu::CopyBlocks(window, {.num_pairs = 1, .pairs = pairs}).ok());
+  const int32_t zero[] = {0};
+  ASSERT_TRUE(cpu::FillBlocks(window, {.num_blocks = 1, .blocks = zero}).ok());
+  const auto at = [&](int64_t offset) { return want.begin() + offset; };
+  std::fill(at(l.window_offset()), at(l.window_offset() + wbb), 0);
+  std::fill(at(l.window_offset() + wbb), at(l.window_offset() + 3 * wbb), 9);
+  EXPECT_TRUE(arena == want);
+  // Poison of window block 2 reaches its last chunk's scales and stops at the region's end;
+  // poison of main block 4 (the last) stops at its full layers' chunks.
+  const int32_t two[] = {2};
+  ASSERT_TRUE(
+      cpu::FillBlocks(window, {.num_blocks = 1, .blocks = two, .pattern = FillPattern::kPoison})
+          .ok());
+  EXPECT_TRUE(std::isnan(window.Layer(1).v_scales(2)[1]));
+  EXPECT_TRUE(std::isnan(LoadAsFloat(pool.Layer(2).k(2), DType::kF32)));
+  const int32_t four[] = {4};
+  ASSERT_TRUE(
+      cpu::FillBlocks(pool, {.num_blocks = 1, .blocks = four, .pattern = FillPattern::kPoison})
+          .ok());
+  EXPECT_TRUE(std::isnan(LoadAsFloat(pool.Layer(1).v(4) + 252, DType::kF32)));
+  for (int64_t i = l.kv_bytes(); i < l.window_offset(); ++i) {
+    ASSERT_EQ(arena[static_cast<size_t>(i)], 7) << i;  // the padding before the window region
+  }
+  EXPECT_EQ(*window.Layer(0).k(1), 9);  // window block 1 untouched by both
+  const int32_t past[] = {3};
+  EXPECT_FALSE(cpu::FillBlocks(window, {.num_blocks = 1, .blocks = past}).ok());
+}
+
+// The KV kernels find a window layer's chunks by window block id, and check ids against the
+// window region's blocks, not the main region's.
+TEST(PoolLayoutTest, KernelsAddressAWindowLayerByWindowBlock) {
+  const PoolLayout l = Windowed();
+  std::vector<char> arena(static_cast<size_t>(l.arena_bytes()), 0);
+  const KvPoolView pool{arena.data(), l};
+  std::vector<float> k(16), v(16);
+  for (int i = 0; i < 16; ++i) k[i] = static_cast<float>(i + 1), v[i] = -k[i];
+  const int64_t slot[] = {2 * 4 + 1};  // window block 2, row 1
+  ASSERT_TRUE(
+      cpu::WriteKv(pool, {.layer = 2, .num_tokens = 1, .k = k.data(), .v = v.data(), .slots = slot})
+          .ok());
+  float got = 0;
+  std::memcpy(&got, arena.data() + l.window_offset() + 2 * 848 + 64 + 4 * 5, 4);
+  EXPECT_EQ(got, 6.0f);
+  const int64_t main_only[] = {4 * 4};  // block 4 exists in the main region, not the window's
+  EXPECT_EQ(
+      cpu::WriteKv(pool,
+                   {.layer = 3, .num_tokens = 1, .k = k.data(), .v = v.data(), .slots = main_only})
+          .code(),
+      absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(
+      cpu::WriteKv(pool,
+                   {.layer = 1, .num_tokens = 1, .k = k.data(), .v = v.data(), .slots = main_only})
+          .ok());
+  std::vector<float> q(4 * 8), out(4 * 8);
+  const int32_t len[] = {3};
+  for (const int32_t block : {2, 4}) {
+    const int32_t table[] = {block};
+    const absl::Status s = cpu::PagedAttentionDecode(pool,
+                                                     {.layer = 2,
+                                                      .num_seqs = 1,
+                                                      .num_q_heads = 4,
+                                                      .scale = 1,
+                                                      .q = q.data(),
+                                                      .out = out.data(),
+                                                      .block_tables = table,
+                                                      .table_stride = 1,
+                                                      .seq_lens = len,
+                                                      .max_seq_len = 3},
+                                                     nullptr);
+    EXPECT_EQ(s.ok(), block == 2) << s;
+  }
 }
 
 TEST(PoolLayoutTest, PoisonMakesEveryChunkReadAsNaN) {
