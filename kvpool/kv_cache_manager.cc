@@ -26,6 +26,39 @@ absl::Status EmptyBatch(std::string_view what) {
   return absl::InvalidArgumentError(fmt::format("{}: empty batch", what));
 }
 
+// The state and window groups' options (KvCacheOptions).
+absl::Status CheckGroupOptions(const KvCacheOptions& options) {
+  if (options.state_slots < 0) {
+    return absl::InvalidArgumentError(
+        fmt::format("state_slots must be >= 0 (got {})", options.state_slots));
+  }
+  if (options.checkpoint_slots < 0 || options.checkpoint_interval < 0 ||
+      (options.checkpoint_slots > 0 && options.checkpoint_slots >= options.state_slots)) {
+    return absl::InvalidArgumentError(fmt::format(
+        "checkpoint_slots must be in [0, state_slots) and checkpoint_interval >= 0 (got {} of {} "
+        "slots, interval {})",
+        options.checkpoint_slots, options.state_slots, options.checkpoint_interval));
+  }
+  if (options.window_blocks < 0 || options.sink_tokens < 0 ||
+      (options.window_blocks > 0 && options.window_tokens <= 0)) {
+    return absl::InvalidArgumentError(fmt::format(
+        "window_blocks must be >= 0, sink_tokens >= 0 and, with a window group, window_tokens > 0 "
+        "(got window_blocks {}, window_tokens {}, sink_tokens {})",
+        options.window_blocks, options.window_tokens, options.sink_tokens));
+  }
+  return absl::OkStatus();
+}
+
+// The BlockPool of a group beside the full group's: `num_blocks` blocks (slots), traced and
+// fenced as the full group's.
+absl::StatusOr<std::unique_ptr<BlockPool>> GroupPool(int32_t num_blocks, int32_t max_namespaces,
+                                                     const KvCacheOptions& options) {
+  return BlockPool::Create({.num_blocks = num_blocks,
+                            .trace_depth = options.trace_depth,
+                            .max_namespaces = max_namespaces,
+                            .fences = options.fences});
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<KvCacheManager>> KvCacheManager::Create(
@@ -76,37 +109,15 @@ absl::StatusOr<std::unique_ptr<KvCacheManager>> KvCacheManager::Create(
                                     .policy_factory = options.eviction_policy_factory},
                                    pool.get()));
   }
-  if (options.state_slots < 0) {
-    return absl::InvalidArgumentError(
-        fmt::format("state_slots must be >= 0 (got {})", options.state_slots));
-  }
-  if (options.checkpoint_slots < 0 || options.checkpoint_interval < 0 ||
-      (options.checkpoint_slots > 0 && options.checkpoint_slots >= options.state_slots)) {
-    return absl::InvalidArgumentError(fmt::format(
-        "checkpoint_slots must be in [0, state_slots) and checkpoint_interval >= 0 (got {} of {} "
-        "slots, interval {})",
-        options.checkpoint_slots, options.state_slots, options.checkpoint_interval));
-  }
+  KVPOOL_RETURN_IF_ERROR(CheckGroupOptions(options));
   std::unique_ptr<BlockPool> states;
   if (options.state_slots > 0) {
-    KVPOOL_ASSIGN_OR_RETURN(states, BlockPool::Create({.num_blocks = options.state_slots,
-                                                       .trace_depth = options.trace_depth,
-                                                       .max_namespaces = 1,
-                                                       .fences = options.fences}));
-  }
-  if (options.window_blocks < 0 || options.sink_tokens < 0 ||
-      (options.window_blocks > 0 && options.window_tokens <= 0)) {
-    return absl::InvalidArgumentError(fmt::format(
-        "window_blocks must be >= 0, sink_tokens >= 0 and, with a window group, window_tokens > 0 "
-        "(got window_blocks {}, window_tokens {}, sink_tokens {})",
-        options.window_blocks, options.window_tokens, options.sink_tokens));
+    KVPOOL_ASSIGN_OR_RETURN(states, GroupPool(options.state_slots, /*max_namespaces=*/1, options));
   }
   std::unique_ptr<BlockPool> window;
   if (options.window_blocks > 0) {
-    KVPOOL_ASSIGN_OR_RETURN(window, BlockPool::Create({.num_blocks = options.window_blocks,
-                                                       .trace_depth = options.trace_depth,
-                                                       .max_namespaces = options.max_namespaces,
-                                                       .fences = options.fences}));
+    KVPOOL_ASSIGN_OR_RETURN(window,
+                            GroupPool(options.window_blocks, options.max_namespaces, options));
   }
   return std::unique_ptr<KvCacheManager>(new KvCacheManager(
       options, std::move(pool), std::move(cache), std::move(states), std::move(window)));
