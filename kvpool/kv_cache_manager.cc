@@ -517,7 +517,8 @@ TableChange KvCacheManager::ApplyGrow(const GrowPlan& plan, const TraceContext& 
   Sequence& seq = *plan.sequence;
   TableChange change{.sequence = seq.id,
                      .old_num_tokens = seq.num_tokens,
-                     .first_changed = static_cast<int32_t>(seq.table.size())};
+                     .first_changed = static_cast<int32_t>(seq.table.size()),
+                     .window_entries = static_cast<int32_t>(seq.window_table.size())};
   if (plan.num_tokens <= seq.num_tokens) return change;
   if (plan.cow) {
     const size_t index = static_cast<size_t>(seq.num_tokens / block_size_);
@@ -548,6 +549,8 @@ void KvCacheManager::RevertGrow(SessionId caller, std::span<const TableChange> c
     KVPOOL_CHECK(seq.session == caller);
     // Its old blocks, the copied one included (a copy-on-write is of the block it ended in).
     ReleaseTail(&seq, static_cast<size_t>(BlocksFor(it->old_num_tokens)), ctx);
+    // (Window entries the grow added below the old length: GrowRequest::window_ahead.)
+    if (window_) ReleaseWindowTail(&seq, static_cast<size_t>(it->window_entries), ctx);
     const size_t index = static_cast<size_t>(it->first_changed);
     if (it->replaced != kInvalidBlock) {
       // The source is still held (by another sequence or the cache): that is why it was copied.
@@ -789,8 +792,8 @@ absl::Status KvCacheManager::GrowBatch(SessionId caller, std::span<const GrowReq
     }
     seq->batch_mark = mark;
     KVPOOL_RETURN_IF_ERROR(CountExhausted(PlanGrow(seq, r.num_tokens, &claims, &plans[k])));
-    if (window_) PlanWindowGrow(*seq, &window_claims, &plans[k]);
-    window_blocks += plans[k].new_blocks + (plans[k].window_cow ? 1 : 0);
+    if (window_) PlanWindowGrow(*seq, r.window_ahead, &window_claims, &plans[k]);
+    window_blocks += plans[k].window_new_blocks + (plans[k].window_cow ? 1 : 0);
     const int64_t n = plans[k].new_blocks + (plans[k].cow ? 1 : 0);
     if (n > 0) AddTo(&by_ns, seq->ns, n);
     blocks += n;
@@ -916,8 +919,8 @@ absl::StatusOr<SequenceId> KvCacheManager::Fork(SessionId caller, SequenceId seq
       CheckCapacity(by_ns, caller, static_cast<int64_t>(parent->table.size()), "fork")));
   KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckRoom(partial ? 1 : 0, {}, &victims, "fork")));
   std::vector<BlockId> window_victims;
-  KVPOOL_RETURN_IF_ERROR(
-      CountExhausted(CheckWindowRoom(partial ? 1 : 0, {}, &window_victims, "fork")));
+  KVPOOL_RETURN_IF_ERROR(CountExhausted(
+      CheckWindowRoom(WindowPartialLive(*parent) ? 1 : 0, {}, &window_victims, "fork")));
   KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckStateRoom(1, "fork")));
 
   const SequenceId id(next_sequence_id_++);

@@ -182,8 +182,9 @@ struct Sequence {
   int64_t num_tokens = 0;
   std::vector<BlockId> table;  // token t lives in table[t / block_size], slot t % block_size
   // With a window group: the window group's block holding the same tokens as table[i], or
-  // kInvalidBlock once released (left the window). As long as `table`; the sinks' entries first,
-  // then the released ones (if any), then live ones up to the end.
+  // kInvalidBlock once released (left the window). No longer than `table`: entries past its end
+  // are not allocated yet (AllocateRequest::window_ahead, ExtendWindow). The sinks' entries
+  // first, then the released ones (if any), then live ones up to the end.
   std::vector<BlockId> window_table;
   NamespaceSlot window_slot;           // its namespace's slot in the window group's pool
   std::vector<int32_t> tokens;         // the token ids known so far (<= num_tokens of them)
@@ -209,6 +210,11 @@ struct AllocateRequest {
   // Keep the partial last block it publishes once it ends, even under a "+notail" policy (a
   // rewind endpoint the client will come back to).
   bool retain_tail = false;
+  // With a window group: window blocks only for the first matched_tokens + window_ahead tokens
+  // (what the first step computes; ExtendWindow adds the rest step by step, so that a long
+  // prefill in chunks never holds more than about its chunk plus a window of them). -1: for
+  // all num_tokens. Ignored without a window group.
+  int64_t window_ahead = -1;
 };
 
 struct AllocateResult {
@@ -227,6 +233,9 @@ enum class OnFree : uint8_t {
 struct GrowRequest {
   SequenceId sequence;
   int64_t num_tokens = 0;  // the new length; <= the current length is a no-op
+  // With a window group: window blocks only up to the current length + window_ahead tokens
+  // (AllocateRequest::window_ahead); -1: up to num_tokens.
+  int64_t window_ahead = -1;
 };
 
 // What a Grow did to one sequence's table (GrowBatch reports one per request, in order): which
@@ -242,6 +251,7 @@ struct TableChange {
   // The same for window_table (the window group decides its copy-on-write on its own: either
   // group's copy makes `first_changed` that entry).
   BlockId window_replaced = kInvalidBlock;
+  int32_t window_entries = 0;  // window_table's size before the grow
 };
 
 // A pin as ListPins reports it.
@@ -458,6 +468,14 @@ class KvCacheManager final {
   // Errors: NOT_FOUND, PERMISSION_DENIED, INVALID_ARGUMENT (outside [0, its length]); nothing
   // has changed.
   absl::Status SlideWindow(SessionId caller, SequenceId sequence, int64_t computed_tokens);
+  // Allocates `sequence`'s window blocks for its first `tokens` tokens where they are not yet
+  // (AllocateRequest::window_ahead): before a step computes tokens past its window table.
+  // Fresh blocks go to `plan->window_fills`; cached window blocks give way, least recently used
+  // first. A no-op without a window group.
+  // Errors: NOT_FOUND, PERMISSION_DENIED, INVALID_ARGUMENT (outside [0, its length]),
+  // RESOURCE_EXHAUSTED (Resource::kWindowBlocks); nothing has changed.
+  absl::Status ExtendWindow(SessionId caller, SequenceId sequence, int64_t tokens,
+                            DevicePlan* plan);
   // The bound above (0 without a window group).
   int64_t WindowBound() const;
 
@@ -622,9 +640,10 @@ class KvCacheManager final {
   struct GrowPlan {
     Sequence* sequence = nullptr;
     int64_t num_tokens = 0;
-    int32_t new_blocks = 0;   // appended to the table
-    bool cow = false;         // the block being written is shared: move onto a private copy
-    bool window_cow = false;  // the same for its window block
+    int32_t new_blocks = 0;         // appended to the table
+    bool cow = false;               // the block being written is shared: move onto a private copy
+    bool window_cow = false;        // the same for its window block
+    int32_t window_new_blocks = 0;  // appended to the window table (GrowRequest::window_ahead)
   };
   // What one Allocate request needs (see AllocateBatch).
   struct AllocatePlan {
@@ -639,6 +658,7 @@ class KvCacheManager final {
     int64_t window_evicted = 0;        // tokens cut for want of a window block
     bool window_copy_partial = false;  // the partially matched block's window block is copied
     int32_t new_blocks = 0;
+    int32_t window_new_blocks = 0;  // fresh window blocks (AllocateRequest::window_ahead)
   };
   // Blocks a batch has already claimed to write into, and by how many holders.
   using WriteClaims = std::vector<std::pair<BlockId, uint32_t>>;
@@ -780,7 +800,13 @@ class KvCacheManager final {
   // Whether writing token slot `slot` of window block `block` must go to a copy.
   bool WindowMustCopy(BlockId block, int32_t slot, uint32_t other_holders) const;
   // The window side of PlanGrow (after it), with the batch's window claims.
-  void PlanWindowGrow(const Sequence& seq, WriteClaims* claims, GrowPlan* plan) const;
+  void PlanWindowGrow(const Sequence& seq, int64_t window_ahead, WriteClaims* claims,
+                      GrowPlan* plan) const;
+  // Whether the window entry of the block `seq` ends inside is allocated (and so live).
+  bool WindowPartialLive(const Sequence& seq) const {
+    return seq.num_tokens % block_size_ != 0 &&
+           static_cast<int64_t>(seq.window_table.size()) > seq.num_tokens / block_size_;
+  }
   // The window side of PlanAllocate: which matched window blocks the sequence shares, and whether
   // it copies the partially matched one.
   void PlanWindowAllocate(const AllocateRequest& r, AllocateTally* tally, AllocatePlan* p) const;

@@ -79,12 +79,18 @@ bool KvCacheManager::WindowMustCopy(BlockId block, int32_t slot, uint32_t other_
          slot < cache_->CoverageOf(primary);
 }
 
-void KvCacheManager::PlanWindowGrow(const Sequence& seq, WriteClaims* claims,
+void KvCacheManager::PlanWindowGrow(const Sequence& seq, int64_t window_ahead, WriteClaims* claims,
                                     GrowPlan* plan) const {
   if (plan->num_tokens <= seq.num_tokens) return;
+  const int64_t horizon = window_ahead < 0 || window_ahead >= plan->num_tokens
+                              ? plan->num_tokens
+                              : std::min(plan->num_tokens, seq.num_tokens + window_ahead);
+  plan->window_new_blocks = static_cast<int32_t>(
+      std::max<int64_t>(0, BlocksFor(horizon) - static_cast<int64_t>(seq.window_table.size())));
+  // The entry being written, when allocated, is live: it holds the last token, which every
+  // window reads.
+  if (!WindowPartialLive(seq)) return;
   const int32_t slot = static_cast<int32_t>(seq.num_tokens % block_size_);
-  if (slot == 0) return;
-  // The entry being written is live: it holds the last token, which every window reads.
   const BlockId target = seq.window_table[static_cast<size_t>(seq.num_tokens / block_size_)];
   KVPOOL_CHECK(target != kInvalidBlock);
   const bool kept = window_->cache_held(target);
@@ -118,7 +124,14 @@ void KvCacheManager::PlanWindowAllocate(const AllocateRequest& r, AllocateTally*
     if (!p->window_copy_partial) Claim(&tally->window_joined, block);
     tally->window_keep.push_back(block);
   }
-  tally->window_blocks += p->new_blocks + (p->window_copy_partial ? 1 : 0);
+  const int64_t from_match =
+      static_cast<int64_t>(m.full.size()) + (m.partial != kInvalidBlock ? 1 : 0);
+  const int64_t horizon = r.window_ahead < 0 || r.window_ahead >= r.num_tokens
+                              ? r.num_tokens
+                              : std::min(r.num_tokens, m.matched_tokens + r.window_ahead);
+  p->window_new_blocks =
+      static_cast<int32_t>(std::max<int64_t>(0, BlocksFor(horizon) - from_match));
+  tally->window_blocks += p->window_new_blocks + (p->window_copy_partial ? 1 : 0);
 }
 
 absl::Status KvCacheManager::CheckWindowRoom(int64_t blocks, std::span<const BlockId> keep,
@@ -190,9 +203,9 @@ void KvCacheManager::ApplyWindowGrow(const GrowPlan& plan, const TraceContext& c
     change->first_changed = std::min(change->first_changed, static_cast<int32_t>(index));
     change->window_replaced = src;
   }
-  if (plan.new_blocks > 0) {
-    KVPOOL_CHECK_OK(window_->Allocate(plan.new_blocks, seq.window_slot, ctx, &seq.window_table,
-                                      &device_plan->window_fills));
+  if (plan.window_new_blocks > 0) {
+    KVPOOL_CHECK_OK(window_->Allocate(plan.window_new_blocks, seq.window_slot, ctx,
+                                      &seq.window_table, &device_plan->window_fills));
   }
 }
 
@@ -226,14 +239,14 @@ void KvCacheManager::AdoptWindow(Sequence* seq, const AllocatePlan& p, int64_t n
       seq->window_table.push_back(src);
     }
   }
-  KVPOOL_CHECK_OK(window_->Allocate(p.new_blocks, seq->window_slot, ctx, &seq->window_table,
+  KVPOOL_CHECK_OK(window_->Allocate(p.window_new_blocks, seq->window_slot, ctx, &seq->window_table,
                                     &plan->window_fills));
 }
 
 void KvCacheManager::ForkWindow(const Sequence& parent, Sequence* child, const TraceContext& ctx,
                                 DevicePlan* plan) {
   child->window_table = parent.window_table;
-  const bool partial = parent.num_tokens % block_size_ != 0;
+  const bool partial = WindowPartialLive(parent);
   const size_t shared = child->window_table.size() - (partial ? 1 : 0);
   for (size_t i = 0; i < shared; ++i) {
     if (child->window_table[i] != kInvalidBlock) {
@@ -250,7 +263,8 @@ void KvCacheManager::ForkWindow(const Sequence& parent, Sequence* child, const T
 }
 
 absl::Status KvCacheManager::CheckWindowTruncate(const Sequence& seq, int64_t n) const {
-  const int64_t end = BlocksFor(n);
+  // (Entries not allocated yet hold nothing the rewound sequence reads.)
+  const int64_t end = std::min(BlocksFor(n), static_cast<int64_t>(seq.window_table.size()));
   const int64_t sinks = std::min(SinkBlocks(), end);
   bool released = false;
   for (int64_t i = std::max(sinks, WindowStart(n)); i < end && !released; ++i) {
@@ -282,6 +296,26 @@ void KvCacheManager::ReleaseWindowTail(Sequence* seq, size_t keep, const TraceCo
   seq->window_table.resize(std::min(keep, seq->window_table.size()));
 }
 
+absl::Status KvCacheManager::ExtendWindow(SessionId caller, SequenceId sequence, int64_t tokens,
+                                          DevicePlan* plan) {
+  const TraceContext ctx = BeginCall(caller, sequence);
+  KVPOOL_ASSIGN_OR_RETURN(Sequence * seq, Owned(caller, sequence));
+  if (tokens < 0 || tokens > seq->num_tokens) {
+    return absl::InvalidArgumentError(
+        fmt::format("cannot extend the window of sequence {} ({} tokens) to {} tokens",
+                    sequence.value(), seq->num_tokens, tokens));
+  }
+  if (!window_) return absl::OkStatus();
+  const int64_t add = BlocksFor(tokens) - static_cast<int64_t>(seq->window_table.size());
+  if (add <= 0) return absl::OkStatus();
+  std::vector<BlockId> victims;
+  KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckWindowRoom(add, {}, &victims, "extend window")));
+  EvictWindowPlanned(victims, ctx);
+  KVPOOL_CHECK_OK(
+      window_->Allocate(add, seq->window_slot, ctx, &seq->window_table, &plan->window_fills));
+  return absl::OkStatus();
+}
+
 absl::Status KvCacheManager::SlideWindow(SessionId caller, SequenceId sequence,
                                          int64_t computed_tokens) {
   const TraceContext ctx = BeginCall(caller, sequence);
@@ -307,7 +341,10 @@ absl::Status KvCacheManager::SlideWindow(SessionId caller, SequenceId sequence,
 
 void KvCacheManager::KeepWindowBlocks(Sequence* seq, const TraceContext& ctx) {
   const CachePath& path = seq->path;
-  const size_t published = path.full.size() + (path.partial != kInvalidBlock ? 1 : 0);
+  // (Blocks published without window entries, a KV client's that never extended its window,
+  // leave tombstones.)
+  const size_t published = std::min(path.full.size() + (path.partial != kInvalidBlock ? 1 : 0),
+                                    seq->window_table.size());
   const auto keep = [&](size_t i) {
     const BlockId primary = i < path.full.size() ? path.full[i] : path.partial;
     const BlockId block = seq->window_table[i];
@@ -384,18 +421,19 @@ absl::Status KvCacheManager::CheckWindows() const {
   }
   for (const auto& [id, seq] : sequences_) {
     const size_t n = seq.window_table.size();
-    if (n != seq.table.size() || window_->FindNamespace(seq.ns) != seq.window_slot) {
+    if (n > seq.table.size() || window_->FindNamespace(seq.ns) != seq.window_slot) {
       return InvariantViolation("sequence {} has {} window entries for {} blocks (slot {})",
                                 id.value(), n, seq.table.size(), seq.window_slot.value());
     }
-    // Its sinks, then one run of released entries, then live ones to the end; a partial last
-    // block (being written) live.
+    // Its sinks, then one run of released entries, then live ones to the end (entries past it
+    // not allocated yet); a partial last block (being written) live when allocated.
     size_t i = 0;
     const size_t sinks = std::min(static_cast<size_t>(SinkBlocks()), n);
     while (i < sinks && seq.window_table[i] != kInvalidBlock) ++i;
     while (i < n && i >= sinks && seq.window_table[i] == kInvalidBlock) ++i;
     while (i < n && seq.window_table[i] != kInvalidBlock) ++i;
-    if (i != n || (seq.num_tokens % block_size_ != 0 && seq.window_table[n - 1] == kInvalidBlock)) {
+    if (i != n || (n == seq.table.size() && seq.num_tokens % block_size_ != 0 &&
+                   seq.window_table[n - 1] == kInvalidBlock)) {
       return InvariantViolation(
           "sequence {}: window entry {} is released out of order (sinks {}, {} entries)",
           id.value(), i, sinks, n);

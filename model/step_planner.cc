@@ -52,7 +52,7 @@ void Slide(KvCacheManager& cache, SessionId caller, const Sequence& seq, int64_t
 absl::Status PlanPrefill(KvCacheManager& cache, SessionId caller, NamespaceId ns,
                          SequenceId sequence, std::span<const int32_t> tokens, int priority,
                          const TokenLimits& limits, PlannedItem* item, DevicePlan* plan,
-                         std::vector<TableChange>* changes) {
+                         std::vector<TableChange>* changes, int64_t first_chunk) {
   if (tokens.empty()) return absl::InvalidArgumentError("prefill: no tokens");
   KVPOOL_RETURN_IF_ERROR(CheckTokens(tokens, limits.vocab_size));
   const int64_t len = static_cast<int64_t>(tokens.size());
@@ -69,7 +69,8 @@ absl::Status PlanPrefill(KvCacheManager& cache, SessionId caller, NamespaceId ns
     const AllocateRequest request{.ns = ns,
                                   .num_tokens = len,
                                   .prompt = tokens.first(static_cast<size_t>(len - 1)),
-                                  .priority = priority};
+                                  .priority = priority,
+                                  .window_ahead = first_chunk};
     std::vector<AllocateResult> results;
     KVPOOL_RETURN_IF_ERROR(cache.AllocateBatch(caller, std::span(&request, 1), &results, plan));
     item->sequence = results[0].sequence;
@@ -78,7 +79,7 @@ absl::Status PlanPrefill(KvCacheManager& cache, SessionId caller, NamespaceId ns
     item->reused = results[0].matched_tokens;
     item->tokens.assign(tokens.begin() + item->start, tokens.end());
   } else {
-    const GrowRequest grow{sequence, (existing ? existing->num_tokens : 0) + len};
+    const GrowRequest grow{sequence, (existing ? existing->num_tokens : 0) + len, first_chunk};
     KVPOOL_RETURN_IF_ERROR(cache.GrowBatch(caller, std::span(&grow, 1), plan, changes));
     item->sequence = sequence;
     item->start = grow.num_tokens - len;
@@ -229,6 +230,16 @@ void SlideChunk(KvCacheManager& cache, SessionId caller, int64_t computed, Plann
   for (size_t i = 0; i < n; ++i) {
     if (seq->window_table[i] == kInvalidBlock) item->window_table[i] = -1;
   }
+}
+
+absl::Status ExtendChunk(KvCacheManager& cache, SessionId caller, int64_t end, PlannedItem* item,
+                         DevicePlan* plan) {
+  KVPOOL_RETURN_IF_ERROR(cache.ExtendWindow(caller, item->sequence, end, plan));
+  const Sequence& seq = *cache.Find(item->sequence);
+  for (size_t i = item->window_table.size(); i < seq.window_table.size(); ++i) {
+    item->window_table.push_back(seq.window_table[i].value());
+  }
+  return absl::OkStatus();
 }
 
 void StepCheckpoints(const PlannedItem& item, int64_t from, int64_t to,

@@ -80,11 +80,13 @@ struct TokenLimits {
 // sequence would outgrow max_position), and those of KvCacheManager::AllocateBatch / GrowBatch
 // (NOT_FOUND, PERMISSION_DENIED, RESOURCE_EXHAUSTED). Nothing changes on error. `plan` receives the
 // device work to carry out before the step; `changes`, when given, what growing an existing
-// sequence changed (for RevertGrow).
+// sequence changed (for RevertGrow). `first_chunk` >= 0: the prefill is computed in chunks, the
+// first of at most that many tokens, and only its window blocks are taken now
+// (AllocateRequest::window_ahead; ExtendChunk takes each later chunk's).
 absl::Status PlanPrefill(KvCacheManager& cache, SessionId caller, NamespaceId ns,
                          SequenceId sequence, std::span<const int32_t> tokens, int priority,
                          const TokenLimits& limits, PlannedItem* item, DevicePlan* plan,
-                         std::vector<TableChange>* changes = nullptr);
+                         std::vector<TableChange>* changes = nullptr, int64_t first_chunk = -1);
 
 struct DecodeInput {
   SequenceId sequence;
@@ -129,5 +131,11 @@ std::vector<BlockId> WindowBlocksOf(std::span<const PlannedItem> items);
 // rewind it to item->start, whose window a slide would release). A sequence freed or rewound
 // below `computed` meanwhile is left as it is.
 void SlideChunk(KvCacheManager& cache, SessionId caller, int64_t computed, PlannedItem* item);
+// Before the next chunk of a prefill in chunks, which ends at token `end`: takes the window
+// blocks it writes (KvCacheManager::ExtendWindow, fills into `plan`) and puts them in
+// `item->window_table`. Errors: those of ExtendWindow (RESOURCE_EXHAUSTED); nothing changes.
+// REQUIRES: the sequence is as the plan left it (PrefillProgress::StillHolds).
+absl::Status ExtendChunk(KvCacheManager& cache, SessionId caller, int64_t end, PlannedItem* item,
+                         DevicePlan* plan);
 
 }  // namespace kvpool::model

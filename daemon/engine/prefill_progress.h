@@ -9,6 +9,7 @@
 //
 // Thread-compatible: used under the engine's lock and by the runner thread between steps.
 
+#include <algorithm>
 #include <cstdint>
 
 #include "absl/status/status.h"
@@ -32,6 +33,14 @@ class PrefillProgress final {
   model::StepItem NextChunk(int64_t max_tokens) const;
   // The step computed `tokens` of them. REQUIRES: tokens <= left().
   void Advance(int64_t tokens) { computed_ += tokens; }
+  // Before the next chunk of at most `max_tokens`: its window blocks (model::ExtendChunk).
+  // Errors: RESOURCE_EXHAUSTED (the window group has no room); nothing changes.
+  // REQUIRES: !done() and StillHolds.
+  absl::Status ExtendWindow(KvCacheManager& cache, SessionId owner, int64_t max_tokens,
+                            DevicePlan* plan) {
+    const int64_t n = std::clamp<int64_t>(max_tokens, 1, left());
+    return model::ExtendChunk(cache, owner, item_.start + computed_ + n, &item_, plan);
+  }
   // Between chunks: the window group's blocks the computed tokens left behind go back to the pool
   // (model::SlideChunk), and later chunks no longer name them.
   void SlideWindow(KvCacheManager& cache, SessionId owner) {

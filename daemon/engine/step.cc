@@ -65,6 +65,7 @@ absl::Status Step::PlanCall(EngineState& state, ComputeCall& call) {
       call.EndProgress();
       return s;
     }
+    KVPOOL_RETURN_IF_ERROR(ExtendWindow(state, call));
   } else {
     const absl::Status planned = PlanNew(state, call, &entry);
     // The new sequence matched what a promotion held for it (or the call failed): either way
@@ -90,6 +91,24 @@ absl::Status Step::PlanCall(EngineState& state, ComputeCall& call) {
   return absl::OkStatus();
 }
 
+absl::Status Step::ExtendWindow(EngineState& state, ComputeCall& call) {
+  PoolState& pool = state.pool(pool_);
+  DevicePlan plan;
+  absl::Status s =
+      call.progress()->ExtendWindow(pool.cache(), call.session().id, call.chunk, &plan);
+  if (s.ok()) {
+    const absl::StatusOr<Fence> carried = pool.Carry(plan);
+    if (carried.ok() && carried->value != 0) prepared_ = *carried;
+    if (!carried.ok()) {
+      ++state.call_counters.device_failures;
+      s = absl::InternalError(fmt::format("device: {}", carried.status().message()));
+    }
+  }
+  // A prefill that cannot go on gives its sequence back (or what it added to one).
+  if (!s.ok()) Abandon(state, call);
+  return s;
+}
+
 absl::Status Step::PlanNew(EngineState& state, ComputeCall& call, Entry* entry) {
   PoolState& pool = state.pool(pool_);
   const ComputeRequest& r = call.request();
@@ -111,7 +130,8 @@ absl::Status Step::PlanNew(EngineState& state, ComputeCall& call, Entry* entry) 
       KVPOOL_ASSIGN_OR_RETURN(ns, state.SaltedNamespace(s, r.cache_salt));
     }
     KVPOOL_RETURN_IF_ERROR(model::PlanPrefill(pool.cache(), s.id, ns, r.sequence, r.tokens,
-                                              r.priority, limits_, &item, &plan, &changes));
+                                              r.priority, limits_, &item, &plan, &changes,
+                                              call.chunk));
   } else {
     KVPOOL_RETURN_IF_ERROR(
         model::PlanDecode(pool.cache(), s.id, r.decode, limits_, &entry->decode, &plan, &changes));

@@ -74,6 +74,9 @@ class Step final {
   absl::Status PlanCall(EngineState& state, ComputeCall& call);
   absl::Status Admit(EngineState& state, const ComputeCall& call) const;
   absl::Status PlanNew(EngineState& state, ComputeCall& call, Entry* entry);
+  // A prefill under way: the window blocks of its next chunk, their device work enqueued. On an
+  // error the call is abandoned (its sequence given back).
+  absl::Status ExtendWindow(EngineState& state, ComputeCall& call);
   void FinishEntry(EngineState& state, Entry& entry);
   // The caller gave up while its step ran: undo what the call did (its new sequence, the tokens
   // it added) and fail it with `gave_up`.

@@ -1,8 +1,10 @@
 // Seeded randomized test of the window group (docs/hybrid-groups.md §3, §4) against a reference
 // model: a KvCacheManager with a small window group beside its prefix cache, driven by random
-// Allocate (prompts from a few shared families), Grow, steps (compute every token not computed yet,
-// then MarkWindowInFlight and SlideWindow), SlideWindow to earlier points, Fork, Truncate, Commit,
-// Free (discard and commit), EvictCached, fences completed across timelines and ReclaimRetired.
+// Allocate and Grow (window blocks for all their tokens, or only a few ahead: window_ahead), steps
+// (ExtendWindow where the window table does not reach yet, then compute every token not computed
+// yet or a chunk of them, then MarkWindowInFlight and SlideWindow), SlideWindow to earlier points,
+// Fork, Truncate, Commit, Free (discard and commit), EvictCached, fences completed across timelines
+// and ReclaimRetired.
 //
 // The window blocks' bytes are simulated: each token slot holds the (position, token) a step
 // wrote there, plans' copies and fills land at once, and every query a step computes reads its
@@ -66,6 +68,7 @@ struct Model {
   int64_t known = 0;            // tokens the manager knows (prompt and commits)
   int64_t computed = 0;         // tokens whose KV a step wrote
   int64_t first_live = 0;       // entries [sinks, first_live) are released
+  int64_t entries = 0;          // window entries allocated (window_ahead, ExtendWindow)
 };
 
 struct Tally {
@@ -75,6 +78,7 @@ struct Tally {
   int64_t truncate_refused = 0;  // Truncates refused below the released window
   int64_t slid = 0;              // entries released by slides
   int64_t steps = 0;
+  int64_t lagging = 0;  // steps that had to extend the window table first
 };
 
 class WindowGroupRandomTest : public ::testing::TestWithParam<Config> {
@@ -181,7 +185,8 @@ class WindowGroupRandomTest : public ::testing::TestWithParam<Config> {
     for (const auto& [id, model] : models_) {
       const Sequence& seq = Seq(id);
       ASSERT_EQ(seq.num_tokens, static_cast<int64_t>(model.tokens.size()));
-      ASSERT_EQ(seq.window_table.size(), seq.table.size());
+      ASSERT_EQ(static_cast<int64_t>(seq.window_table.size()), model.entries);
+      ASSERT_LE(seq.window_table.size(), seq.table.size());
       for (size_t i = 0; i < seq.window_table.size(); ++i) {
         const bool live =
             static_cast<int64_t>(i) < SinkBlocks() || static_cast<int64_t>(i) >= model.first_live;
@@ -191,11 +196,37 @@ class WindowGroupRandomTest : public ::testing::TestWithParam<Config> {
     }
   }
 
-  // A step: computes every token past `computed`, each query reading its window and sinks.
+  // A random window_ahead: all (-1) or a few tokens.
+  int64_t Ahead() { return Rand(2) == 0 ? -1 : static_cast<int64_t>(Rand(9)); }
+  // The window entries a request for `n` tokens allocates from `from` on with `ahead`.
+  int64_t EntriesFor(int64_t n, int64_t from, int64_t ahead) const {
+    return BlocksFor(ahead < 0 || ahead >= n ? n : std::min(n, from + ahead));
+  }
+
+  // A step: computes the tokens past `computed` (all of them, or a chunk), each query reading
+  // its window and sinks, after taking the window blocks they need (ExtendWindow).
   void Step(SequenceId id) {
     Model& model = models_.at(id);
+    const int64_t size = static_cast<int64_t>(model.tokens.size());
+    const int64_t end =
+        Rand(2) == 0 || model.computed >= size
+            ? size
+            : model.computed + 1 +
+                  static_cast<int64_t>(Rand(static_cast<uint64_t>(size - model.computed)));
+    if (BlocksFor(end) > model.entries) {
+      DevicePlan plan;
+      const absl::Status s = manager_->ExtendWindow(model.session, id, end, &plan);
+      if (!s.ok()) {
+        ASSERT_EQ(s.code(), Code::kResourceExhausted) << s;
+        ++tally_.refusals;
+        return;
+      }
+      Apply(plan);
+      model.entries = BlocksFor(end);
+      ++tally_.lagging;
+    }
     const Sequence& seq = Seq(id);
-    for (int64_t p = model.computed; p < static_cast<int64_t>(model.tokens.size()); ++p) {
+    for (int64_t p = model.computed; p < end; ++p) {
       const BlockId w = seq.window_table[static_cast<size_t>(p / kBlockSize)];
       ASSERT_NE(w, kInvalidBlock) << "position " << p;
       bytes_[Index(w)][static_cast<size_t>(p % kBlockSize)] =
@@ -215,11 +246,13 @@ class WindowGroupRandomTest : public ::testing::TestWithParam<Config> {
       if (b != kInvalidBlock) live.push_back(b);
     }
     Mark(live);
-    model.computed = static_cast<int64_t>(model.tokens.size());
+    model.computed = std::max(model.computed, end);
     Slide(id, model.computed);
     int64_t now = 0;
     for (BlockId b : Seq(id).window_table) now += b != kInvalidBlock ? 1 : 0;
-    ASSERT_LE(now, manager_->WindowBound()) << "after a slide to its length";
+    if (end == size) {
+      ASSERT_LE(now, manager_->WindowBound()) << "after a slide to its length";
+    }
     ++tally_.steps;
   }
 
@@ -227,7 +260,7 @@ class WindowGroupRandomTest : public ::testing::TestWithParam<Config> {
     Model& model = models_.at(id);
     const int64_t before = model.first_live;
     ASSERT_TRUE(manager_->SlideWindow(model.session, id, n).ok());
-    const int64_t size = static_cast<int64_t>(model.tokens.size() + kBlockSize - 1) / kBlockSize;
+    const int64_t size = model.entries;
     model.first_live = std::max(before, std::max(SinkBlocks(), std::min(WindowStart(n), size)));
     tally_.slid += model.first_live - before;
   }
@@ -261,8 +294,9 @@ void WindowGroupRandomTest::Allocate() {
   const int64_t expect = Resumable(prompt);
   const int64_t attention = manager_->cache()->Match(kNamespace, prompt).matched_tokens;
   DevicePlan plan;
-  const absl::StatusOr<AllocateResult> r =
-      manager_->Allocate(session, {.ns = kNamespace, .num_tokens = n, .prompt = prompt}, &plan);
+  const int64_t ahead = Ahead();
+  const absl::StatusOr<AllocateResult> r = manager_->Allocate(
+      session, {.ns = kNamespace, .num_tokens = n, .prompt = prompt, .window_ahead = ahead}, &plan);
   if (!r.ok()) {
     ASSERT_EQ(r.status().code(), Code::kResourceExhausted) << r.status();
     ++tally_.refusals;
@@ -277,6 +311,7 @@ void WindowGroupRandomTest::Allocate() {
     model.tokens.push_back(Rand(4) != 0 ? family[static_cast<size_t>(p)] : 9);
   }
   model.first_live = std::max(SinkBlocks(), expect > 0 ? WindowStart(expect) : 0);
+  model.entries = std::max(EntriesFor(n, expect, ahead), BlocksFor(expect));
   models_.emplace(r->sequence, std::move(model));
   // The resumed window names blocks holding exactly the prompt's tokens.
   const Sequence& seq = Seq(r->sequence);
@@ -296,13 +331,17 @@ void WindowGroupRandomTest::Grow() {
       static_cast<int64_t>(model.tokens.size()) + 1 + static_cast<int64_t>(Rand(6)),
       kMaxBlocksPerSeq * kBlockSize);
   DevicePlan plan;
-  const absl::Status s = manager_->Grow(model.session, id, n, &plan);
+  const int64_t ahead = Ahead();
+  const GrowRequest grow{id, n, ahead};
+  const absl::Status s = manager_->GrowBatch(model.session, std::span(&grow, 1), &plan);
   if (!s.ok()) {
     ASSERT_EQ(s.code(), Code::kResourceExhausted) << s;
     ++tally_.refusals;
     return;
   }
   Apply(plan);
+  model.entries =
+      std::max(model.entries, EntriesFor(n, static_cast<int64_t>(model.tokens.size()), ahead));
   while (static_cast<int64_t>(model.tokens.size()) < n) {
     model.tokens.push_back(static_cast<int32_t>(Rand(3)));
   }
@@ -341,6 +380,7 @@ void WindowGroupRandomTest::Truncate() {
   model.known = std::min(model.known, n);
   model.computed = std::min(model.computed, n);
   model.first_live = std::max(SinkBlocks(), std::min(model.first_live, BlocksFor(n)));
+  model.entries = std::min(model.entries, BlocksFor(n));
 }
 
 void WindowGroupRandomTest::Commit() {
@@ -408,13 +448,15 @@ TEST_P(WindowGroupRandomTest, MatchesTheReferenceModel) {
   EXPECT_GT(tally_.refusals, 5);
   EXPECT_GT(tally_.truncate_refused, 5);
   EXPECT_GT(tally_.slid, 100);
+  EXPECT_GT(tally_.lagging, 20);
   EXPECT_GT(manager_->stats().windows.evicted, 10u);
   std::printf(
       "resumes %lld (window cuts %lld), refusals %lld, truncates refused %lld, slid %lld, "
-      "steps %lld, window blocks kept %llu evicted %llu\n",
+      "steps %lld (%lld extended first), window blocks kept %llu evicted %llu\n",
       static_cast<long long>(tally_.resumes), static_cast<long long>(tally_.window_cuts),
       static_cast<long long>(tally_.refusals), static_cast<long long>(tally_.truncate_refused),
       static_cast<long long>(tally_.slid), static_cast<long long>(tally_.steps),
+      static_cast<long long>(tally_.lagging),
       static_cast<unsigned long long>(manager_->stats().windows.kept),
       static_cast<unsigned long long>(manager_->stats().windows.evicted));
 }

@@ -405,5 +405,94 @@ TEST_F(WindowGroupTest, CheckpointAndWindowCutsAgree) {
   ExpectInvariants();
 }
 
+// A long prefill in chunks takes its window blocks chunk by chunk (AllocateRequest::window_ahead,
+// ExtendWindow), so that a prompt whose whole length the window group could never hold at once
+// goes through it within about a chunk plus a window of blocks.
+class WindowAheadTest : public WindowGroupTest {
+ protected:
+  // A 20-token window of 16-token blocks (a bound of 3) in a window group of 8 blocks.
+  void SetUp() override { Make(/*window_blocks=*/8, /*window_tokens=*/20); }
+};
+
+TEST_F(WindowAheadTest, AChunkedPrefillTakesItsWindowChunkByChunk) {
+  // 30 blocks of prompt: more than the window group's 8 all at once...
+  EXPECT_TRUE(absl::IsResourceExhausted(Alloc(kAlice, 480).status()));
+  ExpectInvariants();
+  // ...but in chunks of 64 tokens: the first chunk's 4 blocks now, the rest as it goes.
+  plan_ = DevicePlan{};
+  auto r = cache_->Allocate(kAlice, {.ns = kTenant, .num_tokens = 480, .window_ahead = 64}, &plan_);
+  ASSERT_TRUE(r.ok()) << r.status();
+  const SequenceId id = r->sequence;
+  EXPECT_EQ(Seq(id).table.size(), 30u);
+  EXPECT_EQ(Seq(id).window_table.size(), 4u);
+  EXPECT_EQ(plan_.window_fills.size(), 4u);
+  ExpectInvariants();
+  for (int64_t done = 64; done < 480; done += 64) {
+    ASSERT_TRUE(cache_->SlideWindow(kAlice, id, done).ok());
+    DevicePlan plan;
+    const int64_t end = std::min<int64_t>(done + 64, 480);
+    ASSERT_TRUE(cache_->ExtendWindow(kAlice, id, end, &plan).ok()) << "at " << done;
+    EXPECT_EQ(Seq(id).window_table.size(), static_cast<size_t>(CeilDiv(end, kBlockSize)));
+    EXPECT_LE(Live(Seq(id)), 6) << "at " << done;  // the window's 2 blocks and the chunk's 4
+    ExpectInvariants();
+  }
+  ASSERT_TRUE(cache_->SlideWindow(kAlice, id, 480).ok());
+  EXPECT_LE(Live(Seq(id)), cache_->WindowBound());
+  ExpectInvariants();
+}
+
+TEST_F(WindowAheadTest, ExtendWindowIsRefusedWholeAndChecksItsArguments) {
+  auto r = cache_->Allocate(kAlice, {.ns = kTenant, .num_tokens = 480, .window_ahead = 16}, &plan_);
+  ASSERT_TRUE(r.ok()) << r.status();
+  DevicePlan plan;
+  // Nine blocks at once: more than the group has.
+  const absl::Status refused = cache_->ExtendWindow(kAlice, r->sequence, 9 * kBlockSize, &plan);
+  EXPECT_TRUE(absl::IsResourceExhausted(refused)) << refused;
+  EXPECT_EQ(Seq(r->sequence).window_table.size(), 1u);
+  EXPECT_TRUE(plan.window_fills.empty());
+  EXPECT_EQ(cache_->ExtendWindow(kAlice, r->sequence, 481, &plan).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache_->ExtendWindow(kBob, r->sequence, 32, &plan).code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(cache_->ExtendWindow(kAlice, SequenceId(999), 32, &plan).code(),
+            absl::StatusCode::kNotFound);
+  // Already there: nothing to do.
+  EXPECT_TRUE(cache_->ExtendWindow(kAlice, r->sequence, 10, &plan).ok());
+  EXPECT_TRUE(plan.window_fills.empty());
+  ExpectInvariants();
+}
+
+TEST_F(WindowAheadTest, AGrowAheadIsRevertedToItsWindowEntriesAndAForkCopiesNoMissingBlock) {
+  // 40 tokens, window blocks for the first 8 only.
+  auto r = cache_->Allocate(kAlice, {.ns = kTenant, .num_tokens = 40, .window_ahead = 8}, &plan_);
+  ASSERT_TRUE(r.ok()) << r.status();
+  const SequenceId id = r->sequence;
+  EXPECT_EQ(Seq(id).window_table.size(), 1u);
+  // Grown to 200 tokens, window blocks up to 40 + 24: the 3 missing below the old length and 1.
+  DevicePlan plan;
+  std::vector<TableChange> changes;
+  const GrowRequest grow{id, 200, /*window_ahead=*/24};
+  ASSERT_TRUE(cache_->GrowBatch(kAlice, std::span(&grow, 1), &plan, &changes).ok());
+  EXPECT_EQ(Seq(id).table.size(), 13u);
+  EXPECT_EQ(Seq(id).window_table.size(), 4u);
+  EXPECT_EQ(plan.window_fills.size(), 3u);
+  ExpectInvariants();
+  // A fork ends inside block 12, whose window entry is not allocated: nothing to copy there.
+  DevicePlan fork_plan;
+  auto child = cache_->Fork(kAlice, id, &fork_plan);
+  ASSERT_TRUE(child.ok()) << child.status();
+  EXPECT_TRUE(fork_plan.window_copies.empty());
+  EXPECT_EQ(Seq(*child).window_table, Seq(id).window_table);
+  ExpectInvariants();
+  ASSERT_TRUE(cache_->Free(kAlice, *child).ok());
+  // Reverting the grow gives back every window entry it added, below the old length too.
+  cache_->RevertGrow(kAlice, changes);
+  EXPECT_EQ(Seq(id).num_tokens, 40);
+  EXPECT_EQ(Seq(id).table.size(), 3u);
+  EXPECT_EQ(Seq(id).window_table.size(), 1u);
+  EXPECT_EQ(cache_->window()->stats().active, 1);
+  ExpectInvariants();
+}
+
 }  // namespace
 }  // namespace kvpool
