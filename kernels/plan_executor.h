@@ -58,6 +58,11 @@ class PlanExecutor final {
   // The plan's state-group part (state_copies, state_zeros) as a plan of its own, for an
   // executor over the state slots (KvPoolView::StateSlots) whose every fill zeroes.
   static DevicePlan StatePart(const DevicePlan& plan);
+  // The plan's window-group part (window_copies, window_fills) as a plan of its own, for an
+  // executor over the window blocks (KvPoolView::Window).
+  static DevicePlan WindowPart(const DevicePlan& plan) {
+    return {.copies = plan.window_copies, .fills = plan.window_fills};
+  }
 
  private:
   // One plan's block lists, on the host and staged on the device; busy until `fence` passed.

@@ -2,12 +2,44 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 
 #include "fmt/format.h"
 #include "kvpool/util/check.h"
 #include "kvpool/util/status_macros.h"
 
 namespace kvpool::model {
+
+namespace {
+
+// The window group of `shape` (Options::window_blocks) for a model with sliding layers, unless
+// its every attention layer slides (the main blocks must keep one). Errors: INVALID_ARGUMENT.
+absl::Status AddWindowGroup(const ModelConfig& config, const LocalEngine::Options& options,
+                            kernels::PoolLayout* shape) {
+  if (options.window_blocks < -1) {
+    return absl::InvalidArgumentError(
+        fmt::format("window_blocks must be >= -1 (got {})", options.window_blocks));
+  }
+  const int32_t sliding = config.num_sliding_layers();
+  if (options.window_blocks == -1 || sliding == 0 || sliding == shape->num_layers) {
+    return absl::OkStatus();
+  }
+  shape->num_window_layers = sliding;
+  if (options.window_blocks > 0) {
+    shape->num_window_blocks = options.window_blocks;
+    return absl::OkStatus();
+  }
+  const int64_t bs = options.block_size;
+  const int64_t bound =
+      (config.sliding_window + 2 * bs - 1) / bs + (config.sink_tokens + bs - 1) / bs;
+  const int64_t quarter =
+      options.pool_bytes / 4 / std::max<int64_t>(1, shape->window_block_bytes());
+  shape->num_window_blocks = static_cast<int32_t>(
+      std::clamp<int64_t>(quarter, bound, std::numeric_limits<int32_t>::max()));
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<LocalEngine>> LocalEngine::Create(ModelWeights weights,
                                                                  const Options& options) {
@@ -42,6 +74,7 @@ absl::StatusOr<std::unique_ptr<LocalEngine>> LocalEngine::Create(ModelWeights we
                       : 0;
     shape.num_state_slots = working + checkpoints;
   }
+  KVPOOL_RETURN_IF_ERROR(AddWindowGroup(config, options, &shape));
   KVPOOL_ASSIGN_OR_RETURN(kernels::PoolLayout layout,
                           kernels::LayoutForBudget(shape, options.pool_bytes));
   std::unique_ptr<LocalEngine> e(new LocalEngine());
@@ -59,13 +92,21 @@ absl::StatusOr<std::unique_ptr<LocalEngine>> LocalEngine::Create(ModelWeights we
                                          .prefix_cache = options.prefix_cache,
                                          .state_slots = layout.num_state_slots,
                                          .checkpoint_slots = checkpoints,
-                                         .checkpoint_interval = options.checkpoint_interval}));
+                                         .checkpoint_interval = options.checkpoint_interval,
+                                         .window_blocks = layout.num_window_blocks,
+                                         .window_tokens = config.sliding_window,
+                                         .sink_tokens = config.sink_tokens}));
   e->executor_ = std::make_unique<kernels::PlanExecutor>(
       e->device_.get(), kernels::StreamId::kTransfer, e->view_, kernels::FillPolicy::kNone);
   if (layout.num_state_slots > 0) {
     e->state_executor_ =
         std::make_unique<kernels::PlanExecutor>(e->device_.get(), kernels::StreamId::kTransfer,
                                                 e->view_.StateSlots(), kernels::FillPolicy::kZero);
+  }
+  if (layout.num_window_layers > 0) {
+    e->window_executor_ =
+        std::make_unique<kernels::PlanExecutor>(e->device_.get(), kernels::StreamId::kTransfer,
+                                                e->view_.Window(), kernels::FillPolicy::kNone);
   }
   KVPOOL_ASSIGN_OR_RETURN(
       e->model_, CreateStepModel(std::move(weights), layout, e->device_.get(), options.threads));
@@ -81,6 +122,9 @@ absl::Status LocalEngine::Carry(const DevicePlan& plan) {
   absl::StatusOr<Fence> fence = executor_->Execute(plan);
   if (fence.ok() && state_executor_ != nullptr) {
     fence = state_executor_->Execute(kernels::PlanExecutor::StatePart(plan));
+  }
+  if (fence.ok() && window_executor_ != nullptr) {
+    fence = window_executor_->Execute(kernels::PlanExecutor::WindowPart(plan));
   }
   if (!fence.ok()) return fence.status();
   return fence->value == 0 ? absl::OkStatus() : device_->Synchronize(*fence);

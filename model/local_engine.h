@@ -6,6 +6,11 @@
 // kvpoold drives them (minus RPC, sessions and cross-client batching). Tests hold the daemon's
 // results, and the GPU's, to it; benchmarks measure the daemon against it.
 //
+// A model with sliding-window layers keeps their K/V in the pool's window group, as kvpoold does
+// (Options::window_blocks): each step's window blocks, and after it SlideWindow releases those
+// that left the window (docs/hybrid-groups.md §3), so a sequence holds a bounded number of them;
+// a prompt resumes a cached prefix only where the window group still holds its window.
+//
 // A model with state-space layers keeps each sequence's state in the pool's state group, as
 // kvpoold does (docs/hybrid-groups.md §3; Options::state_slots): zeroed with the sequence (or
 // copied from the checkpoint its prompt resumes from), copied by Fork, released fenced by Free
@@ -45,7 +50,13 @@ class LocalEngine final {
     // checkpoint_slots; none without the prefix cache). 0: as many as state_slots.
     int32_t checkpoint_slots = 0;
     int32_t checkpoint_interval = 4;  // KvCacheOptions::checkpoint_interval
-    int threads = 0;                  // kernel threads (0: hardware concurrency)
+    // Models with sliding-window layers: blocks of the pool's window group (its own region, the
+    // sliding layers' K/V: docs/hybrid-groups.md §2-§3), paid for out of pool_bytes first. 0: a
+    // quarter of pool_bytes' worth (at least WindowBound() blocks); -1: no window group, the
+    // sliding layers keep every token in the main blocks (as a model whose every attention
+    // layer slides always does: the main blocks must keep one layer).
+    int32_t window_blocks = 0;
+    int threads = 0;  // kernel threads (0: hardware concurrency)
     kernels::BackendKind backend = kernels::BackendKind::kCpu;
     int device_ordinal = 0;
   };
@@ -107,7 +118,8 @@ class LocalEngine final {
   kernels::KvPoolView view_;
   std::unique_ptr<KvCacheManager> cache_;
   std::unique_ptr<kernels::PlanExecutor> executor_;
-  std::unique_ptr<kernels::PlanExecutor> state_executor_;  // null without state-space layers
+  std::unique_ptr<kernels::PlanExecutor> state_executor_;   // null without state-space layers
+  std::unique_ptr<kernels::PlanExecutor> window_executor_;  // null without a window group
   std::unique_ptr<StepModel> model_;
 };
 

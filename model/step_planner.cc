@@ -35,6 +35,16 @@ void FillTable(const Sequence& seq, PlannedItem* item) {
   item->table.reserve(seq.table.size());
   for (BlockId b : seq.table) item->table.push_back(b.value());
   item->state_slot = seq.state_slot;
+  item->window_table.clear();
+  item->window_table.reserve(seq.window_table.size());
+  for (BlockId b : seq.window_table) item->window_table.push_back(b.value());
+}
+
+// The window group: `seq` has computed its first `computed` tokens (a no-op without a window
+// group). Cannot fail: the sequence is the caller's and computed <= its length.
+void Slide(KvCacheManager& cache, SessionId caller, const Sequence& seq, int64_t computed) {
+  if (cache.window() == nullptr) return;
+  KVPOOL_CHECK_OK(cache.SlideWindow(caller, seq.id, std::min(computed, seq.num_tokens)));
 }
 
 }  // namespace
@@ -127,7 +137,11 @@ absl::Status FinishItem(KvCacheManager& cache, SessionId caller, const PlannedIt
   const auto unpublished = [&] { return cache.AdvanceState(caller, item.sequence, -1); };
   // Tokens before `start` the cache does not know (a client wrote their K/V itself), or a
   // sequence rewound during the step: nothing can be published.
-  if (known < item.start || known > end || seq->num_tokens < end) return unpublished();
+  if (known < item.start || known > end || seq->num_tokens < end) {
+    // (Rewound below `end` meanwhile: its window is the regrown tokens', not the step's.)
+    if (seq->num_tokens >= end) Slide(cache, caller, *seq, end);
+    return unpublished();
+  }
   // The blocks the step wrote must still be the sequence's: a rewind and regrowth while the step
   // ran (a KV client's Truncate, then Grow) hands it fresh blocks the step never wrote.
   const size_t written = static_cast<size_t>((end + cache.block_size() - 1) / cache.block_size());
@@ -139,7 +153,12 @@ absl::Status FinishItem(KvCacheManager& cache, SessionId caller, const PlannedIt
   const std::span<const int32_t> fresh =
       std::span(item.tokens).subspan(static_cast<size_t>(known - item.start));
   const int64_t block_size = cache.block_size();
-  return cache.Commit(caller, item.sequence, end / block_size * block_size, fresh);
+  // Committed first: the tree keeps the window blocks of what it takes while they are live, so
+  // the blocks the slide then releases stay cached for prompts that resume there.
+  const absl::Status committed =
+      cache.Commit(caller, item.sequence, end / block_size * block_size, fresh);
+  Slide(cache, caller, *seq, end);
+  return committed;
 }
 
 std::vector<int32_t> PenaltyHistory(const KvCacheManager& cache, const PlannedItem& item) {
@@ -185,6 +204,31 @@ std::vector<BlockId> StatesOf(std::span<const PlannedItem> items) {
     for (const PlannedCheckpoint& c : item.checkpoints) slots.push_back(c.slot);
   }
   return slots;  // distinct: a step holds a sequence once, and sequences never share a slot
+}
+
+std::vector<BlockId> WindowBlocksOf(std::span<const PlannedItem> items) {
+  std::vector<BlockId> blocks;
+  for (const PlannedItem& item : items) {
+    for (int32_t b : item.window_table) {
+      if (b >= 0) blocks.push_back(BlockId(b));
+    }
+  }
+  std::sort(blocks.begin(), blocks.end());
+  blocks.erase(std::unique(blocks.begin(), blocks.end()), blocks.end());
+  return blocks;
+}
+
+void SlideChunk(KvCacheManager& cache, SessionId caller, int64_t computed, PlannedItem* item) {
+  // Only a sequence the prefill made: UndoItem rewinds one it grew to item->start, whose window
+  // a slide past it would release (Truncate refuses a length whose window is gone).
+  if (!item->created) return;
+  const Sequence* seq = cache.Find(item->sequence);
+  if (seq == nullptr || seq->session != caller || seq->num_tokens < computed) return;
+  Slide(cache, caller, *seq, computed);
+  const size_t n = std::min(item->window_table.size(), seq->window_table.size());
+  for (size_t i = 0; i < n; ++i) {
+    if (seq->window_table[i] == kInvalidBlock) item->window_table[i] = -1;
+  }
 }
 
 void StepCheckpoints(const PlannedItem& item, int64_t from, int64_t to,

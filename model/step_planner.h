@@ -35,13 +35,22 @@ struct PlannedItem {
   std::vector<int32_t> table;   // the sequence's block ids, covering start + tokens.size()
   // Its slot in the pool's state group (KvCacheManager::state_slot); kInvalidBlock without one.
   BlockId state_slot = kInvalidBlock;
+  // Its table in the pool's window group (Sequence::window_table; -1 where the window has left
+  // an entry), as long as `table`; empty without a window group.
+  std::vector<int32_t> window_table;
   // The state checkpoints the step takes (KvCacheManager::PlanCheckpoints): positions in
   // (start, start + tokens.size()], ascending, each with its slot (StepItem::checkpoints).
   std::vector<PlannedCheckpoint> checkpoints;
   // What sampling penalties count (PenaltyHistory); empty unless the caller asked for them.
   std::vector<int32_t> history;
 
-  StepItem AsStepItem() const { return {tokens, start, table, nullptr, history}; }
+  StepItem AsStepItem() const {
+    return {.tokens = tokens,
+            .start = start,
+            .block_table = table,
+            .history = history,
+            .window_table = window_table};
+  }
 };
 
 // The tokens a penalized sample of `item` counts: the last kPenaltyWindow of the sequence's
@@ -94,10 +103,11 @@ absl::Status PlanDecode(KvCacheManager& cache, SessionId caller,
 
 // The step computed `item`: records that the sequence's state holds its tokens (AdvanceState),
 // records its tokens as known and commits the sequence's full blocks to the prefix cache (and
-// with them the step's checkpoints) (a sequence whose earlier tokens are unknown, because its
-// client wrote K/V itself, or whose blocks are no longer the ones the step wrote, because it was
-// rewound and grown again meanwhile, is left unpublished). Errors: NOT_FOUND when the sequence was
-// freed meanwhile.
+// with them the step's checkpoints and window blocks), then slides its window past them
+// (SlideWindow: the window blocks no later step reads are released, fenced) (a sequence whose
+// earlier tokens are unknown, because its client wrote K/V itself, or whose blocks are no longer
+// the ones the step wrote, because it was rewound and grown again meanwhile, is left unpublished).
+// Errors: NOT_FOUND when the sequence was freed meanwhile.
 absl::Status FinishItem(KvCacheManager& cache, SessionId caller, const PlannedItem& item);
 
 // The step failed: frees a sequence the plan created, or rewinds one it grew to `start`. A
@@ -109,5 +119,15 @@ std::vector<BlockId> BlocksOf(std::span<const PlannedItem> items);
 // Every state slot the step reads and writes, its checkpoints' included (for
 // KvCacheManager::MarkStatesInFlight).
 std::vector<BlockId> StatesOf(std::span<const PlannedItem> items);
+// Every window block of the items' window tables (for KvCacheManager::MarkWindowInFlight).
+std::vector<BlockId> WindowBlocksOf(std::span<const PlannedItem> items);
+
+// A prefill computed in chunks (kvpoold): the sequence's first `computed` tokens are done.
+// When the plan made the sequence, slides its window past them (SlideWindow) and marks the
+// entries it released in `item->window_table` (-1), so that later chunks neither read nor fence
+// them; a prefill of an existing sequence slides only when it finishes (UndoItem must be able to
+// rewind it to item->start, whose window a slide would release). A sequence freed or rewound
+// below `computed` meanwhile is left as it is.
+void SlideChunk(KvCacheManager& cache, SessionId caller, int64_t computed, PlannedItem* item);
 
 }  // namespace kvpool::model

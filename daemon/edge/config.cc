@@ -315,6 +315,16 @@ void ValidateZmqEvents(const v1::DaemonConfig& c, const Bad& bad) {
   }
 }
 
+// The geometry of the model `m` names (NOT_FOUND without one; a checkpoint that does not read is
+// reported when it is loaded).
+absl::StatusOr<model::ModelConfig> ModelGeometry(const v1::ModelSpec& m) {
+  if (!m.checkpoint().empty() && m.checkpoint()[0] == '/') {
+    return model::ReadCheckpointConfig(m.checkpoint());
+  }
+  if (m.checkpoint().empty() && m.name() != "none") return model::NamedConfig(m.name());
+  return absl::NotFoundError("no model");
+}
+
 // The state group of the pool shape (docs/hybrid-groups.md §2): shape.state_slots slots of the
 // model's state, rounded up to 64 bytes; none for a model without state-space layers. (A
 // checkpoint that does not read is reported when it is loaded.)
@@ -327,13 +337,7 @@ void ParseStateGroup(const v1::DaemonConfig& c, kernels::PoolLayout* shape,
     return bad("shape.checkpoint_slots",
                fmt::format("must be >= 0, or -1 for none (got {})", checkpoints));
   }
-  const v1::ModelSpec& m = c.model();
-  absl::StatusOr<model::ModelConfig> geometry = absl::NotFoundError("no model");
-  if (!m.checkpoint().empty() && m.checkpoint()[0] == '/') {
-    geometry = model::ReadCheckpointConfig(m.checkpoint());
-  } else if (m.checkpoint().empty() && m.name() != "none") {
-    geometry = model::NamedConfig(m.name());
-  }
+  const absl::StatusOr<model::ModelConfig> geometry = ModelGeometry(c.model());
   const int64_t state_bytes = geometry.ok() ? geometry->state_bytes() : 0;
   if (state_bytes == 0) {
     if (slots > 0) bad("shape.state_slots", "the model has no state-space layers (0: none)");
@@ -352,12 +356,42 @@ void ParseStateGroup(const v1::DaemonConfig& c, kernels::PoolLayout* shape,
   shape->state_slot_bytes = (state_bytes + 63) / 64 * 64;
 }
 
+// The window group of the pool shape (docs/hybrid-groups.md §2-§3): the model's sliding layers in
+// a region of shape.window_blocks blocks (0: sized per pool by AddPool), unless -1 or every
+// attention layer slides (the main blocks keep at least one layer).
+void ParseWindowGroup(const v1::DaemonConfig& c, kernels::PoolLayout* shape, EngineOptions* o,
+                      const Bad& bad) {
+  const int32_t blocks = c.shape().window_blocks();
+  if (blocks < -1) {
+    return bad("shape.window_blocks", fmt::format("must be >= 0, or -1 for none (got {})", blocks));
+  }
+  const absl::StatusOr<model::ModelConfig> geometry = ModelGeometry(c.model());
+  const int32_t sliding = geometry.ok() ? geometry->num_sliding_layers() : 0;
+  if (sliding == 0) {
+    if (blocks > 0) bad("shape.window_blocks", "the model has no sliding-window layers (0: none)");
+    return;
+  }
+  if (blocks == -1 || sliding >= shape->num_layers) return;
+  shape->num_window_layers = sliding;
+  shape->num_window_blocks = blocks;
+  o->window_tokens = geometry->sliding_window;
+  o->sink_tokens = geometry->sink_tokens;
+}
+
 // A pool of `bytes` of `shape` (null: the shape is bad, reported already) into `o`.
 void AddPool(std::string_view field, std::string name, int64_t bytes,
              const kernels::PoolLayout* shape, EngineOptions* o, const Bad& bad) {
   if (bytes <= 0) return bad(field, fmt::format("must be > 0 (got {})", bytes));
   if (shape == nullptr) return;
-  absl::StatusOr<kernels::PoolLayout> sized = kernels::LayoutForBudget(*shape, bytes);
+  kernels::PoolLayout pool = *shape;
+  if (pool.num_window_layers > 0 && pool.num_window_blocks == 0) {
+    // A quarter of the pool's bytes, and at least one sequence's window.
+    const int64_t bs = pool.block_size;
+    const int64_t bound = (o->window_tokens + 2 * bs - 1) / bs + (o->sink_tokens + bs - 1) / bs;
+    pool.num_window_blocks = static_cast<int32_t>(std::clamp<int64_t>(
+        bytes / 4 / pool.window_block_bytes(), bound, std::numeric_limits<int32_t>::max()));
+  }
+  absl::StatusOr<kernels::PoolLayout> sized = kernels::LayoutForBudget(pool, bytes);
   if (!sized.ok()) return bad(field, std::string(sized.status().message()));
   o->pools.push_back({.name = std::move(name), .layout = *sized});
 }
@@ -622,6 +656,7 @@ std::vector<std::string> Parse(const v1::DaemonConfig& c, EngineOptions* o) {
   bool dtypes_ok = true;
   kernels::PoolLayout shape = ShapeLayout(c.shape(), bad, &dtypes_ok);
   ParseStateGroup(c, &shape, &o->checkpoint_slots, bad);
+  ParseWindowGroup(c, &shape, o, bad);
   const absl::Status shape_ok = kernels::ValidateLayout(shape);
   if (!shape_ok.ok()) bad("shape", std::string(shape_ok.message()));
   ParsePoolsAndTenants(c, shape_ok.ok() && dtypes_ok ? &shape : nullptr, o, bad);

@@ -373,6 +373,10 @@ absl::Status Engine::Commit(const Session& s, SequenceId sequence, int64_t num_t
   KVPOOL_RETURN_IF_ERROR(Admit(s, {.kv_access = true}));
   PoolState& pool = state_->pool_of(s);
   KVPOOL_RETURN_IF_ERROR(pool.cache().Commit(s.id, sequence, num_tokens, new_tokens));
+  // Committed tokens are computed: with a window group, the window blocks no later query reads
+  // go back (the tree keeps those it just took while they are live). Cannot fail: the commit
+  // checked the sequence and the length.
+  KVPOOL_CHECK_OK(pool.cache().SlideWindow(s.id, sequence, num_tokens));
   pool.StagePublished();
   return absl::OkStatus();
 }

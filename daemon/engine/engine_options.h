@@ -77,6 +77,10 @@ struct EngineOptions {
   // Of each pool's state slots (PoolLayout::num_state_slots), those the prefix cache's state
   // checkpoints may hold (KvCacheOptions::checkpoint_slots).
   int32_t checkpoint_slots = 0;
+  // Pools with a window group (PoolLayout::num_window_layers > 0): the sliding layers' window W
+  // in tokens and sinks S (KvCacheOptions::window_tokens, sink_tokens; the model's).
+  int32_t window_tokens = 0;
+  int32_t sink_tokens = 0;
   std::string eviction_policy = std::string(kDefaultEvictionSpec);  // ParseEvictionSpec
   size_t event_capacity = 65536;                        // cache events kept for replay, per pool
   size_t event_capacity_bytes = kDefaultEventLogBytes;  // bytes those events may take, per pool

@@ -42,7 +42,10 @@ absl::StatusOr<std::unique_ptr<PoolState>> PoolState::Create(const PoolOptions& 
                               .event_capacity_bytes = options.event_capacity_bytes,
                               .max_sequences_per_session = options.limits.sequences_per_session,
                               .state_slots = layout.num_state_slots,
-                              .checkpoint_slots = options.checkpoint_slots}));
+                              .checkpoint_slots = options.checkpoint_slots,
+                              .window_blocks = layout.num_window_blocks,
+                              .window_tokens = options.window_tokens,
+                              .sink_tokens = options.sink_tokens}));
   KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<GenerationTable> generations,
                           GenerationTable::Create(layout.num_blocks));
   std::unique_ptr<TierSet> tiers;
@@ -77,6 +80,10 @@ PoolState::PoolState(std::string name, const kernels::PoolLayout& layout, kernel
     // A state slot is zeroed whatever the fill policy: zeros are the state of no tokens.
     state_executor_ = std::make_unique<kernels::PlanExecutor>(
         device, kernels::StreamId::kTransfer, view().StateSlots(), kernels::FillPolicy::kZero);
+  }
+  if (layout_.num_window_layers > 0) {
+    window_executor_ = std::make_unique<kernels::PlanExecutor>(device, kernels::StreamId::kTransfer,
+                                                               view().Window(), fill);
   }
 }
 
@@ -121,20 +128,30 @@ absl::StatusOr<Fence> PoolState::Carry(const DevicePlan& plan) {
   if (queued.value != 0) {
     KVPOOL_CHECK_OK(cache_->MarkInFlight(kernels::PlanExecutor::TouchedBlocks(plan), queued));
   }
-  if (!fence.ok() || (plan.state_copies.empty() && plan.state_zeros.empty())) return fence;
-  return CarryStates(plan, *fence);
+  if (!fence.ok()) return fence;
+  Fence last = *fence;
+  if (!plan.state_copies.empty() || !plan.state_zeros.empty()) {
+    KVPOOL_ASSIGN_OR_RETURN(last,
+                            CarryGroup(*state_executor_, kernels::PlanExecutor::StatePart(plan),
+                                       &KvCacheManager::MarkStatesInFlight, last));
+  }
+  if (!plan.window_copies.empty() || !plan.window_fills.empty()) {
+    KVPOOL_ASSIGN_OR_RETURN(last,
+                            CarryGroup(*window_executor_, kernels::PlanExecutor::WindowPart(plan),
+                                       &KvCacheManager::MarkWindowInFlight, last));
+  }
+  return last;
 }
 
-absl::StatusOr<Fence> PoolState::CarryStates(const DevicePlan& plan, Fence blocks_fence) {
-  const DevicePlan states = kernels::PlanExecutor::StatePart(plan);
-  const absl::StatusOr<Fence> fence = state_executor_->Execute(states);
-  const Fence queued = fence.ok() ? *fence : state_executor_->pending();
+absl::StatusOr<Fence> PoolState::CarryGroup(kernels::PlanExecutor& executor, const DevicePlan& part,
+                                            MarkGroup mark, Fence before) {
+  const absl::StatusOr<Fence> fence = executor.Execute(part);
+  const Fence queued = fence.ok() ? *fence : executor.pending();
   if (queued.value != 0) {
-    KVPOOL_CHECK_OK(
-        cache_->MarkStatesInFlight(kernels::PlanExecutor::TouchedBlocks(states), queued));
+    KVPOOL_CHECK_OK((cache_.get()->*mark)(kernels::PlanExecutor::TouchedBlocks(part), queued));
   }
   if (!fence.ok()) return fence;
-  return fence->value != 0 ? *fence : blocks_fence;  // one stream: the later covers both
+  return fence->value != 0 ? *fence : before;  // one stream: the later covers both
 }
 
 namespace {

@@ -118,8 +118,12 @@ class PoolState final {
   int64_t loaders = 0;
 
  private:
-  // Carry's part for the state group: after the blocks' work (fenced at `blocks_fence`).
-  absl::StatusOr<Fence> CarryStates(const DevicePlan& plan, Fence blocks_fence);
+  // Marks a group's blocks in flight (KvCacheManager::MarkStatesInFlight, MarkWindowInFlight).
+  using MarkGroup = absl::Status (KvCacheManager::*)(std::span<const BlockId>, Fence);
+  // Carry's part for the state or window group (`part`, on `executor`), queued after the work
+  // fenced at `before`: what it queued is marked in flight with `mark`; returns the later fence.
+  absl::StatusOr<Fence> CarryGroup(kernels::PlanExecutor& executor, const DevicePlan& part,
+                                   MarkGroup mark, Fence before);
 
   PoolState(std::string name, const kernels::PoolLayout& layout, kernels::FillPolicy fill,
             kernels::Device* device, std::unique_ptr<kernels::Arena> arena,
@@ -136,6 +140,8 @@ class PoolState final {
   kernels::PlanExecutor executor_;
   // The state group's copies and zeros (over view().StateSlots()); null without a state group.
   std::unique_ptr<kernels::PlanExecutor> state_executor_;
+  // The window group's copies and fills (over view().Window()); null without a window group.
+  std::unique_ptr<kernels::PlanExecutor> window_executor_;
   const std::unique_ptr<TierSet> tiers_;
   std::vector<PublishedBlock> published_;  // scratch of StagePublished
   std::vector<KvEvent> tier_events_;       // scratch of DrainTierEvents

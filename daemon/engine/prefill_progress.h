@@ -32,12 +32,20 @@ class PrefillProgress final {
   model::StepItem NextChunk(int64_t max_tokens) const;
   // The step computed `tokens` of them. REQUIRES: tokens <= left().
   void Advance(int64_t tokens) { computed_ += tokens; }
+  // Between chunks: the window group's blocks the computed tokens left behind go back to the pool
+  // (model::SlideChunk), and later chunks no longer name them.
+  void SlideWindow(KvCacheManager& cache, SessionId owner) {
+    model::SlideChunk(cache, owner, item_.start + computed_, &item_);
+  }
 
   // OK while the sequence is as the plan left it (owned by `owner`, as long as planned, the same
-  // blocks). ABORTED otherwise, saying how far the prefill got.
+  // blocks, the same live window blocks). ABORTED otherwise, saying how far the prefill got.
   absl::Status StillHolds(const KvCacheManager& cache, SessionId owner) const;
 
  private:
+  // Every window block the plan still names is the sequence's entry there.
+  bool SameWindow(const Sequence& seq) const;
+
   model::PlannedItem item_;
   int64_t computed_ = 0;
 };

@@ -82,6 +82,9 @@ absl::Status Step::PlanCall(EngineState& state, ComputeCall& call) {
   // step evicts it.
   KVPOOL_CHECK_OK(pool.cache().MarkInFlight(model::BlocksOf(items), fence_));
   KVPOOL_CHECK_OK(pool.cache().MarkStatesInFlight(model::StatesOf(items), fence_));
+  if (pool.cache().window() != nullptr) {
+    KVPOOL_CHECK_OK(pool.cache().MarkWindowInFlight(model::WindowBlocksOf(items), fence_));
+  }
   for (const model::PlannedItem& item : items) in_step_.insert(item.sequence);
   entries_.push_back(std::move(entry));
   return absl::OkStatus();
@@ -231,6 +234,7 @@ void Step::FinishEntry(EngineState& state, Entry& e) {
   if (PrefillProgress* p = call.progress()) {
     p->Advance(static_cast<int64_t>(items_[e.first].tokens.size()));
     if (!p->done()) {
+      p->SlideWindow(pool.cache(), call.session().id);
       // More chunks to go: this one's prediction is mid-prompt, not an answer.
       ++pool.model_counters.prefill_chunks;
       return;

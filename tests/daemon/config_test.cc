@@ -258,11 +258,40 @@ TEST(ConfigTest, AHybridModelNeedsItsOwnShape) {
   v1::DaemonConfig mismatched = DefaultConfig();  // tiny's shape: 4 layers with K/V
   mismatched.mutable_model()->set_name("tiny-hybrid");
   EXPECT_THAT(ValidateConfig(mismatched), ::testing::Contains(HasSubstr("needs num_layers 1")));
-  // tiny-swa (window layers only) is served as before, with no state group.
+  // tiny-swa (full and window layers only) has no state group.
   v1::DaemonConfig c = DefaultConfig();
   c.mutable_model()->set_name("tiny-swa");
   EXPECT_THAT(ValidateConfig(c), ::testing::IsEmpty());
   EXPECT_EQ(MakeEngineOptions(c, 1)->pools[0].layout.num_state_slots, 0);
+}
+
+TEST(ConfigTest, ASlidingWindowModelGetsAWindowGroup) {
+  v1::DaemonConfig c = DefaultConfig();
+  c.mutable_model()->set_name("tiny-swa");  // window 256 in every other one of its 4 layers
+  absl::StatusOr<EngineOptions> o = MakeEngineOptions(c, 1);
+  ASSERT_TRUE(o.ok()) << o.status();
+  const kernels::PoolLayout& l = o->pools[0].layout;
+  EXPECT_EQ(l.num_window_layers, 2);
+  // Default: a quarter of the pool's bytes.
+  EXPECT_EQ(l.num_window_blocks, c.pool_bytes() / 4 / l.window_block_bytes());
+  EXPECT_EQ(o->window_tokens, 256);
+  EXPECT_EQ(o->sink_tokens, 0);
+  c.mutable_shape()->set_window_blocks(100);
+  EXPECT_EQ(MakeEngineOptions(c, 1)->pools[0].layout.num_window_blocks, 100);
+  // None: the sliding layers keep every token in the main blocks, as before window groups.
+  c.mutable_shape()->set_window_blocks(-1);
+  EXPECT_EQ(MakeEngineOptions(c, 1)->pools[0].layout.num_window_layers, 0);
+  c.mutable_shape()->set_window_blocks(-2);
+  EXPECT_THAT(ValidateConfig(c),
+              ::testing::ElementsAre("shape.window_blocks: must be >= 0, or -1 for none (got -2)"));
+  v1::DaemonConfig stray = DefaultConfig();
+  stray.mutable_shape()->set_window_blocks(8);
+  EXPECT_THAT(ValidateConfig(stray),
+              ::testing::ElementsAre("shape.window_blocks: the model has no sliding-window "
+                                     "layers (0: none)"));
+  // More window blocks than the pool's bytes hold: refused, naming the budget.
+  c.mutable_shape()->set_window_blocks(1 << 30);
+  EXPECT_THAT(ValidateConfig(c), ::testing::Contains(HasSubstr("pool_bytes")));
 }
 
 TEST(ConfigTest, ATenantsQuotaIsGivenOneWay) {

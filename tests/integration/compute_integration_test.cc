@@ -73,12 +73,14 @@ std::vector<int32_t> RunLocally(const std::vector<int32_t>& prompt, int n,
                                 kernels::DType dtype = kernels::DType::kBF16,
                                 const char* model_name = "tiny") {
   auto config = model::NamedConfig(model_name);
-  // (Alone: nothing cached, every token computed.)
+  // (Alone: nothing cached, every token computed; a sliding layer's K/V kept for every token, as
+  // before window groups.)
   auto engine = model::LocalEngine::Create(model::SyntheticWeights(*config, 1),
                                            {.block_size = 16,
                                             .dtype = dtype,
                                             .pool_bytes = 8 << 20,
-                                            .prefix_cache = config->num_state_layers() == 0});
+                                            .prefix_cache = config->num_state_layers() == 0,
+                                            .window_blocks = -1});
   EXPECT_TRUE(engine.ok()) << engine.status();
   std::vector<int32_t> out;
   auto first = (*engine)->Prefill(SequenceId(0), prompt);
@@ -288,6 +290,39 @@ TEST_F(ComputeIntegrationTest, ASlidingWindowModelSharesPrefixesAsComputedAlone)
     EXPECT_GE(again[i].reused, 288) << "client " << i;
   }
   EXPECT_EQ(Stats(*clients[0]).model(), "tiny-swa");
+  EXPECT_TRUE(clients[0]->CheckInvariants()->ok());
+}
+
+// The same model with prefills in chunks of 64 tokens: a 600-token prompt crosses the window
+// twice while it is computed, its window blocks go back to the pool between chunks, and two
+// clients conversing at once past the window get what the model computes alone, keeping every
+// token.
+TEST_F(ComputeIntegrationTest, ASlidingWindowSlidesBetweenPrefillChunksAndDecodes) {
+  StartDaemon(R"pb(
+    pool_bytes: 33554432
+    max_blocks_per_seq: 256
+    shape { dtype: "f32" }
+    model { name: "tiny-swa" max_step_tokens: 64 }
+  )pb");
+  constexpr int kClients = 2;
+  std::vector<std::unique_ptr<client::Client>> clients;
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<Generated> got(kClients);
+  for (int i = 0; i < kClients; ++i) {
+    clients.push_back(Connect(daemon_->dir(), "slide-" + std::to_string(i)));
+    prompts.push_back(Prompt(600 + 17 * static_cast<size_t>(i), 90 + static_cast<uint32_t>(i)));
+  }
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kClients; ++i) {
+    threads.emplace_back([&, i] { got[i] = Converse(*clients[i], prompts[i], 40); });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int i = 0; i < kClients; ++i) {
+    EXPECT_EQ(got[i].tokens, RunLocally(prompts[i], 40, kernels::DType::kF32, "tiny-swa"))
+        << "client " << i;
+  }
+  const v1::GetStatsResponse s = Stats(*clients[0]);
+  EXPECT_GT(s.prefill_chunks(), 0u);
   EXPECT_TRUE(clients[0]->CheckInvariants()->ok());
 }
 
