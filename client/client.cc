@@ -177,30 +177,9 @@ absl::StatusOr<std::vector<v1::SequenceInfo>> Client::Grow(
   v1::GrowResponse response;
   KVPOOL_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::Grow, request, &response));
   // The response is parallel arrays plus the concatenated tails: check the shape, then split.
-  const int n = static_cast<int>(items.size());
-  if (response.num_tokens_size() != n || response.table_offsets_size() != n ||
-      response.tail_lengths_size() != n ||
-      response.block_ids_size() != response.generations_size()) {
-    return Malformed("Grow", "arrays of the wrong length");
-  }
-  std::vector<v1::SequenceInfo> out(items.size());
-  int next = 0;
-  for (int i = 0; i < n; ++i) {
-    const int tail = response.tail_lengths(i);
-    if (tail < 0 || response.table_offsets(i) < 0 || next + tail > response.block_ids_size()) {
-      return Malformed("Grow", "a tail outside the response");
-    }
-    v1::SequenceInfo& info = out[static_cast<size_t>(i)];
-    info.set_sequence_id(items[static_cast<size_t>(i)].sequence_id);
-    info.set_num_tokens(response.num_tokens(i));
-    info.set_table_offset(response.table_offsets(i));
-    info.mutable_block_ids()->Add(response.block_ids().begin() + next,
-                                  response.block_ids().begin() + next + tail);
-    info.mutable_generations()->Add(response.generations().begin() + next,
-                                    response.generations().begin() + next + tail);
-    next += tail;
-  }
-  if (next != response.block_ids_size()) return Malformed("Grow", "blocks left over");
+  absl::StatusOr<std::vector<v1::SequenceInfo>> out = SplitGrowResponse(
+      response, {request.sequence_ids().data(), static_cast<size_t>(request.sequence_ids_size())});
+  if (!out.ok()) return Malformed("Grow", std::string(out.status().message()));
   return out;
 }
 

@@ -127,11 +127,18 @@ std::string DTypeText(v1::DType d) {
 }
 
 std::string LayoutLine(const v1::PoolLayout& l) {
-  return fmt::format("{} tokens/block, {} layers, {} kv heads x {}, {}; {}/block, {} blocks ({})",
-                     l.block_size(), l.num_layers(), l.num_kv_heads(), l.head_dim(),
-                     l.chunk_bytes() > 0 ? DTypeText(l.dtype()) : "mixed dtypes",
-                     Bytes(l.block_bytes()), l.num_blocks(),
-                     Bytes(int64_t{l.num_blocks()} * l.block_bytes()));
+  std::string out = fmt::format(
+      "{} tokens/block, {} layers, {} kv heads x {}, {}; {}/block, {} blocks ({})", l.block_size(),
+      l.num_layers(), l.num_kv_heads(), l.head_dim(),
+      l.chunk_bytes() > 0 ? DTypeText(l.dtype()) : "mixed dtypes", Bytes(l.block_bytes()),
+      l.num_blocks(), Bytes(int64_t{l.num_blocks()} * l.block_bytes()));
+  if (l.num_window_layers() > 0) {
+    out += fmt::format("; window group: layers {}-{}, {}/block, {} blocks ({})",
+                       l.num_layers() - l.num_window_layers(), l.num_layers() - 1,
+                       Bytes(l.window_block_bytes()), l.num_window_blocks(),
+                       Bytes(int64_t{l.num_window_blocks()} * l.window_block_bytes()));
+  }
+  return out;
 }
 
 // Bytes a token takes in each layer (K and V, the 8-bit scales shared out over the block's
@@ -184,6 +191,51 @@ std::string TableText(const v1::SequenceInfo& info, size_t max_entries) {
   }
   if (n > max_entries) out += fmt::format(" ... (+{})", n - max_entries);
   return out;
+}
+
+// A window table (SequenceInfo.window_block_ids) as TableText writes a block table, its released
+// run as one "-xN" (N entries released), the first `max_entries` entries shown; "-" when the
+// sequence carries none (no window group).
+std::string WindowText(const v1::SequenceInfo& info, size_t max_entries) {
+  const auto n =
+      static_cast<size_t>(std::min(info.window_block_ids_size(), info.window_generations_size()));
+  if (n == 0) return "-";
+  std::string out;
+  size_t shown = 0, i = 0;
+  for (; i < n && shown < max_entries; ++shown) {
+    if (!out.empty()) out += ' ';
+    const int id = info.window_block_ids(static_cast<int>(i));
+    if (id >= 0) {
+      out += fmt::format("{}@{}", id, info.window_generations(static_cast<int>(i)));
+      ++i;
+      continue;
+    }
+    size_t released = 0;
+    for (; i < n && info.window_block_ids(static_cast<int>(i)) < 0; ++i) ++released;
+    out += fmt::format("-x{}", released);
+  }
+  if (i < n) out += fmt::format(" ... (+{})", n - i);
+  return out;
+}
+
+// The window group's blocks by state (its window_blocks rows of the stats table), as shares of
+// the group's blocks; empty without a window group.
+std::string WindowBlocksText(const v1::GetStatsResponse& s) {
+  if (s.layout().num_window_layers() == 0) return "";
+  internal::Table table({"WINDOW BLOCKS", "COUNT", "%"});
+  const int64_t total = s.layout().num_window_blocks();
+  for (const char* state : {"free", "active", "cached", "retiring"}) {
+    int64_t count = 0;
+    for (const v1::Stat& stat : s.stats()) {
+      if (stat.name() != "window_blocks") continue;
+      for (const std::string& v : stat.label_values()) {
+        if (v == state) count = static_cast<int64_t>(stat.value());
+      }
+    }
+    table.AddRow({state, std::to_string(count), Percent(count, total)});
+  }
+  table.AddRow({"total", std::to_string(total), Percent(total, total)});
+  return table.Render() + "\n";
 }
 
 // The model's name and its mean batch, or "model: none" (its counters are in the stats table).
@@ -264,6 +316,7 @@ std::string FormatStats(const v1::GetStatsResponse& s, bool json) {
   add("retiring", s.retiring_blocks());
   add("total", s.num_blocks());
   out += blocks.Render() + "\n";
+  out += WindowBlocksText(s);
 
   out += StatsTable(s);
   out += TiersText(s);
@@ -301,15 +354,15 @@ std::string FormatPins(const v1::ListPinsResponse& pins, bool json) {
 
 std::string FormatSequences(const v1::ListSequencesResponse& sequences, bool json) {
   if (json) return Pretty(sequences);
-  internal::Table table(
-      {"POOL", "SESSION", "SEQUENCE", "TOKENS", "BLOCKS", "TABLE (id@generation)"});
+  internal::Table table({"POOL", "SESSION", "SEQUENCE", "TOKENS", "BLOCKS", "TABLE (id@generation)",
+                         "WINDOW (id@generation, -xN released)"});
   for (int i = 0; i < sequences.sequences_size(); ++i) {
     const v1::SequenceInfo& info = sequences.sequences(i);
     const uint64_t owner = i < sequences.session_ids_size() ? sequences.session_ids(i) : 0;
     const std::string pool = i < sequences.pools_size() ? sequences.pools(i) : "";
     table.AddRow({pool, std::to_string(owner), std::to_string(info.sequence_id()),
                   std::to_string(info.num_tokens()), std::to_string(info.block_ids_size()),
-                  TableText(info, 8)});
+                  TableText(info, 8), WindowText(info, 8)});
   }
   return table.Render() + fmt::format("{} sequence(s)\n", table.num_rows());
 }
@@ -340,6 +393,14 @@ std::string FormatExplain(const v1::ExplainMatchResponse& explain, bool json) {
   if (json) return Pretty(explain);
   std::string out =
       fmt::format("matched {} token(s); stopped: {}\n", explain.matched_tokens(), explain.stop());
+  // Hybrid models: what every group can resume, and how much of the match the window group cut.
+  if (explain.has_resumable_tokens()) {
+    out += fmt::format("resumable {} token(s)", explain.resumable_tokens());
+    if (explain.has_window_evicted_tokens()) {
+      out += fmt::format("; window group cut {} token(s)", explain.window_evicted_tokens());
+    }
+    out += '\n';
+  }
   if (!explain.explanation().empty()) {
     out += explain.explanation();
     if (out.back() != '\n') out += '\n';

@@ -359,25 +359,45 @@ absl::StatusOr<char*> PoolMapping::Block(BlockRef block) const {
   return base_ + int64_t{block.id} * layout_.block_bytes();
 }
 
-absl::StatusOr<char*> PoolMapping::Chunk(int32_t layer, int32_t kv, BlockRef block) const {
+absl::StatusOr<char*> PoolMapping::WindowBlock(BlockRef block) const {
+  if (block.id < 0) {
+    return absl::InvalidArgumentError(fmt::format(
+        "window block id {} (-1: an entry released when it left the window)", block.id));
+  }
+  if (block.id >= layout_.num_window_blocks()) {
+    return absl::OutOfRangeError(fmt::format("window block {} is past the pool's {} window blocks",
+                                             block.id, layout_.num_window_blocks()));
+  }
+  return base_ + layout_.window_offset() + int64_t{block.id} * layout_.window_block_bytes();
+}
+
+absl::StatusOr<char*> PoolMapping::Chunk(int32_t layer, int32_t kv, BlockRef block,
+                                         bool window) const {
   if (layer < 0) return absl::InvalidArgumentError(fmt::format("negative layer {}", layer));
   if (layer >= layout_.num_layers()) {
     return absl::OutOfRangeError(
         fmt::format("layer {} is past the pool's {} layers", layer, layout_.num_layers()));
   }
-  if (layer >= layout_.num_layers() - layout_.num_window_layers()) {
-    return absl::UnimplementedError(
-        fmt::format("layer {} is in the pool's window group: its K/V are in window blocks, which "
-                    "this client does not address yet",
-                    layer));
+  // A window layer's offsets are within a window block, a main layer's within a block: the one
+  // numbering never crosses to the other region.
+  const bool window_layer = layer >= layout_.num_layers() - layout_.num_window_layers();
+  if (window_layer != window) {
+    return absl::InvalidArgumentError(
+        window_layer ? fmt::format("layer {} is in the pool's window group: address its K/V in "
+                                   "window blocks (WindowK / WindowV, the window table's entry)",
+                                   layer)
+                     : fmt::format("layer {} is not in the pool's window group: address its K/V "
+                                   "in blocks (K / V, the block table's entry)",
+                                   layer));
   }
-  KVPOOL_ASSIGN_OR_RETURN(char* start, Block(block));
+  KVPOOL_ASSIGN_OR_RETURN(char* start, window ? WindowBlock(block) : Block(block));
   const v1::LayerLayout& l = layout_.layers(layer);
   return start + (kv == 0 ? l.k_offset() : l.v_offset());
 }
 
-absl::StatusOr<float*> PoolMapping::Scales(int32_t layer, int32_t kv, BlockRef block) const {
-  KVPOOL_ASSIGN_OR_RETURN(char* chunk, Chunk(layer, kv, block));
+absl::StatusOr<float*> PoolMapping::Scales(int32_t layer, int32_t kv, BlockRef block,
+                                           bool window) const {
+  KVPOOL_ASSIGN_OR_RETURN(char* chunk, Chunk(layer, kv, block, window));
   const v1::LayerLayout& l = layout_.layers(layer);
   const v1::DType d = kv == 0 ? l.k_dtype() : l.v_dtype();
   if (!HasScales(d)) {
@@ -390,11 +410,19 @@ absl::StatusOr<float*> PoolMapping::Scales(int32_t layer, int32_t kv, BlockRef b
 }
 
 absl::StatusOr<float*> PoolMapping::KScales(int32_t layer, BlockRef block) const {
-  return Scales(layer, 0, block);
+  return Scales(layer, 0, block, false);
 }
 
 absl::StatusOr<float*> PoolMapping::VScales(int32_t layer, BlockRef block) const {
-  return Scales(layer, 1, block);
+  return Scales(layer, 1, block, false);
+}
+
+absl::StatusOr<float*> PoolMapping::WindowKScales(int32_t layer, BlockRef block) const {
+  return Scales(layer, 0, block, true);
+}
+
+absl::StatusOr<float*> PoolMapping::WindowVScales(int32_t layer, BlockRef block) const {
+  return Scales(layer, 1, block, true);
 }
 
 v1::DType PoolMapping::dtype(int32_t layer, int32_t kv) const {
@@ -407,11 +435,19 @@ int64_t PoolMapping::row_bytes(int32_t layer, int32_t kv) const {
 }
 
 absl::StatusOr<char*> PoolMapping::K(int32_t layer, BlockRef block) const {
-  return Chunk(layer, 0, block);
+  return Chunk(layer, 0, block, false);
 }
 
 absl::StatusOr<char*> PoolMapping::V(int32_t layer, BlockRef block) const {
-  return Chunk(layer, 1, block);
+  return Chunk(layer, 1, block, false);
+}
+
+absl::StatusOr<char*> PoolMapping::WindowK(int32_t layer, BlockRef block) const {
+  return Chunk(layer, 0, block, true);
+}
+
+absl::StatusOr<char*> PoolMapping::WindowV(int32_t layer, BlockRef block) const {
+  return Chunk(layer, 1, block, true);
 }
 
 }  // namespace kvpool::client

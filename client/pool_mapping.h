@@ -73,10 +73,30 @@ class PoolMapping final {
   absl::StatusOr<char*> Block(BlockRef block) const;
   // Layer `layer`'s K (or V) chunk of the block: [block_size][num_kv_heads][head_dim] values of
   // dtype(layer, 0) (or 1); row_bytes() a token. Errors: as Block(), plus INVALID_ARGUMENT
-  // (negative layer), OUT_OF_RANGE (layer >= num_layers) and UNIMPLEMENTED (a layer of the
-  // pool's window group, layout.proto: its K/V are in window blocks, not addressed here yet).
+  // (negative layer, or a layer of the pool's window group: its K/V are in window blocks, see
+  // WindowK) and OUT_OF_RANGE (layer >= num_layers).
   absl::StatusOr<char*> K(int32_t layer, BlockRef block) const;
   absl::StatusOr<char*> V(int32_t layer, BlockRef block) const;
+
+  // The window group (layout.proto: num_window_layers > 0). `block` is an entry of a sequence's
+  // window table (ToWindowRefs): window block ids are their own numbering, [0,
+  // num_window_blocks), each block window_block_bytes at window_offset + id * window_block_bytes
+  // holding only the window layers' chunks. No shared table publishes window generations, so
+  // these check the id, not the generation: a caller keeps only entries of sequences it holds
+  // and applies each reply's released run (ApplyWindowGrow) before using its window table.
+  // Errors: INVALID_ARGUMENT (negative id: -1 is a released entry), OUT_OF_RANGE (id >=
+  // num_window_blocks; every id without a window group).
+  absl::StatusOr<char*> WindowBlock(BlockRef block) const;
+  // A window layer's K (or V) chunk of window block `block`, laid out as K()'s. Errors: as
+  // WindowBlock(), plus INVALID_ARGUMENT (negative layer, or a layer not in the window group:
+  // its K/V are in the main blocks, see K) and OUT_OF_RANGE (layer >= num_layers).
+  absl::StatusOr<char*> WindowK(int32_t layer, BlockRef block) const;
+  absl::StatusOr<char*> WindowV(int32_t layer, BlockRef block) const;
+  // KScales / VScales for a window layer's chunk in window block `block`. Errors: as WindowK(),
+  // plus FAILED_PRECONDITION when that side is not an 8-bit dtype.
+  absl::StatusOr<float*> WindowKScales(int32_t layer, BlockRef block) const;
+  absl::StatusOr<float*> WindowVScales(int32_t layer, BlockRef block) const;
+  int32_t num_window_blocks() const { return layout_.num_window_blocks(); }
   // The block's [num_kv_heads] f32 scales of an 8-bit K (or V): head h's value is code * scale.
   // A writer keeps them as kvpoold's WriteKv does (kernels/cpu_kernels.h): a block restarted at
   // slot 0 takes its rows' absmax / 448 (fp8) or / 127 (int8); later rows that need a larger
@@ -106,8 +126,9 @@ class PoolMapping final {
  private:
   PoolMapping(v1::PoolLayout layout, v1::ArenaKind kind, int64_t arena_bytes, int64_t mapped_bytes);
 
-  absl::StatusOr<char*> Chunk(int32_t layer, int32_t kv, BlockRef block) const;
-  absl::StatusOr<float*> Scales(int32_t layer, int32_t kv, BlockRef block) const;
+  // `window`: `block` is a window block and `layer` must be a window layer (else a main one).
+  absl::StatusOr<char*> Chunk(int32_t layer, int32_t kv, BlockRef block, bool window) const;
+  absl::StatusOr<float*> Scales(int32_t layer, int32_t kv, BlockRef block, bool window) const;
 
   const v1::PoolLayout layout_;
   const v1::ArenaKind kind_;

@@ -269,6 +269,17 @@ void ToProto(const Tables& tables, size_t slice, size_t first_block, v1::Sequenc
     ids->AddAlreadyReserved(tables.blocks[i].value());
     gens->AddAlreadyReserved(tables.generations[i]);
   }
+  if (tables.window_blocks.empty()) return;  // no window group
+  info->set_window_released_begin(s.window_released_begin);
+  info->set_window_released_end(s.window_released_end);
+  auto* window_ids = info->mutable_window_block_ids();
+  auto* window_gens = info->mutable_window_generations();
+  window_ids->Reserve(s.length);
+  window_gens->Reserve(s.length);
+  for (size_t i = first_block; i < first_block + static_cast<size_t>(s.length); ++i) {
+    window_ids->AddAlreadyReserved(tables.window_blocks[i].value());
+    window_gens->AddAlreadyReserved(tables.window_generations[i]);
+  }
 }
 
 void ToProto(const Tables& tables, google::protobuf::RepeatedPtrField<v1::SequenceInfo>* out) {
@@ -292,6 +303,19 @@ void ToProto(const Tables& tables, v1::GrowResponse* r) {
   r->mutable_block_ids()->Reserve(static_cast<int>(tables.blocks.size()));
   for (BlockId b : tables.blocks) r->mutable_block_ids()->AddAlreadyReserved(b.value());
   r->mutable_generations()->Add(tables.generations.begin(), tables.generations.end());
+  if (tables.window_blocks.empty()) return;  // no window group
+  r->mutable_window_released_begin()->Reserve(n);
+  r->mutable_window_released_end()->Reserve(n);
+  for (const TableSlice& s : tables.slices) {
+    r->mutable_window_released_begin()->AddAlreadyReserved(s.window_released_begin);
+    r->mutable_window_released_end()->AddAlreadyReserved(s.window_released_end);
+  }
+  r->mutable_window_block_ids()->Reserve(static_cast<int>(tables.window_blocks.size()));
+  for (BlockId b : tables.window_blocks) {
+    r->mutable_window_block_ids()->AddAlreadyReserved(b.value());
+  }
+  r->mutable_window_generations()->Add(tables.window_generations.begin(),
+                                       tables.window_generations.end());
 }
 
 std::vector<AllocateRequest> FromProto(const v1::AllocateRequest& request) {

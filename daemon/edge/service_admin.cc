@@ -225,6 +225,9 @@ KvPoolService::Unary* KvPoolService::ExplainMatch(Context* c, const v1::ExplainM
     r->set_stop(std::string(StopName(e.stop)));
     r->set_explanation(e.ToString());
     if (e.resumable_tokens >= 0) r->set_resumable_tokens(e.resumable_tokens);
+    if (engine_->layout(pool).num_window_layers > 0) {
+      r->set_window_evicted_tokens(e.window_evicted_tokens);
+    }
     return absl::OkStatus();
   });
 }

@@ -1,5 +1,8 @@
 #include "daemon/engine/pool_state.h"
 
+#include <algorithm>
+#include <utility>
+
 #include "daemon/engine/promotion_hold.h"
 #include "fmt/format.h"
 #include "kvpool/util/check.h"
@@ -151,6 +154,25 @@ absl::StatusOr<Fence> PoolState::CarryGroup(kernels::PlanExecutor& executor, con
   return fence->value != 0 ? *fence : before;  // one stream: the later covers both
 }
 
+namespace {
+
+// The released run of `seq`'s window table, [begin, end) in table entries: a window table is its
+// sinks' entries (the blocks overlapping [0, sink_tokens), never released), then released ones,
+// then live ones (KvCacheManager::CheckInvariants holds that shape), so the run's end is found by
+// a binary search past the sinks. (0, 0) when nothing is released.
+std::pair<int32_t, int32_t> ReleasedRun(const Sequence& seq, int32_t sink_tokens,
+                                        int32_t block_size) {
+  const std::vector<BlockId>& w = seq.window_table;
+  const auto sinks = std::min<size_t>(w.size(), static_cast<size_t>(sink_tokens + block_size - 1) /
+                                                    static_cast<size_t>(block_size));
+  const auto end = std::partition_point(w.begin() + static_cast<ptrdiff_t>(sinks), w.end(),
+                                        [](BlockId b) { return b == kInvalidBlock; });
+  if (end == w.begin() + static_cast<ptrdiff_t>(sinks)) return {0, 0};
+  return {static_cast<int32_t>(sinks), static_cast<int32_t>(end - w.begin())};
+}
+
+}  // namespace
+
 void PoolState::AppendTable(const Sequence& seq, int32_t offset, int64_t matched_tokens,
                             Tables* out) const {
   const int32_t size = static_cast<int32_t>(seq.table.size());
@@ -164,6 +186,16 @@ void PoolState::AppendTable(const Sequence& seq, int32_t offset, int64_t matched
     const BlockId b = seq.table[static_cast<size_t>(i)];
     out->blocks.push_back(b);
     out->generations.push_back(cache_->pool().generation(b));
+  }
+  const BlockPool* window = cache_->window();
+  if (window == nullptr) return;
+  const auto [begin, end] = ReleasedRun(seq, cache_->sink_tokens(), cache_->block_size());
+  out->slices.back().window_released_begin = begin;
+  out->slices.back().window_released_end = end;
+  for (int32_t i = offset; i < size; ++i) {
+    const BlockId b = seq.window_table[static_cast<size_t>(i)];
+    out->window_blocks.push_back(b);
+    out->window_generations.push_back(b == kInvalidBlock ? 0 : window->generation(b));
   }
 }
 

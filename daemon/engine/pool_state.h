@@ -25,7 +25,9 @@ namespace kvpool::daemon {
 
 // Block tables of several sequences, or the parts of them a call changed, flat as the wire
 // carries them: slice i is blocks[first, first + length) of `blocks` / `generations`, where
-// first is the sum of the earlier slices' lengths.
+// first is the sum of the earlier slices' lengths. With a window group, `window_blocks` /
+// `window_generations` are parallel to `blocks` (the same entries of each window table);
+// without one they are empty.
 struct TableSlice {
   SequenceId sequence;
   int64_t num_tokens = 0;
@@ -33,11 +35,17 @@ struct TableSlice {
   int32_t table_offset = 0;    // table entries before it are unchanged (0: the whole table)
   int32_t length = 0;
   BlockId state_slot = kInvalidBlock;  // its slot in the state group (kInvalidBlock: none)
+  // The window table's released run (entries past the sinks that left the window), in table
+  // entries of the whole table, [begin, end); empty (0, 0) without one or without a window group.
+  int32_t window_released_begin = 0;
+  int32_t window_released_end = 0;
 };
 struct Tables {
   std::vector<TableSlice> slices;
   std::vector<BlockId> blocks;
-  std::vector<uint32_t> generations;  // parallel to blocks
+  std::vector<uint32_t> generations;         // parallel to blocks
+  std::vector<BlockId> window_blocks;        // parallel to blocks; kInvalidBlock: released
+  std::vector<uint32_t> window_generations;  // parallel to blocks; 0 for a released entry
 };
 
 // Bucket bounds of the step histograms: 100 us to 10 s, and 1 to 1024 sequences.
@@ -96,7 +104,8 @@ class PoolState final {
   // the plan (RevertGrow, Free) at once.
   absl::StatusOr<Fence> Carry(const DevicePlan& plan);
 
-  // Appends `seq`'s table from entry `offset` on to `out`.
+  // Appends `seq`'s table from entry `offset` on to `out`, with its window table's entries and
+  // released run when the pool has a window group. Costs O(entries appended + log(table size)).
   void AppendTable(const Sequence& seq, int32_t offset, int64_t matched_tokens, Tables* out) const;
 
   // The pool's invariants, and that clients see every block's current generation.

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <vector>
 
+#include "daemon/metrics/group_stat_rows.h"
 #include "daemon/metrics/tier_stat_rows.h"
 
 namespace kvpool::daemon {
@@ -48,7 +49,8 @@ bool MeasuresResidency(const StatsSource& src) {
   return src.engine->cache.pool.residency.sample_rate > 0;
 }
 bool HasModel(const StatsSource& src) { return !src.engine->model_info.name.empty(); }
-bool HasStateGroup(const StatsSource& src) { return src.engine->cache.states.num_blocks > 0; }
+using internal::HasStateGroup;
+using internal::HasWindowGroup;
 const PoolRow kPoolRows[] = {
     // Blocks and sequences (gauges): free + active + cached + retiring == num_blocks.
     {"blocks", kGauge, "blocks", "Blocks of the pool.", kNoLabel, "num_blocks", 1,
@@ -63,97 +65,6 @@ const PoolRow kPoolRows[] = {
      kNoLabel, "retiring_blocks", 1, KVPOOL_STAT(e.cache.pool.retiring)},
     {"sequences", kGauge, "sequences", "Live sequences.", kNoLabel, "sequences", 1,
      KVPOOL_STAT(e.cache.sequences)},
-    // The state group (models with state-space layers): one slot per live sequence.
-    {"state_slots",
-     kGauge,
-     "slots",
-     "State slots of the pool's state group, by state.",
-     {"state", "free"},
-     "",
-     1,
-     KVPOOL_STAT(e.cache.states.free),
-     nullptr,
-     &HasStateGroup},
-    {"state_slots",
-     kGauge,
-     "slots",
-     "State slots of the pool's state group, by state.",
-     {"state", "active"},
-     "",
-     1,
-     KVPOOL_STAT(e.cache.states.active),
-     nullptr,
-     &HasStateGroup},
-    {"state_slots",
-     kGauge,
-     "slots",
-     "State slots of the pool's state group, by state.",
-     {"state", "retiring"},
-     "",
-     1,
-     KVPOOL_STAT(e.cache.states.retiring),
-     nullptr,
-     &HasStateGroup},
-    {"state_slots",
-     kGauge,
-     "slots",
-     "State slots of the pool's state group, by state.",
-     {"state", "cached"},
-     "",
-     1,
-     KVPOOL_STAT(e.cache.states.cached),
-     nullptr,
-     &HasStateGroup},
-    {"state_checkpoints",
-     kCounter,
-     "checkpoints",
-     "State checkpoints of the prefix cache, by event.",
-     {"event", "kept"},
-     "",
-     1,
-     KVPOOL_STAT(e.cache.checkpoints.kept),
-     nullptr,
-     &HasStateGroup},
-    {"state_checkpoints",
-     kCounter,
-     "checkpoints",
-     "State checkpoints of the prefix cache, by event.",
-     {"event", "resumed"},
-     "",
-     1,
-     KVPOOL_STAT(e.cache.checkpoints.resumed),
-     nullptr,
-     &HasStateGroup},
-    {"state_checkpoints",
-     kCounter,
-     "checkpoints",
-     "State checkpoints of the prefix cache, by event.",
-     {"event", "evicted"},
-     "",
-     1,
-     KVPOOL_STAT(e.cache.checkpoints.evicted),
-     nullptr,
-     &HasStateGroup},
-    {"state_checkpoints",
-     kCounter,
-     "checkpoints",
-     "State checkpoints of the prefix cache, by event.",
-     {"event", "skipped"},
-     "",
-     1,
-     KVPOOL_STAT(e.cache.checkpoints.skipped),
-     nullptr,
-     &HasStateGroup},
-    {"state_checkpoints",
-     kCounter,
-     "checkpoints",
-     "State checkpoints of the prefix cache, by event.",
-     {"event", "redundant"},
-     "",
-     1,
-     KVPOOL_STAT(e.cache.checkpoints.redundant),
-     nullptr,
-     &HasStateGroup},
     {"sessions_holding_sequences", kGauge, "sessions",
      "Sessions holding at least one sequence in the pool.", kNoLabel, "sessions", 1,
      KVPOOL_STAT(e.cache.sessions)},
@@ -244,6 +155,16 @@ const PoolRow kPoolRows[] = {
      KVPOOL_STAT(e.cache.missed_no_checkpoint),
      nullptr,
      &HasStateGroup},
+    {"missed_tokens",
+     kCounter,
+     "tokens",
+     "Prompt tokens not found in the prefix cache, by why the match stopped.",
+     {"reason", "window_evicted"},
+     "",
+     1,
+     KVPOOL_STAT(e.cache.missed_window_evicted),
+     nullptr,
+     &HasWindowGroup},
     {"evictions",
      kCounter,
      "blocks",
@@ -553,9 +474,12 @@ std::string_view StatKindName(StatKind kind) {
 }
 
 std::span<const PoolRow> PoolStatRows() {
-  // The pool's own rows, then its tiers' (tier_stat_rows.h).
+  // The pool's own rows, then its hybrid groups' (group_stat_rows.h), then its tiers'
+  // (tier_stat_rows.h).
   static const std::vector<PoolRow> rows = [] {
     std::vector<PoolRow> out(std::begin(kPoolRows), std::end(kPoolRows));
+    const std::span<const PoolRow> groups = internal::GroupStatRows();
+    out.insert(out.end(), groups.begin(), groups.end());
     const std::span<const PoolRow> tiers = internal::TierStatRows();
     out.insert(out.end(), tiers.begin(), tiers.end());
     return out;

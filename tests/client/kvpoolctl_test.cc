@@ -185,6 +185,55 @@ TEST(FormatTest, StatsShowBytesPerTokenOfEachLayer) {
   EXPECT_THAT(text, ::testing::ContainsRegex("\nall +3074.0\n"));
 }
 
+TEST(FormatTest, StatsShowTheWindowGroupsBlocksOnlyWithOne) {
+  v1::GetStatsResponse stats;
+  EXPECT_THAT(FormatStats(stats, false), Not(HasSubstr("WINDOW BLOCKS")));
+  v1::PoolLayout* l = stats.mutable_layout();
+  l->set_num_layers(4);
+  l->set_num_window_layers(2);
+  l->set_num_window_blocks(8);
+  l->set_window_block_bytes(1024);
+  for (auto [state, count] : {std::pair{"free", 2}, {"active", 4}, {"cached", 1}}) {
+    AddTierRow(&stats, "window_blocks", "", count);  // a row of the table, relabelled below
+    stats.mutable_stats()->rbegin()->set_label_names(1, "state");
+    stats.mutable_stats()->rbegin()->set_label_values(1, state);
+  }
+  const std::string text = FormatStats(stats, false);
+  EXPECT_THAT(text, HasSubstr("window group: layers 2-3"));
+  EXPECT_THAT(text, ::testing::ContainsRegex("WINDOW BLOCKS +COUNT"));
+  EXPECT_THAT(text, ::testing::ContainsRegex("\nactive +4 +50.0"));
+  EXPECT_THAT(text, ::testing::ContainsRegex("\nretiring +0 +0.0"));  // absent row: none
+  EXPECT_THAT(text, ::testing::ContainsRegex("window_blocks\\{state=cached\\} +1 "));
+}
+
+TEST(FormatTest, SequencesShowTheWindowTableWithItsReleasedRun) {
+  v1::ListSequencesResponse sequences;
+  v1::SequenceInfo* info = sequences.add_sequences();
+  info->set_sequence_id(5);
+  for (int w : {7, -1, -1, -1, 3, 9}) {
+    info->add_block_ids(20);
+    info->add_generations(1);
+    info->add_window_block_ids(w);
+    info->add_window_generations(w < 0 ? 0 : 2);
+  }
+  EXPECT_THAT(FormatSequences(sequences, false), HasSubstr("7@2 -x3 3@2 9@2"));
+  info->clear_window_block_ids();
+  info->clear_window_generations();
+  EXPECT_THAT(Lines(FormatSequences(sequences, false))[1], ::testing::EndsWith(" -"));
+}
+
+TEST(FormatTest, ExplainSaysWhatTheWindowGroupCut) {
+  v1::ExplainMatchResponse explain;
+  explain.set_matched_tokens(96);
+  explain.set_stop("prompt_end");
+  EXPECT_THAT(FormatExplain(explain, false), Not(HasSubstr("resumable")));
+  explain.set_resumable_tokens(32);
+  explain.set_window_evicted_tokens(64);
+  EXPECT_THAT(FormatExplain(explain, false),
+              HasSubstr("resumable 32 token(s); window group cut 64 token(s)\n"));
+  EXPECT_EQ(json::parse(FormatExplain(explain, true))["window_evicted_tokens"], 64);
+}
+
 TEST(FormatTest, SequencesAbbreviateLongTables) {
   v1::ListSequencesResponse sequences;
   v1::SequenceInfo* info = sequences.add_sequences();

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 
 #include <cstring>
+#include <tuple>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -173,8 +174,49 @@ TEST(PoolMappingWindowTest, AWindowGroupIsMappedAndItsLayersAreNotReadAsMainBloc
   ASSERT_TRUE(v0.ok()) << v0.status();
   **v0 = 0x5A;  // the daemon's own mapping sees it at block 3's layer-0 V chunk
   EXPECT_EQ(pool.arena()[3 * 512 + 256], 0x5A);
-  EXPECT_EQ((*m)->K(1, {3, 1}).status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_EQ((*m)->VScales(2, {3, 1}).status().code(), absl::StatusCode::kUnimplemented);
+  // A window layer through a block table's entry, a main layer through a window table's: each
+  // would address the other region's bytes.
+  EXPECT_EQ((*m)->K(1, {3, 1}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*m)->VScales(2, {3, 1}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*m)->WindowK(0, {3, 0}).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(PoolMappingWindowTest, WindowLayersLandInTheirWindowBlocks) {
+  testing::FakePool pool(WithWindow());
+  absl::StatusOr<std::unique_ptr<PoolMapping>> m =
+      PoolMapping::Create(pool.Response(), pool.DupFds());
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ((*m)->num_window_blocks(), 4);
+  // Window block 2 starts at 8192 + 2 * 1024; layer 1's K at 0 of it, layer 2's V at 512 + 256.
+  for (auto [layer, kv, at] : {std::tuple{1, 0, 8192 + 2048},
+                               {1, 1, 8192 + 2048 + 256},
+                               {2, 0, 8192 + 2048 + 512},
+                               {2, 1, 8192 + 2048 + 768}}) {
+    absl::StatusOr<char*> chunk =
+        kv == 0 ? (*m)->WindowK(layer, {2, 5}) : (*m)->WindowV(layer, {2, 5});
+    ASSERT_TRUE(chunk.ok()) << chunk.status();
+    **chunk = static_cast<char>(0x10 + layer * 2 + kv);
+    EXPECT_EQ(pool.arena()[at], 0x10 + layer * 2 + kv) << layer << " " << kv;
+  }
+  absl::StatusOr<char*> whole = (*m)->WindowBlock({3, 0});
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  EXPECT_EQ(*whole - (*m)->base(), 8192 + 3 * 1024);
+  // A released entry, a negative id, one past the region, a layer past the pool; f32 has no
+  // scales.
+  EXPECT_EQ((*m)->WindowK(1, {-1, 0}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*m)->WindowBlock({-7, 0}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*m)->WindowV(2, {4, 0}).status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ((*m)->WindowK(3, {0, 0}).status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ((*m)->WindowKScales(1, {0, 0}).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(PoolMappingWindowTest, APoolWithoutAWindowGroupHasNoWindowBlocks) {
+  testing::FakePool pool(testing::SmallLayout());
+  absl::StatusOr<std::unique_ptr<PoolMapping>> m =
+      PoolMapping::Create(pool.Response(), pool.DupFds());
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ((*m)->WindowBlock({0, 0}).status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ((*m)->WindowK(0, {0, 0}).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(PoolMappingWindowTest, RejectsAnInconsistentWindowGroup) {

@@ -148,7 +148,8 @@ TEST_F(StatsTableTest, EveryPresentRowReachesGetStatsKvpoolctlAndTheExposition) 
   }
   // Every row of every table is sent (this source has a model, a host tier and a tenant; the
   // disk and Redis rows are absent without those tiers, the state group's without a model with
-  // state-space layers (compute_integration_test sees them with one), and only they).
+  // state-space layers (compute_integration_test sees them with one), the window group's without
+  // sliding-window layers (group_stats_test), and only they).
   const EngineStats stats = engine_->Stats(0);
   const StatsSource source{.engine = &stats, .attach = &attach_};
   auto sent_name = [&](std::string_view name) {
@@ -159,10 +160,12 @@ TEST_F(StatsTableTest, EveryPresentRowReachesGetStatsKvpoolctlAndTheExposition) 
   };
   for (const PoolRow& row : PoolStatRows()) {
     const bool present = row.present == nullptr || row.present(source);
-    EXPECT_TRUE(present ? sent_name(row.name)
-                        : row.label.value == "disk" || row.label.value == "redis" ||
-                              row.name == "state_slots" || row.name == "state_checkpoints" ||
-                              row.label.value == "no_checkpoint")
+    EXPECT_TRUE(present
+                    ? sent_name(row.name)
+                    : row.label.value == "disk" || row.label.value == "redis" ||
+                          row.name == "state_slots" || row.name == "state_checkpoints" ||
+                          row.label.value == "no_checkpoint" || row.name.starts_with("window_") ||
+                          row.label.value == "window_evicted")
         << row.name;
   }
   for (const PoolRow& row : DaemonStatRows()) EXPECT_TRUE(sent_name(row.name)) << row.name;

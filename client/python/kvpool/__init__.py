@@ -28,7 +28,8 @@ from kvpool.errors import KvPoolError, Shortfall, StatusCode  # noqa: E402
 from kvpool.layout import DType, Layout  # noqa: E402
 from kvpool.mapping import BlockRef, PoolMapping  # noqa: E402
 from kvpool.attach import default_runtime_dir  # noqa: E402
-from kvpool.client import AllocateItem, Client, Sampling, Sequence, apply_grow  # noqa: E402
+from kvpool.client import (  # noqa: E402
+    AllocateItem, Client, Sampling, Sequence, apply_grow, apply_window_grow)
 from kvpool.engine import EngineHelper, EngineSequence  # noqa: E402
 
 __all__ = [
@@ -46,5 +47,6 @@ __all__ = [
     "Shortfall",
     "StatusCode",
     "apply_grow",
+    "apply_window_grow",
     "default_runtime_dir",
 ]

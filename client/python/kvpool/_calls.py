@@ -28,6 +28,12 @@ class Sequence:
     # Its slot in the pool's state group (models with state-space layers; mapping.state()); None
     # without one.
     state_slot: Optional[int] = None
+    # The window group (models with sliding-window layers; mapping.window_k()): the window table's
+    # entries parallel to `blocks`, BlockRef(-1, 0) for one released when it left the window;
+    # empty without a window group. window_released: the released run [begin, end) in entries of
+    # the whole table (kvpool.proto SequenceInfo; apply_window_grow() applies it).
+    window_blocks: List[BlockRef] = dataclasses.field(default_factory=list)
+    window_released: Tuple[int, int] = (0, 0)
 
     @property
     def block_ids(self) -> List[int]:
@@ -58,6 +64,51 @@ def apply_grow(tail: Sequence, table: List[BlockRef]) -> None:
     table[tail.table_offset : tail.table_offset + len(tail.blocks)] = tail.blocks
 
 
+def apply_window_grow(tail: Sequence, window_table: List[BlockRef]) -> None:
+    """apply_grow() for the window table the caller holds: the entries of the tail's released run
+    become BlockRef(-1, 0) (the window slid past them since), then the tail applies. Raises
+    INVALID_ARGUMENT (and leaves `window_table` unchanged) as apply_grow(), or when the tail lists
+    blocks but no window table (a pool without a window group)."""
+    if tail.blocks and not tail.window_blocks:
+        raise invalid_argument(
+            f"sequence {tail.id}: a grow tail without a window table (no window group?)"
+        )
+    if tail.table_offset < 0 or tail.table_offset > len(window_table):
+        raise invalid_argument(
+            f"grow tail starts at entry {tail.table_offset} of a {len(window_table)}-entry "
+            "window table"
+        )
+    window_table[tail.table_offset : tail.table_offset + len(tail.window_blocks)] = (
+        tail.window_blocks
+    )
+    begin, end = tail.window_released
+    for entry in range(begin, min(end, len(window_table))):
+        window_table[entry] = BlockRef(-1, 0)
+
+
+def _window_refs(rpc: str, sequence_id: int, offset: int, n: int, ids, gens, begin: int,
+                 end: int) -> List[BlockRef]:
+    """A window tail checked as the C++ client does (client/block_ref.cc): as long as the block
+    tail, the released run inside the table, -1 (generation 0) exactly inside it. Empty when
+    there is none (no window group)."""
+    if not ids and not gens and begin == 0 and end == 0:
+        return []
+    def malformed(what: str) -> KvPoolError:
+        return internal(f"malformed {rpc} response from kvpoold: sequence {sequence_id}: {what}")
+    if len(ids) != n or len(gens) != n:
+        raise malformed(f"{n} blocks but {len(ids)} window block ids and {len(gens)} generations")
+    if not 0 <= begin <= end <= offset + n:
+        raise malformed(f"released window run [{begin}, {end}) outside {offset + n} entries")
+    refs = []
+    for i, (w, g) in enumerate(zip(ids, gens)):
+        released = begin <= offset + i < end
+        if (w != -1 or g != 0) if released else w < 0:
+            raise malformed(f"window entry {offset + i} is {w} but the released run is "
+                            f"[{begin}, {end})")
+        refs.append(BlockRef(w, g))
+    return refs
+
+
 @contextlib.contextmanager
 def building(what: str):
     """Turns protobuf's complaints about argument types and ranges into INVALID_ARGUMENT."""
@@ -77,6 +128,7 @@ def to_sequence(rpc: str, info) -> Sequence:
         )
     if info.table_offset < 0 or any(b < 0 for b in info.block_ids):
         raise internal(f"malformed {rpc} response from kvpoold: negative offset or block id")
+    released = (info.window_released_begin, info.window_released_end)
     return Sequence(
         id=info.sequence_id,
         num_tokens=info.num_tokens,
@@ -84,6 +136,9 @@ def to_sequence(rpc: str, info) -> Sequence:
         table_offset=info.table_offset,
         blocks=[BlockRef(b, g) for b, g in zip(info.block_ids, info.generations)],
         state_slot=info.state_slot if info.HasField("state_slot") else None,
+        window_blocks=_window_refs(rpc, info.sequence_id, info.table_offset, len(info.block_ids),
+                                   info.window_block_ids, info.window_generations, *released),
+        window_released=released,
     )
 
 
@@ -121,20 +176,30 @@ def grow_request(items: Iterable[Tuple[int, int]]) -> kvpool_pb2.GrowRequest:
 
 
 def grow_result(request, response) -> List[Sequence]:
-    n = len(request.sequence_ids)
-    if (len(response.num_tokens) != n or len(response.table_offsets) != n
-            or len(response.tail_lengths) != n
-            or len(response.block_ids) != len(response.generations)):
+    n, r = len(request.sequence_ids), response
+    window = bool(r.window_block_ids or r.window_generations or r.window_released_begin
+                  or r.window_released_end)
+    if (len(r.num_tokens) != n or len(r.table_offsets) != n or len(r.tail_lengths) != n
+            or len(r.block_ids) != len(r.generations)
+            or (window and (len(r.window_released_begin) != n or len(r.window_released_end) != n
+                            or len(r.window_block_ids) != len(r.block_ids)
+                            or len(r.window_generations) != len(r.block_ids)))):
         raise internal("malformed Grow response from kvpoold: arrays of the wrong length")
     out, start = [], 0
     for i in range(n):
-        tail = response.tail_lengths[i]
-        if tail < 0 or response.table_offsets[i] < 0 or start + tail > len(response.block_ids):
+        tail = r.tail_lengths[i]
+        if tail < 0 or r.table_offsets[i] < 0 or start + tail > len(r.block_ids):
             raise internal("malformed Grow response from kvpoold: a tail outside the response")
-        blocks = [BlockRef(b, g) for b, g in zip(response.block_ids[start : start + tail],
-                                                  response.generations[start : start + tail])]
-        out.append(Sequence(id=request.sequence_ids[i], num_tokens=response.num_tokens[i],
-                            table_offset=response.table_offsets[i], blocks=blocks))
+        blocks = [BlockRef(b, g) for b, g in zip(r.block_ids[start : start + tail],
+                                                  r.generations[start : start + tail])]
+        seq = Sequence(id=request.sequence_ids[i], num_tokens=r.num_tokens[i],
+                       table_offset=r.table_offsets[i], blocks=blocks)
+        if window:
+            seq.window_released = (r.window_released_begin[i], r.window_released_end[i])
+            seq.window_blocks = _window_refs(
+                "Grow", seq.id, seq.table_offset, tail, r.window_block_ids[start : start + tail],
+                r.window_generations[start : start + tail], *seq.window_released)
+        out.append(seq)
         start += tail
     if start != len(response.block_ids):
         raise internal("malformed Grow response from kvpoold: blocks left over")

@@ -26,7 +26,8 @@ from typing import Iterable, Iterator, List, Optional, Sequence as Seq, Tuple, U
 import grpc
 
 from kvpool import _calls
-from kvpool._calls import AllocateItem, Sampling, Sequence, apply_grow  # noqa: F401 (re-exported)
+from kvpool._calls import (  # noqa: F401 (re-exported)
+    AllocateItem, Sampling, Sequence, apply_grow, apply_window_grow)
 from kvpool._proto import attach_pb2, kvpool_pb2, kvpool_pb2_grpc
 from kvpool.attach import (
     GRPC_SOCKET,

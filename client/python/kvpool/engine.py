@@ -28,7 +28,7 @@ from typing import Iterable, List, Optional, Sequence as Seq, Tuple
 import grpc
 
 from kvpool import _calls
-from kvpool._calls import AllocateItem, apply_grow
+from kvpool._calls import AllocateItem, apply_grow, apply_window_grow
 from kvpool.client import Client
 from kvpool.errors import KvPoolError, invalid_argument
 from kvpool.mapping import BlockRef
@@ -42,6 +42,8 @@ class EngineSequence:
     what append() added. matched_tokens: prompt tokens whose KV the prefix cache already held at
     admission (the engine computes only the rest). blocks: the block table. capacity: tokens the
     table has room for. published: leading tokens the daemon knows (the prompt, then commits).
+    window_blocks: the window table (a pool with a window group; empty without one), parallel to
+    blocks, BlockRef(-1, 0) for an entry released when it left the window.
     """
 
     id: int
@@ -50,6 +52,7 @@ class EngineSequence:
     blocks: List[BlockRef]
     capacity: int
     published: int
+    window_blocks: List[BlockRef] = dataclasses.field(default_factory=list)
 
     @property
     def length(self) -> int:
@@ -60,6 +63,17 @@ class EngineSequence:
         if not 0 <= position < self.capacity:
             raise invalid_argument(f"position {position} outside the sequence's {self.capacity} tokens")
         return self.blocks[position // block_size], position % block_size
+
+    def window_slot(self, position: int, block_size: int) -> Tuple[BlockRef, int]:
+        """Where token `position`'s KV of the window layers lives: its window block and the row
+        within it. Raises INVALID_ARGUMENT outside the sequence, or where the window has released
+        the entry (that token left every window layer's window) or there is no window group."""
+        _, row = self.slot(position, block_size)  # checks the position
+        entry = position // block_size
+        if entry >= len(self.window_blocks) or self.window_blocks[entry].id < 0:
+            raise invalid_argument(f"sequence {self.id} holds no window block for position "
+                                   f"{position} (released, or no window group)")
+        return self.window_blocks[entry], row
 
     def append(self, *tokens: int) -> None:
         """Records tokens whose KV the engine has written (within capacity)."""
@@ -98,7 +112,7 @@ class EngineHelper:
             [AllocateItem(p, len(p) + extra_tokens, priority) for p in prompts])
         return [
             EngineSequence(id=s.id, tokens=p, matched_tokens=s.matched_tokens, blocks=s.blocks,
-                           capacity=s.num_tokens, published=len(p))
+                           capacity=s.num_tokens, published=len(p), window_blocks=s.window_blocks)
             for s, p in zip(sequences, prompts)
         ]
 
@@ -110,6 +124,8 @@ class EngineHelper:
         fresh = []
         for (seq, _), tail in zip(items, tails):
             before = len(seq.blocks)
+            if tail.window_blocks or tail.window_released != (0, 0):  # a window group
+                apply_window_grow(tail, seq.window_blocks)
             apply_grow(tail, seq.blocks)
             seq.capacity = tail.num_tokens
             fresh.append(seq.blocks[before:])

@@ -14,6 +14,14 @@ KvPoolError(FAILED_PRECONDITION) "block N was reused (generation X, you hold Y)"
 returning another sequence's KV. The check is a snapshot: it cannot stop a reuse that happens
 after it returns; a block of a sequence the caller still holds is never reused.
 
+The window group (layout.proto: num_window_layers > 0): a window layer's K/V live in window
+blocks, numbered apart from the blocks; a sequence's window table (Sequence.window_table, -1 for
+an entry released when it left the window) names them. window_k()/window_v()/window_block() (and
+the _array, _address and window=True copy forms) address them; k()/v() refuse a window layer and
+the window forms a main one (INVALID_ARGUMENT), since the two numberings address different bytes.
+No shared table publishes window generations: the window accessors check the id, not the
+generation; keep only entries of sequences you hold, updated by every reply.
+
 Element types of the views: F32 is float32; F16 is float16 in numpy, raw uint16 bits in a
 memoryview (memoryview has no half format); BF16 is raw uint16 bits in both (numpy has no
 bfloat16: use bf16_to_f32 / f32_to_bf16).
@@ -252,8 +260,36 @@ class PoolMapping:
             raise KvPoolError(grpc.StatusCode.FAILED_PRECONDITION, "the pool mapping is closed")
         return self._arena
 
-    def _chunk_offset(self, layer: int, side: int, ref: BlockRef) -> int:
+    def check_window_block(self, ref: BlockRef) -> None:
+        """Returns when `ref` names a window block of the pool. Raises INVALID_ARGUMENT (not a
+        BlockRef, or a negative id: -1 is a released entry) or OUT_OF_RANGE (id >=
+        num_window_blocks; every id without a window group)."""
+        if not isinstance(ref, BlockRef):
+            raise _invalid(f"expected a BlockRef, got {type(ref).__name__}")
+        if ref.id < 0:
+            raise _invalid(
+                f"window block id {ref.id} (-1: an entry released when it left the window)"
+            )
+        if ref.id >= self.layout.num_window_blocks:
+            raise KvPoolError(
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"window block {ref.id} is past the pool's {self.layout.num_window_blocks} "
+                "window blocks",
+            )
+
+    def _chunk_offset(self, layer: int, side: int, ref: BlockRef, window: bool = False) -> int:
         chunk = self.layout.chunk(layer, side)
+        if self.layout.is_window_layer(layer) != window:
+            raise _invalid(
+                f"layer {layer} is in the pool's window group: address it with the window "
+                "accessors and a window table entry"
+                if not window
+                else f"layer {layer} is not in the pool's window group: address it with k()/v() "
+                "and a block table entry"
+            )
+        if window:
+            self.check_window_block(ref)
+            return self.layout.window_offset + ref.id * self.layout.window_block_bytes + chunk.offset
         self.check_current(ref)
         return ref.id * self.layout.block_bytes + chunk.offset
 
@@ -267,6 +303,13 @@ class PoolMapping:
 
     def v_address(self, layer: int, ref: BlockRef) -> int:
         return self._base_address() + self._chunk_offset(layer, V, ref)
+
+    def window_k_address(self, layer: int, ref: BlockRef) -> int:
+        """A window layer's K in window block `ref` (a device pointer unless host_accessible)."""
+        return self._base_address() + self._chunk_offset(layer, K, ref, window=True)
+
+    def window_v_address(self, layer: int, ref: BlockRef) -> int:
+        return self._base_address() + self._chunk_offset(layer, V, ref, window=True)
 
     # --- Host views (memfd arenas) ---
 
@@ -289,9 +332,15 @@ class PoolMapping:
         start = ref.id * self.layout.block_bytes
         return memoryview(self._host())[start : start + self.layout.block_bytes]
 
-    def _view(self, layer: int, side: int, ref: BlockRef) -> memoryview:
+    def window_block(self, ref: BlockRef) -> memoryview:
+        """Window block `ref`'s bytes: the window layers' chunks, [2 * num_window_layers]."""
+        self.check_window_block(ref)
+        start = self.layout.window_offset + ref.id * self.layout.window_block_bytes
+        return memoryview(self._host())[start : start + self.layout.window_block_bytes]
+
+    def _view(self, layer: int, side: int, ref: BlockRef, window: bool = False) -> memoryview:
         chunk = self.layout.chunk(layer, side)
-        start = self._chunk_offset(layer, side, ref)
+        start = self._chunk_offset(layer, side, ref, window)
         elements = self.layout.block_size * self.layout.num_kv_heads * self.layout.head_dim
         raw = memoryview(self._host())[start : start + elements * chunk.dtype.itemsize]
         return raw.cast(chunk.dtype.struct_format, shape=list(self.layout.shape))
@@ -304,13 +353,22 @@ class PoolMapping:
     def v(self, layer: int, ref: BlockRef) -> memoryview:
         return self._view(layer, V, ref)
 
-    def _array(self, layer: int, side: int, ref: BlockRef):
+    def window_k(self, layer: int, ref: BlockRef) -> memoryview:
+        """A window layer's K in window block `ref` (a window table entry), shaped as k().
+        Raises as check_window_block(), plus INVALID_ARGUMENT (a layer not in the window group)
+        and OUT_OF_RANGE (layer >= num_layers)."""
+        return self._view(layer, K, ref, window=True)
+
+    def window_v(self, layer: int, ref: BlockRef) -> memoryview:
+        return self._view(layer, V, ref, window=True)
+
+    def _array(self, layer: int, side: int, ref: BlockRef, window: bool = False):
         if _np is None:
             raise KvPoolError(
                 grpc.StatusCode.FAILED_PRECONDITION, "numpy is not installed (python3-numpy)"
             )
         chunk = self.layout.chunk(layer, side)
-        start = self._chunk_offset(layer, side, ref)
+        start = self._chunk_offset(layer, side, ref, window)
         count = self.layout.block_size * self.layout.num_kv_heads * self.layout.head_dim
         array = _np.frombuffer(
             self._host(), dtype=chunk.dtype.numpy_name, count=count, offset=start
@@ -324,6 +382,13 @@ class PoolMapping:
     def v_array(self, layer: int, ref: BlockRef):
         return self._array(layer, V, ref)
 
+    def window_k_array(self, layer: int, ref: BlockRef):
+        """numpy view of a window layer's K in window block `ref`, as k_array()."""
+        return self._array(layer, K, ref, window=True)
+
+    def window_v_array(self, layer: int, ref: BlockRef):
+        return self._array(layer, V, ref, window=True)
+
     def arena_array(self):
         """The whole arena as one numpy uint8 array, without any generation check (bulk reads
         and benchmarks; address blocks through k_array()/v_array() otherwise)."""
@@ -335,22 +400,23 @@ class PoolMapping:
 
     # --- Copies (any arena kind) ---
 
-    def copy_from_host(self, layer: int, side: int, ref: BlockRef, data) -> None:
-        """Writes `data` (bytes-like, at most the chunk's size) at the start of the chunk."""
+    def copy_from_host(self, layer: int, side: int, ref: BlockRef, data, window=False) -> None:
+        """Writes `data` (bytes-like, at most the chunk's size) at the start of the chunk (of
+        window block `ref` for a window layer, with window=True)."""
         data = memoryview(data).cast("B")
         chunk = self.layout.chunk(layer, side)
         if data.nbytes > chunk.nbytes:
             raise _invalid(f"{data.nbytes} bytes do not fit a {chunk.nbytes}-byte chunk")
-        offset = self._chunk_offset(layer, side, ref)
+        offset = self._chunk_offset(layer, side, ref, window)
         if self._cuda is not None:
             self._cuda.copy_from_host(self._cuda.device_ptr + offset, data)
         else:
             self._host()[offset : offset + data.nbytes] = data
 
-    def copy_to_host(self, layer: int, side: int, ref: BlockRef) -> bytes:
-        """The chunk's bytes, copied."""
+    def copy_to_host(self, layer: int, side: int, ref: BlockRef, window=False) -> bytes:
+        """The chunk's bytes, copied (window=True: a window layer's, in window block `ref`)."""
         chunk = self.layout.chunk(layer, side)
-        offset = self._chunk_offset(layer, side, ref)
+        offset = self._chunk_offset(layer, side, ref, window)
         if self._cuda is not None:
             return self._cuda.copy_to_host(self._cuda.device_ptr + offset, chunk.nbytes)
         return bytes(self._host()[offset : offset + chunk.nbytes])

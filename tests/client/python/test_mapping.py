@@ -5,12 +5,14 @@ helper drives a step loop over the mapping."""
 
 import os
 import signal
+import struct
 import unittest
 
 import numpy as np
 
 import kvpool
 from kvpool import BlockRef, EngineHelper, KvPoolError, StatusCode
+from kvpool._calls import to_sequence
 from kvpool.mapping import bf16_to_f32, f32_to_bf16
 from kvpool_testing import Daemon, INTEGRATION_CLIENT, python_child, read_line, run, spawn, wait_until
 
@@ -182,6 +184,46 @@ class MappingTest(unittest.TestCase):
             with self.assertRaises(KvPoolError) as e:
                 EngineHelper(compute_only)
             self.assertEqual(e.exception.code, C.FAILED_PRECONDITION)
+
+
+class WindowGroupTest(unittest.TestCase):
+    """A model with sliding-window layers (tiny-swa: window 256) seen from Python: the replies'
+    window tables, followed through a Grow tail, equal the daemon's, and the mapping reaches the
+    window layers' K/V in window blocks."""
+
+    def test_window_tables_and_window_blocks(self):
+        with Daemon('pool_bytes: 33554432 max_blocks_per_seq: 64 '
+                    'shape { dtype: "f32" window_blocks: 40 } model { name: "tiny-swa" }') as d:
+            c = kvpool.Client.connect(d.dir, client_name="window", kv_access=True)
+            self.addCleanup(c.close)
+            layout = c.mapping.layout
+            self.assertEqual((layout.num_window_layers, layout.num_window_blocks), (2, 40))
+            helper = kvpool.EngineHelper(c)
+            seq = helper.admit([list(range(1, 401))])[0]  # 25 entries, nothing released yet
+            self.assertEqual(len(seq.window_blocks), 25)
+            self.assertTrue(all(b.id >= 0 for b in seq.window_blocks))
+            # The engine wrote 400 tokens' KV: its commit slides the window past entries [0, 9)
+            # (the first key token 400's query reads is 145); the next reserve's tail says so.
+            c.commit(seq.id, 400)
+            helper.reserve([(seq, 480)])
+            listed = [s for s in c.list_sequences().sequences if s.sequence_id == seq.id][0]
+            daemon = to_sequence("ListSequences", listed)
+            self.assertEqual(seq.window_blocks, daemon.window_blocks)
+            self.assertEqual(daemon.window_released, (0, 9))
+            self.assertEqual(seq.window_blocks[8], kvpool.BlockRef(-1, 0))
+            # Window layer 2 of token 400 through its window block; layer 0 through its block.
+            ref, row = seq.window_slot(400, layout.block_size)
+            view = c.mapping.window_k(2, ref)
+            view[row, 0, 0] = 1.5
+            self.assertEqual(c.mapping.copy_to_host(2, 0, ref, window=True)[
+                4 * (row * layout.num_kv_heads * layout.head_dim):][:4], struct.pack("=f", 1.5))
+            block, _ = seq.slot(400, layout.block_size)
+            self.assertEqual(c.mapping.k(0, block).shape, layout.shape)
+            for call in (lambda: c.mapping.k(2, block), lambda: seq.window_slot(100, 16)):
+                with self.assertRaises(KvPoolError) as e:
+                    call()
+                self.assertEqual(e.exception.code, C.INVALID_ARGUMENT)
+            del view
 
 
 class StateSlotTest(unittest.TestCase):

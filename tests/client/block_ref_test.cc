@@ -1,0 +1,131 @@
+// The window half of BlockRef's helpers: window tables in SequenceInfo and GrowResponse
+// (kvpool.proto), checked as strictly as the block tables, split per item and applied to a held
+// window table. (pool_mapping_test.cc has the block half.)
+#include "client/block_ref.h"
+
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace kvpool::client {
+namespace {
+
+// A full window table of 5 entries: a sink (entry 0), entries 1 and 2 released, 3 and 4 live.
+v1::SequenceInfo FiveEntries() {
+  v1::SequenceInfo info;
+  info.set_sequence_id(7);
+  for (int i = 0; i < 5; ++i) {
+    info.add_block_ids(10 + i);
+    info.add_generations(1);
+  }
+  for (int w : {4, -1, -1, 2, 6}) {
+    info.add_window_block_ids(w);
+    info.add_window_generations(w < 0 ? 0 : 3);
+  }
+  info.set_window_released_begin(1);
+  info.set_window_released_end(3);
+  return info;
+}
+
+TEST(BlockRefWindowTest, ToWindowRefsKeepsReleasedEntriesInPlace) {
+  const v1::SequenceInfo info = FiveEntries();
+  ASSERT_TRUE(ValidateSequenceInfo(info).ok()) << ValidateSequenceInfo(info);
+  EXPECT_EQ(ToWindowRefs(info), (std::vector<BlockRef>{{4, 3}, {-1, 0}, {-1, 0}, {2, 3}, {6, 3}}));
+  v1::SequenceInfo plain;  // a pool without a window group
+  plain.add_block_ids(1);
+  plain.add_generations(1);
+  EXPECT_TRUE(ValidateSequenceInfo(plain).ok());
+  EXPECT_TRUE(ToWindowRefs(plain).empty());
+}
+
+TEST(BlockRefWindowTest, RejectsWindowTablesThatDisagreeWithTheirReleasedRun) {
+  std::vector<v1::SequenceInfo> bad(8, FiveEntries());
+  bad[0].add_window_block_ids(1);                     // longer than the block table
+  bad[1].mutable_window_generations()->RemoveLast();  // generations not parallel
+  bad[2].set_window_block_ids(1, 5);                  // a live entry inside the released run
+  bad[3].set_window_block_ids(3, -1);                 // a released entry outside it
+  bad[4].set_window_released_end(6);                  // past the table
+  bad[5].set_window_released_begin(4);                // begin > end
+  bad[6].set_window_released_begin(-1);               // negative
+  bad[7].set_window_generations(1, 9);                // a released entry with a generation
+  for (const v1::SequenceInfo& info : bad) {
+    EXPECT_EQ(ValidateSequenceInfo(info).code(), absl::StatusCode::kInvalidArgument)
+        << info.ShortDebugString();
+  }
+}
+
+// Two items: sequence 7 grew by one entry (its released run moved to [1, 3)), sequence 8 did
+// not grow (no tail) but its window slid past entries [2, 4).
+v1::GrowResponse TwoItems() {
+  v1::GrowResponse r;
+  for (int64_t n : {80, 64}) r.add_num_tokens(n);
+  for (int32_t offset : {4, 4}) r.add_table_offsets(offset);
+  for (int32_t length : {1, 0}) r.add_tail_lengths(length);
+  r.add_block_ids(14);
+  r.add_generations(2);
+  r.add_window_block_ids(6);
+  r.add_window_generations(3);
+  for (auto [begin, end] : {std::pair{1, 3}, {2, 4}}) {
+    r.add_window_released_begin(begin);
+    r.add_window_released_end(end);
+  }
+  return r;
+}
+
+TEST(BlockRefWindowTest, SplitGrowResponseCarriesEachItemsWindowTailAndRun) {
+  const std::vector<uint64_t> ids = {7, 8};
+  absl::StatusOr<std::vector<v1::SequenceInfo>> tails = SplitGrowResponse(TwoItems(), ids);
+  ASSERT_TRUE(tails.ok()) << tails.status();
+  ASSERT_EQ(tails->size(), 2u);
+  EXPECT_EQ(ToWindowRefs((*tails)[0]), (std::vector<BlockRef>{{6, 3}}));
+  EXPECT_EQ((*tails)[1].window_released_begin(), 2);
+  EXPECT_EQ((*tails)[1].window_released_end(), 4);
+
+  // A held window table follows: item 7's entry 2 released since, item 8's 2 and 3.
+  std::vector<BlockRef> seven = {{4, 3}, {-1, 0}, {5, 3}, {2, 3}};
+  ASSERT_TRUE(ApplyWindowGrow((*tails)[0], &seven).ok());
+  EXPECT_EQ(seven, (std::vector<BlockRef>{{4, 3}, {-1, 0}, {-1, 0}, {2, 3}, {6, 3}}));
+  std::vector<BlockRef> eight = {{1, 1}, {2, 1}, {3, 1}, {5, 1}};
+  ASSERT_TRUE(ApplyWindowGrow((*tails)[1], &eight).ok());
+  EXPECT_EQ(eight, (std::vector<BlockRef>{{1, 1}, {2, 1}, {-1, 0}, {-1, 0}}));
+}
+
+TEST(BlockRefWindowTest, SplitGrowResponseRejectsMisshapenWindowArrays) {
+  const std::vector<uint64_t> ids = {7, 8};
+  std::vector<v1::GrowResponse> bad(4, TwoItems());
+  bad[0].add_window_block_ids(1);                      // more window ids than blocks
+  bad[1].mutable_window_released_end()->RemoveLast();  // a run missing for an item
+  bad[2].set_window_block_ids(0, -1);                  // a released entry outside its run
+  bad[3].clear_window_block_ids();                     // runs without the tails
+  for (const v1::GrowResponse& r : bad) {
+    EXPECT_EQ(SplitGrowResponse(r, ids).status().code(), absl::StatusCode::kInvalidArgument)
+        << r.ShortDebugString();
+  }
+  v1::GrowResponse plain = TwoItems();  // no window group at all: fine
+  plain.clear_window_block_ids();
+  plain.clear_window_generations();
+  plain.clear_window_released_begin();
+  plain.clear_window_released_end();
+  absl::StatusOr<std::vector<v1::SequenceInfo>> tails = SplitGrowResponse(plain, ids);
+  ASSERT_TRUE(tails.ok()) << tails.status();
+  EXPECT_TRUE(ToWindowRefs((*tails)[0]).empty());
+}
+
+TEST(BlockRefWindowTest, ApplyWindowGrowLeavesTheHeldTableAloneOnError) {
+  std::vector<BlockRef> held = {{4, 3}};
+  v1::SequenceInfo tail;  // starts past the held table
+  tail.set_table_offset(3);
+  tail.add_block_ids(1);
+  tail.add_generations(1);
+  tail.add_window_block_ids(2);
+  tail.add_window_generations(1);
+  EXPECT_EQ(ApplyWindowGrow(tail, &held).code(), absl::StatusCode::kInvalidArgument);
+  v1::SequenceInfo no_window;  // blocks but no window table
+  no_window.add_block_ids(1);
+  no_window.add_generations(1);
+  EXPECT_EQ(ApplyWindowGrow(no_window, &held).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(held, (std::vector<BlockRef>{{4, 3}}));
+}
+
+}  // namespace
+}  // namespace kvpool::client
