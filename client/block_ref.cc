@@ -28,9 +28,13 @@ absl::Status ValidateWindow(const v1::SequenceInfo& info) {
         fmt::format("sequence {}: released window run [{}, {}) outside a table of {} entries", id,
                     begin, end, size));
   }
+  // Past the last window block: entries not allocated yet (a prefill in chunks takes them as it
+  // goes), -1 like released ones.
+  int allocated = n;
+  while (allocated > 0 && info.window_block_ids(allocated - 1) < 0) --allocated;
   for (int i = 0; i < n; ++i) {
     const int64_t entry = int64_t{info.table_offset()} + i;
-    const bool released = entry >= begin && entry < end;
+    const bool released = (entry >= begin && entry < end) || i >= allocated;
     const int32_t w = info.window_block_ids(i);
     if (released ? (w != -1 || info.window_generations(i) != 0) : w < 0) {
       return absl::InvalidArgumentError(fmt::format(

@@ -296,7 +296,12 @@ absl::StatusOr<Tables> Engine::Grow(const Session& s, std::span<const GrowReques
     out.generations.reserve(changes.size());
     old_lengths.reserve(changes.size());
     for (const TableChange& c : changes) {
-      pool.AppendTable(*pool.cache().Find(c.sequence), c.first_changed, 0, &out);
+      // (Window entries the grow allocated below the old length are new to the client too.)
+      const Sequence& seq = *pool.cache().Find(c.sequence);
+      const int32_t window_new = static_cast<int32_t>(seq.window_table.size()) > c.window_entries
+                                     ? c.window_entries
+                                     : c.first_changed;
+      pool.AppendTable(seq, std::min(c.first_changed, window_new), 0, &out);
       old_lengths.push_back(c.old_num_tokens);
     }
   }

@@ -192,8 +192,10 @@ void PoolState::AppendTable(const Sequence& seq, int32_t offset, int64_t matched
   const auto [begin, end] = ReleasedRun(seq, cache_->sink_tokens(), cache_->block_size());
   out->slices.back().window_released_begin = begin;
   out->slices.back().window_released_end = end;
+  // (Entries past the window table: not allocated yet, KvCacheManager::ExtendWindow.)
+  const auto allocated = static_cast<int32_t>(seq.window_table.size());
   for (int32_t i = offset; i < size; ++i) {
-    const BlockId b = seq.window_table[static_cast<size_t>(i)];
+    const BlockId b = i < allocated ? seq.window_table[static_cast<size_t>(i)] : kInvalidBlock;
     out->window_blocks.push_back(b);
     out->window_generations.push_back(b == kInvalidBlock ? 0 : window->generation(b));
   }

@@ -31,6 +31,12 @@ TEST(BlockRefWindowTest, ToWindowRefsKeepsReleasedEntriesInPlace) {
   const v1::SequenceInfo info = FiveEntries();
   ASSERT_TRUE(ValidateSequenceInfo(info).ok()) << ValidateSequenceInfo(info);
   EXPECT_EQ(ToWindowRefs(info), (std::vector<BlockRef>{{4, 3}, {-1, 0}, {-1, 0}, {2, 3}, {6, 3}}));
+  // Entries past the last window block: not allocated yet (a prefill in chunks).
+  v1::SequenceInfo lagging = FiveEntries();
+  lagging.set_window_block_ids(4, -1);
+  lagging.set_window_generations(4, 0);
+  ASSERT_TRUE(ValidateSequenceInfo(lagging).ok()) << ValidateSequenceInfo(lagging);
+  EXPECT_EQ(ToWindowRefs(lagging).back(), (BlockRef{-1, 0}));
   v1::SequenceInfo plain;  // a pool without a window group
   plain.add_block_ids(1);
   plain.add_generations(1);

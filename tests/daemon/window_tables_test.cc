@@ -105,6 +105,32 @@ TEST_F(WindowTablesTest, EveryCallThatReturnsTablesCarriesTheWindowTableAndItsRe
   EXPECT_TRUE(engine_->CheckInvariants().ok());
 }
 
+// A sequence whose window table does not reach its end yet (a prefill in chunks takes each
+// chunk's window blocks as it goes: AllocateRequest::window_ahead) lists the entries not
+// allocated as a trailing run of kInvalidBlock, and a Grow that allocates them sends them again.
+TEST_F(WindowTablesTest, EntriesNotAllocatedYetTrailAndAGrowResendsThem) {
+  Make(true);
+  const AllocateRequest request{.num_tokens = 160, .window_ahead = 32};  // 10 entries, 2 now
+  absl::StatusOr<Tables> made =
+      engine_->Allocate(*session_, std::span(&request, 1), CallContext::Uncancellable());
+  ASSERT_TRUE(made.ok()) << made.status();
+  ASSERT_EQ(made->window_blocks.size(), 10u);
+  EXPECT_NE(made->window_blocks[1], kInvalidBlock);
+  for (size_t i = 2; i < 10; ++i) {
+    EXPECT_EQ(made->window_blocks[i], kInvalidBlock) << "entry " << i;
+    EXPECT_EQ(made->window_generations[i], 0u);
+  }
+  EXPECT_EQ(made->slices[0].window_released_end, 0);
+  const GrowRequest grow{made->slices[0].sequence, 176};  // every entry now
+  absl::StatusOr<Tables> grown =
+      engine_->Grow(*session_, std::span(&grow, 1), CallContext::Uncancellable());
+  ASSERT_TRUE(grown.ok()) << grown.status();
+  ExpectWellFormed(*grown);
+  EXPECT_EQ(grown->slices[0].table_offset, 2);  // from the first entry allocated now
+  EXPECT_EQ(grown->slices[0].length, 9);
+  EXPECT_TRUE(engine_->CheckInvariants().ok());
+}
+
 TEST_F(WindowTablesTest, APoolWithoutAWindowGroupReturnsNoWindowTables) {
   Make(false);
   const std::vector<int32_t> prompt = Prompt(48, 4);

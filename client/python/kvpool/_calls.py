@@ -89,8 +89,9 @@ def apply_window_grow(tail: Sequence, window_table: List[BlockRef]) -> None:
 def _window_refs(rpc: str, sequence_id: int, offset: int, n: int, ids, gens, begin: int,
                  end: int) -> List[BlockRef]:
     """A window tail checked as the C++ client does (client/block_ref.cc): as long as the block
-    tail, the released run inside the table, -1 (generation 0) exactly inside it. Empty when
-    there is none (no window group)."""
+    tail, the released run inside the table, -1 (generation 0) exactly inside it and in a
+    trailing run of entries not allocated yet (a prefill in chunks takes them as it goes). Empty
+    when there is none (no window group)."""
     if not ids and not gens and begin == 0 and end == 0:
         return []
     def malformed(what: str) -> KvPoolError:
@@ -100,8 +101,9 @@ def _window_refs(rpc: str, sequence_id: int, offset: int, n: int, ids, gens, beg
     if not 0 <= begin <= end <= offset + n:
         raise malformed(f"released window run [{begin}, {end}) outside {offset + n} entries")
     refs = []
+    allocated = max((i + 1 for i, w in enumerate(ids) if w >= 0), default=0)
     for i, (w, g) in enumerate(zip(ids, gens)):
-        released = begin <= offset + i < end
+        released = begin <= offset + i < end or i >= allocated
         if (w != -1 or g != 0) if released else w < 0:
             raise malformed(f"window entry {offset + i} is {w} but the released run is "
                             f"[{begin}, {end})")

@@ -133,12 +133,15 @@ class WindowTableTest(unittest.TestCase):
         self.assertEqual(seq.window_blocks, [BlockRef(4, 3), BlockRef(-1, 0), BlockRef(-1, 0),
                                              BlockRef(2, 3)])
         self.assertEqual(seq.window_released, (1, 3))
+        # Entries past the last window block: not allocated yet (a prefill in chunks).
+        lagging = to_sequence("Allocate", window_info([4, -1, 5, -1], 1, 2))
+        self.assertEqual(lagging.window_blocks[2:], [BlockRef(5, 3), BlockRef(-1, 0)])
         plain = kvpool_pb2.SequenceInfo(sequence_id=1, block_ids=[3], generations=[1])
         self.assertEqual(to_sequence("Allocate", plain).window_blocks, [])
 
     def test_window_tables_that_disagree_with_their_run_are_refused(self):
         bad = [window_info([4, 5, -1, 2], 1, 3),  # a live entry inside the run
-               window_info([4, -1, -1, -1], 1, 3),  # a released entry outside it
+               window_info([4, -1, -1, 2], 1, 2),  # a released entry outside it
                window_info([4, -1, -1, 2], 1, 5),  # a run past the table
                window_info([4, -1, -1, 2], 3, 1)]  # begin > end
         extra = window_info([4, -1, -1, 2], 1, 3)
