@@ -192,6 +192,24 @@ void PrintMemory() {
           "", static_cast<double>(every_layer + state) / (1 << 20));
     }
   }
+  // tiny-swa: its full layers' blocks for every token, and in the window group at most
+  // WindowBound() window blocks once each step has slid its window (docs/hybrid-groups.md §3),
+  // against the same model keeping every token of every layer (no window group).
+  for (const int32_t window_blocks : {0, -1}) {
+    auto swa = model::LocalEngine::Create(
+        model::SyntheticWeights(*model::NamedConfig("tiny-swa"), 1),
+        {.block_size = 16, .pool_bytes = int64_t{64} << 20, .window_blocks = window_blocks});
+    KVPOOL_CHECK_OK(swa.status());
+    const kernels::PoolLayout& layout = (*swa)->pool().layout;
+    const int64_t blocks = (kContext + layout.block_size - 1) / layout.block_size;
+    const int64_t kv =
+        blocks * layout.block_bytes() + (*swa)->cache().WindowBound() * layout.window_block_bytes();
+    std::printf("  %-12s KV %8.2f MiB (%s)  (%.2fx tiny)\n", "tiny-swa",
+                static_cast<double>(kv) / (1 << 20),
+                window_blocks == 0 ? "window group: the window's blocks only"
+                                   : "every token of every layer",
+                static_cast<double>(kv) / tiny_bytes);
+  }
 }
 
 }  // namespace
