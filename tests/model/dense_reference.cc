@@ -248,6 +248,14 @@ ModelConfig SmallTestConfig() {
           .tie_word_embeddings = false};
 }
 
+ModelConfig WindowedTestConfig(int32_t window, int32_t sinks) {
+  ModelConfig c = SmallTestConfig();
+  c.layer_kinds = {LayerKind::kSlidingAttention, LayerKind::kFullAttention};
+  c.sliding_window = window;
+  c.sink_tokens = sinks;
+  return c;
+}
+
 std::vector<int32_t> RandomTokens(size_t n, int32_t vocab, uint32_t seed) {
   std::mt19937 rng(seed);
   std::vector<int32_t> out(n);

@@ -51,6 +51,9 @@ int32_t Argmax(std::span<const float> logits);
 // What the paged-vs-reference tests share.
 // A small untied model: 2 layers, hidden 128, 4 query / 2 KV heads of 32, vocabulary 256.
 ModelConfig SmallTestConfig();
+// SmallTestConfig with a sliding layer (window `window`, `sinks` sink tokens) first and a full one
+// after it.
+ModelConfig WindowedTestConfig(int32_t window, int32_t sinks);
 std::vector<int32_t> RandomTokens(size_t n, int32_t vocab, uint32_t seed);
 // The largest difference relative to the reference's scale (at least 1); infinite on a NaN or
 // a size mismatch.

@@ -20,15 +20,6 @@ namespace {
 
 using ::testing::HasSubstr;
 
-// SmallTestConfig with a sliding layer first and a full one after it.
-ModelConfig Windowed(int32_t window, int32_t sinks) {
-  ModelConfig c = SmallTestConfig();
-  c.layer_kinds = {LayerKind::kSlidingAttention, LayerKind::kFullAttention};
-  c.sliding_window = window;
-  c.sink_tokens = sinks;
-  return c;
-}
-
 // The sequence's live window-group entries.
 int64_t LiveWindowEntries(const LocalEngine& e, SequenceId seq) {
   const Sequence* s = const_cast<LocalEngine&>(e).cache().Find(seq);
@@ -42,7 +33,7 @@ class WindowEngineTest : public ::testing::Test {
   // `engine_`: a window group of `window_blocks` (0: the default) and a prefix cache;
   // `reference_`: every token in the main blocks, no prefix cache.
   void Make(int32_t window, int32_t sinks, int32_t window_blocks = 0) {
-    const ModelWeights w = SyntheticWeights(Windowed(window, sinks), 11);
+    const ModelWeights w = SyntheticWeights(WindowedTestConfig(window, sinks), 11);
     LocalEngine::Options o{.dtype = kernels::DType::kF32,
                            .pool_bytes = int64_t{8} << 20,
                            .prefix_cache = true,
@@ -233,7 +224,7 @@ TEST_F(WindowEngineTest, SinksStayWhileTheWindowSlides) {
 }
 
 TEST(WindowEngineOptionsTest, TheWindowGroupIsTheModelsAndOptional) {
-  const ModelWeights w = SyntheticWeights(Windowed(20, 0), 1);
+  const ModelWeights w = SyntheticWeights(WindowedTestConfig(20, 0), 1);
   LocalEngine::Options o{.dtype = kernels::DType::kF32, .pool_bytes = int64_t{8} << 20};
   o.window_blocks = -2;
   EXPECT_EQ(LocalEngine::Create(w, o).status().code(), absl::StatusCode::kInvalidArgument);
@@ -243,7 +234,7 @@ TEST(WindowEngineOptionsTest, TheWindowGroupIsTheModelsAndOptional) {
   EXPECT_EQ((*sized)->pool().layout.num_window_blocks, 40);
   EXPECT_EQ((*sized)->pool().layout.num_window_layers, 1);
   // Every attention layer sliding: the main blocks keep them all, as before window groups.
-  ModelConfig all = Windowed(20, 0);
+  ModelConfig all = WindowedTestConfig(20, 0);
   all.layer_kinds = {LayerKind::kSlidingAttention, LayerKind::kSlidingAttention};
   o.window_blocks = 0;
   auto every = LocalEngine::Create(SyntheticWeights(all, 1), o);

@@ -26,19 +26,10 @@ using ::testing::HasSubstr;
 
 const StepOptions kLogits{.keep_logits = true};
 
-// SmallTestConfig with a sliding layer first and a full one after it.
-ModelConfig Windowed(int32_t window, int32_t sinks) {
-  ModelConfig c = SmallTestConfig();
-  c.layer_kinds = {LayerKind::kSlidingAttention, LayerKind::kFullAttention};
-  c.sliding_window = window;
-  c.sink_tokens = sinks;
-  return c;
-}
-
 // A second turn that reuses the first from the prefix cache computes what a cache-less engine
 // computes from scratch, past the window's edge.
 TEST(WindowModelTest, ReuseFromTheCacheEqualsRecomputing) {
-  const ModelWeights w = SyntheticWeights(Windowed(12, 2), 17);
+  const ModelWeights w = SyntheticWeights(WindowedTestConfig(12, 2), 17);
   const std::vector<int32_t> prompt = RandomTokens(50, 256, 5), more = RandomTokens(9, 256, 6);
   std::vector<int32_t> history = prompt;
   history.insert(history.end(), more.begin(), more.end());
@@ -76,11 +67,11 @@ TEST(WindowModelTest, ReuseFromTheCacheEqualsRecomputing) {
 // The window is not decoration: past it, the same weights compute other logits than with every
 // layer full, and within it the same ones.
 TEST(WindowModelTest, TheWindowChangesOnlyWhatLiesPastIt) {
-  ModelConfig full = Windowed(8, 0);
+  ModelConfig full = WindowedTestConfig(8, 0);
   full.layer_kinds.clear();
   full.sliding_window = 0;
   const ModelWeights w_full = SyntheticWeights(full, 3),
-                     w_window = SyntheticWeights(Windowed(8, 0), 3);
+                     w_window = SyntheticWeights(WindowedTestConfig(8, 0), 3);
   auto a = MakeTestEngine(w_full, 16, kernels::DType::kF32, false);
   auto b = MakeTestEngine(w_window, 16, kernels::DType::kF32, false);
   const std::vector<int32_t> short_prompt = RandomTokens(8, 256, 2);
@@ -109,12 +100,12 @@ TEST(WindowConfigTest, TinySwaAlternatesSlidingAndFullLayers) {
 }
 
 TEST(WindowConfigTest, RefusesInconsistentWindows) {
-  ModelConfig c = Windowed(8, 0);
+  ModelConfig c = WindowedTestConfig(8, 0);
   c.sliding_window = 0;
   EXPECT_THAT(ValidateConfig(c).message(), HasSubstr("sliding_window"));
-  c = Windowed(8, -1);
+  c = WindowedTestConfig(8, -1);
   EXPECT_THAT(ValidateConfig(c).message(), HasSubstr("sink_tokens"));
-  c = Windowed(8, 0);
+  c = WindowedTestConfig(8, 0);
   c.layer_kinds.push_back(LayerKind::kFullAttention);
   EXPECT_THAT(ValidateConfig(c).message(), HasSubstr("layer_kinds"));
 }
@@ -146,7 +137,7 @@ class WindowCheckpointTest : public ::testing::Test {
 };
 
 TEST_F(WindowCheckpointTest, LayerTypesAndTheWindowSurviveASaveAndALoad) {
-  const ModelWeights w = SyntheticWeights(Windowed(20, 3), 5);
+  const ModelWeights w = SyntheticWeights(WindowedTestConfig(20, 3), 5);
   absl::StatusOr<ModelConfig> back = RoundTrip(w);
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(*back, w.config);
