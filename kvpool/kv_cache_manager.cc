@@ -148,8 +148,14 @@ KvCacheManager::KvCacheManager(const KvCacheOptions& options, std::unique_ptr<Bl
     KVPOOL_CHECK_OK(owner.status());
     state_owner_ = *owner;
   }
-  if (checkpoint_slots_ > 0) checkpoint_at_.resize(static_cast<size_t>(states_->num_blocks()));
-  if (window_) window_at_.resize(static_cast<size_t>(window_->num_blocks()));
+  if (checkpoint_slots_ > 0) {
+    checkpoint_at_.resize(static_cast<size_t>(states_->num_blocks()));
+    checkpoint_lru_.Reset(states_->num_blocks());
+  }
+  if (window_) {
+    window_at_.resize(static_cast<size_t>(window_->num_blocks()));
+    window_lru_.Reset(window_->num_blocks());
+  }
   if (cache_ && (checkpoint_slots_ > 0 || window_)) {
     // A block the tree lets go takes its secondary components (checkpoint, window block) with it.
     cache_->SetOnRemove([this](BlockId block, const TraceContext& ctx) {

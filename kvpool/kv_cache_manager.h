@@ -59,6 +59,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kvpool/block_pool.h"
+#include "kvpool/internal/stamped_lru.h"
 #include "kvpool/prefix_cache.h"
 #include "kvpool/util/clock.h"
 #include "kvpool/util/strong_id.h"
@@ -887,7 +888,7 @@ class KvCacheManager final {
   const int32_t checkpoint_interval_;
   std::vector<CheckpointSlot> checkpoint_at_;            // by state slot
   absl::flat_hash_map<BlockId, BlockId> checkpoint_of_;  // tree block -> its checkpoint's slot
-  absl::btree_set<std::pair<uint64_t, BlockId>> checkpoint_lru_;  // (stamp, slot), cached ones
+  internal::StampedLru<BlockId> checkpoint_lru_;         // (stamp, slot) of the cached ones: O(1)
   uint64_t checkpoint_clock_ = 0;
   int64_t planned_checkpoints_ = 0;  // held by sequences (Sequence::checkpoints)
   // The window group's blocks (null without one), one namespace slot per sequence namespace as
@@ -895,9 +896,9 @@ class KvCacheManager final {
   std::unique_ptr<BlockPool> window_;
   const int32_t window_tokens_;
   const int32_t sink_tokens_;
-  std::vector<WindowRecord> window_at_;                       // by window block
-  absl::flat_hash_map<BlockId, BlockId> window_of_;           // tree block -> its window block
-  absl::btree_set<std::pair<uint64_t, BlockId>> window_lru_;  // (stamp, window block)
+  std::vector<WindowRecord> window_at_;              // by window block
+  absl::flat_hash_map<BlockId, BlockId> window_of_;  // tree block -> its window block
+  internal::StampedLru<BlockId> window_lru_;         // (stamp, window block) of those kept: O(1)
   uint64_t window_clock_ = 0;
 
   absl::flat_hash_map<SequenceId, Sequence> sequences_;

@@ -283,11 +283,12 @@ absl::Status KvCacheManager::CheckCheckpoints() const {
   }
   if (planned != planned_checkpoints_ ||
       planned + static_cast<int64_t>(checkpoint_lru_.size()) > checkpoint_slots_ ||
-      checkpoint_lru_.size() != checkpoint_of_.size()) {
+      checkpoint_lru_.size() != checkpoint_of_.size() || !checkpoint_lru_.CheckOrder()) {
     return InvariantViolation(
-        "{} planned checkpoints (counted {}) and {} cached ({} by block) for {} checkpoint slots",
+        "{} planned checkpoints (counted {}) and {} cached ({} by block, LRU list intact: {}) for "
+        "{} checkpoint slots",
         planned, planned_checkpoints_, checkpoint_lru_.size(), checkpoint_of_.size(),
-        checkpoint_slots_);
+        checkpoint_lru_.CheckOrder(), checkpoint_slots_);
   }
   for (const auto& [stamp, slot] : checkpoint_lru_) {
     const CheckpointSlot& c = checkpoint_at_[Index(slot)];

@@ -456,9 +456,9 @@ absl::Status KvCacheManager::CheckWindowRefs() const {
       if (block != kInvalidBlock) ++refs[Index(block)];
     }
   }
-  if (window_lru_.size() != window_of_.size()) {
-    return InvariantViolation("{} window blocks kept, {} by tree block", window_lru_.size(),
-                              window_of_.size());
+  if (window_lru_.size() != window_of_.size() || !window_lru_.CheckOrder()) {
+    return InvariantViolation("{} window blocks kept, {} by tree block (LRU list intact: {})",
+                              window_lru_.size(), window_of_.size(), window_lru_.CheckOrder());
   }
   for (const auto& [stamp, block] : window_lru_) {
     const WindowRecord& r = window_at_[Index(block)];
