@@ -6,7 +6,6 @@
 
 #include <atomic>
 #include <filesystem>
-#include <random>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -26,13 +25,6 @@ using ::testing::HasSubstr;
 constexpr char kConfig[] = R"pb(
   pool_bytes: 33554432 max_blocks_per_seq: 256
 )pb";
-
-std::vector<int32_t> Prompt(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<int32_t> out(n);
-  for (int32_t& t : out) t = static_cast<int32_t>(rng() % 8192);
-  return out;
-}
 
 std::unique_ptr<client::Client> Connect(const std::string& dir, const std::string& name,
                                         absl::Duration timeout = absl::Seconds(10)) {

@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <random>
 
 #include "fmt/format.h"
 
@@ -138,5 +139,12 @@ int DaemonProcess::Stop() {
 }
 
 DaemonProcess::~DaemonProcess() { Stop(); }
+
+std::vector<int32_t> Prompt(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> out(n);
+  for (int32_t& t : out) t = static_cast<int32_t>(rng() % 8192);
+  return out;
+}
 
 }  // namespace kvpool::testing

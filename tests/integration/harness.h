@@ -6,6 +6,7 @@
 
 #include <sys/types.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -57,5 +58,8 @@ absl::StatusOr<std::string> ReadLine(const Child& child, absl::Duration timeout)
 int Wait(Child* child);
 // Runs `argv` to completion; returns (exit code, everything it printed on stdout).
 std::pair<int, std::string> RunToEnd(const std::vector<std::string>& argv);
+
+// `n` token ids of the tiny models' vocabulary ([0, 8192)), the same for the same seed.
+std::vector<int32_t> Prompt(size_t n, uint32_t seed);
 
 }  // namespace kvpool::testing

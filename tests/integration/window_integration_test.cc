@@ -5,7 +5,6 @@
 // show the window group (label `integration`).
 
 #include <fstream>
-#include <random>
 #include <string>
 #include <string_view>
 
@@ -30,13 +29,6 @@ constexpr std::string_view kSwaDaemon = R"pb(
   shape { dtype: "f32" window_blocks: 40 }
   model { name: "tiny-swa" }
 )pb";
-
-std::vector<int32_t> Prompt(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<int32_t> out(n);
-  for (int32_t& t : out) t = static_cast<int32_t>(rng() % 8192);
-  return out;
-}
 
 // A file of `tokens` for `kvpoolctl explain` (whitespace-separated ids), in the test's temporary
 // directory.
