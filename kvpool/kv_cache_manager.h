@@ -252,7 +252,9 @@ struct TableChange {
   // The same for window_table (the window group decides its copy-on-write on its own: either
   // group's copy makes `first_changed` that entry).
   BlockId window_replaced = kInvalidBlock;
-  int32_t window_entries = 0;  // window_table's size before the grow
+  // window_table's size before the grow: where it stopped short of the old length, the entries
+  // from here on may be new too (AllocateRequest::window_ahead).
+  int32_t window_entries = 0;
 };
 
 // A pin as ListPins reports it.

@@ -41,10 +41,10 @@ void FillTable(const Sequence& seq, PlannedItem* item) {
 }
 
 // The window group: `seq` has computed its first `computed` tokens (a no-op without a window
-// group). Cannot fail: the sequence is the caller's and computed <= its length.
+// group). REQUIRES: `seq` is the caller's and computed <= seq.num_tokens (so it cannot fail).
 void Slide(KvCacheManager& cache, SessionId caller, const Sequence& seq, int64_t computed) {
   if (cache.window() == nullptr) return;
-  KVPOOL_CHECK_OK(cache.SlideWindow(caller, seq.id, std::min(computed, seq.num_tokens)));
+  KVPOOL_CHECK_OK(cache.SlideWindow(caller, seq.id, computed));
 }
 
 }  // namespace

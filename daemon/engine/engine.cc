@@ -296,12 +296,11 @@ absl::StatusOr<Tables> Engine::Grow(const Session& s, std::span<const GrowReques
     out.generations.reserve(changes.size());
     old_lengths.reserve(changes.size());
     for (const TableChange& c : changes) {
-      // (Window entries the grow allocated below the old length are new to the client too.)
-      const Sequence& seq = *pool.cache().Find(c.sequence);
-      const int32_t window_new = static_cast<int32_t>(seq.window_table.size()) > c.window_entries
-                                     ? c.window_entries
-                                     : c.first_changed;
-      pool.AppendTable(seq, std::min(c.first_changed, window_new), 0, &out);
+      // (A window table that stopped short of the old length may have grown from its end.)
+      const int32_t from = pool.cache().window() != nullptr
+                               ? std::min(c.first_changed, c.window_entries)
+                               : c.first_changed;
+      pool.AppendTable(*pool.cache().Find(c.sequence), from, 0, &out);
       old_lengths.push_back(c.old_num_tokens);
     }
   }
