@@ -103,6 +103,7 @@ absl::StatusOr<std::unique_ptr<KvCacheManager>> KvCacheManager::Create(
                                     .event_capacity_bytes = options.event_capacity_bytes,
                                     .evicted_memory = options.evicted_memory,
                                     .events = options.cache_events,
+                                    .event_group = EventGroupsOf(options).main,
                                     .journal = options.publish_journal,
                                     .policy = options.eviction_policy,
                                     .history_blocks = options.eviction_history_blocks,
@@ -137,6 +138,7 @@ KvCacheManager::KvCacheManager(const KvCacheOptions& options, std::unique_ptr<Bl
       window_(std::move(window)),
       window_tokens_(window_ ? options.window_tokens : 0),
       sink_tokens_(window_ ? options.sink_tokens : 0),
+      event_groups_(EventGroupsOf(options)),
       max_sequences_per_session_(options.max_sequences_per_session),
       max_pins_(options.max_pins),
       max_pin_ttl_ns_(options.max_pin_ttl_ns),
@@ -167,6 +169,28 @@ KvCacheManager::KvCacheManager(const KvCacheOptions& options, std::unique_ptr<Bl
       }
     });
   }
+  if (cache_ && window_) {
+    // KeepWindowBlocks, after the Commit, re-keeps or drops their window blocks.
+    cache_->SetOnWiden([this](BlockId block) {
+      if (window_of_.contains(block)) widened_.push_back(block);
+    });
+  }
+}
+
+KvCacheManager::EventGroups KvCacheManager::EventGroupsOf(const KvCacheOptions& options) {
+  // As Create() makes the groups.
+  const bool window = options.window_blocks > 0;
+  const bool state = options.state_slots > 0;
+  if (!window && !state) return {};
+  EventGroups groups{.main = KvEventGroup{}};
+  int32_t next = 1;
+  if (window) {
+    groups.window = KvEventGroup{.index = next++,
+                                 .kind = KvGroupKind::kSlidingWindow,
+                                 .sliding_window = options.window_tokens};
+  }
+  if (state) groups.state = KvEventGroup{.index = next++, .kind = KvGroupKind::kStateSpace};
+  return groups;
 }
 
 TraceContext KvCacheManager::BeginCall(SessionId session, SequenceId sequence) {
@@ -843,7 +867,7 @@ absl::Status KvCacheManager::Commit(SessionId caller, SequenceId sequence, int64
     cache_->Commit(seq->ns, std::span(seq->tokens).first(static_cast<size_t>(num_tokens)),
                    seq->table, seq->priority, seq->retain_tail, &seq->path, ctx);
     if (!seq->checkpoints.empty()) KeepPlanned(seq, ctx);
-    if (window_) KeepWindowBlocks(seq, ctx);
+    if (window_) KeepWindowBlocks(seq, num_tokens, ctx);
   }
   return absl::OkStatus();
 }
@@ -1002,7 +1026,7 @@ void KvCacheManager::FreeChecked(Sequence* seq, OnFree on_free) {
   if (on_free == OnFree::kCommit && cache_) {
     cache_->Commit(seq->ns, seq->tokens, seq->table, seq->priority, seq->retain_tail, &seq->path,
                    ctx);
-    if (window_) KeepWindowBlocks(seq, ctx);
+    if (window_) KeepWindowBlocks(seq, static_cast<int64_t>(seq->tokens.size()), ctx);
   }
   // Before the path goes: the checkpoints it keeps hang on the path's blocks.
   if (states_) ReleaseStates(seq, on_free == OnFree::kCommit && cache_, ctx);

@@ -48,6 +48,7 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -549,7 +550,9 @@ class KvCacheManager final {
   const EventLog* events() const { return cache_ ? &cache_->events() : nullptr; }
   // Records an event of a lower tier in the pool's event log (numbered with the pool's events).
   void AppendTierEvent(KvEvent event) {
-    if (cache_) cache_->AppendEvent(std::move(event));
+    if (!cache_) return;
+    if (!event.group) event.group = event_groups_.main;  // the tiers hold main blocks
+    cache_->AppendEvent(std::move(event));
   }
   // The full blocks cached since the last call, oldest first (KvCacheOptions::publish_journal;
   // always empty without it). Their bytes stay put while they are cached or held.
@@ -782,6 +785,8 @@ class KvCacheManager final {
   struct WindowRecord {
     BlockId primary = kInvalidBlock;  // the tree block it holds the tokens of; invalid: none
     uint64_t stamp = 0;               // its key in window_lru_
+    int32_t covered = 0;              // the tokens of `primary` it holds (its coverage when kept)
+    bool announced = false;           // a Stored event named it (its tree block is full)
   };
   int64_t SinkBlocks() const { return BlocksFor(sink_tokens_); }
   // The first table entry a sequence of `n` computed tokens still reads past its sinks: the one
@@ -835,8 +840,9 @@ class KvCacheManager final {
   absl::Status CheckWindowTruncate(const Sequence& seq, int64_t n) const;
   // Releases window_table entries past `keep` (with ReleaseTail).
   void ReleaseWindowTail(Sequence* seq, size_t keep, const TraceContext& ctx);
-  // Gives the tree the live window blocks of the published blocks of `seq` that have none.
-  void KeepWindowBlocks(Sequence* seq, const TraceContext& ctx);
+  // Gives the tree the live window blocks of the published blocks of `seq` that have none, after
+  // a Commit of its first `committed` tokens (those its window blocks hold).
+  void KeepWindowBlocks(Sequence* seq, int64_t committed, const TraceContext& ctx);
   void DropWindowBlock(BlockId block, const TraceContext& ctx);  // a cached one
   void TouchWindowBlock(BlockId block);                          // a cached one, just matched
   absl::Status CheckWindows() const;
@@ -898,9 +904,19 @@ class KvCacheManager final {
   std::unique_ptr<BlockPool> window_;
   const int32_t window_tokens_;
   const int32_t sink_tokens_;
+  // The layer groups as events name them (KvEvent::group): all absent in a pool of one group.
+  struct EventGroups {
+    std::optional<KvEventGroup> main;
+    std::optional<KvEventGroup> window;
+    std::optional<KvEventGroup> state;
+  };
+  static EventGroups EventGroupsOf(const KvCacheOptions& options);
+  const EventGroups event_groups_;
   std::vector<WindowRecord> window_at_;              // by window block
   absl::flat_hash_map<BlockId, BlockId> window_of_;  // tree block -> its window block
   internal::StampedLru<BlockId> window_lru_;         // (stamp, window block) of those kept: O(1)
+  std::vector<BlockId>
+      widened_;  // tree blocks widened by the Commit under way (PrefixCache::Widen)
   uint64_t window_clock_ = 0;
 
   absl::flat_hash_map<SequenceId, Sequence> sequences_;

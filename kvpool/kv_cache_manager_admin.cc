@@ -13,6 +13,8 @@
 namespace kvpool {
 namespace {
 
+size_t Index(BlockId b) { return static_cast<size_t>(b.value()); }
+
 std::vector<int32_t> Ids(std::span<const BlockId> blocks) {
   std::vector<int32_t> ids;
   ids.reserve(blocks.size());
@@ -122,7 +124,21 @@ std::vector<KvEvent> KvCacheManager::SnapshotEvents(uint64_t* resume_seq) const 
     *resume_seq = 1;
     return {};
   }
-  return cache_->SnapshotEvents(resume_seq);
+  std::vector<KvEvent> out = cache_->SnapshotEvents(resume_seq);
+  // Then the components kept beside full blocks, after the blocks they name. (From the tree, not
+  // from WindowRecord::announced: the random tests hold the events to this.)
+  for (const auto& [stamp, block] : window_lru_) {
+    const BlockId primary = window_at_[Index(block)].primary;
+    if (cache_->CoverageOf(primary) == block_size_) {
+      out.push_back(cache_->ComponentStored(primary, *event_groups_.window));
+    }
+  }
+  for (const auto& [stamp, slot] : checkpoint_lru_) {
+    const CheckpointSlot& c = checkpoint_at_[Index(slot)];
+    if (c.offset == block_size_)
+      out.push_back(cache_->ComponentStored(c.block, *event_groups_.state));
+  }
+  return out;
 }
 
 KvCacheStats KvCacheManager::stats() const {

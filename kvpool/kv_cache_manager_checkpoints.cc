@@ -170,6 +170,8 @@ void KvCacheManager::KeepCheckpoint(BlockId block, int32_t offset, BlockId slot,
   checkpoint_lru_.insert({checkpoint_clock_, slot});
   checkpoint_of_[block] = slot;
   ++counters_.checkpoints.kept;
+  // A checkpoint at a block's last token is named by the block's hash (KvEvent::group).
+  if (offset == block_size_) cache_->AnnounceComponent(std::span(&block, 1), *event_groups_.state);
 }
 
 void KvCacheManager::KeepPlanned(Sequence* seq, const TraceContext& ctx) {
@@ -222,6 +224,8 @@ void KvCacheManager::DropPlanned(Sequence* seq, int64_t position, const TraceCon
 
 void KvCacheManager::DropCheckpoint(BlockId slot, const TraceContext& ctx) {
   CheckpointSlot& c = checkpoint_at_[Index(slot)];
+  if (c.offset == block_size_)
+    cache_->ForgetComponent(std::span(&c.block, 1), *event_groups_.state);
   checkpoint_lru_.erase({c.stamp, slot});
   checkpoint_of_.erase(c.block);
   c = CheckpointSlot{};

@@ -339,26 +339,48 @@ absl::Status KvCacheManager::SlideWindow(SessionId caller, SequenceId sequence,
   return absl::OkStatus();
 }
 
-void KvCacheManager::KeepWindowBlocks(Sequence* seq, const TraceContext& ctx) {
+void KvCacheManager::KeepWindowBlocks(Sequence* seq, int64_t committed, const TraceContext& ctx) {
   const CachePath& path = seq->path;
   // (Blocks published without window entries, a KV client's that never extended its window,
   // leave tombstones.)
   const size_t published = std::min(path.full.size() + (path.partial != kInvalidBlock ? 1 : 0),
                                     seq->window_table.size());
+  // (entry, tree block) of the window blocks kept here beside full blocks: the path's full ones,
+  // or its partial one where the sequence's own block is full (a Truncate shortened the path).
+  std::vector<std::pair<size_t, BlockId>> announce;
   const auto keep = [&](size_t i) {
     const BlockId primary = i < path.full.size() ? path.full[i] : path.partial;
     const BlockId block = seq->window_table[i];
-    // Only the window block written beside the tree's own block holds its tokens (a block the
-    // path follows instead of the sequence's may cover more), and one per tree block.
-    if (block == kInvalidBlock || seq->table[i] != primary || window_of_.contains(primary) ||
-        window_->cache_held(block)) {
-      return;
+    // Only the window block written beside the tree's own block holds its tokens, and only those
+    // this sequence committed: the path's partial block may be one it shares (a Fork) or follows
+    // that covers more. One per tree block.
+    if (block == kInvalidBlock || seq->table[i] != primary) return;
+    const int32_t coverage = cache_->CoverageOf(primary);
+    if (committed - static_cast<int64_t>(i) * block_size_ < coverage) return;
+    const bool full = coverage == block_size_;
+    if (auto it = window_of_.find(primary); it != window_of_.end()) {
+      WindowRecord& r = window_at_[Index(it->second)];
+      if (r.covered == coverage) return;
+      // The tree block was widened since (its sequence wrote on and committed more of it).
+      if (it->second == block) {  // into the kept window block itself: it holds them too
+        r.covered = coverage;
+        if (full && !r.announced) {
+          r.announced = true;
+          announce.emplace_back(i, primary);
+        }
+        return;
+      }
+      // Into a copy (the window group copied on write): the kept block lacks the new tokens.
+      DropWindowBlock(it->second, ctx);
     }
+    if (window_->cache_held(block)) return;
     KVPOOL_CHECK_OK(window_->AddCacheRef(block, ctx));
-    window_at_[Index(block)] = {.primary = primary, .stamp = ++window_clock_};
+    window_at_[Index(block)] = {
+        .primary = primary, .stamp = ++window_clock_, .covered = coverage, .announced = full};
     window_lru_.insert({window_clock_, block});
     window_of_[primary] = block;
     ++counters_.windows.kept;
+    if (full) announce.emplace_back(i, primary);
   };
   const size_t sinks = std::min(static_cast<size_t>(SinkBlocks()), published);
   for (size_t i = 0; i < sinks; ++i) keep(i);
@@ -366,10 +388,31 @@ void KvCacheManager::KeepWindowBlocks(Sequence* seq, const TraceContext& ctx) {
   for (size_t i = published; i > sinks && seq->window_table[i - 1] != kInvalidBlock; --i) {
     keep(i - 1);
   }
+  // A widened tree block whose window block this sequence no longer holds live keeps none: the
+  // kept one lacks the tokens it was widened by (a tombstone, as for a slid-out entry).
+  for (BlockId primary : widened_) {
+    if (auto it = window_of_.find(primary);
+        it != window_of_.end() &&
+        window_at_[Index(it->second)].covered < cache_->CoverageOf(primary)) {
+      DropWindowBlock(it->second, ctx);
+    }
+  }
+  widened_.clear();
+  // One Stored event per run of consecutive entries (each block the parent of the next).
+  std::sort(announce.begin(), announce.end());
+  std::vector<BlockId> run;
+  for (size_t a = 0; a < announce.size(); ++a) {
+    run.push_back(announce[a].second);
+    if (a + 1 == announce.size() || announce[a + 1].first != announce[a].first + 1) {
+      cache_->AnnounceComponent(run, *event_groups_.window);
+      run.clear();
+    }
+  }
 }
 
 void KvCacheManager::DropWindowBlock(BlockId block, const TraceContext& ctx) {
   WindowRecord& r = window_at_[Index(block)];
+  if (r.announced) cache_->ForgetComponent(std::span(&r.primary, 1), *event_groups_.window);
   window_lru_.erase({r.stamp, block});
   window_of_.erase(r.primary);
   r = WindowRecord{};
@@ -468,6 +511,14 @@ absl::Status KvCacheManager::CheckWindowRefs() const {
       return InvariantViolation("window block {} (for block {}) is not kept where it says",
                                 block.value(), r.primary.value());
     }
+    // It holds every token its block covers (a widened block's is re-kept or dropped), and a
+    // Stored event named it exactly when that block is full.
+    const int32_t coverage = cache_->CoverageOf(r.primary);
+    if (r.covered != coverage || r.announced != (coverage == block_size_)) {
+      return InvariantViolation(
+          "window block {} holds {} tokens of block {}, which covers {} (announced: {})",
+          block.value(), r.covered, r.primary.value(), coverage, r.announced);
+    }
     ++refs[Index(block)];
   }
   for (int32_t b = 0; b < window_->num_blocks(); ++b) {
@@ -489,8 +540,9 @@ absl::Status KvCacheManager::CheckWindowRefs() const {
 void KvCacheManager::WindowDebugString(std::string* out) const {
   *out += "window group:\n" + window_->DebugString();
   for (const auto& [stamp, block] : window_lru_) {
-    fmt::format_to(std::back_inserter(*out), "window block={} primary={} stamp={}\n", block.value(),
-                   window_at_[Index(block)].primary.value(), stamp);
+    const WindowRecord& r = window_at_[Index(block)];
+    fmt::format_to(std::back_inserter(*out), "window block={} primary={} stamp={}{}\n",
+                   block.value(), r.primary.value(), stamp, r.announced ? " announced" : "");
   }
 }
 

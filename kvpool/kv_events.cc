@@ -6,6 +6,18 @@
 
 namespace kvpool {
 
+std::string_view GroupKindName(KvGroupKind kind) {
+  switch (kind) {
+    case KvGroupKind::kFullAttention:
+      return "full_attention";
+    case KvGroupKind::kSlidingWindow:
+      return "sliding_window";
+    case KvGroupKind::kStateSpace:
+      return "mamba";
+  }
+  return "unknown";
+}
+
 size_t EventBytes(const KvEvent& event) {
   return sizeof(KvEvent) + event.block_hashes.capacity() * sizeof(BlockHash) +
          event.token_ids.capacity() * sizeof(int32_t);

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <deque>
 #include <optional>
+#include <string_view>
 #include <vector>
 
 #include "kvpool/util/strong_id.h"
@@ -42,6 +43,27 @@ enum class KvEventType : uint8_t { kBlockStored, kBlockRemoved, kAllBlocksCleare
 // it (docs/tiers.md). Tier events name blocks by hash only (no tokens).
 enum class KvMedium : uint8_t { kDevice, kHost, kDisk };
 
+// The life cycle of a layer group (vLLM's kv_cache_spec_kind: full_attention, sliding_window,
+// mamba; docs/hybrid-groups.md).
+enum class KvGroupKind : uint8_t { kFullAttention, kSlidingWindow, kStateSpace };
+// vLLM's name of `kind`: "full_attention", "sliding_window", "mamba".
+std::string_view GroupKindName(KvGroupKind kind);
+
+// Which of a hybrid pool's layer groups an event's blocks belong to (vLLM's group_idx,
+// kv_cache_spec_kind, kv_cache_spec_sliding_window). Index 0 is the main blocks (the
+// full-attention layers, and the sliding ones where the pool has no window group); then the
+// window group, then the state group, each where the pool has it. A window group's event names
+// the tree's full blocks whose window blocks the tree keeps; a state group's names the full
+// blocks at whose last token the tree keeps a checkpoint. Both by the same hashes as the main
+// blocks' events, so a consumer keys what it knows by (hash, group).
+struct KvEventGroup {
+  int32_t index = 0;
+  KvGroupKind kind = KvGroupKind::kFullAttention;
+  int32_t sliding_window = 0;  // kSlidingWindow: the window, in tokens; else 0
+
+  friend bool operator==(const KvEventGroup&, const KvEventGroup&) = default;
+};
+
 struct KvEvent {
   uint64_t seq = 0;    // gap-free, from 1; 0 in snapshot entries
   uint64_t epoch = 0;  // changes when the daemon restarts
@@ -54,6 +76,9 @@ struct KvEvent {
   std::vector<int32_t> token_ids;        // stored: every block's tokens, concatenated
   int32_t block_size = 0;
   KvMedium medium = KvMedium::kDevice;
+  // Set on every Stored and Removed event of a pool with more than one layer group; absent in a
+  // pool of one (every event then names main blocks). AllBlocksCleared clears every group.
+  std::optional<KvEventGroup> group;
 };
 
 // The memory one event takes in the ring, in bytes: the struct and its vectors' buffers.

@@ -120,6 +120,7 @@ PrefixCache::PrefixCache(const PrefixCacheOptions& options, BlockPool* pool,
       evicted_memory_(options.evicted_memory),
       retain_partial_tails_(retain_partial_tails),
       events_on_(options.events),
+      event_group_(options.event_group),
       journal_on_(options.journal),
       hashes_on_(options.events || options.journal || options.evicted_memory > 0 ||
                  policy->uses_fingerprints()),

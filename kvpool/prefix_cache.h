@@ -41,6 +41,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <source_location>
 #include <span>
 #include <string>
@@ -131,6 +132,9 @@ struct PrefixCacheOptions {
   // Record KV events. Off (a replay or bench with no event consumer) the log stays empty and
   // stored blocks cost no token copies.
   bool events = true;
+  // Stamped on the tree's own Stored and Removed events: the main blocks' group in a pool with
+  // more than one layer group (KvEvent::group); absent in a pool of one.
+  std::optional<KvEventGroup> event_group;
   // Keep a journal of the full blocks that become cached, for a tier writer to drain
   // (TakePublished). Turns chained hashes on.
   bool journal = false;
@@ -179,6 +183,10 @@ class PrefixCache final {
   void SetOnRemove(std::function<void(BlockId, const TraceContext&)> on_remove) {
     on_remove_ = std::move(on_remove);
   }
+
+  // Called for every block a Commit widens (its sequence's own block, now covering more tokens):
+  // what the owner keeps beside it may hold only the tokens it covered before.
+  void SetOnWiden(std::function<void(BlockId)> on_widen) { on_widen_ = std::move(on_widen); }
 
   // The longest cached prefix of `tokens` in `ns`. Changes nothing.
   PrefixMatch Match(NamespaceId ns, std::span<const int32_t> tokens) const;
@@ -285,6 +293,19 @@ class PrefixCache final {
   // BlockStored events (seq 0) describing every full block now cached, parents first; a consumer
   // that applies them after clearing its view, then reads from `*resume_seq`, misses nothing.
   std::vector<KvEvent> SnapshotEvents(uint64_t* resume_seq) const;
+
+  // Events of a component its owner keeps beside full tree blocks (KvCacheManager's window blocks
+  // and state checkpoints), stamped with `group`. AnnounceComponent: one Stored event naming
+  // `chain` as the tree's own events name full blocks (hashes, parent, tokens). ForgetComponent:
+  // one Removed event naming `blocks` by hash, before the tree's removals still batched (the
+  // owner drops components from SetOnRemove's callback: they leave before their block does);
+  // nothing while Clear() runs, whose AllBlocksCleared covers every group. Both do nothing with
+  // events off. REQUIRES: every block is a full block in the tree, all in one namespace; `chain`'s
+  // blocks each the parent of the next.
+  void AnnounceComponent(std::span<const BlockId> chain, const KvEventGroup& group);
+  void ForgetComponent(std::span<const BlockId> blocks, const KvEventGroup& group);
+  // The Stored event of one block's component, as a snapshot entry (seq 0).
+  KvEvent ComponentStored(BlockId block, const KvEventGroup& group) const;
 
   PrefixCacheStats stats() const;
   // The tree's shape (RunTree::CheckInvariants), hash chains, one cache reference per block,
@@ -429,11 +450,16 @@ class PrefixCache final {
   // A full block leaves: events, Explain memory (with whether it was below the admission bar).
   void Forget(BlockId block, bool below_bar);
   void FlushRemoved();
+  // A Stored event naming `chain` (full blocks, each the parent of the next), seq not set yet.
+  KvEvent StoredEvent(std::span<const BlockId> chain,
+                      const std::optional<KvEventGroup>& group) const;
 
   const int32_t block_size_;
   const size_t evicted_memory_;
   const bool retain_partial_tails_;
   const bool events_on_;
+  const std::optional<KvEventGroup> event_group_;
+  bool clearing_ = false;  // Clear() runs: components' removals are not announced
   const bool journal_on_;
   // Chained hashes are computed: events, the evicted-hash memory or the policy need them. Off,
   // hash_ stays empty and the fingerprints zero.
@@ -447,6 +473,7 @@ class PrefixCache final {
   const bool lean_evictions_;
   EventLog events_;
   std::function<void(BlockId, const TraceContext&)> on_remove_;  // SetOnRemove
+  std::function<void(BlockId)> on_widen_;                        // SetOnWiden
   int64_t now_ns_ = 0;
   uint64_t release_counter_ = 0;
 

@@ -110,8 +110,8 @@ void PrefixCache::Remove(BlockId block, const TraceContext& ctx, bool offer_pare
     if (tree_.depth(block) == 1) UnindexFirstBlock(block);
     Forget(block, below_bar);
   }
+  Release(block, ctx);  // while the tree still holds it: on_remove_ may name it in an event
   const BlockId parent = tree_.Remove(block);
-  Release(block, ctx);
   if (offer_parent && parent != kInvalidBlock) UpdateCandidate(parent);  // may be a leaf now
 }
 
@@ -279,12 +279,14 @@ absl::Status PrefixCache::Clear(const TraceContext& ctx) {
                     num_blocks_ - num_evictable_, num_blocks_));
   }
   // Every block is evictable, so one plan takes them all, leaves before their parents.
+  clearing_ = true;
   while (num_blocks_ > 0) {
     std::vector<BlockId> victims;
     PlanEviction(num_blocks_ + 1, {}, &victims);
     KVPOOL_CHECK(!victims.empty());
     for (BlockId block : victims) Remove(block, ctx);
   }
+  clearing_ = false;
   pending_removed_.clear();  // announced as one AllBlocksCleared instead
   if (events_on_) {
     events_.Append(KvEvent{.type = KvEventType::kAllBlocksCleared, .block_size = block_size_});

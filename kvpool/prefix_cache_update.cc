@@ -101,6 +101,7 @@ void PrefixCache::UnindexFirstBlock(BlockId block) {
 void PrefixCache::Widen(BlockId block, std::span<const int32_t> tokens) {
   tree_.Widen(block, tokens);
   ++counters_.widened;
+  if (on_widen_ != nullptr) on_widen_(block);
   if (tree_.coverage(block) == block_size_) {
     MakeFull(block);
     if (hears_accesses_) policy_->OnInsert(Key(block), Facts(block), now_ns_);  // named now
@@ -253,24 +254,33 @@ void PrefixCache::RemoveDominated(BlockId block, const TraceContext& ctx) {
 }
 
 void PrefixCache::Announce(std::span<const BlockId> chain) {
-  const NamespaceId ns = tree_.ns_of(chain.front());
-  const BlockHash above = HashOf(tree_.Parent(chain.front()));
   if (journal_on_) {
-    BlockHash parent = above;
+    const NamespaceId ns = tree_.ns_of(chain.front());
+    BlockHash parent = HashOf(tree_.Parent(chain.front()));
     for (BlockId b : chain) {
       published_.push_back({.ns = ns, .block = b, .hash = hash_[Index(b)], .parent = parent});
       parent = hash_[Index(b)];
     }
   }
-  if (!events_on_) return;
-  KvEvent e{.type = KvEventType::kBlockStored, .ns = ns, .block_size = block_size_};
+  if (events_on_) events_.Append(StoredEvent(chain, event_group_));
+}
+
+KvEvent PrefixCache::StoredEvent(std::span<const BlockId> chain,
+                                 const std::optional<KvEventGroup>& group) const {
+  KvEvent e{.type = KvEventType::kBlockStored,
+            .ns = tree_.ns_of(chain.front()),
+            .block_size = block_size_,
+            .group = group};
   for (BlockId b : chain) {
+    KVPOOL_DCHECK(tree_.coverage(b) == block_size_);
     e.block_hashes.push_back(hash_[Index(b)]);
     const std::span<const int32_t> t = tree_.Tokens(b);
     e.token_ids.insert(e.token_ids.end(), t.begin(), t.end());
   }
-  if (tree_.Parent(chain.front()) != kInvalidBlock) e.parent_hash = above;
-  events_.Append(std::move(e));
+  if (const BlockId parent = tree_.Parent(chain.front()); parent != kInvalidBlock) {
+    e.parent_hash = hash_[Index(parent)];
+  }
+  return e;
 }
 
 void PrefixCache::FlushRemoved() {
@@ -278,23 +288,44 @@ void PrefixCache::FlushRemoved() {
   events_.Append(KvEvent{.type = KvEventType::kBlockRemoved,
                          .ns = pending_removed_ns_,
                          .block_hashes = std::move(pending_removed_),
-                         .block_size = block_size_});
+                         .block_size = block_size_,
+                         .group = event_group_});
   pending_removed_.clear();
+}
+
+void PrefixCache::AnnounceComponent(std::span<const BlockId> chain, const KvEventGroup& group) {
+  if (!events_on_ || chain.empty()) return;
+  events_.Append(StoredEvent(chain, group));
+}
+
+void PrefixCache::ForgetComponent(std::span<const BlockId> blocks, const KvEventGroup& group) {
+  if (!events_on_ || clearing_ || blocks.empty()) return;
+  // Appended now, before the tree's removals still batched (FlushRemoved): a consumer never
+  // holds a component whose block it was told is gone.
+  KvEvent e{.type = KvEventType::kBlockRemoved,
+            .ns = tree_.ns_of(blocks.front()),
+            .block_size = block_size_,
+            .group = group};
+  for (BlockId b : blocks) {
+    KVPOOL_DCHECK(tree_.ns_of(b) == e.ns);
+    e.block_hashes.push_back(hash_[Index(b)]);
+  }
+  events_.Append(std::move(e));
+}
+
+KvEvent PrefixCache::ComponentStored(BlockId block, const KvEventGroup& group) const {
+  KvEvent e = StoredEvent(std::span(&block, 1), group);
+  e.epoch = events_.epoch();
+  return e;
 }
 
 std::vector<KvEvent> PrefixCache::SnapshotEvents(uint64_t* resume_seq) const {
   std::vector<KvEvent> out;
-  tree_.ForEachRun([&](BlockId parent, std::span<const BlockId> run) {
-    for (BlockId b : run) {
+  tree_.ForEachRun([&](BlockId, std::span<const BlockId> run) {
+    for (const BlockId& b : run) {
       if (tree_.coverage(b) != block_size_) continue;
-      KvEvent e{.type = KvEventType::kBlockStored, .ns = tree_.ns_of(b), .block_size = block_size_};
-      e.block_hashes.push_back(HashOf(b));
-      if (parent != kInvalidBlock) e.parent_hash = HashOf(parent);
-      const std::span<const int32_t> t = tree_.Tokens(b);
-      e.token_ids.assign(t.begin(), t.end());
-      e.epoch = events_.epoch();
-      out.push_back(std::move(e));
-      parent = b;
+      out.push_back(StoredEvent(std::span(&b, 1), event_group_));
+      out.back().epoch = events_.epoch();
     }
   });
   *resume_seq = events_.next_seq();

@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kvpool/kv_cache_manager.h"
+#include "tests/kvpool/event_mirror.h"
 #include "tests/kvpool/kv_cache_model.h"
 
 namespace kvpool {
@@ -437,6 +438,7 @@ class KvCacheRandomTest : public ::testing::Test {
   std::vector<uint32_t> arena_;
   std::vector<NamespaceId> last_owner_;
   std::mt19937_64 rng_{20261129};
+  EventMirror mirror_{/*grouped=*/false};
 };
 
 TEST_F(KvCacheRandomTest, MillionOperationsAgreeWithTheModel) {
@@ -476,6 +478,11 @@ TEST_F(KvCacheRandomTest, MillionOperationsAgreeWithTheModel) {
     ASSERT_TRUE(invariants.ok()) << "at step " << step << ": " << invariants;
     Verify();
     if (HasFatalFailure()) FAIL() << "at step " << step;
+    ASSERT_TRUE(mirror_.Follow(*cache_->events())) << "at step " << step;
+    if (step % 64 == 0) {
+      uint64_t resume = 0;
+      ASSERT_TRUE(mirror_.Matches(cache_->SnapshotEvents(&resume))) << "at step " << step;
+    }
   }
   const KvCacheStats s = cache_->stats();
   // The run must have exercised what it claims to (a tenth of these at 1M operations).

@@ -37,6 +37,7 @@
 #include "kvpool/kv_cache_manager.h"
 #include "kvpool/util/errors.h"
 #include "tests/kvpool/checkpoint_reference.h"
+#include "tests/kvpool/event_mirror.h"
 #include "tests/kvpool/simulated_state_slots.h"
 #include "tests/kvpool/timeline_fences.h"
 
@@ -596,6 +597,7 @@ class StateCheckpointRandomTest : public ::testing::TestWithParam<Config> {
   std::array<std::vector<int32_t>, 3> families_;
   std::vector<std::vector<int32_t>> remembered_;
   Tally tally_;
+  EventMirror mirror_{/*grouped=*/true};
   std::mt19937_64 rng_;
 };
 
@@ -652,6 +654,9 @@ TEST_P(StateCheckpointRandomTest, OperationsAgreeWithTheModel) {
     ASSERT_TRUE(invariants.ok()) << "at operation " << op << ": " << invariants;
     Verify();
     if (HasFatalFailure()) FAIL() << "at operation " << op;
+    ASSERT_TRUE(mirror_.Follow(*cache_->events())) << "at operation " << op;
+    uint64_t resume = 0;
+    ASSERT_TRUE(mirror_.Matches(cache_->SnapshotEvents(&resume))) << "at operation " << op;
   }
   const KvCacheStats s = cache_->stats();
   std::printf(
@@ -668,6 +673,7 @@ TEST_P(StateCheckpointRandomTest, OperationsAgreeWithTheModel) {
   EXPECT_GT(tally_.undos, ops / 500);
   EXPECT_GT(slots_.reused(), ops / 100);
   EXPECT_GT(s.checkpoints.evicted, static_cast<uint64_t>(ops / 100));
+  EXPECT_GT(mirror_.stored(1), static_cast<uint64_t>(ops / 100));  // checkpoints, as group 1
 }
 
 INSTANTIATE_TEST_SUITE_P(Seeds, StateCheckpointRandomTest,

@@ -14,7 +14,8 @@
 // must have every fence it was marked with passed.
 // After every operation: CheckInvariants(), the code the model predicts, which entries of every
 // window table are live (the reference's), the bound after a slide, and a resumed sequence's
-// match against the reference's longest resumable prefix.
+// match against the reference's longest resumable prefix; and the events a consumer read so far
+// (the window group's blocks as group 1) agree with a snapshot.
 //
 // KVPOOL_WINDOW_RANDOM_OPS=N runs N operations per seed instead of the default.
 
@@ -30,6 +31,7 @@
 #include "gtest/gtest.h"
 #include "kvpool/kv_cache_manager.h"
 #include "kvpool/util/errors.h"
+#include "tests/kvpool/event_mirror.h"
 #include "tests/kvpool/timeline_fences.h"
 
 namespace kvpool {
@@ -282,6 +284,7 @@ class WindowGroupRandomTest : public ::testing::TestWithParam<Config> {
   std::array<std::vector<int32_t>, kFamilies> families_;
   std::map<SequenceId, Model> models_;
   Tally tally_;
+  EventMirror mirror_{/*grouped=*/true};
 };
 
 void WindowGroupRandomTest::Allocate() {
@@ -441,6 +444,9 @@ TEST_P(WindowGroupRandomTest, MatchesTheReferenceModel) {
     ASSERT_TRUE(inv.ok()) << inv << "\n" << manager_->DebugString();
     CheckTables();
     if (::testing::Test::HasFatalFailure()) return;
+    ASSERT_TRUE(mirror_.Follow(*manager_->events()));
+    uint64_t resume = 0;
+    ASSERT_TRUE(mirror_.Matches(manager_->SnapshotEvents(&resume)));
   }
   // The run exercised what it is for.
   EXPECT_GT(tally_.resumes, 20);
@@ -450,15 +456,21 @@ TEST_P(WindowGroupRandomTest, MatchesTheReferenceModel) {
   EXPECT_GT(tally_.slid, 100);
   EXPECT_GT(tally_.lagging, 20);
   EXPECT_GT(manager_->stats().windows.evicted, 10u);
+  // Window blocks announced as group 1: beside full blocks only, so not with a window too short
+  // to read a full block back (W 1: only the block being written).
+  if (window_ > 1) {
+    EXPECT_GT(mirror_.stored(1), 10u);
+  }
   std::printf(
       "resumes %lld (window cuts %lld), refusals %lld, truncates refused %lld, slid %lld, "
-      "steps %lld (%lld extended first), window blocks kept %llu evicted %llu\n",
+      "steps %lld (%lld extended first), window blocks kept %llu evicted %llu announced %llu\n",
       static_cast<long long>(tally_.resumes), static_cast<long long>(tally_.window_cuts),
       static_cast<long long>(tally_.refusals), static_cast<long long>(tally_.truncate_refused),
       static_cast<long long>(tally_.slid), static_cast<long long>(tally_.steps),
       static_cast<long long>(tally_.lagging),
       static_cast<unsigned long long>(manager_->stats().windows.kept),
-      static_cast<unsigned long long>(manager_->stats().windows.evicted));
+      static_cast<unsigned long long>(manager_->stats().windows.evicted),
+      static_cast<unsigned long long>(mirror_.stored(1)));
 }
 
 INSTANTIATE_TEST_SUITE_P(Seeds, WindowGroupRandomTest,

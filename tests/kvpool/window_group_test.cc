@@ -10,6 +10,7 @@
 #include "gtest/gtest.h"
 #include "kvpool/kv_cache_manager.h"
 #include "kvpool/util/errors.h"
+#include "tests/kvpool/event_mirror.h"
 #include "tests/kvpool/manual_fences.h"
 
 namespace kvpool {
@@ -405,6 +406,85 @@ TEST_F(WindowGroupTest, CheckpointAndWindowCutsAgree) {
   ExpectInvariants();
 }
 
+// Events name each group's blocks (KvEvent::group, vLLM's group_idx): the window blocks and the
+// checkpoints the tree keeps, by the hashes of the full blocks they sit beside, announced after
+// their block and withdrawn before it; a Clear is one AllBlocksCleared for every group.
+TEST_F(WindowGroupTest, EventsNameEachGroupsBlocks) {
+  Make(/*window_blocks=*/6, /*window_tokens=*/32, /*sink_tokens=*/0, /*num_blocks=*/64,
+       /*state_slots=*/5, /*checkpoint_slots=*/3, /*checkpoint_interval=*/2);
+  const KvEventGroup main{.index = 0, .kind = KvGroupKind::kFullAttention};
+  const KvEventGroup window{.index = 1, .kind = KvGroupKind::kSlidingWindow, .sliding_window = 32};
+  const KvEventGroup state{.index = 2, .kind = KvGroupKind::kStateSpace};
+  EventMirror mirror(/*grouped=*/true);
+  const auto read = [&](uint64_t from) {
+    std::vector<KvEvent> out;
+    EXPECT_TRUE(cache_->events()->ReadFrom(from, 100, &out));
+    return out;
+  };
+  const std::vector<int32_t> prompt = Prompt(72);
+  absl::StatusOr<AllocateResult> a = Alloc(kAlice, 72, prompt);
+  ASSERT_TRUE(a.ok());
+  std::vector<PlannedCheckpoint> planned;
+  ASSERT_TRUE(
+      cache_->PlanCheckpoints(kAlice, a->sequence, 0, 64, /*prefill=*/false, &planned).ok());
+  ASSERT_TRUE(cache_->AdvanceState(kAlice, a->sequence, 72).ok());
+  ASSERT_TRUE(cache_->Commit(kAlice, a->sequence, 72).ok());
+  ASSERT_TRUE(cache_->Free(kAlice, a->sequence, OnFree::kCommit).ok());
+  ASSERT_TRUE(mirror.Follow(*cache_->events()));
+  std::vector<KvEvent> events = read(1);
+  // The main blocks (4 full; the partial fifth, tokens 65..72, announces nothing), then the
+  // checkpoints at 32 and 64 (block ends) and the window blocks beside them.
+  ASSERT_EQ(events.size(), 4u);
+  EXPECT_EQ(events[0].type, KvEventType::kBlockStored);
+  EXPECT_EQ(events[0].group, main);
+  ASSERT_EQ(events[0].block_hashes.size(), 4u);
+  const std::vector<BlockHash> hashes = events[0].block_hashes;
+  EXPECT_EQ(events[1].group, state);
+  EXPECT_THAT(events[1].block_hashes, ElementsAre(hashes[1]));
+  EXPECT_EQ(events[1].parent_hash, hashes[0]);
+  EXPECT_EQ(events[2].group, state);
+  EXPECT_THAT(events[2].block_hashes, ElementsAre(hashes[3]));
+  EXPECT_EQ(events[3].group, window);
+  EXPECT_EQ(events[3].block_hashes, hashes);  // every window entry still live at Commit
+  EXPECT_EQ(events[3].token_ids, events[0].token_ids);
+  EXPECT_EQ(events[3].parent_hash, std::nullopt);
+  uint64_t resume = 0;
+  EXPECT_TRUE(mirror.Matches(cache_->SnapshotEvents(&resume)));
+  EXPECT_EQ(mirror.held(1), 4u);
+  EXPECT_EQ(mirror.held(2), 2u);
+
+  // Window pressure evicts the least recently kept window block alone: block 0's.
+  absl::StatusOr<AllocateResult> c = Alloc(kBob, 48);
+  ASSERT_TRUE(c.ok()) << c.status();
+  events = read(resume);
+  ASSERT_THAT(events, ::testing::SizeIs(::testing::Ge(1u)));
+  EXPECT_EQ(events[0].type, KvEventType::kBlockRemoved);
+  EXPECT_EQ(events[0].group, window);
+  ASSERT_TRUE(mirror.Follow(*cache_->events()));
+  EXPECT_TRUE(mirror.Matches(cache_->SnapshotEvents(&resume)));
+  EXPECT_EQ(mirror.held(1), 4u - events[0].block_hashes.size());
+
+  // The tree lets every block go: each one's components leave before it does.
+  ASSERT_TRUE(cache_->Free(kBob, c->sequence).ok());
+  EXPECT_EQ(cache_->EvictCached(64), 5);
+  ASSERT_TRUE(mirror.Follow(*cache_->events()));
+  EXPECT_TRUE(mirror.Matches(cache_->SnapshotEvents(&resume)));
+  EXPECT_EQ(mirror.held(0) + mirror.held(1) + mirror.held(2), 0u);
+
+  // A Clear: one AllBlocksCleared, nothing per group.
+  a = Alloc(kAlice, 72, prompt);
+  ASSERT_TRUE(a.ok());
+  ASSERT_TRUE(cache_->Free(kAlice, a->sequence, OnFree::kCommit).ok());
+  const uint64_t before = cache_->events()->next_seq();
+  ASSERT_TRUE(cache_->ClearCache().ok());
+  events = read(before);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].type, KvEventType::kAllBlocksCleared);
+  ASSERT_TRUE(mirror.Follow(*cache_->events()));
+  EXPECT_TRUE(mirror.Matches(cache_->SnapshotEvents(&resume)));
+  ExpectInvariants();
+}
+
 // A long prefill in chunks takes its window blocks chunk by chunk (AllocateRequest::window_ahead,
 // ExtendWindow), so that a prompt whose whole length the window group could never hold at once
 // goes through it within about a chunk plus a window of blocks.
@@ -459,6 +539,32 @@ TEST_F(WindowAheadTest, ExtendWindowIsRefusedWholeAndChecksItsArguments) {
   // Already there: nothing to do.
   EXPECT_TRUE(cache_->ExtendWindow(kAlice, r->sequence, 10, &plan).ok());
   EXPECT_TRUE(plan.window_fills.empty());
+  ExpectInvariants();
+}
+
+// A fork shares its parent's full tree blocks; truncated into one, it commits only part of that
+// block, and its own window block there holds only those tokens. The tree must not keep it
+// beside the whole block: a prompt resuming the whole block would read the rest unwritten.
+// (Found by window_group_random_test at 40,000 operations, seed 5.)
+TEST_F(WindowAheadTest, AForkCommittingPartOfASharedBlockLeavesItsWindowBlockOut) {
+  const std::vector<int32_t> prompt = Prompt(48);
+  plan_ = DevicePlan{};
+  auto a = cache_->Allocate(
+      kAlice, {.ns = kTenant, .num_tokens = 48, .prompt = prompt, .window_ahead = 16}, &plan_);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(cache_->Commit(kAlice, a->sequence, 48).ok());  // 3 full blocks, 1 window entry
+  EXPECT_EQ(cache_->stats().windows.kept, 1u);
+  DevicePlan plan;
+  absl::StatusOr<SequenceId> child = cache_->Fork(kAlice, a->sequence, &plan);
+  ASSERT_TRUE(child.ok()) << child.status();
+  ASSERT_TRUE(cache_->Truncate(kAlice, *child, 40).ok());
+  ASSERT_TRUE(cache_->ExtendWindow(kAlice, *child, 40, &plan).ok());
+  ASSERT_EQ(Seq(*child).table[2], Seq(a->sequence).table[2]);  // the parent's, shared
+  // The child computes tokens 16..39 into its new window blocks, then commits 40 tokens.
+  ASSERT_TRUE(cache_->Commit(kAlice, *child, 40).ok());
+  EXPECT_EQ(cache_->stats().windows.kept, 2u);  // block 1's, not block 2's
+  // A window of 20 tokens at 48 needs blocks 1 and 2; block 2 has none: 32 resume.
+  EXPECT_EQ(cache_->MatchPrefix(kTenant, prompt), 32);
   ExpectInvariants();
 }
 
