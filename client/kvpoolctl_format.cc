@@ -441,6 +441,10 @@ std::string FormatEvents(const v1::WatchEventsResponse& events, bool json) {
     std::string line =
         fmt::format("{:>8} {:<7} {:<6} epoch {} ns {:#018x}", e.seq(), type,
                     e.medium().empty() ? "device" : e.medium(), e.epoch(), e.namespace_id());
+    if (e.has_group()) {
+      line += fmt::format(" group {} {}", e.group().index(), e.group().kind());
+      if (e.group().sliding_window() > 0) line += fmt::format(" W {}", e.group().sliding_window());
+    }
     if (e.block_hashes_size() > 0) {
       line += fmt::format(" blocks {} [{}", e.block_hashes_size(), HashText(e.block_hashes(0)));
       if (e.block_hashes_size() > 1) line += " ...";

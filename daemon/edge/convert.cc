@@ -132,6 +132,12 @@ v1::KvEvent ToProto(const KvEvent& e) {
   out.mutable_token_ids()->Add(e.token_ids.begin(), e.token_ids.end());
   out.set_block_size(e.block_size);
   out.set_medium(MediumName(e.medium));
+  if (e.group) {
+    v1::KvEventGroup* g = out.mutable_group();
+    g->set_index(e.group->index);
+    g->set_kind(std::string(GroupKindName(e.group->kind)));
+    g->set_sliding_window(e.group->sliding_window);
+  }
   return out;
 }
 

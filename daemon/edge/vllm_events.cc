@@ -33,7 +33,7 @@ void PackHashes(Packer& p, const std::vector<BlockHash>& hashes) {
 void PackEvent(Packer& p, const KvEvent& e) {
   switch (e.type) {
     case KvEventType::kBlockStored:
-      p.pack_array(7);
+      p.pack_array(e.group ? 12 : 7);
       PackStr(p, "BlockStored");
       PackHashes(p, e.block_hashes);
       if (e.parent_hash) {
@@ -46,12 +46,24 @@ void PackEvent(Packer& p, const KvEvent& e) {
       p.pack_int32(e.block_size);
       p.pack_nil();  // lora_id
       PackStr(p, VllmMedium(e.medium));
+      if (e.group) {
+        p.pack_nil();  // lora_name
+        p.pack_nil();  // extra_keys
+        p.pack_int32(e.group->index);
+        PackStr(p, GroupKindName(e.group->kind));
+        if (e.group->kind == KvGroupKind::kSlidingWindow) {
+          p.pack_int32(e.group->sliding_window);
+        } else {
+          p.pack_nil();
+        }
+      }
       return;
     case KvEventType::kBlockRemoved:
-      p.pack_array(3);
+      p.pack_array(e.group ? 4 : 3);
       PackStr(p, "BlockRemoved");
       PackHashes(p, e.block_hashes);
       PackStr(p, VllmMedium(e.medium));
+      if (e.group) p.pack_int32(e.group->index);
       return;
     case KvEventType::kAllBlocksCleared:
       p.pack_array(1);

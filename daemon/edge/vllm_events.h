@@ -12,6 +12,11 @@
 //   ["BlockRemoved", block_hashes, medium]
 //   ["AllBlocksCleared"]
 //
+// In a pool of more than one layer group (KvEvent::group) Stored and Removed events go on with
+// vLLM's later fields: Stored with lora_name (nil), extra_keys (nil), group_idx,
+// kv_cache_spec_kind and kv_cache_spec_sliding_window (nil but for a window group); Removed
+// with group_idx. A consumer decoding the shorter form ignores trailing fields (msgspec does).
+//
 // A block hash (vLLM's ExternalBlockHash, bytes | int) is kvpool's 128-bit hash as 16 bytes,
 // big-endian (hi then lo); lora_id is nil; medium names where the blocks are as vLLM does: "GPU"
 // (the device pool, whatever its backend), "CPU" (the host tier), "DISK" (the disk tier).

@@ -63,6 +63,33 @@ TEST(VllmEventsTest, AParentHashAndTheTiersMedia) {
   EXPECT_EQ(VllmMedium(KvMedium::kDisk), "DISK");
 }
 
+// A hybrid pool's events go on with vLLM's later fields: Stored with lora_name, extra_keys,
+// group_idx, kv_cache_spec_kind and kv_cache_spec_sliding_window; Removed with group_idx.
+TEST(VllmEventsTest, AHybridPoolsEventsCarryTheirGroup) {
+  std::vector<KvEvent> events(3);
+  events[0].type = KvEventType::kBlockStored;
+  events[0].block_hashes = {kHash};
+  events[0].block_size = 16;
+  events[0].group =
+      KvEventGroup{.index = 1, .kind = KvGroupKind::kSlidingWindow, .sliding_window = 256};
+  events[1] = events[0];
+  events[1].group = KvEventGroup{};  // the main blocks: full attention, no window
+  events[2].type = KvEventType::kBlockRemoved;
+  events[2].block_hashes = {kHash};
+  events[2].group = KvEventGroup{.index = 2, .kind = KvGroupKind::kStateSpace};
+  const std::string stored_head = Bytes({0x9c}) + Str("BlockStored") +  // 12 items
+                                  Bytes({0x91}) + HashBin() + Bytes({0xc0, 0x90, 0x10, 0xc0}) +
+                                  Str("GPU") + Bytes({0xc0, 0xc0});  // lora_name, extra_keys nil
+  const std::string expected =
+      Bytes({0x93}) + Ts() + Bytes({0x93}) +  //
+      stored_head + Bytes({0x01}) + Str("sliding_window") + Bytes({0xcd, 0x01, 0x00}) +
+      stored_head + Bytes({0x00}) + Str("full_attention") + Bytes({0xc0}) + Bytes({0x94}) +
+      Str("BlockRemoved") + Bytes({0x91}) + HashBin() + Str("GPU") + Bytes({0x02}) +  // group_idx
+      Bytes({0x00});
+  EXPECT_EQ(EncodeVllmBatch(events, 1.5, 0), expected);
+  EXPECT_EQ(GroupKindName(KvGroupKind::kStateSpace), "mamba");
+}
+
 TEST(VllmEventsTest, BlockRemovedAndAllBlocksCleared) {
   std::vector<KvEvent> events(2);
   events[0].type = KvEventType::kBlockRemoved;

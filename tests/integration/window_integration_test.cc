@@ -5,6 +5,7 @@
 // show the window group (label `integration`).
 
 #include <fstream>
+#include <set>
 #include <string>
 #include <string_view>
 
@@ -164,6 +165,49 @@ TEST_F(WindowIntegrationTest, RepliesCarryTheWindowTableAndAClientFollowsIt) {
   EXPECT_GE(Stat("window_blocks", "active"), static_cast<double>(window.size() - live));
   EXPECT_GE(Stat("window_block_events", "released"), static_cast<double>(live));
   EXPECT_TRUE(client_->CheckInvariants()->ok());
+}
+
+// WatchEvents names each group (docs/events.md): a committed prefill's full blocks as group 0
+// (full_attention), and the window blocks the tree keeps beside them as group 1 (sliding_window,
+// W 256), by the same hashes.
+TEST_F(WindowIntegrationTest, EventsNameTheWindowGroupsBlocks) {
+  const std::vector<int32_t> prompt = Prompt(400, 7);
+  absl::StatusOr<v1::PrefillResponse> done = client_->Prefill(0, prompt);
+  ASSERT_TRUE(done.ok()) << done.status();
+  ASSERT_TRUE(client_->Free({done->sequence_id()}, /*commit=*/true).ok());
+  v1::WatchEventsRequest request;
+  request.set_from_seq(1);
+  std::vector<v1::KvEvent> events;
+  ASSERT_TRUE(client_
+                  ->WatchEvents(request,
+                                [&](const v1::WatchEventsResponse& r) {
+                                  events.insert(events.end(), r.events().begin(), r.events().end());
+                                  return true;
+                                })
+                  .ok());
+  std::set<std::pair<uint64_t, uint64_t>> main;
+  int window = 0;
+  for (const v1::KvEvent& e : events) {
+    ASSERT_EQ(e.type(), v1::KvEvent::TYPE_BLOCK_STORED);
+    ASSERT_TRUE(e.has_group());
+    for (const v1::BlockHash& h : e.block_hashes()) {
+      if (e.group().index() == 0) {
+        EXPECT_EQ(e.group().kind(), "full_attention");
+        main.insert({h.hi(), h.lo()});
+      } else {
+        EXPECT_EQ(e.group().index(), 1);
+        EXPECT_EQ(e.group().kind(), "sliding_window");
+        EXPECT_EQ(e.group().sliding_window(), kWindow);
+        EXPECT_TRUE(main.contains({h.hi(), h.lo()}));  // after its block, by its hash
+        ++window;
+      }
+    }
+  }
+  EXPECT_EQ(main.size(), 25u);  // 400 tokens: 25 full blocks
+  // At least the window the prefill left live (the last 256 tokens' blocks) is kept beside its
+  // blocks; chunks committed as they go keep more.
+  EXPECT_GE(window, 25 - ReleasedEnd(400));
+  EXPECT_LE(window, 25);
 }
 
 TEST_F(WindowIntegrationTest, ExplainAndStatsSayTheWindowGroupCutAMatch) {
