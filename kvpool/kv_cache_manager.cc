@@ -1,6 +1,7 @@
 #include "kvpool/kv_cache_manager.h"
 
 #include <algorithm>
+#include <limits>
 #include <utility>
 
 #include "fmt/format.h"
@@ -175,6 +176,12 @@ KvCacheManager::KvCacheManager(const KvCacheOptions& options, std::unique_ptr<Bl
       if (window_of_.contains(block)) widened_.push_back(block);
     });
   }
+}
+
+int32_t BreakEvenCheckpointInterval(int64_t state_bytes, int64_t block_bytes) {
+  if (state_bytes <= 0 || block_bytes <= 0) return 0;
+  const int64_t blocks = (state_bytes + block_bytes - 1) / block_bytes;
+  return static_cast<int32_t>(std::min<int64_t>(blocks, std::numeric_limits<int32_t>::max()));
 }
 
 KvCacheManager::EventGroups KvCacheManager::EventGroupsOf(const KvCacheOptions& options) {

@@ -160,6 +160,7 @@ struct KvCacheOptions {
   // Checkpoints are taken every this many blocks, on block boundaries (0: none by interval), at
   // branch points (where a prompt left the cached prefix), at a prefill's last block boundary,
   // and at the end of a sequence freed with OnFree::kCommit (its working state itself). >= 0.
+  // BreakEvenCheckpointInterval() is the spacing a deployment should start from.
   int32_t checkpoint_interval = 4;
   // The sliding-window group (docs/hybrid-groups.md §3), for models with sliding-window attention
   // layers: its own pool of this many blocks, of block_size tokens each (its bytes per block are
@@ -175,6 +176,15 @@ struct KvCacheOptions {
   // released while the sequence lives. >= 0.
   int32_t sink_tokens = 0;
 };
+
+// The checkpoint interval, in blocks, at which a cached prefix's checkpoints take as many bytes as
+// its K/V (docs/hybrid-groups.md §4): ceil(state_bytes / block_bytes), at least 1, where
+// `state_bytes` is one checkpoint (a sequence's state in every state-space layer) and
+// `block_bytes` one block of K/V (every attention layer). Denser, checkpoints crowd out the K/V
+// they are meant to resume (and one another, in the LRU); sparser, a prompt that shares a prefix
+// with a single earlier one resumes far before the end of the prefix. 0 when either is <= 0 (no
+// state group).
+int32_t BreakEvenCheckpointInterval(int64_t state_bytes, int64_t block_bytes);
 
 struct Sequence {
   SequenceId id;

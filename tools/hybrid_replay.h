@@ -79,6 +79,10 @@ HashChainLayout HashChain(const LayerLayout& layers, int32_t alignment = 16);
 // The capacities for kvpool-replay --layers_sweep.
 inline constexpr std::array<int64_t, 3> kLayersCapacities = {1000, 2000, 5000};
 
+// HybridReplayOptions::checkpoint_interval: BreakEvenCheckpointInterval(state_bytes_all(),
+// block_size * kv_bytes_per_token_all()).
+inline constexpr int32_t kBreakEvenInterval = -1;
+
 struct HybridReplayOptions {
   LayerLayout layers;
   // Memory: this many 512-token blocks of the attention group's K/V (capacity_blocks * 512 *
@@ -86,24 +90,28 @@ struct HybridReplayOptions {
   int64_t capacity_blocks = 0;
   // kvpool's layout: block size (divides 512), the share of the memory given to state slots
   // (the working state and checkpoints) in [0, 1), the checkpoint interval in blocks (0: only
-  // branch points, the prefill's last block boundary and the end of each prompt).
+  // branch points, the prefill's last block boundary and the end of each prompt;
+  // kBreakEvenInterval: BreakEvenCheckpointInterval of the layers). The defaults go together:
+  // at the break-even interval a cached prefix's checkpoints take as many bytes as its K/V, so
+  // half the memory holds both.
   int32_t block_size = 16;
-  double state_share = 0.25;
-  int32_t checkpoint_interval = 0;
+  double state_share = 0.5;
+  int32_t checkpoint_interval = kBreakEvenInterval;
   std::string policy = "lru";  // both layouts (vLLM's is LRU)
 };
 
 // What one layout held and hit.
 struct LayoutResult {
-  ReplayResult replay;            // hits (trace blocks and tokens), requests, evictions
-  int32_t block_size = 0;         // tokens per block
-  int64_t num_blocks = 0;         // attention blocks in the pool
-  int64_t state_slots = 0;        // kvpool: working + checkpoint slots; hash-chain: 0 (per block)
-  int64_t memory_bytes = 0;       // what the layout uses of the budget (<= budget)
-  double mean_kv_bytes = 0;       // cached attention K/V bytes, mean after each request
-  double mean_state_bytes = 0;    // cached state bytes (checkpoints / state pages), same
-  double mean_cached_tokens = 0;  // tokens the cached blocks cover, same
-  int64_t checkpoints_kept = 0;   // kvpool: checkpoints put into the tree
+  ReplayResult replay;              // hits (trace blocks and tokens), requests, evictions
+  int32_t block_size = 0;           // tokens per block
+  int64_t num_blocks = 0;           // attention blocks in the pool
+  int64_t state_slots = 0;          // kvpool: working + checkpoint slots; hash-chain: 0 (per block)
+  int32_t checkpoint_interval = 0;  // kvpool: in blocks, kBreakEvenInterval resolved
+  int64_t memory_bytes = 0;         // what the layout uses of the budget (<= budget)
+  double mean_kv_bytes = 0;         // cached attention K/V bytes, mean after each request
+  double mean_state_bytes = 0;      // cached state bytes (checkpoints / state pages), same
+  double mean_cached_tokens = 0;    // tokens the cached blocks cover, same
+  int64_t checkpoints_kept = 0;     // kvpool: checkpoints put into the tree
   int64_t checkpoints_evicted = 0;
   int64_t checkpoints_resumed = 0;  // prompts that resumed from one
   int64_t cut_no_checkpoint = 0;    // tokens the attention match found but no state reached

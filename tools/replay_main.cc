@@ -74,11 +74,12 @@ ABSL_FLAG(int64_t, state_bytes, 0,
           "2,147,840)");
 ABSL_FLAG(int32_t, kv_dtype_bytes, 2,
           "--layers=<kvpool model>: bytes of one K/V element (2: bf16, as vLLM holds them)");
-ABSL_FLAG(std::string, state_shares, "0.25",
+ABSL_FLAG(std::string, state_shares, "0.5",
           "--layers: the shares of the memory kvpool's layout gives to state slots, one row each");
-ABSL_FLAG(std::string, checkpoint_intervals, "0",
+ABSL_FLAG(std::string, checkpoint_intervals, "auto",
           "--layers: kvpool's checkpoint intervals in blocks, one row each with every state "
-          "share (0: branch points, the prefill's last block boundary and each prompt's end "
+          "share (auto: the break-even interval, where a prefix's checkpoints take as many bytes "
+          "as its K/V; 0: branch points, the prefill's last block boundary and each prompt's end "
           "only; 32 blocks of 16 = 512 tokens)");
 ABSL_FLAG(int32_t, layers_block_size, 16, "--layers: kvpool's block size in tokens");
 ABSL_FLAG(bool, layers_sweep, false,
@@ -177,10 +178,10 @@ struct Variant {
 absl::StatusOr<std::vector<Variant>> Variants() {
   std::vector<Variant> variants;
   for (absl::string_view ivl : absl::StrSplit(absl::GetFlag(FLAGS_checkpoint_intervals), ',')) {
-    int32_t interval = 0;
-    if (!absl::SimpleAtoi(ivl, &interval) || interval < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--checkpoint_intervals: '", ivl, "' is not a number of blocks >= 0"));
+    int32_t interval = tools::kBreakEvenInterval;
+    if (ivl != "auto" && (!absl::SimpleAtoi(ivl, &interval) || interval < 0)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--checkpoint_intervals: '", ivl, "' is neither auto nor a number of blocks >= 0"));
     }
     for (absl::string_view part : absl::StrSplit(absl::GetFlag(FLAGS_state_shares), ',')) {
       double share = 0;
@@ -220,9 +221,9 @@ void PrintLayout(std::string_view trace, int64_t capacity, const char* name, Var
   std::printf(
       "%-26s %6lld %-10s %5d %4d %5.2f %7lld %9.4f %9.4f %8s %9.0f %9.0f %9.0f %7lld %7lld "
       "%7lld %7lld\n",
-      std::string(trace).c_str(), static_cast<long long>(capacity), name, r.block_size, v.interval,
-      v.share, static_cast<long long>(r.state_slots), r.replay.hit_rate(), r.token_hit_rate(),
-      ratio.c_str(), r.mean_kv_bytes / tokens, r.mean_state_bytes / tokens,
+      std::string(trace).c_str(), static_cast<long long>(capacity), name, r.block_size,
+      r.checkpoint_interval, v.share, static_cast<long long>(r.state_slots), r.replay.hit_rate(),
+      r.token_hit_rate(), ratio.c_str(), r.mean_kv_bytes / tokens, r.mean_state_bytes / tokens,
       r.bytes_per_cached_token(), static_cast<long long>(r.checkpoints_kept),
       static_cast<long long>(r.checkpoints_evicted), static_cast<long long>(r.checkpoints_resumed),
       static_cast<long long>(r.replay.skipped));

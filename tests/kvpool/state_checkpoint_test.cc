@@ -103,6 +103,18 @@ class StateCheckpointTest : public ::testing::Test {
   DevicePlan plan_;
 };
 
+// A checkpoint every this many blocks costs as many bytes as the blocks' K/V between two.
+TEST(BreakEvenCheckpointIntervalTest, IsTheStateOverTheBlockRoundedUp) {
+  EXPECT_EQ(BreakEvenCheckpointInterval(100, 10), 10);
+  EXPECT_EQ(BreakEvenCheckpointInterval(101, 10), 11);
+  EXPECT_EQ(BreakEvenCheckpointInterval(5, 10), 1);  // a state smaller than a block: every one
+  // tiny-hybrid in bf16: 3 states of 539,648 B over blocks of 16 tokens x 1,024 B.
+  EXPECT_EQ(BreakEvenCheckpointInterval(3 * 539'648, 16 * 1024), 99);
+  EXPECT_EQ(BreakEvenCheckpointInterval(int64_t{1} << 62, 1), INT32_MAX);
+  EXPECT_EQ(BreakEvenCheckpointInterval(0, 10), 0);  // no state group
+  EXPECT_EQ(BreakEvenCheckpointInterval(10, 0), 0);
+}
+
 TEST_F(StateCheckpointTest, ACommittedSequencesStateIsTheCheckpointAtItsEnd) {
   Make(/*state_slots=*/8, /*checkpoint_slots=*/4);
   const std::vector<int32_t> turn1 = Prompt(40);

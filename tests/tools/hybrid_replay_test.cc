@@ -149,6 +149,25 @@ TEST(ReplayHybridTest, RejectsBadOptionsNamingThem) {
               HasSubstr("kvpool layout"));
 }
 
+// The default interval is the break-even one: M,A,M's two states (2 x 2,147,840 B) over a block
+// of its one attention layer (16 x 4,096 B) is 65.5 blocks: a checkpoint every 66.
+TEST(ReplayHybridTest, TheDefaultIntervalIsTheBreakEven) {
+  HybridReplayOptions o{.layers = *ParseLayers("M,A,M"), .capacity_blocks = 100};
+  EXPECT_EQ(o.checkpoint_interval, kBreakEvenInterval);
+  EXPECT_EQ(o.state_share, 0.5);
+  absl::StatusOr<std::vector<HybridReplayResult>> r =
+      ReplayHybrid(ThreePrompts(), std::span(&o, 1));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ((*r)[0].hybrid.checkpoint_interval, 66);
+  o.checkpoint_interval = 4;
+  r = ReplayHybrid(ThreePrompts(), std::span(&o, 1));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ((*r)[0].hybrid.checkpoint_interval, 4);
+  o.checkpoint_interval = -2;
+  EXPECT_THAT(std::string(ReplayHybrid({}, std::span(&o, 1)).status().message()),
+              HasSubstr("checkpoint_interval"));
+}
+
 // The real synthetic trace (../shared beside the checkout, or $KVPOOL_SHARED), 2,000 blocks'
 // worth at kvpool-replay's defaults: both layouts stay within the budget, both hit, and kvpool's
 // layout holds more tokens per byte. (Its hit rate against the baseline is measured, not
