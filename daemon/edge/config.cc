@@ -326,16 +326,22 @@ absl::StatusOr<model::ModelConfig> ModelGeometry(const v1::ModelSpec& m) {
 }
 
 // The state group of the pool shape (docs/hybrid-groups.md §2): shape.state_slots slots of the
-// model's state, rounded up to 64 bytes; none for a model without state-space layers. (A
-// checkpoint that does not read is reported when it is loaded.)
-void ParseStateGroup(const v1::DaemonConfig& c, kernels::PoolLayout* shape,
-                     int32_t* checkpoint_slots, const Bad& bad) {
+// model's state, rounded up to 64 bytes; none for a model without state-space layers; and the
+// checkpoints' slots and interval. (A checkpoint that does not read is reported when it is
+// loaded.)
+void ParseStateGroup(const v1::DaemonConfig& c, kernels::PoolLayout* shape, EngineOptions* o,
+                     const Bad& bad) {
   const int32_t slots = c.shape().state_slots();
   if (slots < 0) return bad("shape.state_slots", fmt::format("must be >= 0 (got {})", slots));
   const int32_t checkpoints = c.shape().checkpoint_slots();
   if (checkpoints < -1) {
     return bad("shape.checkpoint_slots",
                fmt::format("must be >= 0, or -1 for none (got {})", checkpoints));
+  }
+  const int32_t interval = c.shape().checkpoint_interval();
+  if (interval < -1) {
+    return bad("shape.checkpoint_interval",
+               fmt::format("must be >= 0 blocks, or -1 for none (got {})", interval));
   }
   const absl::StatusOr<model::ModelConfig> geometry = ModelGeometry(c.model());
   const int64_t state_bytes = geometry.ok() ? geometry->state_bytes() : 0;
@@ -344,9 +350,14 @@ void ParseStateGroup(const v1::DaemonConfig& c, kernels::PoolLayout* shape,
     if (checkpoints > 0) {
       bad("shape.checkpoint_slots", "the model has no state-space layers (0: none)");
     }
+    if (interval != 0) {
+      bad("shape.checkpoint_interval", "the model has no state-space layers (0: unset)");
+    }
     return;
   }
   if (slots == 0) return bad("shape.state_slots", "a model with state-space layers needs >= 1");
+  o->checkpoint_interval = interval;
+  int32_t* const checkpoint_slots = &o->checkpoint_slots;
   *checkpoint_slots =
       c.disable_prefix_cache() ? 0 : (checkpoints == 0 ? slots : std::max(0, checkpoints));
   if (int64_t{slots} + *checkpoint_slots > std::numeric_limits<int32_t>::max()) {
@@ -655,7 +666,7 @@ std::vector<std::string> Parse(const v1::DaemonConfig& c, EngineOptions* o) {
   CheckProcessFields(c, bad);
   bool dtypes_ok = true;
   kernels::PoolLayout shape = ShapeLayout(c.shape(), bad, &dtypes_ok);
-  ParseStateGroup(c, &shape, &o->checkpoint_slots, bad);
+  ParseStateGroup(c, &shape, o, bad);
   ParseWindowGroup(c, &shape, o, bad);
   const absl::Status shape_ok = kernels::ValidateLayout(shape);
   if (!shape_ok.ok()) bad("shape", std::string(shape_ok.message()));

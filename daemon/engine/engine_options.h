@@ -77,6 +77,10 @@ struct EngineOptions {
   // Of each pool's state slots (PoolLayout::num_state_slots), those the prefix cache's state
   // checkpoints may hold (KvCacheOptions::checkpoint_slots).
   int32_t checkpoint_slots = 0;
+  // Blocks between the checkpoints taken by interval (KvCacheOptions::checkpoint_interval). 0:
+  // each pool's BreakEvenCheckpointInterval (its layout's state slot bytes over block bytes);
+  // -1: none by interval.
+  int32_t checkpoint_interval = 0;
   // Pools with a window group (PoolLayout::num_window_layers > 0): the sliding layers' window W
   // in tokens and sinks S (KvCacheOptions::window_tokens, sink_tokens; the model's).
   int32_t window_tokens = 0;

@@ -237,6 +237,22 @@ TEST(ConfigTest, StateAndCheckpointSlotsAreChecked) {
   stray.mutable_shape()->set_checkpoint_slots(4);
   EXPECT_THAT(ValidateConfig(stray),
               ::testing::ElementsAre(HasSubstr("shape.checkpoint_slots: the model has no")));
+  // The checkpoint interval: the break-even one (0, resolved per pool), explicit, none (-1).
+  for (const int32_t set : {0, 8, -1}) {
+    v1::DaemonConfig k = c;
+    k.mutable_shape()->set_checkpoint_interval(set);
+    absl::StatusOr<EngineOptions> o = MakeEngineOptions(k, 1);
+    ASSERT_TRUE(o.ok()) << o.status();
+    EXPECT_EQ(o->checkpoint_interval, set);
+  }
+  v1::DaemonConfig bad_interval = c;
+  bad_interval.mutable_shape()->set_checkpoint_interval(-2);
+  EXPECT_THAT(ValidateConfig(bad_interval),
+              ::testing::ElementsAre(HasSubstr("shape.checkpoint_interval: must be >= 0 blocks")));
+  v1::DaemonConfig stray_interval = DefaultConfig();
+  stray_interval.mutable_shape()->set_checkpoint_interval(4);
+  EXPECT_THAT(ValidateConfig(stray_interval),
+              ::testing::ElementsAre(HasSubstr("shape.checkpoint_interval: the model has no")));
   v1::DaemonConfig stateless = DefaultConfig();
   stateless.mutable_shape()->set_state_slots(4);
   EXPECT_THAT(ValidateConfig(stateless),
