@@ -11,16 +11,12 @@
 #include "kvpool/util/status_macros.h"
 
 namespace kvpool::daemon {
-namespace {
 
-// EngineOptions::checkpoint_interval for a pool of `layout` (0 without a state group).
-int32_t CheckpointInterval(const EngineOptions& options, const kernels::PoolLayout& layout) {
+int32_t PoolCheckpointInterval(const EngineOptions& options, const kernels::PoolLayout& layout) {
   if (layout.num_state_slots == 0 || options.checkpoint_interval < 0) return 0;
   if (options.checkpoint_interval > 0) return options.checkpoint_interval;
   return BreakEvenCheckpointInterval(layout.state_slot_bytes, layout.block_bytes());
 }
-
-}  // namespace
 
 absl::StatusOr<std::unique_ptr<PoolState>> PoolState::Create(const PoolOptions& pool,
                                                              const EngineOptions& options,
@@ -53,7 +49,7 @@ absl::StatusOr<std::unique_ptr<PoolState>> PoolState::Create(const PoolOptions& 
                               .max_sequences_per_session = options.limits.sequences_per_session,
                               .state_slots = layout.num_state_slots,
                               .checkpoint_slots = options.checkpoint_slots,
-                              .checkpoint_interval = CheckpointInterval(options, layout),
+                              .checkpoint_interval = PoolCheckpointInterval(options, layout),
                               .window_blocks = layout.num_window_blocks,
                               .window_tokens = options.window_tokens,
                               .sink_tokens = options.sink_tokens}));

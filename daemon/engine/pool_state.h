@@ -67,6 +67,11 @@ struct ModelCounters {
   Histogram step_batch{kStepBatchBounds};
 };
 
+// The checkpoint interval, in blocks, of a pool of `layout` (KvCacheOptions::checkpoint_interval):
+// EngineOptions::checkpoint_interval when positive, none when -1 or without a state group, else
+// BreakEvenCheckpointInterval(state slot bytes, block bytes).
+int32_t PoolCheckpointInterval(const EngineOptions& options, const kernels::PoolLayout& layout);
+
 class PoolState final {
  public:
   // Errors: INVALID_ARGUMENT (options), RESOURCE_EXHAUSTED / INTERNAL (arena, generation table);

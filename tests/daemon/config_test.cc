@@ -11,6 +11,7 @@
 #include <fstream>
 
 #include "absl/strings/str_join.h"
+#include "daemon/engine/pool_state.h"
 #include "daemon/metrics/metrics_config.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -237,14 +238,23 @@ TEST(ConfigTest, StateAndCheckpointSlotsAreChecked) {
   stray.mutable_shape()->set_checkpoint_slots(4);
   EXPECT_THAT(ValidateConfig(stray),
               ::testing::ElementsAre(HasSubstr("shape.checkpoint_slots: the model has no")));
-  // The checkpoint interval: the break-even one (0, resolved per pool), explicit, none (-1).
-  for (const int32_t set : {0, 8, -1}) {
+  // The checkpoint interval: the break-even one (0, resolved per pool: its state slot over its
+  // block, rounded up), explicit, none (-1).
+  for (const auto& [set, want] :
+       std::vector<std::pair<int32_t, int32_t>>{{0, -2}, {8, 8}, {-1, 0}}) {
     v1::DaemonConfig k = c;
     k.mutable_shape()->set_checkpoint_interval(set);
     absl::StatusOr<EngineOptions> o = MakeEngineOptions(k, 1);
     ASSERT_TRUE(o.ok()) << o.status();
     EXPECT_EQ(o->checkpoint_interval, set);
+    const kernels::PoolLayout& l = o->pools[0].layout;
+    const int64_t break_even = (l.state_slot_bytes + l.block_bytes() - 1) / l.block_bytes();
+    EXPECT_GT(break_even, 1);
+    EXPECT_EQ(PoolCheckpointInterval(*o, l), want == -2 ? break_even : want) << set;
   }
+  absl::StatusOr<EngineOptions> plain = MakeEngineOptions(DefaultConfig(), 1);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_EQ(PoolCheckpointInterval(*plain, plain->pools[0].layout), 0);  // no state group
   v1::DaemonConfig bad_interval = c;
   bad_interval.mutable_shape()->set_checkpoint_interval(-2);
   EXPECT_THAT(ValidateConfig(bad_interval),

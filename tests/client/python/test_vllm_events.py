@@ -3,8 +3,9 @@ vLLM: a SUB socket for [topic, seq, payload] messages, a REQ socket for replays,
 decoded against vLLM's KV-event schema (vllm/distributed/kv_events.py: msgspec structs with
 array_like=True, tag=True), strictly: every field of every struct, with its type. A consumer
 that reconstructs the daemon's block set from them must end with the daemon's own snapshot
-(WatchEvents), also when it drops messages and fills the gaps through the replay socket; and
-garbage sent to the replay socket neither crashes nor blocks the daemon."""
+(WatchEvents), also when it drops messages and fills the gaps through the replay socket, and
+per layer group for a hybrid pool (vLLM's later group fields); and garbage sent to the replay
+socket neither crashes nor blocks the daemon."""
 
 import os
 import shutil
@@ -28,6 +29,15 @@ FIELDS = {
     "BlockRemoved": ("block_hashes", "medium"),
     "AllBlocksCleared": (),
 }
+# vLLM's later fields, which a pool with more than one layer group sends on every Stored and
+# Removed event (docs/events.md); a consumer of the shorter form ignores them.
+GROUP_FIELDS = {
+    "BlockStored": ("lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
+                    "kv_cache_spec_sliding_window"),
+    "BlockRemoved": ("group_idx",),
+    "AllBlocksCleared": (),
+}
+KINDS = ("full_attention", "sliding_window", "mamba")
 
 
 def is_hash(h):  # ExternalBlockHash = bytes | int
@@ -47,8 +57,19 @@ def decode_batch(payload):
     for event in events:
         assert isinstance(event, list) and event and event[0] in FIELDS, event
         names = FIELDS[event[0]]
+        if len(event) != 1 + len(names):
+            names = names + GROUP_FIELDS[event[0]]
         assert len(event) == 1 + len(names), event
         e = dict(zip(names, event[1:]), type=event[0])
+        if "group_idx" in e:
+            assert isinstance(e["group_idx"], int) and e["group_idx"] >= 0, e
+        if "kv_cache_spec_kind" in e:
+            assert e["lora_name"] is None and e["extra_keys"] is None, e
+            assert e["kv_cache_spec_kind"] in KINDS, e
+            window = e["kv_cache_spec_sliding_window"]
+            assert (e["kv_cache_spec_kind"] == "sliding_window") == (window is not None), e
+            assert window is None or (isinstance(window, int) and window > 0), e
+            assert (e["group_idx"] == 0) == (e["kv_cache_spec_kind"] == "full_attention"), e
         if "block_hashes" in e:
             assert isinstance(e["block_hashes"], list) and all(map(is_hash, e["block_hashes"]))
             assert e["medium"] is None or isinstance(e["medium"], str)
@@ -82,7 +103,7 @@ class Consumer:
         self.last_seq = 0  # kvpool numbers events from 1
         self.applied = []  # seqs applied, in order
         self.replays = 0
-        self.blocks = {}  # medium -> set of hashes
+        self.blocks = {}  # (medium, group_idx) -> set of hashes; group 0 in a plain pool
 
     def close(self):
         self.ctx.destroy(linger=0)
@@ -92,12 +113,18 @@ class Consumer:
             return  # had it already (a replay reached past it)
         assert seq == self.last_seq + 1, (seq, self.last_seq)
         for e in decode_batch(payload):
-            if e["type"] == "AllBlocksCleared":
-                self.blocks.pop("GPU", None)  # the device pool's (docs/events.md)
-            elif e["type"] == "BlockStored":
-                self.blocks.setdefault(e["medium"], set()).update(e["block_hashes"])
+            if e["type"] == "AllBlocksCleared":  # the device pool's, every group (docs/events.md)
+                for key in [k for k in self.blocks if k[0] == "GPU"]:
+                    del self.blocks[key]
+                continue
+            key = (e["medium"], e.get("group_idx", 0))
+            held = self.blocks.setdefault(key, set())
+            if e["type"] == "BlockStored":
+                if key[1] > 0:  # a component after its block
+                    assert set(e["block_hashes"]) <= self.blocks.get((key[0], 0), set()), e
+                held.update(e["block_hashes"])
             else:
-                self.blocks.setdefault(e["medium"], set()).difference_update(e["block_hashes"])
+                held.difference_update(e["block_hashes"])
         self.last_seq = seq
         self.applied.append(seq)
 
@@ -141,14 +168,15 @@ def hash_bytes(h):
     return h.hi.to_bytes(8, "big") + h.lo.to_bytes(8, "big")
 
 
-def snapshot(client):
-    """The daemon's device blocks, from its WatchEvents snapshot."""
+def snapshot(client, group=0):
+    """The daemon's device blocks of layer group `group`, from its WatchEvents snapshot."""
     blocks = set()
     for response in client.watch_events(snapshot=True):
         if not response.snapshot:
             break
         for e in response.events:
-            blocks.update(hash_bytes(h) for h in e.block_hashes)
+            if (e.group.index if e.HasField("group") else 0) == group:
+                blocks.update(hash_bytes(h) for h in e.block_hashes)
     return blocks
 
 
@@ -203,9 +231,9 @@ class VllmEventsTest(unittest.TestCase):
                 consumer.catch_up(next_seq)
                 self.assertEqual(consumer.applied, list(range(1, next_seq)))  # gap-free
                 media = consumer.blocks
-                self.assertTrue(media.get("GPU"), "no device events")
-                self.assertEqual(media["GPU"], snapshot(c))
-                self.assertEqual(len(media.get("CPU", ())), host_blocks(c))
+                self.assertTrue(media.get(("GPU", 0)), "no device events")
+                self.assertEqual(media[("GPU", 0)], snapshot(c))
+                self.assertEqual(len(media.get(("CPU", 0), ())), host_blocks(c))
                 self.assertGreater(host_blocks(c), 0)
                 self.assertTrue(c.check_invariants().ok)
             return consumer
@@ -216,6 +244,30 @@ class VllmEventsTest(unittest.TestCase):
     def test_dropped_messages_come_back_through_the_replay_socket(self):
         consumer = self.run_consumer(drop=lambda seq: seq % 5 == 2)
         self.assertGreater(consumer.replays, 0)
+
+    def test_a_hybrid_pools_events_name_each_group(self):
+        """tiny-swa with a window group: the window blocks the tree keeps are group 1
+        (sliding_window, W 256) under their blocks' hashes; the main blocks group 0."""
+        config = ('pool_bytes: 16777216 max_blocks_per_seq: 64 model { name: "tiny-swa" }\n'
+                  'shape { window_blocks: 48 }\n'
+                  f'zmq_events {{ endpoint: "{self.endpoint}" '
+                  f'replay_endpoint: "{self.replay_endpoint}" topic: "kvpool" }}\n')
+        with Daemon(config) as daemon:
+            consumer = Consumer(self.endpoint, self.replay_endpoint, drop=lambda seq: seq % 7 == 3)
+            self.addCleanup(consumer.close)
+            with kvpool.Client.connect(daemon.dir, client_name="vllm-hybrid") as c:
+                workload(c, 12)
+                next_seq = settled_next_seq(c)
+                consumer.catch_up(next_seq)
+                self.assertEqual(consumer.applied, list(range(1, next_seq)))
+                main, window = consumer.blocks.get(("GPU", 0)), consumer.blocks.get(("GPU", 1))
+                self.assertTrue(main, "no main-group events")
+                self.assertTrue(window, "no window-group events")
+                self.assertEqual(main, snapshot(c, 0))
+                self.assertEqual(window, snapshot(c, 1))
+                self.assertLessEqual(window, main)
+                self.assertEqual(set(g for _, g in consumer.blocks), {0, 1})
+                self.assertTrue(c.check_invariants().ok)
 
     def test_garbage_on_the_replay_socket_neither_crashes_nor_blocks_the_daemon(self):
         with Daemon(self.config) as daemon:
@@ -243,7 +295,7 @@ class VllmEventsTest(unittest.TestCase):
                 next_seq = settled_next_seq(c)
                 consumer.catch_up(next_seq)  # published and replayed as before
                 self.assertEqual(consumer.applied, list(range(1, next_seq)))
-                self.assertEqual(consumer.blocks["GPU"], snapshot(c))
+                self.assertEqual(consumer.blocks[("GPU", 0)], snapshot(c))
             self.assertIsNone(daemon.process.poll())
             self.assertEqual(daemon.stop(), 0)
 
