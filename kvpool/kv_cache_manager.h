@@ -795,8 +795,7 @@ class KvCacheManager final {
   struct WindowRecord {
     BlockId primary = kInvalidBlock;  // the tree block it holds the tokens of; invalid: none
     uint64_t stamp = 0;               // its key in window_lru_
-    int32_t covered = 0;              // the tokens of `primary` it holds (its coverage when kept)
-    bool announced = false;           // a Stored event named it (its tree block is full)
+    int32_t covered = 0;  // the tokens of `primary` it holds; block_size: a Stored event named it
   };
   int64_t SinkBlocks() const { return BlocksFor(sink_tokens_); }
   // The first table entry a sequence of `n` computed tokens still reads past its sinks: the one

@@ -125,8 +125,8 @@ std::vector<KvEvent> KvCacheManager::SnapshotEvents(uint64_t* resume_seq) const 
     return {};
   }
   std::vector<KvEvent> out = cache_->SnapshotEvents(resume_seq);
-  // Then the components kept beside full blocks, after the blocks they name. (From the tree, not
-  // from WindowRecord::announced: the random tests hold the events to this.)
+  // Then the components kept beside full blocks, after the blocks they name. (From the tree's
+  // coverage, not the records': the random tests hold the events to this.)
   for (const auto& [stamp, block] : window_lru_) {
     const BlockId primary = window_at_[Index(block)].primary;
     if (cache_->CoverageOf(primary) == block_size_) {

@@ -364,10 +364,7 @@ void KvCacheManager::KeepWindowBlocks(Sequence* seq, int64_t committed, const Tr
       // The tree block was widened since (its sequence wrote on and committed more of it).
       if (it->second == block) {  // into the kept window block itself: it holds them too
         r.covered = coverage;
-        if (full && !r.announced) {
-          r.announced = true;
-          announce.emplace_back(i, primary);
-        }
+        if (full) announce.emplace_back(i, primary);  // (it was partial: not announced yet)
         return;
       }
       // Into a copy (the window group copied on write): the kept block lacks the new tokens.
@@ -375,8 +372,7 @@ void KvCacheManager::KeepWindowBlocks(Sequence* seq, int64_t committed, const Tr
     }
     if (window_->cache_held(block)) return;
     KVPOOL_CHECK_OK(window_->AddCacheRef(block, ctx));
-    window_at_[Index(block)] = {
-        .primary = primary, .stamp = ++window_clock_, .covered = coverage, .announced = full};
+    window_at_[Index(block)] = {.primary = primary, .stamp = ++window_clock_, .covered = coverage};
     window_lru_.insert({window_clock_, block});
     window_of_[primary] = block;
     ++counters_.windows.kept;
@@ -412,7 +408,9 @@ void KvCacheManager::KeepWindowBlocks(Sequence* seq, int64_t committed, const Tr
 
 void KvCacheManager::DropWindowBlock(BlockId block, const TraceContext& ctx) {
   WindowRecord& r = window_at_[Index(block)];
-  if (r.announced) cache_->ForgetComponent(std::span(&r.primary, 1), *event_groups_.window);
+  if (r.covered == block_size_) {  // a Stored event named it
+    cache_->ForgetComponent(std::span(&r.primary, 1), *event_groups_.window);
+  }
   window_lru_.erase({r.stamp, block});
   window_of_.erase(r.primary);
   r = WindowRecord{};
@@ -511,13 +509,10 @@ absl::Status KvCacheManager::CheckWindowRefs() const {
       return InvariantViolation("window block {} (for block {}) is not kept where it says",
                                 block.value(), r.primary.value());
     }
-    // It holds every token its block covers (a widened block's is re-kept or dropped), and a
-    // Stored event named it exactly when that block is full.
-    const int32_t coverage = cache_->CoverageOf(r.primary);
-    if (r.covered != coverage || r.announced != (coverage == block_size_)) {
-      return InvariantViolation(
-          "window block {} holds {} tokens of block {}, which covers {} (announced: {})",
-          block.value(), r.covered, r.primary.value(), coverage, r.announced);
+    // It holds every token its block covers (a widened block's is re-kept or dropped).
+    if (const int32_t coverage = cache_->CoverageOf(r.primary); r.covered != coverage) {
+      return InvariantViolation("window block {} holds {} tokens of block {}, which covers {}",
+                                block.value(), r.covered, r.primary.value(), coverage);
     }
     ++refs[Index(block)];
   }
@@ -541,8 +536,8 @@ void KvCacheManager::WindowDebugString(std::string* out) const {
   *out += "window group:\n" + window_->DebugString();
   for (const auto& [stamp, block] : window_lru_) {
     const WindowRecord& r = window_at_[Index(block)];
-    fmt::format_to(std::back_inserter(*out), "window block={} primary={} stamp={}{}\n",
-                   block.value(), r.primary.value(), stamp, r.announced ? " announced" : "");
+    fmt::format_to(std::back_inserter(*out), "window block={} primary={} stamp={} covered={}\n",
+                   block.value(), r.primary.value(), stamp, r.covered);
   }
 }
 
