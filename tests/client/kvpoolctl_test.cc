@@ -277,6 +277,21 @@ TEST(FormatTest, EventsTextHasALinePerEvent) {
   EXPECT_THAT(lines[0], HasSubstr("resume at seq 9"));
   EXPECT_THAT(lines[1], HasSubstr("stored"));
   EXPECT_THAT(lines[1], HasSubstr("parent root"));
+  EXPECT_THAT(lines[1], Not(HasSubstr("group")));  // a pool of one group
+  // A hybrid pool's events name their group, and a window group its window.
+  e->mutable_group()->set_index(1);
+  e->mutable_group()->set_kind("sliding_window");
+  e->mutable_group()->set_sliding_window(256);
+  v1::KvEvent* removed = events.add_events();
+  removed->set_type(v1::KvEvent::TYPE_BLOCK_REMOVED);
+  removed->mutable_group()->set_index(2);
+  removed->mutable_group()->set_kind("mamba");
+  const std::vector<std::string> grouped = Lines(FormatEvents(events, false));
+  ASSERT_EQ(grouped.size(), 3u);
+  EXPECT_THAT(grouped[1], HasSubstr("group 1 sliding_window W 256"));
+  EXPECT_THAT(grouped[2], HasSubstr("group 2 mamba"));
+  EXPECT_THAT(grouped[2], Not(HasSubstr(" W ")));
+  EXPECT_EQ(json::parse(ToJson(events))["events"][0]["group"]["kind"], "sliding_window");
 }
 
 TEST(FormatTest, ChromeTraceHasATrackPerBlockAndAnEventPerOperation) {
