@@ -483,6 +483,17 @@ TEST_F(WindowGroupTest, EventsNameEachGroupsBlocks) {
   ASSERT_TRUE(mirror.Follow(*cache_->events()));
   EXPECT_TRUE(mirror.Matches(cache_->SnapshotEvents(&resume)));
   ExpectInvariants();
+
+  // A lower tier's event (the tiers hold main blocks only) is the main group's too.
+  const uint64_t tier_seq = cache_->events()->next_seq();
+  cache_->AppendTierEvent(KvEvent{.type = KvEventType::kBlockStored,
+                                  .ns = kTenant,
+                                  .block_hashes = {hashes[0]},
+                                  .medium = KvMedium::kHost});
+  events = read(tier_seq);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].group, main);
+  EXPECT_EQ(events[0].medium, KvMedium::kHost);
 }
 
 // A long prefill in chunks takes its window blocks chunk by chunk (AllocateRequest::window_ahead,
