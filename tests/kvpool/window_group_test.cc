@@ -483,16 +483,19 @@ TEST_F(WindowGroupTest, EventsNameEachGroupsBlocks) {
   ASSERT_TRUE(mirror.Follow(*cache_->events()));
   EXPECT_TRUE(mirror.Matches(cache_->SnapshotEvents(&resume)));
   ExpectInvariants();
+}
 
-  // A lower tier's event (the tiers hold main blocks only) is the main group's too.
-  const uint64_t tier_seq = cache_->events()->next_seq();
+// A lower tier's event in a hybrid pool is the main group's (the tiers hold main blocks only).
+TEST_F(WindowGroupTest, ATiersEventsAreTheMainGroups) {
+  Make(/*window_blocks=*/6, /*window_tokens=*/32);
   cache_->AppendTierEvent(KvEvent{.type = KvEventType::kBlockStored,
                                   .ns = kTenant,
-                                  .block_hashes = {hashes[0]},
+                                  .block_hashes = {BlockHash{.lo = 1, .hi = 2}},
                                   .medium = KvMedium::kHost});
-  events = read(tier_seq);
+  std::vector<KvEvent> events;
+  ASSERT_TRUE(cache_->events()->ReadFrom(1, 10, &events));
   ASSERT_EQ(events.size(), 1u);
-  EXPECT_EQ(events[0].group, main);
+  EXPECT_EQ(events[0].group, (KvEventGroup{.index = 0, .kind = KvGroupKind::kFullAttention}));
   EXPECT_EQ(events[0].medium, KvMedium::kHost);
 }
 
