@@ -47,6 +47,13 @@ absl::Status CheckGroupOptions(const KvCacheOptions& options) {
         "(got window_blocks {}, window_tokens {}, sink_tokens {})",
         options.window_blocks, options.window_tokens, options.sink_tokens));
   }
+  if (options.block_bytes < 0 || options.window_block_bytes < 0 || options.state_bytes < 0 ||
+      (options.block_bytes == 0 && (options.window_block_bytes > 0 || options.state_bytes > 0))) {
+    return absl::InvalidArgumentError(fmt::format(
+        "block_bytes, window_block_bytes and state_bytes must be >= 0, and the other groups' "
+        "bytes are charged only beside block_bytes > 0 (got {}, {}, {})",
+        options.block_bytes, options.window_block_bytes, options.state_bytes));
+  }
   return absl::OkStatus();
 }
 
@@ -141,6 +148,9 @@ KvCacheManager::KvCacheManager(const KvCacheOptions& options, std::unique_ptr<Bl
       sink_tokens_(window_ ? options.sink_tokens : 0),
       event_groups_(EventGroupsOf(options)),
       max_sequences_per_session_(options.max_sequences_per_session),
+      unit_block_(options.block_bytes > 0 ? options.block_bytes : 1),
+      unit_window_(options.block_bytes > 0 ? options.window_block_bytes : 0),
+      unit_state_(options.block_bytes > 0 ? options.state_bytes : 0),
       max_pins_(options.max_pins),
       max_pin_ttl_ns_(options.max_pin_ttl_ns),
       max_pinned_blocks_(options.max_pinned_blocks > 0 ? options.max_pinned_blocks
@@ -233,15 +243,60 @@ void KvCacheManager::LeaveQuota(NamespaceId ns) {
 }
 
 int64_t KvCacheManager::QuotaUsage(const Quota& quota) const {
-  int64_t used = 0;
+  int64_t blocks = 0;
+  int64_t window_blocks = 0;
+  int64_t state_slots = 0;
   for (NamespaceId ns : quota.members) {
     if (const std::optional<NamespaceSlot> slot = pool_->FindNamespace(ns)) {
-      used += pool_->active_blocks(*slot);
+      blocks += pool_->active_blocks(*slot);
     }
     // Blocks only pins hold count too (a pin's blocks cannot be evicted to make room).
-    if (cache_) used += cache_->pin_held(ns);
+    if (cache_) blocks += cache_->pin_held(ns);
+    if (window_ && unit_window_ > 0) {
+      if (const std::optional<NamespaceSlot> slot = window_->FindNamespace(ns)) {
+        window_blocks += window_->active_blocks(*slot);
+      }
+    }
+    if (unit_state_ > 0) {
+      if (auto it = states_by_ns_.find(ns); it != states_by_ns_.end()) state_slots += it->second;
+    }
   }
-  return used;
+  return blocks * unit_block_ + window_blocks * unit_window_ + state_slots * unit_state_;
+}
+
+std::optional<KvCacheManager::QuotaUse> KvCacheManager::QuotaOf(NamespaceId ns) const {
+  auto it = quota_of_.find(ns);
+  if (it == quota_of_.end()) return std::nullopt;
+  const Quota& quota = quotas_.at(it->second);
+  return QuotaUse{.used = QuotaUsage(quota), .bound = QuotaBound(quota)};
+}
+
+int64_t KvCacheManager::QuotaBound(const Quota& quota) const {
+  const int64_t most = std::numeric_limits<int64_t>::max();
+  return quota.max_blocks > most / unit_block_ ? most : quota.max_blocks * unit_block_;
+}
+
+std::string KvCacheManager::QuotaText(int64_t used, const Quota& quota) const {
+  if (unit_block_ == 1 && unit_window_ == 0 && unit_state_ == 0) {
+    return fmt::format("{} of {} blocks in use", used, quota.max_blocks);
+  }
+  return fmt::format(
+      "{} of {} bytes in use: a quota of {} blocks of {} bytes, window-group blocks charged {} "
+      "bytes and state slots {}",
+      used, QuotaBound(quota), quota.max_blocks, unit_block_, unit_window_, unit_state_);
+}
+
+void KvCacheManager::AddCharge(std::vector<GroupCharge>* charges, NamespaceId ns,
+                               int64_t window_blocks, int64_t state_slots) {
+  if (window_blocks == 0 && state_slots == 0) return;
+  for (GroupCharge& c : *charges) {
+    if (c.ns == ns) {
+      c.window_blocks += window_blocks;
+      c.state_slots += state_slots;
+      return;
+    }
+  }
+  charges->push_back({.ns = ns, .window_blocks = window_blocks, .state_slots = state_slots});
 }
 
 absl::Status KvCacheManager::SetSessionQuota(SessionId session, int64_t max_block_refs,
@@ -390,29 +445,36 @@ absl::Status KvCacheManager::PlanGrow(Sequence* sequence, int64_t num_tokens, Wr
 }
 
 absl::Status KvCacheManager::CheckQuotas(std::span<const std::pair<NamespaceId, int64_t>> by_ns,
+                                         std::span<const GroupCharge> groups,
                                          std::string_view what) const {
-  std::vector<std::pair<QuotaKey, int64_t>> adds;  // by quota: a batch touches few
-  for (const auto& [ns, n] : by_ns) {
+  std::vector<std::pair<QuotaKey, int64_t>> adds;  // quota units, by quota: a batch touches few
+  const auto add_to = [&](NamespaceId ns, int64_t units) {
     auto it = quota_of_.find(ns);
-    if (n <= 0 || it == quota_of_.end()) continue;
+    if (units <= 0 || it == quota_of_.end()) return;
     auto add = std::find_if(adds.begin(), adds.end(),
                             [&](const auto& entry) { return entry.first == it->second; });
     if (add == adds.end()) {
-      adds.emplace_back(it->second, n);
+      adds.emplace_back(it->second, units);
     } else {
-      add->second += n;
+      add->second += units;
     }
+  };
+  for (const auto& [ns, n] : by_ns) add_to(ns, n * unit_block_);
+  for (const GroupCharge& c : groups) {
+    add_to(c.ns, c.window_blocks * unit_window_ + c.state_slots * unit_state_);
   }
   for (const auto& [key, n] : adds) {
     const Quota& quota = quotas_.at(key);
     const int64_t used = QuotaUsage(quota);
-    if (used + n <= quota.max_blocks) continue;
+    const int64_t bound = QuotaBound(quota);
+    if (used <= bound && n <= bound - used) continue;
     const std::string where =
-        key.group
-            ? fmt::format("quota group {:#x} ({} of {} blocks in use over {} namespaces)", key.id,
-                          used, quota.max_blocks, quota.members.size())
-            : fmt::format("namespace {} ({} of {} blocks in use)", key.id, used, quota.max_blocks);
-    return ResourceExhausted(Resource::kNamespaceQuota, used + n - quota.max_blocks,
+        key.group ? fmt::format("quota group {:#x} ({} over {} namespaces)", key.id,
+                                QuotaText(used, quota), quota.members.size())
+                  : fmt::format("namespace {} ({})", key.id, QuotaText(used, quota));
+    // The shortfall in blocks (of block_bytes each, with bytes).
+    const int64_t over = used - bound + n;
+    return ResourceExhausted(Resource::kNamespaceQuota, (over + unit_block_ - 1) / unit_block_,
                              fmt::format("{} in {}", what, where));
   }
   return absl::OkStatus();
@@ -464,8 +526,9 @@ absl::Status KvCacheManager::PlanNamespaces(std::span<const std::pair<NamespaceI
 }
 
 absl::Status KvCacheManager::CheckCapacity(std::span<const std::pair<NamespaceId, int64_t>> by_ns,
-                                           SessionId session, int64_t refs, std::string_view what) {
-  if (!quotas_.empty()) KVPOOL_RETURN_IF_ERROR(CheckQuotas(by_ns, what));
+                                           SessionId session, int64_t refs, std::string_view what,
+                                           std::span<const GroupCharge> groups) {
+  if (!quotas_.empty()) KVPOOL_RETURN_IF_ERROR(CheckQuotas(by_ns, groups, what));
   if (refs > 0) {
     auto it = sessions_.find(session);
     if (it == sessions_.end()) return absl::OkStatus();
@@ -630,7 +693,7 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
   KVPOOL_RETURN_IF_ERROR(
       CountExhausted(CheckSequences(caller, static_cast<int64_t>(requests.size()), "allocate")));
   KVPOOL_RETURN_IF_ERROR(
-      CountExhausted(CheckCapacity(tally.by_ns, caller, tally.refs, "allocate")));
+      CountExhausted(CheckCapacity(tally.by_ns, caller, tally.refs, "allocate", tally.groups)));
   KVPOOL_RETURN_IF_ERROR(CountExhausted(PlanNamespaces(tally.by_ns, &recycle, "allocate")));
   KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckRoom(tally.blocks, tally.keep, &victims, "allocate")));
   std::vector<NamespaceSlot> window_recycle;
@@ -669,6 +732,7 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
                    .priority = r.priority,
                    .retain_tail = r.retain_tail};
     AdoptMatch(&seq, r, p, ctx, plan);
+    if (states_) ++states_by_ns_[r.ns];
     seq.state_tokens = p.match.matched_tokens;
     // The branch point's checkpoint goes on the last block the prompt shares whole: the one
     // tree block every later prompt through here follows, whichever sibling it continues into.
@@ -798,6 +862,7 @@ absl::Status KvCacheManager::PlanAllocate(const AllocateRequest& r, AllocateTall
   AddTo(&tally->by_ns, r.ns, charged + fresh);
   tally->refs += need;
   if (window_) PlanWindowAllocate(r, tally, p);
+  if (states_) AddCharge(&tally->groups, r.ns, 0, 1);
   return absl::OkStatus();
 }
 
@@ -816,6 +881,7 @@ absl::Status KvCacheManager::GrowBatch(SessionId caller, std::span<const GrowReq
   WriteClaims claims;
   WriteClaims window_claims;
   std::vector<std::pair<NamespaceId, int64_t>> by_ns;
+  std::vector<GroupCharge> groups;  // window blocks the batch adds, by namespace
   int64_t refs = 0;
   int64_t blocks = 0;
   int64_t window_blocks = 0;
@@ -830,14 +896,16 @@ absl::Status KvCacheManager::GrowBatch(SessionId caller, std::span<const GrowReq
     seq->batch_mark = mark;
     KVPOOL_RETURN_IF_ERROR(CountExhausted(PlanGrow(seq, r.num_tokens, &claims, &plans[k])));
     if (window_) PlanWindowGrow(*seq, r.window_ahead, &window_claims, &plans[k]);
-    window_blocks += plans[k].window_new_blocks + (plans[k].window_cow ? 1 : 0);
+    const int64_t w = plans[k].window_new_blocks + (plans[k].window_cow ? 1 : 0);
+    window_blocks += w;
+    AddCharge(&groups, seq->ns, w, 0);
     const int64_t n = plans[k].new_blocks + (plans[k].cow ? 1 : 0);
     if (n > 0) AddTo(&by_ns, seq->ns, n);
     blocks += n;
     refs += plans[k].new_blocks;
   }
   std::vector<BlockId> victims;
-  KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckCapacity(by_ns, caller, refs, "grow")));
+  KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckCapacity(by_ns, caller, refs, "grow", groups)));
   KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckRoom(blocks, {}, &victims, "grow")));
   std::vector<BlockId> window_victims;
   KVPOOL_RETURN_IF_ERROR(
@@ -951,9 +1019,14 @@ absl::StatusOr<SequenceId> KvCacheManager::Fork(SessionId caller, SequenceId seq
   KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckSequences(caller, 1, "fork")));
   const bool partial = parent->num_tokens % block_size_ != 0;
   const std::pair<NamespaceId, int64_t> by_ns[] = {{parent->ns, partial ? 1 : 0}};
+  // The child shares the parent's window blocks but the one both write into, and has a state
+  // slot of its own.
+  const GroupCharge groups[] = {{.ns = parent->ns,
+                                 .window_blocks = WindowPartialLive(*parent) ? 1 : 0,
+                                 .state_slots = states_ ? 1 : 0}};
   std::vector<BlockId> victims;
   KVPOOL_RETURN_IF_ERROR(CountExhausted(
-      CheckCapacity(by_ns, caller, static_cast<int64_t>(parent->table.size()), "fork")));
+      CheckCapacity(by_ns, caller, static_cast<int64_t>(parent->table.size()), "fork", groups)));
   KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckRoom(partial ? 1 : 0, {}, &victims, "fork")));
   std::vector<BlockId> window_victims;
   KVPOOL_RETURN_IF_ERROR(CountExhausted(
@@ -988,6 +1061,7 @@ absl::StatusOr<SequenceId> KvCacheManager::Fork(SessionId caller, SequenceId seq
     ++counters_.cow_copies;
   }
   TakeStateSlot(&child, parent->state_slot, ctx, plan);
+  if (states_) ++states_by_ns_[child.ns];
   AddRefs(caller, static_cast<int64_t>(child.table.size()));
   AddSequences(caller, 1);
   sequences_.emplace(id, std::move(child));
@@ -1036,7 +1110,11 @@ void KvCacheManager::FreeChecked(Sequence* seq, OnFree on_free) {
     if (window_) KeepWindowBlocks(seq, static_cast<int64_t>(seq->tokens.size()), ctx);
   }
   // Before the path goes: the checkpoints it keeps hang on the path's blocks.
-  if (states_) ReleaseStates(seq, on_free == OnFree::kCommit && cache_, ctx);
+  if (states_) {
+    ReleaseStates(seq, on_free == OnFree::kCommit && cache_, ctx);
+    auto held = states_by_ns_.find(seq->ns);
+    if (--held->second == 0) states_by_ns_.erase(held);
+  }
   ReleaseTail(seq, 0, ctx);
   if (cache_) cache_->Truncate(&seq->path, 0);
   AddSequences(caller, -1);

@@ -29,7 +29,11 @@
 //    are listed by ListPins. A pin that cannot be honoured is refused whole.
 //
 // Quotas: a namespace quota bounds the ACTIVE blocks the namespace owns plus the CACHED blocks
-// only its pins hold (physical blocks; shared ones count once). Namespaces may share one quota
+// only its pins hold (physical blocks; shared ones count once). With KvCacheOptions::block_bytes
+// it bounds bytes: a quota of N blocks is N blocks' bytes, and the namespace's ACTIVE window-group
+// blocks and its live sequences' state slots are charged their own bytes beside its blocks
+// (cached ones, checkpoints included, are evictable and charged to no one, as cached blocks).
+// Namespaces may share one quota
 // (a quota group, e.g. every model of one tenant): then the bound is on their sum. A session
 // quota bounds the block references its sequences hold (table entries; a block two of its
 // sequences share counts twice). Sequences per session are bounded too, zero-token ones included
@@ -175,6 +179,14 @@ struct KvCacheOptions {
   // S: the first S tokens every query also reads (attention sinks); their blocks are never
   // released while the sequence lives. >= 0.
   int32_t sink_tokens = 0;
+  // What a namespace quota charges (docs/hybrid-groups.md §4): the bytes of one block (every
+  // full-attention layer), of one window-group block and of one state slot. With block_bytes > 0
+  // a quota of N blocks bounds N * block_bytes bytes, of which each ACTIVE window block and each
+  // live sequence's state slot takes its own bytes. 0: quotas count blocks only (the other groups
+  // are not charged). >= 0; window_block_bytes and state_bytes only with block_bytes.
+  int64_t block_bytes = 0;
+  int64_t window_block_bytes = 0;
+  int64_t state_bytes = 0;
 };
 
 // The checkpoint interval, in blocks, at which a cached prefix's checkpoints take as many bytes as
@@ -349,7 +361,8 @@ class KvCacheManager final {
   // names the field).
   static absl::StatusOr<std::unique_ptr<KvCacheManager>> Create(const KvCacheOptions& options);
 
-  // Bounds the blocks namespace `ns` may hold (ACTIVE plus pin-held CACHED, see Quotas above).
+  // Bounds the blocks namespace `ns` may hold (ACTIVE plus pin-held CACHED, see Quotas above; with
+  // KvCacheOptions::block_bytes, `max_blocks` blocks' bytes, its other groups' included).
   // With `group` 0 the bound is the namespace's own. Otherwise `ns` joins quota group `group`
   // (leaving any quota it had) and the bound is on the sum over the group's namespaces: it
   // becomes the group's bound for all of them (the last one set wins). kUnlimited lifts `ns`'s
@@ -375,6 +388,13 @@ class KvCacheManager final {
   // slot with sequences that hold no block. A no-op without a state group. Forgotten with the
   // group. Errors: INVALID_ARGUMENT (negative bound, group 0).
   absl::Status SetRefGroupStateSlots(uint64_t group, int64_t max_state_slots);
+  // What the quota `ns` counts against holds now, and its bound, in its units: bytes with
+  // KvCacheOptions::block_bytes, else blocks. nullopt when `ns` has no quota.
+  struct QuotaUse {
+    int64_t used = 0;
+    int64_t bound = 0;
+  };
+  std::optional<QuotaUse> QuotaOf(NamespaceId ns) const;
 
   // Creates a sequence of `num_tokens` tokens owned by `caller` in the request's namespace.
   // Errors: INVALID_ARGUMENT (session 0, namespace 0, negative count), RESOURCE_EXHAUSTED
@@ -651,6 +671,15 @@ class KvCacheManager final {
     int64_t max_blocks = kUnlimited;
     std::vector<NamespaceId> members;  // at least one, each once
   };
+  // What a call adds to a namespace's quota beside its main blocks: window-group blocks it turns
+  // ACTIVE (fresh ones and cached ones it adopts) and state slots it takes.
+  struct GroupCharge {
+    NamespaceId ns;
+    int64_t window_blocks = 0;
+    int64_t state_slots = 0;
+  };
+  static void AddCharge(std::vector<GroupCharge>* charges, NamespaceId ns, int64_t window_blocks,
+                        int64_t state_slots);
 
   // What one sequence's growth needs, worked out before anything changes.
   struct GrowPlan {
@@ -689,6 +718,8 @@ class KvCacheManager final {
     std::vector<BlockId> window_keep;  // window blocks the batch shares: never evicted for it
     WriteClaims window_joined;         // partially matched window blocks shared by writers
     int64_t window_blocks = 0;         // fresh window blocks
+    std::vector<BlockId> window_adopted;  // cached window blocks the batch turns ACTIVE
+    std::vector<GroupCharge> groups;      // window blocks and state slots added, by namespace
   };
 
   KvCacheManager(const KvCacheOptions& options, std::unique_ptr<BlockPool> pool,
@@ -730,12 +761,19 @@ class KvCacheManager final {
   // Checks namespace quotas for the ACTIVE blocks a call adds (`by_ns`, each namespace once;
   // namespaces of one quota group are summed) and the session quota for `refs` more references
   // held by `session`.
+  // `groups` lists what the call adds in the window and state groups, charged their bytes.
   absl::Status CheckCapacity(std::span<const std::pair<NamespaceId, int64_t>> by_ns,
-                             SessionId session, int64_t refs, std::string_view what);
+                             SessionId session, int64_t refs, std::string_view what,
+                             std::span<const GroupCharge> groups = {});
   absl::Status CheckQuotas(std::span<const std::pair<NamespaceId, int64_t>> by_ns,
-                           std::string_view what) const;
-  // Blocks a quota's namespaces hold: ACTIVE ones plus those only pins hold.
+                           std::span<const GroupCharge> groups, std::string_view what) const;
+  // What a quota's namespaces hold, in quota units (bytes with KvCacheOptions::block_bytes,
+  // else blocks): ACTIVE blocks plus those only pins hold, ACTIVE window blocks, state slots.
   int64_t QuotaUsage(const Quota& quota) const;
+  // A quota's bound in those units (saturated).
+  int64_t QuotaBound(const Quota& quota) const;
+  // "u of b blocks in use" or its bytes' wording.
+  std::string QuotaText(int64_t used, const Quota& quota) const;
   // `ns` leaves the quota it counts against, if any (an emptied quota is dropped).
   void LeaveQuota(NamespaceId ns);
   absl::Status CheckQuotaBooks() const;
@@ -934,6 +972,14 @@ class KvCacheManager final {
   const int64_t max_sequences_per_session_;              // 0: unlimited
   absl::flat_hash_map<NamespaceId, QuotaKey> quota_of_;  // namespaces that have a quota
   absl::flat_hash_map<QuotaKey, Quota> quotas_;
+  // What a quota charges one block, one window block and one state slot (KvCacheOptions::
+  // block_bytes; 1, 0, 0 without it).
+  const int64_t unit_block_;
+  const int64_t unit_window_;
+  const int64_t unit_state_;
+  // With a state group: the live sequences (each holds one state slot) of each namespace that
+  // has any.
+  absl::flat_hash_map<NamespaceId, int64_t> states_by_ns_;
   const int32_t max_pins_;
   const int64_t max_pin_ttl_ns_;
   const int64_t max_pinned_blocks_;

@@ -303,6 +303,15 @@ absl::Status KvCacheManager::CheckQuotaBooks() const {
     return InvariantViolation("{} namespaces have a quota but quotas list {}", quota_of_.size(),
                               members);
   }
+  // The state slots a quota charges: one per live sequence, by namespace.
+  absl::flat_hash_map<NamespaceId, int64_t> states;
+  if (states_) {
+    for (const auto& [id, seq] : sequences_) ++states[seq.ns];
+  }
+  if (states != states_by_ns_) {
+    return InvariantViolation("state slots by namespace: {} namespaces hold some, the books say {}",
+                              states.size(), states_by_ns_.size());
+  }
   return absl::OkStatus();
 }
 

@@ -107,9 +107,19 @@ void KvCacheManager::PlanWindowGrow(const Sequence& seq, int64_t window_ahead, W
 void KvCacheManager::PlanWindowAllocate(const AllocateRequest& r, AllocateTally* tally,
                                         AllocatePlan* p) const {
   const PrefixMatch& m = p->match;
+  int64_t adopted = 0;  // cached window blocks this request turns ACTIVE (a quota's charge)
+  const auto adopt = [&](BlockId block) {
+    std::vector<BlockId>& seen = tally->window_adopted;
+    if (window_->state(block) == BlockState::kCached &&
+        std::find(seen.begin(), seen.end(), block) == seen.end()) {
+      seen.push_back(block);
+      ++adopted;
+    }
+  };
   for (size_t i = 0; i < m.full.size(); ++i) {
     if (WindowNeeds(static_cast<int64_t>(i), m.matched_tokens)) {
       tally->window_keep.push_back(window_of_.at(m.full[i]));
+      adopt(tally->window_keep.back());
     }
   }
   if (m.partial != kInvalidBlock) {
@@ -121,7 +131,10 @@ void KvCacheManager::PlanWindowAllocate(const AllocateRequest& r, AllocateTally*
       p->window_copy_partial =
           WindowMustCopy(block, m.partial_tokens, window_->refs(block) - 1 + earlier);
     }
-    if (!p->window_copy_partial) Claim(&tally->window_joined, block);
+    if (!p->window_copy_partial) {
+      Claim(&tally->window_joined, block);
+      adopt(block);
+    }
     tally->window_keep.push_back(block);
   }
   const int64_t from_match =
@@ -131,7 +144,9 @@ void KvCacheManager::PlanWindowAllocate(const AllocateRequest& r, AllocateTally*
                               : std::min(r.num_tokens, m.matched_tokens + r.window_ahead);
   p->window_new_blocks =
       static_cast<int32_t>(std::max<int64_t>(0, BlocksFor(horizon) - from_match));
-  tally->window_blocks += p->window_new_blocks + (p->window_copy_partial ? 1 : 0);
+  const int64_t fresh = p->window_new_blocks + (p->window_copy_partial ? 1 : 0);
+  tally->window_blocks += fresh;
+  AddCharge(&tally->groups, r.ns, fresh + adopted, 0);
 }
 
 absl::Status KvCacheManager::CheckWindowRoom(int64_t blocks, std::span<const BlockId> keep,
@@ -308,6 +323,10 @@ absl::Status KvCacheManager::ExtendWindow(SessionId caller, SequenceId sequence,
   if (!window_) return absl::OkStatus();
   const int64_t add = BlocksFor(tokens) - static_cast<int64_t>(seq->window_table.size());
   if (add <= 0) return absl::OkStatus();
+  if (!quotas_.empty()) {
+    const GroupCharge groups[] = {{.ns = seq->ns, .window_blocks = add}};
+    KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckQuotas({}, groups, "extend window")));
+  }
   std::vector<BlockId> victims;
   KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckWindowRoom(add, {}, &victims, "extend window")));
   EvictWindowPlanned(victims, ctx);

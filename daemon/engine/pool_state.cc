@@ -30,6 +30,8 @@ absl::StatusOr<std::unique_ptr<PoolState>> PoolState::Create(const PoolOptions& 
   KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Arena> arena,
                           device->CreateArena(layout.arena_bytes()));
   auto steps = std::make_unique<StepTimeline>(device);
+  // Quotas charge every group its bytes (a quota of N blocks is N main blocks' bytes).
+  const int64_t block_bytes = layout.block_bytes();
   KVPOOL_ASSIGN_OR_RETURN(
       std::unique_ptr<KvCacheManager> cache,
       KvCacheManager::Create({.block_size = layout.block_size,
@@ -52,7 +54,12 @@ absl::StatusOr<std::unique_ptr<PoolState>> PoolState::Create(const PoolOptions& 
                               .checkpoint_interval = PoolCheckpointInterval(options, layout),
                               .window_blocks = layout.num_window_blocks,
                               .window_tokens = options.window_tokens,
-                              .sink_tokens = options.sink_tokens}));
+                              .sink_tokens = options.sink_tokens,
+                              .block_bytes = block_bytes,
+                              .window_block_bytes = block_bytes > 0 && layout.num_window_blocks > 0
+                                                        ? layout.window_block_bytes()
+                                                        : 0,
+                              .state_bytes = block_bytes > 0 ? layout.state_slot_bytes : 0}));
   KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<GenerationTable> generations,
                           GenerationTable::Create(layout.num_blocks));
   std::unique_ptr<TierSet> tiers;

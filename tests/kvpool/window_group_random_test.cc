@@ -15,7 +15,8 @@
 // After every operation: CheckInvariants(), the code the model predicts, which entries of every
 // window table are live (the reference's), the bound after a slide, and a resumed sequence's
 // match against the reference's longest resumable prefix; and the events a consumer read so far
-// (the window group's blocks as group 1) agree with a snapshot.
+// (the window group's blocks as group 1) agree with a snapshot. Even seeds run under a namespace
+// quota charged in bytes, window blocks included: no operation may take the charge past it.
 //
 // KVPOOL_WINDOW_RANDOM_OPS=N runs N operations per seed instead of the default.
 
@@ -49,6 +50,9 @@ constexpr int32_t kFamilyTokens = kMaxBlocksPerSeq * kBlockSize;
 constexpr uint32_t kTimelines = 2;
 constexpr SessionId kSessions[] = {SessionId(1), SessionId(2)};
 constexpr NamespaceId kNamespace(7);
+constexpr int64_t kBlockBytes = 4;
+constexpr int64_t kWindowBlockBytes = 12;
+constexpr int64_t kQuotaBlocks = 100;
 
 struct Config {
   uint64_t seed;
@@ -77,6 +81,7 @@ struct Tally {
   int64_t resumes = 0;           // Allocates that resumed a cached prefix
   int64_t window_cuts = 0;       // ... whose match the window group cut
   int64_t refusals = 0;          // calls refused for want of window blocks
+  int64_t quota_refusals = 0;    // ... of which by the namespace's quota
   int64_t truncate_refused = 0;  // Truncates refused below the released window
   int64_t slid = 0;              // entries released by slides
   int64_t steps = 0;
@@ -96,9 +101,18 @@ class WindowGroupRandomTest : public ::testing::TestWithParam<Config> {
                                      .fences = &fences_,
                                      .window_blocks = kWindowBlocks,
                                      .window_tokens = window_,
-                                     .sink_tokens = sinks_});
+                                     .sink_tokens = sinks_,
+                                     .block_bytes = kBlockBytes,
+                                     .window_block_bytes = kWindowBlockBytes});
     ASSERT_TRUE(m.ok()) << m.status();
     manager_ = std::move(*m);
+    // Half the seeds run under a quota that binds often: the namespace's blocks and window blocks
+    // are charged their bytes (a window block three blocks' worth), and no call may take them
+    // past it (checked after every operation). The other half leave the window group's own
+    // bound to refuse.
+    if (c.seed % 2 == 0) {
+      ASSERT_TRUE(manager_->SetNamespaceQuota(kNamespace, kQuotaBlocks).ok());
+    }
     bytes_.assign(kWindowBlocks, std::vector<int64_t>(kBlockSize, kGarbage));
     marks_.assign(kWindowBlocks, std::vector<uint64_t>(kTimelines, 0));
     for (auto& family : families_) {
@@ -117,6 +131,11 @@ class WindowGroupRandomTest : public ::testing::TestWithParam<Config> {
     return i < BlocksFor(n) && (i < SinkBlocks() || i >= WindowStart(n));
   }
   const Sequence& Seq(SequenceId id) const { return *manager_->Find(id); }
+  void Refused(const absl::Status& status) {
+    ++tally_.refusals;
+    const std::optional<Shortfall> why = GetShortfall(status);
+    tally_.quota_refusals += why && why->resource == Resource::kNamespaceQuota ? 1 : 0;
+  }
   SequenceId Pick() {
     auto it = models_.begin();
     std::advance(it, static_cast<ptrdiff_t>(Rand(models_.size())));
@@ -220,7 +239,7 @@ class WindowGroupRandomTest : public ::testing::TestWithParam<Config> {
       const absl::Status s = manager_->ExtendWindow(model.session, id, end, &plan);
       if (!s.ok()) {
         ASSERT_EQ(s.code(), Code::kResourceExhausted) << s;
-        ++tally_.refusals;
+        Refused(s);
         return;
       }
       Apply(plan);
@@ -302,7 +321,7 @@ void WindowGroupRandomTest::Allocate() {
       session, {.ns = kNamespace, .num_tokens = n, .prompt = prompt, .window_ahead = ahead}, &plan);
   if (!r.ok()) {
     ASSERT_EQ(r.status().code(), Code::kResourceExhausted) << r.status();
-    ++tally_.refusals;
+    Refused(r.status());
     return;
   }
   ASSERT_EQ(r->matched_tokens, expect) << "attention match " << attention;
@@ -339,7 +358,7 @@ void WindowGroupRandomTest::Grow() {
   const absl::Status s = manager_->GrowBatch(model.session, std::span(&grow, 1), &plan);
   if (!s.ok()) {
     ASSERT_EQ(s.code(), Code::kResourceExhausted) << s;
-    ++tally_.refusals;
+    Refused(s);
     return;
   }
   Apply(plan);
@@ -357,7 +376,7 @@ void WindowGroupRandomTest::Fork() {
   const absl::StatusOr<SequenceId> child = manager_->Fork(parent.session, id, &plan);
   if (!child.ok()) {
     ASSERT_EQ(child.status().code(), Code::kResourceExhausted) << child.status();
-    ++tally_.refusals;
+    Refused(child.status());
     return;
   }
   Apply(plan);
@@ -442,6 +461,9 @@ TEST_P(WindowGroupRandomTest, MatchesTheReferenceModel) {
     if (::testing::Test::HasFatalFailure()) return;
     const absl::Status inv = manager_->CheckInvariants();
     ASSERT_TRUE(inv.ok()) << inv << "\n" << manager_->DebugString();
+    if (const std::optional<KvCacheManager::QuotaUse> quota = manager_->QuotaOf(kNamespace)) {
+      ASSERT_LE(quota->used, quota->bound);
+    }
     CheckTables();
     if (::testing::Test::HasFatalFailure()) return;
     ASSERT_TRUE(mirror_.Follow(*manager_->events()));
@@ -452,6 +474,9 @@ TEST_P(WindowGroupRandomTest, MatchesTheReferenceModel) {
   EXPECT_GT(tally_.resumes, 20);
   EXPECT_GT(tally_.window_cuts, 5);
   EXPECT_GT(tally_.refusals, 5);
+  if (manager_->QuotaOf(kNamespace)) {
+    EXPECT_GT(tally_.quota_refusals, 20);
+  }
   EXPECT_GT(tally_.truncate_refused, 5);
   EXPECT_GT(tally_.slid, 100);
   EXPECT_GT(tally_.lagging, 20);
@@ -462,12 +487,13 @@ TEST_P(WindowGroupRandomTest, MatchesTheReferenceModel) {
     EXPECT_GT(mirror_.stored(1), 10u);
   }
   std::printf(
-      "resumes %lld (window cuts %lld), refusals %lld, truncates refused %lld, slid %lld, "
+      "resumes %lld (window cuts %lld), refusals %lld (quota %lld), truncates refused %lld, "
+      "slid %lld, "
       "steps %lld (%lld extended first), window blocks kept %llu evicted %llu announced %llu\n",
       static_cast<long long>(tally_.resumes), static_cast<long long>(tally_.window_cuts),
-      static_cast<long long>(tally_.refusals), static_cast<long long>(tally_.truncate_refused),
-      static_cast<long long>(tally_.slid), static_cast<long long>(tally_.steps),
-      static_cast<long long>(tally_.lagging),
+      static_cast<long long>(tally_.refusals), static_cast<long long>(tally_.quota_refusals),
+      static_cast<long long>(tally_.truncate_refused), static_cast<long long>(tally_.slid),
+      static_cast<long long>(tally_.steps), static_cast<long long>(tally_.lagging),
       static_cast<unsigned long long>(manager_->stats().windows.kept),
       static_cast<unsigned long long>(manager_->stats().windows.evicted),
       static_cast<unsigned long long>(mirror_.stored(1)));
