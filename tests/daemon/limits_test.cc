@@ -207,32 +207,6 @@ TEST_F(LimitsTest, WhatNoStepCanServeIsRefusedBeforeItQueues) {
   EXPECT_EQ(engine_->Stats().cache.sequences, 0);
 }
 
-// Issue 28: a tenant's quota_blocks is that many main blocks' bytes, and its sequences' state
-// slots are charged theirs: here a slot is three blocks' worth, so a quota of 4 blocks holds one
-// sequence of one block. Counting blocks only, it held as many empty sequences as there were slots.
-TEST(StateSlotLimitTest, ATenantsQuotaChargesItsStateSlotsTheirBytes) {
-  FailingDevice device;
-  EngineOptions options = SmallPool(64);
-  kernels::PoolLayout& layout = options.pools[0].layout;
-  layout.num_state_slots = 8;
-  layout.state_slot_bytes = 3 * layout.block_bytes();
-  options.open_quota_blocks["tight"] = 4;
-  std::unique_ptr<Engine> engine = std::move(*Engine::Create(options, &device, nullptr));
-  std::shared_ptr<const Session> s = *engine->OpenSession(Spec("tight"));
-  const AllocateRequest one_block{.num_tokens = 16};
-  ASSERT_TRUE(engine->Allocate(*s, std::span(&one_block, 1), CallContext::Uncancellable()).ok());
-  const AllocateRequest empty{.num_tokens = 0};
-  const absl::Status refused =
-      engine->Allocate(*s, std::span(&empty, 1), CallContext::Uncancellable()).status();
-  EXPECT_TRUE(absl::IsResourceExhausted(refused)) << refused;
-  EXPECT_THAT(std::string(refused.message()), HasSubstr("bytes in use"));
-  EXPECT_EQ(engine->Stats().cache.sequences, 1);
-  // Another tenant is not charged for it.
-  std::shared_ptr<const Session> other = *engine->OpenSession(Spec("roomy"));
-  EXPECT_TRUE(engine->Allocate(*other, std::span(&empty, 1), CallContext::Uncancellable()).ok());
-  EXPECT_TRUE(engine->CheckInvariants().ok());
-}
-
 }  // namespace
 }  // namespace kvpool::daemon
 
@@ -332,6 +306,32 @@ TEST(StateSlotLimitTest, AUidsSessionsShareABoundedNumberOfStateSlots) {
   EXPECT_TRUE(engine->Fork(*b, held[2], CallContext::Uncancellable()).ok());
   EXPECT_TRUE(engine->CheckInvariants().ok());
   EXPECT_EQ(engine->Stats().cache.states.active, 6);
+}
+
+// Issue 28: a tenant's quota_blocks is that many main blocks' bytes, and its sequences' state
+// slots are charged theirs: here a slot is three blocks' worth, so a quota of 4 blocks holds one
+// sequence of one block. Counting blocks only, it held as many empty sequences as there were slots.
+TEST(StateSlotLimitTest, ATenantsQuotaChargesItsStateSlotsTheirBytes) {
+  FailingDevice device;
+  EngineOptions options = SmallPool(64);
+  kernels::PoolLayout& layout = options.pools[0].layout;
+  layout.num_state_slots = 8;
+  layout.state_slot_bytes = 3 * layout.block_bytes();
+  options.open_quota_blocks["tight"] = 4;
+  std::unique_ptr<Engine> engine = std::move(*Engine::Create(options, &device, nullptr));
+  std::shared_ptr<const Session> s = *engine->OpenSession(Spec("tight"));
+  const AllocateRequest one_block{.num_tokens = 16};
+  ASSERT_TRUE(engine->Allocate(*s, std::span(&one_block, 1), CallContext::Uncancellable()).ok());
+  const AllocateRequest empty{.num_tokens = 0};
+  const absl::Status refused =
+      engine->Allocate(*s, std::span(&empty, 1), CallContext::Uncancellable()).status();
+  EXPECT_TRUE(absl::IsResourceExhausted(refused)) << refused;
+  EXPECT_THAT(std::string(refused.message()), HasSubstr("bytes in use"));
+  EXPECT_EQ(engine->Stats().cache.sequences, 1);
+  // Another tenant is not charged for it.
+  std::shared_ptr<const Session> other = *engine->OpenSession(Spec("roomy"));
+  EXPECT_TRUE(engine->Allocate(*other, std::span(&empty, 1), CallContext::Uncancellable()).ok());
+  EXPECT_TRUE(engine->CheckInvariants().ok());
 }
 
 }  // namespace
