@@ -143,6 +143,7 @@ KvCacheManager::KvCacheManager(const KvCacheOptions& options, std::unique_ptr<Bl
       states_(std::move(states)),
       checkpoint_slots_(states_ && cache_ ? options.checkpoint_slots : 0),
       checkpoint_interval_(options.checkpoint_interval),
+      journal_checkpoints_(checkpoint_slots_ > 0 && options.publish_journal),
       window_(std::move(window)),
       window_tokens_(window_ ? options.window_tokens : 0),
       sink_tokens_(window_ ? options.sink_tokens : 0),

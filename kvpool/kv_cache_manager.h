@@ -89,8 +89,18 @@ struct BlockCopy {
 struct PlannedCheckpoint {
   int64_t position = 0;
   BlockId slot = kInvalidBlock;
+  // Filled from outside (a lower tier, ImportCheckpoint), not by the sequence's steps: it goes
+  // into the tree at Commit wherever the sequence's path reaches, whatever its state holds.
+  bool imported = false;
 
   friend bool operator==(const PlannedCheckpoint&, const PlannedCheckpoint&) = default;
+};
+
+// A state checkpoint kept at the end of a full cached block (TakePublishedCheckpoints): the
+// block as a lower tier keys it, and the state slot holding the checkpoint.
+struct PublishedCheckpoint {
+  PublishedBlock block;
+  BlockId slot = kInvalidBlock;
 };
 
 // Device work a call requires before the sequences it changed may be written or read. The caller
@@ -526,6 +536,16 @@ class KvCacheManager final {
   // Errors: NOT_FOUND, PERMISSION_DENIED, INVALID_ARGUMENT (not 0 <= from < to <= its length).
   absl::Status PlanCheckpoints(SessionId caller, SequenceId sequence, int64_t from, int64_t to,
                                bool prefill, std::vector<PlannedCheckpoint>* out);
+  // A checkpoint of the state after `sequence`'s first `position` tokens that the caller fills
+  // from outside (a lower tier's copy of a checkpoint taken earlier): a state slot for it, held by
+  // the sequence like a planned one and put into the tree by Commit at the block `position` ends
+  // (PlannedCheckpoint::imported). The caller copies the state in and marks the slot in flight
+  // before it commits. Errors: NOT_FOUND, PERMISSION_DENIED, INVALID_ARGUMENT (`position` not a
+  // block boundary in (0, its length], or one planned already), FAILED_PRECONDITION (no
+  // checkpoint slots), RESOURCE_EXHAUSTED (kStateSlots: none can be spared now); nothing has
+  // changed.
+  absl::StatusOr<BlockId> ImportCheckpoint(SessionId caller, SequenceId sequence,
+                                           int64_t position);
   // `sequence`'s working state now holds its first `tokens` tokens (a step computed them); -1:
   // it holds something no checkpoint may be taken from.
   // Errors: NOT_FOUND, PERMISSION_DENIED, INVALID_ARGUMENT (outside [-1, its length]).
@@ -593,6 +613,10 @@ class KvCacheManager final {
       out->clear();
     }
   }
+  // With the journal and checkpoint slots: the checkpoints put into the tree at a full block's
+  // last token since the last call, still kept there, oldest first (what a lower tier stores
+  // beside the block). Their slots' bytes stay put while they are kept.
+  void TakePublishedCheckpoints(std::vector<PublishedCheckpoint>* out);
   std::vector<KvEvent> SnapshotEvents(uint64_t* resume_seq) const;
 
   // Accessors.
@@ -946,6 +970,9 @@ class KvCacheManager final {
   internal::StampedLru<BlockId> checkpoint_lru_;         // (stamp, slot) of the cached ones: O(1)
   uint64_t checkpoint_clock_ = 0;
   int64_t planned_checkpoints_ = 0;  // held by sequences (Sequence::checkpoints)
+  // Checkpoints kept at a full block's end since TakePublishedCheckpoints (with the journal).
+  const bool journal_checkpoints_;
+  std::vector<PublishedCheckpoint> published_checkpoints_;
   // The window group's blocks (null without one), one namespace slot per sequence namespace as
   // in pool_ (a block crossing namespaces is scrubbed).
   std::unique_ptr<BlockPool> window_;

@@ -171,7 +171,64 @@ void KvCacheManager::KeepCheckpoint(BlockId block, int32_t offset, BlockId slot,
   checkpoint_of_[block] = slot;
   ++counters_.checkpoints.kept;
   // A checkpoint at a block's last token is named by the block's hash (KvEvent::group).
-  if (offset == block_size_) cache_->AnnounceComponent(std::span(&block, 1), *event_groups_.state);
+  if (offset == block_size_) {
+    cache_->AnnounceComponent(std::span(&block, 1), *event_groups_.state);
+    if (journal_checkpoints_) {
+      if (const std::optional<PublishedBlock> p = cache_->PublishedOf(block)) {
+        published_checkpoints_.push_back({.block = *p, .slot = slot});
+      }
+    }
+  }
+}
+
+void KvCacheManager::TakePublishedCheckpoints(std::vector<PublishedCheckpoint>* out) {
+  out->clear();
+  for (const PublishedCheckpoint& c : published_checkpoints_) {
+    // Only those still kept where they were (one may have been evicted, its slot reused since).
+    auto it = checkpoint_of_.find(c.block.block);
+    if (it != checkpoint_of_.end() && it->second == c.slot &&
+        checkpoint_at_[Index(c.slot)].offset == block_size_) {
+      out->push_back(c);
+    }
+  }
+  published_checkpoints_.clear();
+}
+
+absl::StatusOr<BlockId> KvCacheManager::ImportCheckpoint(SessionId caller, SequenceId sequence,
+                                                         int64_t position) {
+  const TraceContext ctx = BeginCall(caller, sequence);
+  KVPOOL_ASSIGN_OR_RETURN(Sequence * seq, Owned(caller, sequence));
+  if (position <= 0 || position % block_size_ != 0 || position > seq->num_tokens) {
+    return absl::InvalidArgumentError(fmt::format(
+        "an imported checkpoint of sequence {} ({} tokens) is at a block boundary in (0, {}]: "
+        "not {}",
+        sequence.value(), seq->num_tokens, seq->num_tokens, position));
+  }
+  if (checkpoint_slots_ == 0) {
+    return absl::FailedPreconditionError("this pool keeps no state checkpoints");
+  }
+  if (std::any_of(seq->checkpoints.begin(), seq->checkpoints.end(),
+                  [&](const PlannedCheckpoint& c) { return c.position == position; })) {
+    return absl::InvalidArgumentError(fmt::format(
+        "sequence {} has a checkpoint planned at {} already", sequence.value(), position));
+  }
+  const BlockId slot = TakeCheckpointSlot(ctx);
+  if (slot == kInvalidBlock) {
+    ++counters_.checkpoints.skipped;
+    return ResourceExhausted(Resource::kStateSlots, 1,
+                             fmt::format("importing a checkpoint at {} of sequence {}: no "
+                                         "checkpoint slot can be spared",
+                                         position, sequence.value()));
+  }
+  const PlannedCheckpoint planned{.position = position, .slot = slot, .imported = true};
+  seq->checkpoints.insert(
+      std::upper_bound(seq->checkpoints.begin(), seq->checkpoints.end(), planned,
+                       [](const PlannedCheckpoint& a, const PlannedCheckpoint& b) {
+                         return a.position < b.position;
+                       }),
+      planned);
+  ++counters_.checkpoints.planned;
+  return slot;
 }
 
 void KvCacheManager::KeepPlanned(Sequence* seq, const TraceContext& ctx) {
@@ -179,8 +236,9 @@ void KvCacheManager::KeepPlanned(Sequence* seq, const TraceContext& ctx) {
   for (const PlannedCheckpoint& c : seq->checkpoints) {
     // Only once the step that writes it has run (the state passed it), and where the path
     // reaches.
-    const auto [block, offset] =
-        c.position <= seq->state_tokens ? PathPlace(*seq, c.position) : std::pair{kInvalidBlock, 0};
+    const auto [block, offset] = c.imported || c.position <= seq->state_tokens
+                                     ? PathPlace(*seq, c.position)
+                                     : std::pair{kInvalidBlock, 0};
     if (block == kInvalidBlock) {
       seq->checkpoints[kept++] = c;
       continue;

@@ -285,6 +285,16 @@ class PrefixCache final {
   void AppendEvent(KvEvent event) {
     if (events_on_) events_.Append(std::move(event));
   }
+  // What a lower tier keys cached full block `block` by (its namespace, chained hash and
+  // parent's), with the journal on (PrefixCacheOptions::journal); nullopt otherwise, or for a
+  // block that is not a full cached one.
+  std::optional<PublishedBlock> PublishedOf(BlockId block) const {
+    if (!journal_on_ || !holds(block) || tree_.coverage(block) != block_size_) return std::nullopt;
+    return PublishedBlock{.ns = tree_.ns_of(block),
+                          .block = block,
+                          .hash = hash_[Index(block)],
+                          .parent = HashOf(tree_.Parent(block))};
+  }
   // Moves the journal (PrefixCacheOptions::journal) into `out`, oldest first, and empties it.
   void TakePublished(std::vector<PublishedBlock>* out) {
     out->clear();
