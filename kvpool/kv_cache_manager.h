@@ -544,8 +544,7 @@ class KvCacheManager final {
   // block boundary in (0, its length], or one planned already), FAILED_PRECONDITION (no
   // checkpoint slots), RESOURCE_EXHAUSTED (kStateSlots: none can be spared now); nothing has
   // changed.
-  absl::StatusOr<BlockId> ImportCheckpoint(SessionId caller, SequenceId sequence,
-                                           int64_t position);
+  absl::StatusOr<BlockId> ImportCheckpoint(SessionId caller, SequenceId sequence, int64_t position);
   // `sequence`'s working state now holds its first `tokens` tokens (a step computed them); -1:
   // it holds something no checkpoint may be taken from.
   // Errors: NOT_FOUND, PERMISSION_DENIED, INVALID_ARGUMENT (outside [-1, its length]).

@@ -568,6 +568,10 @@ void ParseTiers(const v1::TierSpec& t, const v1::ModelSpec& model, TierOptions* 
   if (t.host_blocks() < 0) bad("tiers.host_blocks", "must be >= 0 (0: no host tier)");
   if (t.staged_blocks() < 0) bad("tiers.staged_blocks", "must be >= 0 (0: the default)");
   if (t.lookup_blocks() < 0) bad("tiers.lookup_blocks", "must be >= 0 (0: the default)");
+  if (t.host_checkpoints() < -1) {
+    bad("tiers.host_checkpoints", "must be >= 0 (0: one per checkpoint interval), or -1 for none");
+  }
+  o->host_checkpoints = t.host_checkpoints();
   o->host_blocks = t.host_blocks();
   if (t.staged_blocks() > 0) o->staged_blocks = t.staged_blocks();
   if (t.lookup_blocks() > 0) o->lookup_blocks = t.lookup_blocks();

@@ -18,6 +18,17 @@ int32_t PoolCheckpointInterval(const EngineOptions& options, const kernels::Pool
   return BreakEvenCheckpointInterval(layout.state_slot_bytes, layout.block_bytes());
 }
 
+int64_t HostCheckpoints(const EngineOptions& options, const kernels::PoolLayout& layout) {
+  const int64_t asked = options.tiers.host_checkpoints;
+  if (asked < 0 || options.tiers.host_blocks == 0 || options.checkpoint_slots == 0 ||
+      layout.num_state_slots == 0) {
+    return 0;
+  }
+  if (asked > 0) return asked;
+  const int64_t interval = std::max(1, PoolCheckpointInterval(options, layout));
+  return std::max<int64_t>(1, options.tiers.host_blocks / interval);
+}
+
 absl::StatusOr<std::unique_ptr<PoolState>> PoolState::Create(const PoolOptions& pool,
                                                              const EngineOptions& options,
                                                              kernels::Device* device,
@@ -66,6 +77,7 @@ absl::StatusOr<std::unique_ptr<PoolState>> PoolState::Create(const PoolOptions& 
   if (options.tiers.enabled() && options.prefix_cache) {
     TierOptions tier_options = options.tiers;
     if (tier_options.disk.enabled()) tier_options.disk.directory += "/" + pool.name;  // its own
+    tier_options.host_checkpoints = HostCheckpoints(options, layout);
     KVPOOL_ASSIGN_OR_RETURN(tiers,
                             TierSet::Create(tier_options, device, layout, secret, options.clock));
   }
@@ -105,6 +117,9 @@ void PoolState::StagePublished(std::span<const BlockHash> skip) {
   if (!tiers_) return;
   cache_->TakePublished(&published_);
   tiers_->Stage(*cache_, view(), published_, skip);
+  // Taken whether or not the host tier keeps checkpoints: the journal never grows.
+  cache_->TakePublishedCheckpoints(&published_checkpoints_);
+  tiers_->StageCheckpoints(*cache_, view(), published_checkpoints_, skip);
   DrainTierEvents();
 }
 

@@ -71,6 +71,10 @@ struct ModelCounters {
 // EngineOptions::checkpoint_interval when positive, none when -1 or without a state group, else
 // BreakEvenCheckpointInterval(state slot bytes, block bytes).
 int32_t PoolCheckpointInterval(const EngineOptions& options, const kernels::PoolLayout& layout);
+// The state checkpoints the host tier of a pool of `layout` keeps (TierOptions::host_checkpoints):
+// none without a host tier, checkpoint slots or a state group, or when -1; N when N > 0; else one
+// per checkpoint interval of host blocks (at least 1).
+int64_t HostCheckpoints(const EngineOptions& options, const kernels::PoolLayout& layout);
 
 class PoolState final {
  public:
@@ -148,8 +152,9 @@ class PoolState final {
   // The window group's copies and fills (over view().Window()); null without a window group.
   std::unique_ptr<kernels::PlanExecutor> window_executor_;
   const std::unique_ptr<TierSet> tiers_;
-  std::vector<PublishedBlock> published_;  // scratch of StagePublished
-  std::vector<KvEvent> tier_events_;       // scratch of DrainTierEvents
+  std::vector<PublishedBlock> published_;                   // scratch of StagePublished
+  std::vector<PublishedCheckpoint> published_checkpoints_;  // its checkpoints' scratch
+  std::vector<KvEvent> tier_events_;                        // scratch of DrainTierEvents
 };
 
 }  // namespace kvpool::daemon

@@ -37,8 +37,10 @@ Promotion::Promotion(int32_t pool, NamespaceId ns, std::span<const int32_t> prom
 }
 
 bool Promotion::Match(const EngineState& state) {
-  const int64_t matched = state.pool(pool_).cache().MatchPrefix(ns_, prompt_);
+  const PoolState& pool = state.pool(pool_);
+  const int64_t matched = pool.cache().MatchPrefix(ns_, prompt_);
   local_ = static_cast<size_t>(matched / block_size_);
+  needs_checkpoint_ = pool.layout().num_state_slots > 0;
   return local_ < full_;
 }
 
@@ -47,6 +49,14 @@ void Promotion::Lookup(TierSet& tiers) {
   found_ = tiers.Lookup(ns_, local_ == 0 ? BlockHash{} : chain_[local_ - 1],
                         std::span(chain_).subspan(local_));
   upto_ = local_ + static_cast<size_t>(found_.hits);
+  if (needs_checkpoint_ && found_.hits > 0) {
+    // With a state group a prompt resumes only from a checkpoint (MatchPrefix cut the local match
+    // at the deepest one): the hits are worth promoting up to the deepest checkpoint the host
+    // tier has among them, and not at all without one.
+    tiers.LookupCheckpoint(ns_, chain_, local_, upto_, &found_);
+    found_.hits = found_.checkpoint < 0 ? 0 : found_.checkpoint + 1 - static_cast<int64_t>(local_);
+    upto_ = local_ + static_cast<size_t>(found_.hits);
+  }
 }
 
 void Promotion::Recycle(TierSet& tiers) { tiers.Recycle(&found_); }
@@ -73,10 +83,20 @@ Promotion::Outcome Promotion::Start(EngineState& state, kernels::Device& device,
   loader_ = made->sequence;
   ++pool.loaders;
   KVPOOL_CHECK(made->matched_tokens == matched_now);  // the same match, in the same lock hold
+  // The host tier's checkpoint at the end of the last hit goes in with the blocks (a pool with
+  // a state group; Lookup cut the hits there). Without a slot for it the blocks still go in.
+  BlockId checkpoint = kInvalidBlock;
+  if (found_.checkpoint >= 0) {
+    const absl::StatusOr<BlockId> slot =
+        cache.ImportCheckpoint(kTierLoader, loader_, (found_.checkpoint + 1) * block_size_);
+    if (slot.ok()) checkpoint = *slot;
+  }
   absl::StatusOr<Fence> fence = pool.Carry(plan);
   if (fence.ok()) {
     fence = CopyHits(pool, device, static_cast<size_t>(made->matched_tokens / block_size_), *fence);
   }
+  if (fence.ok() && checkpoint != kInvalidBlock) fence = CopyCheckpoint(pool, device, checkpoint);
+  imported_ = fence.ok() && checkpoint != kInvalidBlock;
   if (!fence.ok()) {
     FreeLoader(pool, loader_);  // what was queued keeps its blocks in flight (CopyHits)
     return Outcome::kFailed;
@@ -133,6 +153,20 @@ absl::StatusOr<Fence> Promotion::CopyHits(PoolState& pool, kernels::Device& devi
   return fence;
 }
 
+absl::StatusOr<Fence> Promotion::CopyCheckpoint(PoolState& pool, kernels::Device& device,
+                                                BlockId slot) {
+  const std::span<const std::byte> src = found_.checkpoint_pin.block(0);
+  absl::StatusOr<Fence> fence =
+      device.CopyToDevice(kernels::StreamId::kTransfer, pool.view().state(slot.value()), src.data(),
+                          static_cast<int64_t>(src.size()));
+  // Whatever was queued keeps the slot out of the free list and the host slot pinned until it
+  // has run (the loader's Free, should it come first, releases the slot fenced).
+  const Fence queued = fence.ok() ? *fence : device.LastFence(kernels::StreamId::kTransfer);
+  KVPOOL_CHECK_OK(pool.cache().MarkStatesInFlight(std::span(&slot, 1), queued));
+  found_.reads = queued;
+  return fence;
+}
+
 absl::Status Promotion::Wait(kernels::Device& device) const { return device.Synchronize(copied_); }
 
 std::optional<PromotionHold> Promotion::Publish(EngineState& state, const absl::Status& copied) {
@@ -153,7 +187,7 @@ std::optional<PromotionHold> Promotion::Publish(EngineState& state, const absl::
   }
   pool.StagePublished(std::span(chain_).first(upto_));  // already in a tier: not staged again
   tiers.CountPromotion(from_host, from_disk, from_remote, state.now() - started_ns_,
-                       /*failed=*/false);
+                       /*failed=*/false, imported_);
   if (from_disk + from_remote > 0) {  // what the disk or Redis had goes into the host tier too
     const size_t first_below = local_ + static_cast<size_t>(from_host);
     tiers.KeepInHost(

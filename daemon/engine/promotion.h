@@ -84,16 +84,21 @@ class Promotion final {
   // `carried` (the loader's fills). REQUIRES: the engine lock.
   absl::StatusOr<Fence> CopyHits(PoolState& pool, kernels::Device& device, size_t from,
                                  Fence carried);
+  // Copies the host tier's checkpoint (found_.checkpoint_pin) into state slot `slot` on the
+  // transfer stream, after the hits. REQUIRES: the engine lock.
+  absl::StatusOr<Fence> CopyCheckpoint(PoolState& pool, kernels::Device& device, BlockId slot);
 
   const int32_t pool_;
   const NamespaceId ns_;
   const std::span<const int32_t> prompt_;
   const int32_t block_size_;
-  const size_t full_;             // the prompt's full blocks
-  std::vector<BlockHash> chain_;  // their chained hashes
-  size_t local_ = 0;              // full blocks cached at Match
-  size_t upto_ = 0;               // local_ + hits: the loader's length in blocks
-  TierSet::Found found_;          // block i of found_ is the prompt's block local_ + i
+  const size_t full_;              // the prompt's full blocks
+  std::vector<BlockHash> chain_;   // their chained hashes
+  size_t local_ = 0;               // full blocks cached at Match
+  size_t upto_ = 0;                // local_ + hits: the loader's length in blocks
+  bool needs_checkpoint_ = false;  // the pool has a state group: promote up to a checkpoint
+  bool imported_ = false;          // the host tier's checkpoint is copied in with the blocks
+  TierSet::Found found_;           // block i of found_ is the prompt's block local_ + i
   SequenceId loader_;
   Fence copied_;
   int64_t started_ns_ = 0;

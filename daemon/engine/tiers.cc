@@ -64,19 +64,38 @@ absl::StatusOr<std::unique_ptr<TierSet>> TierSet::Create(const TierOptions& opti
                              options.disk.directory, opened.status().ToString());
     }
   }
+  std::unique_ptr<kernels::DeviceBuffer> checkpoint_memory;
+  std::unique_ptr<tier::HostBlockStore> checkpoints;
+  if (options.host_checkpoints > 0 && host && layout.num_state_slots > 0 &&
+      layout.state_slot_bytes > 0) {
+    if (options.host_checkpoints > (int64_t{1} << 46) / layout.state_slot_bytes) {
+      return absl::InvalidArgumentError(
+          fmt::format("tiers: {} host checkpoints of {} bytes is too large",
+                      options.host_checkpoints, layout.state_slot_bytes));
+    }
+    KVPOOL_ASSIGN_OR_RETURN(checkpoint_memory, device->AllocateHostBuffer(options.host_checkpoints *
+                                                                          layout.state_slot_bytes));
+    KVPOOL_ASSIGN_OR_RETURN(checkpoints, tier::HostBlockStore::Create(
+                                             options.host_checkpoints, layout.state_slot_bytes,
+                                             static_cast<std::byte*>(checkpoint_memory->data())));
+  }
   return std::make_unique<TierSet>(device, layout, clock, std::move(host), std::move(remote),
                                    options.staged_blocks, std::move(host_memory),
-                                   options.lookup_blocks, std::move(disk));
+                                   options.lookup_blocks, std::move(disk), std::move(checkpoints),
+                                   std::move(checkpoint_memory));
 }
 
 TierSet::TierSet(kernels::Device* device, const kernels::PoolLayout& layout, const Clock* clock,
                  std::unique_ptr<tier::HostBlockStore> host,
                  std::unique_ptr<tier::RemoteTier> remote, int64_t staged_blocks,
                  std::unique_ptr<kernels::DeviceBuffer> host_memory, int64_t lookup_blocks,
-                 std::unique_ptr<tier::DiskBlockStore> disk)
+                 std::unique_ptr<tier::DiskBlockStore> disk,
+                 std::unique_ptr<tier::HostBlockStore> checkpoints,
+                 std::unique_ptr<kernels::DeviceBuffer> checkpoint_memory)
     : device_(device),
       clock_(clock),
       block_bytes_(layout.block_bytes()),
+      state_bytes_(layout.state_slot_bytes),
       block_size_(layout.block_size),
       layout_fingerprint_(layout.Hash()),
       max_staged_(std::min(staged_blocks, std::max<int64_t>(1, kMaxStagedBytes / block_bytes_))),
@@ -84,8 +103,11 @@ TierSet::TierSet(kernels::Device* device, const kernels::PoolLayout& layout, con
       host_memory_(std::move(host_memory)),
       host_(std::move(host)),
       remote_(std::move(remote)),
-      disk_(std::move(disk)) {
+      disk_(std::move(disk)),
+      checkpoint_memory_(std::move(checkpoint_memory)),
+      checkpoints_(std::move(checkpoints)) {
   KVPOOL_CHECK(host_ == nullptr || host_->block_bytes() == block_bytes_);
+  KVPOOL_CHECK(checkpoints_ == nullptr || checkpoints_->block_bytes() == state_bytes_);
   if (host_) {
     host_->set_listener(
         [this](const tier::BlockSpace& space, const BlockHash& hash, const BlockHash& parent,
@@ -215,6 +237,59 @@ void TierSet::Stage(KvCacheManager& cache, const kernels::KvPoolView& view,
   }
 }
 
+void TierSet::StageCheckpoints(KvCacheManager& cache, const kernels::KvPoolView& view,
+                               std::span<const PublishedCheckpoint> published,
+                               std::span<const BlockHash> skip) {
+  if (!checkpoints_ || published.empty()) return;
+  // The compute stream may still be writing a checkpoint a step just took: copy after it.
+  const Fence computed = device_->LastFence(kernels::StreamId::kCompute);
+  if (computed.value != 0 && !device_->StreamWait(kernels::StreamId::kTransfer, computed).ok()) {
+    return;  // not stored: the host tier misses it, nothing else changes
+  }
+  // Staged checkpoints take at most kMaxStagedBytes (and their count, the staging bound).
+  const int64_t most = std::max<int64_t>(1, kMaxStagedBytes / state_bytes_);
+  std::vector<BlockId> copied;
+  Fence last;
+  absl::MutexLock lock(&mu_);
+  for (const PublishedCheckpoint& c : published) {
+    const PublishedBlock& b = c.block;
+    if (stopping_ || std::find(skip.begin(), skip.end(), b.hash) != skip.end()) continue;
+    if (static_cast<int64_t>(queue_.size()) + in_flight_ >= max_staged_ ||
+        staged_checkpoints_ >= most) {
+      ++counters_.demote_dropped_full;
+      continue;
+    }
+    absl::StatusOr<std::unique_ptr<kernels::DeviceBuffer>> bytes =
+        device_->AllocateHostBuffer(state_bytes_);
+    if (!bytes.ok()) {
+      ++counters_.demote_failed;
+      continue;
+    }
+    const absl::StatusOr<Fence> fence = device_->CopyToHost(
+        kernels::StreamId::kTransfer, (*bytes)->data(), view.state(c.slot.value()), state_bytes_);
+    if (!fence.ok()) {
+      ++counters_.demote_failed;
+      continue;
+    }
+    queue_.push_back(Staged{.space = {b.ns, layout_fingerprint_},
+                            .hash = b.hash,
+                            .parent = b.parent,
+                            .tags = tags_of_ ? tags_of_(b.ns) : tier::NamespaceTags{},
+                            .bytes = *std::move(bytes),
+                            .fence = *fence,
+                            .staged_ns = clock_->NowNanos(),
+                            .checkpoint = true});
+    ++staged_checkpoints_;
+    last = *fence;
+    copied.push_back(c.slot);
+  }
+  if (!copied.empty()) {
+    // Until the copies have run the slots stay out of the free list, whatever happens to them.
+    KVPOOL_CHECK_OK(cache.MarkStatesInFlight(copied, last));
+    changed_.Signal();
+  }
+}
+
 void TierSet::WriterLoop() {
   for (;;) {
     Staged item;
@@ -228,16 +303,21 @@ void TierSet::WriterLoop() {
     }
     const absl::Status copied = device_->Synchronize(item.fence);
     const int64_t spent = clock_->NowNanos() - item.staged_ns;
+    const int64_t bytes = item.checkpoint ? state_bytes_ : block_bytes_;
     if (copied.ok()) {
-      const tier::BlockToStore block{.hash = item.hash,
-                                     .parent = item.parent,
-                                     .coverage = static_cast<uint32_t>(block_size_),
-                                     .bytes = {static_cast<const std::byte*>(item.bytes->data()),
-                                               static_cast<size_t>(block_bytes_)},
-                                     .tags = item.tags};
-      if (host_) host_->Put(item.space, block);
-      if (disk_) disk_->Put(item.space, block);  // queued: never waits for the disk
-      if (remote_) remote_->Put(item.space, block);
+      const tier::BlockToStore block{
+          .hash = item.hash,
+          .parent = item.parent,
+          .coverage = static_cast<uint32_t>(block_size_),
+          .bytes = {static_cast<const std::byte*>(item.bytes->data()), static_cast<size_t>(bytes)},
+          .tags = item.tags};
+      if (item.checkpoint) {
+        checkpoints_->Put(item.space, block);  // the host tier alone (not the disk or Redis)
+      } else {
+        if (host_) host_->Put(item.space, block);
+        if (disk_) disk_->Put(item.space, block);  // queued: never waits for the disk
+        if (remote_) remote_->Put(item.space, block);
+      }
     }
     std::function<void()> on_events;
     {
@@ -246,11 +326,15 @@ void TierSet::WriterLoop() {
     }
     if (on_events) on_events();  // before in_flight_ drops: Flush implies the events are logged
     absl::MutexLock lock(&mu_);
-    GiveBack(std::move(item.bytes));
+    if (item.checkpoint) {
+      --staged_checkpoints_;  // its buffer goes (staging buffers are blocks)
+    } else {
+      GiveBack(std::move(item.bytes));
+    }
     --in_flight_;
     if (copied.ok()) {
-      ++counters_.demoted;
-      counters_.demoted_bytes += static_cast<uint64_t>(block_bytes_);
+      ++(item.checkpoint ? counters_.demoted_checkpoints : counters_.demoted);
+      counters_.demoted_bytes += static_cast<uint64_t>(bytes);
       counters_.demote_ns += spent;
     } else {
       ++counters_.demote_failed;
@@ -303,6 +387,24 @@ TierSet::Found TierSet::Lookup(NamespaceId ns, const BlockHash& parent,
     found.hits += LookupBelow(*remote_, space, after, hashes, out, found.from_disk);
   }
   return found;
+}
+
+void TierSet::LookupCheckpoint(NamespaceId ns, std::span<const BlockHash> chain, size_t from,
+                               size_t upto, Found* found) {
+  found->checkpoint = -1;
+  found->checkpoint_pin.Release();
+  if (!checkpoints_) return;
+  const tier::BlockSpace space{ns, layout_fingerprint_};
+  for (size_t i = std::min(upto, chain.size()); i > from; --i) {
+    const size_t at = i - 1;
+    tier::HostBlockStore::Pins pin = checkpoints_->LookupPinned(
+        space, at == 0 ? BlockHash{} : chain[at - 1], chain.subspan(at, 1));
+    if (pin.size() == 1) {
+      found->checkpoint = static_cast<int64_t>(at);
+      found->checkpoint_pin = std::move(pin);
+      return;
+    }
+  }
 }
 
 int64_t TierSet::LookupBelow(tier::RemoteTier& store, const tier::BlockSpace& space,
@@ -360,6 +462,8 @@ void TierSet::Recycle(Found* found) {
   }
   const int64_t pinned = found->host.size();
   found->host.Release();
+  found->checkpoint_pin.Release();
+  found->checkpoint = -1;
   absl::MutexLock lock(&mu_);
   lookup_held_ -= pinned + static_cast<int64_t>(found->buffers.size());
   for (auto& buffer : found->buffers) GiveBack(std::move(buffer));
@@ -401,12 +505,16 @@ void TierSet::CountHoldEnd(bool adopted) {
 }
 
 void TierSet::CountPromotion(int64_t from_host, int64_t from_disk, int64_t from_remote,
-                             int64_t ns_spent, bool failed) {
+                             int64_t ns_spent, bool failed, bool checkpoint) {
   const int64_t blocks = from_host + from_disk + from_remote;
   absl::MutexLock lock(&mu_);
   if (failed) {
     counters_.promote_failed += static_cast<uint64_t>(blocks);
     return;
+  }
+  if (checkpoint) {
+    ++counters_.promoted_checkpoints;
+    counters_.promoted_bytes += static_cast<uint64_t>(state_bytes_);
   }
   counters_.promoted_from_host += static_cast<uint64_t>(from_host);
   counters_.promoted_from_disk += static_cast<uint64_t>(from_disk);
@@ -451,6 +559,10 @@ TierStats TierSet::stats() const {
     out.host_store = host_->stats();
   }
   if (remote_) out.remote_store = remote_->stats();
+  if (checkpoints_) {
+    out.host_checkpoint_capacity = checkpoints_->capacity();
+    out.host_checkpoints = checkpoints_->stored();
+  }
   out.disk = disk_ != nullptr;
   if (disk_) {
     out.disk_store = disk_->stats();
@@ -460,6 +572,8 @@ TierStats TierSet::stats() const {
 }
 
 int64_t TierSet::Invalidate(const tier::TagFilter& filter) {
+  // A checkpoint is derived from its prefix's KV: it goes with the blocks.
+  if (checkpoints_) checkpoints_->Invalidate(filter);
   const int64_t from_host = host_ ? host_->Invalidate(filter) : 0;
   t_invalidating = true;
   const int64_t from_disk = disk_ ? disk_->Invalidate(filter) : 0;

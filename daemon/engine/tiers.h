@@ -61,6 +61,10 @@ struct TierOptions {
   // and staging buffers for the disk and remote tiers (host memory, pinned on CUDA; at most
   // kMaxStagedBytes of them); a lookup past it asks for fewer blocks (counted).
   int64_t lookup_blocks = 512;
+  // State checkpoints the host tier keeps beside its blocks (a pool with a state group and a host
+  // tier; docs/hybrid-groups.md §4, Tiers): 0 one per checkpoint interval of host_blocks (what
+  // PoolState::Create resolves it to), -1 none, N. TierSet::Create takes the resolved count.
+  int64_t host_checkpoints = 0;
   bool enabled() const { return host_blocks > 0 || disk.enabled() || redis.enabled; }
 };
 
@@ -99,6 +103,12 @@ struct TierStats {
   uint64_t promote_adopted = 0;
   uint64_t promote_unused = 0;
   uint64_t lookup_truncated = 0;  // lookups cut short: every lookup buffer was in use
+  // State checkpoints (a pool with a state group): kept in the host tier beside their blocks,
+  // copied down (each a checkpoint kept at a full block's end) and promoted with a prefix.
+  int64_t host_checkpoint_capacity = 0;
+  int64_t host_checkpoints = 0;
+  uint64_t demoted_checkpoints = 0;
+  uint64_t promoted_checkpoints = 0;
 };
 
 class TierSet final {
@@ -115,11 +125,15 @@ class TierSet final {
                                                          const Clock* clock);
   // Builds a set over stores made elsewhere (tests: a fake remote). Either may be null;
   // `host_memory`, when given, holds the host store's slots and is kept as long as the store.
+  // `checkpoints` (slots of the layout's state_slot_bytes, over `checkpoint_memory` when given)
+  // keeps state checkpoints in host memory.
   TierSet(kernels::Device* device, const kernels::PoolLayout& layout, const Clock* clock,
           std::unique_ptr<tier::HostBlockStore> host, std::unique_ptr<tier::RemoteTier> remote,
           int64_t staged_blocks, std::unique_ptr<kernels::DeviceBuffer> host_memory = nullptr,
           int64_t lookup_blocks = TierOptions{}.lookup_blocks,
-          std::unique_ptr<tier::DiskBlockStore> disk = nullptr);
+          std::unique_ptr<tier::DiskBlockStore> disk = nullptr,
+          std::unique_ptr<tier::HostBlockStore> checkpoints = nullptr,
+          std::unique_ptr<kernels::DeviceBuffer> checkpoint_memory = nullptr);
   ~TierSet();  // stops the writer after the copies already staged
   TierSet(const TierSet&) = delete;
   TierSet& operator=(const TierSet&) = delete;
@@ -130,6 +144,15 @@ class TierSet final {
   void Stage(KvCacheManager& cache, const kernels::KvPoolView& view,
              std::span<const PublishedBlock> published, std::span<const BlockHash> skip = {});
 
+  // Under the engine's lock, with Stage: copies the state checkpoints `published` (kept at a
+  // full block's end, KvCacheManager::TakePublishedCheckpoints) out of `view`'s state slots
+  // toward the host tier's checkpoints, and marks their slots in flight until the copy has run.
+  // `skip` as for Stage. A no-op without a checkpoint store.
+  void StageCheckpoints(KvCacheManager& cache, const kernels::KvPoolView& view,
+                        std::span<const PublishedCheckpoint> published,
+                        std::span<const BlockHash> skip = {});
+  bool keeps_checkpoints() const { return checkpoints_ != nullptr; }
+
   struct Found {
     int64_t hits = 0;       // leading blocks found
     int64_t from_host = 0;  // of which the host tier had the first ones
@@ -139,6 +162,10 @@ class TierSet final {
     // block_bytes(): staging buffers, host memory pinned on CUDA. Both go back with Recycle.
     tier::HostBlockStore::Pins host;
     std::vector<std::unique_ptr<kernels::DeviceBuffer>> buffers;
+    // With a checkpoint store (LookupCheckpoint): the deepest chain index in the range asked
+    // whose block has a state checkpoint in the host tier (-1: none), and its slot, pinned.
+    int64_t checkpoint = -1;
+    tier::HostBlockStore::Pins checkpoint_pin;
     // The last queued copy that reads the blocks above (Promotion::CopyHits): Recycle lets the
     // pins and buffers go only once it has passed.
     Fence reads;
@@ -151,6 +178,11 @@ class TierSet final {
   // (and so does a run longer than lookup_blocks allows now: it bounds the pinned slots and
   // staging buffers of all lookups together).
   Found Lookup(NamespaceId ns, const BlockHash& parent, std::span<const BlockHash> hashes);
+  // Outside any lock, after Lookup: the deepest i in [from, upto) whose block (chain[i], after
+  // chain[i - 1]) has a checkpoint in the host tier, pinned into found->checkpoint_pin
+  // (found->checkpoint = i); none: -1. A no-op without a checkpoint store.
+  void LookupCheckpoint(NamespaceId ns, std::span<const BlockHash> chain, size_t from, size_t upto,
+                        Found* found);
   // Outside any lock: takes back a Lookup's pins and buffers, after waiting for found->reads (a
   // slot or buffer is never reused while a stream still reads it). When that wait fails (a
   // device error) the pins and buffers are kept for good, logged: leaked rather than reused.
@@ -162,9 +194,9 @@ class TierSet final {
   void KeepInHost(NamespaceId ns, const BlockHash& parent, std::span<const BlockHash> hashes,
                   const Found& found, size_t first);
 
-  // Counts a promotion (the engine does the copying).
+  // Counts a promotion (the engine does the copying), `checkpoint` whether it brought one.
   void CountPromotion(int64_t from_host, int64_t from_disk, int64_t from_remote, int64_t ns_spent,
-                      bool failed);
+                      bool failed, bool checkpoint = false);
 
   // The tags of a namespace (NamespaceTable::TagsOf), which the host and disk tiers keep with
   // every block for invalidation; called under the engine's lock by Stage and KeepInHost. Set it
@@ -205,9 +237,11 @@ class TierSet final {
     BlockHash hash;
     BlockHash parent;
     tier::NamespaceTags tags;
-    std::unique_ptr<kernels::DeviceBuffer> bytes;  // host memory (pinned on CUDA), one block
+    // Host memory (pinned on CUDA): one block, or one state checkpoint.
+    std::unique_ptr<kernels::DeviceBuffer> bytes;
     Fence fence;
     int64_t staged_ns = 0;
+    bool checkpoint = false;  // for checkpoints_ alone
   };
   void WriterLoop();
   // Asks `store` for hashes [from, ...) after what the stores above found, into out[from, ...).
@@ -228,6 +262,7 @@ class TierSet final {
   kernels::Device* const device_;
   const Clock* const clock_;
   const int64_t block_bytes_;
+  const int64_t state_bytes_;  // one checkpoint (the layout's state_slot_bytes)
   const int32_t block_size_;
   const uint64_t layout_fingerprint_;
   const int64_t max_staged_;
@@ -237,12 +272,16 @@ class TierSet final {
   const std::unique_ptr<tier::HostBlockStore> host_;
   const std::unique_ptr<tier::RemoteTier> remote_;
   const std::unique_ptr<tier::DiskBlockStore> disk_;
+  // State checkpoints in host memory (slots of state_bytes_), over checkpoint_memory_.
+  const std::unique_ptr<kernels::DeviceBuffer> checkpoint_memory_;
+  const std::unique_ptr<tier::HostBlockStore> checkpoints_;
   TagsOf tags_of_;  // set before the first Stage, read under the engine's lock
 
   mutable absl::Mutex mu_;
   absl::CondVar changed_;
   std::deque<Staged> queue_ ABSL_GUARDED_BY(mu_);
-  int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // taken by the writer, not yet offered
+  int64_t staged_checkpoints_ ABSL_GUARDED_BY(mu_) = 0;  // of queue_ and in flight
+  int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;           // taken by the writer, not yet offered
   // Lookup blocks held (pinned slots and buffers, until Recycle).
   int64_t lookup_held_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

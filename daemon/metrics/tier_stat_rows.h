@@ -291,6 +291,22 @@ inline void AddMoveRows(std::vector<PoolRow>* rows) {
   rows->push_back(MoveRow("tier_lookups_truncated", kCounter, "calls",
                           "Tier lookups cut short: every lookup buffer was in use.", none,
                           "tiers.lookup_truncated", KVPOOL_TIER_STAT(t.lookup_truncated)));
+  // State checkpoints beside the host tier's blocks (pools with a state group).
+  rows->push_back(MoveRow("tier_checkpoints", kGauge, "checkpoints",
+                          "State checkpoints the host tier holds beside its blocks.", none,
+                          "tiers.host_checkpoints", KVPOOL_TIER_STAT(t.host_checkpoints)));
+  rows->push_back(MoveRow("tier_checkpoint_capacity", kGauge, "checkpoints",
+                          "State checkpoints the host tier has room for.", none,
+                          "tiers.host_checkpoint_capacity",
+                          KVPOOL_TIER_STAT(t.host_checkpoint_capacity)));
+  rows->push_back(MoveRow("tier_demoted_checkpoints", kCounter, "checkpoints",
+                          "State checkpoints copied out of the pool toward the host tier.", none,
+                          "tiers.demoted_checkpoints", KVPOOL_TIER_STAT(t.demoted_checkpoints)));
+  rows->push_back(MoveRow("tier_promoted_checkpoints", kCounter, "checkpoints",
+                          "State checkpoints copied from the host tier into the pool with a "
+                          "promoted prefix.",
+                          none, "tiers.promoted_checkpoints",
+                          KVPOOL_TIER_STAT(t.promoted_checkpoints)));
 }
 
 // vLLM's connector names (the tiers as its external prefix cache), in tokens.

@@ -220,6 +220,7 @@ class MappedArena {
   MappedArena& operator=(const MappedArena&) = delete;
 
   int64_t block_bytes() const { return block_bytes_; }
+  std::byte* base() const { return base_; }
   std::byte* Block(BlockId b) const { return base_ + b.value() * block_bytes_; }
   // Block i of `blocks` filled with seed + i (a client computing its KV).
   void Fill(std::span<const BlockId> blocks, uint8_t seed) const {

@@ -441,6 +441,133 @@ TEST_F(TiersTest, AHostSlotIsNotReusedWhileItsPromotionCopyIsQueued) {
   ExpectNoLoaderLeft();
 }
 
+// Issue 28, tiers: in a pool with a state group a prompt resumes only from a state checkpoint,
+// so the host tier keeps the checkpoints taken at a full block's end beside their blocks, and a
+// promotion brings the deepest one back with the blocks. Before, a promoted prefix of a hybrid
+// model was never resumed from (its blocks came back, no checkpoint did).
+class HybridTiersTest : public ::testing::Test {
+ protected:
+  void Make(int64_t host_checkpoints) {
+    arena_.reset();
+    alice_.reset();
+    const model::ModelConfig config = *model::NamedConfig("tiny-hybrid");
+    EngineOptions options = SmallPool(16);
+    kernels::PoolLayout& layout = options.pools[0].layout;
+    layout.num_layers = config.pool_layers();
+    layout.num_kv_heads = config.num_kv_heads;
+    layout.head_dim = config.head_dim;
+    layout.dtype = kernels::DType::kF32;  // bit for bit
+    layout.num_state_slots = 8;
+    layout.state_slot_bytes = (config.state_bytes() + 63) / 64 * 64;
+    options.model_name = "tiny-hybrid";
+    options.checkpoint_slots = 4;
+    options.checkpoint_interval = 2;
+    options.tiers.host_blocks = 32;
+    options.tiers.host_checkpoints = host_checkpoints;
+    engine_.reset();
+    model_ = std::move(
+        *model::Model::Create(model::SyntheticWeights(config, 1), layout, {.threads = 1}));
+    engine_ = std::move(*Engine::Create(options, &device_, model_.get()));
+    alice_ = *engine_->OpenSession(Spec("tenant-a", "alice"));
+    absl::StatusOr<PoolGrant> grant = engine_->Grant(alice_);
+    ASSERT_TRUE(grant.ok()) << grant.status();
+    arena_ = std::make_unique<MappedArena>(*grant);
+    layout_ = grant->layout;
+  }
+  // Every state slot scribbled over, as their reuse by other sequences would: what a promotion
+  // puts into a slot must come from the host tier, not be left over there.
+  void PoisonStates() {
+    std::memset(arena_->base() + layout_.state_offset(), 0x7f,
+                static_cast<size_t>(layout_.num_state_slots * layout_.state_slot_bytes));
+  }
+  ComputeResult Prefill(const std::vector<int32_t>& prompt) {
+    absl::Notification done;
+    ComputeResult result;
+    engine_->Submit(std::make_unique<ComputeCall>(
+        alice_, ComputeRequest{.kind = ComputeRequest::Kind::kPrefill, .tokens = prompt}, nullptr,
+        [&](ComputeCall& call) {
+          result = call.result();
+          done.Notify();
+        }));
+    done.WaitForNotification();
+    EXPECT_TRUE(result.status.ok()) << result.status;
+    return result;
+  }
+  void Free(const ComputeResult& r, OnFree how) {
+    ASSERT_TRUE(engine_->Free(*alice_, r.sequences, how, CallContext::Uncancellable()).ok());
+    ASSERT_TRUE(engine_->FlushTiers(absl::Seconds(10)).ok());
+  }
+
+  FailingDevice device_;
+  std::unique_ptr<model::Model> model_;
+  std::unique_ptr<Engine> engine_;
+  std::shared_ptr<const Session> alice_;
+  std::unique_ptr<MappedArena> arena_;
+  kernels::PoolLayout layout_;
+};
+
+TEST_F(HybridTiersTest, APromotedPrefixResumesFromTheHostTiersCheckpoint) {
+  Make(/*host_checkpoints=*/0);  // one per checkpoint interval of host blocks: 16
+  const std::vector<int32_t> prompt = Prompt(57, 31);  // 3 full blocks and 9 tokens
+  // The prefill's checkpoints: every 2 blocks (32) and its last block boundary (48).
+  Free(Prefill(prompt), OnFree::kCommit);
+  TierStats tiers = engine_->Stats().tiers;
+  EXPECT_EQ(tiers.host_checkpoint_capacity, 16);
+  EXPECT_EQ(tiers.demoted_checkpoints, 2u);
+  EXPECT_EQ(tiers.host_checkpoints, 2);
+  // Resumed from the device's checkpoint at 48: what a promoted one must reproduce.
+  const ComputeResult on_device = Prefill(prompt);
+  EXPECT_EQ(on_device.reused, 48);
+  Free(on_device, OnFree::kDiscard);
+
+  ASSERT_TRUE(engine_->Evict(0, 0, /*all=*/true).ok());
+  ASSERT_EQ(engine_->Stats().cache.pool.cached, 0);
+  ASSERT_EQ(engine_->Stats().cache.states.active, 0);  // no slot holds anything now
+  PoisonStates();
+  const ComputeResult promoted = Prefill(prompt);
+  EXPECT_EQ(promoted.reused, 48);
+  ASSERT_EQ(promoted.results.size(), 1u);
+  EXPECT_EQ(promoted.results[0].next_token, on_device.results[0].next_token);
+  EXPECT_EQ(promoted.results[0].logprob, on_device.results[0].logprob);  // bit for bit
+  tiers = engine_->Stats().tiers;
+  EXPECT_EQ(tiers.promoted_checkpoints, 1u);
+  EXPECT_EQ(tiers.promoted_from_host, 3u);
+  EXPECT_EQ(tiers.demoted_checkpoints, 2u);  // the promoted one is not copied down again
+  Free(promoted, OnFree::kDiscard);
+  EXPECT_TRUE(engine_->CheckInvariants().ok());
+}
+
+// Without checkpoints in the host tier nothing promoted could be resumed from: no promotion.
+TEST_F(HybridTiersTest, WithoutAHostCheckpointNothingIsPromoted) {
+  Make(/*host_checkpoints=*/-1);
+  const std::vector<int32_t> prompt = Prompt(57, 32);
+  Free(Prefill(prompt), OnFree::kCommit);
+  EXPECT_EQ(engine_->Stats().tiers.host_checkpoint_capacity, 0);
+  EXPECT_EQ(engine_->Stats().tiers.host_blocks, 3);
+  ASSERT_TRUE(engine_->Evict(0, 0, /*all=*/true).ok());
+  const ComputeResult again = Prefill(prompt);
+  EXPECT_EQ(again.reused, 0);
+  const TierStats tiers = engine_->Stats().tiers;
+  EXPECT_EQ(tiers.promoted_from_host, 0u);
+  EXPECT_EQ(tiers.promoted_checkpoints, 0u);
+  EXPECT_TRUE(engine_->CheckInvariants().ok());
+}
+
+// A tenant's invalidation takes its checkpoints with its blocks: none is promoted afterwards.
+TEST_F(HybridTiersTest, AnInvalidationDropsTheHostTiersCheckpoints) {
+  Make(/*host_checkpoints=*/0);
+  const std::vector<int32_t> prompt = Prompt(57, 33);
+  Free(Prefill(prompt), OnFree::kCommit);
+  ASSERT_EQ(engine_->Stats().tiers.host_checkpoints, 2);
+  ASSERT_TRUE(engine_->Evict(0, 0, /*all=*/true).ok());
+  absl::StatusOr<Engine::Invalidation> dropped = engine_->Invalidate("tenant-a", "");
+  ASSERT_TRUE(dropped.ok()) << dropped.status();
+  // Gone, not only unreachable under the tenant's new namespace ids.
+  EXPECT_EQ(engine_->Stats().tiers.host_checkpoints, 0);
+  EXPECT_EQ(Prefill(prompt).reused, 0);
+  EXPECT_EQ(engine_->Stats().tiers.promoted_checkpoints, 0u);
+}
+
 }  // namespace
 }  // namespace kvpool::daemon
 

@@ -51,7 +51,8 @@ class CheckpointImportTest : public ::testing::Test {
   SequenceId Load(const std::vector<int32_t>& prompt) {
     DevicePlan plan;
     absl::StatusOr<AllocateResult> a = cache_->Allocate(
-        kLoader, {.ns = kTenant, .num_tokens = static_cast<int64_t>(prompt.size()), .prompt = prompt},
+        kLoader,
+        {.ns = kTenant, .num_tokens = static_cast<int64_t>(prompt.size()), .prompt = prompt},
         &plan);
     KVPOOL_CHECK_OK(a.status());
     return a->sequence;
