@@ -29,6 +29,21 @@ using testing::Spec;
 
 constexpr int32_t kBlocks = 8;
 
+// A prefill of a new sequence of `prompt` by `s`, once it has completed.
+ComputeResult RunPrefill(Engine& engine, std::shared_ptr<const Session> s,
+                         const std::vector<int32_t>& prompt) {
+  absl::Notification done;
+  ComputeResult result;
+  engine.Submit(std::make_unique<ComputeCall>(
+      std::move(s), ComputeRequest{.kind = ComputeRequest::Kind::kPrefill, .tokens = prompt},
+      nullptr, [&](ComputeCall& call) {
+        result = call.result();
+        done.Notify();
+      }));
+  done.WaitForNotification();
+  return result;
+}
+
 class TiersTest : public ::testing::Test {
  protected:
   void SetUp() override { Make(Options()); }
@@ -269,18 +284,7 @@ TEST_F(TiersTest, APrefillReusesWhatWasPromotedForItThroughAnEviction) {
   EngineOptions options = InGap(LockGap::kAdoption, [this] { EvictAll(); });
   Make(options, model.get());
   const std::vector<int32_t> prompt = Prompt(49, 8);  // three full blocks and one token
-  auto prefill = [&] {
-    absl::Notification done;
-    ComputeResult result;
-    engine_->Submit(std::make_unique<ComputeCall>(
-        alice_, ComputeRequest{.kind = ComputeRequest::Kind::kPrefill, .tokens = prompt}, nullptr,
-        [&](ComputeCall& call) {
-          result = call.result();
-          done.Notify();
-        }));
-    done.WaitForNotification();
-    return result;
-  };
+  auto prefill = [&] { return RunPrefill(*engine_, alice_, prompt); };
   ComputeResult first = prefill();
   ASSERT_TRUE(first.status.ok()) << first.status;
   const SequenceId id = first.sequences[0];
@@ -481,15 +485,7 @@ class HybridTiersTest : public ::testing::Test {
                 static_cast<size_t>(layout_.num_state_slots * layout_.state_slot_bytes));
   }
   ComputeResult Prefill(const std::vector<int32_t>& prompt) {
-    absl::Notification done;
-    ComputeResult result;
-    engine_->Submit(std::make_unique<ComputeCall>(
-        alice_, ComputeRequest{.kind = ComputeRequest::Kind::kPrefill, .tokens = prompt}, nullptr,
-        [&](ComputeCall& call) {
-          result = call.result();
-          done.Notify();
-        }));
-    done.WaitForNotification();
+    ComputeResult result = RunPrefill(*engine_, alice_, prompt);
     EXPECT_TRUE(result.status.ok()) << result.status;
     return result;
   }
