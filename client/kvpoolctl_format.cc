@@ -323,16 +323,29 @@ std::string FormatStats(const v1::GetStatsResponse& s, bool json) {
   return out + ModelText(s);
 }
 
+namespace {
+
+// A session's tenant quota: "used/bound" in blocks, or in bytes; "-" without one.
+std::string QuotaText(const v1::SessionInfo& s) {
+  if (s.quota_unit().empty()) return "-";
+  if (s.quota_unit() == "bytes") {
+    return fmt::format("{}/{}", Bytes(s.quota_used()), Bytes(s.quota_bound()));
+  }
+  return fmt::format("{}/{}", s.quota_used(), s.quota_bound());
+}
+
+}  // namespace
+
 std::string FormatSessions(const v1::ListSessionsResponse& sessions, bool json) {
   if (json) return Pretty(sessions);
   internal::Table table({"SESSION", "CLIENT", "PID", "UID", "TENANT", "MODEL", "POOL", "ACCESS",
-                         "NAMESPACE", "ADMIN", "SEQS", "REFS", "ATTACHED"});
+                         "NAMESPACE", "ADMIN", "SEQS", "REFS", "QUOTA", "ATTACHED"});
   for (const v1::SessionInfo& s : sessions.sessions()) {
     table.AddRow({std::to_string(s.session_id()), s.client_name(), std::to_string(s.pid()),
                   std::to_string(s.uid()), s.tenant().empty() ? "-" : s.tenant(), s.model(),
                   s.pool(), s.kv_access() ? "kv" : "compute",
                   fmt::format("{:#018x}", s.namespace_id()), s.admin() ? "yes" : "no",
-                  std::to_string(s.sequences()), std::to_string(s.block_refs()),
+                  std::to_string(s.sequences()), std::to_string(s.block_refs()), QuotaText(s),
                   Seconds(s.attached_seconds())});
   }
   return table.Render() + fmt::format("{} session(s)\n", table.num_rows());

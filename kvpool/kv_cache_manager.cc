@@ -149,6 +149,7 @@ KvCacheManager::KvCacheManager(const KvCacheOptions& options, std::unique_ptr<Bl
       sink_tokens_(window_ ? options.sink_tokens : 0),
       event_groups_(EventGroupsOf(options)),
       max_sequences_per_session_(options.max_sequences_per_session),
+      quota_bytes_(options.block_bytes > 0),
       unit_block_(options.block_bytes > 0 ? options.block_bytes : 1),
       unit_window_(options.block_bytes > 0 ? options.window_block_bytes : 0),
       unit_state_(options.block_bytes > 0 ? options.state_bytes : 0),
@@ -269,7 +270,7 @@ std::optional<KvCacheManager::QuotaUse> KvCacheManager::QuotaOf(NamespaceId ns) 
   auto it = quota_of_.find(ns);
   if (it == quota_of_.end()) return std::nullopt;
   const Quota& quota = quotas_.at(it->second);
-  return QuotaUse{.used = QuotaUsage(quota), .bound = QuotaBound(quota)};
+  return QuotaUse{.used = QuotaUsage(quota), .bound = QuotaBound(quota), .bytes = quota_bytes_};
 }
 
 int64_t KvCacheManager::QuotaBound(const Quota& quota) const {
@@ -278,7 +279,7 @@ int64_t KvCacheManager::QuotaBound(const Quota& quota) const {
 }
 
 std::string KvCacheManager::QuotaText(int64_t used, const Quota& quota) const {
-  if (unit_block_ == 1 && unit_window_ == 0 && unit_state_ == 0) {
+  if (!quota_bytes_) {
     return fmt::format("{} of {} blocks in use", used, quota.max_blocks);
   }
   return fmt::format(

@@ -403,6 +403,7 @@ class KvCacheManager final {
   struct QuotaUse {
     int64_t used = 0;
     int64_t bound = 0;
+    bool bytes = false;  // in bytes (KvCacheOptions::block_bytes), else in blocks
   };
   std::optional<QuotaUse> QuotaOf(NamespaceId ns) const;
 
@@ -999,7 +1000,8 @@ class KvCacheManager final {
   absl::flat_hash_map<NamespaceId, QuotaKey> quota_of_;  // namespaces that have a quota
   absl::flat_hash_map<QuotaKey, Quota> quotas_;
   // What a quota charges one block, one window block and one state slot (KvCacheOptions::
-  // block_bytes; 1, 0, 0 without it).
+  // block_bytes; 1, 0, 0 without it, quota_bytes_ false).
+  const bool quota_bytes_;
   const int64_t unit_block_;
   const int64_t unit_window_;
   const int64_t unit_state_;

@@ -216,6 +216,11 @@ void ToProto(const SessionListing& l, int64_t now_ns, v1::SessionInfo* info) {
   info->set_block_refs(l.block_refs);
   info->set_attached_seconds(static_cast<double>(now_ns - s.opened_ns) * 1e-9);
   info->set_kv_access(s.spec.kv_access);
+  if (l.quota) {
+    info->set_quota_used(l.quota->used);
+    info->set_quota_bound(l.quota->bound);
+    info->set_quota_unit(l.quota->bytes ? "bytes" : "blocks");
+  }
 }
 
 void ToProto(const PoolGrant& g, v1::AttachResponse* r) {

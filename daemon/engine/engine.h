@@ -106,6 +106,9 @@ struct SessionListing {
   std::shared_ptr<const Session> session;
   int64_t sequences = 0;
   int64_t block_refs = 0;
+  // Its tenant's quota in its pool, over all the tenant's namespaces there (in bytes in a pool
+  // that charges every layer group's, KvCacheManager::QuotaOf); nullopt without one.
+  std::optional<KvCacheManager::QuotaUse> quota;
 };
 
 class Engine final : private StepExecutor {

@@ -91,7 +91,10 @@ absl::Status Engine::FlushTiers(absl::Duration timeout) const {
 std::vector<SessionListing> Engine::ListSessions() const {
   std::vector<SessionListing> out;
   absl::ReaderMutexLock lock(&mu_);
-  for (const auto& [id, session] : state_->sessions()) out.push_back({.session = session});
+  for (const auto& [id, session] : state_->sessions()) {
+    out.push_back(
+        {.session = session, .quota = state_->pool(session->pool).cache().QuotaOf(session->ns)});
+  }
   std::sort(out.begin(), out.end(),
             [](const auto& a, const auto& b) { return a.session->id < b.session->id; });
   for (int32_t p = 0; p < state_->num_pools(); ++p) {

@@ -88,8 +88,15 @@ TEST(FormatTest, SessionsAreAnAlignedTable) {
   b->set_client_name("w");
   b->set_pid(999999);
   b->set_tenant("acme");
+  b->set_quota_used(3 << 20);
+  b->set_quota_bound(8 << 20);
+  b->set_quota_unit("bytes");
   const std::vector<std::string> lines = Lines(FormatSessions(sessions, false));
   ASSERT_EQ(lines.size(), 4u);
+  // Its tenant's quota: in bytes where every layer group is charged, "-" without one.
+  EXPECT_THAT(lines[0], HasSubstr("QUOTA"));
+  EXPECT_THAT(lines[2], HasSubstr("3.0 MiB/8.0 MiB"));
+  EXPECT_EQ(lines[1].substr(lines[0].find("QUOTA"), 1), "-");
   EXPECT_THAT(lines[0], HasSubstr("SESSION  CLIENT"));
   // Numbers are right-aligned: the ids end in the same column, names start in the same column.
   EXPECT_EQ(lines[0].find("CLIENT"), lines[1].find("kvpoolctl"));

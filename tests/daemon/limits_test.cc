@@ -328,9 +328,17 @@ TEST(StateSlotLimitTest, ATenantsQuotaChargesItsStateSlotsTheirBytes) {
   EXPECT_TRUE(absl::IsResourceExhausted(refused)) << refused;
   EXPECT_THAT(std::string(refused.message()), HasSubstr("bytes in use"));
   EXPECT_EQ(engine->Stats().cache.sequences, 1);
+  // What kvpoolctl sessions shows of it: the block and the slot, of 4 blocks' bytes.
+  const std::vector<SessionListing> listed = engine->ListSessions();
+  ASSERT_EQ(listed.size(), 1u);
+  ASSERT_TRUE(listed[0].quota.has_value());
+  EXPECT_TRUE(listed[0].quota->bytes);
+  EXPECT_EQ(listed[0].quota->used, layout.block_bytes() + layout.state_slot_bytes);
+  EXPECT_EQ(listed[0].quota->bound, 4 * layout.block_bytes());
   // Another tenant is not charged for it.
   std::shared_ptr<const Session> other = *engine->OpenSession(Spec("roomy"));
   EXPECT_TRUE(engine->Allocate(*other, std::span(&empty, 1), CallContext::Uncancellable()).ok());
+  EXPECT_FALSE(engine->ListSessions()[1].quota.has_value());  // "roomy" has none
   EXPECT_TRUE(engine->CheckInvariants().ok());
 }
 

@@ -1,6 +1,7 @@
 // Block tables on the wire (daemon/edge/convert.cc): with a window group, SequenceInfo and
 // GrowResponse carry each window table beside its block table, and the clients' checks
 // (client/block_ref.h) accept exactly what the daemon sends; without one, nothing of the window.
+// And SessionInfo carries its tenant's quota.
 
 #include "client/block_ref.h"
 #include "daemon/edge/convert.h"
@@ -78,6 +79,31 @@ TEST(TableConvertTest, WithoutAWindowGroupNothingOfTheWindowIsSent) {
     EXPECT_EQ(info.window_released_begin() + info.window_released_end(), 0);
   }
   EXPECT_EQ(r.window_block_ids_size() + r.window_released_begin_size(), 0);
+}
+
+// kvpoolctl sessions' QUOTA column: the tenant's quota in its unit, nothing without one.
+TEST(SessionConvertTest, SessionInfoCarriesItsTenantsQuota) {
+  auto session = std::make_shared<Session>();
+  session->id = SessionId(3);
+  session->spec.tenant = "acme";
+  SessionListing listing{
+      .session = session,
+      .sequences = 2,
+      .block_refs = 5,
+      .quota = KvCacheManager::QuotaUse{.used = 300, .bound = 800, .bytes = true}};
+  v1::SessionInfo info;
+  ToProto(listing, 0, &info);
+  EXPECT_EQ(info.quota_used(), 300);
+  EXPECT_EQ(info.quota_bound(), 800);
+  EXPECT_EQ(info.quota_unit(), "bytes");
+  listing.quota->bytes = false;
+  ToProto(listing, 0, &info);
+  EXPECT_EQ(info.quota_unit(), "blocks");
+  listing.quota.reset();
+  v1::SessionInfo none;
+  ToProto(listing, 0, &none);
+  EXPECT_EQ(none.quota_unit(), "");
+  EXPECT_EQ(none.quota_bound(), 0);
 }
 
 }  // namespace
