@@ -897,10 +897,12 @@ absl::Status KvCacheManager::GrowBatch(SessionId caller, std::span<const GrowReq
     }
     seq->batch_mark = mark;
     KVPOOL_RETURN_IF_ERROR(CountExhausted(PlanGrow(seq, r.num_tokens, &claims, &plans[k])));
-    if (window_) PlanWindowGrow(*seq, r.window_ahead, &window_claims, &plans[k]);
-    const int64_t w = plans[k].window_new_blocks + (plans[k].window_cow ? 1 : 0);
-    window_blocks += w;
-    AddCharge(&groups, seq->ns, w, 0);
+    if (window_) {
+      PlanWindowGrow(*seq, r.window_ahead, &window_claims, &plans[k]);
+      const int64_t w = plans[k].window_new_blocks + (plans[k].window_cow ? 1 : 0);
+      window_blocks += w;
+      AddCharge(&groups, seq->ns, w, 0);
+    }
     const int64_t n = plans[k].new_blocks + (plans[k].cow ? 1 : 0);
     if (n > 0) AddTo(&by_ns, seq->ns, n);
     blocks += n;
