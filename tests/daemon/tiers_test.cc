@@ -533,6 +533,31 @@ TEST_F(HybridTiersTest, APromotedPrefixResumesFromTheHostTiersCheckpoint) {
   EXPECT_TRUE(engine_->CheckInvariants().ok());
 }
 
+// Checkpoints give way to others (checkpoint_slots) while their blocks stay on the device: the
+// device's match is then cut at none, and the host tier gives the checkpoint back (with the
+// blocks after the cut copied again, which the commit folds into the device's own).
+TEST_F(HybridTiersTest, ACheckpointEvictedWhileItsBlocksStayComesBackFromTheHostTier) {
+  Make(/*host_checkpoints=*/0);
+  const std::vector<int32_t> prompt = Prompt(57, 34);
+  Free(Prefill(prompt), OnFree::kCommit);
+  const ComputeResult on_device = Prefill(prompt);
+  ASSERT_EQ(on_device.reused, 48);
+  Free(on_device, OnFree::kDiscard);
+  // Two more prompts' checkpoints (two each) take the pool's 4 checkpoint slots; all three
+  // prompts' blocks (4 each) fit its 16.
+  for (uint32_t seed : {35u, 36u}) Free(Prefill(Prompt(57, seed)), OnFree::kCommit);
+  const int64_t cached = engine_->Stats().cache.pool.cached;
+  EXPECT_GE(cached, 12);
+  PoisonStates();  // every slot not holding a checkpoint now, and those that do
+  const ComputeResult again = Prefill(prompt);
+  EXPECT_EQ(again.reused, 48);
+  EXPECT_EQ(again.results[0].next_token, on_device.results[0].next_token);
+  EXPECT_EQ(again.results[0].logprob, on_device.results[0].logprob);
+  EXPECT_EQ(engine_->Stats().tiers.promoted_checkpoints, 1u);
+  Free(again, OnFree::kDiscard);
+  EXPECT_TRUE(engine_->CheckInvariants().ok());
+}
+
 // Without checkpoints in the host tier nothing promoted could be resumed from: no promotion.
 TEST_F(HybridTiersTest, WithoutAHostCheckpointNothingIsPromoted) {
   Make(/*host_checkpoints=*/-1);
