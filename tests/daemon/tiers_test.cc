@@ -451,7 +451,9 @@ TEST_F(TiersTest, AHostSlotIsNotReusedWhileItsPromotionCopyIsQueued) {
 // model was never resumed from (its blocks came back, no checkpoint did).
 class HybridTiersTest : public ::testing::Test {
  protected:
-  void Make(int64_t host_checkpoints) {
+  // `gap`, when given, evicts every cached block (and checkpoint) nobody holds from the device
+  // the first time it opens after armed_ is set.
+  void Make(int64_t host_checkpoints, std::optional<LockGap> gap = std::nullopt) {
     arena_.reset();
     alice_.reset();
     const model::ModelConfig config = *model::NamedConfig("tiny-hybrid");
@@ -468,6 +470,14 @@ class HybridTiersTest : public ::testing::Test {
     options.checkpoint_interval = 2;
     options.tiers.host_blocks = 32;
     options.tiers.host_checkpoints = host_checkpoints;
+    if (gap) {
+      options.lock_gap_hook = [this, gap](LockGap g) {
+        // What nobody holds (a promotion's hold keeps its blocks).
+        if (g == *gap && armed_.exchange(false)) {
+          ASSERT_TRUE(engine_->Evict(0, 64, /*all=*/false).ok());
+        }
+      };
+    }
     engine_.reset();
     model_ = std::move(
         *model::Model::Create(model::SyntheticWeights(config, 1), layout, {.threads = 1}));
@@ -500,6 +510,7 @@ class HybridTiersTest : public ::testing::Test {
   std::shared_ptr<const Session> alice_;
   std::unique_ptr<MappedArena> arena_;
   kernels::PoolLayout layout_;
+  std::atomic<bool> armed_{false};
 };
 
 TEST_F(HybridTiersTest, APromotedPrefixResumesFromTheHostTiersCheckpoint) {
@@ -556,6 +567,38 @@ TEST_F(HybridTiersTest, ACheckpointEvictedWhileItsBlocksStayComesBackFromTheHost
   EXPECT_EQ(engine_->Stats().tiers.promoted_checkpoints, 1u);
   Free(again, OnFree::kDiscard);
   EXPECT_TRUE(engine_->CheckInvariants().ok());
+}
+
+// The promotion's lock gaps forced open: the device's cache is emptied while the tiers are asked
+// (the lookup is done again), while the copies run, and while the promotion waits for its call.
+// Each time the prompt still resumes from the host tier's checkpoint, bit for bit, and no loader
+// or slot is left behind.
+TEST_F(HybridTiersTest, AnEvictionInEachPromotionGapStillResumesBitForBit) {
+  for (const LockGap gap : {LockGap::kTierLookup, LockGap::kPromotionCopy, LockGap::kAdoption}) {
+    SCOPED_TRACE(static_cast<int>(gap));
+    Make(/*host_checkpoints=*/0, gap);
+    const std::vector<int32_t> prompt = Prompt(57, 37);
+    Free(Prefill(prompt), OnFree::kCommit);
+    const ComputeResult on_device = Prefill(prompt);
+    ASSERT_EQ(on_device.reused, 48);
+    Free(on_device, OnFree::kDiscard);
+    ASSERT_TRUE(engine_->Evict(0, 0, /*all=*/true).ok());
+    PoisonStates();
+    armed_ = true;
+    const ComputeResult promoted = Prefill(prompt);
+    EXPECT_FALSE(armed_);  // the gap opened
+    EXPECT_EQ(promoted.reused, 48);
+    EXPECT_EQ(promoted.results[0].next_token, on_device.results[0].next_token);
+    EXPECT_EQ(promoted.results[0].logprob, on_device.results[0].logprob);
+    Free(promoted, OnFree::kDiscard);
+    EXPECT_TRUE(engine_->CheckInvariants().ok());
+    std::vector<SessionId> owners;
+    std::vector<int32_t> pools;
+    engine_->ListSequences(std::nullopt, kNoSession, &owners, &pools);
+    EXPECT_TRUE(owners.empty());  // no loader left
+    ASSERT_TRUE(engine_->Evict(0, 0, /*all=*/true).ok());
+    EXPECT_EQ(engine_->Stats().cache.states.active, 0);
+  }
 }
 
 // Without checkpoints in the host tier nothing promoted could be resumed from: no promotion.
