@@ -155,7 +155,7 @@ absl::StatusOr<Fence> Promotion::CopyHits(PoolState& pool, kernels::Device& devi
 
 absl::StatusOr<Fence> Promotion::CopyCheckpoint(PoolState& pool, kernels::Device& device,
                                                 BlockId slot) {
-  const std::span<const std::byte> src = found_.checkpoint_pin.block(0);
+  const std::span<const std::byte> src = found_.checkpoint_bytes(pool.layout().state_slot_bytes);
   absl::StatusOr<Fence> fence =
       device.CopyToDevice(kernels::StreamId::kTransfer, pool.view().state(slot.value()), src.data(),
                           static_cast<int64_t>(src.size()));
@@ -186,6 +186,10 @@ std::optional<PromotionHold> Promotion::Publish(EngineState& state, const absl::
     return std::nullopt;
   }
   pool.StagePublished(std::span(chain_).first(upto_));  // already in a tier: not staged again
+  if (imported_) {  // a checkpoint Redis gave goes into the host tier too
+    const auto at = static_cast<size_t>(found_.checkpoint);
+    tiers.KeepCheckpointInHost(ns_, at == 0 ? BlockHash{} : chain_[at - 1], chain_[at], found_);
+  }
   tiers.CountPromotion(from_host, from_disk, from_remote, state.now() - started_ns_,
                        /*failed=*/false, imported_);
   if (from_disk + from_remote > 0) {  // what the disk or Redis had goes into the host tier too

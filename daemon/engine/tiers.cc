@@ -105,7 +105,8 @@ TierSet::TierSet(kernels::Device* device, const kernels::PoolLayout& layout, con
       remote_(std::move(remote)),
       disk_(std::move(disk)),
       checkpoint_memory_(std::move(checkpoint_memory)),
-      checkpoints_(std::move(checkpoints)) {
+      checkpoints_(std::move(checkpoints)),
+      remote_checkpoints_(remote_ != nullptr && layout.num_state_slots > 0 && state_bytes_ > 0) {
   KVPOOL_CHECK(host_ == nullptr || host_->block_bytes() == block_bytes_);
   KVPOOL_CHECK(checkpoints_ == nullptr || checkpoints_->block_bytes() == state_bytes_);
   if (host_) {
@@ -240,7 +241,7 @@ void TierSet::Stage(KvCacheManager& cache, const kernels::KvPoolView& view,
 void TierSet::StageCheckpoints(KvCacheManager& cache, const kernels::KvPoolView& view,
                                std::span<const PublishedCheckpoint> published,
                                std::span<const BlockHash> skip) {
-  if (!checkpoints_ || published.empty()) return;
+  if (!keeps_checkpoints() || published.empty()) return;
   // The compute stream may still be writing a checkpoint a step just took: copy after it.
   const Fence computed = device_->LastFence(kernels::StreamId::kCompute);
   if (computed.value != 0 && !device_->StreamWait(kernels::StreamId::kTransfer, computed).ok()) {
@@ -311,8 +312,9 @@ void TierSet::WriterLoop() {
           .coverage = static_cast<uint32_t>(block_size_),
           .bytes = {static_cast<const std::byte*>(item.bytes->data()), static_cast<size_t>(bytes)},
           .tags = item.tags};
-      if (item.checkpoint) {
-        checkpoints_->Put(item.space, block);  // the host tier alone (not the disk or Redis)
+      if (item.checkpoint) {  // the host tier and Redis (not the disk)
+        if (checkpoints_) checkpoints_->Put(item.space, block);
+        if (remote_checkpoints_) remote_->Put(CheckpointSpace(item.space.ns), block);
       } else {
         if (host_) host_->Put(item.space, block);
         if (disk_) disk_->Put(item.space, block);  // queued: never waits for the disk
@@ -393,18 +395,56 @@ void TierSet::LookupCheckpoint(NamespaceId ns, std::span<const BlockHash> chain,
                                size_t upto, Found* found) {
   found->checkpoint = -1;
   found->checkpoint_pin.Release();
-  if (!checkpoints_) return;
-  const tier::BlockSpace space{ns, layout_fingerprint_};
-  for (size_t i = std::min(upto, chain.size()); i > from; --i) {
-    const size_t at = i - 1;
-    tier::HostBlockStore::Pins pin = checkpoints_->LookupPinned(
-        space, at == 0 ? BlockHash{} : chain[at - 1], chain.subspan(at, 1));
-    if (pin.size() == 1) {
-      found->checkpoint = static_cast<int64_t>(at);
-      found->checkpoint_pin = std::move(pin);
+  found->checkpoint_buffer.reset();
+  upto = std::min(upto, chain.size());
+  const auto parent_of = [&](size_t at) { return at == 0 ? BlockHash{} : chain[at - 1]; };
+  if (checkpoints_) {
+    const tier::BlockSpace space{ns, layout_fingerprint_};
+    for (size_t i = upto; i > from; --i) {
+      tier::HostBlockStore::Pins pin =
+          checkpoints_->LookupPinned(space, parent_of(i - 1), chain.subspan(i - 1, 1));
+      if (pin.size() == 1) {
+        found->checkpoint = static_cast<int64_t>(i - 1);
+        found->checkpoint_pin = std::move(pin);
+        return;
+      }
+    }
+  }
+  if (!remote_checkpoints_ || upto <= from) return;
+  absl::StatusOr<std::unique_ptr<kernels::DeviceBuffer>> buffer =
+      device_->AllocateHostBuffer(state_bytes_);
+  if (!buffer.ok()) return;
+  const std::span<std::byte> out(static_cast<std::byte*>((*buffer)->data()),
+                                 static_cast<size_t>(state_bytes_));
+  const tier::BlockSpace space = CheckpointSpace(ns);
+  for (size_t i = upto, probes = 0; i > from && probes < kMaxRemoteCheckpointProbes;
+       --i, ++probes) {
+    const absl::StatusOr<tier::LookupResult> r =
+        remote_->Lookup(space, parent_of(i - 1), chain.subspan(i - 1, 1), std::span(&out, 1));
+    if (r.ok() && r->hits == 1) {
+      found->checkpoint = static_cast<int64_t>(i - 1);
+      found->checkpoint_buffer = *std::move(buffer);
       return;
     }
   }
+}
+
+std::span<const std::byte> TierSet::Found::checkpoint_bytes(int64_t bytes) const {
+  KVPOOL_CHECK_MSG(checkpoint >= 0, "tier lookup: no checkpoint found");
+  if (checkpoint_pin.size() == 1) return checkpoint_pin.block(0);
+  KVPOOL_CHECK_MSG(checkpoint_buffer != nullptr, "tier lookup: no checkpoint found");
+  return {static_cast<const std::byte*>(checkpoint_buffer->data()), static_cast<size_t>(bytes)};
+}
+
+void TierSet::KeepCheckpointInHost(NamespaceId ns, const BlockHash& parent, const BlockHash& hash,
+                                   const Found& found) {
+  if (!checkpoints_ || found.checkpoint < 0 || found.checkpoint_buffer == nullptr) return;
+  checkpoints_->Put({ns, layout_fingerprint_},
+                    {.hash = hash,
+                     .parent = parent,
+                     .coverage = static_cast<uint32_t>(block_size_),
+                     .bytes = found.checkpoint_bytes(state_bytes_),
+                     .tags = tags_of_ ? tags_of_(ns) : tier::NamespaceTags{}});
 }
 
 int64_t TierSet::LookupBelow(tier::RemoteTier& store, const tier::BlockSpace& space,
@@ -463,6 +503,7 @@ void TierSet::Recycle(Found* found) {
   const int64_t pinned = found->host.size();
   found->host.Release();
   found->checkpoint_pin.Release();
+  found->checkpoint_buffer.reset();
   found->checkpoint = -1;
   absl::MutexLock lock(&mu_);
   lookup_held_ -= pinned + static_cast<int64_t>(found->buffers.size());

@@ -46,6 +46,11 @@ namespace kvpool::daemon {
 
 struct LockOrderPeer;
 
+// Redis lookups a promotion makes for a checkpoint, deepest hit block first, at most.
+inline constexpr int kMaxRemoteCheckpointProbes = 8;
+// Mixed into the layout fingerprint of a checkpoint's Redis key ("ckptstat").
+inline constexpr uint64_t kCheckpointKeySalt = 0x636b707473746174;
+
 // Host memory the copies waiting for the tier writer may take, whatever staged_blocks says.
 inline constexpr int64_t kMaxStagedBytes = int64_t{256} << 20;
 
@@ -151,7 +156,7 @@ class TierSet final {
   void StageCheckpoints(KvCacheManager& cache, const kernels::KvPoolView& view,
                         std::span<const PublishedCheckpoint> published,
                         std::span<const BlockHash> skip = {});
-  bool keeps_checkpoints() const { return checkpoints_ != nullptr; }
+  bool keeps_checkpoints() const { return checkpoints_ != nullptr || remote_checkpoints_; }
 
   struct Found {
     int64_t hits = 0;       // leading blocks found
@@ -165,7 +170,10 @@ class TierSet final {
     // With a checkpoint store (LookupCheckpoint): the deepest chain index in the range asked
     // whose block has a state checkpoint in the host tier (-1: none), and its slot, pinned.
     int64_t checkpoint = -1;
-    tier::HostBlockStore::Pins checkpoint_pin;
+    tier::HostBlockStore::Pins checkpoint_pin;                 // when the host tier had it
+    std::unique_ptr<kernels::DeviceBuffer> checkpoint_buffer;  // else Redis's, read into it
+    // The checkpoint's bytes. REQUIRES: checkpoint >= 0.
+    std::span<const std::byte> checkpoint_bytes(int64_t bytes) const;
     // The last queued copy that reads the blocks above (Promotion::CopyHits): Recycle lets the
     // pins and buffers go only once it has passed.
     Fence reads;
@@ -180,13 +188,19 @@ class TierSet final {
   Found Lookup(NamespaceId ns, const BlockHash& parent, std::span<const BlockHash> hashes);
   // Outside any lock, after Lookup: the deepest i in [from, upto) whose block (chain[i], after
   // chain[i - 1]) has a checkpoint in the host tier, pinned into found->checkpoint_pin
-  // (found->checkpoint = i); none: -1. A no-op without a checkpoint store.
+  // (found->checkpoint = i), or else in Redis (the kMaxRemoteCheckpointProbes deepest asked,
+  // one round trip each), read into found->checkpoint_buffer; none: -1. A no-op without either.
   void LookupCheckpoint(NamespaceId ns, std::span<const BlockHash> chain, size_t from, size_t upto,
                         Found* found);
   // Outside any lock: takes back a Lookup's pins and buffers, after waiting for found->reads (a
   // slot or buffer is never reused while a stream still reads it). When that wait fails (a
   // device error) the pins and buffers are kept for good, logged: leaked rather than reused.
   void Recycle(Found* found);
+
+  // Offers a checkpoint Redis gave (found.checkpoint_buffer) to the host tier's checkpoints,
+  // keyed as block `hash` after `parent`. REQUIRES: the engine's lock (tags_of).
+  void KeepCheckpointInHost(NamespaceId ns, const BlockHash& parent, const BlockHash& hash,
+                            const Found& found);
 
   // Offers found blocks [first, first + count) (promoted from the disk or the remote tier, so
   // their bytes are at hand) to the host tier; `parent` is block `first`'s parent. REQUIRES: the
@@ -275,6 +289,12 @@ class TierSet final {
   // State checkpoints in host memory (slots of state_bytes_), over checkpoint_memory_.
   const std::unique_ptr<kernels::DeviceBuffer> checkpoint_memory_;
   const std::unique_ptr<tier::HostBlockStore> checkpoints_;
+  // Checkpoints go to Redis too (a pool with a state group and a Redis tier), under
+  // CheckpointSpace: keys and MACs no block's can match.
+  const bool remote_checkpoints_;
+  tier::BlockSpace CheckpointSpace(NamespaceId ns) const {
+    return {ns, layout_fingerprint_ ^ kCheckpointKeySalt};
+  }
   TagsOf tags_of_;  // set before the first Stage, read under the engine's lock
 
   mutable absl::Mutex mu_;

@@ -57,8 +57,13 @@ def until(predicate, what, timeout=10):
         raise AssertionError(f"timed out waiting for {what}")
 
 
-def redis_config(redis, extra=""):
-    return (SMALL_CONFIG + f'\nsecret_file: "{redis.secret}"\n'
+# tiny-hybrid (state-space layers): a prompt resumes only from a state checkpoint.
+HYBRID_CONFIG = ('pool_bytes: 33554432 max_blocks_per_seq: 256 '
+                 'shape { dtype: "f32" state_slots: 8 } model { name: "tiny-hybrid" }')
+
+
+def redis_config(redis, extra="", base=SMALL_CONFIG):
+    return (base + f'\nsecret_file: "{redis.secret}"\n'
             f'tiers {{ redis {{ enabled: true unix_socket: "{redis.socket}" '
             "connect_timeout_ms: 100 command_timeout_ms: 200 "
             f"breaker_backoff_ms: 200 }} {extra} }}\n")
@@ -124,6 +129,30 @@ class RedisTierTest(unittest.TestCase):
                                            kv_access=True) as eve:
                     seq = eve.allocate_one(kv_prompt(PROMPT_TOKENS, 42))
                     self.assertEqual(seq.matched_tokens, 0)
+                self.assertTrue(cb.check_invariants().ok)
+
+    def test_a_hybrid_prefix_resumes_on_another_daemon_from_its_checkpoint(self):
+        """Issue 28: a state checkpoint is a value like a block. Daemon A's prefill keeps one at
+        its last block boundary (48) and writes it to Redis beside the blocks; daemon B, sharing
+        Redis and nothing else, resumes the same prompt there with A's answer. Before, B promoted
+        the blocks and could resume none of them."""
+        config = redis_config(self.redis, base=HYBRID_CONFIG)
+        prompt = [(11 * i + 5) % 500 for i in range(57)]  # three full blocks and 9 tokens
+        with Daemon(config) as a, Daemon(config) as b:
+            with kvpool.Client.connect(a.dir, client_name="hybrid-a") as ca:
+                first = ca.prefill(prompt)
+                ca.free([first.sequence_id], commit=True)
+                until(lambda: ca.get_stats().tiers.demoted_checkpoints >= 1,
+                      "a checkpoint copied out")
+                # Three blocks and the checkpoint at 48.
+                until(lambda: store(ca.get_stats(), "redis").written >= 4, "four values in redis")
+            with kvpool.Client.connect(b.dir, client_name="hybrid-b") as cb:
+                again = cb.prefill(prompt)
+                self.assertEqual(again.reused_tokens, 48)
+                self.assertEqual(again.next_token, first.next_token)
+                tiers = cb.get_stats().tiers
+                self.assertEqual(tiers.promoted_checkpoints, 1)
+                self.assertEqual(tiers.promoted_from_redis, 3)
                 self.assertTrue(cb.check_invariants().ok)
 
     def test_a_corrupted_value_is_a_miss_never_data(self):
