@@ -51,8 +51,8 @@ void Promotion::Lookup(TierSet& tiers) {
   upto_ = local_ + static_cast<size_t>(found_.hits);
   if (needs_checkpoint_ && found_.hits > 0) {
     // With a state group a prompt resumes only from a checkpoint (MatchPrefix cut the local match
-    // at the deepest one): the hits are worth promoting up to the deepest checkpoint the host
-    // tier has among them, and not at all without one.
+    // at the deepest one): the hits are worth promoting up to the deepest checkpoint the tiers
+    // have among them (the host tier's, else Redis's), and not at all without one.
     tiers.LookupCheckpoint(ns_, chain_, local_, upto_, &found_);
     found_.hits = found_.checkpoint < 0 ? 0 : found_.checkpoint + 1 - static_cast<int64_t>(local_);
     upto_ = local_ + static_cast<size_t>(found_.hits);
@@ -83,8 +83,8 @@ Promotion::Outcome Promotion::Start(EngineState& state, kernels::Device& device,
   loader_ = made->sequence;
   ++pool.loaders;
   KVPOOL_CHECK(made->matched_tokens == matched_now);  // the same match, in the same lock hold
-  // The host tier's checkpoint at the end of the last hit goes in with the blocks (a pool with
-  // a state group; Lookup cut the hits there). Without a slot for it the blocks still go in.
+  // The tiers' checkpoint at the end of the last hit goes in with the blocks (a pool with a
+  // state group; Lookup cut the hits there). Without a slot for it the blocks still go in.
   BlockId checkpoint = kInvalidBlock;
   if (found_.checkpoint >= 0) {
     const absl::StatusOr<BlockId> slot =

@@ -7,7 +7,8 @@
 //   Match    (engine lock)  the prompt's locally cached full blocks: `local`
 //   Lookup   (no lock)      the tiers, for the chain of full blocks after `local` (TierSet::Lookup:
 //                           host-tier hits are pinned in their slots, lower tiers' read into
-//                           staging buffers)
+//                           staging buffers); with a state group, the deepest hit with a state
+//                           checkpoint in the tiers, the hits cut there (none: nothing to do)
 //   Start    (engine lock)  re-validates what Match learned: a loader sequence (owned by no
 //                           session: kTierLoader) over the prompt's first `local + hits` blocks
 //                           adopts what is cached now and takes fresh blocks for the rest; the

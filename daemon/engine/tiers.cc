@@ -393,9 +393,14 @@ TierSet::Found TierSet::Lookup(NamespaceId ns, const BlockHash& parent,
 
 void TierSet::LookupCheckpoint(NamespaceId ns, std::span<const BlockHash> chain, size_t from,
                                size_t upto, Found* found) {
+  // REQUIRES: nothing reads what an earlier call found (its copy ran, or none was queued).
   found->checkpoint = -1;
   found->checkpoint_pin.Release();
-  found->checkpoint_buffer.reset();
+  if (found->checkpoint_buffer != nullptr) {
+    found->checkpoint_buffer.reset();
+    absl::MutexLock lock(&mu_);
+    --checkpoint_buffers_;
+  }
   upto = std::min(upto, chain.size());
   const auto parent_of = [&](size_t at) { return at == 0 ? BlockHash{} : chain[at - 1]; };
   if (checkpoints_) {
@@ -411,9 +416,21 @@ void TierSet::LookupCheckpoint(NamespaceId ns, std::span<const BlockHash> chain,
     }
   }
   if (!remote_checkpoints_ || upto <= from) return;
+  {
+    absl::MutexLock lock(&mu_);
+    if (checkpoint_buffers_ >= std::max<int64_t>(1, kMaxStagedBytes / state_bytes_)) {
+      ++counters_.lookup_truncated;
+      return;
+    }
+    ++checkpoint_buffers_;
+  }
   absl::StatusOr<std::unique_ptr<kernels::DeviceBuffer>> buffer =
       device_->AllocateHostBuffer(state_bytes_);
-  if (!buffer.ok()) return;
+  const auto give_back = [this] {
+    absl::MutexLock lock(&mu_);
+    --checkpoint_buffers_;
+  };
+  if (!buffer.ok()) return give_back();
   const std::span<std::byte> out(static_cast<std::byte*>((*buffer)->data()),
                                  static_cast<size_t>(state_bytes_));
   const tier::BlockSpace space = CheckpointSpace(ns);
@@ -424,9 +441,10 @@ void TierSet::LookupCheckpoint(NamespaceId ns, std::span<const BlockHash> chain,
     if (r.ok() && r->hits == 1) {
       found->checkpoint = static_cast<int64_t>(i - 1);
       found->checkpoint_buffer = *std::move(buffer);
-      return;
+      return;  // held until Recycle
     }
   }
+  give_back();
 }
 
 std::span<const std::byte> TierSet::Found::checkpoint_bytes(int64_t bytes) const {
@@ -503,9 +521,11 @@ void TierSet::Recycle(Found* found) {
   const int64_t pinned = found->host.size();
   found->host.Release();
   found->checkpoint_pin.Release();
+  const bool buffered = found->checkpoint_buffer != nullptr;
   found->checkpoint_buffer.reset();
   found->checkpoint = -1;
   absl::MutexLock lock(&mu_);
+  checkpoint_buffers_ -= buffered ? 1 : 0;
   lookup_held_ -= pinned + static_cast<int64_t>(found->buffers.size());
   for (auto& buffer : found->buffers) GiveBack(std::move(buffer));
   found->buffers.clear();

@@ -190,6 +190,8 @@ class TierSet final {
   // chain[i - 1]) has a checkpoint in the host tier, pinned into found->checkpoint_pin
   // (found->checkpoint = i), or else in Redis (the kMaxRemoteCheckpointProbes deepest asked,
   // one round trip each), read into found->checkpoint_buffer; none: -1. A no-op without either.
+  // Checkpoint buffers of all lookups together take at most kMaxStagedBytes (at least one):
+  // past that Redis is not asked (counted in lookup_truncated).
   void LookupCheckpoint(NamespaceId ns, std::span<const BlockHash> chain, size_t from, size_t upto,
                         Found* found);
   // Outside any lock: takes back a Lookup's pins and buffers, after waiting for found->reads (a
@@ -301,6 +303,7 @@ class TierSet final {
   absl::CondVar changed_;
   std::deque<Staged> queue_ ABSL_GUARDED_BY(mu_);
   int64_t staged_checkpoints_ ABSL_GUARDED_BY(mu_) = 0;  // of queue_ and in flight
+  int64_t checkpoint_buffers_ ABSL_GUARDED_BY(mu_) = 0;  // Found::checkpoint_buffer held
   int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;           // taken by the writer, not yet offered
   // Lookup blocks held (pinned slots and buffers, until Recycle).
   int64_t lookup_held_ ABSL_GUARDED_BY(mu_) = 0;
