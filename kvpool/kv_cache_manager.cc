@@ -148,6 +148,7 @@ KvCacheManager::KvCacheManager(const KvCacheOptions& options, std::unique_ptr<Bl
       window_tokens_(window_ ? options.window_tokens : 0),
       sink_tokens_(window_ ? options.sink_tokens : 0),
       event_groups_(EventGroupsOf(options)),
+      journal_windows_(window_ && cache_ && options.publish_journal),
       max_sequences_per_session_(options.max_sequences_per_session),
       quota_bytes_(options.block_bytes > 0),
       unit_block_(options.block_bytes > 0 ? options.block_bytes : 1),

@@ -103,6 +103,13 @@ struct PublishedCheckpoint {
   BlockId slot = kInvalidBlock;
 };
 
+// A window-group block kept beside a full cached block (TakePublishedWindowBlocks): the block as a
+// lower tier keys it, and the window block holding its tokens for the window layers.
+struct PublishedWindowBlock {
+  PublishedBlock block;
+  BlockId window = kInvalidBlock;
+};
+
 // Device work a call requires before the sequences it changed may be written or read. The caller
 // enqueues it in order (copies first; fills touch other blocks) and marks the blocks it touches
 // in flight before the next call, so no source can be reused under a pending copy.
@@ -220,7 +227,11 @@ struct Sequence {
   // are not allocated yet (AllocateRequest::window_ahead, ExtendWindow). The sinks' entries
   // first, then the released ones (if any), then live ones up to the end.
   std::vector<BlockId> window_table;
-  NamespaceSlot window_slot;           // its namespace's slot in the window group's pool
+  NamespaceSlot window_slot;  // its namespace's slot in the window group's pool
+  // Its window entries past its match were filled from outside (ImportWindow): each holds the
+  // window of exactly the tokens its prompt names there, so Commit keeps it beside the tree's
+  // block for them even where that block is not its own (the tree had them already).
+  bool window_imported = false;
   std::vector<int32_t> tokens;         // the token ids known so far (<= num_tokens of them)
   int priority = 0;                    // prefix-cache priority class of what it publishes
   bool retain_tail = false;            // keep its partial tail in the cache after it ends
@@ -523,6 +534,17 @@ class KvCacheManager final {
                             DevicePlan* plan);
   // The bound above (0 without a window group).
   int64_t WindowBound() const;
+  // Window blocks for what `sequence`'s window reads at its whole length, for the caller to fill
+  // from outside (a tier loader: a lower tier's copies of window blocks kept earlier, not its
+  // steps, write them). Releases the window table's entries before that window (as
+  // SlideWindow(num_tokens) would), then appends every entry the window table lacks: a fresh
+  // block where the window reads it, none (released) where it does not. Returns the appended
+  // blocks as (entry, block), in order; the caller copies their bytes in and marks them in flight
+  // (MarkWindowInFlight) before anything reads them. A no-op without a window group.
+  // Errors: NOT_FOUND, PERMISSION_DENIED, RESOURCE_EXHAUSTED (Resource::kWindowBlocks, or the
+  // namespace's quota); nothing has changed.
+  absl::StatusOr<std::vector<std::pair<int64_t, BlockId>>> ImportWindow(SessionId caller,
+                                                                        SequenceId sequence);
 
   // State checkpoints (KvCacheOptions::checkpoint_slots; kv_cache_manager_checkpoints.cc).
   //
@@ -617,6 +639,10 @@ class KvCacheManager final {
   // last token since the last call, still kept there, oldest first (what a lower tier stores
   // beside the block). Their slots' bytes stay put while they are kept.
   void TakePublishedCheckpoints(std::vector<PublishedCheckpoint>* out);
+  // With the journal and a window group: the window blocks kept beside full blocks since the
+  // last call, still kept there, oldest first (what a lower tier stores beside the block). Their
+  // bytes stay put while they are kept.
+  void TakePublishedWindowBlocks(std::vector<PublishedWindowBlock>* out);
   std::vector<KvEvent> SnapshotEvents(uint64_t* resume_seq) const;
 
   // Accessors.
@@ -911,6 +937,8 @@ class KvCacheManager final {
   absl::Status CheckWindowTruncate(const Sequence& seq, int64_t n) const;
   // Releases window_table entries past `keep` (with ReleaseTail).
   void ReleaseWindowTail(Sequence* seq, size_t keep, const TraceContext& ctx);
+  // Releases `seq`'s window entries a sequence of `computed` tokens no longer reads (SlideWindow).
+  void ReleaseBeforeWindow(Sequence* seq, int64_t computed, const TraceContext& ctx);
   // Gives the tree the live window blocks of the published blocks of `seq` that have none, after
   // a Commit of its first `committed` tokens (those its window blocks hold).
   void KeepWindowBlocks(Sequence* seq, int64_t committed, const TraceContext& ctx);
@@ -992,6 +1020,9 @@ class KvCacheManager final {
   std::vector<BlockId>
       widened_;  // tree blocks widened by the Commit under way (PrefixCache::Widen)
   uint64_t window_clock_ = 0;
+  // Window blocks kept beside a full block since TakePublishedWindowBlocks (with the journal).
+  const bool journal_windows_;
+  std::vector<PublishedWindowBlock> published_windows_;
 
   absl::flat_hash_map<SequenceId, Sequence> sequences_;
   absl::flat_hash_map<SessionId, SessionUsage> sessions_;

@@ -345,9 +345,14 @@ absl::Status KvCacheManager::SlideWindow(SessionId caller, SequenceId sequence,
                     sequence.value(), seq->num_tokens, computed_tokens));
   }
   if (!window_) return absl::OkStatus();
+  ReleaseBeforeWindow(seq, computed_tokens, ctx);
+  return absl::OkStatus();
+}
+
+void KvCacheManager::ReleaseBeforeWindow(Sequence* seq, int64_t computed, const TraceContext& ctx) {
   // Deepest first, down to the run released before (or the sinks): O(entries released now).
   const int64_t start =
-      std::min(WindowStart(computed_tokens), static_cast<int64_t>(seq->window_table.size()));
+      std::min(WindowStart(computed), static_cast<int64_t>(seq->window_table.size()));
   for (int64_t i = start - 1; i >= SinkBlocks(); --i) {
     BlockId& entry = seq->window_table[static_cast<size_t>(i)];
     if (entry == kInvalidBlock) break;
@@ -355,7 +360,39 @@ absl::Status KvCacheManager::SlideWindow(SessionId caller, SequenceId sequence,
     entry = kInvalidBlock;
     ++counters_.windows.released;
   }
-  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<std::pair<int64_t, BlockId>>> KvCacheManager::ImportWindow(
+    SessionId caller, SequenceId sequence) {
+  const TraceContext ctx = BeginCall(caller, sequence);
+  KVPOOL_ASSIGN_OR_RETURN(Sequence * seq, Owned(caller, sequence));
+  std::vector<std::pair<int64_t, BlockId>> imported;
+  if (!window_) return imported;
+  const int64_t n = seq->num_tokens;
+  const auto from = static_cast<int64_t>(seq->window_table.size());
+  int64_t fresh = 0;
+  for (int64_t i = from; i < BlocksFor(n); ++i) fresh += WindowNeeds(i, n) ? 1 : 0;
+  std::vector<BlockId> victims;
+  if (fresh > 0) {
+    if (!quotas_.empty()) {
+      const GroupCharge groups[] = {{.ns = seq->ns, .window_blocks = fresh}};
+      KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckQuotas({}, groups, "import window")));
+    }
+    KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckWindowRoom(fresh, {}, &victims, "import window")));
+  }
+  EvictWindowPlanned(victims, ctx);
+  ReleaseBeforeWindow(seq, n, ctx);
+  seq->window_imported = true;
+  std::vector<BlockId> blocks;
+  KVPOOL_CHECK_OK(window_->Allocate(static_cast<int32_t>(fresh), seq->window_slot, ctx, &blocks,
+                                    /*fills=*/nullptr));  // the caller's copies fill them
+  imported.reserve(blocks.size());
+  for (int64_t i = from; i < BlocksFor(n); ++i) {
+    const bool needed = WindowNeeds(i, n);
+    seq->window_table.push_back(needed ? blocks[imported.size()] : kInvalidBlock);
+    if (needed) imported.emplace_back(i, seq->window_table.back());
+  }
+  return imported;
 }
 
 void KvCacheManager::KeepWindowBlocks(Sequence* seq, int64_t committed, const TraceContext& ctx) {
@@ -370,10 +407,11 @@ void KvCacheManager::KeepWindowBlocks(Sequence* seq, int64_t committed, const Tr
   const auto keep = [&](size_t i) {
     const BlockId primary = i < path.full.size() ? path.full[i] : path.partial;
     const BlockId block = seq->window_table[i];
-    // Only the window block written beside the tree's own block holds its tokens, and only those
-    // this sequence committed: the path's partial block may be one it shares (a Fork) or follows
-    // that covers more. One per tree block.
-    if (block == kInvalidBlock || seq->table[i] != primary) return;
+    // Only the window block written beside the tree's own block holds its tokens (or one filled
+    // with exactly those tokens' window, ImportWindow), and only those this sequence committed:
+    // the path's partial block may be one it shares (a Fork) or follows that covers more. One per
+    // tree block.
+    if (block == kInvalidBlock || (seq->table[i] != primary && !seq->window_imported)) return;
     const int32_t coverage = cache_->CoverageOf(primary);
     if (committed - static_cast<int64_t>(i) * block_size_ < coverage) return;
     const bool full = coverage == block_size_;
@@ -417,12 +455,30 @@ void KvCacheManager::KeepWindowBlocks(Sequence* seq, int64_t committed, const Tr
   std::sort(announce.begin(), announce.end());
   std::vector<BlockId> run;
   for (size_t a = 0; a < announce.size(); ++a) {
+    if (journal_windows_) {  // a lower tier stores it beside its block
+      if (const std::optional<PublishedBlock> p = cache_->PublishedOf(announce[a].second)) {
+        published_windows_.push_back({.block = *p, .window = window_of_.at(announce[a].second)});
+      }
+    }
     run.push_back(announce[a].second);
     if (a + 1 == announce.size() || announce[a + 1].first != announce[a].first + 1) {
       cache_->AnnounceComponent(run, *event_groups_.window);
       run.clear();
     }
   }
+}
+
+void KvCacheManager::TakePublishedWindowBlocks(std::vector<PublishedWindowBlock>* out) {
+  out->clear();
+  for (const PublishedWindowBlock& w : published_windows_) {
+    // Only those still kept where they were (one may have been dropped, its block reused since).
+    auto it = window_of_.find(w.block.block);
+    if (it != window_of_.end() && it->second == w.window &&
+        window_at_[Index(w.window)].covered == block_size_) {
+      out->push_back(w);
+    }
+  }
+  published_windows_.clear();
 }
 
 void KvCacheManager::DropWindowBlock(BlockId block, const TraceContext& ctx) {

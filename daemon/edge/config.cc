@@ -572,6 +572,12 @@ void ParseTiers(const v1::TierSpec& t, const v1::ModelSpec& model, TierOptions* 
     bad("tiers.host_checkpoints", "must be >= 0 (0: one per checkpoint interval), or -1 for none");
   }
   o->host_checkpoints = t.host_checkpoints();
+  if (t.host_window_blocks() < -1) {
+    bad("tiers.host_window_blocks",
+        "must be >= 0 (0: as many per host block as the pool has window blocks per block), or -1 "
+        "for none");
+  }
+  o->host_window_blocks = t.host_window_blocks();
   o->host_blocks = t.host_blocks();
   if (t.staged_blocks() > 0) o->staged_blocks = t.staged_blocks();
   if (t.lookup_blocks() > 0) o->lookup_blocks = t.lookup_blocks();

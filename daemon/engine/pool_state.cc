@@ -1,6 +1,7 @@
 #include "daemon/engine/pool_state.h"
 
 #include <algorithm>
+#include <cmath>
 #include <utility>
 
 #include "daemon/engine/promotion_hold.h"
@@ -27,6 +28,19 @@ int64_t HostCheckpoints(const EngineOptions& options, const kernels::PoolLayout&
   if (asked > 0) return asked;
   const int64_t interval = std::max(1, PoolCheckpointInterval(options, layout));
   return std::max<int64_t>(1, options.tiers.host_blocks / interval);
+}
+
+int64_t HostWindowBlocks(const EngineOptions& options, const kernels::PoolLayout& layout) {
+  const int64_t asked = options.tiers.host_window_blocks;
+  if (asked < 0 || options.tiers.host_blocks == 0 || layout.num_window_layers == 0 ||
+      layout.num_window_blocks == 0 || layout.num_blocks == 0) {
+    return 0;
+  }
+  if (asked > 0) return asked;
+  // The device pool's proportion: what its operator sized the window group to keep.
+  const auto share = static_cast<double>(layout.num_window_blocks) / layout.num_blocks;
+  return std::max<int64_t>(
+      1, static_cast<int64_t>(std::ceil(static_cast<double>(options.tiers.host_blocks) * share)));
 }
 
 absl::StatusOr<std::unique_ptr<PoolState>> PoolState::Create(const PoolOptions& pool,
@@ -78,6 +92,7 @@ absl::StatusOr<std::unique_ptr<PoolState>> PoolState::Create(const PoolOptions& 
     TierOptions tier_options = options.tiers;
     if (tier_options.disk.enabled()) tier_options.disk.directory += "/" + pool.name;  // its own
     tier_options.host_checkpoints = HostCheckpoints(options, layout);
+    tier_options.host_window_blocks = HostWindowBlocks(options, layout);
     KVPOOL_ASSIGN_OR_RETURN(tiers,
                             TierSet::Create(tier_options, device, layout, secret, options.clock));
   }
@@ -120,6 +135,8 @@ void PoolState::StagePublished(std::span<const BlockHash> skip) {
   // Taken whether or not the host tier keeps checkpoints: the journal never grows.
   cache_->TakePublishedCheckpoints(&published_checkpoints_);
   tiers_->StageCheckpoints(*cache_, view(), published_checkpoints_, skip);
+  cache_->TakePublishedWindowBlocks(&published_windows_);
+  tiers_->StageWindowBlocks(*cache_, view(), published_windows_, skip);
   DrainTierEvents();
 }
 

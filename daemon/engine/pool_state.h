@@ -75,6 +75,10 @@ int32_t PoolCheckpointInterval(const EngineOptions& options, const kernels::Pool
 // none without a host tier, checkpoint slots or a state group, or when -1; N when N > 0; else one
 // per checkpoint interval of host blocks (at least 1).
 int64_t HostCheckpoints(const EngineOptions& options, const kernels::PoolLayout& layout);
+// The window-group blocks the host tier of a pool of `layout` keeps
+// (TierOptions::host_window_blocks): none without a host tier or a window group, or when -1; N
+// when N > 0; else as many per host block as the pool has window blocks per block (at least 1).
+int64_t HostWindowBlocks(const EngineOptions& options, const kernels::PoolLayout& layout);
 
 class PoolState final {
  public:
@@ -154,6 +158,7 @@ class PoolState final {
   const std::unique_ptr<TierSet> tiers_;
   std::vector<PublishedBlock> published_;                   // scratch of StagePublished
   std::vector<PublishedCheckpoint> published_checkpoints_;  // its checkpoints' scratch
+  std::vector<PublishedWindowBlock> published_windows_;     // its window blocks' scratch
   std::vector<KvEvent> tier_events_;                        // scratch of DrainTierEvents
 };
 

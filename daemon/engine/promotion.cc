@@ -41,6 +41,13 @@ bool Promotion::Match(const EngineState& state) {
   const int64_t matched = pool.cache().MatchPrefix(ns_, prompt_);
   local_ = static_cast<size_t>(matched / block_size_);
   needs_checkpoint_ = pool.layout().num_state_slots > 0;
+  if (pool.cache().window() != nullptr) {
+    const KvCacheManager& cache = pool.cache();
+    window_ = TierSet::WindowReach{
+        .block_size = block_size_,
+        .window_tokens = cache.window_tokens(),
+        .sink_blocks = (cache.sink_tokens() + int64_t{block_size_} - 1) / block_size_};
+  }
   return local_ < full_;
 }
 
@@ -49,6 +56,13 @@ void Promotion::Lookup(TierSet& tiers) {
   found_ = tiers.Lookup(ns_, local_ == 0 ? BlockHash{} : chain_[local_ - 1],
                         std::span(chain_).subspan(local_));
   upto_ = local_ + static_cast<size_t>(found_.hits);
+  if (window_ && found_.hits > 0) {
+    // With a window group a prompt resumes only where its window's blocks are there (MatchPrefix
+    // cut the local match so): the hits are worth promoting up to the deepest point whose window
+    // blocks past the local match the host tier has, and not at all without one.
+    upto_ = tiers.LookupWindow(ns_, chain_, local_, upto_, *window_, &found_);
+    found_.hits = static_cast<int64_t>(upto_ - local_);
+  }
   if (needs_checkpoint_ && found_.hits > 0) {
     // With a state group a prompt resumes only from a checkpoint (MatchPrefix cut the local match
     // at the deepest one): the hits are worth promoting up to the deepest checkpoint the tiers
@@ -56,6 +70,11 @@ void Promotion::Lookup(TierSet& tiers) {
     tiers.LookupCheckpoint(ns_, chain_, local_, upto_, &found_);
     found_.hits = found_.checkpoint < 0 ? 0 : found_.checkpoint + 1 - static_cast<int64_t>(local_);
     upto_ = local_ + static_cast<size_t>(found_.hits);
+    // Both groups: the window must be there at the checkpoint too (none is looked for deeper).
+    if (window_ && found_.hits > 0 && !TierSet::KeepWindowPins(upto_, *window_, &found_)) {
+      found_.hits = 0;
+      upto_ = local_;
+    }
   }
 }
 
@@ -77,12 +96,26 @@ Promotion::Outcome Promotion::Start(EngineState& state, kernels::Device& device,
       cache.Allocate(kTierLoader,
                      {.ns = ns_,
                       .num_tokens = static_cast<int64_t>(upto_) * block_size_,
-                      .prompt = prompt_.first(upto_ * block_size_)},
+                      .prompt = prompt_.first(upto_ * block_size_),
+                      // Its window blocks come from the tier, for what its window reads alone.
+                      .window_ahead = window_ ? 0 : -1},
                      &plan);
   if (!made.ok()) return Outcome::kFailed;  // no room (or the namespace's quota)
   loader_ = made->sequence;
   ++pool.loaders;
   KVPOOL_CHECK(made->matched_tokens == matched_now);  // the same match, in the same lock hold
+  // Its window blocks past the match: the tier's copies of those the window reads at its end
+  // (LookupWindow pinned them all), none for the rest. Never left unfilled for the tree to keep.
+  std::vector<std::pair<int64_t, BlockId>> windows;
+  if (window_) {
+    absl::StatusOr<std::vector<std::pair<int64_t, BlockId>>> imported =
+        cache.ImportWindow(kTierLoader, loader_);
+    if (!imported.ok()) {
+      FreeLoader(pool, loader_);
+      return Outcome::kFailed;  // no room in the window group (or the namespace's quota)
+    }
+    windows = *std::move(imported);
+  }
   // The tiers' checkpoint at the end of the last hit goes in with the blocks (a pool with a
   // state group; Lookup cut the hits there). Without a slot for it the blocks still go in.
   BlockId checkpoint = kInvalidBlock;
@@ -97,6 +130,8 @@ Promotion::Outcome Promotion::Start(EngineState& state, kernels::Device& device,
   }
   if (fence.ok() && checkpoint != kInvalidBlock) fence = CopyCheckpoint(pool, device, checkpoint);
   imported_ = fence.ok() && checkpoint != kInvalidBlock;
+  if (fence.ok() && !windows.empty()) fence = CopyWindows(pool, device, windows);
+  windows_imported_ = fence.ok() ? static_cast<int64_t>(windows.size()) : 0;
   if (!fence.ok()) {
     FreeLoader(pool, loader_);  // what was queued keeps its blocks in flight (CopyHits)
     return Outcome::kFailed;
@@ -167,6 +202,30 @@ absl::StatusOr<Fence> Promotion::CopyCheckpoint(PoolState& pool, kernels::Device
   return fence;
 }
 
+absl::StatusOr<Fence> Promotion::CopyWindows(
+    PoolState& pool, kernels::Device& device,
+    std::span<const std::pair<int64_t, BlockId>> imported) {
+  const kernels::KvPoolView region = pool.view().Window();
+  const int64_t bytes = pool.layout().window_block_bytes();
+  absl::StatusOr<Fence> fence = device.LastFence(kernels::StreamId::kTransfer);
+  std::vector<BlockId> targets;
+  for (size_t i = 0; fence.ok() && i < imported.size(); ++i) {
+    const auto [entry, block] = imported[i];
+    // Only blocks past the match are imported, and the lookup pinned every one the window reads.
+    const std::span<const std::byte> src = found_.window_block(entry);
+    fence = device.CopyToDevice(kernels::StreamId::kTransfer,
+                                static_cast<std::byte*>(region.base) + block.value() * bytes,
+                                src.data(), bytes);
+    targets.push_back(block);
+  }
+  // Whatever was queued keeps the blocks out of the free list and the host slots pinned until
+  // it has run (the loader's Free, should it come first, releases them fenced).
+  const Fence queued = fence.ok() ? *fence : device.LastFence(kernels::StreamId::kTransfer);
+  KVPOOL_CHECK_OK(pool.cache().MarkWindowInFlight(targets, queued));
+  found_.reads = queued;
+  return fence;
+}
+
 absl::Status Promotion::Wait(kernels::Device& device) const { return device.Synchronize(copied_); }
 
 std::optional<PromotionHold> Promotion::Publish(EngineState& state, const absl::Status& copied) {
@@ -191,7 +250,7 @@ std::optional<PromotionHold> Promotion::Publish(EngineState& state, const absl::
     tiers.KeepCheckpointInHost(ns_, at == 0 ? BlockHash{} : chain_[at - 1], chain_[at], found_);
   }
   tiers.CountPromotion(from_host, from_disk, from_remote, state.now() - started_ns_,
-                       /*failed=*/false, imported_);
+                       /*failed=*/false, imported_, windows_imported_);
   if (from_disk + from_remote > 0) {  // what the disk or Redis had goes into the host tier too
     const size_t first_below = local_ + static_cast<size_t>(from_host);
     tiers.KeepInHost(

@@ -7,13 +7,16 @@
 //   Match    (engine lock)  the prompt's locally cached full blocks: `local`
 //   Lookup   (no lock)      the tiers, for the chain of full blocks after `local` (TierSet::Lookup:
 //                           host-tier hits are pinned in their slots, lower tiers' read into
-//                           staging buffers); with a state group, the deepest hit with a state
-//                           checkpoint in the tiers, the hits cut there (none: nothing to do)
+//                           staging buffers); with a window group, the hits cut at the deepest
+//                           point whose window blocks the host tier has (pinned); with a state
+//                           group, at the deepest hit with a state checkpoint in the tiers
+//                           (none: nothing to do)
 //   Start    (engine lock)  re-validates what Match learned: a loader sequence (owned by no
 //                           session: kTierLoader) over the prompt's first `local + hits` blocks
 //                           adopts what is cached now and takes fresh blocks for the rest; the
 //                           hits are copied into the fresh ones on the transfer stream, straight
-//                           from the host tier's slots (one copy per block). When the
+//                           from the host tier's slots (one copy per block), and so are the
+//                           window blocks its resume point reads and its checkpoint. When the
 //                           local match shrank during the gap (an eviction), the hits no longer
 //                           join the cached prefix: Start says so (kRaced) and the engine looks
 //                           up again. When it grew, the hits it now covers are skipped.
@@ -88,6 +91,10 @@ class Promotion final {
   // Copies the host tier's checkpoint (found_.checkpoint_pin) into state slot `slot` on the
   // transfer stream, after the hits. REQUIRES: the engine lock.
   absl::StatusOr<Fence> CopyCheckpoint(PoolState& pool, kernels::Device& device, BlockId slot);
+  // Copies the host tier's window blocks into the loader's window blocks `imported` ((entry,
+  // block), KvCacheManager::ImportWindow) on the transfer stream. REQUIRES: the engine lock.
+  absl::StatusOr<Fence> CopyWindows(PoolState& pool, kernels::Device& device,
+                                    std::span<const std::pair<int64_t, BlockId>> imported);
 
   const int32_t pool_;
   const NamespaceId ns_;
@@ -99,7 +106,10 @@ class Promotion final {
   size_t upto_ = 0;                // local_ + hits: the loader's length in blocks
   bool needs_checkpoint_ = false;  // the pool has a state group: promote up to a checkpoint
   bool imported_ = false;          // the host tier's checkpoint is copied in with the blocks
-  TierSet::Found found_;           // block i of found_ is the prompt's block local_ + i
+  // The pool's window group (none without one): the window blocks a resume point reads.
+  std::optional<TierSet::WindowReach> window_;
+  int64_t windows_imported_ = 0;  // window blocks copied in with the blocks
+  TierSet::Found found_;          // block i of found_ is the prompt's block local_ + i
   SequenceId loader_;
   Fence copied_;
   int64_t started_ns_ = 0;

@@ -79,10 +79,26 @@ absl::StatusOr<std::unique_ptr<TierSet>> TierSet::Create(const TierOptions& opti
                                              options.host_checkpoints, layout.state_slot_bytes,
                                              static_cast<std::byte*>(checkpoint_memory->data())));
   }
-  return std::make_unique<TierSet>(device, layout, clock, std::move(host), std::move(remote),
-                                   options.staged_blocks, std::move(host_memory),
-                                   options.lookup_blocks, std::move(disk), std::move(checkpoints),
-                                   std::move(checkpoint_memory));
+  std::unique_ptr<kernels::DeviceBuffer> window_memory;
+  std::unique_ptr<tier::HostBlockStore> windows;
+  if (options.host_window_blocks > 0 && host && layout.num_window_layers > 0 &&
+      layout.num_window_blocks > 0) {
+    const int64_t bytes = layout.window_block_bytes();
+    if (options.host_window_blocks > (int64_t{1} << 46) / bytes) {
+      return absl::InvalidArgumentError(
+          fmt::format("tiers: {} host window blocks of {} bytes is too large",
+                      options.host_window_blocks, bytes));
+    }
+    KVPOOL_ASSIGN_OR_RETURN(window_memory,
+                            device->AllocateHostBuffer(options.host_window_blocks * bytes));
+    KVPOOL_ASSIGN_OR_RETURN(
+        windows, tier::HostBlockStore::Create(options.host_window_blocks, bytes,
+                                              static_cast<std::byte*>(window_memory->data())));
+  }
+  return std::make_unique<TierSet>(
+      device, layout, clock, std::move(host), std::move(remote), options.staged_blocks,
+      std::move(host_memory), options.lookup_blocks, std::move(disk), std::move(checkpoints),
+      std::move(checkpoint_memory), std::move(windows), std::move(window_memory));
 }
 
 TierSet::TierSet(kernels::Device* device, const kernels::PoolLayout& layout, const Clock* clock,
@@ -91,11 +107,14 @@ TierSet::TierSet(kernels::Device* device, const kernels::PoolLayout& layout, con
                  std::unique_ptr<kernels::DeviceBuffer> host_memory, int64_t lookup_blocks,
                  std::unique_ptr<tier::DiskBlockStore> disk,
                  std::unique_ptr<tier::HostBlockStore> checkpoints,
-                 std::unique_ptr<kernels::DeviceBuffer> checkpoint_memory)
+                 std::unique_ptr<kernels::DeviceBuffer> checkpoint_memory,
+                 std::unique_ptr<tier::HostBlockStore> windows,
+                 std::unique_ptr<kernels::DeviceBuffer> window_memory)
     : device_(device),
       clock_(clock),
       block_bytes_(layout.block_bytes()),
       state_bytes_(layout.state_slot_bytes),
+      window_bytes_(layout.num_window_layers > 0 ? layout.window_block_bytes() : 0),
       block_size_(layout.block_size),
       layout_fingerprint_(layout.Hash()),
       max_staged_(std::min(staged_blocks, std::max<int64_t>(1, kMaxStagedBytes / block_bytes_))),
@@ -106,9 +125,12 @@ TierSet::TierSet(kernels::Device* device, const kernels::PoolLayout& layout, con
       disk_(std::move(disk)),
       checkpoint_memory_(std::move(checkpoint_memory)),
       checkpoints_(std::move(checkpoints)),
-      remote_checkpoints_(remote_ != nullptr && layout.num_state_slots > 0 && state_bytes_ > 0) {
+      remote_checkpoints_(remote_ != nullptr && layout.num_state_slots > 0 && state_bytes_ > 0),
+      window_memory_(std::move(window_memory)),
+      windows_(std::move(windows)) {
   KVPOOL_CHECK(host_ == nullptr || host_->block_bytes() == block_bytes_);
   KVPOOL_CHECK(checkpoints_ == nullptr || checkpoints_->block_bytes() == state_bytes_);
+  KVPOOL_CHECK(windows_ == nullptr || windows_->block_bytes() == window_bytes_);
   if (host_) {
     host_->set_listener(
         [this](const tier::BlockSpace& space, const BlockHash& hash, const BlockHash& parent,
@@ -279,7 +301,7 @@ void TierSet::StageCheckpoints(KvCacheManager& cache, const kernels::KvPoolView&
                             .bytes = *std::move(bytes),
                             .fence = *fence,
                             .staged_ns = clock_->NowNanos(),
-                            .checkpoint = true});
+                            .kind = Staged::Kind::kCheckpoint});
     ++staged_checkpoints_;
     last = *fence;
     copied.push_back(c.slot);
@@ -287,6 +309,62 @@ void TierSet::StageCheckpoints(KvCacheManager& cache, const kernels::KvPoolView&
   if (!copied.empty()) {
     // Until the copies have run the slots stay out of the free list, whatever happens to them.
     KVPOOL_CHECK_OK(cache.MarkStatesInFlight(copied, last));
+    changed_.Signal();
+  }
+}
+
+void TierSet::StageWindowBlocks(KvCacheManager& cache, const kernels::KvPoolView& view,
+                                std::span<const PublishedWindowBlock> published,
+                                std::span<const BlockHash> skip) {
+  if (!windows_ || published.empty()) return;
+  // The compute stream may still be writing a window block a step just filled: copy after it.
+  const Fence computed = device_->LastFence(kernels::StreamId::kCompute);
+  if (computed.value != 0 && !device_->StreamWait(kernels::StreamId::kTransfer, computed).ok()) {
+    return;  // not stored: the host tier misses it, nothing else changes
+  }
+  // Staged window blocks take at most kMaxStagedBytes (and their count, the staging bound).
+  const int64_t most = std::max<int64_t>(1, kMaxStagedBytes / window_bytes_);
+  const kernels::KvPoolView region = view.Window();
+  std::vector<BlockId> copied;
+  Fence last;
+  absl::MutexLock lock(&mu_);
+  for (const PublishedWindowBlock& w : published) {
+    const PublishedBlock& b = w.block;
+    if (stopping_ || std::find(skip.begin(), skip.end(), b.hash) != skip.end()) continue;
+    if (static_cast<int64_t>(queue_.size()) + in_flight_ >= max_staged_ ||
+        staged_windows_ >= most) {
+      ++counters_.demote_dropped_full;
+      continue;
+    }
+    absl::StatusOr<std::unique_ptr<kernels::DeviceBuffer>> bytes =
+        device_->AllocateHostBuffer(window_bytes_);
+    if (!bytes.ok()) {
+      ++counters_.demote_failed;
+      continue;
+    }
+    const std::byte* src =
+        static_cast<const std::byte*>(region.base) + w.window.value() * window_bytes_;
+    const absl::StatusOr<Fence> fence =
+        device_->CopyToHost(kernels::StreamId::kTransfer, (*bytes)->data(), src, window_bytes_);
+    if (!fence.ok()) {
+      ++counters_.demote_failed;
+      continue;
+    }
+    queue_.push_back(Staged{.space = {b.ns, layout_fingerprint_},
+                            .hash = b.hash,
+                            .parent = b.parent,
+                            .tags = tags_of_ ? tags_of_(b.ns) : tier::NamespaceTags{},
+                            .bytes = *std::move(bytes),
+                            .fence = *fence,
+                            .staged_ns = clock_->NowNanos(),
+                            .kind = Staged::Kind::kWindow});
+    ++staged_windows_;
+    last = *fence;
+    copied.push_back(w.window);
+  }
+  if (!copied.empty()) {
+    // Until the copies have run the blocks stay out of the free list, whatever happens to them.
+    KVPOOL_CHECK_OK(cache.MarkWindowInFlight(copied, last));
     changed_.Signal();
   }
 }
@@ -304,7 +382,7 @@ void TierSet::WriterLoop() {
     }
     const absl::Status copied = device_->Synchronize(item.fence);
     const int64_t spent = clock_->NowNanos() - item.staged_ns;
-    const int64_t bytes = item.checkpoint ? state_bytes_ : block_bytes_;
+    const int64_t bytes = BytesOf(item.kind);
     if (copied.ok()) {
       const tier::BlockToStore block{
           .hash = item.hash,
@@ -312,9 +390,11 @@ void TierSet::WriterLoop() {
           .coverage = static_cast<uint32_t>(block_size_),
           .bytes = {static_cast<const std::byte*>(item.bytes->data()), static_cast<size_t>(bytes)},
           .tags = item.tags};
-      if (item.checkpoint) {  // the host tier and Redis (not the disk)
+      if (item.kind == Staged::Kind::kCheckpoint) {  // the host tier and Redis (not the disk)
         if (checkpoints_) checkpoints_->Put(item.space, block);
         if (remote_checkpoints_) remote_->Put(CheckpointSpace(item.space.ns), block);
+      } else if (item.kind == Staged::Kind::kWindow) {  // the host tier alone
+        windows_->Put(item.space, block);
       } else {
         if (host_) host_->Put(item.space, block);
         if (disk_) disk_->Put(item.space, block);  // queued: never waits for the disk
@@ -328,14 +408,18 @@ void TierSet::WriterLoop() {
     }
     if (on_events) on_events();  // before in_flight_ drops: Flush implies the events are logged
     absl::MutexLock lock(&mu_);
-    if (item.checkpoint) {
+    if (item.kind == Staged::Kind::kCheckpoint) {
       --staged_checkpoints_;  // its buffer goes (staging buffers are blocks)
+    } else if (item.kind == Staged::Kind::kWindow) {
+      --staged_windows_;
     } else {
       GiveBack(std::move(item.bytes));
     }
     --in_flight_;
     if (copied.ok()) {
-      ++(item.checkpoint ? counters_.demoted_checkpoints : counters_.demoted);
+      ++(item.kind == Staged::Kind::kCheckpoint ? counters_.demoted_checkpoints
+         : item.kind == Staged::Kind::kWindow   ? counters_.demoted_window_blocks
+                                                : counters_.demoted);
       counters_.demoted_bytes += static_cast<uint64_t>(bytes);
       counters_.demote_ns += spent;
     } else {
@@ -447,6 +531,73 @@ void TierSet::LookupCheckpoint(NamespaceId ns, std::span<const BlockHash> chain,
   give_back();
 }
 
+size_t TierSet::LookupWindow(NamespaceId ns, std::span<const BlockHash> chain, size_t from,
+                             size_t upto, const WindowReach& reach, Found* found) {
+  // REQUIRES: nothing reads what an earlier call found (its copy ran, or none was queued).
+  found->window_pins.clear();
+  found->window_from = static_cast<int64_t>(from);
+  upto = std::min(upto, chain.size());
+  if (!windows_ || upto <= from) return from;
+  // Deepest point first; a block the store lacks rules out every point whose window reaches it,
+  // so the next candidate ends just before it (KvCacheManager::CutToWindow, over the tier). Each
+  // block is asked for at most once: O(the blocks a window spans) for a hit.
+  const tier::BlockSpace space{ns, layout_fingerprint_};
+  found->window_pins.resize(upto - from);
+  std::vector<bool> asked(upto - from, false);
+  const auto have = [&](size_t i) {
+    if (!asked[i - from]) {
+      asked[i - from] = true;
+      found->window_pins[i - from] =
+          windows_->LookupPinned(space, i == 0 ? BlockHash{} : chain[i - 1], chain.subspan(i, 1));
+    }
+    return found->window_pins[i - from].size() == 1;
+  };
+  size_t point = upto;
+  while (point > from) {
+    size_t missing = point;
+    const auto start = static_cast<size_t>(reach.Start(static_cast<int64_t>(point)));
+    for (size_t i = point; i > std::max(from, start) && missing == point;) {
+      if (!have(--i)) missing = i;
+    }
+    const auto sinks = static_cast<size_t>(reach.sink_blocks);
+    for (size_t i = std::min(sinks, start); i > from && missing == point;) {
+      if (!have(--i)) missing = i;
+    }
+    if (missing == point) break;  // every block it reaches is pinned
+    point = missing;
+  }
+  if (point == from || !KeepWindowPins(point, reach, found)) {
+    found->window_pins.clear();  // unpins
+    return from;
+  }
+  return point;
+}
+
+bool TierSet::KeepWindowPins(size_t blocks, const WindowReach& reach, Found* found) {
+  const auto from = static_cast<size_t>(found->window_from);
+  const size_t have = found->window_pins.size();
+  for (size_t i = from; i < blocks; ++i) {
+    if (reach.Needs(static_cast<int64_t>(i), static_cast<int64_t>(blocks)) &&
+        (i - from >= have || found->window_pins[i - from].size() != 1)) {
+      return false;
+    }
+  }
+  for (size_t i = from; i < from + have; ++i) {
+    if (!reach.Needs(static_cast<int64_t>(i), static_cast<int64_t>(blocks))) {
+      found->window_pins[i - from].Release();
+    }
+  }
+  return true;
+}
+
+std::span<const std::byte> TierSet::Found::window_block(int64_t entry) const {
+  const int64_t i = entry - window_from;
+  KVPOOL_CHECK_MSG(i >= 0 && i < static_cast<int64_t>(window_pins.size()) &&
+                       window_pins[static_cast<size_t>(i)].size() == 1,
+                   "tier lookup: window block not found");
+  return window_pins[static_cast<size_t>(i)].block(0);
+}
+
 std::span<const std::byte> TierSet::Found::checkpoint_bytes(int64_t bytes) const {
   KVPOOL_CHECK_MSG(checkpoint >= 0, "tier lookup: no checkpoint found");
   if (checkpoint_pin.size() == 1) return checkpoint_pin.block(0);
@@ -521,6 +672,7 @@ void TierSet::Recycle(Found* found) {
   const int64_t pinned = found->host.size();
   found->host.Release();
   found->checkpoint_pin.Release();
+  found->window_pins.clear();  // unpins
   const bool buffered = found->checkpoint_buffer != nullptr;
   found->checkpoint_buffer.reset();
   found->checkpoint = -1;
@@ -566,7 +718,8 @@ void TierSet::CountHoldEnd(bool adopted) {
 }
 
 void TierSet::CountPromotion(int64_t from_host, int64_t from_disk, int64_t from_remote,
-                             int64_t ns_spent, bool failed, bool checkpoint) {
+                             int64_t ns_spent, bool failed, bool checkpoint,
+                             int64_t window_blocks) {
   const int64_t blocks = from_host + from_disk + from_remote;
   absl::MutexLock lock(&mu_);
   if (failed) {
@@ -577,6 +730,8 @@ void TierSet::CountPromotion(int64_t from_host, int64_t from_disk, int64_t from_
     ++counters_.promoted_checkpoints;
     counters_.promoted_bytes += static_cast<uint64_t>(state_bytes_);
   }
+  counters_.promoted_window_blocks += static_cast<uint64_t>(window_blocks);
+  counters_.promoted_bytes += static_cast<uint64_t>(window_blocks * window_bytes_);
   counters_.promoted_from_host += static_cast<uint64_t>(from_host);
   counters_.promoted_from_disk += static_cast<uint64_t>(from_disk);
   counters_.promoted_from_remote += static_cast<uint64_t>(from_remote);
@@ -624,6 +779,10 @@ TierStats TierSet::stats() const {
     out.host_checkpoint_capacity = checkpoints_->capacity();
     out.host_checkpoints = checkpoints_->stored();
   }
+  if (windows_) {
+    out.host_window_capacity = windows_->capacity();
+    out.host_window_blocks = windows_->stored();
+  }
   out.disk = disk_ != nullptr;
   if (disk_) {
     out.disk_store = disk_->stats();
@@ -635,6 +794,7 @@ TierStats TierSet::stats() const {
 int64_t TierSet::Invalidate(const tier::TagFilter& filter) {
   // A checkpoint is derived from its prefix's KV: it goes with the blocks.
   if (checkpoints_) checkpoints_->Invalidate(filter);
+  if (windows_) windows_->Invalidate(filter);
   const int64_t from_host = host_ ? host_->Invalidate(filter) : 0;
   t_invalidating = true;
   const int64_t from_disk = disk_ ? disk_->Invalidate(filter) : 0;

@@ -70,6 +70,10 @@ struct TierOptions {
   // tier; docs/hybrid-groups.md §4, Tiers): 0 one per checkpoint interval of host_blocks (what
   // PoolState::Create resolves it to), -1 none, N. TierSet::Create takes the resolved count.
   int64_t host_checkpoints = 0;
+  // Window-group blocks the host tier keeps beside its blocks (a pool with a window group and a
+  // host tier; docs/tiers.md, Window blocks): 0 as many per host block as the device pool has
+  // window blocks per block (what PoolState::Create resolves it to), -1 none, N.
+  int64_t host_window_blocks = 0;
   bool enabled() const { return host_blocks > 0 || disk.enabled() || redis.enabled; }
 };
 
@@ -114,6 +118,12 @@ struct TierStats {
   int64_t host_checkpoints = 0;
   uint64_t demoted_checkpoints = 0;
   uint64_t promoted_checkpoints = 0;
+  // Window-group blocks (a pool with a window group): kept in the host tier beside their
+  // blocks, copied down (each kept beside a full block) and promoted with a prefix.
+  int64_t host_window_capacity = 0;
+  int64_t host_window_blocks = 0;
+  uint64_t demoted_window_blocks = 0;
+  uint64_t promoted_window_blocks = 0;
 };
 
 class TierSet final {
@@ -131,14 +141,17 @@ class TierSet final {
   // Builds a set over stores made elsewhere (tests: a fake remote). Either may be null;
   // `host_memory`, when given, holds the host store's slots and is kept as long as the store.
   // `checkpoints` (slots of the layout's state_slot_bytes, over `checkpoint_memory` when given)
-  // keeps state checkpoints in host memory.
+  // keeps state checkpoints in host memory; `windows` (slots of its window_block_bytes(), over
+  // `window_memory`) window-group blocks.
   TierSet(kernels::Device* device, const kernels::PoolLayout& layout, const Clock* clock,
           std::unique_ptr<tier::HostBlockStore> host, std::unique_ptr<tier::RemoteTier> remote,
           int64_t staged_blocks, std::unique_ptr<kernels::DeviceBuffer> host_memory = nullptr,
           int64_t lookup_blocks = TierOptions{}.lookup_blocks,
           std::unique_ptr<tier::DiskBlockStore> disk = nullptr,
           std::unique_ptr<tier::HostBlockStore> checkpoints = nullptr,
-          std::unique_ptr<kernels::DeviceBuffer> checkpoint_memory = nullptr);
+          std::unique_ptr<kernels::DeviceBuffer> checkpoint_memory = nullptr,
+          std::unique_ptr<tier::HostBlockStore> windows = nullptr,
+          std::unique_ptr<kernels::DeviceBuffer> window_memory = nullptr);
   ~TierSet();  // stops the writer after the copies already staged
   TierSet(const TierSet&) = delete;
   TierSet& operator=(const TierSet&) = delete;
@@ -158,6 +171,15 @@ class TierSet final {
                         std::span<const BlockHash> skip = {});
   bool keeps_checkpoints() const { return checkpoints_ != nullptr || remote_checkpoints_; }
 
+  // Under the engine's lock, with Stage: copies the window-group blocks `published` (kept beside
+  // a full block, KvCacheManager::TakePublishedWindowBlocks) out of `view`'s window region toward
+  // the host tier's window store, and marks them in flight until the copy has run. `skip` as
+  // for Stage. A no-op without a window store.
+  void StageWindowBlocks(KvCacheManager& cache, const kernels::KvPoolView& view,
+                         std::span<const PublishedWindowBlock> published,
+                         std::span<const BlockHash> skip = {});
+  bool keeps_window_blocks() const { return windows_ != nullptr; }
+
   struct Found {
     int64_t hits = 0;       // leading blocks found
     int64_t from_host = 0;  // of which the host tier had the first ones
@@ -174,6 +196,12 @@ class TierSet final {
     std::unique_ptr<kernels::DeviceBuffer> checkpoint_buffer;  // else Redis's, read into it
     // The checkpoint's bytes. REQUIRES: checkpoint >= 0.
     std::span<const std::byte> checkpoint_bytes(int64_t bytes) const;
+    // With a window store (LookupWindow): window_pins[i] holds the window block of chain
+    // index window_from + i, pinned, where the promotion needs it (empty Pins elsewhere).
+    int64_t window_from = 0;
+    std::vector<tier::HostBlockStore::Pins> window_pins;
+    // Chain index `entry`'s window block. REQUIRES: LookupWindow pinned it (checked).
+    std::span<const std::byte> window_block(int64_t entry) const;
     // The last queued copy that reads the blocks above (Promotion::CopyHits): Recycle lets the
     // pins and buffers go only once it has passed.
     Fence reads;
@@ -194,6 +222,29 @@ class TierSet final {
   // past that Redis is not asked (counted in lookup_truncated).
   void LookupCheckpoint(NamespaceId ns, std::span<const BlockHash> chain, size_t from, size_t upto,
                         Found* found);
+  // What a window group reads when a prompt resumes after `blocks` full blocks: its sinks'
+  // blocks and those from the one holding token blocks * block_size - W + 1 on (the pool's
+  // KvCacheManager::WindowNeeds, in blocks).
+  struct WindowReach {
+    int64_t block_size = 0;
+    int64_t window_tokens = 0;
+    int64_t sink_blocks = 0;
+    int64_t Start(int64_t blocks) const {
+      return std::max<int64_t>(0, blocks * block_size - window_tokens + 1) / block_size;
+    }
+    bool Needs(int64_t i, int64_t blocks) const {
+      return i < blocks && (i < sink_blocks || i >= Start(blocks));
+    }
+  };
+  // Outside any lock, after Lookup: the deepest resume point in (from, upto] (in blocks) at which
+  // every block in [from, point) the window `reach`es has a window block in the host tier; those
+  // are pinned into found->window_pins. Returns the point, or `from` when there is none (or no
+  // window store).
+  size_t LookupWindow(NamespaceId ns, std::span<const BlockHash> chain, size_t from, size_t upto,
+                      const WindowReach& reach, Found* found);
+  // Keeps only the window pins a resume after `blocks` blocks needs (after a cut elsewhere, the
+  // checkpoint's); false when one it needs is not pinned.
+  static bool KeepWindowPins(size_t blocks, const WindowReach& reach, Found* found);
   // Outside any lock: takes back a Lookup's pins and buffers, after waiting for found->reads (a
   // slot or buffer is never reused while a stream still reads it). When that wait fails (a
   // device error) the pins and buffers are kept for good, logged: leaked rather than reused.
@@ -210,9 +261,10 @@ class TierSet final {
   void KeepInHost(NamespaceId ns, const BlockHash& parent, std::span<const BlockHash> hashes,
                   const Found& found, size_t first);
 
-  // Counts a promotion (the engine does the copying), `checkpoint` whether it brought one.
+  // Counts a promotion (the engine does the copying), `checkpoint` whether it brought one,
+  // `window_blocks` the window-group blocks it brought.
   void CountPromotion(int64_t from_host, int64_t from_disk, int64_t from_remote, int64_t ns_spent,
-                      bool failed, bool checkpoint = false);
+                      bool failed, bool checkpoint = false, int64_t window_blocks = 0);
 
   // The tags of a namespace (NamespaceTable::TagsOf), which the host and disk tiers keep with
   // every block for invalidation; called under the engine's lock by Stage and KeepInHost. Set it
@@ -253,12 +305,17 @@ class TierSet final {
     BlockHash hash;
     BlockHash parent;
     tier::NamespaceTags tags;
-    // Host memory (pinned on CUDA): one block, or one state checkpoint.
+    // Host memory (pinned on CUDA): one block, one state checkpoint or one window block.
     std::unique_ptr<kernels::DeviceBuffer> bytes;
     Fence fence;
     int64_t staged_ns = 0;
-    bool checkpoint = false;  // for checkpoints_ alone
+    enum class Kind : uint8_t { kBlock, kCheckpoint, kWindow } kind = Kind::kBlock;
   };
+  int64_t BytesOf(Staged::Kind kind) const {
+    return kind == Staged::Kind::kBlock        ? block_bytes_
+           : kind == Staged::Kind::kCheckpoint ? state_bytes_
+                                               : window_bytes_;
+  }
   void WriterLoop();
   // Asks `store` for hashes [from, ...) after what the stores above found, into out[from, ...).
   // Returns its hits.
@@ -278,7 +335,8 @@ class TierSet final {
   kernels::Device* const device_;
   const Clock* const clock_;
   const int64_t block_bytes_;
-  const int64_t state_bytes_;  // one checkpoint (the layout's state_slot_bytes)
+  const int64_t state_bytes_;   // one checkpoint (the layout's state_slot_bytes)
+  const int64_t window_bytes_;  // one window-group block (the layout's window_block_bytes())
   const int32_t block_size_;
   const uint64_t layout_fingerprint_;
   const int64_t max_staged_;
@@ -297,12 +355,16 @@ class TierSet final {
   tier::BlockSpace CheckpointSpace(NamespaceId ns) const {
     return {ns, layout_fingerprint_ ^ kCheckpointKeySalt};
   }
+  // Window-group blocks in host memory (slots of window_bytes_), over window_memory_.
+  const std::unique_ptr<kernels::DeviceBuffer> window_memory_;
+  const std::unique_ptr<tier::HostBlockStore> windows_;
   TagsOf tags_of_;  // set before the first Stage, read under the engine's lock
 
   mutable absl::Mutex mu_;
   absl::CondVar changed_;
   std::deque<Staged> queue_ ABSL_GUARDED_BY(mu_);
   int64_t staged_checkpoints_ ABSL_GUARDED_BY(mu_) = 0;  // of queue_ and in flight
+  int64_t staged_windows_ ABSL_GUARDED_BY(mu_) = 0;      // the same for window blocks
   int64_t checkpoint_buffers_ ABSL_GUARDED_BY(mu_) = 0;  // Found::checkpoint_buffer held
   int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;           // taken by the writer, not yet offered
   // Lookup blocks held (pinned slots and buffers, until Recycle).

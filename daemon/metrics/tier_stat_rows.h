@@ -307,6 +307,22 @@ inline void AddMoveRows(std::vector<PoolRow>* rows) {
                           "promoted prefix.",
                           none, "tiers.promoted_checkpoints",
                           KVPOOL_TIER_STAT(t.promoted_checkpoints)));
+  // Window-group blocks beside the host tier's blocks (pools with a window group).
+  rows->push_back(MoveRow("tier_window_blocks", kGauge, "blocks",
+                          "Window-group blocks the host tier holds beside its blocks.", none,
+                          "tiers.host_window_blocks", KVPOOL_TIER_STAT(t.host_window_blocks)));
+  rows->push_back(MoveRow("tier_window_block_capacity", kGauge, "blocks",
+                          "Window-group blocks the host tier has room for.", none,
+                          "tiers.host_window_capacity", KVPOOL_TIER_STAT(t.host_window_capacity)));
+  rows->push_back(MoveRow("tier_demoted_window_blocks", kCounter, "blocks",
+                          "Window-group blocks copied out of the pool toward the host tier.", none,
+                          "tiers.demoted_window_blocks",
+                          KVPOOL_TIER_STAT(t.demoted_window_blocks)));
+  rows->push_back(MoveRow("tier_promoted_window_blocks", kCounter, "blocks",
+                          "Window-group blocks copied from the host tier into the pool with a "
+                          "promoted prefix.",
+                          none, "tiers.promoted_window_blocks",
+                          KVPOOL_TIER_STAT(t.promoted_window_blocks)));
 }
 
 // vLLM's connector names (the tiers as its external prefix cache), in tokens.

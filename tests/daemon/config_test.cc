@@ -339,7 +339,8 @@ TEST(ConfigTest, TiersAreOffByDefaultAndCheckedWhenOn) {
   EXPECT_FALSE(o->tiers.enabled());
 
   const std::string path = ::testing::TempDir() + "/tiers.textproto";
-  std::ofstream(path) << "tiers { host_blocks: -1 host_checkpoints: -2 redis { enabled: true "
+  std::ofstream(path) << "tiers { host_blocks: -1 host_checkpoints: -2 host_window_blocks: -3 "
+                         "redis { enabled: true "
                          "unix_socket: \"/r.sock\" host: \"h\" key_slotting: \"row\" "
                          "command_timeout_ms: -2 } }\n";
   const absl::Status bad = LoadConfig(path).status();
@@ -347,11 +348,13 @@ TEST(ConfigTest, TiersAreOffByDefaultAndCheckedWhenOn) {
   const std::string message(bad.message());
   EXPECT_THAT(message, HasSubstr("tiers.host_blocks"));
   EXPECT_THAT(message, HasSubstr("tiers.host_checkpoints: must be >= 0"));
+  EXPECT_THAT(message, HasSubstr("tiers.host_window_blocks: must be >= 0"));
   EXPECT_THAT(message, HasSubstr("tiers.redis: name exactly one of"));
   EXPECT_THAT(message, HasSubstr("tiers.redis.key_slotting: 'row' is not one of namespace, block"));
   EXPECT_THAT(message, HasSubstr("tiers.redis.command_timeout_ms"));
 
-  std::ofstream(path) << "tiers { host_blocks: 64 staged_blocks: 8 host_checkpoints: 5 redis { "
+  std::ofstream(path) << "tiers { host_blocks: 64 staged_blocks: 8 host_checkpoints: 5 "
+                         "host_window_blocks: 9 redis { "
                          "enabled: true cluster_seeds: \"127.0.0.1:7000\" key_slotting: "
                          "\"block\" command_timeout_ms: 50 ttl_seconds: 600 } }\n";
   const absl::StatusOr<v1::DaemonConfig> c = LoadConfig(path);
@@ -361,6 +364,7 @@ TEST(ConfigTest, TiersAreOffByDefaultAndCheckedWhenOn) {
   EXPECT_EQ(o->tiers.host_blocks, 64);
   EXPECT_EQ(o->tiers.staged_blocks, 8);
   EXPECT_EQ(o->tiers.host_checkpoints, 5);
+  EXPECT_EQ(o->tiers.host_window_blocks, 9);
   EXPECT_TRUE(o->tiers.redis.enabled);
   EXPECT_EQ(o->tiers.redis.cluster_seeds, std::vector<std::string>{"127.0.0.1:7000"});
   EXPECT_EQ(o->tiers.redis.key_slotting, tier::KeySlotting::kBlock);

@@ -323,11 +323,14 @@ TierStats AllTiers() {
        {&t.demoted, &t.demoted_bytes, &t.demote_dropped_full, &t.demote_failed, &t.lookups,
         &t.promoted_from_host, &t.promoted_from_disk, &t.promoted_from_remote, &t.promoted_bytes,
         &t.promote_failed, &t.promote_raced, &t.promote_adopted, &t.promote_unused,
-        &t.lookup_truncated, &t.demoted_checkpoints, &t.promoted_checkpoints}) {
+        &t.lookup_truncated, &t.demoted_checkpoints, &t.promoted_checkpoints,
+        &t.demoted_window_blocks, &t.promoted_window_blocks}) {
     *f = v++;
   }
   t.host_checkpoints = 41;
   t.host_checkpoint_capacity = 42;
+  t.host_window_blocks = 43;
+  t.host_window_capacity = 44;
   t.demote_ns = 2'000'000'000;
   t.promote_ns = 4'000'000'000;
   t.demote_queued = 7;

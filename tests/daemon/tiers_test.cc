@@ -632,6 +632,216 @@ TEST_F(HybridTiersTest, AnInvalidationDropsTheHostTiersCheckpoints) {
   EXPECT_EQ(engine_->Stats().tiers.promoted_checkpoints, 0u);
 }
 
+// Issue 28, tiers: a sliding-window model's promoted prefix. A prompt resumes only where the
+// window group still holds the last W tokens (and the sinks), so a promotion must bring the
+// window blocks its resume point needs, not only the full-attention blocks, and must never hand
+// the caller window blocks nobody filled. Before, the tier loader's fresh window blocks were kept
+// by the tree beside the promoted blocks, unfilled: the next prompt resumed and read them.
+class WindowTiersTest : public ::testing::Test {
+ protected:
+  static constexpr int32_t kWindow = 32;  // W: two blocks; the window group holds at most 3
+  void Make(int32_t sinks = 0, int64_t host_window_blocks = 0,
+            std::optional<LockGap> gap = std::nullopt, int32_t blocks = 16) {
+    arena_.reset();
+    alice_.reset();
+    model::ModelConfig config = *model::NamedConfig("tiny-swa");
+    config.sliding_window = kWindow;
+    config.sink_tokens = sinks;
+    EngineOptions options = SmallPool(blocks);
+    kernels::PoolLayout& layout = options.pools[0].layout;
+    layout.num_layers = config.pool_layers();
+    layout.num_kv_heads = config.num_kv_heads;
+    layout.head_dim = config.head_dim;
+    layout.dtype = kernels::DType::kF32;  // bit for bit
+    layout.num_window_layers = config.num_sliding_layers();
+    layout.num_window_blocks = 16;
+    options.model_name = "tiny-swa";
+    options.window_tokens = kWindow;
+    options.sink_tokens = sinks;
+    options.tiers.host_blocks = 2 * blocks;
+    options.tiers.host_window_blocks = host_window_blocks;
+    if (gap) {
+      options.lock_gap_hook = [this, gap](LockGap g) {
+        if (g == *gap && armed_.exchange(false)) {
+          ASSERT_TRUE(engine_->Evict(0, 64, /*all=*/false).ok());
+        }
+      };
+    }
+    engine_.reset();
+    model_ = std::move(
+        *model::Model::Create(model::SyntheticWeights(config, 1), layout, {.threads = 1}));
+    absl::StatusOr<std::unique_ptr<Engine>> made = Engine::Create(options, &device_, model_.get());
+    ASSERT_TRUE(made.ok()) << made.status();
+    engine_ = *std::move(made);
+    alice_ = *engine_->OpenSession(Spec("tenant-a", "alice"));
+    absl::StatusOr<PoolGrant> grant = engine_->Grant(alice_);
+    ASSERT_TRUE(grant.ok()) << grant.status();
+    arena_ = std::make_unique<MappedArena>(*grant);
+    layout_ = grant->layout;
+  }
+  // Every window block scribbled over, as their reuse by other sequences would: what a promotion
+  // puts into one must come from the host tier, not be left over there.
+  void PoisonWindows() {
+    std::memset(arena_->base() + layout_.window_offset(), 0x7f,
+                static_cast<size_t>(layout_.num_window_blocks * layout_.window_block_bytes()));
+  }
+  ComputeResult Prefill(const std::vector<int32_t>& prompt) {
+    ComputeResult result = RunPrefill(*engine_, alice_, prompt);
+    EXPECT_TRUE(result.status.ok()) << result.status;
+    return result;
+  }
+  void Free(const ComputeResult& r, OnFree how) {
+    ASSERT_TRUE(engine_->Free(*alice_, r.sequences, how, CallContext::Uncancellable()).ok());
+    ASSERT_TRUE(engine_->FlushTiers(absl::Seconds(10)).ok());
+  }
+  // `prompt` computed from scratch, published, resumed once from the device (what a promotion
+  // must reproduce), then evicted from the device with every window block poisoned.
+  ComputeResult PublishResumeEvict(const std::vector<int32_t>& prompt, int64_t resumed) {
+    const ComputeResult fresh = Prefill(prompt);
+    EXPECT_EQ(fresh.reused, 0);
+    Free(fresh, OnFree::kCommit);
+    const ComputeResult on_device = Prefill(prompt);
+    EXPECT_EQ(on_device.reused, resumed);
+    EXPECT_EQ(on_device.results[0].next_token, fresh.results[0].next_token);
+    EXPECT_EQ(on_device.results[0].logprob, fresh.results[0].logprob);
+    Free(on_device, OnFree::kDiscard);
+    EXPECT_TRUE(engine_->Evict(0, 0, /*all=*/true).ok());
+    EXPECT_EQ(engine_->Stats().cache.pool.cached, 0);
+    EXPECT_EQ(engine_->Stats().cache.windows.cached, 0);
+    PoisonWindows();
+    return on_device;
+  }
+  void ExpectNothingLeft() {
+    EXPECT_TRUE(engine_->CheckInvariants().ok());
+    std::vector<SessionId> owners;
+    std::vector<int32_t> pools;
+    engine_->ListSequences(std::nullopt, kNoSession, &owners, &pools);
+    EXPECT_TRUE(owners.empty());  // no loader left
+  }
+
+  FailingDevice device_;
+  std::unique_ptr<model::Model> model_;
+  std::unique_ptr<Engine> engine_;
+  std::shared_ptr<const Session> alice_;
+  std::unique_ptr<MappedArena> arena_;
+  kernels::PoolLayout layout_;
+  std::atomic<bool> armed_{false};
+};
+
+TEST_F(WindowTiersTest, APromotedPrefixResumesWithTheHostTiersWindowBlocks) {
+  Make();
+  const std::vector<int32_t> prompt = Prompt(120, 41);  // 7 full blocks and 8 tokens
+  const ComputeResult on_device = PublishResumeEvict(prompt, 119);
+  const ComputeResult promoted = Prefill(prompt);
+  EXPECT_EQ(promoted.reused, 112);  // the full blocks: the partial one is in no tier
+  ASSERT_EQ(promoted.results.size(), 1u);
+  EXPECT_EQ(promoted.results[0].next_token, on_device.results[0].next_token);
+  EXPECT_EQ(promoted.results[0].logprob, on_device.results[0].logprob);  // bit for bit
+  const TierStats tiers = engine_->Stats().tiers;
+  EXPECT_EQ(tiers.promoted_from_host, 7u);
+  // The window at 112 reads tokens [81, 112): blocks 5 and 6.
+  EXPECT_EQ(tiers.promoted_window_blocks, 2u);
+  Free(promoted, OnFree::kDiscard);
+  ExpectNothingLeft();
+}
+
+// The sinks are read by every query: a promotion that starts at the prompt's beginning brings
+// their block too.
+TEST_F(WindowTiersTest, APromotionBringsTheSinksWindowBlocksToo) {
+  Make(/*sinks=*/16);
+  const std::vector<int32_t> prompt = Prompt(120, 42);
+  const ComputeResult on_device = PublishResumeEvict(prompt, 119);
+  const ComputeResult promoted = Prefill(prompt);
+  EXPECT_EQ(promoted.reused, 112);
+  EXPECT_EQ(promoted.results[0].next_token, on_device.results[0].next_token);
+  EXPECT_EQ(promoted.results[0].logprob, on_device.results[0].logprob);
+  EXPECT_EQ(engine_->Stats().tiers.promoted_window_blocks, 3u);  // the sink's, 5 and 6
+  Free(promoted, OnFree::kDiscard);
+  ExpectNothingLeft();
+}
+
+// Without window blocks in the host tier nothing promoted could be resumed from: no promotion,
+// and above all no window block nobody filled is kept for the next prompt to read.
+TEST_F(WindowTiersTest, WithoutHostWindowBlocksNothingIsPromoted) {
+  Make(/*sinks=*/0, /*host_window_blocks=*/-1);
+  const std::vector<int32_t> prompt = Prompt(120, 43);
+  const ComputeResult on_device = PublishResumeEvict(prompt, 119);
+  EXPECT_EQ(engine_->Stats().tiers.host_window_capacity, 0);
+  const ComputeResult again = Prefill(prompt);
+  EXPECT_EQ(again.reused, 0);
+  EXPECT_EQ(again.results[0].next_token, on_device.results[0].next_token);
+  const TierStats tiers = engine_->Stats().tiers;
+  EXPECT_EQ(tiers.promoted_from_host, 0u);
+  EXPECT_EQ(tiers.promoted_window_blocks, 0u);
+  Free(again, OnFree::kDiscard);
+  ExpectNothingLeft();
+}
+
+// The window group is the scarce one: its kept blocks give way to other prompts' while the
+// full-attention blocks stay on the device, which cuts the device's match to nothing. The host
+// tier gives the window blocks back, and the tree keeps them beside its own blocks.
+TEST_F(WindowTiersTest, WindowBlocksEvictedWhileTheirBlocksStayComeBackFromTheHostTier) {
+  Make(/*sinks=*/0, /*host_window_blocks=*/0, std::nullopt, /*blocks=*/64);
+  const std::vector<int32_t> prompt = Prompt(120, 44);
+  const ComputeResult fresh = Prefill(prompt);
+  Free(fresh, OnFree::kCommit);
+  // Each prompt, computed in one step, keeps its 7 full blocks' window blocks: the window group's
+  // 16 keep two prompts', so two more prompts take the first one's (least recently used), while
+  // the 64 blocks keep every prompt's.
+  for (uint32_t seed : {45u, 46u}) Free(Prefill(Prompt(120, seed)), OnFree::kCommit);
+  const KvCacheStats cache = engine_->Stats().cache;
+  ASSERT_GE(cache.windows.evicted, 5u);
+  ASSERT_EQ(cache.pool.cached, 24);
+  PoisonWindows();  // every window block, kept or not
+  const ComputeResult again = Prefill(prompt);
+  EXPECT_EQ(again.reused, 112);
+  EXPECT_EQ(again.results[0].next_token, fresh.results[0].next_token);
+  EXPECT_EQ(again.results[0].logprob, fresh.results[0].logprob);
+  EXPECT_EQ(engine_->Stats().tiers.promoted_window_blocks, 2u);
+  Free(again, OnFree::kDiscard);
+  ExpectNothingLeft();
+}
+
+// The promotion's lock gaps forced open: the device's cache is emptied while the tiers are asked,
+// while the copies run, and while the promotion waits for its call. Each time the prompt resumes
+// with the host tier's window blocks, bit for bit, and no loader or window block is left behind.
+TEST_F(WindowTiersTest, AnEvictionInEachPromotionGapStillResumesBitForBit) {
+  for (const LockGap gap : {LockGap::kTierLookup, LockGap::kPromotionCopy, LockGap::kAdoption}) {
+    SCOPED_TRACE(static_cast<int>(gap));
+    Make(/*sinks=*/0, /*host_window_blocks=*/0, gap);
+    const std::vector<int32_t> prompt = Prompt(120, 50);
+    const ComputeResult on_device = PublishResumeEvict(prompt, 119);
+    armed_ = true;
+    const ComputeResult promoted = Prefill(prompt);
+    EXPECT_FALSE(armed_);  // the gap opened
+    EXPECT_EQ(promoted.reused, 112);
+    EXPECT_EQ(promoted.results[0].next_token, on_device.results[0].next_token);
+    EXPECT_EQ(promoted.results[0].logprob, on_device.results[0].logprob);
+    Free(promoted, OnFree::kDiscard);
+    ExpectNothingLeft();
+    ASSERT_TRUE(engine_->Evict(0, 0, /*all=*/true).ok());
+    EXPECT_EQ(engine_->Stats().cache.window.active, 0);
+  }
+}
+
+// A tenant's invalidation takes its window blocks with its blocks.
+TEST_F(WindowTiersTest, AnInvalidationDropsTheHostTiersWindowBlocks) {
+  Make();
+  const std::vector<int32_t> prompt = Prompt(120, 51);
+  Free(Prefill(prompt), OnFree::kCommit);
+  const TierStats tiers = engine_->Stats().tiers;
+  EXPECT_EQ(tiers.host_window_capacity, 32);  // 16 window blocks per 16 blocks, of 32 host blocks
+  // Computed in one step, every full block's window block was live at the commit, and kept.
+  EXPECT_EQ(tiers.demoted_window_blocks, 7u);
+  ASSERT_EQ(tiers.host_window_blocks, 7);
+  ASSERT_TRUE(engine_->Evict(0, 0, /*all=*/true).ok());
+  absl::StatusOr<Engine::Invalidation> dropped = engine_->Invalidate("tenant-a", "");
+  ASSERT_TRUE(dropped.ok()) << dropped.status();
+  EXPECT_EQ(engine_->Stats().tiers.host_window_blocks, 0);
+  EXPECT_EQ(Prefill(prompt).reused, 0);
+  EXPECT_EQ(engine_->Stats().tiers.promoted_window_blocks, 0u);
+}
+
 }  // namespace
 }  // namespace kvpool::daemon
 

@@ -3,6 +3,7 @@
 // tree keeps the window blocks still live at Commit, and a prompt resumes only where the window
 // group holds the window it needs.
 
+#include <algorithm>
 #include <array>
 #include <vector>
 
@@ -497,6 +498,112 @@ TEST_F(WindowGroupTest, ATiersEventsAreTheMainGroups) {
   ASSERT_EQ(events.size(), 1u);
   EXPECT_EQ(events[0].group, (KvEventGroup{.index = 0, .kind = KvGroupKind::kFullAttention}));
   EXPECT_EQ(events[0].medium, KvMedium::kHost);
+}
+
+// A tier loader's window (ImportWindow): blocks only for the entries the window at its end reads,
+// the sinks' included, none for the rest, and entries it adopted before that window released. The
+// tree keeps what it committed, and the journal names each kept block beside a full one for the
+// tiers (TakePublishedWindowBlocks).
+TEST(ImportWindowTest, TakesBlocksForTheWindowAloneAndTheJournalNamesWhatTheTreeKeeps) {
+  ManualClock clock;
+  ManualFences fences;
+  auto made = KvCacheManager::Create({.block_size = kBlockSize,
+                                      .num_blocks = 64,
+                                      .max_blocks_per_seq = 64,
+                                      .clock = &clock,
+                                      .fences = &fences,
+                                      .publish_journal = true,
+                                      .window_blocks = 8,
+                                      .window_tokens = 32,
+                                      .sink_tokens = 16});
+  ASSERT_TRUE(made.ok()) << made.status();
+  KvCacheManager& cache = **made;
+  const std::vector<int32_t> prompt = Prompt(224);
+  DevicePlan plan;
+  const auto loader = cache.Allocate(
+      kAlice,
+      {.ns = kTenant, .num_tokens = 160, .prompt = std::span(prompt).first(160), .window_ahead = 0},
+      &plan);
+  ASSERT_TRUE(loader.ok()) << loader.status();
+  EXPECT_THAT(cache.Find(loader->sequence)->window_table, IsEmpty());
+  // At 160 tokens the window reads [129, 160) and the sink: entries 0, 8 and 9.
+  const auto imported = cache.ImportWindow(kAlice, loader->sequence);
+  ASSERT_TRUE(imported.ok()) << imported.status();
+  const std::vector<BlockId>& table = cache.Find(loader->sequence)->window_table;
+  ASSERT_EQ(table.size(), 10u);
+  ASSERT_EQ(imported->size(), 3u);
+  EXPECT_EQ((*imported)[0], std::pair(int64_t{0}, table[0]));
+  EXPECT_EQ((*imported)[1], std::pair(int64_t{8}, table[8]));
+  EXPECT_EQ((*imported)[2], std::pair(int64_t{9}, table[9]));
+  EXPECT_EQ(std::count(table.begin(), table.end(), kInvalidBlock), 7);
+  EXPECT_THAT(*cache.ImportWindow(kAlice, loader->sequence), IsEmpty());  // nothing lacks
+  EXPECT_TRUE(cache.CheckInvariants().ok());
+
+  ASSERT_TRUE(cache.Commit(kAlice, loader->sequence, 160).ok());
+  std::vector<PublishedBlock> blocks;
+  cache.TakePublished(&blocks);
+  ASSERT_EQ(blocks.size(), 10u);
+  std::vector<PublishedWindowBlock> windows;
+  cache.TakePublishedWindowBlocks(&windows);
+  ASSERT_EQ(windows.size(), 3u);
+  for (size_t i = 0; i < windows.size(); ++i) {
+    const size_t entry = static_cast<size_t>((*imported)[i].first);
+    EXPECT_EQ(windows[i].block.hash, blocks[entry].hash);
+    EXPECT_EQ(windows[i].window, (*imported)[i].second);
+  }
+  cache.TakePublishedWindowBlocks(&windows);
+  EXPECT_THAT(windows, IsEmpty());  // taken once
+  ASSERT_TRUE(cache.Free(kAlice, loader->sequence).ok());
+
+  // A longer prompt resumes at 160 with entries 0, 8 and 9; its window at 224 reads 12 and 13:
+  // 8 and 9 go back to the tree, 10 and 11 get none.
+  const auto longer = cache.Allocate(
+      kBob, {.ns = kTenant, .num_tokens = 224, .prompt = prompt, .window_ahead = 0}, &plan);
+  ASSERT_TRUE(longer.ok()) << longer.status();
+  ASSERT_EQ(longer->matched_tokens, 160);
+  const auto more = cache.ImportWindow(kBob, longer->sequence);
+  ASSERT_TRUE(more.ok()) << more.status();
+  ASSERT_EQ(more->size(), 2u);
+  EXPECT_EQ((*more)[0].first, 12);
+  EXPECT_EQ((*more)[1].first, 13);
+  const std::vector<BlockId>& grown = cache.Find(longer->sequence)->window_table;
+  ASSERT_EQ(grown.size(), 14u);
+  EXPECT_EQ(std::count(grown.begin(), grown.end(), kInvalidBlock), 11);
+  EXPECT_TRUE(cache.CheckInvariants().ok());
+}
+
+TEST(ImportWindowTest, IsRefusedWholeWhenTheWindowGroupIsShort) {
+  ManualClock clock;
+  ManualFences fences;
+  auto made = KvCacheManager::Create({.block_size = kBlockSize,
+                                      .num_blocks = 64,
+                                      .max_blocks_per_seq = 64,
+                                      .clock = &clock,
+                                      .fences = &fences,
+                                      .window_blocks = 4,
+                                      .window_tokens = 32});
+  ASSERT_TRUE(made.ok()) << made.status();
+  KvCacheManager& cache = **made;
+  DevicePlan plan;
+  // Bob holds 2 of the 4 window blocks; the window at 161 tokens reads [130, 161): entries 8, 9
+  // and the partial 10.
+  const auto bob = cache.Allocate(kBob, {.ns = kTenant, .num_tokens = 32}, &plan);
+  ASSERT_TRUE(bob.ok()) << bob.status();
+  const std::vector<int32_t> prompt = Prompt(161, 5);
+  const auto loader = cache.Allocate(
+      kAlice, {.ns = kTenant, .num_tokens = 161, .prompt = prompt, .window_ahead = 0}, &plan);
+  ASSERT_TRUE(loader.ok()) << loader.status();
+  const absl::StatusOr<std::vector<std::pair<int64_t, BlockId>>> refused =
+      cache.ImportWindow(kAlice, loader->sequence);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(cache.Find(loader->sequence)->window_table, IsEmpty());  // nothing changed
+  EXPECT_EQ(cache.ImportWindow(kBob, loader->sequence).status().code(),
+            absl::StatusCode::kPermissionDenied);
+  ASSERT_TRUE(cache.Free(kBob, bob->sequence).ok());
+  const auto imported = cache.ImportWindow(kAlice, loader->sequence);
+  ASSERT_TRUE(imported.ok()) << imported.status();
+  EXPECT_EQ(imported->size(), 3u);  // entries 8, 9 and 10
+  EXPECT_TRUE(cache.CheckInvariants().ok());
 }
 
 // A long prefill in chunks takes its window blocks chunk by chunk (AllocateRequest::window_ahead,
