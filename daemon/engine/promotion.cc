@@ -71,7 +71,7 @@ void Promotion::Lookup(TierSet& tiers) {
     found_.hits = found_.checkpoint < 0 ? 0 : found_.checkpoint + 1 - static_cast<int64_t>(local_);
     upto_ = local_ + static_cast<size_t>(found_.hits);
     // Both groups: the window must be there at the checkpoint too (none is looked for deeper).
-    if (window_ && found_.hits > 0 && !TierSet::KeepWindowPins(upto_, *window_, &found_)) {
+    if (window_ && found_.hits > 0 && !tiers.KeepWindowBlocks(upto_, *window_, &found_)) {
       found_.hits = 0;
       upto_ = local_;
     }
@@ -245,6 +245,7 @@ std::optional<PromotionHold> Promotion::Publish(EngineState& state, const absl::
     return std::nullopt;
   }
   pool.StagePublished(std::span(chain_).first(upto_));  // already in a tier: not staged again
+  if (windows_imported_ > 0) tiers.KeepWindowsInHost(ns_, chain_, upto_, found_);  // Redis's
   if (imported_) {  // a checkpoint Redis gave goes into the host tier too
     const auto at = static_cast<size_t>(found_.checkpoint);
     tiers.KeepCheckpointInHost(ns_, at == 0 ? BlockHash{} : chain_[at - 1], chain_[at], found_);

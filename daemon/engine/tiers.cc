@@ -127,7 +127,8 @@ TierSet::TierSet(kernels::Device* device, const kernels::PoolLayout& layout, con
       checkpoints_(std::move(checkpoints)),
       remote_checkpoints_(remote_ != nullptr && layout.num_state_slots > 0 && state_bytes_ > 0),
       window_memory_(std::move(window_memory)),
-      windows_(std::move(windows)) {
+      windows_(std::move(windows)),
+      remote_windows_(remote_ != nullptr && window_bytes_ > 0) {
   KVPOOL_CHECK(host_ == nullptr || host_->block_bytes() == block_bytes_);
   KVPOOL_CHECK(checkpoints_ == nullptr || checkpoints_->block_bytes() == state_bytes_);
   KVPOOL_CHECK(windows_ == nullptr || windows_->block_bytes() == window_bytes_);
@@ -316,7 +317,7 @@ void TierSet::StageCheckpoints(KvCacheManager& cache, const kernels::KvPoolView&
 void TierSet::StageWindowBlocks(KvCacheManager& cache, const kernels::KvPoolView& view,
                                 std::span<const PublishedWindowBlock> published,
                                 std::span<const BlockHash> skip) {
-  if (!windows_ || published.empty()) return;
+  if (!keeps_window_blocks() || published.empty()) return;
   // The compute stream may still be writing a window block a step just filled: copy after it.
   const Fence computed = device_->LastFence(kernels::StreamId::kCompute);
   if (computed.value != 0 && !device_->StreamWait(kernels::StreamId::kTransfer, computed).ok()) {
@@ -393,8 +394,9 @@ void TierSet::WriterLoop() {
       if (item.kind == Staged::Kind::kCheckpoint) {  // the host tier and Redis (not the disk)
         if (checkpoints_) checkpoints_->Put(item.space, block);
         if (remote_checkpoints_) remote_->Put(CheckpointSpace(item.space.ns), block);
-      } else if (item.kind == Staged::Kind::kWindow) {  // the host tier alone
-        windows_->Put(item.space, block);
+      } else if (item.kind == Staged::Kind::kWindow) {  // the host tier and Redis
+        if (windows_) windows_->Put(item.space, block);
+        if (remote_windows_) remote_->Put(WindowSpace(item.space.ns), block);
       } else {
         if (host_) host_->Put(item.space, block);
         if (disk_) disk_->Put(item.space, block);  // queued: never waits for the disk
@@ -534,68 +536,161 @@ void TierSet::LookupCheckpoint(NamespaceId ns, std::span<const BlockHash> chain,
 size_t TierSet::LookupWindow(NamespaceId ns, std::span<const BlockHash> chain, size_t from,
                              size_t upto, const WindowReach& reach, Found* found) {
   // REQUIRES: nothing reads what an earlier call found (its copy ran, or none was queued).
-  found->window_pins.clear();
+  for (size_t i = 0; i < found->window_pins.size(); ++i) {
+    DropWindowBlock(found, static_cast<size_t>(found->window_from) + i);
+  }
   found->window_from = static_cast<int64_t>(from);
   upto = std::min(upto, chain.size());
-  if (!windows_ || upto <= from) return from;
-  // Deepest point first; a block the store lacks rules out every point whose window reaches it,
-  // so the next candidate ends just before it (KvCacheManager::CutToWindow, over the tier). Each
-  // block is asked for at most once: O(the blocks a window spans) for a hit.
-  const tier::BlockSpace space{ns, layout_fingerprint_};
+  found->window_pins.clear();
+  found->window_buffers.clear();
+  if (!keeps_window_blocks() || upto <= from) return from;
   found->window_pins.resize(upto - from);
+  found->window_buffers.resize(upto - from);
+  // The host tier is asked for each block at most once, pinned: a window store keeps blocks, not
+  // chains.
+  const tier::BlockSpace space{ns, layout_fingerprint_};
   std::vector<bool> asked(upto - from, false);
   const auto have = [&](size_t i) {
-    if (!asked[i - from]) {
+    if (!asked[i - from] && windows_) {
       asked[i - from] = true;
       found->window_pins[i - from] =
           windows_->LookupPinned(space, i == 0 ? BlockHash{} : chain[i - 1], chain.subspan(i, 1));
     }
-    return found->window_pins[i - from].size() == 1;
+    return found->window_pins[i - from].size() == 1 || found->window_buffers[i - from] != nullptr;
   };
+  const auto start = static_cast<size_t>(reach.Start(static_cast<int64_t>(upto)));
+  const auto sinks = static_cast<size_t>(reach.sink_blocks);
+  if (remote_windows_) {
+    // Redis, once, for what the deepest point's window reaches and the host tier lacks: one
+    // pipelined lookup per run of consecutive blocks (the sinks', the window's).
+    std::vector<std::pair<size_t, size_t>> runs;
+    const auto add = [&](size_t i) {
+      if (have(i)) return;
+      if (!runs.empty() && runs.back().second == i) {
+        ++runs.back().second;
+      } else {
+        runs.emplace_back(i, i + 1);
+      }
+    };
+    for (size_t i = from; i < std::min(sinks, start); ++i) add(i);
+    for (size_t i = std::max(from, start); i < upto; ++i) add(i);
+    for (const auto& [first, end] : runs) ReadRemoteWindows(ns, chain, first, end, found);
+  }
+  // Deepest point first; a block no tier has rules out every point whose window reaches it, so
+  // the next candidate ends just before it (KvCacheManager::CutToWindow, over the tiers).
   size_t point = upto;
   while (point > from) {
     size_t missing = point;
-    const auto start = static_cast<size_t>(reach.Start(static_cast<int64_t>(point)));
-    for (size_t i = point; i > std::max(from, start) && missing == point;) {
+    const auto begin = static_cast<size_t>(reach.Start(static_cast<int64_t>(point)));
+    for (size_t i = point; i > std::max(from, begin) && missing == point;) {
       if (!have(--i)) missing = i;
     }
-    const auto sinks = static_cast<size_t>(reach.sink_blocks);
-    for (size_t i = std::min(sinks, start); i > from && missing == point;) {
+    for (size_t i = std::min(sinks, begin); i > from && missing == point;) {
       if (!have(--i)) missing = i;
     }
-    if (missing == point) break;  // every block it reaches is pinned
+    if (missing == point) break;  // every block it reaches was found
     point = missing;
   }
-  if (point == from || !KeepWindowPins(point, reach, found)) {
-    found->window_pins.clear();  // unpins
+  if (point == from || !KeepWindowBlocks(point, reach, found)) {
+    KeepWindowBlocks(from, reach, found);  // none: drops them all
     return from;
   }
   return point;
 }
 
-bool TierSet::KeepWindowPins(size_t blocks, const WindowReach& reach, Found* found) {
+void TierSet::ReadRemoteWindows(NamespaceId ns, std::span<const BlockHash> chain, size_t first,
+                                size_t end, Found* found) {
+  const auto from = static_cast<size_t>(found->window_from);
+  size_t take = end - first;
+  {
+    absl::MutexLock lock(&mu_);
+    const int64_t most = std::max<int64_t>(1, kMaxStagedBytes / window_bytes_);
+    const auto left = static_cast<size_t>(std::max<int64_t>(0, most - window_buffers_));
+    if (left < take) {
+      take = left;
+      ++counters_.lookup_truncated;
+    }
+    window_buffers_ += static_cast<int64_t>(take);
+  }
+  std::vector<std::span<std::byte>> out;
+  for (size_t i = first; i < first + take; ++i) {
+    absl::StatusOr<std::unique_ptr<kernels::DeviceBuffer>> buffer =
+        device_->AllocateHostBuffer(window_bytes_);
+    if (!buffer.ok()) break;
+    out.emplace_back(static_cast<std::byte*>((*buffer)->data()),
+                     static_cast<size_t>(window_bytes_));
+    found->window_buffers[i - from] = *std::move(buffer);
+  }
+  if (out.size() < take) {
+    absl::MutexLock lock(&mu_);
+    window_buffers_ -= static_cast<int64_t>(take - out.size());
+  }
+  if (out.empty()) return;
+  const absl::StatusOr<tier::LookupResult> r =
+      remote_->Lookup(WindowSpace(ns), first == 0 ? BlockHash{} : chain[first - 1],
+                      chain.subspan(first, out.size()), out);
+  const size_t hits = r.ok() ? static_cast<size_t>(r->hits) : 0;
+  for (size_t i = first + hits; i < first + out.size(); ++i) DropWindowBlock(found, i);
+}
+
+void TierSet::DropWindowBlock(Found* found, size_t i) {
+  const size_t at = i - static_cast<size_t>(found->window_from);
+  if (at >= found->window_pins.size()) return;
+  found->window_pins[at].Release();
+  if (found->window_buffers[at] != nullptr) {
+    found->window_buffers[at].reset();
+    absl::MutexLock lock(&mu_);
+    --window_buffers_;
+  }
+}
+
+bool TierSet::KeepWindowBlocks(size_t blocks, const WindowReach& reach, Found* found) {
   const auto from = static_cast<size_t>(found->window_from);
   const size_t have = found->window_pins.size();
+  const auto found_at = [&](size_t i) {
+    return i - from < have &&
+           (found->window_pins[i - from].size() == 1 || found->window_buffers[i - from] != nullptr);
+  };
   for (size_t i = from; i < blocks; ++i) {
-    if (reach.Needs(static_cast<int64_t>(i), static_cast<int64_t>(blocks)) &&
-        (i - from >= have || found->window_pins[i - from].size() != 1)) {
+    if (reach.Needs(static_cast<int64_t>(i), static_cast<int64_t>(blocks)) && !found_at(i)) {
       return false;
     }
   }
   for (size_t i = from; i < from + have; ++i) {
     if (!reach.Needs(static_cast<int64_t>(i), static_cast<int64_t>(blocks))) {
-      found->window_pins[i - from].Release();
+      DropWindowBlock(found, i);
     }
   }
   return true;
 }
 
+void TierSet::KeepWindowsInHost(NamespaceId ns, std::span<const BlockHash> chain, size_t upto,
+                                const Found& found) {
+  if (!windows_) return;
+  const tier::BlockSpace space{ns, layout_fingerprint_};
+  const tier::NamespaceTags tags = tags_of_ ? tags_of_(ns) : tier::NamespaceTags{};
+  const auto from = static_cast<size_t>(found.window_from);
+  for (size_t i = from; i < std::min(upto, from + found.window_buffers.size()); ++i) {
+    const std::unique_ptr<kernels::DeviceBuffer>& buffer = found.window_buffers[i - from];
+    if (buffer == nullptr) continue;
+    windows_->Put(space, {.hash = chain[i],
+                          .parent = i == 0 ? BlockHash{} : chain[i - 1],
+                          .coverage = static_cast<uint32_t>(block_size_),
+                          .bytes = {static_cast<const std::byte*>(buffer->data()),
+                                    static_cast<size_t>(window_bytes_)},
+                          .tags = tags});
+  }
+}
+
 std::span<const std::byte> TierSet::Found::window_block(int64_t entry) const {
   const int64_t i = entry - window_from;
-  KVPOOL_CHECK_MSG(i >= 0 && i < static_cast<int64_t>(window_pins.size()) &&
-                       window_pins[static_cast<size_t>(i)].size() == 1,
+  KVPOOL_CHECK_MSG(i >= 0 && i < static_cast<int64_t>(window_pins.size()),
                    "tier lookup: window block not found");
-  return window_pins[static_cast<size_t>(i)].block(0);
+  const auto at = static_cast<size_t>(i);
+  if (window_pins[at].size() == 1) return window_pins[at].block(0);
+  KVPOOL_CHECK_MSG(window_buffers[at] != nullptr, "tier lookup: window block not found");
+  return {static_cast<const std::byte*>(window_buffers[at]->data()),
+          static_cast<size_t>(window_buffers[at]->bytes())};
 }
 
 std::span<const std::byte> TierSet::Found::checkpoint_bytes(int64_t bytes) const {
@@ -673,11 +768,15 @@ void TierSet::Recycle(Found* found) {
   found->host.Release();
   found->checkpoint_pin.Release();
   found->window_pins.clear();  // unpins
+  int64_t window_buffers = 0;
+  for (auto& buffer : found->window_buffers) window_buffers += buffer != nullptr ? 1 : 0;
+  found->window_buffers.clear();
   const bool buffered = found->checkpoint_buffer != nullptr;
   found->checkpoint_buffer.reset();
   found->checkpoint = -1;
   absl::MutexLock lock(&mu_);
   checkpoint_buffers_ -= buffered ? 1 : 0;
+  window_buffers_ -= window_buffers;
   lookup_held_ -= pinned + static_cast<int64_t>(found->buffers.size());
   for (auto& buffer : found->buffers) GiveBack(std::move(buffer));
   found->buffers.clear();
@@ -792,7 +891,7 @@ TierStats TierSet::stats() const {
 }
 
 int64_t TierSet::Invalidate(const tier::TagFilter& filter) {
-  // A checkpoint is derived from its prefix's KV: it goes with the blocks.
+  // Checkpoints and window blocks are derived from their prefix's KV: they go with the blocks.
   if (checkpoints_) checkpoints_->Invalidate(filter);
   if (windows_) windows_->Invalidate(filter);
   const int64_t from_host = host_ ? host_->Invalidate(filter) : 0;

@@ -50,6 +50,8 @@ struct LockOrderPeer;
 inline constexpr int kMaxRemoteCheckpointProbes = 8;
 // Mixed into the layout fingerprint of a checkpoint's Redis key ("ckptstat").
 inline constexpr uint64_t kCheckpointKeySalt = 0x636b707473746174;
+// Mixed into the layout fingerprint of a window-group block's Redis key ("windblok").
+inline constexpr uint64_t kWindowKeySalt = 0x77696e64626c6f6b;
 
 // Host memory the copies waiting for the tier writer may take, whatever staged_blocks says.
 inline constexpr int64_t kMaxStagedBytes = int64_t{256} << 20;
@@ -173,12 +175,12 @@ class TierSet final {
 
   // Under the engine's lock, with Stage: copies the window-group blocks `published` (kept beside
   // a full block, KvCacheManager::TakePublishedWindowBlocks) out of `view`'s window region toward
-  // the host tier's window store, and marks them in flight until the copy has run. `skip` as
-  // for Stage. A no-op without a window store.
+  // the host tier's window store and Redis, and marks them in flight until the copy has run.
+  // `skip` as for Stage. A no-op without either.
   void StageWindowBlocks(KvCacheManager& cache, const kernels::KvPoolView& view,
                          std::span<const PublishedWindowBlock> published,
                          std::span<const BlockHash> skip = {});
-  bool keeps_window_blocks() const { return windows_ != nullptr; }
+  bool keeps_window_blocks() const { return windows_ != nullptr || remote_windows_; }
 
   struct Found {
     int64_t hits = 0;       // leading blocks found
@@ -196,10 +198,13 @@ class TierSet final {
     std::unique_ptr<kernels::DeviceBuffer> checkpoint_buffer;  // else Redis's, read into it
     // The checkpoint's bytes. REQUIRES: checkpoint >= 0.
     std::span<const std::byte> checkpoint_bytes(int64_t bytes) const;
-    // With a window store (LookupWindow): window_pins[i] holds the window block of chain
-    // index window_from + i, pinned, where the promotion needs it (empty Pins elsewhere).
+    // With window blocks in a tier (LookupWindow): window_pins[i] holds the window block of
+    // chain index window_from + i, pinned, where the promotion needs it and the host tier has
+    // it (empty Pins elsewhere); else window_buffers[i], Redis's, read into a buffer (null
+    // elsewhere).
     int64_t window_from = 0;
     std::vector<tier::HostBlockStore::Pins> window_pins;
+    std::vector<std::unique_ptr<kernels::DeviceBuffer>> window_buffers;
     // Chain index `entry`'s window block. REQUIRES: LookupWindow pinned it (checked).
     std::span<const std::byte> window_block(int64_t entry) const;
     // The last queued copy that reads the blocks above (Promotion::CopyHits): Recycle lets the
@@ -237,14 +242,21 @@ class TierSet final {
     }
   };
   // Outside any lock, after Lookup: the deepest resume point in (from, upto] (in blocks) at which
-  // every block in [from, point) the window `reach`es has a window block in the host tier; those
-  // are pinned into found->window_pins. Returns the point, or `from` when there is none (or no
-  // window store).
+  // every block in [from, point) the window `reach`es has a window block in the host tier
+  // (pinned into found->window_pins) or Redis. Redis is asked once, for what the window at
+  // `upto` reaches and the host tier lacks (one pipelined lookup per run of blocks, read into
+  // found->window_buffers; window buffers of all lookups together take at most kMaxStagedBytes,
+  // past which Redis is not asked, counted in lookup_truncated). Returns the point, or `from`
+  // when there is none (or window blocks are in no tier).
   size_t LookupWindow(NamespaceId ns, std::span<const BlockHash> chain, size_t from, size_t upto,
                       const WindowReach& reach, Found* found);
-  // Keeps only the window pins a resume after `blocks` blocks needs (after a cut elsewhere, the
-  // checkpoint's); false when one it needs is not pinned.
-  static bool KeepWindowPins(size_t blocks, const WindowReach& reach, Found* found);
+  // Keeps only the window blocks found that a resume after `blocks` blocks needs (after a cut
+  // elsewhere, the checkpoint's); false when one it needs was not found.
+  bool KeepWindowBlocks(size_t blocks, const WindowReach& reach, Found* found);
+  // Offers the window blocks Redis gave for chain indexes [from, upto) (found.window_buffers) to
+  // the host tier. REQUIRES: the engine's lock (tags_of).
+  void KeepWindowsInHost(NamespaceId ns, std::span<const BlockHash> chain, size_t upto,
+                         const Found& found);
   // Outside any lock: takes back a Lookup's pins and buffers, after waiting for found->reads (a
   // slot or buffer is never reused while a stream still reads it). When that wait fails (a
   // device error) the pins and buffers are kept for good, logged: leaked rather than reused.
@@ -358,6 +370,18 @@ class TierSet final {
   // Window-group blocks in host memory (slots of window_bytes_), over window_memory_.
   const std::unique_ptr<kernels::DeviceBuffer> window_memory_;
   const std::unique_ptr<tier::HostBlockStore> windows_;
+  // Window blocks go to Redis too (a pool with a window group and a Redis tier), under
+  // WindowSpace: keys and MACs no block's or checkpoint's can match.
+  const bool remote_windows_;
+  tier::BlockSpace WindowSpace(NamespaceId ns) const {
+    return {ns, layout_fingerprint_ ^ kWindowKeySalt};
+  }
+  // Drops found's window blocks of chain index i (unpins, gives its buffer back).
+  void DropWindowBlock(Found* found, size_t i);
+  // Reads Redis's window blocks of chain indexes [first, end) into found->window_buffers (as
+  // many as the window buffers' bound allows); those it lacks are dropped.
+  void ReadRemoteWindows(NamespaceId ns, std::span<const BlockHash> chain, size_t first, size_t end,
+                         Found* found);
   TagsOf tags_of_;  // set before the first Stage, read under the engine's lock
 
   mutable absl::Mutex mu_;
@@ -365,6 +389,7 @@ class TierSet final {
   std::deque<Staged> queue_ ABSL_GUARDED_BY(mu_);
   int64_t staged_checkpoints_ ABSL_GUARDED_BY(mu_) = 0;  // of queue_ and in flight
   int64_t staged_windows_ ABSL_GUARDED_BY(mu_) = 0;      // the same for window blocks
+  int64_t window_buffers_ ABSL_GUARDED_BY(mu_) = 0;      // Found::window_buffers held
   int64_t checkpoint_buffers_ ABSL_GUARDED_BY(mu_) = 0;  // Found::checkpoint_buffer held
   int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;           // taken by the writer, not yet offered
   // Lookup blocks held (pinned slots and buffers, until Recycle).

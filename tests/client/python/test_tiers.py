@@ -61,6 +61,10 @@ def until(predicate, what, timeout=10):
 HYBRID_CONFIG = ('pool_bytes: 33554432 max_blocks_per_seq: 256 '
                  'shape { dtype: "f32" state_slots: 8 } model { name: "tiny-hybrid" }')
 
+# tiny-swa (window 256): a prompt resumes only where the window group has the window's blocks.
+WINDOW_CONFIG = ('pool_bytes: 33554432 max_blocks_per_seq: 64 '
+                 'shape { dtype: "f32" window_blocks: 40 } model { name: "tiny-swa" }')
+
 
 def redis_config(redis, extra="", base=SMALL_CONFIG):
     return (base + f'\nsecret_file: "{redis.secret}"\n'
@@ -153,6 +157,32 @@ class RedisTierTest(unittest.TestCase):
                 tiers = cb.get_stats().tiers
                 self.assertEqual(tiers.promoted_checkpoints, 1)
                 self.assertEqual(tiers.promoted_from_redis, 3)
+                self.assertTrue(cb.check_invariants().ok)
+
+    def test_a_sliding_window_prefix_resumes_on_another_daemon_with_its_window(self):
+        """Issue 28: a window-group block is a value like a block. Daemon A's prefill of
+        tiny-swa (window 256) keeps its full blocks' window blocks and writes them to Redis
+        beside the blocks; daemon B, sharing Redis and nothing else, resumes the prompt after
+        its 18 full blocks with A's answer, copying in the 16 window blocks the window reads
+        there. Before, B promoted the blocks with window blocks nobody had filled."""
+        config = redis_config(self.redis, base=WINDOW_CONFIG)
+        prompt = [(13 * i + 7) % 500 for i in range(300)]  # 18 full blocks and 12 tokens
+        with Daemon(config) as a, Daemon(config) as b:
+            with kvpool.Client.connect(a.dir, client_name="window-a") as ca:
+                first = ca.prefill(prompt)
+                ca.free([first.sequence_id], commit=True)
+                until(lambda: ca.get_stats().tiers.demoted_window_blocks >= 16,
+                      "window blocks copied out")
+                until(lambda: store(ca.get_stats(), "redis").written >= 34,
+                      "blocks and window blocks in redis")
+            with kvpool.Client.connect(b.dir, client_name="window-b") as cb:
+                again = cb.prefill(prompt)
+                self.assertEqual(again.reused_tokens, 288)
+                self.assertEqual(again.next_token, first.next_token)
+                tiers = cb.get_stats().tiers
+                self.assertEqual(tiers.promoted_from_redis, 18)
+                # At 288 the window reads tokens [33, 288): blocks 2 to 17.
+                self.assertEqual(tiers.promoted_window_blocks, 16)
                 self.assertTrue(cb.check_invariants().ok)
 
     def test_a_corrupted_value_is_a_miss_never_data(self):
