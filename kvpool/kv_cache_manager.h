@@ -540,7 +540,10 @@ class KvCacheManager final {
   // SlideWindow(num_tokens) would), then appends every entry the window table lacks: a fresh
   // block where the window reads it, none (released) where it does not. Returns the appended
   // blocks as (entry, block), in order; the caller copies their bytes in and marks them in flight
-  // (MarkWindowInFlight) before anything reads them. A no-op without a window group.
+  // (MarkWindowInFlight) before anything reads them. A match that ended inside a block leaves
+  // that block's window entry as adopted, the rest of it unwritten: import onto block-aligned
+  // matches (the engine promotes nothing over a partly cached block). A no-op without a window
+  // group.
   // Errors: NOT_FOUND, PERMISSION_DENIED, RESOURCE_EXHAUSTED (Resource::kWindowBlocks, or the
   // namespace's quota); nothing has changed.
   absl::StatusOr<std::vector<std::pair<int64_t, BlockId>>> ImportWindow(SessionId caller,

@@ -4,7 +4,8 @@
 // (ExtendWindow where the window table does not reach yet, then compute every token not computed
 // yet or a chunk of them, then MarkWindowInFlight and SlideWindow), SlideWindow to earlier points,
 // Fork, Truncate, Commit, Free (discard and commit), EvictCached, fences completed across timelines
-// and ReclaimRetired.
+// and ReclaimRetired, and a tier loader's import (Allocate with no window blocks, ImportWindow,
+// the tier's bytes copied in, Commit, Free: the daemon's Promotion).
 //
 // The window blocks' bytes are simulated: each token slot holds the (position, token) a step
 // wrote there, plans' copies and fills land at once, and every query a step computes reads its
@@ -86,6 +87,7 @@ struct Tally {
   int64_t slid = 0;              // entries released by slides
   int64_t steps = 0;
   int64_t lagging = 0;  // steps that had to extend the window table first
+  int64_t imports = 0;  // tier loaders that imported window blocks and committed
 };
 
 class WindowGroupRandomTest : public ::testing::TestWithParam<Config> {
@@ -292,6 +294,7 @@ class WindowGroupRandomTest : public ::testing::TestWithParam<Config> {
   void Truncate();
   void Commit();
   void Free();
+  void Import();
 
   std::mt19937_64 rng_;
   int32_t window_ = 0;
@@ -426,12 +429,80 @@ void WindowGroupRandomTest::Free() {
   models_.erase(id);
 }
 
+// A tier loader (daemon/engine/promotion.cc): a prompt's full blocks with no window blocks
+// (window_ahead 0), fresh ones for exactly what the window at its end reads past the match
+// (ImportWindow), filled with those tokens' keys as a tier that kept them would, then Commit and
+// Free. Later resumes read what the tree kept of it as data.
+void WindowGroupRandomTest::Import() {
+  const auto& family = families_[Rand(kFamilies)];
+  const int64_t len = kBlockSize * (1 + static_cast<int64_t>(Rand(kMaxBlocksPerSeq / 2)));
+  const std::vector<int32_t> prompt(family.begin(), family.begin() + len);
+  const SessionId session = kSessions[Rand(2)];
+  const int64_t expect = Resumable(prompt);
+  DevicePlan plan;
+  const absl::StatusOr<AllocateResult> r = manager_->Allocate(
+      session, {.ns = kNamespace, .num_tokens = len, .prompt = prompt, .window_ahead = 0}, &plan);
+  if (!r.ok()) {
+    ASSERT_EQ(r.status().code(), Code::kResourceExhausted) << r.status();
+    Refused(r.status());
+    return;
+  }
+  ASSERT_EQ(r->matched_tokens, expect);
+  Apply(plan);
+  ASSERT_TRUE(plan.window_fills.empty());
+  const SequenceId id = r->sequence;
+  if (expect % kBlockSize != 0) {  // the rest of that block is nobody's to fill: not promoted
+    ASSERT_TRUE(manager_->Free(session, id).ok());
+    return;
+  }
+  const absl::StatusOr<std::vector<std::pair<int64_t, BlockId>>> imported =
+      manager_->ImportWindow(session, id);
+  if (!imported.ok()) {
+    ASSERT_EQ(imported.status().code(), Code::kResourceExhausted) << imported.status();
+    Refused(imported.status());
+    ASSERT_EQ(Seq(id).window_table.size(), static_cast<size_t>(BlocksFor(expect)));  // unchanged
+    ASSERT_TRUE(manager_->Free(session, id).ok());
+    return;
+  }
+  std::vector<BlockId> copied;
+  size_t next = 0;
+  for (int64_t i = BlocksFor(expect); i < BlocksFor(len); ++i) {
+    if (!Needs(i, len)) continue;
+    ASSERT_LT(next, imported->size()) << "entry " << i << " is read and was not imported";
+    const auto [entry, block] = (*imported)[next++];
+    ASSERT_EQ(entry, i);
+    ASSERT_EQ(Seq(id).window_table[static_cast<size_t>(i)], block);
+    HandOut(block);
+    for (int64_t p = i * kBlockSize; p < (i + 1) * kBlockSize; ++p) {
+      bytes_[Index(block)][static_cast<size_t>(p % kBlockSize)] =
+          Key(p, prompt[static_cast<size_t>(p)]);
+    }
+    copied.push_back(block);
+  }
+  ASSERT_EQ(next, imported->size()) << "an entry the window does not read was imported";
+  Mark(copied);
+  // Its window at its end is whole: adopted entries and imported ones.
+  const std::vector<BlockId>& table = Seq(id).window_table;
+  ASSERT_EQ(table.size(), static_cast<size_t>(BlocksFor(len)));
+  for (int64_t q = 0; q < len; ++q) {
+    const BlockId w = table[static_cast<size_t>(q / kBlockSize)];
+    ASSERT_EQ(w != kInvalidBlock, Needs(q / kBlockSize, len)) << "entry " << q / kBlockSize;
+    if (w != kInvalidBlock) {
+      ASSERT_EQ(bytes_[Index(w)][static_cast<size_t>(q % kBlockSize)],
+                Key(q, prompt[static_cast<size_t>(q)]));
+    }
+  }
+  ASSERT_TRUE(manager_->Commit(session, id, len, {}).ok());
+  ASSERT_TRUE(manager_->Free(session, id).ok());
+  ++tally_.imports;
+}
+
 TEST_P(WindowGroupRandomTest, MatchesTheReferenceModel) {
   int64_t ops = 3000;
   if (const char* env = std::getenv("KVPOOL_WINDOW_RANDOM_OPS")) ops = std::atoll(env);
   for (int64_t op = 0; op < ops; ++op) {
     SCOPED_TRACE(::testing::Message() << "op " << op);
-    uint64_t kind = models_.empty() ? 0 : Rand(20);
+    uint64_t kind = models_.empty() ? 0 : Rand(21);
     // At most kMaxSequences live: an Allocate or Fork becomes a Free.
     if (models_.size() >= kMaxSequences && (kind < 4 || kind == 12)) kind = 15;
     if (kind < 4) {
@@ -453,10 +524,12 @@ TEST_P(WindowGroupRandomTest, MatchesTheReferenceModel) {
       Free();
     } else if (kind < 18) {
       manager_->EvictCached(static_cast<int64_t>(1 + Rand(4)));
-    } else {
+    } else if (kind < 20) {
       const uint32_t t = static_cast<uint32_t>(Rand(kTimelines));
       fences_.Complete(t, fences_.completed(t) + 1 + Rand(2));
       if (Rand(2) == 0) manager_->ReclaimRetired();
+    } else {
+      Import();
     }
     if (::testing::Test::HasFatalFailure()) return;
     const absl::Status inv = manager_->CheckInvariants();
@@ -480,6 +553,7 @@ TEST_P(WindowGroupRandomTest, MatchesTheReferenceModel) {
   EXPECT_GT(tally_.truncate_refused, 5);
   EXPECT_GT(tally_.slid, 100);
   EXPECT_GT(tally_.lagging, 20);
+  EXPECT_GT(tally_.imports, 20);
   EXPECT_GT(manager_->stats().windows.evicted, 10u);
   // Window blocks announced as group 1: beside full blocks only, so not with a window too short
   // to read a full block back (W 1: only the block being written).
@@ -489,11 +563,13 @@ TEST_P(WindowGroupRandomTest, MatchesTheReferenceModel) {
   std::printf(
       "resumes %lld (window cuts %lld), refusals %lld (quota %lld), truncates refused %lld, "
       "slid %lld, "
-      "steps %lld (%lld extended first), window blocks kept %llu evicted %llu announced %llu\n",
+      "steps %lld (%lld extended first), imports %lld, window blocks kept %llu evicted %llu "
+      "announced %llu\n",
       static_cast<long long>(tally_.resumes), static_cast<long long>(tally_.window_cuts),
       static_cast<long long>(tally_.refusals), static_cast<long long>(tally_.quota_refusals),
       static_cast<long long>(tally_.truncate_refused), static_cast<long long>(tally_.slid),
       static_cast<long long>(tally_.steps), static_cast<long long>(tally_.lagging),
+      static_cast<long long>(tally_.imports),
       static_cast<unsigned long long>(manager_->stats().windows.kept),
       static_cast<unsigned long long>(manager_->stats().windows.evicted),
       static_cast<unsigned long long>(mirror_.stored(1)));
