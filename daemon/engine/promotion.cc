@@ -56,13 +56,6 @@ void Promotion::Lookup(TierSet& tiers) {
   found_ = tiers.Lookup(ns_, local_ == 0 ? BlockHash{} : chain_[local_ - 1],
                         std::span(chain_).subspan(local_));
   upto_ = local_ + static_cast<size_t>(found_.hits);
-  if (window_ && found_.hits > 0) {
-    // With a window group a prompt resumes only where its window's blocks are there (MatchPrefix
-    // cut the local match so): the hits are worth promoting up to the deepest point whose window
-    // blocks past the local match the host tier has, and not at all without one.
-    upto_ = tiers.LookupWindow(ns_, chain_, local_, upto_, *window_, &found_);
-    found_.hits = static_cast<int64_t>(upto_ - local_);
-  }
   if (needs_checkpoint_ && found_.hits > 0) {
     // With a state group a prompt resumes only from a checkpoint (MatchPrefix cut the local match
     // at the deepest one): the hits are worth promoting up to the deepest checkpoint the tiers
@@ -70,11 +63,19 @@ void Promotion::Lookup(TierSet& tiers) {
     tiers.LookupCheckpoint(ns_, chain_, local_, upto_, &found_);
     found_.hits = found_.checkpoint < 0 ? 0 : found_.checkpoint + 1 - static_cast<int64_t>(local_);
     upto_ = local_ + static_cast<size_t>(found_.hits);
-    // Both groups: the window must be there at the checkpoint too (none is looked for deeper).
-    if (window_ && found_.hits > 0 && !tiers.KeepWindowBlocks(upto_, *window_, &found_)) {
-      found_.hits = 0;
-      upto_ = local_;
+  }
+  if (window_ && found_.hits > 0) {
+    // With a window group a prompt resumes only where its window's blocks are there (MatchPrefix
+    // cut the local match so): the hits are worth promoting up to the deepest point whose window
+    // blocks past the local match the tiers have, and not at all without one. With a state group
+    // too, that point must be the checkpoint's (no shallower checkpoint is tried).
+    const size_t point = tiers.LookupWindow(ns_, chain_, local_, upto_, *window_, &found_);
+    if (needs_checkpoint_ && point != upto_) {
+      found_.hits = 0;  // what was found goes back with Recycle
+    } else {
+      found_.hits = static_cast<int64_t>(point - local_);
     }
+    upto_ = local_ + static_cast<size_t>(found_.hits);
   }
 }
 

@@ -250,9 +250,6 @@ class TierSet final {
   // when there is none (or window blocks are in no tier).
   size_t LookupWindow(NamespaceId ns, std::span<const BlockHash> chain, size_t from, size_t upto,
                       const WindowReach& reach, Found* found);
-  // Keeps only the window blocks found that a resume after `blocks` blocks needs (after a cut
-  // elsewhere, the checkpoint's); false when one it needs was not found.
-  bool KeepWindowBlocks(size_t blocks, const WindowReach& reach, Found* found);
   // Offers the window blocks Redis gave for chain indexes [from, upto) (found.window_buffers) to
   // the host tier. REQUIRES: the engine's lock (tags_of).
   void KeepWindowsInHost(NamespaceId ns, std::span<const BlockHash> chain, size_t upto,
@@ -378,6 +375,9 @@ class TierSet final {
   }
   // Drops found's window blocks of chain index i (unpins, gives its buffer back).
   void DropWindowBlock(Found* found, size_t i);
+  // Keeps only the window blocks found that a resume after `blocks` blocks needs; false (keeping
+  // them all) when one it needs was not found.
+  bool KeepWindowBlocks(size_t blocks, const WindowReach& reach, Found* found);
   // Reads Redis's window blocks of chain indexes [first, end) into found->window_buffers (as
   // many as the window buffers' bound allows); those it lacks are dropped.
   void ReadRemoteWindows(NamespaceId ns, std::span<const BlockHash> chain, size_t first, size_t end,

@@ -640,11 +640,16 @@ TEST_F(HybridTiersTest, AnInvalidationDropsTheHostTiersCheckpoints) {
 class WindowTiersTest : public ::testing::Test {
  protected:
   static constexpr int32_t kWindow = 32;  // W: two blocks; the window group holds at most 3
+  // `hybrid`: a model with a state-space layer too (its checkpoints every 2 blocks).
   void Make(int32_t sinks = 0, int64_t host_window_blocks = 0,
-            std::optional<LockGap> gap = std::nullopt, int32_t blocks = 16) {
+            std::optional<LockGap> gap = std::nullopt, int32_t blocks = 16, bool hybrid = false) {
     arena_.reset();
     alice_.reset();
-    model::ModelConfig config = *model::NamedConfig("tiny-swa");
+    model::ModelConfig config = *model::NamedConfig(hybrid ? "tiny-hybrid" : "tiny-swa");
+    if (hybrid) {
+      config.layer_kinds = {model::LayerKind::kStateSpace, model::LayerKind::kSlidingAttention,
+                            model::LayerKind::kFullAttention, model::LayerKind::kStateSpace};
+    }
     config.sliding_window = kWindow;
     config.sink_tokens = sinks;
     EngineOptions options = SmallPool(blocks);
@@ -655,7 +660,13 @@ class WindowTiersTest : public ::testing::Test {
     layout.dtype = kernels::DType::kF32;  // bit for bit
     layout.num_window_layers = config.num_sliding_layers();
     layout.num_window_blocks = 16;
-    options.model_name = "tiny-swa";
+    if (hybrid) {
+      layout.num_state_slots = 8;
+      layout.state_slot_bytes = (config.state_bytes() + 63) / 64 * 64;
+      options.checkpoint_slots = 4;
+      options.checkpoint_interval = 2;
+    }
+    options.model_name = hybrid ? "tiny-hybrid" : "tiny-swa";
     options.window_tokens = kWindow;
     options.sink_tokens = sinks;
     options.tiers.host_blocks = 2 * blocks;
@@ -822,6 +833,27 @@ TEST_F(WindowTiersTest, AnEvictionInEachPromotionGapStillResumesBitForBit) {
     ASSERT_TRUE(engine_->Evict(0, 0, /*all=*/true).ok());
     EXPECT_EQ(engine_->Stats().cache.window.active, 0);
   }
+}
+
+// A model with both: a promoted prefix resumes at the deepest checkpoint the host tier has, and
+// only with the window blocks the window reads there, bit for bit.
+TEST_F(WindowTiersTest, AHybridWithBothGroupsResumesAtTheCheckpointWithItsWindow) {
+  Make(/*sinks=*/0, /*host_window_blocks=*/0, std::nullopt, /*blocks=*/16, /*hybrid=*/true);
+  const std::vector<int32_t> prompt = Prompt(120, 52);
+  // Checkpoints at 32, 64, 96 and the prefill's last block boundary, 112.
+  const ComputeResult on_device = PublishResumeEvict(prompt, 112);
+  EXPECT_GE(engine_->Stats().tiers.host_checkpoints, 1);
+  std::memset(arena_->base() + layout_.state_offset(), 0x7f,
+              static_cast<size_t>(layout_.num_state_slots * layout_.state_slot_bytes));
+  const ComputeResult promoted = Prefill(prompt);
+  EXPECT_EQ(promoted.reused, 112);
+  EXPECT_EQ(promoted.results[0].next_token, on_device.results[0].next_token);
+  EXPECT_EQ(promoted.results[0].logprob, on_device.results[0].logprob);
+  const TierStats tiers = engine_->Stats().tiers;
+  EXPECT_EQ(tiers.promoted_checkpoints, 1u);
+  EXPECT_EQ(tiers.promoted_window_blocks, 2u);
+  Free(promoted, OnFree::kDiscard);
+  ExpectNothingLeft();
 }
 
 // A tenant's invalidation takes its window blocks with its blocks.
