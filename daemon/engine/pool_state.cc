@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 #include <utility>
 
 #include "daemon/engine/promotion_hold.h"
@@ -41,6 +42,25 @@ int64_t HostWindowBlocks(const EngineOptions& options, const kernels::PoolLayout
   const auto share = static_cast<double>(layout.num_window_blocks) / layout.num_blocks;
   return std::max<int64_t>(
       1, static_cast<int64_t>(std::ceil(static_cast<double>(options.tiers.host_blocks) * share)));
+}
+
+std::pair<int64_t, int64_t> DiskComponentBytes(const EngineOptions& options,
+                                               const kernels::PoolLayout& layout) {
+  if (!options.tiers.disk.enabled()) return {0, 0};
+  const auto record = [](int64_t bytes) { return (bytes + 4095) / 4096 * 4096; };
+  const int64_t blocks = options.tiers.disk.capacity_bytes / record(layout.block_bytes());
+  int64_t checkpoints = 0;
+  if (layout.num_state_slots > 0 && options.checkpoint_slots != 0) {
+    const int64_t interval = std::max(1, PoolCheckpointInterval(options, layout));
+    checkpoints = std::max<int64_t>(1, blocks / interval) * record(layout.state_slot_bytes);
+  }
+  int64_t windows = 0;
+  if (layout.num_window_layers > 0 && layout.num_window_blocks > 0 && layout.num_blocks > 0) {
+    const auto share = static_cast<double>(layout.num_window_blocks) / layout.num_blocks;
+    windows = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(blocks * share))) *
+              record(layout.window_block_bytes());
+  }
+  return {checkpoints, windows};
 }
 
 absl::StatusOr<std::unique_ptr<PoolState>> PoolState::Create(const PoolOptions& pool,
@@ -93,6 +113,8 @@ absl::StatusOr<std::unique_ptr<PoolState>> PoolState::Create(const PoolOptions& 
     if (tier_options.disk.enabled()) tier_options.disk.directory += "/" + pool.name;  // its own
     tier_options.host_checkpoints = HostCheckpoints(options, layout);
     tier_options.host_window_blocks = HostWindowBlocks(options, layout);
+    std::tie(tier_options.disk_checkpoint_bytes, tier_options.disk_window_bytes) =
+        DiskComponentBytes(options, layout);
     KVPOOL_ASSIGN_OR_RETURN(tiers,
                             TierSet::Create(tier_options, device, layout, secret, options.clock));
   }

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -79,6 +80,12 @@ int64_t HostCheckpoints(const EngineOptions& options, const kernels::PoolLayout&
 // (TierOptions::host_window_blocks): none without a host tier or a window group, or when -1; N
 // when N > 0; else as many per host block as the pool has window blocks per block (at least 1).
 int64_t HostWindowBlocks(const EngineOptions& options, const kernels::PoolLayout& layout);
+// The bytes of checkpoint and of window-block records the disk tier of a pool of `layout` keeps
+// beside its blocks (TierOptions::disk_checkpoint_bytes, disk_window_bytes): as many records per
+// block record as the host tier's rules give (one checkpoint per checkpoint interval; the pool's
+// window blocks per block), each padded to 4096 bytes; none without a disk tier or the group.
+std::pair<int64_t, int64_t> DiskComponentBytes(const EngineOptions& options,
+                                               const kernels::PoolLayout& layout);
 
 class PoolState final {
  public:

@@ -18,6 +18,44 @@ thread_local bool t_invalidating = false;
 
 }  // namespace
 
+namespace {
+
+// A host store of `count` slots of `bytes` over host memory of its own (page-locked on CUDA: the
+// tier's copies to and from the device then run asynchronously).
+absl::Status MakeHostStore(kernels::Device* device, int64_t count, int64_t bytes,
+                           std::string_view what, std::unique_ptr<kernels::DeviceBuffer>* memory,
+                           std::unique_ptr<tier::HostBlockStore>* store) {
+  if (count > (int64_t{1} << 46) / bytes) {
+    return absl::InvalidArgumentError(
+        fmt::format("tiers: {} host {} of {} bytes is too large", count, what, bytes));
+  }
+  KVPOOL_ASSIGN_OR_RETURN(*memory, device->AllocateHostBuffer(count * bytes));
+  KVPOOL_ASSIGN_OR_RETURN(*store, tier::HostBlockStore::Create(
+                                      count, bytes, static_cast<std::byte*>((*memory)->data())));
+  return absl::OkStatus();
+}
+
+// The disk tier's store of a component (checkpoints, window blocks) in `subdirectory` of the
+// pool's, records of `bytes` under the layout fingerprint salted for it: null (logged) when it
+// cannot be opened, as for the blocks' own.
+std::unique_ptr<tier::DiskBlockStore> OpenDiskComponent(
+    const tier::DiskTierOptions& disk, std::string_view subdirectory, int64_t capacity_bytes,
+    uint64_t salted, int64_t bytes, const tier::DeploymentSecret& secret, const Clock* clock) {
+  tier::DiskTierOptions options = disk;
+  options.directory = fmt::format("{}/{}", disk.directory, subdirectory);
+  options.capacity_bytes = capacity_bytes;
+  const int64_t record = (bytes + 4095) / 4096 * 4096;
+  options.write_queue_bytes = std::max(options.write_queue_bytes, record);
+  absl::StatusOr<std::unique_ptr<tier::DiskBlockStore>> opened =
+      tier::DiskBlockStore::Open(options, secret, salted, bytes, clock);
+  if (opened.ok()) return *std::move(opened);
+  Logger("daemon").error("disk tier {} is unavailable, the pool keeps no {} on disk: {}",
+                         options.directory, subdirectory, opened.status().ToString());
+  return nullptr;
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<TierSet>> TierSet::Create(const TierOptions& options,
                                                          kernels::Device* device,
                                                          const kernels::PoolLayout& layout,
@@ -27,35 +65,24 @@ absl::StatusOr<std::unique_ptr<TierSet>> TierSet::Create(const TierOptions& opti
     return absl::InvalidArgumentError(fmt::format("tiers: host_blocks {} and staged_blocks {}",
                                                   options.host_blocks, options.staged_blocks));
   }
-  std::unique_ptr<kernels::DeviceBuffer> host_memory;
-  std::unique_ptr<tier::HostBlockStore> host;
-  if (options.host_blocks > 0) {
-    // Page-locked on CUDA: the tier's copies to and from the device then run asynchronously.
-    if (options.host_blocks > (int64_t{1} << 46) / layout.block_bytes()) {
-      return absl::InvalidArgumentError(
-          fmt::format("tiers: {} host blocks of {} bytes is too large", options.host_blocks,
-                      layout.block_bytes()));
-    }
-    KVPOOL_ASSIGN_OR_RETURN(host_memory,
-                            device->AllocateHostBuffer(options.host_blocks * layout.block_bytes()));
-    KVPOOL_ASSIGN_OR_RETURN(
-        host, tier::HostBlockStore::Create(options.host_blocks, layout.block_bytes(),
-                                           static_cast<std::byte*>(host_memory->data())));
-  }
-  std::unique_ptr<tier::RemoteTier> remote;
-  if (options.redis.enabled) {
-    KVPOOL_ASSIGN_OR_RETURN(remote, tier::RedisBlockStore::Create(options.redis, secret, clock));
-  }
   if (options.lookup_blocks <= 0) {
     return absl::InvalidArgumentError(
         fmt::format("tiers: lookup_blocks {} must be > 0", options.lookup_blocks));
   }
-  std::unique_ptr<tier::DiskBlockStore> disk;
+  Stores stores;
+  if (options.host_blocks > 0) {
+    KVPOOL_RETURN_IF_ERROR(MakeHostStore(device, options.host_blocks, layout.block_bytes(),
+                                         "blocks", &stores.host_memory, &stores.host));
+  }
+  if (options.redis.enabled) {
+    KVPOOL_ASSIGN_OR_RETURN(stores.remote,
+                            tier::RedisBlockStore::Create(options.redis, secret, clock));
+  }
   if (options.disk.enabled()) {
     absl::StatusOr<std::unique_ptr<tier::DiskBlockStore>> opened = tier::DiskBlockStore::Open(
         options.disk, secret, layout.Hash(), layout.block_bytes(), clock);
     if (opened.ok()) {
-      disk = *std::move(opened);
+      stores.disk = *std::move(opened);
     } else if (absl::IsInvalidArgument(opened.status())) {
       return opened.status();
     } else {
@@ -64,52 +91,34 @@ absl::StatusOr<std::unique_ptr<TierSet>> TierSet::Create(const TierOptions& opti
                              options.disk.directory, opened.status().ToString());
     }
   }
-  std::unique_ptr<kernels::DeviceBuffer> checkpoint_memory;
-  std::unique_ptr<tier::HostBlockStore> checkpoints;
-  if (options.host_checkpoints > 0 && host && layout.num_state_slots > 0 &&
-      layout.state_slot_bytes > 0) {
-    if (options.host_checkpoints > (int64_t{1} << 46) / layout.state_slot_bytes) {
-      return absl::InvalidArgumentError(
-          fmt::format("tiers: {} host checkpoints of {} bytes is too large",
-                      options.host_checkpoints, layout.state_slot_bytes));
-    }
-    KVPOOL_ASSIGN_OR_RETURN(checkpoint_memory, device->AllocateHostBuffer(options.host_checkpoints *
-                                                                          layout.state_slot_bytes));
-    KVPOOL_ASSIGN_OR_RETURN(checkpoints, tier::HostBlockStore::Create(
-                                             options.host_checkpoints, layout.state_slot_bytes,
-                                             static_cast<std::byte*>(checkpoint_memory->data())));
+  const bool state = layout.num_state_slots > 0 && layout.state_slot_bytes > 0;
+  const bool window = layout.num_window_layers > 0 && layout.num_window_blocks > 0;
+  if (options.host_checkpoints > 0 && stores.host && state) {
+    KVPOOL_RETURN_IF_ERROR(MakeHostStore(device, options.host_checkpoints, layout.state_slot_bytes,
+                                         "checkpoints", &stores.checkpoint_memory,
+                                         &stores.checkpoints));
   }
-  std::unique_ptr<kernels::DeviceBuffer> window_memory;
-  std::unique_ptr<tier::HostBlockStore> windows;
-  if (options.host_window_blocks > 0 && host && layout.num_window_layers > 0 &&
-      layout.num_window_blocks > 0) {
-    const int64_t bytes = layout.window_block_bytes();
-    if (options.host_window_blocks > (int64_t{1} << 46) / bytes) {
-      return absl::InvalidArgumentError(
-          fmt::format("tiers: {} host window blocks of {} bytes is too large",
-                      options.host_window_blocks, bytes));
-    }
-    KVPOOL_ASSIGN_OR_RETURN(window_memory,
-                            device->AllocateHostBuffer(options.host_window_blocks * bytes));
-    KVPOOL_ASSIGN_OR_RETURN(
-        windows, tier::HostBlockStore::Create(options.host_window_blocks, bytes,
-                                              static_cast<std::byte*>(window_memory->data())));
+  if (options.host_window_blocks > 0 && stores.host && window) {
+    KVPOOL_RETURN_IF_ERROR(MakeHostStore(device, options.host_window_blocks,
+                                         layout.window_block_bytes(), "window blocks",
+                                         &stores.window_memory, &stores.windows));
   }
-  return std::make_unique<TierSet>(
-      device, layout, clock, std::move(host), std::move(remote), options.staged_blocks,
-      std::move(host_memory), options.lookup_blocks, std::move(disk), std::move(checkpoints),
-      std::move(checkpoint_memory), std::move(windows), std::move(window_memory));
+  if (stores.disk && state && options.disk_checkpoint_bytes > 0) {
+    stores.disk_checkpoints = OpenDiskComponent(
+        options.disk, "checkpoints", options.disk_checkpoint_bytes,
+        layout.Hash() ^ kCheckpointKeySalt, layout.state_slot_bytes, secret, clock);
+  }
+  if (stores.disk && window && options.disk_window_bytes > 0) {
+    stores.disk_windows = OpenDiskComponent(options.disk, "windows", options.disk_window_bytes,
+                                            layout.Hash() ^ kWindowKeySalt,
+                                            layout.window_block_bytes(), secret, clock);
+  }
+  return std::make_unique<TierSet>(device, layout, clock, std::move(stores), options.staged_blocks,
+                                   options.lookup_blocks);
 }
 
 TierSet::TierSet(kernels::Device* device, const kernels::PoolLayout& layout, const Clock* clock,
-                 std::unique_ptr<tier::HostBlockStore> host,
-                 std::unique_ptr<tier::RemoteTier> remote, int64_t staged_blocks,
-                 std::unique_ptr<kernels::DeviceBuffer> host_memory, int64_t lookup_blocks,
-                 std::unique_ptr<tier::DiskBlockStore> disk,
-                 std::unique_ptr<tier::HostBlockStore> checkpoints,
-                 std::unique_ptr<kernels::DeviceBuffer> checkpoint_memory,
-                 std::unique_ptr<tier::HostBlockStore> windows,
-                 std::unique_ptr<kernels::DeviceBuffer> window_memory)
+                 Stores stores, int64_t staged_blocks, int64_t lookup_blocks)
     : device_(device),
       clock_(clock),
       block_bytes_(layout.block_bytes()),
@@ -119,16 +128,18 @@ TierSet::TierSet(kernels::Device* device, const kernels::PoolLayout& layout, con
       layout_fingerprint_(layout.Hash()),
       max_staged_(std::min(staged_blocks, std::max<int64_t>(1, kMaxStagedBytes / block_bytes_))),
       max_lookup_(std::min(lookup_blocks, std::max<int64_t>(1, kMaxStagedBytes / block_bytes_))),
-      host_memory_(std::move(host_memory)),
-      host_(std::move(host)),
-      remote_(std::move(remote)),
-      disk_(std::move(disk)),
-      checkpoint_memory_(std::move(checkpoint_memory)),
-      checkpoints_(std::move(checkpoints)),
+      host_memory_(std::move(stores.host_memory)),
+      host_(std::move(stores.host)),
+      remote_(std::move(stores.remote)),
+      disk_(std::move(stores.disk)),
+      checkpoint_memory_(std::move(stores.checkpoint_memory)),
+      checkpoints_(std::move(stores.checkpoints)),
       remote_checkpoints_(remote_ != nullptr && layout.num_state_slots > 0 && state_bytes_ > 0),
-      window_memory_(std::move(window_memory)),
-      windows_(std::move(windows)),
-      remote_windows_(remote_ != nullptr && window_bytes_ > 0) {
+      window_memory_(std::move(stores.window_memory)),
+      windows_(std::move(stores.windows)),
+      remote_windows_(remote_ != nullptr && window_bytes_ > 0),
+      disk_checkpoints_(std::move(stores.disk_checkpoints)),
+      disk_windows_(std::move(stores.disk_windows)) {
   KVPOOL_CHECK(host_ == nullptr || host_->block_bytes() == block_bytes_);
   KVPOOL_CHECK(checkpoints_ == nullptr || checkpoints_->block_bytes() == state_bytes_);
   KVPOOL_CHECK(windows_ == nullptr || windows_->block_bytes() == window_bytes_);
@@ -391,11 +402,13 @@ void TierSet::WriterLoop() {
           .coverage = static_cast<uint32_t>(block_size_),
           .bytes = {static_cast<const std::byte*>(item.bytes->data()), static_cast<size_t>(bytes)},
           .tags = item.tags};
-      if (item.kind == Staged::Kind::kCheckpoint) {  // the host tier and Redis (not the disk)
+      if (item.kind == Staged::Kind::kCheckpoint) {  // every tier, in a store of its own
         if (checkpoints_) checkpoints_->Put(item.space, block);
+        if (disk_checkpoints_) disk_checkpoints_->Put(CheckpointSpace(item.space.ns), block);
         if (remote_checkpoints_) remote_->Put(CheckpointSpace(item.space.ns), block);
-      } else if (item.kind == Staged::Kind::kWindow) {  // the host tier and Redis
+      } else if (item.kind == Staged::Kind::kWindow) {  // the same
         if (windows_) windows_->Put(item.space, block);
+        if (disk_windows_) disk_windows_->Put(WindowSpace(item.space.ns), block);
         if (remote_windows_) remote_->Put(WindowSpace(item.space.ns), block);
       } else {
         if (host_) host_->Put(item.space, block);
@@ -501,7 +514,7 @@ void TierSet::LookupCheckpoint(NamespaceId ns, std::span<const BlockHash> chain,
       }
     }
   }
-  if (!remote_checkpoints_ || upto <= from) return;
+  if ((!remote_checkpoints_ && !disk_checkpoints_) || upto <= from) return;
   {
     absl::MutexLock lock(&mu_);
     if (checkpoint_buffers_ >= std::max<int64_t>(1, kMaxStagedBytes / state_bytes_)) {
@@ -520,14 +533,20 @@ void TierSet::LookupCheckpoint(NamespaceId ns, std::span<const BlockHash> chain,
   const std::span<std::byte> out(static_cast<std::byte*>((*buffer)->data()),
                                  static_cast<size_t>(state_bytes_));
   const tier::BlockSpace space = CheckpointSpace(ns);
-  for (size_t i = upto, probes = 0; i > from && probes < kMaxRemoteCheckpointProbes;
-       --i, ++probes) {
-    const absl::StatusOr<tier::LookupResult> r =
-        remote_->Lookup(space, parent_of(i - 1), chain.subspan(i - 1, 1), std::span(&out, 1));
-    if (r.ok() && r->hits == 1) {
-      found->checkpoint = static_cast<int64_t>(i - 1);
-      found->checkpoint_buffer = *std::move(buffer);
-      return;  // held until Recycle
+  // The disk's index answers a miss without I/O: every block is asked; Redis, a round trip each,
+  // for the deepest few.
+  for (auto [store, most] :
+       {std::pair<tier::RemoteTier*, size_t>{disk_checkpoints_.get(), upto},
+        {remote_checkpoints_ ? remote_.get() : nullptr, size_t{kMaxRemoteCheckpointProbes}}}) {
+    for (size_t i = upto, probes = 0; store != nullptr && i > from && probes < most;
+         --i, ++probes) {
+      const absl::StatusOr<tier::LookupResult> r =
+          store->Lookup(space, parent_of(i - 1), chain.subspan(i - 1, 1), std::span(&out, 1));
+      if (r.ok() && r->hits == 1) {
+        found->checkpoint = static_cast<int64_t>(i - 1);
+        found->checkpoint_buffer = *std::move(buffer);
+        return;  // held until Recycle
+      }
     }
   }
   give_back();
@@ -560,9 +579,9 @@ size_t TierSet::LookupWindow(NamespaceId ns, std::span<const BlockHash> chain, s
   };
   const auto start = static_cast<size_t>(reach.Start(static_cast<int64_t>(upto)));
   const auto sinks = static_cast<size_t>(reach.sink_blocks);
-  if (remote_windows_) {
-    // Redis, once, for what the deepest point's window reaches and the host tier lacks: one
-    // pipelined lookup per run of consecutive blocks (the sinks', the window's).
+  if (remote_windows_ || disk_windows_) {
+    // The disk, then Redis, once, for what the deepest point's window reaches and the host tier
+    // lacks: one lookup per run of consecutive blocks (the sinks', the window's) in each.
     std::vector<std::pair<size_t, size_t>> runs;
     const auto add = [&](size_t i) {
       if (have(i)) return;
@@ -574,7 +593,11 @@ size_t TierSet::LookupWindow(NamespaceId ns, std::span<const BlockHash> chain, s
     };
     for (size_t i = from; i < std::min(sinks, start); ++i) add(i);
     for (size_t i = std::max(from, start); i < upto; ++i) add(i);
-    for (const auto& [first, end] : runs) ReadRemoteWindows(ns, chain, first, end, found);
+    for (const auto& [first, end] : runs) {
+      size_t at = first;
+      if (disk_windows_) at += ReadWindows(*disk_windows_, ns, chain, at, end, found);
+      if (remote_windows_ && at < end) ReadWindows(*remote_, ns, chain, at, end, found);
+    }
   }
   // Deepest point first; a block no tier has rules out every point whose window reaches it, so
   // the next candidate ends just before it (KvCacheManager::CutToWindow, over the tiers).
@@ -598,8 +621,9 @@ size_t TierSet::LookupWindow(NamespaceId ns, std::span<const BlockHash> chain, s
   return point;
 }
 
-void TierSet::ReadRemoteWindows(NamespaceId ns, std::span<const BlockHash> chain, size_t first,
-                                size_t end, Found* found) {
+size_t TierSet::ReadWindows(tier::RemoteTier& store, NamespaceId ns,
+                            std::span<const BlockHash> chain, size_t first, size_t end,
+                            Found* found) {
   const auto from = static_cast<size_t>(found->window_from);
   size_t take = end - first;
   {
@@ -625,12 +649,13 @@ void TierSet::ReadRemoteWindows(NamespaceId ns, std::span<const BlockHash> chain
     absl::MutexLock lock(&mu_);
     window_buffers_ -= static_cast<int64_t>(take - out.size());
   }
-  if (out.empty()) return;
+  if (out.empty()) return 0;
   const absl::StatusOr<tier::LookupResult> r =
-      remote_->Lookup(WindowSpace(ns), first == 0 ? BlockHash{} : chain[first - 1],
-                      chain.subspan(first, out.size()), out);
+      store.Lookup(WindowSpace(ns), first == 0 ? BlockHash{} : chain[first - 1],
+                   chain.subspan(first, out.size()), out);
   const size_t hits = r.ok() ? static_cast<size_t>(r->hits) : 0;
   for (size_t i = first + hits; i < first + out.size(); ++i) DropWindowBlock(found, i);
+  return hits;
 }
 
 void TierSet::DropWindowBlock(Found* found, size_t i) {
@@ -853,7 +878,9 @@ absl::Status TierSet::Flush(absl::Duration timeout) {
   auto left = [&] {
     return absl::Nanoseconds(std::max<int64_t>(deadline_ns - clock_->NowNanos(), 0));
   };
-  if (disk_) KVPOOL_RETURN_IF_ERROR(disk_->Flush(left()));
+  for (tier::DiskBlockStore* disk : {disk_.get(), disk_checkpoints_.get(), disk_windows_.get()}) {
+    if (disk != nullptr) KVPOOL_RETURN_IF_ERROR(disk->Flush(left()));
+  }
   if (remote_) return remote_->Flush(left());
   return absl::OkStatus();
 }
@@ -882,6 +909,8 @@ TierStats TierSet::stats() const {
     out.host_window_capacity = windows_->capacity();
     out.host_window_blocks = windows_->stored();
   }
+  if (disk_checkpoints_) out.disk_checkpoints = disk_checkpoints_->disk_stats().blocks;
+  if (disk_windows_) out.disk_window_blocks = disk_windows_->disk_stats().blocks;
   out.disk = disk_ != nullptr;
   if (disk_) {
     out.disk_store = disk_->stats();
@@ -894,6 +923,8 @@ int64_t TierSet::Invalidate(const tier::TagFilter& filter) {
   // Checkpoints and window blocks are derived from their prefix's KV: they go with the blocks.
   if (checkpoints_) checkpoints_->Invalidate(filter);
   if (windows_) windows_->Invalidate(filter);
+  if (disk_checkpoints_) disk_checkpoints_->Invalidate(filter);
+  if (disk_windows_) disk_windows_->Invalidate(filter);
   const int64_t from_host = host_ ? host_->Invalidate(filter) : 0;
   t_invalidating = true;
   const int64_t from_disk = disk_ ? disk_->Invalidate(filter) : 0;

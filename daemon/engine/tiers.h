@@ -76,6 +76,11 @@ struct TierOptions {
   // host tier; docs/tiers.md, Window blocks): 0 as many per host block as the device pool has
   // window blocks per block (what PoolState::Create resolves it to), -1 none, N.
   int64_t host_window_blocks = 0;
+  // With a disk tier: bytes of state-checkpoint and window-block records it keeps beside its
+  // blocks, on top of disk.capacity_bytes, in directories of their own (PoolState::Create sizes
+  // them in the host tier's proportions, DiskComponentBytes); 0: none.
+  int64_t disk_checkpoint_bytes = 0;
+  int64_t disk_window_bytes = 0;
   bool enabled() const { return host_blocks > 0 || disk.enabled() || redis.enabled; }
 };
 
@@ -126,6 +131,9 @@ struct TierStats {
   int64_t host_window_blocks = 0;
   uint64_t demoted_window_blocks = 0;
   uint64_t promoted_window_blocks = 0;
+  // Records the disk tier holds in its stores of checkpoints and of window blocks.
+  int64_t disk_checkpoints = 0;
+  int64_t disk_window_blocks = 0;
 };
 
 class TierSet final {
@@ -140,20 +148,25 @@ class TierSet final {
                                                          const kernels::PoolLayout& layout,
                                                          const tier::DeploymentSecret& secret,
                                                          const Clock* clock);
-  // Builds a set over stores made elsewhere (tests: a fake remote). Either may be null;
-  // `host_memory`, when given, holds the host store's slots and is kept as long as the store.
-  // `checkpoints` (slots of the layout's state_slot_bytes, over `checkpoint_memory` when given)
-  // keeps state checkpoints in host memory; `windows` (slots of its window_block_bytes(), over
-  // `window_memory`) window-group blocks.
+  // The stores a set is made over (Create opens them from its options). Any may be null.
+  struct Stores {
+    std::unique_ptr<kernels::DeviceBuffer> host_memory;  // host's slots, kept as long as it
+    std::unique_ptr<tier::HostBlockStore> host;
+    std::unique_ptr<tier::RemoteTier> remote;
+    std::unique_ptr<tier::DiskBlockStore> disk;
+    // The components beside the blocks (docs/tiers.md, State checkpoints, Window blocks): host
+    // stores of the layout's state_slot_bytes and window_block_bytes() (over their memory),
+    // and disk stores of them (under the layout fingerprint salted for each).
+    std::unique_ptr<kernels::DeviceBuffer> checkpoint_memory;
+    std::unique_ptr<tier::HostBlockStore> checkpoints;
+    std::unique_ptr<kernels::DeviceBuffer> window_memory;
+    std::unique_ptr<tier::HostBlockStore> windows;
+    std::unique_ptr<tier::DiskBlockStore> disk_checkpoints;
+    std::unique_ptr<tier::DiskBlockStore> disk_windows;
+  };
   TierSet(kernels::Device* device, const kernels::PoolLayout& layout, const Clock* clock,
-          std::unique_ptr<tier::HostBlockStore> host, std::unique_ptr<tier::RemoteTier> remote,
-          int64_t staged_blocks, std::unique_ptr<kernels::DeviceBuffer> host_memory = nullptr,
-          int64_t lookup_blocks = TierOptions{}.lookup_blocks,
-          std::unique_ptr<tier::DiskBlockStore> disk = nullptr,
-          std::unique_ptr<tier::HostBlockStore> checkpoints = nullptr,
-          std::unique_ptr<kernels::DeviceBuffer> checkpoint_memory = nullptr,
-          std::unique_ptr<tier::HostBlockStore> windows = nullptr,
-          std::unique_ptr<kernels::DeviceBuffer> window_memory = nullptr);
+          Stores stores, int64_t staged_blocks,
+          int64_t lookup_blocks = TierOptions{}.lookup_blocks);
   ~TierSet();  // stops the writer after the copies already staged
   TierSet(const TierSet&) = delete;
   TierSet& operator=(const TierSet&) = delete;
@@ -171,7 +184,9 @@ class TierSet final {
   void StageCheckpoints(KvCacheManager& cache, const kernels::KvPoolView& view,
                         std::span<const PublishedCheckpoint> published,
                         std::span<const BlockHash> skip = {});
-  bool keeps_checkpoints() const { return checkpoints_ != nullptr || remote_checkpoints_; }
+  bool keeps_checkpoints() const {
+    return checkpoints_ != nullptr || disk_checkpoints_ != nullptr || remote_checkpoints_;
+  }
 
   // Under the engine's lock, with Stage: copies the window-group blocks `published` (kept beside
   // a full block, KvCacheManager::TakePublishedWindowBlocks) out of `view`'s window region toward
@@ -180,7 +195,9 @@ class TierSet final {
   void StageWindowBlocks(KvCacheManager& cache, const kernels::KvPoolView& view,
                          std::span<const PublishedWindowBlock> published,
                          std::span<const BlockHash> skip = {});
-  bool keeps_window_blocks() const { return windows_ != nullptr || remote_windows_; }
+  bool keeps_window_blocks() const {
+    return windows_ != nullptr || disk_windows_ != nullptr || remote_windows_;
+  }
 
   struct Found {
     int64_t hits = 0;       // leading blocks found
@@ -221,8 +238,9 @@ class TierSet final {
   Found Lookup(NamespaceId ns, const BlockHash& parent, std::span<const BlockHash> hashes);
   // Outside any lock, after Lookup: the deepest i in [from, upto) whose block (chain[i], after
   // chain[i - 1]) has a checkpoint in the host tier, pinned into found->checkpoint_pin
-  // (found->checkpoint = i), or else in Redis (the kMaxRemoteCheckpointProbes deepest asked,
-  // one round trip each), read into found->checkpoint_buffer; none: -1. A no-op without either.
+  // (found->checkpoint = i), or else on the disk (every one asked: a miss is the index's), or
+  // else in Redis (the kMaxRemoteCheckpointProbes deepest asked, one round trip each), read into
+  // found->checkpoint_buffer; none: -1. A no-op without any.
   // Checkpoint buffers of all lookups together take at most kMaxStagedBytes (at least one):
   // past that Redis is not asked (counted in lookup_truncated).
   void LookupCheckpoint(NamespaceId ns, std::span<const BlockHash> chain, size_t from, size_t upto,
@@ -243,15 +261,15 @@ class TierSet final {
   };
   // Outside any lock, after Lookup: the deepest resume point in (from, upto] (in blocks) at which
   // every block in [from, point) the window `reach`es has a window block in the host tier
-  // (pinned into found->window_pins) or Redis. Redis is asked once, for what the window at
-  // `upto` reaches and the host tier lacks (one pipelined lookup per run of blocks, read into
-  // found->window_buffers; window buffers of all lookups together take at most kMaxStagedBytes,
-  // past which Redis is not asked, counted in lookup_truncated). Returns the point, or `from`
-  // when there is none (or window blocks are in no tier).
+  // (pinned into found->window_pins), the disk or Redis. The disk, then Redis, are asked once,
+  // for what the window at `upto` reaches and the host tier lacks (one lookup per run of blocks
+  // in each, read into found->window_buffers; window buffers of all lookups together take at
+  // most kMaxStagedBytes, past which they are not asked, counted in lookup_truncated). Returns
+  // the point, or `from` when there is none (or window blocks are in no tier).
   size_t LookupWindow(NamespaceId ns, std::span<const BlockHash> chain, size_t from, size_t upto,
                       const WindowReach& reach, Found* found);
-  // Offers the window blocks Redis gave for chain indexes [from, upto) (found.window_buffers) to
-  // the host tier. REQUIRES: the engine's lock (tags_of).
+  // Offers the window blocks the disk or Redis gave for chain indexes [from, upto)
+  // (found.window_buffers) to the host tier. REQUIRES: the engine's lock (tags_of).
   void KeepWindowsInHost(NamespaceId ns, std::span<const BlockHash> chain, size_t upto,
                          const Found& found);
   // Outside any lock: takes back a Lookup's pins and buffers, after waiting for found->reads (a
@@ -373,15 +391,20 @@ class TierSet final {
   tier::BlockSpace WindowSpace(NamespaceId ns) const {
     return {ns, layout_fingerprint_ ^ kWindowKeySalt};
   }
+  // The disk tier's stores of checkpoints and window blocks (their records keyed as the blocks,
+  // under salted layout fingerprints of their own).
+  const std::unique_ptr<tier::DiskBlockStore> disk_checkpoints_;
+  const std::unique_ptr<tier::DiskBlockStore> disk_windows_;
   // Drops found's window blocks of chain index i (unpins, gives its buffer back).
   void DropWindowBlock(Found* found, size_t i);
   // Keeps only the window blocks found that a resume after `blocks` blocks needs; false (keeping
   // them all) when one it needs was not found.
   bool KeepWindowBlocks(size_t blocks, const WindowReach& reach, Found* found);
-  // Reads Redis's window blocks of chain indexes [first, end) into found->window_buffers (as
-  // many as the window buffers' bound allows); those it lacks are dropped.
-  void ReadRemoteWindows(NamespaceId ns, std::span<const BlockHash> chain, size_t first, size_t end,
-                         Found* found);
+  // Reads `store`'s window blocks of chain indexes [first, end) (the disk's or Redis's) into
+  // found->window_buffers, as many as the window buffers' bound allows; those past the leading
+  // run it had are dropped. Returns that run's length.
+  size_t ReadWindows(tier::RemoteTier& store, NamespaceId ns, std::span<const BlockHash> chain,
+                     size_t first, size_t end, Found* found);
   TagsOf tags_of_;  // set before the first Stage, read under the engine's lock
 
   mutable absl::Mutex mu_;

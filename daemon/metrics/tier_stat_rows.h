@@ -323,6 +323,12 @@ inline void AddMoveRows(std::vector<PoolRow>* rows) {
                           "promoted prefix.",
                           none, "tiers.promoted_window_blocks",
                           KVPOOL_TIER_STAT(t.promoted_window_blocks)));
+  rows->push_back(MoveRow("tier_disk_checkpoints", kGauge, "checkpoints",
+                          "State checkpoints the disk tier holds beside its blocks.", none,
+                          "tiers.disk_checkpoints", KVPOOL_TIER_STAT(t.disk_checkpoints)));
+  rows->push_back(MoveRow("tier_disk_window_blocks", kGauge, "blocks",
+                          "Window-group blocks the disk tier holds beside its blocks.", none,
+                          "tiers.disk_window_blocks", KVPOOL_TIER_STAT(t.disk_window_blocks)));
 }
 
 // vLLM's connector names (the tiers as its external prefix cache), in tokens.

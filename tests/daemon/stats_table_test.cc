@@ -331,6 +331,8 @@ TierStats AllTiers() {
   t.host_checkpoint_capacity = 42;
   t.host_window_blocks = 43;
   t.host_window_capacity = 44;
+  t.disk_checkpoints = 45;
+  t.disk_window_blocks = 46;
   t.demote_ns = 2'000'000'000;
   t.promote_ns = 4'000'000'000;
   t.demote_queued = 7;

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <filesystem>
 #include <optional>
 #include <thread>
 
@@ -445,6 +446,25 @@ TEST_F(TiersTest, AHostSlotIsNotReusedWhileItsPromotionCopyIsQueued) {
   ExpectNoLoaderLeft();
 }
 
+// With disk_.dir set, a disk tier there (a restart is a Make on the same directory).
+struct TestDisk {
+  std::string dir;
+  ~TestDisk() {
+    if (!dir.empty()) std::filesystem::remove_all(dir);
+  }
+  void Make() {
+    char tmpl[] = "/tmp/kvpool-tiers-test-XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    dir = tmpl;
+  }
+  void Use(EngineOptions* options) const {
+    if (dir.empty()) return;
+    options->secret = tier::DeploymentSecret::FromBytes(std::string(32, 'k'));
+    options->tiers.disk.directory = dir;
+    options->tiers.disk.capacity_bytes = 64 * options->pools[0].layout.block_bytes();
+  }
+};
+
 // Issue 28, tiers: in a pool with a state group a prompt resumes only from a state checkpoint,
 // so the host tier keeps the checkpoints taken at a full block's end beside their blocks, and a
 // promotion brings the deepest one back with the blocks. Before, a promoted prefix of a hybrid
@@ -470,6 +490,7 @@ class HybridTiersTest : public ::testing::Test {
     options.checkpoint_interval = 2;
     options.tiers.host_blocks = 32;
     options.tiers.host_checkpoints = host_checkpoints;
+    disk_.Use(&options);
     if (gap) {
       options.lock_gap_hook = [this, gap](LockGap g) {
         // What nobody holds (a promotion's hold keeps its blocks).
@@ -511,6 +532,7 @@ class HybridTiersTest : public ::testing::Test {
   std::unique_ptr<MappedArena> arena_;
   kernels::PoolLayout layout_;
   std::atomic<bool> armed_{false};
+  TestDisk disk_;
 };
 
 TEST_F(HybridTiersTest, APromotedPrefixResumesFromTheHostTiersCheckpoint) {
@@ -617,6 +639,31 @@ TEST_F(HybridTiersTest, WithoutAHostCheckpointNothingIsPromoted) {
   EXPECT_TRUE(engine_->CheckInvariants().ok());
 }
 
+// The disk tier keeps checkpoints too: a prefix published before a restart resumes after it from
+// the disk's checkpoint, bit for bit, into slots that never held it.
+TEST_F(HybridTiersTest, APrefixPublishedBeforeARestartResumesFromTheDisksCheckpoint) {
+  disk_.Make();
+  Make(/*host_checkpoints=*/0);
+  const std::vector<int32_t> prompt = Prompt(57, 38);
+  Free(Prefill(prompt), OnFree::kCommit);
+  const ComputeResult on_device = Prefill(prompt);
+  ASSERT_EQ(on_device.reused, 48);
+  Free(on_device, OnFree::kDiscard);
+  EXPECT_EQ(engine_->Stats().tiers.disk_checkpoints, 2);  // at 32 and 48
+  Make(/*host_checkpoints=*/0);  // a restart: an empty pool and host tier, the same directory
+  PoisonStates();
+  const ComputeResult promoted = Prefill(prompt);
+  EXPECT_EQ(promoted.reused, 48);
+  EXPECT_EQ(promoted.results[0].next_token, on_device.results[0].next_token);
+  EXPECT_EQ(promoted.results[0].logprob, on_device.results[0].logprob);
+  const TierStats tiers = engine_->Stats().tiers;
+  EXPECT_EQ(tiers.promoted_from_disk, 3u);
+  EXPECT_EQ(tiers.promoted_checkpoints, 1u);
+  EXPECT_EQ(tiers.host_checkpoints, 1);  // kept in the host tier too
+  Free(promoted, OnFree::kDiscard);
+  EXPECT_TRUE(engine_->CheckInvariants().ok());
+}
+
 // A tenant's invalidation takes its checkpoints with its blocks: none is promoted afterwards.
 TEST_F(HybridTiersTest, AnInvalidationDropsTheHostTiersCheckpoints) {
   Make(/*host_checkpoints=*/0);
@@ -671,6 +718,7 @@ class WindowTiersTest : public ::testing::Test {
     options.sink_tokens = sinks;
     options.tiers.host_blocks = 2 * blocks;
     options.tiers.host_window_blocks = host_window_blocks;
+    disk_.Use(&options);
     if (gap) {
       options.lock_gap_hook = [this, gap](LockGap g) {
         if (g == *gap && armed_.exchange(false)) {
@@ -737,6 +785,7 @@ class WindowTiersTest : public ::testing::Test {
   std::unique_ptr<MappedArena> arena_;
   kernels::PoolLayout layout_;
   std::atomic<bool> armed_{false};
+  TestDisk disk_;
 };
 
 TEST_F(WindowTiersTest, APromotedPrefixResumesWithTheHostTiersWindowBlocks) {
@@ -854,6 +903,31 @@ TEST_F(WindowTiersTest, AHybridWithBothGroupsResumesAtTheCheckpointWithItsWindow
   EXPECT_EQ(tiers.promoted_window_blocks, 2u);
   Free(promoted, OnFree::kDiscard);
   ExpectNothingLeft();
+}
+
+// The disk tier keeps window blocks too: a prefix published before a restart resumes after it
+// with the disk's window blocks, bit for bit, and an invalidation drops them there as well.
+TEST_F(WindowTiersTest, APrefixPublishedBeforeARestartResumesFromTheDisksWindowBlocks) {
+  disk_.Make();
+  Make();
+  const std::vector<int32_t> prompt = Prompt(120, 53);
+  const ComputeResult on_device = PublishResumeEvict(prompt, 119);
+  ASSERT_TRUE(engine_->FlushTiers(absl::Seconds(10)).ok());
+  EXPECT_EQ(engine_->Stats().tiers.disk_window_blocks, 7);
+  Make();  // a restart: an empty pool and host tier, the same directory
+  PoisonWindows();
+  const ComputeResult promoted = Prefill(prompt);
+  EXPECT_EQ(promoted.reused, 112);
+  EXPECT_EQ(promoted.results[0].next_token, on_device.results[0].next_token);
+  EXPECT_EQ(promoted.results[0].logprob, on_device.results[0].logprob);
+  TierStats tiers = engine_->Stats().tiers;
+  EXPECT_EQ(tiers.promoted_from_disk, 7u);
+  EXPECT_EQ(tiers.promoted_window_blocks, 2u);
+  EXPECT_EQ(tiers.host_window_blocks, 2);  // kept in the host tier too
+  Free(promoted, OnFree::kDiscard);
+  ExpectNothingLeft();
+  ASSERT_TRUE(engine_->Invalidate("tenant-a", "").ok());
+  EXPECT_EQ(engine_->Stats().tiers.disk_window_blocks, 0);
 }
 
 // A tenant's invalidation takes its window blocks with its blocks.
