@@ -276,88 +276,62 @@ void TierSet::StageCheckpoints(KvCacheManager& cache, const kernels::KvPoolView&
                                std::span<const PublishedCheckpoint> published,
                                std::span<const BlockHash> skip) {
   if (!keeps_checkpoints() || published.empty()) return;
-  // The compute stream may still be writing a checkpoint a step just took: copy after it.
-  const Fence computed = device_->LastFence(kernels::StreamId::kCompute);
-  if (computed.value != 0 && !device_->StreamWait(kernels::StreamId::kTransfer, computed).ok()) {
-    return;  // not stored: the host tier misses it, nothing else changes
-  }
-  // Staged checkpoints take at most kMaxStagedBytes (and their count, the staging bound).
-  const int64_t most = std::max<int64_t>(1, kMaxStagedBytes / state_bytes_);
-  std::vector<BlockId> copied;
-  Fence last;
-  absl::MutexLock lock(&mu_);
+  std::vector<ComponentCopy> copies;
+  copies.reserve(published.size());
   for (const PublishedCheckpoint& c : published) {
-    const PublishedBlock& b = c.block;
-    if (stopping_ || std::find(skip.begin(), skip.end(), b.hash) != skip.end()) continue;
-    if (static_cast<int64_t>(queue_.size()) + in_flight_ >= max_staged_ ||
-        staged_checkpoints_ >= most) {
-      ++counters_.demote_dropped_full;
-      continue;
-    }
-    absl::StatusOr<std::unique_ptr<kernels::DeviceBuffer>> bytes =
-        device_->AllocateHostBuffer(state_bytes_);
-    if (!bytes.ok()) {
-      ++counters_.demote_failed;
-      continue;
-    }
-    const absl::StatusOr<Fence> fence = device_->CopyToHost(
-        kernels::StreamId::kTransfer, (*bytes)->data(), view.state(c.slot.value()), state_bytes_);
-    if (!fence.ok()) {
-      ++counters_.demote_failed;
-      continue;
-    }
-    queue_.push_back(Staged{.space = {b.ns, layout_fingerprint_},
-                            .hash = b.hash,
-                            .parent = b.parent,
-                            .tags = tags_of_ ? tags_of_(b.ns) : tier::NamespaceTags{},
-                            .bytes = *std::move(bytes),
-                            .fence = *fence,
-                            .staged_ns = clock_->NowNanos(),
-                            .kind = Staged::Kind::kCheckpoint});
-    ++staged_checkpoints_;
-    last = *fence;
-    copied.push_back(c.slot);
+    copies.push_back(
+        {&c.block, reinterpret_cast<const std::byte*>(view.state(c.slot.value())), c.slot});
   }
-  if (!copied.empty()) {
-    // Until the copies have run the slots stay out of the free list, whatever happens to them.
-    KVPOOL_CHECK_OK(cache.MarkStatesInFlight(copied, last));
-    changed_.Signal();
-  }
+  const auto [copied, last] = StageComponents(Staged::Kind::kCheckpoint, copies, skip);
+  // Until the copies have run the slots stay out of the free list, whatever happens to them.
+  if (!copied.empty()) KVPOOL_CHECK_OK(cache.MarkStatesInFlight(copied, last));
 }
 
 void TierSet::StageWindowBlocks(KvCacheManager& cache, const kernels::KvPoolView& view,
                                 std::span<const PublishedWindowBlock> published,
                                 std::span<const BlockHash> skip) {
   if (!keeps_window_blocks() || published.empty()) return;
-  // The compute stream may still be writing a window block a step just filled: copy after it.
+  const auto* region = static_cast<const std::byte*>(view.Window().base);
+  std::vector<ComponentCopy> copies;
+  copies.reserve(published.size());
+  for (const PublishedWindowBlock& w : published) {
+    copies.push_back({&w.block, region + w.window.value() * window_bytes_, w.window});
+  }
+  const auto [copied, last] = StageComponents(Staged::Kind::kWindow, copies, skip);
+  // Until the copies have run the blocks stay out of the free list, whatever happens to them.
+  if (!copied.empty()) KVPOOL_CHECK_OK(cache.MarkWindowInFlight(copied, last));
+}
+
+std::pair<std::vector<BlockId>, Fence> TierSet::StageComponents(
+    Staged::Kind kind, std::span<const ComponentCopy> copies, std::span<const BlockHash> skip) {
+  std::pair<std::vector<BlockId>, Fence> out;
+  auto& [copied, last] = out;
+  // The compute stream may still be writing what a step just took: copy after it.
   const Fence computed = device_->LastFence(kernels::StreamId::kCompute);
   if (computed.value != 0 && !device_->StreamWait(kernels::StreamId::kTransfer, computed).ok()) {
-    return;  // not stored: the host tier misses it, nothing else changes
+    return out;  // not stored: the tiers miss them, nothing else changes
   }
-  // Staged window blocks take at most kMaxStagedBytes (and their count, the staging bound).
-  const int64_t most = std::max<int64_t>(1, kMaxStagedBytes / window_bytes_);
-  const kernels::KvPoolView region = view.Window();
-  std::vector<BlockId> copied;
-  Fence last;
+  const int64_t bytes = BytesOf(kind);
+  // Staged components of a kind take at most kMaxStagedBytes (and their count, the staging
+  // bound).
+  const int64_t most = std::max<int64_t>(1, kMaxStagedBytes / bytes);
   absl::MutexLock lock(&mu_);
-  for (const PublishedWindowBlock& w : published) {
-    const PublishedBlock& b = w.block;
+  int64_t& staged = kind == Staged::Kind::kCheckpoint ? staged_checkpoints_ : staged_windows_;
+  for (const ComponentCopy& c : copies) {
+    const PublishedBlock& b = *c.block;
     if (stopping_ || std::find(skip.begin(), skip.end(), b.hash) != skip.end()) continue;
-    if (static_cast<int64_t>(queue_.size()) + in_flight_ >= max_staged_ ||
-        staged_windows_ >= most) {
+    if (static_cast<int64_t>(queue_.size()) + in_flight_ >= max_staged_ || staged >= most) {
       ++counters_.demote_dropped_full;
       continue;
     }
-    absl::StatusOr<std::unique_ptr<kernels::DeviceBuffer>> bytes =
-        device_->AllocateHostBuffer(window_bytes_);
-    if (!bytes.ok()) {
+    absl::StatusOr<std::unique_ptr<kernels::DeviceBuffer>> buffer =
+        device_->AllocateHostBuffer(bytes);
+    if (!buffer.ok()) {
       ++counters_.demote_failed;
       continue;
     }
-    const std::byte* src =
-        static_cast<const std::byte*>(region.base) + w.window.value() * window_bytes_;
     const absl::StatusOr<Fence> fence =
-        device_->CopyToHost(kernels::StreamId::kTransfer, (*bytes)->data(), src, window_bytes_);
+        device_->CopyToHost(kernels::StreamId::kTransfer, (*buffer)->data(), c.src, bytes);
     if (!fence.ok()) {
       ++counters_.demote_failed;
       continue;
@@ -366,19 +340,16 @@ void TierSet::StageWindowBlocks(KvCacheManager& cache, const kernels::KvPoolView
                             .hash = b.hash,
                             .parent = b.parent,
                             .tags = tags_of_ ? tags_of_(b.ns) : tier::NamespaceTags{},
-                            .bytes = *std::move(bytes),
+                            .bytes = *std::move(buffer),
                             .fence = *fence,
                             .staged_ns = clock_->NowNanos(),
-                            .kind = Staged::Kind::kWindow});
-    ++staged_windows_;
+                            .kind = kind});
+    ++staged;
     last = *fence;
-    copied.push_back(w.window);
+    copied.push_back(c.id);
   }
-  if (!copied.empty()) {
-    // Until the copies have run the blocks stay out of the free list, whatever happens to them.
-    KVPOOL_CHECK_OK(cache.MarkWindowInFlight(copied, last));
-    changed_.Signal();
-  }
+  if (!copied.empty()) changed_.Signal();
+  return out;
 }
 
 void TierSet::WriterLoop() {

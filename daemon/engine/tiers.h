@@ -26,6 +26,7 @@
 #include <memory>
 #include <span>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -343,6 +344,20 @@ class TierSet final {
            : kind == Staged::Kind::kCheckpoint ? state_bytes_
                                                : window_bytes_;
   }
+  // A component of a published block to copy out: the block it is keyed as, its bytes in the
+  // pool, and its slot or window block there.
+  struct ComponentCopy {
+    const PublishedBlock* block = nullptr;
+    const std::byte* src = nullptr;
+    BlockId id = kInvalidBlock;
+  };
+  // Queues the copies out of `copies` (of `kind`, StageCheckpoints / StageWindowBlocks) for the
+  // writer, after the compute stream's work; returns the ids copied and the last copy's fence,
+  // for the caller to mark in flight.
+  std::pair<std::vector<BlockId>, Fence> StageComponents(Staged::Kind kind,
+                                                         std::span<const ComponentCopy> copies,
+                                                         std::span<const BlockHash> skip)
+      ABSL_LOCKS_EXCLUDED(mu_);
   void WriterLoop();
   // Asks `store` for hashes [from, ...) after what the stores above found, into out[from, ...).
   // Returns its hits.

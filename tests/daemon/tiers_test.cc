@@ -45,6 +45,14 @@ ComputeResult RunPrefill(Engine& engine, std::shared_ptr<const Session> s,
   return result;
 }
 
+// `got` answers as `want` did, bit for bit: the same next token with the same log-probability.
+void ExpectSameAnswer(const ComputeResult& got, const ComputeResult& want) {
+  ASSERT_EQ(got.results.size(), 1u);
+  ASSERT_EQ(want.results.size(), 1u);
+  EXPECT_EQ(got.results[0].next_token, want.results[0].next_token);
+  EXPECT_EQ(got.results[0].logprob, want.results[0].logprob);
+}
+
 class TiersTest : public ::testing::Test {
  protected:
   void SetUp() override { Make(Options()); }
@@ -556,8 +564,7 @@ TEST_F(HybridTiersTest, APromotedPrefixResumesFromTheHostTiersCheckpoint) {
   const ComputeResult promoted = Prefill(prompt);
   EXPECT_EQ(promoted.reused, 48);
   ASSERT_EQ(promoted.results.size(), 1u);
-  EXPECT_EQ(promoted.results[0].next_token, on_device.results[0].next_token);
-  EXPECT_EQ(promoted.results[0].logprob, on_device.results[0].logprob);  // bit for bit
+  ExpectSameAnswer(promoted, on_device);
   tiers = engine_->Stats().tiers;
   EXPECT_EQ(tiers.promoted_checkpoints, 1u);
   EXPECT_EQ(tiers.promoted_from_host, 3u);
@@ -584,8 +591,7 @@ TEST_F(HybridTiersTest, ACheckpointEvictedWhileItsBlocksStayComesBackFromTheHost
   PoisonStates();  // every slot not holding a checkpoint now, and those that do
   const ComputeResult again = Prefill(prompt);
   EXPECT_EQ(again.reused, 48);
-  EXPECT_EQ(again.results[0].next_token, on_device.results[0].next_token);
-  EXPECT_EQ(again.results[0].logprob, on_device.results[0].logprob);
+  ExpectSameAnswer(again, on_device);
   EXPECT_EQ(engine_->Stats().tiers.promoted_checkpoints, 1u);
   Free(again, OnFree::kDiscard);
   EXPECT_TRUE(engine_->CheckInvariants().ok());
@@ -610,8 +616,7 @@ TEST_F(HybridTiersTest, AnEvictionInEachPromotionGapStillResumesBitForBit) {
     const ComputeResult promoted = Prefill(prompt);
     EXPECT_FALSE(armed_);  // the gap opened
     EXPECT_EQ(promoted.reused, 48);
-    EXPECT_EQ(promoted.results[0].next_token, on_device.results[0].next_token);
-    EXPECT_EQ(promoted.results[0].logprob, on_device.results[0].logprob);
+    ExpectSameAnswer(promoted, on_device);
     Free(promoted, OnFree::kDiscard);
     EXPECT_TRUE(engine_->CheckInvariants().ok());
     std::vector<SessionId> owners;
@@ -654,8 +659,7 @@ TEST_F(HybridTiersTest, APrefixPublishedBeforeARestartResumesFromTheDisksCheckpo
   PoisonStates();
   const ComputeResult promoted = Prefill(prompt);
   EXPECT_EQ(promoted.reused, 48);
-  EXPECT_EQ(promoted.results[0].next_token, on_device.results[0].next_token);
-  EXPECT_EQ(promoted.results[0].logprob, on_device.results[0].logprob);
+  ExpectSameAnswer(promoted, on_device);
   const TierStats tiers = engine_->Stats().tiers;
   EXPECT_EQ(tiers.promoted_from_disk, 3u);
   EXPECT_EQ(tiers.promoted_checkpoints, 1u);
@@ -761,8 +765,7 @@ class WindowTiersTest : public ::testing::Test {
     Free(fresh, OnFree::kCommit);
     const ComputeResult on_device = Prefill(prompt);
     EXPECT_EQ(on_device.reused, resumed);
-    EXPECT_EQ(on_device.results[0].next_token, fresh.results[0].next_token);
-    EXPECT_EQ(on_device.results[0].logprob, fresh.results[0].logprob);
+    ExpectSameAnswer(on_device, fresh);
     Free(on_device, OnFree::kDiscard);
     EXPECT_TRUE(engine_->Evict(0, 0, /*all=*/true).ok());
     EXPECT_EQ(engine_->Stats().cache.pool.cached, 0);
@@ -795,8 +798,7 @@ TEST_F(WindowTiersTest, APromotedPrefixResumesWithTheHostTiersWindowBlocks) {
   const ComputeResult promoted = Prefill(prompt);
   EXPECT_EQ(promoted.reused, 112);  // the full blocks: the partial one is in no tier
   ASSERT_EQ(promoted.results.size(), 1u);
-  EXPECT_EQ(promoted.results[0].next_token, on_device.results[0].next_token);
-  EXPECT_EQ(promoted.results[0].logprob, on_device.results[0].logprob);  // bit for bit
+  ExpectSameAnswer(promoted, on_device);
   const TierStats tiers = engine_->Stats().tiers;
   EXPECT_EQ(tiers.promoted_from_host, 7u);
   // The window at 112 reads tokens [81, 112): blocks 5 and 6.
@@ -813,8 +815,7 @@ TEST_F(WindowTiersTest, APromotionBringsTheSinksWindowBlocksToo) {
   const ComputeResult on_device = PublishResumeEvict(prompt, 119);
   const ComputeResult promoted = Prefill(prompt);
   EXPECT_EQ(promoted.reused, 112);
-  EXPECT_EQ(promoted.results[0].next_token, on_device.results[0].next_token);
-  EXPECT_EQ(promoted.results[0].logprob, on_device.results[0].logprob);
+  ExpectSameAnswer(promoted, on_device);
   EXPECT_EQ(engine_->Stats().tiers.promoted_window_blocks, 3u);  // the sink's, 5 and 6
   Free(promoted, OnFree::kDiscard);
   ExpectNothingLeft();
@@ -855,8 +856,7 @@ TEST_F(WindowTiersTest, WindowBlocksEvictedWhileTheirBlocksStayComeBackFromTheHo
   PoisonWindows();  // every window block, kept or not
   const ComputeResult again = Prefill(prompt);
   EXPECT_EQ(again.reused, 112);
-  EXPECT_EQ(again.results[0].next_token, fresh.results[0].next_token);
-  EXPECT_EQ(again.results[0].logprob, fresh.results[0].logprob);
+  ExpectSameAnswer(again, fresh);
   EXPECT_EQ(engine_->Stats().tiers.promoted_window_blocks, 2u);
   Free(again, OnFree::kDiscard);
   ExpectNothingLeft();
@@ -875,8 +875,7 @@ TEST_F(WindowTiersTest, AnEvictionInEachPromotionGapStillResumesBitForBit) {
     const ComputeResult promoted = Prefill(prompt);
     EXPECT_FALSE(armed_);  // the gap opened
     EXPECT_EQ(promoted.reused, 112);
-    EXPECT_EQ(promoted.results[0].next_token, on_device.results[0].next_token);
-    EXPECT_EQ(promoted.results[0].logprob, on_device.results[0].logprob);
+    ExpectSameAnswer(promoted, on_device);
     Free(promoted, OnFree::kDiscard);
     ExpectNothingLeft();
     ASSERT_TRUE(engine_->Evict(0, 0, /*all=*/true).ok());
@@ -896,8 +895,7 @@ TEST_F(WindowTiersTest, AHybridWithBothGroupsResumesAtTheCheckpointWithItsWindow
               static_cast<size_t>(layout_.num_state_slots * layout_.state_slot_bytes));
   const ComputeResult promoted = Prefill(prompt);
   EXPECT_EQ(promoted.reused, 112);
-  EXPECT_EQ(promoted.results[0].next_token, on_device.results[0].next_token);
-  EXPECT_EQ(promoted.results[0].logprob, on_device.results[0].logprob);
+  ExpectSameAnswer(promoted, on_device);
   const TierStats tiers = engine_->Stats().tiers;
   EXPECT_EQ(tiers.promoted_checkpoints, 1u);
   EXPECT_EQ(tiers.promoted_window_blocks, 2u);
@@ -918,8 +916,7 @@ TEST_F(WindowTiersTest, APrefixPublishedBeforeARestartResumesFromTheDisksWindowB
   PoisonWindows();
   const ComputeResult promoted = Prefill(prompt);
   EXPECT_EQ(promoted.reused, 112);
-  EXPECT_EQ(promoted.results[0].next_token, on_device.results[0].next_token);
-  EXPECT_EQ(promoted.results[0].logprob, on_device.results[0].logprob);
+  ExpectSameAnswer(promoted, on_device);
   TierStats tiers = engine_->Stats().tiers;
   EXPECT_EQ(tiers.promoted_from_disk, 7u);
   EXPECT_EQ(tiers.promoted_window_blocks, 2u);

@@ -46,12 +46,13 @@ class WindowGroupTest : public ::testing::Test {
  protected:
   void Make(int32_t window_blocks, int32_t window_tokens, int32_t sink_tokens = 0,
             int32_t num_blocks = 64, int32_t state_slots = 0, int32_t checkpoint_slots = 0,
-            int32_t checkpoint_interval = 4) {
+            int32_t checkpoint_interval = 4, bool publish_journal = false) {
     auto cache = KvCacheManager::Create({.block_size = kBlockSize,
                                          .num_blocks = num_blocks,
                                          .max_blocks_per_seq = 64,
                                          .clock = &clock_,
                                          .fences = &fences_,
+                                         .publish_journal = publish_journal,
                                          .state_slots = state_slots,
                                          .checkpoint_slots = checkpoint_slots,
                                          .checkpoint_interval = checkpoint_interval,
@@ -504,20 +505,11 @@ TEST_F(WindowGroupTest, ATiersEventsAreTheMainGroups) {
 // the sinks' included, none for the rest, and entries it adopted before that window released. The
 // tree keeps what it committed, and the journal names each kept block beside a full one for the
 // tiers (TakePublishedWindowBlocks).
-TEST(ImportWindowTest, TakesBlocksForTheWindowAloneAndTheJournalNamesWhatTheTreeKeeps) {
-  ManualClock clock;
-  ManualFences fences;
-  auto made = KvCacheManager::Create({.block_size = kBlockSize,
-                                      .num_blocks = 64,
-                                      .max_blocks_per_seq = 64,
-                                      .clock = &clock,
-                                      .fences = &fences,
-                                      .publish_journal = true,
-                                      .window_blocks = 8,
-                                      .window_tokens = 32,
-                                      .sink_tokens = 16});
-  ASSERT_TRUE(made.ok()) << made.status();
-  KvCacheManager& cache = **made;
+TEST_F(WindowGroupTest, ImportWindowTakesBlocksForTheWindowAloneAndTheJournalNamesThem) {
+  Make(/*window_blocks=*/8, /*window_tokens=*/32, /*sink_tokens=*/16, /*num_blocks=*/64,
+       /*state_slots=*/0, /*checkpoint_slots=*/0, /*checkpoint_interval=*/4,
+       /*publish_journal=*/true);
+  KvCacheManager& cache = *cache_;
   const std::vector<int32_t> prompt = Prompt(224);
   DevicePlan plan;
   const auto loader = cache.Allocate(
@@ -572,18 +564,9 @@ TEST(ImportWindowTest, TakesBlocksForTheWindowAloneAndTheJournalNamesWhatTheTree
   EXPECT_TRUE(cache.CheckInvariants().ok());
 }
 
-TEST(ImportWindowTest, IsRefusedWholeWhenTheWindowGroupIsShort) {
-  ManualClock clock;
-  ManualFences fences;
-  auto made = KvCacheManager::Create({.block_size = kBlockSize,
-                                      .num_blocks = 64,
-                                      .max_blocks_per_seq = 64,
-                                      .clock = &clock,
-                                      .fences = &fences,
-                                      .window_blocks = 4,
-                                      .window_tokens = 32});
-  ASSERT_TRUE(made.ok()) << made.status();
-  KvCacheManager& cache = **made;
+TEST_F(WindowGroupTest, ImportWindowIsRefusedWholeWhenTheWindowGroupIsShort) {
+  Make(/*window_blocks=*/4, /*window_tokens=*/32);
+  KvCacheManager& cache = *cache_;
   DevicePlan plan;
   // Bob holds 2 of the 4 window blocks; the window at 161 tokens reads [130, 161): entries 8, 9
   // and the partial 10.
