@@ -736,7 +736,8 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
                    .retain_tail = r.retain_tail};
     AdoptMatch(&seq, r, p, ctx, plan);
     if (states_) ++states_by_ns_[r.ns];
-    seq.state_tokens = p.match.matched_tokens;
+    // (Uncut, the state holds no tokens of the match: it is not to be stepped or kept.)
+    seq.state_tokens = p.uncut && p.match.matched_tokens > 0 ? -1 : p.match.matched_tokens;
     // The branch point's checkpoint goes on the last block the prompt shares whole: the one
     // tree block every later prompt through here follows, whichever sibling it continues into.
     const int64_t branch = p.branch_at / block_size_ * block_size_;
@@ -816,7 +817,8 @@ absl::Status KvCacheManager::PlanAllocate(const AllocateRequest& r, AllocateTall
       p->below_admission_bar = why.below_admission_bar;
       p->first_block_elsewhere = why.first_block_elsewhere;
     }
-    if (states_ || window_) {
+    p->uncut = (states_ || window_) && r.adopt_uncut;
+    if ((states_ || window_) && !p->uncut) {
       // A state group resumes only from a checkpoint of the state exactly where the match ends,
       // a window group only where it holds the window there (docs/hybrid-groups.md §4): the
       // match is cut at the deepest point both reach.

@@ -260,6 +260,11 @@ struct AllocateRequest {
   // prefill in chunks never holds more than about its chunk plus a window of them). -1: for
   // all num_tokens. Ignored without a window group.
   int64_t window_ahead = -1;
+  // With a window or state group: adopt the whole attention match, not cut where a window block
+  // or a checkpoint is missing (a tier loader, which imports those itself: ImportWindow,
+  // ImportCheckpoint). Its window table starts empty and its state from nothing (state_tokens
+  // -1); it is not to be stepped. Ignored without either group.
+  bool adopt_uncut = false;
 };
 
 struct AllocateResult {
@@ -537,8 +542,9 @@ class KvCacheManager final {
   // Window blocks for what `sequence`'s window reads at its whole length, for the caller to fill
   // from outside (a tier loader: a lower tier's copies of window blocks kept earlier, not its
   // steps, write them). Releases the window table's entries before that window (as
-  // SlideWindow(num_tokens) would), then appends every entry the window table lacks: a fresh
-  // block where the window reads it, none (released) where it does not. Returns the appended
+  // SlideWindow(num_tokens) would), then appends every entry the window table lacks: the window
+  // block the tree keeps beside the entry's block where there is one (a full one), else a fresh
+  // block where the window reads it, none (released) where it does not. Returns the fresh
   // blocks as (entry, block), in order; the caller copies their bytes in and marks them in flight
   // (MarkWindowInFlight) before anything reads them. A match that ended inside a block leaves
   // that block's window entry as adopted, the rest of it unwritten: import onto block-aligned
@@ -757,6 +763,7 @@ class KvCacheManager final {
     bool window_copy_partial = false;  // the partially matched block's window block is copied
     int32_t new_blocks = 0;
     int32_t window_new_blocks = 0;  // fresh window blocks (AllocateRequest::window_ahead)
+    bool uncut = false;             // AllocateRequest::adopt_uncut, with a group it applies to
   };
   // Blocks a batch has already claimed to write into, and by how many holders.
   using WriteClaims = std::vector<std::pair<BlockId, uint32_t>>;

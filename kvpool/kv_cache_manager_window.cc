@@ -106,6 +106,7 @@ void KvCacheManager::PlanWindowGrow(const Sequence& seq, int64_t window_ahead, W
 
 void KvCacheManager::PlanWindowAllocate(const AllocateRequest& r, AllocateTally* tally,
                                         AllocatePlan* p) const {
+  if (p->uncut) return;  // no window entries: ImportWindow gives them
   const PrefixMatch& m = p->match;
   int64_t adopted = 0;  // cached window blocks this request turns ACTIVE (a quota's charge)
   const auto adopt = [&](BlockId block) {
@@ -229,6 +230,7 @@ void KvCacheManager::AdoptWindow(Sequence* seq, const AllocatePlan& p, int64_t n
   const absl::StatusOr<NamespaceSlot> slot = window_->RegisterNamespace(seq->ns);
   KVPOOL_CHECK_OK(slot.status());  // PlanWindowNamespaces made room
   seq->window_slot = *slot;
+  if (p.uncut) return;  // no window entries: ImportWindow gives them
   const PrefixMatch& m = p.match;
   seq->window_table.reserve(static_cast<size_t>(BlocksFor(num_tokens)));
   for (size_t i = 0; i < m.full.size(); ++i) {
@@ -370,15 +372,36 @@ absl::StatusOr<std::vector<std::pair<int64_t, BlockId>>> KvCacheManager::ImportW
   if (!window_) return imported;
   const int64_t n = seq->num_tokens;
   const auto from = static_cast<int64_t>(seq->window_table.size());
+  // Per entry appended: the tree's window block beside its block (a full one: it holds every
+  // token the entry does), a fresh one, or none.
+  const auto kept = [&](int64_t i) {
+    const BlockId primary = seq->table[static_cast<size_t>(i)];
+    const auto it = window_of_.find(primary);
+    return it != window_of_.end() && window_at_[Index(it->second)].covered == block_size_
+               ? it->second
+               : kInvalidBlock;
+  };
   int64_t fresh = 0;
-  for (int64_t i = from; i < BlocksFor(n); ++i) fresh += WindowNeeds(i, n) ? 1 : 0;
-  std::vector<BlockId> victims;
-  if (fresh > 0) {
-    if (!quotas_.empty()) {
-      const GroupCharge groups[] = {{.ns = seq->ns, .window_blocks = fresh}};
-      KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckQuotas({}, groups, "import window")));
+  std::vector<BlockId> adopted;  // kept blocks it takes: charged when CACHED, never evicted for it
+  int64_t charged = 0;
+  for (int64_t i = from; i < BlocksFor(n); ++i) {
+    if (!WindowNeeds(i, n)) continue;
+    const BlockId block = kept(i);
+    if (block == kInvalidBlock) {
+      ++fresh;
+    } else {
+      adopted.push_back(block);
+      charged += window_->state(block) == BlockState::kCached ? 1 : 0;
     }
-    KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckWindowRoom(fresh, {}, &victims, "import window")));
+  }
+  std::vector<BlockId> victims;
+  if (fresh + charged > 0 && !quotas_.empty()) {
+    const GroupCharge groups[] = {{.ns = seq->ns, .window_blocks = fresh + charged}};
+    KVPOOL_RETURN_IF_ERROR(CountExhausted(CheckQuotas({}, groups, "import window")));
+  }
+  if (fresh > 0) {
+    KVPOOL_RETURN_IF_ERROR(
+        CountExhausted(CheckWindowRoom(fresh, adopted, &victims, "import window")));
   }
   EvictWindowPlanned(victims, ctx);
   ReleaseBeforeWindow(seq, n, ctx);
@@ -388,9 +411,18 @@ absl::StatusOr<std::vector<std::pair<int64_t, BlockId>>> KvCacheManager::ImportW
                                     /*fills=*/nullptr));  // the caller's copies fill them
   imported.reserve(blocks.size());
   for (int64_t i = from; i < BlocksFor(n); ++i) {
-    const bool needed = WindowNeeds(i, n);
-    seq->window_table.push_back(needed ? blocks[imported.size()] : kInvalidBlock);
-    if (needed) imported.emplace_back(i, seq->window_table.back());
+    if (!WindowNeeds(i, n)) {
+      seq->window_table.push_back(kInvalidBlock);
+      continue;
+    }
+    if (const BlockId block = kept(i); block != kInvalidBlock) {
+      KVPOOL_CHECK_OK(window_->Retain(block, ctx));
+      TouchWindowBlock(block);
+      seq->window_table.push_back(block);
+      continue;
+    }
+    seq->window_table.push_back(blocks[imported.size()]);
+    imported.emplace_back(i, seq->window_table.back());
   }
   return imported;
 }

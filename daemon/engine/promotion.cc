@@ -1,5 +1,6 @@
 #include "daemon/engine/promotion.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "kvpool/util/check.h"
@@ -48,65 +49,80 @@ bool Promotion::Match(const EngineState& state) {
         .window_tokens = cache.window_tokens(),
         .sink_blocks = (cache.sink_tokens() + int64_t{block_size_} - 1) / block_size_};
   }
+  // With a group whose component cut the match, the device may hold blocks past the cut: the
+  // loader adopts them (AllocateRequest::adopt_uncut), and the tiers are asked only for the
+  // blocks after them, and for the components from the cut on.
+  attention_ = local_;
+  if (needs_checkpoint_ || window_) {
+    attention_ = std::clamp(pool.cache().cache()->Match(ns_, prompt_).full.size(), local_, full_);
+  }
   return local_ < full_;
 }
 
 void Promotion::Lookup(TierSet& tiers) {
   tiers.Recycle(&found_);
-  found_ = tiers.Lookup(ns_, local_ == 0 ? BlockHash{} : chain_[local_ - 1],
-                        std::span(chain_).subspan(local_));
-  upto_ = local_ + static_cast<size_t>(found_.hits);
-  if (needs_checkpoint_ && found_.hits > 0) {
+  found_ = tiers.Lookup(ns_, attention_ == 0 ? BlockHash{} : chain_[attention_ - 1],
+                        std::span(chain_).subspan(attention_));
+  upto_ = attention_ + static_cast<size_t>(found_.hits);
+  if (needs_checkpoint_ && upto_ > local_) {
     // With a state group a prompt resumes only from a checkpoint (MatchPrefix cut the local match
-    // at the deepest one): the hits are worth promoting up to the deepest checkpoint the tiers
-    // have among them (the host tier's, else Redis's), and not at all without one.
+    // at the deepest one): the prefix is worth promoting up to the deepest checkpoint the tiers
+    // have past the cut (the host tier's, the disk's, else Redis's), and not at all without one.
     tiers.LookupCheckpoint(ns_, chain_, local_, upto_, &found_);
-    found_.hits = found_.checkpoint < 0 ? 0 : found_.checkpoint + 1 - static_cast<int64_t>(local_);
-    upto_ = local_ + static_cast<size_t>(found_.hits);
+    upto_ = found_.checkpoint < 0 ? local_ : static_cast<size_t>(found_.checkpoint) + 1;
   }
-  if (window_ && found_.hits > 0) {
+  if (window_ && upto_ > local_) {
     // With a window group a prompt resumes only where its window's blocks are there (MatchPrefix
-    // cut the local match so): the hits are worth promoting up to the deepest point whose window
-    // blocks past the local match the tiers have, and not at all without one. With a state group
-    // too, that point must be the checkpoint's (no shallower checkpoint is tried).
+    // cut the local match so): the prefix is worth promoting up to the deepest point whose window
+    // blocks past the cut the tiers have, and not at all without one. With a state group too,
+    // that point must be the checkpoint's (no shallower checkpoint is tried).
     const size_t point = tiers.LookupWindow(ns_, chain_, local_, upto_, *window_, &found_);
-    if (needs_checkpoint_ && point != upto_) {
-      found_.hits = 0;  // what was found goes back with Recycle
-    } else {
-      found_.hits = static_cast<int64_t>(point - local_);
-    }
-    upto_ = local_ + static_cast<size_t>(found_.hits);
+    upto_ = needs_checkpoint_ && point != upto_ ? local_ : point;  // (the rest goes with Recycle)
   }
+  found_.hits = upto_ > attention_ ? static_cast<int64_t>(upto_ - attention_) : 0;
 }
 
 void Promotion::Recycle(TierSet& tiers) { tiers.Recycle(&found_); }
 
 Promotion::Outcome Promotion::Start(EngineState& state, kernels::Device& device, bool revalidate) {
-  if (found_.hits == 0) return Outcome::kNothing;
+  if (upto_ <= local_) return Outcome::kNothing;
   PoolState& pool = state.pool(pool_);
   KvCacheManager& cache = pool.cache();
   // What Match learned may be stale: blocks of the local prefix evicted (or new ones published)
   // while the lookup ran without the lock.
-  const int64_t matched_now = cache.MatchPrefix(ns_, prompt_.first(upto_ * block_size_));
+  const std::span<const int32_t> prompt = prompt_.first(upto_ * block_size_);
+  const int64_t matched_now = cache.MatchPrefix(ns_, prompt);
   if (revalidate && static_cast<size_t>(matched_now / block_size_) < local_) {
     return Outcome::kRaced;  // the hits no longer join the cached prefix
   }
-  if (matched_now % block_size_ != 0) return Outcome::kFailed;  // a partly cached block: shared
+  // Uncut, the loader adopts the blocks the device holds past a component's cut too: those the
+  // tiers were not asked for must still be there.
+  const bool uncut = needs_checkpoint_ || window_;
+  int64_t adopting = matched_now;
+  if (uncut) {
+    const PrefixMatch m = cache.cache()->Match(ns_, prompt);
+    if (revalidate && m.full.size() < std::min(attention_, upto_)) return Outcome::kRaced;
+    adopting = m.matched_tokens;
+  }
+  if (adopting % block_size_ != 0) return Outcome::kFailed;  // a partly cached block: shared
   DevicePlan plan;
   absl::StatusOr<AllocateResult> made =
       cache.Allocate(kTierLoader,
                      {.ns = ns_,
                       .num_tokens = static_cast<int64_t>(upto_) * block_size_,
                       .prompt = prompt_.first(upto_ * block_size_),
-                      // Its window blocks come from the tier, for what its window reads alone.
-                      .window_ahead = window_ ? 0 : -1},
+                      // Its window blocks come from the tree or the tier, for what its
+                      // window reads alone.
+                      .window_ahead = window_ ? 0 : -1,
+                      .adopt_uncut = uncut},
                      &plan);
   if (!made.ok()) return Outcome::kFailed;  // no room (or the namespace's quota)
   loader_ = made->sequence;
   ++pool.loaders;
-  KVPOOL_CHECK(made->matched_tokens == matched_now);  // the same match, in the same lock hold
-  // Its window blocks past the match: the tier's copies of those the window reads at its end
-  // (LookupWindow pinned them all), none for the rest. Never left unfilled for the tree to keep.
+  KVPOOL_CHECK(made->matched_tokens == adopting);  // the same match, in the same lock hold
+  // Its window: what the tree keeps of the window at its end, the tier's copies of the rest
+  // (LookupWindow pinned every one past the cut), none for what it does not read. Never left
+  // unfilled for the tree to keep.
   std::vector<std::pair<int64_t, BlockId>> windows;
   if (window_) {
     absl::StatusOr<std::vector<std::pair<int64_t, BlockId>>> imported =
@@ -116,6 +132,10 @@ Promotion::Outcome Promotion::Start(EngineState& state, kernels::Device& device,
       return Outcome::kFailed;  // no room in the window group (or the namespace's quota)
     }
     windows = *std::move(imported);
+    if (!windows.empty() && static_cast<size_t>(windows.front().first) < local_) {
+      FreeLoader(pool, loader_);  // one the tree kept before the cut went during the lookup
+      return Outcome::kRaced;
+    }
   }
   // The tiers' checkpoint at the end of the last hit goes in with the blocks (a pool with a
   // state group; Lookup cut the hits there). Without a slot for it the blocks still go in.
@@ -165,8 +185,8 @@ absl::StatusOr<Fence> Promotion::CopyHits(PoolState& pool, kernels::Device& devi
   for (size_t i = from; fence.ok() && i < upto_; ++i) {
     const BlockId block = seq.table[i];
     std::byte* dst = static_cast<std::byte*>(pool.view().base) + block.value() * block_bytes;
-    // Block i of the prompt is hit i - local_: `from` >= local_ once re-validated.
-    const size_t hit = i - local_;
+    // Block i of the prompt is hit i - attention_: `from` >= attention_ once re-validated.
+    const size_t hit = i - attention_;
     const std::byte* src = found_.block(hit, block_bytes).data();
     const bool in_host = hit < static_cast<size_t>(found_.from_host);
     if (!in_host || !run_in_host || dst != run_dst + run_bytes || src != run_src + run_bytes) {
@@ -254,7 +274,7 @@ std::optional<PromotionHold> Promotion::Publish(EngineState& state, const absl::
   tiers.CountPromotion(from_host, from_disk, from_remote, state.now() - started_ns_,
                        /*failed=*/false, imported_, windows_imported_);
   if (from_disk + from_remote > 0) {  // what the disk or Redis had goes into the host tier too
-    const size_t first_below = local_ + static_cast<size_t>(from_host);
+    const size_t first_below = attention_ + static_cast<size_t>(from_host);
     tiers.KeepInHost(
         ns_, first_below == 0 ? BlockHash{} : chain_[first_below - 1],
         std::span(chain_).subspan(first_below, static_cast<size_t>(from_disk + from_remote)),

@@ -4,22 +4,26 @@
 // fresh device blocks and handed to the call that asked. A small state machine the engine drives
 // across two lock gaps, in the shape of Step (step.h):
 //
-//   Match    (engine lock)  the prompt's locally cached full blocks: `local`
-//   Lookup   (no lock)      the tiers, for the chain of full blocks after `local` (TierSet::Lookup:
-//                           host-tier hits are pinned in their slots, lower tiers' read into
-//                           staging buffers); with a window group, the hits cut at the deepest
-//                           point whose window blocks the host tier has (pinned); with a state
-//                           group, at the deepest hit with a state checkpoint in the tiers
+//   Match    (engine lock)  the prompt's locally cached full blocks: `local`, cut where a
+//                           window block or checkpoint is missing (resumable), and `attention`,
+//                           not cut (the blocks the device holds)
+//   Lookup   (no lock)      the tiers, for the chain of full blocks after `attention`
+//                           (TierSet::Lookup: host-tier hits are pinned in their slots, lower
+//                           tiers' read into staging buffers); with a state group, cut at the
+//                           deepest checkpoint the tiers have past `local`; with a window group,
+//                           at the deepest point whose window blocks past `local` they have
 //                           (none: nothing to do)
 //   Start    (engine lock)  re-validates what Match learned: a loader sequence (owned by no
-//                           session: kTierLoader) over the prompt's first `local + hits` blocks
-//                           adopts what is cached now and takes fresh blocks for the rest; the
-//                           hits are copied into the fresh ones on the transfer stream, straight
-//                           from the host tier's slots (one copy per block), and so are the
-//                           window blocks its resume point reads and its checkpoint. When the
-//                           local match shrank during the gap (an eviction), the hits no longer
-//                           join the cached prefix: Start says so (kRaced) and the engine looks
-//                           up again. When it grew, the hits it now covers are skipped.
+//                           session: kTierLoader) over the prompt's first blocks up to that
+//                           point adopts what is cached now (past the cut too: adopt_uncut)
+//                           and takes fresh blocks for the rest; the hits are copied into the
+//                           fresh ones on the transfer stream, straight from the host tier's
+//                           slots (one copy per block), and so are the window blocks its resume
+//                           point reads that the tree lacks (ImportWindow) and its checkpoint.
+//                           When either match shrank during the gap (an eviction), what the
+//                           tiers were asked for no longer joins the cached prefix: Start says
+//                           so (kRaced) and the engine looks up again. When it grew, the hits
+//                           it now covers are skipped.
 //   Wait     (no lock)      the copies' fence
 //   Publish  (engine lock)  the loader commits its blocks into the prefix cache and stays: the
 //                           hold (PromotionHold) keeps every block of the prefix from eviction
@@ -100,16 +104,19 @@ class Promotion final {
   const NamespaceId ns_;
   const std::span<const int32_t> prompt_;
   const int32_t block_size_;
-  const size_t full_;              // the prompt's full blocks
-  std::vector<BlockHash> chain_;   // their chained hashes
-  size_t local_ = 0;               // full blocks cached at Match
+  const size_t full_;             // the prompt's full blocks
+  std::vector<BlockHash> chain_;  // their chained hashes
+  size_t local_ = 0;  // full blocks cached at Match (resumable: cut where a component is missing)
+  // Full blocks the device held at Match, past a component's cut too (>= local_): the loader
+  // adopts them, the tiers are asked for the blocks after them, the components from local_ on.
+  size_t attention_ = 0;
   size_t upto_ = 0;                // local_ + hits: the loader's length in blocks
   bool needs_checkpoint_ = false;  // the pool has a state group: promote up to a checkpoint
   bool imported_ = false;          // the host tier's checkpoint is copied in with the blocks
   // The pool's window group (none without one): the window blocks a resume point reads.
   std::optional<TierSet::WindowReach> window_;
   int64_t windows_imported_ = 0;  // window blocks copied in with the blocks
-  TierSet::Found found_;          // block i of found_ is the prompt's block local_ + i
+  TierSet::Found found_;          // block i of found_ is the prompt's block attention_ + i
   SequenceId loader_;
   Fence copied_;
   int64_t started_ns_ = 0;

@@ -574,8 +574,8 @@ TEST_F(HybridTiersTest, APromotedPrefixResumesFromTheHostTiersCheckpoint) {
 }
 
 // Checkpoints give way to others (checkpoint_slots) while their blocks stay on the device: the
-// device's match is then cut at none, and the host tier gives the checkpoint back (with the
-// blocks after the cut copied again, which the commit folds into the device's own).
+// device's match is then cut at none, and the host tier gives the checkpoint back. The loader
+// adopts the device's blocks past the cut (AllocateRequest::adopt_uncut): none is copied again.
 TEST_F(HybridTiersTest, ACheckpointEvictedWhileItsBlocksStayComesBackFromTheHostTier) {
   Make(/*host_checkpoints=*/0);
   const std::vector<int32_t> prompt = Prompt(57, 34);
@@ -593,6 +593,7 @@ TEST_F(HybridTiersTest, ACheckpointEvictedWhileItsBlocksStayComesBackFromTheHost
   EXPECT_EQ(again.reused, 48);
   ExpectSameAnswer(again, on_device);
   EXPECT_EQ(engine_->Stats().tiers.promoted_checkpoints, 1u);
+  EXPECT_EQ(engine_->Stats().tiers.promoted_from_host, 0u);  // the device had every block
   Free(again, OnFree::kDiscard);
   EXPECT_TRUE(engine_->CheckInvariants().ok());
 }
@@ -840,7 +841,8 @@ TEST_F(WindowTiersTest, WithoutHostWindowBlocksNothingIsPromoted) {
 
 // The window group is the scarce one: its kept blocks give way to other prompts' while the
 // full-attention blocks stay on the device, which cuts the device's match to nothing. The host
-// tier gives the window blocks back, and the tree keeps them beside its own blocks.
+// tier gives the window blocks back, and the tree keeps them beside its own blocks, which the
+// loader adopts rather than copying them again (AllocateRequest::adopt_uncut).
 TEST_F(WindowTiersTest, WindowBlocksEvictedWhileTheirBlocksStayComeBackFromTheHostTier) {
   Make(/*sinks=*/0, /*host_window_blocks=*/0, std::nullopt, /*blocks=*/64);
   const std::vector<int32_t> prompt = Prompt(120, 44);
@@ -858,8 +860,32 @@ TEST_F(WindowTiersTest, WindowBlocksEvictedWhileTheirBlocksStayComeBackFromTheHo
   EXPECT_EQ(again.reused, 112);
   ExpectSameAnswer(again, fresh);
   EXPECT_EQ(engine_->Stats().tiers.promoted_window_blocks, 2u);
+  EXPECT_EQ(engine_->Stats().tiers.promoted_from_host, 0u);  // the device had every block
   Free(again, OnFree::kDiscard);
   ExpectNothingLeft();
+}
+
+// The same with the device's blocks adopted past the cut, and everything cached emptied in each
+// of the promotion's lock gaps: the loader's adoption is re-validated (the lookup is done again,
+// and the blocks then come from the host tier), and the answer stays bit for bit.
+TEST_F(WindowTiersTest, AnEvictionInEachGapWhileTheDeviceHeldTheBlocksStillResumesBitForBit) {
+  for (const LockGap gap : {LockGap::kTierLookup, LockGap::kPromotionCopy, LockGap::kAdoption}) {
+    SCOPED_TRACE(static_cast<int>(gap));
+    Make(/*sinks=*/0, /*host_window_blocks=*/0, gap, /*blocks=*/64);
+    const std::vector<int32_t> prompt = Prompt(120, 54);
+    const ComputeResult fresh = Prefill(prompt);
+    Free(fresh, OnFree::kCommit);
+    for (uint32_t seed : {55u, 56u}) Free(Prefill(Prompt(120, seed)), OnFree::kCommit);
+    ASSERT_GE(engine_->Stats().cache.windows.evicted, 5u);
+    PoisonWindows();
+    armed_ = true;
+    const ComputeResult again = Prefill(prompt);
+    EXPECT_FALSE(armed_);  // the gap opened
+    EXPECT_EQ(again.reused, 112);
+    ExpectSameAnswer(again, fresh);
+    Free(again, OnFree::kDiscard);
+    ExpectNothingLeft();
+  }
 }
 
 // The promotion's lock gaps forced open: the device's cache is emptied while the tiers are asked,

@@ -438,10 +438,19 @@ void WindowGroupRandomTest::Import() {
   const int64_t len = kBlockSize * (1 + static_cast<int64_t>(Rand(kMaxBlocksPerSeq / 2)));
   const std::vector<int32_t> prompt(family.begin(), family.begin() + len);
   const SessionId session = kSessions[Rand(2)];
-  const int64_t expect = Resumable(prompt);
+  // Uncut (AllocateRequest::adopt_uncut) it adopts the whole attention match and imports every
+  // entry its window reads that the tree does not keep; else it resumes where the reference says.
+  const bool uncut = Rand(2) == 0;
+  const int64_t expect =
+      uncut ? manager_->cache()->Match(kNamespace, prompt).matched_tokens : Resumable(prompt);
   DevicePlan plan;
-  const absl::StatusOr<AllocateResult> r = manager_->Allocate(
-      session, {.ns = kNamespace, .num_tokens = len, .prompt = prompt, .window_ahead = 0}, &plan);
+  const absl::StatusOr<AllocateResult> r = manager_->Allocate(session,
+                                                              {.ns = kNamespace,
+                                                               .num_tokens = len,
+                                                               .prompt = prompt,
+                                                               .window_ahead = 0,
+                                                               .adopt_uncut = uncut},
+                                                              &plan);
   if (!r.ok()) {
     ASSERT_EQ(r.status().code(), Code::kResourceExhausted) << r.status();
     Refused(r.status());
@@ -460,14 +469,18 @@ void WindowGroupRandomTest::Import() {
   if (!imported.ok()) {
     ASSERT_EQ(imported.status().code(), Code::kResourceExhausted) << imported.status();
     Refused(imported.status());
-    ASSERT_EQ(Seq(id).window_table.size(), static_cast<size_t>(BlocksFor(expect)));  // unchanged
+    ASSERT_EQ(Seq(id).window_table.size(),  // unchanged
+              static_cast<size_t>(uncut ? 0 : BlocksFor(expect)));
     ASSERT_TRUE(manager_->Free(session, id).ok());
     return;
   }
   std::vector<BlockId> copied;
   size_t next = 0;
-  for (int64_t i = BlocksFor(expect); i < BlocksFor(len); ++i) {
+  for (int64_t i = uncut ? 0 : BlocksFor(expect); i < BlocksFor(len); ++i) {
     if (!Needs(i, len)) continue;
+    // Uncut, an entry whose block the tree keeps a window block beside takes that one (the
+    // check below reads it as data); past a cut match no entry's block is the tree's.
+    if (uncut && (next == imported->size() || (*imported)[next].first != i)) continue;
     ASSERT_LT(next, imported->size()) << "entry " << i << " is read and was not imported";
     const auto [entry, block] = (*imported)[next++];
     ASSERT_EQ(entry, i);
