@@ -473,31 +473,24 @@ struct TestDisk {
   }
 };
 
-// Issue 28, tiers: in a pool with a state group a prompt resumes only from a state checkpoint,
-// so the host tier keeps the checkpoints taken at a full block's end beside their blocks, and a
-// promotion brings the deepest one back with the blocks. Before, a promoted prefix of a hybrid
-// model was never resumed from (its blocks came back, no checkpoint did).
-class HybridTiersTest : public ::testing::Test {
+// An engine running a real model (f32: bit for bit) whose layers fall into groups, for the tier
+// tests of its components (checkpoints, window blocks).
+class ModelTiersTest : public ::testing::Test {
  protected:
-  // `gap`, when given, evicts every cached block (and checkpoint) nobody holds from the device
-  // the first time it opens after armed_ is set.
-  void Make(int64_t host_checkpoints, std::optional<LockGap> gap = std::nullopt) {
-    arena_.reset();
-    alice_.reset();
-    const model::ModelConfig config = *model::NamedConfig("tiny-hybrid");
-    EngineOptions options = SmallPool(16);
-    kernels::PoolLayout& layout = options.pools[0].layout;
+  // `options` laid out for `config`'s attention layers, in f32.
+  static void UseModel(const model::ModelConfig& config, EngineOptions* options) {
+    kernels::PoolLayout& layout = options->pools[0].layout;
     layout.num_layers = config.pool_layers();
     layout.num_kv_heads = config.num_kv_heads;
     layout.head_dim = config.head_dim;
     layout.dtype = kernels::DType::kF32;  // bit for bit
-    layout.num_state_slots = 8;
-    layout.state_slot_bytes = (config.state_bytes() + 63) / 64 * 64;
-    options.model_name = "tiny-hybrid";
-    options.checkpoint_slots = 4;
-    options.checkpoint_interval = 2;
-    options.tiers.host_blocks = 32;
-    options.tiers.host_checkpoints = host_checkpoints;
+  }
+  // A fresh engine (a restart when one ran) over `options` with `config`'s synthetic weights.
+  // `gap`, when given, evicts every cached block (and component) nobody holds from the device
+  // the first time it opens after armed_ is set.
+  void Start(EngineOptions options, const model::ModelConfig& config, std::optional<LockGap> gap) {
+    arena_.reset();
+    alice_.reset();
     disk_.Use(&options);
     if (gap) {
       options.lock_gap_hook = [this, gap](LockGap g) {
@@ -508,20 +501,26 @@ class HybridTiersTest : public ::testing::Test {
       };
     }
     engine_.reset();
-    model_ = std::move(
-        *model::Model::Create(model::SyntheticWeights(config, 1), layout, {.threads = 1}));
-    engine_ = std::move(*Engine::Create(options, &device_, model_.get()));
+    model_ = std::move(*model::Model::Create(model::SyntheticWeights(config, 1),
+                                             options.pools[0].layout, {.threads = 1}));
+    absl::StatusOr<std::unique_ptr<Engine>> made = Engine::Create(options, &device_, model_.get());
+    ASSERT_TRUE(made.ok()) << made.status();
+    engine_ = *std::move(made);
     alice_ = *engine_->OpenSession(Spec("tenant-a", "alice"));
     absl::StatusOr<PoolGrant> grant = engine_->Grant(alice_);
     ASSERT_TRUE(grant.ok()) << grant.status();
     arena_ = std::make_unique<MappedArena>(*grant);
     layout_ = grant->layout;
   }
-  // Every state slot scribbled over, as their reuse by other sequences would: what a promotion
-  // puts into a slot must come from the host tier, not be left over there.
+  // Every state slot, or every window block, scribbled over, as their reuse by other sequences
+  // would: what a promotion puts there must come from a tier, not be left over.
   void PoisonStates() {
     std::memset(arena_->base() + layout_.state_offset(), 0x7f,
                 static_cast<size_t>(layout_.num_state_slots * layout_.state_slot_bytes));
+  }
+  void PoisonWindows() {
+    std::memset(arena_->base() + layout_.window_offset(), 0x7f,
+                static_cast<size_t>(layout_.num_window_blocks * layout_.window_block_bytes()));
   }
   ComputeResult Prefill(const std::vector<int32_t>& prompt) {
     ComputeResult result = RunPrefill(*engine_, alice_, prompt);
@@ -532,7 +531,15 @@ class HybridTiersTest : public ::testing::Test {
     ASSERT_TRUE(engine_->Free(*alice_, r.sequences, how, CallContext::Uncancellable()).ok());
     ASSERT_TRUE(engine_->FlushTiers(absl::Seconds(10)).ok());
   }
+  void ExpectNothingLeft() {
+    EXPECT_TRUE(engine_->CheckInvariants().ok());
+    std::vector<SessionId> owners;
+    std::vector<int32_t> pools;
+    engine_->ListSequences(std::nullopt, kNoSession, &owners, &pools);
+    EXPECT_TRUE(owners.empty());  // no loader left
+  }
 
+  TestDisk disk_;  // declared first: removed after the engine is gone
   FailingDevice device_;
   std::unique_ptr<model::Model> model_;
   std::unique_ptr<Engine> engine_;
@@ -540,7 +547,28 @@ class HybridTiersTest : public ::testing::Test {
   std::unique_ptr<MappedArena> arena_;
   kernels::PoolLayout layout_;
   std::atomic<bool> armed_{false};
-  TestDisk disk_;
+};
+
+// Issue 28, tiers: in a pool with a state group a prompt resumes only from a state checkpoint,
+// so the host tier keeps the checkpoints taken at a full block's end beside their blocks, and a
+// promotion brings the deepest one back with the blocks. Before, a promoted prefix of a hybrid
+// model was never resumed from (its blocks came back, no checkpoint did).
+class HybridTiersTest : public ModelTiersTest {
+ protected:
+  void Make(int64_t host_checkpoints, std::optional<LockGap> gap = std::nullopt) {
+    const model::ModelConfig config = *model::NamedConfig("tiny-hybrid");
+    EngineOptions options = SmallPool(16);
+    UseModel(config, &options);
+    kernels::PoolLayout& layout = options.pools[0].layout;
+    layout.num_state_slots = 8;
+    layout.state_slot_bytes = (config.state_bytes() + 63) / 64 * 64;
+    options.model_name = "tiny-hybrid";
+    options.checkpoint_slots = 4;
+    options.checkpoint_interval = 2;
+    options.tiers.host_blocks = 32;
+    options.tiers.host_checkpoints = host_checkpoints;
+    Start(std::move(options), config, gap);
+  }
 };
 
 TEST_F(HybridTiersTest, APromotedPrefixResumesFromTheHostTiersCheckpoint) {
@@ -689,14 +717,12 @@ TEST_F(HybridTiersTest, AnInvalidationDropsTheHostTiersCheckpoints) {
 // window blocks its resume point needs, not only the full-attention blocks, and must never hand
 // the caller window blocks nobody filled. Before, the tier loader's fresh window blocks were kept
 // by the tree beside the promoted blocks, unfilled: the next prompt resumed and read them.
-class WindowTiersTest : public ::testing::Test {
+class WindowTiersTest : public ModelTiersTest {
  protected:
   static constexpr int32_t kWindow = 32;  // W: two blocks; the window group holds at most 3
   // `hybrid`: a model with a state-space layer too (its checkpoints every 2 blocks).
   void Make(int32_t sinks = 0, int64_t host_window_blocks = 0,
             std::optional<LockGap> gap = std::nullopt, int32_t blocks = 16, bool hybrid = false) {
-    arena_.reset();
-    alice_.reset();
     model::ModelConfig config = *model::NamedConfig(hybrid ? "tiny-hybrid" : "tiny-swa");
     if (hybrid) {
       config.layer_kinds = {model::LayerKind::kStateSpace, model::LayerKind::kSlidingAttention,
@@ -705,11 +731,8 @@ class WindowTiersTest : public ::testing::Test {
     config.sliding_window = kWindow;
     config.sink_tokens = sinks;
     EngineOptions options = SmallPool(blocks);
+    UseModel(config, &options);
     kernels::PoolLayout& layout = options.pools[0].layout;
-    layout.num_layers = config.pool_layers();
-    layout.num_kv_heads = config.num_kv_heads;
-    layout.head_dim = config.head_dim;
-    layout.dtype = kernels::DType::kF32;  // bit for bit
     layout.num_window_layers = config.num_sliding_layers();
     layout.num_window_blocks = 16;
     if (hybrid) {
@@ -723,40 +746,7 @@ class WindowTiersTest : public ::testing::Test {
     options.sink_tokens = sinks;
     options.tiers.host_blocks = 2 * blocks;
     options.tiers.host_window_blocks = host_window_blocks;
-    disk_.Use(&options);
-    if (gap) {
-      options.lock_gap_hook = [this, gap](LockGap g) {
-        if (g == *gap && armed_.exchange(false)) {
-          ASSERT_TRUE(engine_->Evict(0, 64, /*all=*/false).ok());
-        }
-      };
-    }
-    engine_.reset();
-    model_ = std::move(
-        *model::Model::Create(model::SyntheticWeights(config, 1), layout, {.threads = 1}));
-    absl::StatusOr<std::unique_ptr<Engine>> made = Engine::Create(options, &device_, model_.get());
-    ASSERT_TRUE(made.ok()) << made.status();
-    engine_ = *std::move(made);
-    alice_ = *engine_->OpenSession(Spec("tenant-a", "alice"));
-    absl::StatusOr<PoolGrant> grant = engine_->Grant(alice_);
-    ASSERT_TRUE(grant.ok()) << grant.status();
-    arena_ = std::make_unique<MappedArena>(*grant);
-    layout_ = grant->layout;
-  }
-  // Every window block scribbled over, as their reuse by other sequences would: what a promotion
-  // puts into one must come from the host tier, not be left over there.
-  void PoisonWindows() {
-    std::memset(arena_->base() + layout_.window_offset(), 0x7f,
-                static_cast<size_t>(layout_.num_window_blocks * layout_.window_block_bytes()));
-  }
-  ComputeResult Prefill(const std::vector<int32_t>& prompt) {
-    ComputeResult result = RunPrefill(*engine_, alice_, prompt);
-    EXPECT_TRUE(result.status.ok()) << result.status;
-    return result;
-  }
-  void Free(const ComputeResult& r, OnFree how) {
-    ASSERT_TRUE(engine_->Free(*alice_, r.sequences, how, CallContext::Uncancellable()).ok());
-    ASSERT_TRUE(engine_->FlushTiers(absl::Seconds(10)).ok());
+    Start(std::move(options), config, gap);
   }
   // `prompt` computed from scratch, published, resumed once from the device (what a promotion
   // must reproduce), then evicted from the device with every window block poisoned.
@@ -774,22 +764,6 @@ class WindowTiersTest : public ::testing::Test {
     PoisonWindows();
     return on_device;
   }
-  void ExpectNothingLeft() {
-    EXPECT_TRUE(engine_->CheckInvariants().ok());
-    std::vector<SessionId> owners;
-    std::vector<int32_t> pools;
-    engine_->ListSequences(std::nullopt, kNoSession, &owners, &pools);
-    EXPECT_TRUE(owners.empty());  // no loader left
-  }
-
-  FailingDevice device_;
-  std::unique_ptr<model::Model> model_;
-  std::unique_ptr<Engine> engine_;
-  std::shared_ptr<const Session> alice_;
-  std::unique_ptr<MappedArena> arena_;
-  kernels::PoolLayout layout_;
-  std::atomic<bool> armed_{false};
-  TestDisk disk_;
 };
 
 TEST_F(WindowTiersTest, APromotedPrefixResumesWithTheHostTiersWindowBlocks) {
@@ -917,8 +891,7 @@ TEST_F(WindowTiersTest, AHybridWithBothGroupsResumesAtTheCheckpointWithItsWindow
   // Checkpoints at 32, 64, 96 and the prefill's last block boundary, 112.
   const ComputeResult on_device = PublishResumeEvict(prompt, 112);
   EXPECT_GE(engine_->Stats().tiers.host_checkpoints, 1);
-  std::memset(arena_->base() + layout_.state_offset(), 0x7f,
-              static_cast<size_t>(layout_.num_state_slots * layout_.state_slot_bytes));
+  PoisonStates();
   const ComputeResult promoted = Prefill(prompt);
   EXPECT_EQ(promoted.reused, 112);
   ExpectSameAnswer(promoted, on_device);
