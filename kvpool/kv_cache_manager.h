@@ -548,8 +548,9 @@ class KvCacheManager final {
   // blocks as (entry, block), in order; the caller copies their bytes in and marks them in flight
   // (MarkWindowInFlight) before anything reads them. A match that ended inside a block leaves
   // that block's window entry as adopted, the rest of it unwritten: import onto block-aligned
-  // matches (the engine promotes nothing over a partly cached block). A no-op without a window
-  // group.
+  // matches (the engine promotes nothing over a partly cached block). Not for a sequence that
+  // steps afterwards: from here on its commits keep its window blocks beside the tree's blocks
+  // whatever its own table holds (Sequence::window_imported). A no-op without a window group.
   // Errors: NOT_FOUND, PERMISSION_DENIED, RESOURCE_EXHAUSTED (Resource::kWindowBlocks, or the
   // namespace's quota); nothing has changed.
   absl::StatusOr<std::vector<std::pair<int64_t, BlockId>>> ImportWindow(SessionId caller,

@@ -110,7 +110,7 @@ Promotion::Outcome Promotion::Start(EngineState& state, kernels::Device& device,
       cache.Allocate(kTierLoader,
                      {.ns = ns_,
                       .num_tokens = static_cast<int64_t>(upto_) * block_size_,
-                      .prompt = prompt_.first(upto_ * block_size_),
+                      .prompt = prompt,
                       // Its window blocks come from the tree or the tier, for what its
                       // window reads alone.
                       .window_ahead = window_ ? 0 : -1,
@@ -232,7 +232,8 @@ absl::StatusOr<Fence> Promotion::CopyWindows(
   std::vector<BlockId> targets;
   for (size_t i = 0; fence.ok() && i < imported.size(); ++i) {
     const auto [entry, block] = imported[i];
-    // Only blocks past the match are imported, and the lookup pinned every one the window reads.
+    // Only entries past the cut are imported (Start), and the lookup found every one the window
+    // reads there.
     const std::span<const std::byte> src = found_.window_block(entry);
     fence = device.CopyToDevice(kernels::StreamId::kTransfer,
                                 static_cast<std::byte*>(region.base) + block.value() * bytes,
@@ -266,7 +267,9 @@ std::optional<PromotionHold> Promotion::Publish(EngineState& state, const absl::
     return std::nullopt;
   }
   pool.StagePublished(std::span(chain_).first(upto_));  // already in a tier: not staged again
-  if (windows_imported_ > 0) tiers.KeepWindowsInHost(ns_, chain_, upto_, found_);  // Redis's
+  if (windows_imported_ > 0) {  // the window blocks the disk or Redis gave go there too
+    tiers.KeepWindowsInHost(ns_, chain_, upto_, found_);
+  }
   if (imported_) {  // a checkpoint Redis gave goes into the host tier too
     const auto at = static_cast<size_t>(found_.checkpoint);
     tiers.KeepCheckpointInHost(ns_, at == 0 ? BlockHash{} : chain_[at - 1], chain_[at], found_);
