@@ -215,6 +215,12 @@ struct KvCacheOptions {
 // state group).
 int32_t BreakEvenCheckpointInterval(int64_t state_bytes, int64_t block_bytes);
 
+// The first block a sliding window of `window_tokens` reads, past its sinks, for a query at
+// position `tokens` (the one holding token tokens - W + 1), with blocks of `block_size` tokens.
+inline int64_t WindowStartBlock(int64_t tokens, int64_t window_tokens, int64_t block_size) {
+  return std::max<int64_t>(0, tokens - window_tokens + 1) / block_size;
+}
+
 struct Sequence {
   SequenceId id;
   SessionId session;
@@ -899,9 +905,7 @@ class KvCacheManager final {
   int64_t SinkBlocks() const { return BlocksFor(sink_tokens_); }
   // The first table entry a sequence of `n` computed tokens still reads past its sinks: the one
   // holding token n - W + 1.
-  int64_t WindowStart(int64_t n) const {
-    return std::max<int64_t>(0, n - window_tokens_ + 1) / block_size_;
-  }
+  int64_t WindowStart(int64_t n) const { return WindowStartBlock(n, window_tokens_, block_size_); }
   // Whether a sequence whose next query is at position `n` reads entry `index`.
   bool WindowNeeds(int64_t index, int64_t n) const {
     return index < BlocksFor(n) && (index < SinkBlocks() || index >= WindowStart(n));

@@ -254,7 +254,7 @@ class TierSet final {
     int64_t window_tokens = 0;
     int64_t sink_blocks = 0;
     int64_t Start(int64_t blocks) const {
-      return std::max<int64_t>(0, blocks * block_size - window_tokens + 1) / block_size;
+      return WindowStartBlock(blocks * block_size, window_tokens, block_size);
     }
     bool Needs(int64_t i, int64_t blocks) const {
       return i < blocks && (i < sink_blocks || i >= Start(blocks));
