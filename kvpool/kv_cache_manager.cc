@@ -115,7 +115,9 @@ absl::StatusOr<std::unique_ptr<KvCacheManager>> KvCacheManager::Create(
                                     .journal = options.publish_journal,
                                     .policy = options.eviction_policy,
                                     .history_blocks = options.eviction_history_blocks,
-                                    .policy_factory = options.eviction_policy_factory},
+                                    .policy_factory = options.eviction_policy_factory,
+                                    .max_shares = options.eviction_shares,
+                                    .block_bytes = std::max<int64_t>(1, options.block_bytes)},
                                    pool.get()));
   }
   KVPOOL_RETURN_IF_ERROR(CheckGroupOptions(options));
@@ -272,6 +274,22 @@ std::optional<KvCacheManager::QuotaUse> KvCacheManager::QuotaOf(NamespaceId ns) 
   if (it == quota_of_.end()) return std::nullopt;
   const Quota& quota = quotas_.at(it->second);
   return QuotaUse{.used = QuotaUsage(quota), .bound = QuotaBound(quota), .bytes = quota_bytes_};
+}
+
+absl::Status KvCacheManager::SetEvictionShare(NamespaceId ns, uint64_t share, uint32_t weight) {
+  if (cache_ == nullptr) {
+    return absl::FailedPreconditionError("eviction shares need the prefix cache");
+  }
+  return cache_->SetShare(ns, share, weight);
+}
+
+std::vector<ShareUse> KvCacheManager::EvictionShares() const {
+  return cache_ == nullptr ? std::vector<ShareUse>{} : cache_->Shares();
+}
+
+std::optional<ShareUse> KvCacheManager::EvictionShareOf(NamespaceId ns) const {
+  if (cache_ == nullptr || !cache_->shares_on()) return std::nullopt;
+  return cache_->ShareOf(ns);
 }
 
 int64_t KvCacheManager::QuotaBound(const Quota& quota) const {

@@ -147,6 +147,9 @@ struct KvCacheOptions {
   int64_t eviction_history_blocks = 0;  // hashes the policies remember; 0: 4 per pool block
   // When set, makes the eviction ordering policy instead of the spec (tests inject theirs).
   std::function<std::unique_ptr<EvictionPolicy>()> eviction_policy_factory;
+  // Eviction shares SetEvictionShare() may create besides the default one (fair eviction by
+  // tenant, docs/eviction.md); 0: one share, no fairness. In [0, 65534].
+  int32_t eviction_shares = 0;
   uint64_t epoch = 0;             // stamped on every cache event (daemon start)
   size_t event_capacity = 65536;  // cache events kept for replay; > 0
   bool cache_events = true;       // record cache events at all (PrefixCacheOptions::events)
@@ -420,6 +423,20 @@ class KvCacheManager final {
   // slot with sequences that hold no block. A no-op without a state group. Forgotten with the
   // group. Errors: INVALID_ARGUMENT (negative bound, group 0).
   absl::Status SetRefGroupStateSlots(uint64_t group, int64_t max_state_slots);
+  // Fair eviction by tenant (docs/eviction.md): the blocks `ns` publishes from now on belong to
+  // eviction share `share` (0: the default share) with weight `weight`; under pressure the next
+  // victim comes from the share whose cached bytes per unit of weight are the most: its
+  // evictable blocks plus the window blocks and checkpoints kept beside them (with
+  // KvCacheOptions::block_bytes, each group's bytes). Errors: INVALID_ARGUMENT (ns 0, weight 0 or
+  // above PrefixCache::kMaxShareWeight), RESOURCE_EXHAUSTED (eviction_shares shares exist, or 0),
+  // FAILED_PRECONDITION (no prefix cache); nothing has changed.
+  absl::Status SetEvictionShare(NamespaceId ns, uint64_t share, uint32_t weight = 1);
+  // Every eviction share's use (PrefixCache::Shares), the default one first; empty without a
+  // prefix cache.
+  std::vector<ShareUse> EvictionShares() const;
+  // The share `ns` publishes into; nullopt without shares (eviction_shares 0, no prefix cache).
+  std::optional<ShareUse> EvictionShareOf(NamespaceId ns) const;
+
   // What the quota `ns` counts against holds now, and its bound, in its units: bytes with
   // KvCacheOptions::block_bytes, else blocks. nullopt when `ns` has no quota.
   struct QuotaUse {

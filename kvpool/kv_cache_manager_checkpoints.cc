@@ -169,6 +169,7 @@ void KvCacheManager::KeepCheckpoint(BlockId block, int32_t offset, BlockId slot,
   checkpoint_at_[Index(slot)] = {.block = block, .offset = offset, .stamp = ++checkpoint_clock_};
   checkpoint_lru_.insert({checkpoint_clock_, slot});
   checkpoint_of_[block] = slot;
+  cache_->ChargeShare(block, unit_state_);  // its tenant's cached bytes (fair eviction)
   ++counters_.checkpoints.kept;
   // A checkpoint at a block's last token is named by the block's hash (KvEvent::group).
   if (offset == block_size_) {
@@ -286,6 +287,7 @@ void KvCacheManager::DropCheckpoint(BlockId slot, const TraceContext& ctx) {
     cache_->ForgetComponent(std::span(&c.block, 1), *event_groups_.state);
   checkpoint_lru_.erase({c.stamp, slot});
   checkpoint_of_.erase(c.block);
+  cache_->ChargeShare(c.block, -unit_state_);
   c = CheckpointSlot{};
   // Fenced: a copy out of it still queued keeps it RETIRING.
   KVPOOL_CHECK_OK(states_->DropCacheRef(slot, ctx));

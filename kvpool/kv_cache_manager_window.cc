@@ -464,6 +464,7 @@ void KvCacheManager::KeepWindowBlocks(Sequence* seq, int64_t committed, const Tr
     window_at_[Index(block)] = {.primary = primary, .stamp = ++window_clock_, .covered = coverage};
     window_lru_.insert({window_clock_, block});
     window_of_[primary] = block;
+    cache_->ChargeShare(primary, unit_window_);  // its tenant's cached bytes (fair eviction)
     ++counters_.windows.kept;
     if (full) announce.emplace_back(i, primary);
   };
@@ -520,6 +521,7 @@ void KvCacheManager::DropWindowBlock(BlockId block, const TraceContext& ctx) {
   }
   window_lru_.erase({r.stamp, block});
   window_of_.erase(r.primary);
+  cache_->ChargeShare(r.primary, -unit_window_);
   r = WindowRecord{};
   // Fenced: a copy out of it, or a step reading it, still queued keeps it RETIRING.
   KVPOOL_CHECK_OK(window_->DropCacheRef(block, ctx));

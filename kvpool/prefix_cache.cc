@@ -97,25 +97,43 @@ absl::StatusOr<std::unique_ptr<PrefixCache>> PrefixCache::Create(const PrefixCac
   if (options.event_capacity == 0 || options.event_capacity_bytes == 0) {
     return absl::InvalidArgumentError("event_capacity and event_capacity_bytes must be > 0");
   }
+  if (options.max_shares < 0 || options.max_shares >= 0xffff || options.block_bytes <= 0) {
+    return absl::InvalidArgumentError(
+        fmt::format("max_shares must be in [0, 65534] and block_bytes > 0 (got {} and {})",
+                    options.max_shares, options.block_bytes));
+  }
   absl::StatusOr<EvictionOptions> spec = ParseEvictionSpec(options.policy);
   if (!spec.ok()) return spec.status();
   spec->history_blocks = options.history_blocks;
-  std::unique_ptr<EvictionPolicy> policy;
-  if (options.policy_factory) {
-    policy = options.policy_factory();
-    if (policy == nullptr) return absl::InvalidArgumentError("policy_factory returned null");
-  } else {
+  std::function<std::unique_ptr<EvictionPolicy>()> make = options.policy_factory;
+  if (!make) {
+    // Checked once here: every later share's policy is made from the same valid options.
     absl::StatusOr<std::unique_ptr<EvictionPolicy>> made =
         MakeEvictionPolicy(*spec, pool->num_blocks());
     if (!made.ok()) return made.status();
-    policy = std::move(*made);
+    make = [spec = *spec, n = pool->num_blocks()] {
+      absl::StatusOr<std::unique_ptr<EvictionPolicy>> p = MakeEvictionPolicy(spec, n);
+      KVPOOL_CHECK_OK(p.status());
+      return std::move(*p);
+    };
   }
-  return std::unique_ptr<PrefixCache>(
-      new PrefixCache(options, pool, std::move(policy), spec->retain_partial_tails));
+  std::unique_ptr<EvictionPolicy> first = make();
+  if (first == nullptr) return absl::InvalidArgumentError("policy_factory returned null");
+  return std::unique_ptr<PrefixCache>(new PrefixCache(options, pool, std::move(first),
+                                                      std::move(make), spec->retain_partial_tails));
+}
+
+std::vector<PrefixCache::ShareSlot> PrefixCache::FirstShare(
+    std::unique_ptr<EvictionPolicy> policy) {
+  std::vector<ShareSlot> shares(1);
+  shares[0].policy = std::move(policy);
+  return shares;
 }
 
 PrefixCache::PrefixCache(const PrefixCacheOptions& options, BlockPool* pool,
-                         std::unique_ptr<EvictionPolicy> policy, bool retain_partial_tails)
+                         std::unique_ptr<EvictionPolicy> policy,
+                         std::function<std::unique_ptr<EvictionPolicy>()> make_policy,
+                         bool retain_partial_tails)
     : block_size_(options.block_size),
       evicted_memory_(options.evicted_memory),
       retain_partial_tails_(retain_partial_tails),
@@ -125,7 +143,12 @@ PrefixCache::PrefixCache(const PrefixCacheOptions& options, BlockPool* pool,
       hashes_on_(options.events || options.journal || options.evicted_memory > 0 ||
                  policy->uses_fingerprints()),
       pool_(pool),
-      policy_(std::move(policy)),
+      make_policy_(std::move(make_policy)),
+      max_shares_(options.max_shares),
+      shares_on_(options.max_shares > 0),
+      share_block_bytes_(options.block_bytes),
+      shares_(FirstShare(std::move(policy))),
+      policy_(shares_[0].policy.get()),
       ranks_by_release_(policy_->ranks_by_release()),
       hears_accesses_(policy_->hears_accesses()),
       lean_evictions_(!options.events && options.evicted_memory == 0 && !hears_accesses_),
@@ -137,6 +160,55 @@ PrefixCache::PrefixCache(const PrefixCacheOptions& options, BlockPool* pool,
       evicted_ring_(options.evicted_memory) {
   if (hashes_on_) hash_.resize(static_cast<size_t>(pool->num_blocks()));
   policy_->Reserve(pool->num_blocks());  // the policy knows blocks by their ids
+}
+
+absl::Status PrefixCache::SetShare(NamespaceId ns, uint64_t key, uint32_t weight) {
+  if (ns == NamespaceId(0) || weight == 0 || weight > kMaxShareWeight) {
+    return absl::InvalidArgumentError(fmt::format(
+        "a share needs a namespace other than 0 and a weight in [1, {}] (got namespace {}, "
+        "weight {})",
+        kMaxShareWeight, ns.value(), weight));
+  }
+  if (!shares_on_) {
+    return absl::ResourceExhaustedError("eviction shares are off (max_shares 0)");
+  }
+  auto it = std::find_if(shares_.begin(), shares_.end(),
+                         [key](const ShareSlot& s) { return s.key == key; });
+  if (it == shares_.end()) {
+    if (static_cast<int64_t>(shares_.size()) > max_shares_) {
+      return absl::ResourceExhaustedError(fmt::format(
+          "{} eviction shares exist besides the default one (max_shares)", max_shares_));
+    }
+    std::unique_ptr<EvictionPolicy> policy = make_policy_();
+    KVPOOL_CHECK(policy != nullptr && policy->ranks_by_release() == ranks_by_release_ &&
+                 policy->hears_accesses() == hears_accesses_);
+    policy->Reserve(pool_->num_blocks());
+    shares_.push_back(ShareSlot{.key = key, .policy = std::move(policy)});
+    it = shares_.end() - 1;
+  }
+  it->weight = weight;
+  const auto slot = static_cast<uint16_t>(it - shares_.begin());
+  if (slot == 0) {
+    share_of_ns_.erase(ns);
+  } else {
+    share_of_ns_[ns] = slot;
+  }
+  return absl::OkStatus();
+}
+
+void PrefixCache::ChargeShare(BlockId block, int64_t bytes) {
+  if (!shares_on_) return;
+  KVPOOL_CHECK(tree_.Holds(block));
+  ShareSlot& s = shares_[entry(block).share];
+  s.charged += bytes;
+  KVPOOL_CHECK_MSG(s.charged >= 0, "an eviction share's charged bytes went negative");
+}
+
+std::vector<ShareUse> PrefixCache::Shares() const {
+  std::vector<ShareUse> out;
+  out.reserve(shares_.size());
+  for (const ShareSlot& s : shares_) out.push_back(UseOf(s));
+  return out;
 }
 
 bool PrefixCache::Agrees(BlockId block, std::span<const int32_t> tokens) const {
@@ -231,6 +303,7 @@ inline void PrefixCache::UpdateEvictable(BlockId block) {
   if (want != (e.evictable != 0)) {
     e.evictable = want ? 1 : 0;
     num_evictable_ += want ? 1 : -1;
+    CountEvictable(block, want ? 1 : -1);
     if (want) {  // released: the moment LRU and the reuse model age it from
       e.released_ns = now_ns_;
       e.release_seq = ++release_counter_;
@@ -251,7 +324,7 @@ void PrefixCache::LockHit(BlockId block) {
   Lock(block);  // first: the policy hears of hits on blocks that are not candidates
   ++entry(block).hits;
   ++counters_.hits;
-  if (hears_accesses_) policy_->OnHit(Key(block), Facts(block), now_ns_);
+  if (hears_accesses_) PolicyOf(block).OnHit(Key(block), Facts(block), now_ns_);
 }
 
 void PrefixCache::Unlock(BlockId block) {

@@ -142,8 +142,14 @@ struct PrefixCacheOptions {
   std::string policy = std::string(kDefaultEvictionSpec);
   int64_t history_blocks = 0;  // EvictionOptions::history_blocks (0: 4 per pool block)
   // When set, makes the ordering policy instead of the spec (tests inject theirs); the spec
-  // still decides partial-tail retention.
+  // still decides partial-tail retention. Called once per eviction share.
   std::function<std::unique_ptr<EvictionPolicy>()> policy_factory;
+  // Eviction shares (docs/eviction.md, Fair by tenant): SetShare() files namespaces under shares,
+  // at most this many besides the default one. 0: one share, SetShare() refused.
+  int32_t max_shares = 0;
+  // What one cached block weighs in a share's use (the bytes of a block in every layer of the
+  // main group); a share's use is its evictable blocks times this plus ChargeShare()'s bytes.
+  int64_t block_bytes = 1;
 };
 
 struct PrefixCacheStats {
@@ -165,6 +171,17 @@ struct PrefixCacheStats {
   // Children compared by partial-block lookups (BestChild, Covering, RemoveDominated): at most
   // those sharing the block's first token per lookup once a position has many children.
   uint64_t child_scans = 0;
+  int64_t shares = 0;  // eviction shares holding evictable blocks or charged bytes
+};
+
+// One eviction share's standing (PrefixCache::Shares).
+struct ShareUse {
+  uint64_t key = 0;       // SetShare()'s; 0: the default share
+  uint32_t weight = 1;    // its weight among shares
+  int64_t evictable = 0;  // its evictable blocks
+  int64_t charged = 0;    // bytes ChargeShare() added (components kept beside its blocks)
+  int64_t bytes = 0;      // its use: evictable * block_bytes + charged
+  uint64_t evicted = 0;   // blocks evicted from it
 };
 
 class PrefixCache final {
@@ -187,6 +204,29 @@ class PrefixCache final {
   // Called for every block a Commit widens (its sequence's own block, now covering more tokens):
   // what the owner keeps beside it may hold only the tokens it covered before.
   void SetOnWiden(std::function<void(BlockId)> on_widen) { on_widen_ = std::move(on_widen); }
+
+  // Eviction shares (docs/eviction.md, Fair by tenant). The blocks namespace `ns` publishes
+  // after SetShare(ns, key, weight) belong to share `key` for as long as the tree holds them;
+  // the default share (key 0) holds every other block. Each share orders its own candidates with
+  // its own instance of the policy, and a plan takes its next victim from the share whose use
+  // (ShareUse::bytes) per unit of weight is the largest: a tenant that floods the cache evicts
+  // its own blocks, and the others keep theirs up to their weighted part. First-out tails still
+  // go first, whatever their share. Setting an existing share's key again changes its weight.
+  // Errors: INVALID_ARGUMENT (ns 0, weight 0 or above kMaxShareWeight), RESOURCE_EXHAUSTED
+  // (max_shares shares besides the default one exist; with max_shares 0 shares are off);
+  // nothing has changed.
+  static constexpr uint32_t kMaxShareWeight = 1'000'000;
+  absl::Status SetShare(NamespaceId ns, uint64_t key, uint32_t weight = 1);
+  // Adds `bytes` (negative to take them back) to the use of the share `block` belongs to: what
+  // the owner keeps beside a cached block (window blocks, state checkpoints) counts with the
+  // block's tenant. Nothing with shares off. REQUIRES: the tree holds `block`; the share's
+  // charged bytes stay >= 0.
+  void ChargeShare(BlockId block, int64_t bytes);
+  // Every share, the default one first.
+  std::vector<ShareUse> Shares() const;
+  // The share `ns` publishes into (the default one unless SetShare named another).
+  ShareUse ShareOf(NamespaceId ns) const { return UseOf(shares_[ShareFor(ns)]); }
+  bool shares_on() const { return shares_on_; }
 
   // The longest cached prefix of `tokens` in `ns`. Changes nothing.
   PrefixMatch Match(NamespaceId ns, std::span<const int32_t> tokens) const;
@@ -278,6 +318,7 @@ class PrefixCache final {
   int priority(BlockId block) const { return entry(block).priority; }
   NamespaceId ns_of(BlockId block) const { return tree_.ns_of(block); }
   bool holds(BlockId block) const { return tree_.Holds(block); }
+  // The default share's policy (the only one with shares off).
   const EvictionPolicy& policy() const { return *policy_; }
 
   const EventLog& events() const { return events_; }
@@ -350,11 +391,39 @@ class PrefixCache final {
     uint8_t in_policy : 1 = 0;    // a candidate the policy holds
     // EvictionPlanner's scratch: the plan must not take it (0 between plans).
     mutable uint8_t kept : 1 = 0;
+    uint16_t share = 0;  // index into shares_ (0: the default share)
   };
   static_assert(sizeof(Entry) == 32);
 
+  // An eviction share: its key and weight, its own policy instance, and its use.
+  struct ShareSlot {
+    uint64_t key = 0;
+    uint32_t weight = 1;
+    std::unique_ptr<EvictionPolicy> policy;
+    int64_t evictable = 0;  // its evictable blocks (kept with shares on)
+    int64_t charged = 0;    // ChargeShare()'s bytes
+    uint64_t evicted = 0;
+    // Its use per unit of weight, in bytes: which share gives the next victim.
+    double UsePerWeight(int64_t block_bytes, int64_t planned) const {
+      return static_cast<double>((evictable - planned) * block_bytes + charged) / weight;
+    }
+  };
+
+  ShareUse UseOf(const ShareSlot& s) const {
+    return ShareUse{.key = s.key,
+                    .weight = s.weight,
+                    .evictable = s.evictable,
+                    .charged = s.charged,
+                    .bytes = s.evictable * share_block_bytes_ + s.charged,
+                    .evicted = s.evicted};
+  }
+  // The shares a cache starts with: the default one, ordered by `policy`.
+  static std::vector<ShareSlot> FirstShare(std::unique_ptr<EvictionPolicy> policy);
+
   PrefixCache(const PrefixCacheOptions& options, BlockPool* pool,
-              std::unique_ptr<EvictionPolicy> policy, bool retain_partial_tails);
+              std::unique_ptr<EvictionPolicy> policy,
+              std::function<std::unique_ptr<EvictionPolicy>()> make_policy,
+              bool retain_partial_tails);
 
   static size_t Index(BlockId b) { return static_cast<size_t>(b.value()); }
   // The name the policy knows a block by.
@@ -380,7 +449,21 @@ class PrefixCache final {
   void Insert(NodeIndex root, BlockId at, std::span<const int32_t> tokens, BlockId block,
               int priority, const TraceContext& ctx);
   // The cache's side of a published block: its state, locked once, and its pool reference.
-  void Fill(BlockId block, int priority, const TraceContext& ctx);
+  void Fill(BlockId block, int priority, uint16_t share, const TraceContext& ctx);
+  // The share `ns`'s blocks are published into (0 with shares off).
+  uint16_t ShareFor(NamespaceId ns) const {
+    if (!shares_on_) return 0;
+    auto it = share_of_ns_.find(ns);
+    return it == share_of_ns_.end() ? 0 : it->second;
+  }
+  // The policy ordering `block` (its share's).
+  EvictionPolicy& PolicyOf(BlockId block) const {
+    return shares_on_ ? *shares_[entry(block).share].policy : *policy_;
+  }
+  // A block became, or stopped being, evictable: its share's count (with shares on).
+  void CountEvictable(BlockId block, int64_t delta) {
+    if (shares_on_) shares_[entry(block).share].evictable += delta;
+  }
   // Publishes the full blocks `tokens` held in `table` as a run below (`root`, `at`), which has
   // no child, extending `path`, up to the first block the tree already holds. Returns how many.
   size_t AppendChain(NodeIndex root, BlockId at, std::span<const int32_t> tokens,
@@ -438,7 +521,7 @@ class PrefixCache final {
     if (ranks_by_release_) {
       return EvictionRank{.priority = entry(block).priority, .order = entry(block).release_seq};
     }
-    return policy_->Rank(Key(block), Facts(block), now_ns_);
+    return PolicyOf(block).Rank(Key(block), Facts(block), now_ns_);
   }
   NodeFacts Facts(BlockId block) const {
     const Entry& s = entry(block);
@@ -456,6 +539,9 @@ class PrefixCache final {
                           absl::flat_hash_map<NamespaceId, int64_t>* pin_held) const;
   absl::Status CheckCounts(int64_t blocks, int64_t full, int64_t evictable, int64_t pinned,
                            const absl::flat_hash_map<NamespaceId, int64_t>& pin_held) const;
+  // Each share's count of evictable blocks (`evictable`, by share) and its policy's books; the
+  // policies together hold the `in_policies` blocks marked in_policy.
+  absl::Status CheckShares(int64_t in_policies, std::span<const int64_t> evictable) const;
   void Announce(std::span<const BlockId> chain);  // BlockStored for a chain, parents first
   // A full block leaves: events, Explain memory (with whether it was below the admission bar).
   void Forget(BlockId block, bool below_bar);
@@ -475,8 +561,15 @@ class PrefixCache final {
   // hash_ stays empty and the fingerprints zero.
   const bool hashes_on_;
   BlockPool* const pool_;
-  std::unique_ptr<EvictionPolicy> policy_;
-  const bool ranks_by_release_;  // policy_->ranks_by_release()
+  // Makes a policy for a share (PrefixCacheOptions::policy or policy_factory).
+  const std::function<std::unique_ptr<EvictionPolicy>()> make_policy_;
+  const int32_t max_shares_;
+  const bool shares_on_;  // max_shares > 0
+  const int64_t share_block_bytes_;
+  std::vector<ShareSlot> shares_;                           // [0] the default share; never shrinks
+  absl::flat_hash_map<NamespaceId, uint16_t> share_of_ns_;  // SetShare's, by namespace
+  EvictionPolicy* const policy_;                            // shares_[0].policy
+  const bool ranks_by_release_;  // policy_->ranks_by_release() (every share's policy alike)
   const bool hears_accesses_;    // policy_->hears_accesses()
   // Nothing is recorded per evicted block (no events, no policy hearing erasures, no memory of
   // evicted hashes): Evict() trims a run's inner blocks without Remove().

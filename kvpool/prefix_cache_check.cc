@@ -20,7 +20,11 @@ PrefixCacheStats PrefixCache::stats() const {
   s.nodes = num_blocks_;
   s.full_nodes = num_full_;
   s.evictable = num_evictable_;
-  s.candidates = policy_->size() + num_tails_;
+  s.candidates = num_tails_;
+  for (const ShareSlot& share : shares_) {
+    s.candidates += share.policy->size();
+    s.shares += share.evictable > 0 || share.charged > 0 ? 1 : 0;
+  }
   s.pinned = pinned_blocks_;
   s.namespaces = static_cast<int64_t>(tree_.roots().size());
   return s;
@@ -50,7 +54,7 @@ absl::Status PrefixCache::CheckBlock(BlockId block,
   }
   const bool candidate = evictable && tree_.IsLeaf(block);
   const bool tail = e.in_tails != 0;
-  const bool in_policy = policy_->Contains(Key(block));
+  const bool in_policy = PolicyOf(block).Contains(Key(block));
   if ((e.in_policy != 0) != in_policy) {
     return InvariantViolation("block {} disagrees with the policy on holding it", b);
   }
@@ -80,8 +84,9 @@ absl::Status PrefixCache::CheckInvariants(
     const absl::flat_hash_map<BlockId, uint32_t>* expected_locks,
     const absl::flat_hash_map<BlockId, uint32_t>* expected_pins) const {
   KVPOOL_RETURN_IF_ERROR(tree_.CheckInvariants());
-  int64_t blocks = 0, full = 0, evictable = 0, pinned = 0;
+  int64_t blocks = 0, full = 0, evictable = 0, pinned = 0, in_policies = 0;
   absl::flat_hash_map<NamespaceId, int64_t> pin_held;
+  std::vector<int64_t> share_evictable(shares_.size(), 0);
   for (int32_t b = 0; b < pool_->num_blocks(); ++b) {
     const BlockId block(b);
     const bool held = tree_.Holds(block);
@@ -89,14 +94,22 @@ absl::Status PrefixCache::CheckInvariants(
       return InvariantViolation("block {} cache reference does not match the tree", b);
     }
     if (!held) {
-      if (entry(block).in_tails != 0 || policy_->Contains(Key(block))) {
-        return InvariantViolation("block {} left the tree but is still a candidate", b);
+      for (const ShareSlot& share : shares_) {
+        if (entry(block).in_tails != 0 || share.policy->Contains(Key(block))) {
+          return InvariantViolation("block {} left the tree but is still a candidate", b);
+        }
       }
       continue;
     }
     ++blocks;
     full += tree_.coverage(block) == block_size_ ? 1 : 0;
     evictable += ShouldBeEvictable(block) ? 1 : 0;
+    in_policies += entry(block).in_policy;
+    if (entry(block).share >= shares_.size() || (!shares_on_ && entry(block).share != 0)) {
+      return InvariantViolation("block {} belongs to share {} of {}", b, entry(block).share,
+                                shares_.size());
+    }
+    if (shares_on_ && ShouldBeEvictable(block)) ++share_evictable[entry(block).share];
     pinned += entry(block).pins > 0 ? 1 : 0;
     if (expected_locks != nullptr) {
       auto it = expected_locks->find(block);
@@ -117,7 +130,35 @@ absl::Status PrefixCache::CheckInvariants(
   KVPOOL_RETURN_IF_ERROR(CheckCounts(blocks, full, evictable, pinned, pin_held));
   KVPOOL_RETURN_IF_ERROR(CheckFirstBlocks());
   if (!planner_.clean()) return InvariantViolation("the eviction planner's scratch is not reset");
-  return policy_->CheckInvariants();
+  return CheckShares(in_policies, share_evictable);
+}
+
+absl::Status PrefixCache::CheckShares(int64_t in_policies,
+                                      std::span<const int64_t> evictable) const {
+  int64_t held = 0;
+  for (size_t i = 0; i < shares_.size(); ++i) {
+    const ShareSlot& share = shares_[i];
+    held += share.policy->size();
+    if (shares_on_ && share.evictable != evictable[i]) {
+      return InvariantViolation("share {} has {} evictable blocks, {} counted", share.key,
+                                evictable[i], share.evictable);
+    }
+    if (share.charged < 0 || share.weight == 0 || share.weight > kMaxShareWeight) {
+      return InvariantViolation("share {} has weight {} and {} charged bytes", share.key,
+                                share.weight, share.charged);
+    }
+    KVPOOL_RETURN_IF_ERROR(share.policy->CheckInvariants());
+  }
+  if (held != in_policies) {
+    return InvariantViolation("the shares' policies hold {} candidates, {} marked", held,
+                              in_policies);
+  }
+  for (const auto& [ns, slot] : share_of_ns_) {
+    if (slot == 0 || slot >= shares_.size()) {
+      return InvariantViolation("namespace {} is filed under share slot {}", ns.value(), slot);
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status PrefixCache::CheckFirstBlocks() const {
@@ -167,7 +208,7 @@ absl::Status PrefixCache::CheckCounts(
 std::string PrefixCache::DebugString() const {
   std::string out = fmt::format(
       "cache blocks={} full={} runs={} evictable={} candidates={} pinned={} next_event={}\n",
-      num_blocks_, num_full_, tree_.stats().runs, num_evictable_, policy_->size() + num_tails_,
+      num_blocks_, num_full_, tree_.stats().runs, num_evictable_, stats().candidates,
       pinned_blocks_, events_.next_seq());
   auto it = std::back_inserter(out);
   for (int32_t b = 0; b < pool_->num_blocks(); ++b) {

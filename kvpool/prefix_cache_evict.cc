@@ -21,13 +21,13 @@ void PrefixCache::UpdateCandidate(BlockId block) {
     if (tail) {
       TailRemove(block);
     } else {
-      policy_->Remove(Key(block), Facts(block));
+      PolicyOf(block).Remove(Key(block), Facts(block));
       e.in_policy = 0;
     }
   } else if (IsFirstOutTail(block)) {
     TailPush(block);
   } else {
-    policy_->Add(Key(block), Facts(block));
+    PolicyOf(block).Add(Key(block), Facts(block));
     e.in_policy = 1;
   }
 }
@@ -66,6 +66,7 @@ void PrefixCache::TailRemove(BlockId block) {
 ABSL_ATTRIBUTE_ALWAYS_INLINE inline void PrefixCache::Release(BlockId block,
                                                               const TraceContext& ctx) {
   if (ABSL_PREDICT_FALSE(on_remove_ != nullptr)) on_remove_(block, ctx);
+  if (shares_on_) ++shares_[entry(block).share].evicted;
   KVPOOL_CHECK_OK(pool_->DropCacheRef(block, ctx));
   --num_blocks_;
   ++counters_.evicted;
@@ -95,17 +96,19 @@ void PrefixCache::Remove(BlockId block, const TraceContext& ctx, bool offer_pare
   if (e.in_tails != 0) {
     TailRemove(block);
   } else if (e.in_policy != 0) {
-    policy_->Remove(Key(block), Facts(block));
+    PolicyOf(block).Remove(Key(block), Facts(block));
     e.in_policy = 0;
   }
   if (e.evictable != 0) {
     e.evictable = 0;
     --num_evictable_;
+    CountEvictable(block, -1);
   }
   const bool full = tree_.coverage(block) == block_size_;
   // Asked before OnErase, which forgets what the policy knew of the block.
-  const bool below_bar = full && evicted_memory_ > 0 && policy_->below_admission_bar(Key(block));
-  if (hears_accesses_) policy_->OnErase(Key(block), Facts(block), now_ns_);
+  const bool below_bar =
+      full && evicted_memory_ > 0 && PolicyOf(block).below_admission_bar(Key(block));
+  if (hears_accesses_) PolicyOf(block).OnErase(Key(block), Facts(block), now_ns_);
   if (full) {
     if (tree_.depth(block) == 1) UnindexFirstBlock(block);
     Forget(block, below_bar);
@@ -124,23 +127,27 @@ ABSL_ATTRIBUTE_ALWAYS_INLINE inline EvictionPlanner::Step EvictionPlanner::NextS
   if (pe.evictable == 0 || pe.kept != 0) return Step::kStop;
   // A run released at once, deepest first: the parent's release order is the next one in the
   // same class, so under a release-ordered policy nothing can rank between the two and the
-  // parent is the next victim. No heap, no Rank().
+  // parent is the next victim. No heap, no Rank(). (Unless a fair plan must look at the other
+  // shares first.)
   const PrefixCache::Entry& ce = p.cache->entry(child);
-  if (chain && pe.priority == ce.priority && pe.release_seq == ce.release_seq + 1) {
+  if (chain && pe.priority == ce.priority && pe.release_seq == ce.release_seq + 1 &&
+      p.freed < p.follow_below) {
     return Step::kFollow;
   }
   return Step::kQueue;
 }
 
 void EvictionPlanner::Queue(BlockId parent, const Progress& p) {
-  freed_parents_.emplace_back(p.cache->RankOf(parent), parent);
-  std::push_heap(freed_parents_.begin(), freed_parents_.end(), std::greater<>());
+  Heap& heap = freed_parents_[p.cache->entry(parent).share];
+  heap.emplace_back(p.cache->RankOf(parent), parent);
+  std::push_heap(heap.begin(), heap.end(), std::greater<>());
 }
 
-void EvictionPlanner::TakeParent(Progress* p) {
-  std::pop_heap(freed_parents_.begin(), freed_parents_.end(), std::greater<>());
-  const BlockId parent = freed_parents_.back().second;
-  freed_parents_.pop_back();
+void EvictionPlanner::TakeParent(size_t share, Progress* p) {
+  Heap& heap = freed_parents_[share];
+  std::pop_heap(heap.begin(), heap.end(), std::greater<>());
+  const BlockId parent = heap.back().second;
+  heap.pop_back();
   Take(parent, /*ranked=*/true, p);
 }
 
@@ -153,6 +160,7 @@ void EvictionPlanner::Take(BlockId block, bool ranked, Progress* p) {
     size_t at = run.size() - 1;  // run[at] == block
     while (true) {
       p->victims->push_back(block);
+      if (p->count_shares) ++cursors_[cache.entry(block).share].planned;
       // A block still read by queued device work retires instead of freeing.
       if (cache.pool_->FencesPassed(block)) ++p->freed;
       if (at == 0) break;
@@ -178,6 +186,83 @@ void EvictionPlanner::Take(BlockId block, bool ranked, Progress* p) {
   }
 }
 
+void EvictionPlanner::PlanShare(size_t share, Progress* p) {
+  const PrefixCache& cache = *p->cache;
+  Heap& heap = freed_parents_[share];
+  cache.shares_[share].policy->Visit(cache.now_ns_, [&](NodeIndex key, const EvictionRank& rank) {
+    while (p->freed < p->blocks && !heap.empty() && heap.front().first < rank) {
+      TakeParent(share, p);
+    }
+    if (p->freed >= p->blocks) return false;
+    if (cache.entry(BlockId(key)).kept == 0) Take(BlockId(key), /*ranked=*/true, p);
+    return p->freed < p->blocks;
+  });
+  while (p->freed < p->blocks && !heap.empty()) TakeParent(share, p);
+}
+
+const EvictionPlanner::Ranked* EvictionPlanner::NextCandidate(const PrefixCache& cache,
+                                                              size_t share) {
+  ShareCursor& c = cursors_[share];
+  while (true) {
+    while (c.at < c.next.size() && cache.entry(c.next[c.at].second).kept != 0) ++c.at;
+    if (c.at < c.next.size()) return &c.next[c.at];
+    if (c.exhausted) return nullptr;
+    // Read the next stretch: skip what was read before (the plan changed nothing), take as
+    // many again, so that the total read is at most twice what the plan looks at.
+    const size_t skip = c.read;
+    const size_t want = std::max<size_t>(16, skip);
+    size_t seen = 0;
+    c.next.clear();
+    c.at = 0;
+    cache.shares_[share].policy->Visit(cache.now_ns_, [&](NodeIndex key, const EvictionRank& rank) {
+      if (seen++ < skip) return true;
+      c.next.emplace_back(rank, BlockId(key));
+      return c.next.size() < want;
+    });
+    c.read += c.next.size();
+    c.exhausted = c.next.size() < want;
+  }
+}
+
+void EvictionPlanner::PlanFair(Progress* p) {
+  const PrefixCache& cache = *p->cache;
+  const int64_t unit = cache.share_block_bytes_;
+  while (p->freed < p->blocks) {
+    // The share using the most per unit of weight gives the next victim; the runner-up bounds
+    // how much it gives before the shares are looked at again.
+    size_t best = cache.shares_.size();
+    double best_use = 0, second_use = -1;
+    const Ranked* best_next = nullptr;
+    for (size_t i = 0; i < cache.shares_.size(); ++i) {
+      const Ranked* next = NextCandidate(cache, i);
+      if (next == nullptr && freed_parents_[i].empty()) continue;
+      const double use = cache.shares_[i].UsePerWeight(unit, cursors_[i].planned);
+      if (best == cache.shares_.size() || use > best_use) {
+        second_use = best == cache.shares_.size() ? -1 : best_use;
+        best = i;
+        best_use = use;
+        best_next = next;
+      } else if (use > second_use) {
+        second_use = use;
+      }
+    }
+    if (best == cache.shares_.size()) return;  // nothing left to evict
+    int64_t give = INT64_MAX - p->freed;
+    if (second_use >= 0) {
+      const double blocks = (best_use - second_use) * cache.shares_[best].weight / unit;
+      give = std::max<int64_t>(1, static_cast<int64_t>(std::min(blocks, 1e15)) + 1);
+    }
+    p->follow_below = p->freed + std::min(give, INT64_MAX - p->freed);
+    const Heap& heap = freed_parents_[best];
+    if (!heap.empty() && (best_next == nullptr || heap.front().first < best_next->first)) {
+      TakeParent(best, p);
+    } else {
+      ++cursors_[best].at;
+      Take(best_next->second, /*ranked=*/true, p);
+    }
+  }
+}
+
 // The plan walks the first-out tails, then the policy's candidates in rank order (the class
 // comment in internal/eviction_planner.h).
 int64_t EvictionPlanner::Plan(const PrefixCache& cache, int64_t blocks,
@@ -186,25 +271,37 @@ int64_t EvictionPlanner::Plan(const PrefixCache& cache, int64_t blocks,
   if (gone_children_.size() < cache.entries_.size()) {
     gone_children_.resize(cache.entries_.size(), 0);
   }
-  freed_parents_.clear();
+  const size_t shares = cache.shares_.size();
+  if (freed_parents_.size() < shares) freed_parents_.resize(shares);
+  for (size_t i = 0; i < shares; ++i) freed_parents_[i].clear();
+  const bool fair = shares > 1;
+  if (fair) {
+    cursors_.resize(shares);
+    for (ShareCursor& c : cursors_) c = ShareCursor{.next = std::move(c.next)};
+    for (ShareCursor& c : cursors_) c.next.clear();
+  }
   touched_.clear();
   for (BlockId b : keep) cache.entry(b).kept = 1;
-  Progress p{.cache = &cache, .blocks = blocks, .victims = victims};
+  Progress p{.cache = &cache, .blocks = blocks, .count_shares = fair, .victims = victims};
   for (BlockId b = cache.tails_head_; b != kInvalidBlock && p.freed < blocks;
        b = cache.tail_next_[PrefixCache::Index(b)]) {
     if (cache.entry(b).kept == 0) Take(b, /*ranked=*/false, &p);
   }
   if (p.freed < blocks) {
-    cache.policy_->Visit(cache.now_ns_, [&](NodeIndex key, const EvictionRank& rank) {
-      while (p.freed < blocks && !freed_parents_.empty() && freed_parents_.front().first < rank) {
-        TakeParent(&p);
+    // One share with anything to give (a daemon's one tenant): its own order, as without shares.
+    size_t givers = 0, giver = 0;
+    for (size_t i = 0; i < shares && givers < 2; ++i) {
+      if (cache.shares_[i].policy->size() > 0 || !freed_parents_[i].empty()) {
+        ++givers;
+        giver = i;
       }
-      if (p.freed >= blocks) return false;
-      if (cache.entry(BlockId(key)).kept == 0) Take(BlockId(key), /*ranked=*/true, &p);
-      return p.freed < blocks;
-    });
+    }
+    if (givers > 1) {
+      PlanFair(&p);
+    } else {
+      PlanShare(giver, &p);
+    }
   }
-  while (p.freed < blocks && !freed_parents_.empty()) TakeParent(&p);
   for (BlockId b : keep) cache.entry(b).kept = 0;
   for (BlockId b : touched_) gone_children_[static_cast<size_t>(b.value())] = 0;
   return p.freed;
@@ -231,6 +328,7 @@ size_t PrefixCache::TrimRun(std::span<const BlockId> victims, const TraceContext
     if ((e.in_policy | e.in_tails) != 0) break;
     KVPOOL_CHECK(e.lock == 0 && pool_->state(block) == BlockState::kCached);
     evictable += e.evictable;
+    if (shares_on_) shares_[e.share].evictable -= e.evictable;
     e.evictable = 0;
     Release(block, ctx);  // one call site: the pool's trace names Remove()'s and this the same
   }

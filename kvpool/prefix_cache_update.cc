@@ -12,18 +12,20 @@
 namespace kvpool {
 using internal::StartsWith;
 
-inline void PrefixCache::Fill(BlockId block, int priority, const TraceContext& ctx) {
+inline void PrefixCache::Fill(BlockId block, int priority, uint16_t share,
+                              const TraceContext& ctx) {
   Entry& e = entry(block);
   e = Entry{};
   e.lock = 1;  // the committing sequence follows it
   e.priority = static_cast<int8_t>(priority);
+  e.share = share;
   KVPOOL_CHECK_OK(pool_->AddCacheRef(block, ctx));
 }
 
 void PrefixCache::Insert(NodeIndex root, BlockId at, std::span<const int32_t> tokens, BlockId block,
                          int priority, const TraceContext& ctx) {
   tree_.Add(root, at, block, tokens);
-  Fill(block, priority, ctx);
+  Fill(block, priority, ShareFor(tree_.ns_of(block)), ctx);
   if (at != kInvalidBlock) RaiseAncestors(at, priority);
   ++num_blocks_;
   ++counters_.inserted;
@@ -36,7 +38,7 @@ void PrefixCache::Insert(NodeIndex root, BlockId at, std::span<const int32_t> to
   if (at != kInvalidBlock && (entry(at).in_tails != 0 || entry(at).in_policy != 0)) {
     UpdateCandidate(at);
   }
-  if (hears_accesses_) policy_->OnInsert(Key(block), Facts(block), now_ns_);
+  if (hears_accesses_) PolicyOf(block).OnInsert(Key(block), Facts(block), now_ns_);
 }
 
 size_t PrefixCache::AppendChain(NodeIndex root, BlockId at, std::span<const int32_t> tokens,
@@ -57,15 +59,16 @@ size_t PrefixCache::AppendChain(NodeIndex root, BlockId at, std::span<const int3
     RaiseAncestors(at, priority);
   }
   const NamespaceId ns = tree_.ns_of(table[0]);
+  const uint16_t share = ShareFor(ns);
   BlockHash parent = HashOf(at);
   const size_t base = path->full.size();
   path->full.resize(base + n);
   BlockId* const follows = path->full.data() + base;  // written in place: no capacity checks
   for (size_t k = 0; k < n; ++k) {
     const BlockId block = table[k];
-    Fill(block, priority, ctx);
+    Fill(block, priority, share, ctx);
     if (hashes_on_) parent = hash_[Index(block)] = PrefixChainHash(parent, ns, tree_.Tokens(block));
-    if (hears_accesses_) policy_->OnInsert(Key(block), Facts(block), now_ns_);
+    if (hears_accesses_) PolicyOf(block).OnInsert(Key(block), Facts(block), now_ns_);
     follows[k] = block;
   }
   if (at == kInvalidBlock) IndexFirstBlock(table[0]);  // a run below a root starts at depth 1
@@ -104,7 +107,7 @@ void PrefixCache::Widen(BlockId block, std::span<const int32_t> tokens) {
   if (on_widen_ != nullptr) on_widen_(block);
   if (tree_.coverage(block) == block_size_) {
     MakeFull(block);
-    if (hears_accesses_) policy_->OnInsert(Key(block), Facts(block), now_ns_);  // named now
+    if (hears_accesses_) PolicyOf(block).OnInsert(Key(block), Facts(block), now_ns_);  // named now
   }
 }
 

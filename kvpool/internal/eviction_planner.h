@@ -13,6 +13,14 @@
 // child, so a victim's run is walked from its tail without bookkeeping. O((k + m) log(k + n))
 // for k victims and m skipped.
 //
+// With eviction shares (PrefixCache::SetShare), each share has its own policy, and the plan
+// takes its next victim from the share with the largest use per unit of weight, counting what
+// the plan took already: it reads that share's candidates in rank order (a buffer filled from its
+// policy's Visit, twice as many each time, so a share read k deep costs O(k) visits) merged with
+// the parents the plan turned into leaves in that share. A step from a share stops (queuing the
+// next parent) once the share's use falls to the runner-up's, so a long run does not go in one
+// piece while another share holds more. O(s) per step for s shares.
+//
 // Thread-compatible: each PrefixCache owns one and calls it under the cache's serialization.
 
 #include <cstdint>
@@ -39,12 +47,27 @@ class EvictionPlanner final {
   bool clean() const;
 
  private:
+  using Ranked = std::pair<EvictionRank, BlockId>;
+  using Heap = std::vector<Ranked>;  // a min-heap by rank
+
   // One plan's progress.
   struct Progress {
     const PrefixCache* cache = nullptr;
     int64_t blocks = 0;  // asked for
     int64_t freed = 0;   // freed by the victims so far
+    // Past this many freed, parents are queued rather than followed: the share being read may
+    // have to give way to another (fair plans).
+    int64_t follow_below = INT64_MAX;
+    bool count_shares = false;  // count victims by share (in shares_[].planned)
     std::vector<BlockId>* victims = nullptr;
+  };
+  // A share's reading position in a fair plan.
+  struct ShareCursor {
+    std::vector<Ranked> next;  // its policy's candidates read and not taken yet, from `at`
+    size_t at = 0;
+    size_t read = 0;         // candidates its policy's Visit has given so far
+    bool exhausted = false;  // the policy has no more
+    int64_t planned = 0;     // victims planned from the share
   };
   // What a plan does with the parent of a block it took.
   enum class Step : uint8_t {
@@ -57,11 +80,20 @@ class EvictionPlanner final {
   // `ranked`: taken in rank order (not as a first-out tail), so nothing untaken ranks below it.
   void Take(BlockId block, bool ranked, Progress* p);
   void Queue(BlockId parent, const Progress& p);
-  void TakeParent(Progress* p);
+  void TakeParent(size_t share, Progress* p);
+  // The policy's candidates of `share` in rank order, merged with its freed parents, until the
+  // plan is done (one share, or shares off).
+  void PlanShare(size_t share, Progress* p);
+  // Steps from the share that uses the most per unit of weight until the plan is done.
+  void PlanFair(Progress* p);
+  // `share`'s next candidate in rank order that the plan may take, reading more of its policy
+  // when the buffer runs out; nullptr when it has none.
+  const Ranked* NextCandidate(const PrefixCache& cache, size_t share);
 
   std::vector<int32_t> gone_children_;  // by block: children planned away
   std::vector<BlockId> touched_;        // blocks whose gone_children_ to reset
-  std::vector<std::pair<EvictionRank, BlockId>> freed_parents_;  // a min-heap by rank
+  std::vector<Heap> freed_parents_;     // by share
+  std::vector<ShareCursor> cursors_;    // by share (fair plans)
 };
 
 }  // namespace kvpool

@@ -54,9 +54,12 @@ struct ModelPin {
 
 // An eviction spec, and whether the cache records events (off, as in kvpool-replay, plain LRU
 // leaves the chained hashes uncomputed).
+// With `shares`, the two namespaces are two eviction shares of different weights (fair eviction
+// by tenant), and the second one moves to a third share halfway, so paths cross shares.
 struct RandomParams {
   const char* policy;
   bool events = true;
+  bool shares = false;
 };
 
 class PrefixCacheRandomTest : public ::testing::TestWithParam<RandomParams> {
@@ -68,6 +71,7 @@ class PrefixCacheRandomTest : public ::testing::TestWithParam<RandomParams> {
                                          .trace_depth = 4,
                                          .clock = &clock_,
                                          .eviction_policy = GetParam().policy,
+                                         .eviction_shares = GetParam().shares ? 3 : 0,
                                          .event_capacity = 64,
                                          .cache_events = GetParam().events,
                                          .evicted_memory = GetParam().events ? size_t{65536} : 0,
@@ -76,6 +80,10 @@ class PrefixCacheRandomTest : public ::testing::TestWithParam<RandomParams> {
                                          .max_pinned_blocks = kNumBlocks});
     ASSERT_TRUE(cache.ok());
     cache_ = std::move(*cache);
+    if (GetParam().shares) {
+      ASSERT_TRUE(cache_->SetEvictionShare(kNamespaces[0], 1, 1).ok());
+      ASSERT_TRUE(cache_->SetEvictionShare(kNamespaces[1], 2, 2).ok());
+    }
     arena_.assign(kNumBlocks * kBs, 0);
   }
 
@@ -339,10 +347,15 @@ class PrefixCacheRandomTest : public ::testing::TestWithParam<RandomParams> {
 
 TEST_P(PrefixCacheRandomTest, TreeAndPoolAgreeWithComputedKv) {
   // The default policy gets the full run; the others a shorter one each.
-  int64_t ops = std::string(GetParam().policy) == kDefaultEvictionSpec ? 100'000 : 40'000;
+  int64_t ops = std::string(GetParam().policy) == kDefaultEvictionSpec && !GetParam().shares
+                    ? 100'000
+                    : 40'000;
   if (const char* env = std::getenv("KVPOOL_RANDOM_OPS")) ops = std::atoll(env) / 5;
   for (int64_t step = 0; step < ops; ++step) {
     clock_.Advance(1);
+    if (GetParam().shares && step == ops / 2) {
+      ASSERT_TRUE(cache_->SetEvictionShare(kNamespaces[1], 3, 1).ok());
+    }
     ExpireModelPins();
     const uint64_t dice = rng_() % 100;
     if (live_.empty() || dice < 24) {
@@ -396,7 +409,9 @@ INSTANTIATE_TEST_SUITE_P(Policies, PrefixCacheRandomTest,
                          ::testing::Values(RandomParams{kDefaultEvictionSpec.data()},
                                            RandomParams{"lru"}, RandomParams{"reuse+admit"},
                                            RandomParams{"lru", /*events=*/false},
-                                           RandomParams{"reuse", /*events=*/false}));
+                                           RandomParams{"reuse", /*events=*/false},
+                                           RandomParams{kDefaultEvictionSpec.data(), true, true},
+                                           RandomParams{"lru", /*events=*/false, true}));
 
 }  // namespace
 }  // namespace kvpool
