@@ -334,19 +334,26 @@ std::string QuotaText(const v1::SessionInfo& s) {
   return fmt::format("{}/{}", s.quota_used(), s.quota_bound());
 }
 
+// Its tenant's eviction share: cached bytes, blocks and weight; "-" with fair eviction off.
+std::string ShareText(const v1::SessionInfo& s) {
+  if (s.cache_share_weight() == 0) return "-";
+  return fmt::format("{} ({} blocks) w{}", Bytes(s.cache_share_bytes()), s.cache_share_blocks(),
+                     s.cache_share_weight());
+}
+
 }  // namespace
 
 std::string FormatSessions(const v1::ListSessionsResponse& sessions, bool json) {
   if (json) return Pretty(sessions);
   internal::Table table({"SESSION", "CLIENT", "PID", "UID", "TENANT", "MODEL", "POOL", "ACCESS",
-                         "NAMESPACE", "ADMIN", "SEQS", "REFS", "QUOTA", "ATTACHED"});
+                         "NAMESPACE", "ADMIN", "SEQS", "REFS", "QUOTA", "CACHED", "ATTACHED"});
   for (const v1::SessionInfo& s : sessions.sessions()) {
     table.AddRow({std::to_string(s.session_id()), s.client_name(), std::to_string(s.pid()),
                   std::to_string(s.uid()), s.tenant().empty() ? "-" : s.tenant(), s.model(),
                   s.pool(), s.kv_access() ? "kv" : "compute",
                   fmt::format("{:#018x}", s.namespace_id()), s.admin() ? "yes" : "no",
                   std::to_string(s.sequences()), std::to_string(s.block_refs()), QuotaText(s),
-                  Seconds(s.attached_seconds())});
+                  ShareText(s), Seconds(s.attached_seconds())});
   }
   return table.Render() + fmt::format("{} session(s)\n", table.num_rows());
 }

@@ -22,6 +22,7 @@
 #include "kernels/plan_executor.h"
 #include "kernels/pool_layout.h"
 #include "kvpool/eviction_policy.h"
+#include "kvpool/prefix_cache.h"
 #include "kvpool/util/status_macros.h"
 #include "kvpool/v1/wire.h"
 #include "model/weights.h"
@@ -33,6 +34,8 @@ namespace {
 
 constexpr int64_t kDefaultPoolBytes = 256ll << 20;
 constexpr int32_t kDefaultStateSlots = 64;
+// limits.eviction_shares: each share keeps per-block arrays of its own, so not thousands.
+constexpr int32_t kMaxEvictionShares = 1024;
 
 // Collects protobuf's parse errors as "file:line:col: message" lines.
 class ErrorLines final : public google::protobuf::io::ErrorCollector {
@@ -118,6 +121,7 @@ void ApplyDefaults(v1::DaemonConfig* c) {
   if (l->cache_salts_per_session() == 0) l->set_cache_salts_per_session(4096);
   if (l->block_refs_per_uid() == 0) l->set_block_refs_per_uid(int64_t{1} << 22);
   if (l->doorbells_per_uid() == 0) l->set_doorbells_per_uid(8);
+  if (l->eviction_shares() == 0) l->set_eviction_shares(16);
 }
 
 namespace {
@@ -208,6 +212,10 @@ void ParseLimits(const v1::DaemonConfig& c, EngineOptions* o, const Bad& bad) {
     bad("limits.state_slots_per_uid",
         fmt::format("must be >= 0 (0: every state slot), got {}", l.state_slots_per_uid()));
   }
+  if (l.eviction_shares() < -1 || l.eviction_shares() > kMaxEvictionShares) {
+    bad("limits.eviction_shares", fmt::format("must be in [1, {}], or -1 (off), got {}",
+                                              kMaxEvictionShares, l.eviction_shares()));
+  }
   if (l.attach_pending_per_uid() > l.attach_pending()) {
     bad("limits.attach_pending_per_uid", "must be at most limits.attach_pending");
   }
@@ -220,6 +228,7 @@ void ParseLimits(const v1::DaemonConfig& c, EngineOptions* o, const Bad& bad) {
       .cache_salts_per_session = l.cache_salts_per_session(),
       .block_refs_per_uid = l.block_refs_per_uid(),
       .state_slots_per_uid = l.state_slots_per_uid() > 0 ? l.state_slots_per_uid() : kUnlimited};
+  o->eviction_shares = std::max(l.eviction_shares(), 0);
 }
 
 // The pool shape as a layout (num_blocks 0): geometry, `dtype`, then k_dtype / v_dtype, then each
@@ -423,6 +432,10 @@ void ParseTenants(const v1::DaemonConfig& c, const std::vector<std::string>& poo
       bad(field + ".max_priority", fmt::format("must be in [0, {}]", kNumPriorities - 1));
     }
     if (t.max_sessions() < 0) bad(field + ".max_sessions", "must be >= 0 (0: unlimited)");
+    if (t.cache_weight() > PrefixCache::kMaxShareWeight) {
+      bad(field + ".cache_weight", fmt::format("must be in [1, {}] (0: 1), got {}",
+                                               PrefixCache::kMaxShareWeight, t.cache_weight()));
+    }
     const auto pool =
         t.pool().empty() ? pools.begin() : std::find(pools.begin(), pools.end(), t.pool());
     if (pool == pools.end()) bad(field + ".pool", fmt::format("no pool '{}'", t.pool()));
@@ -431,7 +444,8 @@ void ParseTenants(const v1::DaemonConfig& c, const std::vector<std::string>& poo
         .quota_blocks = t.quota_blocks(),
         .max_priority = t.has_max_priority() ? t.max_priority() : kNumPriorities - 1,
         .max_sessions = t.max_sessions(),
-        .pool = static_cast<int32_t>(pool - pools.begin())};
+        .pool = static_cast<int32_t>(pool - pools.begin()),
+        .cache_weight = std::max<uint32_t>(t.cache_weight(), 1)};
   }
   if (!c.tenants().empty() && !c.tenant_quota_blocks().empty()) {
     bad("tenant_quota_blocks",

@@ -221,6 +221,12 @@ void ToProto(const SessionListing& l, int64_t now_ns, v1::SessionInfo* info) {
     info->set_quota_bound(l.quota->bound);
     info->set_quota_unit(l.quota->bytes ? "bytes" : "blocks");
   }
+  if (l.share) {
+    info->set_cache_share_blocks(l.share->evictable);
+    info->set_cache_share_bytes(l.share->bytes);
+    info->set_cache_share_weight(l.share->weight);
+    info->set_cache_share_evicted(l.share->evicted);
+  }
 }
 
 void ToProto(const PoolGrant& g, v1::AttachResponse* r) {

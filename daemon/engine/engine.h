@@ -109,6 +109,8 @@ struct SessionListing {
   // Its tenant's quota in its pool, over all the tenant's namespaces there (in bytes in a pool
   // that charges every layer group's, KvCacheManager::QuotaOf); nullopt without one.
   std::optional<KvCacheManager::QuotaUse> quota;
+  // Its tenant's eviction share in its pool (KvCacheManager::EvictionShareOf); nullopt without.
+  std::optional<ShareUse> share;
 };
 
 class Engine final : private StepExecutor {

@@ -92,8 +92,10 @@ std::vector<SessionListing> Engine::ListSessions() const {
   std::vector<SessionListing> out;
   absl::ReaderMutexLock lock(&mu_);
   for (const auto& [id, session] : state_->sessions()) {
-    out.push_back(
-        {.session = session, .quota = state_->pool(session->pool).cache().QuotaOf(session->ns)});
+    const KvCacheManager& cache = state_->pool(session->pool).cache();
+    out.push_back({.session = session,
+                   .quota = cache.QuotaOf(session->ns),
+                   .share = cache.EvictionShareOf(session->ns)});
   }
   std::sort(out.begin(), out.end(),
             [](const auto& a, const auto& b) { return a.session->id < b.session->id; });

@@ -47,6 +47,9 @@ struct TenantLimits {
   int32_t max_priority = 3;  // highest prefix-cache priority class, [0, kNumPriorities)
   int32_t max_sessions = 0;  // attached at once; 0: unlimited
   int32_t pool = 0;          // index into EngineOptions::pools
+  // Its weight in fair eviction (EngineOptions::eviction_shares): under pressure, cached bytes
+  // are taken from the tenant holding the most per unit of weight. [1, 1000000].
+  uint32_t cache_weight = 1;
 };
 
 // What any one client may make the engine hold or wait on (config.proto Limits). Over a limit, a
@@ -86,6 +89,10 @@ struct EngineOptions {
   int32_t window_tokens = 0;
   int32_t sink_tokens = 0;
   std::string eviction_policy = std::string(kDefaultEvictionSpec);  // ParseEvictionSpec
+  // Fair eviction by tenant (docs/eviction.md): tenants of a pool with a share of their own
+  // (KvCacheOptions::eviction_shares), each ordered by its own instance of the policy; tenants
+  // past it share the default share. 0: one pool-wide order.
+  int32_t eviction_shares = 16;
   size_t event_capacity = 65536;                        // cache events kept for replay, per pool
   size_t event_capacity_bytes = kDefaultEventLogBytes;  // bytes those events may take, per pool
   kernels::FillPolicy fill_policy = kernels::FillPolicy::kNone;

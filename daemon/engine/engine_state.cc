@@ -105,9 +105,10 @@ absl::StatusOr<std::shared_ptr<const Session>> EngineState::Open(SessionSpec spe
   session->pool = limits->pool;
   session->max_priority = limits->max_priority;
   session->quota_blocks = limits->quota_blocks;
+  session->cache_weight = limits->cache_weight;
   session->spec = std::move(spec);
   session->ns = namespaces_.Acquire(KeyOf(*session, ""));
-  JoinQuota(*session, session->ns);
+  JoinTenant(*session, session->ns);
   // The uid's sessions share one bound on block references (and so on the token lists and tables
   // they make the pool keep: forks and shared prefixes hold references, not blocks).
   const uint64_t uid_group = uint64_t{session->spec.uid} + 1;
@@ -187,18 +188,29 @@ int64_t EngineState::End(SessionId id, SessionEnd how) {
 
 namespace kvpool::daemon {
 
-void EngineState::JoinQuota(const Session& s, NamespaceId ns) {
+void EngineState::JoinTenant(const Session& s, NamespaceId ns) {
+  if (s.spec.tenant.empty()) return;  // an admin-only session holds nothing
+  KvCacheManager& cache = pool(s.pool).cache();
+  const uint64_t group = namespaces_.QuotaGroup(s.spec.tenant);
+  // The tenant's eviction share (fair eviction): refused only when shares are off or every share
+  // is taken, and then its blocks are in the pool's default share.
+  if (options_.eviction_shares > 0 && options_.prefix_cache) {
+    (void)cache.SetEvictionShare(ns, group, s.cache_weight);
+  }
   if (s.quota_blocks <= 0) return;
   // Cannot fail: the quota is positive and the namespace is not 0.
-  KVPOOL_CHECK_OK(pool(s.pool).cache().SetNamespaceQuota(ns, s.quota_blocks,
-                                                         namespaces_.QuotaGroup(s.spec.tenant)));
+  KVPOOL_CHECK_OK(cache.SetNamespaceQuota(ns, s.quota_blocks, group));
 }
 
 void EngineState::LeaveNamespace(const Session& s, NamespaceId ns) {
-  // The last user gone, the namespace holds nothing of anyone's: out of its quota group, so that
-  // namespaces no one uses do not pile up there.
-  if (namespaces_.Release(ns) && s.quota_blocks > 0) {
-    KVPOOL_CHECK_OK(pool(s.pool).cache().SetNamespaceQuota(ns, kUnlimited));
+  // The last user gone, the namespace holds nothing of anyone's: out of its quota group and its
+  // share, so that namespaces no one uses do not pile up there. (Its cached blocks stay in the
+  // share they were published into.)
+  if (!namespaces_.Release(ns)) return;
+  KvCacheManager& cache = pool(s.pool).cache();
+  if (s.quota_blocks > 0) KVPOOL_CHECK_OK(cache.SetNamespaceQuota(ns, kUnlimited));
+  if (options_.eviction_shares > 0 && options_.prefix_cache && !s.spec.tenant.empty()) {
+    KVPOOL_CHECK_OK(cache.SetEvictionShare(ns, 0));
   }
 }
 
@@ -229,7 +241,7 @@ absl::StatusOr<EngineState::Invalidated> EngineState::Invalidate(std::string_vie
     std::vector<NamespaceId>& retired = retired_[id];
     retired.push_back(OwnNamespace(s));
     const NamespaceId fresh = namespaces_.Acquire(KeyOf(s, ""));
-    JoinQuota(s, fresh);
+    JoinTenant(s, fresh);
     own_[id] = fresh;
     // Salted ones are acquired afresh at their next use.
     if (auto salted = salts_.find(id); salted != salts_.end()) {
@@ -258,7 +270,7 @@ absl::StatusOr<NamespaceId> EngineState::SaltedNamespace(const Session& s, std::
                     s.id.value(), mine.size(), most));
   }
   const NamespaceId ns = namespaces_.Acquire(KeyOf(s, salt));
-  JoinQuota(s, ns);
+  JoinTenant(s, ns);
   mine.emplace(std::string(salt), ns);
   return ns;
 }

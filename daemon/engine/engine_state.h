@@ -129,9 +129,10 @@ class EngineState final {
   // The limits of `tenant`. Errors: PERMISSION_DENIED when tenants are configured and it is not.
   absl::StatusOr<TenantLimits> LimitsOf(const std::string& tenant) const;
   NamespaceKey KeyOf(const Session& s, std::string_view salt) const;
-  // Puts a namespace the table has just given `s` into its tenant's quota group (a no-op for a
-  // tenant without a quota); a namespace the table forgot leaves it.
-  void JoinQuota(const Session& s, NamespaceId ns);
+  // Puts a namespace the table has just given `s` into its tenant's quota group (none for a
+  // tenant without a quota) and eviction share (EngineOptions::eviction_shares); a namespace the
+  // table forgot leaves both.
+  void JoinTenant(const Session& s, NamespaceId ns);
   void LeaveNamespace(const Session& s, NamespaceId ns);
   // Lets go of the salted namespaces of `s` it holds no sequence or pin in.
   void PruneSalts(const Session& s);

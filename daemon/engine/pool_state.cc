@@ -89,6 +89,7 @@ absl::StatusOr<std::unique_ptr<PoolState>> PoolState::Create(const PoolOptions& 
                               .fences = steps.get(),
                               .prefix_cache = options.prefix_cache,
                               .eviction_policy = options.eviction_policy,
+                              .eviction_shares = options.eviction_shares,
                               .epoch = options.epoch,
                               .event_capacity = options.event_capacity,
                               .publish_journal = options.tiers.enabled() && options.prefix_cache,

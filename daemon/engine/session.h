@@ -39,11 +39,12 @@ struct Session {
   SessionId id;
   std::string token;  // 128 random bits as hex: authenticates the session's gRPC calls
   SessionSpec spec;
-  NamespaceId ns;            // the prefix-sharing domain: tenant + model + pool layout
-  int64_t opened_ns = 0;     // the engine clock's reading at attach
-  int32_t pool = 0;          // the pool its sequences live in (EngineOptions::pools)
-  int32_t max_priority = 0;  // the highest prefix-cache priority its tenant allows
-  int64_t quota_blocks = 0;  // its tenant's block quota, over all its namespaces (0: none)
+  NamespaceId ns;             // the prefix-sharing domain: tenant + model + pool layout
+  int64_t opened_ns = 0;      // the engine clock's reading at attach
+  int32_t pool = 0;           // the pool its sequences live in (EngineOptions::pools)
+  int32_t max_priority = 0;   // the highest prefix-cache priority its tenant allows
+  int64_t quota_blocks = 0;   // its tenant's block quota, over all its namespaces (0: none)
+  uint32_t cache_weight = 1;  // its tenant's weight in fair eviction (TenantLimits)
   // Its ComputeCalls alive (queued, in a step, or completing): ClientLimits bounds them.
   mutable std::atomic<int32_t> compute_calls{0};
 };

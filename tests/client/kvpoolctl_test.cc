@@ -91,12 +91,19 @@ TEST(FormatTest, SessionsAreAnAlignedTable) {
   b->set_quota_used(3 << 20);
   b->set_quota_bound(8 << 20);
   b->set_quota_unit("bytes");
+  b->set_cache_share_blocks(48);
+  b->set_cache_share_bytes(6 << 20);
+  b->set_cache_share_weight(2);
   const std::vector<std::string> lines = Lines(FormatSessions(sessions, false));
   ASSERT_EQ(lines.size(), 4u);
   // Its tenant's quota: in bytes where every layer group is charged, "-" without one.
   EXPECT_THAT(lines[0], HasSubstr("QUOTA"));
   EXPECT_THAT(lines[2], HasSubstr("3.0 MiB/8.0 MiB"));
   EXPECT_EQ(lines[1].substr(lines[0].find("QUOTA"), 1), "-");
+  // Its tenant's cached bytes in its eviction share, "-" with fair eviction off.
+  EXPECT_THAT(lines[0], HasSubstr("CACHED"));
+  EXPECT_THAT(lines[2], HasSubstr("6.0 MiB (48 blocks) w2"));
+  EXPECT_EQ(lines[1].substr(lines[0].find("CACHED"), 1), "-");
   EXPECT_THAT(lines[0], HasSubstr("SESSION  CLIENT"));
   // Numbers are right-aligned: the ids end in the same column, names start in the same column.
   EXPECT_EQ(lines[0].find("CLIENT"), lines[1].find("kvpoolctl"));

@@ -15,6 +15,7 @@
 #include "daemon/metrics/metrics_config.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kvpool/prefix_cache.h"
 #include "model/weights.h"
 
 namespace kvpool::daemon {
@@ -331,6 +332,29 @@ TEST(ConfigTest, ATenantsQuotaIsGivenOneWay) {
   EXPECT_THAT(ValidateConfig(c), ::testing::Contains(HasSubstr("tenant_quota_blocks")));
   c.clear_tenant_quota_blocks();
   EXPECT_THAT(ValidateConfig(c), ::testing::IsEmpty());
+}
+
+// Fair eviction by tenant: on by default (16 shares a pool), -1 turns it off, and a tenant's
+// weight is checked.
+TEST(ConfigTest, FairEvictionIsOnByDefaultAndItsWeightsAreChecked) {
+  v1::DaemonConfig c = *LoadConfig("");
+  EXPECT_EQ(c.limits().eviction_shares(), 16);
+  EXPECT_EQ(MakeEngineOptions(c, 1)->eviction_shares, 16);
+  c.mutable_limits()->set_eviction_shares(-1);
+  EXPECT_EQ(MakeEngineOptions(c, 1)->eviction_shares, 0);
+  c.mutable_limits()->set_eviction_shares(-2);
+  EXPECT_THAT(ValidateConfig(c),
+              ::testing::ElementsAre(HasSubstr("limits.eviction_shares: must be in [1, 1024]")));
+  c.mutable_limits()->set_eviction_shares(4);
+  v1::TenantSpec* t = c.add_tenants();
+  t->set_name("a");
+  t->add_uids(1000);
+  EXPECT_EQ(MakeEngineOptions(c, 1)->tenants.at("a").cache_weight, 1u);  // 0: 1
+  t->set_cache_weight(3);
+  EXPECT_EQ(MakeEngineOptions(c, 1)->tenants.at("a").cache_weight, 3u);
+  t->set_cache_weight(PrefixCache::kMaxShareWeight + 1);
+  EXPECT_THAT(ValidateConfig(c),
+              ::testing::ElementsAre(HasSubstr("tenants[0].cache_weight: must be in [1, ")));
 }
 
 TEST(ConfigTest, TiersAreOffByDefaultAndCheckedWhenOn) {

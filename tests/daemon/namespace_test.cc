@@ -6,6 +6,7 @@
 
 #include "daemon/engine/engine.h"
 #include "daemon/engine/namespace_table.h"
+#include "fmt/format.h"
 #include "gtest/gtest.h"
 #include "tests/daemon/engine_test_util.h"
 
@@ -251,6 +252,44 @@ TEST_F(NamespaceTest, SaltsDoNotEscapeTheTenantsQuota) {
   EXPECT_TRUE(absl::IsResourceExhausted(Allocate(*s, three, "two").status()));
   EXPECT_TRUE(Allocate(*s, Prompt(16, 5), "three").ok());
   EXPECT_TRUE(absl::IsResourceExhausted(Allocate(*s, Prompt(16, 6), "four").status()));
+}
+
+// Fair eviction by tenant (EngineOptions::eviction_shares): a tenant that floods the pool with
+// prompts, each under a cache salt of its own (so each its own namespace), evicts its own cached
+// blocks, not the prefix another tenant comes back to. With fairness off it is the other way
+// round. kvpoolctl sessions shows each tenant's share.
+TEST_F(NamespaceTest, ATenantFloodingThePoolEvictsItsOwnBlocksUnderEverySalt) {
+  for (const bool fair : {true, false}) {
+    SCOPED_TRACE(fair ? "fair" : "one pool-wide order");
+    EngineOptions options = SmallPool(64);
+    options.eviction_shares = fair ? 16 : 0;
+    Make(options);
+    std::shared_ptr<const Session> quiet = Open("quiet");
+    std::shared_ptr<const Session> loud = Open("loud");
+    const std::vector<int32_t> prefix = Prompt(8 * 16, 7);
+    Publish(*quiet, prefix);
+    Publish(*quiet, prefix);  // used twice: admitted by the default policy's filter
+    for (int i = 0; i < 24; ++i) {
+      const std::vector<int32_t> prompt = Prompt(8 * 16, 100 + i);
+      const std::string salt = fmt::format("user-{}", i);
+      ASSERT_NO_FATAL_FAILURE(Publish(*loud, prompt, salt));
+      ASSERT_NO_FATAL_FAILURE(Publish(*loud, prompt, salt));
+    }
+    EXPECT_EQ(Matched(*quiet, prefix), fair ? 8 * 16 : 0);
+    const std::vector<SessionListing> sessions = engine_->ListSessions();
+    ASSERT_EQ(sessions.size(), 2u);
+    if (fair) {
+      ASSERT_TRUE(sessions[0].share.has_value() && sessions[1].share.has_value());
+      EXPECT_EQ(sessions[0].share->evicted, 0u);  // quiet's
+      EXPECT_EQ(sessions[0].share->evictable, 8);
+      EXPECT_EQ(sessions[0].share->bytes, 8 * engine_->layout().block_bytes());
+      EXPECT_GT(sessions[1].share->evicted, 0u);  // loud's, whichever salt its blocks were under
+      EXPECT_NE(sessions[0].share->key, sessions[1].share->key);
+    } else {
+      EXPECT_FALSE(sessions[0].share.has_value());
+    }
+    EXPECT_TRUE(engine_->CheckInvariants().ok());
+  }
 }
 
 TEST_F(NamespaceTest, ASessionLetsGoOfSaltsItHoldsNothingUnder) {

@@ -106,5 +106,24 @@ TEST(SessionConvertTest, SessionInfoCarriesItsTenantsQuota) {
   EXPECT_EQ(none.quota_bound(), 0);
 }
 
+// kvpoolctl sessions' CACHED column: the tenant's eviction share, nothing with fairness off.
+TEST(SessionConvertTest, SessionInfoCarriesItsTenantsEvictionShare) {
+  auto session = std::make_shared<Session>();
+  session->id = SessionId(4);
+  SessionListing listing{
+      .session = session,
+      .share = ShareUse{.key = 9, .weight = 3, .evictable = 7, .bytes = 7000, .evicted = 11}};
+  v1::SessionInfo info;
+  ToProto(listing, 0, &info);
+  EXPECT_EQ(info.cache_share_blocks(), 7);
+  EXPECT_EQ(info.cache_share_bytes(), 7000);
+  EXPECT_EQ(info.cache_share_weight(), 3u);
+  EXPECT_EQ(info.cache_share_evicted(), 11u);
+  listing.share.reset();
+  v1::SessionInfo none;
+  ToProto(listing, 0, &none);
+  EXPECT_EQ(none.cache_share_weight(), 0u);
+}
+
 }  // namespace
 }  // namespace kvpool::daemon
