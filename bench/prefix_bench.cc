@@ -9,6 +9,8 @@
 //    OnHit and Add), a new 64-block prompt published and released (the insert path: OnInsert,
 //    Add), and one eviction with 1k, 100k and 1M cached blocks, which must not grow with the
 //    tree (the 1M/1k ratio is checked against 2x for every policy).
+// 3. Fair eviction by tenant: one eviction among 1, 8 and 64 tenants' eviction shares beside the
+//    one pool-wide order, 100k cached blocks.
 
 #include <cstdio>
 #include <filesystem>
@@ -187,6 +189,42 @@ void BM_Evict(benchmark::State& state, const char* policy) {
   state.counters["cached_blocks"] = static_cast<double>(cache->pool().num_cached());
 }
 
+// One eviction with 100k cached blocks spread over `state.range(0)` tenants' eviction shares
+// (fair eviction, docs/eviction.md), the default policy: each plan compares the shares' use and
+// reads the chosen share's candidates. One share is the daemon with one tenant (its own order).
+void BM_EvictShares(benchmark::State& state) {
+  const int32_t shares = static_cast<int32_t>(state.range(0));
+  constexpr int64_t kCached = 100'000;
+  constexpr int32_t kChain = 64;
+  const int64_t total = kCached + state.max_iterations;
+  auto made = KvCacheManager::Create({.block_size = kBs,
+                                      .num_blocks = static_cast<int32_t>(total + kChain),
+                                      .max_blocks_per_seq = kChain,
+                                      .trace_depth = 0,
+                                      .eviction_policy = std::string(kDefaultEvictionSpec),
+                                      .eviction_shares = shares});
+  KVPOOL_CHECK_OK(made.status());
+  KvCacheManager* cache = made->get();
+  for (int32_t i = 0; i < shares; ++i) {
+    KVPOOL_CHECK_OK(cache->SetEvictionShare(NamespaceId(100 + i), static_cast<uint64_t>(i + 1)));
+  }
+  std::mt19937 rng(13);
+  std::vector<int32_t> prompt(kChain * kBs);
+  int32_t next = 0;
+  for (int64_t built = 0; built < total; built += kChain) {
+    for (int32_t& t : prompt) t = static_cast<int32_t>(rng());
+    const NamespaceId ns(100 + next++ % shares);
+    DevicePlan plan;
+    const absl::StatusOr<AllocateResult> r =
+        cache->Allocate(kSession, {.ns = ns, .num_tokens = kChain * kBs, .prompt = prompt}, &plan);
+    KVPOOL_CHECK_OK(r.status());
+    KVPOOL_CHECK_OK(cache->Free(kSession, r->sequence, OnFree::kCommit));
+  }
+  for (auto _ : state) benchmark::DoNotOptimize(cache->EvictCached(1));
+  state.counters["shares"] = shares;
+}
+BENCHMARK(BM_EvictShares)->Arg(1)->Arg(2)->Arg(8)->Arg(64)->Iterations(20'000);
+
 // The policies compared, by benchmark-name suffix and spec.
 #define KVPOOL_POLICY_BENCHMARKS(suffix, spec)                   \
   BENCHMARK_CAPTURE(BM_MatchAdopt, suffix, spec);                \
@@ -226,6 +264,14 @@ int main(int argc, char** argv) {
     pairs.push_back({p + " evict: 1k time / 100k time",
                      "BM_Evict/" + p + "/100000/iterations:20000",
                      "BM_Evict/" + p + "/1000/iterations:20000", 0.5});
+  }
+  // Fair eviction by tenant: one eviction among 1, 8 or 64 tenants' shares, beside the one
+  // pool-wide order, 100k cached blocks each. The issue sets no target; ours: at most 3x up to
+  // the default 16 shares (64 is reported: O(s) comparisons per step).
+  for (const auto& [shares, target] : {std::pair{"1", 0.33}, {"8", 0.33}, {"64", 0.0}}) {
+    pairs.push_back({std::string("evict among ") + shares + " shares vs one order",
+                     std::string("BM_EvictShares/") + shares + "/iterations:20000",
+                     "BM_Evict/default/100000/iterations:20000", target});
   }
   return kvpool::bench::RunWithRatios(argc, argv, pairs);
 }

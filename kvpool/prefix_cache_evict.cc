@@ -210,7 +210,7 @@ const EvictionPlanner::Ranked* EvictionPlanner::NextCandidate(const PrefixCache&
     // Read the next stretch: skip what was read before (the plan changed nothing), take as
     // many again, so that the total read is at most twice what the plan looks at.
     const size_t skip = c.read;
-    const size_t want = std::max<size_t>(16, skip);
+    const size_t want = std::max<size_t>(4, skip);
     size_t seen = 0;
     c.next.clear();
     c.at = 0;
@@ -224,41 +224,48 @@ const EvictionPlanner::Ranked* EvictionPlanner::NextCandidate(const PrefixCache&
   }
 }
 
+bool EvictionPlanner::CanGive(const PrefixCache& cache, size_t share) const {
+  if (!freed_parents_[share].empty()) return true;
+  const ShareCursor& c = cursors_[share];
+  return cache.shares_[share].policy->size() > 0 && !(c.exhausted && c.at >= c.next.size());
+}
+
 void EvictionPlanner::PlanFair(Progress* p) {
   const PrefixCache& cache = *p->cache;
   const int64_t unit = cache.share_block_bytes_;
+  const size_t none = cache.shares_.size();
   while (p->freed < p->blocks) {
     // The share using the most per unit of weight gives the next victim; the runner-up bounds
-    // how much it gives before the shares are looked at again.
-    size_t best = cache.shares_.size();
+    // how much it gives before the shares are looked at again. Only the chosen share's
+    // candidates are read.
+    size_t best = none;
     double best_use = 0, second_use = -1;
-    const Ranked* best_next = nullptr;
     for (size_t i = 0; i < cache.shares_.size(); ++i) {
-      const Ranked* next = NextCandidate(cache, i);
-      if (next == nullptr && freed_parents_[i].empty()) continue;
+      if (!CanGive(cache, i)) continue;
       const double use = cache.shares_[i].UsePerWeight(unit, cursors_[i].planned);
-      if (best == cache.shares_.size() || use > best_use) {
-        second_use = best == cache.shares_.size() ? -1 : best_use;
+      if (best == none || use > best_use) {
+        second_use = best == none ? -1 : best_use;
         best = i;
         best_use = use;
-        best_next = next;
       } else if (use > second_use) {
         second_use = use;
       }
     }
-    if (best == cache.shares_.size()) return;  // nothing left to evict
+    if (best == none) return;  // nothing left to evict
+    const Ranked* next = NextCandidate(cache, best);
+    const Heap& heap = freed_parents_[best];
+    if (next == nullptr && heap.empty()) continue;  // only kept candidates: it cannot give
     int64_t give = INT64_MAX - p->freed;
     if (second_use >= 0) {
       const double blocks = (best_use - second_use) * cache.shares_[best].weight / unit;
       give = std::max<int64_t>(1, static_cast<int64_t>(std::min(blocks, 1e15)) + 1);
     }
     p->follow_below = p->freed + std::min(give, INT64_MAX - p->freed);
-    const Heap& heap = freed_parents_[best];
-    if (!heap.empty() && (best_next == nullptr || heap.front().first < best_next->first)) {
+    if (!heap.empty() && (next == nullptr || heap.front().first < next->first)) {
       TakeParent(best, p);
     } else {
       ++cursors_[best].at;
-      Take(best_next->second, /*ranked=*/true, p);
+      Take(next->second, /*ranked=*/true, p);
     }
   }
 }

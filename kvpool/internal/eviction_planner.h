@@ -15,11 +15,11 @@
 //
 // With eviction shares (PrefixCache::SetShare), each share has its own policy, and the plan
 // takes its next victim from the share with the largest use per unit of weight, counting what
-// the plan took already: it reads that share's candidates in rank order (a buffer filled from its
-// policy's Visit, twice as many each time, so a share read k deep costs O(k) visits) merged with
+// the plan took already. Only that share's candidates are read: a buffer filled from its
+// policy's Visit, twice as many each time (so a share read k deep costs O(k) visits), merged with
 // the parents the plan turned into leaves in that share. A step from a share stops (queuing the
-// next parent) once the share's use falls to the runner-up's, so a long run does not go in one
-// piece while another share holds more. O(s) per step for s shares.
+// next parent) once the share's use falls below the runner-up's, so a long run does not go in
+// one piece while another share holds more. O(s) per step for s shares.
 //
 // Thread-compatible: each PrefixCache owns one and calls it under the cache's serialization.
 
@@ -89,6 +89,9 @@ class EvictionPlanner final {
   // `share`'s next candidate in rank order that the plan may take, reading more of its policy
   // when the buffer runs out; nullptr when it has none.
   const Ranked* NextCandidate(const PrefixCache& cache, size_t share);
+  // Whether `share` may still have a victim for this plan (a freed parent, or candidates of its
+  // policy not read or not taken yet), without reading its policy.
+  bool CanGive(const PrefixCache& cache, size_t share) const;
 
   std::vector<int32_t> gone_children_;  // by block: children planned away
   std::vector<BlockId> touched_;        // blocks whose gone_children_ to reset
