@@ -891,8 +891,18 @@ class KvCacheManager final {
   // A slot for a new checkpoint within checkpoint_slots: free, or freed by evicting the least
   // recently used cached checkpoint. kInvalidBlock when none can be spared.
   BlockId TakeCheckpointSlot(const TraceContext& ctx);
-  // Evicts the least recently used cached checkpoint not in `keep` whose slot nobody holds
-  // (`passed`: and whose fences have passed). Returns false when there is none.
+  // Each eviction share's charged bytes are those of the components kept beside its blocks.
+  absl::Status CheckShareCharges() const;
+  // Of `eligible` (components the manager keeps beside tree blocks, each with that block, least
+  // recently used first), the first `want` in the order fair eviction takes them (docs/
+  // eviction.md, Fair by tenant): each from the eviction share using the most per unit of weight,
+  // counting a component taken as `unit` bytes less, least recently used first within a share.
+  // Without shares besides the default one, the first `want`. O(n + want * shares).
+  std::vector<BlockId> FairComponentVictims(std::span<const std::pair<BlockId, BlockId>> eligible,
+                                            int64_t want, int64_t unit) const;
+  // Evicts the cached checkpoint not in `keep` whose slot nobody holds (`passed`: and whose
+  // fences have passed) that fair eviction takes first: the least recently used one, of the
+  // share using the most. Returns false when there is none.
   bool EvictOldestCheckpoint(std::span<const BlockId> keep, bool passed, const TraceContext& ctx);
   // The tree block and offset holding the state after `seq`'s first `position` tokens, on its
   // path (kInvalidBlock when its path does not reach there).

@@ -273,6 +273,7 @@ absl::Status KvCacheManager::CheckInvariants() const {
   KVPOOL_RETURN_IF_ERROR(CheckQuotaBooks());
   KVPOOL_RETURN_IF_ERROR(CheckStates());
   KVPOOL_RETURN_IF_ERROR(CheckWindows());
+  KVPOOL_RETURN_IF_ERROR(CheckShareCharges());
   if (cache_) {
     absl::flat_hash_map<BlockId, uint32_t> pinned;
     KVPOOL_RETURN_IF_ERROR(CheckPins(&locks, &pinned));
@@ -385,6 +386,23 @@ std::string KvCacheManager::DebugString() const {
   }
   out += "\n";
   return out;
+}
+
+absl::Status KvCacheManager::CheckShareCharges() const {
+  if (cache_ == nullptr || !cache_->shares_on()) return absl::OkStatus();
+  // Every share is charged exactly the components kept beside its blocks (fair eviction).
+  std::vector<ShareUse> shares = cache_->Shares();
+  std::vector<int64_t> want(shares.size(), 0);
+  for (const auto& [primary, window] : window_of_)
+    want[cache_->ShareIndexOf(primary)] += unit_window_;
+  for (const auto& [block, slot] : checkpoint_of_) want[cache_->ShareIndexOf(block)] += unit_state_;
+  for (size_t i = 0; i < shares.size(); ++i) {
+    if (shares[i].charged != want[i]) {
+      return InvariantViolation("eviction share {} is charged {} bytes for components of {}",
+                                shares[i].key, shares[i].charged, want[i]);
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace kvpool

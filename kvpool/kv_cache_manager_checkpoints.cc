@@ -55,14 +55,56 @@ BlockId KvCacheManager::CutToCheckpoint(PrefixMatch* m) const {
 
 bool KvCacheManager::EvictOldestCheckpoint(std::span<const BlockId> keep, bool passed,
                                            const TraceContext& ctx) {
+  const bool fair = cache_ != nullptr && cache_->fair();
+  std::vector<std::pair<BlockId, BlockId>> eligible;
   for (const auto& [stamp, slot] : checkpoint_lru_) {
     if (states_->state(slot) != BlockState::kCached) continue;  // a resuming sequence holds it
     if (passed && !states_->FencesPassed(slot)) continue;
     if (std::find(keep.begin(), keep.end(), slot) != keep.end()) continue;
-    DropCheckpoint(slot, ctx);
-    return true;
+    if (!fair) {
+      DropCheckpoint(slot, ctx);
+      return true;
+    }
+    eligible.emplace_back(slot, checkpoint_at_[Index(slot)].block);
   }
-  return false;
+  const std::vector<BlockId> victim = FairComponentVictims(eligible, 1, unit_state_);
+  if (victim.empty()) return false;
+  DropCheckpoint(victim[0], ctx);
+  return true;
+}
+
+std::vector<BlockId> KvCacheManager::FairComponentVictims(
+    std::span<const std::pair<BlockId, BlockId>> eligible, int64_t want, int64_t unit) const {
+  std::vector<BlockId> out;
+  if (cache_ == nullptr || !cache_->fair()) {
+    for (size_t i = 0; i < eligible.size() && static_cast<int64_t>(out.size()) < want; ++i) {
+      out.push_back(eligible[i].first);
+    }
+    return out;
+  }
+  const std::vector<ShareUse> shares = cache_->Shares();
+  std::vector<std::vector<BlockId>> by_share(shares.size());  // each least recently used first
+  for (const auto& [component, primary] : eligible) {
+    by_share[cache_->ShareIndexOf(primary)].push_back(component);
+  }
+  std::vector<size_t> taken(shares.size(), 0);
+  while (static_cast<int64_t>(out.size()) < want) {
+    size_t best = shares.size();
+    double best_use = 0;
+    for (size_t i = 0; i < shares.size(); ++i) {
+      if (taken[i] == by_share[i].size()) continue;
+      const double use =
+          static_cast<double>(shares[i].bytes - static_cast<int64_t>(taken[i]) * unit) /
+          shares[i].weight;
+      if (best == shares.size() || use > best_use) {
+        best = i;
+        best_use = use;
+      }
+    }
+    if (best == shares.size()) break;
+    out.push_back(by_share[best][taken[best]++]);
+  }
+  return out;
 }
 
 BlockId KvCacheManager::TakeCheckpointSlot(const TraceContext& ctx) {

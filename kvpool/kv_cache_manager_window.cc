@@ -155,14 +155,25 @@ absl::Status KvCacheManager::CheckWindowRoom(int64_t blocks, std::span<const Blo
   if (!window_ || blocks == 0) return absl::OkStatus();
   if (blocks > window_->num_free()) window_->ReclaimRetired(Context(kNoSession, SequenceId(0)));
   const int64_t short_by = blocks - window_->num_free();
-  // Cached window blocks give way, least recently used first: those nobody holds whose fences
-  // have passed free a block at once when evicted. Never primary blocks.
+  // Cached window blocks give way, least recently used first (of the eviction share using the
+  // most, with shares): those nobody holds whose fences have passed free a block at once when
+  // evicted. Never primary blocks.
+  const bool fair = cache_ != nullptr && cache_->fair();
+  std::vector<std::pair<BlockId, BlockId>> eligible;
   for (const auto& [stamp, block] : window_lru_) {
-    if (static_cast<int64_t>(victims->size()) >= short_by) break;
+    if (!fair && static_cast<int64_t>(victims->size()) >= short_by) break;
     if (window_->state(block) == BlockState::kCached && window_->FencesPassed(block) &&
         std::find(keep.begin(), keep.end(), block) == keep.end()) {
-      victims->push_back(block);
+      if (fair) {
+        eligible.emplace_back(block, window_at_[Index(block)].primary);
+      } else {
+        victims->push_back(block);
+      }
     }
+  }
+  if (fair && short_by > static_cast<int64_t>(victims->size())) {
+    const int64_t want = short_by - static_cast<int64_t>(victims->size());
+    for (BlockId b : FairComponentVictims(eligible, want, unit_window_)) victims->push_back(b);
   }
   if (short_by > static_cast<int64_t>(victims->size())) {
     const int64_t missing = short_by - static_cast<int64_t>(victims->size());

@@ -227,6 +227,10 @@ class PrefixCache final {
   // The share `ns` publishes into (the default one unless SetShare named another).
   ShareUse ShareOf(NamespaceId ns) const { return UseOf(shares_[ShareFor(ns)]); }
   bool shares_on() const { return shares_on_; }
+  // Shares exist besides the default one: evictions choose between tenants.
+  bool fair() const { return shares_.size() > 1; }
+  // The share (index into Shares()) `block` belongs to. REQUIRES: the tree holds it.
+  size_t ShareIndexOf(BlockId block) const { return entry(block).share; }
 
   // The longest cached prefix of `tokens` in `ns`. Changes nothing.
   PrefixMatch Match(NamespaceId ns, std::span<const int32_t> tokens) const;

@@ -53,6 +53,22 @@ class FairEvictionTest : public ::testing::TestWithParam<const char*> {
     ASSERT_TRUE(status.ok()) << status;
   }
 
+  // Serve() for a pool with a state group: the step computes the prompt past what it resumed
+  // (its state advances to the end), then commit and free, which keeps the end's checkpoint.
+  void ServeComputed(SessionId who, NamespaceId ns, const std::vector<int32_t>& prompt) {
+    clock_.Advance(1'000'000);
+    DevicePlan plan;
+    const int64_t n = static_cast<int64_t>(prompt.size());
+    const absl::StatusOr<AllocateResult> r =
+        cache_->Allocate(who, {.ns = ns, .num_tokens = n, .prompt = prompt}, &plan);
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_TRUE(cache_->AdvanceState(who, r->sequence, n).ok());
+    ASSERT_TRUE(cache_->Commit(who, r->sequence, n, {}).ok());
+    ASSERT_TRUE(cache_->Free(who, r->sequence, OnFree::kCommit).ok());
+    const absl::Status status = cache_->CheckInvariants();
+    ASSERT_TRUE(status.ok()) << status;
+  }
+
   // The quiet tenant caches its 8-block prompt, then the loud one serves `prompts` prompts of 8
   // blocks, each twice (so that an admission filter keeps them as it keeps the quiet one).
   // Returns how much of the quiet prompt is still cached.
@@ -191,6 +207,91 @@ TEST_P(FairEvictionTest, WindowBlocksKeptBesideABlockAreChargedToItsShare) {
   for (const ShareUse& s : cache_->EvictionShares()) {
     EXPECT_EQ(s.charged, 0) << s.key;
     EXPECT_EQ(s.bytes, 0) << s.key;
+  }
+}
+
+// Window blocks kept beside a tenant's blocks give way by share too: when the window group runs
+// out of room, the tenant flooding it loses its own, and the quiet tenant's prompt still resumes
+// whole (its main blocks are never short: the main pool is large). Without shares the quiet
+// tenant's window blocks, the least recently used, go first and its prompt resumes only where
+// its sink-less window was kept.
+TEST_P(FairEvictionTest, WindowGroupPressureTakesTheFloodingTenantsWindowBlocks) {
+  for (const bool fair : {true, false}) {
+    SCOPED_TRACE(fair ? "shares" : "one order");
+    auto cache = KvCacheManager::Create({.block_size = kBs,
+                                         .num_blocks = 512,
+                                         .max_blocks_per_seq = 64,
+                                         .clock = &clock_,
+                                         .eviction_policy = GetParam(),
+                                         .eviction_shares = fair ? 4 : 0,
+                                         .window_blocks = 16,
+                                         .window_tokens = 2 * kBs,
+                                         .block_bytes = 100,
+                                         .window_block_bytes = 30});
+    ASSERT_TRUE(cache.ok()) << cache.status();
+    cache_ = std::move(*cache);
+    if (fair) {
+      ASSERT_TRUE(cache_->SetEvictionShare(kQuiet, 1).ok());
+      ASSERT_TRUE(cache_->SetEvictionShare(kLoud, 2).ok());
+    }
+    const std::vector<int32_t> quiet = Tokens(0, 6 * kBs);
+    Serve(kAlice, kQuiet, quiet);
+    Serve(kAlice, kQuiet, quiet);
+    ASSERT_EQ(cache_->MatchPrefix(kQuiet, quiet), 6 * kBs);
+    const uint64_t evicted_before = cache_->stats().windows.evicted;
+    for (int i = 0; i < 24; ++i) {
+      const std::vector<int32_t> loud = Tokens(50'000 + i * 1'000, 3 * kBs);
+      ASSERT_NO_FATAL_FAILURE(Serve(kBob, kLoud, loud));
+      ASSERT_NO_FATAL_FAILURE(Serve(kBob, kLoud, loud));
+    }
+    EXPECT_GT(cache_->stats().windows.evicted, evicted_before);  // the window group was short
+    EXPECT_EQ(cache_->stats().evictions, 0u);                    // the main pool never was
+    if (fair) {
+      EXPECT_EQ(cache_->MatchPrefix(kQuiet, quiet), 6 * kBs);
+    } else {
+      EXPECT_LT(cache_->MatchPrefix(kQuiet, quiet), 6 * kBs);
+    }
+  }
+}
+
+// State checkpoints likewise: when the checkpoint slots are full, the tenant flooding them loses
+// its own, and the quiet tenant's prompt still resumes from its checkpoint. Without shares the
+// quiet tenant's, the least recently used, goes first and its prompt resumes nothing.
+TEST_P(FairEvictionTest, CheckpointSlotPressureTakesTheFloodingTenantsCheckpoints) {
+  for (const bool fair : {true, false}) {
+    SCOPED_TRACE(fair ? "shares" : "one order");
+    auto cache = KvCacheManager::Create({.block_size = kBs,
+                                         .num_blocks = 512,
+                                         .max_blocks_per_seq = 64,
+                                         .clock = &clock_,
+                                         .eviction_policy = GetParam(),
+                                         .eviction_shares = fair ? 4 : 0,
+                                         .state_slots = 6,
+                                         .checkpoint_slots = 4,
+                                         .checkpoint_interval = 0,
+                                         .block_bytes = 100,
+                                         .state_bytes = 300});
+    ASSERT_TRUE(cache.ok()) << cache.status();
+    cache_ = std::move(*cache);
+    if (fair) {
+      ASSERT_TRUE(cache_->SetEvictionShare(kQuiet, 1).ok());
+      ASSERT_TRUE(cache_->SetEvictionShare(kLoud, 2).ok());
+    }
+    const std::vector<int32_t> quiet = Tokens(0, 6 * kBs);
+    ServeComputed(kAlice, kQuiet, quiet);
+    // A prompt that goes on past it resumes at its end, where its checkpoint is.
+    std::vector<int32_t> next = quiet;
+    next.push_back(7);
+    ASSERT_EQ(cache_->MatchPrefix(kQuiet, next), 6 * kBs);
+    if (fair) {
+      EXPECT_EQ(Share(1)->charged, 300);  // its checkpoint's bytes
+    }
+    for (int i = 0; i < 12; ++i) {
+      ASSERT_NO_FATAL_FAILURE(ServeComputed(kBob, kLoud, Tokens(50'000 + i * 1'000, 3 * kBs)));
+    }
+    EXPECT_GT(cache_->stats().checkpoints.evicted, 0u);  // the slots were short
+    EXPECT_EQ(cache_->stats().evictions, 0u);            // the main pool never was
+    EXPECT_EQ(cache_->MatchPrefix(kQuiet, next), fair ? 6 * kBs : 0);
   }
 }
 

@@ -109,11 +109,19 @@ class StateCheckpointRandomTest : public ::testing::TestWithParam<Config> {
                                          .trace_depth = 0,
                                          .clock = &clock_,
                                          .fences = &fences_,
+                                         .eviction_shares = GetParam().seed % 2 == 0 ? 2 : 0,
                                          .state_slots = kStateSlots,
                                          .checkpoint_slots = kCheckpointSlots,
-                                         .checkpoint_interval = GetParam().interval});
+                                         .checkpoint_interval = GetParam().interval,
+                                         .block_bytes = 64,
+                                         .state_bytes = 256});
     ASSERT_TRUE(cache.ok()) << cache.status();
     cache_ = std::move(*cache);
+    // Even seeds put the namespace in an eviction share of its own (fair eviction): checkpoints
+    // are charged to it, and slot pressure picks its victims by share.
+    if (GetParam().seed % 2 == 0) {
+      ASSERT_TRUE(cache_->SetEvictionShare(kNamespace, 5).ok());
+    }
     for (auto& family : families_) {
       for (int32_t i = 0; i < kFamilyTokens; ++i) family.push_back(Token());
     }

@@ -19,7 +19,9 @@
 // (the window group's blocks as group 1) agree with a snapshot. Even seeds run under a namespace
 // quota charged in bytes, window blocks included: no operation may take the charge past it.
 //
-// KVPOOL_WINDOW_RANDOM_OPS=N runs N operations per seed instead of the default.
+// Seeds divisible by 3 put the namespace in an eviction share of its own (the share's charges are
+// checked with the invariants). KVPOOL_WINDOW_RANDOM_OPS=N runs N operations per seed instead of
+// the default.
 
 #include <algorithm>
 #include <cstdint>
@@ -101,6 +103,7 @@ class WindowGroupRandomTest : public ::testing::TestWithParam<Config> {
                                      .num_blocks = kNumBlocks,
                                      .max_blocks_per_seq = kMaxBlocksPerSeq,
                                      .fences = &fences_,
+                                     .eviction_shares = c.seed % 3 == 0 ? 2 : 0,
                                      .window_blocks = kWindowBlocks,
                                      .window_tokens = window_,
                                      .sink_tokens = sinks_,
@@ -114,6 +117,11 @@ class WindowGroupRandomTest : public ::testing::TestWithParam<Config> {
     // bound to refuse.
     if (c.seed % 2 == 0) {
       ASSERT_TRUE(manager_->SetNamespaceQuota(kNamespace, kQuotaBlocks).ok());
+    }
+    // A third of them with the namespace in an eviction share of its own (fair eviction): window
+    // blocks are charged to it, and window-group pressure picks its victims by share.
+    if (c.seed % 3 == 0) {
+      ASSERT_TRUE(manager_->SetEvictionShare(kNamespace, 5).ok());
     }
     bytes_.assign(kWindowBlocks, std::vector<int64_t>(kBlockSize, kGarbage));
     marks_.assign(kWindowBlocks, std::vector<uint64_t>(kTimelines, 0));
