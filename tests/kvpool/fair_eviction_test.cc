@@ -40,6 +40,23 @@ class FairEvictionTest : public ::testing::TestWithParam<const char*> {
     cache_ = std::move(*cache);
   }
 
+  // A pool with layer groups (`groups`: their fields, block_bytes and the main pool's size),
+  // the quiet and the loud tenant in shares of their own when `fair`.
+  void MakeGrouped(KvCacheOptions groups, bool fair) {
+    groups.block_size = kBs;
+    groups.max_blocks_per_seq = 64;
+    groups.clock = &clock_;
+    groups.eviction_policy = GetParam();
+    groups.eviction_shares = fair ? 4 : 0;
+    auto cache = KvCacheManager::Create(groups);
+    ASSERT_TRUE(cache.ok()) << cache.status();
+    cache_ = std::move(*cache);
+    if (fair) {
+      ASSERT_TRUE(cache_->SetEvictionShare(kQuiet, 1).ok());
+      ASSERT_TRUE(cache_->SetEvictionShare(kLoud, 2).ok());
+    }
+  }
+
   // Serves `prompt` in `ns` once: allocate (reusing what is cached), commit, free.
   void Serve(SessionId who, NamespaceId ns, const std::vector<int32_t>& prompt) {
     clock_.Advance(1'000'000);
@@ -180,19 +197,13 @@ TEST_P(FairEvictionTest, TheShareHoldingMoreGivesFirstWhoeverAsks) {
 // What the manager keeps beside a tenant's blocks (window blocks here) is charged to its share
 // in bytes, and the charge leaves with them.
 TEST_P(FairEvictionTest, WindowBlocksKeptBesideABlockAreChargedToItsShare) {
-  auto cache = KvCacheManager::Create({.block_size = kBs,
-                                       .num_blocks = 32,
-                                       .max_blocks_per_seq = 64,
-                                       .clock = &clock_,
-                                       .eviction_policy = GetParam(),
-                                       .eviction_shares = 4,
-                                       .window_blocks = 32,
-                                       .window_tokens = 2 * kBs,
-                                       .block_bytes = 100,
-                                       .window_block_bytes = 30});
-  ASSERT_TRUE(cache.ok()) << cache.status();
-  cache_ = std::move(*cache);
-  ASSERT_TRUE(cache_->SetEvictionShare(kQuiet, 1).ok());
+  MakeGrouped({.num_blocks = 32,
+               .window_blocks = 32,
+               .window_tokens = 2 * kBs,
+               .block_bytes = 100,
+               .window_block_bytes = 30},
+              /*fair=*/true);
+  ASSERT_TRUE(cache_->SetEvictionShare(kLoud, 0).ok());  // the loud tenant in the default share
   Serve(kAlice, kQuiet, Tokens(0, 6 * kBs));
   Serve(kBob, kLoud, Tokens(9'000, 3 * kBs));  // the default share's
   const int64_t windows = cache_->stats().windows.cached;
@@ -218,22 +229,12 @@ TEST_P(FairEvictionTest, WindowBlocksKeptBesideABlockAreChargedToItsShare) {
 TEST_P(FairEvictionTest, WindowGroupPressureTakesTheFloodingTenantsWindowBlocks) {
   for (const bool fair : {true, false}) {
     SCOPED_TRACE(fair ? "shares" : "one order");
-    auto cache = KvCacheManager::Create({.block_size = kBs,
-                                         .num_blocks = 512,
-                                         .max_blocks_per_seq = 64,
-                                         .clock = &clock_,
-                                         .eviction_policy = GetParam(),
-                                         .eviction_shares = fair ? 4 : 0,
-                                         .window_blocks = 16,
-                                         .window_tokens = 2 * kBs,
-                                         .block_bytes = 100,
-                                         .window_block_bytes = 30});
-    ASSERT_TRUE(cache.ok()) << cache.status();
-    cache_ = std::move(*cache);
-    if (fair) {
-      ASSERT_TRUE(cache_->SetEvictionShare(kQuiet, 1).ok());
-      ASSERT_TRUE(cache_->SetEvictionShare(kLoud, 2).ok());
-    }
+    MakeGrouped({.num_blocks = 512,
+                 .window_blocks = 16,
+                 .window_tokens = 2 * kBs,
+                 .block_bytes = 100,
+                 .window_block_bytes = 30},
+                fair);
     const std::vector<int32_t> quiet = Tokens(0, 6 * kBs);
     Serve(kAlice, kQuiet, quiet);
     Serve(kAlice, kQuiet, quiet);
@@ -260,23 +261,13 @@ TEST_P(FairEvictionTest, WindowGroupPressureTakesTheFloodingTenantsWindowBlocks)
 TEST_P(FairEvictionTest, CheckpointSlotPressureTakesTheFloodingTenantsCheckpoints) {
   for (const bool fair : {true, false}) {
     SCOPED_TRACE(fair ? "shares" : "one order");
-    auto cache = KvCacheManager::Create({.block_size = kBs,
-                                         .num_blocks = 512,
-                                         .max_blocks_per_seq = 64,
-                                         .clock = &clock_,
-                                         .eviction_policy = GetParam(),
-                                         .eviction_shares = fair ? 4 : 0,
-                                         .state_slots = 6,
-                                         .checkpoint_slots = 4,
-                                         .checkpoint_interval = 0,
-                                         .block_bytes = 100,
-                                         .state_bytes = 300});
-    ASSERT_TRUE(cache.ok()) << cache.status();
-    cache_ = std::move(*cache);
-    if (fair) {
-      ASSERT_TRUE(cache_->SetEvictionShare(kQuiet, 1).ok());
-      ASSERT_TRUE(cache_->SetEvictionShare(kLoud, 2).ok());
-    }
+    MakeGrouped({.num_blocks = 512,
+                 .state_slots = 6,
+                 .checkpoint_slots = 4,
+                 .checkpoint_interval = 0,
+                 .block_bytes = 100,
+                 .state_bytes = 300},
+                fair);
     const std::vector<int32_t> quiet = Tokens(0, 6 * kBs);
     ServeComputed(kAlice, kQuiet, quiet);
     // A prompt that goes on past it resumes at its end, where its checkpoint is.
