@@ -4,6 +4,7 @@
 
 #include "daemon/engine/engine.h"
 #include "daemon/engine/invalidations.h"
+#include "daemon/engine/label_fold.h"
 #include "fmt/format.h"
 #include "kvpool/util/check.h"
 #include "kvpool/util/logging.h"
@@ -41,6 +42,18 @@ EngineStats Engine::Stats(int32_t pool_index) const {
   if (pool.tiers() != nullptr) s.tiers = pool.tiers()->stats();
   s.invalidations = state_->invalidations;
   s.tenants = pool.tenant_counters.Snapshot();
+  const std::vector<ShareUse> shares = pool.cache().EvictionShares();
+  if (shares.size() > 1) {
+    for (auto& [label, counters] : s.tenants) {
+      if (label == LabelFold::kOther) continue;  // many tenants, or none
+      const uint64_t key = state_->namespaces().QuotaGroup(label);
+      for (const ShareUse& share : shares) {
+        if (share.key != key) continue;
+        counters.cached_bytes = share.bytes;
+        counters.evicted_blocks = share.evicted;
+      }
+    }
+  }
   return s;
 }
 

@@ -21,6 +21,12 @@ namespace kvpool::daemon {
 struct TenantCounters {
   uint64_t prompt_tokens = 0;  // prompt tokens its Allocate calls looked up
   uint64_t hit_tokens = 0;     // of which found in the prefix cache
+  // Its eviction share in the pool (fair eviction), filled in by the stats snapshot: the bytes
+  // of the cached blocks it may lose and of what is kept beside them, and the blocks evicted
+  // from it. 0 with fair eviction off, for "other", and for a tenant past
+  // limits.eviction_shares (it is in the pool's default share).
+  int64_t cached_bytes = 0;
+  uint64_t evicted_blocks = 0;
 };
 
 class TenantCounterTable final {

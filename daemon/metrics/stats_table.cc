@@ -429,6 +429,13 @@ const TenantRow kTenantRows[] = {
     {"tenant_hit_tokens", kCounter, "tokens",
      "Prompt tokens of a tenant's Allocate calls found in the prefix cache.", kNoLabel, "", 1,
      KVPOOL_TENANT_STAT(hit_tokens)},
+    {"tenant_cached_bytes", kGauge, "bytes",
+     "Bytes of a tenant's evictable cached blocks and what is kept beside them (its eviction "
+     "share).",
+     kNoLabel, "", 1, KVPOOL_TENANT_STAT(cached_bytes)},
+    {"tenant_evicted_blocks", kCounter, "blocks",
+     "Cached blocks evicted from a tenant's eviction share.", kNoLabel, "", 1,
+     KVPOOL_TENANT_STAT(evicted_blocks)},
 };
 
 const RpcRow kRpcRows[] = {

@@ -14,6 +14,7 @@
 #include "daemon/metrics/exposition.h"
 #include "daemon/metrics/stats_proto.h"
 #include "engine_test_util.h"
+#include "fmt/format.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/descriptor.h"
 #include "gtest/gtest.h"
@@ -178,6 +179,11 @@ TEST_F(StatsTableTest, EveryPresentRowReachesGetStatsKvpoolctlAndTheExposition) 
                               " 48"));
   EXPECT_THAT(text, HasSubstr("vllm:prefix_cache_hits_total{pool=\"default\",model_name=\"tiny\"}"
                               " 48"));
+  // Its eviction share (fair eviction, on by default): the 3 cached blocks of its prompt.
+  EXPECT_THAT(text, HasSubstr(fmt::format(
+                        "kvpool_tenant_cached_bytes{{pool=\"default\",tenant=\"tenant-a\"}}"
+                        " {}",
+                        3 * engine_->layout().block_bytes())));
   EXPECT_THAT(text, HasSubstr("kvpool_step_seconds_bucket{pool=\"default\",le=\"+Inf\"} 0"));
 }
 
