@@ -2,6 +2,7 @@
 // MAC, never an unkeyed hash of client strings; cache salts that split a session's namespace.
 
 #include <cstring>
+#include <set>
 #include <string>
 
 #include "daemon/engine/engine.h"
@@ -290,6 +291,32 @@ TEST_F(NamespaceTest, ATenantFloodingThePoolEvictsItsOwnBlocksUnderEverySalt) {
     }
     EXPECT_TRUE(engine_->CheckInvariants().ok());
   }
+}
+
+// Tenant names are a client's choice in the zero-configuration mode: a client claiming more of
+// them than limits.eviction_shares gets the rest into the pool's default share. Nothing is
+// refused, and the invariants hold once the sessions end.
+TEST_F(NamespaceTest, TenantsPastTheSharesShareTheDefaultOrder) {
+  EngineOptions options = SmallPool(64);
+  options.eviction_shares = 3;
+  Make(options);
+  std::vector<std::shared_ptr<const Session>> sessions;
+  for (int i = 0; i < 6; ++i) {
+    sessions.push_back(Open(fmt::format("tenant-{}", i)));
+    ASSERT_NO_FATAL_FAILURE(Publish(*sessions.back(), Prompt(32, 40 + i)));
+  }
+  std::set<uint64_t> keys;
+  int64_t in_default = 0;
+  for (const SessionListing& l : engine_->ListSessions()) {
+    ASSERT_TRUE(l.share.has_value());
+    keys.insert(l.share->key);
+    in_default += l.share->key == 0 ? 1 : 0;
+  }
+  EXPECT_EQ(keys.size(), 4u);  // three of their own, and the default one
+  EXPECT_EQ(in_default, 3);
+  EXPECT_EQ(engine_->Stats(0).cache.cache.shares, 4);
+  for (const auto& s : sessions) engine_->EndSession(s->id, SessionEnd::kDetached);
+  EXPECT_TRUE(engine_->CheckInvariants().ok());
 }
 
 TEST_F(NamespaceTest, ASessionLetsGoOfSaltsItHoldsNothingUnder) {
