@@ -208,7 +208,7 @@ const EvictionPlanner::Ranked* EvictionPlanner::NextCandidate(const PrefixCache&
     if (c.at < c.next.size()) return &c.next[c.at];
     if (c.exhausted) return nullptr;
     // Read the next stretch: skip what was read before (the plan changed nothing), take as
-    // many again, so that the total read is at most twice what the plan looks at.
+    // many again. The stretches double, so reading k candidates costs O(k) visits in all.
     const size_t skip = c.read;
     const size_t want = std::max<size_t>(4, skip);
     size_t seen = 0;

@@ -16,7 +16,7 @@
 // With eviction shares (PrefixCache::SetShare), each share has its own policy, and the plan
 // takes its next victim from the share with the largest use per unit of weight, counting what
 // the plan took already. Only that share's candidates are read: a buffer filled from its
-// policy's Visit, twice as many each time (so a share read k deep costs O(k) visits), merged with
+// policy's Visit, twice as many each time (a share read k deep costs O(k) visits), merged with
 // the parents the plan turned into leaves in that share. A step from a share stops (queuing the
 // next parent) once the share's use falls below the runner-up's, so a long run does not go in
 // one piece while another share holds more. O(s) per step for s shares.
