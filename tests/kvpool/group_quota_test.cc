@@ -237,5 +237,31 @@ TEST_F(GroupQuotaTest, AQuotaGroupSumsEveryGroupOverItsNamespaces) {
   ExpectInvariants();
 }
 
+// A tier loader's window (ImportWindow) is charged like any ACTIVE window block: one the quota
+// cannot hold is refused whole, with nothing changed, and fits once the quota grows.
+TEST_F(GroupQuotaTest, ImportWindowIsChargedAndRefusedWholeByTheQuota) {
+  Make({.window_blocks = 16});
+  ASSERT_TRUE(cache_->SetNamespaceQuota(kTenant, 12).ok());  // 1200 bytes
+  const std::vector<int32_t> prompt = Prompt(161);
+  absl::StatusOr<AllocateResult> loader = Alloc(161, prompt, /*window_ahead=*/0);
+  ASSERT_TRUE(loader.ok()) << loader.status();
+  EXPECT_EQ(Used(), 11 * kBlockBytes);  // no window blocks yet
+  // The window at 161 tokens reads [130, 161): entries 8, 9 and 10, 150 bytes: 50 too many.
+  const absl::StatusOr<std::vector<std::pair<int64_t, BlockId>>> refused =
+      cache_->ImportWindow(kAlice, loader->sequence);
+  ExpectQuotaRefusal(refused.status());
+  EXPECT_EQ(GetShortfall(refused.status())->blocks, 1);  // 50 bytes over: half a block, up
+  EXPECT_TRUE(cache_->Find(loader->sequence)->window_table.empty());  // nothing changed
+  EXPECT_EQ(Used(), 11 * kBlockBytes);
+  EXPECT_EQ(cache_->stats().window.active, 0);
+  ExpectInvariants();
+  ASSERT_TRUE(cache_->SetNamespaceQuota(kTenant, 13).ok());
+  const auto imported = cache_->ImportWindow(kAlice, loader->sequence);
+  ASSERT_TRUE(imported.ok()) << imported.status();
+  EXPECT_EQ(imported->size(), 3u);
+  EXPECT_EQ(Used(), 11 * kBlockBytes + 3 * kWindowBytes);
+  ExpectInvariants();
+}
+
 }  // namespace
 }  // namespace kvpool
