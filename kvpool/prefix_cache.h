@@ -407,9 +407,13 @@ class PrefixCache final {
     int64_t evictable = 0;  // its evictable blocks (kept with shares on)
     int64_t charged = 0;    // ChargeShare()'s bytes
     uint64_t evicted = 0;
-    // Its use per unit of weight, in bytes: which share gives the next victim.
+    // Its use in bytes with `planned` of its evictable blocks gone (ShareUse::bytes at 0).
+    int64_t Bytes(int64_t block_bytes, int64_t planned = 0) const {
+      return (evictable - planned) * block_bytes + charged;
+    }
+    // Its use per unit of weight: which share gives the next victim.
     double UsePerWeight(int64_t block_bytes, int64_t planned) const {
-      return static_cast<double>((evictable - planned) * block_bytes + charged) / weight;
+      return static_cast<double>(Bytes(block_bytes, planned)) / weight;
     }
   };
 
@@ -418,7 +422,7 @@ class PrefixCache final {
                     .weight = s.weight,
                     .evictable = s.evictable,
                     .charged = s.charged,
-                    .bytes = s.evictable * share_block_bytes_ + s.charged,
+                    .bytes = s.Bytes(share_block_bytes_),
                     .evicted = s.evicted};
   }
   // The shares a cache starts with: the default one, ordered by `policy`.

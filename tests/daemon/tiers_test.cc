@@ -531,6 +531,18 @@ class ModelTiersTest : public ::testing::Test {
     ASSERT_TRUE(engine_->Free(*alice_, r.sequences, how, CallContext::Uncancellable()).ok());
     ASSERT_TRUE(engine_->FlushTiers(absl::Seconds(10)).ok());
   }
+  // Prefills `prompt` with the fixture's lock gap armed: the gap must open, the prompt resume
+  // `reused` tokens and answer as `want` did, and nothing be left once it is freed.
+  void ExpectResumedThroughTheGap(const std::vector<int32_t>& prompt, int64_t reused,
+                                  const ComputeResult& want) {
+    armed_ = true;
+    const ComputeResult got = Prefill(prompt);
+    EXPECT_FALSE(armed_);  // the gap opened
+    EXPECT_EQ(got.reused, reused);
+    ExpectSameAnswer(got, want);
+    Free(got, OnFree::kDiscard);
+    ExpectNothingLeft();
+  }
   void ExpectNothingLeft() {
     EXPECT_TRUE(engine_->CheckInvariants().ok());
     std::vector<SessionId> owners;
@@ -641,17 +653,7 @@ TEST_F(HybridTiersTest, AnEvictionInEachPromotionGapStillResumesBitForBit) {
     Free(on_device, OnFree::kDiscard);
     ASSERT_TRUE(engine_->Evict(0, 0, /*all=*/true).ok());
     PoisonStates();
-    armed_ = true;
-    const ComputeResult promoted = Prefill(prompt);
-    EXPECT_FALSE(armed_);  // the gap opened
-    EXPECT_EQ(promoted.reused, 48);
-    ExpectSameAnswer(promoted, on_device);
-    Free(promoted, OnFree::kDiscard);
-    EXPECT_TRUE(engine_->CheckInvariants().ok());
-    std::vector<SessionId> owners;
-    std::vector<int32_t> pools;
-    engine_->ListSequences(std::nullopt, kNoSession, &owners, &pools);
-    EXPECT_TRUE(owners.empty());  // no loader left
+    ExpectResumedThroughTheGap(prompt, 48, on_device);
     ASSERT_TRUE(engine_->Evict(0, 0, /*all=*/true).ok());
     EXPECT_EQ(engine_->Stats().cache.states.active, 0);
   }
@@ -852,13 +854,7 @@ TEST_F(WindowTiersTest, AnEvictionInEachGapWhileTheDeviceHeldTheBlocksStillResum
     for (uint32_t seed : {55u, 56u}) Free(Prefill(Prompt(120, seed)), OnFree::kCommit);
     ASSERT_GE(engine_->Stats().cache.windows.evicted, 5u);
     PoisonWindows();
-    armed_ = true;
-    const ComputeResult again = Prefill(prompt);
-    EXPECT_FALSE(armed_);  // the gap opened
-    EXPECT_EQ(again.reused, 112);
-    ExpectSameAnswer(again, fresh);
-    Free(again, OnFree::kDiscard);
-    ExpectNothingLeft();
+    ExpectResumedThroughTheGap(prompt, 112, fresh);
   }
 }
 
@@ -871,13 +867,7 @@ TEST_F(WindowTiersTest, AnEvictionInEachPromotionGapStillResumesBitForBit) {
     Make(/*sinks=*/0, /*host_window_blocks=*/0, gap);
     const std::vector<int32_t> prompt = Prompt(120, 50);
     const ComputeResult on_device = PublishResumeEvict(prompt, 119);
-    armed_ = true;
-    const ComputeResult promoted = Prefill(prompt);
-    EXPECT_FALSE(armed_);  // the gap opened
-    EXPECT_EQ(promoted.reused, 112);
-    ExpectSameAnswer(promoted, on_device);
-    Free(promoted, OnFree::kDiscard);
-    ExpectNothingLeft();
+    ExpectResumedThroughTheGap(prompt, 112, on_device);
     ASSERT_TRUE(engine_->Evict(0, 0, /*all=*/true).ok());
     EXPECT_EQ(engine_->Stats().cache.window.active, 0);
   }
