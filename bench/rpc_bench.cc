@@ -7,7 +7,9 @@
 // - Ping beside the same empty call answered by a minimal synchronous gRPC server
 //   (bare_grpc_server, a process of its own, a Unix socket too): what kvpoold adds to gRPC.
 // - Allocate, Free and Grow interleaved call by call with Pings (BM_VersusPing), so that both
-//   sides of those ratios see the same load.
+//   sides of those ratios see the same load. Grow holds the 256 tables and applies each reply to
+//   them in place (Client::Grow's held form); BM_GrowHeldVsMessages puts it beside the per-item
+//   SequenceInfo form.
 // - The same four calls against this build's daemon and a baseline daemon, interleaved call by
 //   call (BM_VersusBaseline; the baseline is another build's kvpoold when $KVPOOL_BASELINE_DAEMON
 //   names one, else a second daemon of this build): what a change did to each call.
@@ -162,21 +164,58 @@ class FreeOp final : public Op {
   std::vector<uint64_t> ready_;
 };
 
-// One token more for each of 256 sequences, in one batch; rewound every 256 tokens.
+// One token more for each of 256 sequences, in one batch; rewound every `rewind` tokens. The client
+// holds the tables and the reply is applied to them in place, as a decode loop does
+// (Client::Grow's held form).
 class Grow256Op final : public Op {
  public:
-  explicit Grow256Op(const client::Client* c) : Op(c) {
+  explicit Grow256Op(const client::Client* c, int64_t rewind = 256) : Op(c), rewind_(rewind) {
+    std::vector<client::AllocateItem> items(256, client::AllocateItem{.num_tokens = 1});
+    absl::StatusOr<std::vector<v1::SequenceInfo>> made = c_.Allocate(items);
+    KVPOOL_CHECK_OK(made.status());
+    for (const v1::SequenceInfo& s : *made) held_.push_back(client::ToHeld(s));
+    lengths_.resize(held_.size());
+  }
+  ~Grow256Op() override {
+    std::vector<uint64_t> ids;
+    for (const client::HeldSequence& h : held_) ids.push_back(h.sequence_id);
+    KVPOOL_CHECK_OK(c_.Free(ids));
+  }
+  bool due() const override { return held_.front().num_tokens == rewind_; }
+  void Prepare() override {
+    for (client::HeldSequence& h : held_) {
+      KVPOOL_CHECK_OK(c_.Truncate(h.sequence_id, 1));
+      h.num_tokens = 1;
+      h.table.resize(1);
+    }
+  }
+  void Call() override {
+    for (size_t i = 0; i < held_.size(); ++i) lengths_[i] = held_[i].num_tokens + 1;
+    KVPOOL_CHECK_OK(c_.Grow(std::span(held_), lengths_));
+  }
+
+ private:
+  int64_t rewind_;
+  std::vector<client::HeldSequence> held_;
+  std::vector<int64_t> lengths_;
+};
+
+// The same grow answered as one SequenceInfo message per item (Client::Grow's item form), tables
+// not applied: what the held form saves.
+class Grow256MessagesOp final : public Op {
+ public:
+  Grow256MessagesOp(const client::Client* c, int64_t rewind) : Op(c), rewind_(rewind) {
     std::vector<client::AllocateItem> items(256, client::AllocateItem{.num_tokens = 1});
     absl::StatusOr<std::vector<v1::SequenceInfo>> made = c_.Allocate(items);
     KVPOOL_CHECK_OK(made.status());
     for (const v1::SequenceInfo& s : *made) step_.push_back({s.sequence_id(), 1});
   }
-  ~Grow256Op() override {
+  ~Grow256MessagesOp() override {
     std::vector<uint64_t> ids;
     for (const client::GrowItem& g : step_) ids.push_back(g.sequence_id);
     KVPOOL_CHECK_OK(c_.Free(ids));
   }
-  bool due() const override { return length_ == 256; }
+  bool due() const override { return length_ == rewind_; }
   void Prepare() override {
     for (const client::GrowItem& g : step_) KVPOOL_CHECK_OK(c_.Truncate(g.sequence_id, 1));
     length_ = 1;
@@ -188,6 +227,7 @@ class Grow256Op final : public Op {
   }
 
  private:
+  int64_t rewind_;
   std::vector<client::GrowItem> step_;
   int64_t length_ = 1;
 };
@@ -289,6 +329,15 @@ void BM_VersusPing(benchmark::State& state) {
 BENCHMARK_TEMPLATE(BM_VersusPing, AllocateOp)->Name("BM_VersusPing/Allocate")->UseRealTime();
 BENCHMARK_TEMPLATE(BM_VersusPing, FreeOp)->Name("BM_VersusPing/Free")->UseRealTime();
 BENCHMARK_TEMPLATE(BM_VersusPing, Grow256Op)->Name("BM_VersusPing/Grow256")->UseRealTime();
+
+// The held form beside the per-item messages, interleaved: what applying a reply in place saves.
+// (Rewound every 128 tokens: both sets of 256 sequences fit the pool at once.)
+void BM_GrowHeldVsMessages(benchmark::State& state) {
+  Grow256Op held(Get().client.get(), 128);
+  Grow256MessagesOp messages(Get().client.get(), 128);
+  Interleave(state, held, messages, "held_ns", "messages_ns");
+}
+BENCHMARK(BM_GrowHeldVsMessages)->UseRealTime();
 
 // The same call against this build's daemon and a baseline daemon (Baseline()), interleaved:
 // what a change did to each call.
@@ -489,6 +538,12 @@ int main(int argc, char** argv) {
                      .ours_counter = "call_ns",
                      .baseline_counter = "ping_ns"});
   }
+  pairs.push_back({.label = "Grow256: per-item messages / held tables, interleaved",
+                   .ours = "BM_GrowHeldVsMessages/real_time",
+                   .baseline = "BM_GrowHeldVsMessages/real_time",
+                   .target = 0,
+                   .ours_counter = "held_ns",
+                   .baseline_counter = "messages_ns"});
   // What a change did to each call (issue 10 asks for no call more than 5 % slower). With no
   // $KVPOOL_BASELINE_DAEMON both sides are this build: the spread of that A/A ratio is the
   // method's own noise floor on this machine, so no target is set.

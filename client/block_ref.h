@@ -49,6 +49,28 @@ std::vector<BlockRef> ToWindowRefs(const v1::SequenceInfo& info);
 absl::StatusOr<std::vector<v1::SequenceInfo>> SplitGrowResponse(
     const v1::GrowResponse& response, std::span<const uint64_t> sequence_ids);
 
+// A sequence's tables as a client holds them: made from a full table (Allocate, Fork: ToHeld) and
+// kept current by Client::Grow's held form (ApplyGrowResponse).
+struct HeldSequence {
+  uint64_t sequence_id = 0;
+  int64_t num_tokens = 0;
+  std::vector<BlockRef> table;         // ToBlockRefs
+  std::vector<BlockRef> window_table;  // ToWindowRefs: empty without a window group
+
+  friend bool operator==(const HeldSequence&, const HeldSequence&) = default;
+};
+
+// The tables `info` lists, held. REQUIRES: ValidateSequenceInfo(info).ok().
+HeldSequence ToHeld(const v1::SequenceInfo& info);
+
+// Applies a whole GrowResponse to the sequences it answers (held[i]: item i's, by the request's
+// order): each one's num_tokens, table (as ApplyGrow) and window table (as ApplyWindowGrow), read
+// in place from the response's arrays, with no message per item (a decode step's batch). Every
+// tail is checked before any applies. Errors, with nothing held changed: INVALID_ARGUMENT as
+// SplitGrowResponse (a malformed response); FAILED_PRECONDITION when a tail starts past the table
+// held for it (the held tables are not the ones the daemon extended).
+absl::Status ApplyGrowResponse(const v1::GrowResponse& response, std::span<HeldSequence> held);
+
 // Applies a Grow response entry to the table the caller holds: entry table_offset + i becomes
 // tail.blocks[i]; entries before table_offset are unchanged, and the table grows to hold the tail
 // (Grow never shrinks a table, so entries past the tail are kept).

@@ -183,6 +183,22 @@ absl::StatusOr<std::vector<v1::SequenceInfo>> Client::Grow(
   return out;
 }
 
+absl::Status Client::Grow(std::span<HeldSequence> held, std::span<const int64_t> num_tokens) const {
+  if (held.size() != num_tokens.size()) {
+    return absl::InvalidArgumentError(
+        fmt::format("Grow: {} held sequences but {} lengths", held.size(), num_tokens.size()));
+  }
+  v1::GrowRequest request;
+  request.mutable_sequence_ids()->Reserve(static_cast<int>(held.size()));
+  for (const HeldSequence& h : held) request.add_sequence_ids(h.sequence_id);
+  request.mutable_num_tokens()->Add(num_tokens.begin(), num_tokens.end());
+  v1::GrowResponse response;
+  KVPOOL_RETURN_IF_ERROR(Unary(&v1::KvPool::StubInterface::Grow, request, &response));
+  absl::Status applied = ApplyGrowResponse(response, held);
+  if (absl::IsInvalidArgument(applied)) return Malformed("Grow", std::string(applied.message()));
+  return applied;
+}
+
 absl::StatusOr<v1::SequenceInfo> Client::Grow(uint64_t sequence_id, int64_t num_tokens) const {
   KVPOOL_ASSIGN_OR_RETURN(std::vector<v1::SequenceInfo> sequences,
                           Grow({GrowItem{sequence_id, num_tokens}}));

@@ -127,6 +127,13 @@ class Client final {
   // The changed tail of each table, in item order (apply with ApplyGrow()).
   absl::StatusOr<std::vector<v1::SequenceInfo>> Grow(const std::vector<GrowItem>& items) const;
   absl::StatusOr<v1::SequenceInfo> Grow(uint64_t sequence_id, int64_t num_tokens) const;
+  // The same for sequences the caller holds (a decode step's batch): grows held[i] to
+  // num_tokens[i] and applies the reply to its tables in place (ApplyGrowResponse), without a
+  // message per item. Errors: INVALID_ARGUMENT when the spans differ in length (nothing sent),
+  // the daemon's, INTERNAL for a malformed reply, FAILED_PRECONDITION when a held table is not
+  // the one the daemon extended; after a reply's error the sequences have grown but nothing
+  // held changed.
+  absl::Status Grow(std::span<HeldSequence> held, std::span<const int64_t> num_tokens) const;
   absl::Status Truncate(uint64_t sequence_id, int64_t num_tokens) const;
   // The child sequence, full table (sharing the parent's blocks copy-on-write).
   absl::StatusOr<v1::SequenceInfo> Fork(uint64_t sequence_id) const;

@@ -3,8 +3,10 @@
 // window table. (pool_mapping_test.cc has the block half.)
 #include "client/block_ref.h"
 
+#include <random>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "gtest/gtest.h"
 
 namespace kvpool::client {
@@ -131,6 +133,145 @@ TEST(BlockRefWindowTest, ApplyWindowGrowLeavesTheHeldTableAloneOnError) {
   no_window.add_generations(1);
   EXPECT_EQ(ApplyWindowGrow(no_window, &held).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(held, (std::vector<BlockRef>{{4, 3}}));
+}
+
+// ApplyGrowResponse (Client::Grow's held form) against the per-item path it replaces:
+// SplitGrowResponse, then ApplyGrow and ApplyWindowGrow on each item's tables.
+absl::Status SplitThenApply(const v1::GrowResponse& r, std::vector<HeldSequence>* held) {
+  std::vector<uint64_t> ids;
+  for (const HeldSequence& h : *held) ids.push_back(h.sequence_id);
+  absl::StatusOr<std::vector<v1::SequenceInfo>> tails = SplitGrowResponse(r, ids);
+  if (!tails.ok()) return tails.status();
+  std::vector<HeldSequence> out = *held;
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (absl::Status s = ApplyGrow((*tails)[i], &out[i].table); !s.ok()) return s;
+    if (r.window_released_begin_size() > 0) {  // a pool with a window group
+      if (absl::Status s = ApplyWindowGrow((*tails)[i], &out[i].window_table); !s.ok()) return s;
+    }
+    out[i].num_tokens = (*tails)[i].num_tokens();
+  }
+  *held = std::move(out);
+  return absl::OkStatus();
+}
+
+std::vector<HeldSequence> HeldForTwoItems() {
+  return {{.sequence_id = 7,
+           .num_tokens = 64,
+           .table = {{10, 1}, {11, 1}, {12, 1}, {13, 1}},
+           .window_table = {{4, 3}, {-1, 0}, {5, 3}, {2, 3}}},
+          {.sequence_id = 8,
+           .num_tokens = 64,
+           .table = {{20, 1}, {21, 1}, {22, 1}, {23, 1}},
+           .window_table = {{1, 1}, {2, 1}, {3, 1}, {5, 1}}}};
+}
+
+TEST(ApplyGrowResponseTest, AppliesEveryItemAsTheSplitThenApplyPathDoes) {
+  std::vector<HeldSequence> held = HeldForTwoItems();
+  std::vector<HeldSequence> expected = HeldForTwoItems();
+  ASSERT_TRUE(SplitThenApply(TwoItems(), &expected).ok());
+  ASSERT_TRUE(ApplyGrowResponse(TwoItems(), std::span(held)).ok());
+  EXPECT_EQ(held[0].table.back(), (BlockRef{14, 2}));
+  EXPECT_EQ(held[0].num_tokens, 80);
+  EXPECT_EQ(held[1].window_table, (std::vector<BlockRef>{{1, 1}, {2, 1}, {-1, 0}, {-1, 0}}));
+  EXPECT_EQ(held, expected);
+}
+
+TEST(ApplyGrowResponseTest, AnErrorInAnyItemChangesNoItem) {
+  const std::vector<HeldSequence> before = HeldForTwoItems();
+  // Item 8's tables are shorter than its tail's offset: stale, though item 7's would apply.
+  std::vector<HeldSequence> stale = HeldForTwoItems();
+  stale[1].table.resize(2);
+  std::vector<HeldSequence> kept = stale;
+  EXPECT_EQ(ApplyGrowResponse(TwoItems(), std::span(stale)).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(stale[0], before[0]);
+  EXPECT_EQ(stale[1], kept[1]);
+  // A malformed response, or one for another number of items.
+  v1::GrowResponse malformed = TwoItems();
+  malformed.set_window_block_ids(0, -1);
+  std::vector<HeldSequence> held = HeldForTwoItems();
+  EXPECT_EQ(ApplyGrowResponse(malformed, std::span(held)).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ApplyGrowResponse(TwoItems(), std::span(held).first(1)).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(held, before);
+}
+
+// Random responses, well-formed or damaged in one place, applied both ways to random held
+// tables: the same verdict, and the same tables after (unchanged after an error).
+TEST(ApplyGrowResponseTest, RandomResponsesGetTheSplitThenApplyVerdict) {
+  std::mt19937 rng(20261205);
+  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  int applied = 0;
+  int refused = 0;
+  for (int round = 0; round < 3000; ++round) {
+    const bool window = pick(0, 1) == 1;
+    const int items = pick(1, 5);
+    std::vector<HeldSequence> held(static_cast<size_t>(items));
+    v1::GrowResponse r;
+    for (int i = 0; i < items; ++i) {
+      HeldSequence& h = held[static_cast<size_t>(i)];
+      h.sequence_id = static_cast<uint64_t>(100 + i);
+      const int size = pick(0, 6);
+      for (int e = 0; e < size; ++e) h.table.push_back({pick(0, 50), 1});
+      if (window) h.window_table = h.table;
+      const int offset = pick(0, size + 1);  // size + 1: a stale held table
+      const int length = pick(0, 3);
+      r.add_num_tokens(pick(1, 200));
+      r.add_table_offsets(offset);
+      r.add_tail_lengths(length);
+      const int begin = pick(0, offset + length);
+      const int end = pick(begin, offset + length);
+      for (int k = 0; k < length; ++k) {
+        r.add_block_ids(pick(0, 50));
+        r.add_generations(2);
+        if (window) {
+          const bool released = offset + k >= begin && offset + k < end;
+          r.add_window_block_ids(released ? -1 : pick(0, 50));
+          r.add_window_generations(released ? 0 : 3);
+        }
+      }
+      if (window) {
+        r.add_window_released_begin(begin);
+        r.add_window_released_end(end);
+      }
+    }
+    switch (pick(0, 7)) {  // one damage, or none
+      case 0:
+        if (r.block_ids_size() > 0) r.set_block_ids(0, -3);
+        break;
+      case 1:
+        r.add_generations(1);
+        break;
+      case 2:
+        r.set_tail_lengths(0, r.tail_lengths(0) + 1);
+        break;
+      case 3:
+        r.set_table_offsets(0, -1);
+        break;
+      case 4:
+        if (window) r.set_window_released_end(0, r.window_released_end(0) + 7);
+        break;
+      default:
+        break;
+    }
+    std::vector<HeldSequence> ours = held;
+    std::vector<HeldSequence> theirs = held;
+    const absl::Status a = ApplyGrowResponse(r, std::span(ours));
+    const absl::Status b = SplitThenApply(r, &theirs);
+    ASSERT_EQ(a.ok(), b.ok()) << a << " / " << b << "\n" << r.ShortDebugString();
+    if (!a.ok()) {
+      // A stale table is the caller's; everything else is the response's.
+      EXPECT_EQ(a.code(), absl::IsInvalidArgument(b) && absl::StrContains(b.message(), "held")
+                              ? absl::StatusCode::kFailedPrecondition
+                              : absl::StatusCode::kInvalidArgument)
+          << a << " / " << b;
+    }
+    ASSERT_EQ(ours, theirs) << r.ShortDebugString();
+    (a.ok() ? applied : refused) += 1;
+  }
+  EXPECT_GT(applied, 500);  // both verdicts were exercised
+  EXPECT_GT(refused, 500);
 }
 
 }  // namespace

@@ -224,6 +224,55 @@ TEST_F(DaemonIntegrationTest, BadInputGetsItsCodeAndChangesNothing) {
   EXPECT_EQ(rc, 0) << out;
 }
 
+// Client::Grow's held form, as a decode loop calls it: three sequences (one forked, so that its
+// first grow copies the shared last block) grown one token a step across block boundaries; the
+// tables the client holds equal the daemon's. A held table the daemon did not extend is refused
+// with FAILED_PRECONDITION and left as it was; spans of different lengths send nothing.
+TEST_F(DaemonIntegrationTest, HeldGrowKeepsTheClientsTablesEqualToTheDaemons) {
+  StartDaemon();
+  std::unique_ptr<client::Client> a = Connect(daemon_->dir());
+  auto listed = [&](uint64_t id) {
+    absl::StatusOr<v1::ListSequencesResponse> all = a->ListSequences();
+    EXPECT_TRUE(all.ok()) << all.status();
+    for (const v1::SequenceInfo& info : all->sequences()) {
+      if (info.sequence_id() == id) return info;
+    }
+    ADD_FAILURE() << "sequence " << id << " not listed";
+    return v1::SequenceInfo();
+  };
+  absl::StatusOr<v1::SequenceInfo> one = a->Allocate(std::vector<int32_t>(20, 3));
+  absl::StatusOr<v1::SequenceInfo> two = a->Allocate(std::vector<int32_t>(33, 4));
+  ASSERT_TRUE(one.ok() && two.ok());
+  absl::StatusOr<v1::SequenceInfo> child = a->Fork(one->sequence_id());
+  ASSERT_TRUE(child.ok()) << child.status();
+  std::vector<client::HeldSequence> held = {client::ToHeld(*one), client::ToHeld(*two),
+                                            client::ToHeld(*child)};
+  for (int step = 0; step < 40; ++step) {
+    std::vector<int64_t> lengths;
+    for (const client::HeldSequence& h : held) lengths.push_back(h.num_tokens + 1);
+    ASSERT_TRUE(a->Grow(std::span(held), lengths).ok()) << "step " << step;
+  }
+  for (const client::HeldSequence& h : held) {
+    const v1::SequenceInfo daemon = listed(h.sequence_id);
+    EXPECT_EQ(h.num_tokens, daemon.num_tokens());
+    EXPECT_EQ(h.table, client::ToBlockRefs(daemon));
+  }
+  EXPECT_EQ(held[2].table.size(), 4u);            // 60 tokens
+  EXPECT_NE(held[2].table[1], held[0].table[1]);  // the child's copy of the shared block
+
+  std::vector<client::HeldSequence> stale = {held[1]};
+  stale[0].table.resize(1);
+  const std::vector<client::HeldSequence> before = stale;
+  const int64_t longer = held[1].num_tokens + 16;
+  EXPECT_EQ(a->Grow(std::span(stale), std::vector<int64_t>{longer}).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(stale, before);
+  EXPECT_EQ(listed(held[1].sequence_id).num_tokens(), longer);  // the daemon's growth stands
+  EXPECT_EQ(a->Grow(std::span(held), std::vector<int64_t>{1, 2}).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(listed(held[0].sequence_id).num_tokens(), held[0].num_tokens);
+}
+
 TEST_F(DaemonIntegrationTest, NonAdminSessionsCannotCallAdminRpcs) {
   StartDaemon(std::string(kConfig) + "admin_uids: 4242\n");
   std::unique_ptr<client::Client> c = Connect(daemon_->dir());

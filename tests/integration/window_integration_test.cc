@@ -167,6 +167,39 @@ TEST_F(WindowIntegrationTest, RepliesCarryTheWindowTableAndAClientFollowsIt) {
   EXPECT_TRUE(client_->CheckInvariants()->ok());
 }
 
+// Client::Grow's held form on a window pool: two sequences (one forked from the other, so that
+// its first grow copies the shared last block) grown together step after step, the window sliding
+// with each Commit; the tables the client holds equal the daemon's after every step.
+TEST_F(WindowIntegrationTest, HeldGrowFollowsBothTablesAsTheWindowSlides) {
+  const std::vector<int32_t> prompt = Prompt(410, 11);
+  absl::StatusOr<v1::SequenceInfo> made = client_->Allocate(prompt);
+  ASSERT_TRUE(made.ok()) << made.status();
+  absl::StatusOr<v1::SequenceInfo> forked = client_->Fork(made->sequence_id());
+  ASSERT_TRUE(forked.ok()) << forked.status();
+  std::vector<client::HeldSequence> held = {client::ToHeld(*made), client::ToHeld(*forked)};
+  std::vector<int64_t> known = {410, 410};  // tokens the daemon has been told
+  for (int step = 0; step < 6; ++step) {
+    for (size_t i = 0; i < held.size(); ++i) {
+      const std::vector<int32_t> more(static_cast<size_t>(held[i].num_tokens - known[i]), 5);
+      absl::Status committed = client_->Commit(held[i].sequence_id, held[i].num_tokens, more);
+      ASSERT_TRUE(committed.ok()) << committed;
+      known[i] = held[i].num_tokens;
+    }
+    const std::vector<int64_t> lengths = {held[0].num_tokens + 37, held[1].num_tokens + 1};
+    ASSERT_TRUE(client_->Grow(std::span(held), lengths).ok()) << "step " << step;
+    for (const client::HeldSequence& h : held) {
+      const v1::SequenceInfo listed = Listed(h.sequence_id);
+      EXPECT_EQ(h.num_tokens, listed.num_tokens());
+      EXPECT_EQ(h.table, client::ToBlockRefs(listed)) << "step " << step;
+      EXPECT_EQ(h.window_table, client::ToWindowRefs(listed)) << "step " << step;
+    }
+  }
+  EXPECT_NE(held[0].table[25], held[1].table[25]);  // the fork's copy of the shared block
+  EXPECT_GT(Listed(held[0].sequence_id).window_released_end(), 0);
+  ASSERT_TRUE(client_->Free({held[0].sequence_id, held[1].sequence_id}, false).ok());
+  EXPECT_TRUE(client_->CheckInvariants()->ok());
+}
+
 // WatchEvents names each group (docs/events.md): a committed prefill's full blocks as group 0
 // (full_attention), and the window blocks the tree keeps beside them as group 1 (sliding_window,
 // W 256), by the same hashes.
