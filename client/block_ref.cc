@@ -176,22 +176,13 @@ class GrowTails {
     if (length < 0 || r_.table_offsets(i) < 0 || next_ + length > r_.block_ids_size()) {
       return absl::InvalidArgumentError("a tail outside the response");
     }
-    const auto from = static_cast<size_t>(next_);
-    const auto n = static_cast<size_t>(length);
-    Tail t{.sequence_id = sequence_id,
-           .table_offset = r_.table_offsets(i),
-           .block_ids = Span(r_.block_ids()).subspan(from, n),
-           .generations = Span(r_.generations()).subspan(from, n)};
-    if (window_) {
-      t.window_block_ids = Span(r_.window_block_ids()).subspan(from, n);
-      t.window_generations = Span(r_.window_generations()).subspan(from, n);
-      t.window_released_begin = r_.window_released_begin(i);
-      t.window_released_end = r_.window_released_end(i);
-    }
-    next_ += length;
+    const Tail t = Take(i, sequence_id);
     if (absl::Status s = ValidateTail(t); !s.ok()) return s;
     return t;
   }
+
+  // The same, unchecked, for a response that Next has read whole without an error.
+  Tail NextChecked(int i, uint64_t sequence_id) { return Take(i, sequence_id); }
 
   bool window() const { return window_; }  // the pool has a window group
 
@@ -204,23 +195,46 @@ class GrowTails {
  private:
   GrowTails(const v1::GrowResponse& r, bool window) : r_(r), window_(window) {}
 
+  Tail Take(int i, uint64_t sequence_id) {
+    const auto from = static_cast<size_t>(next_);
+    const auto n = static_cast<size_t>(r_.tail_lengths(i));
+    Tail t{.sequence_id = sequence_id,
+           .table_offset = r_.table_offsets(i),
+           .block_ids = Span(r_.block_ids()).subspan(from, n),
+           .generations = Span(r_.generations()).subspan(from, n)};
+    if (window_) {
+      t.window_block_ids = Span(r_.window_block_ids()).subspan(from, n);
+      t.window_generations = Span(r_.window_generations()).subspan(from, n);
+      t.window_released_begin = r_.window_released_begin(i);
+      t.window_released_end = r_.window_released_end(i);
+    }
+    next_ += static_cast<int>(n);
+    return t;
+  }
+
   const v1::GrowResponse& r_;
   bool window_;
   int next_ = 0;
 };
 
 // Calls fn(i, tail) for each item's tail of `r` (held[i]: item i's), in order; the first error,
-// the response's or fn's, ends it.
-template <typename Fn>
+// the response's or fn's, ends it. kChecked: `r` has been read whole without an error before, and
+// is not checked again.
+template <bool kChecked, typename Fn>
 absl::Status ForEachTail(const v1::GrowResponse& r, std::span<const HeldSequence> held, Fn fn) {
   absl::StatusOr<GrowTails> tails = GrowTails::Read(r, held.size());
   if (!tails.ok()) return tails.status();
   for (size_t i = 0; i < held.size(); ++i) {
-    absl::StatusOr<Tail> t = tails->Next(static_cast<int>(i), held[i].sequence_id);
-    if (!t.ok()) return t.status();
-    if (absl::Status s = fn(i, *t); !s.ok()) return s;
+    const auto item = static_cast<int>(i);
+    if constexpr (kChecked) {
+      if (absl::Status s = fn(i, tails->NextChecked(item, held[i].sequence_id)); !s.ok()) return s;
+    } else {
+      absl::StatusOr<Tail> t = tails->Next(item, held[i].sequence_id);
+      if (!t.ok()) return t.status();
+      if (absl::Status s = fn(i, *t); !s.ok()) return s;
+    }
   }
-  return tails->Finish();
+  return kChecked ? absl::OkStatus() : tails->Finish();
 }
 
 }  // namespace
@@ -287,12 +301,12 @@ absl::Status ApplyGrowResponse(const v1::GrowResponse& response, std::span<HeldS
   // of items, most with nothing to apply.)
   constexpr absl::StatusCode kStale = absl::StatusCode::kFailedPrecondition;
   if (absl::Status s =
-          ForEachTail(response, held, [](size_t, const Tail&) { return absl::OkStatus(); });
+          ForEachTail<false>(response, held, [](size_t, const Tail&) { return absl::OkStatus(); });
       !s.ok()) {
     return s;
   }
   const bool window = response.window_released_begin_size() > 0;
-  if (absl::Status s = ForEachTail(
+  if (absl::Status s = ForEachTail<true>(
           response, held,
           [&](size_t i, const Tail& t) {
             if (absl::Status fit = CheckBlocksFit(t, held[i].table, kStale); !fit.ok() || !window) {
@@ -303,7 +317,7 @@ absl::Status ApplyGrowResponse(const v1::GrowResponse& response, std::span<HeldS
       !s.ok()) {
     return s;
   }
-  return ForEachTail(response, held, [&](size_t i, const Tail& t) {
+  return ForEachTail<true>(response, held, [&](size_t i, const Tail& t) {
     held[i].num_tokens = response.num_tokens(static_cast<int>(i));
     ApplyBlocks(t, &held[i].table);
     if (window) ApplyWindow(t, &held[i].window_table);
