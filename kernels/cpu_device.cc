@@ -105,10 +105,10 @@ CpuDevice::Stream::~Stream() {
   worker_.join();
 }
 
-Fence CpuDevice::Stream::Enqueue(std::function<absl::Status()> run) {
+Fence CpuDevice::Stream::Enqueue(std::function<absl::Status()> run, Helpable helpable) {
   absl::MutexLock lock(&mu_);
   const uint64_t value = ++submitted_;
-  queue_.push_back(Task{value, std::move(run)});
+  queue_.push_back(Task{value, std::move(run), helpable});
   return Fence{timeline_, value};
 }
 
@@ -131,33 +131,52 @@ absl::Status RefuseInsideTask(const CpuDevice* device, std::string_view call) {
 }  // namespace
 
 void CpuDevice::Stream::Loop() {
+  absl::MutexLock lock(&mu_);
   for (;;) {
-    Task task;
-    {
-      absl::MutexLock lock(&mu_);
-      mu_.Await(absl::Condition(
-          +[](Stream* s)
-               ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu_) { return s->stop_ || !s->queue_.empty(); },
-          this));
-      if (queue_.empty()) return;  // stopping, and drained
-      task = std::move(queue_.front());
-      queue_.pop_front();
-    }
-    running_task_of = device_;
-    absl::Status status = task.run();
-    running_task_of = nullptr;
-    if (!status.ok()) device_->RecordError(std::move(status));
-    absl::MutexLock lock(&mu_);  // waiters Await under mu_
-    completed_.store(task.value, std::memory_order_release);
+    // One task at a time, in order, whichever thread runs it.
+    mu_.Await(absl::Condition(
+        +[](Stream* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu_) {
+          return !s->running_ && (s->stop_ || !s->queue_.empty());
+        },
+        this));
+    if (queue_.empty()) return;  // stopping, and drained
+    Task task = std::move(queue_.front());
+    queue_.pop_front();
+    Run(std::move(task));
   }
 }
 
+void CpuDevice::Stream::Run(Task task) {
+  running_ = true;
+  mu_.Unlock();
+  const CpuDevice* outer = running_task_of;
+  running_task_of = device_;
+  absl::Status status = task.run();
+  running_task_of = outer;
+  if (!status.ok()) device_->RecordError(std::move(status));
+  mu_.Lock();  // waiters Await under mu_
+  completed_.store(task.value, std::memory_order_release);
+  running_ = false;
+}
+
 void CpuDevice::Stream::WaitFor(uint64_t value) {
-  std::pair<const Stream*, uint64_t> target(this, value);
   absl::MutexLock lock(&mu_);
-  mu_.Await(absl::Condition(
-      +[](std::pair<const Stream*, uint64_t>* t) { return t->first->completed() >= t->second; },
-      &target));
+  for (;;) {
+    std::pair<Stream*, uint64_t> target(this, value);
+    mu_.Await(absl::Condition(
+        +[](std::pair<Stream*, uint64_t>* t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(t->first->mu_) {
+          return t->first->completed() >= t->second ||
+                 (!t->first->running_ && !t->first->queue_.empty() &&
+                  t->first->queue_.front().helpable == Helpable::kYes);
+        },
+        &target));
+    if (completed() >= value) return;
+    // (The head is at or before `value`: tasks complete in order and `value` has not.)
+    run_by_waiters_.fetch_add(1, std::memory_order_relaxed);
+    Task task = std::move(queue_.front());
+    queue_.pop_front();
+    Run(std::move(task));
+  }
 }
 
 CpuDevice::CpuDevice(int threads) : threads_(threads) {
@@ -204,10 +223,12 @@ absl::StatusOr<Fence> CpuDevice::CopyToDevice(StreamId stream, void* dst, const 
   }
   absl::StatusOr<Stream*> s = GetStream(stream);
   if (!s.ok()) return s.status();
-  return (*s)->Enqueue([=] {
-    std::memcpy(dst, src, static_cast<size_t>(bytes));
-    return absl::OkStatus();
-  });
+  return (*s)->Enqueue(
+      [=] {
+        std::memcpy(dst, src, static_cast<size_t>(bytes));
+        return absl::OkStatus();
+      },
+      Helpable::kYes);
 }
 
 absl::StatusOr<Fence> CpuDevice::CopyToHost(StreamId stream, void* dst, const void* src,
@@ -220,7 +241,7 @@ absl::StatusOr<Fence> CpuDevice::CopyBlocks(StreamId stream, const KvPoolView& p
   if (absl::Status v = ValidateCopyBlocks(pool, args); !v.ok()) return v;
   absl::StatusOr<Stream*> s = GetStream(stream);
   if (!s.ok()) return s.status();
-  return (*s)->Enqueue([=] { return cpu::CopyBlocks(pool, args); });
+  return (*s)->Enqueue([=] { return cpu::CopyBlocks(pool, args); }, Helpable::kYes);
 }
 
 absl::StatusOr<Fence> CpuDevice::FillBlocks(StreamId stream, const KvPoolView& pool,
@@ -228,7 +249,7 @@ absl::StatusOr<Fence> CpuDevice::FillBlocks(StreamId stream, const KvPoolView& p
   if (absl::Status v = ValidateFillBlocks(pool, args); !v.ok()) return v;
   absl::StatusOr<Stream*> s = GetStream(stream);
   if (!s.ok()) return s.status();
-  return (*s)->Enqueue([=] { return cpu::FillBlocks(pool, args); });
+  return (*s)->Enqueue([=] { return cpu::FillBlocks(pool, args); }, Helpable::kYes);
 }
 
 absl::StatusOr<Fence> CpuDevice::WriteKv(StreamId stream, const KvPoolView& pool,
@@ -320,6 +341,12 @@ absl::Status CpuDevice::status() const {
 Fence CpuDevice::LastFence(StreamId stream) const {
   const auto s = static_cast<uint32_t>(stream);
   return s < kNumStreams ? Fence{s, streams_[s]->submitted()} : Fence{};
+}
+
+uint64_t CpuDevice::tasks_run_by_waiters() const {
+  uint64_t n = 0;
+  for (const auto& stream : streams_) n += stream->run_by_waiters();
+  return n;
 }
 
 bool CpuDevice::HasPassed(Fence fence) const {

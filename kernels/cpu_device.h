@@ -64,23 +64,36 @@ class CpuDevice final : public Device {
   absl::Status status() const override;
   Fence LastFence(StreamId stream) const override;
   bool HasPassed(Fence fence) const override;
+  // Tasks that a thread waiting for them ran itself (Stream::WaitFor), over all streams.
+  uint64_t tasks_run_by_waiters() const;
 
  private:
+  // Whether a thread waiting for a stream may run a task itself (Stream::WaitFor): plain copies
+  // and fills may; kernels (the compute stream's thread pool), host tasks (they may take locks
+  // the waiter holds) and cross-stream waits may not.
+  enum class Helpable : bool { kNo, kYes };
   struct Task {
     uint64_t value;
     std::function<absl::Status()> run;
+    Helpable helpable = Helpable::kNo;
   };
   class Stream {
    public:
     Stream(CpuDevice* device, uint32_t timeline);
     ~Stream();
-    Fence Enqueue(std::function<absl::Status()> run);
+    Fence Enqueue(std::function<absl::Status()> run, Helpable helpable = Helpable::kNo);
+    // Returns once task `value` has run. While the stream's next task is a helpable one and
+    // nothing of the stream runs, the waiter runs it on its own thread, in order: the copy it
+    // waits for starts without waking the worker, and ends without waking the waiter.
     void WaitFor(uint64_t value);
     uint64_t completed() const { return completed_.load(std::memory_order_acquire); }
     uint64_t submitted() const;
+    uint64_t run_by_waiters() const { return run_by_waiters_.load(std::memory_order_relaxed); }
 
    private:
     void Loop();
+    // Runs `task` (taken off the queue with running_ set) on this thread, then completes it.
+    void Run(Task task) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
     CpuDevice* const device_;
     const uint32_t timeline_;
@@ -88,7 +101,9 @@ class CpuDevice final : public Device {
     std::deque<Task> queue_ ABSL_GUARDED_BY(mu_);
     uint64_t submitted_ ABSL_GUARDED_BY(mu_) = 0;
     bool stop_ ABSL_GUARDED_BY(mu_) = false;
+    bool running_ ABSL_GUARDED_BY(mu_) = false;  // a task runs (on the worker or a waiter)
     std::atomic<uint64_t> completed_{0};
+    std::atomic<uint64_t> run_by_waiters_{0};
     std::thread worker_;
   };
 
