@@ -198,6 +198,37 @@ LookupResult RedisBlockStore::LookupChecked(const BlockSpace& space, const Block
   return result;
 }
 
+std::vector<bool> RedisBlockStore::MayHave(const BlockSpace& space,
+                                           std::span<const BlockHash> hashes) {
+  std::vector<bool> present(hashes.size(), false);
+  if (hashes.empty() || !breaker_.Allow()) return present;
+  std::vector<std::string> keys;
+  std::vector<RedisCommand> commands;
+  keys.reserve(hashes.size());
+  commands.reserve(hashes.size());
+  const SpaceKeys space_keys(secret_, space, options_.key_slotting);
+  for (const BlockHash& hash : hashes) {
+    keys.push_back(space_keys.Key(hash));
+    commands.push_back(RedisCommand{.args = {"EXISTS", keys.back()}});
+  }
+  absl::Status failure;
+  PooledClient reader = AcquireReader();
+  reader.client->Stream(commands, [&](size_t i, absl::StatusOr<RedisReply> reply) {
+    if (!reply.ok()) {
+      if (failure.ok()) failure = reply.status();
+      return;
+    }
+    present[i] = (**reply).type == REDIS_REPLY_INTEGER && (**reply).integer == 1;
+  });
+  ReleaseReader(std::move(reader));
+  ReportOutcome(absl::IsUnavailable(failure) ? failure : absl::OkStatus());
+  if (!failure.ok()) {
+    ++counters_.lookup_errors;
+    Log().debug("redis tier: exists: {}", failure.message());
+  }
+  return present;
+}
+
 bool RedisBlockStore::ValueSink::Take(std::string_view value) {
   taken = true;
   // Past a gap the value is never part of the prefix: dropped unchecked, as the reply would be.

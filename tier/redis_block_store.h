@@ -90,6 +90,8 @@ class RedisBlockStore final : public RemoteTier {
   // Waits until every block queued before this call was written or dropped. Errors:
   // DEADLINE_EXCEEDED after `timeout` on the store's clock (the queue keeps draining).
   absl::Status Flush(absl::Duration timeout) override;
+  // One pipelined EXISTS per block (per node for a cluster): one round trip for all of them.
+  std::vector<bool> MayHave(const BlockSpace& space, std::span<const BlockHash> hashes) override;
   RemoteTierStats stats() const override;
   // Summed over every connection the store has used (round trips, reconnects, redirects).
   RedisClientStats client_stats() const;

@@ -109,6 +109,15 @@ class RemoteTier {
                                       std::span<const BlockHash> hashes,
                                       std::span<const std::span<std::byte>> out);
 
+  // Whether each of `hashes` (any blocks, not a chain) may be stored, as one cheap ask tells: a
+  // false is a block the store knows it lacks; a true may still miss at Lookup (evicted since,
+  // or refused when checked). For a caller that would otherwise look blocks up one at a time to
+  // find one: a store whose misses cost a round trip each answers them all in one. This default
+  // knows nothing (all true). The remote down: none (its lookups would miss).
+  virtual std::vector<bool> MayHave(const BlockSpace& space, std::span<const BlockHash> hashes) {
+    return std::vector<bool>(hashes.size(), true);
+  }
+
   // Waits until every block queued before this call was written or dropped.
   // Errors: DEADLINE_EXCEEDED after `timeout` (the queue keeps draining).
   virtual absl::Status Flush(absl::Duration timeout) = 0;

@@ -504,17 +504,23 @@ void TierSet::LookupCheckpoint(NamespaceId ns, std::span<const BlockHash> chain,
   const std::span<std::byte> out(static_cast<std::byte*>((*buffer)->data()),
                                  static_cast<size_t>(state_bytes_));
   const tier::BlockSpace space = CheckpointSpace(ns);
-  // The disk's index answers a miss without I/O: every block is asked; Redis, a round trip each,
-  // for the deepest few.
+  // The disk's index answers a miss without I/O: every block is asked; Redis for the deepest few,
+  // which of them it has in one round trip (MayHave), then only those, deepest first.
+  std::vector<BlockHash> deepest;  // chain[upto - 1], chain[upto - 2], ...
   for (auto [store, most] :
        {std::pair<tier::RemoteTier*, size_t>{disk_checkpoints_.get(), upto},
         {remote_checkpoints_ ? remote_.get() : nullptr, size_t{kMaxRemoteCheckpointProbes}}}) {
-    for (size_t i = upto, probes = 0; store != nullptr && i > from && probes < most;
-         --i, ++probes) {
+    if (store == nullptr) continue;
+    deepest.clear();
+    for (size_t i = upto; i > from && deepest.size() < most; --i) deepest.push_back(chain[i - 1]);
+    const std::vector<bool> may_have = store->MayHave(space, deepest);
+    for (size_t k = 0; k < deepest.size(); ++k) {
+      if (!may_have[k]) continue;
+      const size_t at = upto - 1 - k;
       const absl::StatusOr<tier::LookupResult> r =
-          store->Lookup(space, parent_of(i - 1), chain.subspan(i - 1, 1), std::span(&out, 1));
+          store->Lookup(space, parent_of(at), chain.subspan(at, 1), std::span(&out, 1));
       if (r.ok() && r->hits == 1) {
-        found->checkpoint = static_cast<int64_t>(i - 1);
+        found->checkpoint = static_cast<int64_t>(at);
         found->checkpoint_buffer = *std::move(buffer);
         return;  // held until Recycle
       }

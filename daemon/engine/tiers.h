@@ -240,7 +240,8 @@ class TierSet final {
   // Outside any lock, after Lookup: the deepest i in [from, upto) whose block (chain[i], after
   // chain[i - 1]) has a checkpoint in the host tier, pinned into found->checkpoint_pin
   // (found->checkpoint = i), or else on the disk (every one asked: a miss is the index's), or
-  // else in Redis (the kMaxRemoteCheckpointProbes deepest asked, one round trip each), read into
+  // else in Redis (which of the kMaxRemoteCheckpointProbes deepest it has in one round trip, then
+  // a GET of those, deepest first, until one passes its checks: one in all when it does), read into
   // found->checkpoint_buffer; none: -1. A no-op without any.
   // Checkpoint buffers of all lookups together take at most kMaxStagedBytes (at least one):
   // past that Redis is not asked (counted in lookup_truncated).

@@ -378,6 +378,44 @@ TEST_F(RedisStoreTest, KilledServerOpensTheBreakerAndRestartClosesIt) {
   EXPECT_TRUE(store->CheckInvariants().ok());
 }
 
+// MayHave answers for any set of blocks in one round trip (a pipelined EXISTS each): stored ones
+// true, others (never stored, another namespace's) false; with the server gone, none, and no wait
+// past the timeouts.
+TEST_F(RedisStoreTest, MayHaveAsksForEveryBlockInOneRoundTrip) {
+  RedisTierOptions options = server_->TierOptions();
+  options.connect_timeout = absl::Milliseconds(300);
+  options.command_timeout = absl::Milliseconds(300);
+  auto store = NewStore(options);
+  const TestChain stored = MakeChain(kSpace, 8, kBlockBytes, 21);
+  const TestChain absent = MakeChain(kSpace, 8, kBlockBytes, 22);
+  ASSERT_EQ(stored.Put(*store), 8);
+  ASSERT_TRUE(store->Flush(absl::Seconds(30)).ok());
+  std::vector<BlockHash> asked;  // interleaved, deepest first: the order LookupCheckpoint asks in
+  for (int i = 7; i >= 0; --i) {
+    asked.push_back(absent.hashes[static_cast<size_t>(i)]);
+    if (i % 3 == 0) asked.push_back(stored.hashes[static_cast<size_t>(i)]);
+  }
+  const uint64_t round_trips = store->client_stats().round_trips;
+  const std::vector<bool> may_have = store->MayHave(kSpace, asked);
+  EXPECT_EQ(store->client_stats().round_trips, round_trips + 1);
+  ASSERT_EQ(may_have.size(), asked.size());
+  for (size_t k = 0; k < asked.size(); ++k) {
+    const bool is_stored =
+        std::find(stored.hashes.begin(), stored.hashes.end(), asked[k]) != stored.hashes.end();
+    EXPECT_EQ(may_have[k], is_stored) << k;
+  }
+  const BlockSpace other{.ns = NamespaceId(8), .layout_fingerprint = kSpace.layout_fingerprint};
+  EXPECT_EQ(store->MayHave(other, stored.hashes), std::vector<bool>(8, false));
+  EXPECT_TRUE(store->MayHave(kSpace, {}).empty());
+
+  server_->Kill();
+  const absl::Duration bound = options.connect_timeout + options.command_timeout + absl::Seconds(1);
+  std::vector<bool> down;
+  EXPECT_LT(Timed([&] { down = store->MayHave(kSpace, stored.hashes); }), bound);
+  EXPECT_EQ(down, std::vector<bool>(8, false));
+  EXPECT_GE(store->stats().lookup_errors, 1u);
+}
+
 TEST_F(RedisStoreTest, HungServerCostsALookupNoMoreThanTheTimeout) {
   RedisTierOptions options = server_->TierOptions();
   options.command_timeout = absl::Milliseconds(300);

@@ -159,6 +159,40 @@ class RedisTierTest(unittest.TestCase):
                 self.assertEqual(tiers.promoted_from_redis, 3)
                 self.assertTrue(cb.check_invariants().ok)
 
+    def test_a_checkpoint_below_the_deepest_blocks_costs_one_redis_get(self):
+        """Redis holds a prefix's blocks deeper than its deepest checkpoint (decoded tokens,
+        committed at the end: no checkpoint at a block boundary past the prefill's). Daemon B
+        asks which of the deepest blocks have a checkpoint in one round trip (EXISTS each) and
+        GETs only the one that has: before, it GET each deeper block's checkpoint key in turn,
+        a round trip each."""
+        config = redis_config(self.redis, base=HYBRID_CONFIG.replace(
+            'state_slots: 8', 'state_slots: 8 checkpoint_interval: -1'))
+        prompt = [(7 * i + 3) % 500 for i in range(57)]  # three full blocks and 9 tokens
+        with Daemon(config) as a, Daemon(config) as b:
+            with kvpool.Client.connect(a.dir, client_name="hybrid-a") as ca:
+                first = ca.prefill(prompt)
+                tokens = list(prompt)
+                pending = first.next_token
+                for _ in range(40):  # to 97 tokens: blocks 3, 4 and 5 come from the decode
+                    tokens.append(pending)
+                    pending = ca.decode([(first.sequence_id, pending)]).next_tokens[0]
+                ca.free([first.sequence_id], commit=True)
+                until(lambda: store(ca.get_stats(), "redis").written >= 7,
+                      "six blocks and the checkpoint at 48 in redis")
+            cli = [shutil.which("redis-cli"), "-s", self.redis.socket]
+            subprocess.run(cli + ["CONFIG", "RESETSTAT"], check=True, capture_output=True)
+            with kvpool.Client.connect(b.dir, client_name="hybrid-b") as cb:
+                again = cb.prefill(tokens)
+                self.assertEqual(again.reused_tokens, 48)
+                self.assertEqual(cb.get_stats().tiers.promoted_checkpoints, 1)
+            info = subprocess.run(cli + ["INFO", "commandstats"], check=True,
+                                  capture_output=True, text=True).stdout
+            calls = {line.split(":")[0][len("cmdstat_"):]: int(line.split("calls=")[1].split(",")[0])
+                     for line in info.splitlines() if line.startswith("cmdstat_")}
+            # The six blocks (one pipeline), then the checkpoint at 48 alone.
+            self.assertEqual(calls.get("get"), 7, info)
+            self.assertEqual(calls.get("exists"), 6, info)
+
     def test_a_sliding_window_prefix_resumes_on_another_daemon_with_its_window(self):
         """Issue 28: a window-group block is a value like a block. Daemon A's prefill of
         tiny-swa (window 256) keeps its full blocks' window blocks and writes them to Redis
