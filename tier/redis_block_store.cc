@@ -129,6 +129,20 @@ void RedisBlockStore::ReportOutcome(const absl::Status& transport) {
   }
 }
 
+std::vector<RedisCommand> RedisBlockStore::PerBlock(std::string_view command,
+                                                    const BlockSpace& space,
+                                                    std::span<const BlockHash> hashes,
+                                                    std::vector<std::string>* keys) const {
+  const SpaceKeys space_keys(secret_, space, options_.key_slotting);
+  keys->clear();
+  keys->reserve(hashes.size());
+  for (const BlockHash& hash : hashes) keys->push_back(space_keys.Key(hash));
+  std::vector<RedisCommand> commands;
+  commands.reserve(hashes.size());
+  for (const std::string& key : *keys) commands.push_back(RedisCommand{.args = {command, key}});
+  return commands;
+}
+
 LookupResult RedisBlockStore::LookupChecked(const BlockSpace& space, const BlockHash& parent,
                                             std::span<const BlockHash> hashes,
                                             std::span<const std::span<std::byte>> out) {
@@ -140,14 +154,7 @@ LookupResult RedisBlockStore::LookupChecked(const BlockSpace& space, const Block
     return result;
   }
   std::vector<std::string> keys;
-  std::vector<RedisCommand> commands;
-  keys.reserve(hashes.size());
-  commands.reserve(hashes.size());
-  const SpaceKeys space_keys(secret_, space, options_.key_slotting);
-  for (const BlockHash& hash : hashes) {
-    keys.push_back(space_keys.Key(hash));
-    commands.push_back(RedisCommand{.args = {"GET", keys.back()}});
-  }
+  std::vector<RedisCommand> commands = PerBlock("GET", space, hashes, &keys);
   // Each value is checked where hiredis read it and its payload copied into out[i] only when it
   // passed (one copy; ValueSink), so a lookup never holds a value beyond hiredis's read buffer.
   std::vector<ValueSink> sinks;
@@ -203,14 +210,7 @@ std::vector<bool> RedisBlockStore::MayHave(const BlockSpace& space,
   std::vector<bool> present(hashes.size(), false);
   if (hashes.empty() || !breaker_.Allow()) return present;
   std::vector<std::string> keys;
-  std::vector<RedisCommand> commands;
-  keys.reserve(hashes.size());
-  commands.reserve(hashes.size());
-  const SpaceKeys space_keys(secret_, space, options_.key_slotting);
-  for (const BlockHash& hash : hashes) {
-    keys.push_back(space_keys.Key(hash));
-    commands.push_back(RedisCommand{.args = {"EXISTS", keys.back()}});
-  }
+  const std::vector<RedisCommand> commands = PerBlock("EXISTS", space, hashes, &keys);
   absl::Status failure;
   PooledClient reader = AcquireReader();
   reader.client->Stream(commands, [&](size_t i, absl::StatusOr<RedisReply> reply) {

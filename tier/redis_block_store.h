@@ -121,6 +121,11 @@ class RedisBlockStore final : public RemoteTier {
   RedisBlockStore(const RedisTierOptions& options, const DeploymentSecret& secret,
                   const Clock* clock, std::unique_ptr<RedisClient> writer);
 
+  // `command key` for each block's key under `space` (the keys go to *keys, which the commands
+  // point into).
+  std::vector<RedisCommand> PerBlock(std::string_view command, const BlockSpace& space,
+                                     std::span<const BlockHash> hashes,
+                                     std::vector<std::string>* keys) const;
   PooledClient AcquireReader();
   void ReleaseReader(PooledClient reader);
   void AddClientStats(PooledClient* pooled);
