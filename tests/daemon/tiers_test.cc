@@ -943,6 +943,74 @@ namespace {
 // The step's lock gap: a KV client rewinds its sequence and grows it again while a prefill of it
 // runs, so the blocks the step writes are no longer the sequence's. Finish must not publish the
 // fresh blocks (never written) as holding the step's tokens.
+// A remote tier that has every block (a Redis with every checkpoint): each lookup hits whole,
+// writing a mark at the start of each buffer only (the buffers are the test's subject, not the
+// bytes).
+class EverythingRemote final : public tier::RemoteTier {
+ public:
+  bool Put(const tier::BlockSpace&, const tier::BlockToStore&) override { return true; }
+  absl::Status Flush(absl::Duration) override { return absl::OkStatus(); }
+  tier::RemoteTierStats stats() const override { return {}; }
+  std::atomic<int> lookups{0};
+
+ protected:
+  tier::LookupResult LookupChecked(const tier::BlockSpace&, const BlockHash&,
+                                   std::span<const BlockHash> hashes,
+                                   std::span<const std::span<std::byte>> out) override {
+    ++lookups;
+    for (std::span<std::byte> o : out) o[0] = std::byte{7};
+    return {.hits = static_cast<int64_t>(hashes.size()),
+            .coverage = std::vector<uint32_t>(hashes.size(), 16)};
+  }
+};
+
+// Checkpoint buffers of all lookups together stay within kMaxStagedBytes: with a state of more
+// than half of it, one lookup holding its buffer leaves the next none (truncated, counted, Redis
+// not asked), until the first is recycled. At least one is always allowed.
+TEST(TierBoundsTest, CheckpointBuffersOfAllLookupsStayWithinTheStagingBound) {
+  kernels::CpuDevice device(1);
+  const kernels::PoolLayout layout{.block_size = 16,
+                                   .num_layers = 1,
+                                   .num_kv_heads = 1,
+                                   .head_dim = 64,
+                                   .dtype = kernels::DType::kF32,
+                                   .num_blocks = 8,
+                                   .num_state_slots = 2,
+                                   .state_slot_bytes = kMaxStagedBytes / 2 + 4096};
+  auto remote = std::make_unique<EverythingRemote>();
+  EverythingRemote& redis = *remote;
+  TierSet tiers(&device, layout, Clock::Real(), TierSet::Stores{.remote = std::move(remote)},
+                /*staged_blocks=*/4);
+  const NamespaceId ns(3);
+  std::vector<BlockHash> chain;
+  BlockHash parent;
+  for (int i = 0; i < 3; ++i) {
+    const std::vector<int32_t> tokens(16, i);
+    chain.push_back(parent = PrefixChainHash(parent, ns, tokens));
+  }
+  TierSet::Found first;
+  tiers.LookupCheckpoint(ns, chain, 0, 3, &first);
+  ASSERT_EQ(first.checkpoint, 2);  // the deepest
+  ASSERT_NE(first.checkpoint_buffer, nullptr);
+  EXPECT_EQ(first.checkpoint_bytes(layout.state_slot_bytes)[0], std::byte{7});
+  const int asked = redis.lookups.load();
+
+  TierSet::Found second;
+  tiers.LookupCheckpoint(ns, chain, 0, 3, &second);
+  EXPECT_EQ(second.checkpoint, -1);
+  EXPECT_EQ(second.checkpoint_buffer, nullptr);
+  EXPECT_EQ(redis.lookups.load(), asked);  // not asked: no buffer to read into
+  EXPECT_EQ(tiers.stats().lookup_truncated, 1u);
+
+  tiers.Recycle(&first);  // its buffer goes back
+  TierSet::Found third;
+  tiers.LookupCheckpoint(ns, chain, 0, 3, &third);
+  EXPECT_EQ(third.checkpoint, 2);
+  EXPECT_EQ(tiers.stats().lookup_truncated, 1u);
+  tiers.Recycle(&third);
+  tiers.Recycle(&second);
+}
+
 TEST(StepGapTest, ASequenceRewoundAndRegrownDuringItsStepPublishesNothingItDidNotWrite) {
   testing::FailingDevice device;
   EngineOptions options = testing::SmallPool(16);
