@@ -1011,6 +1011,54 @@ TEST(TierBoundsTest, CheckpointBuffersOfAllLookupsStayWithinTheStagingBound) {
   tiers.Recycle(&second);
 }
 
+// The same bound for the window blocks LookupWindow reads from the disk or Redis: with a window
+// block of more than half of it, one lookup holding its buffer leaves the next none (the point it
+// finds falls back to where it started), until the first is recycled.
+TEST(TierBoundsTest, WindowBuffersOfAllLookupsStayWithinTheStagingBound) {
+  kernels::CpuDevice device(1);
+  kernels::PoolLayout layout{.block_size = 16,
+                             .num_layers = 2,
+                             .num_kv_heads = 1,
+                             .head_dim = 1,
+                             .dtype = kernels::DType::kF32,
+                             .num_blocks = 8,
+                             .num_window_layers = 1,
+                             .num_window_blocks = 4};
+  // 16 tokens x K,V x 4 bytes per dim: just over half the bound.
+  layout.head_dim = static_cast<int32_t>((kMaxStagedBytes / 2) / (16 * 2 * 4) + 64);
+  ASSERT_GT(layout.window_block_bytes(), kMaxStagedBytes / 2);
+  ASSERT_LE(layout.window_block_bytes(), kMaxStagedBytes);
+  auto remote = std::make_unique<EverythingRemote>();
+  EverythingRemote& redis = *remote;
+  TierSet tiers(&device, layout, Clock::Real(), TierSet::Stores{.remote = std::move(remote)},
+                /*staged_blocks=*/4);
+  const NamespaceId ns(3);
+  std::vector<BlockHash> chain;
+  BlockHash parent;
+  for (int i = 0; i < 3; ++i) {
+    const std::vector<int32_t> tokens(16, i);
+    chain.push_back(parent = PrefixChainHash(parent, ns, tokens));
+  }
+  // A window of one block, no sinks: resuming after 3 blocks reads block 2's window block only.
+  const TierSet::WindowReach reach{.block_size = 16, .window_tokens = 16, .sink_blocks = 0};
+  TierSet::Found first;
+  ASSERT_EQ(tiers.LookupWindow(ns, chain, 0, 3, reach, &first), 3u);
+  EXPECT_EQ(first.window_block(2)[0], std::byte{7});
+  const int asked = redis.lookups.load();
+
+  TierSet::Found second;
+  EXPECT_EQ(tiers.LookupWindow(ns, chain, 0, 3, reach, &second), 0u);
+  EXPECT_EQ(redis.lookups.load(), asked);  // not asked: no buffer to read into
+  EXPECT_EQ(tiers.stats().lookup_truncated, 1u);
+
+  tiers.Recycle(&first);
+  TierSet::Found third;
+  EXPECT_EQ(tiers.LookupWindow(ns, chain, 0, 3, reach, &third), 3u);
+  EXPECT_EQ(tiers.stats().lookup_truncated, 1u);
+  tiers.Recycle(&third);
+  tiers.Recycle(&second);
+}
+
 TEST(StepGapTest, ASequenceRewoundAndRegrownDuringItsStepPublishesNothingItDidNotWrite) {
   testing::FailingDevice device;
   EngineOptions options = testing::SmallPool(16);
