@@ -964,6 +964,27 @@ class EverythingRemote final : public tier::RemoteTier {
   }
 };
 
+// A TierSet over `layout` whose only store is an EverythingRemote (*remote: it).
+std::unique_ptr<TierSet> OverEverything(kernels::Device* device, const kernels::PoolLayout& layout,
+                                        EverythingRemote** remote) {
+  auto made = std::make_unique<EverythingRemote>();
+  *remote = made.get();
+  return std::make_unique<TierSet>(device, layout, Clock::Real(),
+                                   TierSet::Stores{.remote = std::move(made)},
+                                   /*staged_blocks=*/4);
+}
+
+// Three full blocks of 16 tokens in `ns`, chained.
+std::vector<BlockHash> ThreeBlocks(NamespaceId ns) {
+  std::vector<BlockHash> chain;
+  BlockHash parent;
+  for (int i = 0; i < 3; ++i) {
+    const std::vector<int32_t> tokens(16, i);
+    chain.push_back(parent = PrefixChainHash(parent, ns, tokens));
+  }
+  return chain;
+}
+
 // Checkpoint buffers of all lookups together stay within kMaxStagedBytes: with a state of more
 // than half of it, one lookup holding its buffer leaves the next none (truncated, counted, Redis
 // not asked), until the first is recycled. At least one is always allowed.
@@ -977,17 +998,12 @@ TEST(TierBoundsTest, CheckpointBuffersOfAllLookupsStayWithinTheStagingBound) {
                                    .num_blocks = 8,
                                    .num_state_slots = 2,
                                    .state_slot_bytes = kMaxStagedBytes / 2 + 4096};
-  auto remote = std::make_unique<EverythingRemote>();
+  EverythingRemote* remote = nullptr;
+  const std::unique_ptr<TierSet> set = OverEverything(&device, layout, &remote);
+  TierSet& tiers = *set;
   EverythingRemote& redis = *remote;
-  TierSet tiers(&device, layout, Clock::Real(), TierSet::Stores{.remote = std::move(remote)},
-                /*staged_blocks=*/4);
   const NamespaceId ns(3);
-  std::vector<BlockHash> chain;
-  BlockHash parent;
-  for (int i = 0; i < 3; ++i) {
-    const std::vector<int32_t> tokens(16, i);
-    chain.push_back(parent = PrefixChainHash(parent, ns, tokens));
-  }
+  const std::vector<BlockHash> chain = ThreeBlocks(ns);
   TierSet::Found first;
   tiers.LookupCheckpoint(ns, chain, 0, 3, &first);
   ASSERT_EQ(first.checkpoint, 2);  // the deepest
@@ -1028,17 +1044,12 @@ TEST(TierBoundsTest, WindowBuffersOfAllLookupsStayWithinTheStagingBound) {
   layout.head_dim = static_cast<int32_t>((kMaxStagedBytes / 2) / (16 * 2 * 4) + 64);
   ASSERT_GT(layout.window_block_bytes(), kMaxStagedBytes / 2);
   ASSERT_LE(layout.window_block_bytes(), kMaxStagedBytes);
-  auto remote = std::make_unique<EverythingRemote>();
+  EverythingRemote* remote = nullptr;
+  const std::unique_ptr<TierSet> set = OverEverything(&device, layout, &remote);
+  TierSet& tiers = *set;
   EverythingRemote& redis = *remote;
-  TierSet tiers(&device, layout, Clock::Real(), TierSet::Stores{.remote = std::move(remote)},
-                /*staged_blocks=*/4);
   const NamespaceId ns(3);
-  std::vector<BlockHash> chain;
-  BlockHash parent;
-  for (int i = 0; i < 3; ++i) {
-    const std::vector<int32_t> tokens(16, i);
-    chain.push_back(parent = PrefixChainHash(parent, ns, tokens));
-  }
+  const std::vector<BlockHash> chain = ThreeBlocks(ns);
   // A window of one block, no sinks: resuming after 3 blocks reads block 2's window block only.
   const TierSet::WindowReach reach{.block_size = 16, .window_tokens = 16, .sink_blocks = 0};
   TierSet::Found first;
