@@ -109,7 +109,24 @@ Fence CpuDevice::Stream::Enqueue(std::function<absl::Status()> run, Helpable hel
   absl::MutexLock lock(&mu_);
   const uint64_t value = ++submitted_;
   queue_.push_back(Task{value, std::move(run), helpable});
+  if (helpable == Helpable::kNo) kicked_ = true;  // the worker must run it: wake it (on unlock)
+  lazy_.store(!kicked_, std::memory_order_relaxed);
   return Fence{timeline_, value};
+}
+
+void CpuDevice::Stream::Kick() {
+  if (!lazy_.load(std::memory_order_relaxed)) return;
+  absl::MutexLock lock(&mu_);
+  if (!queue_.empty()) kicked_ = true;
+  lazy_.store(false, std::memory_order_relaxed);
+}
+
+void CpuDevice::Stream::TakeHead() {
+  queue_.pop_front();
+  if (queue_.empty()) {
+    kicked_ = false;
+    lazy_.store(false, std::memory_order_relaxed);
+  }
 }
 
 uint64_t CpuDevice::Stream::submitted() const {
@@ -136,12 +153,12 @@ void CpuDevice::Stream::Loop() {
     // One task at a time, in order, whichever thread runs it.
     mu_.Await(absl::Condition(
         +[](Stream* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu_) {
-          return !s->running_ && (s->stop_ || !s->queue_.empty());
+          return !s->running_ && (s->stop_ || (s->kicked_ && !s->queue_.empty()));
         },
         this));
     if (queue_.empty()) return;  // stopping, and drained
     Task task = std::move(queue_.front());
-    queue_.pop_front();
+    TakeHead();
     Run(std::move(task));
   }
 }
@@ -174,7 +191,7 @@ void CpuDevice::Stream::WaitFor(uint64_t value) {
     // (The head is at or before `value`: tasks complete in order and `value` has not.)
     run_by_waiters_.fetch_add(1, std::memory_order_relaxed);
     Task task = std::move(queue_.front());
-    queue_.pop_front();
+    TakeHead();
     Run(std::move(task));
   }
 }
@@ -350,8 +367,12 @@ uint64_t CpuDevice::tasks_run_by_waiters() const {
 }
 
 bool CpuDevice::HasPassed(Fence fence) const {
-  return fence.value == 0 ||
-         (fence.timeline < kNumStreams && streams_[fence.timeline]->completed() >= fence.value);
+  if (fence.value == 0) return true;
+  if (fence.timeline >= kNumStreams) return false;
+  Stream& stream = *streams_[fence.timeline];
+  if (stream.completed() >= fence.value) return true;
+  stream.Kick();  // the poller expects the stream to move on without waiting for it
+  return false;
 }
 
 }  // namespace kvpool::kernels

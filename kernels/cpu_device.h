@@ -8,8 +8,17 @@
 // release behave (and are tested) as they do on a GPU. Kernels on the compute stream spread over
 // a ThreadPool.
 //
+// Copies and fills are submitted lazily, as a driver batches work until it is flushed: queued on
+// an idle stream they do not wake its worker. The first of these to happen starts them: a thread
+// waits for one (Synchronize, or another stream's StreamWait: the waiter runs them itself), a
+// fence of theirs is polled (HasPassed), or a task of another kind is queued behind them. Every
+// user of a copy's result learns it has run through one of the first two, so none waits longer;
+// a caller that enqueues a copy and then waits for it, the common case, runs it on its own thread
+// and no thread is woken at all.
+//
 // Thread-safe.
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -89,9 +98,14 @@ class CpuDevice final : public Device {
     uint64_t completed() const { return completed_.load(std::memory_order_acquire); }
     uint64_t submitted() const;
     uint64_t run_by_waiters() const { return run_by_waiters_.load(std::memory_order_relaxed); }
+    // Wakes the worker for the helpable tasks queued without waking it, if any (HasPassed's
+    // poll of a fence that has not passed: whoever polls expects the stream to move on).
+    void Kick();
 
    private:
     void Loop();
+    // Pops the queue's head (the caller has moved it out).
+    void TakeHead() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
     // Runs `task` (taken off the queue with running_ set) on this thread, then completes it.
     void Run(Task task) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -102,6 +116,12 @@ class CpuDevice final : public Device {
     uint64_t submitted_ ABSL_GUARDED_BY(mu_) = 0;
     bool stop_ ABSL_GUARDED_BY(mu_) = false;
     bool running_ ABSL_GUARDED_BY(mu_) = false;  // a task runs (on the worker or a waiter)
+    // The worker may take the queue's head: set by a task that is not helpable and by Kick,
+    // cleared when the queue runs empty. Helpable tasks queued while it is clear wait for a
+    // waiter, a Kick or a task of another kind (the lazy submission above).
+    bool kicked_ ABSL_GUARDED_BY(mu_) = false;
+    // Mirrors "the queue is not empty and kicked_ is clear" for Kick's check without the lock.
+    std::atomic<bool> lazy_{false};
     std::atomic<uint64_t> completed_{0};
     std::atomic<uint64_t> run_by_waiters_{0};
     std::thread worker_;

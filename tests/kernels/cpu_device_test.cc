@@ -109,20 +109,84 @@ TEST(CpuDeviceTest, AWaiterRunsTheCopyItWaitsForOnlyInItsTurn) {
   waiter.join();
   EXPECT_EQ(dst, src);  // the copy ran after the host task's fill
 
-  // An idle stream: the waiter takes the copy (a race with the worker's wake-up it all but always
-  // wins; one win in 200 is asked).
+  // An idle stream: the copy does not wake the worker, so the waiter always takes it.
   const uint64_t before = device.tasks_run_by_waiters();
   for (int i = 0; i < 200; ++i) {
     const Fence f = *device.CopyToDevice(StreamId::kTransfer, dst.data(), src.data(), bytes);
     ASSERT_TRUE(device.Synchronize(f).ok());
   }
-  EXPECT_GT(device.tasks_run_by_waiters(), before);
+  EXPECT_EQ(device.tasks_run_by_waiters(), before + 200);
   // Host tasks are never run by a waiter.
   const uint64_t copies = device.tasks_run_by_waiters();
   for (int i = 0; i < 200; ++i) {
     ASSERT_TRUE(device.Synchronize(*device.EnqueueHostTask(StreamId::kTransfer, [] {})).ok());
   }
   EXPECT_EQ(device.tasks_run_by_waiters(), copies);
+}
+
+// Copies and fills queued on an idle stream wake nobody (lazy submission, cpu_device.h), yet every
+// way of learning that one has run gets it run: a wait (it runs on the waiter's thread), a poll
+// of its fence, a task of another kind behind it, another stream's StreamWait, the device's end.
+TEST(CpuDeviceTest, LazyCopiesRunForWhoeverWaitsPollsOrQueuesBehindThem) {
+  const std::vector<int32_t> src(4096, 3);
+  const int64_t bytes = static_cast<int64_t>(src.size() * sizeof(int32_t));
+  // Polled: no thread waits, yet HasPassed turns true (the worker runs it).
+  {
+    CpuDevice device(1);
+    std::vector<int32_t> dst(src.size(), 0);
+    const Fence f = *device.CopyToDevice(StreamId::kTransfer, dst.data(), src.data(), bytes);
+    absl::SleepFor(absl::Milliseconds(20));  // the worker had time, and was not woken
+    EXPECT_EQ(dst[0], 0);
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    while (!device.HasPassed(f) && absl::Now() < deadline) absl::SleepFor(absl::Microseconds(50));
+    EXPECT_TRUE(device.HasPassed(f));
+    EXPECT_EQ(dst, src);
+    EXPECT_EQ(device.tasks_run_by_waiters(), 0u);
+  }
+  // A host task behind it: both run, in order, with nobody waiting or polling.
+  {
+    CpuDevice device(1);
+    std::vector<int32_t> dst(src.size(), 0);
+    ASSERT_TRUE(device.CopyToDevice(StreamId::kTransfer, dst.data(), src.data(), bytes).ok());
+    absl::Notification ran;
+    int32_t seen = 0;
+    ASSERT_TRUE(device
+                    .EnqueueHostTask(StreamId::kTransfer,
+                                     [&] {
+                                       seen = dst.back();
+                                       ran.Notify();
+                                     })
+                    .ok());
+    ASSERT_TRUE(ran.WaitForNotificationWithTimeout(absl::Seconds(30)));
+    EXPECT_EQ(seen, 3);
+  }
+  // Another stream waits for it: that stream's task runs after the copy.
+  {
+    CpuDevice device(1);
+    std::vector<int32_t> dst(src.size(), 0);
+    const Fence f = *device.CopyToDevice(StreamId::kTransfer, dst.data(), src.data(), bytes);
+    ASSERT_TRUE(device.StreamWait(StreamId::kCompute, f).ok());
+    absl::Notification ran;
+    int32_t seen = 0;
+    ASSERT_TRUE(device
+                    .EnqueueHostTask(StreamId::kCompute,
+                                     [&] {
+                                       seen = dst.back();
+                                       ran.Notify();
+                                     })
+                    .ok());
+    ASSERT_TRUE(ran.WaitForNotificationWithTimeout(absl::Seconds(30)));
+    EXPECT_EQ(seen, 3);
+  }
+  // The device's end runs what nobody asked for.
+  {
+    std::vector<int32_t> dst(src.size(), 0);
+    {
+      CpuDevice device(1);
+      ASSERT_TRUE(device.CopyToDevice(StreamId::kTransfer, dst.data(), src.data(), bytes).ok());
+    }
+    EXPECT_EQ(dst, src);
+  }
 }
 
 // Copies and host tasks interleaved on one stream, waited for by several threads at random
