@@ -11,8 +11,10 @@
 
 namespace kvpool::internal {
 
-RunTree::RunTree(int32_t block_size, int32_t num_blocks)
+RunTree::RunTree(int32_t block_size, int32_t num_blocks, int64_t stream_over_bytes)
     : block_size_(block_size),
+      stream_tokens_(int64_t{num_blocks} * block_size * int64_t{sizeof(int32_t)} >
+                     stream_over_bytes),
       places_(static_cast<size_t>(num_blocks)),
       // Default-initialized: a block's tokens are read only while the tree holds it, and pages
       // never written are never committed.
@@ -275,11 +277,15 @@ void RunTree::AddRun(NodeIndex root, BlockId at, std::span<const BlockId> blocks
   const size_t bs = static_cast<size_t>(block_size_);
   for (size_t k = 0; k < blocks.size(); ++k) {
     const BlockId b = blocks[k];
-    StreamBlockTokens(tokens_.get() + static_cast<size_t>(b.value()) * bs, tokens.data() + k * bs,
-                      bs);
+    int32_t* const slot = tokens_.get() + static_cast<size_t>(b.value()) * bs;
+    if (stream_tokens_) {
+      StreamBlockTokens(slot, tokens.data() + k * bs, bs);
+    } else {
+      CopyBlockTokens(slot, tokens.data() + k * bs, bs);
+    }
     place(b) = Place{node, depth + static_cast<int32_t>(k), block_size_, 0};
   }
-  StreamFence();
+  if (stream_tokens_) StreamFence();
   place(blocks.back()).leaf = 1;
   if (at == kInvalidBlock) LinkChild(root, node);
 }

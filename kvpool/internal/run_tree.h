@@ -33,6 +33,7 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "kvpool/eviction_policy.h"
+#include "kvpool/internal/tokens.h"
 #include "kvpool/util/check.h"
 #include "kvpool/util/strong_id.h"
 
@@ -47,10 +48,14 @@ struct RunTreeStats {
 
 class RunTree final {
  public:
-  // REQUIRES: block_size > 0, num_blocks > 0.
-  RunTree(int32_t block_size, int32_t num_blocks);
+  // REQUIRES: block_size > 0, num_blocks > 0. A tree whose token array (num_blocks x block_size
+  // tokens) is larger than `stream_over_bytes` publishes runs with non-temporal stores
+  // (StreamBlockTokens).
+  RunTree(int32_t block_size, int32_t num_blocks,
+          int64_t stream_over_bytes = TokenStreamThreshold());
 
   int32_t block_size() const { return block_size_; }
+  bool streams_tokens() const { return stream_tokens_; }
   NodeIndex Root(NamespaceId ns) const;
   NodeIndex RootOrCreate(NamespaceId ns);
   const absl::flat_hash_map<NamespaceId, NodeIndex>& roots() const { return roots_; }
@@ -248,6 +253,7 @@ class RunTree final {
   absl::Status CheckChains() const;
 
   const int32_t block_size_;
+  const bool stream_tokens_;
   std::vector<Place> places_;  // by BlockId
   // Line-aligned, so that a block of whole lines streams into its slot (StreamBlockTokens).
   struct FreeAligned {

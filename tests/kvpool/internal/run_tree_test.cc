@@ -6,6 +6,7 @@
 #include "kvpool/internal/run_tree.h"
 
 #include <map>
+#include <numeric>
 #include <random>
 #include <vector>
 
@@ -178,6 +179,41 @@ struct ModelBlock {
   BlockId parent;
   std::vector<int32_t> tokens;
 };
+
+// A tree publishes a run's tokens with non-temporal stores only when its token array outgrows
+// the threshold (about twice the core's L2: below it the array stays cached). Both ways store the
+// same tokens, line-sized blocks (which stream) or not.
+TEST(RunTreeTokensTest, StreamedAndPlainStoresHoldTheSameTokens) {
+  EXPECT_FALSE(RunTree(16, 64).streams_tokens());
+  const int64_t threshold = TokenStreamThreshold();
+  EXPECT_GT(threshold, 0);
+  EXPECT_FALSE(RunTree(16, static_cast<int32_t>(threshold / 64)).streams_tokens());  // == it
+  EXPECT_TRUE(RunTree(16, static_cast<int32_t>(threshold / 64) + 1).streams_tokens());
+  for (const int32_t bs : {16, 20, 512}) {  // whole lines, not, many lines
+    RunTree streamed(bs, 8, /*stream_over_bytes=*/0);
+    RunTree plain(bs, 8, /*stream_over_bytes=*/int64_t{1} << 40);
+    ASSERT_TRUE(streamed.streams_tokens());
+    ASSERT_FALSE(plain.streams_tokens());
+    std::vector<int32_t> tokens(static_cast<size_t>(bs) * 3);
+    std::iota(tokens.begin(), tokens.end(), 1000);
+    for (RunTree* tree : {&streamed, &plain}) {
+      const NodeIndex root = tree->RootOrCreate(kNs);
+      tree->AddRun(root, kInvalidBlock, Ids({5, 2, 7}), tokens);
+      ASSERT_TRUE(tree->CheckInvariants().ok());
+      std::vector<BlockId> full;
+      BlockId partial;
+      int32_t partial_tokens = 0;
+      tree->Match(root, tokens, &full, &partial, &partial_tokens);
+      EXPECT_THAT(full, ElementsAre(BlockId(5), BlockId(2), BlockId(7))) << bs;
+    }
+    for (const int32_t b : {5, 2, 7}) {
+      EXPECT_THAT(streamed.Tokens(BlockId(b)),
+                  ::testing::ElementsAreArray(plain.Tokens(BlockId(b))))
+          << bs;
+    }
+    EXPECT_EQ(streamed.Tokens(BlockId(7)).back(), 1000 + 3 * bs - 1);
+  }
+}
 
 class RunTreeRandomTest : public RunTreeTest {
  protected:
