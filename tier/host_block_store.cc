@@ -6,13 +6,15 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvpool/util/check.h"
-#include "tier/internal/slot_lru.h"
 
 namespace kvpool::tier {
 
 namespace {
 
-absl::Status CheckSizes(int64_t blocks, int64_t block_bytes) {
+absl::Status CheckSizes(int64_t blocks, int64_t block_bytes, int32_t max_shares) {
+  if (max_shares < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("host tier: ", max_shares, " tenant shares"));
+  }
   if (blocks <= 0 || block_bytes <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("host tier: ", blocks, " blocks of ", block_bytes, " bytes"));
@@ -27,8 +29,9 @@ absl::Status CheckSizes(int64_t blocks, int64_t block_bytes) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<HostBlockStore>> HostBlockStore::Create(int64_t blocks,
-                                                                       int64_t block_bytes) {
-  if (absl::Status s = CheckSizes(blocks, block_bytes); !s.ok()) return s;
+                                                                       int64_t block_bytes,
+                                                                       int32_t max_shares) {
+  if (absl::Status s = CheckSizes(blocks, block_bytes, max_shares); !s.ok()) return s;
   std::unique_ptr<std::byte[]> arena(new (std::nothrow)
                                          std::byte[static_cast<size_t>(blocks * block_bytes)]);
   if (arena == nullptr) {
@@ -37,28 +40,28 @@ absl::StatusOr<std::unique_ptr<HostBlockStore>> HostBlockStore::Create(int64_t b
   }
   std::byte* base = arena.get();
   return std::unique_ptr<HostBlockStore>(
-      new HostBlockStore(blocks, block_bytes, base, std::move(arena)));
+      new HostBlockStore(blocks, block_bytes, base, std::move(arena), max_shares));
 }
 
 absl::StatusOr<std::unique_ptr<HostBlockStore>> HostBlockStore::Create(int64_t blocks,
                                                                        int64_t block_bytes,
-                                                                       std::byte* memory) {
-  if (absl::Status s = CheckSizes(blocks, block_bytes); !s.ok()) return s;
+                                                                       std::byte* memory,
+                                                                       int32_t max_shares) {
+  if (absl::Status s = CheckSizes(blocks, block_bytes, max_shares); !s.ok()) return s;
   if (memory == nullptr) return absl::InvalidArgumentError("host tier: no memory");
-  return std::unique_ptr<HostBlockStore>(new HostBlockStore(blocks, block_bytes, memory, nullptr));
+  return std::unique_ptr<HostBlockStore>(
+      new HostBlockStore(blocks, block_bytes, memory, nullptr, max_shares));
 }
 
 HostBlockStore::HostBlockStore(int64_t blocks, int64_t block_bytes, std::byte* arena,
-                               std::unique_ptr<std::byte[]> owned)
-    : capacity_(blocks), block_bytes_(block_bytes), arena_(arena), owned_(std::move(owned)) {
+                               std::unique_ptr<std::byte[]> owned, int32_t max_shares)
+    : capacity_(blocks),
+      block_bytes_(block_bytes),
+      arena_(arena),
+      owned_(std::move(owned)),
+      lru_(blocks, max_shares) {
   slots_.resize(static_cast<size_t>(blocks));
   index_.reserve(static_cast<size_t>(blocks));
-}
-
-void HostBlockStore::Unlink(int32_t slot) { internal::UnlinkSlot(slots_, head_, tail_, slot); }
-
-void HostBlockStore::PushFront(int32_t slot) {
-  internal::PushFrontSlot(slots_, head_, tail_, slot);
 }
 
 bool HostBlockStore::Put(const BlockSpace& space, const BlockToStore& block) {
@@ -75,8 +78,7 @@ bool HostBlockStore::Put(const BlockSpace& space, const BlockToStore& block) {
     if (auto it = index_.find(key); it != index_.end()) {
       ++stats_.already_present;
       if (slots_[static_cast<size_t>(it->second)].pins == 0) {  // a pinned one is out of the list
-        Unlink(it->second);
-        PushFront(it->second);
+        lru_.Touch(it->second);
       }
       return true;
     }
@@ -93,7 +95,7 @@ bool HostBlockStore::Put(const BlockSpace& space, const BlockToStore& block) {
     s.used = true;
     std::memcpy(SlotBytes(slot), block.bytes.data(), block.bytes.size());
     index_.emplace(key, slot);
-    PushFront(slot);
+    lru_.Add(slot, lru_.ShareOf(block.tags.tenant));
     ++stats_.written;
     stats_.bytes_written += static_cast<uint64_t>(block_bytes_);
     stored = true;
@@ -114,10 +116,12 @@ int32_t HostBlockStore::TakeSlot(std::optional<Key>* dropped) {
     return slot;
   }
   if (unused_ < capacity_) return unused_++;
-  // The least recently used block makes room. Pinned slots are not in the list: never taken.
-  const int32_t slot = tail_;
+  // The least recently used block of the share most over its weight makes room. Pinned slots
+  // are not in the lists: never taken.
+  const int32_t slot = lru_.Victim();
   if (slot < 0) return -1;
-  Unlink(slot);
+  lru_.CountEviction(slot);
+  lru_.Remove(slot);
   *dropped = slots_[static_cast<size_t>(slot)].key;
   index_.erase(**dropped);
   ++evicted_;
@@ -152,8 +156,7 @@ LookupResult HostBlockStore::LookupChecked(const BlockSpace& space, const BlockH
     const Slot& s = slots_[static_cast<size_t>(slot)];
     std::memcpy(out[i].data(), SlotBytes(slot), static_cast<size_t>(block_bytes_));
     if (s.pins == 0) {  // a pinned slot is out of the list until its last pin goes
-      Unlink(slot);
-      PushFront(slot);
+      lru_.Touch(slot);
     }
     result.coverage.push_back(s.coverage);
     ++result.hits;
@@ -178,7 +181,7 @@ HostBlockStore::Pins HostBlockStore::LookupPinned(const BlockSpace& space, const
     if (slot < 0) break;
     Slot& s = slots_[static_cast<size_t>(slot)];
     if (s.pins++ == 0) {
-      Unlink(slot);  // out of the LRU list: nothing evicts it while pinned
+      lru_.Unlink(slot);  // out of the LRU list: nothing evicts it while pinned
       ++pinned_;
     }
     pins.slots_.push_back(slot);
@@ -199,7 +202,7 @@ void HostBlockStore::Unpin(std::span<const int32_t> slots) {
     if (--s.pins > 0) continue;
     --pinned_;
     if (s.used) {
-      PushFront(slot);  // just read: the most recently used
+      lru_.Relink(slot);  // just read: the most recently used
     } else {
       free_.push_back(slot);  // invalidated while pinned: free only now
     }
@@ -235,8 +238,8 @@ int64_t HostBlockStore::Invalidate(const TagFilter& filter) {
       index_.erase(s.key);
       dropped.push_back(s.key);
       s.used = false;
-      if (s.pins > 0) continue;  // out of the list; freed by its last unpin
-      Unlink(slot);
+      lru_.Remove(slot);
+      if (s.pins > 0) continue;  // freed by its last unpin
       free_.push_back(slot);
     }
   }
@@ -261,6 +264,39 @@ uint64_t HostBlockStore::evicted() const {
 int64_t HostBlockStore::pinned() const {
   absl::MutexLock lock(&mu_);
   return pinned_;
+}
+
+absl::Status HostBlockStore::SetTenantWeight(uint64_t tenant, int32_t weight) {
+  absl::MutexLock lock(&mu_);
+  return lru_.SetWeight(tenant, weight);
+}
+
+int64_t HostBlockStore::stored_by(uint64_t tenant) const {
+  absl::MutexLock lock(&mu_);
+  return lru_.used_by(tenant);
+}
+
+uint64_t HostBlockStore::evicted_from(uint64_t tenant) const {
+  absl::MutexLock lock(&mu_);
+  return lru_.evicted_from(tenant);
+}
+
+absl::Status HostBlockStore::CheckInvariants() const {
+  absl::MutexLock lock(&mu_);
+  int64_t used = 0;
+  for (int32_t slot = 0; slot < unused_; ++slot) {
+    const Slot& s = slots_[static_cast<size_t>(slot)];
+    used += s.used ? 1 : 0;
+    if (s.used != (lru_.share_of_slot(slot) >= 0)) {
+      return absl::InternalError(absl::StrCat("host tier: slot ", slot, " used ", s.used,
+                                              " but in share ", lru_.share_of_slot(slot)));
+    }
+  }
+  if (used != static_cast<int64_t>(index_.size())) {
+    return absl::InternalError(
+        absl::StrCat("host tier: ", used, " used slots, ", index_.size(), " indexed"));
+  }
+  return lru_.CheckInvariants();
 }
 
 int64_t HostBlockStore::stored() const {

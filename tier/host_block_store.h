@@ -21,6 +21,12 @@
 // drops it from the index but frees it only when the last pin goes, and a Put of its key only
 // counts already_present. When every slot is pinned, a Put of a new block is dropped (counted in
 // dropped_queue_full: the store has no room now).
+//
+// Fair by tenant: each tenant's blocks (by their tenant tag) are a share with its own LRU order,
+// and a full store makes room in the share with the most blocks per unit of weight
+// (internal::FairSlotLru; SetTenantWeight). A tenant that floods the tier evicts its own blocks,
+// not another tenant's prefix. Blocks without a tenant tag share one order, as do tenants past
+// `max_shares`; with max_shares 0 the store is one LRU order.
 
 #include <cstddef>
 #include <cstdint>
@@ -35,21 +41,37 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "tier/internal/fair_slot_lru.h"
 #include "tier/remote_tier.h"
 
 namespace kvpool::tier {
 
 class HostBlockStore final : public RemoteTier {
  public:
-  // `blocks` slots of `block_bytes` each. Errors: INVALID_ARGUMENT (either not positive, or the
-  // arena would pass 2^46 bytes), RESOURCE_EXHAUSTED (the arena cannot be allocated).
-  static absl::StatusOr<std::unique_ptr<HostBlockStore>> Create(int64_t blocks,
-                                                                int64_t block_bytes);
+  // Tenant shares by default: the pool's own default (EngineOptions::eviction_shares).
+  static constexpr int32_t kDefaultShares = 16;
+
+  // `blocks` slots of `block_bytes` each, at most `max_shares` tenant shares (0: one LRU order
+  // for all). Errors: INVALID_ARGUMENT (sizes not positive, the arena would pass 2^46 bytes, or
+  // max_shares negative), RESOURCE_EXHAUSTED (the arena cannot be allocated).
+  static absl::StatusOr<std::unique_ptr<HostBlockStore>> Create(
+      int64_t blocks, int64_t block_bytes, int32_t max_shares = kDefaultShares);
   // The same over `memory` the caller owns (blocks * block_bytes bytes at least, outliving the
   // store): page-locked memory on CUDA (Device::AllocateHostBuffer), so copies to and from the
   // device run at full speed. Errors: INVALID_ARGUMENT (sizes, or no memory).
-  static absl::StatusOr<std::unique_ptr<HostBlockStore>> Create(int64_t blocks, int64_t block_bytes,
-                                                                std::byte* memory);
+  static absl::StatusOr<std::unique_ptr<HostBlockStore>> Create(
+      int64_t blocks, int64_t block_bytes, std::byte* memory, int32_t max_shares = kDefaultShares);
+
+  // The weight of the blocks tagged `tenant` (NamespaceTags::tenant) in the fair order: a tenant
+  // of weight 3 keeps about three times the blocks of one of weight 1 when both fill the store.
+  // Errors: INVALID_ARGUMENT (weight not in [1, 10^6], or tenant 0), RESOURCE_EXHAUSTED (every
+  // share is taken: its blocks stay in the default share, weight 1); nothing changed.
+  absl::Status SetTenantWeight(uint64_t tenant, int32_t weight);
+  // Blocks of `tenant`'s own share now, and those evicted from it to make room.
+  int64_t stored_by(uint64_t tenant) const;
+  uint64_t evicted_from(uint64_t tenant) const;
+  // The fair order is well formed and agrees with the slots. O(capacity).
+  absl::Status CheckInvariants() const;
 
   // Told of every block stored (stored true) and every block dropped, to make room or by
   // Invalidate (false),
@@ -128,21 +150,17 @@ class HostBlockStore final : public RemoteTier {
     BlockHash parent;
     uint32_t coverage = 0;
     NamespaceTags tags;
-    bool used = false;  // holds an indexed block
+    bool used = false;  // holds an indexed block (and is in lru_: in its list unless pinned)
     int32_t pins = 0;   // LookupPinned holds; > 0: out of the LRU list, never reused
-    int32_t prev = -1;  // LRU list: prev is more recent, next less recent
-    int32_t next = -1;
   };
 
   HostBlockStore(int64_t blocks, int64_t block_bytes, std::byte* arena,
-                 std::unique_ptr<std::byte[]> owned);
+                 std::unique_ptr<std::byte[]> owned, int32_t max_shares);
   std::byte* SlotBytes(int32_t slot) const {
     return arena_ + static_cast<size_t>(slot) * static_cast<size_t>(block_bytes_);
   }
-  void Unlink(int32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void PushFront(int32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The slot a new block goes to, and the key it drops to make room; -1 when every slot is
-  // pinned.
+  // The slot a new block goes to, and the key it drops to make room (from the share the fair
+  // order picks); -1 when every slot is pinned.
   int32_t TakeSlot(std::optional<Key>* dropped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The slot for hashes[i] when it continues the chain, else -1 (counted corrupt when another
   // chain holds the hash).
@@ -159,8 +177,7 @@ class HostBlockStore final : public RemoteTier {
   mutable absl::Mutex mu_;
   std::vector<Slot> slots_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<Key, int32_t> index_ ABSL_GUARDED_BY(mu_);
-  int32_t head_ ABSL_GUARDED_BY(mu_) = -1;          // most recently used
-  int32_t tail_ ABSL_GUARDED_BY(mu_) = -1;          // least recently used
+  internal::FairSlotLru lru_ ABSL_GUARDED_BY(mu_);  // the used slots, by tenant share
   int32_t unused_ ABSL_GUARDED_BY(mu_) = 0;         // slots [unused_, capacity) never used yet
   std::vector<int32_t> free_ ABSL_GUARDED_BY(mu_);  // slots emptied by Invalidate
   RemoteTierStats stats_ ABSL_GUARDED_BY(mu_);

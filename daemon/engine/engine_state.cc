@@ -196,6 +196,10 @@ void EngineState::JoinTenant(const Session& s, NamespaceId ns) {
   // is taken, and then its blocks are in the pool's default share.
   if (options_.eviction_shares > 0 && options_.prefix_cache) {
     (void)cache.SetEvictionShare(ns, group, s.cache_weight);
+    // The same share in the host tier, keyed by the tenant tag its blocks carry there.
+    if (TierSet* tiers = pool(s.pool).tiers()) {
+      tiers->SetTenantWeight(namespaces_.TagsOf(ns).tenant, static_cast<int32_t>(s.cache_weight));
+    }
   }
   if (s.quota_blocks <= 0) return;
   // Cannot fail: the quota is positive and the namespace is not 0.

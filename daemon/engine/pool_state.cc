@@ -114,6 +114,7 @@ absl::StatusOr<std::unique_ptr<PoolState>> PoolState::Create(const PoolOptions& 
     if (tier_options.disk.enabled()) tier_options.disk.directory += "/" + pool.name;  // its own
     tier_options.host_checkpoints = HostCheckpoints(options, layout);
     tier_options.host_window_blocks = HostWindowBlocks(options, layout);
+    tier_options.tenant_shares = std::max(0, options.eviction_shares);  // -1: off
     std::tie(tier_options.disk_checkpoint_bytes, tier_options.disk_window_bytes) =
         DiskComponentBytes(options, layout);
     KVPOOL_ASSIGN_OR_RETURN(tiers,

@@ -23,15 +23,17 @@ namespace {
 // A host store of `count` slots of `bytes` over host memory of its own (page-locked on CUDA: the
 // tier's copies to and from the device then run asynchronously).
 absl::Status MakeHostStore(kernels::Device* device, int64_t count, int64_t bytes,
-                           std::string_view what, std::unique_ptr<kernels::DeviceBuffer>* memory,
+                           int32_t tenant_shares, std::string_view what,
+                           std::unique_ptr<kernels::DeviceBuffer>* memory,
                            std::unique_ptr<tier::HostBlockStore>* store) {
   if (count > (int64_t{1} << 46) / bytes) {
     return absl::InvalidArgumentError(
         fmt::format("tiers: {} host {} of {} bytes is too large", count, what, bytes));
   }
   KVPOOL_ASSIGN_OR_RETURN(*memory, device->AllocateHostBuffer(count * bytes));
-  KVPOOL_ASSIGN_OR_RETURN(*store, tier::HostBlockStore::Create(
-                                      count, bytes, static_cast<std::byte*>((*memory)->data())));
+  KVPOOL_ASSIGN_OR_RETURN(
+      *store, tier::HostBlockStore::Create(count, bytes, static_cast<std::byte*>((*memory)->data()),
+                                           tenant_shares));
   return absl::OkStatus();
 }
 
@@ -72,7 +74,8 @@ absl::StatusOr<std::unique_ptr<TierSet>> TierSet::Create(const TierOptions& opti
   Stores stores;
   if (options.host_blocks > 0) {
     KVPOOL_RETURN_IF_ERROR(MakeHostStore(device, options.host_blocks, layout.block_bytes(),
-                                         "blocks", &stores.host_memory, &stores.host));
+                                         options.tenant_shares, "blocks", &stores.host_memory,
+                                         &stores.host));
   }
   if (options.redis.enabled) {
     KVPOOL_ASSIGN_OR_RETURN(stores.remote,
@@ -95,13 +98,13 @@ absl::StatusOr<std::unique_ptr<TierSet>> TierSet::Create(const TierOptions& opti
   const bool window = layout.num_window_layers > 0 && layout.num_window_blocks > 0;
   if (options.host_checkpoints > 0 && stores.host && state) {
     KVPOOL_RETURN_IF_ERROR(MakeHostStore(device, options.host_checkpoints, layout.state_slot_bytes,
-                                         "checkpoints", &stores.checkpoint_memory,
-                                         &stores.checkpoints));
+                                         options.tenant_shares, "checkpoints",
+                                         &stores.checkpoint_memory, &stores.checkpoints));
   }
   if (options.host_window_blocks > 0 && stores.host && window) {
     KVPOOL_RETURN_IF_ERROR(MakeHostStore(device, options.host_window_blocks,
-                                         layout.window_block_bytes(), "window blocks",
-                                         &stores.window_memory, &stores.windows));
+                                         layout.window_block_bytes(), options.tenant_shares,
+                                         "window blocks", &stores.window_memory, &stores.windows));
   }
   if (stores.disk && state && options.disk_checkpoint_bytes > 0) {
     stores.disk_checkpoints = OpenDiskComponent(
@@ -909,6 +912,13 @@ int64_t TierSet::Invalidate(const tier::TagFilter& filter) {
   absl::MutexLock lock(&mu_);
   counters_.host_invalidated += static_cast<uint64_t>(from_host);
   return from_host + from_disk;
+}
+
+void TierSet::SetTenantWeight(uint64_t tenant, int32_t weight) {
+  // RESOURCE_EXHAUSTED (no share left) leaves the tenant in the default order, as in the pool.
+  for (tier::HostBlockStore* store : {host_.get(), checkpoints_.get(), windows_.get()}) {
+    if (store != nullptr) (void)store->SetTenantWeight(tenant, weight);
+  }
 }
 
 }  // namespace kvpool::daemon

@@ -293,6 +293,35 @@ TEST_F(NamespaceTest, ATenantFloodingThePoolEvictsItsOwnBlocksUnderEverySalt) {
   }
 }
 
+// The same in the host tier (tier::HostBlockStore's tenant shares): the quiet tenant's prefix,
+// evicted from the pool into the host tier, is still promoted after another tenant pushed six
+// times the tier's capacity through it. With fairness off (one order for the pool and the tier)
+// the flood evicts it there too.
+TEST_F(NamespaceTest, ATenantFloodingTheHostTierEvictsItsOwnBlocks) {
+  for (const bool fair : {true, false}) {
+    SCOPED_TRACE(fair ? "fair" : "one order");
+    EngineOptions options = SmallPool(64);
+    options.eviction_shares = fair ? 16 : 0;
+    options.tiers.host_blocks = 32;
+    Make(options);
+    std::shared_ptr<const Session> quiet = Open("quiet");
+    std::shared_ptr<const Session> loud = Open("loud");
+    const std::vector<int32_t> prefix = Prompt(8 * 16, 7);
+    ASSERT_NO_FATAL_FAILURE(Publish(*quiet, prefix));
+    for (int i = 0; i < 24; ++i) {
+      ASSERT_NO_FATAL_FAILURE(Publish(*loud, Prompt(8 * 16, 100 + i)));
+      ASSERT_TRUE(engine_->FlushTiers(absl::Seconds(10)).ok());
+    }
+    ASSERT_TRUE(engine_->Evict(0, 0, /*all=*/true).ok());
+    ASSERT_EQ(Matched(*quiet, prefix), 0);  // only the host tier can have it now
+    absl::StatusOr<Tables> again = Allocate(*quiet, prefix);
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_EQ(again->slices[0].matched_tokens, fair ? 8 * 16 : 0);
+    EXPECT_EQ(engine_->Stats().tiers.host_blocks, 32);
+    EXPECT_TRUE(engine_->CheckInvariants().ok());
+  }
+}
+
 // Tenant names are a client's choice in the zero-configuration mode: a client claiming more of
 // them than limits.eviction_shares gets the rest into the pool's default share. Nothing is
 // refused, and the invariants hold once the sessions end.

@@ -1,6 +1,8 @@
 #include "tier/host_block_store.h"
 
 #include <algorithm>
+#include <map>
+#include <random>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -226,6 +228,183 @@ TEST(HostBlockStoreTest, AnInvalidatedPinnedSlotIsFreedByItsLastUnpin) {
   EXPECT_EQ(store->stored(), 2);
   EXPECT_EQ(store->evicted(), 1u);
   EXPECT_EQ(store->pinned(), 0);
+}
+
+// Puts `n` single blocks of tenant `tenant` (a chain of their own under namespace `ns`), each
+// tagged with it. Returns their hashes.
+std::vector<BlockHash> PutTenantBlocks(HostBlockStore& store, uint64_t tenant, NamespaceId ns,
+                                       int n, uint32_t seed) {
+  const BlockSpace space{ns, kSpace.layout_fingerprint};
+  const auto chain = MakeChain(space, n, kBlockBytes, seed);
+  for (size_t i = 0; i < chain.hashes.size(); ++i) {
+    EXPECT_TRUE(store.Put(space, {.hash = chain.hashes[i],
+                                  .parent = i == 0 ? BlockHash{} : chain.hashes[i - 1],
+                                  .coverage = 16,
+                                  .bytes = chain.blocks[i],
+                                  .tags = {.tenant = tenant, .model = 1}}));
+  }
+  return chain.hashes;
+}
+
+// Whether the store holds all of `hashes` (a chain from the root in `ns`).
+bool HoldsChain(HostBlockStore& store, NamespaceId ns, const std::vector<BlockHash>& hashes) {
+  auto buffers = Buffers(hashes.size());
+  const auto found =
+      store.Lookup({ns, kSpace.layout_fingerprint}, BlockHash{}, hashes, Spans(buffers));
+  return found.ok() && found->hits == static_cast<int64_t>(hashes.size());
+}
+
+// A tenant that floods a full store evicts its own blocks, not another tenant's prefix; with
+// one order for all (max_shares 0, the store before it was fair) the prefix is gone.
+TEST(HostBlockStoreFairTest, AFloodingTenantEvictsItsOwnBlocksNotAnothersPrefix) {
+  for (const int32_t shares : {HostBlockStore::kDefaultShares, 0}) {
+    auto store = *HostBlockStore::Create(10, kBlockBytes, shares);
+    const std::vector<BlockHash> prefix = PutTenantBlocks(*store, 11, NamespaceId(1), 3, 1);
+    PutTenantBlocks(*store, 22, NamespaceId(2), 100, 2);
+    EXPECT_EQ(store->stored(), 10);
+    ASSERT_TRUE(store->CheckInvariants().ok()) << store->CheckInvariants();
+    if (shares == 0) {
+      EXPECT_FALSE(HoldsChain(*store, NamespaceId(1), prefix));
+      continue;
+    }
+    EXPECT_TRUE(HoldsChain(*store, NamespaceId(1), prefix));
+    EXPECT_EQ(store->stored_by(11), 3);
+    EXPECT_EQ(store->stored_by(22), 7);
+    EXPECT_EQ(store->evicted_from(11), 0u);
+    EXPECT_EQ(store->evicted_from(22), 93u);
+    // Once the quiet tenant holds more than the other, it gives first (its least recent block).
+    PutTenantBlocks(*store, 11, NamespaceId(3), 5, 3);
+    EXPECT_EQ(store->stored_by(11), 5);
+    EXPECT_EQ(store->stored_by(22), 5);
+    PutTenantBlocks(*store, 11, NamespaceId(4), 1, 4);
+    EXPECT_EQ(store->stored_by(11), 5);
+    EXPECT_FALSE(HoldsChain(*store, NamespaceId(1), prefix));  // its oldest block went first
+  }
+}
+
+// Weights split a store both tenants fill: 3:1 gives about three quarters to the first.
+TEST(HostBlockStoreFairTest, WeightsSplitAFullStore) {
+  auto store = *HostBlockStore::Create(40, kBlockBytes);
+  ASSERT_TRUE(store->SetTenantWeight(11, 3).ok());
+  for (int round = 0; round < 20; ++round) {
+    PutTenantBlocks(*store, 11, NamespaceId(100 + round), 5, static_cast<uint32_t>(round));
+    PutTenantBlocks(*store, 22, NamespaceId(200 + round), 5, static_cast<uint32_t>(round + 50));
+  }
+  EXPECT_EQ(store->stored_by(11) + store->stored_by(22), 40);
+  EXPECT_NEAR(static_cast<double>(store->stored_by(11)), 30.0, 1.0);
+  EXPECT_TRUE(store->CheckInvariants().ok()) << store->CheckInvariants();
+}
+
+// Shares are bounded: tenants past max_shares (and untagged blocks) share the default order,
+// whose weight cannot be set. Bad weights change nothing.
+TEST(HostBlockStoreFairTest, TenantsPastTheSharesShareTheDefaultOrder) {
+  auto store = *HostBlockStore::Create(8, kBlockBytes, 2);
+  EXPECT_TRUE(store->SetTenantWeight(1, 2).ok());
+  EXPECT_TRUE(store->SetTenantWeight(2, 1).ok());
+  EXPECT_EQ(store->SetTenantWeight(3, 5).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(store->SetTenantWeight(1, 0).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(store->SetTenantWeight(1, 1'000'001).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(store->SetTenantWeight(0, 1).code(), absl::StatusCode::kInvalidArgument);
+  PutTenantBlocks(*store, 3, NamespaceId(3), 2, 3);
+  PutTenantBlocks(*store, 4, NamespaceId(4), 2, 4);
+  EXPECT_EQ(store->stored_by(3), 0);  // no share of its own: in the default one
+  EXPECT_EQ(store->stored(), 4);
+  EXPECT_EQ(HostBlockStore::Create(8, kBlockBytes, -1).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(store->CheckInvariants().ok()) << store->CheckInvariants();
+}
+
+// Random puts, lookups, pins, unpins and invalidations by five tenants (the fifth past the
+// shares, in the default one) with random weights, checked after every step: a Put with no free
+// slot evicts from the share with the most blocks per unit of weight among those with an unpinned
+// block (ties to the share made first, the default one before all), and the order stays whole.
+TEST(HostBlockStoreFairTest, RandomLoadAlwaysEvictsFromTheShareMostOverItsWeight) {
+  constexpr int64_t kCapacity = 24;
+  constexpr uint64_t kPastShares = 5;
+  auto store = *HostBlockStore::Create(kCapacity, kBlockBytes, 4);
+  std::mt19937 rng(2026);
+  std::map<uint64_t, int32_t> weight{{kPastShares, 1}};
+  for (uint64_t t = 1; t <= 4; ++t) {
+    weight[t] = 1 + static_cast<int32_t>(rng() % 4);
+    ASSERT_TRUE(store->SetTenantWeight(t, weight[t]).ok());
+  }
+  struct Held {
+    uint64_t tenant;
+    NamespaceId ns;
+    BlockHash hash;
+  };
+  struct Pin {
+    HostBlockStore::Pins pins;
+    uint64_t tenant;
+    BlockHash hash;
+    bool live;  // its block is still stored (not invalidated)
+  };
+  std::vector<Held> held;
+  std::vector<Pin> pins;
+  auto pinned = [&](uint64_t tenant) {
+    int64_t n = 0;
+    for (const Pin& p : pins) n += p.live && p.tenant == tenant ? 1 : 0;
+    return n;
+  };
+  auto stored_by = [&](uint64_t tenant) {
+    if (tenant != kPastShares) return store->stored_by(tenant);
+    int64_t own = 0;
+    for (uint64_t t = 1; t <= 4; ++t) own += store->stored_by(t);
+    return store->stored() - own;
+  };
+  uint32_t seed = 100;
+  int evictions_checked = 0;
+  for (int step = 0; step < 4000; ++step) {
+    const int dice = static_cast<int>(rng() % 10);
+    const uint64_t tenant = 1 + rng() % 5;
+    if (dice < 6) {
+      int64_t dead = 0;  // invalidated while pinned: neither stored nor free
+      for (const Pin& p : pins) dead += p.live ? 0 : 1;
+      const bool full = store->stored() + dead == kCapacity;
+      // Shares in the order they were made: the default one, then tenants 1..4.
+      uint64_t expect = 0;
+      int64_t best_used = 0;
+      int32_t best_weight = 1;
+      for (const uint64_t t : {kPastShares, uint64_t{1}, uint64_t{2}, uint64_t{3}, uint64_t{4}}) {
+        const int64_t used = stored_by(t);
+        if (used - pinned(t) <= 0) continue;
+        if (expect == 0 || used * best_weight > best_used * weight[t]) {
+          expect = t;
+          best_used = used;
+          best_weight = weight[t];
+        }
+      }
+      std::map<uint64_t, int64_t> before;
+      for (uint64_t t = 1; t <= 5; ++t) before[t] = stored_by(t);
+      const NamespaceId ns(1000 + step);
+      held.push_back({tenant, ns, PutTenantBlocks(*store, tenant, ns, 1, seed++)[0]});
+      for (uint64_t t = 1; t <= 5; ++t) {
+        const int64_t change = (t == tenant ? 1 : 0) - (full && t == expect ? 1 : 0);
+        ASSERT_EQ(stored_by(t), before[t] + change) << "step " << step << ", tenant " << t;
+      }
+      evictions_checked += full ? 1 : 0;
+    } else if (dice < 8 && !held.empty()) {
+      const Held& h = held[rng() % held.size()];
+      const BlockSpace space{h.ns, kSpace.layout_fingerprint};
+      const bool pinned_already =
+          std::any_of(pins.begin(), pins.end(), [&](const Pin& p) { return p.hash == h.hash; });
+      if (rng() % 2 == 0 || pinned_already || pins.size() >= 6) {
+        auto one = Buffers(1);
+        (void)store->Lookup(space, BlockHash{}, std::span(&h.hash, 1), Spans(one));
+      } else {
+        HostBlockStore::Pins p = store->LookupPinned(space, BlockHash{}, std::span(&h.hash, 1));
+        if (p.size() == 1) pins.push_back({std::move(p), h.tenant, h.hash, true});
+      }
+    } else if (dice < 9 && !pins.empty()) {
+      pins.erase(pins.begin() + static_cast<ptrdiff_t>(rng() % pins.size()));  // unpins
+    } else if (rng() % 8 == 0) {
+      store->Invalidate({.tenant = tenant});
+      for (Pin& p : pins) p.live = p.live && p.tenant != tenant;
+    }
+    ASSERT_TRUE(store->CheckInvariants().ok())
+        << "step " << step << ": " << store->CheckInvariants();
+  }
+  EXPECT_GT(evictions_checked, 1000);
 }
 
 }  // namespace
