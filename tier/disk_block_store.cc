@@ -6,7 +6,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvpool/util/logging.h"
-#include "tier/internal/slot_lru.h"
 
 namespace kvpool::tier {
 namespace {
@@ -43,9 +42,25 @@ DiskBlockStore::DiskBlockStore(const DiskTierOptions& options, const DeploymentS
       breaker_({.failure_threshold = options.breaker_failure_threshold,
                 .backoff = options.breaker_backoff,
                 .max_backoff = options.breaker_max_backoff},
-               clock) {
+               clock),
+      lru_(slots, options.tenant_shares) {
   slots_.resize(static_cast<size_t>(slots));
   index_.reserve(static_cast<size_t>(slots));
+}
+
+absl::Status DiskBlockStore::SetTenantWeight(uint64_t tenant, int32_t weight) {
+  absl::MutexLock lock(&mu_);
+  return lru_.SetWeight(tenant, weight);
+}
+
+int64_t DiskBlockStore::stored_by(uint64_t tenant) const {
+  absl::MutexLock lock(&mu_);
+  return lru_.used_by(tenant);
+}
+
+uint64_t DiskBlockStore::evicted_from(uint64_t tenant) const {
+  absl::MutexLock lock(&mu_);
+  return lru_.evicted_from(tenant);
 }
 
 DiskBlockStore::~DiskBlockStore() {
@@ -64,15 +79,9 @@ void DiskBlockStore::Tell(const std::vector<Change>& changes) const {
   }
 }
 
-void DiskBlockStore::Unlink(int32_t slot) { internal::UnlinkSlot(slots_, head_, tail_, slot); }
-
-void DiskBlockStore::PushFront(int32_t slot) {
-  internal::PushFrontSlot(slots_, head_, tail_, slot);
-}
-
 void DiskBlockStore::DropStored(int32_t slot, std::vector<Change>* changes) {
   Slot& s = slots_[static_cast<size_t>(slot)];
-  Unlink(slot);
+  lru_.Remove(slot);
   index_.erase(Key{s.entry.ns.value(), s.entry.hash});
   changes->push_back({.entry = s.entry, .stored = false});
   s.state = SlotState::kFree;
@@ -80,15 +89,17 @@ void DiskBlockStore::DropStored(int32_t slot, std::vector<Change>* changes) {
   erase_.insert(slot);
 }
 
-int32_t DiskBlockStore::TakeSlot(std::vector<Change>* changes) {
+int32_t DiskBlockStore::TakeSlot(uint64_t tenant, std::vector<Change>* changes) {
   int32_t slot = -1;
   if (!free_.empty()) {
     slot = free_.back();
     free_.pop_back();
-  } else if (tail_ >= 0) {
-    slot = tail_;  // the least recently used record makes room
+  } else if (const int32_t victim = lru_.Victim(); victim >= 0) {
+    // The least recently used record of the tenant share most over its weight makes room.
+    slot = victim;
     Slot& s = slots_[static_cast<size_t>(slot)];
-    Unlink(slot);
+    lru_.CountEviction(slot);
+    lru_.Remove(slot);
     index_.erase(Key{s.entry.ns.value(), s.entry.hash});
     changes->push_back({.entry = s.entry, .stored = false});
     ++disk_.evicted;
@@ -97,6 +108,10 @@ int32_t DiskBlockStore::TakeSlot(std::vector<Change>* changes) {
   }
   erase_.erase(slot);  // the new entry replaces whatever the old one said
   slots_[static_cast<size_t>(slot)].state = SlotState::kWriting;
+  // Counted in its tenant's share while it is written (the batch's later slots are chosen
+  // knowing it), but no candidate until it is stored.
+  lru_.Add(slot, lru_.ShareOf(tenant));
+  lru_.Unlink(slot);
   return slot;
 }
 
@@ -197,7 +212,7 @@ void DiskBlockStore::WriteBatch(std::vector<QueuedWrite>& batch,
         ++counters_.already_present;
         continue;
       }
-      slots[i] = TakeSlot(&changes);
+      slots[i] = TakeSlot(e.tags.tenant, &changes);
       if (slots[i] < 0) ++counters_.dropped_write_errors;  // cannot happen: batch <= slots
       e.sequence = next_sequence_++;
     }
@@ -233,6 +248,7 @@ void DiskBlockStore::FinishBatch(const std::vector<QueuedWrite>& batch,
                                          [&](const TagFilter& f) { return f.Matches(e.tags); });
     if (!io.ok() || invalidated) {
       // Whatever reached the disk of it must not be found after a restart.
+      lru_.Remove(slots[i]);
       s.state = SlotState::kFree;
       free_.push_back(slots[i]);
       erase_.insert(slots[i]);
@@ -242,7 +258,7 @@ void DiskBlockStore::FinishBatch(const std::vector<QueuedWrite>& batch,
     s.entry = e;
     s.state = SlotState::kStored;
     index_.emplace(Key{e.ns.value(), e.hash}, slots[i]);
-    PushFront(slots[i]);
+    lru_.Relink(slots[i]);
     ++counters_.written;
     counters_.bytes_written += static_cast<uint64_t>(slot_bytes_ + kIndexEntryBytes);
     changes->push_back({.entry = e, .stored = true});

@@ -51,6 +51,7 @@
 #include "tier/disk_format.h"
 #include "tier/disk_tier_options.h"
 #include "tier/internal/disk_file.h"
+#include "tier/internal/fair_slot_lru.h"
 #include "tier/remote_tier.h"
 #include "tier/secret.h"
 
@@ -111,7 +112,15 @@ class DiskBlockStore final : public RemoteTier {
   // cleared on disk by the writer. Returns how many records and queued writes were dropped.
   int64_t Invalidate(const TagFilter& filter);
 
-  // The index, the free slots and the LRU list agree; the queue's accounting balances.
+  // The weight of tenant tag `tenant`'s records in the fair order (as the host tier's,
+  // HostBlockStore::SetTenantWeight, with options.tenant_shares shares). Errors: INVALID_ARGUMENT
+  // (weight not in [1, 10^6], or tenant 0), RESOURCE_EXHAUSTED (every share is taken).
+  absl::Status SetTenantWeight(uint64_t tenant, int32_t weight);
+  // Records of `tenant`'s own share now, and those evicted from it to make room.
+  int64_t stored_by(uint64_t tenant) const;
+  uint64_t evicted_from(uint64_t tenant) const;
+
+  // The index, the free slots and the LRU order agree; the queue's accounting balances.
   absl::Status CheckInvariants() const;
 
  protected:
@@ -132,9 +141,8 @@ class DiskBlockStore final : public RemoteTier {
   enum class SlotState : uint8_t { kFree, kWriting, kStored };
   struct Slot {
     IndexEntry entry;  // kStored: what the slot holds; kWriting: what it is being written with
+    // kStored: in lru_, in its share's list; kWriting: in lru_, counted but out of the list.
     SlotState state = SlotState::kFree;
-    int32_t prev = -1;  // LRU list of stored slots: prev is more recent, next less recent
-    int32_t next = -1;
   };
   struct QueuedWrite {
     IndexEntry entry;
@@ -169,12 +177,11 @@ class DiskBlockStore final : public RemoteTier {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   void Tell(const std::vector<Change>& changes) const;
-  void Unlink(int32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void PushFront(int32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Takes `slot` out of the index and the LRU list and frees it; its entry is cleared on disk.
   void DropStored(int32_t slot, std::vector<Change>* changes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A free slot, or the least recently used record's; -1 when every slot is being written.
-  int32_t TakeSlot(std::vector<Change>* changes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int32_t TakeSlot(uint64_t tenant, std::vector<Change>* changes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::vector<Planned> PlanLookup(const BlockSpace& space, const BlockHash& parent,
                                   std::span<const BlockHash> hashes) ABSL_LOCKS_EXCLUDED(mu_);
   // Blocks [begin, end) of a plan in adjacent slots: one read, then each block's tag.
@@ -222,8 +229,7 @@ class DiskBlockStore final : public RemoteTier {
   std::vector<Slot> slots_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<Key, int32_t> index_ ABSL_GUARDED_BY(mu_);
   std::vector<int32_t> free_ ABSL_GUARDED_BY(mu_);  // popped from the back: lowest first
-  int32_t head_ ABSL_GUARDED_BY(mu_) = -1;          // most recently used
-  int32_t tail_ ABSL_GUARDED_BY(mu_) = -1;          // least recently used
+  internal::FairSlotLru lru_ ABSL_GUARDED_BY(mu_);  // the stored slots, by tenant share
   uint64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 1;
   std::deque<QueuedWrite> queue_ ABSL_GUARDED_BY(mu_);
   int64_t queued_bytes_ ABSL_GUARDED_BY(mu_) = 0;

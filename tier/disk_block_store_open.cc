@@ -33,6 +33,7 @@ absl::Status CheckOptions(const DiskTierOptions& o, int64_t block_bytes) {
     return bad("capacity_bytes", "gives more than 2^31 records");
   }
   if (o.write_queue_blocks <= 0) return bad("write_queue_blocks", "must be > 0");
+  if (o.tenant_shares < 0) return bad("tenant_shares", "must be >= 0");
   if (o.write_queue_bytes < AlignUp(block_bytes)) {
     return bad("write_queue_bytes", "must hold one record at least");
   }
@@ -164,7 +165,7 @@ absl::Status DiskBlockStore::Reset() {
   for (Slot& slot : slots_) slot = Slot{};
   index_.clear();
   erase_.clear();
-  head_ = tail_ = -1;
+  lru_.Clear();
   free_.clear();
   for (int64_t slot = slots_count_ - 1; slot >= 0; --slot) {
     free_.push_back(static_cast<int32_t>(slot));
@@ -214,7 +215,9 @@ absl::Status DiskBlockStore::Rebuild(int64_t old_slots) {
     }
   }
   std::sort(stored.begin(), stored.end());
-  for (const auto& [sequence, slot] : stored) PushFront(slot);  // the latest ends up first
+  for (const auto& [sequence, slot] : stored) {  // the latest ends up first in its share
+    lru_.Add(slot, lru_.ShareOf(slots_[static_cast<size_t>(slot)].entry.tags.tenant));
+  }
   free_.clear();
   for (int64_t slot = slots_count_ - 1; slot >= 0; --slot) {
     if (slots_[static_cast<size_t>(slot)].state == SlotState::kFree) {

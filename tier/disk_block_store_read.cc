@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvpool/util/logging.h"
+#include "kvpool/util/status_macros.h"
 #include "tier/disk_block_store.h"
 
 namespace kvpool::tier {
@@ -26,8 +27,7 @@ std::vector<DiskBlockStore::Planned> DiskBlockStore::PlanLookup(const BlockSpace
       break;
     }
     plan.push_back({.slot = it->second, .entry = s.entry});
-    Unlink(it->second);
-    PushFront(it->second);
+    lru_.Touch(it->second);
     want_parent = &hash;
   }
   return plan;
@@ -161,25 +161,26 @@ void DiskBlockStore::DropIfUnchanged(const Planned& planned) {
 
 absl::Status DiskBlockStore::CheckInvariants() const {
   absl::MutexLock lock(&mu_);
-  int64_t stored = 0, free = 0, linked = 0;
+  int64_t stored = 0, free = 0;
   for (size_t i = 0; i < slots_.size(); ++i) {
     const Slot& s = slots_[i];
     stored += s.state == SlotState::kStored;
     free += s.state == SlotState::kFree;
+    if ((s.state != SlotState::kFree) != (lru_.share_of_slot(static_cast<int32_t>(i)) >= 0)) {
+      return absl::InternalError(absl::StrCat("disk tier: slot ", i,
+                                              " is in a tenant share iff "
+                                              "stored or being written, and is not"));
+    }
     if (s.state != SlotState::kStored) continue;
     auto it = index_.find(Key{s.entry.ns.value(), s.entry.hash});
     if (it == index_.end() || it->second != static_cast<int32_t>(i)) {
       return absl::InternalError(absl::StrCat("disk tier: slot ", i, " is not indexed"));
     }
   }
-  for (int32_t at = head_; at >= 0; at = slots_[static_cast<size_t>(at)].next) {
-    if (slots_[static_cast<size_t>(at)].state != SlotState::kStored || ++linked > stored) {
-      return absl::InternalError("disk tier: the LRU list holds a slot it should not");
-    }
-  }
-  if (stored != static_cast<int64_t>(index_.size()) || linked != stored) {
-    return absl::InternalError(absl::StrCat("disk tier: ", stored, " stored slots, ", index_.size(),
-                                            " indexed, ", linked, " listed"));
+  KVPOOL_RETURN_IF_ERROR(lru_.CheckInvariants());
+  if (stored != static_cast<int64_t>(index_.size())) {
+    return absl::InternalError(
+        absl::StrCat("disk tier: ", stored, " stored slots, ", index_.size(), " indexed"));
   }
   absl::flat_hash_set<int32_t> seen;
   for (int32_t slot : free_) {

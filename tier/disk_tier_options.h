@@ -46,6 +46,11 @@ struct DiskTierOptions {
   absl::Duration breaker_backoff = absl::Seconds(1);
   absl::Duration breaker_max_backoff = absl::Seconds(30);
 
+  // Tenant shares of the records' fair order (internal::FairSlotLru, as the host tier's: a full
+  // tier makes room in the tenant share with the most records per unit of weight); 0: one LRU
+  // order for all. The daemon sets it from the pool's limits.eviction_shares.
+  int32_t tenant_shares = 16;
+
   bool enabled() const { return !directory.empty(); }
 };
 

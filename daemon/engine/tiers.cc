@@ -919,6 +919,9 @@ void TierSet::SetTenantWeight(uint64_t tenant, int32_t weight) {
   for (tier::HostBlockStore* store : {host_.get(), checkpoints_.get(), windows_.get()}) {
     if (store != nullptr) (void)store->SetTenantWeight(tenant, weight);
   }
+  for (tier::DiskBlockStore* store : {disk_.get(), disk_checkpoints_.get(), disk_windows_.get()}) {
+    if (store != nullptr) (void)store->SetTenantWeight(tenant, weight);
+  }
 }
 
 }  // namespace kvpool::daemon

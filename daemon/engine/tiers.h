@@ -82,8 +82,9 @@ struct TierOptions {
   // them in the host tier's proportions, DiskComponentBytes); 0: none.
   int64_t disk_checkpoint_bytes = 0;
   int64_t disk_window_bytes = 0;
-  // Tenant shares of each host store's fair order (tier::HostBlockStore; 0: one LRU order).
-  // PoolState::Create sets it from EngineOptions::eviction_shares, the pool's own.
+  // Tenant shares of each host store's fair order (tier::HostBlockStore; 0: one LRU order; the
+  // disk stores' is disk.tenant_shares). PoolState::Create sets both from
+  // EngineOptions::eviction_shares, the pool's own.
   int32_t tenant_shares = tier::HostBlockStore::kDefaultShares;
   bool enabled() const { return host_blocks > 0 || disk.enabled() || redis.enabled; }
 };
@@ -308,9 +309,9 @@ class TierSet final {
   // MACs, its ACL allows no DEL or SCAN): the engine makes its entries unreachable instead
   // (docs/tiers.md, Invalidation).
   int64_t Invalidate(const tier::TagFilter& filter);
-  // The weight of tenant tag `tenant`'s blocks in the host stores' fair order
+  // The weight of tenant tag `tenant`'s blocks in the host and disk stores' fair order
   // (tier::HostBlockStore::SetTenantWeight; TenantSpec.cache_weight). Past the stores' shares the
-  // tenant stays in their default order. A no-op without a host tier.
+  // tenant stays in their default order. A no-op without a host or disk tier.
   void SetTenantWeight(uint64_t tenant, int32_t weight);
   // Counts a lookup done again because the local match shrank meanwhile.
   void CountRaced();

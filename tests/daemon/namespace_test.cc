@@ -2,6 +2,7 @@
 // MAC, never an unkeyed hash of client strings; cache salts that split a session's namespace.
 
 #include <cstring>
+#include <filesystem>
 #include <set>
 #include <string>
 
@@ -293,33 +294,47 @@ TEST_F(NamespaceTest, ATenantFloodingThePoolEvictsItsOwnBlocksUnderEverySalt) {
   }
 }
 
-// The same in the host tier (tier::HostBlockStore's tenant shares): the quiet tenant's prefix,
-// evicted from the pool into the host tier, is still promoted after another tenant pushed six
-// times the tier's capacity through it. With fairness off (one order for the pool and the tier)
-// the flood evicts it there too.
-TEST_F(NamespaceTest, ATenantFloodingTheHostTierEvictsItsOwnBlocks) {
-  for (const bool fair : {true, false}) {
-    SCOPED_TRACE(fair ? "fair" : "one order");
-    EngineOptions options = SmallPool(64);
-    options.eviction_shares = fair ? 16 : 0;
-    options.tiers.host_blocks = 32;
-    Make(options);
-    std::shared_ptr<const Session> quiet = Open("quiet");
-    std::shared_ptr<const Session> loud = Open("loud");
-    const std::vector<int32_t> prefix = Prompt(8 * 16, 7);
-    ASSERT_NO_FATAL_FAILURE(Publish(*quiet, prefix));
-    for (int i = 0; i < 24; ++i) {
-      ASSERT_NO_FATAL_FAILURE(Publish(*loud, Prompt(8 * 16, 100 + i)));
-      ASSERT_TRUE(engine_->FlushTiers(absl::Seconds(10)).ok());
+// The same in the host and disk tiers (their stores' tenant shares, tier/internal/
+// fair_slot_lru.h): the quiet tenant's prefix, evicted from the pool into the tier, is still
+// promoted after another tenant pushed six times the tier's capacity through it. With fairness
+// off (one order for the pool and the tier) the flood evicts it there too.
+TEST_F(NamespaceTest, ATenantFloodingALowerTierEvictsItsOwnBlocks) {
+  char tmpl[] = "/tmp/kvpool-namespace-test-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  for (const bool disk : {false, true}) {
+    for (const bool fair : {true, false}) {
+      SCOPED_TRACE(fmt::format("{}, {}", disk ? "disk" : "host", fair ? "fair" : "one order"));
+      EngineOptions options = SmallPool(64);
+      options.eviction_shares = fair ? 16 : 0;
+      if (disk) {
+        std::filesystem::remove_all(dir + "/tier");
+        options.tiers.disk.directory = dir + "/tier";
+        options.tiers.disk.capacity_bytes = 32 * options.pools[0].layout.block_bytes();
+      } else {
+        options.tiers.host_blocks = 32;
+      }
+      Make(options);
+      std::shared_ptr<const Session> quiet = Open("quiet");
+      std::shared_ptr<const Session> loud = Open("loud");
+      const std::vector<int32_t> prefix = Prompt(8 * 16, 7);
+      ASSERT_NO_FATAL_FAILURE(Publish(*quiet, prefix));
+      for (int i = 0; i < 24; ++i) {
+        ASSERT_NO_FATAL_FAILURE(Publish(*loud, Prompt(8 * 16, 100 + i)));
+        ASSERT_TRUE(engine_->FlushTiers(absl::Seconds(10)).ok());
+      }
+      ASSERT_TRUE(engine_->Evict(0, 0, /*all=*/true).ok());
+      ASSERT_EQ(Matched(*quiet, prefix), 0);  // only the tier can have it now
+      absl::StatusOr<Tables> again = Allocate(*quiet, prefix);
+      ASSERT_TRUE(again.ok()) << again.status();
+      EXPECT_EQ(again->slices[0].matched_tokens, fair ? 8 * 16 : 0);
+      EXPECT_EQ(disk ? engine_->Stats().tiers.disk_tier.blocks : engine_->Stats().tiers.host_blocks,
+                32);
+      EXPECT_TRUE(engine_->CheckInvariants().ok());
+      engine_.reset();
     }
-    ASSERT_TRUE(engine_->Evict(0, 0, /*all=*/true).ok());
-    ASSERT_EQ(Matched(*quiet, prefix), 0);  // only the host tier can have it now
-    absl::StatusOr<Tables> again = Allocate(*quiet, prefix);
-    ASSERT_TRUE(again.ok()) << again.status();
-    EXPECT_EQ(again->slices[0].matched_tokens, fair ? 8 * 16 : 0);
-    EXPECT_EQ(engine_->Stats().tiers.host_blocks, 32);
-    EXPECT_TRUE(engine_->CheckInvariants().ok());
   }
+  std::filesystem::remove_all(dir);
 }
 
 // Tenant names are a client's choice in the zero-configuration mode: a client claiming more of

@@ -216,6 +216,51 @@ TEST_F(DiskBlockStoreTest, InvalidateDropsOnlyTheTaggedTenantAndStaysDroppedAfte
   EXPECT_EQ(Hits(*store, b), 3);
 }
 
+// Fair by tenant (as the host tier): a tenant writing five times the tier's budget evicts its own
+// records, not another tenant's prefix, and after a reopen every record is back in its tenant's
+// share (by the tags in its index entry), so the next flood still spares the prefix. With one
+// order (tenant_shares 0) the prefix is gone.
+TEST_F(DiskBlockStoreTest, AFloodingTenantEvictsItsOwnRecordsAcrossAReopen) {
+  for (const int32_t shares : {16, 0}) {
+    SCOPED_TRACE(shares);
+    TearDown();
+    SetUp();
+    DiskTierOptions options = Options(10);
+    options.tenant_shares = shares;
+    const TestChain prefix = MakeChain(kSpace, 3, kBlockBytes, 1);
+    auto flood = [&](DiskBlockStore& store, uint32_t seed) {
+      for (uint32_t i = 0; i < 10; ++i) {
+        PutAll(store, MakeChain({NamespaceId(100 + seed + i), kLayout}, 5, kBlockBytes, seed + i),
+               {.tenant = 2, .model = 1});
+      }
+    };
+    {
+      auto store = *DiskBlockStore::Open(options, kSecret, kLayout, kBlockBytes);
+      PutAll(*store, prefix, {.tenant = 1, .model = 1});
+      flood(*store, 0);
+      if (shares == 0) {
+        EXPECT_EQ(Hits(*store, prefix), 0);
+        continue;
+      }
+      EXPECT_EQ(Hits(*store, prefix), 3);
+      EXPECT_EQ(store->stored_by(1), 3);
+      EXPECT_EQ(store->stored_by(2), 7);
+      EXPECT_EQ(store->evicted_from(2), 43u);
+      EXPECT_EQ(store->evicted_from(1), 0u);
+    }
+    auto store = *DiskBlockStore::Open(options, kSecret, kLayout, kBlockBytes);
+    EXPECT_EQ(store->stored_by(1), 3);
+    EXPECT_EQ(store->stored_by(2), 7);
+    flood(*store, 50);
+    EXPECT_EQ(Hits(*store, prefix), 3);
+    EXPECT_EQ(store->evicted_from(1), 0u);
+  }
+  DiskTierOptions bad = Options(10);
+  bad.tenant_shares = -1;
+  EXPECT_EQ(DiskBlockStore::Open(bad, kSecret, kLayout, kBlockBytes).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 // The entries an invalidation clears reach the disk before the store stops, and before a Flush
 // returns: before, a store closed right after Invalidate (a daemon's shutdown) left them for the
 // next start to find again, and Flush waited only for queued writes.

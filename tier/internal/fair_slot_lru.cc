@@ -86,6 +86,14 @@ void FairSlotLru::Relink(int32_t slot) {
   PushFront(slot);
 }
 
+void FairSlotLru::Clear() {
+  for (Link& l : links_) l = Link{};
+  for (ShareState& s : shares_) {
+    s.used = 0;
+    s.head = s.tail = -1;
+  }
+}
+
 int32_t FairSlotLru::Victim() const {
   // The largest used / weight, compared as used_a * weight_b > used_b * weight_a (no division;
   // used < 2^31 and weight <= kMaxWeight < 2^20 fit in 64 bits).

@@ -1,8 +1,8 @@
 #pragma once
 
-// FairSlotLru: the host tier's eviction order, fair by tenant (docs/tiers.md, "Fair by tenant").
-// Slots are named by index. Each slot holding a block belongs to one share, its tenant's (keyed
-// by the block's tenant tag, NamespaceTags::tenant); each share keeps its slots in its own
+// FairSlotLru: the host and disk tiers' eviction order, fair by tenant (docs/tiers.md, "Fair by
+// tenant"). Slots are named by index. Each slot holding a block belongs to one share, its tenant's
+// (keyed by the block's tenant tag, NamespaceTags::tenant); each share keeps its slots in its own
 // least-recently-used list, and counts them (its use). Room is made in the share whose use per
 // unit of weight is the largest, from its least recently used slot: a tenant that floods the
 // tier evicts its own blocks first, not another's prefix. This is the pool's fair eviction
@@ -50,6 +50,9 @@ class FairSlotLru {
   void Unlink(int32_t slot);
   // Back in its list as the most recent (unpinned). REQUIRES: holds a block, not in its list.
   void Relink(int32_t slot);
+
+  // Every slot holds no block again; the shares and their weights stay.
+  void Clear();
 
   // The slot to make room from: the least recent of the share with the most use per unit of
   // weight among those with a slot in their list; -1 when no list has one (all pinned or empty).
