@@ -42,6 +42,15 @@ EngineStats Engine::Stats(int32_t pool_index) const {
   if (pool.tiers() != nullptr) s.tiers = pool.tiers()->stats();
   s.invalidations = state_->invalidations;
   s.tenants = pool.tenant_counters.Snapshot();
+  if (pool.tiers() != nullptr) {
+    for (auto& [label, counters] : s.tenants) {
+      if (label == LabelFold::kOther) continue;
+      const TierSet::TenantUse use =
+          pool.tiers()->UseOf(state_->namespaces().Tags(label, "").tenant);
+      counters.tier_blocks = use.blocks;
+      counters.tier_evicted_blocks = use.evicted;
+    }
+  }
   const std::vector<ShareUse> shares = pool.cache().EvictionShares();
   if (shares.size() > 1) {
     for (auto& [label, counters] : s.tenants) {

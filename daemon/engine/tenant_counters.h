@@ -27,6 +27,11 @@ struct TenantCounters {
   // limits.eviction_shares (it is in the pool's default share).
   int64_t cached_bytes = 0;
   uint64_t evicted_blocks = 0;
+  // Its share of the host and disk tiers' block stores (their fair order, TierSet::TenantUse),
+  // filled in by the stats snapshot: blocks held there now, and blocks evicted from it to make
+  // room. 0 without those tiers, for "other", and past the shares.
+  int64_t tier_blocks = 0;
+  uint64_t tier_evicted_blocks = 0;
 };
 
 class TenantCounterTable final {

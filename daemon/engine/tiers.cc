@@ -924,4 +924,17 @@ void TierSet::SetTenantWeight(uint64_t tenant, int32_t weight) {
   }
 }
 
+TierSet::TenantUse TierSet::UseOf(uint64_t tenant) const {
+  TenantUse use;
+  if (host_) {
+    use.blocks += host_->stored_by(tenant);
+    use.evicted += host_->evicted_from(tenant);
+  }
+  if (disk_) {
+    use.blocks += disk_->stored_by(tenant);
+    use.evicted += disk_->evicted_from(tenant);
+  }
+  return use;
+}
+
 }  // namespace kvpool::daemon

@@ -313,6 +313,13 @@ class TierSet final {
   // (tier::HostBlockStore::SetTenantWeight; TenantSpec.cache_weight). Past the stores' shares the
   // tenant stays in their default order. A no-op without a host or disk tier.
   void SetTenantWeight(uint64_t tenant, int32_t weight);
+  // Tenant tag `tenant`'s own share of the host and disk block stores: blocks held now, and
+  // blocks evicted from it, summed over both.
+  struct TenantUse {
+    int64_t blocks = 0;
+    uint64_t evicted = 0;
+  };
+  TenantUse UseOf(uint64_t tenant) const;
   // Counts a lookup done again because the local match shrank meanwhile.
   void CountRaced();
   // Counts the end of a promotion's hold: `adopted` by its call, or let go unused.

@@ -436,6 +436,12 @@ const TenantRow kTenantRows[] = {
     {"tenant_evicted_blocks", kCounter, "blocks",
      "Cached blocks evicted from a tenant's eviction share.", kNoLabel, "", 1,
      KVPOOL_TENANT_STAT(evicted_blocks)},
+    {"tenant_tier_blocks", kGauge, "blocks",
+     "Blocks of a tenant's share of the host and disk tiers (their fair order).", kNoLabel, "", 1,
+     KVPOOL_TENANT_STAT(tier_blocks)},
+    {"tenant_tier_evicted_blocks", kCounter, "blocks",
+     "Blocks evicted from a tenant's share of the host and disk tiers to make room.", kNoLabel, "",
+     1, KVPOOL_TENANT_STAT(tier_evicted_blocks)},
 };
 
 const RpcRow kRpcRows[] = {

@@ -3,6 +3,7 @@
 
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <set>
 #include <string>
 
@@ -335,6 +336,35 @@ TEST_F(NamespaceTest, ATenantFloodingALowerTierEvictsItsOwnBlocks) {
     }
   }
   std::filesystem::remove_all(dir);
+}
+
+// Tenants' cache_weight reaches the lower tiers: two tenants both pushing far more than a 32-block
+// host tier holds through it, at weights 3 and 1, keep about 24 and 8 blocks there, as the
+// per-tenant stats (kvpool_tenant_tier_blocks) show; at equal weights, 16 each.
+TEST_F(NamespaceTest, CacheWeightsSplitTheHostTier) {
+  for (const uint32_t heavy : {3u, 1u}) {
+    SCOPED_TRACE(heavy);
+    EngineOptions options = SmallPool(64);
+    options.tiers.host_blocks = 32;
+    options.tenants["heavy"] = TenantLimits{.cache_weight = heavy};
+    options.tenants["light"] = TenantLimits{};
+    Make(options);
+    std::shared_ptr<const Session> a = Open("heavy");
+    std::shared_ptr<const Session> b = Open("light");
+    for (int i = 0; i < 20; ++i) {
+      ASSERT_NO_FATAL_FAILURE(Publish(*a, Prompt(4 * 16, 100 + i)));
+      ASSERT_NO_FATAL_FAILURE(Publish(*b, Prompt(4 * 16, 300 + i)));
+      ASSERT_TRUE(engine_->FlushTiers(absl::Seconds(10)).ok());
+    }
+    std::map<std::string, TenantCounters> by_tenant;
+    for (const auto& [label, counters] : engine_->Stats(0).tenants) by_tenant[label] = counters;
+    const int64_t expect = heavy == 3 ? 24 : 16;
+    EXPECT_NEAR(static_cast<double>(by_tenant["heavy"].tier_blocks), expect, 1.0);
+    EXPECT_EQ(by_tenant["heavy"].tier_blocks + by_tenant["light"].tier_blocks, 32);
+    EXPECT_EQ(by_tenant["heavy"].tier_evicted_blocks + by_tenant["light"].tier_evicted_blocks,
+              2u * 20 * 4 - 32);
+    EXPECT_TRUE(engine_->CheckInvariants().ok());
+  }
 }
 
 // Tenant names are a client's choice in the zero-configuration mode: a client claiming more of
