@@ -64,20 +64,13 @@ void Promotion::Lookup(TierSet& tiers) {
   found_ = tiers.Lookup(ns_, attention_ == 0 ? BlockHash{} : chain_[attention_ - 1],
                         std::span(chain_).subspan(attention_));
   upto_ = attention_ + static_cast<size_t>(found_.hits);
-  if (needs_checkpoint_ && upto_ > local_) {
-    // With a state group a prompt resumes only from a checkpoint (MatchPrefix cut the local match
-    // at the deepest one): the prefix is worth promoting up to the deepest checkpoint the tiers
-    // have past the cut (the host tier's, the disk's, else Redis's), and not at all without one.
-    tiers.LookupCheckpoint(ns_, chain_, local_, upto_, &found_);
-    upto_ = found_.checkpoint < 0 ? local_ : static_cast<size_t>(found_.checkpoint) + 1;
-  }
-  if (window_ && upto_ > local_) {
-    // With a window group a prompt resumes only where its window's blocks are there (MatchPrefix
-    // cut the local match so): the prefix is worth promoting up to the deepest point whose window
-    // blocks past the cut the tiers have, and not at all without one. With a state group too,
-    // that point must be the checkpoint's (no shallower checkpoint is tried).
-    const size_t point = tiers.LookupWindow(ns_, chain_, local_, upto_, *window_, &found_);
-    upto_ = needs_checkpoint_ && point != upto_ ? local_ : point;  // (the rest goes with Recycle)
+  if (upto_ > local_) {
+    // With a state group a prompt resumes only from a checkpoint, with a window group only where
+    // its window's blocks are there (MatchPrefix cut the local match so): the prefix is worth
+    // promoting up to the deepest point past the cut the tiers can resume from, and not at all
+    // without one. (What is found past it goes with Recycle.)
+    upto_ = tiers.LookupResume(ns_, chain_, local_, upto_, needs_checkpoint_,
+                               window_ ? &*window_ : nullptr, &found_);
   }
   found_.hits = upto_ > attention_ ? static_cast<int64_t>(upto_ - attention_) : 0;
 }

@@ -557,14 +557,21 @@ size_t TierSet::LookupWindow(NamespaceId ns, std::span<const BlockHash> chain, s
     }
     return found->window_pins[i - from].size() == 1 || found->window_buffers[i - from] != nullptr;
   };
-  const auto start = static_cast<size_t>(reach.Start(static_cast<int64_t>(upto)));
   const auto sinks = static_cast<size_t>(reach.sink_blocks);
-  if (remote_windows_ || disk_windows_) {
-    // The disk, then Redis, once, for what the deepest point's window reaches and the host tier
-    // lacks: one lookup per run of consecutive blocks (the sinks', the window's) in each.
+  // The disk, then Redis, for what a candidate point's window reaches and neither the host tier
+  // nor an earlier round had: one lookup per run of consecutive blocks (the sinks', the window's)
+  // in each. At most kMaxWindowRounds candidates are asked of them; past that only what is at hand
+  // counts.
+  std::vector<bool> asked_below(upto - from, false);
+  int rounds = 0;
+  bool starved = false;  // no window buffer was left for a round: none is for the next
+  const auto ask_below = [&](size_t point) {
+    if ((!remote_windows_ && !disk_windows_) || starved || rounds++ >= kMaxWindowRounds) return;
+    const auto start = static_cast<size_t>(reach.Start(static_cast<int64_t>(point)));
     std::vector<std::pair<size_t, size_t>> runs;
     const auto add = [&](size_t i) {
-      if (have(i)) return;
+      if (have(i) || asked_below[i - from]) return;
+      asked_below[i - from] = true;
       if (!runs.empty() && runs.back().second == i) {
         ++runs.back().second;
       } else {
@@ -572,17 +579,18 @@ size_t TierSet::LookupWindow(NamespaceId ns, std::span<const BlockHash> chain, s
       }
     };
     for (size_t i = from; i < std::min(sinks, start); ++i) add(i);
-    for (size_t i = std::max(from, start); i < upto; ++i) add(i);
+    for (size_t i = std::max(from, start); i < point; ++i) add(i);
     for (const auto& [first, end] : runs) {
       size_t at = first;
-      if (disk_windows_) at += ReadWindows(*disk_windows_, ns, chain, at, end, found);
-      if (remote_windows_ && at < end) ReadWindows(*remote_, ns, chain, at, end, found);
+      if (disk_windows_) at += ReadWindows(*disk_windows_, ns, chain, at, end, found, &starved);
+      if (remote_windows_ && at < end) ReadWindows(*remote_, ns, chain, at, end, found, &starved);
     }
-  }
+  };
   // Deepest point first; a block no tier has rules out every point whose window reaches it, so
   // the next candidate ends just before it (KvCacheManager::CutToWindow, over the tiers).
   size_t point = upto;
   while (point > from) {
+    ask_below(point);
     size_t missing = point;
     const auto begin = static_cast<size_t>(reach.Start(static_cast<int64_t>(point)));
     for (size_t i = point; i > std::max(from, begin) && missing == point;) {
@@ -601,9 +609,34 @@ size_t TierSet::LookupWindow(NamespaceId ns, std::span<const BlockHash> chain, s
   return point;
 }
 
+size_t TierSet::LookupResume(NamespaceId ns, std::span<const BlockHash> chain, size_t from,
+                             size_t upto, bool checkpoint, const WindowReach* window,
+                             Found* found) {
+  if (upto <= from) return from;
+  if (!checkpoint)
+    return window == nullptr ? upto : LookupWindow(ns, chain, from, upto, *window, found);
+  // A checkpoint, deepest first; with a window group, one whose window the tiers have whole. A
+  // checkpoint whose window is not is passed over for the deepest one at or below the deepest
+  // point whose window is (LookupWindow's answer).
+  size_t bound = upto;
+  for (int tries = 0; tries < kMaxResumeTries && bound > from; ++tries) {
+    LookupCheckpoint(ns, chain, from, bound, found);
+    if (found->checkpoint < 0) break;
+    const auto end = static_cast<size_t>(found->checkpoint) + 1;
+    if (window == nullptr) return end;
+    const size_t point = LookupWindow(ns, chain, from, end, *window, found);
+    if (point == end) return end;
+    bound = point;
+  }
+  // None: lets go of what was found (a checkpoint, the window blocks of a point before it).
+  LookupCheckpoint(ns, chain, from, from, found);
+  if (window != nullptr) LookupWindow(ns, chain, from, from, *window, found);
+  return from;
+}
+
 size_t TierSet::ReadWindows(tier::RemoteTier& store, NamespaceId ns,
                             std::span<const BlockHash> chain, size_t first, size_t end,
-                            Found* found) {
+                            Found* found, bool* starved) {
   const auto from = static_cast<size_t>(found->window_from);
   size_t take = end - first;
   {
@@ -613,6 +646,7 @@ size_t TierSet::ReadWindows(tier::RemoteTier& store, NamespaceId ns,
     if (left < take) {
       take = left;
       ++counters_.lookup_truncated;
+      *starved = true;
     }
     window_buffers_ += static_cast<int64_t>(take);
   }

@@ -267,13 +267,25 @@ class TierSet final {
   };
   // Outside any lock, after Lookup: the deepest resume point in (from, upto] (in blocks) at which
   // every block in [from, point) the window `reach`es has a window block in the host tier
-  // (pinned into found->window_pins), the disk or Redis. The disk, then Redis, are asked once,
-  // for what the window at `upto` reaches and the host tier lacks (one lookup per run of blocks
-  // in each, read into found->window_buffers; window buffers of all lookups together take at
-  // most kMaxStagedBytes, past which they are not asked, counted in lookup_truncated). Returns
-  // the point, or `from` when there is none (or window blocks are in no tier).
+  // (pinned into found->window_pins), the disk or Redis. The disk, then Redis, are asked for what
+  // a candidate point's window reaches and the host tier lacks (one lookup per run of blocks in
+  // each, read into found->window_buffers), the deepest candidate first, then each next one for
+  // what it reaches that no earlier one did, for at most kMaxWindowRounds candidates. Window
+  // buffers of all lookups together take at most kMaxStagedBytes, past which they are not asked,
+  // counted in lookup_truncated. Returns the point, or `from` when there is none (or window
+  // blocks are in no tier).
   size_t LookupWindow(NamespaceId ns, std::span<const BlockHash> chain, size_t from, size_t upto,
                       const WindowReach& reach, Found* found);
+  static constexpr int kMaxWindowRounds = 4;
+  // Outside any lock, after Lookup (hits up to `upto`): the deepest point in (from, upto] a prompt
+  // can resume from with what the tiers hold. With `checkpoint` (a state group): a point whose
+  // last block has a checkpoint (LookupCheckpoint). With `window` (a window group): one at which
+  // its window's blocks are there (LookupWindow). With both: a checkpoint whose window is whole,
+  // trying the next shallower checkpoint when it is not, at most kMaxResumeTries checkpoints.
+  // Without either, `upto`. Returns `from` when there is none, holding nothing then.
+  size_t LookupResume(NamespaceId ns, std::span<const BlockHash> chain, size_t from, size_t upto,
+                      bool checkpoint, const WindowReach* window, Found* found);
+  static constexpr int kMaxResumeTries = 4;
   // Offers the window blocks the disk or Redis gave for chain indexes [from, upto)
   // (found.window_buffers) to the host tier. REQUIRES: the engine's lock (tags_of).
   void KeepWindowsInHost(NamespaceId ns, std::span<const BlockHash> chain, size_t upto,
@@ -433,9 +445,9 @@ class TierSet final {
   bool KeepWindowBlocks(size_t blocks, const WindowReach& reach, Found* found);
   // Reads `store`'s window blocks of chain indexes [first, end) (the disk's or Redis's) into
   // found->window_buffers, as many as the window buffers' bound allows; those past the leading
-  // run it had are dropped. Returns that run's length.
+  // run it had are dropped. Returns that run's length; sets *starved when the bound cut it.
   size_t ReadWindows(tier::RemoteTier& store, NamespaceId ns, std::span<const BlockHash> chain,
-                     size_t first, size_t end, Found* found);
+                     size_t first, size_t end, Found* found, bool* starved);
   TagsOf tags_of_;  // set before the first Stage, read under the engine's lock
 
   mutable absl::Mutex mu_;

@@ -1070,6 +1070,132 @@ TEST(TierBoundsTest, WindowBuffersOfAllLookupsStayWithinTheStagingBound) {
   tiers.Recycle(&second);
 }
 
+// A remote tier holding the values of chosen blocks only, each under the space it was stored in
+// (a Redis whose other values were evicted): a lookup hits the leading run it has.
+class SelectiveRemote final : public tier::RemoteTier {
+ public:
+  void Add(uint64_t layout_fingerprint, const BlockHash& hash) {
+    has_.emplace_back(layout_fingerprint, hash);
+  }
+  bool Put(const tier::BlockSpace&, const tier::BlockToStore&) override { return true; }
+  absl::Status Flush(absl::Duration) override { return absl::OkStatus(); }
+  tier::RemoteTierStats stats() const override { return {}; }
+  std::atomic<int> lookups{0};
+
+ protected:
+  tier::LookupResult LookupChecked(const tier::BlockSpace& space, const BlockHash&,
+                                   std::span<const BlockHash> hashes,
+                                   std::span<const std::span<std::byte>> out) override {
+    ++lookups;
+    tier::LookupResult r;
+    for (size_t i = 0; i < hashes.size(); ++i) {
+      const std::pair<uint64_t, BlockHash> key(space.layout_fingerprint, hashes[i]);
+      if (std::find(has_.begin(), has_.end(), key) == has_.end()) break;
+      out[i][0] = std::byte{7};
+      ++r.hits;
+      r.coverage.push_back(16);
+    }
+    return r;
+  }
+
+ private:
+  std::vector<std::pair<uint64_t, BlockHash>> has_;
+};
+
+// `n` full blocks of 16 tokens in `ns`, chained.
+std::vector<BlockHash> Blocks(NamespaceId ns, int n) {
+  std::vector<BlockHash> chain;
+  BlockHash parent;
+  for (int i = 0; i < n; ++i) {
+    const std::vector<int32_t> tokens(16, i);
+    chain.push_back(parent = PrefixChainHash(parent, ns, tokens));
+  }
+  return chain;
+}
+
+// A layout of one attention and one window layer (window blocks of 16 tokens), with state slots
+// when `state`.
+kernels::PoolLayout SmallHybrid(bool state) {
+  return {.block_size = 16,
+          .num_layers = 2,
+          .num_kv_heads = 1,
+          .head_dim = 4,
+          .dtype = kernels::DType::kF32,
+          .num_blocks = 16,
+          .num_state_slots = state ? 4 : 0,
+          .state_slot_bytes = state ? 256 : 0,
+          .num_window_layers = 1,
+          .num_window_blocks = 8};
+}
+
+// The disk and Redis are asked for what shallower resume points' windows reach too, not only the
+// deepest one's: with a window of one block and only block 2's window block in Redis, a prefix of
+// six blocks resumes after three. (Before, Redis was asked for block 5's alone, and the lookup
+// found no point.) The rounds are bounded: with only block 0's, four candidates are asked (blocks
+// 5, 4, 3, 2), one round trip each, and no point is found.
+TEST(TierResumeTest, RedisIsAskedForTheWindowsOfShallowerPointsToo) {
+  kernels::CpuDevice device(1);
+  const kernels::PoolLayout layout = SmallHybrid(/*state=*/false);
+  const NamespaceId ns(3);
+  const std::vector<BlockHash> chain = Blocks(ns, 6);
+  const TierSet::WindowReach reach{.block_size = 16, .window_tokens = 16, .sink_blocks = 0};
+  for (const size_t in_redis : {size_t{2}, size_t{0}}) {
+    SCOPED_TRACE(in_redis);
+    auto made = std::make_unique<SelectiveRemote>();
+    SelectiveRemote& redis = *made;
+    redis.Add(layout.Hash() ^ kWindowKeySalt, chain[in_redis]);
+    TierSet tiers(&device, layout, Clock::Real(), TierSet::Stores{.remote = std::move(made)},
+                  /*staged_blocks=*/4);
+    TierSet::Found found;
+    const size_t point = tiers.LookupWindow(ns, chain, 0, 6, reach, &found);
+    if (in_redis == 2) {
+      EXPECT_EQ(point, 3u);
+      EXPECT_EQ(found.window_block(2)[0], std::byte{7});
+      EXPECT_EQ(redis.lookups.load(), 4);  // blocks 5, 4, 3, then 2
+    } else {
+      EXPECT_EQ(point, 0u);
+      EXPECT_EQ(redis.lookups.load(), TierSet::kMaxWindowRounds);
+    }
+    tiers.Recycle(&found);
+  }
+}
+
+// With a state group and a window group a prompt resumes at a checkpoint whose window the tiers
+// have whole. When the deepest checkpoint's is not, the next shallower checkpoint is tried (before,
+// nothing was promoted): checkpoints after blocks 5 and 2, window blocks of block 2 only, resume
+// after 3 blocks. With no checkpoint whose window is whole, nothing, and nothing is held.
+TEST(TierResumeTest, AShallowerCheckpointIsTriedWhenTheDeepestOnesWindowIsNotWhole) {
+  kernels::CpuDevice device(1);
+  const kernels::PoolLayout layout = SmallHybrid(/*state=*/true);
+  const NamespaceId ns(3);
+  const std::vector<BlockHash> chain = Blocks(ns, 6);
+  const TierSet::WindowReach reach{.block_size = 16, .window_tokens = 16, .sink_blocks = 0};
+  for (const bool shallower : {true, false}) {
+    SCOPED_TRACE(shallower);
+    auto made = std::make_unique<SelectiveRemote>();
+    made->Add(layout.Hash() ^ kCheckpointKeySalt, chain[5]);
+    if (shallower) made->Add(layout.Hash() ^ kCheckpointKeySalt, chain[2]);
+    made->Add(layout.Hash() ^ kWindowKeySalt, chain[2]);
+    TierSet tiers(&device, layout, Clock::Real(), TierSet::Stores{.remote = std::move(made)},
+                  /*staged_blocks=*/4);
+    TierSet::Found found;
+    const size_t point = tiers.LookupResume(ns, chain, 0, 6, /*checkpoint=*/true, &reach, &found);
+    if (shallower) {
+      EXPECT_EQ(point, 3u);
+      EXPECT_EQ(found.checkpoint, 2);
+      ASSERT_NE(found.checkpoint_buffer, nullptr);
+      EXPECT_EQ(found.checkpoint_bytes(layout.state_slot_bytes)[0], std::byte{7});
+      EXPECT_EQ(found.window_block(2)[0], std::byte{7});
+    } else {
+      EXPECT_EQ(point, 0u);
+      EXPECT_EQ(found.checkpoint, -1);
+      EXPECT_EQ(found.checkpoint_buffer, nullptr);
+      for (const auto& b : found.window_buffers) EXPECT_EQ(b, nullptr);
+    }
+    tiers.Recycle(&found);
+  }
+}
+
 TEST(StepGapTest, ASequenceRewoundAndRegrownDuringItsStepPublishesNothingItDidNotWrite) {
   testing::FailingDevice device;
   EngineOptions options = testing::SmallPool(16);
