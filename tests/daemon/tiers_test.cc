@@ -1070,6 +1070,70 @@ TEST(TierBoundsTest, WindowBuffersOfAllLookupsStayWithinTheStagingBound) {
   tiers.Recycle(&second);
 }
 
+// The same bound on the way down (StageComponents): checkpoints staged for the writer take at
+// most kMaxStagedBytes, at least one. With a state of more than half of it and the writer held
+// (the transfer stream blocked, so the first copy has not run), a second published checkpoint is
+// dropped, counted; once the first is written, a third is staged again.
+TEST(TierBoundsTest, StagedCheckpointsStayWithinTheStagingBound) {
+  kernels::CpuDevice device(1);
+  kernels::PoolLayout layout{.block_size = 16,
+                             .num_layers = 1,
+                             .num_kv_heads = 1,
+                             .head_dim = 64,
+                             .dtype = kernels::DType::kF32,
+                             .num_blocks = 8,
+                             .num_state_slots = 3,
+                             .state_slot_bytes = kMaxStagedBytes / 2 + 4096};
+  EverythingRemote* remote = nullptr;
+  const std::unique_ptr<TierSet> set = OverEverything(&device, layout, &remote);
+  TierSet& tiers = *set;
+  ASSERT_TRUE(tiers.keeps_checkpoints());
+  // Three sequences, each holding a state slot (MarkStatesInFlight takes live slots only).
+  std::unique_ptr<KvCacheManager> cache = *KvCacheManager::Create({.block_size = 16,
+                                                                   .num_blocks = 8,
+                                                                   .max_blocks_per_seq = 2,
+                                                                   .fences = &device,
+                                                                   .state_slots = 3});
+  const NamespaceId ns(3);
+  const std::vector<BlockHash> chain = ThreeBlocks(ns);
+  std::vector<PublishedCheckpoint> published;
+  for (int i = 0; i < 3; ++i) {
+    DevicePlan plan;
+    const absl::StatusOr<AllocateResult> made =
+        cache->Allocate(SessionId(1), {.ns = ns, .num_tokens = 16}, &plan);
+    ASSERT_TRUE(made.ok()) << made.status();
+    const BlockId slot = cache->Find(made->sequence)->state_slot;
+    ASSERT_NE(slot, kInvalidBlock);
+    published.push_back(
+        {.block = {.ns = ns,
+                   .block = BlockId(i),
+                   .hash = chain[static_cast<size_t>(i)],
+                   .parent = i == 0 ? BlockHash{} : chain[static_cast<size_t>(i - 1)]},
+         .slot = slot});
+  }
+  // The pool's memory: only the state slots are read (untouched pages read as zeros).
+  const auto arena_bytes =
+      static_cast<size_t>(layout.state_offset() + layout.num_state_slots * layout.state_slot_bytes);
+  const std::unique_ptr<std::byte[]> arena(new std::byte[arena_bytes]);
+  const kernels::KvPoolView view{.base = arena.get(), .layout = layout};
+
+  absl::Notification gate;
+  ASSERT_TRUE(
+      device.EnqueueHostTask(kernels::StreamId::kTransfer, [&] { gate.WaitForNotification(); })
+          .ok());
+  tiers.StageCheckpoints(*cache, view, std::span(published).subspan(0, 1));
+  tiers.StageCheckpoints(*cache, view, std::span(published).subspan(1, 1));
+  EXPECT_EQ(tiers.stats().demote_dropped_full, 1u);  // the second: no room while the first waits
+  gate.Notify();
+  ASSERT_TRUE(tiers.Flush(absl::Seconds(30)).ok());
+  EXPECT_EQ(tiers.stats().demoted_checkpoints, 1u);
+  tiers.StageCheckpoints(*cache, view, std::span(published).subspan(2, 1));
+  ASSERT_TRUE(tiers.Flush(absl::Seconds(30)).ok());
+  EXPECT_EQ(tiers.stats().demoted_checkpoints, 2u);
+  EXPECT_EQ(tiers.stats().demote_dropped_full, 1u);
+  tiers.Stop();
+}
+
 // A remote tier holding the values of chosen blocks only, each under the space it was stored in
 // (a Redis whose other values were evicted): a lookup hits the leading run it has.
 class SelectiveRemote final : public tier::RemoteTier {
