@@ -143,33 +143,20 @@ TEST(CpuDeviceTest, LazyCopiesRunForWhoeverWaitsPollsOrQueuesBehindThem) {
     EXPECT_EQ(dst, src);
     EXPECT_EQ(device.tasks_run_by_waiters(), 0u);
   }
-  // A host task behind it: both run, in order, with nobody waiting or polling.
-  {
-    CpuDevice device(1);
-    std::vector<int32_t> dst(src.size(), 0);
-    ASSERT_TRUE(device.CopyToDevice(StreamId::kTransfer, dst.data(), src.data(), bytes).ok());
-    absl::Notification ran;
-    int32_t seen = 0;
-    ASSERT_TRUE(device
-                    .EnqueueHostTask(StreamId::kTransfer,
-                                     [&] {
-                                       seen = dst.back();
-                                       ran.Notify();
-                                     })
-                    .ok());
-    ASSERT_TRUE(ran.WaitForNotificationWithTimeout(absl::Seconds(30)));
-    EXPECT_EQ(seen, 3);
-  }
-  // Another stream waits for it: that stream's task runs after the copy.
-  {
+  // A host task behind it on its stream, or on another stream after a StreamWait for it: the
+  // copy, then the task, run with nobody waiting or polling.
+  for (const bool other_stream : {false, true}) {
+    SCOPED_TRACE(other_stream);
     CpuDevice device(1);
     std::vector<int32_t> dst(src.size(), 0);
     const Fence f = *device.CopyToDevice(StreamId::kTransfer, dst.data(), src.data(), bytes);
-    ASSERT_TRUE(device.StreamWait(StreamId::kCompute, f).ok());
+    if (other_stream) {
+      ASSERT_TRUE(device.StreamWait(StreamId::kCompute, f).ok());
+    }
     absl::Notification ran;
     int32_t seen = 0;
     ASSERT_TRUE(device
-                    .EnqueueHostTask(StreamId::kCompute,
+                    .EnqueueHostTask(other_stream ? StreamId::kCompute : StreamId::kTransfer,
                                      [&] {
                                        seen = dst.back();
                                        ran.Notify();
