@@ -974,16 +974,19 @@ std::unique_ptr<TierSet> OverEverything(kernels::Device* device, const kernels::
                                    /*staged_blocks=*/4);
 }
 
-// Three full blocks of 16 tokens in `ns`, chained.
-std::vector<BlockHash> ThreeBlocks(NamespaceId ns) {
+// `n` full blocks of 16 tokens in `ns`, chained.
+std::vector<BlockHash> Blocks(NamespaceId ns, int n) {
   std::vector<BlockHash> chain;
   BlockHash parent;
-  for (int i = 0; i < 3; ++i) {
+  for (int i = 0; i < n; ++i) {
     const std::vector<int32_t> tokens(16, i);
     chain.push_back(parent = PrefixChainHash(parent, ns, tokens));
   }
   return chain;
 }
+
+// Three of them.
+std::vector<BlockHash> ThreeBlocks(NamespaceId ns) { return Blocks(ns, 3); }
 
 // Checkpoint buffers of all lookups together stay within kMaxStagedBytes: with a state of more
 // than half of it, one lookup holding its buffer leaves the next none (truncated, counted, Redis
@@ -1166,17 +1169,6 @@ class SelectiveRemote final : public tier::RemoteTier {
   std::vector<std::pair<uint64_t, BlockHash>> has_;
 };
 
-// `n` full blocks of 16 tokens in `ns`, chained.
-std::vector<BlockHash> Blocks(NamespaceId ns, int n) {
-  std::vector<BlockHash> chain;
-  BlockHash parent;
-  for (int i = 0; i < n; ++i) {
-    const std::vector<int32_t> tokens(16, i);
-    chain.push_back(parent = PrefixChainHash(parent, ns, tokens));
-  }
-  return chain;
-}
-
 // A layout of one attention and one window layer (window blocks of 16 tokens), with state slots
 // when `state`.
 kernels::PoolLayout SmallHybrid(bool state) {
@@ -1192,6 +1184,22 @@ kernels::PoolLayout SmallHybrid(bool state) {
           .num_window_blocks = 8};
 }
 
+// A TierSet over `layout` whose only store is a SelectiveRemote (*remote: it) holding the
+// checkpoints and window blocks of `chain`'s blocks at indexes `checkpoints` and `windows`.
+std::unique_ptr<TierSet> OverSelective(kernels::Device* device, const kernels::PoolLayout& layout,
+                                       std::span<const BlockHash> chain,
+                                       std::initializer_list<size_t> checkpoints,
+                                       std::initializer_list<size_t> windows,
+                                       SelectiveRemote** remote) {
+  auto made = std::make_unique<SelectiveRemote>();
+  for (const size_t i : checkpoints) made->Add(layout.Hash() ^ kCheckpointKeySalt, chain[i]);
+  for (const size_t i : windows) made->Add(layout.Hash() ^ kWindowKeySalt, chain[i]);
+  *remote = made.get();
+  return std::make_unique<TierSet>(device, layout, Clock::Real(),
+                                   TierSet::Stores{.remote = std::move(made)},
+                                   /*staged_blocks=*/4);
+}
+
 // The disk and Redis are asked for what shallower resume points' windows reach too, not only the
 // deepest one's: with a window of one block and only block 2's window block in Redis, a prefix of
 // six blocks resumes after three. (Before, Redis was asked for block 5's alone, and the lookup
@@ -1205,11 +1213,11 @@ TEST(TierResumeTest, RedisIsAskedForTheWindowsOfShallowerPointsToo) {
   const TierSet::WindowReach reach{.block_size = 16, .window_tokens = 16, .sink_blocks = 0};
   for (const size_t in_redis : {size_t{2}, size_t{0}}) {
     SCOPED_TRACE(in_redis);
-    auto made = std::make_unique<SelectiveRemote>();
-    SelectiveRemote& redis = *made;
-    redis.Add(layout.Hash() ^ kWindowKeySalt, chain[in_redis]);
-    TierSet tiers(&device, layout, Clock::Real(), TierSet::Stores{.remote = std::move(made)},
-                  /*staged_blocks=*/4);
+    SelectiveRemote* remote = nullptr;
+    const std::unique_ptr<TierSet> set =
+        OverSelective(&device, layout, chain, {}, {in_redis}, &remote);
+    TierSet& tiers = *set;
+    SelectiveRemote& redis = *remote;
     TierSet::Found found;
     const size_t point = tiers.LookupWindow(ns, chain, 0, 6, reach, &found);
     if (in_redis == 2) {
@@ -1236,12 +1244,11 @@ TEST(TierResumeTest, AShallowerCheckpointIsTriedWhenTheDeepestOnesWindowIsNotWho
   const TierSet::WindowReach reach{.block_size = 16, .window_tokens = 16, .sink_blocks = 0};
   for (const bool shallower : {true, false}) {
     SCOPED_TRACE(shallower);
-    auto made = std::make_unique<SelectiveRemote>();
-    made->Add(layout.Hash() ^ kCheckpointKeySalt, chain[5]);
-    if (shallower) made->Add(layout.Hash() ^ kCheckpointKeySalt, chain[2]);
-    made->Add(layout.Hash() ^ kWindowKeySalt, chain[2]);
-    TierSet tiers(&device, layout, Clock::Real(), TierSet::Stores{.remote = std::move(made)},
-                  /*staged_blocks=*/4);
+    SelectiveRemote* remote = nullptr;
+    const std::unique_ptr<TierSet> set =
+        shallower ? OverSelective(&device, layout, chain, {5, 2}, {2}, &remote)
+                  : OverSelective(&device, layout, chain, {5}, {2}, &remote);
+    TierSet& tiers = *set;
     TierSet::Found found;
     const size_t point = tiers.LookupResume(ns, chain, 0, 6, /*checkpoint=*/true, &reach, &found);
     if (shallower) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <map>
 #include <random>
+#include <span>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -314,6 +315,24 @@ TEST(HostBlockStoreFairTest, TenantsPastTheSharesShareTheDefaultOrder) {
   EXPECT_TRUE(store->CheckInvariants().ok()) << store->CheckInvariants();
 }
 
+// A tenant share as the rule sees it, and the rule: the share that gives a block to make room is
+// the one with the most blocks per unit of weight among those with an unpinned block, ties to the
+// first listed (the share made first). 0: none can give.
+struct ShareState {
+  uint64_t tenant;
+  int64_t stored;
+  int64_t pinned;
+  int32_t weight;
+};
+uint64_t ShareToGive(std::span<const ShareState> shares) {
+  const ShareState* best = nullptr;
+  for (const ShareState& s : shares) {
+    if (s.stored - s.pinned <= 0) continue;
+    if (best == nullptr || s.stored * best->weight > best->stored * s.weight) best = &s;
+  }
+  return best == nullptr ? 0 : best->tenant;
+}
+
 // Random puts, lookups, pins, unpins and invalidations by five tenants (the fifth past the
 // shares, in the default one) with random weights, checked after every step: a Put with no free
 // slot evicts from the share with the most blocks per unit of weight among those with an unpinned
@@ -362,18 +381,11 @@ TEST(HostBlockStoreFairTest, RandomLoadAlwaysEvictsFromTheShareMostOverItsWeight
       for (const Pin& p : pins) dead += p.live ? 0 : 1;
       const bool full = store->stored() + dead == kCapacity;
       // Shares in the order they were made: the default one, then tenants 1..4.
-      uint64_t expect = 0;
-      int64_t best_used = 0;
-      int32_t best_weight = 1;
+      std::vector<ShareState> shares;
       for (const uint64_t t : {kPastShares, uint64_t{1}, uint64_t{2}, uint64_t{3}, uint64_t{4}}) {
-        const int64_t used = stored_by(t);
-        if (used - pinned(t) <= 0) continue;
-        if (expect == 0 || used * best_weight > best_used * weight[t]) {
-          expect = t;
-          best_used = used;
-          best_weight = weight[t];
-        }
+        shares.push_back({t, stored_by(t), pinned(t), weight[t]});
       }
+      const uint64_t expect = ShareToGive(shares);
       std::map<uint64_t, int64_t> before;
       for (uint64_t t = 1; t <= 5; ++t) before[t] = stored_by(t);
       const NamespaceId ns(1000 + step);
