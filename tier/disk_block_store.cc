@@ -225,6 +225,7 @@ void DiskBlockStore::WriteBatch(std::vector<QueuedWrite>& batch,
     SealEntry(secret_, layout_fingerprint_,
               batch[i].bytes.span().first(static_cast<size_t>(block_bytes_)), &batch[i].entry);
   }
+  if (options_.writer_gap_hook) options_.writer_gap_hook();
   if (io.ok()) io = WriteRecords(batch, slots);
   FinishBatch(batch, slots, io, &changes);
   Tell(changes);

@@ -5,6 +5,7 @@
 // from its config file; DiskBlockStore::Open validates it (INVALID_ARGUMENT names the field).
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 
@@ -50,6 +51,11 @@ struct DiskTierOptions {
   // tier makes room in the tenant share with the most records per unit of weight); 0: one LRU
   // order for all. The daemon sets it from the pool's limits.eviction_shares.
   int32_t tenant_shares = 16;
+
+  // Tests only. Runs on the writer's thread with no lock held, in the writer's lock gap: after a
+  // batch's slots are taken (counted, out of every list) and before its bytes are written. A test
+  // holds the gap open there (a latch) and works the store from other threads meanwhile.
+  std::function<void()> writer_gap_hook;
 
   bool enabled() const { return !directory.empty(); }
 };

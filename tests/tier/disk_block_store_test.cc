@@ -9,8 +9,11 @@
 #include <fstream>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
+#include "absl/synchronization/mutex.h"
 #include "gtest/gtest.h"
 #include "tests/tier/test_chain.h"
 
@@ -280,6 +283,103 @@ TEST_F(DiskBlockStoreTest, AnInvalidationSurvivesAStopRightAfterIt) {
     EXPECT_EQ(store->Invalidate({.tenant = 1}), 3);
     ASSERT_TRUE(store->Flush(absl::Seconds(5)).ok());
     EXPECT_EQ(ReadIndexEntries(), 0) << "round " << round << ": Flush returned before the clears";
+  }
+}
+
+// Holds the disk writer in its lock gap (DiskTierOptions::writer_gap_hook): once armed, the next
+// batch to reach the gap waits there until Release.
+class WriterLatch {
+ public:
+  void Arm() {
+    absl::MutexLock lock(&mu_);
+    armed_ = true;
+  }
+  void AwaitHeld() {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(&held_));
+  }
+  void Release() {
+    absl::MutexLock lock(&mu_);
+    held_ = false;
+  }
+  void InGap() {
+    absl::MutexLock lock(&mu_);
+    if (!std::exchange(armed_, false)) return;
+    held_ = true;
+    mu_.Await(absl::Condition(
+        +[](bool* held) { return !*held; }, &held_));
+  }
+
+ private:
+  absl::Mutex mu_;
+  bool armed_ ABSL_GUARDED_BY(mu_) = false;
+  bool held_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// The writer's lock gap held open: it took its batch's slots under the lock (evicting the
+// flooding tenant's own records), and writes the records without it. Meanwhile the store is
+// consistent, the records being written are no hits, they count in their tenant's share, and an
+// invalidation of their tenant drops them once written (never stored, never found after a
+// reopen), while one of another tenant leaves them alone.
+TEST_F(DiskBlockStoreTest, TheWritersLockGapHeldOpenKeepsEveryRule) {
+  for (const uint64_t invalidated : {2, 1}) {
+    SCOPED_TRACE(invalidated);
+    TearDown();
+    SetUp();
+    WriterLatch latch;
+    DiskTierOptions options = Options(9);
+    options.writer_gap_hook = [&latch] { latch.InGap(); };
+    const TestChain quiet = MakeChain(kSpace, 3, kBlockBytes, 1);
+    const TestChain old = MakeChain({NamespaceId(20), kLayout}, 5, kBlockBytes, 2);
+    const TestChain blocker = MakeChain({NamespaceId(30), kLayout}, 1, kBlockBytes, 3);
+    const TestChain fresh = MakeChain({NamespaceId(21), kLayout}, 3, kBlockBytes, 4);
+    int64_t expect_kept = 0;
+    {
+      auto store = *DiskBlockStore::Open(options, kSecret, kLayout, kBlockBytes);
+      PutAll(*store, quiet, {.tenant = 1, .model = 1});
+      PutAll(*store, old, {.tenant = 2, .model = 1});  // the store is full after the blocker
+      // The blocker's batch waits in the gap while `fresh` is queued, so `fresh` is one batch.
+      latch.Arm();
+      ASSERT_TRUE(store->Put(blocker.space, {.hash = blocker.hashes[0],
+                                             .coverage = 16,
+                                             .bytes = blocker.blocks[0],
+                                             .tags = {.tenant = 3, .model = 1}}));
+      latch.AwaitHeld();
+      for (size_t i = 0; i < fresh.hashes.size(); ++i) {
+        ASSERT_TRUE(store->Put(fresh.space, {.hash = fresh.hashes[i],
+                                             .parent = i == 0 ? BlockHash{} : fresh.hashes[i - 1],
+                                             .coverage = 16,
+                                             .bytes = fresh.blocks[i],
+                                             .tags = {.tenant = 2, .model = 1}}));
+      }
+      latch.Arm();
+      latch.Release();
+      latch.AwaitHeld();  // `fresh` is in the gap: its three slots taken from `old`'s
+      {
+        absl::Cleanup release = [&latch] { latch.Release(); };
+        EXPECT_TRUE(store->CheckInvariants().ok()) << store->CheckInvariants();
+        EXPECT_EQ(Hits(*store, fresh), 0);  // its bytes are not on disk yet
+        EXPECT_EQ(Hits(*store, quiet), 3);
+        EXPECT_EQ(store->stored_by(2), 5);  // two of `old` stored, three of `fresh` written
+        EXPECT_EQ(store->evicted_from(2), 3u);
+        EXPECT_EQ(store->evicted_from(1), 0u);
+        EXPECT_EQ(store->Invalidate({.tenant = invalidated}), invalidated == 2 ? 2 : 3);
+        EXPECT_TRUE(store->CheckInvariants().ok()) << store->CheckInvariants();
+      }
+      ASSERT_TRUE(store->Flush(absl::Seconds(10)).ok());
+      EXPECT_TRUE(store->CheckInvariants().ok()) << store->CheckInvariants();
+      EXPECT_EQ(Hits(*store, fresh), invalidated == 2 ? 0 : 3);
+      EXPECT_EQ(Hits(*store, quiet), invalidated == 2 ? 3 : 0);
+      EXPECT_EQ(Hits(*store, blocker), 1);
+      EXPECT_EQ(store->stored_by(2), invalidated == 2 ? 0 : 5);
+      EXPECT_EQ(store->disk_stats().invalidated, invalidated == 2 ? 5u : 3u);
+      expect_kept = invalidated == 2 ? 4 : 6;
+      EXPECT_EQ(ReadIndexEntries(), expect_kept);  // the dropped records' entries are cleared
+    }
+    options.writer_gap_hook = nullptr;
+    auto store = *DiskBlockStore::Open(options, kSecret, kLayout, kBlockBytes);
+    EXPECT_EQ(store->disk_stats().recovered_blocks, expect_kept);
+    EXPECT_EQ(Hits(*store, fresh), invalidated == 2 ? 0 : 3);
   }
 }
 
