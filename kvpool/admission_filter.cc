@@ -29,9 +29,7 @@ void AdmissionFilter::Reserve(NodeIndex capacity) {
 
 bool AdmissionFilter::Access(uint64_t fingerprint) {
   if (fingerprint == 0) return false;
-  const bool seen = seen_.Find(fingerprint) != nullptr;
-  seen_.Put(fingerprint, 0);
-  return seen;
+  return seen_.Touch(fingerprint, 0);
 }
 
 void AdmissionFilter::OnInsert(NodeIndex node, const NodeFacts& facts, int64_t now_ns) {

@@ -274,6 +274,8 @@ KvEvent PrefixCache::StoredEvent(std::span<const BlockId> chain,
             .ns = tree_.ns_of(chain.front()),
             .block_size = block_size_,
             .group = group};
+  e.block_hashes.reserve(chain.size());
+  e.token_ids.reserve(chain.size() * static_cast<size_t>(block_size_));
   for (BlockId b : chain) {
     KVPOOL_DCHECK(tree_.coverage(b) == block_size_);
     e.block_hashes.push_back(hash_[Index(b)]);
