@@ -100,10 +100,15 @@ void CheckCheckpoint(std::string_view config_json, std::string_view safetensors)
           "lm_head size");
   Require(size(weights->final_norm) == hidden, "final_norm size");
   Require(static_cast<int64_t>(weights->layers.size()) == c.num_layers, "layer count");
-  for (const model::LayerWeights& l : weights->layers) {
-    Require(size(l.wq) == int64_t{c.num_heads} * c.head_dim * hidden, "wq size");
-    Require(size(l.wk) == int64_t{c.num_kv_heads} * c.head_dim * hidden, "wk size");
-    Require(size(l.w_down) == hidden * c.intermediate_size, "w_down size");
+  for (int32_t i = 0; i < c.num_layers; ++i) {
+    // An attention layer has its projections, a layer with an MLP its MLP; others none.
+    const model::LayerWeights& l = weights->layers[static_cast<size_t>(i)];
+    const int64_t attention = c.is_attention(i) ? 1 : 0, mlp = c.has_mlp(i) ? 1 : 0;
+    Require(size(l.wq) == attention * c.num_heads * c.head_dim * hidden, "wq size");
+    Require(size(l.wk) == attention * c.num_kv_heads * c.head_dim * hidden, "wk size");
+    Require(size(l.w_down) == mlp * hidden * c.intermediate_size, "w_down size");
+    Require(size(l.w_gate) == (c.gated_mlp() ? mlp * hidden * c.intermediate_size : 0),
+            "w_gate size");
   }
 }
 

@@ -201,7 +201,7 @@ void Model::PackForDecode() {
   };
   for (size_t l = 0; l < wqkv_.size(); ++l) {
     pack(wqkv_[l], qkvd, h);
-    pack(w_gate_up_[l], 2 * im, h);
+    pack(w_gate_up_[l], c.mlp_in_rows(), h);
     pack(wo_[l], h, qd);
     pack(w_down_[l], h, im);
     pack(ssm_in_[l], static_cast<int32_t>(c.ssm.in_proj_dim()), h);
@@ -350,23 +350,33 @@ void Model::Layer(int32_t layer, const kernels::KvPoolView& pool, int64_t n) {
 
   if (c.kind(layer) == LayerKind::kStateSpace) {
     StateSpace(layer, n);
-  } else {
+  } else if (c.is_attention(layer)) {
     SelfAttention(layer, pool, n);
   }
+  if (!c.has_mlp(layer)) return;
 
-  // MLP.
+  // MLP: SwiGLU over gate and up, or squared ReLU over up alone (in place).
+  const int32_t rows = c.mlp_in_rows();
   RmsNorm(s.x.data(), n, h, L.mlp_norm, c.rms_norm_eps, s.xn.data());
-  Reserve(s.gate_up, nt * 2 * static_cast<size_t>(im));
-  Reserve(s.act, nt * static_cast<size_t>(im));
-  Linear(s.xn.data(), n, w_gate_up_[static_cast<size_t>(layer)], 2 * im, h, s.gate_up.data());
-  for (size_t t = 0; t < nt; ++t) {
-    const float* g = &s.gate_up[t * 2 * static_cast<size_t>(im)];
-    const float* u = g + im;
-    float* a = &s.act[t * static_cast<size_t>(im)];
-    for (int32_t i = 0; i < im; ++i) a[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+  Reserve(s.gate_up, nt * static_cast<size_t>(rows));
+  Linear(s.xn.data(), n, w_gate_up_[static_cast<size_t>(layer)], rows, h, s.gate_up.data());
+  float* act = s.gate_up.data();
+  if (c.gated_mlp()) {
+    Reserve(s.act, nt * static_cast<size_t>(im));
+    for (size_t t = 0; t < nt; ++t) {
+      const float* g = &s.gate_up[t * 2 * static_cast<size_t>(im)];
+      const float* u = g + im;
+      float* a = &s.act[t * static_cast<size_t>(im)];
+      for (int32_t i = 0; i < im; ++i) a[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    }
+    act = s.act.data();
+  } else {
+    for (size_t e = 0; e < nt * static_cast<size_t>(im); ++e) {
+      const float r = std::max(act[e], 0.0f);
+      act[e] = r * r;
+    }
   }
-  Linear(s.act.data(), n, w_down_[static_cast<size_t>(layer)], h, im, s.x.data(),
-         /*accumulate=*/true);
+  Linear(act, n, w_down_[static_cast<size_t>(layer)], h, im, s.x.data(), /*accumulate=*/true);
 }
 
 void Model::SelfAttention(int32_t layer, const kernels::KvPoolView& pool, int64_t n) {
@@ -386,10 +396,10 @@ void Model::SelfAttention(int32_t layer, const kernels::KvPoolView& pool, int64_
   Reserve(s.v, nt * kv_row);
   for (size_t t = 0; t < nt; ++t) {
     float* qkv = &s.qkv[t * static_cast<size_t>(qkvd)];
-    const float* cs = &s.cos[t * static_cast<size_t>(half)];
-    const float* sn = &s.sin[t * static_cast<size_t>(half)];
-    for (int32_t head = 0; head < c.num_heads + c.num_kv_heads; ++head) {
-      Rope(qkv + head * hd, rotary, cs, sn);  // queries, then keys
+    const float* cs = s.cos.data() + t * static_cast<size_t>(half);
+    const float* sn = s.sin.data() + t * static_cast<size_t>(half);
+    for (int32_t head = 0; rotary > 0 && head < c.num_heads + c.num_kv_heads; ++head) {
+      Rope(qkv + head * hd, rotary, cs, sn);  // queries, then keys (none without RoPE)
     }
     std::memcpy(&s.q[t * static_cast<size_t>(qd)], qkv, static_cast<size_t>(qd) * sizeof(float));
     std::memcpy(&s.k[t * kv_row], qkv + qd, kv_row * sizeof(float));

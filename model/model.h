@@ -95,7 +95,8 @@ class Model final : public StepModel {
   ModelWeights weights_;
   // The matrices a step streams, on huge pages (internal/huge_pages.h); the originals in
   // weights_ are dropped. Per layer: q, k and v projections stacked ([q + 2 kv][hidden]) and gate
-  // over up ([2 * intermediate][hidden]), so each is one matrix product; wo and w_down.
+  // over up ([2 * intermediate][hidden]; up alone for squared ReLU), so each is one matrix
+  // product; wo and w_down. Empty where the layer has no such part.
   std::vector<internal::HugeVector> wqkv_;
   std::vector<internal::HugeVector> w_gate_up_;
   std::vector<internal::HugeVector> wo_;

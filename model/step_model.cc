@@ -40,14 +40,18 @@ absl::Status CheckWeights(const ModelWeights& w) {
   for (size_t l = 0; l < w.layers.size(); ++l) {
     const LayerWeights& L = w.layers[l];
     const std::string p = fmt::format("layers.{}.", l);
-    // A layer holds its kind's tensors and none of the other kind's.
-    const bool ssm = c.kind(static_cast<int32_t>(l)) == LayerKind::kStateSpace;
-    KVPOOL_RETURN_IF_ERROR(CheckSize(L.attn_norm, h, p + "attn_norm"));
-    KVPOOL_RETURN_IF_ERROR(CheckSize(L.mlp_norm, h, p + "mlp_norm"));
-    KVPOOL_RETURN_IF_ERROR(CheckSize(L.wq, ssm ? 0 : q * h, p + "wq"));
-    KVPOOL_RETURN_IF_ERROR(CheckSize(L.wk, ssm ? 0 : kv * h, p + "wk"));
-    KVPOOL_RETURN_IF_ERROR(CheckSize(L.wv, ssm ? 0 : kv * h, p + "wv"));
-    KVPOOL_RETURN_IF_ERROR(CheckSize(L.wo, ssm ? 0 : h * q, p + "wo"));
+    // A layer holds its kind's tensors and none of the other kinds'.
+    const auto layer = static_cast<int32_t>(l);
+    const bool ssm = c.kind(layer) == LayerKind::kStateSpace;
+    const bool attention = c.is_attention(layer);
+    const bool mlp = c.has_mlp(layer);
+    KVPOOL_RETURN_IF_ERROR(
+        CheckSize(L.attn_norm, c.kind(layer) == LayerKind::kMlp ? 0 : h, p + "attn_norm"));
+    KVPOOL_RETURN_IF_ERROR(CheckSize(L.mlp_norm, mlp ? h : 0, p + "mlp_norm"));
+    KVPOOL_RETURN_IF_ERROR(CheckSize(L.wq, attention ? q * h : 0, p + "wq"));
+    KVPOOL_RETURN_IF_ERROR(CheckSize(L.wk, attention ? kv * h : 0, p + "wk"));
+    KVPOOL_RETURN_IF_ERROR(CheckSize(L.wv, attention ? kv * h : 0, p + "wv"));
+    KVPOOL_RETURN_IF_ERROR(CheckSize(L.wo, attention ? h * q : 0, p + "wo"));
     KVPOOL_RETURN_IF_ERROR(CheckSize(L.ssm_in, ssm ? m.in_proj_dim() * h : 0, p + "ssm_in"));
     KVPOOL_RETURN_IF_ERROR(
         CheckSize(L.ssm_conv, ssm ? m.conv_dim() * m.conv_width : 0, p + "ssm_conv"));
@@ -62,9 +66,9 @@ absl::Status CheckWeights(const ModelWeights& w) {
     KVPOOL_RETURN_IF_ERROR(CheckSize(L.ssm_d, ssm ? m.num_heads : 0, p + "ssm_d"));
     KVPOOL_RETURN_IF_ERROR(CheckSize(L.ssm_norm, ssm ? m.inner() : 0, p + "ssm_norm"));
     KVPOOL_RETURN_IF_ERROR(CheckSize(L.ssm_out, ssm ? h * m.inner() : 0, p + "ssm_out"));
-    KVPOOL_RETURN_IF_ERROR(CheckSize(L.w_gate, im * h, p + "w_gate"));
-    KVPOOL_RETURN_IF_ERROR(CheckSize(L.w_up, im * h, p + "w_up"));
-    KVPOOL_RETURN_IF_ERROR(CheckSize(L.w_down, h * im, p + "w_down"));
+    KVPOOL_RETURN_IF_ERROR(CheckSize(L.w_gate, mlp && c.gated_mlp() ? im * h : 0, p + "w_gate"));
+    KVPOOL_RETURN_IF_ERROR(CheckSize(L.w_up, mlp ? im * h : 0, p + "w_up"));
+    KVPOOL_RETURN_IF_ERROR(CheckSize(L.w_down, mlp ? h * im : 0, p + "w_down"));
   }
   return absl::OkStatus();
 }

@@ -107,17 +107,22 @@ ModelWeights SyntheticWeights(const ModelConfig& config, uint64_t seed) {
   for (size_t i = 0; i < w.layers.size(); ++i) {
     LayerWeights& layer = w.layers[i];
     const uint64_t base = 16 + 16 * i;
-    layer.attn_norm.assign(static_cast<size_t>(hidden), 1.0f);
-    layer.mlp_norm.assign(static_cast<size_t>(hidden), 1.0f);
-    if (config.kind(static_cast<int32_t>(i)) == LayerKind::kStateSpace) {
+    const auto l = static_cast<int32_t>(i);
+    if (config.kind(l) != LayerKind::kMlp)
+      layer.attn_norm.assign(static_cast<size_t>(hidden), 1.0f);
+    if (config.kind(l) == LayerKind::kStateSpace) {
       SyntheticSsm(config, seed, base, residual_scale, &layer);
-    } else {
+    } else if (config.is_attention(l)) {
       layer.wq = NormalLike(seed, base + 0, in_scale(hidden) * kQueryScale, q_width * hidden);
       layer.wk = NormalLike(seed, base + 1, in_scale(hidden), kv_width * hidden);
       layer.wv = NormalLike(seed, base + 2, in_scale(hidden), kv_width * hidden);
       layer.wo = NormalLike(seed, base + 3, in_scale(q_width) * residual_scale, hidden * q_width);
     }
-    layer.w_gate = NormalLike(seed, base + 4, in_scale(hidden), inter * hidden);
+    if (!config.has_mlp(l)) continue;
+    layer.mlp_norm.assign(static_cast<size_t>(hidden), 1.0f);
+    if (config.gated_mlp()) {
+      layer.w_gate = NormalLike(seed, base + 4, in_scale(hidden), inter * hidden);
+    }
     layer.w_up = NormalLike(seed, base + 5, in_scale(hidden), inter * hidden);
     layer.w_down = NormalLike(seed, base + 6, in_scale(inter) * residual_scale, hidden * inter);
   }

@@ -28,10 +28,11 @@ using internal::ParsedConfig;
 // Every tensor of a checkpoint with its transformers name and [out][in] shape, bound to the
 // vector that holds it. `Weights` is ModelWeights (loading) or const ModelWeights (saving);
 // weights.layers must already hold config.num_layers entries. Each layer has at least
-// kTensorsPerLayer (an attention layer that many, a state-space layer more).
-constexpr int64_t kTensorsPerLayer = 9;
+// kTensorsPerLayer (Nemotron-H's MLP layer that many, every other layer more). `prefix` is
+// where Nemotron-H's tensors are ("backbone." or "model.").
+constexpr int64_t kTensorsPerLayer = 3;
 template <typename Weights>
-auto TensorSlots(Weights& weights, Names names) {
+auto TensorSlots(Weights& weights, Names names, std::string_view prefix = "backbone.") {
   using Vector =
       std::conditional_t<std::is_const_v<Weights>, const std::vector<float>, std::vector<float>>;
   struct Slot {
@@ -44,48 +45,61 @@ auto TensorSlots(Weights& weights, Names names) {
   const int64_t q_width = int64_t{c.num_heads} * c.head_dim;
   const int64_t kv_width = int64_t{c.num_kv_heads} * c.head_dim;
   const int64_t inter = c.intermediate_size;
-  std::vector<Slot> slots;
-  slots.push_back({"model.embed_tokens.weight", {c.vocab_size, hidden}, &weights.embed});
   const SsmConfig& m = c.ssm;
   const bool bamba = names == Names::kBamba;
+  const bool nemotron = names == Names::kNemotronH;
+  const std::string top = nemotron ? std::string(prefix) : "model.";
+  std::vector<Slot> slots;
+  slots.push_back({top + (nemotron ? "embeddings.weight" : "embed_tokens.weight"),
+                   {c.vocab_size, hidden},
+                   &weights.embed});
   for (size_t i = 0; i < weights.layers.size(); ++i) {
     auto& layer = weights.layers[i];
-    const std::string p = absl::StrCat("model.layers.", i, ".");
-    slots.push_back({p + "input_layernorm.weight", {hidden}, &layer.attn_norm});
-    if (c.kind(static_cast<int32_t>(i)) == LayerKind::kStateSpace) {
-      // Bamba's (and Granite 4.0 hybrid's) names for the Mamba-2 mixer.
-      slots.push_back({p + "mamba.in_proj.weight", {m.in_proj_dim(), hidden}, &layer.ssm_in});
-      if (m.proj_bias) {
-        slots.push_back({p + "mamba.in_proj.bias", {m.in_proj_dim()}, &layer.ssm_in_bias});
-        slots.push_back({p + "mamba.out_proj.bias", {hidden}, &layer.ssm_out_bias});
-      }
+    const auto l = static_cast<int32_t>(i);
+    const std::string p = absl::StrCat(top, "layers.", i, ".");
+    // Nemotron-H: one norm and one `mixer` per layer, whatever it is.
+    const std::string mixer = nemotron ? p + "mixer." : p;
+    if (c.kind(l) != LayerKind::kMlp) {
       slots.push_back(
-          {p + "mamba.conv1d.weight", {m.conv_dim(), 1, m.conv_width}, &layer.ssm_conv});
-      if (m.conv_bias) {
-        slots.push_back({p + "mamba.conv1d.bias", {m.conv_dim()}, &layer.ssm_conv_bias});
-      }
-      slots.push_back({p + "mamba.dt_bias", {m.num_heads}, &layer.ssm_dt_bias});
-      slots.push_back({p + "mamba.A_log", {m.num_heads}, &layer.ssm_a_log});
-      slots.push_back({p + "mamba.D", {m.num_heads}, &layer.ssm_d});
-      slots.push_back({p + "mamba.norm.weight", {m.inner()}, &layer.ssm_norm});
-      slots.push_back({p + "mamba.out_proj.weight", {hidden, m.inner()}, &layer.ssm_out});
-    } else {
-      slots.push_back({p + "self_attn.q_proj.weight", {q_width, hidden}, &layer.wq});
-      slots.push_back({p + "self_attn.k_proj.weight", {kv_width, hidden}, &layer.wk});
-      slots.push_back({p + "self_attn.v_proj.weight", {kv_width, hidden}, &layer.wv});
-      slots.push_back({p + "self_attn.o_proj.weight", {hidden, q_width}, &layer.wo});
+          {p + (nemotron ? "norm.weight" : "input_layernorm.weight"), {hidden}, &layer.attn_norm});
     }
-    const std::string mlp = p + (bamba ? "feed_forward." : "mlp.");
-    slots.push_back({p + (bamba ? "pre_ff_layernorm.weight" : "post_attention_layernorm.weight"),
-                     {hidden},
-                     &layer.mlp_norm});
-    slots.push_back({mlp + "gate_proj.weight", {inter, hidden}, &layer.w_gate});
+    if (c.kind(l) == LayerKind::kStateSpace) {
+      // Bamba's (and Granite 4.0 hybrid's) names for the Mamba-2 mixer, under mamba.
+      const std::string s = nemotron ? mixer : p + "mamba.";
+      slots.push_back({s + "in_proj.weight", {m.in_proj_dim(), hidden}, &layer.ssm_in});
+      if (m.proj_bias) {
+        slots.push_back({s + "in_proj.bias", {m.in_proj_dim()}, &layer.ssm_in_bias});
+        slots.push_back({s + "out_proj.bias", {hidden}, &layer.ssm_out_bias});
+      }
+      slots.push_back({s + "conv1d.weight", {m.conv_dim(), 1, m.conv_width}, &layer.ssm_conv});
+      if (m.conv_bias) {
+        slots.push_back({s + "conv1d.bias", {m.conv_dim()}, &layer.ssm_conv_bias});
+      }
+      slots.push_back({s + "dt_bias", {m.num_heads}, &layer.ssm_dt_bias});
+      slots.push_back({s + "A_log", {m.num_heads}, &layer.ssm_a_log});
+      slots.push_back({s + "D", {m.num_heads}, &layer.ssm_d});
+      slots.push_back({s + "norm.weight", {m.inner()}, &layer.ssm_norm});
+      slots.push_back({s + "out_proj.weight", {hidden, m.inner()}, &layer.ssm_out});
+    } else if (c.is_attention(l)) {
+      const std::string a = nemotron ? mixer : p + "self_attn.";
+      slots.push_back({a + "q_proj.weight", {q_width, hidden}, &layer.wq});
+      slots.push_back({a + "k_proj.weight", {kv_width, hidden}, &layer.wk});
+      slots.push_back({a + "v_proj.weight", {kv_width, hidden}, &layer.wv});
+      slots.push_back({a + "o_proj.weight", {hidden, q_width}, &layer.wo});
+    }
+    if (!c.has_mlp(l)) continue;
+    std::string norm = p + "post_attention_layernorm.weight", mlp = p + "mlp.";
+    if (bamba) norm = p + "pre_ff_layernorm.weight", mlp = p + "feed_forward.";
+    if (nemotron) norm = p + "norm.weight", mlp = mixer;
+    slots.push_back({norm, {hidden}, &layer.mlp_norm});
+    if (c.gated_mlp()) slots.push_back({mlp + "gate_proj.weight", {inter, hidden}, &layer.w_gate});
     slots.push_back({mlp + "up_proj.weight", {inter, hidden}, &layer.w_up});
     slots.push_back({mlp + "down_proj.weight", {hidden, inter}, &layer.w_down});
   }
-  slots.push_back({bamba ? "model.final_layernorm.weight" : "model.norm.weight",
-                   {hidden},
-                   &weights.final_norm});
+  std::string final_norm = "model.norm.weight";
+  if (bamba) final_norm = "model.final_layernorm.weight";
+  if (nemotron) final_norm = top + "norm_f.weight";
+  slots.push_back({final_norm, {hidden}, &weights.final_norm});
   if (!c.tie_word_embeddings) {
     slots.push_back({"lm_head.weight", {c.vocab_size, hidden}, &weights.lm_head});
   }
@@ -128,6 +142,12 @@ absl::Status ValidateLayerKinds(const ModelConfig& c) {
     return absl::InvalidArgumentError(
         absl::StrCat("ModelConfig.sliding_window must be positive with a sliding layer (got ",
                      c.sliding_window, ")"));
+  }
+  const bool mlp_layers =
+      std::find(c.layer_kinds.begin(), c.layer_kinds.end(), LayerKind::kMlp) != c.layer_kinds.end();
+  if (mlp_layers && c.mlp_after_mixer) {
+    return absl::InvalidArgumentError(
+        "ModelConfig.layer_kinds has an MLP layer, but mlp_after_mixer puts an MLP in every layer");
   }
   if (c.sliding_window < 0 || c.sink_tokens < 0) {
     return absl::InvalidArgumentError(absl::StrCat("ModelConfig.sliding_window (", c.sliding_window,
@@ -308,7 +328,13 @@ absl::StatusOr<ModelWeights> LoadCheckpoint(const std::string& dir) {
   ModelWeights weights;
   weights.config = config;
   weights.layers.resize(static_cast<size_t>(config.num_layers));
-  for (const auto& slot : TensorSlots(weights, parsed.names)) {
+  // NVIDIA's Nemotron-H checkpoints keep the model under backbone., newer transformers under
+  // model.: whichever holds the embeddings.
+  const std::string_view prefix =
+      index.contains("backbone.embeddings.weight") || !index.contains("model.embeddings.weight")
+          ? "backbone."
+          : "model.";
+  for (const auto& slot : TensorSlots(weights, parsed.names, prefix)) {
     const auto found = index.find(slot.name);
     if (found == index.end()) {
       return absl::InvalidArgumentError(
@@ -347,8 +373,11 @@ absl::Status SaveCheckpoint(const ModelWeights& weights, const std::string& dir,
                                                    " layers; config says ",
                                                    weights.config.num_layers));
   }
+  KVPOOL_RETURN_IF_ERROR(internal::ConfigExpressible(weights.config));
   std::vector<internal::TensorToWrite> tensors;
-  for (const auto& slot : TensorSlots(weights, Names::kLlama)) {
+  const Names names_written =
+      internal::IsNemotronHConfig(weights.config) ? Names::kNemotronH : Names::kLlama;
+  for (const auto& slot : TensorSlots(weights, names_written)) {
     if (static_cast<int64_t>(slot.data->size()) != NumElements(slot.shape)) {
       return absl::InvalidArgumentError(
           absl::StrCat("tensor ", slot.name, " holds ", slot.data->size(), " values; shape ",

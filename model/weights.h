@@ -25,7 +25,14 @@ enum class LayerKind : uint8_t {
   // A Mamba-2 mixer instead of attention: no K/V in the pool; the sequence's whole history is one
   // fixed-size state (SsmConfig) the caller keeps per sequence (StepItem::state).
   kStateSpace,
+  // An MLP alone, no mixer (Nemotron-H's "-" layers; only in a model without mlp_after_mixer):
+  // no K/V, no state.
+  kMlp,
 };
+
+// The MLP's activation: SwiGLU (Llama, Bamba: down(silu(gate(x)) * up(x))) or squared ReLU
+// (Nemotron-H: down(relu(up(x))^2), no gate projection).
+enum class MlpActivation : uint8_t { kSwiGlu, kReluSquared };
 
 // The state-space layers' shape (Mamba-2 / Bamba). Per layer and token the input projection gives
 // z (gate, inner), x (inner), B and C (groups x d_state each) and dt (heads), inner = num_heads *
@@ -82,9 +89,21 @@ struct ModelConfig {
   int32_t sliding_window = 0;  // > 0 when some layer slides
   int32_t sink_tokens = 0;
   SsmConfig ssm;  // set (every field positive) exactly when some layer is kStateSpace
+  // How a layer is built. True (Llama, Bamba): each layer is a mixer (attention or state-space)
+  // and then an MLP, each with its norm and residual. False (Nemotron-H): each layer is one
+  // block, norm, then its mixer or (kMlp) its MLP, then the residual; no layer has both.
+  bool mlp_after_mixer = true;
+  MlpActivation mlp_activation = MlpActivation::kSwiGlu;
+  bool rope = true;  // false: attention without position rotation (Nemotron-H)
 
-  // The values of each head RoPE rotates (even, <= head_dim).
-  int32_t rotary() const { return rotary_dim == 0 ? head_dim : rotary_dim; }
+  // The values of each head RoPE rotates (even, <= head_dim; 0 without RoPE).
+  int32_t rotary() const {
+    if (!rope) return 0;
+    return rotary_dim == 0 ? head_dim : rotary_dim;
+  }
+  bool gated_mlp() const { return mlp_activation == MlpActivation::kSwiGlu; }
+  // Rows of the MLP's input projection: gate over up, or up alone.
+  int32_t mlp_in_rows() const { return gated_mlp() ? 2 * intermediate_size : intermediate_size; }
 
   LayerKind kind(int32_t layer) const {
     return layer_kinds.empty() ? LayerKind::kFullAttention
@@ -96,13 +115,26 @@ struct ModelConfig {
     return {.window = sliding_window, .sinks = sink_tokens};
   }
 
+  static bool IsAttention(LayerKind k) {
+    return k == LayerKind::kFullAttention || k == LayerKind::kSlidingAttention;
+  }
+  bool is_attention(int32_t layer) const { return IsAttention(kind(layer)); }
+  // Whether layer `layer` runs an MLP: every layer but a mixer of a model without
+  // mlp_after_mixer.
+  bool has_mlp(int32_t layer) const { return mlp_after_mixer || kind(layer) == LayerKind::kMlp; }
   int32_t num_state_layers() const {
     int32_t n = 0;
     for (LayerKind k : layer_kinds) n += k == LayerKind::kStateSpace ? 1 : 0;
     return n;
   }
-  // The layers with K/V in the pool: every attention layer (state-space layers have none).
-  int32_t num_kv_layers() const { return num_layers - num_state_layers(); }
+  // The layers with K/V in the pool: every attention layer (state-space and MLP layers have
+  // none).
+  int32_t num_kv_layers() const {
+    if (layer_kinds.empty()) return num_layers;
+    int32_t n = 0;
+    for (LayerKind k : layer_kinds) n += IsAttention(k) ? 1 : 0;
+    return n;
+  }
   // The pool's num_layers for this model (docs/hybrid-groups.md §2: the attention group holds
   // the attention layers only): num_kv_layers(), or 1 for a model without attention (a layout
   // has at least one layer; its blocks then go unused).
@@ -117,7 +149,7 @@ struct ModelConfig {
   int32_t kv_layer(int32_t layer) const {
     int32_t n = 0;
     for (int32_t l = 0; l < layer && static_cast<size_t>(l) < layer_kinds.size(); ++l) {
-      n += layer_kinds[static_cast<size_t>(l)] == LayerKind::kStateSpace ? 0 : 1;
+      n += IsAttention(layer_kinds[static_cast<size_t>(l)]) ? 1 : 0;
     }
     return layer_kinds.empty() ? layer : n;
   }
@@ -144,8 +176,9 @@ struct ModelConfig {
 
 // Checks every size is positive, num_heads is a multiple of num_kv_heads, head_dim is even and a
 // multiple of 8, layer_kinds is empty or one per layer, a model with a sliding layer has a
-// positive window (sinks >= 0), and a model with a state-space layer a complete `ssm` (every
-// field positive, num_groups dividing num_heads) while one without has none.
+// positive window (sinks >= 0), a model with a state-space layer a complete `ssm` (every
+// field positive, num_groups dividing num_heads) while one without has none, and MLP layers
+// only in a model without mlp_after_mixer.
 // Errors: INVALID_ARGUMENT naming the field.
 absl::Status ValidateConfig(const ModelConfig& config);
 
@@ -157,8 +190,9 @@ absl::Status ValidateConfig(const ModelConfig& config);
 // Errors: INVALID_ARGUMENT for an unknown name (listing the known ones).
 absl::StatusOr<ModelConfig> NamedConfig(std::string_view name);
 
-// An attention layer has wq..wo and no ssm_*; a state-space layer the reverse. Both have the
-// norms and the MLP.
+// An attention layer has wq..wo and no ssm_*; a state-space layer the reverse; an MLP layer
+// neither. A layer with a mixer has attn_norm; a layer with an MLP (ModelConfig::has_mlp) has
+// mlp_norm, w_up, w_down and, with SwiGLU, w_gate; the rest are empty.
 struct LayerWeights {
   std::vector<float> attn_norm;      // [hidden] (before attention or the state-space mixer)
   std::vector<float> wq;             // [num_heads * head_dim][hidden]
@@ -194,8 +228,8 @@ struct ModelWeights {
 // REQUIRES: ValidateConfig(config).ok().
 ModelWeights SyntheticWeights(const ModelConfig& config, uint64_t seed);
 
-// Loads a Hugging Face Llama or Bamba checkpoint: `dir`/config.json (LlamaConfig fields:
-// vocab_size, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
+// Loads a Hugging Face Llama, Bamba or Nemotron-H checkpoint: `dir`/config.json (LlamaConfig
+// fields: vocab_size, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
 // num_key_value_heads, head_dim (optional: hidden_size / num_attention_heads), rms_norm_eps,
 // rope_theta, tie_word_embeddings, max_position_embeddings, partial_rotary_factor; sliding
 // windows: `layer_types` of "full_attention" / "sliding_attention" with `sliding_window`, or
@@ -218,8 +252,16 @@ ModelWeights SyntheticWeights(const ModelConfig& config, uint64_t seed);
 // model.layers.N.feed_forward.{gate,up,down}_proj.weight, model.layers.N.pre_ff_layernorm.weight
 // and model.final_layernorm.weight, RoPE over attn_rotary_emb values of each head (default half,
 // as BambaConfig sets partial_rotary_factor 0.5), and rms_norm_eps 1e-5 by default. The gated
-// norm runs per group unless kvpool's own `kvpool_ssm_norm_per_group` is false. NemotronH,
-// Falcon-H1, Jamba and Zamba2 configs are refused. f32, f16 and bf16 tensors are converted to f32.
+// norm runs per group unless kvpool's own `kvpool_ssm_norm_per_group` is false. A Nemotron-H
+// checkpoint (model_type "nemotron_h" or NemotronHForCausalLM) is read in its own layout:
+// `hybrid_override_pattern` (M Mamba-2, * attention, - MLP; E is refused), NemotronHConfig's
+// mamba_num_heads, mamba_head_dim, ssm_state_size, n_groups, conv_kernel, use_conv_bias, use_bias,
+// layer_norm_epsilon, head_dim or attention_head_dim, mlp_hidden_act relu2; tensors
+// {backbone,model}.embeddings.weight, .layers.N.norm.weight, .layers.N.mixer.* (Bamba's Mamba
+// names without mamba., q/k/v/o_proj, up/down_proj), .norm_f.weight; each layer one block, the
+// MLPs squared ReLU, attention without RoPE (ModelConfig::mlp_after_mixer, mlp_activation,
+// rope). Falcon-H1, Jamba and Zamba2 configs are refused. f32, f16 and bf16 tensors are
+// converted to f32.
 // Errors: NOT_FOUND (no config.json or no safetensors), INVALID_ARGUMENT naming the file and
 // field or tensor (bad header, unsupported dtype or variant, wrong shape, missing tensor).
 absl::StatusOr<ModelWeights> LoadCheckpoint(const std::string& dir);
@@ -229,8 +271,10 @@ absl::StatusOr<ModelWeights> LoadCheckpoint(const std::string& dir);
 absl::StatusOr<ModelConfig> ReadCheckpointConfig(const std::string& dir);
 
 // Writes `weights` as a checkpoint directory LoadCheckpoint reads back (config.json and one
-// model.safetensors, tensors stored in `dtype`: "f32", "f16" or "bf16"). For tests and tools.
-// Errors: INVALID_ARGUMENT (dtype), INTERNAL (I/O).
+// model.safetensors, tensors stored in `dtype`: "f32", "f16" or "bf16"): in Nemotron-H's layout
+// for a model without mlp_after_mixer, else Llama's. For tests and tools.
+// Errors: INVALID_ARGUMENT (dtype, or a config neither layout can say: SwiGLU without RoPE, say),
+// INTERNAL (I/O).
 absl::Status SaveCheckpoint(const ModelWeights& weights, const std::string& dir,
                             std::string_view dtype);
 

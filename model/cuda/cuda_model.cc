@@ -72,7 +72,7 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(ModelWeights weight
     KVPOOL_ASSIGN_OR_RETURN(layer.mlp_norm, m->Upload(L.mlp_norm));
     if (c.kind(static_cast<int32_t>(l)) == LayerKind::kStateSpace) {
       KVPOOL_RETURN_IF_ERROR(m->UploadStateSpace(L, &layer));
-    } else {
+    } else if (c.is_attention(static_cast<int32_t>(l))) {
       KVPOOL_ASSIGN_OR_RETURN(layer.wqkv, m->Upload(stacked({&L.wq, &L.wk, &L.wv})));
       KVPOOL_ASSIGN_OR_RETURN(layer.wo, m->Upload(L.wo));
     }
@@ -99,10 +99,12 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(ModelWeights weight
                 kv = int64_t{c.num_kv_heads} * c.head_dim, im = c.intermediate_size;
   const int64_t ssm_layer = ssm.in_proj_dim() * h + h * ssm.inner();
   const int64_t ssm_layers = c.num_state_layers();
+  int64_t mlp_layers = 0;
+  for (int32_t l = 0; l < c.num_layers; ++l) mlp_layers += c.has_mlp(l) ? 1 : 0;
   m->weight_bytes_ = static_cast<int64_t>(sizeof(float)) *
-                     (c.num_layers * (2 * h + 3 * im * h) +
-                      (c.num_layers - ssm_layers) * ((q + 2 * kv) * h + h * q) +
-                      ssm_layers * ssm_layer + int64_t{c.vocab_size} * h + h);
+                     (c.num_layers * 2 * h + mlp_layers * (c.mlp_in_rows() + im) * h +
+                      c.num_kv_layers() * ((q + 2 * kv) * h + h * q) + ssm_layers * ssm_layer +
+                      int64_t{c.vocab_size} * h + h);
   return m;
 }
 
@@ -364,9 +366,15 @@ absl::Status CudaModel::Mlp(const Layer& L, int32_t n) {
   KVPOOL_RETURN_IF_ERROR(CudaStatus(
       LaunchRmsNorm(x, nullptr, n, h, At<float>(L.mlp_norm), c.rms_norm_eps, xn, stream_),
       "RMSNorm kernel"));
-  KVPOOL_RETURN_IF_ERROR(Gemm(xn, n, L.w_gate_up, 2 * im, h, At<float>(gate_up_), false));
-  KVPOOL_RETURN_IF_ERROR(CudaStatus(
-      LaunchSiluMul(At<float>(gate_up_), n, im, At<float>(act_), stream_), "SwiGLU kernel"));
+  KVPOOL_RETURN_IF_ERROR(Gemm(xn, n, L.w_gate_up, c.mlp_in_rows(), h, At<float>(gate_up_), false));
+  if (c.gated_mlp()) {
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(
+        LaunchSiluMul(At<float>(gate_up_), n, im, At<float>(act_), stream_), "SwiGLU kernel"));
+  } else {
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(
+        LaunchReluSquared(At<float>(gate_up_), int64_t{n} * im, At<float>(act_), stream_),
+        "squared ReLU kernel"));
+  }
   return Gemm(At<float>(act_), n, L.w_down, h, im, x, true);
 }
 
@@ -391,9 +399,9 @@ absl::Status CudaModel::Launch(const kernels::KvPoolView& pool, int32_t n, int32
       "embedding kernel"));
   for (int32_t l = 0; l < c.num_layers; ++l) {
     const Layer& L = layers_[static_cast<size_t>(l)];
-    if (c.kind(l) == LayerKind::kStateSpace) {
-      KVPOOL_RETURN_IF_ERROR(StateSpace(l, n));
-      KVPOOL_RETURN_IF_ERROR(Mlp(L, n));
+    if (!c.is_attention(l)) {
+      if (c.kind(l) == LayerKind::kStateSpace) KVPOOL_RETURN_IF_ERROR(StateSpace(l, n));
+      if (c.has_mlp(l)) KVPOOL_RETURN_IF_ERROR(Mlp(L, n));
       continue;
     }
     // Attention.
@@ -421,7 +429,7 @@ absl::Status CudaModel::Launch(const kernels::KvPoolView& pool, int32_t n, int32
                    "WriteKv kernel"));
     KVPOOL_RETURN_IF_ERROR(Attention(pool, l));
     KVPOOL_RETURN_IF_ERROR(Gemm(At<float>(attn_), n, L.wo, h, qd, x, true));
-    KVPOOL_RETURN_IF_ERROR(Mlp(L, n));
+    if (c.has_mlp(l)) KVPOOL_RETURN_IF_ERROR(Mlp(L, n));
   }
   // The prediction after each item's last token.
   KVPOOL_RETURN_IF_ERROR(CudaStatus(LaunchRmsNorm(x, last_rows, ni, h, At<float>(final_norm_),

@@ -72,7 +72,7 @@ class CudaModel final : public StepModel {
     Buffer attn_norm, mlp_norm;  // [hidden]
     Buffer wqkv;                 // [q + 2 kv][hidden]
     Buffer wo;                   // [hidden][q]
-    Buffer w_gate_up;            // [2 * intermediate][hidden]
+    Buffer w_gate_up;            // [2 * intermediate][hidden] (up alone for squared ReLU)
     Buffer w_down;               // [hidden][intermediate]
     // State-space layers (LayerWeights' ssm_*; a bias absent from the model stays null).
     Buffer ssm_in, ssm_in_bias, ssm_conv, ssm_conv_bias, ssm_dt_bias, ssm_a_neg, ssm_d, ssm_norm,

@@ -76,6 +76,14 @@ __global__ void SiluMulKernel(const float* gate_up, int64_t total, int32_t inter
   }
 }
 
+__global__ void ReluSquaredKernel(const float* up, int64_t total, float* act) {
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float r = fmaxf(up[e], 0.0f);
+    act[e] = r * r;
+  }
+}
+
 }  // namespace
 
 cudaError_t LaunchEmbed(const float* embed, const int32_t* tokens, int32_t num_tokens,
@@ -109,6 +117,13 @@ cudaError_t LaunchSiluMul(const float* gate_up, int32_t num_tokens, int32_t inte
   const int64_t blocks = std::min<int64_t>((total + kThreads - 1) / kThreads, 65535);
   SiluMulKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(gate_up, total,
                                                                         intermediate, act);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchReluSquared(const float* up, int64_t total, float* act, cudaStream_t stream) {
+  if (total <= 0) return cudaSuccess;
+  const int64_t blocks = std::min<int64_t>((total + kThreads - 1) / kThreads, 65535);
+  ReluSquaredKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(up, total, act);
   return cudaGetLastError();
 }
 

@@ -34,4 +34,7 @@ cudaError_t LaunchRopeSplit(const float* qkv, const int32_t* positions, const fl
 cudaError_t LaunchSiluMul(const float* gate_up, int32_t num_tokens, int32_t intermediate,
                           float* act, cudaStream_t stream);
 
+// act[e] = max(up[e], 0)^2 for e < total (Nemotron-H's MLP, no gate).
+cudaError_t LaunchReluSquared(const float* up, int64_t total, float* act, cudaStream_t stream);
+
 }  // namespace kvpool::model::cuda

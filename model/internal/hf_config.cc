@@ -143,14 +143,33 @@ absl::Status ParseLayerKinds(const json& config, const std::string& path, bool b
   return absl::OkStatus();
 }
 
+absl::Status ParseNormAndDtLimit(const json& config, const std::string& path, ModelConfig* c);
+
 // The state-space layers' shape as Bamba writes it (mamba_*), read only when some layer is one.
 // mamba_d_head "auto" (or absent) is mamba_expand (default 2) * hidden_size / mamba_n_heads.
 // mamba_chunk_size only changes how a chunked scan rounds; kvpool's scans pick their own.
-absl::Status ParseSsm(const json& config, const std::string& path, ModelConfig* c) {
+absl::Status ParseSsm(const json& config, const std::string& path, bool nemotron, ModelConfig* c) {
   if (c->num_state_layers() == 0) return absl::OkStatus();
   SsmConfig& m = c->ssm;
   m.num_groups = 1;
   m.conv_width = 4;
+  if (nemotron) {
+    // NemotronHConfig's names and defaults (Nemotron-H-8B's shape).
+    m = {.num_heads = 128, .head_dim = 64, .d_state = 128, .num_groups = 8, .conv_width = 4};
+    KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_num_heads", false, &m.num_heads));
+    KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_head_dim", false, &m.head_dim));
+    KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "ssm_state_size", false, &m.d_state));
+    KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "n_groups", false, &m.num_groups));
+    KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "conv_kernel", false, &m.conv_width));
+    KVPOOL_RETURN_IF_ERROR(GetBool(config, path, "use_conv_bias", &m.conv_bias));
+    KVPOOL_RETURN_IF_ERROR(GetBool(config, path, "use_bias", &m.proj_bias));
+    if (config.contains("mamba_hidden_act") && config["mamba_hidden_act"] != "silu") {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": mamba_hidden_act ",
+                                                     config["mamba_hidden_act"].dump(),
+                                                     " unsupported (silu only)"));
+    }
+    return ParseNormAndDtLimit(config, path, c);
+  }
   KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_n_heads", true, &m.num_heads));
   KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_d_state", true, &m.d_state));
   KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_n_groups", false, &m.num_groups));
@@ -165,6 +184,12 @@ absl::Status ParseSsm(const json& config, const std::string& path, ModelConfig* 
   }
   KVPOOL_RETURN_IF_ERROR(GetBool(config, path, "mamba_conv_bias", &m.conv_bias));
   KVPOOL_RETURN_IF_ERROR(GetBool(config, path, "mamba_proj_bias", &m.proj_bias));
+  return ParseNormAndDtLimit(config, path, c);
+}
+
+// The gated norm's span and the dt clamp, spelled the same by Bamba and Nemotron-H.
+absl::Status ParseNormAndDtLimit(const json& config, const std::string& path, ModelConfig* c) {
+  SsmConfig& m = c->ssm;
   // The gated norm per B/C group, as mamba_ssm's Mamba2 trained Bamba and as vLLM and SGLang
   // serve it (Mixer2RMSNormGated). transformers' BambaRMSNormGated spans all of inner instead;
   // the two agree for every released Bamba (one group). kvpool's own key picks the other.
@@ -213,6 +238,64 @@ absl::Status ParseRotary(const json& config, const std::string& path, bool bamba
   return absl::OkStatus();
 }
 
+// Nemotron-H's layers (NemotronHConfig): `hybrid_override_pattern` names each layer, M a
+// Mamba-2 mixer, * attention (without RoPE), - an MLP (squared ReLU, no gate); each layer is one
+// norm, its mixer or MLP, and the residual. E (mixture of experts) is not built here.
+absl::Status ParseNemotronHLayers(const json& config, const std::string& path, ModelConfig* c) {
+  c->mlp_after_mixer = false;
+  c->mlp_activation = MlpActivation::kReluSquared;
+  c->rope = false;
+  if (!config.contains("hybrid_override_pattern") ||
+      !config["hybrid_override_pattern"].is_string()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": hybrid_override_pattern is missing or not a string"));
+  }
+  const std::string pattern = config["hybrid_override_pattern"].get<std::string>();
+  if (pattern.size() != static_cast<size_t>(std::max(c->num_layers, 0))) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": hybrid_override_pattern has ",
+                                                   pattern.size(), " layers, num_hidden_layers ",
+                                                   c->num_layers));
+  }
+  for (const char ch : pattern) {
+    switch (ch) {
+      case 'M':
+        c->layer_kinds.push_back(LayerKind::kStateSpace);
+        break;
+      case '*':
+        c->layer_kinds.push_back(LayerKind::kFullAttention);
+        break;
+      case '-':
+        c->layer_kinds.push_back(LayerKind::kMlp);
+        break;
+      default:
+        return absl::InvalidArgumentError(
+            absl::StrCat(path, ": hybrid_override_pattern layer '", std::string(1, ch),
+                         "' unsupported (M, * or -; E, mixture of experts, is not built)"));
+    }
+  }
+  if (config.contains("mlp_hidden_act") && config["mlp_hidden_act"] != "relu2") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, ": mlp_hidden_act ", config["mlp_hidden_act"].dump(), " unsupported (relu2 only)"));
+  }
+  if (config.contains("sliding_window") && !config["sliding_window"].is_null()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": sliding_window unsupported for nemotron_h"));
+  }
+  // The attention heads' width: head_dim, or the older attention_head_dim (default 128).
+  if (!config.contains("head_dim") || config["head_dim"].is_null()) {
+    c->head_dim = 128;
+    KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "attention_head_dim", false, &c->head_dim));
+  }
+  return GetFloat(config, path, "layer_norm_epsilon", &c->rms_norm_eps);
+}
+
+bool IsNemotronH(const json& config) {
+  if (config.contains("model_type") && config["model_type"] == "nemotron_h") return true;
+  if (!config.contains("architectures") || !config["architectures"].is_array()) return false;
+  const json& a = config["architectures"];
+  return std::find(a.begin(), a.end(), "NemotronHForCausalLM") != a.end();
+}
+
 bool IsBamba(const json& config) {
   if (config.contains("model_type") && config["model_type"] == "bamba") return true;
   if (!config.contains("architectures") || !config["architectures"].is_array()) return false;
@@ -220,18 +303,19 @@ bool IsBamba(const json& config) {
   return std::find(a.begin(), a.end(), "BambaForCausalLM") != a.end();
 }
 
-// Mamba-2 hybrids whose layers this decoder does not have: NemotronH (MLP-only layers with
-// squared ReLU, attention without RoPE), Falcon-H1 (attention and mixer in parallel, muP
-// multipliers), Jamba (Mamba-1 mixers, MoE). Refused by name rather than misread as Llama.
+// Mamba hybrids whose layers this decoder does not have: Falcon-H1 (attention and mixer in
+// parallel, muP multipliers), Jamba (Mamba-1 mixers, MoE), Zamba2 (shared attention blocks).
+// Refused by name rather than misread as Llama.
 absl::Status RefuseOtherHybrids(const json& config, const std::string& path) {
   if (!config.contains("model_type") || !config["model_type"].is_string()) {
     return absl::OkStatus();
   }
   const std::string type = config["model_type"].get<std::string>();
-  for (const char* other : {"nemotron_h", "falcon_h1", "jamba", "zamba2"}) {
+  for (const char* other : {"falcon_h1", "jamba", "zamba2"}) {
     if (type == other) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          path, ": model_type \"", type, "\" unsupported (Llama-style and Bamba hybrids only)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": model_type \"", type,
+                       "\" unsupported (Llama-style, Bamba and Nemotron-H hybrids only)"));
     }
   }
   return absl::OkStatus();
@@ -278,11 +362,13 @@ absl::StatusOr<ParsedConfig> ParseConfig(const std::string& text, const std::str
     return absl::InvalidArgumentError(absl::StrCat(path, ": not a well-formed JSON object"));
   }
   KVPOOL_RETURN_IF_ERROR(RefuseOtherHybrids(config, path));
-  const bool bamba = IsBamba(config);
+  const bool nemotron = IsNemotronH(config);
+  const bool bamba = !nemotron && IsBamba(config);
   // Defaults are LlamaConfig's (BambaConfig's rms_norm_eps for Bamba), except
   // max_position_embeddings (ours: kvpoold's tiny model).
-  ModelConfig c{
-      .rms_norm_eps = bamba ? 1e-5f : 1e-6f, .rope_theta = 10000.0f, .max_position = 4096};
+  ModelConfig c{.rms_norm_eps = bamba || nemotron ? 1e-5f : 1e-6f,
+                .rope_theta = 10000.0f,
+                .max_position = 4096};
   KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "vocab_size", true, &c.vocab_size));
   KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "hidden_size", true, &c.hidden_size));
   KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "intermediate_size", true, &c.intermediate_size));
@@ -298,7 +384,7 @@ absl::StatusOr<ParsedConfig> ParseConfig(const std::string& text, const std::str
   KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "max_position_embeddings", false, &c.max_position));
 
   // Variants this model does not implement would load and then compute something else; refuse.
-  if (config.contains("hidden_act") && config["hidden_act"] != "silu") {
+  if (!nemotron && config.contains("hidden_act") && config["hidden_act"] != "silu") {
     return absl::InvalidArgumentError(absl::StrCat(
         path, ": hidden_act ", config["hidden_act"].dump(), " unsupported (silu only)"));
   }
@@ -310,13 +396,20 @@ absl::StatusOr<ParsedConfig> ParseConfig(const std::string& text, const std::str
   if (config.contains("rope_scaling") && !config["rope_scaling"].is_null()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": rope_scaling unsupported"));
   }
-  KVPOOL_RETURN_IF_ERROR(ParseRotary(config, path, bamba, &c));
-  KVPOOL_RETURN_IF_ERROR(ParseLayerKinds(config, path, bamba, &c));
-  KVPOOL_RETURN_IF_ERROR(ParseSsm(config, path, &c));
+  if (nemotron) {
+    KVPOOL_RETURN_IF_ERROR(ParseNemotronHLayers(config, path, &c));
+  } else {
+    KVPOOL_RETURN_IF_ERROR(ParseRotary(config, path, bamba, &c));
+    KVPOOL_RETURN_IF_ERROR(ParseLayerKinds(config, path, bamba, &c));
+  }
+  KVPOOL_RETURN_IF_ERROR(ParseSsm(config, path, nemotron, &c));
   if (absl::Status status = ValidateConfig(c); !status.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", status.message()));
   }
-  return ParsedConfig{.config = std::move(c), .names = bamba ? Names::kBamba : Names::kLlama};
+  Names names = Names::kLlama;
+  if (bamba) names = Names::kBamba;
+  if (nemotron) names = Names::kNemotronH;
+  return ParsedConfig{.config = std::move(c), .names = names};
 }
 
 namespace {
@@ -333,7 +426,66 @@ double ShortestDecimal(float value) {
 
 }  // namespace
 
+absl::Status ConfigExpressible(const ModelConfig& c) {
+  if (c.mlp_after_mixer) {
+    if (c.gated_mlp() && c.rope) return absl::OkStatus();
+    return absl::InvalidArgumentError(
+        "a model with an MLP in every layer is written as Llama's or Bamba's config.json, whose "
+        "MLPs are SwiGLU and whose attention has RoPE");
+  }
+  if (!c.gated_mlp() && !c.rope && c.num_sliding_layers() == 0 && c.rotary_dim == 0) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(
+      "a model of one mixer or MLP per layer is written as Nemotron-H's config.json, whose MLPs "
+      "are squared ReLU and whose attention has neither RoPE nor a sliding window");
+}
+
+namespace {
+
+// Nemotron-H's config.json (NemotronHConfig's fields) for `c`.
+json NemotronHConfigJson(const ModelConfig& c, std::string_view torch_dtype) {
+  std::string pattern;
+  for (int32_t l = 0; l < c.num_layers; ++l) {
+    pattern += c.kind(l) == LayerKind::kStateSpace ? 'M' : c.kind(l) == LayerKind::kMlp ? '-' : '*';
+  }
+  json config = {
+      {"architectures", {"NemotronHForCausalLM"}},
+      {"model_type", "nemotron_h"},
+      {"torch_dtype", std::string(torch_dtype)},
+      {"vocab_size", c.vocab_size},
+      {"hidden_size", c.hidden_size},
+      {"intermediate_size", c.intermediate_size},
+      {"num_hidden_layers", c.num_layers},
+      {"hybrid_override_pattern", pattern},
+      {"num_attention_heads", c.num_heads},
+      {"num_key_value_heads", c.num_kv_heads},
+      {"head_dim", c.head_dim},
+      {"mlp_hidden_act", "relu2"},
+      {"attention_bias", false},
+      {"mlp_bias", false},
+      {"layer_norm_epsilon", ShortestDecimal(c.rms_norm_eps)},
+      {"tie_word_embeddings", c.tie_word_embeddings},
+      {"max_position_embeddings", c.max_position},
+  };
+  if (c.num_state_layers() > 0) {
+    config["mamba_num_heads"] = c.ssm.num_heads;
+    config["mamba_head_dim"] = c.ssm.head_dim;
+    config["ssm_state_size"] = c.ssm.d_state;
+    config["n_groups"] = c.ssm.num_groups;
+    config["conv_kernel"] = c.ssm.conv_width;
+    config["use_conv_bias"] = c.ssm.conv_bias;
+    config["use_bias"] = c.ssm.proj_bias;
+    config["mamba_hidden_act"] = "silu";
+    if (!c.ssm.norm_per_group) config["kvpool_ssm_norm_per_group"] = false;
+  }
+  return config;
+}
+
+}  // namespace
+
 std::string ConfigJson(const ModelConfig& c, std::string_view torch_dtype) {
+  if (IsNemotronHConfig(c)) return NemotronHConfigJson(c, torch_dtype).dump(2) + "\n";
   json config = {
       {"architectures", {"LlamaForCausalLM"}},
       {"model_type", "llama"},
@@ -363,6 +515,8 @@ std::string ConfigJson(const ModelConfig& c, std::string_view torch_dtype) {
           break;
         case LayerKind::kStateSpace:
           types.push_back("mamba");
+          break;
+        case LayerKind::kMlp:  // never here: ConfigExpressible
           break;
       }
     }

@@ -3,6 +3,7 @@
 
 #include <signal.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <filesystem>
@@ -60,19 +61,16 @@ Generated Converse(const client::Client& c, const std::vector<int32_t>& prompt, 
   return g;
 }
 
-// The same, in this process.
-std::vector<int32_t> RunLocally(const std::vector<int32_t>& prompt, int n,
-                                kernels::DType dtype = kernels::DType::kBF16,
-                                const char* model_name = "tiny") {
-  auto config = model::NamedConfig(model_name);
+// The same, in this process, with model `w`.
+std::vector<int32_t> RunLocally(const model::ModelWeights& w, const std::vector<int32_t>& prompt,
+                                int n, kernels::DType dtype) {
   // (Alone: nothing cached, every token computed; a sliding layer's K/V kept for every token, as
   // before window groups.)
-  auto engine = model::LocalEngine::Create(model::SyntheticWeights(*config, 1),
-                                           {.block_size = 16,
-                                            .dtype = dtype,
-                                            .pool_bytes = 32 << 20,
-                                            .prefix_cache = config->num_state_layers() == 0,
-                                            .window_blocks = -1});
+  auto engine = model::LocalEngine::Create(w, {.block_size = 16,
+                                               .dtype = dtype,
+                                               .pool_bytes = 32 << 20,
+                                               .prefix_cache = w.config.num_state_layers() == 0,
+                                               .window_blocks = -1});
   EXPECT_TRUE(engine.ok()) << engine.status();
   std::vector<int32_t> out;
   auto first = (*engine)->Prefill(SequenceId(0), prompt);
@@ -86,6 +84,13 @@ std::vector<int32_t> RunLocally(const std::vector<int32_t>& prompt, int n,
     out.push_back((*next)[0].next_token);
   }
   return out;
+}
+
+// The same with the named model (seed 1, as kvpoold makes it).
+std::vector<int32_t> RunLocally(const std::vector<int32_t>& prompt, int n,
+                                kernels::DType dtype = kernels::DType::kBF16,
+                                const char* model_name = "tiny") {
+  return RunLocally(model::SyntheticWeights(*model::NamedConfig(model_name), 1), prompt, n, dtype);
 }
 
 class ComputeIntegrationTest : public ::testing::Test {
@@ -416,6 +421,42 @@ TEST_F(ComputeIntegrationTest, AHybridModelKeepsEachSequencesStateInThePool) {
   // Every live sequence and the checkpoint they resumed from, held while they live.
   EXPECT_EQ(stat("state_slots", "active"), kClients + 1);
   EXPECT_TRUE(clients[0]->CheckInvariants()->ok());
+}
+
+// A Nemotron-H checkpoint (one mixer or MLP per layer, squared-ReLU MLP layers, attention
+// without RoPE, 4 B/C groups) at tiny's width, saved in Nemotron-H's layout and served by
+// kvpoold from its directory: clients resume from its state checkpoints and every reply equals
+// the checkpoint's model run alone in this process.
+TEST_F(ComputeIntegrationTest, ANemotronHCheckpointIsServedAsItComputesAlone) {
+  model::ModelConfig config = *model::NamedConfig("tiny-hybrid");
+  const model::LayerKind kS = model::LayerKind::kStateSpace, kM = model::LayerKind::kMlp;
+  config.num_layers = 6;
+  config.layer_kinds = {kS, kM, kS, model::LayerKind::kFullAttention, kM, kS};
+  config.ssm.num_groups = 4;
+  config.mlp_after_mixer = false;
+  config.mlp_activation = model::MlpActivation::kReluSquared;
+  config.rope = false;
+  const model::ModelWeights weights = model::SyntheticWeights(config, 3);
+  const std::string dir = ::testing::TempDir() + "/nemotron-h-" + std::to_string(getpid());
+  ASSERT_TRUE(model::SaveCheckpoint(weights, dir, "f32").ok());
+  StartDaemon(R"pb(
+                pool_bytes: 33554432
+                max_blocks_per_seq: 256
+                shape { dtype: "f32" state_slots: 8 }
+                model { checkpoint: ")pb" +
+              dir + R"pb(" }
+  )pb");
+  constexpr int kClients = 3;
+  for (int i = 0; i < kClients; ++i) {
+    auto c = Connect(daemon_->dir(), "nemotron-" + std::to_string(i));
+    const std::vector<int32_t> prompt = HybridPrompt(i);
+    const Generated g = Converse(*c, prompt, 6);
+    EXPECT_EQ(g.tokens, RunLocally(weights, prompt, 6, kernels::DType::kF32)) << "client " << i;
+    EXPECT_EQ(g.reused, i == 0 ? 0 : 32) << "client " << i;  // the first one's checkpoint at 32
+    ASSERT_TRUE(c->Free({g.sequence}, /*commit=*/true).ok());
+    EXPECT_TRUE(c->CheckInvariants()->ok());
+  }
+  std::filesystem::remove_all(dir);
 }
 
 // kvpoold takes a hybrid pool's interval checkpoints at the break-even interval (docs/hybrid-

@@ -99,16 +99,25 @@ std::vector<float> DenseReference::Forward(int32_t token) {
     x[static_cast<size_t>(i)] = w_->embed[static_cast<size_t>(token * h + i)];
   for (size_t l = 0; l < w_->layers.size(); ++l) {
     const LayerWeights& L = w_->layers[l];
-    const std::vector<double> xn = Norm(x, L.attn_norm, c.rms_norm_eps);
-    const std::vector<double> o = c.kind(static_cast<int32_t>(l)) == LayerKind::kStateSpace
-                                      ? StateMixer(l, xn)
-                                      : AttentionMixer(l, xn, pos);
-    for (int64_t i = 0; i < h; ++i) x[static_cast<size_t>(i)] += o[static_cast<size_t>(i)];
+    const LayerKind kind = c.kind(static_cast<int32_t>(l));
+    if (kind != LayerKind::kMlp) {  // the mixer, with its norm and residual
+      const std::vector<double> xn = Norm(x, L.attn_norm, c.rms_norm_eps);
+      const std::vector<double> o =
+          kind == LayerKind::kStateSpace ? StateMixer(l, xn) : AttentionMixer(l, xn, pos);
+      for (int64_t i = 0; i < h; ++i) x[static_cast<size_t>(i)] += o[static_cast<size_t>(i)];
+    }
+    if (!c.mlp_after_mixer && kind != LayerKind::kMlp) continue;  // Nemotron-H: one or the other
     const std::vector<double> xm = Norm(x, L.mlp_norm, c.rms_norm_eps);
-    const std::vector<double> gate = MatVec(L.w_gate, xm, c.intermediate_size);
     const std::vector<double> up = MatVec(L.w_up, xm, c.intermediate_size);
-    std::vector<double> act(gate.size());
-    for (size_t i = 0; i < act.size(); ++i) act[i] = gate[i] / (1.0 + std::exp(-gate[i])) * up[i];
+    std::vector<double> act(up.size());
+    if (c.mlp_activation == MlpActivation::kSwiGlu) {
+      const std::vector<double> gate = MatVec(L.w_gate, xm, c.intermediate_size);
+      for (size_t i = 0; i < act.size(); ++i) {
+        act[i] = gate[i] / (1.0 + std::exp(-gate[i])) * up[i];
+      }
+    } else {  // squared ReLU
+      for (size_t i = 0; i < act.size(); ++i) act[i] = up[i] > 0 ? up[i] * up[i] : 0.0;
+    }
     const std::vector<double> down = MatVec(L.w_down, act, h);
     for (int64_t i = 0; i < h; ++i) x[static_cast<size_t>(i)] += down[static_cast<size_t>(i)];
   }
@@ -127,10 +136,12 @@ std::vector<double> DenseReference::AttentionMixer(size_t l, const std::vector<d
     std::vector<double> q = MatVec(L.wq, xn, nh * hd);
     std::vector<double> k = MatVec(L.wk, xn, nkv * hd);
     const std::vector<double> v = MatVec(L.wv, xn, nkv * hd);
+    // Without RoPE (c.rope false, Nemotron-H) nothing is rotated.
+    const int32_t rotary = c.rope ? (c.rotary_dim == 0 ? c.head_dim : c.rotary_dim) : 0;
     for (int64_t head = 0; head < nh; ++head)
-      Rotate(&q[static_cast<size_t>(head * hd)], c.rotary(), pos, c.rope_theta);
+      Rotate(&q[static_cast<size_t>(head * hd)], rotary, pos, c.rope_theta);
     for (int64_t head = 0; head < nkv; ++head)
-      Rotate(&k[static_cast<size_t>(head * hd)], c.rotary(), pos, c.rope_theta);
+      Rotate(&k[static_cast<size_t>(head * hd)], rotary, pos, c.rope_theta);
     for (double e : k) k_[l].push_back(RoundTo(e, dtype_));
     for (double e : v) v_[l].push_back(RoundTo(e, dtype_));
     std::vector<double> attn(static_cast<size_t>(nh * hd), 0.0);

@@ -266,14 +266,26 @@ TEST(HybridEngineTest, TruncateNeverBelowTheKnownTokens) {
   EXPECT_TRUE(plain->Truncate(p->sequence, 16).ok());
 }
 
+// Nemotron-H's build of the same width: one mixer or MLP per layer, squared-ReLU MLP layers,
+// attention without RoPE.
+ModelConfig NemotronHStyleConfig() {
+  ModelConfig c = HybridConfig({kS, LayerKind::kMlp, kF, LayerKind::kMlp, kS});
+  c.mlp_after_mixer = false;
+  c.mlp_activation = MlpActivation::kReluSquared;
+  c.rope = false;
+  return c;
+}
+
 // Parity (issue 28): a prompt that resumes from a state checkpoint in the tree computes, bit
 // for bit, what an engine without a prefix cache computes for the same tokens in the same steps:
 // the checkpoint holds exactly the state after its position and the shared blocks exactly the
-// K/V. One engine serves a conversation; a reference engine replays each turn's steps.
-class HybridResumeTest : public ::testing::Test {
+// K/V. One engine serves a conversation; a reference engine replays each turn's steps. For
+// Bamba's layers (a mixer and an MLP per layer) and Nemotron-H's (one or the other).
+class HybridResumeTest : public ::testing::TestWithParam<bool> {
  protected:
   void SetUp() override {
-    const ModelWeights w = SyntheticWeights(HybridConfig({kS, kF, kS}), 1);
+    const ModelWeights w =
+        SyntheticWeights(GetParam() ? NemotronHStyleConfig() : HybridConfig({kS, kF, kS}), 1);
     const LocalEngine::Options cached{.dtype = kernels::DType::kF32,
                                       .pool_bytes = int64_t{8} << 20,
                                       .prefix_cache = true,
@@ -337,7 +349,7 @@ class HybridResumeTest : public ::testing::Test {
   std::unique_ptr<LocalEngine> reference_;
 };
 
-TEST_F(HybridResumeTest, AConversationsNextTurnResumesFromTheLastOnesEnd) {
+TEST_P(HybridResumeTest, AConversationsNextTurnResumesFromTheLastOnesEnd) {
   // Turn 1 on both engines: a prompt and four decoded tokens. The cached engine's sequence is
   // freed with commit: its state becomes the checkpoint after its 40 + 4 known tokens.
   const std::vector<int32_t> prompt = RandomTokens(40, 256, 6);
@@ -369,7 +381,7 @@ TEST_F(HybridResumeTest, AConversationsNextTurnResumesFromTheLastOnesEnd) {
   EXPECT_TRUE(engine_->cache().CheckInvariants().ok()) << engine_->cache().CheckInvariants();
 }
 
-TEST_F(HybridResumeTest, APromptThatLeavesTheCacheResumesFromTheCheckpointBefore) {
+TEST_P(HybridResumeTest, APromptThatLeavesTheCacheResumesFromTheCheckpointBefore) {
   const std::vector<int32_t> doc = RandomTokens(100, 256, 8);
   ExpectParity(doc, 0);  // checkpoints at 64 (interval) and 96 (the prefill's last boundary)
   // Shares 90 tokens: 96 is past them, 64 is the deepest it reaches.
@@ -383,7 +395,7 @@ TEST_F(HybridResumeTest, APromptThatLeavesTheCacheResumesFromTheCheckpointBefore
   EXPECT_EQ(engine_->cache().stats().missed_no_checkpoint, (90u - 64u) + (99u - 96u));
 }
 
-TEST_F(HybridResumeTest, ARewindGoesBackToACheckpointAndOnFromThere) {
+TEST_P(HybridResumeTest, ARewindGoesBackToACheckpointAndOnFromThere) {
   const std::vector<int32_t> doc = RandomTokens(100, 256, 14);
   auto got = engine_->Prefill(SequenceId(0), doc);  // checkpoints at 64 and 96
   ASSERT_TRUE(got.ok()) << got.status();
@@ -415,7 +427,7 @@ TEST_F(HybridResumeTest, ARewindGoesBackToACheckpointAndOnFromThere) {
   EXPECT_TRUE(engine_->cache().CheckInvariants().ok()) << engine_->cache().CheckInvariants();
 }
 
-TEST_F(HybridResumeTest, ABranchPointIsCheckpointedForThePromptsAfterIt) {
+TEST_P(HybridResumeTest, ABranchPointIsCheckpointedForThePromptsAfterIt) {
   const std::vector<int32_t> system = RandomTokens(40, 256, 10);
   auto with = [&](uint64_t seed) {
     std::vector<int32_t> p = system;
@@ -427,6 +439,11 @@ TEST_F(HybridResumeTest, ABranchPointIsCheckpointedForThePromptsAfterIt) {
   ExpectParity(with(12), 0);   // leaves at 40: a checkpoint at the last shared block, 32
   ExpectParity(with(13), 32);  // resumes there
 }
+
+INSTANTIATE_TEST_SUITE_P(Layers, HybridResumeTest, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "NemotronH" : "Bamba";
+                         });
 
 TEST(HybridConfigTest, TinyHybridIsMostlyStateSpaceWithTinysAttention) {
   absl::StatusOr<ModelConfig> c = NamedConfig("tiny-hybrid");
