@@ -122,6 +122,42 @@ class BackendModelTest : public ::testing::TestWithParam<std::string> {
  protected:
   const std::string& Backend() const { return GetParam(); }
   double Tolerance(kernels::DType dtype) const { return model::Tolerance(Backend(), dtype); }
+
+  // Two sequences share every step: a prefill of 300 (more than the CUDA model's kSsmChunkRows:
+  // its chunked scan) and one of 2 (shorter than the conv's window), a chunk and a decode, then
+  // batched decodes; each against its own dense reference, logits and state slot.
+  void ExpectStateSpaceMatchesReference(const ModelWeights& w) {
+    ENGINE_OR_SKIP(engine, w, 16, kernels::DType::kF32, /*prefix_cache=*/false);
+    const double tolerance = Tolerance(kernels::DType::kF32);
+    std::vector<DenseReference> refs(2, DenseReference(w, kernels::DType::kF32));
+    const std::vector<int32_t> a = RandomTokens(300, 256, 1), b = RandomTokens(6, 256, 2);
+    std::vector<SequenceId> seqs;
+    for (size_t s = 0; s < 2; ++s) {
+      const std::span<const int32_t> part = s == 0 ? std::span(a) : std::span(b).first(2);
+      auto first = engine->Prefill(SequenceId(0), part, kLogits);
+      ASSERT_TRUE(first.ok()) << first.status();
+      EXPECT_LE(RelError(first->result.logits, refs[s].Extend(part)), tolerance);
+      seqs.push_back(first->sequence);
+    }
+    auto chunk = engine->Prefill(seqs[1], std::span(b).subspan(2, 3), kLogits);
+    ASSERT_TRUE(chunk.ok()) << chunk.status();
+    EXPECT_LE(RelError(chunk->result.logits, refs[1].Extend(std::span(b).subspan(2, 3))),
+              tolerance);
+    std::vector<int32_t> next = {a[0], b[5]};
+    for (int step = 0; step < 6; ++step) {
+      const std::vector<DecodeInput> in = {{seqs[0], next[0]}, {seqs[1], next[1]}};
+      auto out = engine->Decode(in, kLogits);
+      ASSERT_TRUE(out.ok()) << out.status();
+      for (size_t s = 0; s < 2; ++s) {
+        const std::vector<float> want = refs[s].Extend(std::span(&next[s], 1));
+        EXPECT_LE(RelError((*out)[s].logits, want), tolerance) << "step " << step << " seq " << s;
+        next[s] = Argmax(want);
+      }
+    }
+    for (size_t s = 0; s < 2; ++s) {
+      EXPECT_LE(RelError(engine->state(seqs[s]), refs[s].State()), 2e-3) << "seq " << s;
+    }
+  }
 };
 
 TEST_P(BackendModelTest, BatchedDecodeMatchesTheHostModel) {
@@ -249,10 +285,7 @@ TEST_P(BackendModelTest, BadInputIsRefusedBeforeTheDevice) {
 
 // State-space layers (issue 28) around a full-attention one, with every variant real
 // checkpoints have at once: two B/C groups under a whole-inner gated norm (transformers' Bamba),
-// projection biases, no conv bias, and RoPE over half of each head. Two sequences share every step:
-// a prefill of 300 (more than the CUDA model's kSsmChunkRows: its chunked scan) and one of 2
-// (shorter than the conv's window), a chunk and a decode, then batched decodes; each against its
-// own dense reference, logits and state slot.
+// projection biases, no conv bias, and RoPE over half of each head.
 TEST_P(BackendModelTest, StateSpaceLayersMatchReference) {
   ModelConfig c = SmallTestConfig();
   c.num_layers = 3;
@@ -266,36 +299,21 @@ TEST_P(BackendModelTest, StateSpaceLayersMatchReference) {
            .conv_bias = false,
            .proj_bias = true,
            .norm_per_group = false};
-  const ModelWeights w = SyntheticWeights(c, 23);
-  ENGINE_OR_SKIP(engine, w, 16, kernels::DType::kF32, /*prefix_cache=*/false);
-  const double tolerance = Tolerance(kernels::DType::kF32);
-  std::vector<DenseReference> refs(2, DenseReference(w, kernels::DType::kF32));
-  const std::vector<int32_t> a = RandomTokens(300, 256, 1), b = RandomTokens(6, 256, 2);
-  std::vector<SequenceId> seqs;
-  for (size_t s = 0; s < 2; ++s) {
-    const std::span<const int32_t> part = s == 0 ? std::span(a) : std::span(b).first(2);
-    auto first = engine->Prefill(SequenceId(0), part, kLogits);
-    ASSERT_TRUE(first.ok()) << first.status();
-    EXPECT_LE(RelError(first->result.logits, refs[s].Extend(part)), tolerance);
-    seqs.push_back(first->sequence);
-  }
-  auto chunk = engine->Prefill(seqs[1], std::span(b).subspan(2, 3), kLogits);
-  ASSERT_TRUE(chunk.ok()) << chunk.status();
-  EXPECT_LE(RelError(chunk->result.logits, refs[1].Extend(std::span(b).subspan(2, 3))), tolerance);
-  std::vector<int32_t> next = {a[0], b[5]};
-  for (int step = 0; step < 6; ++step) {
-    const std::vector<DecodeInput> in = {{seqs[0], next[0]}, {seqs[1], next[1]}};
-    auto out = engine->Decode(in, kLogits);
-    ASSERT_TRUE(out.ok()) << out.status();
-    for (size_t s = 0; s < 2; ++s) {
-      const std::vector<float> want = refs[s].Extend(std::span(&next[s], 1));
-      EXPECT_LE(RelError((*out)[s].logits, want), tolerance) << "step " << step << " seq " << s;
-      next[s] = Argmax(want);
-    }
-  }
-  for (size_t s = 0; s < 2; ++s) {
-    EXPECT_LE(RelError(engine->state(seqs[s]), refs[s].State()), 2e-3) << "seq " << s;
-  }
+  ExpectStateSpaceMatchesReference(SyntheticWeights(c, 23));
+}
+
+// Nemotron-H's build: one mixer or MLP per layer, squared-ReLU MLP layers (the CUDA model's
+// ReluSquared kernel), attention without RoPE, the gated norm per group.
+TEST_P(BackendModelTest, NemotronHLayersMatchReference) {
+  ModelConfig c = SmallTestConfig();
+  c.num_layers = 5;
+  c.layer_kinds = {LayerKind::kStateSpace, LayerKind::kMlp, LayerKind::kFullAttention,
+                   LayerKind::kMlp, LayerKind::kStateSpace};
+  c.ssm = {.num_heads = 4, .head_dim = 32, .d_state = 16, .num_groups = 2, .conv_width = 4};
+  c.mlp_after_mixer = false;
+  c.mlp_activation = MlpActivation::kReluSquared;
+  c.rope = false;
+  ExpectStateSpaceMatchesReference(SyntheticWeights(c, 29));
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, BackendModelTest, kernels::test_util::AllBackends(),
