@@ -966,7 +966,7 @@ absl::Status KvCacheManager::Commit(SessionId caller, SequenceId sequence, int64
   if (cache_) {
     cache_->Commit(seq->ns, std::span(seq->tokens).first(static_cast<size_t>(num_tokens)),
                    seq->table, seq->priority, seq->retain_tail, &seq->path, ctx);
-    if (!seq->checkpoints.empty()) KeepPlanned(seq, ctx);
+    if (!seq->checkpoints.empty()) KeepPlanned(seq, /*at_end=*/false, ctx);
     if (window_) KeepWindowBlocks(seq, num_tokens, ctx);
   }
   return absl::OkStatus();

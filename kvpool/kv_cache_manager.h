@@ -92,6 +92,9 @@ struct PlannedCheckpoint {
   // Filled from outside (a lower tier, ImportCheckpoint), not by the sequence's steps: it goes
   // into the tree at Commit wherever the sequence's path reaches, whatever its state holds.
   bool imported = false;
+  // A decode's checkpoint at the last block boundary it reached (PlanCheckpoints): one per
+  // sequence, moved on (its slot rewritten) at each boundary, kept only when the sequence ends.
+  bool rolling = false;
 
   friend bool operator==(const PlannedCheckpoint&, const PlannedCheckpoint&) = default;
 };
@@ -373,6 +376,7 @@ struct KvCacheStats {
     uint64_t kept = 0;       // put into the tree (the end of a committed sequence included)
     uint64_t redundant = 0;  // not kept: the tree had one as deep in that block already
     uint64_t skipped = 0;    // wanted, but no slot could be spared
+    uint64_t rolled = 0;     // a decode's rolling checkpoint moved on to its next block boundary
     uint64_t evicted = 0;    // cached ones dropped (for room, or with their block)
     uint64_t resumed = 0;    // sequences whose state started from one
   } checkpoints;
@@ -582,10 +586,16 @@ class KvCacheManager final {
   // State checkpoints (KvCacheOptions::checkpoint_slots; kv_cache_manager_checkpoints.cc).
   //
   // The checkpoints a step of `sequence` that advances its state from `from` to `to` tokens is to
-  // take: the positions in (from, to] on the checkpoint interval, its branch point, and (a
-  // `prefill`) its last block boundary before `to`. Each gets a state slot, appended to `out` by
-  // position; the sequence holds them until Commit or Free puts them into the tree (once its
-  // state has passed them, AdvanceState) or a rewind drops them. The step must write every one
+  // take: the positions in (from, to] on the checkpoint interval, its branch point, (a
+  // `prefill`) its last block boundary before `to`, and (a decode that ends on a block boundary)
+  // its rolling checkpoint there. Each gets a state slot, appended to `out` by position; the
+  // sequence holds them until Commit or Free puts them into the tree (once its state has passed
+  // them, AdvanceState) or a rewind drops them. The rolling one is the sequence's checkpoint at
+  // the last block boundary its decodes reached: one slot per sequence (a quarter of the
+  // checkpoint slots for all), rewritten at each boundary, kept only by Free with commit. A
+  // sequence's end is rarely a block boundary and lower tiers key checkpoints by full blocks, so
+  // it bounds what a conversation that comes back from a tier recomputes to one block, however
+  // long its last answer was. The step must write every one
   // (the model's StepItem::checkpoints) and the caller marks their slots in flight with the
   // step's. A position no slot can be spared for is skipped (counted). Nothing is planned without
   // checkpoint slots or when `from` is not the tokens the sequence's state holds.
@@ -910,8 +920,13 @@ class KvCacheManager final {
   // `slot` (one reference held by the caller, which passes) becomes the checkpoint at `offset` of
   // tree block `block`, unless the block has one as deep (then the slot is released).
   void KeepCheckpoint(BlockId block, int32_t offset, BlockId slot, const TraceContext& ctx);
-  // Puts `seq`'s planned checkpoints its state has passed, and its path reaches, into the tree.
-  void KeepPlanned(Sequence* seq, const TraceContext& ctx);
+  // Puts `seq`'s planned checkpoints its state has passed, and its path reaches, into the tree;
+  // its rolling one only `at_end` (Free with commit).
+  void KeepPlanned(Sequence* seq, bool at_end, const TraceContext& ctx);
+  // Moves `seq`'s rolling checkpoint to `position` (its slot, or a new one within the rolling
+  // share of the checkpoint slots), appending it to `out`; counts it skipped when there is none.
+  void PlanRolling(Sequence* seq, int64_t position, std::vector<PlannedCheckpoint>* out,
+                   const TraceContext& ctx);
   // Releases `seq`'s planned checkpoints past `position`.
   void DropPlanned(Sequence* seq, int64_t position, const TraceContext& ctx);
   // The checkpoint `seq` rewinds to at `position` (> 0): the tree's, exactly there on its path.
@@ -1040,6 +1055,7 @@ class KvCacheManager final {
   internal::StampedLru<BlockId> checkpoint_lru_;         // (stamp, slot) of the cached ones: O(1)
   uint64_t checkpoint_clock_ = 0;
   int64_t planned_checkpoints_ = 0;  // held by sequences (Sequence::checkpoints)
+  int64_t rolling_checkpoints_ = 0;  // of those, rolling ones (at most checkpoint_slots_ / 4)
   // Checkpoints kept at a full block's end since TakePublishedCheckpoints (with the journal).
   const bool journal_checkpoints_;
   std::vector<PublishedCheckpoint> published_checkpoints_;

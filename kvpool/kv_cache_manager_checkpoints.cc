@@ -146,6 +146,9 @@ absl::Status KvCacheManager::PlanCheckpoints(SessionId caller, SequenceId sequen
   if (prefill && (to - 1) / bs * bs > from) want.push_back((to - 1) / bs * bs);
   std::sort(want.begin(), want.end());
   want.erase(std::unique(want.begin(), want.end()), want.end());
+  // A decode ending on a block boundary no other checkpoint is wanted at: the rolling one.
+  const bool rolling =
+      !prefill && to % bs == 0 && !std::binary_search(want.begin(), want.end(), to);
   for (int64_t p : want) {
     const bool planned = std::any_of(seq->checkpoints.begin(), seq->checkpoints.end(),
                                      [&](const PlannedCheckpoint& c) { return c.position == p; });
@@ -159,11 +162,39 @@ absl::Status KvCacheManager::PlanCheckpoints(SessionId caller, SequenceId sequen
     out->push_back({p, slot});
     ++counters_.checkpoints.planned;
   }
+  if (rolling) PlanRolling(seq, to, out, ctx);
   std::sort(seq->checkpoints.begin(), seq->checkpoints.end(),
             [](const PlannedCheckpoint& a, const PlannedCheckpoint& b) {
               return a.position < b.position;
             });
   return absl::OkStatus();
+}
+
+void KvCacheManager::PlanRolling(Sequence* seq, int64_t position,
+                                 std::vector<PlannedCheckpoint>* out, const TraceContext& ctx) {
+  // Its slot is the sequence's alone (out of the tree): the step rewrites it after the one that
+  // wrote it last, in stream order, and marks it in flight again.
+  const auto held = std::find_if(seq->checkpoints.begin(), seq->checkpoints.end(),
+                                 [](const PlannedCheckpoint& c) { return c.rolling; });
+  if (held != seq->checkpoints.end()) {
+    held->position = position;
+    out->push_back(*held);
+    ++counters_.checkpoints.rolled;
+    return;
+  }
+  // The rolling ones never take more than a quarter of the slots: the tree's checkpoints are
+  // worth more to the prompts that come back while the sequences decode.
+  const BlockId slot =
+      rolling_checkpoints_ < checkpoint_slots_ / 4 ? TakeCheckpointSlot(ctx) : kInvalidBlock;
+  if (slot == kInvalidBlock) {
+    ++counters_.checkpoints.skipped;
+    return;
+  }
+  const PlannedCheckpoint planned{.position = position, .slot = slot, .rolling = true};
+  seq->checkpoints.push_back(planned);
+  out->push_back(planned);
+  ++rolling_checkpoints_;
+  ++counters_.checkpoints.planned;
 }
 
 absl::Status KvCacheManager::AdvanceState(SessionId caller, SequenceId sequence, int64_t tokens) {
@@ -274,19 +305,19 @@ absl::StatusOr<BlockId> KvCacheManager::ImportCheckpoint(SessionId caller, Seque
   return slot;
 }
 
-void KvCacheManager::KeepPlanned(Sequence* seq, const TraceContext& ctx) {
+void KvCacheManager::KeepPlanned(Sequence* seq, bool at_end, const TraceContext& ctx) {
   size_t kept = 0;
   for (const PlannedCheckpoint& c : seq->checkpoints) {
     // Only once the step that writes it has run (the state passed it), and where the path
-    // reaches.
-    const auto [block, offset] = c.imported || c.position <= seq->state_tokens
-                                     ? PathPlace(*seq, c.position)
-                                     : std::pair{kInvalidBlock, 0};
+    // reaches; a rolling one only at the end (until then its slot moves on).
+    const bool ready = (c.imported || c.position <= seq->state_tokens) && (at_end || !c.rolling);
+    const auto [block, offset] = ready ? PathPlace(*seq, c.position) : std::pair{kInvalidBlock, 0};
     if (block == kInvalidBlock) {
       seq->checkpoints[kept++] = c;
       continue;
     }
     --planned_checkpoints_;
+    rolling_checkpoints_ -= c.rolling ? 1 : 0;
     KeepCheckpoint(block, offset, c.slot, ctx);
   }
   seq->checkpoints.resize(kept);
@@ -318,6 +349,7 @@ absl::StatusOr<BlockId> KvCacheManager::RewindPoint(const Sequence& seq, int64_t
 void KvCacheManager::DropPlanned(Sequence* seq, int64_t position, const TraceContext& ctx) {
   while (!seq->checkpoints.empty() && seq->checkpoints.back().position > position) {
     KVPOOL_CHECK_OK(states_->Release(seq->checkpoints.back().slot, ctx));
+    rolling_checkpoints_ -= seq->checkpoints.back().rolling ? 1 : 0;
     seq->checkpoints.pop_back();
     --planned_checkpoints_;
   }
@@ -345,7 +377,7 @@ void KvCacheManager::TouchCheckpoint(BlockId slot) {
 
 void KvCacheManager::ReleaseStates(Sequence* seq, bool commit, const TraceContext& ctx) {
   if (checkpoint_slots_ > 0 && commit) {
-    KeepPlanned(seq, ctx);
+    KeepPlanned(seq, /*at_end=*/true, ctx);
     // Its working state holds exactly its known tokens: it becomes the checkpoint at their end
     // (no copy: the sequence is done with it).
     const int64_t end = seq->state_tokens;
@@ -374,9 +406,10 @@ absl::Status KvCacheManager::CheckCheckpoints() const {
   // Every slot's references: its working state, planned checkpoints and resumed-from holds by
   // sequences, plus the tree's for a cached checkpoint.
   std::vector<uint32_t> refs(static_cast<size_t>(states_->num_blocks()), 0);
-  int64_t planned = 0;
+  int64_t planned = 0, rolling = 0;
   for (const auto& [id, seq] : sequences_) {
     ++refs[Index(seq.state_slot)];
+    int64_t own_rolling = 0;
     for (const PlannedCheckpoint& c : seq.checkpoints) {
       if (!states_->Contains(c.slot) || c.position <= 0 || c.position > seq.num_tokens) {
         return InvariantViolation("sequence {} plans checkpoint {}@{} outside its {} tokens",
@@ -384,8 +417,18 @@ absl::Status KvCacheManager::CheckCheckpoints() const {
       }
       ++refs[Index(c.slot)];
       ++planned;
+      own_rolling += c.rolling ? 1 : 0;
     }
+    if (own_rolling > 1) {
+      return InvariantViolation("sequence {} holds {} rolling checkpoints", id.value(),
+                                own_rolling);
+    }
+    rolling += own_rolling;
     if (seq.resumed_from != kInvalidBlock) ++refs[Index(seq.resumed_from)];
+  }
+  if (rolling != rolling_checkpoints_ || rolling > checkpoint_slots_ / 4) {
+    return InvariantViolation("{} rolling checkpoints (counted {}) for {} checkpoint slots",
+                              rolling, rolling_checkpoints_, checkpoint_slots_);
   }
   if (planned != planned_checkpoints_ ||
       planned + static_cast<int64_t>(checkpoint_lru_.size()) > checkpoint_slots_ ||

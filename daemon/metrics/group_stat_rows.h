@@ -61,7 +61,8 @@ inline void AddStateRows(std::vector<PoolRow>* rows) {
              {"resumed", KVPOOL_CACHE_STAT(checkpoints.resumed)},
              {"evicted", KVPOOL_CACHE_STAT(checkpoints.evicted)},
              {"skipped", KVPOOL_CACHE_STAT(checkpoints.skipped)},
-             {"redundant", KVPOOL_CACHE_STAT(checkpoints.redundant)}},
+             {"redundant", KVPOOL_CACHE_STAT(checkpoints.redundant)},
+             {"rolled", KVPOOL_CACHE_STAT(checkpoints.rolled)}},
             &HasStateGroup);
 }
 

@@ -46,8 +46,8 @@ namespace {
 
 using Code = absl::StatusCode;
 
-constexpr int32_t kStateSlots = 6;
-constexpr int32_t kCheckpointSlots = 3;
+// Working states' slots: three beside the checkpoints' (six with three checkpoint slots).
+constexpr int32_t kWorkingSlots = 3;
 constexpr int32_t kMaxBlocksPerSeq = 8;
 constexpr int32_t kNumBlocks = 256;  // the KV pool never refuses: only the state group does
 constexpr int32_t kAlphabet = 4;     // few tokens: prompts share prefixes and diverge often
@@ -61,10 +61,13 @@ struct Config {
   uint64_t seed;
   int32_t block_size;
   int32_t interval;
+  // Few: slot pressure is what the run exercises. 8 leaves two rolling checkpoints (a quarter).
+  int32_t checkpoint_slots = 3;
 };
 
 void PrintTo(const Config& c, std::ostream* os) {
-  *os << "seed " << c.seed << ", block_size " << c.block_size << ", interval " << c.interval;
+  *os << "seed " << c.seed << ", block_size " << c.block_size << ", interval " << c.interval
+      << ", checkpoint_slots " << c.checkpoint_slots;
 }
 
 struct Planned {
@@ -77,12 +80,14 @@ struct Tally {
   int64_t resumes = 0;         // Allocates that resumed from a checkpoint
   int64_t state_refusals = 0;  // refused for want of state slots
   int64_t early_commits = 0;   // planned checkpoints that a commit could not keep yet
+  int64_t rolled = 0;          // rolling checkpoints moved on to a later block boundary
   int64_t undos = 0;           // steps undone by Truncate
   int64_t steps = 0;
 };
 
 class StateCheckpointRandomTest : public ::testing::TestWithParam<Config> {
  protected:
+  static int32_t StateSlots() { return kWorkingSlots + GetParam().checkpoint_slots; }
   struct Seq {
     SessionId session;
     int64_t tokens = 0;
@@ -110,8 +115,8 @@ class StateCheckpointRandomTest : public ::testing::TestWithParam<Config> {
                                          .clock = &clock_,
                                          .fences = &fences_,
                                          .eviction_shares = GetParam().seed % 2 == 0 ? 2 : 0,
-                                         .state_slots = kStateSlots,
-                                         .checkpoint_slots = kCheckpointSlots,
+                                         .state_slots = StateSlots(),
+                                         .checkpoint_slots = GetParam().checkpoint_slots,
                                          .checkpoint_interval = GetParam().interval,
                                          .block_bytes = 64,
                                          .state_bytes = 256});
@@ -160,7 +165,7 @@ class StateCheckpointRandomTest : public ::testing::TestWithParam<Config> {
     std::set<int32_t> cached;
     for (const auto& [block, c] : ckpts) cached.insert(c.slot);
     int64_t all = 0, free = 0;
-    for (int32_t s = 0; s < kStateSlots; ++s) {
+    for (int32_t s = 0; s < StateSlots(); ++s) {
       if (held.contains(s) || !slots_.Passed(s) || keep.contains(s)) continue;
       ++all;
       if (!cached.contains(s)) ++free;
@@ -334,23 +339,44 @@ class StateCheckpointRandomTest : public ::testing::TestWithParam<Config> {
     Seq& m = seqs_.at(id);
     if (m.stepping || m.st < 0 || m.st >= m.tokens) return;
     const int64_t from = m.st;
-    const int64_t to =
-        from < m.known ? m.known : from + 1 + Rand(std::min<int64_t>(m.tokens - from, bs_ * 2));
+    // With room for rolling checkpoints, half the steps past the prompt are decodes (one token).
+    const bool decode = GetParam().checkpoint_slots >= 4 && from >= m.known && Rand(2) == 0;
+    const int64_t to = from < m.known ? m.known
+                       : decode       ? from + 1
+                                : from + 1 + Rand(std::min<int64_t>(m.tokens - from, bs_ * 2));
     const bool prefill = to - from > 1;
     std::vector<int64_t> want =
         testing::WantedCheckpoints(from, to, prefill, m.branch_at, GetParam().interval, bs_);
+    // A decode ending on a block boundary nothing else wants: the sequence's rolling checkpoint
+    // moves there (its slot), or is planned anew, or skipped.
+    const bool rolling =
+        !prefill && to % bs_ == 0 && !std::binary_search(want.begin(), want.end(), to);
+    auto held = std::find_if(m.planned.begin(), m.planned.end(),
+                             [](const Planned& p) { return p.c.rolling; });
     std::erase_if(want, [&](int64_t p) {
       return std::any_of(m.planned.begin(), m.planned.end(),
                          [&](const Planned& c) { return c.c.position == p; });
     });
+    if (rolling) want.push_back(to);
     const uint64_t skipped = cache_->stats().checkpoints.skipped;
+    const uint64_t rolled = cache_->stats().checkpoints.rolled;
     std::vector<PlannedCheckpoint> out;
     ASSERT_TRUE(cache_->PlanCheckpoints(m.session, id, from, to, prefill, &out).ok());
     ASSERT_EQ(out.size() + (cache_->stats().checkpoints.skipped - skipped), want.size());
+    ASSERT_EQ(cache_->stats().checkpoints.rolled - rolled,
+              rolling && held != m.planned.end() ? 1u : 0u);
     for (size_t i = 0; i < out.size(); ++i) {
       ASSERT_TRUE(std::find(want.begin(), want.end(), out[i].position) != want.end())
           << "checkpoint planned at " << out[i].position;
       ASSERT_TRUE(i == 0 || out[i - 1].position < out[i].position);
+      ASSERT_EQ(out[i].rolling, rolling && out[i].position == to);
+      if (out[i].rolling && held != m.planned.end()) {
+        // The same slot, rewritten by this step at its new position.
+        ASSERT_EQ(out[i].slot, held->c.slot);
+        *held = {out[i], false};
+        ++tally_.rolled;
+        continue;
+      }
       HandOut(out[i].slot);
       m.planned.push_back({out[i], false});
     }
@@ -573,7 +599,7 @@ class StateCheckpointRandomTest : public ::testing::TestWithParam<Config> {
     for (const auto& [block, c] : testing::CachedCheckpoints(*cache_)) cached.insert(c.slot);
     const std::set<int32_t> held = Held();
     int32_t retiring = 0;
-    for (int32_t s = 0; s < kStateSlots; ++s) {
+    for (int32_t s = 0; s < StateSlots(); ++s) {
       retiring += !held.contains(s) && !cached.contains(s) && !slots_.Passed(s) ? 1 : 0;
     }
     ASSERT_EQ(cache_->stats().states.retiring, retiring);
@@ -601,7 +627,7 @@ class StateCheckpointRandomTest : public ::testing::TestWithParam<Config> {
   testing::TimelineFences fences_;
   std::unique_ptr<KvCacheManager> cache_;
   std::map<SequenceId, Seq> seqs_;
-  testing::SimulatedStateSlots slots_{kStateSlots, &fences_, &rng_, kMaxOutstanding};
+  testing::SimulatedStateSlots slots_{StateSlots(), &fences_, &rng_, kMaxOutstanding};
   std::array<std::vector<int32_t>, 3> families_;
   std::vector<std::vector<int32_t>> remembered_;
   Tally tally_;
@@ -612,7 +638,7 @@ class StateCheckpointRandomTest : public ::testing::TestWithParam<Config> {
 void StateCheckpointRandomTest::Verify() {
   const KvCacheStats stats = cache_->stats();
   ASSERT_EQ(stats.sequences, static_cast<int64_t>(seqs_.size()));
-  ASSERT_LE(stats.checkpoints.cached + stats.checkpoints.pending, kCheckpointSlots);
+  ASSERT_LE(stats.checkpoints.cached + stats.checkpoints.pending, GetParam().checkpoint_slots);
   const BlockPool& states = *cache_->states();
   for (auto& [id, m] : seqs_) {
     const Sequence* s = cache_->Find(id);
@@ -638,7 +664,7 @@ void StateCheckpointRandomTest::Verify() {
     }
   }
   const std::set<int32_t> held = Held();
-  for (int32_t s = 0; s < kStateSlots; ++s) {
+  for (int32_t s = 0; s < StateSlots(); ++s) {
     const BlockState state = states.state(BlockId(s));
     if (held.contains(s)) {
       ASSERT_EQ(state, BlockState::kActive) << "slot " << s;
@@ -667,18 +693,22 @@ TEST_P(StateCheckpointRandomTest, OperationsAgreeWithTheModel) {
     ASSERT_TRUE(mirror_.Matches(cache_->SnapshotEvents(&resume))) << "at operation " << op;
   }
   const KvCacheStats s = cache_->stats();
-  std::printf(
-      "ops=%" PRId64 " steps=%" PRId64 " resumes=%" PRId64 " checked=%" PRId64
-      " state_refusals=%" PRId64 " early_commits=%" PRId64 " undos=%" PRId64 " reused=%" PRId64
-      " planned=%" PRIu64 " kept=%" PRIu64 " skipped=%" PRIu64 " evicted=%" PRIu64 "\n",
-      ops, tally_.steps, tally_.resumes, slots_.landed("resume copy"), tally_.state_refusals,
-      tally_.early_commits, tally_.undos, slots_.reused(), s.checkpoints.planned,
-      s.checkpoints.kept, s.checkpoints.skipped, s.checkpoints.evicted);
+  std::printf("ops=%" PRId64 " steps=%" PRId64 " resumes=%" PRId64 " checked=%" PRId64
+              " state_refusals=%" PRId64 " early_commits=%" PRId64 " undos=%" PRId64
+              " reused=%" PRId64 " planned=%" PRIu64 " kept=%" PRIu64 " skipped=%" PRIu64
+              " evicted=%" PRIu64 " rolled=%" PRId64 "\n",
+              ops, tally_.steps, tally_.resumes, slots_.landed("resume copy"),
+              tally_.state_refusals, tally_.early_commits, tally_.undos, slots_.reused(),
+              s.checkpoints.planned, s.checkpoints.kept, s.checkpoints.skipped,
+              s.checkpoints.evicted, tally_.rolled);
   // The run must have exercised what it claims to.
   EXPECT_GT(slots_.landed("resume copy"), ops / 200);
   EXPECT_GT(tally_.state_refusals, ops / 200);
   EXPECT_GT(tally_.early_commits, 0);
   EXPECT_GT(tally_.undos, ops / 500);
+  if (GetParam().checkpoint_slots >= 4) {
+    EXPECT_GT(tally_.rolled, 0);
+  }
   EXPECT_GT(slots_.reused(), ops / 100);
   EXPECT_GT(s.checkpoints.evicted, static_cast<uint64_t>(ops / 100));
   EXPECT_GT(mirror_.stored(1), static_cast<uint64_t>(ops / 100));  // checkpoints, as group 1
@@ -686,11 +716,13 @@ TEST_P(StateCheckpointRandomTest, OperationsAgreeWithTheModel) {
 
 INSTANTIATE_TEST_SUITE_P(Seeds, StateCheckpointRandomTest,
                          ::testing::Values(Config{20261204, 4, 1}, Config{7, 4, 2},
-                                           Config{99, 8, 1}, Config{1234, 8, 2}),
+                                           Config{99, 8, 1}, Config{1234, 8, 2},
+                                           Config{31, 4, 0, 8}, Config{42, 4, 3, 8}),
                          [](const ::testing::TestParamInfo<Config>& info) {
                            return "seed" + std::to_string(info.param.seed) + "_block" +
                                   std::to_string(info.param.block_size) + "_every" +
-                                  std::to_string(info.param.interval);
+                                  std::to_string(info.param.interval) + "_slots" +
+                                  std::to_string(info.param.checkpoint_slots);
                          });
 
 }  // namespace

@@ -440,6 +440,43 @@ TEST_P(HybridResumeTest, ABranchPointIsCheckpointedForThePromptsAfterIt) {
   ExpectParity(with(13), 32);  // resumes there
 }
 
+// A decode keeps a rolling checkpoint at the last block boundary it reached (32, then 48 here),
+// put into the tree when the sequence ends: a prompt that leaves the answer inside its last block
+// (52 of its 60 tokens: an edit of the answer's end) resumes at 48, not at the prefill's last
+// boundary (16); a lower tier, which keys checkpoints by full blocks, relies on the same one.
+// The reference replays the same steps (a prefill of 20, decodes to 48, a prefill of the rest):
+// a decode sums attention in another order than a prefill, so only the same steps are equal bit
+// for bit.
+TEST_P(HybridResumeTest, AnAnswersLastBlockBoundaryIsKeptForPromptsThatLeaveItInside) {
+  const std::vector<int32_t> prompt = RandomTokens(20, 256, 21);
+  auto first = engine_->Prefill(SequenceId(0), prompt);
+  ASSERT_TRUE(first.ok()) << first.status();
+  const std::vector<int32_t> fed = DecodeN(*engine_, first->sequence, first->result.next_token, 40);
+  EXPECT_EQ(engine_->cache().stats().checkpoints.rolled, 1u);  // from 32 to 48
+  EXPECT_TRUE(engine_->cache().CheckInvariants().ok()) << engine_->cache().CheckInvariants();
+  ASSERT_TRUE(engine_->Free(first->sequence, /*commit=*/true).ok());
+  std::vector<int32_t> edited = prompt;
+  edited.insert(edited.end(), fed.begin(), fed.begin() + 32);  // 52 tokens of the 60
+  const std::vector<int32_t> tail = RandomTokens(10, 256, 22);
+  edited.insert(edited.end(), tail.begin(), tail.end());
+  auto got = engine_->Prefill(SequenceId(0), edited, {.keep_logits = true});
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->reused, 48);
+  auto ref = reference_->Prefill(SequenceId(0), prompt);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  const std::vector<int32_t> ref_fed =
+      DecodeN(*reference_, ref->sequence, ref->result.next_token, 28);
+  ASSERT_TRUE(std::equal(ref_fed.begin(), ref_fed.end() - 1, fed.begin()));
+  auto want =
+      reference_->Prefill(ref->sequence, std::span(edited).subspan(48), {.keep_logits = true});
+  ASSERT_TRUE(want.ok()) << want.status();
+  EXPECT_EQ(got->result.logits, want->result.logits);
+  EXPECT_EQ(engine_->state(got->sequence), reference_->state(ref->sequence));
+  EXPECT_EQ(DecodeN(*engine_, got->sequence, got->result.next_token, 3),
+            DecodeN(*reference_, ref->sequence, want->result.next_token, 3));
+  EXPECT_TRUE(engine_->cache().CheckInvariants().ok()) << engine_->cache().CheckInvariants();
+}
+
 INSTANTIATE_TEST_SUITE_P(Layers, HybridResumeTest, ::testing::Values(false, true),
                          [](const ::testing::TestParamInfo<bool>& info) {
                            return info.param ? "NemotronH" : "Bamba";

@@ -159,16 +159,11 @@ class RedisTierTest(unittest.TestCase):
                 self.assertEqual(tiers.promoted_from_redis, 3)
                 self.assertTrue(cb.check_invariants().ok)
 
-    def test_a_checkpoint_below_the_deepest_blocks_costs_one_redis_get(self):
-        """Redis holds a prefix's blocks deeper than its deepest checkpoint (decoded tokens,
-        committed at the end: no checkpoint at a block boundary past the prefill's). Daemon B
-        asks which of the deepest blocks have a checkpoint in one round trip (EXISTS each) and
-        GETs only the one that has: before, it GET each deeper block's checkpoint key in turn,
-        a round trip each."""
-        config = redis_config(self.redis, base=HYBRID_CONFIG.replace(
-            'state_slots: 8', 'state_slots: 8 checkpoint_interval: -1'))
-        prompt = [(7 * i + 3) % 500 for i in range(57)]  # three full blocks and 9 tokens
-        with Daemon(config) as a, Daemon(config) as b:
+    def conversation_on_daemon_a(self, config, prompt, values):
+        """Daemon A prefills `prompt` (57 tokens), decodes 40 and frees the sequence with commit;
+        returns the 97 tokens it knew once `values` values (blocks and checkpoints) are in
+        Redis."""
+        with Daemon(config) as a:
             with kvpool.Client.connect(a.dir, client_name="hybrid-a") as ca:
                 first = ca.prefill(prompt)
                 tokens = list(prompt)
@@ -177,8 +172,37 @@ class RedisTierTest(unittest.TestCase):
                     tokens.append(pending)
                     pending = ca.decode([(first.sequence_id, pending)]).next_tokens[0]
                 ca.free([first.sequence_id], commit=True)
-                until(lambda: store(ca.get_stats(), "redis").written >= 7,
-                      "six blocks and the checkpoint at 48 in redis")
+                until(lambda: store(ca.get_stats(), "redis").written >= values,
+                      f"{values} values in redis")
+        return tokens
+
+    def test_a_conversation_resumes_from_its_answers_last_block_boundary(self):
+        """A decode keeps a rolling checkpoint at the last block boundary it reached (96 here),
+        kept when the sequence ends and written to Redis with its block: daemon B resumes the
+        whole conversation there, not at the prefill's last boundary (48), and computes one
+        token of A's 97."""
+        config = redis_config(self.redis, base=HYBRID_CONFIG.replace(
+            'state_slots: 8', 'state_slots: 8 checkpoint_interval: -1'))
+        prompt = [(5 * i + 1) % 500 for i in range(57)]
+        # Six blocks and the checkpoints at 48 and 96.
+        tokens = self.conversation_on_daemon_a(config, prompt, values=8)
+        with Daemon(config) as b, kvpool.Client.connect(b.dir, client_name="hybrid-b") as cb:
+            again = cb.prefill(tokens)
+            self.assertEqual(again.reused_tokens, 96)
+            self.assertEqual(cb.get_stats().tiers.promoted_checkpoints, 1)
+            self.assertTrue(cb.check_invariants().ok)
+
+    def test_a_checkpoint_below_the_deepest_blocks_costs_one_redis_get(self):
+        """Redis holds a prefix's blocks deeper than its deepest checkpoint (decoded tokens with
+        no rolling checkpoint: 3 checkpoint slots leave none for it). Daemon B asks which of the
+        deepest blocks have a checkpoint in one round trip (EXISTS each) and GETs only the one
+        that has: before, it GET each deeper block's checkpoint key in turn, a round trip each."""
+        config = redis_config(self.redis, base=HYBRID_CONFIG.replace(
+            'state_slots: 8', 'state_slots: 8 checkpoint_interval: -1 checkpoint_slots: 3'))
+        prompt = [(7 * i + 3) % 500 for i in range(57)]  # three full blocks and 9 tokens
+        # Six blocks and the checkpoint at 48.
+        tokens = self.conversation_on_daemon_a(config, prompt, values=7)
+        with Daemon(config) as b:
             cli = [shutil.which("redis-cli"), "-s", self.redis.socket]
             subprocess.run(cli + ["CONFIG", "RESETSTAT"], check=True, capture_output=True)
             with kvpool.Client.connect(b.dir, client_name="hybrid-b") as cb:
