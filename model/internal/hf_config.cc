@@ -443,31 +443,38 @@ absl::Status ConfigExpressible(const ModelConfig& c) {
 
 namespace {
 
+// The fields Llama's and Nemotron-H's config.json spell alike.
+json SharedFields(const ModelConfig& c, std::string_view torch_dtype) {
+  return {
+      {"torch_dtype", std::string(torch_dtype)},
+      {"vocab_size", c.vocab_size},
+      {"hidden_size", c.hidden_size},
+      {"intermediate_size", c.intermediate_size},
+      {"num_hidden_layers", c.num_layers},
+      {"num_attention_heads", c.num_heads},
+      {"num_key_value_heads", c.num_kv_heads},
+      {"head_dim", c.head_dim},
+      {"tie_word_embeddings", c.tie_word_embeddings},
+      {"max_position_embeddings", c.max_position},
+  };
+}
+
 // Nemotron-H's config.json (NemotronHConfig's fields) for `c`.
 json NemotronHConfigJson(const ModelConfig& c, std::string_view torch_dtype) {
   std::string pattern;
   for (int32_t l = 0; l < c.num_layers; ++l) {
     pattern += c.kind(l) == LayerKind::kStateSpace ? 'M' : c.kind(l) == LayerKind::kMlp ? '-' : '*';
   }
-  json config = {
+  json config = SharedFields(c, torch_dtype);
+  config.update({
       {"architectures", {"NemotronHForCausalLM"}},
       {"model_type", "nemotron_h"},
-      {"torch_dtype", std::string(torch_dtype)},
-      {"vocab_size", c.vocab_size},
-      {"hidden_size", c.hidden_size},
-      {"intermediate_size", c.intermediate_size},
-      {"num_hidden_layers", c.num_layers},
       {"hybrid_override_pattern", pattern},
-      {"num_attention_heads", c.num_heads},
-      {"num_key_value_heads", c.num_kv_heads},
-      {"head_dim", c.head_dim},
       {"mlp_hidden_act", "relu2"},
       {"attention_bias", false},
       {"mlp_bias", false},
       {"layer_norm_epsilon", ShortestDecimal(c.rms_norm_eps)},
-      {"tie_word_embeddings", c.tie_word_embeddings},
-      {"max_position_embeddings", c.max_position},
-  };
+  });
   if (c.num_state_layers() > 0) {
     config["mamba_num_heads"] = c.ssm.num_heads;
     config["mamba_head_dim"] = c.ssm.head_dim;
@@ -486,23 +493,14 @@ json NemotronHConfigJson(const ModelConfig& c, std::string_view torch_dtype) {
 
 std::string ConfigJson(const ModelConfig& c, std::string_view torch_dtype) {
   if (IsNemotronHConfig(c)) return NemotronHConfigJson(c, torch_dtype).dump(2) + "\n";
-  json config = {
+  json config = SharedFields(c, torch_dtype);
+  config.update({
       {"architectures", {"LlamaForCausalLM"}},
       {"model_type", "llama"},
-      {"torch_dtype", std::string(torch_dtype)},
       {"hidden_act", "silu"},
-      {"vocab_size", c.vocab_size},
-      {"hidden_size", c.hidden_size},
-      {"intermediate_size", c.intermediate_size},
-      {"num_hidden_layers", c.num_layers},
-      {"num_attention_heads", c.num_heads},
-      {"num_key_value_heads", c.num_kv_heads},
-      {"head_dim", c.head_dim},
       {"rms_norm_eps", ShortestDecimal(c.rms_norm_eps)},
       {"rope_theta", ShortestDecimal(c.rope_theta)},
-      {"tie_word_embeddings", c.tie_word_embeddings},
-      {"max_position_embeddings", c.max_position},
-  };
+  });
   if (!c.layer_kinds.empty()) {
     json types = json::array();
     for (LayerKind kind : c.layer_kinds) {
