@@ -316,6 +316,17 @@ class HybridResumeTest : public ::testing::TestWithParam<bool> {
     return fed;
   }
 
+  // The cached engine's prefill `got` and the reference's last step (`want`, of sequence `ref`)
+  // agree bit for bit: logits and state, then three decodes each, then the states again.
+  void ExpectSameFromHere(const LocalEngine::PrefillResult& got, const ItemResult& want,
+                          SequenceId ref) {
+    EXPECT_EQ(got.result.logits, want.logits);
+    EXPECT_EQ(engine_->state(got.sequence), reference_->state(ref));
+    EXPECT_EQ(DecodeN(*engine_, got.sequence, got.result.next_token, 3),
+              DecodeN(*reference_, ref, want.next_token, 3));
+    EXPECT_EQ(engine_->state(got.sequence), reference_->state(ref));
+  }
+
   // `prompt` on the cached engine must resume `expect_reused` tokens; the reference computes the
   // same tokens as a prefill of the resumed prefix, then of the rest. Both then decode a few
   // tokens: every prediction (logits included) and the state after each step equal bitwise.
@@ -334,12 +345,7 @@ class HybridResumeTest : public ::testing::TestWithParam<bool> {
     want = reference_->Prefill(ref, all.subspan(static_cast<size_t>(expect_reused)),
                                {.keep_logits = true});
     ASSERT_TRUE(want.ok()) << want.status();
-    EXPECT_EQ(got->result.logits, want->result.logits);
-    EXPECT_EQ(engine_->state(got->sequence), reference_->state(want->sequence));
-    const std::vector<int32_t> a = DecodeN(*engine_, got->sequence, got->result.next_token, 3);
-    const std::vector<int32_t> b = DecodeN(*reference_, want->sequence, want->result.next_token, 3);
-    EXPECT_EQ(a, b);
-    EXPECT_EQ(engine_->state(got->sequence), reference_->state(want->sequence));
+    ExpectSameFromHere(*got, want->result, want->sequence);
     ASSERT_TRUE(engine_->Free(got->sequence, /*commit=*/true).ok());
     ASSERT_TRUE(reference_->Free(want->sequence, /*commit=*/false).ok());
     EXPECT_TRUE(engine_->cache().CheckInvariants().ok()) << engine_->cache().CheckInvariants();
@@ -372,11 +378,7 @@ TEST_P(HybridResumeTest, AConversationsNextTurnResumesFromTheLastOnesEnd) {
   auto want =
       reference_->Prefill(ref->sequence, std::span(turn2).subspan(44), {.keep_logits = true});
   ASSERT_TRUE(want.ok()) << want.status();
-  EXPECT_EQ(got->result.logits, want->result.logits);
-  EXPECT_EQ(engine_->state(got->sequence), reference_->state(ref->sequence));
-  EXPECT_EQ(DecodeN(*engine_, got->sequence, got->result.next_token, 3),
-            DecodeN(*reference_, ref->sequence, want->result.next_token, 3));
-  EXPECT_EQ(engine_->state(got->sequence), reference_->state(ref->sequence));
+  ExpectSameFromHere(*got, want->result, ref->sequence);
   EXPECT_EQ(engine_->cache().stats().checkpoints.resumed, 1u);
   EXPECT_TRUE(engine_->cache().CheckInvariants().ok()) << engine_->cache().CheckInvariants();
 }
@@ -470,10 +472,7 @@ TEST_P(HybridResumeTest, AnAnswersLastBlockBoundaryIsKeptForPromptsThatLeaveItIn
   auto want =
       reference_->Prefill(ref->sequence, std::span(edited).subspan(48), {.keep_logits = true});
   ASSERT_TRUE(want.ok()) << want.status();
-  EXPECT_EQ(got->result.logits, want->result.logits);
-  EXPECT_EQ(engine_->state(got->sequence), reference_->state(ref->sequence));
-  EXPECT_EQ(DecodeN(*engine_, got->sequence, got->result.next_token, 3),
-            DecodeN(*reference_, ref->sequence, want->result.next_token, 3));
+  ExpectSameFromHere(*got, want->result, ref->sequence);
   EXPECT_TRUE(engine_->cache().CheckInvariants().ok()) << engine_->cache().CheckInvariants();
 }
 
