@@ -9,6 +9,7 @@
 #include "kvpool/util/check.h"
 #include "kvpool/util/fmt.h"
 #include "kvpool/util/logging.h"
+#include "kvpool/util/status_macros.h"
 
 namespace kvpool::tier {
 namespace {
@@ -27,6 +28,15 @@ absl::Status ValidateOptions(const RedisTierOptions& o) {
         "redis tier: write_queue_blocks, write_queue_bytes and write_batch_blocks must be >= 1");
   }
   if (o.ttl_seconds < 0) return absl::InvalidArgumentError("redis tier: ttl_seconds < 0");
+  if (o.tenant_write_budget_bytes < 0 || o.tenant_shares < 0) {
+    return absl::InvalidArgumentError(
+        "redis tier: tenant_write_budget_bytes and tenant_shares must be >= 0");
+  }
+  if (o.tenant_write_budget_bytes > 0 && o.ttl_seconds == 0) {
+    return absl::InvalidArgumentError(
+        "redis tier: tenant_write_budget_bytes needs ttl_seconds > 0 (the budget counts the bytes "
+        "written within one TTL: without one, a value lives until Redis evicts it)");
+  }
   if (o.breaker_failure_threshold < 1) {
     return absl::InvalidArgumentError("redis tier: breaker_failure_threshold < 1");
   }
@@ -67,6 +77,12 @@ RedisBlockStore::RedisBlockStore(const RedisTierOptions& options, const Deployme
                 .max_backoff = options.breaker_max_backoff},
                clock),
       writer_{.client = std::move(writer)} {
+  if (options.tenant_write_budget_bytes > 0) {
+    absl::MutexLock lock(&queue_mu_);
+    budget_ = std::make_unique<internal::TenantWriteBudget>(options.tenant_write_budget_bytes,
+                                                            options.ttl_seconds * 1'000'000'000,
+                                                            options.tenant_shares);
+  }
   writer_thread_ = std::thread([this] { WriterLoop(); });
 }
 
@@ -302,15 +318,23 @@ bool RedisBlockStore::Put(const BlockSpace& space, const BlockToStore& block) {
     return static_cast<int64_t>(queue_.size()) >= options_.write_queue_blocks ||
            queued_bytes_ + value_bytes > options_.write_queue_bytes;
   };
+  WriteItem item{.key = BlockKey(secret_, space, block.hash, options_.key_slotting)};
+  const int64_t budget_bytes = static_cast<int64_t>(item.key.size()) + value_bytes;
   {
-    // Checked before the copy too, so a full queue costs no copy of the block.
+    // Checked before the copy too, so a full queue or a spent budget costs no copy of the block.
     absl::MutexLock lock(&queue_mu_);
     if (full()) {
       ++counters_.dropped_queue_full;
       return false;
     }
+    if (budget_) {
+      item.share = budget_->Reserve(block.tags.tenant, budget_bytes, clock_->NowNanos());
+      if (item.share < 0) {
+        ++counters_.dropped_over_budget;
+        return false;
+      }
+    }
   }
-  WriteItem item{.key = BlockKey(secret_, space, block.hash, options_.key_slotting)};
   item.value.reserve(static_cast<size_t>(value_bytes));
   EncodeBlockValue(secret_, item.key, RandomValueNonce(),
                    {.layout_fingerprint = space.layout_fingerprint,
@@ -321,6 +345,7 @@ bool RedisBlockStore::Put(const BlockSpace& space, const BlockToStore& block) {
   absl::MutexLock lock(&queue_mu_);
   if (full() || stopping_) {
     ++(stopping_ ? counters_.dropped_shutdown : counters_.dropped_queue_full);
+    if (item.share >= 0) budget_->Settle(item.share, budget_bytes, false, 0);
     return false;
   }
   queued_bytes_ += value_bytes;
@@ -341,6 +366,10 @@ void RedisBlockStore::WriterLoop() {
           },
           this));
       if (stopping_) {
+        // Every reservation is given back (the store is going; keeps CheckInvariants true).
+        for (const WriteItem& item : queue_) {
+          if (item.share >= 0) budget_->Settle(item.share, BudgetBytes(item), false, 0);
+        }
         counters_.dropped_shutdown += queue_.size();
         completed_ += static_cast<int64_t>(queue_.size());
         queue_.clear();
@@ -385,6 +414,7 @@ void RedisBlockStore::WriteBatch(std::vector<WriteItem>& batch) {
     } else {
       ++counters_.written;
       counters_.bytes_written += batch[i].value.size();
+      batch[i].written = true;
     }
   }
 }
@@ -393,6 +423,14 @@ void RedisBlockStore::CompleteBatch(const std::vector<WriteItem>& batch) {
   int64_t bytes = 0;
   for (const WriteItem& item : batch) bytes += static_cast<int64_t>(item.value.size());
   absl::MutexLock lock(&queue_mu_);
+  if (budget_) {
+    // After the round trip: a written value's TTL started before now, so counting its bytes from
+    // now on counts them at least as long as Redis can hold them.
+    const int64_t now = clock_->NowNanos();
+    for (const WriteItem& item : batch) {
+      if (item.share >= 0) budget_->Settle(item.share, BudgetBytes(item), item.written, now);
+    }
+  }
   queued_bytes_ -= bytes;
   completed_ += static_cast<int64_t>(batch.size());
 }
@@ -432,6 +470,7 @@ RemoteTierStats RedisBlockStore::stats() const {
   s.written = c.written;
   s.already_present = c.already_present;
   s.dropped_queue_full = c.dropped_queue_full;
+  s.dropped_over_budget = c.dropped_over_budget;
   s.dropped_breaker_open = c.dropped_breaker_open;
   s.dropped_write_errors = c.dropped_write_errors;
   s.dropped_shutdown = c.dropped_shutdown;
@@ -441,6 +480,20 @@ RemoteTierStats RedisBlockStore::stats() const {
   s.queued_blocks = static_cast<int64_t>(queue_.size());
   s.queued_bytes = queued_bytes_;
   return s;
+}
+
+absl::Status RedisBlockStore::SetTenantWeight(uint64_t tenant, int32_t weight) {
+  absl::MutexLock lock(&queue_mu_);
+  return budget_ ? budget_->SetWeight(tenant, weight) : absl::OkStatus();
+}
+
+TenantWrites RedisBlockStore::WritesOf(uint64_t tenant) const {
+  absl::MutexLock lock(&queue_mu_);
+  const int32_t share = budget_ && tenant != 0 ? budget_->FindShare(tenant) : -1;
+  if (share <= 0) return {};  // none of its own: asking makes none
+  return {.live_bytes = budget_->LiveBytes(tenant, clock_->NowNanos()),
+          .budget_bytes = budget_->BudgetOf(share),
+          .over_budget = budget_->Refused(tenant)};
 }
 
 RedisClientStats RedisBlockStore::client_stats() const {
@@ -470,6 +523,7 @@ absl::Status RedisBlockStore::CheckInvariants() const {
     if (static_cast<int64_t>(queue_.size()) > options_.write_queue_blocks) {
       return absl::InternalError("redis tier: queue longer than write_queue_blocks");
     }
+    if (budget_) KVPOOL_RETURN_IF_ERROR(budget_->CheckInvariants());
   }
   return breaker_.CheckInvariants();
 }

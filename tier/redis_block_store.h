@@ -27,6 +27,10 @@
 //   circuit breaker, after which Lookup misses and Put drops at once until a probe succeeds.
 // - Put never blocks: it copies the block into a bounded queue (blocks and bytes) drained by one
 //   background thread with pipelined `SET key value NX [EX ttl]`; a full queue drops and counts.
+// - With tenant_write_budget_bytes, what it writes is fair by tenant: a block whose tenant (its
+//   NamespaceTags::tenant) has written its share of the budget within the last TTL is dropped
+//   and counted in dropped_over_budget (internal::TenantWriteBudget), so one tenant cannot make
+//   Redis evict another's blocks.
 //
 // Thread-safe: any number of threads may call Put / Lookup / Flush / stats at once. Lookups run
 // in parallel on a pool of connections (one per concurrent caller, kept for reuse); no lock is
@@ -58,6 +62,7 @@
 #include "kvpool/util/clock.h"
 #include "tier/block_codec.h"
 #include "tier/circuit_breaker.h"
+#include "tier/internal/tenant_write_budget.h"
 #include "tier/redis_client.h"
 #include "tier/redis_tier_options.h"
 #include "tier/remote_tier.h"
@@ -86,6 +91,12 @@ class RedisBlockStore final : public RemoteTier {
   // RemoteTier (remote_tier.h has the contract). Put copies the block into the queue, or drops
   // it at once when the queue is full or the breaker is open.
   bool Put(const BlockSpace& space, const BlockToStore& block) override;
+  // The weight of `tenant`'s share of the write budget (internal::TenantWriteBudget::SetWeight;
+  // OK and nothing else without a budget).
+  absl::Status SetTenantWeight(uint64_t tenant, int32_t weight) override;
+  // Bytes of `tenant`'s share of the budget written within the last TTL or queued, and its
+  // writes dropped over budget; 0 without a budget or a share of its own.
+  TenantWrites WritesOf(uint64_t tenant) const override;
 
   // Waits until every block queued before this call was written or dropped. Errors:
   // DEADLINE_EXCEEDED after `timeout` on the store's clock (the queue keeps draining).
@@ -110,8 +121,14 @@ class RedisBlockStore final : public RemoteTier {
  private:
   struct WriteItem {
     std::string key;
-    std::string value;  // header + payload
+    std::string value;     // header + payload
+    int32_t share = -1;    // the budget share its bytes are reserved in; -1: no budget
+    bool written = false;  // set by WriteBatch: stored (not found there, not lost)
   };
+  // A write's bytes as the budget counts them: what Redis keeps for it, its key and its value.
+  static int64_t BudgetBytes(const WriteItem& item) {
+    return static_cast<int64_t>(item.key.size() + item.value.size());
+  }
   // A client with the client stats already added to the store's totals.
   struct PooledClient {
     std::unique_ptr<RedisClient> client;
@@ -191,6 +208,8 @@ class RedisBlockStore final : public RemoteTier {
   int64_t enqueued_ ABSL_GUARDED_BY(queue_mu_) = 0;   // blocks ever queued
   int64_t completed_ ABSL_GUARDED_BY(queue_mu_) = 0;  // of those, written or dropped
   bool stopping_ ABSL_GUARDED_BY(queue_mu_) = false;
+  // Present when options_.tenant_write_budget_bytes > 0.
+  std::unique_ptr<internal::TenantWriteBudget> budget_ ABSL_GUARDED_BY(queue_mu_);
 
   PooledClient writer_;  // used by the writer thread only
   std::thread writer_thread_;
@@ -198,8 +217,8 @@ class RedisBlockStore final : public RemoteTier {
   struct Counters {
     std::atomic<uint64_t> lookups{0}, rejected_lookups{0}, lookup_errors{0}, hits{0}, misses{0},
         corrupt{0}, forged{0}, puts{0}, written{0}, already_present{0}, dropped_queue_full{0},
-        dropped_breaker_open{0}, dropped_write_errors{0}, dropped_shutdown{0}, bytes_read{0},
-        bytes_written{0};
+        dropped_over_budget{0}, dropped_breaker_open{0}, dropped_write_errors{0},
+        dropped_shutdown{0}, bytes_read{0}, bytes_written{0};
     std::atomic<uint64_t> round_trips{0}, connects{0}, connect_failures{0}, io_errors{0},
         moved_redirects{0}, ask_redirects{0}, slot_map_refreshes{0}, refused_redirects{0};
   };

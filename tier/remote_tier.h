@@ -57,6 +57,13 @@ struct BlockToStore {
   NamespaceTags tags;  // kept by the host and disk tiers, for invalidation
 };
 
+// One tenant's writes under a store's write budget (RedisTierOptions::tenant_write_budget_bytes).
+struct TenantWrites {
+  int64_t live_bytes = 0;    // written within the last TTL, or queued
+  int64_t budget_bytes = 0;  // its share's budget now (0: no budget, or no share of its own)
+  uint64_t over_budget = 0;  // writes dropped past it
+};
+
 struct LookupResult {
   int64_t hits = 0;                // leading blocks found whole; out[0, hits) hold them
   std::vector<uint32_t> coverage;  // [hits] tokens each found block covers
@@ -79,6 +86,7 @@ struct RemoteTierStats {
   uint64_t written = 0;               // blocks stored
   uint64_t already_present = 0;       // writes that found the key: stored before, by anyone
   uint64_t dropped_queue_full = 0;    // Puts refused: write queue full (blocks or bytes)
+  uint64_t dropped_over_budget = 0;   // Puts refused: the tenant's share of the write budget used
   uint64_t dropped_breaker_open = 0;  // Puts refused or queued writes discarded: breaker open
   uint64_t dropped_write_errors = 0;  // queued writes lost to a failed round trip / error reply
   uint64_t dropped_shutdown = 0;      // queued writes discarded when the store was destroyed
@@ -118,6 +126,13 @@ class RemoteTier {
     return std::vector<bool>(hashes.size(), true);
   }
 
+  // The weight of `tenant`'s share where the store shares its room or its writes by tenant
+  // (TenantSpec.cache_weight). This default shares nothing (OK).
+  virtual absl::Status SetTenantWeight(uint64_t /*tenant*/, int32_t /*weight*/) {
+    return absl::OkStatus();
+  }
+  // `tenant`'s writes under the store's write budget; this default has none (all zero).
+  virtual TenantWrites WritesOf(uint64_t /*tenant*/) const { return {}; }
   // Waits until every block queued before this call was written or dropped.
   // Errors: DEADLINE_EXCEEDED after `timeout` (the queue keeps draining).
   virtual absl::Status Flush(absl::Duration timeout) = 0;

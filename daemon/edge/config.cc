@@ -555,9 +555,14 @@ void ParseRedisTier(const v1::RedisTierSpec& r, tier::RedisTierOptions* o, const
       {"tiers.redis.write_queue_bytes", r.write_queue_bytes()},
       {"tiers.redis.ttl_seconds", r.ttl_seconds()},
       {"tiers.redis.breaker_failure_threshold", r.breaker_failure_threshold()},
-      {"tiers.redis.breaker_backoff_ms", r.breaker_backoff_ms()}};
+      {"tiers.redis.breaker_backoff_ms", r.breaker_backoff_ms()},
+      {"tiers.redis.tenant_write_budget_bytes", r.tenant_write_budget_bytes()}};
   for (const auto& [field, value] : non_negative) {
     if (value < 0) bad(field, "must be >= 0 (0: the default)");
+  }
+  if (r.tenant_write_budget_bytes() > 0 && r.ttl_seconds() == 0) {
+    bad("tiers.redis.tenant_write_budget_bytes",
+        "needs tiers.redis.ttl_seconds > 0: the budget counts the bytes written within one TTL");
   }
   o->enabled = true;
   o->unix_socket = r.unix_socket();
@@ -571,6 +576,7 @@ void ParseRedisTier(const v1::RedisTierSpec& r, tier::RedisTierOptions* o, const
   if (r.write_queue_blocks() > 0) o->write_queue_blocks = r.write_queue_blocks();
   if (r.write_queue_bytes() > 0) o->write_queue_bytes = r.write_queue_bytes();
   o->ttl_seconds = r.ttl_seconds();
+  o->tenant_write_budget_bytes = r.tenant_write_budget_bytes();
   if (r.breaker_failure_threshold() > 0) {
     o->breaker_failure_threshold = r.breaker_failure_threshold();
   }

@@ -49,6 +49,8 @@ EngineStats Engine::Stats(int32_t pool_index) const {
           pool.tiers()->UseOf(state_->namespaces().Tags(label, "").tenant);
       counters.tier_blocks = use.blocks;
       counters.tier_evicted_blocks = use.evicted;
+      counters.redis_bytes = use.remote_bytes;
+      counters.redis_over_budget_blocks = use.remote_over_budget;
     }
   }
   const std::vector<ShareUse> shares = pool.cache().EvictionShares();

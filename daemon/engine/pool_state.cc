@@ -116,6 +116,7 @@ absl::StatusOr<std::unique_ptr<PoolState>> PoolState::Create(const PoolOptions& 
     tier_options.host_window_blocks = HostWindowBlocks(options, layout);
     tier_options.tenant_shares = std::max(0, options.eviction_shares);  // -1: off
     tier_options.disk.tenant_shares = tier_options.tenant_shares;
+    tier_options.redis.tenant_shares = tier_options.tenant_shares;
     std::tie(tier_options.disk_checkpoint_bytes, tier_options.disk_window_bytes) =
         DiskComponentBytes(options, layout);
     KVPOOL_ASSIGN_OR_RETURN(tiers,

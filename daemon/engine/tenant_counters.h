@@ -32,6 +32,11 @@ struct TenantCounters {
   // room. 0 without those tiers, for "other", and past the shares.
   int64_t tier_blocks = 0;
   uint64_t tier_evicted_blocks = 0;
+  // Its share of the Redis tier's write budget (tiers.redis.tenant_write_budget_bytes): bytes
+  // written within the last TTL or queued, and blocks dropped past its share. 0 without a
+  // budget, for "other", and past the shares.
+  int64_t redis_bytes = 0;
+  uint64_t redis_over_budget_blocks = 0;
 };
 
 class TenantCounterTable final {

@@ -956,6 +956,7 @@ void TierSet::SetTenantWeight(uint64_t tenant, int32_t weight) {
   for (tier::DiskBlockStore* store : {disk_.get(), disk_checkpoints_.get(), disk_windows_.get()}) {
     if (store != nullptr) (void)store->SetTenantWeight(tenant, weight);
   }
+  if (remote_) (void)remote_->SetTenantWeight(tenant, weight);  // its write budget's share
 }
 
 TierSet::TenantUse TierSet::UseOf(uint64_t tenant) const {
@@ -967,6 +968,11 @@ TierSet::TenantUse TierSet::UseOf(uint64_t tenant) const {
   if (disk_) {
     use.blocks += disk_->stored_by(tenant);
     use.evicted += disk_->evicted_from(tenant);
+  }
+  if (remote_) {
+    const tier::TenantWrites writes = remote_->WritesOf(tenant);
+    use.remote_bytes = writes.live_bytes;
+    use.remote_over_budget = writes.over_budget;
   }
   return use;
 }

@@ -330,6 +330,10 @@ class TierSet final {
   struct TenantUse {
     int64_t blocks = 0;
     uint64_t evicted = 0;
+    // Under the Redis tier's write budget: bytes written within the TTL (or queued), and writes
+    // dropped past the tenant's share.
+    int64_t remote_bytes = 0;
+    uint64_t remote_over_budget = 0;
   };
   TenantUse UseOf(uint64_t tenant) const;
   // Counts a lookup done again because the local match shrank meanwhile.

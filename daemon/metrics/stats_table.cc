@@ -442,6 +442,12 @@ const TenantRow kTenantRows[] = {
     {"tenant_tier_evicted_blocks", kCounter, "blocks",
      "Blocks evicted from a tenant's share of the host and disk tiers to make room.", kNoLabel, "",
      1, KVPOOL_TENANT_STAT(tier_evicted_blocks)},
+    {"tenant_redis_bytes", kGauge, "bytes",
+     "Bytes a tenant wrote to Redis within the last TTL (its share of the write budget).", kNoLabel,
+     "", 1, KVPOOL_TENANT_STAT(redis_bytes)},
+    {"tenant_redis_over_budget_blocks", kCounter, "blocks",
+     "Blocks not written to Redis: the tenant's share of the write budget was used.", kNoLabel, "",
+     1, KVPOOL_TENANT_STAT(redis_over_budget_blocks)},
 };
 
 const RpcRow kRpcRows[] = {

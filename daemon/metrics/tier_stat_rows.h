@@ -75,8 +75,8 @@ double StoreValue(const StatsSource& src) {
 }
 
 inline uint64_t DroppedWrites(const tier::RemoteTierStats& s) {
-  return s.dropped_queue_full + s.dropped_breaker_open + s.dropped_write_errors +
-         s.dropped_shutdown;
+  return s.dropped_queue_full + s.dropped_over_budget + s.dropped_breaker_open +
+         s.dropped_write_errors + s.dropped_shutdown;
 }
 
 // The rows of figure `F` of every store: one per medium, labelled by it.
@@ -162,7 +162,8 @@ inline void AddStoreRows(std::vector<PoolRow>* rows) {
       rows, "tier_store_already_present", StatKind::kCounter, "blocks",
       "Writes that found their key already stored.", "tiers.stores.already_present");
   StoreRows<&DroppedWrites>(rows, "tier_store_dropped", StatKind::kCounter, "blocks",
-                            "Writes dropped: queue full, breaker open, write errors, shutdown.",
+                            "Writes dropped: queue full, over a tenant's write budget, breaker "
+                            "open, write errors, shutdown.",
                             "tiers.stores.dropped");
   StoreRows<&tier::RemoteTierStats::bytes_read>(rows, "tier_store_read_bytes", StatKind::kCounter,
                                                 "bytes", "Payload bytes read from a tier store.",

@@ -366,7 +366,7 @@ TEST(ConfigTest, TiersAreOffByDefaultAndCheckedWhenOn) {
   std::ofstream(path) << "tiers { host_blocks: -1 host_checkpoints: -2 host_window_blocks: -3 "
                          "redis { enabled: true "
                          "unix_socket: \"/r.sock\" host: \"h\" key_slotting: \"row\" "
-                         "command_timeout_ms: -2 } }\n";
+                         "command_timeout_ms: -2 tenant_write_budget_bytes: 4096 } }\n";
   const absl::Status bad = LoadConfig(path).status();
   ASSERT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
   const std::string message(bad.message());
@@ -376,11 +376,14 @@ TEST(ConfigTest, TiersAreOffByDefaultAndCheckedWhenOn) {
   EXPECT_THAT(message, HasSubstr("tiers.redis: name exactly one of"));
   EXPECT_THAT(message, HasSubstr("tiers.redis.key_slotting: 'row' is not one of namespace, block"));
   EXPECT_THAT(message, HasSubstr("tiers.redis.command_timeout_ms"));
+  EXPECT_THAT(message, HasSubstr("tiers.redis.tenant_write_budget_bytes: needs "
+                                 "tiers.redis.ttl_seconds > 0"));
 
   std::ofstream(path) << "tiers { host_blocks: 64 staged_blocks: 8 host_checkpoints: 5 "
                          "host_window_blocks: 9 redis { "
                          "enabled: true cluster_seeds: \"127.0.0.1:7000\" key_slotting: "
-                         "\"block\" command_timeout_ms: 50 ttl_seconds: 600 } }\n";
+                         "\"block\" command_timeout_ms: 50 ttl_seconds: 600 "
+                         "tenant_write_budget_bytes: 1073741824 } }\n";
   const absl::StatusOr<v1::DaemonConfig> c = LoadConfig(path);
   ASSERT_TRUE(c.ok()) << c.status();
   o = MakeEngineOptions(*c, 1);
@@ -395,6 +398,7 @@ TEST(ConfigTest, TiersAreOffByDefaultAndCheckedWhenOn) {
   EXPECT_EQ(o->tiers.redis.command_timeout, absl::Milliseconds(50));
   EXPECT_EQ(o->tiers.redis.connect_timeout, absl::Milliseconds(200));  // the default
   EXPECT_EQ(o->tiers.redis.ttl_seconds, 600);
+  EXPECT_EQ(o->tiers.redis.tenant_write_budget_bytes, int64_t{1} << 30);
 }
 
 // The disk tier needs the deployment secret (its records are sealed under it, and a random one

@@ -12,6 +12,7 @@
 #include "fmt/format.h"
 #include "gtest/gtest.h"
 #include "tests/daemon/engine_test_util.h"
+#include "tests/tier/redis_harness.h"
 
 #define XXH_INLINE_ALL
 #include "xxhash.h"
@@ -336,6 +337,64 @@ TEST_F(NamespaceTest, ATenantFloodingALowerTierEvictsItsOwnBlocks) {
     }
   }
   std::filesystem::remove_all(dir);
+}
+
+// The same through Redis, which evicts by its own LRU: a quiet tenant's prefix, evicted from the
+// pool, is still promoted from Redis after another tenant pushed 16 MiB through a Redis that keeps
+// 6 MiB, when the pool's store has a write budget (tiers.redis.tenant_write_budget_bytes: the
+// flood stops at its share, three quarters at cache_weight 3 against 1, and Redis never evicts).
+// Without one, Redis evicts the prefix.
+TEST_F(NamespaceTest, ARedisWriteBudgetKeepsAFloodingTenantToItsShare) {
+  if (tier::testing::RedisServerBinary().empty()) GTEST_SKIP() << "redis-server is not installed";
+  constexpr int64_t kBudget = 4 << 20;
+  for (const bool budget : {true, false}) {
+    SCOPED_TRACE(budget ? "a budget" : "no budget");
+    auto dir = tier::testing::TempDir::Create("kvpool-namespace-redis");
+    ASSERT_TRUE(dir.ok()) << dir.status();
+    auto server = tier::testing::RedisServer::Start(
+        (*dir)->path(), {.unix_socket = true,
+                         .extra_args = {"--maxmemory", "6mb", "--maxmemory-policy", "allkeys-lru",
+                                        "--maxmemory-samples", "10"}});
+    ASSERT_TRUE(server.ok()) << server.status();
+    EngineOptions options = SmallPool(64);
+    options.tiers.redis = (*server)->TierOptions();
+    options.tiers.redis.ttl_seconds = 3600;
+    options.tiers.redis.tenant_write_budget_bytes = budget ? kBudget : 0;
+    options.tenants["loud"] = TenantLimits{.cache_weight = 3};
+    options.tenants["quiet"] = TenantLimits{};
+    Make(options);
+    std::shared_ptr<const Session> quiet = Open("quiet");
+    std::shared_ptr<const Session> loud = Open("loud");
+    const std::vector<int32_t> prefix = Prompt(8 * 16, 7);
+    ASSERT_NO_FATAL_FAILURE(Publish(*quiet, prefix));
+    ASSERT_TRUE(engine_->FlushTiers(absl::Seconds(10)).ok());
+    const int64_t block_bytes = options.pools[0].layout.block_bytes();
+    const int flood = static_cast<int>((16 << 20) / (8 * block_bytes));
+    for (int i = 0; i < flood; ++i) {
+      ASSERT_NO_FATAL_FAILURE(Publish(*loud, Prompt(8 * 16, 100 + i)));
+      ASSERT_TRUE(engine_->FlushTiers(absl::Seconds(10)).ok());
+    }
+    std::map<std::string, TenantCounters> by_tenant;
+    for (const auto& [label, counters] : engine_->Stats(0).tenants) by_tenant[label] = counters;
+    ASSERT_TRUE(engine_->Evict(0, 0, /*all=*/true).ok());
+    ASSERT_EQ(Matched(*quiet, prefix), 0);  // only Redis can have it now
+    absl::StatusOr<Tables> again = Allocate(*quiet, prefix);
+    ASSERT_TRUE(again.ok()) << again.status();
+    if (budget) {
+      EXPECT_EQ(again->slices[0].matched_tokens, 8 * 16);
+      // The flood used its three quarters, and no more.
+      EXPECT_LE(by_tenant["loud"].redis_bytes, kBudget / 4 * 3);
+      EXPECT_GT(by_tenant["loud"].redis_bytes, kBudget / 4 * 3 - 2 * block_bytes);
+      EXPECT_GT(by_tenant["loud"].redis_over_budget_blocks, 0u);
+      EXPECT_GT(by_tenant["quiet"].redis_bytes, 8 * block_bytes);  // its values and keys
+      EXPECT_EQ(by_tenant["quiet"].redis_over_budget_blocks, 0u);
+    } else {
+      EXPECT_LT(again->slices[0].matched_tokens, 8 * 16);
+      EXPECT_EQ(by_tenant["loud"].redis_bytes, 0);  // nothing counted without a budget
+    }
+    EXPECT_TRUE(engine_->CheckInvariants().ok());
+    engine_.reset();
+  }
 }
 
 // Tenants' cache_weight reaches the lower tiers: two tenants both pushing far more than a 32-block

@@ -290,6 +290,7 @@ tier::RemoteTierStats StoreFigures(uint64_t base) {
                         &s.written,
                         &s.already_present,
                         &s.dropped_queue_full,
+                        &s.dropped_over_budget,
                         &s.dropped_breaker_open,
                         &s.dropped_write_errors,
                         &s.dropped_shutdown,
@@ -434,13 +435,13 @@ TEST_F(StatsTableTest, EveryTierRowReachesEveryOutput) {
   EXPECT_EQ(r.tiers().stores(0).hits(), 104u);
   EXPECT_EQ(r.tiers().stores(0).breaker(), "");
   EXPECT_EQ(r.tiers().stores(1).medium(), "disk");
-  EXPECT_EQ(r.tiers().stores(1).dropped(), 211u + 212 + 213 + 214);
+  EXPECT_EQ(r.tiers().stores(1).dropped(), 211u + 212 + 213 + 214 + 215);
   EXPECT_EQ(r.tiers().stores(1).scan_ms(), 509);
   EXPECT_TRUE(r.tiers().stores(1).direct_io());
   EXPECT_EQ(r.tiers().stores(1).started_empty(), "another secret");
   EXPECT_EQ(r.tiers().stores(2).medium(), "redis");
   EXPECT_EQ(r.tiers().stores(2).breaker(), "closed");
-  EXPECT_EQ(r.tiers().stores(2).queued_blocks(), 317);
+  EXPECT_EQ(r.tiers().stores(2).queued_blocks(), 318);
   EXPECT_EQ(r.tiers().promoted_from_redis(), 607u);
   EXPECT_DOUBLE_EQ(r.tiers().demote_gbps(), 601.0 / 2e9);
 }

@@ -26,10 +26,13 @@ class RedisStoreTest : public ::testing::Test {
     auto dir = testing::TempDir::Create("kvpool-redis-test");
     ASSERT_TRUE(dir.ok()) << dir.status();
     dir_ = std::move(*dir);
-    auto server = RedisServer::Start(dir_->path(), {.unix_socket = true});
+    auto server = RedisServer::Start(dir_->path(), ServerOptions());
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = std::move(*server);
   }
+
+  // The private server's options (a fixture may add redis-server flags).
+  virtual RedisServer::Options ServerOptions() const { return {.unix_socket = true}; }
 
   std::unique_ptr<RedisBlockStore> NewStore(RedisTierOptions options,
                                             const DeploymentSecret& secret) {

@@ -20,14 +20,15 @@ struct TestChain {
   std::vector<BlockHash> hashes;               // [n] hashes[i] is the parent of hashes[i + 1]
   std::vector<std::vector<std::byte>> blocks;  // [n][block_bytes]
 
-  // Puts every block (parent zero for the first). Returns how many were queued.
-  int Put(RemoteTier& store) const {
+  // Puts every block (parent zero for the first), tagged `tags`. Returns how many were queued.
+  int Put(RemoteTier& store, NamespaceTags tags = {}) const {
     int queued = 0;
     for (size_t i = 0; i < hashes.size(); ++i) {
       queued += store.Put(space, {.hash = hashes[i],
                                   .parent = i == 0 ? BlockHash{} : hashes[i - 1],
                                   .coverage = 16,
-                                  .bytes = blocks[i]})
+                                  .bytes = blocks[i],
+                                  .tags = tags})
                     ? 1
                     : 0;
     }

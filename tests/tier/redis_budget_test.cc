@@ -1,0 +1,134 @@
+// The Redis tier's write budget against a real redis-server with a memory limit (label
+// `integration`): Redis evicts by its own LRU and cannot tell tenants apart, so without a budget
+// a tenant that floods the tier pushes out a quiet tenant's prefix; with one, the flood is cut at
+// its share and the quiet prefix stays.
+
+#include <hiredis/hiredis.h>
+
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "tests/tier/redis_store_fixture.h"
+
+namespace kvpool::tier {
+namespace {
+
+using testing::kBlockBytes;
+using testing::LookupBuffers;
+using testing::MakeChain;
+using testing::RedisServer;
+using testing::RedisStoreTest;
+using testing::TestChain;
+
+constexpr NamespaceTags kQuiet{.tenant = 0x9e1e7, .model = 1};
+constexpr NamespaceTags kFlood{.tenant = 0xf100d, .model = 1};
+constexpr BlockSpace kQuietSpace{.ns = NamespaceId(1), .layout_fingerprint = 0x5eed};
+constexpr BlockSpace kFloodSpace{.ns = NamespaceId(2), .layout_fingerprint = 0x5eed};
+constexpr int64_t kTtlSeconds = 3600;
+constexpr int kQuietBlocks = 8;
+// 16 MiB of values through a server that keeps 4 MiB: Redis must evict about 3 of every 4.
+constexpr int kFloodBlocks = 4096;
+
+class RedisBudgetTest : public RedisStoreTest {
+ protected:
+  RedisServer::Options ServerOptions() const override {
+    // A tight LRU (10 samples): without a budget, what is evicted is the oldest.
+    return {.unix_socket = true,
+            .extra_args = {"--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru",
+                           "--maxmemory-samples", "10"}};
+  }
+
+  RedisTierOptions Options(int64_t budget) const {
+    RedisTierOptions options = server_->TierOptions();
+    options.ttl_seconds = kTtlSeconds;
+    options.tenant_write_budget_bytes = budget;
+    return options;
+  }
+
+  // The quiet tenant's prefix, then the flood in queue-sized rounds (each drained before the
+  // next, so no write is dropped for a full queue); returns the quiet prefix's hits afterwards.
+  int64_t QuietHitsAfterAFlood(RedisBlockStore& store, const TestChain& quiet) {
+    EXPECT_TRUE(store.SetTenantWeight(kQuiet.tenant, 1).ok());
+    EXPECT_TRUE(store.SetTenantWeight(kFlood.tenant, 1).ok());
+    EXPECT_EQ(quiet.Put(store, kQuiet), kQuietBlocks);
+    EXPECT_TRUE(store.Flush(absl::Seconds(30)).ok());
+    for (int round = 0; round < kFloodBlocks / 256; ++round) {
+      const TestChain flood = MakeChain(kFloodSpace, 256, kBlockBytes, 1000 + round);
+      flood.Put(store, kFlood);
+      EXPECT_TRUE(store.Flush(absl::Seconds(30)).ok());
+    }
+    EXPECT_EQ(store.stats().dropped_queue_full, 0u);
+    EXPECT_TRUE(store.CheckInvariants().ok()) << store.CheckInvariants();
+    LookupBuffers out(kQuietBlocks, kBlockBytes);
+    return LookupAll(store, quiet, &out, kQuietSpace);
+  }
+
+  // Keys Redis evicted for memory (INFO stats), or -1.
+  int64_t EvictedKeys() const {
+    auto info = server_->Command({"INFO", "stats"});
+    if (!info.ok() || (*info)->type != REDIS_REPLY_STRING) return -1;
+    const std::string text((*info)->str, (*info)->len);
+    const size_t at = text.find("evicted_keys:");
+    return at == std::string::npos ? -1 : std::stoll(text.substr(at + 13));
+  }
+};
+
+TEST_F(RedisBudgetTest, WithoutABudgetAFloodingTenantEvictsAnothersPrefix) {
+  auto store = NewStore(Options(0));
+  const TestChain quiet = MakeChain(kQuietSpace, kQuietBlocks, kBlockBytes, 7);
+  EXPECT_LT(QuietHitsAfterAFlood(*store, quiet), kQuietBlocks);
+  EXPECT_EQ(store->stats().dropped_over_budget, 0u);
+  EXPECT_GT(EvictedKeys(), kFloodBlocks / 2);
+}
+
+TEST_F(RedisBudgetTest, ABudgetKeepsTheFloodToItsShareAndTheQuietPrefixInRedis) {
+  // 2 MiB for both tenants, below what the server holds: each may have 1 MiB live.
+  constexpr int64_t kBudget = 2 << 20;
+  auto store = NewStore(Options(kBudget));
+  const TestChain quiet = MakeChain(kQuietSpace, kQuietBlocks, kBlockBytes, 7);
+  EXPECT_EQ(QuietHitsAfterAFlood(*store, quiet), kQuietBlocks);
+
+  const RemoteTierStats stats = store->stats();
+  EXPECT_GT(stats.dropped_over_budget, 0u);
+  const TenantWrites flood = store->WritesOf(kFlood.tenant);
+  EXPECT_EQ(flood.budget_bytes, kBudget / 2);
+  EXPECT_LE(flood.live_bytes, flood.budget_bytes);
+  EXPECT_GT(flood.live_bytes, flood.budget_bytes - 2 * kBlockBytes);  // it used its share
+  EXPECT_EQ(flood.over_budget, stats.dropped_over_budget);
+  // The quiet tenant's bytes: its 8 keys and values, as written.
+  const TenantWrites mine = store->WritesOf(kQuiet.tenant);
+  int64_t quiet_bytes = 0;
+  for (int i = 0; i < kQuietBlocks; ++i) {
+    quiet_bytes += static_cast<int64_t>(KeyOf(quiet, i).size() + ValueAt(KeyOf(quiet, i)).size());
+  }
+  EXPECT_EQ(mine.live_bytes, quiet_bytes);
+  EXPECT_EQ(mine.over_budget, 0u);
+  // Writing the prefix again finds it there: nothing more counts.
+  EXPECT_EQ(quiet.Put(*store, kQuiet), kQuietBlocks);
+  ASSERT_TRUE(store->Flush(absl::Seconds(30)).ok());
+  EXPECT_EQ(store->WritesOf(kQuiet.tenant).live_bytes, quiet_bytes);
+  EXPECT_EQ(EvictedKeys(), 0);  // Redis never had to
+
+  // A TTL later (on the store's clock) the flood's bytes have aged out of the window: it writes
+  // again.
+  clock_.Advance((kTtlSeconds + kTtlSeconds / 16) * 1'000'000'000);
+  EXPECT_EQ(store->WritesOf(kFlood.tenant).live_bytes, 0);
+  const TestChain later = MakeChain(kFloodSpace, 4, kBlockBytes, 99);
+  EXPECT_EQ(later.Put(*store, kFlood), 4);
+  ASSERT_TRUE(store->Flush(absl::Seconds(30)).ok());
+  EXPECT_TRUE(store->CheckInvariants().ok()) << store->CheckInvariants();
+}
+
+TEST_F(RedisBudgetTest, ABudgetNeedsATtl) {
+  RedisTierOptions options = Options(1 << 20);
+  options.ttl_seconds = 0;
+  auto store = RedisBlockStore::Create(options, secret_, &clock_);
+  ASSERT_TRUE(absl::IsInvalidArgument(store.status())) << store.status();
+  EXPECT_NE(store.status().message().find("ttl_seconds"), std::string::npos);
+  options = Options(-1);
+  EXPECT_TRUE(absl::IsInvalidArgument(RedisBlockStore::Create(options, secret_, &clock_).status()));
+}
+
+}  // namespace
+}  // namespace kvpool::tier

@@ -1,0 +1,144 @@
+#include "tier/internal/tenant_write_budget.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "kvpool/util/check.h"
+
+namespace kvpool::tier::internal {
+
+TenantWriteBudget::TenantWriteBudget(int64_t total_bytes, int64_t window_ns, int32_t max_shares)
+    : total_bytes_(total_bytes),
+      bucket_ns_(std::max<int64_t>(1, window_ns / kBuckets)),
+      max_shares_(max_shares),
+      shares_(1) {
+  KVPOOL_CHECK(total_bytes > 0 && window_ns > 0 && max_shares >= 0);
+}
+
+int32_t TenantWriteBudget::Find(uint64_t tenant) const {
+  if (tenant == 0) return 0;
+  const auto it = share_index_.find(tenant);
+  return it == share_index_.end() ? -1 : it->second;
+}
+
+int32_t TenantWriteBudget::ShareOf(uint64_t tenant) {
+  if (tenant == 0 || max_shares_ == 0) return 0;
+  if (const int32_t share = Find(tenant); share >= 0) return share;
+  if (static_cast<int32_t>(shares_.size()) > max_shares_) return 0;
+  const auto share = static_cast<int32_t>(shares_.size());
+  shares_.push_back(Share{.tenant = tenant});
+  share_index_.emplace(tenant, share);
+  return share;
+}
+
+void TenantWriteBudget::Use(Share& share) {
+  if (share.in_use) return;
+  share.in_use = true;
+  weights_in_use_ += share.weight;
+}
+
+absl::Status TenantWriteBudget::SetWeight(uint64_t tenant, int32_t weight) {
+  if (tenant == 0 || weight < 1 || weight > kMaxWeight) {
+    return absl::InvalidArgumentError(absl::StrCat("write budget: weight ", weight,
+                                                   " of tenant tag ", tenant, " (1..", kMaxWeight,
+                                                   ", a tenant)"));
+  }
+  const int32_t index = ShareOf(tenant);
+  if (index == 0) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("write budget: all ", max_shares_, " tenant shares are taken"));
+  }
+  Share& share = shares_[static_cast<size_t>(index)];
+  if (share.in_use) weights_in_use_ += weight - share.weight;
+  share.weight = weight;
+  Use(share);
+  return absl::OkStatus();
+}
+
+int64_t TenantWriteBudget::Live(Share& share, int64_t now_ns) {
+  const int64_t oldest = Epoch(now_ns) - kBuckets;
+  int64_t live = 0;
+  for (Bucket& b : share.buckets) {
+    if (b.epoch < oldest) {
+      b = Bucket{};
+    } else {
+      live += b.bytes;
+    }
+  }
+  return live;
+}
+
+int64_t TenantWriteBudget::BudgetOf(const Share& share) const {
+  const int64_t weights = weights_in_use_ + (share.in_use ? 0 : share.weight);
+  return static_cast<int64_t>(static_cast<__int128>(total_bytes_) * share.weight / weights);
+}
+
+int64_t TenantWriteBudget::BudgetOf(int32_t share) const {
+  return BudgetOf(shares_[static_cast<size_t>(share)]);
+}
+
+int32_t TenantWriteBudget::Reserve(uint64_t tenant, int64_t bytes, int64_t now_ns) {
+  const int32_t index = ShareOf(tenant);
+  Share& share = shares_[static_cast<size_t>(index)];
+  if (Live(share, now_ns) + share.reserved + bytes > BudgetOf(share)) {
+    ++share.refused;
+    return -1;
+  }
+  Use(share);
+  share.reserved += bytes;
+  return index;
+}
+
+void TenantWriteBudget::Settle(int32_t index, int64_t bytes, bool written, int64_t now_ns) {
+  Share& share = shares_[static_cast<size_t>(index)];
+  KVPOOL_DCHECK(share.reserved >= bytes);
+  share.reserved -= bytes;
+  if (!written) return;
+  (void)Live(share, now_ns);  // frees the slot of an epoch that aged out
+  const int64_t epoch = Epoch(now_ns);
+  Bucket& b = share.buckets[static_cast<size_t>(epoch % (kBuckets + 1))];
+  if (b.epoch != epoch) b = Bucket{.epoch = epoch};
+  b.bytes += bytes;
+}
+
+int64_t TenantWriteBudget::LiveBytes(uint64_t tenant, int64_t now_ns) {
+  const int32_t index = Find(tenant);
+  if (index < 0) return 0;
+  Share& share = shares_[static_cast<size_t>(index)];
+  return Live(share, now_ns) + share.reserved;
+}
+
+uint64_t TenantWriteBudget::Refused(uint64_t tenant) const {
+  const int32_t index = Find(tenant);
+  return index < 0 ? 0 : shares_[static_cast<size_t>(index)].refused;
+}
+
+absl::Status TenantWriteBudget::CheckInvariants() const {
+  int64_t weights = 0;
+  for (size_t i = 0; i < shares_.size(); ++i) {
+    const Share& s = shares_[i];
+    if (s.in_use) weights += s.weight;
+    if (s.reserved < 0 || s.weight < 1 || s.weight > kMaxWeight) {
+      return absl::InternalError(absl::StrCat("write budget: share ", i, " reserves ", s.reserved,
+                                              " bytes at weight ", s.weight));
+    }
+    for (size_t k = 0; k < s.buckets.size(); ++k) {
+      const Bucket& b = s.buckets[k];
+      if (b.bytes < 0 || (b.epoch >= 0 && b.epoch % (kBuckets + 1) != static_cast<int64_t>(k)) ||
+          (b.epoch < 0 && b.bytes != 0)) {
+        return absl::InternalError(absl::StrCat("write budget: share ", i, " bucket ", k,
+                                                " holds epoch ", b.epoch, " with ", b.bytes));
+      }
+    }
+    if (i > 0 && Find(s.tenant) != static_cast<int32_t>(i)) {
+      return absl::InternalError(absl::StrCat("write budget: share ", i, " is not indexed"));
+    }
+  }
+  if (weights != weights_in_use_ || share_index_.size() + 1 != shares_.size()) {
+    return absl::InternalError(
+        absl::StrCat("write budget: weights in use ", weights_in_use_, ", counted ", weights));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvpool::tier::internal
