@@ -335,6 +335,7 @@ bool RedisBlockStore::Put(const BlockSpace& space, const BlockToStore& block) {
       }
     }
   }
+  if (options_.put_gap_hook) options_.put_gap_hook();
   item.value.reserve(static_cast<size_t>(value_bytes));
   EncodeBlockValue(secret_, item.key, RandomValueNonce(),
                    {.layout_fingerprint = space.layout_fingerprint,

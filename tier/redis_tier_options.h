@@ -5,6 +5,7 @@
 // config file; RedisBlockStore::Create validates it (INVALID_ARGUMENT names the field).
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -65,6 +66,10 @@ struct RedisTierOptions {
   // Tenant shares of that budget beside the default one (tenants past it share the default);
   // the daemon passes the pool's limits.eviction_shares. 0: one share for every tenant.
   int32_t tenant_shares = 16;
+  // Tests only. Runs in Put with no lock held, in its lock gap: after the block's budget is
+  // reserved and before it is queued (the queue may fill meanwhile). A test works the store from
+  // there.
+  std::function<void()> put_gap_hook;
 
   // Breaker: this many consecutive failed round trips (I/O error, timeout, unreachable) open it;
   // while open, Lookups miss and Puts drop at once. After `breaker_backoff` one call is let

@@ -6,6 +6,8 @@
 #include <hiredis/hiredis.h>
 
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
@@ -117,6 +119,61 @@ TEST_F(RedisBudgetTest, ABudgetKeepsTheFloodToItsShareAndTheQuietPrefixInRedis) 
   const TestChain later = MakeChain(kFloodSpace, 4, kBlockBytes, 99);
   EXPECT_EQ(later.Put(*store, kFlood), 4);
   ASSERT_TRUE(store->Flush(absl::Seconds(30)).ok());
+  EXPECT_TRUE(store->CheckInvariants().ok()) << store->CheckInvariants();
+}
+
+// Puts race each other and the writer between the budget's reservation and the queue (Put's lock
+// gap): a reservation whose block then finds the queue full is given back. Held open here: the
+// gap of one Put puts another block, which takes the queue's only room (the server paused, so
+// the writer cannot finish it). Then four threads at once. Every time, once the queue is drained,
+// the tenant's live bytes are exactly what Redis stored for it.
+TEST_F(RedisBudgetTest, PutsRacingInTheLockGapSettleEveryReservation) {
+  const TestChain chain = MakeChain(kFloodSpace, 2, 512, 500);
+  const int64_t value_bytes = kBlockHeaderBytes + 512;
+  const int64_t item = static_cast<int64_t>(KeyOf(chain, 0).size()) + value_bytes;
+  RedisBlockStore* store_in_gap = nullptr;
+  bool armed = true;
+  RedisTierOptions options = Options(int64_t{1} << 30);
+  options.write_queue_blocks = 1;
+  options.write_queue_bytes = value_bytes;
+  options.put_gap_hook = [&] {
+    if (!armed) return;
+    armed = false;
+    EXPECT_TRUE(store_in_gap->Put(chain.space, {.hash = chain.hashes[1],
+                                                .parent = chain.hashes[0],
+                                                .coverage = 16,
+                                                .bytes = chain.blocks[1],
+                                                .tags = kFlood}));
+  };
+  auto store = NewStore(options);
+  store_in_gap = store.get();
+  server_->Pause();
+  EXPECT_FALSE(store->Put(
+      chain.space,
+      {.hash = chain.hashes[0], .coverage = 16, .bytes = chain.blocks[0], .tags = kFlood}));
+  server_->Resume();
+  ASSERT_TRUE(store->Flush(absl::Seconds(30)).ok());
+  EXPECT_EQ(store->stats().dropped_queue_full, 1u);
+  EXPECT_EQ(store->WritesOf(kFlood.tenant).live_bytes,
+            static_cast<int64_t>(store->stats().written) * item);
+  EXPECT_TRUE(store->CheckInvariants().ok()) << store->CheckInvariants();
+
+  options.put_gap_hook = nullptr;
+  options.write_queue_blocks = 8;
+  options.write_queue_bytes = 8 * value_bytes;
+  store = NewStore(options);
+  std::vector<TestChain> chains;
+  for (int t = 0; t < 4; ++t) chains.push_back(MakeChain(kFloodSpace, 200, 512, 600 + t));
+  std::vector<std::thread> threads;
+  for (const TestChain& c : chains) {
+    threads.emplace_back([&store, &c] { c.Put(*store, kFlood); });
+  }
+  for (std::thread& t : threads) t.join();
+  ASSERT_TRUE(store->Flush(absl::Seconds(30)).ok());
+  const RemoteTierStats stats = store->stats();
+  EXPECT_EQ(stats.written + stats.dropped_queue_full, 4u * 200);
+  EXPECT_EQ(stats.dropped_over_budget, 0u);
+  EXPECT_EQ(store->WritesOf(kFlood.tenant).live_bytes, static_cast<int64_t>(stats.written) * item);
   EXPECT_TRUE(store->CheckInvariants().ok()) << store->CheckInvariants();
 }
 
