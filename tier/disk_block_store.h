@@ -115,7 +115,7 @@ class DiskBlockStore final : public RemoteTier {
   // The weight of tenant tag `tenant`'s records in the fair order (as the host tier's,
   // HostBlockStore::SetTenantWeight, with options.tenant_shares shares). Errors: INVALID_ARGUMENT
   // (weight not in [1, 10^6], or tenant 0), RESOURCE_EXHAUSTED (every share is taken).
-  absl::Status SetTenantWeight(uint64_t tenant, int32_t weight);
+  absl::Status SetTenantWeight(uint64_t tenant, int32_t weight) override;
   // Records of `tenant`'s own share now, and those evicted from it to make room.
   int64_t stored_by(uint64_t tenant) const;
   uint64_t evicted_from(uint64_t tenant) const;

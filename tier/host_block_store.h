@@ -66,7 +66,7 @@ class HostBlockStore final : public RemoteTier {
   // of weight 3 keeps about three times the blocks of one of weight 1 when both fill the store.
   // Errors: INVALID_ARGUMENT (weight not in [1, 10^6], or tenant 0), RESOURCE_EXHAUSTED (every
   // share is taken: its blocks stay in the default share, weight 1); nothing changed.
-  absl::Status SetTenantWeight(uint64_t tenant, int32_t weight);
+  absl::Status SetTenantWeight(uint64_t tenant, int32_t weight) override;
   // Blocks of `tenant`'s own share now, and those evicted from it to make room.
   int64_t stored_by(uint64_t tenant) const;
   uint64_t evicted_from(uint64_t tenant) const;
