@@ -492,9 +492,10 @@ TenantWrites RedisBlockStore::WritesOf(uint64_t tenant) const {
   absl::MutexLock lock(&queue_mu_);
   const int32_t share = budget_ && tenant != 0 ? budget_->FindShare(tenant) : -1;
   if (share <= 0) return {};  // none of its own: asking makes none
-  return {.live_bytes = budget_->LiveBytes(tenant, clock_->NowNanos()),
-          .budget_bytes = budget_->BudgetOf(share),
-          .over_budget = budget_->Refused(tenant)};
+  const int64_t now = clock_->NowNanos();
+  return {.live_bytes = budget_->HeldBytes(share, now),
+          .budget_bytes = budget_->BudgetOf(share, now),
+          .over_budget = budget_->Refused(share)};
 }
 
 RedisClientStats RedisBlockStore::client_stats() const {

@@ -27,10 +27,10 @@
 //   circuit breaker, after which Lookup misses and Put drops at once until a probe succeeds.
 // - Put never blocks: it copies the block into a bounded queue (blocks and bytes) drained by one
 //   background thread with pipelined `SET key value NX [EX ttl]`; a full queue drops and counts.
-// - With tenant_write_budget_bytes, what it writes is fair by tenant: a block whose tenant (its
-//   NamespaceTags::tenant) has written its share of the budget within the last TTL is dropped
-//   and counted in dropped_over_budget (internal::TenantWriteBudget), so one tenant cannot make
-//   Redis evict another's blocks.
+// - With tenant_write_budget_bytes, what it writes is bounded and fair by tenant: a block past
+//   the budget, or past its tenant's (NamespaceTags::tenant) share of it, within the last TTL is
+//   dropped and counted in dropped_over_budget (internal::TenantWriteBudget), so one tenant
+//   cannot make Redis evict another's blocks.
 //
 // Thread-safe: any number of threads may call Put / Lookup / Flush / stats at once. Lookups run
 // in parallel on a pool of connections (one per concurrent caller, kept for reuse); no lock is

@@ -57,11 +57,11 @@ struct RedisTierOptions {
   // Seconds a stored block lives in Redis; 0: no TTL (Redis's maxmemory policy evicts).
   int64_t ttl_seconds = 0;
   // Fair by tenant (docs/tiers.md): bytes (values and keys) this store may have written within
-  // the last ttl_seconds, shared by tenant as the host tier's room is (each tenant's share
-  // total * its weight / the weights of the tenants writing; SetTenantWeight). A write past its
-  // tenant's share is dropped (dropped_over_budget). With Redis's maxmemory above the sum of
-  // every store's budget, Redis never evicts and one tenant's writes cannot push out another's
-  // blocks. 0: no budget. REQUIRES ttl_seconds > 0 when set.
+  // the last ttl_seconds, all tenants together, and each tenant's share of it (total * its
+  // weight / the weights of the tenants writing now; SetTenantWeight). A write past either is
+  // dropped (dropped_over_budget). With Redis's maxmemory above the sum of every store's budget,
+  // Redis never evicts and one tenant's writes cannot push out another's blocks. 0: no budget.
+  // REQUIRES ttl_seconds > 0 when set.
   int64_t tenant_write_budget_bytes = 0;
   // Tenant shares of that budget beside the default one (tenants past it share the default);
   // the daemon passes the pool's limits.eviction_shares. 0: one share for every tenant.

@@ -59,8 +59,10 @@ struct BlockToStore {
 
 // One tenant's writes under a store's write budget (RedisTierOptions::tenant_write_budget_bytes).
 struct TenantWrites {
-  int64_t live_bytes = 0;    // written within the last TTL, or queued
-  int64_t budget_bytes = 0;  // its share's budget now (0: no budget, or no share of its own)
+  int64_t live_bytes = 0;  // written within the last TTL, or queued
+  // Its share's budget now, with the tenants writing now (0: no budget, or no share of its
+  // own); the budget's total caps every share's bytes together as well.
+  int64_t budget_bytes = 0;
   uint64_t over_budget = 0;  // writes dropped past it
 };
 
@@ -86,7 +88,7 @@ struct RemoteTierStats {
   uint64_t written = 0;               // blocks stored
   uint64_t already_present = 0;       // writes that found the key: stored before, by anyone
   uint64_t dropped_queue_full = 0;    // Puts refused: write queue full (blocks or bytes)
-  uint64_t dropped_over_budget = 0;   // Puts refused: the tenant's share of the write budget used
+  uint64_t dropped_over_budget = 0;   // Puts refused: past the write budget or its tenant's share
   uint64_t dropped_breaker_open = 0;  // Puts refused or queued writes discarded: breaker open
   uint64_t dropped_write_errors = 0;  // queued writes lost to a failed round trip / error reply
   uint64_t dropped_shutdown = 0;      // queued writes discarded when the store was destroyed

@@ -4,6 +4,7 @@
 #include "tier/internal/tenant_write_budget.h"
 
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -25,55 +26,86 @@ bool Write(TenantWriteBudget& budget, uint64_t tenant, int64_t bytes, int64_t no
   return true;
 }
 
-TEST(TenantWriteBudgetTest, SharesSplitTheTotalByWeightAmongTheTenantsInUse) {
+int64_t Held(TenantWriteBudget& budget, uint64_t tenant, int64_t now) {
+  return budget.HeldBytes(budget.ShareOf(tenant), now);
+}
+
+TEST(TenantWriteBudgetTest, AloneATenantMayUseAllOfItThenItsShareOnceAnotherWrites) {
   TenantWriteBudget budget(1200, kWindow, 4);
-  // Alone, a tenant may use all of it.
   ASSERT_TRUE(budget.SetWeight(kA, 1).ok());
-  EXPECT_EQ(budget.BudgetOf(budget.ShareOf(kA)), 1200);
-  // A second tenant's session opens at weight 2: A keeps a third.
   ASSERT_TRUE(budget.SetWeight(kB, 2).ok());
-  EXPECT_EQ(budget.BudgetOf(budget.ShareOf(kA)), 400);
-  EXPECT_EQ(budget.BudgetOf(budget.ShareOf(kB)), 800);
-  EXPECT_TRUE(Write(budget, kA, 400, 0));
-  EXPECT_FALSE(Write(budget, kA, 1, 0));
-  EXPECT_EQ(budget.Refused(kA), 1u);
-  EXPECT_TRUE(Write(budget, kB, 800, 0));
+  // B has not written: A alone may use all of it.
+  EXPECT_EQ(budget.BudgetOf(budget.ShareOf(kA), 0), 1200);
+  EXPECT_TRUE(Write(budget, kA, 1000, 0));
+  // B wants room: its share is 800, but only 200 are left in all (the total is never passed).
+  EXPECT_EQ(budget.BudgetOf(budget.ShareOf(kB), 0), 800);
+  EXPECT_TRUE(Write(budget, kB, 200, 0));
   EXPECT_FALSE(Write(budget, kB, 1, 0));
-  // Untagged writes are the default share's; it counts (weight 1) once it writes.
-  EXPECT_EQ(budget.BudgetOf(0), 1200 / 4);
-  EXPECT_TRUE(Write(budget, 0, 300, 0));
-  EXPECT_EQ(budget.BudgetOf(budget.ShareOf(kA)), 300);
-  // A is over its new budget now: it writes nothing until its bytes age out.
+  EXPECT_EQ(budget.Refused(budget.ShareOf(kB)), 1u);
+  // A is past its share now (400): it writes nothing more.
+  EXPECT_EQ(budget.BudgetOf(budget.ShareOf(kA), 0), 400);
   EXPECT_FALSE(Write(budget, kA, 1, kSecond));
-  EXPECT_EQ(budget.LiveBytes(kA, kSecond), 400);
+  // A window later their writes have aged out; both still want room: each gets its share.
+  const int64_t later = kSecond + kWindow;
+  EXPECT_EQ(budget.TotalHeld(later), 0);
+  EXPECT_TRUE(Write(budget, kB, 800, later));
+  EXPECT_FALSE(Write(budget, kB, 1, later));
+  EXPECT_TRUE(Write(budget, kA, 400, later));
+  EXPECT_EQ(budget.TotalHeld(later), 1200);
+  ASSERT_TRUE(budget.CheckInvariants().ok()) << budget.CheckInvariants();
+}
+
+TEST(TenantWriteBudgetTest, ARefusedWriteShrinksTheOthersSharesAtOnce) {
+  TenantWriteBudget budget(1000, kWindow, 4);
+  EXPECT_TRUE(Write(budget, kA, 1000, 0));  // A alone: all of it
+  // A's bytes are about to age out; B asks first and is refused (nothing is free)...
+  EXPECT_FALSE(Write(budget, kB, 100, kWindow));
+  // ...but it is active now: A's share is half, so what ages out of A's goes to B, not back to A.
+  EXPECT_EQ(budget.BudgetOf(budget.ShareOf(kA), kWindow), 500);
+  const int64_t later = kWindow + kSecond;  // A's bytes gone
+  EXPECT_EQ(budget.TotalHeld(later), 0);
+  EXPECT_FALSE(Write(budget, kA, 600, later));
+  EXPECT_TRUE(Write(budget, kB, 500, later));
+  ASSERT_TRUE(budget.CheckInvariants().ok()) << budget.CheckInvariants();
+}
+
+TEST(TenantWriteBudgetTest, ATenantGoneQuietStopsCountingAWindowAfterItsLastWrite) {
+  TenantWriteBudget budget(1000, kWindow, 4);
+  ASSERT_TRUE(budget.SetWeight(kA, 1).ok());
+  ASSERT_TRUE(budget.SetWeight(kB, 1).ok());
+  EXPECT_TRUE(Write(budget, kA, 100, 0));
+  EXPECT_EQ(budget.BudgetOf(budget.ShareOf(kB), kSecond), 500);
+  // A's bytes and its last ask are a window (and a bucket) old: nothing is set aside for it.
+  EXPECT_EQ(budget.BudgetOf(budget.ShareOf(kB), kWindow + kSecond), 1000);
+  EXPECT_EQ(Held(budget, kA, kWindow + kSecond), 0);
   ASSERT_TRUE(budget.CheckInvariants().ok()) << budget.CheckInvariants();
 }
 
 TEST(TenantWriteBudgetTest, BytesCountForTheWholeWindowAndAtMostOneBucketMore) {
   TenantWriteBudget budget(100, kWindow, 4);
-  ASSERT_TRUE(budget.SetWeight(kA, 1).ok());
   const int64_t t0 = 3 * kSecond + kSecond / 2;  // mid-bucket
   ASSERT_TRUE(Write(budget, kA, 100, t0));
   // Redis may hold them until t0 + the window: they count until then...
-  EXPECT_EQ(budget.LiveBytes(kA, t0 + kWindow - 1), 100);
+  EXPECT_EQ(Held(budget, kA, t0 + kWindow - 1), 100);
   EXPECT_FALSE(Write(budget, kA, 1, t0 + kWindow - 1));
-  EXPECT_EQ(budget.LiveBytes(kA, t0 + kWindow), 100);
+  EXPECT_EQ(Held(budget, kA, t0 + kWindow), 100);
   // ...and no longer than the end of their bucket plus the window.
-  EXPECT_EQ(budget.LiveBytes(kA, 4 * kSecond + kWindow), 0);
+  EXPECT_EQ(Held(budget, kA, 4 * kSecond + kWindow), 0);
   EXPECT_TRUE(Write(budget, kA, 100, 4 * kSecond + kWindow));
   ASSERT_TRUE(budget.CheckInvariants().ok()) << budget.CheckInvariants();
 }
 
 TEST(TenantWriteBudgetTest, ReservedBytesCountUntilSettledAndUnwrittenOnesComeBack) {
   TenantWriteBudget budget(100, kWindow, 4);
-  ASSERT_TRUE(budget.SetWeight(kA, 1).ok());
   const int32_t first = budget.Reserve(kA, 60, 0);
   ASSERT_GE(first, 0);
   EXPECT_LT(budget.Reserve(kA, 41, 0), 0);  // queued, not yet written: still counted
-  EXPECT_EQ(budget.Refused(kA), 1u);
+  EXPECT_LT(budget.Reserve(kB, 41, 0), 0);  // and in the total
+  EXPECT_EQ(budget.Refused(first), 1u);
   budget.Settle(first, 60, false, kSecond);  // the key was there already: nothing stored
-  EXPECT_EQ(budget.LiveBytes(kA, kSecond), 0);
-  EXPECT_TRUE(Write(budget, kA, 100, kSecond));
+  EXPECT_EQ(Held(budget, kA, kSecond), 0);
+  EXPECT_TRUE(Write(budget, kB, 50, kSecond));
+  EXPECT_TRUE(Write(budget, kA, 50, kSecond));
   ASSERT_TRUE(budget.CheckInvariants().ok()) << budget.CheckInvariants();
 }
 
@@ -91,24 +123,27 @@ TEST(TenantWriteBudgetTest, SharesAreBoundedAndWeightsChecked) {
   EXPECT_EQ(budget.num_shares(), 3);
   EXPECT_EQ(budget.ShareOf(0xc), 0);
   EXPECT_EQ(budget.FindShare(0xd), -1);
-  // Default share in use at weight 1: 3 + 1 + 1.
-  EXPECT_EQ(budget.BudgetOf(budget.ShareOf(kA)), 600);
-  EXPECT_EQ(budget.BudgetOf(0), 200);
-  // Changing a weight in use changes the divisor.
+  // Active: A once it writes, the default share (it wrote); B has not asked: 3 + 1.
+  EXPECT_TRUE(Write(budget, kA, 1, 0));
+  EXPECT_EQ(budget.BudgetOf(budget.ShareOf(kA), 0), 750);
+  EXPECT_EQ(budget.BudgetOf(0, 0), 250);
+  // B counts once it asks; a weight changes the divisor.
+  (void)Write(budget, kB, 1, 0);
   ASSERT_TRUE(budget.SetWeight(kA, 8).ok());
-  EXPECT_EQ(budget.BudgetOf(budget.ShareOf(kB)), 100);
+  EXPECT_EQ(budget.BudgetOf(budget.ShareOf(kB), 0), 100);
   ASSERT_TRUE(budget.CheckInvariants().ok()) << budget.CheckInvariants();
 }
 
 // Random writes, settles and weights against a reference that keeps every written byte with its
-// bucket: live bytes always match, each write is refused exactly when it would pass its share's
-// budget, and one window (plus a bucket) after the shares in use last changed, their live bytes
-// add up to at most the total.
+// bucket and each share's last ask: held bytes and budgets always match, each write is refused
+// exactly when it would pass its share's budget or the total, and the shares never hold more
+// than the total.
 TEST(TenantWriteBudgetTest, RandomRunMatchesAReference) {
   for (uint32_t seed = 1; seed <= 20; ++seed) {
     SCOPED_TRACE(seed);
     std::mt19937 rng(seed);
     constexpr int64_t kTotal = 10'000;
+    constexpr int64_t kBuckets = TenantWriteBudget::kBuckets;
     TenantWriteBudget budget(kTotal, kWindow, 3);
     for (uint64_t t = 1; t <= 3; ++t) ASSERT_EQ(budget.ShareOf(t), static_cast<int32_t>(t));
     const std::vector<uint64_t> tenants = {0, 1, 2, 3, 4};  // 4 goes to the default share
@@ -123,45 +158,48 @@ TEST(TenantWriteBudgetTest, RandomRunMatchesAReference) {
       int64_t bytes;
     };
     std::vector<Pending> pending;
+    std::vector<int64_t> weight(4, 1);
+    std::vector<int64_t> asked(4, std::numeric_limits<int64_t>::min() / 2);  // never
     int64_t now = 0;
-    const int64_t bucket = kWindow / TenantWriteBudget::kBuckets;
-    auto live = [&](int32_t share) {
+    const int64_t bucket = kWindow / kBuckets;
+    auto held = [&](int32_t share) {
       int64_t sum = 0;
       for (const Written& w : written) {
-        if (w.share == share && w.epoch >= now / bucket - TenantWriteBudget::kBuckets) {
-          sum += w.bytes;
-        }
+        if (w.share == share && w.epoch >= now / bucket - kBuckets) sum += w.bytes;
       }
       for (const Pending& p : pending) {
         if (p.share == share) sum += p.bytes;
       }
       return sum;
     };
-    bool weights_set = false;
-    std::vector<bool> in_use(4, false);
-    int64_t changed = 0;  // when the shares in use or their weights last changed
-    for (int step = 0; step < 4000; ++step) {
+    auto budget_of = [&](int32_t share) {
+      int64_t weights = 0;
+      for (int32_t s = 0; s < 4; ++s) {
+        if (s == share || asked[s] >= now / bucket - kBuckets || held(s) > 0) weights += weight[s];
+      }
+      return kTotal * weight[share] / weights;
+    };
+    // Tenants come and go: some stretches, one tenant is quiet for longer than the window.
+    for (int step = 0; step < 6000; ++step) {
       now += std::uniform_int_distribution<int64_t>(0, kSecond / 2)(rng);
-      const uint64_t tenant = tenants[rng() % tenants.size()];
-      const int op = static_cast<int>(rng() % 10);
-      if (op == 0 && !weights_set && step > 100) {
-        // Once, mid-run: every tenant's share exists by now.
-        for (uint64_t t = 1; t <= 3; ++t) {
-          ASSERT_TRUE(budget.SetWeight(t, static_cast<int32_t>(t)).ok());
-        }
-        weights_set = true;
-        changed = now;
-      } else if (op < 6) {
-        const int64_t bytes = std::uniform_int_distribution<int64_t>(1, 700)(rng);
+      if (step % 1000 == 999) now += kWindow;  // everyone quiet a while
+      const uint64_t tenant = tenants[rng() % (step % 2000 < 1000 ? 5 : 3)];
+      const int op = static_cast<int>(rng() % 12);
+      if (op == 0) {
+        const auto t = static_cast<uint64_t>(1 + rng() % 3);
+        const auto w = static_cast<int32_t>(1 + rng() % 5);
+        ASSERT_TRUE(budget.SetWeight(t, w).ok());
+        weight[t] = w;
+      } else if (op < 7) {
+        const int64_t bytes = std::uniform_int_distribution<int64_t>(1, 900)(rng);
         const int32_t share = budget.ShareOf(tenant);
-        const bool fits = live(share) + bytes <= budget.BudgetOf(share);
+        int64_t total = 0;
+        for (int32_t s = 0; s < 4; ++s) total += held(s);
+        const bool fits = held(share) + bytes <= budget_of(share) && total + bytes <= kTotal;
         const int32_t got = budget.Reserve(tenant, bytes, now);
-        ASSERT_EQ(got >= 0, fits);
-        if (got >= 0) {
-          pending.push_back({got, bytes});
-          if (!in_use[static_cast<size_t>(got)]) changed = now;
-          in_use[static_cast<size_t>(got)] = true;
-        }
+        ASSERT_EQ(got >= 0, fits) << "step " << step;
+        asked[share] = now / bucket;
+        if (got >= 0) pending.push_back({got, bytes});
       } else if (!pending.empty()) {
         const size_t i = rng() % pending.size();
         const bool stored = rng() % 4 != 0;
@@ -169,18 +207,14 @@ TEST(TenantWriteBudgetTest, RandomRunMatchesAReference) {
         if (stored) written.push_back({pending[i].share, now / bucket, pending[i].bytes});
         pending.erase(pending.begin() + static_cast<ptrdiff_t>(i));
       }
-      int64_t sum = 0;
-      for (uint64_t t : {uint64_t{1}, uint64_t{2}, uint64_t{3}}) {
-        const int32_t share = budget.FindShare(t);
-        if (share < 0) continue;
-        ASSERT_EQ(budget.LiveBytes(t, now), live(share));
-        sum += live(share);
+      int64_t total = 0;
+      for (int32_t s = 0; s < 4; ++s) {
+        ASSERT_EQ(budget.HeldBytes(s, now), held(s)) << "step " << step << " share " << s;
+        ASSERT_EQ(budget.BudgetOf(s, now), budget_of(s)) << "step " << step << " share " << s;
+        total += held(s);
       }
-      sum += live(0);
-      // Within one window of a change, bytes written under the old shares may exceed the new.
-      if (now >= changed + kWindow + bucket) {
-        ASSERT_LE(sum, kTotal);
-      }
+      ASSERT_LE(total, kTotal);
+      ASSERT_EQ(budget.TotalHeld(now), total);
       ASSERT_TRUE(budget.CheckInvariants().ok()) << budget.CheckInvariants();
     }
     EXPECT_EQ(budget.num_shares(), 4);  // tenant 4 found no share of its own

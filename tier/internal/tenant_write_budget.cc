@@ -31,12 +31,6 @@ int32_t TenantWriteBudget::ShareOf(uint64_t tenant) {
   return share;
 }
 
-void TenantWriteBudget::Use(Share& share) {
-  if (share.in_use) return;
-  share.in_use = true;
-  weights_in_use_ += share.weight;
-}
-
 absl::Status TenantWriteBudget::SetWeight(uint64_t tenant, int32_t weight) {
   if (tenant == 0 || weight < 1 || weight > kMaxWeight) {
     return absl::InvalidArgumentError(absl::StrCat("write budget: weight ", weight,
@@ -48,10 +42,7 @@ absl::Status TenantWriteBudget::SetWeight(uint64_t tenant, int32_t weight) {
     return absl::ResourceExhaustedError(
         absl::StrCat("write budget: all ", max_shares_, " tenant shares are taken"));
   }
-  Share& share = shares_[static_cast<size_t>(index)];
-  if (share.in_use) weights_in_use_ += weight - share.weight;
-  share.weight = weight;
-  Use(share);
+  shares_[static_cast<size_t>(index)].weight = weight;
   return absl::OkStatus();
 }
 
@@ -68,23 +59,38 @@ int64_t TenantWriteBudget::Live(Share& share, int64_t now_ns) {
   return live;
 }
 
-int64_t TenantWriteBudget::BudgetOf(const Share& share) const {
-  const int64_t weights = weights_in_use_ + (share.in_use ? 0 : share.weight);
-  return static_cast<int64_t>(static_cast<__int128>(total_bytes_) * share.weight / weights);
+int64_t TenantWriteBudget::BudgetOf(int32_t index, int64_t now_ns) {
+  int64_t weights = 0;
+  for (size_t i = 0; i < shares_.size(); ++i) {
+    if (static_cast<int32_t>(i) == index || Active(shares_[i], now_ns)) {
+      weights += shares_[i].weight;
+    }
+  }
+  const int64_t weight = shares_[static_cast<size_t>(index)].weight;
+  return static_cast<int64_t>(static_cast<__int128>(total_bytes_) * weight / weights);
 }
 
-int64_t TenantWriteBudget::BudgetOf(int32_t share) const {
-  return BudgetOf(shares_[static_cast<size_t>(share)]);
+int64_t TenantWriteBudget::HeldBytes(int32_t index, int64_t now_ns) {
+  Share& share = shares_[static_cast<size_t>(index)];
+  return Live(share, now_ns) + share.reserved;
+}
+
+int64_t TenantWriteBudget::TotalHeld(int64_t now_ns) {
+  int64_t held = 0;
+  for (size_t i = 0; i < shares_.size(); ++i) held += HeldBytes(static_cast<int32_t>(i), now_ns);
+  return held;
 }
 
 int32_t TenantWriteBudget::Reserve(uint64_t tenant, int64_t bytes, int64_t now_ns) {
   const int32_t index = ShareOf(tenant);
   Share& share = shares_[static_cast<size_t>(index)];
-  if (Live(share, now_ns) + share.reserved + bytes > BudgetOf(share)) {
+  const bool fits = HeldBytes(index, now_ns) + bytes <= BudgetOf(index, now_ns) &&
+                    TotalHeld(now_ns) + bytes <= total_bytes_;
+  share.asked_epoch = Epoch(now_ns);  // active now, whether it fits or not
+  if (!fits) {
     ++share.refused;
     return -1;
   }
-  Use(share);
   share.reserved += bytes;
   return index;
 }
@@ -101,27 +107,17 @@ void TenantWriteBudget::Settle(int32_t index, int64_t bytes, bool written, int64
   b.bytes += bytes;
 }
 
-int64_t TenantWriteBudget::LiveBytes(uint64_t tenant, int64_t now_ns) {
-  const int32_t index = Find(tenant);
-  if (index < 0) return 0;
-  Share& share = shares_[static_cast<size_t>(index)];
-  return Live(share, now_ns) + share.reserved;
-}
-
-uint64_t TenantWriteBudget::Refused(uint64_t tenant) const {
-  const int32_t index = Find(tenant);
-  return index < 0 ? 0 : shares_[static_cast<size_t>(index)].refused;
-}
-
 absl::Status TenantWriteBudget::CheckInvariants() const {
-  int64_t weights = 0;
+  // Buckets not yet dropped count too: they only ever hold less than they did when the total was
+  // last checked (Reserve), so their sum stays within it.
+  int64_t held = 0;
   for (size_t i = 0; i < shares_.size(); ++i) {
     const Share& s = shares_[i];
-    if (s.in_use) weights += s.weight;
     if (s.reserved < 0 || s.weight < 1 || s.weight > kMaxWeight) {
       return absl::InternalError(absl::StrCat("write budget: share ", i, " reserves ", s.reserved,
                                               " bytes at weight ", s.weight));
     }
+    held += s.reserved;
     for (size_t k = 0; k < s.buckets.size(); ++k) {
       const Bucket& b = s.buckets[k];
       if (b.bytes < 0 || (b.epoch >= 0 && b.epoch % (kBuckets + 1) != static_cast<int64_t>(k)) ||
@@ -129,14 +125,15 @@ absl::Status TenantWriteBudget::CheckInvariants() const {
         return absl::InternalError(absl::StrCat("write budget: share ", i, " bucket ", k,
                                                 " holds epoch ", b.epoch, " with ", b.bytes));
       }
+      held += b.bytes;
     }
     if (i > 0 && Find(s.tenant) != static_cast<int32_t>(i)) {
       return absl::InternalError(absl::StrCat("write budget: share ", i, " is not indexed"));
     }
   }
-  if (weights != weights_in_use_ || share_index_.size() + 1 != shares_.size()) {
+  if (share_index_.size() + 1 != shares_.size() || held > total_bytes_) {
     return absl::InternalError(
-        absl::StrCat("write budget: weights in use ", weights_in_use_, ", counted ", weights));
+        absl::StrCat("write budget: shares hold ", held, " bytes of ", total_bytes_));
   }
   return absl::OkStatus();
 }

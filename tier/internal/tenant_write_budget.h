@@ -4,20 +4,23 @@
 // Redis evicts by its own policy and cannot tell tenants apart (its keys are MACs), so a tenant
 // that pushes far more through it than it holds would evict every other tenant's blocks. What a
 // store can bound instead is what it writes: every value lives at most the TTL, so the bytes a
-// tenant wrote within the last TTL are all of its bytes Redis can still hold. The budget gives
-// each tenant's share total_bytes * weight / (the weights of the shares in use) of that, and a
-// write past it is refused before it is queued. While the set of shares does not change, their
-// live bytes add up to at most total_bytes: with Redis's maxmemory above the budgets of every
-// store writing to it (plus Redis's per-key overhead), Redis never has to evict, and a quiet
-// tenant's blocks live their whole TTL whatever another tenant writes. When a share joins, the
-// others' budgets shrink and a share over its new budget writes nothing until its old writes age
-// out (at most one window).
+// tenant wrote within the last TTL are all of its bytes Redis can still hold.
+//
+// Two limits, both checked before a write is queued:
+// - All shares together hold at most total_bytes, always. With Redis's maxmemory above the totals
+//   of every store writing to it (plus Redis's own overhead), Redis never has to evict, so no
+//   tenant's blocks are pushed out by another's writes: they live their whole TTL.
+// - Each share holds at most total_bytes * its weight / the weights of the active shares (its
+//   own counted): a share is active while it has bytes in the window or has asked to write within
+//   it (a refused write counts: a tenant that wants room shrinks the others' shares at once). So
+//   one tenant alone may use the whole budget; when another starts writing, the first is held to
+//   its share and the room its old writes leave as they age out goes to the other. A tenant gone
+//   quiet stops counting a window after its last write: nothing is set aside for tenants that
+//   left.
 //
 // Shares are FairSlotLru's (fair_slot_lru.h): share 0 is the default one (no tenant tag, and
 // tenants past max_shares), made on a tenant's first write or weight and never dropped, so a run
-// of made-up tenant names cannot grow them. A share is "in use", and counts in the divisor, once
-// it has a weight set (its tenant's session opened: it is expected to write) or has reserved a
-// byte; the default share's weight is 1.
+// of made-up tenant names cannot grow them. The default share's weight is 1.
 //
 // Time is cut into kBuckets buckets per window; a byte written during a bucket counts until that
 // bucket's end plus the window, never less than its value's TTL (counting it up to one bucket
@@ -29,6 +32,7 @@
 
 #include <array>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -44,14 +48,15 @@ class TenantWriteBudget {
   // REQUIRES: total_bytes > 0, window_ns > 0, max_shares >= 0 (0: one share for every tenant).
   TenantWriteBudget(int64_t total_bytes, int64_t window_ns, int32_t max_shares);
 
-  // Sets `tenant`'s weight (its share is made if need be, and is in use from now). Errors:
-  // INVALID_ARGUMENT (weight not in [1, kMaxWeight], or tenant 0), RESOURCE_EXHAUSTED (no share
-  // left: the tenant stays in the default share), nothing changed.
+  // Sets `tenant`'s weight (its share is made if need be). Errors: INVALID_ARGUMENT (weight not
+  // in [1, kMaxWeight], or tenant 0), RESOURCE_EXHAUSTED (no share left: the tenant stays in the
+  // default share), nothing changed.
   absl::Status SetWeight(uint64_t tenant, int32_t weight);
 
-  // Reserves `bytes` for a write of `tenant` at `now_ns` if they fit its share's budget (its
-  // live and reserved bytes plus these, at most its budget): returns the share to Settle them
-  // against, or -1 (the write is refused and counted in Refused()).
+  // Reserves `bytes` for a write of `tenant` at `now_ns` if they fit both limits: its share's
+  // held bytes plus these at most its share's budget, and everyone's held bytes plus these at
+  // most total_bytes. Returns the share to Settle them against, or -1 (refused, counted in
+  // Refused(), and the share is active from now).
   int32_t Reserve(uint64_t tenant, int64_t bytes, int64_t now_ns);
   // Settles a reservation of Reserve(): `written` bytes count against the share for one window
   // from `now_ns`; unwritten ones are given back. REQUIRES: `bytes` were reserved for `share`.
@@ -62,21 +67,24 @@ class TenantWriteBudget {
   // The share `tenant`'s writes go to now, without making one: -1 when it has none yet (0 for
   // tenant 0).
   int32_t FindShare(uint64_t tenant) const { return Find(tenant); }
-  // Share `share`'s budget now: total_bytes * its weight / the weights of the shares in use (its
-  // own counted).
-  int64_t BudgetOf(int32_t share) const;
-  // Bytes of `tenant`'s share written within the window before `now_ns` (reserved ones
-  // included), and its writes refused since creation; 0 for a tenant with no share of its own
-  // (the default share's: tenant 0).
-  int64_t LiveBytes(uint64_t tenant, int64_t now_ns);
-  uint64_t Refused(uint64_t tenant) const;
+  // Share `share`'s budget at `now_ns`: total_bytes * its weight / the weights of the active
+  // shares, its own counted.
+  int64_t BudgetOf(int32_t share, int64_t now_ns);
+  // Bytes share `share` holds at `now_ns`: written within the window, and reserved.
+  int64_t HeldBytes(int32_t share, int64_t now_ns);
+  // Every share's held bytes: never more than total_bytes.
+  int64_t TotalHeld(int64_t now_ns);
+  // Writes refused to `share` since creation.
+  uint64_t Refused(int32_t share) const { return shares_[static_cast<size_t>(share)].refused; }
   int32_t num_shares() const { return static_cast<int32_t>(shares_.size()); }
+  int64_t total_bytes() const { return total_bytes_; }
 
-  // Each share's buckets are within the window's epochs and non-negative, reservations are
-  // non-negative, and the divisor is the in-use shares' weights.
+  // Each share's buckets are within their epochs' slots and non-negative, reservations are
+  // non-negative, every share but the default is indexed, and the shares hold at most the total.
   absl::Status CheckInvariants() const;
 
  private:
+  static constexpr int64_t kNever = std::numeric_limits<int64_t>::min() / 2;
   struct Bucket {
     int64_t epoch = -1;
     int64_t bytes = 0;
@@ -84,23 +92,24 @@ class TenantWriteBudget {
   struct Share {
     uint64_t tenant = 0;
     int32_t weight = 1;
-    bool in_use = false;
     int64_t reserved = 0;
     uint64_t refused = 0;
+    int64_t asked_epoch = kNever;                // the last Reserve's, accepted or not
     std::array<Bucket, kBuckets + 1> buckets{};  // epochs [now - kBuckets, now]
   };
 
   int64_t Epoch(int64_t now_ns) const { return now_ns / bucket_ns_; }
   // Written bytes of `share` still live at `now_ns`; drops buckets that aged out.
   int64_t Live(Share& share, int64_t now_ns);
-  int64_t BudgetOf(const Share& share) const;
-  void Use(Share& share);
+  bool Active(Share& share, int64_t now_ns) {
+    return share.asked_epoch >= Epoch(now_ns) - kBuckets || share.reserved > 0 ||
+           Live(share, now_ns) > 0;
+  }
   int32_t Find(uint64_t tenant) const;
 
   const int64_t total_bytes_;
   const int64_t bucket_ns_;
   const int32_t max_shares_;
-  int64_t weights_in_use_ = 0;
   std::vector<Share> shares_;
   absl::flat_hash_map<uint64_t, int32_t> share_index_;
 };
