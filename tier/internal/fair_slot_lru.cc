@@ -6,29 +6,21 @@
 namespace kvpool::tier::internal {
 
 FairSlotLru::FairSlotLru(int64_t slots, int32_t max_shares)
-    : max_shares_(max_shares), links_(static_cast<size_t>(slots)), shares_(1) {}
+    : tenants_(max_shares), links_(static_cast<size_t>(slots)), shares_(1) {}
 
 int32_t FairSlotLru::ShareOf(uint64_t tenant) {
-  if (tenant == 0 || max_shares_ == 0) return 0;
-  if (const auto it = share_index_.find(tenant); it != share_index_.end()) return it->second;
-  if (static_cast<int32_t>(shares_.size()) > max_shares_) return 0;
-  const auto share = static_cast<int32_t>(shares_.size());
-  shares_.push_back(ShareState{.tenant = tenant});
-  share_index_.emplace(tenant, share);
+  bool made = false;
+  const int32_t share = tenants_.ShareOf(tenant, &made);
+  if (made) shares_.push_back(ShareState{.tenant = tenant});
   return share;
 }
 
 absl::Status FairSlotLru::SetWeight(uint64_t tenant, int32_t weight) {
-  if (tenant == 0 || weight < 1 || weight > kMaxWeight) {
-    return absl::InvalidArgumentError(absl::StrCat("tier share: weight ", weight, " of tenant tag ",
-                                                   tenant, " (1..", kMaxWeight, ", a tenant)"));
-  }
-  const int32_t share = ShareOf(tenant);
-  if (share == 0) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("tier share: all ", max_shares_, " tenant shares are taken"));
-  }
-  shares_[static_cast<size_t>(share)].weight = weight;
+  bool made = false;
+  const absl::StatusOr<int32_t> share = tenants_.ShareToWeigh(tenant, weight, "tier share", &made);
+  if (!share.ok()) return share.status();
+  if (made) shares_.push_back(ShareState{.tenant = tenant});
+  shares_[static_cast<size_t>(*share)].weight = weight;
   return absl::OkStatus();
 }
 
@@ -106,13 +98,13 @@ int32_t FairSlotLru::Victim() const {
 }
 
 int64_t FairSlotLru::used_by(uint64_t tenant) const {
-  const auto it = share_index_.find(tenant);
-  return it == share_index_.end() ? 0 : shares_[static_cast<size_t>(it->second)].used;
+  const int32_t share = tenants_.Find(tenant);
+  return share <= 0 ? 0 : shares_[static_cast<size_t>(share)].used;
 }
 
 uint64_t FairSlotLru::evicted_from(uint64_t tenant) const {
-  const auto it = share_index_.find(tenant);
-  return it == share_index_.end() ? 0 : shares_[static_cast<size_t>(it->second)].evicted;
+  const int32_t share = tenants_.Find(tenant);
+  return share <= 0 ? 0 : shares_[static_cast<size_t>(share)].evicted;
 }
 
 absl::Status FairSlotLru::CheckInvariants() const {

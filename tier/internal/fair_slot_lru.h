@@ -18,14 +18,14 @@
 #include <cstdint>
 #include <vector>
 
-#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
+#include "tier/internal/tenant_shares.h"
 
 namespace kvpool::tier::internal {
 
 class FairSlotLru {
  public:
-  static constexpr int32_t kMaxWeight = 1'000'000;  // as the pool's (PrefixCache::kMaxShareWeight)
+  static constexpr int32_t kMaxWeight = TenantShares::kMaxWeight;
 
   // `slots` slots (>= 0), `max_shares` tenant shares beside the default one (>= 0).
   FairSlotLru(int64_t slots, int32_t max_shares);
@@ -88,10 +88,9 @@ class FairSlotLru {
   void PushFront(int32_t slot);
   void Detach(int32_t slot);
 
-  const int32_t max_shares_;
+  TenantShares tenants_;
   std::vector<Link> links_;
-  std::vector<ShareState> shares_;  // [0]: the default share
-  absl::flat_hash_map<uint64_t, int32_t> share_index_;
+  std::vector<ShareState> shares_;  // [share]: [0] the default one
 };
 
 }  // namespace kvpool::tier::internal

@@ -10,39 +10,25 @@ namespace kvpool::tier::internal {
 TenantWriteBudget::TenantWriteBudget(int64_t total_bytes, int64_t window_ns, int32_t max_shares)
     : total_bytes_(total_bytes),
       bucket_ns_(std::max<int64_t>(1, window_ns / kBuckets)),
-      max_shares_(max_shares),
+      tenants_(max_shares),
       shares_(1) {
   KVPOOL_CHECK(total_bytes > 0 && window_ns > 0 && max_shares >= 0);
 }
 
-int32_t TenantWriteBudget::Find(uint64_t tenant) const {
-  if (tenant == 0) return 0;
-  const auto it = share_index_.find(tenant);
-  return it == share_index_.end() ? -1 : it->second;
-}
-
 int32_t TenantWriteBudget::ShareOf(uint64_t tenant) {
-  if (tenant == 0 || max_shares_ == 0) return 0;
-  if (const int32_t share = Find(tenant); share >= 0) return share;
-  if (static_cast<int32_t>(shares_.size()) > max_shares_) return 0;
-  const auto share = static_cast<int32_t>(shares_.size());
-  shares_.push_back(Share{.tenant = tenant});
-  share_index_.emplace(tenant, share);
+  bool made = false;
+  const int32_t share = tenants_.ShareOf(tenant, &made);
+  if (made) shares_.push_back(Share{.tenant = tenant});
   return share;
 }
 
 absl::Status TenantWriteBudget::SetWeight(uint64_t tenant, int32_t weight) {
-  if (tenant == 0 || weight < 1 || weight > kMaxWeight) {
-    return absl::InvalidArgumentError(absl::StrCat("write budget: weight ", weight,
-                                                   " of tenant tag ", tenant, " (1..", kMaxWeight,
-                                                   ", a tenant)"));
-  }
-  const int32_t index = ShareOf(tenant);
-  if (index == 0) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("write budget: all ", max_shares_, " tenant shares are taken"));
-  }
-  shares_[static_cast<size_t>(index)].weight = weight;
+  bool made = false;
+  const absl::StatusOr<int32_t> share =
+      tenants_.ShareToWeigh(tenant, weight, "write budget", &made);
+  if (!share.ok()) return share.status();
+  if (made) shares_.push_back(Share{.tenant = tenant});
+  shares_[static_cast<size_t>(*share)].weight = weight;
   return absl::OkStatus();
 }
 
@@ -127,11 +113,11 @@ absl::Status TenantWriteBudget::CheckInvariants() const {
       }
       held += b.bytes;
     }
-    if (i > 0 && Find(s.tenant) != static_cast<int32_t>(i)) {
+    if (i > 0 && tenants_.Find(s.tenant) != static_cast<int32_t>(i)) {
       return absl::InternalError(absl::StrCat("write budget: share ", i, " is not indexed"));
     }
   }
-  if (share_index_.size() + 1 != shares_.size() || held > total_bytes_) {
+  if (static_cast<size_t>(tenants_.num_shares()) != shares_.size() || held > total_bytes_) {
     return absl::InternalError(
         absl::StrCat("write budget: shares hold ", held, " bytes of ", total_bytes_));
   }

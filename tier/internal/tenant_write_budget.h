@@ -35,14 +35,14 @@
 #include <limits>
 #include <vector>
 
-#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
+#include "tier/internal/tenant_shares.h"
 
 namespace kvpool::tier::internal {
 
 class TenantWriteBudget {
  public:
-  static constexpr int32_t kMaxWeight = 1'000'000;  // as FairSlotLru's
+  static constexpr int32_t kMaxWeight = TenantShares::kMaxWeight;
   static constexpr int64_t kBuckets = 16;
 
   // REQUIRES: total_bytes > 0, window_ns > 0, max_shares >= 0 (0: one share for every tenant).
@@ -66,7 +66,7 @@ class TenantWriteBudget {
   int32_t ShareOf(uint64_t tenant);
   // The share `tenant`'s writes go to now, without making one: -1 when it has none yet (0 for
   // tenant 0).
-  int32_t FindShare(uint64_t tenant) const { return Find(tenant); }
+  int32_t FindShare(uint64_t tenant) const { return tenants_.Find(tenant); }
   // Share `share`'s budget at `now_ns`: total_bytes * its weight / the weights of the active
   // shares, its own counted.
   int64_t BudgetOf(int32_t share, int64_t now_ns);
@@ -105,13 +105,11 @@ class TenantWriteBudget {
     return share.asked_epoch >= Epoch(now_ns) - kBuckets || share.reserved > 0 ||
            Live(share, now_ns) > 0;
   }
-  int32_t Find(uint64_t tenant) const;
 
   const int64_t total_bytes_;
   const int64_t bucket_ns_;
-  const int32_t max_shares_;
-  std::vector<Share> shares_;
-  absl::flat_hash_map<uint64_t, int32_t> share_index_;
+  TenantShares tenants_;
+  std::vector<Share> shares_;  // [share]: [0] the default one
 };
 
 }  // namespace kvpool::tier::internal
