@@ -319,7 +319,6 @@ bool RedisBlockStore::Put(const BlockSpace& space, const BlockToStore& block) {
            queued_bytes_ + value_bytes > options_.write_queue_bytes;
   };
   WriteItem item{.key = BlockKey(secret_, space, block.hash, options_.key_slotting)};
-  const int64_t budget_bytes = static_cast<int64_t>(item.key.size()) + value_bytes;
   {
     // Checked before the copy too, so a full queue or a spent budget costs no copy of the block.
     absl::MutexLock lock(&queue_mu_);
@@ -328,7 +327,8 @@ bool RedisBlockStore::Put(const BlockSpace& space, const BlockToStore& block) {
       return false;
     }
     if (budget_) {
-      item.share = budget_->Reserve(block.tags.tenant, budget_bytes, clock_->NowNanos());
+      item.reserved = static_cast<int64_t>(item.key.size()) + value_bytes;
+      item.share = budget_->Reserve(block.tags.tenant, item.reserved, clock_->NowNanos());
       if (item.share < 0) {
         ++counters_.dropped_over_budget;
         return false;
@@ -346,7 +346,7 @@ bool RedisBlockStore::Put(const BlockSpace& space, const BlockToStore& block) {
   absl::MutexLock lock(&queue_mu_);
   if (full() || stopping_) {
     ++(stopping_ ? counters_.dropped_shutdown : counters_.dropped_queue_full);
-    if (item.share >= 0) budget_->Settle(item.share, budget_bytes, false, 0);
+    if (item.share >= 0) budget_->Settle(item.share, item.reserved, false, 0);
     return false;
   }
   queued_bytes_ += value_bytes;
@@ -369,7 +369,7 @@ void RedisBlockStore::WriterLoop() {
       if (stopping_) {
         // Every reservation is given back (the store is going; keeps CheckInvariants true).
         for (const WriteItem& item : queue_) {
-          if (item.share >= 0) budget_->Settle(item.share, BudgetBytes(item), false, 0);
+          if (item.share >= 0) budget_->Settle(item.share, item.reserved, false, 0);
         }
         counters_.dropped_shutdown += queue_.size();
         completed_ += static_cast<int64_t>(queue_.size());
@@ -429,7 +429,7 @@ void RedisBlockStore::CompleteBatch(const std::vector<WriteItem>& batch) {
     // now on counts them at least as long as Redis can hold them.
     const int64_t now = clock_->NowNanos();
     for (const WriteItem& item : batch) {
-      if (item.share >= 0) budget_->Settle(item.share, BudgetBytes(item), item.written, now);
+      if (item.share >= 0) budget_->Settle(item.share, item.reserved, item.written, now);
     }
   }
   queued_bytes_ -= bytes;

@@ -123,12 +123,9 @@ class RedisBlockStore final : public RemoteTier {
     std::string key;
     std::string value;     // header + payload
     int32_t share = -1;    // the budget share its bytes are reserved in; -1: no budget
+    int64_t reserved = 0;  // those bytes: what Redis keeps for it, its key and its value
     bool written = false;  // set by WriteBatch: stored (not found there, not lost)
   };
-  // A write's bytes as the budget counts them: what Redis keeps for it, its key and its value.
-  static int64_t BudgetBytes(const WriteItem& item) {
-    return static_cast<int64_t>(item.key.size() + item.value.size());
-  }
   // A client with the client stats already added to the store's totals.
   struct PooledClient {
     std::unique_ptr<RedisClient> client;

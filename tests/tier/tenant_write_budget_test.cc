@@ -134,87 +134,99 @@ TEST(TenantWriteBudgetTest, SharesAreBoundedAndWeightsChecked) {
   ASSERT_TRUE(budget.CheckInvariants().ok()) << budget.CheckInvariants();
 }
 
-// Random writes, settles and weights against a reference that keeps every written byte with its
-// bucket and each share's last ask: held bytes and budgets always match, each write is refused
-// exactly when it would pass its share's budget or the total, and the shares never hold more
-// than the total.
+// The budget's rules spelled out over a list of every write and its time: four shares (the
+// default and tenants 1..3), kTotal bytes, one window of kBuckets buckets.
+struct Reference {
+  static constexpr int64_t kTotal = 10'000;
+  static constexpr int64_t kBuckets = TenantWriteBudget::kBuckets;
+  static constexpr int64_t kBucket = kWindow / kBuckets;
+  static constexpr int64_t kNever = std::numeric_limits<int64_t>::min() / 2;
+  struct Written {
+    int32_t share;
+    int64_t epoch;
+    int64_t bytes;
+  };
+  struct Pending {
+    int32_t share;
+    int64_t bytes;
+  };
+  std::vector<Written> written;
+  std::vector<Pending> pending;
+  std::vector<int64_t> weight = std::vector<int64_t>(4, 1);
+  std::vector<int64_t> asked = std::vector<int64_t>(4, kNever);  // epoch of the last ask
+  int64_t now = 0;
+
+  int64_t Oldest() const { return now / kBucket - kBuckets; }
+  int64_t Held(int32_t share) const {
+    int64_t sum = 0;
+    for (const Written& w : written) {
+      if (w.share == share && w.epoch >= Oldest()) sum += w.bytes;
+    }
+    for (const Pending& p : pending) {
+      if (p.share == share) sum += p.bytes;
+    }
+    return sum;
+  }
+  int64_t Total() const {
+    int64_t sum = 0;
+    for (int32_t s = 0; s < 4; ++s) sum += Held(s);
+    return sum;
+  }
+  int64_t BudgetOf(int32_t share) const {
+    int64_t weights = 0;
+    for (int32_t s = 0; s < 4; ++s) {
+      if (s == share || asked[s] >= Oldest() || Held(s) > 0) weights += weight[s];
+    }
+    return kTotal * weight[share] / weights;
+  }
+  bool Fits(int32_t share, int64_t bytes) const {
+    return Held(share) + bytes <= BudgetOf(share) && Total() + bytes <= kTotal;
+  }
+};
+
+// Random writes, settles and weights against the Reference, with tenants coming and going: held
+// bytes and budgets always match, each write is refused exactly when it would pass its share's
+// budget or the total, and the shares never hold more than the total.
 TEST(TenantWriteBudgetTest, RandomRunMatchesAReference) {
   for (uint32_t seed = 1; seed <= 20; ++seed) {
     SCOPED_TRACE(seed);
     std::mt19937 rng(seed);
-    constexpr int64_t kTotal = 10'000;
-    constexpr int64_t kBuckets = TenantWriteBudget::kBuckets;
-    TenantWriteBudget budget(kTotal, kWindow, 3);
+    TenantWriteBudget budget(Reference::kTotal, kWindow, 3);
     for (uint64_t t = 1; t <= 3; ++t) ASSERT_EQ(budget.ShareOf(t), static_cast<int32_t>(t));
     const std::vector<uint64_t> tenants = {0, 1, 2, 3, 4};  // 4 goes to the default share
-    struct Written {
-      int32_t share;
-      int64_t epoch;
-      int64_t bytes;
-    };
-    std::vector<Written> written;
-    struct Pending {
-      int32_t share;
-      int64_t bytes;
-    };
-    std::vector<Pending> pending;
-    std::vector<int64_t> weight(4, 1);
-    std::vector<int64_t> asked(4, std::numeric_limits<int64_t>::min() / 2);  // never
-    int64_t now = 0;
-    const int64_t bucket = kWindow / kBuckets;
-    auto held = [&](int32_t share) {
-      int64_t sum = 0;
-      for (const Written& w : written) {
-        if (w.share == share && w.epoch >= now / bucket - kBuckets) sum += w.bytes;
-      }
-      for (const Pending& p : pending) {
-        if (p.share == share) sum += p.bytes;
-      }
-      return sum;
-    };
-    auto budget_of = [&](int32_t share) {
-      int64_t weights = 0;
-      for (int32_t s = 0; s < 4; ++s) {
-        if (s == share || asked[s] >= now / bucket - kBuckets || held(s) > 0) weights += weight[s];
-      }
-      return kTotal * weight[share] / weights;
-    };
-    // Tenants come and go: some stretches, one tenant is quiet for longer than the window.
+    Reference ref;
     for (int step = 0; step < 6000; ++step) {
-      now += std::uniform_int_distribution<int64_t>(0, kSecond / 2)(rng);
-      if (step % 1000 == 999) now += kWindow;  // everyone quiet a while
-      const uint64_t tenant = tenants[rng() % (step % 2000 < 1000 ? 5 : 3)];
+      ref.now += std::uniform_int_distribution<int64_t>(0, kSecond / 2)(rng);
+      if (step % 1000 == 999) ref.now += kWindow;  // everyone quiet a while
+      const uint64_t tenant = tenants[rng() % (step % 2000 < 1000 ? 5 : 3)];  // 3, 4 come and go
       const int op = static_cast<int>(rng() % 12);
       if (op == 0) {
         const auto t = static_cast<uint64_t>(1 + rng() % 3);
         const auto w = static_cast<int32_t>(1 + rng() % 5);
         ASSERT_TRUE(budget.SetWeight(t, w).ok());
-        weight[t] = w;
+        ref.weight[t] = w;
       } else if (op < 7) {
         const int64_t bytes = std::uniform_int_distribution<int64_t>(1, 900)(rng);
         const int32_t share = budget.ShareOf(tenant);
-        int64_t total = 0;
-        for (int32_t s = 0; s < 4; ++s) total += held(s);
-        const bool fits = held(share) + bytes <= budget_of(share) && total + bytes <= kTotal;
-        const int32_t got = budget.Reserve(tenant, bytes, now);
+        const bool fits = ref.Fits(share, bytes);
+        const int32_t got = budget.Reserve(tenant, bytes, ref.now);
         ASSERT_EQ(got >= 0, fits) << "step " << step;
-        asked[share] = now / bucket;
-        if (got >= 0) pending.push_back({got, bytes});
-      } else if (!pending.empty()) {
-        const size_t i = rng() % pending.size();
+        ref.asked[share] = ref.now / Reference::kBucket;
+        if (got >= 0) ref.pending.push_back({got, bytes});
+      } else if (!ref.pending.empty()) {
+        const size_t i = rng() % ref.pending.size();
+        const Reference::Pending p = ref.pending[i];
         const bool stored = rng() % 4 != 0;
-        budget.Settle(pending[i].share, pending[i].bytes, stored, now);
-        if (stored) written.push_back({pending[i].share, now / bucket, pending[i].bytes});
-        pending.erase(pending.begin() + static_cast<ptrdiff_t>(i));
+        budget.Settle(p.share, p.bytes, stored, ref.now);
+        if (stored) ref.written.push_back({p.share, ref.now / Reference::kBucket, p.bytes});
+        ref.pending.erase(ref.pending.begin() + static_cast<ptrdiff_t>(i));
       }
-      int64_t total = 0;
       for (int32_t s = 0; s < 4; ++s) {
-        ASSERT_EQ(budget.HeldBytes(s, now), held(s)) << "step " << step << " share " << s;
-        ASSERT_EQ(budget.BudgetOf(s, now), budget_of(s)) << "step " << step << " share " << s;
-        total += held(s);
+        ASSERT_EQ(budget.HeldBytes(s, ref.now), ref.Held(s)) << "step " << step << " share " << s;
+        ASSERT_EQ(budget.BudgetOf(s, ref.now), ref.BudgetOf(s)) << "step " << step;
       }
-      ASSERT_LE(total, kTotal);
-      ASSERT_EQ(budget.TotalHeld(now), total);
+      ASSERT_LE(ref.Total(), Reference::kTotal);
+      ASSERT_EQ(budget.TotalHeld(ref.now), ref.Total());
       ASSERT_TRUE(budget.CheckInvariants().ok()) << budget.CheckInvariants();
     }
     EXPECT_EQ(budget.num_shares(), 4);  // tenant 4 found no share of its own
