@@ -177,6 +177,8 @@ TEST_F(RedisSecurityTest, AclUserWithPasswordWorksAndAConnectionWithoutItIsRefus
   EXPECT_EQ(store->stats().written, 2u);
   EXPECT_EQ(LookupAll(*store, chain, &out, kSpace), 2);
   EXPECT_EQ(out.storage, chain.blocks);
+  // The checkpoint probe (EXISTS) is allowed too.
+  EXPECT_EQ(store->MayHave(kSpace, chain.hashes), std::vector<bool>({true, true}));
   EXPECT_EQ(store->stats().lookup_errors, 0u);
 }
 
