@@ -327,7 +327,7 @@ bool RedisBlockStore::Put(const BlockSpace& space, const BlockToStore& block) {
       return false;
     }
     if (budget_) {
-      item.reserved = static_cast<int64_t>(item.key.size()) + value_bytes;
+      item.reserved = entry_cost_.Of(static_cast<int64_t>(item.key.size()), value_bytes);
       item.share = budget_->Reserve(block.tags.tenant, item.reserved, clock_->NowNanos());
       if (item.share < 0) {
         ++counters_.dropped_over_budget;
@@ -383,6 +383,7 @@ void RedisBlockStore::WriterLoop() {
       }
     }
     WriteBatch(batch);
+    if (budget_) MeasureEntries(batch);  // before the batch completes: a Flush sees its answer
     CompleteBatch(batch);
   }
 }
@@ -434,6 +435,39 @@ void RedisBlockStore::CompleteBatch(const std::vector<WriteItem>& batch) {
   }
   queued_bytes_ -= bytes;
   completed_ += static_cast<int64_t>(batch.size());
+}
+
+void RedisBlockStore::MeasureEntries(const std::vector<WriteItem>& batch) {
+  const WriteItem* sample = nullptr;
+  {
+    absl::MutexLock lock(&queue_mu_);
+    for (const WriteItem& item : batch) {
+      if (item.written && entry_cost_.Unmeasured(static_cast<int64_t>(item.value.size()))) {
+        sample = &item;
+        break;
+      }
+    }
+  }
+  if (sample == nullptr) return;
+  const RedisCommand command{.args = {"MEMORY", "USAGE", sample->key}, .key_index = 2};
+  std::vector<absl::StatusOr<RedisReply>> replies = writer_.client->Execute(std::span(&command, 1));
+  AddClientStats(&writer_);
+  int64_t usage = -1;
+  if (replies[0].ok() && (*replies[0])->type == REDIS_REPLY_INTEGER) {
+    usage = (*replies[0])->integer;
+  } else if (replies[0].ok() && (*replies[0])->type == REDIS_REPLY_NIL) {
+    return;  // evicted or expired already: asked again with the next one written
+  } else if (!replies[0].ok() && absl::IsUnavailable(replies[0].status())) {
+    return;  // not the server's answer: asked again
+  } else {
+    // Refused (an ACL without MEMORY USAGE, a server without the command): the model stands.
+    Log().info(
+        "redis tier: MEMORY USAGE not answered ({}); the write budget counts keys by its model of "
+        "Redis with jemalloc",
+        replies[0].ok() ? absl::string_view("not a number") : replies[0].status().message());
+  }
+  absl::MutexLock lock(&queue_mu_);
+  entry_cost_.Measured(static_cast<int64_t>(sample->value.size()), usage);
 }
 
 absl::Status RedisBlockStore::Flush(absl::Duration timeout) {

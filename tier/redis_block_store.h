@@ -62,6 +62,7 @@
 #include "kvpool/util/clock.h"
 #include "tier/block_codec.h"
 #include "tier/circuit_breaker.h"
+#include "tier/internal/redis_memory.h"
 #include "tier/internal/tenant_write_budget.h"
 #include "tier/redis_client.h"
 #include "tier/redis_tier_options.h"
@@ -123,7 +124,7 @@ class RedisBlockStore final : public RemoteTier {
     std::string key;
     std::string value;     // header + payload
     int32_t share = -1;    // the budget share its bytes are reserved in; -1: no budget
-    int64_t reserved = 0;  // those bytes: what Redis keeps for it, its key and its value
+    int64_t reserved = 0;  // those bytes: what Redis spends on it (internal::RedisEntryCost)
     bool written = false;  // set by WriteBatch: stored (not found there, not lost)
   };
   // A client with the client stats already added to the store's totals.
@@ -190,6 +191,10 @@ class RedisBlockStore final : public RemoteTier {
   void WriterLoop();
   void WriteBatch(std::vector<WriteItem>& batch);
   void CompleteBatch(const std::vector<WriteItem>& batch);
+  // Asks the server what it spends on the first key of `batch` written with a value of a length
+  // not measured yet (MEMORY USAGE), for the budget's costs. Writer thread; one round trip, and
+  // only while the budget has lengths to learn.
+  void MeasureEntries(const std::vector<WriteItem>& batch);
 
   const RedisTierOptions options_;
   const DeploymentSecret secret_;
@@ -207,6 +212,7 @@ class RedisBlockStore final : public RemoteTier {
   bool stopping_ ABSL_GUARDED_BY(queue_mu_) = false;
   // Present when options_.tenant_write_budget_bytes > 0.
   std::unique_ptr<internal::TenantWriteBudget> budget_ ABSL_GUARDED_BY(queue_mu_);
+  internal::RedisEntryCost entry_cost_ ABSL_GUARDED_BY(queue_mu_);  // what the budget counts
 
   PooledClient writer_;  // used by the writer thread only
   std::thread writer_thread_;

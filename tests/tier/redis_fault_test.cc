@@ -2,7 +2,8 @@
 // server will not do on request: a server that dribbles its replies a byte at a time must cost
 // a Lookup or a write batch no more than the call's deadline, and such calls open the breaker;
 // a cluster node that redirects to an address outside the cluster is not followed there, and
-// the password never goes there.
+// the password never goes there; a server that says it spends more on a key than the write
+// budget's model is believed.
 
 #include <atomic>
 #include <chrono>
@@ -13,6 +14,7 @@
 #include "tests/tier/fake_redis.h"
 #include "tests/tier/test_chain.h"
 #include "tier/internal/redis_connection.h"
+#include "tier/internal/redis_memory.h"
 #include "tier/key_slot.h"
 #include "tier/redis_block_store.h"
 
@@ -261,6 +263,60 @@ TEST_F(RedisFaultTest, RedirectOutsideTheClusterIsRefusedAndNeverConnected) {
   EXPECT_EQ(client.moved_redirects, 2u);
   EXPECT_TRUE(SawAuth(**member));
   EXPECT_EQ((*foreign)->accepted(), 0);
+}
+
+// A server whose keys cost more than the model of Redis 7 with jemalloc (another allocator, other
+// objects): the write budget charges what its MEMORY USAGE says, from the first answer on.
+TEST_F(RedisFaultTest, TheWriteBudgetChargesWhatTheServerSaysAKeyCosts) {
+  constexpr int64_t kUsage = 10'000;
+  auto server = FakeRedisServer::Start([](FakeConnection& connection) {
+    while (std::optional<std::vector<std::string>> command = connection.ReadCommand()) {
+      const bool usage = (*command)[0] == "MEMORY";
+      if (!connection.Write(usage ? absl::StrCat(":", kUsage, "\r\n") : "+OK\r\n")) return;
+    }
+  });
+  ASSERT_TRUE(server.ok()) << server.status();
+  RedisTierOptions options;
+  options.enabled = true;
+  options.host = "127.0.0.1";
+  options.port = (*server)->port();
+  options.ttl_seconds = 60;
+  constexpr int64_t kBudget = 100'000;
+  options.tenant_write_budget_bytes = kBudget;
+  auto made = RedisBlockStore::Create(options, secret_, &clock_);
+  ASSERT_TRUE(made.ok()) << made.status();
+  RedisBlockStore& store = **made;
+  const NamespaceTags tags{.tenant = 5, .model = 1};
+  const TestChain chain = MakeChain(kSpace, 20, kBlockBytes, 3);
+  // The first block is charged by the model (nothing measured yet) and measured once written.
+  ASSERT_TRUE(store.Put(
+      kSpace, {.hash = chain.hashes[0], .coverage = 16, .bytes = chain.blocks[0], .tags = tags}));
+  ASSERT_TRUE(store.Flush(absl::Seconds(30)).ok());
+  const int64_t key_bytes =
+      static_cast<int64_t>(BlockKey(secret_, kSpace, chain.hashes[0], options.key_slotting).size());
+  const int64_t modeled = internal::ModeledEntryBytes(key_bytes, kBlockHeaderBytes + kBlockBytes);
+  ASSERT_LT(modeled, kUsage);
+  EXPECT_EQ(store.WritesOf(tags.tenant).live_bytes, modeled);
+  // The others at what the server said: as many as the rest of the budget holds.
+  for (int i = 1; i < 20; ++i) {
+    store.Put(kSpace, {.hash = chain.hashes[static_cast<size_t>(i)],
+                       .parent = chain.hashes[static_cast<size_t>(i) - 1],
+                       .coverage = 16,
+                       .bytes = chain.blocks[static_cast<size_t>(i)],
+                       .tags = tags});
+  }
+  ASSERT_TRUE(store.Flush(absl::Seconds(30)).ok());
+  const int64_t more = (kBudget - modeled) / (kUsage + internal::kRedisUnreportedPerKeyBytes);
+  EXPECT_EQ(store.stats().written, static_cast<uint64_t>(1 + more));
+  EXPECT_EQ(store.stats().dropped_over_budget, static_cast<uint64_t>(19 - more));
+  EXPECT_EQ(store.WritesOf(tags.tenant).live_bytes,
+            modeled + more * (kUsage + internal::kRedisUnreportedPerKeyBytes));
+  // Only the first value of that length was asked about.
+  int64_t asked = 0;
+  for (const std::vector<std::string>& command : (*server)->commands()) {
+    asked += command[0] == "MEMORY" ? 1 : 0;
+  }
+  EXPECT_EQ(asked, 1);
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 // TenantWriteBudget: shares by weight, the window the bytes count for, reservations, and a
-// random run against a reference that keeps every write with its time.
+// random run against a reference that keeps every write with its time. RedisEntryCost: what the
+// budget counts per key (redis_budget_test checks it against a real server).
 
 #include "tier/internal/tenant_write_budget.h"
 
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "tier/internal/redis_memory.h"
 
 namespace kvpool::tier::internal {
 namespace {
@@ -231,6 +233,67 @@ TEST(TenantWriteBudgetTest, RandomRunMatchesAReference) {
     }
     EXPECT_EQ(budget.num_shares(), 4);  // tenant 4 found no share of its own
   }
+}
+
+// jemalloc's size classes (its documentation's table): four per doubling past 128 bytes.
+TEST(RedisEntryCostTest, SizeClassesAreJemallocs) {
+  const std::pair<int64_t, int64_t> cases[] = {{1, 8},
+                                               {8, 8},
+                                               {9, 16},
+                                               {17, 32},
+                                               {100, 112},
+                                               {128, 128},
+                                               {129, 160},
+                                               {161, 192},
+                                               {256, 256},
+                                               {257, 320},
+                                               {1000, 1024},
+                                               {1025, 1280},
+                                               {4096, 4096},
+                                               {4192, 5120},
+                                               {5121, 6144},
+                                               {65536, 65536},
+                                               {65632, 81920},
+                                               {81921, 98304},
+                                               {1 << 20, 1 << 20},
+                                               {(1 << 20) + 1, (1 << 20) + (1 << 18)}};
+  for (const auto& [bytes, size_class] : cases) {
+    EXPECT_EQ(JemallocSizeClass(bytes), size_class) << bytes;
+  }
+  for (int64_t bytes = 1; bytes < (1 << 17); bytes += 7) {
+    const int64_t c = JemallocSizeClass(bytes);
+    ASSERT_GE(c, bytes);
+    ASSERT_LE(c, bytes + bytes / 4 + 8) << bytes;  // never more than a quarter over (and 8 B)
+  }
+}
+
+TEST(RedisEntryCostTest, AKeyCostsItsRoundedStringsAndItsEntries) {
+  // A 4 KiB block's value (96-byte header, 5-byte SDS header, NUL) and a 44-byte key.
+  EXPECT_EQ(ModeledEntryBytes(44, 4192), 5120 + 48 + kRedisPerKeyBytes);
+  EXPECT_GT(ModeledEntryBytes(44, 4192), 44 + 4192 + 1000);  // what counting bytes sent misses
+  RedisEntryCost cost;
+  EXPECT_TRUE(cost.Unmeasured(4192));
+  EXPECT_EQ(cost.Of(44, 4192), ModeledEntryBytes(44, 4192));
+  // A server that says less than the model: the model (its upper bound for Redis 7) holds.
+  cost.Measured(4192, 5120 + 48 + 16 + 24);
+  EXPECT_FALSE(cost.Unmeasured(4192));
+  EXPECT_EQ(cost.Of(44, 4192), ModeledEntryBytes(44, 4192));
+  // One that says more (another allocator, other objects): what it says, and what MEMORY USAGE
+  // leaves out.
+  cost.Measured(608, 2000);
+  EXPECT_EQ(cost.Of(44, 608), 2000 + kRedisUnreportedPerKeyBytes);
+  // One that will not say: the model, and the length is not asked again.
+  cost.Measured(1000, -1);
+  EXPECT_FALSE(cost.Unmeasured(1000));
+  EXPECT_EQ(cost.Of(44, 1000), ModeledEntryBytes(44, 1000));
+  // A first answer stays.
+  cost.Measured(608, 100);
+  EXPECT_EQ(cost.Of(44, 608), 2000 + kRedisUnreportedPerKeyBytes);
+  // Lengths past kMaxMeasured are not measured (a bounded map).
+  for (int64_t len = 0; len < static_cast<int64_t>(RedisEntryCost::kMaxMeasured); ++len) {
+    cost.Measured(10'000 + len, 1);
+  }
+  EXPECT_FALSE(cost.Unmeasured(123'456));
 }
 
 }  // namespace
