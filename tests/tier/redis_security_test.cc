@@ -182,5 +182,34 @@ TEST_F(RedisSecurityTest, AclUserWithPasswordWorksAndAConnectionWithoutItIsRefus
   EXPECT_EQ(store->stats().lookup_errors, 0u);
 }
 
+// Every command the tier sends, under the deployed rules: reads, writes, the checkpoint probe and
+// the write budget's MEMORY USAGE, with ACL LOG (every command or key the ACL refused) empty
+// after. (The default user stays open here, to read the log.)
+TEST_F(RedisSecurityTest, TheDeployedRulesAllowEveryCommandTheTierSends) {
+  std::vector<std::string> setuser = {"ACL", "SETUSER", "kvpool", "reset", "on", ">kvpool pass"};
+  const std::vector<std::string> rules = DeployedAclRules();
+  setuser.insert(setuser.end(), rules.begin(), rules.end());
+  ASSERT_TRUE(server_->Command(setuser).ok());
+  ASSERT_TRUE(server_->Command({"ACL", "LOG", "RESET"}).ok());
+  RedisTierOptions options = server_->TierOptions();
+  options.username = "kvpool";
+  options.password = "kvpool pass";
+  options.ttl_seconds = 3600;
+  options.tenant_write_budget_bytes = 1 << 20;
+  auto store = NewStore(options);
+  const TestChain chain = MakeChain(kSpace, 2, kBlockBytes, 23);
+  ASSERT_EQ(chain.Put(*store, {.tenant = 3, .model = 1}), 2);
+  ASSERT_TRUE(store->Flush(absl::Seconds(30)).ok());
+  LookupBuffers out(2, kBlockBytes);
+  EXPECT_EQ(LookupAll(*store, chain, &out, kSpace), 2);
+  EXPECT_EQ(store->MayHave(kSpace, chain.hashes), std::vector<bool>({true, true}));
+  const RemoteTierStats stats = store->stats();
+  EXPECT_EQ(stats.written, 2u);
+  EXPECT_EQ(stats.lookup_errors, 0u);
+  auto denied = server_->Command({"ACL", "LOG"});
+  ASSERT_TRUE(denied.ok()) << denied.status();
+  EXPECT_EQ((*denied)->elements, 0u);
+}
+
 }  // namespace
 }  // namespace kvpool::tier
