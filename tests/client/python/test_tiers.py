@@ -1,15 +1,18 @@
 """The lower tiers against real processes (DESIGN.md §9): a prefix evicted from the device pool
 comes back from the host tier with the same greedy tokens; two daemons sharing one redis-server
 on a private Unix socket (and one deployment secret) share their prefixes byte for byte and keep
-tenants apart; Redis killed mid-run costs no call, and hits resume once it is back. Skipped
+tenants apart; Redis killed mid-run costs no call, and hits resume once it is back; a write
+budget set in the config file keeps one tenant's flood from evicting another's prefix. Skipped
 without redis-server."""
 
 import os
+import re
 import shutil
+import socket
 import subprocess
 import tempfile
-import time
 import unittest
+import urllib.request
 
 import kvpool
 from kvpool_testing import Daemon, SMALL_CONFIG, python_child, run, wait_until
@@ -23,7 +26,8 @@ class Redis:
     """redis-server on a Unix socket in a private directory, no persistence; beside it the
     deployment secret (secret_file) every daemon that shares it must name."""
 
-    def __init__(self):
+    def __init__(self, extra_args=()):
+        self.extra_args = list(extra_args)
         self.dir = tempfile.mkdtemp(prefix="kvpool-redis-")
         self.socket = os.path.join(self.dir, "redis.sock")
         self.secret = os.path.join(self.dir, "secret")
@@ -36,7 +40,7 @@ class Redis:
     def start(self):
         self.process = subprocess.Popen(
             [REDIS, "--port", "0", "--unixsocket", self.socket, "--unixsocketperm", "700",
-             "--save", "", "--appendonly", "no", "--dir", self.dir],
+             "--save", "", "--appendonly", "no", "--dir", self.dir] + self.extra_args,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         until(lambda: os.path.exists(self.socket), "redis-server's socket")
 
@@ -291,6 +295,92 @@ class RedisTierTest(unittest.TestCase):
                 py_kv("write", a.dir, PROMPT_TOKENS, 6)
                 return py_kv("read", b.dir, PROMPT_TOKENS, 6).startswith(f"matched {PROMPT_TOKENS} ")
             until(shared, "hits after redis came back", timeout=20)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tenant_samples(port, family):
+    """{tenant: value} of one per-tenant family on the daemon's /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return {m.group(1): float(m.group(2)) for m in re.finditer(
+        family + r'\{[^}]*tenant="([^"]+)"[^}]*\} (\S+)', text)}
+
+
+@unittest.skipUnless(REDIS and shutil.which("redis-cli"), "redis-server is not installed")
+class RedisBudgetTest(unittest.TestCase):
+    """tiers.redis.tenant_write_budget_bytes through a config file, end to end: a quiet tenant's
+    prefix, then another tenant's flood of twice what an 8 MiB Redis holds, then the quiet prefix
+    read on a second daemon. Without a budget Redis evicts it (the control); with a 2 MiB budget the
+    flood is cut at its share, Redis evicts nothing, and the prefix is whole on the other daemon."""
+
+    FLOOD_PROMPTS = 40  # x 6 blocks of 64 KiB: 15 MiB of values (about 19 MiB as Redis spends it)
+
+    def setUp(self):
+        self.redis = Redis(["--maxmemory", "8mb", "--maxmemory-policy", "allkeys-lru"])
+        self.addCleanup(self.redis.close)
+        self.cli = [shutil.which("redis-cli"), "-s", self.redis.socket]
+
+    def evicted_keys(self):
+        info = subprocess.run(self.cli + ["INFO", "stats"], check=True, capture_output=True,
+                              text=True).stdout
+        return int(re.search(r"evicted_keys:(\d+)", info).group(1))
+
+    def run_flood(self, budget):
+        def settled(client):
+            r = store(client.get_stats(), "redis")
+            return r.written + r.already_present + r.dropped if r.queued_blocks == 0 else -1
+
+        port = free_port()
+        extra = f"ttl_seconds: 3600 tenant_write_budget_bytes: {budget}" if budget else ""
+        config = redis_config(self.redis).replace("breaker_backoff_ms: 200",
+                                                  "breaker_backoff_ms: 200 " + extra)
+        quiet_prompt = kv_prompt(PROMPT_TOKENS, 77)
+        with Daemon(config + f'metrics {{ listen: "{port}" }}\n') as a, \
+                Daemon(redis_config(self.redis)) as b:
+            with kvpool.Client.connect(a.dir, tenant="quiet", client_name="quiet",
+                                       kv_access=True) as quiet, \
+                    kvpool.Client.connect(a.dir, tenant="flood", client_name="flood",
+                                          kv_access=True) as flood:
+                seq = quiet.allocate_one(quiet_prompt)
+                quiet.free([seq.id], commit=True)
+                until(lambda: store(quiet.get_stats(), "redis").written >= 6, "the quiet prefix")
+                for i in range(self.FLOOD_PROMPTS):
+                    seq = flood.allocate_one(kv_prompt(PROMPT_TOKENS, 1000 + i))
+                    flood.free([seq.id], commit=True)
+                    # Drained before the next, so no write is dropped for a full queue.
+                    until(lambda: settled(flood) >= 6 * (i + 2), "the flood's writes")
+                redis_a = store(flood.get_stats(), "redis")
+                bytes_by_tenant = tenant_samples(port, "kvpool_tenant_redis_bytes")
+                over = tenant_samples(port, "kvpool_tenant_redis_over_budget_blocks_total")
+            with kvpool.Client.connect(b.dir, tenant="quiet", client_name="quiet-b",
+                                       kv_access=True) as reader:
+                matched = reader.allocate_one(quiet_prompt).matched_tokens
+                self.assertTrue(reader.check_invariants().ok)
+        return matched, redis_a, bytes_by_tenant, over
+
+    def test_without_a_budget_the_flood_evicts_the_quiet_prefix(self):
+        matched, redis_a, _, _ = self.run_flood(0)
+        self.assertGreater(self.evicted_keys(), 0)
+        self.assertLess(matched, PROMPT_TOKENS)
+        self.assertEqual(redis_a.dropped, 0)
+
+    def test_a_budget_keeps_the_flood_to_its_share_and_the_quiet_prefix_whole(self):
+        budget = 2 << 20
+        matched, redis_a, bytes_by_tenant, over = self.run_flood(budget)
+        self.assertEqual(self.evicted_keys(), 0)
+        self.assertEqual(matched, PROMPT_TOKENS)
+        self.assertGreater(redis_a.dropped, 0)
+        self.assertGreater(over.get("flood", 0), 0)
+        self.assertEqual(over.get("quiet", 0), 0)
+        # Each holds at most its half (both active), the quiet tenant its six blocks.
+        self.assertLessEqual(bytes_by_tenant["flood"], budget / 2)
+        self.assertGreater(bytes_by_tenant["flood"], budget / 2 - 2 * 90_000)
+        self.assertGreater(bytes_by_tenant["quiet"], 6 * 65_632)
 
 
 if __name__ == "__main__":
