@@ -386,6 +386,34 @@ absl::StatusOr<Sequence*> KvCacheManager::Owned(SessionId caller, SequenceId seq
   return &it->second;
 }
 
+std::vector<int32_t> KvCacheManager::TokensOf(std::span<const int32_t> tokens) {
+  std::vector<int32_t> out;
+  if (tokens.empty()) return out;
+  for (size_t i = spare_tokens_.size(); i-- > 0;) {
+    if (spare_tokens_[i].capacity() >= tokens.size()) {
+      out = std::move(spare_tokens_[i]);
+      spare_tokens_[i] = std::move(spare_tokens_.back());
+      spare_tokens_.pop_back();
+      break;
+    }
+  }
+  out.assign(tokens.begin(), tokens.end());
+  return out;
+}
+
+void KvCacheManager::RecycleTokens(std::vector<int32_t> tokens) {
+  if (tokens.capacity() == 0) return;
+  tokens.clear();
+  if (spare_tokens_.size() < kSpareTokenBuffers) {
+    spare_tokens_.push_back(std::move(tokens));
+    return;
+  }
+  const auto smallest =
+      std::min_element(spare_tokens_.begin(), spare_tokens_.end(),
+                       [](const auto& a, const auto& b) { return a.capacity() < b.capacity(); });
+  if (smallest->capacity() < tokens.capacity()) *smallest = std::move(tokens);
+}
+
 void KvCacheManager::CountMissed(const AllocatePlan& p, uint64_t tokens) {
   switch (p.stop) {
     case MatchStop::kPromptEnd:  // no cache: nothing was cached
@@ -749,7 +777,7 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
                    .session = caller,
                    .ns = r.ns,
                    .slot = *slot,
-                   .tokens = std::vector<int32_t>(r.prompt.begin(), r.prompt.end()),
+                   .tokens = TokensOf(r.prompt),
                    .priority = r.priority,
                    .retain_tail = r.retain_tail};
     AdoptMatch(&seq, r, p, ctx, plan);
@@ -1070,7 +1098,7 @@ absl::StatusOr<SequenceId> KvCacheManager::Fork(SessionId caller, SequenceId seq
                  .num_tokens = parent->num_tokens,
                  .table = parent->table,
                  .window_slot = parent->window_slot,
-                 .tokens = parent->tokens,
+                 .tokens = TokensOf(parent->tokens),
                  .priority = parent->priority,
                  .retain_tail = parent->retain_tail,
                  .state_tokens = parent->state_tokens};
@@ -1143,6 +1171,7 @@ void KvCacheManager::FreeChecked(Sequence* seq, OnFree on_free) {
   ReleaseTail(seq, 0, ctx);
   if (cache_) cache_->Truncate(&seq->path, 0);
   AddSequences(caller, -1);
+  RecycleTokens(std::move(seq->tokens));
   auto it = sessions_.find(caller);
   if (it->second.sequences == 0 && it->second.quota == kUnlimited && it->second.group == 0) {
     sessions_.erase(it);

@@ -842,6 +842,10 @@ class KvCacheManager final {
                          absl::flat_hash_map<BlockId, uint32_t>* pins) const;
   // The sequence, if `caller` owns it. Errors: NOT_FOUND, PERMISSION_DENIED.
   absl::StatusOr<Sequence*> Owned(SessionId caller, SequenceId sequence);
+  // A sequence's token vector holding `tokens`, in a freed sequence's buffer when one is big
+  // enough (spare_tokens_); RecycleTokens keeps a freed one's.
+  std::vector<int32_t> TokensOf(std::span<const int32_t> tokens);
+  void RecycleTokens(std::vector<int32_t> tokens);
   // Whether writing token slot `slot` of `block` must first move the writer onto a copy:
   // another sequence holds it (`other_holders` counts them, writes already claimed in this
   // batch included), or the prefix cache published that slot.
@@ -1083,6 +1087,12 @@ class KvCacheManager final {
   std::vector<PublishedWindowBlock> published_windows_;
 
   absl::flat_hash_map<SequenceId, Sequence> sequences_;
+  // Token buffers of freed sequences, for the next ones' (at most kSpareTokenBuffers, the largest
+  // kept). Without them every long prompt's vector comes from fresh pages: malloc hands the top of
+  // its heap back to the kernel when the freed sequence's buffer leaves it free, and the next
+  // prompt's copy faults each page in again (a third of the copy's time at 512-token blocks).
+  static constexpr size_t kSpareTokenBuffers = 16;
+  std::vector<std::vector<int32_t>> spare_tokens_;
   absl::flat_hash_map<SessionId, SessionUsage> sessions_;
   absl::flat_hash_map<uint64_t, RefGroup> ref_groups_;
   const int64_t max_sequences_per_session_;              // 0: unlimited

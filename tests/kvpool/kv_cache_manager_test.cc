@@ -403,6 +403,40 @@ TEST_F(KvCacheManagerTest, BlocksInFlightAreReusedOnlyAfterTheirFence) {
   EXPECT_EQ(cache_->MarkInFlight(mixed, Fence{0, 9}).code(), absl::StatusCode::kNotFound);
 }
 
+// A freed sequence's token buffer is the next one's (a long prompt's copy then writes pages
+// already mapped), holding exactly the new sequence's tokens; a fork's tokens are its parent's.
+TEST_F(KvCacheManagerTest, FreedTokenBuffersAreReusedHoldingOnlyTheNewTokens) {
+  Make(/*num_blocks=*/512, /*max_blocks_per_seq=*/128);
+  std::vector<int32_t> prompt(1000);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(i);
+  DevicePlan plan;
+  auto first =
+      cache_->Allocate(kAlice, {.ns = kTenantA, .num_tokens = 1000, .prompt = prompt}, &plan);
+  ASSERT_TRUE(first.ok()) << first.status();
+  const int32_t* buffer = cache_->Find(first->sequence)->tokens.data();
+  ASSERT_TRUE(cache_->Free(kAlice, first->sequence, OnFree::kDiscard).ok());
+  const std::vector<int32_t> shorter = {7, 8, 9};
+  auto second =
+      cache_->Allocate(kBob, {.ns = kTenantB, .num_tokens = 40, .prompt = shorter}, &plan);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(cache_->Find(second->sequence)->tokens.data(), buffer);
+  EXPECT_EQ(cache_->Find(second->sequence)->tokens, shorter);
+  auto child = cache_->Fork(kBob, second->sequence, &plan);
+  ASSERT_TRUE(child.ok()) << child.status();
+  EXPECT_EQ(cache_->Find(*child)->tokens, shorter);
+  // Freeing more sequences than spare buffers are kept leaves the live ones' tokens alone.
+  std::vector<SequenceId> many;
+  for (int i = 0; i < 40; ++i) {
+    auto r = cache_->Allocate(
+        kAlice, {.ns = kTenantA, .num_tokens = 100, .prompt = std::span(prompt).first(100)}, &plan);
+    ASSERT_TRUE(r.ok()) << r.status();
+    many.push_back(r->sequence);
+  }
+  for (SequenceId id : many) ASSERT_TRUE(cache_->Free(kAlice, id, OnFree::kDiscard).ok());
+  EXPECT_EQ(cache_->Find(second->sequence)->tokens, shorter);
+  ExpectInvariants();
+}
+
 TEST_F(KvCacheManagerTest, StatsCountCallsAndGauges) {
   Make(8, 8);
   const SequenceId seq = Alloc(kAlice, 20);
