@@ -386,9 +386,8 @@ absl::StatusOr<Sequence*> KvCacheManager::Owned(SessionId caller, SequenceId seq
   return &it->second;
 }
 
-std::vector<int32_t> KvCacheManager::TokensOf(std::span<const int32_t> tokens) {
+std::vector<int32_t> KvCacheManager::SpareTokensOf(std::span<const int32_t> tokens) {
   std::vector<int32_t> out;
-  if (tokens.empty()) return out;
   for (size_t i = spare_tokens_.size(); i-- > 0;) {
     if (spare_tokens_[i].capacity() >= tokens.size()) {
       out = std::move(spare_tokens_[i]);
@@ -401,8 +400,7 @@ std::vector<int32_t> KvCacheManager::TokensOf(std::span<const int32_t> tokens) {
   return out;
 }
 
-void KvCacheManager::RecycleTokens(std::vector<int32_t> tokens) {
-  if (tokens.capacity() == 0) return;
+void KvCacheManager::KeepSpareTokens(std::vector<int32_t>& tokens) {
   tokens.clear();
   if (spare_tokens_.size() < kSpareTokenBuffers) {
     spare_tokens_.push_back(std::move(tokens));
@@ -411,7 +409,7 @@ void KvCacheManager::RecycleTokens(std::vector<int32_t> tokens) {
   const auto smallest =
       std::min_element(spare_tokens_.begin(), spare_tokens_.end(),
                        [](const auto& a, const auto& b) { return a.capacity() < b.capacity(); });
-  if (smallest->capacity() < tokens.capacity()) *smallest = std::move(tokens);
+  if (smallest->capacity() < tokens.capacity()) std::swap(*smallest, tokens);
 }
 
 void KvCacheManager::CountMissed(const AllocatePlan& p, uint64_t tokens) {
@@ -1171,7 +1169,7 @@ void KvCacheManager::FreeChecked(Sequence* seq, OnFree on_free) {
   ReleaseTail(seq, 0, ctx);
   if (cache_) cache_->Truncate(&seq->path, 0);
   AddSequences(caller, -1);
-  RecycleTokens(std::move(seq->tokens));
+  RecycleTokens(seq->tokens);
   auto it = sessions_.find(caller);
   if (it->second.sequences == 0 && it->second.quota == kUnlimited && it->second.group == 0) {
     sessions_.erase(it);

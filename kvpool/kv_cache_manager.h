@@ -843,9 +843,15 @@ class KvCacheManager final {
   // The sequence, if `caller` owns it. Errors: NOT_FOUND, PERMISSION_DENIED.
   absl::StatusOr<Sequence*> Owned(SessionId caller, SequenceId sequence);
   // A sequence's token vector holding `tokens`, in a freed sequence's buffer when one is big
-  // enough (spare_tokens_); RecycleTokens keeps a freed one's.
-  std::vector<int32_t> TokensOf(std::span<const int32_t> tokens);
-  void RecycleTokens(std::vector<int32_t> tokens);
+  // enough (spare_tokens_); RecycleTokens keeps a freed one's (and leaves `tokens` empty).
+  std::vector<int32_t> TokensOf(std::span<const int32_t> tokens) {
+    return tokens.empty() ? std::vector<int32_t>() : SpareTokensOf(tokens);
+  }
+  void RecycleTokens(std::vector<int32_t>& tokens) {
+    if (tokens.capacity() != 0) KeepSpareTokens(tokens);
+  }
+  std::vector<int32_t> SpareTokensOf(std::span<const int32_t> tokens);
+  void KeepSpareTokens(std::vector<int32_t>& tokens);
   // Whether writing token slot `slot` of `block` must first move the writer onto a copy:
   // another sequence holds it (`other_holders` counts them, writes already claimed in this
   // batch included), or the prefix cache published that slot.
