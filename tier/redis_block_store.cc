@@ -383,7 +383,8 @@ void RedisBlockStore::WriterLoop() {
       }
     }
     WriteBatch(batch);
-    if (budget_) MeasureEntries(batch);  // before the batch completes: a Flush sees its answer
+    // Before the batch completes: a Flush sees its answer.
+    if (options_.tenant_write_budget_bytes > 0) MeasureEntries(batch);
     CompleteBatch(batch);
   }
 }
