@@ -4,7 +4,8 @@
 # ExecStart pointing at the kvpoold just built, so it can check the binary); its
 # `systemd-analyze security` exposure stays at or below kMaxExposure; sysusers creates the user
 # and group the unit runs as; and the modes let members of that group reach the sockets
-# (RuntimeDirectoryMode group r-x, the sample config's socket_mode group rw, nothing for others).
+# (RuntimeDirectoryMode group r-x, the sample config's socket_mode group rw, nothing for others);
+# and the TCP drop-in (deploy/kvpoold-network.conf) verifies and stays within its own bound.
 #
 #   systemd_unit_test.sh KVPOOLD_BINARY DEPLOY_DIR
 #
@@ -80,4 +81,26 @@ socket_mode=$(sed -n 's/^socket_mode: *\([0-9]*\).*/\1/p' "$deploy/kvpoold.textp
 [[ -n "$socket_mode" ]] || fail "no socket_mode in deploy/kvpoold.textproto"
 (( (socket_mode & 8#060) == 8#060 && (socket_mode & 8#007) == 0 )) ||
   fail "socket_mode $socket_mode is not group rw, others nothing"
+
+# 6. TCP (docs/systemd.md): the unit alone allows Unix sockets only, so the metrics endpoint and
+# a Redis tier over TCP need deploy/kvpoold-network.conf; with it as a drop-in the unit still
+# verifies clean, may make IPv4 sockets, and its exposure stays at or below kMaxNetworkExposure.
+readonly kMaxNetworkExposure=15
+[[ "$(setting RestrictAddressFamilies)" == AF_UNIX ]] ||
+  fail "the unit allows more than AF_UNIX: docs/systemd.md says it does not"
+mkdir -p "$tmp/net/kvpoold.service.d"
+cp "$unit" "$tmp/net/kvpoold.service"
+cp "$deploy/kvpoold-network.conf" "$tmp/net/kvpoold.service.d/network.conf"
+if ! verify=$(cd "$tmp/net" && systemd-analyze verify --man=no "$tmp/net/kvpoold.service" 2>&1) ||
+    [[ -n "$verify" ]]; then
+  fail "systemd-analyze verify with the network drop-in: ${verify:-non-zero exit}"
+fi
+status=0
+security=$(systemd-analyze security --offline=yes --threshold="$kMaxNetworkExposure" \
+             "$tmp/net/kvpoold.service" 2>&1) || status=$?
+echo "$security" | grep -q '✗ RestrictAddressFamilies=~AF_(INET|INET6)' ||
+  fail "the network drop-in does not allow Internet sockets (was it read?)"
+score=$(echo "$security" | sed -n 's/.*Overall exposure level for [^:]*: \([0-9.]*\).*/\1/p')
+echo "exposure with the network drop-in: $score (at most 1.$((kMaxNetworkExposure - 10)))"
+[[ $status -eq 0 ]] || fail "exposure with the network drop-in $score is above the bound"
 echo "PASS"
