@@ -145,6 +145,25 @@ void RedisBlockStore::ReportOutcome(const absl::Status& transport) {
   }
 }
 
+void RedisBlockStore::LogFailure(Sent sent, const absl::Status& failure) {
+  static constexpr std::array<std::pair<std::string_view, std::string_view>, 3> kWhat = {{
+      {"GET", "lookup"},
+      {"EXISTS", "checkpoint probe"},
+      {"SET", "write"},
+  }};
+  const auto [command, what] = kWhat[static_cast<size_t>(sent)];
+  if (absl::IsUnavailable(failure) ||
+      refusal_logged_[static_cast<size_t>(sent)].exchange(true, std::memory_order_relaxed)) {
+    Log().debug("redis tier: {}: {}", what, failure.message());
+    return;
+  }
+  Log().warn(
+      "redis tier: the server refused {} ({}); each {} it refuses is a miss or a drop, counted in "
+      "the tier's errors and logged once here (the daemons' ACL user needs every command "
+      "deploy/redis-kvpool-acl.rules allows)",
+      command, failure.message(), what);
+}
+
 std::vector<RedisCommand> RedisBlockStore::PerBlock(std::string_view command,
                                                     const BlockSpace& space,
                                                     std::span<const BlockHash> hashes,
@@ -209,7 +228,7 @@ LookupResult RedisBlockStore::LookupChecked(const BlockSpace& space, const Block
   ReportOutcome(absl::IsUnavailable(failure) ? failure : absl::OkStatus());
   if (!failure.ok()) {
     ++counters_.lookup_errors;
-    Log().debug("redis tier: lookup: {}", failure.message());
+    LogFailure(Sent::kGet, failure);
   }
   while (result.hits < static_cast<int64_t>(hashes.size()) && verified[result.hits]) {
     result.coverage.push_back(sinks[result.hits].coverage);
@@ -240,7 +259,7 @@ std::vector<bool> RedisBlockStore::MayHave(const BlockSpace& space,
   ReportOutcome(absl::IsUnavailable(failure) ? failure : absl::OkStatus());
   if (!failure.ok()) {
     ++counters_.lookup_errors;
-    Log().debug("redis tier: exists: {}", failure.message());
+    LogFailure(Sent::kExists, failure);
   }
   return present;
 }
@@ -411,7 +430,7 @@ void RedisBlockStore::WriteBatch(std::vector<WriteItem>& batch) {
   for (size_t i = 0; i < batch.size(); ++i) {
     if (!replies[i].ok()) {
       ++counters_.dropped_write_errors;
-      Log().debug("redis tier: write: {}", replies[i].status().message());
+      LogFailure(Sent::kSet, replies[i].status());
     } else if ((*replies[i])->type == REDIS_REPLY_NIL) {
       ++counters_.already_present;
     } else {

@@ -43,6 +43,7 @@
 // copy's fence). Health stays SERVING whatever the breaker says; export stats() and
 // client_stats() with the other counters.
 
+#include <array>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -146,6 +147,13 @@ class RedisBlockStore final : public RemoteTier {
   void AddClientStats(PooledClient* pooled);
   // Feeds one round trip's outcome to the breaker, logging transitions.
   void ReportOutcome(const absl::Status& transport);
+  // The commands whose failures LogFailure reports.
+  enum class Sent { kGet, kExists, kSet };
+  // Logs a failed command. The server's refusal (an error reply: NOPERM from an ACL without the
+  // command, NOAUTH, OOM under noeviction) is logged at warn the first time for each command,
+  // since the call itself only misses or drops (counted) and nothing else would show it; a
+  // transport failure, which the breaker reports, and later refusals at debug.
+  void LogFailure(Sent sent, const absl::Status& failure);
   // Counts and logs a refusal of `key`'s value.
   void Refused(std::string_view key, BlockCheck check, size_t value_bytes);
   // Checks one GET's value for block `hash` and copies its payload into `out` when it passes
@@ -214,7 +222,8 @@ class RedisBlockStore final : public RemoteTier {
   std::unique_ptr<internal::TenantWriteBudget> budget_ ABSL_GUARDED_BY(queue_mu_);
   internal::RedisEntryCost entry_cost_ ABSL_GUARDED_BY(queue_mu_);  // what the budget counts
 
-  PooledClient writer_;  // used by the writer thread only
+  std::array<std::atomic<bool>, 3> refusal_logged_{};  // by Sent: LogFailure warned once
+  PooledClient writer_;                                // used by the writer thread only
   std::thread writer_thread_;
 
   struct Counters {

@@ -11,6 +11,8 @@
 
 #include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
+#include "kvpool/util/logging.h"
+#include "spdlog/sinks/ringbuffer_sink.h"
 #include "tests/tier/redis_store_fixture.h"
 
 namespace kvpool::tier {
@@ -209,6 +211,39 @@ TEST_F(RedisSecurityTest, TheDeployedRulesAllowEveryCommandTheTierSends) {
   auto denied = server_->Command({"ACL", "LOG"});
   ASSERT_TRUE(denied.ok()) << denied.status();
   EXPECT_EQ((*denied)->elements, 0u);
+}
+
+// A command the server refuses (here EXISTS, under rules without it: e148cd2's bug) only misses
+// and counts an error; the store says so once, at warn, naming the command and the reply, so an
+// operator sees it without reading counters. Later refusals are at debug.
+TEST_F(RedisSecurityTest, ACommandTheServerRefusesIsWarnedOnce) {
+  std::vector<std::string> setuser = {"ACL", "SETUSER", "kvpool", "reset", "on", ">kvpool pass"};
+  for (const std::string& rule : DeployedAclRules()) {
+    if (rule != "+exists") setuser.push_back(rule);
+  }
+  ASSERT_TRUE(server_->Command(setuser).ok());
+  auto ring = std::make_shared<spdlog::sinks::ringbuffer_sink_mt>(64);
+  ring->set_level(spdlog::level::warn);
+  spdlog::logger& log = Logger("tier");
+  log.sinks().push_back(ring);
+  RedisTierOptions options = server_->TierOptions();
+  options.username = "kvpool";
+  options.password = "kvpool pass";
+  auto store = NewStore(options);
+  const TestChain chain = MakeChain(kSpace, 2, kBlockBytes, 29);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(store->MayHave(kSpace, chain.hashes), std::vector<bool>({false, false}));
+  }
+  log.sinks().pop_back();
+  EXPECT_EQ(store->stats().lookup_errors, 3u);
+  int warned = 0;
+  for (const std::string& line : ring->last_formatted()) {
+    if (line.find("refused EXISTS") == std::string::npos) continue;
+    ++warned;
+    EXPECT_NE(line.find("NOPERM"), std::string::npos) << line;
+    EXPECT_NE(line.find("redis-kvpool-acl.rules"), std::string::npos) << line;
+  }
+  EXPECT_EQ(warned, 1);
 }
 
 }  // namespace
