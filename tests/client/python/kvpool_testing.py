@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from typing import Callable, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -36,6 +37,20 @@ LOADGEN = lambda: program("KVPOOL_LOADGEN")  # noqa: E731
 
 # A small pool: 256 blocks of 16 tokens of the tiny model's shape.
 SMALL_CONFIG = "pool_bytes: 16777216 max_blocks_per_seq: 64"
+
+
+def free_port() -> int:
+    """A port of 127.0.0.1 nothing listens on now (the daemon and Prometheus take an address, not
+    a descriptor; the gap between this close and their bind is the only race)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fetch(url: str, timeout: float = 5) -> str:
+    """The body of an HTTP GET (a daemon's /metrics, Prometheus's API)."""
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
 
 
 def _accepts(path: str) -> bool:

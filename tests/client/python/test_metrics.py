@@ -8,33 +8,19 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
 import threading
 import time
 import unittest
 import urllib.parse
-import urllib.request
 
 import kvpool
 from kvpool._proto import kvpool_pb2
-from kvpool_testing import REPO, SMALL_CONFIG, Daemon, KVPOOLCTL, run, wait_until
+from kvpool_testing import (REPO, SMALL_CONFIG, Daemon, KVPOOLCTL, fetch, free_port, run,
+                            wait_until)
 
 DASHBOARD = os.path.join(REPO, "deploy", "grafana", "kvpool.json")
-
-
-def free_port() -> int:
-    """A port of 127.0.0.1 nothing listens on now (the daemon and Prometheus take an address, not
-    a descriptor; the gap between this close and their bind is the only race)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def fetch(url: str, timeout: float = 5) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.read().decode()
 
 
 def tokens(n, seed=1):

@@ -8,14 +8,13 @@ without redis-server."""
 import os
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
 import unittest
-import urllib.request
 
 import kvpool
-from kvpool_testing import Daemon, SMALL_CONFIG, python_child, run, wait_until
+from kvpool_testing import (Daemon, SMALL_CONFIG, fetch, free_port, python_child, run,
+                            wait_until)
 from py_kv_client import prompt as kv_prompt
 
 REDIS = shutil.which("redis-server")
@@ -297,16 +296,9 @@ class RedisTierTest(unittest.TestCase):
             until(shared, "hits after redis came back", timeout=20)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def tenant_samples(port, family):
     """{tenant: value} of one per-tenant family on the daemon's /metrics."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
+    text = fetch(f"http://127.0.0.1:{port}/metrics")
     return {m.group(1): float(m.group(2)) for m in re.finditer(
         family + r'\{[^}]*tenant="([^"]+)"[^}]*\} (\S+)', text)}
 
