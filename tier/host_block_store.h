@@ -162,10 +162,10 @@ class HostBlockStore final : public RemoteTier {
   // The slot a new block goes to, and the key it drops to make room (from the share the fair
   // order picks); -1 when every slot is pinned.
   int32_t TakeSlot(std::optional<Key>* dropped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The slot for hashes[i] when it continues the chain, else -1 (counted corrupt when another
-  // chain holds the hash).
-  int32_t FindInChain(const BlockSpace& space, const BlockHash& parent, const BlockHash& hash)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The slot holding `hash` when it continues the chain after `parent`, else -1 (counted corrupt
+  // when another chain holds the hash). `previous`: the slot of the chain's block before, or -1.
+  int32_t FindInChain(const BlockSpace& space, const BlockHash& parent, const BlockHash& hash,
+                      int32_t previous) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Unpin(std::span<const int32_t> slots) ABSL_LOCKS_EXCLUDED(mu_);
 
   const int64_t capacity_;

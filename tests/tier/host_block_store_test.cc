@@ -4,6 +4,7 @@
 #include <map>
 #include <random>
 #include <span>
+#include <tuple>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -417,6 +418,158 @@ TEST(HostBlockStoreFairTest, RandomLoadAlwaysEvictsFromTheShareMostOverItsWeight
         << "step " << step << ": " << store->CheckInvariants();
   }
   EXPECT_GT(evictions_checked, 1000);
+}
+
+// Random chains (branches sharing a stem, two namespaces, two tenants) put whole, in pieces or
+// block by block in reverse, looked up and pinned from any block with the right or a wrong
+// parent, unpinned and invalidated, in a store that evicts all the time. Every lookup gives what a
+// model built from the listener says: the leading run stored under the parents asked for, byte
+// for byte, and a corrupt count when the run stops at a block stored under another parent. A
+// chain put at once sits in consecutive slots, and lookups read the slot after the previous hit
+// before the index: slots reused by other blocks, emptied by an invalidation or holding the same
+// hash under another chain must all miss that shortcut.
+TEST(HostBlockStoreTest, RandomChainsLookUpAsTheListenerSaysTheyWereStored) {
+  constexpr int64_t kCapacity = 20;
+  auto store = *HostBlockStore::Create(kCapacity, kBlockBytes, 2);
+  struct Family {
+    testing::TestChain chain;
+    NamespaceTags tags;
+  };
+  std::vector<Family> families;
+  std::mt19937 rng(31);
+  for (int f = 0; f < 8; ++f) {
+    const BlockSpace space{NamespaceId(f % 2 == 0 ? 7 : 8), kSpace.layout_fingerprint};
+    Family family{MakeChain(space, 10, kBlockBytes, 500 + static_cast<uint32_t>(f)),
+                  {.tenant = 1 + static_cast<uint64_t>(f % 3 == 0), .model = 1}};
+    if (f >= 2) {  // a branch: the stem of an earlier family in the same space, then its own
+      const Family& stem = families[static_cast<size_t>(f - 2)];
+      const size_t keep = 1 + rng() % 6;
+      for (size_t i = 0; i < keep; ++i) {
+        family.chain.hashes[i] = stem.chain.hashes[i];
+        family.chain.blocks[i] = stem.chain.blocks[i];
+      }
+      // The rest chains on from the shared stem.
+      for (size_t i = keep; i < family.chain.hashes.size(); ++i) {
+        const BlockHash& parent = family.chain.hashes[i - 1];
+        family.chain.hashes[i] = BlockHash{parent.lo * 31 + i + static_cast<uint64_t>(f) * 977,
+                                           parent.hi ^ (0x9E37 + static_cast<uint64_t>(f))};
+      }
+    }
+    families.push_back(std::move(family));
+  }
+  // The one hash stored under two parents: family 7's block 8 is family 5's block 8.
+  families[7].chain.hashes[8] = families[5].chain.hashes[8];
+  // Family 0's hashes under another layout (another model's pool: the same tokens chain to the
+  // same hashes), with bytes of their own.
+  Family other_layout = families[0];
+  other_layout.chain.space.layout_fingerprint += 1;
+  for (auto& bytes : other_layout.chain.blocks) {
+    for (std::byte& b : bytes) b = ~b;
+  }
+  families.push_back(std::move(other_layout));
+
+  struct Stored {
+    BlockHash parent;
+    std::vector<std::byte> bytes;
+  };
+  using Ref = std::tuple<uint64_t, uint64_t, uint64_t, uint64_t>;  // namespace, layout, hash
+  auto ref = [](const BlockSpace& space, const BlockHash& hash) {
+    return Ref{space.ns.value(), space.layout_fingerprint, hash.lo, hash.hi};
+  };
+  std::map<Ref, Stored> model;
+  const Family* putting = nullptr;  // whose Put the listener hears
+  size_t putting_index = 0;
+  store->set_listener([&](const BlockSpace& space, const BlockHash& hash, const BlockHash& parent,
+                          bool stored) {
+    const Ref key = ref(space, hash);
+    if (!stored) {
+      ASSERT_EQ(model.erase(key), 1u);
+      return;
+    }
+    ASSERT_NE(putting, nullptr);
+    ASSERT_TRUE(model.emplace(key, Stored{parent, putting->chain.blocks[putting_index]}).second);
+  });
+  auto put = [&](const Family& family, size_t i) {
+    putting = &family;
+    putting_index = i;
+    (void)store->Put(family.chain.space,
+                     {.hash = family.chain.hashes[i],
+                      .parent = i == 0 ? BlockHash{} : family.chain.hashes[i - 1],
+                      .coverage = 16,
+                      .bytes = family.chain.blocks[i],
+                      .tags = family.tags});
+    putting = nullptr;
+  };
+  // What a lookup of hashes [from, from + n) after `parent` should give: the hits, and whether
+  // the run stops at a block held under another parent.
+  auto expect = [&](const Family& family, size_t from, size_t n, BlockHash parent) {
+    size_t hits = 0;
+    bool corrupt = false;
+    for (size_t i = from; i < from + n; ++i) {
+      const auto it = model.find(ref(family.chain.space, family.chain.hashes[i]));
+      if (it == model.end()) break;
+      if (!(it->second.parent == parent)) {
+        corrupt = true;
+        break;
+      }
+      ++hits;
+      parent = family.chain.hashes[i];
+    }
+    return std::pair(hits, corrupt);
+  };
+
+  std::vector<HostBlockStore::Pins> pins;
+  int64_t long_hits = 0;
+  for (int step = 0; step < 20000; ++step) {
+    const Family& family = families[rng() % families.size()];
+    const size_t length = family.chain.hashes.size();
+    const int dice = static_cast<int>(rng() % 20);
+    if (dice < 7) {
+      const size_t from = rng() % length;
+      const size_t to = from + 1 + rng() % (length - from);
+      if (dice < 5) {
+        for (size_t i = from; i < to; ++i) put(family, i);
+      } else {
+        for (size_t i = to; i-- > from;) put(family, i);
+      }
+    } else if (dice < 17) {
+      const size_t from = rng() % length;
+      const size_t n = 1 + rng() % (length - from);
+      BlockHash parent = from == 0 ? BlockHash{} : family.chain.hashes[from - 1];
+      if (rng() % 8 == 0) parent = BlockHash{parent.lo + 1, parent.hi};  // the wrong one
+      const auto [hits, corrupt] = expect(family, from, n, parent);
+      const uint64_t corrupt_before = store->stats().corrupt;
+      const std::span<const BlockHash> asked = std::span(family.chain.hashes).subspan(from, n);
+      if (dice < 12 || pins.size() >= 4) {
+        auto buffers = Buffers(n);
+        const auto found = store->Lookup(family.chain.space, parent, asked, Spans(buffers));
+        ASSERT_TRUE(found.ok());
+        ASSERT_EQ(found->hits, static_cast<int64_t>(hits)) << "step " << step;
+        for (size_t i = 0; i < hits; ++i) {
+          ASSERT_EQ(buffers[i], family.chain.blocks[from + i]) << "step " << step << " block " << i;
+        }
+      } else {
+        HostBlockStore::Pins p = store->LookupPinned(family.chain.space, parent, asked);
+        ASSERT_EQ(p.size(), static_cast<int64_t>(hits)) << "step " << step;
+        for (size_t i = 0; i < hits; ++i) {
+          const std::span<const std::byte> bytes = p.block(i);
+          ASSERT_TRUE(std::equal(bytes.begin(), bytes.end(), family.chain.blocks[from + i].begin()))
+              << "step " << step << " pinned block " << i;
+        }
+        pins.push_back(std::move(p));
+      }
+      ASSERT_EQ(store->stats().corrupt - corrupt_before, corrupt ? 1u : 0u) << "step " << step;
+      long_hits += hits >= 3 ? 1 : 0;
+    } else if (dice < 19 && !pins.empty()) {
+      pins.erase(pins.begin() + static_cast<ptrdiff_t>(rng() % pins.size()));
+    } else if (rng() % 4 == 0) {
+      store->Invalidate({.tenant = 1 + rng() % 2});
+    }
+    ASSERT_TRUE(store->CheckInvariants().ok())
+        << "step " << step << ": " << store->CheckInvariants();
+    ASSERT_EQ(store->stored(), static_cast<int64_t>(model.size())) << "step " << step;
+  }
+  EXPECT_GT(long_hits, 400);  // runs long enough to take the shortcut, often
 }
 
 }  // namespace
