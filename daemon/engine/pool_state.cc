@@ -4,6 +4,7 @@
 #include <cmath>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "daemon/engine/promotion_hold.h"
 #include "fmt/format.h"
@@ -157,12 +158,41 @@ PoolState::PoolState(std::string name, const kernels::PoolLayout& layout, kernel
 void PoolState::StagePublished(std::span<const BlockHash> skip) {
   if (!tiers_) return;
   cache_->TakePublished(&published_);
-  tiers_->Stage(*cache_, view(), published_, skip);
-  // Taken whether or not the host tier keeps checkpoints: the journal never grows.
+  // Taken whether or not the tiers keep checkpoints and window blocks: the journals never grow.
   cache_->TakePublishedCheckpoints(&published_checkpoints_);
-  tiers_->StageCheckpoints(*cache_, view(), published_checkpoints_, skip);
   cache_->TakePublishedWindowBlocks(&published_windows_);
-  tiers_->StageWindowBlocks(*cache_, view(), published_windows_, skip);
+  if (!skip.empty()) {
+    // A promotion of n blocks publishes those n, in chain order, as `skip` lists them: matched
+    // in step, with a sorted copy (kept for the next call) for any out of step. Never a scan of
+    // `skip` per block, O(n^2) under the engine's lock.
+    size_t next = 0;
+    bool sorted = false;
+    auto by_value = [](const BlockHash& a, const BlockHash& b) {
+      return std::tie(a.lo, a.hi) < std::tie(b.lo, b.hi);
+    };
+    auto promoted = [&](const BlockHash& hash) {
+      if (next < skip.size() && skip[next] == hash) {
+        ++next;
+        return true;
+      }
+      if (!sorted) {
+        sorted_skip_.assign(skip.begin(), skip.end());
+        std::sort(sorted_skip_.begin(), sorted_skip_.end(), by_value);
+        sorted = true;
+      }
+      return std::binary_search(sorted_skip_.begin(), sorted_skip_.end(), hash, by_value);
+    };
+    std::erase_if(published_, [&](const PublishedBlock& p) { return promoted(p.hash); });
+    next = 0;
+    std::erase_if(published_checkpoints_,
+                  [&](const PublishedCheckpoint& c) { return promoted(c.block.hash); });
+    next = 0;
+    std::erase_if(published_windows_,
+                  [&](const PublishedWindowBlock& w) { return promoted(w.block.hash); });
+  }
+  tiers_->Stage(*cache_, view(), published_);
+  tiers_->StageCheckpoints(*cache_, view(), published_checkpoints_);
+  tiers_->StageWindowBlocks(*cache_, view(), published_windows_);
   DrainTierEvents();
 }
 

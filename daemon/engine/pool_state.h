@@ -164,6 +164,7 @@ class PoolState final {
   std::unique_ptr<kernels::PlanExecutor> window_executor_;
   const std::unique_ptr<TierSet> tiers_;
   std::vector<PublishedBlock> published_;                   // scratch of StagePublished
+  std::vector<BlockHash> sorted_skip_;                      // scratch of StagePublished
   std::vector<PublishedCheckpoint> published_checkpoints_;  // its checkpoints' scratch
   std::vector<PublishedWindowBlock> published_windows_;     // its window blocks' scratch
   std::vector<KvEvent> tier_events_;                        // scratch of DrainTierEvents

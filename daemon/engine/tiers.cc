@@ -214,7 +214,7 @@ void TierSet::set_on_events(std::function<void()> on_events) {
 }
 
 void TierSet::Stage(KvCacheManager& cache, const kernels::KvPoolView& view,
-                    std::span<const PublishedBlock> published, std::span<const BlockHash> skip) {
+                    std::span<const PublishedBlock> published) {
   if (published.empty()) return;
   // The compute stream may still be writing what a step just published: copy after it.
   const Fence computed = device_->LastFence(kernels::StreamId::kCompute);
@@ -233,7 +233,6 @@ void TierSet::Stage(KvCacheManager& cache, const kernels::KvPoolView& view,
     return;
   }
   for (const PublishedBlock& p : published) {
-    if (std::find(skip.begin(), skip.end(), p.hash) != skip.end()) continue;
     if (static_cast<int64_t>(queue_.size()) + in_flight_ >= max_staged_) {
       ++counters_.demote_dropped_full;
       continue;
@@ -276,8 +275,7 @@ void TierSet::Stage(KvCacheManager& cache, const kernels::KvPoolView& view,
 }
 
 void TierSet::StageCheckpoints(KvCacheManager& cache, const kernels::KvPoolView& view,
-                               std::span<const PublishedCheckpoint> published,
-                               std::span<const BlockHash> skip) {
+                               std::span<const PublishedCheckpoint> published) {
   if (!keeps_checkpoints() || published.empty()) return;
   std::vector<ComponentCopy> copies;
   copies.reserve(published.size());
@@ -285,14 +283,13 @@ void TierSet::StageCheckpoints(KvCacheManager& cache, const kernels::KvPoolView&
     copies.push_back(
         {&c.block, reinterpret_cast<const std::byte*>(view.state(c.slot.value())), c.slot});
   }
-  const auto [copied, last] = StageComponents(Staged::Kind::kCheckpoint, copies, skip);
+  const auto [copied, last] = StageComponents(Staged::Kind::kCheckpoint, copies);
   // Until the copies have run the slots stay out of the free list, whatever happens to them.
   if (!copied.empty()) KVPOOL_CHECK_OK(cache.MarkStatesInFlight(copied, last));
 }
 
 void TierSet::StageWindowBlocks(KvCacheManager& cache, const kernels::KvPoolView& view,
-                                std::span<const PublishedWindowBlock> published,
-                                std::span<const BlockHash> skip) {
+                                std::span<const PublishedWindowBlock> published) {
   if (!keeps_window_blocks() || published.empty()) return;
   const auto* region = static_cast<const std::byte*>(view.Window().base);
   std::vector<ComponentCopy> copies;
@@ -300,13 +297,13 @@ void TierSet::StageWindowBlocks(KvCacheManager& cache, const kernels::KvPoolView
   for (const PublishedWindowBlock& w : published) {
     copies.push_back({&w.block, region + w.window.value() * window_bytes_, w.window});
   }
-  const auto [copied, last] = StageComponents(Staged::Kind::kWindow, copies, skip);
+  const auto [copied, last] = StageComponents(Staged::Kind::kWindow, copies);
   // Until the copies have run the blocks stay out of the free list, whatever happens to them.
   if (!copied.empty()) KVPOOL_CHECK_OK(cache.MarkWindowInFlight(copied, last));
 }
 
 std::pair<std::vector<BlockId>, Fence> TierSet::StageComponents(
-    Staged::Kind kind, std::span<const ComponentCopy> copies, std::span<const BlockHash> skip) {
+    Staged::Kind kind, std::span<const ComponentCopy> copies) {
   std::pair<std::vector<BlockId>, Fence> out;
   auto& [copied, last] = out;
   // The compute stream may still be writing what a step just took: copy after it.
@@ -322,7 +319,7 @@ std::pair<std::vector<BlockId>, Fence> TierSet::StageComponents(
   int64_t& staged = kind == Staged::Kind::kCheckpoint ? staged_checkpoints_ : staged_windows_;
   for (const ComponentCopy& c : copies) {
     const PublishedBlock& b = *c.block;
-    if (stopping_ || std::find(skip.begin(), skip.end(), b.hash) != skip.end()) continue;
+    if (stopping_) continue;
     if (static_cast<int64_t>(queue_.size()) + in_flight_ >= max_staged_ || staged >= most) {
       ++counters_.demote_dropped_full;
       continue;

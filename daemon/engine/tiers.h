@@ -178,17 +178,15 @@ class TierSet final {
 
   // Under the engine's lock, in the lock hold that published them: copies `published` blocks out
   // of `view` (the pool's arena) and marks them in flight in `cache` until the copy has run.
-  // `skip` lists hashes not to stage (just promoted from a tier: already there).
   void Stage(KvCacheManager& cache, const kernels::KvPoolView& view,
-             std::span<const PublishedBlock> published, std::span<const BlockHash> skip = {});
+             std::span<const PublishedBlock> published);
 
   // Under the engine's lock, with Stage: copies the state checkpoints `published` (kept at a
   // full block's end, KvCacheManager::TakePublishedCheckpoints) out of `view`'s state slots
   // toward the host tier's checkpoints, and marks their slots in flight until the copy has run.
-  // `skip` as for Stage. A no-op without a checkpoint store.
+  // A no-op without a checkpoint store.
   void StageCheckpoints(KvCacheManager& cache, const kernels::KvPoolView& view,
-                        std::span<const PublishedCheckpoint> published,
-                        std::span<const BlockHash> skip = {});
+                        std::span<const PublishedCheckpoint> published);
   bool keeps_checkpoints() const {
     return checkpoints_ != nullptr || disk_checkpoints_ != nullptr || remote_checkpoints_;
   }
@@ -196,10 +194,9 @@ class TierSet final {
   // Under the engine's lock, with Stage: copies the window-group blocks `published` (kept beside
   // a full block, KvCacheManager::TakePublishedWindowBlocks) out of `view`'s window region toward
   // the host tier's window store and Redis, and marks them in flight until the copy has run.
-  // `skip` as for Stage. A no-op without either.
+  // A no-op without either.
   void StageWindowBlocks(KvCacheManager& cache, const kernels::KvPoolView& view,
-                         std::span<const PublishedWindowBlock> published,
-                         std::span<const BlockHash> skip = {});
+                         std::span<const PublishedWindowBlock> published);
   bool keeps_window_blocks() const {
     return windows_ != nullptr || disk_windows_ != nullptr || remote_windows_;
   }
@@ -387,8 +384,7 @@ class TierSet final {
   // writer, after the compute stream's work; returns the ids copied and the last copy's fence,
   // for the caller to mark in flight.
   std::pair<std::vector<BlockId>, Fence> StageComponents(Staged::Kind kind,
-                                                         std::span<const ComponentCopy> copies,
-                                                         std::span<const BlockHash> skip)
+                                                         std::span<const ComponentCopy> copies)
       ABSL_LOCKS_EXCLUDED(mu_);
   void WriterLoop();
   // Asks `store` for hashes [from, ...) after what the stores above found, into out[from, ...).
