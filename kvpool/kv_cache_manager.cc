@@ -145,6 +145,8 @@ KvCacheManager::KvCacheManager(const KvCacheOptions& options, std::unique_ptr<Bl
       states_(std::move(states)),
       checkpoint_slots_(states_ && cache_ ? options.checkpoint_slots : 0),
       checkpoint_interval_(options.checkpoint_interval),
+      checkpoints_by_tokens_saved_(options.checkpoint_eviction ==
+                                   KvCacheOptions::CheckpointEviction::kByTokensSaved),
       journal_checkpoints_(checkpoint_slots_ > 0 && options.publish_journal),
       window_(std::move(window)),
       window_tokens_(window_ ? options.window_tokens : 0),
@@ -168,7 +170,6 @@ KvCacheManager::KvCacheManager(const KvCacheOptions& options, std::unique_ptr<Bl
   }
   if (checkpoint_slots_ > 0) {
     checkpoint_at_.resize(static_cast<size_t>(states_->num_blocks()));
-    checkpoint_lru_.Reset(states_->num_blocks());
   }
   if (window_) {
     window_at_.resize(static_cast<size_t>(window_->num_blocks()));
@@ -622,7 +623,8 @@ absl::Status KvCacheManager::CheckStateRoom(int64_t slots, std::string_view what
     // Cached checkpoints give way to working states: those nobody holds whose fences have passed
     // free a slot at once when evicted.
     int64_t spare = 0;
-    for (const auto& [stamp, slot] : checkpoint_lru_) {
+    for (const auto& key : checkpoint_order_) {
+      const BlockId slot = key.id;
       if (states_->state(slot) == BlockState::kCached && states_->FencesPassed(slot) &&
           std::find(keep.begin(), keep.end(), slot) == keep.end()) {
         ++spare;

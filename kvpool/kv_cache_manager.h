@@ -64,6 +64,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kvpool/block_pool.h"
+#include "kvpool/internal/greedy_dual.h"
 #include "kvpool/internal/stamped_lru.h"
 #include "kvpool/prefix_cache.h"
 #include "kvpool/util/clock.h"
@@ -181,14 +182,20 @@ struct KvCacheOptions {
   // Of state_slots, how many may hold state checkpoints (docs/hybrid-groups.md §4): copies of a
   // sequence's state at exact token positions, kept beside the tree's blocks so that a prompt
   // resumes from the deepest one its match reaches. A new sequence's working slot may evict
-  // cached checkpoints (least recently used first), never the other way round. 0: none (a prompt
-  // then resumes no cached prefix). In [0, state_slots).
+  // cached checkpoints (in checkpoint_eviction's order), never the other way round. 0: none (a
+  // prompt then resumes no cached prefix). In [0, state_slots).
   int32_t checkpoint_slots = 0;
   // Checkpoints are taken every this many blocks, on block boundaries (0: none by interval), at
   // branch points (where a prompt left the cached prefix), at a prefill's last block boundary,
   // and at the end of a sequence freed with OnFree::kCommit (its working state itself). >= 0.
   // BreakEvenCheckpointInterval() is the spacing a deployment should start from.
   int32_t checkpoint_interval = 4;
+  // The order cached checkpoints are evicted in when a new one or a working state needs a slot.
+  // kByTokensSaved (GreedyDual-Size, internal::GreedyDualOrder): a checkpoint is worth the tokens
+  // before it, what a prompt resuming from it does not compute, and ages as others are evicted;
+  // a deep one outlives a shallow one used as recently. kLeastRecentlyUsed: by last use alone.
+  enum class CheckpointEviction : uint8_t { kByTokensSaved, kLeastRecentlyUsed };
+  CheckpointEviction checkpoint_eviction = CheckpointEviction::kByTokensSaved;
   // The sliding-window group (docs/hybrid-groups.md §3), for models with sliding-window attention
   // layers: its own pool of this many blocks, of block_size tokens each (its bytes per block are
   // its own), one entry per entry of every block table (Sequence::window_table). A sequence
@@ -903,13 +910,13 @@ class KvCacheManager final {
   struct CheckpointSlot {
     BlockId block = kInvalidBlock;  // the tree block it belongs to; invalid: not a cached one
     int32_t offset = 0;             // the state after this many of the block's tokens
-    uint64_t stamp = 0;             // its key in checkpoint_lru_
+    internal::GreedyDualOrder<BlockId>::Key key;  // its place in checkpoint_order_
   };
   // Cuts `match` at the deepest checkpoint on its blocks at or below its end and returns that
   // checkpoint's slot; empties it (kInvalidBlock) when there is none.
   BlockId CutToCheckpoint(PrefixMatch* match) const;
-  // A slot for a new checkpoint within checkpoint_slots: free, or freed by evicting the least
-  // recently used cached checkpoint. kInvalidBlock when none can be spared.
+  // A slot for a new checkpoint within checkpoint_slots: free, or freed by evicting the cached
+  // checkpoint checkpoint_order_ puts first. kInvalidBlock when none can be spared.
   BlockId TakeCheckpointSlot(const TraceContext& ctx);
   // Each eviction share's charged bytes are those of the components kept beside its blocks.
   absl::Status CheckShareCharges() const;
@@ -943,8 +950,13 @@ class KvCacheManager final {
   // FAILED_PRECONDITION naming the nearest one at or below when there is none (or `can_copy` is
   // false: the caller gave no plan to copy it with).
   absl::StatusOr<BlockId> RewindPoint(const Sequence& seq, int64_t position, bool can_copy) const;
-  void DropCheckpoint(BlockId slot, const TraceContext& ctx);  // a cached one
-  void TouchCheckpoint(BlockId slot);                          // a cached one, just used
+  // Drops the cached checkpoint in `slot`; `victim`: evicted for room (it ages the rest,
+  // GreedyDualOrder::Evict), not dropped with its block or for a deeper one.
+  void DropCheckpoint(BlockId slot, const TraceContext& ctx, bool victim = false);
+  // What keeping a checkpoint at `offset` tokens into tree block `block` is worth in the eviction
+  // order: the tokens before it (KvCacheOptions::CheckpointEviction::kByTokensSaved), or 0.
+  uint64_t TokensSaved(BlockId block, int32_t offset) const;  // a cached one
+  void TouchCheckpoint(BlockId slot);                         // a cached one, just used
   // Everything a sequence holds in the state group, on its way out (Free).
   void ReleaseStates(Sequence* seq, bool commit, const TraceContext& ctx);
 
@@ -1062,8 +1074,9 @@ class KvCacheManager final {
   const int32_t checkpoint_interval_;
   std::vector<CheckpointSlot> checkpoint_at_;            // by state slot
   absl::flat_hash_map<BlockId, BlockId> checkpoint_of_;  // tree block -> its checkpoint's slot
-  internal::StampedLru<BlockId> checkpoint_lru_;         // (stamp, slot) of the cached ones: O(1)
-  uint64_t checkpoint_clock_ = 0;
+  // The cached ones, the next to evict first (KvCacheOptions::checkpoint_eviction).
+  internal::GreedyDualOrder<BlockId> checkpoint_order_;
+  const bool checkpoints_by_tokens_saved_;
   int64_t planned_checkpoints_ = 0;  // held by sequences (Sequence::checkpoints)
   int64_t rolling_checkpoints_ = 0;  // of those, rolling ones (at most checkpoint_slots_ / 4)
   // Checkpoints kept at a full block's end since TakePublishedCheckpoints (with the journal).

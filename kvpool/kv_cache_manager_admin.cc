@@ -133,8 +133,8 @@ std::vector<KvEvent> KvCacheManager::SnapshotEvents(uint64_t* resume_seq) const 
       out.push_back(cache_->ComponentStored(primary, *event_groups_.window));
     }
   }
-  for (const auto& [stamp, slot] : checkpoint_lru_) {
-    const CheckpointSlot& c = checkpoint_at_[Index(slot)];
+  for (const auto& key : checkpoint_order_) {
+    const CheckpointSlot& c = checkpoint_at_[Index(key.id)];
     if (c.offset == block_size_)
       out.push_back(cache_->ComponentStored(c.block, *event_groups_.state));
   }
@@ -151,7 +151,7 @@ KvCacheStats KvCacheManager::stats() const {
   s.pins = static_cast<int64_t>(pins_.size());
   s.pinned_blocks = cache_ ? cache_->pinned_blocks() : 0;
   if (states_) s.states = states_->stats();
-  s.checkpoints.cached = static_cast<int64_t>(checkpoint_lru_.size());
+  s.checkpoints.cached = static_cast<int64_t>(checkpoint_order_.size());
   s.checkpoints.pending = planned_checkpoints_;
   if (window_) s.window = window_->stats();
   s.windows.cached = static_cast<int64_t>(window_lru_.size());
@@ -321,10 +321,15 @@ std::string KvCacheManager::DebugString() const {
   if (cache_) out += cache_->DebugString();
   if (states_) out += "state group:\n" + states_->DebugString();
   if (window_) WindowDebugString(&out);
-  for (const auto& [stamp, slot] : checkpoint_lru_) {
-    const CheckpointSlot& c = checkpoint_at_[static_cast<size_t>(slot.value())];
-    fmt::format_to(std::back_inserter(out), "checkpoint slot={} block={} offset={} stamp={}\n",
-                   slot.value(), c.block.value(), c.offset, stamp);
+  // In eviction order, the next victim first.
+  for (const auto& key : checkpoint_order_) {
+    const CheckpointSlot& c = checkpoint_at_[Index(key.id)];
+    fmt::format_to(std::back_inserter(out),
+                   "checkpoint slot={} block={} offset={} stamp={} priority={}\n", key.id.value(),
+                   c.block.value(), c.offset, key.stamp, key.priority);
+  }
+  if (checkpoint_slots_ > 0) {
+    fmt::format_to(std::back_inserter(out), "checkpoint floor={}\n", checkpoint_order_.floor());
   }
   auto it = std::back_inserter(out);
   std::vector<SequenceId> ids;

@@ -57,19 +57,20 @@ bool KvCacheManager::EvictOldestCheckpoint(std::span<const BlockId> keep, bool p
                                            const TraceContext& ctx) {
   const bool fair = cache_ != nullptr && cache_->fair();
   std::vector<std::pair<BlockId, BlockId>> eligible;
-  for (const auto& [stamp, slot] : checkpoint_lru_) {
+  for (const auto& key : checkpoint_order_) {
+    const BlockId slot = key.id;
     if (states_->state(slot) != BlockState::kCached) continue;  // a resuming sequence holds it
     if (passed && !states_->FencesPassed(slot)) continue;
     if (std::find(keep.begin(), keep.end(), slot) != keep.end()) continue;
     if (!fair) {
-      DropCheckpoint(slot, ctx);
+      DropCheckpoint(slot, ctx, /*victim=*/true);
       return true;
     }
     eligible.emplace_back(slot, checkpoint_at_[Index(slot)].block);
   }
   const std::vector<BlockId> victim = FairComponentVictims(eligible, 1, unit_state_);
   if (victim.empty()) return false;
-  DropCheckpoint(victim[0], ctx);
+  DropCheckpoint(victim[0], ctx, /*victim=*/true);
   return true;
 }
 
@@ -109,7 +110,7 @@ std::vector<BlockId> KvCacheManager::FairComponentVictims(
 
 BlockId KvCacheManager::TakeCheckpointSlot(const TraceContext& ctx) {
   const auto in_use = [&] {
-    return static_cast<int64_t>(checkpoint_lru_.size()) + planned_checkpoints_;
+    return static_cast<int64_t>(checkpoint_order_.size()) + planned_checkpoints_;
   };
   if (in_use() >= checkpoint_slots_ && !EvictOldestCheckpoint({}, false, ctx)) {
     return kInvalidBlock;
@@ -239,8 +240,9 @@ void KvCacheManager::KeepCheckpoint(BlockId block, int32_t offset, BlockId slot,
   }
   KVPOOL_CHECK_OK(states_->AddCacheRef(slot, ctx));
   KVPOOL_CHECK_OK(states_->Release(slot, ctx));  // CACHED unless a resuming sequence holds it
-  checkpoint_at_[Index(slot)] = {.block = block, .offset = offset, .stamp = ++checkpoint_clock_};
-  checkpoint_lru_.insert({checkpoint_clock_, slot});
+  checkpoint_at_[Index(slot)] = {.block = block,
+                                 .offset = offset,
+                                 .key = checkpoint_order_.Insert(slot, TokensSaved(block, offset))};
   checkpoint_of_[block] = slot;
   cache_->ChargeShare(block, unit_state_);  // its tenant's cached bytes (fair eviction)
   ++counters_.checkpoints.kept;
@@ -355,11 +357,22 @@ void KvCacheManager::DropPlanned(Sequence* seq, int64_t position, const TraceCon
   }
 }
 
-void KvCacheManager::DropCheckpoint(BlockId slot, const TraceContext& ctx) {
+uint64_t KvCacheManager::TokensSaved(BlockId block, int32_t offset) const {
+  if (!checkpoints_by_tokens_saved_) return 0;  // least recently used first
+  return static_cast<uint64_t>(cache_->DepthOf(block) - 1) * static_cast<uint64_t>(block_size_) +
+         static_cast<uint64_t>(offset);
+}
+
+void KvCacheManager::DropCheckpoint(BlockId slot, const TraceContext& ctx, bool victim) {
   CheckpointSlot& c = checkpoint_at_[Index(slot)];
   if (c.offset == block_size_)
     cache_->ForgetComponent(std::span(&c.block, 1), *event_groups_.state);
-  checkpoint_lru_.erase({c.stamp, slot});
+  if (!victim) {
+    checkpoint_order_.Erase(c.key);
+  } else if (checkpoint_order_.Evict(c.key)) {
+    // Rebased: every cached checkpoint's priority changed.
+    for (const auto& key : checkpoint_order_) checkpoint_at_[Index(key.id)].key = key;
+  }
   checkpoint_of_.erase(c.block);
   cache_->ChargeShare(c.block, -unit_state_);
   c = CheckpointSlot{};
@@ -370,9 +383,7 @@ void KvCacheManager::DropCheckpoint(BlockId slot, const TraceContext& ctx) {
 
 void KvCacheManager::TouchCheckpoint(BlockId slot) {
   CheckpointSlot& c = checkpoint_at_[Index(slot)];
-  checkpoint_lru_.erase({c.stamp, slot});
-  c.stamp = ++checkpoint_clock_;
-  checkpoint_lru_.insert({c.stamp, slot});
+  c.key = checkpoint_order_.Touch(c.key, TokensSaved(c.block, c.offset));
 }
 
 void KvCacheManager::ReleaseStates(Sequence* seq, bool commit, const TraceContext& ctx) {
@@ -384,10 +395,10 @@ void KvCacheManager::ReleaseStates(Sequence* seq, bool commit, const TraceContex
     const auto [block, offset] = end > 0 && end == static_cast<int64_t>(seq->tokens.size())
                                      ? PathPlace(*seq, end)
                                      : std::pair{kInvalidBlock, 0};
-    const bool room =
-        block != kInvalidBlock &&
-        (static_cast<int64_t>(checkpoint_lru_.size()) + planned_checkpoints_ < checkpoint_slots_ ||
-         EvictOldestCheckpoint({}, false, ctx));
+    const bool room = block != kInvalidBlock &&
+                      (static_cast<int64_t>(checkpoint_order_.size()) + planned_checkpoints_ <
+                           checkpoint_slots_ ||
+                       EvictOldestCheckpoint({}, false, ctx));
     if (room) {
       KeepCheckpoint(block, offset, seq->state_slot, ctx);
       seq->state_slot = kInvalidBlock;
@@ -431,18 +442,21 @@ absl::Status KvCacheManager::CheckCheckpoints() const {
                               rolling, rolling_checkpoints_, checkpoint_slots_);
   }
   if (planned != planned_checkpoints_ ||
-      planned + static_cast<int64_t>(checkpoint_lru_.size()) > checkpoint_slots_ ||
-      checkpoint_lru_.size() != checkpoint_of_.size() || !checkpoint_lru_.CheckOrder()) {
+      planned + static_cast<int64_t>(checkpoint_order_.size()) > checkpoint_slots_ ||
+      checkpoint_order_.size() != checkpoint_of_.size()) {
     return InvariantViolation(
-        "{} planned checkpoints (counted {}) and {} cached ({} by block, LRU list intact: {}) for "
-        "{} checkpoint slots",
-        planned, planned_checkpoints_, checkpoint_lru_.size(), checkpoint_of_.size(),
-        checkpoint_lru_.CheckOrder(), checkpoint_slots_);
+        "{} planned checkpoints (counted {}) and {} cached ({} by block) for {} checkpoint slots",
+        planned, planned_checkpoints_, checkpoint_order_.size(), checkpoint_of_.size(),
+        checkpoint_slots_);
   }
-  for (const auto& [stamp, slot] : checkpoint_lru_) {
+  for (const auto& key : checkpoint_order_) {
+    const BlockId slot = key.id;
     const CheckpointSlot& c = checkpoint_at_[Index(slot)];
     auto it = checkpoint_of_.find(c.block);
-    if (c.stamp != stamp || it == checkpoint_of_.end() || it->second != slot ||
+    // Its priority is at most the floor plus its worth (it was inserted or touched at a floor no
+    // higher than today's).
+    if (!(c.key == key) || it == checkpoint_of_.end() || it->second != slot ||
+        key.priority > checkpoint_order_.floor() + TokensSaved(c.block, c.offset) ||
         !cache_->holds(c.block) || c.offset <= 0 || c.offset > cache_->CoverageOf(c.block) ||
         !states_->cache_held(slot)) {
       return InvariantViolation("checkpoint slot {} (block {} offset {}) is not kept where it says",

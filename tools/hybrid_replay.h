@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kvpool/kv_cache_manager.h"
 #include "tools/replay.h"
 #include "workload/mooncake_trace.h"
 
@@ -97,6 +98,9 @@ struct HybridReplayOptions {
   int32_t block_size = 16;
   double state_share = 0.5;
   int32_t checkpoint_interval = kBreakEvenInterval;
+  // The order kvpool evicts cached checkpoints in (KvCacheOptions::checkpoint_eviction).
+  KvCacheOptions::CheckpointEviction checkpoint_eviction =
+      KvCacheOptions::CheckpointEviction::kByTokensSaved;
   std::string policy = "lru";  // both layouts (vLLM's is LRU)
 };
 

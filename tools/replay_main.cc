@@ -82,6 +82,10 @@ ABSL_FLAG(std::string, checkpoint_intervals, "auto",
           "as its K/V; 0: branch points, the prefill's last block boundary and each prompt's end "
           "only; 32 blocks of 16 = 512 tokens)");
 ABSL_FLAG(int32_t, layers_block_size, 16, "--layers: kvpool's block size in tokens");
+ABSL_FLAG(std::string, checkpoint_evictions, "tokens_saved",
+          "--layers: the orders kvpool evicts cached checkpoints in, one row each with every "
+          "interval and share (tokens_saved: by the tokens before each, GreedyDual-Size; lru: "
+          "least recently used)");
 ABSL_FLAG(bool, layers_sweep, false,
           "replay both traces of --traces_dir at 1k/2k/5k blocks with --layers (default "
           "bamba-9b) and print the table");
@@ -169,27 +173,38 @@ absl::StatusOr<tools::LayerLayout> Layers() {
       .state_bytes = state > 0 ? state : config->state_bytes() / config->num_state_layers()};
 }
 
-// kvpool's variants: every checkpoint interval with every state share.
+// kvpool's variants: every checkpoint eviction order with every interval and state share.
 struct Variant {
   double share = 0;
   int32_t interval = 0;
+  kvpool::KvCacheOptions::CheckpointEviction eviction =
+      kvpool::KvCacheOptions::CheckpointEviction::kByTokensSaved;
 };
 
 absl::StatusOr<std::vector<Variant>> Variants() {
+  using Eviction = kvpool::KvCacheOptions::CheckpointEviction;
   std::vector<Variant> variants;
-  for (absl::string_view ivl : absl::StrSplit(absl::GetFlag(FLAGS_checkpoint_intervals), ',')) {
-    int32_t interval = tools::kBreakEvenInterval;
-    if (ivl != "auto" && (!absl::SimpleAtoi(ivl, &interval) || interval < 0)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--checkpoint_intervals: '", ivl, "' is neither auto nor a number of blocks >= 0"));
+  for (absl::string_view order : absl::StrSplit(absl::GetFlag(FLAGS_checkpoint_evictions), ',')) {
+    if (order != "tokens_saved" && order != "lru") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--checkpoint_evictions: '", order, "' is neither tokens_saved nor lru"));
     }
-    for (absl::string_view part : absl::StrSplit(absl::GetFlag(FLAGS_state_shares), ',')) {
-      double share = 0;
-      if (!absl::SimpleAtod(part, &share) || !(share >= 0 && share < 1)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("--state_shares: '", part, "' is not a share in [0, 1)"));
+    const Eviction eviction =
+        order == "lru" ? Eviction::kLeastRecentlyUsed : Eviction::kByTokensSaved;
+    for (absl::string_view ivl : absl::StrSplit(absl::GetFlag(FLAGS_checkpoint_intervals), ',')) {
+      int32_t interval = tools::kBreakEvenInterval;
+      if (ivl != "auto" && (!absl::SimpleAtoi(ivl, &interval) || interval < 0)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--checkpoint_intervals: '", ivl, "' is neither auto nor a number of blocks >= 0"));
       }
-      variants.push_back({share, interval});
+      for (absl::string_view part : absl::StrSplit(absl::GetFlag(FLAGS_state_shares), ',')) {
+        double share = 0;
+        if (!absl::SimpleAtod(part, &share) || !(share >= 0 && share < 1)) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("--state_shares: '", part, "' is not a share in [0, 1)"));
+        }
+        variants.push_back({share, interval, eviction});
+      }
     }
   }
   return variants;
@@ -242,7 +257,8 @@ bool RunLayersOn(const std::vector<kvpool::workload::TraceRequest>& trace, std::
                          .capacity_blocks = capacity,
                          .block_size = absl::GetFlag(FLAGS_layers_block_size),
                          .state_share = v.share,
-                         .checkpoint_interval = v.interval});
+                         .checkpoint_interval = v.interval,
+                         .checkpoint_eviction = v.eviction});
     }
     const auto results = tools::ReplayHybrid(trace, configs);
     if (!results.ok()) {
@@ -253,7 +269,11 @@ bool RunLayersOn(const std::vector<kvpool::workload::TraceRequest>& trace, std::
     PrintLayout(name, capacity, "hash-chain", Variant{}, base, base.replay.hit_rate());
     for (size_t i = 0; i < results->size(); ++i) {
       const tools::LayoutResult& h = (*results)[i].hybrid;
-      PrintLayout(name, capacity, "kvpool", variants[i], h, base.replay.hit_rate());
+      PrintLayout(name, capacity,
+                  variants[i].eviction == kvpool::KvCacheOptions::CheckpointEviction::kByTokensSaved
+                      ? "kvpool"
+                      : "kvpool-lru",
+                  variants[i], h, base.replay.hit_rate());
       const double ratio = base.replay.hit_rate() > 0 ? h.replay.hit_rate() / base.replay.hit_rate()
                            : h.replay.hit_rate() > 0  ? 1e9
                                                       : 1.0;

@@ -2,8 +2,8 @@
 
 // What the state checkpoints of a KvCacheManager (docs/hybrid-groups.md §4) should be, worked out
 // from the outside, for randomized tests: the checkpoints it keeps (read from its DebugString),
-// the deepest one a prompt reaches, the positions a step is to checkpoint, the eviction order,
-// and where a step may write.
+// the deepest one a prompt reaches, the positions a step is to checkpoint, the eviction order
+// and its priorities, and where a step may write.
 
 #include <algorithm>
 #include <cstdint>
@@ -23,22 +23,40 @@ namespace kvpool::testing {
 struct CachedCheckpoint {
   int32_t offset = 0;  // the state after this many of its block's tokens
   int32_t slot = -1;
-  uint64_t stamp = 0;  // its place in the eviction order (least recently used first)
+  uint64_t stamp = 0;     // when it was last kept or used (the order among equal priorities)
+  uint64_t priority = 0;  // its place in the eviction order (lowest first)
 };
 
-// The checkpoints the tree keeps, by tree block.
-inline std::map<int32_t, CachedCheckpoint> CachedCheckpoints(const KvCacheManager& manager) {
+// The checkpoints the tree keeps, by tree block. With `in_order`, also whether the manager lists
+// them in eviction order: by priority, then stamp.
+inline std::map<int32_t, CachedCheckpoint> CachedCheckpoints(const KvCacheManager& manager,
+                                                             bool* in_order = nullptr) {
   std::map<int32_t, CachedCheckpoint> out;
   std::istringstream in(manager.DebugString());
+  std::pair<uint64_t, uint64_t> last{0, 0};
+  if (in_order != nullptr) *in_order = true;
   for (std::string line; std::getline(in, line);) {
     int slot = 0, block = 0, offset = 0;
-    unsigned long long stamp = 0;
-    if (std::sscanf(line.c_str(), "checkpoint slot=%d block=%d offset=%d stamp=%llu", &slot, &block,
-                    &offset, &stamp) == 4) {
-      out[block] = {offset, slot, stamp};
+    unsigned long long stamp = 0, priority = 0;
+    if (std::sscanf(line.c_str(), "checkpoint slot=%d block=%d offset=%d stamp=%llu priority=%llu",
+                    &slot, &block, &offset, &stamp, &priority) == 5) {
+      out[block] = {offset, slot, stamp, priority};
+      const std::pair<uint64_t, uint64_t> key{priority, stamp};
+      if (in_order != nullptr && key < last) *in_order = false;
+      last = key;
     }
   }
   return out;
+}
+
+// The floor of the checkpoints' eviction order (GreedyDualOrder::floor).
+inline uint64_t CheckpointFloor(const KvCacheManager& manager) {
+  std::istringstream in(manager.DebugString());
+  for (std::string line; std::getline(in, line);) {
+    unsigned long long floor = 0;
+    if (std::sscanf(line.c_str(), "checkpoint floor=%llu", &floor) == 1) return floor;
+  }
+  return 0;
 }
 
 // The deepest checkpoint (of `cached`, what CachedCheckpoints says now) `prompt`'s attention
@@ -95,8 +113,8 @@ inline bool KeptWhereItBelongs(const KvCacheManager& manager,
   return true;
 }
 
-// Whether the checkpoints in slots `used` are the most recently used of `cached` (the last to be
-// evicted).
+// Whether the checkpoints in slots `used` are the most recently used of `cached` (in least-
+// recently-used order, the last to be evicted).
 inline bool UsedLast(const std::map<int32_t, CachedCheckpoint>& cached,
                      const std::set<int32_t>& used) {
   uint64_t newest_other = 0, oldest_used = UINT64_MAX;

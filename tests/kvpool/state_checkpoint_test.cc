@@ -43,7 +43,9 @@ std::vector<int32_t> Concat(std::vector<int32_t> a, const std::vector<int32_t>& 
 class StateCheckpointTest : public ::testing::Test {
  protected:
   void Make(int32_t state_slots, int32_t checkpoint_slots, int32_t interval = 4,
-            int32_t num_blocks = 64) {
+            int32_t num_blocks = 64,
+            KvCacheOptions::CheckpointEviction eviction =
+                KvCacheOptions::CheckpointEviction::kByTokensSaved) {
     auto cache = KvCacheManager::Create({.block_size = kBlock,
                                          .num_blocks = num_blocks,
                                          .max_blocks_per_seq = 32,
@@ -51,7 +53,8 @@ class StateCheckpointTest : public ::testing::Test {
                                          .fences = &fences_,
                                          .state_slots = state_slots,
                                          .checkpoint_slots = checkpoint_slots,
-                                         .checkpoint_interval = interval});
+                                         .checkpoint_interval = interval,
+                                         .checkpoint_eviction = eviction});
     ASSERT_TRUE(cache.ok()) << cache.status();
     cache_ = std::move(*cache);
   }
@@ -318,6 +321,116 @@ TEST_F(StateCheckpointTest, WorkingStatesEvictCachedCheckpointsNeverTheOtherWayR
   EXPECT_EQ(cache_->DebugString(), before);
   ExpectInvariants();
 }
+
+// A decode keeps one rolling checkpoint, in one slot, rewritten at each block boundary it
+// reaches (32, then 48), and kept in the tree when the sequence ends with commit.
+TEST_F(StateCheckpointTest, ADecodesRollingCheckpointMovesOnInItsOwnSlot) {
+  Make(/*state_slots=*/12, /*checkpoint_slots=*/8, /*interval=*/0);
+  const std::vector<int32_t> all = Prompt(50);
+  const SequenceId s = Prefill(kAlice, std::vector<int32_t>(all.begin(), all.begin() + 20));
+  DevicePlan plan;
+  ASSERT_TRUE(cache_->Grow(kAlice, s, 50, &plan).ok());
+  BlockId rolling = kInvalidBlock;
+  for (int64_t t = 20; t < 50; ++t) {
+    std::vector<PlannedCheckpoint> out;
+    ASSERT_TRUE(cache_->PlanCheckpoints(kAlice, s, t, t + 1, /*prefill=*/false, &out).ok());
+    if ((t + 1) % kBlock == 0) {
+      ASSERT_EQ(out.size(), 1u) << t;
+      EXPECT_TRUE(out[0].rolling);
+      EXPECT_EQ(out[0].position, t + 1);
+      if (rolling == kInvalidBlock) rolling = out[0].slot;
+      EXPECT_EQ(out[0].slot, rolling);
+    } else {
+      EXPECT_THAT(out, IsEmpty()) << t;
+    }
+    ASSERT_TRUE(cache_->AdvanceState(kAlice, s, t + 1).ok());
+    ASSERT_TRUE(
+        cache_->Commit(kAlice, s, (t + 1) / kBlock * kBlock, std::span(all).subspan(t, 1)).ok());
+  }
+  EXPECT_EQ(cache_->stats().checkpoints.rolled, 1u);  // 32, then 48
+  ASSERT_TRUE(cache_->Free(kAlice, s, OnFree::kCommit).ok());
+  const std::vector<int32_t> head(all.begin(), all.begin() + 48);
+  EXPECT_EQ(cache_->MatchPrefix(kTenant, Concat(head, Prompt(3, 9))), 48);
+  ExpectInvariants();
+}
+
+class CheckpointEvictionTest : public StateCheckpointTest,
+                               public ::testing::WithParamInterface<bool> {
+ protected:
+  static constexpr KvCacheOptions::CheckpointEviction kLru =
+      KvCacheOptions::CheckpointEviction::kLeastRecentlyUsed;
+  bool lru() const { return GetParam(); }
+  void MakeOrder(int32_t checkpoint_slots) {
+    Make(/*state_slots=*/checkpoint_slots + 4, checkpoint_slots, /*interval=*/0, 64,
+         lru() ? kLru : KvCacheOptions::CheckpointEviction::kByTokensSaved);
+  }
+  void Keep(const std::vector<int32_t>& prompt) {
+    ASSERT_TRUE(cache_->Free(kAlice, Prefill(kAlice, prompt), OnFree::kCommit).ok());
+  }
+  // Resumes from the checkpoint at the end of `prompt` (a use) and lets the sequence go.
+  void Use(const std::vector<int32_t>& prompt) {
+    absl::StatusOr<AllocateResult> r = Resume(kBob, Concat(prompt, Prompt(3, 77)));
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_EQ(r->matched_tokens, static_cast<int64_t>(prompt.size()));
+    ASSERT_TRUE(cache_->Free(kBob, r->sequence, OnFree::kDiscard).ok());
+  }
+  // Whether a prompt can resume after all of `prompt` (its end checkpoint is cached).
+  bool Resumable(const std::vector<int32_t>& prompt) {
+    return cache_->MatchPrefix(kTenant, Concat(prompt, Prompt(3, 77))) ==
+           static_cast<int64_t>(prompt.size());
+  }
+};
+
+// A checkpoint is worth the tokens a prompt resuming from it does not compute (Marconi's
+// FLOP-aware eviction, as GreedyDual-Size): of two used as recently, the shallow one goes first,
+// where least-recently-used order would evict the deep one, used before it.
+TEST_P(CheckpointEvictionTest, AShallowCheckpointGoesBeforeADeepOneUsedEarlier) {
+  MakeOrder(/*checkpoint_slots=*/2);
+  const std::vector<int32_t> deep = Prompt(96, 1);     // checkpoints at 80 and 96
+  const std::vector<int32_t> shallow = Prompt(16, 2);  // one checkpoint: its end, 16
+  Keep(deep);
+  ASSERT_EQ(cache_->stats().checkpoints.cached, 2);  // 80 (the prefill's last boundary) and 96
+  ASSERT_TRUE(Resumable(deep));
+  // The shallow one takes the slot of 80 (the lowest worth, or the least recently used).
+  Keep(shallow);
+  ASSERT_EQ(cache_->stats().checkpoints.cached, 2);
+  ASSERT_TRUE(Resumable(shallow));
+  ASSERT_TRUE(Resumable(deep));
+  Use(deep);
+  Use(shallow);  // the most recently used now
+  // A third needs a slot: 16 tokens saved against 96, or the least recently used.
+  Keep(Prompt(16, 3));
+  EXPECT_EQ(Resumable(deep), !lru());
+  EXPECT_EQ(Resumable(shallow), lru());
+  EXPECT_TRUE(Resumable(Prompt(16, 3)));
+  ExpectInvariants();
+}
+
+// Each eviction raises the floor every later keep or use starts from to the victim's worth, so a
+// deep checkpoint nobody uses any more gives way once shallower ones have been evicted up to its
+// worth: it outlives them for a while, not for good. Least recently used, it goes first.
+TEST_P(CheckpointEvictionTest, ADeepCheckpointUnusedAgesOut) {
+  MakeOrder(/*checkpoint_slots=*/3);
+  const std::vector<int32_t> deep = Prompt(64, 1);  // checkpoints at 48 and 64
+  Keep(deep);
+  ASSERT_EQ(cache_->stats().checkpoints.cached, 2);
+  // 16-token prompts, one checkpoint each, worth 16 over the floor when kept. By tokens saved:
+  // the first takes the free slot (16), the next two evict the one before (floor 16, then 32),
+  // the fourth evicts the deep one's 48 (floor 48: its own is 64), the fifth the third (48), and
+  // the sixth finds the deep one's 64 the oldest of three worth 64.
+  int32_t kept = 0;
+  while (Resumable(deep) && kept < 20) {
+    Keep(Prompt(16, 10 + kept++));
+    ASSERT_TRUE(cache_->CheckInvariants().ok());
+  }
+  EXPECT_EQ(kept, lru() ? 3 : 6);
+  ExpectInvariants();
+}
+
+INSTANTIATE_TEST_SUITE_P(Orders, CheckpointEvictionTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "LeastRecentlyUsed" : "ByTokensSaved";
+                         });
 
 // Found by state_checkpoint_random_test: a sequence that resumed inside a partially matched block
 // writes into a copy of it, while its path still names the shared block. When the sequence the
