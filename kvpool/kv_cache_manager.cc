@@ -631,7 +631,7 @@ absl::Status KvCacheManager::CheckStateRoom(int64_t slots, std::string_view what
       }
     }
     if (spare >= short_by) {
-      for (; short_by > 0; --short_by) KVPOOL_CHECK(EvictOldestCheckpoint(keep, true, ctx));
+      for (; short_by > 0; --short_by) KVPOOL_CHECK(EvictFirstCheckpoint(keep, true, ctx));
     }
   }
   if (short_by > 0) {

@@ -928,9 +928,9 @@ class KvCacheManager final {
   std::vector<BlockId> FairComponentVictims(std::span<const std::pair<BlockId, BlockId>> eligible,
                                             int64_t want, int64_t unit) const;
   // Evicts the cached checkpoint not in `keep` whose slot nobody holds (`passed`: and whose
-  // fences have passed) that fair eviction takes first: the least recently used one, of the
+  // fences have passed) that fair eviction takes first: the first in checkpoint_order_, of the
   // share using the most. Returns false when there is none.
-  bool EvictOldestCheckpoint(std::span<const BlockId> keep, bool passed, const TraceContext& ctx);
+  bool EvictFirstCheckpoint(std::span<const BlockId> keep, bool passed, const TraceContext& ctx);
   // The tree block and offset holding the state after `seq`'s first `position` tokens, on its
   // path (kInvalidBlock when its path does not reach there).
   std::pair<BlockId, int32_t> PathPlace(const Sequence& seq, int64_t position) const;

@@ -53,8 +53,8 @@ BlockId KvCacheManager::CutToCheckpoint(PrefixMatch* m) const {
   return kInvalidBlock;
 }
 
-bool KvCacheManager::EvictOldestCheckpoint(std::span<const BlockId> keep, bool passed,
-                                           const TraceContext& ctx) {
+bool KvCacheManager::EvictFirstCheckpoint(std::span<const BlockId> keep, bool passed,
+                                          const TraceContext& ctx) {
   const bool fair = cache_ != nullptr && cache_->fair();
   std::vector<std::pair<BlockId, BlockId>> eligible;
   for (const auto& key : checkpoint_order_) {
@@ -112,11 +112,11 @@ BlockId KvCacheManager::TakeCheckpointSlot(const TraceContext& ctx) {
   const auto in_use = [&] {
     return static_cast<int64_t>(checkpoint_order_.size()) + planned_checkpoints_;
   };
-  if (in_use() >= checkpoint_slots_ && !EvictOldestCheckpoint({}, false, ctx)) {
+  if (in_use() >= checkpoint_slots_ && !EvictFirstCheckpoint({}, false, ctx)) {
     return kInvalidBlock;
   }
   if (states_->num_free() == 0) states_->ReclaimRetired(ctx);
-  if (states_->num_free() == 0 && !EvictOldestCheckpoint({}, true, ctx)) return kInvalidBlock;
+  if (states_->num_free() == 0 && !EvictFirstCheckpoint({}, true, ctx)) return kInvalidBlock;
   if (states_->num_free() == 0) return kInvalidBlock;
   std::vector<BlockId> slot;
   KVPOOL_CHECK_OK(states_->Allocate(1, state_owner_, ctx, &slot, /*fills=*/nullptr));
@@ -398,7 +398,7 @@ void KvCacheManager::ReleaseStates(Sequence* seq, bool commit, const TraceContex
     const bool room = block != kInvalidBlock &&
                       (static_cast<int64_t>(checkpoint_order_.size()) + planned_checkpoints_ <
                            checkpoint_slots_ ||
-                       EvictOldestCheckpoint({}, false, ctx));
+                       EvictFirstCheckpoint({}, false, ctx));
     if (room) {
       KeepCheckpoint(block, offset, seq->state_slot, ctx);
       seq->state_slot = kInvalidBlock;

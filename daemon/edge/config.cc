@@ -352,9 +352,17 @@ void ParseStateGroup(const v1::DaemonConfig& c, kernels::PoolLayout* shape, Engi
     return bad("shape.checkpoint_interval",
                fmt::format("must be >= 0 blocks, or -1 for none (got {})", interval));
   }
+  const std::string& eviction = c.shape().checkpoint_eviction();
+  if (!eviction.empty() && eviction != "tokens_saved" && eviction != "lru") {
+    return bad("shape.checkpoint_eviction",
+               fmt::format("must be \"tokens_saved\" or \"lru\" (got \"{}\")", eviction));
+  }
   const absl::StatusOr<model::ModelConfig> geometry = ModelGeometry(c.model());
   const int64_t state_bytes = geometry.ok() ? geometry->state_bytes() : 0;
   if (state_bytes == 0) {
+    if (!eviction.empty()) {
+      bad("shape.checkpoint_eviction", "the model has no state-space layers (empty: unset)");
+    }
     if (slots > 0) bad("shape.state_slots", "the model has no state-space layers (0: none)");
     if (checkpoints > 0) {
       bad("shape.checkpoint_slots", "the model has no state-space layers (0: none)");
@@ -366,6 +374,9 @@ void ParseStateGroup(const v1::DaemonConfig& c, kernels::PoolLayout* shape, Engi
   }
   if (slots == 0) return bad("shape.state_slots", "a model with state-space layers needs >= 1");
   o->checkpoint_interval = interval;
+  o->checkpoint_eviction = eviction == "lru"
+                               ? KvCacheOptions::CheckpointEviction::kLeastRecentlyUsed
+                               : KvCacheOptions::CheckpointEviction::kByTokensSaved;
   int32_t* const checkpoint_slots = &o->checkpoint_slots;
   *checkpoint_slots =
       c.disable_prefix_cache() ? 0 : (checkpoints == 0 ? slots : std::max(0, checkpoints));

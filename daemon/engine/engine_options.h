@@ -15,6 +15,7 @@
 #include "kernels/plan_executor.h"
 #include "kernels/pool_layout.h"
 #include "kvpool/eviction_policy.h"
+#include "kvpool/kv_cache_manager.h"
 #include "kvpool/kv_events.h"
 #include "kvpool/util/clock.h"
 #include "kvpool/util/version.h"
@@ -84,6 +85,9 @@ struct EngineOptions {
   // each pool's BreakEvenCheckpointInterval (its layout's state slot bytes over block bytes);
   // -1: none by interval.
   int32_t checkpoint_interval = 0;
+  // The order cached checkpoints give way in (KvCacheOptions::checkpoint_eviction).
+  KvCacheOptions::CheckpointEviction checkpoint_eviction =
+      KvCacheOptions::CheckpointEviction::kByTokensSaved;
   // Pools with a window group (PoolLayout::num_window_layers > 0): the sliding layers' window W
   // in tokens and sinks S (KvCacheOptions::window_tokens, sink_tokens; the model's).
   int32_t window_tokens = 0;

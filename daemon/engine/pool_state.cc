@@ -99,6 +99,7 @@ absl::StatusOr<std::unique_ptr<PoolState>> PoolState::Create(const PoolOptions& 
                               .state_slots = layout.num_state_slots,
                               .checkpoint_slots = options.checkpoint_slots,
                               .checkpoint_interval = PoolCheckpointInterval(options, layout),
+                              .checkpoint_eviction = options.checkpoint_eviction,
                               .window_blocks = layout.num_window_blocks,
                               .window_tokens = options.window_tokens,
                               .sink_tokens = options.sink_tokens,

@@ -264,6 +264,28 @@ TEST(ConfigTest, StateAndCheckpointSlotsAreChecked) {
   stray_interval.mutable_shape()->set_checkpoint_interval(4);
   EXPECT_THAT(ValidateConfig(stray_interval),
               ::testing::ElementsAre(HasSubstr("shape.checkpoint_interval: the model has no")));
+  // The order checkpoints give way in: by tokens saved (unset or named), least recently used,
+  // nothing else, and only for a model with state-space layers.
+  for (const auto& [set, want] :
+       std::vector<std::pair<std::string, KvCacheOptions::CheckpointEviction>>{
+           {"", KvCacheOptions::CheckpointEviction::kByTokensSaved},
+           {"tokens_saved", KvCacheOptions::CheckpointEviction::kByTokensSaved},
+           {"lru", KvCacheOptions::CheckpointEviction::kLeastRecentlyUsed}}) {
+    v1::DaemonConfig k = c;
+    k.mutable_shape()->set_checkpoint_eviction(set);
+    absl::StatusOr<EngineOptions> o = MakeEngineOptions(k, 1);
+    ASSERT_TRUE(o.ok()) << o.status();
+    EXPECT_EQ(o->checkpoint_eviction, want) << set;
+  }
+  v1::DaemonConfig bad_eviction = c;
+  bad_eviction.mutable_shape()->set_checkpoint_eviction("LRU");
+  EXPECT_THAT(ValidateConfig(bad_eviction),
+              ::testing::ElementsAre("shape.checkpoint_eviction: must be \"tokens_saved\" or "
+                                     "\"lru\" (got \"LRU\")"));
+  v1::DaemonConfig stray_eviction = DefaultConfig();
+  stray_eviction.mutable_shape()->set_checkpoint_eviction("lru");
+  EXPECT_THAT(ValidateConfig(stray_eviction),
+              ::testing::ElementsAre(HasSubstr("shape.checkpoint_eviction: the model has no")));
   v1::DaemonConfig stateless = DefaultConfig();
   stateless.mutable_shape()->set_state_slots(4);
   EXPECT_THAT(ValidateConfig(stateless),
