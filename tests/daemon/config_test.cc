@@ -264,8 +264,26 @@ TEST(ConfigTest, StateAndCheckpointSlotsAreChecked) {
   stray_interval.mutable_shape()->set_checkpoint_interval(4);
   EXPECT_THAT(ValidateConfig(stray_interval),
               ::testing::ElementsAre(HasSubstr("shape.checkpoint_interval: the model has no")));
-  // The order checkpoints give way in: by tokens saved (unset or named), least recently used,
-  // nothing else, and only for a model with state-space layers.
+  v1::DaemonConfig stateless = DefaultConfig();
+  stateless.mutable_shape()->set_state_slots(4);
+  EXPECT_THAT(ValidateConfig(stateless),
+              ::testing::ElementsAre("shape.state_slots: the model has no state-space layers "
+                                     "(0: none)"));
+  stateless.mutable_shape()->set_state_slots(-1);
+  EXPECT_THAT(ValidateConfig(stateless),
+              ::testing::ElementsAre("shape.state_slots: must be >= 0 (got -1)"));
+  v1::DaemonConfig negative = c;
+  negative.mutable_limits()->set_state_slots_per_uid(-2);
+  EXPECT_THAT(ValidateConfig(negative),
+              ::testing::ElementsAre(HasSubstr("limits.state_slots_per_uid: must be >= 0")));
+  negative.mutable_limits()->set_state_slots_per_uid(8);
+  EXPECT_EQ(MakeEngineOptions(negative, 1)->limits.state_slots_per_uid, 8);
+}
+
+// The order checkpoints give way in: by tokens saved (unset or named), least recently used,
+// nothing else, and only for a model with state-space layers.
+TEST(ConfigTest, CheckpointEvictionIsTokensSavedOrLru) {
+  const v1::DaemonConfig c = HybridConfig();
   for (const auto& [set, want] :
        std::vector<std::pair<std::string, KvCacheOptions::CheckpointEviction>>{
            {"", KvCacheOptions::CheckpointEviction::kByTokensSaved},
@@ -286,20 +304,6 @@ TEST(ConfigTest, StateAndCheckpointSlotsAreChecked) {
   stray_eviction.mutable_shape()->set_checkpoint_eviction("lru");
   EXPECT_THAT(ValidateConfig(stray_eviction),
               ::testing::ElementsAre(HasSubstr("shape.checkpoint_eviction: the model has no")));
-  v1::DaemonConfig stateless = DefaultConfig();
-  stateless.mutable_shape()->set_state_slots(4);
-  EXPECT_THAT(ValidateConfig(stateless),
-              ::testing::ElementsAre("shape.state_slots: the model has no state-space layers "
-                                     "(0: none)"));
-  stateless.mutable_shape()->set_state_slots(-1);
-  EXPECT_THAT(ValidateConfig(stateless),
-              ::testing::ElementsAre("shape.state_slots: must be >= 0 (got -1)"));
-  v1::DaemonConfig negative = c;
-  negative.mutable_limits()->set_state_slots_per_uid(-2);
-  EXPECT_THAT(ValidateConfig(negative),
-              ::testing::ElementsAre(HasSubstr("limits.state_slots_per_uid: must be >= 0")));
-  negative.mutable_limits()->set_state_slots_per_uid(8);
-  EXPECT_EQ(MakeEngineOptions(negative, 1)->limits.state_slots_per_uid, 8);
 }
 
 TEST(ConfigTest, AHybridModelNeedsItsOwnShape) {

@@ -420,6 +420,51 @@ TEST(HostBlockStoreFairTest, RandomLoadAlwaysEvictsFromTheShareMostOverItsWeight
   EXPECT_GT(evictions_checked, 1000);
 }
 
+// A lookup reads the slot after the previous hit before the index (a chain stored at once sits
+// in consecutive slots). That slot counts only in use and stored under the parent asked for: here
+// it keeps the key of a block invalidated while pinned, then follows a block of another chain.
+TEST(HostBlockStoreTest, TheNextSlotCountsOnlyInUseAndUnderTheParentAsked) {
+  auto store = *HostBlockStore::Create(4, kBlockBytes);
+  const auto chain = MakeChain(kSpace, 2, kBlockBytes, 9);
+  const auto other = MakeChain(kSpace, 1, kBlockBytes, 10);
+  auto put = [&](const testing::TestChain& c, size_t i, uint64_t tenant) {
+    ASSERT_TRUE(store->Put(kSpace, {.hash = c.hashes[i],
+                                    .parent = i == 0 ? BlockHash{} : c.hashes[i - 1],
+                                    .coverage = 16,
+                                    .bytes = c.blocks[i],
+                                    .tags = {.tenant = tenant, .model = 1}}));
+  };
+  auto hits = [&](std::span<const BlockHash> hashes) {
+    auto buffers = Buffers(hashes.size());
+    return store->Lookup(kSpace, BlockHash{}, hashes, Spans(buffers))->hits;
+  };
+  put(chain, 0, 1);  // slot 0
+  put(chain, 1, 2);  // slot 1, after block 0
+  ASSERT_EQ(hits(chain.hashes), 2);
+  // Block 1 pinned and invalidated: out of the index, its slot out of use but not free.
+  HostBlockStore::Pins pinned =
+      store->LookupPinned(kSpace, chain.hashes[0], std::span(chain.hashes).subspan(1));
+  ASSERT_EQ(pinned.size(), 1);
+  EXPECT_EQ(store->Invalidate({.tenant = 2}), 1);
+  EXPECT_EQ(hits(chain.hashes), 1);
+  // Block 0 invalidated and put again: slot 0 once more, with slot 1 still holding block 1's key.
+  EXPECT_EQ(store->Invalidate({.tenant = 1}), 1);
+  put(chain, 0, 1);
+  EXPECT_EQ(hits(chain.hashes), 1);
+  pinned.Release();
+  // Block 1 back (slot 1 again: the only free one below the unused), then block 0's slot given
+  // to another chain's block: slot 1 follows it, but under another parent.
+  put(chain, 1, 2);
+  EXPECT_EQ(hits(chain.hashes), 2);
+  EXPECT_EQ(store->Invalidate({.tenant = 1}), 1);
+  put(other, 0, 3);
+  const uint64_t corrupt = store->stats().corrupt;
+  const std::vector<BlockHash> spliced = {other.hashes[0], chain.hashes[1]};
+  EXPECT_EQ(hits(spliced), 1);
+  EXPECT_EQ(store->stats().corrupt, corrupt + 1);  // block 1 is held, under another parent
+  EXPECT_TRUE(store->CheckInvariants().ok());
+}
+
 // Random chains (branches sharing a stem, two namespaces, two tenants) put whole, in pieces or
 // block by block in reverse, looked up and pinned from any block with the right or a wrong
 // parent, unpinned and invalidated, in a store that evicts all the time. Every lookup gives what a
@@ -428,146 +473,169 @@ TEST(HostBlockStoreFairTest, RandomLoadAlwaysEvictsFromTheShareMostOverItsWeight
 // chain put at once sits in consecutive slots, and lookups read the slot after the previous hit
 // before the index: slots reused by other blocks, emptied by an invalidation or holding the same
 // hash under another chain must all miss that shortcut.
-TEST(HostBlockStoreTest, RandomChainsLookUpAsTheListenerSaysTheyWereStored) {
-  constexpr int64_t kCapacity = 20;
-  auto store = *HostBlockStore::Create(kCapacity, kBlockBytes, 2);
+class HostBlockStoreChainsTest : public ::testing::Test {
+ protected:
   struct Family {
     testing::TestChain chain;
     NamespaceTags tags;
   };
-  std::vector<Family> families;
-  std::mt19937 rng(31);
-  for (int f = 0; f < 8; ++f) {
-    const BlockSpace space{NamespaceId(f % 2 == 0 ? 7 : 8), kSpace.layout_fingerprint};
-    Family family{MakeChain(space, 10, kBlockBytes, 500 + static_cast<uint32_t>(f)),
-                  {.tenant = 1 + static_cast<uint64_t>(f % 3 == 0), .model = 1}};
-    if (f >= 2) {  // a branch: the stem of an earlier family in the same space, then its own
-      const Family& stem = families[static_cast<size_t>(f - 2)];
-      const size_t keep = 1 + rng() % 6;
-      for (size_t i = 0; i < keep; ++i) {
-        family.chain.hashes[i] = stem.chain.hashes[i];
-        family.chain.blocks[i] = stem.chain.blocks[i];
-      }
-      // The rest chains on from the shared stem.
-      for (size_t i = keep; i < family.chain.hashes.size(); ++i) {
-        const BlockHash& parent = family.chain.hashes[i - 1];
-        family.chain.hashes[i] = BlockHash{parent.lo * 31 + i + static_cast<uint64_t>(f) * 977,
-                                           parent.hi ^ (0x9E37 + static_cast<uint64_t>(f))};
-      }
-    }
-    families.push_back(std::move(family));
-  }
-  // The one hash stored under two parents: family 7's block 8 is family 5's block 8.
-  families[7].chain.hashes[8] = families[5].chain.hashes[8];
-  // Family 0's hashes under another layout (another model's pool: the same tokens chain to the
-  // same hashes), with bytes of their own.
-  Family other_layout = families[0];
-  other_layout.chain.space.layout_fingerprint += 1;
-  for (auto& bytes : other_layout.chain.blocks) {
-    for (std::byte& b : bytes) b = ~b;
-  }
-  families.push_back(std::move(other_layout));
-
+  // What the listener says is stored, by (namespace, layout, hash).
+  using Ref = std::tuple<uint64_t, uint64_t, uint64_t, uint64_t>;
   struct Stored {
     BlockHash parent;
     std::vector<std::byte> bytes;
   };
-  using Ref = std::tuple<uint64_t, uint64_t, uint64_t, uint64_t>;  // namespace, layout, hash
-  auto ref = [](const BlockSpace& space, const BlockHash& hash) {
+
+  void SetUp() override {
+    store_ = *HostBlockStore::Create(/*blocks=*/20, kBlockBytes, 2);
+    MakeFamilies();
+    store_->set_listener([this](const BlockSpace& space, const BlockHash& hash,
+                                const BlockHash& parent, bool stored) {
+      const Ref key = RefOf(space, hash);
+      if (!stored) {
+        ASSERT_EQ(model_.erase(key), 1u);
+        return;
+      }
+      ASSERT_NE(putting_, nullptr);
+      ASSERT_TRUE(
+          model_.emplace(key, Stored{parent, putting_->chain.blocks[putting_index_]}).second);
+    });
+  }
+
+  static Ref RefOf(const BlockSpace& space, const BlockHash& hash) {
     return Ref{space.ns.value(), space.layout_fingerprint, hash.lo, hash.hi};
-  };
-  std::map<Ref, Stored> model;
-  const Family* putting = nullptr;  // whose Put the listener hears
-  size_t putting_index = 0;
-  store->set_listener([&](const BlockSpace& space, const BlockHash& hash, const BlockHash& parent,
-                          bool stored) {
-    const Ref key = ref(space, hash);
-    if (!stored) {
-      ASSERT_EQ(model.erase(key), 1u);
-      return;
+  }
+
+  // Eight chains of ten in two namespaces, each after the second sharing a stem of 1 to 6
+  // blocks with the one two before it; one hash under two parents; and family 0's hashes under
+  // another layout (another model's pool: the same tokens chain to the same hashes), with bytes
+  // of their own.
+  void MakeFamilies() {
+    for (int f = 0; f < 8; ++f) {
+      const BlockSpace space{NamespaceId(f % 2 == 0 ? 7 : 8), kSpace.layout_fingerprint};
+      Family family{MakeChain(space, 10, kBlockBytes, 500 + static_cast<uint32_t>(f)),
+                    {.tenant = 1 + static_cast<uint64_t>(f % 3 == 0), .model = 1}};
+      if (f >= 2) {
+        const Family& stem = families_[static_cast<size_t>(f - 2)];
+        const size_t keep = 1 + rng_() % 6;
+        for (size_t i = 0; i < keep; ++i) {
+          family.chain.hashes[i] = stem.chain.hashes[i];
+          family.chain.blocks[i] = stem.chain.blocks[i];
+        }
+        for (size_t i = keep; i < family.chain.hashes.size(); ++i) {
+          const BlockHash& parent = family.chain.hashes[i - 1];
+          family.chain.hashes[i] = BlockHash{parent.lo * 31 + i + static_cast<uint64_t>(f) * 977,
+                                             parent.hi ^ (0x9E37 + static_cast<uint64_t>(f))};
+        }
+      }
+      families_.push_back(std::move(family));
     }
-    ASSERT_NE(putting, nullptr);
-    ASSERT_TRUE(model.emplace(key, Stored{parent, putting->chain.blocks[putting_index]}).second);
-  });
-  auto put = [&](const Family& family, size_t i) {
-    putting = &family;
-    putting_index = i;
-    (void)store->Put(family.chain.space,
-                     {.hash = family.chain.hashes[i],
-                      .parent = i == 0 ? BlockHash{} : family.chain.hashes[i - 1],
-                      .coverage = 16,
-                      .bytes = family.chain.blocks[i],
-                      .tags = family.tags});
-    putting = nullptr;
-  };
+    families_[7].chain.hashes[8] = families_[5].chain.hashes[8];
+    Family other_layout = families_[0];
+    other_layout.chain.space.layout_fingerprint += 1;
+    for (auto& bytes : other_layout.chain.blocks) {
+      for (std::byte& b : bytes) b = ~b;
+    }
+    families_.push_back(std::move(other_layout));
+  }
+
+  void Put(const Family& family, size_t i) {
+    putting_ = &family;
+    putting_index_ = i;
+    (void)store_->Put(family.chain.space,
+                      {.hash = family.chain.hashes[i],
+                       .parent = i == 0 ? BlockHash{} : family.chain.hashes[i - 1],
+                       .coverage = 16,
+                       .bytes = family.chain.blocks[i],
+                       .tags = family.tags});
+    putting_ = nullptr;
+  }
+
+  // Puts blocks [from, to) of `family`, in order or in reverse.
+  void PutRange(const Family& family, size_t from, size_t to, bool reversed) {
+    if (!reversed) {
+      for (size_t i = from; i < to; ++i) Put(family, i);
+    } else {
+      for (size_t i = to; i-- > from;) Put(family, i);
+    }
+  }
+
   // What a lookup of hashes [from, from + n) after `parent` should give: the hits, and whether
   // the run stops at a block held under another parent.
-  auto expect = [&](const Family& family, size_t from, size_t n, BlockHash parent) {
+  std::pair<size_t, bool> Expect(const Family& family, size_t from, size_t n,
+                                 BlockHash parent) const {
     size_t hits = 0;
-    bool corrupt = false;
     for (size_t i = from; i < from + n; ++i) {
-      const auto it = model.find(ref(family.chain.space, family.chain.hashes[i]));
-      if (it == model.end()) break;
-      if (!(it->second.parent == parent)) {
-        corrupt = true;
-        break;
-      }
+      const auto it = model_.find(RefOf(family.chain.space, family.chain.hashes[i]));
+      if (it == model_.end()) break;
+      if (!(it->second.parent == parent)) return {hits, true};
       ++hits;
       parent = family.chain.hashes[i];
     }
-    return std::pair(hits, corrupt);
-  };
+    return {hits, false};
+  }
 
-  std::vector<HostBlockStore::Pins> pins;
+  // Looks up (copying, or pinned and kept) hashes [from, from + n) of `family` after `parent`,
+  // and checks the hits, their bytes and the corrupt count against the model. Returns the hits.
+  size_t LookUp(const Family& family, size_t from, size_t n, BlockHash parent, bool pin) {
+    const auto [hits, corrupt] = Expect(family, from, n, parent);
+    const uint64_t corrupt_before = store_->stats().corrupt;
+    const std::span<const BlockHash> asked = std::span(family.chain.hashes).subspan(from, n);
+    if (!pin) {
+      auto buffers = Buffers(n);
+      const auto found = store_->Lookup(family.chain.space, parent, asked, Spans(buffers));
+      EXPECT_TRUE(found.ok());
+      EXPECT_EQ(found->hits, static_cast<int64_t>(hits));
+      for (size_t i = 0; i < hits && i < static_cast<size_t>(found->hits); ++i) {
+        EXPECT_EQ(buffers[i], family.chain.blocks[from + i]) << "block " << i;
+      }
+    } else {
+      HostBlockStore::Pins p = store_->LookupPinned(family.chain.space, parent, asked);
+      EXPECT_EQ(p.size(), static_cast<int64_t>(hits));
+      for (size_t i = 0; i < hits && i < static_cast<size_t>(p.size()); ++i) {
+        const std::span<const std::byte> bytes = p.block(i);
+        EXPECT_TRUE(std::equal(bytes.begin(), bytes.end(), family.chain.blocks[from + i].begin()))
+            << "pinned block " << i;
+      }
+      pins_.push_back(std::move(p));
+    }
+    EXPECT_EQ(store_->stats().corrupt - corrupt_before, corrupt ? 1u : 0u);
+    return hits;
+  }
+
+  std::mt19937 rng_{31};
+  std::unique_ptr<HostBlockStore> store_;
+  std::vector<Family> families_;
+  std::map<Ref, Stored> model_;
+  const Family* putting_ = nullptr;  // whose Put the listener hears
+  size_t putting_index_ = 0;
+  std::vector<HostBlockStore::Pins> pins_;
+};
+
+TEST_F(HostBlockStoreChainsTest, RandomChainsLookUpAsTheListenerSaysTheyWereStored) {
   int64_t long_hits = 0;
   for (int step = 0; step < 20000; ++step) {
-    const Family& family = families[rng() % families.size()];
+    SCOPED_TRACE(step);
+    const Family& family = families_[rng_() % families_.size()];
     const size_t length = family.chain.hashes.size();
-    const int dice = static_cast<int>(rng() % 20);
+    const int dice = static_cast<int>(rng_() % 20);
     if (dice < 7) {
-      const size_t from = rng() % length;
-      const size_t to = from + 1 + rng() % (length - from);
-      if (dice < 5) {
-        for (size_t i = from; i < to; ++i) put(family, i);
-      } else {
-        for (size_t i = to; i-- > from;) put(family, i);
-      }
+      const size_t from = rng_() % length;
+      PutRange(family, from, from + 1 + rng_() % (length - from), /*reversed=*/dice >= 5);
     } else if (dice < 17) {
-      const size_t from = rng() % length;
-      const size_t n = 1 + rng() % (length - from);
+      const size_t from = rng_() % length;
+      const size_t n = 1 + rng_() % (length - from);
       BlockHash parent = from == 0 ? BlockHash{} : family.chain.hashes[from - 1];
-      if (rng() % 8 == 0) parent = BlockHash{parent.lo + 1, parent.hi};  // the wrong one
-      const auto [hits, corrupt] = expect(family, from, n, parent);
-      const uint64_t corrupt_before = store->stats().corrupt;
-      const std::span<const BlockHash> asked = std::span(family.chain.hashes).subspan(from, n);
-      if (dice < 12 || pins.size() >= 4) {
-        auto buffers = Buffers(n);
-        const auto found = store->Lookup(family.chain.space, parent, asked, Spans(buffers));
-        ASSERT_TRUE(found.ok());
-        ASSERT_EQ(found->hits, static_cast<int64_t>(hits)) << "step " << step;
-        for (size_t i = 0; i < hits; ++i) {
-          ASSERT_EQ(buffers[i], family.chain.blocks[from + i]) << "step " << step << " block " << i;
-        }
-      } else {
-        HostBlockStore::Pins p = store->LookupPinned(family.chain.space, parent, asked);
-        ASSERT_EQ(p.size(), static_cast<int64_t>(hits)) << "step " << step;
-        for (size_t i = 0; i < hits; ++i) {
-          const std::span<const std::byte> bytes = p.block(i);
-          ASSERT_TRUE(std::equal(bytes.begin(), bytes.end(), family.chain.blocks[from + i].begin()))
-              << "step " << step << " pinned block " << i;
-        }
-        pins.push_back(std::move(p));
-      }
-      ASSERT_EQ(store->stats().corrupt - corrupt_before, corrupt ? 1u : 0u) << "step " << step;
-      long_hits += hits >= 3 ? 1 : 0;
-    } else if (dice < 19 && !pins.empty()) {
-      pins.erase(pins.begin() + static_cast<ptrdiff_t>(rng() % pins.size()));
-    } else if (rng() % 4 == 0) {
-      store->Invalidate({.tenant = 1 + rng() % 2});
+      if (rng_() % 8 == 0) parent = BlockHash{parent.lo + 1, parent.hi};  // the wrong one
+      long_hits += LookUp(family, from, n, parent, /*pin=*/dice >= 12 && pins_.size() < 4) >= 3;
+    } else if (dice < 19 && !pins_.empty()) {
+      pins_.erase(pins_.begin() + static_cast<ptrdiff_t>(rng_() % pins_.size()));
+    } else if (rng_() % 4 == 0) {
+      store_->Invalidate({.tenant = 1 + rng_() % 2});
     }
-    ASSERT_TRUE(store->CheckInvariants().ok())
-        << "step " << step << ": " << store->CheckInvariants();
-    ASSERT_EQ(store->stored(), static_cast<int64_t>(model.size())) << "step " << step;
+    ASSERT_FALSE(HasFailure());
+    ASSERT_TRUE(store_->CheckInvariants().ok()) << store_->CheckInvariants();
+    ASSERT_EQ(store_->stored(), static_cast<int64_t>(model_.size()));
   }
   EXPECT_GT(long_hits, 400);  // runs long enough to take the shortcut, often
 }
