@@ -223,9 +223,9 @@ struct KvCacheOptions {
 // its K/V (docs/hybrid-groups.md §4): ceil(state_bytes / block_bytes), at least 1, where
 // `state_bytes` is one checkpoint (a sequence's state in every state-space layer) and
 // `block_bytes` one block of K/V (every attention layer). Denser, checkpoints crowd out the K/V
-// they are meant to resume (and one another, in the LRU); sparser, a prompt that shares a prefix
-// with a single earlier one resumes far before the end of the prefix. 0 when either is <= 0 (no
-// state group).
+// they are meant to resume (and one another, in their eviction order); sparser, a prompt that
+// shares a prefix with a single earlier one resumes far before the end of the prefix. 0 when either
+// is <= 0 (no state group).
 int32_t BreakEvenCheckpointInterval(int64_t state_bytes, int64_t block_bytes);
 
 // The first block a sliding window of `window_tokens` reads, past its sinks, for a query at
@@ -897,7 +897,7 @@ class KvCacheManager final {
   absl::Status PlanNamespaces(std::span<const std::pair<NamespaceId, int64_t>> by_ns,
                               std::vector<NamespaceSlot>* recycle, std::string_view what) const;
   // Checks there are `slots` free state slots (reclaiming retired ones first, then evicting
-  // cached checkpoints not in `keep`, least recently used first, once it is sure there are
+  // cached checkpoints not in `keep`, in checkpoint_order_, once it is sure there are
   // enough: the call's last check). OK without a state group.
   absl::Status CheckStateRoom(int64_t slots, std::string_view what,
                               std::span<const BlockId> keep = {});
@@ -920,10 +920,10 @@ class KvCacheManager final {
   BlockId TakeCheckpointSlot(const TraceContext& ctx);
   // Each eviction share's charged bytes are those of the components kept beside its blocks.
   absl::Status CheckShareCharges() const;
-  // Of `eligible` (components the manager keeps beside tree blocks, each with that block, least
-  // recently used first), the first `want` in the order fair eviction takes them (docs/
+  // Of `eligible` (components the manager keeps beside tree blocks, each with that block, in
+  // their eviction order), the first `want` in the order fair eviction takes them (docs/
   // eviction.md, Fair by tenant): each from the eviction share using the most per unit of weight,
-  // counting a component taken as `unit` bytes less, least recently used first within a share.
+  // counting a component taken as `unit` bytes less, in their eviction order within a share.
   // Without shares besides the default one, the first `want`. O(n + want * shares).
   std::vector<BlockId> FairComponentVictims(std::span<const std::pair<BlockId, BlockId>> eligible,
                                             int64_t want, int64_t unit) const;

@@ -84,7 +84,7 @@ std::vector<BlockId> KvCacheManager::FairComponentVictims(
     return out;
   }
   const std::vector<ShareUse> shares = cache_->Shares();
-  std::vector<std::vector<BlockId>> by_share(shares.size());  // each least recently used first
+  std::vector<std::vector<BlockId>> by_share(shares.size());  // each in eviction order
   for (const auto& [component, primary] : eligible) {
     by_share[cache_->ShareIndexOf(primary)].push_back(component);
   }
