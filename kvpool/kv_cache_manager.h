@@ -730,6 +730,10 @@ class KvCacheManager final {
   std::string DebugString() const;
 
  private:
+  // Tests lower the checkpoints' rebase point, which real runs reach only past 2^62 tokens of
+  // floor (tests/kvpool/kv_cache_manager_test_peer.h).
+  friend class KvCacheManagerTestPeer;
+
   struct SessionUsage {
     int64_t block_refs = 0;
     int64_t sequences = 0;

@@ -87,7 +87,7 @@ class GreedyDualOrder final {
   uint64_t rebases() const { return rebases_; }
 
  private:
-  const uint64_t rebase_at_;
+  uint64_t rebase_at_;  // not const: a test gives an empty order a low one (assignment)
   absl::btree_set<Key> keys_;
   uint64_t floor_ = 0;
   uint64_t clock_ = 0;

@@ -38,6 +38,7 @@
 #include "kvpool/util/errors.h"
 #include "tests/kvpool/checkpoint_reference.h"
 #include "tests/kvpool/event_mirror.h"
+#include "tests/kvpool/kv_cache_manager_test_peer.h"
 #include "tests/kvpool/simulated_state_slots.h"
 #include "tests/kvpool/timeline_fences.h"
 
@@ -58,6 +59,7 @@ constexpr NamespaceId kNamespace(7);
 constexpr size_t kMaxRemembered = 12;
 
 constexpr auto kLru = KvCacheOptions::CheckpointEviction::kLeastRecentlyUsed;
+constexpr auto kByTokensSaved = KvCacheOptions::CheckpointEviction::kByTokensSaved;
 
 struct Config {
   uint64_t seed;
@@ -67,11 +69,15 @@ struct Config {
   int32_t checkpoint_slots = 3;
   // The order cached checkpoints are evicted in (the default, or least recently used).
   KvCacheOptions::CheckpointEviction eviction = KvCacheOptions::CheckpointEviction::kByTokensSaved;
+  // > 0: the checkpoints' priorities are rebased once their floor reaches this many tokens (real
+  // runs: 2^62), so the manager's rebase is run. At least the longest sequence's tokens.
+  uint64_t rebase_at = 0;
 };
 
 void PrintTo(const Config& c, std::ostream* os) {
   *os << "seed " << c.seed << ", block_size " << c.block_size << ", interval " << c.interval
-      << ", checkpoint_slots " << c.checkpoint_slots << (c.eviction == kLru ? ", lru" : "");
+      << ", checkpoint_slots " << c.checkpoint_slots << (c.eviction == kLru ? ", lru" : "")
+      << (c.rebase_at > 0 ? ", rebase at " + std::to_string(c.rebase_at) : "");
 }
 
 struct Planned {
@@ -128,6 +134,9 @@ class StateCheckpointRandomTest : public ::testing::TestWithParam<Config> {
                                          .state_bytes = 256});
     ASSERT_TRUE(cache.ok()) << cache.status();
     cache_ = std::move(*cache);
+    if (GetParam().rebase_at > 0) {
+      KvCacheManagerTestPeer::RebaseCheckpointsAt(*cache_, GetParam().rebase_at);
+    }
     // Even seeds put the namespace in an eviction share of its own (fair eviction): checkpoints
     // are charged to it, and slot pressure picks its victims by share.
     if (GetParam().seed % 2 == 0) {
@@ -736,20 +745,28 @@ TEST_P(StateCheckpointRandomTest, OperationsAgreeWithTheModel) {
   EXPECT_GT(slots_.reused(), ops / 100);
   EXPECT_GT(s.checkpoints.evicted, static_cast<uint64_t>(ops / 100));
   EXPECT_GT(mirror_.stored(1), static_cast<uint64_t>(ops / 100));  // checkpoints, as group 1
+  // Every rebase changed every cached checkpoint's priority: CheckInvariants compared each slot's
+  // key with the order's, and the listing's priorities with the floor, after every operation.
+  if (GetParam().rebase_at > 0) {
+    EXPECT_GT(KvCacheManagerTestPeer::CheckpointRebases(*cache_),
+              static_cast<uint64_t>(ops / 1000));
+  }
 }
 
-INSTANTIATE_TEST_SUITE_P(Seeds, StateCheckpointRandomTest,
-                         ::testing::Values(Config{20261204, 4, 1}, Config{7, 4, 2},
-                                           Config{99, 8, 1}, Config{1234, 8, 2},
-                                           Config{31, 4, 0, 8}, Config{42, 4, 3, 8},
-                                           Config{7, 4, 2, 3, kLru}, Config{42, 4, 3, 8, kLru}),
-                         [](const ::testing::TestParamInfo<Config>& info) {
-                           return "seed" + std::to_string(info.param.seed) + "_block" +
-                                  std::to_string(info.param.block_size) + "_every" +
-                                  std::to_string(info.param.interval) + "_slots" +
-                                  std::to_string(info.param.checkpoint_slots) +
-                                  (info.param.eviction == kLru ? "_lru" : "");
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Seeds, StateCheckpointRandomTest,
+    ::testing::Values(Config{20261204, 4, 1}, Config{7, 4, 2}, Config{99, 8, 1}, Config{1234, 8, 2},
+                      Config{31, 4, 0, 8}, Config{42, 4, 3, 8}, Config{7, 4, 2, 3, kLru},
+                      Config{42, 4, 3, 8, kLru}, Config{1234, 8, 2, 3, kByTokensSaved, 100},
+                      Config{42, 4, 3, 8, kByTokensSaved, 64}),
+    [](const ::testing::TestParamInfo<Config>& info) {
+      return "seed" + std::to_string(info.param.seed) + "_block" +
+             std::to_string(info.param.block_size) + "_every" +
+             std::to_string(info.param.interval) + "_slots" +
+             std::to_string(info.param.checkpoint_slots) +
+             (info.param.eviction == kLru ? "_lru" : "") +
+             (info.param.rebase_at > 0 ? "_rebase" + std::to_string(info.param.rebase_at) : "");
+    });
 
 }  // namespace
 }  // namespace kvpool
