@@ -348,10 +348,15 @@ void Model::Layer(int32_t layer, const kernels::KvPoolView& pool, int64_t n) {
   const int32_t h = c.hidden_size, im = c.intermediate_size;
   const size_t nt = static_cast<size_t>(n);
 
-  if (c.kind(layer) == LayerKind::kStateSpace) {
-    StateSpace(layer, n);
+  if (c.kind(layer) == LayerKind::kParallelHybrid) {
+    // One norm; attention and the mixer both read it and both add into the residual stream.
+    RmsNorm(s.x.data(), n, h, L.attn_norm, c.rms_norm_eps, s.xn.data());
+    SelfAttention(layer, pool, n, /*normed=*/true);
+    StateSpace(layer, n, /*normed=*/true);
+  } else if (c.kind(layer) == LayerKind::kStateSpace) {
+    StateSpace(layer, n, /*normed=*/false);
   } else if (c.is_attention(layer)) {
-    SelfAttention(layer, pool, n);
+    SelfAttention(layer, pool, n, /*normed=*/false);
   }
   if (!c.has_mlp(layer)) return;
 
@@ -379,7 +384,7 @@ void Model::Layer(int32_t layer, const kernels::KvPoolView& pool, int64_t n) {
   Linear(act, n, w_down_[static_cast<size_t>(layer)], h, im, s.x.data(), /*accumulate=*/true);
 }
 
-void Model::SelfAttention(int32_t layer, const kernels::KvPoolView& pool, int64_t n) {
+void Model::SelfAttention(int32_t layer, const kernels::KvPoolView& pool, int64_t n, bool normed) {
   const ModelConfig& c = config_;
   const LayerWeights& L = weights_.layers[static_cast<size_t>(layer)];
   Scratch& s = *scratch_;
@@ -387,7 +392,7 @@ void Model::SelfAttention(int32_t layer, const kernels::KvPoolView& pool, int64_
   const int32_t qd = c.num_heads * hd, kvd = c.num_kv_heads * hd, qkvd = qd + 2 * kvd;
   const size_t nt = static_cast<size_t>(n);
   const size_t kv_row = static_cast<size_t>(kvd);
-  RmsNorm(s.x.data(), n, h, L.attn_norm, c.rms_norm_eps, s.xn.data());
+  if (!normed) RmsNorm(s.x.data(), n, h, L.attn_norm, c.rms_norm_eps, s.xn.data());
   Reserve(s.qkv, nt * static_cast<size_t>(qkvd));
   Linear(s.xn.data(), n, wqkv_[static_cast<size_t>(layer)], qkvd, h, s.qkv.data());
   Reserve(s.q, nt * static_cast<size_t>(qd));
@@ -440,7 +445,7 @@ void Model::PlanStates(std::span<const StepItem> items) {
   s.seq_starts.push_back(static_cast<int32_t>(s.step.num_tokens));
 }
 
-void Model::StateSpace(int32_t layer, int64_t n) {
+void Model::StateSpace(int32_t layer, int64_t n, bool normed) {
   const ModelConfig& c = config_;
   const SsmConfig& m = c.ssm;
   const internal::SsmDims dims = internal::SsmDimsOf(m);
@@ -452,11 +457,9 @@ void Model::StateSpace(int32_t layer, int64_t n) {
   const size_t nt = static_cast<size_t>(n);
   // This layer's state within each sequence's: the layers before it that have one come first.
   int64_t offset = 0;
-  for (int32_t l = 0; l < layer; ++l) {
-    offset += c.kind(l) == LayerKind::kStateSpace ? m.state_floats() : 0;
-  }
+  for (int32_t l = 0; l < layer; ++l) offset += c.has_state(l) ? m.state_floats() : 0;
 
-  RmsNorm(s.x.data(), n, h, L.attn_norm, c.rms_norm_eps, s.xn.data());
+  if (!normed) RmsNorm(s.x.data(), n, h, L.attn_norm, c.rms_norm_eps, s.xn.data());
   Reserve(s.ssm_proj, nt * static_cast<size_t>(proj));
   Linear(s.xn.data(), n, ssm_in_[static_cast<size_t>(layer)], proj, h, s.ssm_proj.data());
   if (m.proj_bias) internal::AddBias(s.ssm_proj.data(), n, proj, proj, L.ssm_in_bias.data());
@@ -498,8 +501,9 @@ void Model::StateSpace(int32_t layer, int64_t n) {
                                          .y = s.ssm_y.data()},
                                         &threads_));
   // Gate, norm (into ssm_x, free now) and the output projection into the residual stream.
-  internal::SsmGatedNorm(dims, s.ssm_y.data(), s.ssm_proj.data(), proj, n, L.ssm_norm.data(),
-                         c.rms_norm_eps, s.ssm_x.data());
+  internal::SsmGatedNorm(dims, s.ssm_y.data(), s.ssm_proj.data(), proj, n,
+                         m.gated_norm ? L.ssm_norm.data() : nullptr, c.rms_norm_eps,
+                         s.ssm_x.data());
   Linear(s.ssm_x.data(), n, ssm_out_[static_cast<size_t>(layer)], h, inner, s.x.data(),
          /*accumulate=*/true);
   if (m.proj_bias) internal::AddBias(s.x.data(), n, h, h, L.ssm_out_bias.data());

@@ -17,7 +17,8 @@
 // kernels::cpu. The pool memory must be host-visible.
 //
 // State-space layers (LayerKind::kStateSpace, Mamba-2) replace attention by a mixer whose
-// history is one state per sequence, kept by the caller (StepItem::state) and advanced in place.
+// history is one state per sequence, kept by the caller (StepItem::state) and advanced in place;
+// parallel hybrid layers (LayerKind::kParallelHybrid, Falcon-H1) run both on one norm.
 //
 // Thread-compatible: one Step at a time (the daemon runs steps in order on its runner thread).
 
@@ -75,16 +76,18 @@ class Model final : public StepModel {
               float* y, bool accumulate = false);
   void Layer(int32_t layer, const kernels::KvPoolView& pool, int64_t num_tokens);
   // An attention layer's mixer: q, k, v, the K/V write, attention, o_proj into the residual.
-  void SelfAttention(int32_t layer, const kernels::KvPoolView& pool, int64_t num_tokens);
+  // `normed`: the scratch's xn already holds the layer's normalized input (a parallel hybrid).
+  void SelfAttention(int32_t layer, const kernels::KvPoolView& pool, int64_t num_tokens,
+                     bool normed);
   void Attention(int32_t layer, const kernels::KvPoolView& pool);
   // Attention layer `layer`'s layer in the pool (ModelConfig::kv_layer: with a window group, the
   // sliding layers are the pool's last, in its window region).
   int32_t PoolLayer(int32_t layer) const {
     return config_.kv_layer(layer, layout_.num_window_layers > 0);
   }
-  // A state-space layer's mixer (instead of attention): adds its output to the residual stream
-  // and advances every sequence's state.
-  void StateSpace(int32_t layer, int64_t num_tokens);
+  // A state-space layer's mixer (instead of attention, or beside it): adds its output to the
+  // residual stream and advances every sequence's state. `normed`: as SelfAttention's.
+  void StateSpace(int32_t layer, int64_t num_tokens, bool normed);
   // Fills packed_.
   void PackForDecode();
   // Where each sequence's rows and state are, for the scan.

@@ -42,7 +42,7 @@ absl::Status CheckWeights(const ModelWeights& w) {
     const std::string p = fmt::format("layers.{}.", l);
     // A layer holds its kind's tensors and none of the other kinds'.
     const auto layer = static_cast<int32_t>(l);
-    const bool ssm = c.kind(layer) == LayerKind::kStateSpace;
+    const bool ssm = c.has_state(layer);
     const bool attention = c.is_attention(layer);
     const bool mlp = c.has_mlp(layer);
     KVPOOL_RETURN_IF_ERROR(
@@ -64,7 +64,8 @@ absl::Status CheckWeights(const ModelWeights& w) {
     KVPOOL_RETURN_IF_ERROR(CheckSize(L.ssm_dt_bias, ssm ? m.num_heads : 0, p + "ssm_dt_bias"));
     KVPOOL_RETURN_IF_ERROR(CheckSize(L.ssm_a_log, ssm ? m.num_heads : 0, p + "ssm_a_log"));
     KVPOOL_RETURN_IF_ERROR(CheckSize(L.ssm_d, ssm ? m.num_heads : 0, p + "ssm_d"));
-    KVPOOL_RETURN_IF_ERROR(CheckSize(L.ssm_norm, ssm ? m.inner() : 0, p + "ssm_norm"));
+    KVPOOL_RETURN_IF_ERROR(
+        CheckSize(L.ssm_norm, ssm && m.gated_norm ? m.inner() : 0, p + "ssm_norm"));
     KVPOOL_RETURN_IF_ERROR(CheckSize(L.ssm_out, ssm ? h * m.inner() : 0, p + "ssm_out"));
     KVPOOL_RETURN_IF_ERROR(CheckSize(L.w_gate, mlp && c.gated_mlp() ? im * h : 0, p + "w_gate"));
     KVPOOL_RETURN_IF_ERROR(CheckSize(L.w_up, mlp ? im * h : 0, p + "w_up"));

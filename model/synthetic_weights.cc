@@ -64,7 +64,7 @@ void SyntheticSsm(const ModelConfig& config, uint64_t seed, uint64_t base, doubl
   layer->ssm_dt_bias = shifted(NormalLike(seed, base + 10, 0.5, m.num_heads), -3.0f);
   layer->ssm_a_log = shifted(NormalLike(seed, base + 11, 0.25, m.num_heads), 0.5f);
   layer->ssm_d.assign(static_cast<size_t>(m.num_heads), 1.0f);
-  layer->ssm_norm.assign(static_cast<size_t>(m.inner()), 1.0f);
+  if (m.gated_norm) layer->ssm_norm.assign(static_cast<size_t>(m.inner()), 1.0f);
   layer->ssm_out =
       NormalLike(seed, base + 12, residual_scale / std::sqrt(static_cast<double>(m.inner())),
                  hidden * m.inner());
@@ -110,9 +110,8 @@ ModelWeights SyntheticWeights(const ModelConfig& config, uint64_t seed) {
     const auto l = static_cast<int32_t>(i);
     if (config.kind(l) != LayerKind::kMlp)
       layer.attn_norm.assign(static_cast<size_t>(hidden), 1.0f);
-    if (config.kind(l) == LayerKind::kStateSpace) {
-      SyntheticSsm(config, seed, base, residual_scale, &layer);
-    } else if (config.is_attention(l)) {
+    if (config.has_state(l)) SyntheticSsm(config, seed, base, residual_scale, &layer);
+    if (config.is_attention(l)) {
       layer.wq = NormalLike(seed, base + 0, in_scale(hidden) * kQueryScale, q_width * hidden);
       layer.wk = NormalLike(seed, base + 1, in_scale(hidden), kv_width * hidden);
       layer.wv = NormalLike(seed, base + 2, in_scale(hidden), kv_width * hidden);

@@ -48,6 +48,7 @@ auto TensorSlots(Weights& weights, Names names, std::string_view prefix = "backb
   const SsmConfig& m = c.ssm;
   const bool bamba = names == Names::kBamba;
   const bool nemotron = names == Names::kNemotronH;
+  const bool falcon = names == Names::kFalconH1;
   const std::string top = nemotron ? std::string(prefix) : "model.";
   std::vector<Slot> slots;
   slots.push_back({top + (nemotron ? "embeddings.weight" : "embed_tokens.weight"),
@@ -63,8 +64,8 @@ auto TensorSlots(Weights& weights, Names names, std::string_view prefix = "backb
       slots.push_back(
           {p + (nemotron ? "norm.weight" : "input_layernorm.weight"), {hidden}, &layer.attn_norm});
     }
-    if (c.kind(l) == LayerKind::kStateSpace) {
-      // Bamba's (and Granite 4.0 hybrid's) names for the Mamba-2 mixer, under mamba.
+    if (c.has_state(l)) {
+      // Bamba's (and Granite 4.0 hybrid's, Falcon-H1's) names for the Mamba-2 mixer, under mamba.
       const std::string s = nemotron ? mixer : p + "mamba.";
       slots.push_back({s + "in_proj.weight", {m.in_proj_dim(), hidden}, &layer.ssm_in});
       if (m.proj_bias) {
@@ -78,9 +79,10 @@ auto TensorSlots(Weights& weights, Names names, std::string_view prefix = "backb
       slots.push_back({s + "dt_bias", {m.num_heads}, &layer.ssm_dt_bias});
       slots.push_back({s + "A_log", {m.num_heads}, &layer.ssm_a_log});
       slots.push_back({s + "D", {m.num_heads}, &layer.ssm_d});
-      slots.push_back({s + "norm.weight", {m.inner()}, &layer.ssm_norm});
+      if (m.gated_norm) slots.push_back({s + "norm.weight", {m.inner()}, &layer.ssm_norm});
       slots.push_back({s + "out_proj.weight", {hidden, m.inner()}, &layer.ssm_out});
-    } else if (c.is_attention(l)) {
+    }
+    if (c.is_attention(l)) {  // a parallel hybrid has both
       const std::string a = nemotron ? mixer : p + "self_attn.";
       slots.push_back({a + "q_proj.weight", {q_width, hidden}, &layer.wq});
       slots.push_back({a + "k_proj.weight", {kv_width, hidden}, &layer.wk});
@@ -89,7 +91,7 @@ auto TensorSlots(Weights& weights, Names names, std::string_view prefix = "backb
     }
     if (!c.has_mlp(l)) continue;
     std::string norm = p + "post_attention_layernorm.weight", mlp = p + "mlp.";
-    if (bamba) norm = p + "pre_ff_layernorm.weight", mlp = p + "feed_forward.";
+    if (bamba || falcon) norm = p + "pre_ff_layernorm.weight", mlp = p + "feed_forward.";
     if (nemotron) norm = p + "norm.weight", mlp = mixer;
     slots.push_back({norm, {hidden}, &layer.mlp_norm});
     if (c.gated_mlp()) slots.push_back({mlp + "gate_proj.weight", {inter, hidden}, &layer.w_gate});
@@ -97,7 +99,7 @@ auto TensorSlots(Weights& weights, Names names, std::string_view prefix = "backb
     slots.push_back({mlp + "down_proj.weight", {hidden, inter}, &layer.w_down});
   }
   std::string final_norm = "model.norm.weight";
-  if (bamba) final_norm = "model.final_layernorm.weight";
+  if (bamba || falcon) final_norm = "model.final_layernorm.weight";
   if (nemotron) final_norm = top + "norm_f.weight";
   slots.push_back({final_norm, {hidden}, &weights.final_norm});
   if (!c.tie_word_embeddings) {
@@ -129,6 +131,64 @@ absl::Status PositiveFiniteField(std::string_view field, float value) {
 }
 
 absl::Status ValidateSsm(const ModelConfig& c);
+
+void Scale(std::vector<float>& v, double by) {
+  if (by == 1.0) return;
+  for (float& x : v) x = static_cast<float>(x * by);
+}
+
+// Falcon-H1's muP multipliers folded into the weights they scale (each is linear in its
+// weight), so the model computes exactly what transformers' FalconH1 does, to rounding:
+// attention q/k/v see the input times attention_in, k is then times key, o's output times
+// attention_out; in_proj sees the input times ssm_in and each of its outputs (bias included) is
+// times its part's ssm_multipliers entry; out_proj's output is times ssm_out; the MLP's gate
+// (before the SiLU) times mlp_multipliers[0], its down projection's output times [1]; the
+// embeddings times embedding, the logits times lm_head. A tied head whose two multipliers
+// differ is untied (the head is the unscaled embedding matrix).
+void FoldMultipliers(const internal::Multipliers& f, ModelWeights* w) {
+  ModelConfig& c = w->config;
+  const SsmConfig& m = c.ssm;
+  for (size_t i = 0; i < w->layers.size(); ++i) {
+    LayerWeights& L = w->layers[i];
+    const auto l = static_cast<int32_t>(i);
+    if (c.is_attention(l)) {
+      Scale(L.wq, f.attention_in);
+      Scale(L.wk, f.attention_in * f.key);
+      Scale(L.wv, f.attention_in);
+      Scale(L.wo, f.attention_out);
+    }
+    if (c.has_state(l)) {
+      const int64_t inner = m.inner(), bc = int64_t{m.num_groups} * m.d_state;
+      const int64_t ends[5] = {inner, 2 * inner, 2 * inner + bc, 2 * inner + 2 * bc,
+                               m.in_proj_dim()};
+      int64_t row = 0;
+      for (int part = 0; part < 5; ++part) {
+        for (; row < ends[part]; ++row) {
+          float* r = L.ssm_in.data() + row * c.hidden_size;
+          for (int32_t k = 0; k < c.hidden_size; ++k) {
+            r[k] = static_cast<float>(r[k] * (f.ssm_in * f.ssm[part]));
+          }
+          if (!L.ssm_in_bias.empty()) {
+            float& b = L.ssm_in_bias[static_cast<size_t>(row)];
+            b = static_cast<float>(b * f.ssm[part]);
+          }
+        }
+      }
+      Scale(L.ssm_out, f.ssm_out);
+      Scale(L.ssm_out_bias, f.ssm_out);
+    }
+    if (c.has_mlp(l)) {
+      Scale(L.w_gate, f.mlp_gate);
+      Scale(L.w_down, f.mlp_down);
+    }
+  }
+  if (c.tie_word_embeddings && f.embedding != f.lm_head) {
+    w->lm_head = w->embed;
+    c.tie_word_embeddings = false;
+  }
+  Scale(w->embed, f.embedding);
+  if (!c.tie_word_embeddings) Scale(w->lm_head, f.lm_head);
+}
 
 absl::Status ValidateLayerKinds(const ModelConfig& c) {
   if (!c.layer_kinds.empty() && c.layer_kinds.size() != static_cast<size_t>(c.num_layers)) {
@@ -348,6 +408,7 @@ absl::StatusOr<ModelWeights> LoadCheckpoint(const std::string& dir) {
     }
     KVPOOL_RETURN_IF_ERROR(file->ReadAsF32(slot.name, *entry, slot.data));
   }
+  if (parsed.names == Names::kFalconH1) FoldMultipliers(parsed.multipliers, &weights);
   return weights;
 }
 
@@ -375,8 +436,9 @@ absl::Status SaveCheckpoint(const ModelWeights& weights, const std::string& dir,
   }
   KVPOOL_RETURN_IF_ERROR(internal::ConfigExpressible(weights.config));
   std::vector<internal::TensorToWrite> tensors;
-  const Names names_written =
-      internal::IsNemotronHConfig(weights.config) ? Names::kNemotronH : Names::kLlama;
+  Names names_written = Names::kLlama;
+  if (internal::IsNemotronHConfig(weights.config)) names_written = Names::kNemotronH;
+  if (internal::IsFalconH1Config(weights.config)) names_written = Names::kFalconH1;
   for (const auto& slot : TensorSlots(weights, names_written)) {
     if (static_cast<int64_t>(slot.data->size()) != NumElements(slot.shape)) {
       return absl::InvalidArgumentError(

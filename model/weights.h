@@ -28,6 +28,10 @@ enum class LayerKind : uint8_t {
   // An MLP alone, no mixer (Nemotron-H's "-" layers; only in a model without mlp_after_mixer):
   // no K/V, no state.
   kMlp,
+  // Full attention and a Mamba-2 mixer side by side (Falcon-H1's parallel hybrid layers): both
+  // read the same normalized input and both outputs are added to the residual stream. K/V in the
+  // pool and a state per sequence.
+  kParallelHybrid,
 };
 
 // The MLP's activation: SwiGLU (Llama, Bamba: down(silu(gate(x)) * up(x))) or squared ReLU
@@ -51,6 +55,9 @@ struct SsmConfig {
   bool conv_bias = true;
   bool proj_bias = false;
   bool norm_per_group = true;
+  // False: no norm, out = out_proj(y * silu(z)) (Falcon-H1's mamba_rms_norm false; no norm
+  // weight).
+  bool gated_norm = true;
 
   int64_t inner() const { return int64_t{num_heads} * head_dim; }
   // Channels of the convolution: x, B and C.
@@ -116,19 +123,25 @@ struct ModelConfig {
   }
 
   static bool IsAttention(LayerKind k) {
-    return k == LayerKind::kFullAttention || k == LayerKind::kSlidingAttention;
+    return k == LayerKind::kFullAttention || k == LayerKind::kSlidingAttention ||
+           k == LayerKind::kParallelHybrid;
   }
   bool is_attention(int32_t layer) const { return IsAttention(kind(layer)); }
+  // Whether a layer of kind `k` runs a Mamba-2 mixer (and so has a state per sequence).
+  static bool HasState(LayerKind k) {
+    return k == LayerKind::kStateSpace || k == LayerKind::kParallelHybrid;
+  }
+  bool has_state(int32_t layer) const { return HasState(kind(layer)); }
   // Whether layer `layer` runs an MLP: every layer but a mixer of a model without
   // mlp_after_mixer.
   bool has_mlp(int32_t layer) const { return mlp_after_mixer || kind(layer) == LayerKind::kMlp; }
   int32_t num_state_layers() const {
     int32_t n = 0;
-    for (LayerKind k : layer_kinds) n += k == LayerKind::kStateSpace ? 1 : 0;
+    for (LayerKind k : layer_kinds) n += HasState(k) ? 1 : 0;
     return n;
   }
-  // The layers with K/V in the pool: every attention layer (state-space and MLP layers have
-  // none).
+  // The layers with K/V in the pool: every attention layer, parallel hybrids included
+  // (state-space and MLP layers have none).
   int32_t num_kv_layers() const {
     if (layer_kinds.empty()) return num_layers;
     int32_t n = 0;
@@ -160,13 +173,15 @@ struct ModelConfig {
   // REQUIRES: kind(layer) is an attention kind.
   int32_t kv_layer(int32_t layer, bool window_group) const {
     if (!window_group) return kv_layer(layer);
-    const LayerKind want = kind(layer);
-    int32_t n = want == LayerKind::kSlidingAttention ? num_kv_layers() - num_sliding_layers() : 0;
-    for (int32_t l = 0; l < layer; ++l) n += kind(l) == want ? 1 : 0;
+    const bool sliding = kind(layer) == LayerKind::kSlidingAttention;
+    int32_t n = sliding ? num_kv_layers() - num_sliding_layers() : 0;
+    for (int32_t l = 0; l < layer; ++l) {
+      n += is_attention(l) && (kind(l) == LayerKind::kSlidingAttention) == sliding ? 1 : 0;
+    }
     return n;
   }
-  // Bytes of one sequence's state (StepItem::state): every state-space layer's, in layer order,
-  // f32. 0 for a model without state-space layers.
+  // Bytes of one sequence's state (StepItem::state): every mixer's (state-space and parallel
+  // hybrid layers), in layer order, f32. 0 for a model without one.
   int64_t state_bytes() const {
     return int64_t{num_state_layers()} * ssm.state_floats() * int64_t{sizeof(float)};
   }
@@ -190,9 +205,10 @@ absl::Status ValidateConfig(const ModelConfig& config);
 // Errors: INVALID_ARGUMENT for an unknown name (listing the known ones).
 absl::StatusOr<ModelConfig> NamedConfig(std::string_view name);
 
-// An attention layer has wq..wo and no ssm_*; a state-space layer the reverse; an MLP layer
-// neither. A layer with a mixer has attn_norm; a layer with an MLP (ModelConfig::has_mlp) has
-// mlp_norm, w_up, w_down and, with SwiGLU, w_gate; the rest are empty.
+// An attention layer has wq..wo and no ssm_*; a state-space layer the reverse; a parallel
+// hybrid both; an MLP layer neither. A layer with a mixer has attn_norm (a parallel hybrid's
+// one norm before both); a layer with an MLP (ModelConfig::has_mlp) has mlp_norm, w_up, w_down
+// and, with SwiGLU, w_gate; ssm_norm only with ssm.gated_norm; the rest are empty.
 struct LayerWeights {
   std::vector<float> attn_norm;      // [hidden] (before attention or the state-space mixer)
   std::vector<float> wq;             // [num_heads * head_dim][hidden]
@@ -206,7 +222,7 @@ struct LayerWeights {
   std::vector<float> ssm_dt_bias;    // [ssm heads], added before the softplus
   std::vector<float> ssm_a_log;      // [ssm heads]: A = -exp(A_log)
   std::vector<float> ssm_d;          // [ssm heads] skip
-  std::vector<float> ssm_norm;       // [inner] gated RMSNorm weight
+  std::vector<float> ssm_norm;       // [inner] gated RMSNorm weight (with ssm.gated_norm)
   std::vector<float> ssm_out;        // [hidden][inner]
   std::vector<float> ssm_out_bias;   // [hidden] with ssm.proj_bias, else empty
   std::vector<float> mlp_norm;       // [hidden]
@@ -260,8 +276,20 @@ ModelWeights SyntheticWeights(const ModelConfig& config, uint64_t seed);
 // {backbone,model}.embeddings.weight, .layers.N.norm.weight, .layers.N.mixer.* (Bamba's Mamba
 // names without mamba., q/k/v/o_proj, up/down_proj), .norm_f.weight; each layer one block, the
 // MLPs squared ReLU, attention without RoPE (ModelConfig::mlp_after_mixer, mlp_activation,
-// rope). Falcon-H1, Jamba and Zamba2 configs are refused. f32, f16 and bf16 tensors are
-// converted to f32.
+// rope). A Falcon-H1 checkpoint (model_type "falcon_h1" or FalconH1ForCausalLM) is read in its
+// own layout: every layer a parallel hybrid (LayerKind::kParallelHybrid) of attention and a
+// Mamba-2 mixer on one input_layernorm, then pre_ff_layernorm and a SwiGLU feed_forward;
+// FalconH1Config's mamba_d_ssm (default 1024; null: mamba_expand * hidden_size), mamba_n_heads,
+// mamba_d_head ("auto": mamba_d_ssm / mamba_n_heads), mamba_n_groups, mamba_d_state,
+// mamba_d_conv, mamba_conv_bias, mamba_proj_bias (in_proj) and projectors_bias (out_proj; the
+// two must agree), mamba_rms_norm (default false: no gated norm) with mamba_norm_before_gate
+// false (true, the class default, is refused); tensors model.layers.N.{self_attn,mamba,
+// feed_forward}.*, model.final_layernorm.weight. Its muP multipliers (embedding_multiplier,
+// lm_head_multiplier, key_multiplier, attention_in/out_multiplier, ssm_in/out_multiplier,
+// ssm_multipliers over z, x, B, C and dt, mlp_multipliers over gate and down) are folded into
+// the weights they scale, as transformers' FalconH1 applies them (a tied head the embedding
+// multiplier must not scale is untied). Jamba and Zamba2 configs are refused. f32, f16 and
+// bf16 tensors are converted to f32.
 // Errors: NOT_FOUND (no config.json or no safetensors), INVALID_ARGUMENT naming the file and
 // field or tensor (bad header, unsupported dtype or variant, wrong shape, missing tensor).
 absl::StatusOr<ModelWeights> LoadCheckpoint(const std::string& dir);
@@ -272,7 +300,8 @@ absl::StatusOr<ModelConfig> ReadCheckpointConfig(const std::string& dir);
 
 // Writes `weights` as a checkpoint directory LoadCheckpoint reads back (config.json and one
 // model.safetensors, tensors stored in `dtype`: "f32", "f16" or "bf16"): in Nemotron-H's layout
-// for a model without mlp_after_mixer, else Llama's. For tests and tools.
+// for a model without mlp_after_mixer, in Falcon-H1's (every multiplier 1) for one of parallel
+// hybrid layers, else Llama's. For tests and tools.
 // Errors: INVALID_ARGUMENT (dtype, or a config neither layout can say: SwiGLU without RoPE, say),
 // INTERNAL (I/O).
 absl::Status SaveCheckpoint(const ModelWeights& weights, const std::string& dir,

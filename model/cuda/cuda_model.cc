@@ -70,9 +70,10 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(ModelWeights weight
     Layer layer;
     KVPOOL_ASSIGN_OR_RETURN(layer.attn_norm, m->Upload(L.attn_norm));
     KVPOOL_ASSIGN_OR_RETURN(layer.mlp_norm, m->Upload(L.mlp_norm));
-    if (c.kind(static_cast<int32_t>(l)) == LayerKind::kStateSpace) {
+    if (c.has_state(static_cast<int32_t>(l))) {
       KVPOOL_RETURN_IF_ERROR(m->UploadStateSpace(L, &layer));
-    } else if (c.is_attention(static_cast<int32_t>(l))) {
+    }
+    if (c.is_attention(static_cast<int32_t>(l))) {  // a parallel hybrid has both
       KVPOOL_ASSIGN_OR_RETURN(layer.wqkv, m->Upload(stacked({&L.wq, &L.wk, &L.wv})));
       KVPOOL_ASSIGN_OR_RETURN(layer.wo, m->Upload(L.wo));
     }
@@ -400,7 +401,7 @@ absl::Status CudaModel::Launch(const kernels::KvPoolView& pool, int32_t n, int32
   for (int32_t l = 0; l < c.num_layers; ++l) {
     const Layer& L = layers_[static_cast<size_t>(l)];
     if (!c.is_attention(l)) {
-      if (c.kind(l) == LayerKind::kStateSpace) KVPOOL_RETURN_IF_ERROR(StateSpace(l, n));
+      if (c.has_state(l)) KVPOOL_RETURN_IF_ERROR(StateSpace(l, n, /*normed=*/false));
       if (c.has_mlp(l)) KVPOOL_RETURN_IF_ERROR(Mlp(L, n));
       continue;
     }
@@ -429,6 +430,8 @@ absl::Status CudaModel::Launch(const kernels::KvPoolView& pool, int32_t n, int32
                    "WriteKv kernel"));
     KVPOOL_RETURN_IF_ERROR(Attention(pool, l));
     KVPOOL_RETURN_IF_ERROR(Gemm(At<float>(attn_), n, L.wo, h, qd, x, true));
+    // A parallel hybrid's mixer reads the same normalized input (xn_ is still it).
+    if (c.has_state(l)) KVPOOL_RETURN_IF_ERROR(StateSpace(l, n, /*normed=*/true));
     if (c.has_mlp(l)) KVPOOL_RETURN_IF_ERROR(Mlp(L, n));
   }
   // The prediction after each item's last token.

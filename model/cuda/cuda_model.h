@@ -114,7 +114,9 @@ class CudaModel final : public StepModel {
   // rows); after Reserve(staged_) with the offsets set.
   absl::Status StageStates(std::span<const StepItem> items, int32_t num_tokens);
   // Layer `layer`'s mixer, a state-space one, into the residual stream x_.
-  absl::Status StateSpace(int32_t layer, int32_t num_tokens);
+  // `normed`: xn_ already holds the layer's normalized input (a parallel hybrid's attention
+  // normalized it).
+  absl::Status StateSpace(int32_t layer, int32_t num_tokens, bool normed);
 
   const ModelConfig config_;
   const kernels::PoolLayout layout_;

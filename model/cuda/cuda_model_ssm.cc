@@ -40,9 +40,9 @@ absl::Status CudaModel::UploadStateSpace(LayerWeights& w, Layer* layer) {
   KVPOOL_ASSIGN_OR_RETURN(layer->ssm_dt_bias, Upload(w.ssm_dt_bias));
   KVPOOL_ASSIGN_OR_RETURN(layer->ssm_a_neg, Upload(a_neg));
   KVPOOL_ASSIGN_OR_RETURN(layer->ssm_d, Upload(w.ssm_d));
-  KVPOOL_ASSIGN_OR_RETURN(layer->ssm_norm, Upload(w.ssm_norm));
   KVPOOL_ASSIGN_OR_RETURN(layer->ssm_out, Upload(w.ssm_out));
   for (auto [values, buffer] : {std::pair(&w.ssm_in_bias, &layer->ssm_in_bias),
+                                {&w.ssm_norm, &layer->ssm_norm},  // absent: gated, no norm
                                 {&w.ssm_conv_bias, &layer->ssm_conv_bias},
                                 {&w.ssm_out_bias, &layer->ssm_out_bias}}) {
     if (!values->empty()) {
@@ -80,7 +80,7 @@ absl::Status CudaModel::StageStates(std::span<const StepItem> items, int32_t num
   auto* ptrs = reinterpret_cast<float**>(host + offsets_.state_ptrs);
   int64_t offset = 0;
   for (int32_t l = 0; l < c.num_layers; ++l) {
-    if (c.kind(l) != LayerKind::kStateSpace) continue;
+    if (!c.has_state(l)) continue;
     for (int64_t q = 0; q < seqs; ++q) {
       float* state = items[seq_items_[static_cast<size_t>(q)]].state.data();
       ptrs[q] = state + offset;
@@ -118,15 +118,15 @@ absl::Status CudaModel::StageStates(std::span<const StepItem> items, int32_t num
   return Reserve(ssm_y_, 4 * n * m.inner());
 }
 
-absl::Status CudaModel::StateSpace(int32_t layer, int32_t n) {
+absl::Status CudaModel::StateSpace(int32_t layer, int32_t n, bool normed) {
   const ModelConfig& c = config_;
   const SsmConfig& m = c.ssm;
   const internal::SsmDims dims = internal::SsmDimsOf(m);
   const Layer& L = layers_[static_cast<size_t>(layer)];
   const int32_t h = c.hidden_size, seqs = static_cast<int32_t>(seq_items_.size());
   const auto proj = static_cast<int32_t>(m.in_proj_dim()), inner = static_cast<int32_t>(m.inner());
-  int32_t index = 0;  // of this layer among the state-space ones
-  for (int32_t l = 0; l < layer; ++l) index += c.kind(l) == LayerKind::kStateSpace ? 1 : 0;
+  int32_t index = 0;  // of this layer among those with a state
+  for (int32_t l = 0; l < layer; ++l) index += c.has_state(l) ? 1 : 0;
   const auto* starts = At<int32_t>(inputs_, offsets_.seq_starts);
   float* const* carries = At<float*>(inputs_, offsets_.state_ptrs) + int64_t{2} * index * seqs;
   float* const* states = carries + seqs;
@@ -134,9 +134,11 @@ absl::Status CudaModel::StateSpace(int32_t layer, int32_t n) {
   float* xn = At<float>(xn_);
   float* p = At<float>(ssm_proj_);
 
-  KVPOOL_RETURN_IF_ERROR(CudaStatus(
-      LaunchRmsNorm(x, nullptr, n, h, At<float>(L.attn_norm), c.rms_norm_eps, xn, stream_),
-      "RMSNorm kernel"));
+  if (!normed) {
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(
+        LaunchRmsNorm(x, nullptr, n, h, At<float>(L.attn_norm), c.rms_norm_eps, xn, stream_),
+        "RMSNorm kernel"));
+  }
   KVPOOL_RETURN_IF_ERROR(Gemm(xn, n, L.ssm_in, proj, h, p, false));
   if (L.ssm_in_bias != nullptr) {
     KVPOOL_RETURN_IF_ERROR(CudaStatus(
@@ -166,9 +168,10 @@ absl::Status CudaModel::StateSpace(int32_t layer, int32_t n) {
                                  At<float>(L.ssm_d), states, At<float>(ssm_y_), stream_),
                    "SSM scan kernel"));
   }
-  // Gate and norm into ssm_x_ (free now), then out_proj into the residual stream.
+  // Gate and norm (if the mixer has one) into ssm_x_ (free now), then out_proj into the residual
+  // stream.
   KVPOOL_RETURN_IF_ERROR(
-      CudaStatus(LaunchSsmGatedNorm(dims, n, At<float>(ssm_y_), p, proj, At<float>(L.ssm_norm),
+      CudaStatus(LaunchSsmGatedNorm(dims, n, At<float>(ssm_y_), p, proj, Optional(L.ssm_norm),
                                     c.rms_norm_eps, At<float>(ssm_x_), stream_),
                  "SSM gated norm kernel"));
   KVPOOL_RETURN_IF_ERROR(Gemm(At<float>(ssm_x_), n, L.ssm_out, h, inner, x, true));

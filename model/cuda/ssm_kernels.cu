@@ -125,6 +125,7 @@ __global__ void SsmGatedNormKernel(SsmDims m, const float* y, const float* z, in
     o[i] = v;
     ss += v * v;
   }
+  if (weight == nullptr) return;  // gated, not normalized (the same for every thread)
   const float inv =
       internal::SsmNormScale(kernels::cuda::BlockSum<kThreads>(ss), m.norm_group, eps);
   for (int64_t i = g0 + threadIdx.x; i < g0 + m.norm_group; i += blockDim.x) {

@@ -67,7 +67,8 @@ cudaError_t LaunchSsmChunkedScan(const internal::SsmDims& m, int32_t num_seqs,
                                  cudaStream_t stream);
 
 // out[r] = the gated RMSNorm of y[r] with gate z[r] (rows z_stride apart): one CTA per (row,
-// norm group), a block reduction for the group's sum of squares.
+// norm group), a block reduction for the group's sum of squares. With no weight (nullptr), the
+// gated values alone (a mixer without the norm).
 cudaError_t LaunchSsmGatedNorm(const internal::SsmDims& m, int32_t rows, const float* y,
                                const float* z, int64_t z_stride, const float* weight, float eps,
                                float* out, cudaStream_t stream);

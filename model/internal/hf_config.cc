@@ -303,19 +303,148 @@ bool IsBamba(const json& config) {
   return std::find(a.begin(), a.end(), "BambaForCausalLM") != a.end();
 }
 
-// Mamba hybrids whose layers this decoder does not have: Falcon-H1 (attention and mixer in
-// parallel, muP multipliers), Jamba (Mamba-1 mixers, MoE), Zamba2 (shared attention blocks).
-// Refused by name rather than misread as Llama.
+// transformers 5 writes RoPE's settings as rope_parameters ({"rope_type": "default",
+// "rope_theta": ...}); a top-level rope_theta, where both are written, is the same value.
+absl::Status ParseRopeParameters(const json& config, const std::string& path, ModelConfig* c) {
+  if (!config.contains("rope_parameters") || config["rope_parameters"].is_null()) {
+    return absl::OkStatus();
+  }
+  const json& rope = config["rope_parameters"];
+  if (!rope.is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": rope_parameters is not an object"));
+  }
+  if (rope.contains("rope_type") && rope["rope_type"] != "default") {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": rope_parameters.rope_type ",
+                                                   rope["rope_type"].dump(),
+                                                   " unsupported (default only)"));
+  }
+  if (config.contains("rope_theta") && !config["rope_theta"].is_null()) return absl::OkStatus();
+  return GetFloat(rope, path, "rope_theta", &c->rope_theta);
+}
+
+bool IsFalconH1(const json& config) {
+  if (config.contains("model_type") && config["model_type"] == "falcon_h1") return true;
+  if (!config.contains("architectures") || !config["architectures"].is_array()) return false;
+  const json& a = config["architectures"];
+  return std::find(a.begin(), a.end(), "FalconH1ForCausalLM") != a.end();
+}
+
+absl::Status GetDouble(const json& config, const std::string& path, const char* key, double* out) {
+  if (!config.contains(key) || config[key].is_null()) return absl::OkStatus();
+  const json& v = config[key];
+  if (!v.is_number() || !std::isfinite(v.get<double>())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": ", key, " ", v.dump(), " is not a finite number"));
+  }
+  *out = v.get<double>();
+  return absl::OkStatus();
+}
+
+// A list of `n` multipliers (null or absent: all 1).
+absl::Status GetDoubles(const json& config, const std::string& path, const char* key, size_t n,
+                        double* out) {
+  if (!config.contains(key) || config[key].is_null()) return absl::OkStatus();
+  const json& v = config[key];
+  if (!v.is_array() || v.size() != n) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": ", key, " ", v.dump(), " is not a list of ", n, " numbers"));
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (!v[i].is_number() || !std::isfinite(v[i].get<double>())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": ", key, " ", v.dump(), " is not a list of finite numbers"));
+    }
+    out[i] = v[i].get<double>();
+  }
+  return absl::OkStatus();
+}
+
+// Falcon-H1 (FalconH1Config): every layer attention and a Mamba-2 mixer in parallel, then a
+// SwiGLU MLP; the mixer's gated norm optional (mamba_rms_norm) and per group; muP multipliers.
+absl::Status ParseFalconH1(const json& config, const std::string& path, ModelConfig* c,
+                           Multipliers* mult) {
+  c->layer_kinds.assign(static_cast<size_t>(std::max(c->num_layers, 0)),
+                        LayerKind::kParallelHybrid);
+  if (config.contains("sliding_window") && !config["sliding_window"].is_null()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": sliding_window unsupported for falcon_h1"));
+  }
+  SsmConfig& m = c->ssm;
+  m = {.num_heads = 128, .head_dim = 0, .d_state = 256, .num_groups = 1, .conv_width = 4};
+  // mamba_d_ssm: FalconH1Config's default is 1024 when the key is absent; null means
+  // mamba_expand * hidden_size.
+  int32_t d_ssm = 1024;
+  if (config.contains("mamba_d_ssm") && config["mamba_d_ssm"].is_null()) {
+    int32_t expand = 2;
+    KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_expand", false, &expand));
+    d_ssm = static_cast<int32_t>(
+        std::clamp<int64_t>(int64_t{expand} * c->hidden_size, INT32_MIN, INT32_MAX));
+  } else {
+    KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_d_ssm", false, &d_ssm));
+  }
+  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_n_heads", false, &m.num_heads));
+  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_d_state", false, &m.d_state));
+  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_n_groups", false, &m.num_groups));
+  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_d_conv", false, &m.conv_width));
+  if (config.contains("mamba_d_head") && config["mamba_d_head"] != "auto") {
+    KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_d_head", true, &m.head_dim));
+  } else if (m.num_heads > 0) {
+    m.head_dim = d_ssm / m.num_heads;
+  }
+  if (int64_t{m.head_dim} * m.num_heads != d_ssm) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": mamba_d_ssm ", d_ssm,
+                                                   " is not mamba_n_heads ", m.num_heads,
+                                                   " x mamba_d_head ", m.head_dim));
+  }
+  KVPOOL_RETURN_IF_ERROR(GetBool(config, path, "mamba_conv_bias", &m.conv_bias));
+  KVPOOL_RETURN_IF_ERROR(GetBool(config, path, "mamba_proj_bias", &m.proj_bias));
+  // transformers gives in_proj mamba_proj_bias and out_proj projectors_bias (vLLM both the
+  // first); kvpool has one switch for both, so they must agree (every release: false, false).
+  bool out_bias = false;
+  KVPOOL_RETURN_IF_ERROR(GetBool(config, path, "projectors_bias", &out_bias));
+  if (out_bias != m.proj_bias) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, ": mamba_proj_bias and projectors_bias differ (unsupported: both or neither)"));
+  }
+  m.gated_norm = false;
+  KVPOOL_RETURN_IF_ERROR(GetBool(config, path, "mamba_rms_norm", &m.gated_norm));
+  // FalconH1Config's default is true; every released checkpoint with the norm says false
+  // (gate, then the norm per group, as Mamba-2 and vLLM compute it).
+  bool norm_before_gate = true;
+  KVPOOL_RETURN_IF_ERROR(GetBool(config, path, "mamba_norm_before_gate", &norm_before_gate));
+  if (m.gated_norm && norm_before_gate) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path,
+        ": mamba_rms_norm with mamba_norm_before_gate true unsupported (the mixer gates, "
+        "then normalizes: mamba_norm_before_gate false)"));
+  }
+  KVPOOL_RETURN_IF_ERROR(GetDouble(config, path, "embedding_multiplier", &mult->embedding));
+  KVPOOL_RETURN_IF_ERROR(GetDouble(config, path, "lm_head_multiplier", &mult->lm_head));
+  KVPOOL_RETURN_IF_ERROR(GetDouble(config, path, "attention_in_multiplier", &mult->attention_in));
+  KVPOOL_RETURN_IF_ERROR(GetDouble(config, path, "attention_out_multiplier", &mult->attention_out));
+  KVPOOL_RETURN_IF_ERROR(GetDouble(config, path, "key_multiplier", &mult->key));
+  KVPOOL_RETURN_IF_ERROR(GetDouble(config, path, "ssm_in_multiplier", &mult->ssm_in));
+  KVPOOL_RETURN_IF_ERROR(GetDouble(config, path, "ssm_out_multiplier", &mult->ssm_out));
+  KVPOOL_RETURN_IF_ERROR(GetDoubles(config, path, "ssm_multipliers", 5, mult->ssm));
+  double mlp[2] = {1.0, 1.0};
+  KVPOOL_RETURN_IF_ERROR(GetDoubles(config, path, "mlp_multipliers", 2, mlp));
+  mult->mlp_gate = mlp[0];
+  mult->mlp_down = mlp[1];
+  return absl::OkStatus();
+}
+
+// Mamba hybrids whose layers this decoder does not have: Jamba (Mamba-1 mixers, MoE), Zamba2
+// (shared attention blocks). Refused by name rather than misread as Llama.
 absl::Status RefuseOtherHybrids(const json& config, const std::string& path) {
   if (!config.contains("model_type") || !config["model_type"].is_string()) {
     return absl::OkStatus();
   }
   const std::string type = config["model_type"].get<std::string>();
-  for (const char* other : {"falcon_h1", "jamba", "zamba2"}) {
+  for (const char* other : {"jamba", "zamba2"}) {
     if (type == other) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(path, ": model_type \"", type,
-                       "\" unsupported (Llama-style, Bamba and Nemotron-H hybrids only)"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, ": model_type \"", type,
+          "\" unsupported (Llama-style, Bamba, Nemotron-H and Falcon-H1 hybrids only)"));
     }
   }
   return absl::OkStatus();
@@ -363,12 +492,15 @@ absl::StatusOr<ParsedConfig> ParseConfig(const std::string& text, const std::str
   }
   KVPOOL_RETURN_IF_ERROR(RefuseOtherHybrids(config, path));
   const bool nemotron = IsNemotronH(config);
-  const bool bamba = !nemotron && IsBamba(config);
-  // Defaults are LlamaConfig's (BambaConfig's rms_norm_eps for Bamba), except
-  // max_position_embeddings (ours: kvpoold's tiny model).
-  ModelConfig c{.rms_norm_eps = bamba || nemotron ? 1e-5f : 1e-6f,
-                .rope_theta = 10000.0f,
+  const bool falcon = !nemotron && IsFalconH1(config);
+  const bool bamba = !nemotron && !falcon && IsBamba(config);
+  // Defaults are LlamaConfig's (BambaConfig's, NemotronHConfig's and FalconH1Config's
+  // rms_norm_eps for those; FalconH1Config's rope_theta), except max_position_embeddings (ours:
+  // kvpoold's tiny model).
+  ModelConfig c{.rms_norm_eps = bamba || nemotron || falcon ? 1e-5f : 1e-6f,
+                .rope_theta = falcon ? 100000.0f : 10000.0f,
                 .max_position = 4096};
+  Multipliers multipliers;
   KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "vocab_size", true, &c.vocab_size));
   KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "hidden_size", true, &c.hidden_size));
   KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "intermediate_size", true, &c.intermediate_size));
@@ -396,20 +528,26 @@ absl::StatusOr<ParsedConfig> ParseConfig(const std::string& text, const std::str
   if (config.contains("rope_scaling") && !config["rope_scaling"].is_null()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": rope_scaling unsupported"));
   }
+  KVPOOL_RETURN_IF_ERROR(ParseRopeParameters(config, path, &c));
   if (nemotron) {
     KVPOOL_RETURN_IF_ERROR(ParseNemotronHLayers(config, path, &c));
+    KVPOOL_RETURN_IF_ERROR(ParseSsm(config, path, nemotron, &c));
+  } else if (falcon) {
+    KVPOOL_RETURN_IF_ERROR(ParseFalconH1(config, path, &c, &multipliers));
+    KVPOOL_RETURN_IF_ERROR(ParseNormAndDtLimit(config, path, &c));
   } else {
     KVPOOL_RETURN_IF_ERROR(ParseRotary(config, path, bamba, &c));
     KVPOOL_RETURN_IF_ERROR(ParseLayerKinds(config, path, bamba, &c));
+    KVPOOL_RETURN_IF_ERROR(ParseSsm(config, path, nemotron, &c));
   }
-  KVPOOL_RETURN_IF_ERROR(ParseSsm(config, path, nemotron, &c));
   if (absl::Status status = ValidateConfig(c); !status.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", status.message()));
   }
   Names names = Names::kLlama;
   if (bamba) names = Names::kBamba;
   if (nemotron) names = Names::kNemotronH;
-  return ParsedConfig{.config = std::move(c), .names = names};
+  if (falcon) names = Names::kFalconH1;
+  return ParsedConfig{.config = std::move(c), .names = names, .multipliers = multipliers};
 }
 
 namespace {
@@ -427,6 +565,20 @@ double ShortestDecimal(float value) {
 }  // namespace
 
 absl::Status ConfigExpressible(const ModelConfig& c) {
+  const bool parallel = std::find(c.layer_kinds.begin(), c.layer_kinds.end(),
+                                  LayerKind::kParallelHybrid) != c.layer_kinds.end();
+  if (parallel) {
+    const bool all = std::all_of(c.layer_kinds.begin(), c.layer_kinds.end(),
+                                 [](LayerKind k) { return k == LayerKind::kParallelHybrid; });
+    if (all && c.mlp_after_mixer && c.gated_mlp() && c.rope && c.rotary_dim == 0 &&
+        (c.ssm.norm_per_group || c.ssm.num_groups == 1)) {
+      return absl::OkStatus();
+    }
+    return absl::InvalidArgumentError(
+        "a model of parallel hybrid layers is written as Falcon-H1's config.json, whose layers "
+        "are all parallel hybrids with a SwiGLU MLP, RoPE over the whole head and the mixer's "
+        "norm per group");
+  }
   if (c.mlp_after_mixer) {
     if (c.gated_mlp() && c.rope) return absl::OkStatus();
     return absl::InvalidArgumentError(
@@ -489,10 +641,37 @@ json NemotronHConfigJson(const ModelConfig& c, std::string_view torch_dtype) {
   return config;
 }
 
+// Falcon-H1's config.json (FalconH1Config's fields) for `c`, every multiplier 1.
+json FalconH1ConfigJson(const ModelConfig& c, std::string_view torch_dtype) {
+  json config = SharedFields(c, torch_dtype);
+  config.update({
+      {"architectures", {"FalconH1ForCausalLM"}},
+      {"model_type", "falcon_h1"},
+      {"hidden_act", "silu"},
+      {"attention_bias", false},
+      {"mlp_bias", false},
+      {"rms_norm_eps", ShortestDecimal(c.rms_norm_eps)},
+      {"rope_theta", ShortestDecimal(c.rope_theta)},
+      {"mamba_d_ssm", c.ssm.inner()},
+      {"mamba_n_heads", c.ssm.num_heads},
+      {"mamba_d_head", c.ssm.head_dim},
+      {"mamba_n_groups", c.ssm.num_groups},
+      {"mamba_d_state", c.ssm.d_state},
+      {"mamba_d_conv", c.ssm.conv_width},
+      {"mamba_conv_bias", c.ssm.conv_bias},
+      {"mamba_proj_bias", c.ssm.proj_bias},
+      {"projectors_bias", c.ssm.proj_bias},
+      {"mamba_rms_norm", c.ssm.gated_norm},
+      {"mamba_norm_before_gate", false},
+  });
+  return config;
+}
+
 }  // namespace
 
 std::string ConfigJson(const ModelConfig& c, std::string_view torch_dtype) {
   if (IsNemotronHConfig(c)) return NemotronHConfigJson(c, torch_dtype).dump(2) + "\n";
+  if (IsFalconH1Config(c)) return FalconH1ConfigJson(c, torch_dtype).dump(2) + "\n";
   json config = SharedFields(c, torch_dtype);
   config.update({
       {"architectures", {"LlamaForCausalLM"}},
@@ -515,6 +694,7 @@ std::string ConfigJson(const ModelConfig& c, std::string_view torch_dtype) {
           types.push_back("mamba");
           break;
         case LayerKind::kMlp:  // never here: ConfigExpressible
+        case LayerKind::kParallelHybrid:
           break;
       }
     }

@@ -41,6 +41,7 @@ void SsmGatedNorm(const SsmDims& m, const float* y, const float* z, int64_t z_st
     const float* zr = z + r * z_stride;
     float* o = out + r * m.inner;
     for (int64_t i = 0; i < m.inner; ++i) o[i] = SsmGate(yr[i], zr[i]);
+    if (weight == nullptr) continue;  // gated, not normalized
     for (int64_t g0 = 0; g0 < m.inner; g0 += m.norm_group) {
       float ss = 0;
       for (int64_t i = g0; i < g0 + m.norm_group; ++i) ss += o[i] * o[i];

@@ -30,7 +30,9 @@ void SsmSplit(const SsmDims& m, const float* xbc, const float* proj, const float
               int64_t rows, float* x, float* b, float* c, float* dt);
 
 // out[r][i] = RMSNorm over i's norm group (m.norm_group values) of y[r][i] * silu(z[r][i]),
-// times weight[i] (mamba_ssm's RMSNormGated, norm_before_gate=False). z rows are z_stride apart.
+// times weight[i] (mamba_ssm's RMSNormGated, norm_before_gate=False); with no weight
+// (nullptr: a mixer without the norm, Falcon-H1's mamba_rms_norm false) y[r][i] * silu(z[r][i])
+// alone. z rows are z_stride apart.
 void SsmGatedNorm(const SsmDims& m, const float* y, const float* z, int64_t z_stride, int64_t rows,
                   const float* weight, float eps, float* out);
 

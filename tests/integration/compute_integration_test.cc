@@ -462,6 +462,39 @@ TEST_F(ComputeIntegrationTest, ANemotronHCheckpointIsServedAsItComputesAlone) {
   std::filesystem::remove_all(dir);
 }
 
+// A Falcon-H1 checkpoint (every layer attention and a Mamba-2 mixer side by side, no gated
+// norm) at tiny's width, saved in Falcon-H1's layout and served by kvpoold from its directory:
+// every layer keeps K/V in the pool and a state in the sequence's slot (four times
+// tiny-hybrid's: twice its pool), clients resume from the
+// state checkpoints, and every reply equals the checkpoint's model run alone in this process.
+TEST_F(ComputeIntegrationTest, AFalconH1CheckpointIsServedAsItComputesAlone) {
+  model::ModelConfig config = *model::NamedConfig("tiny-hybrid");
+  config.layer_kinds.assign(4, model::LayerKind::kParallelHybrid);
+  config.ssm.gated_norm = false;
+  const model::ModelWeights weights = model::SyntheticWeights(config, 5);
+  const std::string dir = ::testing::TempDir() + "/falcon-h1-" + std::to_string(getpid());
+  ASSERT_TRUE(model::SaveCheckpoint(weights, dir, "f32").ok());
+  StartDaemon(R"pb(
+                pool_bytes: 67108864
+                max_blocks_per_seq: 256
+                shape { dtype: "f32" state_slots: 8 }
+                model { checkpoint: ")pb" +
+              dir + R"pb(" }
+  )pb");
+  constexpr int kClients = 3;
+  for (int i = 0; i < kClients; ++i) {
+    auto c = Connect(daemon_->dir(), "falcon-" + std::to_string(i));
+    EXPECT_EQ(c->layout().num_layers(), 4);  // every layer's K/V
+    const std::vector<int32_t> prompt = HybridPrompt(i);
+    const Generated g = Converse(*c, prompt, 6);
+    EXPECT_EQ(g.tokens, RunLocally(weights, prompt, 6, kernels::DType::kF32)) << "client " << i;
+    EXPECT_EQ(g.reused, i == 0 ? 0 : 32) << "client " << i;
+    ASSERT_TRUE(c->Free({g.sequence}, /*commit=*/true).ok());
+    EXPECT_TRUE(c->CheckInvariants()->ok());
+  }
+  std::filesystem::remove_all(dir);
+}
+
 // kvpoold takes a hybrid pool's interval checkpoints at the break-even interval (docs/hybrid-
 // groups.md §4): a prompt that leaves a cached one 70 tokens past its first interval checkpoint
 // resumes exactly there (every 4 blocks, the core's default, would resume elsewhere).

@@ -306,9 +306,9 @@ TEST_F(BambaCheckpointTest, RefusesWhatItCannotRunNamingTheField) {
   WriteBamba(w, text);
   ExpectInvalid({"attn_layer_indices", "[0, 4)"});
   text = BambaConfigJson();
-  text.replace(text.find(R"("model_type": "bamba")"), 21, R"("model_type": "falcon_h1")");
+  text.replace(text.find(R"("model_type": "bamba")"), 21, R"("model_type": "jamba")");
   WriteBamba(w, text);
-  ExpectInvalid({"model_type", "falcon_h1"});
+  ExpectInvalid({"model_type", "jamba"});
   // A tensor of Bamba's layout missing: named.
   std::vector<RawTensor> tensors = BambaTensors(w);
   std::erase_if(tensors, [](const RawTensor& t) {

@@ -60,16 +60,18 @@ float RoundTo(double v, kernels::DType dtype) {
 
 }  // namespace
 
-DenseReference::DenseReference(const ModelWeights& weights, kernels::DType kv_dtype)
+DenseReference::DenseReference(const ModelWeights& weights, kernels::DType kv_dtype,
+                               const ReferenceMultipliers& multipliers)
     : w_(&weights),
       dtype_(kv_dtype),
+      mult_(multipliers),
       k_(weights.layers.size()),
       v_(weights.layers.size()),
       conv_(weights.layers.size()),
       ssm_(weights.layers.size()) {
   const SsmConfig& m = weights.config.ssm;
   for (size_t l = 0; l < weights.layers.size(); ++l) {
-    if (weights.config.kind(static_cast<int32_t>(l)) != LayerKind::kStateSpace) continue;
+    if (!weights.config.has_state(static_cast<int32_t>(l))) continue;
     conv_[l].assign(static_cast<size_t>(m.conv_state_floats()), 0.0);
     ssm_[l].assign(static_cast<size_t>(m.state_floats() - m.conv_state_floats()), 0.0);
   }
@@ -96,14 +98,27 @@ std::vector<float> DenseReference::Forward(int32_t token) {
   const int64_t pos = length_++;
   std::vector<double> x(static_cast<size_t>(h));
   for (int64_t i = 0; i < h; ++i)
-    x[static_cast<size_t>(i)] = w_->embed[static_cast<size_t>(token * h + i)];
+    x[static_cast<size_t>(i)] = w_->embed[static_cast<size_t>(token * h + i)] * mult_.embedding;
+  const auto scaled = [](std::vector<double> v, double by) {
+    for (double& e : v) e *= by;
+    return v;
+  };
   for (size_t l = 0; l < w_->layers.size(); ++l) {
     const LayerWeights& L = w_->layers[l];
     const LayerKind kind = c.kind(static_cast<int32_t>(l));
     if (kind != LayerKind::kMlp) {  // the mixer, with its norm and residual
       const std::vector<double> xn = Norm(x, L.attn_norm, c.rms_norm_eps);
-      const std::vector<double> o =
-          kind == LayerKind::kStateSpace ? StateMixer(l, xn) : AttentionMixer(l, xn, pos);
+      std::vector<double> o(static_cast<size_t>(h), 0.0);
+      if (c.has_state(static_cast<int32_t>(l))) {
+        const std::vector<double> s =
+            scaled(StateMixer(l, scaled(xn, mult_.ssm_in)), mult_.ssm_out);
+        for (size_t i = 0; i < o.size(); ++i) o[i] += s[i];
+      }
+      if (c.is_attention(static_cast<int32_t>(l))) {
+        const std::vector<double> a =
+            scaled(AttentionMixer(l, scaled(xn, mult_.attention_in), pos), mult_.attention_out);
+        for (size_t i = 0; i < o.size(); ++i) o[i] += a[i];
+      }
       for (int64_t i = 0; i < h; ++i) x[static_cast<size_t>(i)] += o[static_cast<size_t>(i)];
     }
     if (!c.mlp_after_mixer && kind != LayerKind::kMlp) continue;  // Nemotron-H: one or the other
@@ -111,19 +126,20 @@ std::vector<float> DenseReference::Forward(int32_t token) {
     const std::vector<double> up = MatVec(L.w_up, xm, c.intermediate_size);
     std::vector<double> act(up.size());
     if (c.mlp_activation == MlpActivation::kSwiGlu) {
-      const std::vector<double> gate = MatVec(L.w_gate, xm, c.intermediate_size);
+      const std::vector<double> gate =
+          scaled(MatVec(L.w_gate, xm, c.intermediate_size), mult_.mlp_gate);
       for (size_t i = 0; i < act.size(); ++i) {
         act[i] = gate[i] / (1.0 + std::exp(-gate[i])) * up[i];
       }
     } else {  // squared ReLU
       for (size_t i = 0; i < act.size(); ++i) act[i] = up[i] > 0 ? up[i] * up[i] : 0.0;
     }
-    const std::vector<double> down = MatVec(L.w_down, act, h);
+    const std::vector<double> down = scaled(MatVec(L.w_down, act, h), mult_.mlp_down);
     for (int64_t i = 0; i < h; ++i) x[static_cast<size_t>(i)] += down[static_cast<size_t>(i)];
   }
   const std::vector<double> xf = Norm(x, w_->final_norm, c.rms_norm_eps);
-  const std::vector<double> logits =
-      MatVec(c.tie_word_embeddings ? w_->embed : w_->lm_head, xf, c.vocab_size);
+  const std::vector<double> logits = scaled(
+      MatVec(c.tie_word_embeddings ? w_->embed : w_->lm_head, xf, c.vocab_size), mult_.lm_head);
   return std::vector<float>(logits.begin(), logits.end());
 }
 
@@ -135,6 +151,7 @@ std::vector<double> DenseReference::AttentionMixer(size_t l, const std::vector<d
   {
     std::vector<double> q = MatVec(L.wq, xn, nh * hd);
     std::vector<double> k = MatVec(L.wk, xn, nkv * hd);
+    for (double& e : k) e *= mult_.key;
     const std::vector<double> v = MatVec(L.wv, xn, nkv * hd);
     // Without RoPE (c.rope false, Nemotron-H) nothing is rotated.
     const int32_t rotary = c.rope ? (c.rotary_dim == 0 ? c.head_dim : c.rotary_dim) : 0;
@@ -191,6 +208,15 @@ std::vector<double> DenseReference::StateMixer(size_t l, const std::vector<doubl
   const size_t ds = static_cast<size_t>(m.d_state), bc = static_cast<size_t>(m.num_groups) * ds;
   std::vector<double> p = MatVec(L.ssm_in, xn, m.in_proj_dim());
   for (size_t i = 0; i < L.ssm_in_bias.size(); ++i) p[i] += L.ssm_in_bias[i];
+  // Falcon-H1's mup_vector: z, x, B, C, dt each times their multiplier.
+  for (size_t i = 0; i < p.size(); ++i) {
+    const size_t part = i < inner                ? 0
+                        : i < 2 * inner          ? 1
+                        : i < 2 * inner + bc     ? 2
+                        : i < 2 * inner + 2 * bc ? 3
+                                                 : 4;
+    p[i] *= mult_.ssm[part];
+  }
   std::vector<double> xbc(dim);
   std::vector<double>& carry = conv_[l];
   for (size_t ch = 0; ch < dim; ++ch) {
@@ -229,7 +255,7 @@ std::vector<double> DenseReference::StateMixer(size_t l, const std::vector<doubl
   // Per B/C group (Mamba-2), or over all of inner (Bamba).
   const size_t group = m.norm_per_group ? inner / static_cast<size_t>(m.num_groups) : inner;
   for (size_t i = 0; i < inner; ++i) y[i] *= p[i] / (1.0 + std::exp(-p[i]));
-  for (size_t g0 = 0; g0 < inner; g0 += group) {
+  for (size_t g0 = 0; m.gated_norm && g0 < inner; g0 += group) {  // Falcon-H1: may have none
     double ss = 0;
     for (size_t i = g0; i < g0 + group; ++i) ss += y[i] * y[i];
     const double inv = 1.0 / std::sqrt(ss / static_cast<double>(group) + c.rms_norm_eps);

@@ -6,7 +6,8 @@
 // is shared with model.cc but the weights. K and V are rounded through the pool's dtype when
 // stored, as the pool stores them, so the only differences left are float vs double arithmetic.
 // (8-bit dtypes are kept unrounded: their per-block scales are the pool's business.)
-// State-space layers keep their conv inputs and scan state in double, one token at a time.
+// State-space layers keep their conv inputs and scan state in double, one token at a time; a
+// parallel hybrid layer (Falcon-H1) adds both mixers' outputs, each from the one norm.
 //
 // Copyable (a copy is a fork of the sequence).
 
@@ -20,10 +21,26 @@
 
 namespace kvpool::model {
 
+// Falcon-H1's muP multipliers, applied where transformers' FalconH1 applies them (written here
+// from its modeling code, independently of the loader, which folds them into the weights).
+struct ReferenceMultipliers {
+  double embedding = 1.0;                     // the embeddings
+  double lm_head = 1.0;                       // the logits
+  double attention_in = 1.0;                  // attention's input
+  double key = 1.0;                           // k, before RoPE
+  double attention_out = 1.0;                 // attention's output
+  double ssm_in = 1.0;                        // the mixer's input
+  double ssm[5] = {1.0, 1.0, 1.0, 1.0, 1.0};  // in_proj's outputs (bias included): z, x, B, C, dt
+  double ssm_out = 1.0;                       // the mixer's output
+  double mlp_gate = 1.0;                      // gate_proj's output, before the SiLU
+  double mlp_down = 1.0;                      // down_proj's output
+};
+
 class DenseReference {
  public:
   // `weights` must outlive the reference.
-  DenseReference(const ModelWeights& weights, kernels::DType kv_dtype);
+  DenseReference(const ModelWeights& weights, kernels::DType kv_dtype,
+                 const ReferenceMultipliers& multipliers = {});
 
   // Appends `tokens` (computing each in turn) and returns the logits after the last one.
   std::vector<float> Extend(std::span<const int32_t> tokens);
@@ -39,6 +56,7 @@ class DenseReference {
 
   const ModelWeights* w_;
   kernels::DType dtype_;
+  ReferenceMultipliers mult_;
   int64_t length_ = 0;
   std::vector<std::vector<float>> k_;      // [layer][position][kv_heads][head_dim]
   std::vector<std::vector<float>> v_;      // same

@@ -39,7 +39,16 @@ ModelConfig HybridConfig(std::vector<LayerKind> kinds) {
   c.ssm = {.num_heads = 4, .head_dim = 16, .d_state = 8, .num_groups = 2, .conv_width = 4};
   return c;
 }
-const LayerKind kS = LayerKind::kStateSpace, kF = LayerKind::kFullAttention;
+const LayerKind kS = LayerKind::kStateSpace, kF = LayerKind::kFullAttention,
+                kP = LayerKind::kParallelHybrid;
+
+// Falcon-H1's build of the same width: attention and the mixer side by side in every layer, the
+// mixer without its gated norm (as Falcon-H1-0.5B).
+ModelConfig FalconH1StyleConfig() {
+  ModelConfig c = HybridConfig({kP, kP});
+  c.ssm.gated_norm = false;
+  return c;
+}
 
 // Gemm's vector path sums each output in the order of k whatever the rows; OpenBLAS (the
 // fallback without AVX2) promises nothing of the kind.
@@ -47,28 +56,36 @@ bool ExactResume() { return kernels::cpu::KernelIsa() != kernels::cpu::Isa::kPor
 
 std::vector<float> Copy(std::span<const float> s) { return {s.begin(), s.end()}; }
 
+// Prefill and decodes through the host model against the dense reference.
+void ExpectMatchesTheDenseReference(const ModelWeights& w, kernels::DType dtype) {
+  auto engine = MakeTestEngine(w, 16, dtype, /*prefix_cache=*/false);
+  DenseReference ref(w, dtype);
+  const std::vector<int32_t> prompt = RandomTokens(37, 256, 1);
+  auto first = engine->Prefill(SequenceId(0), prompt, kLogits);
+  ASSERT_TRUE(first.ok()) << first.status();
+  std::vector<float> want = ref.Extend(prompt);
+  EXPECT_LE(RelError(first->result.logits, want), HostTolerance(dtype));
+  EXPECT_LE(RelError(engine->state(first->sequence), ref.State()), 2e-4);
+  int32_t token = Argmax(want);
+  for (int step = 0; step < 12; ++step) {
+    const DecodeInput in{first->sequence, token};
+    auto out = engine->Decode(std::span(&in, 1), kLogits);
+    ASSERT_TRUE(out.ok()) << out.status();
+    want = ref.Extend(std::span(&token, 1));
+    EXPECT_LE(RelError((*out)[0].logits, want), HostTolerance(dtype)) << "step " << step;
+    token = Argmax(want);
+  }
+  EXPECT_LE(RelError(engine->state(first->sequence), ref.State()), 2e-3);
+  EXPECT_TRUE(engine->cache().CheckInvariants().ok());
+}
+
 TEST(HybridModelTest, PrefillAndDecodeMatchTheDenseReference) {
-  const ModelWeights w = SyntheticWeights(HybridConfig({kS, kF, kS}), 7);
-  for (kernels::DType dtype : {kernels::DType::kF32, kernels::DType::kBF16}) {
-    auto engine = MakeTestEngine(w, 16, dtype, /*prefix_cache=*/false);
-    DenseReference ref(w, dtype);
-    const std::vector<int32_t> prompt = RandomTokens(37, 256, 1);
-    auto first = engine->Prefill(SequenceId(0), prompt, kLogits);
-    ASSERT_TRUE(first.ok()) << first.status();
-    std::vector<float> want = ref.Extend(prompt);
-    EXPECT_LE(RelError(first->result.logits, want), HostTolerance(dtype));
-    EXPECT_LE(RelError(engine->state(first->sequence), ref.State()), 2e-4);
-    int32_t token = Argmax(want);
-    for (int step = 0; step < 12; ++step) {
-      const DecodeInput in{first->sequence, token};
-      auto out = engine->Decode(std::span(&in, 1), kLogits);
-      ASSERT_TRUE(out.ok()) << out.status();
-      want = ref.Extend(std::span(&token, 1));
-      EXPECT_LE(RelError((*out)[0].logits, want), HostTolerance(dtype)) << "step " << step;
-      token = Argmax(want);
+  for (const ModelConfig& c : {HybridConfig({kS, kF, kS}), FalconH1StyleConfig()}) {
+    const ModelWeights w = SyntheticWeights(c, 7);
+    for (kernels::DType dtype : {kernels::DType::kF32, kernels::DType::kBF16}) {
+      SCOPED_TRACE(c.kind(0) == kP ? "parallel hybrid layers" : "state-space and attention");
+      ExpectMatchesTheDenseReference(w, dtype);
     }
-    EXPECT_LE(RelError(engine->state(first->sequence), ref.State()), 2e-3);
-    EXPECT_TRUE(engine->cache().CheckInvariants().ok());
   }
 }
 
@@ -117,9 +134,10 @@ std::vector<size_t> Split(size_t total, size_t chunk) {
 TEST(HybridModelTest, ChunksAndDecodesEqualOnePrefillBitForBit) {
   if (!ExactResume()) GTEST_SKIP() << "no AVX2: products go through OpenBLAS";
   const std::vector<int32_t> tokens = RandomTokens(41, 256, 9);
-  for (const bool attention : {false, true}) {
-    const ModelWeights w =
-        SyntheticWeights(attention ? HybridConfig({kS, kF, kS}) : HybridConfig({kS, kS}), 3);
+  for (const ModelConfig& config :
+       {HybridConfig({kS, kS}), HybridConfig({kS, kF, kS}), FalconH1StyleConfig()}) {
+    const bool attention = config.num_kv_layers() > 0;
+    const ModelWeights w = SyntheticWeights(config, 3);
     const Outcome once = InChunks(w, tokens, {tokens.size()}, false);
     const auto layer0 = static_cast<ptrdiff_t>(w.config.ssm.state_floats());
     struct Case {
@@ -138,7 +156,8 @@ TEST(HybridModelTest, ChunksAndDecodesEqualOnePrefillBitForBit) {
       cases.push_back({"prefill " + std::to_string(k) + " then decodes", sizes, true});
     }
     for (const Case& c : cases) {
-      SCOPED_TRACE(c.name + (attention ? ", with attention" : ""));
+      SCOPED_TRACE(c.name + (attention ? ", with attention" : "") +
+                   (config.kind(0) == kP ? ", parallel hybrid" : ""));
       const Outcome run = InChunks(w, tokens, c.sizes, c.decodes);
       ASSERT_EQ(run.state.size(), once.state.size());
       if (!attention || !c.decodes) {
@@ -281,11 +300,15 @@ ModelConfig NemotronHStyleConfig() {
 // the checkpoint holds exactly the state after its position and the shared blocks exactly the
 // K/V. One engine serves a conversation; a reference engine replays each turn's steps. For
 // Bamba's layers (a mixer and an MLP per layer) and Nemotron-H's (one or the other).
-class HybridResumeTest : public ::testing::TestWithParam<bool> {
+enum class Layers { kBamba, kNemotronH, kFalconH1 };
+class HybridResumeTest : public ::testing::TestWithParam<Layers> {
  protected:
   void SetUp() override {
     const ModelWeights w =
-        SyntheticWeights(GetParam() ? NemotronHStyleConfig() : HybridConfig({kS, kF, kS}), 1);
+        SyntheticWeights(GetParam() == Layers::kNemotronH  ? NemotronHStyleConfig()
+                         : GetParam() == Layers::kFalconH1 ? FalconH1StyleConfig()
+                                                           : HybridConfig({kS, kF, kS}),
+                         1);
     const LocalEngine::Options cached{.dtype = kernels::DType::kF32,
                                       .pool_bytes = int64_t{8} << 20,
                                       .prefix_cache = true,
@@ -476,9 +499,18 @@ TEST_P(HybridResumeTest, AnAnswersLastBlockBoundaryIsKeptForPromptsThatLeaveItIn
   EXPECT_TRUE(engine_->cache().CheckInvariants().ok()) << engine_->cache().CheckInvariants();
 }
 
-INSTANTIATE_TEST_SUITE_P(Layers, HybridResumeTest, ::testing::Values(false, true),
-                         [](const ::testing::TestParamInfo<bool>& info) {
-                           return info.param ? "NemotronH" : "Bamba";
+INSTANTIATE_TEST_SUITE_P(Layers, HybridResumeTest,
+                         ::testing::Values(Layers::kBamba, Layers::kNemotronH, Layers::kFalconH1),
+                         [](const ::testing::TestParamInfo<Layers>& info) {
+                           switch (info.param) {
+                             case Layers::kNemotronH:
+                               return "NemotronH";
+                             case Layers::kFalconH1:
+                               return "FalconH1";
+                             case Layers::kBamba:
+                               break;
+                           }
+                           return "Bamba";
                          });
 
 TEST(HybridConfigTest, TinyHybridIsMostlyStateSpaceWithTinysAttention) {
