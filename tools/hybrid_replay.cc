@@ -26,9 +26,11 @@ struct Preset {
 };
 // Bamba-9B: 32 layers, attention at 9, 18 and 27. Nemotron-H-8B: 52 layers, 4 attention, 24
 // Mamba-2, 24 MLP (the counts are the model's; where each sits changes no cache size).
+// Falcon-H1-0.5B: 36 parallel hybrid layers.
 constexpr Preset kPresets[] = {
     {"bamba-9b", "MMMMMMMMMAMMMMMMMMAMMMMMMMMAMMMM", 4096, 2'147'840},
     {"nemotron-h-8b", "MXMXMXMXMXMXAMXMXMXMXMXMXAMXMXMXMXMXMXAMXMXMXMXMXMXA", 4096, 2'158'592},
+    {"falcon-h1-0.5b", "PPPPPPPPPPPPPPPPPPPPPPPPPPPPPPPPPPPP", 512, 403'968},
 };
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -261,14 +263,18 @@ absl::StatusOr<LayerLayout> ParseLayers(std::string_view spec, int64_t kv_bytes_
       case 'S':
         ++layout.state_layers;
         break;
+      case 'P':  // both side by side (Falcon-H1)
+        ++layout.attention_layers;
+        ++layout.state_layers;
+        break;
       case 'X':
       case ',':
       case ' ':
         break;
       default:
         return absl::InvalidArgumentError(fmt::format(
-            "layers '{}': '{}' at {} is no layer kind (A/F attention, M/S state space, X neither) "
-            "nor a preset (bamba-9b, nemotron-h-8b)",
+            "layers '{}': '{}' at {} is no layer kind (A/F attention, M/S state space, P both, X "
+            "neither) nor a preset (bamba-9b, nemotron-h-8b, falcon-h1-0.5b)",
             spec, pattern[i], i));
     }
   }

@@ -45,11 +45,14 @@ struct LayerLayout {
 //                 29 Mamba-2 layers (128 heads of 64, d_state 128, 1 group, conv 4: 2,147,840 B)
 //   nemotron-h-8b 4 attention layers (8 KV heads of 128), 24 Mamba-2 layers (128 heads of 64,
 //                 d_state 128, 8 groups, conv 4: 2,158,592 B); its 24 MLP layers hold no cache
+//   falcon-h1-0.5b 36 layers, each attention (2 KV heads of 64: 512 B/token) and a Mamba-2
+//                 mixer (24 heads of 64, d_state 128, 1 group, conv 4: 403,968 B) side by side
 inline constexpr int64_t kDefaultKvBytesPerToken = 4096;
 inline constexpr int64_t kDefaultStateBytes = 2'147'840;
 
 // `spec` is a preset's name or a pattern of layers, one letter each: A or F (attention), M or S
-// (state space), X (neither, e.g. an MLP layer), commas and spaces ignored ("SSFS", "M,M,A,M").
+// (state space), P (both side by side, Falcon-H1), X (neither, e.g. an MLP layer), commas and
+// spaces ignored ("SSFS", "M,M,A,M").
 // A pattern's sizes are `kv_bytes_per_token` and `state_bytes` (0: kDefault*); a preset's are its
 // own unless those are non-zero. Errors: INVALID_ARGUMENT for an unknown letter (naming it and
 // its position), a layout without attention or without state layers, or a non-positive size.

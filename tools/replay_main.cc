@@ -62,7 +62,8 @@ ABSL_FLAG(bool, tiers, false,
           "tier of 4x the device blocks, with --policy, and print the table");
 
 ABSL_FLAG(std::string, layers, "",
-          "a hybrid model's layers: a preset (bamba-9b, nemotron-h-8b), a kvpool model name with "
+          "a hybrid model's layers: a preset (bamba-9b, nemotron-h-8b, falcon-h1-0.5b), a kvpool "
+          "model name with "
           "state-space layers (tiny-hybrid), or a pattern (A/F attention, M/S state space, X "
           "neither: 'SSFS', 'M,M,A,M'); replays kvpool's layout against vLLM's one-page-size "
           "layout at the same bytes (--capacity_blocks 512-token blocks of attention K/V)");

@@ -25,6 +25,20 @@ TEST(ParseLayersTest, PresetsCarryTheirModelsSizes) {
   ASSERT_TRUE(nemotron.ok()) << nemotron.status();
   EXPECT_EQ(nemotron->attention_layers, 4);
   EXPECT_EQ(nemotron->state_layers, 24);
+  // Falcon-H1-0.5B: every layer both; a state of 3 x (1,536 + 2 x 128) conv inputs and 24 x 128 x
+  // 64 scan values in bf16.
+  const absl::StatusOr<LayerLayout> falcon = ParseLayers("falcon-h1-0.5b");
+  ASSERT_TRUE(falcon.ok()) << falcon.status();
+  EXPECT_EQ(falcon->attention_layers, 36);
+  EXPECT_EQ(falcon->state_layers, 36);
+  EXPECT_EQ(falcon->kv_bytes_per_token, 2 * 2 * 64 * 2);
+  EXPECT_EQ(falcon->state_bytes, (3 * (1536 + 2 * 128) + 24 * 128 * 64) * 2);
+  // vLLM's rule: 403,968 / (16 x 512) = 49.3 -> 50 x 16 = 800 tokens; 36 and 36 layers, one
+  // group of each.
+  const HashChainLayout c = HashChain(*falcon);
+  EXPECT_EQ(c.block_size, 800);
+  EXPECT_EQ(c.attention_groups, 1);
+  EXPECT_EQ(c.state_groups, 1);
 }
 
 TEST(ParseLayersTest, APatternCountsItsLayersAndTakesTheGivenSizes) {
@@ -38,6 +52,10 @@ TEST(ParseLayersTest, APatternCountsItsLayersAndTakesTheGivenSizes) {
   ASSERT_TRUE(same.ok()) << same.status();
   EXPECT_EQ(same->state_layers, 3);
   EXPECT_EQ(same->kv_bytes_per_token, kDefaultKvBytesPerToken);
+  const absl::StatusOr<LayerLayout> parallel = ParseLayers("PPA");
+  ASSERT_TRUE(parallel.ok()) << parallel.status();
+  EXPECT_EQ(parallel->attention_layers, 3);
+  EXPECT_EQ(parallel->state_layers, 2);
 }
 
 TEST(ParseLayersTest, BadPatternsAreRejectedNamingTheFault) {
