@@ -69,8 +69,8 @@ absl::Status Validate(const HybridReplayOptions& o) {
   if (!(o.state_share >= 0 && o.state_share < 1)) {
     return absl::InvalidArgumentError(fmt::format("state_share {} not in [0, 1)", o.state_share));
   }
-  if (o.checkpoint_interval < 0 && o.checkpoint_interval != kBreakEvenInterval) {
-    return absl::InvalidArgumentError("checkpoint_interval must be >= 0 (or kBreakEvenInterval)");
+  if (o.checkpoint_interval < 0 && o.checkpoint_interval != kDefaultInterval) {
+    return absl::InvalidArgumentError("checkpoint_interval must be >= 0 (or kDefaultInterval)");
   }
   if (o.layers.kv_bytes_per_token <= 0 || o.layers.state_bytes <= 0 ||
       o.layers.attention_layers <= 0 || o.layers.state_layers <= 0) {
@@ -96,8 +96,8 @@ absl::StatusOr<Pair> MakePair(const HybridReplayOptions& o, int64_t longest, con
   const int64_t blocks = (budget - slots * h.state_bytes_per_unit) / h.kv_bytes_per_block;
   const int64_t max_int = std::numeric_limits<int32_t>::max();
   const int32_t interval =
-      o.checkpoint_interval == kBreakEvenInterval
-          ? BreakEvenCheckpointInterval(h.state_bytes_per_unit, h.kv_bytes_per_block)
+      o.checkpoint_interval == kDefaultInterval
+          ? DefaultCheckpointInterval(h.state_bytes_per_unit, h.kv_bytes_per_block)
           : o.checkpoint_interval;
   if (blocks < 1 || blocks > max_int || slots > max_int) {
     return absl::InvalidArgumentError(

@@ -83,9 +83,9 @@ HashChainLayout HashChain(const LayerLayout& layers, int32_t alignment = 16);
 // The capacities for kvpool-replay --layers_sweep.
 inline constexpr std::array<int64_t, 3> kLayersCapacities = {1000, 2000, 5000};
 
-// HybridReplayOptions::checkpoint_interval: BreakEvenCheckpointInterval(state_bytes_all(),
-// block_size * kv_bytes_per_token_all()).
-inline constexpr int32_t kBreakEvenInterval = -1;
+// HybridReplayOptions::checkpoint_interval: DefaultCheckpointInterval(state_bytes_all(),
+// block_size * kv_bytes_per_token_all()), as kvpoold takes it.
+inline constexpr int32_t kDefaultInterval = -1;
 
 struct HybridReplayOptions {
   LayerLayout layers;
@@ -95,12 +95,12 @@ struct HybridReplayOptions {
   // kvpool's layout: block size (divides 512), the share of the memory given to state slots
   // (the working state and checkpoints) in [0, 1), the checkpoint interval in blocks (0: only
   // branch points, the prefill's last block boundary and the end of each prompt;
-  // kBreakEvenInterval: BreakEvenCheckpointInterval of the layers). The defaults go together:
-  // at the break-even interval a cached prefix's checkpoints take as many bytes as its K/V, so
-  // half the memory holds both.
+  // kDefaultInterval: DefaultCheckpointInterval of the layers). The defaults go together: at
+  // twice the break-even interval a cached prefix's checkpoints take half the bytes of its K/V,
+  // so a third of the memory holds them.
   int32_t block_size = 16;
-  double state_share = 0.5;
-  int32_t checkpoint_interval = kBreakEvenInterval;
+  double state_share = 1.0 / 3.0;
+  int32_t checkpoint_interval = kDefaultInterval;
   // The order kvpool evicts cached checkpoints in (KvCacheOptions::checkpoint_eviction).
   KvCacheOptions::CheckpointEviction checkpoint_eviction =
       KvCacheOptions::CheckpointEviction::kByTokensSaved;
@@ -113,7 +113,7 @@ struct LayoutResult {
   int32_t block_size = 0;           // tokens per block
   int64_t num_blocks = 0;           // attention blocks in the pool
   int64_t state_slots = 0;          // kvpool: working + checkpoint slots; hash-chain: 0 (per block)
-  int32_t checkpoint_interval = 0;  // kvpool: in blocks, kBreakEvenInterval resolved
+  int32_t checkpoint_interval = 0;  // kvpool: in blocks, kDefaultInterval resolved
   int64_t memory_bytes = 0;         // what the layout uses of the budget (<= budget)
   double mean_kv_bytes = 0;         // cached attention K/V bytes, mean after each request
   double mean_state_bytes = 0;      // cached state bytes (checkpoints / state pages), same

@@ -75,12 +75,13 @@ ABSL_FLAG(int64_t, state_bytes, 0,
           "2,147,840)");
 ABSL_FLAG(int32_t, kv_dtype_bytes, 2,
           "--layers=<kvpool model>: bytes of one K/V element (2: bf16, as vLLM holds them)");
-ABSL_FLAG(std::string, state_shares, "0.5",
+ABSL_FLAG(std::string, state_shares, "0.333333",
           "--layers: the shares of the memory kvpool's layout gives to state slots, one row each");
 ABSL_FLAG(std::string, checkpoint_intervals, "auto",
           "--layers: kvpool's checkpoint intervals in blocks, one row each with every state "
-          "share (auto: the break-even interval, where a prefix's checkpoints take as many bytes "
-          "as its K/V; 0: branch points, the prefill's last block boundary and each prompt's end "
+          "share (auto: kvpoold's, twice the break-even interval, where a prefix's checkpoints "
+          "take half the bytes of its K/V; 0: branch points, the prefill's last block boundary and "
+          "each prompt's end "
           "only; 32 blocks of 16 = 512 tokens)");
 ABSL_FLAG(int32_t, layers_block_size, 16, "--layers: kvpool's block size in tokens");
 ABSL_FLAG(std::string, checkpoint_evictions, "tokens_saved",
@@ -193,7 +194,7 @@ absl::StatusOr<std::vector<Variant>> Variants() {
     const Eviction eviction =
         order == "lru" ? Eviction::kLeastRecentlyUsed : Eviction::kByTokensSaved;
     for (absl::string_view ivl : absl::StrSplit(absl::GetFlag(FLAGS_checkpoint_intervals), ',')) {
-      int32_t interval = tools::kBreakEvenInterval;
+      int32_t interval = tools::kDefaultInterval;
       if (ivl != "auto" && (!absl::SimpleAtoi(ivl, &interval) || interval < 0)) {
         return absl::InvalidArgumentError(absl::StrCat(
             "--checkpoint_intervals: '", ivl, "' is neither auto nor a number of blocks >= 0"));

@@ -82,7 +82,7 @@ struct EngineOptions {
   // checkpoints may hold (KvCacheOptions::checkpoint_slots).
   int32_t checkpoint_slots = 0;
   // Blocks between the checkpoints taken by interval (KvCacheOptions::checkpoint_interval). 0:
-  // each pool's BreakEvenCheckpointInterval (its layout's state slot bytes over block bytes);
+  // each pool's DefaultCheckpointInterval (twice its state slot bytes over its block bytes);
   // -1: none by interval.
   int32_t checkpoint_interval = 0;
   // The order cached checkpoints give way in (KvCacheOptions::checkpoint_eviction).

@@ -18,7 +18,7 @@ namespace kvpool::daemon {
 int32_t PoolCheckpointInterval(const EngineOptions& options, const kernels::PoolLayout& layout) {
   if (layout.num_state_slots == 0 || options.checkpoint_interval < 0) return 0;
   if (options.checkpoint_interval > 0) return options.checkpoint_interval;
-  return BreakEvenCheckpointInterval(layout.state_slot_bytes, layout.block_bytes());
+  return DefaultCheckpointInterval(layout.state_slot_bytes, layout.block_bytes());
 }
 
 int64_t HostCheckpoints(const EngineOptions& options, const kernels::PoolLayout& layout) {

@@ -70,7 +70,7 @@ struct ModelCounters {
 
 // The checkpoint interval, in blocks, of a pool of `layout` (KvCacheOptions::checkpoint_interval):
 // EngineOptions::checkpoint_interval when positive, none when -1 or without a state group, else
-// BreakEvenCheckpointInterval(state slot bytes, block bytes).
+// DefaultCheckpointInterval(state slot bytes, block bytes).
 int32_t PoolCheckpointInterval(const EngineOptions& options, const kernels::PoolLayout& layout);
 // The state checkpoints the host tier of a pool of `layout` keeps (TierOptions::host_checkpoints):
 // none without a host tier, checkpoint slots or a state group, or when -1; N when N > 0; else one

@@ -239,8 +239,8 @@ TEST(ConfigTest, StateAndCheckpointSlotsAreChecked) {
   stray.mutable_shape()->set_checkpoint_slots(4);
   EXPECT_THAT(ValidateConfig(stray),
               ::testing::ElementsAre(HasSubstr("shape.checkpoint_slots: the model has no")));
-  // The checkpoint interval: the break-even one (0, resolved per pool: its state slot over its
-  // block, rounded up), explicit, none (-1).
+  // The checkpoint interval: twice the break-even one (0, resolved per pool: its state slot over
+  // its block, rounded up), explicit, none (-1).
   for (const auto& [set, want] :
        std::vector<std::pair<int32_t, int32_t>>{{0, -2}, {8, 8}, {-1, 0}}) {
     v1::DaemonConfig k = c;
@@ -251,7 +251,7 @@ TEST(ConfigTest, StateAndCheckpointSlotsAreChecked) {
     const kernels::PoolLayout& l = o->pools[0].layout;
     const int64_t break_even = (l.state_slot_bytes + l.block_bytes() - 1) / l.block_bytes();
     EXPECT_GT(break_even, 1);
-    EXPECT_EQ(PoolCheckpointInterval(*o, l), want == -2 ? break_even : want) << set;
+    EXPECT_EQ(PoolCheckpointInterval(*o, l), want == -2 ? 2 * break_even : want) << set;
   }
   absl::StatusOr<EngineOptions> plain = MakeEngineOptions(DefaultConfig(), 1);
   ASSERT_TRUE(plain.ok()) << plain.status();
