@@ -11,6 +11,7 @@
 #include <string_view>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "client/client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -106,6 +107,8 @@ class ComputeIntegrationTest : public ::testing::Test {
     return s.ok() ? *s : v1::GetStatsResponse{};
   }
   void KillWhileDecoding(const std::string& mode);
+  v1::PoolLayout ServeSavedCheckpoint(const model::ModelWeights& weights, int64_t pool_bytes,
+                                      const std::string& name);
   std::unique_ptr<DaemonProcess> daemon_;
 };
 
@@ -426,10 +429,41 @@ TEST_F(ComputeIntegrationTest, AHybridModelKeepsEachSequencesStateInThePool) {
   EXPECT_TRUE(clients[0]->CheckInvariants()->ok());
 }
 
+// Saves `weights` as a checkpoint (in its model's own layout), serves it by kvpoold from its
+// directory with a pool of `pool_bytes`, and has three clients converse in turn: each reply
+// equals the checkpoint's model run alone in this process, and each client after the first
+// resumes from the state checkpoint the first one's prefill left at 32. Returns the pool's
+// layout as the clients see it.
+v1::PoolLayout ComputeIntegrationTest::ServeSavedCheckpoint(const model::ModelWeights& weights,
+                                                            int64_t pool_bytes,
+                                                            const std::string& name) {
+  const std::string dir = ::testing::TempDir() + "/" + name + "-" + std::to_string(getpid());
+  EXPECT_TRUE(model::SaveCheckpoint(weights, dir, "f32").ok());
+  StartDaemon(absl::StrCat(R"pb(
+                             pool_bytes:)pb",
+                           pool_bytes, R"pb(
+                             max_blocks_per_seq: 256
+                             shape { dtype: "f32" state_slots: 8 }
+                             model { checkpoint: ")pb",
+                           dir, R"pb(" }
+  )pb"));
+  v1::PoolLayout layout;
+  for (int i = 0; i < 3 && !HasFatalFailure(); ++i) {
+    auto c = Connect(daemon_->dir(), name + "-" + std::to_string(i));
+    layout = c->layout();
+    const std::vector<int32_t> prompt = HybridPrompt(i);
+    const Generated g = Converse(*c, prompt, 6);
+    EXPECT_EQ(g.tokens, RunLocally(weights, prompt, 6, kernels::DType::kF32)) << "client " << i;
+    EXPECT_EQ(g.reused, i == 0 ? 0 : 32) << "client " << i;
+    EXPECT_TRUE(c->Free({g.sequence}, /*commit=*/true).ok());
+    EXPECT_TRUE(c->CheckInvariants()->ok());
+  }
+  std::filesystem::remove_all(dir);
+  return layout;
+}
+
 // A Nemotron-H checkpoint (one mixer or MLP per layer, squared-ReLU MLP layers, attention
-// without RoPE, 4 B/C groups) at tiny's width, saved in Nemotron-H's layout and served by
-// kvpoold from its directory: clients resume from its state checkpoints and every reply equals
-// the checkpoint's model run alone in this process.
+// without RoPE, 4 B/C groups) at tiny's width, saved in Nemotron-H's layout.
 TEST_F(ComputeIntegrationTest, ANemotronHCheckpointIsServedAsItComputesAlone) {
   model::ModelConfig config = *model::NamedConfig("tiny-hybrid");
   const model::LayerKind kS = model::LayerKind::kStateSpace, kM = model::LayerKind::kMlp;
@@ -439,60 +473,20 @@ TEST_F(ComputeIntegrationTest, ANemotronHCheckpointIsServedAsItComputesAlone) {
   config.mlp_after_mixer = false;
   config.mlp_activation = model::MlpActivation::kReluSquared;
   config.rope = false;
-  const model::ModelWeights weights = model::SyntheticWeights(config, 3);
-  const std::string dir = ::testing::TempDir() + "/nemotron-h-" + std::to_string(getpid());
-  ASSERT_TRUE(model::SaveCheckpoint(weights, dir, "f32").ok());
-  StartDaemon(R"pb(
-                pool_bytes: 33554432
-                max_blocks_per_seq: 256
-                shape { dtype: "f32" state_slots: 8 }
-                model { checkpoint: ")pb" +
-              dir + R"pb(" }
-  )pb");
-  constexpr int kClients = 3;
-  for (int i = 0; i < kClients; ++i) {
-    auto c = Connect(daemon_->dir(), "nemotron-" + std::to_string(i));
-    const std::vector<int32_t> prompt = HybridPrompt(i);
-    const Generated g = Converse(*c, prompt, 6);
-    EXPECT_EQ(g.tokens, RunLocally(weights, prompt, 6, kernels::DType::kF32)) << "client " << i;
-    EXPECT_EQ(g.reused, i == 0 ? 0 : 32) << "client " << i;  // the first one's checkpoint at 32
-    ASSERT_TRUE(c->Free({g.sequence}, /*commit=*/true).ok());
-    EXPECT_TRUE(c->CheckInvariants()->ok());
-  }
-  std::filesystem::remove_all(dir);
+  ServeSavedCheckpoint(model::SyntheticWeights(config, 3), int64_t{32} << 20, "nemotron-h");
 }
 
 // A Falcon-H1 checkpoint (every layer attention and a Mamba-2 mixer side by side, no gated
-// norm) at tiny's width, saved in Falcon-H1's layout and served by kvpoold from its directory:
-// every layer keeps K/V in the pool and a state in the sequence's slot (four times
-// tiny-hybrid's: twice its pool), clients resume from the
-// state checkpoints, and every reply equals the checkpoint's model run alone in this process.
+// norm) at tiny's width, saved in Falcon-H1's layout: every layer keeps K/V in the pool and a
+// state in the sequence's slot (four times tiny-hybrid's: twice its pool).
 TEST_F(ComputeIntegrationTest, AFalconH1CheckpointIsServedAsItComputesAlone) {
   model::ModelConfig config = *model::NamedConfig("tiny-hybrid");
   config.layer_kinds.assign(4, model::LayerKind::kParallelHybrid);
   config.ssm.gated_norm = false;
-  const model::ModelWeights weights = model::SyntheticWeights(config, 5);
-  const std::string dir = ::testing::TempDir() + "/falcon-h1-" + std::to_string(getpid());
-  ASSERT_TRUE(model::SaveCheckpoint(weights, dir, "f32").ok());
-  StartDaemon(R"pb(
-                pool_bytes: 67108864
-                max_blocks_per_seq: 256
-                shape { dtype: "f32" state_slots: 8 }
-                model { checkpoint: ")pb" +
-              dir + R"pb(" }
-  )pb");
-  constexpr int kClients = 3;
-  for (int i = 0; i < kClients; ++i) {
-    auto c = Connect(daemon_->dir(), "falcon-" + std::to_string(i));
-    EXPECT_EQ(c->layout().num_layers(), 4);  // every layer's K/V
-    const std::vector<int32_t> prompt = HybridPrompt(i);
-    const Generated g = Converse(*c, prompt, 6);
-    EXPECT_EQ(g.tokens, RunLocally(weights, prompt, 6, kernels::DType::kF32)) << "client " << i;
-    EXPECT_EQ(g.reused, i == 0 ? 0 : 32) << "client " << i;
-    ASSERT_TRUE(c->Free({g.sequence}, /*commit=*/true).ok());
-    EXPECT_TRUE(c->CheckInvariants()->ok());
-  }
-  std::filesystem::remove_all(dir);
+  const v1::PoolLayout layout =
+      ServeSavedCheckpoint(model::SyntheticWeights(config, 5), int64_t{64} << 20, "falcon-h1");
+  EXPECT_EQ(layout.num_layers(), 4);  // every layer's K/V
+  EXPECT_GT(layout.num_state_slots(), 0);
 }
 
 // kvpoold takes a hybrid pool's interval checkpoints at twice the break-even interval

@@ -168,23 +168,8 @@ void ExpectSame(const ModelWeights& a, const ModelWeights& b) {
 
 // Prefill then decodes against the dense reference, f32 K/V.
 void ExpectMatchesReference(const ModelWeights& w) {
-  auto engine = MakeTestEngine(w, 16, kernels::DType::kF32, /*prefix_cache=*/false);
   DenseReference ref(w, kernels::DType::kF32);
-  const std::vector<int32_t> prompt = RandomTokens(29, w.config.vocab_size, 5);
-  auto first = engine->Prefill(SequenceId(0), prompt, {.keep_logits = true});
-  ASSERT_TRUE(first.ok()) << first.status();
-  std::vector<float> want = ref.Extend(prompt);
-  EXPECT_LE(RelError(first->result.logits, want), HostTolerance(kernels::DType::kF32));
-  int32_t token = Argmax(want);
-  for (int step = 0; step < 6; ++step) {
-    const DecodeInput in{first->sequence, token};
-    auto out = engine->Decode(std::span(&in, 1), {.keep_logits = true});
-    ASSERT_TRUE(out.ok()) << out.status();
-    want = ref.Extend(std::span(&token, 1));
-    EXPECT_LE(RelError((*out)[0].logits, want), HostTolerance(kernels::DType::kF32)) << step;
-    token = Argmax(want);
-  }
-  EXPECT_LE(RelError(engine->state(first->sequence), ref.State()), 2e-3);
+  ExpectEngineFollowsReference(w, ref, kernels::DType::kF32, 29, 5, 6, 2e-3);
 }
 
 class BambaCheckpointTest : public test_util::WeightsTest {

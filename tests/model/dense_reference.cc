@@ -4,6 +4,7 @@
 #include <cmath>
 #include <random>
 
+#include "gtest/gtest.h"
 #include "kvpool/util/check.h"
 
 namespace kvpool::model {
@@ -323,6 +324,30 @@ std::unique_ptr<LocalEngine> MakeTestEngine(const ModelWeights& w, int32_t block
                               .threads = 2});
   KVPOOL_CHECK_OK(engine.status());
   return std::move(engine).value();
+}
+
+void ExpectEngineFollowsReference(const ModelWeights& w, DenseReference& ref, kernels::DType dtype,
+                                  size_t prompt_tokens, uint32_t seed, int decodes,
+                                  double state_tolerance) {
+  auto engine = MakeTestEngine(w, 16, dtype, /*prefix_cache=*/false);
+  const std::vector<int32_t> prompt = RandomTokens(prompt_tokens, w.config.vocab_size, seed);
+  auto first = engine->Prefill(SequenceId(0), prompt, {.keep_logits = true});
+  ASSERT_TRUE(first.ok()) << first.status();
+  std::vector<float> want = ref.Extend(prompt);
+  EXPECT_LE(RelError(first->result.logits, want), HostTolerance(dtype));
+  // Before the decodes have compounded the differences: ten times tighter.
+  EXPECT_LE(RelError(engine->state(first->sequence), ref.State()), state_tolerance / 10);
+  int32_t token = Argmax(want);
+  for (int step = 0; step < decodes; ++step) {
+    const DecodeInput in{first->sequence, token};
+    auto out = engine->Decode(std::span(&in, 1), {.keep_logits = true});
+    ASSERT_TRUE(out.ok()) << out.status();
+    want = ref.Extend(std::span(&token, 1));
+    EXPECT_LE(RelError((*out)[0].logits, want), HostTolerance(dtype)) << "step " << step;
+    token = Argmax(want);
+  }
+  EXPECT_LE(RelError(engine->state(first->sequence), ref.State()), state_tolerance);
+  EXPECT_TRUE(engine->cache().CheckInvariants().ok());
 }
 
 }  // namespace kvpool::model

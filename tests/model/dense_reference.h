@@ -84,5 +84,13 @@ double HostTolerance(kernels::DType dtype);
 // made (the arguments are the tests' own).
 std::unique_ptr<LocalEngine> MakeTestEngine(const ModelWeights& w, int32_t block_size,
                                             kernels::DType dtype, bool prefix_cache);
+// A prefill of `prompt_tokens` random tokens (seed `seed`) and then `decodes` greedy decodes
+// through MakeTestEngine(w, 16, dtype, no prefix cache), each step's logits within
+// HostTolerance(dtype) of `ref`'s for the same tokens, and the sequence's state within
+// `state_tolerance` of ref.State() at the end (a tenth of it after the prefill). `ref` starts
+// empty; it may hold other weights than `w` (the same model in another form).
+void ExpectEngineFollowsReference(const ModelWeights& w, DenseReference& ref, kernels::DType dtype,
+                                  size_t prompt_tokens, uint32_t seed, int decodes,
+                                  double state_tolerance);
 
 }  // namespace kvpool::model

@@ -199,23 +199,8 @@ ModelWeights TestWeights(const ModelConfig& c, uint64_t seed) {
 // the states too (the mixer's conv inputs are in_proj's outputs, multipliers included).
 void ExpectMatchesTransformers(const ModelWeights& loaded, const ModelWeights& raw,
                                const ReferenceMultipliers& mult) {
-  auto engine = MakeTestEngine(loaded, 16, kernels::DType::kF32, /*prefix_cache=*/false);
   DenseReference ref(raw, kernels::DType::kF32, mult);
-  const std::vector<int32_t> prompt = RandomTokens(29, raw.config.vocab_size, 5);
-  auto first = engine->Prefill(SequenceId(0), prompt, {.keep_logits = true});
-  ASSERT_TRUE(first.ok()) << first.status();
-  std::vector<float> want = ref.Extend(prompt);
-  EXPECT_LE(RelError(first->result.logits, want), HostTolerance(kernels::DType::kF32));
-  int32_t token = Argmax(want);
-  for (int step = 0; step < 6; ++step) {
-    const DecodeInput in{first->sequence, token};
-    auto out = engine->Decode(std::span(&in, 1), {.keep_logits = true});
-    ASSERT_TRUE(out.ok()) << out.status();
-    want = ref.Extend(std::span(&token, 1));
-    EXPECT_LE(RelError((*out)[0].logits, want), HostTolerance(kernels::DType::kF32)) << step;
-    token = Argmax(want);
-  }
-  EXPECT_LE(RelError(engine->state(first->sequence), ref.State()), 2e-3);
+  ExpectEngineFollowsReference(loaded, ref, kernels::DType::kF32, 29, 5, 6, 2e-3);
 }
 
 class FalconH1CheckpointTest : public test_util::WeightsTest {

@@ -56,35 +56,13 @@ bool ExactResume() { return kernels::cpu::KernelIsa() != kernels::cpu::Isa::kPor
 
 std::vector<float> Copy(std::span<const float> s) { return {s.begin(), s.end()}; }
 
-// Prefill and decodes through the host model against the dense reference.
-void ExpectMatchesTheDenseReference(const ModelWeights& w, kernels::DType dtype) {
-  auto engine = MakeTestEngine(w, 16, dtype, /*prefix_cache=*/false);
-  DenseReference ref(w, dtype);
-  const std::vector<int32_t> prompt = RandomTokens(37, 256, 1);
-  auto first = engine->Prefill(SequenceId(0), prompt, kLogits);
-  ASSERT_TRUE(first.ok()) << first.status();
-  std::vector<float> want = ref.Extend(prompt);
-  EXPECT_LE(RelError(first->result.logits, want), HostTolerance(dtype));
-  EXPECT_LE(RelError(engine->state(first->sequence), ref.State()), 2e-4);
-  int32_t token = Argmax(want);
-  for (int step = 0; step < 12; ++step) {
-    const DecodeInput in{first->sequence, token};
-    auto out = engine->Decode(std::span(&in, 1), kLogits);
-    ASSERT_TRUE(out.ok()) << out.status();
-    want = ref.Extend(std::span(&token, 1));
-    EXPECT_LE(RelError((*out)[0].logits, want), HostTolerance(dtype)) << "step " << step;
-    token = Argmax(want);
-  }
-  EXPECT_LE(RelError(engine->state(first->sequence), ref.State()), 2e-3);
-  EXPECT_TRUE(engine->cache().CheckInvariants().ok());
-}
-
 TEST(HybridModelTest, PrefillAndDecodeMatchTheDenseReference) {
   for (const ModelConfig& c : {HybridConfig({kS, kF, kS}), FalconH1StyleConfig()}) {
     const ModelWeights w = SyntheticWeights(c, 7);
     for (kernels::DType dtype : {kernels::DType::kF32, kernels::DType::kBF16}) {
       SCOPED_TRACE(c.kind(0) == kP ? "parallel hybrid layers" : "state-space and attention");
-      ExpectMatchesTheDenseReference(w, dtype);
+      DenseReference ref(w, dtype);
+      ExpectEngineFollowsReference(w, ref, dtype, 37, 1, 12, 2e-3);
     }
   }
 }
