@@ -118,6 +118,7 @@ void Mixer(const ModelWeights& w, const LayerWeights& L, const std::vector<int32
             internal::SsmGate(y[r * m.inner + i], proj[r * m.in_proj_dim + i]);
         ss += normed[r * m.inner + i] * normed[r * m.inner + i];
       }
+      if (!c.ssm.gated_norm) continue;  // the kernel given no weight: gated only
       const float inv = internal::SsmNormScale(ss, m.norm_group, c.rms_norm_eps);
       for (int64_t i = g0; i < g0 + m.norm_group; ++i)
         normed[r * m.inner + i] *= inv * L.ssm_norm[i];
@@ -164,7 +165,7 @@ std::vector<std::vector<float>> Step(const ModelWeights& w,
   return logits;
 }
 
-ModelConfig Config(bool conv_bias, bool proj_bias, bool norm_per_group) {
+ModelConfig Config(bool conv_bias, bool proj_bias, bool norm_per_group, bool gated_norm = true) {
   ModelConfig c = SmallTestConfig();
   c.layer_kinds = {kS, kS};
   c.ssm = {.num_heads = 4,
@@ -174,7 +175,8 @@ ModelConfig Config(bool conv_bias, bool proj_bias, bool norm_per_group) {
            .conv_width = 4,
            .conv_bias = conv_bias,
            .proj_bias = proj_bias,
-           .norm_per_group = norm_per_group};
+           .norm_per_group = norm_per_group,
+           .gated_norm = gated_norm};
   return c;
 }
 
@@ -182,7 +184,8 @@ ModelConfig Config(bool conv_bias, bool proj_bias, bool norm_per_group) {
 // window, so its carry keeps zeros from before the start), then a chunk of 3 and a decode, then
 // two decodes; against a dense reference per sequence after every step.
 TEST(SsmMathTest, TheKernelsDecompositionMatchesTheDenseReference) {
-  for (const ModelConfig& c : {Config(true, false, true), Config(false, true, false)}) {
+  for (const ModelConfig& c : {Config(true, false, true), Config(false, true, false),
+                               Config(true, false, true, /*gated_norm=*/false)}) {
     const ModelWeights w = SyntheticWeights(c, 17);
     std::vector<std::vector<float>> slots(2, std::vector<float>(c.state_bytes() / 4, 0.0f));
     const std::vector<float*> states = {slots[0].data(), slots[1].data()};
