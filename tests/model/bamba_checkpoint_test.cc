@@ -100,7 +100,6 @@ ModelConfig BambaTestConfig() {
 // Every tensor of `w` under the name BambaForCausalLM's state dict gives it.
 std::vector<RawTensor> BambaTensors(const ModelWeights& w) {
   const ModelConfig& c = w.config;
-  const SsmConfig& m = c.ssm;
   const int64_t h = c.hidden_size, im = c.intermediate_size, q = c.num_heads * c.head_dim,
                 kv = c.num_kv_heads * c.head_dim;
   std::vector<RawTensor> out;
@@ -126,18 +125,7 @@ std::vector<RawTensor> BambaTensors(const ModelWeights& w) {
       add(p + "self_attn.o_proj.weight", {h, q}, L.wo);
       continue;
     }
-    add(p + "mamba.in_proj.weight", {m.in_proj_dim(), h}, L.ssm_in);
-    add(p + "mamba.conv1d.weight", {m.conv_dim(), 1, m.conv_width}, L.ssm_conv);
-    if (m.conv_bias) add(p + "mamba.conv1d.bias", {m.conv_dim()}, L.ssm_conv_bias);
-    if (m.proj_bias) {
-      add(p + "mamba.in_proj.bias", {m.in_proj_dim()}, L.ssm_in_bias);
-      add(p + "mamba.out_proj.bias", {h}, L.ssm_out_bias);
-    }
-    add(p + "mamba.dt_bias", {m.num_heads}, L.ssm_dt_bias);
-    add(p + "mamba.A_log", {m.num_heads}, L.ssm_a_log);
-    add(p + "mamba.D", {m.num_heads}, L.ssm_d);
-    add(p + "mamba.norm.weight", {m.inner()}, L.ssm_norm);
-    add(p + "mamba.out_proj.weight", {h, m.inner()}, L.ssm_out);
+    test_util::AppendMambaTensors(p + "mamba.", L, c, &out);
   }
   return out;
 }

@@ -156,6 +156,28 @@ Stats StatsOf(const std::vector<float>& v) {
   return s;
 }
 
+void AppendMambaTensors(const std::string& prefix, const LayerWeights& L, const ModelConfig& c,
+                        std::vector<RawTensor>* out) {
+  const SsmConfig& m = c.ssm;
+  const int64_t h = c.hidden_size;
+  const auto add = [&](const std::string& name, std::vector<int64_t> shape,
+                       const std::vector<float>& v) {
+    out->push_back({prefix + name, "F32", std::move(shape), F32Bytes(v)});
+  };
+  add("in_proj.weight", {m.in_proj_dim(), h}, L.ssm_in);
+  add("conv1d.weight", {m.conv_dim(), 1, m.conv_width}, L.ssm_conv);
+  if (m.conv_bias) add("conv1d.bias", {m.conv_dim()}, L.ssm_conv_bias);
+  if (m.proj_bias) {
+    add("in_proj.bias", {m.in_proj_dim()}, L.ssm_in_bias);
+    add("out_proj.bias", {h}, L.ssm_out_bias);
+  }
+  add("dt_bias", {m.num_heads}, L.ssm_dt_bias);
+  add("A_log", {m.num_heads}, L.ssm_a_log);
+  add("D", {m.num_heads}, L.ssm_d);
+  if (m.gated_norm) add("norm.weight", {m.inner()}, L.ssm_norm);
+  add("out_proj.weight", {h, m.inner()}, L.ssm_out);
+}
+
 void WeightsTest::SetUp() {
   std::string pattern = ::testing::TempDir() + "weights_test.XXXXXX";
   ASSERT_NE(mkdtemp(pattern.data()), nullptr) << pattern;

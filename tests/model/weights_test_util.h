@@ -54,6 +54,12 @@ std::string FileBytes(const std::string& header, const std::string& data);
 // Lays the tensors out back to back in the order given, header JSON written by hand.
 std::string SafetensorsBytes(const std::vector<RawTensor>& tensors);
 
+// A Mamba-2 mixer's tensors as Bamba and Falcon-H1 name them, under `prefix` (e.g.
+// "model.layers.3.mamba."), as F32: in_proj, conv1d (and its bias with ssm.conv_bias), the
+// projection biases with ssm.proj_bias, dt_bias, A_log, D, norm (with ssm.gated_norm), out_proj.
+void AppendMambaTensors(const std::string& prefix, const LayerWeights& layer, const ModelConfig& c,
+                        std::vector<RawTensor>* out);
+
 // A transformers config.json for `c`.
 std::string ConfigText(const ModelConfig& c);
 
