@@ -246,8 +246,21 @@ void PrintLayout(std::string_view trace, int64_t capacity, const char* name, Var
       static_cast<long long>(r.replay.skipped));
 }
 
+// The bound no layout passes: the same bytes all K/V at kvpool's block size, every token a
+// resumable point (as if states cost nothing), least recently used.
+void PrintBound(std::string_view trace, int64_t capacity, const tools::ReplayResult& r,
+                double base_hit) {
+  const double tokens = r.prompt_tokens > 0 ? static_cast<double>(r.prompt_tokens) : 1.0;
+  const std::string ratio = base_hit > 0 ? absl::StrFormat("%.2fx", r.hit_rate() / base_hit) : "-";
+  std::printf("%-26s %6lld %-10s %5d %4s %5s %7s %9.4f %9.4f %8s\n", std::string(trace).c_str(),
+              static_cast<long long>(capacity), "no-states", absl::GetFlag(FLAGS_layers_block_size),
+              "-", "-", "-", r.hit_rate(), static_cast<double>(r.hit_tokens) / tokens,
+              ratio.c_str());
+}
+
 // Replays `trace` with kvpool's layout at every state share and the hash-chain layout, at each
-// capacity, and prints the rows; false (after printing why) on an error. Sets *worst to the
+// capacity, and prints the rows, then the bound (PrintBound); false (after printing why) on an
+// error. Sets *worst to the
 // lowest hybrid/baseline ratio seen.
 bool RunLayersOn(const std::vector<kvpool::workload::TraceRequest>& trace, std::string_view name,
                  const tools::LayerLayout& layers, std::span<const int64_t> capacities,
@@ -281,6 +294,14 @@ bool RunLayersOn(const std::vector<kvpool::workload::TraceRequest>& trace, std::
                                                       : 1.0;
       *worst = std::min(*worst, ratio);
     }
+    const auto bound = tools::Replay(trace, {.block_size = absl::GetFlag(FLAGS_layers_block_size),
+                                             .capacity_blocks = capacity,
+                                             .policy = "lru"});
+    if (!bound.ok()) {
+      Fail(bound.status().ToString());
+      return false;
+    }
+    PrintBound(name, capacity, *bound, base.replay.hit_rate());
     std::fflush(stdout);
   }
   return true;
