@@ -236,6 +236,20 @@ TEST(SsmMathTest, TheCarryHoldsTheLastInputsOldestFirst) {
   EXPECT_FLOAT_EQ(out[0], internal::SsmSilu(0 + 1 + 4 + 1));
 }
 
+// Every sequence of `starts` in ceil(rows / chunk) chunks of at most `chunk` rows, none empty.
+void ExpectPlanSplitsEverySequence(const internal::SsmChunkPlan& plan,
+                                   const std::vector<int32_t>& starts, int32_t chunk) {
+  for (size_t s = 0; s + 1 < starts.size(); ++s) {
+    EXPECT_EQ(plan.seq_chunks[s + 1] - plan.seq_chunks[s],
+              (starts[s + 1] - starts[s] + chunk - 1) / chunk);
+    EXPECT_EQ(plan.chunk_rows[plan.seq_chunks[s]], starts[s]);
+  }
+  for (size_t k = 0; k + 1 < plan.chunk_rows.size(); ++k) {
+    EXPECT_GT(plan.chunk_rows[k + 1], plan.chunk_rows[k]);
+    EXPECT_LE(plan.chunk_rows[k + 1] - plan.chunk_rows[k], chunk);
+  }
+}
+
 // The chunked scan's three passes (internal/ssm_chunk.h) in the kernels' decomposition (a thread
 // per (chunk, head, column), then per (sequence, head, column), then per (chunk, head, column)),
 // for sequences of 1 to 300 rows in one step, chunks of 1 to 128 rows: the outputs and the states
@@ -280,16 +294,7 @@ TEST(SsmMathTest, TheChunkedScanMatchesTheReferenceScan) {
     SCOPED_TRACE(chunk);
     const internal::SsmChunkPlan plan = internal::PlanSsmChunks(starts, chunk);
     const int64_t chunks = static_cast<int64_t>(plan.chunk_rows.size()) - 1;
-    // Every sequence in ceil(rows / chunk) chunks of at most `chunk` rows, none empty.
-    for (int64_t s = 0; s < seqs; ++s) {
-      EXPECT_EQ(plan.seq_chunks[s + 1] - plan.seq_chunks[s],
-                (starts[s + 1] - starts[s] + chunk - 1) / chunk);
-      EXPECT_EQ(plan.chunk_rows[plan.seq_chunks[s]], starts[s]);
-    }
-    for (int64_t k = 0; k < chunks; ++k) {
-      EXPECT_GT(plan.chunk_rows[k + 1], plan.chunk_rows[k]);
-      EXPECT_LE(plan.chunk_rows[k + 1] - plan.chunk_rows[k], chunk);
-    }
+    ExpectPlanSplitsEverySequence(plan, starts, chunk);
     std::vector<float> states = initial, y(n * m.inner), col(m.d_state);
     std::vector<float> local(chunks * state_floats), decays(chunks * m.num_heads);
     for (int64_t k = 0; k < chunks; ++k) {  // pass 1
