@@ -749,7 +749,7 @@ TEST_P(StateCheckpointRandomTest, OperationsAgreeWithTheModel) {
   // key with the order's, and the listing's priorities with the floor, after every operation.
   if (GetParam().rebase_at > 0) {
     EXPECT_GT(KvCacheManagerTestPeer::CheckpointRebases(*cache_),
-              static_cast<uint64_t>(ops / 1000));
+              static_cast<uint64_t>(ops / 200));  // 60 and 63 in 6,000 operations
   }
 }
 
