@@ -41,12 +41,20 @@ absl::Status GetInt(const json& config, const std::string& path, const char* key
   return absl::OkStatus();
 }
 
-absl::Status GetFloat(const json& config, const std::string& path, const char* key, float* out) {
+absl::Status GetDouble(const json& config, const std::string& path, const char* key, double* out) {
   if (!config.contains(key) || config[key].is_null()) return absl::OkStatus();
-  if (!config[key].is_number()) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": ", key, " is not a number"));
+  const json& v = config[key];
+  if (!v.is_number() || !std::isfinite(v.get<double>())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": ", key, " ", v.dump(), " is not a finite number"));
   }
-  const double value = config[key].get<double>();
+  *out = v.get<double>();
+  return absl::OkStatus();
+}
+
+absl::Status GetFloat(const json& config, const std::string& path, const char* key, float* out) {
+  double value = *out;
+  KVPOOL_RETURN_IF_ERROR(GetDouble(config, path, key, &value));
   // Narrowing a double past the float range is undefined behaviour, not inf.
   if (!(std::abs(value) <= std::numeric_limits<float>::max())) {
     return absl::InvalidArgumentError(
@@ -145,6 +153,28 @@ absl::Status ParseLayerKinds(const json& config, const std::string& path, bool b
 
 absl::Status ParseNormAndDtLimit(const json& config, const std::string& path, ModelConfig* c);
 
+// Whether mamba_d_head is a number rather than "auto" or absent (each model derives "auto" its
+// own way).
+bool HeadGiven(const json& config) {
+  return config.contains("mamba_d_head") && config["mamba_d_head"] != "auto";
+}
+
+// The mamba_* fields Bamba and Falcon-H1 spell alike: heads, d_state, groups, conv width, the
+// head width when HeadGiven, the conv and projection biases. `required`: mamba_n_heads and
+// mamba_d_state must be there (Bamba's); else *m holds the defaults (FalconH1Config's).
+absl::Status ReadMambaFields(const json& config, const std::string& path, bool required,
+                             SsmConfig* m) {
+  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_n_heads", required, &m->num_heads));
+  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_d_state", required, &m->d_state));
+  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_n_groups", false, &m->num_groups));
+  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_d_conv", false, &m->conv_width));
+  if (HeadGiven(config)) {
+    KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_d_head", true, &m->head_dim));
+  }
+  KVPOOL_RETURN_IF_ERROR(GetBool(config, path, "mamba_conv_bias", &m->conv_bias));
+  return GetBool(config, path, "mamba_proj_bias", &m->proj_bias);
+}
+
 // The state-space layers' shape as Bamba writes it (mamba_*), read only when some layer is one.
 // mamba_d_head "auto" (or absent) is mamba_expand (default 2) * hidden_size / mamba_n_heads.
 // mamba_chunk_size only changes how a chunked scan rounds; kvpool's scans pick their own.
@@ -170,20 +200,13 @@ absl::Status ParseSsm(const json& config, const std::string& path, bool nemotron
     }
     return ParseNormAndDtLimit(config, path, c);
   }
-  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_n_heads", true, &m.num_heads));
-  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_d_state", true, &m.d_state));
-  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_n_groups", false, &m.num_groups));
-  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_d_conv", false, &m.conv_width));
-  if (config.contains("mamba_d_head") && config["mamba_d_head"] != "auto") {
-    KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_d_head", true, &m.head_dim));
-  } else {
+  KVPOOL_RETURN_IF_ERROR(ReadMambaFields(config, path, /*required=*/true, &m));
+  if (!HeadGiven(config)) {
     int32_t expand = 2;
     KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_expand", false, &expand));
     if (m.num_heads > 0)
       m.head_dim = static_cast<int32_t>(int64_t{expand} * c->hidden_size / m.num_heads);
   }
-  KVPOOL_RETURN_IF_ERROR(GetBool(config, path, "mamba_conv_bias", &m.conv_bias));
-  KVPOOL_RETURN_IF_ERROR(GetBool(config, path, "mamba_proj_bias", &m.proj_bias));
   return ParseNormAndDtLimit(config, path, c);
 }
 
@@ -329,17 +352,6 @@ bool IsFalconH1(const json& config) {
   return std::find(a.begin(), a.end(), "FalconH1ForCausalLM") != a.end();
 }
 
-absl::Status GetDouble(const json& config, const std::string& path, const char* key, double* out) {
-  if (!config.contains(key) || config[key].is_null()) return absl::OkStatus();
-  const json& v = config[key];
-  if (!v.is_number() || !std::isfinite(v.get<double>())) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(path, ": ", key, " ", v.dump(), " is not a finite number"));
-  }
-  *out = v.get<double>();
-  return absl::OkStatus();
-}
-
 // A list of `n` multipliers (null or absent: all 1).
 absl::Status GetDoubles(const json& config, const std::string& path, const char* key, size_t n,
                         double* out) {
@@ -382,22 +394,13 @@ absl::Status ParseFalconH1(const json& config, const std::string& path, ModelCon
   } else {
     KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_d_ssm", false, &d_ssm));
   }
-  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_n_heads", false, &m.num_heads));
-  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_d_state", false, &m.d_state));
-  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_n_groups", false, &m.num_groups));
-  KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_d_conv", false, &m.conv_width));
-  if (config.contains("mamba_d_head") && config["mamba_d_head"] != "auto") {
-    KVPOOL_RETURN_IF_ERROR(GetInt(config, path, "mamba_d_head", true, &m.head_dim));
-  } else if (m.num_heads > 0) {
-    m.head_dim = d_ssm / m.num_heads;
-  }
+  KVPOOL_RETURN_IF_ERROR(ReadMambaFields(config, path, /*required=*/false, &m));
+  if (!HeadGiven(config) && m.num_heads > 0) m.head_dim = d_ssm / m.num_heads;
   if (int64_t{m.head_dim} * m.num_heads != d_ssm) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": mamba_d_ssm ", d_ssm,
                                                    " is not mamba_n_heads ", m.num_heads,
                                                    " x mamba_d_head ", m.head_dim));
   }
-  KVPOOL_RETURN_IF_ERROR(GetBool(config, path, "mamba_conv_bias", &m.conv_bias));
-  KVPOOL_RETURN_IF_ERROR(GetBool(config, path, "mamba_proj_bias", &m.proj_bias));
   // transformers gives in_proj mamba_proj_bias and out_proj projectors_bias (vLLM both the
   // first); kvpool has one switch for both, so they must agree (every release: false, false).
   bool out_bias = false;
