@@ -334,28 +334,38 @@ absl::StatusOr<model::ModelConfig> ModelGeometry(const v1::ModelSpec& m) {
   return absl::NotFoundError("no model");
 }
 
-// The state group of the pool shape (docs/hybrid-groups.md §2): shape.state_slots slots of the
-// model's state, rounded up to 64 bytes; none for a model without state-space layers; and the
-// checkpoints' slots and interval. (A checkpoint that does not read is reported when it is
-// loaded.)
-void ParseStateGroup(const v1::DaemonConfig& c, kernels::PoolLayout* shape, EngineOptions* o,
-                     const Bad& bad) {
+// shape.checkpoint_slots unset: each pool sizes its own (CheckpointSlotsByShare).
+constexpr int32_t kCheckpointsByShare = -1;
+
+// The state group of the pool shape (docs/hybrid-groups.md §2): shape.state_slots working slots
+// of the model's state, rounded up to 64 bytes; none for a model without state-space layers; and
+// the checkpoints' interval and order. Returns the checkpoint slots each pool adds to its working
+// ones: shape.checkpoint_slots, 0 for none, or kCheckpointsByShare. (A checkpoint that does not
+// read is reported when it is loaded.)
+int32_t ParseStateGroup(const v1::DaemonConfig& c, kernels::PoolLayout* shape, EngineOptions* o,
+                        const Bad& bad) {
   const int32_t slots = c.shape().state_slots();
-  if (slots < 0) return bad("shape.state_slots", fmt::format("must be >= 0 (got {})", slots));
+  if (slots < 0) {
+    bad("shape.state_slots", fmt::format("must be >= 0 (got {})", slots));
+    return 0;
+  }
   const int32_t checkpoints = c.shape().checkpoint_slots();
   if (checkpoints < -1) {
-    return bad("shape.checkpoint_slots",
-               fmt::format("must be >= 0, or -1 for none (got {})", checkpoints));
+    bad("shape.checkpoint_slots",
+        fmt::format("must be >= 0, or -1 for none (got {})", checkpoints));
+    return 0;
   }
   const int32_t interval = c.shape().checkpoint_interval();
   if (interval < -1) {
-    return bad("shape.checkpoint_interval",
-               fmt::format("must be >= 0 blocks, or -1 for none (got {})", interval));
+    bad("shape.checkpoint_interval",
+        fmt::format("must be >= 0 blocks, or -1 for none (got {})", interval));
+    return 0;
   }
   const std::string& eviction = c.shape().checkpoint_eviction();
   if (!eviction.empty() && eviction != "tokens_saved" && eviction != "lru") {
-    return bad("shape.checkpoint_eviction",
-               fmt::format("must be \"tokens_saved\" or \"lru\" (got \"{}\")", eviction));
+    bad("shape.checkpoint_eviction",
+        fmt::format("must be \"tokens_saved\" or \"lru\" (got \"{}\")", eviction));
+    return 0;
   }
   const absl::StatusOr<model::ModelConfig> geometry = ModelGeometry(c.model());
   const int64_t state_bytes = geometry.ok() ? geometry->state_bytes() : 0;
@@ -370,21 +380,35 @@ void ParseStateGroup(const v1::DaemonConfig& c, kernels::PoolLayout* shape, Engi
     if (interval != 0) {
       bad("shape.checkpoint_interval", "the model has no state-space layers (0: unset)");
     }
-    return;
+    return 0;
   }
-  if (slots == 0) return bad("shape.state_slots", "a model with state-space layers needs >= 1");
+  if (slots == 0) {
+    bad("shape.state_slots", "a model with state-space layers needs >= 1");
+    return 0;
+  }
   o->checkpoint_interval = interval;
   o->checkpoint_eviction = eviction == "lru"
                                ? KvCacheOptions::CheckpointEviction::kLeastRecentlyUsed
                                : KvCacheOptions::CheckpointEviction::kByTokensSaved;
-  int32_t* const checkpoint_slots = &o->checkpoint_slots;
-  *checkpoint_slots =
-      c.disable_prefix_cache() ? 0 : (checkpoints == 0 ? slots : std::max(0, checkpoints));
-  if (int64_t{slots} + *checkpoint_slots > std::numeric_limits<int32_t>::max()) {
-    return bad("shape.checkpoint_slots", "state_slots + checkpoint_slots overflow");
-  }
-  shape->num_state_slots = slots + *checkpoint_slots;
+  shape->num_state_slots = slots;
   shape->state_slot_bytes = (state_bytes + 63) / 64 * 64;
+  if (c.disable_prefix_cache() || checkpoints == -1) return 0;
+  return checkpoints == 0 ? kCheckpointsByShare : checkpoints;
+}
+
+// shape.checkpoint_slots unset: a third of a pool's `bytes` left after its working states and
+// its window group, and at least one. Cached checkpoints then take half the bytes of the K/V they
+// resume at the default interval, twice the break-even one (docs/hybrid-groups.md §4), and the
+// host tier keeps them in that proportion too (HostCheckpoints). `pool` holds the working slots.
+int64_t CheckpointSlotsByShare(const kernels::PoolLayout& pool, int64_t bytes) {
+  const int64_t slot = pool.state_slot_bytes;
+  int64_t rest = bytes;
+  rest -= pool.num_state_slots <= rest / slot ? pool.num_state_slots * slot : rest;
+  if (pool.num_window_layers > 0 && pool.num_window_blocks > 0) {
+    const int64_t window = pool.window_block_bytes();
+    rest -= pool.num_window_blocks <= rest / window ? pool.num_window_blocks * window : rest;
+  }
+  return std::clamp<int64_t>(rest / 3 / slot, 1, std::numeric_limits<int32_t>::max());
 }
 
 // The window group of the pool shape (docs/hybrid-groups.md §2-§3): the model's sliding layers in
@@ -409,9 +433,11 @@ void ParseWindowGroup(const v1::DaemonConfig& c, kernels::PoolLayout* shape, Eng
   o->sink_tokens = geometry->sink_tokens;
 }
 
-// A pool of `bytes` of `shape` (null: the shape is bad, reported already) into `o`.
+// A pool of `bytes` of `shape` (null: the shape is bad, reported already) into `o`, with
+// `checkpoints` slots for state checkpoints beside the shape's working ones (ParseStateGroup).
 void AddPool(std::string_view field, std::string name, int64_t bytes,
-             const kernels::PoolLayout* shape, EngineOptions* o, const Bad& bad) {
+             const kernels::PoolLayout* shape, int32_t checkpoints, EngineOptions* o,
+             const Bad& bad) {
   if (bytes <= 0) return bad(field, fmt::format("must be > 0 (got {})", bytes));
   if (shape == nullptr) return;
   kernels::PoolLayout pool = *shape;
@@ -422,9 +448,17 @@ void AddPool(std::string_view field, std::string name, int64_t bytes,
     pool.num_window_blocks = static_cast<int32_t>(std::clamp<int64_t>(
         bytes / 4 / pool.window_block_bytes(), bound, std::numeric_limits<int32_t>::max()));
   }
+  const int64_t checkpoint_slots =
+      checkpoints == kCheckpointsByShare ? CheckpointSlotsByShare(pool, bytes) : checkpoints;
+  if (pool.num_state_slots + checkpoint_slots > std::numeric_limits<int32_t>::max()) {
+    return bad("shape.checkpoint_slots", "state_slots + checkpoint_slots overflow");
+  }
+  pool.num_state_slots += static_cast<int32_t>(checkpoint_slots);
   absl::StatusOr<kernels::PoolLayout> sized = kernels::LayoutForBudget(pool, bytes);
   if (!sized.ok()) return bad(field, std::string(sized.status().message()));
-  o->pools.push_back({.name = std::move(name), .layout = *sized});
+  o->pools.push_back({.name = std::move(name),
+                      .layout = *sized,
+                      .checkpoint_slots = static_cast<int32_t>(checkpoint_slots)});
 }
 
 // The tenants (docs/trust-model.md) into `o`; `pools`: the names of the pools, in order.
@@ -470,13 +504,13 @@ void ParseTenants(const v1::DaemonConfig& c, const std::vector<std::string>& poo
 }
 
 // The pools (pools, or one "default" of pool_bytes) and the tenants into `o`; `shape` null when
-// it is bad.
+// it is bad; `checkpoints` as AddPool takes it.
 void ParsePoolsAndTenants(const v1::DaemonConfig& c, const kernels::PoolLayout* shape,
-                          EngineOptions* o, const Bad& bad) {
+                          int32_t checkpoints, EngineOptions* o, const Bad& bad) {
   std::vector<std::string> names;
   if (c.pools().empty()) {
     names.push_back("default");
-    AddPool("pool_bytes", "default", c.pool_bytes(), shape, o, bad);
+    AddPool("pool_bytes", "default", c.pool_bytes(), shape, checkpoints, o, bad);
   } else if (c.pool_bytes() <= 0) {  // unused with pools, and still not a size
     bad("pool_bytes", fmt::format("must be > 0 (got {})", c.pool_bytes()));
   }
@@ -488,7 +522,7 @@ void ParsePoolsAndTenants(const v1::DaemonConfig& c, const kernels::PoolLayout* 
       bad(field + ".name", fmt::format("'{}' twice", p.name()));
     }
     names.push_back(p.name());
-    AddPool(field + ".pool_bytes", p.name(), p.pool_bytes(), shape, o, bad);
+    AddPool(field + ".pool_bytes", p.name(), p.pool_bytes(), shape, checkpoints, o, bad);
   }
   ParseTenants(c, names, o, bad);
 }
@@ -707,11 +741,11 @@ std::vector<std::string> Parse(const v1::DaemonConfig& c, EngineOptions* o) {
   CheckProcessFields(c, bad);
   bool dtypes_ok = true;
   kernels::PoolLayout shape = ShapeLayout(c.shape(), bad, &dtypes_ok);
-  ParseStateGroup(c, &shape, o, bad);
+  const int32_t checkpoints = ParseStateGroup(c, &shape, o, bad);
   ParseWindowGroup(c, &shape, o, bad);
   const absl::Status shape_ok = kernels::ValidateLayout(shape);
   if (!shape_ok.ok()) bad("shape", std::string(shape_ok.message()));
-  ParsePoolsAndTenants(c, shape_ok.ok() && dtypes_ok ? &shape : nullptr, o, bad);
+  ParsePoolsAndTenants(c, shape_ok.ok() && dtypes_ok ? &shape : nullptr, checkpoints, o, bad);
   ParsePoolOptions(c, o, bad);
   ParseTiers(c.tiers(), c.model(), &o->tiers, bad);
   ValidateDiskTierNeeds(c, bad);

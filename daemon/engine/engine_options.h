@@ -37,6 +37,9 @@ enum class LockGap : uint8_t {
 struct PoolOptions {
   std::string name = "default";
   kernels::PoolLayout layout;  // num_blocks set (LayoutForBudget)
+  // Of layout.num_state_slots, those the prefix cache's state checkpoints may hold
+  // (KvCacheOptions::checkpoint_slots); the others are the running sequences' working states.
+  int32_t checkpoint_slots = 0;
 };
 
 // What a tenant may do and hold (docs/trust-model.md). Who may claim it is the attach policy's.
@@ -78,9 +81,6 @@ struct EngineOptions {
   int32_t max_blocks_per_seq = 4096;  // bound on every block table
   int32_t trace_depth = 8;            // per-block trace entries: 0 or a power of 2
   bool prefix_cache = true;
-  // Of each pool's state slots (PoolLayout::num_state_slots), those the prefix cache's state
-  // checkpoints may hold (KvCacheOptions::checkpoint_slots).
-  int32_t checkpoint_slots = 0;
   // Blocks between the checkpoints taken by interval (KvCacheOptions::checkpoint_interval). 0:
   // each pool's DefaultCheckpointInterval (twice its state slot bytes over its block bytes);
   // -1: none by interval.

@@ -21,9 +21,10 @@ int32_t PoolCheckpointInterval(const EngineOptions& options, const kernels::Pool
   return DefaultCheckpointInterval(layout.state_slot_bytes, layout.block_bytes());
 }
 
-int64_t HostCheckpoints(const EngineOptions& options, const kernels::PoolLayout& layout) {
+int64_t HostCheckpoints(const EngineOptions& options, const PoolOptions& pool) {
+  const kernels::PoolLayout& layout = pool.layout;
   const int64_t asked = options.tiers.host_checkpoints;
-  if (asked < 0 || options.tiers.host_blocks == 0 || options.checkpoint_slots == 0 ||
+  if (asked < 0 || options.tiers.host_blocks == 0 || pool.checkpoint_slots == 0 ||
       layout.num_state_slots == 0) {
     return 0;
   }
@@ -46,12 +47,13 @@ int64_t HostWindowBlocks(const EngineOptions& options, const kernels::PoolLayout
 }
 
 std::pair<int64_t, int64_t> DiskComponentBytes(const EngineOptions& options,
-                                               const kernels::PoolLayout& layout) {
+                                               const PoolOptions& pool) {
+  const kernels::PoolLayout& layout = pool.layout;
   if (!options.tiers.disk.enabled()) return {0, 0};
   const auto record = [](int64_t bytes) { return (bytes + 4095) / 4096 * 4096; };
   const int64_t blocks = options.tiers.disk.capacity_bytes / record(layout.block_bytes());
   int64_t checkpoints = 0;
-  if (layout.num_state_slots > 0 && options.checkpoint_slots != 0) {
+  if (layout.num_state_slots > 0 && pool.checkpoint_slots != 0) {
     const int64_t interval = std::max(1, PoolCheckpointInterval(options, layout));
     checkpoints = std::max<int64_t>(1, blocks / interval) * record(layout.state_slot_bytes);
   }
@@ -97,7 +99,7 @@ absl::StatusOr<std::unique_ptr<PoolState>> PoolState::Create(const PoolOptions& 
                               .event_capacity_bytes = options.event_capacity_bytes,
                               .max_sequences_per_session = options.limits.sequences_per_session,
                               .state_slots = layout.num_state_slots,
-                              .checkpoint_slots = options.checkpoint_slots,
+                              .checkpoint_slots = pool.checkpoint_slots,
                               .checkpoint_interval = PoolCheckpointInterval(options, layout),
                               .checkpoint_eviction = options.checkpoint_eviction,
                               .window_blocks = layout.num_window_blocks,
@@ -114,13 +116,13 @@ absl::StatusOr<std::unique_ptr<PoolState>> PoolState::Create(const PoolOptions& 
   if (options.tiers.enabled() && options.prefix_cache) {
     TierOptions tier_options = options.tiers;
     if (tier_options.disk.enabled()) tier_options.disk.directory += "/" + pool.name;  // its own
-    tier_options.host_checkpoints = HostCheckpoints(options, layout);
+    tier_options.host_checkpoints = HostCheckpoints(options, pool);
     tier_options.host_window_blocks = HostWindowBlocks(options, layout);
     tier_options.tenant_shares = std::max(0, options.eviction_shares);  // -1: off
     tier_options.disk.tenant_shares = tier_options.tenant_shares;
     tier_options.redis.tenant_shares = tier_options.tenant_shares;
     std::tie(tier_options.disk_checkpoint_bytes, tier_options.disk_window_bytes) =
-        DiskComponentBytes(options, layout);
+        DiskComponentBytes(options, pool);
     KVPOOL_ASSIGN_OR_RETURN(tiers,
                             TierSet::Create(tier_options, device, layout, secret, options.clock));
   }

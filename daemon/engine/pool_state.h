@@ -72,20 +72,20 @@ struct ModelCounters {
 // EngineOptions::checkpoint_interval when positive, none when -1 or without a state group, else
 // DefaultCheckpointInterval(state slot bytes, block bytes).
 int32_t PoolCheckpointInterval(const EngineOptions& options, const kernels::PoolLayout& layout);
-// The state checkpoints the host tier of a pool of `layout` keeps (TierOptions::host_checkpoints):
-// none without a host tier, checkpoint slots or a state group, or when -1; N when N > 0; else one
-// per checkpoint interval of host blocks (at least 1).
-int64_t HostCheckpoints(const EngineOptions& options, const kernels::PoolLayout& layout);
+// The state checkpoints the host tier of `pool` keeps (TierOptions::host_checkpoints): none
+// without a host tier, checkpoint slots or a state group, or when -1; N when N > 0; else one per
+// checkpoint interval of host blocks (at least 1).
+int64_t HostCheckpoints(const EngineOptions& options, const PoolOptions& pool);
 // The window-group blocks the host tier of a pool of `layout` keeps
 // (TierOptions::host_window_blocks): none without a host tier or a window group, or when -1; N
 // when N > 0; else as many per host block as the pool has window blocks per block (at least 1).
 int64_t HostWindowBlocks(const EngineOptions& options, const kernels::PoolLayout& layout);
-// The bytes of checkpoint and of window-block records the disk tier of a pool of `layout` keeps
-// beside its blocks (TierOptions::disk_checkpoint_bytes, disk_window_bytes): as many records per
+// The bytes of checkpoint and of window-block records the disk tier of `pool` keeps beside its
+// blocks (TierOptions::disk_checkpoint_bytes, disk_window_bytes): as many records per
 // block record as the host tier's rules give (one checkpoint per checkpoint interval; the pool's
 // window blocks per block), each padded to 4096 bytes; none without a disk tier or the group.
 std::pair<int64_t, int64_t> DiskComponentBytes(const EngineOptions& options,
-                                               const kernels::PoolLayout& layout);
+                                               const PoolOptions& pool);
 
 class PoolState final {
  public:

@@ -191,10 +191,12 @@ TEST(ConfigTest, StateSpaceModelsGetAStateGroup) {
     ASSERT_TRUE(o.ok()) << o.status();
     const kernels::PoolLayout& l = o->pools[0].layout;
     EXPECT_EQ(l.num_layers, 1);
-    // 64 working states and as many for the prefix cache's state checkpoints.
-    EXPECT_EQ(l.num_state_slots, 128);
-    EXPECT_EQ(o->checkpoint_slots, 64);
+    // 64 working states, and for the prefix cache's state checkpoints a third of what is left.
     EXPECT_EQ(l.state_slot_bytes, (hybrid.state_bytes() + 63) / 64 * 64);
+    const int64_t rest = c.pool_bytes() - 64 * l.state_slot_bytes;
+    EXPECT_EQ(o->pools[0].checkpoint_slots, rest / 3 / l.state_slot_bytes);
+    EXPECT_GE(o->pools[0].checkpoint_slots, 2);
+    EXPECT_EQ(l.num_state_slots, 64 + o->pools[0].checkpoint_slots);
     EXPECT_GT(l.num_blocks, 0);
     EXPECT_LE(l.arena_bytes(), c.pool_bytes());
     EXPECT_GT(l.arena_bytes() + l.block_bytes(), c.pool_bytes() - 4096);  // nothing left unused
@@ -212,14 +214,48 @@ TEST(ConfigTest, StateSpaceModelsGetAStateGroup) {
   std::filesystem::remove_all(dir);
 }
 
+// shape.checkpoint_slots unset: each pool gives its state checkpoints a third of its bytes left
+// after the working states (the share the default interval is made for), so a pool twice the
+// size gets more than twice the checkpoints; an explicit count is every pool's.
+TEST(ConfigTest, CheckpointSlotsDefaultToAThirdOfEachPool) {
+  v1::DaemonConfig c = HybridConfig();
+  for (const auto& [name, bytes] :
+       std::vector<std::pair<std::string, int64_t>>{{"small", 256 << 20}, {"large", 512 << 20}}) {
+    v1::PoolSpec* p = c.add_pools();
+    p->set_name(name);
+    p->set_pool_bytes(bytes);
+  }
+  absl::StatusOr<EngineOptions> o = MakeEngineOptions(c, 1);
+  ASSERT_TRUE(o.ok()) << o.status();
+  ASSERT_EQ(o->pools.size(), 2);
+  for (const PoolOptions& pool : o->pools) {
+    const kernels::PoolLayout& l = pool.layout;
+    const int64_t slot = l.state_slot_bytes;
+    const int64_t bytes = pool.name == "small" ? 256 << 20 : 512 << 20;
+    const int64_t checkpoint_bytes = pool.checkpoint_slots * slot;
+    const int64_t kv_bytes = int64_t{l.num_blocks} * l.block_bytes();
+    EXPECT_EQ(l.num_state_slots, 64 + pool.checkpoint_slots) << pool.name;
+    EXPECT_LE(checkpoint_bytes, (bytes - 64 * slot) / 3) << pool.name;
+    EXPECT_GT(checkpoint_bytes + slot, (bytes - 64 * slot) / 3) << pool.name;
+    // About half the bytes of the K/V beside them (a block's rounding apart).
+    EXPECT_NEAR(static_cast<double>(checkpoint_bytes) / kv_bytes, 0.5, 0.05) << pool.name;
+  }
+  EXPECT_GT(o->pools[1].checkpoint_slots, 2 * o->pools[0].checkpoint_slots);
+  c.mutable_shape()->set_checkpoint_slots(5);
+  o = MakeEngineOptions(c, 1);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->pools[0].checkpoint_slots, 5);
+  EXPECT_EQ(o->pools[1].checkpoint_slots, 5);
+}
+
 // The state and checkpoint slots of shape: too many for the pool, explicit, none, bad, stray.
 TEST(ConfigTest, StateAndCheckpointSlotsAreChecked) {
   const v1::DaemonConfig c = HybridConfig();
   v1::DaemonConfig crowded = c;
-  crowded.mutable_shape()->set_state_slots(1000);  // 3 GiB of states (and checkpoints) in 256 MiB
+  crowded.mutable_shape()->set_state_slots(1000);  // 1.5 GiB of states in 256 MiB
   EXPECT_THAT(
       ValidateConfig(crowded),
-      ::testing::ElementsAre(AllOf(HasSubstr("pool_bytes"), HasSubstr("after 2000 state slots"))));
+      ::testing::ElementsAre(AllOf(HasSubstr("pool_bytes"), HasSubstr("after 1001 state slots"))));
   // Checkpoint slots: explicit, none (-1), none with the prefix cache off, bad, stray.
   for (const auto& [set, disable_cache, want] : std::vector<std::tuple<int32_t, bool, int32_t>>{
            {8, false, 8}, {-1, false, 0}, {8, true, 0}}) {
@@ -228,7 +264,7 @@ TEST(ConfigTest, StateAndCheckpointSlotsAreChecked) {
     k.set_disable_prefix_cache(disable_cache);
     absl::StatusOr<EngineOptions> o = MakeEngineOptions(k, 1);
     ASSERT_TRUE(o.ok()) << o.status();
-    EXPECT_EQ(o->checkpoint_slots, want);
+    EXPECT_EQ(o->pools[0].checkpoint_slots, want);
     EXPECT_EQ(o->pools[0].layout.num_state_slots, 64 + want);
   }
   v1::DaemonConfig bad_checkpoints = c;

@@ -578,7 +578,7 @@ class HybridTiersTest : public ModelTiersTest {
     layout.num_state_slots = 8;
     layout.state_slot_bytes = (config.state_bytes() + 63) / 64 * 64;
     options.model_name = "tiny-hybrid";
-    options.checkpoint_slots = 4;
+    options.pools[0].checkpoint_slots = 4;
     options.checkpoint_interval = 2;
     options.tiers.host_blocks = 32;
     options.tiers.host_checkpoints = host_checkpoints;
@@ -743,7 +743,7 @@ class WindowTiersTest : public ModelTiersTest {
     if (hybrid) {
       layout.num_state_slots = 8;
       layout.state_slot_bytes = (config.state_bytes() + 63) / 64 * 64;
-      options.checkpoint_slots = 4;
+      options.pools[0].checkpoint_slots = 4;
       options.checkpoint_interval = 2;
     }
     options.model_name = hybrid ? "tiny-hybrid" : "tiny-swa";

@@ -354,11 +354,11 @@ TEST_F(ComputeIntegrationTest, APromptLongerThanTheWindowGroupGoesThroughInChunk
 }
 
 // Issue 28's tiny-hybrid (state-space, state-space, full attention, state-space) in a pool with
-// room for 8 working states (and as many checkpoints).
+// room for 8 working states and as many checkpoints.
 constexpr std::string_view kHybridDaemon = R"pb(
   pool_bytes: 33554432
   max_blocks_per_seq: 256
-  shape { dtype: "f32" state_slots: 8 }
+  shape { dtype: "f32" state_slots: 8 checkpoint_slots: 8 }
   model { name: "tiny-hybrid" }
 )pb";
 
