@@ -16,7 +16,8 @@
 // nothing), the deepest checkpoint a prompt reaches, every slot's state, and the checkpoints
 // within checkpoint_slots.
 //
-// KVPOOL_CKPT_RANDOM_OPS=N runs N operations per seed instead of the default.
+// KVPOOL_CKPT_RANDOM_OPS=N runs N operations per seed instead of the default (6,000; 3,000 under
+// the sanitizers, where the checks after every operation make it CI's longest test).
 
 #include <algorithm>
 #include <array>
@@ -708,8 +709,20 @@ void StateCheckpointRandomTest::Verify() {
   }
 }
 
+#if defined(__SANITIZE_ADDRESS__)  // g++
+#define KVPOOL_UNDER_SANITIZER 1
+#elif defined(__has_feature)  // clang
+#if __has_feature(address_sanitizer)
+#define KVPOOL_UNDER_SANITIZER 1
+#endif
+#endif
+
 TEST_P(StateCheckpointRandomTest, OperationsAgreeWithTheModel) {
+#ifdef KVPOOL_UNDER_SANITIZER
+  int64_t ops = 3'000;
+#else
   int64_t ops = 6'000;
+#endif
   if (const char* env = std::getenv("KVPOOL_CKPT_RANDOM_OPS")) ops = std::atoll(env);
   for (int64_t op = 0; op < ops; ++op) {
     clock_.Advance(1 + Rand(1000));
