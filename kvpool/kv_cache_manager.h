@@ -192,8 +192,10 @@ struct KvCacheOptions {
   int32_t checkpoint_interval = 4;
   // The order cached checkpoints are evicted in when a new one or a working state needs a slot.
   // kByTokensSaved (GreedyDual-Size, internal::GreedyDualOrder): a checkpoint is worth the tokens
-  // before it, what a prompt resuming from it does not compute, and ages as others are evicted;
-  // a deep one outlives a shallow one used as recently. kLeastRecentlyUsed: by last use alone.
+  // a prompt resuming from it does not compute that it would without it (those between it and
+  // the next cached checkpoint up its path, or all before it), as of its last keep or use, and
+  // ages as others are evicted: one far past the last checkpoint outlives one close behind
+  // another, used as recently. kLeastRecentlyUsed: by last use alone.
   enum class CheckpointEviction : uint8_t { kByTokensSaved, kLeastRecentlyUsed };
   CheckpointEviction checkpoint_eviction = CheckpointEviction::kByTokensSaved;
   // The sliding-window group (docs/hybrid-groups.md §3), for models with sliding-window attention
@@ -966,9 +968,12 @@ class KvCacheManager final {
   // GreedyDualOrder::Evict), not dropped with its block or for a deeper one.
   void DropCheckpoint(BlockId slot, const TraceContext& ctx, bool victim = false);
   // What keeping a checkpoint at `offset` tokens into tree block `block` is worth in the eviction
-  // order: the tokens before it (KvCacheOptions::CheckpointEviction::kByTokensSaved), or 0.
-  uint64_t TokensSaved(BlockId block, int32_t offset) const;  // a cached one
-  void TouchCheckpoint(BlockId slot);                         // a cached one, just used
+  // order (KvCacheOptions::CheckpointEviction::kByTokensSaved): the tokens between it and the
+  // next cached checkpoint up its path (all before it where there is none), what a prompt
+  // resuming from it does not compute that it would without it; 0 least recently used.
+  uint64_t TokensSaved(BlockId block, int32_t offset) const;   // a cached one
+  uint64_t TokensBefore(BlockId block, int32_t offset) const;  // tokens [0, the checkpoint)
+  void TouchCheckpoint(BlockId slot);                          // a cached one, just used
   // Everything a sequence holds in the state group, on its way out (Free).
   void ReleaseStates(Sequence* seq, bool commit, const TraceContext& ctx);
 

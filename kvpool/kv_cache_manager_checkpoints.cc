@@ -357,10 +357,22 @@ void KvCacheManager::DropPlanned(Sequence* seq, int64_t position, const TraceCon
   }
 }
 
-uint64_t KvCacheManager::TokensSaved(BlockId block, int32_t offset) const {
-  if (!checkpoints_by_tokens_saved_) return 0;  // least recently used first
+uint64_t KvCacheManager::TokensBefore(BlockId block, int32_t offset) const {
   return static_cast<uint64_t>(cache_->DepthOf(block) - 1) * static_cast<uint64_t>(block_size_) +
          static_cast<uint64_t>(offset);
+}
+
+uint64_t KvCacheManager::TokensSaved(BlockId block, int32_t offset) const {
+  if (!checkpoints_by_tokens_saved_) return 0;  // least recently used first
+  const uint64_t at = TokensBefore(block, offset);
+  // One checkpoint per block, so the next one up is in a block above: O(depth) probes, at a keep
+  // or a use, never per token.
+  for (BlockId b = cache_->ParentOf(block); b != kInvalidBlock; b = cache_->ParentOf(b)) {
+    if (auto it = checkpoint_of_.find(b); it != checkpoint_of_.end()) {
+      return at - TokensBefore(b, checkpoint_at_[Index(it->second)].offset);
+    }
+  }
+  return at;
 }
 
 void KvCacheManager::DropCheckpoint(BlockId slot, const TraceContext& ctx, bool victim) {
@@ -453,10 +465,12 @@ absl::Status KvCacheManager::CheckCheckpoints() const {
     const BlockId slot = key.id;
     const CheckpointSlot& c = checkpoint_at_[Index(slot)];
     auto it = checkpoint_of_.find(c.block);
-    // Its priority is at most the floor plus its worth (it was inserted or touched at a floor no
-    // higher than today's).
+    // Its priority is at most the floor plus the tokens before it: it was inserted or touched at
+    // a floor no higher than today's, worth the tokens over the next checkpoint up then (or 0
+    // least recently used).
     if (!(c.key == key) || it == checkpoint_of_.end() || it->second != slot ||
-        key.priority > checkpoint_order_.floor() + TokensSaved(c.block, c.offset) ||
+        key.priority > checkpoint_order_.floor() +
+                           (checkpoints_by_tokens_saved_ ? TokensBefore(c.block, c.offset) : 0) ||
         !cache_->holds(c.block) || c.offset <= 0 || c.offset > cache_->CoverageOf(c.block) ||
         !states_->cache_held(slot)) {
       return InvariantViolation("checkpoint slot {} (block {} offset {}) is not kept where it says",

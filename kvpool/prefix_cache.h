@@ -312,6 +312,8 @@ class PrefixCache final {
   int32_t CoverageOf(BlockId block) const { return tree_.coverage(block); }
   // Blocks from the root to `block` (held by the tree), itself included: 1 for a first block.
   int32_t DepthOf(BlockId block) const { return tree_.depth(block); }
+  // The block `block` (held by the tree) hangs below: kInvalidBlock for a first block.
+  BlockId ParentOf(BlockId block) const { return tree_.Parent(block); }
   // Whether `tokens`, the tokens a sequence says `block` holds from its first slot on, agree with
   // what the tree published for it (one is a prefix of the other). A block holds one set of
   // bytes: a publisher that disagrees wrote into a block another sequence shares without the

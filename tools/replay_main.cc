@@ -86,8 +86,8 @@ ABSL_FLAG(std::string, checkpoint_intervals, "auto",
 ABSL_FLAG(int32_t, layers_block_size, 16, "--layers: kvpool's block size in tokens");
 ABSL_FLAG(std::string, checkpoint_evictions, "tokens_saved",
           "--layers: the orders kvpool evicts cached checkpoints in, one row each with every "
-          "interval and share (tokens_saved: by the tokens before each, GreedyDual-Size; lru: "
-          "least recently used)");
+          "interval and share (tokens_saved: by the tokens each saves over the next one up its "
+          "path, GreedyDual-Size; lru: least recently used)");
 ABSL_FLAG(bool, layers_sweep, false,
           "replay both traces of --traces_dir at 1k/2k/5k blocks with --layers (default "
           "bamba-9b) and print the table");

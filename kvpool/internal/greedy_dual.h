@@ -8,9 +8,10 @@
 // of the floor has passed since its last use. Among equal priorities the least recently inserted
 // or touched goes first, so with every cost 0 the order is least recently used.
 //
-// The state group's checkpoints use it with cost = the tokens before the checkpoint (what a
-// prompt resuming from it does not compute), as Marconi (Pan et al., MLSys 2025) weighs a hybrid
-// model's states by the compute they save per byte; docs/hybrid-groups.md §4.
+// The state group's checkpoints use it with cost = the tokens a prompt resuming from the
+// checkpoint does not compute that it would without it (those since the next checkpoint up its
+// path), as Marconi (Pan et al., MLSys 2025) weighs a hybrid model's states by the compute they
+// save per byte; docs/hybrid-groups.md §4.
 //
 // O(log n) per operation (an ordered set). The floor cannot wrap: past `rebase_at` every
 // priority is lowered by the floor, in O(n), once per rebase_at / (largest cost) victims.

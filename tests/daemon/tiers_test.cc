@@ -741,9 +741,11 @@ class WindowTiersTest : public ModelTiersTest {
     layout.num_window_layers = config.num_sliding_layers();
     layout.num_window_blocks = 16;
     if (hybrid) {
-      layout.num_state_slots = 8;
+      // Room for a 120-token prompt's five checkpoints (32, 64, 96, 112 and its end), so that
+      // none gives way to another.
+      layout.num_state_slots = 9;
       layout.state_slot_bytes = (config.state_bytes() + 63) / 64 * 64;
-      options.pools[0].checkpoint_slots = 4;
+      options.pools[0].checkpoint_slots = 5;
       options.checkpoint_interval = 2;
     }
     options.model_name = hybrid ? "tiny-hybrid" : "tiny-swa";

@@ -59,25 +59,44 @@ inline uint64_t CheckpointFloor(const KvCacheManager& manager) {
   return 0;
 }
 
-// The deepest checkpoint (of `cached`, what CachedCheckpoints says now) `prompt`'s attention
-// match in `ns` reaches: (tokens, slot), or (0, -1).
-inline std::pair<int64_t, int32_t> DeepestCheckpoint(
+// The checkpoints (of `cached`, what CachedCheckpoints says now) `prompt`'s attention match in
+// `ns` reaches, one per block at most, by depth: (tokens, slot).
+inline std::vector<std::pair<int64_t, int32_t>> CheckpointsOnPath(
     const KvCacheManager& manager, const std::map<int32_t, CachedCheckpoint>& cached,
     NamespaceId ns, std::span<const int32_t> prompt) {
   const PrefixMatch m = manager.cache()->Match(ns, prompt);
   const int64_t bs = manager.block_size();
-  std::pair<int64_t, int32_t> best{0, -1};
+  std::vector<std::pair<int64_t, int32_t>> out;
   const auto consider = [&](BlockId block, int64_t base, int64_t limit) {
     auto it = cached.find(block.value());
-    if (it != cached.end() && it->second.offset <= limit && base + it->second.offset > best.first) {
-      best = {base + it->second.offset, it->second.slot};
+    if (it != cached.end() && it->second.offset <= limit) {
+      out.emplace_back(base + it->second.offset, it->second.slot);
     }
   };
   for (size_t i = 0; i < m.full.size(); ++i) consider(m.full[i], static_cast<int64_t>(i) * bs, bs);
   if (m.partial != kInvalidBlock) {
     consider(m.partial, static_cast<int64_t>(m.full.size()) * bs, m.partial_tokens);
   }
-  return best;
+  return out;
+}
+
+// The deepest checkpoint `prompt` reaches (CheckpointsOnPath): (tokens, slot), or (0, -1).
+inline std::pair<int64_t, int32_t> DeepestCheckpoint(
+    const KvCacheManager& manager, const std::map<int32_t, CachedCheckpoint>& cached,
+    NamespaceId ns, std::span<const int32_t> prompt) {
+  const auto on_path = CheckpointsOnPath(manager, cached, ns, prompt);
+  return on_path.empty() ? std::pair<int64_t, int32_t>{0, -1} : on_path.back();
+}
+
+// What resuming from the deepest checkpoint `prompt` reaches saves over resuming from the one
+// before it on the path (all its tokens where there is none): its worth in kByTokensSaved order
+// (KvCacheManager::TokensSaved), computed from the prompt's path rather than the tree's parents.
+inline int64_t TokensOverTheNextCheckpointUp(const KvCacheManager& manager,
+                                             const std::map<int32_t, CachedCheckpoint>& cached,
+                                             NamespaceId ns, std::span<const int32_t> prompt) {
+  const auto on_path = CheckpointsOnPath(manager, cached, ns, prompt);
+  if (on_path.empty()) return 0;
+  return on_path.back().first - (on_path.size() > 1 ? on_path[on_path.size() - 2].first : 0);
 }
 
 // The positions a step from `from` to `to` tokens is to checkpoint, by position: every `interval`

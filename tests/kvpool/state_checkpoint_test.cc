@@ -389,28 +389,52 @@ class CheckpointEvictionTest : public StateCheckpointTest,
   }
 };
 
-// A checkpoint is worth the tokens a prompt resuming from it does not compute (Marconi's
-// FLOP-aware eviction, as GreedyDual-Size): of two used as recently, the shallow one goes first,
-// where least-recently-used order would evict the deep one, used before it.
+// A checkpoint is worth the tokens a prompt resuming from it does not compute that it would
+// without it (Marconi's FLOP-aware eviction, as GreedyDual-Size): those since the next checkpoint
+// up its path. Of two used as recently, the shallow one goes first, where least-recently-used
+// order would evict the deep one, used before it.
 TEST_P(CheckpointEvictionTest, AShallowCheckpointGoesBeforeADeepOneUsedEarlier) {
   MakeOrder(/*checkpoint_slots=*/2);
-  const std::vector<int32_t> deep = Prompt(96, 1);     // checkpoints at 80 and 96
+  const std::vector<int32_t> deep = Prompt(80, 1);     // checkpoints at 64 and 80
   const std::vector<int32_t> shallow = Prompt(16, 2);  // one checkpoint: its end, 16
+  const std::vector<int32_t> head(deep.begin(), deep.begin() + 64);
   Keep(deep);
-  ASSERT_EQ(cache_->stats().checkpoints.cached, 2);  // 80 (the prefill's last boundary) and 96
-  ASSERT_TRUE(Resumable(deep));
-  // The shallow one takes the slot of 80 (the lowest worth, or the least recently used).
+  ASSERT_EQ(cache_->stats().checkpoints.cached, 2);  // 64 (the prefill's last boundary) and 80
+  // The shallow one takes the slot of 80, which saves 16 tokens over 64 (or, least recently
+  // used, that of 64, kept first).
   Keep(shallow);
   ASSERT_EQ(cache_->stats().checkpoints.cached, 2);
   ASSERT_TRUE(Resumable(shallow));
-  ASSERT_TRUE(Resumable(deep));
-  Use(deep);
+  ASSERT_EQ(Resumable(head), !lru());
+  ASSERT_EQ(Resumable(deep), lru());
+  const std::vector<int32_t>& kept = lru() ? deep : head;  // 80 alone, or 64 alone
+  Use(kept);
   Use(shallow);  // the most recently used now
-  // A third needs a slot: 16 tokens saved against 96, or the least recently used.
+  // A third needs a slot: 16 tokens saved against 64 (80 now has nothing above it), or the
+  // least recently used.
   Keep(Prompt(16, 3));
-  EXPECT_EQ(Resumable(deep), !lru());
+  EXPECT_EQ(Resumable(kept), !lru());
   EXPECT_EQ(Resumable(shallow), lru());
   EXPECT_TRUE(Resumable(Prompt(16, 3)));
+  ExpectInvariants();
+}
+
+// What a checkpoint saves is counted over the next one up its path: of a prompt's checkpoints at
+// 64 (its prefill's last boundary) and 80 (its end), the one at 80 saves 16 tokens, as much as a
+// 16-token prompt's own, and, kept before it, gives way first. Counted by the tokens before them
+// (the order before), the 16-token one would go; least recently used, the one at 64.
+TEST_P(CheckpointEvictionTest, ACheckpointCloseBehindAnotherSavesOnlyTheTokensBetween) {
+  MakeOrder(/*checkpoint_slots=*/3);
+  const std::vector<int32_t> deep = Prompt(80, 1);
+  const std::vector<int32_t> head(deep.begin(), deep.begin() + 64);
+  Keep(deep);
+  Keep(Prompt(16, 2));  // the free slot
+  ASSERT_EQ(cache_->stats().checkpoints.cached, 3);
+  Keep(Prompt(16, 3));  // needs one
+  EXPECT_TRUE(Resumable(Prompt(16, 3)));
+  EXPECT_TRUE(Resumable(Prompt(16, 2)));
+  EXPECT_EQ(Resumable(head), !lru());
+  EXPECT_EQ(Resumable(deep), lru());
   ExpectInvariants();
 }
 
@@ -420,18 +444,19 @@ TEST_P(CheckpointEvictionTest, AShallowCheckpointGoesBeforeADeepOneUsedEarlier) 
 TEST_P(CheckpointEvictionTest, ADeepCheckpointUnusedAgesOut) {
   MakeOrder(/*checkpoint_slots=*/3);
   const std::vector<int32_t> deep = Prompt(64, 1);  // checkpoints at 48 and 64
+  const std::vector<int32_t> head(deep.begin(), deep.begin() + 48);
   Keep(deep);
   ASSERT_EQ(cache_->stats().checkpoints.cached, 2);
-  // 16-token prompts, one checkpoint each, worth 16 over the floor when kept. By tokens saved:
-  // the first takes the free slot (16), the next two evict the one before (floor 16, then 32),
-  // the fourth evicts the deep one's 48 (floor 48: its own is 64), the fifth the third (48), and
-  // the sixth finds the deep one's 64 the oldest of three worth 64.
+  // 16-token prompts, one checkpoint each, worth 16 over the floor when kept. By tokens saved,
+  // 48 is worth 48 and 64 only the 16 past it: the first takes the free slot (16), the next
+  // evicts 64 (floor 16: its own is 32), the next the first (32), the next two the two before
+  // (floor 32: 48 each), and the sixth finds 48 the oldest of three worth 48.
   int32_t kept = 0;
-  while (Resumable(deep) && kept < 20) {
+  while (Resumable(head) && kept < 20) {
     Keep(Prompt(16, 10 + kept++));
     ASSERT_TRUE(cache_->CheckInvariants().ok());
   }
-  EXPECT_EQ(kept, lru() ? 3 : 6);
+  EXPECT_EQ(kept, lru() ? 2 : 6);
   ExpectInvariants();
 }
 
