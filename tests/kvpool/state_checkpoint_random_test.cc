@@ -16,7 +16,7 @@
 // nothing), the deepest checkpoint a prompt reaches, every slot's state, and the checkpoints
 // within checkpoint_slots.
 //
-// KVPOOL_CKPT_RANDOM_OPS=N runs N operations per seed instead of the default (6,000; 3,000 under
+// KVPOOL_CKPT_RANDOM_OPS=N runs N operations per seed instead of the default (6,000; 4,000 under
 // the sanitizers, where the checks after every operation make it CI's longest test).
 
 #include <algorithm>
@@ -724,7 +724,7 @@ void StateCheckpointRandomTest::Verify() {
 
 TEST_P(StateCheckpointRandomTest, OperationsAgreeWithTheModel) {
 #ifdef KVPOOL_UNDER_SANITIZER
-  int64_t ops = 3'000;
+  int64_t ops = 4'000;
 #else
   int64_t ops = 6'000;
 #endif
