@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Runs kvpool's libFuzzer targets, each for SECONDS, one after another, starting from its
-# checked-in seeds (fuzz/corpus/<target>, which this never writes). New inputs go to
+# Runs kvpool's libFuzzer targets, each for SECONDS, as many at once as there are cores
+# ($KVPOOL_FUZZ_JOBS sets another number), starting from its checked-in seeds
+# (fuzz/corpus/<target>, which this never writes). New inputs go to
 # OUT/corpus/<target>, crashes, leaks and timeouts to OUT/findings/<target>/. Exits non-zero when
 # any target found something.
 #
@@ -28,18 +29,38 @@ shift
 targets=("$@")
 [[ ${#targets[@]} -gt 0 ]] || targets=(attach_fuzzer block_codec_fuzzer config_fuzzer safetensors_fuzzer service_fuzzer)
 
-failed=()
 for t in "${targets[@]}"; do
   [[ -x "$build/$t" ]] || { echo "fuzz/run.sh: no $build/$t (build the ci-clang preset)" >&2; exit 2; }
+done
+
+# One target: its log in OUT/<target>.log, and OUT/<target>.failed when it found something.
+run_one() {
+  local t="$1"
   mkdir -p "$out/corpus/$t" "$out/findings/$t"
-  flags=()  # fuzz/<target>.dict, and the flags in fuzz/<target>.options (one per line)
+  rm -f "$out/$t.failed"
+  local flags=()  # fuzz/<target>.dict, and the flags in fuzz/<target>.options (one per line)
   [[ -f "fuzz/$t.dict" ]] && flags+=("-dict=fuzz/$t.dict")
   [[ -f "fuzz/$t.options" ]] && mapfile -t -O "${#flags[@]}" flags < <(grep -v '^#' "fuzz/$t.options")
-  echo "=== $t: ${seconds}s"
   # Each input must finish within -timeout seconds; memory beyond -rss_limit_mb is a finding.
   if ! "$build/$t" "${flags[@]}" -max_total_time="$seconds" -timeout=30 -rss_limit_mb=3072 \
        -print_final_stats=1 -artifact_prefix="$out/findings/$t/" \
        "$out/corpus/$t" "fuzz/corpus/$t" 2> "$out/$t.log"; then
+    touch "$out/$t.failed"
+  fi
+}
+
+jobs_max="${KVPOOL_FUZZ_JOBS:-$(nproc)}"
+mkdir -p "$out"
+for t in "${targets[@]}"; do
+  while (( $(jobs -rp | wc -l) >= jobs_max )); do wait -n || true; done
+  run_one "$t" &
+done
+wait
+
+failed=()
+for t in "${targets[@]}"; do
+  echo "=== $t: ${seconds}s"
+  if [[ -f "$out/$t.failed" ]]; then
     failed+=("$t")
     tail -n 60 "$out/$t.log" >&2
   fi
