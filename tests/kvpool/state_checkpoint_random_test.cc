@@ -40,6 +40,7 @@
 #include "tests/kvpool/checkpoint_reference.h"
 #include "tests/kvpool/event_mirror.h"
 #include "tests/kvpool/kv_cache_manager_test_peer.h"
+#include "tests/kvpool/random_ops.h"
 #include "tests/kvpool/simulated_state_slots.h"
 #include "tests/kvpool/timeline_fences.h"
 
@@ -714,21 +715,8 @@ void StateCheckpointRandomTest::Verify() {
   }
 }
 
-#if defined(__SANITIZE_ADDRESS__)  // g++
-#define KVPOOL_UNDER_SANITIZER 1
-#elif defined(__has_feature)  // clang
-#if __has_feature(address_sanitizer)
-#define KVPOOL_UNDER_SANITIZER 1
-#endif
-#endif
-
 TEST_P(StateCheckpointRandomTest, OperationsAgreeWithTheModel) {
-#ifdef KVPOOL_UNDER_SANITIZER
-  int64_t ops = 4'000;
-#else
-  int64_t ops = 6'000;
-#endif
-  if (const char* env = std::getenv("KVPOOL_CKPT_RANDOM_OPS")) ops = std::atoll(env);
+  const int64_t ops = testing::RandomOps("KVPOOL_CKPT_RANDOM_OPS", 6'000, 4'000);
   for (int64_t op = 0; op < ops; ++op) {
     clock_.Advance(1 + Rand(1000));
     Step(rng_() % 1000);

@@ -12,7 +12,8 @@
 // wrong direction shows up as data. After every step: CheckInvariants(), the status code the model
 // predicts (a refused call changes nothing), the slots' states and stats().states.
 //
-// KVPOOL_STATE_RANDOM_OPS=N runs N operations instead of the default.
+// KVPOOL_STATE_RANDOM_OPS=N runs N operations instead of the default (20,000; 12,000 under the
+// sanitizers).
 
 #include <algorithm>
 #include <array>
@@ -28,6 +29,7 @@
 #include "gtest/gtest.h"
 #include "kvpool/kv_cache_manager.h"
 #include "kvpool/util/errors.h"
+#include "tests/kvpool/random_ops.h"
 #include "tests/kvpool/timeline_fences.h"
 
 namespace kvpool {
@@ -600,8 +602,7 @@ class StateGroupRandomTest : public ::testing::Test {
 };
 
 TEST_F(StateGroupRandomTest, OperationsAgreeWithTheModel) {
-  int64_t ops = 20'000;
-  if (const char* env = std::getenv("KVPOOL_STATE_RANDOM_OPS")) ops = std::atoll(env);
+  const int64_t ops = testing::RandomOps("KVPOOL_STATE_RANDOM_OPS", 20'000, 12'000);
   for (int64_t op = 0; op < ops; ++op) {
     clock_.Advance(1 + Rand(1000));
     Step(rng_() % 1000);
