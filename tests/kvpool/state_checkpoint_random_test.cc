@@ -24,7 +24,6 @@
 #include <cinttypes>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <deque>
 #include <initializer_list>
 #include <map>
@@ -246,7 +245,6 @@ class StateCheckpointRandomTest : public ::testing::TestWithParam<Config> {
     std::vector<std::vector<int32_t>> prompts(n);
     std::vector<AllocateRequest> batch;
     std::vector<std::pair<int64_t, int32_t>> deepest;
-    std::vector<int64_t> worth;  // of each deepest, over the next checkpoint up (kByTokensSaved)
     std::vector<int64_t> attention;
     std::set<int32_t> keep;
     const auto cached = testing::CachedCheckpoints(*cache_);
@@ -261,7 +259,6 @@ class StateCheckpointRandomTest : public ::testing::TestWithParam<Config> {
       batch.push_back(r);
       attention.push_back(cache_->cache()->Match(kNamespace, prompts[k]).matched_tokens);
       deepest.push_back(testing::DeepestCheckpoint(*cache_, cached, kNamespace, prompts[k]));
-
       if (deepest.back().second >= 0) keep.insert(deepest.back().second);
     }
     const auto [room, free] = Room(keep, cached);
@@ -289,10 +286,6 @@ class StateCheckpointRandomTest : public ::testing::TestWithParam<Config> {
     for (const AllocateResult& r : results) used.insert(seqs_.at(r.sequence).resumed_from);
     bool in_order = false;
     const auto after = testing::CachedCheckpoints(*cache_, &in_order);
-    for (size_t k = 0; k < n; ++k) {
-      worth.push_back(
-          testing::TokensOverTheNextCheckpointUp(*cache_, after, kNamespace, prompts[k]));
-    }
     ASSERT_TRUE(in_order) << "the checkpoints are not listed by priority, then stamp";
     ASSERT_TRUE(testing::UsedLast(after, used)) << "a checkpoint resumed from is not the last used";
     // Used now: its priority is today's floor plus what it saves (the tokens between it and the
@@ -300,7 +293,10 @@ class StateCheckpointRandomTest : public ::testing::TestWithParam<Config> {
     const uint64_t floor = testing::CheckpointFloor(*cache_);
     for (size_t k = 0; k < n; ++k) {
       if (deepest[k].second < 0) continue;
-      const uint64_t want = GetParam().eviction == kLru ? 0 : static_cast<uint64_t>(worth[k]);
+      const uint64_t want = GetParam().eviction == kLru
+                                ? 0
+                                : static_cast<uint64_t>(testing::TokensOverTheNextCheckpointUp(
+                                      *cache_, after, kNamespace, prompts[k]));
       for (const auto& [block, c] : after) {
         if (c.slot == deepest[k].second) {
           ASSERT_EQ(c.priority, floor + want) << "slot " << c.slot;
