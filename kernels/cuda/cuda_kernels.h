@@ -73,13 +73,6 @@ PrefillPlan PlanPrefill(const PoolLayout& layout, int32_t num_q_heads, int32_t m
 // CPU kernel has no such requirement.
 cudaError_t LaunchWriteKv(const KvPoolView& pool, const WriteKvArgs& args, cudaStream_t stream);
 
-// The state-space scan (kernel_args.h SsmScanArgs; cpu::SsmScan's arithmetic in f32, fused
-// multiply-adds). One CTA per (sequence, head), a thread per head_dim column. `args` holds device
-// pointers, `states` a device array of device pointers.
-// REQUIRES: d_state <= kMaxSsmState, head_dim <= 1024, the checks of cpu::SsmScan.
-inline constexpr int32_t kMaxSsmState = 256;
-cudaError_t LaunchSsmScan(const SsmScanArgs& args, cudaStream_t stream);
-
 // REQUIRES: no pair's dst is another pair's src (pairs run concurrently).
 cudaError_t LaunchCopyBlocks(const KvPoolView& pool, const CopyBlocksArgs& args,
                              cudaStream_t stream);

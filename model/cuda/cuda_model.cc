@@ -269,6 +269,10 @@ absl::Status CudaModel::RunPhase(const kernels::KvPoolView& pool, std::span<cons
         "step: {} prefills, sequences of {} tokens: beyond the attention kernels' grids",
         L.num_prefill, L.max_len));
   }
+  if (c.num_state_layers() > 0 && ni > kernels::cuda::kMaxGridYZ) {  // LaunchSsmConv: a row each
+    return absl::InvalidArgumentError(
+        fmt::format("step: {} sequences: beyond the state-space kernels' grids", ni));
+  }
   KVPOOL_RETURN_IF_ERROR(Reserve(inputs_, offsets_.end));
   KVPOOL_RETURN_IF_ERROR(Reserve(x_, 4 * n * h));
   KVPOOL_RETURN_IF_ERROR(Reserve(xn_, 4 * n * h));
