@@ -681,11 +681,11 @@ class KvCacheManager final {
   // The cache's event log (null with the prefix cache off) and a snapshot for late consumers.
   const EventLog* events() const { return cache_ ? &cache_->events() : nullptr; }
   // Records an event of a lower tier in the pool's event log (numbered with the pool's events).
-  void AppendTierEvent(KvEvent event) {
-    if (!cache_) return;
-    if (!event.group) event.group = event_groups_.main;  // the tiers hold main blocks
-    cache_->AppendEvent(std::move(event));
-  }
+  // One without a group is of main blocks; a window block's or a checkpoint's names its group by
+  // kind (KvGroupKind::kSlidingWindow, kStateSpace) and is given the pool's group, as the
+  // device's own events of that component are. Errors: INVALID_ARGUMENT for a component this
+  // pool has no group for (nothing recorded).
+  absl::Status AppendTierEvent(KvEvent event);
   // The full blocks cached since the last call, oldest first (KvCacheOptions::publish_journal;
   // always empty without it). Their bytes stay put while they are cached or held.
   void TakePublished(std::vector<PublishedBlock>* out) {

@@ -119,6 +119,26 @@ absl::Status KvCacheManager::ClearCache() {
   return absl::OkStatus();
 }
 
+absl::Status KvCacheManager::AppendTierEvent(KvEvent event) {
+  if (!cache_) return absl::OkStatus();
+  if (event.group) {
+    const std::optional<KvEventGroup>& group =
+        event.group->kind == KvGroupKind::kSlidingWindow ? event_groups_.window
+        : event.group->kind == KvGroupKind::kStateSpace  ? event_groups_.state
+                                                         : event_groups_.main;
+    if (!group) {
+      return absl::InvalidArgumentError(
+          fmt::format("a lower tier's {} event in a pool without that group",
+                      GroupKindName(event.group->kind)));
+    }
+    event.group = group;
+  } else {
+    event.group = event_groups_.main;  // none in a pool of one group
+  }
+  cache_->AppendEvent(std::move(event));
+  return absl::OkStatus();
+}
+
 std::vector<KvEvent> KvCacheManager::SnapshotEvents(uint64_t* resume_seq) const {
   if (!cache_) {
     *resume_seq = 1;

@@ -202,7 +202,9 @@ void PoolState::StagePublished(std::span<const BlockHash> skip) {
 void PoolState::DrainTierEvents() {
   if (!tiers_) return;
   tiers_->TakeEvents(&tier_events_);
-  for (KvEvent& e : tier_events_) cache_->AppendTierEvent(std::move(e));
+  // The tiers keep components only for the groups this pool has (TierSet's stores follow its
+  // layout).
+  for (KvEvent& e : tier_events_) KVPOOL_CHECK_OK(cache_->AppendTierEvent(std::move(e)));
 }
 
 PoolState::~PoolState() {

@@ -146,15 +146,22 @@ TierSet::TierSet(kernels::Device* device, const kernels::PoolLayout& layout, con
   KVPOOL_CHECK(host_ == nullptr || host_->block_bytes() == block_bytes_);
   KVPOOL_CHECK(checkpoints_ == nullptr || checkpoints_->block_bytes() == state_bytes_);
   KVPOOL_CHECK(windows_ == nullptr || windows_->block_bytes() == window_bytes_);
-  if (host_) {
-    host_->set_listener(
-        [this](const tier::BlockSpace& space, const BlockHash& hash, const BlockHash& parent,
-               bool stored) { OnStoreChange(KvMedium::kHost, space, hash, parent, stored); });
+  // Every store tells what it stores and drops, each component as its group's event.
+  const auto tell = [this](KvMedium medium, std::optional<KvGroupKind> component) {
+    return [this, medium, component](const tier::BlockSpace& space, const BlockHash& hash,
+                                     const BlockHash& parent, bool stored) {
+      OnStoreChange(medium, component, space, hash, parent, stored);
+    };
+  };
+  if (host_) host_->set_listener(tell(KvMedium::kHost, std::nullopt));
+  if (disk_) disk_->set_listener(tell(KvMedium::kDisk, std::nullopt));
+  if (checkpoints_) checkpoints_->set_listener(tell(KvMedium::kHost, KvGroupKind::kStateSpace));
+  if (disk_checkpoints_) {
+    disk_checkpoints_->set_listener(tell(KvMedium::kDisk, KvGroupKind::kStateSpace));
   }
-  if (disk_) {
-    disk_->set_listener(
-        [this](const tier::BlockSpace& space, const BlockHash& hash, const BlockHash& parent,
-               bool stored) { OnStoreChange(KvMedium::kDisk, space, hash, parent, stored); });
+  if (windows_) windows_->set_listener(tell(KvMedium::kHost, KvGroupKind::kSlidingWindow));
+  if (disk_windows_) {
+    disk_windows_->set_listener(tell(KvMedium::kDisk, KvGroupKind::kSlidingWindow));
   }
   writer_ = std::thread([this] { WriterLoop(); });
 }
@@ -175,13 +182,15 @@ void TierSet::Stop() {
   while (telling_ > 0) changed_.Wait(&mu_);
 }
 
-void TierSet::OnStoreChange(KvMedium medium, const tier::BlockSpace& space, const BlockHash& hash,
+void TierSet::OnStoreChange(KvMedium medium, std::optional<KvGroupKind> component,
+                            const tier::BlockSpace& space, const BlockHash& hash,
                             const BlockHash& parent, bool stored) {
   KvEvent e{.type = stored ? KvEventType::kBlockStored : KvEventType::kBlockRemoved,
             .ns = space.ns,
             .block_hashes = {hash},
             .block_size = block_size_,
             .medium = medium};
+  if (component) e.group = KvEventGroup{.kind = *component};  // its index: the pool's
   if (stored && parent != BlockHash{}) e.parent_hash = parent;
   std::function<void()> on_events;
   {
@@ -934,10 +943,12 @@ int64_t TierSet::Invalidate(const tier::TagFilter& filter) {
   // Checkpoints and window blocks are derived from their prefix's KV: they go with the blocks.
   if (checkpoints_) checkpoints_->Invalidate(filter);
   if (windows_) windows_->Invalidate(filter);
+  const int64_t from_host = host_ ? host_->Invalidate(filter) : 0;
+  // The disk stores tell of what they drop on this thread, which holds the engine's lock: their
+  // events wait for the engine's drain (OnStoreChange).
+  t_invalidating = true;
   if (disk_checkpoints_) disk_checkpoints_->Invalidate(filter);
   if (disk_windows_) disk_windows_->Invalidate(filter);
-  const int64_t from_host = host_ ? host_->Invalidate(filter) : 0;
-  t_invalidating = true;
   const int64_t from_disk = disk_ ? disk_->Invalidate(filter) : 0;
   t_invalidating = false;
   absl::MutexLock lock(&mu_);

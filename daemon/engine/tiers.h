@@ -339,7 +339,8 @@ class TierSet final {
   void CountHoldEnd(bool adopted);
 
   // Host- and disk-tier events (BlockStored / BlockRemoved, medium host or disk) not yet taken,
-  // oldest first.
+  // oldest first. A window block's or checkpoint's names its group by kind alone
+  // (KvCacheManager::AppendTierEvent gives it the pool's index).
   void TakeEvents(std::vector<KvEvent>* out);
   // Called by the writer thread, with no lock held, after it stored blocks whose events wait in
   // TakeEvents (the engine moves them into the pool's event log). Set it before Stage is called.
@@ -399,8 +400,13 @@ class TierSet final {
   // can be had.
   std::unique_ptr<kernels::DeviceBuffer> TakeBuffer() ABSL_LOCKS_EXCLUDED(mu_);
   void GiveBack(std::unique_ptr<kernels::DeviceBuffer> buffer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void OnStoreChange(KvMedium medium, const tier::BlockSpace& space, const BlockHash& hash,
-                     const BlockHash& parent, bool stored);
+  // An event of a store of `medium` holding `component`s: main blocks (no group: the pool's
+  // main group), window blocks (kSlidingWindow) or checkpoints (kStateSpace), each named by the
+  // hash of the block it sits beside. The pool numbers a component's group
+  // (KvCacheManager::AppendTierEvent).
+  void OnStoreChange(KvMedium medium, std::optional<KvGroupKind> component,
+                     const tier::BlockSpace& space, const BlockHash& hash, const BlockHash& parent,
+                     bool stored);
 
   kernels::Device* const device_;
   const Clock* const clock_;

@@ -11,6 +11,7 @@
 #include <optional>
 #include <thread>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/notification.h"
 #include "daemon/engine/call_context.h"
 #include "daemon/engine/engine.h"
@@ -546,6 +547,23 @@ class ModelTiersTest : public ::testing::Test {
     Free(got, OnFree::kDiscard);
     ExpectNothingLeft();
   }
+  // What the pool's event log says `medium` holds now (Stored less Removed): its blocks (no
+  // `group`: the main group's events) or the components of `group`.
+  absl::flat_hash_set<BlockHash> HeldBy(KvMedium medium, std::optional<KvEventGroup> group) {
+    std::vector<KvEvent> events;
+    EXPECT_TRUE(engine_->ReadEvents(0, 1, 100000, &events));
+    absl::flat_hash_set<BlockHash> held;
+    for (const KvEvent& e : events) {
+      if (e.medium != medium) continue;
+      const bool main = !e.group || e.group->index == 0;
+      if (group ? e.group != group : !main) continue;
+      for (const BlockHash& h : e.block_hashes) {
+        if (e.type == KvEventType::kBlockStored) held.insert(h);
+        if (e.type == KvEventType::kBlockRemoved) held.erase(h);
+      }
+    }
+    return held;
+  }
   void ExpectNothingLeft() {
     EXPECT_TRUE(engine_->CheckInvariants().ok());
     std::vector<SessionId> owners;
@@ -715,6 +733,26 @@ TEST_F(HybridTiersTest, AnInvalidationDropsTheHostTiersCheckpoints) {
   EXPECT_EQ(engine_->Stats().tiers.host_checkpoints, 0);
   EXPECT_EQ(Prefill(prompt).reused, 0);
   EXPECT_EQ(engine_->Stats().tiers.promoted_checkpoints, 0u);
+}
+
+// Issue 28, events: the host and disk tiers' checkpoints are events of the state group, named by
+// the hashes of the blocks they end, as the device's are; an invalidation removes them. Before,
+// the tiers told of their main blocks only: a consumer saw a prefix there it could not resume.
+TEST_F(HybridTiersTest, TheTiersCheckpointsAreEventsOfTheStateGroup) {
+  disk_.Make();
+  Make(/*host_checkpoints=*/0);
+  const std::vector<int32_t> prompt = Prompt(57, 39);
+  Free(Prefill(prompt), OnFree::kCommit);  // checkpoints at 32 and 48
+  const KvEventGroup state{.index = 1, .kind = KvGroupKind::kStateSpace};
+  const absl::flat_hash_set<BlockHash> on_device = HeldBy(KvMedium::kDevice, state);
+  EXPECT_EQ(on_device.size(), 2u);
+  EXPECT_EQ(HeldBy(KvMedium::kHost, state), on_device);
+  EXPECT_EQ(HeldBy(KvMedium::kDisk, state), on_device);
+  EXPECT_EQ(HeldBy(KvMedium::kHost, std::nullopt).size(), 3u);  // the blocks, as before
+  ASSERT_TRUE(engine_->Evict(0, 0, /*all=*/true).ok());
+  ASSERT_TRUE(engine_->Invalidate("tenant-a", "").ok());
+  EXPECT_TRUE(HeldBy(KvMedium::kHost, state).empty());
+  EXPECT_TRUE(HeldBy(KvMedium::kDisk, state).empty());
 }
 
 // Issue 28, tiers: a sliding-window model's promoted prefix. A prompt resumes only where the
@@ -937,6 +975,28 @@ TEST_F(WindowTiersTest, AnInvalidationDropsTheHostTiersWindowBlocks) {
   EXPECT_EQ(engine_->Stats().tiers.host_window_blocks, 0);
   EXPECT_EQ(Prefill(prompt).reused, 0);
   EXPECT_EQ(engine_->Stats().tiers.promoted_window_blocks, 0u);
+}
+
+// Issue 28, events: in a pool with both groups the tiers' window blocks are events of the window
+// group (index 1) and their checkpoints of the state group (index 2), as the device's are.
+TEST_F(WindowTiersTest, TheTiersWindowBlocksAndCheckpointsAreEventsOfTheirGroups) {
+  disk_.Make();
+  Make(/*sinks=*/0, /*host_window_blocks=*/0, std::nullopt, /*blocks=*/16, /*hybrid=*/true);
+  Free(Prefill(Prompt(120, 52)), OnFree::kCommit);
+  const KvEventGroup window{
+      .index = 1, .kind = KvGroupKind::kSlidingWindow, .sliding_window = kWindow};
+  const KvEventGroup state{.index = 2, .kind = KvGroupKind::kStateSpace};
+  for (const KvEventGroup& group : {window, state}) {
+    SCOPED_TRACE(group.index);
+    const absl::flat_hash_set<BlockHash> on_device = HeldBy(KvMedium::kDevice, group);
+    EXPECT_FALSE(on_device.empty());
+    EXPECT_EQ(HeldBy(KvMedium::kHost, group), on_device);
+    EXPECT_EQ(HeldBy(KvMedium::kDisk, group), on_device);
+  }
+  EXPECT_EQ(HeldBy(KvMedium::kDevice, window).size(),
+            static_cast<size_t>(engine_->Stats().tiers.host_window_blocks));
+  EXPECT_EQ(HeldBy(KvMedium::kDevice, state).size(),
+            static_cast<size_t>(engine_->Stats().tiers.host_checkpoints));
 }
 
 }  // namespace

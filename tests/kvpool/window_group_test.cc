@@ -487,18 +487,30 @@ TEST_F(WindowGroupTest, EventsNameEachGroupsBlocks) {
   ExpectInvariants();
 }
 
-// A lower tier's event in a hybrid pool is the main group's (the tiers hold main blocks only).
-TEST_F(WindowGroupTest, ATiersEventsAreTheMainGroups) {
+// A lower tier's event in a hybrid pool: a block's is the main group's, a window block's the
+// window group's, numbered as the device's are; a checkpoint's is refused in a pool with no state
+// group, and nothing is recorded.
+TEST_F(WindowGroupTest, ATiersEventsAreTheirComponentsGroups) {
   Make(/*window_blocks=*/6, /*window_tokens=*/32);
-  cache_->AppendTierEvent(KvEvent{.type = KvEventType::kBlockStored,
-                                  .ns = kTenant,
-                                  .block_hashes = {BlockHash{.lo = 1, .hi = 2}},
-                                  .medium = KvMedium::kHost});
+  const auto tier_event = [&](std::optional<KvGroupKind> component) {
+    KvEvent e{.type = KvEventType::kBlockStored,
+              .ns = kTenant,
+              .block_hashes = {BlockHash{.lo = 1, .hi = 2}},
+              .medium = KvMedium::kHost};
+    if (component) e.group = KvEventGroup{.kind = *component};
+    return e;
+  };
+  ASSERT_TRUE(cache_->AppendTierEvent(tier_event(std::nullopt)).ok());
+  ASSERT_TRUE(cache_->AppendTierEvent(tier_event(KvGroupKind::kSlidingWindow)).ok());
+  EXPECT_EQ(cache_->AppendTierEvent(tier_event(KvGroupKind::kStateSpace)).code(),
+            absl::StatusCode::kInvalidArgument);
   std::vector<KvEvent> events;
   ASSERT_TRUE(cache_->events()->ReadFrom(1, 10, &events));
-  ASSERT_EQ(events.size(), 1u);
+  ASSERT_EQ(events.size(), 2u);
   EXPECT_EQ(events[0].group, (KvEventGroup{.index = 0, .kind = KvGroupKind::kFullAttention}));
-  EXPECT_EQ(events[0].medium, KvMedium::kHost);
+  EXPECT_EQ(events[1].group,
+            (KvEventGroup{.index = 1, .kind = KvGroupKind::kSlidingWindow, .sliding_window = 32}));
+  EXPECT_EQ(events[1].medium, KvMedium::kHost);
 }
 
 // A tier loader's window (ImportWindow): blocks only for the entries the window at its end reads,
