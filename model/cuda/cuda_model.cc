@@ -27,6 +27,22 @@ T* At(const std::unique_ptr<kernels::DeviceBuffer>& buffer, int64_t offset = 0) 
 
 int64_t Align(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 
+// The step's grid rows against the kernels' gridDim.y limit: the decode splits and the prefills
+// (attention), and with `state_space` layers every item (LaunchSsmConv: a row each).
+absl::Status CheckGrids(const internal::StepLayout& step, const kernels::cuda::DecodePlan& plan,
+                        int64_t items, bool state_space) {
+  if (plan.num_splits > kernels::cuda::kMaxGridYZ || step.num_prefill > kernels::cuda::kMaxGridYZ) {
+    return absl::InvalidArgumentError(fmt::format(
+        "step: {} prefills, sequences of {} tokens: beyond the attention kernels' grids",
+        step.num_prefill, step.max_len));
+  }
+  if (state_space && items > kernels::cuda::kMaxGridYZ) {
+    return absl::InvalidArgumentError(
+        fmt::format("step: {} sequences: beyond the state-space kernels' grids", items));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(ModelWeights weights,
@@ -264,15 +280,7 @@ absl::Status CudaModel::RunPhase(const kernels::KvPoolView& pool, std::span<cons
       L.num_decode > 0
           ? kernels::cuda::PlanDecode(layout_, L.num_decode, c.num_heads, L.max_len, num_sms_)
           : kernels::cuda::DecodePlan{};
-  if (plan.num_splits > kernels::cuda::kMaxGridYZ || L.num_prefill > kernels::cuda::kMaxGridYZ) {
-    return absl::InvalidArgumentError(fmt::format(
-        "step: {} prefills, sequences of {} tokens: beyond the attention kernels' grids",
-        L.num_prefill, L.max_len));
-  }
-  if (c.num_state_layers() > 0 && ni > kernels::cuda::kMaxGridYZ) {  // LaunchSsmConv: a row each
-    return absl::InvalidArgumentError(
-        fmt::format("step: {} sequences: beyond the state-space kernels' grids", ni));
-  }
+  KVPOOL_RETURN_IF_ERROR(CheckGrids(L, plan, ni, /*state_space=*/c.num_state_layers() > 0));
   KVPOOL_RETURN_IF_ERROR(Reserve(inputs_, offsets_.end));
   KVPOOL_RETURN_IF_ERROR(Reserve(x_, 4 * n * h));
   KVPOOL_RETURN_IF_ERROR(Reserve(xn_, 4 * n * h));
