@@ -269,6 +269,33 @@ class VllmEventsTest(unittest.TestCase):
                 self.assertEqual(set(g for _, g in consumer.blocks), {0, 1})
                 self.assertTrue(c.check_invariants().ok)
 
+    def test_a_hybrid_pools_tier_checkpoints_are_events_of_the_state_group(self):
+        """tiny-hybrid with a host tier: the checkpoints the host tier keeps are CPU events of
+        the state group (group 1, mamba) under their blocks' hashes, as many as the tier
+        holds; before, a consumer saw the tier's blocks alone and could not tell which of
+        them a prompt could resume from."""
+        config = ('pool_bytes: 33554432 max_blocks_per_seq: 256 '
+                  'shape { dtype: "f32" state_slots: 8 } model { name: "tiny-hybrid" }\n'
+                  'tiers { host_blocks: 1024 }\n'
+                  f'zmq_events {{ endpoint: "{self.endpoint}" '
+                  f'replay_endpoint: "{self.replay_endpoint}" topic: "kvpool" }}\n')
+        with Daemon(config) as daemon:
+            consumer = Consumer(self.endpoint, self.replay_endpoint, drop=lambda seq: seq % 7 == 3)
+            self.addCleanup(consumer.close)
+            with kvpool.Client.connect(daemon.dir, client_name="vllm-hybrid-tiers") as c:
+                workload(c, 12)
+                next_seq = settled_next_seq(c)
+                consumer.catch_up(next_seq)
+                self.assertEqual(consumer.applied, list(range(1, next_seq)))
+                tiers = c.get_stats().tiers
+                on_host = consumer.blocks.get(("CPU", 1), set())
+                self.assertGreater(tiers.host_checkpoints, 0)
+                self.assertEqual(len(on_host), tiers.host_checkpoints)
+                self.assertLessEqual(on_host, consumer.blocks.get(("CPU", 0), set()))
+                self.assertEqual(consumer.blocks.get(("GPU", 1), set()), snapshot(c, 1))
+                self.assertEqual(set(g for _, g in consumer.blocks), {0, 1})
+                self.assertTrue(c.check_invariants().ok)
+
     def test_garbage_on_the_replay_socket_neither_crashes_nor_blocks_the_daemon(self):
         with Daemon(self.config) as daemon:
             ctx = zmq.Context()
