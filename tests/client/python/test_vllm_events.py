@@ -7,6 +7,7 @@ that reconstructs the daemon's block set from them must end with the daemon's ow
 per layer group for a hybrid pool (vLLM's later group fields); and garbage sent to the replay
 socket neither crashes nor blocks the daemon."""
 
+import contextlib
 import os
 import shutil
 import socket
@@ -245,56 +246,52 @@ class VllmEventsTest(unittest.TestCase):
         consumer = self.run_consumer(drop=lambda seq: seq % 5 == 2)
         self.assertGreater(consumer.replays, 0)
 
-    def test_a_hybrid_pools_events_name_each_group(self):
-        """tiny-swa with a window group: the window blocks the tree keeps are group 1
-        (sliding_window, W 256) under their blocks' hashes; the main blocks group 0."""
-        config = ('pool_bytes: 16777216 max_blocks_per_seq: 64 model { name: "tiny-swa" }\n'
-                  'shape { window_blocks: 48 }\n'
-                  f'zmq_events {{ endpoint: "{self.endpoint}" '
+    @contextlib.contextmanager
+    def hybrid_run(self, pool_config, client_name):
+        """A daemon of `pool_config` publishing to a consumer that loses every 7th message, the
+        workload run and the consumer caught up gap-free: yields (consumer, client)."""
+        config = (pool_config + f'zmq_events {{ endpoint: "{self.endpoint}" '
                   f'replay_endpoint: "{self.replay_endpoint}" topic: "kvpool" }}\n')
         with Daemon(config) as daemon:
             consumer = Consumer(self.endpoint, self.replay_endpoint, drop=lambda seq: seq % 7 == 3)
             self.addCleanup(consumer.close)
-            with kvpool.Client.connect(daemon.dir, client_name="vllm-hybrid") as c:
+            with kvpool.Client.connect(daemon.dir, client_name=client_name) as c:
                 workload(c, 12)
                 next_seq = settled_next_seq(c)
                 consumer.catch_up(next_seq)
                 self.assertEqual(consumer.applied, list(range(1, next_seq)))
-                main, window = consumer.blocks.get(("GPU", 0)), consumer.blocks.get(("GPU", 1))
-                self.assertTrue(main, "no main-group events")
-                self.assertTrue(window, "no window-group events")
-                self.assertEqual(main, snapshot(c, 0))
-                self.assertEqual(window, snapshot(c, 1))
-                self.assertLessEqual(window, main)
+                yield consumer, c
                 self.assertEqual(set(g for _, g in consumer.blocks), {0, 1})
                 self.assertTrue(c.check_invariants().ok)
+
+    def test_a_hybrid_pools_events_name_each_group(self):
+        """tiny-swa with a window group: the window blocks the tree keeps are group 1
+        (sliding_window, W 256) under their blocks' hashes; the main blocks group 0."""
+        with self.hybrid_run('pool_bytes: 16777216 max_blocks_per_seq: 64 '
+                             'model { name: "tiny-swa" } shape { window_blocks: 48 }\n',
+                             "vllm-hybrid") as (consumer, c):
+            main, window = consumer.blocks.get(("GPU", 0)), consumer.blocks.get(("GPU", 1))
+            self.assertTrue(main, "no main-group events")
+            self.assertTrue(window, "no window-group events")
+            self.assertEqual(main, snapshot(c, 0))
+            self.assertEqual(window, snapshot(c, 1))
+            self.assertLessEqual(window, main)
 
     def test_a_hybrid_pools_tier_checkpoints_are_events_of_the_state_group(self):
         """tiny-hybrid with a host tier: the checkpoints the host tier keeps are CPU events of
         the state group (group 1, mamba) under their blocks' hashes, as many as the tier
         holds; before, a consumer saw the tier's blocks alone and could not tell which of
         them a prompt could resume from."""
-        config = ('pool_bytes: 33554432 max_blocks_per_seq: 256 '
-                  'shape { dtype: "f32" state_slots: 8 } model { name: "tiny-hybrid" }\n'
-                  'tiers { host_blocks: 1024 }\n'
-                  f'zmq_events {{ endpoint: "{self.endpoint}" '
-                  f'replay_endpoint: "{self.replay_endpoint}" topic: "kvpool" }}\n')
-        with Daemon(config) as daemon:
-            consumer = Consumer(self.endpoint, self.replay_endpoint, drop=lambda seq: seq % 7 == 3)
-            self.addCleanup(consumer.close)
-            with kvpool.Client.connect(daemon.dir, client_name="vllm-hybrid-tiers") as c:
-                workload(c, 12)
-                next_seq = settled_next_seq(c)
-                consumer.catch_up(next_seq)
-                self.assertEqual(consumer.applied, list(range(1, next_seq)))
-                tiers = c.get_stats().tiers
-                on_host = consumer.blocks.get(("CPU", 1), set())
-                self.assertGreater(tiers.host_checkpoints, 0)
-                self.assertEqual(len(on_host), tiers.host_checkpoints)
-                self.assertLessEqual(on_host, consumer.blocks.get(("CPU", 0), set()))
-                self.assertEqual(consumer.blocks.get(("GPU", 1), set()), snapshot(c, 1))
-                self.assertEqual(set(g for _, g in consumer.blocks), {0, 1})
-                self.assertTrue(c.check_invariants().ok)
+        with self.hybrid_run('pool_bytes: 33554432 max_blocks_per_seq: 256 '
+                             'shape { dtype: "f32" state_slots: 8 } model { name: "tiny-hybrid" }\n'
+                             'tiers { host_blocks: 1024 }\n',
+                             "vllm-hybrid-tiers") as (consumer, c):
+            tiers = c.get_stats().tiers
+            on_host = consumer.blocks.get(("CPU", 1), set())
+            self.assertGreater(tiers.host_checkpoints, 0)
+            self.assertEqual(len(on_host), tiers.host_checkpoints)
+            self.assertLessEqual(on_host, consumer.blocks.get(("CPU", 0), set()))
+            self.assertEqual(consumer.blocks.get(("GPU", 1), set()), snapshot(c, 1))
 
     def test_garbage_on_the_replay_socket_neither_crashes_nor_blocks_the_daemon(self):
         with Daemon(self.config) as daemon:
