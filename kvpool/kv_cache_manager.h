@@ -676,7 +676,9 @@ class KvCacheManager final {
   MatchExplanation ExplainMatch(NamespaceId ns, std::span<const int32_t> tokens) const;
   // Evicts up to `blocks` cached blocks nobody holds. Returns how many.
   int64_t EvictCached(int64_t blocks);
-  // Empties the prefix cache. Errors: FAILED_PRECONDITION while sequences hold cached blocks.
+  // Empties the prefix cache: one AllBlocksCleared (every medium, every group), then the lower
+  // tiers' blocks told again (they stay). Errors: FAILED_PRECONDITION while sequences hold
+  // cached blocks.
   absl::Status ClearCache();
   // The cache's event log (null with the prefix cache off) and a snapshot for late consumers.
   const EventLog* events() const { return cache_ ? &cache_->events() : nullptr; }
@@ -703,6 +705,10 @@ class KvCacheManager final {
   // last call, still kept there, oldest first (what a lower tier stores beside the block). Their
   // bytes stay put while they are kept.
   void TakePublishedWindowBlocks(std::vector<PublishedWindowBlock>* out);
+  // Stored events (seq 0) of everything the log has told of and not withdrawn: the tree's full
+  // blocks (parents first), the components kept beside them, then the lower tiers' blocks
+  // (TierEventView). A consumer that applies them after clearing its view, then reads from
+  // `*resume_seq`, misses nothing.
   std::vector<KvEvent> SnapshotEvents(uint64_t* resume_seq) const;
 
   // Accessors.
@@ -1112,6 +1118,9 @@ class KvCacheManager final {
   };
   static EventGroups EventGroupsOf(const KvCacheOptions& options);
   const EventGroups event_groups_;
+  // The lower tiers' blocks as the event log told them (AppendTierEvent), for SnapshotEvents and
+  // for what ClearCache tells again after its AllBlocksCleared.
+  TierEventView tier_events_;
   std::vector<WindowRecord> window_at_;              // by window block
   absl::flat_hash_map<BlockId, BlockId> window_of_;  // tree block -> its window block
   internal::StampedLru<BlockId> window_lru_;         // (stamp, window block) of those kept: O(1)

@@ -116,6 +116,11 @@ absl::Status KvCacheManager::ClearCache() {
   KVPOOL_RETURN_IF_ERROR(cache_->Clear(BeginCall(kNoSession, SequenceId(0))));
   counters_.evictions += static_cast<uint64_t>(before);
   counters_.admin_evictions += static_cast<uint64_t>(before);
+  // The AllBlocksCleared clears every medium (a consumer forgets all it holds of this pool): the
+  // tiers' blocks, which stay, are told again right after it.
+  std::vector<KvEvent> tiers;
+  tier_events_.AppendSnapshot(&tiers);
+  for (KvEvent& e : tiers) cache_->AppendEvent(std::move(e));
   return absl::OkStatus();
 }
 
@@ -135,6 +140,7 @@ absl::Status KvCacheManager::AppendTierEvent(KvEvent event) {
   } else {
     event.group = event_groups_.main;  // none in a pool of one group
   }
+  if (cache_->events_on()) tier_events_.Apply(event);
   cache_->AppendEvent(std::move(event));
   return absl::OkStatus();
 }
@@ -158,6 +164,8 @@ std::vector<KvEvent> KvCacheManager::SnapshotEvents(uint64_t* resume_seq) const 
     if (c.offset == block_size_)
       out.push_back(cache_->ComponentStored(c.block, *event_groups_.state));
   }
+  // Then the lower tiers' blocks, as their events told them.
+  tier_events_.AppendSnapshot(&out);
   return out;
 }
 

@@ -1,5 +1,6 @@
 #include "kvpool/kv_events.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "kvpool/util/check.h"
@@ -57,6 +58,67 @@ bool EventLog::ReadFrom(uint64_t from, size_t max, std::vector<KvEvent>* out) co
   const size_t start = static_cast<size_t>(from - oldest_seq());
   for (size_t i = start; i < ring_.size() && max > 0; ++i, --max) out->push_back(ring_[i]);
   return true;
+}
+
+void TierEventView::Apply(const KvEvent& event) {
+  KVPOOL_CHECK(event.medium != KvMedium::kDevice);
+  if (event.type == KvEventType::kAllBlocksCleared) {
+    for (auto it = groups_.begin(); it != groups_.end();) {
+      if (it->first.first != event.medium) {
+        ++it;
+        continue;
+      }
+      size_ -= it->second.blocks.size();
+      it = groups_.erase(it);
+    }
+    return;
+  }
+  const int32_t index = event.group ? event.group->index : 0;
+  Group& g = groups_[{event.medium, index}];
+  g.group = event.group;
+  g.block_size = event.block_size;
+  BlockHash parent = event.parent_hash.value_or(BlockHash{});
+  for (const BlockHash& hash : event.block_hashes) {
+    if (event.type == KvEventType::kBlockStored) {
+      const auto [it, inserted] =
+          g.blocks.try_emplace(hash, Held{.ns = event.ns, .parent = parent, .order = next_order_});
+      if (inserted) {
+        ++next_order_;
+        ++size_;
+      }
+      parent = hash;  // a Stored event's blocks are each the parent of the next
+    } else {
+      size_ -= g.blocks.erase(hash);
+    }
+  }
+}
+
+void TierEventView::AppendSnapshot(std::vector<KvEvent>* out) const {
+  std::vector<std::pair<const BlockHash*, const Held*>> held;
+  for (const auto& [key, g] : groups_) {
+    held.clear();
+    for (const auto& [hash, h] : g.blocks) held.push_back({&hash, &h});
+    std::sort(held.begin(), held.end(),
+              [](const auto& a, const auto& b) { return a.second->order < b.second->order; });
+    const size_t first = out->size();
+    for (const auto& [hash, h] : held) {
+      if (out->size() > first) {
+        KvEvent& last = out->back();
+        if (last.ns == h->ns && last.block_hashes.back() == h->parent) {
+          last.block_hashes.push_back(*hash);
+          continue;
+        }
+      }
+      KvEvent e{.type = KvEventType::kBlockStored,
+                .ns = h->ns,
+                .block_hashes = {*hash},
+                .block_size = g.block_size,
+                .medium = key.first,
+                .group = g.group};
+      if (h->parent != BlockHash{}) e.parent_hash = h->parent;
+      out->push_back(std::move(e));
+    }
+  }
 }
 
 }  // namespace kvpool

@@ -13,10 +13,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <optional>
 #include <string_view>
+#include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "kvpool/util/strong_id.h"
 
 namespace kvpool {
@@ -121,6 +124,42 @@ class EventLog final {
   size_t bytes_ = 0;
   uint64_t dropped_ = 0;
   std::deque<KvEvent> ring_;
+};
+
+// The lower tiers' blocks as a pool's event log has told them (its Stored and Removed events of
+// medium kHost and kDisk, every group): what a consumer that followed each of them holds. A pool's
+// snapshot restates it after the device's blocks, and after an AllBlocksCleared (which clears
+// every medium, docs/events.md) the pool tells it again, so a consumer that rebuilds from either
+// loses no tier's block. At most about 112 bytes per block a tier holds (a
+// 49-byte hash-map slot, the map 7/16 to 7/8 full).
+//
+// Thread-compatible.
+class TierEventView final {
+ public:
+  // Applies a tier's event. An AllBlocksCleared forgets every block of its medium.
+  // REQUIRES: event.medium != KvMedium::kDevice.
+  void Apply(const KvEvent& event);
+  // Appends Stored events (seq 0) naming every block held: by medium (host, then disk), then by
+  // group (main blocks first), each group's blocks in the order the tier first told them, a run
+  // of blocks that are each the parent of the next in one event.
+  void AppendSnapshot(std::vector<KvEvent>* out) const;
+  size_t size() const { return size_; }  // blocks held, every medium and group
+
+ private:
+  struct Held {
+    NamespaceId ns;
+    BlockHash parent;  // {} at the root
+    uint64_t order = 0;
+  };
+  struct Group {
+    std::optional<KvEventGroup> group;
+    int32_t block_size = 0;
+    absl::flat_hash_map<BlockHash, Held> blocks;
+  };
+  // By (medium, group index).
+  std::map<std::pair<KvMedium, int32_t>, Group> groups_;
+  uint64_t next_order_ = 0;
+  size_t size_ = 0;
 };
 
 }  // namespace kvpool

@@ -330,6 +330,7 @@ class PrefixCache final {
   const EvictionPolicy& policy() const { return *policy_; }
 
   const EventLog& events() const { return events_; }
+  bool events_on() const { return events_on_; }
   // Appends an event about blocks outside the tree (a lower tier's), when events are on.
   void AppendEvent(KvEvent event) {
     if (events_on_) events_.Append(std::move(event));

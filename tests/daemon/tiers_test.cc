@@ -5,6 +5,7 @@
 
 #include "daemon/engine/tiers.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <filesystem>
@@ -130,20 +131,27 @@ TEST_F(TiersTest, AnEvictedPrefixComesBackFromTheHostTierByteForByte) {
   EXPECT_EQ(engine_->Stats().tiers.demoted, 3u);
   EXPECT_EQ(engine_->Stats().tiers.host_blocks, 3);
   // The pool's event log says where the blocks went: stored on the device, then in the host tier
-  // (hashes only), then the device's cache cleared.
+  // (hashes only), then the cache cleared (every medium), then the host tier's blocks told again.
   std::vector<KvEvent> events;
   ASSERT_TRUE(engine_->ReadEvents(0, 1, 100, &events));
-  std::vector<BlockHash> device_stored, host_stored;
-  for (const KvEvent& e : events) {
-    if (e.type != KvEventType::kBlockStored) continue;
-    std::vector<BlockHash>& into = e.medium == KvMedium::kHost ? host_stored : device_stored;
-    into.insert(into.end(), e.block_hashes.begin(), e.block_hashes.end());
+  const auto cleared = std::find_if(events.begin(), events.end(), [](const KvEvent& e) {
+    return e.type == KvEventType::kAllBlocksCleared;
+  });
+  ASSERT_NE(cleared, events.end());
+  std::vector<BlockHash> device_stored, host_stored, told_again;
+  for (auto it = events.begin(); it != events.end(); ++it) {
+    if (it->type != KvEventType::kBlockStored) continue;
+    std::vector<BlockHash>& into = it > cleared                    ? told_again
+                                   : it->medium == KvMedium::kHost ? host_stored
+                                                                   : device_stored;
+    into.insert(into.end(), it->block_hashes.begin(), it->block_hashes.end());
+    if (it > cleared) {
+      EXPECT_EQ(it->medium, KvMedium::kHost);
+    }
   }
   EXPECT_EQ(device_stored.size(), 3u);
   EXPECT_EQ(host_stored, device_stored);
-  ASSERT_FALSE(events.empty());
-  EXPECT_EQ(events.back().type, KvEventType::kAllBlocksCleared);
-  EXPECT_EQ(events.back().medium, KvMedium::kDevice);
+  EXPECT_EQ(told_again, host_stored);
 
   // Another session's prompt shares the three blocks and adds one: the three are promoted.
   auto bob = *engine_->OpenSession(Spec("tenant-a", "bob"));
@@ -554,6 +562,7 @@ class ModelTiersTest : public ::testing::Test {
     EXPECT_TRUE(engine_->ReadEvents(0, 1, 100000, &events));
     absl::flat_hash_set<BlockHash> held;
     for (const KvEvent& e : events) {
+      if (e.type == KvEventType::kAllBlocksCleared) held.clear();  // every medium
       if (e.medium != medium) continue;
       const bool main = !e.group || e.group->index == 0;
       if (group ? e.group != group : !main) continue;
@@ -561,6 +570,21 @@ class ModelTiersTest : public ::testing::Test {
         if (e.type == KvEventType::kBlockStored) held.insert(h);
         if (e.type == KvEventType::kBlockRemoved) held.erase(h);
       }
+    }
+    return held;
+  }
+  // What the pool's snapshot (a consumer's view rebuilt after a gap) says `medium` holds, as
+  // HeldBy.
+  absl::flat_hash_set<BlockHash> SnapshotHeldBy(KvMedium medium,
+                                                std::optional<KvEventGroup> group) {
+    uint64_t resume = 0;
+    absl::flat_hash_set<BlockHash> held;
+    for (const KvEvent& e : engine_->SnapshotEvents(0, &resume)) {
+      EXPECT_EQ(e.type, KvEventType::kBlockStored);
+      if (e.medium != medium) continue;
+      const bool main = !e.group || e.group->index == 0;
+      if (group ? e.group != group : !main) continue;
+      held.insert(e.block_hashes.begin(), e.block_hashes.end());
     }
     return held;
   }
@@ -753,6 +777,36 @@ TEST_F(HybridTiersTest, TheTiersCheckpointsAreEventsOfTheStateGroup) {
   ASSERT_TRUE(engine_->Invalidate("tenant-a", "").ok());
   EXPECT_TRUE(HeldBy(KvMedium::kHost, state).empty());
   EXPECT_TRUE(HeldBy(KvMedium::kDisk, state).empty());
+}
+
+// A consumer that fell behind rebuilds from the pool's snapshot after clearing its view
+// (WatchEvents, the ZeroMQ publisher's resync): the snapshot holds the tiers' blocks and
+// checkpoints as their events told them. And a cleared device cache (AllBlocksCleared, which
+// clears every medium) tells the tiers' again. Before, both held the device's alone: a consumer
+// lost every tier block it knew.
+TEST_F(HybridTiersTest, TheSnapshotAndAClearRestateTheTiersBlocksAndCheckpoints) {
+  disk_.Make();
+  Make(/*host_checkpoints=*/0);
+  Free(Prefill(Prompt(57, 39)), OnFree::kCommit);  // 3 full blocks, checkpoints at 32 and 48
+  const KvEventGroup state{.index = 1, .kind = KvGroupKind::kStateSpace};
+  for (KvMedium medium : {KvMedium::kDevice, KvMedium::kHost, KvMedium::kDisk}) {
+    for (std::optional<KvEventGroup> group : {std::optional<KvEventGroup>(), {state}}) {
+      const absl::flat_hash_set<BlockHash> held = HeldBy(medium, group);
+      EXPECT_EQ(held.size(), group ? 2u : 3u) << static_cast<int>(medium);
+      EXPECT_EQ(SnapshotHeldBy(medium, group), held) << static_cast<int>(medium);
+    }
+  }
+  const absl::flat_hash_set<BlockHash> host = HeldBy(KvMedium::kHost, std::nullopt);
+  const absl::flat_hash_set<BlockHash> checkpoints = HeldBy(KvMedium::kHost, state);
+
+  ASSERT_TRUE(engine_->Evict(0, 0, /*all=*/true).ok());
+  EXPECT_TRUE(HeldBy(KvMedium::kDevice, std::nullopt).empty());
+  EXPECT_TRUE(HeldBy(KvMedium::kDevice, state).empty());
+  EXPECT_EQ(HeldBy(KvMedium::kHost, std::nullopt), host);
+  EXPECT_EQ(HeldBy(KvMedium::kHost, state), checkpoints);
+  EXPECT_EQ(HeldBy(KvMedium::kDisk, state), checkpoints);
+  EXPECT_EQ(SnapshotHeldBy(KvMedium::kDisk, std::nullopt), host);
+  EXPECT_TRUE(SnapshotHeldBy(KvMedium::kDevice, std::nullopt).empty());
 }
 
 // Issue 28, tiers: a sliding-window model's promoted prefix. A prompt resumes only where the

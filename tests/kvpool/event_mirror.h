@@ -1,12 +1,14 @@
 #pragma once
 
 // A consumer's view of a pool's cache built from its event log alone (kvpool/kv_events.h), as a
-// router or a remote index keeps one: the (namespace, group, hash) of every block it was told is
-// stored. Follow() applies the events appended since its last call and fails on one a consumer
-// could not apply: a block stored twice, a removal of a block it does not hold, a component
-// (group > 0) stored before or outliving its main block, or group fields missing or present
-// against the pool's kind. Matches() compares the view with a snapshot (SnapshotEvents), which is
-// what a consumer that fell behind would rebuild from: the two must agree after every call.
+// router or a remote index keeps one: the (medium, namespace, group, hash) of every block it was
+// told is stored. Follow() applies the events appended since its last call and fails on one a
+// consumer could not apply: a block stored twice, a removal of a block it does not hold, a
+// device component (group > 0) stored before or outliving its main block (a tier's may: each
+// tier store tells on its own, docs/events.md), or group fields missing or present against the
+// pool's kind. AllBlocksCleared forgets every medium. Matches() compares the view with a snapshot
+// (SnapshotEvents), which is what a consumer that fell behind would rebuild from: the two must
+// agree after every call.
 
 #include <cstdint>
 #include <set>
@@ -49,24 +51,27 @@ class EventMirror {
     if (rebuilt != blocks_) {
       return ::testing::AssertionFailure()
              << "the events' view holds " << blocks_.size() << " blocks (" << Count(blocks_, 1)
-             << " in group 1, " << Count(blocks_, 2) << " in group 2), the snapshot "
+             << " in group 1, " << Count(blocks_, 2) << " in group 2 on the device), the snapshot "
              << rebuilt.size() << " (" << Count(rebuilt, 1) << ", " << Count(rebuilt, 2) << ")";
     }
     return ::testing::AssertionSuccess();
   }
 
-  // Blocks held in `group`.
-  size_t held(int32_t group) const { return Count(blocks_, group); }
+  // Blocks held in `group`, on the device or in `medium`.
+  size_t held(int32_t group, KvMedium medium = KvMedium::kDevice) const {
+    return Count(blocks_, group, medium);
+  }
   // How many blocks of each group were ever stored through Follow().
   uint64_t stored(int32_t group) const { return group < 3 ? stored_[group] : 0; }
 
  private:
-  using Key = std::tuple<uint64_t, int32_t, uint64_t, uint64_t>;  // ns, group, hash hi, lo
+  using Key = std::tuple<KvMedium, uint64_t, int32_t, uint64_t,
+                         uint64_t>;  // medium, ns, group, hash hi, lo
   using Blocks = std::set<Key>;
 
-  static size_t Count(const Blocks& blocks, int32_t group) {
+  static size_t Count(const Blocks& blocks, int32_t group, KvMedium medium = KvMedium::kDevice) {
     size_t n = 0;
-    for (const Key& k : blocks) n += std::get<1>(k) == group ? 1 : 0;
+    for (const Key& k : blocks) n += std::get<0>(k) == medium && std::get<2>(k) == group ? 1 : 0;
     return n;
   }
 
@@ -86,11 +91,12 @@ class EventMirror {
         (group == 0) != (!e.group || e.group->kind == KvGroupKind::kFullAttention)) {
       return ::testing::AssertionFailure() << "group " << group << " of the wrong kind";
     }
+    const bool device = e.medium == KvMedium::kDevice;
     for (const BlockHash& h : e.block_hashes) {
-      const Key key{e.ns.value(), group, h.hi, h.lo};
-      const Key main{e.ns.value(), 0, h.hi, h.lo};
+      const Key key{e.medium, e.ns.value(), group, h.hi, h.lo};
+      const Key main{e.medium, e.ns.value(), 0, h.hi, h.lo};
       if (e.type == KvEventType::kBlockStored) {
-        if (group > 0 && !blocks->contains(main)) {
+        if (device && group > 0 && !blocks->contains(main)) {
           return ::testing::AssertionFailure() << "group " << group << " stored before its block";
         }
         if (!blocks->insert(key).second) {
@@ -101,9 +107,9 @@ class EventMirror {
         if (blocks->erase(key) != 1) {
           return ::testing::AssertionFailure() << "group " << group << " block removed unheld";
         }
-        if (group == 0) {
+        if (device && group == 0) {
           for (int32_t g = 1; g <= 2; ++g) {
-            if (blocks->contains({e.ns.value(), g, h.hi, h.lo})) {
+            if (blocks->contains({e.medium, e.ns.value(), g, h.hi, h.lo})) {
               return ::testing::AssertionFailure() << "block removed before its group " << g;
             }
           }

@@ -4,10 +4,13 @@
 // outcome code the model predicts, table contents mapped one-to-one onto the model's blocks, the
 // pins the manager lists and the blocks they keep, and the KV a simulated arena holds for every
 // sequence (so a write into a shared block, a missed copy or a missed scrub shows up as data).
+// Lower tiers' events come in between, and a consumer's view built from the event log alone
+// (event_mirror.h) must match the pool's snapshot, device and tiers.
 
 #include <cstdlib>
 #include <map>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -432,12 +435,37 @@ class KvCacheRandomTest : public ::testing::Test {
     }
   }
 
+  // A lower tier's event, as the tiers tell them (one block; its parent, often the block before:
+  // runs of a chain): the mirror holds the tiers' blocks beside the device's, and the snapshot
+  // must restate them. Its own generator, so the device's operations are the same with or
+  // without it.
+  void StepTierEvent() {
+    const size_t m = tier_rng_() % 2;
+    const uint64_t k = tier_rng_() % 48;
+    const auto hash = [](uint64_t i) { return BlockHash{.lo = i, .hi = 0x7137}; };
+    const bool held = tier_held_[m].contains(k);
+    KvEvent e{.type = held ? KvEventType::kBlockRemoved : KvEventType::kBlockStored,
+              .ns = kNamespaces[(k / 8) % 2],
+              .block_hashes = {hash(k + 1)},
+              .block_size = kBlockSize,
+              .medium = m == 0 ? KvMedium::kHost : KvMedium::kDisk};
+    if (!held && k % 8 != 0 && tier_rng_() % 4 != 0) e.parent_hash = hash(k);
+    ASSERT_TRUE(cache_->AppendTierEvent(std::move(e)).ok());
+    if (held) {
+      tier_held_[m].erase(k);
+    } else {
+      tier_held_[m].insert(k);
+    }
+  }
+
   ManualClock clock_;
   std::unique_ptr<KvCacheManager> cache_;
   Model model_;
   std::vector<uint32_t> arena_;
   std::vector<NamespaceId> last_owner_;
   std::mt19937_64 rng_{20261129};
+  std::mt19937_64 tier_rng_{20261206};
+  std::set<uint64_t> tier_held_[2];  // host, disk
   EventMirror mirror_{/*grouped=*/false};
 };
 
@@ -473,6 +501,7 @@ TEST_F(KvCacheRandomTest, MillionOperationsAgreeWithTheModel) {
     } else {
       StepFreeSession();
     }
+    if (tier_rng_() % 16 == 0) StepTierEvent();
     if (HasFatalFailure()) FAIL() << "at step " << step;
     const absl::Status invariants = cache_->CheckInvariants();
     ASSERT_TRUE(invariants.ok()) << "at step " << step << ": " << invariants;

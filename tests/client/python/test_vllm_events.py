@@ -3,9 +3,10 @@ vLLM: a SUB socket for [topic, seq, payload] messages, a REQ socket for replays,
 decoded against vLLM's KV-event schema (vllm/distributed/kv_events.py: msgspec structs with
 array_like=True, tag=True), strictly: every field of every struct, with its type. A consumer
 that reconstructs the daemon's block set from them must end with the daemon's own snapshot
-(WatchEvents), also when it drops messages and fills the gaps through the replay socket, and
-per layer group for a hybrid pool (vLLM's later group fields); and garbage sent to the replay
-socket neither crashes nor blocks the daemon."""
+(WatchEvents), device and host tier alike, also when it drops messages and fills the gaps
+through the replay socket, across a cleared cache (AllBlocksCleared forgets every medium; the
+host tier's blocks are told again), and per layer group for a hybrid pool (vLLM's later group
+fields); and garbage sent to the replay socket neither crashes nor blocks the daemon."""
 
 import contextlib
 import os
@@ -114,14 +115,13 @@ class Consumer:
             return  # had it already (a replay reached past it)
         assert seq == self.last_seq + 1, (seq, self.last_seq)
         for e in decode_batch(payload):
-            if e["type"] == "AllBlocksCleared":  # the device pool's, every group (docs/events.md)
-                for key in [k for k in self.blocks if k[0] == "GPU"]:
-                    del self.blocks[key]
+            if e["type"] == "AllBlocksCleared":  # every medium and group (docs/events.md)
+                self.blocks.clear()
                 continue
             key = (e["medium"], e.get("group_idx", 0))
             held = self.blocks.setdefault(key, set())
             if e["type"] == "BlockStored":
-                if key[1] > 0:  # a component after its block
+                if key[1] > 0 and key[0] != "DISK":  # a component after its block
                     assert set(e["block_hashes"]) <= self.blocks.get((key[0], 0), set()), e
                 held.update(e["block_hashes"])
             else:
@@ -169,14 +169,15 @@ def hash_bytes(h):
     return h.hi.to_bytes(8, "big") + h.lo.to_bytes(8, "big")
 
 
-def snapshot(client, group=0):
-    """The daemon's device blocks of layer group `group`, from its WatchEvents snapshot."""
+def snapshot(client, group=0, medium="device"):
+    """The daemon's blocks of layer group `group` in `medium` ("device", "host", "disk"), from its
+    WatchEvents snapshot."""
     blocks = set()
     for response in client.watch_events(snapshot=True):
         if not response.snapshot:
             break
         for e in response.events:
-            if (e.group.index if e.HasField("group") else 0) == group:
+            if (e.group.index if e.HasField("group") else 0) == group and e.medium == medium:
                 blocks.update(hash_bytes(h) for h in e.block_hashes)
     return blocks
 
@@ -227,6 +228,8 @@ class VllmEventsTest(unittest.TestCase):
             with kvpool.Client.connect(daemon.dir, client_name="vllm-events") as c:
                 workload(c, 12)
                 consumer.poll(0)
+                settled_next_seq(c)  # the tier writer done: no block held for it
+                c.evict_all()  # AllBlocksCleared, then the host tier's blocks again
                 workload(c, 12)
                 next_seq = settled_next_seq(c)
                 consumer.catch_up(next_seq)
@@ -234,6 +237,7 @@ class VllmEventsTest(unittest.TestCase):
                 media = consumer.blocks
                 self.assertTrue(media.get(("GPU", 0)), "no device events")
                 self.assertEqual(media[("GPU", 0)], snapshot(c))
+                self.assertEqual(media.get(("CPU", 0), set()), snapshot(c, medium="host"))
                 self.assertEqual(len(media.get(("CPU", 0), ())), host_blocks(c))
                 self.assertGreater(host_blocks(c), 0)
                 self.assertTrue(c.check_invariants().ok)
@@ -291,6 +295,7 @@ class VllmEventsTest(unittest.TestCase):
             self.assertGreater(tiers.host_checkpoints, 0)
             self.assertEqual(len(on_host), tiers.host_checkpoints)
             self.assertLessEqual(on_host, consumer.blocks.get(("CPU", 0), set()))
+            self.assertEqual(on_host, snapshot(c, 1, "host"))
             self.assertEqual(consumer.blocks.get(("GPU", 1), set()), snapshot(c, 1))
 
     def test_garbage_on_the_replay_socket_neither_crashes_nor_blocks_the_daemon(self):
