@@ -79,6 +79,17 @@ void DiskBlockStore::Tell(const std::vector<Change>& changes) const {
   }
 }
 
+void DiskBlockStore::TellRecords() const {
+  std::vector<Change> changes;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const Slot& s : slots_) {
+      if (s.state == SlotState::kStored) changes.push_back({.entry = s.entry, .stored = true});
+    }
+  }
+  Tell(changes);
+}
+
 void DiskBlockStore::DropStored(int32_t slot, std::vector<Change>* changes) {
   Slot& s = slots_[static_cast<size_t>(slot)];
   lru_.Remove(slot);

@@ -55,6 +55,11 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
       WriteLock lock(e);
       e->state_->pool(pool).DrainTierEvents();
     });
+    {
+      // What the tiers told before there was a log to take it (the disk's records found at start).
+      WriteLock lock(e);
+      e->state_->pool(static_cast<int32_t>(i)).DrainTierEvents();
+    }
     // Stage and KeepInHost run under the engine's lock (TierSet::set_tags_of).
     e->tiers_[i]->set_tags_of([e](NamespaceId ns) {
       e->mu_.AssertReaderHeld();

@@ -163,6 +163,12 @@ TierSet::TierSet(kernels::Device* device, const kernels::PoolLayout& layout, con
   if (disk_windows_) {
     disk_windows_->set_listener(tell(KvMedium::kDisk, KvGroupKind::kSlidingWindow));
   }
+  // What the disk stores found at start is theirs as much as what they store from now on: told
+  // as stored (before any component, so each follows its block where both were found).
+  for (const tier::DiskBlockStore* store :
+       {disk_.get(), disk_checkpoints_.get(), disk_windows_.get()}) {
+    if (store != nullptr) store->TellRecords();
+  }
   writer_ = std::thread([this] { WriterLoop(); });
 }
 

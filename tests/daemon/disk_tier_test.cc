@@ -1,10 +1,14 @@
 // The disk tier in the engine (daemon/engine/tiers.h, tier/disk_block_store.h): a prefix
 // published before a restart is promoted from disk after it, byte for byte, into an arena that
 // was not there before; and an invalidation makes every tier forget a tenant's blocks, and only
-// its, across a restart too. Real processes: tests/client/python/test_disk_tier.py.
+// its, across a restart too; the records found at start are told as events. Real processes:
+// tests/client/python/test_disk_tier.py.
 
 #include <filesystem>
+#include <optional>
+#include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "daemon/engine/call_context.h"
 #include "daemon/engine/engine.h"
 #include "gtest/gtest.h"
@@ -120,6 +124,42 @@ TEST_F(DiskTierTest, DiskEventsNameTheMedium) {
     if (e.medium == KvMedium::kDisk && e.type == KvEventType::kBlockStored) ++disk_stored;
   }
   EXPECT_EQ(disk_stored, 2);
+}
+
+// The records a restarted daemon finds on disk are the disk tier's as much as those it writes
+// later: the new pool's event log tells them as Stored (with their parents), and its snapshot
+// holds them. Before, nothing named them until they were dropped (a Removed of a block no
+// consumer had been told of).
+TEST_F(DiskTierTest, ARestartTellsTheRecordsFoundOnDisk) {
+  Publish(*alice_, Prompt(48, 7), 70);  // three full blocks, a chain
+  const auto disk_stored = [&] {
+    std::vector<KvEvent> events;
+    EXPECT_TRUE(engine_->FlushTiers(absl::Seconds(10)).ok());  // the tiers' events drained
+    EXPECT_TRUE(engine_->ReadEvents(0, 1, 100, &events));
+    absl::flat_hash_map<BlockHash, std::optional<BlockHash>> stored;  // -> parent
+    for (const KvEvent& e : events) {
+      if (e.medium != KvMedium::kDisk || e.type != KvEventType::kBlockStored) continue;
+      std::optional<BlockHash> parent = e.parent_hash;
+      for (const BlockHash& h : e.block_hashes) {
+        stored[h] = parent;
+        parent = h;
+      }
+    }
+    return stored;
+  };
+  const absl::flat_hash_map<BlockHash, std::optional<BlockHash>> before = disk_stored();
+  ASSERT_EQ(before.size(), 3u);
+  Stop();
+  Start();
+  EXPECT_EQ(engine_->Stats().tiers.disk_tier.recovered_blocks, 3);
+  EXPECT_EQ(disk_stored(), before);
+  uint64_t resume = 0;
+  size_t in_snapshot = 0;
+  for (const KvEvent& e : engine_->SnapshotEvents(0, &resume)) {
+    if (e.medium != KvMedium::kDisk) continue;
+    for (const BlockHash& h : e.block_hashes) in_snapshot += before.contains(h) ? 1 : 0;
+  }
+  EXPECT_EQ(in_snapshot, 3u);
 }
 
 TEST_F(DiskTierTest, InvalidationForgetsATenantInEveryTierAndOnlyIt) {

@@ -2,7 +2,8 @@
 (SIGTERM, or kill -9 in the middle of a burst of writes) is found on disk after it and gives the
 same greedy token; nothing torn is ever served; a budget smaller than the workload and a file
 system that fills up cost no call, only counted errors; `kvpoolctl invalidate` makes every tier
-forget one tenant and only it, across a restart too."""
+forget one tenant and only it, across a restart too. The blocks found on disk at start are
+in the event stream's snapshot."""
 
 import os
 import shutil
@@ -32,6 +33,18 @@ def disk(stats):
         if s.medium == "disk":
             return s
     raise AssertionError(f"no disk tier in {stats.tiers}")
+
+
+def snapshot_disk_blocks(client):
+    """The disk tier's blocks (hi, lo) in the daemon's WatchEvents snapshot."""
+    blocks = set()
+    for response in client.watch_events(snapshot=True):
+        if not response.snapshot:
+            break
+        for e in response.events:
+            if e.medium == "disk":
+                blocks.update((h.hi, h.lo) for h in e.block_hashes)
+    return blocks
 
 
 class DiskTierCase(unittest.TestCase):
@@ -70,6 +83,8 @@ class WarmRestartTest(DiskTierCase):
         with Daemon(self.config()) as b:
             with kvpool.Client.connect(b.dir, client_name="after") as c:
                 self.assertEqual(disk(c.get_stats()).recovered_blocks, 10)
+                # They are the disk tier's in the events too (docs/events.md, Snapshots).
+                self.assertEqual(len(snapshot_disk_blocks(c)), 10)
                 again = c.prefill(prompt(1))
                 self.assertEqual(again.reused_tokens, PROMPT_TOKENS - 1)  # the last one computed
                 self.assertEqual(again.next_token, before[1])
