@@ -2,8 +2,11 @@
 // sequence operations live in kv_cache_manager.cc).
 
 #include <algorithm>
+#include <iterator>
 #include <utility>
+#include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "fmt/format.h"
 #include "kvpool/kv_cache_manager.h"
 #include "kvpool/util/check.h"
@@ -151,18 +154,44 @@ std::vector<KvEvent> KvCacheManager::SnapshotEvents(uint64_t* resume_seq) const 
     return {};
   }
   std::vector<KvEvent> out = cache_->SnapshotEvents(resume_seq);
-  // Then the components kept beside full blocks, after the blocks they name. (From the tree's
-  // coverage, not the records': the random tests hold the events to this.)
+  // Then the components kept beside full blocks, after the blocks they name: each group's in the
+  // tree's order, so each after its parent's. (From the tree's coverage, not the records': the
+  // random tests hold the events to this.)
+  std::vector<KvEvent> windows, checkpoints;
   for (const auto& [stamp, block] : window_lru_) {
     const BlockId primary = window_at_[Index(block)].primary;
     if (cache_->CoverageOf(primary) == block_size_) {
-      out.push_back(cache_->ComponentStored(primary, *event_groups_.window));
+      windows.push_back(cache_->ComponentStored(primary, *event_groups_.window));
     }
   }
   for (const auto& key : checkpoint_order_) {
     const CheckpointSlot& c = checkpoint_at_[Index(key.id)];
-    if (c.offset == block_size_)
-      out.push_back(cache_->ComponentStored(c.block, *event_groups_.state));
+    if (c.offset == block_size_) {
+      checkpoints.push_back(cache_->ComponentStored(c.block, *event_groups_.state));
+    }
+  }
+  const size_t tree_events = out.size();
+  for (std::vector<KvEvent>* components : {&windows, &checkpoints}) {
+    absl::flat_hash_map<BlockHash, size_t> by_hash;
+    for (size_t i = 0; i < components->size(); ++i) {
+      by_hash.emplace((*components)[i].block_hashes.front(), i);
+    }
+    std::vector<bool> told(components->size(), false);
+    std::vector<KvEvent> ordered;
+    ordered.reserve(components->size());
+    for (size_t i = 0; i < tree_events; ++i) {
+      for (const BlockHash& h : out[i].block_hashes) {
+        if (const auto it = by_hash.find(h); it != by_hash.end() && !told[it->second]) {
+          told[it->second] = true;
+          ordered.push_back(std::move((*components)[it->second]));
+        }
+      }
+    }
+    // Each names a full block of the tree, so none is left; were one, it would still be told.
+    for (size_t i = 0; i < components->size(); ++i) {
+      if (!told[i]) ordered.push_back(std::move((*components)[i]));
+    }
+    std::move(ordered.begin(), ordered.end(), std::back_inserter(out));
   }
   // Then the lower tiers' blocks, as their events told them.
   tier_events_.AppendSnapshot(&out);

@@ -94,28 +94,47 @@ void TierEventView::Apply(const KvEvent& event) {
 }
 
 void TierEventView::AppendSnapshot(std::vector<KvEvent>* out) const {
-  std::vector<std::pair<const BlockHash*, const Held*>> held;
+  using Entry = std::pair<const BlockHash, Held>;
+  std::vector<const Entry*> told;
+  absl::flat_hash_map<BlockHash, std::vector<const Entry*>> children;
+  std::vector<const Entry*> starts;  // a stack of blocks that start an event
   for (const auto& [key, g] : groups_) {
-    held.clear();
-    for (const auto& [hash, h] : g.blocks) held.push_back({&hash, &h});
-    std::sort(held.begin(), held.end(),
-              [](const auto& a, const auto& b) { return a.second->order < b.second->order; });
-    const size_t first = out->size();
-    for (const auto& [hash, h] : held) {
-      if (out->size() > first) {
-        KvEvent& last = out->back();
-        if (last.ns == h->ns && last.block_hashes.back() == h->parent) {
-          last.block_hashes.push_back(*hash);
-          continue;
-        }
+    told.clear();
+    children.clear();
+    for (const Entry& b : g.blocks) told.push_back(&b);
+    std::sort(told.begin(), told.end(),
+              [](const Entry* a, const Entry* b) { return a->second.order < b->second.order; });
+    // A block whose parent is held here goes after it; the others are roots, in told order.
+    for (auto it = told.rbegin(); it != told.rend(); ++it) {
+      const Held& h = (*it)->second;
+      const auto parent = g.blocks.find(h.parent);
+      if (h.parent != BlockHash{} && h.parent != (*it)->first && parent != g.blocks.end() &&
+          parent->second.ns == h.ns) {
+        children[h.parent].push_back(*it);  // latest told first: popped last
+      } else {
+        starts.push_back(*it);
       }
+    }
+    // Each start begins an event and follows its first child, and that one's, on the same
+    // event; the other children start events of their own, after it.
+    while (!starts.empty()) {
+      const Entry* b = starts.back();
+      starts.pop_back();
       KvEvent e{.type = KvEventType::kBlockStored,
-                .ns = h->ns,
-                .block_hashes = {*hash},
+                .ns = b->second.ns,
+                .block_hashes = {b->first},
                 .block_size = g.block_size,
                 .medium = key.first,
                 .group = g.group};
-      if (h->parent != BlockHash{}) e.parent_hash = h->parent;
+      if (b->second.parent != BlockHash{}) e.parent_hash = b->second.parent;
+      for (auto kids = children.find(b->first); kids != children.end();
+           kids = children.find(e.block_hashes.back())) {
+        std::vector<const Entry*>& next = kids->second;
+        e.block_hashes.push_back(next.back()->first);
+        next.pop_back();
+        starts.insert(starts.end(), next.begin(), next.end());
+        children.erase(kids);
+      }
       out->push_back(std::move(e));
     }
   }

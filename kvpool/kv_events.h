@@ -140,8 +140,9 @@ class TierEventView final {
   // REQUIRES: event.medium != KvMedium::kDevice.
   void Apply(const KvEvent& event);
   // Appends Stored events (seq 0) naming every block held: by medium (host, then disk), then by
-  // group (main blocks first), each group's blocks in the order the tier first told them, a run
-  // of blocks that are each the parent of the next in one event.
+  // group (main blocks first); in a group, each block after its parent where that is held too
+  // (whatever order the tier told them in: the disk's records found at start come in slot
+  // order), a parent and its first child on one event, roots in the order first told.
   void AppendSnapshot(std::vector<KvEvent>* out) const;
   size_t size() const { return size_; }  // blocks held, every medium and group
 

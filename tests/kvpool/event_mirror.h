@@ -8,7 +8,7 @@
 // tier store tells on its own, docs/events.md), or group fields missing or present against the
 // pool's kind. AllBlocksCleared forgets every medium. Matches() compares the view with a snapshot
 // (SnapshotEvents), which is what a consumer that fell behind would rebuild from: the two must
-// agree after every call.
+// agree after every call, and the snapshot must name each block after its parent.
 
 #include <cstdint>
 #include <set>
@@ -46,6 +46,16 @@ class EventMirror {
   ::testing::AssertionResult Matches(std::span<const KvEvent> snapshot) const {
     Blocks rebuilt;
     for (const KvEvent& e : snapshot) {
+      // A block after its parent, where the snapshot names that too (in the same medium and
+      // group): a router that grows a tree from Stored events drops a block whose parent it
+      // does not know yet.
+      if (e.parent_hash) {
+        const Key parent{e.medium, e.ns.value(), e.group ? e.group->index : 0, e.parent_hash->hi,
+                         e.parent_hash->lo};
+        if (blocks_.contains(parent) && !rebuilt.contains(parent)) {
+          return ::testing::AssertionFailure() << "a snapshot's block before its parent";
+        }
+      }
       if (::testing::AssertionResult r = Apply(e, &rebuilt, nullptr); !r) return r << " (snapshot)";
     }
     if (rebuilt != blocks_) {

@@ -514,9 +514,9 @@ TEST_F(WindowGroupTest, ATiersEventsAreTheirComponentsGroups) {
 }
 
 // The lower tiers' blocks are in the pool's snapshot as their events told them, by medium and
-// group, a tier's parent chain in one event: a consumer that rebuilds from a snapshot (its view
-// cleared, as WatchEvents says) keeps them. A Clear's AllBlocksCleared clears every medium, and the
-// tiers' blocks, which stay, are told again right after it.
+// group, each after its parent, a parent chain in one event: a consumer that rebuilds from a
+// snapshot (its view cleared, as WatchEvents says) keeps them. A Clear's AllBlocksCleared clears
+// every medium, and the tiers' blocks, which stay, are told again right after it.
 TEST_F(WindowGroupTest, TheTiersBlocksAreInTheSnapshotAndToldAgainAfterAClear) {
   Make(/*window_blocks=*/6, /*window_tokens=*/32, /*sink_tokens=*/0, /*num_blocks=*/64,
        /*state_slots=*/5, /*checkpoint_slots=*/3, /*checkpoint_interval=*/2);
@@ -527,7 +527,8 @@ TEST_F(WindowGroupTest, TheTiersBlocksAreInTheSnapshotAndToldAgainAfterAClear) {
   ASSERT_TRUE(cache_->Free(kAlice, a->sequence, OnFree::kCommit).ok());
 
   // As the tiers tell (daemon/engine/tiers.cc): one block an event, its parent beside it.
-  const BlockHash h1{.lo = 1, .hi = 11}, h2{.lo = 2, .hi = 12}, h3{.lo = 3, .hi = 13};
+  const BlockHash h1{.lo = 1, .hi = 11}, h2{.lo = 2, .hi = 12}, h3{.lo = 3, .hi = 13},
+      h4{.lo = 4, .hi = 14}, h5{.lo = 5, .hi = 15};
   const auto tell = [&](KvEventType type, KvMedium medium, BlockHash hash,
                         std::optional<BlockHash> parent,
                         std::optional<KvGroupKind> component = std::nullopt) {
@@ -548,8 +549,10 @@ TEST_F(WindowGroupTest, TheTiersBlocksAreInTheSnapshotAndToldAgainAfterAClear) {
   tell(stored, KvMedium::kDisk, h3, h2, KvGroupKind::kStateSpace);  // before its block: allowed
   tell(stored, KvMedium::kDisk, h3, h2);
   tell(removed, KvMedium::kHost, h3, std::nullopt);
+  tell(stored, KvMedium::kHost, h5, h4);  // a child told before its parent (the disk at start)
+  tell(stored, KvMedium::kHost, h4, std::nullopt);
   ASSERT_TRUE(mirror.Follow(*cache_->events()));
-  EXPECT_EQ(mirror.held(0, KvMedium::kHost), 2u);
+  EXPECT_EQ(mirror.held(0, KvMedium::kHost), 4u);
   EXPECT_EQ(mirror.held(2, KvMedium::kHost), 1u);
   EXPECT_EQ(mirror.held(0, KvMedium::kDisk), 1u);
   EXPECT_EQ(mirror.held(2, KvMedium::kDisk), 1u);
@@ -558,8 +561,8 @@ TEST_F(WindowGroupTest, TheTiersBlocksAreInTheSnapshotAndToldAgainAfterAClear) {
   const std::vector<KvEvent> snapshot = cache_->SnapshotEvents(&resume);
   EXPECT_EQ(resume, cache_->events()->next_seq());
   EXPECT_TRUE(mirror.Matches(snapshot));
-  // The tiers' part, after the device's: host main (h1 then h2, one chain), host state, disk main,
-  // disk state.
+  // The tiers' part, after the device's: host main (h1 then h2, one chain; h4 then h5, each after
+  // its parent whatever the order told), host state, disk main, disk state.
   std::vector<KvEvent> tiers;
   for (const KvEvent& e : snapshot) {
     if (e.medium != KvMedium::kDevice) {
@@ -568,7 +571,10 @@ TEST_F(WindowGroupTest, TheTiersBlocksAreInTheSnapshotAndToldAgainAfterAClear) {
       EXPECT_THAT(tiers, IsEmpty()) << "a device block after the tiers'";
     }
   }
-  ASSERT_EQ(tiers.size(), 4u);
+  ASSERT_EQ(tiers.size(), 5u);
+  EXPECT_THAT(tiers[1].block_hashes, ElementsAre(h4, h5));
+  EXPECT_EQ(tiers[1].parent_hash, std::nullopt);
+  tiers.erase(tiers.begin() + 1);
   EXPECT_EQ(tiers[0].medium, KvMedium::kHost);
   EXPECT_EQ(tiers[0].group, (KvEventGroup{.index = 0, .kind = KvGroupKind::kFullAttention}));
   EXPECT_THAT(tiers[0].block_hashes, ElementsAre(h1, h2));
@@ -590,8 +596,9 @@ TEST_F(WindowGroupTest, TheTiersBlocksAreInTheSnapshotAndToldAgainAfterAClear) {
   ASSERT_TRUE(cache_->ClearCache().ok());
   std::vector<KvEvent> events;
   ASSERT_TRUE(cache_->events()->ReadFrom(before, 100, &events));
-  ASSERT_EQ(events.size(), 5u);
+  ASSERT_EQ(events.size(), 6u);
   EXPECT_EQ(events[0].type, KvEventType::kAllBlocksCleared);
+  events.erase(events.begin() + 2);  // h4, h5
   for (size_t i = 1; i < events.size(); ++i) {
     EXPECT_EQ(events[i].type, KvEventType::kBlockStored);
     EXPECT_EQ(events[i].block_hashes, tiers[i - 1].block_hashes);
@@ -600,7 +607,7 @@ TEST_F(WindowGroupTest, TheTiersBlocksAreInTheSnapshotAndToldAgainAfterAClear) {
   ASSERT_TRUE(mirror.Follow(*cache_->events()));
   EXPECT_TRUE(mirror.Matches(cache_->SnapshotEvents(&resume)));
   EXPECT_EQ(mirror.held(0) + mirror.held(1) + mirror.held(2), 0u);
-  EXPECT_EQ(mirror.held(0, KvMedium::kHost), 2u);
+  EXPECT_EQ(mirror.held(0, KvMedium::kHost), 4u);
   EXPECT_EQ(mirror.held(2, KvMedium::kDisk), 1u);
   ExpectInvariants();
 }
