@@ -438,7 +438,16 @@ std::string FormatEvents(const v1::WatchEventsResponse& events, bool json) {
   if (json) return ToJson(events) + "\n";
   std::string out;
   if (events.snapshot()) {
-    out += fmt::format("snapshot: {} cached run(s); resume at seq {}\n", events.events_size(),
+    // Blocks by medium: the device's, then each tier's that holds any (docs/events.md).
+    std::map<std::string, int64_t> blocks;
+    for (const v1::KvEvent& e : events.events()) {
+      blocks[e.medium().empty() ? "device" : e.medium()] += e.block_hashes_size();
+    }
+    std::string media = fmt::format("{} device block(s)", blocks["device"]);
+    for (const auto& [medium, n] : blocks) {
+      if (medium != "device") media += fmt::format(", {} {}", n, medium);
+    }
+    out += fmt::format("snapshot: {} event(s), {}; resume at seq {}\n", events.events_size(), media,
                        events.resume_seq());
   }
   for (const v1::KvEvent& e : events.events()) {

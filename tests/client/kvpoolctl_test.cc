@@ -289,6 +289,7 @@ TEST(FormatTest, EventsTextHasALinePerEvent) {
   const std::vector<std::string> lines = Lines(FormatEvents(events, false));
   ASSERT_EQ(lines.size(), 2u);
   EXPECT_THAT(lines[0], HasSubstr("resume at seq 9"));
+  EXPECT_THAT(lines[0], HasSubstr("1 device block(s);"));  // no tier holds any
   EXPECT_THAT(lines[1], HasSubstr("stored"));
   EXPECT_THAT(lines[1], HasSubstr("parent root"));
   EXPECT_THAT(lines[1], Not(HasSubstr("group")));  // a pool of one group
@@ -306,6 +307,14 @@ TEST(FormatTest, EventsTextHasALinePerEvent) {
   EXPECT_THAT(grouped[2], HasSubstr("group 2 mamba"));
   EXPECT_THAT(grouped[2], Not(HasSubstr(" W ")));
   EXPECT_EQ(json::parse(ToJson(events))["events"][0]["group"]["kind"], "sliding_window");
+  // A snapshot's header counts each medium's blocks, the tiers' too.
+  v1::KvEvent* host = events.add_events();
+  host->set_type(v1::KvEvent::TYPE_BLOCK_STORED);
+  host->set_medium("host");
+  host->add_block_hashes()->set_lo(2);
+  host->add_block_hashes()->set_lo(3);
+  EXPECT_THAT(Lines(FormatEvents(events, false))[0],
+              HasSubstr("snapshot: 3 event(s), 1 device block(s), 2 host; resume at seq 9"));
 }
 
 TEST(FormatTest, ChromeTraceHasATrackPerBlockAndAnEventPerOperation) {
