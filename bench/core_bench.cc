@@ -5,6 +5,7 @@
 // Each kvpool benchmark has a baseline doing the same job with no bookkeeping: a free list as a
 // bare vector stack, tables as bare vectors. The block trace stays on (depth 8), as in production.
 
+#include <utility>
 #include <vector>
 
 #include "bench/ratio_reporter.h"
@@ -219,6 +220,63 @@ void BM_ForkFree_Vectors(benchmark::State& state) {
 }
 BENCHMARK(BM_ForkFree_Vectors);
 
+// --- a snapshot's tier part: 100,000 host-tier blocks in chains of 8
+// ------------------------------ What a WatchEvents snapshot or a resync adds, under the engine's
+// shared lock, for a tier that holds that many blocks (docs/events.md, Snapshots). The baseline
+// builds the same events from a bare vector of (hash, parent), already in order.
+
+constexpr int64_t kTierBlocks = 100'000;
+
+BlockHash TierHash(int64_t i) { return {.lo = static_cast<uint64_t>(i) + 1, .hi = 0x7137}; }
+
+void BM_SnapshotTierBlocks(benchmark::State& state) {
+  auto cache =
+      KvCacheManager::Create({.block_size = kBlockSize, .num_blocks = 64, .max_blocks_per_seq = 4});
+  KVPOOL_CHECK_OK(cache.status());
+  for (int64_t i = 0; i < kTierBlocks; ++i) {
+    KvEvent e{.type = KvEventType::kBlockStored,
+              .ns = NamespaceId(1),
+              .block_hashes = {TierHash(i)},
+              .block_size = kBlockSize,
+              .medium = KvMedium::kHost};
+    if (i % 8 != 0) e.parent_hash = TierHash(i - 1);
+    KVPOOL_CHECK_OK((*cache)->AppendTierEvent(std::move(e)));
+  }
+  uint64_t resume = 0;
+  for (auto _ : state) {
+    const std::vector<KvEvent> snapshot = (*cache)->SnapshotEvents(&resume);
+    benchmark::DoNotOptimize(snapshot.data());
+  }
+  state.SetItemsProcessed(state.iterations() * kTierBlocks);
+}
+BENCHMARK(BM_SnapshotTierBlocks)->Unit(benchmark::kMillisecond);
+
+void BM_SnapshotTierBlocks_Vectors(benchmark::State& state) {
+  std::vector<std::pair<BlockHash, BlockHash>> held;  // (hash, parent)
+  for (int64_t i = 0; i < kTierBlocks; ++i) {
+    held.push_back({TierHash(i), i % 8 != 0 ? TierHash(i - 1) : BlockHash{}});
+  }
+  for (auto _ : state) {
+    std::vector<KvEvent> snapshot;
+    for (const auto& [hash, parent] : held) {
+      if (!snapshot.empty() && snapshot.back().block_hashes.back() == parent) {
+        snapshot.back().block_hashes.push_back(hash);
+        continue;
+      }
+      KvEvent e{.type = KvEventType::kBlockStored,
+                .ns = NamespaceId(1),
+                .block_hashes = {hash},
+                .block_size = kBlockSize,
+                .medium = KvMedium::kHost};
+      if (parent != BlockHash{}) e.parent_hash = parent;
+      snapshot.push_back(std::move(e));
+    }
+    benchmark::DoNotOptimize(snapshot.data());
+  }
+  state.SetItemsProcessed(state.iterations() * kTierBlocks);
+}
+BENCHMARK(BM_SnapshotTierBlocks_Vectors)->Unit(benchmark::kMillisecond);
+
 }  // namespace
 }  // namespace kvpool
 
@@ -232,5 +290,7 @@ int main(int argc, char** argv) {
           {"allocate+free one sequence (manager)", "BM_SequenceAllocateFree", "BM_VectorPushPop"},
           {"grow 1 token x 256 sequences, one batch", "BM_GrowBatch256", "BM_GrowBatch256_Vectors"},
           {"fork+free, 1000 tokens", "BM_ForkFree", "BM_ForkFree_Vectors"},
+          {"snapshot of 100k host-tier blocks", "BM_SnapshotTierBlocks",
+           "BM_SnapshotTierBlocks_Vectors"},
       });
 }

@@ -68,7 +68,7 @@ void TierEventView::Apply(const KvEvent& event) {
         ++it;
         continue;
       }
-      size_ -= it->second.blocks.size();
+      size_ -= it->second.held.size();
       it = groups_.erase(it);
     }
     return;
@@ -80,62 +80,76 @@ void TierEventView::Apply(const KvEvent& event) {
   BlockHash parent = event.parent_hash.value_or(BlockHash{});
   for (const BlockHash& hash : event.block_hashes) {
     if (event.type == KvEventType::kBlockStored) {
-      const auto [it, inserted] =
-          g.blocks.try_emplace(hash, Held{.ns = event.ns, .parent = parent, .order = next_order_});
-      if (inserted) {
-        ++next_order_;
+      if (g.held.try_emplace(hash, g.told.size()).second) {
+        g.told.push_back({.hash = hash, .parent = parent, .ns = event.ns});
         ++size_;
       }
       parent = hash;  // a Stored event's blocks are each the parent of the next
-    } else {
-      size_ -= g.blocks.erase(hash);
+    } else if (const auto it = g.held.find(hash); it != g.held.end()) {
+      g.told[it->second].held = false;
+      g.held.erase(it);
+      --size_;
     }
   }
+  if (g.told.size() > 1024 && g.told.size() > 2 * g.held.size()) Compact(g);
+}
+
+void TierEventView::Compact(Group& g) {
+  size_t kept = 0;
+  for (const Told& t : g.told) {
+    if (!t.held) continue;
+    g.held[t.hash] = kept;
+    g.told[kept++] = t;
+  }
+  g.told.resize(kept);
 }
 
 void TierEventView::AppendSnapshot(std::vector<KvEvent>* out) const {
-  using Entry = std::pair<const BlockHash, Held>;
-  std::vector<const Entry*> told;
-  absl::flat_hash_map<BlockHash, std::vector<const Entry*>> children;
-  std::vector<const Entry*> starts;  // a stack of blocks that start an event
+  std::vector<bool> placed;  // by Group::told entry
+  std::vector<size_t> up;    // a block, then its parents not placed yet
   for (const auto& [key, g] : groups_) {
-    told.clear();
-    children.clear();
-    for (const Entry& b : g.blocks) told.push_back(&b);
-    std::sort(told.begin(), told.end(),
-              [](const Entry* a, const Entry* b) { return a->second.order < b->second.order; });
-    // A block whose parent is held here goes after it; the others are roots, in told order.
-    for (auto it = told.rbegin(); it != told.rend(); ++it) {
-      const Held& h = (*it)->second;
-      const auto parent = g.blocks.find(h.parent);
-      if (h.parent != BlockHash{} && h.parent != (*it)->first && parent != g.blocks.end() &&
-          parent->second.ns == h.ns) {
-        children[h.parent].push_back(*it);  // latest told first: popped last
-      } else {
-        starts.push_back(*it);
+    placed.assign(g.told.size(), false);
+    // The entry of `t`'s parent when that is held here and not placed yet; none otherwise. Told
+    // right after its parent (a chain stored at once), a block needs no lookup.
+    const auto unplaced_parent = [&](size_t i) -> std::optional<size_t> {
+      const Told& t = g.told[i];
+      if (t.parent == BlockHash{}) return std::nullopt;
+      if (i > 0 && g.told[i - 1].hash == t.parent && placed[i - 1]) return std::nullopt;
+      const auto p = g.held.find(t.parent);
+      if (p == g.held.end() || placed[p->second] || g.told[p->second].ns != t.ns) {
+        return std::nullopt;
       }
-    }
-    // Each start begins an event and follows its first child, and that one's, on the same
-    // event; the other children start events of their own, after it.
-    while (!starts.empty()) {
-      const Entry* b = starts.back();
-      starts.pop_back();
-      KvEvent e{.type = KvEventType::kBlockStored,
-                .ns = b->second.ns,
-                .block_hashes = {b->first},
-                .block_size = g.block_size,
-                .medium = key.first,
-                .group = g.group};
-      if (b->second.parent != BlockHash{}) e.parent_hash = b->second.parent;
-      for (auto kids = children.find(b->first); kids != children.end();
-           kids = children.find(e.block_hashes.back())) {
-        std::vector<const Entry*>& next = kids->second;
-        e.block_hashes.push_back(next.back()->first);
-        next.pop_back();
-        starts.insert(starts.end(), next.begin(), next.end());
-        children.erase(kids);
+      return p->second;
+    };
+    const size_t first = out->size();
+    for (size_t i = 0; i < g.told.size(); ++i) {
+      if (!g.told[i].held || placed[i]) continue;
+      // The block and its parents not placed yet (marked as they are found: a cycle would need a
+      // hash collision, and still ends), then placed from the topmost down.
+      up.assign(1, i);
+      placed[i] = true;
+      for (std::optional<size_t> p = unplaced_parent(i); p; p = unplaced_parent(*p)) {
+        placed[*p] = true;
+        up.push_back(*p);
       }
-      out->push_back(std::move(e));
+      for (auto b = up.rbegin(); b != up.rend(); ++b) {
+        const Told& t = g.told[*b];
+        if (out->size() > first) {
+          KvEvent& last = out->back();
+          if (last.ns == t.ns && last.block_hashes.back() == t.parent) {
+            last.block_hashes.push_back(t.hash);
+            continue;
+          }
+        }
+        KvEvent e{.type = KvEventType::kBlockStored,
+                  .ns = t.ns,
+                  .block_hashes = {t.hash},
+                  .block_size = g.block_size,
+                  .medium = key.first,
+                  .group = g.group};
+        if (t.parent != BlockHash{}) e.parent_hash = t.parent;
+        out->push_back(std::move(e));
+      }
     }
   }
 }

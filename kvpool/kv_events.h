@@ -130,8 +130,8 @@ class EventLog final {
 // medium kHost and kDisk, every group): what a consumer that followed each of them holds. A pool's
 // snapshot restates it after the device's blocks, and after an AllBlocksCleared (which clears
 // every medium, docs/events.md) the pool tells it again, so a consumer that rebuilds from either
-// loses no tier's block. At most about 112 bytes per block a tier holds (a
-// 49-byte hash-map slot, the map 7/16 to 7/8 full).
+// loses no tier's block. At most about 150 bytes per block a tier holds (a 48-byte entry of the
+// told order, at most half of them dead, and a 25-byte hash-map slot, the map 7/16 to 7/8 full).
 //
 // Thread-compatible.
 class TierEventView final {
@@ -140,26 +140,31 @@ class TierEventView final {
   // REQUIRES: event.medium != KvMedium::kDevice.
   void Apply(const KvEvent& event);
   // Appends Stored events (seq 0) naming every block held: by medium (host, then disk), then by
-  // group (main blocks first); in a group, each block after its parent where that is held too
-  // (whatever order the tier told them in: the disk's records found at start come in slot
-  // order), a parent and its first child on one event, roots in the order first told.
+  // group (main blocks first); in a group, in the order first told, but each block after its
+  // parent where that is held too (whatever order the tier told them in: the disk's records
+  // found at start come in slot order), a block right after its parent on the parent's event.
+  // O(blocks held), no lock of its own: callers may snapshot at once under a shared lock.
   void AppendSnapshot(std::vector<KvEvent>* out) const;
   size_t size() const { return size_; }  // blocks held, every medium and group
 
  private:
-  struct Held {
-    NamespaceId ns;
+  struct Told {
+    BlockHash hash;
     BlockHash parent;  // {} at the root
-    uint64_t order = 0;
+    NamespaceId ns;
+    bool held = true;  // false once removed (the entry is dead)
   };
   struct Group {
     std::optional<KvEventGroup> group;
     int32_t block_size = 0;
-    absl::flat_hash_map<BlockHash, Held> blocks;
+    // The blocks in the order told, dead entries among them until compacted (when more than
+    // half are), and each held block's entry.
+    std::vector<Told> told;
+    absl::flat_hash_map<BlockHash, size_t> held;
   };
+  static void Compact(Group& g);
   // By (medium, group index).
   std::map<std::pair<KvMedium, int32_t>, Group> groups_;
-  uint64_t next_order_ = 0;
   size_t size_ = 0;
 };
 
