@@ -16,6 +16,7 @@ import tempfile
 import time
 import unittest
 
+import grpc
 import kvpool
 from kvpool_testing import Daemon, SMALL_CONFIG, wait_until
 
@@ -211,6 +212,19 @@ def settled_next_seq(client):
         last = now
 
 
+def evict_all_when_settled(client, timeout=20):
+    """Evict with `all` once the tier writers are done; again while a block is still held for a
+    copy (FAILED_PRECONDITION), which the slower sanitizer build can see."""
+    deadline = time.monotonic() + timeout
+    while True:
+        settled_next_seq(client)
+        try:
+            return client.evict_all()
+        except kvpool.KvPoolError as e:
+            if e.code != grpc.StatusCode.FAILED_PRECONDITION or time.monotonic() > deadline:
+                raise
+
+
 class VllmEventsTest(unittest.TestCase):
     def setUp(self):
         self.sockets = tempfile.mkdtemp(prefix="kvpool-zmq-")
@@ -228,8 +242,7 @@ class VllmEventsTest(unittest.TestCase):
             with kvpool.Client.connect(daemon.dir, client_name="vllm-events") as c:
                 workload(c, 12)
                 consumer.poll(0)
-                settled_next_seq(c)  # the tier writer done: no block held for it
-                c.evict_all()  # AllBlocksCleared, then the host tier's blocks again
+                evict_all_when_settled(c)  # AllBlocksCleared, then the host tier's blocks again
                 workload(c, 12)
                 next_seq = settled_next_seq(c)
                 consumer.catch_up(next_seq)
