@@ -85,6 +85,9 @@ class WarmRestartTest(DiskTierCase):
                 self.assertEqual(disk(c.get_stats()).recovered_blocks, 10)
                 # They are the disk tier's in the events too (docs/events.md, Snapshots).
                 self.assertEqual(len(snapshot_disk_blocks(c)), 10)
+                rc, out = run([KVPOOLCTL(), f"--socket_dir={b.dir}", "--snapshot", "events"])
+                self.assertEqual(rc, 0, out)
+                self.assertIn(", 10 disk;", out.splitlines()[0])
                 again = c.prefill(prompt(1))
                 self.assertEqual(again.reused_tokens, PROMPT_TOKENS - 1)  # the last one computed
                 self.assertEqual(again.next_token, before[1])
