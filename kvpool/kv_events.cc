@@ -1,6 +1,5 @@
 #include "kvpool/kv_events.h"
 
-#include <algorithm>
 #include <utility>
 
 #include "kvpool/util/check.h"
