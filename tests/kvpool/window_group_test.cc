@@ -513,25 +513,38 @@ TEST_F(WindowGroupTest, ATiersEventsAreTheirComponentsGroups) {
   EXPECT_EQ(events[1].medium, KvMedium::kHost);
 }
 
-// The lower tiers' blocks are in the pool's snapshot as their events told them, by medium and
-// group, each after its parent, a parent chain in one event: a consumer that rebuilds from a
-// snapshot (its view cleared, as WatchEvents says) keeps them. A Clear's AllBlocksCleared clears
-// every medium, and the tiers' blocks, which stay, are told again right after it.
-TEST_F(WindowGroupTest, TheTiersBlocksAreInTheSnapshotAndToldAgainAfterAClear) {
-  Make(/*window_blocks=*/6, /*window_tokens=*/32, /*sink_tokens=*/0, /*num_blocks=*/64,
-       /*state_slots=*/5, /*checkpoint_slots=*/3, /*checkpoint_interval=*/2);
-  EventMirror mirror(/*grouped=*/true);
-  const std::vector<int32_t> prompt = Prompt(72);
-  absl::StatusOr<AllocateResult> a = Alloc(kAlice, 72, prompt);
-  ASSERT_TRUE(a.ok());
-  ASSERT_TRUE(cache_->Free(kAlice, a->sequence, OnFree::kCommit).ok());
-
-  // As the tiers tell (daemon/engine/tiers.cc): one block an event, its parent beside it.
-  const BlockHash h1{.lo = 1, .hi = 11}, h2{.lo = 2, .hi = 12}, h3{.lo = 3, .hi = 13},
-      h4{.lo = 4, .hi = 14}, h5{.lo = 5, .hi = 15};
-  const auto tell = [&](KvEventType type, KvMedium medium, BlockHash hash,
-                        std::optional<BlockHash> parent,
-                        std::optional<KvGroupKind> component = std::nullopt) {
+// The lower tiers' events in a hybrid pool with a committed prompt on the device, as the tiers
+// tell them (daemon/engine/tiers.cc: one block an event, its parent beside it): host h1 <- h2
+// and h2's checkpoint, h3 stored then removed, h5 told before its parent h4 (as the disk's
+// records found at start may be); disk h3 and its checkpoint, told first (each disk store
+// writes on a thread of its own).
+class TierSnapshotTest : public WindowGroupTest {
+ protected:
+  void SetUp() override {
+    Make(/*window_blocks=*/6, /*window_tokens=*/32, /*sink_tokens=*/0, /*num_blocks=*/64,
+         /*state_slots=*/5, /*checkpoint_slots=*/3, /*checkpoint_interval=*/2);
+    const std::vector<int32_t> prompt = Prompt(72);
+    absl::StatusOr<AllocateResult> a = Alloc(kAlice, 72, prompt);
+    ASSERT_TRUE(a.ok());
+    ASSERT_TRUE(cache_->Free(kAlice, a->sequence, OnFree::kCommit).ok());
+    const KvEventType stored = KvEventType::kBlockStored, removed = KvEventType::kBlockRemoved;
+    Tell(stored, KvMedium::kHost, h1, std::nullopt);
+    Tell(stored, KvMedium::kHost, h2, h1);
+    Tell(stored, KvMedium::kHost, h2, h1, KvGroupKind::kStateSpace);
+    Tell(stored, KvMedium::kHost, h3, h2);
+    Tell(stored, KvMedium::kDisk, h3, h2, KvGroupKind::kStateSpace);
+    Tell(stored, KvMedium::kDisk, h3, h2);
+    Tell(removed, KvMedium::kHost, h3, std::nullopt);
+    Tell(stored, KvMedium::kHost, h5, h4);
+    Tell(stored, KvMedium::kHost, h4, std::nullopt);
+    ASSERT_TRUE(mirror_.Follow(*cache_->events()));
+    EXPECT_EQ(mirror_.held(0, KvMedium::kHost), 4u);
+    EXPECT_EQ(mirror_.held(2, KvMedium::kHost), 1u);
+    EXPECT_EQ(mirror_.held(0, KvMedium::kDisk), 1u);
+    EXPECT_EQ(mirror_.held(2, KvMedium::kDisk), 1u);
+  }
+  void Tell(KvEventType type, KvMedium medium, BlockHash hash, std::optional<BlockHash> parent,
+            std::optional<KvGroupKind> component = std::nullopt) {
     KvEvent e{.type = type,
               .ns = kTenant,
               .block_hashes = {hash},
@@ -540,75 +553,78 @@ TEST_F(WindowGroupTest, TheTiersBlocksAreInTheSnapshotAndToldAgainAfterAClear) {
               .medium = medium};
     if (component) e.group = KvEventGroup{.kind = *component};
     ASSERT_TRUE(cache_->AppendTierEvent(std::move(e)).ok());
-  };
-  const KvEventType stored = KvEventType::kBlockStored, removed = KvEventType::kBlockRemoved;
-  tell(stored, KvMedium::kHost, h1, std::nullopt);
-  tell(stored, KvMedium::kHost, h2, h1);
-  tell(stored, KvMedium::kHost, h2, h1, KvGroupKind::kStateSpace);
-  tell(stored, KvMedium::kHost, h3, h2);
-  tell(stored, KvMedium::kDisk, h3, h2, KvGroupKind::kStateSpace);  // before its block: allowed
-  tell(stored, KvMedium::kDisk, h3, h2);
-  tell(removed, KvMedium::kHost, h3, std::nullopt);
-  tell(stored, KvMedium::kHost, h5, h4);  // a child told before its parent (the disk at start)
-  tell(stored, KvMedium::kHost, h4, std::nullopt);
-  ASSERT_TRUE(mirror.Follow(*cache_->events()));
-  EXPECT_EQ(mirror.held(0, KvMedium::kHost), 4u);
-  EXPECT_EQ(mirror.held(2, KvMedium::kHost), 1u);
-  EXPECT_EQ(mirror.held(0, KvMedium::kDisk), 1u);
-  EXPECT_EQ(mirror.held(2, KvMedium::kDisk), 1u);
-
-  uint64_t resume = 0;
-  const std::vector<KvEvent> snapshot = cache_->SnapshotEvents(&resume);
-  EXPECT_EQ(resume, cache_->events()->next_seq());
-  EXPECT_TRUE(mirror.Matches(snapshot));
-  // The tiers' part, after the device's: host main (h1 then h2, one chain; h4 then h5, each after
-  // its parent whatever the order told), host state, disk main, disk state.
-  std::vector<KvEvent> tiers;
-  for (const KvEvent& e : snapshot) {
-    if (e.medium != KvMedium::kDevice) {
-      tiers.push_back(e);
-    } else {
-      EXPECT_THAT(tiers, IsEmpty()) << "a device block after the tiers'";
-    }
   }
+  // The pool's snapshot, checked against the mirror, and its tiers' part, which must follow
+  // every device event.
+  std::vector<KvEvent> TiersPartOfTheSnapshot() {
+    uint64_t resume = 0;
+    const std::vector<KvEvent> snapshot = cache_->SnapshotEvents(&resume);
+    EXPECT_EQ(resume, cache_->events()->next_seq());
+    EXPECT_TRUE(mirror_.Matches(snapshot));
+    std::vector<KvEvent> tiers;
+    for (const KvEvent& e : snapshot) {
+      if (e.medium != KvMedium::kDevice) {
+        tiers.push_back(e);
+      } else {
+        EXPECT_THAT(tiers, IsEmpty()) << "a device block after the tiers'";
+      }
+    }
+    return tiers;
+  }
+
+  const BlockHash h1{.lo = 1, .hi = 11}, h2{.lo = 2, .hi = 12}, h3{.lo = 3, .hi = 13},
+      h4{.lo = 4, .hi = 14}, h5{.lo = 5, .hi = 15};
+  EventMirror mirror_{/*grouped=*/true};
+};
+
+// The tiers' blocks are in the pool's snapshot as their events told them, by medium and group,
+// each after its parent, a parent chain in one event: a consumer that rebuilds from a snapshot
+// (its view cleared, as WatchEvents says) keeps them. Before, the snapshot held the device's.
+TEST_F(TierSnapshotTest, TheTiersBlocksAreInTheSnapshotEachAfterItsParent) {
+  const std::vector<KvEvent> tiers = TiersPartOfTheSnapshot();
+  // Host main (h1 then h2, one chain; h4 then h5, whatever the order told), host state, disk
+  // main, disk state.
   ASSERT_EQ(tiers.size(), 5u);
-  EXPECT_THAT(tiers[1].block_hashes, ElementsAre(h4, h5));
-  EXPECT_EQ(tiers[1].parent_hash, std::nullopt);
-  tiers.erase(tiers.begin() + 1);
   EXPECT_EQ(tiers[0].medium, KvMedium::kHost);
   EXPECT_EQ(tiers[0].group, (KvEventGroup{.index = 0, .kind = KvGroupKind::kFullAttention}));
   EXPECT_THAT(tiers[0].block_hashes, ElementsAre(h1, h2));
   EXPECT_EQ(tiers[0].parent_hash, std::nullopt);
   EXPECT_EQ(tiers[0].ns, kTenant);
   EXPECT_EQ(tiers[0].block_size, kBlockSize);
-  EXPECT_EQ(tiers[1].medium, KvMedium::kHost);
-  EXPECT_EQ(tiers[1].group, (KvEventGroup{.index = 2, .kind = KvGroupKind::kStateSpace}));
-  EXPECT_THAT(tiers[1].block_hashes, ElementsAre(h2));
-  EXPECT_EQ(tiers[1].parent_hash, h1);
-  EXPECT_EQ(tiers[2].medium, KvMedium::kDisk);
-  EXPECT_THAT(tiers[2].block_hashes, ElementsAre(h3));
-  EXPECT_EQ(tiers[2].parent_hash, h2);
+  EXPECT_THAT(tiers[1].block_hashes, ElementsAre(h4, h5));
+  EXPECT_EQ(tiers[1].parent_hash, std::nullopt);
+  EXPECT_EQ(tiers[2].medium, KvMedium::kHost);
+  EXPECT_EQ(tiers[2].group, (KvEventGroup{.index = 2, .kind = KvGroupKind::kStateSpace}));
+  EXPECT_THAT(tiers[2].block_hashes, ElementsAre(h2));
+  EXPECT_EQ(tiers[2].parent_hash, h1);
   EXPECT_EQ(tiers[3].medium, KvMedium::kDisk);
-  EXPECT_EQ(tiers[3].group->index, 2);
+  EXPECT_THAT(tiers[3].block_hashes, ElementsAre(h3));
+  EXPECT_EQ(tiers[3].parent_hash, h2);
+  EXPECT_EQ(tiers[4].medium, KvMedium::kDisk);
+  EXPECT_EQ(tiers[4].group->index, 2);
+}
 
-  // A Clear: AllBlocksCleared, then the tiers' blocks again; the device's are gone.
+// A Clear's AllBlocksCleared clears every medium, and the tiers' blocks, which stay, are told
+// again right after it, as the snapshot names them; the device's are gone.
+TEST_F(TierSnapshotTest, AClearTellsTheTiersBlocksAgainAfterItsAllBlocksCleared) {
+  const std::vector<KvEvent> tiers = TiersPartOfTheSnapshot();
   const uint64_t before = cache_->events()->next_seq();
   ASSERT_TRUE(cache_->ClearCache().ok());
   std::vector<KvEvent> events;
   ASSERT_TRUE(cache_->events()->ReadFrom(before, 100, &events));
-  ASSERT_EQ(events.size(), 6u);
+  ASSERT_EQ(events.size(), 1 + tiers.size());
   EXPECT_EQ(events[0].type, KvEventType::kAllBlocksCleared);
-  events.erase(events.begin() + 2);  // h4, h5
   for (size_t i = 1; i < events.size(); ++i) {
     EXPECT_EQ(events[i].type, KvEventType::kBlockStored);
     EXPECT_EQ(events[i].block_hashes, tiers[i - 1].block_hashes);
     EXPECT_EQ(events[i].medium, tiers[i - 1].medium);
+    EXPECT_EQ(events[i].group, tiers[i - 1].group);
   }
-  ASSERT_TRUE(mirror.Follow(*cache_->events()));
-  EXPECT_TRUE(mirror.Matches(cache_->SnapshotEvents(&resume)));
-  EXPECT_EQ(mirror.held(0) + mirror.held(1) + mirror.held(2), 0u);
-  EXPECT_EQ(mirror.held(0, KvMedium::kHost), 4u);
-  EXPECT_EQ(mirror.held(2, KvMedium::kDisk), 1u);
+  ASSERT_TRUE(mirror_.Follow(*cache_->events()));
+  EXPECT_EQ(TiersPartOfTheSnapshot().size(), tiers.size());
+  EXPECT_EQ(mirror_.held(0) + mirror_.held(1) + mirror_.held(2), 0u);
+  EXPECT_EQ(mirror_.held(0, KvMedium::kHost), 4u);
+  EXPECT_EQ(mirror_.held(2, KvMedium::kDisk), 1u);
   ExpectInvariants();
 }
 
