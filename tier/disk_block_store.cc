@@ -4,6 +4,7 @@
 #include <cstring>
 #include <utility>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "kvpool/util/logging.h"
 
@@ -80,12 +81,38 @@ void DiskBlockStore::Tell(const std::vector<Change>& changes) const {
 }
 
 void DiskBlockStore::TellRecords() const {
-  std::vector<Change> changes;
+  std::vector<Change> found;
   {
     absl::MutexLock lock(&mu_);
     for (const Slot& s : slots_) {
-      if (s.state == SlotState::kStored) changes.push_back({.entry = s.entry, .stored = true});
+      if (s.state == SlotState::kStored) found.push_back({.entry = s.entry, .stored = true});
     }
+  }
+  // In the order written, but each record after its parent where that was found too (a slot's
+  // place says nothing of it): a consumer that follows the events grows a tree from them.
+  std::sort(found.begin(), found.end(),
+            [](const Change& a, const Change& b) { return a.entry.sequence < b.entry.sequence; });
+  absl::flat_hash_map<Key, size_t> at;
+  for (size_t i = 0; i < found.size(); ++i) {
+    at.emplace(Key{found[i].entry.ns.value(), found[i].entry.hash}, i);
+  }
+  std::vector<bool> placed(found.size(), false);
+  std::vector<size_t> up;  // a record, then its parents not placed yet
+  std::vector<Change> changes;
+  changes.reserve(found.size());
+  for (size_t i = 0; i < found.size(); ++i) {
+    if (placed[i]) continue;
+    up.assign(1, i);
+    placed[i] = true;
+    for (size_t r = i;;) {
+      const IndexEntry& e = found[r].entry;
+      const auto p = at.find(Key{e.ns.value(), e.parent});
+      if (e.parent == BlockHash{} || p == at.end() || placed[p->second]) break;
+      placed[p->second] = true;
+      up.push_back(p->second);
+      r = p->second;
+    }
+    for (auto r = up.rbegin(); r != up.rend(); ++r) changes.push_back(found[*r]);
   }
   Tell(changes);
 }

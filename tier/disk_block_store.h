@@ -97,8 +97,9 @@ class DiskBlockStore final : public RemoteTier {
                                       const BlockHash& parent, bool stored)>;
   // REQUIRES: no Put, Lookup or Invalidate has run yet.
   void set_listener(Listener listener) { listener_ = std::move(listener); }
-  // Tells the listener of every record held now (stored: true), in slot order: those found at
-  // start, which nothing else announces. REQUIRES: as set_listener, called once after it.
+  // Tells the listener of every record held now (stored: true): those found at start, which
+  // nothing else announces. In the order written, but each after its parent where that is held
+  // too. REQUIRES: as set_listener, called once after it.
   void TellRecords() const;
 
   // RemoteTier (remote_tier.h). Put copies the block into the write queue and returns at once;

@@ -131,6 +131,34 @@ TEST_F(DiskBlockStoreTest, ChainComesBackByteForByteAcrossAReopen) {
   EXPECT_EQ(again->Lookup(kSpace, BlockHash{1, 2}, {chain.hashes.data(), 1}, out.spans)->hits, 0);
 }
 
+// The records found at start are told each after its parent, whatever slots they sit in (here a
+// chain stored leaf first, so the leaf took the first slot): a consumer that follows the events
+// grows a tree from them, and skips a block whose parent it was not told of.
+TEST_F(DiskBlockStoreTest, TheRecordsFoundAtStartAreToldEachAfterItsParent) {
+  const TestChain chain = MakeChain(kSpace, 4, kBlockBytes, 7);
+  {
+    auto store = Open();
+    for (size_t i = chain.hashes.size(); i-- > 0;) {
+      ASSERT_TRUE(store->Put(chain.space, {.hash = chain.hashes[i],
+                                           .parent = i == 0 ? BlockHash{} : chain.hashes[i - 1],
+                                           .coverage = 16,
+                                           .bytes = chain.blocks[i]}));
+    }
+    ASSERT_TRUE(store->Flush(absl::Seconds(10)).ok());
+  }
+  auto again = Open();
+  std::vector<BlockHash> told;
+  again->set_listener(
+      [&](const BlockSpace& space, const BlockHash& hash, const BlockHash& parent, bool stored) {
+        EXPECT_TRUE(stored);
+        EXPECT_EQ(space.ns, kSpace.ns);
+        EXPECT_EQ(parent, told.empty() ? BlockHash{} : told.back());
+        told.push_back(hash);
+      });
+  again->TellRecords();
+  EXPECT_EQ(told, chain.hashes);
+}
+
 TEST_F(DiskBlockStoreTest, BudgetSmallerThanTheWorkloadKeepsTheMostRecent) {
   auto store = Open(/*blocks=*/4);
   const TestChain chain = MakeChain(kSpace, 6, kBlockBytes, 2);
