@@ -1,8 +1,10 @@
 #include "kvpool/kv_events.h"
 
+#include <optional>
 #include <utility>
 
 #include "kvpool/util/check.h"
+#include "kvpool/util/parents_first.h"
 
 namespace kvpool {
 
@@ -104,52 +106,41 @@ void TierEventView::Compact(Group& g) {
 }
 
 void TierEventView::AppendSnapshot(std::vector<KvEvent>* out) const {
-  std::vector<bool> placed;  // by Group::told entry
-  std::vector<size_t> up;    // a block, then its parents not placed yet
   for (const auto& [key, g] : groups_) {
-    placed.assign(g.told.size(), false);
-    // The entry of `t`'s parent when that is held here and not placed yet; none otherwise. Told
-    // right after its parent (a chain stored at once), a block needs no lookup.
-    const auto unplaced_parent = [&](size_t i) -> std::optional<size_t> {
+    // The entry of `i`'s parent when that is held here; none otherwise. Told right after its
+    // parent (a chain stored at once), a block needs no lookup.
+    const auto parent = [&g](size_t i) -> std::optional<size_t> {
       const Told& t = g.told[i];
       if (t.parent == BlockHash{}) return std::nullopt;
-      if (i > 0 && g.told[i - 1].hash == t.parent && placed[i - 1]) return std::nullopt;
-      const auto p = g.held.find(t.parent);
-      if (p == g.held.end() || placed[p->second] || g.told[p->second].ns != t.ns) {
-        return std::nullopt;
+      if (i > 0 && g.told[i - 1].held && g.told[i - 1].hash == t.parent &&
+          g.told[i - 1].ns == t.ns) {
+        return i - 1;
       }
+      const auto p = g.held.find(t.parent);
+      if (p == g.held.end() || g.told[p->second].ns != t.ns) return std::nullopt;
       return p->second;
     };
     const size_t first = out->size();
-    for (size_t i = 0; i < g.told.size(); ++i) {
-      if (!g.told[i].held || placed[i]) continue;
-      // The block and its parents not placed yet (marked as they are found: a cycle would need a
-      // hash collision, and still ends), then placed from the topmost down.
-      up.assign(1, i);
-      placed[i] = true;
-      for (std::optional<size_t> p = unplaced_parent(i); p; p = unplaced_parent(*p)) {
-        placed[*p] = true;
-        up.push_back(*p);
-      }
-      for (auto b = up.rbegin(); b != up.rend(); ++b) {
-        const Told& t = g.told[*b];
-        if (out->size() > first) {
-          KvEvent& last = out->back();
-          if (last.ns == t.ns && last.block_hashes.back() == t.parent) {
-            last.block_hashes.push_back(t.hash);
-            continue;
+    VisitParentsFirst(
+        g.told.size(), [&g](size_t i) { return g.told[i].held; }, parent,
+        [&](size_t i) {
+          const Told& t = g.told[i];
+          if (out->size() > first) {
+            KvEvent& last = out->back();
+            if (last.ns == t.ns && last.block_hashes.back() == t.parent) {
+              last.block_hashes.push_back(t.hash);
+              return;
+            }
           }
-        }
-        KvEvent e{.type = KvEventType::kBlockStored,
-                  .ns = t.ns,
-                  .block_hashes = {t.hash},
-                  .block_size = g.block_size,
-                  .medium = key.first,
-                  .group = g.group};
-        if (t.parent != BlockHash{}) e.parent_hash = t.parent;
-        out->push_back(std::move(e));
-      }
-    }
+          KvEvent e{.type = KvEventType::kBlockStored,
+                    .ns = t.ns,
+                    .block_hashes = {t.hash},
+                    .block_size = g.block_size,
+                    .medium = key.first,
+                    .group = g.group};
+          if (t.parent != BlockHash{}) e.parent_hash = t.parent;
+          out->push_back(std::move(e));
+        });
   }
 }
 

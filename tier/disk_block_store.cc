@@ -2,11 +2,13 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "kvpool/util/logging.h"
+#include "kvpool/util/parents_first.h"
 
 namespace kvpool::tier {
 namespace {
@@ -96,24 +98,18 @@ void DiskBlockStore::TellRecords() const {
   for (size_t i = 0; i < found.size(); ++i) {
     at.emplace(Key{found[i].entry.ns.value(), found[i].entry.hash}, i);
   }
-  std::vector<bool> placed(found.size(), false);
-  std::vector<size_t> up;  // a record, then its parents not placed yet
   std::vector<Change> changes;
   changes.reserve(found.size());
-  for (size_t i = 0; i < found.size(); ++i) {
-    if (placed[i]) continue;
-    up.assign(1, i);
-    placed[i] = true;
-    for (size_t r = i;;) {
-      const IndexEntry& e = found[r].entry;
-      const auto p = at.find(Key{e.ns.value(), e.parent});
-      if (e.parent == BlockHash{} || p == at.end() || placed[p->second]) break;
-      placed[p->second] = true;
-      up.push_back(p->second);
-      r = p->second;
-    }
-    for (auto r = up.rbegin(); r != up.rend(); ++r) changes.push_back(found[*r]);
-  }
+  VisitParentsFirst(
+      found.size(), [](size_t) { return true; },
+      [&](size_t i) -> std::optional<size_t> {
+        const IndexEntry& e = found[i].entry;
+        if (e.parent == BlockHash{}) return std::nullopt;
+        const auto p = at.find(Key{e.ns.value(), e.parent});
+        if (p == at.end()) return std::nullopt;
+        return p->second;
+      },
+      [&](size_t i) { changes.push_back(found[i]); });
   Tell(changes);
 }
 

@@ -2,8 +2,10 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
@@ -14,6 +16,7 @@
 #include "kvpool/util/clock.h"
 #include "kvpool/util/errors.h"
 #include "kvpool/util/logging.h"
+#include "kvpool/util/parents_first.h"
 #include "kvpool/util/status_macros.h"
 #include "kvpool/util/strong_id.h"
 #include "kvpool/util/unique_fd.h"
@@ -110,6 +113,30 @@ TEST(ClockTest, ManualClockWaitEndsWhenTheConditionHoldsOrTheClockPassesTheDeadl
   absl::MutexLock lock(&mu);
   const bool never = false;
   EXPECT_FALSE(Clock::Real()->AwaitUntil(mu, absl::Condition(&never), 0));  // deadline passed
+}
+
+// Entries listed before their parents: 0's parent is 3 and 1's is 2; 4 is not wanted; 5 is a
+// root.
+TEST(ParentsFirstTest, EachEntryComesAfterItsParentOtherwiseInIndexOrder) {
+  const std::vector<int> parent_of{3, 2, -1, -1, -1, -1};
+  const std::vector<bool> wanted{true, true, true, true, false, true};
+  std::vector<size_t> order;
+  VisitParentsFirst(
+      parent_of.size(), [&](size_t i) { return wanted[i]; },
+      [&](size_t i) -> std::optional<size_t> {
+        if (parent_of[i] < 0) return std::nullopt;
+        return static_cast<size_t>(parent_of[i]);
+      },
+      [&](size_t i) { order.push_back(i); });
+  EXPECT_THAT(order, testing::ElementsAre(3, 0, 2, 1, 5));
+}
+
+TEST(ParentsFirstTest, AParentCycleStillEnds) {
+  std::vector<size_t> order;
+  VisitParentsFirst(
+      3, [](size_t) { return true; }, [](size_t i) -> std::optional<size_t> { return (i + 1) % 3; },
+      [&](size_t i) { order.push_back(i); });
+  EXPECT_THAT(order, testing::ElementsAre(2, 1, 0));
 }
 
 TEST(UniqueFdTest, ClosesWhatItOwns) {
