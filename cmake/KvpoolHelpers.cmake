@@ -3,7 +3,7 @@
 #
 #   kvpool_cc_library(NAME core SRCS ... HDRS ... DEPS ...)
 #   kvpool_cc_binary(NAME kvpool-replay SRCS ... DEPS ...)
-#   kvpool_cc_test(NAME block_pool_test SRCS ... DEPS ... LABELS unit [TIMEOUT s])
+#   kvpool_cc_test(NAME block_pool_test SRCS ... DEPS ... LABELS unit [TIMEOUT s] [OPTIMIZED])
 #   kvpool_cc_bench(NAME core_bench SRCS ... DEPS ... [SMOKE_ARGS ...])
 
 function(kvpool_target_defaults target)
@@ -34,11 +34,18 @@ function(kvpool_cc_binary)
   kvpool_target_defaults(${A_NAME})
 endfunction()
 
+# The sanitizer trees compile a test's own code at -O0 (the code under test, the libraries', keeps
+# its optimization): gtest's and gmock's expansions take a test file 2 to 3 times as long to
+# compile at -O1 under ASan. OPTIMIZED keeps the tree's level for a test whose own code is the
+# work (a reference model, a randomized walk), which at -O0 would run longer than it compiles.
 function(kvpool_cc_test)
-  cmake_parse_arguments(A "" "NAME;TIMEOUT" "SRCS;DEPS;LABELS;ARGS" ${ARGN})
+  cmake_parse_arguments(A "OPTIMIZED" "NAME;TIMEOUT" "SRCS;DEPS;LABELS;ARGS" ${ARGN})
   add_executable(${A_NAME} ${A_SRCS})
   target_link_libraries(${A_NAME} PRIVATE ${A_DEPS} GTest::gmock kvpool_test_main)
   kvpool_target_defaults(${A_NAME})
+  if(KVPOOL_SANITIZER AND NOT A_OPTIMIZED)
+    target_compile_options(${A_NAME} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-O0>)
+  endif()
   add_test(NAME ${A_NAME} COMMAND ${A_NAME} ${A_ARGS} WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
   if(NOT A_LABELS)
     set(A_LABELS unit)
@@ -47,6 +54,16 @@ function(kvpool_cc_test)
     set(A_TIMEOUT 300)
   endif()
   set_tests_properties(${A_NAME} PROPERTIES LABELS "${A_LABELS}" TIMEOUT ${A_TIMEOUT})
+  kvpool_test_cost(${A_NAME})
+endfunction()
+
+# ctest starts the costliest tests first when it runs several at once. A clean tree has no
+# Testing/Temporary/CTestCostData.txt to say which those are, and would start them in the order
+# declared, the last long one maybe alone at the end; tests/CMakeLists.txt names them.
+function(kvpool_test_cost name)
+  if(DEFINED KVPOOL_TEST_COST_${name})
+    set_tests_properties(${name} PROPERTIES COST ${KVPOOL_TEST_COST_${name}})
+  endif()
 endfunction()
 
 # Benchmarks are not tests; each gets a ctest entry labelled `bench` that runs it in smoke mode
@@ -82,6 +99,7 @@ function(kvpool_py_test)
            WORKING_DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR})
   set_tests_properties(${A_NAME} PROPERTIES LABELS "${A_LABELS}" TIMEOUT ${A_TIMEOUT}
     ENVIRONMENT "PYTHONPATH=${KVPOOL_PYTHON_PATH}:${PROJECT_SOURCE_DIR}/tests/client/python;PYTHONDONTWRITEBYTECODE=1;KVPOOLD=$<TARGET_FILE:kvpoold>;KVPOOLCTL=$<TARGET_FILE:kvpoolctl>;KVPOOL_INTEGRATION_CLIENT=$<TARGET_FILE:integration_client>;KVPOOL_LOADGEN=$<TARGET_FILE:kvpool-loadgen>;KVPOOL_SANITIZER=${KVPOOL_SANITIZER}")
+  kvpool_test_cost(${A_NAME})
 endfunction()
 
 # A target of the CUDA backend plug-in (kernels/cuda, model/cuda): the static CUDA runtime, hidden
