@@ -196,29 +196,38 @@ class KvCacheRandomTest : public ::testing::Test {
       auto it = model_.seqs.find(id);
       requests.push_back({id, PickLength(it == model_.seqs.end() ? 0 : it->second.tokens)});
     }
-    // Predict, walking the batch in order as the cache does.
-    absl::StatusCode want = absl::StatusCode::kOk;
+    const absl::StatusCode want = PredictGrow(caller, requests);
+    DevicePlan plan;
+    const absl::Status status = cache_->GrowBatch(caller, requests, &plan);
+    ASSERT_EQ(status.code(), want) << status;
+    if (!status.ok()) {
+      ASSERT_TRUE(plan.empty());
+      return;
+    }
+    const std::vector<std::pair<SequenceId, int64_t>> written = ApplyGrow(requests);
+    Execute(plan);
+    for (const auto& [id, from] : written) Write(id, from);
+  }
+
+  // What GrowBatch answers, walking the batch in order as the cache does: the first request's
+  // error, else whether the blocks it takes (new ones, and copies of shared partial last blocks)
+  // fit the quota and the pool.
+  absl::StatusCode PredictGrow(SessionId caller, const std::vector<GrowRequest>& requests) {
     std::map<int, int> taken;  // references copy-on-writes earlier in the batch give up
     std::map<NamespaceId, int64_t> blocks_by_ns;
     int64_t refs = 0;
     std::map<SequenceId, bool> seen;
     for (const GrowRequest& r : requests) {
-      if ((want = model_.Ownership(caller, r.sequence)) != absl::StatusCode::kOk) break;
-      if (requests.size() > 1 && seen[r.sequence]) {
-        want = absl::StatusCode::kInvalidArgument;
-        break;
+      if (const absl::StatusCode c = model_.Ownership(caller, r.sequence);
+          c != absl::StatusCode::kOk) {
+        return c;
       }
+      if (requests.size() > 1 && seen[r.sequence]) return absl::StatusCode::kInvalidArgument;
       seen[r.sequence] = true;
       const Model::Seq& m = model_.seqs.at(r.sequence);
-      if (r.num_tokens < 0) {
-        want = absl::StatusCode::kInvalidArgument;
-        break;
-      }
+      if (r.num_tokens < 0) return absl::StatusCode::kInvalidArgument;
       if (r.num_tokens <= m.tokens) continue;
-      if (BlocksFor(r.num_tokens) > kMaxBlocksPerSeq) {
-        want = absl::StatusCode::kResourceExhausted;
-        break;
-      }
+      if (BlocksFor(r.num_tokens) > kMaxBlocksPerSeq) return absl::StatusCode::kResourceExhausted;
       const int64_t fresh = BlocksFor(r.num_tokens) - static_cast<int64_t>(m.handles.size());
       int64_t cow = 0;
       if (m.tokens % kBlockSize != 0) {
@@ -231,27 +240,22 @@ class KvCacheRandomTest : public ::testing::Test {
       blocks_by_ns[m.ns] += fresh + cow;
       refs += fresh;
     }
-    if (want == absl::StatusCode::kOk) {
-      int64_t total = 0;
-      for (const auto& [ns, n] : blocks_by_ns) {
-        if (n > 0 && ns == kNamespaces[1] && model_.ActiveIn(ns) + n > kQuotaNs22) {
-          want = absl::StatusCode::kResourceExhausted;
-        }
-        total += n;
+    int64_t total = 0;
+    absl::StatusCode want = absl::StatusCode::kOk;
+    for (const auto& [ns, n] : blocks_by_ns) {
+      if (n > 0 && ns == kNamespaces[1] && model_.ActiveIn(ns) + n > kQuotaNs22) {
+        want = absl::StatusCode::kResourceExhausted;
       }
-      if (want == absl::StatusCode::kOk) {
-        want = model_.Capacity(kNamespaces[0], total, caller, refs);
-      }
+      total += n;
     }
+    if (want != absl::StatusCode::kOk) return want;
+    return model_.Capacity(kNamespaces[0], total, caller, refs);
+  }
 
-    DevicePlan plan;
-    const absl::Status status = cache_->GrowBatch(caller, requests, &plan);
-    ASSERT_EQ(status.code(), want) << status;
-    if (!status.ok()) {
-      ASSERT_TRUE(plan.empty());
-      return;
-    }
-    // Apply to the model in order; then execute the plan and write the new tokens.
+  // Applies a granted batch to the model in order: a shared partial last block is copied, new
+  // blocks appended, new tokens given content. Returns each grown sequence with where its new
+  // tokens start.
+  std::vector<std::pair<SequenceId, int64_t>> ApplyGrow(const std::vector<GrowRequest>& requests) {
     std::vector<std::pair<SequenceId, int64_t>> written;
     for (const GrowRequest& r : requests) {
       Model::Seq& m = model_.seqs.at(r.sequence);
@@ -272,8 +276,7 @@ class KvCacheRandomTest : public ::testing::Test {
         ++m.tokens;
       }
     }
-    Execute(plan);
-    for (const auto& [id, from] : written) Write(id, from);
+    return written;
   }
 
   void StepTruncate() {
