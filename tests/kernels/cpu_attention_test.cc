@@ -93,8 +93,7 @@ TEST_P(PagedDecodeTest, MatchesTheDenseReference) {
 
   const int64_t qo = static_cast<int64_t>(num_seqs) * c.q_heads * c.head_dim;
   std::vector<float> q(static_cast<size_t>(qo));
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  for (float& x : q) x = dist(rng);
+  for (float& x : q) x = test_util::StandardNormal(&rng);
   std::vector<float> paged(q.size(), -1), dense(q.size(), -1), reference(q.size(), -1);
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
   ThreadPool threads(2);

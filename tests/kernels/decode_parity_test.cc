@@ -266,8 +266,7 @@ void CheckDecode(const std::string& backend, Device& device, const Case& c,
   EXPECT_TRUE(written == p.host) << "the device's WriteKv differs from the CPU's";
 
   std::vector<float> q(lens.size() * static_cast<size_t>(c.q_heads * c.head_dim));
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  for (float& x : q) x = dist(rng);
+  for (float& x : q) x = test_util::StandardNormal(&rng);
 
   // What the pool holds, read back from the device's arena through the documented layout.
   const KvPoolView written_view{written.data(), p.layout};
