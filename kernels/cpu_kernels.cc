@@ -91,33 +91,44 @@ void ReferenceAttentionDecode(const DenseDecodeArgs& a) {
   const int64_t row = static_cast<int64_t>(a.num_kv_heads) * a.head_dim * dsize;
   std::vector<double> scores;
   std::vector<double> acc(static_cast<size_t>(a.head_dim));
+  // One KV head's keys and values as floats, read once for its group of query heads.
+  std::vector<float> kf, vf;
   for (int32_t s = 0; s < a.num_seqs; ++s) {
     const char* k = static_cast<const char*>(a.k[s]);
     const char* v = static_cast<const char*>(a.v[s]);
     const int32_t len = a.seq_lens[s];
-    for (int32_t h = 0; h < a.num_q_heads; ++h) {
-      const int64_t head = static_cast<int64_t>(h / group) * a.head_dim * dsize;
-      const float* q = a.q + (static_cast<int64_t>(s) * a.num_q_heads + h) * a.head_dim;
-      scores.assign(static_cast<size_t>(len), 0);
-      double max = -INFINITY;
-      for (int32_t t = 0; t < len; ++t) {
-        double dot = 0;
-        for (int32_t d = 0; d < a.head_dim; ++d) {
-          dot += static_cast<double>(q[d]) * LoadAsFloat(k + t * row + head + d * dsize, a.dtype);
-        }
-        scores[t] = dot * a.scale;
-        max = std::max(max, scores[t]);
-      }
-      double sum = 0;
-      for (double& x : scores) sum += (x = std::exp(x - max));
-      std::fill(acc.begin(), acc.end(), 0.0);
+    for (int32_t kv = 0; kv < a.num_kv_heads; ++kv) {
+      const int64_t head = static_cast<int64_t>(kv) * a.head_dim * dsize;
+      kf.resize(static_cast<size_t>(len) * a.head_dim);
+      vf.resize(kf.size());
       for (int32_t t = 0; t < len; ++t) {
         for (int32_t d = 0; d < a.head_dim; ++d) {
-          acc[d] += scores[t] * LoadAsFloat(v + t * row + head + d * dsize, a.dtype);
+          const size_t i = static_cast<size_t>(t) * a.head_dim + d;
+          kf[i] = LoadAsFloat(k + t * row + head + d * dsize, a.dtype);
+          vf[i] = LoadAsFloat(v + t * row + head + d * dsize, a.dtype);
         }
       }
-      float* out = a.out + (static_cast<int64_t>(s) * a.num_q_heads + h) * a.head_dim;
-      for (int32_t d = 0; d < a.head_dim; ++d) out[d] = static_cast<float>(acc[d] / sum);
+      for (int32_t h = kv * group; h < (kv + 1) * group; ++h) {
+        const float* q = a.q + (static_cast<int64_t>(s) * a.num_q_heads + h) * a.head_dim;
+        scores.assign(static_cast<size_t>(len), 0);
+        double max = -INFINITY;
+        for (int32_t t = 0; t < len; ++t) {
+          const float* kt = &kf[static_cast<size_t>(t) * a.head_dim];
+          double dot = 0;
+          for (int32_t d = 0; d < a.head_dim; ++d) dot += static_cast<double>(q[d]) * kt[d];
+          scores[t] = dot * a.scale;
+          max = std::max(max, scores[t]);
+        }
+        double sum = 0;
+        for (double& x : scores) sum += (x = std::exp(x - max));
+        std::fill(acc.begin(), acc.end(), 0.0);
+        for (int32_t t = 0; t < len; ++t) {
+          const float* vt = &vf[static_cast<size_t>(t) * a.head_dim];
+          for (int32_t d = 0; d < a.head_dim; ++d) acc[d] += scores[t] * vt[d];
+        }
+        float* out = a.out + (static_cast<int64_t>(s) * a.num_q_heads + h) * a.head_dim;
+        for (int32_t d = 0; d < a.head_dim; ++d) out[d] = static_cast<float>(acc[d] / sum);
+      }
     }
   }
 }

@@ -86,8 +86,9 @@ struct DenseDecodeArgs {
 };
 absl::Status DenseAttentionDecode(const DenseDecodeArgs& args, ThreadPool* threads);
 
-// The textbook algorithm in double precision, one head at a time: the reference the tests hold
-// both fast kernels (and the CUDA one) to. REQUIRES: a 16- or 32-bit dtype.
+// The textbook algorithm in double precision, one head at a time (each KV head's rows widened
+// once for its query heads): the reference the tests hold both fast kernels (and the CUDA one)
+// to. REQUIRES: a 16- or 32-bit dtype.
 void ReferenceAttentionDecode(const DenseDecodeArgs& args);
 
 // True when the vectorized AVX2/FMA/F16C path is in use on this processor.
