@@ -1,9 +1,10 @@
 #pragma once
 
 // What the state checkpoints of a KvCacheManager (docs/hybrid-groups.md §4) should be, worked out
-// from the outside, for randomized tests: the checkpoints it keeps (read from its DebugString),
-// the deepest one a prompt reaches, the positions a step is to checkpoint, the eviction order
-// and its priorities, and where a step may write.
+// from the outside, for randomized tests: the checkpoints it keeps (what its DebugString lists,
+// read through KvCacheManagerTestPeer: formatting the whole manager after every operation was
+// most of the test's time), the deepest one a prompt reaches, the positions a step is to
+// checkpoint, the eviction order and its priorities, and where a step may write.
 
 #include <algorithm>
 #include <cstdint>
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "kvpool/kv_cache_manager.h"
+#include "tests/kvpool/kv_cache_manager_test_peer.h"
 
 namespace kvpool::testing {
 
@@ -32,31 +34,46 @@ struct CachedCheckpoint {
 inline std::map<int32_t, CachedCheckpoint> CachedCheckpoints(const KvCacheManager& manager,
                                                              bool* in_order = nullptr) {
   std::map<int32_t, CachedCheckpoint> out;
-  std::istringstream in(manager.DebugString());
   std::pair<uint64_t, uint64_t> last{0, 0};
   if (in_order != nullptr) *in_order = true;
-  for (std::string line; std::getline(in, line);) {
-    int slot = 0, block = 0, offset = 0;
-    unsigned long long stamp = 0, priority = 0;
-    if (std::sscanf(line.c_str(), "checkpoint slot=%d block=%d offset=%d stamp=%llu priority=%llu",
-                    &slot, &block, &offset, &stamp, &priority) == 5) {
-      out[block] = {offset, slot, stamp, priority};
-      const std::pair<uint64_t, uint64_t> key{priority, stamp};
-      if (in_order != nullptr && key < last) *in_order = false;
-      last = key;
-    }
+  for (const auto& c : KvCacheManagerTestPeer::CachedCheckpoints(manager)) {
+    out[c.block] = {c.offset, c.slot, c.stamp, c.priority};
+    const std::pair<uint64_t, uint64_t> key{c.priority, c.stamp};
+    if (in_order != nullptr && key < last) *in_order = false;
+    last = key;
   }
   return out;
 }
 
 // The floor of the checkpoints' eviction order (GreedyDualOrder::floor).
 inline uint64_t CheckpointFloor(const KvCacheManager& manager) {
+  return KvCacheManagerTestPeer::CheckpointFloor(manager);
+}
+
+// Whether the manager's DebugString lists exactly those checkpoints, in that order, and that
+// floor (what an operator reads). REQUIRES: a manager with checkpoint slots.
+inline bool DebugStringListsTheCheckpoints(const KvCacheManager& manager) {
+  std::vector<KvCacheManagerTestPeer::ListedCheckpoint> listed;
+  unsigned long long floor = 0;
+  bool floor_seen = false;
   std::istringstream in(manager.DebugString());
   for (std::string line; std::getline(in, line);) {
-    unsigned long long floor = 0;
-    if (std::sscanf(line.c_str(), "checkpoint floor=%llu", &floor) == 1) return floor;
+    int slot = 0, block = 0, offset = 0;
+    unsigned long long stamp = 0, priority = 0;
+    if (std::sscanf(line.c_str(), "checkpoint slot=%d block=%d offset=%d stamp=%llu priority=%llu",
+                    &slot, &block, &offset, &stamp, &priority) == 5) {
+      listed.push_back({slot, block, offset, stamp, priority});
+    } else if (std::sscanf(line.c_str(), "checkpoint floor=%llu", &floor) == 1) {
+      floor_seen = true;
+    }
   }
-  return 0;
+  const auto cached = KvCacheManagerTestPeer::CachedCheckpoints(manager);
+  if (!floor_seen || floor != KvCacheManagerTestPeer::CheckpointFloor(manager)) return false;
+  return std::equal(listed.begin(), listed.end(), cached.begin(), cached.end(),
+                    [](const auto& a, const auto& b) {
+                      return a.slot == b.slot && a.block == b.block && a.offset == b.offset &&
+                             a.stamp == b.stamp && a.priority == b.priority;
+                    });
 }
 
 // The checkpoints (of `cached`, what CachedCheckpoints says now) `prompt`'s attention match in

@@ -1,8 +1,10 @@
 #pragma once
 
-// Reaches into a KvCacheManager where a test must set up what real runs take years to reach.
+// Reaches into a KvCacheManager where a test must set up what real runs take years to reach, or
+// reads what its DebugString lists without formatting the whole manager.
 
 #include <cstdint>
+#include <vector>
 
 #include "kvpool/internal/greedy_dual.h"
 #include "kvpool/kv_cache_manager.h"
@@ -21,6 +23,27 @@ class KvCacheManagerTestPeer {
   // How many times the cached checkpoints' priorities were rebased.
   static uint64_t CheckpointRebases(const KvCacheManager& cache) {
     return cache.checkpoint_order_.rebases();
+  }
+  // The cached checkpoints in the eviction order, the next victim first: DebugString's
+  // "checkpoint slot= block= offset= stamp= priority=" lines.
+  struct ListedCheckpoint {
+    int32_t slot = -1;
+    int32_t block = -1;
+    int32_t offset = 0;
+    uint64_t stamp = 0;
+    uint64_t priority = 0;
+  };
+  static std::vector<ListedCheckpoint> CachedCheckpoints(const KvCacheManager& cache) {
+    std::vector<ListedCheckpoint> out;
+    for (const auto& key : cache.checkpoint_order_) {
+      const auto& c = cache.checkpoint_at_[static_cast<size_t>(key.id.value())];
+      out.push_back({key.id.value(), c.block.value(), c.offset, key.stamp, key.priority});
+    }
+    return out;
+  }
+  // The floor of that order (DebugString's "checkpoint floor=").
+  static uint64_t CheckpointFloor(const KvCacheManager& cache) {
+    return cache.checkpoint_order_.floor();
   }
 };
 

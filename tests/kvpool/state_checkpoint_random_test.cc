@@ -723,6 +723,9 @@ TEST_P(StateCheckpointRandomTest, OperationsAgreeWithTheModel) {
     ASSERT_TRUE(invariants.ok()) << "at operation " << op << ": " << invariants;
     Verify();
     if (HasFatalFailure()) FAIL() << "at operation " << op;
+    if (op % 64 == 0) {
+      ASSERT_TRUE(testing::DebugStringListsTheCheckpoints(*cache_)) << "at operation " << op;
+    }
     ASSERT_TRUE(mirror_.Follow(*cache_->events())) << "at operation " << op;
     uint64_t resume = 0;
     ASSERT_TRUE(mirror_.Matches(cache_->SnapshotEvents(&resume))) << "at operation " << op;
