@@ -3,6 +3,7 @@
 // set this processor has (AVX-512, AVX2, portable); the dense kernel likewise; WriteKv,
 // CopyBlocks and FillBlocks byte-exact.
 
+#include <algorithm>
 #include <cmath>
 #include <numeric>
 #include <random>
@@ -37,59 +38,72 @@ std::string Name(const ::testing::TestParamInfo<Case>& info) {
                      c.kv_heads, c.head_dim, isa.substr(0, isa.find('+')));
 }
 
-class PagedDecodeTest : public test_util::IsaTest<Case> {};
+class PagedDecodeTest : public test_util::IsaTest<Case> {
+ protected:
+  static constexpr int32_t kLayer = 1;  // of two
+
+  // Every sequence's K/V (random values of the case's dtype, kept dense in `dense_k`/`dense_v`)
+  // scattered through WriteKv into a shuffled set of the pool's blocks, listed in `tables`.
+  void Scatter(const std::vector<int32_t>& lens, std::mt19937* rng) {
+    const Case& c = GetParam();
+    layout_ = {.block_size = c.block_size,
+               .num_layers = 2,
+               .num_kv_heads = c.kv_heads,
+               .head_dim = c.head_dim,
+               .dtype = c.dtype};
+    int32_t total_blocks = 0;
+    for (int32_t len : lens) {
+      const int32_t blocks = (len + c.block_size - 1) / c.block_size;
+      total_blocks += blocks;
+      stride_ = std::max(stride_, blocks);
+    }
+    layout_.num_blocks = total_blocks + 3;
+    arena_.assign(static_cast<size_t>(layout_.arena_bytes()), 0);
+    std::vector<int32_t> ids(static_cast<size_t>(layout_.num_blocks));
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin(), ids.end(), *rng);
+    tables_.assign(lens.size() * static_cast<size_t>(stride_), -1);
+    const int64_t row_values = static_cast<int64_t>(c.kv_heads) * c.head_dim;
+    size_t next = 0;
+    for (size_t s = 0; s < lens.size(); ++s) {
+      const int32_t len = lens[s];
+      dense_k_.push_back(RandomValues(len * row_values, c.dtype, rng));
+      dense_v_.push_back(RandomValues(len * row_values, c.dtype, rng));
+      int32_t* table = &tables_[s * static_cast<size_t>(stride_)];
+      std::vector<int64_t> slots;
+      for (int32_t t = 0; t < len; ++t) {
+        if (t % c.block_size == 0) table[t / c.block_size] = ids[next++];
+        slots.push_back(static_cast<int64_t>(table[t / c.block_size]) * c.block_size +
+                        t % c.block_size);
+      }
+      // The values are representable in the dtype: WriteKv stores exactly dense_k and dense_v.
+      const std::vector<float> k = test_util::Widen(dense_k_.back(), c.dtype);
+      const std::vector<float> v = test_util::Widen(dense_v_.back(), c.dtype);
+      ASSERT_TRUE(WriteKv(pool(), {.layer = kLayer,
+                                   .num_tokens = len,
+                                   .k = k.data(),
+                                   .v = v.data(),
+                                   .slots = slots.data()})
+                      .ok());
+    }
+  }
+
+  KvPoolView pool() { return {arena_.data(), layout_}; }
+
+  PoolLayout layout_;
+  std::vector<char> arena_;
+  std::vector<int32_t> tables_;  // [sequence][stride_]
+  int32_t stride_ = 0;
+  std::vector<std::vector<char>> dense_k_, dense_v_;
+};
 
 TEST_P(PagedDecodeTest, MatchesTheDenseReference) {
   const Case& c = GetParam();
   std::mt19937 rng(1234);
   const std::vector<int32_t> lens = {1, 17, 64, 65, 200, 513};  // ragged
   const int32_t num_seqs = static_cast<int32_t>(lens.size());
-  const int32_t layers = 2;
-  const int32_t layer = 1;
-  PoolLayout layout{.block_size = c.block_size,
-                    .num_layers = layers,
-                    .num_kv_heads = c.kv_heads,
-                    .head_dim = c.head_dim,
-                    .dtype = c.dtype};
-  int32_t total_blocks = 0;
-  int32_t stride = 0;
-  for (int32_t len : lens) {
-    const int32_t blocks = (len + c.block_size - 1) / c.block_size;
-    total_blocks += blocks;
-    stride = std::max(stride, blocks);
-  }
-  layout.num_blocks = total_blocks + 3;
-  std::vector<char> arena(static_cast<size_t>(layout.arena_bytes()));
-  const KvPoolView pool{arena.data(), layout};
-
-  // Scatter every sequence's K/V through WriteKv into a shuffled set of blocks.
-  std::vector<int32_t> ids(static_cast<size_t>(layout.num_blocks));
-  std::iota(ids.begin(), ids.end(), 0);
-  std::shuffle(ids.begin(), ids.end(), rng);
-  std::vector<int32_t> tables(static_cast<size_t>(num_seqs * stride), -1);
-  std::vector<std::vector<char>> dense_k, dense_v;
-  const int64_t row_values = static_cast<int64_t>(c.kv_heads) * c.head_dim;
-  size_t next = 0;
-  for (int32_t s = 0; s < num_seqs; ++s) {
-    const int32_t len = lens[s];
-    dense_k.push_back(RandomValues(len * row_values, c.dtype, &rng));
-    dense_v.push_back(RandomValues(len * row_values, c.dtype, &rng));
-    std::vector<int64_t> slots;
-    for (int32_t t = 0; t < len; ++t) {
-      if (t % c.block_size == 0) tables[s * stride + t / c.block_size] = ids[next++];
-      slots.push_back(static_cast<int64_t>(tables[s * stride + t / c.block_size]) * c.block_size +
-                      t % c.block_size);
-    }
-    // The values are representable in the dtype: WriteKv stores exactly dense_k and dense_v.
-    const std::vector<float> k = test_util::Widen(dense_k.back(), c.dtype);
-    const std::vector<float> v = test_util::Widen(dense_v.back(), c.dtype);
-    ASSERT_TRUE(WriteKv(pool, {.layer = layer,
-                               .num_tokens = len,
-                               .k = k.data(),
-                               .v = v.data(),
-                               .slots = slots.data()})
-                    .ok());
-  }
+  Scatter(lens, &rng);
+  if (HasFatalFailure()) return;
 
   const int64_t qo = static_cast<int64_t>(num_seqs) * c.q_heads * c.head_dim;
   std::vector<float> q(static_cast<size_t>(qo));
@@ -97,23 +111,23 @@ TEST_P(PagedDecodeTest, MatchesTheDenseReference) {
   std::vector<float> paged(q.size(), -1), dense(q.size(), -1), reference(q.size(), -1);
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
   ThreadPool threads(2);
-  ASSERT_TRUE(PagedAttentionDecode(pool,
-                                   {.layer = layer,
+  ASSERT_TRUE(PagedAttentionDecode(pool(),
+                                   {.layer = kLayer,
                                     .num_seqs = num_seqs,
                                     .num_q_heads = c.q_heads,
                                     .scale = scale,
                                     .q = q.data(),
                                     .out = paged.data(),
-                                    .block_tables = tables.data(),
-                                    .table_stride = stride,
+                                    .block_tables = tables_.data(),
+                                    .table_stride = stride_,
                                     .seq_lens = lens.data(),
                                     .max_seq_len = 513},
                                    &threads)
                   .ok());
   std::vector<const void*> k, v;
   for (int32_t s = 0; s < num_seqs; ++s) {
-    k.push_back(dense_k[s].data());
-    v.push_back(dense_v[s].data());
+    k.push_back(dense_k_[s].data());
+    v.push_back(dense_v_[s].data());
   }
   const DenseDecodeArgs dense_args{.num_seqs = num_seqs,
                                    .num_q_heads = c.q_heads,
