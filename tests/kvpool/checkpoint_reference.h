@@ -67,13 +67,8 @@ inline bool DebugStringListsTheCheckpoints(const KvCacheManager& manager) {
       floor_seen = true;
     }
   }
-  const auto cached = KvCacheManagerTestPeer::CachedCheckpoints(manager);
-  if (!floor_seen || floor != KvCacheManagerTestPeer::CheckpointFloor(manager)) return false;
-  return std::equal(listed.begin(), listed.end(), cached.begin(), cached.end(),
-                    [](const auto& a, const auto& b) {
-                      return a.slot == b.slot && a.block == b.block && a.offset == b.offset &&
-                             a.stamp == b.stamp && a.priority == b.priority;
-                    });
+  return floor_seen && floor == KvCacheManagerTestPeer::CheckpointFloor(manager) &&
+         listed == KvCacheManagerTestPeer::CachedCheckpoints(manager);
 }
 
 // The checkpoints (of `cached`, what CachedCheckpoints says now) `prompt`'s attention match in

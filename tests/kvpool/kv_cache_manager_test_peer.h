@@ -32,6 +32,7 @@ class KvCacheManagerTestPeer {
     int32_t offset = 0;
     uint64_t stamp = 0;
     uint64_t priority = 0;
+    bool operator==(const ListedCheckpoint&) const = default;
   };
   static std::vector<ListedCheckpoint> CachedCheckpoints(const KvCacheManager& cache) {
     std::vector<ListedCheckpoint> out;
