@@ -1035,15 +1035,26 @@ absl::Status KvCacheManager::Truncate(SessionId caller, SequenceId sequence, int
                                                   sequence.value(), seq->num_tokens, num_tokens));
   }
   if (window_) KVPOOL_RETURN_IF_ERROR(CheckWindowTruncate(*seq, num_tokens));
-  // Below its known tokens its state goes back to a checkpoint, or to the state of no tokens.
+  // Below its known tokens its state goes back to a checkpoint, or to the state of no tokens; a
+  // lost one does wherever it can.
   const bool rewind = states_ && num_tokens < static_cast<int64_t>(seq->tokens.size());
+  const bool restorable = rewind || (states_ && seq->state_lost);
   BlockId restore = kInvalidBlock;
-  if (rewind && num_tokens > 0) {
-    KVPOOL_ASSIGN_OR_RETURN(restore, RewindPoint(*seq, num_tokens, plan != nullptr));
-  } else if (rewind && plan == nullptr) {
-    return absl::FailedPreconditionError(fmt::format(
-        "cannot truncate sequence {} to 0 tokens without a device plan to zero its state",
-        sequence.value()));
+  bool zero = false;
+  if (restorable && num_tokens > 0) {
+    absl::StatusOr<BlockId> point = RewindPoint(*seq, num_tokens, plan != nullptr);
+    if (point.ok()) {
+      restore = *point;
+    } else if (rewind) {
+      return point.status();
+    }
+  } else if (restorable) {
+    if (rewind && plan == nullptr) {
+      return absl::FailedPreconditionError(fmt::format(
+          "cannot truncate sequence {} to 0 tokens without a device plan to zero its state",
+          sequence.value()));
+    }
+    zero = plan != nullptr;
   }
   if (states_) {
     DropPlanned(seq, num_tokens, ctx);
@@ -1051,9 +1062,11 @@ absl::Status KvCacheManager::Truncate(SessionId caller, SequenceId sequence, int
       plan->state_copies.push_back(BlockCopy{restore, seq->state_slot});
       TouchCheckpoint(restore);
       seq->state_tokens = num_tokens;
-    } else if (rewind) {  // to 0
+      seq->state_lost = false;
+    } else if (zero) {
       plan->state_zeros.push_back(seq->state_slot);
       seq->state_tokens = 0;
+      seq->state_lost = false;
     } else if (seq->state_tokens > num_tokens) {
       seq->state_tokens = -1;
     }
@@ -1106,7 +1119,8 @@ absl::StatusOr<SequenceId> KvCacheManager::Fork(SessionId caller, SequenceId seq
                  .tokens = TokensOf(parent->tokens),
                  .priority = parent->priority,
                  .retain_tail = parent->retain_tail,
-                 .state_tokens = parent->state_tokens};
+                 .state_tokens = parent->state_tokens,
+                 .state_lost = parent->state_lost};
   if (cache_) child.path = cache_->Clone(parent->path);
   if (window_) ForkWindow(*parent, &child, ctx, plan);
   const size_t shared = child.table.size() - (partial ? 1 : 0);

@@ -269,6 +269,9 @@ struct Sequence {
   // Tokens its working state has consumed (AdvanceState; the checkpoint it resumed from); -1:
   // unknown (a rewind below it), and then no checkpoint is taken from it.
   int64_t state_tokens = 0;
+  // Its working state holds tokens it no longer has (LoseState: a step that moved it was taken
+  // back): no step may start from it until a Truncate restores it (state_tokens is -1).
+  bool state_lost = false;
   int64_t branch_at = 0;  // where its prompt left the cached prefix: a checkpoint is wanted there
   // Checkpoints planned for its steps and not yet in the tree (each holds its slot).
   std::vector<PlannedCheckpoint> checkpoints;
@@ -499,7 +502,9 @@ class KvCacheManager final {
   // Rewinds `sequence` to `num_tokens` tokens, releasing the blocks past the new end (and the
   // checkpoints planned past it). With a state group, below the tokens the sequence knows its
   // state goes back only to a checkpoint the tree keeps at exactly `num_tokens` on its path: then
-  // `plan` (required for that) copies the checkpoint into its working state.
+  // `plan` (required for that) copies the checkpoint into its working state. A lost state
+  // (LoseState) is restored the same way wherever such a checkpoint is (zeroed at 0 tokens), and
+  // otherwise stays lost.
   // Errors: NOT_FOUND, PERMISSION_DENIED, INVALID_ARGUMENT (negative, or longer than the
   // sequence), FAILED_PRECONDITION (a state group, fewer tokens than the sequence knows, and no
   // checkpoint there or no `plan`: the message names the nearest checkpoint on its path at or
@@ -632,6 +637,15 @@ class KvCacheManager final {
   // it holds something no checkpoint may be taken from.
   // Errors: NOT_FOUND, PERMISSION_DENIED, INVALID_ARGUMENT (outside [-1, its length]).
   absl::Status AdvanceState(SessionId caller, SequenceId sequence, int64_t tokens);
+  // A step that moved `sequence`'s working state was taken back (its caller gave up after it ran,
+  // or it failed midway): the state holds tokens the sequence no longer has, and no state can be
+  // moved back. No checkpoint is taken from it and no step may start from it (CheckStateUsable)
+  // until a Truncate to a checkpoint on its path, or to 0 tokens, restores it. Nothing without a
+  // state group. Errors: NOT_FOUND, PERMISSION_DENIED.
+  absl::Status LoseState(SessionId caller, SequenceId sequence);
+  // FAILED_PRECONDITION when `seq`'s state was lost (LoseState), naming the nearest checkpoint on
+  // its path it can be truncated to; OK otherwise.
+  absl::Status CheckStateUsable(const Sequence& seq) const;
 
   // Moves RETIRING blocks (and state slots) whose fences have passed to the free list. Returns
   // how many.
@@ -970,6 +984,8 @@ class KvCacheManager final {
   // FAILED_PRECONDITION naming the nearest one at or below when there is none (or `can_copy` is
   // false: the caller gave no plan to copy it with).
   absl::StatusOr<BlockId> RewindPoint(const Sequence& seq, int64_t position, bool can_copy) const;
+  // The position of the nearest checkpoint on `seq`'s path at or below `position` (0: none).
+  int64_t NearestCheckpoint(const Sequence& seq, int64_t position) const;
   // Drops the cached checkpoint in `slot`; `victim`: evicted for room (it ages the rest,
   // GreedyDualOrder::Evict), not dropped with its block or for a deeper one.
   void DropCheckpoint(BlockId slot, const TraceContext& ctx, bool victim = false);

@@ -400,7 +400,8 @@ std::string KvCacheManager::DebugString() const {
                    fmt::join(Ids(seq.table), ","), fmt::join(Ids(seq.path.full), ","),
                    seq.path.partial.value());
     if (states_) {
-      fmt::format_to(it, " state={}@{}", seq.state_slot.value(), seq.state_tokens);
+      fmt::format_to(it, " state={}@{}{}", seq.state_slot.value(), seq.state_tokens,
+                     seq.state_lost ? " lost" : "");
       for (const PlannedCheckpoint& c : seq.checkpoints) {
         fmt::format_to(it, " ckpt={}@{}", c.slot.value(), c.position);
       }

@@ -209,6 +209,23 @@ absl::Status KvCacheManager::AdvanceState(SessionId caller, SequenceId sequence,
   return absl::OkStatus();
 }
 
+absl::Status KvCacheManager::LoseState(SessionId caller, SequenceId sequence) {
+  KVPOOL_ASSIGN_OR_RETURN(Sequence * seq, Owned(caller, sequence));
+  if (!states_) return absl::OkStatus();
+  seq->state_tokens = -1;
+  seq->state_lost = true;
+  return absl::OkStatus();
+}
+
+absl::Status KvCacheManager::CheckStateUsable(const Sequence& seq) const {
+  if (!seq.state_lost) return absl::OkStatus();
+  return absl::FailedPreconditionError(fmt::format(
+      "sequence {}: its state-space state was lost (a step that moved it was taken back: its "
+      "caller gave up, or it failed); truncate it to a checkpoint (the nearest on its path is at "
+      "{} tokens) or to 0, then compute forward (docs/hybrid-groups.md §3)",
+      seq.id.value(), NearestCheckpoint(seq, seq.num_tokens)));
+}
+
 std::pair<BlockId, int32_t> KvCacheManager::PathPlace(const Sequence& seq, int64_t position) const {
   const auto index = static_cast<size_t>((position - 1) / block_size_);
   const auto offset = static_cast<int32_t>(position - static_cast<int64_t>(index) * block_size_);
@@ -335,17 +352,23 @@ absl::StatusOr<BlockId> KvCacheManager::RewindPoint(const Sequence& seq, int64_t
       return it->second;
     }
   }
-  // The nearest checkpoint on its path at or below `position`.
+  return absl::FailedPreconditionError(fmt::format(
+      "cannot truncate sequence {} to {} tokens: its state-space state is {} and has no "
+      "checkpoint at {}{} (docs/hybrid-groups.md §3); the nearest checkpoint on its path is at {} "
+      "tokens",
+      seq.id.value(), position,
+      seq.state_lost ? std::string("lost (a step that moved it was taken back)")
+                     : fmt::format("past its {} known tokens", seq.tokens.size()),
+      position, can_copy ? "" : " it can be copied from (no device plan)",
+      NearestCheckpoint(seq, position)));
+}
+
+int64_t KvCacheManager::NearestCheckpoint(const Sequence& seq, int64_t position) const {
   PrefixMatch path{.full = seq.path.full};
   path.full.resize(std::min(path.full.size(), static_cast<size_t>(position / block_size_)));
   path.matched_tokens = static_cast<int64_t>(path.full.size()) * block_size_;
   if (checkpoint_slots_ > 0) (void)CutToCheckpoint(&path);
-  return absl::FailedPreconditionError(fmt::format(
-      "cannot truncate sequence {} to {} tokens: its state-space state is past its {} known "
-      "tokens and has no checkpoint at {}{} (docs/hybrid-groups.md §3); the nearest checkpoint on "
-      "its path is at {} tokens",
-      seq.id.value(), position, seq.tokens.size(), position,
-      can_copy ? "" : " it can be copied from (no device plan)", path.matched_tokens));
+  return path.matched_tokens;
 }
 
 void KvCacheManager::DropPlanned(Sequence* seq, int64_t position, const TraceContext& ctx) {
@@ -432,6 +455,10 @@ absl::Status KvCacheManager::CheckCheckpoints() const {
   int64_t planned = 0, rolling = 0;
   for (const auto& [id, seq] : sequences_) {
     ++refs[Index(seq.state_slot)];
+    if (seq.state_lost && seq.state_tokens != -1) {
+      return InvariantViolation("sequence {}'s state is lost but said to hold {} tokens",
+                                id.value(), seq.state_tokens);
+    }
     int64_t own_rolling = 0;
     for (const PlannedCheckpoint& c : seq.checkpoints) {
       if (!states_->Contains(c.slot) || c.position <= 0 || c.position > seq.num_tokens) {

@@ -133,7 +133,8 @@ absl::Status LocalEngine::Carry(const DevicePlan& plan) {
 absl::StatusOr<std::vector<ItemResult>> LocalEngine::Run(const DevicePlan& plan,
                                                          std::vector<PlannedItem>& items,
                                                          const StepOptions& options) {
-  absl::Status status = Carry(plan);
+  const absl::Status carried = Carry(plan);
+  absl::Status status = carried;
   std::vector<StepItem> step;
   std::vector<std::vector<StateCheckpoint>> checkpoints(items.size());
   const auto state_floats = static_cast<size_t>(model_->state_bytes() / sizeof(float));
@@ -150,7 +151,10 @@ absl::StatusOr<std::vector<ItemResult>> LocalEngine::Run(const DevicePlan& plan,
   std::vector<ItemResult> results;
   if (status.ok()) status = model_->Step(view_, step, options, &results);
   if (!status.ok()) {
-    for (const PlannedItem& item : items) UndoItem(*cache_, kSession, item);
+    // (Nothing else runs on this manager meanwhile: every undo succeeds.)
+    for (const PlannedItem& item : items) {
+      KVPOOL_CHECK_OK(UndoItem(*cache_, kSession, item, /*ran=*/carried.ok()));
+    }
     return status;
   }
   for (const PlannedItem& item : items) KVPOOL_RETURN_IF_ERROR(FinishItem(*cache_, kSession, item));

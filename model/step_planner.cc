@@ -61,6 +61,7 @@ absl::Status PlanPrefill(KvCacheManager& cache, SessionId caller, NamespaceId ns
   if (sequence == SequenceId(0) || (existing != nullptr && existing->session == caller)) {
     KVPOOL_RETURN_IF_ERROR(
         CheckLength(sequence, (existing ? existing->num_tokens : 0) + len, limits));
+    if (existing != nullptr) KVPOOL_RETURN_IF_ERROR(cache.CheckStateUsable(*existing));
   }
   *item = PlannedItem{};
   if (sequence == SequenceId(0)) {
@@ -106,6 +107,7 @@ absl::Status PlanDecode(KvCacheManager& cache, SessionId caller,
     // (An unknown or foreign sequence: GrowBatch says so.)
     if (seq != nullptr && seq->session == caller) {
       KVPOOL_RETURN_IF_ERROR(CheckLength(in.sequence, seq->num_tokens + 1, limits));
+      KVPOOL_RETURN_IF_ERROR(cache.CheckStateUsable(*seq));
     }
     grows.push_back({in.sequence, (seq ? seq->num_tokens : 0) + 1});
   }
@@ -176,16 +178,32 @@ std::vector<int32_t> PenaltyHistory(const KvCacheManager& cache, const PlannedIt
   return out;
 }
 
-void UndoItem(KvCacheManager& cache, SessionId caller, const PlannedItem& item) {
+absl::Status UndoItem(KvCacheManager& cache, SessionId caller, const PlannedItem& item, bool ran) {
   const Sequence* seq = cache.Find(item.sequence);
-  if (seq == nullptr || seq->session != caller) return;  // freed meanwhile: nothing to give back
-  // Neither call can fail on an existing sequence of the caller's (a shorter length is never
-  // refused).
-  if (item.created) {
-    KVPOOL_CHECK_OK(cache.Free(caller, item.sequence));
-  } else if (seq->num_tokens > item.start) {
-    KVPOOL_CHECK_OK(cache.Truncate(caller, item.sequence, item.start));
+  if (seq == nullptr || seq->session != caller) return absl::OkStatus();  // freed meanwhile
+  if (item.created) return cache.Free(caller, item.sequence);  // (cannot fail: the caller's)
+  // Only the growth this step made, while the sequence is still as the step left it: after a
+  // Truncate and Grow meanwhile its blocks past `start` are the ones the client was given then.
+  const int64_t end = item.start + static_cast<int64_t>(item.tokens.size());
+  const bool as_planned = seq->num_tokens == end && seq->table.size() == item.table.size() &&
+                          std::equal(item.table.begin(), item.table.end(), seq->table.begin(),
+                                     [](int32_t a, BlockId b) { return a == b.value(); });
+  absl::Status undone = absl::OkStatus();
+  if (seq->num_tokens <= item.start) {
+    // Rewound meanwhile: nothing of the step's is left.
+  } else if (!as_planned) {
+    undone = absl::AbortedError(
+        fmt::format("sequence {} was changed during its step: its tokens past {} stay",
+                    item.sequence.value(), item.start));
+  } else {
+    // Refused where the client committed past `start` meanwhile (a state with no checkpoint
+    // there) or slid its window past it: the tokens stay.
+    undone = cache.Truncate(caller, item.sequence, item.start);
   }
+  if (ran && item.state_slot != kInvalidBlock) {
+    KVPOOL_CHECK_OK(cache.LoseState(caller, item.sequence));  // (the caller's: cannot fail)
+  }
+  return undone;
 }
 
 std::vector<BlockId> BlocksOf(std::span<const PlannedItem> items) {

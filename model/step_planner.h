@@ -77,7 +77,8 @@ struct TokenLimits {
 // token, whose logits give the first generated token). With an existing sequence, `tokens` are
 // appended after its current tokens (the next turn of a conversation).
 // Errors: INVALID_ARGUMENT (no tokens, a token outside [0, vocab_size)), OUT_OF_RANGE (the
-// sequence would outgrow max_position), and those of KvCacheManager::AllocateBatch / GrowBatch
+// sequence would outgrow max_position), FAILED_PRECONDITION (an existing sequence whose state was
+// lost: KvCacheManager::CheckStateUsable), and those of KvCacheManager::AllocateBatch / GrowBatch
 // (NOT_FOUND, PERMISSION_DENIED, RESOURCE_EXHAUSTED). Nothing changes on error. `plan` receives the
 // device work to carry out before the step; `changes`, when given, what growing an existing
 // sequence changed (for RevertGrow). `first_chunk` >= 0: the prefill is computed in chunks, the
@@ -95,7 +96,8 @@ struct DecodeInput {
 
 // One decode step for each input: grows each sequence by one token (all or none).
 // Errors: INVALID_ARGUMENT (empty batch, a sequence listed twice, a token outside the
-// vocabulary), OUT_OF_RANGE (a sequence already max_position tokens long), and those of
+// vocabulary), OUT_OF_RANGE (a sequence already max_position tokens long), FAILED_PRECONDITION (a
+// sequence whose state was lost: KvCacheManager::CheckStateUsable), and those of
 // KvCacheManager::GrowBatch. Nothing changes on error. `changes`, when given, receives what the
 // growth changed (for RevertGrow).
 absl::Status PlanDecode(KvCacheManager& cache, SessionId caller,
@@ -112,9 +114,13 @@ absl::Status PlanDecode(KvCacheManager& cache, SessionId caller,
 // Errors: NOT_FOUND when the sequence was freed meanwhile.
 absl::Status FinishItem(KvCacheManager& cache, SessionId caller, const PlannedItem& item);
 
-// The step failed: frees a sequence the plan created, or rewinds one it grew to `start`. A
-// sequence its client freed or rewound meanwhile is left as it is.
-void UndoItem(KvCacheManager& cache, SessionId caller, const PlannedItem& item);
+// The step failed, or its caller gave up: frees a sequence the plan created, or rewinds one it
+// grew to `start`. `ran`: the step may have run (in part), so a state it moved past `start`
+// cannot be moved back: the sequence's state is lost (KvCacheManager::LoseState) and later steps
+// of it are refused until a Truncate restores it. A sequence its client freed meanwhile is left
+// as it is, and one its client changed meanwhile (rewound and grown again, or committed or slid
+// past `start`: its own calls raced this one) keeps its tokens: the error says why.
+absl::Status UndoItem(KvCacheManager& cache, SessionId caller, const PlannedItem& item, bool ran);
 
 // Every block the step reads or writes (for KvCacheManager::MarkInFlight).
 std::vector<BlockId> BlocksOf(std::span<const PlannedItem> items);

@@ -2,6 +2,9 @@
 
 #include "daemon/engine/engine.h"
 
+#include <algorithm>
+#include <span>
+
 #include "absl/cleanup/cleanup.h"
 #include "daemon/engine/invalidations.h"
 #include "daemon/engine/promotion.h"
@@ -313,13 +316,30 @@ absl::StatusOr<Tables> Engine::Grow(const Session& s, std::span<const GrowReques
   if (absl::Status gave_up = context.Check(); !gave_up.ok()) {
     // The caller never learns of the new blocks: take the growth back (a copy-on-write copy, which
     // has run, stays in the table: it holds the same tokens as the block it replaced).
+    // Only a sequence as this grow left it: after the client's own Truncate and Grow meanwhile
+    // its blocks are those that call handed out (the same ids, maybe, at new generations). A
+    // rewind the cache refuses (the client committed or slid its window past the old length
+    // meanwhile) leaves the growth in place.
     WriteLock lock(this);
     KvCacheManager& cache = state_->pool_of(s).cache();
+    size_t first = 0;
     for (size_t i = 0; i < out.slices.size(); ++i) {
-      const Sequence* seq = cache.Find(out.slices[i].sequence);
-      if (seq != nullptr && seq->session == s.id && seq->num_tokens == out.slices[i].num_tokens &&
-          old_lengths[i] < seq->num_tokens) {
-        KVPOOL_CHECK_OK(cache.Truncate(s.id, seq->id, old_lengths[i]));
+      const TableSlice& slice = out.slices[i];
+      const size_t n = static_cast<size_t>(slice.length);
+      const Sequence* seq = cache.Find(slice.sequence);
+      bool as_left = seq != nullptr && seq->session == s.id &&
+                     seq->num_tokens == slice.num_tokens && old_lengths[i] < seq->num_tokens &&
+                     seq->table.size() == static_cast<size_t>(slice.table_offset) + n;
+      for (size_t j = 0; as_left && j < n; ++j) {
+        const BlockId b = seq->table[static_cast<size_t>(slice.table_offset) + j];
+        as_left =
+            b == out.blocks[first + j] && cache.pool().generation(b) == out.generations[first + j];
+      }
+      first += n;
+      if (!as_left) continue;
+      if (absl::Status undone = cache.Truncate(s.id, seq->id, old_lengths[i]); !undone.ok()) {
+        Logger("daemon").warn("sequence {}: a grow its caller gave up on stays: {}",
+                              seq->id.value(), undone.message());
       }
     }
     ++state_->call_counters.gave_up;

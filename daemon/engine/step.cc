@@ -23,6 +23,15 @@ std::vector<SequenceId> Names(const ComputeRequest& r) {
   return out;
 }
 
+// Gives back what `item`'s plan took (model::UndoItem); what cannot be given back is logged.
+void GiveBackItem(KvCacheManager& cache, SessionId caller, const model::PlannedItem& item,
+                  bool ran) {
+  if (absl::Status s = model::UndoItem(cache, caller, item, ran); !s.ok()) {
+    Logger("daemon").warn("sequence {}: a step's tokens not taken back: {}", item.sequence.value(),
+                          s.message());
+  }
+}
+
 void KeepTopK(int32_t top_k, model::ItemResult* result) {
   if (static_cast<int32_t>(result->top.size()) > top_k) {
     result->top.resize(static_cast<size_t>(top_k));
@@ -311,9 +320,9 @@ void Step::GiveBack(EngineState& state, Entry& e, const absl::Status& gave_up) {
   }
   // The caller will never see the answer: what the call made (a new sequence, or the tokens it
   // added) must not outlive it.
-  Abandon(state, call);
+  Abandon(state, call, /*step_ran=*/true);
   for (const model::PlannedItem& item : e.decode) {
-    model::UndoItem(pool.cache(), call.session().id, item);
+    GiveBackItem(pool.cache(), call.session().id, item, /*ran=*/true);
   }
   call.result().status = gave_up;
 }
@@ -322,15 +331,15 @@ void Step::Undo(EngineState& state, const absl::Status& why) {
   PoolState& pool = state.pool(pool_);
   for (Entry& e : entries_) {
     ComputeCall& call = *e.call;
-    Abandon(state, call);
+    Abandon(state, call, /*step_ran=*/true);  // (a failed step may have run in part)
     for (const model::PlannedItem& item : e.decode) {
-      model::UndoItem(pool.cache(), call.session().id, item);
+      GiveBackItem(pool.cache(), call.session().id, item, /*ran=*/true);
     }
     call.result().status = why;
   }
 }
 
-void Step::Abandon(EngineState& state, ComputeCall& call) {
+void Step::Abandon(EngineState& state, ComputeCall& call, bool step_ran) {
   if (call.promotion.has_value()) {
     ReleaseHold(state, *call.promotion, /*adopted=*/false);
     call.promotion.reset();
@@ -339,7 +348,7 @@ void Step::Abandon(EngineState& state, ComputeCall& call) {
   const PrefillProgress* p = call.progress();
   if (p == nullptr) return;
   if (p->StillHolds(pool.cache(), call.session().id).ok()) {
-    model::UndoItem(pool.cache(), call.session().id, p->item());
+    GiveBackItem(pool.cache(), call.session().id, p->item(), step_ran || p->computed() > 0);
   }
   call.EndProgress();
 }

@@ -58,8 +58,9 @@ class Step final {
   void Finish(EngineState& state, const absl::Status& launched);
 
   // Gives back what a planned prefill between chunks holds (shutdown, cancellation, session
-  // end) and drops its progress. REQUIRES: the engine lock.
-  static void Abandon(EngineState& state, ComputeCall& call);
+  // end) and drops its progress. `step_ran`: a step of it ran since its last chunk was counted
+  // (its state may have moved). REQUIRES: the engine lock.
+  static void Abandon(EngineState& state, ComputeCall& call, bool step_ran = false);
 
  private:
   // A call that made it past planning, and where its items sit in the model step.
