@@ -109,15 +109,18 @@ std::vector<BlockId> KvCacheManager::FairComponentVictims(
 }
 
 BlockId KvCacheManager::TakeCheckpointSlot(const TraceContext& ctx) {
-  const auto in_use = [&] {
-    return static_cast<int64_t>(checkpoint_order_.size()) + planned_checkpoints_;
-  };
-  if (in_use() >= checkpoint_slots_ && !EvictFirstCheckpoint({}, false, ctx)) {
+  // Decided before anything is evicted: a slot that cannot be had costs no cached checkpoint.
+  if (states_->num_free() == 0) states_->ReclaimRetired(ctx);
+  if (states_->num_free() == 0) {
+    // Only a cached checkpoint whose fences have passed frees a slot now (and, evicted, its
+    // share of checkpoint_slots too).
+    if (!EvictFirstCheckpoint({}, /*passed=*/true, ctx)) return kInvalidBlock;
+  } else if (static_cast<int64_t>(checkpoint_order_.size()) + planned_checkpoints_ >=
+                 checkpoint_slots_ &&
+             !EvictFirstCheckpoint({}, /*passed=*/false, ctx)) {
     return kInvalidBlock;
   }
-  if (states_->num_free() == 0) states_->ReclaimRetired(ctx);
-  if (states_->num_free() == 0 && !EvictFirstCheckpoint({}, true, ctx)) return kInvalidBlock;
-  if (states_->num_free() == 0) return kInvalidBlock;
+  KVPOOL_CHECK(states_->num_free() > 0);  // a CACHED slot whose fences passed is freed at once
   std::vector<BlockId> slot;
   KVPOOL_CHECK_OK(states_->Allocate(1, state_owner_, ctx, &slot, /*fills=*/nullptr));
   ++planned_checkpoints_;

@@ -585,5 +585,38 @@ TEST_F(StateCheckpointTest, BadCheckpointOptionsAreRefused) {
   }
 }
 
+// A checkpoint slot that cannot be had costs no cached checkpoint. Before, TakeCheckpointSlot
+// evicted one for its share of checkpoint_slots first (its slot still fenced, so RETIRING) and
+// then found no free slot: the refused import (and a step's skipped checkpoint) had dropped a
+// checkpoint prompts resumed from.
+TEST_F(StateCheckpointTest, ARefusedCheckpointSlotEvictsNoCheckpoint) {
+  Make(/*state_slots=*/3, /*checkpoint_slots=*/2, /*interval=*/0);
+  std::vector<PlannedCheckpoint> planned;
+  const SequenceId a = Prefill(kAlice, Prompt(20), &planned);  // plans 16
+  ASSERT_EQ(planned.size(), 1u);
+  // The step that wrote both is still in flight.
+  const BlockId slots[] = {planned[0].slot, Slot(a)};
+  ASSERT_TRUE(cache_->MarkStatesInFlight(slots, Fence{0, 5}).ok());
+  ASSERT_TRUE(cache_->Free(kAlice, a, OnFree::kCommit).ok());  // keeps its end, 20
+  ASSERT_EQ(cache_->stats().checkpoints.cached, 2);
+  ASSERT_EQ(cache_->MatchPrefix(kTenant, Prompt(20)), 20);
+  DevicePlan plan;  // takes the last free state slot
+  absl::StatusOr<AllocateResult> b =
+      cache_->Allocate(kBob, {.ns = kTenant, .num_tokens = 32}, &plan);
+  ASSERT_TRUE(b.ok()) << b.status();
+  const std::string before = cache_->DebugString();
+  EXPECT_EQ(cache_->ImportCheckpoint(kBob, b->sequence, kBlock).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(cache_->stats().checkpoints.cached, 2);
+  EXPECT_EQ(cache_->MatchPrefix(kTenant, Prompt(20)), 20);
+  EXPECT_EQ(cache_->DebugString(), before);
+  ExpectInvariants();
+  // Once the step's fences pass, the same import evicts one (a free slot at once) and succeeds.
+  fences_.Complete(0, 5);
+  EXPECT_TRUE(cache_->ImportCheckpoint(kBob, b->sequence, kBlock).ok());
+  EXPECT_EQ(cache_->stats().checkpoints.cached, 1);
+  ExpectInvariants();
+}
+
 }  // namespace
 }  // namespace kvpool
