@@ -65,9 +65,18 @@ class EventWriter final : public grpc::ServerWriteReactor<v1::WatchEventsRespons
       absl::MutexLock lock(&mu_);
       writing_ = false;
       if (!ok) return Close(grpc::Status(grpc::StatusCode::CANCELLED, "write failed"));
+      if (cancelled_) return Close(grpc::Status::CANCELLED);
       if (end_status_) return Close(*end_status_);
     }
     Pump();
+  }
+
+  // The client cancelled or its deadline passed. A follower of an idle pool has no write in
+  // flight and no event coming to wake it: it finishes now; otherwise OnWriteDone does.
+  void OnCancel() override {
+    absl::MutexLock lock(&mu_);
+    cancelled_ = true;
+    if (!writing_) Close(grpc::Status::CANCELLED);
   }
 
   int32_t pool() const { return pool_; }
@@ -112,7 +121,8 @@ class EventWriter final : public grpc::ServerWriteReactor<v1::WatchEventsRespons
   absl::Mutex mu_;
   uint64_t next_ ABSL_GUARDED_BY(mu_) = 1;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
-  bool done_ ABSL_GUARDED_BY(mu_) = false;
+  bool done_ ABSL_GUARDED_BY(mu_) = false;       // Finish() called
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;  // OnCancel() ran
   std::optional<grpc::Status> end_status_ ABSL_GUARDED_BY(mu_);
   v1::WatchEventsResponse response_ ABSL_GUARDED_BY(mu_);
 };

@@ -370,5 +370,30 @@ TEST_F(ServiceTest, WatchEventsCountsSnapshotsFollowersAndLag) {
   context->TryCancel();
 }
 
+// A follower that cancels on an idle pool (no event comes to wake its stream) is finished at once:
+// its call ends and it no longer counts as a follower. Before OnCancel it stayed open, holding a
+// call and the event_followers gauge, until the next event of the pool.
+TEST_F(ServiceTest, ACancelledFollowerOnAnIdlePoolIsFinished) {
+  auto context = As(admin_);
+  v1::WatchEventsRequest follow;
+  follow.set_snapshot(true);
+  follow.set_follow(true);
+  auto stream = stub_->WatchEvents(context.get(), follow);
+  v1::WatchEventsResponse response;
+  ASSERT_TRUE(stream->Read(&response));  // the snapshot: the stream is open and idle
+  ASSERT_TRUE(response.snapshot());
+  context->TryCancel();
+  EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::CANCELLED);
+
+  // The stream's call is the only one: the service is idle once the stream is finished.
+  EXPECT_TRUE(service_->WaitIdle(Clock::Real()->NowNanos() + 5'000'000'000))
+      << "the cancelled stream was not finished";
+  v1::GetStatsResponse stats;
+  ASSERT_TRUE(stub_->GetStats(As(admin_).get(), {}, &stats).ok());
+  const v1::Stat* followers = FindStat(stats, "event_followers");
+  ASSERT_NE(followers, nullptr);
+  EXPECT_EQ(followers->value(), 0);
+}
+
 }  // namespace
 }  // namespace kvpool::daemon
