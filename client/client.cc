@@ -75,6 +75,10 @@ Client::Client(std::string runtime_dir, absl::Duration timeout, UniqueFd attach_
       stub_(std::move(stub)) {}
 
 Client::~Client() {
+  // The pool and the doorbell go first: the daemon ends the session on Detach at once and may
+  // hand its blocks to another tenant, so by then this process must not map them.
+  doorbell_.reset();
+  mapping_.reset();
   // Best effort: when the goodbye cannot be sent (the daemon is gone), the close that follows
   // ends the session all the same; it is then counted as reclaimed rather than detached.
   if (attach_socket_.valid()) {

@@ -96,8 +96,9 @@ class Client final {
 
   Client(const Client&) = delete;
   Client& operator=(const Client&) = delete;
-  // Says goodbye (a Detach frame) and closes the attach socket: the session ends, counted as
-  // ended normally. A process that dies without it is reclaimed all the same.
+  // Unmaps the pool and the doorbell, then says goodbye (a Detach frame) and closes the attach
+  // socket: the session ends, counted as ended normally. A process that dies without it is
+  // reclaimed all the same.
   ~Client();
 
   uint64_t session_id() const { return attach_.session_id(); }
@@ -232,12 +233,13 @@ class Client final {
 
   const std::string runtime_dir_;
   const absl::Duration timeout_;
-  // Declared before mapping_, so destroyed after it: the session ends only once this process can
-  // no longer touch the pool.
+  // The session ends with the Detach frame ~Client sends on it, or with its close. ~Client drops
+  // mapping_ and doorbell_ before it sends Detach, and the socket, declared before them, closes
+  // after them: the session ends only once this process can no longer touch the pool.
   UniqueFd attach_socket_;
-  const v1::AttachResponse attach_;  // layout, token, ids; no descriptors
-  const std::unique_ptr<PoolMapping> mapping_;
-  const std::unique_ptr<internal::ClientDoorbell> doorbell_;  // null: none granted
+  const v1::AttachResponse attach_;                     // layout, token, ids; no descriptors
+  std::unique_ptr<PoolMapping> mapping_;                // null: compute-only (or ~Client began)
+  std::unique_ptr<internal::ClientDoorbell> doorbell_;  // null: none granted (or ~Client began)
   const std::unique_ptr<v1::KvPool::StubInterface> stub_;
 
   mutable absl::Mutex watch_mu_;

@@ -1,10 +1,17 @@
 #include "client/client.h"
 
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <functional>
+#include <sstream>
 #include <thread>
 
 #include "absl/synchronization/mutex.h"
@@ -14,8 +21,43 @@
 #include "kvpool/v1/wire.h"
 #include "tests/client/fake_daemon.h"
 
+// Runs before a Detach frame leaves through sendmsg below; null: nothing runs.
+std::atomic<const std::function<void()>*> before_detach_frame{nullptr};
+
+// This test binary's sendmsg, every caller's (gRPC's too): the kernel's, except that a Detach
+// frame (a lone frame of length 0: 4 zero bytes) first runs before_detach_frame on the sending
+// thread, so a test sees what the client still holds at the moment the daemon learns that the
+// session ended.
+extern "C" ssize_t sendmsg(int fd, const msghdr* msg, int flags) {
+  const std::function<void()>* hook = before_detach_frame.load();
+  if (hook != nullptr && msg->msg_iovlen == 1 && msg->msg_iov[0].iov_len == 4 &&
+      msg->msg_controllen == 0 && std::memcmp(msg->msg_iov[0].iov_base, "\0\0\0\0", 4) == 0) {
+    (*hook)();
+  }
+  return static_cast<ssize_t>(syscall(SYS_sendmsg, fd, msg, flags));
+}
+
 namespace kvpool::client {
 namespace {
+
+// How many of this process's mappings map the file `fd` is open on (/proc/self/maps: address,
+// permissions, offset, device, inode, path).
+int MappingsOf(int fd) {
+  struct stat st {};
+  EXPECT_EQ(fstat(fd, &st), 0) << std::strerror(errno);
+  char device[32];
+  std::snprintf(device, sizeof(device), "%02x:%02x", major(st.st_dev), minor(st.st_dev));
+  std::ifstream maps("/proc/self/maps");
+  int count = 0;
+  for (std::string line; std::getline(maps, line);) {
+    std::istringstream fields(line);
+    std::string address, permissions, offset, dev;
+    ino_t inode = 0;
+    fields >> address >> permissions >> offset >> dev >> inode;
+    count += dev == device && inode == st.st_ino;
+  }
+  return count;
+}
 
 using ::testing::ElementsAre;
 using testing::FakeAttachServer;
@@ -192,6 +234,36 @@ TEST_F(ClientTest, DestroyingTheClientClosesTheAttachSocket) {
   std::unique_ptr<Client> client = ConnectOrDie();
   ASSERT_NE(client, nullptr);
   client.reset();
+  EXPECT_TRUE(server.WaitForClientClose(absl::Seconds(10)));
+}
+
+// The daemon ends a session on its Detach frame at once and may hand its blocks to another tenant
+// (scrubbed, or written by the next owner): when the frame leaves, this process must no longer
+// map the pool. The check runs on the client's thread as the frame is sent.
+TEST_F(ClientTest, ThePoolIsUnmappedBeforeTheDetachFrameIsSent) {
+  FakeAttachServer server(dir_.path(), &pool_, {});
+  const int arena = MappingsOf(pool_.arena_fd());  // the fake daemon's own mappings
+  const int generations = MappingsOf(pool_.generation_fd());
+  std::unique_ptr<Client> client = ConnectOrDie();
+  ASSERT_NE(client, nullptr);
+  ASSERT_GT(MappingsOf(pool_.arena_fd()), arena);
+  ASSERT_GT(MappingsOf(pool_.generation_fd()), generations);
+
+  int frames = 0;
+  int arena_then = -1;
+  int generations_then = -1;
+  const std::function<void()> check = [&] {
+    ++frames;
+    arena_then = MappingsOf(pool_.arena_fd());
+    generations_then = MappingsOf(pool_.generation_fd());
+  };
+  before_detach_frame = &check;
+  client.reset();
+  before_detach_frame = nullptr;
+  EXPECT_EQ(frames, 1);
+  EXPECT_EQ(arena_then, arena) << "the arena was still mapped when the Detach frame left";
+  EXPECT_EQ(generations_then, generations)
+      << "the generation table was still mapped when the Detach frame left";
   EXPECT_TRUE(server.WaitForClientClose(absl::Seconds(10)));
 }
 

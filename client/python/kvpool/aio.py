@@ -46,7 +46,7 @@ class AsyncClient(_Session):
         return self
 
     async def close(self) -> None:
-        """Ends the session (Detach, unmap, close). Idempotent. Calls still in flight fail."""
+        """Ends the session (unmap, Detach, close). Idempotent. Calls still in flight fail."""
         if self._socket is None:
             return
         await self._channel.close()

@@ -9,8 +9,8 @@ those of kvpool.proto, plus DEADLINE_EXCEEDED when the daemon does not answer in
 UNAVAILABLE when the gRPC socket cannot be reached, INVALID_ARGUMENT for arguments that do not
 fit the request (wrong types, out of range), INTERNAL for a malformed response.
 
-The session lives until close() (or the end of a `with` block): it sends the Detach frame, drops
-the mapping and closes the attach socket; the daemon then releases everything the session holds.
+The session lives until close() (or the end of a `with` block): it drops the mapping, sends the
+Detach frame and closes the attach socket; the daemon then releases everything the session holds.
 A process that dies without closing is reclaimed all the same.
 
 Thread-safety: every call may run concurrently from any number of threads (gRPC channels and
@@ -85,6 +85,8 @@ class _Session:
                 raise invalid_argument("kvpoold sent descriptors to a session it says is compute-only")
             Layout(attachment.response.layout)  # validates it for compute-only sessions too
         except BaseException:
+            if mapping is not None:  # unmapped before the goodbye, as _end_session does
+                mapping.close()
             attachment.close_fds()
             detach(attachment.socket)
             raise
@@ -94,11 +96,12 @@ class _Session:
         sock, self._socket = self._socket, None
         if sock is None:
             return
-        # The goodbye first, then the mapping, then the close: the session ends only once this
-        # process can no longer touch the pool (as the C++ client's destructor orders it).
-        send_detach(sock)
+        # The mapping first, then the goodbye, then the close: the daemon ends the session on
+        # Detach at once and may hand its blocks to another tenant, so by then this process must
+        # not map them (the C++ client's destructor orders it the same way).
         if self._mapping is not None:
             self._mapping.close()
+        send_detach(sock)
         sock.close()
 
     # --- Session facts ---
@@ -209,7 +212,7 @@ class Client(_Session):
         return self
 
     def close(self) -> None:
-        """Ends the session (Detach, unmap, close). Idempotent."""
+        """Ends the session (unmap, Detach, close). Idempotent."""
         if self._socket is None:
             return
         self._channel.close()

@@ -1,7 +1,8 @@
 """The attach framing, the runtime directory's checks and the mapping's checks without a daemon:
 frames split across reads, with descriptors on the first byte; oversized, truncated and
 unparsable frames; squatted, shared and symlinked runtime directories (refused before anything is
-sent); attach responses whose descriptors or layout do not add up. Every failure closes the
+sent); attach responses whose descriptors or layout do not add up; a session's end against a
+fake attach server (the pool unmapped before the Detach frame). Every failure closes the
 descriptors it received."""
 
 import os
@@ -15,8 +16,10 @@ import tempfile
 import threading
 import time
 import unittest
+from unittest import mock
 
 import kvpool
+import kvpool.client
 from kvpool import KvPoolError, StatusCode
 from kvpool._proto import attach_pb2, layout_pb2
 from kvpool.attach import encode_frame, exchange, receive_frame
@@ -191,6 +194,65 @@ class MappingChecksTest(unittest.TestCase):
             error = self.create(response, fds)
             self.assertEqual(error.code, C.INVALID_ARGUMENT, message)
             self.assertIn(message, error.message)
+
+
+def mappings_of(fd):
+    """How many of this process's mappings map the file `fd` is open on (by device and inode)."""
+    st = os.fstat(fd)
+    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
+    with open("/proc/self/maps") as maps:
+        return sum(1 for line in maps
+                   if line.split()[3:5] == [device, str(st.st_ino)])
+
+
+class SessionEndTest(unittest.TestCase):
+    """close() of a KV-access client attached to a fake attach server (a thread serving one
+    connection in a private runtime directory) that maps nothing itself."""
+
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="kvpool-end-")
+        self.addCleanup(shutil.rmtree, self.dir, True)
+        l = layout()
+        self.arena = memfd(l.num_blocks * l.block_bytes)
+        self.addCleanup(os.close, self.arena)
+        self.generations = memfd(4 * l.num_blocks)
+        self.addCleanup(os.close, self.generations)
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.addCleanup(self.listener.close)
+        self.listener.bind(os.path.join(self.dir, "attach.sock"))
+        self.listener.listen(1)
+        self.server = threading.Thread(target=self.serve)
+        self.server.start()
+        self.addCleanup(self.server.join, 10)
+
+    def serve(self):
+        connection, _ = self.listener.accept()
+        with connection:
+            receive_frame(connection, attach_pb2.AttachRequest(), time.monotonic() + 10)
+            response = attach_pb2.AttachResponse(
+                session_id=1, session_token="t" * 32, layout=layout(), kv_access=True,
+                arena_kind=attach_pb2.ARENA_KIND_MEMFD,
+                fds=[attach_pb2.FD_ROLE_ARENA, attach_pb2.FD_ROLE_GENERATION_TABLE])
+            socket.send_fds(connection, [encode_frame(response)], [self.arena, self.generations])
+            while connection.recv(64):  # until the client hangs up
+                pass
+
+    def test_the_pool_is_unmapped_before_the_detach_frame_is_sent(self):
+        # The daemon ends a session on its Detach frame at once and may hand its blocks to
+        # another tenant: when the frame leaves, this process must no longer map the pool.
+        client = kvpool.Client.connect(self.dir, kv_access=True, timeout=10)
+        self.assertEqual((mappings_of(self.arena), mappings_of(self.generations)), (1, 1))
+        mapped_then = []
+        send_detach = kvpool.client.send_detach
+
+        def checked_send_detach(sock):
+            mapped_then.append((mappings_of(self.arena), mappings_of(self.generations)))
+            send_detach(sock)
+
+        with mock.patch.object(kvpool.client, "send_detach", checked_send_detach):
+            client.close()
+        self.assertEqual(mapped_then, [(0, 0)], "(arena, generation table) mappings at Detach")
+        self.assertTrue(client.closed)
 
 
 def dir_stat(uid, mode):
