@@ -4,6 +4,7 @@
 #include "fmt/format.h"
 #include "kvpool/util/errors.h"
 #include "kvpool/util/fmt.h"
+#include "kvpool/util/status_macros.h"
 #include "kvpool/v1/wire.h"
 #include "tier/circuit_breaker.h"
 
@@ -369,12 +370,17 @@ model::SamplingParams FromProto(const v1::SamplingParams& params, uint64_t drawn
           .seed = params.has_seed() ? params.seed() : drawn_seed};
 }
 
-absl::StatusOr<std::vector<model::DecodeInput>> FromProto(const v1::DecodeRequest& request) {
+absl::Status CheckParallelArrays(const v1::DecodeRequest& request) {
   if (request.sequence_ids_size() != request.tokens_size()) {
     return absl::InvalidArgumentError(fmt::format("decode: {} sequence ids but {} tokens",
                                                   request.sequence_ids_size(),
                                                   request.tokens_size()));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<model::DecodeInput>> FromProto(const v1::DecodeRequest& request) {
+  KVPOOL_RETURN_IF_ERROR(CheckParallelArrays(request));
   std::vector<model::DecodeInput> inputs;
   inputs.reserve(static_cast<size_t>(request.sequence_ids_size()));
   for (int i = 0; i < request.sequence_ids_size(); ++i) {

@@ -58,6 +58,8 @@ void ToProto(const Tables& tables, v1::GrowResponse* out);
 std::vector<AllocateRequest> FromProto(const v1::AllocateRequest& request);
 absl::StatusOr<std::vector<GrowRequest>> FromProto(const v1::GrowRequest& request);
 absl::StatusOr<std::vector<model::DecodeInput>> FromProto(const v1::DecodeRequest& request);
+// FromProto's check of a Decode alone, to make before anything is built per sequence.
+absl::Status CheckParallelArrays(const v1::DecodeRequest& request);
 // The sampling parameters as given (the engine checks their ranges); `drawn_seed` stands in for
 // an absent seed.
 model::SamplingParams FromProto(const v1::SamplingParams& params, uint64_t drawn_seed);

@@ -21,6 +21,7 @@
 #include <string>
 
 #include "absl/container/flat_hash_set.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "daemon/edge/attach_server.h"
@@ -129,9 +130,10 @@ class KvPoolService final : public v1::KvPool::CallbackService, public EventList
   // PERMISSION_DENIED (`admin` and the session lacks the role).
   absl::StatusOr<std::shared_ptr<const Session>> Authenticate(const Context* context,
                                                               bool admin) const;
-  // Starts a compute call: authenticates, checks `malformed`, then submits; `finish` fills the
-  // response from the outcome before the reactor finishes.
-  Unary* Compute(Context* context, ComputeRequest request, absl::Status malformed,
+  // Starts a compute call: authenticates, then `build` checks the request and makes it (its
+  // error refuses the call), then submits; `finish` fills the response from the outcome before
+  // the reactor finishes. Nothing of the request is built before its caller is known.
+  Unary* Compute(Context* context, absl::FunctionRef<absl::StatusOr<ComputeRequest>()> build,
                  std::function<void(const ComputeResult&)> finish);
   // The pool an admin call names (empty: the caller's). Errors: NOT_FOUND.
   absl::StatusOr<int32_t> PoolOf(const Session& s, const std::string& name) const;

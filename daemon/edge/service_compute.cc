@@ -9,6 +9,7 @@
 #include "daemon/engine/generation.h"
 #include "fmt/format.h"
 #include "kvpool/util/fmt.h"
+#include "kvpool/util/status_macros.h"
 
 namespace kvpool::daemon {
 namespace {
@@ -39,6 +40,9 @@ uint64_t DrawSeed() {
 
 // A decode's sampling parameters, one set per sequence where one set without a seed stands for
 // several (each sequence draws its own: a shared seed would correlate their samples).
+// REQUIRES: CheckSamplingCount(given.size(), sequences, false) is OK, and `sequences` within
+// limits.decode_width (Engine::CheckDecodeWidth): this is the work per sequence that no call
+// refused anyway may cause.
 std::vector<model::SamplingParams> SamplingOf(
     const google::protobuf::RepeatedPtrField<v1::SamplingParams>& given, size_t sequences) {
   std::vector<model::SamplingParams> out;
@@ -53,17 +57,19 @@ std::vector<model::SamplingParams> SamplingOf(
 
 }  // namespace
 
-KvPoolService::Unary* KvPoolService::Compute(Context* context, ComputeRequest request,
-                                             absl::Status malformed,
-                                             std::function<void(const ComputeResult&)> finish) {
+KvPoolService::Unary* KvPoolService::Compute(
+    Context* context, absl::FunctionRef<absl::StatusOr<ComputeRequest>()> build,
+    std::function<void(const ComputeResult&)> finish) {
   Unary* reactor = context->DefaultReactor();
   if (!BeginCall()) {
     reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "kvpoold is shutting down"));
     return reactor;
   }
   absl::StatusOr<std::shared_ptr<const Session>> session = Authenticate(context, false);
-  if (!session.ok() || !malformed.ok()) {
-    reactor->Finish(ToGrpcStatus(session.ok() ? malformed : session.status()));
+  absl::StatusOr<ComputeRequest> request =
+      session.ok() ? build() : absl::StatusOr<ComputeRequest>(session.status());
+  if (!request.ok()) {
+    reactor->Finish(ToGrpcStatus(request.status()));
     EndCall();
     return reactor;
   }
@@ -72,7 +78,7 @@ KvPoolService::Unary* KvPoolService::Compute(Context* context, ComputeRequest re
     reactor->Finish(ToGrpcStatus(call.result().status, context));
     EndCall();
   };
-  engine_->Submit(std::make_unique<ComputeCall>(*std::move(session), std::move(request),
+  engine_->Submit(std::make_unique<ComputeCall>(*std::move(session), *std::move(request),
                                                 std::make_shared<GrpcCallContext>(context, clock_),
                                                 std::move(done)));
   return reactor;
@@ -80,19 +86,24 @@ KvPoolService::Unary* KvPoolService::Compute(Context* context, ComputeRequest re
 
 KvPoolService::Unary* KvPoolService::Prefill(Context* c, const v1::PrefillRequest* q,
                                              v1::PrefillResponse* r) {
-  ComputeRequest request{.kind = ComputeRequest::Kind::kPrefill,
-                         .sequence = SequenceId(q->sequence_id()),
-                         .tokens = {q->tokens().begin(), q->tokens().end()},
-                         .priority = q->priority(),
-                         .cache_salt = q->cache_salt(),
-                         .top_k = q->top_k(),
-                         .logprobs = q->logprobs()};
-  if (q->has_sampling()) {
-    request.sampling.push_back(FromProto(q->sampling(), q->sampling().has_seed() ? 0 : DrawSeed()));
-  }
+  auto build = [q]() -> absl::StatusOr<ComputeRequest> {
+    KVPOOL_RETURN_IF_ERROR(CheckTopK(q->top_k()));
+    ComputeRequest request{.kind = ComputeRequest::Kind::kPrefill,
+                           .sequence = SequenceId(q->sequence_id()),
+                           .tokens = {q->tokens().begin(), q->tokens().end()},
+                           .priority = q->priority(),
+                           .cache_salt = q->cache_salt(),
+                           .top_k = q->top_k(),
+                           .logprobs = q->logprobs()};
+    if (q->has_sampling()) {
+      request.sampling.push_back(
+          FromProto(q->sampling(), q->sampling().has_seed() ? 0 : DrawSeed()));
+    }
+    return request;
+  };
   const bool top = q->top_k() > 0;
   const bool logprobs = q->logprobs();
-  return Compute(c, std::move(request), CheckTopK(q->top_k()), [=](const ComputeResult& done) {
+  return Compute(c, build, [=](const ComputeResult& done) {
     r->set_sequence_id(done.sequences[0].value());
     r->set_next_token(done.results[0].next_token);
     if (logprobs) r->set_logprob(done.results[0].logprob);
@@ -106,17 +117,25 @@ KvPoolService::Unary* KvPoolService::Prefill(Context* c, const v1::PrefillReques
 
 KvPoolService::Unary* KvPoolService::Decode(Context* c, const v1::DecodeRequest* q,
                                             v1::DecodeResponse* r) {
-  absl::StatusOr<std::vector<model::DecodeInput>> inputs = FromProto(*q);
-  absl::Status malformed = inputs.ok() ? CheckTopK(q->top_k()) : inputs.status();
-  ComputeRequest request{
-      .kind = ComputeRequest::Kind::kDecode,
-      .decode = inputs.ok() ? *std::move(inputs) : std::vector<model::DecodeInput>{},
-      .top_k = q->top_k(),
-      .sampling = SamplingOf(q->sampling(), static_cast<size_t>(q->sequence_ids_size())),
-      .logprobs = q->logprobs()};
+  auto build = [this, q]() -> absl::StatusOr<ComputeRequest> {
+    // What the wire bounds, then the width: a message of up to 4 MiB names millions of
+    // sequences, so a call to refuse is refused before anything is built per sequence.
+    const auto sequences = static_cast<size_t>(q->sequence_ids_size());
+    KVPOOL_RETURN_IF_ERROR(CheckParallelArrays(*q));
+    KVPOOL_RETURN_IF_ERROR(CheckTopK(q->top_k()));
+    KVPOOL_RETURN_IF_ERROR(CheckSamplingCount(static_cast<size_t>(q->sampling_size()), sequences,
+                                              /*prefill=*/false));
+    KVPOOL_RETURN_IF_ERROR(engine_->CheckDecodeWidth(sequences));
+    KVPOOL_ASSIGN_OR_RETURN(std::vector<model::DecodeInput> inputs, FromProto(*q));
+    return ComputeRequest{.kind = ComputeRequest::Kind::kDecode,
+                          .decode = std::move(inputs),
+                          .top_k = q->top_k(),
+                          .sampling = SamplingOf(q->sampling(), sequences),
+                          .logprobs = q->logprobs()};
+  };
   const bool top = q->top_k() > 0;
   const bool logprobs = q->logprobs();
-  return Compute(c, std::move(request), std::move(malformed), [=](const ComputeResult& done) {
+  return Compute(c, build, [=](const ComputeResult& done) {
     for (size_t i = 0; i < done.results.size(); ++i) {
       r->add_next_tokens(done.results[i].next_token);
       if (logprobs) r->add_logprobs(done.results[i].logprob);

@@ -128,6 +128,17 @@ Verdict AdmissionGate::CheckPermission(const CallAsk& ask, const Session& s) con
   return {};
 }
 
+Verdict AdmissionGate::CheckDecodeWidth(size_t sequences) const {
+  const int32_t width = bounds_.limits.decode_width;
+  if (sequences > static_cast<size_t>(width)) {
+    return Refuse(
+        absl::ResourceExhaustedError(fmt::format(
+            "a decode of {} sequences: at most {} (limits.decode_width)", sequences, width)),
+        Counted::kOverLimit);
+  }
+  return {};
+}
+
 Verdict AdmissionGate::CheckLimits(const CallAsk& ask, const CallerFacts& facts) const {
   const ClientLimits& limits = bounds_.limits;
   if (ask.items > static_cast<size_t>(limits.batch_items)) {
@@ -146,12 +157,8 @@ Verdict AdmissionGate::CheckLimits(const CallAsk& ask, const CallerFacts& facts)
         Counted::kOverLimit);
   }
   const ComputeRequest* r = ask.compute;
-  if (r != nullptr && !r->prefill() &&
-      r->decode.size() > static_cast<size_t>(limits.decode_width)) {
-    return Refuse(absl::ResourceExhaustedError(
-                      fmt::format("a decode of {} sequences: at most {} (limits.decode_width)",
-                                  r->decode.size(), limits.decode_width)),
-                  Counted::kOverLimit);
+  if (r != nullptr && !r->prefill()) {
+    if (Verdict v = CheckDecodeWidth(r->decode.size()); !v.ok()) return v;
   }
   if (ask.queues && facts.queued_calls > limits.queued_calls_per_session) {
     return Refuse(absl::ResourceExhaustedError(

@@ -24,7 +24,11 @@
 // What needs the pool (an unknown or another session's sequence, free blocks, quotas, a token
 // outside the vocabulary) is the KvCacheManager's and the step planner's, after the gate. The
 // gRPC edge keeps only what the wire itself bounds (parallel arrays of equal length, which of
-// two fields is set, top_k against what a response carries).
+// two fields is set, top_k against what a response carries, how many sets of sampling
+// parameters), and asks for a Decode's width bound (CheckDecodeWidth, through
+// Engine::CheckDecodeWidth) once it knows the caller and before it builds anything per sequence:
+// a Decode over limits.decode_width is refused for that even when its sampling values are wrong
+// too.
 //
 // Thread-compatible; const methods only, safe to share.
 
@@ -102,6 +106,9 @@ class AdmissionGate final {
   Verdict CheckCaller(const CallAsk& ask, const CallerFacts& facts) const;
   // Every stage in order.
   Verdict Admit(const CallAsk& ask, const CallerFacts& facts) const;
+  // Stage 6's bound on a Decode of `sequences` alone (limits.decode_width): RESOURCE_EXHAUSTED
+  // (over_limit) above it.
+  Verdict CheckDecodeWidth(size_t sequences) const;
 
   // The ask of a compute call: `queued` when it joins the queue now (Submit), false when its
   // step plans it (the queue limit was checked on the way in; a prefill between chunks makes no

@@ -54,10 +54,14 @@ struct ComputeRequest {
   bool creates() const { return prefill() && sequence == SequenceId(0); }
 };
 
-// INVALID_ARGUMENT when the call's sampling parameters do not fit it: more than one set for a
-// prefill, a count other than 0, 1 or one per sequence for a decode, or a value out of range
-// for a vocabulary of `vocab` (model::CheckSampling; the message names the sequence's index).
+// INVALID_ARGUMENT when the call's sampling parameters do not fit it: a count CheckSamplingCount
+// refuses, or a value out of range for a vocabulary of `vocab` (model::CheckSampling; the message
+// names the sequence's index).
 absl::Status CheckSamplingOf(const ComputeRequest& request, int32_t vocab);
+// The count alone, which an edge checks before it builds a set per sequence: INVALID_ARGUMENT for
+// `sets` sets of sampling parameters for `items` sequences other than none, one for all, or one
+// per sequence (a prefill has one sequence and takes at most one set).
+absl::Status CheckSamplingCount(size_t sets, size_t items, bool prefill);
 
 struct ComputeResult {
   absl::Status status;

@@ -25,6 +25,10 @@ absl::Status DeviceError(const absl::Status& s) {
   return absl::InternalError(fmt::format("device: {}", s.message()));
 }
 
+absl::Status NoModelError() {
+  return absl::FailedPreconditionError("kvpoold runs no model (config: model { name: \"none\" })");
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options,
@@ -573,10 +577,19 @@ void Engine::SubmitOrRun(std::unique_ptr<ComputeCall> call) {
   if (Admit(*call)) runner_->SubmitOrRun(std::move(call));
 }
 
+absl::Status Engine::CheckDecodeWidth(size_t sequences) {
+  if (runner_ == nullptr) return NoModelError();
+  const Verdict verdict = gate_.CheckDecodeWidth(sequences);
+  if (verdict.counted != Counted::kNone) {
+    WriteLock lock(this);
+    Count(verdict.counted, state_->call_counters);
+  }
+  return verdict.status;
+}
+
 bool Engine::Admit(ComputeCall& call) {
   if (runner_ == nullptr) {
-    call.result().status =
-        absl::FailedPreconditionError("kvpoold runs no model (config: model { name: \"none\" })");
+    call.result().status = NoModelError();
     call.Complete();
     return false;
   }

@@ -199,6 +199,11 @@ class Engine final : private StepExecutor {
   // Completes every queued call with UNAVAILABLE and lets the step in progress finish.
   // Idempotent.
   void StopCompute();
+  // Whether a Decode of `sequences` could be taken as far as its width goes, for an edge to ask
+  // before it builds anything per sequence (the gate asks again on Submit). Errors:
+  // FAILED_PRECONDITION (no model, as Submit answers), RESOURCE_EXHAUSTED (over
+  // limits.decode_width; counted as the gate's refusals are).
+  absl::Status CheckDecodeWidth(size_t sequences);
 
   // --- Admin --- (pools by index: FindPool)
   int32_t num_pools() const { return static_cast<int32_t>(layouts_.size()); }

@@ -4,6 +4,8 @@
 
 #include "daemon/edge/service.h"
 
+#include <sys/resource.h>
+
 #include <chrono>
 #include <limits>
 
@@ -52,8 +54,9 @@ class ServiceTest : public ::testing::Test {
     server_->Wait();
     engine_->RemoveEventListener(service_.get());
   }
-  // Rebuilds the engine with `options` (the service, server and sessions with it).
-  void Remake(const EngineOptions& options) {
+  // Rebuilds the engine with `options` (the service, server and sessions with it), running the
+  // tiny model when `with_model`.
+  void Remake(const EngineOptions& options, bool with_model = false) {
     TearDown();
     admin_.reset();
     user_.reset();
@@ -61,7 +64,8 @@ class ServiceTest : public ::testing::Test {
     server_.reset();
     service_.reset();
     engine_.reset();
-    engine_ = std::move(*Engine::Create(options, &device_, /*model=*/nullptr));
+    model_ = with_model ? testing::TinyModel(options.pools[0].layout) : nullptr;
+    engine_ = std::move(*Engine::Create(options, &device_, model_.get()));
     SetUp2();
   }
 
@@ -73,6 +77,7 @@ class ServiceTest : public ::testing::Test {
   }
 
   kernels::CpuDevice device_{1};
+  std::unique_ptr<model::Model> model_;  // null: none; outlives the engine that runs it
   std::unique_ptr<Engine> engine_;
   std::unique_ptr<KvPoolService> service_;
   std::unique_ptr<grpc::Server> server_;
@@ -368,6 +373,59 @@ TEST_F(ServiceTest, WatchEventsCountsSnapshotsFollowersAndLag) {
   EXPECT_EQ(lag->sum(), 0);     // it held everything up to the log's head
   EXPECT_EQ(FindStat(stats, "zmq_event_batches"), nullptr);  // no publisher: no rows
   context->TryCancel();
+}
+
+// ASan keeps freed memory in quarantine, resident, so there the peak RSS counts every buffer gRPC
+// and protobuf ever used: the bound below is checked in the release tree only.
+#if defined(__SANITIZE_ADDRESS__)
+#define KVPOOL_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define KVPOOL_ASAN 1
+#endif
+#endif
+
+// This process's peak resident set so far, in bytes.
+int64_t PeakRssBytes() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return int64_t{usage.ru_maxrss} * 1024;
+}
+
+// A Decode as wide as a 4 MiB message carries: 2M sequences (1-byte ids and tokens), one set of
+// sampling parameters without a seed for all of them. Decode used to expand it, before it knew
+// its caller and before any bound on the width, into a DecodeInput and a SamplingParams with a
+// freshly drawn seed per sequence (about 100 MiB at its peak, and 2M generators seeded). Now the
+// caller and the width come first: whether unauthenticated or over limits.decode_width, the
+// call is refused having built nothing per sequence, so the process's peak RSS grows by little
+// more than the message gRPC parsed (24 MiB of repeated fields).
+TEST_F(ServiceTest, AWideDecodeIsRefusedBeforeAnythingIsBuiltPerSequence) {
+  Remake(SmallPool(32), /*with_model=*/true);
+  constexpr int kSequences = 2'000'000;
+  v1::DecodeRequest wide;
+  wide.mutable_sequence_ids()->Resize(kSequences, 1);
+  wide.mutable_tokens()->Resize(kSequences, 0);
+  wide.add_sampling()->set_temperature(1.0F);
+  v1::DecodeResponse decoded;
+  [[maybe_unused]] const int64_t before = PeakRssBytes();
+
+  EXPECT_EQ(stub_->Decode(As(nullptr).get(), wide, &decoded).error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
+  const grpc::Status over = stub_->Decode(As(user_).get(), wide, &decoded);
+  EXPECT_EQ(over.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(over.error_message(), ::testing::HasSubstr("limits.decode_width"));
+  // What the wire bounds comes before the width (INVALID_ARGUMENT before RESOURCE_EXHAUSTED).
+  wide.mutable_tokens()->RemoveLast();
+  EXPECT_EQ(stub_->Decode(As(user_).get(), wide, &decoded).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+
+  EXPECT_EQ(engine_->Stats().calls.over_limit, 1u);  // counted as the gate counts it
+  EXPECT_TRUE(engine_->CheckInvariants().ok());
+#ifndef KVPOOL_ASAN
+  const int64_t growth = PeakRssBytes() - before;
+  EXPECT_LT(growth, int64_t{64} << 20)
+      << "Decode built something per sequence: the peak RSS grew by " << (growth >> 20) << " MiB";
+#endif
 }
 
 // A follower that cancels on an idle pool (no event comes to wake its stream) is finished at once:
