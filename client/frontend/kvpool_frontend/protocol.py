@@ -34,6 +34,7 @@ from typing import List, Optional, Union
 from kvpool import Sampling
 
 MAX_LOGPROBS = 20
+INT32_MAX = 2**31 - 1
 MAX_STOP = 4
 
 _COMMON = {"model", "max_tokens", "stop", "stream", "stream_options", "user", "seed",
@@ -114,7 +115,9 @@ def _number(body: dict, name: str, default: float, low: float, high: float,
     if v is None:
         return default
     bracket = "(" if low_open else "["
-    if (not _is_number(v) or not math.isfinite(v) or v > high
+    # An int is compared as it is: json.loads takes integers of up to 4300 digits, which
+    # math.isfinite and float() cannot convert (OverflowError).
+    if (not _is_number(v) or not (_is_int(v) or math.isfinite(v)) or v > high
             or (v <= low if low_open else v < low)):
         raise bad(f"{name} must be a number in {bracket}{low:g}, {high:g}], not {v!r}", name)
     return float(v)
@@ -125,8 +128,9 @@ def _sampling(body: dict) -> Sampling:
     top_k = body.get("top_k")
     if top_k is None or top_k == -1:
         top_k = 0
-    elif not _is_int(top_k) or top_k < 0:
-        raise bad(f"top_k must be -1 (no cut) or an integer >= 0, not {top_k!r}", "top_k")
+    elif not _is_int(top_k) or not 0 <= top_k <= INT32_MAX:  # the wire's int32
+        raise bad(f"top_k must be -1 (no cut) or an integer in [0, {INT32_MAX}], not {top_k!r}",
+                  "top_k")
     seed = body.get("seed")
     if seed is None:
         seed = random.getrandbits(64)

@@ -50,7 +50,8 @@ json_values = st.recursive(
     max_leaves=12)
 
 # Values a field is likely to be checked against: its valid range, its edges, and the wrong type.
-field_values = (st.integers(-2, 40) | st.sampled_from([0, 1, -1, 20, 21, 4096, 10 ** 30])
+field_values = (st.integers(-2, 40)
+                | st.sampled_from([0, 1, -1, 20, 21, 4096, 2 ** 31, 10 ** 30, 10 ** 400, -10 ** 400])
                 | st.booleans() | st.none() | st.floats(allow_nan=True)
                 | st.text(max_size=12) | st.lists(st.integers(-1, 9000), max_size=6)
                 | st.lists(st.text(max_size=4), max_size=5) | json_values)
@@ -183,6 +184,22 @@ class HandlerPropertyTest(unittest.TestCase):
         if status == 200:
             scheme, token = authorization.split()
             self.assertEqual((scheme.lower(), token), ("bearer", KEY))
+
+    def test_integers_past_any_float_are_400_naming_the_field(self):
+        # json.loads takes integers of up to 4300 digits; float() of one past 1e308 overflows.
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": True}
+        for path, base, fields in [
+                ("/v1/completions", {"model": "tiny", "prompt": "hi"},
+                 ["temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "seed",
+                  "max_tokens", "n", "best_of", "logprobs"]),
+                ("/v1/chat/completions", chat,
+                 ["temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "seed",
+                  "max_tokens", "n", "top_logprobs"])]:
+            for field in fields:
+                for value in (10 ** 400, -10 ** 400):
+                    status, raw = self.post(path, {**base, field: value})
+                    self.assertEqual((status, json.loads(raw)["error"]["param"]), (400, field),
+                                     (path, field, value))
 
     def test_deep_nesting_and_huge_numbers_are_400(self):
         for data in [b"[" * 1500 + b"]" * 1500, b'{"model": "tiny", "prompt": ' + b"[" * 2000,

@@ -178,6 +178,16 @@ class ProtocolTest(unittest.TestCase):
             ({"model": "m", "prompt": "x", "top_k": 1.5}, "top_k"),
             ({"model": "m", "prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
             ({"model": "m", "prompt": "x", "frequency_penalty": "1"}, "frequency_penalty"),
+            # JSON integers past any float (json.loads takes up to 4300 digits).
+            ({"model": "m", "prompt": "x", "temperature": 10 ** 400}, "temperature"),
+            ({"model": "m", "prompt": "x", "top_p": 10 ** 400}, "top_p"),
+            ({"model": "m", "prompt": "x", "presence_penalty": -10 ** 400}, "presence_penalty"),
+            ({"model": "m", "prompt": "x", "frequency_penalty": 10 ** 400}, "frequency_penalty"),
+            ({"model": "m", "prompt": "x", "top_k": 10 ** 400}, "top_k"),
+            ({"model": "m", "prompt": "x", "top_k": 2 ** 31}, "top_k"),  # past the wire's int32
+            ({"model": "m", "prompt": "x", "seed": 10 ** 400}, "seed"),
+            ({"model": "m", "prompt": "x", "logprobs": 10 ** 400}, "logprobs"),
+            ({"model": "m", "prompt": "x", "n": 10 ** 400}, "n"),
             ({"model": "m", "prompt": "x", "seed": 2 ** 64}, "seed"),
             ({"model": "m", "prompt": "x", "seed": 1.0}, "seed"),
             ({"model": "m", "prompt": "x", "logit_bias": {"1": 2}}, "logit_bias"),
