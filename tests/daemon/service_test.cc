@@ -398,7 +398,8 @@ int64_t PeakRssBytes() {
 // freshly drawn seed per sequence (about 100 MiB at its peak, and 2M generators seeded). Now the
 // caller and the width come first: whether unauthenticated or over limits.decode_width, the
 // call is refused having built nothing per sequence, so the process's peak RSS grows by little
-// more than the message gRPC parsed (24 MiB of repeated fields).
+// more than the messages both ends hold (24 MiB of repeated fields each, and gRPC's buffers):
+// 35-66 MiB measured, against about 190 MiB before.
 TEST_F(ServiceTest, AWideDecodeIsRefusedBeforeAnythingIsBuiltPerSequence) {
   Remake(SmallPool(32), /*with_model=*/true);
   constexpr int kSequences = 2'000'000;
@@ -423,7 +424,7 @@ TEST_F(ServiceTest, AWideDecodeIsRefusedBeforeAnythingIsBuiltPerSequence) {
   EXPECT_TRUE(engine_->CheckInvariants().ok());
 #ifndef KVPOOL_ASAN
   const int64_t growth = PeakRssBytes() - before;
-  EXPECT_LT(growth, int64_t{64} << 20)
+  EXPECT_LT(growth, int64_t{128} << 20)
       << "Decode built something per sequence: the peak RSS grew by " << (growth >> 20) << " MiB";
 #endif
 }
