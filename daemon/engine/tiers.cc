@@ -324,17 +324,23 @@ std::pair<std::vector<BlockId>, Fence> TierSet::StageComponents(
   // The compute stream may still be writing what a step just took: copy after it.
   const Fence computed = device_->LastFence(kernels::StreamId::kCompute);
   if (computed.value != 0 && !device_->StreamWait(kernels::StreamId::kTransfer, computed).ok()) {
-    return out;  // not stored: the tiers miss them, nothing else changes
+    // Not stored (the tiers miss them), counted as Stage counts blocks; nothing else changes.
+    absl::MutexLock lock(&mu_);
+    counters_.demote_failed += copies.size();
+    return out;
   }
   const int64_t bytes = BytesOf(kind);
   // Staged components of a kind take at most kMaxStagedBytes (and their count, the staging
   // bound).
   const int64_t most = std::max<int64_t>(1, kMaxStagedBytes / bytes);
   absl::MutexLock lock(&mu_);
+  if (stopping_) {  // Stop's contract: later calls only drop, counted
+    counters_.demote_dropped_full += copies.size();
+    return out;
+  }
   int64_t& staged = kind == Staged::Kind::kCheckpoint ? staged_checkpoints_ : staged_windows_;
   for (const ComponentCopy& c : copies) {
     const PublishedBlock& b = *c.block;
-    if (stopping_) continue;
     if (static_cast<int64_t>(queue_.size()) + in_flight_ >= max_staged_ || staged >= most) {
       ++counters_.demote_dropped_full;
       continue;

@@ -105,10 +105,13 @@ struct TierStats {
   // Demotions: published blocks copied out of the device pool toward the tiers.
   uint64_t demoted = 0;
   uint64_t demoted_bytes = 0;
-  int64_t demote_ns = 0;             // copy time summed (fence waits of the writer)
-  uint64_t demote_dropped_full = 0;  // not copied: the staging bound was reached
-  uint64_t demote_failed = 0;        // copies the device failed
-  int64_t demote_queued = 0;         // staged now
+  int64_t demote_ns = 0;  // copy time summed (fence waits of the writer)
+  // Blocks, checkpoints and window blocks not copied: the staging bound was reached, or they
+  // came after Stop().
+  uint64_t demote_dropped_full = 0;
+  // Copies the device failed, or could not order after the compute stream (StreamWait).
+  uint64_t demote_failed = 0;
+  int64_t demote_queued = 0;  // staged now
   // Promotions: tier hits copied into fresh device blocks and published.
   uint64_t lookups = 0;               // local misses looked up in the tiers
   uint64_t promoted_from_host = 0;    // blocks
@@ -383,7 +386,7 @@ class TierSet final {
   };
   // Queues the copies out of `copies` (of `kind`, StageCheckpoints / StageWindowBlocks) for the
   // writer, after the compute stream's work; returns the ids copied and the last copy's fence,
-  // for the caller to mark in flight.
+  // for the caller to mark in flight. Each one not copied is counted, as Stage counts blocks.
   std::pair<std::vector<BlockId>, Fence> StageComponents(Staged::Kind kind,
                                                          std::span<const ComponentCopy> copies)
       ABSL_LOCKS_EXCLUDED(mu_);

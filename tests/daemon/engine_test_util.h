@@ -27,6 +27,7 @@ class FailingDevice final : public kernels::Device {
  public:
   std::atomic<bool> fail{false};
   std::atomic<bool> fail_copy_to_device{false};  // CopyToDevice fails too (tier promotions)
+  std::atomic<bool> fail_stream_wait{false};     // StreamWait fails (a stream ordering error)
 
   std::string name() const override { return "failing-cpu"; }
   bool host_visible() const override { return true; }
@@ -108,6 +109,7 @@ class FailingDevice final : public kernels::Device {
     return cpu_.DecodeWorkspaceBytes(layout, num_seqs, num_q_heads, max_seq_len);
   }
   absl::Status StreamWait(kernels::StreamId waiter, Fence fence) override {
+    if (fail_stream_wait) return absl::InternalError("injected: stream wait not queued");
     return cpu_.StreamWait(waiter, fence);
   }
   absl::Status Synchronize(Fence fence) override { return cpu_.Synchronize(fence); }

@@ -1303,6 +1303,47 @@ kernels::PoolLayout SmallHybrid(bool state) {
           .num_window_blocks = 8};
 }
 
+// A checkpoint or window block StageComponents cannot stage is counted as Stage counts a block:
+// after Stop() (Stop's contract: later Stage calls only drop, counted) in demote_dropped_full,
+// and when the transfer stream cannot be ordered after the compute stream (a device error) in
+// demote_failed. Neither is marked in flight.
+TEST(TierBoundsTest, ComponentsStagedAfterStopOrAFailedStreamWaitAreCounted) {
+  FailingDevice device;
+  const kernels::PoolLayout layout = SmallHybrid(/*state=*/true);
+  EverythingRemote* remote = nullptr;
+  const std::unique_ptr<TierSet> set = OverEverything(&device, layout, &remote);
+  TierSet& tiers = *set;
+  ASSERT_TRUE(tiers.keeps_checkpoints());
+  ASSERT_TRUE(tiers.keeps_window_blocks());
+  std::unique_ptr<KvCacheManager> cache = *KvCacheManager::Create(
+      {.block_size = 16, .num_blocks = 8, .max_blocks_per_seq = 2, .fences = &device});
+  const NamespaceId ns(3);
+  const std::vector<BlockHash> chain = ThreeBlocks(ns);
+  const PublishedBlock block{.ns = ns, .block = BlockId(0), .hash = chain[0]};
+  const std::vector<PublishedCheckpoint> checkpoint{{.block = block, .slot = BlockId(0)}};
+  const std::vector<PublishedWindowBlock> window{{.block = block, .window = BlockId(0)}};
+  const auto arena_bytes = static_cast<size_t>(layout.arena_bytes());
+  const std::unique_ptr<std::byte[]> arena(new std::byte[arena_bytes]);
+  const kernels::KvPoolView view{.base = arena.get(), .layout = layout};
+
+  // Some compute work, so that staging orders the transfer stream after it.
+  ASSERT_TRUE(device.EnqueueHostTask(kernels::StreamId::kCompute, [] {}).ok());
+  device.fail_stream_wait = true;
+  tiers.StageCheckpoints(*cache, view, checkpoint);
+  EXPECT_EQ(tiers.stats().demote_failed, 1u);
+  tiers.StageWindowBlocks(*cache, view, window);
+  EXPECT_EQ(tiers.stats().demote_failed, 2u);
+  device.fail_stream_wait = false;
+
+  tiers.Stop();
+  tiers.StageCheckpoints(*cache, view, checkpoint);
+  EXPECT_EQ(tiers.stats().demote_dropped_full, 1u);
+  tiers.StageWindowBlocks(*cache, view, window);
+  EXPECT_EQ(tiers.stats().demote_dropped_full, 2u);
+  EXPECT_EQ(tiers.stats().demoted_checkpoints, 0u);
+  EXPECT_EQ(tiers.stats().demote_failed, 2u);
+}
+
 // A TierSet over `layout` whose only store is a SelectiveRemote (*remote: it) holding the
 // checkpoints and window blocks of `chain`'s blocks at indexes `checkpoints` and `windows`.
 std::unique_ptr<TierSet> OverSelective(kernels::Device* device, const kernels::PoolLayout& layout,
