@@ -275,8 +275,11 @@ std::optional<PromotionHold> Promotion::Publish(EngineState& state, const absl::
         ns_, first_below == 0 ? BlockHash{} : chain_[first_below - 1],
         std::span(chain_).subspan(first_below, static_cast<size_t>(from_disk + from_remote)),
         found_, static_cast<size_t>(from_host));
-    pool.DrainTierEvents();
   }
+  // The Keep*InHost calls' host-store puts told their events (Stored, Removed for what they
+  // evicted) to the tier set, which calls on_events only for the disk tier's: into the pool's log
+  // now, not at some unrelated later drain (in an idle pool, never).
+  pool.DrainTierEvents();
   return hold;
 }
 

@@ -504,14 +504,13 @@ class ModelTiersTest : public ::testing::Test {
     arena_.reset();
     alice_.reset();
     disk_.Use(&options);
-    if (gap) {
-      options.lock_gap_hook = [this, gap](LockGap g) {
-        // What nobody holds (a promotion's hold keeps its blocks).
-        if (g == *gap && armed_.exchange(false)) {
-          ASSERT_TRUE(engine_->Evict(0, 64, /*all=*/false).ok());
-        }
-      };
-    }
+    options.lock_gap_hook = [this, gap](LockGap g) {
+      // What nobody holds (a promotion's hold keeps its blocks).
+      if (gap && g == *gap && armed_.exchange(false)) {
+        ASSERT_TRUE(engine_->Evict(0, 64, /*all=*/false).ok());
+      }
+      if (in_gap_) in_gap_(g);
+    };
     engine_.reset();
     model_ = std::move(*model::Model::Create(model::SyntheticWeights(config, 1),
                                              options.pools[0].layout, {.threads = 1}));
@@ -604,6 +603,7 @@ class ModelTiersTest : public ::testing::Test {
   std::unique_ptr<MappedArena> arena_;
   kernels::PoolLayout layout_;
   std::atomic<bool> armed_{false};
+  std::function<void(LockGap)> in_gap_;  // called in every lock gap, when set
 };
 
 // Issue 28, tiers: in a pool with a state group a prompt resumes only from a state checkpoint,
@@ -740,6 +740,44 @@ TEST_F(HybridTiersTest, APrefixPublishedBeforeARestartResumesFromTheDisksCheckpo
   EXPECT_EQ(tiers.promoted_from_disk, 3u);
   EXPECT_EQ(tiers.promoted_checkpoints, 1u);
   EXPECT_EQ(tiers.host_checkpoints, 1);  // kept in the host tier too
+  Free(promoted, OnFree::kDiscard);
+  EXPECT_TRUE(engine_->CheckInvariants().ok());
+}
+
+// A promotion whose blocks all come from the host tier but whose checkpoint comes from the disk
+// keeps that checkpoint in the host tier, and the host tier's events for it (Stored, and Removed
+// for the checkpoint it evicted) are in the pool's event log as soon as the promotion published,
+// before its call goes on. Before, they were drained only when a block came from below the host
+// tier, and otherwise waited for an unrelated later drain (in an idle pool, none).
+TEST_F(HybridTiersTest, ACheckpointTheDiskGaveIsAHostEventAtOnce) {
+  disk_.Make();
+  Make(/*host_checkpoints=*/2);
+  const KvEventGroup state{.index = 1, .kind = KvGroupKind::kStateSpace};
+  const std::vector<int32_t> prompt = Prompt(57, 40);
+  Free(Prefill(prompt), OnFree::kCommit);
+  // Another prompt's two checkpoints take the host tier's two slots; every block stays there.
+  Free(Prefill(Prompt(57, 41)), OnFree::kCommit);
+  ASSERT_EQ(engine_->Stats().tiers.host_blocks, 6);
+  ASSERT_EQ(engine_->Stats().tiers.disk_checkpoints, 4);
+  ASSERT_TRUE(engine_->Evict(0, 0, /*all=*/true).ok());
+  const absl::flat_hash_set<BlockHash> before = HeldBy(KvMedium::kHost, state);
+  ASSERT_EQ(before.size(), 2u);
+
+  std::optional<absl::flat_hash_set<BlockHash>> published;
+  in_gap_ = [&](LockGap g) {
+    if (g == LockGap::kAdoption) published = HeldBy(KvMedium::kHost, state);
+  };
+  const ComputeResult promoted = Prefill(prompt);
+  in_gap_ = nullptr;
+  EXPECT_EQ(promoted.reused, 48);
+  const TierStats tiers = engine_->Stats().tiers;
+  EXPECT_EQ(tiers.promoted_from_host, 3u);
+  EXPECT_EQ(tiers.promoted_from_disk, 0u);
+  EXPECT_EQ(tiers.promoted_checkpoints, 1u);
+  const absl::flat_hash_set<BlockHash> after = HeldBy(KvMedium::kHost, state);
+  EXPECT_NE(after, before);            // the disk's checkpoint is in the host tier now
+  ASSERT_TRUE(published.has_value());  // the promotion's hold waited for its call
+  EXPECT_EQ(*published, after);
   Free(promoted, OnFree::kDiscard);
   EXPECT_TRUE(engine_->CheckInvariants().ok());
 }
