@@ -203,6 +203,8 @@ class DiskBlockStore final : public RemoteTier {
   // Reads the planned slots into `out` (or bounce buffers) and verifies them; returns how many
   // leading ones verified.
   int64_t ReadVerified(std::span<const Planned> plan, std::span<const std::span<std::byte>> out);
+  // `planned` failed its tag: counted corrupt and forged, and dropped, when its slot still holds
+  // that record; a slot freed or rewritten since the plan is only a miss.
   void DropIfUnchanged(const Planned& planned) ABSL_LOCKS_EXCLUDED(mu_);
 
   void WriterLoop();

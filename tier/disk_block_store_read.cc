@@ -39,6 +39,7 @@ LookupResult DiskBlockStore::LookupChecked(const BlockSpace& space, const BlockH
   LookupResult result;
   std::vector<Planned> plan;
   if (space.layout_fingerprint == layout_fingerprint_) plan = PlanLookup(space, parent, hashes);
+  if (!plan.empty() && options_.lookup_gap_hook) options_.lookup_gap_hook();
   bool rejected = false;
   if (!plan.empty()) {
     rejected = !breaker_.Allow();
@@ -145,14 +146,15 @@ void DiskBlockStore::DropIfUnchanged(const Planned& planned) {
   std::vector<Change> changes;
   {
     absl::MutexLock lock(&mu_);
+    const Slot& s = slots_[static_cast<size_t>(planned.slot)];
+    // Freed or written again since it was planned (the read raced an invalidation, an eviction
+    // or the writer): the tag was checked against bytes that were never the planned record's,
+    // and the new record stands. A plain miss, no sign of damage or tampering.
+    if (s.state != SlotState::kStored || s.entry.sequence != planned.entry.sequence) return;
     ++counters_.corrupt;
     ++counters_.forged;
-    const Slot& s = slots_[static_cast<size_t>(planned.slot)];
-    // Written again since it was planned (the read raced the writer): the new record stands.
-    if (s.state == SlotState::kStored && s.entry.sequence == planned.entry.sequence) {
-      DropStored(planned.slot, &changes);
-      changed_.Signal();
-    }
+    DropStored(planned.slot, &changes);
+    changed_.Signal();
   }
   Logger("tier").warn("disk tier {}: slot {} failed its MAC (torn, overwritten or forged): dropped",
                       options_.directory, planned.slot);

@@ -56,6 +56,9 @@ struct DiskTierOptions {
   // batch's slots are taken (counted, out of every list) and before its bytes are written. A test
   // holds the gap open there (a latch) and works the store from other threads meanwhile.
   std::function<void()> writer_gap_hook;
+  // Tests only. Runs on a lookup's thread with no lock held, in the lookup's lock gap: after its
+  // slots are planned (under the lock) and before they are read and verified.
+  std::function<void()> lookup_gap_hook;
 
   bool enabled() const { return !directory.empty(); }
 };

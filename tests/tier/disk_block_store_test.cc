@@ -9,6 +9,7 @@
 #include <fstream>
 #include <random>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -314,8 +315,8 @@ TEST_F(DiskBlockStoreTest, AnInvalidationSurvivesAStopRightAfterIt) {
   }
 }
 
-// Holds the disk writer in its lock gap (DiskTierOptions::writer_gap_hook): once armed, the next
-// batch to reach the gap waits there until Release.
+// Holds the disk writer in its lock gap (DiskTierOptions::writer_gap_hook), or a lookup in its
+// (lookup_gap_hook): once armed, the next to reach the gap waits there until Release.
 class WriterLatch {
  public:
   void Arm() {
@@ -409,6 +410,38 @@ TEST_F(DiskBlockStoreTest, TheWritersLockGapHeldOpenKeepsEveryRule) {
     EXPECT_EQ(store->disk_stats().recovered_blocks, expect_kept);
     EXPECT_EQ(Hits(*store, fresh), invalidated == 2 ? 0 : 3);
   }
+}
+
+// A lookup's lock gap held open: it planned record R's slot, then R's tenant was invalidated and
+// another record written into the freed slot before the lookup read it. The bytes it reads fail
+// R's tag, but nothing was forged or damaged: a plain miss, not counted in corrupt or forged
+// (the stats that signal tampering), and the new record stands. Before, the race counted a
+// forgery and logged a drop that did not happen.
+TEST_F(DiskBlockStoreTest, ASlotReusedDuringALookupIsAMissNotAForgery) {
+  WriterLatch latch;
+  DiskTierOptions options = Options(4);
+  options.lookup_gap_hook = [&latch] { latch.InGap(); };
+  const TestChain r = MakeChain(kSpace, 1, kBlockBytes, 60);
+  const TestChain other = MakeChain({NamespaceId(8), kLayout}, 1, kBlockBytes, 61);
+  auto store = *DiskBlockStore::Open(options, kSecret, kLayout, kBlockBytes);
+  PutAll(*store, r, {.tenant = 1, .model = 1});
+  latch.Arm();
+  int64_t hits = -1;
+  std::thread lookup([&] { hits = Hits(*store, r); });
+  latch.AwaitHeld();
+  {
+    absl::Cleanup release = [&latch] { latch.Release(); };
+    EXPECT_EQ(store->Invalidate({.tenant = 1}), 1);
+    PutAll(*store, other, {.tenant = 2, .model = 1});  // the slot freed last is taken first
+  }
+  lookup.join();
+  EXPECT_EQ(hits, 0);
+  const RemoteTierStats stats = store->stats();
+  EXPECT_EQ(stats.forged, 0u);
+  EXPECT_EQ(stats.corrupt, 0u);
+  EXPECT_EQ(stats.misses, 1u);
+  EXPECT_EQ(Hits(*store, other), 1);
+  EXPECT_TRUE(store->CheckInvariants().ok()) << store->CheckInvariants();
 }
 
 // A seeded mix of puts, lookups, invalidations and reopens against what was put: every hit is
