@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "kvpool/util/logging.h"
 #include "kvpool/util/parents_first.h"
+#include "kvpool/util/status_macros.h"
 
 namespace kvpool::tier {
 namespace {
@@ -230,11 +231,16 @@ void DiskBlockStore::WriteBatch(std::vector<QueuedWrite>& batch,
     if (queue_.empty() && !stopping_) changed_.WaitWithTimeout(&mu_, options_.breaker_backoff);
     return;
   }
-  absl::Status io = ClearEntries(erased);
+  size_t cleared = 0;
+  absl::Status io = ClearEntries(erased, &cleared);
   std::vector<int32_t> slots(batch.size(), -1);
   std::vector<Change> changes;
   {
     absl::MutexLock lock(&mu_);
+    // An entry left on disk would bring its dropped record back at the next Open: cleared once
+    // the disk takes writes again, as when the breaker is open (the failure is counted, and told
+    // to the breaker, by FinishBatch). Before this batch takes slots: one it takes leaves erase_.
+    erase_.insert(erased.begin() + static_cast<ptrdiff_t>(cleared), erased.end());
     for (size_t i = 0; i < batch.size(); ++i) {
       IndexEntry& e = batch[i].entry;
       const bool present = index_.contains(Key{e.ns.value(), e.hash}) ||
@@ -305,13 +311,13 @@ void DiskBlockStore::FinishBatch(const std::vector<QueuedWrite>& batch,
   }
 }
 
-absl::Status DiskBlockStore::ClearEntries(const std::vector<int32_t>& slots) const {
+absl::Status DiskBlockStore::ClearEntries(const std::vector<int32_t>& slots,
+                                          size_t* cleared) const {
   static constexpr std::byte kZero[kIndexEntryBytes] = {};
-  for (int32_t slot : slots) {
+  for (*cleared = 0; *cleared < slots.size(); ++*cleared) {
+    if (options_.clear_entry_fault) KVPOOL_RETURN_IF_ERROR(options_.clear_entry_fault());
     const iovec part{const_cast<std::byte*>(kZero), static_cast<size_t>(kIndexEntryBytes)};
-    if (absl::Status s = files_.index.WriteAt(slot * kIndexEntryBytes, {&part, 1}); !s.ok()) {
-      return s;
-    }
+    KVPOOL_RETURN_IF_ERROR(files_.index.WriteAt(slots[*cleared] * kIndexEntryBytes, {&part, 1}));
   }
   return absl::OkStatus();
 }
@@ -360,13 +366,20 @@ absl::Status DiskBlockStore::Flush(absl::Duration timeout) {
   absl::MutexLock lock(&mu_);
   const int64_t target = enqueued_;
   // Queued writes, and the entries of dropped records (evicted, invalidated) still to clear.
+  // While the breaker is open those wait for the disk to take writes again: not waited for.
   auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return completed_ >= target && erase_.empty() && erasing_ == 0;
+    return completed_ >= target && erasing_ == 0 &&
+           (erase_.empty() || breaker_.state() == BreakerState::kOpen);
   };
   if (!clock_->AwaitUntil(mu_, absl::Condition(&done), deadline_ns)) {
     return absl::DeadlineExceededError(absl::StrCat(
         "disk tier: ", std::max<int64_t>(target - completed_, 0), " writes still queued, ",
         erase_.size() + static_cast<size_t>(erasing_), " entries to clear"));
+  }
+  if (!erase_.empty()) {
+    return absl::UnavailableError(
+        absl::StrCat("disk tier: the disk fails (breaker open): ", erase_.size(),
+                     " entries of dropped records still to clear"));
   }
   return absl::OkStatus();
 }

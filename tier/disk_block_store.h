@@ -106,8 +106,11 @@ class DiskBlockStore final : public RemoteTier {
   // false (counted) when the queue is full or the block is not block_bytes long or of another
   // layout. While the breaker is open the writer drops what is queued (dropped_breaker_open).
   bool Put(const BlockSpace& space, const BlockToStore& block) override;
-  // Waits until every block queued before the call was written or dropped. Errors:
-  // DEADLINE_EXCEEDED after `timeout`.
+  // Waits until every block queued before the call was written or dropped, and the index
+  // entries of dropped records (evicted, invalidated, failed) were cleared on disk. Errors:
+  // DEADLINE_EXCEEDED after `timeout`; UNAVAILABLE when the writes are done but the breaker is
+  // open with entries still to clear (the writer clears them once the disk takes writes again).
+  // Either way the queue keeps draining.
   absl::Status Flush(absl::Duration timeout) override;
   RemoteTierStats stats() const override;
   DiskTierStats disk_stats() const;
@@ -209,7 +212,9 @@ class DiskBlockStore final : public RemoteTier {
 
   void WriterLoop();
   void WriteBatch(std::vector<QueuedWrite>& batch, const std::vector<int32_t>& erased);
-  absl::Status ClearEntries(const std::vector<int32_t>& slots) const;
+  // Zeroes the index entries of `slots`, in order; *cleared: how many before an error. Errors:
+  // the failed write's (the rest are not tried).
+  absl::Status ClearEntries(const std::vector<int32_t>& slots, size_t* cleared) const;
   // Records the batch's written slots (or frees them after a failed write), counts, and reports
   // to the breaker.
   void FinishBatch(const std::vector<QueuedWrite>& batch, const std::vector<int32_t>& slots,

@@ -9,6 +9,7 @@
 #include <string>
 #include <string_view>
 
+#include "absl/status/status.h"
 #include "absl/time/time.h"
 
 namespace kvpool::tier {
@@ -59,6 +60,9 @@ struct DiskTierOptions {
   // Tests only. Runs on a lookup's thread with no lock held, in the lookup's lock gap: after its
   // slots are planned (under the lock) and before they are read and verified.
   std::function<void()> lookup_gap_hook;
+  // Tests only. Asked before the writer clears each index entry of a dropped record: an error it
+  // returns is that write's (a failing disk: EIO, EROFS), and the entry is not written.
+  std::function<absl::Status()> clear_entry_fault;
 
   bool enabled() const { return !directory.empty(); }
 };
