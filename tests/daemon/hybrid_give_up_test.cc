@@ -72,6 +72,19 @@ class HybridGiveUpTest : public ::testing::Test {
         engine_->Free(*alice_, std::span(&sequence, 1), how, CallContext::Uncancellable()).ok());
   }
   void EvictAll() { ASSERT_TRUE(engine_->Evict(0, 0, /*all=*/true).ok()); }
+  // `prompt` prefilled from nothing and its first generated token (`*first`) decoded: that
+  // decode's answer. Nothing of it stays cached.
+  ComputeResult PrefillAndDecodeAlone(const std::vector<int32_t>& prompt, int32_t* first) {
+    const ComputeResult p = Prefill(prompt);
+    EXPECT_TRUE(p.status.ok()) << p.status;
+    if (!p.status.ok()) return p;
+    *first = p.results[0].next_token;
+    ComputeResult decoded = Decode(p.sequences[0], *first);
+    EXPECT_TRUE(decoded.status.ok()) << decoded.status;
+    Free(p.sequences[0], OnFree::kDiscard);
+    EvictAll();
+    return decoded;
+  }
   // The sequence's full table, as ListSequences reports it.
   std::vector<BlockId> TableOf(SequenceId sequence) const {
     std::vector<SessionId> owners;
@@ -115,13 +128,8 @@ void ExpectSameAnswer(const ComputeResult& got, const ComputeResult& want) {
 TEST_F(HybridGiveUpTest, AGivenUpDecodeLeavesNoWrongCheckpoint) {
   const std::vector<int32_t> prompt = Prompt(48, 7);  // three full blocks
   // What the prompt and its first generated token give, computed from nothing.
-  const ComputeResult first = Prefill(prompt);
-  ASSERT_TRUE(first.status.ok()) << first.status;
-  const int32_t t = first.results[0].next_token;
-  const ComputeResult decoded = Decode(first.sequences[0], t);
-  ASSERT_TRUE(decoded.status.ok()) << decoded.status;
-  Free(first.sequences[0], OnFree::kDiscard);
-  EvictAll();
+  int32_t t = 0;
+  ASSERT_NO_FATAL_FAILURE(PrefillAndDecodeAlone(prompt, &t));
   std::vector<int32_t> longer = prompt;
   longer.push_back(t);
   const ComputeResult alone = Prefill(longer);
@@ -151,13 +159,9 @@ TEST_F(HybridGiveUpTest, AGivenUpDecodeLeavesNoWrongCheckpoint) {
 // Truncate to a checkpoint, and the sequence then computes on as if nothing had happened.
 TEST_F(HybridGiveUpTest, ALostStateRefusesStepsUntilATruncateToACheckpointRestoresIt) {
   const std::vector<int32_t> prompt = Prompt(48, 8);
-  const ComputeResult first = Prefill(prompt);
-  ASSERT_TRUE(first.status.ok()) << first.status;
-  const int32_t t = first.results[0].next_token;
-  const ComputeResult want = Decode(first.sequences[0], t);
-  ASSERT_TRUE(want.status.ok()) << want.status;
-  Free(first.sequences[0], OnFree::kDiscard);
-  EvictAll();
+  int32_t t = 0;
+  ComputeResult want;
+  ASSERT_NO_FATAL_FAILURE(want = PrefillAndDecodeAlone(prompt, &t));
 
   const ComputeResult p = Prefill(prompt);
   ASSERT_TRUE(p.status.ok()) << p.status;
