@@ -3,7 +3,8 @@
 // planner drives it (Allocate with prompts from a few shared families, then PlanCheckpoints, a
 // step that writes the checkpoints and the working state at its fence, MarkStatesInFlight,
 // AdvanceState, Commit), mixed with decode steps, client commits before a step ran, step undos
-// (Truncate back to the step's start), Fork, Grow, Truncate, Free (discard and commit),
+// (Truncate back to the step's start), steps given back after they ran (their writes land, the
+// tokens go back, the state is lost: LoseState), Fork, Grow, Truncate, Free (discard and commit),
 // FreeSession, EvictCached, fences completed out of order across timelines and ReclaimRetired.
 //
 // The slots' bytes are simulated (tests/kvpool/simulated_state_slots.h): a state's content names
@@ -95,6 +96,7 @@ struct Tally {
   int64_t rolling = 0;         // rolling checkpoints planned, new or moved on
   int64_t rolled = 0;          // of which moved on to a later block boundary
   int64_t undos = 0;           // steps undone by Truncate
+  int64_t give_backs = 0;      // steps given back after they ran (their state lost)
   int64_t steps = 0;
 };
 
@@ -107,6 +109,7 @@ class StateCheckpointRandomTest : public ::testing::TestWithParam<Config> {
     std::vector<int32_t> content;  // the token at every position
     int64_t known = 0;             // tokens the manager knows
     int64_t st = 0;                // tokens its working state holds (-1: unknown)
+    bool lost = false;             // its state holds tokens it no longer has (LoseState)
     int32_t slot = -1;
     uint64_t value = 0;  // what its slot holds once every enqueued operation landed
     int64_t branch_at = 0;
@@ -427,6 +430,22 @@ class StateCheckpointRandomTest : public ::testing::TestWithParam<Config> {
   // the working state) are enqueued up to a new fence; the state advances and the new tokens are
   // committed (whole blocks or all of them; now and then not at all).
   void StepRun(SequenceId id) {
+    WriteStep(id);
+    if (HasFatalFailure()) return;
+    Seq& m = seqs_.at(id);
+    ASSERT_TRUE(cache_->AdvanceState(m.session, id, m.step_to).ok());
+    m.st = m.step_to;
+    m.value = slots_.State(m.content, m.st);
+    m.stepping = false;
+    ++tally_.steps;
+    if (Rand(8) == 0) return;  // committed later, or never
+    const int64_t known = std::max(m.known, m.step_to);
+    Commit(id, Rand(2) == 0 ? m.step_to / bs_ * bs_ : m.step_to, known);
+  }
+
+  // The planned step's device work: its writes are enqueued up to a new fence and its slots and
+  // blocks marked in flight.
+  void WriteStep(SequenceId id) {
     Seq& m = seqs_.at(id);
     const Fence fence = slots_.NewFence({m.slot});
     std::vector<BlockId> slots{BlockId(m.slot)};
@@ -452,14 +471,6 @@ class StateCheckpointRandomTest : public ::testing::TestWithParam<Config> {
                                   (m.step_to - 1) / bs_))
         << "a step of sequence " << id << " writes into a block the tree has with other tokens";
     ASSERT_TRUE(cache_->MarkInFlight(cache_->Find(id)->table, fence).ok());
-    ASSERT_TRUE(cache_->AdvanceState(m.session, id, m.step_to).ok());
-    m.st = m.step_to;
-    m.value = slots_.State(m.content, m.st);
-    m.stepping = false;
-    ++tally_.steps;
-    if (Rand(8) == 0) return;  // committed later, or never
-    const int64_t known = std::max(m.known, m.step_to);
-    Commit(id, Rand(2) == 0 ? m.step_to / bs_ * bs_ : m.step_to, known);
   }
 
   // Commit of `upto` tokens, telling the manager of those up to `known`. A planned checkpoint it
@@ -507,6 +518,30 @@ class StateCheckpointRandomTest : public ::testing::TestWithParam<Config> {
     ++tally_.undos;
     Shorten(&m, m.step_from);
   }
+  // The step ran but its caller gave up (model::UndoItem with `ran`): its writes land, the tokens
+  // go back to its start (refused below the known tokens: they stay), and its state, which no
+  // copy can move back, is lost: no checkpoint may be taken from it, nor any step started.
+  void StepGiveBack(SequenceId id) {
+    WriteStep(id);
+    if (HasFatalFailure()) return;
+    Seq& m = seqs_.at(id);
+    const uint64_t value = slots_.State(m.content, m.step_to);
+    const Code want = m.step_from < m.known ? Code::kFailedPrecondition : Code::kOk;
+    const std::string before = want == Code::kOk ? "" : Snapshot();
+    const absl::Status status = cache_->Truncate(m.session, id, m.step_from);
+    ASSERT_EQ(status.code(), want) << status;
+    if (status.ok()) {
+      Shorten(&m, m.step_from);
+    } else {
+      ExpectRefused(status, before, DevicePlan{}, 0);
+      m.stepping = false;
+    }
+    ASSERT_TRUE(cache_->LoseState(m.session, id).ok());
+    m.st = -1;
+    m.lost = true;
+    m.value = value;
+    ++tally_.give_backs;
+  }
   void Shorten(Seq* m, int64_t tokens) {
     m->tokens = tokens;
     m->content.resize(static_cast<size_t>(tokens));
@@ -521,6 +556,7 @@ class StateCheckpointRandomTest : public ::testing::TestWithParam<Config> {
     if (it == seqs_.end()) return;
     if (!it->second.stepping) return StepCompute(id, Rand(3) != 0);
     if (Rand(3) == 0) return StepUndo(id);
+    if (Rand(5) == 0) return StepGiveBack(id);
     StepRun(id);
   }
 
@@ -682,6 +718,9 @@ void StateCheckpointRandomTest::Verify() {
     ASSERT_EQ(s->tokens, std::vector<int32_t>(m.content.begin(), m.content.begin() + m.known));
     ASSERT_EQ(s->state_slot, BlockId(m.slot)) << "sequence " << id << " changed slots";
     ASSERT_EQ(s->state_tokens, m.st) << id;
+    ASSERT_EQ(s->state_lost, m.lost) << id;
+    ASSERT_EQ(cache_->CheckStateUsable(*s).code(), m.lost ? Code::kFailedPrecondition : Code::kOk)
+        << id;
     ASSERT_EQ(s->branch_at, m.branch_at) << id;
     ASSERT_EQ(s->resumed_from, BlockId(m.resumed_from)) << id;
     // The manager's planned checkpoints: those the model planned, less the ones kept or dropped.
@@ -733,17 +772,18 @@ TEST_P(StateCheckpointRandomTest, OperationsAgreeWithTheModel) {
   const KvCacheStats s = cache_->stats();
   std::printf("ops=%" PRId64 " steps=%" PRId64 " resumes=%" PRId64 " checked=%" PRId64
               " state_refusals=%" PRId64 " early_commits=%" PRId64 " undos=%" PRId64
-              " reused=%" PRId64 " planned=%" PRIu64 " kept=%" PRIu64 " skipped=%" PRIu64
-              " evicted=%" PRIu64 " rolled=%" PRId64 "\n",
+              " give_backs=%" PRId64 " reused=%" PRId64 " planned=%" PRIu64 " kept=%" PRIu64
+              " skipped=%" PRIu64 " evicted=%" PRIu64 " rolled=%" PRId64 "\n",
               ops, tally_.steps, tally_.resumes, slots_.landed("resume copy"),
-              tally_.state_refusals, tally_.early_commits, tally_.undos, slots_.reused(),
-              s.checkpoints.planned, s.checkpoints.kept, s.checkpoints.skipped,
+              tally_.state_refusals, tally_.early_commits, tally_.undos, tally_.give_backs,
+              slots_.reused(), s.checkpoints.planned, s.checkpoints.kept, s.checkpoints.skipped,
               s.checkpoints.evicted, tally_.rolled);
   // The run must have exercised what it claims to.
   EXPECT_GT(slots_.landed("resume copy"), ops / 200);
   EXPECT_GT(tally_.state_refusals, ops / 200);
   EXPECT_GT(tally_.early_commits, 0);
   EXPECT_GT(tally_.undos, ops / 500);
+  EXPECT_GT(tally_.give_backs, ops / 1000);
   // Moving one on takes a decode across two block boundaries before anything ends the sequence:
   // rare here (0 to 2 a run), and shown by ADecodesRollingCheckpointMovesOnInItsOwnSlot.
   if (GetParam().checkpoint_slots >= 4) {
