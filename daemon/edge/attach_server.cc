@@ -143,8 +143,11 @@ bool AttachServer::RunCommands() {
     switch (posted.command) {
       case Command::kStopAccepting:
         CloseListener();
+        // Only handshakes still under way: an entry behind a slower one may name a connection
+        // that attached since (stale, as in ExpireHandshakes), a live session kept here.
         while (!handshakes_.empty()) {
-          Drop(handshakes_.front());
+          auto it = connections_.find(handshakes_.front());
+          if (it != connections_.end() && it->second->handshaking) Drop(it->first);
           handshakes_.pop_front();
         }
         break;

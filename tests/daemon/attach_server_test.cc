@@ -298,6 +298,25 @@ TEST_F(AttachServerTest, StopAcceptingKeepsSessions) {
   EXPECT_EQ(Ended()[0].second, SessionEnd::kConnectionLost);
 }
 
+// A session whose handshake ended behind a slower one is still listed among the handshakes
+// (its entry stale) until the slower one's deadline: StopAccepting must not drop it. Before, it
+// closed the live session's socket uncounted and never ended its engine session, so CloseAll
+// could not end it either.
+TEST_F(AttachServerTest, StopAcceptingKeepsASessionAttachedBehindAPendingHandshake) {
+  Start();
+  UniqueFd pending = Connect(path_);  // first in the handshake queue, silent
+  auto [live, id] = Attach();
+  server_->StopAccepting();
+  char byte;
+  EXPECT_EQ(recv(pending.get(), &byte, 1, 0), 0);  // the handshake in progress is dropped
+  EXPECT_EQ(server_->sessions(), 1u);
+  EXPECT_EQ(recv(live.get(), &byte, 1, MSG_DONTWAIT), -1);  // still open: nothing to read
+  EXPECT_EQ(errno, EAGAIN);
+  server_->CloseAll();
+  ASSERT_TRUE(AwaitEnded(1, absl::Seconds(5)));
+  EXPECT_EQ(Ended()[0].second, SessionEnd::kShutdown);
+}
+
 // Out of descriptors, accept fails while the listener stays readable: the loop backs off for
 // accept_backoff on its clock instead of spinning, and takes the waiting connections once
 // descriptors are free again and the back-off has passed.
