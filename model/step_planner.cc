@@ -138,19 +138,20 @@ absl::Status FinishItem(KvCacheManager& cache, SessionId caller, const PlannedIt
   // Where nothing can be published, nothing is claimed of the state either (AdvanceState -1: no
   // checkpoint is taken from it).
   const auto unpublished = [&] { return cache.AdvanceState(caller, item.sequence, -1); };
-  // Tokens before `start` the cache does not know (a client wrote their K/V itself), or a
-  // sequence rewound during the step: nothing can be published.
-  if (known < item.start || known > end || seq->num_tokens < end) {
-    // (Rewound below `end` meanwhile: its window is the regrown tokens', not the step's.)
-    if (seq->num_tokens >= end) Slide(cache, caller, *seq, end);
-    return unpublished();
-  }
   // The blocks the step wrote must still be the sequence's: a rewind and regrowth while the step
   // ran (a KV client's Truncate, then Grow) hands it fresh blocks the step never wrote.
   const size_t written = static_cast<size_t>((end + cache.block_size() - 1) / cache.block_size());
-  if (seq->table.size() < written || item.table.size() < written) return unpublished();
-  for (size_t i = 0; i < written; ++i) {
-    if (seq->table[i].value() != item.table[i]) return unpublished();
+  const bool same_blocks =
+      seq->table.size() >= written && item.table.size() >= written &&
+      std::equal(item.table.begin(), item.table.begin() + static_cast<ptrdiff_t>(written),
+                 seq->table.begin(), [](int32_t a, BlockId b) { return a == b.value(); });
+  // Tokens before `start` the cache does not know (a client wrote their K/V itself), a sequence
+  // rewound during the step, or one rewound and grown again: nothing can be published.
+  if (known < item.start || known > end || seq->num_tokens < end || !same_blocks) {
+    // Its window moves past what the step computed only while those tokens are its own: after a
+    // rewind (and regrowth) its window is the regrown tokens', which its client computes next.
+    if (seq->num_tokens >= end && same_blocks) Slide(cache, caller, *seq, end);
+    return unpublished();
   }
   KVPOOL_RETURN_IF_ERROR(cache.AdvanceState(caller, item.sequence, end));
   const std::span<const int32_t> fresh =

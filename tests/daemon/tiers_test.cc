@@ -1511,5 +1511,68 @@ TEST(StepGapTest, ASequenceRewoundAndRegrownDuringItsStepPublishesNothingItDidNo
   EXPECT_TRUE(engine->CheckInvariants().ok());
 }
 
+// The same race in a pool with a window group: the client rewinds its sequence into the step's
+// first block's window and grows it again while a prefill of its next turn runs. The step's
+// tokens are not the sequence's, so the step must not slide its window either: the client still
+// has to compute tokens 63-95, whose queries read the window entries the slide released (entry 3
+// was the client's own copy-on-write block, handed out by its Grow, then freed).
+TEST(StepGapTest, ARegrownSequenceKeepsTheWindowItsClientComputesNext) {
+  constexpr int32_t kWindow = 32;
+  model::ModelConfig config = *model::NamedConfig("tiny-swa");
+  config.sliding_window = kWindow;
+  EngineOptions options = testing::SmallPool(16);
+  kernels::PoolLayout& layout = options.pools[0].layout;
+  layout.num_layers = config.pool_layers();
+  layout.num_kv_heads = config.num_kv_heads;
+  layout.head_dim = config.head_dim;
+  layout.dtype = kernels::DType::kF32;
+  layout.num_window_layers = config.num_sliding_layers();
+  layout.num_window_blocks = 16;
+  options.model_name = "tiny-swa";
+  options.window_tokens = kWindow;
+  testing::FailingDevice device;
+  std::unique_ptr<Engine> engine;
+  std::shared_ptr<const Session> alice;
+  std::atomic<bool> armed{false};
+  SequenceId sequence(0);
+  options.lock_gap_hook = [&](LockGap gap) {
+    if (gap != LockGap::kStepLaunch || !armed.exchange(false)) return;
+    ASSERT_TRUE(engine->Truncate(*alice, sequence, 63, CallContext::Uncancellable()).ok());
+    const GrowRequest grow{.sequence = sequence, .num_tokens = 96};
+    ASSERT_TRUE(engine->Grow(*alice, std::span(&grow, 1), CallContext::Uncancellable()).ok());
+  };
+  std::unique_ptr<model::Model> model =
+      std::move(*model::Model::Create(model::SyntheticWeights(config, 1), layout, {.threads = 1}));
+  engine = std::move(*Engine::Create(options, &device, model.get()));
+  alice = *engine->OpenSession(testing::Spec("t"));
+  const ComputeResult made = RunPrefill(*engine, alice, testing::Prompt(64, 1));
+  ASSERT_TRUE(made.status.ok()) << made.status;
+  sequence = made.sequences[0];  // window entries 0-1 released, 2-3 live
+  std::vector<int32_t> turn = testing::Prompt(32, 2);
+  turn[0] = made.results[0].next_token;
+  armed = true;
+  absl::Notification done;
+  ComputeResult next;
+  engine->Submit(std::make_unique<ComputeCall>(
+      alice,
+      ComputeRequest{.kind = ComputeRequest::Kind::kPrefill, .sequence = sequence, .tokens = turn},
+      nullptr, [&](ComputeCall& call) {
+        next = call.result();
+        done.Notify();
+      }));
+  done.WaitForNotification();
+  ASSERT_TRUE(next.status.ok()) << next.status;
+  ASSERT_FALSE(armed);  // the gap opened
+  std::vector<SessionId> owners;
+  std::vector<int32_t> pools;
+  const Tables t = engine->ListSequences(0, alice->id, &owners, &pools);
+  ASSERT_EQ(t.slices.size(), 1u);
+  ASSERT_EQ(t.window_blocks.size(), 6u);
+  EXPECT_NE(t.window_blocks[2], kInvalidBlock);  // what the query at 63 reads
+  EXPECT_NE(t.window_blocks[3], kInvalidBlock);
+  EXPECT_TRUE(engine->Truncate(*alice, sequence, 63, CallContext::Uncancellable()).ok());
+  EXPECT_TRUE(engine->CheckInvariants().ok());
+}
+
 }  // namespace
 }  // namespace kvpool::daemon
