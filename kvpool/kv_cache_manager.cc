@@ -1082,6 +1082,17 @@ absl::Status KvCacheManager::Truncate(SessionId caller, SequenceId sequence, int
   return absl::OkStatus();
 }
 
+absl::Status KvCacheManager::TakeBackGrowth(SessionId caller, SequenceId sequence,
+                                            int64_t num_tokens, int32_t window_entries,
+                                            DevicePlan* plan) {
+  KVPOOL_RETURN_IF_ERROR(Truncate(caller, sequence, num_tokens, plan));
+  if (window_ && window_entries >= 0) {
+    ReleaseWindowTail(&sequences_.at(sequence), static_cast<size_t>(window_entries),
+                      Context(caller, sequence));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<SequenceId> KvCacheManager::Fork(SessionId caller, SequenceId sequence,
                                                 DevicePlan* plan) {
   ++counters_.fork_calls;

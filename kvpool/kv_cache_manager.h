@@ -513,6 +513,12 @@ class KvCacheManager final {
   // the message names the lowest length it can go back to).
   absl::Status Truncate(SessionId caller, SequenceId sequence, int64_t num_tokens,
                         DevicePlan* plan = nullptr);
+  // Takes back a growth whose device work ran but whose caller never learned of it (a call given
+  // up): Truncate to `num_tokens`, the length before it, and the window entries from
+  // `window_entries` on, the window table's size before it (a grow fills every entry below the
+  // old length a window_ahead left out: GrowRequest::window_ahead). Errors: as Truncate.
+  absl::Status TakeBackGrowth(SessionId caller, SequenceId sequence, int64_t num_tokens,
+                              int32_t window_entries, DevicePlan* plan = nullptr);
 
   // A new sequence of the same session and namespace sharing every full block of `sequence` by
   // reference; a partial last block is copied (the BlockCopy is in `plan`).

@@ -81,7 +81,10 @@ absl::Status PlanPrefill(KvCacheManager& cache, SessionId caller, NamespaceId ns
     item->tokens.assign(tokens.begin() + item->start, tokens.end());
   } else {
     const GrowRequest grow{sequence, (existing ? existing->num_tokens : 0) + len, first_chunk};
+    const auto window_entries =
+        existing ? static_cast<int32_t>(existing->window_table.size()) : int32_t{-1};
     KVPOOL_RETURN_IF_ERROR(cache.GrowBatch(caller, std::span(&grow, 1), plan, changes));
+    item->window_entries = window_entries;
     item->sequence = sequence;
     item->start = grow.num_tokens - len;
     item->tokens.assign(tokens.begin(), tokens.end());
@@ -101,6 +104,8 @@ absl::Status PlanDecode(KvCacheManager& cache, SessionId caller,
   if (inputs.empty()) return absl::InvalidArgumentError("decode: empty batch");
   std::vector<GrowRequest> grows;
   grows.reserve(inputs.size());
+  std::vector<int32_t> window_entries;
+  window_entries.reserve(inputs.size());
   for (const DecodeInput& in : inputs) {
     KVPOOL_RETURN_IF_ERROR(CheckTokens(std::span(&in.token, 1), limits.vocab_size));
     const Sequence* seq = cache.Find(in.sequence);
@@ -110,6 +115,7 @@ absl::Status PlanDecode(KvCacheManager& cache, SessionId caller,
       KVPOOL_RETURN_IF_ERROR(cache.CheckStateUsable(*seq));
     }
     grows.push_back({in.sequence, (seq ? seq->num_tokens : 0) + 1});
+    window_entries.push_back(seq ? static_cast<int32_t>(seq->window_table.size()) : -1);
   }
   // GrowBatch checks ownership, duplicates and room, all before changing anything.
   KVPOOL_RETURN_IF_ERROR(cache.GrowBatch(caller, grows, plan, changes));
@@ -120,6 +126,7 @@ absl::Status PlanDecode(KvCacheManager& cache, SessionId caller,
     item.sequence = inputs[i].sequence;
     item.start = grows[i].num_tokens - 1;
     item.tokens = {inputs[i].token};
+    item.window_entries = window_entries[i];
     FillTable(*cache.Find(item.sequence), &item);
     KVPOOL_CHECK_OK(cache.PlanCheckpoints(caller, item.sequence, item.start, item.start + 1,
                                           /*prefill=*/false, &item.checkpoints));
@@ -199,7 +206,7 @@ absl::Status UndoItem(KvCacheManager& cache, SessionId caller, const PlannedItem
   } else {
     // Refused where the client committed past `start` meanwhile (a state with no checkpoint
     // there) or slid its window past it: the tokens stay.
-    undone = cache.Truncate(caller, item.sequence, item.start);
+    undone = cache.TakeBackGrowth(caller, item.sequence, item.start, item.window_entries);
   }
   if (ran && item.state_slot != kInvalidBlock) {
     KVPOOL_CHECK_OK(cache.LoseState(caller, item.sequence));  // (the caller's: cannot fail)

@@ -38,6 +38,9 @@ struct PlannedItem {
   // Its table in the pool's window group (Sequence::window_table; -1 where the window has left
   // an entry), as long as `table`; empty without a window group.
   std::vector<int32_t> window_table;
+  // Its window table's size before the step grew it (UndoItem gives back the entries the grow
+  // added below `start`: GrowRequest::window_ahead); -1 for a sequence the step made.
+  int32_t window_entries = -1;
   // The state checkpoints the step takes (KvCacheManager::PlanCheckpoints): positions in
   // (start, start + tokens.size()], ascending, each with its slot (StepItem::checkpoints).
   std::vector<PlannedCheckpoint> checkpoints;

@@ -288,6 +288,7 @@ absl::StatusOr<Tables> Engine::Grow(const Session& s, std::span<const GrowReques
   KVPOOL_RETURN_IF_ERROR(context.Check());
   Tables out;
   std::vector<int64_t> old_lengths;
+  std::vector<int32_t> old_window_entries;
   Fence fence;
   {
     WriteLock lock(this);
@@ -307,6 +308,7 @@ absl::StatusOr<Tables> Engine::Grow(const Session& s, std::span<const GrowReques
     out.blocks.reserve(changes.size());  // a decode step's grow: at most a block each, mostly
     out.generations.reserve(changes.size());
     old_lengths.reserve(changes.size());
+    old_window_entries.reserve(changes.size());
     for (const TableChange& c : changes) {
       // (A window table that stopped short of the old length may have grown from its end.)
       const int32_t from = pool.cache().window() != nullptr
@@ -314,6 +316,7 @@ absl::StatusOr<Tables> Engine::Grow(const Session& s, std::span<const GrowReques
                                : c.first_changed;
       pool.AppendTable(*pool.cache().Find(c.sequence), from, 0, &out);
       old_lengths.push_back(c.old_num_tokens);
+      old_window_entries.push_back(c.window_entries);
     }
   }
   KVPOOL_RETURN_IF_ERROR(Complete(s, fence, {}, CallContext::Uncancellable()));
@@ -341,7 +344,9 @@ absl::StatusOr<Tables> Engine::Grow(const Session& s, std::span<const GrowReques
       }
       first += n;
       if (!as_left) continue;
-      if (absl::Status undone = cache.Truncate(s.id, seq->id, old_lengths[i]); !undone.ok()) {
+      if (absl::Status undone =
+              cache.TakeBackGrowth(s.id, seq->id, old_lengths[i], old_window_entries[i]);
+          !undone.ok()) {
         Logger("daemon").warn("sequence {}: a grow its caller gave up on stays: {}",
                               seq->id.value(), undone.message());
       }

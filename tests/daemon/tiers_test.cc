@@ -1511,15 +1511,13 @@ TEST(StepGapTest, ASequenceRewoundAndRegrownDuringItsStepPublishesNothingItDidNo
   EXPECT_TRUE(engine->CheckInvariants().ok());
 }
 
-// The same race in a pool with a window group: the client rewinds its sequence into the step's
-// first block's window and grows it again while a prefill of its next turn runs. The step's
-// tokens are not the sequence's, so the step must not slide its window either: the client still
-// has to compute tokens 63-95, whose queries read the window entries the slide released (entry 3
-// was the client's own copy-on-write block, handed out by its Grow, then freed).
-TEST(StepGapTest, ARegrownSequenceKeepsTheWindowItsClientComputesNext) {
-  constexpr int32_t kWindow = 32;
+// tiny-swa with a window of 32 tokens (two blocks), and a pool of 16 blocks for it in f32.
+model::ModelConfig SlidingWindowConfig() {
   model::ModelConfig config = *model::NamedConfig("tiny-swa");
-  config.sliding_window = kWindow;
+  config.sliding_window = 32;
+  return config;
+}
+EngineOptions SlidingWindowPool(const model::ModelConfig& config) {
   EngineOptions options = testing::SmallPool(16);
   kernels::PoolLayout& layout = options.pools[0].layout;
   layout.num_layers = config.pool_layers();
@@ -1529,7 +1527,19 @@ TEST(StepGapTest, ARegrownSequenceKeepsTheWindowItsClientComputesNext) {
   layout.num_window_layers = config.num_sliding_layers();
   layout.num_window_blocks = 16;
   options.model_name = "tiny-swa";
-  options.window_tokens = kWindow;
+  options.window_tokens = config.sliding_window;
+  return options;
+}
+
+// The same race in a pool with a window group: the client rewinds its sequence into the step's
+// first block's window and grows it again while a prefill of its next turn runs. The step's
+// tokens are not the sequence's, so the step must not slide its window either: the client still
+// has to compute tokens 63-95, whose queries read the window entries the slide released (entry 3
+// was the client's own copy-on-write block, handed out by its Grow, then freed).
+TEST(StepGapTest, ARegrownSequenceKeepsTheWindowItsClientComputesNext) {
+  const model::ModelConfig config = SlidingWindowConfig();
+  EngineOptions options = SlidingWindowPool(config);
+  const kernels::PoolLayout& layout = options.pools[0].layout;
   testing::FailingDevice device;
   std::unique_ptr<Engine> engine;
   std::shared_ptr<const Session> alice;
@@ -1571,6 +1581,41 @@ TEST(StepGapTest, ARegrownSequenceKeepsTheWindowItsClientComputesNext) {
   EXPECT_NE(t.window_blocks[2], kInvalidBlock);  // what the query at 63 reads
   EXPECT_NE(t.window_blocks[3], kInvalidBlock);
   EXPECT_TRUE(engine->Truncate(*alice, sequence, 63, CallContext::Uncancellable()).ok());
+  EXPECT_TRUE(engine->CheckInvariants().ok());
+}
+
+// A prefill of a KV client's sequence whose window table stops short of its end (allocated with
+// window_ahead) fills the entries below its start; when its caller gives up after the step ran,
+// those go back too, as the grow's own RevertGrow would. Before, eight stayed held.
+TEST(StepGapTest, AGivenUpPrefillTakesBackTheWindowEntriesItsGrowFilled) {
+  const model::ModelConfig config = SlidingWindowConfig();
+  EngineOptions options = SlidingWindowPool(config);
+  testing::FailingDevice device;
+  std::unique_ptr<model::Model> model = std::move(*model::Model::Create(
+      model::SyntheticWeights(config, 1), options.pools[0].layout, {.threads = 1}));
+  std::unique_ptr<Engine> engine = std::move(*Engine::Create(options, &device, model.get()));
+  std::shared_ptr<const Session> alice = *engine->OpenSession(testing::Spec("t"));
+  const std::vector<int32_t> prompt = testing::Prompt(160, 3);
+  const AllocateRequest request{.num_tokens = 160, .prompt = prompt, .window_ahead = 32};
+  absl::StatusOr<Tables> made =
+      engine->Allocate(*alice, std::span(&request, 1), CallContext::Uncancellable());
+  ASSERT_TRUE(made.ok()) << made.status();
+  const int64_t window_blocks = engine->Stats().cache.window.active;  // 2 of its 10 entries
+  absl::Notification done;
+  ComputeResult result;
+  engine->Submit(std::make_unique<ComputeCall>(
+      alice,
+      ComputeRequest{.kind = ComputeRequest::Kind::kPrefill,
+                     .sequence = made->slices[0].sequence,
+                     .tokens = testing::Prompt(8, 4)},
+      // (Checked as it queues, as it joins its step, then as it answers: it gives up there.)
+      std::make_shared<testing::GivesUpAfter>(2), [&](ComputeCall& call) {
+        result = call.result();
+        done.Notify();
+      }));
+  done.WaitForNotification();
+  EXPECT_EQ(result.status.code(), absl::StatusCode::kCancelled) << result.status;
+  EXPECT_EQ(engine->Stats().cache.window.active, window_blocks);
   EXPECT_TRUE(engine->CheckInvariants().ok());
 }
 

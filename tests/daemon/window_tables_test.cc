@@ -131,6 +131,34 @@ TEST_F(WindowTablesTest, EntriesNotAllocatedYetTrailAndAGrowResendsThem) {
   EXPECT_TRUE(engine_->CheckInvariants().ok());
 }
 
+// A Grow whose caller gave up takes back the window entries it filled below the old length too,
+// as RevertGrow does: the caller never learned of them (a later Grow replies from the end of the
+// window table, so they were never sent) and they were held for nothing. Before, the give-up's
+// Truncate released only the entries past the old length: eight here stayed held.
+TEST_F(WindowTablesTest, AGivenUpGrowTakesBackTheWindowEntriesItFilledBelowTheOldLength) {
+  Make(true);
+  const AllocateRequest request{.num_tokens = 160, .window_ahead = 32};  // 10 entries, 2 now
+  absl::StatusOr<Tables> made =
+      engine_->Allocate(*session_, std::span(&request, 1), CallContext::Uncancellable());
+  ASSERT_TRUE(made.ok()) << made.status();
+  const int64_t window_blocks = engine_->Stats().cache.window.active;
+  const GrowRequest grow{made->slices[0].sequence, 161};
+  EXPECT_EQ(engine_->Grow(*session_, std::span(&grow, 1), testing::GivesUpAfter(1)).status().code(),
+            absl::StatusCode::kCancelled);
+  EXPECT_EQ(engine_->Stats().cache.window.active, window_blocks);
+  std::vector<SessionId> owners;
+  std::vector<int32_t> pools;
+  const Tables t = engine_->ListSequences(0, session_->id, &owners, &pools);
+  ASSERT_EQ(t.window_blocks.size(), 10u);
+  for (size_t i = 2; i < 10; ++i) EXPECT_EQ(t.window_blocks[i], kInvalidBlock) << "entry " << i;
+  // The same Grow, not given up, sends them.
+  absl::StatusOr<Tables> grown =
+      engine_->Grow(*session_, std::span(&grow, 1), CallContext::Uncancellable());
+  ASSERT_TRUE(grown.ok()) << grown.status();
+  EXPECT_EQ(grown->slices[0].table_offset, 2);
+  EXPECT_TRUE(engine_->CheckInvariants().ok());
+}
+
 TEST_F(WindowTablesTest, APoolWithoutAWindowGroupReturnsNoWindowTables) {
   Make(false);
   const std::vector<int32_t> prompt = Prompt(48, 4);
