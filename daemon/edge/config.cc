@@ -122,6 +122,7 @@ void ApplyDefaults(v1::DaemonConfig* c) {
   if (l->block_refs_per_uid() == 0) l->set_block_refs_per_uid(int64_t{1} << 22);
   if (l->doorbells_per_uid() == 0) l->set_doorbells_per_uid(8);
   if (l->eviction_shares() == 0) l->set_eviction_shares(16);
+  if (l->stop_tokens() == 0) l->set_stop_tokens(256);
 }
 
 namespace {
@@ -199,6 +200,7 @@ void ParseLimits(const v1::DaemonConfig& c, EngineOptions* o, const Bad& bad) {
       {"limits.cache_salts_per_session", l.cache_salts_per_session()},
       {"limits.block_refs_per_uid", l.block_refs_per_uid()},
       {"limits.doorbells_per_uid", l.doorbells_per_uid()},
+      {"limits.stop_tokens", l.stop_tokens()},
   };
   for (const auto& [field, value] : positive) {
     if (value <= 0) bad(field, fmt::format("must be > 0 (got {})", value));
@@ -227,6 +229,7 @@ void ParseLimits(const v1::DaemonConfig& c, EngineOptions* o, const Bad& bad) {
       .decode_width = l.decode_width() > 0 ? l.decode_width() : c.model().max_step_tokens(),
       .cache_salts_per_session = l.cache_salts_per_session(),
       .block_refs_per_uid = l.block_refs_per_uid(),
+      .stop_tokens = l.stop_tokens(),
       .state_slots_per_uid = l.state_slots_per_uid() > 0 ? l.state_slots_per_uid() : kUnlimited};
   o->eviction_shares = std::max(l.eviction_shares(), 0);
 }

@@ -199,6 +199,8 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* KvPoolService::Generate(
   absl::StatusOr<std::shared_ptr<const Session>> session = Authenticate(c, false);
   absl::Status error = session.status();
   if (error.ok()) error = CheckTopK(q->top_k());
+  // (The stream keeps its stop tokens and checks every token it yields against them.)
+  if (error.ok()) error = engine_->CheckStopTokens(static_cast<size_t>(q->stop_tokens_size()));
   if (!error.ok()) {
     EndCall();
     return new Refusal<v1::GenerateResponse>(ToGrpcStatus(error));

@@ -139,6 +139,16 @@ Verdict AdmissionGate::CheckDecodeWidth(size_t sequences) const {
   return {};
 }
 
+Verdict AdmissionGate::CheckStopTokens(size_t tokens) const {
+  const int32_t most = bounds_.limits.stop_tokens;
+  if (tokens > static_cast<size_t>(most)) {
+    return Refuse(absl::ResourceExhaustedError(fmt::format(
+                      "generate: {} stop tokens, at most {} (limits.stop_tokens)", tokens, most)),
+                  Counted::kOverLimit);
+  }
+  return {};
+}
+
 Verdict AdmissionGate::CheckLimits(const CallAsk& ask, const CallerFacts& facts) const {
   const ClientLimits& limits = bounds_.limits;
   if (ask.items > static_cast<size_t>(limits.batch_items)) {

@@ -109,6 +109,9 @@ class AdmissionGate final {
   // Stage 6's bound on a Decode of `sequences` alone (limits.decode_width): RESOURCE_EXHAUSTED
   // (over_limit) above it.
   Verdict CheckDecodeWidth(size_t sequences) const;
+  // A Generate's stop tokens (limits.stop_tokens), which its stream keeps for its whole life:
+  // RESOURCE_EXHAUSTED (over_limit) above it.
+  Verdict CheckStopTokens(size_t tokens) const;
 
   // The ask of a compute call: `queued` when it joins the queue now (Submit), false when its
   // step plans it (the queue limit was checked on the way in; a prefill between chunks makes no

@@ -592,6 +592,15 @@ absl::Status Engine::CheckDecodeWidth(size_t sequences) {
   return verdict.status;
 }
 
+absl::Status Engine::CheckStopTokens(size_t tokens) {
+  const Verdict verdict = gate_.CheckStopTokens(tokens);
+  if (verdict.counted != Counted::kNone) {
+    WriteLock lock(this);
+    Count(verdict.counted, state_->call_counters);
+  }
+  return verdict.status;
+}
+
 bool Engine::Admit(ComputeCall& call) {
   if (runner_ == nullptr) {
     call.result().status = NoModelError();

@@ -204,6 +204,9 @@ class Engine final : private StepExecutor {
   // FAILED_PRECONDITION (no model, as Submit answers), RESOURCE_EXHAUSTED (over
   // limits.decode_width; counted as the gate's refusals are).
   absl::Status CheckDecodeWidth(size_t sequences);
+  // A Generate's stop tokens against limits.stop_tokens, before the stream copies them. Errors:
+  // RESOURCE_EXHAUSTED (counted as the gate's refusals are).
+  absl::Status CheckStopTokens(size_t tokens);
 
   // --- Admin --- (pools by index: FindPool)
   int32_t num_pools() const { return static_cast<int32_t>(layouts_.size()); }

@@ -71,6 +71,8 @@ struct ClientLimits {
   // and shared prefixes can make the daemon keep for one uid: 2^22 references of 16-token blocks
   // are 256 MiB of token lists.
   int64_t block_refs_per_uid = int64_t{1} << 22;
+  // Stop tokens of one Generate: a stream keeps them and checks each token it yields against them.
+  int32_t stop_tokens = 256;
   // State slots (one per live sequence, pools with a state group) one uid's sessions hold at
   // once, per pool; kUnlimited: every slot.
   int64_t state_slots_per_uid = kUnlimited;

@@ -429,6 +429,35 @@ TEST_F(ServiceTest, AWideDecodeIsRefusedBeforeAnythingIsBuiltPerSequence) {
 #endif
 }
 
+// A Generate stream keeps its stop tokens for its whole life and checks every token it yields
+// against them: their number is bounded (limits.stop_tokens) before the stream copies them.
+// Before, a 4 MiB message's 4M one-byte stop tokens were kept twice (the request and the
+// stream's copy) and scanned once per token, for every stream.
+TEST_F(ServiceTest, AGenerateWithMoreStopTokensThanTheLimitIsRefused) {
+  Remake(SmallPool(32), /*with_model=*/true);
+  v1::GenerateRequest request;
+  request.add_prompt(1);
+  request.set_max_tokens(1);
+  request.mutable_stop_tokens()->Resize(257, 3);
+  std::unique_ptr<grpc::ClientContext> context = As(user_);
+  std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> stream =
+      stub_->Generate(context.get(), request);
+  v1::GenerateResponse response;
+  EXPECT_FALSE(stream->Read(&response));
+  const grpc::Status refused = stream->Finish();
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(refused.error_message(), ::testing::HasSubstr("limits.stop_tokens"));
+  EXPECT_EQ(engine_->Stats().calls.over_limit, 1u);
+  // At the limit it runs.
+  request.mutable_stop_tokens()->RemoveLast();
+  std::unique_ptr<grpc::ClientContext> again = As(user_);
+  stream = stub_->Generate(again.get(), request);
+  EXPECT_TRUE(stream->Read(&response));
+  while (stream->Read(&response)) {
+  }
+  EXPECT_TRUE(stream->Finish().ok());
+}
+
 // A follower that cancels on an idle pool (no event comes to wake its stream) is finished at once:
 // its call ends and it no longer counts as a follower. Before OnCancel it stayed open, holding a
 // call and the event_followers gauge, until the next event of the pool.
