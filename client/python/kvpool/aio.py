@@ -49,7 +49,8 @@ class AsyncClient(_Session):
         """Ends the session (unmap, Detach, close). Idempotent. Calls still in flight fail."""
         if self._socket is None:
             return
-        await self._channel.close()
+        if self._pid == os.getpid():  # not in a forked child (kvpool.client: fork)
+            await self._channel.close()
         self._end_session()
 
     async def __aenter__(self) -> "AsyncClient":

@@ -3,7 +3,9 @@
 Frames are a 4-byte little-endian length followed by the serialized message; the daemon's
 accepting AttachResponse carries the pool's descriptors as SCM_RIGHTS. The connection stays open
 for the life of the session: closing it (however the process ends) releases everything the
-session holds; a client that ends normally sends an empty Detach frame first.
+session holds; a client that ends normally sends an empty Detach frame first. A forked child
+holds no copy of it and never sends Detach (kvpool.client: fork), so the last copy is the
+connecting process's.
 """
 
 from __future__ import annotations

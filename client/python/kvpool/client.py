@@ -13,6 +13,14 @@ The session lives until close() (or the end of a `with` block): it drops the map
 Detach frame and closes the attach socket; the daemon then releases everything the session holds.
 A process that dies without closing is reclaimed all the same.
 
+fork: the session belongs to the process that connected. In a forked child every open client is
+closed at once (os.register_at_fork): the child's copy of the attach socket is closed without a
+Detach, so the child's calls fail FAILED_PRECONDITION, its close() (or `with`, or __del__) does
+nothing to the parent's session, and the parent's death (even by SIGKILL) still ends the session
+while the child lives on. The child's own copy of a memfd mapping goes with it (the parent's
+stays mapped); a CUDA mapping is only forgotten and the gRPC channel left alone, as neither
+driver may be used in a forked child.
+
 Thread-safety: every call may run concurrently from any number of threads (gRPC channels and
 stubs are thread-safe; the rest is immutable after connect()). close() must not race calls.
 """
@@ -21,6 +29,7 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 from typing import Iterable, Iterator, List, Optional, Sequence as Seq, Tuple, Union
 
 import grpc
@@ -45,6 +54,18 @@ from kvpool.mapping import PoolMapping
 # Whole-pool traces and sequence listings outgrow gRPC's 4 MiB default.
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1)]
 
+# Every session still open in this process, for the fork handler below.
+_open_sessions: "weakref.WeakSet[_Session]" = weakref.WeakSet()
+
+
+def _close_sessions_after_fork() -> None:
+    """In a forked child: the sessions are the parent's (see the module docstring)."""
+    for session in list(_open_sessions):
+        session._leave_to_parent()
+
+
+os.register_at_fork(after_in_child=_close_sessions_after_fork)
+
 
 class _Session:
     """What attach established: shared by Client and AsyncClient."""
@@ -58,6 +79,8 @@ class _Session:
         self._layout = Layout(r.layout)
         self._mapping = mapping
         self._metadata = ((SESSION_TOKEN_KEY, r.session_token),)
+        self._pid = os.getpid()  # the session's owner: only it may end the session
+        _open_sessions.add(self)
 
     @staticmethod
     def _attach_blocking(socket_dir, tenant, model, kv_access, client_name, timeout, trusted):
@@ -93,9 +116,13 @@ class _Session:
         return runtime_dir, attachment, mapping
 
     def _end_session(self) -> None:
+        if self._pid != os.getpid():  # a fork that ran no at-fork handler (a C extension's)
+            self._leave_to_parent()
+            return
         sock, self._socket = self._socket, None
         if sock is None:
             return
+        _open_sessions.discard(self)
         # The mapping first, then the goodbye, then the close: the daemon ends the session on
         # Detach at once and may hand its blocks to another tenant, so by then this process must
         # not map them (the C++ client's destructor orders it the same way).
@@ -103,6 +130,18 @@ class _Session:
             self._mapping.close()
         send_detach(sock)
         sock.close()
+
+    def _leave_to_parent(self) -> None:
+        """In a process other than the owner: closes this process's copy of the attach socket,
+        with no Detach (that would end the owner's session), and of the mapping (a CUDA one is
+        only forgotten); the gRPC channel is left alone. The client is closed here from then
+        on."""
+        sock, self._socket = self._socket, None
+        _open_sessions.discard(self)
+        if sock is not None:
+            sock.close()
+        if self._mapping is not None:
+            self._mapping._abandon()
 
     # --- Session facts ---
     @property
@@ -212,10 +251,12 @@ class Client(_Session):
         return self
 
     def close(self) -> None:
-        """Ends the session (unmap, Detach, close). Idempotent."""
+        """Ends the session (unmap, Detach, close). Idempotent. In a forked child it does not
+        end the parent's session (see the module docstring)."""
         if self._socket is None:
             return
-        self._channel.close()
+        if self._pid == os.getpid():
+            self._channel.close()
         self._end_session()
 
     def __enter__(self) -> "Client":

@@ -195,6 +195,13 @@ class PoolMapping:
                 pass
         self._fds = []
 
+    def _abandon(self) -> None:
+        """close() for a forked child (kvpool.client: fork): this process's own mappings and
+        descriptors go, but a CUDA arena is only forgotten, as the driver cannot be used after
+        fork."""
+        self._cuda = None
+        self.close()
+
     # --- Properties ---
 
     @property

@@ -3,6 +3,8 @@ service, and the canonical error codes (with the shortfall), each leaving the da
 
 import asyncio
 import os
+import subprocess
+import sys
 import tempfile
 import unittest
 
@@ -337,6 +339,105 @@ class ClientTest(unittest.TestCase):
             self.assertTrue(c.closed)
 
         asyncio.run(scenario())
+
+
+# A process forked while a client is open (kvpool.client, "fork"): the child must not end the
+# parent's session, and must not keep it alive once the parent is gone.
+_DOOMED_PARENT = r"""
+import os, sys
+import kvpool
+c = kvpool.Client.connect(sys.argv[1], kv_access=True, client_name="doomed")
+c.allocate([[1, 2, 3, 4] * 10])
+pid = os.fork()
+if pid == 0:
+    sys.stdin.read()  # lives on until the test closes stdin
+    os._exit(0)
+print(pid, flush=True)
+sys.stdin.read()  # killed here
+"""
+
+
+class ForkTest(unittest.TestCase):
+    def setUp(self):
+        self.daemon = Daemon(SMALL_CONFIG)
+        self.addCleanup(self.daemon.close)
+        self.admin = kvpool.Client.connect(self.daemon.dir, client_name="admin")
+        self.addCleanup(self.admin.close)
+
+    def in_child(self, body) -> int:
+        """Forks; the child runs `body` and exits 0 if it returned, 1 if it raised (nothing of
+        unittest runs there). Returns the child's exit status."""
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                body()
+                code = 0
+            except BaseException:
+                import traceback
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        return os.waitstatus_to_exitcode(status)
+
+    def test_a_child_closing_the_client_leaves_the_parents_session(self):
+        with kvpool.Client.connect(self.daemon.dir, kv_access=True, client_name="parent") as c:
+            seq = c.allocate([tokens(40)])[0]
+
+            def child():
+                with c:  # __exit__, then close() and __del__ again
+                    pass
+                c.close()
+                c.__del__()
+
+            self.assertEqual(self.in_child(child), 0)
+            c.ping()  # the session is still the parent's
+            c.grow_one(seq.id, 64)
+            c.mapping.k(0, seq.blocks[0]).cast("B")[:4] = b"\x01\x02\x03\x04"  # still mapped
+            stats = self.admin.get_stats()
+            self.assertEqual(stats.sequences, 1)
+            self.assertEqual(stats.sessions_detached, 0)
+        self.assertTrue(_eventually(lambda: self.admin.get_stats().sessions_detached == 1))
+        self.assertEqual(self.admin.get_stats().sequences, 0)
+
+    def test_the_child_holds_no_copy_of_the_attach_socket(self):
+        c = kvpool.Client.connect(self.daemon.dir, kv_access=True, client_name="parent")
+        self.addCleanup(c.close)
+        fd = c._socket.fileno()
+        inode = os.fstat(fd).st_ino
+
+        def child():
+            try:
+                same = os.fstat(fd).st_ino == inode
+            except OSError:
+                same = False
+            assert not same, "the child still holds the attach socket"
+            assert c.closed
+            try:
+                c.ping()
+            except KvPoolError as e:
+                assert e.code == C.FAILED_PRECONDITION, e
+            else:
+                raise AssertionError("a forked child used the parent's session")
+
+        self.assertEqual(self.in_child(child), 0)
+        c.ping()
+
+    def test_a_killed_parent_is_reclaimed_while_its_child_lives(self):
+        parent = subprocess.Popen([sys.executable, "-c", _DOOMED_PARENT, self.daemon.dir],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.addCleanup(parent.stdin.close)  # ends the child too
+        self.addCleanup(parent.stdout.close)
+        child = int(parent.stdout.readline())
+        self.assertEqual(self.admin.get_stats().sequences, 1)
+        parent.kill()
+        parent.wait()
+        self.assertTrue(_eventually(lambda: self.admin.get_stats().sessions_reclaimed == 1))
+        stats = self.admin.get_stats()
+        self.assertEqual(stats.sequences, 0)
+        self.assertEqual(stats.active_blocks, 0)
+        os.kill(child, 0)  # still alive: its end did not have to wait for it
 
 
 class AttachErrorTest(unittest.TestCase):
