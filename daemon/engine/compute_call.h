@@ -87,7 +87,9 @@ class ComputeCall final {
         done_(std::move(done)) {
     session_->compute_calls.fetch_add(1, std::memory_order_relaxed);
   }
-  ~ComputeCall() { session_->compute_calls.fetch_sub(1, std::memory_order_relaxed); }
+  ~ComputeCall() {
+    if (!answered_) session_->compute_calls.fetch_sub(1, std::memory_order_relaxed);
+  }
   ComputeCall(const ComputeCall&) = delete;
   ComputeCall& operator=(const ComputeCall&) = delete;
 
@@ -120,14 +122,21 @@ class ComputeCall final {
   int32_t passed_over = 0;    // steps formed while a new prefill waited outside them
   int64_t chunk = INT64_MAX;  // prompt tokens this step may compute for a prefill
 
-  // Hands the call to its owner's callback. Called once.
-  void Complete() { done_(*this); }
+  // Hands the call to its owner's callback. Called once. From then on it no longer counts
+  // against its session's queued_calls_per_session: the callback may queue the next call (a
+  // Generate stream's next decode), and a step destroys its calls only once all are answered.
+  void Complete() {
+    answered_ = true;
+    session_->compute_calls.fetch_sub(1, std::memory_order_relaxed);
+    done_(*this);
+  }
 
  private:
   const std::shared_ptr<const Session> session_;
   const ComputeRequest request_;
   const std::shared_ptr<const CallContext> context_;
   const Done done_;
+  bool answered_ = false;  // Complete() ran
   ComputeResult result_;
   std::optional<PrefillProgress> progress_;
 };

@@ -45,7 +45,8 @@ struct Session {
   int32_t max_priority = 0;   // the highest prefix-cache priority its tenant allows
   int64_t quota_blocks = 0;   // its tenant's block quota, over all its namespaces (0: none)
   uint32_t cache_weight = 1;  // its tenant's weight in fair eviction (TenantLimits)
-  // Its ComputeCalls alive (queued, in a step, or completing): ClientLimits bounds them.
+  // Its ComputeCalls queued or in a step, until answered (ComputeCall::Complete): ClientLimits
+  // bounds them.
   mutable std::atomic<int32_t> compute_calls{0};
 };
 

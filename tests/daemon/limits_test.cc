@@ -191,6 +191,31 @@ TEST_F(LimitsTest, QueuedCallsPerSession) {
   ExpectInvariants();
 }
 
+// A call stops counting against queued_calls_per_session once it is answered, not when it is
+// destroyed: its callback may queue the next one (a Generate stream submits its next decode from
+// there), and a step destroys its finished calls only after all of them were answered. Before,
+// with a limit of 1, that next call was refused while nothing else was queued or running.
+TEST_F(LimitsTest, AnAnsweredCallNoLongerCounts) {
+  Make({.queued_calls_per_session = 1});
+  absl::Notification done;
+  absl::Status next;
+  engine_->Submit(std::make_unique<ComputeCall>(
+      alice_, ComputeRequest{.kind = ComputeRequest::Kind::kPrefill, .tokens = Prompt(8, 1)},
+      nullptr, [&](ComputeCall& first) {
+        EXPECT_TRUE(first.result().status.ok()) << first.result().status;
+        engine_->Submit(std::make_unique<ComputeCall>(
+            alice_, ComputeRequest{.kind = ComputeRequest::Kind::kPrefill, .tokens = Prompt(8, 2)},
+            nullptr, [&](ComputeCall& second) {
+              next = second.result().status;
+              done.Notify();
+            }));
+      }));
+  done.WaitForNotification();
+  EXPECT_TRUE(next.ok()) << next;
+  EXPECT_EQ(OverLimit(), 0u);
+  ExpectInvariants();
+}
+
 TEST_F(LimitsTest, WhatNoStepCanServeIsRefusedBeforeItQueues) {
   Make({});
   const int32_t vocab = engine_->model_info().vocab_size;
