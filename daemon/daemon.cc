@@ -203,6 +203,7 @@ absl::Status Daemon::StartEventPublisher() {
     KVPOOL_ASSIGN_OR_RETURN(options.pool, engine_->FindPool(z.pool()));
   }
   if (z.replay_batches() > 0) options.replay_batches = static_cast<size_t>(z.replay_batches());
+  if (z.queued_bytes() > 0) options.queued_bytes = z.queued_bytes();
   KVPOOL_ASSIGN_OR_RETURN(event_publisher_,
                           ZmqEventPublisher::Start(options, engine_.get(), clock_));
   engine_->AddEventListener(event_publisher_.get());

@@ -318,6 +318,10 @@ void ValidateZmqEvents(const v1::DaemonConfig& c, const Bad& bad) {
   if (z.replay_batches() < 0 || z.replay_batches() > 1000000) {
     bad("zmq_events.replay_batches", "must be in [0, 1000000] (0: 10000)");
   }
+  if (z.queued_bytes() < 0) {
+    bad("zmq_events.queued_bytes",
+        fmt::format("must be > 0 (got {}; 0: 256 MiB)", z.queued_bytes()));
+  }
   if (!z.pool().empty() && c.pools_size() > 0 &&
       std::none_of(c.pools().begin(), c.pools().end(),
                    [&](const v1::PoolSpec& p) { return p.name() == z.pool(); })) {

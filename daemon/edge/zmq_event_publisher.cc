@@ -7,6 +7,7 @@
 #include <zmq.h>
 
 #include <cerrno>
+#include <memory>
 #include <vector>
 
 #include "absl/time/clock.h"
@@ -27,35 +28,36 @@ constexpr size_t kMaxRequestFrames = 3;   // identity, empty delimiter, start se
 // The shortest time between two wake-ups that publish: what an event may wait for company.
 constexpr absl::Duration kCoalesce = absl::Milliseconds(1);
 
-// A message whose payload is shared, not copied, by every send of it (ZeroMQ counts references).
-class SharedMessage final {
- public:
-  explicit SharedMessage(std::string payload) : size_(payload.size()) {
-    auto* owned = new std::string(std::move(payload));
-    KVPOOL_CHECK(zmq_msg_init_data(
-                     &msg_, owned->data(), owned->size(),
-                     [](void*, void* hint) { delete static_cast<std::string*>(hint); },
-                     owned) == 0);
-  }
-  ~SharedMessage() { zmq_msg_close(&msg_); }
-  SharedMessage(const SharedMessage&) = delete;
-  SharedMessage& operator=(const SharedMessage&) = delete;
+// A batch's payload, shared by the replay buffer and every send of it that ZeroMQ still holds
+// (shared_ptr: whichever lets go last, the publisher's thread or a ZeroMQ I/O thread, frees it).
+using Payload = std::shared_ptr<const std::string>;
 
-  size_t size() const { return size_; }
-  // Sends a reference to the payload. Returns whether ZeroMQ took it.
-  bool SendOn(void* socket, int flags) {
-    zmq_msg_t copy;
-    zmq_msg_init(&copy);
-    KVPOOL_CHECK(zmq_msg_copy(&copy, &msg_) == 0);
-    if (zmq_msg_send(&copy, socket, flags) >= 0) return true;
-    zmq_msg_close(&copy);
-    return false;
-  }
-
- private:
-  zmq_msg_t msg_;
-  const size_t size_;
+// One send of a payload, alive while ZeroMQ holds it (however many of a PUB's pipes share it).
+struct SendRef {
+  Payload payload;
+  std::atomic<int64_t>* queued;  // the publisher's queued_bytes, which outlives ZeroMQ's context
 };
+
+// Sends a reference to `payload` on `socket`, counted in `*queued` until ZeroMQ lets go of it.
+// Returns whether ZeroMQ took it.
+bool SendShared(void* socket, const Payload& payload, int flags, std::atomic<int64_t>* queued) {
+  auto* ref = new SendRef{payload, queued};
+  const auto size = static_cast<int64_t>(payload->size());
+  queued->fetch_add(size, std::memory_order_relaxed);
+  zmq_msg_t msg;
+  KVPOOL_CHECK(zmq_msg_init_data(
+                   &msg, const_cast<char*>(payload->data()), payload->size(),
+                   [](void*, void* hint) {
+                     auto* r = static_cast<SendRef*>(hint);
+                     r->queued->fetch_sub(static_cast<int64_t>(r->payload->size()),
+                                          std::memory_order_relaxed);
+                     delete r;
+                   },
+                   ref) == 0);
+  if (zmq_msg_send(&msg, socket, flags) >= 0) return true;
+  zmq_msg_close(&msg);  // lets go of the reference
+  return false;
+}
 
 std::string SeqBytes(uint64_t seq) {
   std::string out(8, '\0');
@@ -89,7 +91,7 @@ struct ZmqEventPublisher::Sockets {
   void* replay = nullptr;
   struct Kept {
     uint64_t seq;
-    std::unique_ptr<SharedMessage> payload;
+    Payload payload;
   };
   std::deque<Kept> kept;  // the replay buffer, oldest first
   size_t kept_bytes = 0;
@@ -110,6 +112,10 @@ struct ZmqEventPublisher::Sockets {
 
 absl::StatusOr<std::unique_ptr<ZmqEventPublisher>> ZmqEventPublisher::Start(
     const ZmqEventOptions& options, const Engine* engine, const Clock* clock) {
+  if (options.queued_bytes <= 0) {
+    return absl::InvalidArgumentError(
+        fmt::format("queued_bytes must be > 0 (got {})", options.queued_bytes));
+  }
   auto sockets = std::make_unique<Sockets>();
   sockets->pub = sockets->Open(ZMQ_PUB);
   zmq_setsockopt(sockets->pub, ZMQ_SNDHWM, &options.send_hwm, sizeof(options.send_hwm));
@@ -163,6 +169,9 @@ ZmqEventPublisher::~ZmqEventPublisher() {
   wake_pending_.store(false);
   OnEvents(options_.pool, 0);
   thread_.join();
+  // Before the counters go (own_counters_ is destroyed first): ZeroMQ's I/O threads count the
+  // sends they let go of until the context is terminated.
+  sockets_.reset();
 }
 
 void ZmqEventPublisher::OnEvents(int32_t pool, uint64_t) {
@@ -230,20 +239,40 @@ void ZmqEventPublisher::PublishNew() {
   }
 }
 
-void ZmqEventPublisher::Send(uint64_t seq, std::string payload) {
-  auto message = std::make_unique<SharedMessage>(std::move(payload));
-  const std::string seq_bytes = SeqBytes(seq);
-  // PUB never blocks: a subscriber past its high-water mark loses the message (and replays).
-  zmq_send(sockets_->pub, options_.topic.data(), options_.topic.size(), ZMQ_SNDMORE);
-  zmq_send(sockets_->pub, seq_bytes.data(), seq_bytes.size(), ZMQ_SNDMORE);
-  if (message->SendOn(sockets_->pub, 0)) {
-    counters_->batches.fetch_add(1, std::memory_order_relaxed);
+bool ZmqEventPublisher::HasRoomFor(const std::atomic<int64_t>& queued_bytes, size_t bytes) const {
+  // Only this thread adds to the count (ZeroMQ's threads subtract), so what it reads is at least
+  // what is queued when it sends.
+  const int64_t queued = queued_bytes.load(std::memory_order_relaxed);
+  return queued == 0 || queued + static_cast<int64_t>(bytes) <= options_.queued_bytes;
+}
+
+void ZmqEventPublisher::Send(uint64_t seq, std::string bytes) {
+  const auto payload = std::make_shared<const std::string>(std::move(bytes));
+  if (!HasRoomFor(counters_->queued_bytes, payload->size())) {
+    // A subscriber gone is let go of only once the PUB socket has handled its commands, which it
+    // does when called (ZMQ_EVENTS) from this thread; ZeroMQ's I/O thread then frees its queue.
+    // Without this call nothing would be sent, and that queue would be held for good.
+    int events = 0;
+    size_t size = sizeof(events);
+    zmq_getsockopt(sockets_->pub, ZMQ_EVENTS, &events, &size);
+  }
+  if (!HasRoomFor(counters_->queued_bytes, payload->size())) {
+    // As a subscriber past its high-water mark: a gap in seq, filled by a replay.
+    counters_->dropped.fetch_add(1, std::memory_order_relaxed);
   } else {
-    counters_->send_errors.fetch_add(1, std::memory_order_relaxed);
+    const std::string seq_bytes = SeqBytes(seq);
+    // PUB never blocks: a subscriber past its high-water mark loses the message (and replays).
+    zmq_send(sockets_->pub, options_.topic.data(), options_.topic.size(), ZMQ_SNDMORE);
+    zmq_send(sockets_->pub, seq_bytes.data(), seq_bytes.size(), ZMQ_SNDMORE);
+    if (SendShared(sockets_->pub, payload, 0, &counters_->queued_bytes)) {
+      counters_->batches.fetch_add(1, std::memory_order_relaxed);
+    } else {
+      counters_->send_errors.fetch_add(1, std::memory_order_relaxed);
+    }
   }
   if (sockets_->replay == nullptr) return;
-  sockets_->kept_bytes += message->size();
-  sockets_->kept.push_back({seq, std::move(message)});
+  sockets_->kept_bytes += payload->size();
+  sockets_->kept.push_back({seq, payload});
   while (sockets_->kept.size() > options_.replay_batches ||
          (sockets_->kept_bytes > options_.replay_bytes && sockets_->kept.size() > 1)) {
     sockets_->kept_bytes -= sockets_->kept.front().payload->size();
@@ -291,8 +320,11 @@ void ZmqEventPublisher::ServeReplay() {
   };
   for (Sockets::Kept& k : sockets_->kept) {
     if (k.seq < from) continue;
-    // A peer gone or not reading: ROUTER_MANDATORY fails the send at once; give up on it.
-    if (!send_header(SeqBytes(k.seq)) || !k.payload->SendOn(sockets_->replay, ZMQ_DONTWAIT)) {
+    // A peer gone or not reading: ROUTER_MANDATORY fails the send at once; give up on it. So
+    // does a payload past queued_bytes.
+    if (!HasRoomFor(counters_->replay_queued_bytes, k.payload->size()) ||
+        !send_header(SeqBytes(k.seq)) ||
+        !SendShared(sockets_->replay, k.payload, ZMQ_DONTWAIT, &counters_->replay_queued_bytes)) {
       counters_->replays_abandoned.fetch_add(1, std::memory_order_relaxed);
       return;
     }

@@ -9,6 +9,15 @@
 //   own sequence number, the one WatchEvents reports, so both streams number the same events the
 //   same way and neither has gaps. PUB drops a message for a subscriber whose queue is full (its
 //   high-water mark); the consumer sees the gap in seq and asks the replay socket.
+// - What ZeroMQ holds for subscribers is bounded in bytes, not only in messages: a payload handed
+//   to the PUB socket counts in counters().queued_bytes until ZeroMQ lets go of it (written out
+//   to every subscriber, or dropped). A batch that would take that past `queued_bytes` is
+//   published to no one (counted in counters().dropped) and still kept for replay: a consumer
+//   sees the gap and replays it, as after a high-water-mark drop. Replay answers count apart
+//   (counters().replay_queued_bytes) under the same bound; an answer that would pass it stops
+//   there (counted abandoned). A batch larger than the bound alone goes out when nothing else is
+//   queued. So subscribers that stop reading hold at most `queued_bytes` of payload, however
+//   large the events; but while they hold it, no subscriber receives new batches.
 // - A ROUTER socket bound at `replay_endpoint` (optional) answers a request [seq as 8 bytes
 //   big-endian] (a REQ or DEALER peer) with every batch still kept whose seq is >= it, each as
 //   [seq, payload], then the end marker [-1 as 8 bytes, empty]. Malformed requests are dropped
@@ -49,6 +58,9 @@ struct ZmqEventOptions {
   size_t replay_batches = 10000;           // batches kept for replay (vLLM's buffer_steps)
   size_t replay_bytes = size_t{64} << 20;  // their payloads' bytes, at most
   int32_t send_hwm = 100000;               // PUB messages queued per subscriber
+  // Payload bytes ZeroMQ may hold for all subscribers and replay peers together (the sends not
+  // yet written out or dropped by ZeroMQ; the replay buffer's own are replay_bytes); > 0.
+  int64_t queued_bytes = int64_t{256} << 20;
   // Where the publisher counts (the daemon's, for its stats tables); null: its own.
   ZmqEventCounters* counters = nullptr;
 };
@@ -59,7 +71,7 @@ class ZmqEventPublisher final : public EventListener {
   // for those the log no longer holds). The caller adds it to `engine` (AddEventListener) and
   // removes it before it goes. `clock` (not owned; outlives the publisher) paces the sends (one
   // wake-up per kCoalesce at most). Errors: INVALID_ARGUMENT (an endpoint ZeroMQ cannot bind:
-  // syntax, address in use, ...).
+  // syntax, address in use, ...; a queued_bytes <= 0).
   static absl::StatusOr<std::unique_ptr<ZmqEventPublisher>> Start(const ZmqEventOptions& options,
                                                                   const Engine* engine,
                                                                   const Clock* clock);
@@ -79,7 +91,11 @@ class ZmqEventPublisher final : public EventListener {
   void Run();
   // Sends every event of the log from next_ on (a resync first when some were lost).
   void PublishNew();
-  void Send(uint64_t seq, std::string payload);
+  // Whether ZeroMQ may be handed `bytes` more of payload on the socket whose sends `queued_bytes`
+  // counts (options_.queued_bytes).
+  bool HasRoomFor(const std::atomic<int64_t>& queued_bytes, size_t bytes) const;
+  // Publishes the batch (unless over queued_bytes) and keeps it for replay.
+  void Send(uint64_t seq, std::string bytes);
   // Answers at most a few waiting replay requests.
   void ServeReplays();
   void ServeReplay();

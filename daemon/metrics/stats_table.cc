@@ -34,6 +34,9 @@ uint64_t Load(const std::atomic<uint64_t> AttachCounters::*field, const StatsSou
 uint64_t Load(const std::atomic<uint64_t> ZmqEventCounters::*field, const StatsSource& src) {
   return (src.zmq->*field).load(std::memory_order_relaxed);
 }
+int64_t Load(const std::atomic<int64_t> ZmqEventCounters::*field, const StatsSource& src) {
+  return (src.zmq->*field).load(std::memory_order_relaxed);
+}
 bool HasStreams(const StatsSource& src) { return src.streams != nullptr; }
 bool HasZmq(const StatsSource& src) { return src.zmq != nullptr; }
 
@@ -340,6 +343,29 @@ const PoolRow kDaemonRows[] = {
     {"zmq_event_resyncs", kCounter, "batches",
      "Resync batches sent for events lost behind the event log.", kNoLabel, "", 1,
      KVPOOL_STAT(Load(&ZmqEventCounters::resyncs, src)), nullptr, &HasZmq},
+    {"zmq_event_dropped", kCounter, "batches",
+     "Batches published to no subscriber: the PUB socket held zmq_events.queued_bytes.", kNoLabel,
+     "", 1, KVPOOL_STAT(Load(&ZmqEventCounters::dropped, src)), nullptr, &HasZmq},
+    {"zmq_event_queued_bytes",
+     kGauge,
+     "bytes",
+     "Payload bytes ZeroMQ holds for subscribers or replay peers, by socket.",
+     {"socket", "pub"},
+     "",
+     1,
+     KVPOOL_STAT(Load(&ZmqEventCounters::queued_bytes, src)),
+     nullptr,
+     &HasZmq},
+    {"zmq_event_queued_bytes",
+     kGauge,
+     "bytes",
+     "Payload bytes ZeroMQ holds for subscribers or replay peers, by socket.",
+     {"socket", "replay"},
+     "",
+     1,
+     KVPOOL_STAT(Load(&ZmqEventCounters::replay_queued_bytes, src)),
+     nullptr,
+     &HasZmq},
     {"zmq_event_send_errors", kCounter, "batches", "Batches the PUB socket refused.", kNoLabel, "",
      1, KVPOOL_STAT(Load(&ZmqEventCounters::send_errors, src)), nullptr, &HasZmq},
     {"zmq_event_replays",

@@ -63,16 +63,19 @@ TEST(ConfigTest, TheZmqEventPublisherIsOffByDefaultAndCheckedWhenSet) {
   EXPECT_TRUE(ValidateConfig(c).empty());
   c.mutable_zmq_events()->set_replay_endpoint("ipc:///tmp/kv-events");
   c.mutable_zmq_events()->set_replay_batches(-1);
+  c.mutable_zmq_events()->set_queued_bytes(-1);
   c.mutable_zmq_events()->set_pool("elsewhere");
   const std::vector<std::string> problems = ValidateConfig(c);
   EXPECT_THAT(problems, ::testing::Contains(HasSubstr("zmq_events.replay_endpoint: must differ")));
   EXPECT_THAT(problems,
               ::testing::Contains(HasSubstr("zmq_events.replay_batches: must be in [0, 1000000]")));
+  EXPECT_THAT(problems, ::testing::Contains(HasSubstr("zmq_events.queued_bytes: must be > 0")));
   EXPECT_THAT(problems,
               ::testing::Contains(HasSubstr("zmq_events.pool: no pool named 'elsewhere'")));
   c.mutable_zmq_events()->set_pool("default");
   c.mutable_zmq_events()->set_replay_endpoint("ipc:///tmp/kv-replay");
   c.mutable_zmq_events()->set_replay_batches(0);
+  c.mutable_zmq_events()->set_queued_bytes(1 << 20);
   EXPECT_TRUE(ValidateConfig(c).empty());
 }
 

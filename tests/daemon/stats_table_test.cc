@@ -473,6 +473,9 @@ TEST_F(StatsTableTest, EventStreamRowsReadTheirCounters) {
   streams_.BatchSent(300);
   zmq_.batches = 7;
   zmq_.replays_abandoned = 2;
+  zmq_.dropped = 3;
+  zmq_.queued_bytes = 4096;
+  zmq_.replay_queued_bytes = 512;
   const v1::GetStatsResponse r = GetStats();
   EXPECT_EQ(FindStat(r, "event_followers")->value(), 1);
   EXPECT_EQ(FindStat(r, "event_snapshots", "fell_behind")->value(), 1);
@@ -480,6 +483,9 @@ TEST_F(StatsTableTest, EventStreamRowsReadTheirCounters) {
   EXPECT_EQ(InBucket(*FindStat(r, "event_follower_lag_events"), 300), 1u);
   EXPECT_EQ(FindStat(r, "zmq_event_batches")->value(), 7);
   EXPECT_EQ(FindStat(r, "zmq_event_replays", "abandoned")->value(), 2);
+  EXPECT_EQ(FindStat(r, "zmq_event_dropped")->value(), 3);
+  EXPECT_EQ(FindStat(r, "zmq_event_queued_bytes", "pub")->value(), 4096);
+  EXPECT_EQ(FindStat(r, "zmq_event_queued_bytes", "replay")->value(), 512);
   EXPECT_THAT(Exposition(), HasSubstr("kvpool_zmq_event_batches_total 7"));
   v1::GetStatsResponse without;
   ToProto(engine_->Stats(0), &attach_, &rpcs_, &without);

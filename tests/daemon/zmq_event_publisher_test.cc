@@ -77,10 +77,7 @@ std::string HashBytes(const BlockHash& h) {
 class ZmqEventPublisherTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    EngineOptions options = SmallPool(32);
-    options.event_capacity = 4;  // a publisher started after 10 events finds 6 of them gone
-    engine_ = std::move(*Engine::Create(options, &device_, /*model=*/nullptr));
-    alice_ = *engine_->OpenSession(Spec("t", "alice"));
+    MakeEngine(/*event_capacity=*/4);  // a publisher started after 10 events finds 6 of them gone
     dir_ = ::testing::TempDir() + "/zmq-" + std::to_string(getpid());
     ctx_ = zmq_ctx_new();
     dealer_ = zmq_socket(ctx_, ZMQ_DEALER);
@@ -95,21 +92,30 @@ class ZmqEventPublisherTest : public ::testing::Test {
     zmq_close(dealer_);
     zmq_ctx_term(ctx_);
   }
-  void Start() {
+  void MakeEngine(size_t event_capacity) {
+    alice_.reset();
+    EngineOptions options = SmallPool(32);
+    options.event_capacity = event_capacity;
+    engine_ = std::move(*Engine::Create(options, &device_, /*model=*/nullptr));
+    alice_ = *engine_->OpenSession(Spec("t", "alice"));
+  }
+  void Start(int64_t queued_bytes = ZmqEventOptions{}.queued_bytes) {
     absl::StatusOr<std::unique_ptr<ZmqEventPublisher>> p =
         ZmqEventPublisher::Start({.endpoint = "ipc://" + dir_ + "-events",
                                   .replay_endpoint = "ipc://" + dir_ + "-replay",
-                                  .topic = "kv"},
+                                  .topic = "kv",
+                                  .queued_bytes = queued_bytes},
                                  engine_.get(), Clock::Real());
     ASSERT_TRUE(p.ok()) << p.status();
     publisher_ = *std::move(p);
     engine_->AddEventListener(publisher_.get());
     ASSERT_EQ(zmq_connect(dealer_, publisher_->replay_endpoint().c_str()), 0);
   }
-  // Publishes a new one-block prompt: one BlockStored event.
-  void Commit(uint32_t seed) {
-    const std::vector<int32_t> prompt = Prompt(16, seed);
-    const AllocateRequest request{.num_tokens = 16, .prompt = prompt};
+  // Publishes a new prompt of `tokens` tokens (whole blocks): one BlockStored event (and
+  // BlockRemoved events for the blocks evicted to make room).
+  void Commit(uint32_t seed, int32_t tokens = 16) {
+    const std::vector<int32_t> prompt = Prompt(static_cast<size_t>(tokens), seed);
+    const AllocateRequest request{.num_tokens = tokens, .prompt = prompt};
     absl::StatusOr<Tables> t =
         engine_->Allocate(*alice_, std::span(&request, 1), CallContext::Uncancellable());
     ASSERT_TRUE(t.ok()) << t.status();
@@ -227,6 +233,70 @@ TEST_F(ZmqEventPublisherTest, AnEndpointThatCannotBeBoundIsAnError) {
   const absl::StatusOr<std::unique_ptr<ZmqEventPublisher>> p =
       ZmqEventPublisher::Start({.endpoint = "bogus://nowhere"}, engine_.get(), Clock::Real());
   EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ZmqEventPublisher::Start({.endpoint = "ipc://" + dir_ + "-events", .queued_bytes = 0},
+                                     engine_.get(), Clock::Real())
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// A subscriber that stops reading holds at most queued_bytes of payload in the publisher, however
+// many events follow: past it batches are not published (counted; still kept for replay). Before,
+// PUB's only bound was its high-water mark, 100000 messages of any size (a BlockStored of a long
+// sequence is hundreds of KB): the queue grew with every event.
+TEST_F(ZmqEventPublisherTest, ASubscriberThatStopsReadingHoldsAtMostQueuedBytes) {
+  constexpr int64_t kBound = 64 << 10;
+  MakeEngine(/*event_capacity=*/1 << 16);  // no resyncs: one batch per event
+  Start(kBound);
+  void* sub = zmq_socket(ctx_, ZMQ_SUB);
+  const int linger = 0;
+  zmq_setsockopt(sub, ZMQ_LINGER, &linger, sizeof(linger));
+  const int rcvhwm = 1;
+  zmq_setsockopt(sub, ZMQ_RCVHWM, &rcvhwm, sizeof(rcvhwm));
+  const int rcvbuf = 4096;  // the kernel's buffer: little for ZeroMQ to move out of its queue
+  zmq_setsockopt(sub, ZMQ_RCVBUF, &rcvbuf, sizeof(rcvbuf));
+  zmq_setsockopt(sub, ZMQ_SUBSCRIBE, "", 0);
+  ASSERT_EQ(zmq_connect(sub, publisher_->endpoint().c_str()), 0);
+  // Subscribed once a batch arrives (PUB sends nothing to a subscriber it has not heard from).
+  zmq_pollitem_t item{sub, 0, ZMQ_POLLIN, 0};
+  uint32_t seed = 0;
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (zmq_poll(&item, 1, 0) == 0 && absl::Now() < deadline) {
+    Commit(seed++);
+    AwaitBatches(seed);
+    zmq_poll(&item, 1, 10);
+  }
+  ASSERT_NE(item.revents & ZMQ_POLLIN, 0) << "the subscriber never subscribed";
+
+  // From here on it reads nothing. Each commit is a BlockStored of 32 blocks (about 2 KB) and a
+  // BlockRemoved for the 32 it evicts: 800 events, about 1 MB, 16 times the bound.
+  const uint64_t before = engine_->next_event_seq(0);
+  for (uint32_t i = 0; i < 400; ++i) Commit(1000 + i, /*tokens=*/512);
+  const uint64_t events = engine_->next_event_seq(0) - before;
+  ASSERT_GE(events, 790u);
+  const ZmqEventCounters& c = publisher_->counters();
+  const absl::Time published_by = absl::Now() + absl::Seconds(10);
+  while (c.batches.load() + c.dropped.load() < seed + events && absl::Now() < published_by) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_EQ(c.batches.load() + c.dropped.load(), seed + events);
+  EXPECT_LE(c.queued_bytes.load(), kBound);
+  EXPECT_GT(c.dropped.load(), 0u);
+  EXPECT_EQ(c.send_errors.load(), 0u);
+  // What was not published is kept for replay: the last event is there.
+  const std::vector<Batch> replayed = Replay(before + events - 1);
+  ASSERT_EQ(replayed.size(), 1u);
+  EXPECT_EQ(replayed[0].seq, before + events - 1);
+  // Once it goes, ZeroMQ lets go of its queue and batches are published again (the PUB socket
+  // learns of it on the next batch, so some more may be dropped meanwhile).
+  zmq_close(sub);
+  const uint64_t batches = c.batches.load();
+  const absl::Time resumed_by = absl::Now() + absl::Seconds(10);
+  for (uint32_t i = 0; c.batches.load() == batches && absl::Now() < resumed_by; ++i) {
+    Commit(5000 + i, /*tokens=*/512);  // too large for the room left beside the queue
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  EXPECT_GT(c.batches.load(), batches);
 }
 
 }  // namespace
