@@ -19,9 +19,13 @@ class EventWriter final : public grpc::ServerWriteReactor<v1::WatchEventsRespons
         counters_(service->streams_),
         pool_(pool),
         follow_(request.follow()) {
-    next_ = request.from_seq() == 0 ? engine_->next_event_seq(pool_) : request.from_seq();
+    const uint64_t head = engine_->next_event_seq(pool_);
+    next_ = request.from_seq() == 0 ? head : request.from_seq();
+    // Past the head is no position in this log (another epoch's, from before a restart): like
+    // one the log dropped, it cannot be followed from, and waiting there would skip every event
+    // up to it unseen.
     std::vector<KvEvent> probe;
-    if (request.snapshot() || !engine_->ReadEvents(pool_, next_, 0, &probe)) {
+    if (request.snapshot() || next_ > head || !engine_->ReadEvents(pool_, next_, 0, &probe)) {
       SendSnapshot(/*requested=*/request.snapshot());
     }
     if (follow_) counters_->FollowerOpened();
