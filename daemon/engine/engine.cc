@@ -666,6 +666,10 @@ void Engine::Abandon(ComputeCall& call, const absl::Status& why) {
   if (absl::IsCancelled(why) || absl::IsDeadlineExceeded(why)) {
     ++state_->call_counters.gave_up;
     if (created) ++state_->call_counters.released_on_give_up;
+  } else if (absl::IsNotFound(why)) {
+    // Dropped from the queue as its session ended (StepRunner::SessionEnded): counted as the
+    // gate counts a call that finds its session ended when its step plans it.
+    ++state_->call_counters.session_ended;
   }
 }
 

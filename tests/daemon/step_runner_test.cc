@@ -227,6 +227,9 @@ TEST_F(StepRunnerTest, EndingASessionCompletesItsQueuedCalls) {
   done->WaitForNotification();
   EXPECT_EQ(p.status.code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(engine_->Stats().cache.sequences, 1);
+  // Counted as a call refused for its ended session, dropped from the queue or refused by its
+  // step alike (before, only the second counted).
+  EXPECT_EQ(engine_->Stats().calls.session_ended, 1u);
 }
 
 TEST_F(StepRunnerTest, StopFailsQueuedCallsAndLaterOnes) {
