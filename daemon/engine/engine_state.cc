@@ -256,7 +256,37 @@ absl::StatusOr<EngineState::Invalidated> EngineState::Invalidate(std::string_vie
     ++out.sessions;
     ++out.namespaces;
   }
+  LeaveRetiredUnheld();
   return out;
+}
+
+void EngineState::LeaveRetiredUnheld() {
+  // Its live sequences finish in a retired namespace, and its pins hold theirs; one it holds
+  // nothing in is left now (else an idle session kept one more per invalidation, and every salt
+  // it had, until it ended).
+  absl::flat_hash_map<SessionId, absl::flat_hash_set<NamespaceId>> held;
+  for (const auto& [id, namespaces] : retired_) held[id];
+  for (int32_t p = 0; p < num_pools(); ++p) {
+    const KvCacheManager& cache = pool(p).cache();
+    cache.ForEachSequence([&](const Sequence& seq) {
+      if (auto it = held.find(seq.session); it != held.end()) it->second.insert(seq.ns);
+    });
+  }
+  for (auto it = retired_.begin(); it != retired_.end();) {
+    const Session& s = *live_.at(it->first);
+    absl::flat_hash_set<NamespaceId>& in_use = held.at(it->first);
+    for (const PinInfo& pin : pool_of(s).cache().ListPins(s.id)) in_use.insert(pin.ns);
+    std::erase_if(it->second, [&](NamespaceId ns) {
+      if (in_use.contains(ns)) return false;
+      LeaveNamespace(s, ns);
+      return true;
+    });
+    if (it->second.empty()) {
+      retired_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
 }
 
 absl::StatusOr<NamespaceId> EngineState::SaltedNamespace(const Session& s, std::string_view salt) {

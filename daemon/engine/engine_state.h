@@ -136,6 +136,8 @@ class EngineState final {
   void LeaveNamespace(const Session& s, NamespaceId ns);
   // Lets go of the salted namespaces of `s` it holds no sequence or pin in.
   void PruneSalts(const Session& s);
+  // Lets go of the retired namespaces (retired_) their sessions hold no sequence or pin in.
+  void LeaveRetiredUnheld();
 
   const EngineOptions options_;
   const tier::DeploymentSecret secret_;
@@ -146,7 +148,8 @@ class EngineState final {
   // Sessions whose own namespace an invalidation moved: the new one (the others: Session::ns).
   absl::flat_hash_map<SessionId, NamespaceId> own_;
   // Namespaces an invalidation took from each session: held (in the table and the quota group)
-  // until the session ends, for the sequences and pins still in them.
+  // for the sequences and pins still in them, until the session ends; those it holds nothing in
+  // are let go at each invalidation (LeaveRetiredUnheld).
   absl::flat_hash_map<SessionId, std::vector<NamespaceId>> retired_;
   uint64_t next_session_ = 1;
   absl::flat_hash_map<SessionId, std::shared_ptr<const Session>> live_;

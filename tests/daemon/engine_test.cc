@@ -488,5 +488,24 @@ TEST_F(EngineTest, ListenersHearOfEveryHoldThatAppendedEventsAndOfNoOther) {
   EXPECT_EQ(engine_->next_event_seq(0), 4u);
 }
 
+// An invalidation moves a session to a fresh namespace and retires the old one for the sequences
+// still in it; one the session holds nothing in is let go at once. Before, an idle session kept
+// every namespace each invalidation retired (and every salt it had) until it ended.
+TEST_F(EngineTest, AnIdleSessionKeepsNoNamespaceAnInvalidationRetired) {
+  Make(64);
+  const size_t before = engine_->Stats().namespaces;
+  for (int i = 0; i < 50; ++i) ASSERT_TRUE(engine_->Invalidate("tenant-a", "").ok());
+  EXPECT_EQ(engine_->Stats().namespaces, before);
+  // A namespace its sequence still lives in stays until the sequence ends.
+  const std::vector<int32_t> prompt = Prompt(16, 1);
+  const AllocateRequest request{.num_tokens = 16, .prompt = prompt};
+  absl::StatusOr<Tables> made =
+      engine_->Allocate(*alice_, std::span(&request, 1), CallContext::Uncancellable());
+  ASSERT_TRUE(made.ok()) << made.status();
+  ASSERT_TRUE(engine_->Invalidate("tenant-a", "").ok());
+  EXPECT_EQ(engine_->Stats().namespaces, before + 1);
+  EXPECT_TRUE(engine_->CheckInvariants().ok());
+}
+
 }  // namespace
 }  // namespace kvpool::daemon
