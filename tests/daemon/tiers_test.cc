@@ -32,14 +32,18 @@ using testing::Spec;
 
 constexpr int32_t kBlocks = 8;
 
-// A prefill of a new sequence of `prompt` by `s`, once it has completed.
+// A prefill of `prompt` by `s` (a new sequence, or the next turn of `sequence`), once it has
+// completed.
 ComputeResult RunPrefill(Engine& engine, std::shared_ptr<const Session> s,
-                         const std::vector<int32_t>& prompt) {
+                         const std::vector<int32_t>& prompt, SequenceId sequence = SequenceId(0),
+                         std::shared_ptr<const CallContext> context = nullptr) {
   absl::Notification done;
   ComputeResult result;
   engine.Submit(std::make_unique<ComputeCall>(
-      std::move(s), ComputeRequest{.kind = ComputeRequest::Kind::kPrefill, .tokens = prompt},
-      nullptr, [&](ComputeCall& call) {
+      std::move(s),
+      ComputeRequest{
+          .kind = ComputeRequest::Kind::kPrefill, .sequence = sequence, .tokens = prompt},
+      std::move(context), [&](ComputeCall& call) {
         result = call.result();
         done.Notify();
       }));
@@ -1465,52 +1469,6 @@ TEST(TierResumeTest, AShallowerCheckpointIsTriedWhenTheDeepestOnesWindowIsNotWho
   }
 }
 
-TEST(StepGapTest, ASequenceRewoundAndRegrownDuringItsStepPublishesNothingItDidNotWrite) {
-  testing::FailingDevice device;
-  EngineOptions options = testing::SmallPool(16);
-  std::unique_ptr<Engine> engine;
-  std::shared_ptr<const Session> alice;
-  std::atomic<bool> armed{false};
-  SequenceId sequence(0);
-  options.lock_gap_hook = [&](LockGap gap) {
-    if (gap != LockGap::kStepLaunch || !armed.exchange(false)) return;
-    ASSERT_TRUE(engine->Truncate(*alice, sequence, 32, CallContext::Uncancellable()).ok());
-    const GrowRequest grow{.sequence = sequence, .num_tokens = 48};
-    ASSERT_TRUE(engine->Grow(*alice, std::span(&grow, 1), CallContext::Uncancellable()).ok());
-  };
-  std::unique_ptr<model::Model> model = testing::TinyModel(options.pools[0].layout);
-  engine = std::move(*Engine::Create(options, &device, model.get()));
-  alice = *engine->OpenSession(testing::Spec("t"));
-  auto prefill = [&](SequenceId id, std::vector<int32_t> tokens) {
-    absl::Notification done;
-    ComputeResult result;
-    engine->Submit(std::make_unique<ComputeCall>(
-        alice,
-        ComputeRequest{
-            .kind = ComputeRequest::Kind::kPrefill, .sequence = id, .tokens = std::move(tokens)},
-        nullptr, [&](ComputeCall& call) {
-          result = call.result();
-          done.Notify();
-        }));
-    done.WaitForNotification();
-    return result;
-  };
-  const std::vector<int32_t> first = testing::Prompt(32, 1);
-  const ComputeResult made = prefill(SequenceId(0), first);
-  ASSERT_TRUE(made.status.ok()) << made.status;
-  sequence = made.sequences[0];
-  std::vector<int32_t> turn = testing::Prompt(16, 2);
-  turn[0] = made.results[0].next_token;  // the next turn starts with the pending token
-  armed = true;
-  const ComputeResult next = prefill(sequence, turn);
-  ASSERT_TRUE(next.status.ok()) << next.status;
-  std::vector<int32_t> all = first;
-  all.insert(all.end(), turn.begin(), turn.end());
-  // The first turn's two blocks are published; the third block is not the one the step wrote.
-  EXPECT_EQ(engine->MatchPrefix(*alice, all).value(), 32);
-  EXPECT_TRUE(engine->CheckInvariants().ok());
-}
-
 // tiny-swa with a window of 32 tokens (two blocks), and a pool of 16 blocks for it in f32.
 model::ModelConfig SlidingWindowConfig() {
   model::ModelConfig config = *model::NamedConfig("tiny-swa");
@@ -1531,92 +1489,108 @@ EngineOptions SlidingWindowPool(const model::ModelConfig& config) {
   return options;
 }
 
+// A KV client whose own calls race its model steps: armed, it rewinds its sequence and grows it
+// again in the next step's gap (the lock free, the step planned).
+class StepGapTest : public ::testing::Test {
+ protected:
+  // The tiny model over SmallPool(16), or `config` over `options` laid out for it.
+  void Make() { Make(testing::SmallPool(16), *model::NamedConfig("tiny")); }
+  void Make(EngineOptions options, const model::ModelConfig& config) {
+    options.lock_gap_hook = [this](LockGap gap) {
+      if (gap != LockGap::kStepLaunch || !armed_.exchange(false)) return;
+      ASSERT_TRUE(
+          engine_->Truncate(*alice_, sequence_, rewind_to_, CallContext::Uncancellable()).ok());
+      const GrowRequest grow{.sequence = sequence_, .num_tokens = regrow_to_};
+      ASSERT_TRUE(engine_->Grow(*alice_, std::span(&grow, 1), CallContext::Uncancellable()).ok());
+    };
+    model_ = std::move(*model::Model::Create(model::SyntheticWeights(config, 1),
+                                             options.pools[0].layout, {.threads = 1}));
+    engine_ = std::move(*Engine::Create(options, &device_, model_.get()));
+    alice_ = *engine_->OpenSession(testing::Spec("t"));
+  }
+  // In the next step's gap: `sequence` rewound to `rewind_to` tokens and grown to `regrow_to`.
+  void RewindAndRegrowInTheNextStep(SequenceId sequence, int64_t rewind_to, int64_t regrow_to) {
+    sequence_ = sequence;
+    rewind_to_ = rewind_to;
+    regrow_to_ = regrow_to;
+    armed_ = true;
+  }
+
+  testing::FailingDevice device_;
+  std::unique_ptr<model::Model> model_;
+  std::unique_ptr<Engine> engine_;
+  std::shared_ptr<const Session> alice_;
+  std::atomic<bool> armed_{false};
+  SequenceId sequence_{0};
+  int64_t rewind_to_ = 0;
+  int64_t regrow_to_ = 0;
+};
+
+TEST_F(StepGapTest, ASequenceRewoundAndRegrownDuringItsStepPublishesNothingItDidNotWrite) {
+  Make();
+  const std::vector<int32_t> first = testing::Prompt(32, 1);
+  const ComputeResult made = RunPrefill(*engine_, alice_, first);
+  ASSERT_TRUE(made.status.ok()) << made.status;
+  std::vector<int32_t> turn = testing::Prompt(16, 2);
+  turn[0] = made.results[0].next_token;  // the next turn starts with the pending token
+  RewindAndRegrowInTheNextStep(made.sequences[0], 32, 48);
+  const ComputeResult next = RunPrefill(*engine_, alice_, turn, made.sequences[0]);
+  ASSERT_TRUE(next.status.ok()) << next.status;
+  ASSERT_FALSE(armed_);  // the gap opened
+  std::vector<int32_t> all = first;
+  all.insert(all.end(), turn.begin(), turn.end());
+  // The first turn's two blocks are published; the third block is not the one the step wrote.
+  EXPECT_EQ(engine_->MatchPrefix(*alice_, all).value(), 32);
+  EXPECT_TRUE(engine_->CheckInvariants().ok());
+}
+
 // The same race in a pool with a window group: the client rewinds its sequence into the step's
 // first block's window and grows it again while a prefill of its next turn runs. The step's
 // tokens are not the sequence's, so the step must not slide its window either: the client still
 // has to compute tokens 63-95, whose queries read the window entries the slide released (entry 3
 // was the client's own copy-on-write block, handed out by its Grow, then freed).
-TEST(StepGapTest, ARegrownSequenceKeepsTheWindowItsClientComputesNext) {
+TEST_F(StepGapTest, ARegrownSequenceKeepsTheWindowItsClientComputesNext) {
   const model::ModelConfig config = SlidingWindowConfig();
-  EngineOptions options = SlidingWindowPool(config);
-  const kernels::PoolLayout& layout = options.pools[0].layout;
-  testing::FailingDevice device;
-  std::unique_ptr<Engine> engine;
-  std::shared_ptr<const Session> alice;
-  std::atomic<bool> armed{false};
-  SequenceId sequence(0);
-  options.lock_gap_hook = [&](LockGap gap) {
-    if (gap != LockGap::kStepLaunch || !armed.exchange(false)) return;
-    ASSERT_TRUE(engine->Truncate(*alice, sequence, 63, CallContext::Uncancellable()).ok());
-    const GrowRequest grow{.sequence = sequence, .num_tokens = 96};
-    ASSERT_TRUE(engine->Grow(*alice, std::span(&grow, 1), CallContext::Uncancellable()).ok());
-  };
-  std::unique_ptr<model::Model> model =
-      std::move(*model::Model::Create(model::SyntheticWeights(config, 1), layout, {.threads = 1}));
-  engine = std::move(*Engine::Create(options, &device, model.get()));
-  alice = *engine->OpenSession(testing::Spec("t"));
-  const ComputeResult made = RunPrefill(*engine, alice, testing::Prompt(64, 1));
+  Make(SlidingWindowPool(config), config);
+  const ComputeResult made = RunPrefill(*engine_, alice_, testing::Prompt(64, 1));
   ASSERT_TRUE(made.status.ok()) << made.status;
-  sequence = made.sequences[0];  // window entries 0-1 released, 2-3 live
+  const SequenceId sequence = made.sequences[0];  // window entries 0-1 released, 2-3 live
   std::vector<int32_t> turn = testing::Prompt(32, 2);
   turn[0] = made.results[0].next_token;
-  armed = true;
-  absl::Notification done;
-  ComputeResult next;
-  engine->Submit(std::make_unique<ComputeCall>(
-      alice,
-      ComputeRequest{.kind = ComputeRequest::Kind::kPrefill, .sequence = sequence, .tokens = turn},
-      nullptr, [&](ComputeCall& call) {
-        next = call.result();
-        done.Notify();
-      }));
-  done.WaitForNotification();
+  RewindAndRegrowInTheNextStep(sequence, 63, 96);
+  const ComputeResult next = RunPrefill(*engine_, alice_, turn, sequence);
   ASSERT_TRUE(next.status.ok()) << next.status;
-  ASSERT_FALSE(armed);  // the gap opened
+  ASSERT_FALSE(armed_);  // the gap opened
   std::vector<SessionId> owners;
   std::vector<int32_t> pools;
-  const Tables t = engine->ListSequences(0, alice->id, &owners, &pools);
+  const Tables t = engine_->ListSequences(0, alice_->id, &owners, &pools);
   ASSERT_EQ(t.slices.size(), 1u);
   ASSERT_EQ(t.window_blocks.size(), 6u);
   EXPECT_NE(t.window_blocks[2], kInvalidBlock);  // what the query at 63 reads
   EXPECT_NE(t.window_blocks[3], kInvalidBlock);
-  EXPECT_TRUE(engine->Truncate(*alice, sequence, 63, CallContext::Uncancellable()).ok());
-  EXPECT_TRUE(engine->CheckInvariants().ok());
+  EXPECT_TRUE(engine_->Truncate(*alice_, sequence, 63, CallContext::Uncancellable()).ok());
+  EXPECT_TRUE(engine_->CheckInvariants().ok());
 }
 
 // A prefill of a KV client's sequence whose window table stops short of its end (allocated with
 // window_ahead) fills the entries below its start; when its caller gives up after the step ran,
 // those go back too, as the grow's own RevertGrow would. Before, eight stayed held.
-TEST(StepGapTest, AGivenUpPrefillTakesBackTheWindowEntriesItsGrowFilled) {
+TEST_F(StepGapTest, AGivenUpPrefillTakesBackTheWindowEntriesItsGrowFilled) {
   const model::ModelConfig config = SlidingWindowConfig();
-  EngineOptions options = SlidingWindowPool(config);
-  testing::FailingDevice device;
-  std::unique_ptr<model::Model> model = std::move(*model::Model::Create(
-      model::SyntheticWeights(config, 1), options.pools[0].layout, {.threads = 1}));
-  std::unique_ptr<Engine> engine = std::move(*Engine::Create(options, &device, model.get()));
-  std::shared_ptr<const Session> alice = *engine->OpenSession(testing::Spec("t"));
+  Make(SlidingWindowPool(config), config);
   const std::vector<int32_t> prompt = testing::Prompt(160, 3);
   const AllocateRequest request{.num_tokens = 160, .prompt = prompt, .window_ahead = 32};
   absl::StatusOr<Tables> made =
-      engine->Allocate(*alice, std::span(&request, 1), CallContext::Uncancellable());
+      engine_->Allocate(*alice_, std::span(&request, 1), CallContext::Uncancellable());
   ASSERT_TRUE(made.ok()) << made.status();
-  const int64_t window_blocks = engine->Stats().cache.window.active;  // 2 of its 10 entries
-  absl::Notification done;
-  ComputeResult result;
-  engine->Submit(std::make_unique<ComputeCall>(
-      alice,
-      ComputeRequest{.kind = ComputeRequest::Kind::kPrefill,
-                     .sequence = made->slices[0].sequence,
-                     .tokens = testing::Prompt(8, 4)},
-      // (Checked as it queues, as it joins its step, then as it answers: it gives up there.)
-      std::make_shared<testing::GivesUpAfter>(2), [&](ComputeCall& call) {
-        result = call.result();
-        done.Notify();
-      }));
-  done.WaitForNotification();
+  const int64_t window_blocks = engine_->Stats().cache.window.active;  // 2 of its 10 entries
+  // (Checked as it queues, as it joins its step, then as it answers: it gives up there.)
+  const ComputeResult result =
+      RunPrefill(*engine_, alice_, testing::Prompt(8, 4), made->slices[0].sequence,
+                 std::make_shared<testing::GivesUpAfter>(2));
   EXPECT_EQ(result.status.code(), absl::StatusCode::kCancelled) << result.status;
-  EXPECT_EQ(engine->Stats().cache.window.active, window_blocks);
-  EXPECT_TRUE(engine->CheckInvariants().ok());
+  EXPECT_EQ(engine_->Stats().cache.window.active, window_blocks);
+  EXPECT_TRUE(engine_->CheckInvariants().ok());
 }
 
 }  // namespace
