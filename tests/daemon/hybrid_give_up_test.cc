@@ -71,6 +71,15 @@ class HybridGiveUpTest : public ::testing::Test {
     ASSERT_TRUE(
         engine_->Free(*alice_, std::span(&sequence, 1), how, CallContext::Uncancellable()).ok());
   }
+  // A KV client's sequence of `prompt`, which it knows (Allocate with the prompt).
+  SequenceId AllocateKnowing(const std::vector<int32_t>& prompt) {
+    const AllocateRequest request{.num_tokens = static_cast<int64_t>(prompt.size()),
+                                  .prompt = prompt};
+    absl::StatusOr<Tables> made =
+        engine_->Allocate(*alice_, std::span(&request, 1), CallContext::Uncancellable());
+    EXPECT_TRUE(made.ok()) << made.status();
+    return made.ok() ? made->slices[0].sequence : SequenceId(0);
+  }
   void EvictAll() { ASSERT_TRUE(engine_->Evict(0, 0, /*all=*/true).ok()); }
   // `prompt` prefilled from nothing and its first generated token (`*first`) decoded: that
   // decode's answer. Nothing of it stays cached.
@@ -213,14 +222,40 @@ TEST_F(HybridGiveUpTest, AGivenUpDecodeWhoseSequenceWasCommittedPastDoesNotStopT
   ExpectInvariants();
 }
 
+// A decode's caller gives up while the client, in the step's gap, rewinds its sequence to the
+// step's start and grows it again: the block it got back is the client's, not the step's (which
+// retires behind the step's fence), so the give-up leaves it. Without UndoItem's check of the
+// table, the give-up's Truncate released the client's fresh block while the client wrote it.
+TEST_F(HybridGiveUpTest, AGivenUpDecodeLeavesTheBlockTheClientsOwnGrowHandedOut) {
+  const ComputeResult p = Prefill(Prompt(48, 12));
+  ASSERT_TRUE(p.status.ok()) << p.status;
+  const SequenceId s = p.sequences[0];
+  std::vector<BlockId> regrown;
+  gap_ = LockGap::kStepLaunch;  // the step is planned (49 tokens, a fourth block), the lock free
+  in_gap_ = [&] {
+    ASSERT_TRUE(engine_->Truncate(*alice_, s, 48, CallContext::Uncancellable()).ok());
+    const GrowRequest grow{.sequence = s, .num_tokens = 49};
+    absl::StatusOr<Tables> again =
+        engine_->Grow(*alice_, std::span(&grow, 1), CallContext::Uncancellable());
+    ASSERT_TRUE(again.ok()) << again.status();
+    regrown = again->blocks;
+  };
+  armed_ = true;
+  EXPECT_EQ(Decode(s, p.results[0].next_token, std::make_shared<GivesUpAfter>(1)).status.code(),
+            absl::StatusCode::kCancelled);
+  EXPECT_FALSE(armed_);  // the gap opened
+  ASSERT_EQ(regrown.size(), 1u);
+  const std::vector<BlockId> table = TableOf(s);
+  ASSERT_EQ(table.size(), 4u);
+  EXPECT_EQ(table[3], regrown[0]);
+  ExpectInvariants();
+  Free(s, OnFree::kDiscard);
+}
+
 // The same race on a Grow: its caller gives up while the client commits past the old length.
 TEST_F(HybridGiveUpTest, AGivenUpGrowWhoseSequenceWasCommittedPastDoesNotStopTheDaemon) {
-  const std::vector<int32_t> prompt = Prompt(16, 10);
-  const AllocateRequest request{.num_tokens = 16, .prompt = prompt};
-  absl::StatusOr<Tables> made =
-      engine_->Allocate(*alice_, std::span(&request, 1), CallContext::Uncancellable());
-  ASSERT_TRUE(made.ok()) << made.status();
-  const SequenceId s = made->slices[0].sequence;  // knows its prompt's 16 tokens
+  SequenceId s;
+  ASSERT_NO_FATAL_FAILURE(s = AllocateKnowing(Prompt(16, 10)));
   const int32_t next = 5;
   in_gap_ = [&] {
     ASSERT_TRUE(
@@ -240,12 +275,8 @@ TEST_F(HybridGiveUpTest, AGivenUpGrowWhoseSequenceWasCommittedPastDoesNotStopThe
 // blocks the second Grow handed out stay the sequence's. Before, the first Grow's give-up
 // checked the length alone and released them, while the client wrote into them.
 TEST_F(HybridGiveUpTest, AGivenUpGrowDoesNotTakeBackAnotherGrowsBlocks) {
-  const std::vector<int32_t> prompt = Prompt(16, 11);
-  const AllocateRequest request{.num_tokens = 16, .prompt = prompt};
-  absl::StatusOr<Tables> made =
-      engine_->Allocate(*alice_, std::span(&request, 1), CallContext::Uncancellable());
-  ASSERT_TRUE(made.ok()) << made.status();
-  const SequenceId s = made->slices[0].sequence;
+  SequenceId s;
+  ASSERT_NO_FATAL_FAILURE(s = AllocateKnowing(Prompt(16, 11)));
   const GrowRequest grow{.sequence = s, .num_tokens = 48};
   std::vector<BlockId> second;
   in_gap_ = [&] {
