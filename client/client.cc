@@ -1,7 +1,5 @@
 #include "client/client.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cerrno>  // program_invocation_short_name
 #include <optional>
@@ -9,7 +7,6 @@
 
 #include "client/internal/attach.h"
 #include "client/internal/doorbell.h"
-#include "client/internal/fork.h"
 #include "fmt/format.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
@@ -71,19 +68,13 @@ Client::Client(std::string runtime_dir, absl::Duration timeout, UniqueFd attach_
                std::unique_ptr<v1::KvPool::StubInterface> stub)
     : runtime_dir_(std::move(runtime_dir)),
       timeout_(timeout),
-      owner_pid_(getpid()),
       attach_socket_(std::move(attach_socket)),
-      fork_slot_(internal::RegisterAttachSocket(attach_socket_.get())),
       attach_(std::move(attach)),
       mapping_(std::move(mapping)),
       doorbell_(std::move(doorbell)),
       stub_(std::move(stub)) {}
 
 Client::~Client() {
-  if (getpid() != owner_pid_) {
-    LeaveSessionToOwner();
-    return;
-  }
   // The pool and the doorbell go first: the daemon ends the session on Detach at once and may
   // hand its blocks to another tenant, so by then this process must not map them.
   doorbell_.reset();
@@ -92,21 +83,6 @@ Client::~Client() {
   // ends the session all the same; it is then counted as reclaimed rather than detached.
   if (attach_socket_.valid()) {
     wire::SendFrame(attach_socket_.get(), v1::Detach()).IgnoreError();
-  }
-  // Unregistered before attach_socket_ closes (fork.h); always true in the owner.
-  internal::UnregisterAttachSocket(fork_slot_);
-}
-
-void Client::LeaveSessionToOwner() {
-  // A Detach frame from here would end the owner's session while it still maps the pool.
-  doorbell_.reset();  // this process's copy of the page
-  if (mapping_ != nullptr && !mapping_->host_accessible()) {
-    (void)mapping_.release();  // the CUDA driver cannot be used after fork: leaked, not freed
-  }
-  mapping_.reset();       // this process's copy of a memfd pool
-  (void)stub_.release();  // gRPC cannot be used after fork: its shutdown would wait forever
-  if (!internal::UnregisterAttachSocket(fork_slot_)) {
-    (void)attach_socket_.release();  // the fork handler closed it; the number may name another file
   }
 }
 
