@@ -430,6 +430,19 @@ absl::Status Engine::Free(const Session& s, std::span<const SequenceId> sequence
   return absl::OkStatus();
 }
 
+absl::Status Engine::FreeForStream(const Session& s, SequenceId sequence, OnFree on_free) {
+  WriteLock lock(this);
+  if (!state_->health.ok()) {
+    return absl::UnavailableError(
+        fmt::format("kvpoold stopped serving: {}", state_->health.message()));
+  }
+  if (!state_->CheckLive(s.id).ok()) return absl::OkStatus();
+  PoolState& pool = state_->pool_of(s);
+  KVPOOL_RETURN_IF_ERROR(pool.cache().Free(s.id, sequence, on_free));
+  pool.StagePublished();
+  return absl::OkStatus();
+}
+
 bool Engine::MayPromote(const Session& s, const CallContext& context) const {
   return state_->health.ok() && !state_->draining && state_->CheckLive(s.id).ok() &&
          !s.spec.tenant.empty() && context.Check().ok();

@@ -165,6 +165,11 @@ class Engine final : private StepExecutor {
                       std::span<const int32_t> new_tokens, const CallContext& context);
   absl::Status Free(const Session& s, std::span<const SequenceId> sequences, OnFree on_free,
                     const CallContext& context);
+  // A Generate stream's free of its own sequence as it ends (free_when_done, or one its caller
+  // never learned of): the daemon's cleanup, not a call of the client's, so neither admitted nor
+  // counted. Nothing is left to free once the session ended: its end released everything.
+  // Errors: UNAVAILABLE (kvpoold stopped serving), NOT_FOUND (freed already).
+  absl::Status FreeForStream(const Session& s, SequenceId sequence, OnFree on_free);
   absl::StatusOr<int64_t> MatchPrefix(const Session& s, std::span<const int32_t> tokens,
                                       std::string_view salt = {}) const;
 

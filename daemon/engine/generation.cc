@@ -147,8 +147,7 @@ void Generation::Finish(const absl::Status& status) {
   }
   if (free) {
     const OnFree mode = status.ok() ? OnFree::kCommit : OnFree::kDiscard;
-    if (absl::Status s =
-            engine_->Free(*session_, std::span(&sequence, 1), mode, CallContext::Uncancellable());
+    if (absl::Status s = engine_->FreeForStream(*session_, sequence, mode);
         !s.ok() && !absl::IsNotFound(s)) {
       Logger("daemon").warn("generate: freeing sequence {}: {}", sequence.value(), s.ToString());
     }

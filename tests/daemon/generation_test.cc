@@ -250,6 +250,20 @@ TEST_F(GenerationTest, FreeWhenDoneDiscardsACancelledStream) {
   EXPECT_EQ(*engine_->MatchPrefix(*session_, prompt), 32);
 }
 
+// A stream whose session ends is one call refused for it; the free the stream does for its
+// caller afterwards is the daemon's own, not a second call of the client's.
+TEST_F(GenerationTest, AStreamWhoseSessionEndedCountsOneRefusedCall) {
+  RecordingSink* sink = Generate(
+      {.prompt = Prompt(40, 12), .max_tokens = 50, .free_when_done = true}, [&](int32_t index) {
+        if (index == 1) engine_->EndSession(session_->id, SessionEnd::kConnectionLost);
+        return Reply::kDeliver;
+      });
+  EXPECT_FALSE(sink->Wait().ok());
+  EXPECT_EQ(sink->ends(), 1);
+  EXPECT_EQ(Sequences(), 0);  // the session's end released it
+  EXPECT_EQ(engine_->Stats().calls.session_ended, 1U);
+}
+
 TEST_F(GenerationTest, MaxTokensBelowOneIsRefusedBeforeAnyStep) {
   RecordingSink* sink = Generate({.prompt = Prompt(20, 8), .max_tokens = 0});
   const absl::Status s = sink->Wait();
