@@ -1,5 +1,7 @@
 #include "client/client.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>  // program_invocation_short_name
 #include <optional>
@@ -7,6 +9,7 @@
 
 #include "client/internal/attach.h"
 #include "client/internal/doorbell.h"
+#include "client/internal/fork.h"
 #include "fmt/format.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
@@ -68,13 +71,19 @@ Client::Client(std::string runtime_dir, absl::Duration timeout, UniqueFd attach_
                std::unique_ptr<v1::KvPool::StubInterface> stub)
     : runtime_dir_(std::move(runtime_dir)),
       timeout_(timeout),
+      owner_pid_(getpid()),
       attach_socket_(std::move(attach_socket)),
+      fork_slot_(internal::RegisterAttachSocket(attach_socket_.get())),
       attach_(std::move(attach)),
       mapping_(std::move(mapping)),
       doorbell_(std::move(doorbell)),
       stub_(std::move(stub)) {}
 
 Client::~Client() {
+  if (getpid() != owner_pid_) {
+    LeaveSessionToOwner();
+    return;
+  }
   // The pool and the doorbell go first: the daemon ends the session on Detach at once and may
   // hand its blocks to another tenant, so by then this process must not map them.
   doorbell_.reset();
@@ -83,6 +92,24 @@ Client::~Client() {
   // ends the session all the same; it is then counted as reclaimed rather than detached.
   if (attach_socket_.valid()) {
     wire::SendFrame(attach_socket_.get(), v1::Detach()).IgnoreError();
+  }
+  // Unregistered before attach_socket_ closes (fork.h); always true in the owner.
+  internal::UnregisterAttachSocket(fork_slot_);
+}
+
+void Client::LeaveSessionToOwner() {
+  // A Detach frame from here would end the owner's session while it still maps the pool.
+  // Nothing here may lock or destroy an absl::Mutex: another thread of the parent may have held
+  // absl's global deadlock-detection lock at fork(), and no thread of the child will release it.
+  internal::ClientDoorbell::UnmapInForkedChild(std::move(doorbell_));  // this process's copy
+  (void)watches_.release();
+  if (mapping_ != nullptr && !mapping_->host_accessible()) {
+    (void)mapping_.release();  // the CUDA driver cannot be used after fork: leaked, not freed
+  }
+  mapping_.reset();       // this process's copy of a memfd pool
+  (void)stub_.release();  // gRPC cannot be used after fork: its shutdown would wait forever
+  if (!internal::UnregisterAttachSocket(fork_slot_)) {
+    (void)attach_socket_.release();  // the fork handler closed it; the number may name another file
   }
 }
 
@@ -431,8 +458,8 @@ absl::Status Client::WatchEvents(
   // A followed stream is open-ended; only a one-shot replay gets the usual deadline.
   PrepareContext(&context, /*deadline=*/!request.follow());
   {
-    absl::MutexLock lock(&watch_mu_);
-    watches_.insert(&context);
+    absl::MutexLock lock(&watches_->mu);
+    watches_->calls.insert(&context);
   }
   std::unique_ptr<grpc::ClientReaderInterface<v1::WatchEventsResponse>> reader =
       stub_->WatchEvents(&context, request);
@@ -448,8 +475,8 @@ absl::Status Client::WatchEvents(
   const grpc::Status status = reader->Finish();
   bool cancelled;
   {
-    absl::MutexLock lock(&watch_mu_);
-    cancelled = watches_.erase(&context) == 0;  // CancelWatches() took it out
+    absl::MutexLock lock(&watches_->mu);
+    cancelled = watches_->calls.erase(&context) == 0;  // CancelWatches() took it out
   }
   if ((stopped || cancelled) && status.error_code() == grpc::StatusCode::CANCELLED) {
     return absl::OkStatus();
@@ -458,9 +485,9 @@ absl::Status Client::WatchEvents(
 }
 
 void Client::CancelWatches() const {
-  absl::MutexLock lock(&watch_mu_);
-  for (grpc::ClientContext* context : watches_) context->TryCancel();
-  watches_.clear();
+  absl::MutexLock lock(&watches_->mu);
+  for (grpc::ClientContext* context : watches_->calls) context->TryCancel();
+  watches_->calls.clear();
 }
 
 absl::StatusOr<v1::ExplainMatchResponse> Client::ExplainMatch(std::span<const int32_t> tokens,

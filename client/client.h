@@ -15,10 +15,21 @@
 // The session lives as long as the Client: destroying it closes the attach connection, and the
 // daemon then releases every sequence and reference the session holds.
 //
+// fork: the session belongs to the process that connected. A forked child holds no copy of the
+// attach socket (a pthread_atfork handler closes it, client/internal/fork.h), so the parent's
+// death, even by SIGKILL, ends the session while the child lives on. The child must make no call
+// (gRPC, and the CUDA driver, cannot be used after fork); destroying the Client there sends no
+// Detach and ends nothing of the parent's: it unmaps the child's own copies of a memfd pool and
+// of the doorbell, and leaks the stub and a CUDA mapping rather than call their drivers, and the
+// objects holding an absl::Mutex rather than destroy it (another thread of the parent may have
+// held absl's deadlock-detection lock at fork(); nothing in the child would release it).
+//
 // Thread-safety: every method may be called concurrently from any number of threads (the channel
 // and stub are thread-safe, the rest is immutable after Connect()).
 // Ownership: Connect() returns the sole owner. mapping() and layout() stay valid for the Client's
 // life; the caller must not destroy the Client while calls are in flight on other threads.
+
+#include <sys/types.h>
 
 #include <cstdint>
 #include <memory>
@@ -99,6 +110,7 @@ class Client final {
   // Unmaps the pool and the doorbell, then says goodbye (a Detach frame) and closes the attach
   // socket: the session ends, counted as ended normally. A process that dies without it is
   // reclaimed all the same.
+  // In a process other than the one that connected (a fork) it ends nothing: see "fork" above.
   ~Client();
 
   uint64_t session_id() const { return attach_.session_id(); }
@@ -231,20 +243,30 @@ class Client final {
                                                                        const Request&, Response*),
                      const Request& request, Response* response) const;
 
+  // ~Client in a process other than owner_pid_ (a forked child): no Detach; frees only what
+  // needs no driver (the child's own memfd pages and doorbell page), leaks the rest.
+  void LeaveSessionToOwner();
+
   const std::string runtime_dir_;
   const absl::Duration timeout_;
+  const pid_t owner_pid_;  // the process that connected: only it may end the session
   // The session ends with the Detach frame ~Client sends on it, or with its close. ~Client drops
   // mapping_ and doorbell_ before it sends Detach, and the socket, declared before them, closes
   // after them: the session ends only once this process can no longer touch the pool.
   UniqueFd attach_socket_;
+  const int fork_slot_;  // internal::RegisterAttachSocket's slot of attach_socket_ (-1: none)
   const v1::AttachResponse attach_;                     // layout, token, ids; no descriptors
   std::unique_ptr<PoolMapping> mapping_;                // null: compute-only (or ~Client began)
   std::unique_ptr<internal::ClientDoorbell> doorbell_;  // null: none granted (or ~Client began)
-  const std::unique_ptr<v1::KvPool::StubInterface> stub_;
+  std::unique_ptr<v1::KvPool::StubInterface> stub_;     // leaked, not destroyed, in a forked child
 
-  mutable absl::Mutex watch_mu_;
-  // WatchEvents calls in flight; CancelWatches() cancels and removes them.
-  mutable absl::flat_hash_set<grpc::ClientContext*> watches_ ABSL_GUARDED_BY(watch_mu_);
+  // WatchEvents calls in flight; CancelWatches() cancels and removes them. Behind a pointer so
+  // that a forked child leaks it rather than destroy its Mutex (see "fork" above).
+  struct Watches {
+    absl::Mutex mu;
+    absl::flat_hash_set<grpc::ClientContext*> calls ABSL_GUARDED_BY(mu);
+  };
+  std::unique_ptr<Watches> watches_ = std::make_unique<Watches>();
 };
 
 }  // namespace kvpool::client

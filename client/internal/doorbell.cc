@@ -49,6 +49,12 @@ absl::StatusOr<std::unique_ptr<ClientDoorbell>> ClientDoorbell::Map(UniqueFd fd)
 
 ClientDoorbell::~ClientDoorbell() { munmap(page_, wire::kDoorbellBytes); }
 
+void ClientDoorbell::UnmapInForkedChild(std::unique_ptr<ClientDoorbell> doorbell) {
+  if (doorbell == nullptr) return;
+  munmap(doorbell->page_, wire::kDoorbellBytes);
+  (void)doorbell.release();
+}
+
 std::optional<absl::StatusOr<v1::DecodeResponse>> ClientDoorbell::Decode(
     std::span<const DecodeItem> items, absl::Time deadline, int attach_socket) {
   if (items.empty() || items.size() > wire::kDoorbellMaxItems) return std::nullopt;

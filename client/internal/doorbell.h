@@ -30,6 +30,10 @@ class ClientDoorbell final {
   // Maps the page `fd` names. Errors: INVALID_ARGUMENT (not a doorbell's size), INTERNAL (mmap).
   static absl::StatusOr<std::unique_ptr<ClientDoorbell>> Map(UniqueFd fd);
   ~ClientDoorbell();
+  // In a forked child (Client's fork handling, client.h): unmaps that process's copy of the page
+  // and leaks the object rather than destroy its Mutex, which may have been locked (absl's
+  // deadlock detection) by a thread that does not exist there.
+  static void UnmapInForkedChild(std::unique_ptr<ClientDoorbell> doorbell);
   ClientDoorbell(const ClientDoorbell&) = delete;
   ClientDoorbell& operator=(const ClientDoorbell&) = delete;
 

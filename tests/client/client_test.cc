@@ -1,9 +1,12 @@
 #include "client/client.h"
 
+#include <fcntl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/sysmacros.h>
+#include <sys/un.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -57,6 +60,42 @@ int MappingsOf(int fd) {
     count += dev == device && inode == st.st_ino;
   }
   return count;
+}
+
+bool ConnectedTo(int fd, const std::string& path) {
+  sockaddr_un peer{};
+  socklen_t len = sizeof(peer);
+  return getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &len) == 0 &&
+         peer.sun_family == AF_UNIX && path == peer.sun_path;
+}
+
+// How many of this process's descriptors are sockets connected to the Unix socket `path`.
+int SocketsConnectedTo(const std::string& path) {
+  int count = 0;
+  for (int fd = 0; fd < 1024; ++fd) count += ConnectedTo(fd, path);
+  return count;
+}
+
+// The lowest such descriptor, or -1.
+int FirstSocketConnectedTo(const std::string& path) {
+  for (int fd = 0; fd < 1024; ++fd) {
+    if (ConnectedTo(fd, path)) return fd;
+  }
+  return -1;
+}
+
+// Forks; the child runs `body` and exits with what it returns (no gtest there: a child of a
+// multithreaded process). Returns the child's exit status, -1 if it did not exit normally (a
+// child that hangs is killed by its alarm after `alarm_seconds`).
+int InChild(const std::function<int()>& body, unsigned alarm_seconds = 10) {
+  const pid_t pid = fork();
+  if (pid == 0) {
+    alarm(alarm_seconds);
+    _exit(body());
+  }
+  int status = 0;
+  if (pid < 0 || waitpid(pid, &status, 0) != pid || !WIFEXITED(status)) return -1;
+  return WEXITSTATUS(status);
 }
 
 using ::testing::ElementsAre;
@@ -265,6 +304,86 @@ TEST_F(ClientTest, ThePoolIsUnmappedBeforeTheDetachFrameIsSent) {
   EXPECT_EQ(generations_then, generations)
       << "the generation table was still mapped when the Detach frame left";
   EXPECT_TRUE(server.WaitForClientClose(absl::Seconds(10)));
+}
+
+// The session belongs to the process that connected. A Client destroyed in a forked child says
+// no goodbye: a Detach frame would end the parent's session while the parent still maps it.
+TEST_F(ClientTest, AClientDestroyedInAForkedChildLeavesTheSessionToTheParent) {
+  FakeAttachServer server(dir_.path(), &pool_, {});
+  std::unique_ptr<Client> client = ConnectOrDie();
+  ASSERT_NE(client, nullptr);
+  EXPECT_EQ(InChild([&] {
+              client.reset();
+              return 0;
+            }),
+            0);
+  pool_.generations()[9] = 4;
+  EXPECT_TRUE(client->mapping()->V(0, BlockRef{9, 4}).ok()) << "the parent's mapping went";
+  client.reset();  // the parent's goodbye: the only frame after the attach
+  ASSERT_TRUE(server.WaitForClientClose(absl::Seconds(10)));
+  EXPECT_EQ(server.bytes_after_attach(), 4) << "the child sent a Detach frame too";
+}
+
+// The child of a multithreaded parent inherits every lock as it was at fork(), held ones
+// included. absl's deadlock detection (on in debug builds of absl, as Debian's, unless the
+// program turns it off) serializes every Mutex lock, and every Mutex's destruction, on one
+// global spin lock: a child that destroys or locks an absl::Mutex waits for ever when another
+// thread held that lock at the fork. So ~Client in a child touches no absl::Mutex. Here other
+// threads lock Mutexes without pause while the test forks, as gRPC's threads do now and then.
+TEST_F(ClientTest, AClientDestroyedInAForkedChildWaitsOnNoLockTheParentHeld) {
+  FakeAttachServer server(dir_.path(), &pool_, {});
+  std::unique_ptr<Client> client = ConnectOrDie();
+  ASSERT_NE(client, nullptr);
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> lockers;
+  for (int i = 0; i < 2; ++i) {
+    lockers.emplace_back([&stop] {
+      while (!stop.load(std::memory_order_relaxed)) {
+        absl::Mutex mu;
+        absl::MutexLock lock(&mu);
+      }
+    });
+  }
+  int hung = 0;
+  for (int i = 0; i < 20; ++i) {
+    hung += InChild(
+                [&] {
+                  client.reset();
+                  return 0;
+                },
+                /*alarm_seconds=*/3) != 0;
+  }
+  stop = true;
+  for (std::thread& t : lockers) t.join();
+  EXPECT_EQ(hung, 0) << "children that did not finish destroying their Client";
+  client.reset();
+  ASSERT_TRUE(server.WaitForClientClose(absl::Seconds(10)));
+  EXPECT_EQ(server.bytes_after_attach(), 4) << "a child sent a Detach frame too";
+}
+
+// A forked child holds no copy of the attach socket: the parent's death (even by SIGKILL) ends
+// the session although the child lives on. The descriptor number is then free in the child, and
+// the child's Client does not close whatever took it.
+TEST_F(ClientTest, AForkedChildHoldsNoCopyOfTheAttachSocket) {
+  FakeAttachServer server(dir_.path(), &pool_, {});
+  std::unique_ptr<Client> client = ConnectOrDie();
+  ASSERT_NE(client, nullptr);
+  const std::string path = dir_.path() + "/" + wire::kAttachSocket;
+  ASSERT_EQ(SocketsConnectedTo(path), 1);
+  const int fd = FirstSocketConnectedTo(path);
+  EXPECT_EQ(InChild([&] { return SocketsConnectedTo(path); }), 0);
+  EXPECT_EQ(InChild([&] {
+              const int held = SocketsConnectedTo(path);
+              UniqueFd null_fd(open("/dev/null", O_RDONLY | O_CLOEXEC));
+              if (dup2(null_fd.get(), fd) != fd) return 20;
+              client.reset();
+              return held + (fcntl(fd, F_GETFD) == -1 ? 10 : 0);
+            }),
+            0);
+  EXPECT_EQ(SocketsConnectedTo(path), 1);
+  client.reset();
+  ASSERT_TRUE(server.WaitForClientClose(absl::Seconds(10)));
+  EXPECT_EQ(server.bytes_after_attach(), 4);
 }
 
 TEST_F(ClientTest, CallsWithoutAGrpcServerAreUnavailable) {

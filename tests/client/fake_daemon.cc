@@ -132,6 +132,11 @@ bool FakeAttachServer::WaitForClientClose(absl::Duration limit) {
   return client_closed_.WaitForNotificationWithTimeout(limit);
 }
 
+int64_t FakeAttachServer::bytes_after_attach() const {
+  absl::MutexLock lock(&mu_);
+  return bytes_after_attach_;
+}
+
 void FakeAttachServer::Serve() {
   UniqueFd connection(accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
   if (!connection.valid()) return;
@@ -175,8 +180,10 @@ void FakeAttachServer::Serve() {
         std::swap(send[0], send[1]);
       }
       EXPECT_TRUE(wire::SendFrame(connection.get(), response, send).ok());
-      char byte;
-      while (read(connection.get(), &byte, 1) > 0) {
+      char bytes[64];
+      for (ssize_t n; (n = read(connection.get(), bytes, sizeof(bytes))) > 0;) {
+        absl::MutexLock lock(&mu_);
+        bytes_after_attach_ += n;
       }
       absl::MutexLock lock(&mu_);
       if (!stopping_) client_closed_.Notify();

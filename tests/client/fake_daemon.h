@@ -97,6 +97,9 @@ class FakeAttachServer final {
   v1::AttachRequest request() const;
   // True once the client closed its end after an accepted attach.
   bool WaitForClientClose(absl::Duration limit);
+  // Bytes the client sent after an accepted attach (a Detach frame is 4); final once
+  // WaitForClientClose returned true.
+  int64_t bytes_after_attach() const;
 
  private:
   void Serve();
@@ -107,6 +110,7 @@ class FakeAttachServer final {
   mutable absl::Mutex mu_;
   v1::AttachRequest request_ ABSL_GUARDED_BY(mu_);
   int connection_ ABSL_GUARDED_BY(mu_) = -1;
+  int64_t bytes_after_attach_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   absl::Notification client_closed_;
   absl::Notification release_;
