@@ -30,6 +30,7 @@
 #include "fmt/format.h"
 #include "kernels/backend.h"
 #include "kernels/device.h"
+#include "kvpool/util/mutex_mode.h"
 #include "kvpool/util/status_macros.h"
 
 // <cuda.h> types only: the driver is opened at run time, never linked.
@@ -255,4 +256,7 @@ int Main(int argc, char** argv) {
 }  // namespace
 }  // namespace kvpool::kernels
 
-int main(int argc, char** argv) { return kvpool::kernels::Main(argc, argv); }
+int main(int argc, char** argv) {
+  kvpool::SetProgramDeadlockDetection();
+  return kvpool::kernels::Main(argc, argv);
+}

@@ -29,6 +29,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "kvpool/util/mutex_mode.h"
 #include "kvpool/util/version.h"
 #include "model/weights.h"
 #include "tools/hybrid_replay.h"
@@ -418,6 +419,7 @@ int RunOne(const std::string& path) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  kvpool::SetProgramDeadlockDetection();
   // --help lists this file's flags (absl's default looks for a file named after the binary).
   // --version prints the project's version (CMakeLists.txt project(), the package's version).
   absl::SetFlagsUsageConfig(
