@@ -22,6 +22,17 @@ namespace {
 constexpr uint64_t kListenerKey = 0;
 constexpr uint64_t kWakeKey = 1;
 
+// Linux 6.16's (include/uapi/asm-generic/socket.h; Debian 12's headers predate it). Another value
+// on alpha, mips, parisc and sparc, which kvpoold is not built for.
+#ifndef SO_PASSRIGHTS
+#define SO_PASSRIGHTS 83
+#endif
+
+// The most descriptors one SCM_RIGHTS message carries (the kernel's SCM_MAX_FD). A stream
+// recvmsg returns at most one message's, so a control buffer this large is never truncated: a
+// truncated one would have the kernel drop the rest, on this thread.
+constexpr size_t kMaxPeerFds = 253;
+
 absl::Status Errno(std::string_view what) {
   return absl::InternalError(fmt::format("{}: {}", what, std::strerror(errno)));
 }
@@ -33,6 +44,41 @@ bool EpollAdd(int epoll, int fd, uint32_t events, uint64_t key) {
   e.events = events;
   e.data.u64 = key;
   return epoll_ctl(epoll, EPOLL_CTL_ADD, fd, &e) == 0;
+}
+
+// Reads up to `len` bytes without waiting, taking in the descriptors sent with them (into
+// `fds`: the caller releases them). recvmsg's result; errno is recvmsg's.
+ssize_t Receive(int socket, char* bytes, size_t len, std::vector<UniqueFd>* fds, bool* truncated) {
+  iovec iov{bytes, len};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxPeerFds)];
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  const ssize_t n = recvmsg(socket, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+  if (n < 0) return n;
+  for (cmsghdr* m = CMSG_FIRSTHDR(&msg); m != nullptr; m = CMSG_NXTHDR(&msg, m)) {
+    if (m->cmsg_level != SOL_SOCKET || m->cmsg_type != SCM_RIGHTS) continue;
+    const size_t count = (m->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    const unsigned char* data = CMSG_DATA(m);
+    for (size_t i = 0; i < count; ++i) {
+      int fd;
+      std::memcpy(&fd, data + i * sizeof(int), sizeof(int));
+      fds->emplace_back(fd);
+    }
+  }
+  *truncated = (msg.msg_flags & MSG_CTRUNC) != 0;
+  return n;
+}
+
+// Has the kernel refuse SCM_RIGHTS sent to `listener` and to every connection accepted from it
+// (they copy the listener's setting at connect(), before a peer can send on them: af_unix.c
+// since the series that added the option). False, with errno, where the kernel cannot (ENOPROTOOPT
+// before Linux 6.16).
+bool RefusePeerFds(int listener) {
+  const int off = 0;
+  return setsockopt(listener, SOL_SOCKET, SO_PASSRIGHTS, &off, sizeof(off)) == 0;
 }
 
 }  // namespace
@@ -60,6 +106,19 @@ absl::StatusOr<std::unique_ptr<AttachServer>> AttachServer::Start(
   std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
   UniqueFd listener(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   if (!listener.valid()) return Errno("socket(attach)");
+  // Before bind(): no peer can connect earlier.
+  std::string peer_fds = "the kernel refuses descriptors sent by peers (SO_PASSRIGHTS)";
+  std::unique_ptr<FdCloser> closer;
+  if (!limits.refuse_peer_fds_in_kernel) {
+    peer_fds = "descriptors sent by peers are closed on a closer thread (as configured)";
+    closer = std::make_unique<FdCloser>();
+  } else if (!RefusePeerFds(listener.get())) {
+    peer_fds = fmt::format(
+        "the kernel cannot refuse descriptors sent by peers (SO_PASSRIGHTS: {}; Linux 6.16+ "
+        "can): they are closed on a closer thread",
+        std::strerror(errno));
+    closer = std::make_unique<FdCloser>();
+  }
   unlink(path.c_str());  // a stale socket of a daemon that died (the caller checked none is live)
   {
     wire::ScopedUmask umask(mode);
@@ -74,14 +133,16 @@ absl::StatusOr<std::unique_ptr<AttachServer>> AttachServer::Start(
   UniqueFd wake(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!wake.valid()) return Errno("eventfd");
   if (!EpollAdd(epoll.get(), wake.get(), EPOLLIN, kWakeKey)) return Errno("epoll_ctl(wake)");
-  return std::unique_ptr<AttachServer>(
-      new AttachServer(path, limits, std::move(listener), std::move(epoll), std::move(wake),
-                       std::move(admit), std::move(attach), std::move(closed), counters, clock));
+  Log().info("attach: {}", peer_fds);
+  return std::unique_ptr<AttachServer>(new AttachServer(
+      path, limits, std::move(listener), std::move(epoll), std::move(wake), std::move(closer),
+      std::move(admit), std::move(attach), std::move(closed), counters, clock));
 }
 
 AttachServer::AttachServer(std::string path, AttachLimits limits, UniqueFd listener, UniqueFd epoll,
-                           UniqueFd wake, AdmitFn admit, AttachFn attach, ClosedFn closed,
-                           AttachCounters* counters, const Clock* clock)
+                           UniqueFd wake, std::unique_ptr<FdCloser> closer, AdmitFn admit,
+                           AttachFn attach, ClosedFn closed, AttachCounters* counters,
+                           const Clock* clock)
     : path_(std::move(path)),
       limits_(limits),
       admit_(std::move(admit)),
@@ -93,6 +154,7 @@ AttachServer::AttachServer(std::string path, AttachLimits limits, UniqueFd liste
       accept_backoff_ns_(absl::ToInt64Nanoseconds(limits.accept_backoff)),
       epoll_(std::move(epoll)),
       wake_(std::move(wake)),
+      closer_(std::move(closer)),
       listener_(std::move(listener)) {
   next_id_ = kWakeKey + 1;
   thread_ = std::thread([this] { Loop(); });
@@ -101,12 +163,11 @@ AttachServer::AttachServer(std::string path, AttachLimits limits, UniqueFd liste
 AttachServer::~AttachServer() {
   Post(Command::kExit);
   thread_.join();
-  // The loop is gone: what it owned is closed here, on the destroying thread.
+  // The loop is gone: what it owned is released here, on the destroying thread.
+  for (auto& [id, c] : connections_) ReleaseSocket(std::move(c->socket));
   connections_.clear();
-  if (listener_.valid()) {
-    listener_.reset();
-    unlink(path_.c_str());
-  }
+  CloseListener();
+  closer_.reset();  // waits for the closes queued
 }
 
 void AttachServer::StopAccepting() { Post(Command::kStopAccepting); }
@@ -182,9 +243,25 @@ bool AttachServer::RunCommands() {
 
 void AttachServer::CloseListener() {
   if (!listener_.valid()) return;
-  listener_.reset();  // closing removes it from the epoll set
+  ReleaseSocket(std::move(listener_));  // with the connections not yet accepted
   listener_in_epoll_ = false;
   unlink(path_.c_str());
+}
+
+void AttachServer::Release(UniqueFd fd) {
+  if (closer_ != nullptr) closer_->Close(std::move(fd));
+  // else `fd` closes here: the kernel let no peer's descriptor reach it.
+}
+
+void AttachServer::ReleaseSocket(UniqueFd socket) {
+  if (closer_ != nullptr && socket.valid()) {
+    // Open until the closer gets to it: out of the epoll set now (its events would wake the loop
+    // for nothing, level-triggered, again and again), and shut down so that the peer sees the
+    // end at once and can queue nothing more in it.
+    epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, socket.get(), nullptr);
+    shutdown(socket.get(), SHUT_RDWR);
+  }
+  Release(std::move(socket));
 }
 
 int AttachServer::PollTimeoutMs() const {
@@ -267,7 +344,10 @@ void AttachServer::Accept() {
 void AttachServer::Admit(UniqueFd socket) {
   ucred cred{};
   socklen_t len = sizeof(cred);
-  if (getsockopt(socket.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) return;
+  if (getsockopt(socket.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+    ReleaseSocket(std::move(socket));
+    return;
+  }
   auto c = std::make_unique<Connection>(limits_.max_request_bytes);
   c->id = next_id_++;
   c->socket = std::move(socket);
@@ -277,11 +357,13 @@ void AttachServer::Admit(UniqueFd socket) {
     Log().warn("attach refused at accept: pid {} uid {} gid {}: {}", c->peer.pid, c->peer.uid,
                c->peer.gid, admitted.message());
     Refuse(*c, admitted);
+    ReleaseSocket(std::move(c->socket));
     return;
   }
   MakeRoomFor(c->peer.uid);
   if (!EpollAdd(epoll_.get(), c->socket.get(), EPOLLIN | EPOLLRDHUP, c->id)) {
     Log().warn("attach: epoll_ctl: {}", std::strerror(errno));
+    ReleaseSocket(std::move(c->socket));
     return;
   }
   c->deadline_ns = clock_->NowNanos() + handshake_timeout_ns_;
@@ -320,24 +402,15 @@ void AttachServer::MakeRoomFor(uid_t uid) {
 void AttachServer::ReadHandshake(Connection& c) {
   while (!c.request.complete()) {
     char chunk[4096];
-    iovec iov{chunk, std::min(sizeof(chunk), c.request.wanted())};
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * wire::kMaxFds)] = {};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof(control);
-    const ssize_t n = recvmsg(c.socket.get(), &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;  // more later
-    bool carried_fds = false;
-    for (cmsghdr* m = CMSG_FIRSTHDR(&msg); m != nullptr; m = CMSG_NXTHDR(&msg, m)) {
-      if (m->cmsg_level != SOL_SOCKET || m->cmsg_type != SCM_RIGHTS) continue;
-      const size_t count = (m->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-      const int* fds = reinterpret_cast<const int*>(CMSG_DATA(m));
-      for (size_t i = 0; i < count; ++i) close(fds[i]);
-      carried_fds = true;
-    }
+    std::vector<UniqueFd> fds;  // only where the kernel delivers them (kClosedOffLoop)
+    bool truncated = false;
+    const ssize_t n = Receive(c.socket.get(), chunk, std::min(sizeof(chunk), c.request.wanted()),
+                              &fds, &truncated);
+    const int error = errno;
+    if (n < 0 && error == EINTR) continue;
+    if (n < 0 && (error == EAGAIN || error == EWOULDBLOCK)) return;  // more later
+    const bool carried_fds = !fds.empty();
+    for (UniqueFd& fd : fds) Release(std::move(fd));
     absl::Status bad;
     if (n <= 0) {
       // A peer that connects and closes at once is a readiness probe.
@@ -345,14 +418,14 @@ void AttachServer::ReadHandshake(Connection& c) {
         Log().debug("attach socket probed by pid {}", c.peer.pid);
       } else {
         Log().warn("attach from pid {} uid {}: {}", c.peer.pid, c.peer.uid,
-                   n == 0 ? "closed mid-request" : std::strerror(errno));
+                   n == 0 ? "closed mid-request" : std::strerror(error));
       }
       Drop(c.id);
       return;
     }
     if (carried_fds) {
       bad = absl::InvalidArgumentError("an attach request carries no descriptors");
-    } else if ((msg.msg_flags & MSG_CTRUNC) != 0) {
+    } else if (truncated) {
       bad = absl::InvalidArgumentError("an attach request carries no control data");
     } else {
       bad = c.request.Append({chunk, static_cast<size_t>(n)});
@@ -414,9 +487,15 @@ void AttachServer::Refuse(Connection& c, const absl::Status& why) {
 void AttachServer::WatchSession(Connection& c) {
   // Clients send nothing after the handshake but, optionally, a Detach frame right before they
   // close: an empty message, so a frame of length 0.
+  // Descriptors sent with them are released off the loop (kClosedOffLoop): a recv without a
+  // control buffer would have the kernel drop them here.
   char bytes[16];
-  const ssize_t n = recv(c.socket.get(), bytes, sizeof(bytes), MSG_DONTWAIT);
-  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
+  std::vector<UniqueFd> fds;
+  bool truncated = false;
+  const ssize_t n = Receive(c.socket.get(), bytes, sizeof(bytes), &fds, &truncated);
+  const int error = errno;
+  for (UniqueFd& fd : fds) Release(std::move(fd));
+  if (n < 0 && (error == EAGAIN || error == EWOULDBLOCK || error == EINTR)) return;
   const SessionEnd how = n == 4 && std::memcmp(bytes, "\0\0\0\0", 4) == 0
                              ? SessionEnd::kDetached
                              : SessionEnd::kConnectionLost;
@@ -461,7 +540,8 @@ void AttachServer::Drop(uint64_t id) {
   } else if (c.session != kNoSession) {
     sessions_.fetch_sub(1, std::memory_order_relaxed);
   }
-  connections_.erase(it);  // closing the socket removes it from the epoll set
+  ReleaseSocket(std::move(c.socket));  // which takes it out of the epoll set
+  connections_.erase(it);
 }
 
 }  // namespace kvpool::daemon

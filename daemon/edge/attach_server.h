@@ -19,11 +19,27 @@
 //  - when accept fails for want of descriptors (EMFILE, ENFILE) the listener is left alone for
 //    `accept_backoff` instead of spinning on it;
 //  - session connections are in the same loop, so a client killed mid-handshake-storm is noticed
-//    at once.
+//    at once;
+//  - the loop never makes the last close() of a peer's file, which can block for as long as the
+//    peer likes (a TCP socket lingering on a send queue that cannot drain, a FUSE file whose
+//    server does not answer; the kernel also runs the last close of the files still queued in a
+//    Unix socket on the thread that drops the socket). Where the kernel has SO_PASSRIGHTS (Linux
+//    6.16+) the listener refuses them: a peer's sendmsg with SCM_RIGHTS fails with EPERM, on a
+//    connection not yet accepted too (it takes the listener's setting at connect()), and no
+//    descriptor of a peer's ever reaches the daemon (PeerFds::kRefusedByKernel). Older kernels
+//    deliver them, and every close that can drop one runs on a closer thread instead
+//    (PeerFds::kClosedOffLoop, daemon/edge/internal/fd_closer.h): the descriptors a peer sent
+//    (a request carrying any is still refused as malformed), each connection socket and the
+//    listener (their queues may hold more). A close that blocks there holds up only the closes
+//    queued behind it: those descriptors stay open, counted against the daemon's descriptor limit,
+//    until it returns; once the limit is reached, accept backs off (above) and a descriptor the
+//    kernel cannot install in the daemon is dropped on the loop thread, the one close left on it.
 // Handshake deadlines and the accept back-off are read on the injected Clock (tests drive a
 // ManualClock; epoll_wait sleeps as long as Clock::PollTimeoutMs allows).
 // Everything the loop owns is touched only by the loop thread: StopAccepting() and CloseAll()
-// hand their work to it and wait, so no descriptor is ever closed under a reader.
+// hand their work to it and wait, so no descriptor is ever closed under a reader. A socket the
+// loop gives up is taken out of its epoll set and shut down (the peer sees the end at once)
+// before it goes to the closer, which then owns it and only closes it.
 //
 // Thread-safe.
 
@@ -44,6 +60,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "daemon/edge/attach_policy.h"
+#include "daemon/edge/internal/fd_closer.h"
 #include "daemon/engine/session.h"
 #include "daemon/metrics/edge_counters.h"
 #include "kvpool/util/clock.h"
@@ -68,6 +85,16 @@ struct AttachLimits {
   int max_pending_per_uid = 8;                              // of them, per peer uid
   absl::Duration accept_backoff = absl::Milliseconds(100);  // after EMFILE/ENFILE
   uint32_t max_request_bytes = 64 << 10;                    // one AttachRequest frame
+  // Refuse peers' descriptors in the kernel (SO_PASSRIGHTS) where it can; false closes them on
+  // the closer thread even then (tests of the path older kernels take).
+  bool refuse_peer_fds_in_kernel = true;
+};
+
+// How the attach socket keeps a peer's descriptors from blocking its loop (AttachServer's class
+// comment).
+enum class PeerFds : uint8_t {
+  kRefusedByKernel,  // SO_PASSRIGHTS 0: a peer's sendmsg with SCM_RIGHTS fails with EPERM
+  kClosedOffLoop,    // they arrive, and the closer thread closes them
 };
 
 class AttachServer final {
@@ -84,13 +111,15 @@ class AttachServer final {
   // Binds `path` (permission bits `mode`, set through the umask at bind: no chmod by path) and
   // starts the loop. Errors: INVALID_ARGUMENT (path too long), INTERNAL for socket errors.
   // `counters` and `clock` (not owned) outlive the server; `clock` times handshakes and the
-  // accept back-off.
+  // accept back-off. Logs which PeerFds mode it runs in.
   static absl::StatusOr<std::unique_ptr<AttachServer>> Start(const std::string& path, uint32_t mode,
                                                              AttachLimits limits, AdmitFn admit,
                                                              AttachFn attach, ClosedFn closed,
                                                              AttachCounters* counters,
                                                              const Clock* clock);
-  ~AttachServer();  // stops the loop and closes everything (without calling ClosedFn)
+  // Stops the loop and closes everything (without calling ClosedFn). In kClosedOffLoop it waits
+  // for the closer to finish, so a close that blocks there delays it by as long.
+  ~AttachServer();
 
   // Stops accepting (the socket file is removed) and drops the handshakes in progress; live
   // sessions are kept. Returns once done.
@@ -99,6 +128,9 @@ class AttachServer final {
   void CloseAll();
   size_t sessions() const { return sessions_.load(std::memory_order_relaxed); }
   size_t pending() const { return pending_.load(std::memory_order_relaxed); }
+  PeerFds peer_fds() const {
+    return closer_ == nullptr ? PeerFds::kRefusedByKernel : PeerFds::kClosedOffLoop;
+  }
 
  private:
   friend struct LockOrderPeer;  // tests/daemon/lock_order_test.cc takes the locks in order
@@ -106,8 +138,8 @@ class AttachServer final {
   enum class Command : uint8_t { kStopAccepting, kCloseAll, kExit };
 
   AttachServer(std::string path, AttachLimits limits, UniqueFd listener, UniqueFd epoll,
-               UniqueFd wake, AdmitFn admit, AttachFn attach, ClosedFn closed,
-               AttachCounters* counters, const Clock* clock);
+               UniqueFd wake, std::unique_ptr<FdCloser> closer, AdmitFn admit, AttachFn attach,
+               ClosedFn closed, AttachCounters* counters, const Clock* clock);
 
   // The loop thread's work.
   void Loop();
@@ -123,6 +155,9 @@ class AttachServer final {
   void EndPending(Connection& c);  // the handshake is over, one way or another
   void Drop(uint64_t id);          // closes a connection, whatever its state, without callbacks
   void CloseListener();
+  // Closes what may hold a peer's files: on the closer thread in kClosedOffLoop, else here.
+  void Release(UniqueFd fd);
+  void ReleaseSocket(UniqueFd socket);  // and first out of the epoll set, shut down
   int PollTimeoutMs() const;
 
   // Any thread.
@@ -140,6 +175,8 @@ class AttachServer final {
   const int64_t accept_backoff_ns_;
   const UniqueFd epoll_;
   const UniqueFd wake_;  // eventfd: commands are waiting
+  // kClosedOffLoop only (else null): destroyed after the loop's last Release.
+  std::unique_ptr<FdCloser> closer_;
 
   // Loop thread only.
   UniqueFd listener_;

@@ -1,7 +1,8 @@
 // AttachServer: nothing a peer does holds up the loop (issue 12). Silent connections, a storm of
-// them, a peer that may not attach, malformed requests and descriptor exhaustion, each beside a
-// well-behaved client that must still attach at once; and sessions that end, are reported once,
-// and are closed by the loop alone.
+// them, a peer that may not attach, malformed requests, descriptor exhaustion and descriptors whose
+// close blocks, each beside a well-behaved client that must still attach at once; and sessions
+// that end, are reported once, and are closed by the loop alone. Each in both ways of keeping a
+// peer's descriptors off the loop (PeerFds).
 
 #include "daemon/edge/attach_server.h"
 
@@ -13,13 +14,16 @@
 
 #include <atomic>
 #include <filesystem>
+#include <iostream>
 #include <thread>
 
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvpool/util/clock.h"
 #include "kvpool/v1/wire.h"
+#include "tests/daemon/lingering_socket.h"
 
 namespace kvpool::daemon {
 namespace {
@@ -53,7 +57,34 @@ v1::AttachRequest Request(const std::string& name = "test") {
   return r;
 }
 
-class AttachServerTest : public ::testing::Test {
+// Sends `bytes` with `fd` as SCM_RIGHTS in one sendmsg: 0, or the errno it failed with.
+int SendWithFd(int socket, std::string_view bytes, int fd) {
+  iovec iov{const_cast<char*>(bytes.data()), bytes.size()};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  cmsghdr* c = CMSG_FIRSTHDR(&msg);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int));
+  std::memcpy(CMSG_DATA(c), &fd, sizeof(int));
+  return sendmsg(socket, &msg, MSG_NOSIGNAL) == static_cast<ssize_t>(bytes.size()) ? 0 : errno;
+}
+
+// One frame as wire::SendFrame writes it.
+std::string Frame(const v1::AttachRequest& request) {
+  const std::string body = request.SerializeAsString();
+  std::string frame(4, '\0');
+  for (int i = 0; i < 4; ++i) frame[i] = static_cast<char>((body.size() >> (8 * i)) & 0xFF);
+  return frame + body;
+}
+
+// Every test runs in both modes (AttachServer::peer_fds()): the parameter is
+// AttachLimits::refuse_peer_fds_in_kernel. On a kernel without SO_PASSRIGHTS both run the fallback.
+class AttachServerTest : public ::testing::TestWithParam<bool> {
  protected:
   void SetUp() override {
     dir_ = ::testing::TempDir() + "/attach-" + std::to_string(getpid()) + "-" +
@@ -62,17 +93,23 @@ class AttachServerTest : public ::testing::Test {
     path_ = dir_ + "/attach.sock";
   }
   void TearDown() override {
+    if (!release_.HasBeenNotified()) release_.Notify();  // a test that failed while holding it
     server_.reset();
     std::filesystem::remove_all(dir_);
   }
 
   void Start(AttachLimits limits = {}) {
+    limits.refuse_peer_fds_in_kernel = GetParam();
     auto admit = [this](const PeerCredentials& peer) -> absl::Status {
       if (refuse_all_) return absl::PermissionDeniedError("not you");
       return absl::OkStatus();
     };
     auto attach = [this](const PeerCredentials& peer,
                          const v1::AttachRequest& request) -> absl::StatusOr<AttachReply> {
+      if (request.client_name() == "hold") {  // HoldTheLoop()
+        held_.Notify();
+        release_.WaitForNotification();
+      }
       absl::MutexLock lock(&mu_);
       ++attaches_;
       if (request.client_name() == "refuse") return absl::PermissionDeniedError("refused");
@@ -88,7 +125,13 @@ class AttachServerTest : public ::testing::Test {
         AttachServer::Start(path_, 0600, limits, admit, attach, closed, &counters_, &clock_);
     ASSERT_TRUE(s.ok()) << s.status();
     server_ = *std::move(s);
+    if (!GetParam()) {
+      EXPECT_EQ(server_->peer_fds(), PeerFds::kClosedOffLoop);
+    } else if (!KernelRefuses()) {
+      std::cerr << "this kernel has no SO_PASSRIGHTS: the closer thread runs instead\n";
+    }
   }
+  bool KernelRefuses() const { return server_->peer_fds() == PeerFds::kRefusedByKernel; }
 
   // Attaches as a well-behaved client does; returns the connection and the session id.
   std::pair<UniqueFd, uint64_t> Attach(const std::string& name = "test") {
@@ -98,6 +141,16 @@ class AttachServerTest : public ::testing::Test {
     EXPECT_TRUE(r.ok()) << r.status();
     return {std::move(fd), r.ok() ? r->session_id() : 0};
   }
+
+  // Holds the loop thread in the attach callback of a client of its own until ReleaseTheLoop():
+  // whatever peers connect or send meanwhile waits in the kernel, unaccepted or unread. Once.
+  UniqueFd HoldTheLoop() {
+    UniqueFd fd = Connect(path_);
+    EXPECT_TRUE(wire::SendFrame(fd.get(), Request("hold")).ok());
+    held_.WaitForNotification();
+    return fd;
+  }
+  void ReleaseTheLoop() { release_.Notify(); }
 
   std::vector<std::pair<SessionId, SessionEnd>> Ended() {
     absl::MutexLock lock(&mu_);
@@ -123,13 +176,14 @@ class AttachServerTest : public ::testing::Test {
   AttachCounters counters_;
   std::unique_ptr<AttachServer> server_;
   std::atomic<bool> refuse_all_{false};
+  absl::Notification held_, release_;  // HoldTheLoop()
   absl::Mutex mu_;
   uint64_t next_ ABSL_GUARDED_BY(mu_) = 1;
   int attaches_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<std::pair<SessionId, SessionEnd>> ended_ ABSL_GUARDED_BY(mu_);
 };
 
-TEST_F(AttachServerTest, SessionsEndByDetachOrByLoss) {
+TEST_P(AttachServerTest, SessionsEndByDetachOrByLoss) {
   Start();
   auto [a, id_a] = Attach();
   auto [b, id_b] = Attach();
@@ -149,7 +203,7 @@ TEST_F(AttachServerTest, SessionsEndByDetachOrByLoss) {
 
 // The issue's first hole: 64 silent connections stalled every attach for a minute, and a killed
 // client kept its blocks until the loop reached its socket.
-TEST_F(AttachServerTest, SilentConnectionsHoldUpNoOne) {
+TEST_P(AttachServerTest, SilentConnectionsHoldUpNoOne) {
   Start();
   auto [victim, victim_id] = Attach("victim");
   std::vector<UniqueFd> silent;
@@ -169,7 +223,7 @@ TEST_F(AttachServerTest, SilentConnectionsHoldUpNoOne) {
   EXPECT_GE(counters_.displaced.load(), 190u);
 }
 
-TEST_F(AttachServerTest, ANewConnectionDisplacesTheOldestOverTheCap) {
+TEST_P(AttachServerTest, ANewConnectionDisplacesTheOldestOverTheCap) {
   Start({.max_pending = 64, .max_pending_per_uid = 3});
   std::vector<UniqueFd> silent;
   for (int i = 0; i < 4; ++i) silent.push_back(Connect(path_));
@@ -186,7 +240,7 @@ TEST_F(AttachServerTest, ANewConnectionDisplacesTheOldestOverTheCap) {
   EXPECT_EQ(counters_.displaced.load(), 1u);
 }
 
-TEST_F(AttachServerTest, AHandshakeMustCompleteInTime) {
+TEST_P(AttachServerTest, AHandshakeMustCompleteInTime) {
   Start({.handshake_timeout = absl::Milliseconds(50)});
   UniqueFd slow = Connect(path_);
   ASSERT_EQ(send(slow.get(), "\x05\x00", 2, MSG_NOSIGNAL), 2);  // half a length, then nothing
@@ -204,7 +258,7 @@ TEST_F(AttachServerTest, AHandshakeMustCompleteInTime) {
   EXPECT_EQ(server_->pending(), 0u);
 }
 
-TEST_F(AttachServerTest, APeerThatMayNotAttachIsRefusedBeforeItSpeaks) {
+TEST_P(AttachServerTest, APeerThatMayNotAttachIsRefusedBeforeItSpeaks) {
   refuse_all_ = true;
   Start();
   UniqueFd fd = Connect(path_);
@@ -216,7 +270,7 @@ TEST_F(AttachServerTest, APeerThatMayNotAttachIsRefusedBeforeItSpeaks) {
   EXPECT_EQ(attaches_, 0);
 }
 
-TEST_F(AttachServerTest, MalformedRequestsAreRefused) {
+TEST_P(AttachServerTest, MalformedRequestsAreRefused) {
   Start({.max_request_bytes = 1024});
   {
     UniqueFd fd = Connect(path_);
@@ -234,28 +288,12 @@ TEST_F(AttachServerTest, MalformedRequestsAreRefused) {
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_EQ(r->error_code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
   }
-  {
-    // Descriptors sent to the daemon are closed, and the request refused.
-    UniqueFd fd = Connect(path_);
-    int pipe_fds[2];
-    ASSERT_EQ(pipe(pipe_fds), 0);
-    ASSERT_TRUE(wire::SendFrame(fd.get(), Request(), {pipe_fds[0]}).ok());
-    close(pipe_fds[0]);
-    absl::StatusOr<v1::AttachResponse> r = Read(fd.get());
-    ASSERT_TRUE(r.ok()) << r.status();
-    EXPECT_EQ(r->error_code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
-    // The daemon kept no copy of the read end: the write end has no reader left.
-    pollfd p{pipe_fds[1], 0, 0};
-    EXPECT_EQ(poll(&p, 1, 1000), 1);
-    EXPECT_NE(p.revents & POLLERR, 0);
-    close(pipe_fds[1]);
-  }
-  EXPECT_EQ(counters_.malformed.load(), 3u);
+  EXPECT_EQ(counters_.malformed.load(), 2u);
   auto [good, id] = Attach();
   EXPECT_NE(id, 0u);
 }
 
-TEST_F(AttachServerTest, ARefusedAttachTellsWhy) {
+TEST_P(AttachServerTest, ARefusedAttachTellsWhy) {
   Start();
   UniqueFd fd = Connect(path_);
   ASSERT_TRUE(wire::SendFrame(fd.get(), Request("refuse")).ok());
@@ -265,7 +303,7 @@ TEST_F(AttachServerTest, ARefusedAttachTellsWhy) {
   EXPECT_EQ(server_->sessions(), 0u);
 }
 
-TEST_F(AttachServerTest, CloseAllEndsEverySessionOnce) {
+TEST_P(AttachServerTest, CloseAllEndsEverySessionOnce) {
   Start();
   std::vector<UniqueFd> clients;
   for (int i = 0; i < 5; ++i) clients.push_back(Attach().first);
@@ -284,7 +322,7 @@ TEST_F(AttachServerTest, CloseAllEndsEverySessionOnce) {
   EXPECT_EQ(server_->sessions(), 0u);
 }
 
-TEST_F(AttachServerTest, StopAcceptingKeepsSessions) {
+TEST_P(AttachServerTest, StopAcceptingKeepsSessions) {
   Start();
   auto [live, id] = Attach();
   UniqueFd pending = Connect(path_);
@@ -302,7 +340,7 @@ TEST_F(AttachServerTest, StopAcceptingKeepsSessions) {
 // (its entry stale) until the slower one's deadline: StopAccepting must not drop it. Before, it
 // closed the live session's socket uncounted and never ended its engine session, so CloseAll
 // could not end it either.
-TEST_F(AttachServerTest, StopAcceptingKeepsASessionAttachedBehindAPendingHandshake) {
+TEST_P(AttachServerTest, StopAcceptingKeepsASessionAttachedBehindAPendingHandshake) {
   Start();
   UniqueFd pending = Connect(path_);  // first in the handshake queue, silent
   auto [live, id] = Attach();
@@ -330,7 +368,7 @@ TEST_F(AttachServerTest, StopAcceptingKeepsASessionAttachedBehindAPendingHandsha
 #endif
 #endif
 
-TEST_F(AttachServerTest, OutOfDescriptorsBacksOffInsteadOfSpinning) {
+TEST_P(AttachServerTest, OutOfDescriptorsBacksOffInsteadOfSpinning) {
 #ifdef KVPOOL_SANITIZED
   GTEST_SKIP() << "the sanitizers need the descriptors this test takes away";
 #endif
@@ -388,6 +426,142 @@ TEST_F(AttachServerTest, OutOfDescriptorsBacksOffInsteadOfSpinning) {
   EXPECT_EQ(server_->sessions(), clients.size());
   EXPECT_EQ(counters_.accept_backoffs.load(), 2u);
 }
+
+// The helper the tests below rest on: its last close() does block, for its linger.
+TEST(LingeringSocketTest, ItsLastCloseBlocks) {
+  LingeringSocket lingering;
+  if (absl::Status s = lingering.Open(absl::Seconds(1)); !s.ok()) GTEST_SKIP() << s;
+  const absl::Time start = absl::Now();
+  lingering.CloseOwnCopy();  // the only copy: this is the last close
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(900));
+}
+
+// A peer may hand the daemon a descriptor whose close blocks (a lingering socket, a FUSE file)
+// and close its own copy, leaving the daemon with the last reference. Each test holds the loop
+// while the peer does so, so that when the loop goes on the descriptor is in flight to it and the
+// peer's copy is gone; then a well-behaved client must still attach well within the linger, and
+// sessions must still be seen to end. Run in both modes: where the kernel refuses SCM_RIGHTS
+// (SO_PASSRIGHTS) the peer's sendmsg fails with EPERM, also on a connection not yet accepted; in
+// the fallback the descriptor arrives and is closed off the loop thread.
+class AttachServerFdTest : public AttachServerTest {
+ protected:
+  static constexpr absl::Duration kLinger = absl::Seconds(20);
+  static constexpr absl::Duration kBound = absl::Seconds(5);  // on a loaded 2-core machine
+
+  // A well-behaved client attaches within kBound.
+  void ExpectAnAttachInTime() {
+    const absl::Time start = absl::Now();
+    UniqueFd fd = Connect(path_);
+    ASSERT_TRUE(wire::SendFrame(fd.get(), Request("good")).ok());
+    absl::StatusOr<v1::AttachResponse> r = Read(fd.get(), kBound);
+    ASSERT_TRUE(r.ok()) << r.status() << " after " << absl::Now() - start;
+    EXPECT_TRUE(r->error().empty()) << r->error();
+    EXPECT_LT(absl::Now() - start, kBound);
+  }
+};
+
+TEST_P(AttachServerFdTest, ADescriptorInAHandshakeHoldsUpNoOne) {
+  LingeringSocket lingering;
+  if (absl::Status s = lingering.Open(kLinger); !s.ok()) GTEST_SKIP() << s;
+  Start();
+  UniqueFd hold = HoldTheLoop();
+  UniqueFd peer = Connect(path_);  // not accepted yet: the loop is held
+  const int sent = SendWithFd(peer.get(), Frame(Request("peer")), lingering.fd());
+  if (sent == 0) lingering.CloseOwnCopy();
+  ReleaseTheLoop();
+  ASSERT_TRUE(Read(hold.get()).ok());
+  ExpectAnAttachInTime();
+  if (KernelRefuses()) {
+    EXPECT_EQ(sent, EPERM) << std::strerror(sent);
+    // Nothing reached the daemon: the same connection attaches with a clean request.
+    ASSERT_TRUE(wire::SendFrame(peer.get(), Request("peer")).ok());
+    absl::StatusOr<v1::AttachResponse> r = Read(peer.get());
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_TRUE(r->error().empty()) << r->error();
+    EXPECT_EQ(counters_.malformed.load(), 0u);
+  } else {
+    ASSERT_EQ(sent, 0) << std::strerror(sent);
+    absl::StatusOr<v1::AttachResponse> r = Read(peer.get());
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->error_code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+    EXPECT_THAT(r->error(), HasSubstr("descriptors"));
+    EXPECT_EQ(counters_.malformed.load(), 1u);
+  }
+}
+
+// A request carrying descriptors: the peer's sendmsg fails where the kernel refuses them; else
+// the request is refused as malformed and the daemon keeps no copy of them.
+TEST_P(AttachServerFdTest, ARequestCarryingDescriptorsIsNeverAccepted) {
+  Start();
+  UniqueFd fd = Connect(path_);
+  int pipe_fds[2];
+  ASSERT_EQ(pipe(pipe_fds), 0);
+  UniqueFd read_end(pipe_fds[0]), write_end(pipe_fds[1]);
+  const absl::Status sent = wire::SendFrame(fd.get(), Request(), {read_end.get()});
+  read_end.reset();
+  if (KernelRefuses()) {
+    EXPECT_THAT(sent.message(), HasSubstr(std::strerror(EPERM)));
+  } else {
+    ASSERT_TRUE(sent.ok()) << sent;
+    absl::StatusOr<v1::AttachResponse> r = Read(fd.get());
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->error_code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+    EXPECT_EQ(counters_.malformed.load(), 1u);
+  }
+  // No copy of the read end is left (the closer's is closed soon): the write end has no reader.
+  pollfd p{write_end.get(), 0, 0};
+  EXPECT_EQ(poll(&p, 1, 5000), 1);
+  EXPECT_NE(p.revents & POLLERR, 0);
+  auto [good, id] = Attach();
+  EXPECT_NE(id, 0u);
+}
+
+// Dropping a connection whose receive queue still holds a descriptor drops the descriptor with
+// it: here the request is refused after its length, the descriptor queued behind it unread.
+TEST_P(AttachServerFdTest, ADescriptorLeftUnreadHoldsUpNoOne) {
+  LingeringSocket lingering;
+  if (absl::Status s = lingering.Open(kLinger); !s.ok()) GTEST_SKIP() << s;
+  Start({.max_request_bytes = 1024});
+  UniqueFd hold = HoldTheLoop();
+  UniqueFd peer = Connect(path_);
+  const char huge[4] = {0, 0, 1, 0};  // 64 KiB announced: refused once these 4 bytes are read
+  ASSERT_EQ(send(peer.get(), huge, 4, MSG_NOSIGNAL), 4);
+  const int sent = SendWithFd(peer.get(), "x", lingering.fd());
+  if (sent == 0) lingering.CloseOwnCopy();
+  ReleaseTheLoop();
+  ASSERT_TRUE(Read(hold.get()).ok());
+  ExpectAnAttachInTime();
+  EXPECT_EQ(sent, KernelRefuses() ? EPERM : 0) << std::strerror(sent);
+  absl::StatusOr<v1::AttachResponse> r = Read(peer.get());
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->error_code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(r->error(), HasSubstr("1024"));  // its length, not the descriptor behind it
+}
+
+TEST_P(AttachServerFdTest, ADescriptorFromASessionHoldsUpNoOne) {
+  LingeringSocket lingering;
+  if (absl::Status s = lingering.Open(kLinger); !s.ok()) GTEST_SKIP() << s;
+  Start();
+  auto [session, session_id] = Attach("session");
+  ASSERT_NE(session_id, 0u);
+  UniqueFd hold = HoldTheLoop();
+  const int sent = SendWithFd(session.get(), "x", lingering.fd());
+  if (sent == 0) lingering.CloseOwnCopy();
+  session.reset();  // and the client goes away
+  ReleaseTheLoop();
+  ASSERT_TRUE(Read(hold.get()).ok());
+  ExpectAnAttachInTime();
+  EXPECT_EQ(sent, KernelRefuses() ? EPERM : 0) << std::strerror(sent);
+  ASSERT_TRUE(AwaitEnded(1, kBound));
+  EXPECT_THAT(Ended(), ::testing::Contains(
+                           std::make_pair(SessionId(session_id), SessionEnd::kConnectionLost)));
+}
+
+std::string ModeName(const ::testing::TestParamInfo<bool>& info) {
+  return info.param ? "KernelRefuses" : "ClosedOffLoop";
+}
+INSTANTIATE_TEST_SUITE_P(Modes, AttachServerTest, ::testing::Bool(), ModeName);
+INSTANTIATE_TEST_SUITE_P(Modes, AttachServerFdTest, ::testing::Bool(), ModeName);
 
 }  // namespace
 }  // namespace kvpool::daemon

@@ -39,6 +39,7 @@ struct LockOrderPeer {
   static absl::Mutex& WritersMu(KvPoolService& s) { return s.writers_mu_; }
   static absl::Mutex& CallsMu(KvPoolService& s) { return s.calls_mu_; }
   static absl::Mutex& Mu(AttachServer& a) { return a.mu_; }
+  static absl::Mutex& CloserMu(AttachServer& a) { return a.closer_->mu_; }
 };
 
 namespace {
@@ -83,7 +84,7 @@ class LockOrderTest : public ::testing::Test {
     dir_ = ::testing::TempDir() + "/lock-order-" + std::to_string(getpid());
     std::filesystem::create_directories(dir_);
     absl::StatusOr<std::unique_ptr<AttachServer>> attach = AttachServer::Start(
-        dir_ + "/attach.sock", 0600, {},
+        dir_ + "/attach.sock", 0600, {.refuse_peer_fds_in_kernel = false},  // with its closer
         [](const PeerCredentials&) { return absl::PermissionDeniedError("no"); },
         [](const PeerCredentials&, const v1::AttachRequest&) -> absl::StatusOr<AttachReply> {
           return absl::PermissionDeniedError("no");
@@ -102,7 +103,8 @@ class LockOrderTest : public ::testing::Test {
   }
 
   // docs/threads-and-locks.md, "Lock order": the engine's chain, then the listeners' chain.
-  // AttachServer::mu_ and KvPoolService::calls_mu_ are leaves: last under every other.
+  // AttachServer::mu_, its FdCloser::mu_ and KvPoolService::calls_mu_ are leaves: last under
+  // every other.
   std::vector<Link> EngineChain() {
     return {{&P::Mu(doorbells_)},            // Doorbells::mu_
             {&P::Mu(*doorbell_)},            // DecodeDoorbell::mu_
@@ -110,14 +112,16 @@ class LockOrderTest : public ::testing::Test {
             {&P::Mu(*engine_)},              // Engine::mu_
             {&P::Mu(P::Tiers(*engine_))},    // TierSet::mu_
             {&P::CallsMu(*service_)},        // a leaf
-            {&P::Mu(*attach_)}};             // a leaf
+            {&P::Mu(*attach_)},              // a leaf
+            {&P::CloserMu(*attach_)}};       // a leaf
   }
   std::vector<Link> ListenersChain() {
     return {{&P::ListenersMu(*engine_), /*reader=*/true},
             {&P::WritersMu(*service_)},
             {&P::Mu(*engine_), /*reader=*/true},
             {&P::Mu(P::Tiers(*engine_))},
-            {&P::Mu(*attach_)}};
+            {&P::Mu(*attach_)},
+            {&P::CloserMu(*attach_)}};
   }
 
   using P = LockOrderPeer;
