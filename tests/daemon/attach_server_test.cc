@@ -202,7 +202,9 @@ TEST_P(AttachServerTest, SessionsEndByDetachOrByLoss) {
 }
 
 // The first hole: 64 silent connections stalled every attach for a minute, and a killed
-// client kept its blocks until the loop reached its socket.
+// client kept its blocks until the loop reached its socket. The handshakes' clock is a
+// ManualClock that never moves here, so a loop held up by them would never answer: the bounds
+// (1 s) only leave room for a loaded CI machine.
 TEST_P(AttachServerTest, SilentConnectionsHoldUpNoOne) {
   Start();
   auto [victim, victim_id] = Attach("victim");
@@ -212,12 +214,12 @@ TEST_P(AttachServerTest, SilentConnectionsHoldUpNoOne) {
   auto [good, good_id] = Attach("good");
   const absl::Duration took = absl::Now() - start;
   EXPECT_NE(good_id, 0u);
-  EXPECT_LT(took, absl::Milliseconds(100));
+  EXPECT_LT(took, absl::Seconds(1));
   // A session whose process dies meanwhile is reclaimed at once.
   const absl::Time killed = absl::Now();
   victim.reset();
   ASSERT_TRUE(AwaitEnded(1, absl::Seconds(5)));
-  EXPECT_LT(absl::Now() - killed, absl::Milliseconds(100));
+  EXPECT_LT(absl::Now() - killed, absl::Seconds(1));
   EXPECT_EQ(Ended()[0].first, SessionId(victim_id));
   EXPECT_LE(server_->pending(), 8u);  // the per-uid cap held the rest off
   EXPECT_GE(counters_.displaced.load(), 190u);
