@@ -1256,6 +1256,7 @@ absl::Status KvCacheManager::CheckPublish(const Sequence& seq, std::span<const i
 int64_t KvCacheManager::FreeSession(SessionId session) {
   BeginCall(session, SequenceId(0));
   std::vector<SequenceId> owned;
+  visited_.fetch_add(sequences_.size() + pins_.size(), std::memory_order_relaxed);
   for (const auto& [id, seq] : sequences_) {
     if (seq.session == session) owned.push_back(id);
   }

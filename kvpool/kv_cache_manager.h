@@ -48,6 +48,7 @@
 // valid until the next mutating call.
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -1184,6 +1185,10 @@ class KvCacheManager final {
   uint64_t batch_serial_ = 0;  // stamps Sequence::batch_mark
 
   KvCacheStats counters_;  // only the call counters are kept here; the rest is computed
+  // Sequences and pins that calls listing them have walked (ForEachSequence, ListPins,
+  // FreeSession): what a call costs in entries it was not asked about shows here. Atomic: const
+  // calls run concurrently. Read by tests (KvCacheManagerTestPeer::Visited).
+  mutable std::atomic<uint64_t> visited_ = 0;
 };
 
 }  // namespace kvpool

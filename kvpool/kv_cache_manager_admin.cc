@@ -79,6 +79,7 @@ int64_t KvCacheManager::session_sequences(SessionId session) const {
 }
 
 void KvCacheManager::ForEachSequence(absl::FunctionRef<void(const Sequence&)> fn) const {
+  visited_.fetch_add(sequences_.size(), std::memory_order_relaxed);
   for (const auto& [id, seq] : sequences_) fn(seq);
 }
 

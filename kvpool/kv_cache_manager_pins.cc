@@ -166,6 +166,7 @@ int64_t KvCacheManager::ExpirePins() {
 std::vector<PinInfo> KvCacheManager::ListPins(SessionId session) const {
   const int64_t now = clock_->NowNanos();
   std::vector<PinInfo> out;
+  visited_.fetch_add(pins_.size(), std::memory_order_relaxed);
   for (const auto& [id, pin] : pins_) {
     if (pin.info.expires_ns <= now) continue;  // over; the next call releases it
     if (session == kNoSession || pin.info.session == session) out.push_back(pin.info);

@@ -3,6 +3,7 @@
 // Reaches into a KvCacheManager where a test must set up what real runs take years to reach, or
 // reads what its DebugString lists without formatting the whole manager.
 
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -41,6 +42,11 @@ class KvCacheManagerTestPeer {
       out.push_back({key.id.value(), c.block.value(), c.offset, key.stamp, key.priority});
     }
     return out;
+  }
+  // Sequences and pins walked so far by calls that list them (ForEachSequence, ListPins,
+  // FreeSession): a call's cost in entries it was not asked about is the difference.
+  static uint64_t Visited(const KvCacheManager& cache) {
+    return cache.visited_.load(std::memory_order_relaxed);
   }
   // The floor of that order (DebugString's "checkpoint floor=").
   static uint64_t CheckpointFloor(const KvCacheManager& cache) {
