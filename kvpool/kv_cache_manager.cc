@@ -786,6 +786,7 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
                    .priority = r.priority,
                    .retain_tail = r.retain_tail};
     AdoptMatch(&seq, r, p, ctx, plan);
+    HoldSequence(seq);
     if (states_) ++states_by_ns_[r.ns];
     // (Uncut, the state holds no tokens of the match: it is not to be stepped or kept.)
     seq.state_tokens = p.uncut && p.match.matched_tokens > 0 ? -1 : p.match.matched_tokens;
@@ -1147,6 +1148,7 @@ absl::StatusOr<SequenceId> KvCacheManager::Fork(SessionId caller, SequenceId seq
   if (states_) ++states_by_ns_[child.ns];
   AddRefs(caller, static_cast<int64_t>(child.table.size()));
   AddSequences(caller, 1);
+  HoldSequence(child);
   sequences_.emplace(id, std::move(child));
   return id;
 }
@@ -1201,6 +1203,7 @@ void KvCacheManager::FreeChecked(Sequence* seq, OnFree on_free) {
   ReleaseTail(seq, 0, ctx);
   if (cache_) cache_->Truncate(&seq->path, 0);
   AddSequences(caller, -1);
+  UnholdSequence(*seq);
   RecycleTokens(seq->tokens);
   auto it = sessions_.find(caller);
   if (it->second.sequences == 0 && it->second.quota == kUnlimited && it->second.group == 0) {
@@ -1255,18 +1258,19 @@ absl::Status KvCacheManager::CheckPublish(const Sequence& seq, std::span<const i
 
 int64_t KvCacheManager::FreeSession(SessionId session) {
   BeginCall(session, SequenceId(0));
+  // What it holds, by id (a deterministic release order), from its holdings: never a walk over
+  // the pool's. Copied, since each release takes an entry out of them.
   std::vector<SequenceId> owned;
-  visited_.fetch_add(sequences_.size() + pins_.size(), std::memory_order_relaxed);
-  for (const auto& [id, seq] : sequences_) {
-    if (seq.session == session) owned.push_back(id);
+  if (const SessionHoldings* held = HoldingsOf(session)) {
+    owned.assign(held->sequences.begin(), held->sequences.end());
   }
-  std::sort(owned.begin(), owned.end());  // deterministic release order
   for (SequenceId id : owned) KVPOOL_CHECK_OK(Free(session, id));
+  // Only now: each Free may have expired some of its pins first (housekeeping).
   std::vector<PinId> pins;
-  for (const auto& [id, pin] : pins_) {
-    if (pin.info.session == session) pins.push_back(id);
+  if (const SessionHoldings* held = HoldingsOf(session)) {
+    pins.assign(held->pins.begin(), held->pins.end());
   }
-  std::sort(pins.begin(), pins.end());
+  visited_.fetch_add(owned.size() + pins.size(), std::memory_order_relaxed);
   for (PinId id : pins) ReleasePin(id);
   if (auto it = sessions_.find(session); it != sessions_.end()) {
     if (const uint64_t group = it->second.group; group != 0 && --ref_groups_[group].sessions == 0) {

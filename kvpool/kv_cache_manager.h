@@ -354,6 +354,26 @@ struct PinInfo {
   friend bool operator==(const PinInfo&, const PinInfo&) = default;
 };
 
+// What one session holds in a KvCacheManager (KvCacheManager::HoldingsOf): its live sequences and
+// its pins, by id, and how many of each are in every namespace it holds one in. The manager files
+// each sequence and pin here as it is made (Allocate, Fork; PinPrefix, PinSequence) and unfiles it
+// as it ends (Free, FreeSession; Unpin, expiry), so that what one session holds is found in O(1)
+// and listed in the time of its own holdings, never of the pool's.
+struct SessionHoldings {
+  struct InNamespace {
+    int64_t sequences = 0;  // live sequences
+    int64_t pins = 0;       // pins, those whose time is up but that no call has expired included
+
+    friend bool operator==(const InNamespace&, const InNamespace&) = default;
+  };
+  absl::btree_set<SequenceId> sequences;  // its live sequences, by id
+  absl::btree_set<PinId> pins;            // its pins, by id (as InNamespace::pins)
+  // Each namespace it holds a sequence or a pin in; none holds zero of both.
+  absl::flat_hash_map<NamespaceId, InNamespace> namespaces;
+
+  friend bool operator==(const SessionHoldings&, const SessionHoldings&) = default;
+};
+
 struct KvCacheStats {
   BlockPoolStats pool;
   int64_t sequences = 0;  // live sequences
@@ -552,8 +572,9 @@ class KvCacheManager final {
   absl::Status FreeBatch(SessionId caller, std::span<const SequenceId> sequences,
                          OnFree on_free = OnFree::kDiscard);
 
-  // Frees every sequence of `session` (its client went away) and ends its pins. Returns how many
-  // sequences. The session's quota setting is forgotten too.
+  // Frees every sequence of `session` (its client went away), by id, and ends its pins. Returns
+  // how many sequences. The session's quota setting is forgotten too. Costs what the session
+  // holds, not what the pool does (SessionHoldings).
   int64_t FreeSession(SessionId session);
 
   // Records that device work queued up to `fence` touches `blocks` (the caller has just enqueued
@@ -685,7 +706,8 @@ class KvCacheManager final {
   // Ends the pin now. Errors: NOT_FOUND, PERMISSION_DENIED.
   absl::Status Unpin(SessionId caller, PinId pin);
   // Live pins (of `session`, or of all sessions for kNoSession), by id. Pins whose time is up
-  // but which no call has expired yet are left out.
+  // but which no call has expired yet are left out. For one session it costs that session's
+  // pins, not the pool's (SessionHoldings).
   std::vector<PinInfo> ListPins(SessionId session = kNoSession) const;
   // Ends every pin whose time is up (at the Clock's reading). Returns how many.
   int64_t ExpirePins();
@@ -747,6 +769,10 @@ class KvCacheManager final {
   int32_t max_blocks_per_seq() const { return max_blocks_per_seq_; }
   // Live sequences of `session` (0 for an unknown one).
   int64_t session_sequences(SessionId session) const;
+  // What `session` holds now; null when it holds no sequence and no pin. O(1).
+  const SessionHoldings* HoldingsOf(SessionId session) const;
+  // What `session` holds in namespace `ns` (zeros: nothing). O(1).
+  SessionHoldings::InNamespace HeldIn(SessionId session, NamespaceId ns) const;
   KvCacheStats stats() const;
 
   // The pool's and the prefix cache's invariants, plus: every block's reference count equals the
@@ -754,7 +780,8 @@ class KvCacheManager final {
   // exactly ceil(num_tokens / block_size) of them, within max_blocks_per_seq; every tree node is
   // locked once per sequence whose path holds it and once per pin; pins are within their limits
   // and each has its deadline queued; per-session usage matches and is within
-  // max_sequences_per_session; every sequence's namespace is registered at its slot; the quota
+  // max_sequences_per_session; each session's holdings (SessionHoldings) are its sequences and
+  // pins, by namespace; every sequence's namespace is registered at its slot; the quota
   // groups and their members agree. Per group (state, window): free + active + cached +
   // retiring == num_blocks. The window group: every window table as long as its table, sinks
   // never released, released entries one run after them, live entries ACTIVE, each block's
@@ -790,6 +817,14 @@ class KvCacheManager final {
   void AddRefs(SessionId session, int64_t delta);
   // Each reference group counts exactly its sessions and their references.
   absl::Status CheckRefGroups() const;
+  // File `seq` or `pin` in its session's holdings_, or take it out (an emptied entry goes).
+  // (kv_cache_manager_holdings.cc)
+  void HoldSequence(const Sequence& seq);
+  void UnholdSequence(const Sequence& seq);
+  void HoldPin(const PinInfo& pin);
+  void UnholdPin(const PinInfo& pin);
+  // holdings_ is what a recount of sequences_ and pins_ gives.
+  absl::Status CheckHoldings() const;
 
   struct Pin {
     PinInfo info;
@@ -1162,6 +1197,8 @@ class KvCacheManager final {
   static constexpr size_t kSpareTokenBuffers = 16;
   std::vector<std::vector<int32_t>> spare_tokens_;
   absl::flat_hash_map<SessionId, SessionUsage> sessions_;
+  // What each session holds (SessionHoldings), of those that hold a sequence or a pin.
+  absl::flat_hash_map<SessionId, SessionHoldings> holdings_;
   absl::flat_hash_map<uint64_t, RefGroup> ref_groups_;
   const int64_t max_sequences_per_session_;              // 0: unlimited
   absl::flat_hash_map<NamespaceId, QuotaKey> quota_of_;  // namespaces that have a quota

@@ -328,6 +328,7 @@ absl::Status KvCacheManager::CheckInvariants() const {
     }
   }
   KVPOOL_RETURN_IF_ERROR(CheckRefGroups());
+  KVPOOL_RETURN_IF_ERROR(CheckHoldings());
   KVPOOL_RETURN_IF_ERROR(CheckQuotaBooks());
   KVPOOL_RETURN_IF_ERROR(CheckStates());
   KVPOOL_RETURN_IF_ERROR(CheckWindows());

@@ -107,6 +107,7 @@ absl::StatusOr<PinId> KvCacheManager::MakePin(SessionId caller, NamespaceId ns, 
                      .expires_ns = now_ns + ttl_ns};
   pin.blocks = std::move(blocks);
   deadlines_.emplace(pin.info.expires_ns, id);
+  HoldPin(pin.info);
   ++counters_.pins_made;
   return id;
 }
@@ -144,6 +145,7 @@ void KvCacheManager::ReleasePin(PinId pin) {
   KVPOOL_CHECK(it != pins_.end());
   cache_->Unpin(it->second.blocks);
   deadlines_.erase({it->second.info.expires_ns, pin});
+  UnholdPin(it->second.info);
   pins_.erase(it);
 }
 
@@ -166,10 +168,21 @@ int64_t KvCacheManager::ExpirePins() {
 std::vector<PinInfo> KvCacheManager::ListPins(SessionId session) const {
   const int64_t now = clock_->NowNanos();
   std::vector<PinInfo> out;
+  // A pin whose time is up is over; the next call releases it.
+  if (session != kNoSession) {
+    // The session's own, from its holdings (by id already): never a walk over every pin.
+    const SessionHoldings* held = HoldingsOf(session);
+    if (held == nullptr) return out;
+    visited_.fetch_add(held->pins.size(), std::memory_order_relaxed);
+    for (PinId id : held->pins) {
+      const PinInfo& info = pins_.at(id).info;
+      if (info.expires_ns > now) out.push_back(info);
+    }
+    return out;
+  }
   visited_.fetch_add(pins_.size(), std::memory_order_relaxed);
   for (const auto& [id, pin] : pins_) {
-    if (pin.info.expires_ns <= now) continue;  // over; the next call releases it
-    if (session == kNoSession || pin.info.session == session) out.push_back(pin.info);
+    if (pin.info.expires_ns > now) out.push_back(pin.info);
   }
   std::sort(out.begin(), out.end(), [](const PinInfo& a, const PinInfo& b) { return a.id < b.id; });
   return out;

@@ -7,6 +7,7 @@
 // Lower tiers' events come in between, and a consumer's view built from the event log alone
 // (event_mirror.h) must match the pool's snapshot, device and tiers.
 
+#include <algorithm>
 #include <cstdlib>
 #include <map>
 #include <random>
@@ -81,6 +82,20 @@ class KvCacheRandomTest : public ::testing::Test {
   // arena holds exactly what each sequence wrote.
   void Verify() {
     ASSERT_EQ(cache_->stats().sequences, static_cast<int64_t>(model_.seqs.size()));
+    // Each session's holdings list exactly its sequences, by id (CheckInvariants recounts the
+    // rest of them).
+    for (SessionId session : kSessions) {
+      std::vector<SequenceId> want;
+      for (const auto& [id, m] : model_.seqs) {
+        if (m.session == session) want.push_back(id);
+      }
+      std::sort(want.begin(), want.end());
+      const SessionHoldings* held = cache_->HoldingsOf(session);
+      const std::vector<SequenceId> got =
+          held ? std::vector<SequenceId>(held->sequences.begin(), held->sequences.end())
+               : std::vector<SequenceId>{};
+      ASSERT_EQ(got, want) << "session " << session;
+    }
     // Blocks the model forgot are free, or cached and evictable (a pin-held one is neither).
     ASSERT_EQ(cache_->pool().num_free() + cache_->stats().cache.evictable,
               kNumBlocks - model_.Used());
@@ -128,6 +143,14 @@ class KvCacheRandomTest : public ::testing::Test {
       }
     }
     ASSERT_EQ(cache_->stats().pinned_blocks, model_.PinnedHandles());
+    // Each session's own listing (from its holdings, SessionHoldings) is its part of the whole.
+    for (SessionId session : kSessions) {
+      std::vector<PinInfo> own;
+      for (const PinInfo& info : listed) {
+        if (info.session == session) own.push_back(info);
+      }
+      ASSERT_EQ(cache_->ListPins(session), own) << "session " << session;
+    }
   }
 
   static std::vector<int32_t> TokensOf(const Model::Seq& m, int64_t from, int64_t to) {
