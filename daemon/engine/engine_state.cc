@@ -260,24 +260,38 @@ absl::StatusOr<EngineState::Invalidated> EngineState::Invalidate(std::string_vie
   return out;
 }
 
+namespace {
+
+// Whether a session holds a namespace in its pool: a live sequence in it, or a pin over it whose
+// time is not up (one whose time is up is over, as ListPins says, though no call has expired it
+// yet). From the pool's books of the session (KvCacheManager::HoldingsOf): its own pins once,
+// then O(1) per namespace, never a walk over the pool's sequences or pins.
+class HeldBy final {
+ public:
+  HeldBy(const KvCacheManager& cache, SessionId session) : cache_(cache), session_(session) {
+    for (const PinInfo& pin : cache.ListPins(session)) pinned_.insert(pin.ns);
+  }
+  bool operator()(NamespaceId ns) const {
+    return cache_.HeldIn(session_, ns).sequences > 0 || pinned_.contains(ns);
+  }
+
+ private:
+  const KvCacheManager& cache_;
+  const SessionId session_;
+  absl::flat_hash_set<NamespaceId> pinned_;
+};
+
+}  // namespace
+
 void EngineState::LeaveRetiredUnheld() {
   // Its live sequences finish in a retired namespace, and its pins hold theirs; one it holds
   // nothing in is left now (else an idle session kept one more per invalidation, and every salt
-  // it had, until it ended).
-  absl::flat_hash_map<SessionId, absl::flat_hash_set<NamespaceId>> held;
-  for (const auto& [id, namespaces] : retired_) held[id];
-  for (int32_t p = 0; p < num_pools(); ++p) {
-    const KvCacheManager& cache = pool(p).cache();
-    cache.ForEachSequence([&](const Sequence& seq) {
-      if (auto it = held.find(seq.session); it != held.end()) it->second.insert(seq.ns);
-    });
-  }
+  // it had, until it ended). A session's sequences and pins are in its own pool only.
   for (auto it = retired_.begin(); it != retired_.end();) {
     const Session& s = *live_.at(it->first);
-    absl::flat_hash_set<NamespaceId>& in_use = held.at(it->first);
-    for (const PinInfo& pin : pool_of(s).cache().ListPins(s.id)) in_use.insert(pin.ns);
+    const HeldBy held(pool_of(s).cache(), s.id);
     std::erase_if(it->second, [&](NamespaceId ns) {
-      if (in_use.contains(ns)) return false;
+      if (held(ns)) return false;
       LeaveNamespace(s, ns);
       return true;
     });
@@ -310,15 +324,12 @@ absl::StatusOr<NamespaceId> EngineState::SaltedNamespace(const Session& s, std::
 }
 
 void EngineState::PruneSalts(const Session& s) {
-  const KvCacheManager& cache = pool(s.pool).cache();
-  absl::flat_hash_set<NamespaceId> held;
-  cache.ForEachSequence([&](const Sequence& seq) {
-    if (seq.session == s.id) held.insert(seq.ns);
-  });
-  for (const PinInfo& pin : cache.ListPins(s.id)) held.insert(pin.ns);
+  // Costs the session's own salts and pins (a refused salt changes nothing, and must not cost
+  // the other sessions a walk over the pool, under the lock they wait for).
+  const HeldBy held(pool(s.pool).cache(), s.id);
   auto& mine = salts_[s.id];
   for (auto it = mine.begin(); it != mine.end();) {
-    if (held.contains(it->second)) {
+    if (held(it->second)) {
       ++it;
       continue;
     }

@@ -134,9 +134,11 @@ class EngineState final {
   // table forgot leaves both.
   void JoinTenant(const Session& s, NamespaceId ns);
   void LeaveNamespace(const Session& s, NamespaceId ns);
-  // Lets go of the salted namespaces of `s` it holds no sequence or pin in.
+  // Lets go of the salted namespaces of `s` it holds no sequence or pin in. Costs its salts and
+  // pins (its pool's books of what it holds, KvCacheManager::HeldIn), never the pool's.
   void PruneSalts(const Session& s);
-  // Lets go of the retired namespaces (retired_) their sessions hold no sequence or pin in.
+  // Lets go of the retired namespaces (retired_) their sessions hold no sequence or pin in. Costs
+  // those namespaces and their sessions' pins, as PruneSalts.
   void LeaveRetiredUnheld();
 
   const EngineOptions options_;
