@@ -709,6 +709,9 @@ class KvCacheManager final {
   // but which no call has expired yet are left out. For one session it costs that session's
   // pins, not the pool's (SessionHoldings).
   std::vector<PinInfo> ListPins(SessionId session = kNoSession) const;
+  // The pin `pin` (its time may be up, if no call has expired it yet); null when it has ended or
+  // never was. O(1).
+  const PinInfo* FindPin(PinId pin) const;
   // Ends every pin whose time is up (at the Clock's reading). Returns how many.
   int64_t ExpirePins();
 

@@ -188,6 +188,11 @@ std::vector<PinInfo> KvCacheManager::ListPins(SessionId session) const {
   return out;
 }
 
+const PinInfo* KvCacheManager::FindPin(PinId pin) const {
+  auto it = pins_.find(pin);
+  return it == pins_.end() ? nullptr : &it->second.info;
+}
+
 absl::Status KvCacheManager::CheckPins(absl::flat_hash_map<BlockId, uint32_t>* locks,
                                        absl::flat_hash_map<BlockId, uint32_t>* pinned) const {
   if (static_cast<int64_t>(pins_.size()) > max_pins_)

@@ -527,11 +527,12 @@ absl::StatusOr<int64_t> Engine::MatchPrefix(const Session& s, std::span<const in
 
 namespace {
 
-// The live pin `id` of `session` in `cache`; INTERNAL if the manager just made it and lost it.
-absl::StatusOr<PinInfo> FindPin(const KvCacheManager& cache, SessionId session, PinId id) {
-  for (const PinInfo& pin : cache.ListPins(session)) {
-    if (pin.id == id) return pin;
-  }
+// The live pin `id` of `session` in `cache` (as ListPins(session) would list it, without a walk
+// over its pins); INTERNAL if the manager just made or renewed it and lost it.
+absl::StatusOr<PinInfo> FindPin(const KvCacheManager& cache, SessionId session, PinId id,
+                                int64_t now_ns) {
+  const PinInfo* pin = cache.FindPin(id);
+  if (pin != nullptr && pin->session == session && pin->expires_ns > now_ns) return *pin;
   return absl::InternalError(fmt::format("pin {} vanished", id.value()));
 }
 
@@ -546,7 +547,7 @@ absl::StatusOr<PinInfo> Engine::PinPrefix(const Session& s, std::span<const int3
   KVPOOL_ASSIGN_OR_RETURN(const NamespaceId ns, state_->SaltedNamespace(s, salt));
   KvCacheManager& cache = state_->pool_of(s).cache();
   KVPOOL_ASSIGN_OR_RETURN(const PinId id, cache.PinPrefix(s.id, ns, tokens, ttl_ns, priority));
-  return FindPin(cache, s.id, id);
+  return FindPin(cache, s.id, id, state_->now());
 }
 
 absl::StatusOr<PinInfo> Engine::PinSequence(const Session& s, SequenceId sequence, int64_t ttl_ns,
@@ -557,7 +558,7 @@ absl::StatusOr<PinInfo> Engine::PinSequence(const Session& s, SequenceId sequenc
   KVPOOL_RETURN_IF_ERROR(Admit(s, ask));
   KvCacheManager& cache = state_->pool_of(s).cache();
   KVPOOL_ASSIGN_OR_RETURN(const PinId id, cache.PinSequence(s.id, sequence, ttl_ns, priority));
-  return FindPin(cache, s.id, id);
+  return FindPin(cache, s.id, id, state_->now());
 }
 
 absl::StatusOr<PinInfo> Engine::RenewPin(const Session& s, PinId pin, int64_t ttl_ns) {
@@ -567,7 +568,7 @@ absl::StatusOr<PinInfo> Engine::RenewPin(const Session& s, PinId pin, int64_t tt
   KVPOOL_RETURN_IF_ERROR(Admit(s, ask));
   KvCacheManager& cache = state_->pool_of(s).cache();
   KVPOOL_RETURN_IF_ERROR(cache.RenewPin(s.id, pin, ttl_ns));
-  return FindPin(cache, s.id, pin);
+  return FindPin(cache, s.id, pin, state_->now());
 }
 
 absl::Status Engine::Unpin(const Session& s, PinId pin) {

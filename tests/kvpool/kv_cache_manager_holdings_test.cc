@@ -162,6 +162,20 @@ TEST_F(KvCacheManagerHoldingsTest, FreeingASessionEmptiesItsHoldingsAndWalksOnly
   EXPECT_EQ(cache_->stats().pins, 1);
 }
 
+TEST_F(KvCacheManagerHoldingsTest, FindPinFindsAPinUntilItEnds) {
+  const PinId pin = PinOwn(kAlice, kOther, 0, 5 * kSecond);
+  const uint64_t before = KvCacheManagerTestPeer::Visited(*cache_);
+  const PinInfo* found = cache_->FindPin(pin);
+  ASSERT_NE(found, nullptr);
+  EXPECT_EQ(*found, cache_->ListPins(kAlice).at(0));
+  EXPECT_EQ(KvCacheManagerTestPeer::Visited(*cache_) - before, 1u) << "ListPins' walk only";
+  clock_.Advance(5 * kSecond);
+  EXPECT_NE(cache_->FindPin(pin), nullptr) << "its time is up, but no call has expired it";
+  cache_->ExpirePins();
+  EXPECT_EQ(cache_->FindPin(pin), nullptr);
+  EXPECT_EQ(cache_->FindPin(PinId(12345)), nullptr);
+}
+
 TEST_F(KvCacheManagerHoldingsTest, ListingASessionsPinsWalksOnlyItsPins) {
   for (int i = 0; i < 6; ++i) PinOwn(kBob, kNs, 1000 + 100 * i);
   const PinId first = PinOwn(kAlice, kNs, 0);
