@@ -1258,20 +1258,23 @@ absl::Status KvCacheManager::CheckPublish(const Sequence& seq, std::span<const i
 
 int64_t KvCacheManager::FreeSession(SessionId session) {
   BeginCall(session, SequenceId(0));
-  // What it holds, by id (a deterministic release order), from its holdings: never a walk over
-  // the pool's. Copied, since each release takes an entry out of them.
+  // What it holds, from its holdings (never a walk over the pool's), copied since each release
+  // takes an entry out of them, and sorted: a deterministic release order.
   std::vector<SequenceId> owned;
   if (const SessionHoldings* held = HoldingsOf(session)) {
     owned.assign(held->sequences.begin(), held->sequences.end());
   }
+  std::sort(owned.begin(), owned.end());
   for (SequenceId id : owned) KVPOOL_CHECK_OK(Free(session, id));
   // Only now: each Free may have expired some of its pins first (housekeeping).
   std::vector<PinId> pins;
   if (const SessionHoldings* held = HoldingsOf(session)) {
     pins.assign(held->pins.begin(), held->pins.end());
   }
+  std::sort(pins.begin(), pins.end());
   visited_.fetch_add(owned.size() + pins.size(), std::memory_order_relaxed);
   for (PinId id : pins) ReleasePin(id);
+  holdings_.erase(session);
   if (auto it = sessions_.find(session); it != sessions_.end()) {
     if (const uint64_t group = it->second.group; group != 0 && --ref_groups_[group].sessions == 0) {
       ref_groups_.erase(group);

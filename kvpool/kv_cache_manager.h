@@ -61,6 +61,7 @@
 
 #include "absl/container/btree_set.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -355,10 +356,12 @@ struct PinInfo {
 };
 
 // What one session holds in a KvCacheManager (KvCacheManager::HoldingsOf): its live sequences and
-// its pins, by id, and how many of each are in every namespace it holds one in. The manager files
-// each sequence and pin here as it is made (Allocate, Fork; PinPrefix, PinSequence) and unfiles it
-// as it ends (Free, FreeSession; Unpin, expiry), so that what one session holds is found in O(1)
-// and listed in the time of its own holdings, never of the pool's.
+// its pins, and how many of each are in every namespace it holds one in. The manager files each
+// sequence and pin here as it is made (Allocate, Fork; PinPrefix, PinSequence) and unfiles it as
+// it ends (Free, FreeSession; Unpin, expiry), so that what one session holds is found in O(1) and
+// listed in the time of its own holdings, never of the pool's. A session's entry stays, emptied
+// or not, until FreeSession (as its quota does): one that takes and frees a sequence at a time
+// allocates nothing for it.
 struct SessionHoldings {
   struct InNamespace {
     int64_t sequences = 0;  // live sequences
@@ -366,11 +369,12 @@ struct SessionHoldings {
 
     friend bool operator==(const InNamespace&, const InNamespace&) = default;
   };
-  absl::btree_set<SequenceId> sequences;  // its live sequences, by id
-  absl::btree_set<PinId> pins;            // its pins, by id (as InNamespace::pins)
+  absl::flat_hash_set<SequenceId> sequences;  // its live sequences (unordered)
+  absl::flat_hash_set<PinId> pins;            // its pins (unordered; as InNamespace::pins)
   // Each namespace it holds a sequence or a pin in; none holds zero of both.
   absl::flat_hash_map<NamespaceId, InNamespace> namespaces;
 
+  bool empty() const { return sequences.empty() && pins.empty(); }
   friend bool operator==(const SessionHoldings&, const SessionHoldings&) = default;
 };
 
@@ -820,7 +824,7 @@ class KvCacheManager final {
   void AddRefs(SessionId session, int64_t delta);
   // Each reference group counts exactly its sessions and their references.
   absl::Status CheckRefGroups() const;
-  // File `seq` or `pin` in its session's holdings_, or take it out (an emptied entry goes).
+  // File `seq` or `pin` in its session's holdings_, or take it out.
   // (kv_cache_manager_holdings.cc)
   void HoldSequence(const Sequence& seq);
   void UnholdSequence(const Sequence& seq);
@@ -1200,7 +1204,8 @@ class KvCacheManager final {
   static constexpr size_t kSpareTokenBuffers = 16;
   std::vector<std::vector<int32_t>> spare_tokens_;
   absl::flat_hash_map<SessionId, SessionUsage> sessions_;
-  // What each session holds (SessionHoldings), of those that hold a sequence or a pin.
+  // What each session holds (SessionHoldings): an entry from its first sequence or pin until
+  // FreeSession.
   absl::flat_hash_map<SessionId, SessionHoldings> holdings_;
   absl::flat_hash_map<uint64_t, RefGroup> ref_groups_;
   const int64_t max_sequences_per_session_;              // 0: unlimited

@@ -10,7 +10,7 @@ namespace kvpool {
 
 const SessionHoldings* KvCacheManager::HoldingsOf(SessionId session) const {
   auto it = holdings_.find(session);
-  return it == holdings_.end() ? nullptr : &it->second;
+  return it == holdings_.end() || it->second.empty() ? nullptr : &it->second;
 }
 
 SessionHoldings::InNamespace KvCacheManager::HeldIn(SessionId session, NamespaceId ns) const {
@@ -22,16 +22,17 @@ SessionHoldings::InNamespace KvCacheManager::HeldIn(SessionId session, Namespace
 
 namespace {
 
-// Drops `ns` from `held` once it holds nothing there, and the session's entry once it holds
-// nothing at all.
-void DropEmptied(absl::flat_hash_map<SessionId, SessionHoldings>* holdings,
-                 absl::flat_hash_map<SessionId, SessionHoldings>::iterator held, NamespaceId ns) {
-  auto in = held->second.namespaces.find(ns);
-  if (in->second.sequences == 0 && in->second.pins == 0) held->second.namespaces.erase(in);
-  if (held->second.namespaces.empty()) {
-    KVPOOL_CHECK(held->second.sequences.empty() && held->second.pins.empty());
-    holdings->erase(held);
-  }
+// The entry of `ns` in `held`, which holds something there (DropIfEmpty drops it once it holds
+// nothing).
+SessionHoldings::InNamespace& HeldThere(SessionHoldings* held, NamespaceId ns) {
+  auto it = held->namespaces.find(ns);
+  KVPOOL_CHECK(it != held->namespaces.end());
+  return it->second;
+}
+
+void DropIfEmpty(SessionHoldings* held, NamespaceId ns) {
+  auto it = held->namespaces.find(ns);
+  if (it->second.sequences == 0 && it->second.pins == 0) held->namespaces.erase(it);
 }
 
 }  // namespace
@@ -43,12 +44,12 @@ void KvCacheManager::HoldSequence(const Sequence& seq) {
 }
 
 void KvCacheManager::UnholdSequence(const Sequence& seq) {
-  auto held = holdings_.find(seq.session);
-  KVPOOL_CHECK(held != holdings_.end() && held->second.sequences.erase(seq.id) == 1);
-  auto in = held->second.namespaces.find(seq.ns);
-  KVPOOL_CHECK(in != held->second.namespaces.end() && in->second.sequences > 0);
-  --in->second.sequences;
-  DropEmptied(&holdings_, held, seq.ns);
+  auto it = holdings_.find(seq.session);
+  KVPOOL_CHECK(it != holdings_.end() && it->second.sequences.erase(seq.id) == 1);
+  SessionHoldings::InNamespace& in = HeldThere(&it->second, seq.ns);
+  KVPOOL_CHECK(in.sequences > 0);
+  --in.sequences;
+  DropIfEmpty(&it->second, seq.ns);
 }
 
 void KvCacheManager::HoldPin(const PinInfo& pin) {
@@ -58,12 +59,12 @@ void KvCacheManager::HoldPin(const PinInfo& pin) {
 }
 
 void KvCacheManager::UnholdPin(const PinInfo& pin) {
-  auto held = holdings_.find(pin.session);
-  KVPOOL_CHECK(held != holdings_.end() && held->second.pins.erase(pin.id) == 1);
-  auto in = held->second.namespaces.find(pin.ns);
-  KVPOOL_CHECK(in != held->second.namespaces.end() && in->second.pins > 0);
-  --in->second.pins;
-  DropEmptied(&holdings_, held, pin.ns);
+  auto it = holdings_.find(pin.session);
+  KVPOOL_CHECK(it != holdings_.end() && it->second.pins.erase(pin.id) == 1);
+  SessionHoldings::InNamespace& in = HeldThere(&it->second, pin.ns);
+  KVPOOL_CHECK(in.pins > 0);
+  --in.pins;
+  DropIfEmpty(&it->second, pin.ns);
 }
 
 absl::Status KvCacheManager::CheckHoldings() const {
@@ -78,9 +79,13 @@ absl::Status KvCacheManager::CheckHoldings() const {
     held.pins.insert(id);
     ++held.namespaces[pin.info.ns].pins;
   }
-  if (want.size() != holdings_.size()) {
-    return InvariantViolation("{} sessions hold sequences or pins, the books list {}", want.size(),
-                              holdings_.size());
+  for (const auto& [session, held] : holdings_) {
+    if (!want.contains(session) && !(held == SessionHoldings{})) {
+      return InvariantViolation(
+          "session {} holds nothing, but the books list {} sequences, {} "
+          "pins in {} namespaces",
+          session.value(), held.sequences.size(), held.pins.size(), held.namespaces.size());
+    }
   }
   for (const auto& [session, held] : want) {
     const SessionHoldings* booked = HoldingsOf(session);

@@ -170,19 +170,19 @@ std::vector<PinInfo> KvCacheManager::ListPins(SessionId session) const {
   std::vector<PinInfo> out;
   // A pin whose time is up is over; the next call releases it.
   if (session != kNoSession) {
-    // The session's own, from its holdings (by id already): never a walk over every pin.
-    const SessionHoldings* held = HoldingsOf(session);
-    if (held == nullptr) return out;
-    visited_.fetch_add(held->pins.size(), std::memory_order_relaxed);
-    for (PinId id : held->pins) {
-      const PinInfo& info = pins_.at(id).info;
-      if (info.expires_ns > now) out.push_back(info);
+    // The session's own, from its holdings: never a walk over every pin.
+    if (const SessionHoldings* held = HoldingsOf(session)) {
+      visited_.fetch_add(held->pins.size(), std::memory_order_relaxed);
+      for (PinId id : held->pins) {
+        const PinInfo& info = pins_.at(id).info;
+        if (info.expires_ns > now) out.push_back(info);
+      }
     }
-    return out;
-  }
-  visited_.fetch_add(pins_.size(), std::memory_order_relaxed);
-  for (const auto& [id, pin] : pins_) {
-    if (pin.info.expires_ns > now) out.push_back(pin.info);
+  } else {
+    visited_.fetch_add(pins_.size(), std::memory_order_relaxed);
+    for (const auto& [id, pin] : pins_) {
+      if (pin.info.expires_ns > now) out.push_back(pin.info);
+    }
   }
   std::sort(out.begin(), out.end(), [](const PinInfo& a, const PinInfo& b) { return a.id < b.id; });
   return out;

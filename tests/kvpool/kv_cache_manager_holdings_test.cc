@@ -4,6 +4,7 @@
 // expired), and what FreeSession and ListPins(session) cost because of it. CheckInvariants recounts
 // the holdings after every step.
 
+#include <algorithm>
 #include <numeric>
 #include <vector>
 
@@ -65,14 +66,20 @@ class KvCacheManagerHoldingsTest : public ::testing::Test {
     EXPECT_TRUE(pin.ok()) << pin.status();
     return pin.ok() ? *pin : PinId(0);
   }
+  // Its sequences and pins, by id.
   std::vector<SequenceId> SequencesOf(SessionId s) const {
     const SessionHoldings* held = cache_->HoldingsOf(s);
-    return held ? std::vector<SequenceId>(held->sequences.begin(), held->sequences.end())
-                : std::vector<SequenceId>{};
+    std::vector<SequenceId> out;
+    if (held) out.assign(held->sequences.begin(), held->sequences.end());
+    std::sort(out.begin(), out.end());
+    return out;
   }
   std::vector<PinId> PinsOf(SessionId s) const {
     const SessionHoldings* held = cache_->HoldingsOf(s);
-    return held ? std::vector<PinId>(held->pins.begin(), held->pins.end()) : std::vector<PinId>{};
+    std::vector<PinId> out;
+    if (held) out.assign(held->pins.begin(), held->pins.end());
+    std::sort(out.begin(), out.end());
+    return out;
   }
 
   ManualClock clock_{1};
@@ -85,6 +92,10 @@ TEST_F(KvCacheManagerHoldingsTest, ASessionThatHoldsNothingHasNoHoldings) {
   const SequenceId id = Alloc(kAlice, kNs);
   ASSERT_TRUE(cache_->Free(kAlice, id).ok());
   EXPECT_EQ(cache_->HoldingsOf(kAlice), nullptr);
+  // Its emptied entry stays for its next sequence (nothing to allocate again), until its end.
+  EXPECT_EQ(KvCacheManagerTestPeer::SessionsBooked(*cache_), 1u);
+  EXPECT_EQ(cache_->FreeSession(kAlice), 0);
+  EXPECT_EQ(KvCacheManagerTestPeer::SessionsBooked(*cache_), 0u);
 }
 
 TEST_F(KvCacheManagerHoldingsTest, SequencesAreFiledByIdAndNamespace) {

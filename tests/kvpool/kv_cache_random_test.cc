@@ -82,18 +82,17 @@ class KvCacheRandomTest : public ::testing::Test {
   // arena holds exactly what each sequence wrote.
   void Verify() {
     ASSERT_EQ(cache_->stats().sequences, static_cast<int64_t>(model_.seqs.size()));
-    // Each session's holdings list exactly its sequences, by id (CheckInvariants recounts the
-    // rest of them).
+    // Each session's holdings list exactly its sequences (CheckInvariants recounts the rest of
+    // them).
     for (SessionId session : kSessions) {
       std::vector<SequenceId> want;
       for (const auto& [id, m] : model_.seqs) {
         if (m.session == session) want.push_back(id);
       }
-      std::sort(want.begin(), want.end());
       const SessionHoldings* held = cache_->HoldingsOf(session);
-      const std::vector<SequenceId> got =
-          held ? std::vector<SequenceId>(held->sequences.begin(), held->sequences.end())
-               : std::vector<SequenceId>{};
+      std::vector<SequenceId> got;
+      if (held) got.assign(held->sequences.begin(), held->sequences.end());
+      std::sort(got.begin(), got.end());
       ASSERT_EQ(got, want) << "session " << session;
     }
     // Blocks the model forgot are free, or cached and evictable (a pin-held one is neither).
