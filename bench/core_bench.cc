@@ -132,6 +132,27 @@ void BM_SequenceAllocateFree(benchmark::State& state) {
 }
 BENCHMARK(BM_SequenceAllocateFree);
 
+// --- a one-sequence session's end amid 65,536 other sequences ----------------------------------
+// A client that attaches, allocates and detaches over and over: its session's end must cost what
+// it held, not the pool (KvCacheManager::FreeSession finds its sequences and pins in the session's
+// holdings). The baseline is the same allocate + free through Free, with the pool empty.
+
+constexpr int kOtherSequences = 1 << 16;
+
+void BM_SessionEndAmidOthers(benchmark::State& state) {
+  auto cache = MakeCache();
+  DevicePlan plan;
+  for (int s = 0; s < kOtherSequences; ++s) {
+    KVPOOL_CHECK_OK(cache->Allocate(SessionId(2 + s % 64), {NamespaceId(1), 0}, &plan).status());
+  }
+  for (auto _ : state) {
+    plan.fills.clear();
+    KVPOOL_CHECK_OK(cache->Allocate(SessionId(1), {NamespaceId(1), kBlockSize}, &plan).status());
+    benchmark::DoNotOptimize(cache->FreeSession(SessionId(1)));
+  }
+}
+BENCHMARK(BM_SessionEndAmidOthers);
+
 // --- grow by one token across 256 sequences, one batch ----------------------------------------
 
 void BM_GrowBatch256(benchmark::State& state) {
@@ -288,6 +309,8 @@ int main(int argc, char** argv) {
           {"allocate+free, 512 held, FIFO (BlockPool)", "BM_PoolAllocateFreeSteady",
            "BM_VectorPushPopSteady", 0.3},
           {"allocate+free one sequence (manager)", "BM_SequenceAllocateFree", "BM_VectorPushPop"},
+          {"allocate+session end, 65536 others held", "BM_SessionEndAmidOthers",
+           "BM_SequenceAllocateFree"},
           {"grow 1 token x 256 sequences, one batch", "BM_GrowBatch256", "BM_GrowBatch256_Vectors"},
           {"fork+free, 1000 tokens", "BM_ForkFree", "BM_ForkFree_Vectors"},
           {"snapshot of 100k host-tier blocks", "BM_SnapshotTierBlocks",
