@@ -1,7 +1,6 @@
 // Eviction through the KvCacheManager: the leaf-only rule whatever order a policy asks for,
 // first-out partial tails, the admission filter and policy injection.
 
-#include <numeric>
 #include <random>
 #include <vector>
 
@@ -9,6 +8,7 @@
 #include "gtest/gtest.h"
 #include "kvpool/kv_cache_manager.h"
 #include "kvpool/lru_eviction_policy.h"
+#include "tests/kvpool/tokens.h"
 
 namespace kvpool {
 namespace {
@@ -17,11 +17,7 @@ constexpr SessionId kAlice(1);
 constexpr NamespaceId kNs(100);
 constexpr int32_t kBs = 16;
 
-std::vector<int32_t> Tokens(int32_t start, int32_t n) {
-  std::vector<int32_t> t(static_cast<size_t>(n));
-  std::iota(t.begin(), t.end(), start);
-  return t;
-}
+using test_tokens::Tokens;
 
 // The worst order a policy could ask for: most recently released first, which puts every
 // parent (released just after its children) ahead of them. Records what it was offered.

@@ -3,13 +3,13 @@
 // unit of weight. Through the KvCacheManager, with the plain LRU spec and the default one.
 
 #include <algorithm>
-#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
 #include "kvpool/kv_cache_manager.h"
+#include "tests/kvpool/tokens.h"
 
 namespace kvpool {
 namespace {
@@ -21,11 +21,7 @@ constexpr NamespaceId kQuiet(11);  // a tenant with one prompt it comes back to
 constexpr NamespaceId kLoud(22);   // a tenant that floods the cache with prompts used once
 constexpr NamespaceId kThird(33);
 
-std::vector<int32_t> Tokens(int32_t start, int32_t n) {
-  std::vector<int32_t> t(static_cast<size_t>(n));
-  std::iota(t.begin(), t.end(), start);
-  return t;
-}
+using test_tokens::Tokens;
 
 class FairEvictionTest : public ::testing::TestWithParam<const char*> {
  protected:

@@ -5,13 +5,13 @@
 // the holdings after every step.
 
 #include <algorithm>
-#include <numeric>
 #include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvpool/kv_cache_manager.h"
 #include "tests/kvpool/kv_cache_manager_test_peer.h"
+#include "tests/kvpool/tokens.h"
 
 namespace kvpool {
 namespace {
@@ -27,11 +27,7 @@ constexpr NamespaceId kOther(200);
 constexpr int32_t kBs = 16;
 constexpr int64_t kSecond = 1'000'000'000;
 
-std::vector<int32_t> Tokens(int32_t start, int32_t n) {
-  std::vector<int32_t> t(static_cast<size_t>(n));
-  std::iota(t.begin(), t.end(), start);
-  return t;
-}
+using test_tokens::Tokens;
 
 class KvCacheManagerHoldingsTest : public ::testing::Test {
  protected:

@@ -1,13 +1,13 @@
 // Pins (retention hints) through the KvCacheManager: what a pin keeps, when it ends, what it
 // counts against, and every refusal with its code and nothing changed.
 
-#include <numeric>
 #include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvpool/kv_cache_manager.h"
 #include "kvpool/util/errors.h"
+#include "tests/kvpool/tokens.h"
 
 namespace kvpool {
 namespace {
@@ -23,11 +23,7 @@ constexpr NamespaceId kOther(200);
 constexpr int32_t kBs = 16;
 constexpr int64_t kSecond = 1'000'000'000;
 
-std::vector<int32_t> Tokens(int32_t start, int32_t n) {
-  std::vector<int32_t> t(static_cast<size_t>(n));
-  std::iota(t.begin(), t.end(), start);
-  return t;
-}
+using test_tokens::Tokens;
 
 class PinTest : public ::testing::Test {
  protected:

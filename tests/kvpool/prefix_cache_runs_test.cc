@@ -2,12 +2,12 @@
 // diverging inside it splits it, evicting the branch merges it back, eviction trims a run from its
 // tail, and locks, pins and events stay per block inside a run.
 
-#include <numeric>
 #include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvpool/kv_cache_manager.h"
+#include "tests/kvpool/tokens.h"
 
 namespace kvpool {
 namespace {
@@ -18,11 +18,7 @@ constexpr SessionId kAlice(1);
 constexpr NamespaceId kNs(100);
 constexpr int32_t kBs = 4;
 
-std::vector<int32_t> Tokens(int32_t start, int32_t n) {
-  std::vector<int32_t> t(static_cast<size_t>(n));
-  std::iota(t.begin(), t.end(), start);
-  return t;
-}
+using test_tokens::Tokens;
 
 std::vector<int32_t> Concat(std::vector<int32_t> a, const std::vector<int32_t>& b) {
   a.insert(a.end(), b.begin(), b.end());

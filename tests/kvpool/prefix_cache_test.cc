@@ -3,13 +3,13 @@
 
 #include "kvpool/prefix_cache.h"
 
-#include <numeric>
 #include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvpool/kv_cache_manager.h"
 #include "kvpool/util/errors.h"
+#include "tests/kvpool/tokens.h"
 
 namespace kvpool {
 namespace {
@@ -26,11 +26,7 @@ constexpr NamespaceId kTenantB(200);
 constexpr int32_t kBs = 32;
 
 // Tokens [start, start + n).
-std::vector<int32_t> Tokens(int32_t start, int32_t n) {
-  std::vector<int32_t> t(static_cast<size_t>(n));
-  std::iota(t.begin(), t.end(), start);
-  return t;
-}
+using test_tokens::Tokens;
 
 std::vector<int32_t> Concat(std::vector<int32_t> a, const std::vector<int32_t>& b) {
   a.insert(a.end(), b.begin(), b.end());
