@@ -1160,7 +1160,7 @@ absl::Status KvCacheManager::Free(SessionId caller, SequenceId sequence, OnFree 
 absl::Status KvCacheManager::FreeBatch(SessionId caller, std::span<const SequenceId> sequences,
                                        OnFree on_free) {
   ++counters_.free_calls;
-  BeginCall(caller, SequenceId(0));
+  const int64_t now_ns = BeginCall(caller, SequenceId(0)).time_ns;
   if (sequences.empty()) return EmptyBatch("free");
   std::vector<Sequence*> seqs;
   seqs.reserve(sequences.size());
@@ -1181,14 +1181,14 @@ absl::Status KvCacheManager::FreeBatch(SessionId caller, std::span<const Sequenc
     seqs.push_back(seq);
   }
   // Everything checked: from here on nothing can fail.
-  for (Sequence* seq : seqs) FreeChecked(seq, on_free);
+  for (Sequence* seq : seqs) FreeChecked(seq, on_free, now_ns);
   return absl::OkStatus();
 }
 
-void KvCacheManager::FreeChecked(Sequence* seq, OnFree on_free) {
+void KvCacheManager::FreeChecked(Sequence* seq, OnFree on_free, int64_t now_ns) {
   const SequenceId id = seq->id;
   const SessionId caller = seq->session;
-  const TraceContext ctx = Context(caller, id);
+  const TraceContext ctx{caller, id, now_ns};
   if (on_free == OnFree::kCommit && cache_) {
     cache_->Commit(seq->ns, seq->tokens, seq->table, seq->priority, seq->retain_tail, &seq->path,
                    ctx);

@@ -1146,8 +1146,9 @@ class KvCacheManager final {
   // `claims`, another sequence of the same batch. Records this sequence's claims.
   absl::Status CheckPublish(const Sequence& seq, std::span<const int32_t> extra, int64_t num_tokens,
                             PublishClaims* claims) const;
-  // Free() after its checks: publishes (kCommit), releases and forgets the sequence.
-  void FreeChecked(Sequence* seq, OnFree on_free);
+  // Free() after its checks: publishes (kCommit), releases and forgets the sequence, at the call's
+  // one clock reading `now_ns` (BeginCall's).
+  void FreeChecked(Sequence* seq, OnFree on_free, int64_t now_ns);
 
   const int32_t block_size_;
   const int32_t max_blocks_per_seq_;

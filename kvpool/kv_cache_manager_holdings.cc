@@ -22,16 +22,12 @@ SessionHoldings::InNamespace KvCacheManager::HeldIn(SessionId session, Namespace
 
 namespace {
 
-// The entry of `ns` in `held`, which holds something there (DropIfEmpty drops it once it holds
-// nothing).
-SessionHoldings::InNamespace& HeldThere(SessionHoldings* held, NamespaceId ns) {
+// Takes one `count` (a sequence or a pin) of what `held` holds in `ns`, which it holds there; the
+// entry goes once it holds nothing there (one lookup: this runs for every sequence freed).
+void TakeOne(SessionHoldings* held, NamespaceId ns, int64_t SessionHoldings::InNamespace::*count) {
   auto it = held->namespaces.find(ns);
-  KVPOOL_CHECK(it != held->namespaces.end());
-  return it->second;
-}
-
-void DropIfEmpty(SessionHoldings* held, NamespaceId ns) {
-  auto it = held->namespaces.find(ns);
+  KVPOOL_CHECK(it != held->namespaces.end() && it->second.*count > 0);
+  --(it->second.*count);
   if (it->second.sequences == 0 && it->second.pins == 0) held->namespaces.erase(it);
 }
 
@@ -46,10 +42,7 @@ void KvCacheManager::HoldSequence(const Sequence& seq) {
 void KvCacheManager::UnholdSequence(const Sequence& seq) {
   auto it = holdings_.find(seq.session);
   KVPOOL_CHECK(it != holdings_.end() && it->second.sequences.erase(seq.id) == 1);
-  SessionHoldings::InNamespace& in = HeldThere(&it->second, seq.ns);
-  KVPOOL_CHECK(in.sequences > 0);
-  --in.sequences;
-  DropIfEmpty(&it->second, seq.ns);
+  TakeOne(&it->second, seq.ns, &SessionHoldings::InNamespace::sequences);
 }
 
 void KvCacheManager::HoldPin(const PinInfo& pin) {
@@ -61,10 +54,7 @@ void KvCacheManager::HoldPin(const PinInfo& pin) {
 void KvCacheManager::UnholdPin(const PinInfo& pin) {
   auto it = holdings_.find(pin.session);
   KVPOOL_CHECK(it != holdings_.end() && it->second.pins.erase(pin.id) == 1);
-  SessionHoldings::InNamespace& in = HeldThere(&it->second, pin.ns);
-  KVPOOL_CHECK(in.pins > 0);
-  --in.pins;
-  DropIfEmpty(&it->second, pin.ns);
+  TakeOne(&it->second, pin.ns, &SessionHoldings::InNamespace::pins);
 }
 
 absl::Status KvCacheManager::CheckHoldings() const {
