@@ -97,12 +97,14 @@ class HostBuffer final : public DeviceBuffer {
 CpuDevice::Stream::Stream(CpuDevice* device, uint32_t timeline)
     : device_(device), timeline_(timeline), worker_([this] { Loop(); }) {}
 
-CpuDevice::Stream::~Stream() {
+CpuDevice::Stream::~Stream() { Drain(); }
+
+void CpuDevice::Stream::Drain() {
   {
     absl::MutexLock lock(&mu_);
     stop_ = true;
   }
-  worker_.join();
+  if (worker_.joinable()) worker_.join();
 }
 
 Fence CpuDevice::Stream::Enqueue(std::function<absl::Status()> run, Helpable helpable) {
@@ -201,7 +203,10 @@ CpuDevice::CpuDevice(int threads) : threads_(threads) {
 }
 
 CpuDevice::~CpuDevice() {
-  for (auto& stream : streams_) stream.reset();  // each drains its queue before stopping
+  // Every queue drains while every stream still exists: a task of one (StreamWait) may be
+  // waiting on another, inside that one's lock, until the other's last task has run.
+  for (auto& stream : streams_) stream->Drain();
+  for (auto& stream : streams_) stream.reset();
 }
 
 std::string CpuDevice::name() const {

@@ -89,7 +89,10 @@ class CpuDevice final : public Device {
   class Stream {
    public:
     Stream(CpuDevice* device, uint32_t timeline);
-    ~Stream();
+    ~Stream();  // Drain()s
+    // Runs what is queued, then ends the worker. Idempotent. A task of another stream may wait
+    // on this one (StreamWait) until then, so ~CpuDevice drains every stream before freeing any.
+    void Drain();
     Fence Enqueue(std::function<absl::Status()> run, Helpable helpable = Helpable::kNo);
     // Returns once task `value` has run. While the stream's next task is a helpable one and
     // nothing of the stream runs, the waiter runs it on its own thread, in order: the copy it

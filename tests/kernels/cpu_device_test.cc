@@ -83,6 +83,24 @@ TEST(CpuDeviceTest, StreamWaitOrdersOneStreamAfterAnother) {
   EXPECT_TRUE(device.HasPassed(compute));
 }
 
+// Destroying the device while one stream's worker waits on another (a StreamWait in flight):
+// every queue drains before any stream is freed. The streams used to go one by one, so the
+// compute stream was freed while the transfer stream's worker was still returning from its
+// wait on it (ASan: a heap-use-after-free in WaitFor, seen once in CI from tiers_test).
+TEST(CpuDeviceTest, DestroyingTheDeviceWhileOneStreamWaitsOnAnotherFreesNoStreamInUse) {
+  for (int round = 0; round < 20; ++round) {
+    SCOPED_TRACE(round);
+    std::atomic<bool> ran{false};
+    auto device = std::make_unique<CpuDevice>(1);
+    const Fence compute =
+        *device->EnqueueHostTask(StreamId::kCompute, [] { absl::SleepFor(absl::Milliseconds(2)); });
+    ASSERT_TRUE(device->StreamWait(StreamId::kTransfer, compute).ok());
+    ASSERT_TRUE(device->EnqueueHostTask(StreamId::kTransfer, [&] { ran = true; }).ok());
+    device.reset();  // drains both queues
+    EXPECT_TRUE(ran);
+  }
+}
+
 // A thread waiting for a copy runs it itself when the stream is idle (no wake-up of the stream's
 // worker to start it, nor of the waiter when it ends), but never ahead of what the stream runs
 // first, and never a host task.
