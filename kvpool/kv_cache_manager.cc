@@ -368,14 +368,16 @@ absl::Status KvCacheManager::SetRefGroupQuota(uint64_t group, int64_t max_block_
   return absl::OkStatus();
 }
 
-void KvCacheManager::AddSequences(SessionId session, int64_t delta) {
-  SessionUsage& usage = sessions_[session];
+void KvCacheManager::AddSequences(SessionUsage& usage, int64_t delta) {
   usage.sequences += delta;
   if (usage.group != 0) ref_groups_[usage.group].sequences += delta;
 }
 
 void KvCacheManager::AddRefs(SessionId session, int64_t delta) {
-  SessionUsage& usage = sessions_[session];
+  AddRefs(sessions_[session], delta);
+}
+
+void KvCacheManager::AddRefs(SessionUsage& usage, int64_t delta) {
   usage.block_refs += delta;
   if (usage.group != 0) ref_groups_[usage.group].block_refs += delta;
 }
@@ -770,6 +772,7 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
   EvictPlanned(victims, ctx);
   if (window_) window_->RecycleNamespaces(window_recycle);
   EvictWindowPlanned(window_victims, ctx);
+  SessionUsage& usage = sessions_[caller];
   for (size_t k = 0; k < requests.size(); ++k) {
     const AllocateRequest& r = requests[k];
     AllocatePlan& p = plans[k];
@@ -786,7 +789,7 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
                    .priority = r.priority,
                    .retain_tail = r.retain_tail};
     AdoptMatch(&seq, r, p, ctx, plan);
-    HoldSequence(seq);
+    HoldSequence(usage, seq);
     if (states_) ++states_by_ns_[r.ns];
     // (Uncut, the state holds no tokens of the match: it is not to be stepped or kept.)
     seq.state_tokens = p.uncut && p.match.matched_tokens > 0 ? -1 : p.match.matched_tokens;
@@ -804,8 +807,8 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
                        static_cast<uint64_t>(p.window_evicted));
     results->push_back(AllocateResult{id, p.match.matched_tokens});
   }
-  AddSequences(caller, static_cast<int64_t>(requests.size()));
-  AddRefs(caller, tally.refs);
+  AddSequences(usage, static_cast<int64_t>(requests.size()));
+  AddRefs(usage, tally.refs);
   return absl::OkStatus();
 }
 
@@ -1146,9 +1149,10 @@ absl::StatusOr<SequenceId> KvCacheManager::Fork(SessionId caller, SequenceId seq
   }
   TakeStateSlot(&child, parent->state_slot, ctx, plan);
   if (states_) ++states_by_ns_[child.ns];
-  AddRefs(caller, static_cast<int64_t>(child.table.size()));
-  AddSequences(caller, 1);
-  HoldSequence(child);
+  SessionUsage& usage = sessions_[caller];
+  AddRefs(usage, static_cast<int64_t>(child.table.size()));
+  AddSequences(usage, 1);
+  HoldSequence(usage, child);
   sequences_.emplace(id, std::move(child));
   return id;
 }
@@ -1202,13 +1206,11 @@ void KvCacheManager::FreeChecked(Sequence* seq, OnFree on_free, int64_t now_ns) 
   }
   ReleaseTail(seq, 0, ctx);
   if (cache_) cache_->Truncate(&seq->path, 0);
-  AddSequences(caller, -1);
-  UnholdSequence(*seq);
+  // (The session's entry stays, emptied or not, until FreeSession.)
+  SessionUsage& usage = sessions_.find(caller)->second;
+  AddSequences(usage, -1);
+  UnholdSequence(usage, *seq);
   RecycleTokens(seq->tokens);
-  auto it = sessions_.find(caller);
-  if (it->second.sequences == 0 && it->second.quota == kUnlimited && it->second.group == 0) {
-    sessions_.erase(it);
-  }
   sequences_.erase(id);
 }
 
@@ -1274,7 +1276,6 @@ int64_t KvCacheManager::FreeSession(SessionId session) {
   std::sort(pins.begin(), pins.end());
   visited_.fetch_add(owned.size() + pins.size(), std::memory_order_relaxed);
   for (PinId id : pins) ReleasePin(id);
-  holdings_.erase(session);
   if (auto it = sessions_.find(session); it != sessions_.end()) {
     if (const uint64_t group = it->second.group; group != 0 && --ref_groups_[group].sessions == 0) {
       ref_groups_.erase(group);

@@ -805,11 +805,19 @@ class KvCacheManager final {
   // floor (tests/kvpool/kv_cache_manager_test_peer.h).
   friend class KvCacheManagerTestPeer;
 
+  // One session's entry (sessions_): from its first sequence, pin or quota setting until
+  // FreeSession, so that one taking and freeing a sequence at a time allocates nothing for it,
+  // and each call finds all it keeps of the session with one lookup.
   struct SessionUsage {
     int64_t block_refs = 0;
     int64_t sequences = 0;
     int64_t quota = kUnlimited;
-    uint64_t group = 0;  // its reference group; 0: none
+    uint64_t group = 0;    // its reference group; 0: none
+    SessionHoldings held;  // what it holds (HoldingsOf)
+
+    // Whether it has anything to show (DebugString): usage or a setting; an emptied entry
+    // is one for its holdings' sake.
+    bool shown() const { return sequences > 0 || quota != kUnlimited || group != 0; }
   };
   struct RefGroup {
     int64_t block_refs = 0;  // summed over its sessions
@@ -819,18 +827,19 @@ class KvCacheManager final {
     int64_t max_state_slots = kUnlimited;  // with a state group: bound on `sequences`
   };
   // Adds `delta` live sequences to `session`'s usage and its group's.
-  void AddSequences(SessionId session, int64_t delta);
+  void AddSequences(SessionUsage& usage, int64_t delta);
   // Adds `delta` block references to `session`'s usage and its group's.
   void AddRefs(SessionId session, int64_t delta);
+  void AddRefs(SessionUsage& usage, int64_t delta);
   // Each reference group counts exactly its sessions and their references.
   absl::Status CheckRefGroups() const;
-  // File `seq` or `pin` in its session's holdings_, or take it out.
+  // File `seq` (of the session `usage` is) or `pin` in its session's holdings, or take it out.
   // (kv_cache_manager_holdings.cc)
-  void HoldSequence(const Sequence& seq);
-  void UnholdSequence(const Sequence& seq);
+  static void HoldSequence(SessionUsage& usage, const Sequence& seq);
+  static void UnholdSequence(SessionUsage& usage, const Sequence& seq);
   void HoldPin(const PinInfo& pin);
   void UnholdPin(const PinInfo& pin);
-  // holdings_ is what a recount of sequences_ and pins_ gives.
+  // Each session's holdings are what a recount of sequences_ and pins_ gives.
   absl::Status CheckHoldings() const;
 
   struct Pin {
@@ -1205,9 +1214,6 @@ class KvCacheManager final {
   static constexpr size_t kSpareTokenBuffers = 16;
   std::vector<std::vector<int32_t>> spare_tokens_;
   absl::flat_hash_map<SessionId, SessionUsage> sessions_;
-  // What each session holds (SessionHoldings): an entry from its first sequence or pin until
-  // FreeSession.
-  absl::flat_hash_map<SessionId, SessionHoldings> holdings_;
   absl::flat_hash_map<uint64_t, RefGroup> ref_groups_;
   const int64_t max_sequences_per_session_;              // 0: unlimited
   absl::flat_hash_map<NamespaceId, QuotaKey> quota_of_;  // namespaces that have a quota

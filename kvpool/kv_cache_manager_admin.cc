@@ -311,8 +311,9 @@ absl::Status KvCacheManager::CheckInvariants() const {
     }
   }
   for (const auto& [session, u] : sessions_) {
+    static const SessionUsage kNone;
     auto it = usage.find(session);
-    const SessionUsage want = it == usage.end() ? SessionUsage{} : it->second;
+    const SessionUsage& want = it == usage.end() ? kNone : it->second;
     if (u.block_refs != want.block_refs || u.sequences != want.sequences) {
       return InvariantViolation("session {} usage is {} refs / {} sequences but {} / {} exist",
                                 session.value(), u.block_refs, u.sequences, want.block_refs,
@@ -415,11 +416,15 @@ std::string KvCacheManager::DebugString() const {
     if (window_) SequenceWindowDebugString(seq, &out);
     out += "\n";
   }
-  std::vector<std::pair<SessionId, SessionUsage>> sessions(sessions_.begin(), sessions_.end());
+  std::vector<std::pair<SessionId, const SessionUsage*>> sessions;
+  for (const auto& [id, u] : sessions_) {
+    if (u.shown()) sessions.emplace_back(id, &u);
+  }
   std::sort(sessions.begin(), sessions.end(),
             [](const auto& a, const auto& b) { return a.first < b.first; });
   out += "sessions:";
-  for (const auto& [id, u] : sessions) {
+  for (const auto& [id, usage] : sessions) {
+    const SessionUsage& u = *usage;
     fmt::format_to(it, " {}={}/{}/{}", id.value(), u.block_refs, u.sequences, u.quota);
     if (u.group != 0) fmt::format_to(it, "@{}", u.group);
   }

@@ -9,8 +9,8 @@
 namespace kvpool {
 
 const SessionHoldings* KvCacheManager::HoldingsOf(SessionId session) const {
-  auto it = holdings_.find(session);
-  return it == holdings_.end() || it->second.empty() ? nullptr : &it->second;
+  auto it = sessions_.find(session);
+  return it == sessions_.end() || it->second.held.empty() ? nullptr : &it->second.held;
 }
 
 SessionHoldings::InNamespace KvCacheManager::HeldIn(SessionId session, NamespaceId ns) const {
@@ -33,28 +33,27 @@ void TakeOne(SessionHoldings* held, NamespaceId ns, int64_t SessionHoldings::InN
 
 }  // namespace
 
-void KvCacheManager::HoldSequence(const Sequence& seq) {
-  SessionHoldings& held = holdings_[seq.session];
+void KvCacheManager::HoldSequence(SessionUsage& usage, const Sequence& seq) {
+  SessionHoldings& held = usage.held;
   KVPOOL_CHECK(held.sequences.insert(seq.id).second);
   ++held.namespaces[seq.ns].sequences;
 }
 
-void KvCacheManager::UnholdSequence(const Sequence& seq) {
-  auto it = holdings_.find(seq.session);
-  KVPOOL_CHECK(it != holdings_.end() && it->second.sequences.erase(seq.id) == 1);
-  TakeOne(&it->second, seq.ns, &SessionHoldings::InNamespace::sequences);
+void KvCacheManager::UnholdSequence(SessionUsage& usage, const Sequence& seq) {
+  KVPOOL_CHECK(usage.held.sequences.erase(seq.id) == 1);
+  TakeOne(&usage.held, seq.ns, &SessionHoldings::InNamespace::sequences);
 }
 
 void KvCacheManager::HoldPin(const PinInfo& pin) {
-  SessionHoldings& held = holdings_[pin.session];
+  SessionHoldings& held = sessions_[pin.session].held;
   KVPOOL_CHECK(held.pins.insert(pin.id).second);
   ++held.namespaces[pin.ns].pins;
 }
 
 void KvCacheManager::UnholdPin(const PinInfo& pin) {
-  auto it = holdings_.find(pin.session);
-  KVPOOL_CHECK(it != holdings_.end() && it->second.pins.erase(pin.id) == 1);
-  TakeOne(&it->second, pin.ns, &SessionHoldings::InNamespace::pins);
+  auto it = sessions_.find(pin.session);
+  KVPOOL_CHECK(it != sessions_.end() && it->second.held.pins.erase(pin.id) == 1);
+  TakeOne(&it->second.held, pin.ns, &SessionHoldings::InNamespace::pins);
 }
 
 absl::Status KvCacheManager::CheckHoldings() const {
@@ -69,7 +68,8 @@ absl::Status KvCacheManager::CheckHoldings() const {
     held.pins.insert(id);
     ++held.namespaces[pin.info.ns].pins;
   }
-  for (const auto& [session, held] : holdings_) {
+  for (const auto& [session, usage] : sessions_) {
+    const SessionHoldings& held = usage.held;
     if (!want.contains(session) && !(held == SessionHoldings{})) {
       return InvariantViolation(
           "session {} holds nothing, but the books list {} sequences, {} "

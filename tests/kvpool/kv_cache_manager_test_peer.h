@@ -48,8 +48,8 @@ class KvCacheManagerTestPeer {
   static uint64_t Visited(const KvCacheManager& cache) {
     return cache.visited_.load(std::memory_order_relaxed);
   }
-  // Sessions with an entry in the holdings (SessionHoldings), emptied ones included.
-  static size_t SessionsBooked(const KvCacheManager& cache) { return cache.holdings_.size(); }
+  // Sessions with an entry in the books (their usage and SessionHoldings), emptied ones included.
+  static size_t SessionsBooked(const KvCacheManager& cache) { return cache.sessions_.size(); }
   // The floor of that order (DebugString's "checkpoint floor=").
   static uint64_t CheckpointFloor(const KvCacheManager& cache) {
     return cache.checkpoint_order_.floor();
