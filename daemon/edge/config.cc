@@ -119,6 +119,7 @@ void ApplyDefaults(v1::DaemonConfig* c) {
   if (l->attach_pending_per_uid() == 0) l->set_attach_pending_per_uid(8);
   if (l->attach_timeout_ms() == 0) l->set_attach_timeout_ms(500);
   if (l->cache_salts_per_session() == 0) l->set_cache_salts_per_session(4096);
+  if (l->cache_salts_per_uid() == 0) l->set_cache_salts_per_uid(16384);
   if (l->block_refs_per_uid() == 0) l->set_block_refs_per_uid(int64_t{1} << 22);
   if (l->doorbells_per_uid() == 0) l->set_doorbells_per_uid(8);
   if (l->eviction_shares() == 0) l->set_eviction_shares(16);
@@ -198,6 +199,7 @@ void ParseLimits(const v1::DaemonConfig& c, EngineOptions* o, const Bad& bad) {
       {"limits.attach_pending_per_uid", l.attach_pending_per_uid()},
       {"limits.attach_timeout_ms", l.attach_timeout_ms()},
       {"limits.cache_salts_per_session", l.cache_salts_per_session()},
+      {"limits.cache_salts_per_uid", l.cache_salts_per_uid()},
       {"limits.block_refs_per_uid", l.block_refs_per_uid()},
       {"limits.doorbells_per_uid", l.doorbells_per_uid()},
       {"limits.stop_tokens", l.stop_tokens()},
@@ -228,6 +230,7 @@ void ParseLimits(const v1::DaemonConfig& c, EngineOptions* o, const Bad& bad) {
       .queued_calls_per_session = l.queued_calls_per_session(),
       .decode_width = l.decode_width() > 0 ? l.decode_width() : c.model().max_step_tokens(),
       .cache_salts_per_session = l.cache_salts_per_session(),
+      .cache_salts_per_uid = l.cache_salts_per_uid(),
       .block_refs_per_uid = l.block_refs_per_uid(),
       .stop_tokens = l.stop_tokens(),
       .state_slots_per_uid = l.state_slots_per_uid() > 0 ? l.state_slots_per_uid() : kUnlimited};

@@ -192,7 +192,7 @@ absl::Status Engine::CheckInvariants() const {
   for (int32_t p = 0; p < state_->num_pools(); ++p) {
     KVPOOL_RETURN_IF_ERROR(state_->pool(p).CheckInvariants());
   }
-  return absl::OkStatus();
+  return state_->CheckInvariants();
 }
 
 int64_t Engine::Drain() {

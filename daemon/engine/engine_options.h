@@ -66,6 +66,11 @@ struct ClientLimits {
   int32_t decode_width = 512;             // sequences of one Decode
   // Cache salts one session holds sequences or pins under at once (EngineState::SaltedNamespace).
   int32_t cache_salts_per_session = 4096;
+  // The same summed over the sessions of one peer uid (a salt two of them hold counts twice).
+  // Each salt is a namespace, and a pool's namespace table has kMaxNamespaceSlots (65,534): one
+  // uid must not be able to take them all (zero-token sequences hold one and no block, so no
+  // quota stops them). Keep uids x this below the table where several uids share a pool.
+  int32_t cache_salts_per_uid = 16384;
   // Block references the sessions of one peer uid hold at once, per pool. A sequence's token list
   // and table never outgrow its references (times block_size tokens), so this bounds what forks
   // and shared prefixes can make the daemon keep for one uid: 2^22 references of 16-token blocks

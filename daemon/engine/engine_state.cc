@@ -3,6 +3,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "fmt/format.h"
 #include "kvpool/util/check.h"
+#include "kvpool/util/errors.h"
 #include "kvpool/util/status_macros.h"
 
 namespace kvpool::daemon {
@@ -161,6 +162,7 @@ int64_t EngineState::End(SessionId id, SessionEnd how) {
   // Nothing of the session is left in its namespaces: they are no longer its.
   if (auto salted = salts_.find(id); salted != salts_.end()) {
     for (const auto& [salt, ns] : salted->second) LeaveNamespace(*session, ns);
+    DropSalts(*session, salted->second.size());
     salts_.erase(salted);
   }
   LeaveNamespace(*session, OwnNamespace(*session));
@@ -251,6 +253,7 @@ absl::StatusOr<EngineState::Invalidated> EngineState::Invalidate(std::string_vie
     if (auto salted = salts_.find(id); salted != salts_.end()) {
       for (const auto& [salt, ns] : salted->second) retired.push_back(ns);
       out.namespaces += static_cast<int64_t>(salted->second.size());
+      DropSalts(s, salted->second.size());
       salts_.erase(salted);
     }
     ++out.sessions;
@@ -309,7 +312,8 @@ absl::StatusOr<NamespaceId> EngineState::SaltedNamespace(const Session& s, std::
   auto& mine = salts_[s.id];
   if (mine.contains(absl::string_view(salt.data(), salt.size()))) return peeked;
   const size_t most = static_cast<size_t>(options_.limits.cache_salts_per_session);
-  if (mine.size() >= most) PruneSalts(s);
+  const int32_t most_of_uid = options_.limits.cache_salts_per_uid;
+  if (mine.size() >= most || CountOf(salts_of_uid_, s.spec.uid) >= most_of_uid) PruneSalts(s);
   if (mine.size() >= most) {
     ++call_counters.over_limit;
     return absl::ResourceExhaustedError(
@@ -317,10 +321,40 @@ absl::StatusOr<NamespaceId> EngineState::SaltedNamespace(const Session& s, std::
                     "(limits.cache_salts_per_session)",
                     s.id.value(), mine.size(), most));
   }
+  // (Only the caller's own salts are pruned: its uid's other sessions keep theirs until they
+  // let go of them or end, so that a refused salt costs no walk over them.)
+  if (const int32_t of_uid = CountOf(salts_of_uid_, s.spec.uid); of_uid >= most_of_uid) {
+    ++call_counters.over_limit;
+    return absl::ResourceExhaustedError(fmt::format(
+        "the sessions of uid {} hold {} cache salts ({} of them session {}'s, each holding a "
+        "sequence or pin under it): at most {} (limits.cache_salts_per_uid)",
+        s.spec.uid, of_uid, mine.size(), s.id.value(), most_of_uid));
+  }
   const NamespaceId ns = namespaces_.Acquire(KeyOf(s, salt));
   JoinTenant(s, ns);
   mine.emplace(std::string(salt), ns);
+  ++salts_of_uid_[s.spec.uid];
   return ns;
+}
+
+absl::Status EngineState::CheckInvariants() const {
+  absl::flat_hash_map<uid_t, int32_t> want;
+  for (const auto& [id, salts] : salts_) {
+    if (!salts.empty()) want[live_.at(id)->spec.uid] += static_cast<int32_t>(salts.size());
+  }
+  if (want != salts_of_uid_) {
+    return InvariantViolation("{} uids hold cache salts, the books count {}", want.size(),
+                              salts_of_uid_.size());
+  }
+  return absl::OkStatus();
+}
+
+void EngineState::DropSalts(const Session& s, size_t n) {
+  if (n == 0) return;
+  auto it = salts_of_uid_.find(s.spec.uid);
+  KVPOOL_CHECK(it != salts_of_uid_.end() && it->second >= static_cast<int32_t>(n));
+  it->second -= static_cast<int32_t>(n);
+  if (it->second == 0) salts_of_uid_.erase(it);
 }
 
 void EngineState::PruneSalts(const Session& s) {
@@ -335,6 +369,7 @@ void EngineState::PruneSalts(const Session& s) {
     }
     LeaveNamespace(s, it->second);
     mine.erase(it++);
+    DropSalts(s, 1);
   }
 }
 

@@ -79,10 +79,13 @@ class EngineState final {
   // (kvpool.proto AllocateItem.cache_salt; empty: the session's own, s.ns). A salt's first use by
   // the session makes its namespace one of the session's: in the table, and in the tenant's
   // quota group when the tenant has a quota, until the session ends. A session that has used
-  // limits.cache_salts_per_session salts first lets go of those it holds no sequence or pin in.
-  // Errors: INVALID_ARGUMENT (a salt over kMaxCacheSaltBytes), RESOURCE_EXHAUSTED (it holds
-  // sequences or pins in that many salted namespaces); nothing has changed.
+  // limits.cache_salts_per_session salts, or whose uid's sessions have used
+  // limits.cache_salts_per_uid, first lets go of those it holds no sequence or pin in.
+  // Errors: INVALID_ARGUMENT (a salt over kMaxCacheSaltBytes), RESOURCE_EXHAUSTED (it, or its
+  // uid's sessions, hold sequences or pins in that many salted namespaces); nothing has changed.
   absl::StatusOr<NamespaceId> SaltedNamespace(const Session& s, std::string_view salt);
+  // The engine's own books: each uid's salt count is its sessions' salts.
+  absl::Status CheckInvariants() const;
   // The namespace SaltedNamespace would give, without making it the session's (lookups).
   // Errors: INVALID_ARGUMENT (a salt over kMaxCacheSaltBytes).
   absl::StatusOr<NamespaceId> PeekNamespace(const Session& s, std::string_view salt) const;
@@ -147,6 +150,10 @@ class EngineState final {
   NamespaceTable namespaces_;
   // The salted namespaces each session has made its own, by salt.
   absl::flat_hash_map<SessionId, absl::flat_hash_map<std::string, NamespaceId>> salts_;
+  // Their count summed by peer uid (limits.cache_salts_per_uid); no entry at zero.
+  absl::flat_hash_map<uid_t, int32_t> salts_of_uid_;
+  // Takes `n` salts of `s` off its uid's count.
+  void DropSalts(const Session& s, size_t n);
   // Sessions whose own namespace an invalidation moved: the new one (the others: Session::ns).
   absl::flat_hash_map<SessionId, NamespaceId> own_;
   // Namespaces an invalidation took from each session: held (in the table and the quota group)

@@ -139,6 +139,11 @@ TEST(ConfigTest, EngineOptionsFollowTheConfig) {
   EXPECT_EQ(o->limits.sessions_per_uid, 64);
   EXPECT_EQ(o->limits.batch_items, 4096);
   EXPECT_EQ(o->limits.sequences_per_session, 65536);
+  EXPECT_EQ(o->limits.cache_salts_per_uid, 16384);
+  c.mutable_limits()->set_cache_salts_per_uid(-1);
+  EXPECT_THAT(std::string(MakeEngineOptions(c, 42).status().message()),
+              HasSubstr("limits.cache_salts_per_uid"));
+  c.mutable_limits()->set_cache_salts_per_uid(0);
   EXPECT_EQ(o->event_capacity_bytes, size_t{64} << 20);
   c.mutable_limits()->set_decode_width(65);
   EXPECT_THAT(std::string(MakeEngineOptions(c, 42).status().message()),

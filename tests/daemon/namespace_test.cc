@@ -10,6 +10,7 @@
 #include "daemon/engine/engine.h"
 #include "daemon/engine/namespace_table.h"
 #include "fmt/format.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/daemon/engine_test_util.h"
 #include "tests/tier/redis_harness.h"
@@ -21,6 +22,7 @@ namespace kvpool::daemon {
 namespace {
 
 using testing::FailingDevice;
+using ::testing::HasSubstr;
 using testing::Prompt;
 using testing::SmallPool;
 using testing::Spec;
@@ -470,6 +472,51 @@ TEST_F(NamespaceTest, ASessionLetsGoOfSaltsItHoldsNothingUnder) {
   EXPECT_TRUE(Allocate(*s, prompt, "third").ok());
   // Its namespace is out of the table; the blocks it published stay matchable by its salt.
   EXPECT_EQ(Matched(*s, prompt, "held-1"), 16);
+  EXPECT_TRUE(engine_->CheckInvariants().ok());
+}
+
+// One uid, over many sessions each holding a zero-token sequence (no block, so no quota stops
+// it) under each of its salts, must not take every slot of the pool's namespace table (65,534):
+// then every other tenant's call that needs a namespace the table does not hold is refused.
+// limits.cache_salts_per_uid stops it first, with the limit named.
+TEST_F(NamespaceTest, OneUidCannotTakeTheWholeNamespaceTable) {
+  EngineOptions options = SmallPool(64);
+  Make(options);
+  const ClientLimits& limits = options.limits;
+  std::vector<std::shared_ptr<const Session>> mine;
+  absl::Status refused;
+  int salts = 0;
+  const AllocateRequest empty{.num_tokens = 0};
+  while (refused.ok() && salts < kMaxNamespaceSlots + 1) {
+    if (salts % limits.cache_salts_per_session == 0) {
+      SessionSpec spec = Spec("hog", fmt::format("hog-{}", mine.size()));
+      spec.uid = 1000;
+      absl::StatusOr<std::shared_ptr<const Session>> s = engine_->OpenSession(spec);
+      ASSERT_TRUE(s.ok()) << s.status();
+      mine.push_back(*s);
+    }
+    const std::string salt[] = {fmt::format("user-{}", salts)};
+    refused =
+        engine_->Allocate(*mine.back(), std::span(&empty, 1), CallContext::Uncancellable(), salt)
+            .status();
+    salts += refused.ok() ? 1 : 0;
+  }
+  // Another tenant's session still gets its namespace.
+  SessionSpec other = Spec("other", "bystander");
+  other.uid = 2000;
+  absl::StatusOr<std::shared_ptr<const Session>> bystander = engine_->OpenSession(other);
+  ASSERT_TRUE(bystander.ok()) << bystander.status();
+  EXPECT_TRUE(Allocate(**bystander, Prompt(16, 9)).ok());
+  EXPECT_TRUE(Allocate(**bystander, Prompt(16, 9), "its-own-salt").ok());
+  EXPECT_EQ(salts, limits.cache_salts_per_uid);
+  EXPECT_TRUE(absl::IsResourceExhausted(refused)) << refused;
+  EXPECT_THAT(std::string(refused.message()), HasSubstr("limits.cache_salts_per_uid"));
+  // The uid's other session letting go of a salt makes room for one more, in any of its sessions.
+  engine_->EndSession(mine.front()->id, SessionEnd::kDetached);
+  const std::string fresh[] = {"fresh"};
+  EXPECT_TRUE(
+      engine_->Allocate(*mine.back(), std::span(&empty, 1), CallContext::Uncancellable(), fresh)
+          .ok());
   EXPECT_TRUE(engine_->CheckInvariants().ok());
 }
 
