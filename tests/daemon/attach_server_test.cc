@@ -12,6 +12,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <filesystem>
 #include <iostream>
@@ -87,8 +88,11 @@ std::string Frame(const v1::AttachRequest& request) {
 class AttachServerTest : public ::testing::TestWithParam<bool> {
  protected:
   void SetUp() override {
-    dir_ = ::testing::TempDir() + "/attach-" + std::to_string(getpid()) + "-" +
-           ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    // (A parameterized test's name is "Name/0": no '/' in the directory's name, or the test
+    // removed only the inner one.)
+    std::string name = ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    std::replace(name.begin(), name.end(), '/', '-');
+    dir_ = ::testing::TempDir() + "/attach-" + std::to_string(getpid()) + "-" + name;
     std::filesystem::create_directories(dir_);
     path_ = dir_ + "/attach.sock";
   }

@@ -91,6 +91,8 @@ class ZmqEventPublisherTest : public ::testing::Test {
     publisher_.reset();
     zmq_close(dealer_);
     zmq_ctx_term(ctx_);
+    // The ipc endpoints' socket files (libzmq leaves them behind).
+    for (const char* end : {"-events", "-replay"}) unlink((dir_ + end).c_str());
   }
   void MakeEngine(size_t event_capacity) {
     alice_.reset();

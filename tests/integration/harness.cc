@@ -11,7 +11,9 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <random>
 
 #include "fmt/format.h"
@@ -99,6 +101,27 @@ std::pair<int, std::string> RunToEnd(const std::vector<std::string>& argv) {
   return {Wait(&*child), out};
 }
 
+namespace {
+
+// Paths the harness made, removed when the test program exits: not when their DaemonProcess goes,
+// since a test may start another daemon on the same directory (a restart), and every daemon is
+// stopped by then.
+void RemoveAtExit(std::string path) {
+  static std::mutex mu;
+  static std::vector<std::string>* paths = nullptr;
+  std::lock_guard<std::mutex> lock(mu);
+  if (paths == nullptr) {
+    paths = new std::vector<std::string>();
+    std::atexit([] {
+      std::error_code ignored;
+      for (const std::string& p : *paths) std::filesystem::remove_all(p, ignored);
+    });
+  }
+  paths->push_back(std::move(path));
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(const std::string& config,
                                                                     std::string dir,
                                                                     std::string binary) {
@@ -106,8 +129,10 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(const std::s
     char tmpl[] = "/tmp/kvpool-test-XXXXXX";
     if (mkdtemp(tmpl) == nullptr) return absl::InternalError("mkdtemp");
     dir = tmpl;
+    RemoveAtExit(dir);
   }
   const std::string config_path = dir + ".textproto";
+  RemoveAtExit(config_path);
   std::ofstream(config_path) << config << "\nruntime_dir: \"" << dir << "\"\n";
   absl::StatusOr<Child> child = Spawn(
       {binary.empty() ? DaemonBinary() : binary, "--config=" + config_path, "--log_level=warn"});

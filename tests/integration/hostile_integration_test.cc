@@ -71,8 +71,10 @@ void ExpectServingAndConsistent(const std::string& dir) {
 std::pair<int, std::string> RunDaemon(const std::string& config, const std::string& dir) {
   const std::string path = dir + ".textproto";
   std::ofstream(path) << config << "\nruntime_dir: \"" << dir << "\"\n";
-  return RunToEnd(
+  std::pair<int, std::string> result = RunToEnd(
       {"/bin/sh", "-c", "exec timeout 10 " + DaemonBinary() + " --config=" + path + " 2>&1"});
+  std::filesystem::remove(path);
+  return result;
 }
 
 std::string TempPath(const std::string& name) {
