@@ -65,7 +65,8 @@ BlockPool::BlockPool(const BlockPoolOptions& options)
       pending_(static_cast<size_t>(num_blocks_) * kMaxTimelines, 0),
       max_namespaces_(options.max_namespaces),
       namespaces_{kNoNamespace},
-      active_by_ns_{0},
+      slots_books_(1),
+      active_by_tally_(1, 0),
       residency_on_(options.residency_sample > 0),
       trace_(num_blocks_, options.trace_depth),
       residency_(num_blocks_, options.residency_sample, options.residency_seed) {
@@ -89,10 +90,32 @@ absl::StatusOr<NamespaceSlot> BlockPool::RegisterNamespace(NamespaceId ns) {
   } else {
     slot = static_cast<uint16_t>(namespaces_.size());
     namespaces_.push_back(ns);
-    active_by_ns_.push_back(0);
+    slots_books_.emplace_back();
   }
   slots_.emplace(ns, slot);
+  // A fresh or recycled slot owns nothing yet: only its tally to set.
+  if (!tally_of_.empty()) slots_books_[slot].tally = tally_of(ns);
   return NamespaceSlot(slot);
+}
+
+void BlockPool::SetTally(NamespaceId ns, uint32_t tally) {
+  if (tally >= active_by_tally_.size()) active_by_tally_.resize(tally + size_t{1}, 0);
+  if (tally == 0) {
+    tally_of_.erase(ns);
+  } else {
+    tally_of_[ns] = tally;
+  }
+  auto it = slots_.find(ns);
+  if (it == slots_.end()) return;
+  SlotBooks& books = slots_books_[it->second];
+  if (books.tally != 0) active_by_tally_[books.tally] -= books.active;
+  if (tally != 0) active_by_tally_[tally] += books.active;
+  books.tally = tally;
+}
+
+uint32_t BlockPool::tally_of(NamespaceId ns) const {
+  auto it = tally_of_.find(ns);
+  return it == tally_of_.end() ? 0 : it->second;
 }
 
 std::optional<NamespaceSlot> BlockPool::FindNamespace(NamespaceId ns) const {
@@ -125,8 +148,9 @@ void BlockPool::RecycleNamespaces(std::span<const NamespaceSlot> slots) {
   for (NamespaceSlot slot : slots) {
     const uint16_t s = slot.value();
     KVPOOL_CHECK(s != 0 && s < namespaces_.size() && namespaces_[s] != kNoNamespace &&
-                 active_by_ns_[s] == 0);
+                 slots_books_[s].active == 0);
     recycled[s] = 1;
+    slots_books_[s].tally = 0;  // the namespace keeps its tally (tally_of_), the slot none
     slots_.erase(namespaces_[s]);
     namespaces_[s] = kNoNamespace;
   }
@@ -165,7 +189,7 @@ absl::Status BlockPool::Retain(BlockId block, const TraceContext& ctx, std::sour
   if (state == BlockState::kCached) {
     state_[i] = BlockState::kActive;
     --num_cached_;
-    ++active_by_ns_[owner_[i]];
+    AddActive(owner_[i], 1);
   }
   ++refs_[i];
   trace_.Record(block, BlockOp::kRetain, refs_[i], generation_[i], ctx, site);
@@ -188,7 +212,7 @@ absl::Status BlockPool::ReleaseSlow(BlockId block, const TraceContext& ctx,
   if (refs == 1 && cache_held_[i]) {
     state_[i] = BlockState::kCached;
     ++num_cached_;
-    --active_by_ns_[owner_[i]];
+    AddActive(owner_[i], -1);
   }
   trace_.Record(block, BlockOp::kRelease, refs, generation_[i], ctx, site);
   return absl::OkStatus();
@@ -335,7 +359,7 @@ BlockPoolStats BlockPool::stats() const {
 
 absl::Status BlockPool::CheckInvariants() const {
   int32_t count[4] = {0, 0, 0, 0};
-  std::vector<int32_t> active_by_ns(active_by_ns_.size(), 0);
+  std::vector<int32_t> active_by_ns(slots_books_.size(), 0);
   for (int32_t b = 0; b < num_blocks_; ++b) {
     const size_t i = static_cast<size_t>(b);
     const BlockState state = state_[i];
@@ -382,9 +406,14 @@ absl::Status BlockPool::CheckInvariants() const {
     return InvariantViolation("cached count {} but {} blocks are CACHED", num_cached_,
                               count[static_cast<int>(BlockState::kCached)]);
   }
-  if (active_by_ns != active_by_ns_)
-    return InvariantViolation("per-namespace active counts are stale");
+  for (size_t slot = 0; slot < slots_books_.size(); ++slot) {
+    if (active_by_ns[slot] != slots_books_[slot].active) {
+      return InvariantViolation("slot {} owns {} ACTIVE blocks, its count says {}", slot,
+                                active_by_ns[slot], slots_books_[slot].active);
+    }
+  }
   KVPOOL_RETURN_IF_ERROR(CheckNamespaces());
+  KVPOOL_RETURN_IF_ERROR(CheckTallies());
 
   // Each FREE block is on the free list exactly once and nothing else is; same for RETIRING.
   std::vector<uint8_t> seen(num_blocks_, 0);
@@ -414,7 +443,7 @@ absl::Status BlockPool::CheckInvariants() const {
 
 absl::Status BlockPool::CheckNamespaces() const {
   if (namespaces_.empty() || namespaces_[0] != kNoNamespace ||
-      active_by_ns_.size() != namespaces_.size()) {
+      slots_books_.size() != namespaces_.size()) {
     return InvariantViolation("the namespace table has lost its slot 0 or its counts");
   }
   if (static_cast<int32_t>(slots_.size()) > max_namespaces_) {
@@ -432,13 +461,41 @@ absl::Status BlockPool::CheckNamespaces() const {
         free[slot]++) {
       return InvariantViolation("free namespace slot {} is in use or listed twice", slot);
     }
-    if (active_by_ns_[slot] != 0) {
+    if (slots_books_[slot].active != 0) {
       return InvariantViolation("free namespace slot {} owns ACTIVE blocks", slot);
     }
   }
   if (slots_.size() + free_slots_.size() + 1 != namespaces_.size()) {
     return InvariantViolation("{} namespace slots but {} registered and {} free",
                               namespaces_.size() - 1, slots_.size(), free_slots_.size());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status BlockPool::CheckTallies() const {
+  // Every slot is filed under its namespace's tally (a free slot under none), and each tally's
+  // count is what a recount of its slots gives.
+  std::vector<int64_t> active_by_tally(active_by_tally_.size(), 0);
+  for (size_t slot = 0; slot < slots_books_.size(); ++slot) {
+    const SlotBooks& books = slots_books_[slot];
+    const uint32_t want = namespaces_[slot] == kNoNamespace ? 0 : tally_of(namespaces_[slot]);
+    if (books.tally != want || books.tally >= active_by_tally_.size()) {
+      return InvariantViolation("slot {} (namespace {}) is filed under tally {}, not {}", slot,
+                                namespaces_[slot].value(), books.tally, want);
+    }
+    if (books.tally != 0) active_by_tally[books.tally] += books.active;
+  }
+  for (const auto& [ns, tally] : tally_of_) {
+    if (tally == 0 || tally >= active_by_tally_.size()) {
+      return InvariantViolation("namespace {} is filed under tally {} of {}", ns.value(), tally,
+                                active_by_tally_.size());
+    }
+  }
+  for (size_t tally = 0; tally < active_by_tally_.size(); ++tally) {
+    if (active_by_tally[tally] != active_by_tally_[tally]) {
+      return InvariantViolation("tally {} counts {} ACTIVE blocks, its slots own {}", tally,
+                                active_by_tally_[tally], active_by_tally[tally]);
+    }
   }
   return absl::OkStatus();
 }
@@ -465,7 +522,7 @@ std::string BlockPool::DebugString() const {
   fmt::format_to(it, "free: {}\nretiring: {}\nnamespaces:", fmt::join(ids(free_list_), " "),
                  fmt::join(ids(retiring_), " "));
   for (size_t s = 0; s < namespaces_.size(); ++s) {
-    fmt::format_to(it, " {}={}", namespaces_[s].value(), active_by_ns_[s]);
+    fmt::format_to(it, " {}={}", namespaces_[s].value(), slots_books_[s].active);
   }
   fmt::format_to(it, "\nfree slots: {} recycled={}", fmt::join(free_slots_, " "),
                  namespaces_recycled_);

@@ -24,6 +24,11 @@
 // when that slot is recycled the block is re-tagged kScrubOwner, so whichever namespace gets the
 // slot next, handing the block out scrubs it.
 //
+// Tallies: the owner may file namespaces under a tally (SetTally, a small dense index it picks,
+// e.g. one per quota group); the pool then keeps the ACTIVE blocks of each tally's namespaces
+// summed as they change, so that a group's count costs one read however many namespaces it has.
+// A namespace keeps its tally across slot recycling (it is filed by namespace, not by slot).
+//
 // Thread-compatible: the owner serializes calls (the daemon holds one coarse lock).
 
 #include <cstdint>
@@ -218,7 +223,20 @@ class BlockPool final {
   int32_t num_cached() const { return num_cached_; }
   int32_t num_active() const { return num_blocks_ - num_free() - num_retiring() - num_cached_; }
   // ACTIVE blocks whose owner is `slot` (what namespace quotas count).
-  int32_t active_blocks(NamespaceSlot slot) const { return active_by_ns_[slot.value()]; }
+  int32_t active_blocks(NamespaceSlot slot) const { return slots_books_[slot.value()].active; }
+
+  // Files namespace `ns` under tally `tally` (0: none), registered or not: from now on its ACTIVE
+  // blocks count in tally_active(tally), those it holds now included (moved from its old
+  // tally's). It stays filed there while unregistered and when registered again. O(1) amortized;
+  // the per-tally array grows to the largest tally used.
+  void SetTally(NamespaceId ns, uint32_t tally);
+  // The tally `ns` is filed under (0: none), and how many namespaces are filed under one.
+  uint32_t tally_of(NamespaceId ns) const;
+  size_t tallied_namespaces() const { return tally_of_.size(); }
+  // ACTIVE blocks owned by the namespaces filed under `tally` (tally > 0). O(1).
+  int64_t tally_active(uint32_t tally) const {
+    return tally < active_by_tally_.size() ? active_by_tally_[tally] : 0;
+  }
   BlockPoolStats stats() const;
   const BlockTrace& trace() const { return trace_; }
 
@@ -240,6 +258,16 @@ class BlockPool final {
   BlockPool(const BlockPoolOptions& options);
 
   absl::Status CheckNamespaces() const;
+  absl::Status CheckTallies() const;
+
+  // `n` more (or fewer) ACTIVE blocks owned by `slot`: its count and its tally's. The branch
+  // is as predictable as the pool's namespaces are (all tallied or not), and spares the pools
+  // without quotas a store (BM_PoolAllocateFree measured it).
+  void AddActive(uint16_t slot, int32_t n) {
+    SlotBooks& books = slots_books_[slot];
+    books.active += n;
+    if (books.tally != 0) active_by_tally_[books.tally] += n;
+  }
 
   // A count stops here: one more reference is refused rather than wrapping.
   static constexpr uint32_t kMaxRefs = 0xFFFFFFFEu;
@@ -291,8 +319,17 @@ class BlockPool final {
   const int32_t max_namespaces_;
   absl::flat_hash_map<NamespaceId, uint16_t> slots_;
   std::vector<NamespaceId> namespaces_;  // slot -> namespace; kNoNamespace: [0] and free slots
-  std::vector<int32_t> active_by_ns_;    // slot -> ACTIVE blocks owned
-  std::vector<uint16_t> free_slots_;     // recycled slots, descending (lowest reused first)
+  // Per slot: the ACTIVE blocks it owns and the tally its namespace is filed under (0: none;
+  // always 0 for a free slot). One struct: the hot paths touch both.
+  struct SlotBooks {
+    int32_t active = 0;
+    uint32_t tally = 0;
+  };
+  std::vector<SlotBooks> slots_books_;
+  // Tally -> ACTIVE blocks of its namespaces ([0] unused: slots of no tally).
+  std::vector<int32_t> active_by_tally_;
+  absl::flat_hash_map<NamespaceId, uint32_t> tally_of_;  // namespaces filed under a tally (> 0)
+  std::vector<uint16_t> free_slots_;  // recycled slots, descending (lowest reused first)
   uint64_t namespaces_recycled_ = 0;
 
   uint64_t allocated_ = 0;
@@ -359,7 +396,7 @@ inline absl::Status BlockPool::Allocate(int32_t n, NamespaceSlot slot, const Tra
     residency_.OnHandOut({out_end, static_cast<size_t>(n)}, generations, ctx.time_ns);
   }
   scrubs_ += scrubs;
-  active_by_ns_[owner] += n;
+  AddActive(owner, n);
   allocated_ += static_cast<uint64_t>(n);
   return absl::OkStatus();
 }
@@ -376,7 +413,7 @@ inline absl::Status BlockPool::Release(BlockId block, const TraceContext& ctx,
       refs_[i] = 0;
       state_[i] = BlockState::kFree;
       last_use_[i] = ctx.time_ns;
-      --active_by_ns_[owner];
+      AddActive(owner, -1);
       free_list_.push_back(block);
       ++freed_;
       trace_.Record(block, BlockOp::kFree, 0, generation, ctx, site);
@@ -384,7 +421,7 @@ inline absl::Status BlockPool::Release(BlockId block, const TraceContext& ctx,
     }
     if (state_[i] == BlockState::kActive && refs_[i] == 1) {
       refs_[i] = 0;
-      --active_by_ns_[owner_[i]];
+      AddActive(owner_[i], -1);
       FreeOrRetire(block, ctx, site);
       return absl::OkStatus();
     }
@@ -393,7 +430,7 @@ inline absl::Status BlockPool::Release(BlockId block, const TraceContext& ctx,
       refs_[i] = 1;
       state_[i] = BlockState::kCached;
       ++num_cached_;
-      --active_by_ns_[owner_[i]];
+      AddActive(owner_[i], -1);
       last_use_[i] = ctx.time_ns;
       trace_.Record(block, BlockOp::kRelease, 1, generation_[i], ctx, site);
       return absl::OkStatus();
