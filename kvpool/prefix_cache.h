@@ -303,6 +303,19 @@ class PrefixCache final {
   int64_t NewlyPinned(std::span<const BlockId> blocks) const;
   // Blocks of `ns` that only pins hold (CACHED and pinned): they count against its quota.
   int64_t pin_held(NamespaceId ns) const;
+  // Files namespace `ns` under tally `tally` (0: none), as BlockPool::SetTally: from now on its
+  // pin-held blocks count in tally_pin_held(tally), those it has now included. O(1) amortized.
+  void SetTally(NamespaceId ns, uint32_t tally);
+  // The tally `ns` is filed under (0: none), and how many namespaces are filed under one.
+  uint32_t tally_of(NamespaceId ns) const {
+    auto it = tally_of_.find(ns);
+    return it == tally_of_.end() ? 0 : it->second;
+  }
+  size_t tallied_namespaces() const { return tally_of_.size(); }
+  // Pin-held blocks of the namespaces filed under `tally` (> 0). O(1).
+  int64_t tally_pin_held(uint32_t tally) const {
+    return tally < pin_held_by_tally_.size() ? pin_held_by_tally_[tally] : 0;
+  }
   // Whether `block` is one of those.
   bool pin_held(BlockId block) const { return tree_.Holds(block) && entry(block).pin_charged; }
   int64_t pinned_blocks() const { return pinned_blocks_; }
@@ -619,6 +632,9 @@ class PrefixCache final {
   BlockId tails_tail_ = kInvalidBlock;
   int64_t num_tails_ = 0;
   absl::flat_hash_map<NamespaceId, int64_t> pin_held_;  // CACHED pinned blocks by namespace
+  // SetTally's: namespaces filed under a tally (> 0), and tally -> their pin_held_ summed.
+  absl::flat_hash_map<NamespaceId, uint32_t> tally_of_;
+  std::vector<int64_t> pin_held_by_tally_;
 
   int64_t num_blocks_ = 0;  // cached blocks
   int64_t num_full_ = 0;

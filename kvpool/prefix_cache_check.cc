@@ -193,6 +193,17 @@ absl::Status PrefixCache::CheckCounts(
     return InvariantViolation("{} blocks pinned, {} counted", pinned, pinned_blocks_);
   }
   if (pin_held != pin_held_) return InvariantViolation("pin-held blocks per namespace are stale");
+  std::vector<int64_t> by_tally(pin_held_by_tally_.size(), 0);
+  for (const auto& [ns, tally] : tally_of_) {
+    if (tally == 0 || tally >= by_tally.size()) {
+      return InvariantViolation("namespace {} is filed under tally {}", ns.value(), tally);
+    }
+    auto it = pin_held.find(ns);
+    by_tally[tally] += it == pin_held.end() ? 0 : it->second;
+  }
+  if (by_tally != pin_held_by_tally_) {
+    return InvariantViolation("pin-held blocks per tally are stale");
+  }
   int64_t tails = 0;
   for (BlockId b = tails_head_; b != kInvalidBlock; b = tail_next_[Index(b)]) {
     if (entry(b).in_tails == 0 || ++tails > num_tails_) {

@@ -404,9 +404,29 @@ void PrefixCache::UpdatePinCharge(BlockId block) {
   const bool want = e.pins > 0 && pool_->state(block) == BlockState::kCached;
   if (want == (e.pin_charged != 0)) return;
   e.pin_charged = want ? 1 : 0;
-  auto it = pin_held_.try_emplace(tree_.ns_of(block), 0).first;
+  const NamespaceId ns = tree_.ns_of(block);
+  auto it = pin_held_.try_emplace(ns, 0).first;
   it->second += want ? 1 : -1;
   if (it->second == 0) pin_held_.erase(it);
+  if (!tally_of_.empty()) {
+    if (auto tally = tally_of_.find(ns); tally != tally_of_.end()) {
+      pin_held_by_tally_[tally->second] += want ? 1 : -1;
+    }
+  }
+}
+
+void PrefixCache::SetTally(NamespaceId ns, uint32_t tally) {
+  uint32_t& filed = tally_of_[ns];
+  const uint32_t old = filed;
+  if (tally == 0) {
+    tally_of_.erase(ns);
+  } else {
+    filed = tally;
+  }
+  const int64_t held = pin_held(ns);
+  if (tally >= pin_held_by_tally_.size()) pin_held_by_tally_.resize(tally + size_t{1}, 0);
+  if (old != 0) pin_held_by_tally_[old] -= held;
+  if (tally != 0) pin_held_by_tally_[tally] += held;
 }
 
 void PrefixCache::Pin(std::span<const BlockId> blocks, int priority) {
