@@ -236,42 +236,67 @@ absl::Status KvCacheManager::SetNamespaceQuota(NamespaceId ns, int64_t max_block
   LeaveQuota(ns);
   if (max_blocks == kUnlimited) return absl::OkStatus();
   const QuotaKey key = group != 0 ? QuotaKey{group, true} : QuotaKey{ns.value(), false};
-  Quota& quota = quotas_[key];
+  auto [entry, fresh] = quotas_.try_emplace(key);
+  Quota& quota = entry->second;
+  if (fresh) {
+    if (free_tallies_.empty()) {
+      quota.tally = next_tally_++;
+    } else {
+      quota.tally = free_tallies_.back();
+      free_tallies_.pop_back();
+    }
+  }
   quota.max_blocks = max_blocks;
-  quota.members.push_back(ns);
+  quota.members.insert(ns);
   quota_of_.emplace(ns, key);
+  // What `ns` holds now counts from here on (moved from no tally into the quota's).
+  FileUnder(ns, quota.tally);
+  if (auto it = states_by_ns_.find(ns); it != states_by_ns_.end()) quota.state_slots += it->second;
   return absl::OkStatus();
 }
 
 void KvCacheManager::LeaveQuota(NamespaceId ns) {
   auto it = quota_of_.find(ns);
   if (it == quota_of_.end()) return;
-  auto quota = quotas_.find(it->second);
-  std::vector<NamespaceId>& members = quota->second.members;
-  members.erase(std::find(members.begin(), members.end(), ns));
-  if (members.empty()) quotas_.erase(quota);
+  auto entry = quotas_.find(it->second);
+  Quota& quota = entry->second;
+  FileUnder(ns, 0);
+  if (auto held = states_by_ns_.find(ns); held != states_by_ns_.end()) {
+    quota.state_slots -= held->second;
+  }
+  quota.members.erase(ns);
+  if (quota.members.empty()) {
+    // Every total is back to 0 with its last member gone: the tally is clean for the next quota.
+    free_tallies_.push_back(quota.tally);
+    quotas_.erase(entry);
+  }
   quota_of_.erase(it);
 }
 
-int64_t KvCacheManager::QuotaUsage(const Quota& quota) const {
-  int64_t blocks = 0;
-  int64_t window_blocks = 0;
-  int64_t state_slots = 0;
-  for (NamespaceId ns : quota.members) {
-    if (const std::optional<NamespaceSlot> slot = pool_->FindNamespace(ns)) {
-      blocks += pool_->active_blocks(*slot);
-    }
-    // Blocks only pins hold count too (a pin's blocks cannot be evicted to make room).
-    if (cache_) blocks += cache_->pin_held(ns);
-    if (window_ && unit_window_ > 0) {
-      if (const std::optional<NamespaceSlot> slot = window_->FindNamespace(ns)) {
-        window_blocks += window_->active_blocks(*slot);
-      }
-    }
-    if (unit_state_ > 0) {
-      if (auto it = states_by_ns_.find(ns); it != states_by_ns_.end()) state_slots += it->second;
-    }
+void KvCacheManager::FileUnder(NamespaceId ns, uint32_t tally) {
+  pool_->SetTally(ns, tally);
+  if (window_) window_->SetTally(ns, tally);
+  if (cache_) cache_->SetTally(ns, tally);
+}
+
+void KvCacheManager::AddStateSlots(NamespaceId ns, int64_t delta) {
+  auto held = states_by_ns_.try_emplace(ns, 0).first;
+  held->second += delta;
+  if (held->second == 0) states_by_ns_.erase(held);
+  if (quota_of_.empty()) return;
+  if (auto it = quota_of_.find(ns); it != quota_of_.end()) {
+    quotas_.find(it->second)->second.state_slots += delta;
   }
+}
+
+int64_t KvCacheManager::QuotaUsage(const Quota& quota) const {
+  // Running totals (see Quota): O(1) however many namespaces share the quota.
+  // Blocks only pins hold count too (a pin's blocks cannot be evicted to make room).
+  const int64_t blocks =
+      pool_->tally_active(quota.tally) + (cache_ ? cache_->tally_pin_held(quota.tally) : 0);
+  const int64_t window_blocks =
+      window_ && unit_window_ > 0 ? window_->tally_active(quota.tally) : 0;
+  const int64_t state_slots = unit_state_ > 0 ? quota.state_slots : 0;
   return blocks * unit_block_ + window_blocks * unit_window_ + state_slots * unit_state_;
 }
 
@@ -790,7 +815,7 @@ absl::Status KvCacheManager::AllocateBatch(SessionId caller,
                    .retain_tail = r.retain_tail};
     AdoptMatch(&seq, r, p, ctx, plan);
     HoldSequence(usage, seq);
-    if (states_) ++states_by_ns_[r.ns];
+    if (states_) AddStateSlots(r.ns, 1);
     // (Uncut, the state holds no tokens of the match: it is not to be stepped or kept.)
     seq.state_tokens = p.uncut && p.match.matched_tokens > 0 ? -1 : p.match.matched_tokens;
     // The branch point's checkpoint goes on the last block the prompt shares whole: the one
@@ -1148,7 +1173,7 @@ absl::StatusOr<SequenceId> KvCacheManager::Fork(SessionId caller, SequenceId seq
     ++counters_.cow_copies;
   }
   TakeStateSlot(&child, parent->state_slot, ctx, plan);
-  if (states_) ++states_by_ns_[child.ns];
+  if (states_) AddStateSlots(child.ns, 1);
   SessionUsage& usage = sessions_[caller];
   AddRefs(usage, static_cast<int64_t>(child.table.size()));
   AddSequences(usage, 1);
@@ -1201,8 +1226,7 @@ void KvCacheManager::FreeChecked(Sequence* seq, OnFree on_free, int64_t now_ns) 
   // Before the path goes: the checkpoints it keeps hang on the path's blocks.
   if (states_) {
     ReleaseStates(seq, on_free == OnFree::kCommit && cache_, ctx);
-    auto held = states_by_ns_.find(seq->ns);
-    if (--held->second == 0) states_by_ns_.erase(held);
+    AddStateSlots(seq->ns, -1);
   }
   ReleaseTail(seq, 0, ctx);
   if (cache_) cache_->Truncate(&seq->path, 0);

@@ -34,8 +34,10 @@
 // blocks and its live sequences' state slots are charged their own bytes beside its blocks
 // (cached ones, checkpoints included, are evictable and charged to no one, as cached blocks).
 // Namespaces may share one quota
-// (a quota group, e.g. every model of one tenant): then the bound is on their sum. A session
-// quota bounds the block references its sequences hold (table entries; a block two of its
+// (a quota group, e.g. every model of one tenant): then the bound is on their sum. A quota's use
+// is a running total kept as blocks change hands, so checking it costs O(1) however many
+// namespaces share it (each cache salt is a namespace: a group may have tens of thousands).
+// A session quota bounds the block references its sequences hold (table entries; a block two of its
 // sequences share counts twice). Sequences per session are bounded too, zero-token ones included
 // (they cost no block, so no quota would stop them).
 //
@@ -452,6 +454,7 @@ class KvCacheManager final {
   // becomes the group's bound for all of them (the last one set wins). kUnlimited lifts `ns`'s
   // quota: it leaves its group, whose other namespaces keep theirs. A quota below the current
   // use refuses further growth; it takes nothing away. Nothing is registered in the pool.
+  // O(1) amortized, whatever the size of the groups `ns` leaves and joins.
   // Errors: INVALID_ARGUMENT (negative quota, ns 0); nothing has changed.
   absl::Status SetNamespaceQuota(NamespaceId ns, int64_t max_blocks, uint64_t group = 0);
   // Bounds the block references session `session`'s sequences may hold (kUnlimited to lift it).
@@ -859,9 +862,15 @@ class KvCacheManager final {
       return H::combine(std::move(h), k.id, k.group);
     }
   };
+  // A quota's usage is kept as running totals, so that checking it costs the same however many
+  // namespaces share it: its members are filed under its tally in pool_, window_ and cache_
+  // (BlockPool::SetTally, PrefixCache::SetTally), which sum their ACTIVE and pin-held blocks as
+  // they change, and state_slots sums states_by_ns_ over them here.
   struct Quota {
     int64_t max_blocks = kUnlimited;
-    std::vector<NamespaceId> members;  // at least one, each once
+    absl::flat_hash_set<NamespaceId> members;  // at least one
+    uint32_t tally = 0;                        // > 0, this quota's alone while it exists
+    int64_t state_slots = 0;                   // states_by_ns_ summed over the members
   };
   // What a call adds to a namespace's quota beside its main blocks: window-group blocks it turns
   // ACTIVE (fresh ones and cached ones it adopts) and state slots it takes.
@@ -977,9 +986,17 @@ class KvCacheManager final {
   int64_t QuotaBound(const Quota& quota) const;
   // "u of b blocks in use" or its bytes' wording.
   std::string QuotaText(int64_t used, const Quota& quota) const;
-  // `ns` leaves the quota it counts against, if any (an emptied quota is dropped).
+  // `ns` leaves the quota it counts against, if any (an emptied quota is dropped, its tally
+  // freed). O(1) amortized.
   void LeaveQuota(NamespaceId ns);
+  // Files `ns` under `tally` (0: none) wherever its usage is summed (pool_, window_, cache_).
+  void FileUnder(NamespaceId ns, uint32_t tally);
+  // The live sequences of `ns` (each holds a state slot) change by `delta`, and so does the
+  // state-slot total of its quota.
+  void AddStateSlots(NamespaceId ns, int64_t delta);
   absl::Status CheckQuotaBooks() const;
+  // Each quota's running totals are what a walk over its members gives.
+  absl::Status CheckQuotaTotals() const;
   // RESOURCE_EXHAUSTED when `session` would hold more than max_sequences_per_session with
   // `more` new ones.
   absl::Status CheckSequences(SessionId session, int64_t more, std::string_view what) const;
@@ -1218,6 +1235,9 @@ class KvCacheManager final {
   const int64_t max_sequences_per_session_;              // 0: unlimited
   absl::flat_hash_map<NamespaceId, QuotaKey> quota_of_;  // namespaces that have a quota
   absl::flat_hash_map<QuotaKey, Quota> quotas_;
+  // Tallies of dropped quotas, for the next new one; tallies are dense, 1 .. next_tally_ - 1.
+  std::vector<uint32_t> free_tallies_;
+  uint32_t next_tally_ = 1;
   // What a quota charges one block, one window block and one state slot (KvCacheOptions::
   // block_bytes; 1, 0, 0 without it, quota_bytes_ false).
   const bool quota_bytes_;
@@ -1238,7 +1258,8 @@ class KvCacheManager final {
 
   KvCacheStats counters_;  // only the call counters are kept here; the rest is computed
   // Sequences and pins that calls listing them have walked (ForEachSequence, ListPins,
-  // FreeSession): what a call costs in entries it was not asked about shows here. Atomic: const
+  // FreeSession), and quota members walked (only CheckInvariants' recount of the quota totals):
+  // what a call costs in entries it was not asked about shows here. Atomic: const
   // calls run concurrently. Read by tests (KvCacheManagerTestPeer::Visited).
   mutable std::atomic<uint64_t> visited_ = 0;
 };

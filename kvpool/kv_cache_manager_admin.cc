@@ -373,6 +373,72 @@ absl::Status KvCacheManager::CheckQuotaBooks() const {
     return InvariantViolation("state slots by namespace: {} namespaces hold some, the books say {}",
                               states.size(), states_by_ns_.size());
   }
+  return CheckQuotaTotals();
+}
+
+absl::Status KvCacheManager::CheckQuotaTotals() const {
+  // Tallies: each quota has its own, and with the free ones they are exactly 1 .. next_tally_-1.
+  std::vector<uint8_t> tallies(next_tally_, 0);
+  for (uint32_t tally : free_tallies_) {
+    if (tally == 0 || tally >= next_tally_ || tallies[tally]++ != 0) {
+      return InvariantViolation("free quota tally {} is out of range or listed twice", tally);
+    }
+    if (pool_->tally_active(tally) != 0 || (window_ && window_->tally_active(tally) != 0) ||
+        (cache_ && cache_->tally_pin_held(tally) != 0)) {
+      return InvariantViolation("free quota tally {} still counts blocks", tally);
+    }
+  }
+  for (const auto& [key, quota] : quotas_) {
+    if (quota.tally == 0 || quota.tally >= next_tally_ || tallies[quota.tally]++ != 0) {
+      return InvariantViolation("quota {:#x} has tally {}, out of range or not its own", key.id,
+                                quota.tally);
+    }
+    // The totals, recounted from the members (what QuotaUsage summed before it kept totals).
+    int64_t active = 0;
+    int64_t pin_held = 0;
+    int64_t window_active = 0;
+    int64_t state_slots = 0;
+    visited_.fetch_add(quota.members.size(), std::memory_order_relaxed);
+    for (NamespaceId ns : quota.members) {
+      if (pool_->tally_of(ns) != quota.tally || (window_ && window_->tally_of(ns) != quota.tally) ||
+          (cache_ && cache_->tally_of(ns) != quota.tally)) {
+        return InvariantViolation("namespace {} of quota {:#x} is not filed under its tally {}",
+                                  ns.value(), key.id, quota.tally);
+      }
+      if (const std::optional<NamespaceSlot> slot = pool_->FindNamespace(ns)) {
+        active += pool_->active_blocks(*slot);
+      }
+      if (cache_) pin_held += cache_->pin_held(ns);
+      if (window_) {
+        if (const std::optional<NamespaceSlot> slot = window_->FindNamespace(ns)) {
+          window_active += window_->active_blocks(*slot);
+        }
+      }
+      if (auto it = states_by_ns_.find(ns); it != states_by_ns_.end()) state_slots += it->second;
+    }
+    if (active != pool_->tally_active(quota.tally) ||
+        pin_held != (cache_ ? cache_->tally_pin_held(quota.tally) : 0) ||
+        window_active != (window_ ? window_->tally_active(quota.tally) : 0) ||
+        state_slots != quota.state_slots) {
+      return InvariantViolation(
+          "quota {:#x} totals (active {}, pin-held {}, window {}, state slots {}) are not its "
+          "members' ({}, {}, {}, {})",
+          key.id, pool_->tally_active(quota.tally),
+          cache_ ? cache_->tally_pin_held(quota.tally) : 0,
+          window_ ? window_->tally_active(quota.tally) : 0, quota.state_slots, active, pin_held,
+          window_active, state_slots);
+    }
+  }
+  if (std::find(tallies.begin() + 1, tallies.end(), 0) != tallies.end()) {
+    return InvariantViolation("a quota tally below {} is neither used nor free", next_tally_);
+  }
+  // No namespace outside a quota is filed under a tally.
+  if (pool_->tallied_namespaces() != quota_of_.size() ||
+      (window_ && window_->tallied_namespaces() != quota_of_.size()) ||
+      (cache_ && cache_->tallied_namespaces() != quota_of_.size())) {
+    return InvariantViolation("{} namespaces have a quota but more are filed under a tally",
+                              quota_of_.size());
+  }
   return absl::OkStatus();
 }
 
