@@ -464,6 +464,23 @@ class KvCacheRandomTest : public ::testing::Test {
   // runs of a chain): the mirror holds the tiers' blocks beside the device's, and the snapshot
   // must restate them. Its own generator, so the device's operations are the same with or
   // without it.
+  // Moves the namespaces between quotas while they hold blocks and pins, without changing what
+  // the model predicts: 11 goes between no quota, its own and two groups, all too large to bind;
+  // 22 between its own quota and a group it is alone in, of the same bound. CheckInvariants then
+  // recounts every quota's running totals (KvCacheManager::CheckQuotaTotals).
+  void StepQuotaGroups() {
+    const uint64_t dice = quota_rng_() % 6;
+    if (dice < 4) {
+      constexpr int64_t kLoose = int64_t{1} << 40;
+      const int64_t bound = dice == 0 ? kUnlimited : kLoose;
+      const uint64_t group = dice < 2 ? 0 : 0x1100 + dice;
+      ASSERT_TRUE(cache_->SetNamespaceQuota(kNamespaces[0], bound, group).ok());
+    } else {
+      const uint64_t group = dice == 4 ? 0 : 0x2200;
+      ASSERT_TRUE(cache_->SetNamespaceQuota(kNamespaces[1], kQuotaNs22, group).ok());
+    }
+  }
+
   void StepTierEvent() {
     const size_t m = tier_rng_() % 2;
     const uint64_t k = tier_rng_() % 48;
@@ -490,7 +507,8 @@ class KvCacheRandomTest : public ::testing::Test {
   std::vector<NamespaceId> last_owner_;
   std::mt19937_64 rng_{20261129};
   std::mt19937_64 tier_rng_{20261206};
-  std::set<uint64_t> tier_held_[2];  // host, disk
+  std::mt19937_64 quota_rng_{20261207};  // its own stream: the other steps' draws stay as they were
+  std::set<uint64_t> tier_held_[2];      // host, disk
   EventMirror mirror_{/*grouped=*/false};
 };
 
@@ -527,6 +545,7 @@ TEST_F(KvCacheRandomTest, MillionOperationsAgreeWithTheModel) {
       StepFreeSession();
     }
     if (tier_rng_() % 16 == 0) StepTierEvent();
+    if (quota_rng_() % 32 == 0) StepQuotaGroups();
     if (HasFatalFailure()) FAIL() << "at step " << step;
     const absl::Status invariants = cache_->CheckInvariants();
     ASSERT_TRUE(invariants.ok()) << "at step " << step << ": " << invariants;
