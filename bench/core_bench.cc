@@ -153,6 +153,32 @@ void BM_SessionEndAmidOthers(benchmark::State& state) {
 }
 BENCHMARK(BM_SessionEndAmidOthers);
 
+// --- allocate + free in a namespace of a quota group of 16,384 namespaces -----------------------
+// Each cache salt is its own namespace, so one client can make its tenant's quota group this
+// large; checking the quota must cost what a one-namespace quota's check costs (running totals,
+// KvCacheManager::Quota), not a walk over the group. The baseline is the same allocate + free in
+// a namespace with a quota of its own.
+
+constexpr int kQuotaMembers = 1 << 14;
+
+void QuotaAllocateFree(benchmark::State& state, int members) {
+  auto cache = MakeCache();
+  for (int i = 1; i <= members; ++i) {
+    KVPOOL_CHECK_OK(cache->SetNamespaceQuota(NamespaceId(i), kNumBlocks, /*group=*/7));
+  }
+  const NamespaceId ns(members / 2 + 1);
+  DevicePlan plan;
+  for (auto _ : state) {
+    plan.fills.clear();
+    const absl::StatusOr<AllocateResult> r = cache->Allocate(SessionId(1), {ns, kBlockSize}, &plan);
+    (void)cache->Free(SessionId(1), r->sequence);
+  }
+}
+void BM_QuotaGroupAllocateFree(benchmark::State& state) { QuotaAllocateFree(state, kQuotaMembers); }
+BENCHMARK(BM_QuotaGroupAllocateFree);
+void BM_QuotaOwnAllocateFree(benchmark::State& state) { QuotaAllocateFree(state, 1); }
+BENCHMARK(BM_QuotaOwnAllocateFree);
+
 // --- grow by one token across 256 sequences, one batch ----------------------------------------
 
 void BM_GrowBatch256(benchmark::State& state) {
@@ -311,6 +337,9 @@ int main(int argc, char** argv) {
           {"allocate+free one sequence (manager)", "BM_SequenceAllocateFree", "BM_VectorPushPop"},
           {"allocate+session end, 65536 others held", "BM_SessionEndAmidOthers",
            "BM_SequenceAllocateFree"},
+          // Not scaling with the group: the same time as a one-namespace quota, within noise.
+          {"allocate+free in a quota group of 16384 namespaces", "BM_QuotaGroupAllocateFree",
+           "BM_QuotaOwnAllocateFree", 0.9},
           {"grow 1 token x 256 sequences, one batch", "BM_GrowBatch256", "BM_GrowBatch256_Vectors"},
           {"fork+free, 1000 tokens", "BM_ForkFree", "BM_ForkFree_Vectors"},
           {"snapshot of 100k host-tier blocks", "BM_SnapshotTierBlocks",
