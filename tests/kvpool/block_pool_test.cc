@@ -339,6 +339,48 @@ TEST_F(BlockPoolTest, ABlockOfARecycledNamespaceIsScrubbedWhoeverGetsTheSlot) {
   ExpectInvariants();
 }
 
+// Tallies (a quota group's running count): every ACTIVE transition counts, a namespace brings its
+// blocks along when it is filed elsewhere, and its filing outlives its slot.
+TEST_F(BlockPoolTest, TalliesFollowTheirNamespacesBlocksAndSlots) {
+  Make(8, 8, /*max_namespaces=*/2);  // slots: A (100), B (200)
+  pool_->SetTally(NamespaceId(100), 1);
+  pool_->SetTally(NamespaceId(200), 1);
+  const std::vector<BlockId> a = Alloc(3, ns_a_);
+  const std::vector<BlockId> b = Alloc(2, ns_b_);
+  EXPECT_EQ(pool_->tally_active(1), 5);
+  ASSERT_TRUE(pool_->AddCacheRef(a[0], ctx_).ok());
+  ASSERT_TRUE(pool_->Release(a[0], ctx_).ok());  // CACHED: no longer ACTIVE
+  ASSERT_TRUE(pool_->Retain(b[0], ctx_).ok());   // shared: still one ACTIVE block
+  EXPECT_EQ(pool_->tally_active(1), 4);
+  ASSERT_TRUE(pool_->Retain(a[0], ctx_).ok());  // CACHED -> ACTIVE
+  EXPECT_EQ(pool_->tally_active(1), 5);
+  ExpectInvariants();
+  // B moves to tally 2 with its two blocks, then to none.
+  pool_->SetTally(NamespaceId(200), 2);
+  EXPECT_EQ(pool_->tally_active(1), 3);
+  EXPECT_EQ(pool_->tally_active(2), 2);
+  ExpectInvariants();
+  pool_->SetTally(NamespaceId(200), 0);
+  EXPECT_EQ(pool_->tally_active(2), 0);
+  EXPECT_EQ(pool_->tally_of(NamespaceId(200)), 0u);
+  ExpectInvariants();
+  // A lets everything go; its slot goes to C (untallied), and A keeps tally 1 for when it is
+  // registered again.
+  ASSERT_TRUE(pool_->Release(a[0], ctx_).ok());
+  ASSERT_TRUE(pool_->DropCacheRef(a[0], ctx_).ok());
+  for (size_t k = 1; k < a.size(); ++k) ASSERT_TRUE(pool_->Release(a[k], ctx_).ok());
+  EXPECT_EQ(pool_->tally_active(1), 0);
+  const std::vector<uint8_t> held = {0, 0, 1};  // B is still named by its owner's records
+  pool_->RecycleNamespaces(pool_->IdleNamespaces(held));
+  ExpectInvariants();  // a free slot is filed under no tally
+  const NamespaceSlot c = *pool_->RegisterNamespace(NamespaceId(300));
+  EXPECT_EQ(c, ns_a_);
+  Alloc(2, c);
+  EXPECT_EQ(pool_->tally_active(1), 0) << "the recycled slot still counts for A's tally";
+  EXPECT_EQ(pool_->tally_of(NamespaceId(100)), 1u);
+  ExpectInvariants();
+}
+
 TEST_F(BlockPoolTest, CachedAndRetiringBlocksKeepTheirNamespaceBusy) {
   Make(3);
   const std::vector<BlockId> a = Alloc(1, ns_a_);
