@@ -131,6 +131,9 @@ class BlockPool final {
   std::optional<NamespaceSlot> FindNamespace(NamespaceId ns) const;
   // How many more namespaces can be registered without recycling any.
   int32_t namespaces_left() const;
+  // Blocks that have become FREE so far (stats().freed): while it stands still, no block has
+  // left any namespace.
+  uint64_t freed() const { return freed_; }
   // One past the highest slot ever handed out (the size of a per-slot array).
   int32_t namespace_slots() const { return static_cast<int32_t>(namespaces_.size()); }
 

@@ -587,22 +587,39 @@ absl::Status KvCacheManager::PlanNamespaces(std::span<const std::pair<NamespaceI
   int64_t new_namespaces = 0;
   for (const auto& [ns, n] : by_ns) new_namespaces += pool_->FindNamespace(ns) ? 0 : 1;
   if (new_namespaces <= pool_->namespaces_left()) return absl::OkStatus();
+  const auto full = [&] {
+    return absl::ResourceExhaustedError(fmt::format(
+        "{}: the namespace table is full ({} namespaces hold blocks or sequences, {} new ones "
+        "asked)",
+        what, pool_->stats().namespaces, new_namespaces));
+  };
+  if (full_table_.Refuses(*pool_, sequences_freed_, new_namespaces, pool_->namespaces_left())) {
+    return full();
+  }
   // The table is full: one sweep finds every idle slot (O(blocks + sequences)), so the next
-  // sweeps are as rare as the table is large.
+  // sweeps are as rare as the table is large, or (FullTable) as frees are.
   std::vector<uint8_t> held(static_cast<size_t>(pool_->namespace_slots()), 0);
   for (const auto& [id, seq] : sequences_) held[seq.slot.value()] = 1;
+  visited_.fetch_add(sequences_.size(), std::memory_order_relaxed);
   for (const auto& [ns, n] : by_ns) {
     if (const std::optional<NamespaceSlot> slot = pool_->FindNamespace(ns)) held[slot->value()] = 1;
   }
   *recycle = pool_->IdleNamespaces(held);
   if (new_namespaces > pool_->namespaces_left() + static_cast<int64_t>(recycle->size())) {
+    NoteFullTable(&full_table_, *pool_, recycle->size(), by_ns);
     recycle->clear();
-    return absl::ResourceExhaustedError(fmt::format(
-        "{}: the namespace table is full ({} namespaces hold blocks or sequences, {} new ones "
-        "asked)",
-        what, pool_->stats().namespaces, new_namespaces));
+    return full();
   }
   return absl::OkStatus();
+}
+
+void KvCacheManager::NoteFullTable(FullTable* table, const BlockPool& pool, size_t found,
+                                   std::span<const std::pair<NamespaceId, int64_t>> by_ns) const {
+  int64_t kept = 0;  // slots the call's own namespaces hold, which the sweep could not count
+  for (const auto& [ns, n] : by_ns) kept += pool.FindNamespace(ns) ? 1 : 0;
+  *table = {.blocks_freed = pool.freed(),
+            .sequences_freed = sequences_freed_,
+            .idle = static_cast<int64_t>(found) + kept};
 }
 
 absl::Status KvCacheManager::CheckCapacity(std::span<const std::pair<NamespaceId, int64_t>> by_ns,
@@ -1236,6 +1253,7 @@ void KvCacheManager::FreeChecked(Sequence* seq, OnFree on_free, int64_t now_ns) 
   UnholdSequence(usage, *seq);
   RecycleTokens(seq->tokens);
   sequences_.erase(id);
+  ++sequences_freed_;
 }
 
 absl::Status KvCacheManager::CheckPublish(const Sequence& seq, std::span<const int32_t> extra,

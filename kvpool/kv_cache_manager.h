@@ -997,14 +997,38 @@ class KvCacheManager final {
   absl::Status CheckQuotaBooks() const;
   // Each quota's running totals are what a walk over its members gives.
   absl::Status CheckQuotaTotals() const;
+  // While nothing has been freed since a refused sweep, a sweep finds no more idle slots than it
+  // did (what FullTable refuses by).
+  absl::Status CheckFullTables() const;
   // RESOURCE_EXHAUSTED when `session` would hold more than max_sequences_per_session with
   // `more` new ones.
   absl::Status CheckSequences(SessionId session, int64_t more, std::string_view what) const;
   // Checks that the namespaces of `by_ns` fit the pool's table. When the table is too full, finds
   // the idle namespaces (no block owned, no live sequence, not in `by_ns`) to recycle into
   // `recycle`, for the caller to hand to BlockPool::RecycleNamespaces once nothing can fail.
+  // A sweep costs O(blocks + sequences); while nothing has been freed since a sweep that could not
+  // make room, a call needing more than it found is refused without one (FullTable).
   absl::Status PlanNamespaces(std::span<const std::pair<NamespaceId, int64_t>> by_ns,
                               std::vector<NamespaceSlot>* recycle, std::string_view what) const;
+  // What the last sweep of a namespace table that could not make room found. A slot goes idle
+  // only when a block leaves it (BlockPool::freed()) or a sequence is freed; until then no sweep
+  // finds more than `idle`: those it found, plus the slots the refused call kept as its own (a
+  // call's namespaces are never recycled under it; another call's may be).
+  struct FullTable {
+    uint64_t blocks_freed = 0;
+    uint64_t sequences_freed = 0;
+    int64_t idle = -1;  // -1: no refused sweep to go by
+
+    // Whether `fresh` new namespaces with `left` free slots are refused with no sweep.
+    bool Refuses(const BlockPool& pool, uint64_t sequences, int64_t fresh, int64_t left) const {
+      return idle >= 0 && blocks_freed == pool.freed() && sequences_freed == sequences &&
+             fresh > left + idle;
+    }
+  };
+  // A sweep of `pool`'s table (the pool's or the window group's) that found `found` idle slots
+  // and could not make room for a call naming `by_ns`.
+  void NoteFullTable(FullTable* table, const BlockPool& pool, size_t found,
+                     std::span<const std::pair<NamespaceId, int64_t>> by_ns) const;
   // Checks there are `slots` free state slots (reclaiming retired ones first, then evicting
   // cached checkpoints not in `keep`, in checkpoint_order_, once it is sure there are
   // enough: the call's last check). OK without a state group.
@@ -1262,6 +1286,11 @@ class KvCacheManager final {
   // what a call costs in entries it was not asked about shows here. Atomic: const
   // calls run concurrently. Read by tests (KvCacheManagerTestPeer::Visited).
   mutable std::atomic<uint64_t> visited_ = 0;
+  uint64_t sequences_freed_ = 0;
+  // The pool's and the window group's (PlanNamespaces, PlanWindowNamespaces); mutable: a refused
+  // call changes nothing but what it learnt of the table.
+  mutable FullTable full_table_;
+  mutable FullTable full_window_table_;
 };
 
 }  // namespace kvpool

@@ -331,6 +331,7 @@ absl::Status KvCacheManager::CheckInvariants() const {
   KVPOOL_RETURN_IF_ERROR(CheckRefGroups());
   KVPOOL_RETURN_IF_ERROR(CheckHoldings());
   KVPOOL_RETURN_IF_ERROR(CheckQuotaBooks());
+  KVPOOL_RETURN_IF_ERROR(CheckFullTables());
   KVPOOL_RETURN_IF_ERROR(CheckStates());
   KVPOOL_RETURN_IF_ERROR(CheckWindows());
   KVPOOL_RETURN_IF_ERROR(CheckShareCharges());
@@ -340,6 +341,34 @@ absl::Status KvCacheManager::CheckInvariants() const {
     KVPOOL_RETURN_IF_ERROR(cache_->CheckInvariants(&locks, &pinned));
   } else if (pool_->num_cached() != 0 || !pins_.empty()) {
     return InvariantViolation("cached blocks or pins without a prefix cache");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status KvCacheManager::CheckFullTables() const {
+  const auto check = [&](const FullTable& table, const BlockPool& pool, auto slot_of,
+                         std::string_view which) -> absl::Status {
+    if (table.idle < 0 || table.blocks_freed != pool.freed() ||
+        table.sequences_freed != sequences_freed_) {
+      return absl::OkStatus();
+    }
+    std::vector<uint8_t> held(static_cast<size_t>(pool.namespace_slots()), 0);
+    for (const auto& [id, seq] : sequences_) held[slot_of(seq).value()] = 1;
+    const size_t idle = pool.IdleNamespaces(held).size();
+    if (static_cast<int64_t>(idle) > table.idle) {
+      return InvariantViolation(
+          "{} namespace table: {} idle slots, though nothing was freed since a sweep found at "
+          "most {}",
+          which, idle, table.idle);
+    }
+    return absl::OkStatus();
+  };
+  KVPOOL_RETURN_IF_ERROR(check(
+      full_table_, *pool_, [](const Sequence& seq) { return seq.slot; }, "the pool's"));
+  if (window_) {
+    KVPOOL_RETURN_IF_ERROR(check(
+        full_window_table_, *window_, [](const Sequence& seq) { return seq.window_slot; },
+        "the window group's"));
   }
   return absl::OkStatus();
 }

@@ -192,8 +192,16 @@ absl::Status KvCacheManager::PlanWindowNamespaces(
   int64_t fresh = 0;
   for (const auto& [ns, n] : namespaces) fresh += window_->FindNamespace(ns) ? 0 : 1;
   if (fresh <= window_->namespaces_left()) return absl::OkStatus();
+  const auto full = [&] {
+    return absl::ResourceExhaustedError(fmt::format(
+        "{}: the window group's namespace table is full ({} new namespaces asked)", what, fresh));
+  };
+  if (full_window_table_.Refuses(*window_, sequences_freed_, fresh, window_->namespaces_left())) {
+    return full();
+  }
   std::vector<uint8_t> held(static_cast<size_t>(window_->namespace_slots()), 0);
   for (const auto& [id, seq] : sequences_) held[seq.window_slot.value()] = 1;
+  visited_.fetch_add(sequences_.size(), std::memory_order_relaxed);
   for (const auto& [ns, n] : namespaces) {
     if (const std::optional<NamespaceSlot> slot = window_->FindNamespace(ns)) {
       held[slot->value()] = 1;
@@ -201,9 +209,9 @@ absl::Status KvCacheManager::PlanWindowNamespaces(
   }
   *recycle = window_->IdleNamespaces(held);
   if (fresh > window_->namespaces_left() + static_cast<int64_t>(recycle->size())) {
+    NoteFullTable(&full_window_table_, *window_, recycle->size(), namespaces);
     recycle->clear();
-    return absl::ResourceExhaustedError(fmt::format(
-        "{}: the window group's namespace table is full ({} new namespaces asked)", what, fresh));
+    return full();
   }
   return absl::OkStatus();
 }

@@ -12,6 +12,7 @@
 #include "gtest/gtest.h"
 #include "kvpool/kv_cache_manager.h"
 #include "kvpool/util/errors.h"
+#include "tests/kvpool/kv_cache_manager_test_peer.h"
 
 namespace kvpool {
 namespace {
@@ -206,6 +207,56 @@ TEST_F(KvCacheLimitsTest, IdleNamespacesAreRecycledButNotOnesWithSequences) {
   ASSERT_TRUE(cache_->Free(kAlice, empty).ok());
   EXPECT_TRUE(Alloc(kBob, kD, 16).ok());  // A was recycled
   EXPECT_FALSE(cache_->pool().FindNamespace(kA).has_value());
+  ExpectInvariants();
+}
+
+// A full table whose namespaces all hold something: a call for a new one sweeps the pool once for
+// idle slots (every sequence and block, under the engine's lock) and is refused. Until a block or
+// a sequence is freed no slot can have gone idle, so the same call again is refused without
+// another sweep: a client asking over and over must not make each refusal walk the pool.
+TEST_F(KvCacheLimitsTest, AFullTableIsSweptAgainOnlyOnceSomethingIsFreed) {
+  Make({.max_namespaces = 2});
+  const SequenceId in_a = *Alloc(kAlice, kA, 0);
+  std::vector<SequenceId> in_b;
+  for (int i = 0; i < 64; ++i) in_b.push_back(*Alloc(kAlice, kB, 0));
+  const auto visited = [&] { return KvCacheManagerTestPeer::Visited(*cache_); };
+  const uint64_t start = visited();
+  EXPECT_EQ(Alloc(kBob, kC, 16).status().code(), absl::StatusCode::kResourceExhausted);
+  const uint64_t sweep = visited() - start;
+  EXPECT_EQ(sweep, 65u);  // one sweep: every live sequence
+  for (int i = 0; i < 10; ++i) {
+    const absl::Status refused = Alloc(kBob, kC, 16).status();
+    EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted);
+    EXPECT_THAT(std::string(refused.message()), HasSubstr("namespace table is full"));
+  }
+  EXPECT_EQ(visited() - start, sweep);
+  // A freed sequence might have left its namespace idle: one sweep more (B still holds some).
+  ASSERT_TRUE(cache_->Free(kAlice, in_b.back()).ok());
+  EXPECT_EQ(Alloc(kBob, kC, 16).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(visited() - start, 2 * sweep - 1);
+  // A's last sequence gone, its slot is found.
+  ASSERT_TRUE(cache_->Free(kAlice, in_a).ok());
+  EXPECT_TRUE(Alloc(kBob, kC, 16).ok());
+  ExpectInvariants();
+}
+
+// What a refused call's sweep found bounds what the next one finds only for the slots the call did
+// not keep for itself: a batch naming idle A beside new C keeps A's slot (A is in use by the
+// batch), and is refused; C alone then finds A idle and takes its slot.
+TEST_F(KvCacheLimitsTest, ASlotARefusedBatchKeptIsFoundByTheNextCall) {
+  Make({.max_namespaces = 2});
+  ASSERT_TRUE(cache_->Free(kAlice, *Alloc(kAlice, kA, 0)).ok());  // A registered, idle
+  const SequenceId in_b = *Alloc(kAlice, kB, 0);
+  std::vector<AllocateResult> results;
+  DevicePlan plan;
+  const std::vector<AllocateRequest> both = {{.ns = kA, .num_tokens = 16},
+                                             {.ns = kC, .num_tokens = 16}};
+  EXPECT_EQ(cache_->AllocateBatch(kBob, both, &results, &plan).code(),
+            absl::StatusCode::kResourceExhausted);
+  const absl::StatusOr<SequenceId> c = Alloc(kBob, kC, 16);
+  EXPECT_TRUE(c.ok()) << c.status();
+  EXPECT_FALSE(cache_->pool().FindNamespace(kA).has_value());
+  ASSERT_TRUE(cache_->Free(kAlice, in_b).ok());
   ExpectInvariants();
 }
 
