@@ -414,14 +414,18 @@ absl::Status BlockPool::CheckInvariants() const {
   }
   KVPOOL_RETURN_IF_ERROR(CheckNamespaces());
   KVPOOL_RETURN_IF_ERROR(CheckTallies());
+  return CheckLists(count[static_cast<int>(BlockState::kFree)],
+                    count[static_cast<int>(BlockState::kRetiring)]);
+}
 
+absl::Status BlockPool::CheckLists(int32_t free, int32_t retiring) const {
   // Each FREE block is on the free list exactly once and nothing else is; same for RETIRING.
   std::vector<uint8_t> seen(num_blocks_, 0);
-  auto check_list = [&](const std::vector<BlockId>& list, BlockState want,
+  auto check_list = [&](const std::vector<BlockId>& list, BlockState want, int32_t blocks,
                         std::string_view name) -> absl::Status {
-    if (static_cast<int32_t>(list.size()) != count[static_cast<int>(want)]) {
-      return InvariantViolation("{} has {} entries but {} blocks are {}", name, list.size(),
-                                count[static_cast<int>(want)], BlockStateName(want));
+    if (static_cast<int32_t>(list.size()) != blocks) {
+      return InvariantViolation("{} has {} entries but {} blocks are {}", name, list.size(), blocks,
+                                BlockStateName(want));
     }
     for (BlockId block : list) {
       if (!Contains(block))
@@ -434,11 +438,8 @@ absl::Status BlockPool::CheckInvariants() const {
     }
     return absl::OkStatus();
   };
-  if (absl::Status s = check_list(free_list_, BlockState::kFree, "free list"); !s.ok()) return s;
-  if (absl::Status s = check_list(retiring_, BlockState::kRetiring, "retiring list"); !s.ok()) {
-    return s;
-  }
-  return absl::OkStatus();
+  KVPOOL_RETURN_IF_ERROR(check_list(free_list_, BlockState::kFree, free, "free list"));
+  return check_list(retiring_, BlockState::kRetiring, retiring, "retiring list");
 }
 
 absl::Status BlockPool::CheckNamespaces() const {

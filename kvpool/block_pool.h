@@ -262,6 +262,8 @@ class BlockPool final {
 
   absl::Status CheckNamespaces() const;
   absl::Status CheckTallies() const;
+  // The free and retiring lists hold exactly the `free` FREE and `retiring` RETIRING blocks.
+  absl::Status CheckLists(int32_t free, int32_t retiring) const;
 
   // `n` more (or fewer) ACTIVE blocks owned by `slot`: its count and its tally's. The branch
   // is as predictable as the pool's namespaces are (all tallied or not), and spares the pools
