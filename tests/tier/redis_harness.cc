@@ -236,7 +236,9 @@ absl::Status WaitClusterOk(const RedisCluster& cluster) {
   return absl::InternalError("cluster did not reach cluster_state:ok");
 }
 
-absl::StatusOr<RedisCluster> StartRedisCluster(const std::string& dir, int n) {
+namespace {
+
+absl::StatusOr<RedisCluster> StartRedisClusterOnce(const std::string& dir, int n) {
   RedisCluster cluster;
   std::vector<std::string> create = {RedisCliBinary(), "--cluster", "create"};
   for (int i = 0; i < n; ++i) {
@@ -253,6 +255,21 @@ absl::StatusOr<RedisCluster> StartRedisCluster(const std::string& dir, int n) {
   if (!out.ok()) return out.status();
   absl::Status ok = WaitClusterOk(cluster);
   if (!ok.ok()) return ok;
+  return cluster;
+}
+
+}  // namespace
+
+absl::StatusOr<RedisCluster> StartRedisCluster(const std::string& dir, int n) {
+  // A port PickFreePort found free can be taken by another test's server before a node binds it
+  // (ctest runs tests side by side): the node exits, and the PING that saw it up may have been
+  // the other server's. Such a start fails at --cluster create; a fresh set of ports (and
+  // directories, clean of the failed nodes' files) is tried again.
+  absl::StatusOr<RedisCluster> cluster;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    cluster = StartRedisClusterOnce(absl::StrCat(dir, "/try", attempt), n);
+    if (cluster.ok()) break;
+  }
   return cluster;
 }
 
