@@ -10,6 +10,7 @@
 
 #include "fmt/format.h"
 #include "kernels/cpu_kernels.h"
+#include "kernels/internal/stream_copy.h"
 #include "kernels/validate.h"
 #include "kvpool/util/status_macros.h"
 
@@ -247,7 +248,7 @@ absl::StatusOr<Fence> CpuDevice::CopyToDevice(StreamId stream, void* dst, const 
   if (!s.ok()) return s.status();
   return (*s)->Enqueue(
       [=] {
-        std::memcpy(dst, src, static_cast<size_t>(bytes));
+        internal::StreamCopy(dst, src, static_cast<size_t>(bytes));
         return absl::OkStatus();
       },
       Helpable::kYes);

@@ -16,6 +16,7 @@
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/cpu_kernels.h"
+#include "kernels/internal/stream_copy.h"
 #include "kernels/plan_executor.h"
 #include "tests/kernels/kernel_test_util.h"
 
@@ -245,6 +246,36 @@ TEST(CpuDeviceTest, WaitersRunningCopiesKeepTheStreamsOrder) {
   for (int k = 0; k < kTasks; ++k) {
     if (k % 3 != 2) {
       EXPECT_EQ(region(k)[kWords - 1], 7) << k;
+    }
+  }
+}
+
+// Copies at and past the streaming threshold (kernels/internal/stream_copy.h) take another path
+// than memcpy: an unaligned head, 64-byte chunks of streaming stores, a tail. Every byte of each
+// size and alignment around those edges lands, and nothing outside the destination is touched.
+TEST(CpuDeviceTest, LargeCopiesLandExactlyAtEveryAlignment) {
+  CpuDevice device(1);
+  constexpr size_t kMin = internal::kStreamCopyMinBytes;
+  constexpr size_t kSlack = 128;
+  std::vector<uint8_t> src(kMin + 4 * kSlack);
+  std::iota(src.begin(), src.end(), uint8_t{7});
+  for (const size_t bytes : {kMin - 1, kMin, kMin + 1, kMin + 63, kMin + 64, kMin + 65}) {
+    for (const size_t dst_offset : {0, 1, 8, 15, 16, 33, 63}) {
+      for (const size_t src_offset : {0, 3, 16}) {
+        std::vector<uint8_t> dst(bytes + 2 * kSlack, 0xee);
+        const Fence f = *device.CopyToDevice(StreamId::kTransfer, dst.data() + dst_offset,
+                                             src.data() + src_offset, static_cast<int64_t>(bytes));
+        ASSERT_TRUE(device.Synchronize(f).ok());
+        SCOPED_TRACE(testing::Message()
+                     << bytes << " bytes to +" << dst_offset << " from +" << src_offset);
+        ASSERT_TRUE(std::all_of(dst.begin(), dst.begin() + static_cast<ptrdiff_t>(dst_offset),
+                                [](uint8_t b) { return b == 0xee; }));
+        ASSERT_TRUE(std::equal(src.begin() + static_cast<ptrdiff_t>(src_offset),
+                               src.begin() + static_cast<ptrdiff_t>(src_offset + bytes),
+                               dst.begin() + static_cast<ptrdiff_t>(dst_offset)));
+        ASSERT_TRUE(std::all_of(dst.begin() + static_cast<ptrdiff_t>(dst_offset + bytes), dst.end(),
+                                [](uint8_t b) { return b == 0xee; }));
+      }
     }
   }
 }
