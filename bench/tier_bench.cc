@@ -152,36 +152,24 @@ void BM_Memcpy(benchmark::State& state) {
 }
 BENCHMARK(BM_Memcpy)->UseRealTime();
 
-// The two alternately, call by call (bench::Interleave), each promotion's reset untimed: both
-// sides of the ratio see the same machine.
-void BM_PromoteVsMemcpy(benchmark::State& state) {
+// A promotion and a copy of the same bytes alternately, call by call (bench::Interleave), each
+// promotion's reset untimed: both sides of the ratio see the same machine.
+void PromoteVsCopy(benchmark::State& state, bool streaming, const char* copy_counter) {
   Promoter promoter;
-  Copier copier;
+  Copier copier(streaming);
   std::optional<SequenceId> promoted;
   bench::Interleave(
       state, [&] { promoted = promoter.Promote(); }, "promote_ns", [&] { copier.Copy(); },
-      "memcpy_ns",
+      copy_counter,
       [&] {
         if (promoted.has_value()) promoter.Reset(*promoted);
         promoted.reset();
       });
   promoter.CheckPromoted(state.iterations());
 }
+void BM_PromoteVsMemcpy(benchmark::State& state) { PromoteVsCopy(state, false, "memcpy_ns"); }
 BENCHMARK(BM_PromoteVsMemcpy)->UseRealTime();
-
-void BM_PromoteVsStreamCopy(benchmark::State& state) {
-  Promoter promoter;
-  Copier copier(/*streaming=*/true);
-  std::optional<SequenceId> promoted;
-  bench::Interleave(
-      state, [&] { promoted = promoter.Promote(); }, "promote_ns", [&] { copier.Copy(); },
-      "copy_ns",
-      [&] {
-        if (promoted.has_value()) promoter.Reset(*promoted);
-        promoted.reset();
-      });
-  promoter.CheckPromoted(state.iterations());
-}
+void BM_PromoteVsStreamCopy(benchmark::State& state) { PromoteVsCopy(state, true, "copy_ns"); }
 BENCHMARK(BM_PromoteVsStreamCopy)->UseRealTime();
 
 // The two copies alone, interleaved, at a promoted run (4 MiB) and at one block (64 KiB).

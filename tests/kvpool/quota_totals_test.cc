@@ -238,73 +238,99 @@ TEST_F(QuotaTotalsTest, ARecycledSlotCountsForItsNewNamespacesQuota) {
   ExpectExact();
 }
 
-// Seeded random operations over a dozen namespaces that move between quotas, in a table of four
-// slots (so slots are recycled all the time), with pins, the prefix cache and both other groups.
-// After every step the invariants recount the totals and each quota's use is its members' walk.
-TEST_F(QuotaTotalsTest, RandomOperationsKeepTheTotalsExact) {
-  Make(/*max_namespaces=*/4, /*hybrid=*/true, /*num_blocks=*/40);
-  std::mt19937_64 rng(20261207);
-  constexpr int kNamespaces = 12;
-  std::vector<SequenceId> live;
-  std::vector<PinId> pins;
+// What the random test holds between steps.
+struct RandomHeld {
   struct Published {
     NamespaceId ns;
     int32_t seed = 0;
     int32_t blocks = 0;
   };
+  std::vector<SequenceId> live;
+  std::vector<PinId> pins;
   std::vector<Published> published;  // prompts freed with OnFree::kCommit (maybe evicted since)
-  std::map<std::string, int> outcomes;
-  const auto ns_of = [&](uint64_t r) { return NamespaceId(1 + r % kNamespaces); };
-  for (int step = 0; step < 100'000; ++step) {
+};
+
+class QuotaTotalsRandomTest : public QuotaTotalsTest {
+ protected:
+  static constexpr int kNamespaces = 12;
+
+  // One random operation: allocate, grow, fork, free, pin, unpin, or move a namespace between
+  // quotas. Returns what the manager said.
+  absl::Status Step(std::mt19937_64& rng, RandomHeld& held) {
     clock_.Advance(rng() % 50 == 0 ? 20 * kSecond : 1000);
     const uint64_t dice = rng() % 100;
-    absl::Status status;
+    std::vector<SequenceId>& live = held.live;
     // Few live sequences at once, so that namespaces go idle and their slots are recycled.
-    if ((dice < 30 && live.size() < 3) || live.empty()) {
-      const int32_t blocks = static_cast<int32_t>(rng() % 4);
-      const int32_t seed = static_cast<int32_t>(rng() % 3);
-      const std::vector<int32_t> prompt = Prompt(blocks * kBlockSize + 3, seed);
-      const NamespaceId ns = ns_of(rng());
-      absl::StatusOr<SequenceId> s =
-          Alloc(ns, static_cast<int64_t>(prompt.size() + rng() % 200), prompt);
-      status = s.status();
-      if (s.ok()) live.push_back(*s);
-      if (s.ok() && blocks > 0) published.push_back({ns, seed, blocks});
-    } else if (dice < 45) {
+    if ((dice < 30 && live.size() < 3) || live.empty()) return Allocate(rng, held);
+    if (dice < 45) {
       DevicePlan plan;
       const SequenceId s = live[rng() % live.size()];
-      status = cache_->Grow(
+      return cache_->Grow(
           kAlice, s, cache_->Find(s)->num_tokens + 1 + static_cast<int64_t>(rng() % 30), &plan);
-    } else if (dice < 55) {
+    }
+    if (dice < 55) {
       DevicePlan plan;
       absl::StatusOr<SequenceId> s = cache_->Fork(kAlice, live[rng() % live.size()], &plan);
-      status = s.status();
       if (s.ok()) live.push_back(*s);
-    } else if (dice < 72 || live.size() >= 3) {
+      return s.status();
+    }
+    if (dice < 72 || live.size() >= 3) {
       const size_t k = rng() % live.size();
-      status = cache_->Free(kAlice, live[k], rng() % 4 == 0 ? OnFree::kCommit : OnFree::kDiscard);
+      const SequenceId s = live[k];
       live.erase(live.begin() + static_cast<ptrdiff_t>(k));
-    } else if (dice < 80 && !published.empty()) {
+      return cache_->Free(kAlice, s, rng() % 4 == 0 ? OnFree::kCommit : OnFree::kDiscard);
+    }
+    if (dice < 80 && !held.published.empty()) {
       // Some of a published prompt (NOT_FOUND once evicted, or never committed).
-      const Published& p = published[rng() % published.size()];
+      const RandomHeld::Published& p = held.published[rng() % held.published.size()];
       const std::vector<int32_t> prompt =
           Prompt((1 + static_cast<int32_t>(rng() % p.blocks)) * kBlockSize, p.seed);
       absl::StatusOr<PinId> pin = cache_->PinPrefix(
           kAlice, p.ns, prompt, static_cast<int64_t>(1 + rng() % 40) * kSecond, 0);
-      status = pin.status();
-      if (pin.ok()) pins.push_back(*pin);
-    } else if (dice < 84 && !pins.empty()) {
-      const size_t k = rng() % pins.size();
-      status = cache_->Unpin(kAlice, pins[k]);  // NOT_FOUND once it has expired
-      pins.erase(pins.begin() + static_cast<ptrdiff_t>(k));
-    } else {
-      // Moves: a namespace's own quota, one of three groups, or none; bounds tight enough that
-      // quotas refuse calls now and then.
-      const NamespaceId ns = ns_of(rng());
-      const uint64_t where = rng() % 5;
-      const int64_t bound = static_cast<int64_t>(8 + rng() % 40);
-      Join(ns, where == 4 ? kUnlimited : bound, where == 3 ? 0 : 0x100 + where);
+      if (pin.ok()) held.pins.push_back(*pin);
+      return pin.status();
     }
+    if (dice < 84 && !held.pins.empty()) {
+      const size_t k = rng() % held.pins.size();
+      const PinId pin = held.pins[k];
+      held.pins.erase(held.pins.begin() + static_cast<ptrdiff_t>(k));
+      return cache_->Unpin(kAlice, pin);  // NOT_FOUND once it has expired
+    }
+    // Moves: a namespace's own quota, one of three groups, or none; bounds tight enough that
+    // quotas refuse calls now and then.
+    const NamespaceId ns = NamespaceOf(rng());
+    const uint64_t where = rng() % 5;
+    const int64_t bound = static_cast<int64_t>(8 + rng() % 40);
+    Join(ns, where == 4 ? kUnlimited : bound, where == 3 ? 0 : 0x100 + where);
+    return absl::OkStatus();
+  }
+
+ private:
+  static NamespaceId NamespaceOf(uint64_t r) { return NamespaceId(1 + r % kNamespaces); }
+
+  absl::Status Allocate(std::mt19937_64& rng, RandomHeld& held) {
+    const int32_t blocks = static_cast<int32_t>(rng() % 4);
+    const int32_t seed = static_cast<int32_t>(rng() % 3);
+    const std::vector<int32_t> prompt = Prompt(blocks * kBlockSize + 3, seed);
+    const NamespaceId ns = NamespaceOf(rng());
+    absl::StatusOr<SequenceId> s =
+        Alloc(ns, static_cast<int64_t>(prompt.size() + rng() % 200), prompt);
+    if (s.ok()) held.live.push_back(*s);
+    if (s.ok() && blocks > 0) held.published.push_back({ns, seed, blocks});
+    return s.status();
+  }
+};
+
+// Seeded random operations over a dozen namespaces that move between quotas, in a table of four
+// slots (so slots are recycled all the time), with pins, the prefix cache and both other groups.
+// After every step the invariants recount the totals and each quota's use is its members' walk.
+TEST_F(QuotaTotalsRandomTest, RandomOperationsKeepTheTotalsExact) {
+  Make(/*max_namespaces=*/4, /*hybrid=*/true, /*num_blocks=*/40);
+  std::mt19937_64 rng(20261207);
+  RandomHeld held;
+  std::map<std::string, int> outcomes;
+  for (int step = 0; step < 100'000; ++step) {
+    const absl::Status status = Step(rng, held);
     ++outcomes[std::string(absl::StatusCodeToString(status.code()))];
     const std::optional<Shortfall> shortfall = GetShortfall(status);
     if (shortfall.has_value() && shortfall->resource == Resource::kNamespaceQuota) {
