@@ -153,6 +153,38 @@ void BM_SessionEndAmidOthers(benchmark::State& state) {
 }
 BENCHMARK(BM_SessionEndAmidOthers);
 
+// --- a new namespace in a full table, amid 65,536 blocks held by others ------------------------
+// A client that frees its sequence and asks for a new namespace (a fresh cache salt), with every
+// slot of the table in use: each call recycles the slot its last namespace left. That must cost
+// O(slots), not a walk of the pool's blocks and sequences (before: two walks of every block and
+// one of every sequence per call, under the engine's lock). The baseline is the same allocate +
+// free in one namespace.
+
+void BM_NewNamespaceInAFullTable(benchmark::State& state) {
+  auto made = KvCacheManager::Create({.block_size = kBlockSize,
+                                      .num_blocks = kNumBlocks + 16,
+                                      .max_blocks_per_seq = kMaxTokens / kBlockSize,
+                                      .max_namespaces = 2});
+  KVPOOL_CHECK_OK(made.status());
+  KvCacheManager& cache = **made;
+  DevicePlan plan;
+  // Others: every block but 16, in one namespace.
+  for (int s = 0; s < kNumBlocks / 64; ++s) {
+    KVPOOL_CHECK_OK(
+        cache.Allocate(SessionId(2), {NamespaceId(1), 64 * kBlockSize}, &plan).status());
+  }
+  uint64_t ns = 2;
+  SequenceId mine = cache.Allocate(SessionId(1), {NamespaceId(ns), kBlockSize}, &plan)->sequence;
+  for (auto _ : state) {
+    plan.fills.clear();
+    KVPOOL_CHECK_OK(cache.Free(SessionId(1), mine));
+    mine = cache.Allocate(SessionId(1), {NamespaceId(++ns), kBlockSize}, &plan)->sequence;
+  }
+  KVPOOL_CHECK(cache.pool().stats().namespaces_recycled >=
+               static_cast<uint64_t>(state.iterations()));
+}
+BENCHMARK(BM_NewNamespaceInAFullTable);
+
 // --- allocate + free in a namespace of a quota group of 16,384 namespaces -----------------------
 // Each cache salt is its own namespace, so one client can make its tenant's quota group this
 // large; checking the quota must cost what a one-namespace quota's check costs (running totals,
@@ -336,6 +368,8 @@ int main(int argc, char** argv) {
            "BM_VectorPushPopSteady", 0.3},
           {"allocate+free one sequence (manager)", "BM_SequenceAllocateFree", "BM_VectorPushPop"},
           {"allocate+session end, 65536 others held", "BM_SessionEndAmidOthers",
+           "BM_SequenceAllocateFree"},
+          {"new namespace in a full table, 65536 blocks held", "BM_NewNamespaceInAFullTable",
            "BM_SequenceAllocateFree"},
           // Not scaling with the group: the same time as a one-namespace quota, within noise.
           {"allocate+free in a quota group of 16384 namespaces", "BM_QuotaGroupAllocateFree",

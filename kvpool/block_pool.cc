@@ -58,7 +58,7 @@ BlockPool::BlockPool(const BlockPoolOptions& options)
       state_(num_blocks_, BlockState::kFree),
       refs_(num_blocks_, 0),
       generation_(num_blocks_, 0),
-      owner_(num_blocks_, 0),
+      owner_(num_blocks_),
       last_use_(num_blocks_, 0),
       cache_held_(num_blocks_, 0),
       in_flight_(num_blocks_, 0),
@@ -66,6 +66,7 @@ BlockPool::BlockPool(const BlockPoolOptions& options)
       max_namespaces_(options.max_namespaces),
       namespaces_{kNoNamespace},
       slots_books_(1),
+      slot_epoch_(1, 0),
       active_by_tally_(1, 0),
       residency_on_(options.residency_sample > 0),
       trace_(num_blocks_, options.trace_depth),
@@ -91,6 +92,7 @@ absl::StatusOr<NamespaceSlot> BlockPool::RegisterNamespace(NamespaceId ns) {
     slot = static_cast<uint16_t>(namespaces_.size());
     namespaces_.push_back(ns);
     slots_books_.emplace_back();
+    slot_epoch_.push_back(0);
   }
   slots_.emplace(ns, slot);
   // A fresh or recycled slot owns nothing yet: only its tally to set.
@@ -128,14 +130,12 @@ int32_t BlockPool::namespaces_left() const {
 }
 
 std::vector<NamespaceSlot> BlockPool::IdleNamespaces(std::span<const uint8_t> held) const {
-  std::vector<uint8_t> busy(namespaces_.size(), 0);
-  for (size_t i = 0; i < static_cast<size_t>(num_blocks_); ++i) {
-    if (state_[i] != BlockState::kFree) busy[owner_[i]] = 1;
-  }
+  ++idle_sweeps_;
   std::vector<NamespaceSlot> idle;
   for (size_t slot = 1; slot < namespaces_.size(); ++slot) {
     const bool is_held = slot < held.size() && held[slot] != 0;
-    if (namespaces_[slot] != kNoNamespace && !busy[slot] && !is_held) {
+    const SlotBooks& books = slots_books_[slot];
+    if (namespaces_[slot] != kNoNamespace && books.held == 0 && books.named_by == 0 && !is_held) {
       idle.push_back(NamespaceSlot(static_cast<uint16_t>(slot)));
     }
   }
@@ -144,21 +144,29 @@ std::vector<NamespaceSlot> BlockPool::IdleNamespaces(std::span<const uint8_t> he
 
 void BlockPool::RecycleNamespaces(std::span<const NamespaceSlot> slots) {
   if (slots.empty()) return;
-  std::vector<uint8_t> recycled(namespaces_.size(), 0);
+  std::vector<uint8_t> wrapped;  // by slot: its epoch came round to one its FREE blocks may hold
   for (NamespaceSlot slot : slots) {
     const uint16_t s = slot.value();
+    SlotBooks& books = slots_books_[s];
     KVPOOL_CHECK(s != 0 && s < namespaces_.size() && namespaces_[s] != kNoNamespace &&
-                 slots_books_[s].active == 0);
-    recycled[s] = 1;
-    slots_books_[s].tally = 0;  // the namespace keeps its tally (tally_of_), the slot none
+                 books.held == 0 && books.named_by == 0 && books.active == 0);
+    books.tally = 0;  // the namespace keeps its tally (tally_of_), the slot none
+    // The slot's blocks are all FREE; from now on their epoch is behind the slot's.
+    if (++slot_epoch_[s] == 0) {
+      wrapped.resize(namespaces_.size(), 0);
+      wrapped[s] = 1;
+    }
     slots_.erase(namespaces_[s]);
     namespaces_[s] = kNoNamespace;
   }
-  for (size_t i = 0; i < static_cast<size_t>(num_blocks_); ++i) {
-    const uint16_t owner = owner_[i];
-    if (owner >= recycled.size() || !recycled[owner]) continue;
-    KVPOOL_CHECK(state_[i] == BlockState::kFree);
-    owner_[i] = kScrubOwner;
+  if (!wrapped.empty()) {
+    blocks_swept_ += static_cast<uint64_t>(num_blocks_);
+    for (size_t i = 0; i < static_cast<size_t>(num_blocks_); ++i) {
+      const uint16_t owner = owner_[i].slot;
+      if (owner >= wrapped.size() || !wrapped[owner]) continue;
+      KVPOOL_CHECK(state_[i] == BlockState::kFree);
+      owner_[i] = {.slot = kScrubOwner};
+    }
   }
   for (NamespaceSlot slot : slots) free_slots_.push_back(slot.value());
   // Descending: RegisterNamespace pops the lowest free slot first.
@@ -189,7 +197,7 @@ absl::Status BlockPool::Retain(BlockId block, const TraceContext& ctx, std::sour
   if (state == BlockState::kCached) {
     state_[i] = BlockState::kActive;
     --num_cached_;
-    AddActive(owner_[i], 1);
+    AddActive(owner_[i].slot, 1);
   }
   ++refs_[i];
   trace_.Record(block, BlockOp::kRetain, refs_[i], generation_[i], ctx, site);
@@ -212,7 +220,7 @@ absl::Status BlockPool::ReleaseSlow(BlockId block, const TraceContext& ctx,
   if (refs == 1 && cache_held_[i]) {
     state_[i] = BlockState::kCached;
     ++num_cached_;
-    AddActive(owner_[i], -1);
+    AddActive(owner_[i].slot, -1);
   }
   trace_.Record(block, BlockOp::kRelease, refs, generation_[i], ctx, site);
   return absl::OkStatus();
@@ -360,19 +368,32 @@ BlockPoolStats BlockPool::stats() const {
 absl::Status BlockPool::CheckInvariants() const {
   int32_t count[4] = {0, 0, 0, 0};
   std::vector<int32_t> active_by_ns(slots_books_.size(), 0);
+  std::vector<int32_t> held_by_ns(slots_books_.size(), 0);
   for (int32_t b = 0; b < num_blocks_; ++b) {
     const size_t i = static_cast<size_t>(b);
     const BlockState state = state_[i];
     ++count[static_cast<int>(state)];
-    // A FREE block may remember no owner (0), a registered one, or kScrubOwner; any other block
-    // belongs to a registered namespace.
-    const uint16_t owner = owner_[i];
+    // A block not FREE belongs to a registered namespace, at its slot's epoch. A FREE block may
+    // remember no owner (0), kScrubOwner, or a slot at that slot's epoch or before it (recycled
+    // since: then strictly before).
+    const OwnerTag tag = owner_[i];
+    const uint16_t owner = tag.slot;
     const bool registered =
         owner != 0 && owner < namespaces_.size() && namespaces_[owner] != kNoNamespace;
-    if (state == BlockState::kFree ? !(registered || owner == 0 || owner == kScrubOwner)
-                                   : !registered) {
-      return InvariantViolation("{} block {} has owner slot {}, not a registered namespace's",
-                                BlockStateName(state), b, owner);
+    if (state != BlockState::kFree) {
+      if (!registered || tag.epoch != slot_epoch_[owner]) {
+        return InvariantViolation(
+            "{} block {} has owner slot {} epoch {}, not a registered "
+            "namespace's current one",
+            BlockStateName(state), b, owner, tag.epoch);
+      }
+      ++held_by_ns[owner];
+    } else if (owner != 0 && owner != kScrubOwner &&
+               (owner >= namespaces_.size() ||
+                (registered ? tag.epoch > slot_epoch_[owner] : tag.epoch >= slot_epoch_[owner]))) {
+      return InvariantViolation("FREE block {} remembers slot {} at epoch {}; the slot is at {}{}",
+                                b, owner, tag.epoch, slot_epoch_[owner],
+                                registered ? "" : " and was recycled since");
     }
     switch (state) {
       case BlockState::kFree:
@@ -390,7 +411,7 @@ absl::Status BlockPool::CheckInvariants() const {
           return InvariantViolation("ACTIVE block {} has refs {}{}", b, refs_[i],
                                     cache_held_[i] ? " (all of them the cache's)" : "");
         }
-        ++active_by_ns[owner_[i]];
+        ++active_by_ns[owner];
         break;
       case BlockState::kCached:
         if (refs_[i] != 1 || !cache_held_[i]) {
@@ -410,6 +431,10 @@ absl::Status BlockPool::CheckInvariants() const {
     if (active_by_ns[slot] != slots_books_[slot].active) {
       return InvariantViolation("slot {} owns {} ACTIVE blocks, its count says {}", slot,
                                 active_by_ns[slot], slots_books_[slot].active);
+    }
+    if (held_by_ns[slot] != slots_books_[slot].held) {
+      return InvariantViolation("slot {} owns {} blocks that are not FREE, its count says {}", slot,
+                                held_by_ns[slot], slots_books_[slot].held);
     }
   }
   KVPOOL_RETURN_IF_ERROR(CheckNamespaces());
@@ -462,8 +487,10 @@ absl::Status BlockPool::CheckNamespaces() const {
         free[slot]++) {
       return InvariantViolation("free namespace slot {} is in use or listed twice", slot);
     }
-    if (slots_books_[slot].active != 0) {
-      return InvariantViolation("free namespace slot {} owns ACTIVE blocks", slot);
+    const SlotBooks& books = slots_books_[slot];
+    if (books.active != 0 || books.held != 0 || books.named_by != 0) {
+      return InvariantViolation("free namespace slot {} owns {} blocks or is named by {} records",
+                                slot, books.held, books.named_by);
     }
   }
   if (slots_.size() + free_slots_.size() + 1 != namespaces_.size()) {
@@ -509,9 +536,9 @@ std::string BlockPool::DebugString() const {
   for (int32_t b = 0; b < num_blocks_; ++b) {
     const size_t i = static_cast<size_t>(b);
     fmt::format_to(
-        it, "{}:{} refs={} gen={} owner={} cache={} inflight={} pending={}\n", b,
-        BlockStateName(state_[i]), refs_[i], generation_[i], owner_[i], cache_held_[i],
-        in_flight_[i],
+        it, "{}:{} refs={} gen={} owner={}@{} cache={} inflight={} pending={}\n", b,
+        BlockStateName(state_[i]), refs_[i], generation_[i], owner_[i].slot, owner_[i].epoch,
+        cache_held_[i], in_flight_[i],
         fmt::join(pending_.begin() + static_cast<ptrdiff_t>(i * kMaxTimelines),
                   pending_.begin() + static_cast<ptrdiff_t>((i + 1) * kMaxTimelines), ","));
   }

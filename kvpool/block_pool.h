@@ -18,11 +18,13 @@
 // fills with `scrub` set, for the caller to zero before the new owner can read them.
 //
 // Namespaces are registered into a small table of slots (at most max_namespaces at once). A slot
-// is idle when no ACTIVE, CACHED or RETIRING block is owned by it and the caller's records name
-// it nowhere (e.g. a sequence that holds no block); the caller recycles idle slots when the table
-// is full (IdleNamespaces, RecycleNamespaces). A FREE block remembers the slot of its last owner;
-// when that slot is recycled the block is re-tagged kScrubOwner, so whichever namespace gets the
-// slot next, handing the block out scrubs it.
+// is idle when no ACTIVE, CACHED or RETIRING block is owned by it and none of the caller's records
+// names it (e.g. a sequence that holds no block; the caller counts them in, AddNamedBy); each slot
+// keeps both counts, so the caller recycles idle slots when the table is full (IdleNamespaces,
+// RecycleNamespaces) in O(slots), whatever the pool's size. A FREE block remembers the slot of its
+// last owner and that slot's epoch then; recycling a slot bumps its epoch, so whichever namespace
+// gets the slot next, handing the block out scrubs it. (Every 65,536th recycle of one slot its
+// epoch wraps: its FREE blocks are then re-tagged kScrubOwner, one walk of the pool.)
 //
 // Tallies: the owner may file namespaces under a tally (SetTally, a small dense index it picks,
 // e.g. one per quota group); the pool then keeps the ACTIVE blocks of each tally's namespaces
@@ -31,6 +33,7 @@
 //
 // Thread-compatible: the owner serializes calls (the daemon holds one coarse lock).
 
+#include <bit>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -134,16 +137,27 @@ class BlockPool final {
   // Blocks that have become FREE so far (stats().freed): while it stands still, no block has
   // left any namespace.
   uint64_t freed() const { return freed_; }
+  // Blocks visited so far by the namespace table's upkeep: only the walk of a recycle whose slot
+  // epoch wrapped. Tests hold it to that bound.
+  uint64_t blocks_swept() const { return blocks_swept_; }
+  // IdleNamespaces calls so far (each O(slots)).
+  uint64_t idle_sweeps() const { return idle_sweeps_; }
   // One past the highest slot ever handed out (the size of a per-slot array).
   int32_t namespace_slots() const { return static_cast<int32_t>(namespaces_.size()); }
 
-  // The registered slots that are idle: no ACTIVE, CACHED or RETIRING block is owned by them
-  // and `held` (indexed by slot; shorter is fine) does not mark them: the caller marks every slot
-  // its own records still name. Ascending. Changes nothing. O(num_blocks + namespace_slots()).
+  // `n` more (or fewer) of the caller's records name `slot` (a live sequence of its namespace):
+  // while any does, the slot is not idle. REQUIRES: `slot` is registered; the count stays >= 0.
+  void AddNamedBy(NamespaceSlot slot, int32_t n) { slots_books_[slot.value()].named_by += n; }
+  int32_t named_by(NamespaceSlot slot) const { return slots_books_[slot.value()].named_by; }
+  // The registered slots that are idle: no ACTIVE, CACHED or RETIRING block is owned by them,
+  // no record names them (AddNamedBy), and `held` (indexed by slot; shorter is fine) does not
+  // mark them: the caller marks the slots the call itself is about to use. Ascending. Changes
+  // nothing. O(namespace_slots()).
   std::vector<NamespaceSlot> IdleNamespaces(std::span<const uint8_t> held) const;
-  // Unregisters the namespaces of `slots` and makes the slots reusable. FREE blocks whose last
-  // owner was one of them are re-tagged kScrubOwner: the next hand-out of each is scrubbed,
-  // whichever namespace gets the slot (DESIGN.md §4.6). O(num_blocks).
+  // Unregisters the namespaces of `slots` and makes the slots reusable. Each slot's epoch moves
+  // on, so the FREE blocks whose last owner was one of them are scrubbed at their next hand-out,
+  // whichever namespace gets the slot (DESIGN.md §4.6). O(slots), and O(num_blocks) once in
+  // 65,536 recycles of one slot (its epoch wraps: its FREE blocks are re-tagged kScrubOwner).
   // REQUIRES: every slot is in IdleNamespaces() (for what the caller holds), listed once.
   void RecycleNamespaces(std::span<const NamespaceSlot> slots);
 
@@ -217,8 +231,11 @@ class BlockPool final {
   // The namespace the block was last handed to; kNoNamespace if never, or if that namespace's
   // slot has since been recycled.
   NamespaceId owner(BlockId block) const {
-    const uint16_t slot = owner_[Index(block)];
-    return slot < namespaces_.size() ? namespaces_[slot] : kNoNamespace;
+    const OwnerTag tag = owner_[Index(block)];
+    if (tag.slot >= namespaces_.size() || slot_epoch_[tag.slot] != tag.epoch) {
+      return kNoNamespace;
+    }
+    return namespaces_[tag.slot];
   }
   int32_t num_blocks() const { return num_blocks_; }
   int32_t num_free() const { return static_cast<int32_t>(free_list_.size()); }
@@ -257,6 +274,13 @@ class BlockPool final {
   // The owner tag of a FREE block whose last owner's slot was recycled: never a registered slot,
   // so handing the block out always scrubs it. Not 0: that means "never handed out" (still zero).
   static constexpr uint16_t kScrubOwner = 0xFFFF;
+
+  // A block's last owner: its slot, and the slot's epoch when the block was handed out (a FREE
+  // block whose epoch is behind its slot's belonged to a namespace since recycled).
+  struct OwnerTag {
+    uint16_t slot = 0;  // 0: never handed out; or kScrubOwner
+    uint16_t epoch = 0;
+  };
 
   BlockPool(const BlockPoolOptions& options);
 
@@ -297,6 +321,7 @@ class BlockPool final {
     const size_t i = Index(block);
     if (in_flight_[i] != 0) ClearFences(i);
     state_[i] = BlockState::kFree;
+    --slots_books_[owner_[i].slot].held;
     free_list_.push_back(block);
     ++freed_;
   }
@@ -311,7 +336,7 @@ class BlockPool final {
   std::vector<BlockState> state_;
   std::vector<uint32_t> refs_;        // includes the cache's reference
   std::vector<uint32_t> generation_;  // bumped on every hand-out
-  std::vector<uint16_t> owner_;       // last owner's slot (0: never handed out; or kScrubOwner)
+  std::vector<OwnerTag> owner_;       // last owner
   std::vector<int64_t> last_use_;     // time of the last hand-out or release (ns, pool clock)
   std::vector<uint8_t> cache_held_;   // 1 when one of refs_ is the prefix cache's
   std::vector<uint8_t> in_flight_;    // bit t: pending_[.][t] holds an unfinished fence
@@ -324,18 +349,24 @@ class BlockPool final {
   const int32_t max_namespaces_;
   absl::flat_hash_map<NamespaceId, uint16_t> slots_;
   std::vector<NamespaceId> namespaces_;  // slot -> namespace; kNoNamespace: [0] and free slots
-  // Per slot: the ACTIVE blocks it owns and the tally its namespace is filed under (0: none;
-  // always 0 for a free slot). One struct: the hot paths touch both.
+  // Per slot: the ACTIVE blocks it owns, the tally its namespace is filed under (0: none; always
+  // 0 for a free slot), the blocks it owns that are not FREE, and the caller's records that name
+  // it (both 0: idle). One struct: the hot paths touch them together.
   struct SlotBooks {
     int32_t active = 0;
     uint32_t tally = 0;
+    int32_t held = 0;
+    int32_t named_by = 0;
   };
   std::vector<SlotBooks> slots_books_;
+  std::vector<uint16_t> slot_epoch_;  // per slot: bumped by each recycle (read once per Allocate)
   // Tally -> ACTIVE blocks of its namespaces ([0] unused: slots of no tally).
   std::vector<int32_t> active_by_tally_;
   absl::flat_hash_map<NamespaceId, uint32_t> tally_of_;  // namespaces filed under a tally (> 0)
   std::vector<uint16_t> free_slots_;  // recycled slots, descending (lowest reused first)
   uint64_t namespaces_recycled_ = 0;
+  uint64_t blocks_swept_ = 0;
+  mutable uint64_t idle_sweeps_ = 0;
 
   uint64_t allocated_ = 0;
   uint64_t freed_ = 0;
@@ -366,7 +397,10 @@ inline absl::Status BlockPool::Allocate(int32_t n, NamespaceSlot slot, const Tra
   BlockState* const state = state_.data();
   uint32_t* const refs = refs_.data();
   uint32_t* const generations = generation_.data();
-  uint16_t* const owners = owner_.data();
+  OwnerTag* const owners = owner_.data();
+  SlotBooks& books = slots_books_[owner];
+  const OwnerTag mine{owner, slot_epoch_[owner]};
+  const uint32_t mine_bits = std::bit_cast<uint32_t>(mine);
   int64_t* const last_use = last_use_.data();
   const size_t top = free_list_.size();
   const BlockId* const free_top = free_list_.data() + top;
@@ -386,10 +420,12 @@ inline absl::Status BlockPool::Allocate(int32_t n, NamespaceSlot slot, const Tra
     refs[i] = 1;
     last_use[i] = ctx.time_ns;
     const uint32_t generation = ++generations[i];
-    const uint16_t last_owner = owners[i];
-    owners[i] = owner;
+    const uint32_t last = std::bit_cast<uint32_t>(owners[i]);
+    owners[i] = mine;
     if (fills_end != nullptr) {
-      const bool scrub = last_owner != 0 && last_owner != owner;
+      // Handed out before (not 0), to another namespace or to this slot before it was recycled:
+      // zeroed before it is read. (Slot and epoch compared at once.)
+      const bool scrub = last != 0 && last != mine_bits;
       scrubs += scrub;
       fills_end[k] = BlockFill{block, scrub};
     }
@@ -401,6 +437,7 @@ inline absl::Status BlockPool::Allocate(int32_t n, NamespaceSlot slot, const Tra
     residency_.OnHandOut({out_end, static_cast<size_t>(n)}, generations, ctx.time_ns);
   }
   scrubs_ += scrubs;
+  books.held += n;
   AddActive(owner, n);
   allocated_ += static_cast<uint64_t>(n);
   return absl::OkStatus();
@@ -413,11 +450,12 @@ inline absl::Status BlockPool::Release(BlockId block, const TraceContext& ctx,
     const size_t i = Index(block);
     if (ABSL_PREDICT_TRUE(state_[i] == BlockState::kActive && refs_[i] == 1 &&
                           in_flight_[i] == 0)) {
-      const uint16_t owner = owner_[i];
+      const uint16_t owner = owner_[i].slot;
       const uint32_t generation = generation_[i];
       refs_[i] = 0;
       state_[i] = BlockState::kFree;
       last_use_[i] = ctx.time_ns;
+      --slots_books_[owner].held;
       AddActive(owner, -1);
       free_list_.push_back(block);
       ++freed_;
@@ -426,7 +464,7 @@ inline absl::Status BlockPool::Release(BlockId block, const TraceContext& ctx,
     }
     if (state_[i] == BlockState::kActive && refs_[i] == 1) {
       refs_[i] = 0;
-      AddActive(owner_[i], -1);
+      AddActive(owner_[i].slot, -1);
       FreeOrRetire(block, ctx, site);
       return absl::OkStatus();
     }
@@ -435,7 +473,7 @@ inline absl::Status BlockPool::Release(BlockId block, const TraceContext& ctx,
       refs_[i] = 1;
       state_[i] = BlockState::kCached;
       ++num_cached_;
-      AddActive(owner_[i], -1);
+      AddActive(owner_[i].slot, -1);
       last_use_[i] = ctx.time_ns;
       trace_.Record(block, BlockOp::kRelease, 1, generation_[i], ctx, site);
       return absl::OkStatus();

@@ -596,15 +596,10 @@ absl::Status KvCacheManager::PlanNamespaces(std::span<const std::pair<NamespaceI
   if (full_table_.Refuses(*pool_, sequences_freed_, new_namespaces, pool_->namespaces_left())) {
     return full();
   }
-  // The table is full: one sweep finds every idle slot (O(blocks + sequences)), so the next
-  // sweeps are as rare as the table is large, or (FullTable) as frees are.
-  std::vector<uint8_t> held(static_cast<size_t>(pool_->namespace_slots()), 0);
-  for (const auto& [id, seq] : sequences_) held[seq.slot.value()] = 1;
-  visited_.fetch_add(sequences_.size(), std::memory_order_relaxed);
-  for (const auto& [ns, n] : by_ns) {
-    if (const std::optional<NamespaceSlot> slot = pool_->FindNamespace(ns)) held[slot->value()] = 1;
-  }
-  *recycle = pool_->IdleNamespaces(held);
+  // The table is full: one sweep finds every idle slot (O(slots): the pool counts each slot's
+  // blocks, the manager its sequences), so the next sweeps are as rare as the table is large, or
+  // (FullTable) as frees are.
+  *recycle = pool_->IdleNamespaces(CallSlots(*pool_, by_ns));
   if (new_namespaces > pool_->namespaces_left() + static_cast<int64_t>(recycle->size())) {
     NoteFullTable(&full_table_, *pool_, recycle->size(), by_ns);
     recycle->clear();

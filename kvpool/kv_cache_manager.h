@@ -836,14 +836,21 @@ class KvCacheManager final {
   void AddRefs(SessionUsage& usage, int64_t delta);
   // Each reference group counts exactly its sessions and their references.
   absl::Status CheckRefGroups() const;
-  // File `seq` (of the session `usage` is) or `pin` in its session's holdings, or take it out.
+  // File `seq` (of the session `usage` is) or `pin` in its session's holdings, or take it out;
+  // a sequence also names its namespace's slots (BlockPool::AddNamedBy), which keeps them busy.
   // (kv_cache_manager_holdings.cc)
-  static void HoldSequence(SessionUsage& usage, const Sequence& seq);
-  static void UnholdSequence(SessionUsage& usage, const Sequence& seq);
+  void HoldSequence(SessionUsage& usage, const Sequence& seq);
+  void UnholdSequence(SessionUsage& usage, const Sequence& seq);
   void HoldPin(const PinInfo& pin);
   void UnholdPin(const PinInfo& pin);
-  // Each session's holdings are what a recount of sequences_ and pins_ gives.
+  // Each session's holdings, and each slot's count of the sequences that name it, are what a
+  // recount of sequences_ and pins_ gives.
   absl::Status CheckHoldings() const;
+  absl::Status CheckNamedSlots() const;
+  // Marks, by slot of `pool`'s table, the slots of `namespaces` (what a call is about to use):
+  // what IdleNamespaces must leave besides the slots sequences name. O(slots).
+  static std::vector<uint8_t> CallSlots(
+      const BlockPool& pool, std::span<const std::pair<NamespaceId, int64_t>> namespaces);
 
   struct Pin {
     PinInfo info;

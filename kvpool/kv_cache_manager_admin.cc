@@ -330,6 +330,7 @@ absl::Status KvCacheManager::CheckInvariants() const {
   }
   KVPOOL_RETURN_IF_ERROR(CheckRefGroups());
   KVPOOL_RETURN_IF_ERROR(CheckHoldings());
+  KVPOOL_RETURN_IF_ERROR(CheckNamedSlots());
   KVPOOL_RETURN_IF_ERROR(CheckQuotaBooks());
   KVPOOL_RETURN_IF_ERROR(CheckFullTables());
   KVPOOL_RETURN_IF_ERROR(CheckStates());

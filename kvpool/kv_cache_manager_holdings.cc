@@ -1,10 +1,13 @@
 // KvCacheManager: what each session holds (SessionHoldings), kept as its sequences and pins come
 // and go, and checked against a recount.
 
+#include <string_view>
+
 #include "absl/container/flat_hash_map.h"
 #include "kvpool/kv_cache_manager.h"
 #include "kvpool/util/check.h"
 #include "kvpool/util/errors.h"
+#include "kvpool/util/status_macros.h"
 
 namespace kvpool {
 
@@ -37,11 +40,15 @@ void KvCacheManager::HoldSequence(SessionUsage& usage, const Sequence& seq) {
   SessionHoldings& held = usage.held;
   KVPOOL_CHECK(held.sequences.insert(seq.id).second);
   ++held.namespaces[seq.ns].sequences;
+  pool_->AddNamedBy(seq.slot, 1);
+  if (window_) window_->AddNamedBy(seq.window_slot, 1);
 }
 
 void KvCacheManager::UnholdSequence(SessionUsage& usage, const Sequence& seq) {
   KVPOOL_CHECK(usage.held.sequences.erase(seq.id) == 1);
   TakeOne(&usage.held, seq.ns, &SessionHoldings::InNamespace::sequences);
+  pool_->AddNamedBy(seq.slot, -1);
+  if (window_) window_->AddNamedBy(seq.window_slot, -1);
 }
 
 void KvCacheManager::HoldPin(const PinInfo& pin) {
@@ -86,6 +93,44 @@ absl::Status KvCacheManager::CheckHoldings() const {
           booked ? booked->sequences.size() : 0, booked ? booked->pins.size() : 0,
           booked ? booked->namespaces.size() : 0);
     }
+  }
+  return absl::OkStatus();
+}
+
+std::vector<uint8_t> KvCacheManager::CallSlots(
+    const BlockPool& pool, std::span<const std::pair<NamespaceId, int64_t>> namespaces) {
+  std::vector<uint8_t> held(static_cast<size_t>(pool.namespace_slots()), 0);
+  for (const auto& [ns, n] : namespaces) {
+    if (const std::optional<NamespaceSlot> slot = pool.FindNamespace(ns)) held[slot->value()] = 1;
+  }
+  return held;
+}
+
+absl::Status KvCacheManager::CheckNamedSlots() const {
+  const auto check = [&](const BlockPool& pool, auto slot_of, std::string_view what) {
+    std::vector<int32_t> named(static_cast<size_t>(pool.namespace_slots()), 0);
+    for (const auto& [id, seq] : sequences_) {
+      const NamespaceSlot slot = slot_of(seq);
+      if (slot.value() == 0 || slot.value() >= named.size()) {
+        return InvariantViolation("sequence {} names {} slot {}, not one of the table's",
+                                  id.value(), what, slot.value());
+      }
+      ++named[slot.value()];
+    }
+    for (size_t s = 1; s < named.size(); ++s) {
+      const int32_t booked = pool.named_by(NamespaceSlot(static_cast<uint16_t>(s)));
+      if (named[s] != booked) {
+        return InvariantViolation("{} slot {} is named by {} sequences, its count says {}", what, s,
+                                  named[s], booked);
+      }
+    }
+    return absl::OkStatus();
+  };
+  KVPOOL_RETURN_IF_ERROR(check(
+      *pool_, [](const Sequence& seq) { return seq.slot; }, "namespace"));
+  if (window_) {
+    KVPOOL_RETURN_IF_ERROR(check(
+        *window_, [](const Sequence& seq) { return seq.window_slot; }, "window"));
   }
   return absl::OkStatus();
 }

@@ -199,15 +199,7 @@ absl::Status KvCacheManager::PlanWindowNamespaces(
   if (full_window_table_.Refuses(*window_, sequences_freed_, fresh, window_->namespaces_left())) {
     return full();
   }
-  std::vector<uint8_t> held(static_cast<size_t>(window_->namespace_slots()), 0);
-  for (const auto& [id, seq] : sequences_) held[seq.window_slot.value()] = 1;
-  visited_.fetch_add(sequences_.size(), std::memory_order_relaxed);
-  for (const auto& [ns, n] : namespaces) {
-    if (const std::optional<NamespaceSlot> slot = window_->FindNamespace(ns)) {
-      held[slot->value()] = 1;
-    }
-  }
-  *recycle = window_->IdleNamespaces(held);
+  *recycle = window_->IdleNamespaces(CallSlots(*window_, namespaces));
   if (fresh > window_->namespaces_left() + static_cast<int64_t>(recycle->size())) {
     NoteFullTable(&full_window_table_, *window_, recycle->size(), namespaces);
     recycle->clear();

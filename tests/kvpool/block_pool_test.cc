@@ -19,8 +19,8 @@ class BlockPoolTestPeer {
     pool.refs_[static_cast<size_t>(block.value())] = refs;
   }
   static void ListTwice(BlockPool& pool, BlockId block) { pool.free_list_.push_back(block); }
-  static void SetOwner(BlockPool& pool, BlockId block, uint16_t slot) {
-    pool.owner_[static_cast<size_t>(block.value())] = slot;
+  static void SetOwner(BlockPool& pool, BlockId block, uint16_t slot, uint16_t epoch) {
+    pool.owner_[static_cast<size_t>(block.value())] = {.slot = slot, .epoch = epoch};
   }
 };
 
@@ -412,9 +412,30 @@ TEST_F(BlockPoolTest, CheckInvariantsCatchesAFreeBlockRememberingARecycledSlot) 
   ASSERT_TRUE(pool_->Release(Alloc(1, ns_b_)[0], ctx_).ok());
   pool_->RecycleNamespaces(pool_->IdleNamespaces({}));
   ExpectInvariants();
-  BlockPoolTestPeer::SetOwner(*pool_, BlockId(0), ns_b_.value());  // the re-tag undone
+  BlockPoolTestPeer::SetOwner(*pool_, BlockId(0), ns_b_.value(), 1);  // as if not recycled
   EXPECT_EQ(pool_->CheckInvariants().message(),
-            "FREE block 0 has owner slot 2, not a registered namespace's");
+            "FREE block 0 remembers slot 2 at epoch 1; the slot is at 1 and was recycled since");
+}
+
+// A slot's epoch is 16 bits: recycled 65,536 times, it comes back to the epoch a FREE block of
+// its first namespace remembers. That block must still be scrubbed for whoever holds the slot
+// then (the wrap re-tags the slot's FREE blocks, one walk of the pool).
+TEST_F(BlockPoolTest, ASlotRecycledUntilItsEpochWrapsStillScrubsItsOldBlocks) {
+  Make(1, 8, /*max_namespaces=*/2);
+  ASSERT_TRUE(pool_->Release(Alloc(1, ns_a_)[0], ctx_).ok());  // A's block, epoch 0
+  const std::vector<uint8_t> keep_b = {0, 0, 1};
+  for (int k = 0; k < 65536; ++k) {
+    const std::vector<NamespaceSlot> idle = pool_->IdleNamespaces(keep_b);
+    ASSERT_THAT(idle, ElementsAre(ns_a_));
+    pool_->RecycleNamespaces(idle);
+    ASSERT_EQ(*pool_->RegisterNamespace(NamespaceId(1000 + k)), ns_a_);
+  }
+  EXPECT_EQ(pool_->blocks_swept(), 1u);  // the one walk, at the wrap
+  ExpectInvariants();
+  std::vector<BlockFill> fills;
+  ASSERT_EQ(Alloc(1, ns_a_, &fills), std::vector<BlockId>{BlockId(0)});
+  EXPECT_TRUE(fills[0].scrub) << "A's block went to the slot's 65,536th successor unscrubbed";
+  ExpectInvariants();
 }
 
 }  // namespace

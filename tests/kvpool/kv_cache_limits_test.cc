@@ -210,33 +210,62 @@ TEST_F(KvCacheLimitsTest, IdleNamespacesAreRecycledButNotOnesWithSequences) {
   ExpectInvariants();
 }
 
-// A full table whose namespaces all hold something: a call for a new one sweeps the pool once for
-// idle slots (every sequence and block, under the engine's lock) and is refused. Until a block or
-// a sequence is freed no slot can have gone idle, so the same call again is refused without
-// another sweep: a client asking over and over must not make each refusal walk the pool.
+// A full table whose namespaces all hold something: a call for a new one sweeps the table once
+// for idle slots (O(slots), under the engine's lock) and is refused. Until a block or a sequence
+// is freed no slot can have gone idle, so the same call again is refused without another sweep:
+// a client asking over and over must not make each refusal sweep again.
 TEST_F(KvCacheLimitsTest, AFullTableIsSweptAgainOnlyOnceSomethingIsFreed) {
   Make({.max_namespaces = 2});
   const SequenceId in_a = *Alloc(kAlice, kA, 0);
   std::vector<SequenceId> in_b;
   for (int i = 0; i < 64; ++i) in_b.push_back(*Alloc(kAlice, kB, 0));
-  const auto visited = [&] { return KvCacheManagerTestPeer::Visited(*cache_); };
-  const uint64_t start = visited();
+  const auto sweeps = [&] { return cache_->pool().idle_sweeps(); };
+  const uint64_t start = sweeps();
   EXPECT_EQ(Alloc(kBob, kC, 16).status().code(), absl::StatusCode::kResourceExhausted);
-  const uint64_t sweep = visited() - start;
-  EXPECT_EQ(sweep, 65u);  // one sweep: every live sequence
+  EXPECT_EQ(sweeps() - start, 1u);
   for (int i = 0; i < 10; ++i) {
     const absl::Status refused = Alloc(kBob, kC, 16).status();
     EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted);
     EXPECT_THAT(std::string(refused.message()), HasSubstr("namespace table is full"));
   }
-  EXPECT_EQ(visited() - start, sweep);
+  EXPECT_EQ(sweeps() - start, 1u);
   // A freed sequence might have left its namespace idle: one sweep more (B still holds some).
   ASSERT_TRUE(cache_->Free(kAlice, in_b.back()).ok());
   EXPECT_EQ(Alloc(kBob, kC, 16).status().code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_EQ(visited() - start, 2 * sweep - 1);
+  EXPECT_EQ(sweeps() - start, 2u);
   // A's last sequence gone, its slot is found.
   ASSERT_TRUE(cache_->Free(kAlice, in_a).ok());
   EXPECT_TRUE(Alloc(kBob, kC, 16).ok());
+  ExpectInvariants();
+}
+
+// Recycling a namespace slot costs the same however large the pool and however many sequences
+// others hold. A client that frees its sequence and asks for a new namespace, round after round,
+// with the table full, made each call walk every block twice (to find the idle slots, then to
+// re-tag the recycled slot's blocks for the scrub) and every sequence once, under the engine's
+// lock. Each round still recycles a slot, and the blocks it left are scrubbed for the next
+// namespace.
+TEST_F(KvCacheLimitsTest, RecyclingASlotWalksNoBlockAndNoSequence) {
+  constexpr int kBystanders = 256;
+  Make({.num_blocks = kBystanders * 16 + 4, .max_namespaces = 2});
+  for (int i = 0; i < kBystanders; ++i) ASSERT_TRUE(Alloc(kAlice, kA, 16 * 16).ok());
+  const auto visited = [&] { return KvCacheManagerTestPeer::Visited(*cache_); };
+  const uint64_t visited_before = visited();
+  const uint64_t swept_before = cache_->pool().blocks_swept();
+  const uint64_t recycled_before = cache_->pool().stats().namespaces_recycled;
+  SequenceId mine = *Alloc(kBob, NamespaceId(1000), 16);
+  for (int round = 1; round <= 50; ++round) {
+    ASSERT_TRUE(cache_->Free(kBob, mine).ok());
+    DevicePlan plan;
+    const absl::StatusOr<SequenceId> next = Alloc(kBob, NamespaceId(1000 + round), 16, &plan);
+    ASSERT_TRUE(next.ok()) << next.status();
+    ASSERT_EQ(plan.fills.size(), 1u);
+    EXPECT_TRUE(plan.fills[0].scrub) << "round " << round;  // the last namespace's block
+    mine = *next;
+  }
+  EXPECT_EQ(cache_->pool().stats().namespaces_recycled - recycled_before, 50u);
+  EXPECT_EQ(visited() - visited_before, 0u);
+  EXPECT_EQ(cache_->pool().blocks_swept() - swept_before, 0u);
   ExpectInvariants();
 }
 
