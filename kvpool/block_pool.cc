@@ -130,7 +130,7 @@ int32_t BlockPool::namespaces_left() const {
 }
 
 std::vector<NamespaceSlot> BlockPool::IdleNamespaces(std::span<const uint8_t> held) const {
-  ++idle_sweeps_;
+  idle_sweeps_.fetch_add(1, std::memory_order_relaxed);
   std::vector<NamespaceSlot> idle;
   for (size_t slot = 1; slot < namespaces_.size(); ++slot) {
     const bool is_held = slot < held.size() && held[slot] != 0;

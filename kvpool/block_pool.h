@@ -33,6 +33,7 @@
 //
 // Thread-compatible: the owner serializes calls (the daemon holds one coarse lock).
 
+#include <atomic>
 #include <bit>
 #include <cstdint>
 #include <memory>
@@ -141,7 +142,7 @@ class BlockPool final {
   // epoch wrapped. Tests hold it to that bound.
   uint64_t blocks_swept() const { return blocks_swept_; }
   // IdleNamespaces calls so far (each O(slots)).
-  uint64_t idle_sweeps() const { return idle_sweeps_; }
+  uint64_t idle_sweeps() const { return idle_sweeps_.load(std::memory_order_relaxed); }
   // One past the highest slot ever handed out (the size of a per-slot array).
   int32_t namespace_slots() const { return static_cast<int32_t>(namespaces_.size()); }
 
@@ -271,8 +272,9 @@ class BlockPool final {
  private:
   friend class BlockPoolTestPeer;  // tests corrupt a pool on purpose to check CheckInvariants()
 
-  // The owner tag of a FREE block whose last owner's slot was recycled: never a registered slot,
-  // so handing the block out always scrubs it. Not 0: that means "never handed out" (still zero).
+  // The owner slot of a FREE block whose last owner's slot wrapped its epoch (RecycleNamespaces):
+  // never a registered slot, so handing the block out always scrubs it. Not 0: that means "never
+  // handed out" (still zero).
   static constexpr uint16_t kScrubOwner = 0xFFFF;
 
   // A block's last owner: its slot, and the slot's epoch when the block was handed out (a FREE
@@ -366,7 +368,8 @@ class BlockPool final {
   std::vector<uint16_t> free_slots_;  // recycled slots, descending (lowest reused first)
   uint64_t namespaces_recycled_ = 0;
   uint64_t blocks_swept_ = 0;
-  mutable uint64_t idle_sweeps_ = 0;
+  // Atomic: IdleNamespaces is const, and const calls may run concurrently (CheckInvariants).
+  mutable std::atomic<uint64_t> idle_sweeps_ = 0;
 
   uint64_t allocated_ = 0;
   uint64_t freed_ = 0;
