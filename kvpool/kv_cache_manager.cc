@@ -593,28 +593,35 @@ absl::Status KvCacheManager::PlanNamespaces(std::span<const std::pair<NamespaceI
         "asked)",
         what, pool_->stats().namespaces, new_namespaces));
   };
-  if (full_table_.Refuses(*pool_, sequences_freed_, new_namespaces, pool_->namespaces_left())) {
-    return full();
-  }
   // The table is full: one sweep finds every idle slot (O(slots): the pool counts each slot's
-  // blocks, the manager its sequences), so the next sweeps are as rare as the table is large, or
-  // (FullTable) as frees are.
-  *recycle = pool_->IdleNamespaces(CallSlots(*pool_, by_ns));
-  if (new_namespaces > pool_->namespaces_left() + static_cast<int64_t>(recycle->size())) {
-    NoteFullTable(&full_table_, *pool_, recycle->size(), by_ns);
-    recycle->clear();
-    return full();
-  }
+  // blocks, and the sequences that name it), so the next sweeps are as rare as the table is
+  // large, or (FullTable) as frees are.
+  if (!FindRoom(*pool_, &full_table_, by_ns, new_namespaces, recycle)) return full();
   return absl::OkStatus();
 }
 
-void KvCacheManager::NoteFullTable(FullTable* table, const BlockPool& pool, size_t found,
-                                   std::span<const std::pair<NamespaceId, int64_t>> by_ns) const {
-  int64_t kept = 0;  // slots the call's own namespaces hold, which the sweep could not count
-  for (const auto& [ns, n] : by_ns) kept += pool.FindNamespace(ns) ? 1 : 0;
+bool KvCacheManager::FindRoom(const BlockPool& pool, FullTable* table,
+                              std::span<const std::pair<NamespaceId, int64_t>> namespaces,
+                              int64_t fresh, std::vector<NamespaceSlot>* recycle) const {
+  if (table->Refuses(pool, sequences_freed_, fresh, pool.namespaces_left())) return false;
+  // The call's own namespaces' slots: never recycled under it.
+  std::vector<uint8_t> own(static_cast<size_t>(pool.namespace_slots()), 0);
+  int64_t kept = 0;
+  for (const auto& [ns, n] : namespaces) {
+    if (const std::optional<NamespaceSlot> slot = pool.FindNamespace(ns)) {
+      own[slot->value()] = 1;
+      ++kept;
+    }
+  }
+  *recycle = pool.IdleNamespaces(own);
+  if (fresh <= pool.namespaces_left() + static_cast<int64_t>(recycle->size())) return true;
+  // What this sweep found bounds the next ones until something is freed, the slots the call
+  // kept (which another call may find idle) included.
   *table = {.blocks_freed = pool.freed(),
             .sequences_freed = sequences_freed_,
-            .idle = static_cast<int64_t>(found) + kept};
+            .idle = static_cast<int64_t>(recycle->size()) + kept};
+  recycle->clear();
+  return false;
 }
 
 absl::Status KvCacheManager::CheckCapacity(std::span<const std::pair<NamespaceId, int64_t>> by_ns,

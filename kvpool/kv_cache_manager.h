@@ -847,10 +847,6 @@ class KvCacheManager final {
   // recount of sequences_ and pins_ gives.
   absl::Status CheckHoldings() const;
   absl::Status CheckNamedSlots() const;
-  // Marks, by slot of `pool`'s table, the slots of `namespaces` (what a call is about to use):
-  // what IdleNamespaces must leave besides the slots sequences name. O(slots).
-  static std::vector<uint8_t> CallSlots(
-      const BlockPool& pool, std::span<const std::pair<NamespaceId, int64_t>> namespaces);
 
   struct Pin {
     PinInfo info;
@@ -1013,8 +1009,8 @@ class KvCacheManager final {
   // Checks that the namespaces of `by_ns` fit the pool's table. When the table is too full, finds
   // the idle namespaces (no block owned, no live sequence, not in `by_ns`) to recycle into
   // `recycle`, for the caller to hand to BlockPool::RecycleNamespaces once nothing can fail.
-  // A sweep costs O(blocks + sequences); while nothing has been freed since a sweep that could not
-  // make room, a call needing more than it found is refused without one (FullTable).
+  // A sweep costs O(slots); while nothing has been freed since a sweep that could not make room,
+  // a call needing more than it found is refused without one (FullTable).
   absl::Status PlanNamespaces(std::span<const std::pair<NamespaceId, int64_t>> by_ns,
                               std::vector<NamespaceSlot>* recycle, std::string_view what) const;
   // What the last sweep of a namespace table that could not make room found. A slot goes idle
@@ -1032,10 +1028,13 @@ class KvCacheManager final {
              fresh > left + idle;
     }
   };
-  // A sweep of `pool`'s table (the pool's or the window group's) that found `found` idle slots
-  // and could not make room for a call naming `by_ns`.
-  void NoteFullTable(FullTable* table, const BlockPool& pool, size_t found,
-                     std::span<const std::pair<NamespaceId, int64_t>> by_ns) const;
+  // The sweep behind PlanNamespaces and PlanWindowNamespaces: whether `pool`'s table (the pool's
+  // or the window group's, whose FullTable is `table`) has room for `fresh` new namespaces once
+  // its idle slots, into `recycle`, are recycled; `namespaces`' own slots are never among them.
+  // A sweep that finds too few is noted in `table`, and `recycle` is left empty.
+  bool FindRoom(const BlockPool& pool, FullTable* table,
+                std::span<const std::pair<NamespaceId, int64_t>> namespaces, int64_t fresh,
+                std::vector<NamespaceSlot>* recycle) const;
   // Checks there are `slots` free state slots (reclaiming retired ones first, then evicting
   // cached checkpoints not in `keep`, in checkpoint_order_, once it is sure there are
   // enough: the call's last check). OK without a state group.

@@ -97,15 +97,6 @@ absl::Status KvCacheManager::CheckHoldings() const {
   return absl::OkStatus();
 }
 
-std::vector<uint8_t> KvCacheManager::CallSlots(
-    const BlockPool& pool, std::span<const std::pair<NamespaceId, int64_t>> namespaces) {
-  std::vector<uint8_t> held(static_cast<size_t>(pool.namespace_slots()), 0);
-  for (const auto& [ns, n] : namespaces) {
-    if (const std::optional<NamespaceSlot> slot = pool.FindNamespace(ns)) held[slot->value()] = 1;
-  }
-  return held;
-}
-
 absl::Status KvCacheManager::CheckNamedSlots() const {
   const auto check = [&](const BlockPool& pool, auto slot_of, std::string_view what) {
     std::vector<int32_t> named(static_cast<size_t>(pool.namespace_slots()), 0);

@@ -196,15 +196,7 @@ absl::Status KvCacheManager::PlanWindowNamespaces(
     return absl::ResourceExhaustedError(fmt::format(
         "{}: the window group's namespace table is full ({} new namespaces asked)", what, fresh));
   };
-  if (full_window_table_.Refuses(*window_, sequences_freed_, fresh, window_->namespaces_left())) {
-    return full();
-  }
-  *recycle = window_->IdleNamespaces(CallSlots(*window_, namespaces));
-  if (fresh > window_->namespaces_left() + static_cast<int64_t>(recycle->size())) {
-    NoteFullTable(&full_window_table_, *window_, recycle->size(), namespaces);
-    recycle->clear();
-    return full();
-  }
+  if (!FindRoom(*window_, &full_window_table_, namespaces, fresh, recycle)) return full();
   return absl::OkStatus();
 }
 
