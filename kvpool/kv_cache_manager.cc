@@ -146,7 +146,11 @@ KvCacheManager::KvCacheManager(const KvCacheOptions& options, std::unique_ptr<Bl
       checkpoint_slots_(states_ && cache_ ? options.checkpoint_slots : 0),
       checkpoint_interval_(options.checkpoint_interval),
       checkpoints_by_tokens_saved_(options.checkpoint_eviction ==
-                                   KvCacheOptions::CheckpointEviction::kByTokensSaved),
+                                       KvCacheOptions::CheckpointEviction::kByTokensSaved ||
+                                   options.checkpoint_eviction ==
+                                       KvCacheOptions::CheckpointEviction::kByExpectedTokensSaved),
+      checkpoints_by_kind_(options.checkpoint_eviction ==
+                           KvCacheOptions::CheckpointEviction::kByExpectedTokensSaved),
       journal_checkpoints_(checkpoint_slots_ > 0 && options.publish_journal),
       window_(std::move(window)),
       window_tokens_(window_ ? options.window_tokens : 0),
@@ -181,6 +185,7 @@ KvCacheManager::KvCacheManager(const KvCacheOptions& options, std::unique_ptr<Bl
       if (auto it = checkpoint_of_.find(block); it != checkpoint_of_.end()) {
         DropCheckpoint(it->second, ctx);
       }
+      checkpoint_ghosts_.erase(block);
       if (auto it = window_of_.find(block); it != window_of_.end()) {
         DropWindowBlock(it->second, ctx);
       }
@@ -887,6 +892,7 @@ void KvCacheManager::AdoptMatch(Sequence* seq, const AllocateRequest& r, const A
     TouchCheckpoint(p.resume);
     ++counters_.checkpoints.resumed;
   }
+  if (p.ghost) CountGhost(p.ghost->first);
 }
 
 absl::Status KvCacheManager::PlanAllocate(const AllocateRequest& r, AllocateTally* tally,
@@ -922,7 +928,7 @@ absl::Status KvCacheManager::PlanAllocate(const AllocateRequest& r, AllocateTall
       // a window group only where it holds the window there (docs/hybrid-groups.md §4): the
       // match is cut at the deepest point both reach.
       p->branch_at = p->match.matched_tokens;
-      p->resume = CutResumable(&p->match, &p->no_checkpoint, &p->window_evicted);
+      p->resume = CutResumable(&p->match, &p->no_checkpoint, &p->window_evicted, &p->ghost);
     }
   }
   // Table slots the match fills: every fully matched block, and the partially matched one

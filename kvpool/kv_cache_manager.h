@@ -50,6 +50,7 @@
 // valid until the next mutating call.
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -102,6 +103,31 @@ struct PlannedCheckpoint {
   bool rolling = false;
 
   friend bool operator==(const PlannedCheckpoint&, const PlannedCheckpoint&) = default;
+};
+
+// Why a state checkpoint was taken (KvCacheOptions::kByExpectedTokensSaved weighs each kind by
+// how often the workload resumes from it). A checkpoint once resumed from is kResumed.
+enum class CheckpointKind : uint8_t {
+  kInterval,     // on the checkpoint interval
+  kBranch,       // where a prompt left the cached prefix
+  kPrefillEnd,   // a prefill's last block boundary
+  kSequenceEnd,  // a committed sequence's end (its working state)
+  kRolling,      // a decode's rolling checkpoint, kept at its sequence's end
+  kImported,     // from a lower tier (ImportCheckpoint)
+  kResumed,      // resumed from at least once since it was kept
+};
+inline constexpr int kNumCheckpointKinds = 7;
+std::string_view CheckpointKindName(CheckpointKind kind);
+
+// How often cached checkpoints of one kind are resumed from (KvCacheManager::
+// CheckpointKindRates): counts decayed by half every so many keeps, so the rates follow the
+// workload. A resume is counted for a checkpoint evicted before it too (its "ghost", while its
+// tree block stays cached): a kind evicted early would otherwise look unused because it was
+// evicted.
+struct CheckpointKindRate {
+  double kept = 0;        // kept into the tree (decayed)
+  double resumed = 0;     // resumed from, or passed by a prompt while evicted (decayed)
+  uint32_t weight = 256;  // the eviction order's weight, 256 = 1: (resumed + 1) / (kept + 1)
 };
 
 // A state checkpoint kept at the end of a full cached block (TakePublishedCheckpoints): the
@@ -199,9 +225,19 @@ struct KvCacheOptions {
   // a prompt resuming from it does not compute that it would without it (those between it and
   // the next cached checkpoint up its path, or all before it), as of its last keep or use, and
   // ages as others are evicted: one far past the last checkpoint outlives one close behind
-  // another, used as recently. kLeastRecentlyUsed: by last use alone.
-  enum class CheckpointEviction : uint8_t { kByTokensSaved, kLeastRecentlyUsed };
-  CheckpointEviction checkpoint_eviction = CheckpointEviction::kByTokensSaved;
+  // another, used as recently. kByExpectedTokensSaved: the same, with those tokens weighed by
+  // how often checkpoints of its kind (CheckpointKind: taken on the interval, at a branch point,
+  // at a prefill's last boundary, at a sequence's end, ...) are resumed from, measured as the
+  // pool runs (CheckpointKindRates): a kind the workload never comes back to (a prompt's end,
+  // when no prompt extends another) gives way before a kind it does, however deep. With nothing
+  // measured yet every kind weighs 1, the kByTokensSaved order. kLeastRecentlyUsed: by last use
+  // alone.
+  enum class CheckpointEviction : uint8_t {
+    kByTokensSaved,
+    kLeastRecentlyUsed,
+    kByExpectedTokensSaved
+  };
+  CheckpointEviction checkpoint_eviction = CheckpointEviction::kByExpectedTokensSaved;
   // The sliding-window group (docs/hybrid-groups.md §3), for models with sliding-window attention
   // layers: its own pool of this many blocks, of block_size tokens each (its bytes per block are
   // its own), one entry per entry of every block table (Sequence::window_table). A sequence
@@ -426,6 +462,9 @@ struct KvCacheStats {
     uint64_t rolled = 0;     // a decode's rolling checkpoint moved on to its next block boundary
     uint64_t evicted = 0;    // cached ones dropped (for room, or with their block)
     uint64_t resumed = 0;    // sequences whose state started from one
+    // By CheckpointKind: resumes per checkpoint kept, decayed (CheckpointKindRate::weight / 256),
+    // what kByExpectedTokensSaved weighs each kind's tokens by.
+    std::array<double, kNumCheckpointKinds> resume_rate{};
   } checkpoints;
   // Of evictions, those an admin asked for (EvictCached, ClearCache).
   uint64_t admin_evictions = 0;
@@ -659,6 +698,13 @@ class KvCacheManager final {
   // Errors: NOT_FOUND, PERMISSION_DENIED, INVALID_ARGUMENT (not 0 <= from < to <= its length).
   absl::Status PlanCheckpoints(SessionId caller, SequenceId sequence, int64_t from, int64_t to,
                                bool prefill, std::vector<PlannedCheckpoint>* out);
+
+  // How often each CheckpointKind is resumed from, by CheckpointKind's value
+  // (KvCacheOptions::kByExpectedTokensSaved weighs the eviction order with them; measured in the
+  // other orders too).
+  const std::array<CheckpointKindRate, kNumCheckpointKinds>& CheckpointKindRates() const {
+    return kind_rates_;
+  }
   // A checkpoint of the state after `sequence`'s first `position` tokens that the caller fills
   // from outside (a lower tier's copy of a checkpoint taken earlier): a state slot for it, held by
   // the sequence like a planned one and put into the tree by Commit at the block `position` ends
@@ -901,8 +947,10 @@ class KvCacheManager final {
     MatchStop stop = MatchStop::kPromptEnd;  // why the match stopped (prompt tokens missed)
     bool below_admission_bar = false;        // kEvicted: MatchExplanation's
     bool first_block_elsewhere = false;      // not cached here: MatchExplanation's
-    int64_t no_checkpoint = 0;         // tokens the attention match found, cut for want of a state
-    BlockId resume = kInvalidBlock;    // the checkpoint the match was cut at (its state is copied)
+    int64_t no_checkpoint = 0;       // tokens the attention match found, cut for want of a state
+    BlockId resume = kInvalidBlock;  // the checkpoint the match was cut at (its state is copied)
+    // The deepest evicted checkpoint the cut passed (CheckpointGhost): counted as resumed from.
+    std::optional<std::pair<BlockId, CheckpointKind>> ghost;
     int64_t branch_at = 0;             // the attention match's length, before the cut
     int64_t window_evicted = 0;        // tokens cut for want of a window block
     bool window_copy_partial = false;  // the partially matched block's window block is copied
@@ -1049,11 +1097,21 @@ class KvCacheManager final {
   struct CheckpointSlot {
     BlockId block = kInvalidBlock;  // the tree block it belongs to; invalid: not a cached one
     int32_t offset = 0;             // the state after this many of the block's tokens
-    internal::GreedyDualOrder<BlockId>::Key key;  // its place in checkpoint_order_
+    internal::GreedyDualOrder<BlockId>::Key key;      // its place in checkpoint_order_
+    CheckpointKind kind = CheckpointKind::kInterval;  // why it was taken (set when planned)
+  };
+  // A cached checkpoint evicted for room, remembered while its tree block stays cached: a prompt
+  // whose match passes it counts a resume for its kind (CheckpointKindRate).
+  struct CheckpointGhost {
+    int32_t offset = 0;
+    CheckpointKind kind = CheckpointKind::kInterval;
   };
   // Cuts `match` at the deepest checkpoint on its blocks at or below its end and returns that
   // checkpoint's slot; empties it (kInvalidBlock) when there is none.
-  BlockId CutToCheckpoint(PrefixMatch* match) const;
+  // `ghost` (optional): the kind of the deepest evicted checkpoint (checkpoint_ghosts_) the cut
+  // passes, and its block, unless *ghost is set already.
+  BlockId CutToCheckpoint(PrefixMatch* match,
+                          std::optional<std::pair<BlockId, CheckpointKind>>* ghost = nullptr) const;
   // A slot for a new checkpoint within checkpoint_slots: free, or freed by evicting the cached
   // checkpoint checkpoint_order_ puts first. kInvalidBlock when none can be spared.
   BlockId TakeCheckpointSlot(const TraceContext& ctx);
@@ -1075,7 +1133,16 @@ class KvCacheManager final {
   std::pair<BlockId, int32_t> PathPlace(const Sequence& seq, int64_t position) const;
   // `slot` (one reference held by the caller, which passes) becomes the checkpoint at `offset` of
   // tree block `block`, unless the block has one as deep (then the slot is released).
-  void KeepCheckpoint(BlockId block, int32_t offset, BlockId slot, const TraceContext& ctx);
+  void KeepCheckpoint(BlockId block, int32_t offset, BlockId slot, CheckpointKind kind,
+                      const TraceContext& ctx);
+  // Counts a checkpoint of `kind` kept, or resumed from (CheckpointKindRate), halving every count
+  // once kRateWindow keeps have passed.
+  void CountKept(CheckpointKind kind);
+  // A prompt passed the evicted checkpoint at tree block `block` (if it is still remembered).
+  void CountGhost(BlockId block);
+  void CountResumed(CheckpointKind kind);
+  // `tokens` (TokensSaved) weighed by `kind`'s rate under kByExpectedTokensSaved.
+  uint64_t Worth(uint64_t tokens, CheckpointKind kind) const;
   // Puts `seq`'s planned checkpoints its state has passed, and its path reaches, into the tree;
   // its rolling one only `at_end` (Free with commit).
   void KeepPlanned(Sequence* seq, bool at_end, const TraceContext& ctx);
@@ -1100,7 +1167,7 @@ class KvCacheManager final {
   // resuming from it does not compute that it would without it; 0 least recently used.
   uint64_t TokensSaved(BlockId block, int32_t offset) const;   // a cached one
   uint64_t TokensBefore(BlockId block, int32_t offset) const;  // tokens [0, the checkpoint)
-  void TouchCheckpoint(BlockId slot);                          // a cached one, just used
+  void TouchCheckpoint(BlockId slot);                          // a cached one, just resumed
   // Everything a sequence holds in the state group, on its way out (Free).
   void ReleaseStates(Sequence* seq, bool commit, const TraceContext& ctx);
 
@@ -1121,7 +1188,8 @@ class KvCacheManager final {
   // Cuts `match` to the longest prefix that every group can resume from: the window group holds
   // the window blocks it needs, the state group a checkpoint exactly there. Returns the
   // checkpoint (kInvalidBlock: none, or no state group) and adds the tokens each group cut.
-  BlockId CutResumable(PrefixMatch* match, int64_t* no_checkpoint, int64_t* window_evicted) const;
+  BlockId CutResumable(PrefixMatch* match, int64_t* no_checkpoint, int64_t* window_evicted,
+                       std::optional<std::pair<BlockId, CheckpointKind>>* ghost = nullptr) const;
   // Cuts `match` at the deepest prefix whose needed window blocks the tree keeps. Returns whether
   // it cut anything.
   bool CutToWindow(PrefixMatch* match) const;
@@ -1221,7 +1289,11 @@ class KvCacheManager final {
   absl::flat_hash_map<BlockId, BlockId> checkpoint_of_;  // tree block -> its checkpoint's slot
   // The cached ones, the next to evict first (KvCacheOptions::checkpoint_eviction).
   internal::GreedyDualOrder<BlockId> checkpoint_order_;
-  const bool checkpoints_by_tokens_saved_;
+  const bool checkpoints_by_tokens_saved_;  // kByTokensSaved or kByExpectedTokensSaved
+  const bool checkpoints_by_kind_;          // kByExpectedTokensSaved
+  std::array<CheckpointKindRate, kNumCheckpointKinds> kind_rates_;
+  double kept_since_decay_ = 0;
+  absl::flat_hash_map<BlockId, CheckpointGhost> checkpoint_ghosts_;  // by tree block
   int64_t planned_checkpoints_ = 0;  // held by sequences (Sequence::checkpoints)
   int64_t rolling_checkpoints_ = 0;  // of those, rolling ones (at most checkpoint_slots_ / 4)
   // Checkpoints kept at a full block's end since TakePublishedCheckpoints (with the journal).

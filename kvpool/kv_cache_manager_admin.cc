@@ -211,6 +211,9 @@ KvCacheStats KvCacheManager::stats() const {
   if (states_) s.states = states_->stats();
   s.checkpoints.cached = static_cast<int64_t>(checkpoint_order_.size());
   s.checkpoints.pending = planned_checkpoints_;
+  for (size_t k = 0; k < kind_rates_.size(); ++k) {
+    s.checkpoints.resume_rate[k] = kind_rates_[k].weight / 256.0;
+  }
   if (window_) s.window = window_->stats();
   s.windows.cached = static_cast<int64_t>(window_lru_.size());
   return s;
@@ -475,11 +478,19 @@ std::string KvCacheManager::DebugString() const {
   for (const auto& key : checkpoint_order_) {
     const CheckpointSlot& c = checkpoint_at_[Index(key.id)];
     fmt::format_to(std::back_inserter(out),
-                   "checkpoint slot={} block={} offset={} stamp={} priority={}\n", key.id.value(),
-                   c.block.value(), c.offset, key.stamp, key.priority);
+                   "checkpoint slot={} block={} offset={} stamp={} priority={} kind={}\n",
+                   key.id.value(), c.block.value(), c.offset, key.stamp, key.priority,
+                   CheckpointKindName(c.kind));
   }
   if (checkpoint_slots_ > 0) {
-    fmt::format_to(std::back_inserter(out), "checkpoint floor={}\n", checkpoint_order_.floor());
+    fmt::format_to(std::back_inserter(out), "checkpoint floor={} evicted_remembered={}\n",
+                   checkpoint_order_.floor(), checkpoint_ghosts_.size());
+    for (size_t k = 0; k < kind_rates_.size(); ++k) {
+      const CheckpointKindRate& r = kind_rates_[k];
+      fmt::format_to(
+          std::back_inserter(out), "checkpoint kind={} kept={:.1f} resumed={:.1f} weight={}/256\n",
+          CheckpointKindName(static_cast<CheckpointKind>(k)), r.kept, r.resumed, r.weight);
+    }
   }
   auto it = std::back_inserter(out);
   std::vector<SequenceId> ids;

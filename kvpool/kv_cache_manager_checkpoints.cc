@@ -18,12 +18,53 @@ namespace {
 
 size_t Index(BlockId b) { return static_cast<size_t>(b.value()); }
 
+// A kind's weight is its rate in 1/256ths, in [1/256, 64]: a kind never resumed from still
+// orders its checkpoints by the tokens they save, and one resumed from many times a keep cannot
+// make the priorities outgrow the order's rebase.
+constexpr uint32_t kWeightOne = 256;
+constexpr double kMaxRate = 64;
+
+uint32_t WeightOf(const CheckpointKindRate& r) {
+  const double rate = std::clamp((r.resumed + 1) / (r.kept + 1), 1.0 / kWeightOne, kMaxRate);
+  return static_cast<uint32_t>(rate * kWeightOne);
+}
+
 }  // namespace
 
-BlockId KvCacheManager::CutToCheckpoint(PrefixMatch* m) const {
+std::string_view CheckpointKindName(CheckpointKind kind) {
+  switch (kind) {
+    case CheckpointKind::kInterval:
+      return "interval";
+    case CheckpointKind::kBranch:
+      return "branch";
+    case CheckpointKind::kPrefillEnd:
+      return "prefill_end";
+    case CheckpointKind::kSequenceEnd:
+      return "sequence_end";
+    case CheckpointKind::kRolling:
+      return "rolling";
+    case CheckpointKind::kImported:
+      return "imported";
+    case CheckpointKind::kResumed:
+      return "resumed";
+  }
+  return "unknown";
+}
+
+BlockId KvCacheManager::CutToCheckpoint(
+    PrefixMatch* m, std::optional<std::pair<BlockId, CheckpointKind>>* ghost) const {
   const int64_t bs = block_size_;
+  // An evicted checkpoint at `block`, within `tokens` of it, that the cut passes.
+  const auto passes = [&](BlockId block, int64_t tokens) {
+    if (ghost == nullptr || ghost->has_value() || checkpoint_ghosts_.empty()) return;
+    if (auto it = checkpoint_ghosts_.find(block);
+        it != checkpoint_ghosts_.end() && it->second.offset <= tokens) {
+      *ghost = std::pair{block, it->second.kind};
+    }
+  };
   // Deepest first: the partially matched block, then the full ones from the last.
   if (m->partial != kInvalidBlock) {
+    passes(m->partial, m->partial_tokens);
     if (auto it = checkpoint_of_.find(m->partial); it != checkpoint_of_.end()) {
       const int32_t offset = checkpoint_at_[Index(it->second)].offset;
       if (offset <= m->partial_tokens) {
@@ -37,7 +78,10 @@ BlockId KvCacheManager::CutToCheckpoint(PrefixMatch* m) const {
   }
   for (size_t i = m->full.size(); i-- > 0;) {
     auto it = checkpoint_of_.find(m->full[i]);
-    if (it == checkpoint_of_.end()) continue;
+    if (it == checkpoint_of_.end()) {
+      passes(m->full[i], bs);
+      continue;
+    }
     const int32_t offset = checkpoint_at_[Index(it->second)].offset;
     if (offset == block_size_) {
       m->full.resize(i + 1);
@@ -162,6 +206,11 @@ absl::Status KvCacheManager::PlanCheckpoints(SessionId caller, SequenceId sequen
       ++counters_.checkpoints.skipped;
       continue;
     }
+    checkpoint_at_[Index(slot)].kind =
+        p == seq->branch_at ? CheckpointKind::kBranch
+        : checkpoint_interval_ > 0 && p % (int64_t{checkpoint_interval_} * bs) == 0
+            ? CheckpointKind::kInterval
+            : CheckpointKind::kPrefillEnd;
     seq->checkpoints.push_back({p, slot});
     out->push_back({p, slot});
     ++counters_.checkpoints.planned;
@@ -194,6 +243,7 @@ void KvCacheManager::PlanRolling(Sequence* seq, int64_t position,
     ++counters_.checkpoints.skipped;
     return;
   }
+  checkpoint_at_[Index(slot)].kind = CheckpointKind::kRolling;
   const PlannedCheckpoint planned{.position = position, .slot = slot, .rolling = true};
   seq->checkpoints.push_back(planned);
   out->push_back(planned);
@@ -248,7 +298,7 @@ std::pair<BlockId, int32_t> KvCacheManager::PathPlace(const Sequence& seq, int64
 }
 
 void KvCacheManager::KeepCheckpoint(BlockId block, int32_t offset, BlockId slot,
-                                    const TraceContext& ctx) {
+                                    CheckpointKind kind, const TraceContext& ctx) {
   if (auto it = checkpoint_of_.find(block); it != checkpoint_of_.end()) {
     // One checkpoint per block: the deepest (a later prompt that reaches it saves the most).
     if (checkpoint_at_[Index(it->second)].offset >= offset) {
@@ -260,9 +310,13 @@ void KvCacheManager::KeepCheckpoint(BlockId block, int32_t offset, BlockId slot,
   }
   KVPOOL_CHECK_OK(states_->AddCacheRef(slot, ctx));
   KVPOOL_CHECK_OK(states_->Release(slot, ctx));  // CACHED unless a resuming sequence holds it
-  checkpoint_at_[Index(slot)] = {.block = block,
-                                 .offset = offset,
-                                 .key = checkpoint_order_.Insert(slot, TokensSaved(block, offset))};
+  checkpoint_ghosts_.erase(block);               // one checkpoint or ghost per block
+  CountKept(kind);
+  checkpoint_at_[Index(slot)] = {
+      .block = block,
+      .offset = offset,
+      .key = checkpoint_order_.Insert(slot, Worth(TokensSaved(block, offset), kind)),
+      .kind = kind};
   checkpoint_of_[block] = slot;
   cache_->ChargeShare(block, unit_state_);  // its tenant's cached bytes (fair eviction)
   ++counters_.checkpoints.kept;
@@ -316,6 +370,7 @@ absl::StatusOr<BlockId> KvCacheManager::ImportCheckpoint(SessionId caller, Seque
                                          "checkpoint slot can be spared",
                                          position, sequence.value()));
   }
+  checkpoint_at_[Index(slot)].kind = CheckpointKind::kImported;
   const PlannedCheckpoint planned{.position = position, .slot = slot, .imported = true};
   seq->checkpoints.insert(
       std::upper_bound(seq->checkpoints.begin(), seq->checkpoints.end(), planned,
@@ -340,7 +395,7 @@ void KvCacheManager::KeepPlanned(Sequence* seq, bool at_end, const TraceContext&
     }
     --planned_checkpoints_;
     rolling_checkpoints_ -= c.rolling ? 1 : 0;
-    KeepCheckpoint(block, offset, c.slot, ctx);
+    KeepCheckpoint(block, offset, c.slot, checkpoint_at_[Index(c.slot)].kind, ctx);
   }
   seq->checkpoints.resize(kept);
 }
@@ -412,6 +467,8 @@ void KvCacheManager::DropCheckpoint(BlockId slot, const TraceContext& ctx, bool 
     for (const auto& key : checkpoint_order_) checkpoint_at_[Index(key.id)].key = key;
   }
   checkpoint_of_.erase(c.block);
+  // Evicted for room while its block stays: a prompt that passes it still counts for its kind.
+  if (victim) checkpoint_ghosts_[c.block] = {.offset = c.offset, .kind = c.kind};
   cache_->ChargeShare(c.block, -unit_state_);
   c = CheckpointSlot{};
   // Fenced: a copy out of it still queued keeps it RETIRING.
@@ -421,7 +478,50 @@ void KvCacheManager::DropCheckpoint(BlockId slot, const TraceContext& ctx, bool 
 
 void KvCacheManager::TouchCheckpoint(BlockId slot) {
   CheckpointSlot& c = checkpoint_at_[Index(slot)];
-  c.key = checkpoint_order_.Touch(c.key, TokensSaved(c.block, c.offset));
+  CountResumed(c.kind);
+  if (c.kind != CheckpointKind::kResumed) {
+    c.kind = CheckpointKind::kResumed;
+    CountKept(CheckpointKind::kResumed);
+  }
+  c.key = checkpoint_order_.Touch(c.key, Worth(TokensSaved(c.block, c.offset), c.kind));
+}
+
+void KvCacheManager::CountGhost(BlockId block) {
+  // Counted as a resume of its kind, then it stands for a resumed checkpoint, as a kept one
+  // would (TouchCheckpoint).
+  auto it = checkpoint_ghosts_.find(block);
+  if (it == checkpoint_ghosts_.end()) return;  // its block left the tree since the match
+  CountResumed(it->second.kind);
+  if (it->second.kind != CheckpointKind::kResumed) {
+    it->second.kind = CheckpointKind::kResumed;
+    CountKept(CheckpointKind::kResumed);
+  }
+}
+
+void KvCacheManager::CountKept(CheckpointKind kind) {
+  CheckpointKindRate& r = kind_rates_[static_cast<size_t>(kind)];
+  r.kept += 1;
+  r.weight = WeightOf(r);
+  // Halved every few turns of the slots: the rates follow the workload, not its whole history.
+  kept_since_decay_ += 1;
+  if (kept_since_decay_ < 4.0 * checkpoint_slots_ + 256) return;
+  kept_since_decay_ = 0;
+  for (CheckpointKindRate& k : kind_rates_) {
+    k.kept /= 2;
+    k.resumed /= 2;
+    k.weight = WeightOf(k);
+  }
+}
+
+void KvCacheManager::CountResumed(CheckpointKind kind) {
+  CheckpointKindRate& r = kind_rates_[static_cast<size_t>(kind)];
+  r.resumed += 1;
+  r.weight = WeightOf(r);
+}
+
+uint64_t KvCacheManager::Worth(uint64_t tokens, CheckpointKind kind) const {
+  if (!checkpoints_by_kind_) return tokens;
+  return tokens * kind_rates_[static_cast<size_t>(kind)].weight / kWeightOne;
 }
 
 void KvCacheManager::ReleaseStates(Sequence* seq, bool commit, const TraceContext& ctx) {
@@ -438,7 +538,7 @@ void KvCacheManager::ReleaseStates(Sequence* seq, bool commit, const TraceContex
                            checkpoint_slots_ ||
                        EvictFirstCheckpoint({}, false, ctx));
     if (room) {
-      KeepCheckpoint(block, offset, seq->state_slot, ctx);
+      KeepCheckpoint(block, offset, seq->state_slot, CheckpointKind::kSequenceEnd, ctx);
       seq->state_slot = kInvalidBlock;
     }
   }
@@ -500,13 +600,21 @@ absl::Status KvCacheManager::CheckCheckpoints() const {
     // least recently used).
     if (!(c.key == key) || it == checkpoint_of_.end() || it->second != slot ||
         key.priority > checkpoint_order_.floor() +
-                           (checkpoints_by_tokens_saved_ ? TokensBefore(c.block, c.offset) : 0) ||
+                           (checkpoints_by_tokens_saved_ ? TokensBefore(c.block, c.offset) : 0) *
+                               (checkpoints_by_kind_ ? static_cast<uint64_t>(kMaxRate) : 1) ||
         !cache_->holds(c.block) || c.offset <= 0 || c.offset > cache_->CoverageOf(c.block) ||
         !states_->cache_held(slot)) {
       return InvariantViolation("checkpoint slot {} (block {} offset {}) is not kept where it says",
                                 slot.value(), c.block.value(), c.offset);
     }
     ++refs[Index(slot)];
+  }
+  for (const auto& [block, ghost] : checkpoint_ghosts_) {
+    if (!cache_->holds(block) || checkpoint_of_.contains(block) || ghost.offset <= 0 ||
+        ghost.offset > block_size_) {
+      return InvariantViolation("an evicted checkpoint is remembered at block {} offset {}",
+                                block.value(), ghost.offset);
+    }
   }
   for (int32_t i = 0; i < states_->num_blocks(); ++i) {
     const BlockId slot(i);

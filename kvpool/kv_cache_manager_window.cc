@@ -32,8 +32,9 @@ int64_t KvCacheManager::WindowBound() const {
   return BlocksFor(int64_t{window_tokens_} + block_size_) + SinkBlocks();
 }
 
-BlockId KvCacheManager::CutResumable(PrefixMatch* m, int64_t* no_checkpoint,
-                                     int64_t* window_evicted) const {
+BlockId KvCacheManager::CutResumable(
+    PrefixMatch* m, int64_t* no_checkpoint, int64_t* window_evicted,
+    std::optional<std::pair<BlockId, CheckpointKind>>* ghost) const {
   // Both cuts only shorten the match: alternate them until neither moves it.
   for (;;) {
     const int64_t before = m->matched_tokens;
@@ -41,7 +42,7 @@ BlockId KvCacheManager::CutResumable(PrefixMatch* m, int64_t* no_checkpoint,
     *window_evicted += before - m->matched_tokens;
     if (!states_) return kInvalidBlock;
     const int64_t at = m->matched_tokens;
-    const BlockId resume = CutToCheckpoint(m);
+    const BlockId resume = CutToCheckpoint(m, ghost);
     *no_checkpoint += at - m->matched_tokens;
     if (!window_ || m->matched_tokens == at) return resume;
   }

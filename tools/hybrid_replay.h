@@ -103,7 +103,7 @@ struct HybridReplayOptions {
   int32_t checkpoint_interval = kDefaultInterval;
   // The order kvpool evicts cached checkpoints in (KvCacheOptions::checkpoint_eviction).
   KvCacheOptions::CheckpointEviction checkpoint_eviction =
-      KvCacheOptions::CheckpointEviction::kByTokensSaved;
+      KvCacheOptions::CheckpointEviction::kByExpectedTokensSaved;
   std::string policy = "lru";  // both layouts (vLLM's is LRU)
 };
 

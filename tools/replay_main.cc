@@ -85,10 +85,12 @@ ABSL_FLAG(std::string, checkpoint_intervals, "auto",
           "each prompt's end "
           "only; 32 blocks of 16 = 512 tokens)");
 ABSL_FLAG(int32_t, layers_block_size, 16, "--layers: kvpool's block size in tokens");
-ABSL_FLAG(std::string, checkpoint_evictions, "tokens_saved",
+ABSL_FLAG(std::string, checkpoint_evictions, "expected_tokens_saved",
           "--layers: the orders kvpool evicts cached checkpoints in, one row each with every "
-          "interval and share (tokens_saved: by the tokens each saves over the next one up its "
-          "path, GreedyDual-Size; lru: least recently used)");
+          "interval and share (expected_tokens_saved, row 'kvpool': by the tokens each saves "
+          "over the next one up its path, weighed by how often its kind is resumed from; "
+          "tokens_saved, row 'kvpool-gds': unweighed, GreedyDual-Size; lru, row 'kvpool-lru': "
+          "least recently used)");
 ABSL_FLAG(bool, layers_sweep, false,
           "replay both traces of --traces_dir at 1k/2k/5k blocks with --layers (default "
           "bamba-9b) and print the table");
@@ -181,19 +183,21 @@ struct Variant {
   double share = 0;
   int32_t interval = 0;
   kvpool::KvCacheOptions::CheckpointEviction eviction =
-      kvpool::KvCacheOptions::CheckpointEviction::kByTokensSaved;
+      kvpool::KvCacheOptions::CheckpointEviction::kByExpectedTokensSaved;
 };
 
 absl::StatusOr<std::vector<Variant>> Variants() {
   using Eviction = kvpool::KvCacheOptions::CheckpointEviction;
   std::vector<Variant> variants;
   for (absl::string_view order : absl::StrSplit(absl::GetFlag(FLAGS_checkpoint_evictions), ',')) {
-    if (order != "tokens_saved" && order != "lru") {
+    if (order != "expected_tokens_saved" && order != "tokens_saved" && order != "lru") {
       return absl::InvalidArgumentError(
-          absl::StrCat("--checkpoint_evictions: '", order, "' is neither tokens_saved nor lru"));
+          absl::StrCat("--checkpoint_evictions: '", order,
+                       "' is none of expected_tokens_saved, tokens_saved and lru"));
     }
-    const Eviction eviction =
-        order == "lru" ? Eviction::kLeastRecentlyUsed : Eviction::kByTokensSaved;
+    const Eviction eviction = order == "lru"            ? Eviction::kLeastRecentlyUsed
+                              : order == "tokens_saved" ? Eviction::kByTokensSaved
+                                                        : Eviction::kByExpectedTokensSaved;
     for (absl::string_view ivl : absl::StrSplit(absl::GetFlag(FLAGS_checkpoint_intervals), ',')) {
       int32_t interval = tools::kDefaultInterval;
       if (ivl != "auto" && (!absl::SimpleAtoi(ivl, &interval) || interval < 0)) {
@@ -285,10 +289,11 @@ bool RunLayersOn(const std::vector<kvpool::workload::TraceRequest>& trace, std::
     PrintLayout(name, capacity, "hash-chain", Variant{}, base, base.replay.hit_rate());
     for (size_t i = 0; i < results->size(); ++i) {
       const tools::LayoutResult& h = (*results)[i].hybrid;
+      using Eviction = kvpool::KvCacheOptions::CheckpointEviction;
       PrintLayout(name, capacity,
-                  variants[i].eviction == kvpool::KvCacheOptions::CheckpointEviction::kByTokensSaved
-                      ? "kvpool"
-                      : "kvpool-lru",
+                  variants[i].eviction == Eviction::kByExpectedTokensSaved ? "kvpool"
+                  : variants[i].eviction == Eviction::kByTokensSaved       ? "kvpool-gds"
+                                                                           : "kvpool-lru",
                   variants[i], h, base.replay.hit_rate());
       const double ratio = base.replay.hit_rate() > 0 ? h.replay.hit_rate() / base.replay.hit_rate()
                            : h.replay.hit_rate() > 0  ? 1e9

@@ -372,9 +372,11 @@ int32_t ParseStateGroup(const v1::DaemonConfig& c, kernels::PoolLayout* shape, E
     return 0;
   }
   const std::string& eviction = c.shape().checkpoint_eviction();
-  if (!eviction.empty() && eviction != "tokens_saved" && eviction != "lru") {
+  if (!eviction.empty() && eviction != "expected_tokens_saved" && eviction != "tokens_saved" &&
+      eviction != "lru") {
     bad("shape.checkpoint_eviction",
-        fmt::format("must be \"tokens_saved\" or \"lru\" (got \"{}\")", eviction));
+        fmt::format("must be \"expected_tokens_saved\", \"tokens_saved\" or \"lru\" (got \"{}\")",
+                    eviction));
     return 0;
   }
   const absl::StatusOr<model::ModelConfig> geometry = ModelGeometry(c.model());
@@ -397,9 +399,10 @@ int32_t ParseStateGroup(const v1::DaemonConfig& c, kernels::PoolLayout* shape, E
     return 0;
   }
   o->checkpoint_interval = interval;
-  o->checkpoint_eviction = eviction == "lru"
-                               ? KvCacheOptions::CheckpointEviction::kLeastRecentlyUsed
-                               : KvCacheOptions::CheckpointEviction::kByTokensSaved;
+  o->checkpoint_eviction =
+      eviction == "lru"            ? KvCacheOptions::CheckpointEviction::kLeastRecentlyUsed
+      : eviction == "tokens_saved" ? KvCacheOptions::CheckpointEviction::kByTokensSaved
+                                   : KvCacheOptions::CheckpointEviction::kByExpectedTokensSaved;
   shape->num_state_slots = slots;
   shape->state_slot_bytes = (state_bytes + 63) / 64 * 64;
   if (c.disable_prefix_cache() || checkpoints == -1) return 0;

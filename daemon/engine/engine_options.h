@@ -94,7 +94,7 @@ struct EngineOptions {
   int32_t checkpoint_interval = 0;
   // The order cached checkpoints give way in (KvCacheOptions::checkpoint_eviction).
   KvCacheOptions::CheckpointEviction checkpoint_eviction =
-      KvCacheOptions::CheckpointEviction::kByTokensSaved;
+      KvCacheOptions::CheckpointEviction::kByExpectedTokensSaved;
   // Pools with a window group (PoolLayout::num_window_layers > 0): the sliding layers' window W
   // in tokens and sinks S (KvCacheOptions::window_tokens, sink_tokens; the model's).
   int32_t window_tokens = 0;

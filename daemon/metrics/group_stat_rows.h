@@ -64,6 +64,19 @@ inline void AddStateRows(std::vector<PoolRow>* rows) {
              {"redundant", KVPOOL_CACHE_STAT(checkpoints.redundant)},
              {"rolled", KVPOOL_CACHE_STAT(checkpoints.rolled)}},
             &HasStateGroup);
+#define KVPOOL_RESUME_RATE(kind) \
+  KVPOOL_CACHE_STAT(checkpoints.resume_rate[static_cast<size_t>(CheckpointKind::kind)])
+  GroupRows(rows, "state_checkpoint_resume_rate", StatKind::kGauge, "resumes per checkpoint",
+            "Resumes per state checkpoint kept, by why it was taken (decayed).", "kind",
+            {{"interval", KVPOOL_RESUME_RATE(kInterval)},
+             {"branch", KVPOOL_RESUME_RATE(kBranch)},
+             {"prefill_end", KVPOOL_RESUME_RATE(kPrefillEnd)},
+             {"sequence_end", KVPOOL_RESUME_RATE(kSequenceEnd)},
+             {"rolling", KVPOOL_RESUME_RATE(kRolling)},
+             {"imported", KVPOOL_RESUME_RATE(kImported)},
+             {"resumed", KVPOOL_RESUME_RATE(kResumed)}},
+            &HasStateGroup);
+#undef KVPOOL_RESUME_RATE
 }
 
 inline void AddWindowRows(std::vector<PoolRow>* rows) {

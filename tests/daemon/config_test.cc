@@ -324,13 +324,14 @@ TEST(ConfigTest, StateAndCheckpointSlotsAreChecked) {
   EXPECT_EQ(MakeEngineOptions(negative, 1)->limits.state_slots_per_uid, 8);
 }
 
-// The order checkpoints give way in: by tokens saved (unset or named), least recently used,
-// nothing else, and only for a model with state-space layers.
-TEST(ConfigTest, CheckpointEvictionIsTokensSavedOrLru) {
+// The order checkpoints give way in: by tokens saved weighed by kind (unset or named), by tokens
+// saved alone, least recently used, nothing else, and only for a model with state-space layers.
+TEST(ConfigTest, CheckpointEvictionIsByTokensSavedOrLru) {
   const v1::DaemonConfig c = HybridConfig();
   for (const auto& [set, want] :
        std::vector<std::pair<std::string, KvCacheOptions::CheckpointEviction>>{
-           {"", KvCacheOptions::CheckpointEviction::kByTokensSaved},
+           {"", KvCacheOptions::CheckpointEviction::kByExpectedTokensSaved},
+           {"expected_tokens_saved", KvCacheOptions::CheckpointEviction::kByExpectedTokensSaved},
            {"tokens_saved", KvCacheOptions::CheckpointEviction::kByTokensSaved},
            {"lru", KvCacheOptions::CheckpointEviction::kLeastRecentlyUsed}}) {
     v1::DaemonConfig k = c;
@@ -342,8 +343,9 @@ TEST(ConfigTest, CheckpointEvictionIsTokensSavedOrLru) {
   v1::DaemonConfig bad_eviction = c;
   bad_eviction.mutable_shape()->set_checkpoint_eviction("LRU");
   EXPECT_THAT(ValidateConfig(bad_eviction),
-              ::testing::ElementsAre("shape.checkpoint_eviction: must be \"tokens_saved\" or "
-                                     "\"lru\" (got \"LRU\")"));
+              ::testing::ElementsAre("shape.checkpoint_eviction: must be "
+                                     "\"expected_tokens_saved\", \"tokens_saved\" or \"lru\" "
+                                     "(got \"LRU\")"));
   v1::DaemonConfig stray_eviction = DefaultConfig();
   stray_eviction.mutable_shape()->set_checkpoint_eviction("lru");
   EXPECT_THAT(ValidateConfig(stray_eviction),

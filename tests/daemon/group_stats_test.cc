@@ -92,6 +92,7 @@ TEST(GroupStatsTest, StateGroupRowsReadTheirFigures) {
   e.cache.checkpoints.kept = 9;
   e.cache.checkpoints.redundant = 4;
   e.cache.missed_no_checkpoint = 32;
+  e.cache.checkpoints.resume_rate[static_cast<size_t>(CheckpointKind::kBranch)] = 0.5;
   v1::GetStatsResponse r;
   FillStats({.engine = &e}, &r);
   EXPECT_EQ(Sent(r, "state_slots", "free"), 5);
@@ -99,6 +100,7 @@ TEST(GroupStatsTest, StateGroupRowsReadTheirFigures) {
   EXPECT_EQ(Sent(r, "state_checkpoints", "kept"), 9);
   EXPECT_EQ(Sent(r, "state_checkpoints", "redundant"), 4);
   EXPECT_EQ(Sent(r, "missed_tokens", "no_checkpoint"), 32);
+  EXPECT_EQ(Sent(r, "state_checkpoint_resume_rate", "branch"), 0.5);
   EXPECT_EQ(Sent(r, "window_blocks", "free"), -1);  // no window group
 }
 

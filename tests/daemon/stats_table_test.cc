@@ -165,6 +165,7 @@ TEST_F(StatsTableTest, EveryPresentRowReachesGetStatsKvpoolctlAndTheExposition) 
                     ? sent_name(row.name)
                     : row.label.value == "disk" || row.label.value == "redis" ||
                           row.name == "state_slots" || row.name == "state_checkpoints" ||
+                          row.name == "state_checkpoint_resume_rate" ||
                           row.label.value == "no_checkpoint" || row.name.starts_with("window_") ||
                           row.label.value == "window_evicted")
         << row.name;

@@ -253,7 +253,9 @@ TEST_P(FairEvictionTest, WindowGroupPressureTakesTheFloodingTenantsWindowBlocks)
 
 // State checkpoints likewise: when the checkpoint slots are full, the tenant flooding them loses
 // its own, and the quiet tenant's prompt still resumes from its checkpoint. Without shares the
-// quiet tenant's, the least recently used, goes first and its prompt resumes nothing.
+// quiet tenant's, the least recently used, goes first and its prompt resumes nothing (by tokens
+// saved alone: weighed by kind, the flood's checkpoints, never resumed from, would go first
+// anyway; state_checkpoint_test has that order).
 TEST_P(FairEvictionTest, CheckpointSlotPressureTakesTheFloodingTenantsCheckpoints) {
   for (const bool fair : {true, false}) {
     SCOPED_TRACE(fair ? "shares" : "one order");
@@ -261,6 +263,7 @@ TEST_P(FairEvictionTest, CheckpointSlotPressureTakesTheFloodingTenantsCheckpoint
                  .state_slots = 6,
                  .checkpoint_slots = 4,
                  .checkpoint_interval = 0,
+                 .checkpoint_eviction = KvCacheOptions::CheckpointEviction::kByTokensSaved,
                  .block_bytes = 100,
                  .state_bytes = 300},
                 fair);

@@ -465,6 +465,95 @@ INSTANTIATE_TEST_SUITE_P(Orders, CheckpointEvictionTest, ::testing::Bool(),
                            return info.param ? "LeastRecentlyUsed" : "ByTokensSaved";
                          });
 
+// kByExpectedTokensSaved weighs a checkpoint's tokens by how often its kind is resumed from.
+class CheckpointKindTest : public StateCheckpointTest, public ::testing::WithParamInterface<bool> {
+ protected:
+  bool by_kind() const { return GetParam(); }
+  void MakeKinds(int32_t checkpoint_slots) {
+    Make(/*state_slots=*/checkpoint_slots + 4, checkpoint_slots, /*interval=*/0, 64,
+         by_kind() ? KvCacheOptions::CheckpointEviction::kByExpectedTokensSaved
+                   : KvCacheOptions::CheckpointEviction::kByTokensSaved);
+  }
+  void Keep(const std::vector<int32_t>& prompt) {
+    ASSERT_TRUE(cache_->Free(kAlice, Prefill(kAlice, prompt), OnFree::kCommit).ok());
+  }
+  // Resumes a prompt that extends `prompt` and lets the sequence go; returns the tokens matched.
+  int64_t Use(const std::vector<int32_t>& prompt) {
+    absl::StatusOr<AllocateResult> r = Resume(kBob, Concat(prompt, Prompt(3, 77)));
+    KVPOOL_CHECK_OK(r.status());
+    KVPOOL_CHECK_OK(cache_->Free(kBob, r->sequence, OnFree::kDiscard));
+    return r->matched_tokens;
+  }
+  bool Resumable(const std::vector<int32_t>& prompt) {
+    return cache_->MatchPrefix(kTenant, Concat(prompt, Prompt(3, 77))) ==
+           static_cast<int64_t>(prompt.size());
+  }
+  const CheckpointKindRate& Rate(CheckpointKind kind) {
+    return cache_->CheckpointKindRates()[static_cast<size_t>(kind)];
+  }
+};
+
+// Every resume counts for the kind of the checkpoint resumed from, which then counts as
+// kResumed; so does a prompt that passes a checkpoint evicted while its block stayed cached (it
+// would have resumed there), or else a kind evicted early would look unused for that reason.
+TEST_P(CheckpointKindTest, ResumesAreCountedByKindEvictedOnesIncluded) {
+  MakeKinds(/*checkpoint_slots=*/1);
+  const std::vector<int32_t> first = Prompt(16, 1);
+  Keep(first);  // the checkpoint at its end
+  EXPECT_EQ(Rate(CheckpointKind::kSequenceEnd).kept, 1);
+  EXPECT_EQ(Use(first), 16);
+  EXPECT_EQ(Rate(CheckpointKind::kSequenceEnd).resumed, 1);
+  EXPECT_EQ(Rate(CheckpointKind::kResumed).kept, 1);
+  Keep(Prompt(16, 2));  // takes the one slot: `first`'s checkpoint is evicted, its block stays
+  EXPECT_EQ(cache_->stats().checkpoints.evicted, 1);
+  EXPECT_EQ(Use(first), 0);  // passes where it was
+  EXPECT_EQ(Rate(CheckpointKind::kResumed).resumed, 1);
+  EXPECT_EQ(Rate(CheckpointKind::kSequenceEnd).kept, 2);
+  EXPECT_EQ(Rate(CheckpointKind::kSequenceEnd).resumed, 1);
+  // (resumed + 1) / (kept + 1), in 256ths.
+  EXPECT_EQ(Rate(CheckpointKind::kSequenceEnd).weight, 256 * 2 / 3);
+  EXPECT_EQ(Rate(CheckpointKind::kResumed).weight, 256);
+  EXPECT_EQ(Rate(CheckpointKind::kInterval).weight, 256);  // nothing measured
+  ExpectInvariants();
+  // Its block evicted, the evicted checkpoint is forgotten.
+  ASSERT_GT(cache_->EvictCached(64), 0);
+  EXPECT_EQ(Use(first), 0);
+  EXPECT_EQ(Rate(CheckpointKind::kResumed).resumed, 1);
+  ExpectInvariants();
+}
+
+// Prompts that come back to the end of earlier ones, never to their prefill's last block
+// boundary: that kind's checkpoints, though they save more tokens, give way first once measured.
+// Unweighed, the end gives way (it saves only the 16 tokens past the boundary's).
+TEST_P(CheckpointKindTest, AKindNobodyComesBackToGivesWayFirst) {
+  MakeKinds(/*checkpoint_slots=*/2);
+  for (int32_t k = 0; k < 6; ++k) {
+    const std::vector<int32_t> p = Prompt(48, 10 + k);  // checkpoints at 32 and 48
+    Keep(p);
+    ASSERT_EQ(Use(p), 48);
+  }
+  EXPECT_EQ(Rate(CheckpointKind::kPrefillEnd).kept, 6);
+  EXPECT_EQ(Rate(CheckpointKind::kPrefillEnd).resumed, 0);
+  EXPECT_EQ(Rate(CheckpointKind::kSequenceEnd).resumed, 6);
+  // An empty tree (the rates stay), so that both keep at one floor.
+  ASSERT_GT(cache_->EvictCached(64), 0);
+  ASSERT_EQ(cache_->stats().checkpoints.cached, 0);
+  const std::vector<int32_t> p = Prompt(48, 1);
+  const std::vector<int32_t> head(p.begin(), p.begin() + 32);
+  Keep(p);
+  ASSERT_TRUE(Resumable(p));
+  ASSERT_TRUE(Resumable(head));
+  Keep(Prompt(16, 2));  // needs one of the two slots
+  EXPECT_EQ(Resumable(p), by_kind());
+  EXPECT_EQ(Resumable(head), !by_kind());
+  ExpectInvariants();
+}
+
+INSTANTIATE_TEST_SUITE_P(Orders, CheckpointKindTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "ByExpectedTokensSaved" : "ByTokensSaved";
+                         });
+
 // Found by state_checkpoint_random_test: a sequence that resumed inside a partially matched block
 // writes into a copy of it, while its path still names the shared block. When the sequence the
 // block belongs to extends and publishes it with other tokens, a checkpoint of the first sequence
