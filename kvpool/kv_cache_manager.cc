@@ -206,8 +206,8 @@ int32_t BreakEvenCheckpointInterval(int64_t state_bytes, int64_t block_bytes) {
 }
 
 int32_t DefaultCheckpointInterval(int64_t state_bytes, int64_t block_bytes) {
-  const int64_t twice = int64_t{2} * BreakEvenCheckpointInterval(state_bytes, block_bytes);
-  return static_cast<int32_t>(std::min<int64_t>(twice, std::numeric_limits<int32_t>::max()));
+  const int64_t thrice = int64_t{3} * BreakEvenCheckpointInterval(state_bytes, block_bytes);
+  return static_cast<int32_t>(std::min<int64_t>(thrice, std::numeric_limits<int32_t>::max()));
 }
 
 KvCacheManager::EventGroups KvCacheManager::EventGroupsOf(const KvCacheOptions& options) {

@@ -270,11 +270,12 @@ struct KvCacheOptions {
 // is <= 0 (no state group).
 int32_t BreakEvenCheckpointInterval(int64_t state_bytes, int64_t block_bytes);
 
-// The interval kvpoold and kvpool-replay take by default: twice the break-even one, where a
-// cached prefix's checkpoints take half the bytes of its K/V (and a third of the memory the two
-// share). Replayed on both Mooncake traces for Bamba-9B, Nemotron-H-8B, tiny-hybrid and
-// Falcon-H1-0.5B at 1k/2k/5k blocks, it beat the break-even interval (at a state share of one
-// half) in 21 of 24 cells, by up to 35 %, and lost at most 6 % (docs/hybrid-groups.md §4).
+// The interval kvpoold and kvpool-replay take by default: three times the break-even one, where a
+// cached prefix's checkpoints take a third of the bytes of its K/V (and a quarter of the memory
+// the two share). Replayed on both Mooncake traces for Bamba-9B, Nemotron-H-8B, tiny-hybrid and
+// Falcon-H1-0.5B at 1k/2k/5k blocks with checkpoints weighed by kind (kByExpectedTokensSaved), it
+// beat twice the break-even interval at a third in 23 of 24 cells, by up to 12 % (6 % on
+// geometric mean), and lost 0.2 % in the other (docs/hybrid-groups.md §4).
 // Saturates at INT32_MAX; 0 as BreakEvenCheckpointInterval.
 int32_t DefaultCheckpointInterval(int64_t state_bytes, int64_t block_bytes);
 

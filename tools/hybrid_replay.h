@@ -96,10 +96,10 @@ struct HybridReplayOptions {
   // (the working state and checkpoints) in [0, 1), the checkpoint interval in blocks (0: only
   // branch points, the prefill's last block boundary and the end of each prompt;
   // kDefaultInterval: DefaultCheckpointInterval of the layers). The defaults go together: at
-  // twice the break-even interval a cached prefix's checkpoints take half the bytes of its K/V,
-  // so a third of the memory holds them.
+  // three times the break-even interval a cached prefix's checkpoints take a third of the bytes
+  // of its K/V, so a quarter of the memory holds them.
   int32_t block_size = 16;
-  double state_share = 1.0 / 3.0;
+  double state_share = 1.0 / 4.0;
   int32_t checkpoint_interval = kDefaultInterval;
   // The order kvpool evicts cached checkpoints in (KvCacheOptions::checkpoint_eviction).
   KvCacheOptions::CheckpointEviction checkpoint_eviction =

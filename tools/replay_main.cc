@@ -76,12 +76,13 @@ ABSL_FLAG(int64_t, state_bytes, 0,
           "2,147,840)");
 ABSL_FLAG(int32_t, kv_dtype_bytes, 2,
           "--layers=<kvpool model>: bytes of one K/V element (2: bf16, as vLLM holds them)");
-ABSL_FLAG(std::string, state_shares, "0.333333",
+ABSL_FLAG(std::string, state_shares, "0.25",
           "--layers: the shares of the memory kvpool's layout gives to state slots, one row each");
 ABSL_FLAG(std::string, checkpoint_intervals, "auto",
           "--layers: kvpool's checkpoint intervals in blocks, one row each with every state "
-          "share (auto: kvpoold's, twice the break-even interval, where a prefix's checkpoints "
-          "take half the bytes of its K/V; 0: branch points, the prefill's last block boundary and "
+          "share (auto: kvpoold's, three times the break-even interval, where a prefix's "
+          "checkpoints take a third of the bytes of its K/V; 0: branch points, the prefill's last "
+          "block boundary and "
           "each prompt's end "
           "only; 32 blocks of 16 = 512 tokens)");
 ABSL_FLAG(int32_t, layers_block_size, 16, "--layers: kvpool's block size in tokens");

@@ -409,9 +409,10 @@ int32_t ParseStateGroup(const v1::DaemonConfig& c, kernels::PoolLayout* shape, E
   return checkpoints == 0 ? kCheckpointsByShare : checkpoints;
 }
 
-// shape.checkpoint_slots unset: a third of a pool's `bytes` left after its working states and
-// its window group, and at least one. Cached checkpoints then take half the bytes of the K/V they
-// resume at the default interval, twice the break-even one (docs/hybrid-groups.md §4), and the
+// shape.checkpoint_slots unset: a quarter of a pool's `bytes` left after its working states and
+// its window group, and at least one. Cached checkpoints then take a third of the bytes of the K/V
+// they resume at the default interval, three times the break-even one (docs/hybrid-groups.md §4),
+// and the
 // host tier keeps them in that proportion too (HostCheckpoints). `pool` holds the working slots.
 int64_t CheckpointSlotsByShare(const kernels::PoolLayout& pool, int64_t bytes) {
   const int64_t slot = pool.state_slot_bytes;
@@ -421,7 +422,7 @@ int64_t CheckpointSlotsByShare(const kernels::PoolLayout& pool, int64_t bytes) {
     const int64_t window = pool.window_block_bytes();
     rest -= pool.num_window_blocks <= rest / window ? pool.num_window_blocks * window : rest;
   }
-  return std::clamp<int64_t>(rest / 3 / slot, 1, std::numeric_limits<int32_t>::max());
+  return std::clamp<int64_t>(rest / 4 / slot, 1, std::numeric_limits<int32_t>::max());
 }
 
 // The window group of the pool shape (docs/hybrid-groups.md §2-§3): the model's sliding layers in

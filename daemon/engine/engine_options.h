@@ -89,7 +89,7 @@ struct EngineOptions {
   int32_t trace_depth = 8;            // per-block trace entries: 0 or a power of 2
   bool prefix_cache = true;
   // Blocks between the checkpoints taken by interval (KvCacheOptions::checkpoint_interval). 0:
-  // each pool's DefaultCheckpointInterval (twice its state slot bytes over its block bytes);
+  // each pool's DefaultCheckpointInterval (three times its state slot bytes over its block bytes);
   // -1: none by interval.
   int32_t checkpoint_interval = 0;
   // The order cached checkpoints give way in (KvCacheOptions::checkpoint_eviction).

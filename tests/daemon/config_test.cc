@@ -199,10 +199,10 @@ TEST(ConfigTest, StateSpaceModelsGetAStateGroup) {
     ASSERT_TRUE(o.ok()) << o.status();
     const kernels::PoolLayout& l = o->pools[0].layout;
     EXPECT_EQ(l.num_layers, 1);
-    // 64 working states, and for the prefix cache's state checkpoints a third of what is left.
+    // 64 working states, and for the prefix cache's state checkpoints a quarter of what is left.
     EXPECT_EQ(l.state_slot_bytes, (hybrid.state_bytes() + 63) / 64 * 64);
     const int64_t rest = c.pool_bytes() - 64 * l.state_slot_bytes;
-    EXPECT_EQ(o->pools[0].checkpoint_slots, rest / 3 / l.state_slot_bytes);
+    EXPECT_EQ(o->pools[0].checkpoint_slots, rest / 4 / l.state_slot_bytes);
     EXPECT_GE(o->pools[0].checkpoint_slots, 2);
     EXPECT_EQ(l.num_state_slots, 64 + o->pools[0].checkpoint_slots);
     EXPECT_GT(l.num_blocks, 0);
@@ -222,10 +222,10 @@ TEST(ConfigTest, StateSpaceModelsGetAStateGroup) {
   std::filesystem::remove_all(dir);
 }
 
-// shape.checkpoint_slots unset: each pool gives its state checkpoints a third of its bytes left
+// shape.checkpoint_slots unset: each pool gives its state checkpoints a quarter of its bytes left
 // after the working states (the share the default interval is made for), so a pool twice the
 // size gets more than twice the checkpoints; an explicit count is every pool's.
-TEST(ConfigTest, CheckpointSlotsDefaultToAThirdOfEachPool) {
+TEST(ConfigTest, CheckpointSlotsDefaultToAQuarterOfEachPool) {
   v1::DaemonConfig c = HybridConfig();
   for (const auto& [name, bytes] :
        std::vector<std::pair<std::string, int64_t>>{{"small", 256 << 20}, {"large", 512 << 20}}) {
@@ -243,10 +243,10 @@ TEST(ConfigTest, CheckpointSlotsDefaultToAThirdOfEachPool) {
     const int64_t checkpoint_bytes = pool.checkpoint_slots * slot;
     const int64_t kv_bytes = int64_t{l.num_blocks} * l.block_bytes();
     EXPECT_EQ(l.num_state_slots, 64 + pool.checkpoint_slots) << pool.name;
-    EXPECT_LE(checkpoint_bytes, (bytes - 64 * slot) / 3) << pool.name;
-    EXPECT_GT(checkpoint_bytes + slot, (bytes - 64 * slot) / 3) << pool.name;
-    // About half the bytes of the K/V beside them (a block's rounding apart).
-    EXPECT_NEAR(static_cast<double>(checkpoint_bytes) / kv_bytes, 0.5, 0.05) << pool.name;
+    EXPECT_LE(checkpoint_bytes, (bytes - 64 * slot) / 4) << pool.name;
+    EXPECT_GT(checkpoint_bytes + slot, (bytes - 64 * slot) / 4) << pool.name;
+    // About a third of the bytes of the K/V beside them (a block's rounding apart).
+    EXPECT_NEAR(static_cast<double>(checkpoint_bytes) / kv_bytes, 1.0 / 3.0, 0.05) << pool.name;
   }
   EXPECT_GT(o->pools[1].checkpoint_slots, 2 * o->pools[0].checkpoint_slots);
   c.mutable_shape()->set_checkpoint_slots(5);
@@ -283,8 +283,8 @@ TEST(ConfigTest, StateAndCheckpointSlotsAreChecked) {
   stray.mutable_shape()->set_checkpoint_slots(4);
   EXPECT_THAT(ValidateConfig(stray),
               ::testing::ElementsAre(HasSubstr("shape.checkpoint_slots: the model has no")));
-  // The checkpoint interval: twice the break-even one (0, resolved per pool: its state slot over
-  // its block, rounded up), explicit, none (-1).
+  // The checkpoint interval: three times the break-even one (0, resolved per pool: its state slot
+  // over its block, rounded up), explicit, none (-1).
   for (const auto& [set, want] :
        std::vector<std::pair<int32_t, int32_t>>{{0, -2}, {8, 8}, {-1, 0}}) {
     v1::DaemonConfig k = c;
@@ -295,7 +295,7 @@ TEST(ConfigTest, StateAndCheckpointSlotsAreChecked) {
     const kernels::PoolLayout& l = o->pools[0].layout;
     const int64_t break_even = (l.state_slot_bytes + l.block_bytes() - 1) / l.block_bytes();
     EXPECT_GT(break_even, 1);
-    EXPECT_EQ(PoolCheckpointInterval(*o, l), want == -2 ? 2 * break_even : want) << set;
+    EXPECT_EQ(PoolCheckpointInterval(*o, l), want == -2 ? 3 * break_even : want) << set;
   }
   absl::StatusOr<EngineOptions> plain = MakeEngineOptions(DefaultConfig(), 1);
   ASSERT_TRUE(plain.ok()) << plain.status();

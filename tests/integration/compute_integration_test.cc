@@ -489,17 +489,17 @@ TEST_F(ComputeIntegrationTest, AFalconH1CheckpointIsServedAsItComputesAlone) {
   EXPECT_GT(layout.num_state_slots(), 0);
 }
 
-// kvpoold takes a hybrid pool's interval checkpoints at twice the break-even interval
+// kvpoold takes a hybrid pool's interval checkpoints at three times the break-even interval
 // (docs/hybrid-groups.md §4): a prompt that leaves a cached one 70 tokens past its first interval
 // checkpoint resumes exactly there (every 4 blocks, the core's default, or the break-even
 // interval would resume elsewhere).
-TEST_F(ComputeIntegrationTest, AHybridPoolTakesCheckpointsAtTwiceTheBreakEvenInterval) {
+TEST_F(ComputeIntegrationTest, AHybridPoolTakesCheckpointsAtThriceTheBreakEvenInterval) {
   StartDaemon(std::string(kHybridDaemon));
   // A prefill of about 1,700 tokens: seconds under the sanitizers, past the default deadline.
   auto c = Connect(daemon_->dir(), "hybrid-interval", absl::Seconds(180));
   const v1::PoolLayout& layout = c->layout();
   const int64_t interval =
-      2 * ((layout.state_slot_bytes() + layout.block_bytes() - 1) / layout.block_bytes()) *
+      3 * ((layout.state_slot_bytes() + layout.block_bytes() - 1) / layout.block_bytes()) *
       layout.block_size();  // in tokens
   ASSERT_GT(interval, 4 * layout.block_size());
   ASSERT_NE((interval + 70) / 64 * 64, interval);  // where 4-block checkpoints would resume

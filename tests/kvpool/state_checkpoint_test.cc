@@ -118,10 +118,10 @@ TEST(BreakEvenCheckpointIntervalTest, IsTheStateOverTheBlockRoundedUp) {
   EXPECT_EQ(BreakEvenCheckpointInterval(10, 0), 0);
 }
 
-TEST(DefaultCheckpointIntervalTest, IsTwiceTheBreakEvenSaturating) {
-  EXPECT_EQ(DefaultCheckpointInterval(101, 10), 22);
-  EXPECT_EQ(DefaultCheckpointInterval(5, 10), 2);
-  EXPECT_EQ(DefaultCheckpointInterval(3 * 539'648, 16 * 1024), 198);  // tiny-hybrid in bf16
+TEST(DefaultCheckpointIntervalTest, IsThriceTheBreakEvenSaturating) {
+  EXPECT_EQ(DefaultCheckpointInterval(101, 10), 33);
+  EXPECT_EQ(DefaultCheckpointInterval(5, 10), 3);
+  EXPECT_EQ(DefaultCheckpointInterval(3 * 539'648, 16 * 1024), 297);  // tiny-hybrid in bf16
   EXPECT_EQ(DefaultCheckpointInterval(int64_t{1} << 62, 1), INT32_MAX);
   EXPECT_EQ(DefaultCheckpointInterval(0, 10), 0);
 }

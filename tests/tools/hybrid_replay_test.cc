@@ -167,17 +167,17 @@ TEST(ReplayHybridTest, RejectsBadOptionsNamingThem) {
               HasSubstr("kvpool layout"));
 }
 
-// The default interval is kvpoold's, twice the break-even one: M,A,M's two states (2 x 2,147,840
-// B) over a block of its one attention layer (16 x 4,096 B) is 65.5 blocks, rounded up to 66:
-// a checkpoint every 132, a third of the memory for state slots.
-TEST(ReplayHybridTest, TheDefaultIntervalIsTwiceTheBreakEven) {
+// The default interval is kvpoold's, three times the break-even one: M,A,M's two states (2 x
+// 2,147,840 B) over a block of its one attention layer (16 x 4,096 B) is 65.5 blocks, rounded up
+// to 66: a checkpoint every 198, a quarter of the memory for state slots.
+TEST(ReplayHybridTest, TheDefaultIntervalIsThriceTheBreakEven) {
   HybridReplayOptions o{.layers = *ParseLayers("M,A,M"), .capacity_blocks = 100};
   EXPECT_EQ(o.checkpoint_interval, kDefaultInterval);
-  EXPECT_EQ(o.state_share, 1.0 / 3.0);
+  EXPECT_EQ(o.state_share, 1.0 / 4.0);
   absl::StatusOr<std::vector<HybridReplayResult>> r =
       ReplayHybrid(ThreePrompts(), std::span(&o, 1));
   ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_EQ((*r)[0].hybrid.checkpoint_interval, 132);
+  EXPECT_EQ((*r)[0].hybrid.checkpoint_interval, 198);
   o.checkpoint_interval = 4;
   r = ReplayHybrid(ThreePrompts(), std::span(&o, 1));
   ASSERT_TRUE(r.ok()) << r.status();

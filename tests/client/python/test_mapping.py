@@ -235,10 +235,10 @@ class StateSlotTest(unittest.TestCase):
             c = kvpool.Client.connect(d.dir, client_name="states", kv_access=True)
             self.addCleanup(c.close)
             layout = c.mapping.layout
-            # 4 working states, and for the prefix cache's state checkpoints a third of the
+            # 4 working states, and for the prefix cache's state checkpoints a quarter of the
             # bytes left (shape.checkpoint_slots unset)
             slot = layout.state_slot_bytes
-            self.assertEqual(layout.num_state_slots, 4 + (33554432 - 4 * slot) // 3 // slot)
+            self.assertEqual(layout.num_state_slots, 4 + (33554432 - 4 * slot) // 4 // slot)
             self.assertEqual(layout.num_layers, 1)  # K/V of the one attention layer only
             seq = c.allocate_one([], num_tokens=0)
             self.assertIsNotNone(seq.state_slot)

@@ -183,9 +183,9 @@ class RedisTierTest(unittest.TestCase):
         """A decode keeps a rolling checkpoint at the last block boundary it reached (96 here),
         kept when the sequence ends and written to Redis with its block: daemon B resumes the
         whole conversation there, not at the prefill's last boundary (48), and computes one
-        token of A's 97."""
+        token of A's 97. (Four checkpoint slots: rolling ones take at most a quarter.)"""
         config = redis_config(self.redis, base=HYBRID_CONFIG.replace(
-            'state_slots: 8', 'state_slots: 8 checkpoint_interval: -1'))
+            'state_slots: 8', 'state_slots: 8 checkpoint_slots: 4 checkpoint_interval: -1'))
         prompt = [(5 * i + 1) % 500 for i in range(57)]
         # Six blocks and the checkpoints at 48 and 96.
         tokens = self.conversation_on_daemon_a(config, prompt, values=8)
