@@ -464,7 +464,7 @@ struct KvCacheStats {
     uint64_t evicted = 0;    // cached ones dropped (for room, or with their block)
     uint64_t resumed = 0;    // sequences whose state started from one
     // By CheckpointKind: resumes per checkpoint kept, decayed (CheckpointKindRate::weight / 256),
-    // what kByExpectedTokensSaved weighs each kind's tokens by.
+    // what kByExpectedTokensSaved weighs each kind's tokens by; 0 without checkpoint slots.
     std::array<double, kNumCheckpointKinds> resume_rate{};
   } checkpoints;
   // Of evictions, those an admin asked for (EvictCached, ClearCache).

@@ -211,7 +211,7 @@ KvCacheStats KvCacheManager::stats() const {
   if (states_) s.states = states_->stats();
   s.checkpoints.cached = static_cast<int64_t>(checkpoint_order_.size());
   s.checkpoints.pending = planned_checkpoints_;
-  for (size_t k = 0; k < kind_rates_.size(); ++k) {
+  for (size_t k = 0; k < kind_rates_.size() && checkpoint_slots_ > 0; ++k) {
     s.checkpoints.resume_rate[k] = kind_rates_[k].weight / 256.0;
   }
   if (window_) s.window = window_->stats();

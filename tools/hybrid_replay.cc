@@ -231,6 +231,7 @@ void Finish(Layout* l) {
   r.checkpoints_evicted = static_cast<int64_t>(stats.checkpoints.evicted);
   r.checkpoints_resumed = static_cast<int64_t>(stats.checkpoints.resumed);
   r.cut_no_checkpoint = static_cast<int64_t>(stats.missed_no_checkpoint);
+  r.resume_rate = stats.checkpoints.resume_rate;
 }
 
 }  // namespace

@@ -122,6 +122,8 @@ struct LayoutResult {
   int64_t checkpoints_evicted = 0;
   int64_t checkpoints_resumed = 0;  // prompts that resumed from one
   int64_t cut_no_checkpoint = 0;    // tokens the attention match found but no state reached
+  // kvpool: resumes per checkpoint kept by CheckpointKind at the end (KvCacheStats::checkpoints).
+  std::array<double, kNumCheckpointKinds> resume_rate{};
 
   double token_hit_rate() const {
     return replay.prompt_tokens == 0

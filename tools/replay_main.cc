@@ -92,6 +92,10 @@ ABSL_FLAG(std::string, checkpoint_evictions, "expected_tokens_saved",
           "over the next one up its path, weighed by how often its kind is resumed from; "
           "tokens_saved, row 'kvpool-gds': unweighed, GreedyDual-Size; lru, row 'kvpool-lru': "
           "least recently used)");
+ABSL_FLAG(bool, checkpoint_kinds, false,
+          "--layers: after each kvpool row, the resumes per checkpoint kept by why it was taken "
+          "(interval, branch point, prefill end, sequence end, ...; the weights "
+          "expected_tokens_saved orders by)");
 ABSL_FLAG(bool, layers_sweep, false,
           "replay both traces of --traces_dir at 1k/2k/5k blocks with --layers (default "
           "bamba-9b) and print the table");
@@ -250,6 +254,14 @@ void PrintLayout(std::string_view trace, int64_t capacity, const char* name, Var
       r.bytes_per_cached_token(), static_cast<long long>(r.checkpoints_kept),
       static_cast<long long>(r.checkpoints_evicted), static_cast<long long>(r.checkpoints_resumed),
       static_cast<long long>(r.replay.skipped));
+  if (!absl::GetFlag(FLAGS_checkpoint_kinds) || r.state_slots == 0) return;
+  std::string kinds;
+  for (size_t k = 0; k < r.resume_rate.size(); ++k) {
+    absl::StrAppendFormat(&kinds, " %s=%.4f",
+                          kvpool::CheckpointKindName(static_cast<kvpool::CheckpointKind>(k)),
+                          r.resume_rate[k]);
+  }
+  std::printf("%-26s resumes per checkpoint kept:%s\n", "", kinds.c_str());
 }
 
 // The bound no layout passes: the same bytes all K/V at kvpool's block size, every token a

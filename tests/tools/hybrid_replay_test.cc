@@ -128,6 +128,13 @@ TEST(ReplayHybridTest, HandComputedHitsOfBothLayouts) {
   EXPECT_EQ(sparse.replay.hit_blocks, 2);
   EXPECT_EQ(sparse.cut_no_checkpoint, 1100 - 600);
   EXPECT_EQ(sparse.checkpoints_resumed, 2);
+  // Prompt 1's end was resumed from (then counted as resumed), and again by prompt 3.
+  EXPECT_GT(sparse.resume_rate[static_cast<size_t>(CheckpointKind::kSequenceEnd)], 0.0);
+  EXPECT_EQ(sparse.resume_rate[static_cast<size_t>(CheckpointKind::kResumed)], 1.0);
+  // Prompt 3's branch point (where its attention match went past the checkpoint it resumed
+  // from): kept, never resumed from, (0 + 1) / (1 + 1).
+  EXPECT_EQ(sparse.resume_rate[static_cast<size_t>(CheckpointKind::kBranch)], 0.5);
+  EXPECT_EQ(base.resume_rate[static_cast<size_t>(CheckpointKind::kResumed)], 0.0);  // no states
   // Every 4 blocks (64 tokens): prompt 2 leaves checkpoints at 640, ..., 1,088, so prompt 3
   // resumes at 1,088.
   const LayoutResult& dense = (*results)[1].hybrid;
