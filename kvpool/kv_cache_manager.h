@@ -1239,6 +1239,8 @@ class KvCacheManager final {
   absl::Status CheckWindows() const;
   absl::Status CheckWindowRefs() const;
   void WindowDebugString(std::string* out) const;
+  // The cached checkpoints in eviction order, the floor and the kinds' rates (DebugString).
+  void CheckpointDebugString(std::string* out) const;
   void SequenceWindowDebugString(const Sequence& seq, std::string* out) const;
   // Checks there is room for `blocks` new blocks: free ones, retired ones that can be reclaimed
   // (reclaimed now: housekeeping), then cached ones to evict (never the nodes in `keep`). The

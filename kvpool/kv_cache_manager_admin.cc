@@ -469,29 +469,32 @@ absl::Status KvCacheManager::CheckQuotaTotals() const {
   return absl::OkStatus();
 }
 
+void KvCacheManager::CheckpointDebugString(std::string* out) const {
+  // In eviction order, the next victim first.
+  for (const auto& key : checkpoint_order_) {
+    const CheckpointSlot& c = checkpoint_at_[Index(key.id)];
+    fmt::format_to(std::back_inserter(*out),
+                   "checkpoint slot={} block={} offset={} stamp={} priority={} kind={}\n",
+                   key.id.value(), c.block.value(), c.offset, key.stamp, key.priority,
+                   CheckpointKindName(c.kind));
+  }
+  if (checkpoint_slots_ == 0) return;
+  fmt::format_to(std::back_inserter(*out), "checkpoint floor={} evicted_remembered={}\n",
+                 checkpoint_order_.floor(), checkpoint_ghosts_.size());
+  for (size_t k = 0; k < kind_rates_.size(); ++k) {
+    const CheckpointKindRate& r = kind_rates_[k];
+    fmt::format_to(std::back_inserter(*out),
+                   "checkpoint kind={} kept={:.1f} resumed={:.1f} weight={}/256\n",
+                   CheckpointKindName(static_cast<CheckpointKind>(k)), r.kept, r.resumed, r.weight);
+  }
+}
+
 std::string KvCacheManager::DebugString() const {
   std::string out = pool_->DebugString();
   if (cache_) out += cache_->DebugString();
   if (states_) out += "state group:\n" + states_->DebugString();
   if (window_) WindowDebugString(&out);
-  // In eviction order, the next victim first.
-  for (const auto& key : checkpoint_order_) {
-    const CheckpointSlot& c = checkpoint_at_[Index(key.id)];
-    fmt::format_to(std::back_inserter(out),
-                   "checkpoint slot={} block={} offset={} stamp={} priority={} kind={}\n",
-                   key.id.value(), c.block.value(), c.offset, key.stamp, key.priority,
-                   CheckpointKindName(c.kind));
-  }
-  if (checkpoint_slots_ > 0) {
-    fmt::format_to(std::back_inserter(out), "checkpoint floor={} evicted_remembered={}\n",
-                   checkpoint_order_.floor(), checkpoint_ghosts_.size());
-    for (size_t k = 0; k < kind_rates_.size(); ++k) {
-      const CheckpointKindRate& r = kind_rates_[k];
-      fmt::format_to(
-          std::back_inserter(out), "checkpoint kind={} kept={:.1f} resumed={:.1f} weight={}/256\n",
-          CheckpointKindName(static_cast<CheckpointKind>(k)), r.kept, r.resumed, r.weight);
-    }
-  }
+  CheckpointDebugString(&out);
   auto it = std::back_inserter(out);
   std::vector<SequenceId> ids;
   for (const auto& [id, seq] : sequences_) ids.push_back(id);
