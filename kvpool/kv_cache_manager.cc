@@ -210,6 +210,14 @@ int32_t DefaultCheckpointInterval(int64_t state_bytes, int64_t block_bytes) {
   return static_cast<int32_t>(std::min<int64_t>(thrice, std::numeric_limits<int32_t>::max()));
 }
 
+std::optional<KvCacheOptions::CheckpointEviction> ParseCheckpointEviction(std::string_view name) {
+  using Eviction = KvCacheOptions::CheckpointEviction;
+  if (name == "expected_tokens_saved") return Eviction::kByExpectedTokensSaved;
+  if (name == "tokens_saved") return Eviction::kByTokensSaved;
+  if (name == "lru") return Eviction::kLeastRecentlyUsed;
+  return std::nullopt;
+}
+
 KvCacheManager::EventGroups KvCacheManager::EventGroupsOf(const KvCacheOptions& options) {
   // As Create() makes the groups.
   const bool window = options.window_blocks > 0;

@@ -125,9 +125,19 @@ std::string_view CheckpointKindName(CheckpointKind kind);
 // tree block stays cached): a kind evicted early would otherwise look unused because it was
 // evicted.
 struct CheckpointKindRate {
-  double kept = 0;        // kept into the tree (decayed)
-  double resumed = 0;     // resumed from, or passed by a prompt while evicted (decayed)
-  uint32_t weight = 256;  // the eviction order's weight, 256 = 1: (resumed + 1) / (kept + 1)
+  // The weight is the rate in 1/256ths, in [1/256, 64]: a kind never resumed from still orders
+  // its checkpoints by the tokens they save, and one resumed from many times a keep cannot make
+  // the priorities outgrow the order's rebase.
+  static constexpr uint32_t kOne = 256;
+  static constexpr double kMaxRate = 64;
+
+  double kept = 0;     // kept into the tree (decayed)
+  double resumed = 0;  // resumed from, or passed by a prompt while evicted (decayed)
+
+  // (resumed + 1) / (kept + 1): 1 with nothing counted.
+  double rate() const { return std::clamp((resumed + 1) / (kept + 1), 1.0 / kOne, kMaxRate); }
+  // The eviction order's weight, kOne = 1.
+  uint32_t weight() const { return static_cast<uint32_t>(rate() * kOne); }
 };
 
 // A state checkpoint kept at the end of a full cached block (TakePublishedCheckpoints): the
@@ -278,6 +288,10 @@ int32_t BreakEvenCheckpointInterval(int64_t state_bytes, int64_t block_bytes);
 // geometric mean), and lost 0.2 % in the other (docs/hybrid-groups.md §4).
 // Saturates at INT32_MAX; 0 as BreakEvenCheckpointInterval.
 int32_t DefaultCheckpointInterval(int64_t state_bytes, int64_t block_bytes);
+
+// The checkpoint eviction order a config or flag names: "expected_tokens_saved",
+// "tokens_saved" or "lru"; nullopt for anything else.
+std::optional<KvCacheOptions::CheckpointEviction> ParseCheckpointEviction(std::string_view name);
 
 // The first block a sliding window of `window_tokens` reads, past its sinks, for a query at
 // position `tokens` (the one holding token tokens - W + 1), with blocks of `block_size` tokens.
@@ -463,8 +477,8 @@ struct KvCacheStats {
     uint64_t rolled = 0;     // a decode's rolling checkpoint moved on to its next block boundary
     uint64_t evicted = 0;    // cached ones dropped (for room, or with their block)
     uint64_t resumed = 0;    // sequences whose state started from one
-    // By CheckpointKind: resumes per checkpoint kept, decayed (CheckpointKindRate::weight / 256),
-    // what kByExpectedTokensSaved weighs each kind's tokens by; 0 without checkpoint slots.
+    // By CheckpointKind: resumes per checkpoint kept, decayed (CheckpointKindRate::weight() /
+    // kOne), what kByExpectedTokensSaved weighs each kind's tokens by; 0 without checkpoint slots.
     std::array<double, kNumCheckpointKinds> resume_rate{};
   } checkpoints;
   // Of evictions, those an admin asked for (EvictCached, ClearCache).
@@ -1136,12 +1150,13 @@ class KvCacheManager final {
   // tree block `block`, unless the block has one as deep (then the slot is released).
   void KeepCheckpoint(BlockId block, int32_t offset, BlockId slot, CheckpointKind kind,
                       const TraceContext& ctx);
-  // Counts a checkpoint of `kind` kept, or resumed from (CheckpointKindRate), halving every count
-  // once kRateWindow keeps have passed.
+  // Counts a checkpoint of `kind` kept (CheckpointKindRate), halving every count once 4 x
+  // checkpoint_slots + 256 keeps have passed since the last halving.
   void CountKept(CheckpointKind kind);
+  // Counts a resume of a checkpoint of `*kind`, which from then on counts as kResumed.
+  void CountResume(CheckpointKind* kind);
   // A prompt passed the evicted checkpoint at tree block `block` (if it is still remembered).
   void CountGhost(BlockId block);
-  void CountResumed(CheckpointKind kind);
   // `tokens` (TokensSaved) weighed by `kind`'s rate under kByExpectedTokensSaved.
   uint64_t Worth(uint64_t tokens, CheckpointKind kind) const;
   // Puts `seq`'s planned checkpoints its state has passed, and its path reaches, into the tree;

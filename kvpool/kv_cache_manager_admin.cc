@@ -212,7 +212,8 @@ KvCacheStats KvCacheManager::stats() const {
   s.checkpoints.cached = static_cast<int64_t>(checkpoint_order_.size());
   s.checkpoints.pending = planned_checkpoints_;
   for (size_t k = 0; k < kind_rates_.size() && checkpoint_slots_ > 0; ++k) {
-    s.checkpoints.resume_rate[k] = kind_rates_[k].weight / 256.0;
+    s.checkpoints.resume_rate[k] =
+        static_cast<double>(kind_rates_[k].weight()) / CheckpointKindRate::kOne;
   }
   if (window_) s.window = window_->stats();
   s.windows.cached = static_cast<int64_t>(window_lru_.size());
@@ -484,8 +485,9 @@ void KvCacheManager::CheckpointDebugString(std::string* out) const {
   for (size_t k = 0; k < kind_rates_.size(); ++k) {
     const CheckpointKindRate& r = kind_rates_[k];
     fmt::format_to(std::back_inserter(*out),
-                   "checkpoint kind={} kept={:.1f} resumed={:.1f} weight={}/256\n",
-                   CheckpointKindName(static_cast<CheckpointKind>(k)), r.kept, r.resumed, r.weight);
+                   "checkpoint kind={} kept={:.1f} resumed={:.1f} weight={}/{}\n",
+                   CheckpointKindName(static_cast<CheckpointKind>(k)), r.kept, r.resumed,
+                   r.weight(), CheckpointKindRate::kOne);
   }
 }
 

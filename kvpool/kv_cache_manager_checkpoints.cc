@@ -18,17 +18,6 @@ namespace {
 
 size_t Index(BlockId b) { return static_cast<size_t>(b.value()); }
 
-// A kind's weight is its rate in 1/256ths, in [1/256, 64]: a kind never resumed from still
-// orders its checkpoints by the tokens they save, and one resumed from many times a keep cannot
-// make the priorities outgrow the order's rebase.
-constexpr uint32_t kWeightOne = 256;
-constexpr double kMaxRate = 64;
-
-uint32_t WeightOf(const CheckpointKindRate& r) {
-  const double rate = std::clamp((r.resumed + 1) / (r.kept + 1), 1.0 / kWeightOne, kMaxRate);
-  return static_cast<uint32_t>(rate * kWeightOne);
-}
-
 }  // namespace
 
 std::string_view CheckpointKindName(CheckpointKind kind) {
@@ -478,30 +467,26 @@ void KvCacheManager::DropCheckpoint(BlockId slot, const TraceContext& ctx, bool 
 
 void KvCacheManager::TouchCheckpoint(BlockId slot) {
   CheckpointSlot& c = checkpoint_at_[Index(slot)];
-  CountResumed(c.kind);
-  if (c.kind != CheckpointKind::kResumed) {
-    c.kind = CheckpointKind::kResumed;
-    CountKept(CheckpointKind::kResumed);
-  }
+  CountResume(&c.kind);
   c.key = checkpoint_order_.Touch(c.key, Worth(TokensSaved(c.block, c.offset), c.kind));
 }
 
 void KvCacheManager::CountGhost(BlockId block) {
-  // Counted as a resume of its kind, then it stands for a resumed checkpoint, as a kept one
-  // would (TouchCheckpoint).
+  // Counted as a kept one would be (TouchCheckpoint).
   auto it = checkpoint_ghosts_.find(block);
   if (it == checkpoint_ghosts_.end()) return;  // its block left the tree since the match
-  CountResumed(it->second.kind);
-  if (it->second.kind != CheckpointKind::kResumed) {
-    it->second.kind = CheckpointKind::kResumed;
-    CountKept(CheckpointKind::kResumed);
-  }
+  CountResume(&it->second.kind);
+}
+
+void KvCacheManager::CountResume(CheckpointKind* kind) {
+  kind_rates_[static_cast<size_t>(*kind)].resumed += 1;
+  if (*kind == CheckpointKind::kResumed) return;
+  *kind = CheckpointKind::kResumed;
+  CountKept(CheckpointKind::kResumed);
 }
 
 void KvCacheManager::CountKept(CheckpointKind kind) {
-  CheckpointKindRate& r = kind_rates_[static_cast<size_t>(kind)];
-  r.kept += 1;
-  r.weight = WeightOf(r);
+  kind_rates_[static_cast<size_t>(kind)].kept += 1;
   // Halved every few turns of the slots: the rates follow the workload, not its whole history.
   kept_since_decay_ += 1;
   if (kept_since_decay_ < 4.0 * checkpoint_slots_ + 256) return;
@@ -509,19 +494,12 @@ void KvCacheManager::CountKept(CheckpointKind kind) {
   for (CheckpointKindRate& k : kind_rates_) {
     k.kept /= 2;
     k.resumed /= 2;
-    k.weight = WeightOf(k);
   }
-}
-
-void KvCacheManager::CountResumed(CheckpointKind kind) {
-  CheckpointKindRate& r = kind_rates_[static_cast<size_t>(kind)];
-  r.resumed += 1;
-  r.weight = WeightOf(r);
 }
 
 uint64_t KvCacheManager::Worth(uint64_t tokens, CheckpointKind kind) const {
   if (!checkpoints_by_kind_) return tokens;
-  return tokens * kind_rates_[static_cast<size_t>(kind)].weight / kWeightOne;
+  return tokens * kind_rates_[static_cast<size_t>(kind)].weight() / CheckpointKindRate::kOne;
 }
 
 void KvCacheManager::ReleaseStates(Sequence* seq, bool commit, const TraceContext& ctx) {
@@ -601,7 +579,9 @@ absl::Status KvCacheManager::CheckCheckpoints() const {
     if (!(c.key == key) || it == checkpoint_of_.end() || it->second != slot ||
         key.priority > checkpoint_order_.floor() +
                            (checkpoints_by_tokens_saved_ ? TokensBefore(c.block, c.offset) : 0) *
-                               (checkpoints_by_kind_ ? static_cast<uint64_t>(kMaxRate) : 1) ||
+                               (checkpoints_by_kind_
+                                    ? static_cast<uint64_t>(CheckpointKindRate::kMaxRate)
+                                    : 1) ||
         !cache_->holds(c.block) || c.offset <= 0 || c.offset > cache_->CoverageOf(c.block) ||
         !states_->cache_held(slot)) {
       return InvariantViolation("checkpoint slot {} (block {} offset {}) is not kept where it says",

@@ -82,9 +82,7 @@ ABSL_FLAG(std::string, checkpoint_intervals, "auto",
           "--layers: kvpool's checkpoint intervals in blocks, one row each with every state "
           "share (auto: kvpoold's, three times the break-even interval, where a prefix's "
           "checkpoints take a third of the bytes of its K/V; 0: branch points, the prefill's last "
-          "block boundary and "
-          "each prompt's end "
-          "only; 32 blocks of 16 = 512 tokens)");
+          "block boundary and each prompt's end only; 32 blocks of 16 = 512 tokens)");
 ABSL_FLAG(int32_t, layers_block_size, 16, "--layers: kvpool's block size in tokens");
 ABSL_FLAG(std::string, checkpoint_evictions, "expected_tokens_saved",
           "--layers: the orders kvpool evicts cached checkpoints in, one row each with every "
@@ -195,14 +193,13 @@ absl::StatusOr<std::vector<Variant>> Variants() {
   using Eviction = kvpool::KvCacheOptions::CheckpointEviction;
   std::vector<Variant> variants;
   for (absl::string_view order : absl::StrSplit(absl::GetFlag(FLAGS_checkpoint_evictions), ',')) {
-    if (order != "expected_tokens_saved" && order != "tokens_saved" && order != "lru") {
+    const std::optional<Eviction> eviction =
+        kvpool::ParseCheckpointEviction(std::string_view(order.data(), order.size()));
+    if (!eviction) {
       return absl::InvalidArgumentError(
           absl::StrCat("--checkpoint_evictions: '", order,
                        "' is none of expected_tokens_saved, tokens_saved and lru"));
     }
-    const Eviction eviction = order == "lru"            ? Eviction::kLeastRecentlyUsed
-                              : order == "tokens_saved" ? Eviction::kByTokensSaved
-                                                        : Eviction::kByExpectedTokensSaved;
     for (absl::string_view ivl : absl::StrSplit(absl::GetFlag(FLAGS_checkpoint_intervals), ',')) {
       int32_t interval = tools::kDefaultInterval;
       if (ivl != "auto" && (!absl::SimpleAtoi(ivl, &interval) || interval < 0)) {
@@ -215,7 +212,7 @@ absl::StatusOr<std::vector<Variant>> Variants() {
           return absl::InvalidArgumentError(
               absl::StrCat("--state_shares: '", part, "' is not a share in [0, 1)"));
         }
-        variants.push_back({share, interval, eviction});
+        variants.push_back({share, interval, *eviction});
       }
     }
   }

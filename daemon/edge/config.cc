@@ -372,8 +372,9 @@ int32_t ParseStateGroup(const v1::DaemonConfig& c, kernels::PoolLayout* shape, E
     return 0;
   }
   const std::string& eviction = c.shape().checkpoint_eviction();
-  if (!eviction.empty() && eviction != "expected_tokens_saved" && eviction != "tokens_saved" &&
-      eviction != "lru") {
+  const std::optional<KvCacheOptions::CheckpointEviction> order =
+      eviction.empty() ? KvCacheOptions{}.checkpoint_eviction : ParseCheckpointEviction(eviction);
+  if (!order) {
     bad("shape.checkpoint_eviction",
         fmt::format("must be \"expected_tokens_saved\", \"tokens_saved\" or \"lru\" (got \"{}\")",
                     eviction));
@@ -399,10 +400,7 @@ int32_t ParseStateGroup(const v1::DaemonConfig& c, kernels::PoolLayout* shape, E
     return 0;
   }
   o->checkpoint_interval = interval;
-  o->checkpoint_eviction =
-      eviction == "lru"            ? KvCacheOptions::CheckpointEviction::kLeastRecentlyUsed
-      : eviction == "tokens_saved" ? KvCacheOptions::CheckpointEviction::kByTokensSaved
-                                   : KvCacheOptions::CheckpointEviction::kByExpectedTokensSaved;
+  o->checkpoint_eviction = *order;
   shape->num_state_slots = slots;
   shape->state_slot_bytes = (state_bytes + 63) / 64 * 64;
   if (c.disable_prefix_cache() || checkpoints == -1) return 0;
@@ -412,8 +410,8 @@ int32_t ParseStateGroup(const v1::DaemonConfig& c, kernels::PoolLayout* shape, E
 // shape.checkpoint_slots unset: a quarter of a pool's `bytes` left after its working states and
 // its window group, and at least one. Cached checkpoints then take a third of the bytes of the K/V
 // they resume at the default interval, three times the break-even one (docs/hybrid-groups.md §4),
-// and the
-// host tier keeps them in that proportion too (HostCheckpoints). `pool` holds the working slots.
+// and the host tier keeps them in that proportion too (HostCheckpoints). `pool` holds the working
+// slots.
 int64_t CheckpointSlotsByShare(const kernels::PoolLayout& pool, int64_t bytes) {
   const int64_t slot = pool.state_slot_bytes;
   int64_t rest = bytes;

@@ -511,9 +511,9 @@ TEST_P(CheckpointKindTest, ResumesAreCountedByKindEvictedOnesIncluded) {
   EXPECT_EQ(Rate(CheckpointKind::kSequenceEnd).kept, 2);
   EXPECT_EQ(Rate(CheckpointKind::kSequenceEnd).resumed, 1);
   // (resumed + 1) / (kept + 1), in 256ths.
-  EXPECT_EQ(Rate(CheckpointKind::kSequenceEnd).weight, 256 * 2 / 3);
-  EXPECT_EQ(Rate(CheckpointKind::kResumed).weight, 256);
-  EXPECT_EQ(Rate(CheckpointKind::kInterval).weight, 256);  // nothing measured
+  EXPECT_EQ(Rate(CheckpointKind::kSequenceEnd).weight(), 256 * 2 / 3);
+  EXPECT_EQ(Rate(CheckpointKind::kResumed).weight(), 256);
+  EXPECT_EQ(Rate(CheckpointKind::kInterval).weight(), 256);  // nothing measured
   ExpectInvariants();
   // Its block evicted, the evicted checkpoint is forgotten.
   ASSERT_GT(cache_->EvictCached(64), 0);
