@@ -181,6 +181,7 @@ KvCacheManager::KvCacheManager(const KvCacheOptions& options, std::unique_ptr<Bl
   }
   if (cache_ && (checkpoint_slots_ > 0 || window_)) {
     // A block the tree lets go takes its secondary components (checkpoint, window block) with it.
+    if (checkpoint_slots_ > 0 && options.evict_unresumable_first) cache_->EvictUnresumableFirst();
     cache_->SetOnRemove([this](BlockId block, const TraceContext& ctx) {
       if (auto it = checkpoint_of_.find(block); it != checkpoint_of_.end()) {
         DropCheckpoint(it->second, ctx);

@@ -248,6 +248,13 @@ struct KvCacheOptions {
     kByExpectedTokensSaved
   };
   CheckpointEviction checkpoint_eviction = CheckpointEviction::kByExpectedTokensSaved;
+  // With checkpoint_slots: the prefix cache evicts first the blocks no prompt can resume at or
+  // beyond (a leaf without a checkpoint, PrefixCache::EvictUnresumableFirst), before any block
+  // its eviction policy orders. A prompt's match is cut at the deepest checkpoint it reaches, so
+  // the K/V past a path's last checkpoint is never reused: a prompt that follows it computes it
+  // again. false: the policy orders them with the rest (a lower tier's checkpoint may make them
+  // worth keeping; docs/hybrid-groups.md §4).
+  bool evict_unresumable_first = true;
   // The sliding-window group (docs/hybrid-groups.md §3), for models with sliding-window attention
   // layers: its own pool of this many blocks, of block_size tokens each (its bytes per block are
   // its own), one entry per entry of every block table (Sequence::window_table). A sequence

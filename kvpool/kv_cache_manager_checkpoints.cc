@@ -307,6 +307,7 @@ void KvCacheManager::KeepCheckpoint(BlockId block, int32_t offset, BlockId slot,
       .key = checkpoint_order_.Insert(slot, Worth(TokensSaved(block, offset), kind)),
       .kind = kind};
   checkpoint_of_[block] = slot;
+  cache_->MarkResumePoint(block, true);
   cache_->ChargeShare(block, unit_state_);  // its tenant's cached bytes (fair eviction)
   ++counters_.checkpoints.kept;
   // A checkpoint at a block's last token is named by the block's hash (KvEvent::group).
@@ -456,6 +457,7 @@ void KvCacheManager::DropCheckpoint(BlockId slot, const TraceContext& ctx, bool 
     for (const auto& key : checkpoint_order_) checkpoint_at_[Index(key.id)].key = key;
   }
   checkpoint_of_.erase(c.block);
+  cache_->MarkResumePoint(c.block, false);
   // Evicted for room while its block stays: a prompt that passes it still counts for its kind.
   if (victim) checkpoint_ghosts_[c.block] = {.offset = c.offset, .kind = c.kind};
   cache_->ChargeShare(c.block, -unit_state_);
@@ -588,6 +590,18 @@ absl::Status KvCacheManager::CheckCheckpoints() const {
                                 slot.value(), c.block.value(), c.offset);
     }
     ++refs[Index(slot)];
+  }
+  // The tree marks exactly the blocks holding a checkpoint as resume points.
+  if (cache_ != nullptr &&
+      cache_->num_resume_points() != static_cast<int64_t>(checkpoint_of_.size())) {
+    return InvariantViolation("{} resume points in the tree for {} cached checkpoints",
+                              cache_->num_resume_points(), checkpoint_of_.size());
+  }
+  for (const auto& [block, slot] : checkpoint_of_) {
+    if (!cache_->holds(block) || !cache_->resume_point(block)) {
+      return InvariantViolation("block {} keeps checkpoint slot {} but is no resume point",
+                                block.value(), slot.value());
+    }
   }
   for (const auto& [block, ghost] : checkpoint_ghosts_) {
     if (!cache_->holds(block) || checkpoint_of_.contains(block) || ghost.offset <= 0 ||

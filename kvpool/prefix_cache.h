@@ -24,11 +24,12 @@
 // them, so whatever order a policy chooses, a block with cached descendants is never a victim,
 // and eviction trims a run from its tail. Partial tails of finished requests that nobody asked
 // to retain (PrefixCacheOptions::policy "+notail", no Commit(retain_tail)) go to a first-out list
-// of their own instead of the policy. A plan takes that list, then the policy's candidates in
-// rank order, merging in the blocks its earlier victims turn into leaves. Each planned eviction
-// costs O(log n) in the candidates, whatever the tree's size, and O(1) inside a run released at
-// once. The tree owns exactly one pool reference per cached block and an eviction returns
-// exactly that one.
+// of their own instead of the policy, and so do leaves no prompt can resume at once the owner
+// asked for it (EvictUnresumableFirst: a hybrid model's blocks past a path's last checkpoint). A
+// plan takes that list, then the policy's candidates in rank order, merging in the blocks its
+// earlier victims turn into leaves. Each planned eviction costs O(log n) in the candidates,
+// whatever the tree's size, and O(1) inside a run released at once. The tree owns exactly one pool
+// reference per cached block and an eviction returns exactly that one.
 //
 // Pins (KvCacheManager::PinPrefix): a pinned block is locked, so it is never evicted; while it
 // is CACHED it counts as pin-held for its namespace's quota. Pin() raises the pinned blocks'
@@ -168,6 +169,9 @@ struct PrefixCacheStats {
   uint64_t tails_evicted = 0;  // unretained partial tails evicted first
   uint64_t splits = 0;         // runs split where a block gained a second child
   uint64_t merges = 0;         // runs merged back when a split was no longer needed
+  // Blocks evicted that were no resume point (EvictUnresumableFirst; an unretained partial tail
+  // among them counts here, not in tails_evicted).
+  uint64_t unresumable_evicted = 0;
   // Children compared by partial-block lookups (BestChild, Covering, RemoveDominated): at most
   // those sharing the block's first token per lookup once a position has many children.
   uint64_t child_scans = 0;
@@ -204,6 +208,20 @@ class PrefixCache final {
   // Called for every block a Commit widens (its sequence's own block, now covering more tokens):
   // what the owner keeps beside it may hold only the tokens it covered before.
   void SetOnWiden(std::function<void(BlockId)> on_widen) { on_widen_ = std::move(on_widen); }
+
+  // Resume points (docs/hybrid-groups.md §4). A hybrid model's prompt resumes only at a state
+  // checkpoint, so the K/V of a block with no checkpoint in it or below it is never reused (a
+  // prompt that reaches it resumes above it and computes it again). Once this is called, a leaf
+  // its owner has not marked a resume point is a first-out tail (evicted before anything the
+  // policy orders), and a plan that frees such a block's parent takes the parent next if it is
+  // no resume point either: a path loses its K/V past its last checkpoint first. Call before the
+  // first block is published.
+  void EvictUnresumableFirst() { unresumable_first_ = true; }
+  // Marks `block` (held) as a resume point or not (its owner keeps a checkpoint in it); it moves
+  // between the first-out tails and the policy if it is a candidate. O(log n).
+  void MarkResumePoint(BlockId block, bool on);
+  bool resume_point(BlockId block) const { return entry(block).resume != 0; }
+  int64_t num_resume_points() const { return num_resume_points_; }
 
   // Eviction shares (docs/eviction.md, Fair by tenant). The blocks namespace `ns` publishes
   // after SetShare(ns, key, weight) belong to share `key` for as long as the tree holds them;
@@ -411,6 +429,7 @@ class PrefixCache final {
     uint8_t pin_charged : 1 = 0;  // counted in pin_held_
     uint8_t in_tails : 1 = 0;     // a candidate on the first-out tail list
     uint8_t in_policy : 1 = 0;    // a candidate the policy holds
+    uint8_t resume : 1 = 0;       // a resume point (MarkResumePoint)
     // EvictionPlanner's scratch: the plan must not take it (0 between plans).
     mutable uint8_t kept : 1 = 0;
     uint16_t share = 0;  // index into shares_ (0: the default share)
@@ -536,9 +555,11 @@ class PrefixCache final {
   // or is not an evictable leaf.
   void UpdateCandidate(BlockId block);
   bool IsFirstOutTail(BlockId block) const {
-    return tree_.coverage(block) < block_size_ && !retain_partial_tails_ &&
-           entry(block).retain == 0;
+    return (tree_.coverage(block) < block_size_ && !retain_partial_tails_ &&
+            entry(block).retain == 0) ||
+           Unresumable(block);
   }
+  bool Unresumable(BlockId block) const { return unresumable_first_ && entry(block).resume == 0; }
   void TailPush(BlockId block);
   void TailRemove(BlockId block);
   void UpdatePinCharge(BlockId block);
@@ -579,6 +600,8 @@ class PrefixCache final {
   const int32_t block_size_;
   const size_t evicted_memory_;
   const bool retain_partial_tails_;
+  bool unresumable_first_ = false;  // EvictUnresumableFirst
+  int64_t num_resume_points_ = 0;
   const bool events_on_;
   const std::optional<KvEventGroup> event_group_;
   bool clearing_ = false;  // Clear() runs: components' removals are not announced

@@ -32,6 +32,23 @@ void PrefixCache::UpdateCandidate(BlockId block) {
   }
 }
 
+void PrefixCache::MarkResumePoint(BlockId block, bool on) {
+  Entry& e = entry(block);
+  if (e.resume == static_cast<uint8_t>(on)) return;
+  const bool candidate = (e.in_tails | e.in_policy) != 0;
+  if (candidate) {
+    if (e.in_tails != 0) {
+      TailRemove(block);
+    } else {
+      PolicyOf(block).Remove(Key(block), Facts(block));
+      e.in_policy = 0;
+    }
+  }
+  e.resume = on ? 1 : 0;
+  num_resume_points_ += on ? 1 : -1;
+  if (candidate) UpdateCandidate(block);
+}
+
 void PrefixCache::TailPush(BlockId block) {
   entry(block).in_tails = 1;
   tail_prev_[Index(block)] = tails_tail_;
@@ -125,6 +142,8 @@ ABSL_ATTRIBUTE_ALWAYS_INLINE inline EvictionPlanner::Step EvictionPlanner::NextS
   if (p.freed >= p.blocks) return Step::kStop;
   const PrefixCache::Entry& pe = p.cache->entry(parent);
   if (pe.evictable == 0 || pe.kept != 0) return Step::kStop;
+  // No resume point: it goes before anything the policy orders (EvictUnresumableFirst).
+  if (p.cache->Unresumable(parent)) return Step::kFollow;
   // A run released at once, deepest first: the parent's release order is the next one in the
   // same class, so under a release-ordered policy nothing can rank between the two and the
   // parent is the next victim. No heap, no Rank(). (Unless a fair plan must look at the other
@@ -329,18 +348,21 @@ size_t PrefixCache::TrimRun(std::span<const BlockId> victims, const TraceContext
   Entry* const entries = entries_.data();  // in a local: the stores below cannot move it
   size_t n = 0;
   int64_t evictable = 0;
+  uint64_t unresumable = 0;
   for (; n < most && victims[n + 1] == up[-static_cast<ptrdiff_t>(n) - 1]; ++n) {
     const BlockId block = victims[n];
     Entry& e = entries[Index(block)];
     if ((e.in_policy | e.in_tails) != 0) break;
     KVPOOL_CHECK(e.lock == 0 && pool_->state(block) == BlockState::kCached);
     evictable += e.evictable;
+    unresumable += unresumable_first_ && e.resume == 0;
     if (shares_on_) shares_[e.share].evictable -= e.evictable;
     e.evictable = 0;
     Release(block, ctx);  // one call site: the pool's trace names Remove()'s and this the same
   }
   if (n == 0) return 0;
   num_evictable_ -= evictable;
+  counters_.unresumable_evicted += unresumable;
   num_full_ -= static_cast<int64_t>(n);  // blocks before others in a run are full
   tree_.Trim(last, n);
   return n;
@@ -359,7 +381,11 @@ void PrefixCache::Evict(std::span<const BlockId> victims, const TraceContext& ct
     }
     const BlockId block = victims[i];
     KVPOOL_CHECK(tree_.Holds(block) && ShouldBeEvictable(block));
-    if (entry(block).in_tails != 0) ++counters_.tails_evicted;
+    if (Unresumable(block)) {
+      ++counters_.unresumable_evicted;
+    } else if (entry(block).in_tails != 0) {
+      ++counters_.tails_evicted;
+    }
     // A plan takes a parent right after its last child unless another candidate ranks lower.
     // When the parent is the next victim it is not offered to the policy in between.
     const bool parent_next = i + 1 < victims.size() && victims[i + 1] == tree_.Parent(block);

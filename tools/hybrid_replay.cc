@@ -116,7 +116,8 @@ absl::StatusOr<Pair> MakePair(const HybridReplayOptions& o, int64_t longest, con
                  .state_slots = static_cast<int32_t>(slots),
                  .checkpoint_slots = static_cast<int32_t>(slots - 1),
                  .checkpoint_interval = interval,
-                 .checkpoint_eviction = o.checkpoint_eviction}));
+                 .checkpoint_eviction = o.checkpoint_eviction,
+                 .evict_unresumable_first = o.evict_unresumable_first}));
   h.result.block_size = o.block_size;
   h.result.checkpoint_interval = interval;
   h.result.num_blocks = blocks;

@@ -104,6 +104,8 @@ struct HybridReplayOptions {
   // The order kvpool evicts cached checkpoints in (KvCacheOptions::checkpoint_eviction).
   KvCacheOptions::CheckpointEviction checkpoint_eviction =
       KvCacheOptions::CheckpointEviction::kByExpectedTokensSaved;
+  // Blocks past a path's last checkpoint go first (KvCacheOptions::evict_unresumable_first).
+  bool evict_unresumable_first = true;
   std::string policy = "lru";  // both layouts (vLLM's is LRU)
 };
 

@@ -84,6 +84,9 @@ ABSL_FLAG(std::string, checkpoint_intervals, "auto",
           "checkpoints take a third of the bytes of its K/V; 0: branch points, the prefill's last "
           "block boundary and each prompt's end only; 32 blocks of 16 = 512 tokens)");
 ABSL_FLAG(int32_t, layers_block_size, 16, "--layers: kvpool's block size in tokens");
+ABSL_FLAG(bool, unresumable_first, true,
+          "--layers: kvpool evicts first the blocks past a path's last checkpoint, which no prompt "
+          "can resume at (false: its eviction policy orders them with the rest)");
 ABSL_FLAG(std::string, checkpoint_evictions, "expected_tokens_saved",
           "--layers: the orders kvpool evicts cached checkpoints in, one row each with every "
           "interval and share (expected_tokens_saved, row 'kvpool': by the tokens each saves "
@@ -288,7 +291,8 @@ bool RunLayersOn(const std::vector<kvpool::workload::TraceRequest>& trace, std::
                          .block_size = absl::GetFlag(FLAGS_layers_block_size),
                          .state_share = v.share,
                          .checkpoint_interval = v.interval,
-                         .checkpoint_eviction = v.eviction});
+                         .checkpoint_eviction = v.eviction,
+                         .evict_unresumable_first = absl::GetFlag(FLAGS_unresumable_first)});
     }
     const auto results = tools::ReplayHybrid(trace, configs);
     if (!results.ok()) {

@@ -54,7 +54,8 @@ class StateCheckpointTest : public ::testing::Test {
                                          .state_slots = state_slots,
                                          .checkpoint_slots = checkpoint_slots,
                                          .checkpoint_interval = interval,
-                                         .checkpoint_eviction = eviction});
+                                         .checkpoint_eviction = eviction,
+                                         .evict_unresumable_first = unresumable_first_});
     ASSERT_TRUE(cache.ok()) << cache.status();
     cache_ = std::move(*cache);
   }
@@ -100,10 +101,31 @@ class StateCheckpointTest : public ::testing::Test {
     EXPECT_TRUE(status.ok()) << status;
   }
 
+  // A prefill of `prompt` whose checkpoints are planned for its first `checkpointed` tokens only
+  // (a step to there, then one to the end), committed and freed without its end: the blocks past
+  // `checkpointed` hold no checkpoint.
+  void PublishCheckpointedUpTo(SessionId session, const std::vector<int32_t>& prompt,
+                               int64_t checkpointed) {
+    plan_ = DevicePlan{};
+    absl::StatusOr<AllocateResult> a = cache_->Allocate(
+        session, {.ns = kTenant, .num_tokens = static_cast<int64_t>(prompt.size()), .prompt = {}},
+        &plan_);
+    KVPOOL_CHECK_OK(a.status());
+    if (checkpointed > 0) {
+      Compute(session, a->sequence, std::vector(prompt.begin(), prompt.begin() + checkpointed), 0);
+    }
+    const auto end = static_cast<int64_t>(prompt.size());
+    KVPOOL_CHECK_OK(cache_->AdvanceState(session, a->sequence, end));
+    KVPOOL_CHECK_OK(cache_->Commit(session, a->sequence, end / kBlock * kBlock,
+                                   std::span(prompt).subspan(static_cast<size_t>(checkpointed))));
+    KVPOOL_CHECK_OK(cache_->Free(session, a->sequence));
+  }
+
   ManualClock clock_;
   ManualFences fences_;
   std::unique_ptr<KvCacheManager> cache_;
   DevicePlan plan_;
+  bool unresumable_first_ = true;
 };
 
 // A checkpoint every this many blocks costs as many bytes as the blocks' K/V between two.
@@ -327,6 +349,71 @@ TEST_F(StateCheckpointTest, WorkingStatesEvictCachedCheckpointsNeverTheOtherWayR
   ASSERT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(GetShortfall(refused.status())->resource, Resource::kStateSlots);
   EXPECT_EQ(cache_->DebugString(), before);
+  ExpectInvariants();
+}
+
+// No prompt resumes past a path's last checkpoint, so the K/V there goes first: Bob's four
+// blocks without one, released last, go before Alice's older prefix that resumes. Least
+// recently used, as before (evict_unresumable_first false), Alice's went.
+class UnresumableFirstTest : public StateCheckpointTest,
+                             public ::testing::WithParamInterface<bool> {};
+
+TEST_P(UnresumableFirstTest, BlocksNoPromptCanResumeAtGoBeforeOlderOnesItCan) {
+  unresumable_first_ = GetParam();
+  Make(/*state_slots=*/8, /*checkpoint_slots=*/4, /*interval=*/0, /*num_blocks=*/12);
+  const std::vector<int32_t> doc = Prompt(64);
+  ASSERT_TRUE(cache_->Free(kAlice, Prefill(kAlice, doc), OnFree::kCommit).ok());
+  const std::vector<int32_t> theirs = Prompt(64, 1);
+  PublishCheckpointedUpTo(kBob, theirs, 0);
+  EXPECT_EQ(cache_->ExplainMatch(kTenant, theirs).matched_tokens, 64);
+  EXPECT_EQ(cache_->MatchPrefix(kTenant, theirs), 0);
+  ExpectInvariants();
+
+  // Eight blocks for a new prompt, four of them evicted.
+  ASSERT_TRUE(Resume(kAlice, Prompt(127, 2)).ok());
+  ExpectInvariants();
+  if (GetParam()) {
+    EXPECT_EQ(cache_->MatchPrefix(kTenant, doc), 64);
+    EXPECT_EQ(cache_->ExplainMatch(kTenant, theirs).matched_tokens, 0);
+    EXPECT_EQ(cache_->stats().cache.unresumable_evicted, 4u);
+  } else {
+    EXPECT_EQ(cache_->MatchPrefix(kTenant, doc), 0);
+    EXPECT_EQ(cache_->ExplainMatch(kTenant, theirs).matched_tokens, 64);
+    EXPECT_EQ(cache_->stats().cache.unresumable_evicted, 0u);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Both, UnresumableFirstTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& p) {
+                           return p.param ? "UnresumableFirst" : "LeastRecentlyUsed";
+                         });
+
+// A path loses its blocks from its leaf up to its last checkpoint, in one plan (a freed parent
+// without a checkpoint is taken next), and keeps the rest: Bob still resumes at 32, and Alice's
+// older leaf, which holds a checkpoint, stays. An evicted checkpoint turns the blocks down to the
+// one before into first-out blocks too.
+TEST_F(StateCheckpointTest, APathLosesItsBlocksPastItsLastCheckpointFirst) {
+  Make(/*state_slots=*/8, /*checkpoint_slots=*/6, /*interval=*/2, /*num_blocks=*/16);
+  const std::vector<int32_t> doc = Prompt(64);
+  const SequenceId a = Prefill(kAlice, doc);  // checkpoints at 32, 48 and 64
+  ASSERT_TRUE(cache_->Free(kAlice, a, OnFree::kCommit).ok());
+  const std::vector<int32_t> theirs = Prompt(64, 1);
+  PublishCheckpointedUpTo(kBob, theirs, 32);  // at 16 and 32; none in 32..64
+  EXPECT_EQ(cache_->MatchPrefix(kTenant, theirs), 32);
+  ExpectInvariants();
+
+  EXPECT_EQ(cache_->EvictCached(2), 2);
+  EXPECT_EQ(cache_->stats().cache.unresumable_evicted, 2u);
+  EXPECT_EQ(cache_->ExplainMatch(kTenant, theirs).matched_tokens, 32);
+  EXPECT_EQ(cache_->MatchPrefix(kTenant, theirs), 32);
+  EXPECT_EQ(cache_->MatchPrefix(kTenant, doc), 64);
+  ExpectInvariants();
+
+  // Now the least recently used leaf: Alice's, with its checkpoint at 64; the block holding the
+  // one at 48 is a leaf with a checkpoint and stays for the policy.
+  EXPECT_EQ(cache_->EvictCached(1), 1);
+  EXPECT_EQ(cache_->MatchPrefix(kTenant, doc), 48);
+  EXPECT_EQ(cache_->MatchPrefix(kTenant, theirs), 32);
   ExpectInvariants();
 }
 
