@@ -1114,6 +1114,9 @@ class KvCacheManager final {
   void TakeStateSlot(Sequence* seq, BlockId copy_of, const TraceContext& ctx, DevicePlan* plan);
   absl::Status CheckStates() const;
   absl::Status CheckCheckpoints() const;
+  // The tree's side of CheckCheckpoints: each cached checkpoint where it says (counting the
+  // tree's reference to its slot into `refs`), the resume points it marks, the remembered ones.
+  absl::Status CheckCachedCheckpoints(std::vector<uint32_t>* refs) const;
 
   // Checkpoints (kv_cache_manager_checkpoints.cc). Where a checkpoint is kept, by state slot.
   struct CheckpointSlot {

@@ -531,6 +531,49 @@ void KvCacheManager::ReleaseStates(Sequence* seq, bool commit, const TraceContex
   }
 }
 
+absl::Status KvCacheManager::CheckCachedCheckpoints(std::vector<uint32_t>* refs) const {
+  for (const auto& key : checkpoint_order_) {
+    const BlockId slot = key.id;
+    const CheckpointSlot& c = checkpoint_at_[Index(slot)];
+    auto it = checkpoint_of_.find(c.block);
+    // Its priority is at most the floor plus the tokens before it: it was inserted or touched at
+    // a floor no higher than today's, worth the tokens over the next checkpoint up then (or 0
+    // least recently used).
+    if (!(c.key == key) || it == checkpoint_of_.end() || it->second != slot ||
+        key.priority > checkpoint_order_.floor() +
+                           (checkpoints_by_tokens_saved_ ? TokensBefore(c.block, c.offset) : 0) *
+                               (checkpoints_by_kind_
+                                    ? static_cast<uint64_t>(CheckpointKindRate::kMaxRate)
+                                    : 1) ||
+        !cache_->holds(c.block) || c.offset <= 0 || c.offset > cache_->CoverageOf(c.block) ||
+        !states_->cache_held(slot)) {
+      return InvariantViolation("checkpoint slot {} (block {} offset {}) is not kept where it says",
+                                slot.value(), c.block.value(), c.offset);
+    }
+    ++(*refs)[Index(slot)];
+  }
+  // The tree marks exactly the blocks holding a checkpoint as resume points.
+  if (cache_ != nullptr &&
+      cache_->num_resume_points() != static_cast<int64_t>(checkpoint_of_.size())) {
+    return InvariantViolation("{} resume points in the tree for {} cached checkpoints",
+                              cache_->num_resume_points(), checkpoint_of_.size());
+  }
+  for (const auto& [block, slot] : checkpoint_of_) {
+    if (!cache_->holds(block) || !cache_->resume_point(block)) {
+      return InvariantViolation("block {} keeps checkpoint slot {} but is no resume point",
+                                block.value(), slot.value());
+    }
+  }
+  for (const auto& [block, ghost] : checkpoint_ghosts_) {
+    if (!cache_->holds(block) || checkpoint_of_.contains(block) || ghost.offset <= 0 ||
+        ghost.offset > block_size_) {
+      return InvariantViolation("an evicted checkpoint is remembered at block {} offset {}",
+                                block.value(), ghost.offset);
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status KvCacheManager::CheckCheckpoints() const {
   // Every slot's references: its working state, planned checkpoints and resumed-from holds by
   // sequences, plus the tree's for a cached checkpoint.
@@ -571,45 +614,7 @@ absl::Status KvCacheManager::CheckCheckpoints() const {
         planned, planned_checkpoints_, checkpoint_order_.size(), checkpoint_of_.size(),
         checkpoint_slots_);
   }
-  for (const auto& key : checkpoint_order_) {
-    const BlockId slot = key.id;
-    const CheckpointSlot& c = checkpoint_at_[Index(slot)];
-    auto it = checkpoint_of_.find(c.block);
-    // Its priority is at most the floor plus the tokens before it: it was inserted or touched at
-    // a floor no higher than today's, worth the tokens over the next checkpoint up then (or 0
-    // least recently used).
-    if (!(c.key == key) || it == checkpoint_of_.end() || it->second != slot ||
-        key.priority > checkpoint_order_.floor() +
-                           (checkpoints_by_tokens_saved_ ? TokensBefore(c.block, c.offset) : 0) *
-                               (checkpoints_by_kind_
-                                    ? static_cast<uint64_t>(CheckpointKindRate::kMaxRate)
-                                    : 1) ||
-        !cache_->holds(c.block) || c.offset <= 0 || c.offset > cache_->CoverageOf(c.block) ||
-        !states_->cache_held(slot)) {
-      return InvariantViolation("checkpoint slot {} (block {} offset {}) is not kept where it says",
-                                slot.value(), c.block.value(), c.offset);
-    }
-    ++refs[Index(slot)];
-  }
-  // The tree marks exactly the blocks holding a checkpoint as resume points.
-  if (cache_ != nullptr &&
-      cache_->num_resume_points() != static_cast<int64_t>(checkpoint_of_.size())) {
-    return InvariantViolation("{} resume points in the tree for {} cached checkpoints",
-                              cache_->num_resume_points(), checkpoint_of_.size());
-  }
-  for (const auto& [block, slot] : checkpoint_of_) {
-    if (!cache_->holds(block) || !cache_->resume_point(block)) {
-      return InvariantViolation("block {} keeps checkpoint slot {} but is no resume point",
-                                block.value(), slot.value());
-    }
-  }
-  for (const auto& [block, ghost] : checkpoint_ghosts_) {
-    if (!cache_->holds(block) || checkpoint_of_.contains(block) || ghost.offset <= 0 ||
-        ghost.offset > block_size_) {
-      return InvariantViolation("an evicted checkpoint is remembered at block {} offset {}",
-                                block.value(), ghost.offset);
-    }
-  }
+  KVPOOL_RETURN_IF_ERROR(CheckCachedCheckpoints(&refs));
   for (int32_t i = 0; i < states_->num_blocks(); ++i) {
     const BlockId slot(i);
     const BlockState state = states_->state(slot);
