@@ -553,15 +553,12 @@ absl::Status KvCacheManager::CheckCachedCheckpoints(std::vector<uint32_t>* refs)
     ++(*refs)[Index(slot)];
   }
   // The tree marks exactly the blocks holding a checkpoint as resume points.
-  if (cache_ != nullptr &&
-      cache_->num_resume_points() != static_cast<int64_t>(checkpoint_of_.size())) {
-    return InvariantViolation("{} resume points in the tree for {} cached checkpoints",
-                              cache_->num_resume_points(), checkpoint_of_.size());
-  }
-  for (const auto& [block, slot] : checkpoint_of_) {
-    if (!cache_->holds(block) || !cache_->resume_point(block)) {
-      return InvariantViolation("block {} keeps checkpoint slot {} but is no resume point",
-                                block.value(), slot.value());
+  for (int32_t b = 0; cache_ != nullptr && b < pool_->num_blocks(); ++b) {
+    const BlockId block(b);
+    if (cache_->holds(block) && cache_->resume_point(block) != checkpoint_of_.contains(block)) {
+      return InvariantViolation("block {} is {} resume point but keeps {} checkpoint", b,
+                                cache_->resume_point(block) ? "a" : "no",
+                                checkpoint_of_.contains(block) ? "a" : "no");
     }
   }
   for (const auto& [block, ghost] : checkpoint_ghosts_) {

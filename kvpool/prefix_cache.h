@@ -221,7 +221,6 @@ class PrefixCache final {
   // between the first-out tails and the policy if it is a candidate. O(log n).
   void MarkResumePoint(BlockId block, bool on);
   bool resume_point(BlockId block) const { return entry(block).resume != 0; }
-  int64_t num_resume_points() const { return num_resume_points_; }
 
   // Eviction shares (docs/eviction.md, Fair by tenant). The blocks namespace `ns` publishes
   // after SetShare(ns, key, weight) belong to share `key` for as long as the tree holds them;
@@ -601,7 +600,6 @@ class PrefixCache final {
   const size_t evicted_memory_;
   const bool retain_partial_tails_;
   bool unresumable_first_ = false;  // EvictUnresumableFirst
-  int64_t num_resume_points_ = 0;
   const bool events_on_;
   const std::optional<KvEventGroup> event_group_;
   bool clearing_ = false;  // Clear() runs: components' removals are not announced

@@ -84,7 +84,7 @@ absl::Status PrefixCache::CheckInvariants(
     const absl::flat_hash_map<BlockId, uint32_t>* expected_locks,
     const absl::flat_hash_map<BlockId, uint32_t>* expected_pins) const {
   KVPOOL_RETURN_IF_ERROR(tree_.CheckInvariants());
-  int64_t blocks = 0, full = 0, evictable = 0, pinned = 0, in_policies = 0, resume_points = 0;
+  int64_t blocks = 0, full = 0, evictable = 0, pinned = 0, in_policies = 0;
   absl::flat_hash_map<NamespaceId, int64_t> pin_held;
   std::vector<int64_t> share_evictable(shares_.size(), 0);
   for (int32_t b = 0; b < pool_->num_blocks(); ++b) {
@@ -102,7 +102,6 @@ absl::Status PrefixCache::CheckInvariants(
       continue;
     }
     ++blocks;
-    resume_points += entry(block).resume;
     full += tree_.coverage(block) == block_size_ ? 1 : 0;
     evictable += ShouldBeEvictable(block) ? 1 : 0;
     in_policies += entry(block).in_policy;
@@ -129,10 +128,6 @@ absl::Status PrefixCache::CheckInvariants(
     }
   }
   KVPOOL_RETURN_IF_ERROR(CheckCounts(blocks, full, evictable, pinned, pin_held));
-  if (resume_points != num_resume_points_) {
-    return InvariantViolation("{} blocks marked resume points, {} counted", resume_points,
-                              num_resume_points_);
-  }
   KVPOOL_RETURN_IF_ERROR(CheckFirstBlocks());
   if (!planner_.clean()) return InvariantViolation("the eviction planner's scratch is not reset");
   return CheckShares(in_policies, share_evictable);

@@ -45,7 +45,6 @@ void PrefixCache::MarkResumePoint(BlockId block, bool on) {
     }
   }
   e.resume = on ? 1 : 0;
-  num_resume_points_ += on ? 1 : -1;
   if (candidate) UpdateCandidate(block);
 }
 
