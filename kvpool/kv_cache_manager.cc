@@ -435,11 +435,11 @@ absl::StatusOr<Sequence*> KvCacheManager::Owned(SessionId caller, SequenceId seq
 
 std::vector<int32_t> KvCacheManager::SpareTokensOf(std::span<const int32_t> tokens) {
   std::vector<int32_t> out;
+  // Newest first: the buffer freed last is the one most likely still in cache.
   for (size_t i = spare_tokens_.size(); i-- > 0;) {
     if (spare_tokens_[i].capacity() >= tokens.size()) {
       out = std::move(spare_tokens_[i]);
-      spare_tokens_[i] = std::move(spare_tokens_.back());
-      spare_tokens_.pop_back();
+      spare_tokens_.erase(spare_tokens_.begin() + static_cast<ptrdiff_t>(i));
       break;
     }
   }
@@ -449,14 +449,14 @@ std::vector<int32_t> KvCacheManager::SpareTokensOf(std::span<const int32_t> toke
 
 void KvCacheManager::KeepSpareTokens(std::vector<int32_t>& tokens) {
   tokens.clear();
-  if (spare_tokens_.size() < kSpareTokenBuffers) {
-    spare_tokens_.push_back(std::move(tokens));
-    return;
+  if (spare_tokens_.size() == kSpareTokenBuffers) {
+    const auto smallest =
+        std::min_element(spare_tokens_.begin(), spare_tokens_.end(),
+                         [](const auto& a, const auto& b) { return a.capacity() < b.capacity(); });
+    if (smallest->capacity() >= tokens.capacity()) return;
+    spare_tokens_.erase(smallest);
   }
-  const auto smallest =
-      std::min_element(spare_tokens_.begin(), spare_tokens_.end(),
-                       [](const auto& a, const auto& b) { return a.capacity() < b.capacity(); });
-  if (smallest->capacity() < tokens.capacity()) std::swap(*smallest, tokens);
+  spare_tokens_.push_back(std::move(tokens));
 }
 
 void KvCacheManager::CountMissed(const AllocatePlan& p, uint64_t tokens) {
