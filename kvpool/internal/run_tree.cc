@@ -248,7 +248,13 @@ void RunTree::Add(NodeIndex root, BlockId at, BlockId b, std::span<const int32_t
     s.node = Split(s.node, s.offset);
     s.offset = static_cast<int32_t>(runs_[s.node].size()) - 1;
   }
-  CopyTokens(b, tokens);
+  if (stream_tokens_) {
+    StreamBlockTokens(tokens_.get() + static_cast<size_t>(b.value()) * block_size_, tokens.data(),
+                      tokens.size());
+    StreamFence();
+  } else {
+    CopyTokens(b, tokens);
+  }
   const int32_t depth = at == kInvalidBlock ? 1 : place(at).depth + 1;
   const int32_t coverage = static_cast<int32_t>(tokens.size());
   if (at != kInvalidBlock) place(at).leaf = 0;
@@ -260,7 +266,7 @@ void RunTree::Add(NodeIndex root, BlockId at, BlockId b, std::span<const int32_t
   const NodeIndex node = NewNode(s.node, depth);
   runs_[node].push_back(b);
   place(b) = Place{node, depth, coverage, 1};
-  LinkChild(s.node, node);
+  LinkChild(s.node, node, tokens);
 }
 
 void RunTree::AddRun(NodeIndex root, BlockId at, std::span<const BlockId> blocks,
@@ -291,7 +297,7 @@ void RunTree::AddRun(NodeIndex root, BlockId at, std::span<const BlockId> blocks
   }
   if (stream_tokens_) StreamFence();
   place(blocks.back()).leaf = 1;
-  if (at == kInvalidBlock) LinkChild(root, node);
+  if (at == kInvalidBlock) LinkChild(root, node, tokens.first(bs));
 }
 
 void RunTree::Widen(BlockId b, std::span<const int32_t> tokens) {

@@ -72,6 +72,16 @@ class RunTree final {
   NamespaceId ns_of(BlockId b) const { return nodes_[place(b).node].ns; }
   // Whether no block hangs below `b`.
   bool IsLeaf(BlockId b) const { return place(b).leaf != 0; }
+  // HashTokens(Tokens(b)) for a full `b`, read from the child index (not recomputed) when `b`
+  // starts a full child of a wide parent, as a root's first blocks do in a busy namespace.
+  uint64_t TokenHash(BlockId b) const {
+    const Place& p = place(b);
+    const Node& n = nodes_[p.node];
+    if (p.depth == n.depth0 && nodes_[n.parent].wide != 0 && p.coverage == block_size_) {
+      return n.token_hash;
+    }
+    return HashTokens(Tokens(b));
+  }
   // Whether `b` is the first block of its node (a run, or a partial block).
   bool StartsRun(BlockId b) const { return place(b).depth == nodes_[place(b).node].depth0; }
   // The block `b` hangs below (kInvalidBlock at a root) and, in `siblings`, how many children
@@ -229,13 +239,18 @@ class RunTree final {
   void FreeNode(NodeIndex node);
   // Remove() of a node's only block: unlinks and frees the node, and settles its parent.
   BlockId RemoveNode(NodeIndex node);
-  // Child lists. REQUIRES for LinkChild: `node`'s run and tokens are set.
-  void LinkChild(NodeIndex parent, NodeIndex node);
+  // Child lists. REQUIRES for LinkChild: `node`'s run and tokens are set. `first`: its first
+  // block's tokens, the stored ones or equal to them: a publishing caller passes its own copy,
+  // still cached where the store streamed around the caches (StreamBlockTokens).
+  void LinkChild(NodeIndex parent, NodeIndex node) { LinkChild(parent, node, FirstTokens(node)); }
+  void LinkChild(NodeIndex parent, NodeIndex node, std::span<const int32_t> first);
   void UnlinkChild(NodeIndex node);
   // `to` takes `from`'s place among its parent's children (same first token and key).
   void ReplaceChild(NodeIndex from, NodeIndex to);
-  void Index(NodeIndex node);
-  void ChainPush(NodeIndex node);
+  void Index(NodeIndex node) { Index(node, FirstTokens(node)); }
+  void Index(NodeIndex node, std::span<const int32_t> first);
+  void ChainPush(NodeIndex node) { ChainPush(node, FirstTokens(node)[0]); }
+  void ChainPush(NodeIndex node, int32_t first_token);
   void ChainRemove(NodeIndex node);
   // Moves `from`'s children (and its fan-out state) to `to`, which has none.
   void AdoptChildren(NodeIndex from, NodeIndex to);

@@ -18,7 +18,7 @@ void RunTree::AdoptChildren(NodeIndex from, NodeIndex to) {
   nodes_[from].num_children = 0;
 }
 
-void RunTree::LinkChild(NodeIndex parent, NodeIndex node) {
+void RunTree::LinkChild(NodeIndex parent, NodeIndex node, std::span<const int32_t> first) {
   Node& n = nodes_[node];
   n.parent = parent;
   n.prev_sibling = kNoNode;
@@ -27,8 +27,8 @@ void RunTree::LinkChild(NodeIndex parent, NodeIndex node) {
   nodes_[parent].first_child = node;
   ++nodes_[parent].num_children;
   if (nodes_[parent].wide != 0) {
-    ChainPush(node);
-    Index(node);
+    ChainPush(node, first[0]);
+    Index(node, first);
     return;
   }
   if (nodes_[parent].num_children <= kWideFanout) return;
@@ -45,11 +45,11 @@ void RunTree::LinkChild(NodeIndex parent, NodeIndex node) {
   }
 }
 
-void RunTree::Index(NodeIndex node) {
+void RunTree::Index(NodeIndex node, std::span<const int32_t> first) {
   if (!IsFull(node)) return;  // partial children are found through the chains only
   // A 64-bit collision with a sibling leaves this one out of the index; lookups still find it
   // by comparing the children that share its first token.
-  nodes_[node].token_hash = HashTokens(FirstTokens(node));
+  nodes_[node].token_hash = HashTokens(first);
   children_.try_emplace(ChildKey{nodes_[node].parent, nodes_[node].token_hash}, node);
 }
 
@@ -109,8 +109,8 @@ void RunTree::ReplaceChild(NodeIndex from, NodeIndex to) {
   chain_prev_[from] = chain_next_[from] = kNoNode;
 }
 
-void RunTree::ChainPush(NodeIndex node) {
-  const FirstTokenKey key{nodes_[node].parent, FirstTokens(node)[0]};
+void RunTree::ChainPush(NodeIndex node, int32_t first_token) {
+  const FirstTokenKey key{nodes_[node].parent, first_token};
   auto [it, inserted] = chains_.try_emplace(key, node);
   chain_prev_[node] = kNoNode;
   chain_next_[node] = inserted ? kNoNode : it->second;

@@ -40,7 +40,7 @@ inline void CopyBlockTokens(int32_t* dst, const int32_t* src, size_t n) {
   }
 }
 
-// CopyBlockTokens() for the blocks of a run a prompt publishes into a token array too large to
+// CopyBlockTokens() for the blocks a prompt publishes into a token array too large to
 // stay cached (TokenStreamThreshold). A block of whole cache lines going to a line-aligned slot is
 // written with non-temporal stores, which skip reading the destination's lines first: a slot was
 // last touched when its block was last cached, long ago, so each line would be a miss, and the
