@@ -38,11 +38,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRACES = ["conversation_trace.jsonl", "synthetic_trace.jsonl"]
 
 
-def run_kvpool(args, trace, block_size, capacity, binary=None):
+def run_kvpool(args, trace, block_size, capacity, binary=None, floor=False):
     binary = binary or os.path.join(args.build_dir, "tools", "kvpool-replay")
     cmd = [binary, f"--trace={trace}",
            f"--block_size={block_size}", f"--capacity_blocks={capacity}",
            "--policy=lru", f"--max_requests={args.max_requests}", f"--passes={args.kvpool_passes}"]
+    if floor:
+        cmd.append("--memory_floor")
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr}")
@@ -51,8 +53,11 @@ def run_kvpool(args, trace, block_size, capacity, binary=None):
     for line in out.splitlines():
         k, _, v = line.partition(" ")
         fields[k] = v
-    return {"requests_per_s": float(fields["requests_per_s"].split()[0]),
-            "hit_rate": float(fields["hit_rate"])}
+    got = {"requests_per_s": float(fields["requests_per_s"].split()[0]),
+           "hit_rate": float(fields["hit_rate"])}
+    if floor:
+        got["floor_requests_per_s"] = float(fields["floor_requests_per_s"].split()[0])
+    return got
 
 
 def run_python(args, trace, page_size, capacity, value):
@@ -112,6 +117,11 @@ def parse_args():
                    help="another kvpool-replay binary (e.g. main's) run in the same rounds: its "
                         "requests/s, this build's over it (ab), and its ratio to the judged "
                         "baseline are printed beside this build's")
+    p.add_argument("--floor", action="store_true",
+                   help="also run kvpool-replay --memory_floor each round (its own process, so "
+                        "the judged requests/s stay the plain run's): the floor's requests/s, "
+                        "its ratio to the judged baseline (the most any exact-token cache could "
+                        "reach here) and kvpool's share of it, side by side in that process")
     p.add_argument("--targets", default="16:10,512:50",
                    help="ratio to report as met, per block size (issue 31); others: --target")
     p.add_argument("--target", type=float, default=10.0, help="ratio for other block sizes")
@@ -143,7 +153,10 @@ def compare(args, values, trace, bs, capacity):
     """Alternating rounds of kvpool and every baseline; returns the row and whether it met."""
     kv, py, ratios = [], {v: [] for v in values}, {v: [] for v in values}
     kv_b, ab, b_ratios = [], [], []
+    floor_x, of_floor, floor_rps = [], [], []
     mine = ["kvpool", "kvpool_b"] if args.kvpool_b else ["kvpool"]
+    if args.floor:
+        mine.append("floor")
     for r in range(args.rounds):
         # Alternate who goes first, so neither always runs on a cooler machine.
         order = mine + values if r % 2 == 0 else values + mine[::-1]
@@ -153,6 +166,8 @@ def compare(args, values, trace, bs, capacity):
                 got[who] = run_kvpool(args, trace, bs, capacity)
             elif who == "kvpool_b":
                 got[who] = run_kvpool(args, trace, bs, capacity, args.kvpool_b)
+            elif who == "floor":
+                got[who] = run_kvpool(args, trace, bs, capacity, floor=True)
             else:
                 got[who] = run_python(args, trace, bs, capacity, who)
         kv.append(got["kvpool"])
@@ -163,6 +178,11 @@ def compare(args, values, trace, bs, capacity):
             if got["kvpool_b"]["hit_rate"] != got["kvpool"]["hit_rate"]:
                 raise RuntimeError(f"hit rates differ: {got['kvpool']['hit_rate']} against "
                                    f"{args.kvpool_b}'s {got['kvpool_b']['hit_rate']}")
+        if args.floor:
+            f = got["floor"]
+            floor_rps.append(f["floor_requests_per_s"])
+            floor_x.append(f["floor_requests_per_s"] / got[values[0]]["requests_per_s"])
+            of_floor.append(f["requests_per_s"] / f["floor_requests_per_s"])
         for v in values:
             py[v].append(got[v])
             ratios[v].append(got["kvpool"]["requests_per_s"] / got[v]["requests_per_s"])
@@ -175,8 +195,11 @@ def compare(args, values, trace, bs, capacity):
     b_cols = (f"{statistics.median(x['requests_per_s'] for x in kv_b):>11.0f} "
               f"{statistics.median(ab):>5.2f}x {statistics.median(b_ratios):>6.1f}x "
               if args.kvpool_b else "")
+    floor_cols = (f"{statistics.median(floor_rps):>10.0f} {statistics.median(floor_x):>7.1f}x "
+                  f"{statistics.median(of_floor):>8.2f} " if args.floor else "")
     row = (f"{os.path.basename(trace):<26} {capacity:>5} {bs:>4} "
            f"{statistics.median(x['requests_per_s'] for x in kv):>11.0f} {b_cols}{cols} "
+           f"{floor_cols}"
            f"{kv[0]['hit_rate']:>7.4f} {py[values[0]][0]['hit_rate']:>7.4f} {rss:>9.1f}  "
            f"{'met' if met else 'MISSED'} (>= {target:g}x; rounds "
            f"{', '.join(f'{x:.1f}' for x in ratios[values[0]])})")
@@ -193,9 +216,13 @@ def main():
           f"{values[0]}), {args.rounds} alternating rounds, median; capacity in 512-token blocks")
     if args.kvpool_b:
         print(f"B: {args.kvpool_b} (ab: kvpool_rps / b_rps; b_ratio: B over {values[0]})")
+    if args.floor:
+        print(f"floor: kvpool-replay --memory_floor (ReplayOptions::memory_floor), its own run; "
+              f"floor_x: floor over {values[0]}; of_floor: kvpool over the floor in that run")
     print(f"{'trace':<26} {'cap':>5} {'bs':>4} {'kvpool_rps':>11} "
           + (f"{'b_rps':>11} {'ab':>6} {'b_ratio':>7} " if args.kvpool_b else "")
           + " ".join(f"{v + '_rps':>11} {'ratio':>7}" for v in values)
+          + (f" {'floor_rps':>10} {'floor_x':>8} {'of_floor':>8}" if args.floor else "")
           + f" {'kv_hit':>7} {'py_hit':>7} {'kv_rss_MB':>9}  target")
     ok = True
     for name in (t.strip() for t in args.traces.split(",") if t.strip()):

@@ -3,11 +3,14 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <thread>
 
+#include "absl/container/flat_hash_map.h"
 #include "fmt/format.h"
+#include "kvpool/internal/tokens.h"
 #include "kvpool/kv_cache_manager.h"
 #include "kvpool/util/check.h"
 #include "kvpool/util/clock.h"
@@ -20,8 +23,25 @@ namespace {
 using workload::ExpandTokens;
 using workload::kTraceBlockTokens;
 
+// ReplayOptions::memory_floor's cache: slots of block_size tokens, each holding the block of one
+// key (the trace block's prefix hash id and the block's index inside it), handed out in a ring.
+struct Floor {
+  int32_t block_size = 0;
+  std::unique_ptr<int32_t[], void (*)(int32_t*)> tokens{nullptr, nullptr};  // [slots][block_size]
+  std::vector<int64_t> key_of;   // by slot: the key it holds, or -1
+  std::vector<int64_t> slot_of;  // by key: the slot holding it, or -1
+  // Keys are numbered densely as they first appear (outside the clock, like the tokens'
+  // expansion), so that the timed lookups are array reads, not hashing.
+  absl::flat_hash_map<uint64_t, int64_t> key_number;
+  std::vector<int64_t> keys;  // the request's, one per full block
+  int64_t next = 0;           // the next slot handed out (oldest first)
+  bool stream = false;        // the array is past TokenStreamThreshold
+  std::vector<int32_t> copy;  // the sequence's copy of its prompt
+};
+
 // One configuration's manager and tallies.
 struct Run {
+  std::unique_ptr<Floor> floor;  // with options.memory_floor, instead of a manager
   std::unique_ptr<KvCacheManager> cache;
   std::unique_ptr<tier::HostBlockStore> host;  // with options.host_blocks
   std::vector<PublishedBlock> published;       // scratch
@@ -54,6 +74,20 @@ absl::StatusOr<Run> MakeRun(const ReplayOptions& options, int64_t all_blocks, in
     return absl::InvalidArgumentError("capacity too large for one pool");
   }
   Run run;
+  if (options.memory_floor) {
+    auto floor = std::make_unique<Floor>();
+    floor->block_size = options.block_size;
+    const size_t tokens = static_cast<size_t>(num_blocks) * static_cast<size_t>(options.block_size);
+    floor->tokens = {
+        static_cast<int32_t*>(::operator new[](tokens * sizeof(int32_t), std::align_val_t{64})),
+        [](int32_t* p) { ::operator delete[](p, std::align_val_t{64}); }};
+    std::fill_n(floor->tokens.get(), tokens, 0);  // touched once, as the pool's array is
+    floor->key_of.assign(static_cast<size_t>(num_blocks), -1);
+    floor->stream =
+        static_cast<int64_t>(tokens * sizeof(int32_t)) > internal::TokenStreamThreshold();
+    run.floor = std::move(floor);
+    return run;
+  }
   absl::StatusOr<std::unique_ptr<KvCacheManager>> cache =
       KvCacheManager::Create({.block_size = options.block_size,
                               .num_blocks = static_cast<int32_t>(num_blocks),
@@ -119,6 +153,66 @@ void WriteThrough(Run* run) {
   }
 }
 
+void CountHits(const TraceRequest& request, int64_t n, int64_t matched, ReplayResult* result) {
+  result->hit_tokens += matched;
+  // A trace block counts as a hit when every token of it matched.
+  for (int64_t b = 0; b < static_cast<int64_t>(request.hash_ids.size()); ++b) {
+    if (matched >= std::min(n, (b + 1) * kTraceBlockTokens)) ++result->hit_blocks;
+  }
+}
+
+// Numbers the keys of the request's full blocks for the memory floor (untimed): the trace
+// block's prefix hash id and the block's index inside it.
+void NumberFloorKeys(const TraceRequest& request, size_t num_tokens, Floor* f) {
+  const size_t bs = static_cast<size_t>(f->block_size);
+  const size_t per_trace_block = static_cast<size_t>(kTraceBlockTokens) / bs;
+  f->keys.clear();
+  for (size_t b = 0; b < num_tokens / bs; ++b) {
+    const uint64_t key =
+        static_cast<uint64_t>(request.hash_ids[b / per_trace_block]) * per_trace_block +
+        b % per_trace_block;
+    const auto [it, added] =
+        f->key_number.try_emplace(key, static_cast<int64_t>(f->key_number.size()));
+    if (added) f->slot_of.push_back(-1);
+    f->keys.push_back(it->second);
+  }
+}
+
+// Serves one request to the memory floor (its keys numbered): returns the tokens matched.
+int64_t ServeFloor(std::span<const int32_t> tokens, Floor* f) {
+  const size_t bs = static_cast<size_t>(f->block_size);
+  f->copy.assign(tokens.begin(), tokens.end());
+  const int64_t slots = static_cast<int64_t>(f->key_of.size());
+  size_t matched = 0;
+  bool matching = true;
+  for (size_t b = 0; b < f->keys.size(); ++b) {
+    const int64_t key = f->keys[b];
+    const int32_t* const prompt = f->copy.data() + b * bs;
+    int64_t& slot = f->slot_of[static_cast<size_t>(key)];
+    if (matching && slot >= 0) {
+      KVPOOL_CHECK(std::memcmp(f->tokens.get() + static_cast<size_t>(slot) * bs, prompt,
+                               bs * sizeof(int32_t)) == 0);
+      ++matched;
+      continue;
+    }
+    matching = false;
+    if (slot >= 0) continue;  // cached, past a miss: not stored twice
+    slot = f->next;
+    f->next = (f->next + 1) % slots;
+    int64_t& old = f->key_of[static_cast<size_t>(slot)];
+    if (old >= 0) f->slot_of[static_cast<size_t>(old)] = -1;
+    old = key;
+    int32_t* const dst = f->tokens.get() + static_cast<size_t>(slot) * bs;
+    if (f->stream) {
+      internal::StreamBlockTokens(dst, prompt, bs);
+    } else {
+      internal::CopyBlockTokens(dst, prompt, bs);
+    }
+  }
+  if (f->stream) internal::StreamFence();
+  return static_cast<int64_t>(matched * bs);
+}
+
 // Serves one request (its tokens already expanded) to one configuration.
 absl::Status Serve(const TraceRequest& request, const std::vector<int32_t>& tokens, Run* run) {
   ReplayResult& result = run->result;
@@ -126,7 +220,15 @@ absl::Status Serve(const TraceRequest& request, const std::vector<int32_t>& toke
   ++result.requests;
   result.prompt_tokens += n;
   result.prompt_blocks += static_cast<int64_t>(request.hash_ids.size());
+  if (run->floor) NumberFloorKeys(request, tokens.size(), run->floor.get());
   const auto start = std::chrono::steady_clock::now();
+  if (run->floor) {
+    const int64_t matched = ServeFloor(tokens, run->floor.get());
+    result.seconds +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    CountHits(request, n, matched, &result);
+    return absl::OkStatus();
+  }
   if (run->host) Promote(tokens, run);
   DevicePlan plan;
   const absl::StatusOr<AllocateResult> r =
@@ -139,11 +241,7 @@ absl::Status Serve(const TraceRequest& request, const std::vector<int32_t>& toke
     ++result.skipped;  // larger than the whole pool
     return absl::OkStatus();
   }
-  result.hit_tokens += r->matched_tokens;
-  // A trace block counts as a hit when every token of it matched.
-  for (int64_t b = 0; b < static_cast<int64_t>(request.hash_ids.size()); ++b) {
-    if (r->matched_tokens >= std::min(n, (b + 1) * kTraceBlockTokens)) ++result.hit_blocks;
-  }
+  CountHits(request, n, r->matched_tokens, &result);
   return absl::OkStatus();
 }
 
@@ -180,6 +278,10 @@ absl::StatusOr<std::vector<ReplayResult>> ReplayAll(const std::vector<TraceReque
   }
   std::vector<ReplayResult> results;
   for (Run& run : runs) {
+    if (run.floor) {
+      results.push_back(std::move(run.result));
+      continue;
+    }
     KVPOOL_RETURN_IF_ERROR(run.cache->CheckInvariants());
     run.result.evictions = run.cache->stats().evictions;
     run.result.policy_state = run.cache->cache()->policy().DebugString();

@@ -36,6 +36,15 @@ struct ReplayOptions {
   // and a prompt's blocks after the pool's match that the host tier holds are promoted (through a
   // loader sequence, then published) before the prompt is matched. No bytes move in a replay.
   int64_t host_blocks = 0;
+  // Not kvpool: the memory floor of an exact-token prefix cache at this block size and capacity,
+  // served beside the others request by request. Per request it does the copies and compares any
+  // such cache does and nothing else: the prompt copied into the sequence, each cached block's
+  // tokens compared with the prompt's, each new full block's tokens written to a slot of a token
+  // array of the pool's size (non-temporal stores past TokenStreamThreshold, as kvpool's tree).
+  // No tree, reference counts, locks or eviction policy: blocks are found by the trace's own
+  // prefix hash ids (an oracle no cache has) in a hash map, and evicted first in, first out; a
+  // partial last block is not kept. policy and host_blocks are ignored.
+  bool memory_floor = false;
 };
 
 struct ReplayResult {

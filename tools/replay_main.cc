@@ -54,6 +54,10 @@ ABSL_FLAG(int32_t, passes, 1,
           "replay the trace this many times, each on a fresh cache, and report requests/s over "
           "all of them (a longer timed window on a noisy machine; every pass must give the same "
           "hits)");
+ABSL_FLAG(bool, memory_floor, false,
+          "also serve every request to the memory floor (ReplayOptions::memory_floor): the copies "
+          "and compares of an exact-token prefix cache alone, side by side; prints "
+          "floor_requests_per_s and kvpool's share of it");
 ABSL_FLAG(int64_t, max_requests, 0, "replay only the trace's first N requests (0: all)");
 ABSL_FLAG(int64_t, host_blocks, 0,
           "a host tier of this many 512-token blocks below the pool (write-through, promoted on "
@@ -396,6 +400,11 @@ int RunOne(const std::string& path) {
     configs.push_back(configs[0]);
     configs[1].policy = "lru";
   }
+  const bool floor = absl::GetFlag(FLAGS_memory_floor);
+  if (floor) {
+    configs.push_back(configs[0]);
+    configs.back().memory_floor = true;
+  }
   const bool tty = isatty(STDERR_FILENO) != 0;
   tools::ReplayProgress progress = [](const tools::ReplayResult& r, int64_t total) {
     std::fprintf(stderr, "\r[kvpool-replay] %lld/%lld requests  hit_rate %.4f",
@@ -410,7 +419,7 @@ int RunOne(const std::string& path) {
     return Fail(s.ToString());
   }
   const tools::ReplayResult& r = (*results)[0];
-  const tools::ReplayResult& lru = results->back();
+  const tools::ReplayResult& lru = (*results)[configs[0].policy != "lru" ? 1 : 0];
   std::printf("trace %s\n", path.c_str());
   std::printf("block_size %d capacity_blocks %lld policy %s\n", configs[0].block_size,
               static_cast<long long>(configs[0].capacity_blocks), configs[0].policy.c_str());
@@ -429,6 +438,13 @@ int RunOne(const std::string& path) {
   std::printf("policy_state %s\n", r.policy_state.c_str());
   std::printf("requests_per_s %.0f (allocate+commit+free; lru %.0f; over %d passes)\n",
               r.requests_per_second(), lru.requests_per_second(), passes);
+  if (floor) {
+    const tools::ReplayResult& f = results->back();
+    std::printf(
+        "floor_requests_per_s %.0f (hit_rate %.4f; kvpool at %.3f of it)\n",
+        f.requests_per_second(), f.hit_rate(),
+        f.requests_per_second() > 0 ? r.requests_per_second() / f.requests_per_second() : 0.0);
+  }
   std::printf("lru_hit_rate %.4f\n", lru.hit_rate());
   std::printf("ratio_to_lru %.3f\n", lru.hit_rate() > 0 ? r.hit_rate() / lru.hit_rate() : 0.0);
   std::printf("hit_rate %.4f\n", r.hit_rate());

@@ -57,6 +57,59 @@ TEST(ReplayTest, OnePassServesEachConfigurationAsIfAlone) {
   }
 }
 
+// Prefix-chained hash ids, as Mooncake's: equal ids mean equal prefixes.
+std::vector<TraceRequest> ChainedTrace(int64_t n) {
+  std::map<std::vector<int64_t>, int64_t> ids;
+  std::vector<TraceRequest> trace;
+  for (int64_t i = 0; i < n; ++i) {
+    const std::vector<int64_t> path = {0, i % 7, i % 11, i};
+    TraceRequest r{.timestamp_ms = i * 250, .input_length = 512 * (1 + i % 4)};
+    std::vector<int64_t> prefix;
+    for (size_t b = 0; b < static_cast<size_t>(r.input_length / 512); ++b) {
+      prefix.push_back(path[b]);
+      r.hash_ids.push_back(ids.try_emplace(prefix, static_cast<int64_t>(ids.size())).first->second);
+    }
+    trace.push_back(std::move(r));
+  }
+  return trace;
+}
+
+// With room for everything, the floor finds every block kvpool finds (whole blocks: the floor
+// keeps no partial ones), at both block sizes.
+TEST(ReplayTest, TheMemoryFloorFindsWhatAnUnboundedPoolFinds) {
+  const std::vector<TraceRequest> trace = ChainedTrace(300);
+  for (int32_t block_size : {16, 512}) {
+    const std::vector<ReplayOptions> configs = {{.block_size = block_size, .policy = "lru"},
+                                                {.block_size = block_size, .memory_floor = true}};
+    const absl::StatusOr<std::vector<ReplayResult>> r = ReplayAll(trace, configs);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_GT((*r)[0].hit_blocks, 0);
+    EXPECT_EQ((*r)[1].hit_blocks, (*r)[0].hit_blocks) << block_size;
+    EXPECT_EQ((*r)[1].hit_tokens, (*r)[0].hit_tokens) << block_size;
+    EXPECT_EQ((*r)[1].requests, 300);
+    EXPECT_GT((*r)[1].seconds, 0);
+  }
+}
+
+// Full, the floor evicts its oldest block first, whatever was used since.
+TEST(ReplayTest, TheMemoryFloorEvictsFirstInFirstOut) {
+  auto one_block = [](int64_t t, int64_t id) {
+    return TraceRequest{.timestamp_ms = t, .input_length = 512, .hash_ids = {id}};
+  };
+  // A, B, A (a hit), C (evicts A: the oldest in, though the last used), A (a miss). Least
+  // recently used would evict B and find A again.
+  const std::vector<TraceRequest> trace = {one_block(0, 1), one_block(1, 2), one_block(2, 1),
+                                           one_block(3, 3), one_block(4, 1)};
+  const std::vector<ReplayOptions> configs = {
+      {.block_size = 512, .capacity_blocks = 2, .memory_floor = true},
+      {.block_size = 512, .capacity_blocks = 2, .policy = "lru"}};
+  const absl::StatusOr<std::vector<ReplayResult>> r = ReplayAll(trace, configs);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ((*r)[0].hit_blocks, 1);
+  EXPECT_EQ((*r)[0].hit_tokens, 512);
+  EXPECT_EQ((*r)[1].hit_blocks, 2);
+}
+
 // A host tier below the pool (write-through, promoted on a miss, as in the daemon) only adds
 // hits: never fewer than the pool alone, and with a host tier of the pool's size or more, at
 // least as many as a pool as large as the host tier would have (it is inclusive).
