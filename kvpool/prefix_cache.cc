@@ -274,11 +274,7 @@ void PrefixCache::ExplainStop(NamespaceId ns, std::span<const int32_t> tokens, c
 }
 
 bool PrefixCache::FirstBlockElsewhere(NamespaceId ns, std::span<const int32_t> block) const {
-  const auto own = first_blocks_of_.find(ns);
-  if (first_blocks_.size() ==
-      (own == first_blocks_of_.end() ? 0 : static_cast<size_t>(own->second))) {
-    return false;  // every one is this namespace's (or there are none)
-  }
+  if (first_blocks_.empty()) return false;
   const uint64_t h = internal::HashTokens(block);
   for (auto it = first_blocks_.lower_bound({h, BlockId(std::numeric_limits<int32_t>::min())});
        it != first_blocks_.end() && it->first == h; ++it) {

@@ -527,8 +527,7 @@ class PrefixCache final {
   void UnindexFirstBlock(BlockId block);
   // Whether a namespace other than `ns` holds a full first block of exactly `block`.
   bool FirstBlockElsewhere(NamespaceId ns, std::span<const int32_t> block) const;
-  // first_blocks_ holds exactly the full first blocks, each under its tokens' hash, and
-  // first_blocks_of_ counts them by namespace.
+  // first_blocks_ holds exactly the full first blocks, each under its tokens' hash.
   absl::Status CheckFirstBlocks() const;
   // Removes unused partial siblings of `block` that it covers.
   void RemoveDominated(BlockId block, const TraceContext& ctx);
@@ -643,9 +642,6 @@ class PrefixCache final {
   // tells a miss whose first block another namespace holds (ExplainStop) without a match per
   // namespace. Only ever counted: a match never leaves its namespace.
   absl::btree_set<std::pair<uint64_t, BlockId>> first_blocks_;
-  // How many of them each namespace holds: a miss in the namespace holding them all (one
-  // tenant's pool, or a busy one's) asks no hash of its first block.
-  absl::flat_hash_map<NamespaceId, int64_t> first_blocks_of_;
 
   std::vector<BlockHash> pending_removed_;  // batched into one BlockRemoved per call
   std::vector<PublishedBlock> published_;   // the journal, when on

@@ -163,14 +163,12 @@ absl::Status PrefixCache::CheckShares(int64_t in_policies,
 
 absl::Status PrefixCache::CheckFirstBlocks() const {
   size_t first_full = 0;
-  absl::flat_hash_map<NamespaceId, int64_t> of;
   for (int32_t b = 0; b < pool_->num_blocks(); ++b) {
     const BlockId block(b);
     if (!tree_.Holds(block) || tree_.depth(block) != 1 || tree_.coverage(block) != block_size_) {
       continue;
     }
     ++first_full;
-    ++of[tree_.ns_of(block)];
     if (!first_blocks_.contains({internal::HashTokens(tree_.Tokens(block)), block})) {
       return InvariantViolation("first block {} is missing from the first-block index", b);
     }
@@ -178,9 +176,6 @@ absl::Status PrefixCache::CheckFirstBlocks() const {
   if (first_full != first_blocks_.size()) {
     return InvariantViolation("first-block index holds {} entries for {} first blocks",
                               first_blocks_.size(), first_full);
-  }
-  if (of != first_blocks_of_) {
-    return InvariantViolation("first-block counts by namespace disagree with the index");
   }
   return absl::OkStatus();
 }

@@ -95,13 +95,10 @@ void PrefixCache::MakeFull(BlockId block) {
 
 void PrefixCache::IndexFirstBlock(BlockId block) {
   first_blocks_.emplace(tree_.TokenHash(block), block);
-  ++first_blocks_of_[tree_.ns_of(block)];
 }
 
 void PrefixCache::UnindexFirstBlock(BlockId block) {
   first_blocks_.erase({tree_.TokenHash(block), block});
-  const auto it = first_blocks_of_.find(tree_.ns_of(block));
-  if (--it->second == 0) first_blocks_of_.erase(it);
 }
 
 void PrefixCache::Widen(BlockId block, std::span<const int32_t> tokens) {
