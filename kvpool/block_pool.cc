@@ -55,13 +55,7 @@ absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::Create(const BlockPoolOpti
 BlockPool::BlockPool(const BlockPoolOptions& options)
     : num_blocks_(options.num_blocks),
       fences_(options.fences),
-      state_(num_blocks_, BlockState::kFree),
-      refs_(num_blocks_, 0),
-      generation_(num_blocks_, 0),
-      owner_(num_blocks_),
-      last_use_(num_blocks_, 0),
-      cache_held_(num_blocks_, 0),
-      in_flight_(num_blocks_, 0),
+      meta_(static_cast<size_t>(num_blocks_)),
       pending_(static_cast<size_t>(num_blocks_) * kMaxTimelines, 0),
       max_namespaces_(options.max_namespaces),
       namespaces_{kNoNamespace},
@@ -162,10 +156,10 @@ void BlockPool::RecycleNamespaces(std::span<const NamespaceSlot> slots) {
   if (!wrapped.empty()) {
     blocks_swept_ += static_cast<uint64_t>(num_blocks_);
     for (size_t i = 0; i < static_cast<size_t>(num_blocks_); ++i) {
-      const uint16_t owner = owner_[i].slot;
+      const uint16_t owner = meta_[i].owner.slot;
       if (owner >= wrapped.size() || !wrapped[owner]) continue;
-      KVPOOL_CHECK(state_[i] == BlockState::kFree);
-      owner_[i] = {.slot = kScrubOwner};
+      KVPOOL_CHECK(meta_[i].state == BlockState::kFree);
+      meta_[i].owner = {.slot = kScrubOwner};
     }
   }
   for (NamespaceSlot slot : slots) free_slots_.push_back(slot.value());
@@ -185,22 +179,22 @@ absl::Status BlockPool::AllocateError(int32_t n, NamespaceSlot slot) const {
 absl::Status BlockPool::Retain(BlockId block, const TraceContext& ctx, std::source_location site) {
   if (!Contains(block)) return NoSuchBlock(block, num_blocks_);
   const size_t i = Index(block);
-  const BlockState state = state_[i];
+  const BlockState state = meta_[i].state;
   if (state != BlockState::kActive && state != BlockState::kCached) {
     return absl::FailedPreconditionError(
         fmt::format("retain of block {} in state {}", block.value(), BlockStateName(state)));
   }
-  if (refs_[i] >= kMaxRefs) {
+  if (meta_[i].refs >= kMaxRefs) {
     return absl::FailedPreconditionError(
         fmt::format("reference count of block {} would saturate", block.value()));
   }
   if (state == BlockState::kCached) {
-    state_[i] = BlockState::kActive;
+    meta_[i].state = BlockState::kActive;
     --num_cached_;
-    AddActive(owner_[i].slot, 1);
+    AddActive(meta_[i].owner.slot, 1);
   }
-  ++refs_[i];
-  trace_.Record(block, BlockOp::kRetain, refs_[i], generation_[i], ctx, site);
+  ++meta_[i].refs;
+  trace_.Record(block, BlockOp::kRetain, meta_[i].refs, meta_[i].generation, ctx, site);
   return absl::OkStatus();
 }
 
@@ -208,31 +202,31 @@ absl::Status BlockPool::ReleaseSlow(BlockId block, const TraceContext& ctx,
                                     const std::source_location& site) {
   if (!Contains(block)) return NoSuchBlock(block, num_blocks_);
   const size_t i = Index(block);
-  if (state_[i] != BlockState::kActive) {
+  if (meta_[i].state != BlockState::kActive) {
     return ReportOverRelease(block, ctx, site,
-                             state_[i] == BlockState::kCached
+                             meta_[i].state == BlockState::kCached
                                  ? "only the prefix cache's reference is left"
                                  : "the block has no reference");
   }
   // A shared block lost one holder; with only the cache's reference left it becomes CACHED.
-  const uint32_t refs = --refs_[i];
-  last_use_[i] = ctx.time_ns;
-  if (refs == 1 && cache_held_[i]) {
-    state_[i] = BlockState::kCached;
+  const uint32_t refs = --meta_[i].refs;
+  meta_[i].last_use = ctx.time_ns;
+  if (refs == 1 && meta_[i].cache_held) {
+    meta_[i].state = BlockState::kCached;
     ++num_cached_;
-    AddActive(owner_[i].slot, -1);
+    AddActive(meta_[i].owner.slot, -1);
   }
-  trace_.Record(block, BlockOp::kRelease, refs, generation_[i], ctx, site);
+  trace_.Record(block, BlockOp::kRelease, refs, meta_[i].generation, ctx, site);
   return absl::OkStatus();
 }
 
 absl::Status BlockPool::AddCacheRefError(BlockId block) const {
   if (!Contains(block)) return NoSuchBlock(block, num_blocks_);
   const size_t i = Index(block);
-  if (state_[i] != BlockState::kActive || cache_held_[i]) {
-    return absl::FailedPreconditionError(
-        fmt::format("cache reference on block {} in state {}{}", block.value(),
-                    BlockStateName(state_[i]), cache_held_[i] ? " (already cache-held)" : ""));
+  if (meta_[i].state != BlockState::kActive || meta_[i].cache_held) {
+    return absl::FailedPreconditionError(fmt::format(
+        "cache reference on block {} in state {}{}", block.value(), BlockStateName(meta_[i].state),
+        meta_[i].cache_held ? " (already cache-held)" : ""));
   }
   return absl::FailedPreconditionError(
       fmt::format("reference count of block {} would saturate", block.value()));
@@ -242,18 +236,18 @@ absl::Status BlockPool::DropCacheRefSlow(BlockId block, const TraceContext& ctx,
                                          const std::source_location& site) {
   if (!Contains(block)) return NoSuchBlock(block, num_blocks_);
   const size_t i = Index(block);
-  if (!cache_held_[i]) {
+  if (!meta_[i].cache_held) {
     return absl::FailedPreconditionError(
         fmt::format("the prefix cache holds no reference on block {}", block.value()));
   }
-  cache_held_[i] = 0;
-  const uint32_t refs = --refs_[i];
+  meta_[i].cache_held = 0;
+  const uint32_t refs = --meta_[i].refs;
   if (refs == 0) {
     --num_cached_;
-    if (residency_on_) residency_.OnEvict(block, generation_[i], ctx.time_ns);
+    if (residency_on_) residency_.OnEvict(block, meta_[i].generation, ctx.time_ns);
     FreeOrRetire(block, ctx, site);
   } else {
-    trace_.Record(block, BlockOp::kCacheDrop, refs, generation_[i], ctx, site);
+    trace_.Record(block, BlockOp::kCacheDrop, refs, meta_[i].generation, ctx, site);
   }
   return absl::OkStatus();
 }
@@ -269,15 +263,15 @@ absl::Status BlockPool::MarkInFlight(BlockId block, Fence fence, const TraceCont
     return absl::FailedPreconditionError("the pool has no FenceObserver to track device work");
   }
   const size_t i = Index(block);
-  if (state_[i] != BlockState::kActive && state_[i] != BlockState::kCached) {
-    return absl::FailedPreconditionError(fmt::format("device work on block {} in state {}",
-                                                     block.value(), BlockStateName(state_[i])));
+  if (meta_[i].state != BlockState::kActive && meta_[i].state != BlockState::kCached) {
+    return absl::FailedPreconditionError(fmt::format(
+        "device work on block {} in state {}", block.value(), BlockStateName(meta_[i].state)));
   }
   if (fence.value == 0) return absl::OkStatus();
   uint64_t& pending = pending_[i * kMaxTimelines + fence.timeline];
   pending = std::max(pending, fence.value);
-  in_flight_[i] |= static_cast<uint8_t>(1u << fence.timeline);
-  trace_.Record(block, BlockOp::kInFlight, refs_[i], generation_[i], ctx, site);
+  meta_[i].in_flight |= static_cast<uint8_t>(1u << fence.timeline);
+  trace_.Record(block, BlockOp::kInFlight, meta_[i].refs, meta_[i].generation, ctx, site);
   return absl::OkStatus();
 }
 
@@ -290,9 +284,9 @@ int32_t BlockPool::ReclaimRetired(const TraceContext& ctx, std::source_location 
       retiring_[kept++] = block;
       continue;
     }
-    fence_wait_.Observe(static_cast<double>(ctx.time_ns - last_use_[Index(block)]) * 1e-9);
+    fence_wait_.Observe(static_cast<double>(ctx.time_ns - meta_[Index(block)].last_use) * 1e-9);
     PushFree(block);
-    trace_.Record(block, BlockOp::kReclaim, 0, generation_[Index(block)], ctx, site);
+    trace_.Record(block, BlockOp::kReclaim, 0, meta_[Index(block)].generation, ctx, site);
     ++reclaimed;
   }
   retiring_.resize(kept);
@@ -300,7 +294,7 @@ int32_t BlockPool::ReclaimRetired(const TraceContext& ctx, std::source_location 
 }
 
 bool BlockPool::PendingFencesPassed(size_t i) const {
-  const uint8_t mask = in_flight_[i];
+  const uint8_t mask = meta_[i].in_flight;
   for (uint32_t t = 0; t < kMaxTimelines; ++t) {
     if ((mask >> t & 1u) && !fences_->HasPassed(Fence{t, pending_[i * kMaxTimelines + t]})) {
       return false;
@@ -312,25 +306,25 @@ bool BlockPool::PendingFencesPassed(size_t i) const {
 void BlockPool::FreeOrRetire(BlockId block, const TraceContext& ctx,
                              const std::source_location& site) {
   const size_t i = Index(block);
-  last_use_[i] = ctx.time_ns;
-  if (in_flight_[i] != 0 && !FencesPassed(i)) {
+  meta_[i].last_use = ctx.time_ns;
+  if (meta_[i].in_flight != 0 && !FencesPassed(i)) {
     Retire(block, ctx, site);
     return;
   }
   PushFree(block);
-  trace_.Record(block, BlockOp::kFree, 0, generation_[i], ctx, site);
+  trace_.Record(block, BlockOp::kFree, 0, meta_[i].generation, ctx, site);
 }
 
 void BlockPool::Retire(BlockId block, const TraceContext& ctx, const std::source_location& site) {
   const size_t i = Index(block);
-  state_[i] = BlockState::kRetiring;
+  meta_[i].state = BlockState::kRetiring;
   retiring_.push_back(block);
   ++retired_;
-  trace_.Record(block, BlockOp::kRetire, 0, generation_[i], ctx, site);
+  trace_.Record(block, BlockOp::kRetire, 0, meta_[i].generation, ctx, site);
 }
 
 void BlockPool::ClearFences(size_t i) {
-  in_flight_[i] = 0;
+  meta_[i].in_flight = 0;
   std::fill_n(pending_.begin() + static_cast<ptrdiff_t>(i * kMaxTimelines), kMaxTimelines, 0);
 }
 
@@ -338,12 +332,12 @@ absl::Status BlockPool::ReportOverRelease(BlockId block, const TraceContext& ctx
                                           const std::source_location& site, std::string_view why) {
   const size_t i = Index(block);
   ++over_releases_;
-  trace_.Record(block, BlockOp::kOverRelease, refs_[i], generation_[i], ctx, site);
+  trace_.Record(block, BlockOp::kOverRelease, meta_[i].refs, meta_[i].generation, ctx, site);
   Logger("core").error("over-release of block {} (state {}, refs {}): {}; its history:\n{}",
-                       block.value(), BlockStateName(state_[i]), refs_[i], why,
+                       block.value(), BlockStateName(meta_[i].state), meta_[i].refs, why,
                        trace_.Format(block));
-  return absl::FailedPreconditionError(fmt::format("release of block {} in state {}: {}",
-                                                   block.value(), BlockStateName(state_[i]), why));
+  return absl::FailedPreconditionError(fmt::format(
+      "release of block {} in state {}: {}", block.value(), BlockStateName(meta_[i].state), why));
 }
 
 BlockPoolStats BlockPool::stats() const {
@@ -371,12 +365,12 @@ absl::Status BlockPool::CheckInvariants() const {
   std::vector<int32_t> held_by_ns(slots_books_.size(), 0);
   for (int32_t b = 0; b < num_blocks_; ++b) {
     const size_t i = static_cast<size_t>(b);
-    const BlockState state = state_[i];
+    const BlockState state = meta_[i].state;
     ++count[static_cast<int>(state)];
     // A block not FREE belongs to a registered namespace, at its slot's epoch. A FREE block may
     // remember no owner (0), kScrubOwner, or a slot at that slot's epoch or before it (recycled
     // since: then strictly before).
-    const OwnerTag tag = owner_[i];
+    const OwnerTag tag = meta_[i].owner;
     const uint16_t owner = tag.slot;
     const bool registered =
         owner != 0 && owner < namespaces_.size() && namespaces_[owner] != kNoNamespace;
@@ -398,25 +392,26 @@ absl::Status BlockPool::CheckInvariants() const {
     switch (state) {
       case BlockState::kFree:
       case BlockState::kRetiring:
-        if (refs_[i] != 0 || cache_held_[i]) {
+        if (meta_[i].refs != 0 || meta_[i].cache_held) {
           return InvariantViolation("block {} is {} with refs {}{}", b, BlockStateName(state),
-                                    refs_[i], cache_held_[i] ? " and a cache reference" : "");
+                                    meta_[i].refs,
+                                    meta_[i].cache_held ? " and a cache reference" : "");
         }
-        if (state == BlockState::kFree && in_flight_[i] != 0) {
+        if (state == BlockState::kFree && meta_[i].in_flight != 0) {
           return InvariantViolation("FREE block {} still has fences pending", b);
         }
         break;
       case BlockState::kActive:
-        if (refs_[i] == 0 || (refs_[i] == 1 && cache_held_[i])) {
-          return InvariantViolation("ACTIVE block {} has refs {}{}", b, refs_[i],
-                                    cache_held_[i] ? " (all of them the cache's)" : "");
+        if (meta_[i].refs == 0 || (meta_[i].refs == 1 && meta_[i].cache_held)) {
+          return InvariantViolation("ACTIVE block {} has refs {}{}", b, meta_[i].refs,
+                                    meta_[i].cache_held ? " (all of them the cache's)" : "");
         }
         ++active_by_ns[owner];
         break;
       case BlockState::kCached:
-        if (refs_[i] != 1 || !cache_held_[i]) {
-          return InvariantViolation("CACHED block {} has refs {}{}", b, refs_[i],
-                                    cache_held_[i] ? "" : " and no cache reference");
+        if (meta_[i].refs != 1 || !meta_[i].cache_held) {
+          return InvariantViolation("CACHED block {} has refs {}{}", b, meta_[i].refs,
+                                    meta_[i].cache_held ? "" : " and no cache reference");
         }
         break;
     }
@@ -456,9 +451,9 @@ absl::Status BlockPool::CheckLists(int32_t free, int32_t retiring) const {
       if (!Contains(block))
         return InvariantViolation("{} holds invalid block {}", name, block.value());
       if (seen[Index(block)]++) return InvariantViolation("block {} listed twice", block.value());
-      if (state_[Index(block)] != want) {
+      if (meta_[Index(block)].state != want) {
         return InvariantViolation("{} holds block {} in state {}", name, block.value(),
-                                  BlockStateName(state_[Index(block)]));
+                                  BlockStateName(meta_[Index(block)].state));
       }
     }
     return absl::OkStatus();
@@ -537,8 +532,8 @@ std::string BlockPool::DebugString() const {
     const size_t i = static_cast<size_t>(b);
     fmt::format_to(
         it, "{}:{} refs={} gen={} owner={}@{} cache={} inflight={} pending={}\n", b,
-        BlockStateName(state_[i]), refs_[i], generation_[i], owner_[i].slot, owner_[i].epoch,
-        cache_held_[i], in_flight_[i],
+        BlockStateName(meta_[i].state), meta_[i].refs, meta_[i].generation, meta_[i].owner.slot,
+        meta_[i].owner.epoch, meta_[i].cache_held, meta_[i].in_flight,
         fmt::join(pending_.begin() + static_cast<ptrdiff_t>(i * kMaxTimelines),
                   pending_.begin() + static_cast<ptrdiff_t>((i + 1) * kMaxTimelines), ","));
   }

@@ -42,14 +42,14 @@ int64_t BlockResidency::NextGap() {
 }
 
 void BlockResidency::Pick(std::span<const BlockId> blocks, const uint32_t* generations,
-                          int64_t now_ns) {
+                          size_t stride, int64_t now_ns) {
   const auto n = static_cast<int64_t>(blocks.size());
   int64_t k = countdown_ - 1;  // index in this call of the next pick
   while (k < n) {
     const BlockId block = blocks[static_cast<size_t>(k)];
     const auto i = static_cast<size_t>(block.value());
     samples_[block.value()] =
-        Sample{.generation = generations[i], .born_ns = now_ns, .last_access_ns = now_ns};
+        Sample{.generation = generations[i * stride], .born_ns = now_ns, .last_access_ns = now_ns};
     followed_[i] = 1;
     ++stats_.sampled;
     const int64_t gap = NextGap();

@@ -53,15 +53,16 @@ class BlockResidency final {
   // countdown compare). `seed` makes the picks reproducible.
   BlockResidency(int32_t num_blocks, double sample_rate, uint64_t seed);
 
-  // `blocks` were handed out at `now_ns`; `generations` is the pool's per-block array (already
-  // bumped for them).
-  void OnHandOut(std::span<const BlockId> blocks, const uint32_t* generations, int64_t now_ns) {
+  // `blocks` were handed out at `now_ns`; block b's generation (already bumped) is
+  // generations[b * stride] (the pool keeps it in a per-block record).
+  void OnHandOut(std::span<const BlockId> blocks, const uint32_t* generations, size_t stride,
+                 int64_t now_ns) {
     const auto n = static_cast<int64_t>(blocks.size());
     if (ABSL_PREDICT_TRUE(n < countdown_)) {
       countdown_ -= n;
       return;
     }
-    Pick(blocks, generations, now_ns);
+    Pick(blocks, generations, stride, now_ns);
   }
   // Whether any share is followed (sample_rate > 0).
   bool sampling() const { return sample_rate_ > 0; }
@@ -96,7 +97,8 @@ class BlockResidency final {
 
   // Hand-outs until the next pick: >= 1, or "never" when sample_rate is 0.
   int64_t NextGap();
-  void Pick(std::span<const BlockId> blocks, const uint32_t* generations, int64_t now_ns);
+  void Pick(std::span<const BlockId> blocks, const uint32_t* generations, size_t stride,
+            int64_t now_ns);
   void Access(BlockId block, uint32_t generation, int64_t now_ns);
   void Evict(BlockId block, uint32_t generation, int64_t now_ns);
   // The sample of `block` if it is of `generation`; a stale one (the block was handed out again

@@ -16,11 +16,11 @@ namespace kvpool {
 class BlockPoolTestPeer {
  public:
   static void SetRefs(BlockPool& pool, BlockId block, uint32_t refs) {
-    pool.refs_[static_cast<size_t>(block.value())] = refs;
+    pool.meta_[static_cast<size_t>(block.value())].refs = refs;
   }
   static void ListTwice(BlockPool& pool, BlockId block) { pool.free_list_.push_back(block); }
   static void SetOwner(BlockPool& pool, BlockId block, uint16_t slot, uint16_t epoch) {
-    pool.owner_[static_cast<size_t>(block.value())] = {.slot = slot, .epoch = epoch};
+    pool.meta_[static_cast<size_t>(block.value())].owner = {.slot = slot, .epoch = epoch};
   }
 };
 

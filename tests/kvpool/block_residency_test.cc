@@ -36,7 +36,7 @@ TEST(BlockResidencyTest, SamplesTheConfiguredShareOfHandOuts) {
     BlockResidency r(kBlocks, rate, /*seed=*/7);
     constexpr int64_t kHandOuts = 200'000;
     for (int64_t k = 0; k < kHandOuts / 8; ++k) {
-      r.OnHandOut(Ids(static_cast<int32_t>(k % 8) * 8, 8), generations.data(), 0);
+      r.OnHandOut(Ids(static_cast<int32_t>(k % 8) * 8, 8), generations.data(), 1, 0);
     }
     // Binomial(kHandOuts, rate): within 5 standard deviations.
     const double mean = kHandOuts * rate;
@@ -44,10 +44,10 @@ TEST(BlockResidencyTest, SamplesTheConfiguredShareOfHandOuts) {
     EXPECT_NEAR(static_cast<double>(r.stats().sampled), mean, 5 * sd) << rate;
   }
   BlockResidency none(kBlocks, 0, 7);
-  for (int k = 0; k < 1000; ++k) none.OnHandOut(Ids(0, 64), generations.data(), 0);
+  for (int k = 0; k < 1000; ++k) none.OnHandOut(Ids(0, 64), generations.data(), 1, 0);
   EXPECT_EQ(none.stats().sampled, 0u);
   BlockResidency all(kBlocks, 1, 7);
-  all.OnHandOut(Ids(0, 64), generations.data(), 0);
+  all.OnHandOut(Ids(0, 64), generations.data(), 1, 0);
   EXPECT_EQ(all.stats().sampled, 64u);
   EXPECT_EQ(all.followed(), 64u);
 }
@@ -57,9 +57,9 @@ TEST(BlockResidencyTest, TheSameSeedPicksTheSameBlocks) {
   BlockResidency a(16, 0.3, 42), b(16, 0.3, 42), c(16, 0.3, 43);
   std::vector<uint64_t> sa, sb, sc;
   for (int k = 0; k < 200; ++k) {
-    a.OnHandOut(Ids(k % 2 * 8, 8), generations.data(), 0);
-    b.OnHandOut(Ids(k % 2 * 8, 8), generations.data(), 0);
-    c.OnHandOut(Ids(k % 2 * 8, 8), generations.data(), 0);
+    a.OnHandOut(Ids(k % 2 * 8, 8), generations.data(), 1, 0);
+    b.OnHandOut(Ids(k % 2 * 8, 8), generations.data(), 1, 0);
+    c.OnHandOut(Ids(k % 2 * 8, 8), generations.data(), 1, 0);
     sa.push_back(a.stats().sampled);
     sb.push_back(b.stats().sampled);
     sc.push_back(c.stats().sampled);
@@ -71,7 +71,7 @@ TEST(BlockResidencyTest, TheSameSeedPicksTheSameBlocks) {
 TEST(BlockResidencyTest, ObservesLifetimeIdleAndReuseGapsAtEviction) {
   std::vector<uint32_t> generations(4, 1);
   BlockResidency r(4, 1, 1);
-  r.OnHandOut(Ids(0, 1), generations.data(), 0);
+  r.OnHandOut(Ids(0, 1), generations.data(), 1, 0);
   // Six accesses: only the last four are remembered (three gaps of 10 ms), as vLLM's deque.
   for (int64_t t : {100, 200, 300, 310, 320, 330}) r.OnAccess(BlockId(0), 1, t * kMs);
   r.OnEvict(BlockId(0), 1, 2330 * kMs);
@@ -89,7 +89,7 @@ TEST(BlockResidencyTest, ObservesLifetimeIdleAndReuseGapsAtEviction) {
 TEST(BlockResidencyTest, AStaleSampleIsForgottenNotObserved) {
   std::vector<uint32_t> generations(4, 1);
   BlockResidency r(4, 1, 1);
-  r.OnHandOut(Ids(0, 1), generations.data(), 0);
+  r.OnHandOut(Ids(0, 1), generations.data(), 1, 0);
   // The block went back uncached and was handed out again (generation 2) to someone unpicked.
   r.OnEvict(BlockId(0), 2, 5 * kMs);
   EXPECT_EQ(r.stats().lifetime.count(), 0u);
