@@ -27,9 +27,9 @@ using workload::kTraceBlockTokens;
 // key (the trace block's prefix hash id and the block's index inside it), handed out in a ring.
 struct Floor {
   int32_t block_size = 0;
-  std::unique_ptr<int32_t[], void (*)(int32_t*)> tokens{nullptr, nullptr};  // [slots][block_size]
-  std::vector<int64_t> key_of;   // by slot: the key it holds, or -1
-  std::vector<int64_t> slot_of;  // by key: the slot holding it, or -1
+  internal::LineAlignedTokens tokens;  // [slots][block_size]
+  std::vector<int64_t> key_of;         // by slot: the key it holds, or -1
+  std::vector<int64_t> slot_of;        // by key: the slot holding it, or -1
   // Keys are numbered densely as they first appear (outside the clock, like the tokens'
   // expansion), so that the timed lookups are array reads, not hashing.
   absl::flat_hash_map<uint64_t, int64_t> key_number;
@@ -78,11 +78,9 @@ absl::StatusOr<Run> MakeRun(const ReplayOptions& options, int64_t all_blocks, in
     auto floor = std::make_unique<Floor>();
     floor->block_size = options.block_size;
     const size_t tokens = static_cast<size_t>(num_blocks) * static_cast<size_t>(options.block_size);
-    floor->tokens = {
-        static_cast<int32_t*>(::operator new[](tokens * sizeof(int32_t), std::align_val_t{64})),
-        [](int32_t* p) { ::operator delete[](p, std::align_val_t{64}); }};
-    std::fill_n(floor->tokens.get(), tokens, 0);  // touched once, as the pool's array is
+    floor->tokens = internal::MakeLineAlignedTokens(tokens);  // as the pool's array is
     floor->key_of.assign(static_cast<size_t>(num_blocks), -1);
+    // It keeps no other per-block state its stores compete with: its tokens alone decide.
     floor->stream =
         static_cast<int64_t>(tokens * sizeof(int32_t)) > internal::TokenStreamThreshold();
     run.floor = std::move(floor);

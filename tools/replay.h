@@ -40,10 +40,11 @@ struct ReplayOptions {
   // served beside the others request by request. Per request it does the copies and compares any
   // such cache does and nothing else: the prompt copied into the sequence, each cached block's
   // tokens compared with the prompt's, each new full block's tokens written to a slot of a token
-  // array of the pool's size (non-temporal stores past TokenStreamThreshold, as kvpool's tree).
+  // array of the pool's size (non-temporal stores once that array is past TokenStreamThreshold).
   // No tree, reference counts, locks or eviction policy: blocks are found by the trace's own
-  // prefix hash ids (an oracle no cache has) in a hash map, and evicted first in, first out; a
-  // partial last block is not kept. policy and host_blocks are ignored.
+  // prefix hash ids (an oracle no cache has), numbered densely outside the clock so that each
+  // lookup is an array read, and evicted first in, first out; a partial last block is not kept.
+  // policy and host_blocks are ignored.
   bool memory_floor = false;
 };
 

@@ -13,18 +13,11 @@ namespace kvpool::internal {
 
 RunTree::RunTree(int32_t block_size, int32_t num_blocks, int64_t stream_over_bytes)
     : block_size_(block_size),
-      stream_tokens_(int64_t{num_blocks} * block_size * int64_t{sizeof(int32_t)} >
-                     stream_over_bytes),
+      stream_tokens_(TokenWorkingSet(block_size, num_blocks) > stream_over_bytes),
       places_(static_cast<size_t>(num_blocks)),
-      tokens_(static_cast<int32_t*>(::operator new[](
-          static_cast<size_t>(num_blocks) * static_cast<size_t>(block_size) * sizeof(int32_t),
-          std::align_val_t{64}))) {
-  // Touched now, not at each page's first publish: that page fault would land inside a caller's
-  // Commit, under the cache's lock (on a fresh cache, a fifth of kvpool-replay's timed work at
-  // block size 512). Four bytes per token of the pool, far below its KV bytes per token.
-  std::memset(tokens_.get(), 0,
-              static_cast<size_t>(num_blocks) * static_cast<size_t>(block_size) * sizeof(int32_t));
-}
+      // Four bytes per token of the pool, far below its KV bytes per token.
+      tokens_(MakeLineAlignedTokens(static_cast<size_t>(num_blocks) *
+                                    static_cast<size_t>(block_size))) {}
 
 NodeIndex RunTree::Root(NamespaceId ns) const {
   auto it = roots_.find(ns);

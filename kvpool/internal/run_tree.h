@@ -48,9 +48,9 @@ struct RunTreeStats {
 
 class RunTree final {
  public:
-  // REQUIRES: block_size > 0, num_blocks > 0. A tree whose token array (num_blocks x block_size
-  // tokens) is larger than `stream_over_bytes` publishes runs with non-temporal stores
-  // (StreamBlockTokens).
+  // REQUIRES: block_size > 0, num_blocks > 0. A tree whose working set (TokenWorkingSet: its
+  // token array and the blocks' bookkeeping) is larger than `stream_over_bytes` publishes runs
+  // with non-temporal stores (StreamBlockTokens).
   RunTree(int32_t block_size, int32_t num_blocks,
           int64_t stream_over_bytes = TokenStreamThreshold());
 
@@ -270,11 +270,7 @@ class RunTree final {
   const int32_t block_size_;
   const bool stream_tokens_;
   std::vector<Place> places_;  // by BlockId
-  // Line-aligned, so that a block of whole lines streams into its slot (StreamBlockTokens).
-  struct FreeAligned {
-    void operator()(int32_t* p) const { ::operator delete[](p, std::align_val_t{64}); }
-  };
-  std::unique_ptr<int32_t[], FreeAligned> tokens_;  // [num_blocks][block_size], by BlockId
+  LineAlignedTokens tokens_;   // [num_blocks][block_size], by BlockId
   std::vector<Node> nodes_;
   std::vector<std::vector<BlockId>> runs_;  // by node: its blocks, first to last
   std::vector<NodeIndex> chain_prev_;       // children of a wide parent: the first-token chain

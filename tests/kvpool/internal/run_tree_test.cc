@@ -180,15 +180,21 @@ struct ModelBlock {
   std::vector<int32_t> tokens;
 };
 
-// A tree publishes a run's tokens with non-temporal stores only when its token array outgrows
-// the threshold (about twice the core's L2: below it the array stays cached). Both ways store the
-// same tokens, line-sized blocks (which stream) or not.
+// A tree publishes a run's tokens with non-temporal stores only when its working set (tokens and
+// the blocks' bookkeeping) outgrows the threshold (about twice the core's L2: below it the array
+// stays cached). Both ways store the same tokens, line-sized blocks (which stream) or not.
 TEST(RunTreeTokensTest, StreamedAndPlainStoresHoldTheSameTokens) {
   EXPECT_FALSE(RunTree(16, 64).streams_tokens());
   const int64_t threshold = TokenStreamThreshold();
   EXPECT_GT(threshold, 0);
-  EXPECT_FALSE(RunTree(16, static_cast<int32_t>(threshold / 64)).streams_tokens());  // == it
-  EXPECT_TRUE(RunTree(16, static_cast<int32_t>(threshold / 64) + 1).streams_tokens());
+  // 16-token blocks: 64 bytes of tokens and kBlockBookkeepingBytes each.
+  const int64_t per_block = 64 + kBlockBookkeepingBytes;
+  EXPECT_FALSE(RunTree(16, static_cast<int32_t>(threshold / per_block)).streams_tokens());  // <= it
+  EXPECT_TRUE(RunTree(16, static_cast<int32_t>(threshold / per_block) + 1).streams_tokens());
+  // The bookkeeping counts: a tree whose tokens alone are under the threshold streams.
+  EXPECT_LT(TokenWorkingSet(16, static_cast<int32_t>(threshold / per_block) + 1) -
+                (threshold / per_block + 1) * kBlockBookkeepingBytes,
+            threshold);
   for (const int32_t bs : {16, 20, 512}) {  // whole lines, not, many lines
     RunTree streamed(bs, 8, /*stream_over_bytes=*/0);
     RunTree plain(bs, 8, /*stream_over_bytes=*/int64_t{1} << 40);
