@@ -176,26 +176,15 @@ absl::Status BlockPool::AllocateError(int32_t n, NamespaceSlot slot) const {
   return ResourceExhausted(Resource::kPoolBlocks, n - num_free(), "allocate");
 }
 
-absl::Status BlockPool::Retain(BlockId block, const TraceContext& ctx, std::source_location site) {
+absl::Status BlockPool::RetainError(BlockId block) const {
   if (!Contains(block)) return NoSuchBlock(block, num_blocks_);
-  const size_t i = Index(block);
-  const BlockState state = meta_[i].state;
-  if (state != BlockState::kActive && state != BlockState::kCached) {
+  const Meta& m = meta_[Index(block)];
+  if (m.state != BlockState::kActive && m.state != BlockState::kCached) {
     return absl::FailedPreconditionError(
-        fmt::format("retain of block {} in state {}", block.value(), BlockStateName(state)));
+        fmt::format("retain of block {} in state {}", block.value(), BlockStateName(m.state)));
   }
-  if (meta_[i].refs >= kMaxRefs) {
-    return absl::FailedPreconditionError(
-        fmt::format("reference count of block {} would saturate", block.value()));
-  }
-  if (state == BlockState::kCached) {
-    meta_[i].state = BlockState::kActive;
-    --num_cached_;
-    AddActive(meta_[i].owner.slot, 1);
-  }
-  ++meta_[i].refs;
-  trace_.Record(block, BlockOp::kRetain, meta_[i].refs, meta_[i].generation, ctx, site);
-  return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      fmt::format("reference count of block {} would saturate", block.value()));
 }
 
 absl::Status BlockPool::ReleaseSlow(BlockId block, const TraceContext& ctx,

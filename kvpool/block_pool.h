@@ -44,6 +44,7 @@
 #include <string_view>
 #include <vector>
 
+#include "absl/base/attributes.h"
 #include "absl/base/optimization.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
@@ -175,6 +176,7 @@ class BlockPool final {
   // Takes one more reference. CACHED becomes ACTIVE.
   // Errors: NOT_FOUND (no such block), FAILED_PRECONDITION (FREE or RETIRING block, or the count
   // would saturate). On error nothing has changed.
+  // Inline: a prefix hit retains every block it adopts.
   absl::Status Retain(BlockId block, const TraceContext& ctx,
                       std::source_location site = std::source_location::current());
 
@@ -306,6 +308,8 @@ class BlockPool final {
   static size_t Index(BlockId block) { return static_cast<size_t>(block.value()); }
   bool FencesPassed(size_t i) const { return meta_[i].in_flight == 0 || PendingFencesPassed(i); }
   bool PendingFencesPassed(size_t i) const;
+  // The error Retain() returns when its check fails.
+  absl::Status RetainError(BlockId block) const;
   // The error Allocate() returns when its fast-path check fails.
   absl::Status AllocateError(int32_t n, NamespaceSlot slot) const;
   // AddCacheRef() and DropCacheRef() where the fast path does not apply: errors, or (a drop) a
@@ -452,8 +456,11 @@ inline absl::Status BlockPool::Allocate(int32_t n, NamespaceSlot slot, const Tra
   return absl::OkStatus();
 }
 
-inline absl::Status BlockPool::Release(BlockId block, const TraceContext& ctx,
-                                       std::source_location site) {
+// Always inlined: the compiler otherwise calls it from PrefixCache::ReleasePath, once per block
+// of every finished prompt.
+ABSL_ATTRIBUTE_ALWAYS_INLINE inline absl::Status BlockPool::Release(BlockId block,
+                                                                    const TraceContext& ctx,
+                                                                    std::source_location site) {
   // Fast path: the last reference of an ACTIVE block with no device work in flight.
   if (ABSL_PREDICT_TRUE(Contains(block))) {
     Meta& m = meta_[Index(block)];
@@ -488,6 +495,25 @@ inline absl::Status BlockPool::Release(BlockId block, const TraceContext& ctx,
     }
   }
   return ReleaseSlow(block, ctx, site);
+}
+
+inline absl::Status BlockPool::Retain(BlockId block, const TraceContext& ctx,
+                                      std::source_location site) {
+  if (ABSL_PREDICT_TRUE(Contains(block))) {
+    Meta& m = meta_[Index(block)];
+    const bool held = m.state == BlockState::kActive || m.state == BlockState::kCached;
+    if (ABSL_PREDICT_TRUE(held && m.refs < kMaxRefs)) {
+      if (m.state == BlockState::kCached) {
+        m.state = BlockState::kActive;
+        --num_cached_;
+        AddActive(m.owner.slot, 1);
+      }
+      const uint32_t refs = ++m.refs;
+      trace_.Record(block, BlockOp::kRetain, refs, m.generation, ctx, site);
+      return absl::OkStatus();
+    }
+  }
+  return RetainError(block);
 }
 
 inline absl::Status BlockPool::AddCacheRef(BlockId block, const TraceContext& ctx,
