@@ -944,7 +944,7 @@ absl::Status KvCacheManager::PlanAllocate(const AllocateRequest& r, AllocateTall
   // (shared, or copied when the sequence will write into it).
   const int64_t from_match =
       static_cast<int64_t>(p->match.full.size()) + (p->match.partial != kInvalidBlock ? 1 : 0);
-  std::vector<BlockId> matched = p->match.full;  // blocks the sequence will hold by reference
+  BlockId shared_partial = kInvalidBlock;  // held by reference beside the full blocks
   if (p->match.partial != kInvalidBlock) {
     const BlockId block = p->match.partial;
     // Sharing it is enough unless the sequence will write into it: then it must write alone
@@ -956,7 +956,7 @@ absl::Status KvCacheManager::PlanAllocate(const AllocateRequest& r, AllocateTall
     }
     if (!p->copy_partial) {
       Claim(&tally->joined, block);
-      matched.push_back(block);
+      shared_partial = block;
     }
     tally->keep.push_back(p->match.partial);
   }
@@ -966,7 +966,7 @@ absl::Status KvCacheManager::PlanAllocate(const AllocateRequest& r, AllocateTall
   // repeat one, so only they are searched (a whole-list search is quadratic in a long match).
   std::vector<BlockId>& adopted = tally->adopted;
   const auto adopted_before = static_cast<ptrdiff_t>(adopted.size());
-  for (BlockId block : matched) {
+  auto charge = [&](BlockId block) {
     // A CACHED block becomes ACTIVE: charged, unless a pin held (and charged) it already.
     if (pool_->state(block) == BlockState::kCached && !cache_->pin_held(block) &&
         std::find(adopted.begin(), adopted.begin() + adopted_before, block) ==
@@ -974,7 +974,9 @@ absl::Status KvCacheManager::PlanAllocate(const AllocateRequest& r, AllocateTall
       adopted.push_back(block);
       ++charged;
     }
-  }
+  };
+  for (BlockId block : p->match.full) charge(block);
+  if (shared_partial != kInvalidBlock) charge(shared_partial);
   p->new_blocks = static_cast<int32_t>(need - from_match);
   const int64_t fresh = p->new_blocks + (p->copy_partial ? 1 : 0);
   tally->blocks += fresh;
