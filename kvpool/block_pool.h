@@ -1,6 +1,6 @@
 #pragma once
 
-// BlockPool: the blocks of one KV pool as dense ids over struct-of-arrays metadata (DESIGN.md §4).
+// BlockPool: the blocks of one KV pool as dense ids over per-block metadata records (DESIGN.md §4).
 //
 // Every block is in exactly one state:
 //   FREE      refs == 0, on the free list (exactly once)
