@@ -85,18 +85,22 @@ inline int64_t TokenStreamThreshold() {
 
 // What each pool block keeps beside its tokens that every publish and eviction touches, and that
 // competes with the tokens for the same cache: the pool's record (24 bytes), the cache's entry
-// (32), the tree's place (16), the chained hash (16), the run and list links. At 16-token blocks
-// (64 bytes of tokens) it is most of the working set: 1,000 512-token blocks of 16-token blocks
-// hold 2 MB of tokens beside about 4 MB of it, and kvpool-replay ran 1.06-1.09x faster streamed
-// (conversation and synthetic traces, 12-16 alternating rounds, same EPYC). At 512-token blocks
-// it changes nothing measurable.
+// (32), the tree's place (16), the chained hash (16), the run and list links.
 inline constexpr int64_t kBlockBookkeepingBytes = 128;
 
-// The bytes a tree of `num_blocks` blocks of `block_size` tokens works over, tokens and
-// bookkeeping: it streams its tokens when this is past TokenStreamThreshold().
+// The bytes a tree of `num_blocks` blocks of `block_size` tokens works over: it streams its tokens
+// when this is past TokenStreamThreshold(). The bookkeeping counts for blocks whose tokens are no
+// larger than it. There it is most of the working set, and each slot is a line or two whose plain
+// store is an isolated read miss: 1,000 512-token blocks' worth of 16-token blocks (2 MB of
+// tokens, about 4 MB of bookkeeping) ran 1.06-1.09x streamed (kvpool-replay, both traces, 12-16
+// alternating rounds, EPYC with a 1 MiB L2). A larger block's slot is a run of lines the
+// prefetcher reads ahead of plain stores, and its bookkeeping a small share (6 % at 512 tokens):
+// counted, it tipped 1,000 512-token blocks (2 MB of tokens, just under the threshold on that
+// L2) into streaming, at 0.80-0.88x.
 inline int64_t TokenWorkingSet(int32_t block_size, int32_t num_blocks) {
-  return int64_t{num_blocks} *
-         (int64_t{block_size} * int64_t{sizeof(int32_t)} + kBlockBookkeepingBytes);
+  const int64_t token_bytes = int64_t{block_size} * int64_t{sizeof(int32_t)};
+  const int64_t bookkeeping = token_bytes <= kBlockBookkeepingBytes ? kBlockBookkeepingBytes : 0;
+  return int64_t{num_blocks} * (token_bytes + bookkeeping);
 }
 
 // A token array of `n` tokens, cache-line aligned so that a block of whole lines streams into its

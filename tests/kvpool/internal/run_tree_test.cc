@@ -180,9 +180,9 @@ struct ModelBlock {
   std::vector<int32_t> tokens;
 };
 
-// A tree publishes a run's tokens with non-temporal stores only when its working set (tokens and
-// the blocks' bookkeeping) outgrows the threshold (about twice the core's L2: below it the array
-// stays cached). Both ways store the same tokens, line-sized blocks (which stream) or not.
+// A tree publishes a run's tokens with non-temporal stores only when its working set (its tokens,
+// and small blocks' bookkeeping) outgrows the threshold (about twice the core's L2: below it the
+// array stays cached). Both ways store the same tokens, line-sized blocks (which stream) or not.
 TEST(RunTreeTokensTest, StreamedAndPlainStoresHoldTheSameTokens) {
   EXPECT_FALSE(RunTree(16, 64).streams_tokens());
   const int64_t threshold = TokenStreamThreshold();
@@ -191,6 +191,9 @@ TEST(RunTreeTokensTest, StreamedAndPlainStoresHoldTheSameTokens) {
   const int64_t per_block = 64 + kBlockBookkeepingBytes;
   EXPECT_FALSE(RunTree(16, static_cast<int32_t>(threshold / per_block)).streams_tokens());  // <= it
   EXPECT_TRUE(RunTree(16, static_cast<int32_t>(threshold / per_block) + 1).streams_tokens());
+  // 512-token blocks: their tokens alone decide.
+  EXPECT_FALSE(RunTree(512, static_cast<int32_t>(threshold / 2048)).streams_tokens());
+  EXPECT_TRUE(RunTree(512, static_cast<int32_t>(threshold / 2048) + 1).streams_tokens());
   // The bookkeeping counts: a tree whose tokens alone are under the threshold streams.
   EXPECT_LT(TokenWorkingSet(16, static_cast<int32_t>(threshold / per_block) + 1) -
                 (threshold / per_block + 1) * kBlockBookkeepingBytes,
