@@ -944,7 +944,6 @@ absl::Status KvCacheManager::PlanAllocate(const AllocateRequest& r, AllocateTall
   // (shared, or copied when the sequence will write into it).
   const int64_t from_match =
       static_cast<int64_t>(p->match.full.size()) + (p->match.partial != kInvalidBlock ? 1 : 0);
-  BlockId shared_partial = kInvalidBlock;  // held by reference beside the full blocks
   if (p->match.partial != kInvalidBlock) {
     const BlockId block = p->match.partial;
     // Sharing it is enough unless the sequence will write into it: then it must write alone
@@ -954,10 +953,7 @@ absl::Status KvCacheManager::PlanAllocate(const AllocateRequest& r, AllocateTall
       for (const auto& [b, n] : tally->joined) earlier += b == block ? n : 0;
       p->copy_partial = MustCopy(block, p->match.partial_tokens, pool_->refs(block) - 1 + earlier);
     }
-    if (!p->copy_partial) {
-      Claim(&tally->joined, block);
-      shared_partial = block;
-    }
+    if (!p->copy_partial) Claim(&tally->joined, block);
     tally->keep.push_back(p->match.partial);
   }
   tally->keep.insert(tally->keep.end(), p->match.full.begin(), p->match.full.end());
@@ -975,8 +971,8 @@ absl::Status KvCacheManager::PlanAllocate(const AllocateRequest& r, AllocateTall
       ++charged;
     }
   };
-  for (BlockId block : p->match.full) charge(block);
-  if (shared_partial != kInvalidBlock) charge(shared_partial);
+  for (BlockId block : p->match.full) charge(block);  // the blocks held by reference
+  if (p->match.partial != kInvalidBlock && !p->copy_partial) charge(p->match.partial);
   p->new_blocks = static_cast<int32_t>(need - from_match);
   const int64_t fresh = p->new_blocks + (p->copy_partial ? 1 : 0);
   tally->blocks += fresh;
