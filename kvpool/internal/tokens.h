@@ -93,10 +93,10 @@ inline constexpr int64_t kBlockBookkeepingBytes = 128;
 // larger than it. There it is most of the working set, and each slot is a line or two whose plain
 // store is an isolated read miss: 1,000 512-token blocks' worth of 16-token blocks (2 MB of
 // tokens, about 4 MB of bookkeeping) ran 1.06-1.09x streamed (kvpool-replay, both traces, 12-16
-// alternating rounds, EPYC with a 1 MiB L2). A larger block's slot is a run of lines the
-// prefetcher reads ahead of plain stores, and its bookkeeping a small share (6 % at 512 tokens):
-// counted, it tipped 1,000 512-token blocks (2 MB of tokens, just under the threshold on that
-// L2) into streaming, at 0.80-0.88x.
+// alternating rounds, an EPYC whose getconf LEVEL2_CACHE_SIZE is 1 MiB, so the threshold is
+// 2 MiB). A larger block's slot is a run of lines the prefetcher reads ahead of plain stores, and
+// its bookkeeping a small share (6 % at 512 tokens): counted, it tipped 1,000 512-token blocks (2
+// MB of tokens, just under the 2 MiB threshold) into streaming, at 0.80-0.88x.
 inline int64_t TokenWorkingSet(int32_t block_size, int32_t num_blocks) {
   const int64_t token_bytes = int64_t{block_size} * int64_t{sizeof(int32_t)};
   const int64_t bookkeeping = token_bytes <= kBlockBookkeepingBytes ? kBlockBookkeepingBytes : 0;
