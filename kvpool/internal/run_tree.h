@@ -49,7 +49,7 @@ struct RunTreeStats {
 class RunTree final {
  public:
   // REQUIRES: block_size > 0, num_blocks > 0. A tree whose working set (TokenWorkingSet: its
-  // token array and the blocks' bookkeeping) is larger than `stream_over_bytes` publishes runs
+  // token array, and small blocks' bookkeeping) is larger than `stream_over_bytes` publishes runs
   // with non-temporal stores (StreamBlockTokens).
   RunTree(int32_t block_size, int32_t num_blocks,
           int64_t stream_over_bytes = TokenStreamThreshold());
